@@ -1,0 +1,323 @@
+//! env-runner: steps `env_runner.num_envs` environments together, asks the
+//! inference servers for actions (NATS request-reply), and ships rollout
+//! fragments of `env_runner.fragment_steps` vector steps, tagged with the
+//! oldest policy version that acted in them, to the replay buffer. Finished
+//! episodes are published for the tracker. Any number of copies can run;
+//! each seeds its envs from the run seed and its instance name.
+//!
+//! Backpressure: a fragment refused because the buffer is full is retried
+//! after the delay the buffer asks for, and stepping waits meanwhile. At
+//! most one insert is in flight while the next fragment is collected.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
+use relay_envs::{ActionSpace, VecActions, VecEnv};
+use relay_kit::{counter, gauge, RequestError, Service, ServiceConfig, ServiceError, Shutdown};
+use relay_proto::{
+    ActReply, ActRequest, DType, EpisodeReport, EpisodeSummary, InsertAck, RolloutFragment,
+    Tensor, SCHEMA_VERSION,
+};
+
+struct Metrics {
+    env_steps: IntCounter,
+    vec_steps: IntCounter,
+    episodes: IntCounter,
+    act_latency: Histogram,
+    fragments: IntCounterVec,
+    backpressure_waits: IntCounter,
+}
+
+impl Metrics {
+    fn register(registry: &prometheus::Registry) -> Self {
+        let env_steps = IntCounter::new("relay_env_steps_total", "Env steps taken by this env-runner.").unwrap();
+        let vec_steps = IntCounter::new("relay_vec_steps_total", "Vector steps taken by this env-runner.").unwrap();
+        let episodes = IntCounter::new("relay_episodes_total", "Episodes finished by this env-runner.").unwrap();
+        let act_latency = Histogram::with_opts(
+            HistogramOpts::new("relay_env_runner_act_latency_seconds", "Round trip of one act request.")
+                .buckets(vec![1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0]),
+        )
+        .unwrap();
+        let fragments = IntCounterVec::new(
+            Opts::new("relay_env_runner_fragments_total", "Rollout fragments by outcome (stored, stale, rejected)."),
+            &["outcome"],
+        )
+        .unwrap();
+        let backpressure_waits = IntCounter::new("relay_env_runner_backpressure_waits_total", "Inserts refused because the replay buffer was full.").unwrap();
+        for c in [
+            Box::new(env_steps.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(vec_steps.clone()),
+            Box::new(episodes.clone()),
+            Box::new(act_latency.clone()),
+            Box::new(fragments.clone()),
+            Box::new(backpressure_waits.clone()),
+        ] {
+            registry.register(c).expect("register env-runner metric");
+        }
+        Self { env_steps, vec_steps, episodes, act_latency, fragments, backpressure_waits }
+    }
+}
+
+/// Columns of one fragment being collected.
+struct FragmentBuilder {
+    obs: Vec<f32>,
+    actions_i64: Vec<i64>,
+    actions_f32: Vec<f32>,
+    logprobs: Vec<f32>,
+    values: Vec<f32>,
+    rewards: Vec<f32>,
+    terminated: Vec<bool>,
+    truncated: Vec<bool>,
+    final_obs: Vec<f32>,
+    min_version: u64,
+    steps: usize,
+}
+
+impl FragmentBuilder {
+    fn new() -> Self {
+        Self {
+            obs: Vec::new(),
+            actions_i64: Vec::new(),
+            actions_f32: Vec::new(),
+            logprobs: Vec::new(),
+            values: Vec::new(),
+            rewards: Vec::new(),
+            terminated: Vec::new(),
+            truncated: Vec::new(),
+            final_obs: Vec::new(),
+            min_version: u64::MAX,
+            steps: 0,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish(&mut self, runner_id: &str, env_id: &str, n: usize, obs_dim: usize, action_dim: Option<usize>, next_obs: &[f32]) -> RolloutFragment {
+        let t = self.steps;
+        let actions = match action_dim {
+            None => Tensor::from_i64(&[t, n], &self.actions_i64),
+            Some(a) => Tensor::from_f32(&[t, n, a], &self.actions_f32),
+        };
+        let fragment = RolloutFragment {
+            schema: SCHEMA_VERSION,
+            runner_id: runner_id.to_string(),
+            env_id: env_id.to_string(),
+            policy_version: self.min_version,
+            num_steps: t as u32,
+            num_envs: n as u32,
+            obs: Tensor::from_f32(&[t, n, obs_dim], &self.obs),
+            actions,
+            logprobs: Tensor::from_f32(&[t, n], &self.logprobs),
+            values: Tensor::from_f32(&[t, n], &self.values),
+            rewards: Tensor::from_f32(&[t, n], &self.rewards),
+            terminated: Tensor::from_bool(&[t, n], &self.terminated),
+            truncated: Tensor::from_bool(&[t, n], &self.truncated),
+            next_obs: Tensor::from_f32(&[n, obs_dim], next_obs),
+            final_obs: Tensor::from_f32(&[self.final_obs.len() / obs_dim, obs_dim], &self.final_obs),
+        };
+        *self = Self::new();
+        fragment
+    }
+}
+
+/// Derives this copy's env seed from the run seed and its instance name, so
+/// that copies do not replay each other's episodes.
+fn runner_seed(seed: u64, instance: &str) -> u64 {
+    instance.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x1000_0000_01b3))
+}
+
+/// Checks an act reply against the request size and the action space.
+fn check_reply(reply: &ActReply, n: usize, space: &ActionSpace) -> Result<(), String> {
+    match space {
+        ActionSpace::Discrete { n: actions } => {
+            reply.actions.expect(DType::I64, &[Some(n)]).map_err(|e| e.to_string())?;
+            let values = reply.actions.to_i64().map_err(|e| e.to_string())?;
+            if let Some(a) = values.iter().find(|&&a| a < 0 || a as usize >= *actions) {
+                return Err(format!("action {a} outside Discrete({actions})"));
+            }
+        }
+        ActionSpace::Box { low, .. } => {
+            reply.actions.expect(DType::F32, &[Some(n), Some(low.len())]).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs the env-runner until shutdown.
+pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
+    let service = Service::start("env-runner", config, shutdown.clone()).await?;
+    let cfg = service.config.clone();
+    let metrics = Metrics::register(&service.registry);
+    let n = cfg.env_runner.num_envs;
+    let mut envs = VecEnv::new(&cfg.run.env_id, n, runner_seed(cfg.run.seed, &service.instance))
+        .map_err(|e| ServiceError::other(format!("run.env_id: {e}")))?;
+    let spec = envs.spec().clone();
+    let obs_dim = envs.obs_dim();
+    let action_dim = (!spec.action_space.is_discrete()).then(|| spec.action_space.dim());
+    let (low, high) = match &spec.action_space {
+        ActionSpace::Box { low, high } => (low.clone(), high.clone()),
+        ActionSpace::Discrete { .. } => (Vec::new(), Vec::new()),
+    };
+    let mut obs = envs.reset().map_err(ServiceError::other)?.to_vec();
+    let timeout = service.request_timeout();
+    let act_subject = service.subjects.act();
+    let mut fragment = FragmentBuilder::new();
+    let mut pending_insert: Option<tokio::task::JoinHandle<()>> = None;
+    let mut episodes: Vec<EpisodeSummary> = Vec::new();
+    let mut recent_returns: VecDeque<f64> = VecDeque::with_capacity(100);
+    let mut last_version: u64;
+    let mut report_at = Instant::now() + Duration::from_secs(1);
+    let (mut reported_env, mut reported_vec, mut reported_eps) = (0u64, 0u64, 0u64);
+    let mut sps_window = (Instant::now(), 0u64);
+    let mut clipped = vec![0f32; action_dim.unwrap_or(0) * n];
+    service.health.set_ready(true);
+
+    'outer: while !shutdown.is_triggered() {
+        // Ask for actions, retrying while no inference server (or no weights) is there.
+        let request = ActRequest::new(Tensor::from_f32(&[n, obs_dim], &obs), false);
+        let mut backoff = Duration::from_millis(10);
+        let reply: ActReply = loop {
+            let sent = Instant::now();
+            match relay_kit::request::<_, ActReply>(&service.nats, &act_subject, &request, timeout).await {
+                Ok(reply) => match check_reply(&reply, n, &spec.action_space) {
+                    Ok(()) => {
+                        metrics.act_latency.observe(sent.elapsed().as_secs_f64());
+                        break reply;
+                    }
+                    Err(detail) => service.intake.reject("act.reply", &relay_proto::Rejection::Invalid { kind: "ActReply", field: "actions", detail }),
+                },
+                Err(RequestError::BadReply { source, .. }) => service.intake.reject("act.reply", &source),
+                Err(e) => tracing::debug!(error = %e, "act request failed; retrying"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = shutdown.wait() => break 'outer,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        };
+        last_version = reply.policy_version;
+        fragment.min_version = fragment.min_version.min(reply.policy_version);
+        fragment.obs.extend_from_slice(&obs);
+        fragment.logprobs.extend(reply.logprobs.to_f32().expect("checked by decode"));
+        fragment.values.extend(reply.values.to_f32().expect("checked by decode"));
+        let step = match action_dim {
+            None => {
+                let actions = reply.actions.to_i64().expect("checked above");
+                fragment.actions_i64.extend_from_slice(&actions);
+                envs.step(VecActions::Discrete(&actions))
+            }
+            Some(dim) => {
+                let actions = reply.actions.to_f32().expect("checked above");
+                fragment.actions_f32.extend_from_slice(&actions);
+                // The policy samples unbounded Gaussian actions; the env gets them clipped.
+                for (i, (c, a)) in clipped.iter_mut().zip(&actions).enumerate() {
+                    *c = a.clamp(low[i % dim], high[i % dim]);
+                }
+                envs.step(VecActions::Continuous(&clipped))
+            }
+        }
+        .map_err(ServiceError::other)?;
+        fragment.rewards.extend(step.rewards.iter().map(|&r| r as f32));
+        fragment.terminated.extend_from_slice(&step.terminated);
+        fragment.truncated.extend_from_slice(&step.truncated);
+        for i in 0..n {
+            if step.truncated[i] && !step.terminated[i] {
+                fragment.final_obs.extend_from_slice(step.final_obs(i).expect("episode ended"));
+            }
+        }
+        for e in &step.finished {
+            episodes.push(EpisodeSummary { episode_return: e.episode_return, length: e.length, terminated: e.terminated });
+            if recent_returns.len() == 100 {
+                recent_returns.pop_front();
+            }
+            recent_returns.push_back(e.episode_return);
+        }
+        metrics.episodes.inc_by(step.finished.len() as u64);
+        obs.copy_from_slice(&step.obs);
+        fragment.steps += 1;
+        metrics.vec_steps.inc();
+        metrics.env_steps.inc_by(n as u64);
+
+        if fragment.steps == cfg.env_runner.fragment_steps {
+            let message = fragment.finish(&service.instance, spec.id, n, obs_dim, action_dim, &obs);
+            // One insert in flight at a time: waiting here is the backpressure.
+            if let Some(previous) = pending_insert.take() {
+                let _ = previous.await;
+            }
+            pending_insert = Some(tokio::spawn(insert_with_retry(service.clone(), message, metrics.fragments.clone(), metrics.backpressure_waits.clone())));
+            if !episodes.is_empty() {
+                let report = EpisodeReport {
+                    schema: SCHEMA_VERSION,
+                    runner_id: service.instance.clone(),
+                    env_id: spec.id.to_string(),
+                    policy_version: last_version,
+                    episodes: std::mem::take(&mut episodes),
+                };
+                service.publish(service.subjects.episodes(), &report).await;
+            }
+        }
+
+        if Instant::now() >= report_at {
+            report_at = Instant::now() + Duration::from_secs(1);
+            let (env_steps, vec_steps, eps) = (metrics.env_steps.get(), metrics.vec_steps.get(), metrics.episodes.get());
+            let sps = (env_steps - sps_window.1) as f64 / sps_window.0.elapsed().as_secs_f64();
+            sps_window = (Instant::now(), env_steps);
+            let mut values = vec![
+                counter("env_steps_total", (env_steps - reported_env) as f64),
+                counter("vec_steps_total", (vec_steps - reported_vec) as f64),
+                counter("episodes_total", (eps - reported_eps) as f64),
+                gauge("env_runner_sps", sps),
+                gauge("env_runner_policy_version", last_version as f64),
+            ];
+            if !recent_returns.is_empty() {
+                values.push(gauge("env_runner_episode_return_mean", recent_returns.iter().sum::<f64>() / recent_returns.len() as f64));
+            }
+            service.report(Some(vec_steps), values).await;
+            (reported_env, reported_vec, reported_eps) = (env_steps, vec_steps, eps);
+        }
+    }
+    service.health.set_ready(false);
+    if let Some(previous) = pending_insert.take() {
+        let _ = tokio::time::timeout(Duration::from_secs(2), previous).await;
+    }
+    service.drain().await;
+    Ok(())
+}
+
+/// Sends a fragment to the replay buffer, retrying while it is full or absent.
+async fn insert_with_retry(service: Service, fragment: RolloutFragment, outcomes: IntCounterVec, waits: IntCounter) {
+    let subject = service.subjects.replay_insert();
+    let timeout = service.request_timeout();
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        match relay_kit::request::<_, InsertAck>(&service.nats, &subject, &fragment, timeout).await {
+            Ok(ack) if ack.accepted => {
+                outcomes.with_label_values(&["stored"]).inc();
+                return;
+            }
+            Ok(ack) if ack.reason == "full" => {
+                waits.inc();
+                backoff = Duration::from_millis(ack.retry_after_ms.max(1) as u64);
+            }
+            Ok(ack) => {
+                tracing::debug!(reason = %ack.reason, version = fragment.policy_version, "fragment dropped by the replay buffer");
+                outcomes.with_label_values(&[if ack.reason == "stale" { "stale" } else { "refused" }]).inc();
+                return;
+            }
+            Err(RequestError::Service { code, status, .. }) if code == "400" => {
+                // The fragment itself is bad: retrying cannot help.
+                tracing::warn!(%status, "replay buffer rejected a fragment");
+                outcomes.with_label_values(&["rejected"]).inc();
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "insert failed; retrying");
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+        if service.shutdown.is_triggered() {
+            return;
+        }
+        tokio::time::sleep(backoff).await;
+    }
+}

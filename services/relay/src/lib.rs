@@ -1,0 +1,286 @@
+//! The `relay` command line: the local stack supervisor (`up`, `down`) and
+//! the solve benchmark. See `main.rs` for the commands.
+
+pub mod stack;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use relay_kit::ExperimentConfig;
+use relay_proto::{EvalReport, MetricsReport, RunStatus, RunStatusUpdate, Subjects};
+
+use stack::{Copies, Stack, SERVICES};
+
+/// Flags of `relay up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpArgs {
+    /// Experiment config.
+    #[arg(long, default_value = "configs/cartpole-ppo.yaml")]
+    pub config: PathBuf,
+    /// Override config fields: `--set ppo.learning_rate=0.0003` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Run id; defaults to `<env>-<algo>-<yyyymmdd-hhmmss>`.
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// Stop the whole stack once the run is solved (or its budget is spent).
+    #[arg(long)]
+    pub until_solved: bool,
+    /// Copies of the env-runner.
+    #[arg(long, default_value_t = 1)]
+    pub env_runners: usize,
+    /// Copies of the inference server.
+    #[arg(long, default_value_t = 1)]
+    pub inference_servers: usize,
+    /// Folder for the stack's state (NATS, Redis, Prometheus data, process logs).
+    #[arg(long, default_value = ".relay")]
+    pub state_dir: PathBuf,
+    /// Print no progress lines.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// How a run ended, as seen by the supervisor.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub run_id: String,
+    pub solved: bool,
+    /// Start-up of the stack (infrastructure and services) until all were healthy.
+    pub startup_s: f64,
+    /// From every service ready to the solving eval (or the end).
+    pub wall_s: f64,
+    /// Env steps the learner had consumed at the solving eval (or the end).
+    pub env_steps: u64,
+    pub eval_return: Option<f64>,
+}
+
+/// Makes a run id `<env>-<algo>-<yyyymmdd-hhmmss>`.
+pub fn make_run_id(config: &ExperimentConfig) -> String {
+    format!(
+        "{}-{}-{}",
+        config.run.env_id,
+        config.run.algo,
+        chrono::Local::now().format("%Y%m%d-%H%M%S")
+    )
+}
+
+/// `relay up`: start everything, train, display progress, stop cleanly.
+pub fn up(args: UpArgs) -> Result<Outcome> {
+    let mut overrides = args.overrides.clone();
+    let config = ExperimentConfig::load(&args.config, &overrides)?;
+    let run_id = match args.run_id.clone().or(config.run.id.clone()) {
+        Some(id) => id,
+        None => make_run_id(&config),
+    };
+    relay_proto::validate_run_id(&run_id).map_err(anyhow::Error::msg)?;
+    overrides.retain(|o| !o.starts_with("run.id="));
+    let copies = Copies {
+        env_runners: args.env_runners,
+        inference_servers: args.inference_servers,
+    };
+    std::fs::create_dir_all(&args.state_dir)?;
+    let state_dir = args.state_dir.canonicalize()?;
+    let config_path = args
+        .config
+        .canonicalize()
+        .with_context(|| format!("config {}", args.config.display()))?;
+
+    let started = Instant::now();
+    let mut stack = Stack::start_infra(&state_dir, &run_id)?;
+    println!(
+        "relay: run {run_id}  nats {}  redis {}  prometheus {}",
+        stack.nats_url,
+        stack.redis_url,
+        stack.prometheus_url.as_deref().unwrap_or("(not installed)")
+    );
+    for service in SERVICES.iter().filter(|s| **s != "learner") {
+        let n = match *service {
+            "env-runner" => copies.env_runners,
+            "inference-server" => copies.inference_servers,
+            _ => 1,
+        };
+        for _ in 0..n {
+            stack.spawn_service(service, &config_path, &overrides)?;
+        }
+    }
+    stack.wait_healthy(Duration::from_secs(60))?;
+    stack.spawn_service("learner", &config_path, &overrides)?;
+    stack.wait_healthy(Duration::from_secs(60))?;
+    let startup_s = started.elapsed().as_secs_f64();
+    println!(
+        "relay: {} services ready in {startup_s:.1}s; run directory {}/{run_id}; logs in {}/logs",
+        stack.services.len(),
+        config.run.runs_dir.display(),
+        state_dir.display()
+    );
+
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let threshold = config.solved_threshold();
+    let outcome = runtime.block_on(watch(&mut stack, &run_id, threshold, &args));
+    stack.stop(Duration::from_secs(15));
+    let mut outcome = outcome?;
+    outcome.startup_s = startup_s;
+    println!(
+        "relay: run {} {} after {:.1}s and {} env steps",
+        outcome.run_id,
+        if outcome.solved { "solved" } else { "stopped" },
+        outcome.wall_s,
+        outcome.env_steps
+    );
+    Ok(outcome)
+}
+
+/// Follows the run over NATS, printing a progress line each second, until
+/// Ctrl-C, or (with `--until-solved`) the run is solved or the learner stops.
+async fn watch(stack: &mut Stack, run_id: &str, threshold: Option<f64>, args: &UpArgs) -> Result<Outcome> {
+    let client = async_nats::connect(&stack.nats_url).await?;
+    let subjects = Subjects::new(run_id);
+    let mut metrics = client.subscribe(subjects.metrics()).await?;
+    let mut evals = client.subscribe(subjects.eval()).await?;
+    let mut statuses = client.subscribe(subjects.status()).await?;
+    let ready = Instant::now();
+    let mut outcome = Outcome {
+        run_id: run_id.to_string(),
+        solved: false,
+        startup_s: 0.0,
+        wall_s: 0.0,
+        env_steps: 0,
+        eval_return: None,
+    };
+    let mut last_eval: Option<EvalReport> = None;
+    let (mut updates, mut version, mut episode_return) = (0.0, 0.0, f64::NAN);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut learner_done = false;
+    let (mut last_steps, mut last_time) = (0u64, Instant::now());
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {
+                println!("\nrelay: Ctrl-C; stopping the stack");
+                break;
+            }
+            Some(m) = metrics.next() => {
+                if let Ok(report) = relay_proto::decode::<MetricsReport>(&m.payload) {
+                    for v in &report.values {
+                        match v.name.as_str() {
+                            "learner_env_steps" => outcome.env_steps = v.value as u64,
+                            "learner_updates" => updates = v.value,
+                            "learner_policy_version" => version = v.value,
+                            "env_runner_episode_return_mean" => episode_return = v.value,
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            Some(m) = evals.next() => {
+                if let Ok(report) = relay_proto::decode::<EvalReport>(&m.payload) {
+                    if report.solved && !outcome.solved {
+                        outcome.solved = true;
+                        outcome.wall_s = ready.elapsed().as_secs_f64();
+                        outcome.env_steps = report.learner_env_steps;
+                        outcome.eval_return = Some(report.mean_return);
+                        println!("relay: solved: eval mean {:.1} >= {:.1} at version {} ({} env steps, {:.1}s)",
+                            report.mean_return, report.threshold, report.policy_version, report.learner_env_steps, outcome.wall_s);
+                        if args.until_solved {
+                            break;
+                        }
+                    }
+                    last_eval = Some(report);
+                }
+            }
+            Some(m) = statuses.next() => {
+                if let Ok(status) = relay_proto::decode::<RunStatusUpdate>(&m.payload) {
+                    if status.service == "learner" && matches!(status.status, RunStatus::Stopped | RunStatus::Failed | RunStatus::Solved) {
+                        learner_done = true;
+                        println!("relay: learner finished: {:?} ({})", status.status, status.detail);
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                let dt = last_time.elapsed().as_secs_f64();
+                let sps = (outcome.env_steps.saturating_sub(last_steps)) as f64 / dt.max(1e-3);
+                (last_steps, last_time) = (outcome.env_steps, Instant::now());
+                if !args.quiet {
+                    let eval = last_eval.as_ref().map_or("-".to_string(), |e| format!("{:.1}@v{}", e.mean_return, e.policy_version));
+                    println!(
+                        "[{:>6.1}s] env_steps {:>8}  sps {:>7.0}  updates {:>5}  version {:>5}  train_return {:>7.1}  eval {}{}",
+                        ready.elapsed().as_secs_f64(), outcome.env_steps, sps, updates, version, episode_return, eval,
+                        threshold.map_or(String::new(), |t| format!(" / {t}")),
+                    );
+                }
+                for (name, status) in stack.exited() {
+                    if !(name.starts_with("learner") && learner_done) {
+                        println!("relay: {name} exited with {status}");
+                    }
+                }
+                if learner_done && args.until_solved {
+                    // Give an eval in flight a moment to arrive.
+                    if ready.elapsed() > Duration::from_secs(1) && stack.exited().iter().any(|(n, _)| n.starts_with("learner")) {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if !outcome.solved {
+        outcome.wall_s = ready.elapsed().as_secs_f64();
+        outcome.eval_return = last_eval.map(|e| e.mean_return);
+    }
+    Ok(outcome)
+}
+
+/// `relay bench-solve`: one full-stack run per seed, each until solved.
+pub fn bench_solve(args: UpArgs, seeds: u64) -> Result<()> {
+    if seeds == 0 {
+        bail!("--seeds must be at least 1");
+    }
+    let config = ExperimentConfig::load(&args.config, &args.overrides)?;
+    let mut rows = Vec::new();
+    for seed in 1..=seeds {
+        let mut run = args.clone();
+        run.until_solved = true;
+        run.quiet = true;
+        run.overrides.push(format!("run.seed={seed}"));
+                run.run_id = Some(format!("{}-s{seed}", make_run_id(&config)));
+        let outcome = up(run)?;
+        rows.push((seed, outcome));
+    }
+    println!();
+    println!("| seed | solved | startup_s | wall_s | env_steps | sps | eval_return |");
+    println!("|-----:|:------:|----------:|-------:|----------:|----:|------------:|");
+    for (seed, o) in &rows {
+        println!(
+            "| {seed} | {} | {:.1} | {:.2} | {} | {:.0} | {} |",
+            if o.solved { "yes" } else { "no" },
+            o.startup_s,
+            o.wall_s,
+            o.env_steps,
+            o.env_steps as f64 / o.wall_s.max(1e-9),
+            o.eval_return.map_or("-".into(), |r| format!("{r:.1}"))
+        );
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let solved: Vec<&Outcome> = rows.iter().map(|(_, o)| o).filter(|o| o.solved).collect();
+    let pick = |f: &dyn Fn(&Outcome) -> f64| {
+        if solved.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::json!(median(solved.iter().map(|o| f(o)).collect()))
+        }
+    };
+    let json = serde_json::json!({
+        "env": config.run.env_id,
+        "seeds": seeds,
+        "solved": solved.len(),
+        "median_wall_s": pick(&|o| (o.wall_s * 100.0).round() / 100.0),
+        "median_env_steps": pick(&|o| o.env_steps as f64),
+        "median_sps": pick(&|o| (o.env_steps as f64 / o.wall_s.max(1e-9)).round()),
+        "median_startup_s": pick(&|o| (o.startup_s * 100.0).round() / 100.0),
+    });
+    println!("{json}");
+    Ok(())
+}

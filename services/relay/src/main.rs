@@ -1,0 +1,54 @@
+//! `relay`: the command line of the relay trainer.
+//!
+//! - `relay up`: start the local stack (NATS, Redis, Prometheus, every
+//!   service) and train a config, with a progress display;
+//! - `relay down`: stop a stack left running;
+//! - `relay bench-solve`: time the stack solving an env for several seeds.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+use relay::{bench_solve, up, UpArgs};
+
+#[derive(Parser)]
+#[command(name = "relay", version, about = "Distributed reinforcement learning over NATS and Redis")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start the local stack and train a config.
+    Up(UpArgs),
+    /// Stop a local stack left running.
+    Down {
+        /// Folder holding the stack's state.
+        #[arg(long, default_value = ".relay")]
+        state_dir: PathBuf,
+    },
+    /// Run the stack on a config for several seeds, each until solved; print a table and JSON.
+    BenchSolve {
+        #[command(flatten)]
+        up: UpArgs,
+        /// Number of seeds (1, 2, ...).
+        #[arg(long, default_value_t = 3)]
+        seeds: u64,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber_init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Up(args) => up(args).map(|_| ()),
+        Command::Down { state_dir } => relay::stack::down(&state_dir),
+        Command::BenchSolve { up, seeds } => bench_solve(up, seeds),
+    }
+}
+
+fn tracing_subscriber_init() {
+    let _ = relay_kit::telemetry::init();
+}

@@ -1,0 +1,362 @@
+//! The local stack: nats-server, redis-server, prometheus (and grafana-server
+//! where installed) plus every relay service as its own process, with state
+//! under one folder (`.relay/` by default) and a record of what runs in
+//! `.relay/stack.json` so that `relay down` can stop a stack left running.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// The services of a run, in the order they start; the learner goes last so
+/// that training starts once everything else listens.
+pub const SERVICES: [&str; 6] = [
+    "tracker",
+    "replay-buffer",
+    "inference-server",
+    "evaluator",
+    "env-runner",
+    "learner",
+];
+
+/// How many copies of each scalable service to start.
+#[derive(Debug, Clone)]
+pub struct Copies {
+    pub env_runners: usize,
+    pub inference_servers: usize,
+}
+
+/// What `relay down` needs to find a running stack.
+#[derive(Debug, Serialize, Deserialize, Default)]
+pub struct StackRecord {
+    pub run_id: String,
+    pub nats_url: String,
+    pub redis_url: String,
+    pub prometheus_url: String,
+    pub processes: Vec<ProcessRecord>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ProcessRecord {
+    pub name: String,
+    pub pid: u32,
+    pub metrics_addr: Option<String>,
+}
+
+/// A child process of the stack.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Finds a program on PATH.
+pub fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+fn require(name: &str) -> Result<PathBuf> {
+    which(name).with_context(|| {
+        format!("{name} is not installed; run `bash deploy/install.sh` (or `just up`, which does)")
+    })
+}
+
+fn wait_for_port(port: u16, child: &mut Child, what: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    while Instant::now() < deadline {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("{what} exited with {status} before listening on port {port}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("{what} did not listen on port {port} within 30 s")
+}
+
+/// GETs `path` from `addr` and returns the status code (tiny HTTP/1.0 client).
+pub fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut head = [0u8; 16];
+    stream.read_exact(&mut head[..12]).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
+
+fn log_file(dir: &Path, name: &str) -> Result<(Stdio, Stdio)> {
+    let file = std::fs::File::create(dir.join(format!("{name}.log")))?;
+    Ok((file.try_clone()?.into(), file.into()))
+}
+
+/// A running local stack; everything is stopped on drop.
+pub struct Stack {
+    pub state_dir: PathBuf,
+    pub run_id: String,
+    pub nats_url: String,
+    pub redis_url: String,
+    pub prometheus_url: Option<String>,
+    infra: Vec<Proc>,
+    pub services: Vec<Proc>,
+}
+
+impl Stack {
+    /// Starts nats-server, redis-server and (if installed) prometheus on free
+    /// ports with state under `state_dir`.
+    pub fn start_infra(state_dir: &Path, run_id: &str) -> Result<Self> {
+        let logs = state_dir.join("logs");
+        std::fs::create_dir_all(&logs)?;
+        let mut infra = Vec::new();
+
+        let nats_port = free_port()?;
+        let (out, err) = log_file(&logs, "nats-server")?;
+        let mut nats = Command::new(require("nats-server")?)
+            .args(["-a", "127.0.0.1", "-p", &nats_port.to_string(), "-js", "-sd"])
+            .arg(state_dir.join("nats"))
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .context("starting nats-server")?;
+        wait_for_port(nats_port, &mut nats, "nats-server")?;
+        infra.push(Proc { name: "nats-server".into(), child: nats, metrics_addr: None });
+
+        let redis_port = free_port()?;
+        let redis_dir = state_dir.join("redis");
+        std::fs::create_dir_all(&redis_dir)?;
+        let (out, err) = log_file(&logs, "redis-server")?;
+        let mut redis = Command::new(require("redis-server")?)
+            .args(["--bind", "127.0.0.1", "--port", &redis_port.to_string(), "--appendonly", "yes", "--save", "", "--dir"])
+            .arg(&redis_dir)
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .context("starting redis-server")?;
+        wait_for_port(redis_port, &mut redis, "redis-server")?;
+        infra.push(Proc { name: "redis-server".into(), child: redis, metrics_addr: None });
+
+        let mut stack = Self {
+            state_dir: state_dir.to_path_buf(),
+            run_id: run_id.to_string(),
+            nats_url: format!("nats://127.0.0.1:{nats_port}"),
+            redis_url: format!("redis://127.0.0.1:{redis_port}"),
+            prometheus_url: None,
+            infra,
+            services: Vec::new(),
+        };
+        stack.start_prometheus()?;
+        stack.write_record()?;
+        Ok(stack)
+    }
+
+    fn start_prometheus(&mut self) -> Result<()> {
+        let Some(bin) = which("prometheus") else {
+            tracing::warn!("prometheus is not installed; metrics are served but not scraped");
+            return Ok(());
+        };
+        let dir = self.state_dir.join("prometheus");
+        std::fs::create_dir_all(&dir)?;
+        let template = include_str!("../../../deploy/prometheus/prometheus.yml");
+        let config = template.replace("targets/*.json", &format!("{}/targets/*.json", dir.display()));
+        std::fs::create_dir_all(dir.join("targets"))?;
+        let rules_dir = dir.join("rules");
+        std::fs::create_dir_all(&rules_dir)?;
+        std::fs::write(dir.join("prometheus.yml"), config)?;
+        let port = free_port()?;
+        let logs = self.state_dir.join("logs");
+        let (out, err) = log_file(&logs, "prometheus")?;
+        let mut child = Command::new(bin)
+            .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
+            .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .context("starting prometheus")?;
+        wait_for_port(port, &mut child, "prometheus")?;
+        self.prometheus_url = Some(format!("http://127.0.0.1:{port}"));
+        self.infra.push(Proc { name: "prometheus".into(), child, metrics_addr: None });
+        Ok(())
+    }
+
+    /// Starts one copy of a service binary (found beside this executable).
+    pub fn spawn_service(&mut self, service: &str, config: &Path, overrides: &[String]) -> Result<()> {
+        let bin = sibling_binary(&format!("relay-{service}"))?;
+        let copy = self.services.iter().filter(|p| p.name.starts_with(service)).count();
+        let name = format!("{service}-{copy}");
+        let port = free_port()?;
+        let metrics_addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let (out, err) = log_file(&self.state_dir.join("logs"), &name)?;
+        let mut command = Command::new(bin);
+        command
+            .arg("--config")
+            .arg(config)
+            .args(["--run-id", &self.run_id, "--nats-url", &self.nats_url, "--redis-url", &self.redis_url])
+            .args(["--metrics-addr", &metrics_addr.to_string(), "--instance", &name]);
+        for o in overrides {
+            command.args(["--set", o]);
+        }
+        let child = command.stdout(out).stderr(err).spawn().with_context(|| format!("starting {name}"))?;
+        self.services.push(Proc { name, child, metrics_addr: Some(metrics_addr) });
+        self.write_targets()?;
+        self.write_record()
+    }
+
+    /// Waits until every service answers `/healthz` with 200.
+    pub fn wait_healthy(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        for p in &mut self.services {
+            let addr = p.metrics_addr.expect("services have a metrics address");
+            loop {
+                if http_status(addr, "/healthz") == Some(200) {
+                    break;
+                }
+                if let Some(status) = p.child.try_wait()? {
+                    bail!("{} exited with {status} during start-up; see {}/logs/{}.log", p.name, self.state_dir.display(), p.name);
+                }
+                if Instant::now() > deadline {
+                    bail!("{} not healthy within {timeout:?}", p.name);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
+    }
+
+    /// Names of services that have exited, with their status.
+    pub fn exited(&mut self) -> Vec<(String, std::process::ExitStatus)> {
+        self.services
+            .iter_mut()
+            .filter_map(|p| p.child.try_wait().ok().flatten().map(|s| (p.name.clone(), s)))
+            .collect()
+    }
+
+    /// Prometheus file-based discovery: one target per service copy.
+    fn write_targets(&self) -> Result<()> {
+        let dir = self.state_dir.join("prometheus").join("targets");
+        if !dir.exists() {
+            return Ok(());
+        }
+        let groups: Vec<serde_json::Value> = self
+            .services
+            .iter()
+            .map(|p| {
+                let service = p.name.rsplit_once('-').map_or(p.name.as_str(), |(s, _)| s);
+                serde_json::json!({
+                    "targets": [p.metrics_addr.expect("metrics address").to_string()],
+                    "labels": {"service": service, "instance_name": p.name, "run_id": self.run_id},
+                })
+            })
+            .collect();
+        let tmp = dir.join("relay.json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&groups)?)?;
+        std::fs::rename(tmp, dir.join("relay.json"))?;
+        Ok(())
+    }
+
+    fn write_record(&self) -> Result<()> {
+        let record = StackRecord {
+            run_id: self.run_id.clone(),
+            nats_url: self.nats_url.clone(),
+            redis_url: self.redis_url.clone(),
+            prometheus_url: self.prometheus_url.clone().unwrap_or_default(),
+            processes: self
+                .infra
+                .iter()
+                .chain(&self.services)
+                .map(|p| ProcessRecord { name: p.name.clone(), pid: p.child.id(), metrics_addr: p.metrics_addr.map(|a| a.to_string()) })
+                .collect(),
+        };
+        std::fs::write(self.state_dir.join("stack.json"), serde_json::to_vec_pretty(&record)?)?;
+        Ok(())
+    }
+
+    /// Stops services (SIGTERM, then SIGKILL after `grace`), then the infrastructure.
+    pub fn stop(&mut self, grace: Duration) {
+        let mut services = std::mem::take(&mut self.services);
+        // The learner first, so it writes its final checkpoint while the rest still listens.
+        services.sort_by_key(|p| !p.name.starts_with("learner"));
+        stop_all(&mut services, grace);
+        let mut infra = std::mem::take(&mut self.infra);
+        infra.reverse();
+        stop_all(&mut infra, grace);
+        let _ = std::fs::remove_file(self.state_dir.join("stack.json"));
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(10));
+    }
+}
+
+fn terminate(pid: u32) {
+    // SAFETY: kill(2) on a pid this process started; no memory is involved.
+    unsafe {
+        libc::kill(pid as i32, libc::SIGTERM);
+    }
+}
+
+fn stop_all(procs: &mut [Proc], grace: Duration) {
+    for p in procs.iter() {
+        terminate(p.child.id());
+    }
+    let deadline = Instant::now() + grace;
+    for p in procs.iter_mut() {
+        loop {
+            match p.child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() > deadline => {
+                    eprintln!("{} did not stop within {grace:?}; killing it", p.name);
+                    let _ = p.child.kill();
+                    let _ = p.child.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
+
+/// A binary of this workspace, found beside the running executable.
+pub fn sibling_binary(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent().context("executable has a folder")?.to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let path = dir.join(name);
+    if !path.is_file() {
+        bail!("{} not found; build the workspace first (`cargo build --release`)", path.display());
+    }
+    Ok(path)
+}
+
+/// `relay down`: stops the processes of a stack recorded in `state_dir`.
+pub fn down(state_dir: &Path) -> Result<()> {
+    let path = state_dir.join("stack.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        println!("no stack is recorded in {}", state_dir.display());
+        return Ok(());
+    };
+    let record: StackRecord = serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    for p in record.processes.iter().rev() {
+        terminate(p.pid);
+        println!("stopped {} (pid {})", p.name, p.pid);
+    }
+    std::fs::remove_file(path)?;
+    Ok(())
+}

@@ -1,0 +1,293 @@
+//! replay-buffer: owns the run's rollout data in Redis.
+//!
+//! For PPO it is an on-policy FIFO (`relay:<run>:fifo`, a Redis list of
+//! encoded [`RolloutFragment`]s) bounded by `replay.capacity_steps`: an
+//! insert that would overflow it is refused with a retry delay, which is the
+//! backpressure that slows env-runners down. Fragments acted by a policy
+//! more than `replay.max_policy_lag` versions behind the learner are dropped
+//! and counted, at insert and at sample time. Any number of copies serve the
+//! same run: the insert is one Lua script, so capacity holds across copies.
+//! The learner is the single consumer.
+//!
+//! Keys (all under `relay:<run>:`): `fifo` (list), `fifo:steps` (env steps
+//! held), `min_version` (oldest policy version the learner accepts),
+//! `stats` (hash of running totals).
+
+use futures::StreamExt;
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts};
+use redis::AsyncCommands;
+use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
+use relay_proto::{
+    InsertAck, RolloutFragment, SampleReply, SampleRequest, SCHEMA_VERSION,
+};
+
+/// Redis key names of one run.
+#[derive(Clone)]
+pub struct Keys {
+    pub fifo: String,
+    pub steps: String,
+    pub min_version: String,
+    pub stats: String,
+}
+
+impl Keys {
+    pub fn new(run_id: &str) -> Self {
+        let base = format!("relay:{run_id}");
+        Self {
+            fifo: format!("{base}:fifo"),
+            steps: format!("{base}:fifo:steps"),
+            min_version: format!("{base}:min_version"),
+            stats: format!("{base}:stats"),
+        }
+    }
+}
+
+/// Appends a fragment unless it would overflow the capacity or is stale.
+/// KEYS: fifo, steps, min_version, stats. ARGV: payload, steps, capacity, version.
+/// Returns {status, held}: status 1 stored, 0 full, -1 stale.
+const INSERT_SCRIPT: &str = r#"
+local held = tonumber(redis.call('GET', KEYS[2]) or '0')
+local min_version = tonumber(redis.call('GET', KEYS[3]) or '0')
+if tonumber(ARGV[4]) < min_version then
+  redis.call('HINCRBY', KEYS[4], 'dropped_stale_fragments', 1)
+  return {-1, held}
+end
+if held + tonumber(ARGV[2]) > tonumber(ARGV[3]) then
+  redis.call('HINCRBY', KEYS[4], 'refused_full', 1)
+  return {0, held}
+end
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'inserted_steps', ARGV[2])
+return {1, redis.call('INCRBY', KEYS[2], ARGV[2])}
+"#;
+
+struct Metrics {
+    size_steps: IntGauge,
+    inserted_steps: IntCounter,
+    sampled_steps: IntCounter,
+    dropped: IntCounterVec,
+    refused_full: IntCounter,
+}
+
+impl Metrics {
+    fn register(registry: &prometheus::Registry) -> Self {
+        let size_steps = IntGauge::new("relay_replay_size_steps", "Env steps held in the on-policy FIFO.").unwrap();
+        let inserted_steps = IntCounter::new("relay_replay_inserted_steps_total", "Env steps stored.").unwrap();
+        let sampled_steps = IntCounter::new("relay_replay_sampled_steps_total", "Env steps handed to the learner.").unwrap();
+        let dropped = IntCounterVec::new(
+            Opts::new("relay_replay_dropped_fragments_total", "Fragments dropped, by reason."),
+            &["reason"],
+        )
+        .unwrap();
+        let refused_full = IntCounter::new("relay_replay_refused_full_total", "Inserts refused because the buffer was full (backpressure).").unwrap();
+        for m in [
+            Box::new(size_steps.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(inserted_steps.clone()),
+            Box::new(sampled_steps.clone()),
+            Box::new(dropped.clone()),
+            Box::new(refused_full.clone()),
+        ] {
+            registry.register(m).expect("register replay metric");
+        }
+        Self { size_steps, inserted_steps, sampled_steps, dropped, refused_full }
+    }
+}
+
+/// The replay buffer of one run, over a Redis connection.
+#[derive(Clone)]
+pub struct Fifo {
+    redis: redis::aio::ConnectionManager,
+    keys: Keys,
+    capacity_steps: u64,
+    max_policy_lag: u64,
+    insert: redis::Script,
+}
+
+/// Outcome of an insert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Inserted {
+    Stored { held: u64 },
+    Full { held: u64 },
+    Stale { held: u64 },
+}
+
+/// What a sample took out of the FIFO.
+pub struct Sampled {
+    pub fragments: Vec<RolloutFragment>,
+    pub dropped_stale: u64,
+    pub undecodable: u64,
+}
+
+impl Fifo {
+    pub fn new(redis: redis::aio::ConnectionManager, run_id: &str, capacity_steps: u64, max_policy_lag: u64) -> Self {
+        Self {
+            redis,
+            keys: Keys::new(run_id),
+            capacity_steps,
+            max_policy_lag,
+            insert: redis::Script::new(INSERT_SCRIPT),
+        }
+    }
+
+    pub async fn insert(&self, fragment: &RolloutFragment, payload: &[u8]) -> redis::RedisResult<Inserted> {
+        let mut redis = self.redis.clone();
+        let (status, held): (i64, u64) = self
+            .insert
+            .key(&self.keys.fifo)
+            .key(&self.keys.steps)
+            .key(&self.keys.min_version)
+            .key(&self.keys.stats)
+            .arg(payload)
+            .arg(fragment.env_steps())
+            .arg(self.capacity_steps)
+            .arg(fragment.policy_version)
+            .invoke_async(&mut redis)
+            .await?;
+        Ok(match status {
+            1 => Inserted::Stored { held },
+            0 => Inserted::Full { held },
+            _ => Inserted::Stale { held },
+        })
+    }
+
+    /// Pops fragments from the head until `max_steps` env steps are gathered
+    /// or the FIFO is empty, dropping those older than `min_policy_version`.
+    pub async fn sample(&self, min_policy_version: u64, max_steps: u64) -> redis::RedisResult<Sampled> {
+        let mut redis = self.redis.clone();
+        // Inserts refuse anything older than this from now on.
+        let _: () = redis.set(&self.keys.min_version, min_policy_version).await?;
+        let mut out = Sampled { fragments: Vec::new(), dropped_stale: 0, undecodable: 0 };
+        let mut gathered = 0u64;
+        let mut popped_steps = 0u64;
+        while gathered < max_steps {
+            let item: Option<Vec<u8>> = redis.lpop(&self.keys.fifo, None).await?;
+            let Some(item) = item else { break };
+            match relay_proto::decode::<RolloutFragment>(&item) {
+                Ok(fragment) => {
+                    popped_steps += fragment.env_steps();
+                    if fragment.policy_version < min_policy_version {
+                        out.dropped_stale += 1;
+                    } else {
+                        gathered += fragment.env_steps();
+                        out.fragments.push(fragment);
+                    }
+                }
+                // Only validated fragments are stored; this means the data
+                // was written by another schema version. Drop and count.
+                Err(_) => out.undecodable += 1,
+            }
+        }
+        if popped_steps > 0 {
+            let _: i64 = redis.decr(&self.keys.steps, popped_steps).await?;
+        }
+        if out.dropped_stale > 0 {
+            let _: i64 = redis.hincr(&self.keys.stats, "dropped_stale_fragments", out.dropped_stale).await?;
+        }
+        if gathered > 0 {
+            let _: i64 = redis.hincr(&self.keys.stats, "sampled_steps", gathered).await?;
+        }
+        Ok(out)
+    }
+
+    /// Env steps currently held.
+    pub async fn held_steps(&self) -> redis::RedisResult<u64> {
+        let mut redis = self.redis.clone();
+        let held: Option<u64> = redis.get(&self.keys.steps).await?;
+        Ok(held.unwrap_or(0))
+    }
+
+    pub fn max_policy_lag(&self) -> u64 {
+        self.max_policy_lag
+    }
+}
+
+/// Runs the replay-buffer until shutdown.
+pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
+    let service = Service::start("replay-buffer", config, shutdown.clone()).await?;
+    let cfg = service.config.clone();
+    let redis = relay_kit::connect_redis(&cfg.connections.redis_url, &shutdown).await?;
+    let fifo = Fifo::new(redis, cfg.run_id()?, cfg.replay.capacity_steps, cfg.replay.max_policy_lag);
+    let metrics = Metrics::register(&service.registry);
+    let micro = service.micro().await?;
+    let mut inserts = micro.endpoint(service.subjects.replay_insert()).await.map_err(ServiceError::nats)?;
+    let mut samples = micro.endpoint(service.subjects.replay_sample()).await.map_err(ServiceError::nats)?;
+    service.health.set_ready(true);
+    let retry_after_ms = cfg.replay.retry_after_ms;
+    let mut report = tokio::time::interval(std::time::Duration::from_secs(1));
+    let (mut reported_in, mut reported_out) = (0u64, 0u64);
+    loop {
+        tokio::select! {
+            _ = shutdown.wait() => break,
+            Some(request) = inserts.next() => {
+                let fragment: RolloutFragment = match service.intake.decode("replay.insert", &request.message.payload) {
+                    Ok(f) => f,
+                    Err(rejection) => {
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: rejection.to_string(), code: 400 })).await;
+                        continue;
+                    }
+                };
+                let ack = match fifo.insert(&fragment, &request.message.payload).await {
+                    Ok(Inserted::Stored { held }) => {
+                        metrics.inserted_steps.inc_by(fragment.env_steps());
+                        metrics.size_steps.set(held as i64);
+                        InsertAck { schema: SCHEMA_VERSION, accepted: true, retry_after_ms: 0, buffered_steps: held, reason: String::new() }
+                    }
+                    Ok(Inserted::Full { held }) => {
+                        metrics.refused_full.inc();
+                        metrics.size_steps.set(held as i64);
+                        InsertAck { schema: SCHEMA_VERSION, accepted: false, retry_after_ms, buffered_steps: held, reason: "full".into() }
+                    }
+                    Ok(Inserted::Stale { held }) => {
+                        metrics.dropped.with_label_values(&["stale"]).inc();
+                        InsertAck { schema: SCHEMA_VERSION, accepted: false, retry_after_ms: 0, buffered_steps: held, reason: "stale".into() }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "redis insert failed");
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: format!("redis: {e}"), code: 503 })).await;
+                        continue;
+                    }
+                };
+                let _ = request.respond(Ok(relay_proto::encode(&ack).into())).await;
+            }
+            Some(request) = samples.next() => {
+                let ask: SampleRequest = match service.intake.decode("replay.sample", &request.message.payload) {
+                    Ok(a) => a,
+                    Err(rejection) => {
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: rejection.to_string(), code: 400 })).await;
+                        continue;
+                    }
+                };
+                match fifo.sample(ask.min_policy_version, ask.max_steps as u64).await {
+                    Ok(sampled) => {
+                        let steps: u64 = sampled.fragments.iter().map(RolloutFragment::env_steps).sum();
+                        metrics.sampled_steps.inc_by(steps);
+                        metrics.dropped.with_label_values(&["stale"]).inc_by(sampled.dropped_stale);
+                        metrics.dropped.with_label_values(&["undecodable"]).inc_by(sampled.undecodable);
+                        let reply = SampleReply { schema: SCHEMA_VERSION, fragments: sampled.fragments, dropped_stale: sampled.dropped_stale };
+                        let _ = request.respond(Ok(relay_proto::encode(&reply).into())).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "redis sample failed");
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: format!("redis: {e}"), code: 503 })).await;
+                    }
+                }
+            }
+            _ = report.tick() => {
+                if let Ok(held) = fifo.held_steps().await {
+                    metrics.size_steps.set(held as i64);
+                }
+                let (inserted, sampled) = (metrics.inserted_steps.get(), metrics.sampled_steps.get());
+                service.report(None, vec![
+                    gauge("replay_size_steps", metrics.size_steps.get() as f64),
+                    counter("replay_inserted_steps_total", (inserted - reported_in) as f64),
+                    counter("replay_sampled_steps_total", (sampled - reported_out) as f64),
+                ]).await;
+                (reported_in, reported_out) = (inserted, sampled);
+            }
+        }
+    }
+    service.health.set_ready(false);
+    let _ = micro.stop().await;
+    service.drain().await;
+    Ok(())
+}

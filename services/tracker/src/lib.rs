@@ -1,0 +1,258 @@
+//! tracker: the run's memory and its Prometheus face.
+//!
+//! It receives every metric report, episode report, eval result, status
+//! change and log batch of a run over NATS, serves the values on its
+//! `/metrics` endpoint (`relay_<name>{run_id,service,instance}`), and writes
+//! the run directory `runs/<run-id>/`:
+//!
+//! - `config.yaml`: the resolved experiment config;
+//! - `metrics.jsonl`: one JSON object per metric report, with `vec_steps`;
+//! - `episodes.jsonl`, `eval.jsonl`: every finished training episode batch and eval;
+//! - `status.json`: the latest run status;
+//! - `logs/<service>.log`: every service's log lines.
+//!
+//! The learner writes `checkpoints/` into the same directory.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use futures::StreamExt;
+use prometheus::{CounterVec, GaugeVec, IntCounterVec, Opts, Registry};
+use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
+use relay_proto::{EpisodeReport, EvalReport, LogBatch, MetricKind, MetricsReport, RunStatusUpdate};
+use serde_json::json;
+
+/// Appending writers for the files of one run directory.
+struct RunDir {
+    root: PathBuf,
+    metrics: BufWriter<File>,
+    episodes: BufWriter<File>,
+    eval: BufWriter<File>,
+    logs: HashMap<String, BufWriter<File>>,
+}
+
+fn append(path: &Path) -> std::io::Result<BufWriter<File>> {
+    Ok(BufWriter::new(OpenOptions::new().create(true).append(true).open(path)?))
+}
+
+impl RunDir {
+    fn open(root: PathBuf, config_yaml: &str) -> std::io::Result<Self> {
+        std::fs::create_dir_all(root.join("logs"))?;
+        let config_path = root.join("config.yaml");
+        let tmp = root.join("config.yaml.tmp");
+        std::fs::write(&tmp, config_yaml)?;
+        std::fs::rename(&tmp, &config_path)?;
+        Ok(Self {
+            metrics: append(&root.join("metrics.jsonl"))?,
+            episodes: append(&root.join("episodes.jsonl"))?,
+            eval: append(&root.join("eval.jsonl"))?,
+            logs: HashMap::new(),
+            root,
+        })
+    }
+
+    fn log(&mut self, batch: &LogBatch) -> std::io::Result<()> {
+        if !self.logs.contains_key(&batch.service) {
+            let file = append(&self.root.join("logs").join(format!("{}.log", batch.service)))?;
+            self.logs.insert(batch.service.clone(), file);
+        }
+        let file = self.logs.get_mut(&batch.service).expect("inserted above");
+        for line in &batch.lines {
+            writeln!(file, "[{}] {line}", batch.instance)?;
+        }
+        Ok(())
+    }
+
+    fn write_status(&self, status: &RunStatusUpdate) -> std::io::Result<()> {
+        let tmp = self.root.join("status.json.tmp");
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec_pretty(&json!({
+                "status": status.status,
+                "service": status.service,
+                "policy_version": status.policy_version,
+                "detail": status.detail,
+                "time": now(),
+            }))?,
+        )?;
+        std::fs::rename(tmp, self.root.join("status.json"))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.metrics.flush()?;
+        self.episodes.flush()?;
+        self.eval.flush()?;
+        for file in self.logs.values_mut() {
+            file.flush()?;
+        }
+        Ok(())
+    }
+}
+
+fn now() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// Prometheus series built from the reports it receives.
+struct Exported {
+    registry: Registry,
+    run_id: String,
+    gauges: HashMap<String, GaugeVec>,
+    counters: HashMap<String, CounterVec>,
+    episodes: IntCounterVec,
+    episode_return: GaugeVec,
+    eval_return: GaugeVec,
+    eval_version: GaugeVec,
+    recent_returns: std::collections::VecDeque<f64>,
+}
+
+const LABELS: [&str; 3] = ["run_id", "service", "instance"];
+
+impl Exported {
+    fn new(registry: Registry, run_id: String) -> Self {
+        let episodes = IntCounterVec::new(Opts::new("relay_episodes_total", "Training episodes finished."), &["run_id", "env_id"]).unwrap();
+        let episode_return = GaugeVec::new(Opts::new("relay_episode_return_mean", "Mean return of the last 100 training episodes."), &["run_id", "env_id"]).unwrap();
+        let eval_return = GaugeVec::new(Opts::new("relay_eval_return_mean", "Mean return of the latest evaluation."), &["run_id", "env_id", "evaluator"]).unwrap();
+        let eval_version = GaugeVec::new(Opts::new("relay_eval_policy_version", "Weights version of the latest evaluation."), &["run_id", "evaluator"]).unwrap();
+        for c in [
+            Box::new(episodes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(episode_return.clone()),
+            Box::new(eval_return.clone()),
+            Box::new(eval_version.clone()),
+        ] {
+            registry.register(c).expect("register tracker metric");
+        }
+        Self { registry, run_id, gauges: HashMap::new(), counters: HashMap::new(), episodes, episode_return, eval_return, eval_version, recent_returns: Default::default() }
+    }
+
+    fn metrics(&mut self, report: &MetricsReport) {
+        let labels = [self.run_id.as_str(), report.service.as_str(), report.instance.as_str()];
+        for v in &report.values {
+            let name = format!("relay_{}", v.name);
+            match v.kind {
+                MetricKind::Gauge => {
+                    let registry = &self.registry;
+                    let Some(gauge) = self.gauges.entry(name.clone()).or_insert_with(|| {
+                        let g = GaugeVec::new(Opts::new(name.clone(), format!("{} (reported by services)", v.name)), &LABELS).unwrap();
+                        if let Err(e) = registry.register(Box::new(g.clone())) {
+                            tracing::warn!(metric = %name, error = %e, "cannot export gauge");
+                        }
+                        g
+                    }).get_metric_with_label_values(&labels).ok() else { continue };
+                    gauge.set(v.value);
+                }
+                MetricKind::Counter => {
+                    if !name.ends_with("_total") || !(v.value.is_finite() && v.value >= 0.0) {
+                        tracing::warn!(metric = %name, value = v.value, "counter must end in _total and never decrease; ignored");
+                        continue;
+                    }
+                    let registry = &self.registry;
+                    let Some(counter) = self.counters.entry(name.clone()).or_insert_with(|| {
+                        let c = CounterVec::new(Opts::new(name.clone(), format!("{} (reported by services)", v.name)), &LABELS).unwrap();
+                        if let Err(e) = registry.register(Box::new(c.clone())) {
+                            tracing::warn!(metric = %name, error = %e, "cannot export counter");
+                        }
+                        c
+                    }).get_metric_with_label_values(&labels).ok() else { continue };
+                    counter.inc_by(v.value);
+                }
+            }
+        }
+    }
+
+    fn episodes(&mut self, report: &EpisodeReport) {
+        self.episodes.with_label_values(&[&self.run_id, &report.env_id]).inc_by(report.episodes.len() as u64);
+        for e in &report.episodes {
+            if self.recent_returns.len() == 100 {
+                self.recent_returns.pop_front();
+            }
+            self.recent_returns.push_back(e.episode_return);
+        }
+        if !self.recent_returns.is_empty() {
+            let mean = self.recent_returns.iter().sum::<f64>() / self.recent_returns.len() as f64;
+            self.episode_return.with_label_values(&[&self.run_id, &report.env_id]).set(mean);
+        }
+    }
+
+    fn eval(&mut self, report: &EvalReport) {
+        self.eval_return.with_label_values(&[&self.run_id, &report.env_id, &report.evaluator]).set(report.mean_return);
+        self.eval_version.with_label_values(&[&self.run_id, &report.evaluator]).set(report.policy_version as f64);
+    }
+}
+
+/// Runs the tracker until shutdown.
+pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
+    let service = Service::start("tracker", config, shutdown.clone()).await?;
+    let cfg = service.config.clone();
+    let run_id = cfg.run_id()?.to_string();
+    let mut dir = RunDir::open(cfg.run.runs_dir.join(&run_id), &cfg.to_yaml())?;
+    let mut exported = Exported::new(service.registry.clone(), run_id.clone());
+    let s = &service.subjects;
+    let mut metrics = service.nats.subscribe(s.metrics()).await.map_err(ServiceError::nats)?;
+    let mut episodes = service.nats.subscribe(s.episodes()).await.map_err(ServiceError::nats)?;
+    let mut evals = service.nats.subscribe(s.eval()).await.map_err(ServiceError::nats)?;
+    let mut statuses = service.nats.subscribe(s.status()).await.map_err(ServiceError::nats)?;
+    let mut logs = service.nats.subscribe(s.logs()).await.map_err(ServiceError::nats)?;
+    service.health.set_ready(true);
+    tracing::info!(run_dir = %dir.root.display(), "writing run directory");
+    let mut flush = tokio::time::interval(std::time::Duration::from_millis(cfg.tracker.flush_ms));
+    let write_metrics = cfg.tracker.write_metrics;
+    let intake = service.intake.clone();
+    loop {
+        let result: std::io::Result<()> = tokio::select! {
+            _ = shutdown.wait() => break,
+            Some(m) = metrics.next() => match intake.decode::<MetricsReport>("metrics", &m.payload) {
+                Ok(report) => {
+                    exported.metrics(&report);
+                    if write_metrics {
+                        let values: serde_json::Map<String, serde_json::Value> = report.values.iter().map(|v| (v.name.clone(), json!(v.value))).collect();
+                        writeln!(dir.metrics, "{}", json!({"time": now(), "service": report.service, "instance": report.instance, "vec_steps": report.vec_steps, "values": values}))
+                    } else { Ok(()) }
+                }
+                Err(_) => Ok(()),
+            },
+            Some(m) = episodes.next() => match intake.decode::<EpisodeReport>("episodes", &m.payload) {
+                Ok(report) => {
+                    exported.episodes(&report);
+                    let rows: Vec<_> = report.episodes.iter().map(|e| json!({"return": e.episode_return, "length": e.length, "terminated": e.terminated})).collect();
+                    writeln!(dir.episodes, "{}", json!({"time": now(), "runner": report.runner_id, "env_id": report.env_id, "policy_version": report.policy_version, "episodes": rows}))
+                }
+                Err(_) => Ok(()),
+            },
+            Some(m) = evals.next() => match intake.decode::<EvalReport>("eval", &m.payload) {
+                Ok(report) => {
+                    exported.eval(&report);
+                    writeln!(dir.eval, "{}", json!({"time": now(), "evaluator": report.evaluator, "instance": report.instance, "policy_version": report.policy_version, "learner_env_steps": report.learner_env_steps, "mean_return": report.mean_return, "std_return": report.std_return, "returns": report.returns, "threshold": report.threshold, "solved": report.solved}))
+                }
+                Err(_) => Ok(()),
+            },
+            Some(m) = statuses.next() => match intake.decode::<RunStatusUpdate>("status", &m.payload) {
+                Ok(status) => {
+                    tracing::info!(status = ?status.status, from = %status.service, detail = %status.detail, "run status");
+                    dir.write_status(&status)
+                }
+                Err(_) => Ok(()),
+            },
+            Some(m) = logs.next() => match intake.decode::<LogBatch>("logs", &m.payload) {
+                Ok(batch) => dir.log(&batch),
+                Err(_) => Ok(()),
+            },
+            _ = flush.tick() => dir.flush(),
+        };
+        if let Err(e) = result {
+            tracing::error!(error = %e, "writing the run directory failed");
+        }
+    }
+    // Take what is still in flight before closing the files.
+    service.drain().await;
+    while let Ok(Some(m)) = tokio::time::timeout(std::time::Duration::from_millis(50), logs.next()).await {
+        if let Ok(batch) = relay_proto::decode::<LogBatch>(&m.payload) {
+            let _ = dir.log(&batch);
+        }
+    }
+    dir.flush()?;
+    service.health.set_ready(false);
+    Ok(())
+}

@@ -1,0 +1,3 @@
+fn main() -> anyhow::Result<()> {
+    relay_kit::service::main("tracker", |_| 1, relay_tracker::run)
+}

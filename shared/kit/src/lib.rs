@@ -1,0 +1,24 @@
+//! Plumbing every relay service uses the same way.
+//!
+//! - [`config`]: the experiment schema, layered loading, validation.
+//! - [`service`]: flags, start-up, the [`Service`] context, `main`.
+//! - [`connect`]: NATS and Redis connections with backoff; requests with timeouts.
+//! - [`intake`]: decoding received payloads and counting rejections.
+//! - [`http`]: `/metrics` and `/healthz`.
+//! - [`telemetry`]: tracing setup and log forwarding to the tracker.
+//! - [`shutdown`]: the signal passed into `run`.
+
+pub mod config;
+pub mod connect;
+pub mod http;
+pub mod intake;
+pub mod service;
+pub mod shutdown;
+pub mod telemetry;
+
+pub use config::ExperimentConfig;
+pub use connect::{connect_nats, connect_redis, request, RequestError};
+pub use http::Health;
+pub use intake::Intake;
+pub use service::{counter, gauge, Service, ServiceArgs, ServiceConfig, ServiceError};
+pub use shutdown::{Shutdown, ShutdownTrigger};

@@ -1,0 +1,302 @@
+//! What every service does the same way at start: flags, config, thread
+//! budget, telemetry, the NATS connection, the `/metrics` + `/healthz`
+//! endpoint, NATS micro service registration and periodic metric reports to
+//! the tracker.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::Registry;
+use relay_proto::{MetricKind, MetricValue, MetricsReport, Subjects, SCHEMA_VERSION};
+
+use crate::config::{ConfigError, ExperimentConfig};
+use crate::connect::{connect_nats, ConnectError};
+use crate::http::{serve, Health};
+use crate::intake::Intake;
+use crate::telemetry::LogForwarding;
+use crate::Shutdown;
+
+/// Flags shared by every service binary.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServiceArgs {
+    /// Experiment config file.
+    #[arg(long, env = "RELAY_CONFIG", default_value = "configs/cartpole-ppo.yaml")]
+    pub config: PathBuf,
+    /// Run id; scopes every subject and key.
+    #[arg(long, env = "RELAY_RUN_ID")]
+    pub run_id: Option<String>,
+    /// NATS URL (overrides connections.nats_url).
+    #[arg(long, env = "RELAY_NATS_URL")]
+    pub nats_url: Option<String>,
+    /// Redis URL (overrides connections.redis_url).
+    #[arg(long, env = "RELAY_REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// Address of the /metrics and /healthz endpoint (port 0 picks one).
+    #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:0")]
+    pub metrics_addr: SocketAddr,
+    /// Name of this copy; defaults to `<service>-<pid>`.
+    #[arg(long, env = "RELAY_INSTANCE")]
+    pub instance: Option<String>,
+    /// Override any config field: `--set ppo.learning_rate=0.0003` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+}
+
+/// Everything `run` needs: the experiment and this process's own settings.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    pub experiment: ExperimentConfig,
+    pub metrics_addr: SocketAddr,
+    pub instance: Option<String>,
+}
+
+impl ServiceConfig {
+    /// A config for tests: the given experiment, an ephemeral metrics port.
+    pub fn for_test(experiment: ExperimentConfig) -> Self {
+        Self {
+            experiment,
+            metrics_addr: ([127, 0, 0, 1], 0).into(),
+            instance: None,
+        }
+    }
+}
+
+impl ServiceArgs {
+    /// Loads the config file with every override applied, in order: file,
+    /// `RELAY__*` variables, `--set`, then the dedicated flags.
+    pub fn load(&self) -> Result<ServiceConfig, ConfigError> {
+        let mut overrides = self.overrides.clone();
+        if let Some(id) = &self.run_id {
+            overrides.push(format!("run.id={id}"));
+        }
+        if let Some(url) = &self.nats_url {
+            overrides.push(format!("connections.nats_url={url}"));
+        }
+        if let Some(url) = &self.redis_url {
+            overrides.push(format!("connections.redis_url={url}"));
+        }
+        let experiment = ExperimentConfig::load(&self.config, &overrides)?;
+        experiment.run_id()?;
+        Ok(ServiceConfig {
+            experiment,
+            metrics_addr: self.metrics_addr,
+            instance: self.instance.clone(),
+        })
+    }
+}
+
+/// Why a service could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error("NATS: {0}")]
+    Nats(String),
+    #[error("Redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl ServiceError {
+    pub fn nats(e: impl std::fmt::Display) -> Self {
+        ServiceError::Nats(e.to_string())
+    }
+    pub fn other(e: impl std::fmt::Display) -> Self {
+        ServiceError::Other(e.to_string())
+    }
+}
+
+static LOGS: std::sync::OnceLock<LogForwarding> = std::sync::OnceLock::new();
+
+/// The common parts of a started service.
+#[derive(Clone)]
+pub struct Service {
+    pub name: &'static str,
+    pub instance: String,
+    pub config: Arc<ExperimentConfig>,
+    pub subjects: Subjects,
+    pub nats: async_nats::Client,
+    pub registry: Registry,
+    pub intake: Intake,
+    pub health: Health,
+    pub metrics_addr: SocketAddr,
+    pub shutdown: Shutdown,
+}
+
+impl Service {
+    /// Connects to NATS, serves /metrics and /healthz, starts log forwarding.
+    pub async fn start(
+        name: &'static str,
+        config: ServiceConfig,
+        shutdown: Shutdown,
+    ) -> Result<Self, ServiceError> {
+        let experiment = config.experiment;
+        let run_id = experiment.run_id()?.to_string();
+        let subjects = Subjects::new(&run_id);
+        let instance = config
+            .instance
+            .unwrap_or_else(|| format!("{name}-{}-{}", std::process::id(), short_random()));
+        let timeout = Duration::from_millis(experiment.connections.request_timeout_ms);
+        let nats = connect_nats(
+            &experiment.connections.nats_url,
+            &format!("{name}/{instance}"),
+            timeout,
+            &shutdown,
+        )
+        .await?;
+        let registry = Registry::new();
+        let intake = Intake::new(&registry);
+        let health = Health::default();
+        let metrics_addr = serve(
+            config.metrics_addr,
+            registry.clone(),
+            health.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+        if let Some(logs) = LOGS.get() {
+            logs.start(
+                nats.clone(),
+                subjects.logs(),
+                name.to_string(),
+                instance.clone(),
+                shutdown.clone(),
+            );
+        }
+        tracing::info!(service = name, %instance, run_id, %metrics_addr, "started");
+        Ok(Self {
+            name,
+            instance,
+            config: Arc::new(experiment),
+            subjects,
+            nats,
+            registry,
+            intake,
+            health,
+            metrics_addr,
+            shutdown,
+        })
+    }
+
+    /// Registers this process as a NATS micro service (`$SRV.PING/INFO/STATS`),
+    /// whose endpoints share the default queue group.
+    pub async fn micro(&self) -> Result<async_nats::service::Service, ServiceError> {
+        use async_nats::service::ServiceExt;
+        self.nats
+            .service_builder()
+            .description(format!("relay {}", self.name))
+            .metadata([("instance".to_string(), self.instance.clone())].into())
+            .start(format!("relay-{}", self.name), env!("CARGO_PKG_VERSION"))
+            .await
+            .map_err(ServiceError::nats)
+    }
+
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.config.connections.request_timeout_ms)
+    }
+
+    /// Publishes metric values to the tracker (fire and forget).
+    pub async fn report(&self, vec_steps: Option<u64>, values: Vec<MetricValue>) {
+        if values.is_empty() {
+            return;
+        }
+        let report = MetricsReport {
+            schema: SCHEMA_VERSION,
+            service: self.name.to_string(),
+            instance: self.instance.clone(),
+            vec_steps,
+            values,
+        };
+        if let Err(e) = self
+            .nats
+            .publish(self.subjects.metrics(), relay_proto::encode(&report).into())
+            .await
+        {
+            tracing::debug!(error = %e, "metrics report not sent");
+        }
+    }
+
+    /// Publishes any wire message (fire and forget, logged on failure).
+    pub async fn publish<T: relay_proto::WireMessage>(&self, subject: String, message: &T) {
+        if let Err(e) = self
+            .nats
+            .publish(subject.clone(), relay_proto::encode(message).into())
+            .await
+        {
+            tracing::warn!(subject, error = %e, "publish failed");
+        }
+    }
+
+    /// Drains the NATS connection (flushes what is queued, unsubscribes).
+    pub async fn drain(&self) {
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.nats.flush()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.nats.drain()).await;
+    }
+}
+
+/// A gauge value for a [`MetricsReport`].
+pub fn gauge(name: &str, value: f64) -> MetricValue {
+    MetricValue {
+        name: name.to_string(),
+        kind: MetricKind::Gauge,
+        value,
+    }
+}
+
+/// A counter increment for a [`MetricsReport`].
+pub fn counter(name: &str, increment: f64) -> MetricValue {
+    MetricValue {
+        name: name.to_string(),
+        kind: MetricKind::Counter,
+        value: increment,
+    }
+}
+
+fn short_random() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{:04x}", nanos & 0xffff)
+}
+
+/// The body of every service's `main`: parse flags, load config, set the
+/// compute thread budget, start telemetry, run until SIGINT/SIGTERM.
+pub fn main<F, Fut>(name: &'static str, threads: fn(&ExperimentConfig) -> usize, run: F) -> anyhow::Result<()>
+where
+    F: FnOnce(ServiceConfig, Shutdown) -> Fut,
+    Fut: Future<Output = Result<(), ServiceError>>,
+{
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ServiceArgs,
+    }
+    let cli = Cli::parse();
+    let config = cli.args.load().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+    // candle's CPU kernels size their thread pool from this variable; many
+    // processes share two cores, so each gets an explicit budget.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", threads(&config.experiment).to_string());
+    }
+    let _ = LOGS.set(crate::telemetry::init());
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let shutdown = Shutdown::on_signals();
+        run(config, shutdown).await
+    })?;
+    tracing::info!(service = name, "stopped");
+    Ok(())
+}

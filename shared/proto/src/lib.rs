@@ -1,0 +1,20 @@
+//! relay's wire protocol.
+//!
+//! Everything that crosses a process boundary lives here: the message types,
+//! the schema version they carry, the NATS subjects (scoped by run id) and the
+//! MessagePack codec that rejects what it cannot trust. `docs/protocol.md`
+//! lists every subject with its payload, publishers and subscribers.
+//!
+//! Numeric arrays travel as raw little-endian bytes with dtype and shape
+//! ([`Tensor`]): MessagePack writes each f32 as 5 bytes and is far slower on
+//! numeric arrays than a byte copy.
+
+pub mod codec;
+pub mod messages;
+pub mod subjects;
+pub mod tensor;
+
+pub use codec::{decode, encode, Rejection, WireMessage, MAX_MESSAGE_BYTES, SCHEMA_VERSION};
+pub use messages::*;
+pub use subjects::{validate_run_id, Subjects};
+pub use tensor::{DType, NamedTensor, Tensor, TensorError};

@@ -1,0 +1,472 @@
+//! Every message type that crosses a process boundary.
+//!
+//! Each carries `schema` ([`SCHEMA_VERSION`]) as its first field and
+//! implements [`WireMessage`], whose `validate` checks what a receiver must
+//! not trust: shapes that agree with each other and finite numbers.
+
+use serde::{Deserialize, Serialize};
+
+use crate::codec::{Rejection, WireMessage, SCHEMA_VERSION};
+use crate::tensor::{DType, NamedTensor, Tensor};
+
+fn tensor_check(
+    kind: &'static str,
+    field: &'static str,
+    result: Result<(), crate::TensorError>,
+) -> Result<(), Rejection> {
+    result.map_err(|source| Rejection::Tensor {
+        kind,
+        field,
+        source,
+    })
+}
+
+fn finite_f32(kind: &'static str, field: &'static str, t: &Tensor) -> Result<(), Rejection> {
+    tensor_check(kind, field, t.to_finite_f32().map(|_| ()))
+}
+
+fn invalid(kind: &'static str, field: &'static str, detail: impl Into<String>) -> Rejection {
+    Rejection::Invalid {
+        kind,
+        field,
+        detail: detail.into(),
+    }
+}
+
+/// Checks an action tensor: `[lead.., ]` i64 for discrete spaces or
+/// `[lead.., dim]` finite f32 for continuous ones.
+fn check_actions(kind: &'static str, actions: &Tensor, lead: &[usize]) -> Result<(), Rejection> {
+    let lead: Vec<Option<usize>> = lead.iter().map(|&d| Some(d)).collect();
+    match actions.dtype {
+        DType::I64 => tensor_check(kind, "actions", actions.expect(DType::I64, &lead)),
+        DType::F32 => {
+            let mut shape = lead;
+            shape.push(None);
+            tensor_check(kind, "actions", actions.expect(DType::F32, &shape))?;
+            finite_f32(kind, "actions", actions)
+        }
+        other => Err(invalid(
+            kind,
+            "actions",
+            format!("dtype {other:?} is neither i64 (discrete) nor f32 (continuous)"),
+        )),
+    }
+}
+
+macro_rules! wire_message {
+    ($ty:ty, $kind:literal) => {
+        wire_message!($ty, $kind, |_m: &$ty| Ok(()));
+    };
+    ($ty:ty, $kind:literal, $validate:expr) => {
+        impl WireMessage for $ty {
+            const KIND: &'static str = $kind;
+            fn schema(&self) -> u16 {
+                self.schema
+            }
+            fn validate(&self) -> Result<(), Rejection> {
+                #[allow(clippy::redundant_closure_call)]
+                ($validate)(self)
+            }
+        }
+    };
+}
+
+/// env-runner -> inference-server: observations of a batch of envs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActRequest {
+    pub schema: u16,
+    /// `[n, obs_dim]` f32.
+    pub obs: Tensor,
+    /// Take the mode of the action distribution instead of sampling.
+    pub deterministic: bool,
+}
+
+impl ActRequest {
+    pub fn new(obs: Tensor, deterministic: bool) -> Self {
+        Self {
+            schema: SCHEMA_VERSION,
+            obs,
+            deterministic,
+        }
+    }
+}
+
+wire_message!(ActRequest, "ActRequest", |m: &ActRequest| {
+    tensor_check(
+        "ActRequest",
+        "obs",
+        m.obs.expect(DType::F32, &[None, None]),
+    )?;
+    if m.obs.shape[0] == 0 {
+        return Err(invalid("ActRequest", "obs", "batch of zero observations"));
+    }
+    finite_f32("ActRequest", "obs", &m.obs)
+});
+
+/// inference-server -> env-runner: one action per observation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActReply {
+    pub schema: u16,
+    /// The weights version that produced these actions.
+    pub policy_version: u64,
+    /// `[n]` i64 (discrete) or `[n, action_dim]` f32 (continuous, before clipping to the bounds).
+    pub actions: Tensor,
+    /// `[n]` f32 log-probability of each action under the policy.
+    pub logprobs: Tensor,
+    /// `[n]` f32 value estimates.
+    pub values: Tensor,
+}
+
+wire_message!(ActReply, "ActReply", |m: &ActReply| {
+    tensor_check("ActReply", "logprobs", m.logprobs.expect(DType::F32, &[None]))?;
+    let n = m.logprobs.shape[0] as usize;
+    tensor_check("ActReply", "values", m.values.expect(DType::F32, &[Some(n)]))?;
+    check_actions("ActReply", &m.actions, &[n])?;
+    finite_f32("ActReply", "logprobs", &m.logprobs)?;
+    finite_f32("ActReply", "values", &m.values)
+});
+
+/// env-runner -> replay-buffer: `num_steps` consecutive vector steps of
+/// `num_envs` envs, all acted by one policy version.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RolloutFragment {
+    pub schema: u16,
+    /// Which env-runner copy produced it.
+    pub runner_id: String,
+    pub env_id: String,
+    /// The oldest weights version that acted in this fragment.
+    pub policy_version: u64,
+    pub num_steps: u32,
+    pub num_envs: u32,
+    /// `[T, N, obs_dim]` f32: observation each action was taken in.
+    pub obs: Tensor,
+    /// `[T, N]` i64 or `[T, N, action_dim]` f32.
+    pub actions: Tensor,
+    /// `[T, N]` f32 behaviour log-probabilities.
+    pub logprobs: Tensor,
+    /// `[T, N]` f32 behaviour value estimates.
+    pub values: Tensor,
+    /// `[T, N]` f32.
+    pub rewards: Tensor,
+    /// `[T, N]` u8: the episode ended in a terminal state (no bootstrap).
+    pub terminated: Tensor,
+    /// `[T, N]` u8: the episode was cut by a time limit. Gymnasium sets it
+    /// whenever the limit is reached, even on a terminal step; a terminal
+    /// step is never bootstrapped.
+    pub truncated: Tensor,
+    /// `[N, obs_dim]` f32: observation after the last step (bootstraps the fragment's tail).
+    pub next_obs: Tensor,
+    /// `[K, obs_dim]` f32: the last observation of each episode that was
+    /// truncated and not terminated (the ones to bootstrap from), in `(t, env)`
+    /// row-major order.
+    pub final_obs: Tensor,
+}
+
+impl RolloutFragment {
+    /// Number of env steps (`T * N`).
+    pub fn env_steps(&self) -> u64 {
+        self.num_steps as u64 * self.num_envs as u64
+    }
+
+    /// Steps that end an episode by truncation alone: each has a `final_obs` row.
+    pub fn bootstrap_count(&self) -> usize {
+        self.terminated
+            .data
+            .iter()
+            .zip(&self.truncated.data)
+            .filter(|(&term, &trunc)| trunc != 0 && term == 0)
+            .count()
+    }
+}
+
+wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
+    const K: &str = "RolloutFragment";
+    let (t, n) = (m.num_steps as usize, m.num_envs as usize);
+    if t == 0 || n == 0 {
+        return Err(invalid(K, "num_steps", "fragment holds no steps"));
+    }
+    if m.env_id.is_empty() {
+        return Err(invalid(K, "env_id", "empty"));
+    }
+    tensor_check(K, "obs", m.obs.expect(DType::F32, &[Some(t), Some(n), None]))?;
+    let d = m.obs.shape[2] as usize;
+    check_actions(K, &m.actions, &[t, n])?;
+    for (field, tensor) in [
+        ("logprobs", &m.logprobs),
+        ("values", &m.values),
+        ("rewards", &m.rewards),
+    ] {
+        tensor_check(K, field, tensor.expect(DType::F32, &[Some(t), Some(n)]))?;
+        finite_f32(K, field, tensor)?;
+    }
+    tensor_check(K, "terminated", m.terminated.expect(DType::U8, &[Some(t), Some(n)]))?;
+    tensor_check(K, "truncated", m.truncated.expect(DType::U8, &[Some(t), Some(n)]))?;
+    tensor_check(K, "next_obs", m.next_obs.expect(DType::F32, &[Some(n), Some(d)]))?;
+    let truncations = m.bootstrap_count();
+    tensor_check(
+        K,
+        "final_obs",
+        m.final_obs.expect(DType::F32, &[Some(truncations), Some(d)]),
+    )?;
+    finite_f32(K, "obs", &m.obs)?;
+    finite_f32(K, "next_obs", &m.next_obs)?;
+    finite_f32(K, "final_obs", &m.final_obs)
+});
+
+/// replay-buffer -> env-runner: whether the fragment was stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InsertAck {
+    pub schema: u16,
+    /// False when the buffer is full (backpressure) or the fragment too stale.
+    pub accepted: bool,
+    /// When refused because full: how long to wait before sending more.
+    pub retry_after_ms: u32,
+    /// Env steps held for the run after this insert.
+    pub buffered_steps: u64,
+    /// Why the fragment was refused, empty when accepted.
+    pub reason: String,
+}
+wire_message!(InsertAck, "InsertAck");
+
+/// learner -> replay-buffer: take fragments out of the on-policy FIFO.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SampleRequest {
+    pub schema: u16,
+    /// Fragments acted by an older version are dropped (and counted).
+    pub min_policy_version: u64,
+    /// Stop taking fragments once this many env steps are gathered.
+    pub max_steps: u32,
+}
+wire_message!(SampleRequest, "SampleRequest");
+
+/// replay-buffer -> learner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SampleReply {
+    pub schema: u16,
+    pub fragments: Vec<RolloutFragment>,
+    /// Fragments dropped for being older than `min_policy_version`.
+    pub dropped_stale: u64,
+}
+wire_message!(SampleReply, "SampleReply", |m: &SampleReply| {
+    m.fragments.iter().try_for_each(WireMessage::validate)
+});
+
+/// learner -> inference-server, evaluator, replay-buffer: a new policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightsUpdate {
+    pub schema: u16,
+    /// Increases by one with each learner update; never goes back within a run.
+    pub version: u64,
+    /// Every parameter of the policy, by name.
+    pub tensors: Vec<NamedTensor>,
+}
+wire_message!(WeightsUpdate, "WeightsUpdate", |m: &WeightsUpdate| {
+    for t in &m.tensors {
+        tensor_check("WeightsUpdate", "tensors", t.tensor.expect(DType::F32, &vec![None; t.tensor.shape.len()]))?;
+        finite_f32("WeightsUpdate", "tensors", &t.tensor).map_err(|e| match e {
+            Rejection::Tensor { kind, source, .. } => invalid(kind, "tensors", format!("{}: {source}", t.name)),
+            e => e,
+        })?;
+    }
+    Ok(())
+});
+
+/// Any service -> learner: ask for the latest [`WeightsUpdate`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightsRequest {
+    pub schema: u16,
+}
+wire_message!(WeightsRequest, "WeightsRequest");
+
+/// One finished episode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpisodeSummary {
+    /// Undiscounted sum of rewards.
+    pub episode_return: f64,
+    pub length: u32,
+    /// True when it ended in a terminal state, false when cut by the time limit.
+    pub terminated: bool,
+}
+
+/// env-runner -> tracker: episodes finished since the last report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpisodeReport {
+    pub schema: u16,
+    pub runner_id: String,
+    pub env_id: String,
+    pub policy_version: u64,
+    pub episodes: Vec<EpisodeSummary>,
+}
+wire_message!(EpisodeReport, "EpisodeReport", |m: &EpisodeReport| {
+    match m.episodes.iter().position(|e| !e.episode_return.is_finite()) {
+        Some(i) => Err(invalid("EpisodeReport", "episodes", format!("episode {i} has a non-finite return"))),
+        None => Ok(()),
+    }
+});
+
+/// How the tracker aggregates a metric value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricKind {
+    /// The latest value replaces the previous one.
+    Gauge,
+    /// The value is an increment added to a running total.
+    Counter,
+}
+
+/// One named value.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MetricValue {
+    /// Name without the `relay_` prefix, e.g. `learner_policy_loss`.
+    pub name: String,
+    pub kind: MetricKind,
+    pub value: f64,
+}
+
+/// Any service -> tracker: a batch of metric values.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MetricsReport {
+    pub schema: u16,
+    pub service: String,
+    pub instance: String,
+    /// Vectorized env steps at which these values hold, when the producer knows it.
+    pub vec_steps: Option<u64>,
+    pub values: Vec<MetricValue>,
+}
+wire_message!(MetricsReport, "MetricsReport", |m: &MetricsReport| {
+    for v in &m.values {
+        if v.name.is_empty() || !v.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(invalid("MetricsReport", "values", format!("bad metric name {:?}", v.name)));
+        }
+    }
+    Ok(())
+});
+
+/// evaluator -> tracker, supervisor: the result of one evaluation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalReport {
+    pub schema: u16,
+    /// Name of the evaluator plugin that produced it, e.g. `greedy`.
+    pub evaluator: String,
+    pub instance: String,
+    pub env_id: String,
+    pub policy_version: u64,
+    /// Env steps the learner had consumed when it published this version.
+    pub learner_env_steps: u64,
+    pub returns: Vec<f64>,
+    pub mean_return: f64,
+    pub std_return: f64,
+    /// The env's reward threshold.
+    pub threshold: f64,
+    /// `mean_return >= threshold`.
+    pub solved: bool,
+}
+wire_message!(EvalReport, "EvalReport");
+
+/// Lifecycle of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunStatus {
+    Running,
+    Solved,
+    Stopped,
+    Failed,
+}
+
+/// Any service -> tracker, supervisor: the run changed state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunStatusUpdate {
+    pub schema: u16,
+    pub status: RunStatus,
+    pub service: String,
+    pub policy_version: u64,
+    pub detail: String,
+}
+wire_message!(RunStatusUpdate, "RunStatusUpdate");
+
+/// Any service -> tracker: formatted log lines for `runs/<id>/logs/<service>.log`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LogBatch {
+    pub schema: u16,
+    pub service: String,
+    pub instance: String,
+    pub lines: Vec<String>,
+}
+wire_message!(LogBatch, "LogBatch", |m: &LogBatch| {
+    if m.service.is_empty() || !m.service.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        return Err(invalid("LogBatch", "service", format!("bad service name {:?}", m.service)));
+    }
+    Ok(())
+});
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{decode, encode};
+
+    pub(crate) fn fragment(t: usize, n: usize, d: usize) -> RolloutFragment {
+        let mut truncated = vec![false; t * n];
+        truncated[n] = true;
+        RolloutFragment {
+            schema: SCHEMA_VERSION,
+            runner_id: "r0".into(),
+            env_id: "CartPole-v1".into(),
+            policy_version: 3,
+            num_steps: t as u32,
+            num_envs: n as u32,
+            obs: Tensor::from_f32(&[t, n, d], &vec![0.5; t * n * d]),
+            actions: Tensor::from_i64(&[t, n], &vec![1; t * n]),
+            logprobs: Tensor::from_f32(&[t, n], &vec![-0.7; t * n]),
+            values: Tensor::from_f32(&[t, n], &vec![0.0; t * n]),
+            rewards: Tensor::from_f32(&[t, n], &vec![1.0; t * n]),
+            terminated: Tensor::from_bool(&[t, n], &vec![false; t * n]),
+            truncated: Tensor::from_bool(&[t, n], &truncated),
+            next_obs: Tensor::from_f32(&[n, d], &vec![0.1; n * d]),
+            final_obs: Tensor::from_f32(&[1, d], &vec![0.2; d]),
+        }
+    }
+
+    #[test]
+    fn fragment_round_trips() {
+        let f = fragment(4, 2, 3);
+        let back: RolloutFragment = decode(&encode(&f)).unwrap();
+        assert_eq!(back, f);
+    }
+
+    #[test]
+    fn rejects_wrong_schema_version() {
+        let mut f = fragment(2, 2, 3);
+        f.schema = SCHEMA_VERSION + 1;
+        let err = decode::<RolloutFragment>(&encode(&f)).unwrap_err();
+        assert_eq!(err.reason(), "schema_version");
+    }
+
+    #[test]
+    fn rejects_garbage_and_oversized_payloads() {
+        assert_eq!(decode::<ActRequest>(b"\x01\x02garbage").unwrap_err().reason(), "decode");
+        let big = vec![0u8; crate::MAX_MESSAGE_BYTES + 1];
+        assert_eq!(decode::<ActRequest>(&big).unwrap_err().reason(), "oversized");
+    }
+
+    #[test]
+    fn rejects_bad_shapes_and_nan() {
+        let mut f = fragment(2, 2, 3);
+        f.rewards = Tensor::from_f32(&[2, 2], &[1.0, f32::NAN, 1.0, 1.0]);
+        assert_eq!(decode::<RolloutFragment>(&encode(&f)).unwrap_err().reason(), "non_finite");
+        let mut f = fragment(2, 2, 3);
+        f.final_obs = Tensor::from_f32(&[0, 3], &[]);
+        assert_eq!(decode::<RolloutFragment>(&encode(&f)).unwrap_err().reason(), "shape");
+        let req = ActRequest::new(Tensor::from_f32(&[1, 2], &[f32::INFINITY, 0.0]), false);
+        assert_eq!(decode::<ActRequest>(&encode(&req)).unwrap_err().reason(), "non_finite");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decoding_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            let _ = decode::<RolloutFragment>(&bytes);
+            let _ = decode::<ActRequest>(&bytes);
+            let _ = decode::<WeightsUpdate>(&bytes);
+            let _ = decode::<MetricsReport>(&bytes);
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! NATS subjects, all scoped by run: `relay.<run_id>.<topic>`.
+//!
+//! `docs/protocol.md` is the table of who publishes and who subscribes.
+
+/// Checks that a run id can be one NATS subject token and a directory name.
+pub fn validate_run_id(run_id: &str) -> Result<(), String> {
+    if run_id.is_empty() || run_id.len() > 128 {
+        return Err(format!(
+            "run id must have 1 to 128 characters, got {}",
+            run_id.len()
+        ));
+    }
+    if let Some(c) = run_id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '_'))
+    {
+        return Err(format!(
+            "run id {run_id:?} contains {c:?}; only ASCII letters, digits, '-' and '_' are allowed"
+        ));
+    }
+    Ok(())
+}
+
+/// The subjects of one run.
+#[derive(Debug, Clone)]
+pub struct Subjects {
+    prefix: String,
+}
+
+impl Subjects {
+    /// Panics on an invalid run id: validate configuration with
+    /// [`validate_run_id`] first.
+    pub fn new(run_id: &str) -> Self {
+        validate_run_id(run_id).expect("valid run id");
+        Self {
+            prefix: format!("relay.{run_id}"),
+        }
+    }
+
+    fn subject(&self, topic: &str) -> String {
+        format!("{}.{topic}", self.prefix)
+    }
+
+    /// Request-reply, queue group: [`crate::ActRequest`] -> [`crate::ActReply`].
+    pub fn act(&self) -> String {
+        self.subject("act")
+    }
+    /// Request-reply, queue group: [`crate::RolloutFragment`] -> [`crate::InsertAck`].
+    pub fn replay_insert(&self) -> String {
+        self.subject("replay.insert")
+    }
+    /// Request-reply, queue group: [`crate::SampleRequest`] -> [`crate::SampleReply`].
+    pub fn replay_sample(&self) -> String {
+        self.subject("replay.sample")
+    }
+    /// Publish: [`crate::WeightsUpdate`], each new policy version.
+    pub fn weights(&self) -> String {
+        self.subject("weights")
+    }
+    /// Request-reply: [`crate::WeightsRequest`] -> [`crate::WeightsUpdate`] (latest).
+    pub fn weights_latest(&self) -> String {
+        self.subject("weights.latest")
+    }
+    /// Publish: [`crate::EpisodeReport`].
+    pub fn episodes(&self) -> String {
+        self.subject("episodes")
+    }
+    /// Publish: [`crate::MetricsReport`].
+    pub fn metrics(&self) -> String {
+        self.subject("metrics")
+    }
+    /// Publish: [`crate::EvalReport`].
+    pub fn eval(&self) -> String {
+        self.subject("eval")
+    }
+    /// Publish: [`crate::RunStatusUpdate`].
+    pub fn status(&self) -> String {
+        self.subject("status")
+    }
+    /// Publish: [`crate::LogBatch`].
+    pub fn logs(&self) -> String {
+        self.subject("logs")
+    }
+    /// Wildcard matching every subject of the run.
+    pub fn all(&self) -> String {
+        self.subject(">")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_subjects_by_run() {
+        let s = Subjects::new("cartpole-ppo-1");
+        assert_eq!(s.act(), "relay.cartpole-ppo-1.act");
+        assert_eq!(s.replay_insert(), "relay.cartpole-ppo-1.replay.insert");
+    }
+
+    #[test]
+    fn rejects_run_ids_that_break_subjects() {
+        assert!(validate_run_id("a.b").is_err());
+        assert!(validate_run_id("a b").is_err());
+        assert!(validate_run_id("a*").is_err());
+        assert!(validate_run_id("").is_err());
+        assert!(validate_run_id("CartPole-v1-ppo-20261122-101010").is_ok());
+    }
+}

@@ -1,0 +1,214 @@
+//! Tensors on the wire: raw little-endian bytes with a dtype and a shape.
+
+use serde::{Deserialize, Serialize};
+
+/// Element type of a [`Tensor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    I64,
+    U8,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::I64 => 8,
+            DType::U8 => 1,
+        }
+    }
+}
+
+/// Why a tensor cannot be read.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TensorError {
+    #[error("tensor holds {got} bytes but dtype {dtype:?} and shape {shape:?} need {want}")]
+    ByteLength {
+        dtype: DType,
+        shape: Vec<u32>,
+        want: usize,
+        got: usize,
+    },
+    #[error("expected dtype {want:?}, got {got:?}")]
+    DType { want: DType, got: DType },
+    #[error("expected shape {want:?}, got {got:?}")]
+    Shape { want: Vec<u32>, got: Vec<u32> },
+    #[error("non-finite value at element {index}")]
+    NonFinite { index: usize },
+}
+
+/// A dense array: raw little-endian bytes plus dtype and shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tensor {
+    pub dtype: DType,
+    pub shape: Vec<u32>,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+}
+
+/// A tensor with a name, e.g. one parameter of a model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NamedTensor {
+    pub name: String,
+    pub tensor: Tensor,
+}
+
+impl Tensor {
+    pub fn from_f32(shape: &[usize], values: &[f32]) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), values.len());
+        let mut data = Vec::with_capacity(values.len() * 4);
+        for v in values {
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        Self {
+            dtype: DType::F32,
+            shape: shape.iter().map(|&d| d as u32).collect(),
+            data,
+        }
+    }
+
+    pub fn from_i64(shape: &[usize], values: &[i64]) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), values.len());
+        let mut data = Vec::with_capacity(values.len() * 8);
+        for v in values {
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        Self {
+            dtype: DType::I64,
+            shape: shape.iter().map(|&d| d as u32).collect(),
+            data,
+        }
+    }
+
+    pub fn from_bool(shape: &[usize], values: &[bool]) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), values.len());
+        Self {
+            dtype: DType::U8,
+            shape: shape.iter().map(|&d| d as u32).collect(),
+            data: values.iter().map(|&b| b as u8).collect(),
+        }
+    }
+
+    /// Number of elements the shape describes.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().map(|&d| d as usize).product()
+    }
+
+    pub fn shape_usize(&self) -> Vec<usize> {
+        self.shape.iter().map(|&d| d as usize).collect()
+    }
+
+    /// Checks that the byte length matches dtype and shape.
+    pub fn check_len(&self) -> Result<(), TensorError> {
+        let want = self.numel() * self.dtype.size();
+        if want != self.data.len() {
+            return Err(TensorError::ByteLength {
+                dtype: self.dtype,
+                shape: self.shape.clone(),
+                want,
+                got: self.data.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks dtype, and the shape where `want` gives a dimension (`None` = any).
+    pub fn expect(&self, dtype: DType, want: &[Option<usize>]) -> Result<(), TensorError> {
+        if self.dtype != dtype {
+            return Err(TensorError::DType {
+                want: dtype,
+                got: self.dtype,
+            });
+        }
+        let matches = self.shape.len() == want.len()
+            && self
+                .shape
+                .iter()
+                .zip(want)
+                .all(|(&got, w)| w.is_none_or(|w| w == got as usize));
+        if !matches {
+            return Err(TensorError::Shape {
+                want: want
+                    .iter()
+                    .map(|w| w.map_or(u32::MAX, |w| w as u32))
+                    .collect(),
+                got: self.shape.clone(),
+            });
+        }
+        self.check_len()
+    }
+
+    pub fn to_f32(&self) -> Result<Vec<f32>, TensorError> {
+        self.ensure_dtype(DType::F32)?;
+        Ok(self
+            .data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// Like [`Tensor::to_f32`], rejecting NaN and infinities.
+    pub fn to_finite_f32(&self) -> Result<Vec<f32>, TensorError> {
+        let values = self.to_f32()?;
+        if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+            return Err(TensorError::NonFinite { index });
+        }
+        Ok(values)
+    }
+
+    pub fn to_i64(&self) -> Result<Vec<i64>, TensorError> {
+        self.ensure_dtype(DType::I64)?;
+        Ok(self
+            .data
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("chunk of 8")))
+            .collect())
+    }
+
+    pub fn to_bool(&self) -> Result<Vec<bool>, TensorError> {
+        self.ensure_dtype(DType::U8)?;
+        Ok(self.data.iter().map(|&b| b != 0).collect())
+    }
+
+    fn ensure_dtype(&self, dtype: DType) -> Result<(), TensorError> {
+        if self.dtype != dtype {
+            return Err(TensorError::DType {
+                want: dtype,
+                got: self.dtype,
+            });
+        }
+        self.check_len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_each_dtype() {
+        let t = Tensor::from_f32(&[2, 2], &[1.0, -2.5, 3.0, 0.0]);
+        assert_eq!(t.to_f32().unwrap(), vec![1.0, -2.5, 3.0, 0.0]);
+        let t = Tensor::from_i64(&[3], &[1, -7, 9]);
+        assert_eq!(t.to_i64().unwrap(), vec![1, -7, 9]);
+        let t = Tensor::from_bool(&[2], &[true, false]);
+        assert_eq!(t.to_bool().unwrap(), vec![true, false]);
+    }
+
+    #[test]
+    fn rejects_wrong_length_dtype_shape_and_nan() {
+        let mut t = Tensor::from_f32(&[2], &[1.0, 2.0]);
+        t.data.pop();
+        assert!(matches!(t.check_len(), Err(TensorError::ByteLength { .. })));
+        let t = Tensor::from_f32(&[2], &[1.0, f32::NAN]);
+        assert_eq!(t.to_finite_f32(), Err(TensorError::NonFinite { index: 1 }));
+        assert!(matches!(t.to_i64(), Err(TensorError::DType { .. })));
+        assert!(matches!(
+            t.expect(DType::F32, &[Some(3)]),
+            Err(TensorError::Shape { .. })
+        ));
+        assert!(t.expect(DType::F32, &[None]).is_ok());
+    }
+}

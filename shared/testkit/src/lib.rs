@@ -1,0 +1,267 @@
+//! Test support: real `nats-server`, `redis-server` and `prometheus`
+//! processes on free loopback ports, each killed (and its state folder
+//! removed) on drop, plus a helper to run this workspace's service binaries
+//! as child processes.
+//!
+//! The servers are found on `PATH` (`deploy/install.sh` installs them) or at
+//! the path in `RELAY_NATS_SERVER` / `RELAY_REDIS_SERVER` / `RELAY_PROMETHEUS`.
+//! Nothing here mocks a server.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// A port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral port")
+}
+
+/// A fresh temporary folder, removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(label: &str) -> Self {
+        static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "relay-test-{label}-{}-{n}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        Self(path)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn binary(env_var: &str, name: &str) -> Result<PathBuf> {
+    if let Ok(path) = std::env::var(env_var) {
+        return Ok(PathBuf::from(path));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for dir in std::env::split_paths(&path) {
+        let candidate = dir.join(name);
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    bail!("{name} not found on PATH (set {env_var}, or run deploy/install.sh)")
+}
+
+fn wait_for_port(addr: SocketAddr, child: &mut Child, what: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("{what} exited with {status} before listening on {addr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("{what} did not listen on {addr} within 20 s")
+}
+
+/// A running server process, killed on drop.
+pub struct ServerProcess {
+    child: Child,
+    pub port: u16,
+    pub dir: TempDir,
+}
+
+impl ServerProcess {
+    /// Kills the process with SIGKILL (for fault tests) and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A real nats-server with JetStream.
+pub struct NatsServer(pub ServerProcess);
+
+impl NatsServer {
+    pub fn start() -> Result<Self> {
+        let bin = binary("RELAY_NATS_SERVER", "nats-server")?;
+        let dir = TempDir::new("nats");
+        let port = free_port();
+        let mut child = Command::new(&bin)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        wait_for_port(([127, 0, 0, 1], port).into(), &mut child, "nats-server")?;
+        Ok(Self(ServerProcess { child, port, dir }))
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.0.port)
+    }
+}
+
+/// A real redis-server without persistence.
+pub struct RedisServer(pub ServerProcess);
+
+impl RedisServer {
+    pub fn start() -> Result<Self> {
+        let bin = binary("RELAY_REDIS_SERVER", "redis-server")?;
+        let dir = TempDir::new("redis");
+        let port = free_port();
+        let mut child = Command::new(&bin)
+            .args([
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+            ])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        wait_for_port(([127, 0, 0, 1], port).into(), &mut child, "redis-server")?;
+        Ok(Self(ServerProcess { child, port, dir }))
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.0.port)
+    }
+}
+
+/// A real Prometheus scraping the given `host:port` targets every second.
+pub struct PrometheusServer(pub ServerProcess);
+
+impl PrometheusServer {
+    pub fn start(targets: &[String]) -> Result<Self> {
+        let bin = binary("RELAY_PROMETHEUS", "prometheus")?;
+        let dir = TempDir::new("prometheus");
+        let port = free_port();
+        let targets = targets
+            .iter()
+            .map(|t| format!("'{t}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let config = format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: relay\n    static_configs:\n      - targets: [{targets}]\n"
+        );
+        let config_path = dir.path().join("prometheus.yml");
+        std::fs::write(&config_path, config)?;
+        let mut child = Command::new(&bin)
+            .arg(format!("--config.file={}", config_path.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        wait_for_port(([127, 0, 0, 1], port).into(), &mut child, "prometheus")?;
+        Ok(Self(ServerProcess { child, port, dir }))
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.0.port)
+    }
+}
+
+/// Path of a binary built from this workspace (`relay-learner`, ...), found
+/// beside the test executable's `deps/` folder.
+pub fn workspace_binary(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent().context("test executable has a folder")?;
+    if dir.ends_with("deps") {
+        dir = dir.parent().context("deps has a parent")?;
+    }
+    let path = dir.join(name);
+    if !path.is_file() {
+        bail!(
+            "{} is not built; run `cargo build --workspace` first",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// A child process killed on drop; its output goes to a log file.
+pub struct ChildProcess {
+    pub child: Child,
+    pub name: String,
+    pub log: PathBuf,
+}
+
+impl ChildProcess {
+    pub fn spawn(mut command: Command, name: &str, log_dir: &Path) -> Result<Self> {
+        let log = log_dir.join(format!("{name}.log"));
+        let file = std::fs::File::create(&log)?;
+        let child = command
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .spawn()
+            .with_context(|| format!("spawning {name}"))?;
+        Ok(Self {
+            child,
+            name: name.to_string(),
+            log,
+        })
+    }
+
+    /// Sends SIGTERM and waits up to `timeout` for a clean exit.
+    pub fn terminate(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        // SAFETY: kill(2) with a pid we own; no memory is touched.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                bail!("{} did not exit within {:?} of SIGTERM", self.name, timeout);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
