@@ -265,3 +265,22 @@ impl Drop for ChildProcess {
         let _ = self.child.wait();
     }
 }
+
+/// A blocking HTTP/1.0 GET on loopback: (status, body).
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .context("HTTP status line")?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}

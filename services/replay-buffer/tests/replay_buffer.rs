@@ -1,0 +1,137 @@
+//! The replay-buffer against a real redis-server and nats-server.
+
+use std::time::Duration;
+
+use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_proto::{
+    InsertAck, RolloutFragment, SampleReply, SampleRequest, Subjects, Tensor, SCHEMA_VERSION,
+};
+use relay_testkit::{NatsServer, RedisServer};
+
+fn config(nats: &NatsServer, redis: &RedisServer, run_id: &str) -> ServiceConfig {
+    let text = format!(
+        "run:\n  id: {run_id}\n  env_id: CartPole-v1\nconnections:\n  nats_url: {}\n  redis_url: {}\n  request_timeout_ms: 2000\nreplay:\n  capacity_steps: 48\n  max_policy_lag: 1\nppo:\n  rollout_steps: 16\n",
+        nats.url(),
+        redis.url()
+    );
+    ServiceConfig::for_test(ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap())
+}
+
+fn fragment(version: u64, t: usize, n: usize) -> RolloutFragment {
+    RolloutFragment {
+        schema: SCHEMA_VERSION,
+        runner_id: "test".into(),
+        env_id: "CartPole-v1".into(),
+        policy_version: version,
+        num_steps: t as u32,
+        num_envs: n as u32,
+        obs: Tensor::from_f32(&[t, n, 4], &vec![0.1; t * n * 4]),
+        actions: Tensor::from_i64(&[t, n], &vec![0; t * n]),
+        logprobs: Tensor::from_f32(&[t, n], &vec![-0.69; t * n]),
+        values: Tensor::from_f32(&[t, n], &vec![0.0; t * n]),
+        rewards: Tensor::from_f32(&[t, n], &vec![1.0; t * n]),
+        terminated: Tensor::from_bool(&[t, n], &vec![false; t * n]),
+        truncated: Tensor::from_bool(&[t, n], &vec![false; t * n]),
+        next_obs: Tensor::from_f32(&[n, 4], &vec![0.1; n * 4]),
+        final_obs: Tensor::from_f32(&[0, 4], &[]),
+    }
+}
+
+async fn insert(client: &async_nats::Client, s: &Subjects, f: &RolloutFragment) -> InsertAck {
+    relay_kit::request(client, &s.replay_insert(), f, Duration::from_secs(2)).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_backpressure_staleness_and_bad_input() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let run_id = "replay-test";
+    let (trigger, shutdown) = Shutdown::new();
+    let mut service_config = config(&nats, &redis, run_id);
+    let metrics_addr: std::net::SocketAddr = ([127, 0, 0, 1], relay_testkit::free_port()).into();
+    service_config.metrics_addr = metrics_addr;
+    let server = tokio::spawn(relay_replay_buffer::run(service_config, shutdown));
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let s = Subjects::new(run_id);
+
+    // Wait for the service to answer.
+    let mut first = None;
+    for _ in 0..100 {
+        match relay_kit::request::<_, InsertAck>(&client, &s.replay_insert(), &fragment(0, 4, 4), Duration::from_millis(500)).await {
+            Ok(ack) => {
+                first = Some(ack);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    let first = first.expect("replay-buffer answers");
+    assert!(first.accepted);
+    assert_eq!(first.buffered_steps, 16);
+
+    // Capacity 48 steps: two more fit, the fourth is refused (backpressure).
+    assert!(insert(&client, &s, &fragment(1, 4, 4)).await.accepted);
+    assert!(insert(&client, &s, &fragment(1, 4, 4)).await.accepted);
+    let full = insert(&client, &s, &fragment(1, 4, 4)).await;
+    assert!(!full.accepted);
+    assert_eq!(full.reason, "full");
+    assert!(full.retry_after_ms > 0);
+
+    // Bad input: garbage, wrong schema, NaN. Each is refused with an error
+    // reply, and what is stored stays.
+    let mut wrong_schema = fragment(1, 4, 4);
+    wrong_schema.schema = SCHEMA_VERSION + 7;
+    let mut nan = fragment(1, 4, 4);
+    nan.rewards = Tensor::from_f32(&[4, 4], &[f32::NAN; 16]);
+    for payload in [b"not msgpack".to_vec(), relay_proto::encode(&wrong_schema), relay_proto::encode(&nan)] {
+        let reply = client.request(s.replay_insert(), payload.into()).await.unwrap();
+        let headers = reply.headers.expect("error reply carries headers");
+        assert_eq!(headers.get("Nats-Service-Error-Code").unwrap().as_str(), "400");
+    }
+
+    // The learner is at version 2 with max lag 1: version 0 is dropped as stale.
+    let reply: SampleReply = relay_kit::request(
+        &client,
+        &s.replay_sample(),
+        &SampleRequest { schema: SCHEMA_VERSION, min_policy_version: 1, max_steps: 32 },
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    assert_eq!(reply.dropped_stale, 1);
+    assert_eq!(reply.fragments.len(), 2);
+    assert!(reply.fragments.iter().all(|f| f.policy_version == 1));
+
+    // Inserts older than the learner's minimum are refused as stale.
+    let stale = insert(&client, &s, &fragment(0, 4, 4)).await;
+    assert_eq!(stale.reason, "stale");
+    assert!(insert(&client, &s, &fragment(1, 4, 4)).await.accepted);
+
+    // Rejections are counted on /metrics by subject and reason.
+    let (status, body) = relay_testkit::http_get(metrics_addr, "/metrics").unwrap();
+    assert_eq!(status, 200);
+    for reason in ["decode", "schema_version", "non_finite"] {
+        let line = format!("relay_messages_rejected_total{{reason=\"{reason}\",subject=\"replay.insert\"}} 1");
+        assert!(body.contains(&line), "missing {line} in\n{body}");
+    }
+    assert!(body.contains("relay_replay_dropped_fragments_total{reason=\"stale\"} 2"), "{body}");
+
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(10), server).await.unwrap().unwrap().unwrap();
+
+    // A new copy of the service finds the stored fragment in Redis.
+    let (trigger, shutdown) = Shutdown::new();
+    let server = tokio::spawn(relay_replay_buffer::run(config(&nats, &redis, run_id), shutdown));
+    let mut reply = None;
+    for _ in 0..100 {
+        let ask = SampleRequest { schema: SCHEMA_VERSION, min_policy_version: 1, max_steps: 32 };
+        if let Ok(r) = relay_kit::request::<_, SampleReply>(&client, &s.replay_sample(), &ask, Duration::from_millis(500)).await {
+            reply = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(reply.expect("restarted replay-buffer answers").fragments.len(), 1);
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(10), server).await.unwrap().unwrap().unwrap();
+}
