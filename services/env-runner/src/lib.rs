@@ -16,8 +16,8 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 use relay_envs::{ActionSpace, VecActions, VecEnv};
 use relay_kit::{counter, gauge, RequestError, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_proto::{
-    ActReply, ActRequest, DType, EpisodeReport, EpisodeSummary, InsertAck, RolloutFragment,
-    Tensor, SCHEMA_VERSION,
+    ActReply, ActRequest, DType, EpisodeReport, EpisodeSummary, InsertAck, RolloutFragment, Tensor,
+    SCHEMA_VERSION,
 };
 
 struct Metrics {
@@ -31,20 +31,44 @@ struct Metrics {
 
 impl Metrics {
     fn register(registry: &prometheus::Registry) -> Self {
-        let env_steps = IntCounter::new("relay_env_steps_total", "Env steps taken by this env-runner.").unwrap();
-        let vec_steps = IntCounter::new("relay_vec_steps_total", "Vector steps taken by this env-runner.").unwrap();
-        let episodes = IntCounter::new("relay_episodes_total", "Episodes finished by this env-runner.").unwrap();
+        let env_steps = IntCounter::new(
+            "relay_env_steps_total",
+            "Env steps taken by this env-runner.",
+        )
+        .unwrap();
+        let vec_steps = IntCounter::new(
+            "relay_vec_steps_total",
+            "Vector steps taken by this env-runner.",
+        )
+        .unwrap();
+        let episodes = IntCounter::new(
+            "relay_episodes_total",
+            "Episodes finished by this env-runner.",
+        )
+        .unwrap();
         let act_latency = Histogram::with_opts(
-            HistogramOpts::new("relay_env_runner_act_latency_seconds", "Round trip of one act request.")
-                .buckets(vec![1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0]),
+            HistogramOpts::new(
+                "relay_env_runner_act_latency_seconds",
+                "Round trip of one act request.",
+            )
+            .buckets(vec![
+                1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0,
+            ]),
         )
         .unwrap();
         let fragments = IntCounterVec::new(
-            Opts::new("relay_env_runner_fragments_total", "Rollout fragments by outcome (stored, stale, rejected)."),
+            Opts::new(
+                "relay_env_runner_fragments_total",
+                "Rollout fragments by outcome (stored, stale, rejected).",
+            ),
             &["outcome"],
         )
         .unwrap();
-        let backpressure_waits = IntCounter::new("relay_env_runner_backpressure_waits_total", "Inserts refused because the replay buffer was full.").unwrap();
+        let backpressure_waits = IntCounter::new(
+            "relay_env_runner_backpressure_waits_total",
+            "Inserts refused because the replay buffer was full.",
+        )
+        .unwrap();
         for c in [
             Box::new(env_steps.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(vec_steps.clone()),
@@ -55,7 +79,14 @@ impl Metrics {
         ] {
             registry.register(c).expect("register env-runner metric");
         }
-        Self { env_steps, vec_steps, episodes, act_latency, fragments, backpressure_waits }
+        Self {
+            env_steps,
+            vec_steps,
+            episodes,
+            act_latency,
+            fragments,
+            backpressure_waits,
+        }
     }
 }
 
@@ -92,7 +123,15 @@ impl FragmentBuilder {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn finish(&mut self, runner_id: &str, env_id: &str, n: usize, obs_dim: usize, action_dim: Option<usize>, next_obs: &[f32]) -> RolloutFragment {
+    fn finish(
+        &mut self,
+        runner_id: &str,
+        env_id: &str,
+        n: usize,
+        obs_dim: usize,
+        action_dim: Option<usize>,
+        next_obs: &[f32],
+    ) -> RolloutFragment {
         let t = self.steps;
         let actions = match action_dim {
             None => Tensor::from_i64(&[t, n], &self.actions_i64),
@@ -113,7 +152,10 @@ impl FragmentBuilder {
             terminated: Tensor::from_bool(&[t, n], &self.terminated),
             truncated: Tensor::from_bool(&[t, n], &self.truncated),
             next_obs: Tensor::from_f32(&[n, obs_dim], next_obs),
-            final_obs: Tensor::from_f32(&[self.final_obs.len() / obs_dim, obs_dim], &self.final_obs),
+            final_obs: Tensor::from_f32(
+                &[self.final_obs.len() / obs_dim, obs_dim],
+                &self.final_obs,
+            ),
         };
         *self = Self::new();
         fragment
@@ -123,21 +165,29 @@ impl FragmentBuilder {
 /// Derives this copy's env seed from the run seed and its instance name, so
 /// that copies do not replay each other's episodes.
 fn runner_seed(seed: u64, instance: &str) -> u64 {
-    instance.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x1000_0000_01b3))
+    instance.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x1000_0000_01b3)
+    })
 }
 
 /// Checks an act reply against the request size and the action space.
 fn check_reply(reply: &ActReply, n: usize, space: &ActionSpace) -> Result<(), String> {
     match space {
         ActionSpace::Discrete { n: actions } => {
-            reply.actions.expect(DType::I64, &[Some(n)]).map_err(|e| e.to_string())?;
+            reply
+                .actions
+                .expect(DType::I64, &[Some(n)])
+                .map_err(|e| e.to_string())?;
             let values = reply.actions.to_i64().map_err(|e| e.to_string())?;
             if let Some(a) = values.iter().find(|&&a| a < 0 || a as usize >= *actions) {
                 return Err(format!("action {a} outside Discrete({actions})"));
             }
         }
         ActionSpace::Box { low, .. } => {
-            reply.actions.expect(DType::F32, &[Some(n), Some(low.len())]).map_err(|e| e.to_string())?;
+            reply
+                .actions
+                .expect(DType::F32, &[Some(n), Some(low.len())])
+                .map_err(|e| e.to_string())?;
         }
     }
     Ok(())
@@ -149,8 +199,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let cfg = service.config.clone();
     let metrics = Metrics::register(&service.registry);
     let n = cfg.env_runner.num_envs;
-    let mut envs = VecEnv::new(&cfg.run.env_id, n, runner_seed(cfg.run.seed, &service.instance))
-        .map_err(|e| ServiceError::other(format!("run.env_id: {e}")))?;
+    let mut envs = VecEnv::new(
+        &cfg.run.env_id,
+        n,
+        runner_seed(cfg.run.seed, &service.instance),
+    )
+    .map_err(|e| ServiceError::other(format!("run.env_id: {e}")))?;
     let spec = envs.spec().clone();
     let obs_dim = envs.obs_dim();
     let action_dim = (!spec.action_space.is_discrete()).then(|| spec.action_space.dim());
@@ -178,15 +232,26 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         let mut backoff = Duration::from_millis(10);
         let reply: ActReply = loop {
             let sent = Instant::now();
-            match relay_kit::request::<_, ActReply>(&service.nats, &act_subject, &request, timeout).await {
+            match relay_kit::request::<_, ActReply>(&service.nats, &act_subject, &request, timeout)
+                .await
+            {
                 Ok(reply) => match check_reply(&reply, n, &spec.action_space) {
                     Ok(()) => {
                         metrics.act_latency.observe(sent.elapsed().as_secs_f64());
                         break reply;
                     }
-                    Err(detail) => service.intake.reject("act.reply", &relay_proto::Rejection::Invalid { kind: "ActReply", field: "actions", detail }),
+                    Err(detail) => service.intake.reject(
+                        "act.reply",
+                        &relay_proto::Rejection::Invalid {
+                            kind: "ActReply",
+                            field: "actions",
+                            detail,
+                        },
+                    ),
                 },
-                Err(RequestError::BadReply { source, .. }) => service.intake.reject("act.reply", &source),
+                Err(RequestError::BadReply { source, .. }) => {
+                    service.intake.reject("act.reply", &source)
+                }
                 Err(e) => tracing::debug!(error = %e, "act request failed; retrying"),
             }
             tokio::select! {
@@ -198,8 +263,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         last_version = reply.policy_version;
         fragment.min_version = fragment.min_version.min(reply.policy_version);
         fragment.obs.extend_from_slice(&obs);
-        fragment.logprobs.extend(reply.logprobs.to_f32().expect("checked by decode"));
-        fragment.values.extend(reply.values.to_f32().expect("checked by decode"));
+        fragment
+            .logprobs
+            .extend(reply.logprobs.to_f32().expect("checked by decode"));
+        fragment
+            .values
+            .extend(reply.values.to_f32().expect("checked by decode"));
         let step = match action_dim {
             None => {
                 let actions = reply.actions.to_i64().expect("checked above");
@@ -217,16 +286,24 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
         }
         .map_err(ServiceError::other)?;
-        fragment.rewards.extend(step.rewards.iter().map(|&r| r as f32));
+        fragment
+            .rewards
+            .extend(step.rewards.iter().map(|&r| r as f32));
         fragment.terminated.extend_from_slice(&step.terminated);
         fragment.truncated.extend_from_slice(&step.truncated);
         for i in 0..n {
             if step.truncated[i] && !step.terminated[i] {
-                fragment.final_obs.extend_from_slice(step.final_obs(i).expect("episode ended"));
+                fragment
+                    .final_obs
+                    .extend_from_slice(step.final_obs(i).expect("episode ended"));
             }
         }
         for e in &step.finished {
-            episodes.push(EpisodeSummary { episode_return: e.episode_return, length: e.length, terminated: e.terminated });
+            episodes.push(EpisodeSummary {
+                episode_return: e.episode_return,
+                length: e.length,
+                terminated: e.terminated,
+            });
             if recent_returns.len() == 100 {
                 recent_returns.pop_front();
             }
@@ -244,7 +321,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             if let Some(previous) = pending_insert.take() {
                 let _ = previous.await;
             }
-            pending_insert = Some(tokio::spawn(insert_with_retry(service.clone(), message, metrics.fragments.clone(), metrics.backpressure_waits.clone())));
+            pending_insert = Some(tokio::spawn(insert_with_retry(
+                service.clone(),
+                message,
+                metrics.fragments.clone(),
+                metrics.backpressure_waits.clone(),
+            )));
             if !episodes.is_empty() {
                 let report = EpisodeReport {
                     schema: SCHEMA_VERSION,
@@ -259,7 +341,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 
         if Instant::now() >= report_at {
             report_at = Instant::now() + Duration::from_secs(1);
-            let (env_steps, vec_steps, eps) = (metrics.env_steps.get(), metrics.vec_steps.get(), metrics.episodes.get());
+            let (env_steps, vec_steps, eps) = (
+                metrics.env_steps.get(),
+                metrics.vec_steps.get(),
+                metrics.episodes.get(),
+            );
             let sps = (env_steps - sps_window.1) as f64 / sps_window.0.elapsed().as_secs_f64();
             sps_window = (Instant::now(), env_steps);
             let mut values = vec![
@@ -270,7 +356,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 gauge("env_runner_policy_version", last_version as f64),
             ];
             if !recent_returns.is_empty() {
-                values.push(gauge("env_runner_episode_return_mean", recent_returns.iter().sum::<f64>() / recent_returns.len() as f64));
+                values.push(gauge(
+                    "env_runner_episode_return_mean",
+                    recent_returns.iter().sum::<f64>() / recent_returns.len() as f64,
+                ));
             }
             service.report(Some(vec_steps), values).await;
             (reported_env, reported_vec, reported_eps) = (env_steps, vec_steps, eps);
@@ -285,12 +374,18 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 }
 
 /// Sends a fragment to the replay buffer, retrying while it is full or absent.
-async fn insert_with_retry(service: Service, fragment: RolloutFragment, outcomes: IntCounterVec, waits: IntCounter) {
+async fn insert_with_retry(
+    service: Service,
+    fragment: RolloutFragment,
+    outcomes: IntCounterVec,
+    waits: IntCounter,
+) {
     let subject = service.subjects.replay_insert();
     let timeout = service.request_timeout();
     let mut backoff = Duration::from_millis(5);
     loop {
-        match relay_kit::request::<_, InsertAck>(&service.nats, &subject, &fragment, timeout).await {
+        match relay_kit::request::<_, InsertAck>(&service.nats, &subject, &fragment, timeout).await
+        {
             Ok(ack) if ack.accepted => {
                 outcomes.with_label_values(&["stored"]).inc();
                 return;
@@ -301,7 +396,13 @@ async fn insert_with_retry(service: Service, fragment: RolloutFragment, outcomes
             }
             Ok(ack) => {
                 tracing::debug!(reason = %ack.reason, version = fragment.policy_version, "fragment dropped by the replay buffer");
-                outcomes.with_label_values(&[if ack.reason == "stale" { "stale" } else { "refused" }]).inc();
+                outcomes
+                    .with_label_values(&[if ack.reason == "stale" {
+                        "stale"
+                    } else {
+                        "refused"
+                    }])
+                    .inc();
                 return;
             }
             Err(RequestError::Service { code, status, .. }) if code == "400" => {

@@ -116,7 +116,9 @@ pub fn up(args: UpArgs) -> Result<Outcome> {
         state_dir.display()
     );
 
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let threshold = config.solved_threshold();
     let outcome = runtime.block_on(watch(&mut stack, &run_id, threshold, &args));
     stack.stop(Duration::from_secs(15));
@@ -134,7 +136,12 @@ pub fn up(args: UpArgs) -> Result<Outcome> {
 
 /// Follows the run over NATS, printing a progress line each second, until
 /// Ctrl-C, or (with `--until-solved`) the run is solved or the learner stops.
-async fn watch(stack: &mut Stack, run_id: &str, threshold: Option<f64>, args: &UpArgs) -> Result<Outcome> {
+async fn watch(
+    stack: &mut Stack,
+    run_id: &str,
+    threshold: Option<f64>,
+    args: &UpArgs,
+) -> Result<Outcome> {
     let client = async_nats::connect(&stack.nats_url).await?;
     let subjects = Subjects::new(run_id);
     let mut metrics = client.subscribe(subjects.metrics()).await?;
@@ -152,7 +159,8 @@ async fn watch(stack: &mut Stack, run_id: &str, threshold: Option<f64>, args: &U
     let mut last_eval: Option<EvalReport> = None;
     let (mut updates, mut version, mut episode_return) = (0.0, 0.0, f64::NAN);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut learner_done = false;
+    let mut learner_done: Option<Instant> = None;
+    let mut reported_exits = std::collections::HashSet::new();
     let (mut last_steps, mut last_time) = (0u64, Instant::now());
     loop {
         tokio::select! {
@@ -192,7 +200,7 @@ async fn watch(stack: &mut Stack, run_id: &str, threshold: Option<f64>, args: &U
             Some(m) = statuses.next() => {
                 if let Ok(status) = relay_proto::decode::<RunStatusUpdate>(&m.payload) {
                     if status.service == "learner" && matches!(status.status, RunStatus::Stopped | RunStatus::Failed | RunStatus::Solved) {
-                        learner_done = true;
+                        learner_done.get_or_insert_with(Instant::now);
                         println!("relay: learner finished: {:?} ({})", status.status, status.detail);
                     }
                 }
@@ -210,15 +218,13 @@ async fn watch(stack: &mut Stack, run_id: &str, threshold: Option<f64>, args: &U
                     );
                 }
                 for (name, status) in stack.exited() {
-                    if !(name.starts_with("learner") && learner_done) {
-                        println!("relay: {name} exited with {status}");
+                    if reported_exits.insert(name.clone()) {
+                        println!("relay: {name} exited with {status}; see its log");
                     }
                 }
-                if learner_done && args.until_solved {
-                    // Give an eval in flight a moment to arrive.
-                    if ready.elapsed() > Duration::from_secs(1) && stack.exited().iter().any(|(n, _)| n.starts_with("learner")) {
-                        break;
-                    }
+                // The learner has stopped training: give an eval in flight a moment to arrive.
+                if args.until_solved && learner_done.is_some_and(|t| t.elapsed() > Duration::from_secs(2)) {
+                    break;
                 }
             }
         }
@@ -242,7 +248,7 @@ pub fn bench_solve(args: UpArgs, seeds: u64) -> Result<()> {
         run.until_solved = true;
         run.quiet = true;
         run.overrides.push(format!("run.seed={seed}"));
-                run.run_id = Some(format!("{}-s{seed}", make_run_id(&config)));
+        run.run_id = Some(format!("{}-s{seed}", make_run_id(&config)));
         let outcome = up(run)?;
         rows.push((seed, outcome));
     }

@@ -13,7 +13,11 @@ use clap::{Parser, Subcommand};
 use relay::{bench_solve, up, UpArgs};
 
 #[derive(Parser)]
-#[command(name = "relay", version, about = "Distributed reinforcement learning over NATS and Redis")]
+#[command(
+    name = "relay",
+    version,
+    about = "Distributed reinforcement learning over NATS and Redis"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -125,28 +125,53 @@ impl Stack {
         let nats_port = free_port()?;
         let (out, err) = log_file(&logs, "nats-server")?;
         let mut nats = Command::new(require("nats-server")?)
-            .args(["-a", "127.0.0.1", "-p", &nats_port.to_string(), "-js", "-sd"])
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &nats_port.to_string(),
+                "-js",
+                "-sd",
+            ])
             .arg(state_dir.join("nats"))
             .stdout(out)
             .stderr(err)
             .spawn()
             .context("starting nats-server")?;
         wait_for_port(nats_port, &mut nats, "nats-server")?;
-        infra.push(Proc { name: "nats-server".into(), child: nats, metrics_addr: None });
+        infra.push(Proc {
+            name: "nats-server".into(),
+            child: nats,
+            metrics_addr: None,
+        });
 
         let redis_port = free_port()?;
         let redis_dir = state_dir.join("redis");
         std::fs::create_dir_all(&redis_dir)?;
         let (out, err) = log_file(&logs, "redis-server")?;
         let mut redis = Command::new(require("redis-server")?)
-            .args(["--bind", "127.0.0.1", "--port", &redis_port.to_string(), "--appendonly", "yes", "--save", "", "--dir"])
+            .args([
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &redis_port.to_string(),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+                "--dir",
+            ])
             .arg(&redis_dir)
             .stdout(out)
             .stderr(err)
             .spawn()
             .context("starting redis-server")?;
         wait_for_port(redis_port, &mut redis, "redis-server")?;
-        infra.push(Proc { name: "redis-server".into(), child: redis, metrics_addr: None });
+        infra.push(Proc {
+            name: "redis-server".into(),
+            child: redis,
+            metrics_addr: None,
+        });
 
         let mut stack = Self {
             state_dir: state_dir.to_path_buf(),
@@ -170,7 +195,10 @@ impl Stack {
         let dir = self.state_dir.join("prometheus");
         std::fs::create_dir_all(&dir)?;
         let template = include_str!("../../../deploy/prometheus/prometheus.yml");
-        let config = template.replace("targets/*.json", &format!("{}/targets/*.json", dir.display()));
+        let config = template.replace(
+            "targets/*.json",
+            &format!("{}/targets/*.json", dir.display()),
+        );
         std::fs::create_dir_all(dir.join("targets"))?;
         let rules_dir = dir.join("rules");
         std::fs::create_dir_all(&rules_dir)?;
@@ -179,8 +207,14 @@ impl Stack {
         let logs = self.state_dir.join("logs");
         let (out, err) = log_file(&logs, "prometheus")?;
         let mut child = Command::new(bin)
-            .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+            .arg(format!(
+                "--config.file={}",
+                dir.join("prometheus.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .stdout(out)
             .stderr(err)
@@ -188,14 +222,27 @@ impl Stack {
             .context("starting prometheus")?;
         wait_for_port(port, &mut child, "prometheus")?;
         self.prometheus_url = Some(format!("http://127.0.0.1:{port}"));
-        self.infra.push(Proc { name: "prometheus".into(), child, metrics_addr: None });
+        self.infra.push(Proc {
+            name: "prometheus".into(),
+            child,
+            metrics_addr: None,
+        });
         Ok(())
     }
 
     /// Starts one copy of a service binary (found beside this executable).
-    pub fn spawn_service(&mut self, service: &str, config: &Path, overrides: &[String]) -> Result<()> {
+    pub fn spawn_service(
+        &mut self,
+        service: &str,
+        config: &Path,
+        overrides: &[String],
+    ) -> Result<()> {
         let bin = sibling_binary(&format!("relay-{service}"))?;
-        let copy = self.services.iter().filter(|p| p.name.starts_with(service)).count();
+        let copy = self
+            .services
+            .iter()
+            .filter(|p| p.name.starts_with(service))
+            .count();
         let name = format!("{service}-{copy}");
         let port = free_port()?;
         let metrics_addr: SocketAddr = ([127, 0, 0, 1], port).into();
@@ -204,13 +251,33 @@ impl Stack {
         command
             .arg("--config")
             .arg(config)
-            .args(["--run-id", &self.run_id, "--nats-url", &self.nats_url, "--redis-url", &self.redis_url])
-            .args(["--metrics-addr", &metrics_addr.to_string(), "--instance", &name]);
+            .args([
+                "--run-id",
+                &self.run_id,
+                "--nats-url",
+                &self.nats_url,
+                "--redis-url",
+                &self.redis_url,
+            ])
+            .args([
+                "--metrics-addr",
+                &metrics_addr.to_string(),
+                "--instance",
+                &name,
+            ]);
         for o in overrides {
             command.args(["--set", o]);
         }
-        let child = command.stdout(out).stderr(err).spawn().with_context(|| format!("starting {name}"))?;
-        self.services.push(Proc { name, child, metrics_addr: Some(metrics_addr) });
+        let child = command
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        self.services.push(Proc {
+            name,
+            child,
+            metrics_addr: Some(metrics_addr),
+        });
         self.write_targets()?;
         self.write_record()
     }
@@ -225,7 +292,12 @@ impl Stack {
                     break;
                 }
                 if let Some(status) = p.child.try_wait()? {
-                    bail!("{} exited with {status} during start-up; see {}/logs/{}.log", p.name, self.state_dir.display(), p.name);
+                    bail!(
+                        "{} exited with {status} during start-up; see {}/logs/{}.log",
+                        p.name,
+                        self.state_dir.display(),
+                        p.name
+                    );
                 }
                 if Instant::now() > deadline {
                     bail!("{} not healthy within {timeout:?}", p.name);
@@ -240,7 +312,13 @@ impl Stack {
     pub fn exited(&mut self) -> Vec<(String, std::process::ExitStatus)> {
         self.services
             .iter_mut()
-            .filter_map(|p| p.child.try_wait().ok().flatten().map(|s| (p.name.clone(), s)))
+            .filter_map(|p| {
+                p.child
+                    .try_wait()
+                    .ok()
+                    .flatten()
+                    .map(|s| (p.name.clone(), s))
+            })
             .collect()
     }
 
@@ -277,10 +355,17 @@ impl Stack {
                 .infra
                 .iter()
                 .chain(&self.services)
-                .map(|p| ProcessRecord { name: p.name.clone(), pid: p.child.id(), metrics_addr: p.metrics_addr.map(|a| a.to_string()) })
+                .map(|p| ProcessRecord {
+                    name: p.name.clone(),
+                    pid: p.child.id(),
+                    metrics_addr: p.metrics_addr.map(|a| a.to_string()),
+                })
                 .collect(),
         };
-        std::fs::write(self.state_dir.join("stack.json"), serde_json::to_vec_pretty(&record)?)?;
+        std::fs::write(
+            self.state_dir.join("stack.json"),
+            serde_json::to_vec_pretty(&record)?,
+        )?;
         Ok(())
     }
 
@@ -334,13 +419,19 @@ fn stop_all(procs: &mut [Proc], grace: Duration) {
 /// A binary of this workspace, found beside the running executable.
 pub fn sibling_binary(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let mut dir = exe.parent().context("executable has a folder")?.to_path_buf();
+    let mut dir = exe
+        .parent()
+        .context("executable has a folder")?
+        .to_path_buf();
     if dir.ends_with("deps") {
         dir.pop();
     }
     let path = dir.join(name);
     if !path.is_file() {
-        bail!("{} not found; build the workspace first (`cargo build --release`)", path.display());
+        bail!(
+            "{} not found; build the workspace first (`cargo build --release`)",
+            path.display()
+        );
     }
     Ok(path)
 }
@@ -352,7 +443,8 @@ pub fn down(state_dir: &Path) -> Result<()> {
         println!("no stack is recorded in {}", state_dir.display());
         return Ok(());
     };
-    let record: StackRecord = serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    let record: StackRecord =
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
     for p in record.processes.iter().rev() {
         terminate(p.pid);
         println!("stopped {} (pid {})", p.name, p.pid);

@@ -21,7 +21,9 @@ use std::path::{Path, PathBuf};
 use futures::StreamExt;
 use prometheus::{CounterVec, GaugeVec, IntCounterVec, Opts, Registry};
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
-use relay_proto::{EpisodeReport, EvalReport, LogBatch, MetricKind, MetricsReport, RunStatusUpdate};
+use relay_proto::{
+    EpisodeReport, EvalReport, LogBatch, MetricKind, MetricsReport, RunStatusUpdate,
+};
 use serde_json::json;
 
 /// Appending writers for the files of one run directory.
@@ -34,7 +36,9 @@ struct RunDir {
 }
 
 fn append(path: &Path) -> std::io::Result<BufWriter<File>> {
-    Ok(BufWriter::new(OpenOptions::new().create(true).append(true).open(path)?))
+    Ok(BufWriter::new(
+        OpenOptions::new().create(true).append(true).open(path)?,
+    ))
 }
 
 impl RunDir {
@@ -55,7 +59,12 @@ impl RunDir {
 
     fn log(&mut self, batch: &LogBatch) -> std::io::Result<()> {
         if !self.logs.contains_key(&batch.service) {
-            let file = append(&self.root.join("logs").join(format!("{}.log", batch.service)))?;
+            let file = append(
+                &self
+                    .root
+                    .join("logs")
+                    .join(format!("{}.log", batch.service)),
+            )?;
             self.logs.insert(batch.service.clone(), file);
         }
         let file = self.logs.get_mut(&batch.service).expect("inserted above");
@@ -112,10 +121,35 @@ const LABELS: [&str; 3] = ["run_id", "service", "instance"];
 
 impl Exported {
     fn new(registry: Registry, run_id: String) -> Self {
-        let episodes = IntCounterVec::new(Opts::new("relay_episodes_total", "Training episodes finished."), &["run_id", "env_id"]).unwrap();
-        let episode_return = GaugeVec::new(Opts::new("relay_episode_return_mean", "Mean return of the last 100 training episodes."), &["run_id", "env_id"]).unwrap();
-        let eval_return = GaugeVec::new(Opts::new("relay_eval_return_mean", "Mean return of the latest evaluation."), &["run_id", "env_id", "evaluator"]).unwrap();
-        let eval_version = GaugeVec::new(Opts::new("relay_eval_policy_version", "Weights version of the latest evaluation."), &["run_id", "evaluator"]).unwrap();
+        let episodes = IntCounterVec::new(
+            Opts::new("relay_episodes_total", "Training episodes finished."),
+            &["run_id", "env_id"],
+        )
+        .unwrap();
+        let episode_return = GaugeVec::new(
+            Opts::new(
+                "relay_episode_return_mean",
+                "Mean return of the last 100 training episodes.",
+            ),
+            &["run_id", "env_id"],
+        )
+        .unwrap();
+        let eval_return = GaugeVec::new(
+            Opts::new(
+                "relay_eval_return_mean",
+                "Mean return of the latest evaluation.",
+            ),
+            &["run_id", "env_id", "evaluator"],
+        )
+        .unwrap();
+        let eval_version = GaugeVec::new(
+            Opts::new(
+                "relay_eval_policy_version",
+                "Weights version of the latest evaluation.",
+            ),
+            &["run_id", "evaluator"],
+        )
+        .unwrap();
         for c in [
             Box::new(episodes.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(episode_return.clone()),
@@ -124,38 +158,82 @@ impl Exported {
         ] {
             registry.register(c).expect("register tracker metric");
         }
-        Self { registry, run_id, gauges: HashMap::new(), counters: HashMap::new(), episodes, episode_return, eval_return, eval_version, recent_returns: Default::default() }
+        Self {
+            registry,
+            run_id,
+            gauges: HashMap::new(),
+            counters: HashMap::new(),
+            episodes,
+            episode_return,
+            eval_return,
+            eval_version,
+            recent_returns: Default::default(),
+        }
     }
 
     fn metrics(&mut self, report: &MetricsReport) {
-        let labels = [self.run_id.as_str(), report.service.as_str(), report.instance.as_str()];
+        let labels = [
+            self.run_id.as_str(),
+            report.service.as_str(),
+            report.instance.as_str(),
+        ];
         for v in &report.values {
             let name = format!("relay_{}", v.name);
             match v.kind {
                 MetricKind::Gauge => {
                     let registry = &self.registry;
-                    let Some(gauge) = self.gauges.entry(name.clone()).or_insert_with(|| {
-                        let g = GaugeVec::new(Opts::new(name.clone(), format!("{} (reported by services)", v.name)), &LABELS).unwrap();
-                        if let Err(e) = registry.register(Box::new(g.clone())) {
-                            tracing::warn!(metric = %name, error = %e, "cannot export gauge");
-                        }
-                        g
-                    }).get_metric_with_label_values(&labels).ok() else { continue };
+                    let Some(gauge) = self
+                        .gauges
+                        .entry(name.clone())
+                        .or_insert_with(|| {
+                            let g = GaugeVec::new(
+                                Opts::new(
+                                    name.clone(),
+                                    format!("{} (reported by services)", v.name),
+                                ),
+                                &LABELS,
+                            )
+                            .unwrap();
+                            if let Err(e) = registry.register(Box::new(g.clone())) {
+                                tracing::warn!(metric = %name, error = %e, "cannot export gauge");
+                            }
+                            g
+                        })
+                        .get_metric_with_label_values(&labels)
+                        .ok()
+                    else {
+                        continue;
+                    };
                     gauge.set(v.value);
                 }
                 MetricKind::Counter => {
-                    if !name.ends_with("_total") || !(v.value.is_finite() && v.value >= 0.0) {
+                    if !(name.ends_with("_total") && v.value.is_finite() && v.value >= 0.0) {
                         tracing::warn!(metric = %name, value = v.value, "counter must end in _total and never decrease; ignored");
                         continue;
                     }
                     let registry = &self.registry;
-                    let Some(counter) = self.counters.entry(name.clone()).or_insert_with(|| {
-                        let c = CounterVec::new(Opts::new(name.clone(), format!("{} (reported by services)", v.name)), &LABELS).unwrap();
-                        if let Err(e) = registry.register(Box::new(c.clone())) {
-                            tracing::warn!(metric = %name, error = %e, "cannot export counter");
-                        }
-                        c
-                    }).get_metric_with_label_values(&labels).ok() else { continue };
+                    let Some(counter) = self
+                        .counters
+                        .entry(name.clone())
+                        .or_insert_with(|| {
+                            let c = CounterVec::new(
+                                Opts::new(
+                                    name.clone(),
+                                    format!("{} (reported by services)", v.name),
+                                ),
+                                &LABELS,
+                            )
+                            .unwrap();
+                            if let Err(e) = registry.register(Box::new(c.clone())) {
+                                tracing::warn!(metric = %name, error = %e, "cannot export counter");
+                            }
+                            c
+                        })
+                        .get_metric_with_label_values(&labels)
+                        .ok()
+                    else {
+                        continue;
+                    };
                     counter.inc_by(v.value);
                 }
             }
@@ -163,7 +241,9 @@ impl Exported {
     }
 
     fn episodes(&mut self, report: &EpisodeReport) {
-        self.episodes.with_label_values(&[&self.run_id, &report.env_id]).inc_by(report.episodes.len() as u64);
+        self.episodes
+            .with_label_values(&[&self.run_id, &report.env_id])
+            .inc_by(report.episodes.len() as u64);
         for e in &report.episodes {
             if self.recent_returns.len() == 100 {
                 self.recent_returns.pop_front();
@@ -172,13 +252,19 @@ impl Exported {
         }
         if !self.recent_returns.is_empty() {
             let mean = self.recent_returns.iter().sum::<f64>() / self.recent_returns.len() as f64;
-            self.episode_return.with_label_values(&[&self.run_id, &report.env_id]).set(mean);
+            self.episode_return
+                .with_label_values(&[&self.run_id, &report.env_id])
+                .set(mean);
         }
     }
 
     fn eval(&mut self, report: &EvalReport) {
-        self.eval_return.with_label_values(&[&self.run_id, &report.env_id, &report.evaluator]).set(report.mean_return);
-        self.eval_version.with_label_values(&[&self.run_id, &report.evaluator]).set(report.policy_version as f64);
+        self.eval_return
+            .with_label_values(&[&self.run_id, &report.env_id, &report.evaluator])
+            .set(report.mean_return);
+        self.eval_version
+            .with_label_values(&[&self.run_id, &report.evaluator])
+            .set(report.policy_version as f64);
     }
 }
 
@@ -190,11 +276,31 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut dir = RunDir::open(cfg.run.runs_dir.join(&run_id), &cfg.to_yaml())?;
     let mut exported = Exported::new(service.registry.clone(), run_id.clone());
     let s = &service.subjects;
-    let mut metrics = service.nats.subscribe(s.metrics()).await.map_err(ServiceError::nats)?;
-    let mut episodes = service.nats.subscribe(s.episodes()).await.map_err(ServiceError::nats)?;
-    let mut evals = service.nats.subscribe(s.eval()).await.map_err(ServiceError::nats)?;
-    let mut statuses = service.nats.subscribe(s.status()).await.map_err(ServiceError::nats)?;
-    let mut logs = service.nats.subscribe(s.logs()).await.map_err(ServiceError::nats)?;
+    let mut metrics = service
+        .nats
+        .subscribe(s.metrics())
+        .await
+        .map_err(ServiceError::nats)?;
+    let mut episodes = service
+        .nats
+        .subscribe(s.episodes())
+        .await
+        .map_err(ServiceError::nats)?;
+    let mut evals = service
+        .nats
+        .subscribe(s.eval())
+        .await
+        .map_err(ServiceError::nats)?;
+    let mut statuses = service
+        .nats
+        .subscribe(s.status())
+        .await
+        .map_err(ServiceError::nats)?;
+    let mut logs = service
+        .nats
+        .subscribe(s.logs())
+        .await
+        .map_err(ServiceError::nats)?;
     service.health.set_ready(true);
     tracing::info!(run_dir = %dir.root.display(), "writing run directory");
     let mut flush = tokio::time::interval(std::time::Duration::from_millis(cfg.tracker.flush_ms));
@@ -247,7 +353,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     }
     // Take what is still in flight before closing the files.
     service.drain().await;
-    while let Ok(Some(m)) = tokio::time::timeout(std::time::Duration::from_millis(50), logs.next()).await {
+    while let Ok(Some(m)) =
+        tokio::time::timeout(std::time::Duration::from_millis(50), logs.next()).await
+    {
         if let Ok(batch) = relay_proto::decode::<LogBatch>(&m.payload) {
             let _ = dir.log(&batch);
         }

@@ -494,7 +494,10 @@ fn positive(field: &str, v: usize) -> Result<(), ConfigError> {
 
 fn positive_f(field: &str, v: f64) -> Result<(), ConfigError> {
     if !(v.is_finite() && v > 0.0) {
-        return Err(invalid(field, format!("must be a positive number, got {v}")));
+        return Err(invalid(
+            field,
+            format!("must be a positive number, got {v}"),
+        ));
     }
     Ok(())
 }
@@ -584,7 +587,10 @@ mod tests {
         let err = ExperimentConfig::from_layers(BASE, "t", &[], &["run.env_id=Nope-v0".into()])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("run.env_id") && err.contains("Nope-v0"), "{err}");
+        assert!(
+            err.contains("run.env_id") && err.contains("Nope-v0"),
+            "{err}"
+        );
         let err = ExperimentConfig::from_layers(BASE, "t", &[], &["run.id=a.b".into()])
             .unwrap_err()
             .to_string();

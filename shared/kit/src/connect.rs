@@ -31,10 +31,7 @@ pub enum RequestError {
         status: String,
     },
     #[error("reply on {subject} rejected: {source}")]
-    BadReply {
-        subject: String,
-        source: Rejection,
-    },
+    BadReply { subject: String, source: Rejection },
     #[error("request on {subject} failed: {detail}")]
     Other { subject: String, detail: String },
 }
@@ -44,7 +41,9 @@ impl RequestError {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            RequestError::Timeout { .. } | RequestError::NoResponders { .. } | RequestError::Other { .. }
+            RequestError::Timeout { .. }
+                | RequestError::NoResponders { .. }
+                | RequestError::Other { .. }
         )
     }
 }

@@ -29,11 +29,17 @@ struct AppState {
     health: Health,
 }
 
-async fn metrics(State(state): State<AppState>) -> (StatusCode, [(&'static str, &'static str); 1], Vec<u8>) {
+async fn metrics(
+    State(state): State<AppState>,
+) -> (StatusCode, [(&'static str, &'static str); 1], Vec<u8>) {
     let mut body = Vec::new();
     let encoder = TextEncoder::new();
     match encoder.encode(&state.registry.gather(), &mut body) {
-        Ok(()) => (StatusCode::OK, [("content-type", "text/plain; version=0.0.4")], body),
+        Ok(()) => (
+            StatusCode::OK,
+            [("content-type", "text/plain; version=0.0.4")],
+            body,
+        ),
         Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             [("content-type", "text/plain")],

@@ -23,7 +23,11 @@ use crate::Shutdown;
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServiceArgs {
     /// Experiment config file.
-    #[arg(long, env = "RELAY_CONFIG", default_value = "configs/cartpole-ppo.yaml")]
+    #[arg(
+        long,
+        env = "RELAY_CONFIG",
+        default_value = "configs/cartpole-ppo.yaml"
+    )]
     pub config: PathBuf,
     /// Run id; scopes every subject and key.
     #[arg(long, env = "RELAY_RUN_ID")]
@@ -270,7 +274,11 @@ fn short_random() -> String {
 
 /// The body of every service's `main`: parse flags, load config, set the
 /// compute thread budget, start telemetry, run until SIGINT/SIGTERM.
-pub fn main<F, Fut>(name: &'static str, threads: fn(&ExperimentConfig) -> usize, run: F) -> anyhow::Result<()>
+pub fn main<F, Fut>(
+    name: &'static str,
+    threads: fn(&ExperimentConfig) -> usize,
+    run: F,
+) -> anyhow::Result<()>
 where
     F: FnOnce(ServiceConfig, Shutdown) -> Fut,
     Fut: Future<Output = Result<(), ServiceError>>,
@@ -282,7 +290,10 @@ where
         args: ServiceArgs,
     }
     let cli = Cli::parse();
-    let config = cli.args.load().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+    let config = cli
+        .args
+        .load()
+        .map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     // candle's CPU kernels size their thread pool from this variable; many
     // processes share two cores, so each gets an explicit budget.
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {

@@ -82,7 +82,11 @@ pub fn init() -> LogForwarding {
     let registry = tracing_subscriber::registry().with(filter).with(forward);
     let _ = if json {
         registry
-            .with(tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .with_writer(std::io::stderr),
+            )
             .try_init()
     } else {
         registry

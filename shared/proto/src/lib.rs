@@ -17,4 +17,4 @@ pub mod tensor;
 pub use codec::{decode, encode, Rejection, WireMessage, MAX_MESSAGE_BYTES, SCHEMA_VERSION};
 pub use messages::*;
 pub use subjects::{validate_run_id, Subjects};
-pub use tensor::{DType, NamedTensor, Tensor, TensorError};
+pub use tensor::{DType, F32Parts, NamedTensor, Tensor, TensorError};

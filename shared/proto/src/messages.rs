@@ -92,11 +92,7 @@ impl ActRequest {
 }
 
 wire_message!(ActRequest, "ActRequest", |m: &ActRequest| {
-    tensor_check(
-        "ActRequest",
-        "obs",
-        m.obs.expect(DType::F32, &[None, None]),
-    )?;
+    tensor_check("ActRequest", "obs", m.obs.expect(DType::F32, &[None, None]))?;
     if m.obs.shape[0] == 0 {
         return Err(invalid("ActRequest", "obs", "batch of zero observations"));
     }
@@ -118,9 +114,17 @@ pub struct ActReply {
 }
 
 wire_message!(ActReply, "ActReply", |m: &ActReply| {
-    tensor_check("ActReply", "logprobs", m.logprobs.expect(DType::F32, &[None]))?;
+    tensor_check(
+        "ActReply",
+        "logprobs",
+        m.logprobs.expect(DType::F32, &[None]),
+    )?;
     let n = m.logprobs.shape[0] as usize;
-    tensor_check("ActReply", "values", m.values.expect(DType::F32, &[Some(n)]))?;
+    tensor_check(
+        "ActReply",
+        "values",
+        m.values.expect(DType::F32, &[Some(n)]),
+    )?;
     check_actions("ActReply", &m.actions, &[n])?;
     finite_f32("ActReply", "logprobs", &m.logprobs)?;
     finite_f32("ActReply", "values", &m.values)
@@ -188,7 +192,11 @@ wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
     if m.env_id.is_empty() {
         return Err(invalid(K, "env_id", "empty"));
     }
-    tensor_check(K, "obs", m.obs.expect(DType::F32, &[Some(t), Some(n), None]))?;
+    tensor_check(
+        K,
+        "obs",
+        m.obs.expect(DType::F32, &[Some(t), Some(n), None]),
+    )?;
     let d = m.obs.shape[2] as usize;
     check_actions(K, &m.actions, &[t, n])?;
     for (field, tensor) in [
@@ -199,14 +207,27 @@ wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
         tensor_check(K, field, tensor.expect(DType::F32, &[Some(t), Some(n)]))?;
         finite_f32(K, field, tensor)?;
     }
-    tensor_check(K, "terminated", m.terminated.expect(DType::U8, &[Some(t), Some(n)]))?;
-    tensor_check(K, "truncated", m.truncated.expect(DType::U8, &[Some(t), Some(n)]))?;
-    tensor_check(K, "next_obs", m.next_obs.expect(DType::F32, &[Some(n), Some(d)]))?;
+    tensor_check(
+        K,
+        "terminated",
+        m.terminated.expect(DType::U8, &[Some(t), Some(n)]),
+    )?;
+    tensor_check(
+        K,
+        "truncated",
+        m.truncated.expect(DType::U8, &[Some(t), Some(n)]),
+    )?;
+    tensor_check(
+        K,
+        "next_obs",
+        m.next_obs.expect(DType::F32, &[Some(n), Some(d)]),
+    )?;
     let truncations = m.bootstrap_count();
     tensor_check(
         K,
         "final_obs",
-        m.final_obs.expect(DType::F32, &[Some(truncations), Some(d)]),
+        m.final_obs
+            .expect(DType::F32, &[Some(truncations), Some(d)]),
     )?;
     finite_f32(K, "obs", &m.obs)?;
     finite_f32(K, "next_obs", &m.next_obs)?;
@@ -257,15 +278,15 @@ pub struct WeightsUpdate {
     pub schema: u16,
     /// Increases by one with each learner update; never goes back within a run.
     pub version: u64,
+    /// Env steps the learner had consumed when it made this version.
+    pub learner_env_steps: u64,
     /// Every parameter of the policy, by name.
     pub tensors: Vec<NamedTensor>,
 }
 wire_message!(WeightsUpdate, "WeightsUpdate", |m: &WeightsUpdate| {
     for t in &m.tensors {
-        tensor_check("WeightsUpdate", "tensors", t.tensor.expect(DType::F32, &vec![None; t.tensor.shape.len()]))?;
-        finite_f32("WeightsUpdate", "tensors", &t.tensor).map_err(|e| match e {
-            Rejection::Tensor { kind, source, .. } => invalid(kind, "tensors", format!("{}: {source}", t.name)),
-            e => e,
+        t.tensor.to_finite_f32().map_err(|source| {
+            invalid("WeightsUpdate", "tensors", format!("{}: {source}", t.name))
         })?;
     }
     Ok(())
@@ -298,8 +319,16 @@ pub struct EpisodeReport {
     pub episodes: Vec<EpisodeSummary>,
 }
 wire_message!(EpisodeReport, "EpisodeReport", |m: &EpisodeReport| {
-    match m.episodes.iter().position(|e| !e.episode_return.is_finite()) {
-        Some(i) => Err(invalid("EpisodeReport", "episodes", format!("episode {i} has a non-finite return"))),
+    match m
+        .episodes
+        .iter()
+        .position(|e| !e.episode_return.is_finite())
+    {
+        Some(i) => Err(invalid(
+            "EpisodeReport",
+            "episodes",
+            format!("episode {i} has a non-finite return"),
+        )),
         None => Ok(()),
     }
 });
@@ -335,8 +364,17 @@ pub struct MetricsReport {
 }
 wire_message!(MetricsReport, "MetricsReport", |m: &MetricsReport| {
     for v in &m.values {
-        if v.name.is_empty() || !v.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            return Err(invalid("MetricsReport", "values", format!("bad metric name {:?}", v.name)));
+        if v.name.is_empty()
+            || !v
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            return Err(invalid(
+                "MetricsReport",
+                "values",
+                format!("bad metric name {:?}", v.name),
+            ));
         }
     }
     Ok(())
@@ -393,8 +431,17 @@ pub struct LogBatch {
     pub lines: Vec<String>,
 }
 wire_message!(LogBatch, "LogBatch", |m: &LogBatch| {
-    if m.service.is_empty() || !m.service.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-        return Err(invalid("LogBatch", "service", format!("bad service name {:?}", m.service)));
+    if m.service.is_empty()
+        || !m
+            .service
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        return Err(invalid(
+            "LogBatch",
+            "service",
+            format!("bad service name {:?}", m.service),
+        ));
     }
     Ok(())
 });
@@ -443,21 +490,38 @@ mod tests {
 
     #[test]
     fn rejects_garbage_and_oversized_payloads() {
-        assert_eq!(decode::<ActRequest>(b"\x01\x02garbage").unwrap_err().reason(), "decode");
+        assert_eq!(
+            decode::<ActRequest>(b"\x01\x02garbage")
+                .unwrap_err()
+                .reason(),
+            "decode"
+        );
         let big = vec![0u8; crate::MAX_MESSAGE_BYTES + 1];
-        assert_eq!(decode::<ActRequest>(&big).unwrap_err().reason(), "oversized");
+        assert_eq!(
+            decode::<ActRequest>(&big).unwrap_err().reason(),
+            "oversized"
+        );
     }
 
     #[test]
     fn rejects_bad_shapes_and_nan() {
         let mut f = fragment(2, 2, 3);
         f.rewards = Tensor::from_f32(&[2, 2], &[1.0, f32::NAN, 1.0, 1.0]);
-        assert_eq!(decode::<RolloutFragment>(&encode(&f)).unwrap_err().reason(), "non_finite");
+        assert_eq!(
+            decode::<RolloutFragment>(&encode(&f)).unwrap_err().reason(),
+            "non_finite"
+        );
         let mut f = fragment(2, 2, 3);
         f.final_obs = Tensor::from_f32(&[0, 3], &[]);
-        assert_eq!(decode::<RolloutFragment>(&encode(&f)).unwrap_err().reason(), "shape");
+        assert_eq!(
+            decode::<RolloutFragment>(&encode(&f)).unwrap_err().reason(),
+            "shape"
+        );
         let req = ActRequest::new(Tensor::from_f32(&[1, 2], &[f32::INFINITY, 0.0]), false);
-        assert_eq!(decode::<ActRequest>(&encode(&req)).unwrap_err().reason(), "non_finite");
+        assert_eq!(
+            decode::<ActRequest>(&encode(&req)).unwrap_err().reason(),
+            "non_finite"
+        );
     }
 
     proptest::proptest! {
