@@ -1,1 +1,3 @@
-fn main() {}
+fn main() -> anyhow::Result<()> {
+    relay_kit::service::main("evaluator", |_| 1, relay_evaluator::run)
+}

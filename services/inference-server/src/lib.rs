@@ -1,1 +1,186 @@
-//! inference-server
+//! inference-server: batched `act` over NATS request-reply.
+//!
+//! Requests arrive on `relay.<run>.act` in the service's queue group, so any
+//! number of copies share the load. A batch takes every request already
+//! queued, then waits up to `inference.batch_wait_us` for more (or until
+//! `inference.max_batch` observations are gathered); one forward pass
+//! answers them all, each reply naming the weights version used. New weights are built off the hot path
+//! by the [`PolicyFollower`] and swapped in between batches, so no request is
+//! dropped by a swap. Until the first weights arrive, requests get a 503.
+
+use std::time::{Duration, Instant};
+
+use futures::{FutureExt, StreamExt};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge};
+use rand::SeedableRng;
+use relay_kit::{gauge, counter, Service, ServiceConfig, ServiceError, Shutdown};
+use relay_nn::Actions;
+use relay_policy::PolicyFollower;
+use relay_proto::{ActReply, ActRequest, Tensor, SCHEMA_VERSION};
+
+struct Metrics {
+    batch_size: Histogram,
+    forward_seconds: Histogram,
+    requests: IntCounter,
+    weights_version: IntGauge,
+}
+
+impl Metrics {
+    fn register(registry: &prometheus::Registry) -> Self {
+        let batch_size = Histogram::with_opts(
+            HistogramOpts::new("relay_inference_batch_size", "Observations per forward pass.")
+                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0]),
+        )
+        .unwrap();
+        let forward_seconds = Histogram::with_opts(
+            HistogramOpts::new("relay_inference_forward_seconds", "Time of one batched forward pass.")
+                .buckets(vec![1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1]),
+        )
+        .unwrap();
+        let requests = IntCounter::new("relay_inference_requests_total", "Act requests answered.").unwrap();
+        let weights_version = IntGauge::new("relay_weights_version", "Weights version this copy serves.").unwrap();
+        for c in [
+            Box::new(batch_size.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(forward_seconds.clone()),
+            Box::new(requests.clone()),
+            Box::new(weights_version.clone()),
+        ] {
+            registry.register(c).expect("register inference metric");
+        }
+        Self { batch_size, forward_seconds, requests, weights_version }
+    }
+}
+
+fn service_error(code: usize, status: impl Into<String>) -> async_nats::service::error::Error {
+    async_nats::service::error::Error { status: status.into(), code }
+}
+
+/// Runs the inference server until shutdown.
+pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
+    let service = Service::start("inference-server", config, shutdown.clone()).await?;
+    let cfg = service.config.clone();
+    let metrics = Metrics::register(&service.registry);
+    let follower = PolicyFollower::start(&service).await?;
+    let micro = service.micro().await?;
+    let mut requests = micro.endpoint(service.subjects.act()).await.map_err(ServiceError::nats)?;
+    service.health.set_ready(true);
+    let obs_dim = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?.obs_dim;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.run.seed ^ std::process::id() as u64);
+    let wait = Duration::from_micros(cfg.inference.batch_wait_us);
+    let mut report_at = Instant::now() + Duration::from_secs(1);
+    let mut reported_requests = 0;
+    loop {
+        let first = tokio::select! {
+            _ = shutdown.wait() => break,
+            r = requests.next() => match r { Some(r) => r, None => break },
+        };
+        // Gather a batch: the first request waits a little for company.
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut total = 0usize;
+        let mut decoded = Vec::with_capacity(8);
+        loop {
+            for request in batch.drain(..) {
+                match service.intake.decode::<ActRequest>("act", &request.message.payload) {
+                    Ok(act) if act.obs.shape[1] as usize != obs_dim => {
+                        let detail = format!("obs has {} features, the policy takes {obs_dim}", act.obs.shape[1]);
+                        service.intake.reject("act", &relay_proto::Rejection::Invalid { kind: "ActRequest", field: "obs", detail: detail.clone() });
+                        let _ = request.respond(Err(service_error(400, detail))).await;
+                    }
+                    Ok(act) => {
+                        total += act.obs.shape[0] as usize;
+                        decoded.push((request, act));
+                    }
+                    Err(rejection) => {
+                        let _ = request.respond(Err(service_error(400, rejection.to_string()))).await;
+                    }
+                }
+            }
+            if total >= cfg.inference.max_batch {
+                break;
+            }
+            // Requests already queued join at once; then wait up to the
+            // deadline for more (a zero wait takes only what is queued).
+            if let Some(Some(r)) = requests.next().now_or_never() {
+                batch.push(r);
+                continue;
+            }
+            if wait.is_zero() {
+                break;
+            }
+            match tokio::time::timeout_at(deadline, requests.next()).await {
+                Ok(Some(r)) => batch.push(r),
+                _ => break,
+            }
+        }
+        if decoded.is_empty() {
+            continue;
+        }
+        let Some(policy) = follower.latest() else {
+            for (request, _) in decoded {
+                let _ = request.respond(Err(service_error(503, "no weights yet"))).await;
+            }
+            continue;
+        };
+        metrics.weights_version.set(policy.version as i64);
+        // One forward per determinism flag (almost always a single group).
+        for deterministic in [false, true] {
+            let group: Vec<&(async_nats::service::Request, ActRequest)> = decoded.iter().filter(|(_, a)| a.deterministic == deterministic).collect();
+            if group.is_empty() {
+                continue;
+            }
+            let mut obs = Vec::with_capacity(total * obs_dim);
+            for (_, act) in &group {
+                obs.extend(act.obs.to_f32().expect("validated on decode"));
+            }
+            let n = obs.len() / obs_dim;
+            let started = Instant::now();
+            let out = match policy.model.act(&obs, n, deterministic, &mut rng) {
+                Ok(out) => out,
+                Err(e) => {
+                    tracing::error!(error = %e, "forward pass failed");
+                    for (request, _) in group {
+                        let _ = request.respond(Err(service_error(500, format!("forward failed: {e}")))).await;
+                    }
+                    continue;
+                }
+            };
+            metrics.forward_seconds.observe(started.elapsed().as_secs_f64());
+            metrics.batch_size.observe(n as f64);
+            let mut offset = 0;
+            for (request, act) in group {
+                let k = act.obs.shape[0] as usize;
+                let actions = match &out.actions {
+                    Actions::Discrete(a) => Tensor::from_i64(&[k], &a[offset..offset + k]),
+                    Actions::Continuous(a) => {
+                        let dim = a.len() / n;
+                        Tensor::from_f32(&[k, dim], &a[offset * dim..(offset + k) * dim])
+                    }
+                };
+                let reply = ActReply {
+                    schema: SCHEMA_VERSION,
+                    policy_version: policy.version,
+                    actions,
+                    logprobs: Tensor::from_f32(&[k], &out.logprobs[offset..offset + k]),
+                    values: Tensor::from_f32(&[k], &out.values[offset..offset + k]),
+                };
+                offset += k;
+                let _ = request.respond(Ok(relay_proto::encode(&reply).into())).await;
+                metrics.requests.inc();
+            }
+        }
+        if Instant::now() >= report_at {
+            report_at = Instant::now() + Duration::from_secs(1);
+            let answered = metrics.requests.get();
+            service.report(None, vec![
+                counter("inference_requests_total", (answered - reported_requests) as f64),
+                gauge("inference_weights_version", policy.version as f64),
+            ]).await;
+            reported_requests = answered;
+        }
+    }
+    service.health.set_ready(false);
+    let _ = micro.stop().await;
+    service.drain().await;
+    Ok(())
+}

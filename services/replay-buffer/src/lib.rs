@@ -17,9 +17,7 @@ use futures::StreamExt;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts};
 use redis::AsyncCommands;
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
-use relay_proto::{
-    InsertAck, RolloutFragment, SampleReply, SampleRequest, SCHEMA_VERSION,
-};
+use relay_proto::{InsertAck, RolloutFragment, SampleReply, SampleRequest, SCHEMA_VERSION};
 
 /// Redis key names of one run.
 #[derive(Clone)]
@@ -71,15 +69,31 @@ struct Metrics {
 
 impl Metrics {
     fn register(registry: &prometheus::Registry) -> Self {
-        let size_steps = IntGauge::new("relay_replay_size_steps", "Env steps held in the on-policy FIFO.").unwrap();
-        let inserted_steps = IntCounter::new("relay_replay_inserted_steps_total", "Env steps stored.").unwrap();
-        let sampled_steps = IntCounter::new("relay_replay_sampled_steps_total", "Env steps handed to the learner.").unwrap();
+        let size_steps = IntGauge::new(
+            "relay_replay_size_steps",
+            "Env steps held in the on-policy FIFO.",
+        )
+        .unwrap();
+        let inserted_steps =
+            IntCounter::new("relay_replay_inserted_steps_total", "Env steps stored.").unwrap();
+        let sampled_steps = IntCounter::new(
+            "relay_replay_sampled_steps_total",
+            "Env steps handed to the learner.",
+        )
+        .unwrap();
         let dropped = IntCounterVec::new(
-            Opts::new("relay_replay_dropped_fragments_total", "Fragments dropped, by reason."),
+            Opts::new(
+                "relay_replay_dropped_fragments_total",
+                "Fragments dropped, by reason.",
+            ),
             &["reason"],
         )
         .unwrap();
-        let refused_full = IntCounter::new("relay_replay_refused_full_total", "Inserts refused because the buffer was full (backpressure).").unwrap();
+        let refused_full = IntCounter::new(
+            "relay_replay_refused_full_total",
+            "Inserts refused because the buffer was full (backpressure).",
+        )
+        .unwrap();
         for m in [
             Box::new(size_steps.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(inserted_steps.clone()),
@@ -89,7 +103,13 @@ impl Metrics {
         ] {
             registry.register(m).expect("register replay metric");
         }
-        Self { size_steps, inserted_steps, sampled_steps, dropped, refused_full }
+        Self {
+            size_steps,
+            inserted_steps,
+            sampled_steps,
+            dropped,
+            refused_full,
+        }
     }
 }
 
@@ -119,7 +139,12 @@ pub struct Sampled {
 }
 
 impl Fifo {
-    pub fn new(redis: redis::aio::ConnectionManager, run_id: &str, capacity_steps: u64, max_policy_lag: u64) -> Self {
+    pub fn new(
+        redis: redis::aio::ConnectionManager,
+        run_id: &str,
+        capacity_steps: u64,
+        max_policy_lag: u64,
+    ) -> Self {
         Self {
             redis,
             keys: Keys::new(run_id),
@@ -129,7 +154,11 @@ impl Fifo {
         }
     }
 
-    pub async fn insert(&self, fragment: &RolloutFragment, payload: &[u8]) -> redis::RedisResult<Inserted> {
+    pub async fn insert(
+        &self,
+        fragment: &RolloutFragment,
+        payload: &[u8],
+    ) -> redis::RedisResult<Inserted> {
         let mut redis = self.redis.clone();
         let (status, held): (i64, u64) = self
             .insert
@@ -152,11 +181,21 @@ impl Fifo {
 
     /// Pops fragments from the head until `max_steps` env steps are gathered
     /// or the FIFO is empty, dropping those older than `min_policy_version`.
-    pub async fn sample(&self, min_policy_version: u64, max_steps: u64) -> redis::RedisResult<Sampled> {
+    pub async fn sample(
+        &self,
+        min_policy_version: u64,
+        max_steps: u64,
+    ) -> redis::RedisResult<Sampled> {
         let mut redis = self.redis.clone();
         // Inserts refuse anything older than this from now on.
-        let _: () = redis.set(&self.keys.min_version, min_policy_version).await?;
-        let mut out = Sampled { fragments: Vec::new(), dropped_stale: 0, undecodable: 0 };
+        let _: () = redis
+            .set(&self.keys.min_version, min_policy_version)
+            .await?;
+        let mut out = Sampled {
+            fragments: Vec::new(),
+            dropped_stale: 0,
+            undecodable: 0,
+        };
         let mut gathered = 0u64;
         let mut popped_steps = 0u64;
         while gathered < max_steps {
@@ -181,10 +220,18 @@ impl Fifo {
             let _: i64 = redis.decr(&self.keys.steps, popped_steps).await?;
         }
         if out.dropped_stale > 0 {
-            let _: i64 = redis.hincr(&self.keys.stats, "dropped_stale_fragments", out.dropped_stale).await?;
+            let _: i64 = redis
+                .hincr(
+                    &self.keys.stats,
+                    "dropped_stale_fragments",
+                    out.dropped_stale,
+                )
+                .await?;
         }
         if gathered > 0 {
-            let _: i64 = redis.hincr(&self.keys.stats, "sampled_steps", gathered).await?;
+            let _: i64 = redis
+                .hincr(&self.keys.stats, "sampled_steps", gathered)
+                .await?;
         }
         Ok(out)
     }
@@ -206,11 +253,22 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let service = Service::start("replay-buffer", config, shutdown.clone()).await?;
     let cfg = service.config.clone();
     let redis = relay_kit::connect_redis(&cfg.connections.redis_url, &shutdown).await?;
-    let fifo = Fifo::new(redis, cfg.run_id()?, cfg.replay.capacity_steps, cfg.replay.max_policy_lag);
+    let fifo = Fifo::new(
+        redis,
+        cfg.run_id()?,
+        cfg.replay.capacity_steps,
+        cfg.replay.max_policy_lag,
+    );
     let metrics = Metrics::register(&service.registry);
     let micro = service.micro().await?;
-    let mut inserts = micro.endpoint(service.subjects.replay_insert()).await.map_err(ServiceError::nats)?;
-    let mut samples = micro.endpoint(service.subjects.replay_sample()).await.map_err(ServiceError::nats)?;
+    let mut inserts = micro
+        .endpoint(service.subjects.replay_insert())
+        .await
+        .map_err(ServiceError::nats)?;
+    let mut samples = micro
+        .endpoint(service.subjects.replay_sample())
+        .await
+        .map_err(ServiceError::nats)?;
     service.health.set_ready(true);
     let retry_after_ms = cfg.replay.retry_after_ms;
     let mut report = tokio::time::interval(std::time::Duration::from_secs(1));

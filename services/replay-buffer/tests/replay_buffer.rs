@@ -38,7 +38,9 @@ fn fragment(version: u64, t: usize, n: usize) -> RolloutFragment {
 }
 
 async fn insert(client: &async_nats::Client, s: &Subjects, f: &RolloutFragment) -> InsertAck {
-    relay_kit::request(client, &s.replay_insert(), f, Duration::from_secs(2)).await.unwrap()
+    relay_kit::request(client, &s.replay_insert(), f, Duration::from_secs(2))
+        .await
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -57,7 +59,14 @@ async fn fifo_backpressure_staleness_and_bad_input() {
     // Wait for the service to answer.
     let mut first = None;
     for _ in 0..100 {
-        match relay_kit::request::<_, InsertAck>(&client, &s.replay_insert(), &fragment(0, 4, 4), Duration::from_millis(500)).await {
+        match relay_kit::request::<_, InsertAck>(
+            &client,
+            &s.replay_insert(),
+            &fragment(0, 4, 4),
+            Duration::from_millis(500),
+        )
+        .await
+        {
             Ok(ack) => {
                 first = Some(ack);
                 break;
@@ -83,17 +92,31 @@ async fn fifo_backpressure_staleness_and_bad_input() {
     wrong_schema.schema = SCHEMA_VERSION + 7;
     let mut nan = fragment(1, 4, 4);
     nan.rewards = Tensor::from_f32(&[4, 4], &[f32::NAN; 16]);
-    for payload in [b"not msgpack".to_vec(), relay_proto::encode(&wrong_schema), relay_proto::encode(&nan)] {
-        let reply = client.request(s.replay_insert(), payload.into()).await.unwrap();
+    for payload in [
+        b"not msgpack".to_vec(),
+        relay_proto::encode(&wrong_schema),
+        relay_proto::encode(&nan),
+    ] {
+        let reply = client
+            .request(s.replay_insert(), payload.into())
+            .await
+            .unwrap();
         let headers = reply.headers.expect("error reply carries headers");
-        assert_eq!(headers.get("Nats-Service-Error-Code").unwrap().as_str(), "400");
+        assert_eq!(
+            headers.get("Nats-Service-Error-Code").unwrap().as_str(),
+            "400"
+        );
     }
 
     // The learner is at version 2 with max lag 1: version 0 is dropped as stale.
     let reply: SampleReply = relay_kit::request(
         &client,
         &s.replay_sample(),
-        &SampleRequest { schema: SCHEMA_VERSION, min_policy_version: 1, max_steps: 32 },
+        &SampleRequest {
+            schema: SCHEMA_VERSION,
+            min_policy_version: 1,
+            max_steps: 32,
+        },
         Duration::from_secs(2),
     )
     .await
@@ -111,27 +134,60 @@ async fn fifo_backpressure_staleness_and_bad_input() {
     let (status, body) = relay_testkit::http_get(metrics_addr, "/metrics").unwrap();
     assert_eq!(status, 200);
     for reason in ["decode", "schema_version", "non_finite"] {
-        let line = format!("relay_messages_rejected_total{{reason=\"{reason}\",subject=\"replay.insert\"}} 1");
+        let line = format!(
+            "relay_messages_rejected_total{{reason=\"{reason}\",subject=\"replay.insert\"}} 1"
+        );
         assert!(body.contains(&line), "missing {line} in\n{body}");
     }
-    assert!(body.contains("relay_replay_dropped_fragments_total{reason=\"stale\"} 2"), "{body}");
+    assert!(
+        body.contains("relay_replay_dropped_fragments_total{reason=\"stale\"} 2"),
+        "{body}"
+    );
 
     trigger.trigger();
-    tokio::time::timeout(Duration::from_secs(10), server).await.unwrap().unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
 
     // A new copy of the service finds the stored fragment in Redis.
     let (trigger, shutdown) = Shutdown::new();
-    let server = tokio::spawn(relay_replay_buffer::run(config(&nats, &redis, run_id), shutdown));
+    let server = tokio::spawn(relay_replay_buffer::run(
+        config(&nats, &redis, run_id),
+        shutdown,
+    ));
     let mut reply = None;
     for _ in 0..100 {
-        let ask = SampleRequest { schema: SCHEMA_VERSION, min_policy_version: 1, max_steps: 32 };
-        if let Ok(r) = relay_kit::request::<_, SampleReply>(&client, &s.replay_sample(), &ask, Duration::from_millis(500)).await {
+        let ask = SampleRequest {
+            schema: SCHEMA_VERSION,
+            min_policy_version: 1,
+            max_steps: 32,
+        };
+        if let Ok(r) = relay_kit::request::<_, SampleReply>(
+            &client,
+            &s.replay_sample(),
+            &ask,
+            Duration::from_millis(500),
+        )
+        .await
+        {
             reply = Some(r);
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(reply.expect("restarted replay-buffer answers").fragments.len(), 1);
+    assert_eq!(
+        reply
+            .expect("restarted replay-buffer answers")
+            .fragments
+            .len(),
+        1
+    );
     trigger.trigger();
-    tokio::time::timeout(Duration::from_secs(10), server).await.unwrap().unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
 }

@@ -164,7 +164,8 @@ impl Default for EnvRunnerConfig {
 pub struct InferenceConfig {
     /// Largest number of observations run in one forward pass.
     pub max_batch: usize,
-    /// How long the first request of a batch waits for others to join.
+    /// After taking every request already queued, how long a batch waits for
+    /// more before the forward pass (0: never wait; right for few env-runners).
     pub batch_wait_us: u64,
     /// Compute threads (candle/rayon) for this process.
     pub threads: usize,
@@ -174,7 +175,7 @@ impl Default for InferenceConfig {
     fn default() -> Self {
         Self {
             max_batch: 512,
-            batch_wait_us: 200,
+            batch_wait_us: 0,
             threads: 1,
         }
     }

@@ -1,1 +1,65 @@
-//! Models.
+//! `relay-nn`: the model, loss and optimizer code that must be identical in
+//! the learner, the inference server and the evaluator.
+//!
+//! Pure: no NATS, no async, no I/O beyond reading and writing safetensors
+//! files. Everything runs on candle's CPU device.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`]: what a policy looks like (serde) |
+//! | [`model`] | [`ActorCritic`]: parameters, init, `act` (inference), `evaluate` (training), weight exchange and checkpoints |
+//! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy) |
+//! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
+//! | [`ppo`] | [`gae`], [`ppo_loss`] and its [`PpoLossConfig`], [`explained_variance`], [`normalize`] |
+//! | [`optim`] | [`Adam`] with resumable state, [`clip_grad_norm`] |
+//! | [`init`] | orthogonal initialisation |
+//! | [`io`] | named f32 tensors to and from safetensors files |
+//! | [`error`] | [`NnError`] |
+//!
+//! # Threads
+//!
+//! candle's CPU matmul uses a rayon pool sized by `RAYON_NUM_THREADS`; on
+//! small machines shared by many services set it explicitly (1 is fastest
+//! for these model sizes, see DESIGN.md).
+//!
+//! # A training step
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use relay_nn::{ppo_loss, clip_grad_norm, ActorCritic, Adam, AdamConfig, PolicySpec, PpoInputs, PpoLossConfig};
+//!
+//! let model = ActorCritic::new(&PolicySpec::discrete(4, 2), 0)?;
+//! let mut opt = Adam::new(model.vars(), AdamConfig::default())?;
+//! let obs = Tensor::zeros((3, 4), candle_core::DType::F32, &Device::Cpu)?;
+//! let actions = Tensor::new(&[0u32, 1, 1], &Device::Cpu)?;
+//! let (logprob, entropy, values) = model.evaluate(&obs, &actions)?;
+//! let out = ppo_loss(
+//!     &PpoLossConfig::default(),
+//!     &PpoInputs {
+//!         logprob: &logprob, entropy: &entropy, values: &values,
+//!         old_logprob: &[-0.69, -0.69, -0.69], old_values: &[0.0; 3],
+//!         advantages: &[1.0, -1.0, 0.5], returns: &[1.0, -1.0, 0.5],
+//!     },
+//! )?;
+//! let mut grads = out.loss.backward()?;
+//! let _norm = clip_grad_norm(&mut grads, opt.vars(), 0.5)?;
+//! opt.step(&grads)?;
+//! # Ok::<(), relay_nn::NnError>(())
+//! ```
+
+pub mod error;
+pub mod init;
+pub mod io;
+pub mod kernels;
+pub mod model;
+pub mod ops;
+pub mod optim;
+pub mod ppo;
+pub mod spec;
+
+pub use error::{NnError, Result};
+pub use io::NamedTensor;
+pub use model::{ActOutput, ActorCritic, Actions};
+pub use optim::{clip_grad_norm, Adam, AdamConfig, AdamState};
+pub use ppo::{explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats};
+pub use spec::{ActionKind, Activation, PolicySpec};

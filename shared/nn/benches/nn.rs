@@ -1,0 +1,232 @@
+//! `cargo bench -p relay-nn`: acting and PPO training-step timings for the
+//! CartPole-sized policy (obs 4, hidden [64, 64], tanh, 2 actions).
+//!
+//! Prints a table, then one line of JSON. Runs with `RAYON_NUM_THREADS=1`
+//! unless the variable is already set. Besides relay-nn's own paths it
+//! times a "plain candle" baseline built from the same `Var`s with stock
+//! candle ops (built-in `tanh`, composed log-softmax and PPO loss), which is
+//! what the fused ops and kernels replace.
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use rand::{Rng, SeedableRng};
+use relay_nn::{clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, PolicySpec, PpoInputs, PpoLossConfig};
+
+/// Median time per call of `f`, in microseconds, over about `budget`.
+fn time_us(budget: Duration, mut f: impl FnMut()) -> f64 {
+    for _ in 0..5 {
+        f();
+    }
+    let start = Instant::now();
+    f();
+    let once = start.elapsed().max(Duration::from_nanos(100));
+    // Batches of calls lasting about 1 ms, as many batches as fit the budget.
+    let per_batch = ((Duration::from_millis(1).as_nanos() / once.as_nanos()).max(1)) as usize;
+    let batches = ((budget.as_nanos() / (once.as_nanos() * per_batch as u128)).clamp(5, 1000)) as usize;
+    let mut samples: Vec<f64> = (0..batches)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..per_batch {
+                f();
+            }
+            t.elapsed().as_secs_f64() * 1e6 / per_batch as f64
+        })
+        .collect();
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    samples[samples.len() / 2]
+}
+
+/// The same actor-critic, with stock candle ops on the model's own vars.
+struct Baseline {
+    pi: Vec<(Tensor, Tensor)>,
+    vf: Vec<(Tensor, Tensor)>,
+}
+
+impl Baseline {
+    fn new(model: &ActorCritic) -> Self {
+        let vars: BTreeMap<&str, Var> = model.parameter_names().into_iter().zip(model.vars()).collect();
+        let get = |p: &str| {
+            (
+                vars[format!("{p}.weight").as_str()].as_tensor().clone(),
+                vars[format!("{p}.bias").as_str()].as_tensor().clone(),
+            )
+        };
+        Self {
+            pi: vec![get("mlp_extractor.policy_net.0"), get("mlp_extractor.policy_net.2"), get("action_net")],
+            vf: vec![get("mlp_extractor.value_net.0"), get("mlp_extractor.value_net.2"), get("value_net")],
+        }
+    }
+
+    fn mlp(layers: &[(Tensor, Tensor)], x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for (i, (w, b)) in layers.iter().enumerate() {
+            h = h.matmul(&w.t()?)?.broadcast_add(b)?;
+            if i + 1 < layers.len() {
+                h = h.tanh()?;
+            }
+        }
+        Ok(h)
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        Ok((Self::mlp(&self.pi, x)?, Self::mlp(&self.vf, x)?.squeeze(1)?))
+    }
+
+    /// evaluate + PPO loss (SB3 form) composed from candle ops.
+    fn loss(&self, x: &Tensor, actions: &Tensor, old_lp: &Tensor, adv: &Tensor, ret: &Tensor) -> candle_core::Result<Tensor> {
+        let (logits, values) = self.forward(x)?;
+        let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let lp = lsm.gather(&actions.unsqueeze(1)?, 1)?.squeeze(1)?;
+        let ent = (lsm.exp()? * &lsm)?.sum(1)?.neg()?;
+        let ratio = (lp - old_lp)?.exp()?;
+        let s1 = (&ratio * adv)?;
+        let s2 = (ratio.clamp(0.8f32, 1.2f32)? * adv)?;
+        let pl = s1.minimum(&s2)?.mean_all()?.neg()?;
+        let vl = (values - ret)?.sqr()?.mean_all()?;
+        let el = ent.mean_all()?.neg()?;
+        pl + (vl * 0.5)? + (el * 0.0)?
+    }
+}
+
+fn main() -> relay_nn::Result<()> {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // Edition 2021: set_var is safe; nothing else runs yet.
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+    }
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_default();
+    let budget = Duration::from_millis(
+        std::env::var("BENCH_MS").ok().and_then(|s| s.parse().ok()).unwrap_or(400),
+    );
+    let spec = PolicySpec::discrete(4, 2);
+    let model = ActorCritic::new(&spec, 0).map_err(|e| e)?;
+    let base = Baseline::new(&model);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let mut json: Vec<(String, f64)> = Vec::new();
+    let mut rows: Vec<(String, f64)> = Vec::new();
+    let mut record = |key: &str, label: String, us: f64| {
+        rows.push((label, us));
+        json.push((key.to_string(), us));
+    };
+
+    println!("relay-nn bench: obs 4, hidden [64, 64] tanh, 2 actions, RAYON_NUM_THREADS={threads}");
+
+    for &n in &[1usize, 8, 64, 256, 512] {
+        let obs: Vec<f32> = (0..n * 4).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut r = rand::rngs::StdRng::seed_from_u64(2);
+        let us = time_us(budget, || {
+            black_box(model.act(black_box(&obs), n, false, &mut r).unwrap());
+        });
+        record(&format!("act_b{n}_us"), format!("act (sample, logprob, value) batch {n}"), us);
+        let x = Tensor::from_slice(&obs, (n, 4), &Device::Cpu)?;
+        let us = time_us(budget, || {
+            let x = Tensor::from_slice(&obs, (n, 4), &Device::Cpu).unwrap();
+            let (l, v) = base.forward(&x).unwrap();
+            black_box((l.to_vec2::<f32>().unwrap(), v.to_vec1::<f32>().unwrap()));
+        });
+        record(&format!("baseline_forward_b{n}_us"), format!("plain candle forward (actor+critic) batch {n}"), us);
+        let acts = Tensor::zeros(n, DType::U32, &Device::Cpu)?;
+        let us = time_us(budget, || {
+            black_box(model.evaluate(&x, &acts).unwrap());
+        });
+        record(&format!("evaluate_fwd_b{n}_us"), format!("evaluate forward (fused ops, graph) batch {n}"), us);
+    }
+
+    for &b in &[256usize, 512] {
+        let obs: Vec<f32> = (0..b * 4).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let actions: Vec<u32> = (0..b).map(|_| rng.random_range(0..2)).collect();
+        let old_lp: Vec<f32> = (0..b).map(|_| -0.69 + rng.random_range(-0.05..0.05)).collect();
+        let old_v: Vec<f32> = vec![0.0; b];
+        let adv: Vec<f32> = (0..b).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let ret: Vec<f32> = adv.clone();
+        let x = Tensor::from_slice(&obs, (b, 4), &Device::Cpu)?;
+        let a = Tensor::from_slice(&actions, b, &Device::Cpu)?;
+
+        // A separate model per variant so Adam updates do not interact.
+        let m = ActorCritic::new(&spec, 0)?;
+        let mut opt = Adam::new(m.vars(), AdamConfig::default())?;
+        let cfg = PpoLossConfig::default();
+        let mut phases = [0f64; 5];
+        let mut steps = 0u32;
+        let us = time_us(budget, || {
+            let t0 = Instant::now();
+            let (lp, ent, v) = m.evaluate(&x, &a).unwrap();
+            let t1 = Instant::now();
+            let out = ppo_loss(
+                &cfg,
+                &PpoInputs {
+                    logprob: &lp,
+                    entropy: &ent,
+                    values: &v,
+                    old_logprob: &old_lp,
+                    old_values: &old_v,
+                    advantages: &adv,
+                    returns: &ret,
+                },
+            )
+            .unwrap();
+            let t2 = Instant::now();
+            let mut grads = out.loss.backward().unwrap();
+            let t3 = Instant::now();
+            black_box(clip_grad_norm(&mut grads, opt.vars(), 0.5).unwrap());
+            let t4 = Instant::now();
+            opt.step(&grads).unwrap();
+            let t5 = Instant::now();
+            for (p, (s, e)) in phases.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)]) {
+                *p += (e - s).as_secs_f64() * 1e6;
+            }
+            steps += 1;
+        });
+        record(
+            &format!("train_step_b{b}_us"),
+            format!("PPO train step (evaluate+loss+backward+clip+Adam) batch {b}"),
+            us,
+        );
+        let names = ["evaluate", "ppo_loss", "backward", "clip", "adam"];
+        let breakdown: Vec<String> = names
+            .iter()
+            .zip(phases)
+            .map(|(n, t)| format!("{n} {:.1}", t / steps as f64))
+            .collect();
+        println!("  batch {b} phases (mean µs): {}", breakdown.join(", "));
+
+        let m2 = ActorCritic::new(&spec, 0)?;
+        let base2 = Baseline::new(&m2);
+        let mut opt2 = Adam::new(m2.vars(), AdamConfig::default())?;
+        let (old_lp_t, adv_t, ret_t) = (
+            Tensor::from_slice(&old_lp, b, &Device::Cpu)?,
+            Tensor::from_slice(&relay_nn::normalize(&adv), b, &Device::Cpu)?,
+            Tensor::from_slice(&ret, b, &Device::Cpu)?,
+        );
+        let us = time_us(budget, || {
+            let loss = base2.loss(&x, &a, &old_lp_t, &adv_t, &ret_t).unwrap();
+            let mut grads = loss.backward().unwrap();
+            black_box(clip_grad_norm(&mut grads, opt2.vars(), 0.5).unwrap());
+            opt2.step(&grads).unwrap();
+        });
+        record(
+            &format!("baseline_train_step_b{b}_us"),
+            format!("plain candle train step (same Adam) batch {b}"),
+            us,
+        );
+    }
+
+    let n_params = model.num_parameters();
+    let mut opt = Adam::new(model.vars(), AdamConfig::default())?;
+    let x = Tensor::zeros((64, 4), DType::F32, &Device::Cpu)?;
+    let a = Tensor::zeros(64, DType::U32, &Device::Cpu)?;
+    let (lp, _, v) = model.evaluate(&x, &a)?;
+    let grads = (lp.sum_all()? + v.sum_all()?)?.backward()?;
+    let us = time_us(budget, || opt.step(&grads).unwrap());
+    record("adam_step_us", format!("Adam step alone ({n_params} parameters)"), us);
+
+    println!("{:<70} {:>10}", "case", "µs");
+    for (label, us) in &rows {
+        println!("{label:<70} {us:>10.2}");
+    }
+    let body: Vec<String> = json.iter().map(|(k, v)| format!("\"{k}\":{v:.3}")).collect();
+    println!("{{\"threads\":\"{threads}\",{}}}", body.join(","));
+    Ok(())
+}

@@ -1,0 +1,97 @@
+//! Reading and writing named f32 tensors as safetensors files.
+//!
+//! The only file I/O in the crate. Writes go to a temporary file beside the
+//! target and are renamed into place, so a crash never leaves a truncated
+//! checkpoint under the real name.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::Path;
+
+use safetensors::{Dtype, SafeTensors, View};
+
+use crate::error::{NnError, Result};
+
+/// A named f32 tensor: name, shape, row-major data.
+pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
+struct F32View<'a> {
+    shape: &'a [usize],
+    data: &'a [f32],
+}
+
+impl View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+
+    fn data_len(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+fn ckpt_err(path: &Path, reason: impl std::fmt::Display) -> NnError {
+    NnError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Writes `tensors` (f32) and string `metadata` to `path` atomically.
+pub fn write_safetensors(path: &Path, tensors: &[NamedTensor], metadata: HashMap<String, String>) -> Result<()> {
+    for (name, shape, data) in tensors {
+        if shape.iter().product::<usize>() != data.len() {
+            return Err(NnError::ShapeMismatch {
+                name: name.clone(),
+                expected: shape.clone(),
+                got: shape.clone(),
+                detail: format!("; data has {} values", data.len()),
+            });
+        }
+    }
+    let views = tensors.iter().map(|(name, shape, data)| (name.as_str(), F32View { shape, data }));
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| ckpt_err(path, "path has no file name"))?
+        .to_string_lossy();
+    let tmp = path.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
+    safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| ckpt_err(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        ckpt_err(path, format!("rename from {}: {e}", tmp.display()))
+    })
+}
+
+/// Reads every tensor of a safetensors file (all must be f32), sorted by
+/// name, and its string metadata.
+pub fn read_safetensors(path: &Path) -> Result<(Vec<NamedTensor>, HashMap<String, String>)> {
+    let bytes = std::fs::read(path).map_err(|e| ckpt_err(path, e))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| ckpt_err(path, e))?;
+    let metadata = meta.metadata().clone().unwrap_or_default();
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| ckpt_err(path, e))?;
+    let mut out = Vec::with_capacity(st.len());
+    for (name, view) in st.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(ckpt_err(
+                path,
+                format!("tensor `{name}` has dtype {:?}, expected F32", view.dtype()),
+            ));
+        }
+        let data = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        out.push((name, view.shape().to_vec(), data));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((out, metadata))
+}

@@ -1,0 +1,544 @@
+//! The actor-critic MLP policy: parameters, acting, and the differentiable
+//! evaluation used by the PPO learner.
+//!
+//! # Layout
+//!
+//! Separate actor and critic MLPs, as Stable-Baselines3's `MlpPolicy` with
+//! `net_arch=dict(pi=hidden, vf=hidden)`, and with SB3's parameter names, so
+//! an SB3 `state_dict` exported to safetensors loads as is:
+//!
+//! | name | shape | init |
+//! |---|---|---|
+//! | `mlp_extractor.policy_net.{2i}.weight` / `.bias` | `[hidden[i], in]` / `[hidden[i]]` | orthogonal, gain √2 / 0 |
+//! | `mlp_extractor.value_net.{2i}.weight` / `.bias` | same | orthogonal, gain √2 / 0 |
+//! | `action_net.weight` / `.bias` | `[n or dim, last]` / `[n or dim]` | orthogonal, gain 0.01 / 0 |
+//! | `value_net.weight` / `.bias` | `[1, last]` / `[1]` | orthogonal, gain 1 / 0 |
+//! | `log_std` (continuous only) | `[dim]` | `init_log_std` |
+//!
+//! (`{2i}` because SB3's `nn.Sequential` interleaves activation modules.)
+//!
+//! # One source of truth, two forward paths
+//!
+//! The parameters live in candle [`Var`]s (registered in a [`VarMap`]).
+//!
+//! - [`ActorCritic::evaluate`] (training) builds a candle graph from the fused,
+//!   differentiable ops of [`crate::ops`].
+//! - [`ActorCritic::act`] and [`ActorCritic::values`] (inference, no graph)
+//!   run the hand-written kernels of [`crate::kernels`] reading the `Var`s'
+//!   storage in place, under their read locks. There is no cached copy to
+//!   go stale: an optimizer step or a load is visible to the next `act`.
+//!   For batches above [`HOST_FORWARD_MAX_BATCH`] `act` uses the candle
+//!   graph ops instead (their gemm wins there); both use the same `tanh`.
+//!
+//! # Action bounds
+//!
+//! Continuous actions are returned *unclipped*, and their log-probability is
+//! that of the unclipped sample. Clipping to `[low, high]` is the env-runner's
+//! job, just before it steps the environment; the learner trains on the
+//! unclipped sample (as SB3 does).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Storage, Tensor, Var};
+use candle_nn::VarMap;
+use rand::{Rng, SeedableRng};
+use rand_distr::StandardNormal;
+
+use crate::error::{NnError, Result};
+use crate::init::orthogonal;
+use crate::io::{read_safetensors, write_safetensors, NamedTensor};
+use crate::kernels;
+use crate::ops::{self, cpu_f32, HALF_LN_2PI};
+use crate::spec::{ActionKind, Activation, PolicySpec};
+
+/// `format` metadata written into model checkpoints.
+pub const MODEL_FORMAT: &str = "relay-nn/actor-critic";
+
+/// Largest batch for which [`ActorCritic::act`] / [`ActorCritic::values`] use
+/// the hand-written kernels; larger batches go through candle's gemm.
+pub const HOST_FORWARD_MAX_BATCH: usize = 256;
+
+/// Actions chosen by [`ActorCritic::act`] for a batch of `n` observations.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Actions {
+    /// One action index in `0..n_actions` per observation.
+    Discrete(Vec<i64>),
+    /// `n * dim` values, row-major, **unclipped** samples of the Gaussian.
+    Continuous(Vec<f32>),
+}
+
+impl Actions {
+    /// Number of observations the actions are for.
+    pub fn len(&self, dim: usize) -> usize {
+        match self {
+            Actions::Discrete(a) => a.len(),
+            Actions::Continuous(a) => a.len() / dim.max(1),
+        }
+    }
+
+    /// True when there are no actions.
+    pub fn is_empty(&self) -> bool {
+        match self {
+            Actions::Discrete(a) => a.is_empty(),
+            Actions::Continuous(a) => a.is_empty(),
+        }
+    }
+}
+
+/// Result of [`ActorCritic::act`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActOutput {
+    /// The actions.
+    pub actions: Actions,
+    /// Log-probability of each action under the current policy (of the
+    /// unclipped sample for continuous actions), `n` values.
+    pub logprobs: Vec<f32>,
+    /// Critic value `V(s)` of each observation, `n` values.
+    pub values: Vec<f32>,
+}
+
+#[derive(Clone)]
+struct Dense {
+    w: Var,
+    b: Var,
+}
+
+/// Actor-critic MLP policy (see the module docs for layout and init).
+pub struct ActorCritic {
+    spec: PolicySpec,
+    varmap: VarMap,
+    policy_net: Vec<Dense>,
+    value_net: Vec<Dense>,
+    action_net: Dense,
+    value_head: Dense,
+    log_std: Option<Var>,
+    /// Every parameter, sorted by name.
+    params: Vec<(String, Var)>,
+}
+
+impl fmt::Debug for ActorCritic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ActorCritic")
+            .field("spec", &self.spec)
+            .field("parameters", &self.num_parameters())
+            .finish()
+    }
+}
+
+/// The contiguous f32 data of a CPU var's storage guard.
+fn storage_f32<'a>(s: &'a Storage, l: &candle_core::Layout) -> Result<&'a [f32]> {
+    match s {
+        Storage::Cpu(s) => Ok(cpu_f32(s, l, "parameter")?),
+        _ => Err(candle_core::Error::Msg("parameters must live on the CPU".into()).into()),
+    }
+}
+
+/// Forward of one MLP on host buffers with weights read in place.
+fn mlp_host(layers: &[Dense], head: &Dense, act: Activation, x: &[f32], n: usize, in_dim: usize) -> Result<Vec<f32>> {
+    let mut cur: Option<Vec<f32>> = None;
+    let mut width = in_dim;
+    for (i, layer) in layers.iter().chain(std::iter::once(head)).enumerate() {
+        let is_head = i == layers.len();
+        let (wg, wl) = layer.w.storage_and_layout();
+        let (bg, bl) = layer.b.storage_and_layout();
+        let w = storage_f32(&wg, wl)?;
+        let b = storage_f32(&bg, bl)?;
+        let mut out = vec![0f32; n * b.len()];
+        let input = cur.as_deref().unwrap_or(x);
+        kernels::dense(input, width, w, b, &mut out, (!is_head).then_some(act));
+        width = b.len();
+        cur = Some(out);
+    }
+    Ok(cur.unwrap_or_default())
+}
+
+impl ActorCritic {
+    /// Builds a freshly initialised model on the CPU; deterministic given `seed`.
+    pub fn new(spec: &PolicySpec, seed: u64) -> Result<Self> {
+        spec.validate()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut params: Vec<(String, Var)> = Vec::new();
+        let dev = Device::Cpu;
+        let mut dense = |prefix: String, inp: usize, out: usize, gain: f64, rng: &mut rand::rngs::StdRng| -> Result<Dense> {
+            let w = Var::from_vec(orthogonal(out, inp, gain, rng), (out, inp), &dev)?;
+            let b = Var::zeros(out, DType::F32, &dev)?;
+            params.push((format!("{prefix}.weight"), w.clone()));
+            params.push((format!("{prefix}.bias"), b.clone()));
+            Ok(Dense { w, b })
+        };
+        let hidden_gain = 2f64.sqrt();
+        let mut build_trunk = |net: &str, rng: &mut rand::rngs::StdRng| -> Result<Vec<Dense>> {
+            let mut inp = spec.obs_dim;
+            let mut layers = Vec::new();
+            for (i, &h) in spec.hidden.iter().enumerate() {
+                layers.push(dense(format!("mlp_extractor.{net}.{}", 2 * i), inp, h, hidden_gain, rng)?);
+                inp = h;
+            }
+            Ok(layers)
+        };
+        let policy_net = build_trunk("policy_net", &mut rng)?;
+        let value_net = build_trunk("value_net", &mut rng)?;
+        let last = spec.hidden.last().copied().unwrap_or(spec.obs_dim);
+        let action_net = dense("action_net".into(), last, spec.action.head_width(), 0.01, &mut rng)?;
+        let value_head = dense("value_net".into(), last, 1, 1.0, &mut rng)?;
+        let log_std = match &spec.action {
+            ActionKind::Discrete { .. } => None,
+            ActionKind::Continuous { dim, .. } => {
+                let v = Var::from_vec(vec![spec.init_log_std; *dim], *dim, &dev)?;
+                params.push(("log_std".into(), v.clone()));
+                Some(v)
+            }
+        };
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let varmap = VarMap::new();
+        {
+            let mut data = varmap
+                .data()
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("VarMap lock poisoned".into()))?;
+            for (name, var) in &params {
+                data.insert(name.clone(), var.clone());
+            }
+        }
+        Ok(Self {
+            spec: spec.clone(),
+            varmap,
+            policy_net,
+            value_net,
+            action_net,
+            value_head,
+            log_std,
+            params,
+        })
+    }
+
+    /// The spec the model was built from.
+    pub fn spec(&self) -> &PolicySpec {
+        &self.spec
+    }
+
+    /// The candle `VarMap` holding the same `Var`s (for interop; prefer
+    /// [`Self::load_named_tensors`] to change weights, it validates).
+    pub fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    /// Total number of scalar parameters.
+    pub fn num_parameters(&self) -> usize {
+        self.params.iter().map(|(_, v)| v.elem_count()).sum()
+    }
+
+    /// Names of all parameters, sorted.
+    pub fn parameter_names(&self) -> Vec<&str> {
+        self.params.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// The trainable variables, in parameter-name order (stable).
+    pub fn vars(&self) -> Vec<Var> {
+        self.params.iter().map(|(_, v)| v.clone()).collect()
+    }
+
+    fn check_obs(&self, obs: &[f32], n: usize) -> Result<()> {
+        if obs.len() != n * self.spec.obs_dim {
+            return Err(NnError::bad_input(
+                "obs",
+                format!("{n} x {} = {} values", self.spec.obs_dim, n * self.spec.obs_dim),
+                format!("{} values", obs.len()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Policy-head output (logits or means), `[n, head]`, and values `[n]`, no graph.
+    fn infer(&self, obs: &[f32], n: usize, actor: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (act, d) = (self.spec.activation, self.spec.obs_dim);
+        if n <= HOST_FORWARD_MAX_BATCH {
+            let head = if actor {
+                mlp_host(&self.policy_net, &self.action_net, act, obs, n, d)?
+            } else {
+                Vec::new()
+            };
+            let values = mlp_host(&self.value_net, &self.value_head, act, obs, n, d)?;
+            return Ok((head, values));
+        }
+        let x = Tensor::from_slice(obs, (n, d), &Device::Cpu)?;
+        let head = if actor {
+            self.mlp_graph(&x, &self.policy_net, &self.action_net, true)?
+                .flatten_all()?
+                .to_vec1()?
+        } else {
+            Vec::new()
+        };
+        let values = self
+            .mlp_graph(&x, &self.value_net, &self.value_head, true)?
+            .flatten_all()?
+            .to_vec1()?;
+        Ok((head, values))
+    }
+
+    /// Chooses actions for `n` observations (`obs` is `n * obs_dim` values,
+    /// row-major) and returns them with their log-probabilities and the
+    /// critic's values. No gradient graph is built.
+    ///
+    /// Discrete: samples the categorical over the logits by inverse CDF with
+    /// one `rng` draw per observation; `deterministic` takes the arg-max
+    /// (first on ties). Continuous: `mean + exp(log_std) * N(0, 1)` (one
+    /// standard normal draw per dimension); `deterministic` returns the mean.
+    /// Continuous actions are **not** clipped to the bounds (see module docs).
+    pub fn act(&self, obs: &[f32], n: usize, deterministic: bool, rng: &mut impl Rng) -> Result<ActOutput> {
+        self.check_obs(obs, n)?;
+        let (head, values) = self.infer(obs, n, true)?;
+        let mut logprobs = Vec::with_capacity(n);
+        let actions = match &self.spec.action {
+            ActionKind::Discrete { n: k } => {
+                let k = *k;
+                let mut lsm = vec![0f32; k];
+                let mut actions = Vec::with_capacity(n);
+                for row in head.chunks_exact(k) {
+                    ops::log_softmax_row(row, &mut lsm);
+                    let a = if deterministic {
+                        argmax(&lsm)
+                    } else {
+                        sample_categorical(&lsm, rng.random::<f32>())
+                    };
+                    actions.push(a as i64);
+                    logprobs.push(lsm[a]);
+                }
+                Actions::Discrete(actions)
+            }
+            ActionKind::Continuous { dim, .. } => {
+                let dim = *dim;
+                let log_std = self.log_std_values()?;
+                let std: Vec<f32> = log_std.iter().map(|s| s.exp()).collect();
+                let norm: f32 = log_std.iter().sum::<f32>() + HALF_LN_2PI * dim as f32;
+                let mut actions = Vec::with_capacity(n * dim);
+                for mean in head.chunks_exact(dim) {
+                    let mut q = 0f32;
+                    for (&m, &s) in mean.iter().zip(&std) {
+                        let eps: f32 = if deterministic { 0.0 } else { rng.sample(StandardNormal) };
+                        actions.push(m + s * eps);
+                        q += eps * eps;
+                    }
+                    logprobs.push(-0.5 * q - norm);
+                }
+                Actions::Continuous(actions)
+            }
+        };
+        Ok(ActOutput {
+            actions,
+            logprobs,
+            values,
+        })
+    }
+
+    /// Critic values `V(s)` of `n` observations (`n * obs_dim` values), no graph.
+    pub fn values(&self, obs: &[f32], n: usize) -> Result<Vec<f32>> {
+        self.check_obs(obs, n)?;
+        Ok(self.infer(obs, n, false)?.1)
+    }
+
+    fn log_std_values(&self) -> Result<Vec<f32>> {
+        let v = self
+            .log_std
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("discrete policy has no log_std".into()))?;
+        Ok(v.as_tensor().to_vec1()?)
+    }
+
+    fn mlp_graph(&self, x: &Tensor, layers: &[Dense], head: &Dense, no_grad: bool) -> Result<Tensor> {
+        let act = Some(self.spec.activation);
+        let mut h = x.clone();
+        let detach = |v: &Var| if no_grad { v.as_detached_tensor() } else { v.as_tensor().clone() };
+        for l in layers {
+            h = ops::linear(&h, &detach(&l.w), &detach(&l.b), act)?;
+        }
+        Ok(ops::linear(&h, &detach(&head.w), &detach(&head.b), None)?)
+    }
+
+    /// Differentiable evaluation of a batch for training.
+    ///
+    /// `obs`: `[B, obs_dim]` f32. `actions`: discrete, `[B]` or `[B, 1]` of any
+    /// integer or float dtype holding indices in `0..n`; continuous, `[B, dim]`
+    /// (or `[B * dim]`) f32 unclipped samples. Returns `(logprob [B],
+    /// entropy [B], value [B])`, all connected to [`Self::vars`] by the graph.
+    pub fn evaluate(&self, obs: &Tensor, actions: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, d) = obs.dims2().map_err(|_| {
+            NnError::bad_input("obs", format!("[B, {}]", self.spec.obs_dim), format!("{:?}", obs.dims()))
+        })?;
+        if d != self.spec.obs_dim {
+            return Err(NnError::bad_input("obs", format!("[B, {}]", self.spec.obs_dim), format!("{:?}", obs.dims())));
+        }
+        let obs = obs.to_dtype(DType::F32)?.contiguous()?;
+        let logits = self.mlp_graph(&obs, &self.policy_net, &self.action_net, false)?;
+        let value = self.mlp_graph(&obs, &self.value_net, &self.value_head, false)?.reshape(b)?;
+        let (logprob, entropy) = match &self.spec.action {
+            ActionKind::Discrete { n } => {
+                let acts = discrete_actions(actions, b, *n)?;
+                (ops::categorical_logprob(&logits, acts)?, ops::categorical_entropy(&logits)?)
+            }
+            ActionKind::Continuous { dim, .. } => {
+                if actions.elem_count() != b * dim || !(actions.dims() == [b, *dim] || actions.dims() == [b * dim]) {
+                    return Err(NnError::bad_input("actions", format!("[{b}, {dim}]"), format!("{:?}", actions.dims())));
+                }
+                let acts: Vec<f32> = actions.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+                let log_std = self.log_std.as_ref().map(|v| v.as_tensor()).expect("continuous policy has log_std");
+                (
+                    ops::gaussian_logprob(&logits, log_std, acts.into())?,
+                    ops::gaussian_entropy(log_std, b)?,
+                )
+            }
+        };
+        Ok((logprob, entropy, value))
+    }
+
+    /// Every parameter as `(name, shape, row-major data)`, sorted by name.
+    pub fn named_tensors(&self) -> Vec<NamedTensor> {
+        self.params
+            .iter()
+            .map(|(name, var)| {
+                let data = ops::with_f32(var.as_tensor(), "named_tensors", |d| d.to_vec())
+                    .expect("parameters are contiguous f32 tensors on the CPU");
+                (name.clone(), var.dims().to_vec(), data)
+            })
+            .collect()
+    }
+
+    /// Replaces every parameter. All-or-nothing: every name must be present
+    /// exactly once with the right shape, a matching number of values and
+    /// only finite values; otherwise the error names the parameter with the
+    /// expected and the received shape, and the model is left unchanged.
+    pub fn load_named_tensors(&mut self, tensors: &[NamedTensor]) -> Result<()> {
+        let mut given: HashMap<&str, (&[usize], &[f32])> = HashMap::with_capacity(tensors.len());
+        for (name, shape, data) in tensors {
+            if given.insert(name.as_str(), (shape, data)).is_some() {
+                return Err(NnError::bad_input("named tensors", "each name once", format!("`{name}` twice")));
+            }
+        }
+        for (name, var) in &self.params {
+            let expected = var.dims();
+            let Some(&(shape, data)) = given.get(name.as_str()) else {
+                return Err(NnError::MissingParameter {
+                    name: name.clone(),
+                    expected: expected.to_vec(),
+                });
+            };
+            if shape != expected || data.len() != expected.iter().product::<usize>() {
+                let detail = if shape == expected {
+                    format!("; data has {} values", data.len())
+                } else {
+                    String::new()
+                };
+                return Err(NnError::ShapeMismatch {
+                    name: name.clone(),
+                    expected: expected.to_vec(),
+                    got: shape.to_vec(),
+                    detail,
+                });
+            }
+            if let Some((index, &value)) = data.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                return Err(NnError::NonFinite {
+                    name: name.clone(),
+                    shape: shape.to_vec(),
+                    index,
+                    value,
+                });
+            }
+        }
+        if given.len() != self.params.len() {
+            let mut extra: Vec<(&str, &[usize])> = given
+                .iter()
+                .filter(|(n, _)| self.params.binary_search_by(|(p, _)| p.as_str().cmp(n)).is_err())
+                .map(|(n, (s, _))| (*n, *s))
+                .collect();
+            extra.sort();
+            let (name, shape) = extra[0];
+            return Err(NnError::UnexpectedParameter {
+                name: name.to_string(),
+                got: shape.to_vec(),
+            });
+        }
+        // Validated: building the tensors and `Var::set` cannot fail now.
+        for (name, var) in &self.params {
+            let (shape, data) = given[name.as_str()];
+            var.set(&Tensor::from_slice(data, shape, &Device::Cpu)?)?;
+        }
+        Ok(())
+    }
+
+    /// Writes all parameters to a safetensors file (atomically: temp file + rename).
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), MODEL_FORMAT.to_string());
+        meta.insert("obs_dim".to_string(), self.spec.obs_dim.to_string());
+        meta.insert("action".to_string(), format!("{:?}", self.spec.action));
+        meta.insert("hidden".to_string(), format!("{:?}", self.spec.hidden));
+        meta.insert("activation".to_string(), format!("{:?}", self.spec.activation).to_lowercase());
+        write_safetensors(path.as_ref(), &self.named_tensors(), meta)
+    }
+
+    /// Loads parameters from a safetensors file written by [`Self::save`] (or
+    /// any f32 safetensors file with the same names and shapes, e.g. an SB3
+    /// export); validated as [`Self::load_named_tensors`].
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let (tensors, meta) = read_safetensors(path)?;
+        if let Some(format) = meta.get("format") {
+            if format != MODEL_FORMAT {
+                return Err(NnError::Checkpoint {
+                    path: path.to_path_buf(),
+                    reason: format!("format is `{format}`, expected `{MODEL_FORMAT}`"),
+                });
+            }
+        }
+        self.load_named_tensors(&tensors)
+    }
+}
+
+/// Discrete actions from any dtype, validated to be whole numbers in `0..n`.
+fn discrete_actions(actions: &Tensor, b: usize, n: usize) -> Result<Arc<[u32]>> {
+    if actions.elem_count() != b || !(actions.dims() == [b] || actions.dims() == [b, 1]) {
+        return Err(NnError::bad_input("actions", format!("[{b}] or [{b}, 1]"), format!("{:?}", actions.dims())));
+    }
+    let raw: Vec<f64> = actions.flatten_all()?.to_dtype(DType::F64)?.to_vec1()?;
+    raw.iter()
+        .map(|&a| {
+            if a >= 0.0 && a < n as f64 && a.fract() == 0.0 {
+                Ok(a as u32)
+            } else {
+                Err(NnError::bad_input("actions", format!("integers in 0..{n}"), a))
+            }
+        })
+        .collect()
+}
+
+fn argmax(xs: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Inverse CDF: the first index whose cumulative probability exceeds `u`
+/// (`u` uniform in `[0, 1)`); rounding slack goes to the last action with
+/// non-zero probability.
+fn sample_categorical(log_probs: &[f32], u: f32) -> usize {
+    let mut cum = 0f32;
+    let mut last = 0;
+    for (i, &lp) in log_probs.iter().enumerate() {
+        let p = lp.exp();
+        if p > 0.0 {
+            last = i;
+        }
+        cum += p;
+        if u < cum {
+            return i;
+        }
+    }
+    last
+}

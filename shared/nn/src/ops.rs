@@ -1,0 +1,506 @@
+//! Differentiable candle custom ops used by the training path.
+//!
+//! candle builds one graph node per op and, on the backward pass, allocates
+//! a zero tensor and an add for every input of every node; at PPO sizes
+//! (batches of a few hundred, layers of 64) that bookkeeping costs more than
+//! the arithmetic. These ops fuse what the model needs into a few nodes, each
+//! with a hand-written backward:
+//!
+//! - [`linear`]: `act(x W^T + b)` (matmul through candle's gemm, bias and the
+//!   fast `tanh`/ReLU of [`crate::kernels`] in place);
+//! - [`categorical_logprob`] / [`categorical_entropy`]: log-softmax based
+//!   log-probability of given actions and entropy of a categorical over logits;
+//! - [`gaussian_logprob`] / [`gaussian_entropy`]: the same for a diagonal
+//!   Gaussian with a state-independent `log_std`.
+//!
+//! Every op passes gradients to every tensor input that needs one (unlike
+//! candle-nn's fused `softmax_last_dim`, see DESIGN.md); the tests compare
+//! each against the same function composed from basic candle ops.
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Storage,
+    Tensor,
+};
+
+use crate::kernels;
+use crate::spec::Activation;
+
+/// `0.5 * ln(2π)`.
+pub(crate) const HALF_LN_2PI: f32 = 0.918_938_5;
+
+/// The contiguous f32 data behind a CPU storage and layout.
+pub(crate) fn cpu_f32<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    op: &'static str,
+) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(v) = s else {
+        bail!("{op}: expected f32, got {:?}", s.dtype())
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => bail!("{op}: expected a contiguous tensor"),
+    }
+}
+
+/// Runs `f` on the contiguous f32 data of a CPU tensor (copying only when the
+/// tensor is not contiguous).
+pub(crate) fn with_f32<R>(
+    t: &Tensor,
+    op: &'static str,
+    f: impl FnOnce(&[f32]) -> R,
+) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (guard, layout) = t.storage_and_layout();
+    match &*guard {
+        Storage::Cpu(s) => Ok(f(cpu_f32(s, layout, op)?)),
+        _ => bail!("{op}: only the CPU device is supported"),
+    }
+}
+
+fn new_f32(data: Vec<f32>, shape: impl Into<Shape>) -> candle_core::Result<Tensor> {
+    Tensor::from_vec(data, shape, &Device::Cpu)
+}
+
+// ---------------------------------------------------------------- linear
+
+/// `y = act(x W^T + b)`, `x: [B, in]`, `W: [out, in]`, `b: [out]`, `y: [B, out]`.
+struct LinearAct {
+    act: Option<Activation>,
+}
+
+impl CustomOp3 for LinearAct {
+    fn name(&self) -> &'static str {
+        "relay-linear-act"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, inp) = xl.shape().dims2()?;
+        let (outw, winp) = wl.shape().dims2()?;
+        let bias = cpu_f32(bs, bl, "linear bias")?;
+        if winp != inp || bias.len() != outw {
+            bail!(
+                "linear: x {:?}, W {:?}, b {:?} do not fit",
+                xl.dims(),
+                wl.dims(),
+                bl.dims()
+            )
+        }
+        if xs.dtype() != DType::F32 || ws.dtype() != DType::F32 {
+            bail!("linear: expected f32 inputs")
+        }
+        let y = xs.matmul(ws, (1, rows, outw, inp), xl, &wl.transpose(0, 1)?)?;
+        let CpuStorage::F32(mut y) = y else {
+            bail!("linear: matmul returned a non-f32 result")
+        };
+        for row in y.chunks_exact_mut(outw) {
+            for (v, b) in row.iter_mut().zip(bias) {
+                *v += b;
+            }
+        }
+        match self.act {
+            Some(Activation::Tanh) => kernels::tanh_inplace(&mut y),
+            Some(Activation::Relu) => kernels::relu_inplace(&mut y),
+            None => {}
+        }
+        Ok((CpuStorage::F32(y), Shape::from((rows, outw))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // Gradient with respect to the pre-activation z = x W^T + b.
+        let gz = match self.act {
+            None => g.clone(),
+            Some(act) => y.apply_op2_no_bwd(g, &ActGrad(act))?,
+        };
+        let gx = if x.track_op() {
+            Some(gz.matmul(&w.detach())?)
+        } else {
+            None
+        };
+        let gw = gz.t()?.matmul(&x.detach())?;
+        let gb = gz.sum(0)?;
+        Ok((gx, Some(gw), Some(gb)))
+    }
+}
+
+/// `out = g * act'(z)` expressed through `y = act(z)`.
+struct ActGrad(Activation);
+
+impl CustomOp2 for ActGrad {
+    fn name(&self) -> &'static str {
+        "relay-act-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ys: &CpuStorage,
+        yl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = cpu_f32(ys, yl, "activation grad")?;
+        let g = cpu_f32(gs, gl, "activation grad")?;
+        if y.len() != g.len() {
+            bail!("activation grad: {:?} vs {:?}", yl.dims(), gl.dims())
+        }
+        let mut out = vec![0f32; y.len()];
+        match self.0 {
+            Activation::Tanh => kernels::tanh_grad(y, g, &mut out),
+            Activation::Relu => kernels::relu_grad(y, g, &mut out),
+        }
+        Ok((CpuStorage::F32(out), yl.shape().clone()))
+    }
+}
+
+/// Differentiable dense layer `act(x W^T + b)` with `x: [B, in]`, `w: [out, in]`
+/// (PyTorch layout), `b: [out]`; returns `[B, out]`.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, act: Option<Activation>) -> candle_core::Result<Tensor> {
+    x.apply_op3(w, b, LinearAct { act })
+}
+
+// ---------------------------------------------------------------- categorical
+
+/// Log-softmax of one row into `out`; returns the row's log-sum-exp.
+#[inline]
+pub(crate) fn log_softmax_row(logits: &[f32], out: &mut [f32]) {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let s: f32 = logits.iter().map(|&l| (l - m).exp()).sum();
+    let lse = m + s.ln();
+    for (o, &l) in out.iter_mut().zip(logits) {
+        *o = l - lse;
+    }
+}
+
+/// `logprob[b] = log_softmax(logits[b])[actions[b]]`.
+struct CategoricalLogProb {
+    actions: Arc<[u32]>,
+}
+
+impl CustomOp1 for CategoricalLogProb {
+    fn name(&self) -> &'static str {
+        "relay-categorical-logprob"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, n) = l.shape().dims2()?;
+        let logits = cpu_f32(s, l, "categorical logprob")?;
+        if self.actions.len() != rows {
+            bail!("categorical logprob: {} actions for {rows} rows", self.actions.len())
+        }
+        let mut lsm = vec![0f32; n];
+        let out = logits
+            .chunks_exact(n)
+            .zip(self.actions.iter())
+            .map(|(row, &a)| {
+                log_softmax_row(row, &mut lsm);
+                lsm[a as usize]
+            })
+            .collect();
+        Ok((CpuStorage::F32(out), Shape::from(rows)))
+    }
+
+    fn bwd(&self, logits: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        // d logp_a / d l_j = 1[j = a] - p_j
+        let (rows, n) = logits.dims2()?;
+        let grad = with_f32(logits, "categorical logprob bwd", |logits| {
+            with_f32(g, "categorical logprob bwd", |g| {
+                let mut out = vec![0f32; rows * n];
+                for (((orow, row), &a), &gb) in out
+                    .chunks_exact_mut(n)
+                    .zip(logits.chunks_exact(n))
+                    .zip(self.actions.iter())
+                    .zip(g)
+                {
+                    log_softmax_row(row, orow);
+                    for o in orow.iter_mut() {
+                        *o = -gb * o.exp();
+                    }
+                    orow[a as usize] += gb;
+                }
+                out
+            })
+        })??;
+        Ok(Some(new_f32(grad, (rows, n))?))
+    }
+}
+
+/// `entropy[b] = -sum_j p_j log p_j` of the categorical over `logits[b]`.
+struct CategoricalEntropy;
+
+impl CustomOp1 for CategoricalEntropy {
+    fn name(&self) -> &'static str {
+        "relay-categorical-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, n) = l.shape().dims2()?;
+        let logits = cpu_f32(s, l, "categorical entropy")?;
+        let mut lsm = vec![0f32; n];
+        let out = logits
+            .chunks_exact(n)
+            .map(|row| {
+                log_softmax_row(row, &mut lsm);
+                -lsm.iter().map(|&lp| lp.exp() * lp).sum::<f32>()
+            })
+            .collect();
+        Ok((CpuStorage::F32(out), Shape::from(rows)))
+    }
+
+    fn bwd(&self, logits: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        // dH / d l_j = -p_j (log p_j + H)
+        let (rows, n) = logits.dims2()?;
+        let grad = with_f32(logits, "categorical entropy bwd", |logits| {
+            with_f32(g, "categorical entropy bwd", |g| {
+                let mut out = vec![0f32; rows * n];
+                for ((orow, row), &gb) in out.chunks_exact_mut(n).zip(logits.chunks_exact(n)).zip(g) {
+                    log_softmax_row(row, orow);
+                    let h: f32 = -orow.iter().map(|&lp| lp.exp() * lp).sum::<f32>();
+                    for o in orow.iter_mut() {
+                        let lp = *o;
+                        *o = -gb * lp.exp() * (lp + h);
+                    }
+                }
+                out
+            })
+        })??;
+        Ok(Some(new_f32(grad, (rows, n))?))
+    }
+}
+
+/// Log-probability of `actions` (one index per row, validated by the caller
+/// to lie in `0..n`) under the categorical with `logits: [B, n]`; `[B]`.
+pub fn categorical_logprob(logits: &Tensor, actions: Arc<[u32]>) -> candle_core::Result<Tensor> {
+    logits.apply_op1(CategoricalLogProb { actions })
+}
+
+/// Entropy of the categorical with `logits: [B, n]`; `[B]`.
+pub fn categorical_entropy(logits: &Tensor) -> candle_core::Result<Tensor> {
+    logits.apply_op1(CategoricalEntropy)
+}
+
+// ---------------------------------------------------------------- gaussian
+
+/// `logprob[b] = sum_d -0.5 z^2 - log_std[d] - 0.5 ln 2π`, `z = (a - mean) / exp(log_std)`.
+struct GaussianLogProb {
+    actions: Arc<[f32]>,
+}
+
+impl CustomOp2 for GaussianLogProb {
+    fn name(&self) -> &'static str {
+        "relay-gaussian-logprob"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ms: &CpuStorage,
+        ml: &Layout,
+        ls: &CpuStorage,
+        ll: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, d) = ml.shape().dims2()?;
+        let mean = cpu_f32(ms, ml, "gaussian logprob")?;
+        let log_std = cpu_f32(ls, ll, "gaussian logprob")?;
+        if log_std.len() != d || self.actions.len() != rows * d {
+            bail!("gaussian logprob: mean {:?}, log_std {:?}, {} action values", ml.dims(), ll.dims(), self.actions.len())
+        }
+        let inv_std: Vec<f32> = log_std.iter().map(|&s| (-s).exp()).collect();
+        let norm: f32 = log_std.iter().sum::<f32>() + HALF_LN_2PI * d as f32;
+        let out = mean
+            .chunks_exact(d)
+            .zip(self.actions.chunks_exact(d))
+            .map(|(m, a)| {
+                let mut q = 0f32;
+                for ((&m, &a), &is) in m.iter().zip(a).zip(&inv_std) {
+                    let z = (a - m) * is;
+                    q += z * z;
+                }
+                -0.5 * q - norm
+            })
+            .collect();
+        Ok((CpuStorage::F32(out), Shape::from(rows)))
+    }
+
+    fn bwd(
+        &self,
+        mean: &Tensor,
+        log_std: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // d/d mean = z / std, d/d log_std = z^2 - 1
+        let (rows, d) = mean.dims2()?;
+        let (gm, gs) = with_f32(mean, "gaussian logprob bwd", |mean| {
+            with_f32(log_std, "gaussian logprob bwd", |log_std| {
+                with_f32(g, "gaussian logprob bwd", |g| {
+                    let inv_std: Vec<f32> = log_std.iter().map(|&s| (-s).exp()).collect();
+                    let mut gm = vec![0f32; rows * d];
+                    let mut gs = vec![0f32; d];
+                    for (((gm_row, m), a), &gb) in gm
+                        .chunks_exact_mut(d)
+                        .zip(mean.chunks_exact(d))
+                        .zip(self.actions.chunks_exact(d))
+                        .zip(g)
+                    {
+                        for k in 0..d {
+                            let z = (a[k] - m[k]) * inv_std[k];
+                            gm_row[k] = gb * z * inv_std[k];
+                            gs[k] += gb * (z * z - 1.0);
+                        }
+                    }
+                    (gm, gs)
+                })
+            })
+        })???;
+        let gm = if mean.track_op() { Some(new_f32(gm, (rows, d))?) } else { None };
+        let gs = if log_std.track_op() { Some(new_f32(gs, d)?) } else { None };
+        Ok((gm, gs))
+    }
+}
+
+/// `entropy[b] = sum_d 0.5 + 0.5 ln 2π + log_std[d]`, the same for every row.
+struct GaussianEntropy {
+    rows: usize,
+}
+
+impl CustomOp1 for GaussianEntropy {
+    fn name(&self) -> &'static str {
+        "relay-gaussian-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let log_std = cpu_f32(s, l, "gaussian entropy")?;
+        let h: f32 = log_std.iter().map(|&ls| 0.5 + HALF_LN_2PI + ls).sum();
+        Ok((CpuStorage::F32(vec![h; self.rows]), Shape::from(self.rows)))
+    }
+
+    fn bwd(&self, log_std: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let d = log_std.elem_count();
+        let total: f32 = with_f32(g, "gaussian entropy bwd", |g| g.iter().sum())?;
+        Ok(Some(new_f32(vec![total; d], log_std.shape().clone())?))
+    }
+}
+
+/// Log-probability of `actions` (`[B * D]` row-major, unclipped) under the
+/// diagonal Gaussian `N(mean, exp(log_std)^2)`, `mean: [B, D]`, `log_std: [D]`; `[B]`.
+pub fn gaussian_logprob(mean: &Tensor, log_std: &Tensor, actions: Arc<[f32]>) -> candle_core::Result<Tensor> {
+    mean.apply_op2(log_std, GaussianLogProb { actions })
+}
+
+/// Entropy of the diagonal Gaussian with `log_std: [D]`, repeated for `rows` rows; `[rows]`.
+pub fn gaussian_entropy(log_std: &Tensor, rows: usize) -> candle_core::Result<Tensor> {
+    log_std.apply_op1(GaussianEntropy { rows })
+}
+
+#[cfg(test)]
+mod tests {
+    //! Each fused op against the same function composed from basic candle ops.
+    use super::*;
+    use candle_core::{Var, D};
+
+    fn close(a: &Tensor, b: &Tensor, tol: f32) {
+        let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!((x - y).abs() <= tol * (1.0 + y.abs()), "index {i}: {x} vs {y}");
+        }
+    }
+
+    fn var(shape: &[usize], seed: usize) -> Var {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n).map(|i| (((i + seed) * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.9).collect();
+        Var::from_vec(data, shape, &Device::Cpu).unwrap()
+    }
+
+    fn weights(seed: usize) -> Tensor {
+        var(&[5, 3], seed).as_detached_tensor()
+    }
+
+    #[test]
+    fn linear_matches_composition() {
+        for act in [None, Some(Activation::Tanh), Some(Activation::Relu)] {
+            let x = var(&[5, 4], 1);
+            let w = var(&[3, 4], 2);
+            let b = var(&[3], 3);
+            let y = linear(&x, &w, &b, act).unwrap();
+            let z = x.matmul(&w.t().unwrap()).unwrap().broadcast_add(&b).unwrap();
+            let r = match act {
+                None => z,
+                Some(Activation::Tanh) => z.tanh().unwrap(),
+                Some(Activation::Relu) => z.relu().unwrap(),
+            };
+            close(&y, &r, 1e-6);
+            let c = weights(4);
+            let g1 = (&y * &c).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = (&r * &c).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&x, &w, &b] {
+                close(g1.get(v).unwrap(), g2.get(v).unwrap(), 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn categorical_matches_composition() {
+        let logits = var(&[5, 3], 5);
+        let actions: Arc<[u32]> = vec![0, 2, 1, 1, 0].into();
+        let lp = categorical_logprob(&logits, actions.clone()).unwrap();
+        let ent = categorical_entropy(&logits).unwrap();
+        let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
+        let idx = Tensor::from_vec(actions.to_vec(), (5, 1), &Device::Cpu).unwrap();
+        let lp_ref = lsm.gather(&idx, 1).unwrap().squeeze(1).unwrap();
+        let ent_ref = (lsm.exp().unwrap() * &lsm).unwrap().sum(1).unwrap().neg().unwrap();
+        close(&lp, &lp_ref, 1e-6);
+        close(&ent, &ent_ref, 1e-6);
+        let c1 = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0, 1.5], &Device::Cpu).unwrap();
+        let c2 = Tensor::new(&[0.3f32, 0.7, -1.0, 2.0, 0.1], &Device::Cpu).unwrap();
+        let f = |lp: &Tensor, e: &Tensor| ((lp * &c1).unwrap() + (e * &c2).unwrap()).unwrap().sum_all().unwrap();
+        let g1 = f(&lp, &ent).backward().unwrap();
+        let g2 = f(&lp_ref, &ent_ref).backward().unwrap();
+        close(g1.get(&logits).unwrap(), g2.get(&logits).unwrap(), 1e-5);
+    }
+
+    #[test]
+    fn gaussian_matches_composition() {
+        let mean = var(&[4, 2], 6);
+        let log_std = var(&[2], 7);
+        let actions: Arc<[f32]> = vec![0.3, -1.2, 2.0, 0.0, -0.5, 0.5, 1.0, 1.0].into();
+        let lp = gaussian_logprob(&mean, &log_std, actions.clone()).unwrap();
+        let ent = gaussian_entropy(&log_std, 4).unwrap();
+        let a = Tensor::from_vec(actions.to_vec(), (4, 2), &Device::Cpu).unwrap();
+        let z = a.sub(&mean).unwrap().broadcast_div(&log_std.exp().unwrap()).unwrap();
+        let lp_ref = ((z.sqr().unwrap() * -0.5).unwrap().broadcast_sub(&log_std).unwrap() - HALF_LN_2PI as f64)
+            .unwrap()
+            .sum(1)
+            .unwrap();
+        let ent_ref = ((log_std.as_tensor() + (0.5 + HALF_LN_2PI as f64)).unwrap().sum_all().unwrap())
+            .broadcast_as(4)
+            .unwrap();
+        close(&lp, &lp_ref, 1e-6);
+        close(&ent, &ent_ref, 1e-6);
+        let c1 = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0], &Device::Cpu).unwrap();
+        let c2 = Tensor::new(&[0.3f32, 0.7, -1.0, 2.0], &Device::Cpu).unwrap();
+        let f = |lp: &Tensor, e: &Tensor| ((lp * &c1).unwrap() + (e * &c2).unwrap()).unwrap().sum_all().unwrap();
+        let g1 = f(&lp, &ent).backward().unwrap();
+        let g2 = f(&lp_ref, &ent_ref).backward().unwrap();
+        close(g1.get(&mean).unwrap(), g2.get(&mean).unwrap(), 1e-5);
+        close(g1.get(&log_std).unwrap(), g2.get(&log_std).unwrap(), 1e-5);
+    }
+}

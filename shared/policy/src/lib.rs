@@ -1,0 +1,175 @@
+//! The policy as services hold it.
+//!
+//! - [`spec_for`]: the network shape from the experiment config and the env's spaces,
+//!   the same in the learner, the inference servers and the evaluators;
+//! - [`to_weights`] / [`load_weights`]: a model as a versioned [`WeightsUpdate`] and back,
+//!   all-or-nothing with shape checks;
+//! - [`PolicyFollower`]: keeps a copy of the learner's latest weights, fetching
+//!   the current version at start (`weights.latest`) and each new one as it is
+//!   published (`weights`), building each new model off the caller's hot path.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use relay_envs::ActionSpace;
+use relay_kit::{ExperimentConfig, Service};
+use relay_nn::{ActionKind, Activation, ActorCritic, PolicySpec};
+use relay_proto::{NamedTensor, Rejection, WeightsRequest, WeightsUpdate, SCHEMA_VERSION};
+use tokio::sync::watch;
+
+/// The policy network shape of a run.
+pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, relay_envs::EnvError> {
+    let env = relay_envs::spec(&config.run.env_id)?;
+    let action = match env.action_space {
+        ActionSpace::Discrete { n } => ActionKind::Discrete { n },
+        ActionSpace::Box { low, high } => ActionKind::Continuous { dim: low.len(), low, high },
+    };
+    Ok(PolicySpec {
+        obs_dim: env.observation_space.dim(),
+        action,
+        hidden: config.policy.hidden.clone(),
+        activation: match config.policy.activation {
+            relay_kit::config::ActivationName::Tanh => Activation::Tanh,
+            relay_kit::config::ActivationName::Relu => Activation::Relu,
+        },
+        init_log_std: config.policy.init_log_std,
+    })
+}
+
+/// Every parameter of `model` as a [`WeightsUpdate`] of `version`.
+pub fn to_weights(model: &ActorCritic, version: u64, learner_env_steps: u64) -> WeightsUpdate {
+    WeightsUpdate {
+        schema: SCHEMA_VERSION,
+        version,
+        learner_env_steps,
+        tensors: model.named_tensors().iter().map(NamedTensor::from_parts).collect(),
+    }
+}
+
+/// Loads a [`WeightsUpdate`] into `model`; on any mismatch the model is unchanged.
+pub fn load_weights(model: &mut ActorCritic, update: &WeightsUpdate) -> Result<(), Rejection> {
+    let parts = update
+        .tensors
+        .iter()
+        .map(|t| {
+            t.to_parts().map_err(|source| Rejection::Invalid {
+                kind: "WeightsUpdate",
+                field: "tensors",
+                detail: format!("{}: {source}", t.name),
+            })
+        })
+        .collect::<Result<Vec<relay_nn::NamedTensor>, _>>()?;
+    model.load_named_tensors(&parts).map_err(|e| Rejection::Invalid {
+        kind: "WeightsUpdate",
+        field: "tensors",
+        detail: e.to_string(),
+    })
+}
+
+/// A model at a weights version.
+pub struct VersionedPolicy {
+    pub version: u64,
+    pub learner_env_steps: u64,
+    pub model: ActorCritic,
+}
+
+/// Follows the learner's weights; [`PolicyFollower::latest`] is the newest model.
+pub struct PolicyFollower {
+    rx: watch::Receiver<Option<Arc<VersionedPolicy>>>,
+}
+
+impl PolicyFollower {
+    /// Starts following (a background task until shutdown).
+    pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
+        let spec = spec_for(&service.config).map_err(relay_kit::ServiceError::other)?;
+        let (tx, rx) = watch::channel(None);
+        let mut updates = service
+            .nats
+            .subscribe(service.subjects.weights())
+            .await
+            .map_err(relay_kit::ServiceError::nats)?;
+        let service = service.clone();
+        let seed = service.config.run.seed;
+        tokio::spawn(async move {
+            let build = |update: &WeightsUpdate| -> Result<VersionedPolicy, Rejection> {
+                let mut model = ActorCritic::new(&spec, seed).map_err(|e| Rejection::Invalid {
+                    kind: "WeightsUpdate",
+                    field: "tensors",
+                    detail: e.to_string(),
+                })?;
+                load_weights(&mut model, update)?;
+                Ok(VersionedPolicy { version: update.version, learner_env_steps: update.learner_env_steps, model })
+            };
+            let current = |tx: &watch::Sender<Option<Arc<VersionedPolicy>>>| tx.borrow().as_ref().map(|p| p.version);
+            // The current version, in case the learner published it before we subscribed.
+            let mut backoff = Duration::from_millis(20);
+            while current(&tx).is_none() && !service.shutdown.is_triggered() {
+                let ask = WeightsRequest { schema: SCHEMA_VERSION };
+                match relay_kit::request::<_, WeightsUpdate>(&service.nats, &service.subjects.weights_latest(), &ask, service.request_timeout()).await {
+                    Ok(update) => match build(&update) {
+                        Ok(policy) => {
+                            tracing::info!(version = policy.version, "loaded current weights");
+                            let _ = tx.send(Some(Arc::new(policy)));
+                        }
+                        Err(rejection) => service.intake.reject("weights.latest", &rejection),
+                    },
+                    Err(e) => tracing::debug!(error = %e, "no weights yet"),
+                }
+                if current(&tx).is_some() {
+                    break;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    Some(m) = updates.next() => {
+                        // A published version arrived first: take it.
+                        if let Ok(update) = service.intake.decode::<WeightsUpdate>("weights", &m.payload) {
+                            match build(&update) {
+                                Ok(policy) => { let _ = tx.send(Some(Arc::new(policy))); }
+                                Err(rejection) => service.intake.reject("weights", &rejection),
+                            }
+                        }
+                    }
+                    _ = service.shutdown.wait() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            loop {
+                let message = tokio::select! {
+                    Some(m) = updates.next() => m,
+                    _ = service.shutdown.wait() => return,
+                    else => return,
+                };
+                let Ok(update) = service.intake.decode::<WeightsUpdate>("weights", &message.payload) else { continue };
+                if current(&tx).is_some_and(|v| update.version <= v) {
+                    continue;
+                }
+                match build(&update) {
+                    Ok(policy) => {
+                        let _ = tx.send(Some(Arc::new(policy)));
+                    }
+                    Err(rejection) => service.intake.reject("weights", &rejection),
+                }
+            }
+        });
+        Ok(Self { rx })
+    }
+
+    /// The newest model, if any has arrived.
+    pub fn latest(&self) -> Option<Arc<VersionedPolicy>> {
+        self.rx.borrow().clone()
+    }
+
+    /// Waits until a model newer than `version` (any model for `None`) arrives;
+    /// `None` on shutdown of the follower.
+    pub async fn newer_than(&mut self, version: Option<u64>) -> Option<Arc<VersionedPolicy>> {
+        loop {
+            if let Some(p) = self.rx.borrow_and_update().clone() {
+                if version.is_none_or(|v| p.version > v) {
+                    return Some(p);
+                }
+            }
+            self.rx.changed().await.ok()?;
+        }
+    }
+}
