@@ -6,7 +6,7 @@
 //! `inference.max_batch` observations are gathered); one forward pass
 //! answers them all, each reply naming the weights version used. New weights are built off the hot path
 //! by the [`PolicyFollower`] and swapped in between batches, so no request is
-//! dropped by a swap. Until the first weights arrive, requests get a 503.
+//! dropped by a swap. A copy joins the queue group once it has weights.
 
 use std::time::{Duration, Instant};
 
@@ -60,7 +60,16 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let service = Service::start("inference-server", config, shutdown.clone()).await?;
     let cfg = service.config.clone();
     let metrics = Metrics::register(&service.registry);
-    let follower = PolicyFollower::start(&service).await?;
+    let mut follower = PolicyFollower::start(&service).await?;
+    // Join the queue group only with weights in hand, so that a new copy
+    // never answers "no weights yet" while others could serve.
+    tokio::select! {
+        _ = follower.newer_than(None) => {}
+        _ = shutdown.wait() => {
+            service.drain().await;
+            return Ok(());
+        }
+    }
     let micro = service.micro().await?;
     let mut requests = micro.endpoint(service.subjects.act()).await.map_err(ServiceError::nats)?;
     service.health.set_ready(true);

@@ -295,3 +295,90 @@ pub fn update(
     }
     Ok(stats)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_nn::PolicySpec;
+    use relay_proto::{Tensor, SCHEMA_VERSION};
+
+    /// T = 3 steps, N = 2 envs. Env 0 is truncated at t = 1 (bootstrap from
+    /// its final observation), env 1 terminates at t = 1 (no bootstrap), and
+    /// both run on past t = 2 (bootstrap from `next_obs`).
+    #[test]
+    fn gae_bootstraps_through_truncation_not_termination() {
+        let model = ActorCritic::new(&PolicySpec::discrete(4, 2), 7).unwrap();
+        let obs: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin()).collect();
+        let next_obs: Vec<f32> = (0..8).map(|i| (i as f32 * 0.91).cos()).collect();
+        let final_obs: Vec<f32> = vec![0.3, -0.2, 0.1, 0.05];
+        let rewards = [1.0f32, 0.5, 2.0, -1.0, 0.25, 1.5];
+        let terminated = [false, false, false, true, false, false];
+        let truncated = [false, false, true, false, false, false];
+        let fragment = RolloutFragment {
+            schema: SCHEMA_VERSION,
+            runner_id: "t".into(),
+            env_id: "CartPole-v1".into(),
+            policy_version: 0,
+            num_steps: 3,
+            num_envs: 2,
+            obs: Tensor::from_f32(&[3, 2, 4], &obs),
+            actions: Tensor::from_i64(&[3, 2], &[0, 1, 1, 0, 0, 1]),
+            logprobs: Tensor::from_f32(&[3, 2], &[-0.7; 6]),
+            values: Tensor::from_f32(&[3, 2], &[0.0; 6]),
+            rewards: Tensor::from_f32(&[3, 2], &rewards),
+            terminated: Tensor::from_bool(&[3, 2], &terminated),
+            truncated: Tensor::from_bool(&[3, 2], &truncated),
+            next_obs: Tensor::from_f32(&[2, 4], &next_obs),
+            final_obs: Tensor::from_f32(&[1, 4], &final_obs),
+        };
+        let (gamma, lambda) = (0.9f32, 0.8f32);
+        let rollout = prepare(&model, &[fragment], gamma as f64, lambda as f64).unwrap();
+
+        let v = model.values(&obs, 6).unwrap();
+        let tail = model.values(&next_obs, 2).unwrap();
+        let v_final = model.values(&final_obs, 1).unwrap()[0];
+        // Env 0: t2 bootstraps from tail; t1 is truncated (bootstrap from final obs, no carry); t0 carries from t1.
+        let d02 = rewards[4] + gamma * tail[0] - v[4];
+        let d01 = rewards[2] + gamma * v_final - v[2];
+        let d00 = rewards[0] + gamma * v[2] - v[0];
+        let a0 = [d00 + gamma * lambda * d01, d01, d02];
+        // Env 1: t1 terminated (no bootstrap, no carry).
+        let d12 = rewards[5] + gamma * tail[1] - v[5];
+        let d11 = rewards[3] - v[3];
+        let d10 = rewards[1] + gamma * v[3] - v[1];
+        let a1 = [d10 + gamma * lambda * d11, d11, d12];
+        let expected = [a0[0], a1[0], a0[1], a1[1], a0[2], a1[2]];
+        for (i, (got, want)) in rollout.advantages.iter().zip(expected).enumerate() {
+            assert!((got - want).abs() < 1e-5, "step {i}: {got} vs {want}");
+        }
+        for i in 0..6 {
+            assert!((rollout.returns[i] - (expected[i] + v[i])).abs() < 1e-5);
+        }
+        assert_eq!(rollout.len, 6);
+        assert_eq!(rollout.vec_steps, 3);
+    }
+
+    #[test]
+    fn a_fragment_of_another_shape_is_an_error_not_a_panic() {
+        let model = ActorCritic::new(&PolicySpec::discrete(4, 2), 7).unwrap();
+        let fragment = RolloutFragment {
+            schema: SCHEMA_VERSION,
+            runner_id: "t".into(),
+            env_id: "Acrobot-v1".into(),
+            policy_version: 0,
+            num_steps: 1,
+            num_envs: 1,
+            obs: Tensor::from_f32(&[1, 1, 6], &[0.0; 6]),
+            actions: Tensor::from_i64(&[1, 1], &[0]),
+            logprobs: Tensor::from_f32(&[1, 1], &[-0.7]),
+            values: Tensor::from_f32(&[1, 1], &[0.0]),
+            rewards: Tensor::from_f32(&[1, 1], &[1.0]),
+            terminated: Tensor::from_bool(&[1, 1], &[false]),
+            truncated: Tensor::from_bool(&[1, 1], &[false]),
+            next_obs: Tensor::from_f32(&[1, 6], &[0.0; 6]),
+            final_obs: Tensor::from_f32(&[0, 6], &[]),
+        };
+        let err = prepare(&model, &[fragment], 0.99, 0.95).err().expect("rejected");
+        assert!(err.to_string().contains("features"), "{err}");
+    }
+}

@@ -1,0 +1,80 @@
+//! The inference server answers every request while new weights versions
+//! arrive, always with the newest version it has, never going back; two
+//! copies share the act subject through the queue group.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_nn::ActorCritic;
+use relay_proto::{encode, ActReply, ActRequest, Subjects, Tensor, WeightsUpdate};
+use relay_testkit::NatsServer;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swaps_weights_without_dropping_requests() {
+    let nats = NatsServer::start().unwrap();
+    let text = format!(
+        "run:\n  id: swap\n  env_id: CartPole-v1\nconnections:\n  nats_url: {}\n  request_timeout_ms: 2000\n",
+        nats.url()
+    );
+    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap();
+    let spec = relay_policy::spec_for(&experiment).unwrap();
+    let model = ActorCritic::new(&spec, 3).unwrap();
+    let s = Subjects::new("swap");
+    let client = async_nats::connect(nats.url()).await.unwrap();
+
+    // Stand in for the learner: serve the latest weights, publish new versions.
+    let latest = std::sync::Arc::new(std::sync::Mutex::new(relay_policy::to_weights(&model, 0, 0)));
+    let mut latest_requests = client.subscribe(s.weights_latest()).await.unwrap();
+    {
+        let (client, latest) = (client.clone(), latest.clone());
+        tokio::spawn(async move {
+            while let Some(m) = latest_requests.next().await {
+                let payload = encode(&*latest.lock().unwrap());
+                let _ = client.publish(m.reply.unwrap(), payload.into()).await;
+            }
+        });
+    }
+
+    let (trigger, shutdown) = Shutdown::new();
+    let servers: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(relay_inference_server::run(ServiceConfig::for_test(experiment.clone()), shutdown.clone())))
+        .collect();
+
+    let request = ActRequest::new(Tensor::from_f32(&[3, 4], &[0.01; 12]), false);
+    let mut answered = 0;
+    let mut last_seen = 0u64;
+    let mut next_version = 1u64;
+    for i in 0..600 {
+        if i % 60 == 59 && next_version <= 8 {
+            let update: WeightsUpdate = relay_policy::to_weights(&model, next_version, 0);
+            *latest.lock().unwrap() = update.clone();
+            client.publish(s.weights(), encode(&update).into()).await.unwrap();
+            next_version += 1;
+        }
+        let reply: Result<ActReply, _> = relay_kit::request(&client, &s.act(), &request, Duration::from_secs(2)).await;
+        match reply {
+            Ok(reply) => {
+                answered += 1;
+                assert_eq!(reply.actions.shape, vec![3]);
+                last_seen = last_seen.max(reply.policy_version);
+            }
+            // Only before the servers are up (no responders, no weights yet).
+            Err(e) => {
+                assert_eq!(answered, 0, "request {i} failed after service started: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    assert!(answered > 500, "answered {answered}");
+    assert_eq!(last_seen, 8, "servers reached the newest version");
+    // Both copies, once caught up, answer with version 8 only.
+    for _ in 0..20 {
+        let reply: ActReply = relay_kit::request(&client, &s.act(), &request, Duration::from_secs(2)).await.unwrap();
+        assert_eq!(reply.policy_version, 8);
+    }
+    trigger.trigger();
+    for server in servers {
+        tokio::time::timeout(Duration::from_secs(10), server).await.unwrap().unwrap().unwrap();
+    }
+}
