@@ -13,13 +13,18 @@ use prometheus::{Gauge, IntCounter};
 use rand::SeedableRng;
 use relay_envs::{ActionSpace, VecActions, VecEnv};
 use relay_kit::{gauge, Service, ServiceConfig, ServiceError, Shutdown};
-use relay_nn::{ActorCritic, Actions};
+use relay_nn::{Actions, ActorCritic};
 use relay_policy::PolicyFollower;
 use relay_proto::{EvalReport, RunStatus, RunStatusUpdate, SCHEMA_VERSION};
 
 /// Plays one episode per sub-env with the policy's deterministic actions;
 /// returns each episode's return.
-pub fn evaluate(model: &ActorCritic, env_id: &str, episodes: usize, seed: u64) -> Result<Vec<f64>, String> {
+pub fn evaluate(
+    model: &ActorCritic,
+    env_id: &str,
+    episodes: usize,
+    seed: u64,
+) -> Result<Vec<f64>, String> {
     let mut envs = VecEnv::new(env_id, episodes, seed).map_err(|e| e.to_string())?;
     let spec = envs.spec().clone();
     let obs_dim = envs.obs_dim();
@@ -28,15 +33,23 @@ pub fn evaluate(model: &ActorCritic, env_id: &str, episodes: usize, seed: u64) -
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut clipped = Vec::new();
     while returns.iter().any(Option::is_none) {
-        let out = model.act(&obs, obs.len() / obs_dim, true, &mut rng).map_err(|e| e.to_string())?;
+        let out = model
+            .act(&obs, obs.len() / obs_dim, true, &mut rng)
+            .map_err(|e| e.to_string())?;
         let step = match (&out.actions, &spec.action_space) {
             (Actions::Discrete(a), _) => envs.step(VecActions::Discrete(a)),
             (Actions::Continuous(a), ActionSpace::Box { low, high }) => {
                 clipped.clear();
-                clipped.extend(a.iter().enumerate().map(|(i, v)| v.clamp(low[i % low.len()], high[i % low.len()])));
+                clipped.extend(
+                    a.iter()
+                        .enumerate()
+                        .map(|(i, v)| v.clamp(low[i % low.len()], high[i % low.len()])),
+                );
                 envs.step(VecActions::Continuous(&clipped))
             }
-            (Actions::Continuous(_), ActionSpace::Discrete { .. }) => return Err("continuous actions for a discrete env".into()),
+            (Actions::Continuous(_), ActionSpace::Discrete { .. }) => {
+                return Err("continuous actions for a discrete env".into())
+            }
         }
         .map_err(|e| e.to_string())?;
         for e in &step.finished {
@@ -44,7 +57,10 @@ pub fn evaluate(model: &ActorCritic, env_id: &str, episodes: usize, seed: u64) -
         }
         obs.copy_from_slice(&step.obs);
     }
-    Ok(returns.into_iter().map(|r| r.expect("every episode finished")).collect())
+    Ok(returns
+        .into_iter()
+        .map(|r| r.expect("every episode finished"))
+        .collect())
 }
 
 fn mean_std(values: &[f64]) -> (f64, f64) {
@@ -59,10 +75,24 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let cfg = service.config.clone();
     let mut follower = PolicyFollower::start(&service).await?;
     let threshold = cfg.solved_threshold();
-    let skipped = IntCounter::new("relay_eval_skipped_versions_total", "Weights versions the evaluator did not evaluate because newer ones arrived.").unwrap();
-    let last_return = Gauge::new("relay_eval_return_mean", "Mean return of the latest evaluation.").unwrap();
-    service.registry.register(Box::new(skipped.clone())).expect("register");
-    service.registry.register(Box::new(last_return.clone())).expect("register");
+    let skipped = IntCounter::new(
+        "relay_eval_skipped_versions_total",
+        "Weights versions the evaluator did not evaluate because newer ones arrived.",
+    )
+    .unwrap();
+    let last_return = Gauge::new(
+        "relay_eval_return_mean",
+        "Mean return of the latest evaluation.",
+    )
+    .unwrap();
+    service
+        .registry
+        .register(Box::new(skipped.clone()))
+        .expect("register");
+    service
+        .registry
+        .register(Box::new(last_return.clone()))
+        .expect("register");
     service.health.set_ready(true);
     let mut last: Option<u64> = None;
     let mut announced_solved = false;
@@ -78,9 +108,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         last = Some(policy.version);
         let (env_id, episodes, seed) = (cfg.run.env_id.clone(), cfg.eval.episodes, cfg.eval.seed);
         let model_policy = policy.clone();
-        let returns = tokio::task::spawn_blocking(move || evaluate(&model_policy.model, &env_id, episodes, seed))
-            .await
-            .map_err(ServiceError::other)?;
+        let returns = tokio::task::spawn_blocking(move || {
+            evaluate(&model_policy.model, &env_id, episodes, seed)
+        })
+        .await
+        .map_err(ServiceError::other)?;
         let returns = match returns {
             Ok(r) => r,
             Err(e) => {
@@ -91,7 +123,13 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         let (mean, std) = mean_std(&returns);
         let solved = threshold.is_some_and(|t| mean >= t);
         last_return.set(mean);
-        tracing::info!(version = policy.version, mean_return = mean, std_return = std, solved, "evaluated");
+        tracing::info!(
+            version = policy.version,
+            mean_return = mean,
+            std_return = std,
+            solved,
+            "evaluated"
+        );
         let report = EvalReport {
             schema: SCHEMA_VERSION,
             evaluator: "greedy".into(),
@@ -106,7 +144,15 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             solved,
         };
         service.publish(service.subjects.eval(), &report).await;
-        service.report(None, vec![gauge("eval_return_mean", mean), gauge("eval_policy_version", policy.version as f64)]).await;
+        service
+            .report(
+                None,
+                vec![
+                    gauge("eval_return_mean", mean),
+                    gauge("eval_policy_version", policy.version as f64),
+                ],
+            )
+            .await;
         if solved && !announced_solved {
             announced_solved = true;
             let status = RunStatusUpdate {
@@ -114,7 +160,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 status: RunStatus::Solved,
                 service: "evaluator".into(),
                 policy_version: policy.version,
-                detail: format!("eval mean return {mean:.1} >= {:.1} over {} episodes", threshold.unwrap_or(f64::NAN), cfg.eval.episodes),
+                detail: format!(
+                    "eval mean return {mean:.1} >= {:.1} over {} episodes",
+                    threshold.unwrap_or(f64::NAN),
+                    cfg.eval.episodes
+                ),
             };
             service.publish(service.subjects.status(), &status).await;
         }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use futures::{FutureExt, StreamExt};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge};
 use rand::SeedableRng;
-use relay_kit::{gauge, counter, Service, ServiceConfig, ServiceError, Shutdown};
+use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::Actions;
 use relay_policy::PolicyFollower;
 use relay_proto::{ActReply, ActRequest, Tensor, SCHEMA_VERSION};
@@ -28,17 +28,27 @@ struct Metrics {
 impl Metrics {
     fn register(registry: &prometheus::Registry) -> Self {
         let batch_size = Histogram::with_opts(
-            HistogramOpts::new("relay_inference_batch_size", "Observations per forward pass.")
-                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0]),
+            HistogramOpts::new(
+                "relay_inference_batch_size",
+                "Observations per forward pass.",
+            )
+            .buckets(vec![
+                1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0,
+            ]),
         )
         .unwrap();
         let forward_seconds = Histogram::with_opts(
-            HistogramOpts::new("relay_inference_forward_seconds", "Time of one batched forward pass.")
-                .buckets(vec![1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1]),
+            HistogramOpts::new(
+                "relay_inference_forward_seconds",
+                "Time of one batched forward pass.",
+            )
+            .buckets(vec![1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1]),
         )
         .unwrap();
-        let requests = IntCounter::new("relay_inference_requests_total", "Act requests answered.").unwrap();
-        let weights_version = IntGauge::new("relay_weights_version", "Weights version this copy serves.").unwrap();
+        let requests =
+            IntCounter::new("relay_inference_requests_total", "Act requests answered.").unwrap();
+        let weights_version =
+            IntGauge::new("relay_weights_version", "Weights version this copy serves.").unwrap();
         for c in [
             Box::new(batch_size.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(forward_seconds.clone()),
@@ -47,12 +57,20 @@ impl Metrics {
         ] {
             registry.register(c).expect("register inference metric");
         }
-        Self { batch_size, forward_seconds, requests, weights_version }
+        Self {
+            batch_size,
+            forward_seconds,
+            requests,
+            weights_version,
+        }
     }
 }
 
 fn service_error(code: usize, status: impl Into<String>) -> async_nats::service::error::Error {
-    async_nats::service::error::Error { status: status.into(), code }
+    async_nats::service::error::Error {
+        status: status.into(),
+        code,
+    }
 }
 
 /// Runs the inference server until shutdown.
@@ -61,6 +79,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let cfg = service.config.clone();
     let metrics = Metrics::register(&service.registry);
     let mut follower = PolicyFollower::start(&service).await?;
+    // Healthy (alive, connected) at once; serving once weights are in.
+    service.health.set_ready(true);
     // Join the queue group only with weights in hand, so that a new copy
     // never answers "no weights yet" while others could serve.
     tokio::select! {
@@ -71,9 +91,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
     }
     let micro = service.micro().await?;
-    let mut requests = micro.endpoint(service.subjects.act()).await.map_err(ServiceError::nats)?;
+    let mut requests = micro
+        .endpoint(service.subjects.act())
+        .await
+        .map_err(ServiceError::nats)?;
     service.health.set_ready(true);
-    let obs_dim = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?.obs_dim;
+    let obs_dim = relay_policy::spec_for(&cfg)
+        .map_err(ServiceError::other)?
+        .obs_dim;
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.run.seed ^ std::process::id() as u64);
     let wait = Duration::from_micros(cfg.inference.batch_wait_us);
     let mut report_at = Instant::now() + Duration::from_secs(1);
@@ -90,10 +115,23 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         let mut decoded = Vec::with_capacity(8);
         loop {
             for request in batch.drain(..) {
-                match service.intake.decode::<ActRequest>("act", &request.message.payload) {
+                match service
+                    .intake
+                    .decode::<ActRequest>("act", &request.message.payload)
+                {
                     Ok(act) if act.obs.shape[1] as usize != obs_dim => {
-                        let detail = format!("obs has {} features, the policy takes {obs_dim}", act.obs.shape[1]);
-                        service.intake.reject("act", &relay_proto::Rejection::Invalid { kind: "ActRequest", field: "obs", detail: detail.clone() });
+                        let detail = format!(
+                            "obs has {} features, the policy takes {obs_dim}",
+                            act.obs.shape[1]
+                        );
+                        service.intake.reject(
+                            "act",
+                            &relay_proto::Rejection::Invalid {
+                                kind: "ActRequest",
+                                field: "obs",
+                                detail: detail.clone(),
+                            },
+                        );
                         let _ = request.respond(Err(service_error(400, detail))).await;
                     }
                     Ok(act) => {
@@ -101,7 +139,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         decoded.push((request, act));
                     }
                     Err(rejection) => {
-                        let _ = request.respond(Err(service_error(400, rejection.to_string()))).await;
+                        let _ = request
+                            .respond(Err(service_error(400, rejection.to_string())))
+                            .await;
                     }
                 }
             }
@@ -127,14 +167,19 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
         let Some(policy) = follower.latest() else {
             for (request, _) in decoded {
-                let _ = request.respond(Err(service_error(503, "no weights yet"))).await;
+                let _ = request
+                    .respond(Err(service_error(503, "no weights yet")))
+                    .await;
             }
             continue;
         };
         metrics.weights_version.set(policy.version as i64);
         // One forward per determinism flag (almost always a single group).
         for deterministic in [false, true] {
-            let group: Vec<&(async_nats::service::Request, ActRequest)> = decoded.iter().filter(|(_, a)| a.deterministic == deterministic).collect();
+            let group: Vec<&(async_nats::service::Request, ActRequest)> = decoded
+                .iter()
+                .filter(|(_, a)| a.deterministic == deterministic)
+                .collect();
             if group.is_empty() {
                 continue;
             }
@@ -149,12 +194,16 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 Err(e) => {
                     tracing::error!(error = %e, "forward pass failed");
                     for (request, _) in group {
-                        let _ = request.respond(Err(service_error(500, format!("forward failed: {e}")))).await;
+                        let _ = request
+                            .respond(Err(service_error(500, format!("forward failed: {e}"))))
+                            .await;
                     }
                     continue;
                 }
             };
-            metrics.forward_seconds.observe(started.elapsed().as_secs_f64());
+            metrics
+                .forward_seconds
+                .observe(started.elapsed().as_secs_f64());
             metrics.batch_size.observe(n as f64);
             let mut offset = 0;
             for (request, act) in group {
@@ -174,17 +223,27 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     values: Tensor::from_f32(&[k], &out.values[offset..offset + k]),
                 };
                 offset += k;
-                let _ = request.respond(Ok(relay_proto::encode(&reply).into())).await;
+                let _ = request
+                    .respond(Ok(relay_proto::encode(&reply).into()))
+                    .await;
                 metrics.requests.inc();
             }
         }
         if Instant::now() >= report_at {
             report_at = Instant::now() + Duration::from_secs(1);
             let answered = metrics.requests.get();
-            service.report(None, vec![
-                counter("inference_requests_total", (answered - reported_requests) as f64),
-                gauge("inference_weights_version", policy.version as f64),
-            ]).await;
+            service
+                .report(
+                    None,
+                    vec![
+                        counter(
+                            "inference_requests_total",
+                            (answered - reported_requests) as f64,
+                        ),
+                        gauge("inference_weights_version", policy.version as f64),
+                    ],
+                )
+                .await;
             reported_requests = answered;
         }
     }

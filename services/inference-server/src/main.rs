@@ -1,3 +1,7 @@
 fn main() -> anyhow::Result<()> {
-    relay_kit::service::main("inference-server", |c| c.inference.threads, relay_inference_server::run)
+    relay_kit::service::main(
+        "inference-server",
+        |c| c.inference.threads,
+        relay_inference_server::run,
+    )
 }

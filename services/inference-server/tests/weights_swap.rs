@@ -24,7 +24,9 @@ async fn swaps_weights_without_dropping_requests() {
     let client = async_nats::connect(nats.url()).await.unwrap();
 
     // Stand in for the learner: serve the latest weights, publish new versions.
-    let latest = std::sync::Arc::new(std::sync::Mutex::new(relay_policy::to_weights(&model, 0, 0)));
+    let latest = std::sync::Arc::new(std::sync::Mutex::new(relay_policy::to_weights(
+        &model, 0, 0,
+    )));
     let mut latest_requests = client.subscribe(s.weights_latest()).await.unwrap();
     {
         let (client, latest) = (client.clone(), latest.clone());
@@ -38,7 +40,12 @@ async fn swaps_weights_without_dropping_requests() {
 
     let (trigger, shutdown) = Shutdown::new();
     let servers: Vec<_> = (0..2)
-        .map(|_| tokio::spawn(relay_inference_server::run(ServiceConfig::for_test(experiment.clone()), shutdown.clone())))
+        .map(|_| {
+            tokio::spawn(relay_inference_server::run(
+                ServiceConfig::for_test(experiment.clone()),
+                shutdown.clone(),
+            ))
+        })
         .collect();
 
     let request = ActRequest::new(Tensor::from_f32(&[3, 4], &[0.01; 12]), false);
@@ -49,10 +56,14 @@ async fn swaps_weights_without_dropping_requests() {
         if i % 60 == 59 && next_version <= 8 {
             let update: WeightsUpdate = relay_policy::to_weights(&model, next_version, 0);
             *latest.lock().unwrap() = update.clone();
-            client.publish(s.weights(), encode(&update).into()).await.unwrap();
+            client
+                .publish(s.weights(), encode(&update).into())
+                .await
+                .unwrap();
             next_version += 1;
         }
-        let reply: Result<ActReply, _> = relay_kit::request(&client, &s.act(), &request, Duration::from_secs(2)).await;
+        let reply: Result<ActReply, _> =
+            relay_kit::request(&client, &s.act(), &request, Duration::from_secs(2)).await;
         match reply {
             Ok(reply) => {
                 answered += 1;
@@ -70,11 +81,18 @@ async fn swaps_weights_without_dropping_requests() {
     assert_eq!(last_seen, 8, "servers reached the newest version");
     // Both copies, once caught up, answer with version 8 only.
     for _ in 0..20 {
-        let reply: ActReply = relay_kit::request(&client, &s.act(), &request, Duration::from_secs(2)).await.unwrap();
+        let reply: ActReply =
+            relay_kit::request(&client, &s.act(), &request, Duration::from_secs(2))
+                .await
+                .unwrap();
         assert_eq!(reply.policy_version, 8);
     }
     trigger.trigger();
     for server in servers {
-        tokio::time::timeout(Duration::from_secs(10), server).await.unwrap().unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
     }
 }

@@ -14,7 +14,10 @@ use crate::Progress;
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("checkpoint I/O at {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("checkpoint tensors: {0}")]
     Tensors(String),
     #[error("checkpoint state {path}: {detail}")]
@@ -22,21 +25,37 @@ pub enum CheckpointError {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Writes a checkpoint and returns its folder.
-pub fn save(run_dir: &Path, model: &ActorCritic, adam: &Adam, progress: &Progress, config: &ExperimentConfig) -> Result<PathBuf, CheckpointError> {
+pub fn save(
+    run_dir: &Path,
+    model: &ActorCritic,
+    adam: &Adam,
+    progress: &Progress,
+    config: &ExperimentConfig,
+) -> Result<PathBuf, CheckpointError> {
     let root = run_dir.join("checkpoints");
     std::fs::create_dir_all(&root).map_err(io(&root))?;
     let name = format!("{:08}", progress.updates);
     let tmp = root.join(format!(".{name}.tmp"));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
-    model.save(&tmp.join("model.safetensors")).map_err(|e| CheckpointError::Tensors(e.to_string()))?;
-    adam.save(&tmp.join("optimizer.safetensors")).map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+    model
+        .save(&tmp.join("model.safetensors"))
+        .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+    adam.save(&tmp.join("optimizer.safetensors"))
+        .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
     let state = tmp.join("state.json");
-    std::fs::write(&state, serde_json::to_vec_pretty(progress).expect("progress serializes")).map_err(io(&state))?;
+    std::fs::write(
+        &state,
+        serde_json::to_vec_pretty(progress).expect("progress serializes"),
+    )
+    .map_err(io(&state))?;
     let config_path = tmp.join("config.yaml");
     std::fs::write(&config_path, config.to_yaml()).map_err(io(&config_path))?;
     let dest = root.join(&name);
@@ -53,5 +72,8 @@ pub fn save(run_dir: &Path, model: &ActorCritic, adam: &Adam, progress: &Progres
 pub fn load_progress(dir: &Path) -> Result<Progress, CheckpointError> {
     let path = dir.join("state.json");
     let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-    serde_json::from_str(&text).map_err(|e| CheckpointError::State { path, detail: e.to_string() })
+    serde_json::from_str(&text).map_err(|e| CheckpointError::State {
+        path,
+        detail: e.to_string(),
+    })
 }

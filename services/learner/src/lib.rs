@@ -24,7 +24,8 @@ use rand::SeedableRng;
 use relay_kit::{gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::{ActorCritic, Adam, AdamConfig};
 use relay_proto::{
-    RolloutFragment, RunStatus, RunStatusUpdate, SampleReply, SampleRequest, WeightsRequest, SCHEMA_VERSION,
+    RolloutFragment, RunStatus, RunStatusUpdate, SampleReply, SampleRequest, WeightsRequest,
+    SCHEMA_VERSION,
 };
 
 /// Counters that a checkpoint carries.
@@ -52,15 +53,22 @@ struct Metrics {
 
 impl Metrics {
     fn register(registry: &prometheus::Registry) -> Self {
-        let version = IntGauge::new("relay_weights_version", "Latest weights version published.").unwrap();
+        let version =
+            IntGauge::new("relay_weights_version", "Latest weights version published.").unwrap();
         let policy_lag = Histogram::with_opts(
-            HistogramOpts::new("relay_policy_lag", "Learner version minus the version that acted, per fragment trained on.")
-                .buckets(vec![0.0, 1.0, 2.0, 3.0, 5.0, 10.0]),
+            HistogramOpts::new(
+                "relay_policy_lag",
+                "Learner version minus the version that acted, per fragment trained on.",
+            )
+            .buckets(vec![0.0, 1.0, 2.0, 3.0, 5.0, 10.0]),
         )
         .unwrap();
         let update_seconds = Histogram::with_opts(
-            HistogramOpts::new("relay_learner_update_seconds", "Wall time of one PPO update.")
-                .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]),
+            HistogramOpts::new(
+                "relay_learner_update_seconds",
+                "Wall time of one PPO update.",
+            )
+            .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]),
         )
         .unwrap();
         for c in [
@@ -70,7 +78,11 @@ impl Metrics {
         ] {
             registry.register(c).expect("register learner metric");
         }
-        Self { version, policy_lag, update_seconds }
+        Self {
+            version,
+            policy_lag,
+            update_seconds,
+        }
     }
 }
 
@@ -81,7 +93,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let metrics = Metrics::register(&service.registry);
     let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
     let model = ActorCritic::new(&spec, cfg.run.seed).map_err(ServiceError::other)?;
-    let adam_config = AdamConfig { lr: cfg.ppo.learning_rate, eps: cfg.ppo.adam_eps, ..AdamConfig::default() };
+    let adam_config = AdamConfig {
+        lr: cfg.ppo.learning_rate,
+        eps: cfg.ppo.adam_eps,
+        ..AdamConfig::default()
+    };
     let mut adam = Adam::new(model.vars(), adam_config).map_err(ServiceError::other)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.run.seed.wrapping_add(0x5eed));
     let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
@@ -90,12 +106,20 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     // Serve the latest weights to services that join late.
     let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
     let publish_weights = |model: &ActorCritic, progress: &Progress| -> Bytes {
-        let payload: Bytes = relay_proto::encode(&relay_policy::to_weights(model, progress.version, progress.env_steps)).into();
+        let payload: Bytes = relay_proto::encode(&relay_policy::to_weights(
+            model,
+            progress.version,
+            progress.env_steps,
+        ))
+        .into();
         *latest.write().expect("weights lock") = payload.clone();
         payload
     };
     let micro = service.micro().await?;
-    let mut weights_requests = micro.endpoint(service.subjects.weights_latest()).await.map_err(ServiceError::nats)?;
+    let mut weights_requests = micro
+        .endpoint(service.subjects.weights_latest())
+        .await
+        .map_err(ServiceError::nats)?;
     {
         let latest = latest.clone();
         let shutdown = shutdown.clone();
@@ -106,15 +130,24 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     r = weights_requests.next() => match r { Some(r) => r, None => return },
                     _ = shutdown.wait() => return,
                 };
-                let answer = match intake.decode::<WeightsRequest>("weights.latest", &request.message.payload) {
+                let answer = match intake
+                    .decode::<WeightsRequest>("weights.latest", &request.message.payload)
+                {
                     Ok(_) => Ok(latest.read().expect("weights lock").clone()),
-                    Err(rejection) => Err(async_nats::service::error::Error { status: rejection.to_string(), code: 400 }),
+                    Err(rejection) => Err(async_nats::service::error::Error {
+                        status: rejection.to_string(),
+                        code: 400,
+                    }),
                 };
                 let _ = request.respond(answer).await;
             }
         });
     }
-    let mut statuses = service.nats.subscribe(service.subjects.status()).await.map_err(ServiceError::nats)?;
+    let mut statuses = service
+        .nats
+        .subscribe(service.subjects.status())
+        .await
+        .map_err(ServiceError::nats)?;
 
     let payload = publish_weights(&model, &progress);
     publish(&service, payload).await;
@@ -142,7 +175,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
         // Take announcements (solved) without waiting.
         while let Some(Some(m)) = statuses.next().now_or_never() {
-            if let Ok(status) = service.intake.decode::<RunStatusUpdate>("status", &m.payload) {
+            if let Ok(status) = service
+                .intake
+                .decode::<RunStatusUpdate>("status", &m.payload)
+            {
                 if status.status == RunStatus::Solved && solved.is_none() {
                     tracing::info!(detail = %status.detail, "run solved");
                     solved = Some(status.detail);
@@ -158,7 +194,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 min_policy_version: progress.version.saturating_sub(cfg.replay.max_policy_lag),
                 max_steps: (want - gathered) as u32,
             };
-            match relay_kit::request::<_, SampleReply>(&service.nats, &service.subjects.replay_sample(), &ask, service.request_timeout()).await {
+            match relay_kit::request::<_, SampleReply>(
+                &service.nats,
+                &service.subjects.replay_sample(),
+                &ask,
+                service.request_timeout(),
+            )
+            .await
+            {
                 Ok(reply) => {
                     dropped_stale += reply.dropped_stale;
                     if reply.fragments.is_empty() {
@@ -168,6 +211,21 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         }
                     }
                     for f in reply.fragments {
+                        if f.env_id != cfg.run.env_id {
+                            let detail = format!(
+                                "fragment from {} is for {}, this run trains {}",
+                                f.runner_id, f.env_id, cfg.run.env_id
+                            );
+                            service.intake.reject(
+                                "replay.sample",
+                                &relay_proto::Rejection::Invalid {
+                                    kind: "RolloutFragment",
+                                    field: "env_id",
+                                    detail,
+                                },
+                            );
+                            continue;
+                        }
                         // The buffer only drops what is older than we asked; a
                         // fragment that became stale while we gathered goes too.
                         if f.policy_version + cfg.replay.max_policy_lag < progress.version {
@@ -192,7 +250,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         // Update.
         let update_started = Instant::now();
         for f in &fragments {
-            metrics.policy_lag.observe(progress.version.saturating_sub(f.policy_version) as f64);
+            metrics
+                .policy_lag
+                .observe(progress.version.saturating_sub(f.policy_version) as f64);
         }
         let frac = progress.env_steps as f64 / budget as f64;
         let result = tokio::task::block_in_place(|| {
@@ -231,7 +291,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     gauge("learner_policy_version", progress.version as f64),
                     gauge("learner_env_steps", progress.env_steps as f64),
                     gauge("learner_vec_steps", progress.vec_steps as f64),
-                    gauge("learner_progress", (progress.env_steps as f64 / budget as f64).min(1.0)),
+                    gauge(
+                        "learner_progress",
+                        (progress.env_steps as f64 / budget as f64).min(1.0),
+                    ),
                     gauge("learner_sps", sps),
                     gauge("learner_policy_loss", stats.policy_loss),
                     gauge("learner_value_loss", stats.value_loss),
@@ -249,7 +312,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     gauge("learner_epochs", stats.epochs_done as f64),
                     gauge("learner_kl_early_stop", stats.kl_early_stop as u8 as f64),
                     gauge("learner_update_seconds", seconds),
-                    gauge("learner_policy_lag_max", progress.version.saturating_sub(oldest + 1) as f64),
+                    gauge(
+                        "learner_policy_lag_max",
+                        progress.version.saturating_sub(oldest + 1) as f64,
+                    ),
                     gauge("learner_dropped_stale_fragments", dropped_stale as f64),
                 ],
             )
@@ -261,12 +327,21 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 
     save_checkpoint(&run_dir, &model, &adam, &progress, &cfg);
     let (status, detail) = match &finish {
-        Finish::Budget => (RunStatus::Stopped, format!("budget of {budget} env steps spent")),
+        Finish::Budget => (
+            RunStatus::Stopped,
+            format!("budget of {budget} env steps spent"),
+        ),
         Finish::Solved(d) => (RunStatus::Solved, d.clone()),
         Finish::Shutdown => (RunStatus::Stopped, "shutdown requested".to_string()),
     };
     tracing::info!(?status, %detail, updates = progress.updates, env_steps = progress.env_steps, "training finished");
-    let update = RunStatusUpdate { schema: SCHEMA_VERSION, status, service: "learner".into(), policy_version: progress.version, detail };
+    let update = RunStatusUpdate {
+        schema: SCHEMA_VERSION,
+        status,
+        service: "learner".into(),
+        policy_version: progress.version,
+        detail,
+    };
     service.publish(service.subjects.status(), &update).await;
     // Keep serving the final weights until the stack stops.
     shutdown.wait().await;
@@ -278,17 +353,32 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 
 async fn publish(service: &Service, payload: Bytes) {
     if payload.len() > relay_proto::MAX_MESSAGE_BYTES {
-        tracing::error!(bytes = payload.len(), "weights exceed the message size limit; not published");
+        tracing::error!(
+            bytes = payload.len(),
+            "weights exceed the message size limit; not published"
+        );
         return;
     }
-    if let Err(e) = service.nats.publish(service.subjects.weights(), payload).await {
+    if let Err(e) = service
+        .nats
+        .publish(service.subjects.weights(), payload)
+        .await
+    {
         tracing::warn!(error = %e, "weights publish failed");
     }
 }
 
-fn save_checkpoint(run_dir: &std::path::Path, model: &ActorCritic, adam: &Adam, progress: &Progress, cfg: &relay_kit::ExperimentConfig) {
+fn save_checkpoint(
+    run_dir: &std::path::Path,
+    model: &ActorCritic,
+    adam: &Adam,
+    progress: &Progress,
+    cfg: &relay_kit::ExperimentConfig,
+) {
     match checkpoint::save(run_dir, model, adam, progress, cfg) {
-        Ok(path) => tracing::info!(path = %path.display(), version = progress.version, "checkpoint written"),
+        Ok(path) => {
+            tracing::info!(path = %path.display(), version = progress.version, "checkpoint written")
+        }
         Err(e) => tracing::error!(error = %e, "checkpoint failed"),
     }
 }

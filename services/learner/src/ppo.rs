@@ -89,7 +89,13 @@ pub fn prepare(
         let (t_len, n) = (f.num_steps as usize, f.num_envs as usize);
         let obs = f.obs.to_f32().map_err(|e| fragment_error(f, e))?;
         if obs.len() != t_len * n * obs_dim {
-            return Err(fragment_error(f, format!("observations have {} features per step, the policy takes {obs_dim}", obs.len() / (t_len * n).max(1))));
+            return Err(fragment_error(
+                f,
+                format!(
+                    "observations have {} features per step, the policy takes {obs_dim}",
+                    obs.len() / (t_len * n).max(1)
+                ),
+            ));
         }
         let next_obs = f.next_obs.to_f32().map_err(|e| fragment_error(f, e))?;
         let final_obs = f.final_obs.to_f32().map_err(|e| fragment_error(f, e))?;
@@ -99,13 +105,23 @@ pub fn prepare(
         let logprobs = f.logprobs.to_f32().map_err(|e| fragment_error(f, e))?;
         match action_dim {
             0 => {
-                let a = f.actions.to_i64().map_err(|e| fragment_error(f, format!("actions: {e} (the policy is discrete)")))?;
+                let a = f.actions.to_i64().map_err(|e| {
+                    fragment_error(f, format!("actions: {e} (the policy is discrete)"))
+                })?;
                 out.actions_discrete.extend(a.iter().map(|&a| a as u32));
             }
             dim => {
-                let a = f.actions.to_f32().map_err(|e| fragment_error(f, format!("actions: {e} (the policy is continuous)")))?;
+                let a = f.actions.to_f32().map_err(|e| {
+                    fragment_error(f, format!("actions: {e} (the policy is continuous)"))
+                })?;
                 if a.len() != t_len * n * dim {
-                    return Err(fragment_error(f, format!("actions have {} dims, the policy has {dim}", a.len() / (t_len * n))));
+                    return Err(fragment_error(
+                        f,
+                        format!(
+                            "actions have {} dims, the policy has {dim}",
+                            a.len() / (t_len * n)
+                        ),
+                    ));
                 }
                 out.actions_continuous.extend_from_slice(&a);
             }
@@ -139,11 +155,15 @@ pub fn prepare(
 
         let mut advantages = vec![0f32; t_len * n];
         let mut returns = vec![0f32; t_len * n];
-        let column = |v: &[f32], i: usize| -> Vec<f32> { (0..t_len).map(|t| v[t * n + i]).collect() };
-        let column_b = |v: &[bool], i: usize| -> Vec<bool> { (0..t_len).map(|t| v[t * n + i]).collect() };
+        let column =
+            |v: &[f32], i: usize| -> Vec<f32> { (0..t_len).map(|t| v[t * n + i]).collect() };
+        let column_b =
+            |v: &[bool], i: usize| -> Vec<bool> { (0..t_len).map(|t| v[t * n + i]).collect() };
         for i in 0..n {
             let term = column_b(&terminated, i);
-            let ends: Vec<bool> = (0..t_len).map(|t| terminated[t * n + i] || truncated[t * n + i]).collect();
+            let ends: Vec<bool> = (0..t_len)
+                .map(|t| terminated[t * n + i] || truncated[t * n + i])
+                .collect();
             let (adv, ret) = relay_nn::gae(
                 &column(&rewards, i),
                 &column(&values, i),
@@ -215,7 +235,8 @@ pub fn update(
     let mut stats = UpdateStats {
         learning_rate,
         clip_range,
-        explained_variance: relay_nn::explained_variance(&rollout.old_values, &rollout.returns) as f64,
+        explained_variance: relay_nn::explained_variance(&rollout.old_values, &rollout.returns)
+            as f64,
         ..Default::default()
     };
     let mut indices: Vec<usize> = (0..rollout.len).collect();
@@ -227,15 +248,33 @@ pub fn update(
         for chunk in indices.chunks(minibatch) {
             let m = chunk.len();
             let gather = |src: &[f32]| -> Vec<f32> { chunk.iter().map(|&j| src[j]).collect() };
-            let obs: Vec<f32> = chunk.iter().flat_map(|&j| rollout.obs[j * d..(j + 1) * d].iter().copied()).collect();
+            let obs: Vec<f32> = chunk
+                .iter()
+                .flat_map(|&j| rollout.obs[j * d..(j + 1) * d].iter().copied())
+                .collect();
             let obs = Tensor::from_vec(obs, (m, d), &device)?;
             let actions = if a == 0 {
-                Tensor::from_vec(chunk.iter().map(|&j| rollout.actions_discrete[j]).collect::<Vec<u32>>(), m, &device)?
+                Tensor::from_vec(
+                    chunk
+                        .iter()
+                        .map(|&j| rollout.actions_discrete[j])
+                        .collect::<Vec<u32>>(),
+                    m,
+                    &device,
+                )?
             } else {
-                let v: Vec<f32> = chunk.iter().flat_map(|&j| rollout.actions_continuous[j * a..(j + 1) * a].iter().copied()).collect();
+                let v: Vec<f32> = chunk
+                    .iter()
+                    .flat_map(|&j| {
+                        rollout.actions_continuous[j * a..(j + 1) * a]
+                            .iter()
+                            .copied()
+                    })
+                    .collect();
                 Tensor::from_vec(v, (m, a), &device)?
             };
-            let (old_logprob, old_values) = (gather(&rollout.old_logprobs), gather(&rollout.old_values));
+            let (old_logprob, old_values) =
+                (gather(&rollout.old_logprobs), gather(&rollout.old_values));
             let (advantages, returns) = (gather(&rollout.advantages), gather(&rollout.returns));
 
             let (logprob, entropy, values) = model.evaluate(&obs, &actions)?;
@@ -378,7 +417,9 @@ mod tests {
             next_obs: Tensor::from_f32(&[1, 6], &[0.0; 6]),
             final_obs: Tensor::from_f32(&[0, 6], &[]),
         };
-        let err = prepare(&model, &[fragment], 0.99, 0.95).err().expect("rejected");
+        let err = prepare(&model, &[fragment], 0.99, 0.95)
+            .err()
+            .expect("rejected");
         assert!(err.to_string().contains("features"), "{err}");
     }
 }

@@ -183,6 +183,7 @@ impl Stack {
             services: Vec::new(),
         };
         stack.start_prometheus()?;
+        stack.start_grafana()?;
         stack.write_record()?;
         Ok(stack)
     }
@@ -224,6 +225,41 @@ impl Stack {
         self.prometheus_url = Some(format!("http://127.0.0.1:{port}"));
         self.infra.push(Proc {
             name: "prometheus".into(),
+            child,
+            metrics_addr: None,
+        });
+        Ok(())
+    }
+
+    /// Starts grafana-server with `grafana/provisioning` when it is installed.
+    fn start_grafana(&mut self) -> Result<()> {
+        let (Some(bin), Some(prometheus)) = (which("grafana-server"), self.prometheus_url.clone())
+        else {
+            return Ok(());
+        };
+        // `just up` runs from the repository root, where grafana/ lives.
+        let Ok(grafana_dir) = Path::new("grafana").canonicalize() else {
+            return Ok(());
+        };
+        let port = free_port()?;
+        let data = self.state_dir.join("grafana");
+        std::fs::create_dir_all(&data)?;
+        let (out, err) = log_file(&self.state_dir.join("logs"), "grafana-server")?;
+        let child = Command::new(bin)
+            .args(["--homepath", "/usr/share/grafana"])
+            .env("GF_PATHS_PROVISIONING", grafana_dir.join("provisioning"))
+            .env("GF_PATHS_DATA", &data)
+            .env("GF_SERVER_HTTP_ADDR", "127.0.0.1")
+            .env("GF_SERVER_HTTP_PORT", port.to_string())
+            .env("RELAY_PROMETHEUS_URL", prometheus)
+            .env("RELAY_GRAFANA_DASHBOARDS", grafana_dir.join("dashboards"))
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .context("starting grafana-server")?;
+        println!("relay: grafana http://127.0.0.1:{port}");
+        self.infra.push(Proc {
+            name: "grafana-server".into(),
             child,
             metrics_addr: None,
         });
@@ -371,10 +407,14 @@ impl Stack {
 
     /// Stops services (SIGTERM, then SIGKILL after `grace`), then the infrastructure.
     pub fn stop(&mut self, grace: Duration) {
-        let mut services = std::mem::take(&mut self.services);
-        // The learner first, so it writes its final checkpoint while the rest still listens.
-        services.sort_by_key(|p| !p.name.starts_with("learner"));
-        stop_all(&mut services, grace);
+        // The learner first (its final checkpoint and status still reach the
+        // tracker), the tracker last (it writes what the others sent).
+        let services = std::mem::take(&mut self.services);
+        let (mut learners, rest): (Vec<Proc>, Vec<Proc>) = services.into_iter().partition(|p| p.name.starts_with("learner"));
+        let (mut trackers, mut rest): (Vec<Proc>, Vec<Proc>) = rest.into_iter().partition(|p| p.name.starts_with("tracker"));
+        stop_all(&mut learners, grace);
+        stop_all(&mut rest, grace);
+        stop_all(&mut trackers, grace);
         let mut infra = std::mem::take(&mut self.infra);
         infra.reverse();
         stop_all(&mut infra, grace);

@@ -28,7 +28,11 @@ fn with_port(experiment: &ExperimentConfig) -> (ServiceConfig, SocketAddr) {
 
 async fn wait_healthy(addr: SocketAddr) {
     for _ in 0..200 {
-        if tokio::task::spawn_blocking(move || http_get(addr, "/healthz")).await.unwrap().is_ok_and(|(s, _)| s == 200) {
+        if tokio::task::spawn_blocking(move || http_get(addr, "/healthz"))
+            .await
+            .unwrap()
+            .is_ok_and(|(s, _)| s == 200)
+        {
             return;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
@@ -37,11 +41,16 @@ async fn wait_healthy(addr: SocketAddr) {
 }
 
 async fn metrics(addr: SocketAddr) -> String {
-    tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.unwrap().unwrap().1
+    tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
+        .await
+        .unwrap()
+        .unwrap()
+        .1
 }
 
 fn rejected(body: &str, subject: &str, reason: &str) -> u64 {
-    let needle = format!("relay_messages_rejected_total{{reason=\"{reason}\",subject=\"{subject}\"}} ");
+    let needle =
+        format!("relay_messages_rejected_total{{reason=\"{reason}\",subject=\"{subject}\"}} ");
     body.lines()
         .find_map(|l| l.strip_prefix(&needle))
         .and_then(|v| v.trim().parse().ok())
@@ -58,9 +67,18 @@ where
 }
 
 async fn expect_error_reply(client: &async_nats::Client, subject: String, payload: Vec<u8>) {
-    let reply = client.request(subject.clone(), payload.into()).await.unwrap();
-    let headers = reply.headers.unwrap_or_else(|| panic!("{subject}: a bad request must get an error reply"));
-    assert_eq!(headers.get("Nats-Service-Error-Code").unwrap().as_str(), "400", "{subject}");
+    let reply = client
+        .request(subject.clone(), payload.into())
+        .await
+        .unwrap();
+    let headers = reply
+        .headers
+        .unwrap_or_else(|| panic!("{subject}: a bad request must get an error reply"));
+    assert_eq!(
+        headers.get("Nats-Service-Error-Code").unwrap().as_str(),
+        "400",
+        "{subject}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,7 +100,13 @@ async fn every_subscriber_rejects_bad_input_and_keeps_running() {
         tokio::spawn(relay_inference_server::run(inference, shutdown.clone())),
         tokio::spawn(relay_evaluator::run(evaluator, shutdown.clone())),
     ];
-    for addr in [tracker_addr, replay_addr, learner_addr, inference_addr, evaluator_addr] {
+    for addr in [
+        tracker_addr,
+        replay_addr,
+        learner_addr,
+        inference_addr,
+        evaluator_addr,
+    ] {
         wait_healthy(addr).await;
     }
     let client = async_nats::connect(nats.url()).await.unwrap();
@@ -92,7 +116,10 @@ async fn every_subscriber_rejects_bad_input_and_keeps_running() {
     let good = ActRequest::new(Tensor::from_f32(&[2, 4], &[0.0; 8]), false);
     let mut answered = false;
     for _ in 0..100 {
-        if relay_kit::request::<_, ActReply>(&client, &s.act(), &good, Duration::from_secs(1)).await.is_ok() {
+        if relay_kit::request::<_, ActReply>(&client, &s.act(), &good, Duration::from_secs(1))
+            .await
+            .is_ok()
+        {
             answered = true;
             break;
         }
@@ -104,27 +131,86 @@ async fn every_subscriber_rejects_bad_input_and_keeps_running() {
     let garbage = b"\xc1 definitely not msgpack".to_vec();
     expect_error_reply(&client, s.act(), garbage.clone()).await;
     expect_error_reply(&client, s.act(), with_schema(&good, |m| m.schema = 99)).await;
-    expect_error_reply(&client, s.act(), with_schema(&good, |m| m.obs = Tensor::from_f32(&[2, 4], &[f32::NAN; 8]))).await;
-    expect_error_reply(&client, s.act(), with_schema(&good, |m| m.obs = Tensor::from_f32(&[2, 3], &[0.0; 6]))).await;
-    let sample = SampleRequest { schema: SCHEMA_VERSION, min_policy_version: 0, max_steps: 1 };
+    expect_error_reply(
+        &client,
+        s.act(),
+        with_schema(&good, |m| m.obs = Tensor::from_f32(&[2, 4], &[f32::NAN; 8])),
+    )
+    .await;
+    expect_error_reply(
+        &client,
+        s.act(),
+        with_schema(&good, |m| m.obs = Tensor::from_f32(&[2, 3], &[0.0; 6])),
+    )
+    .await;
+    let sample = SampleRequest {
+        schema: SCHEMA_VERSION,
+        min_policy_version: 0,
+        max_steps: 1,
+    };
     expect_error_reply(&client, s.replay_sample(), garbage.clone()).await;
-    expect_error_reply(&client, s.replay_sample(), with_schema(&sample, |m| m.schema = 0)).await;
-    let ask = WeightsRequest { schema: SCHEMA_VERSION };
+    expect_error_reply(
+        &client,
+        s.replay_sample(),
+        with_schema(&sample, |m| m.schema = 0),
+    )
+    .await;
+    let ask = WeightsRequest {
+        schema: SCHEMA_VERSION,
+    };
     expect_error_reply(&client, s.weights_latest(), garbage.clone()).await;
-    expect_error_reply(&client, s.weights_latest(), with_schema(&ask, |m| m.schema = 2)).await;
+    expect_error_reply(
+        &client,
+        s.weights_latest(),
+        with_schema(&ask, |m| m.schema = 2),
+    )
+    .await;
 
     // Published messages: the same kinds to every subscriber.
-    let weights: WeightsUpdate = relay_kit::request(&client, &s.weights_latest(), &ask, Duration::from_secs(1)).await.unwrap();
+    let weights: WeightsUpdate =
+        relay_kit::request(&client, &s.weights_latest(), &ask, Duration::from_secs(1))
+            .await
+            .unwrap();
     let mut nan_weights = weights.clone();
     nan_weights.version = 1_000;
-    nan_weights.tensors[0].tensor = Tensor::from_f32(&nan_weights.tensors[0].tensor.shape_usize(), &vec![f32::NAN; nan_weights.tensors[0].tensor.numel()]);
+    nan_weights.tensors[0].tensor = Tensor::from_f32(
+        &nan_weights.tensors[0].tensor.shape_usize(),
+        &vec![f32::NAN; nan_weights.tensors[0].tensor.numel()],
+    );
     let mut wrong_shape = weights.clone();
     wrong_shape.version = 1_001;
     wrong_shape.tensors[0].tensor = Tensor::from_f32(&[3], &[0.0; 3]);
-    let status = RunStatusUpdate { schema: SCHEMA_VERSION, status: RunStatus::Running, service: "test".into(), policy_version: 0, detail: String::new() };
-    let episodes = EpisodeReport { schema: SCHEMA_VERSION, runner_id: "t".into(), env_id: "CartPole-v1".into(), policy_version: 0, episodes: vec![EpisodeSummary { episode_return: f64::NAN, length: 3, terminated: true }] };
-    let report = MetricsReport { schema: SCHEMA_VERSION, service: "t".into(), instance: "t".into(), vec_steps: None, values: vec![] };
-    let logs = LogBatch { schema: SCHEMA_VERSION, service: "../etc".into(), instance: "t".into(), lines: vec!["x".into()] };
+    let status = RunStatusUpdate {
+        schema: SCHEMA_VERSION,
+        status: RunStatus::Running,
+        service: "test".into(),
+        policy_version: 0,
+        detail: String::new(),
+    };
+    let episodes = EpisodeReport {
+        schema: SCHEMA_VERSION,
+        runner_id: "t".into(),
+        env_id: "CartPole-v1".into(),
+        policy_version: 0,
+        episodes: vec![EpisodeSummary {
+            episode_return: f64::NAN,
+            length: 3,
+            terminated: true,
+        }],
+    };
+    let report = MetricsReport {
+        schema: SCHEMA_VERSION,
+        service: "t".into(),
+        instance: "t".into(),
+        vec_steps: None,
+        values: vec![],
+    };
+    let logs = LogBatch {
+        schema: SCHEMA_VERSION,
+        service: "../etc".into(),
+        instance: "t".into(),
+        lines: vec!["x".into()],
+    };
     let sends: Vec<(String, Vec<u8>)> = vec![
         (s.weights(), garbage.clone()),
         (s.weights(), with_schema(&weights, |m| m.schema = 7)),
@@ -147,34 +233,93 @@ async fn every_subscriber_rejects_bad_input_and_keeps_running() {
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let inference = metrics(inference_addr).await;
-    for (subject, reason) in [("act", "decode"), ("act", "schema_version"), ("act", "non_finite"), ("act", "invalid"), ("weights", "decode"), ("weights", "schema_version"), ("weights", "invalid")] {
-        assert!(rejected(&inference, subject, reason) >= 1, "inference-server: no {subject}/{reason} rejection in\n{inference}");
+    for (subject, reason) in [
+        ("act", "decode"),
+        ("act", "schema_version"),
+        ("act", "non_finite"),
+        ("act", "invalid"),
+        ("weights", "decode"),
+        ("weights", "schema_version"),
+        ("weights", "invalid"),
+    ] {
+        assert!(
+            rejected(&inference, subject, reason) >= 1,
+            "inference-server: no {subject}/{reason} rejection in\n{inference}"
+        );
     }
     // The wrong-shape weights were refused by name: the server still serves version 0.
-    assert_eq!(rejected(&inference, "weights", "invalid"), 2, "NaN and wrong-shape weights");
+    assert_eq!(
+        rejected(&inference, "weights", "invalid"),
+        2,
+        "NaN and wrong-shape weights"
+    );
     let evaluator = metrics(evaluator_addr).await;
-    for (subject, reason) in [("weights", "decode"), ("weights", "schema_version"), ("weights", "invalid")] {
-        assert!(rejected(&evaluator, subject, reason) >= 1, "evaluator: no {subject}/{reason} in\n{evaluator}");
+    for (subject, reason) in [
+        ("weights", "decode"),
+        ("weights", "schema_version"),
+        ("weights", "invalid"),
+    ] {
+        assert!(
+            rejected(&evaluator, subject, reason) >= 1,
+            "evaluator: no {subject}/{reason} in\n{evaluator}"
+        );
     }
     let replay = metrics(replay_addr).await;
-    assert!(rejected(&replay, "replay.sample", "decode") >= 1 && rejected(&replay, "replay.sample", "schema_version") >= 1, "{replay}");
+    assert!(
+        rejected(&replay, "replay.sample", "decode") >= 1
+            && rejected(&replay, "replay.sample", "schema_version") >= 1,
+        "{replay}"
+    );
     let learner = metrics(learner_addr).await;
-    for (subject, reason) in [("status", "decode"), ("status", "schema_version"), ("weights.latest", "decode"), ("weights.latest", "schema_version")] {
-        assert!(rejected(&learner, subject, reason) >= 1, "learner: no {subject}/{reason} in\n{learner}");
+    for (subject, reason) in [
+        ("status", "decode"),
+        ("status", "schema_version"),
+        ("weights.latest", "decode"),
+        ("weights.latest", "schema_version"),
+    ] {
+        assert!(
+            rejected(&learner, subject, reason) >= 1,
+            "learner: no {subject}/{reason} in\n{learner}"
+        );
     }
     let tracker = metrics(tracker_addr).await;
-    for (subject, reason) in [("status", "decode"), ("status", "schema_version"), ("metrics", "decode"), ("metrics", "schema_version"), ("episodes", "decode"), ("episodes", "invalid"), ("eval", "decode"), ("logs", "decode"), ("logs", "invalid")] {
-        assert!(rejected(&tracker, subject, reason) >= 1, "tracker: no {subject}/{reason} in\n{tracker}");
+    for (subject, reason) in [
+        ("status", "decode"),
+        ("status", "schema_version"),
+        ("metrics", "decode"),
+        ("metrics", "schema_version"),
+        ("episodes", "decode"),
+        ("episodes", "invalid"),
+        ("eval", "decode"),
+        ("logs", "decode"),
+        ("logs", "invalid"),
+    ] {
+        assert!(
+            rejected(&tracker, subject, reason) >= 1,
+            "tracker: no {subject}/{reason} in\n{tracker}"
+        );
     }
 
     // Everyone still works: a valid act request is answered with version 0.
-    let reply: ActReply = relay_kit::request(&client, &s.act(), &good, Duration::from_secs(2)).await.unwrap();
+    let reply: ActReply = relay_kit::request(&client, &s.act(), &good, Duration::from_secs(2))
+        .await
+        .unwrap();
     assert_eq!(reply.policy_version, 0);
-    for addr in [tracker_addr, replay_addr, learner_addr, inference_addr, evaluator_addr] {
+    for addr in [
+        tracker_addr,
+        replay_addr,
+        learner_addr,
+        inference_addr,
+        evaluator_addr,
+    ] {
         wait_healthy(addr).await;
     }
     trigger.trigger();
     for task in tasks {
-        tokio::time::timeout(Duration::from_secs(15), task).await.expect("service stops").unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(15), task)
+            .await
+            .expect("service stops")
+            .unwrap()
+            .unwrap();
     }
 }

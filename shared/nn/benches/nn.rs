@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use relay_nn::{clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, PolicySpec, PpoInputs, PpoLossConfig};
 
 /// Median time per call of `f`, in microseconds, over about `budget`.
-fn time_us(budget: Duration, mut f: impl FnMut()) -> f64 {
+fn time_us(budget: Duration, f: &mut dyn FnMut()) -> f64 {
     for _ in 0..5 {
         f();
     }
@@ -106,32 +106,35 @@ fn main() -> relay_nn::Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let mut json: Vec<(String, f64)> = Vec::new();
     let mut rows: Vec<(String, f64)> = Vec::new();
-    let mut record = |key: &str, label: String, us: f64| {
-        rows.push((label, us));
-        json.push((key.to_string(), us));
+    // BENCH_FILTER=prefix runs only the cases whose JSON key starts with it.
+    let filter = std::env::var("BENCH_FILTER").unwrap_or_default();
+    let want = |key: &str| key.starts_with(filter.as_str());
+    let mut bench = |key: String, label: String, f: &mut dyn FnMut()| {
+        if want(&key) {
+            let us = time_us(budget, f);
+            rows.push((label, us));
+            json.push((key, us));
+        }
     };
 
     println!("relay-nn bench: obs 4, hidden [64, 64] tanh, 2 actions, RAYON_NUM_THREADS={threads}");
 
-    for &n in &[1usize, 8, 64, 256, 512] {
+    for &n in &[1usize, 2, 3, 4, 6, 8, 64, 256, 512] {
         let obs: Vec<f32> = (0..n * 4).map(|_| rng.random_range(-1.0..1.0)).collect();
         let mut r = rand::rngs::StdRng::seed_from_u64(2);
-        let us = time_us(budget, || {
+        bench(format!("act_b{n}_us"), format!("act (sample, logprob, value) batch {n}"), &mut || {
             black_box(model.act(black_box(&obs), n, false, &mut r).unwrap());
         });
-        record(&format!("act_b{n}_us"), format!("act (sample, logprob, value) batch {n}"), us);
         let x = Tensor::from_slice(&obs, (n, 4), &Device::Cpu)?;
-        let us = time_us(budget, || {
+        bench(format!("baseline_forward_b{n}_us"), format!("plain candle forward (actor+critic) batch {n}"), &mut || {
             let x = Tensor::from_slice(&obs, (n, 4), &Device::Cpu).unwrap();
             let (l, v) = base.forward(&x).unwrap();
             black_box((l.to_vec2::<f32>().unwrap(), v.to_vec1::<f32>().unwrap()));
         });
-        record(&format!("baseline_forward_b{n}_us"), format!("plain candle forward (actor+critic) batch {n}"), us);
         let acts = Tensor::zeros(n, DType::U32, &Device::Cpu)?;
-        let us = time_us(budget, || {
+        bench(format!("evaluate_fwd_b{n}_us"), format!("evaluate forward (fused ops, graph) batch {n}"), &mut || {
             black_box(model.evaluate(&x, &acts).unwrap());
         });
-        record(&format!("evaluate_fwd_b{n}_us"), format!("evaluate forward (fused ops, graph) batch {n}"), us);
     }
 
     for &b in &[256usize, 512] {
@@ -150,7 +153,10 @@ fn main() -> relay_nn::Result<()> {
         let cfg = PpoLossConfig::default();
         let mut phases = [0f64; 5];
         let mut steps = 0u32;
-        let us = time_us(budget, || {
+        bench(
+            format!("train_step_b{b}_us"),
+            format!("PPO train step (evaluate+loss+backward+clip+Adam) batch {b}"),
+            &mut || {
             let t0 = Instant::now();
             let (lp, ent, v) = m.evaluate(&x, &a).unwrap();
             let t1 = Instant::now();
@@ -179,18 +185,15 @@ fn main() -> relay_nn::Result<()> {
             }
             steps += 1;
         });
-        record(
-            &format!("train_step_b{b}_us"),
-            format!("PPO train step (evaluate+loss+backward+clip+Adam) batch {b}"),
-            us,
-        );
         let names = ["evaluate", "ppo_loss", "backward", "clip", "adam"];
         let breakdown: Vec<String> = names
             .iter()
             .zip(phases)
             .map(|(n, t)| format!("{n} {:.1}", t / steps as f64))
             .collect();
-        println!("  batch {b} phases (mean µs): {}", breakdown.join(", "));
+        if steps > 0 {
+            println!("  batch {b} phases (mean µs): {}", breakdown.join(", "));
+        }
 
         let m2 = ActorCritic::new(&spec, 0)?;
         let base2 = Baseline::new(&m2);
@@ -200,16 +203,15 @@ fn main() -> relay_nn::Result<()> {
             Tensor::from_slice(&relay_nn::normalize(&adv), b, &Device::Cpu)?,
             Tensor::from_slice(&ret, b, &Device::Cpu)?,
         );
-        let us = time_us(budget, || {
-            let loss = base2.loss(&x, &a, &old_lp_t, &adv_t, &ret_t).unwrap();
-            let mut grads = loss.backward().unwrap();
-            black_box(clip_grad_norm(&mut grads, opt2.vars(), 0.5).unwrap());
-            opt2.step(&grads).unwrap();
-        });
-        record(
-            &format!("baseline_train_step_b{b}_us"),
+        bench(
+            format!("baseline_train_step_b{b}_us"),
             format!("plain candle train step (same Adam) batch {b}"),
-            us,
+            &mut || {
+                let loss = base2.loss(&x, &a, &old_lp_t, &adv_t, &ret_t).unwrap();
+                let mut grads = loss.backward().unwrap();
+                black_box(clip_grad_norm(&mut grads, opt2.vars(), 0.5).unwrap());
+                opt2.step(&grads).unwrap();
+            },
         );
     }
 
@@ -219,8 +221,9 @@ fn main() -> relay_nn::Result<()> {
     let a = Tensor::zeros(64, DType::U32, &Device::Cpu)?;
     let (lp, _, v) = model.evaluate(&x, &a)?;
     let grads = (lp.sum_all()? + v.sum_all()?)?.backward()?;
-    let us = time_us(budget, || opt.step(&grads).unwrap());
-    record("adam_step_us", format!("Adam step alone ({n_params} parameters)"), us);
+    bench("adam_step_us".into(), format!("Adam step alone ({n_params} parameters)"), &mut || {
+        opt.step(&grads).unwrap()
+    });
 
     println!("{:<70} {:>10}", "case", "µs");
     for (label, us) in &rows {

@@ -332,6 +332,16 @@ pub fn dense(
     dense_generic::<false>(x, inp, w, b, out, act)
 }
 
+/// `sums[j] = sum_r x[r, j]` for row-major `x: [rows, sums.len()]`.
+pub fn column_sums(x: &[f32], sums: &mut [f32]) {
+    sums.fill(0.0);
+    for row in x.chunks_exact(sums.len()) {
+        for (s, &v) in sums.iter_mut().zip(row) {
+            *s += v;
+        }
+    }
+}
+
 /// One Adam update of parameters `p` with gradient `g` and moments `m`, `v`
 /// (all the same length), in place.
 pub(crate) fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamCoeffs) {

@@ -42,7 +42,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Storage, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
 use candle_nn::VarMap;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
@@ -58,8 +58,8 @@ use crate::spec::{ActionKind, Activation, PolicySpec};
 pub const MODEL_FORMAT: &str = "relay-nn/actor-critic";
 
 /// Largest batch for which [`ActorCritic::act`] / [`ActorCritic::values`] use
-/// the hand-written kernels; larger batches go through candle's gemm.
-pub const HOST_FORWARD_MAX_BATCH: usize = 256;
+/// the hand-written dense kernel; larger batches call candle's gemm.
+pub const HOST_KERNEL_MAX_BATCH: usize = 1000;
 
 /// Actions chosen by [`ActorCritic::act`] for a batch of `n` observations.
 #[derive(Debug, Clone, PartialEq)]
@@ -136,23 +136,34 @@ fn storage_f32<'a>(s: &'a Storage, l: &candle_core::Layout) -> Result<&'a [f32]>
     }
 }
 
-/// Forward of one MLP on host buffers with weights read in place.
+/// Forward of one MLP without a graph, weights read in place.
+///
+/// Batches of at most [`HOST_KERNEL_MAX_BATCH`] rows use the hand-written
+/// dense kernel (no allocation beyond the activations); larger ones call
+/// candle's CPU gemm directly on the storages (no tensors, no graph).
 fn mlp_host(layers: &[Dense], head: &Dense, act: Activation, x: &[f32], n: usize, in_dim: usize) -> Result<Vec<f32>> {
-    let mut cur: Option<Vec<f32>> = None;
+    let mut cur: Vec<f32> = x.to_vec();
     let mut width = in_dim;
     for (i, layer) in layers.iter().chain(std::iter::once(head)).enumerate() {
-        let is_head = i == layers.len();
+        let layer_act = (i < layers.len()).then_some(act);
         let (wg, wl) = layer.w.storage_and_layout();
         let (bg, bl) = layer.b.storage_and_layout();
-        let w = storage_f32(&wg, wl)?;
         let b = storage_f32(&bg, bl)?;
-        let mut out = vec![0f32; n * b.len()];
-        let input = cur.as_deref().unwrap_or(x);
-        kernels::dense(input, width, w, b, &mut out, (!is_head).then_some(act));
+        cur = if n <= HOST_KERNEL_MAX_BATCH {
+            let w = storage_f32(&wg, wl)?;
+            let mut out = vec![0f32; n * b.len()];
+            kernels::dense(&cur, width, w, b, &mut out, layer_act);
+            out
+        } else {
+            let Storage::Cpu(ws) = &*wg else {
+                return Err(candle_core::Error::Msg("parameters must live on the CPU".into()).into());
+            };
+            let xl = candle_core::Layout::contiguous((n, width));
+            ops::linear_cpu(&CpuStorage::F32(cur), &xl, ws, wl, b, layer_act)?
+        };
         width = b.len();
-        cur = Some(out);
     }
-    Ok(cur.unwrap_or_default())
+    Ok(cur)
 }
 
 impl ActorCritic {
@@ -255,27 +266,12 @@ impl ActorCritic {
     /// Policy-head output (logits or means), `[n, head]`, and values `[n]`, no graph.
     fn infer(&self, obs: &[f32], n: usize, actor: bool) -> Result<(Vec<f32>, Vec<f32>)> {
         let (act, d) = (self.spec.activation, self.spec.obs_dim);
-        if n <= HOST_FORWARD_MAX_BATCH {
-            let head = if actor {
-                mlp_host(&self.policy_net, &self.action_net, act, obs, n, d)?
-            } else {
-                Vec::new()
-            };
-            let values = mlp_host(&self.value_net, &self.value_head, act, obs, n, d)?;
-            return Ok((head, values));
-        }
-        let x = Tensor::from_slice(obs, (n, d), &Device::Cpu)?;
         let head = if actor {
-            self.mlp_graph(&x, &self.policy_net, &self.action_net, true)?
-                .flatten_all()?
-                .to_vec1()?
+            mlp_host(&self.policy_net, &self.action_net, act, obs, n, d)?
         } else {
             Vec::new()
         };
-        let values = self
-            .mlp_graph(&x, &self.value_net, &self.value_head, true)?
-            .flatten_all()?
-            .to_vec1()?;
+        let values = mlp_host(&self.value_net, &self.value_head, act, obs, n, d)?;
         Ok((head, values))
     }
 

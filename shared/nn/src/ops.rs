@@ -20,10 +20,7 @@
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Storage,
-    Tensor,
-};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor};
 
 use crate::kernels;
 use crate::spec::Activation;
@@ -67,6 +64,42 @@ fn new_f32(data: Vec<f32>, shape: impl Into<Shape>) -> candle_core::Result<Tenso
 
 // ---------------------------------------------------------------- linear
 
+/// `act(x W^T + b)` on CPU storages: the matmul through candle's gemm (with
+/// `W` read in place, transposed by layout only), then bias and activation
+/// in place on the result. Shared by the graph op and the no-graph path.
+pub(crate) fn linear_cpu(
+    xs: &CpuStorage,
+    xl: &Layout,
+    ws: &CpuStorage,
+    wl: &Layout,
+    bias: &[f32],
+    act: Option<Activation>,
+) -> candle_core::Result<Vec<f32>> {
+    let (rows, inp) = xl.shape().dims2()?;
+    let (outw, winp) = wl.shape().dims2()?;
+    if winp != inp || bias.len() != outw {
+        bail!("linear: x {:?}, W {:?}, b [{}] do not fit", xl.dims(), wl.dims(), bias.len())
+    }
+    if xs.dtype() != DType::F32 || ws.dtype() != DType::F32 {
+        bail!("linear: expected f32 inputs")
+    }
+    let y = xs.matmul(ws, (1, rows, outw, inp), xl, &wl.transpose(0, 1)?)?;
+    let CpuStorage::F32(mut y) = y else {
+        bail!("linear: matmul returned a non-f32 result")
+    };
+    for row in y.chunks_exact_mut(outw) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+    match act {
+        Some(Activation::Tanh) => kernels::tanh_inplace(&mut y),
+        Some(Activation::Relu) => kernels::relu_inplace(&mut y),
+        None => {}
+    }
+    Ok(y)
+}
+
 /// `y = act(x W^T + b)`, `x: [B, in]`, `W: [out, in]`, `b: [out]`, `y: [B, out]`.
 struct LinearAct {
     act: Option<Activation>,
@@ -86,35 +119,10 @@ impl CustomOp3 for LinearAct {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (rows, inp) = xl.shape().dims2()?;
-        let (outw, winp) = wl.shape().dims2()?;
         let bias = cpu_f32(bs, bl, "linear bias")?;
-        if winp != inp || bias.len() != outw {
-            bail!(
-                "linear: x {:?}, W {:?}, b {:?} do not fit",
-                xl.dims(),
-                wl.dims(),
-                bl.dims()
-            )
-        }
-        if xs.dtype() != DType::F32 || ws.dtype() != DType::F32 {
-            bail!("linear: expected f32 inputs")
-        }
-        let y = xs.matmul(ws, (1, rows, outw, inp), xl, &wl.transpose(0, 1)?)?;
-        let CpuStorage::F32(mut y) = y else {
-            bail!("linear: matmul returned a non-f32 result")
-        };
-        for row in y.chunks_exact_mut(outw) {
-            for (v, b) in row.iter_mut().zip(bias) {
-                *v += b;
-            }
-        }
-        match self.act {
-            Some(Activation::Tanh) => kernels::tanh_inplace(&mut y),
-            Some(Activation::Relu) => kernels::relu_inplace(&mut y),
-            None => {}
-        }
-        Ok((CpuStorage::F32(y), Shape::from((rows, outw))))
+        let rows = xl.shape().dims2()?.0;
+        let y = linear_cpu(xs, xl, ws, wl, bias, self.act)?;
+        Ok((CpuStorage::F32(y), Shape::from((rows, bias.len()))))
     }
 
     fn bwd(
@@ -125,48 +133,31 @@ impl CustomOp3 for LinearAct {
         y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        // Gradient with respect to the pre-activation z = x W^T + b.
-        let gz = match self.act {
-            None => g.clone(),
-            Some(act) => y.apply_op2_no_bwd(g, &ActGrad(act))?,
-        };
+        // Gradient with respect to the pre-activation z = x W^T + b, and the
+        // bias gradient (column sums of it) in the same pass: candle's
+        // `sum(0)` is a strided reduction and cost a third of a train step.
+        let (rows, outw) = y.dims2()?;
+        let (gz, gb) = with_f32(y, "linear bwd", |y| {
+            with_f32(g, "linear bwd", |g| {
+                let mut gz = vec![0f32; y.len()];
+                match self.act {
+                    None => gz.copy_from_slice(g),
+                    Some(Activation::Tanh) => kernels::tanh_grad(y, g, &mut gz),
+                    Some(Activation::Relu) => kernels::relu_grad(y, g, &mut gz),
+                }
+                let mut gb = vec![0f32; outw];
+                kernels::column_sums(&gz, &mut gb);
+                (gz, gb)
+            })
+        })??;
+        let gz = new_f32(gz, (rows, outw))?;
         let gx = if x.track_op() {
             Some(gz.matmul(&w.detach())?)
         } else {
             None
         };
         let gw = gz.t()?.matmul(&x.detach())?;
-        let gb = gz.sum(0)?;
-        Ok((gx, Some(gw), Some(gb)))
-    }
-}
-
-/// `out = g * act'(z)` expressed through `y = act(z)`.
-struct ActGrad(Activation);
-
-impl CustomOp2 for ActGrad {
-    fn name(&self) -> &'static str {
-        "relay-act-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        ys: &CpuStorage,
-        yl: &Layout,
-        gs: &CpuStorage,
-        gl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = cpu_f32(ys, yl, "activation grad")?;
-        let g = cpu_f32(gs, gl, "activation grad")?;
-        if y.len() != g.len() {
-            bail!("activation grad: {:?} vs {:?}", yl.dims(), gl.dims())
-        }
-        let mut out = vec![0f32; y.len()];
-        match self.0 {
-            Activation::Tanh => kernels::tanh_grad(y, g, &mut out),
-            Activation::Relu => kernels::relu_grad(y, g, &mut out),
-        }
-        Ok((CpuStorage::F32(out), yl.shape().clone()))
+        Ok((gx, Some(gw), Some(new_f32(gb, outw)?)))
     }
 }
 

@@ -23,7 +23,11 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, relay_envs::Env
     let env = relay_envs::spec(&config.run.env_id)?;
     let action = match env.action_space {
         ActionSpace::Discrete { n } => ActionKind::Discrete { n },
-        ActionSpace::Box { low, high } => ActionKind::Continuous { dim: low.len(), low, high },
+        ActionSpace::Box { low, high } => ActionKind::Continuous {
+            dim: low.len(),
+            low,
+            high,
+        },
     };
     Ok(PolicySpec {
         obs_dim: env.observation_space.dim(),
@@ -43,7 +47,11 @@ pub fn to_weights(model: &ActorCritic, version: u64, learner_env_steps: u64) -> 
         schema: SCHEMA_VERSION,
         version,
         learner_env_steps,
-        tensors: model.named_tensors().iter().map(NamedTensor::from_parts).collect(),
+        tensors: model
+            .named_tensors()
+            .iter()
+            .map(NamedTensor::from_parts)
+            .collect(),
     }
 }
 
@@ -60,11 +68,13 @@ pub fn load_weights(model: &mut ActorCritic, update: &WeightsUpdate) -> Result<(
             })
         })
         .collect::<Result<Vec<relay_nn::NamedTensor>, _>>()?;
-    model.load_named_tensors(&parts).map_err(|e| Rejection::Invalid {
-        kind: "WeightsUpdate",
-        field: "tensors",
-        detail: e.to_string(),
-    })
+    model
+        .load_named_tensors(&parts)
+        .map_err(|e| Rejection::Invalid {
+            kind: "WeightsUpdate",
+            field: "tensors",
+            detail: e.to_string(),
+        })
 }
 
 /// A model at a weights version.
@@ -99,14 +109,29 @@ impl PolicyFollower {
                     detail: e.to_string(),
                 })?;
                 load_weights(&mut model, update)?;
-                Ok(VersionedPolicy { version: update.version, learner_env_steps: update.learner_env_steps, model })
+                Ok(VersionedPolicy {
+                    version: update.version,
+                    learner_env_steps: update.learner_env_steps,
+                    model,
+                })
             };
-            let current = |tx: &watch::Sender<Option<Arc<VersionedPolicy>>>| tx.borrow().as_ref().map(|p| p.version);
+            let current = |tx: &watch::Sender<Option<Arc<VersionedPolicy>>>| {
+                tx.borrow().as_ref().map(|p| p.version)
+            };
             // The current version, in case the learner published it before we subscribed.
             let mut backoff = Duration::from_millis(20);
             while current(&tx).is_none() && !service.shutdown.is_triggered() {
-                let ask = WeightsRequest { schema: SCHEMA_VERSION };
-                match relay_kit::request::<_, WeightsUpdate>(&service.nats, &service.subjects.weights_latest(), &ask, service.request_timeout()).await {
+                let ask = WeightsRequest {
+                    schema: SCHEMA_VERSION,
+                };
+                match relay_kit::request::<_, WeightsUpdate>(
+                    &service.nats,
+                    &service.subjects.weights_latest(),
+                    &ask,
+                    service.request_timeout(),
+                )
+                .await
+                {
                     Ok(update) => match build(&update) {
                         Ok(policy) => {
                             tracing::info!(version = policy.version, "loaded current weights");
@@ -140,7 +165,12 @@ impl PolicyFollower {
                     _ = service.shutdown.wait() => return,
                     else => return,
                 };
-                let Ok(update) = service.intake.decode::<WeightsUpdate>("weights", &message.payload) else { continue };
+                let Ok(update) = service
+                    .intake
+                    .decode::<WeightsUpdate>("weights", &message.payload)
+                else {
+                    continue;
+                };
                 if current(&tx).is_some_and(|v| update.version <= v) {
                     continue;
                 }
