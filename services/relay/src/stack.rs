@@ -2,10 +2,15 @@
 //! where installed) plus every relay service as its own process, with state
 //! under one folder (`.relay/` by default) and a record of what runs in
 //! `.relay/stack.json` so that `relay down` can stop a stack left running.
+//!
+//! Every child runs in its own process group: Ctrl-C reaches only the
+//! supervisor, which then stops the services in order (learner, workers,
+//! tracker) before the infrastructure.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -136,6 +141,7 @@ impl Stack {
             .arg(state_dir.join("nats"))
             .stdout(out)
             .stderr(err)
+            .process_group(0)
             .spawn()
             .context("starting nats-server")?;
         wait_for_port(nats_port, &mut nats, "nats-server")?;
@@ -164,6 +170,7 @@ impl Stack {
             .arg(&redis_dir)
             .stdout(out)
             .stderr(err)
+            .process_group(0)
             .spawn()
             .context("starting redis-server")?;
         wait_for_port(redis_port, &mut redis, "redis-server")?;
@@ -219,6 +226,7 @@ impl Stack {
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .stdout(out)
             .stderr(err)
+            .process_group(0)
             .spawn()
             .context("starting prometheus")?;
         wait_for_port(port, &mut child, "prometheus")?;
@@ -255,6 +263,7 @@ impl Stack {
             .env("RELAY_GRAFANA_DASHBOARDS", grafana_dir.join("dashboards"))
             .stdout(out)
             .stderr(err)
+            .process_group(0)
             .spawn()
             .context("starting grafana-server")?;
         println!("relay: grafana http://127.0.0.1:{port}");
@@ -307,6 +316,7 @@ impl Stack {
         let child = command
             .stdout(out)
             .stderr(err)
+            .process_group(0)
             .spawn()
             .with_context(|| format!("starting {name}"))?;
         self.services.push(Proc {

@@ -133,35 +133,6 @@ fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// Four dot products of the rows `x0..x3` with `w` (shares the loads of `w`).
-#[inline(always)]
-fn dot4<const FMA: bool>(x: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
-    let n = w.len();
-    let full = n - n % 8;
-    let mut acc = [[0f32; 8]; 4];
-    let mut k = 0;
-    while k < full {
-        let wc: &[f32; 8] = w[k..k + 8].try_into().unwrap();
-        for r in 0..4 {
-            let xc: &[f32; 8] = x[r][k..k + 8].try_into().unwrap();
-            for l in 0..8 {
-                acc[r][l] = fmadd::<FMA>(xc[l], wc[l], acc[r][l]);
-            }
-        }
-        k += 8;
-    }
-    let mut out = [0f32; 4];
-    for r in 0..4 {
-        let a = &acc[r];
-        let mut s = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-        for kk in full..n {
-            s = fmadd::<FMA>(x[r][kk], w[kk], s);
-        }
-        out[r] = s;
-    }
-    out
-}
-
 #[inline(always)]
 fn dense_generic<const FMA: bool>(
     x: &[f32],
@@ -171,31 +142,10 @@ fn dense_generic<const FMA: bool>(
     out: &mut [f32],
     act: Option<Activation>,
 ) {
-    let outw = b.len();
-    let rows = out.len() / outw;
-    let mut r = 0;
-    while r + 4 <= rows {
-        let xs = [
-            &x[r * inp..(r + 1) * inp],
-            &x[(r + 1) * inp..(r + 2) * inp],
-            &x[(r + 2) * inp..(r + 3) * inp],
-            &x[(r + 3) * inp..(r + 4) * inp],
-        ];
-        for (j, wj) in w.chunks_exact(inp).enumerate() {
-            let s = dot4::<FMA>(xs, wj);
-            for (q, sq) in s.iter().enumerate() {
-                out[(r + q) * outw + j] = sq + b[j];
-            }
-        }
-        r += 4;
-    }
-    while r < rows {
-        let xr = &x[r * inp..(r + 1) * inp];
-        let orow = &mut out[r * outw..(r + 1) * outw];
+    for (xr, orow) in x.chunks_exact(inp).zip(out.chunks_exact_mut(b.len())) {
         for ((o, wj), &bj) in orow.iter_mut().zip(w.chunks_exact(inp)).zip(b) {
             *o = dot::<FMA>(xr, wj) + bj;
         }
-        r += 1;
     }
     match act {
         Some(Activation::Tanh) => tanh_inplace_generic::<FMA>(out),
@@ -249,6 +199,86 @@ mod x86 {
         relu_grad_generic(y, g, out)
     }
 
+    /// Dot products of `R` rows of `x` with `C` rows of `w` over the first
+    /// `full` (a multiple of 8) columns: `R * C` independent accumulators,
+    /// each loaded vector reused `C` or `R` times.
+    ///
+    /// SAFETY: rows `r0..r0 + R` of `x` and `j0..j0 + C` of `w` exist
+    /// (row length `inp >= full`).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn block<const R: usize, const C: usize>(
+        x: &[f32],
+        w: &[f32],
+        inp: usize,
+        full: usize,
+        r0: usize,
+        j0: usize,
+    ) -> [[f32; C]; R] {
+        use std::arch::x86_64::*;
+        debug_assert!((r0 + R) * inp <= x.len() && (j0 + C) * inp <= w.len());
+        let xp = x.as_ptr().add(r0 * inp);
+        let wp = w.as_ptr().add(j0 * inp);
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut k = 0;
+        while k < full {
+            let mut wv = [_mm256_setzero_ps(); C];
+            for (c, v) in wv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(wp.add(c * inp + k));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(xp.add(r * inp + k));
+                for (a, v) in row.iter_mut().zip(&wv) {
+                    *a = _mm256_fmadd_ps(xv, *v, *a);
+                }
+            }
+            k += 8;
+        }
+        let mut out = [[0f32; C]; R];
+        for (o_row, a_row) in out.iter_mut().zip(&acc) {
+            for (o, a) in o_row.iter_mut().zip(a_row) {
+                let s4 = _mm_add_ps(_mm256_castps256_ps128(*a), _mm256_extractf128_ps::<1>(*a));
+                let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+                let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
+                *o = _mm_cvtss_f32(s1);
+            }
+        }
+        out
+    }
+
+    /// Writes `R x C` results plus the scalar tail `full..inp` and the bias.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn emit<const R: usize, const C: usize>(
+        x: &[f32],
+        w: &[f32],
+        b: &[f32],
+        out: &mut [f32],
+        inp: usize,
+        full: usize,
+        r0: usize,
+        j0: usize,
+    ) {
+        let outw = b.len();
+        assert!((r0 + R) * inp <= x.len() && (j0 + C) * inp <= w.len() && j0 + C <= outw);
+        // SAFETY: bounds asserted above.
+        let s = unsafe { block::<R, C>(x, w, inp, full, r0, j0) };
+        for (r, s_row) in s.iter().enumerate() {
+            let xr = &x[(r0 + r) * inp..(r0 + r + 1) * inp];
+            for (c, &v) in s_row.iter().enumerate() {
+                let wj = &w[(j0 + c) * inp..(j0 + c + 1) * inp];
+                let mut v = v;
+                for k in full..inp {
+                    v = xr[k].mul_add(wj[k], v);
+                }
+                out[(r0 + r) * outw + j0 + c] = v + b[j0 + c];
+            }
+        }
+    }
+
+    /// Dense layer with explicit AVX2 register blocking: 4 rows x 2 outputs
+    /// (8 accumulators, 6 loads per 8 FMAs), 1 row x 4 outputs for leftover
+    /// rows (a batch of one), single outputs for leftover columns.
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn dense(
         x: &[f32],
@@ -258,7 +288,42 @@ mod x86 {
         out: &mut [f32],
         act: Option<Activation>,
     ) {
-        dense_generic::<true>(x, inp, w, b, out, act)
+        if inp < 8 {
+            // e.g. the first layer on a 4-value observation: nothing to vectorize along k.
+            return dense_generic::<true>(x, inp, w, b, out, act);
+        }
+        let outw = b.len();
+        let rows = out.len() / outw;
+        let full = inp - inp % 8;
+        let mut r = 0;
+        while r + 4 <= rows {
+            let mut j = 0;
+            while j + 2 <= outw {
+                emit::<4, 2>(x, w, b, out, inp, full, r, j);
+                j += 2;
+            }
+            if j < outw {
+                emit::<4, 1>(x, w, b, out, inp, full, r, j);
+            }
+            r += 4;
+        }
+        while r < rows {
+            let mut j = 0;
+            while j + 4 <= outw {
+                emit::<1, 4>(x, w, b, out, inp, full, r, j);
+                j += 4;
+            }
+            while j < outw {
+                emit::<1, 1>(x, w, b, out, inp, full, r, j);
+                j += 1;
+            }
+            r += 1;
+        }
+        match act {
+            Some(Activation::Tanh) => tanh_inplace_generic::<true>(out),
+            Some(Activation::Relu) => relu_inplace_generic(out),
+            None => {}
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
