@@ -32,17 +32,17 @@ struct Metrics {
 impl Metrics {
     fn register(registry: &prometheus::Registry) -> Self {
         let env_steps = IntCounter::new(
-            "relay_env_steps_total",
+            "relay_env_runner_env_steps_total",
             "Env steps taken by this env-runner.",
         )
         .unwrap();
         let vec_steps = IntCounter::new(
-            "relay_vec_steps_total",
+            "relay_env_runner_vec_steps_total",
             "Vector steps taken by this env-runner.",
         )
         .unwrap();
         let episodes = IntCounter::new(
-            "relay_episodes_total",
+            "relay_env_runner_episodes_total",
             "Episodes finished by this env-runner.",
         )
         .unwrap();
@@ -221,8 +221,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut recent_returns: VecDeque<f64> = VecDeque::with_capacity(100);
     let mut last_version: u64;
     let mut report_at = Instant::now() + Duration::from_secs(1);
-    let (mut reported_env, mut reported_vec, mut reported_eps) = (0u64, 0u64, 0u64);
-    let mut sps_window = (Instant::now(), 0u64);
+    let (mut reported_env, mut reported_vec) = (0u64, 0u64);
+    let mut reported_at = Instant::now();
     let mut clipped = vec![0f32; action_dim.unwrap_or(0) * n];
     service.health.set_ready(true);
 
@@ -340,18 +340,13 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
 
         if Instant::now() >= report_at {
-            report_at = Instant::now() + Duration::from_secs(1);
-            let (env_steps, vec_steps, eps) = (
-                metrics.env_steps.get(),
-                metrics.vec_steps.get(),
-                metrics.episodes.get(),
-            );
-            let sps = (env_steps - sps_window.1) as f64 / sps_window.0.elapsed().as_secs_f64();
-            sps_window = (Instant::now(), env_steps);
+            let (env_steps, vec_steps) = (metrics.env_steps.get(), metrics.vec_steps.get());
+            let sps = (env_steps - reported_env) as f64 / reported_at.elapsed().as_secs_f64();
+            reported_at = Instant::now();
+            report_at = reported_at + Duration::from_secs(1);
             let mut values = vec![
                 counter("env_steps_total", (env_steps - reported_env) as f64),
                 counter("vec_steps_total", (vec_steps - reported_vec) as f64),
-                counter("episodes_total", (eps - reported_eps) as f64),
                 gauge("env_runner_sps", sps),
                 gauge("env_runner_policy_version", last_version as f64),
             ];
@@ -362,7 +357,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 ));
             }
             service.report(Some(vec_steps), values).await;
-            (reported_env, reported_vec, reported_eps) = (env_steps, vec_steps, eps);
+            (reported_env, reported_vec) = (env_steps, vec_steps);
         }
     }
     service.health.set_ready(false);

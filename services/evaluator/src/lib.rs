@@ -12,7 +12,7 @@
 use prometheus::{Gauge, IntCounter};
 use rand::SeedableRng;
 use relay_envs::{ActionSpace, VecActions, VecEnv};
-use relay_kit::{gauge, Service, ServiceConfig, ServiceError, Shutdown};
+use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::{Actions, ActorCritic};
 use relay_policy::PolicyFollower;
 use relay_proto::{EvalReport, RunStatus, RunStatusUpdate, SCHEMA_VERSION};
@@ -76,12 +76,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut follower = PolicyFollower::start(&service).await?;
     let threshold = cfg.solved_threshold();
     let skipped = IntCounter::new(
-        "relay_eval_skipped_versions_total",
+        "relay_evaluator_skipped_versions_total",
         "Weights versions the evaluator did not evaluate because newer ones arrived.",
     )
     .unwrap();
     let last_return = Gauge::new(
-        "relay_eval_return_mean",
+        "relay_evaluator_return_mean",
         "Mean return of the latest evaluation.",
     )
     .unwrap();
@@ -144,15 +144,6 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             solved,
         };
         service.publish(service.subjects.eval(), &report).await;
-        service
-            .report(
-                None,
-                vec![
-                    gauge("eval_return_mean", mean),
-                    gauge("eval_policy_version", policy.version as f64),
-                ],
-            )
-            .await;
         if solved && !announced_solved {
             announced_solved = true;
             let status = RunStatusUpdate {

@@ -47,8 +47,11 @@ impl Metrics {
         .unwrap();
         let requests =
             IntCounter::new("relay_inference_requests_total", "Act requests answered.").unwrap();
-        let weights_version =
-            IntGauge::new("relay_weights_version", "Weights version this copy serves.").unwrap();
+        let weights_version = IntGauge::new(
+            "relay_inference_weights_version",
+            "Weights version this copy serves.",
+        )
+        .unwrap();
         for c in [
             Box::new(batch_size.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(forward_seconds.clone()),

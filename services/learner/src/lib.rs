@@ -21,7 +21,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use prometheus::{Histogram, HistogramOpts, IntGauge};
 use rand::SeedableRng;
-use relay_kit::{gauge, Service, ServiceConfig, ServiceError, Shutdown};
+use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::{ActorCritic, Adam, AdamConfig};
 use relay_proto::{
     RolloutFragment, RunStatus, RunStatusUpdate, SampleReply, SampleRequest, WeightsRequest,
@@ -53,8 +53,11 @@ struct Metrics {
 
 impl Metrics {
     fn register(registry: &prometheus::Registry) -> Self {
-        let version =
-            IntGauge::new("relay_weights_version", "Latest weights version published.").unwrap();
+        let version = IntGauge::new(
+            "relay_learner_weights_version",
+            "Latest weights version published.",
+        )
+        .unwrap();
         let policy_lag = Histogram::with_opts(
             HistogramOpts::new(
                 "relay_policy_lag",
@@ -158,7 +161,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let budget = cfg.run.total_env_steps;
     let mut fragments: Vec<RolloutFragment> = Vec::new();
     let mut gathered = 0u64;
-    let mut dropped_stale = 0u64;
+    let (mut dropped_stale, mut reported_stale) = (0u64, 0u64);
     let mut solved: Option<String> = None;
     let mut started = Instant::now();
     let finish = loop {
@@ -316,10 +319,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         "learner_policy_lag_max",
                         progress.version.saturating_sub(oldest + 1) as f64,
                     ),
-                    gauge("learner_dropped_stale_fragments", dropped_stale as f64),
+                    counter(
+                        "learner_dropped_stale_fragments_total",
+                        (dropped_stale - reported_stale) as f64,
+                    ),
                 ],
             )
             .await;
+        reported_stale = dropped_stale;
         if progress.updates % cfg.ppo.checkpoint_every == 0 {
             save_checkpoint(&run_dir, &model, &adam, &progress, &cfg);
         }

@@ -95,8 +95,10 @@ pub fn up(args: UpArgs) -> Result<Outcome> {
         stack.redis_url,
         stack.prometheus_url.as_deref().unwrap_or("(not installed)")
     );
-    for service in SERVICES.iter().filter(|s| **s != "learner") {
-        let n = match *service {
+    // The tracker first (it must hear the others' first log lines), the
+    // learner last (training starts once everything else listens).
+    for service in SERVICES {
+        let n = match service {
             "env-runner" => copies.env_runners,
             "inference-server" => copies.inference_servers,
             _ => 1,
@@ -104,9 +106,10 @@ pub fn up(args: UpArgs) -> Result<Outcome> {
         for _ in 0..n {
             stack.spawn_service(service, &config_path, &overrides)?;
         }
+        if matches!(service, "tracker" | "env-runner") {
+            stack.wait_healthy(Duration::from_secs(60))?;
+        }
     }
-    stack.wait_healthy(Duration::from_secs(60))?;
-    stack.spawn_service("learner", &config_path, &overrides)?;
     stack.wait_healthy(Duration::from_secs(60))?;
     let startup_s = started.elapsed().as_secs_f64();
     println!(

@@ -9,8 +9,8 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -378,10 +378,9 @@ impl Stack {
             .services
             .iter()
             .map(|p| {
-                let service = p.name.rsplit_once('-').map_or(p.name.as_str(), |(s, _)| s);
                 serde_json::json!({
                     "targets": [p.metrics_addr.expect("metrics address").to_string()],
-                    "labels": {"service": service, "instance_name": p.name, "run_id": self.run_id},
+                    "labels": {"replica": p.name},
                 })
             })
             .collect();
@@ -420,8 +419,12 @@ impl Stack {
         // The learner first (its final checkpoint and status still reach the
         // tracker), the tracker last (it writes what the others sent).
         let services = std::mem::take(&mut self.services);
-        let (mut learners, rest): (Vec<Proc>, Vec<Proc>) = services.into_iter().partition(|p| p.name.starts_with("learner"));
-        let (mut trackers, mut rest): (Vec<Proc>, Vec<Proc>) = rest.into_iter().partition(|p| p.name.starts_with("tracker"));
+        let (mut learners, rest): (Vec<Proc>, Vec<Proc>) = services
+            .into_iter()
+            .partition(|p| p.name.starts_with("learner"));
+        let (mut trackers, mut rest): (Vec<Proc>, Vec<Proc>) = rest
+            .into_iter()
+            .partition(|p| p.name.starts_with("tracker"));
         stop_all(&mut learners, grace);
         stop_all(&mut rest, grace);
         stop_all(&mut trackers, grace);

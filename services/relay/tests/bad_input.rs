@@ -49,11 +49,14 @@ async fn metrics(addr: SocketAddr) -> String {
 }
 
 fn rejected(body: &str, subject: &str, reason: &str) -> u64 {
-    let needle =
-        format!("relay_messages_rejected_total{{reason=\"{reason}\",subject=\"{subject}\"}} ");
+    let (subject, reason) = (
+        format!("subject=\"{subject}\""),
+        format!("reason=\"{reason}\""),
+    );
     body.lines()
-        .find_map(|l| l.strip_prefix(&needle))
-        .and_then(|v| v.trim().parse().ok())
+        .filter(|l| l.starts_with("relay_messages_rejected_total{"))
+        .filter(|l| l.contains(&subject) && l.contains(&reason))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
         .unwrap_or(0)
 }
 

@@ -19,7 +19,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use futures::StreamExt;
-use prometheus::{CounterVec, GaugeVec, IntCounterVec, Opts, Registry};
+use prometheus::{Counter, Gauge, GaugeVec, IntCounter, Opts, Registry};
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
 use relay_proto::{
     EpisodeReport, EvalReport, LogBatch, MetricKind, MetricsReport, RunStatusUpdate,
@@ -104,34 +104,32 @@ fn now() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
-/// Prometheus series built from the reports it receives.
+/// Prometheus series built from the reports it receives. The tracker's
+/// registry carries `run_id`, `service="tracker"` and `env_id` on every
+/// series; reported gauges add `source` (the producing service) and
+/// `replica` (its copy), reported counters are summed over copies into run
+/// totals.
 struct Exported {
     registry: Registry,
-    run_id: String,
     gauges: HashMap<String, GaugeVec>,
-    counters: HashMap<String, CounterVec>,
-    episodes: IntCounterVec,
-    episode_return: GaugeVec,
+    counters: HashMap<String, Counter>,
+    episodes: IntCounter,
+    episode_return: Gauge,
     eval_return: GaugeVec,
     eval_version: GaugeVec,
     recent_returns: std::collections::VecDeque<f64>,
 }
 
-const LABELS: [&str; 3] = ["run_id", "service", "instance"];
-
 impl Exported {
-    fn new(registry: Registry, run_id: String) -> Self {
-        let episodes = IntCounterVec::new(
-            Opts::new("relay_episodes_total", "Training episodes finished."),
-            &["run_id", "env_id"],
+    fn new(registry: Registry) -> Self {
+        let episodes = IntCounter::new(
+            "relay_episodes_total",
+            "Training episodes finished in the run.",
         )
         .unwrap();
-        let episode_return = GaugeVec::new(
-            Opts::new(
-                "relay_episode_return_mean",
-                "Mean return of the last 100 training episodes.",
-            ),
-            &["run_id", "env_id"],
+        let episode_return = Gauge::new(
+            "relay_episode_return_mean",
+            "Mean return of the last 100 training episodes.",
         )
         .unwrap();
         let eval_return = GaugeVec::new(
@@ -139,7 +137,7 @@ impl Exported {
                 "relay_eval_return_mean",
                 "Mean return of the latest evaluation.",
             ),
-            &["run_id", "env_id", "evaluator"],
+            &["evaluator"],
         )
         .unwrap();
         let eval_version = GaugeVec::new(
@@ -147,7 +145,7 @@ impl Exported {
                 "relay_eval_policy_version",
                 "Weights version of the latest evaluation.",
             ),
-            &["run_id", "evaluator"],
+            &["evaluator"],
         )
         .unwrap();
         for c in [
@@ -160,7 +158,6 @@ impl Exported {
         }
         Self {
             registry,
-            run_id,
             gauges: HashMap::new(),
             counters: HashMap::new(),
             episodes,
@@ -172,39 +169,26 @@ impl Exported {
     }
 
     fn metrics(&mut self, report: &MetricsReport) {
-        let labels = [
-            self.run_id.as_str(),
-            report.service.as_str(),
-            report.instance.as_str(),
-        ];
         for v in &report.values {
             let name = format!("relay_{}", v.name);
+            let help = format!("{} (reported by {})", v.name, report.service);
             match v.kind {
                 MetricKind::Gauge => {
                     let registry = &self.registry;
-                    let Some(gauge) = self
-                        .gauges
-                        .entry(name.clone())
-                        .or_insert_with(|| {
-                            let g = GaugeVec::new(
-                                Opts::new(
-                                    name.clone(),
-                                    format!("{} (reported by services)", v.name),
-                                ),
-                                &LABELS,
-                            )
-                            .unwrap();
-                            if let Err(e) = registry.register(Box::new(g.clone())) {
-                                tracing::warn!(metric = %name, error = %e, "cannot export gauge");
-                            }
-                            g
-                        })
-                        .get_metric_with_label_values(&labels)
-                        .ok()
-                    else {
-                        continue;
-                    };
-                    gauge.set(v.value);
+                    let gauge = self.gauges.entry(name.clone()).or_insert_with(|| {
+                        let g =
+                            GaugeVec::new(Opts::new(name.clone(), help), &["source", "replica"])
+                                .unwrap();
+                        if let Err(e) = registry.register(Box::new(g.clone())) {
+                            tracing::warn!(metric = %name, error = %e, "cannot export gauge");
+                        }
+                        g
+                    });
+                    if let Ok(g) =
+                        gauge.get_metric_with_label_values(&[&report.service, &report.instance])
+                    {
+                        g.set(v.value);
+                    }
                 }
                 MetricKind::Counter => {
                     if !(name.ends_with("_total") && v.value.is_finite() && v.value >= 0.0) {
@@ -212,38 +196,23 @@ impl Exported {
                         continue;
                     }
                     let registry = &self.registry;
-                    let Some(counter) = self
-                        .counters
+                    self.counters
                         .entry(name.clone())
                         .or_insert_with(|| {
-                            let c = CounterVec::new(
-                                Opts::new(
-                                    name.clone(),
-                                    format!("{} (reported by services)", v.name),
-                                ),
-                                &LABELS,
-                            )
-                            .unwrap();
+                            let c = Counter::new(name.clone(), help).unwrap();
                             if let Err(e) = registry.register(Box::new(c.clone())) {
                                 tracing::warn!(metric = %name, error = %e, "cannot export counter");
                             }
                             c
                         })
-                        .get_metric_with_label_values(&labels)
-                        .ok()
-                    else {
-                        continue;
-                    };
-                    counter.inc_by(v.value);
+                        .inc_by(v.value);
                 }
             }
         }
     }
 
     fn episodes(&mut self, report: &EpisodeReport) {
-        self.episodes
-            .with_label_values(&[&self.run_id, &report.env_id])
-            .inc_by(report.episodes.len() as u64);
+        self.episodes.inc_by(report.episodes.len() as u64);
         for e in &report.episodes {
             if self.recent_returns.len() == 100 {
                 self.recent_returns.pop_front();
@@ -252,18 +221,16 @@ impl Exported {
         }
         if !self.recent_returns.is_empty() {
             let mean = self.recent_returns.iter().sum::<f64>() / self.recent_returns.len() as f64;
-            self.episode_return
-                .with_label_values(&[&self.run_id, &report.env_id])
-                .set(mean);
+            self.episode_return.set(mean);
         }
     }
 
     fn eval(&mut self, report: &EvalReport) {
         self.eval_return
-            .with_label_values(&[&self.run_id, &report.env_id, &report.evaluator])
+            .with_label_values(&[&report.evaluator])
             .set(report.mean_return);
         self.eval_version
-            .with_label_values(&[&self.run_id, &report.evaluator])
+            .with_label_values(&[&report.evaluator])
             .set(report.policy_version as f64);
     }
 }
@@ -274,7 +241,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let cfg = service.config.clone();
     let run_id = cfg.run_id()?.to_string();
     let mut dir = RunDir::open(cfg.run.runs_dir.join(&run_id), &cfg.to_yaml())?;
-    let mut exported = Exported::new(service.registry.clone(), run_id.clone());
+    let mut exported = Exported::new(service.registry.clone());
     let s = &service.subjects;
     let mut metrics = service
         .nats

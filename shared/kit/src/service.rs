@@ -156,7 +156,14 @@ impl Service {
             &shutdown,
         )
         .await?;
-        let registry = Registry::new();
+        // Every series this process exports carries the run, service and env.
+        let labels = [
+            ("run_id".to_string(), run_id.clone()),
+            ("service".to_string(), name.to_string()),
+            ("env_id".to_string(), experiment.run.env_id.clone()),
+        ];
+        let registry = Registry::new_custom(None, Some(labels.into_iter().collect()))
+            .expect("valid const labels");
         let intake = Intake::new(&registry);
         let health = Health::default();
         let metrics_addr = serve(

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
-use relay_nn::{clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, PolicySpec, PpoInputs, PpoLossConfig};
+use relay_nn::{
+    clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, PolicySpec, PpoInputs, PpoLossConfig,
+};
 
 /// Median time per call of `f`, in microseconds, over about `budget`.
 fn time_us(budget: Duration, f: &mut dyn FnMut()) -> f64 {
@@ -25,7 +27,8 @@ fn time_us(budget: Duration, f: &mut dyn FnMut()) -> f64 {
     let once = start.elapsed().max(Duration::from_nanos(100));
     // Batches of calls lasting about 1 ms, as many batches as fit the budget.
     let per_batch = ((Duration::from_millis(1).as_nanos() / once.as_nanos()).max(1)) as usize;
-    let batches = ((budget.as_nanos() / (once.as_nanos() * per_batch as u128)).clamp(5, 1000)) as usize;
+    let batches =
+        ((budget.as_nanos() / (once.as_nanos() * per_batch as u128)).clamp(5, 1000)) as usize;
     let mut samples: Vec<f64> = (0..batches)
         .map(|_| {
             let t = Instant::now();
@@ -47,7 +50,11 @@ struct Baseline {
 
 impl Baseline {
     fn new(model: &ActorCritic) -> Self {
-        let vars: BTreeMap<&str, Var> = model.parameter_names().into_iter().zip(model.vars()).collect();
+        let vars: BTreeMap<&str, Var> = model
+            .parameter_names()
+            .into_iter()
+            .zip(model.vars())
+            .collect();
         let get = |p: &str| {
             (
                 vars[format!("{p}.weight").as_str()].as_tensor().clone(),
@@ -55,8 +62,16 @@ impl Baseline {
             )
         };
         Self {
-            pi: vec![get("mlp_extractor.policy_net.0"), get("mlp_extractor.policy_net.2"), get("action_net")],
-            vf: vec![get("mlp_extractor.value_net.0"), get("mlp_extractor.value_net.2"), get("value_net")],
+            pi: vec![
+                get("mlp_extractor.policy_net.0"),
+                get("mlp_extractor.policy_net.2"),
+                get("action_net"),
+            ],
+            vf: vec![
+                get("mlp_extractor.value_net.0"),
+                get("mlp_extractor.value_net.2"),
+                get("value_net"),
+            ],
         }
     }
 
@@ -76,7 +91,14 @@ impl Baseline {
     }
 
     /// evaluate + PPO loss (SB3 form) composed from candle ops.
-    fn loss(&self, x: &Tensor, actions: &Tensor, old_lp: &Tensor, adv: &Tensor, ret: &Tensor) -> candle_core::Result<Tensor> {
+    fn loss(
+        &self,
+        x: &Tensor,
+        actions: &Tensor,
+        old_lp: &Tensor,
+        adv: &Tensor,
+        ret: &Tensor,
+    ) -> candle_core::Result<Tensor> {
         let (logits, values) = self.forward(x)?;
         let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         let lp = lsm.gather(&actions.unsqueeze(1)?, 1)?.squeeze(1)?;
@@ -98,10 +120,13 @@ fn main() -> relay_nn::Result<()> {
     }
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_default();
     let budget = Duration::from_millis(
-        std::env::var("BENCH_MS").ok().and_then(|s| s.parse().ok()).unwrap_or(400),
+        std::env::var("BENCH_MS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(400),
     );
     let spec = PolicySpec::discrete(4, 2);
-    let model = ActorCritic::new(&spec, 0).map_err(|e| e)?;
+    let model = ActorCritic::new(&spec, 0)?;
     let base = Baseline::new(&model);
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let mut json: Vec<(String, f64)> = Vec::new();
@@ -119,28 +144,42 @@ fn main() -> relay_nn::Result<()> {
 
     println!("relay-nn bench: obs 4, hidden [64, 64] tanh, 2 actions, RAYON_NUM_THREADS={threads}");
 
-    for &n in &[1usize, 2, 3, 4, 6, 8, 64, 256, 512] {
+    for &n in &[1usize, 8, 16, 64, 256, 512] {
         let obs: Vec<f32> = (0..n * 4).map(|_| rng.random_range(-1.0..1.0)).collect();
         let mut r = rand::rngs::StdRng::seed_from_u64(2);
-        bench(format!("act_b{n}_us"), format!("act (sample, logprob, value) batch {n}"), &mut || {
-            black_box(model.act(black_box(&obs), n, false, &mut r).unwrap());
-        });
+        bench(
+            format!("act_b{n}_us"),
+            format!("act (sample, logprob, value) batch {n}"),
+            &mut || {
+                black_box(model.act(black_box(&obs), n, false, &mut r).unwrap());
+            },
+        );
         let x = Tensor::from_slice(&obs, (n, 4), &Device::Cpu)?;
-        bench(format!("baseline_forward_b{n}_us"), format!("plain candle forward (actor+critic) batch {n}"), &mut || {
-            let x = Tensor::from_slice(&obs, (n, 4), &Device::Cpu).unwrap();
-            let (l, v) = base.forward(&x).unwrap();
-            black_box((l.to_vec2::<f32>().unwrap(), v.to_vec1::<f32>().unwrap()));
-        });
+        bench(
+            format!("baseline_forward_b{n}_us"),
+            format!("plain candle forward (actor+critic) batch {n}"),
+            &mut || {
+                let x = Tensor::from_slice(&obs, (n, 4), &Device::Cpu).unwrap();
+                let (l, v) = base.forward(&x).unwrap();
+                black_box((l.to_vec2::<f32>().unwrap(), v.to_vec1::<f32>().unwrap()));
+            },
+        );
         let acts = Tensor::zeros(n, DType::U32, &Device::Cpu)?;
-        bench(format!("evaluate_fwd_b{n}_us"), format!("evaluate forward (fused ops, graph) batch {n}"), &mut || {
-            black_box(model.evaluate(&x, &acts).unwrap());
-        });
+        bench(
+            format!("evaluate_fwd_b{n}_us"),
+            format!("evaluate forward (fused ops, graph) batch {n}"),
+            &mut || {
+                black_box(model.evaluate(&x, &acts).unwrap());
+            },
+        );
     }
 
     for &b in &[256usize, 512] {
         let obs: Vec<f32> = (0..b * 4).map(|_| rng.random_range(-1.0..1.0)).collect();
         let actions: Vec<u32> = (0..b).map(|_| rng.random_range(0..2)).collect();
-        let old_lp: Vec<f32> = (0..b).map(|_| -0.69 + rng.random_range(-0.05..0.05)).collect();
+        let old_lp: Vec<f32> = (0..b)
+            .map(|_| -0.69 + rng.random_range(-0.05..0.05))
+            .collect();
         let old_v: Vec<f32> = vec![0.0; b];
         let adv: Vec<f32> = (0..b).map(|_| rng.random_range(-1.0..1.0)).collect();
         let ret: Vec<f32> = adv.clone();
@@ -157,34 +196,39 @@ fn main() -> relay_nn::Result<()> {
             format!("train_step_b{b}_us"),
             format!("PPO train step (evaluate+loss+backward+clip+Adam) batch {b}"),
             &mut || {
-            let t0 = Instant::now();
-            let (lp, ent, v) = m.evaluate(&x, &a).unwrap();
-            let t1 = Instant::now();
-            let out = ppo_loss(
-                &cfg,
-                &PpoInputs {
-                    logprob: &lp,
-                    entropy: &ent,
-                    values: &v,
-                    old_logprob: &old_lp,
-                    old_values: &old_v,
-                    advantages: &adv,
-                    returns: &ret,
-                },
-            )
-            .unwrap();
-            let t2 = Instant::now();
-            let mut grads = out.loss.backward().unwrap();
-            let t3 = Instant::now();
-            black_box(clip_grad_norm(&mut grads, opt.vars(), 0.5).unwrap());
-            let t4 = Instant::now();
-            opt.step(&grads).unwrap();
-            let t5 = Instant::now();
-            for (p, (s, e)) in phases.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)]) {
-                *p += (e - s).as_secs_f64() * 1e6;
-            }
-            steps += 1;
-        });
+                let t0 = Instant::now();
+                let (lp, ent, v) = m.evaluate(&x, &a).unwrap();
+                let t1 = Instant::now();
+                let out = ppo_loss(
+                    &cfg,
+                    &PpoInputs {
+                        logprob: &lp,
+                        entropy: &ent,
+                        values: &v,
+                        old_logprob: &old_lp,
+                        old_values: &old_v,
+                        advantages: &adv,
+                        returns: &ret,
+                    },
+                )
+                .unwrap();
+                let t2 = Instant::now();
+                let mut grads = out.loss.backward().unwrap();
+                let t3 = Instant::now();
+                black_box(clip_grad_norm(&mut grads, opt.vars(), 0.5).unwrap());
+                let t4 = Instant::now();
+                opt.step(&grads).unwrap();
+                let t5 = Instant::now();
+                for (p, (s, e)) in
+                    phases
+                        .iter_mut()
+                        .zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)])
+                {
+                    *p += (e - s).as_secs_f64() * 1e6;
+                }
+                steps += 1;
+            },
+        );
         let names = ["evaluate", "ppo_loss", "backward", "clip", "adam"];
         let breakdown: Vec<String> = names
             .iter()
@@ -221,15 +265,20 @@ fn main() -> relay_nn::Result<()> {
     let a = Tensor::zeros(64, DType::U32, &Device::Cpu)?;
     let (lp, _, v) = model.evaluate(&x, &a)?;
     let grads = (lp.sum_all()? + v.sum_all()?)?.backward()?;
-    bench("adam_step_us".into(), format!("Adam step alone ({n_params} parameters)"), &mut || {
-        opt.step(&grads).unwrap()
-    });
+    bench(
+        "adam_step_us".into(),
+        format!("Adam step alone ({n_params} parameters)"),
+        &mut || opt.step(&grads).unwrap(),
+    );
 
     println!("{:<70} {:>10}", "case", "µs");
     for (label, us) in &rows {
         println!("{label:<70} {us:>10.2}");
     }
-    let body: Vec<String> = json.iter().map(|(k, v)| format!("\"{k}\":{v:.3}")).collect();
+    let body: Vec<String> = json
+        .iter()
+        .map(|(k, v)| format!("\"{k}\":{v:.3}"))
+        .collect();
     println!("{{\"threads\":\"{threads}\",{}}}", body.join(","));
     Ok(())
 }

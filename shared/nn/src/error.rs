@@ -67,7 +67,9 @@ pub enum NnError {
     },
 
     /// A parameter holds a NaN or infinite value.
-    #[error("parameter `{name}` (shape {shape:?}) has a non-finite value {value} at flat index {index}")]
+    #[error(
+        "parameter `{name}` (shape {shape:?}) has a non-finite value {value} at flat index {index}"
+    )]
     NonFinite {
         /// Parameter name.
         name: String,

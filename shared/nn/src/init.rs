@@ -11,15 +11,27 @@ use rand_distr::StandardNormal;
 /// positive diagonal (which makes `Q` unique), transpose back. The QR here is
 /// modified Gram-Schmidt with one re-orthogonalisation pass, in f64.
 pub fn orthogonal(rows: usize, cols: usize, gain: f64, rng: &mut impl Rng) -> Vec<f32> {
-    let gauss: Vec<f64> = (0..rows * cols).map(|_| rng.sample(StandardNormal)).collect();
+    let gauss: Vec<f64> = (0..rows * cols)
+        .map(|_| rng.sample(StandardNormal))
+        .collect();
     // Tall orientation: m x k with m >= k; column j of it is `col(j)`.
     let transpose = rows < cols;
-    let (m, k) = if transpose { (cols, rows) } else { (rows, cols) };
+    let (m, k) = if transpose {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
     // Store the columns of the tall matrix contiguously.
     let mut q: Vec<Vec<f64>> = (0..k)
         .map(|j| {
             (0..m)
-                .map(|i| if transpose { gauss[j * cols + i] } else { gauss[i * cols + j] })
+                .map(|i| {
+                    if transpose {
+                        gauss[j * cols + i]
+                    } else {
+                        gauss[i * cols + j]
+                    }
+                })
                 .collect()
         })
         .collect();
@@ -60,14 +72,24 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let w = orthogonal(rows, cols, gain, &mut rng);
         // W W^T = gain^2 I (rows <= cols) or W^T W = gain^2 I.
-        let (n, len, stride_outer, stride_inner) = if rows <= cols { (rows, cols, cols, 1) } else { (cols, rows, 1, cols) };
+        let (n, len, stride_outer, stride_inner) = if rows <= cols {
+            (rows, cols, cols, 1)
+        } else {
+            (cols, rows, 1, cols)
+        };
         for a in 0..n {
             for b in 0..n {
                 let d: f64 = (0..len)
-                    .map(|t| w[a * stride_outer + t * stride_inner] as f64 * w[b * stride_outer + t * stride_inner] as f64)
+                    .map(|t| {
+                        w[a * stride_outer + t * stride_inner] as f64
+                            * w[b * stride_outer + t * stride_inner] as f64
+                    })
                     .sum();
                 let e = if a == b { gain * gain } else { 0.0 };
-                assert!((d - e).abs() < 1e-5 * (1.0 + gain * gain), "{rows}x{cols} ({a},{b}): {d}");
+                assert!(
+                    (d - e).abs() < 1e-5 * (1.0 + gain * gain),
+                    "{rows}x{cols} ({a},{b}): {d}"
+                );
             }
         }
     }

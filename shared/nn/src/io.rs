@@ -46,7 +46,11 @@ fn ckpt_err(path: &Path, reason: impl std::fmt::Display) -> NnError {
 }
 
 /// Writes `tensors` (f32) and string `metadata` to `path` atomically.
-pub fn write_safetensors(path: &Path, tensors: &[NamedTensor], metadata: HashMap<String, String>) -> Result<()> {
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[NamedTensor],
+    metadata: HashMap<String, String>,
+) -> Result<()> {
     for (name, shape, data) in tensors {
         if shape.iter().product::<usize>() != data.len() {
             return Err(NnError::ShapeMismatch {
@@ -57,7 +61,9 @@ pub fn write_safetensors(path: &Path, tensors: &[NamedTensor], metadata: HashMap
             });
         }
     }
-    let views = tensors.iter().map(|(name, shape, data)| (name.as_str(), F32View { shape, data }));
+    let views = tensors
+        .iter()
+        .map(|(name, shape, data)| (name.as_str(), F32View { shape, data }));
     let file_name = path
         .file_name()
         .ok_or_else(|| ckpt_err(path, "path has no file name"))?

@@ -45,7 +45,7 @@ fn exp_one<const FMA: bool>(x: f32) -> f32 {
     p = fmadd::<FMA>(p, r, 8.333_452e-3);
     p = fmadd::<FMA>(p, r, 4.166_579_6e-2);
     p = fmadd::<FMA>(p, r, 1.666_666_5e-1);
-    p = fmadd::<FMA>(p, r, 5.000_000_1e-1);
+    p = fmadd::<FMA>(p, r, 5e-1);
     let y = fmadd::<FMA>(p, r * r, r) + 1.0;
     let n_int = t.to_bits() as i32 - ROUND.to_bits() as i32;
     y * f32::from_bits(((n_int + 127) << 23) as u32)
@@ -62,15 +62,16 @@ fn tanh_one<const FMA: bool>(x: f32) -> f32 {
     let big = (1.0 - 2.0 / (e + 1.0)).copysign(x);
     let z = x * x;
     let mut p: f32 = -5.704_988_7e-3;
-    p = fmadd::<FMA>(p, z, 2.063_908_9e-2);
+    p = fmadd::<FMA>(p, z, 2.063_909e-2);
     p = fmadd::<FMA>(p, z, -5.373_971_6e-2);
     p = fmadd::<FMA>(p, z, 1.333_144_2e-1);
-    p = fmadd::<FMA>(p, z, -3.333_328_2e-1);
+    p = fmadd::<FMA>(p, z, -3.333_328e-1);
     let small = fmadd::<FMA>(x * z, p, x);
     let y = if ax < 0.625 { small } else { big };
-    // `min` above swallowed NaN; give it back.
+    // `min` above swallowed NaN; give it back. (A constant rather than `x`:
+    // with `x` LLVM turns the in-place loop into a masked store, slow on AMD.)
     if x.is_nan() {
-        x
+        f32::NAN
     } else {
         y
     }
@@ -168,7 +169,13 @@ pub(crate) struct AdamCoeffs {
 }
 
 #[inline(always)]
-fn adam_generic<const FMA: bool>(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamCoeffs) {
+fn adam_generic<const FMA: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    c: AdamCoeffs,
+) {
     let (b1c, b2c) = (1.0 - c.beta1, 1.0 - c.beta2);
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         let g = fmadd::<FMA>(c.weight_decay, *p, g);
@@ -199,6 +206,16 @@ mod x86 {
         relu_grad_generic(y, g, out)
     }
 
+    /// The inputs of one dense layer; `full` is `inp` rounded down to a multiple of 8.
+    #[derive(Clone, Copy)]
+    struct Operands<'a> {
+        x: &'a [f32],
+        w: &'a [f32],
+        b: &'a [f32],
+        inp: usize,
+        full: usize,
+    }
+
     /// Dot products of `R` rows of `x` with `C` rows of `w` over the first
     /// `full` (a multiple of 8) columns: `R * C` independent accumulators,
     /// each loaded vector reused `C` or `R` times.
@@ -208,14 +225,14 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn block<const R: usize, const C: usize>(
-        x: &[f32],
-        w: &[f32],
-        inp: usize,
-        full: usize,
+        op: &Operands<'_>,
         r0: usize,
         j0: usize,
     ) -> [[f32; C]; R] {
         use std::arch::x86_64::*;
+        let Operands {
+            x, w, inp, full, ..
+        } = *op;
         debug_assert!((r0 + R) * inp <= x.len() && (j0 + C) * inp <= w.len());
         let xp = x.as_ptr().add(r0 * inp);
         let wp = w.as_ptr().add(j0 * inp);
@@ -250,19 +267,16 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     fn emit<const R: usize, const C: usize>(
-        x: &[f32],
-        w: &[f32],
-        b: &[f32],
+        op: &Operands<'_>,
         out: &mut [f32],
-        inp: usize,
-        full: usize,
         r0: usize,
         j0: usize,
     ) {
+        let Operands { x, w, b, inp, full } = *op;
         let outw = b.len();
         assert!((r0 + R) * inp <= x.len() && (j0 + C) * inp <= w.len() && j0 + C <= outw);
         // SAFETY: bounds asserted above.
-        let s = unsafe { block::<R, C>(x, w, inp, full, r0, j0) };
+        let s = unsafe { block::<R, C>(op, r0, j0) };
         for (r, s_row) in s.iter().enumerate() {
             let xr = &x[(r0 + r) * inp..(r0 + r + 1) * inp];
             for (c, &v) in s_row.iter().enumerate() {
@@ -295,26 +309,27 @@ mod x86 {
         let outw = b.len();
         let rows = out.len() / outw;
         let full = inp - inp % 8;
+        let op = Operands { x, w, b, inp, full };
         let mut r = 0;
         while r + 4 <= rows {
             let mut j = 0;
             while j + 2 <= outw {
-                emit::<4, 2>(x, w, b, out, inp, full, r, j);
+                emit::<4, 2>(&op, out, r, j);
                 j += 2;
             }
             if j < outw {
-                emit::<4, 1>(x, w, b, out, inp, full, r, j);
+                emit::<4, 1>(&op, out, r, j);
             }
             r += 4;
         }
         while r < rows {
             let mut j = 0;
             while j + 4 <= outw {
-                emit::<1, 4>(x, w, b, out, inp, full, r, j);
+                emit::<1, 4>(&op, out, r, j);
                 j += 4;
             }
             while j < outw {
-                emit::<1, 1>(x, w, b, out, inp, full, r, j);
+                emit::<1, 1>(&op, out, r, j);
                 j += 1;
             }
             r += 1;
@@ -386,7 +401,7 @@ pub fn dense(
     out: &mut [f32],
     act: Option<Activation>,
 ) {
-    assert!(!b.is_empty() && out.len() % b.len() == 0);
+    assert!(!b.is_empty() && out.len().is_multiple_of(b.len()));
     assert_eq!(w.len(), b.len() * inp);
     assert_eq!(x.len(), out.len() / b.len() * inp);
     #[cfg(target_arch = "x86_64")]
@@ -426,7 +441,19 @@ mod tests {
     #[test]
     fn fast_tanh_is_accurate() {
         let mut xs: Vec<f32> = (-200_000..=200_000).map(|i| i as f32 * 1e-4).collect();
-        xs.extend([1e-8, -1e-8, 3.9e-4, 4.1e-4, 0.625, -0.625, 50.0, -50.0, f32::MAX, f32::MIN, 0.0]);
+        xs.extend([
+            1e-8,
+            -1e-8,
+            3.9e-4,
+            4.1e-4,
+            0.625,
+            -0.625,
+            50.0,
+            -50.0,
+            f32::MAX,
+            f32::MIN,
+            0.0,
+        ]);
         xs.extend((1..200).map(|i| 1e-6 * 1.07f32.powi(i)));
         let mut ys = xs.clone();
         tanh_inplace(&mut ys);
@@ -440,7 +467,10 @@ mod tests {
             assert!(y.abs() <= 1.0, "tanh({x}) = {y}");
         }
         eprintln!("max error in ULP: dispatched {max_vec:.2}, portable scalar {max_scalar:.2}");
-        assert!(max_vec <= 2.0 && max_scalar <= 2.0, "{max_vec} {max_scalar}");
+        assert!(
+            max_vec <= 2.0 && max_scalar <= 2.0,
+            "{max_vec} {max_scalar}"
+        );
         for w in ys.windows(2).take(400_000) {
             assert!(w[1] >= w[0], "not monotone: {w:?}");
         }
@@ -452,8 +482,12 @@ mod tests {
     #[test]
     fn dense_matches_naive() {
         for &(rows, inp, outw) in &[(1, 4, 64), (7, 64, 64), (9, 13, 3), (4, 8, 1), (64, 64, 2)] {
-            let x: Vec<f32> = (0..rows * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
-            let w: Vec<f32> = (0..outw * inp).map(|i| ((i * 53 % 97) as f32 - 48.0) / 97.0).collect();
+            let x: Vec<f32> = (0..rows * inp)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                .collect();
+            let w: Vec<f32> = (0..outw * inp)
+                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 97.0)
+                .collect();
             let b: Vec<f32> = (0..outw).map(|i| i as f32 * 0.01 - 0.2).collect();
             for act in [None, Some(Activation::Tanh), Some(Activation::Relu)] {
                 let mut out = vec![0f32; rows * outw];
@@ -470,7 +504,10 @@ mod tests {
                             Some(Activation::Relu) => s.max(0.0),
                         };
                         let got = out[r * outw + j] as f64;
-                        assert!((got - e).abs() < 1e-5 * (1.0 + e.abs()), "{rows}x{inp}x{outw} {act:?}: {got} vs {e}");
+                        assert!(
+                            (got - e).abs() < 1e-5 * (1.0 + e.abs()),
+                            "{rows}x{inp}x{outw} {act:?}: {got} vs {e}"
+                        );
                     }
                 }
             }
@@ -483,7 +520,10 @@ mod tests {
         let g = [1.0f32, 2.0, -1.0, 0.5];
         let mut out = [0f32; 4];
         tanh_grad(&y, &g, &mut out);
-        for (o, e) in out.iter().zip([0.75, 2.0 * (1.0 - 0.0625), -1.0, 0.5 * (1.0 - 0.81)]) {
+        for (o, e) in out
+            .iter()
+            .zip([0.75, 2.0 * (1.0 - 0.0625), -1.0, 0.5 * (1.0 - 0.81)])
+        {
             assert!((o - e).abs() < 1e-6, "{out:?}");
         }
         relu_grad(&y, &g, &mut out);

@@ -59,7 +59,9 @@ pub mod spec;
 
 pub use error::{NnError, Result};
 pub use io::NamedTensor;
-pub use model::{ActOutput, ActorCritic, Actions};
+pub use model::{ActOutput, Actions, ActorCritic};
 pub use optim::{clip_grad_norm, Adam, AdamConfig, AdamState};
-pub use ppo::{explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats};
+pub use ppo::{
+    explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats,
+};
 pub use spec::{ActionKind, Activation, PolicySpec};

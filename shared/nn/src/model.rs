@@ -59,7 +59,7 @@ pub const MODEL_FORMAT: &str = "relay-nn/actor-critic";
 
 /// Largest batch for which [`ActorCritic::act`] / [`ActorCritic::values`] use
 /// the hand-written dense kernel; larger batches call candle's gemm.
-pub const HOST_KERNEL_MAX_BATCH: usize = 1000;
+pub const HOST_KERNEL_MAX_BATCH: usize = 16;
 
 /// Actions chosen by [`ActorCritic::act`] for a batch of `n` observations.
 #[derive(Debug, Clone, PartialEq)]
@@ -141,7 +141,14 @@ fn storage_f32<'a>(s: &'a Storage, l: &candle_core::Layout) -> Result<&'a [f32]>
 /// Batches of at most [`HOST_KERNEL_MAX_BATCH`] rows use the hand-written
 /// dense kernel (no allocation beyond the activations); larger ones call
 /// candle's CPU gemm directly on the storages (no tensors, no graph).
-fn mlp_host(layers: &[Dense], head: &Dense, act: Activation, x: &[f32], n: usize, in_dim: usize) -> Result<Vec<f32>> {
+fn mlp_host(
+    layers: &[Dense],
+    head: &Dense,
+    act: Activation,
+    x: &[f32],
+    n: usize,
+    in_dim: usize,
+) -> Result<Vec<f32>> {
     let mut cur: Vec<f32> = x.to_vec();
     let mut width = in_dim;
     for (i, layer) in layers.iter().chain(std::iter::once(head)).enumerate() {
@@ -156,7 +163,9 @@ fn mlp_host(layers: &[Dense], head: &Dense, act: Activation, x: &[f32], n: usize
             out
         } else {
             let Storage::Cpu(ws) = &*wg else {
-                return Err(candle_core::Error::Msg("parameters must live on the CPU".into()).into());
+                return Err(
+                    candle_core::Error::Msg("parameters must live on the CPU".into()).into(),
+                );
             };
             let xl = candle_core::Layout::contiguous((n, width));
             ops::linear_cpu(&CpuStorage::F32(cur), &xl, ws, wl, b, layer_act)?
@@ -173,7 +182,12 @@ impl ActorCritic {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut params: Vec<(String, Var)> = Vec::new();
         let dev = Device::Cpu;
-        let mut dense = |prefix: String, inp: usize, out: usize, gain: f64, rng: &mut rand::rngs::StdRng| -> Result<Dense> {
+        let mut dense = |prefix: String,
+                         inp: usize,
+                         out: usize,
+                         gain: f64,
+                         rng: &mut rand::rngs::StdRng|
+         -> Result<Dense> {
             let w = Var::from_vec(orthogonal(out, inp, gain, rng), (out, inp), &dev)?;
             let b = Var::zeros(out, DType::F32, &dev)?;
             params.push((format!("{prefix}.weight"), w.clone()));
@@ -185,7 +199,13 @@ impl ActorCritic {
             let mut inp = spec.obs_dim;
             let mut layers = Vec::new();
             for (i, &h) in spec.hidden.iter().enumerate() {
-                layers.push(dense(format!("mlp_extractor.{net}.{}", 2 * i), inp, h, hidden_gain, rng)?);
+                layers.push(dense(
+                    format!("mlp_extractor.{net}.{}", 2 * i),
+                    inp,
+                    h,
+                    hidden_gain,
+                    rng,
+                )?);
                 inp = h;
             }
             Ok(layers)
@@ -193,7 +213,13 @@ impl ActorCritic {
         let policy_net = build_trunk("policy_net", &mut rng)?;
         let value_net = build_trunk("value_net", &mut rng)?;
         let last = spec.hidden.last().copied().unwrap_or(spec.obs_dim);
-        let action_net = dense("action_net".into(), last, spec.action.head_width(), 0.01, &mut rng)?;
+        let action_net = dense(
+            "action_net".into(),
+            last,
+            spec.action.head_width(),
+            0.01,
+            &mut rng,
+        )?;
         let value_head = dense("value_net".into(), last, 1, 1.0, &mut rng)?;
         let log_std = match &spec.action {
             ActionKind::Discrete { .. } => None,
@@ -256,7 +282,11 @@ impl ActorCritic {
         if obs.len() != n * self.spec.obs_dim {
             return Err(NnError::bad_input(
                 "obs",
-                format!("{n} x {} = {} values", self.spec.obs_dim, n * self.spec.obs_dim),
+                format!(
+                    "{n} x {} = {} values",
+                    self.spec.obs_dim,
+                    n * self.spec.obs_dim
+                ),
                 format!("{} values", obs.len()),
             ));
         }
@@ -284,7 +314,13 @@ impl ActorCritic {
     /// (first on ties). Continuous: `mean + exp(log_std) * N(0, 1)` (one
     /// standard normal draw per dimension); `deterministic` returns the mean.
     /// Continuous actions are **not** clipped to the bounds (see module docs).
-    pub fn act(&self, obs: &[f32], n: usize, deterministic: bool, rng: &mut impl Rng) -> Result<ActOutput> {
+    pub fn act(
+        &self,
+        obs: &[f32],
+        n: usize,
+        deterministic: bool,
+        rng: &mut impl Rng,
+    ) -> Result<ActOutput> {
         self.check_obs(obs, n)?;
         let (head, values) = self.infer(obs, n, true)?;
         let mut logprobs = Vec::with_capacity(n);
@@ -314,7 +350,11 @@ impl ActorCritic {
                 for mean in head.chunks_exact(dim) {
                     let mut q = 0f32;
                     for (&m, &s) in mean.iter().zip(&std) {
-                        let eps: f32 = if deterministic { 0.0 } else { rng.sample(StandardNormal) };
+                        let eps: f32 = if deterministic {
+                            0.0
+                        } else {
+                            rng.sample(StandardNormal)
+                        };
                         actions.push(m + s * eps);
                         q += eps * eps;
                     }
@@ -344,10 +384,22 @@ impl ActorCritic {
         Ok(v.as_tensor().to_vec1()?)
     }
 
-    fn mlp_graph(&self, x: &Tensor, layers: &[Dense], head: &Dense, no_grad: bool) -> Result<Tensor> {
+    fn mlp_graph(
+        &self,
+        x: &Tensor,
+        layers: &[Dense],
+        head: &Dense,
+        no_grad: bool,
+    ) -> Result<Tensor> {
         let act = Some(self.spec.activation);
         let mut h = x.clone();
-        let detach = |v: &Var| if no_grad { v.as_detached_tensor() } else { v.as_tensor().clone() };
+        let detach = |v: &Var| {
+            if no_grad {
+                v.as_detached_tensor()
+            } else {
+                v.as_tensor().clone()
+            }
+        };
         for l in layers {
             h = ops::linear(&h, &detach(&l.w), &detach(&l.b), act)?;
         }
@@ -362,25 +414,48 @@ impl ActorCritic {
     /// entropy [B], value [B])`, all connected to [`Self::vars`] by the graph.
     pub fn evaluate(&self, obs: &Tensor, actions: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, d) = obs.dims2().map_err(|_| {
-            NnError::bad_input("obs", format!("[B, {}]", self.spec.obs_dim), format!("{:?}", obs.dims()))
+            NnError::bad_input(
+                "obs",
+                format!("[B, {}]", self.spec.obs_dim),
+                format!("{:?}", obs.dims()),
+            )
         })?;
         if d != self.spec.obs_dim {
-            return Err(NnError::bad_input("obs", format!("[B, {}]", self.spec.obs_dim), format!("{:?}", obs.dims())));
+            return Err(NnError::bad_input(
+                "obs",
+                format!("[B, {}]", self.spec.obs_dim),
+                format!("{:?}", obs.dims()),
+            ));
         }
         let obs = obs.to_dtype(DType::F32)?.contiguous()?;
         let logits = self.mlp_graph(&obs, &self.policy_net, &self.action_net, false)?;
-        let value = self.mlp_graph(&obs, &self.value_net, &self.value_head, false)?.reshape(b)?;
+        let value = self
+            .mlp_graph(&obs, &self.value_net, &self.value_head, false)?
+            .reshape(b)?;
         let (logprob, entropy) = match &self.spec.action {
             ActionKind::Discrete { n } => {
                 let acts = discrete_actions(actions, b, *n)?;
-                (ops::categorical_logprob(&logits, acts)?, ops::categorical_entropy(&logits)?)
+                (
+                    ops::categorical_logprob(&logits, acts)?,
+                    ops::categorical_entropy(&logits)?,
+                )
             }
             ActionKind::Continuous { dim, .. } => {
-                if actions.elem_count() != b * dim || !(actions.dims() == [b, *dim] || actions.dims() == [b * dim]) {
-                    return Err(NnError::bad_input("actions", format!("[{b}, {dim}]"), format!("{:?}", actions.dims())));
+                if actions.elem_count() != b * dim
+                    || !(actions.dims() == [b, *dim] || actions.dims() == [b * dim])
+                {
+                    return Err(NnError::bad_input(
+                        "actions",
+                        format!("[{b}, {dim}]"),
+                        format!("{:?}", actions.dims()),
+                    ));
                 }
                 let acts: Vec<f32> = actions.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-                let log_std = self.log_std.as_ref().map(|v| v.as_tensor()).expect("continuous policy has log_std");
+                let log_std = self
+                    .log_std
+                    .as_ref()
+                    .map(|v| v.as_tensor())
+                    .expect("continuous policy has log_std");
                 (
                     ops::gaussian_logprob(&logits, log_std, acts.into())?,
                     ops::gaussian_entropy(log_std, b)?,
@@ -410,7 +485,11 @@ impl ActorCritic {
         let mut given: HashMap<&str, (&[usize], &[f32])> = HashMap::with_capacity(tensors.len());
         for (name, shape, data) in tensors {
             if given.insert(name.as_str(), (shape, data)).is_some() {
-                return Err(NnError::bad_input("named tensors", "each name once", format!("`{name}` twice")));
+                return Err(NnError::bad_input(
+                    "named tensors",
+                    "each name once",
+                    format!("`{name}` twice"),
+                ));
             }
         }
         for (name, var) in &self.params {
@@ -446,7 +525,11 @@ impl ActorCritic {
         if given.len() != self.params.len() {
             let mut extra: Vec<(&str, &[usize])> = given
                 .iter()
-                .filter(|(n, _)| self.params.binary_search_by(|(p, _)| p.as_str().cmp(n)).is_err())
+                .filter(|(n, _)| {
+                    self.params
+                        .binary_search_by(|(p, _)| p.as_str().cmp(n))
+                        .is_err()
+                })
                 .map(|(n, (s, _))| (*n, *s))
                 .collect();
             extra.sort();
@@ -471,7 +554,10 @@ impl ActorCritic {
         meta.insert("obs_dim".to_string(), self.spec.obs_dim.to_string());
         meta.insert("action".to_string(), format!("{:?}", self.spec.action));
         meta.insert("hidden".to_string(), format!("{:?}", self.spec.hidden));
-        meta.insert("activation".to_string(), format!("{:?}", self.spec.activation).to_lowercase());
+        meta.insert(
+            "activation".to_string(),
+            format!("{:?}", self.spec.activation).to_lowercase(),
+        );
         write_safetensors(path.as_ref(), &self.named_tensors(), meta)
     }
 
@@ -496,7 +582,11 @@ impl ActorCritic {
 /// Discrete actions from any dtype, validated to be whole numbers in `0..n`.
 fn discrete_actions(actions: &Tensor, b: usize, n: usize) -> Result<Arc<[u32]>> {
     if actions.elem_count() != b || !(actions.dims() == [b] || actions.dims() == [b, 1]) {
-        return Err(NnError::bad_input("actions", format!("[{b}] or [{b}, 1]"), format!("{:?}", actions.dims())));
+        return Err(NnError::bad_input(
+            "actions",
+            format!("[{b}] or [{b}, 1]"),
+            format!("{:?}", actions.dims()),
+        ));
     }
     let raw: Vec<f64> = actions.flatten_all()?.to_dtype(DType::F64)?.to_vec1()?;
     raw.iter()
@@ -504,7 +594,11 @@ fn discrete_actions(actions: &Tensor, b: usize, n: usize) -> Result<Arc<[u32]>> 
             if a >= 0.0 && a < n as f64 && a.fract() == 0.0 {
                 Ok(a as u32)
             } else {
-                Err(NnError::bad_input("actions", format!("integers in 0..{n}"), a))
+                Err(NnError::bad_input(
+                    "actions",
+                    format!("integers in 0..{n}"),
+                    a,
+                ))
             }
         })
         .collect()

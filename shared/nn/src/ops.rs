@@ -20,7 +20,10 @@
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor};
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Storage,
+    Tensor,
+};
 
 use crate::kernels;
 use crate::spec::Activation;
@@ -78,7 +81,12 @@ pub(crate) fn linear_cpu(
     let (rows, inp) = xl.shape().dims2()?;
     let (outw, winp) = wl.shape().dims2()?;
     if winp != inp || bias.len() != outw {
-        bail!("linear: x {:?}, W {:?}, b [{}] do not fit", xl.dims(), wl.dims(), bias.len())
+        bail!(
+            "linear: x {:?}, W {:?}, b [{}] do not fit",
+            xl.dims(),
+            wl.dims(),
+            bias.len()
+        )
     }
     if xs.dtype() != DType::F32 || ws.dtype() != DType::F32 {
         bail!("linear: expected f32 inputs")
@@ -163,7 +171,12 @@ impl CustomOp3 for LinearAct {
 
 /// Differentiable dense layer `act(x W^T + b)` with `x: [B, in]`, `w: [out, in]`
 /// (PyTorch layout), `b: [out]`; returns `[B, out]`.
-pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, act: Option<Activation>) -> candle_core::Result<Tensor> {
+pub fn linear(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    act: Option<Activation>,
+) -> candle_core::Result<Tensor> {
     x.apply_op3(w, b, LinearAct { act })
 }
 
@@ -194,7 +207,10 @@ impl CustomOp1 for CategoricalLogProb {
         let (rows, n) = l.shape().dims2()?;
         let logits = cpu_f32(s, l, "categorical logprob")?;
         if self.actions.len() != rows {
-            bail!("categorical logprob: {} actions for {rows} rows", self.actions.len())
+            bail!(
+                "categorical logprob: {} actions for {rows} rows",
+                self.actions.len()
+            )
         }
         let mut lsm = vec![0f32; n];
         let out = logits
@@ -208,7 +224,12 @@ impl CustomOp1 for CategoricalLogProb {
         Ok((CpuStorage::F32(out), Shape::from(rows)))
     }
 
-    fn bwd(&self, logits: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         // d logp_a / d l_j = 1[j = a] - p_j
         let (rows, n) = logits.dims2()?;
         let grad = with_f32(logits, "categorical logprob bwd", |logits| {
@@ -255,13 +276,19 @@ impl CustomOp1 for CategoricalEntropy {
         Ok((CpuStorage::F32(out), Shape::from(rows)))
     }
 
-    fn bwd(&self, logits: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         // dH / d l_j = -p_j (log p_j + H)
         let (rows, n) = logits.dims2()?;
         let grad = with_f32(logits, "categorical entropy bwd", |logits| {
             with_f32(g, "categorical entropy bwd", |g| {
                 let mut out = vec![0f32; rows * n];
-                for ((orow, row), &gb) in out.chunks_exact_mut(n).zip(logits.chunks_exact(n)).zip(g) {
+                for ((orow, row), &gb) in out.chunks_exact_mut(n).zip(logits.chunks_exact(n)).zip(g)
+                {
                     log_softmax_row(row, orow);
                     let h: f32 = -orow.iter().map(|&lp| lp.exp() * lp).sum::<f32>();
                     for o in orow.iter_mut() {
@@ -310,7 +337,12 @@ impl CustomOp2 for GaussianLogProb {
         let mean = cpu_f32(ms, ml, "gaussian logprob")?;
         let log_std = cpu_f32(ls, ll, "gaussian logprob")?;
         if log_std.len() != d || self.actions.len() != rows * d {
-            bail!("gaussian logprob: mean {:?}, log_std {:?}, {} action values", ml.dims(), ll.dims(), self.actions.len())
+            bail!(
+                "gaussian logprob: mean {:?}, log_std {:?}, {} action values",
+                ml.dims(),
+                ll.dims(),
+                self.actions.len()
+            )
         }
         let inv_std: Vec<f32> = log_std.iter().map(|&s| (-s).exp()).collect();
         let norm: f32 = log_std.iter().sum::<f32>() + HALF_LN_2PI * d as f32;
@@ -360,8 +392,16 @@ impl CustomOp2 for GaussianLogProb {
                 })
             })
         })???;
-        let gm = if mean.track_op() { Some(new_f32(gm, (rows, d))?) } else { None };
-        let gs = if log_std.track_op() { Some(new_f32(gs, d)?) } else { None };
+        let gm = if mean.track_op() {
+            Some(new_f32(gm, (rows, d))?)
+        } else {
+            None
+        };
+        let gs = if log_std.track_op() {
+            Some(new_f32(gs, d)?)
+        } else {
+            None
+        };
         Ok((gm, gs))
     }
 }
@@ -382,7 +422,12 @@ impl CustomOp1 for GaussianEntropy {
         Ok((CpuStorage::F32(vec![h; self.rows]), Shape::from(self.rows)))
     }
 
-    fn bwd(&self, log_std: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        log_std: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         let d = log_std.elem_count();
         let total: f32 = with_f32(g, "gaussian entropy bwd", |g| g.iter().sum())?;
         Ok(Some(new_f32(vec![total; d], log_std.shape().clone())?))
@@ -391,7 +436,11 @@ impl CustomOp1 for GaussianEntropy {
 
 /// Log-probability of `actions` (`[B * D]` row-major, unclipped) under the
 /// diagonal Gaussian `N(mean, exp(log_std)^2)`, `mean: [B, D]`, `log_std: [D]`; `[B]`.
-pub fn gaussian_logprob(mean: &Tensor, log_std: &Tensor, actions: Arc<[f32]>) -> candle_core::Result<Tensor> {
+pub fn gaussian_logprob(
+    mean: &Tensor,
+    log_std: &Tensor,
+    actions: Arc<[f32]>,
+) -> candle_core::Result<Tensor> {
     mean.apply_op2(log_std, GaussianLogProb { actions })
 }
 
@@ -411,13 +460,18 @@ mod tests {
         let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(a.len(), b.len());
         for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-            assert!((x - y).abs() <= tol * (1.0 + y.abs()), "index {i}: {x} vs {y}");
+            assert!(
+                (x - y).abs() <= tol * (1.0 + y.abs()),
+                "index {i}: {x} vs {y}"
+            );
         }
     }
 
     fn var(shape: &[usize], seed: usize) -> Var {
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|i| (((i + seed) * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.9).collect();
+        let data: Vec<f32> = (0..n)
+            .map(|i| (((i + seed) * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.9)
+            .collect();
         Var::from_vec(data, shape, &Device::Cpu).unwrap()
     }
 
@@ -432,7 +486,11 @@ mod tests {
             let w = var(&[3, 4], 2);
             let b = var(&[3], 3);
             let y = linear(&x, &w, &b, act).unwrap();
-            let z = x.matmul(&w.t().unwrap()).unwrap().broadcast_add(&b).unwrap();
+            let z = x
+                .matmul(&w.t().unwrap())
+                .unwrap()
+                .broadcast_add(&b)
+                .unwrap();
             let r = match act {
                 None => z,
                 Some(Activation::Tanh) => z.tanh().unwrap(),
@@ -457,12 +515,22 @@ mod tests {
         let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
         let idx = Tensor::from_vec(actions.to_vec(), (5, 1), &Device::Cpu).unwrap();
         let lp_ref = lsm.gather(&idx, 1).unwrap().squeeze(1).unwrap();
-        let ent_ref = (lsm.exp().unwrap() * &lsm).unwrap().sum(1).unwrap().neg().unwrap();
+        let ent_ref = (lsm.exp().unwrap() * &lsm)
+            .unwrap()
+            .sum(1)
+            .unwrap()
+            .neg()
+            .unwrap();
         close(&lp, &lp_ref, 1e-6);
         close(&ent, &ent_ref, 1e-6);
         let c1 = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0, 1.5], &Device::Cpu).unwrap();
         let c2 = Tensor::new(&[0.3f32, 0.7, -1.0, 2.0, 0.1], &Device::Cpu).unwrap();
-        let f = |lp: &Tensor, e: &Tensor| ((lp * &c1).unwrap() + (e * &c2).unwrap()).unwrap().sum_all().unwrap();
+        let f = |lp: &Tensor, e: &Tensor| {
+            ((lp * &c1).unwrap() + (e * &c2).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+        };
         let g1 = f(&lp, &ent).backward().unwrap();
         let g2 = f(&lp_ref, &ent_ref).backward().unwrap();
         close(g1.get(&logits).unwrap(), g2.get(&logits).unwrap(), 1e-5);
@@ -476,19 +544,35 @@ mod tests {
         let lp = gaussian_logprob(&mean, &log_std, actions.clone()).unwrap();
         let ent = gaussian_entropy(&log_std, 4).unwrap();
         let a = Tensor::from_vec(actions.to_vec(), (4, 2), &Device::Cpu).unwrap();
-        let z = a.sub(&mean).unwrap().broadcast_div(&log_std.exp().unwrap()).unwrap();
-        let lp_ref = ((z.sqr().unwrap() * -0.5).unwrap().broadcast_sub(&log_std).unwrap() - HALF_LN_2PI as f64)
+        let z = a
+            .sub(&mean)
+            .unwrap()
+            .broadcast_div(&log_std.exp().unwrap())
+            .unwrap();
+        let lp_ref = ((z.sqr().unwrap() * -0.5)
+            .unwrap()
+            .broadcast_sub(&log_std)
+            .unwrap()
+            - HALF_LN_2PI as f64)
             .unwrap()
             .sum(1)
             .unwrap();
-        let ent_ref = ((log_std.as_tensor() + (0.5 + HALF_LN_2PI as f64)).unwrap().sum_all().unwrap())
-            .broadcast_as(4)
-            .unwrap();
+        let ent_ref = ((log_std.as_tensor() + (0.5 + HALF_LN_2PI as f64))
+            .unwrap()
+            .sum_all()
+            .unwrap())
+        .broadcast_as(4)
+        .unwrap();
         close(&lp, &lp_ref, 1e-6);
         close(&ent, &ent_ref, 1e-6);
         let c1 = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0], &Device::Cpu).unwrap();
         let c2 = Tensor::new(&[0.3f32, 0.7, -1.0, 2.0], &Device::Cpu).unwrap();
-        let f = |lp: &Tensor, e: &Tensor| ((lp * &c1).unwrap() + (e * &c2).unwrap()).unwrap().sum_all().unwrap();
+        let f = |lp: &Tensor, e: &Tensor| {
+            ((lp * &c1).unwrap() + (e * &c2).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+        };
         let g1 = f(&lp, &ent).backward().unwrap();
         let g2 = f(&lp_ref, &ent_ref).backward().unwrap();
         close(g1.get(&mean).unwrap(), g2.get(&mean).unwrap(), 1e-5);

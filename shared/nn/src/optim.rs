@@ -57,16 +57,28 @@ impl AdamConfig {
     /// Checks ranges; the error names the field.
     pub fn validate(&self) -> Result<()> {
         if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return Err(NnError::config("lr", format!("must be finite and >= 0, got {}", self.lr)));
+            return Err(NnError::config(
+                "lr",
+                format!("must be finite and >= 0, got {}", self.lr),
+            ));
         }
         if !(0.0..1.0).contains(&self.beta1) {
-            return Err(NnError::config("beta1", format!("must be in [0, 1), got {}", self.beta1)));
+            return Err(NnError::config(
+                "beta1",
+                format!("must be in [0, 1), got {}", self.beta1),
+            ));
         }
         if !(0.0..1.0).contains(&self.beta2) {
-            return Err(NnError::config("beta2", format!("must be in [0, 1), got {}", self.beta2)));
+            return Err(NnError::config(
+                "beta2",
+                format!("must be in [0, 1), got {}", self.beta2),
+            ));
         }
         if !(self.eps.is_finite() && self.eps >= 0.0) {
-            return Err(NnError::config("eps", format!("must be finite and >= 0, got {}", self.eps)));
+            return Err(NnError::config(
+                "eps",
+                format!("must be finite and >= 0, got {}", self.eps),
+            ));
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
             return Err(NnError::config(
@@ -121,7 +133,13 @@ impl InplaceOp2 for AdamKernel<'_> {
         "relay-adam"
     }
 
-    fn cpu_fwd(&self, ps: &mut CpuStorage, pl: &Layout, gs: &CpuStorage, gl: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(
+        &self,
+        ps: &mut CpuStorage,
+        pl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<()> {
         let g = cpu_f32(gs, gl, "adam grad")?;
         let CpuStorage::F32(p) = ps else {
             bail!("adam: parameters must be f32")
@@ -132,7 +150,12 @@ impl InplaceOp2 for AdamKernel<'_> {
         let p = &mut p[a..b];
         let (mut m, mut v) = (self.m.borrow_mut(), self.v.borrow_mut());
         if p.len() != g.len() || m.len() != p.len() || v.len() != p.len() {
-            bail!("adam: parameter has {} values, gradient {}, state {}", p.len(), g.len(), m.len())
+            bail!(
+                "adam: parameter has {} values, gradient {}, state {}",
+                p.len(),
+                g.len(),
+                m.len()
+            )
         }
         kernels::adam(p, g, &mut m, &mut v, self.coeffs);
         Ok(())
@@ -171,7 +194,10 @@ fn sum_sq(t: &Tensor) -> Result<f64> {
         Ok(x) => Ok(x.iter().map(|&v| (v as f64) * (v as f64)).sum()),
         Err(_) => {
             drop(guard);
-            let x: Vec<f32> = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+            let x: Vec<f32> = t
+                .flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1()?;
             Ok(x.iter().map(|&v| (v as f64) * (v as f64)).sum())
         }
     }
@@ -213,16 +239,28 @@ impl Adam {
         config.validate()?;
         for (i, v) in vars.iter().enumerate() {
             if v.dtype() != candle_core::DType::F32 || !v.device().is_cpu() {
-                return Err(NnError::bad_input("vars", "f32 vars on the CPU", format!("var {i}: {:?}", v.dtype())));
+                return Err(NnError::bad_input(
+                    "vars",
+                    "f32 vars on the CPU",
+                    format!("var {i}: {:?}", v.dtype()),
+                ));
             }
         }
-        let zeros = || vars.iter().map(|v| vec![0f32; v.elem_count()]).collect::<Vec<_>>();
+        let zeros = || {
+            vars.iter()
+                .map(|v| vec![0f32; v.elem_count()])
+                .collect::<Vec<_>>()
+        };
         let state = AdamState {
             step: 0,
             m: zeros(),
             v: zeros(),
         };
-        Ok(Self { vars, config, state })
+        Ok(Self {
+            vars,
+            config,
+            state,
+        })
     }
 
     /// The hyperparameters.
@@ -264,7 +302,12 @@ impl Adam {
             eps: c.eps as f32,
             weight_decay: c.weight_decay as f32,
         };
-        for ((var, m), v) in self.vars.iter().zip(&mut self.state.m).zip(&mut self.state.v) {
+        for ((var, m), v) in self
+            .vars
+            .iter()
+            .zip(&mut self.state.m)
+            .zip(&mut self.state.v)
+        {
             let Some(g) = grads.get(var) else { continue };
             let kernel = AdamKernel {
                 m: RefCell::new(m),
@@ -292,7 +335,11 @@ impl Adam {
             return Err(NnError::bad_input(
                 "adam state",
                 format!("{} vars", self.vars.len()),
-                format!("{} first and {} second moments", state.m.len(), state.v.len()),
+                format!(
+                    "{} first and {} second moments",
+                    state.m.len(),
+                    state.v.len()
+                ),
             ));
         }
         for (i, var) in self.vars.iter().enumerate() {
@@ -306,7 +353,8 @@ impl Adam {
                         detail: String::new(),
                     });
                 }
-                if let Some((index, &value)) = buf.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                if let Some((index, &value)) = buf.iter().enumerate().find(|(_, x)| !x.is_finite())
+                {
                     return Err(NnError::NonFinite {
                         name,
                         shape: var.dims().to_vec(),
@@ -327,8 +375,16 @@ impl Adam {
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let mut tensors: Vec<NamedTensor> = Vec::with_capacity(2 * self.vars.len());
         for (i, var) in self.vars.iter().enumerate() {
-            tensors.push((format!("m.{i}"), var.dims().to_vec(), self.state.m[i].clone()));
-            tensors.push((format!("v.{i}"), var.dims().to_vec(), self.state.v[i].clone()));
+            tensors.push((
+                format!("m.{i}"),
+                var.dims().to_vec(),
+                self.state.m[i].clone(),
+            ));
+            tensors.push((
+                format!("v.{i}"),
+                var.dims().to_vec(),
+                self.state.v[i].clone(),
+            ));
         }
         let c = &self.config;
         let meta: HashMap<String, String> = [
@@ -356,7 +412,10 @@ impl Adam {
         };
         let (tensors, meta) = read_safetensors(path)?;
         if meta.get("format").map(String::as_str) != Some(ADAM_FORMAT) {
-            return Err(err(format!("format is {:?}, expected `{ADAM_FORMAT}`", meta.get("format"))));
+            return Err(err(format!(
+                "format is {:?}, expected `{ADAM_FORMAT}`",
+                meta.get("format")
+            )));
         }
         let step: u64 = meta
             .get("step")

@@ -48,7 +48,11 @@ pub fn gae(
         ("ends", ends.len()),
     ] {
         if len != t {
-            return Err(NnError::bad_input(what, format!("{t} steps (as rewards)"), format!("{len}")));
+            return Err(NnError::bad_input(
+                what,
+                format!("{t} steps (as rewards)"),
+                format!("{len}"),
+            ));
         }
     }
     let mut adv = vec![0f32; t];
@@ -75,7 +79,9 @@ pub fn normalize(adv: &[f32]) -> Vec<f32> {
     let mean = adv.iter().map(|&x| x as f64).sum::<f64>() / n;
     let var = adv.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / (n - 1.0);
     let scale = 1.0 / (var.sqrt() + 1e-8);
-    adv.iter().map(|&x| ((x as f64 - mean) * scale) as f32).collect()
+    adv.iter()
+        .map(|&x| ((x as f64 - mean) * scale) as f32)
+        .collect()
 }
 
 /// `1 - Var[target - pred] / Var[target]` (population variances), as SB3's
@@ -85,7 +91,11 @@ pub fn normalize(adv: &[f32]) -> Vec<f32> {
 /// # Panics
 /// If the slices have different lengths.
 pub fn explained_variance(pred: &[f32], target: &[f32]) -> f32 {
-    assert_eq!(pred.len(), target.len(), "explained_variance: length mismatch");
+    assert_eq!(
+        pred.len(),
+        target.len(),
+        "explained_variance: length mismatch"
+    );
     let n = target.len() as f64;
     if target.is_empty() {
         return f32::NAN;
@@ -143,18 +153,27 @@ impl PpoLossConfig {
     /// Checks ranges; the error names the field.
     pub fn validate(&self) -> Result<()> {
         if !(self.clip_range.is_finite() && self.clip_range > 0.0) {
-            return Err(NnError::config("clip_range", format!("must be > 0, got {}", self.clip_range)));
+            return Err(NnError::config(
+                "clip_range",
+                format!("must be > 0, got {}", self.clip_range),
+            ));
         }
         if let Some(c) = self.clip_range_vf {
             if !(c.is_finite() && c > 0.0) {
-                return Err(NnError::config("clip_range_vf", format!("must be > 0 when set, got {c}")));
+                return Err(NnError::config(
+                    "clip_range_vf",
+                    format!("must be > 0 when set, got {c}"),
+                ));
             }
         }
         if !self.ent_coef.is_finite() {
             return Err(NnError::config("ent_coef", "must be finite"));
         }
         if !(self.vf_coef.is_finite() && self.vf_coef >= 0.0) {
-            return Err(NnError::config("vf_coef", format!("must be >= 0, got {}", self.vf_coef)));
+            return Err(NnError::config(
+                "vf_coef",
+                format!("must be >= 0, got {}", self.vf_coef),
+            ));
         }
         Ok(())
     }
@@ -252,7 +271,11 @@ impl CustomOp3 for PrecomputedLoss {
             let v: Vec<f32> = d.iter().map(|x| x * g).collect();
             Ok(Some(Tensor::from_vec(v, t.shape(), t.device())?))
         };
-        Ok((grad(a, &self.grads[0])?, grad(b, &self.grads[1])?, grad(c, &self.grads[2])?))
+        Ok((
+            grad(a, &self.grads[0])?,
+            grad(b, &self.grads[1])?,
+            grad(c, &self.grads[2])?,
+        ))
     }
 }
 
@@ -285,11 +308,19 @@ pub fn ppo_loss(config: &PpoLossConfig, inputs: &PpoInputs<'_>) -> Result<PpoLos
         ("returns", inputs.returns.len()),
     ] {
         if len != b {
-            return Err(NnError::bad_input(what, format!("{b} values (as advantages)"), len));
+            return Err(NnError::bad_input(
+                what,
+                format!("{b} values (as advantages)"),
+                len,
+            ));
         }
     }
     if b == 0 {
-        return Err(NnError::bad_input("advantages", "a non-empty minibatch", "0 values"));
+        return Err(NnError::bad_input(
+            "advantages",
+            "a non-empty minibatch",
+            "0 values",
+        ));
     }
     let logprob: Vec<f32> = with_f32(inputs.logprob, "ppo_loss", |x| x.to_vec())?;
     let entropy: Vec<f32> = with_f32(inputs.entropy, "ppo_loss", |x| x.to_vec())?;
@@ -303,7 +334,8 @@ pub fn ppo_loss(config: &PpoLossConfig, inputs: &PpoInputs<'_>) -> Result<PpoLos
     let n = b as f64;
     let eps = config.clip_range as f32;
     let (lo, hi) = (1.0 - eps, 1.0 + eps);
-    let (mut pl, mut vl, mut ent, mut kl, mut clipped, mut vclipped) = (0f64, 0f64, 0f64, 0f64, 0usize, 0usize);
+    let (mut pl, mut vl, mut ent, mut kl, mut clipped, mut vclipped) =
+        (0f64, 0f64, 0f64, 0f64, 0usize, 0usize);
     let (mut r_sum, mut r_sq) = (0f64, 0f64);
     let mut d_logprob = vec![0f32; b];
     let mut d_values = vec![0f32; b];
@@ -370,7 +402,9 @@ pub fn ppo_loss(config: &PpoLossConfig, inputs: &PpoInputs<'_>) -> Result<PpoLos
         loss: loss as f32,
         grads: Arc::new([d_logprob, d_entropy, d_values]),
     };
-    let loss = inputs.logprob.apply_op3(inputs.entropy, inputs.values, op)?;
+    let loss = inputs
+        .logprob
+        .apply_op3(inputs.entropy, inputs.values, op)?;
     Ok(PpoLoss { loss, stats })
 }
 
@@ -425,11 +459,97 @@ mod tests {
         let (termd, ret) = gae(&r, &v, &nv, &term, &ends, g, l).unwrap();
         let a1_term = 1.0 - 3.0; // reward only; V(next) ignored
         close(&termd, &[d0 + g * l * a1_term, a1_term, a2, a3], 1e-5);
-        close(&ret, &[termd[0] + 2.0, termd[1] + 3.0, termd[2] + 4.0, termd[3] + 5.0], 1e-6);
+        close(
+            &ret,
+            &[
+                termd[0] + 2.0,
+                termd[1] + 3.0,
+                termd[2] + 4.0,
+                termd[3] + 5.0,
+            ],
+            1e-6,
+        );
         // terminated implies an end even if `ends` disagrees.
         let (t2, _) = gae(&r, &v, &nv, &term, &[false; 4], g, l).unwrap();
         close(&t2, &termd, 1e-6);
         assert!(gae(&r, &v, &nv[..3], &term, &ends, g, l).is_err());
+    }
+
+    #[test]
+    fn ppo_loss_hand_computed() {
+        use candle_core::{Device, Var};
+        let dev = &Device::Cpu;
+        // ratios 1.5 (clipped to 1.2, no gradient) and 0.5 (unclipped minimum).
+        let lp = Var::from_slice(&[1.5f32.ln(), 0.5f32.ln()], 2, dev).unwrap();
+        let ent = Var::from_slice(&[0.6f32, 0.4], 2, dev).unwrap();
+        let v = Var::from_slice(&[1.0f32, 2.0], 2, dev).unwrap();
+        let cfg = PpoLossConfig {
+            clip_range: 0.2,
+            clip_range_vf: Some(0.3),
+            ent_coef: 0.1,
+            vf_coef: 0.5,
+            normalize_advantage: false,
+        };
+        let out = ppo_loss(
+            &cfg,
+            &PpoInputs {
+                logprob: &lp,
+                entropy: &ent,
+                values: &v,
+                old_logprob: &[0.0, 0.0],
+                old_values: &[0.5, 2.0],
+                advantages: &[1.0, 1.0],
+                returns: &[2.0, 1.0],
+            },
+        )
+        .unwrap();
+        let s = out.stats;
+        let kl = ((0.5 - 1.5f64.ln()) + (-0.5 - 0.5f64.ln())) / 2.0;
+        // value 0: moved 0.5 > 0.3 from 0.5 -> 0.8, error -1.2; value 1: error 1.
+        let expect = [
+            (s.policy_loss as f64, -0.85),
+            (s.value_loss as f64, 1.22),
+            (s.entropy as f64, 0.5),
+            (s.approx_kl as f64, kl),
+            (s.clip_fraction as f64, 1.0),
+            (s.value_clip_fraction as f64, 0.5),
+            (s.ratio_mean as f64, 1.0),
+            (s.ratio_var as f64, 0.25),
+            (s.loss as f64, -0.85 - 0.1 * 0.5 + 0.5 * 1.22),
+        ];
+        for (i, (g, e)) in expect.iter().enumerate() {
+            assert!((g - e).abs() < 1e-6, "stat {i}: {g} vs {e} ({s:?})");
+        }
+        assert!((out.loss.to_scalar::<f32>().unwrap() - s.loss).abs() < 1e-7);
+        let grads = out.loss.backward().unwrap();
+        let g = |x: &Var| grads.get(x).unwrap().to_vec1::<f32>().unwrap();
+        close(&g(&lp), &[0.0, -0.25], 1e-6);
+        close(&g(&ent), &[-0.05, -0.05], 1e-7);
+        close(&g(&v), &[0.0, 0.5], 1e-6);
+        // Mismatched lengths are refused.
+        let bad = PpoInputs {
+            logprob: &lp,
+            entropy: &ent,
+            values: &v,
+            old_logprob: &[0.0],
+            old_values: &[0.5, 2.0],
+            advantages: &[1.0, 1.0],
+            returns: &[2.0, 1.0],
+        };
+        assert!(ppo_loss(&cfg, &bad)
+            .unwrap_err()
+            .to_string()
+            .contains("old_logprob"));
+        assert!(ppo_loss(
+            &PpoLossConfig {
+                clip_range: 0.0,
+                ..cfg
+            },
+            &bad
+        )
+        .unwrap_err()
+        .to_string()
+        .contains("clip_range"));
     }
 
     #[test]

@@ -175,7 +175,10 @@ mod tests {
         let back: PolicySpec =
             serde_json::from_str(&serde_json::to_string(&spec).unwrap()).unwrap();
         assert_eq!(back, spec);
-        assert!(serde_json::from_str::<PolicySpec>(r#"{"obs_dim": 4, "action": {"kind": "discrete", "n": 2}, "hiden": []}"#).is_err());
+        assert!(serde_json::from_str::<PolicySpec>(
+            r#"{"obs_dim": 4, "action": {"kind": "discrete", "n": 2}, "hiden": []}"#
+        )
+        .is_err());
     }
 
     #[test]
