@@ -422,6 +422,26 @@ pub struct RunStatusUpdate {
 }
 wire_message!(RunStatusUpdate, "RunStatusUpdate");
 
+/// tracker -> anyone watching (`relay top`, the supervisor): an alert was
+/// raised or cleared.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AlertEvent {
+    pub schema: u16,
+    /// Rule name, e.g. `entropy_collapse`.
+    pub alert: String,
+    /// The metric the rule watches.
+    pub metric: String,
+    /// True when raised, false when cleared.
+    pub active: bool,
+    /// The smoothed value that raised or cleared it.
+    pub value: f64,
+    /// Vectorized env steps at the time, when known.
+    pub vec_steps: Option<u64>,
+    /// Human-readable explanation.
+    pub message: String,
+}
+wire_message!(AlertEvent, "AlertEvent");
+
 /// Any service -> tracker: formatted log lines for `runs/<id>/logs/<service>.log`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LogBatch {

@@ -77,6 +77,10 @@ impl Subjects {
     pub fn status(&self) -> String {
         self.subject("status")
     }
+    /// Publish: [`crate::AlertEvent`], raised and cleared alerts.
+    pub fn alerts(&self) -> String {
+        self.subject("alerts")
+    }
     /// Publish: [`crate::LogBatch`].
     pub fn logs(&self) -> String {
         self.subject("logs")
