@@ -69,16 +69,12 @@ impl Metrics {
             "Inserts refused because the replay buffer was full.",
         )
         .unwrap();
-        for c in [
-            Box::new(env_steps.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(vec_steps.clone()),
-            Box::new(episodes.clone()),
-            Box::new(act_latency.clone()),
-            Box::new(fragments.clone()),
-            Box::new(backpressure_waits.clone()),
-        ] {
-            registry.register(c).expect("register env-runner metric");
-        }
+        relay_kit::metrics::register(registry, &env_steps);
+        relay_kit::metrics::register(registry, &vec_steps);
+        relay_kit::metrics::register(registry, &episodes);
+        relay_kit::metrics::register(registry, &act_latency);
+        relay_kit::metrics::register(registry, &fragments);
+        relay_kit::metrics::register(registry, &backpressure_waits);
         Self {
             env_steps,
             vec_steps,

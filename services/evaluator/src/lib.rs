@@ -85,14 +85,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         "Mean return of the latest evaluation.",
     )
     .unwrap();
-    service
-        .registry
-        .register(Box::new(skipped.clone()))
-        .expect("register");
-    service
-        .registry
-        .register(Box::new(last_return.clone()))
-        .expect("register");
+    relay_kit::metrics::register(&service.registry, &skipped);
+    relay_kit::metrics::register(&service.registry, &last_return);
     service.health.set_ready(true);
     let mut last: Option<u64> = None;
     let mut announced_solved = false;

@@ -52,14 +52,10 @@ impl Metrics {
             "Weights version this copy serves.",
         )
         .unwrap();
-        for c in [
-            Box::new(batch_size.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(forward_seconds.clone()),
-            Box::new(requests.clone()),
-            Box::new(weights_version.clone()),
-        ] {
-            registry.register(c).expect("register inference metric");
-        }
+        relay_kit::metrics::register(registry, &batch_size);
+        relay_kit::metrics::register(registry, &forward_seconds);
+        relay_kit::metrics::register(registry, &requests);
+        relay_kit::metrics::register(registry, &weights_version);
         Self {
             batch_size,
             forward_seconds,

@@ -74,13 +74,9 @@ impl Metrics {
             .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]),
         )
         .unwrap();
-        for c in [
-            Box::new(version.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(policy_lag.clone()),
-            Box::new(update_seconds.clone()),
-        ] {
-            registry.register(c).expect("register learner metric");
-        }
+        relay_kit::metrics::register(registry, &version);
+        relay_kit::metrics::register(registry, &policy_lag);
+        relay_kit::metrics::register(registry, &update_seconds);
         Self {
             version,
             policy_lag,
@@ -299,6 +295,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         (progress.env_steps as f64 / budget as f64).min(1.0),
                     ),
                     gauge("learner_sps", sps),
+                    gauge(
+                        "learner_eta_seconds",
+                        budget.saturating_sub(progress.env_steps) as f64 / sps.max(1e-9),
+                    ),
                     gauge("learner_policy_loss", stats.policy_loss),
                     gauge("learner_value_loss", stats.value_loss),
                     gauge("learner_entropy", stats.entropy),
@@ -313,8 +313,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     gauge("learner_learning_rate", stats.learning_rate),
                     gauge("learner_clip_range", stats.clip_range),
                     gauge("learner_epochs", stats.epochs_done as f64),
-                    gauge("learner_kl_early_stop", stats.kl_early_stop as u8 as f64),
-                    gauge("learner_update_seconds", seconds),
+                    counter("learner_kl_early_stops_total", stats.kl_early_stop as u8 as f64),
+                    gauge("learner_last_update_seconds", seconds),
                     gauge(
                         "learner_policy_lag_max",
                         progress.version.saturating_sub(oldest + 1) as f64,

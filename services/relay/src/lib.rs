@@ -1,7 +1,9 @@
 //! The `relay` command line: the local stack supervisor (`up`, `down`) and
 //! the solve benchmark. See `main.rs` for the commands.
 
+pub mod runs;
 pub mod stack;
+pub mod top;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

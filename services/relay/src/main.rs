@@ -3,7 +3,9 @@
 //! - `relay up`: start the local stack (NATS, Redis, Prometheus, every
 //!   service) and train a config, with a progress display;
 //! - `relay down`: stop a stack left running;
-//! - `relay bench-solve`: time the stack solving an env for several seeds.
+//! - `relay bench-solve`: time the stack solving an env for several seeds;
+//! - `relay runs ls|repair`: the run registry `runs/runs.json`;
+//! - `relay plot <run|@last>`: a run's learning curves as PNG files.
 
 use std::path::PathBuf;
 
@@ -41,6 +43,12 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         seeds: u64,
     },
+    /// The run registry: `runs ls` lists the runs, newest first; `runs repair` rebuilds it.
+    Runs(relay::runs::RunsArgs),
+    /// Draw a run's learning curves (return, losses, SPS) into runs/<id>/plots/*.png.
+    Plot(relay::runs::PlotArgs),
+    /// A live terminal overview of a run: progress, SPS, eval, losses, services, alerts.
+    Top(relay::top::TopArgs),
 }
 
 fn main() -> Result<()> {
@@ -50,6 +58,9 @@ fn main() -> Result<()> {
         Command::Up(args) => up(args).map(|_| ()),
         Command::Down { state_dir } => relay::stack::down(&state_dir),
         Command::BenchSolve { up, seeds } => bench_solve(up, seeds),
+        Command::Runs(args) => relay::runs::runs(args),
+        Command::Plot(args) => relay::runs::plot(args),
+        Command::Top(args) => relay::top::run(args),
     }
 }
 

@@ -208,9 +208,8 @@ impl Stack {
             &format!("{}/targets/*.json", dir.display()),
         );
         std::fs::create_dir_all(dir.join("targets"))?;
-        let rules_dir = dir.join("rules");
-        std::fs::create_dir_all(&rules_dir)?;
         std::fs::write(dir.join("prometheus.yml"), config)?;
+        std::fs::write(dir.join("rules.yml"), include_str!("../../../deploy/prometheus/rules.yml"))?;
         let port = free_port()?;
         let logs = self.state_dir.join("logs");
         let (out, err) = log_file(&logs, "prometheus")?;

@@ -94,15 +94,11 @@ impl Metrics {
             "Inserts refused because the buffer was full (backpressure).",
         )
         .unwrap();
-        for m in [
-            Box::new(size_steps.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(inserted_steps.clone()),
-            Box::new(sampled_steps.clone()),
-            Box::new(dropped.clone()),
-            Box::new(refused_full.clone()),
-        ] {
-            registry.register(m).expect("register replay metric");
-        }
+        relay_kit::metrics::register(registry, &size_steps);
+        relay_kit::metrics::register(registry, &inserted_steps);
+        relay_kit::metrics::register(registry, &sampled_steps);
+        relay_kit::metrics::register(registry, &dropped);
+        relay_kit::metrics::register(registry, &refused_full);
         Self {
             size_steps,
             inserted_steps,

@@ -13,6 +13,11 @@
 //!
 //! The learner writes `checkpoints/` into the same directory.
 
+pub mod alerts;
+pub mod csv;
+pub mod plots;
+pub mod registry;
+
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -30,6 +35,7 @@ use serde_json::json;
 struct RunDir {
     root: PathBuf,
     metrics: BufWriter<File>,
+    metrics_csv: csv::MetricsCsv,
     episodes: BufWriter<File>,
     eval: BufWriter<File>,
     logs: HashMap<String, BufWriter<File>>,
@@ -50,6 +56,7 @@ impl RunDir {
         std::fs::rename(&tmp, &config_path)?;
         Ok(Self {
             metrics: append(&root.join("metrics.jsonl"))?,
+            metrics_csv: csv::MetricsCsv::open(&root.join("metrics.csv"))?,
             episodes: append(&root.join("episodes.jsonl"))?,
             eval: append(&root.join("eval.jsonl"))?,
             logs: HashMap::new(),
@@ -91,6 +98,7 @@ impl RunDir {
 
     fn flush(&mut self) -> std::io::Result<()> {
         self.metrics.flush()?;
+        self.metrics_csv.flush()?;
         self.episodes.flush()?;
         self.eval.flush()?;
         for file in self.logs.values_mut() {
@@ -148,14 +156,10 @@ impl Exported {
             &["evaluator"],
         )
         .unwrap();
-        for c in [
-            Box::new(episodes.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(episode_return.clone()),
-            Box::new(eval_return.clone()),
-            Box::new(eval_version.clone()),
-        ] {
-            registry.register(c).expect("register tracker metric");
-        }
+        relay_kit::metrics::register(&registry, &episodes);
+        relay_kit::metrics::register(&registry, &episode_return);
+        relay_kit::metrics::register(&registry, &eval_return);
+        relay_kit::metrics::register(&registry, &eval_version);
         Self {
             registry,
             gauges: HashMap::new(),
@@ -168,10 +172,20 @@ impl Exported {
         }
     }
 
+    /// Re-exports the reported values the catalogue assigns to the tracker;
+    /// the others are exported by their own service and only recorded here.
     fn metrics(&mut self, report: &MetricsReport) {
+        let catalogue = relay_kit::metrics::Catalogue::get();
         for v in &report.values {
             let name = format!("relay_{}", v.name);
-            let help = format!("{} (reported by {})", v.name, report.service);
+            let Some(spec) = catalogue.spec(&name) else {
+                tracing::warn!(metric = %name, from = %report.service, "reported metric is not in the catalogue; not exported");
+                continue;
+            };
+            if spec.exported_by != "tracker" {
+                continue;
+            }
+            let help = spec.description.clone();
             match v.kind {
                 MetricKind::Gauge => {
                     let registry = &self.registry;
@@ -179,9 +193,7 @@ impl Exported {
                         let g =
                             GaugeVec::new(Opts::new(name.clone(), help), &["source", "replica"])
                                 .unwrap();
-                        if let Err(e) = registry.register(Box::new(g.clone())) {
-                            tracing::warn!(metric = %name, error = %e, "cannot export gauge");
-                        }
+                        relay_kit::metrics::register(registry, &g);
                         g
                     });
                     if let Ok(g) =
@@ -191,8 +203,8 @@ impl Exported {
                     }
                 }
                 MetricKind::Counter => {
-                    if !(name.ends_with("_total") && v.value.is_finite() && v.value >= 0.0) {
-                        tracing::warn!(metric = %name, value = v.value, "counter must end in _total and never decrease; ignored");
+                    if !(v.value.is_finite() && v.value >= 0.0) {
+                        tracing::warn!(metric = %name, value = v.value, "counter increment must be finite and >= 0; ignored");
                         continue;
                     }
                     let registry = &self.registry;
@@ -200,9 +212,7 @@ impl Exported {
                         .entry(name.clone())
                         .or_insert_with(|| {
                             let c = Counter::new(name.clone(), help).unwrap();
-                            if let Err(e) = registry.register(Box::new(c.clone())) {
-                                tracing::warn!(metric = %name, error = %e, "cannot export counter");
-                            }
+                            relay_kit::metrics::register(registry, &c);
                             c
                         })
                         .inc_by(v.value);
@@ -211,7 +221,8 @@ impl Exported {
         }
     }
 
-    fn episodes(&mut self, report: &EpisodeReport) {
+    /// Counts the episodes; returns the updated mean of the last 100 returns.
+    fn episodes(&mut self, report: &EpisodeReport) -> Option<f64> {
         self.episodes.inc_by(report.episodes.len() as u64);
         for e in &report.episodes {
             if self.recent_returns.len() == 100 {
@@ -219,10 +230,12 @@ impl Exported {
             }
             self.recent_returns.push_back(e.episode_return);
         }
-        if !self.recent_returns.is_empty() {
-            let mean = self.recent_returns.iter().sum::<f64>() / self.recent_returns.len() as f64;
-            self.episode_return.set(mean);
+        if self.recent_returns.is_empty() {
+            return None;
         }
+        let mean = self.recent_returns.iter().sum::<f64>() / self.recent_returns.len() as f64;
+        self.episode_return.set(mean);
+        Some(mean)
     }
 
     fn eval(&mut self, report: &EvalReport) {
@@ -241,7 +254,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let cfg = service.config.clone();
     let run_id = cfg.run_id()?.to_string();
     let mut dir = RunDir::open(cfg.run.runs_dir.join(&run_id), &cfg.to_yaml())?;
+    let mut run_record = registry::RunRecorder::start(&cfg, &run_id);
     let mut exported = Exported::new(service.registry.clone());
+    let mut alerts = alerts::Alerts::open(&dir.root, &service)?;
     let s = &service.subjects;
     let mut metrics = service
         .nats
@@ -279,16 +294,21 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             Some(m) = metrics.next() => match intake.decode::<MetricsReport>("metrics", &m.payload) {
                 Ok(report) => {
                     exported.metrics(&report);
+                    alerts.on_report(&report).await;
                     if write_metrics {
                         let values: serde_json::Map<String, serde_json::Value> = report.values.iter().map(|v| (v.name.clone(), json!(v.value))).collect();
-                        writeln!(dir.metrics, "{}", json!({"time": now(), "service": report.service, "instance": report.instance, "vec_steps": report.vec_steps, "values": values}))
+                        let time = now();
+                        writeln!(dir.metrics, "{}", json!({"time": time, "service": report.service, "instance": report.instance, "vec_steps": report.vec_steps, "values": values}))
+                            .and_then(|()| dir.metrics_csv.write(&time, &report))
                     } else { Ok(()) }
                 }
                 Err(_) => Ok(()),
             },
             Some(m) = episodes.next() => match intake.decode::<EpisodeReport>("episodes", &m.payload) {
                 Ok(report) => {
-                    exported.episodes(&report);
+                    if let Some(mean) = exported.episodes(&report) {
+                        alerts.on_value("episode_return_mean", mean).await;
+                    }
                     let rows: Vec<_> = report.episodes.iter().map(|e| json!({"return": e.episode_return, "length": e.length, "terminated": e.terminated})).collect();
                     writeln!(dir.episodes, "{}", json!({"time": now(), "runner": report.runner_id, "env_id": report.env_id, "policy_version": report.policy_version, "episodes": rows}))
                 }
@@ -304,6 +324,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             Some(m) = statuses.next() => match intake.decode::<RunStatusUpdate>("status", &m.payload) {
                 Ok(status) => {
                     tracing::info!(status = ?status.status, from = %status.service, detail = %status.detail, "run status");
+                    alerts.on_status(&status).await;
+                    run_record.status(&status);
                     dir.write_status(&status)
                 }
                 Err(_) => Ok(()),
@@ -312,7 +334,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 Ok(batch) => dir.log(&batch),
                 Err(_) => Ok(()),
             },
-            _ = flush.tick() => dir.flush(),
+            _ = flush.tick() => {
+                alerts.tick().await;
+                alerts.flush().and_then(|()| dir.flush())
+            }
         };
         if let Err(e) = result {
             tracing::error!(error = %e, "writing the run directory failed");
@@ -328,6 +353,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
     }
     dir.flush()?;
+    run_record.finish();
+    let root = dir.root.clone();
+    let _ = tokio::task::spawn_blocking(move || plots::draw_run_logged(&root)).await;
     service.health.set_ready(false);
     Ok(())
 }

@@ -21,9 +21,7 @@ impl Intake {
             &["subject", "reason"],
         )
         .expect("valid metric");
-        registry
-            .register(Box::new(rejected.clone()))
-            .expect("register relay_messages_rejected_total once");
+        crate::metrics::register(registry, &rejected);
         Self { rejected }
     }
 

@@ -4,6 +4,7 @@
 //! - [`service`]: flags, start-up, the [`Service`] context, `main`.
 //! - [`connect`]: NATS and Redis connections with backoff; requests with timeouts.
 //! - [`intake`]: decoding received payloads and counting rejections.
+//! - [`metrics`]: the metric catalogue and checked registration.
 //! - [`http`]: `/metrics` and `/healthz`.
 //! - [`telemetry`]: tracing setup and log forwarding to the tracker.
 //! - [`shutdown`]: the signal passed into `run`.
@@ -12,6 +13,7 @@ pub mod config;
 pub mod connect;
 pub mod http;
 pub mod intake;
+pub mod metrics;
 pub mod service;
 pub mod shutdown;
 pub mod telemetry;

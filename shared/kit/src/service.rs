@@ -219,6 +219,13 @@ impl Service {
         if values.is_empty() {
             return;
         }
+        for v in &values {
+            let name = format!("relay_{}", v.name);
+            if crate::metrics::Catalogue::get().spec(&name).is_none() {
+                tracing::error!(metric = %name, "reported metric is not in configs/metrics.yaml");
+            }
+            crate::metrics::record_emitted(&name);
+        }
         let report = MetricsReport {
             schema: SCHEMA_VERSION,
             service: self.name.to_string(),

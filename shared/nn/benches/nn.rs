@@ -17,8 +17,9 @@ use relay_nn::{
     clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, PolicySpec, PpoInputs, PpoLossConfig,
 };
 
-/// Median time per call of `f`, in microseconds, over about `budget`.
-fn time_us(budget: Duration, f: &mut dyn FnMut()) -> f64 {
+/// Median and minimum time per call of `f` (over batches of calls lasting
+/// about 1 ms each), in microseconds, over about `budget`.
+fn time_us(budget: Duration, f: &mut dyn FnMut()) -> (f64, f64) {
     for _ in 0..5 {
         f();
     }
@@ -39,7 +40,7 @@ fn time_us(budget: Duration, f: &mut dyn FnMut()) -> f64 {
         })
         .collect();
     samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    samples[samples.len() / 2]
+    (samples[samples.len() / 2], samples[0])
 }
 
 /// The same actor-critic, with stock candle ops on the model's own vars.
@@ -130,7 +131,7 @@ fn main() -> relay_nn::Result<()> {
     let base = Baseline::new(&model);
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let mut json: Vec<(String, f64)> = Vec::new();
-    let mut rows: Vec<(String, f64)> = Vec::new();
+    let mut rows: Vec<(String, (f64, f64))> = Vec::new();
     // BENCH_FILTER=prefix runs only the cases whose JSON key starts with it.
     let filter = std::env::var("BENCH_FILTER").unwrap_or_default();
     let want = |key: &str| key.starts_with(filter.as_str());
@@ -138,7 +139,7 @@ fn main() -> relay_nn::Result<()> {
         if want(&key) {
             let us = time_us(budget, f);
             rows.push((label, us));
-            json.push((key, us));
+            json.push((key, us.0));
         }
     };
 
@@ -271,9 +272,9 @@ fn main() -> relay_nn::Result<()> {
         &mut || opt.step(&grads).unwrap(),
     );
 
-    println!("{:<70} {:>10}", "case", "µs");
-    for (label, us) in &rows {
-        println!("{label:<70} {us:>10.2}");
+    println!("{:<66} {:>10} {:>10}", "case", "median µs", "min µs");
+    for (label, (median, min)) in &rows {
+        println!("{label:<66} {median:>10.2} {min:>10.2}");
     }
     let body: Vec<String> = json
         .iter()

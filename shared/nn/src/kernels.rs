@@ -1,12 +1,14 @@
-//! Hand-written f32 kernels: a fast `tanh`, its gradient, ReLU, and a small
-//! dense layer `y = act(x W^T + b)`.
+//! Hand-written f32 kernels: a fast `tanh`, activation gradients, a small
+//! dense layer `y = act(x W^T + b)` for tiny batches, bias and column sums,
+//! and the Adam update.
 //!
 //! Why they exist: candle's CPU `tanh` calls libm's scalar `tanhf` per element
 //! and dominated the 4-64-64-2 MLP (1.8 ms vs 0.37 ms with ReLU at batch 512,
 //! see DESIGN.md), and candle's per-op overhead dominates tiny batches. These
 //! kernels are plain loops written so LLVM vectorizes them; on x86-64 they are
-//! compiled a second time with AVX2+FMA enabled and picked at run time, so a
-//! portable build still gets the wide instructions.
+//! also compiled for AVX2+FMA and for AVX-512 and the widest one the CPU
+//! supports is picked at run time, so a portable build still gets the wide
+//! instructions (the small-batch dense layer has explicit AVX2 intrinsics).
 //!
 //! `tanh` follows Cephes' `tanhf` (polynomial for small |x|, `exp` form
 //! above) with a branch-free polynomial `exp`; it is within 1.1 ULP of the exact
@@ -105,6 +107,25 @@ fn relu_grad_generic(y: &[f32], g: &[f32], out: &mut [f32]) {
 }
 
 #[inline(always)]
+fn column_sums_generic(x: &[f32], sums: &mut [f32]) {
+    sums.fill(0.0);
+    for row in x.chunks_exact(sums.len()) {
+        for (s, &v) in sums.iter_mut().zip(row) {
+            *s += v;
+        }
+    }
+}
+
+#[inline(always)]
+fn add_row_bias_generic(x: &mut [f32], b: &[f32]) {
+    for row in x.chunks_exact_mut(b.len()) {
+        for (v, &bj) in row.iter_mut().zip(b) {
+            *v += bj;
+        }
+    }
+}
+
+#[inline(always)]
 fn relu_inplace_generic(xs: &mut [f32]) {
     for x in xs.iter_mut() {
         // `max` would turn NaN into 0; keep NaN visible.
@@ -188,23 +209,62 @@ fn adam_generic<const FMA: bool>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    //! The same kernels compiled with AVX2 + FMA.
+    //! The kernels compiled for AVX2 + FMA and for AVX-512, picked at run time.
     use super::*;
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn tanh_inplace(xs: &mut [f32]) {
-        tanh_inplace_generic::<true>(xs)
+    /// Which instruction set the run-time dispatch picked.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) enum Level {
+        Avx512,
+        Avx2,
+        Portable,
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn tanh_grad(y: &[f32], g: &[f32], out: &mut [f32]) {
-        tanh_grad_generic(y, g, out)
+    /// The widest supported level (the feature checks are cached by std).
+    #[inline]
+    pub(super) fn level() -> Level {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f")
+            && has!("avx512vl")
+            && has!("avx512dq")
+            && has!("avx512bw")
+            && has!("fma")
+        {
+            Level::Avx512
+        } else if has!("avx2") && has!("fma") {
+            Level::Avx2
+        } else {
+            Level::Portable
+        }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn relu_grad(y: &[f32], g: &[f32], out: &mut [f32]) {
-        relu_grad_generic(y, g, out)
+    /// Compiles an elementwise kernel twice, for AVX2 + FMA and for AVX-512
+    /// (LLVM then uses 16-wide vectors and 32 registers).
+    macro_rules! versions {
+        ($avx2:ident, $avx512:ident, ($($arg:ident: $ty:ty),*), $body:expr) => {
+            #[target_feature(enable = "avx2,fma")]
+            pub(super) fn $avx2($($arg: $ty),*) {
+                $body
+            }
+
+            #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")]
+            pub(super) fn $avx512($($arg: $ty),*) {
+                $body
+            }
+        };
     }
+
+    versions!(tanh_inplace, tanh_inplace_512, (xs: &mut [f32]), tanh_inplace_generic::<true>(xs));
+    versions!(tanh_grad, tanh_grad_512, (y: &[f32], g: &[f32], out: &mut [f32]), tanh_grad_generic(y, g, out));
+    versions!(relu_grad, relu_grad_512, (y: &[f32], g: &[f32], out: &mut [f32]), relu_grad_generic(y, g, out));
+    versions!(column_sums, column_sums_512, (x: &[f32], sums: &mut [f32]), column_sums_generic(x, sums));
+    versions!(add_row_bias, add_row_bias_512, (x: &mut [f32], b: &[f32]), add_row_bias_generic(x, b));
+    versions!(
+        adam,
+        adam_512,
+        (p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamCoeffs),
+        adam_generic::<true>(p, g, m, v, c)
+    );
 
     /// The inputs of one dense layer; `full` is `inp` rounded down to a multiple of 8.
     #[derive(Clone, Copy)]
@@ -290,21 +350,14 @@ mod x86 {
         }
     }
 
-    /// Dense layer with explicit AVX2 register blocking: 4 rows x 2 outputs
-    /// (8 accumulators, 6 loads per 8 FMAs), 1 row x 4 outputs for leftover
-    /// rows (a batch of one), single outputs for leftover columns.
+    /// `out = x W^T + b` with explicit AVX2 register blocking: 4 rows x 2
+    /// outputs (8 accumulators, 6 loads per 8 FMAs), 1 row x 4 outputs for
+    /// leftover rows (a batch of one), single outputs for leftover columns.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn dense(
-        x: &[f32],
-        inp: usize,
-        w: &[f32],
-        b: &[f32],
-        out: &mut [f32],
-        act: Option<Activation>,
-    ) {
+    pub(super) fn dense_matmul(x: &[f32], inp: usize, w: &[f32], b: &[f32], out: &mut [f32]) {
         if inp < 8 {
             // e.g. the first layer on a 4-value observation: nothing to vectorize along k.
-            return dense_generic::<true>(x, inp, w, b, out, act);
+            return dense_generic::<true>(x, inp, w, b, out, None);
         }
         let outw = b.len();
         let rows = out.len() / outw;
@@ -334,32 +387,31 @@ mod x86 {
             }
             r += 1;
         }
-        match act {
-            Some(Activation::Tanh) => tanh_inplace_generic::<true>(out),
-            Some(Activation::Relu) => relu_inplace_generic(out),
-            None => {}
+    }
+}
+
+/// Calls the widest compiled version of a kernel the CPU supports.
+macro_rules! dispatch {
+    ($avx2:ident, $avx512:ident, ($($arg:expr),*), $portable:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        match x86::level() {
+            // SAFETY: the CPU supports the features each version is compiled for.
+            x86::Level::Avx512 => return unsafe { x86::$avx512($($arg),*) },
+            x86::Level::Avx2 => return unsafe { x86::$avx2($($arg),*) },
+            x86::Level::Portable => {}
         }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamCoeffs) {
-        adam_generic::<true>(p, g, m, v, c)
-    }
-
-    #[inline]
-    pub(super) fn has_avx2_fma() -> bool {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
+        $portable
+    }};
 }
 
 /// `xs[i] = tanh(xs[i])` with the fast approximation.
 pub fn tanh_inplace(xs: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if x86::has_avx2_fma() {
-        // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { x86::tanh_inplace(xs) };
-    }
-    tanh_inplace_generic::<false>(xs)
+    dispatch!(
+        tanh_inplace,
+        tanh_inplace_512,
+        (xs),
+        tanh_inplace_generic::<false>(xs)
+    )
 }
 
 /// `xs[i] = max(xs[i], 0)` (NaN stays NaN).
@@ -369,30 +421,31 @@ pub fn relu_inplace(xs: &mut [f32]) {
 
 /// Gradient through `y = tanh(z)`: `out = g * (1 - y^2)`. All slices have equal length.
 pub fn tanh_grad(y: &[f32], g: &[f32], out: &mut [f32]) {
-    debug_assert!(y.len() == g.len() && g.len() == out.len());
-    #[cfg(target_arch = "x86_64")]
-    if x86::has_avx2_fma() {
-        // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { x86::tanh_grad(y, g, out) };
-    }
-    tanh_grad_generic(y, g, out)
+    assert!(y.len() == g.len() && g.len() == out.len());
+    dispatch!(
+        tanh_grad,
+        tanh_grad_512,
+        (y, g, out),
+        tanh_grad_generic(y, g, out)
+    )
 }
 
 /// Gradient through `y = relu(z)`: `out = g * (y > 0)`. All slices have equal length.
 pub fn relu_grad(y: &[f32], g: &[f32], out: &mut [f32]) {
-    debug_assert!(y.len() == g.len() && g.len() == out.len());
-    #[cfg(target_arch = "x86_64")]
-    if x86::has_avx2_fma() {
-        // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { x86::relu_grad(y, g, out) };
-    }
-    relu_grad_generic(y, g, out)
+    assert!(y.len() == g.len() && g.len() == out.len());
+    dispatch!(
+        relu_grad,
+        relu_grad_512,
+        (y, g, out),
+        relu_grad_generic(y, g, out)
+    )
 }
 
 /// Dense layer on row-major buffers: `out[r, j] = act(sum_k x[r, k] w[j, k] + b[j])`.
 ///
 /// `x` is `[rows, inp]`, `w` is `[b.len(), inp]` (PyTorch `Linear` layout),
-/// `out` is `[rows, b.len()]`; `rows` is `out.len() / b.len()`.
+/// `out` is `[rows, b.len()]`; `rows` is `out.len() / b.len()`. Meant for
+/// a handful of rows; candle's gemm is faster from about 20.
 pub fn dense(
     x: &[f32],
     inp: usize,
@@ -405,33 +458,48 @@ pub fn dense(
     assert_eq!(w.len(), b.len() * inp);
     assert_eq!(x.len(), out.len() / b.len() * inp);
     #[cfg(target_arch = "x86_64")]
-    if x86::has_avx2_fma() {
-        // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { x86::dense(x, inp, w, b, out, act) };
+    if x86::level() != x86::Level::Portable {
+        // SAFETY: the CPU supports AVX2 and FMA.
+        unsafe { x86::dense_matmul(x, inp, w, b, out) };
+        return match act {
+            Some(Activation::Tanh) => tanh_inplace(out),
+            Some(Activation::Relu) => relu_inplace(out),
+            None => {}
+        };
     }
     dense_generic::<false>(x, inp, w, b, out, act)
 }
 
 /// `sums[j] = sum_r x[r, j]` for row-major `x: [rows, sums.len()]`.
 pub fn column_sums(x: &[f32], sums: &mut [f32]) {
-    sums.fill(0.0);
-    for row in x.chunks_exact(sums.len()) {
-        for (s, &v) in sums.iter_mut().zip(row) {
-            *s += v;
-        }
-    }
+    dispatch!(
+        column_sums,
+        column_sums_512,
+        (x, sums),
+        column_sums_generic(x, sums)
+    )
+}
+
+/// `x[r, j] += b[j]` for row-major `x: [rows, b.len()]`.
+pub fn add_row_bias(x: &mut [f32], b: &[f32]) {
+    dispatch!(
+        add_row_bias,
+        add_row_bias_512,
+        (x, b),
+        add_row_bias_generic(x, b)
+    )
 }
 
 /// One Adam update of parameters `p` with gradient `g` and moments `m`, `v`
 /// (all the same length), in place.
 pub(crate) fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamCoeffs) {
     assert!(p.len() == g.len() && g.len() == m.len() && m.len() == v.len());
-    #[cfg(target_arch = "x86_64")]
-    if x86::has_avx2_fma() {
-        // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { x86::adam(p, g, m, v, c) };
-    }
-    adam_generic::<false>(p, g, m, v, c)
+    dispatch!(
+        adam,
+        adam_512,
+        (p, g, m, v, c),
+        adam_generic::<false>(p, g, m, v, c)
+    )
 }
 
 #[cfg(test)]
@@ -492,6 +560,14 @@ mod tests {
             for act in [None, Some(Activation::Tanh), Some(Activation::Relu)] {
                 let mut out = vec![0f32; rows * outw];
                 dense(&x, inp, &w, &b, &mut out, act);
+                let mut portable = vec![0f32; rows * outw];
+                dense_generic::<false>(&x, inp, &w, &b, &mut portable, act);
+                for (p, q) in out.iter().zip(&portable) {
+                    assert!(
+                        (p - q).abs() < 1e-5 * (1.0 + q.abs()),
+                        "dispatched {p} vs portable {q}"
+                    );
+                }
                 for r in 0..rows {
                     for j in 0..outw {
                         let mut s = b[j] as f64;
@@ -512,6 +588,103 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every compiled version (portable, AVX2, AVX-512) of the elementwise
+    /// kernels gives the same results, whatever this CPU dispatches to.
+    #[test]
+    fn all_versions_agree() {
+        let x: Vec<f32> = (0..1003)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 150.0)
+            .collect();
+        let g: Vec<f32> = (0..1003)
+            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 4.0)
+            .collect();
+        let y: Vec<f32> = x.iter().map(|v| v.tanh()).collect();
+        let reference = |f: &dyn Fn(&mut Vec<f32>)| {
+            let mut v = x.clone();
+            f(&mut v);
+            v
+        };
+        let tanh_ref = reference(&|v| tanh_inplace_generic::<false>(v));
+        let mut tg_ref = vec![0f32; x.len()];
+        tanh_grad_generic(&y, &g, &mut tg_ref);
+        let mut cs_ref = vec![0f32; 17];
+        column_sums_generic(&x[..17 * 59], &mut cs_ref);
+        let coeffs = AdamCoeffs {
+            beta1: 0.9,
+            beta2: 0.999,
+            step_size: 1e-3,
+            inv_bc2_sqrt: 1.5,
+            eps: 1e-5,
+            weight_decay: 0.01,
+        };
+        type AdamFn<'a> = &'a dyn Fn(&mut [f32], &[f32], &mut [f32], &mut [f32]);
+        let adam_run = |f: AdamFn<'_>| {
+            let (mut p, mut m, mut v) = (
+                x.clone(),
+                g.clone(),
+                y.iter().map(|a| a * a).collect::<Vec<_>>(),
+            );
+            f(&mut p, &g, &mut m, &mut v);
+            (p, m, v)
+        };
+        let adam_ref = adam_run(&|p, g, m, v| adam_generic::<false>(p, g, m, v, coeffs));
+        let close = |a: &[f32], b: &[f32], tol: f32| {
+            for (p, q) in a.iter().zip(b) {
+                assert!((p - q).abs() <= tol * (1.0 + q.abs()), "{p} vs {q}");
+            }
+        };
+        #[cfg(target_arch = "x86_64")]
+        {
+            let lvl = x86::level();
+            for wide in [false, true] {
+                if (wide && lvl != x86::Level::Avx512) || lvl == x86::Level::Portable {
+                    continue;
+                }
+                // SAFETY: guarded by the level check above.
+                unsafe {
+                    let mut t = x.clone();
+                    if wide {
+                        x86::tanh_inplace_512(&mut t)
+                    } else {
+                        x86::tanh_inplace(&mut t)
+                    }
+                    close(&t, &tanh_ref, 3e-7);
+                    let mut tg = vec![0f32; x.len()];
+                    if wide {
+                        x86::tanh_grad_512(&y, &g, &mut tg)
+                    } else {
+                        x86::tanh_grad(&y, &g, &mut tg)
+                    }
+                    close(&tg, &tg_ref, 1e-6);
+                    let mut cs = vec![0f32; 17];
+                    if wide {
+                        x86::column_sums_512(&x[..17 * 59], &mut cs)
+                    } else {
+                        x86::column_sums(&x[..17 * 59], &mut cs)
+                    }
+                    close(&cs, &cs_ref, 1e-5);
+                    let got = adam_run(&|p, g, m, v| {
+                        if wide {
+                            x86::adam_512(p, g, m, v, coeffs)
+                        } else {
+                            x86::adam(p, g, m, v, coeffs)
+                        }
+                    });
+                    close(&got.0, &adam_ref.0, 1e-6);
+                    close(&got.1, &adam_ref.1, 1e-6);
+                    close(&got.2, &adam_ref.2, 1e-6);
+                }
+            }
+        }
+        // The public entry points agree with the portable versions too.
+        let mut t = x.clone();
+        tanh_inplace(&mut t);
+        close(&t, &tanh_ref, 3e-7);
+        let mut cs = vec![0f32; 17];
+        column_sums(&x[..17 * 59], &mut cs);
+        close(&cs, &cs_ref, 1e-5);
     }
 
     #[test]

@@ -95,11 +95,7 @@ pub(crate) fn linear_cpu(
     let CpuStorage::F32(mut y) = y else {
         bail!("linear: matmul returned a non-f32 result")
     };
-    for row in y.chunks_exact_mut(outw) {
-        for (v, b) in row.iter_mut().zip(bias) {
-            *v += b;
-        }
-    }
+    kernels::add_row_bias(&mut y, bias);
     match act {
         Some(Activation::Tanh) => kernels::tanh_inplace(&mut y),
         Some(Activation::Relu) => kernels::relu_inplace(&mut y),

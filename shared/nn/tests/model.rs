@@ -174,7 +174,6 @@ fn act_shapes_and_validation() {
         panic!("expected continuous")
     };
     assert_eq!(a.len(), 12);
-    assert_eq!(out.actions.len(2), 6);
     assert_eq!(out.logprobs.len(), 6);
 
     let obs = Tensor::from_vec(random_obs(6, 3, 2), (6, 3), &Device::Cpu).unwrap();
@@ -322,7 +321,7 @@ fn gaussian_logprob_entropy_match_hand_computation() {
 }
 
 /// `act`'s no-graph path and `evaluate`'s graph path agree, on both sides of
-/// the kernel/gemm threshold.
+/// the kernel/gemm threshold and across chunks.
 #[test]
 fn act_agrees_with_evaluate() {
     for spec in [PolicySpec::discrete(4, 3), continuous_spec(), {
@@ -332,7 +331,7 @@ fn act_agrees_with_evaluate() {
         s
     }] {
         let model = ActorCritic::new(&spec, 3).unwrap();
-        for n in [1usize, 3, 16, 17, 40] {
+        for n in [1usize, 3, 16, 17, 40, 300] {
             let obs = random_obs(n, spec.obs_dim, n as u64);
             let out: ActOutput = model.act(&obs, n, false, &mut rng(2)).unwrap();
             let x = Tensor::from_vec(obs.clone(), (n, spec.obs_dim), &Device::Cpu).unwrap();
@@ -513,4 +512,11 @@ fn spec_is_kept() {
     let mut bad = spec.clone();
     bad.hidden = vec![0];
     assert!(ActorCritic::new(&bad, 0).is_err());
+}
+
+#[test]
+fn model_and_optimizer_can_be_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<ActorCritic>();
+    assert_send_sync::<relay_nn::Adam>();
 }

@@ -1,0 +1,600 @@
+#!/usr/bin/env python3
+"""Writes relay's Grafana dashboards (grafana/dashboards/*.json).
+
+The dashboards are generated, not edited by hand: change a panel here and run
+`python3 grafana/generate.py`. Every panel queries the Prometheus datasource
+provisioned with uid `relay-prometheus`, filters on the `run_id` template
+variable and uses `$__rate_interval` for every range (Grafana makes it at
+least 4 x the datasource's 2 s `timeInterval`, so `rate()` always sees
+several scrapes). `services/relay/tests/dashboards.rs` runs every query
+against a real stack.
+
+Metric names come from the services' registries (services/*/src/lib.rs) and
+the tracker, which re-exports what services report (configs/metrics.yaml
+lists them all). Labels worth knowing:
+
+- every series: `run_id`, `service`, `env_id` (const labels), plus `job`,
+  `instance` and `replica` (the service copy, e.g. `env-runner-0`) that
+  Prometheus adds from file-based discovery;
+- values re-exported by the tracker carry `source` (the reporting service)
+  and the copy as `replica`, which Prometheus renames to `exported_replica`
+  because the target label `replica` (= `tracker-0`) takes precedence.
+"""
+
+import json
+import pathlib
+
+DS = {"type": "prometheus", "uid": "relay-prometheus"}
+RUN = 'run_id=~"$run_id"'
+RI = "$__rate_interval"
+INF = 'service="inference-server"'
+RB = 'service="replay-buffer"'
+OUT = pathlib.Path(__file__).resolve().parent / "dashboards"
+
+
+def sel(metric, extra=""):
+    """`metric{run_id=~"$run_id",extra}`."""
+    return f"{metric}{{{RUN}{',' + extra if extra else ''}}}"
+
+
+def quantiles(histogram, by="run_id", qs=(0.5, 0.9, 0.99), extra="", prefix="{{run_id}} "):
+    """Targets for quantiles of a Prometheus histogram, per `by`."""
+    return [
+        t(
+            f"histogram_quantile({q}, sum by (le, {by}) (rate({sel(histogram + '_bucket', extra)}[{RI}])))",
+            f"{prefix}p{round(q * 100)}",
+        )
+        for q in qs
+    ]
+
+
+def t(expr, legend="", **extra):
+    """One Prometheus target (refIds are filled in by the panel)."""
+    target = {"datasource": DS, "editorMode": "code", "expr": expr, "legendFormat": legend, "range": True}
+    target.update(extra)
+    return target
+
+
+def thresholds(*steps):
+    """Absolute thresholds: thresholds('green', 0.5, 'red') means green below 0.5, red above."""
+    out = [{"color": steps[0], "value": None}]
+    for value, color in zip(steps[1::2], steps[2::2]):
+        out.append({"color": color, "value": value})
+    return {"mode": "absolute", "steps": out}
+
+
+def panel(kind, title, targets, w=12, h=8, unit="short", description="", decimals=None, minimum=None,
+          maximum=None, steps=None, threshold_style=None, right_axis=(), options=None, custom=None,
+          mappings=None, transformations=None):
+    targets = [dict(target, refId=chr(ord("A") + i)) for i, target in enumerate(targets)]
+    defaults = {"unit": unit}
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    if minimum is not None:
+        defaults["min"] = minimum
+    if maximum is not None:
+        defaults["max"] = maximum
+    defaults["thresholds"] = steps or thresholds("green")
+    if mappings:
+        defaults["mappings"] = mappings
+    if kind == "timeseries":
+        defaults["custom"] = {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 0,
+            "showPoints": "never",
+            "spanNulls": True,
+            "axisSoftMin": 0 if minimum is None and unit in ("short", "s", "ops") else None,
+            "thresholdsStyle": {"mode": threshold_style or "off"},
+        }
+        if defaults["custom"]["axisSoftMin"] is None:
+            del defaults["custom"]["axisSoftMin"]
+    if custom:
+        defaults.setdefault("custom", {}).update(custom)
+    overrides = [
+        {
+            "matcher": {"id": "byFrameRefID", "options": ref},
+            "properties": [{"id": "custom.axisPlacement", "value": "right"}],
+        }
+        for ref in right_axis
+    ]
+    p = {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "gridPos": {"w": w, "h": h},
+        "fieldConfig": {"defaults": defaults, "overrides": overrides},
+        "options": options if options is not None else default_options(kind),
+        "targets": targets,
+    }
+    if transformations:
+        p["transformations"] = transformations
+    return p
+
+
+def default_options(kind):
+    if kind == "timeseries":
+        return {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True, "calcs": []},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        }
+    if kind == "stat":
+        return {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+            "justifyMode": "auto",
+            "orientation": "auto",
+            "textMode": "auto",
+        }
+    if kind == "gauge":
+        return {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "showThresholdLabels": False,
+            "showThresholdMarkers": True,
+        }
+    if kind == "heatmap":
+        return {
+            "calculate": False,
+            "cellGap": 1,
+            "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+            "yAxis": {"axisPlacement": "left", "unit": "short"},
+            "rowsFrame": {"layout": "auto"},
+            "tooltip": {"show": True, "yHistogram": False},
+            "legend": {"show": True},
+        }
+    if kind == "table":
+        return {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"]}}
+    if kind == "state-timeline":
+        return {
+            "mergeValues": True,
+            "showValue": "never",
+            "alignValue": "left",
+            "rowHeight": 0.9,
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "single", "sort": "none"},
+        }
+    return {}
+
+
+def stat(title, expr, legend="{{run_id}}", **kw):
+    kw.setdefault("w", 4)
+    kw.setdefault("h", 4)
+    return panel("stat", title, [t(expr, legend, instant=True, range=False)], **kw)
+
+
+def row(title):
+    return {"type": "row", "title": title, "collapsed": False, "gridPos": {"w": 24, "h": 1}, "panels": []}
+
+
+def layout(panels):
+    """Flows panels left to right into a 24-column grid; numbers them 1, 2, ..."""
+    x = y = row_h = 0
+    for i, p in enumerate(panels, start=1):
+        w, h = p["gridPos"]["w"], p["gridPos"]["h"]
+        if x + w > 24 or p["type"] == "row":
+            x, y, row_h = 0, y + row_h, 0
+        p["id"] = i
+        p["gridPos"] = {"h": h, "w": w, "x": x, "y": y}
+        x += w
+        row_h = max(row_h, h)
+        if p["type"] == "row":
+            x, y, row_h = 0, y + h, 0
+    return panels
+
+
+def dashboard(uid, title, description, panels, refresh="5s"):
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["relay"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": refresh,
+        "time": {"from": "now-15m", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "annotations": {"list": []},
+        "links": [
+            {
+                "title": "relay dashboards",
+                "type": "dashboards",
+                "tags": ["relay"],
+                "asDropdown": True,
+                "includeVars": True,
+                "keepTime": True,
+            }
+        ],
+        "templating": {
+            "list": [
+                {
+                    "name": "run_id",
+                    "label": "run",
+                    "description": "Run ids (newest first for the default `<env>-<algo>-<yyyymmdd-hhmmss>` ids).",
+                    "type": "query",
+                    "datasource": DS,
+                    "definition": "label_values(relay_episodes_total, run_id)",
+                    "query": {
+                        "qryType": 1,
+                        "query": "label_values(relay_episodes_total, run_id)",
+                        "refId": "PrometheusVariableQueryEditor-VariableQuery",
+                    },
+                    "refresh": 2,
+                    "regex": "",
+                    "sort": 2,
+                    "multi": True,
+                    "includeAll": True,
+                    "allValue": ".*",
+                    "current": {},
+                    "options": [],
+                    "hide": 0,
+                }
+            ]
+        },
+        "panels": layout(panels),
+    }
+
+
+# --- training overview --------------------------------------------------------
+
+training = dashboard(
+    "relay-training",
+    "relay: training overview",
+    "Is the run learning? Returns, throughput, progress and updates.",
+    [
+        panel(
+            "gauge", "Progress (env-step budget)",
+            [t(sel("relay_learner_progress"), "{{run_id}}", instant=True, range=False)],
+            w=4, h=5, unit="percentunit", minimum=0, maximum=1,
+            steps=thresholds("blue", 1, "green"),
+            description="Env steps trained on / run.total_env_steps (learner_progress).",
+        ),
+        stat("Env steps trained", sel("relay_learner_env_steps"), h=5,
+             description="Env steps the learner has consumed."),
+        stat("Updates", sel("relay_learner_updates"), h=5, description="PPO updates made."),
+        stat("Latest eval return", sel("relay_eval_return_mean"), "{{run_id}} {{evaluator}}", h=5, decimals=1,
+             description="Mean return of the latest evaluation (deterministic episodes on eval seeds)."),
+        stat("Episodes", sel("relay_episodes_total"), h=5, description="Training episodes finished in the run."),
+        stat("ETA", sel("relay_learner_eta_seconds"), h=5, unit="s",
+             description="Estimated time until the env-step budget is spent."),
+        panel(
+            "timeseries", "Eval return (mean)",
+            [t(sel("relay_eval_return_mean"), "{{run_id}} {{evaluator}}")],
+            description="Mean return of each evaluation, by evaluator.",
+        ),
+        panel(
+            "timeseries", "Training episode return",
+            [
+                t(sel("relay_episode_return_mean"), "{{run_id}} run (last 100)"),
+                t(sel("relay_env_runner_episode_return_mean"), "{{run_id}} {{exported_replica}} (last 100)"),
+            ],
+            description="Mean return of the last 100 training episodes, of the run and of each env-runner copy.",
+        ),
+        panel(
+            "timeseries", "Env steps per second",
+            [
+                t(f"sum by (run_id) (rate({sel('relay_env_runner_env_steps_total')}[{RI}]))",
+                  "{{run_id}} collected (env-runners)"),
+                t(f"sum by (run_id) ({sel('relay_learner_sps')})", "{{run_id}} trained (learner, since start)"),
+            ],
+            unit="ops",
+            description="Env steps the env-runners take per second, and the learner's average training rate.",
+        ),
+        panel(
+            "timeseries", "Progress",
+            [t(sel("relay_learner_progress"), "{{run_id}}")],
+            unit="percentunit", minimum=0, maximum=1,
+            description="Fraction of the env-step budget spent.",
+        ),
+        panel(
+            "timeseries", "Updates and policy version",
+            [
+                t(sel("relay_learner_updates"), "{{run_id}} updates"),
+                t(sel("relay_learner_policy_version"), "{{run_id}} policy version"),
+                t(sel("relay_eval_policy_version"), "{{run_id}} evaluated version ({{evaluator}})"),
+            ],
+            description="Updates made, the weights version they produced and the version last evaluated.",
+        ),
+        panel(
+            "timeseries", "Updates and episodes per second",
+            [
+                t(f"deriv({sel('relay_learner_updates')}[{RI}])", "{{run_id}} updates/s"),
+                t(f"rate({sel('relay_episodes_total')}[{RI}])", "{{run_id}} episodes/s"),
+            ],
+            unit="ops",
+        ),
+    ],
+)
+
+# --- learner internals --------------------------------------------------------
+
+learner = dashboard(
+    "relay-learner",
+    "relay: learner internals",
+    "PPO diagnostics of each update: losses, KL, clipping, ratios, value fit, gradients, schedules, timing, policy lag.",
+    [
+        panel("timeseries", "Policy loss", [t(sel("relay_learner_policy_loss"), "{{run_id}}")], w=6,
+              description="Clipped surrogate loss, mean over the update's gradient steps."),
+        panel("timeseries", "Value loss", [t(sel("relay_learner_value_loss"), "{{run_id}}")], w=6,
+              description="Value loss (MSE to the GAE returns)."),
+        panel("timeseries", "Entropy", [t(sel("relay_learner_entropy"), "{{run_id}}")], w=6,
+              description="Mean policy entropy (nats)."),
+        panel("timeseries", "Total loss", [t(sel("relay_learner_total_loss"), "{{run_id}}")], w=6,
+              description="policy_loss - ent_coef * entropy + vf_coef * value_loss."),
+        panel("timeseries", "Approx KL", [t(sel("relay_learner_approx_kl"), "{{run_id}}")], w=8,
+              description="Approximate KL(old || new), mean((r - 1) - log r)."),
+        panel(
+            "timeseries", "Clip fractions",
+            [
+                t(sel("relay_learner_clip_fraction"), "{{run_id}} policy ratio clipped"),
+                t(sel("relay_learner_value_clip_fraction"), "{{run_id}} value clipped"),
+            ],
+            w=8, unit="percentunit", minimum=0,
+            description="Fraction of samples whose probability ratio (or value prediction) was clipped.",
+        ),
+        panel(
+            "timeseries", "Probability ratio",
+            [t(sel("relay_learner_ratio_mean"), "{{run_id}} mean"), t(sel("relay_learner_ratio_var"), "{{run_id}} variance")],
+            w=8, right_axis=("B",),
+            description="Mean (left axis) and variance (right axis) of the new/old probability ratio.",
+        ),
+        panel("timeseries", "Explained variance", [t(sel("relay_learner_explained_variance"), "{{run_id}}")], w=8,
+              maximum=1, steps=thresholds("red", 0, "green"), threshold_style="line",
+              description="Explained variance of the value predictions against the returns (1 is perfect, below 0 is worse than a constant)."),
+        panel("timeseries", "Gradient norm", [t(sel("relay_learner_grad_norm"), "{{run_id}}")], w=8,
+              description="Global gradient norm before clipping, mean over the update."),
+        panel("timeseries", "Learning rate", [t(sel("relay_learner_learning_rate"), "{{run_id}}")], w=8,
+              description="Learning rate, as scheduled."),
+        panel("timeseries", "Clip range", [t(sel("relay_learner_clip_range"), "{{run_id}}")], w=8,
+              description="PPO clip range, as scheduled."),
+        panel(
+            "timeseries", "Update time",
+            quantiles("relay_learner_update_seconds") + [t(sel("relay_learner_last_update_seconds"), "{{run_id}} latest")],
+            w=8, unit="s",
+            description="Wall time of one PPO update: quantiles over the rate window, and the latest update.",
+        ),
+        panel(
+            "timeseries", "KL early stops and epochs",
+            [
+                t(f"sum by (run_id) ({sel('relay_learner_kl_early_stops_total')})", "{{run_id}} early stops (total)"),
+                t(sel("relay_learner_epochs"), "{{run_id}} epochs in the latest update"),
+            ],
+            w=8,
+            description="Updates stopped early by ppo.target_kl, and the epochs the latest update ran.",
+        ),
+        panel(
+            "timeseries", "Policy lag",
+            quantiles("relay_policy_lag", qs=(0.5, 0.99)) + [t(sel("relay_learner_policy_lag_max"), "{{run_id}} max in the latest rollout")],
+            w=12,
+            description="Learner version minus the version that acted, per fragment trained on.",
+        ),
+        panel(
+            "heatmap", "Policy lag distribution",
+            [t(f"sum by (le) (increase({sel('relay_policy_lag_bucket')}[{RI}]))", "{{le}}", format="heatmap")],
+            w=12,
+            description="Fragments trained on per policy-lag bucket (versions).",
+        ),
+    ],
+)
+
+# --- throughput and system ----------------------------------------------------
+
+throughput = dashboard(
+    "relay-throughput",
+    "relay: throughput and system",
+    "Where the time goes: env-runners, inference batching and latency, the replay buffer, backpressure, rejected messages and weights versions.",
+    [
+        row("Env-runners"),
+        panel(
+            "timeseries", "Env steps per second by env-runner",
+            [
+                t(f"sum by (replica) (rate({sel('relay_env_runner_env_steps_total')}[{RI}]))", "{{replica}}"),
+                t(f"sum(rate({sel('relay_env_runner_env_steps_total')}[{RI}]))", "all env-runners"),
+                t(sel("relay_env_runner_sps"), "{{exported_replica}} (reported)"),
+            ],
+            w=8, unit="ops",
+        ),
+        panel(
+            "timeseries", "Act latency (env-runner round trip)",
+            quantiles("relay_env_runner_act_latency_seconds", by="replica", prefix="{{replica}} "),
+            w=8, unit="s",
+            description="Round trip of one act request from an env-runner to the inference servers.",
+        ),
+        panel(
+            "timeseries", "Rollout fragments by outcome",
+            [t(f"sum by (outcome) (rate({sel('relay_env_runner_fragments_total')}[{RI}]))", "{{outcome}}")],
+            w=8, unit="ops",
+            description="Fragments the env-runners sent per second: stored, stale (dropped), refused, rejected.",
+        ),
+        row("Inference servers"),
+        panel(
+            "timeseries", "Inference batch size",
+            quantiles("relay_inference_batch_size", by="replica", prefix="{{replica}} ") + [
+                t(f"sum by (replica) (rate({sel('relay_inference_batch_size_sum')}[{RI}])) / "
+                  f"sum by (replica) (rate({sel('relay_inference_batch_size_count')}[{RI}]))", "{{replica}} mean"),
+            ],
+            w=8,
+            description="Observations per batched forward pass.",
+        ),
+        panel(
+            "timeseries", "Forward latency",
+            quantiles("relay_inference_forward_seconds", by="replica", prefix="{{replica}} "),
+            w=8, unit="s",
+            description="Time of one batched forward pass.",
+        ),
+        panel(
+            "timeseries", "Act requests per second",
+            [t(f"sum by (replica) (rate({sel('relay_inference_requests_total', INF)}[{RI}]))", "{{replica}}")],
+            w=8, unit="reqps",
+        ),
+        row("Replay buffer"),
+        panel(
+            "timeseries", "Replay size",
+            [t(f"max by (run_id) ({sel('relay_replay_size_steps', RB)})", "{{run_id}} env steps held")],
+            w=6,
+            description="Env steps held in the on-policy FIFO (replay.capacity_steps bounds it).",
+        ),
+        panel(
+            "timeseries", "Replay inserted and sampled",
+            [
+                t(f"sum(rate({sel('relay_replay_inserted_steps_total', RB)}[{RI}]))", "inserted"),
+                t(f"sum(rate({sel('relay_replay_sampled_steps_total', RB)}[{RI}]))", "sampled"),
+            ],
+            w=6, unit="ops",
+            description="Env steps stored and handed to the learner per second.",
+        ),
+        panel(
+            "timeseries", "Dropped fragments",
+            [
+                t(f"sum by (reason) (rate({sel('relay_replay_dropped_fragments_total')}[{RI}]))", "replay: {{reason}}"),
+                t(f"sum(rate({sel('relay_learner_dropped_stale_fragments_total')}[{RI}]))", "learner: stale"),
+            ],
+            w=6, unit="ops",
+            description="Fragments dropped per second by the replay buffer (stale, undecodable) and by the learner (stale).",
+        ),
+        panel(
+            "timeseries", "Backpressure",
+            [
+                t(f"sum(rate({sel('relay_env_runner_backpressure_waits_total')}[{RI}]))", "env-runner waits"),
+                t(f"sum(rate({sel('relay_replay_refused_full_total')}[{RI}]))", "replay refused (full)"),
+            ],
+            w=6, unit="ops",
+            description="Inserts refused because the replay buffer was full, per second.",
+        ),
+        row("Messages and weights"),
+        panel(
+            "timeseries", "Messages rejected",
+            [
+                t(f"sum by (service, subject, reason) ({sel('relay_messages_rejected_total')})",
+                  "{{service}} {{subject}} {{reason}} (total)"),
+                t(f"sum by (service, subject, reason) (increase({sel('relay_messages_rejected_total')}[{RI}]))",
+                  "{{service}} {{subject}} {{reason}} (in window)"),
+            ],
+            w=12, steps=thresholds("green", 1, "red"), threshold_style="line",
+            description="Received messages refused, by service, subject topic and reason (decode, schema_version, shape, "
+                        "non_finite, invalid, oversized). A series appears with the first rejection.",
+        ),
+        panel(
+            "timeseries", "Weights version by service",
+            [
+                t(sel("relay_learner_weights_version"), "learner (published)"),
+                t(sel("relay_inference_weights_version", 'service="inference-server"'), "{{replica}} (served)"),
+                t(sel("relay_env_runner_policy_version"), "{{exported_replica}} (acted)"),
+                t(sel("relay_eval_policy_version"), "evaluator {{evaluator}} (evaluated)"),
+            ],
+            w=12,
+            description="The weights version each service holds: a copy far behind the learner is lagging.",
+        ),
+        panel(
+            "timeseries", "Evaluator skipped versions",
+            [t(f"sum(increase({sel('relay_evaluator_skipped_versions_total')}[{RI}]))", "skipped in window")],
+            w=12,
+            description="Weights versions the evaluator skipped because newer ones arrived.",
+        ),
+    ],
+)
+
+# --- alerts -------------------------------------------------------------------
+
+# The tracker raises alerts (services/tracker/src/alerts.rs); relay_alert_active
+# and relay_alerts_raised_total have a series once an alert was raised. The
+# context panels draw the bounds that the alert rules use.
+alerts = dashboard(
+    "relay-alerts",
+    "relay: alerts",
+    "Alerts the tracker raises on the reported metrics, and the metrics they watch.",
+    [
+        stat("Active alerts", f"count({sel('relay_alert_active')} == 1) or vector(0)", "active", w=4, h=8,
+             steps=thresholds("green", 1, "red"), description="Alerts raised and not cleared."),
+        panel(
+            "state-timeline", "Alert state",
+            [t(f"max by (alert, metric) ({sel('relay_alert_active')})", "{{alert}} {{metric}}")],
+            w=20, h=8,
+            mappings=[{"type": "value", "options": {"0": {"text": "ok", "color": "green"}, "1": {"text": "raised", "color": "red"}}}],
+            steps=thresholds("green", 1, "red"),
+            description="relay_alert_active{alert,metric}: 1 while raised, 0 once cleared.",
+        ),
+        panel(
+            "table", "Alerts now",
+            [t(f"max by (alert, metric) ({sel('relay_alert_active')})", "", instant=True, range=False, format="table")],
+            w=12, h=8,
+            transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True},
+                                                             "renameByName": {"Value": "active"}}}],
+        ),
+        panel(
+            "timeseries", "Alerts raised",
+            [t(f"sum by (alert) ({sel('relay_alerts_raised_total')})", "{{alert}}")],
+            w=12, h=8,
+            description="Times each alert was raised (cumulative).",
+        ),
+        row("What the alerts watch"),
+        panel("timeseries", "Approx KL (alert outside 1e-3 .. 5e-2)", [t(sel("relay_learner_approx_kl"), "{{run_id}}")], w=8,
+              steps=thresholds("red", 0.001, "green", 0.05, "red"), threshold_style="line+area"),
+        panel("timeseries", "Clip fraction (alert outside 0.05 .. 0.5)", [t(sel("relay_learner_clip_fraction"), "{{run_id}}")], w=8,
+              unit="percentunit", steps=thresholds("red", 0.05, "green", 0.5, "red"), threshold_style="line+area"),
+        panel("timeseries", "Explained variance (alert below 0)", [t(sel("relay_learner_explained_variance"), "{{run_id}}")], w=8,
+              steps=thresholds("red", 0, "green"), threshold_style="line+area"),
+        panel("timeseries", "Entropy (alert on collapse)", [t(sel("relay_learner_entropy"), "{{run_id}}")], w=8,
+              description="entropy_collapse: smoothed entropy under a quarter of its initial mean."),
+        panel("timeseries", "Training return (alert when stalled or declining)",
+              [t(sel("relay_episode_return_mean"), "{{run_id}}")], w=8),
+        panel("timeseries", "Learner env steps per second (alert when stalled)",
+              [t(f"deriv({sel('relay_learner_env_steps')}[{RI}])", "{{run_id}}")], w=8, unit="ops",
+              description="step_stalled: learner_env_steps has not grown for a minute while training."),
+    ],
+)
+
+# --- league -------------------------------------------------------------------
+
+# Placeholders for the league of game-playing runs (issue 8): TrueSkill
+# ratings per player and games by outcome. No service exports these yet.
+league = dashboard(
+    "relay-league",
+    "relay: league",
+    "Self-play league (games): TrueSkill ratings per player and games played. Filled once the league exports its metrics.",
+    [
+        panel("timeseries", "Rating mu by player", [t(sel("relay_league_rating_mu"), "{{player}}")], w=12,
+              description="TrueSkill mean rating of each player (policy snapshot)."),
+        panel("timeseries", "Rating sigma by player", [t(sel("relay_league_rating_sigma"), "{{player}}")], w=12,
+              description="TrueSkill rating uncertainty of each player."),
+        panel("timeseries", "Conservative rating (mu - 3 sigma)",
+              [t(f"{sel('relay_league_rating_mu')} - 3 * {sel('relay_league_rating_sigma')}", "{{player}}")], w=12),
+        panel("timeseries", "Games per minute by outcome",
+              [t(f"60 * sum by (outcome) (rate({sel('relay_league_games_total')}[{RI}]))", "{{outcome}}")], w=12),
+        panel(
+            "table", "Ratings now",
+            [
+                t(f"max by (player) ({sel('relay_league_rating_mu')})", "", instant=True, range=False, format="table"),
+                t(f"max by (player) ({sel('relay_league_rating_sigma')})", "", instant=True, range=False, format="table"),
+            ],
+            w=24,
+            transformations=[
+                {"id": "merge", "options": {}},
+                {"id": "organize", "options": {"excludeByName": {"Time": True},
+                                               "renameByName": {"Value #A": "mu", "Value #B": "sigma"}}},
+                {"id": "sortBy", "options": {"sort": [{"field": "mu", "desc": True}]}},
+            ],
+        ),
+    ],
+)
+
+
+def main():
+    OUT.mkdir(exist_ok=True)
+    for name, d in [
+        ("training.json", training),
+        ("learner.json", learner),
+        ("throughput.json", throughput),
+        ("alerts.json", alerts),
+        ("league.json", league),
+    ]:
+        (OUT / name).write_text(json.dumps(d, indent=2) + "\n")
+        print(f"wrote {OUT / name}: {len(d['panels'])} panels")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,555 @@
+//! Learning curves of a run as PNG files: `runs/<id>/plots/`
+//!
+//! - `return.png`: the training return (each env-runner copy's mean of its
+//!   last 100 episodes, `env_runner_episode_return_mean` in `metrics.jsonl`;
+//!   without it, the run's rolling mean of 100 episodes from
+//!   `episodes.jsonl`) and the eval mean return (± one standard deviation,
+//!   `eval.jsonl`), with the solved threshold;
+//! - `losses.png`: `learner_policy_loss`, `learner_value_loss` and
+//!   `learner_entropy`, one panel each;
+//! - `sps.png`: `learner_sps` and each env-runner copy's `env_runner_sps`.
+//!
+//! The x axis is vector steps (`vec_steps`): for the learner's values, the
+//! vector steps it had trained on (its report's `vec_steps`); for an eval or
+//! a training episode, those of the learner when it published the weights
+//! version that ran it; for an env-runner's values, the run's vector steps
+//! taken so far by all copies (the sum of their `vec_steps_total`
+//! increments, which is the copy's own `vec_steps` when there is one copy).
+//!
+//! Drawn by the tracker at shutdown and by `relay plot`. Text uses DejaVu
+//! Sans compiled in (the `dejavu` crate) through plotters' `ab_glyph`
+//! backend: no system font is needed. Lines of the JSONL files that do not
+//! parse (a torn last line) are skipped.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use serde_json::Value;
+
+/// Why the plots could not be drawn.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct PlotError(String);
+
+fn err(context: impl std::fmt::Display) -> impl FnOnce(&dyn std::fmt::Display) -> PlotError {
+    move |e| PlotError(format!("{context}: {e}"))
+}
+
+/// Named points, sorted by x.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Series {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// One evaluation: x, mean return, standard deviation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalPoint {
+    pub x: f64,
+    pub mean: f64,
+    pub std: f64,
+}
+
+/// Everything the plots show, read from a run directory.
+#[derive(Debug, Clone, Default)]
+pub struct Curves {
+    pub train_return: Vec<Series>,
+    /// One series of points per evaluator.
+    pub eval_return: Vec<(String, Vec<EvalPoint>)>,
+    pub threshold: Option<f64>,
+    pub policy_loss: Vec<(f64, f64)>,
+    pub value_loss: Vec<(f64, f64)>,
+    pub entropy: Vec<(f64, f64)>,
+    pub sps: Vec<Series>,
+}
+
+fn jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn finite(v: &Value) -> Option<f64> {
+    v.as_f64().filter(|x| x.is_finite())
+}
+
+/// Per-label series, in first-seen order.
+#[derive(Default)]
+struct Grouped {
+    order: Vec<String>,
+    points: HashMap<String, Vec<(f64, f64)>>,
+}
+
+impl Grouped {
+    fn push(&mut self, label: &str, point: (f64, f64)) {
+        if !self.points.contains_key(label) {
+            self.order.push(label.to_string());
+        }
+        self.points.entry(label.to_string()).or_default().push(point);
+    }
+    fn into_series(mut self) -> Vec<Series> {
+        self.order
+            .into_iter()
+            .map(|label| {
+                let mut points = self.points.remove(&label).unwrap_or_default();
+                points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                Series { label, points }
+            })
+            .collect()
+    }
+}
+
+impl Curves {
+    /// Reads `metrics.jsonl`, `eval.jsonl` and `episodes.jsonl` of a run
+    /// directory (missing files count as empty).
+    pub fn load(run_dir: &Path) -> Self {
+        let mut curves = Curves::default();
+        // Weights version -> learner vec_steps when it was published.
+        let mut versions: BTreeMap<u64, f64> = BTreeMap::new();
+        // Learner vec_steps per env step, for evals of unknown versions.
+        let mut vec_per_env: Option<f64> = None;
+        let (mut train, mut sps) = (Grouped::default(), Grouped::default());
+        let (mut run_vec, mut counted) = (0.0, false);
+        for line in jsonl(&run_dir.join("metrics.jsonl")) {
+            let values = &line["values"];
+            let get = |name: &str| finite(&values[name]);
+            let instance = line["instance"].as_str().unwrap_or("?");
+            if let Some(steps) = get("vec_steps_total") {
+                run_vec += steps;
+                counted = true;
+            }
+            let env_x = if counted {
+                Some(run_vec)
+            } else {
+                finite(&line["vec_steps"])
+            };
+            if let Some(x) = env_x {
+                if let Some(r) = get("env_runner_episode_return_mean") {
+                    train.push(instance, (x, r));
+                }
+                if let Some(s) = get("env_runner_sps") {
+                    sps.push(&format!("env-runner {instance}"), (x, s));
+                }
+            }
+            let Some(x) = finite(&line["vec_steps"]).or_else(|| get("learner_vec_steps")) else {
+                continue;
+            };
+            if let Some(v) = get("learner_policy_version") {
+                versions.insert(v as u64, x);
+            }
+            if let Some(env) = get("learner_env_steps").filter(|e| *e > 0.0) {
+                vec_per_env = Some(x / env);
+            }
+            for (name, out) in [
+                ("learner_policy_loss", &mut curves.policy_loss),
+                ("learner_value_loss", &mut curves.value_loss),
+                ("learner_entropy", &mut curves.entropy),
+            ] {
+                if let Some(y) = get(name) {
+                    out.push((x, y));
+                }
+            }
+            if let Some(s) = get("learner_sps") {
+                sps.push("learner", (x, s));
+            }
+        }
+        let at_version = |v: u64| -> Option<f64> {
+            versions
+                .get(&v)
+                .copied()
+                .or_else(|| (v == 0).then_some(0.0))
+        };
+
+        curves.train_return = train.into_series();
+        if curves.train_return.len() == 1 {
+            curves.train_return[0].label = "train (mean of last 100 episodes)".into();
+        } else {
+            for s in &mut curves.train_return {
+                s.label = format!("train {}", s.label);
+            }
+        }
+        if curves.train_return.is_empty() {
+            // No env-runner means in metrics.jsonl: the run's rolling mean from episodes.jsonl.
+            let mut recent = std::collections::VecDeque::with_capacity(100);
+            let mut points = Vec::new();
+            for batch in jsonl(&run_dir.join("episodes.jsonl")) {
+                let returns = batch["episodes"].as_array().cloned().unwrap_or_default();
+                for r in returns.iter().filter_map(|e| finite(&e["return"])) {
+                    if recent.len() == 100 {
+                        recent.pop_front();
+                    }
+                    recent.push_back(r);
+                }
+                let x = batch["policy_version"].as_u64().and_then(at_version);
+                if let (Some(x), false) = (x, recent.is_empty()) {
+                    points.push((x, recent.iter().sum::<f64>() / recent.len() as f64));
+                }
+            }
+            if !points.is_empty() {
+                points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                curves.train_return.push(Series {
+                    label: "train (rolling mean of 100 episodes)".into(),
+                    points,
+                });
+            }
+        }
+
+        let mut evals: Vec<(String, Vec<EvalPoint>)> = Vec::new();
+        for e in jsonl(&run_dir.join("eval.jsonl")) {
+            let (Some(mean), Some(version)) = (finite(&e["mean_return"]), e["policy_version"].as_u64())
+            else {
+                continue;
+            };
+            let x = at_version(version).or_else(|| {
+                Some(finite(&e["learner_env_steps"])? * vec_per_env?)
+            });
+            let Some(x) = x else { continue };
+            if let Some(t) = finite(&e["threshold"]) {
+                curves.threshold = Some(t);
+            }
+            let name = e["evaluator"].as_str().unwrap_or("eval").to_string();
+            let point = EvalPoint {
+                x,
+                mean,
+                std: finite(&e["std_return"]).unwrap_or(0.0),
+            };
+            match evals.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, points)) => points.push(point),
+                None => evals.push((name, vec![point])),
+            }
+        }
+        for (_, points) in &mut evals {
+            points.sort_by(|a, b| a.x.total_cmp(&b.x));
+        }
+        curves.eval_return = evals;
+        for s in [
+            &mut curves.policy_loss,
+            &mut curves.value_loss,
+            &mut curves.entropy,
+        ] {
+            s.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        curves.sps = sps.into_series();
+        curves
+    }
+}
+
+/// Draws `return.png`, `losses.png` and `sps.png` into `<run_dir>/plots/`
+/// and returns their paths. A plot without data says so on its canvas.
+pub fn draw_run(run_dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
+    if !run_dir.is_dir() {
+        return Err(PlotError(format!(
+            "{} is not a run directory",
+            run_dir.display()
+        )));
+    }
+    draw(&Curves::load(run_dir), &run_dir.join("plots"))
+}
+
+/// Draws the three plots of `curves` into `out_dir`.
+pub fn draw(curves: &Curves, out_dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
+    register_fonts()?;
+    std::fs::create_dir_all(out_dir).map_err(|e| err(out_dir.display())(&e))?;
+    let mut written = Vec::new();
+    let plots: [(&str, (u32, u32), &dyn Fn(&Area) -> Result<(), PlotError>); 3] = [
+        ("return", (1000, 600), &|area| draw_return(curves, area)),
+        ("losses", (1000, 900), &|area| draw_losses(curves, area)),
+        ("sps", (1000, 600), &|area| draw_sps(curves, area)),
+    ];
+    for (name, size, draw) in plots {
+        let path = out_dir.join(format!("{name}.png"));
+        // The backend picks the format by extension: the temporary name keeps `.png`.
+        let tmp = out_dir.join(format!(".{name}.tmp.png"));
+        {
+            let area = BitMapBackend::new(&tmp, size).into_drawing_area();
+            area.fill(&WHITE).map_err(|e| err(name)(&e))?;
+            draw(&area)?;
+            area.present().map_err(|e| err(tmp.display())(&e))?;
+        }
+        std::fs::rename(&tmp, &path).map_err(|e| err(path.display())(&e))?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+/// Draws a run's plots, logging (not returning) a failure: for the tracker's shutdown.
+pub fn draw_run_logged(run_dir: &Path) {
+    match draw_run(run_dir) {
+        Ok(paths) => tracing::info!(plots = %run_dir.join("plots").display(), count = paths.len(), "drew learning curves"),
+        Err(e) => tracing::error!(error = %e, "cannot draw the learning curves"),
+    }
+}
+
+fn register_fonts() -> Result<(), PlotError> {
+    static FONTS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *FONTS.get_or_init(|| {
+        plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+            .is_ok()
+            && plotters::style::register_font("sans-serif", FontStyle::Bold, dejavu::sans::bold())
+                .is_ok()
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(PlotError("the embedded DejaVu Sans font did not load".into()))
+    }
+}
+
+type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+/// A curve to draw.
+struct Line<'a> {
+    label: String,
+    points: &'a [(f64, f64)],
+    color: RGBColor,
+    markers: bool,
+}
+
+/// An extra on a panel: a ±std band around a curve, or a horizontal line.
+enum Extra {
+    Band(Vec<(f64, f64, f64)>, RGBColor),
+    Horizontal(f64, String),
+}
+
+fn human(v: f64) -> String {
+    let a = v.abs();
+    if a >= 1e6 {
+        format!("{:.1}M", v / 1e6)
+    } else if a >= 1e4 {
+        format!("{:.0}k", v / 1e3)
+    } else if a >= 1e3 {
+        format!("{:.1}k", v / 1e3)
+    } else if a >= 10.0 || a == 0.0 {
+        format!("{v:.0}")
+    } else if a >= 0.1 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.1e}")
+    }
+}
+
+fn range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+    if lo > hi {
+        return None;
+    }
+    let span = if hi > lo {
+        hi - lo
+    } else {
+        lo.abs().max(1.0)
+    };
+    Some((lo - span * pad, hi + span * pad))
+}
+
+fn panel(
+    area: &Area,
+    title: &str,
+    y_desc: &str,
+    lines: &[Line],
+    extras: &[Extra],
+) -> Result<(), PlotError> {
+    let xs = lines
+        .iter()
+        .flat_map(|l| l.points.iter().map(|p| p.0))
+        .chain(extras.iter().flat_map(|e| match e {
+            Extra::Band(b, _) => b.iter().map(|p| p.0).collect::<Vec<_>>(),
+            Extra::Horizontal(..) => Vec::new(),
+        }));
+    let ys = lines
+        .iter()
+        .flat_map(|l| l.points.iter().map(|p| p.1))
+        .chain(extras.iter().flat_map(|e| match e {
+            Extra::Band(b, _) => b.iter().flat_map(|p| [p.1, p.2]).collect::<Vec<_>>(),
+            Extra::Horizontal(y, _) => vec![*y],
+        }));
+    let (Some(mut x), Some(y)) = (range(xs, 0.0), range(ys, 0.05)) else {
+        let (w, h) = area.dim_in_pixel();
+        area.draw(&Text::new(
+            title.to_string(),
+            (20, 15),
+            ("sans-serif", 24).into_font(),
+        ))
+        .map_err(|e| err(title)(&e))?;
+        area.draw(&Text::new(
+            "no data yet".to_string(),
+            (w as i32 / 2 - 60, h as i32 / 2),
+            ("sans-serif", 22).into_font().color(&RGBColor(120, 120, 120)),
+        ))
+        .map_err(|e| err(title)(&e))?;
+        return Ok(());
+    };
+    if x.0 == x.1 {
+        x = (x.0 - 0.5, x.1 + 0.5);
+    }
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 24))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x.0..x.1, y.0..y.1)
+        .map_err(|e| err(title)(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("vec_steps")
+        .y_desc(y_desc)
+        .x_label_formatter(&|v| human(*v))
+        .y_label_formatter(&|v| human(*v))
+        .label_style(("sans-serif", 15))
+        .axis_desc_style(("sans-serif", 17))
+        .light_line_style(RGBColor(235, 235, 235))
+        .draw()
+        .map_err(|e| err(title)(&e))?;
+    for extra in extras {
+        match extra {
+            Extra::Band(band, color) if !band.is_empty() => {
+                let outline: Vec<(f64, f64)> = band
+                    .iter()
+                    .map(|p| (p.0, p.2))
+                    .chain(band.iter().rev().map(|p| (p.0, p.1)))
+                    .collect();
+                chart
+                    .draw_series(std::iter::once(Polygon::new(outline, color.mix(0.18))))
+                    .map_err(|e| err(title)(&e))?;
+            }
+            Extra::Band(..) => {}
+            Extra::Horizontal(yv, label) => {
+                let grey = RGBColor(110, 110, 110);
+                chart
+                    .draw_series(LineSeries::new([(x.0, *yv), (x.1, *yv)], grey.stroke_width(1)))
+                    .map_err(|e| err(title)(&e))?
+                    .label(label.clone())
+                    .legend(move |(lx, ly)| PathElement::new([(lx, ly), (lx + 20, ly)], grey));
+            }
+        }
+    }
+    for line in lines {
+        let color = line.color;
+        chart
+            .draw_series(LineSeries::new(
+                line.points.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(|e| err(title)(&e))?
+            .label(line.label.clone())
+            .legend(move |(lx, ly)| {
+                PathElement::new([(lx, ly), (lx + 20, ly)], color.stroke_width(2))
+            });
+        if line.markers {
+            chart
+                .draw_series(
+                    line.points
+                        .iter()
+                        .map(|p| Circle::new(*p, 3, color.filled())),
+                )
+                .map_err(|e| err(title)(&e))?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(180, 180, 180))
+        .draw()
+        .map_err(|e| err(title)(&e))?;
+    Ok(())
+}
+
+fn draw_return(curves: &Curves, area: &Area) -> Result<(), PlotError> {
+    let eval_points: Vec<(String, Vec<(f64, f64)>)> = curves
+        .eval_return
+        .iter()
+        .map(|(name, points)| (name.clone(), points.iter().map(|p| (p.x, p.mean)).collect()))
+        .collect();
+    let mut lines: Vec<Line> = curves
+        .train_return
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Line {
+            label: s.label.clone(),
+            points: &s.points,
+            color: COLORS[i * 2 % COLORS.len()],
+            markers: false,
+        })
+        .collect();
+    let mut extras = Vec::new();
+    for (i, (name, points)) in eval_points.iter().enumerate() {
+        let color = COLORS[(i * 2 + 1) % COLORS.len()];
+        lines.push(Line {
+            label: if eval_points.len() == 1 {
+                "eval mean (± std)".into()
+            } else {
+                format!("eval {name} (± std)")
+            },
+            points,
+            color,
+            markers: true,
+        });
+        let band = curves.eval_return[i]
+            .1
+            .iter()
+            .map(|p| (p.x, p.mean - p.std, p.mean + p.std))
+            .collect();
+        extras.push(Extra::Band(band, color));
+    }
+    if let Some(t) = curves.threshold {
+        extras.push(Extra::Horizontal(t, format!("solved at {}", human(t))));
+    }
+    panel(area, "Return", "episode return", &lines, &extras)
+}
+
+fn draw_losses(curves: &Curves, area: &Area) -> Result<(), PlotError> {
+    let panels = area.split_evenly((3, 1));
+    for (i, (title, points)) in [
+        ("Policy loss", &curves.policy_loss),
+        ("Value loss", &curves.value_loss),
+        ("Entropy", &curves.entropy),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let name = ["learner_policy_loss", "learner_value_loss", "learner_entropy"][i];
+        let line = Line {
+            label: name.into(),
+            points,
+            color: COLORS[i],
+            markers: false,
+        };
+        panel(&panels[i], title, title.to_ascii_lowercase().as_str(), &[line], &[])?;
+    }
+    Ok(())
+}
+
+fn draw_sps(curves: &Curves, area: &Area) -> Result<(), PlotError> {
+    let lines: Vec<Line> = curves
+        .sps
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Line {
+            label: s.label.clone(),
+            points: &s.points,
+            color: COLORS[i % COLORS.len()],
+            markers: false,
+        })
+        .collect();
+    panel(area, "Throughput", "env steps per second", &lines, &[])
+}
