@@ -39,3 +39,8 @@ bench-solve *ARGS: install
 # Model and optimizer micro-benchmarks (act latency, PPO train step).
 bench-nn:
     cargo bench -p relay-nn
+
+# Tracker overhead: CartPole training SPS with the tracker on and off (metrics dropped).
+bench-tracker *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay bench-tracker {{ARGS}}

@@ -46,9 +46,9 @@ pub fn save(
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
     model
-        .save(&tmp.join("model.safetensors"))
+        .save(tmp.join("model.safetensors"))
         .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
-    adam.save(&tmp.join("optimizer.safetensors"))
+    adam.save(tmp.join("optimizer.safetensors"))
         .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
     let state = tmp.join("state.json");
     std::fs::write(

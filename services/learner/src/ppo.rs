@@ -137,21 +137,18 @@ pub fn prepare(
 
         // V(s_{t+1}) for each step: the next row, the tail, or (truncation
         // alone) the value of the episode's final observation.
-        let mut next_values = vec![0f32; t_len * n];
-        let mut k = 0;
-        for t in 0..t_len {
-            for i in 0..n {
-                let idx = t * n + i;
-                next_values[idx] = if truncated[idx] && !terminated[idx] {
-                    k += 1;
-                    final_values[k - 1]
-                } else if t + 1 < t_len {
+        let mut final_values = final_values.into_iter();
+        let next_values: Vec<f32> = (0..t_len * n)
+            .map(|idx| {
+                if truncated[idx] && !terminated[idx] {
+                    final_values.next().expect("one final observation per truncation")
+                } else if idx + n < t_len * n {
                     values[idx + n]
                 } else {
-                    tail_values[i]
-                };
-            }
-        }
+                    tail_values[idx % n]
+                }
+            })
+            .collect();
 
         let mut advantages = vec![0f32; t_len * n];
         let mut returns = vec![0f32; t_len * n];

@@ -35,6 +35,17 @@ enum Command {
         #[arg(long, default_value = ".relay")]
         state_dir: PathBuf,
     },
+    /// Training SPS with and without the tracker; print a table and JSON.
+    BenchTracker {
+        #[command(flatten)]
+        up: UpArgs,
+        /// Runs of each kind.
+        #[arg(long, default_value_t = 3)]
+        rounds: u64,
+        /// Env-step budget of each run.
+        #[arg(long, default_value_t = 60_000)]
+        env_steps: u64,
+    },
     /// Run the stack on a config for several seeds, each until solved; print a table and JSON.
     BenchSolve {
         #[command(flatten)]
@@ -57,6 +68,11 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Up(args) => up(args).map(|_| ()),
         Command::Down { state_dir } => relay::stack::down(&state_dir),
+        Command::BenchTracker {
+            up,
+            rounds,
+            env_steps,
+        } => relay::bench_tracker(up, rounds, env_steps),
         Command::BenchSolve { up, seeds } => bench_solve(up, seeds),
         Command::Runs(args) => relay::runs::runs(args),
         Command::Plot(args) => relay::runs::plot(args),

@@ -209,7 +209,10 @@ impl Stack {
         );
         std::fs::create_dir_all(dir.join("targets"))?;
         std::fs::write(dir.join("prometheus.yml"), config)?;
-        std::fs::write(dir.join("rules.yml"), include_str!("../../../deploy/prometheus/rules.yml"))?;
+        std::fs::write(
+            dir.join("rules.yml"),
+            include_str!("../../../deploy/prometheus/rules.yml"),
+        )?;
         let port = free_port()?;
         let logs = self.state_dir.join("logs");
         let (out, err) = log_file(&logs, "prometheus")?;

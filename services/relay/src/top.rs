@@ -45,7 +45,7 @@ use futures::StreamExt;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Block, Gauge, Paragraph, Row, Sparkline, Table};
+use ratatui::widgets::{Block, Cell, Gauge, Paragraph, Row, Sparkline, Table, Wrap};
 use ratatui::Frame;
 use relay_proto::{
     AlertEvent, EvalReport, MetricKind, MetricsReport, RunStatus, RunStatusUpdate, Subjects,
@@ -284,11 +284,7 @@ impl TopState {
                 gauges: BTreeMap::new(),
             });
         sighting.last = sighting.last.max(now);
-        for v in report
-            .values
-            .iter()
-            .filter(|v| v.kind == MetricKind::Gauge)
-        {
+        for v in report.values.iter().filter(|v| v.kind == MetricKind::Gauge) {
             sighting.gauges.insert(v.name.clone(), v.value);
             self.latest.insert(v.name.clone(), v.value);
         }
@@ -413,6 +409,11 @@ impl TopState {
         self.last_eval.as_ref()
     }
 
+    /// The newest status update of the run.
+    pub fn status(&self) -> Option<&RunStatusUpdate> {
+        self.status.as_ref()
+    }
+
     /// Raised alerts, by name then metric.
     pub fn active_alerts(&self) -> impl Iterator<Item = &AlertEvent> {
         self.alerts.values()
@@ -470,7 +471,12 @@ impl TopState {
                 ServiceRow { service, copies }
             })
             .collect();
-        let rank = |s: &str| SERVICES.iter().position(|k| *k == s).unwrap_or(SERVICES.len());
+        let rank = |s: &str| {
+            SERVICES
+                .iter()
+                .position(|k| *k == s)
+                .unwrap_or(SERVICES.len())
+        };
         rows.sort_by(|a, b| {
             rank(&a.service)
                 .cmp(&rank(&b.service))
@@ -609,7 +615,9 @@ pub fn resolve_target(args: &TopArgs) -> Result<Target> {
     let record = match read_stack_record(&args.state_dir) {
         Ok(record) => record,
         // Both flags given: a damaged record does not matter.
-        Err(_) if args.nats_url.is_some() && args.run_id.as_deref().is_some_and(|r| r != "@last") => {
+        Err(_)
+            if args.nats_url.is_some() && args.run_id.as_deref().is_some_and(|r| r != "@last") =>
+        {
             None
         }
         Err(e) => return Err(e),
@@ -666,22 +674,19 @@ pub fn run(args: TopArgs) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let (client, feed) = runtime.block_on(async {
-        let client = async_nats::ConnectOptions::new()
-            .name("relay-top")
-            .connection_timeout(Duration::from_secs(5))
-            .connect(&target.nats_url)
-            .await
-            .with_context(|| format!("connecting to NATS at {}", target.nats_url))?;
-        let feed = Feed::subscribe(&client, &target.run_id).await?;
-        anyhow::Ok((client, feed))
-    })?;
     // Log lines on stderr would scribble over the screen (async-nats logs its
-    // reconnects): silence tracing on this thread, which runs every task of
-    // the current-thread runtime, while the screen is up.
+    // connects and reconnects): silence tracing on this thread, which runs
+    // every task of the current-thread runtime. Errors are returned instead.
     let quiet = tracing::subscriber::NoSubscriber::default();
     tracing::subscriber::with_default(quiet, || {
         runtime.block_on(async {
+            let client = async_nats::ConnectOptions::new()
+                .name("relay-top")
+                .connection_timeout(Duration::from_secs(5))
+                .connect(&target.nats_url)
+                .await
+                .with_context(|| format!("connecting to NATS at {}", target.nats_url))?;
+            let feed = Feed::subscribe(&client, &target.run_id).await?;
             let mut session = TerminalSession::enter()?;
             event_loop(&mut session, &client, feed, &target, &args.state_dir).await
         })
@@ -816,8 +821,10 @@ pub fn draw(frame: &mut Frame, state: &TopState) {
         "health: metric reports (no stack record of this run)"
     };
     frame.render_widget(
-        Paragraph::new(format!(" q / Esc / Ctrl-C quit · refreshed each second · {source}"))
-            .style(Style::default().fg(Color::DarkGray)),
+        Paragraph::new(format!(
+            " q / Esc / Ctrl-C quit · refreshed each second · {source}"
+        ))
+        .style(Style::default().fg(Color::DarkGray)),
         footer,
     );
 }
@@ -870,9 +877,7 @@ fn draw_header(frame: &mut Frame, area: Rect, state: &TopState) {
 }
 
 fn draw_progress(frame: &mut Frame, area: Rect, state: &TopState) {
-    let sps = state
-        .sps()
-        .map_or("-".to_string(), |s| format!("{s:.0}"));
+    let sps = state.sps().map_or("-".to_string(), |s| format!("{s:.0}"));
     let eta = state.eta().map_or("-".to_string(), fmt_duration);
     let (ratio, label) = match (state.env_steps(), state.budget()) {
         (Some(steps), Some(budget)) if budget > 0 => {
@@ -932,10 +937,7 @@ fn draw_training(frame: &mut Frame, area: Rect, state: &TopState) {
         .into_iter()
         .map(|(name, value)| {
             Line::from(vec![
-                Span::styled(
-                    format!("{name:<22}"),
-                    Style::default().fg(Color::DarkGray),
-                ),
+                Span::styled(format!("{name:<22}"), Style::default().fg(Color::DarkGray)),
                 Span::raw(value),
             ])
         })
@@ -947,8 +949,7 @@ fn draw_eval(frame: &mut Frame, area: Rect, state: &TopState) {
     let block = panel("eval return");
     let inner = block.inner(area);
     frame.render_widget(block, area);
-    let [text, chart] =
-        Layout::vertical([Constraint::Length(4), Constraint::Min(1)]).areas(inner);
+    let [text, chart] = Layout::vertical([Constraint::Length(4), Constraint::Min(1)]).areas(inner);
     let lines = match state.last_eval() {
         Some(e) => {
             let (word, color) = if e.solved {
@@ -984,13 +985,24 @@ fn draw_eval(frame: &mut Frame, area: Rect, state: &TopState) {
     frame.render_widget(Paragraph::new(lines), text);
     // Bars from the lowest to the highest of the history and the threshold,
     // so the threshold is the top of the chart until a run passes it.
-    let threshold = state.last_eval().map(|e| e.threshold).filter(|t| t.is_finite());
+    let threshold = state
+        .last_eval()
+        .map(|e| e.threshold)
+        .filter(|t| t.is_finite());
     let values: Vec<f64> = state.eval_history().collect();
     if values.is_empty() {
         return;
     }
-    let lo = values.iter().chain(&threshold).copied().fold(f64::INFINITY, f64::min);
-    let hi = values.iter().chain(&threshold).copied().fold(f64::NEG_INFINITY, f64::max);
+    let lo = values
+        .iter()
+        .chain(&threshold)
+        .copied()
+        .fold(f64::INFINITY, f64::min);
+    let hi = values
+        .iter()
+        .chain(&threshold)
+        .copied()
+        .fold(f64::NEG_INFINITY, f64::max);
     let span = (hi - lo).max(1e-9);
     let width = usize::from(chart.width);
     let bars: Vec<u64> = values[values.len().saturating_sub(width)..]
@@ -1030,10 +1042,10 @@ fn draw_services(frame: &mut Frame, area: Rect, state: &TopState) {
                 (problems.join(", "), Color::Yellow)
             };
             Row::new(vec![
-                ratatui::widgets::Cell::from(row.service.clone()),
-                ratatui::widgets::Cell::from(row.copies.len().to_string()),
-                ratatui::widgets::Cell::from(up.to_string()),
-                ratatui::widgets::Cell::from(health).style(Style::default().fg(color)),
+                Cell::from(row.service.clone()),
+                Cell::from(row.copies.len().to_string()),
+                Cell::from(up.to_string()),
+                Cell::from(health).style(Style::default().fg(color)),
             ])
         })
         .collect();
@@ -1083,7 +1095,7 @@ fn draw_alerts(frame: &mut Frame, area: Rect, state: &TopState) {
     let body = if lines.is_empty() {
         Paragraph::new("none")
     } else {
-        Paragraph::new(lines)
+        Paragraph::new(lines).wrap(Wrap { trim: true })
     };
     frame.render_widget(body.block(panel(&title)), area);
 }

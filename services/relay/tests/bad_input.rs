@@ -60,10 +60,7 @@ fn rejected(body: &str, subject: &str, reason: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn with_schema<T: WireMessage>(message: &T, set: impl FnOnce(&mut T)) -> Vec<u8>
-where
-    T: Clone,
-{
+fn with_schema<T: WireMessage + Clone>(message: &T, set: impl FnOnce(&mut T)) -> Vec<u8> {
     let mut m = message.clone();
     set(&mut m);
     encode(&m)

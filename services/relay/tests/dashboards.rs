@@ -33,13 +33,8 @@ const REQUIRED: [&str; 5] = [
 /// Metrics that panels show but that no service exports yet. A query that
 /// names one must still be valid PromQL; it may return nothing.
 const PENDING: &[&str] = &[
-    // The tracker's alerts (services/tracker/src/alerts.rs is on its way): a
-    // series exists only once an alert has been raised, which a healthy run
-    // need not do.
-    "relay_alert_active",
-    "relay_alerts_raised_total",
     // The league of game-playing runs (issue 8): TrueSkill ratings per
-    // player and games by outcome.
+    // player and games by outcome. No service exports them yet.
     "relay_league_rating_mu",
     "relay_league_rating_sigma",
     "relay_league_games_total",
@@ -170,16 +165,31 @@ fn dashboards_are_well_formed() {
         let uid = d["uid"].as_str().unwrap_or_default();
         assert!(!uid.is_empty(), "{name}: no uid");
         assert!(uids.insert(uid.to_string()), "{name}: uid {uid} used twice");
-        assert!(!title(&d).is_empty() && d["title"].is_string(), "{file}: no title");
-        assert!(titles.insert(title(&d).to_string()), "{name}: title used twice");
+        assert!(
+            !title(&d).is_empty() && d["title"].is_string(),
+            "{file}: no title"
+        );
+        assert!(
+            titles.insert(title(&d).to_string()),
+            "{name}: title used twice"
+        );
 
-        let variables = d["templating"]["list"].as_array().cloned().unwrap_or_default();
+        let variables = d["templating"]["list"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
         let run = variables
             .iter()
             .find(|v| v["name"] == "run_id")
             .unwrap_or_else(|| panic!("{name}: no run_id template variable"));
-        assert_eq!(run["type"], "query", "{name}: run_id is not a query variable");
-        assert_eq!(run["datasource"]["uid"], DATASOURCE_UID, "{name}: run_id datasource");
+        assert_eq!(
+            run["type"], "query",
+            "{name}: run_id is not a query variable"
+        );
+        assert_eq!(
+            run["datasource"]["uid"], DATASOURCE_UID,
+            "{name}: run_id datasource"
+        );
         let definition = run["definition"].as_str().unwrap_or_default();
         assert!(
             definition.starts_with("label_values(") && definition.ends_with(", run_id)"),
@@ -229,7 +239,10 @@ fn dashboards_are_well_formed() {
                     refs.insert(t["refId"].as_str().unwrap_or_default().to_string()),
                     "{target}: refId repeated or missing"
                 );
-                assert_eq!(t["datasource"]["uid"], DATASOURCE_UID, "{target}: datasource");
+                assert_eq!(
+                    t["datasource"]["uid"], DATASOURCE_UID,
+                    "{target}: datasource"
+                );
                 assert!(!expr.is_empty(), "{target}: no expression");
                 assert!(
                     expr.contains("$run_id"),
@@ -356,7 +369,9 @@ impl RelayUp {
 
 impl Drop for RelayUp {
     fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() && self.interrupt(Duration::from_secs(30)).is_none() {
+        if self.child.try_wait().ok().flatten().is_none()
+            && self.interrupt(Duration::from_secs(30)).is_none()
+        {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
@@ -397,7 +412,8 @@ fn url_encode(s: &str) -> String {
 fn prometheus_get(prometheus: SocketAddr, path: &str) -> Result<Value, String> {
     let (status, body) =
         relay_testkit::http_get(prometheus, path).map_err(|e| format!("GET {path}: {e}"))?;
-    serde_json::from_str(&body).map_err(|e| format!("GET {path}: HTTP {status}, not JSON ({e}): {body}"))
+    serde_json::from_str(&body)
+        .map_err(|e| format!("GET {path}: HTTP {status}, not JSON ({e}): {body}"))
 }
 
 fn instant_query(prometheus: SocketAddr, promql: &str) -> Result<Value, String> {
@@ -409,7 +425,8 @@ fn instant_query(prometheus: SocketAddr, promql: &str) -> Result<Value, String> 
 
 /// Publishes one payload on a NATS subject with the plain text protocol.
 fn nats_publish(nats: SocketAddr, subject: &str, payload: &[u8]) {
-    let mut stream = TcpStream::connect_timeout(&nats, Duration::from_secs(2)).expect("connect NATS");
+    let mut stream =
+        TcpStream::connect_timeout(&nats, Duration::from_secs(2)).expect("connect NATS");
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
         .expect("timeout");
@@ -425,7 +442,11 @@ fn nats_publish(nats: SocketAddr, subject: &str, payload: &[u8]) {
     let mut buf = [0u8; 1024];
     while !String::from_utf8_lossy(&seen).contains("PONG") {
         let n = stream.read(&mut buf).expect("read from NATS");
-        assert!(n > 0, "NATS closed the connection: {}", String::from_utf8_lossy(&seen));
+        assert!(
+            n > 0,
+            "NATS closed the connection: {}",
+            String::from_utf8_lossy(&seen)
+        );
         seen.extend_from_slice(&buf[..n]);
     }
     assert!(
@@ -439,7 +460,10 @@ fn nats_publish(nats: SocketAddr, subject: &str, payload: &[u8]) {
 /// every label the legend names; `Err(reason)` otherwise.
 fn check_result(query: &Query, response: &Value) -> Result<(), String> {
     if response["status"] != "success" {
-        return Err(format!("status {}: {}", response["status"], response["error"]));
+        return Err(format!(
+            "status {}: {}",
+            response["status"], response["error"]
+        ));
     }
     let result = response["data"]["result"]
         .as_array()
@@ -478,7 +502,11 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
         relay.check_running();
         let up = instant_query(prometheus, "count(up{job=\"relay\"} == 1)")
             .ok()
-            .and_then(|v| v["data"]["result"][0]["value"][1].as_str().map(str::to_string));
+            .and_then(|v| {
+                v["data"]["result"][0]["value"][1]
+                    .as_str()
+                    .map(str::to_string)
+            });
         if up.as_deref() == Some("6") {
             break;
         }
@@ -506,13 +534,21 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
         "label_values(relay_episodes_total, run_id) lacks {RUN_ID}: {values}"
     );
 
-    // A healthy run rejects nothing, so the rejected-messages panel would
-    // stay empty: send the tracker one payload that does not decode.
-    nats_publish(
-        addr_of(record["nats_url"].as_str().expect("nats_url")),
-        &format!("relay.{RUN_ID}.metrics"),
-        b"not msgpack",
-    );
+    // A healthy run rejects nothing and need not raise an alert, so the
+    // rejected-messages and alert panels could stay empty: send the tracker
+    // one payload that does not decode (a rejection), and a report with a
+    // NaN under a name no panel shows (the `non_finite` alert).
+    let nats = addr_of(record["nats_url"].as_str().expect("nats_url"));
+    let metrics_subject = format!("relay.{RUN_ID}.metrics");
+    nats_publish(nats, &metrics_subject, b"not msgpack");
+    let probe = relay_proto::MetricsReport {
+        schema: relay_proto::SCHEMA_VERSION,
+        service: "dashboards-test".into(),
+        instance: "dashboards-test".into(),
+        vec_steps: None,
+        values: vec![relay_kit::gauge("dashboards_test_probe", f64::NAN)],
+    };
+    nats_publish(nats, &metrics_subject, &relay_proto::encode(&probe));
 
     // Every query of every panel returns data (retrying while scrapes come in).
     let all = queries();
@@ -525,7 +561,8 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
             let response = instant_query(prometheus, &promql)
                 .unwrap_or_else(|e| panic!("{}: {e}", query.name()));
             assert_eq!(
-                response["status"], "success",
+                response["status"],
+                "success",
                 "{}: {}",
                 query.name(),
                 response["error"]
@@ -578,7 +615,10 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
         let (status, body) = relay_testkit::http_get(addr_of(addr), "/metrics")
             .unwrap_or_else(|e| panic!("GET {name} /metrics: {e}"));
         assert_eq!(status, 200, "{name} /metrics answered {status}");
-        assert!(body.contains("relay_"), "{name} /metrics has no relay_ series:\n{body}");
+        assert!(
+            body.contains("relay_"),
+            "{name} /metrics has no relay_ series:\n{body}"
+        );
         let mut promtool = Command::new("promtool")
             .args(["check", "metrics"])
             .stdin(Stdio::piped())
@@ -609,9 +649,12 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
     );
 
     // Ctrl-C stops the whole stack cleanly.
-    let status = relay
-        .interrupt(Duration::from_secs(40))
-        .unwrap_or_else(|| panic!("relay up did not stop within 40 s of SIGINT:\n{}", relay.log_text()));
+    let status = relay.interrupt(Duration::from_secs(40)).unwrap_or_else(|| {
+        panic!(
+            "relay up did not stop within 40 s of SIGINT:\n{}",
+            relay.log_text()
+        )
+    });
     assert!(
         status.success(),
         "relay up exited with {status} after SIGINT:\n{}",

@@ -195,18 +195,16 @@ impl AlertEngine {
         }
 
         match name {
-            "learner_env_steps" => {
-                if self.steps.is_none_or(|(last, _)| value > last) {
-                    self.steps = Some((value, now));
-                    self.set(
-                        "step_stalled",
-                        name,
-                        false,
-                        value,
-                        String::new(),
-                        &mut changes,
-                    );
-                }
+            "learner_env_steps" if self.steps.is_none_or(|(last, _)| value > last) => {
+                self.steps = Some((value, now));
+                self.set(
+                    "step_stalled",
+                    name,
+                    false,
+                    value,
+                    String::new(),
+                    &mut changes,
+                );
             }
             "learner_entropy" => {
                 if self.initial_entropy.is_empty() {
@@ -334,120 +332,6 @@ impl AlertEngine {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn feed(engine: &mut AlertEngine, name: &str, values: &[f64]) -> Vec<AlertChange> {
-        let now = Instant::now();
-        values
-            .iter()
-            .flat_map(|&v| engine.observe(name, v, now))
-            .collect()
-    }
-
-    #[test]
-    fn nan_raises_once_and_clears_once() {
-        let mut e = AlertEngine::new(Some(2));
-        let changes = feed(
-            &mut e,
-            "learner_policy_loss",
-            &[0.1, f64::NAN, f64::NAN, 0.2],
-        );
-        let kinds: Vec<(&str, bool)> = changes.iter().map(|c| (c.alert, c.active)).collect();
-        assert_eq!(kinds, vec![("non_finite", true), ("non_finite", false)]);
-    }
-
-    #[test]
-    fn entropy_collapse_against_the_initial_mean() {
-        let mut e = AlertEngine::new(Some(2));
-        assert!(feed(&mut e, "learner_entropy", &[0.69; 10]).is_empty());
-        let changes = feed(&mut e, "learner_entropy", &[0.05; 10]);
-        assert!(
-            changes
-                .iter()
-                .any(|c| c.alert == "entropy_collapse" && c.active),
-            "{changes:?}"
-        );
-        let changes = feed(&mut e, "learner_entropy", &[0.6; 10]);
-        assert!(
-            changes
-                .iter()
-                .any(|c| c.alert == "entropy_collapse" && !c.active),
-            "{changes:?}"
-        );
-    }
-
-    #[test]
-    fn an_initial_policy_far_from_uniform_is_flagged() {
-        let mut e = AlertEngine::new(Some(2));
-        let changes = feed(&mut e, "learner_entropy", &[0.2]);
-        assert!(changes
-            .iter()
-            .any(|c| c.alert == "initial_policy_not_uniform" && c.active));
-        let mut e = AlertEngine::new(Some(2));
-        assert!(feed(&mut e, "learner_entropy", &[0.69]).is_empty());
-    }
-
-    #[test]
-    fn ranges_bounds_and_explained_variance() {
-        let mut e = AlertEngine::new(None);
-        let c = feed(&mut e, "learner_approx_kl", &[0.2, 0.2, 0.2]);
-        assert!(c
-            .iter()
-            .any(|c| c.alert == "approx_kl_out_of_range" && c.active));
-        let c = feed(&mut e, "learner_clip_fraction", &[0.01, 0.01, 0.01]);
-        assert!(c
-            .iter()
-            .any(|c| c.alert == "clip_fraction_out_of_range" && c.active));
-        let c = feed(&mut e, "learner_explained_variance", &[-0.5, -0.5, -0.5]);
-        assert!(c
-            .iter()
-            .any(|c| c.alert == "explained_variance_negative" && c.active));
-        // Catalogue bounds: progress lies in [0, 1].
-        let c = feed(&mut e, "learner_progress", &[1.5]);
-        assert!(c
-            .iter()
-            .any(|c| c.alert == "out_of_bounds" && c.active && c.metric == "learner_progress"));
-    }
-
-    #[test]
-    fn stalled_steps_raise_while_training_only() {
-        let mut e = AlertEngine::new(Some(2));
-        let t0 = Instant::now();
-        e.observe("learner_env_steps", 100.0, t0);
-        assert!(e.tick(t0 + Duration::from_secs(1)).is_empty());
-        let c = e.tick(t0 + STALL + Duration::from_secs(1));
-        assert!(c.iter().any(|c| c.alert == "step_stalled" && c.active));
-        let c = e.observe(
-            "learner_env_steps",
-            200.0,
-            t0 + STALL + Duration::from_secs(2),
-        );
-        assert!(c.iter().any(|c| c.alert == "step_stalled" && !c.active));
-        let mut changes = Vec::new();
-        e.set_training(false, &mut changes);
-        assert!(e.tick(t0 + STALL * 3).is_empty());
-    }
-
-    #[test]
-    fn return_stalling_and_declining() {
-        let mut e = AlertEngine::new(Some(2));
-        let mut values: Vec<f64> = (0..50).map(|i| i as f64).collect();
-        values.extend(std::iter::repeat_n(10.0, 30));
-        let c = feed(&mut e, "episode_return_mean", &values);
-        assert!(
-            c.iter().any(|c| c.alert == "return_declining" && c.active),
-            "{c:?}"
-        );
-        let c = feed(&mut e, "episode_return_mean", &vec![10.0; RETURN_PATIENCE]);
-        assert!(
-            c.iter().any(|c| c.alert == "return_stalled" && c.active),
-            "{c:?}"
-        );
-    }
-}
-
 /// The alert engine wired to its outputs: the log, `relay_alert_active` and
 /// `relay_alerts_raised_total`, `alerts.jsonl` in the run directory and
 /// [`relay_proto::AlertEvent`]s on the run's `alerts` subject.
@@ -567,5 +451,119 @@ impl Alerts {
                 .publish(self.service.subjects.alerts(), &event)
                 .await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn feed(engine: &mut AlertEngine, name: &str, values: &[f64]) -> Vec<AlertChange> {
+        let now = Instant::now();
+        values
+            .iter()
+            .flat_map(|&v| engine.observe(name, v, now))
+            .collect()
+    }
+
+    #[test]
+    fn nan_raises_once_and_clears_once() {
+        let mut e = AlertEngine::new(Some(2));
+        let changes = feed(
+            &mut e,
+            "learner_policy_loss",
+            &[0.1, f64::NAN, f64::NAN, 0.2],
+        );
+        let kinds: Vec<(&str, bool)> = changes.iter().map(|c| (c.alert, c.active)).collect();
+        assert_eq!(kinds, vec![("non_finite", true), ("non_finite", false)]);
+    }
+
+    #[test]
+    fn entropy_collapse_against_the_initial_mean() {
+        let mut e = AlertEngine::new(Some(2));
+        assert!(feed(&mut e, "learner_entropy", &[0.69; 10]).is_empty());
+        let changes = feed(&mut e, "learner_entropy", &[0.05; 10]);
+        assert!(
+            changes
+                .iter()
+                .any(|c| c.alert == "entropy_collapse" && c.active),
+            "{changes:?}"
+        );
+        let changes = feed(&mut e, "learner_entropy", &[0.6; 10]);
+        assert!(
+            changes
+                .iter()
+                .any(|c| c.alert == "entropy_collapse" && !c.active),
+            "{changes:?}"
+        );
+    }
+
+    #[test]
+    fn an_initial_policy_far_from_uniform_is_flagged() {
+        let mut e = AlertEngine::new(Some(2));
+        let changes = feed(&mut e, "learner_entropy", &[0.2]);
+        assert!(changes
+            .iter()
+            .any(|c| c.alert == "initial_policy_not_uniform" && c.active));
+        let mut e = AlertEngine::new(Some(2));
+        assert!(feed(&mut e, "learner_entropy", &[0.69]).is_empty());
+    }
+
+    #[test]
+    fn ranges_bounds_and_explained_variance() {
+        let mut e = AlertEngine::new(None);
+        let c = feed(&mut e, "learner_approx_kl", &[0.2, 0.2, 0.2]);
+        assert!(c
+            .iter()
+            .any(|c| c.alert == "approx_kl_out_of_range" && c.active));
+        let c = feed(&mut e, "learner_clip_fraction", &[0.01, 0.01, 0.01]);
+        assert!(c
+            .iter()
+            .any(|c| c.alert == "clip_fraction_out_of_range" && c.active));
+        let c = feed(&mut e, "learner_explained_variance", &[-0.5, -0.5, -0.5]);
+        assert!(c
+            .iter()
+            .any(|c| c.alert == "explained_variance_negative" && c.active));
+        // Catalogue bounds: progress lies in [0, 1].
+        let c = feed(&mut e, "learner_progress", &[1.5]);
+        assert!(c
+            .iter()
+            .any(|c| c.alert == "out_of_bounds" && c.active && c.metric == "learner_progress"));
+    }
+
+    #[test]
+    fn stalled_steps_raise_while_training_only() {
+        let mut e = AlertEngine::new(Some(2));
+        let t0 = Instant::now();
+        e.observe("learner_env_steps", 100.0, t0);
+        assert!(e.tick(t0 + Duration::from_secs(1)).is_empty());
+        let c = e.tick(t0 + STALL + Duration::from_secs(1));
+        assert!(c.iter().any(|c| c.alert == "step_stalled" && c.active));
+        let c = e.observe(
+            "learner_env_steps",
+            200.0,
+            t0 + STALL + Duration::from_secs(2),
+        );
+        assert!(c.iter().any(|c| c.alert == "step_stalled" && !c.active));
+        let mut changes = Vec::new();
+        e.set_training(false, &mut changes);
+        assert!(e.tick(t0 + STALL * 3).is_empty());
+    }
+
+    #[test]
+    fn return_stalling_and_declining() {
+        let mut e = AlertEngine::new(Some(2));
+        let mut values: Vec<f64> = (0..50).map(|i| i as f64).collect();
+        values.extend(std::iter::repeat_n(10.0, 30));
+        let c = feed(&mut e, "episode_return_mean", &values);
+        assert!(
+            c.iter().any(|c| c.alert == "return_declining" && c.active),
+            "{c:?}"
+        );
+        let c = feed(&mut e, "episode_return_mean", &vec![10.0; RETURN_PATIENCE]);
+        assert!(
+            c.iter().any(|c| c.alert == "return_stalled" && c.active),
+            "{c:?}"
+        );
     }
 }

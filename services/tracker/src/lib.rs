@@ -7,11 +7,14 @@
 //!
 //! - `config.yaml`: the resolved experiment config;
 //! - `metrics.jsonl`: one JSON object per metric report, with `vec_steps`;
+//! - `metrics.csv`: the same values, one row each ([`csv`]);
+//! - `plots/*.png`: learning curves, drawn at shutdown ([`plots`]);
 //! - `episodes.jsonl`, `eval.jsonl`: every finished training episode batch and eval;
 //! - `status.json`: the latest run status;
 //! - `logs/<service>.log`: every service's log lines.
 //!
 //! The learner writes `checkpoints/` into the same directory.
+//! Each run is also recorded in `<runs_dir>/runs.json` ([`registry`]).
 
 pub mod alerts;
 pub mod csv;

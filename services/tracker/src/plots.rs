@@ -9,12 +9,15 @@
 //!   `learner_entropy`, one panel each;
 //! - `sps.png`: `learner_sps` and each env-runner copy's `env_runner_sps`.
 //!
-//! The x axis is vector steps (`vec_steps`): for the learner's values, the
-//! vector steps it had trained on (its report's `vec_steps`); for an eval or
-//! a training episode, those of the learner when it published the weights
-//! version that ran it; for an env-runner's values, the run's vector steps
-//! taken so far by all copies (the sum of their `vec_steps_total`
-//! increments, which is the copy's own `vec_steps` when there is one copy).
+//! The x axis is the vector steps the policy had been trained on: for the
+//! learner's values, its report's `vec_steps`; for an eval, a training
+//! episode or an env-runner's values, the learner's `vec_steps` when it
+//! published the weights version that acted (`policy_version`,
+//! `env_runner_policy_version`; one point per copy and version, the latest).
+//! Env-runners take more steps than the learner trains on (stale fragments
+//! are dropped), so their own step counts would put their curves ahead of
+//! the learner's and the evaluator's. An env-runner report without a
+//! version sits at its own `vec_steps`.
 //!
 //! Drawn by the tracker at shutdown and by `relay plot`. Text uses DejaVu
 //! Sans compiled in (the `dejavu` crate) through plotters' `ab_glyph`
@@ -89,7 +92,12 @@ impl Grouped {
         if !self.points.contains_key(label) {
             self.order.push(label.to_string());
         }
-        self.points.entry(label.to_string()).or_default().push(point);
+        let points = self.points.entry(label.to_string()).or_default();
+        // One point per x: the latest value there.
+        match points.last_mut() {
+            Some(last) if last.0 == point.0 => *last = point,
+            _ => points.push(point),
+        }
     }
     fn into_series(mut self) -> Vec<Series> {
         self.order
@@ -108,34 +116,15 @@ impl Curves {
     /// directory (missing files count as empty).
     pub fn load(run_dir: &Path) -> Self {
         let mut curves = Curves::default();
-        // Weights version -> learner vec_steps when it was published.
+        let metrics = jsonl(&run_dir.join("metrics.jsonl"));
+        // The learner's reports: weights version -> vec_steps it had trained on.
         let mut versions: BTreeMap<u64, f64> = BTreeMap::new();
         // Learner vec_steps per env step, for evals of unknown versions.
         let mut vec_per_env: Option<f64> = None;
-        let (mut train, mut sps) = (Grouped::default(), Grouped::default());
-        let (mut run_vec, mut counted) = (0.0, false);
-        for line in jsonl(&run_dir.join("metrics.jsonl")) {
+        for line in &metrics {
             let values = &line["values"];
             let get = |name: &str| finite(&values[name]);
-            let instance = line["instance"].as_str().unwrap_or("?");
-            if let Some(steps) = get("vec_steps_total") {
-                run_vec += steps;
-                counted = true;
-            }
-            let env_x = if counted {
-                Some(run_vec)
-            } else {
-                finite(&line["vec_steps"])
-            };
-            if let Some(x) = env_x {
-                if let Some(r) = get("env_runner_episode_return_mean") {
-                    train.push(instance, (x, r));
-                }
-                if let Some(s) = get("env_runner_sps") {
-                    sps.push(&format!("env-runner {instance}"), (x, s));
-                }
-            }
-            let Some(x) = finite(&line["vec_steps"]).or_else(|| get("learner_vec_steps")) else {
+            let Some(x) = get("learner_vec_steps").or_else(|| finite(&line["vec_steps"])) else {
                 continue;
             };
             if let Some(v) = get("learner_policy_version") {
@@ -153,16 +142,39 @@ impl Curves {
                     out.push((x, y));
                 }
             }
-            if let Some(s) = get("learner_sps") {
-                sps.push("learner", (x, s));
-            }
         }
+        // The newest known version at or before `v` (version 0, the initial
+        // weights, is at 0).
         let at_version = |v: u64| -> Option<f64> {
             versions
-                .get(&v)
-                .copied()
+                .range(..=v)
+                .next_back()
+                .map(|(_, x)| *x)
                 .or_else(|| (v == 0).then_some(0.0))
         };
+        let (mut train, mut sps) = (Grouped::default(), Grouped::default());
+        for line in &metrics {
+            let values = &line["values"];
+            let get = |name: &str| finite(&values[name]);
+            let instance = line["instance"].as_str().unwrap_or("?");
+            if let Some(s) = get("learner_sps") {
+                if let Some(x) = get("learner_vec_steps").or_else(|| finite(&line["vec_steps"])) {
+                    sps.push("learner_sps", (x, s));
+                }
+            }
+            // An env-runner's values sit at the version it acted with.
+            let x = match get("env_runner_policy_version") {
+                Some(v) => at_version(v as u64),
+                None => finite(&line["vec_steps"]),
+            };
+            let Some(x) = x else { continue };
+            if let Some(r) = get("env_runner_episode_return_mean") {
+                train.push(instance, (x, r));
+            }
+            if let Some(s) = get("env_runner_sps") {
+                sps.push(&format!("env_runner_sps ({instance})"), (x, s));
+            }
+        }
 
         curves.train_return = train.into_series();
         if curves.train_return.len() == 1 {
@@ -200,13 +212,13 @@ impl Curves {
 
         let mut evals: Vec<(String, Vec<EvalPoint>)> = Vec::new();
         for e in jsonl(&run_dir.join("eval.jsonl")) {
-            let (Some(mean), Some(version)) = (finite(&e["mean_return"]), e["policy_version"].as_u64())
+            let (Some(mean), Some(version)) =
+                (finite(&e["mean_return"]), e["policy_version"].as_u64())
             else {
                 continue;
             };
-            let x = at_version(version).or_else(|| {
-                Some(finite(&e["learner_env_steps"])? * vec_per_env?)
-            });
+            let x = at_version(version)
+                .or_else(|| Some(finite(&e["learner_env_steps"])? * vec_per_env?));
             let Some(x) = x else { continue };
             if let Some(t) = finite(&e["threshold"]) {
                 curves.threshold = Some(t);
@@ -255,7 +267,7 @@ pub fn draw(curves: &Curves, out_dir: &Path) -> Result<Vec<PathBuf>, PlotError> 
     register_fonts()?;
     std::fs::create_dir_all(out_dir).map_err(|e| err(out_dir.display())(&e))?;
     let mut written = Vec::new();
-    let plots: [(&str, (u32, u32), &dyn Fn(&Area) -> Result<(), PlotError>); 3] = [
+    let plots: [(&str, (u32, u32), &DrawFn); 3] = [
         ("return", (1000, 600), &|area| draw_return(curves, area)),
         ("losses", (1000, 900), &|area| draw_losses(curves, area)),
         ("sps", (1000, 600), &|area| draw_sps(curves, area)),
@@ -279,7 +291,9 @@ pub fn draw(curves: &Curves, out_dir: &Path) -> Result<Vec<PathBuf>, PlotError> 
 /// Draws a run's plots, logging (not returning) a failure: for the tracker's shutdown.
 pub fn draw_run_logged(run_dir: &Path) {
     match draw_run(run_dir) {
-        Ok(paths) => tracing::info!(plots = %run_dir.join("plots").display(), count = paths.len(), "drew learning curves"),
+        Ok(paths) => {
+            tracing::info!(plots = %run_dir.join("plots").display(), count = paths.len(), "drew learning curves")
+        }
         Err(e) => tracing::error!(error = %e, "cannot draw the learning curves"),
     }
 }
@@ -295,11 +309,14 @@ fn register_fonts() -> Result<(), PlotError> {
     if ok {
         Ok(())
     } else {
-        Err(PlotError("the embedded DejaVu Sans font did not load".into()))
+        Err(PlotError(
+            "the embedded DejaVu Sans font did not load".into(),
+        ))
     }
 }
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
+type DrawFn<'a> = dyn Fn(&Area) -> Result<(), PlotError> + 'a;
 
 const COLORS: [RGBColor; 8] = [
     RGBColor(31, 119, 180),
@@ -327,36 +344,73 @@ enum Extra {
 }
 
 fn human(v: f64) -> String {
+    fn trim(s: String) -> String {
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            s
+        }
+    }
     let a = v.abs();
     if a >= 1e6 {
-        format!("{:.1}M", v / 1e6)
-    } else if a >= 1e4 {
-        format!("{:.0}k", v / 1e3)
+        format!("{}M", trim(format!("{:.2}", v / 1e6)))
     } else if a >= 1e3 {
-        format!("{:.1}k", v / 1e3)
-    } else if a >= 10.0 || a == 0.0 {
-        format!("{v:.0}")
-    } else if a >= 0.1 {
-        format!("{v:.2}")
+        format!("{}k", trim(format!("{:.1}", v / 1e3)))
+    } else if a >= 1e-2 || a == 0.0 {
+        trim(format!("{v:.3}"))
     } else {
         format!("{v:.1e}")
     }
 }
 
-fn range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
-    let (lo, hi) = values
-        .filter(|v| v.is_finite())
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
-            (lo.min(v), hi.max(v))
-        });
-    if lo > hi {
+/// The legend corner that hides the fewest points.
+fn legend_corner(lines: &[Line], x: (f64, f64), y: (f64, f64)) -> SeriesLabelPosition {
+    let corners = [
+        (SeriesLabelPosition::LowerRight, 1.0, 0.0),
+        (SeriesLabelPosition::UpperRight, 1.0, 1.0),
+        (SeriesLabelPosition::LowerLeft, 0.0, 0.0),
+        (SeriesLabelPosition::UpperLeft, 0.0, 1.0),
+    ];
+    let hidden = |cx: f64, cy: f64| {
+        lines
+            .iter()
+            .flat_map(|l| l.points.iter())
+            .filter(|p| {
+                let fx = (p.0 - x.0) / (x.1 - x.0);
+                let fy = (p.1 - y.0) / (y.1 - y.0);
+                (fx - cx).abs() < 0.35 && (fy - cy).abs() < 0.3
+            })
+            .count()
+    };
+    corners
+        .into_iter()
+        .min_by_key(|(_, cx, cy)| hidden(*cx, *cy))
+        .map(|(corner, _, _)| corner)
+        .expect("four corners")
+}
+
+/// The padded range of the finite values. With `trim`, a few extreme values
+/// (at most 2% on each side, beyond twice the spread of the others) are left
+/// outside, so a start-up spike does not flatten the rest of the curve.
+fn range(values: impl Iterator<Item = f64>, pad: f64, trim: bool) -> Option<(f64, f64)> {
+    let mut v: Vec<f64> = values.filter(|v| v.is_finite()).collect();
+    if v.is_empty() {
         return None;
     }
-    let span = if hi > lo {
-        hi - lo
-    } else {
-        lo.abs().max(1.0)
-    };
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let (mut lo, mut hi) = (v[0], v[n - 1]);
+    if trim && n >= 20 {
+        let (a, b) = (v[n / 50], v[n - 1 - n / 50]);
+        let spread = b - a;
+        if hi > b + 2.0 * spread {
+            hi = b + 0.25 * spread;
+        }
+        if lo < a - 2.0 * spread {
+            lo = a - 0.25 * spread;
+        }
+    }
+    let span = if hi > lo { hi - lo } else { lo.abs().max(1.0) };
     Some((lo - span * pad, hi + span * pad))
 }
 
@@ -366,6 +420,7 @@ fn panel(
     y_desc: &str,
     lines: &[Line],
     extras: &[Extra],
+    trim_outliers: bool,
 ) -> Result<(), PlotError> {
     let xs = lines
         .iter()
@@ -381,7 +436,7 @@ fn panel(
             Extra::Band(b, _) => b.iter().flat_map(|p| [p.1, p.2]).collect::<Vec<_>>(),
             Extra::Horizontal(y, _) => vec![*y],
         }));
-    let (Some(mut x), Some(y)) = (range(xs, 0.0), range(ys, 0.05)) else {
+    let (Some(mut x), Some(y)) = (range(xs, 0.0, false), range(ys, 0.05, trim_outliers)) else {
         let (w, h) = area.dim_in_pixel();
         area.draw(&Text::new(
             title.to_string(),
@@ -392,7 +447,9 @@ fn panel(
         area.draw(&Text::new(
             "no data yet".to_string(),
             (w as i32 / 2 - 60, h as i32 / 2),
-            ("sans-serif", 22).into_font().color(&RGBColor(120, 120, 120)),
+            ("sans-serif", 22)
+                .into_font()
+                .color(&RGBColor(120, 120, 120)),
         ))
         .map_err(|e| err(title)(&e))?;
         return Ok(());
@@ -434,7 +491,10 @@ fn panel(
             Extra::Horizontal(yv, label) => {
                 let grey = RGBColor(110, 110, 110);
                 chart
-                    .draw_series(LineSeries::new([(x.0, *yv), (x.1, *yv)], grey.stroke_width(1)))
+                    .draw_series(LineSeries::new(
+                        [(x.0, *yv), (x.1, *yv)],
+                        grey.stroke_width(1),
+                    ))
                     .map_err(|e| err(title)(&e))?
                     .label(label.clone())
                     .legend(move |(lx, ly)| PathElement::new([(lx, ly), (lx + 20, ly)], grey));
@@ -465,7 +525,7 @@ fn panel(
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(legend_corner(lines, x, y))
         .label_font(("sans-serif", 15))
         .background_style(WHITE.mix(0.85))
         .border_style(RGBColor(180, 180, 180))
@@ -514,7 +574,7 @@ fn draw_return(curves: &Curves, area: &Area) -> Result<(), PlotError> {
     if let Some(t) = curves.threshold {
         extras.push(Extra::Horizontal(t, format!("solved at {}", human(t))));
     }
-    panel(area, "Return", "episode return", &lines, &extras)
+    panel(area, "Return", "episode return", &lines, &extras, false)
 }
 
 fn draw_losses(curves: &Curves, area: &Area) -> Result<(), PlotError> {
@@ -527,14 +587,24 @@ fn draw_losses(curves: &Curves, area: &Area) -> Result<(), PlotError> {
     .into_iter()
     .enumerate()
     {
-        let name = ["learner_policy_loss", "learner_value_loss", "learner_entropy"][i];
+        let name = [
+            "learner_policy_loss",
+            "learner_value_loss",
+            "learner_entropy",
+        ][i];
         let line = Line {
             label: name.into(),
             points,
             color: COLORS[i],
             markers: false,
         };
-        panel(&panels[i], title, title.to_ascii_lowercase().as_str(), &[line], &[])?;
+        panel(
+            &panels[i],
+            title,
+            title.to_ascii_lowercase().as_str(),
+            &[line],
+            &[],
+        )?;
     }
     Ok(())
 }
@@ -551,5 +621,5 @@ fn draw_sps(curves: &Curves, area: &Area) -> Result<(), PlotError> {
             markers: false,
         })
         .collect();
-    panel(area, "Throughput", "env steps per second", &lines, &[])
+    panel(area, "Throughput", "env steps per second", &lines, &[], true)
 }

@@ -208,6 +208,9 @@ impl CustomOp1 for CategoricalLogProb {
                 self.actions.len()
             )
         }
+        if let Some(a) = self.actions.iter().find(|&&a| a as usize >= n) {
+            bail!("categorical logprob: action {a} out of range 0..{n}")
+        }
         let mut lsm = vec![0f32; n];
         let out = logits
             .chunks_exact(n)
