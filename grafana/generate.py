@@ -17,8 +17,7 @@ lists them all). Labels worth knowing:
   `instance` and `replica` (the service copy, e.g. `env-runner-0`) that
   Prometheus adds from file-based discovery;
 - values re-exported by the tracker carry `source` (the reporting service)
-  and the copy as `replica`, which Prometheus renames to `exported_replica`
-  because the target label `replica` (= `tracker-0`) takes precedence.
+  and `copy` (the reporting copy, e.g. `env-runner-0`).
 """
 
 import json
@@ -270,7 +269,7 @@ training = dashboard(
             "timeseries", "Training episode return",
             [
                 t(sel("relay_episode_return_mean"), "{{run_id}} run (last 100)"),
-                t(sel("relay_env_runner_episode_return_mean"), "{{run_id}} {{exported_replica}} (last 100)"),
+                t(sel("relay_env_runner_episode_return_mean"), "{{run_id}} {{copy}} (last 100)"),
             ],
             description="Mean return of the last 100 training episodes, of the run and of each env-runner copy.",
         ),
@@ -394,7 +393,7 @@ throughput = dashboard(
             [
                 t(f"sum by (replica) (rate({sel('relay_env_runner_env_steps_total')}[{RI}]))", "{{replica}}"),
                 t(f"sum(rate({sel('relay_env_runner_env_steps_total')}[{RI}]))", "all env-runners"),
-                t(sel("relay_env_runner_sps"), "{{exported_replica}} (reported)"),
+                t(sel("relay_env_runner_sps"), "{{copy}} (reported)"),
             ],
             w=8, unit="ops",
         ),
@@ -483,7 +482,7 @@ throughput = dashboard(
             [
                 t(sel("relay_learner_weights_version"), "learner (published)"),
                 t(sel("relay_inference_weights_version", 'service="inference-server"'), "{{replica}} (served)"),
-                t(sel("relay_env_runner_policy_version"), "{{exported_replica}} (acted)"),
+                t(sel("relay_env_runner_policy_version"), "{{copy}} (acted)"),
                 t(sel("relay_eval_policy_version"), "evaluator {{evaluator}} (evaluated)"),
             ],
             w=12,

@@ -159,7 +159,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut gathered = 0u64;
     let (mut dropped_stale, mut reported_stale) = (0u64, 0u64);
     let mut solved: Option<String> = None;
-    let mut started = Instant::now();
+    let started = Instant::now();
     let finish = loop {
         if shutdown.is_triggered() {
             break Finish::Shutdown;
@@ -278,9 +278,6 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
-        if progress.updates == 1 {
-            started = Instant::now();
-        }
         let sps = progress.env_steps as f64 / started.elapsed().as_secs_f64().max(1e-3);
         service
             .report(
@@ -313,7 +310,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     gauge("learner_learning_rate", stats.learning_rate),
                     gauge("learner_clip_range", stats.clip_range),
                     gauge("learner_epochs", stats.epochs_done as f64),
-                    counter("learner_kl_early_stops_total", stats.kl_early_stop as u8 as f64),
+                    counter(
+                        "learner_kl_early_stops_total",
+                        stats.kl_early_stop as u8 as f64,
+                    ),
                     gauge("learner_last_update_seconds", seconds),
                     gauge(
                         "learner_policy_lag_max",

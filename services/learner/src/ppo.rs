@@ -141,7 +141,9 @@ pub fn prepare(
         let next_values: Vec<f32> = (0..t_len * n)
             .map(|idx| {
                 if truncated[idx] && !terminated[idx] {
-                    final_values.next().expect("one final observation per truncation")
+                    final_values
+                        .next()
+                        .expect("one final observation per truncation")
                 } else if idx + n < t_len * n {
                     values[idx + n]
                 } else {

@@ -247,7 +247,9 @@ async fn watch(
         }
     }
     if !outcome.solved {
-        outcome.wall_s = ready.elapsed().as_secs_f64();
+        // Until training ended, not until the supervisor stopped watching.
+        let end = learner_done.unwrap_or_else(Instant::now);
+        outcome.wall_s = end.duration_since(ready).as_secs_f64();
         outcome.eval_return = last_eval.map(|e| e.mean_return);
     }
     Ok(outcome)

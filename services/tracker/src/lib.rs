@@ -118,7 +118,7 @@ fn now() -> String {
 /// Prometheus series built from the reports it receives. The tracker's
 /// registry carries `run_id`, `service="tracker"` and `env_id` on every
 /// series; reported gauges add `source` (the producing service) and
-/// `replica` (its copy), reported counters are summed over copies into run
+/// `copy` (its copy), reported counters are summed over copies into run
 /// totals.
 struct Exported {
     registry: Registry,
@@ -193,9 +193,8 @@ impl Exported {
                 MetricKind::Gauge => {
                     let registry = &self.registry;
                     let gauge = self.gauges.entry(name.clone()).or_insert_with(|| {
-                        let g =
-                            GaugeVec::new(Opts::new(name.clone(), help), &["source", "replica"])
-                                .unwrap();
+                        let g = GaugeVec::new(Opts::new(name.clone(), help), &["source", "copy"])
+                            .unwrap();
                         relay_kit::metrics::register(registry, &g);
                         g
                     });

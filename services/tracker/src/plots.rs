@@ -343,7 +343,15 @@ enum Extra {
     Horizontal(f64, String),
 }
 
+/// A number as a short label: `12.5k`, `1.5M`, `0.65`, `-0.005`.
 fn human(v: f64) -> String {
+    tick(v, v.abs())
+}
+
+/// A tick label on an axis spanning `span`: as many decimals as the span
+/// needs, thousands as `k` and millions as `M`, and `0` for the float noise
+/// of a tick at zero.
+fn tick(v: f64, span: f64) -> String {
     fn trim(s: String) -> String {
         if s.contains('.') {
             s.trim_end_matches('0').trim_end_matches('.').to_string()
@@ -351,15 +359,21 @@ fn human(v: f64) -> String {
             s
         }
     }
-    let a = v.abs();
-    if a >= 1e6 {
-        format!("{}M", trim(format!("{:.2}", v / 1e6)))
-    } else if a >= 1e3 {
-        format!("{}k", trim(format!("{:.1}", v / 1e3)))
-    } else if a >= 1e-2 || a == 0.0 {
-        trim(format!("{v:.3}"))
+    let span = if span.is_finite() && span > 0.0 {
+        span
     } else {
-        format!("{v:.1e}")
+        v.abs().max(1.0)
+    };
+    let a = v.abs();
+    if a < span * 1e-9 {
+        "0".into()
+    } else if a >= 1e6 {
+        format!("{}M", trim(format!("{:.2}", v / 1e6)))
+    } else if a >= 1e3 && span >= 1e2 {
+        format!("{}k", trim(format!("{:.1}", v / 1e3)))
+    } else {
+        let decimals = ((-span.log10()).ceil() + 1.0).clamp(0.0, 9.0) as usize;
+        trim(format!("{v:.decimals$}"))
     }
 }
 
@@ -389,9 +403,10 @@ fn legend_corner(lines: &[Line], x: (f64, f64), y: (f64, f64)) -> SeriesLabelPos
         .expect("four corners")
 }
 
-/// The padded range of the finite values. With `trim`, a few extreme values
-/// (at most 2% on each side, beyond twice the spread of the others) are left
-/// outside, so a start-up spike does not flatten the rest of the curve.
+/// The padded range of the finite values. With `trim` and at least 10
+/// values, a few extreme ones (2% on each side, at least one, when beyond
+/// twice the spread of the others) are left outside the range, so a
+/// start-up spike (the learner's first SPS) does not flatten the curves.
 fn range(values: impl Iterator<Item = f64>, pad: f64, trim: bool) -> Option<(f64, f64)> {
     let mut v: Vec<f64> = values.filter(|v| v.is_finite()).collect();
     if v.is_empty() {
@@ -400,8 +415,9 @@ fn range(values: impl Iterator<Item = f64>, pad: f64, trim: bool) -> Option<(f64
     v.sort_by(f64::total_cmp);
     let n = v.len();
     let (mut lo, mut hi) = (v[0], v[n - 1]);
-    if trim && n >= 20 {
-        let (a, b) = (v[n / 50], v[n - 1 - n / 50]);
+    if trim && n >= 10 {
+        let k = (n / 50).max(1);
+        let (a, b) = (v[k], v[n - 1 - k]);
         let spread = b - a;
         if hi > b + 2.0 * spread {
             hi = b + 0.25 * spread;
@@ -468,8 +484,8 @@ fn panel(
         .configure_mesh()
         .x_desc("vec_steps")
         .y_desc(y_desc)
-        .x_label_formatter(&|v| human(*v))
-        .y_label_formatter(&|v| human(*v))
+        .x_label_formatter(&|v| tick(*v, x.1 - x.0))
+        .y_label_formatter(&|v| tick(*v, y.1 - y.0))
         .label_style(("sans-serif", 15))
         .axis_desc_style(("sans-serif", 17))
         .light_line_style(RGBColor(235, 235, 235))
@@ -604,6 +620,7 @@ fn draw_losses(curves: &Curves, area: &Area) -> Result<(), PlotError> {
             title.to_ascii_lowercase().as_str(),
             &[line],
             &[],
+            false,
         )?;
     }
     Ok(())
@@ -621,5 +638,50 @@ fn draw_sps(curves: &Curves, area: &Area) -> Result<(), PlotError> {
             markers: false,
         })
         .collect();
-    panel(area, "Throughput", "env steps per second", &lines, &[], true)
+    panel(
+        area,
+        "Throughput",
+        "env steps per second",
+        &lines,
+        &[],
+        true,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_pad_and_optionally_leave_out_a_spike() {
+        assert_eq!(range([1.0, 3.0].into_iter(), 0.5, false), Some((0.0, 4.0)));
+        assert_eq!(range([f64::NAN].into_iter(), 0.0, false), None);
+        assert_eq!(range([2.0].into_iter(), 0.0, false), Some((2.0, 2.0)));
+        let spiky: Vec<f64> = std::iter::once(250_000.0)
+            .chain((0..99).map(|i| 2000.0 + i as f64))
+            .collect();
+        assert_eq!(
+            range(spiky.iter().copied(), 0.0, false).unwrap().1,
+            250_000.0
+        );
+        let (lo, hi) = range(spiky.iter().copied(), 0.0, true).unwrap();
+        assert!(lo == 2000.0 && hi < 2200.0, "{lo} {hi}");
+    }
+
+    #[test]
+    fn tick_labels_are_short() {
+        assert_eq!(human(0.0), "0");
+        assert_eq!(human(2000.0), "2k");
+        assert_eq!(human(12_500.0), "12.5k");
+        assert_eq!(human(1_500_000.0), "1.5M");
+        assert_eq!(human(0.65), "0.65");
+        assert_eq!(human(-0.005), "-0.005");
+        assert_eq!(human(475.0), "475");
+        // Ticks follow the axis span; float noise at zero is 0.
+        assert_eq!(tick(3.5e-18, 0.08), "0");
+        assert_eq!(tick(-0.01, 0.08), "-0.01");
+        assert_eq!(tick(0.68, 0.2), "0.68");
+        assert_eq!(tick(25.0, 25.0), "25");
+        assert_eq!(tick(1500.0, 3000.0), "1.5k");
+    }
 }

@@ -25,7 +25,7 @@ pub fn synthetic_run(dir: &Path, updates: u64) {
                 metrics,
                 "{}",
                 json!({"time": time, "service": "env-runner", "instance": format!("env-runner-{i}"), "vec_steps": *steps,
-                       "values": {"env_steps_total": 1024.0, "vec_steps_total": 128.0, "env_runner_sps": 3000.0 + 100.0 * i as f64 + (v % 5) as f64 * 50.0,
+                       "values": {"env_steps_total": 1024.0, "vec_steps_total": 128.0, "env_runner_policy_version": (v - 1) as f64, "env_runner_sps": 3000.0 + 100.0 * i as f64 + (v % 5) as f64 * 50.0,
                                   "env_runner_episode_return_mean": ret}})
             )
             .unwrap();
@@ -92,12 +92,13 @@ fn curves_read_from_the_run_files() {
     let tmp = TempDir::new("curves");
     synthetic_run(tmp.path(), 40);
     let c = Curves::load(tmp.path());
-    // One training series per env-runner copy, on the run's summed vec steps.
+    // One training series per env-runner copy, at the learner's vec steps of
+    // the version each acted with (version 0 at 0).
     assert_eq!(c.train_return.len(), 2);
     assert_eq!(c.train_return[0].points.len(), 40);
-    assert_eq!(c.train_return[0].points[0].0, 128.0);
-    assert_eq!(c.train_return[1].points[0].0, 256.0);
-    assert_eq!(c.train_return[1].points.last().unwrap().0, 40.0 * 256.0);
+    assert_eq!(c.train_return[0].points[0].0, 0.0);
+    assert_eq!(c.train_return[1].points[1].0, 256.0);
+    assert_eq!(c.train_return[1].points.last().unwrap().0, 39.0 * 256.0);
     // Evals sit at the learner's vec steps of their weights version.
     let (name, evals) = &c.eval_return[0];
     assert_eq!(name, "greedy");
