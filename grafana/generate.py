@@ -409,6 +409,18 @@ throughput = dashboard(
             w=8, unit="ops",
             description="Fragments the env-runners sent per second: stored, stale (dropped), refused, rejected.",
         ),
+        panel(
+            "timeseries", "Time per turn (vector step)",
+            quantiles("relay_env_runner_step_seconds", by="replica", prefix="{{replica}} "),
+            w=12, unit="s",
+            description="Wall time of one vector step: the act request plus stepping every env.",
+        ),
+        panel(
+            "timeseries", "Time per episode",
+            quantiles("relay_env_runner_episode_seconds", by="replica", prefix="{{replica}} "),
+            w=12, unit="s",
+            description="Wall time of one episode, from its reset to its end.",
+        ),
         row("Inference servers"),
         panel(
             "timeseries", "Inference batch size",
@@ -418,6 +430,12 @@ throughput = dashboard(
             ],
             w=8,
             description="Observations per batched forward pass.",
+        ),
+        panel(
+            "timeseries", "Queue depth (requests per batch)",
+            quantiles("relay_inference_queue_depth", by="replica", prefix="{{replica}} "),
+            w=24,
+            description="Act requests that were waiting together when a batch was formed.",
         ),
         panel(
             "timeseries", "Forward latency",

@@ -25,6 +25,8 @@ struct Metrics {
     vec_steps: IntCounter,
     episodes: IntCounter,
     act_latency: Histogram,
+    step_seconds: Histogram,
+    episode_seconds: Histogram,
     fragments: IntCounterVec,
     backpressure_waits: IntCounter,
 }
@@ -56,6 +58,24 @@ impl Metrics {
             ]),
         )
         .unwrap();
+        let step_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_env_runner_step_seconds",
+                "Wall time of one vector step (a turn): act request plus env step.",
+            )
+            .buckets(vec![
+                1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0,
+            ]),
+        )
+        .unwrap();
+        let episode_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_env_runner_episode_seconds",
+                "Wall time of one episode.",
+            )
+            .buckets(vec![0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0]),
+        )
+        .unwrap();
         let fragments = IntCounterVec::new(
             Opts::new(
                 "relay_env_runner_fragments_total",
@@ -73,6 +93,8 @@ impl Metrics {
         relay_kit::metrics::register(registry, &vec_steps);
         relay_kit::metrics::register(registry, &episodes);
         relay_kit::metrics::register(registry, &act_latency);
+        relay_kit::metrics::register(registry, &step_seconds);
+        relay_kit::metrics::register(registry, &episode_seconds);
         relay_kit::metrics::register(registry, &fragments);
         relay_kit::metrics::register(registry, &backpressure_waits);
         Self {
@@ -80,6 +102,8 @@ impl Metrics {
             vec_steps,
             episodes,
             act_latency,
+            step_seconds,
+            episode_seconds,
             fragments,
             backpressure_waits,
         }
@@ -222,7 +246,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut clipped = vec![0f32; action_dim.unwrap_or(0) * n];
     service.health.set_ready(true);
 
+    let mut episode_started = vec![Instant::now(); n];
     'outer: while !shutdown.is_triggered() {
+        let step_started = Instant::now();
         // Ask for actions, retrying while no inference server (or no weights) is there.
         let request = ActRequest::new(Tensor::from_f32(&[n, obs_dim], &obs), false);
         let mut backoff = Duration::from_millis(10);
@@ -295,6 +321,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
         }
         for e in &step.finished {
+            let started = std::mem::replace(&mut episode_started[e.env_index], Instant::now());
+            metrics
+                .episode_seconds
+                .observe(started.elapsed().as_secs_f64());
             episodes.push(EpisodeSummary {
                 episode_return: e.episode_return,
                 length: e.length,
@@ -310,6 +340,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         fragment.steps += 1;
         metrics.vec_steps.inc();
         metrics.env_steps.inc_by(n as u64);
+        metrics
+            .step_seconds
+            .observe(step_started.elapsed().as_secs_f64());
 
         if fragment.steps == cfg.env_runner.fragment_steps {
             let message = fragment.finish(&service.instance, spec.id, n, obs_dim, action_dim, &obs);

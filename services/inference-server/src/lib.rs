@@ -20,6 +20,7 @@ use relay_proto::{ActReply, ActRequest, Tensor, SCHEMA_VERSION};
 
 struct Metrics {
     batch_size: Histogram,
+    queue_depth: Histogram,
     forward_seconds: Histogram,
     requests: IntCounter,
     weights_version: IntGauge,
@@ -27,6 +28,14 @@ struct Metrics {
 
 impl Metrics {
     fn register(registry: &prometheus::Registry) -> Self {
+        let queue_depth = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_inference_queue_depth",
+                "Act requests waiting together when a batch was formed.",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
+        )
+        .unwrap();
         let batch_size = Histogram::with_opts(
             HistogramOpts::new(
                 "relay_inference_batch_size",
@@ -53,11 +62,13 @@ impl Metrics {
         )
         .unwrap();
         relay_kit::metrics::register(registry, &batch_size);
+        relay_kit::metrics::register(registry, &queue_depth);
         relay_kit::metrics::register(registry, &forward_seconds);
         relay_kit::metrics::register(registry, &requests);
         relay_kit::metrics::register(registry, &weights_version);
         Self {
             batch_size,
+            queue_depth,
             forward_seconds,
             requests,
             weights_version,
@@ -161,6 +172,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 _ => break,
             }
         }
+        metrics.queue_depth.observe(decoded.len() as f64);
         if decoded.is_empty() {
             continue;
         }

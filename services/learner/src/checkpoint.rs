@@ -1,14 +1,204 @@
 //! Checkpoints in the run directory:
 //! `checkpoints/<updates, 8 digits>/{model.safetensors, optimizer.safetensors, state.json, config.yaml}`,
 //! written into a temporary folder and renamed into place, so a reader never
-//! sees half a checkpoint; `checkpoints/last` links to the newest.
+//! sees half a checkpoint.
+//!
+//! - `state.json` holds [`CheckpointState`]: the counters ([`Progress`]),
+//!   the learner's RNG (ChaCha8 seed, stream and word position, so the
+//!   minibatch shuffles after a resume are the ones the run would have
+//!   drawn) and the best eval mean so far. The schedules (learning rate,
+//!   clip range) are functions of `env_steps / run.total_env_steps`, so the
+//!   saved `env_steps` is their position.
+//! - `checkpoints/last` links the newest checkpoint written, `checkpoints/best`
+//!   the one written when the best eval mean so far arrived.
+//! - `checkpoints/pinned.json` (a JSON array of checkpoint numbers, written by
+//!   `relay checkpoints pin`) lists checkpoints never removed; otherwise only
+//!   the newest `ppo.keep_checkpoints` and the best are kept.
+//! - `checkpoints/published.json` records the highest weights version the
+//!   learner has published (written before each publish), so a resumed
+//!   learner publishes above it and no subscriber sees the version go back.
 
 use std::path::{Path, PathBuf};
 
 use relay_kit::ExperimentConfig;
 use relay_nn::{ActorCritic, Adam};
 
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
 use crate::Progress;
+
+/// The learner's RNG as saved: ChaCha8 seed (hex), stream and word position.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngState {
+    pub seed: String,
+    pub stream: u64,
+    /// A u128, as a decimal string (JSON numbers stop at 2^53 in many readers).
+    pub word_pos: String,
+}
+
+impl RngState {
+    /// Captures a generator's position.
+    pub fn capture(rng: &ChaCha8Rng) -> Self {
+        Self {
+            seed: rng.get_seed().iter().map(|b| format!("{b:02x}")).collect(),
+            stream: rng.get_stream(),
+            word_pos: rng.get_word_pos().to_string(),
+        }
+    }
+
+    /// Rebuilds the generator at the saved position.
+    pub fn restore(&self) -> Result<ChaCha8Rng, String> {
+        use rand::SeedableRng;
+        if self.seed.len() != 64 {
+            return Err(format!(
+                "rng seed has {} hex digits, expected 64",
+                self.seed.len()
+            ));
+        }
+        let mut seed = [0u8; 32];
+        for (i, b) in seed.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&self.seed[2 * i..2 * i + 2], 16)
+                .map_err(|e| format!("rng seed: {e}"))?;
+        }
+        let word_pos: u128 = self
+            .word_pos
+            .parse()
+            .map_err(|e| format!("rng word_pos: {e}"))?;
+        let mut rng = ChaCha8Rng::from_seed(seed);
+        rng.set_stream(self.stream);
+        rng.set_word_pos(word_pos);
+        Ok(rng)
+    }
+}
+
+/// Everything of the learner's state that is not a tensor (`state.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointState {
+    #[serde(flatten)]
+    pub progress: Progress,
+    /// Absent in checkpoints written before the RNG was saved.
+    #[serde(default)]
+    pub rng: Option<RngState>,
+    /// Best eval mean heard so far (and the version it evaluated).
+    #[serde(default)]
+    pub best_eval: Option<(f64, u64)>,
+}
+
+/// Checkpoint numbers in `checkpoints/`, ascending.
+pub fn list(run_dir: &Path) -> Vec<u64> {
+    let mut out: Vec<u64> = std::fs::read_dir(run_dir.join("checkpoints"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir() && !e.path().is_symlink())
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// The folder of checkpoint `n`.
+pub fn folder(run_dir: &Path, n: u64) -> PathBuf {
+    run_dir.join("checkpoints").join(format!("{n:08}"))
+}
+
+/// The checkpoint a link (`last`, `best`) points to.
+pub fn link_target(run_dir: &Path, link: &str) -> Option<u64> {
+    std::fs::read_link(run_dir.join("checkpoints").join(link))
+        .ok()?
+        .to_str()?
+        .parse()
+        .ok()
+}
+
+/// Pinned checkpoint numbers (`checkpoints/pinned.json`).
+pub fn pinned(run_dir: &Path) -> Vec<u64> {
+    std::fs::read_to_string(run_dir.join("checkpoints").join("pinned.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default()
+}
+
+/// Adds `n` to `checkpoints/pinned.json` (written by rename).
+pub fn pin(run_dir: &Path, n: u64) -> Result<(), CheckpointError> {
+    let root = run_dir.join("checkpoints");
+    let mut list = pinned(run_dir);
+    if !list.contains(&n) {
+        list.push(n);
+        list.sort_unstable();
+    }
+    let tmp = root.join(".pinned.json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(&list).expect("list serializes")).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, root.join("pinned.json")).map_err(io(&root))
+}
+
+/// Points `checkpoints/<link>` at checkpoint folder `name` (atomically).
+fn set_link(root: &Path, link: &str, name: &str) -> Result<(), CheckpointError> {
+    let tmp = root.join(format!(".{link}.tmp"));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(name, &tmp).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, root.join(link)).map_err(io(root))
+}
+
+/// Removes numbered checkpoints beyond the newest `keep`, except pinned ones
+/// and the targets of `best` and `last`; returns the removed numbers.
+pub fn prune(run_dir: &Path, keep: usize) -> Vec<u64> {
+    let all = list(run_dir);
+    let protected: Vec<u64> = pinned(run_dir)
+        .into_iter()
+        .chain(link_target(run_dir, "best"))
+        .chain(link_target(run_dir, "last"))
+        .collect();
+    let cut = all.len().saturating_sub(keep);
+    let mut removed = Vec::new();
+    for &n in &all[..cut] {
+        if !protected.contains(&n) && std::fs::remove_dir_all(folder(run_dir, n)).is_ok() {
+            removed.push(n);
+        }
+    }
+    removed
+}
+
+/// Resolves a checkpoint name of a run: `last`, `best` or a number.
+pub fn resolve(run_dir: &Path, which: &str) -> Result<PathBuf, CheckpointError> {
+    let n = match which {
+        "last" | "best" => link_target(run_dir, which).ok_or_else(|| CheckpointError::State {
+            path: run_dir.join("checkpoints").join(which),
+            detail: format!("the run has no `{which}` checkpoint"),
+        })?,
+        other => other.parse::<u64>().map_err(|_| CheckpointError::State {
+            path: run_dir.join("checkpoints"),
+            detail: format!("checkpoint {other:?} is neither `best`, `last` nor a number"),
+        })?,
+    };
+    let dir = folder(run_dir, n);
+    if !dir.join("state.json").is_file() {
+        return Err(CheckpointError::State {
+            path: dir,
+            detail: "no such checkpoint (see `relay checkpoints ls`)".into(),
+        });
+    }
+    Ok(dir)
+}
+
+/// Highest weights version published by this run's learners (0 if none recorded).
+pub fn published_version(run_dir: &Path) -> u64 {
+    std::fs::read_to_string(run_dir.join("checkpoints").join("published.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["version"].as_u64())
+        .unwrap_or(0)
+}
+
+/// Records that version `version` is about to be published.
+pub fn record_published(run_dir: &Path, version: u64) -> Result<(), CheckpointError> {
+    let root = run_dir.join("checkpoints");
+    std::fs::create_dir_all(&root).map_err(io(&root))?;
+    let tmp = root.join(".published.json.tmp");
+    std::fs::write(&tmp, format!("{{\"version\":{version}}}")).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, root.join("published.json")).map_err(io(&root))
+}
 
 /// Why a checkpoint could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -31,14 +221,17 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     }
 }
 
-/// Writes a checkpoint and returns its folder.
+/// Writes a checkpoint, links it as `last` (and `best` when `best`), prunes
+/// old ones and returns its folder.
 pub fn save(
     run_dir: &Path,
     model: &ActorCritic,
     adam: &Adam,
-    progress: &Progress,
+    state: &CheckpointState,
     config: &ExperimentConfig,
+    best: bool,
 ) -> Result<PathBuf, CheckpointError> {
+    let progress = &state.progress;
     let root = run_dir.join("checkpoints");
     std::fs::create_dir_all(&root).map_err(io(&root))?;
     let name = format!("{:08}", progress.updates);
@@ -50,22 +243,33 @@ pub fn save(
         .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
     adam.save(tmp.join("optimizer.safetensors"))
         .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
-    let state = tmp.join("state.json");
+    let state_path = tmp.join("state.json");
     std::fs::write(
-        &state,
-        serde_json::to_vec_pretty(progress).expect("progress serializes"),
+        &state_path,
+        serde_json::to_vec_pretty(state).expect("state serializes"),
     )
-    .map_err(io(&state))?;
+    .map_err(io(&state_path))?;
     let config_path = tmp.join("config.yaml");
     std::fs::write(&config_path, config.to_yaml()).map_err(io(&config_path))?;
     let dest = root.join(&name);
     let _ = std::fs::remove_dir_all(&dest);
     std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
-    let link_tmp = root.join(".last.tmp");
-    let _ = std::fs::remove_file(&link_tmp);
-    std::os::unix::fs::symlink(&name, &link_tmp).map_err(io(&link_tmp))?;
-    std::fs::rename(&link_tmp, root.join("last")).map_err(io(&root))?;
+    set_link(&root, "last", &name)?;
+    if best {
+        set_link(&root, "best", &name)?;
+    }
+    prune(run_dir, config.ppo.keep_checkpoints);
     Ok(dest)
+}
+
+/// Reads a checkpoint folder's `state.json`.
+pub fn load_state(dir: &Path) -> Result<CheckpointState, CheckpointError> {
+    let path = dir.join("state.json");
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    serde_json::from_str(&text).map_err(|e| CheckpointError::State {
+        path,
+        detail: e.to_string(),
+    })
 }
 
 /// Reads a checkpoint folder's counters.

@@ -5,11 +5,26 @@
 //! fragments no more than `replay.max_policy_lag` versions old, update,
 //! publish version + 1 on `weights` (and serve the latest on
 //! `weights.latest` for services that join later), report metrics, and
-//! checkpoint every `ppo.checkpoint_every` updates and at the end. It stops
+//! checkpoint every `ppo.checkpoint_every` updates, at the first eval, at
+//! each new best eval mean (it listens on `eval`) and at the end. It stops
 //! training when the budget `run.total_env_steps` is spent or, with
 //! `run.stop_when_solved`, when the evaluator announces the run solved; it
 //! then writes a final checkpoint and keeps serving the weights until
 //! shutdown.
+//!
+//! Resume (`run.resume_from`): the model, optimizer (unless
+//! `run.reset_optimizer`), counters and RNG come from the checkpoint. Weights
+//! versions are a publication counter that never goes back: the first
+//! version published after a resume is one above the highest version any
+//! learner of the run published (`checkpoints/published.json`), carrying the
+//! checkpoint's weights; the replay buffer is asked for fragments acted by
+//! that version or newer only, so rollouts of the abandoned timeline are
+//! dropped. `updates`, `env_steps` and `vec_steps` continue from the
+//! checkpoint, so the updates made after it before a crash are redone; each
+//! metric report carries `learner_resumed_at_vec_steps` (0 for a fresh
+//! start) and `learner_rollout_vec_steps`, so a reader can check that the
+//! series continues without gap or overlap. `run.init_from` loads only the
+//! weights (and the optimizer unless reset) of another run's checkpoint.
 
 pub mod checkpoint;
 pub mod ppo;
@@ -21,11 +36,12 @@ use bytes::Bytes;
 use futures::StreamExt;
 use prometheus::{Histogram, HistogramOpts, IntGauge};
 use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::{ActorCritic, Adam, AdamConfig};
 use relay_proto::{
-    RolloutFragment, RunStatus, RunStatusUpdate, SampleReply, SampleRequest, WeightsRequest,
-    SCHEMA_VERSION,
+    EvalReport, RolloutFragment, RunStatus, RunStatusUpdate, SampleReply, SampleRequest,
+    WeightsRequest, SCHEMA_VERSION,
 };
 
 /// Counters that a checkpoint carries.
@@ -91,20 +107,72 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let cfg = service.config.clone();
     let metrics = Metrics::register(&service.registry);
     let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
-    let model = ActorCritic::new(&spec, cfg.run.seed).map_err(ServiceError::other)?;
+    let mut model = ActorCritic::new(&spec, cfg.run.seed).map_err(ServiceError::other)?;
     let adam_config = AdamConfig {
         lr: cfg.ppo.learning_rate,
         eps: cfg.ppo.adam_eps,
         ..AdamConfig::default()
     };
     let mut adam = Adam::new(model.vars(), adam_config).map_err(ServiceError::other)?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.run.seed.wrapping_add(0x5eed));
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.run.seed.wrapping_add(0x5eed));
     let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
     let mut progress = Progress::default();
+    let mut best_eval: Option<(f64, u64)> = None;
+    // The oldest version whose rollouts belong to this learner's timeline.
+    let mut version_floor = 0u64;
+    let mut resumed_at_vec_steps = 0u64;
+    if let Some(dir) = cfg.run.resume_from.clone().or(cfg.run.init_from.clone()) {
+        let resume = cfg.run.resume_from.is_some();
+        let fail = |e: String| {
+            ServiceError::other(format!(
+                "{} {}: {e}",
+                if resume {
+                    "run.resume_from"
+                } else {
+                    "run.init_from"
+                },
+                dir.display()
+            ))
+        };
+        model
+            .load(dir.join("model.safetensors"))
+            .map_err(|e| fail(e.to_string()))?;
+        if !cfg.run.reset_optimizer {
+            adam.load(dir.join("optimizer.safetensors"))
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        if resume {
+            let state = checkpoint::load_state(&dir).map_err(|e| fail(e.to_string()))?;
+            if let Some(r) = &state.rng {
+                rng = r.restore().map_err(fail)?;
+            }
+            best_eval = state.best_eval;
+            progress = state.progress;
+            resumed_at_vec_steps = progress.vec_steps;
+            progress.version = progress
+                .version
+                .max(checkpoint::published_version(&run_dir))
+                + 1;
+            version_floor = progress.version;
+        }
+        tracing::info!(from = %dir.display(), resume, version = progress.version, updates = progress.updates, env_steps = progress.env_steps, vec_steps = progress.vec_steps, "loaded checkpoint");
+    }
+    let resumes = prometheus::IntCounter::new(
+        "relay_learner_resumes_total",
+        "Times this learner process started from a checkpoint of its own run.",
+    )
+    .unwrap();
+    relay_kit::metrics::register(&service.registry, &resumes);
+    if cfg.run.resume_from.is_some() {
+        resumes.inc();
+    }
 
     // Serve the latest weights to services that join late.
     let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
     let publish_weights = |model: &ActorCritic, progress: &Progress| -> Bytes {
+        if let Err(e) = checkpoint::record_published(&run_dir, progress.version) {
+            tracing::warn!(error = %e, "could not record the published version");
+        }
         let payload: Bytes = relay_proto::encode(&relay_policy::to_weights(
             model,
             progress.version,
@@ -148,9 +216,15 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         .await
         .map_err(ServiceError::nats)?;
 
+    let mut evals = service
+        .nats
+        .subscribe(service.subjects.eval())
+        .await
+        .map_err(ServiceError::nats)?;
+
     let payload = publish_weights(&model, &progress);
     publish(&service, payload).await;
-    metrics.version.set(0);
+    metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
     tracing::info!(env_id = %cfg.run.env_id, params = model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
 
@@ -160,6 +234,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let (mut dropped_stale, mut reported_stale) = (0u64, 0u64);
     let mut solved: Option<String> = None;
     let started = Instant::now();
+    let start_env_steps = progress.env_steps;
     let finish = loop {
         if shutdown.is_triggered() {
             break Finish::Shutdown;
@@ -184,13 +259,33 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 }
             }
         }
+        // Evals: checkpoint at the first one heard and at each new best mean.
+        let mut checkpoint_best = false;
+        while let Some(Some(m)) = evals.next().now_or_never() {
+            if let Ok(report) = service.intake.decode::<EvalReport>("eval", &m.payload) {
+                if report.returns.is_empty() || !report.mean_return.is_finite() {
+                    continue;
+                }
+                if best_eval.is_none_or(|(b, _)| report.mean_return > b) {
+                    best_eval = Some((report.mean_return, report.policy_version));
+                    checkpoint_best = true;
+                }
+            }
+        }
+        if checkpoint_best {
+            let state = checkpoint_state(&progress, &rng, best_eval);
+            save_checkpoint(&run_dir, &model, &adam, &state, &cfg, true);
+        }
 
         // Gather a rollout.
         let want = cfg.ppo.rollout_steps as u64;
         if gathered < want {
             let ask = SampleRequest {
                 schema: SCHEMA_VERSION,
-                min_policy_version: progress.version.saturating_sub(cfg.replay.max_policy_lag),
+                min_policy_version: progress
+                    .version
+                    .saturating_sub(cfg.replay.max_policy_lag)
+                    .max(version_floor),
                 max_steps: (want - gathered) as u32,
             };
             match relay_kit::request::<_, SampleReply>(
@@ -227,7 +322,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         }
                         // The buffer only drops what is older than we asked; a
                         // fragment that became stale while we gathered goes too.
-                        if f.policy_version + cfg.replay.max_policy_lag < progress.version {
+                        if f.policy_version + cfg.replay.max_policy_lag < progress.version
+                            || f.policy_version < version_floor
+                        {
                             dropped_stale += 1;
                             continue;
                         }
@@ -278,7 +375,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
-        let sps = progress.env_steps as f64 / started.elapsed().as_secs_f64().max(1e-3);
+        let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
+            / started.elapsed().as_secs_f64().max(1e-3);
         service
             .report(
                 Some(progress.vec_steps),
@@ -287,6 +385,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     gauge("learner_policy_version", progress.version as f64),
                     gauge("learner_env_steps", progress.env_steps as f64),
                     gauge("learner_vec_steps", progress.vec_steps as f64),
+                    gauge("learner_rollout_vec_steps", vec_steps as f64),
+                    gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
                     gauge(
                         "learner_progress",
                         (progress.env_steps as f64 / budget as f64).min(1.0),
@@ -328,11 +428,13 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             .await;
         reported_stale = dropped_stale;
         if progress.updates % cfg.ppo.checkpoint_every == 0 {
-            save_checkpoint(&run_dir, &model, &adam, &progress, &cfg);
+            let state = checkpoint_state(&progress, &rng, best_eval);
+            save_checkpoint(&run_dir, &model, &adam, &state, &cfg, false);
         }
     };
 
-    save_checkpoint(&run_dir, &model, &adam, &progress, &cfg);
+    let state = checkpoint_state(&progress, &rng, best_eval);
+    save_checkpoint(&run_dir, &model, &adam, &state, &cfg, false);
     let (status, detail) = match &finish {
         Finish::Budget => (
             RunStatus::Stopped,
@@ -375,16 +477,29 @@ async fn publish(service: &Service, payload: Bytes) {
     }
 }
 
+fn checkpoint_state(
+    progress: &Progress,
+    rng: &ChaCha8Rng,
+    best_eval: Option<(f64, u64)>,
+) -> checkpoint::CheckpointState {
+    checkpoint::CheckpointState {
+        progress: progress.clone(),
+        rng: Some(checkpoint::RngState::capture(rng)),
+        best_eval,
+    }
+}
+
 fn save_checkpoint(
     run_dir: &std::path::Path,
     model: &ActorCritic,
     adam: &Adam,
-    progress: &Progress,
+    state: &checkpoint::CheckpointState,
     cfg: &relay_kit::ExperimentConfig,
+    best: bool,
 ) {
-    match checkpoint::save(run_dir, model, adam, progress, cfg) {
+    match checkpoint::save(run_dir, model, adam, state, cfg, best) {
         Ok(path) => {
-            tracing::info!(path = %path.display(), version = progress.version, "checkpoint written")
+            tracing::info!(path = %path.display(), version = state.progress.version, best, "checkpoint written")
         }
         Err(e) => tracing::error!(error = %e, "checkpoint failed"),
     }

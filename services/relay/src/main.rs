@@ -81,5 +81,6 @@ fn main() -> Result<()> {
 }
 
 fn tracing_subscriber_init() {
-    let _ = relay_kit::telemetry::init();
+    // The command line prints its own progress; its logs are for problems.
+    let _ = relay_kit::telemetry::init_with_default("warn");
 }

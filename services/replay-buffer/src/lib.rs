@@ -248,7 +248,7 @@ impl Fifo {
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("replay-buffer", config, shutdown.clone()).await?;
     let cfg = service.config.clone();
-    let redis = relay_kit::connect_redis(&cfg.connections.redis_url, &shutdown).await?;
+    let redis = relay_kit::connect_redis_with(&cfg.connections, &shutdown).await?;
     let fifo = Fifo::new(
         redis,
         cfg.run_id()?,

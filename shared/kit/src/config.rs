@@ -82,16 +82,132 @@ pub struct RunConfig {
     /// Stop training once the evaluator reports the run solved.
     #[serde(default = "yes")]
     pub stop_when_solved: bool,
+    /// Resume this run from a checkpoint folder (`runs/<id>/checkpoints/<n>`):
+    /// the learner loads the model, optimizer (unless `reset_optimizer`),
+    /// counters and RNG from it, and publishes weights versions above every
+    /// version published before. `relay up --resume` sets it.
+    #[serde(default)]
+    pub resume_from: Option<PathBuf>,
+    /// Start a new run from the weights of another run's checkpoint folder
+    /// (shape-checked; counters start at zero). `relay up --init-from` sets it.
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
+    /// With `resume_from` or `init_from`: do not load the optimizer state
+    /// (Adam starts afresh).
+    #[serde(default)]
+    pub reset_optimizer: bool,
 }
 
-/// Where NATS and Redis are.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// A credential (password, token) read from the config or the environment.
+///
+/// It never shows itself: `Debug`, `Display` and `Serialize` print `***`, so
+/// the resolved config that the tracker writes into the run directory and
+/// the learner into each checkpoint, and every log line, hold no secret.
+/// Reading a written config back therefore gives `***`: supply secrets again
+/// through the environment (`RELAY_NATS_PASSWORD`, ...). [`Secret::expose`]
+/// is the one way to the value.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// What every redacted value prints as.
+    pub const REDACTED: &'static str = "***";
+
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that hands it to a client.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(Self::REDACTED)
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(Self::REDACTED)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(Self::REDACTED)
+    }
+}
+
+/// A URL (or a comma-separated list of them) with the password of any
+/// `user:password@` part replaced by `***`, and a lone `token@` too; for logs
+/// and written configs.
+pub fn redact_url(url: &str) -> String {
+    url.split(',')
+        .map(|one| {
+            let Some((scheme, rest)) = one.split_once("://") else {
+                return one.to_string();
+            };
+            let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+            let (authority, tail) = rest.split_at(authority_end);
+            let Some((userinfo, host)) = authority.rsplit_once('@') else {
+                return one.to_string();
+            };
+            let userinfo = match userinfo.split_once(':') {
+                Some((user, _)) => format!("{user}:{}", Secret::REDACTED),
+                None => Secret::REDACTED.to_string(),
+            };
+            format!("{scheme}://{userinfo}@{host}{tail}")
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn serialize_redacted_url<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&redact_url(url))
+}
+
+/// Where NATS and Redis are, and how to authenticate to them.
+///
+/// Secrets may sit in the file, but are better given by the environment:
+/// `RELAY_NATS_PASSWORD`, `RELAY_NATS_TOKEN`, `RELAY_REDIS_PASSWORD`, or any
+/// field as `RELAY__CONNECTIONS__<FIELD>` (e.g. `RELAY__CONNECTIONS__NATS_USER`).
+/// Passwords and tokens are [`Secret`]s and URLs are redacted wherever the
+/// config is printed or written.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ConnectionsConfig {
     /// NATS server URL(s), comma-separated.
+    #[serde(serialize_with = "serialize_redacted_url")]
     pub nats_url: String,
-    /// Redis URL (used by the replay-buffer only).
+    /// NATS user name (user/password authentication); needs `nats_password`.
+    pub nats_user: Option<String>,
+    /// NATS password of `nats_user` (env: `RELAY_NATS_PASSWORD`).
+    pub nats_password: Option<Secret>,
+    /// NATS authentication token, instead of a user (env: `RELAY_NATS_TOKEN`).
+    pub nats_token: Option<Secret>,
+    /// NATS credentials file (JWT and nkey seed, as `nsc` writes it), instead
+    /// of a user or a token.
+    pub nats_creds_file: Option<PathBuf>,
+    /// PEM file of the CA(s) that signed the NATS server's certificate
+    /// (implies TLS).
+    pub nats_tls_ca: Option<PathBuf>,
+    /// PEM client certificate for mutual TLS; needs `nats_tls_key`.
+    pub nats_tls_cert: Option<PathBuf>,
+    /// PEM private key of `nats_tls_cert`.
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse to talk to NATS without TLS.
+    pub nats_tls_required: bool,
+    /// Redis URL (used by the replay-buffer only); may carry a password
+    /// (`redis://:password@host:6379` or `redis://user:password@host:6379`).
+    #[serde(serialize_with = "serialize_redacted_url")]
     pub redis_url: String,
+    /// Redis password (`requirepass`/ACL), when the URL carries none
+    /// (env: `RELAY_REDIS_PASSWORD`).
+    pub redis_password: Option<Secret>,
     /// Time after which a request over NATS is retried.
     pub request_timeout_ms: u64,
 }
@@ -100,11 +216,139 @@ impl Default for ConnectionsConfig {
     fn default() -> Self {
         Self {
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_user: None,
+            nats_password: None,
+            nats_token: None,
+            nats_creds_file: None,
+            nats_tls_ca: None,
+            nats_tls_cert: None,
+            nats_tls_key: None,
+            nats_tls_required: false,
             redis_url: "redis://127.0.0.1:6379".into(),
+            redis_password: None,
             request_timeout_ms: 2000,
         }
     }
 }
+
+impl std::fmt::Debug for ConnectionsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectionsConfig")
+            .field("nats_url", &redact_url(&self.nats_url))
+            .field("nats_user", &self.nats_user)
+            .field("nats_password", &self.nats_password)
+            .field("nats_token", &self.nats_token)
+            .field("nats_creds_file", &self.nats_creds_file)
+            .field("nats_tls_ca", &self.nats_tls_ca)
+            .field("nats_tls_cert", &self.nats_tls_cert)
+            .field("nats_tls_key", &self.nats_tls_key)
+            .field("nats_tls_required", &self.nats_tls_required)
+            .field("redis_url", &redact_url(&self.redis_url))
+            .field("redis_password", &self.redis_password)
+            .field("request_timeout_ms", &self.request_timeout_ms)
+            .finish()
+    }
+}
+
+impl ConnectionsConfig {
+    /// Checks that the credentials given make one complete NATS
+    /// authentication method and one Redis password.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let empty = |field: &str, v: Option<&str>| match v {
+            Some("") => Err(invalid(field, "must not be empty when set")),
+            _ => Ok(()),
+        };
+        fn path_str(p: &Option<PathBuf>) -> Option<&str> {
+            p.as_ref().map(|p| p.to_str().unwrap_or("?"))
+        }
+        empty("connections.nats_user", self.nats_user.as_deref())?;
+        empty(
+            "connections.nats_password",
+            self.nats_password.as_ref().map(Secret::expose),
+        )?;
+        empty(
+            "connections.nats_token",
+            self.nats_token.as_ref().map(Secret::expose),
+        )?;
+        empty(
+            "connections.redis_password",
+            self.redis_password.as_ref().map(Secret::expose),
+        )?;
+        empty(
+            "connections.nats_creds_file",
+            path_str(&self.nats_creds_file),
+        )?;
+        empty("connections.nats_tls_ca", path_str(&self.nats_tls_ca))?;
+        empty("connections.nats_tls_cert", path_str(&self.nats_tls_cert))?;
+        empty("connections.nats_tls_key", path_str(&self.nats_tls_key))?;
+        if self.nats_url.trim().is_empty() {
+            return Err(invalid("connections.nats_url", "must not be empty"));
+        }
+        match (&self.nats_user, &self.nats_password) {
+            (Some(_), None) => {
+                return Err(invalid(
+                    "connections.nats_password",
+                    "connections.nats_user is set but no password is (set RELAY_NATS_PASSWORD)",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "connections.nats_user",
+                    "connections.nats_password is set but no user is",
+                ))
+            }
+            _ => {}
+        }
+        let methods = [
+            self.nats_user.is_some().then_some("nats_user"),
+            self.nats_token.is_some().then_some("nats_token"),
+            self.nats_creds_file.is_some().then_some("nats_creds_file"),
+        ];
+        let methods: Vec<&str> = methods.into_iter().flatten().collect();
+        if methods.len() > 1 {
+            return Err(invalid(
+                &format!("connections.{}", methods[1]),
+                format!(
+                    "NATS takes one authentication method; {} are set",
+                    methods.join(" and ")
+                ),
+            ));
+        }
+        match (&self.nats_tls_cert, &self.nats_tls_key) {
+            (Some(_), None) => {
+                return Err(invalid(
+                    "connections.nats_tls_key",
+                    "connections.nats_tls_cert is set but its key is not",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "connections.nats_tls_cert",
+                    "connections.nats_tls_key is set but no certificate is",
+                ))
+            }
+            _ => {}
+        }
+        if self.redis_password.is_some() && url_has_password(&self.redis_url) {
+            return Err(invalid(
+                "connections.redis_password",
+                "connections.redis_url already carries a password; give it once",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn url_has_password(url: &str) -> bool {
+    redact_url(url) != url
+}
+
+/// Conventional environment variables for secrets, beside `RELAY__*`.
+pub const SECRET_ENV_VARS: [(&str, &str); 3] = [
+    ("RELAY_NATS_PASSWORD", "connections.nats_password"),
+    ("RELAY_NATS_TOKEN", "connections.nats_token"),
+    ("RELAY_REDIS_PASSWORD", "connections.redis_password"),
+];
 
 /// Hidden-layer activation of the policy networks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -260,8 +504,12 @@ pub struct PpoConfig {
     pub target_kl: Option<f64>,
     /// Adam epsilon.
     pub adam_eps: f64,
-    /// Write a checkpoint every this many updates (and at stop).
+    /// Write a checkpoint every this many updates (and at stop, at the first
+    /// eval and at each new best eval mean).
     pub checkpoint_every: u64,
+    /// Numbered checkpoints kept: the newest this many, plus the pinned ones
+    /// (`checkpoints/pinned.json`) and the best; older ones are removed.
+    pub keep_checkpoints: usize,
 }
 
 impl Default for PpoConfig {
@@ -284,6 +532,7 @@ impl Default for PpoConfig {
             target_kl: None,
             adam_eps: 1e-5,
             checkpoint_every: 50,
+            keep_checkpoints: 5,
         }
     }
 }
@@ -300,6 +549,53 @@ pub struct EvalConfig {
     pub seed: u64,
     /// Solved threshold on the mean eval return; defaults to the env's reward threshold.
     pub threshold: Option<f64>,
+    /// Evaluator plugin this evaluator copy runs (see the evaluator crate's
+    /// registry): `greedy` (deterministic actions), `stochastic` (sampled
+    /// actions), `threshold` (evaluates only once the training return crosses
+    /// `options.level`), `record` (greedy, and writes each episode's
+    /// trajectory to `runs/<id>/recordings/v<version>.jsonl`). `relay eval use`
+    /// switches a running evaluator to another one.
+    pub evaluator: String,
+    /// Options of the plugin, `key: value` (scalars); each plugin documents
+    /// its own and rejects unknown ones.
+    pub options: std::collections::BTreeMap<String, serde_yaml::Value>,
+}
+
+impl EvalConfig {
+    /// The plugin options as `key=value` strings.
+    pub fn option_pairs(&self) -> Vec<(String, String)> {
+        self.options
+            .iter()
+            .map(|(k, v)| {
+                let text = match v {
+                    serde_yaml::Value::String(s) => s.clone(),
+                    other => serde_yaml::to_string(other)
+                        .unwrap_or_default()
+                        .trim()
+                        .to_string(),
+                };
+                (k.clone(), text)
+            })
+            .collect()
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.evaluator.trim().is_empty() {
+            return Err(invalid("eval.evaluator", "must name an evaluator plugin"));
+        }
+        for (k, v) in &self.options {
+            if matches!(
+                v,
+                serde_yaml::Value::Mapping(_) | serde_yaml::Value::Sequence(_)
+            ) {
+                return Err(invalid(
+                    &format!("eval.options.{k}"),
+                    "must be a scalar (string, number or bool)",
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for EvalConfig {
@@ -309,6 +605,8 @@ impl Default for EvalConfig {
             episodes: 20,
             seed: 1_000_003,
             threshold: None,
+            evaluator: "greedy".into(),
+            options: Default::default(),
         }
     }
 }
@@ -359,12 +657,17 @@ impl ExperimentConfig {
             path: path.to_path_buf(),
             source,
         })?;
-        let env: Vec<(String, String)> = std::env::vars()
+        let mut env: Vec<(String, String)> = std::env::vars()
             .filter_map(|(k, v)| {
                 k.strip_prefix(ENV_PREFIX)
                     .map(|rest| (rest.to_ascii_lowercase().replace("__", "."), v))
             })
             .collect();
+        for (var, key) in SECRET_ENV_VARS {
+            if let Ok(value) = std::env::var(var) {
+                env.push((key.to_string(), value));
+            }
+        }
         Self::from_layers(&text, &path.display().to_string(), &env, overrides)
     }
 
@@ -401,6 +704,7 @@ impl ExperimentConfig {
 
     /// Checks ranges and cross-field constraints.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.connections.validate()?;
         if let Some(id) = &self.run.id {
             relay_proto::validate_run_id(id).map_err(|e| invalid("run.id", e))?;
         }
@@ -453,6 +757,22 @@ impl ExperimentConfig {
             positive_f("ppo.target_kl", v)?;
         }
         positive("ppo.checkpoint_every", p.checkpoint_every as usize)?;
+        positive("ppo.keep_checkpoints", p.keep_checkpoints)?;
+        if self.run.resume_from.is_some() && self.run.init_from.is_some() {
+            return Err(invalid(
+                "run.init_from",
+                "cannot be set together with run.resume_from (resume continues a run, init_from starts a new one)",
+            ));
+        }
+        for (field, path) in [
+            ("run.resume_from", &self.run.resume_from),
+            ("run.init_from", &self.run.init_from),
+        ] {
+            if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+                return Err(invalid(field, "is empty; give a checkpoint folder"));
+            }
+        }
+        self.eval.validate()?;
         positive("eval.episodes", self.eval.episodes)?;
         positive("eval.every_versions", self.eval.every_versions as usize)?;
         if let Some(t) = self.eval.threshold {
@@ -480,7 +800,8 @@ impl ExperimentConfig {
         })
     }
 
-    /// The config as YAML, as written into the run directory.
+    /// The config as YAML, as written into the run directory and checkpoints:
+    /// passwords and tokens print as `***`, URLs lose their passwords.
     pub fn to_yaml(&self) -> String {
         serde_yaml::to_string(self).expect("config serializes")
     }
@@ -518,12 +839,17 @@ fn unit_interval(field: &str, v: f64) -> Result<(), ConfigError> {
 }
 
 /// Sets `a.b.c` in a YAML mapping to `raw` parsed as a YAML scalar.
+/// Secrets (`*_password`, `*_token`) are taken verbatim as strings, so a
+/// password such as `123` or `yes` stays what it is.
 fn set_dotted(root: &mut serde_yaml::Value, key: &str, raw: &str) -> Result<(), ConfigError> {
-    let parsed: serde_yaml::Value =
+    let parsed: serde_yaml::Value = if key.ends_with("_password") || key.ends_with("_token") {
+        serde_yaml::Value::String(raw.to_string())
+    } else {
         serde_yaml::from_str(raw).map_err(|e| ConfigError::Override {
             key: key.to_string(),
             detail: e.to_string(),
-        })?;
+        })?
+    };
     let parts: Vec<&str> = key.split('.').collect();
     if parts.iter().any(|p| p.is_empty()) {
         return Err(ConfigError::Override {
@@ -596,6 +922,110 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("run.id"), "{err}");
+    }
+
+    #[test]
+    fn secrets_never_print_or_serialise() {
+        let c = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[
+                ("connections.nats_password".into(), "hunter2-nats".into()),
+                ("connections.redis_password".into(), "12345".into()),
+            ],
+            &[
+                "connections.nats_user=learner".into(),
+                "connections.nats_url=nats://a:pw-in-url@h1:4222,nats://h2:4222".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            c.connections.nats_password.as_ref().unwrap().expose(),
+            "hunter2-nats"
+        );
+        // A numeric-looking secret stays a string.
+        assert_eq!(
+            c.connections.redis_password.as_ref().unwrap().expose(),
+            "12345"
+        );
+        let yaml = c.to_yaml();
+        let debug = format!("{c:?}");
+        let json = serde_json::to_string(&c).unwrap();
+        for text in [&yaml, &debug, &json] {
+            for secret in ["hunter2-nats", "12345", "pw-in-url"] {
+                assert!(!text.contains(secret), "{secret} leaked in {text}");
+            }
+            assert!(text.contains("***"), "{text}");
+        }
+        assert!(
+            yaml.contains("nats://a:***@h1:4222,nats://h2:4222"),
+            "{yaml}"
+        );
+        assert!(yaml.contains("nats_user: learner"), "{yaml}");
+
+        let token = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[("connections.nats_token".into(), "s3cr3t-token".into())],
+            &["connections.redis_url=redis://:redispw@r:6379/0".into()],
+        )
+        .unwrap();
+        let text = format!("{token:?}\n{}", token.to_yaml());
+        assert!(
+            !text.contains("s3cr3t-token") && !text.contains("redispw"),
+            "{text}"
+        );
+        assert!(text.contains("redis://:***@r:6379/0"), "{text}");
+    }
+
+    #[test]
+    fn redacts_urls() {
+        assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(redact_url("nats://u:p@h:1"), "nats://u:***@h:1");
+        assert_eq!(redact_url("nats://tok@h:1"), "nats://***@h:1");
+        assert_eq!(
+            redact_url("redis://u:p@ss@h:6379/0?x=a@b"),
+            "redis://u:***@h:6379/0?x=a@b"
+        );
+    }
+
+    #[test]
+    fn incomplete_credentials_name_the_field() {
+        let cases = [
+            (vec!["connections.nats_user=u"], "connections.nats_password"),
+            (vec!["connections.nats_password=p"], "connections.nats_user"),
+            (
+                vec![
+                    "connections.nats_user=u",
+                    "connections.nats_password=p",
+                    "connections.nats_token=t",
+                ],
+                "connections.nats_token",
+            ),
+            (
+                vec!["connections.nats_tls_cert=c.pem"],
+                "connections.nats_tls_key",
+            ),
+            (
+                vec!["connections.nats_tls_key=k.pem"],
+                "connections.nats_tls_cert",
+            ),
+            (vec!["connections.nats_token="], "connections.nats_token"),
+            (
+                vec![
+                    "connections.redis_url=redis://:a@h:1",
+                    "connections.redis_password=b",
+                ],
+                "connections.redis_password",
+            ),
+        ];
+        for (sets, field) in cases {
+            let sets: Vec<String> = sets.into_iter().map(String::from).collect();
+            let err = ExperimentConfig::from_layers(BASE, "t", &[], &sets)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{sets:?}: {err}");
+        }
     }
 
     #[test]

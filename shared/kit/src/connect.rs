@@ -6,15 +6,72 @@ use std::time::Duration;
 
 use relay_proto::{Rejection, WireMessage};
 
+use crate::config::{redact_url, ConnectionsConfig, Secret};
 use crate::Shutdown;
 
-/// Why a connection or request failed.
+/// Why a connection or request failed. URLs in it are redacted.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     #[error("shutdown requested while connecting to {0}")]
     Shutdown(String),
     #[error("bad Redis URL {url}: {detail}")]
     RedisUrl { url: String, detail: String },
+    #[error("NATS at {url} refused this client ({detail}); check connections.nats_user/nats_password (RELAY_NATS_PASSWORD), nats_token (RELAY_NATS_TOKEN) or nats_creds_file")]
+    NatsAuth { url: String, detail: String },
+    #[error("NATS at {url}: TLS failed ({detail}); check connections.nats_tls_ca/nats_tls_cert/nats_tls_key")]
+    NatsTls { url: String, detail: String },
+    #[error("Redis at {url} refused this client ({detail}); check connections.redis_password (RELAY_REDIS_PASSWORD) or the password in connections.redis_url")]
+    RedisAuth { url: String, detail: String },
+    #[error("config field {field}: {detail}")]
+    Setting { field: &'static str, detail: String },
+}
+
+fn readable(field: &'static str, path: &Option<std::path::PathBuf>) -> Result<(), ConnectError> {
+    if let Some(path) = path {
+        std::fs::metadata(path).map_err(|e| ConnectError::Setting {
+            field,
+            detail: format!("cannot read {}: {e}", path.display()),
+        })?;
+    }
+    Ok(())
+}
+
+/// The async-nats options for `connections`: credentials (user/password,
+/// token or creds file) and TLS (CA, client certificate, required).
+pub async fn nats_options(
+    connections: &ConnectionsConfig,
+) -> Result<async_nats::ConnectOptions, ConnectError> {
+    let c = connections;
+    readable("connections.nats_creds_file", &c.nats_creds_file)?;
+    readable("connections.nats_tls_ca", &c.nats_tls_ca)?;
+    readable("connections.nats_tls_cert", &c.nats_tls_cert)?;
+    readable("connections.nats_tls_key", &c.nats_tls_key)?;
+    let mut options = async_nats::ConnectOptions::new();
+    if let Some(path) = &c.nats_creds_file {
+        options = options
+            .credentials_file(path)
+            .await
+            .map_err(|e| ConnectError::Setting {
+                field: "connections.nats_creds_file",
+                detail: format!("{}: {e}", path.display()),
+            })?;
+    }
+    if let (Some(user), Some(password)) = (&c.nats_user, &c.nats_password) {
+        options = options.user_and_password(user.clone(), password.expose().to_string());
+    }
+    if let Some(token) = &c.nats_token {
+        options = options.token(token.expose().to_string());
+    }
+    if let Some(ca) = &c.nats_tls_ca {
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let (Some(cert), Some(key)) = (&c.nats_tls_cert, &c.nats_tls_key) {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    if c.nats_tls_required {
+        options = options.require_tls(true);
+    }
+    Ok(options)
 }
 
 /// Why a request got no usable reply.
@@ -48,17 +105,37 @@ impl RequestError {
     }
 }
 
-/// Connects to NATS, retrying with backoff until it answers or shutdown fires.
-/// The client then reconnects by itself forever.
+/// Connects to NATS without credentials; see [`connect_nats_with`].
 pub async fn connect_nats(
     url: &str,
     name: &str,
     request_timeout: Duration,
     shutdown: &Shutdown,
 ) -> Result<async_nats::Client, ConnectError> {
+    let connections = ConnectionsConfig {
+        nats_url: url.to_string(),
+        request_timeout_ms: request_timeout.as_millis() as u64,
+        ..ConnectionsConfig::default()
+    };
+    connect_nats_with(&connections, name, shutdown).await
+}
+
+/// Connects to NATS with the credentials and TLS settings of `connections`,
+/// retrying with backoff until it answers or shutdown fires. A server that
+/// refuses the credentials, or a TLS failure, is an error at once (retrying
+/// cannot fix it). The client then reconnects by itself forever.
+pub async fn connect_nats_with(
+    connections: &ConnectionsConfig,
+    name: &str,
+    shutdown: &Shutdown,
+) -> Result<async_nats::Client, ConnectError> {
+    let url = connections.nats_url.as_str();
+    let shown = redact_url(url);
+    let request_timeout = Duration::from_millis(connections.request_timeout_ms);
     let mut backoff = Duration::from_millis(50);
     loop {
-        let options = async_nats::ConnectOptions::new()
+        let options = nats_options(connections)
+            .await?
             .name(name)
             .connection_timeout(Duration::from_secs(2))
             .request_timeout(Some(request_timeout))
@@ -72,24 +149,80 @@ pub async fn connect_nats(
         match options.connect(url).await {
             Ok(client) => return Ok(client),
             Err(e) => {
-                tracing::warn!(url, error = %e, retry_in_ms = backoff.as_millis() as u64, "waiting for NATS");
+                use async_nats::ConnectErrorKind as K;
+                match e.kind() {
+                    K::AuthorizationViolation | K::Authentication => {
+                        return Err(ConnectError::NatsAuth {
+                            url: shown,
+                            detail: e.to_string(),
+                        })
+                    }
+                    K::Tls => {
+                        return Err(ConnectError::NatsTls {
+                            url: shown,
+                            detail: e.to_string(),
+                        })
+                    }
+                    _ => {}
+                }
+                tracing::warn!(url = %shown, error = %e, retry_in_ms = backoff.as_millis() as u64, "waiting for NATS");
             }
         }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
-            _ = shutdown.wait() => return Err(ConnectError::Shutdown(url.to_string())),
+            _ = shutdown.wait() => return Err(ConnectError::Shutdown(shown)),
         }
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 
-/// Connects to Redis, retrying with backoff; the manager reconnects by itself afterwards.
+/// The Redis connection info of `url` with `password` applied (when given).
+pub fn redis_connection_info(
+    url: &str,
+    password: Option<&Secret>,
+) -> Result<redis::ConnectionInfo, ConnectError> {
+    use redis::IntoConnectionInfo;
+    let info = url
+        .into_connection_info()
+        .map_err(|e| ConnectError::RedisUrl {
+            url: redact_url(url),
+            detail: e.to_string(),
+        })?;
+    Ok(match password {
+        Some(password) => {
+            let settings = info
+                .redis_settings()
+                .clone()
+                .set_password(password.expose());
+            info.set_redis_settings(settings)
+        }
+        None => info,
+    })
+}
+
+/// Connects to Redis without a separate password (the URL may carry one).
 pub async fn connect_redis(
     url: &str,
     shutdown: &Shutdown,
 ) -> Result<redis::aio::ConnectionManager, ConnectError> {
-    let client = redis::Client::open(url).map_err(|e| ConnectError::RedisUrl {
-        url: url.to_string(),
+    let connections = ConnectionsConfig {
+        redis_url: url.to_string(),
+        ..ConnectionsConfig::default()
+    };
+    connect_redis_with(&connections, shutdown).await
+}
+
+/// Connects to Redis at `connections.redis_url` with
+/// `connections.redis_password`, retrying with backoff; the manager
+/// reconnects by itself afterwards.
+pub async fn connect_redis_with(
+    connections: &ConnectionsConfig,
+    shutdown: &Shutdown,
+) -> Result<redis::aio::ConnectionManager, ConnectError> {
+    let shown = redact_url(&connections.redis_url);
+    let info = redis_connection_info(&connections.redis_url, connections.redis_password.as_ref())?;
+    let client = redis::Client::open(info).map_err(|e| ConnectError::RedisUrl {
+        url: shown.clone(),
         detail: e.to_string(),
     })?;
     let mut backoff = Duration::from_millis(50);
@@ -101,12 +234,20 @@ pub async fn connect_redis(
         match client.get_connection_manager_with_config(config).await {
             Ok(manager) => return Ok(manager),
             Err(e) => {
-                tracing::warn!(url, error = %e, retry_in_ms = backoff.as_millis() as u64, "waiting for Redis");
+                let detail = e.to_string();
+                if e.kind() == redis::ErrorKind::AuthenticationFailed
+                    || ["WRONGPASS", "NOAUTH", "NOPERM"]
+                        .iter()
+                        .any(|code| detail.contains(code))
+                {
+                    return Err(ConnectError::RedisAuth { url: shown, detail });
+                }
+                tracing::warn!(url = %shown, error = %e, retry_in_ms = backoff.as_millis() as u64, "waiting for Redis");
             }
         }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
-            _ = shutdown.wait() => return Err(ConnectError::Shutdown(url.to_string())),
+            _ = shutdown.wait() => return Err(ConnectError::Shutdown(shown)),
         }
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }

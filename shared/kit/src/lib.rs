@@ -18,8 +18,10 @@ pub mod service;
 pub mod shutdown;
 pub mod telemetry;
 
-pub use config::ExperimentConfig;
-pub use connect::{connect_nats, connect_redis, request, RequestError};
+pub use config::{ExperimentConfig, Secret};
+pub use connect::{
+    connect_nats, connect_nats_with, connect_redis, connect_redis_with, request, RequestError,
+};
 pub use http::Health;
 pub use intake::Intake;
 pub use service::{counter, gauge, Service, ServiceArgs, ServiceConfig, ServiceError};

@@ -13,7 +13,7 @@ use prometheus::Registry;
 use relay_proto::{MetricKind, MetricValue, MetricsReport, Subjects, SCHEMA_VERSION};
 
 use crate::config::{ConfigError, ExperimentConfig};
-use crate::connect::{connect_nats, ConnectError};
+use crate::connect::{connect_nats_with, ConnectError};
 use crate::http::{serve, Health};
 use crate::intake::Intake;
 use crate::telemetry::LogForwarding;
@@ -148,11 +148,9 @@ impl Service {
         let instance = config
             .instance
             .unwrap_or_else(|| format!("{name}-{}-{}", std::process::id(), short_random()));
-        let timeout = Duration::from_millis(experiment.connections.request_timeout_ms);
-        let nats = connect_nats(
-            &experiment.connections.nats_url,
+        let nats = connect_nats_with(
+            &experiment.connections,
             &format!("{name}/{instance}"),
-            timeout,
             &shutdown,
         )
         .await?;

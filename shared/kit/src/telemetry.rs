@@ -71,9 +71,15 @@ impl<S: tracing::Subscriber> Layer<S> for ForwardLayer {
 /// Installs the global subscriber. Call once per process; a second call
 /// (e.g. several services in one test process) leaves the first in place.
 pub fn init() -> LogForwarding {
+    init_with_default("info")
+}
+
+/// [`init`] with another filter when `RUST_LOG` is not set.
+pub fn init_with_default(default_filter: &str) -> LogForwarding {
     let (tx, rx) = mpsc::channel(QUEUE);
     let dropped = Arc::new(AtomicU64::new(0));
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let json = std::env::var("RELAY_LOG_FORMAT").is_ok_and(|v| v == "json");
     let forward = ForwardLayer {
         tx,

@@ -106,10 +106,27 @@ pub struct NatsServer(pub ServerProcess);
 
 impl NatsServer {
     pub fn start() -> Result<Self> {
+        Self::start_inner(None)
+    }
+
+    /// A nats-server that also reads `conf_text` as its config file (e.g.
+    /// `authorization { users = [...] }`); address, port, JetStream and store
+    /// folder still come from the command line.
+    pub fn start_with_config(conf_text: &str) -> Result<Self> {
+        Self::start_inner(Some(conf_text))
+    }
+
+    fn start_inner(conf_text: Option<&str>) -> Result<Self> {
         let bin = binary("RELAY_NATS_SERVER", "nats-server")?;
         let dir = TempDir::new("nats");
         let port = free_port();
-        let mut child = Command::new(&bin)
+        let mut command = Command::new(&bin);
+        if let Some(text) = conf_text {
+            let conf = dir.path().join("nats-server.conf");
+            std::fs::write(&conf, text).context("writing nats-server.conf")?;
+            command.arg("-c").arg(conf);
+        }
+        let mut child = command
             .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
             .arg(dir.path())
             .stdout(Stdio::null())
