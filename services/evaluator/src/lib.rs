@@ -1,5 +1,13 @@
-//! evaluator: plays deterministic episodes with the learner's newest weights
-//! on eval seeds distinct from the training seeds, and publishes the result.
+//! evaluator: plays episodes with the learner's newest weights on eval seeds
+//! distinct from the training seeds, and publishes the result.
+//!
+//! How it plays is a plugin ([`plugins`]): `eval.evaluator` and
+//! `eval.options` choose it at start, and an `EvalControl` message on
+//! `relay.<run>.eval.control` (`relay eval use <name> --set k=v`) switches
+//! it without a restart; an unknown name or option is logged, counted
+//! (`relay_evaluator_control_rejected_total`) and the current plugin stays.
+//! Every copy applies the control message (no queue group); copies started
+//! with different configs run different plugins side by side.
 //!
 //! It runs on its own schedule and never blocks training: it waits for a
 //! version at least `eval.every_versions` past the last one it evaluated,
@@ -9,57 +17,33 @@
 //! When the mean return reaches the threshold (the env's reward threshold
 //! unless `eval.threshold` says otherwise) it also announces the run solved.
 
+pub mod plugins;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use futures::StreamExt;
 use prometheus::{Gauge, IntCounter};
-use rand::SeedableRng;
-use relay_envs::{ActionSpace, VecActions, VecEnv};
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
-use relay_nn::{Actions, ActorCritic};
+use relay_nn::ActorCritic;
 use relay_policy::PolicyFollower;
-use relay_proto::{EvalReport, RunStatus, RunStatusUpdate, SCHEMA_VERSION};
+use relay_proto::{
+    EpisodeReport, EvalControl, EvalReport, RunStatus, RunStatusUpdate, SCHEMA_VERSION,
+};
+
+use plugins::{EvalContext, EvalOutcome, Evaluator};
 
 /// Plays one episode per sub-env with the policy's deterministic actions;
-/// returns each episode's return.
+/// returns each episode's return (the `greedy` plugin).
 pub fn evaluate(
     model: &ActorCritic,
     env_id: &str,
     episodes: usize,
     seed: u64,
 ) -> Result<Vec<f64>, String> {
-    let mut envs = VecEnv::new(env_id, episodes, seed).map_err(|e| e.to_string())?;
-    let spec = envs.spec().clone();
-    let obs_dim = envs.obs_dim();
-    let mut obs = envs.reset().map_err(|e| e.to_string())?.to_vec();
-    let mut returns: Vec<Option<f64>> = vec![None; episodes];
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut clipped = Vec::new();
-    while returns.iter().any(Option::is_none) {
-        let out = model
-            .act(&obs, obs.len() / obs_dim, true, &mut rng)
-            .map_err(|e| e.to_string())?;
-        let step = match (&out.actions, &spec.action_space) {
-            (Actions::Discrete(a), _) => envs.step(VecActions::Discrete(a)),
-            (Actions::Continuous(a), ActionSpace::Box { low, high }) => {
-                clipped.clear();
-                clipped.extend(
-                    a.iter()
-                        .enumerate()
-                        .map(|(i, v)| v.clamp(low[i % low.len()], high[i % low.len()])),
-                );
-                envs.step(VecActions::Continuous(&clipped))
-            }
-            (Actions::Continuous(_), ActionSpace::Discrete { .. }) => {
-                return Err("continuous actions for a discrete env".into())
-            }
-        }
-        .map_err(|e| e.to_string())?;
-        for e in &step.finished {
-            returns[e.env_index].get_or_insert(e.episode_return);
-        }
-        obs.copy_from_slice(&step.obs);
-    }
-    Ok(returns
+    Ok(plugins::play(model, env_id, episodes, seed, true, false)?
         .into_iter()
-        .map(|r| r.expect("every episode finished"))
+        .map(|e| e.ret)
         .collect())
 }
 
@@ -85,8 +69,37 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         "Mean return of the latest evaluation.",
     )
     .unwrap();
+    let control_rejected = IntCounter::new(
+        "relay_evaluator_control_rejected_total",
+        "EvalControl messages refused (unknown evaluator or option).",
+    )
+    .unwrap();
+    let control_applied = IntCounter::new(
+        "relay_evaluator_control_applied_total",
+        "EvalControl messages applied (evaluator plugin switched).",
+    )
+    .unwrap();
     relay_kit::metrics::register(&service.registry, &skipped);
     relay_kit::metrics::register(&service.registry, &last_return);
+    relay_kit::metrics::register(&service.registry, &control_rejected);
+    relay_kit::metrics::register(&service.registry, &control_applied);
+    let mut plugin: Arc<dyn Evaluator> =
+        plugins::build(&cfg.eval.evaluator, &cfg.eval.option_pairs())
+            .map_err(|e| ServiceError::other(format!("eval.evaluator: {e}")))?
+            .into();
+    let mut controls = service
+        .nats
+        .subscribe(service.subjects.eval_control())
+        .await
+        .map_err(ServiceError::nats)?;
+    let mut episodes = service
+        .nats
+        .subscribe(service.subjects.episodes())
+        .await
+        .map_err(ServiceError::nats)?;
+    let mut recent: VecDeque<f64> = VecDeque::with_capacity(100);
+    let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
+    tracing::info!(evaluator = plugin.name(), "evaluator plugin");
     service.health.set_ready(true);
     let mut last: Option<u64> = None;
     let mut announced_solved = false;
@@ -94,23 +107,61 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         let wanted = last.map(|v| v + cfg.eval.every_versions - 1);
         let policy = tokio::select! {
             _ = shutdown.wait() => break,
+            Some(m) = controls.next() => {
+                match service.intake.decode::<EvalControl>("eval.control", &m.payload) {
+                    Ok(control) => match plugins::build(&control.evaluator, &control.options) {
+                        Ok(p) => {
+                            tracing::info!(from = plugin.name(), to = p.name(), options = ?control.options, "evaluator plugin switched");
+                            plugin = p.into();
+                            control_applied.inc();
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, current = plugin.name(), "eval control refused");
+                            control_rejected.inc();
+                        }
+                    },
+                    Err(_) => control_rejected.inc(),
+                }
+                continue;
+            }
+            Some(m) = episodes.next() => {
+                if let Ok(report) = service.intake.decode::<EpisodeReport>("episodes", &m.payload) {
+                    for e in report.episodes {
+                        if recent.len() == 100 {
+                            recent.pop_front();
+                        }
+                        recent.push_back(e.episode_return);
+                    }
+                }
+                continue;
+            }
             p = follower.newer_than(wanted) => match p { Some(p) => p, None => break },
         };
         if let Some(previous) = last {
             skipped.inc_by(policy.version.saturating_sub(previous + 1));
         }
         last = Some(policy.version);
-        let (env_id, episodes, seed) = (cfg.run.env_id.clone(), cfg.eval.episodes, cfg.eval.seed);
-        let model_policy = policy.clone();
-        let returns = tokio::task::spawn_blocking(move || {
-            evaluate(&model_policy.model, &env_id, episodes, seed)
-        })
-        .await
-        .map_err(ServiceError::other)?;
-        let returns = match returns {
-            Ok(r) => r,
+        let ctx = EvalContext {
+            env_id: cfg.run.env_id.clone(),
+            episodes: cfg.eval.episodes,
+            seed: cfg.eval.seed,
+            run_dir: run_dir.clone(),
+            train_return: (!recent.is_empty())
+                .then(|| recent.iter().sum::<f64>() / recent.len() as f64),
+        };
+        let (model_policy, evaluator) = (policy.clone(), plugin.clone());
+        let outcome = tokio::task::spawn_blocking(move || evaluator.evaluate(&model_policy, &ctx))
+            .await
+            .map_err(ServiceError::other)?;
+        let returns = match outcome {
+            Ok(EvalOutcome::Returns(r)) if !r.is_empty() => r,
+            Ok(EvalOutcome::Returns(_)) => continue,
+            Ok(EvalOutcome::Skipped(reason)) => {
+                tracing::debug!(evaluator = plugin.name(), version = policy.version, %reason, "evaluation skipped");
+                continue;
+            }
             Err(e) => {
-                tracing::error!(error = %e, version = policy.version, "evaluation failed");
+                tracing::error!(error = %e, evaluator = plugin.name(), version = policy.version, "evaluation failed");
                 continue;
             }
         };
@@ -118,6 +169,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         let solved = threshold.is_some_and(|t| mean >= t);
         last_return.set(mean);
         tracing::info!(
+            evaluator = plugin.name(),
             version = policy.version,
             mean_return = mean,
             std_return = std,
@@ -126,7 +178,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         );
         let report = EvalReport {
             schema: SCHEMA_VERSION,
-            evaluator: "greedy".into(),
+            evaluator: plugin.name().to_string(),
             instance: service.instance.clone(),
             env_id: cfg.run.env_id.clone(),
             policy_version: policy.version,

@@ -1,6 +1,9 @@
 //! The `relay` command line: the local stack supervisor (`up`, `down`) and
 //! the solve benchmark. See `main.rs` for the commands.
 
+pub mod checkpoints;
+pub mod eval;
+pub mod play;
 pub mod runs;
 pub mod stack;
 pub mod top;
@@ -46,6 +49,20 @@ pub struct UpArgs {
     /// to measure the stack without the tracker.
     #[arg(long, value_name = "SERVICE")]
     pub without: Vec<String>,
+    /// Continue a run (`<run-id>` or `@last`) from a checkpoint: same run id,
+    /// the run's own config (from the checkpoint; `--set` still applies), the
+    /// learner loads model, optimizer, counters and RNG.
+    #[arg(long, value_name = "RUN")]
+    pub resume: Option<String>,
+    /// With `--resume` or `--init-from`: which checkpoint (`last`, `best` or a number).
+    #[arg(long, default_value = "last")]
+    pub checkpoint: String,
+    /// Start a new run from the weights of `<run>[:best|last|N]` (shape-checked).
+    #[arg(long, value_name = "RUN[:CHECKPOINT]", conflicts_with = "resume")]
+    pub init_from: Option<String>,
+    /// With `--resume` or `--init-from`: start Adam afresh.
+    #[arg(long)]
+    pub reset_optimizer: bool,
 }
 
 /// How a run ended, as seen by the supervisor.
@@ -73,10 +90,39 @@ pub fn make_run_id(config: &ExperimentConfig) -> String {
 }
 
 /// `relay up`: start everything, train, display progress, stop cleanly.
-pub fn up(args: UpArgs) -> Result<Outcome> {
+pub fn up(mut args: UpArgs) -> Result<Outcome> {
     let mut overrides = args.overrides.clone();
+    let mut resumed_id = None;
+    if let Some(run) = &args.resume {
+        // The runs folder of the run: from the given config and overrides.
+        let base = ExperimentConfig::load(&args.config, &overrides)?;
+        let (id, _, dir) =
+            checkpoints::resolve(&base.run.runs_dir, run, &args.checkpoint).context("--resume")?;
+        println!("relay: resuming run {id} from {}", dir.display());
+        args.config = dir.join("config.yaml");
+        overrides.insert(0, format!("run.resume_from={}", dir.display()));
+        overrides.insert(0, "run.init_from=null".into());
+        overrides.insert(0, format!("run.runs_dir={}", base.run.runs_dir.display()));
+        resumed_id = Some(id);
+    } else if let Some(spec) = &args.init_from {
+        let base = ExperimentConfig::load(&args.config, &overrides)?;
+        let (run, which) = spec.split_once(':').unwrap_or((spec, &args.checkpoint));
+        let (id, _, dir) =
+            checkpoints::resolve(&base.run.runs_dir, run, which).context("--init-from")?;
+        println!(
+            "relay: new run from the weights of {id} ({})",
+            dir.display()
+        );
+        overrides.push(format!("run.init_from={}", dir.display()));
+    }
+    if args.reset_optimizer {
+        if args.resume.is_none() && args.init_from.is_none() {
+            bail!("--reset-optimizer needs --resume or --init-from");
+        }
+        overrides.push("run.reset_optimizer=true".into());
+    }
     let config = ExperimentConfig::load(&args.config, &overrides)?;
-    let run_id = match args.run_id.clone().or(config.run.id.clone()) {
+    let run_id = match resumed_id.or(args.run_id.clone()).or(config.run.id.clone()) {
         Some(id) => id,
         None => make_run_id(&config),
     };

@@ -5,7 +5,10 @@
 //! - `relay down`: stop a stack left running;
 //! - `relay bench-solve`: time the stack solving an env for several seeds;
 //! - `relay runs ls|repair`: the run registry `runs/runs.json`;
-//! - `relay plot <run|@last>`: a run's learning curves as PNG files.
+//! - `relay plot <run|@last>`: a run's learning curves as PNG files;
+//! - `relay checkpoints ls|pin <run|@last>`: a run's checkpoints;
+//! - `relay eval use <name>`: switch the running evaluators' plugin;
+//! - `relay play <run|@last>`: an episode of a checkpoint's policy as text.
 
 use std::path::PathBuf;
 
@@ -60,6 +63,12 @@ enum Command {
     Plot(relay::runs::PlotArgs),
     /// A live terminal overview of a run: progress, SPS, eval, losses, services, alerts.
     Top(relay::top::TopArgs),
+    /// A run's checkpoints: `checkpoints ls <run>`, `checkpoints pin <run> <n>`.
+    Checkpoints(relay::checkpoints::CheckpointsArgs),
+    /// Switch the running evaluators: `eval use <name> [--set key=value]...`.
+    Eval(relay::eval::EvalArgs),
+    /// Play episodes with a checkpoint's policy and print them as text frames.
+    Play(relay::play::PlayArgs),
 }
 
 fn main() -> Result<()> {
@@ -77,6 +86,9 @@ fn main() -> Result<()> {
         Command::Runs(args) => relay::runs::runs(args),
         Command::Plot(args) => relay::runs::plot(args),
         Command::Top(args) => relay::top::run(args),
+        Command::Checkpoints(args) => relay::checkpoints::checkpoints(args),
+        Command::Eval(args) => relay::eval::eval(args),
+        Command::Play(args) => relay::play::play(args),
     }
 }
 

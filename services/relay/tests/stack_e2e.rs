@@ -80,8 +80,8 @@ fn six_services_train_over_nats_and_redis() {
         read(&run_dir.join("status.json")).contains("\"stopped\"")
             || read(&run_dir.join("status.json")).contains("\"solved\"")
     );
+    // The tracker's own first lines precede its subscription to the logs subject.
     for service in [
-        "tracker",
         "replay-buffer",
         "inference-server",
         "evaluator",
@@ -94,6 +94,8 @@ fn six_services_train_over_nats_and_redis() {
             "{service} log lacks its start line:\n{log}"
         );
     }
+    assert!(read(&run_dir.join("logs/tracker.log")).contains("run status"));
+    assert!(read(&run_dir.join("logs/learner.log")).contains("training finished"));
     assert!(run_dir.join("checkpoints/last/model.safetensors").is_file());
     assert!(run_dir
         .join("checkpoints/last/optimizer.safetensors")

@@ -133,16 +133,32 @@ async fn fifo_backpressure_staleness_and_bad_input() {
     // Rejections are counted on /metrics by subject and reason.
     let (status, body) = relay_testkit::http_get(metrics_addr, "/metrics").unwrap();
     assert_eq!(status, 200);
+    // The series whose labels include every one given.
+    let value = |name: &str, labels: &[&str]| -> Option<f64> {
+        body.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|x| l.contains(x)))
+            .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    let (run, service) = ("run_id=\"replay-test\"", "service=\"replay-buffer\"");
     for reason in ["decode", "schema_version", "non_finite"] {
-        let line = format!(
-            "relay_messages_rejected_total{{reason=\"{reason}\",subject=\"replay.insert\"}} 1"
+        let reason_label = format!("reason=\"{reason}\"");
+        let labels = [
+            reason_label.as_str(),
+            "subject=\"replay.insert\"",
+            run,
+            service,
+        ];
+        assert_eq!(
+            value("relay_messages_rejected_total", &labels),
+            Some(1.0),
+            "{reason} in\n{body}"
         );
-        assert!(body.contains(&line), "missing {line} in\n{body}");
     }
-    assert!(
-        body.contains("relay_replay_dropped_fragments_total{reason=\"stale\"} 2"),
-        "{body}"
+    let stale = value(
+        "relay_replay_dropped_fragments_total",
+        &["reason=\"stale\"", run],
     );
+    assert_eq!(stale, Some(2.0), "{body}");
 
     trigger.trigger();
     tokio::time::timeout(Duration::from_secs(10), server)

@@ -79,6 +79,24 @@ async fn expect_violation(errors: &mut UnboundedReceiver<String>, kind: &str, su
     assert!(found.to_ascii_lowercase().contains(&wanted));
 }
 
+/// Publishes `probe` from `publisher` until `sub` receives it: async-nats'
+/// `flush` only empties the socket, so this is how a test knows the server
+/// has the subscription.
+async fn until_delivered(publisher: &Client, subject: &str, sub: &mut async_nats::Subscriber) {
+    for _ in 0..50 {
+        publisher
+            .publish(subject.to_string(), "probe".into())
+            .await
+            .unwrap();
+        publisher.flush().await.unwrap();
+        if let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(100), sub.next()).await {
+            assert_eq!(&msg.payload[..], b"probe");
+            return;
+        }
+    }
+    panic!("nothing delivered on {subject}");
+}
+
 async fn nothing_arrives(sub: &mut async_nats::Subscriber) {
     let got = tokio::time::timeout(Duration::from_millis(300), sub.next()).await;
     assert!(got.is_err(), "a refused message was delivered");
@@ -105,17 +123,28 @@ async fn env_runner_inserts_but_cannot_publish_weights() {
         }
     });
     replay.flush().await.unwrap();
+    let (learner, _) = connect_as(&server, "learner").await;
     let mut weights = inference.subscribe("relay.r.weights").await.unwrap();
-    inference.flush().await.unwrap();
+    until_delivered(&learner, "relay.r.weights", &mut weights).await;
 
-    let reply = tokio::time::timeout(
-        Duration::from_secs(5),
-        runner.request("relay.r.replay.insert", "fragment".into()),
-    )
-    .await
-    .expect("insert answered in time")
-    .expect("env-runner may request replay.insert");
-    assert_eq!(&reply.payload[..], b"ack");
+    let mut reply = None;
+    for _ in 0..50 {
+        match runner
+            .request("relay.r.replay.insert", "fragment".into())
+            .await
+        {
+            Ok(r) => {
+                reply = Some(r);
+                break;
+            }
+            // The responder's subscription may not have reached the server yet.
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("env-runner may request replay.insert: {e}"),
+        }
+    }
+    assert_eq!(&reply.expect("insert answered").payload[..], b"ack");
 
     runner
         .publish("relay.r.weights", "forged".into())
@@ -137,25 +166,13 @@ async fn tracker_cannot_publish_act_but_receives_metrics() {
     let (tracker, mut tracker_errors) = connect_as(&server, "tracker").await;
     let (inference, _) = connect_as(&server, "inference-server").await;
     let (learner, _) = connect_as(&server, "learner").await;
+    let (runner, _) = connect_as(&server, "env-runner").await;
 
-    let mut act = inference
-        .queue_subscribe("relay.r.act", "q".into())
-        .await
-        .unwrap();
-    inference.flush().await.unwrap();
+    let mut act = inference.subscribe("relay.r.act").await.unwrap();
+    until_delivered(&runner, "relay.r.act", &mut act).await;
+    // The tracker receives what every service reports.
     let mut metrics = tracker.subscribe("relay.r.metrics").await.unwrap();
-    tracker.flush().await.unwrap();
-
-    learner
-        .publish("relay.r.metrics", "report".into())
-        .await
-        .unwrap();
-    learner.flush().await.unwrap();
-    let got = tokio::time::timeout(Duration::from_secs(5), metrics.next())
-        .await
-        .expect("metrics delivered")
-        .unwrap();
-    assert_eq!(&got.payload[..], b"report");
+    until_delivered(&learner, "relay.r.metrics", &mut metrics).await;
 
     tracker.publish("relay.r.act", "obs".into()).await.unwrap();
     tracker.flush().await.unwrap();
@@ -174,14 +191,20 @@ async fn micro_services_answer_srv_ping_with_their_user() {
         .start("relay-learner", "0.1.0")
         .await
         .unwrap();
-    learner.flush().await.unwrap();
-    let reply = tokio::time::timeout(
-        Duration::from_secs(5),
-        operator.request("$SRV.PING.relay-learner", "".into()),
-    )
-    .await
-    .expect("ping answered in time")
-    .expect("operator may ping micro services");
+    let mut answer = None;
+    for _ in 0..50 {
+        match operator.request("$SRV.PING.relay-learner", "".into()).await {
+            Ok(r) => {
+                answer = Some(r);
+                break;
+            }
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("operator may ping micro services: {e}"),
+        }
+    }
+    let reply = answer.expect("ping answered");
     assert!(
         String::from_utf8_lossy(&reply.payload).contains("relay-learner"),
         "{reply:?}"

@@ -442,6 +442,28 @@ pub struct AlertEvent {
 }
 wire_message!(AlertEvent, "AlertEvent");
 
+/// `relay eval use` -> evaluators: switch to another evaluator plugin
+/// without restarting. Each evaluator copy validates the name and options and
+/// applies them, or logs the refusal and counts it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalControl {
+    pub schema: u16,
+    /// Plugin name, e.g. `stochastic`.
+    pub evaluator: String,
+    /// Plugin options as `(key, value)` strings.
+    pub options: Vec<(String, String)>,
+}
+wire_message!(EvalControl, "EvalControl", |m: &EvalControl| {
+    if m.evaluator.is_empty() || m.evaluator.len() > 64 {
+        return Err(invalid(
+            "EvalControl",
+            "evaluator",
+            "must be a plugin name of 1 to 64 characters",
+        ));
+    }
+    Ok(())
+});
+
 /// Any service -> tracker: formatted log lines for `runs/<id>/logs/<service>.log`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LogBatch {

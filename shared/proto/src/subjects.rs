@@ -73,6 +73,10 @@ impl Subjects {
     pub fn eval(&self) -> String {
         self.subject("eval")
     }
+    /// Publish: [`crate::EvalControl`], switches the running evaluators' plugin.
+    pub fn eval_control(&self) -> String {
+        self.subject("eval.control")
+    }
     /// Publish: [`crate::RunStatusUpdate`].
     pub fn status(&self) -> String {
         self.subject("status")

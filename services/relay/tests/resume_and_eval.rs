@@ -1,0 +1,322 @@
+//! Checkpoint resume and evaluator plugins, against real nats-server and
+//! redis-server: the learner runs as its own process, is killed with SIGKILL
+//! mid-run and resumed from its last checkpoint; evaluators switch plugins
+//! while training runs.
+
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_proto::{
+    EvalControl, EvalReport, MetricsReport, Subjects, WeightsUpdate, SCHEMA_VERSION,
+};
+use relay_testkit::{ChildProcess, NatsServer, RedisServer, TempDir};
+
+fn config_text(
+    run_id: &str,
+    runs: &std::path::Path,
+    nats: &str,
+    redis: &str,
+    budget: u64,
+) -> String {
+    format!(
+        "run:\n  id: {run_id}\n  env_id: CartPole-v1\n  runs_dir: {}\n  total_env_steps: {budget}\nconnections:\n  nats_url: {nats}\n  redis_url: {redis}\nreplay:\n  capacity_steps: 512\nppo:\n  rollout_steps: 256\n  minibatch_size: 256\n  epochs: 2\n  checkpoint_every: 2\n  keep_checkpoints: 3\neval:\n  every_versions: 2\n  episodes: 2\n  threshold: 1000000000\n",
+        runs.display()
+    )
+}
+
+fn learner(
+    config: &std::path::Path,
+    run_id: &str,
+    nats: &str,
+    redis: &str,
+    extra: &[String],
+    log_dir: &std::path::Path,
+    name: &str,
+) -> ChildProcess {
+    let mut command = Command::new(relay_testkit::workspace_binary("relay-learner").unwrap());
+    command.arg("--config").arg(config).args([
+        "--run-id",
+        run_id,
+        "--nats-url",
+        nats,
+        "--redis-url",
+        redis,
+    ]);
+    for e in extra {
+        command.args(["--set", e]);
+    }
+    ChildProcess::spawn(command, name, log_dir).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_learner_resumes_from_its_checkpoint() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let dir = TempDir::new("resume");
+    let runs = dir.path().join("runs");
+    let run_id = "resume-test";
+    let budget = 256 * 24;
+    let text = config_text(run_id, &runs, &nats.url(), &redis.url(), budget);
+    let config_path = dir.path().join("config.yaml");
+    std::fs::write(&config_path, &text).unwrap();
+    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap();
+    let (trigger, shutdown) = Shutdown::new();
+    let config = || ServiceConfig::for_test(experiment.clone());
+    let tasks = vec![
+        tokio::spawn(relay_tracker::run(config(), shutdown.clone())),
+        tokio::spawn(relay_replay_buffer::run(config(), shutdown.clone())),
+        tokio::spawn(relay_inference_server::run(config(), shutdown.clone())),
+        tokio::spawn(relay_evaluator::run(config(), shutdown.clone())),
+        tokio::spawn(relay_env_runner::run(config(), shutdown.clone())),
+    ];
+    // Every weights version published, in order.
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subjects = Subjects::new(run_id);
+    let mut weights = client.subscribe(subjects.weights()).await.unwrap();
+    let versions: Arc<Mutex<Vec<u64>>> = Arc::default();
+    {
+        let versions = versions.clone();
+        tokio::spawn(async move {
+            while let Some(m) = weights.next().await {
+                if let Ok(w) = relay_proto::decode::<WeightsUpdate>(&m.payload) {
+                    versions.lock().unwrap().push(w.version);
+                }
+            }
+        });
+    }
+    let mut metrics = client.subscribe(subjects.metrics()).await.unwrap();
+    let run_dir = runs.join(run_id);
+    let logs = dir.path().join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+
+    let mut first = learner(
+        &config_path,
+        run_id,
+        &nats.url(),
+        &redis.url(),
+        &[],
+        &logs,
+        "learner-1",
+    );
+    // Kill it once it has made 7 updates (checkpoints at 2, 4, 6 and first eval).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while versions.lock().unwrap().last().copied().unwrap_or(0) < 7 {
+        assert!(
+            Instant::now() < deadline,
+            "learner never reached version 7:\n{}",
+            std::fs::read_to_string(&first.log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.child.kill().unwrap(); // SIGKILL
+    first.child.wait().unwrap();
+    let killed_at = *versions.lock().unwrap().last().unwrap();
+    let checkpoint = std::fs::canonicalize(run_dir.join("checkpoints/last")).unwrap();
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(checkpoint.join("state.json")).unwrap())
+            .unwrap();
+    assert!(saved["rng"]["word_pos"].is_string(), "{saved}");
+    assert!(
+        run_dir.join("checkpoints/best").exists(),
+        "no best checkpoint after the first eval"
+    );
+
+    let mut second = learner(
+        &config_path,
+        run_id,
+        &nats.url(),
+        &redis.url(),
+        &[format!("run.resume_from={}", checkpoint.display())],
+        &logs,
+        "learner-2",
+    );
+    // Until the budget is spent.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut env_steps = 0.0;
+    while env_steps < budget as f64 {
+        assert!(
+            Instant::now() < deadline,
+            "resumed learner stalled at {env_steps}:\n{}",
+            std::fs::read_to_string(&second.log).unwrap_or_default()
+        );
+        if let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(500), metrics.next()).await
+        {
+            if let Ok(r) = relay_proto::decode::<MetricsReport>(&m.payload) {
+                for v in r.values.iter().filter(|v| v.name == "learner_env_steps") {
+                    env_steps = v.value;
+                }
+            }
+        }
+    }
+    second.terminate(Duration::from_secs(10)).unwrap();
+    trigger.trigger();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(15), task)
+            .await
+            .expect("service stops")
+            .unwrap()
+            .unwrap();
+    }
+
+    // The version never went back, and the resumed learner went past the kill.
+    let versions = versions.lock().unwrap().clone();
+    assert!(
+        versions.windows(2).all(|w| w[1] > w[0]),
+        "versions went back: {versions:?}"
+    );
+    assert!(*versions.last().unwrap() > killed_at);
+
+    // vec_steps: each update adds its rollout's vector steps; after a resume
+    // the series continues from the checkpoint's vec_steps.
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let mut prev: Option<u64> = None;
+    let mut resumed_at_seen = None;
+    let mut resumes = 0;
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let values = &v["values"];
+        let (Some(vec), Some(rollout), Some(resumed)) = (
+            values["learner_vec_steps"].as_f64(),
+            values["learner_rollout_vec_steps"].as_f64(),
+            values["learner_resumed_at_vec_steps"].as_f64(),
+        ) else {
+            continue;
+        };
+        let (vec, rollout, resumed) = (vec as u64, rollout as u64, resumed as u64);
+        assert!(rollout > 0);
+        let start = if resumed_at_seen != Some(resumed) {
+            // The first report of a (resumed) learner process.
+            resumed_at_seen = Some(resumed);
+            if resumed > 0 {
+                resumes += 1;
+                assert_eq!(resumed, saved["vec_steps"].as_u64().unwrap());
+            }
+            if resumed > 0 {
+                resumed
+            } else {
+                prev.unwrap_or(0)
+            }
+        } else {
+            prev.unwrap()
+        };
+        assert_eq!(vec, start + rollout, "gap or overlap at {line}");
+        prev = Some(vec);
+    }
+    assert_eq!(resumes, 1, "no resumed learner reports in metrics.jsonl");
+    let resumed_updates = saved["updates"].as_u64().unwrap();
+    assert!(resumed_updates >= 2);
+    drop(first);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluator_plugins_switch_while_training_runs() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let dir = TempDir::new("evalswap");
+    let runs = dir.path().join("runs");
+    let run_id = "eval-swap";
+    let text = config_text(run_id, &runs, &nats.url(), &redis.url(), 10_000_000)
+        .replace("every_versions: 2", "every_versions: 1");
+    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap();
+    let (trigger, shutdown) = Shutdown::new();
+    let config = || ServiceConfig::for_test(experiment.clone());
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subjects = Subjects::new(run_id);
+    let mut evals = client.subscribe(subjects.eval()).await.unwrap();
+    let mut metrics = client.subscribe(subjects.metrics()).await.unwrap();
+    let tasks = vec![
+        tokio::spawn(relay_tracker::run(config(), shutdown.clone())),
+        tokio::spawn(relay_replay_buffer::run(config(), shutdown.clone())),
+        tokio::spawn(relay_inference_server::run(config(), shutdown.clone())),
+        tokio::spawn(relay_evaluator::run(config(), shutdown.clone())),
+        tokio::spawn(relay_env_runner::run(config(), shutdown.clone())),
+        tokio::spawn(relay_learner::run(config(), shutdown.clone())),
+    ];
+    // Learner updates over a window, from its reports.
+    async fn updates_per_second(metrics: &mut async_nats::Subscriber, window: Duration) -> f64 {
+        let mut first: Option<(Instant, f64)> = None;
+        let mut last = None;
+        let end = Instant::now() + window;
+        while Instant::now() < end {
+            if let Ok(Some(m)) =
+                tokio::time::timeout(Duration::from_millis(200), metrics.next()).await
+            {
+                if let Ok(r) = relay_proto::decode::<MetricsReport>(&m.payload) {
+                    if let Some(v) = r.values.iter().find(|v| v.name == "learner_updates") {
+                        let now = (Instant::now(), v.value);
+                        first.get_or_insert(now);
+                        last = Some(now);
+                    }
+                }
+            }
+        }
+        let ((t0, u0), (t1, u1)) = (first.expect("learner reports"), last.unwrap());
+        (u1 - u0) / (t1 - t0).as_secs_f64().max(1e-3)
+    }
+    async fn wait_for(evals: &mut async_nats::Subscriber, name: &str) -> EvalReport {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(Instant::now() < deadline, "no {name} eval");
+            if let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(1), evals.next()).await {
+                let r: EvalReport = relay_proto::decode(&m.payload).unwrap();
+                if r.evaluator == name {
+                    return r;
+                }
+            }
+        }
+    }
+    let greedy = wait_for(&mut evals, "greedy").await;
+    let before = updates_per_second(&mut metrics, Duration::from_secs(4)).await;
+    let switch = |name: &str| EvalControl {
+        schema: SCHEMA_VERSION,
+        evaluator: name.into(),
+        options: vec![],
+    };
+    // An unknown plugin is refused; the evaluator keeps going.
+    relay::eval::send(&nats.url(), run_id, &switch("nope"))
+        .await
+        .unwrap();
+    relay::eval::send(&nats.url(), run_id, &switch("stochastic"))
+        .await
+        .unwrap();
+    let stochastic = wait_for(&mut evals, "stochastic").await;
+    assert!(stochastic.policy_version > greedy.policy_version);
+    relay::eval::send(
+        &nats.url(),
+        run_id,
+        &EvalControl {
+            options: vec![("episodes".into(), "3".into())],
+            ..switch("record")
+        },
+    )
+    .await
+    .unwrap();
+    let record = wait_for(&mut evals, "record").await;
+    assert_eq!(record.returns.len(), 3);
+    let after = updates_per_second(&mut metrics, Duration::from_secs(4)).await;
+    let recording = runs
+        .join(run_id)
+        .join(format!("recordings/v{}.jsonl", record.policy_version));
+    let lines = std::fs::read_to_string(&recording)
+        .unwrap_or_else(|e| panic!("{}: {e}", recording.display()));
+    assert_eq!(lines.lines().count(), 3);
+    let first: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    for key in ["obs", "actions", "rewards", "terminated", "truncated"] {
+        assert!(first[key].is_array(), "{key} missing: {first}");
+    }
+    trigger.trigger();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(15), task)
+            .await
+            .expect("service stops")
+            .unwrap()
+            .unwrap();
+    }
+    assert!(
+        before > 0.0 && after > 0.5 * before,
+        "updates/s {before:.2} before the swaps, {after:.2} after"
+    );
+}
