@@ -162,6 +162,8 @@ pub fn prune(run_dir: &Path, keep: usize) -> Vec<u64> {
 
 /// Resolves a checkpoint name of a run: `last`, `best` or a number.
 pub fn resolve(run_dir: &Path, which: &str) -> Result<PathBuf, CheckpointError> {
+    // `@best` and `@last` are accepted as well as `best` and `last`.
+    let which = which.strip_prefix('@').unwrap_or(which);
     let n = match which {
         "last" | "best" => link_target(run_dir, which).ok_or_else(|| CheckpointError::State {
             path: run_dir.join("checkpoints").join(which),

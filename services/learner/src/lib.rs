@@ -401,6 +401,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     gauge("learner_entropy", stats.entropy),
                     gauge("learner_total_loss", stats.total_loss),
                     gauge("learner_approx_kl", stats.approx_kl),
+                    gauge("learner_kl", stats.kl),
                     gauge("learner_clip_fraction", stats.clip_fraction),
                     gauge("learner_value_clip_fraction", stats.value_clip_fraction),
                     gauge("learner_ratio_mean", stats.ratio_mean),

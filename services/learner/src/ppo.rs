@@ -198,6 +198,8 @@ pub struct UpdateStats {
     pub entropy: f64,
     pub total_loss: f64,
     pub approx_kl: f64,
+    /// mean(old log-prob - new log-prob), the plain KL(old || new) estimator.
+    pub kl: f64,
     pub clip_fraction: f64,
     pub value_clip_fraction: f64,
     pub ratio_mean: f64,
@@ -277,6 +279,14 @@ pub fn update(
             let (advantages, returns) = (gather(&rollout.advantages), gather(&rollout.returns));
 
             let (logprob, entropy, values) = model.evaluate(&obs, &actions)?;
+            // The plain estimator of KL(old || new), beside the loss's approx_kl.
+            let kl = logprob
+                .to_vec1::<f32>()?
+                .iter()
+                .zip(&old_logprob)
+                .map(|(new, old)| (old - new) as f64)
+                .sum::<f64>()
+                / m as f64;
             let loss = ppo_loss(
                 &loss_config,
                 &PpoInputs {
@@ -299,6 +309,7 @@ pub fn update(
             stats.entropy += s.entropy as f64;
             stats.total_loss += s.loss as f64;
             stats.approx_kl += s.approx_kl as f64;
+            stats.kl += kl;
             stats.clip_fraction += s.clip_fraction as f64;
             stats.value_clip_fraction += s.value_clip_fraction as f64;
             stats.ratio_mean += s.ratio_mean as f64;
@@ -323,6 +334,7 @@ pub fn update(
         &mut stats.entropy,
         &mut stats.total_loss,
         &mut stats.approx_kl,
+        &mut stats.kl,
         &mut stats.clip_fraction,
         &mut stats.value_clip_fraction,
         &mut stats.ratio_mean,

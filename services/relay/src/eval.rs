@@ -80,6 +80,8 @@ pub fn eval(args: EvalArgs) -> Result<()> {
             .with_context(|| format!("no running stack recorded in {}", path.display()))?;
         Ok(serde_json::from_str(&text)?)
     };
+    // `@last` is the run of the recorded stack.
+    let run_id = run_id.filter(|r| r != "@last");
     let (run_id, nats_url) = match (run_id, nats_url) {
         (Some(r), Some(n)) => (r, n),
         (r, n) => {

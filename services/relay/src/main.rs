@@ -30,7 +30,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Start the local stack and train a config.
+    /// Start the local stack and train a config (`relay train` is the same).
+    #[command(alias = "train")]
     Up(UpArgs),
     /// Stop a local stack left running.
     Down {
