@@ -33,7 +33,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use prometheus::{Histogram, HistogramOpts, IntGauge};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -505,5 +505,3 @@ fn save_checkpoint(
         Err(e) => tracing::error!(error = %e, "checkpoint failed"),
     }
 }
-
-use futures::FutureExt;
