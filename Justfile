@@ -36,9 +36,18 @@ bench-solve *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay bench-solve --seeds 3 {{ARGS}}
 
+# Env steps/s with 1, 2, 4 env-runners x 1, 2 inference servers (one stack scaled with `relay scale`): table + JSON line.
+bench-scale *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay bench-scale {{ARGS}}
+
 # Model and optimizer micro-benchmarks (act latency, PPO train step).
 bench-nn:
     cargo bench -p relay-nn
+
+# Fuzz every wire message decoder (100,000 cases per type): table + JSON line.
+bench-fuzz:
+    cargo bench -p relay-proto --bench fuzz
 
 # Tracker overhead: CartPole training SPS with the tracker on and off (metrics dropped).
 bench-tracker *ARGS: install

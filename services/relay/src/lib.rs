@@ -5,6 +5,7 @@ pub mod checkpoints;
 pub mod eval;
 pub mod play;
 pub mod runs;
+pub mod scale;
 pub mod stack;
 pub mod top;
 
@@ -210,6 +211,8 @@ async fn watch(
     let mut metrics = client.subscribe(subjects.metrics()).await?;
     let mut evals = client.subscribe(subjects.eval()).await?;
     let mut statuses = client.subscribe(subjects.status()).await?;
+    // `relay scale` requests (see scale.rs).
+    let mut scales = client.subscribe(subjects.supervisor_scale()).await?;
     let ready = Instant::now();
     let mut outcome = Outcome {
         run_id: run_id.to_string(),
@@ -258,6 +261,30 @@ async fn watch(
                         }
                     }
                     last_eval = Some(report);
+                }
+            }
+            Some(m) = scales.next() => {
+                let reply = match relay_proto::decode::<relay_proto::ScaleRequest>(&m.payload) {
+                    Ok(req) => {
+                        let reply = scale::handle(stack, req).await;
+                        if !args.quiet || reply.error.is_some() {
+                            println!("relay: scale {}: {} copies{}", reply.service, reply.copies,
+                                reply.error.as_ref().map_or(String::new(), |e| format!(" ({e})")));
+                        }
+                        reply
+                    }
+                    Err(e) => relay_proto::ScaleReply {
+                        schema: relay_proto::SCHEMA_VERSION,
+                        service: String::new(),
+                        copies: 0,
+                        instances: Vec::new(),
+                        started: Vec::new(),
+                        stopped: Vec::new(),
+                        error: Some(format!("bad scale request: {e}")),
+                    },
+                };
+                if let Some(to) = m.reply {
+                    let _ = client.publish(to, relay_proto::encode(&reply).into()).await;
                 }
             }
             Some(m) = statuses.next() => {

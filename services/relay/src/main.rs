@@ -3,6 +3,8 @@
 //! - `relay up`: start the local stack (NATS, Redis, Prometheus, every
 //!   service) and train a config, with a progress display;
 //! - `relay down`: stop a stack left running;
+//! - `relay scale <service>=<n>...`: change the copies of a running stack's services;
+//! - `relay bench-scale`: env steps per second for several env-runner and inference-server counts;
 //! - `relay bench-solve`: time the stack solving an env for several seeds;
 //! - `relay runs ls|repair`: the run registry `runs/runs.json`;
 //! - `relay plot <run|@last>`: a run's learning curves as PNG files;
@@ -39,6 +41,11 @@ enum Command {
         #[arg(long, default_value = ".relay")]
         state_dir: PathBuf,
     },
+    /// Change the number of copies of services in a running `relay up` stack:
+    /// `relay scale env-runner=3 inference-server=2`.
+    Scale(relay::scale::ScaleArgs),
+    /// Env steps per second with 1, 2, 4 env-runners and 1, 2 inference servers; print a table and JSON.
+    BenchScale(relay::scale::BenchScaleArgs),
     /// Training SPS with and without the tracker; print a table and JSON.
     BenchTracker {
         #[command(flatten)]
@@ -78,6 +85,8 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Up(args) => up(args).map(|_| ()),
         Command::Down { state_dir } => relay::stack::down(&state_dir),
+        Command::Scale(args) => relay::scale::scale(args),
+        Command::BenchScale(args) => relay::scale::bench_scale(args),
         Command::BenchTracker {
             up,
             rounds,

@@ -117,6 +117,11 @@ pub struct Stack {
     pub prometheus_url: Option<String>,
     infra: Vec<Proc>,
     pub services: Vec<Proc>,
+    /// Next copy number of each service: instance names are never reused
+    /// within a stack (`env-runner-3` after `env-runner-2` was removed).
+    next_copy: std::collections::HashMap<String, usize>,
+    /// Config and overrides the services were started with (for `relay scale`).
+    service_args: Option<(PathBuf, Vec<String>)>,
 }
 
 impl Stack {
@@ -188,6 +193,8 @@ impl Stack {
             prometheus_url: None,
             infra,
             services: Vec::new(),
+            next_copy: Default::default(),
+            service_args: None,
         };
         stack.start_prometheus()?;
         stack.start_grafana()?;
@@ -285,12 +292,10 @@ impl Stack {
         overrides: &[String],
     ) -> Result<()> {
         let bin = sibling_binary(&format!("relay-{service}"))?;
-        let copy = self
-            .services
-            .iter()
-            .filter(|p| p.name.starts_with(service))
-            .count();
+        self.service_args = Some((config.to_path_buf(), overrides.to_vec()));
+        let copy = self.next_copy.entry(service.to_string()).or_default();
         let name = format!("{service}-{copy}");
+        *copy += 1;
         let port = free_port()?;
         let metrics_addr: SocketAddr = ([127, 0, 0, 1], port).into();
         let (out, err) = log_file(&self.state_dir.join("logs"), &name)?;
@@ -370,6 +375,48 @@ impl Stack {
             .collect()
     }
 
+    /// Starts one more copy of `service` with the config and overrides of
+    /// the copies started before; returns its instance name.
+    pub fn spawn_copy(&mut self, service: &str) -> Result<String> {
+        let (config, overrides) = self
+            .service_args
+            .clone()
+            .context("no service was started yet, so there is no config to start one with")?;
+        self.spawn_service(service, &config, &overrides)?;
+        Ok(self.services.last().expect("just spawned").name.clone())
+    }
+
+    /// Instance names of the running copies of `service`, oldest first.
+    pub fn copies_of(&self, service: &str) -> Vec<String> {
+        self.services
+            .iter()
+            .filter(|p| service_of(&p.name) == service)
+            .map(|p| p.name.clone())
+            .collect()
+    }
+
+    /// Takes the `n` newest copies of `service` out of the stack and sends
+    /// them SIGTERM; the caller waits for them to drain. The record and the
+    /// Prometheus targets no longer list them.
+    pub fn take_copies(&mut self, service: &str, n: usize) -> Result<Vec<Proc>> {
+        let mut taken = Vec::new();
+        while taken.len() < n {
+            let Some(i) = self
+                .services
+                .iter()
+                .rposition(|p| service_of(&p.name) == service)
+            else {
+                break;
+            };
+            let p = self.services.remove(i);
+            terminate(p.child.id());
+            taken.push(p);
+        }
+        self.write_targets()?;
+        self.write_record()?;
+        Ok(taken)
+    }
+
     /// Prometheus file-based discovery: one target per service copy.
     fn write_targets(&self) -> Result<()> {
         let dir = self.state_dir.join("prometheus").join("targets");
@@ -440,6 +487,14 @@ impl Stack {
 impl Drop for Stack {
     fn drop(&mut self) {
         self.stop(Duration::from_secs(10));
+    }
+}
+
+/// The service of an instance name: `env-runner-3` -> `env-runner`.
+pub fn service_of(instance: &str) -> &str {
+    match instance.rsplit_once('-') {
+        Some((service, n)) if n.chars().all(|c| c.is_ascii_digit()) && !n.is_empty() => service,
+        _ => instance,
     }
 }
 

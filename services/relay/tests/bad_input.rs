@@ -240,6 +240,7 @@ async fn every_subscriber_rejects_bad_input_and_keeps_running() {
         ("act", "invalid"),
         ("weights", "decode"),
         ("weights", "schema_version"),
+        ("weights", "non_finite"),
         ("weights", "invalid"),
     ] {
         assert!(
@@ -247,16 +248,23 @@ async fn every_subscriber_rejects_bad_input_and_keeps_running() {
             "inference-server: no {subject}/{reason} rejection in\n{inference}"
         );
     }
-    // The wrong-shape weights were refused by name: the server still serves version 0.
+    // NaN weights are refused on decode, wrong-shape weights when loaded
+    // (naming the parameter): the server still serves version 0.
+    assert_eq!(
+        rejected(&inference, "weights", "non_finite"),
+        1,
+        "NaN weights"
+    );
     assert_eq!(
         rejected(&inference, "weights", "invalid"),
-        2,
-        "NaN and wrong-shape weights"
+        1,
+        "wrong-shape weights"
     );
     let evaluator = metrics(evaluator_addr).await;
     for (subject, reason) in [
         ("weights", "decode"),
         ("weights", "schema_version"),
+        ("weights", "non_finite"),
         ("weights", "invalid"),
     ] {
         assert!(

@@ -41,10 +41,11 @@ pub enum Rejection {
         got: u16,
         want: u16,
     },
+    /// `field` names the tensor: a message field, or e.g. `tensors[<name>]`.
     #[error("{kind}.{field}: {source}")]
     Tensor {
         kind: &'static str,
-        field: &'static str,
+        field: std::borrow::Cow<'static, str>,
         source: TensorError,
     },
     #[error("{kind}.{field}: {detail}")]
@@ -83,6 +84,19 @@ struct Header {
     schema: u16,
 }
 
+/// Deepest nesting of MessagePack arrays and maps a payload may hold. The
+/// deepest message (`SampleReply` -> fragments -> fragment -> tensor ->
+/// shape) nests 5 levels; rmp-serde's own limit of 1024 lets a payload of a
+/// few kilobytes under an unknown field recurse deep enough to overflow a
+/// 2 MiB thread stack (an abort, not a panic) in unoptimized builds.
+const MAX_DEPTH: usize = 32;
+
+fn from_slice<T: DeserializeOwned>(payload: &[u8]) -> Result<T, rmp_serde::decode::Error> {
+    let mut deserializer = rmp_serde::Deserializer::from_read_ref(payload);
+    deserializer.set_max_depth(MAX_DEPTH);
+    T::deserialize(&mut deserializer)
+}
+
 /// Decodes and validates a payload.
 pub fn decode<T: WireMessage>(payload: &[u8]) -> Result<T, Rejection> {
     if payload.len() > MAX_MESSAGE_BYTES {
@@ -93,7 +107,7 @@ pub fn decode<T: WireMessage>(payload: &[u8]) -> Result<T, Rejection> {
     }
     // The header is read first so that a message from another schema version
     // is named as such rather than as an undecodable payload.
-    let header: Header = rmp_serde::from_slice(payload).map_err(|e| Rejection::Decode {
+    let header: Header = from_slice(payload).map_err(|e| Rejection::Decode {
         kind: T::KIND,
         detail: e.to_string(),
     })?;
@@ -104,10 +118,43 @@ pub fn decode<T: WireMessage>(payload: &[u8]) -> Result<T, Rejection> {
             want: SCHEMA_VERSION,
         });
     }
-    let message: T = rmp_serde::from_slice(payload).map_err(|e| Rejection::Decode {
+    let message: T = from_slice(payload).map_err(|e| Rejection::Decode {
         kind: T::KIND,
         detail: e.to_string(),
     })?;
     message.validate()?;
     Ok(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::WeightsRequest;
+
+    /// `{schema: 1, zz: [[[...]]]}`: nesting under a field nobody reads.
+    fn nested(depth: usize) -> Vec<u8> {
+        let mut payload = vec![0x82, 0xa6];
+        payload.extend_from_slice(b"schema");
+        payload.extend_from_slice(&[0x01, 0xa2, b'z', b'z']);
+        payload.extend(std::iter::repeat_n(0x91, depth));
+        payload.push(0xc0);
+        payload
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_without_exhausting_the_stack() {
+        // A small stack, as on a tokio worker; this used to abort the process.
+        std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(|| {
+                assert!(decode::<WeightsRequest>(&nested(MAX_DEPTH - 2)).is_ok());
+                for depth in [MAX_DEPTH, 1000, 100_000] {
+                    let err = decode::<WeightsRequest>(&nested(depth)).unwrap_err();
+                    assert_eq!(err.reason(), "decode", "{err}");
+                }
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+    }
 }

@@ -16,7 +16,7 @@ fn tensor_check(
 ) -> Result<(), Rejection> {
     result.map_err(|source| Rejection::Tensor {
         kind,
-        field,
+        field: field.into(),
         source,
     })
 }
@@ -285,9 +285,13 @@ pub struct WeightsUpdate {
 }
 wire_message!(WeightsUpdate, "WeightsUpdate", |m: &WeightsUpdate| {
     for t in &m.tensors {
-        t.tensor.to_finite_f32().map_err(|source| {
-            invalid("WeightsUpdate", "tensors", format!("{}: {source}", t.name))
-        })?;
+        t.tensor
+            .to_finite_f32()
+            .map_err(|source| Rejection::Tensor {
+                kind: "WeightsUpdate",
+                field: format!("tensors[{}]", t.name).into(),
+                source,
+            })?;
     }
     Ok(())
 });
@@ -464,6 +468,68 @@ wire_message!(EvalControl, "EvalControl", |m: &EvalControl| {
     Ok(())
 });
 
+/// Largest number of copies of one service a [`ScaleRequest`] may ask for.
+pub const MAX_COPIES: u32 = 64;
+
+/// `relay scale` -> supervisor (`relay up`): run `copies` copies of `service`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScaleRequest {
+    pub schema: u16,
+    /// Service name, e.g. `env-runner`.
+    pub service: String,
+    /// Wanted number of copies (0 stops them all; the learner must stay at 1).
+    pub copies: u32,
+}
+wire_message!(ScaleRequest, "ScaleRequest", |m: &ScaleRequest| {
+    if m.service.is_empty()
+        || m.service.len() > 64
+        || !m
+            .service
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+    {
+        return Err(invalid(
+            "ScaleRequest",
+            "service",
+            format!("bad service name {:?}", m.service),
+        ));
+    }
+    if m.copies > MAX_COPIES {
+        return Err(invalid(
+            "ScaleRequest",
+            "copies",
+            format!("{} copies is over the limit of {MAX_COPIES}", m.copies),
+        ));
+    }
+    Ok(())
+});
+
+/// A copy that a scale-down stopped, with its exit code (`None`: killed by a
+/// signal, e.g. SIGKILL after the grace period).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoppedCopy {
+    pub instance: String,
+    pub exit_code: Option<i32>,
+}
+
+/// Supervisor -> `relay scale`: what changed. `error` is set (and nothing
+/// changed) when the request was refused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScaleReply {
+    pub schema: u16,
+    pub service: String,
+    /// Copies running now.
+    pub copies: u32,
+    /// Instance names of the running copies.
+    pub instances: Vec<String>,
+    /// Copies started by this request (healthy when the reply is sent).
+    pub started: Vec<String>,
+    /// Copies stopped by this request, after draining.
+    pub stopped: Vec<StoppedCopy>,
+    pub error: Option<String>,
+}
+wire_message!(ScaleReply, "ScaleReply");
+
 /// Any service -> tracker: formatted log lines for `runs/<id>/logs/<service>.log`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LogBatch {
@@ -564,6 +630,28 @@ mod tests {
             decode::<ActRequest>(&encode(&req)).unwrap_err().reason(),
             "non_finite"
         );
+    }
+
+    #[test]
+    fn scale_request_is_validated() {
+        let req = |service: &str, copies| ScaleRequest {
+            schema: SCHEMA_VERSION,
+            service: service.into(),
+            copies,
+        };
+        let ok = req("env-runner", 3);
+        assert_eq!(decode::<ScaleRequest>(&encode(&ok)).unwrap(), ok);
+        assert!(decode::<ScaleRequest>(&encode(&req("env-runner", 0))).is_ok());
+        for bad in [
+            req("", 1),
+            req("env.runner", 1),
+            req("env-runner", MAX_COPIES + 1),
+        ] {
+            assert_eq!(
+                decode::<ScaleRequest>(&encode(&bad)).unwrap_err().reason(),
+                "invalid"
+            );
+        }
     }
 
     proptest::proptest! {

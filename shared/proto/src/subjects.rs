@@ -89,6 +89,11 @@ impl Subjects {
     pub fn logs(&self) -> String {
         self.subject("logs")
     }
+    /// Request-reply: [`crate::ScaleRequest`] -> [`crate::ScaleReply`], answered
+    /// by the local supervisor (`relay up`); `relay scale` sends it.
+    pub fn supervisor_scale(&self) -> String {
+        self.subject("supervisor.scale")
+    }
     /// Wildcard matching every subject of the run.
     pub fn all(&self) -> String {
         self.subject(">")
@@ -104,6 +109,10 @@ mod tests {
         let s = Subjects::new("cartpole-ppo-1");
         assert_eq!(s.act(), "relay.cartpole-ppo-1.act");
         assert_eq!(s.replay_insert(), "relay.cartpole-ppo-1.replay.insert");
+        assert_eq!(
+            s.supervisor_scale(),
+            "relay.cartpole-ppo-1.supervisor.scale"
+        );
     }
 
     #[test]

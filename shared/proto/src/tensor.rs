@@ -111,9 +111,14 @@ impl Tensor {
         }
     }
 
-    /// Number of elements the shape describes.
+    /// Number of elements the shape describes, saturating at `usize::MAX`
+    /// (no payload holds that many): a received shape such as
+    /// `[65536, 65536, 65536, 65536]` must neither overflow (a panic in debug
+    /// builds) nor wrap to 0 and pass for an empty tensor.
     pub fn numel(&self) -> usize {
-        self.shape.iter().map(|&d| d as usize).product()
+        self.shape
+            .iter()
+            .fold(1usize, |n, &d| n.saturating_mul(d as usize))
     }
 
     pub fn shape_usize(&self) -> Vec<usize> {
@@ -122,7 +127,7 @@ impl Tensor {
 
     /// Checks that the byte length matches dtype and shape.
     pub fn check_len(&self) -> Result<(), TensorError> {
-        let want = self.numel() * self.dtype.size();
+        let want = self.numel().saturating_mul(self.dtype.size());
         if want != self.data.len() {
             return Err(TensorError::ByteLength {
                 dtype: self.dtype,
@@ -230,5 +235,29 @@ mod tests {
             Err(TensorError::Shape { .. })
         ));
         assert!(t.expect(DType::F32, &[None]).is_ok());
+    }
+
+    #[test]
+    fn shapes_whose_size_overflows_are_refused() {
+        // 2^64 elements would wrap to 0 and pass for an empty tensor.
+        let t = Tensor {
+            dtype: DType::F32,
+            shape: vec![1 << 16; 4],
+            data: vec![],
+        };
+        assert_eq!(t.numel(), usize::MAX);
+        assert!(matches!(t.check_len(), Err(TensorError::ByteLength { .. })));
+        let t = Tensor {
+            dtype: DType::I64,
+            shape: vec![u32::MAX, u32::MAX],
+            data: vec![0; 8],
+        };
+        assert!(matches!(t.check_len(), Err(TensorError::ByteLength { .. })));
+        let t = Tensor {
+            dtype: DType::U8,
+            shape: vec![u32::MAX, u32::MAX, u32::MAX, 0],
+            data: vec![],
+        };
+        assert!(t.check_len().is_ok());
     }
 }

@@ -1,0 +1,452 @@
+//! `relay scale <service>=<n>...`: change the number of copies of a service
+//! in a running `relay up` stack, and `relay bench-scale`: CartPole env steps
+//! per second for several env-runner and inference-server counts.
+//!
+//! `relay scale` sends a [`ScaleRequest`] per service on the NATS request
+//! subject `relay.<run>.supervisor.scale`, which the supervisor (`relay up`)
+//! answers. New copies join the existing queue groups and the supervisor
+//! replies once they are healthy; removed copies (the newest first) get
+//! SIGTERM and drain, SIGKILL after [`DRAIN_GRACE`], and the reply carries
+//! their exit codes. `stack.json` and the Prometheus targets follow.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use relay_proto::{
+    MetricsReport, ScaleReply, ScaleRequest, StoppedCopy, Subjects, MAX_COPIES, SCHEMA_VERSION,
+};
+
+use crate::stack::{http_status, Proc, Stack, StackRecord, SERVICES};
+
+/// How long a removed copy may take to drain before it is killed.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(15);
+/// How long a new copy may take to answer `/healthz`.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Flags of `relay scale`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScaleArgs {
+    /// `<service>=<copies>`, e.g. `env-runner=3 inference-server=2`.
+    #[arg(value_name = "SERVICE=N", required = true)]
+    pub targets: Vec<String>,
+    /// Folder holding the stack's state (`stack.json`).
+    #[arg(long, default_value = ".relay")]
+    pub state_dir: PathBuf,
+}
+
+/// Parses `service=n` and refuses what the supervisor would refuse.
+pub fn parse_target(target: &str) -> Result<(String, u32)> {
+    let Some((service, n)) = target.split_once('=') else {
+        bail!("{target:?}: expected <service>=<copies>, e.g. env-runner=3");
+    };
+    let service = service.trim();
+    let copies: u32 = n
+        .trim()
+        .parse()
+        .with_context(|| format!("{target:?}: {n:?} is not a number of copies"))?;
+    check(service, copies).map_err(anyhow::Error::msg)?;
+    Ok((service.to_string(), copies))
+}
+
+/// The supervisor's rules: a known service, at most [`MAX_COPIES`], the learner at one copy.
+pub fn check(service: &str, copies: u32) -> Result<(), String> {
+    if !SERVICES.contains(&service) {
+        return Err(format!(
+            "{service:?} is not a service; the services are {SERVICES:?}"
+        ));
+    }
+    if service == "learner" && copies != 1 {
+        return Err(format!(
+            "the learner runs as exactly one copy (it owns the policy and the optimizer); cannot scale it to {copies}"
+        ));
+    }
+    if copies > MAX_COPIES {
+        return Err(format!("{copies} copies is over the limit of {MAX_COPIES}"));
+    }
+    Ok(())
+}
+
+fn read_record(state_dir: &Path) -> Result<StackRecord> {
+    let path = state_dir.join("stack.json");
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "no running stack recorded in {} (start one with `relay up`)",
+            path.display()
+        )
+    })?;
+    serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
+}
+
+/// Sends one scale request to the supervisor of `run_id` and returns its reply.
+pub async fn request(
+    client: &async_nats::Client,
+    run_id: &str,
+    service: &str,
+    copies: u32,
+) -> Result<ScaleReply> {
+    let req = ScaleRequest {
+        schema: SCHEMA_VERSION,
+        service: service.to_string(),
+        copies,
+    };
+    // The supervisor listens once every service is healthy: a stack that is
+    // still starting has no responder for a few seconds.
+    let patience = Instant::now() + Duration::from_secs(60);
+    let message = loop {
+        let sent = client
+            .send_request(
+                Subjects::new(run_id).supervisor_scale(),
+                async_nats::Request::new()
+                    .payload(relay_proto::encode(&req).into())
+                    .timeout(Some(DRAIN_GRACE + START_TIMEOUT + Duration::from_secs(15))),
+            )
+            .await;
+        match sent {
+            Err(e)
+                if e.kind() == async_nats::client::RequestErrorKind::NoResponders
+                    && Instant::now() < patience =>
+            {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            other => {
+                break other.with_context(|| {
+                    format!(
+                        "no answer from the supervisor of run {run_id} (is `relay up` running?)"
+                    )
+                })?
+            }
+        }
+    };
+    let reply: ScaleReply = relay_proto::decode(&message.payload)
+        .map_err(|e| anyhow::anyhow!("bad reply from the supervisor: {e}"))?;
+    if let Some(error) = reply.error {
+        bail!("scale {service}={copies} refused: {error}");
+    }
+    Ok(reply)
+}
+
+/// `relay scale`.
+pub fn scale(args: ScaleArgs) -> Result<()> {
+    let targets: Vec<(String, u32)> = args
+        .targets
+        .iter()
+        .map(|t| parse_target(t))
+        .collect::<Result<_>>()?;
+    let record = read_record(&args.state_dir)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let client = async_nats::connect(&record.nats_url)
+            .await
+            .with_context(|| format!("connecting to {}", record.nats_url))?;
+        for (service, copies) in targets {
+            let reply = request(&client, &record.run_id, &service, copies).await?;
+            println!(
+                "relay: {service}: {} copies: {}",
+                reply.copies,
+                reply.instances.join(" ")
+            );
+            for s in &reply.started {
+                println!("relay: started {s}");
+            }
+            for s in &reply.stopped {
+                match s.exit_code {
+                    Some(code) => println!("relay: stopped {} (exit code {code})", s.instance),
+                    None => println!("relay: stopped {} (killed)", s.instance),
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
+fn refused(req: &ScaleRequest, stack: &Stack, error: String) -> ScaleReply {
+    let instances = stack.copies_of(&req.service);
+    ScaleReply {
+        schema: SCHEMA_VERSION,
+        service: req.service.clone(),
+        copies: instances.len() as u32,
+        instances,
+        started: Vec::new(),
+        stopped: Vec::new(),
+        error: Some(error),
+    }
+}
+
+/// Waits for removed copies to exit: SIGTERM was sent, SIGKILL after `grace`.
+async fn drain(procs: Vec<Proc>, grace: Duration) -> Vec<StoppedCopy> {
+    let deadline = Instant::now() + grace;
+    let mut stopped = Vec::new();
+    for mut p in procs {
+        let status = loop {
+            match p.child.try_wait() {
+                Ok(Some(status)) => break Some(status),
+                Err(_) => break None,
+                Ok(None) if Instant::now() > deadline => {
+                    eprintln!(
+                        "relay: {} did not stop within {grace:?}; killing it",
+                        p.name
+                    );
+                    let _ = p.child.kill();
+                    break p.child.wait().ok();
+                }
+                Ok(None) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        };
+        stopped.push(StoppedCopy {
+            instance: p.name,
+            exit_code: status.and_then(|s| s.code()),
+        });
+    }
+    stopped
+}
+
+/// The supervisor's side: start or stop copies of `req.service` until
+/// `req.copies` run. Answers once new copies are healthy and removed ones
+/// have exited.
+pub async fn handle(stack: &mut Stack, req: ScaleRequest) -> ScaleReply {
+    if let Err(e) = check(&req.service, req.copies) {
+        return refused(&req, stack, e);
+    }
+    let have = stack.copies_of(&req.service).len();
+    let want = req.copies as usize;
+    let mut started = Vec::new();
+    let mut stopped = Vec::new();
+    let mut error = None;
+    if want > have {
+        for _ in have..want {
+            match stack.spawn_copy(&req.service) {
+                Ok(name) => started.push(name),
+                Err(e) => {
+                    error = Some(format!("starting a copy of {}: {e:#}", req.service));
+                    break;
+                }
+            }
+        }
+        // New copies join the queue groups on their own; report them healthy.
+        let deadline = Instant::now() + START_TIMEOUT;
+        'wait: for p in stack
+            .services
+            .iter_mut()
+            .filter(|p| started.contains(&p.name))
+        {
+            let addr = p.metrics_addr.expect("services have a metrics address");
+            while http_status(addr, "/healthz") != Some(200) {
+                if let Ok(Some(status)) = p.child.try_wait() {
+                    error = Some(format!(
+                        "{} exited with {status} during start-up; see its log",
+                        p.name
+                    ));
+                    break 'wait;
+                }
+                if Instant::now() > deadline {
+                    error = Some(format!("{} not healthy within {START_TIMEOUT:?}", p.name));
+                    break 'wait;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    } else if want < have {
+        match stack.take_copies(&req.service, have - want) {
+            Ok(procs) => stopped = drain(procs, DRAIN_GRACE).await,
+            Err(e) => error = Some(format!("{e:#}")),
+        }
+    }
+    let instances = stack.copies_of(&req.service);
+    ScaleReply {
+        schema: SCHEMA_VERSION,
+        service: req.service,
+        copies: instances.len() as u32,
+        instances,
+        started,
+        stopped,
+        error,
+    }
+}
+
+/// Flags of `relay bench-scale`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchScaleArgs {
+    /// Experiment config.
+    #[arg(long, default_value = "configs/cartpole-ppo.yaml")]
+    pub config: PathBuf,
+    /// Override config fields (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Folder for the benchmark stack's state.
+    #[arg(long, default_value = ".relay/bench-scale")]
+    pub state_dir: PathBuf,
+    /// Seconds after each scale step before measuring.
+    #[arg(long, default_value_t = 5.0)]
+    pub warmup_s: f64,
+    /// Seconds of each measurement window.
+    #[arg(long, default_value_t = 10.0)]
+    pub window_s: f64,
+    /// Env-runner counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub env_runners: Vec<u32>,
+    /// Inference-server counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub inference_servers: Vec<u32>,
+}
+
+/// Kills the benchmark's `relay up` if the benchmark fails half-way.
+struct Supervisor(std::process::Child);
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            // SAFETY: kill(2) on a pid this process started.
+            unsafe {
+                libc::kill(self.0.id() as i32, libc::SIGINT);
+            }
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// `relay bench-scale`: one `relay up` stack (training, with the solving
+/// threshold unreachable), scaled through every combination of env-runner
+/// and inference-server counts with `relay scale`; each is measured over a
+/// fixed window from the env-runners' `env_steps_total` counters.
+pub fn bench_scale(args: BenchScaleArgs) -> Result<()> {
+    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
+    let run_id = format!("{}-scale", crate::make_run_id(&config));
+    std::fs::create_dir_all(&args.state_dir)?;
+    let _ = std::fs::remove_file(args.state_dir.join("stack.json"));
+    let log = std::fs::File::create(args.state_dir.join("relay-up.log"))?;
+    let mut command = Command::new(std::env::current_exe()?);
+    command
+        .arg("up")
+        .arg("--config")
+        .arg(&args.config)
+        .arg("--state-dir")
+        .arg(&args.state_dir)
+        .args(["--run-id", &run_id, "--quiet"]);
+    for o in &args.overrides {
+        command.args(["--set", o]);
+    }
+    command.args([
+        "--set",
+        "run.total_env_steps=1000000000000",
+        "--set",
+        "eval.threshold=1000000000",
+    ]);
+    let mut supervisor = Supervisor(
+        command
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .context("starting relay up")?,
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let record = loop {
+        if let Ok(r) = read_record(&args.state_dir) {
+            // stack.json is written before the services; wait for the learner.
+            if r.processes.iter().any(|p| p.name.starts_with("learner")) {
+                break r;
+            }
+        }
+        if let Some(status) = supervisor.0.try_wait()? {
+            bail!(
+                "relay up exited with {status}; see {}/relay-up.log",
+                args.state_dir.display()
+            );
+        }
+        if Instant::now() > deadline {
+            bail!("the stack did not start within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    println!(
+        "relay: bench-scale on run {run_id} ({}), {:.0}s warm-up + {:.0}s window per combination",
+        config.run.env_id, args.warmup_s, args.window_s
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let rows = runtime.block_on(async {
+        let client = async_nats::connect(&record.nats_url).await?;
+        let mut metrics = client
+            .subscribe(Subjects::new(&run_id).metrics())
+            .await?;
+        let mut rows = Vec::new();
+        for &inference in &args.inference_servers {
+            for &runners in &args.env_runners {
+                request(&client, &run_id, "inference-server", inference).await?;
+                request(&client, &run_id, "env-runner", runners).await?;
+                let warm = tokio::time::sleep(Duration::from_secs_f64(args.warmup_s));
+                tokio::pin!(warm);
+                loop {
+                    tokio::select! {
+                        _ = &mut warm => break,
+                        _ = metrics.next() => {}
+                    }
+                }
+                let window = tokio::time::sleep(Duration::from_secs_f64(args.window_s));
+                tokio::pin!(window);
+                let mut steps = 0.0;
+                let mut instances = std::collections::BTreeSet::new();
+                loop {
+                    tokio::select! {
+                        _ = &mut window => break,
+                        Some(m) = metrics.next() => {
+                            let Ok(report) = relay_proto::decode::<MetricsReport>(&m.payload) else { continue };
+                            if report.service != "env-runner" { continue }
+                            for v in &report.values {
+                                if v.name == "env_steps_total" {
+                                    steps += v.value;
+                                    instances.insert(report.instance.clone());
+                                }
+                            }
+                        }
+                    }
+                }
+                let sps = steps / args.window_s;
+                println!(
+                    "relay: env-runners {runners} inference-servers {inference}: {sps:.0} env steps/s ({} runners reporting)",
+                    instances.len()
+                );
+                rows.push((runners, inference, sps));
+            }
+        }
+        anyhow::Ok(rows)
+    })?;
+    // SIGINT: the supervisor stops the stack in order.
+    // SAFETY: kill(2) on a pid this process started.
+    unsafe {
+        libc::kill(supervisor.0.id() as i32, libc::SIGINT);
+    }
+    let status = supervisor.0.wait()?;
+    if !status.success() {
+        eprintln!("relay: relay up exited with {status}");
+    }
+    let base = rows
+        .iter()
+        .find(|r| r.0 == 1 && r.1 == 1)
+        .map_or(f64::NAN, |r| r.2);
+    println!();
+    println!("| env-runners | inference-servers | env steps/s | vs 1+1 |");
+    println!("|---:|---:|---:|---:|");
+    for (runners, inference, sps) in &rows {
+        println!(
+            "| {runners} | {inference} | {sps:.0} | {:.2}x |",
+            sps / base
+        );
+    }
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let json = serde_json::json!({
+        "env": config.run.env_id,
+        "cores": cores,
+        "warmup_s": args.warmup_s,
+        "window_s": args.window_s,
+        "results": rows.iter().map(|(r, i, s)| serde_json::json!({"env_runners": r, "inference_servers": i, "sps": s.round()})).collect::<Vec<_>>(),
+    });
+    println!("{json}");
+    Ok(())
+}
