@@ -41,6 +41,11 @@ bench-scale *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay bench-scale {{ARGS}}
 
+# Kill every service, restart Redis and NATS during a CartPole run, measure recovery, then solve: table + JSON line.
+chaos *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay chaos {{ARGS}}
+
 # Model and optimizer micro-benchmarks (act latency, PPO train step).
 bench-nn:
     cargo bench -p relay-nn
@@ -53,3 +58,8 @@ bench-fuzz:
 bench-tracker *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay bench-tracker {{ARGS}}
+
+# Memory soak: 8 env-runners training CartPole for 10 minutes; RSS of every process after warm-up and at the end.
+soak *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay soak --env-runners 8 --minutes 10 --state-dir .relay/soak {{ARGS}}

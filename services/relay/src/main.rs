@@ -10,6 +10,7 @@
 //! - `relay plot <run|@last>`: a run's learning curves as PNG files;
 //! - `relay checkpoints ls|pin <run|@last>`: a run's checkpoints;
 //! - `relay eval use <name>`: switch the running evaluators' plugin;
+//! - `relay chaos`: fault injection (kill and restart every process) during a run;
 //! - `relay play <run|@last>`: an episode of a checkpoint's policy as text.
 
 use std::path::PathBuf;
@@ -46,6 +47,14 @@ enum Command {
     Scale(relay::scale::ScaleArgs),
     /// Env steps per second with 1, 2, 4 env-runners and 1, 2 inference servers; print a table and JSON.
     BenchScale(relay::scale::BenchScaleArgs),
+    /// Train for a while with many copies and report each process's memory at start and end.
+    Soak {
+        #[command(flatten)]
+        up: UpArgs,
+        /// How long to train.
+        #[arg(long, default_value_t = 10.0)]
+        minutes: f64,
+    },
     /// Training SPS with and without the tracker; print a table and JSON.
     BenchTracker {
         #[command(flatten)]
@@ -75,6 +84,9 @@ enum Command {
     Checkpoints(relay::checkpoints::CheckpointsArgs),
     /// Switch the running evaluators: `eval use <name> [--set key=value]...`.
     Eval(relay::eval::EvalArgs),
+    /// Kill each service, NATS and Redis in turn during a CartPole run, restart
+    /// them, measure recovery, then train until solved; print a table and JSON.
+    Chaos(UpArgs),
     /// Play episodes with a checkpoint's policy and print them as text frames.
     Play(relay::play::PlayArgs),
 }
@@ -87,6 +99,7 @@ fn main() -> Result<()> {
         Command::Down { state_dir } => relay::stack::down(&state_dir),
         Command::Scale(args) => relay::scale::scale(args),
         Command::BenchScale(args) => relay::scale::bench_scale(args),
+        Command::Soak { up, minutes } => relay::soak(up, minutes),
         Command::BenchTracker {
             up,
             rounds,
@@ -98,6 +111,7 @@ fn main() -> Result<()> {
         Command::Top(args) => relay::top::run(args),
         Command::Checkpoints(args) => relay::checkpoints::checkpoints(args),
         Command::Eval(args) => relay::eval::eval(args),
+        Command::Chaos(args) => relay::chaos::chaos(args),
         Command::Play(args) => relay::play::play(args),
     }
 }

@@ -108,6 +108,15 @@ fn log_file(dir: &Path, name: &str) -> Result<(Stdio, Stdio)> {
     Ok((file.try_clone()?.into(), file.into()))
 }
 
+/// Like `log_file`, but keeps what an earlier copy (before a restart) wrote.
+fn append_log_file(dir: &Path, name: &str) -> Result<(Stdio, Stdio)> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{name}.log")))?;
+    Ok((file.try_clone()?.into(), file.into()))
+}
+
 /// A running local stack; everything is stopped on drop.
 pub struct Stack {
     pub state_dir: PathBuf,
@@ -133,57 +142,9 @@ impl Stack {
         let mut infra = Vec::new();
 
         let nats_port = free_port()?;
-        let (out, err) = log_file(&logs, "nats-server")?;
-        let mut nats = Command::new(require("nats-server")?)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &nats_port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(state_dir.join("nats"))
-            .stdout(out)
-            .stderr(err)
-            .process_group(0)
-            .spawn()
-            .context("starting nats-server")?;
-        wait_for_port(nats_port, &mut nats, "nats-server")?;
-        infra.push(Proc {
-            name: "nats-server".into(),
-            child: nats,
-            metrics_addr: None,
-        });
-
+        infra.push(spawn_nats(state_dir, nats_port)?);
         let redis_port = free_port()?;
-        let redis_dir = state_dir.join("redis");
-        std::fs::create_dir_all(&redis_dir)?;
-        let (out, err) = log_file(&logs, "redis-server")?;
-        let mut redis = Command::new(require("redis-server")?)
-            .args([
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                &redis_port.to_string(),
-                "--appendonly",
-                "yes",
-                "--save",
-                "",
-                "--dir",
-            ])
-            .arg(&redis_dir)
-            .stdout(out)
-            .stderr(err)
-            .process_group(0)
-            .spawn()
-            .context("starting redis-server")?;
-        wait_for_port(redis_port, &mut redis, "redis-server")?;
-        infra.push(Proc {
-            name: "redis-server".into(),
-            child: redis,
-            metrics_addr: None,
-        });
+        infra.push(spawn_redis(state_dir, redis_port)?);
 
         let mut stack = Self {
             state_dir: state_dir.to_path_buf(),
@@ -417,6 +378,46 @@ impl Stack {
         Ok(taken)
     }
 
+    /// The config and overrides `spawn_copy` starts new copies with.
+    pub fn set_service_args(&mut self, config: &Path, overrides: &[String]) {
+        self.service_args = Some((config.to_path_buf(), overrides.to_vec()));
+    }
+
+    /// SIGKILLs one service instance and takes it out of the stack (fault
+    /// injection, `relay chaos`); `spawn_copy` starts its replacement.
+    pub fn kill_service(&mut self, name: &str) -> Result<()> {
+        let i = self
+            .services
+            .iter()
+            .position(|p| p.name == name)
+            .with_context(|| format!("{name} is not running"))?;
+        let mut p = self.services.remove(i);
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+        self.write_targets()?;
+        self.write_record()
+    }
+
+    /// SIGKILLs `nats-server` or `redis-server` and starts it again on the
+    /// same port with the same state folder (fault injection, `relay chaos`).
+    pub fn restart_infra(&mut self, name: &str) -> Result<()> {
+        let i = self
+            .infra
+            .iter()
+            .position(|p| p.name == name)
+            .with_context(|| format!("{name} is not running"))?;
+        let mut old = self.infra.remove(i);
+        let _ = old.child.kill();
+        let _ = old.child.wait();
+        let proc = match name {
+            "nats-server" => spawn_nats(&self.state_dir, url_port(&self.nats_url)?)?,
+            "redis-server" => spawn_redis(&self.state_dir, url_port(&self.redis_url)?)?,
+            _ => bail!("{name}: only nats-server and redis-server can be restarted"),
+        };
+        self.infra.insert(i, proc);
+        self.write_record()
+    }
+
     /// Prometheus file-based discovery: one target per service copy.
     fn write_targets(&self) -> Result<()> {
         let dir = self.state_dir.join("prometheus").join("targets");
@@ -524,6 +525,52 @@ fn stop_all(procs: &mut [Proc], grace: Duration) {
             }
         }
     }
+}
+
+fn spawn_nats(state_dir: &Path, port: u16) -> Result<Proc> {
+    let (out, err) = append_log_file(&state_dir.join("logs"), "nats-server")?;
+    let mut nats = Command::new(require("nats-server")?)
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(state_dir.join("nats"))
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .spawn()
+        .context("starting nats-server")?;
+    wait_for_port(port, &mut nats, "nats-server")?;
+    Ok(Proc {
+        name: "nats-server".into(),
+        child: nats,
+        metrics_addr: None,
+    })
+}
+
+fn spawn_redis(state_dir: &Path, port: u16) -> Result<Proc> {
+    let redis_dir = state_dir.join("redis");
+    std::fs::create_dir_all(&redis_dir)?;
+    let (out, err) = append_log_file(&state_dir.join("logs"), "redis-server")?;
+    let mut redis = Command::new(require("redis-server")?)
+        .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--appendonly", "yes", "--save", "", "--dir"])
+        .arg(&redis_dir)
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .spawn()
+        .context("starting redis-server")?;
+    wait_for_port(port, &mut redis, "redis-server")?;
+    Ok(Proc {
+        name: "redis-server".into(),
+        child: redis,
+        metrics_addr: None,
+    })
+}
+
+fn url_port(url: &str) -> Result<u16> {
+    url.rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .with_context(|| format!("no port in {url}"))
 }
 
 /// A binary of this workspace, found beside the running executable.
