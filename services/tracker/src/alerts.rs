@@ -63,6 +63,10 @@ pub struct AlertChange {
 pub struct AlertEngine {
     recent: HashMap<String, VecDeque<f64>>,
     initial_entropy: Vec<f64>,
+    /// The learner's update count as last reported (it precedes the entropy
+    /// in each report): a tracker that joins mid-run must not take the
+    /// entropy it first sees for the initial policy's.
+    learner_updates: Option<f64>,
     /// Entropy of the uniform policy (ln n) for discrete action spaces.
     uniform_entropy: Option<f64>,
     active: BTreeMap<(&'static str, String), f64>,
@@ -79,6 +83,7 @@ impl AlertEngine {
         Self {
             recent: HashMap::new(),
             initial_entropy: Vec::new(),
+            learner_updates: None,
             uniform_entropy: actions.filter(|&n| n > 1).map(|n| (n as f64).ln()),
             active: BTreeMap::new(),
             steps: None,
@@ -206,8 +211,10 @@ impl AlertEngine {
                     &mut changes,
                 );
             }
+            "learner_updates" => self.learner_updates = Some(value),
             "learner_entropy" => {
-                if self.initial_entropy.is_empty() {
+                let first_update = self.learner_updates.is_none_or(|u| u <= 1.0);
+                if self.initial_entropy.is_empty() && first_update {
                     if let Some(uniform) = self.uniform_entropy {
                         let message = format!("initial entropy {value:.4} is under 90% of the uniform policy's {uniform:.4}");
                         self.set(
@@ -496,6 +503,13 @@ mod tests {
                 .any(|c| c.alert == "entropy_collapse" && !c.active),
             "{changes:?}"
         );
+    }
+
+    #[test]
+    fn a_tracker_joining_mid_run_does_not_judge_the_initial_policy() {
+        let mut e = AlertEngine::new(Some(2));
+        assert!(feed(&mut e, "learner_updates", &[40.0]).is_empty());
+        assert!(feed(&mut e, "learner_entropy", &[0.2]).is_empty());
     }
 
     #[test]
