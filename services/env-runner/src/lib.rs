@@ -414,7 +414,8 @@ async fn insert_with_retry(
                 outcomes.with_label_values(&["stored"]).inc();
                 return;
             }
-            Ok(ack) if ack.reason == "full" => {
+            // Backpressure: the buffer is full or the rate limiter holds inserts back.
+            Ok(ack) if ack.reason == "full" || ack.reason == "rate" => {
                 waits.inc();
                 backoff = Duration::from_millis(ack.retry_after_ms.max(1) as u64);
             }

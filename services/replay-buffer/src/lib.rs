@@ -40,9 +40,11 @@ impl Keys {
     }
 }
 
-/// Appends a fragment unless it would overflow the capacity or is stale.
-/// KEYS: fifo, steps, min_version, stats. ARGV: payload, steps, capacity, version.
-/// Returns {status, held}: status 1 stored, 0 full, -1 stale.
+/// Appends a fragment unless it is stale, would overflow the capacity, or the
+/// rate limiter holds inserts back.
+/// KEYS: fifo, steps, min_version, stats. ARGV: payload, steps, capacity,
+/// version, samples-per-insert ratio ('' without limiter), max diff.
+/// Returns {status, held}: status 1 stored, 0 full, -1 stale, -2 rate.
 const INSERT_SCRIPT: &str = r#"
 local held = tonumber(redis.call('GET', KEYS[2]) or '0')
 local min_version = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -53,6 +55,15 @@ end
 if held + tonumber(ARGV[2]) > tonumber(ARGV[3]) then
   redis.call('HINCRBY', KEYS[4], 'refused_full', 1)
   return {0, held}
+end
+if ARGV[5] ~= '' then
+  local ratio = tonumber(ARGV[5])
+  local inserted = tonumber(redis.call('HGET', KEYS[4], 'inserted_steps') or '0')
+  local taken = tonumber(redis.call('HGET', KEYS[4], 'taken_steps') or '0')
+  if (inserted + tonumber(ARGV[2])) * ratio - taken > tonumber(ARGV[6]) then
+    redis.call('HINCRBY', KEYS[4], 'refused_rate', 1)
+    return {-2, held}
+  end
 end
 redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'inserted_steps', ARGV[2])
@@ -65,6 +76,7 @@ struct Metrics {
     sampled_steps: IntCounter,
     dropped: IntCounterVec,
     refused_full: IntCounter,
+    refused_rate: IntCounter,
 }
 
 impl Metrics {
@@ -98,13 +110,20 @@ impl Metrics {
         relay_kit::metrics::register(registry, &inserted_steps);
         relay_kit::metrics::register(registry, &sampled_steps);
         relay_kit::metrics::register(registry, &dropped);
+        let refused_rate = IntCounter::new(
+            "relay_replay_refused_rate_total",
+            "Inserts held back by the sample-to-insert rate limiter.",
+        )
+        .unwrap();
         relay_kit::metrics::register(registry, &refused_full);
+        relay_kit::metrics::register(registry, &refused_rate);
         Self {
             size_steps,
             inserted_steps,
             sampled_steps,
             dropped,
             refused_full,
+            refused_rate,
         }
     }
 }
@@ -116,15 +135,48 @@ pub struct Fifo {
     keys: Keys,
     capacity_steps: u64,
     max_policy_lag: u64,
+    rate_limit: Option<RateLimit>,
     insert: redis::Script,
 }
 
 /// Outcome of an insert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Inserted {
-    Stored { held: u64 },
-    Full { held: u64 },
-    Stale { held: u64 },
+    Stored {
+        held: u64,
+    },
+    Full {
+        held: u64,
+    },
+    Stale {
+        held: u64,
+    },
+    /// The rate limiter holds inserts back until the learner samples.
+    RateLimited {
+        held: u64,
+    },
+}
+
+/// Reverb-style `SampleToInsertRatio` over env steps (see
+/// `replay.samples_per_insert` in the config). The learner samples whole
+/// fragments, so a sample may overshoot its allowance by one fragment.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateLimit {
+    /// Env steps taken out per env step inserted.
+    pub samples_per_insert: f64,
+    /// Env steps inserted before any sample.
+    pub min_size_to_sample: u64,
+    /// Slack, in env steps.
+    pub error_buffer: u64,
+}
+
+impl RateLimit {
+    fn max_diff(&self) -> f64 {
+        self.samples_per_insert * self.min_size_to_sample as f64 + self.error_buffer as f64
+    }
+    fn min_diff(&self) -> f64 {
+        self.samples_per_insert * self.min_size_to_sample as f64 - self.error_buffer as f64
+    }
 }
 
 /// What a sample took out of the FIFO.
@@ -140,12 +192,14 @@ impl Fifo {
         run_id: &str,
         capacity_steps: u64,
         max_policy_lag: u64,
+        rate_limit: Option<RateLimit>,
     ) -> Self {
         Self {
             redis,
             keys: Keys::new(run_id),
             capacity_steps,
             max_policy_lag,
+            rate_limit,
             insert: redis::Script::new(INSERT_SCRIPT),
         }
     }
@@ -166,11 +220,20 @@ impl Fifo {
             .arg(fragment.env_steps())
             .arg(self.capacity_steps)
             .arg(fragment.policy_version)
+            .arg(
+                self.rate_limit
+                    .map_or(String::new(), |r| r.samples_per_insert.to_string()),
+            )
+            .arg(
+                self.rate_limit
+                    .map_or(String::new(), |r| r.max_diff().to_string()),
+            )
             .invoke_async(&mut redis)
             .await?;
         Ok(match status {
             1 => Inserted::Stored { held },
             0 => Inserted::Full { held },
+            -2 => Inserted::RateLimited { held },
             _ => Inserted::Stale { held },
         })
     }
@@ -192,6 +255,22 @@ impl Fifo {
             dropped_stale: 0,
             undecodable: 0,
         };
+        let mut max_steps = max_steps;
+        if let Some(limit) = self.rate_limit {
+            let (inserted, taken): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+                .arg(&self.keys.stats)
+                .arg("inserted_steps")
+                .arg("taken_steps")
+                .query_async(&mut redis)
+                .await?;
+            let (inserted, taken) = (inserted.unwrap_or(0), taken.unwrap_or(0));
+            let allowance =
+                inserted as f64 * limit.samples_per_insert - taken as f64 - limit.min_diff();
+            if inserted < limit.min_size_to_sample || allowance < 1.0 {
+                return Ok(out);
+            }
+            max_steps = max_steps.min(allowance as u64);
+        }
         let mut gathered = 0u64;
         let mut popped_steps = 0u64;
         while gathered < max_steps {
@@ -214,6 +293,9 @@ impl Fifo {
         }
         if popped_steps > 0 {
             let _: i64 = redis.decr(&self.keys.steps, popped_steps).await?;
+            let _: i64 = redis
+                .hincr(&self.keys.stats, "taken_steps", popped_steps)
+                .await?;
         }
         if out.dropped_stale > 0 {
             let _: i64 = redis
@@ -249,11 +331,20 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let service = Service::start("replay-buffer", config, shutdown.clone()).await?;
     let cfg = service.config.clone();
     let redis = relay_kit::connect_redis_with(&cfg.connections, &shutdown).await?;
+    let rate_limit = cfg
+        .replay
+        .samples_per_insert
+        .map(|samples_per_insert| RateLimit {
+            samples_per_insert,
+            min_size_to_sample: cfg.replay.min_size_to_sample,
+            error_buffer: cfg.replay.rate_error_buffer,
+        });
     let fifo = Fifo::new(
         redis,
         cfg.run_id()?,
         cfg.replay.capacity_steps,
         cfg.replay.max_policy_lag,
+        rate_limit,
     );
     let metrics = Metrics::register(&service.registry);
     let micro = service.micro().await?;
@@ -290,6 +381,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         metrics.refused_full.inc();
                         metrics.size_steps.set(held as i64);
                         InsertAck { schema: SCHEMA_VERSION, accepted: false, retry_after_ms, buffered_steps: held, reason: "full".into() }
+                    }
+                    Ok(Inserted::RateLimited { held }) => {
+                        metrics.refused_rate.inc();
+                        InsertAck { schema: SCHEMA_VERSION, accepted: false, retry_after_ms, buffered_steps: held, reason: "rate".into() }
                     }
                     Ok(Inserted::Stale { held }) => {
                         metrics.dropped.with_label_values(&["stale"]).inc();

@@ -207,3 +207,76 @@ async fn fifo_backpressure_staleness_and_bad_input() {
         .unwrap()
         .unwrap();
 }
+
+/// Reverb-style sample-to-insert limiting: inserts wait for samples, samples
+/// wait for the minimum size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_limiter_paces_inserts_and_samples() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let run_id = "rate-test";
+    let mut service_config = config(&nats, &redis, run_id);
+    service_config.experiment.replay.capacity_steps = 1024;
+    service_config.experiment.replay.samples_per_insert = Some(1.0);
+    service_config.experiment.replay.min_size_to_sample = 32;
+    service_config.experiment.replay.rate_error_buffer = 16;
+    let (trigger, shutdown) = Shutdown::new();
+    let server = tokio::spawn(relay_replay_buffer::run(service_config, shutdown));
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let s = Subjects::new(run_id);
+    let sample = |client: async_nats::Client| async move {
+        let ask = SampleRequest {
+            schema: SCHEMA_VERSION,
+            min_policy_version: 0,
+            max_steps: 1000,
+        };
+        let reply: SampleReply = relay_kit::request(
+            &client,
+            &Subjects::new(run_id).replay_sample(),
+            &ask,
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+        reply.fragments.iter().map(|f| f.env_steps()).sum::<u64>()
+    };
+
+    // Wait for the service, then insert: max diff = 1 x 32 + 16 = 48 steps.
+    let mut first = None;
+    for _ in 0..100 {
+        if let Ok(ack) = relay_kit::request::<_, InsertAck>(
+            &client,
+            &s.replay_insert(),
+            &fragment(0, 4, 4),
+            Duration::from_millis(500),
+        )
+        .await
+        {
+            first = Some(ack);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(first.expect("replay-buffer answers").accepted);
+    // 16 inserted: under min_size_to_sample, the learner gets nothing.
+    assert_eq!(sample(client.clone()).await, 0);
+    assert!(insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
+    assert!(insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
+    let held = insert(&client, &s, &fragment(0, 4, 4)).await;
+    assert!(!held.accepted);
+    assert_eq!(
+        held.reason, "rate",
+        "48 inserted, nothing sampled: inserts wait"
+    );
+    // 48 inserted, min diff = 32 - 16 = 16: the learner may take 32 steps.
+    assert_eq!(sample(client.clone()).await, 32);
+    assert_eq!(sample(client.clone()).await, 0, "the allowance is spent");
+    // Sampling made room for inserts again.
+    assert!(insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}

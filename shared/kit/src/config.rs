@@ -436,6 +436,19 @@ pub struct ReplayConfig {
     pub max_policy_lag: u64,
     /// How long an env-runner waits before retrying a refused insert.
     pub retry_after_ms: u32,
+    /// Rate limiter (as Reverb's `SampleToInsertRatio`): env steps taken out
+    /// per env step inserted. None disables it (the FIFO's capacity and the
+    /// policy lag still bound the data). With it, an insert is refused
+    /// ("rate") while `inserted * ratio - taken` would exceed
+    /// `ratio * min_size_to_sample + rate_error_buffer`, and a sample takes
+    /// nothing while fewer than `min_size_to_sample` steps were inserted or
+    /// `inserted * ratio - taken` is under `ratio * min_size_to_sample -
+    /// rate_error_buffer`. Taken counts sampled and stale-dropped steps.
+    pub samples_per_insert: Option<f64>,
+    /// Env steps inserted before the learner may sample (rate limiter).
+    pub min_size_to_sample: u64,
+    /// Slack of the rate limiter, in env steps.
+    pub rate_error_buffer: u64,
 }
 
 impl Default for ReplayConfig {
@@ -444,6 +457,9 @@ impl Default for ReplayConfig {
             capacity_steps: 8192,
             max_policy_lag: 1,
             retry_after_ms: 5,
+            samples_per_insert: None,
+            min_size_to_sample: 0,
+            rate_error_buffer: 8192,
         }
     }
 }
@@ -737,6 +753,22 @@ impl ExperimentConfig {
                     self.replay.capacity_steps, self.ppo.rollout_steps
                 ),
             ));
+        }
+        if let Some(ratio) = self.replay.samples_per_insert {
+            positive_f("replay.samples_per_insert", ratio)?;
+            // One fragment must fit in the limiter's slack, or no insert could ever pass.
+            let fragment = (self.env_runner.num_envs * self.env_runner.fragment_steps) as f64;
+            let max_diff = ratio * self.replay.min_size_to_sample as f64
+                + self.replay.rate_error_buffer as f64;
+            if ratio * fragment > max_diff {
+                return Err(invalid(
+                    "replay.rate_error_buffer",
+                    format!(
+                        "{} (+ samples_per_insert x min_size_to_sample) admits less than one fragment of {fragment} env steps",
+                        self.replay.rate_error_buffer
+                    ),
+                ));
+            }
         }
         let p = &self.ppo;
         positive("ppo.rollout_steps", p.rollout_steps)?;

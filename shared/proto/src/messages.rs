@@ -244,7 +244,8 @@ pub struct InsertAck {
     pub retry_after_ms: u32,
     /// Env steps held for the run after this insert.
     pub buffered_steps: u64,
-    /// Why the fragment was refused, empty when accepted.
+    /// Why the fragment was refused, empty when accepted: `full` or `rate`
+    /// (backpressure: retry after `retry_after_ms`), `stale` (dropped).
     pub reason: String,
 }
 wire_message!(InsertAck, "InsertAck");
