@@ -147,6 +147,11 @@ pub struct RedisServer(pub ServerProcess);
 
 impl RedisServer {
     pub fn start() -> Result<Self> {
+        Self::start_with_args(&[])
+    }
+
+    /// Starts with extra `redis-server` arguments, e.g. `["--requirepass", "pw"]`.
+    pub fn start_with_args(extra: &[&str]) -> Result<Self> {
         let bin = binary("RELAY_REDIS_SERVER", "redis-server")?;
         let dir = TempDir::new("redis");
         let port = free_port();
@@ -163,6 +168,7 @@ impl RedisServer {
                 "--dir",
             ])
             .arg(dir.path())
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
