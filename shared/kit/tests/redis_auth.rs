@@ -36,8 +36,7 @@ async fn redis_password_from_config_is_used_and_never_shown() {
     connections.redis_password = Some(Secret::new("wrong-pw"));
     let err = connect_redis_with(&connections, &shutdown)
         .await
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(matches!(err, ConnectError::RedisAuth { .. }), "{err}");
     let text = err.to_string();
     assert!(
