@@ -299,6 +299,12 @@ training = dashboard(
             description="Updates made, the weights version they produced and the version last evaluated.",
         ),
         panel(
+            "timeseries", "Active evaluators",
+            [t(f"sum by (run_id, evaluator) ({sel('relay_evaluator_active')})", "{{run_id}} {{evaluator}}")],
+            minimum=0, decimals=0,
+            description="Evaluator copies running each plugin (relay eval use switches them; copies join and leave).",
+        ),
+        panel(
             "timeseries", "Updates and episodes per second",
             [
                 t(f"deriv({sel('relay_learner_updates')}[{RI}])", "{{run_id}} updates/s"),

@@ -10,9 +10,11 @@
 //! with different configs run different plugins side by side.
 //!
 //! It runs on its own schedule and never blocks training: it waits for a
-//! version at least `eval.every_versions` past the last one it evaluated,
-//! always takes the newest (skipping those it could not keep up with, and
-//! counting them), plays `eval.episodes` episodes (one per sub-env of a
+//! version at least `eval.every_versions` past the last one it evaluated
+//! (or, with `eval.every_seconds`, any newer version once that long has
+//! passed since its last evaluation), always takes the newest (skipping
+//! those it could not keep up with, and counting them in
+//! `relay_evaluator_skipped_versions_total`), plays `eval.episodes` episodes (one per sub-env of a
 //! vectorized env, each run to its end), and publishes an [`EvalReport`].
 //! When the mean return reaches the threshold (the env's reward threshold
 //! unless `eval.threshold` says otherwise) it also announces the run solved.
@@ -23,7 +25,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use futures::StreamExt;
-use prometheus::{Gauge, IntCounter};
+use prometheus::{Gauge, GaugeVec, IntCounter, Opts};
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::ActorCritic;
 use relay_policy::PolicyFollower;
@@ -79,6 +81,15 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         "EvalControl messages applied (evaluator plugin switched).",
     )
     .unwrap();
+    let active = GaugeVec::new(
+        Opts::new(
+            "relay_evaluator_active",
+            "1 for the evaluator plugin this copy runs now.",
+        ),
+        &["evaluator"],
+    )
+    .unwrap();
+    relay_kit::metrics::register(&service.registry, &active);
     relay_kit::metrics::register(&service.registry, &skipped);
     relay_kit::metrics::register(&service.registry, &last_return);
     relay_kit::metrics::register(&service.registry, &control_rejected);
@@ -100,18 +111,33 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut recent: VecDeque<f64> = VecDeque::with_capacity(100);
     let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
     tracing::info!(evaluator = plugin.name(), "evaluator plugin");
+    active.with_label_values(&[plugin.name()]).set(1.0);
     service.health.set_ready(true);
     let mut last: Option<u64> = None;
     let mut announced_solved = false;
+    let every_seconds = cfg.eval.every_seconds.map(std::time::Duration::from_secs_f64);
+    // When set, any version newer than the last evaluated one is due.
+    let mut time_due_at = every_seconds.map(|d| tokio::time::Instant::now() + d);
+    let mut time_due = false;
     loop {
-        let wanted = last.map(|v| v + cfg.eval.every_versions - 1);
+        let wanted = match last {
+            Some(v) if time_due => Some(v),
+            Some(v) => Some(v + cfg.eval.every_versions - 1),
+            None => None,
+        };
         let policy = tokio::select! {
             _ = shutdown.wait() => break,
+            _ = tokio::time::sleep_until(time_due_at.unwrap_or_else(tokio::time::Instant::now)), if time_due_at.is_some() && !time_due => {
+                time_due = true;
+                continue;
+            }
             Some(m) = controls.next() => {
                 match service.intake.decode::<EvalControl>("eval.control", &m.payload) {
                     Ok(control) => match plugins::build(&control.evaluator, &control.options) {
                         Ok(p) => {
                             tracing::info!(from = plugin.name(), to = p.name(), options = ?control.options, "evaluator plugin switched");
+                            let _ = active.remove_label_values(&[plugin.name()]);
+                            active.with_label_values(&[p.name()]).set(1.0);
                             plugin = p.into();
                             control_applied.inc();
                         }
@@ -141,6 +167,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             skipped.inc_by(policy.version.saturating_sub(previous + 1));
         }
         last = Some(policy.version);
+        time_due = false;
+        time_due_at = every_seconds.map(|d| tokio::time::Instant::now() + d);
         let ctx = EvalContext {
             env_id: cfg.run.env_id.clone(),
             episodes: cfg.eval.episodes,

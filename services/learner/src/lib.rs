@@ -51,6 +51,10 @@ pub struct Progress {
     pub updates: u64,
     pub env_steps: u64,
     pub vec_steps: u64,
+    /// Training episodes that ended in the rollouts trained on (0 in
+    /// checkpoints written before it was counted).
+    #[serde(default)]
+    pub episodes: u64,
 }
 
 /// Why training stopped.
@@ -370,6 +374,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         progress.version += 1;
         progress.env_steps += taken.iter().map(RolloutFragment::env_steps).sum::<u64>();
         progress.vec_steps += vec_steps;
+        progress.episodes += taken.iter().map(RolloutFragment::episodes_ended).sum::<u64>();
         let payload = publish_weights(&model, &progress);
         publish(&service, payload).await;
         metrics.version.set(progress.version as i64);
@@ -385,6 +390,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     gauge("learner_policy_version", progress.version as f64),
                     gauge("learner_env_steps", progress.env_steps as f64),
                     gauge("learner_vec_steps", progress.vec_steps as f64),
+                    gauge("learner_episodes", progress.episodes as f64),
                     gauge("learner_rollout_vec_steps", vec_steps as f64),
                     gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
                     gauge(

@@ -190,6 +190,8 @@ pub struct TopState {
     budget: Option<u64>,
     evals: VecDeque<f64>,
     last_eval: Option<EvalReport>,
+    /// evaluator instance -> its latest report (the plugin it runs).
+    evaluators: BTreeMap<String, (EvalReport, Instant)>,
     best_eval: Option<f64>,
     status: Option<RunStatusUpdate>,
     /// Raised alerts by `(alert, metric)`.
@@ -211,6 +213,7 @@ impl TopState {
             budget: None,
             evals: VecDeque::new(),
             last_eval: None,
+            evaluators: BTreeMap::new(),
             best_eval: None,
             status: None,
             alerts: BTreeMap::new(),
@@ -326,7 +329,18 @@ impl TopState {
                     .map_or(report.mean_return, |b| b.max(report.mean_return)),
             );
         }
+        self.evaluators
+            .insert(report.instance.clone(), (report.clone(), now));
         self.last_eval = Some(report.clone());
+    }
+
+    /// Each evaluator copy heard within [`COPY_WINDOW`] of its last report, by
+    /// instance: the plugin it ran and the version it evaluated.
+    pub fn active_evaluators(&self) -> impl Iterator<Item = (&str, &EvalReport)> {
+        self.evaluators
+            .iter()
+            .filter(|(_, (_, at))| self.now.saturating_duration_since(*at) <= COPY_WINDOW)
+            .map(|(instance, (report, _))| (instance.as_str(), report))
     }
 
     /// A change of the run's status.
@@ -949,8 +963,8 @@ fn draw_eval(frame: &mut Frame, area: Rect, state: &TopState) {
     let block = panel("eval return");
     let inner = block.inner(area);
     frame.render_widget(block, area);
-    let [text, chart] = Layout::vertical([Constraint::Length(4), Constraint::Min(1)]).areas(inner);
-    let lines = match state.last_eval() {
+    let [text, chart] = Layout::vertical([Constraint::Length(5), Constraint::Min(1)]).areas(inner);
+    let mut lines = match state.last_eval() {
         Some(e) => {
             let (word, color) = if e.solved {
                 ("solved", Color::Green)
@@ -982,7 +996,14 @@ fn draw_eval(frame: &mut Frame, area: Rect, state: &TopState) {
         }
         None => vec![Line::from("no evaluation yet")],
     };
-    frame.render_widget(Paragraph::new(lines), text);
+    let active: Vec<String> = state
+        .active_evaluators()
+        .map(|(instance, e)| format!("{} {} v{}", e.evaluator, instance, e.policy_version))
+        .collect();
+    if !active.is_empty() {
+        lines.push(Line::from(format!("evaluators: {}", active.join(" · "))));
+    }
+    frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: true }), text);
     // Bars from the lowest to the highest of the history and the threshold,
     // so the threshold is the top of the chart until a run passes it.
     let threshold = state

@@ -52,17 +52,30 @@ fn learner(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_learner_resumes_from_its_checkpoint() {
+async fn a_killed_learner_resumes_from_its_checkpoint_and_the_run_solves() {
     let nats = NatsServer::start().unwrap();
     let redis = RedisServer::start().unwrap();
     let dir = TempDir::new("resume");
     let runs = dir.path().join("runs");
     let run_id = "resume-test";
-    let budget = 256 * 24;
-    let text = config_text(run_id, &runs, &nats.url(), &redis.url(), budget);
-    let config_path = dir.path().join("config.yaml");
-    std::fs::write(&config_path, &text).unwrap();
-    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap();
+    // The shipped CartPole config, checkpointing every 2 updates.
+    let config_path = std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/cartpole-ppo.yaml"
+    ));
+    let overrides: Vec<String> = vec![
+        format!("run.id={run_id}"),
+        format!("run.runs_dir={}", runs.display()),
+        format!("connections.nats_url={}", nats.url()),
+        format!("connections.redis_url={}", redis.url()),
+        "run.total_env_steps=200000".into(),
+        "ppo.checkpoint_every=2".into(),
+        "ppo.keep_checkpoints=3".into(),
+        "eval.every_versions=2".into(),
+        "eval.episodes=5".into(),
+    ];
+    let text = std::fs::read_to_string(config_path).unwrap();
+    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap();
     let (trigger, shutdown) = Shutdown::new();
     let config = || ServiceConfig::for_test(experiment.clone());
     let tasks = vec![
@@ -87,21 +100,12 @@ async fn a_killed_learner_resumes_from_its_checkpoint() {
             }
         });
     }
-    let mut metrics = client.subscribe(subjects.metrics()).await.unwrap();
     let run_dir = runs.join(run_id);
     let logs = dir.path().join("logs");
     std::fs::create_dir_all(&logs).unwrap();
 
-    let mut first = learner(
-        &config_path,
-        run_id,
-        &nats.url(),
-        &redis.url(),
-        &[],
-        &logs,
-        "learner-1",
-    );
-    // Kill it once it has made 7 updates (checkpoints at 2, 4, 6 and first eval).
+    let mut first = learner(config_path, run_id, &nats.url(), &redis.url(), &overrides, &logs, "learner-1");
+    // Kill it once it has made 7 updates (checkpoints at 2, 4, 6 and the first eval).
     let deadline = Instant::now() + Duration::from_secs(120);
     while versions.lock().unwrap().last().copied().unwrap_or(0) < 7 {
         assert!(
@@ -124,32 +128,27 @@ async fn a_killed_learner_resumes_from_its_checkpoint() {
         "no best checkpoint after the first eval"
     );
 
-    let mut second = learner(
-        &config_path,
-        run_id,
-        &nats.url(),
-        &redis.url(),
-        &[format!("run.resume_from={}", checkpoint.display())],
-        &logs,
-        "learner-2",
-    );
-    // Until the budget is spent.
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let mut env_steps = 0.0;
-    while env_steps < budget as f64 {
+    let resumed = [
+        overrides.clone(),
+        vec![format!("run.resume_from={}", checkpoint.display())],
+    ]
+    .concat();
+    let mut second = learner(config_path, run_id, &nats.url(), &redis.url(), &resumed, &logs, "learner-2");
+    // The resumed run trains on until the evaluator announces it solved
+    // (the learner then stops by itself: run.stop_when_solved).
+    let status_path = run_dir.join("status.json");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let status = std::fs::read_to_string(&status_path).unwrap_or_default();
+        if status.contains("\"solved\"") {
+            break;
+        }
         assert!(
             Instant::now() < deadline,
-            "resumed learner stalled at {env_steps}:\n{}",
+            "the resumed run never solved (status {status}):\n{}",
             std::fs::read_to_string(&second.log).unwrap_or_default()
         );
-        if let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(500), metrics.next()).await
-        {
-            if let Ok(r) = relay_proto::decode::<MetricsReport>(&m.payload) {
-                for v in r.values.iter().filter(|v| v.name == "learner_env_steps") {
-                    env_steps = v.value;
-                }
-            }
-        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     second.terminate(Duration::from_secs(10)).unwrap();
     trigger.trigger();
@@ -169,12 +168,12 @@ async fn a_killed_learner_resumes_from_its_checkpoint() {
     );
     assert!(*versions.last().unwrap() > killed_at);
 
-    // vec_steps: each update adds its rollout's vector steps; after a resume
-    // the series continues from the checkpoint's vec_steps.
+    // One timeline: each learner line is the previous one plus its rollout's
+    // vector steps, from the first update to the last, across the resume
+    // (the tracker purged the lines of the updates redone after the checkpoint).
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
-    let mut prev: Option<u64> = None;
-    let mut resumed_at_seen = None;
-    let mut resumes = 0;
+    let mut prev = 0;
+    let mut resumed_lines = 0;
     for line in text.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         let values = &v["values"];
@@ -185,29 +184,31 @@ async fn a_killed_learner_resumes_from_its_checkpoint() {
         ) else {
             continue;
         };
-        let (vec, rollout, resumed) = (vec as u64, rollout as u64, resumed as u64);
+        let (vec, rollout) = (vec as u64, rollout as u64);
         assert!(rollout > 0);
-        let start = if resumed_at_seen != Some(resumed) {
-            // The first report of a (resumed) learner process.
-            resumed_at_seen = Some(resumed);
-            if resumed > 0 {
-                resumes += 1;
-                assert_eq!(resumed, saved["vec_steps"].as_u64().unwrap());
+        assert_eq!(vec, prev + rollout, "gap or overlap in vec_steps at {line}");
+        if resumed > 0.0 {
+            if resumed_lines == 0 {
+                assert_eq!(resumed as u64, saved["vec_steps"].as_u64().unwrap());
+                assert_eq!(prev, resumed as u64, "the resumed series starts at its checkpoint");
             }
-            if resumed > 0 {
-                resumed
-            } else {
-                prev.unwrap_or(0)
-            }
-        } else {
-            prev.unwrap()
-        };
-        assert_eq!(vec, start + rollout, "gap or overlap at {line}");
-        prev = Some(vec);
+            resumed_lines += 1;
+        }
+        prev = vec;
     }
-    assert_eq!(resumes, 1, "no resumed learner reports in metrics.jsonl");
-    let resumed_updates = saved["updates"].as_u64().unwrap();
-    assert!(resumed_updates >= 2);
+    assert!(resumed_lines > 0, "no resumed learner reports in metrics.jsonl");
+    // The CSV holds the same single timeline.
+    let csv = std::fs::read_to_string(run_dir.join("metrics.csv")).unwrap();
+    let learner_steps: Vec<u64> = csv
+        .lines()
+        .filter(|l| l.contains(",learner_vec_steps,"))
+        .map(|l| l.split(',').nth(3).unwrap().parse().unwrap())
+        .collect();
+    assert!(
+        learner_steps.windows(2).all(|w| w[1] > w[0]),
+        "metrics.csv learner_vec_steps not one timeline: {learner_steps:?}"
+    );
+    assert!(saved["updates"].as_u64().unwrap() >= 2);
     drop(first);
 }
 

@@ -220,6 +220,10 @@ async fn top_shows_a_live_run_from_nats() {
     assert!(line_with(&screen, "latest mean").contains("187.5"));
     assert!(line_with(&screen, "threshold").contains("475.0"));
     assert!(line_with(&screen, "best").contains("evals 2"));
+    assert!(
+        line_with(&screen, "evaluators:").contains("greedy evaluator-0 v20"),
+        "active evaluators:\n{text}"
+    );
     assert!(line_with(&screen, "policy loss").contains("-0.0123"));
     assert!(line_with(&screen, "value loss").contains("45.6789"));
     assert!(line_with(&screen, "approx kl").contains("0.00421"));

@@ -8,6 +8,8 @@
 //! - `config.yaml`: the resolved experiment config;
 //! - `metrics.jsonl`: one JSON object per metric report, with `vec_steps`;
 //! - `metrics.csv`: the same values, one row each ([`csv`]);
+//!   when a resumed learner rewinds the step axis, the lines of the
+//!   abandoned timeline are purged from both ([`timeline`]);
 //! - `plots/*.png`: learning curves, drawn at shutdown ([`plots`]);
 //! - `episodes.jsonl`, `eval.jsonl`: every finished training episode batch and eval;
 //! - `status.json`: the latest run status;
@@ -20,6 +22,7 @@ pub mod alerts;
 pub mod csv;
 pub mod plots;
 pub mod registry;
+pub mod timeline;
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -42,6 +45,7 @@ struct RunDir {
     episodes: BufWriter<File>,
     eval: BufWriter<File>,
     logs: HashMap<String, BufWriter<File>>,
+    timeline: timeline::Timeline,
 }
 
 fn append(path: &Path) -> std::io::Result<BufWriter<File>> {
@@ -58,6 +62,7 @@ impl RunDir {
         std::fs::write(&tmp, config_yaml)?;
         std::fs::rename(&tmp, &config_path)?;
         Ok(Self {
+            timeline: timeline::Timeline::scan(&root.join("metrics.jsonl"))?,
             metrics: append(&root.join("metrics.jsonl"))?,
             metrics_csv: csv::MetricsCsv::open(&root.join("metrics.csv"))?,
             episodes: append(&root.join("episodes.jsonl"))?,
@@ -97,6 +102,32 @@ impl RunDir {
             }))?,
         )?;
         std::fs::rename(tmp, self.root.join("status.json"))
+    }
+
+    /// Appends a metric report to `metrics.jsonl` and `metrics.csv`, first
+    /// purging the abandoned timeline when the report rewinds the step axis.
+    fn write_metrics(&mut self, report: &MetricsReport) -> std::io::Result<()> {
+        if let Some(above) = self.timeline.on_report(report) {
+            self.metrics.flush()?;
+            self.metrics_csv.flush()?;
+            let (jsonl, csv_path) = (self.root.join("metrics.jsonl"), self.root.join("metrics.csv"));
+            let removed = timeline::purge(&jsonl, &csv_path, above)?;
+            self.metrics = append(&jsonl)?;
+            self.metrics_csv = csv::MetricsCsv::open(&csv_path)?;
+            tracing::info!(above, removed, "learner resumed: purged the abandoned timeline's metric lines");
+        }
+        let values: serde_json::Map<String, serde_json::Value> = report
+            .values
+            .iter()
+            .map(|v| (v.name.clone(), json!(v.value)))
+            .collect();
+        let time = now();
+        writeln!(
+            self.metrics,
+            "{}",
+            json!({"time": time, "service": report.service, "instance": report.instance, "vec_steps": report.vec_steps, "values": values})
+        )?;
+        self.metrics_csv.write(&time, report)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -297,12 +328,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 Ok(report) => {
                     exported.metrics(&report);
                     alerts.on_report(&report).await;
-                    if write_metrics {
-                        let values: serde_json::Map<String, serde_json::Value> = report.values.iter().map(|v| (v.name.clone(), json!(v.value))).collect();
-                        let time = now();
-                        writeln!(dir.metrics, "{}", json!({"time": time, "service": report.service, "instance": report.instance, "vec_steps": report.vec_steps, "values": values}))
-                            .and_then(|()| dir.metrics_csv.write(&time, &report))
-                    } else { Ok(()) }
+                    if write_metrics { dir.write_metrics(&report) } else { Ok(()) }
                 }
                 Err(_) => Ok(()),
             },

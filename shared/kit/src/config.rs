@@ -559,6 +559,10 @@ impl Default for PpoConfig {
 pub struct EvalConfig {
     /// Evaluate every this many weights versions (the newest is taken; others are skipped).
     pub every_versions: u64,
+    /// Also evaluate once this many seconds have passed since the last
+    /// evaluation and any newer version exists, whichever of the two comes
+    /// first (unset: versions only). For slow learners whose versions are far apart.
+    pub every_seconds: Option<f64>,
     /// Episodes per evaluation.
     pub episodes: usize,
     /// Seed of the eval episodes, distinct from the training seeds.
@@ -596,6 +600,9 @@ impl EvalConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        if self.every_seconds.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
+            return Err(invalid("eval.every_seconds", "must be a positive number of seconds"));
+        }
         if self.evaluator.trim().is_empty() {
             return Err(invalid("eval.evaluator", "must name an evaluator plugin"));
         }
@@ -618,6 +625,7 @@ impl Default for EvalConfig {
     fn default() -> Self {
         Self {
             every_versions: 5,
+            every_seconds: None,
             episodes: 20,
             seed: 1_000_003,
             threshold: None,

@@ -172,6 +172,16 @@ impl RolloutFragment {
         self.num_steps as u64 * self.num_envs as u64
     }
 
+    /// Steps that end an episode, by termination or truncation.
+    pub fn episodes_ended(&self) -> u64 {
+        self.terminated
+            .data
+            .iter()
+            .zip(&self.truncated.data)
+            .filter(|(&term, &trunc)| term != 0 || trunc != 0)
+            .count() as u64
+    }
+
     /// Steps that end an episode by truncation alone: each has a `final_obs` row.
     pub fn bootstrap_count(&self) -> usize {
         self.terminated
