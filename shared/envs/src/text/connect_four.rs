@@ -3,9 +3,8 @@
 //!
 //! This module owns the board, its rendering and the move rule. Player 0
 //! drops `X` and moves first; player 1 drops `O`. A move is a column in
-//! brackets, `[col 3]` or `[3]` (case-insensitive `col`, see
-//! [`parse`](crate::text::parse) for which match counts when there are
-//! several). After a valid move that does not end the game, both players
+//! brackets, `[col 3]` or `[3]` (case-insensitive `col`; of several, the
+//! rightmost on the first line that has one counts). After a valid move that does not end the game, both players
 //! are shown the board; an invalid move only earns the mover a warning.
 
 use crate::text::arena::{format_action, Arena, Seats, Sender};
