@@ -63,6 +63,23 @@
 //! `game_info`: per player the role, `invalid_move`, `turn_count` and, once
 //! the game is over, the `reason` string.
 //!
+//! # Example
+//! ```
+//! use relay_envs::{make_text_game, Bot, MinimaxBot};
+//! let mut game = make_text_game("TicTacToe-v0")?;
+//! game.reset(7);
+//! assert!(game.observation(0).starts_with("\n[GAME] You are Player 0 in Tic Tac Toe."));
+//! let first = game.step("4")?; // bracketed to "[4]"
+//! assert!(!first.invalid_move && !first.done);
+//! let retry = game.step("[4]")?; // occupied: a warning, player 1 moves again
+//! assert!(retry.invalid_move && game.current_player() == 1);
+//! let reply = MinimaxBot::new().choose_move(game.as_ref())?;
+//! assert!(game.legal_moves().contains(&reply));
+//! game.step(&reply)?;
+//! assert_eq!(game.rewards(), None); // still running
+//! # Ok::<(), relay_envs::EnvError>(())
+//! ```
+//!
 //! # Randomness
 //! KuhnPoker's deal and GuessTheNumber's target come from a `StdRng` seeded
 //! by [`TextGame::reset`]'s seed. They follow TextArena's rules but do
