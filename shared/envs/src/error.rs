@@ -10,7 +10,8 @@ use thiserror::Error;
 /// Everything that can go wrong when creating or driving an environment.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum EnvError {
-    /// The id is not one of [`crate::ENV_IDS`].
+    /// The id is not one of [`crate::ENV_IDS`] (for [`crate::make`]) or of
+    /// [`crate::TEXT_GAME_IDS`] (for [`crate::text::make`]).
     #[error("unknown environment id {id:?}; known ids: {}", known.join(", "))]
     UnknownEnv {
         /// The id that was asked for.
@@ -108,5 +109,21 @@ pub enum EnvError {
         /// What went wrong there.
         #[source]
         source: Box<EnvError>,
+    },
+
+    /// [`crate::TextGame::step`] after the game has ended.
+    #[error("{id}: the game is over; reset it before stepping")]
+    GameOver {
+        /// Text game id.
+        id: &'static str,
+    },
+
+    /// A bot asked to move in a game it does not know how to play.
+    #[error("bot {bot} cannot play {game}")]
+    BotCannotPlay {
+        /// The bot's name.
+        bot: &'static str,
+        /// Text game id.
+        game: &'static str,
     },
 }

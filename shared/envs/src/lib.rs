@@ -1,5 +1,6 @@
 //! Classic-control environments identical to Gymnasium 1.4.0, plus a
-//! vectorized wrapper with auto-reset.
+//! vectorized wrapper with auto-reset, and text games identical to
+//! TextArena 0.7.4 with scripted bots.
 //!
 //! Pure computation: no I/O, no async, no global state.
 //!
@@ -14,6 +15,11 @@
 //! - [`registry`] (re-exported) owns [`make`], [`spec`] and [`ENV_IDS`].
 //! - [`vec_env`] owns [`VecEnv`] (SB3-`DummyVecEnv`-style auto-reset).
 //! - [`error`] owns [`EnvError`].
+//! - [`text`] owns the text games ([`TextGame`], TicTacToe, ConnectFour,
+//!   KuhnPoker, GuessTheNumber), their registry ([`text::make`], also
+//!   re-exported as [`make_text_game`], and [`TEXT_GAME_IDS`]) and the
+//!   [`Bot`]s. See its docs for how observations accumulate and the
+//!   invalid-move rule.
 //!
 //! # Semantics
 //! - Internal state is `f64`, observations are its `f32` cast (as Gymnasium's
@@ -53,6 +59,7 @@ pub mod mountain_car;
 pub mod pendulum;
 pub mod registry;
 pub mod spaces;
+pub mod text;
 pub mod vec_env;
 
 pub use acrobot::Acrobot;
@@ -63,6 +70,10 @@ pub use mountain_car::MountainCar;
 pub use pendulum::Pendulum;
 pub use registry::{make, spec, ENV_IDS};
 pub use spaces::{ActionSpace, BoxSpace, EnvSpec};
+pub use text::{
+    make as make_text_game, Bot, ConnectFourBot, MinimaxBot, PlayerInfo, RandomBot, StepOutcome,
+    TextGame, TEXT_GAME_IDS,
+};
 pub use vec_env::{FinishedEpisode, VecActions, VecEnv, VecStep};
 
 /// Re-export of the `rand` RNG trait taken by [`Env::reset`].
