@@ -270,6 +270,8 @@ fn pdf(x: f64) -> f64 {
 
 /// The package's inverse of its `erfc`: a rational initial guess refined by
 /// two Newton steps.
+// The package's guess uses 0.70711, not 1/sqrt(2); kept to stay identical.
+#[allow(clippy::approx_constant)]
 fn erfcinv(y: f64) -> f64 {
     if y >= 2.0 {
         return -100.0;
@@ -283,7 +285,7 @@ fn erfcinv(y: f64) -> f64 {
     let mut x = -0.70711 * ((2.30753 + t * 0.27061) / (1.0 + t * (0.99229 + t * 0.04481)) - t);
     for _ in 0..2 {
         let err = erfc(x) - y;
-        x += err / (1.128_379_167_095_512_6 * (-(x * x)).exp() - x * err);
+        x += err / (std::f64::consts::FRAC_2_SQRT_PI * (-(x * x)).exp() - x * err);
     }
     if zero_point {
         x
