@@ -53,7 +53,10 @@ fn a_new_version_inherits_its_parents_mu_with_a_widened_capped_sigma() {
     assert!(parent.mu > env.mu && parent.sigma + 1.5 < env.sigma);
 
     pool.add_version(policy(2, Some(1))).unwrap();
-    assert_eq!(rating(&pool, &v(2)), Rating::new(parent.mu, parent.sigma + 1.5));
+    assert_eq!(
+        rating(&pool, &v(2)),
+        Rating::new(parent.mu, parent.sigma + 1.5)
+    );
 
     // A parent still uncertain: the widened sigma is capped at sigma0.
     pool.add_version(policy(3, None)).unwrap();
@@ -144,7 +147,10 @@ fn a_result_too_extreme_to_rate_is_still_counted() {
     let rated = pool
         .record_result(&fixed("random"), &v(1), Outcome::Win)
         .unwrap();
-    assert!(matches!(rated.rating_error, Some(TrueSkillError::Precision(_))));
+    assert!(matches!(
+        rated.rating_error,
+        Some(TrueSkillError::Precision(_))
+    ));
     assert_eq!(rating(&pool, &v(1)), before);
     assert_eq!(pool.record(&v(1), &fixed("random")).losses, 1);
 }
@@ -330,7 +336,8 @@ fn busy_pool() -> Pool {
     })
     .unwrap();
     for version in 1..=6 {
-        pool.add_version(policy(version, Some(version - 1))).unwrap();
+        pool.add_version(policy(version, Some(version - 1)))
+            .unwrap();
         let outcomes = [Outcome::Win, Outcome::Draw, Outcome::Loss];
         pool.record_result(&v(version), &fixed("random"), Outcome::Win)
             .unwrap();
