@@ -13,14 +13,20 @@
 //! an error ([`SampleError::NoCurrentVersion`]). Every draw uses only the
 //! given RNG and the pool's ordered maps, so a seed fixes the sequence.
 //!
-//! Example (YAML):
+//! Example (a config file's `sampler` section, YAML):
 //!
-//! ```yaml
+//! ```
+//! # use relay_league::{OpponentSampler, SamplerConfig};
+//! let yaml = r#"
 //! kind: mixture
 //! components:
 //!   - { weight: 0.5, sampler: { kind: mirror } }
 //!   - { weight: 0.3, sampler: { kind: match_quality, temperature: 0.5 } }
 //!   - { weight: 0.2, sampler: { kind: fixed, opponents: [ { opponent: minimax, weight: 1 } ] } }
+//! "#;
+//! let config: SamplerConfig = serde_yaml::from_str(yaml).unwrap();
+//! let sampler = OpponentSampler::new(config).unwrap();
+//! # assert!(matches!(sampler.config(), SamplerConfig::Mixture { components } if components.len() == 3));
 //! ```
 
 use rand::Rng;
