@@ -115,7 +115,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     service.health.set_ready(true);
     let mut last: Option<u64> = None;
     let mut announced_solved = false;
-    let every_seconds = cfg.eval.every_seconds.map(std::time::Duration::from_secs_f64);
+    let every_seconds = cfg
+        .eval
+        .every_seconds
+        .map(std::time::Duration::from_secs_f64);
     // When set, any version newer than the last evaluated one is due.
     let mut time_due_at = every_seconds.map(|d| tokio::time::Instant::now() + d);
     let mut time_due = false;

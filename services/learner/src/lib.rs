@@ -374,7 +374,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         progress.version += 1;
         progress.env_steps += taken.iter().map(RolloutFragment::env_steps).sum::<u64>();
         progress.vec_steps += vec_steps;
-        progress.episodes += taken.iter().map(RolloutFragment::episodes_ended).sum::<u64>();
+        progress.episodes += taken
+            .iter()
+            .map(RolloutFragment::episodes_ended)
+            .sum::<u64>();
         let payload = publish_weights(&model, &progress);
         publish(&service, payload).await;
         metrics.version.set(progress.version as i64);

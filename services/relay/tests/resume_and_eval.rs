@@ -104,7 +104,15 @@ async fn a_killed_learner_resumes_from_its_checkpoint_and_the_run_solves() {
     let logs = dir.path().join("logs");
     std::fs::create_dir_all(&logs).unwrap();
 
-    let mut first = learner(config_path, run_id, &nats.url(), &redis.url(), &overrides, &logs, "learner-1");
+    let mut first = learner(
+        config_path,
+        run_id,
+        &nats.url(),
+        &redis.url(),
+        &overrides,
+        &logs,
+        "learner-1",
+    );
     // Kill it once it has made 7 updates (checkpoints at 2, 4, 6 and the first eval).
     let deadline = Instant::now() + Duration::from_secs(120);
     while versions.lock().unwrap().last().copied().unwrap_or(0) < 7 {
@@ -133,7 +141,15 @@ async fn a_killed_learner_resumes_from_its_checkpoint_and_the_run_solves() {
         vec![format!("run.resume_from={}", checkpoint.display())],
     ]
     .concat();
-    let mut second = learner(config_path, run_id, &nats.url(), &redis.url(), &resumed, &logs, "learner-2");
+    let mut second = learner(
+        config_path,
+        run_id,
+        &nats.url(),
+        &redis.url(),
+        &resumed,
+        &logs,
+        "learner-2",
+    );
     // The resumed run trains on until the evaluator announces it solved
     // (the learner then stops by itself: run.stop_when_solved).
     let status_path = run_dir.join("status.json");
@@ -190,13 +206,19 @@ async fn a_killed_learner_resumes_from_its_checkpoint_and_the_run_solves() {
         if resumed > 0.0 {
             if resumed_lines == 0 {
                 assert_eq!(resumed as u64, saved["vec_steps"].as_u64().unwrap());
-                assert_eq!(prev, resumed as u64, "the resumed series starts at its checkpoint");
+                assert_eq!(
+                    prev, resumed as u64,
+                    "the resumed series starts at its checkpoint"
+                );
             }
             resumed_lines += 1;
         }
         prev = vec;
     }
-    assert!(resumed_lines > 0, "no resumed learner reports in metrics.jsonl");
+    assert!(
+        resumed_lines > 0,
+        "no resumed learner reports in metrics.jsonl"
+    );
     // The CSV holds the same single timeline.
     let csv = std::fs::read_to_string(run_dir.join("metrics.csv")).unwrap();
     let learner_steps: Vec<u64> = csv

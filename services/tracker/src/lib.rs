@@ -110,11 +110,18 @@ impl RunDir {
         if let Some(above) = self.timeline.on_report(report) {
             self.metrics.flush()?;
             self.metrics_csv.flush()?;
-            let (jsonl, csv_path) = (self.root.join("metrics.jsonl"), self.root.join("metrics.csv"));
+            let (jsonl, csv_path) = (
+                self.root.join("metrics.jsonl"),
+                self.root.join("metrics.csv"),
+            );
             let removed = timeline::purge(&jsonl, &csv_path, above)?;
             self.metrics = append(&jsonl)?;
             self.metrics_csv = csv::MetricsCsv::open(&csv_path)?;
-            tracing::info!(above, removed, "learner resumed: purged the abandoned timeline's metric lines");
+            tracing::info!(
+                above,
+                removed,
+                "learner resumed: purged the abandoned timeline's metric lines"
+            );
         }
         let values: serde_json::Map<String, serde_json::Value> = report
             .values

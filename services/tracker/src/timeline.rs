@@ -84,14 +84,20 @@ impl Timeline {
 /// `vec_steps` is above `above` (each file rewritten beside itself, then
 /// renamed over). Returns the number of `metrics.jsonl` lines removed.
 pub fn purge(metrics_jsonl: &Path, metrics_csv: &Path, above: u64) -> std::io::Result<usize> {
-    let removed = rewrite(metrics_jsonl, |line| {
-        serde_json::from_str::<serde_json::Value>(line)
-            .ok()
-            .and_then(|v| v["vec_steps"].as_u64())
-    }, above)?;
-    rewrite(metrics_csv, |line| {
-        csv::split_line(line).get(3).and_then(|s| s.parse().ok())
-    }, above)?;
+    let removed = rewrite(
+        metrics_jsonl,
+        |line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v["vec_steps"].as_u64())
+        },
+        above,
+    )?;
+    rewrite(
+        metrics_csv,
+        |line| csv::split_line(line).get(3).and_then(|s| s.parse().ok()),
+        above,
+    )?;
     Ok(removed)
 }
 
@@ -159,7 +165,12 @@ mod tests {
         let (jsonl, csv_path) = (dir.join("metrics.jsonl"), dir.join("metrics.csv"));
         let mut j = String::new();
         let mut c = format!("{}\n", csv::HEADER);
-        for (service, v) in [("learner", 64), ("env-runner", 64), ("learner", 128), ("learner", 192)] {
+        for (service, v) in [
+            ("learner", 64),
+            ("env-runner", 64),
+            ("learner", 128),
+            ("learner", 192),
+        ] {
             let r = report(service, v, 0.0);
             j.push_str(&format!(
                 "{}\n",

@@ -600,8 +600,14 @@ impl EvalConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        if self.every_seconds.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
-            return Err(invalid("eval.every_seconds", "must be a positive number of seconds"));
+        if self
+            .every_seconds
+            .is_some_and(|s| !(s.is_finite() && s > 0.0))
+        {
+            return Err(invalid(
+                "eval.every_seconds",
+                "must be a positive number of seconds",
+            ));
         }
         if self.evaluator.trim().is_empty() {
             return Err(invalid("eval.evaluator", "must name an evaluator plugin"));

@@ -10,11 +10,13 @@
 //! numeric arrays than a byte copy.
 
 pub mod codec;
+pub mod llm;
 pub mod messages;
 pub mod subjects;
 pub mod tensor;
 
 pub use codec::{decode, encode, Rejection, WireMessage, MAX_MESSAGE_BYTES, SCHEMA_VERSION};
+pub use llm::*;
 pub use messages::*;
 pub use subjects::{validate_run_id, Subjects};
 pub use tensor::{DType, F32Parts, NamedTensor, Tensor, TensorError};

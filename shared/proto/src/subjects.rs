@@ -45,6 +45,18 @@ impl Subjects {
     pub fn act(&self) -> String {
         self.subject("act")
     }
+    /// Request-reply, queue group: [`crate::GenerateRequest`] -> [`crate::GenerateReply`].
+    pub fn generate(&self) -> String {
+        self.subject("generate")
+    }
+    /// Publish: [`crate::AdapterUpdate`], each new version of a LoRA adapter.
+    pub fn adapters(&self) -> String {
+        self.subject("adapters")
+    }
+    /// Publish: [`crate::GameRecord`], every finished text game.
+    pub fn games(&self) -> String {
+        self.subject("games")
+    }
     /// Request-reply, queue group: [`crate::RolloutFragment`] -> [`crate::InsertAck`].
     pub fn replay_insert(&self) -> String {
         self.subject("replay.insert")

@@ -9,6 +9,8 @@ pub enum DType {
     F32,
     I64,
     U8,
+    /// Token ids.
+    U32,
 }
 
 impl DType {
@@ -17,6 +19,7 @@ impl DType {
             DType::F32 => 4,
             DType::I64 => 8,
             DType::U8 => 1,
+            DType::U32 => 4,
         }
     }
 }
@@ -97,6 +100,19 @@ impl Tensor {
         }
         Self {
             dtype: DType::I64,
+            shape: shape.iter().map(|&d| d as u32).collect(),
+            data,
+        }
+    }
+
+    pub fn from_u32(shape: &[usize], values: &[u32]) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), values.len());
+        let mut data = Vec::with_capacity(values.len() * 4);
+        for v in values {
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        Self {
+            dtype: DType::U32,
             shape: shape.iter().map(|&d| d as u32).collect(),
             data,
         }
@@ -189,6 +205,15 @@ impl Tensor {
             .data
             .chunks_exact(8)
             .map(|c| i64::from_le_bytes(c.try_into().expect("chunk of 8")))
+            .collect())
+    }
+
+    pub fn to_u32(&self) -> Result<Vec<u32>, TensorError> {
+        self.ensure_dtype(DType::U32)?;
+        Ok(self
+            .data
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect())
     }
 

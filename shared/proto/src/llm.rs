@@ -1,0 +1,389 @@
+//! Wire types of LLM policies and text games: generation requests to the
+//! inference servers, adapter versions published by the learner, and the
+//! games the env-runners play.
+//!
+//! Token ids travel as `u32` tensors, per-token log-probs as `f32` tensors.
+
+use serde::{Deserialize, Serialize};
+
+use crate::codec::{Rejection, WireMessage, SCHEMA_VERSION};
+use crate::tensor::{DType, Tensor};
+
+fn invalid(kind: &'static str, field: &'static str, detail: impl Into<String>) -> Rejection {
+    Rejection::Invalid {
+        kind,
+        field,
+        detail: detail.into(),
+    }
+}
+
+fn tensor_check(
+    kind: &'static str,
+    field: &'static str,
+    result: Result<(), crate::TensorError>,
+) -> Result<(), Rejection> {
+    result.map_err(|source| Rejection::Tensor {
+        kind,
+        field: field.into(),
+        source,
+    })
+}
+
+/// Which LoRA adapter to apply over the base model.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct AdapterRef {
+    /// The adapter's name: `policy` for the run's learning adapter, or the
+    /// name of an opponent the inference servers were given.
+    pub name: String,
+    /// A published version; `None` asks for the newest one the server knows.
+    pub version: Option<u64>,
+}
+
+/// One chat turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    pub content: String,
+}
+
+/// What to complete.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Prompt {
+    /// Raw text, tokenized as is (no chat template).
+    Text(String),
+    /// Chat turns, rendered with the model's chat template and a generation prompt.
+    Chat(Vec<ChatMessage>),
+    /// Token ids, `u32 [p]`.
+    Tokens(Tensor),
+}
+
+/// How to pick each next token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 is greedy (arg-max).
+    pub temperature: f32,
+    /// Nucleus sampling: the smallest set of tokens whose probability reaches
+    /// this (1 keeps all).
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens (0 keeps all).
+    pub top_k: u32,
+    /// Most completion tokens to generate.
+    pub max_tokens: u32,
+    /// Stop once the completion text contains one of these (the stop string is kept).
+    pub stop: Vec<String>,
+    /// Seed of this request's sampling; `None` draws one.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_tokens: 32,
+            stop: Vec::new(),
+            seed: None,
+        }
+    }
+}
+
+/// env-runner / evaluator / `relay play` -> inference-server (`relay.<run>.generate`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub schema: u16,
+    /// Adapter to apply; `None` is the base model alone.
+    pub adapter: Option<AdapterRef>,
+    pub prompt: Prompt,
+    pub sampling: SamplingParams,
+    /// Constrained decoding: when not empty, the completion is exactly one of
+    /// these strings (e.g. a game's legal moves), sampled token by token
+    /// among the tokens that keep it on one of them.
+    pub allowed: Vec<String>,
+}
+
+impl GenerateRequest {
+    pub fn new(adapter: Option<AdapterRef>, prompt: Prompt, sampling: SamplingParams) -> Self {
+        Self {
+            schema: SCHEMA_VERSION,
+            adapter,
+            prompt,
+            sampling,
+            allowed: Vec::new(),
+        }
+    }
+}
+
+/// Most tokens one request may ask for.
+pub const MAX_GENERATE_TOKENS: u32 = 4096;
+
+impl WireMessage for GenerateRequest {
+    const KIND: &'static str = "GenerateRequest";
+    fn schema(&self) -> u16 {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), Rejection> {
+        const K: &str = "GenerateRequest";
+        let s = &self.sampling;
+        if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+            return Err(invalid(
+                K,
+                "sampling.temperature",
+                "must be finite and >= 0",
+            ));
+        }
+        if !(s.top_p.is_finite() && s.top_p > 0.0 && s.top_p <= 1.0) {
+            return Err(invalid(K, "sampling.top_p", "must be in (0, 1]"));
+        }
+        if s.max_tokens == 0 || s.max_tokens > MAX_GENERATE_TOKENS {
+            return Err(invalid(
+                K,
+                "sampling.max_tokens",
+                format!("must be in 1..={MAX_GENERATE_TOKENS}"),
+            ));
+        }
+        if s.stop.iter().any(String::is_empty) {
+            return Err(invalid(K, "sampling.stop", "empty stop string"));
+        }
+        if self.allowed.iter().any(String::is_empty) {
+            return Err(invalid(K, "allowed", "empty allowed completion"));
+        }
+        if self.adapter.as_ref().is_some_and(|a| a.name.is_empty()) {
+            return Err(invalid(K, "adapter.name", "empty"));
+        }
+        match &self.prompt {
+            Prompt::Tokens(t) => {
+                tensor_check(K, "prompt", t.expect(DType::U32, &[None]))?;
+                if t.numel() == 0 {
+                    return Err(invalid(K, "prompt", "no tokens"));
+                }
+            }
+            Prompt::Chat(turns) if turns.is_empty() => {
+                return Err(invalid(K, "prompt", "no chat turns"));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// Why a completion ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FinishReason {
+    /// The model produced an end-of-sequence token (not included in the completion).
+    Eos,
+    /// A stop string appeared.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The completion spelled one of the allowed strings in full.
+    Allowed,
+}
+
+/// inference-server -> requester.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateReply {
+    pub schema: u16,
+    /// The adapter applied, with the version actually used (`None`: the base model).
+    pub adapter: Option<AdapterRef>,
+    /// `u32 [p]`: the prompt as the model saw it (after the chat template).
+    pub prompt_tokens: Tensor,
+    /// `u32 [c]`: the completion.
+    pub completion_tokens: Tensor,
+    /// `f32 [c]`: log-probability of each completion token under the policy
+    /// at temperature 1, before top-k / top-p / constraints (what the
+    /// learner's importance ratios need).
+    pub logprobs: Tensor,
+    /// The completion decoded.
+    pub text: String,
+    pub finish: FinishReason,
+}
+
+impl WireMessage for GenerateReply {
+    const KIND: &'static str = "GenerateReply";
+    fn schema(&self) -> u16 {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), Rejection> {
+        const K: &str = "GenerateReply";
+        tensor_check(
+            K,
+            "prompt_tokens",
+            self.prompt_tokens.expect(DType::U32, &[None]),
+        )?;
+        tensor_check(
+            K,
+            "completion_tokens",
+            self.completion_tokens.expect(DType::U32, &[None]),
+        )?;
+        let c = self.completion_tokens.numel();
+        tensor_check(K, "logprobs", self.logprobs.expect(DType::F32, &[Some(c)]))?;
+        // -inf is a legal log-prob (a token the unconstrained policy gives
+        // no mass); NaN and +inf are not.
+        let lp = self.logprobs.to_f32().expect("checked dtype");
+        if let Some(index) = lp.iter().position(|v| v.is_nan() || *v > 0.0) {
+            return Err(Rejection::Tensor {
+                kind: K,
+                field: "logprobs".into(),
+                source: crate::TensorError::NonFinite { index },
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Where the bytes of an adapter version are.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum AdapterPayload {
+    /// Carried in the message (small adapters).
+    Inline {
+        /// PEFT `adapter_config.json`.
+        config_json: String,
+        /// PEFT `adapter_model.safetensors`.
+        #[serde(with = "serde_bytes")]
+        safetensors: Vec<u8>,
+    },
+    /// In the JetStream object store: bucket `bucket`, objects
+    /// `<key>/adapter_config.json` and `<key>/adapter_model.safetensors`.
+    ObjectStore { bucket: String, key: String },
+}
+
+/// learner -> inference-servers, evaluators (`relay.<run>.adapters`): a
+/// new version of a LoRA adapter over the run's base model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdapterUpdate {
+    pub schema: u16,
+    pub name: String,
+    pub version: u64,
+    pub learner_env_steps: u64,
+    pub payload: AdapterPayload,
+}
+
+impl WireMessage for AdapterUpdate {
+    const KIND: &'static str = "AdapterUpdate";
+    fn schema(&self) -> u16 {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), Rejection> {
+        const K: &str = "AdapterUpdate";
+        if self.name.is_empty() {
+            return Err(invalid(K, "name", "empty"));
+        }
+        match &self.payload {
+            AdapterPayload::Inline {
+                config_json,
+                safetensors,
+            } => {
+                if config_json.is_empty() || safetensors.is_empty() {
+                    return Err(invalid(K, "payload", "empty adapter files"));
+                }
+            }
+            AdapterPayload::ObjectStore { bucket, key } => {
+                if bucket.is_empty() || key.is_empty() {
+                    return Err(invalid(K, "payload", "empty bucket or key"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Who sits in one seat of a game.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SeatPolicy {
+    /// An LLM with this adapter (`None`: the base model).
+    Model(Option<AdapterRef>),
+    /// A fixed bot: `random`, `minimax`, ...
+    Bot(String),
+}
+
+/// One move of one player: what it saw and what it generated.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TextTurn {
+    pub player: u8,
+    /// `u32 [p]`: the prompt tokens (empty for bots).
+    pub prompt_tokens: Tensor,
+    /// `u32 [c]`: the completion tokens (empty for bots).
+    pub completion_tokens: Tensor,
+    /// `f32 [c]`: behaviour log-prob of each completion token.
+    pub logprobs: Tensor,
+    /// The action sent to the game.
+    pub action: String,
+    /// The game refused the move.
+    pub invalid: bool,
+}
+
+/// env-runner -> replay-buffer (`relay.<run>.games.insert`) and tracker,
+/// evaluators, league (`relay.<run>.games`): one finished game.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GameRecord {
+    pub schema: u16,
+    pub runner_id: String,
+    pub env_id: String,
+    /// The game's reset seed.
+    pub seed: u64,
+    /// Seat `i` is player `i` (player 0 moves first).
+    pub seats: Vec<SeatPolicy>,
+    pub turns: Vec<TextTurn>,
+    /// Final reward of each player.
+    pub rewards: Vec<f64>,
+    /// The game's reason for its outcome, per player (TextArena's game_info).
+    pub reasons: Vec<String>,
+    /// Wall time of the game.
+    pub duration_ms: u64,
+}
+
+impl WireMessage for GameRecord {
+    const KIND: &'static str = "GameRecord";
+    fn schema(&self) -> u16 {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), Rejection> {
+        const K: &str = "GameRecord";
+        let n = self.seats.len();
+        if n == 0 {
+            return Err(invalid(K, "seats", "no players"));
+        }
+        if self.rewards.len() != n {
+            return Err(invalid(
+                K,
+                "rewards",
+                format!("{} rewards for {n} seats", self.rewards.len()),
+            ));
+        }
+        if self.rewards.iter().any(|r| !r.is_finite()) {
+            return Err(invalid(K, "rewards", "non-finite reward"));
+        }
+        for turn in &self.turns {
+            if turn.player as usize >= n {
+                return Err(invalid(
+                    K,
+                    "turns.player",
+                    format!("player {} of {n}", turn.player),
+                ));
+            }
+            tensor_check(
+                K,
+                "turns.prompt_tokens",
+                turn.prompt_tokens.expect(DType::U32, &[None]),
+            )?;
+            tensor_check(
+                K,
+                "turns.completion_tokens",
+                turn.completion_tokens.expect(DType::U32, &[None]),
+            )?;
+            let c = turn.completion_tokens.numel();
+            tensor_check(
+                K,
+                "turns.logprobs",
+                turn.logprobs.expect(DType::F32, &[Some(c)]),
+            )?;
+            let lp = turn.logprobs.to_f32().expect("checked dtype");
+            if lp.iter().any(|v| v.is_nan() || *v > 0.0) {
+                return Err(invalid(K, "turns.logprobs", "NaN or positive log-prob"));
+            }
+        }
+        Ok(())
+    }
+}
