@@ -5,3 +5,14 @@
 //!
 //! Kept apart from `relay-nn` (the small actor-critic MLPs) so that the
 //! classic-control services do not compile tokenizers and transformer code.
+
+pub mod chat;
+pub mod gguf_tokenizer;
+pub mod smollm2;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
+pub use smollm2::{find_smollm2_gguf, FindGgufError, SMOLLM2_GGUF_ENV};
+pub use tokenizer::{
+    IncrementalDecoder, SpecialToken, SpecialTokens, TokenSequences, Tokenizer, TokenizerError,
+};
