@@ -561,3 +561,60 @@ impl TokenSequences {
         self.sequences.iter().position(|seq| seq == generated)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn tokenizer_can_be_shared_across_threads() {
+        fn shareable<T: Send + Sync + Clone + 'static>() {}
+        shareable::<Tokenizer>();
+        shareable::<IncrementalDecoder>();
+        shareable::<TokenSequences>();
+    }
+
+    #[test]
+    fn special_tokens_read_as_strings_or_added_token_objects() {
+        assert_eq!(special_token_content(&json!("<s>")), Some("<s>".to_owned()));
+        assert_eq!(
+            special_token_content(
+                &json!({"content": "</s>", "special": true, "__type": "AddedToken"})
+            ),
+            Some("</s>".to_owned())
+        );
+        assert_eq!(special_token_content(&json!(null)), None);
+    }
+
+    #[test]
+    fn config_chat_template_is_a_string_or_the_default_of_a_list() {
+        assert_eq!(config_chat_template(&json!({})), Ok(None));
+        assert_eq!(
+            config_chat_template(&json!({"chat_template": "x"})),
+            Ok(Some("x".to_owned()))
+        );
+        let named = json!({"chat_template": [
+            {"name": "tool_use", "template": "t"},
+            {"name": "default", "template": "d"},
+        ]});
+        assert_eq!(config_chat_template(&named), Ok(Some("d".to_owned())));
+        assert!(config_chat_template(
+            &json!({"chat_template": [{"name": "rag", "template": "r"}]})
+        )
+        .is_err());
+        assert!(config_chat_template(&json!({"chat_template": 3})).is_err());
+    }
+
+    #[test]
+    fn byte_table_is_gpt2s() {
+        let table = byte_to_char_table();
+        assert_eq!(table[b' ' as usize], 'Ġ');
+        assert_eq!(table[b'\n' as usize], 'Ċ');
+        assert_eq!(table[b'A' as usize], 'A');
+        let distinct: std::collections::HashSet<char> = table.iter().copied().collect();
+        assert_eq!(distinct.len(), 256);
+        assert_eq!(byte_level_decode("ĠĊA"), Some(b" \nA".to_vec()));
+        assert_eq!(byte_level_decode("€"), None);
+    }
+}
