@@ -22,6 +22,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod gguf;
 pub mod lora;
 pub mod model;
 pub mod model_error;
@@ -29,6 +30,7 @@ pub mod peft;
 
 pub use cache::KvCache;
 pub use config::{Architecture, ModelConfig};
+pub use gguf::GgufBase;
 pub use lora::{LoraAdapter, LoraConfig, LoraTarget, LoraWeights};
 pub use model::{token_log_probs, BatchItem, CausalLm, LogitsWanted};
 pub use model_error::ModelError;

@@ -20,9 +20,11 @@
 //!
 //! Both give the same logits (tested against each other and against
 //! transformers). The base weights are plain tensors (never `Var`s): they
-//! are frozen. They are either dense f32 (Hugging Face safetensors, or a
-//! dequantized GGUF) or quantized (`QMatMul`, GGUF), which has no backward:
-//! train on a dense base (see [`crate::gguf::GgufBase`]).
+//! are frozen. They are dense f32 (Hugging Face safetensors, or a
+//! dequantized GGUF) or GGUF-quantized blocks, multiplied either in f32
+//! (dequantized per product: exact, and gradients reach the input) or by
+//! candle's `QMatMul` (no backward: inference only); see
+//! [`crate::gguf::GgufBase`].
 
 use std::path::{Path, PathBuf};
 
@@ -49,8 +51,13 @@ enum Kernels {
 pub(crate) enum BaseWeight {
     /// f32, multiplied with candle's matmul (has a backward w.r.t. its input).
     Dense(Tensor),
-    /// GGUF-quantized; no gradient reaches the input.
-    Quantized(QMatMul),
+    /// GGUF-quantized in memory, dequantized to f32 for each product
+    /// (float-exact; no gradient reaches the input).
+    Quantized(std::sync::Arc<QTensor>),
+    /// GGUF-quantized, multiplied by candle's `QMatMul`, which also
+    /// quantizes the activations (to 8 bits for 4-bit weights); no
+    /// gradient reaches the input.
+    QMatMul(QMatMul),
 }
 
 /// One linear projection of the base model, plus where LoRA may attach.
@@ -75,7 +82,8 @@ impl Projection {
     fn forward_base(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
             BaseWeight::Dense(w) => x.matmul(&w.t()?)?,
-            BaseWeight::Quantized(q) => q.forward(x)?,
+            BaseWeight::Quantized(q) => x.matmul(&q.dequantize(x.device())?.t()?)?,
+            BaseWeight::QMatMul(q) => q.forward(x)?,
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
@@ -411,14 +419,32 @@ impl CausalLm {
         KvCache::new(&self.config)
     }
 
-    /// Whether the base is GGUF-quantized (inference only: no gradient
-    /// flows through it).
-    pub fn is_quantized(&self) -> bool {
-        matches!(self.lm_head.weight, BaseWeight::Quantized(_))
-            || self
-                .blocks
+    fn any_weight(&self, pred: impl Fn(&BaseWeight) -> bool) -> bool {
+        pred(&self.lm_head.weight)
+            || self.blocks.iter().any(|b| {
+                [
+                    &b.q_proj,
+                    &b.k_proj,
+                    &b.v_proj,
+                    &b.o_proj,
+                    &b.gate_proj,
+                    &b.up_proj,
+                    &b.down_proj,
+                ]
                 .iter()
-                .any(|b| matches!(b.q_proj.weight, BaseWeight::Quantized(_)))
+                .any(|p| pred(&p.weight))
+            })
+    }
+
+    /// Whether the base keeps GGUF-quantized weights in memory.
+    pub fn is_quantized(&self) -> bool {
+        self.any_weight(|w| !matches!(w, BaseWeight::Dense(_)))
+    }
+
+    /// Whether [`CausalLm::forward_train`] can pass gradients through the
+    /// base (false only for [`crate::GgufBase::QMatMul8Bit`]).
+    pub fn supports_training(&self) -> bool {
+        !self.any_weight(|w| matches!(w, BaseWeight::QMatMul(_)))
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -588,15 +614,19 @@ impl CausalLm {
     /// sequence starting at position 0, with `adapter` applied.
     ///
     /// Every op passes gradients, so `loss.backward()` reaches the
-    /// adapter's vars. The base must be dense (not quantized).
+    /// adapter's vars. Works on a dense base and on a GGUF base held as
+    /// [`crate::GgufBase::Quantized`] or `Dequantized` (not `QMatMul8Bit`:
+    /// `QMatMul` has no backward).
     pub fn forward_train(
         &self,
         input_ids: &Tensor,
         adapter: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
-        if self.is_quantized() {
+        if !self.supports_training() {
             return Err(ModelError::BadInput(
-                "forward_train needs a dense base: load the GGUF with GgufBase::Dequantized".into(),
+                "forward_train cannot pass gradients through QMatMul: \
+                 load the GGUF with GgufBase::Quantized or Dequantized"
+                    .into(),
             ));
         }
         self.check_adapter(adapter)?;
