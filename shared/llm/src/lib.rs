@@ -22,7 +22,9 @@
 
 pub mod cache;
 pub mod config;
+pub mod generate;
 pub mod gguf;
+pub mod init;
 pub mod lora;
 pub mod model;
 pub mod model_error;
@@ -30,7 +32,12 @@ pub mod peft;
 
 pub use cache::KvCache;
 pub use config::{Architecture, ModelConfig};
+pub use generate::{
+    generate, prefill, step, FinishReason, Sampled, Sampler, SamplingParams, Sequence, StepToken,
+    StopCondition,
+};
 pub use gguf::GgufBase;
+pub use init::{TinyShape, TinyVocab};
 pub use lora::{LoraAdapter, LoraConfig, LoraTarget, LoraWeights};
 pub use model::{token_log_probs, BatchItem, CausalLm, LogitsWanted};
 pub use model_error::ModelError;

@@ -432,3 +432,127 @@ fn tiny_qwen2_reference_forked_cache_continues_like_the_original() {
     let c = model.forward_one(rest, &mut cache, None).unwrap();
     assert!(max_diff(&c, &want).0 < LOGIT_TOLERANCE);
 }
+
+fn greedy_sequence(model: &CausalLm, case: &Case) -> relay_llm::Sequence {
+    relay_llm::Sequence::new(
+        model,
+        case.input_ids.clone(),
+        None,
+        relay_llm::Sampler::greedy(),
+        relay_llm::StopCondition {
+            max_new_tokens: case.greedy.len(),
+            stop_token_ids: Vec::new(),
+        },
+    )
+    .unwrap()
+}
+
+/// `generate::step` over a running batch that a sequence joins mid-decode
+/// reproduces every greedy continuation; finished sequences report `None`.
+#[test]
+fn tiny_qwen2_reference_step_with_joining_sequence() {
+    use relay_llm::{step, FinishReason, Sequence};
+    let model = model();
+    let cases = cases();
+    let mut running: Vec<Sequence> = vec![
+        greedy_sequence(&model, &cases[0]),
+        greedy_sequence(&model, &cases[1]),
+    ];
+    for _ in 0..5 {
+        let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
+        let out = step(&model, &mut refs).unwrap();
+        assert!(out.iter().all(|o| o.is_some()));
+    }
+    running.push(greedy_sequence(&model, &cases[2]));
+    while running.iter().any(|s| !s.is_finished()) {
+        let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
+        let out = step(&model, &mut refs).unwrap();
+        for (seq, o) in running.iter().zip(&out) {
+            if let Some(o) = o {
+                assert_eq!(seq.tokens().last(), Some(&o.sampled.token));
+            }
+        }
+    }
+    for (seq, case) in running.iter().zip(&cases) {
+        assert_eq!(seq.tokens(), case.greedy.as_slice());
+        assert_eq!(seq.finish_reason(), Some(FinishReason::Length));
+        assert!(seq.logprobs().iter().all(|&lp| lp <= 0.0 && lp.is_finite()));
+        assert!(seq.sampling_logprobs().iter().all(|&lp| lp == 0.0));
+    }
+}
+
+/// A prompt prefilled once and forked gives each fork the same
+/// continuation as an unforked run; a stop token ends a sequence.
+#[test]
+fn tiny_qwen2_reference_prefill_fork_and_stop_token() {
+    use relay_llm::{generate, prefill, FinishReason, Sampler};
+    let model = model();
+    let case = &cases()[2];
+    let mut parent = greedy_sequence(&model, case);
+    prefill(&model, &mut [&mut parent]).unwrap();
+    assert_eq!(parent.cache().len(), case.input_ids.len() - 1);
+    let mut forks: Vec<_> = (0..2)
+        .map(|_| parent.fork(Sampler::greedy()).unwrap())
+        .collect();
+    for fork in &mut forks {
+        generate(&model, fork).unwrap();
+        assert_eq!(fork.tokens(), case.greedy.as_slice());
+    }
+    let stop_at = case.greedy[4];
+    let mut seq = relay_llm::Sequence::new(
+        &model,
+        case.input_ids.clone(),
+        None,
+        Sampler::greedy(),
+        relay_llm::StopCondition {
+            max_new_tokens: 100,
+            stop_token_ids: vec![stop_at],
+        },
+    )
+    .unwrap();
+    generate(&model, &mut seq).unwrap();
+    let first = case.greedy.iter().position(|&t| t == stop_at).unwrap();
+    assert_eq!(seq.tokens(), &case.greedy[..=first]);
+    assert_eq!(seq.finish_reason(), Some(FinishReason::Stop(stop_at)));
+}
+
+/// With an adapter on the sequence, step samples from the adapted model:
+/// its first greedy token is the argmax of `logits_with_adapter`.
+#[test]
+fn tiny_qwen2_reference_step_uses_the_sequence_adapter() {
+    use relay_llm::{step, Sampler, Sequence, StopCondition};
+    let model = model();
+    let adapter = std::sync::Arc::new(adapter(&model));
+    let cases = cases();
+    let mut seqs: Vec<Sequence> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            Sequence::new(
+                &model,
+                c.input_ids.clone(),
+                (i != 1).then(|| adapter.clone()),
+                Sampler::greedy(),
+                StopCondition {
+                    max_new_tokens: 1,
+                    stop_token_ids: vec![],
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+    let out = step(&model, &mut refs).unwrap();
+    for (i, (o, c)) in out.iter().zip(&cases).enumerate() {
+        let want = if i != 1 {
+            &c.logits_with_adapter
+        } else {
+            &c.logits
+        };
+        assert_eq!(
+            o.unwrap().sampled.token,
+            argmax(want.last().unwrap()),
+            "case {i}"
+        );
+    }
+}
