@@ -267,7 +267,7 @@ impl ModelConfig {
                 format!("{} is odd; rotary embeddings need pairs", self.head_dim),
             ));
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return Err(ModelError::config("rope_theta", "must be positive"));
         }
         Ok(())

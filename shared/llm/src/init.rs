@@ -76,7 +76,9 @@ impl Default for TinyShape {
 
 /// The config [`tiny_with_shape`] writes for this vocabulary and shape.
 pub fn tiny_config(vocab: &TinyVocab, shape: &TinyShape) -> Result<ModelConfig> {
-    if shape.num_attention_heads == 0 || shape.hidden_size % shape.num_attention_heads != 0 {
+    if shape.num_attention_heads == 0
+        || !shape.hidden_size.is_multiple_of(shape.num_attention_heads)
+    {
         return Err(ModelError::config(
             "num_attention_heads",
             format!(
