@@ -29,12 +29,19 @@ use crate::model_error::{ModelError, Result};
 
 /// How to hold and multiply the base weights of a GGUF model.
 ///
-/// Measured on SmolLM2-135M Q4_1 (2 shared CPU cores, see the crate's
-/// README): `Quantized` matches the float32 reference to 1e-4 and was
-/// faster than `QMatMul8Bit` both for prefill and decode (candle's Q4_1 x
-/// Q8_1 kernel has no SIMD path on x86); `QMatMul8Bit` drifts by about one
-/// logit, enough to flip a close greedy choice. `Dequantized` is the
-/// fastest and needs about 8x the memory of Q4.
+/// Measured on SmolLM2-135M Q4_1 (`cargo bench -p relay-llm`, 2 CPU cores
+/// shared with other jobs, so only the ratios mean much):
+///
+/// | base | logits vs float32 | prefill 128 | decode step, batch 1 / 8 | memory |
+/// |---|---|---|---|---|
+/// | `Quantized` | 3e-5 | 2.1 s | 263 / 553 ms | Q4 (~100 MB) |
+/// | `QMatMul8Bit` | ~1 logit | 16 s | 484 / 1253 ms | Q4 |
+/// | `Dequantized` | 3e-5 | 2.4 s | 83 / 356 ms | f32 (~600 MB) |
+///
+/// candle's Q4_1 x Q8_1 kernel has no SIMD path on x86, and its 8-bit
+/// activations move the chat case's logits by about one unit, enough to
+/// flip a greedy choice whose reference margin is 0.08. Serve with
+/// `Dequantized` when memory allows, `Quantized` when it does not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgufBase {
     /// Keep the file's quantized blocks in memory and dequantize each

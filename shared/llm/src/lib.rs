@@ -19,6 +19,53 @@
 //! | [`init`] | [`init::tiny`]: a small random Qwen2 checkpoint |
 //! | [`generate`] | [`Sampler`], [`Sequence`], [`step`]: sampling and batched decoding |
 //! | [`model_error`] | [`ModelError`] |
+//!
+//! ## Choices
+//!
+//! * **One cache per sequence** ([`KvCache`]), and a forward that packs
+//!   the new tokens of any number of sequences into one matrix
+//!   ([`CausalLm::forward_batch`]): projections and MLPs run once for the
+//!   whole batch, attention per sequence against its own cache. A request
+//!   joins a running batch by being listed in the next call (its prompt is
+//!   prefilled in the same forward as the others' decode tokens); no
+//!   padding, no copying of other sequences' caches.
+//! * **Adapters are arguments**, never merged into the base: each batch
+//!   item names its [`LoraAdapter`] (or none), so one loaded base serves
+//!   many adapters, mixed within one batch.
+//! * **Two forwards**: the inference one uses candle's fused kernels; the
+//!   training one ([`CausalLm::forward_train`]) only ops with a backward
+//!   (DESIGN.md: fused softmax/RMSNorm/RoPE and `QMatMul` pass no
+//!   gradient). Tests check they agree and that every LoRA factor gets a
+//!   gradient.
+//! * **Log-probs for RL**: [`Sampled::logprob`] is the policy's
+//!   (temperature 1, full vocabulary), what the learner recomputes;
+//!   [`Sampled::sampling_logprob`] is that of the truncated/tempered
+//!   distribution actually sampled from.
+//! * **Threads**: nothing global is set; candle's rayon pool follows
+//!   `RAYON_NUM_THREADS`.
+//!
+//! ## Decoding a batch
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use relay_llm::{step, CausalLm, LoraAdapter, Sampler, SamplingParams, Sequence, StopCondition};
+//!
+//! let model = CausalLm::load_hf("model-dir".as_ref())?;
+//! let adapter = Arc::new(LoraAdapter::load_peft("adapter-dir".as_ref(), model.config())?);
+//! let stop = StopCondition { max_new_tokens: 64, stop_token_ids: model.config().eos_token_ids.clone() };
+//! let mut running = vec![Sequence::new(
+//!     &model, vec![1, 2, 3], Some(adapter), Sampler::new(SamplingParams::default(), 7)?, stop,
+//! )?];
+//! while running.iter().any(|s| !s.is_finished()) {
+//!     // New requests: `running.push(Sequence::new(..)?)` here, between steps.
+//!     let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
+//!     for token in step(&model, &mut refs)?.into_iter().flatten() {
+//!         let _ = (token.sampled.token, token.sampled.logprob, token.finished);
+//!     }
+//!     running.retain(|s| !s.is_finished());
+//! }
+//! # Ok::<(), relay_llm::ModelError>(())
+//! ```
 
 pub mod cache;
 pub mod config;
