@@ -17,7 +17,7 @@
 //! | [`peft`] | adapters to and from PEFT's `adapter_config.json` + `adapter_model.safetensors` |
 //! | [`gguf`] | [`CausalLm`] from a GGUF file, quantized or dequantized |
 //! | [`init`] | [`init::tiny`]: a small random Qwen2 checkpoint |
-//! | [`generate`] | [`Sampler`], [`Sequence`], [`step`]: sampling and batched decoding |
+//! | [`mod@generate`] | [`Sampler`], [`Sequence`], [`step`]: sampling and batched decoding |
 //! | [`model_error`] | [`ModelError`] |
 //!
 //! ## Choices
