@@ -42,7 +42,7 @@ fn gguf_path(file_name: &str) -> PathBuf {
         let p = PathBuf::from(p);
         assert!(
             p.is_file(),
-            "RELAY_SMOLLM2_GGUF={} is not a file",
+            "RELAY_SMOLLM2_GGUF={} is not a file: point it at SmolLM2-135M-Instruct.Q4_1.gguf, or unset it and run `bash deploy/install.sh`",
             p.display()
         );
         return p;
