@@ -5,14 +5,106 @@
 //!
 //! Kept apart from `relay-nn` (the small actor-critic MLPs) so that the
 //! classic-control services do not compile tokenizers and transformer code.
+//!
+//! # Model side
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`config`] | [`ModelConfig`], [`Architecture`]: a checkpoint's shape, from `config.json` or GGUF metadata |
+//! | [`model`] | [`CausalLm`]: Qwen2/Llama weights, the KV-cached batched inference forward and the differentiable training forward |
+//! | [`cache`] | [`KvCache`]: one sequence's keys and values |
+//! | [`lora`] | [`LoraAdapter`], [`LoraConfig`], [`LoraTarget`]: adapters kept apart from the base |
+//! | [`peft`] | adapters to and from PEFT's `adapter_config.json` + `adapter_model.safetensors` |
+//! | [`gguf`] | [`CausalLm`] from a GGUF file, quantized or dequantized |
+//! | [`init`] | [`init::tiny`]: a small random Qwen2 checkpoint |
+//! | [`mod@generate`] | [`Sampler`], [`Sequence`], [`step`]: sampling and batched decoding |
+//! | [`model_error`] | [`ModelError`] |
+//!
+//! ## Choices
+//!
+//! * **One cache per sequence** ([`KvCache`]), and a forward that packs
+//!   the new tokens of any number of sequences into one matrix
+//!   ([`CausalLm::forward_batch`]): projections and MLPs run once for the
+//!   whole batch, attention per sequence against its own cache. A request
+//!   joins a running batch by being listed in the next call (its prompt is
+//!   prefilled in the same forward as the others' decode tokens); no
+//!   padding, no copying of other sequences' caches.
+//! * **Adapters are arguments**, never merged into the base: each batch
+//!   item names its [`LoraAdapter`] (or none), so one loaded base serves
+//!   many adapters, mixed within one batch.
+//! * **Two forwards**: the inference one uses candle's fused kernels; the
+//!   training one ([`CausalLm::forward_train`]) only ops with a backward
+//!   (DESIGN.md: fused softmax/RMSNorm/RoPE and `QMatMul` pass no
+//!   gradient). Tests check they agree and that every LoRA factor gets a
+//!   gradient.
+//! * **Log-probs for RL**: [`Sampled::logprob`] is the policy's
+//!   (temperature 1, full vocabulary), what the learner recomputes;
+//!   [`Sampled::sampling_logprob`] is that of the truncated/tempered
+//!   distribution actually sampled from.
+//! * **Threads**: nothing global is set; candle's rayon pool follows
+//!   `RAYON_NUM_THREADS`.
+//!
+//! ## Decoding a batch
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use relay_llm::{step, CausalLm, LoraAdapter, Sampler, SamplingParams, Sequence, StopCondition};
+//!
+//! let model = CausalLm::load_hf("model-dir".as_ref())?;
+//! let adapter = Arc::new(LoraAdapter::load_peft("adapter-dir".as_ref(), model.config())?);
+//! let stop = StopCondition { max_new_tokens: 64, stop_token_ids: model.config().eos_token_ids.clone() };
+//! let mut running = vec![Sequence::new(
+//!     &model, vec![1, 2, 3], Some(adapter), Sampler::new(SamplingParams::default(), 7)?, stop,
+//! )?];
+//! while running.iter().any(|s| !s.is_finished()) {
+//!     // New requests: `running.push(Sequence::new(..)?)` here, between steps.
+//!     let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
+//!     for token in step(&model, &mut refs)?.into_iter().flatten() {
+//!         let _ = (token.sampled.token, token.sampled.logprob, token.finished);
+//!     }
+//!     running.retain(|s| !s.is_finished());
+//! }
+//! # Ok::<(), relay_llm::ModelError>(())
+//! ```
+//!
+//! # Text side
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`tokenizer`] | [`Tokenizer`] (from a Hugging Face folder or GGUF metadata), [`IncrementalDecoder`], [`TokenSequences`] (constrained decoding to a list of strings) |
+//! | [`chat`] | [`ChatTemplate`]: Hugging Face chat templates rendered with minijinja |
+//! | [`gguf_tokenizer`] | the byte-level BPE tokenizer of a GGUF file, as transformers builds it |
+//! | [`smollm2`] | [`find_smollm2_gguf`]: where `deploy/install.sh` put SmolLM2-135M-Instruct |
+//! | [`tiny_tokenizer`] | [`write_tiny_tokenizer`]: the tokenizer of `relay model init tiny` |
+//!
 
+pub mod cache;
 pub mod chat;
+pub mod config;
+pub mod generate;
+pub mod gguf;
 pub mod gguf_tokenizer;
+pub mod init;
+pub mod lora;
+pub mod model;
+pub mod model_error;
+pub mod peft;
 pub mod smollm2;
 pub mod tiny_tokenizer;
 pub mod tokenizer;
 
+pub use cache::KvCache;
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
+pub use config::{Architecture, ModelConfig};
+pub use generate::{
+    generate, prefill, step, FinishReason, Sampled, Sampler, SamplingParams, Sequence, StepToken,
+    StopCondition,
+};
+pub use gguf::GgufBase;
+pub use init::{TinyShape, TinyVocab};
+pub use lora::{LoraAdapter, LoraConfig, LoraTarget, LoraWeights};
+pub use model::{token_log_probs, BatchItem, CausalLm, LogitsWanted};
+pub use model_error::ModelError;
 pub use smollm2::{find_smollm2_gguf, FindGgufError, SMOLLM2_GGUF_ENV};
 pub use tiny_tokenizer::{write_tiny_tokenizer, TINY_VOCAB_SIZE};
 pub use tokenizer::{

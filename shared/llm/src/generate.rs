@@ -1,0 +1,555 @@
+//! Generation primitives, pure and synchronous: a seeded [`Sampler`]
+//! (greedy, temperature, top-k, top-p) and [`step`], which advances a batch
+//! of [`Sequence`]s by one token each.
+//!
+//! # Continuous batching
+//!
+//! A [`Sequence`] owns everything about one generation: its [`KvCache`],
+//! its adapter, its sampler, its stop condition and the tokens still to
+//! feed. A server keeps a list of running sequences and calls [`step`] on
+//! all of them in a loop: a new request joins by being pushed onto the
+//! list (its whole prompt is prefilled inside the next step, packed with
+//! the others' one-token decodes), and a finished one leaves by being
+//! removed. Nothing is padded or copied when the batch changes.
+//!
+//! # Log-probabilities
+//!
+//! Every sampled token comes with two log-probabilities:
+//! * `logprob`: under the model's own policy, `log_softmax(logits)` at
+//!   temperature 1 over the whole vocabulary. This is what the learner
+//!   recomputes from the same weights, so it is the one RL (PPO's ratio,
+//!   KL penalties) needs.
+//! * `sampling_logprob`: under the distribution the token was actually
+//!   drawn from (after temperature, top-k, top-p; 0 for greedy), for
+//!   off-policy corrections.
+
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::cache::KvCache;
+use crate::lora::LoraAdapter;
+use crate::model::{BatchItem, CausalLm, LogitsWanted};
+use crate::model_error::{ModelError, Result};
+
+/// How to pick the next token from the logits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Divides the logits before sampling; `0` means greedy (argmax).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; `0` keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability
+    /// (after temperature and top-k) reaches `top_p`; `1` keeps all.
+    pub top_p: f32,
+}
+
+impl Default for SamplingParams {
+    /// Plain sampling from the policy: temperature 1, no truncation.
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Always the most likely token.
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    /// Checks the ranges.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(ModelError::config(
+                "temperature",
+                format!("{} is not a finite value >= 0", self.temperature),
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(ModelError::config(
+                "top_p",
+                format!("{} is not in (0, 1]", self.top_p),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A sampled token and its log-probabilities (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampled {
+    /// The token.
+    pub token: u32,
+    /// Log-probability under the policy at temperature 1, full vocabulary.
+    pub logprob: f32,
+    /// Log-probability under the distribution actually sampled from.
+    pub sampling_logprob: f32,
+}
+
+/// Draws tokens from logits with its own seeded random stream.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+}
+
+/// `log_softmax(logits)[token]` in f64.
+fn policy_logprob(logits: &[f32], token: usize) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    (logits[token] as f64 - max - sum.ln()) as f32
+}
+
+impl Sampler {
+    /// A sampler with these parameters; the same seed draws the same
+    /// tokens from the same logits.
+    pub fn new(params: SamplingParams, seed: u64) -> Result<Self> {
+        params.validate()?;
+        Ok(Self {
+            params,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        })
+    }
+
+    /// A greedy sampler (no randomness).
+    pub fn greedy() -> Self {
+        Self {
+            params: SamplingParams::greedy(),
+            rng: ChaCha8Rng::seed_from_u64(0),
+        }
+    }
+
+    /// The sampler's parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks a token from one position's logits (`vocab` values; `-inf`
+    /// masks a token out, NaN is an error).
+    pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled> {
+        if logits.is_empty() {
+            return Err(ModelError::BadInput("no logits to sample from".into()));
+        }
+        if logits.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+            return Err(ModelError::BadInput("logits hold NaN or +inf".into()));
+        }
+        let best = logits
+            .iter()
+            .enumerate()
+            .fold(0, |best, (i, &x)| if x > logits[best] { i } else { best });
+        if logits[best] == f32::NEG_INFINITY {
+            return Err(ModelError::BadInput("every token is masked out".into()));
+        }
+        if self.params.temperature == 0.0 {
+            return Ok(Sampled {
+                token: best as u32,
+                logprob: policy_logprob(logits, best),
+                sampling_logprob: 0.0,
+            });
+        }
+        let inv_t = 1.0 / self.params.temperature as f64;
+        let max = logits[best] as f64;
+        // Candidates in decreasing order only when truncating; else all in place.
+        let truncating =
+            (self.params.top_k > 0 && self.params.top_k < logits.len()) || self.params.top_p < 1.0;
+        let mut candidates: Vec<(usize, f64)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, &x)| x > f32::NEG_INFINITY)
+            .map(|(i, &x)| (i, ((x as f64 - max) * inv_t).exp()))
+            .collect();
+        if truncating {
+            let by_weight =
+                |a: &(usize, f64), b: &(usize, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+            if self.params.top_k > 0 && self.params.top_k < candidates.len() {
+                candidates.select_nth_unstable_by(self.params.top_k - 1, by_weight);
+                candidates.truncate(self.params.top_k);
+            }
+            candidates.sort_by(by_weight);
+            if self.params.top_p < 1.0 {
+                let total: f64 = candidates.iter().map(|c| c.1).sum();
+                let mut mass = 0.0;
+                let mut keep = candidates.len();
+                for (i, c) in candidates.iter().enumerate() {
+                    mass += c.1 / total;
+                    if mass >= self.params.top_p as f64 {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+                candidates.truncate(keep);
+            }
+        }
+        let total: f64 = candidates.iter().map(|c| c.1).sum();
+        let mut target = self.rng.random::<f64>() * total;
+        let mut chosen = candidates[candidates.len() - 1];
+        for &c in &candidates {
+            if target < c.1 {
+                chosen = c;
+                break;
+            }
+            target -= c.1;
+        }
+        Ok(Sampled {
+            token: chosen.0 as u32,
+            logprob: policy_logprob(logits, chosen.0),
+            sampling_logprob: (chosen.1 / total).ln() as f32,
+        })
+    }
+}
+
+/// When a sequence stops.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StopCondition {
+    /// Most tokens to generate.
+    pub max_new_tokens: usize,
+    /// Tokens that end the generation (kept as its last token), e.g. the
+    /// model's EOS ids.
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// Why a sequence finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It generated this stop token.
+    Stop(u32),
+    /// It generated `max_new_tokens` tokens.
+    Length,
+    /// The next token would not fit in the model's context.
+    ContextFull,
+}
+
+/// One generation in progress. See the module docs for how a server
+/// batches them.
+#[derive(Debug)]
+pub struct Sequence {
+    cache: KvCache,
+    adapter: Option<Arc<LoraAdapter>>,
+    sampler: Sampler,
+    stop: StopCondition,
+    /// Tokens not yet fed to the model (the prompt, then the last sample).
+    pending: Vec<u32>,
+    prompt_len: usize,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    sampling_logprobs: Vec<f32>,
+    finished: Option<FinishReason>,
+}
+
+/// What [`step`] produced for one sequence.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepToken {
+    /// The new token and its log-probabilities.
+    pub sampled: Sampled,
+    /// Set when this token ended the sequence.
+    pub finished: Option<FinishReason>,
+}
+
+impl Sequence {
+    /// A generation of `prompt` (at least one token) with `adapter` (or
+    /// the base model). Nothing runs until [`step`] (or [`prefill`]).
+    pub fn new(
+        model: &CausalLm,
+        prompt: Vec<u32>,
+        adapter: Option<Arc<LoraAdapter>>,
+        sampler: Sampler,
+        stop: StopCondition,
+    ) -> Result<Self> {
+        if prompt.is_empty() {
+            return Err(ModelError::BadInput("empty prompt".into()));
+        }
+        if stop.max_new_tokens == 0 {
+            return Err(ModelError::config("max_new_tokens", "must be at least 1"));
+        }
+        Ok(Self {
+            cache: model.new_cache(),
+            adapter,
+            sampler,
+            stop,
+            prompt_len: prompt.len(),
+            pending: prompt,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            sampling_logprobs: Vec::new(),
+            finished: None,
+        })
+    }
+
+    /// An independent copy at the same point (cache deep-copied) that
+    /// samples with `sampler`: prefill a prompt once with [`prefill`], then
+    /// fork it into a group of samples.
+    pub fn fork(&self, sampler: Sampler) -> Result<Self> {
+        Ok(Self {
+            cache: self.cache.fork()?,
+            adapter: self.adapter.clone(),
+            sampler,
+            stop: self.stop.clone(),
+            pending: self.pending.clone(),
+            prompt_len: self.prompt_len,
+            tokens: self.tokens.clone(),
+            logprobs: self.logprobs.clone(),
+            sampling_logprobs: self.sampling_logprobs.clone(),
+            finished: self.finished,
+        })
+    }
+
+    /// Length of the prompt.
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+
+    /// Tokens generated so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Policy log-probabilities (temperature 1) of [`Sequence::tokens`].
+    pub fn logprobs(&self) -> &[f32] {
+        &self.logprobs
+    }
+
+    /// Log-probabilities under the sampling distribution actually used.
+    pub fn sampling_logprobs(&self) -> &[f32] {
+        &self.sampling_logprobs
+    }
+
+    /// Why it finished, or `None` while running.
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        self.finished
+    }
+
+    /// Whether it is done.
+    pub fn is_finished(&self) -> bool {
+        self.finished.is_some()
+    }
+
+    /// Its cache (e.g. to account for memory).
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    /// The adapter it runs with.
+    pub fn adapter(&self) -> Option<&Arc<LoraAdapter>> {
+        self.adapter.as_ref()
+    }
+
+    fn record(&mut self, sampled: Sampled, max_positions: usize) -> Option<FinishReason> {
+        self.tokens.push(sampled.token);
+        self.logprobs.push(sampled.logprob);
+        self.sampling_logprobs.push(sampled.sampling_logprob);
+        self.pending = vec![sampled.token];
+        self.finished = if self.stop.stop_token_ids.contains(&sampled.token) {
+            Some(FinishReason::Stop(sampled.token))
+        } else if self.tokens.len() >= self.stop.max_new_tokens {
+            Some(FinishReason::Length)
+        } else if self.cache.len() >= max_positions {
+            Some(FinishReason::ContextFull)
+        } else {
+            None
+        };
+        self.finished
+    }
+}
+
+/// Feeds every token of each unfinished sequence's pending input except
+/// the last (no sampling), so the sequence can be [`Sequence::fork`]ed
+/// with its prompt already in the cache.
+pub fn prefill(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<()> {
+    let mut items = Vec::new();
+    for seq in seqs.iter_mut() {
+        let seq = &mut **seq;
+        if seq.finished.is_some() || seq.pending.len() < 2 {
+            continue;
+        }
+        let keep = seq.pending.len() - 1;
+        items.push(BatchItem {
+            tokens: &seq.pending[..keep],
+            cache: &mut seq.cache,
+            adapter: seq.adapter.as_deref(),
+        });
+    }
+    if items.is_empty() {
+        return Ok(());
+    }
+    model.forward_batch(&mut items, LogitsWanted::Last)?;
+    drop(items);
+    for seq in seqs.iter_mut() {
+        if seq.finished.is_none() && seq.pending.len() >= 2 {
+            let last = *seq.pending.last().expect("non-empty");
+            seq.pending = vec![last];
+        }
+    }
+    Ok(())
+}
+
+/// Advances every unfinished sequence by one sampled token in one batched
+/// forward (new sequences' prompts are prefilled in the same forward).
+/// Returns, per sequence in order, the new token or `None` if it was
+/// already finished (or could not take another token). On error no
+/// sequence changes.
+pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<StepToken>>> {
+    let limit = model.config().max_position_embeddings;
+    for seq in seqs.iter_mut() {
+        if seq.finished.is_none() && seq.cache.len() + seq.pending.len() > limit {
+            seq.finished = Some(FinishReason::ContextFull);
+        }
+    }
+    let mut items = Vec::new();
+    for seq in seqs.iter_mut() {
+        let seq = &mut **seq;
+        if seq.finished.is_some() {
+            continue;
+        }
+        items.push(BatchItem {
+            tokens: &seq.pending,
+            cache: &mut seq.cache,
+            adapter: seq.adapter.as_deref(),
+        });
+    }
+    if items.is_empty() {
+        return Ok(vec![None; seqs.len()]);
+    }
+    let logits = model.forward_batch(&mut items, LogitsWanted::Last)?;
+    drop(items);
+    let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+    let mut rows = rows.into_iter();
+    let mut out = Vec::with_capacity(seqs.len());
+    for seq in seqs.iter_mut() {
+        if seq.finished.is_some() {
+            out.push(None);
+            continue;
+        }
+        let row = rows.next().expect("one row per running sequence");
+        let sampled = seq.sampler.sample(&row)?;
+        let finished = seq.record(sampled, limit);
+        out.push(Some(StepToken { sampled, finished }));
+    }
+    Ok(out)
+}
+
+/// Runs one sequence to the end (a loop over [`step`]).
+pub fn generate(model: &CausalLm, seq: &mut Sequence) -> Result<()> {
+    while !seq.is_finished() {
+        step(model, &mut [&mut *seq])?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn softmax(logits: &[f32], t: f64) -> Vec<f64> {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let w: Vec<f64> = logits
+            .iter()
+            .map(|&x| ((x as f64 - max) / t).exp())
+            .collect();
+        let sum: f64 = w.iter().sum();
+        w.iter().map(|x| x / sum).collect()
+    }
+
+    #[test]
+    fn greedy_picks_the_first_maximum() {
+        let mut s = Sampler::greedy();
+        let out = s.sample(&[0.5, 2.0, 2.0, -1.0]).unwrap();
+        assert_eq!(out.token, 1);
+        assert_eq!(out.sampling_logprob, 0.0);
+        let want = softmax(&[0.5, 2.0, 2.0, -1.0], 1.0)[1].ln() as f32;
+        assert!((out.logprob - want).abs() < 1e-6);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_frequencies_follow_the_distribution() {
+        let logits = [1.0f32, 0.0, -1.0, f32::NEG_INFINITY];
+        let draw = |seed| {
+            let mut s = Sampler::new(SamplingParams::default(), seed).unwrap();
+            (0..20_000)
+                .map(|_| s.sample(&logits).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let a = draw(5);
+        assert_eq!(a, draw(5));
+        assert_ne!(a, draw(6));
+        let p = softmax(&logits, 1.0);
+        for token in 0..4 {
+            let freq = a.iter().filter(|s| s.token == token).count() as f64 / a.len() as f64;
+            assert!(
+                (freq - p[token as usize]).abs() < 0.01,
+                "token {token}: {freq} vs {}",
+                p[token as usize]
+            );
+        }
+        for s in &a {
+            // No truncation, temperature 1: both log-probs are the policy's.
+            assert!((s.logprob - (p[s.token as usize].ln() as f32)).abs() < 1e-5);
+            assert!((s.sampling_logprob - s.logprob).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn temperature_top_k_and_top_p_shape_the_sampling_distribution() {
+        let logits = [2.0f32, 1.5, 1.0, 0.0, -3.0];
+        let p1 = softmax(&logits, 1.0);
+        // Temperature 0.5, top-k 2: only tokens 0 and 1, renormalised.
+        let params = SamplingParams {
+            temperature: 0.5,
+            top_k: 2,
+            top_p: 1.0,
+        };
+        let mut s = Sampler::new(params, 1).unwrap();
+        let pt = softmax(&logits[..2], 0.5);
+        for _ in 0..2000 {
+            let out = s.sample(&logits).unwrap();
+            assert!(out.token < 2);
+            assert!((out.sampling_logprob - pt[out.token as usize].ln() as f32).abs() < 1e-5);
+            assert!((out.logprob - p1[out.token as usize].ln() as f32).abs() < 1e-5);
+        }
+        // top-p 0.5 at temperature 1: token 0 alone has 0.42 < 0.5, so 0 and 1.
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.5,
+        };
+        let mut s = Sampler::new(params, 2).unwrap();
+        let seen: std::collections::BTreeSet<u32> = (0..2000)
+            .map(|_| s.sample(&logits).unwrap().token)
+            .collect();
+        assert!(p1[0] < 0.5 && p1[0] + p1[1] >= 0.5);
+        assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![0, 1]);
+        // top-k 1 is greedy.
+        let params = SamplingParams {
+            temperature: 3.0,
+            top_k: 1,
+            top_p: 1.0,
+        };
+        let out = Sampler::new(params, 3).unwrap().sample(&logits).unwrap();
+        assert_eq!((out.token, out.sampling_logprob), (0, 0.0));
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let mut s = Sampler::new(SamplingParams::default(), 0).unwrap();
+        assert!(s.sample(&[]).is_err());
+        assert!(s.sample(&[0.0, f32::NAN]).is_err());
+        assert!(s.sample(&[f32::NEG_INFINITY; 3]).is_err());
+        let bad = SamplingParams {
+            top_p: 0.0,
+            ..SamplingParams::default()
+        };
+        assert!(Sampler::new(bad, 0).is_err());
+        let bad = SamplingParams {
+            temperature: -1.0,
+            ..SamplingParams::default()
+        };
+        assert!(Sampler::new(bad, 0).is_err());
+    }
+}

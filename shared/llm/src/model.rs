@@ -1,0 +1,777 @@
+//! [`CausalLm`]: one decoder-only transformer for Qwen2 and Llama, with a
+//! KV-cached inference path and a differentiable training path.
+//!
+//! # Two paths, one set of weights
+//!
+//! * [`CausalLm::forward_batch`] (inference) advances any number of
+//!   sequences, each with its own [`KvCache`] and its own adapter (or none),
+//!   by any number of tokens each, in one call. Tokens of all sequences are
+//!   packed into one `(tokens, hidden)` matrix for every projection and MLP
+//!   (the expensive part); attention runs per sequence against its cache.
+//!   So a prefill of a new prompt can share a step with the one-token
+//!   decodes of running sequences, and nothing is padded. It uses candle's
+//!   fused kernels (softmax, RMSNorm, RoPE), which have no backward.
+//! * [`CausalLm::forward_train`] runs a right-padded `(batch, time)` block
+//!   from position 0 with no cache, built only from ops that pass
+//!   gradients, so a loss on its logits reaches the LoRA factors.
+//!   Right padding needs no mask under causal attention: real tokens never
+//!   attend to the padding after them; mask the padded positions in the
+//!   loss.
+//!
+//! Both give the same logits (tested against each other and against
+//! transformers). The base weights are plain tensors (never `Var`s): they
+//! are frozen. They are dense f32 (Hugging Face safetensors, or a
+//! dequantized GGUF) or GGUF-quantized blocks, multiplied either in f32
+//! (dequantized per product: exact, and gradients reach the input) or by
+//! candle's `QMatMul` (no backward: inference only); see
+//! [`crate::gguf::GgufBase`].
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::VarBuilder;
+
+use crate::cache::KvCache;
+use crate::config::ModelConfig;
+use crate::lora::{LoraAdapter, LoraTarget};
+use crate::model_error::{ModelError, Result};
+
+/// Which kernels a forward uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernels {
+    /// candle's fused softmax / RMSNorm / RoPE: fast, no gradient.
+    Fused,
+    /// Compositions of basic ops: every op has a backward.
+    Differentiable,
+}
+
+/// A frozen weight matrix `(out_features, in_features)`.
+#[derive(Debug, Clone)]
+pub(crate) enum BaseWeight {
+    /// f32, multiplied with candle's matmul (has a backward w.r.t. its input).
+    Dense(Tensor),
+    /// GGUF-quantized in memory, dequantized to f32 for each product
+    /// (float-exact; no gradient reaches the input).
+    Quantized(std::sync::Arc<QTensor>),
+    /// GGUF-quantized, multiplied by candle's `QMatMul`, which also
+    /// quantizes the activations (to 8 bits for 4-bit weights); no
+    /// gradient reaches the input.
+    QMatMul(QMatMul),
+}
+
+/// One linear projection of the base model, plus where LoRA may attach.
+#[derive(Debug, Clone)]
+pub(crate) struct Projection {
+    pub(crate) weight: BaseWeight,
+    pub(crate) bias: Option<Tensor>,
+    pub(crate) target: LoraTarget,
+}
+
+/// Which adapter applies to which rows of a packed batch.
+enum Routing<'a> {
+    /// No adapter anywhere.
+    Base,
+    /// One adapter on every row.
+    All(&'a LoraAdapter),
+    /// Several adapters, each on its rows (u32 row indices).
+    Groups(Vec<(&'a LoraAdapter, Tensor)>),
+}
+
+impl Projection {
+    fn forward_base(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match &self.weight {
+            BaseWeight::Dense(w) => x.matmul(&w.t()?)?,
+            BaseWeight::Quantized(q) => x.matmul(&q.dequantize(x.device())?.t()?)?,
+            BaseWeight::QMatMul(q) => q.forward(x)?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+
+    /// `x`: `(rows, in_features)` → `(rows, out_features)`.
+    fn forward(&self, x: &Tensor, layer: usize, routing: &Routing<'_>) -> Result<Tensor> {
+        let mut y = self.forward_base(x)?;
+        match routing {
+            Routing::Base => {}
+            Routing::All(adapter) => {
+                if let Some(delta) = adapter.delta(layer, self.target, x)? {
+                    y = (y + delta)?;
+                }
+            }
+            Routing::Groups(groups) => {
+                for (adapter, rows) in groups {
+                    if adapter.weights(layer, self.target).is_none() {
+                        continue;
+                    }
+                    let xs = x.index_select(rows, 0)?;
+                    if let Some(delta) = adapter.delta(layer, self.target, &xs)? {
+                        y = y.index_add(rows, &delta, 0)?;
+                    }
+                }
+            }
+        }
+        Ok(y)
+    }
+}
+
+/// The token embedding matrix `(vocab, hidden)`.
+#[derive(Debug, Clone)]
+pub(crate) enum Embedding {
+    Dense(Tensor),
+    Quantized(std::sync::Arc<QTensor>),
+}
+
+impl Embedding {
+    fn lookup(&self, ids: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Self::Dense(w) => w.index_select(ids, 0)?,
+            Self::Quantized(q) => q.embedding(ids)?,
+        })
+    }
+}
+
+/// One pre-norm transformer block.
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    pub(crate) input_norm: Tensor,
+    pub(crate) q_proj: Projection,
+    pub(crate) k_proj: Projection,
+    pub(crate) v_proj: Projection,
+    pub(crate) o_proj: Projection,
+    pub(crate) post_attention_norm: Tensor,
+    pub(crate) gate_proj: Projection,
+    pub(crate) up_proj: Projection,
+    pub(crate) down_proj: Projection,
+}
+
+/// A Qwen2 or Llama causal language model with frozen base weights.
+///
+/// Cheap to share: wrap it in an `Arc` and run forwards from several
+/// threads; all state of a sequence lives in its [`KvCache`].
+#[derive(Debug, Clone)]
+pub struct CausalLm {
+    pub(crate) config: ModelConfig,
+    pub(crate) embed: Embedding,
+    pub(crate) blocks: Vec<Block>,
+    pub(crate) final_norm: Tensor,
+    pub(crate) lm_head: Projection,
+    /// `(max_position_embeddings, head_dim / 2)` each.
+    pub(crate) rope_cos: Tensor,
+    pub(crate) rope_sin: Tensor,
+}
+
+/// Which positions [`CausalLm::forward_batch`] returns logits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// Only each sequence's last fed token: `(sequences, vocab)`.
+    Last,
+    /// Every fed token, sequences one after another: `(total tokens, vocab)`.
+    All,
+}
+
+/// One sequence's part of a [`CausalLm::forward_batch`] call.
+#[derive(Debug)]
+pub struct BatchItem<'a> {
+    /// Tokens to feed now (the whole prompt, a chunk of it, or the last
+    /// sampled token); at least one.
+    pub tokens: &'a [u32],
+    /// The sequence's cache: the tokens are placed after its positions and
+    /// appended to it.
+    pub cache: &'a mut KvCache,
+    /// The adapter to apply to this sequence, or `None` for the base model.
+    pub adapter: Option<&'a LoraAdapter>,
+}
+
+/// Rotary tables as Hugging Face computes them (f32 inverse frequencies,
+/// f32 angles), so logits match transformers to float precision.
+pub(crate) fn rope_tables(config: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = config.head_dim / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| {
+            1.0 / config
+                .rope_theta
+                .powf((2 * i) as f32 / config.head_dim as f32)
+        })
+        .collect();
+    let positions = config.max_position_embeddings;
+    let mut cos = Vec::with_capacity(positions * half);
+    let mut sin = Vec::with_capacity(positions * half);
+    for p in 0..positions {
+        for f in &inv_freq {
+            let angle = p as f32 * f;
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (positions, half), device)?,
+        Tensor::from_vec(sin, (positions, half), device)?,
+    ))
+}
+
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, kernels: Kernels) -> Result<Tensor> {
+    Ok(match kernels {
+        Kernels::Fused => candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps as f32)?,
+        Kernels::Differentiable => {
+            let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
+            let inv_rms = (mean_square + eps)?.sqrt()?.recip()?;
+            x.broadcast_mul(&inv_rms)?.broadcast_mul(weight)?
+        }
+    })
+}
+
+/// Rotates `x` `(batch, heads, t, head_dim)` by the angles of positions
+/// `cos`/`sin` `(t, head_dim / 2)` ("rotate half" layout).
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, kernels: Kernels) -> Result<Tensor> {
+    Ok(match kernels {
+        Kernels::Fused => candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin)?,
+        Kernels::Differentiable => {
+            let half = x.dim(D::Minus1)? / 2;
+            let cos = Tensor::cat(&[cos, cos], D::Minus1)?;
+            let sin = Tensor::cat(&[sin, sin], D::Minus1)?;
+            let x1 = x.narrow(D::Minus1, 0, half)?;
+            let x2 = x.narrow(D::Minus1, half, half)?;
+            let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+            (x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?
+        }
+    })
+}
+
+/// Additive causal mask `(t, offset + t)` for `t` new tokens after
+/// `offset` cached ones.
+fn causal_mask(t: usize, offset: usize, device: &Device) -> Result<Tensor> {
+    let total = offset + t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j <= offset + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (t, total), device)?)
+}
+
+/// Grouped-query attention. `q`: `(groups, rep * t, hd)` where each group
+/// is one key/value head and its `rep` query heads; `k`, `v`:
+/// `(groups, len, hd)`; `mask`: `(t, len)` or none (when `t == 1`).
+fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    rep: usize,
+    mask: Option<&Tensor>,
+    kernels: Kernels,
+) -> Result<Tensor> {
+    let (groups, rows, head_dim) = q.dims3()?;
+    let len = k.dim(1)?;
+    let scores = (q.matmul(&k.t()?)? * (1.0 / (head_dim as f64).sqrt()))?;
+    let scores = match mask {
+        Some(mask) => scores
+            .reshape((groups, rep, rows / rep, len))?
+            .broadcast_add(mask)?
+            .reshape((groups, rows, len))?,
+        None => scores,
+    };
+    let probs = match kernels {
+        Kernels::Fused => candle_nn::ops::softmax_last_dim(&scores)?,
+        Kernels::Differentiable => candle_nn::ops::softmax(&scores, D::Minus1)?,
+    };
+    Ok(probs.matmul(&v.contiguous()?)?)
+}
+
+fn load_projection(
+    vb: &VarBuilder,
+    name: &str,
+    target: LoraTarget,
+    config: &ModelConfig,
+    bias: bool,
+) -> Result<Projection> {
+    let (fan_in, fan_out) = target.dims(config);
+    let vb = vb.pp(name);
+    Ok(Projection {
+        weight: BaseWeight::Dense(vb.get((fan_out, fan_in), "weight")?),
+        bias: if bias {
+            Some(vb.get(fan_out, "bias")?)
+        } else {
+            None
+        },
+        target,
+    })
+}
+
+impl CausalLm {
+    /// Builds the model from tensors named as in Hugging Face checkpoints
+    /// (`model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`,
+    /// `model.norm.weight`, `lm_head.weight` unless tied).
+    pub fn new(config: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        config.validate()?;
+        let hidden = config.hidden_size;
+        let model = vb.pp("model");
+        let embed = model.get((config.vocab_size, hidden), "embed_tokens.weight")?;
+        let mut blocks = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let layer = model.pp(format!("layers.{i}"));
+            let attn = layer.pp("self_attn");
+            let mlp = layer.pp("mlp");
+            blocks.push(Block {
+                input_norm: layer.get(hidden, "input_layernorm.weight")?,
+                q_proj: load_projection(
+                    &attn,
+                    "q_proj",
+                    LoraTarget::QProj,
+                    config,
+                    config.qkv_bias,
+                )?,
+                k_proj: load_projection(
+                    &attn,
+                    "k_proj",
+                    LoraTarget::KProj,
+                    config,
+                    config.qkv_bias,
+                )?,
+                v_proj: load_projection(
+                    &attn,
+                    "v_proj",
+                    LoraTarget::VProj,
+                    config,
+                    config.qkv_bias,
+                )?,
+                o_proj: load_projection(&attn, "o_proj", LoraTarget::OProj, config, config.o_bias)?,
+                post_attention_norm: layer.get(hidden, "post_attention_layernorm.weight")?,
+                gate_proj: load_projection(
+                    &mlp,
+                    "gate_proj",
+                    LoraTarget::GateProj,
+                    config,
+                    config.mlp_bias,
+                )?,
+                up_proj: load_projection(
+                    &mlp,
+                    "up_proj",
+                    LoraTarget::UpProj,
+                    config,
+                    config.mlp_bias,
+                )?,
+                down_proj: load_projection(
+                    &mlp,
+                    "down_proj",
+                    LoraTarget::DownProj,
+                    config,
+                    config.mlp_bias,
+                )?,
+            });
+        }
+        let final_norm = model.get(hidden, "norm.weight")?;
+        let head = if config.tie_word_embeddings {
+            embed.clone()
+        } else {
+            vb.get((config.vocab_size, hidden), "lm_head.weight")?
+        };
+        let (rope_cos, rope_sin) = rope_tables(config, vb.device())?;
+        Ok(Self {
+            config: config.clone(),
+            embed: Embedding::Dense(embed),
+            blocks,
+            final_norm,
+            lm_head: Projection {
+                weight: BaseWeight::Dense(head),
+                bias: None,
+                // Never adapted: `LoraTarget` names the projection only for routing.
+                target: LoraTarget::DownProj,
+            },
+            rope_cos,
+            rope_sin,
+        })
+    }
+
+    /// Loads a Hugging Face model folder: `config.json` and
+    /// `model.safetensors` (or the shards listed in
+    /// `model.safetensors.index.json`). Weights are converted to f32.
+    pub fn load_hf(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::from_hf_file(&dir.join("config.json"))?;
+        let mut tensors = std::collections::HashMap::new();
+        for file in safetensors_files(dir)? {
+            let part = candle_core::safetensors::load(&file, &Device::Cpu)
+                .map_err(|e| ModelError::weights(&file, e.to_string()))?;
+            tensors.extend(part);
+        }
+        let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+        Self::new(&config, vb).map_err(|e| match e {
+            ModelError::Candle(e) => ModelError::weights(dir, e.to_string()),
+            other => other,
+        })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// An empty cache for one sequence of this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(&self.config)
+    }
+
+    fn any_weight(&self, pred: impl Fn(&BaseWeight) -> bool) -> bool {
+        pred(&self.lm_head.weight)
+            || self.blocks.iter().any(|b| {
+                [
+                    &b.q_proj,
+                    &b.k_proj,
+                    &b.v_proj,
+                    &b.o_proj,
+                    &b.gate_proj,
+                    &b.up_proj,
+                    &b.down_proj,
+                ]
+                .iter()
+                .any(|p| pred(&p.weight))
+            })
+    }
+
+    /// Whether the base keeps GGUF-quantized weights in memory.
+    pub fn is_quantized(&self) -> bool {
+        self.any_weight(|w| !matches!(w, BaseWeight::Dense(_)))
+    }
+
+    /// Whether [`CausalLm::forward_train`] can pass gradients through the
+    /// base (false only for [`crate::GgufBase::QMatMul8Bit`]).
+    pub fn supports_training(&self) -> bool {
+        !self.any_weight(|w| matches!(w, BaseWeight::QMatMul(_)))
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        if let Some(bad) = tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::BadInput(format!(
+                "token {bad} is outside the vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_adapter(&self, adapter: Option<&LoraAdapter>) -> Result<()> {
+        match adapter {
+            Some(a) => a.check_fits(&self.config),
+            None => Ok(()),
+        }
+    }
+
+    /// Advances every sequence of `items` by its tokens, appending to its
+    /// cache, and returns logits (see [`LogitsWanted`]).
+    ///
+    /// Sequences may have any cache lengths and token counts and any mix
+    /// of adapters: a sequence joins a running batch just by being listed
+    /// (its prompt is prefilled in the same call) and leaves by not being
+    /// listed. On error no cache is advanced.
+    pub fn forward_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        wanted: LogitsWanted,
+    ) -> Result<Tensor> {
+        if items.is_empty() {
+            return Err(ModelError::BadInput("empty batch".into()));
+        }
+        let device = self.rope_cos.device().clone();
+        let mut spans = Vec::with_capacity(items.len());
+        let mut ids = Vec::new();
+        for item in items.iter() {
+            if item.tokens.is_empty() {
+                return Err(ModelError::BadInput("a batch item has no tokens".into()));
+            }
+            self.check_tokens(item.tokens)?;
+            item.cache.check_shape(&self.config)?;
+            let end = item.cache.len() + item.tokens.len();
+            if end > self.config.max_position_embeddings {
+                return Err(ModelError::ContextOverflow {
+                    position: end - 1,
+                    limit: self.config.max_position_embeddings,
+                });
+            }
+            spans.push((ids.len(), item.tokens.len()));
+            ids.extend_from_slice(item.tokens);
+        }
+        let adapters: Vec<Option<&LoraAdapter>> = items.iter().map(|i| i.adapter).collect();
+        for adapter in &adapters {
+            self.check_adapter(*adapter)?;
+        }
+        let routing = route(&adapters, &spans, &device)?;
+        let total = ids.len();
+        let ids = Tensor::from_vec(ids, total, &device)?;
+        let mut x = self.embed.lookup(&ids)?;
+
+        let cfg = &self.config;
+        let (heads, kv_heads, head_dim) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let rep = cfg.kv_group_size();
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = rms_norm(&x, &block.input_norm, cfg.rms_norm_eps, Kernels::Fused)?;
+            let q = block.q_proj.forward(&h, layer, &routing)?;
+            let k = block.k_proj.forward(&h, layer, &routing)?;
+            let v = block.v_proj.forward(&h, layer, &routing)?;
+            let mut outputs = Vec::with_capacity(items.len());
+            for (item, &(start, t)) in items.iter_mut().zip(&spans) {
+                let offset = item.cache.len();
+                let cos = self.rope_cos.narrow(0, offset, t)?;
+                let sin = self.rope_sin.narrow(0, offset, t)?;
+                let split = |m: &Tensor, n: usize| -> Result<Tensor> {
+                    Ok(m.narrow(0, start, t)?
+                        .reshape((t, n, head_dim))?
+                        .transpose(0, 1)?
+                        .unsqueeze(0)?)
+                };
+                let qi = rope(&split(&q, heads)?, &cos, &sin, Kernels::Fused)?;
+                let ki = rope(&split(&k, kv_heads)?, &cos, &sin, Kernels::Fused)?;
+                let vi = split(&v, kv_heads)?;
+                let (keys, values) = item.cache.append(layer, &ki.squeeze(0)?, &vi.squeeze(0)?)?;
+                let qi = qi.reshape((kv_heads, rep * t, head_dim))?;
+                let mask = if t > 1 {
+                    Some(causal_mask(t, offset, &device)?)
+                } else {
+                    None
+                };
+                let out = attend(&qi, &keys, &values, rep, mask.as_ref(), Kernels::Fused)?;
+                outputs.push(
+                    out.reshape((heads, t, head_dim))?
+                        .transpose(0, 1)?
+                        .reshape((t, heads * head_dim))?,
+                );
+            }
+            let attn = if outputs.len() == 1 {
+                outputs.pop().expect("one output")
+            } else {
+                Tensor::cat(&outputs, 0)?
+            };
+            x = (x + block.o_proj.forward(&attn, layer, &routing)?)?;
+            let h = rms_norm(
+                &x,
+                &block.post_attention_norm,
+                cfg.rms_norm_eps,
+                Kernels::Fused,
+            )?;
+            x = (x + self.mlp(block, &h, layer, &routing)?)?;
+        }
+        for (item, &(_, t)) in items.iter_mut().zip(&spans) {
+            item.cache.advance(t);
+        }
+        let x = match wanted {
+            LogitsWanted::All => x,
+            LogitsWanted::Last => {
+                let last: Vec<u32> = spans.iter().map(|&(s, t)| (s + t - 1) as u32).collect();
+                let n = last.len();
+                x.index_select(&Tensor::from_vec(last, n, &device)?, 0)?
+            }
+        };
+        let x = rms_norm(&x, &self.final_norm, cfg.rms_norm_eps, Kernels::Fused)?;
+        self.lm_head.forward(&x, 0, &Routing::Base)
+    }
+
+    /// Feeds `tokens` to one sequence and returns the logits of every fed
+    /// position, `(tokens, vocab)`.
+    pub fn forward_one(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        self.forward_batch(
+            &mut [BatchItem {
+                tokens,
+                cache,
+                adapter,
+            }],
+            LogitsWanted::All,
+        )
+    }
+
+    fn mlp(
+        &self,
+        block: &Block,
+        h: &Tensor,
+        layer: usize,
+        routing: &Routing<'_>,
+    ) -> Result<Tensor> {
+        let gate = block.gate_proj.forward(h, layer, routing)?.silu()?;
+        let up = block.up_proj.forward(h, layer, routing)?;
+        block.down_proj.forward(&(gate * up)?, layer, routing)
+    }
+
+    /// The training forward: logits `(batch, time, vocab)` for a
+    /// right-padded block of token ids `(batch, time)` (u32), every
+    /// sequence starting at position 0, with `adapter` applied.
+    ///
+    /// Every op passes gradients, so `loss.backward()` reaches the
+    /// adapter's vars. Works on a dense base and on a GGUF base held as
+    /// [`crate::GgufBase::Quantized`] or `Dequantized` (not `QMatMul8Bit`:
+    /// `QMatMul` has no backward).
+    pub fn forward_train(
+        &self,
+        input_ids: &Tensor,
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        if !self.supports_training() {
+            return Err(ModelError::BadInput(
+                "forward_train cannot pass gradients through QMatMul: \
+                 load the GGUF with GgufBase::Quantized or Dequantized"
+                    .into(),
+            ));
+        }
+        self.check_adapter(adapter)?;
+        let (batch, time) = input_ids.dims2()?;
+        if time == 0 || batch == 0 {
+            return Err(ModelError::BadInput("empty input_ids".into()));
+        }
+        if time > self.config.max_position_embeddings {
+            return Err(ModelError::ContextOverflow {
+                position: time - 1,
+                limit: self.config.max_position_embeddings,
+            });
+        }
+        let flat_ids = input_ids.flatten_all()?.to_dtype(DType::U32)?;
+        self.check_tokens(&flat_ids.to_vec1::<u32>()?)?;
+        let routing = match adapter {
+            Some(a) => Routing::All(a),
+            None => Routing::Base,
+        };
+        let device = self.rope_cos.device().clone();
+        let cfg = &self.config;
+        let (heads, kv_heads, head_dim) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let rep = cfg.kv_group_size();
+        let cos = self.rope_cos.narrow(0, 0, time)?;
+        let sin = self.rope_sin.narrow(0, 0, time)?;
+        let mask = if time > 1 {
+            Some(causal_mask(time, 0, &device)?)
+        } else {
+            None
+        };
+        let kernels = Kernels::Differentiable;
+        let mut x = self.embed.lookup(&flat_ids)?;
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = rms_norm(&x, &block.input_norm, cfg.rms_norm_eps, kernels)?;
+            let split = |m: Tensor, n: usize| -> Result<Tensor> {
+                Ok(m.reshape((batch, time, n, head_dim))?.transpose(1, 2)?)
+            };
+            let q = split(block.q_proj.forward(&h, layer, &routing)?, heads)?;
+            let k = split(block.k_proj.forward(&h, layer, &routing)?, kv_heads)?;
+            let v = split(block.v_proj.forward(&h, layer, &routing)?, kv_heads)?;
+            let q = rope(&q, &cos, &sin, kernels)?.contiguous()?.reshape((
+                batch * kv_heads,
+                rep * time,
+                head_dim,
+            ))?;
+            let k = rope(&k, &cos, &sin, kernels)?.contiguous()?.reshape((
+                batch * kv_heads,
+                time,
+                head_dim,
+            ))?;
+            let v = v
+                .contiguous()?
+                .reshape((batch * kv_heads, time, head_dim))?;
+            let out = attend(&q, &k, &v, rep, mask.as_ref(), kernels)?;
+            let attn = out
+                .reshape((batch, heads, time, head_dim))?
+                .transpose(1, 2)?
+                .reshape((batch * time, heads * head_dim))?;
+            x = (x + block.o_proj.forward(&attn, layer, &routing)?)?;
+            let h = rms_norm(&x, &block.post_attention_norm, cfg.rms_norm_eps, kernels)?;
+            x = (x + self.mlp(block, &h, layer, &routing)?)?;
+        }
+        let x = rms_norm(&x, &self.final_norm, cfg.rms_norm_eps, kernels)?;
+        let logits = self.lm_head.forward(&x, 0, &Routing::Base)?;
+        Ok(logits.reshape((batch, time, cfg.vocab_size))?)
+    }
+}
+
+/// Log-probabilities of `targets` `(batch, time)` (u32) under `logits`
+/// `(batch, time, vocab)`: `(batch, time)`, differentiable. For a causal
+/// LM, `targets[t]` is usually `input_ids[t + 1]`.
+pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let targets = targets
+        .to_dtype(DType::U32)?
+        .unsqueeze(D::Minus1)?
+        .contiguous()?;
+    Ok(log_probs.gather(&targets, D::Minus1)?.squeeze(D::Minus1)?)
+}
+
+/// Groups the rows of a packed batch by adapter (compared by address).
+fn route<'a>(
+    adapters: &[Option<&'a LoraAdapter>],
+    spans: &[(usize, usize)],
+    device: &Device,
+) -> Result<Routing<'a>> {
+    let same = |a: Option<&LoraAdapter>, b: Option<&LoraAdapter>| match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => std::ptr::eq(a, b),
+        _ => false,
+    };
+    let first = adapters[0];
+    if adapters.iter().all(|a| same(*a, first)) {
+        return Ok(match first {
+            None => Routing::Base,
+            Some(a) => Routing::All(a),
+        });
+    }
+    let mut groups: Vec<(&LoraAdapter, Vec<u32>)> = Vec::new();
+    for (adapter, &(start, t)) in adapters.iter().zip(spans) {
+        let Some(adapter) = adapter else { continue };
+        let rows = (start as u32)..((start + t) as u32);
+        match groups.iter_mut().find(|(a, _)| std::ptr::eq(*a, *adapter)) {
+            Some((_, r)) => r.extend(rows),
+            None => groups.push((adapter, rows.collect())),
+        }
+    }
+    let groups = groups
+        .into_iter()
+        .map(|(a, rows)| {
+            let n = rows.len();
+            Ok((a, Tensor::from_vec(rows, n, device)?))
+        })
+        .collect::<Result<_>>()?;
+    Ok(Routing::Groups(groups))
+}
+
+/// The safetensors files of a Hugging Face model folder.
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index).map_err(|e| {
+        ModelError::weights(
+            dir,
+            format!("neither model.safetensors nor model.safetensors.index.json is readable: {e}"),
+        )
+    })?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::json(&index, e))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| ModelError::json(&index, "no `weight_map` object"))?;
+    let mut files: Vec<String> = map
+        .values()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    files.sort();
+    files.dedup();
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+}
