@@ -7,27 +7,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{Rejection, WireMessage, SCHEMA_VERSION};
+use crate::messages::{invalid, tensor_check};
 use crate::tensor::{DType, Tensor};
-
-fn invalid(kind: &'static str, field: &'static str, detail: impl Into<String>) -> Rejection {
-    Rejection::Invalid {
-        kind,
-        field,
-        detail: detail.into(),
-    }
-}
-
-fn tensor_check(
-    kind: &'static str,
-    field: &'static str,
-    result: Result<(), crate::TensorError>,
-) -> Result<(), Rejection> {
-    result.map_err(|source| Rejection::Tensor {
-        kind,
-        field: field.into(),
-        source,
-    })
-}
 
 /// Which LoRA adapter to apply over the base model.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

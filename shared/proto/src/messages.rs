@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::codec::{Rejection, WireMessage, SCHEMA_VERSION};
 use crate::tensor::{DType, NamedTensor, Tensor};
 
-fn tensor_check(
+pub(crate) fn tensor_check(
     kind: &'static str,
     field: &'static str,
     result: Result<(), crate::TensorError>,
@@ -25,7 +25,11 @@ fn finite_f32(kind: &'static str, field: &'static str, t: &Tensor) -> Result<(),
     tensor_check(kind, field, t.to_finite_f32().map(|_| ()))
 }
 
-fn invalid(kind: &'static str, field: &'static str, detail: impl Into<String>) -> Rejection {
+pub(crate) fn invalid(
+    kind: &'static str,
+    field: &'static str,
+    detail: impl Into<String>,
+) -> Rejection {
     Rejection::Invalid {
         kind,
         field,
