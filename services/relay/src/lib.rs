@@ -5,6 +5,7 @@ pub mod chaos;
 pub mod checkpoints;
 pub mod eval;
 pub mod play;
+pub mod play_text;
 pub mod runs;
 pub mod scale;
 pub mod stack;

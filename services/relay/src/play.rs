@@ -3,6 +3,10 @@
 //! deterministic actions, printing one text frame per step (CartPole: the
 //! track with the cart and the lean of its pole; other envs: the
 //! observation vector), then the returns.
+//!
+//! For the text games (TicTacToe-v0, ConnectFour-v0, KuhnPoker-v0, ...) the
+//! checkpoint's language model plays against you at the terminal or a bot
+//! ([`crate::play_text`]); `--env` and `--model` play a model without a run.
 
 use std::path::PathBuf;
 
@@ -13,8 +17,8 @@ use relay_nn::ActorCritic;
 /// Flags of `relay play`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PlayArgs {
-    /// Run id, or `@last` for the newest run.
-    pub run: String,
+    /// Run id, or `@last` for the newest run (text games: optional with `--env` and `--model`).
+    pub run: Option<String>,
     /// Which checkpoint: `last`, `best` or a number.
     #[arg(long, default_value = "last")]
     pub checkpoint: String,
@@ -27,6 +31,88 @@ pub struct PlayArgs {
     /// Folder holding the runs.
     #[arg(long, env = "RELAY_RUNS_DIR", default_value = "runs")]
     pub runs_dir: PathBuf,
+    /// Text games: the game to play when no run is given (e.g. TicTacToe-v0).
+    #[arg(long)]
+    pub env: Option<String>,
+    /// Text games: the model (a Hugging Face folder, a .gguf file or `smollm2`); default the run's `llm.model`.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Text games: a PEFT adapter folder; default the checkpoint's `adapter/` when it has one.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// Text games: who plays the model: `human` (you, at the terminal), `random`, `minimax`, `connect_four_bot`.
+    #[arg(long, default_value = "human")]
+    pub opponent: String,
+    /// Text games: the model's seat (player 0 moves first).
+    #[arg(long, default_value_t = 1)]
+    pub model_seat: usize,
+    /// Text games: sampling temperature of the model's moves (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Text games: most tokens the model may generate per move.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+}
+
+/// The run's base model as its config names it (`llm.model`), if any.
+fn configured_model(config_text: &str) -> Option<String> {
+    let value: serde_yaml::Value = serde_yaml::from_str(config_text).ok()?;
+    value.get("llm")?.get("model")?.as_str().map(str::to_string)
+}
+
+/// `relay play` of a text game: the model (and the checkpoint's adapter)
+/// against `--opponent`, `--episodes` games, seats as `--model-seat` says.
+fn play_text_games(
+    args: &PlayArgs,
+    env_id: &str,
+    config_text: Option<&str>,
+    checkpoint: Option<&std::path::Path>,
+) -> Result<()> {
+    let model = args
+        .model
+        .clone()
+        .or_else(|| config_text.and_then(configured_model))
+        .context("no model: give --model (a Hugging Face folder, a .gguf file or smollm2)")?;
+    let adapter = args.adapter.clone().or_else(|| {
+        checkpoint
+            .map(|c| c.join("adapter"))
+            .filter(|a| a.join("adapter_config.json").exists())
+    });
+    println!(
+        "relay: {env_id}, model {model}{}, against {}",
+        adapter
+            .as_ref()
+            .map(|a| format!(" with adapter {}", a.display()))
+            .unwrap_or_default(),
+        args.opponent
+    );
+    let mut player = crate::play_text::Player::new(
+        &model,
+        adapter.as_deref(),
+        args.temperature,
+        args.max_tokens,
+        args.seed,
+    )?;
+    let stdin = std::io::stdin();
+    let mut input = stdin.lock();
+    let mut out = std::io::stdout();
+    let mut totals = Vec::new();
+    for game in 0..args.episodes.max(1) {
+        println!("game {game}");
+        let rewards = crate::play_text::play_game(
+            env_id,
+            &mut player,
+            args.model_seat,
+            &args.opponent,
+            args.seed.wrapping_add(game as u64),
+            &mut input,
+            &mut out,
+        )?;
+        totals.push(rewards.get(args.model_seat).copied().unwrap_or(f64::NAN));
+    }
+    let returns: Vec<String> = totals.iter().map(|r| format!("{r:.1}")).collect();
+    println!("model rewards: {}", returns.join(" "));
+    Ok(())
 }
 
 /// One CartPole frame: the track `[-2.4, 2.4]` with the cart and its pole.
@@ -51,12 +137,46 @@ pub fn cartpole_frame(obs: &[f32]) -> String {
 
 /// `relay play`.
 pub fn play(args: PlayArgs) -> Result<()> {
-    let (id, _, dir) = crate::checkpoints::resolve(&args.runs_dir, &args.run, &args.checkpoint)?;
+    let Some(run) = args.run.clone() else {
+        let env = args
+            .env
+            .clone()
+            .context("give a run (or @last), or --env and --model for a text game")?;
+        if !relay_envs::TEXT_GAME_IDS.contains(&env.as_str()) {
+            anyhow::bail!(
+                "--env {env:?}: without a run only text games can be played (known: {})",
+                relay_envs::TEXT_GAME_IDS.join(", ")
+            );
+        }
+        return play_text_games(&args, &env, None, None);
+    };
+    let (id, run_dir) = crate::runs::resolve_run_dir(&args.runs_dir, &run)?;
+    let checkpoint = crate::checkpoints::resolve(&args.runs_dir, &id, &args.checkpoint);
+    // A text-game run may have no checkpoint yet: its base model still plays.
+    let dir = match checkpoint {
+        Ok((_, _, dir)) => dir,
+        Err(e) => {
+            let text = std::fs::read_to_string(run_dir.join("config.yaml")).unwrap_or_default();
+            let env = serde_yaml::from_str::<serde_yaml::Value>(&text)
+                .ok()
+                .and_then(|v| v.get("run")?.get("env_id")?.as_str().map(str::to_string));
+            match env {
+                Some(env) if relay_envs::TEXT_GAME_IDS.contains(&env.as_str()) => {
+                    println!("relay: {id} has no checkpoint yet; its base model plays");
+                    return play_text_games(&args, &env, Some(&text), None);
+                }
+                _ => return Err(e),
+            }
+        }
+    };
     let config_path = dir.join("config.yaml");
     let text = std::fs::read_to_string(&config_path)
         .with_context(|| format!("reading {}", config_path.display()))?;
     let config =
         ExperimentConfig::from_layers(&text, &config_path.display().to_string(), &[], &[])?;
+    if relay_envs::TEXT_GAME_IDS.contains(&config.run.env_id.as_str()) {
+        return play_text_games(&args, &config.run.env_id.clone(), Some(&text), Some(&dir));
+    }
     let spec = relay_policy::spec_for(&config)?;
     let mut model = ActorCritic::new(&spec, config.run.seed)?;
     model
