@@ -47,6 +47,7 @@
 //! # Ok::<(), relay_nn::NnError>(())
 //! ```
 
+pub mod dqn;
 pub mod error;
 pub mod init;
 pub mod io;
@@ -54,14 +55,24 @@ pub mod kernels;
 pub mod model;
 pub mod ops;
 pub mod optim;
+pub(crate) mod params;
 pub mod ppo;
+pub mod qnet;
+pub mod schedule;
 pub mod spec;
+pub mod vec_normalize;
 
+pub use dqn::{
+    dqn_loss, dqn_targets, n_step_returns, DqnBatch, DqnLoss, DqnLossConfig, DqnStats, NStepReturns,
+};
 pub use error::{NnError, Result};
 pub use io::NamedTensor;
-pub use model::{ActOutput, Actions, ActorCritic};
+pub use model::{ActOutput, Actions, ActorCritic, TrunkLayout};
 pub use optim::{clip_grad_norm, Adam, AdamConfig, AdamState};
 pub use ppo::{
     explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats,
 };
+pub use qnet::{QNetSpec, QNetwork};
+pub use schedule::{Schedule, Shape, Warmup};
 pub use spec::{ActionKind, Activation, PolicySpec};
+pub use vec_normalize::{NormalizeConfig, RunningMeanStd, VecNormalize};
