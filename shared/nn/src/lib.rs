@@ -58,6 +58,7 @@ pub mod optim;
 pub(crate) mod params;
 pub mod ppo;
 pub mod qnet;
+pub mod sac;
 pub mod schedule;
 pub mod spec;
 pub mod vec_normalize;
@@ -73,6 +74,10 @@ pub use ppo::{
     explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats,
 };
 pub use qnet::{QNetSpec, QNetwork};
+pub use sac::{
+    sac_actor_loss, sac_critic_loss, sac_ent_coef_loss, sac_targets, sac_train_step, ActorSample,
+    Sac, SacActor, SacBatch, SacConfig, SacOptimizers, SacSpec, SacStats, TwinCritic,
+};
 pub use schedule::{Schedule, Shape, Warmup};
 pub use spec::{ActionKind, Activation, PolicySpec};
 pub use vec_normalize::{NormalizeConfig, RunningMeanStd, VecNormalize};

@@ -159,9 +159,9 @@ impl Params {
         Ok(())
     }
 
-    /// Checks that `other` has the same names and shapes (for copies between
-    /// an online and a target network).
-    fn check_same_layout(&self, other: &Params) -> Result<()> {
+    /// Checks that `other` has the same names (unless `positional`) and
+    /// shapes, for copies between an online and a target network.
+    fn check_same_layout(&self, other: &Params, positional: bool) -> Result<()> {
         if self.0.len() != other.0.len() {
             return Err(NnError::bad_input(
                 "source network",
@@ -170,7 +170,7 @@ impl Params {
             ));
         }
         for ((n, v), (m, w)) in self.0.iter().zip(&other.0) {
-            if n != m {
+            if n != m && !positional {
                 return Err(NnError::MissingParameter {
                     name: n.clone(),
                     expected: v.dims().to_vec(),
@@ -190,24 +190,41 @@ impl Params {
 
     /// Copies every value of `source` into these parameters (hard target update).
     pub(crate) fn copy_from(&self, source: &Params) -> Result<()> {
-        self.check_same_layout(source)?;
+        self.check_same_layout(source, false)?;
+        self.copy_unchecked(source)
+    }
+
+    fn copy_unchecked(&self, source: &Params) -> Result<()> {
         for ((_, t), (_, s)) in self.0.iter().zip(&source.0) {
             t.set(&s.as_tensor().copy()?)?;
         }
         Ok(())
     }
 
-    /// Polyak averaging `self = (1 - tau) self + tau source`, in place.
+    /// Polyak averaging `self = (1 - tau) self + tau source`, in place;
+    /// parameters are matched by name.
     pub(crate) fn soft_update(&self, source: &Params, tau: f32) -> Result<()> {
+        self.check_same_layout(source, false)?;
+        self.soft_update_unchecked(source, tau)
+    }
+
+    /// [`Self::soft_update`] matching parameters by position (same count and
+    /// shapes), for networks whose names differ by a prefix
+    /// (`critic_target.*` and `critic.*`).
+    pub(crate) fn soft_update_positional(&self, source: &Params, tau: f32) -> Result<()> {
+        self.check_same_layout(source, true)?;
+        self.soft_update_unchecked(source, tau)
+    }
+
+    fn soft_update_unchecked(&self, source: &Params, tau: f32) -> Result<()> {
         if !(0.0..=1.0).contains(&tau) {
             return Err(NnError::config(
                 "tau",
                 format!("must be in [0, 1], got {tau}"),
             ));
         }
-        self.check_same_layout(source)?;
         if tau == 1.0 {
-            return self.copy_from(source);
+            return self.copy_unchecked(source);
         }
         for ((_, t), (_, s)) in self.0.iter().zip(&source.0) {
             let s = s.as_tensor().contiguous()?;
