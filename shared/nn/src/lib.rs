@@ -47,6 +47,7 @@
 //! # Ok::<(), relay_nn::NnError>(())
 //! ```
 
+pub mod a2c;
 pub mod dqn;
 pub mod error;
 pub mod init;
@@ -63,13 +64,19 @@ pub mod schedule;
 pub mod spec;
 pub mod vec_normalize;
 
+pub use a2c::{
+    a2c_loss, discounted_returns, reinforce_loss, A2cInputs, A2cLossConfig, PgLoss, PgStats,
+    ReinforceConfig, ReinforceInputs,
+};
 pub use dqn::{
     dqn_loss, dqn_targets, n_step_returns, DqnBatch, DqnLoss, DqnLossConfig, DqnStats, NStepReturns,
 };
 pub use error::{NnError, Result};
 pub use io::NamedTensor;
 pub use model::{ActOutput, Actions, ActorCritic, TrunkLayout};
-pub use optim::{clip_grad_norm, Adam, AdamConfig, AdamState};
+pub use optim::{
+    clip_grad_norm, Adam, AdamConfig, AdamState, RmsProp, RmsPropConfig, RmsPropState,
+};
 pub use ppo::{
     explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats,
 };
