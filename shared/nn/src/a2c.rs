@@ -286,8 +286,8 @@ pub struct ReinforceInputs<'a> {
     pub returns: &'a [f32],
 }
 
-/// REINFORCE: `-mean((G - b) log π) - ent_coef * mean(entropy)
-/// + vf_coef * mean((G - V)^2)` with `b = V` detached (baseline) or `b = 0`
+/// REINFORCE: `-mean((G - b) log π) - ent_coef * mean(entropy) +
+/// vf_coef * mean((G - V)^2)` with `b = V` detached (baseline) or `b = 0`
 /// (no value loss then).
 pub fn reinforce_loss(config: &ReinforceConfig, inputs: &ReinforceInputs<'_>) -> Result<PgLoss> {
     let values = if config.baseline {

@@ -151,7 +151,7 @@ impl SacSpec {
                 format!("layer {i} has width 0; every width must be at least 1"),
             ));
         }
-        if !(self.log_std_min < self.log_std_max) {
+        if self.log_std_min.partial_cmp(&self.log_std_max) != Some(std::cmp::Ordering::Less) {
             return Err(NnError::config(
                 "log_std_min",
                 format!(

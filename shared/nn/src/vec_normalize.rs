@@ -171,7 +171,7 @@ impl RunningMeanStd {
 
 /// Mean, population variance (two-pass, f64) and row count of a batch.
 fn batch_moments(data: &[f32], dim: usize) -> Result<(Vec<f64>, Vec<f64>, f64)> {
-    if dim == 0 || data.len() % dim != 0 {
+    if dim == 0 || !data.len().is_multiple_of(dim) {
         return Err(NnError::bad_input(
             "batch",
             format!("a multiple of {dim} values"),
@@ -242,7 +242,7 @@ impl NormalizeConfig {
             ("clip_obs", self.clip_obs),
             ("clip_reward", self.clip_reward),
         ] {
-            if !(v > 0.0) {
+            if v.is_nan() || v <= 0.0 {
                 return Err(NnError::config(field, format!("must be > 0, got {v}")));
             }
         }
@@ -373,7 +373,7 @@ impl VecNormalize {
     pub fn observe(&mut self, obs: &mut [f32]) -> Result<()> {
         if self.training && self.config.norm_obs {
             self.obs_rms.update(obs)?;
-        } else if obs.len() % self.obs_dim() != 0 {
+        } else if !obs.len().is_multiple_of(self.obs_dim()) {
             return Err(NnError::bad_input(
                 "obs",
                 format!("a multiple of {} values", self.obs_dim()),

@@ -277,7 +277,7 @@ fn dqn_loss_gradient_weights_and_huber_regimes() {
     // d/dq = w * td / B at the taken action.
     let (g0, g1) = (0.5 * -0.7 / 2.0, 2.0 * -0.35 / 2.0);
     close(&gb, &[g1, g0], 1e-6);
-    close(&gw, &[g1 * -1.0, g1 * 0.5, g0 * 1.0, g0 * 2.0], 1e-6);
+    close(&gw, &[-g1, g1 * 0.5, g0, g0 * 2.0], 1e-6);
 
     // Linear regime with a small delta: slope delta * sign.
     let out = dqn_loss(
@@ -545,11 +545,10 @@ fn squashed_gaussian_gradient_matches_composition() {
     }
 }
 
-fn sac_batch_data(
-    spec: &SacSpec,
-    b: usize,
-    seed: u64,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+/// `(obs, actions, returns, next_obs, discounts)`.
+type SacData = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+fn sac_batch_data(spec: &SacSpec, b: usize, seed: u64) -> SacData {
     let mut r = rng(seed);
     let d = spec.obs_dim;
     let a = spec.action_dim();
