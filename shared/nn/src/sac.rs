@@ -223,6 +223,18 @@ impl SacActor {
         })
     }
 
+    /// A standalone actor (e.g. for the inference server, which loads the
+    /// learner's `actor.*` tensors into it); deterministic given `seed`.
+    pub fn new(spec: &SacSpec, seed: u64) -> Result<Self> {
+        spec.validate()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut b = LayerBuilder {
+            params: Vec::new(),
+            rng: &mut rng,
+        };
+        Self::build(spec, &mut b)
+    }
+
     /// The spec.
     pub fn spec(&self) -> &SacSpec {
         &self.spec

@@ -711,6 +711,12 @@ fn sac_targets_hand_check_and_train_step() {
         .collect();
     sac.actor.to_env_units(&mut expect);
     close(&det, &expect, 1e-5);
+    // A standalone actor (inference server) loads the actor's tensors and acts the same.
+    let mut standalone = relay_nn::SacActor::new(&spec, 123).unwrap();
+    standalone
+        .load_named_tensors(&sac.actor.named_tensors())
+        .unwrap();
+    close(&standalone.act(&obs, 16, true, &mut r).unwrap(), &det, 0.0);
     // Checkpoint round trip.
     let path = tmp_path("sac.safetensors");
     sac.save(&path).unwrap();
