@@ -1,5 +1,7 @@
 //! `cargo bench -p relay-nn`: acting and PPO training-step timings for the
-//! CartPole-sized policy (obs 4, hidden [64, 64], tanh, 2 actions).
+//! CartPole-sized policy (obs 4, hidden [64, 64], tanh, 2 actions), a DQN
+//! train step (CartPole Q-network, batch 64 and 256) and a SAC train step
+//! (Pendulum sizes, hidden [256, 256], batch 256).
 //!
 //! Prints a table, then one line of JSON. Runs with `RAYON_NUM_THREADS=1`
 //! unless the variable is already set. Besides relay-nn's own paths it
@@ -256,6 +258,89 @@ fn main() -> relay_nn::Result<()> {
                 let mut grads = loss.backward().unwrap();
                 black_box(clip_grad_norm(&mut grads, opt2.vars(), 0.5).unwrap());
                 opt2.step(&grads).unwrap();
+            },
+        );
+    }
+
+    // DQN: CartPole Q-network (4-64-64-2, ReLU), loss + backward + Adam.
+    let qspec = relay_nn::QNetSpec::new(4, 2);
+    for &b in &[64usize, 256] {
+        let online = relay_nn::QNetwork::new(&qspec, 0)?;
+        let target = online.duplicate()?;
+        let mut opt = Adam::new(online.vars(), AdamConfig::default())?;
+        let obs: Vec<f32> = (0..b * 4).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let next_obs: Vec<f32> = (0..b * 4).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let actions: Vec<u32> = (0..b).map(|_| rng.random_range(0..2)).collect();
+        let returns: Vec<f32> = vec![1.0; b];
+        let discounts: Vec<f32> = vec![0.99; b];
+        let cfg = relay_nn::DqnLossConfig {
+            double_q: true,
+            ..Default::default()
+        };
+        bench(
+            format!("dqn_train_step_b{b}_us"),
+            format!("DQN train step (double, targets+loss+backward+Adam) batch {b}"),
+            &mut || {
+                let out = relay_nn::dqn_loss(
+                    &cfg,
+                    &online,
+                    &target,
+                    &relay_nn::DqnBatch {
+                        obs: &obs,
+                        actions: &actions,
+                        returns: &returns,
+                        next_obs: &next_obs,
+                        discounts: &discounts,
+                        weights: None,
+                    },
+                )
+                .unwrap();
+                opt.step(&out.loss.backward().unwrap()).unwrap();
+            },
+        );
+    }
+
+    // SAC: Pendulum sizes (obs 3, 1 action, hidden [256, 256], ReLU).
+    {
+        let b = 256;
+        let sspec = relay_nn::SacSpec::new(3, vec![-2.0], vec![2.0]);
+        let sac = relay_nn::Sac::new(&sspec, 1.0, 0)?;
+        let cfg = relay_nn::SacConfig::default();
+        let mut opt = relay_nn::SacOptimizers::new(&sac, &cfg)?;
+        let obs: Vec<f32> = (0..b * 3).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let next_obs: Vec<f32> = (0..b * 3).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let actions: Vec<f32> = (0..b).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let returns: Vec<f32> = (0..b).map(|_| rng.random_range(-1.0..0.0)).collect();
+        let discounts: Vec<f32> = vec![0.99; b];
+        let mut r = rand::rngs::StdRng::seed_from_u64(3);
+        bench(
+            format!("sac_train_step_b{b}_us"),
+            format!("SAC train step (alpha+critics+actor+Polyak) batch {b}"),
+            &mut || {
+                black_box(
+                    relay_nn::sac_train_step(
+                        &cfg,
+                        &sac,
+                        &mut opt,
+                        &relay_nn::SacBatch {
+                            obs: &obs,
+                            actions: &actions,
+                            returns: &returns,
+                            next_obs: &next_obs,
+                            discounts: &discounts,
+                        },
+                        &mut r,
+                    )
+                    .unwrap(),
+                );
+            },
+        );
+        let mut r2 = rand::rngs::StdRng::seed_from_u64(4);
+        bench(
+            "sac_act_b1_us".into(),
+            "SAC actor act (sample) batch 1".into(),
+            &mut || {
+                black_box(sac.actor.act(&obs[..3], 1, false, &mut r2).unwrap());
             },
         );
     }

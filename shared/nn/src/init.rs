@@ -1,4 +1,5 @@
-//! Weight initialisation: orthogonal matrices as `torch.nn.init.orthogonal_`.
+//! Weight initialisation: orthogonal matrices as `torch.nn.init.orthogonal_`,
+//! and PyTorch's default `nn.Linear` init (uniform in `±1/sqrt(fan_in)`).
 
 use rand::Rng;
 use rand_distr::StandardNormal;
@@ -63,6 +64,16 @@ pub fn orthogonal(rows: usize, cols: usize, gain: f64, rng: &mut impl Rng) -> Ve
     out
 }
 
+/// `n` values uniform in `[-1/sqrt(fan_in), 1/sqrt(fan_in))`: PyTorch's
+/// default `nn.Linear` init for both weight (`kaiming_uniform_(a=sqrt(5))`
+/// works out to this bound) and bias. SB3's DQN and SAC networks keep it.
+pub fn uniform_fan_in(n: usize, fan_in: usize, rng: &mut impl Rng) -> Vec<f32> {
+    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+    (0..n)
+        .map(|_| rng.random_range(-bound..bound) as f32)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,6 +103,18 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn uniform_fan_in_bound_and_spread() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let w = uniform_fan_in(10_000, 16, &mut rng);
+        assert!(w.iter().all(|x| x.abs() <= 0.25));
+        let mean = w.iter().map(|&x| x as f64).sum::<f64>() / 1e4;
+        let var = w.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / 1e4;
+        assert!(mean.abs() < 0.01, "{mean}");
+        // Uniform on [-b, b] has variance b^2 / 3.
+        assert!((var - 0.0625 / 3.0).abs() < 0.002, "{var}");
     }
 
     #[test]

@@ -76,6 +76,24 @@ pub fn write_safetensors(
     })
 }
 
+/// Splits named tensors into those whose name starts with `prefix` (with
+/// the prefix removed) and the rest, e.g. `vec_normalize.*` statistics
+/// stored beside a model's parameters in one checkpoint or weight message.
+pub fn split_prefixed(
+    tensors: Vec<NamedTensor>,
+    prefix: &str,
+) -> (Vec<NamedTensor>, Vec<NamedTensor>) {
+    let mut with = Vec::new();
+    let mut rest = Vec::new();
+    for (name, shape, data) in tensors {
+        match name.strip_prefix(prefix) {
+            Some(stripped) => with.push((stripped.to_string(), shape, data)),
+            None => rest.push((name, shape, data)),
+        }
+    }
+    (with, rest)
+}
+
 /// Reads every tensor of a safetensors file (all must be f32), sorted by
 /// name, and its string metadata.
 pub fn read_safetensors(path: &Path) -> Result<(Vec<NamedTensor>, HashMap<String, String>)> {
@@ -100,4 +118,27 @@ pub fn read_safetensors(path: &Path) -> Result<(Vec<NamedTensor>, HashMap<String
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok((out, metadata))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_prefixed_separates_and_strips() {
+        let t: Vec<NamedTensor> = vec![
+            ("vec_normalize.obs_rms.mean".into(), vec![1], vec![0.5]),
+            ("action_net.bias".into(), vec![1], vec![1.0]),
+            ("vec_normalize.ret_rms.var".into(), vec![1], vec![2.0]),
+        ];
+        let (with, rest) = split_prefixed(t, "vec_normalize.");
+        assert_eq!(
+            with.iter().map(|t| t.0.as_str()).collect::<Vec<_>>(),
+            ["obs_rms.mean", "ret_rms.var"]
+        );
+        assert_eq!(
+            rest,
+            vec![("action_net.bias".to_string(), vec![1], vec![1.0])]
+        );
+    }
 }

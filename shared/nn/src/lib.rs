@@ -7,13 +7,19 @@
 //! | module | owns |
 //! |---|---|
 //! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`]: what a policy looks like (serde) |
-//! | [`model`] | [`ActorCritic`]: parameters, init, `act` (inference), `evaluate` (training), weight exchange and checkpoints |
-//! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy) |
+//! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), weight exchange and checkpoints |
+//! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample) |
 //! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
 //! | [`ppo`] | [`gae`], [`ppo_loss`] and its [`PpoLossConfig`], [`explained_variance`], [`normalize`] |
-//! | [`optim`] | [`Adam`] with resumable state, [`clip_grad_norm`] |
+//! | [`a2c`] | [`a2c_loss`], [`reinforce_loss`], [`discounted_returns`] |
+//! | [`qnet`] | [`QNetwork`] (optionally dueling) and its [`QNetSpec`]: Q-values, epsilon-greedy acting, target updates |
+//! | [`dqn`] | [`n_step_returns`], [`dqn_targets`], [`dqn_loss`] (double DQN, Huber, importance weights, TD errors) |
+//! | [`sac`] | [`Sac`] ([`SacActor`], [`TwinCritic`] and targets, `log α`), its losses and [`sac_train_step`] |
+//! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
+//! | [`vec_normalize`] | [`RunningMeanStd`], [`VecNormalize`]: SB3's observation and reward normalisation |
+//! | [`optim`] | [`Adam`] and [`RmsProp`] with resumable state, [`clip_grad_norm`] |
 //! | [`init`] | orthogonal initialisation |
-//! | [`io`] | named f32 tensors to and from safetensors files |
+//! | [`io`] | named f32 tensors to and from safetensors files, [`split_prefixed`] |
 //! | [`error`] | [`NnError`] |
 //!
 //! # Threads
@@ -21,6 +27,23 @@
 //! candle's CPU matmul uses a rayon pool sized by `RAYON_NUM_THREADS`; on
 //! small machines shared by many services set it explicitly (1 is fastest
 //! for these model sizes, see DESIGN.md).
+//!
+//! Every model keeps its parameters sorted by name in one internal
+//! `params` module, which validates weight loads (all-or-nothing, errors
+//! name the parameter), writes and reads checkpoints and does the
+//! copy / Polyak updates of target networks.
+//!
+//! # Which learner uses what
+//!
+//! | algorithm | model | loss / step | optimizer |
+//! |---|---|---|---|
+//! | PPO | [`ActorCritic`] | [`gae`] + [`ppo_loss`] | [`Adam`] |
+//! | A2C | [`ActorCritic`] | [`gae`] (λ = 1) + [`a2c_loss`] | [`RmsProp`] |
+//! | REINFORCE | [`ActorCritic`] | [`discounted_returns`] + [`reinforce_loss`] | [`Adam`] |
+//! | DQN | [`QNetwork`] ×2 | [`n_step_returns`] + [`dqn_loss`], [`QNetwork::soft_update`] | [`Adam`] |
+//! | SAC | [`Sac`] | [`sac_train_step`] | [`SacOptimizers`] (3 × Adam) |
+//!
+//! Any of them may take [`Schedule`]d hyperparameters and a [`VecNormalize`].
 //!
 //! # A training step
 //!
@@ -47,6 +70,8 @@
 //! # Ok::<(), relay_nn::NnError>(())
 //! ```
 
+pub mod a2c;
+pub mod dqn;
 pub mod error;
 pub mod init;
 pub mod io;
@@ -54,14 +79,35 @@ pub mod kernels;
 pub mod model;
 pub mod ops;
 pub mod optim;
+pub(crate) mod params;
 pub mod ppo;
+pub mod qnet;
+pub mod sac;
+pub mod schedule;
 pub mod spec;
+pub mod vec_normalize;
 
+pub use a2c::{
+    a2c_loss, discounted_returns, reinforce_loss, A2cInputs, A2cLossConfig, PgLoss, PgStats,
+    ReinforceConfig, ReinforceInputs,
+};
+pub use dqn::{
+    dqn_loss, dqn_targets, n_step_returns, DqnBatch, DqnLoss, DqnLossConfig, DqnStats, NStepReturns,
+};
 pub use error::{NnError, Result};
-pub use io::NamedTensor;
-pub use model::{ActOutput, Actions, ActorCritic};
-pub use optim::{clip_grad_norm, Adam, AdamConfig, AdamState};
+pub use io::{split_prefixed, NamedTensor};
+pub use model::{ActOutput, Actions, ActorCritic, TrunkLayout};
+pub use optim::{
+    clip_grad_norm, Adam, AdamConfig, AdamState, RmsProp, RmsPropConfig, RmsPropState,
+};
 pub use ppo::{
     explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats,
 };
+pub use qnet::{QNetSpec, QNetwork};
+pub use sac::{
+    sac_actor_loss, sac_critic_loss, sac_ent_coef_loss, sac_targets, sac_train_step, ActorSample,
+    Sac, SacActor, SacBatch, SacConfig, SacOptimizers, SacSpec, SacStats, TwinCritic,
+};
+pub use schedule::{Schedule, Shape, Warmup};
 pub use spec::{ActionKind, Activation, PolicySpec};
+pub use vec_normalize::{NormalizeConfig, RunningMeanStd, VecNormalize};

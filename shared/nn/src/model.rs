@@ -49,12 +49,14 @@ use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
 use candle_nn::VarMap;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
 use crate::init::orthogonal;
 use crate::io::{read_safetensors, write_safetensors, NamedTensor};
 use crate::kernels;
 use crate::ops::{self, cpu_f32, HALF_LN_2PI};
+use crate::params::Params;
 use crate::spec::{ActionKind, Activation, PolicySpec};
 
 /// `format` metadata written into model checkpoints.
@@ -89,10 +91,11 @@ pub struct ActOutput {
     pub values: Vec<f32>,
 }
 
+/// One dense layer's parameters (PyTorch layout: `w: [out, in]`, `b: [out]`).
 #[derive(Clone)]
-struct Dense {
-    w: Var,
-    b: Var,
+pub(crate) struct Dense {
+    pub(crate) w: Var,
+    pub(crate) b: Var,
 }
 
 /// Actor-critic MLP policy (see the module docs for layout and init).
@@ -104,33 +107,104 @@ pub struct ActorCritic {
     action_net: Dense,
     value_head: Dense,
     log_std: Option<Var>,
+    layout: TrunkLayout,
     /// Every parameter, sorted by name.
-    params: Vec<(String, Var)>,
+    params: Params,
+}
+
+/// Whether the actor and the critic share their hidden layers.
+///
+/// Not a [`PolicySpec`] field yet (adding one breaks code that builds the
+/// spec as a struct literal); pass it to [`ActorCritic::with_layout`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrunkLayout {
+    /// Separate actor and critic MLPs (SB3 >= 1.8 `MlpPolicy` default for PPO
+    /// and A2C: `net_arch=dict(pi=hidden, vf=hidden)`).
+    #[default]
+    Separate,
+    /// One hidden MLP feeding both heads (SB3 < 1.8 `net_arch=[..]`, CleanRL's
+    /// Atari agents); its layers are named `mlp_extractor.shared_net.{2i}`.
+    /// The value loss then also trains the actor's features, so `vf_coef`
+    /// matters more.
+    Shared,
 }
 
 impl fmt::Debug for ActorCritic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ActorCritic")
             .field("spec", &self.spec)
+            .field("layout", &self.layout)
             .field("parameters", &self.num_parameters())
             .finish()
     }
 }
 
 /// The contiguous f32 data of a CPU var's storage guard.
-fn storage_f32<'a>(s: &'a Storage, l: &candle_core::Layout) -> Result<&'a [f32]> {
+pub(crate) fn storage_f32<'a>(s: &'a Storage, l: &candle_core::Layout) -> Result<&'a [f32]> {
     match s {
         Storage::Cpu(s) => Ok(cpu_f32(s, l, "parameter")?),
         _ => Err(candle_core::Error::Msg("parameters must live on the CPU".into()).into()),
     }
 }
 
-/// Forward of one MLP without a graph, weights read in place.
+/// One dense layer `act(x W^T + b)` without a graph, weights read in place.
 ///
 /// Batches of at most [`HOST_KERNEL_MAX_BATCH`] rows use the hand-written
-/// dense kernel (no allocation beyond the activations); larger ones call
-/// candle's CPU gemm directly on the storages (no tensors, no graph).
-fn mlp_host(
+/// dense kernel (no allocation beyond the output); larger ones call candle's
+/// CPU gemm directly on the storages (no tensors, no graph).
+pub(crate) fn dense_host(
+    layer: &Dense,
+    x: Cow<'_, [f32]>,
+    n: usize,
+    width: usize,
+    act: Option<Activation>,
+) -> Result<Vec<f32>> {
+    let (wg, wl) = layer.w.storage_and_layout();
+    let (bg, bl) = layer.b.storage_and_layout();
+    let b = storage_f32(&bg, bl)?;
+    if n <= HOST_KERNEL_MAX_BATCH {
+        let w = storage_f32(&wg, wl)?;
+        let mut out = vec![0f32; n * b.len()];
+        kernels::dense(&x, width, w, b, &mut out, act);
+        Ok(out)
+    } else {
+        let Storage::Cpu(ws) = &*wg else {
+            return Err(candle_core::Error::Msg("parameters must live on the CPU".into()).into());
+        };
+        let xl = candle_core::Layout::contiguous((n, width));
+        Ok(ops::linear_cpu(
+            &CpuStorage::F32(x.into_owned()),
+            &xl,
+            ws,
+            wl,
+            b,
+            act,
+        )?)
+    }
+}
+
+/// Hidden layers of an MLP without a graph; returns the last hidden
+/// activations (or a copy of `x` when there are no hidden layers) and their width.
+pub(crate) fn trunk_host<'a>(
+    layers: &[Dense],
+    act: Activation,
+    x: &'a [f32],
+    n: usize,
+    in_dim: usize,
+) -> Result<(Cow<'a, [f32]>, usize)> {
+    let mut cur: Cow<'_, [f32]> = Cow::Borrowed(x);
+    let mut width = in_dim;
+    for layer in layers {
+        let out = dense_host(layer, cur, n, width, Some(act))?;
+        width = layer.b.elem_count();
+        cur = Cow::Owned(out);
+    }
+    Ok((cur, width))
+}
+
+/// Forward of one MLP (hidden layers, then a linear head) without a graph.
+pub(crate) fn mlp_host(
     layers: &[Dense],
     head: &Dense,
     act: Activation,
@@ -138,44 +212,34 @@ fn mlp_host(
     n: usize,
     in_dim: usize,
 ) -> Result<Vec<f32>> {
-    let mut cur: Cow<'_, [f32]> = Cow::Borrowed(x);
-    let mut width = in_dim;
-    for (i, layer) in layers.iter().chain(std::iter::once(head)).enumerate() {
-        let layer_act = (i < layers.len()).then_some(act);
-        let (wg, wl) = layer.w.storage_and_layout();
-        let (bg, bl) = layer.b.storage_and_layout();
-        let b = storage_f32(&bg, bl)?;
-        let out = if n <= HOST_KERNEL_MAX_BATCH {
-            let w = storage_f32(&wg, wl)?;
-            let mut out = vec![0f32; n * b.len()];
-            kernels::dense(&cur, width, w, b, &mut out, layer_act);
-            out
-        } else {
-            let Storage::Cpu(ws) = &*wg else {
-                return Err(
-                    candle_core::Error::Msg("parameters must live on the CPU".into()).into(),
-                );
-            };
-            let xl = candle_core::Layout::contiguous((n, width));
-            ops::linear_cpu(
-                &CpuStorage::F32(cur.into_owned()),
-                &xl,
-                ws,
-                wl,
-                b,
-                layer_act,
-            )?
-        };
-        cur = Cow::Owned(out);
-        width = b.len();
+    let (h, width) = trunk_host(layers, act, x, n, in_dim)?;
+    dense_host(head, h, n, width, None)
+}
+
+/// Hidden layers as a differentiable graph of fused linear ops.
+pub(crate) fn trunk_graph(x: &Tensor, layers: &[Dense], act: Activation) -> Result<Tensor> {
+    let mut h = x.clone();
+    for l in layers {
+        h = ops::linear(&h, &l.w, &l.b, Some(act))?;
     }
-    Ok(cur.into_owned())
+    Ok(h)
+}
+
+/// A linear head as a differentiable graph node.
+pub(crate) fn head_graph(x: &Tensor, head: &Dense) -> Result<Tensor> {
+    Ok(ops::linear(x, &head.w, &head.b, None)?)
 }
 
 impl ActorCritic {
     /// Builds a freshly initialised model on the CPU; deterministic given
     /// `seed` (draws from `rand`'s `StdRng`, so for a given `rand` version).
     pub fn new(spec: &PolicySpec, seed: u64) -> Result<Self> {
+        Self::with_layout(spec, TrunkLayout::Separate, seed)
+    }
+
+    /// As [`Self::new`], choosing whether actor and critic share the hidden
+    /// layers ([`TrunkLayout::Separate`] is exactly [`Self::new`]).
+    pub fn with_layout(spec: &PolicySpec, layout: TrunkLayout, seed: u64) -> Result<Self> {
         spec.validate()?;
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut params: Vec<(String, Var)> = Vec::new();
@@ -208,8 +272,17 @@ impl ActorCritic {
             }
             Ok(layers)
         };
-        let policy_net = build_trunk("policy_net", &mut rng)?;
-        let value_net = build_trunk("value_net", &mut rng)?;
+        let (policy_net, value_net) = match layout {
+            TrunkLayout::Separate => (
+                build_trunk("policy_net", &mut rng)?,
+                build_trunk("value_net", &mut rng)?,
+            ),
+            // The same `Var`s on both paths: gradients from both heads add up.
+            TrunkLayout::Shared => {
+                let shared = build_trunk("shared_net", &mut rng)?;
+                (shared.clone(), shared)
+            }
+        };
         let last = spec.hidden.last().copied().unwrap_or(spec.obs_dim);
         let action_net = dense(
             "action_net".into(),
@@ -227,14 +300,14 @@ impl ActorCritic {
                 Some(v)
             }
         };
-        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let params = Params::new(params);
         let varmap = VarMap::new();
         {
             let mut data = varmap
                 .data()
                 .lock()
                 .map_err(|_| candle_core::Error::Msg("VarMap lock poisoned".into()))?;
-            for (name, var) in &params {
+            for (name, var) in params.iter() {
                 data.insert(name.clone(), var.clone());
             }
         }
@@ -246,6 +319,7 @@ impl ActorCritic {
             action_net,
             value_head,
             log_std,
+            layout,
             params,
         })
     }
@@ -253,6 +327,11 @@ impl ActorCritic {
     /// The spec the model was built from.
     pub fn spec(&self) -> &PolicySpec {
         &self.spec
+    }
+
+    /// Whether actor and critic share their hidden layers.
+    pub fn layout(&self) -> TrunkLayout {
+        self.layout
     }
 
     /// The candle `VarMap` holding the same `Var`s (for interop; prefer
@@ -263,17 +342,17 @@ impl ActorCritic {
 
     /// Total number of scalar parameters.
     pub fn num_parameters(&self) -> usize {
-        self.params.iter().map(|(_, v)| v.elem_count()).sum()
+        self.params.num_parameters()
     }
 
     /// Names of all parameters, sorted.
     pub fn parameter_names(&self) -> Vec<&str> {
-        self.params.iter().map(|(n, _)| n.as_str()).collect()
+        self.params.names()
     }
 
     /// The trainable variables, in parameter-name order (stable).
     pub fn vars(&self) -> Vec<Var> {
-        self.params.iter().map(|(_, v)| v.clone()).collect()
+        self.params.vars()
     }
 
     fn check_obs(&self, obs: &[f32], n: usize) -> Result<()> {
@@ -313,6 +392,20 @@ impl ActorCritic {
         let mut values = Vec::with_capacity(n);
         for chunk in obs.chunks(chunk_rows * d) {
             let rows = chunk.len() / d;
+            if self.layout == TrunkLayout::Shared {
+                let (h, width) = trunk_host(&self.policy_net, act, chunk, rows, d)?;
+                if actor {
+                    head.extend(dense_host(
+                        &self.action_net,
+                        Cow::Borrowed(&h),
+                        rows,
+                        width,
+                        None,
+                    )?);
+                }
+                values.extend(dense_host(&self.value_head, h, rows, width, None)?);
+                continue;
+            }
             if actor {
                 head.extend(mlp_host(
                     &self.policy_net,
@@ -414,14 +507,22 @@ impl ActorCritic {
         Ok(v.as_tensor().to_vec1()?)
     }
 
-    /// One MLP as a differentiable graph of fused linear ops.
-    fn mlp_graph(&self, x: &Tensor, layers: &[Dense], head: &Dense) -> Result<Tensor> {
-        let act = Some(self.spec.activation);
-        let mut h = x.clone();
-        for l in layers {
-            h = ops::linear(&h, &l.w, &l.b, act)?;
+    /// Policy-head output `[B, head]` and values `[B, 1]` as a graph.
+    fn heads_graph(&self, obs: &Tensor) -> Result<(Tensor, Tensor)> {
+        let act = self.spec.activation;
+        match self.layout {
+            TrunkLayout::Separate => Ok((
+                head_graph(&trunk_graph(obs, &self.policy_net, act)?, &self.action_net)?,
+                head_graph(&trunk_graph(obs, &self.value_net, act)?, &self.value_head)?,
+            )),
+            TrunkLayout::Shared => {
+                let h = trunk_graph(obs, &self.policy_net, act)?;
+                Ok((
+                    head_graph(&h, &self.action_net)?,
+                    head_graph(&h, &self.value_head)?,
+                ))
+            }
         }
-        Ok(ops::linear(&h, &head.w, &head.b, None)?)
     }
 
     /// Differentiable evaluation of a batch for training.
@@ -446,10 +547,8 @@ impl ActorCritic {
             ));
         }
         let obs = obs.to_dtype(DType::F32)?.contiguous()?;
-        let logits = self.mlp_graph(&obs, &self.policy_net, &self.action_net)?;
-        let value = self
-            .mlp_graph(&obs, &self.value_net, &self.value_head)?
-            .reshape(b)?;
+        let (logits, value) = self.heads_graph(&obs)?;
+        let value = value.reshape(b)?;
         let (logprob, entropy) = match &self.spec.action {
             ActionKind::Discrete { n } => {
                 let acts = discrete_actions(actions, b, *n)?;
@@ -485,14 +584,7 @@ impl ActorCritic {
 
     /// Every parameter as `(name, shape, row-major data)`, sorted by name.
     pub fn named_tensors(&self) -> Vec<NamedTensor> {
-        self.params
-            .iter()
-            .map(|(name, var)| {
-                let data = ops::with_f32(var.as_tensor(), "named_tensors", |d| d.to_vec())
-                    .expect("parameters are contiguous f32 tensors on the CPU");
-                (name.clone(), var.dims().to_vec(), data)
-            })
-            .collect()
+        self.params.named_tensors()
     }
 
     /// Replaces every parameter. All-or-nothing: every name must be present
@@ -500,69 +592,7 @@ impl ActorCritic {
     /// only finite values; otherwise the error names the parameter with the
     /// expected and the received shape, and the model is left unchanged.
     pub fn load_named_tensors(&mut self, tensors: &[NamedTensor]) -> Result<()> {
-        let mut given: HashMap<&str, (&[usize], &[f32])> = HashMap::with_capacity(tensors.len());
-        for (name, shape, data) in tensors {
-            if given.insert(name.as_str(), (shape, data)).is_some() {
-                return Err(NnError::bad_input(
-                    "named tensors",
-                    "each name once",
-                    format!("`{name}` twice"),
-                ));
-            }
-        }
-        for (name, var) in &self.params {
-            let expected = var.dims();
-            let Some(&(shape, data)) = given.get(name.as_str()) else {
-                return Err(NnError::MissingParameter {
-                    name: name.clone(),
-                    expected: expected.to_vec(),
-                });
-            };
-            if shape != expected || data.len() != expected.iter().product::<usize>() {
-                let detail = if shape == expected {
-                    format!("; data has {} values", data.len())
-                } else {
-                    String::new()
-                };
-                return Err(NnError::ShapeMismatch {
-                    name: name.clone(),
-                    expected: expected.to_vec(),
-                    got: shape.to_vec(),
-                    detail,
-                });
-            }
-            if let Some((index, &value)) = data.iter().enumerate().find(|(_, x)| !x.is_finite()) {
-                return Err(NnError::NonFinite {
-                    name: name.clone(),
-                    shape: shape.to_vec(),
-                    index,
-                    value,
-                });
-            }
-        }
-        if given.len() != self.params.len() {
-            let mut extra: Vec<(&str, &[usize])> = given
-                .iter()
-                .filter(|(n, _)| {
-                    self.params
-                        .binary_search_by(|(p, _)| p.as_str().cmp(n))
-                        .is_err()
-                })
-                .map(|(n, (s, _))| (*n, *s))
-                .collect();
-            extra.sort();
-            let (name, shape) = extra[0];
-            return Err(NnError::UnexpectedParameter {
-                name: name.to_string(),
-                got: shape.to_vec(),
-            });
-        }
-        // Validated: building the tensors and `Var::set` cannot fail now.
-        for (name, var) in &self.params {
-            let (shape, data) = given[name.as_str()];
-            var.set(&Tensor::from_slice(data, shape, &Device::Cpu)?)?;
-        }
-        Ok(())
+        self.params.load_named_tensors(tensors)
     }
 
     /// Writes all parameters to a safetensors file (atomically: temp file + rename).
@@ -575,6 +605,10 @@ impl ActorCritic {
         meta.insert(
             "activation".to_string(),
             format!("{:?}", self.spec.activation).to_lowercase(),
+        );
+        meta.insert(
+            "layout".to_string(),
+            format!("{:?}", self.layout).to_lowercase(),
         );
         write_safetensors(path.as_ref(), &self.named_tensors(), meta)
     }

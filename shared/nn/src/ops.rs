@@ -11,7 +11,11 @@
 //! - [`categorical_logprob`] / [`categorical_entropy`]: log-softmax based
 //!   log-probability of given actions and entropy of a categorical over logits;
 //! - [`gaussian_logprob`] / [`gaussian_entropy`]: the same for a diagonal
-//!   Gaussian with a state-independent `log_std`.
+//!   Gaussian with a state-independent `log_std`;
+//! - [`squashed_gaussian`]: SAC's reparameterised tanh-Gaussian sample with
+//!   its log-probability;
+//! - precomputed losses: a scalar whose value and input gradients the
+//!   caller computed in one host pass (PPO, A2C, DQN losses).
 //!
 //! Every op passes gradients to every tensor input that needs one (unlike
 //! candle-nn's fused `softmax_last_dim`, see DESIGN.md); the tests compare
@@ -446,6 +450,251 @@ pub fn gaussian_logprob(
 /// Entropy of the diagonal Gaussian with `log_std: [D]`, repeated for `rows` rows; `[rows]`.
 pub fn gaussian_entropy(log_std: &Tensor, rows: usize) -> candle_core::Result<Tensor> {
     log_std.apply_op1(GaussianEntropy { rows })
+}
+
+// ---------------------------------------------------------------- squashed gaussian
+
+/// `softplus(x) = ln(1 + e^x)`, without overflow for large `|x|`.
+#[inline]
+pub(crate) fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// `ln(1 - tanh(u)^2)` in the stable form `2 (ln 2 - u - softplus(-2u))`
+/// (exact identity; finite for every finite `u`, unlike the direct form).
+#[inline]
+pub(crate) fn log_one_minus_tanh_sq(u: f32) -> f32 {
+    2.0 * (std::f32::consts::LN_2 - u - softplus(-2.0 * u))
+}
+
+/// One row of a tanh-squashed Gaussian sample: writes `tanh(u)` for each
+/// dimension into `y` and returns `log π(y)`, with `u = mean + exp(log_std) eps`.
+#[inline]
+pub(crate) fn squashed_gaussian_row(
+    mean: &[f32],
+    log_std: &[f32],
+    eps: &[f32],
+    y: &mut [f32],
+) -> f32 {
+    let mut logp = 0f32;
+    for j in 0..mean.len() {
+        let u = mean[j] + log_std[j].exp() * eps[j];
+        y[j] = u.tanh();
+        logp += -0.5 * eps[j] * eps[j] - log_std[j] - HALF_LN_2PI - log_one_minus_tanh_sq(u);
+    }
+    logp
+}
+
+/// Reparameterised sample of a tanh-squashed diagonal Gaussian (SAC's
+/// actor): inputs `mean, log_std: [B, A]`, noise `eps` fixed; output
+/// `[B, A + 1]`: `tanh(mean + exp(log_std) eps)` then `log π` of that
+/// squashed action,
+/// `Σ_j log N(u_j; mean_j, std_j) - Σ_j log(1 - tanh(u_j)^2)`.
+struct SquashedGaussian {
+    eps: Arc<[f32]>,
+}
+
+impl CustomOp2 for SquashedGaussian {
+    fn name(&self) -> &'static str {
+        "relay-squashed-gaussian"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ms: &CpuStorage,
+        ml: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, a) = ml.shape().dims2()?;
+        if sl.shape().dims2()? != (rows, a) || self.eps.len() != rows * a {
+            bail!(
+                "squashed gaussian: mean {:?}, log_std {:?}, {} noise values",
+                ml.dims(),
+                sl.dims(),
+                self.eps.len()
+            )
+        }
+        let mean = cpu_f32(ms, ml, "squashed gaussian")?;
+        let log_std = cpu_f32(ss, sl, "squashed gaussian")?;
+        let mut out = vec![0f32; rows * (a + 1)];
+        for (r, orow) in out.chunks_exact_mut(a + 1).enumerate() {
+            let k = r * a..(r + 1) * a;
+            let (y, lp) = orow.split_at_mut(a);
+            lp[0] = squashed_gaussian_row(&mean[k.clone()], &log_std[k.clone()], &self.eps[k], y);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows, a + 1))))
+    }
+
+    fn bwd(
+        &self,
+        mean: &Tensor,
+        log_std: &Tensor,
+        res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // u = m + σ ε, y = tanh(u), d log π / d u = 2 y (the Gaussian term
+        // depends on ε only), d log π / d s = -1 + 2 y σ ε, d y / d u = 1 - y^2.
+        let (rows, a) = mean.dims2()?;
+        let (gm, gs) = with_f32(log_std, "squashed gaussian bwd", |log_std| {
+            with_f32(res, "squashed gaussian bwd", |res| {
+                with_f32(g, "squashed gaussian bwd", |g| {
+                    let mut gm = vec![0f32; rows * a];
+                    let mut gs = vec![0f32; rows * a];
+                    for r in 0..rows {
+                        let g_lp = g[r * (a + 1) + a];
+                        for j in 0..a {
+                            let i = r * a + j;
+                            let y = res[r * (a + 1) + j];
+                            let g_y = g[r * (a + 1) + j];
+                            let noise = log_std[i].exp() * self.eps[i];
+                            let dy = g_y * (1.0 - y * y);
+                            gm[i] = dy + g_lp * 2.0 * y;
+                            gs[i] = dy * noise + g_lp * (2.0 * y * noise - 1.0);
+                        }
+                    }
+                    (gm, gs)
+                })
+            })
+        })???;
+        let gm = mean
+            .track_op()
+            .then(|| new_f32(gm, (rows, a)))
+            .transpose()?;
+        let gs = log_std
+            .track_op()
+            .then(|| new_f32(gs, (rows, a)))
+            .transpose()?;
+        Ok((gm, gs))
+    }
+}
+
+/// Reparameterised tanh-squashed Gaussian sample, differentiable in `mean`
+/// and `log_std` (`[B, A]` each) for fixed standard-normal `eps` (`B * A`
+/// values): returns `[B, A + 1]`, the squashed action in `(-1, 1)` then its
+/// log-probability (see [`crate::sac`]).
+pub fn squashed_gaussian(
+    mean: &Tensor,
+    log_std: &Tensor,
+    eps: Arc<[f32]>,
+) -> candle_core::Result<Tensor> {
+    mean.apply_op2(log_std, SquashedGaussian { eps })
+}
+
+// ---------------------------------------------------------------- losses
+
+/// Attaches precomputed `d loss / d input` to the graph: forward returns the
+/// loss value, backward scales the stored gradients by the incoming one.
+struct PrecomputedLoss {
+    loss: f32,
+    grads: Arc<[Vec<f32>; 3]>,
+}
+
+impl CustomOp3 for PrecomputedLoss {
+    fn name(&self) -> &'static str {
+        "relay-precomputed-loss3"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(vec![self.loss]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g: f32 = g.to_dtype(candle_core::DType::F32)?.to_scalar()?;
+        let grad = |t: &Tensor, d: &[f32]| -> candle_core::Result<Option<Tensor>> {
+            if !t.track_op() {
+                return Ok(None);
+            }
+            let v: Vec<f32> = d.iter().map(|x| x * g).collect();
+            Ok(Some(Tensor::from_vec(v, t.shape(), t.device())?))
+        };
+        Ok((
+            grad(a, &self.grads[0])?,
+            grad(b, &self.grads[1])?,
+            grad(c, &self.grads[2])?,
+        ))
+    }
+}
+
+/// A scalar loss whose value and gradients with respect to `inputs` were
+/// computed together in one pass on the host (the losses of [`crate::ppo`],
+/// [`crate::a2c`], ...); `backward()` carries `grads[i]` (scaled by the
+/// incoming gradient) into `inputs[i]`. Each `grads[i]` has one value per
+/// element of `inputs[i]`.
+pub(crate) fn precomputed_loss3(
+    inputs: [&Tensor; 3],
+    loss: f32,
+    grads: [Vec<f32>; 3],
+) -> candle_core::Result<Tensor> {
+    for (t, g) in inputs.iter().zip(&grads) {
+        if t.elem_count() != g.len() {
+            bail!("precomputed loss: {} gradients for {:?}", g.len(), t.dims())
+        }
+    }
+    inputs[0].apply_op3(
+        inputs[1],
+        inputs[2],
+        PrecomputedLoss {
+            loss,
+            grads: Arc::new(grads),
+        },
+    )
+}
+
+/// [`precomputed_loss3`] for a single input.
+struct PrecomputedLoss1 {
+    loss: f32,
+    grad: Arc<Vec<f32>>,
+}
+
+impl CustomOp1 for PrecomputedLoss1 {
+    fn name(&self) -> &'static str {
+        "relay-precomputed-loss1"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(vec![self.loss]), Shape::from(())))
+    }
+
+    fn bwd(&self, a: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let g: f32 = g.to_dtype(DType::F32)?.to_scalar()?;
+        let v: Vec<f32> = self.grad.iter().map(|x| x * g).collect();
+        Ok(Some(Tensor::from_vec(v, a.shape(), a.device())?))
+    }
+}
+
+/// [`precomputed_loss3`] for a single input.
+pub(crate) fn precomputed_loss(
+    input: &Tensor,
+    loss: f32,
+    grad: Vec<f32>,
+) -> candle_core::Result<Tensor> {
+    if input.elem_count() != grad.len() {
+        bail!(
+            "precomputed loss: {} gradients for {:?}",
+            grad.len(),
+            input.dims()
+        )
+    }
+    input.apply_op1(PrecomputedLoss1 {
+        loss,
+        grad: Arc::new(grad),
+    })
 }
 
 #[cfg(test)]

@@ -6,13 +6,11 @@
 //! `approx_kl` estimator. Terminated and truncated are different things:
 //! GAE bootstraps through a time limit, never through a failure.
 
-use std::sync::Arc;
-
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
-use crate::ops::with_f32;
+use crate::ops::{precomputed_loss3, with_f32};
 
 /// Generalized advantage estimation over one environment's sequence of `T`
 /// consecutive steps (the learner calls it once per env fragment).
@@ -231,54 +229,6 @@ pub struct PpoLoss {
     pub stats: PpoStats,
 }
 
-/// Attaches precomputed `d loss / d input` to the graph: forward returns the
-/// loss value, backward scales the stored gradients by the incoming one.
-struct PrecomputedLoss {
-    loss: f32,
-    grads: Arc<[Vec<f32>; 3]>,
-}
-
-impl CustomOp3 for PrecomputedLoss {
-    fn name(&self) -> &'static str {
-        "relay-ppo-loss"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((CpuStorage::F32(vec![self.loss]), Shape::from(())))
-    }
-
-    fn bwd(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        c: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let g: f32 = g.to_dtype(candle_core::DType::F32)?.to_scalar()?;
-        let grad = |t: &Tensor, d: &[f32]| -> candle_core::Result<Option<Tensor>> {
-            if !t.track_op() {
-                return Ok(None);
-            }
-            let v: Vec<f32> = d.iter().map(|x| x * g).collect();
-            Ok(Some(Tensor::from_vec(v, t.shape(), t.device())?))
-        };
-        Ok((
-            grad(a, &self.grads[0])?,
-            grad(b, &self.grads[1])?,
-            grad(c, &self.grads[2])?,
-        ))
-    }
-}
-
 /// The PPO clipped-surrogate loss with value loss and entropy bonus
 /// (SB3's `PPO.train` inner step):
 ///
@@ -398,13 +348,11 @@ pub fn ppo_loss(config: &PpoLossConfig, inputs: &PpoInputs<'_>) -> Result<PpoLos
         ratio_mean: ratio_mean as f32,
         ratio_var: (r_sq / n - ratio_mean * ratio_mean).max(0.0) as f32,
     };
-    let op = PrecomputedLoss {
-        loss: loss as f32,
-        grads: Arc::new([d_logprob, d_entropy, d_values]),
-    };
-    let loss = inputs
-        .logprob
-        .apply_op3(inputs.entropy, inputs.values, op)?;
+    let loss = precomputed_loss3(
+        [inputs.logprob, inputs.entropy, inputs.values],
+        loss as f32,
+        [d_logprob, d_entropy, d_values],
+    )?;
     Ok(PpoLoss { loss, stats })
 }
 

@@ -1,0 +1,388 @@
+//! The Q-network of DQN: an MLP from an observation to one value per
+//! discrete action, optionally dueling; acting (greedy and epsilon-greedy),
+//! weight exchange, checkpoints, and target-network updates.
+//!
+//! # Layout
+//!
+//! Names follow SB3's `QNetwork` (`DQN.policy.q_net` state dict), so an SB3
+//! export loads as is:
+//!
+//! | name | shape | init |
+//! |---|---|---|
+//! | `q_net.{2i}.weight` / `.bias` | `[hidden[i], in]` / `[hidden[i]]` | PyTorch default (uniform ±1/√in) |
+//! | `q_net.{2L}.weight` / `.bias` (not dueling; `L = hidden.len()`) | `[n_actions, last]` / `[n_actions]` | same |
+//! | `value_stream.weight` / `.bias` (dueling) | `[1, last]` / `[1]` | same |
+//! | `advantage_stream.weight` / `.bias` (dueling) | `[n_actions, last]` / `[n_actions]` | same |
+//!
+//! Dueling (Wang et al. 2016): `Q(s, a) = V(s) + A(s, a) - mean_a' A(s, a')`,
+//! both streams linear heads on the shared hidden layers.
+//!
+//! # Two forward paths
+//!
+//! As [`crate::ActorCritic`]: [`QNetwork::forward`] builds a differentiable
+//! graph of fused ops (training); [`QNetwork::q_values`] and the acting
+//! functions read the `Var`s in place with no graph (inference, and the
+//! target network's values in [`crate::dqn_loss`]).
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{NnError, Result};
+use crate::init::uniform_fan_in;
+use crate::io::NamedTensor;
+use crate::model::{dense_host, head_graph, trunk_graph, trunk_host, Dense};
+use crate::params::Params;
+use crate::spec::{ActionKind, Activation, PolicySpec};
+
+/// `format` metadata written into Q-network checkpoints.
+pub const QNET_FORMAT: &str = "relay-nn/q-network";
+
+/// Everything needed to build a [`QNetwork`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QNetSpec {
+    /// Length of one flat observation vector.
+    pub obs_dim: usize,
+    /// Number of discrete actions (at least 1).
+    pub n_actions: usize,
+    /// Hidden-layer widths. Default `[64, 64]` (SB3 DQN; CleanRL uses `[120, 84]`).
+    #[serde(default = "default_hidden")]
+    pub hidden: Vec<usize>,
+    /// Hidden-layer nonlinearity. Default `relu` (SB3 DQN and CleanRL).
+    #[serde(default = "default_activation")]
+    pub activation: Activation,
+    /// Dueling streams (value + mean-subtracted advantage). Default `false`.
+    #[serde(default)]
+    pub dueling: bool,
+}
+
+fn default_hidden() -> Vec<usize> {
+    vec![64, 64]
+}
+
+fn default_activation() -> Activation {
+    Activation::Relu
+}
+
+impl QNetSpec {
+    /// SB3 DQN defaults: hidden `[64, 64]`, ReLU, not dueling.
+    pub fn new(obs_dim: usize, n_actions: usize) -> Self {
+        Self {
+            obs_dim,
+            n_actions,
+            hidden: default_hidden(),
+            activation: default_activation(),
+            dueling: false,
+        }
+    }
+
+    /// The Q-network for a run's discrete [`PolicySpec`] (same observation
+    /// size, action count, widths and activation).
+    pub fn from_policy_spec(spec: &PolicySpec) -> Result<Self> {
+        let ActionKind::Discrete { n } = spec.action else {
+            return Err(NnError::config(
+                "action",
+                "a Q-network needs discrete actions",
+            ));
+        };
+        Ok(Self {
+            obs_dim: spec.obs_dim,
+            n_actions: n,
+            hidden: spec.hidden.clone(),
+            activation: spec.activation,
+            dueling: false,
+        })
+    }
+
+    /// Checks every field; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.obs_dim == 0 {
+            return Err(NnError::config("obs_dim", "must be at least 1"));
+        }
+        if self.n_actions == 0 {
+            return Err(NnError::config("n_actions", "must be at least 1"));
+        }
+        if let Some(i) = self.hidden.iter().position(|&h| h == 0) {
+            return Err(NnError::config(
+                "hidden",
+                format!("layer {i} has width 0; every width must be at least 1"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+enum Head {
+    Plain(Dense),
+    Dueling { value: Dense, advantage: Dense },
+}
+
+/// An MLP Q-network (see the module docs).
+pub struct QNetwork {
+    spec: QNetSpec,
+    trunk: Vec<Dense>,
+    head: Head,
+    params: Params,
+}
+
+impl fmt::Debug for QNetwork {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QNetwork")
+            .field("spec", &self.spec)
+            .field("parameters", &self.num_parameters())
+            .finish()
+    }
+}
+
+/// Builds dense layers with PyTorch's default init and records their names.
+pub(crate) struct LayerBuilder<'a> {
+    pub(crate) params: Vec<(String, Var)>,
+    pub(crate) rng: &'a mut rand::rngs::StdRng,
+}
+
+impl LayerBuilder<'_> {
+    pub(crate) fn dense(&mut self, name: &str, inp: usize, out: usize) -> Result<Dense> {
+        let dev = Device::Cpu;
+        let w = Var::from_vec(uniform_fan_in(out * inp, inp, self.rng), (out, inp), &dev)?;
+        let b = Var::from_vec(uniform_fan_in(out, inp, self.rng), out, &dev)?;
+        self.params.push((format!("{name}.weight"), w.clone()));
+        self.params.push((format!("{name}.bias"), b.clone()));
+        Ok(Dense { w, b })
+    }
+
+    /// Hidden layers `{prefix}.{2i}` from `inp` through `hidden`.
+    pub(crate) fn trunk(
+        &mut self,
+        prefix: &str,
+        inp: usize,
+        hidden: &[usize],
+    ) -> Result<Vec<Dense>> {
+        let mut width = inp;
+        let mut layers = Vec::with_capacity(hidden.len());
+        for (i, &h) in hidden.iter().enumerate() {
+            layers.push(self.dense(&format!("{prefix}.{}", 2 * i), width, h)?);
+            width = h;
+        }
+        Ok(layers)
+    }
+}
+
+/// Index of the largest value (first on ties).
+pub(crate) fn argmax(xs: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+impl QNetwork {
+    /// A freshly initialised network; deterministic given `seed`.
+    pub fn new(spec: &QNetSpec, seed: u64) -> Result<Self> {
+        spec.validate()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut b = LayerBuilder {
+            params: Vec::new(),
+            rng: &mut rng,
+        };
+        let trunk = b.trunk("q_net", spec.obs_dim, &spec.hidden)?;
+        let last = spec.hidden.last().copied().unwrap_or(spec.obs_dim);
+        let head = if spec.dueling {
+            Head::Dueling {
+                value: b.dense("value_stream", last, 1)?,
+                advantage: b.dense("advantage_stream", last, spec.n_actions)?,
+            }
+        } else {
+            Head::Plain(b.dense(
+                &format!("q_net.{}", 2 * spec.hidden.len()),
+                last,
+                spec.n_actions,
+            )?)
+        };
+        Ok(Self {
+            spec: spec.clone(),
+            trunk,
+            head,
+            params: Params::new(b.params),
+        })
+    }
+
+    /// A network of the same spec whose parameters equal this one's (the
+    /// initial target network).
+    pub fn duplicate(&self) -> Result<Self> {
+        let copy = Self::new(&self.spec, 0)?;
+        copy.copy_from(self)?;
+        Ok(copy)
+    }
+
+    /// The spec the network was built from.
+    pub fn spec(&self) -> &QNetSpec {
+        &self.spec
+    }
+
+    /// Total number of scalar parameters.
+    pub fn num_parameters(&self) -> usize {
+        self.params.num_parameters()
+    }
+
+    /// Names of all parameters, sorted.
+    pub fn parameter_names(&self) -> Vec<&str> {
+        self.params.names()
+    }
+
+    /// The trainable variables, in parameter-name order (stable).
+    pub fn vars(&self) -> Vec<Var> {
+        self.params.vars()
+    }
+
+    fn check_obs(&self, obs: &[f32], n: usize) -> Result<()> {
+        let d = self.spec.obs_dim;
+        if obs.len() != n * d {
+            return Err(NnError::bad_input(
+                "obs",
+                format!("{n} x {d} = {} values", n * d),
+                format!("{} values", obs.len()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `Q(s, ·)` of `n` observations (`n * obs_dim` values), `n * n_actions`
+    /// values row-major; no graph.
+    pub fn q_values(&self, obs: &[f32], n: usize) -> Result<Vec<f32>> {
+        self.check_obs(obs, n)?;
+        let (h, width) = trunk_host(&self.trunk, self.spec.activation, obs, n, self.spec.obs_dim)?;
+        match &self.head {
+            Head::Plain(head) => dense_host(head, h, n, width, None),
+            Head::Dueling { value, advantage } => {
+                let v = dense_host(value, Cow::Borrowed(&h), n, width, None)?;
+                let mut q = dense_host(advantage, h, n, width, None)?;
+                let k = self.spec.n_actions;
+                for (row, v) in q.chunks_exact_mut(k).zip(v) {
+                    let mean = row.iter().sum::<f32>() / k as f32;
+                    for x in row.iter_mut() {
+                        *x = v + (*x - mean);
+                    }
+                }
+                Ok(q)
+            }
+        }
+    }
+
+    /// The arg-max action of each of `n` observations (first on ties).
+    pub fn greedy_actions(&self, obs: &[f32], n: usize) -> Result<Vec<i64>> {
+        let q = self.q_values(obs, n)?;
+        Ok(q.chunks_exact(self.spec.n_actions)
+            .map(|row| argmax(row) as i64)
+            .collect())
+    }
+
+    /// Epsilon-greedy actions: for each observation independently, with
+    /// probability `epsilon` a uniform random action, else the greedy one.
+    /// (SB3 and CleanRL draw once per vector-env step and explore in all
+    /// envs together; per observation is what a batching inference server
+    /// serving many runners can do, and the marginal per env is the same.)
+    /// Uses one `rng` draw per observation, plus one per random action.
+    pub fn act_epsilon_greedy(
+        &self,
+        obs: &[f32],
+        n: usize,
+        epsilon: f64,
+        rng: &mut impl Rng,
+    ) -> Result<Vec<i64>> {
+        if !(0.0..=1.0).contains(&epsilon) {
+            return Err(NnError::bad_input("epsilon", "a value in [0, 1]", epsilon));
+        }
+        let greedy = self.greedy_actions(obs, n)?;
+        Ok(greedy
+            .into_iter()
+            .map(|a| {
+                if rng.random::<f64>() < epsilon {
+                    rng.random_range(0..self.spec.n_actions) as i64
+                } else {
+                    a
+                }
+            })
+            .collect())
+    }
+
+    /// Differentiable `Q(s, ·)`, `obs: [B, obs_dim]` → `[B, n_actions]`,
+    /// connected to [`Self::vars`] by the graph.
+    pub fn forward(&self, obs: &Tensor) -> Result<Tensor> {
+        let d = self.spec.obs_dim;
+        match obs.dims() {
+            [_, w] if *w == d => {}
+            dims => {
+                return Err(NnError::bad_input(
+                    "obs",
+                    format!("[B, {d}]"),
+                    format!("{dims:?}"),
+                ))
+            }
+        }
+        let obs = obs.to_dtype(DType::F32)?.contiguous()?;
+        let h = trunk_graph(&obs, &self.trunk, self.spec.activation)?;
+        match &self.head {
+            Head::Plain(head) => head_graph(&h, head),
+            Head::Dueling { value, advantage } => {
+                let v = head_graph(&h, value)?;
+                let a = head_graph(&h, advantage)?;
+                let centred = a.broadcast_sub(&a.mean_keepdim(1)?)?;
+                Ok(centred.broadcast_add(&v)?)
+            }
+        }
+    }
+
+    /// Every parameter as `(name, shape, row-major data)`, sorted by name.
+    pub fn named_tensors(&self) -> Vec<NamedTensor> {
+        self.params.named_tensors()
+    }
+
+    /// Replaces every parameter; validated and all-or-nothing as
+    /// [`crate::ActorCritic::load_named_tensors`].
+    pub fn load_named_tensors(&mut self, tensors: &[NamedTensor]) -> Result<()> {
+        self.params.load_named_tensors(tensors)
+    }
+
+    /// Hard update: copies every parameter of `source` (same spec) into this
+    /// network (DQN's target update with `tau = 1`).
+    pub fn copy_from(&self, source: &QNetwork) -> Result<()> {
+        self.params.copy_from(&source.params)
+    }
+
+    /// Polyak update `self = (1 - tau) self + tau source`, in place (SB3's
+    /// `polyak_update`); `tau = 1` copies exactly.
+    pub fn soft_update(&self, source: &QNetwork, tau: f32) -> Result<()> {
+        self.params.soft_update(&source.params, tau)
+    }
+
+    /// Writes all parameters to a safetensors file (atomic).
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let s = &self.spec;
+        let meta: HashMap<String, String> = [
+            ("obs_dim", s.obs_dim.to_string()),
+            ("n_actions", s.n_actions.to_string()),
+            ("hidden", format!("{:?}", s.hidden)),
+            ("activation", format!("{:?}", s.activation).to_lowercase()),
+            ("dueling", s.dueling.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        self.params.save(path.as_ref(), QNET_FORMAT, meta)
+    }
+
+    /// Loads parameters from a file written by [`Self::save`] (or an SB3
+    /// export with the same names); validated as [`Self::load_named_tensors`].
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        self.params.load(path.as_ref(), QNET_FORMAT).map(|_| ())
+    }
+}

@@ -1,0 +1,791 @@
+//! Running normalisation of observations and rewards, as Stable-Baselines3's
+//! `VecNormalize`.
+//!
+//! - [`RunningMeanStd`]: count, mean and (population) variance of a stream
+//!   of vectors, updated batch by batch with the parallel-merge formula of
+//!   SB3's `update_from_moments` (Chan et al.), so statistics gathered by
+//!   several env-runners can be merged ([`RunningMeanStd::combine`]) into
+//!   exactly what one process would have seen.
+//! - [`VecNormalize`]: observation normalisation
+//!   `clip((obs - mean) / sqrt(var + epsilon), ±clip_obs)` and reward
+//!   scaling `clip(r / sqrt(var_ret + epsilon), ±clip_reward)`, where
+//!   `var_ret` is the running variance of each env's discounted return
+//!   `ret = ret * gamma + r` (reset to 0 when the episode ends). Rewards are
+//!   scaled, never shifted, as SB3 does. In frozen mode
+//!   ([`VecNormalize::set_training`] `false`, for evaluation and for the
+//!   inference server) nothing is updated.
+//!
+//! Statistics are f64 (as SB3's numpy arrays). They travel two ways:
+//! serde (exact) and named f32 tensors ([`VecNormalize::named_tensors`],
+//! prefixed, e.g. `vec_normalize.obs_rms.mean`) that can sit in the same
+//! safetensors file or weight message as the model; the f32 form rounds
+//! each statistic to f32 (relative error below 6e-8), which changes a
+//! normalised observation by far less than f32 resolution of the model's
+//! input needs.
+//!
+//! # Who calls what
+//!
+//! An env-runner that owns `num_envs` envs: [`VecNormalize::reset`] on the
+//! first observations, then per step [`VecNormalize::step`] with the new
+//! observations (after auto-reset), rewards and `dones = terminated ||
+//! truncated`, and [`VecNormalize::normalize_obs`] on the final observation
+//! of a truncated episode (no statistics update, as SB3 does with
+//! `terminal_observation`). Several runners can each accumulate their own
+//! statistics and ship them to the learner, which merges them with
+//! [`RunningMeanStd::combine`] and publishes the result with the weights.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{NnError, Result};
+use crate::io::{read_safetensors, write_safetensors, NamedTensor};
+
+/// `format` metadata of files written by [`VecNormalize::save`].
+pub const VEC_NORMALIZE_FORMAT: &str = "relay-nn/vec-normalize";
+
+/// Initial count of a fresh [`RunningMeanStd`] (SB3's `epsilon=1e-4`), so
+/// the first update does not divide by zero and the prior (mean 0, var 1)
+/// has negligible weight.
+pub const RUNNING_MEAN_STD_INIT_COUNT: f64 = 1e-4;
+
+/// Running mean and population variance of vectors of `dim` values.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunningMeanStd {
+    /// Mean of each component.
+    pub mean: Vec<f64>,
+    /// Population variance of each component.
+    pub var: Vec<f64>,
+    /// Number of vectors seen (plus the initial pseudo-count).
+    pub count: f64,
+}
+
+impl RunningMeanStd {
+    /// Fresh statistics as SB3's `RunningMeanStd(shape=(dim,))`: mean 0,
+    /// variance 1, count [`RUNNING_MEAN_STD_INIT_COUNT`].
+    pub fn new(dim: usize) -> Self {
+        Self {
+            mean: vec![0.0; dim],
+            var: vec![1.0; dim],
+            count: RUNNING_MEAN_STD_INIT_COUNT,
+        }
+    }
+
+    /// Empty statistics (count 0): the neutral element of [`Self::combine`],
+    /// for accumulating a delta to ship elsewhere.
+    pub fn empty(dim: usize) -> Self {
+        Self {
+            mean: vec![0.0; dim],
+            var: vec![0.0; dim],
+            count: 0.0,
+        }
+    }
+
+    /// Exact statistics of one batch of rows (`data` is `rows * dim`
+    /// values, row-major): mean, population variance, count `rows`.
+    pub fn from_batch(data: &[f32], dim: usize) -> Result<Self> {
+        let (mean, var, count) = batch_moments(data, dim)?;
+        Ok(Self { mean, var, count })
+    }
+
+    /// Number of components.
+    pub fn dim(&self) -> usize {
+        self.mean.len()
+    }
+
+    /// Adds a batch of rows (`data` is `rows * dim` values); an empty batch
+    /// changes nothing.
+    pub fn update(&mut self, data: &[f32]) -> Result<()> {
+        let (mean, var, count) = batch_moments(data, self.dim())?;
+        self.update_from_moments(&mean, &var, count)
+    }
+
+    /// Merges the moments of a batch (SB3's `update_from_moments`):
+    ///
+    /// ```text
+    /// delta = batch_mean - mean,  tot = count + batch_count
+    /// mean' = mean + delta * batch_count / tot
+    /// var'  = (var * count + batch_var * batch_count + delta^2 * count * batch_count / tot) / tot
+    /// ```
+    pub fn update_from_moments(
+        &mut self,
+        batch_mean: &[f64],
+        batch_var: &[f64],
+        batch_count: f64,
+    ) -> Result<()> {
+        let d = self.dim();
+        if batch_mean.len() != d || batch_var.len() != d {
+            return Err(NnError::bad_input(
+                "batch moments",
+                format!("{d} means and variances"),
+                format!("{} and {}", batch_mean.len(), batch_var.len()),
+            ));
+        }
+        if !(batch_count.is_finite() && batch_count >= 0.0) {
+            return Err(NnError::bad_input(
+                "batch_count",
+                "finite and >= 0",
+                batch_count,
+            ));
+        }
+        if batch_count == 0.0 {
+            return Ok(());
+        }
+        let tot = self.count + batch_count;
+        for i in 0..d {
+            let delta = batch_mean[i] - self.mean[i];
+            let m_a = self.var[i] * self.count;
+            let m_b = batch_var[i] * batch_count;
+            let m2 = m_a + m_b + delta * delta * self.count * batch_count / tot;
+            self.mean[i] += delta * batch_count / tot;
+            self.var[i] = m2 / tot;
+        }
+        self.count = tot;
+        Ok(())
+    }
+
+    /// Merges `other` into `self` (SB3's `combine`); the result equals the
+    /// statistics of both streams together.
+    pub fn combine(&mut self, other: &RunningMeanStd) -> Result<()> {
+        self.update_from_moments(&other.mean, &other.var, other.count)
+    }
+
+    fn check_finite(&self, what: &'static str) -> Result<()> {
+        let ok = self.count.is_finite()
+            && self.count >= 0.0
+            && self.mean.iter().all(|x| x.is_finite())
+            && self.var.iter().all(|x| x.is_finite() && *x >= 0.0);
+        if ok {
+            Ok(())
+        } else {
+            Err(NnError::bad_input(
+                what,
+                "finite mean, non-negative finite var and count",
+                format!("{self:?}"),
+            ))
+        }
+    }
+}
+
+/// Mean, population variance (two-pass, f64) and row count of a batch.
+fn batch_moments(data: &[f32], dim: usize) -> Result<(Vec<f64>, Vec<f64>, f64)> {
+    if dim == 0 || !data.len().is_multiple_of(dim) {
+        return Err(NnError::bad_input(
+            "batch",
+            format!("a multiple of {dim} values"),
+            data.len(),
+        ));
+    }
+    let rows = data.len() / dim;
+    let mut mean = vec![0f64; dim];
+    let mut var = vec![0f64; dim];
+    if rows == 0 {
+        return Ok((mean, var, 0.0));
+    }
+    for row in data.chunks_exact(dim) {
+        for (m, &x) in mean.iter_mut().zip(row) {
+            *m += x as f64;
+        }
+    }
+    for m in &mut mean {
+        *m /= rows as f64;
+    }
+    for row in data.chunks_exact(dim) {
+        for ((v, &x), m) in var.iter_mut().zip(row).zip(&mean) {
+            *v += (x as f64 - m).powi(2);
+        }
+    }
+    for v in &mut var {
+        *v /= rows as f64;
+    }
+    Ok((mean, var, rows as f64))
+}
+
+/// Hyperparameters of [`VecNormalize`]. Defaults are SB3's.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NormalizeConfig {
+    /// Normalise observations. Default `true`.
+    pub norm_obs: bool,
+    /// Scale rewards by the running std of the discounted return. Default `true`.
+    pub norm_reward: bool,
+    /// Normalised observations are clipped to `[-clip_obs, clip_obs]`. Default `10`.
+    pub clip_obs: f64,
+    /// Scaled rewards are clipped to `[-clip_reward, clip_reward]`. Default `10`.
+    pub clip_reward: f64,
+    /// Discount of the running return whose variance scales rewards; use the
+    /// algorithm's gamma. Default `0.99`.
+    pub gamma: f64,
+    /// Added to the variance before the square root. Default `1e-8`.
+    pub epsilon: f64,
+}
+
+impl Default for NormalizeConfig {
+    fn default() -> Self {
+        Self {
+            norm_obs: true,
+            norm_reward: true,
+            clip_obs: 10.0,
+            clip_reward: 10.0,
+            gamma: 0.99,
+            epsilon: 1e-8,
+        }
+    }
+}
+
+impl NormalizeConfig {
+    /// Checks ranges; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        for (field, v) in [
+            ("clip_obs", self.clip_obs),
+            ("clip_reward", self.clip_reward),
+        ] {
+            if v.is_nan() || v <= 0.0 {
+                return Err(NnError::config(field, format!("must be > 0, got {v}")));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.gamma) {
+            return Err(NnError::config(
+                "gamma",
+                format!("must be in [0, 1], got {}", self.gamma),
+            ));
+        }
+        if !(self.epsilon.is_finite() && self.epsilon >= 0.0) {
+            return Err(NnError::config(
+                "epsilon",
+                format!("must be finite and >= 0, got {}", self.epsilon),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Observation and reward normalisation for `num_envs` envs (see module docs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VecNormalize {
+    /// Hyperparameters.
+    pub config: NormalizeConfig,
+    /// Statistics of the observations.
+    pub obs_rms: RunningMeanStd,
+    /// Statistics of the discounted returns (one component).
+    pub ret_rms: RunningMeanStd,
+    /// Each env's running discounted return.
+    pub returns: Vec<f64>,
+    /// Whether `reset` / `step` update the statistics (false: frozen).
+    pub training: bool,
+}
+
+impl VecNormalize {
+    /// Fresh statistics for observations of `obs_dim` values from
+    /// `num_envs` envs, in training mode.
+    pub fn new(config: NormalizeConfig, obs_dim: usize, num_envs: usize) -> Result<Self> {
+        config.validate()?;
+        if obs_dim == 0 {
+            return Err(NnError::config("obs_dim", "must be at least 1"));
+        }
+        Ok(Self {
+            config,
+            obs_rms: RunningMeanStd::new(obs_dim),
+            ret_rms: RunningMeanStd::new(1),
+            returns: vec![0.0; num_envs],
+            training: true,
+        })
+    }
+
+    /// Length of one observation.
+    pub fn obs_dim(&self) -> usize {
+        self.obs_rms.dim()
+    }
+
+    /// Number of envs whose returns are tracked.
+    pub fn num_envs(&self) -> usize {
+        self.returns.len()
+    }
+
+    /// Whether statistics are being updated.
+    pub fn training(&self) -> bool {
+        self.training
+    }
+
+    /// `false` freezes the statistics (evaluation, inference).
+    pub fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+
+    /// After the envs' (re)start: zeroes every running return, updates the
+    /// observation statistics (when training) and normalises `obs`
+    /// (`num_envs * obs_dim` values) in place.
+    pub fn reset(&mut self, obs: &mut [f32]) -> Result<()> {
+        self.returns.fill(0.0);
+        self.observe(obs)
+    }
+
+    /// After one step of every env: `obs` (`num_envs * obs_dim`, after
+    /// auto-reset), `rewards` and `dones` (`terminated || truncated`),
+    /// `num_envs` each. Updates the statistics (when training), normalises
+    /// `obs` and scales `rewards` in place, then zeroes the returns of the
+    /// envs that are done (SB3's `step_wait`).
+    pub fn step(&mut self, obs: &mut [f32], rewards: &mut [f32], dones: &[bool]) -> Result<()> {
+        let n = self.num_envs();
+        if obs.len() != n * self.obs_dim() {
+            return Err(NnError::bad_input(
+                "obs",
+                format!("{n} x {} values", self.obs_dim()),
+                obs.len(),
+            ));
+        }
+        self.check_envs("rewards", rewards.len())?;
+        self.check_envs("dones", dones.len())?;
+        self.observe(obs)?;
+        if self.training {
+            for (ret, &r) in self.returns.iter_mut().zip(rewards.iter()) {
+                *ret = *ret * self.config.gamma + r as f64;
+            }
+            // SB3 updates with the f64 returns; so do we.
+            let (mean, var, count) = returns_moments(&self.returns);
+            self.ret_rms.update_from_moments(&[mean], &[var], count)?;
+        }
+        self.normalize_rewards(rewards);
+        for (ret, &done) in self.returns.iter_mut().zip(dones) {
+            if done {
+                *ret = 0.0;
+            }
+        }
+        Ok(())
+    }
+
+    fn check_envs(&self, what: &'static str, len: usize) -> Result<()> {
+        if len != self.num_envs() {
+            return Err(NnError::bad_input(
+                what,
+                format!("{} values (one per env)", self.num_envs()),
+                len,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Updates the observation statistics with `obs` (any number of rows)
+    /// when training and normalising observations, then normalises in place.
+    pub fn observe(&mut self, obs: &mut [f32]) -> Result<()> {
+        if self.training && self.config.norm_obs {
+            self.obs_rms.update(obs)?;
+        } else if !obs.len().is_multiple_of(self.obs_dim()) {
+            return Err(NnError::bad_input(
+                "obs",
+                format!("a multiple of {} values", self.obs_dim()),
+                obs.len(),
+            ));
+        }
+        self.normalize_obs(obs);
+        Ok(())
+    }
+
+    /// `clip((obs - mean) / sqrt(var + epsilon), ±clip_obs)` in place, rows
+    /// of `obs_dim` values, no statistics update; identity when `norm_obs`
+    /// is off. A trailing partial row is left as it is.
+    pub fn normalize_obs(&self, obs: &mut [f32]) {
+        if !self.config.norm_obs {
+            return;
+        }
+        let c = self.config.clip_obs;
+        let inv_std: Vec<f64> = self
+            .obs_rms
+            .var
+            .iter()
+            .map(|v| 1.0 / (v + self.config.epsilon).sqrt())
+            .collect();
+        for row in obs.chunks_exact_mut(self.obs_dim()) {
+            for ((x, m), s) in row.iter_mut().zip(&self.obs_rms.mean).zip(&inv_std) {
+                *x = ((*x as f64 - m) * s).clamp(-c, c) as f32;
+            }
+        }
+    }
+
+    /// Inverse of [`Self::normalize_obs`] (without the clip), in place.
+    pub fn unnormalize_obs(&self, obs: &mut [f32]) {
+        if !self.config.norm_obs {
+            return;
+        }
+        for row in obs.chunks_exact_mut(self.obs_dim()) {
+            for ((x, m), v) in row
+                .iter_mut()
+                .zip(&self.obs_rms.mean)
+                .zip(&self.obs_rms.var)
+            {
+                *x = (*x as f64 * (v + self.config.epsilon).sqrt() + m) as f32;
+            }
+        }
+    }
+
+    /// `clip(r / sqrt(var_ret + epsilon), ±clip_reward)` in place, no
+    /// statistics update; identity when `norm_reward` is off.
+    pub fn normalize_rewards(&self, rewards: &mut [f32]) {
+        if !self.config.norm_reward {
+            return;
+        }
+        let c = self.config.clip_reward;
+        let scale = 1.0 / (self.ret_rms.var[0] + self.config.epsilon).sqrt();
+        for r in rewards {
+            *r = (*r as f64 * scale).clamp(-c, c) as f32;
+        }
+    }
+
+    /// Inverse of [`Self::normalize_rewards`] (without the clip), in place.
+    pub fn unnormalize_rewards(&self, rewards: &mut [f32]) {
+        if !self.config.norm_reward {
+            return;
+        }
+        let scale = (self.ret_rms.var[0] + self.config.epsilon).sqrt();
+        for r in rewards {
+            *r = (*r as f64 * scale) as f32;
+        }
+    }
+
+    /// The statistics as named f32 tensors: `{prefix}obs_rms.mean` /
+    /// `.var` (`[obs_dim]`), `{prefix}obs_rms.count` (`[1]`) and the same
+    /// three for `ret_rms` (`[1]` each). Use a prefix such as
+    /// `"vec_normalize."` to keep them apart from model parameters.
+    pub fn named_tensors(&self, prefix: &str) -> Vec<NamedTensor> {
+        let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        let d = self.obs_dim();
+        vec![
+            (
+                format!("{prefix}obs_rms.count"),
+                vec![1],
+                vec![self.obs_rms.count as f32],
+            ),
+            (
+                format!("{prefix}obs_rms.mean"),
+                vec![d],
+                f(&self.obs_rms.mean),
+            ),
+            (
+                format!("{prefix}obs_rms.var"),
+                vec![d],
+                f(&self.obs_rms.var),
+            ),
+            (
+                format!("{prefix}ret_rms.count"),
+                vec![1],
+                vec![self.ret_rms.count as f32],
+            ),
+            (
+                format!("{prefix}ret_rms.mean"),
+                vec![1],
+                f(&self.ret_rms.mean),
+            ),
+            (
+                format!("{prefix}ret_rms.var"),
+                vec![1],
+                f(&self.ret_rms.var),
+            ),
+        ]
+    }
+
+    /// Replaces the statistics from the tensors named `{prefix}...` (as
+    /// written by [`Self::named_tensors`]); tensors with other names are
+    /// ignored, so a whole checkpoint can be passed. All-or-nothing: a
+    /// missing, misshapen or invalid statistic leaves `self` unchanged.
+    pub fn load_named_tensors(&mut self, tensors: &[NamedTensor], prefix: &str) -> Result<()> {
+        let get = |name: &str, len: usize| -> Result<Vec<f64>> {
+            let full = format!("{prefix}{name}");
+            let Some((_, shape, data)) = tensors.iter().find(|(n, _, _)| *n == full) else {
+                return Err(NnError::MissingParameter {
+                    name: full,
+                    expected: vec![len],
+                });
+            };
+            if shape.as_slice() != [len] || data.len() != len {
+                return Err(NnError::ShapeMismatch {
+                    name: full,
+                    expected: vec![len],
+                    got: shape.clone(),
+                    detail: format!("; data has {} values", data.len()),
+                });
+            }
+            Ok(data.iter().map(|&x| x as f64).collect())
+        };
+        let d = self.obs_dim();
+        let obs_rms = RunningMeanStd {
+            mean: get("obs_rms.mean", d)?,
+            var: get("obs_rms.var", d)?,
+            count: get("obs_rms.count", 1)?[0],
+        };
+        let ret_rms = RunningMeanStd {
+            mean: get("ret_rms.mean", 1)?,
+            var: get("ret_rms.var", 1)?,
+            count: get("ret_rms.count", 1)?[0],
+        };
+        obs_rms.check_finite("obs_rms")?;
+        ret_rms.check_finite("ret_rms")?;
+        self.obs_rms = obs_rms;
+        self.ret_rms = ret_rms;
+        Ok(())
+    }
+
+    /// Writes the statistics (named tensors without prefix) to a safetensors
+    /// file, with the exact f64 counts and the config in the metadata.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let c = &self.config;
+        let meta: HashMap<String, String> = [
+            ("format", VEC_NORMALIZE_FORMAT.to_string()),
+            ("obs_rms.count", self.obs_rms.count.to_string()),
+            ("ret_rms.count", self.ret_rms.count.to_string()),
+            ("norm_obs", c.norm_obs.to_string()),
+            ("norm_reward", c.norm_reward.to_string()),
+            ("clip_obs", c.clip_obs.to_string()),
+            ("clip_reward", c.clip_reward.to_string()),
+            ("gamma", c.gamma.to_string()),
+            ("epsilon", c.epsilon.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        write_safetensors(path.as_ref(), &self.named_tensors(""), meta)
+    }
+
+    /// Restores the statistics written by [`Self::save`] (the config is not
+    /// restored: it comes from the experiment config; the counts are exact).
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let (tensors, meta) = read_safetensors(path)?;
+        if meta.get("format").map(String::as_str) != Some(VEC_NORMALIZE_FORMAT) {
+            return Err(NnError::Checkpoint {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "format is {:?}, expected `{VEC_NORMALIZE_FORMAT}`",
+                    meta.get("format")
+                ),
+            });
+        }
+        let mut copy = self.clone();
+        copy.load_named_tensors(&tensors, "")?;
+        for (key, rms) in [
+            ("obs_rms.count", &mut copy.obs_rms),
+            ("ret_rms.count", &mut copy.ret_rms),
+        ] {
+            if let Some(c) = meta.get(key).and_then(|s| s.parse::<f64>().ok()) {
+                rms.count = c;
+            }
+        }
+        *self = copy;
+        Ok(())
+    }
+}
+
+/// Mean, population variance and count of the per-env returns.
+fn returns_moments(returns: &[f64]) -> (f64, f64, f64) {
+    let n = returns.len() as f64;
+    if returns.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    let mean = returns.iter().sum::<f64>() / n;
+    let var = returns.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+    (mean, var, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64, tol: f64) {
+        assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{a} vs {b}");
+    }
+
+    #[test]
+    fn update_matches_hand_computation() {
+        // Fresh stats (mean 0, var 1, count 1e-4) updated with rows
+        // [1, 2], [3, 6]: batch mean [2, 4], var [1, 4], count 2.
+        let mut rms = RunningMeanStd::new(2);
+        rms.update(&[1.0, 2.0, 3.0, 6.0]).unwrap();
+        let (c0, n) = (1e-4, 2.0);
+        let tot = c0 + n;
+        for (i, (bm, bv)) in [(2.0, 1.0), (4.0, 4.0)].into_iter().enumerate() {
+            let mean = bm * n / tot;
+            let var = (c0 + bv * n + bm * bm * c0 * n / tot) / tot;
+            close(rms.mean[i], mean, 1e-15);
+            close(rms.var[i], var, 1e-15);
+        }
+        close(rms.count, tot, 1e-15);
+        // Empty batch: unchanged. Wrong width: refused.
+        let before = rms.clone();
+        rms.update(&[]).unwrap();
+        assert_eq!(rms, before);
+        assert!(rms.update(&[1.0, 2.0, 3.0]).is_err());
+    }
+
+    #[test]
+    fn merging_halves_equals_the_whole() {
+        let data: Vec<f32> = (0..60)
+            .map(|i| ((i * 37 % 23) as f32 - 7.5) * 0.3)
+            .collect();
+        let whole = RunningMeanStd::from_batch(&data, 3).unwrap();
+        let mut a = RunningMeanStd::from_batch(&data[..27], 3).unwrap();
+        let b = RunningMeanStd::from_batch(&data[27..], 3).unwrap();
+        a.combine(&b).unwrap();
+        for i in 0..3 {
+            close(a.mean[i], whole.mean[i], 1e-12);
+            close(a.var[i], whole.var[i], 1e-12);
+        }
+        assert_eq!(a.count, whole.count);
+        // The empty statistics are neutral on either side.
+        let mut e = RunningMeanStd::empty(3);
+        e.combine(&whole).unwrap();
+        assert_eq!(e, whole);
+        let mut w = whole.clone();
+        w.combine(&RunningMeanStd::empty(3)).unwrap();
+        assert_eq!(w, whole);
+        // Streaming update equals merging from a fresh start.
+        let mut s = RunningMeanStd::new(3);
+        s.update(&data[..27]).unwrap();
+        s.update(&data[27..]).unwrap();
+        let mut t = RunningMeanStd::new(3);
+        t.update(&data).unwrap();
+        for i in 0..3 {
+            close(s.mean[i], t.mean[i], 1e-12);
+            close(s.var[i], t.var[i], 1e-12);
+        }
+    }
+
+    #[test]
+    fn observations_normalised_and_clipped() {
+        let cfg = NormalizeConfig {
+            clip_obs: 1.5,
+            ..Default::default()
+        };
+        let mut vn = VecNormalize::new(cfg, 2, 2).unwrap();
+        let mut obs = [0.0f32, 10.0, 2.0, 30.0];
+        vn.reset(&mut obs).unwrap();
+        // Stats now ~ mean [1, 20], var [1, 100] (plus the 1e-4 prior).
+        let (m, v) = (vn.obs_rms.mean.clone(), vn.obs_rms.var.clone());
+        let expect = |x: f64, i: usize| ((x - m[i]) / (v[i] + 1e-8).sqrt()).clamp(-1.5, 1.5);
+        close(obs[0] as f64, expect(0.0, 0), 1e-6);
+        close(obs[1] as f64, expect(10.0, 1), 1e-6);
+        close(obs[2] as f64, 1.0, 1e-3);
+        close(obs[3] as f64, 1.0, 1e-3);
+        // Far outside: clipped.
+        let mut far = [100.0f32, -100.0];
+        vn.normalize_obs(&mut far);
+        assert_eq!(far, [1.5, -1.5]);
+        // Round trip through unnormalize (inside the clip).
+        let mut x = [1.5f32, 21.0];
+        let orig = x;
+        vn.normalize_obs(&mut x);
+        vn.unnormalize_obs(&mut x);
+        close(x[0] as f64, orig[0] as f64, 1e-5);
+        close(x[1] as f64, orig[1] as f64, 1e-5);
+        // Frozen: no update.
+        vn.set_training(false);
+        let before = vn.clone();
+        let mut obs = [5.0f32, 5.0, 6.0, 6.0];
+        vn.step(&mut obs, &mut [1.0, 1.0], &[false, false]).unwrap();
+        assert_eq!(vn.obs_rms, before.obs_rms);
+        assert_eq!(vn.ret_rms, before.ret_rms);
+        assert_eq!(vn.returns, before.returns);
+    }
+
+    #[test]
+    fn rewards_scaled_by_discounted_return_std() {
+        let cfg = NormalizeConfig {
+            norm_obs: false,
+            gamma: 0.5,
+            ..Default::default()
+        };
+        let mut vn = VecNormalize::new(cfg, 1, 2).unwrap();
+        let mut obs = [0.0f32, 0.0];
+        vn.reset(&mut obs).unwrap();
+        // Step 1: returns [1, 3]; env 1 done.
+        let mut r = [1.0f32, 3.0];
+        vn.step(&mut obs, &mut r, &[false, true]).unwrap();
+        let mut rms = RunningMeanStd::new(1);
+        rms.update_from_moments(&[2.0], &[1.0], 2.0).unwrap();
+        close(vn.ret_rms.var[0], rms.var[0], 1e-15);
+        let s1 = (rms.var[0] + 1e-8).sqrt();
+        close(r[0] as f64, 1.0 / s1, 1e-6);
+        close(r[1] as f64, 3.0 / s1, 1e-6);
+        assert_eq!(vn.returns, vec![1.0, 0.0]);
+        // Step 2: returns [0.5 * 1 + 2, 0 + 4] = [2.5, 4].
+        let mut r = [2.0f32, 4.0];
+        vn.step(&mut obs, &mut r, &[false, false]).unwrap();
+        rms.update_from_moments(&[3.25], &[0.5625], 2.0).unwrap();
+        close(vn.ret_rms.mean[0], rms.mean[0], 1e-15);
+        close(vn.ret_rms.var[0], rms.var[0], 1e-15);
+        let s2 = (rms.var[0] + 1e-8).sqrt();
+        close(r[0] as f64, 2.0 / s2, 1e-6);
+        assert_eq!(vn.returns, vec![2.5, 4.0]);
+        // Observations untouched with norm_obs off.
+        assert_eq!(obs, [0.0, 0.0]);
+        // Scale only, clipped.
+        let mut big = [1e6f32, -1e6];
+        vn.normalize_rewards(&mut big);
+        assert_eq!(big, [10.0, -10.0]);
+    }
+
+    #[test]
+    fn named_tensors_serde_and_file_round_trip() {
+        let mut vn = VecNormalize::new(NormalizeConfig::default(), 3, 2).unwrap();
+        let mut obs = [1.0f32, 2.0, 3.0, -1.0, 0.5, 4.0];
+        vn.reset(&mut obs).unwrap();
+        let mut obs = [0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0];
+        vn.step(&mut obs, &mut [1.0, -0.5], &[false, false])
+            .unwrap();
+        // serde_json without `float_roundtrip` may be off by one ulp.
+        let json = serde_json::to_string(&vn).unwrap();
+        let back: VecNormalize = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.returns, vn.returns);
+        assert_eq!(back.config, vn.config);
+        for (a, b) in [(&back.obs_rms, &vn.obs_rms), (&back.ret_rms, &vn.ret_rms)] {
+            close(a.count, b.count, 1e-15);
+            for i in 0..a.dim() {
+                close(a.mean[i], b.mean[i], 1e-15);
+                close(a.var[i], b.var[i], 1e-15);
+            }
+        }
+
+        let tensors = vn.named_tensors("vec_normalize.");
+        assert_eq!(tensors.len(), 6);
+        assert!(tensors
+            .iter()
+            .all(|(n, _, _)| n.starts_with("vec_normalize.")));
+        let mut other = VecNormalize::new(NormalizeConfig::default(), 3, 2).unwrap();
+        let mut with_model = tensors.clone();
+        with_model.push(("action_net.bias".into(), vec![2], vec![0.0, 0.0]));
+        other
+            .load_named_tensors(&with_model, "vec_normalize.")
+            .unwrap();
+        for i in 0..3 {
+            close(other.obs_rms.mean[i], vn.obs_rms.mean[i], 1e-7);
+            close(other.obs_rms.var[i], vn.obs_rms.var[i], 1e-7);
+        }
+        close(other.ret_rms.var[0], vn.ret_rms.var[0], 1e-7);
+        // Wrong shape or missing: refused, unchanged.
+        let before = other.clone();
+        let mut bad = tensors.clone();
+        bad[1].1 = vec![2];
+        bad[1].2.pop();
+        assert!(other.load_named_tensors(&bad, "vec_normalize.").is_err());
+        assert!(other
+            .load_named_tensors(&tensors[1..], "vec_normalize.")
+            .is_err());
+        let mut neg = tensors.clone();
+        neg[2].2[0] = -1.0;
+        assert!(other.load_named_tensors(&neg, "vec_normalize.").is_err());
+        assert_eq!(other, before);
+
+        let path = std::env::temp_dir().join(format!(
+            "relay-nn-vecnorm-{}.safetensors",
+            std::process::id()
+        ));
+        vn.save(&path).unwrap();
+        let mut loaded = VecNormalize::new(NormalizeConfig::default(), 3, 2).unwrap();
+        loaded.load(&path).unwrap();
+        assert_eq!(loaded.obs_rms.count, vn.obs_rms.count);
+        assert_eq!(loaded.ret_rms.count, vn.ret_rms.count);
+        close(loaded.obs_rms.var[2], vn.obs_rms.var[2], 1e-7);
+        std::fs::remove_file(&path).unwrap();
+    }
+}
