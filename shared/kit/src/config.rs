@@ -578,8 +578,10 @@ pub struct EvalConfig {
     /// registry): `greedy` (deterministic actions), `stochastic` (sampled
     /// actions), `threshold` (evaluates only once the training return crosses
     /// `options.level`), `record` (greedy, and writes each episode's
-    /// trajectory to `runs/<id>/recordings/v<version>.jsonl`). `relay eval use`
-    /// switches a running evaluator to another one.
+    /// trajectory to `runs/<id>/recordings/v<version>.jsonl`), and for
+    /// text-game runs `vs-opponent` (the learning adapter against each of
+    /// `options.opponents`, half of `options.games` in each seat). `relay
+    /// eval use` switches a running evaluator to another one.
     pub evaluator: String,
     /// Options of the plugin, `key: value` (scalars); each plugin documents
     /// its own and rejects unknown ones.
