@@ -265,11 +265,11 @@ async fn plays_tictactoe_against_random_and_minimax() {
     }
 
     // Reported values (to the tracker) and /metrics.
+    // Reports come each second; read them up to the one that counts all the
+    // games above (its rates cover the last 100 games).
     let mut reported = std::collections::BTreeMap::new();
-    while !["env_runner_win_rate", "env_runner_move_entropy"]
-        .iter()
-        .all(|n| reported.contains_key(*n))
-    {
+    let mut games_reported = 0.0;
+    while games_reported < records.len() as f64 {
         let message = tokio::time::timeout(Duration::from_secs(10), reports.next())
             .await
             .expect("metric reports")
@@ -277,6 +277,9 @@ async fn plays_tictactoe_against_random_and_minimax() {
         let report: MetricsReport = decode(&message.payload).unwrap();
         assert_eq!(report.service, "env-runner");
         for v in report.values {
+            if v.name == "games_total" {
+                games_reported += v.value;
+            }
             reported.insert(v.name, v.value);
         }
     }
