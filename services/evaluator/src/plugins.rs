@@ -696,6 +696,53 @@ mod tests {
     }
 
     #[test]
+    fn vs_opponent_checks_its_options_and_the_env() {
+        let p = build(
+            "vs-opponent",
+            &[
+                ("games".into(), "4".into()),
+                ("opponents".into(), "random, minimax".into()),
+            ],
+        )
+        .unwrap();
+        assert!(p.plays_text());
+        p.check_env("TicTacToe-v0").unwrap();
+        let err = p.check_env("ConnectFour-v0").unwrap_err();
+        assert!(
+            err.contains("minimax") && err.contains("ConnectFour-v0"),
+            "{err}"
+        );
+        let err = p.check_env("CartPole-v1").unwrap_err();
+        assert!(err.contains("CartPole-v1"), "{err}");
+        // The default opponents fit each game.
+        let default = build("vs-opponent", &[]).unwrap();
+        for game in relay_envs::TEXT_GAME_IDS {
+            default.check_env(game).unwrap();
+        }
+        for (key, value, needle) in [
+            ("opponents", "random,gpt", "gpt"),
+            ("opponents", " , ", "empty"),
+            ("games", "0", "games"),
+            ("episodes", "3", "episodes"),
+        ] {
+            let err = build("vs-opponent", &[(key.into(), value.into())])
+                .err()
+                .unwrap();
+            assert!(err.contains(needle), "{key}={value}: {err}");
+        }
+        // Classic plugins refuse text games.
+        let err = build("greedy", &[])
+            .unwrap()
+            .check_env("TicTacToe-v0")
+            .unwrap_err();
+        assert!(err.contains("vs-opponent"), "{err}");
+        build("greedy", &[])
+            .unwrap()
+            .check_env("CartPole-v1")
+            .unwrap();
+    }
+
+    #[test]
     fn threshold_waits_for_the_training_return_and_record_writes_trajectories() {
         let dir = std::env::temp_dir().join(format!("relay-eval-plugins-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
