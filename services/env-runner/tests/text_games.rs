@@ -54,7 +54,7 @@ fn spawn_stand_in_inference_server(
             let answer = plan(n);
             let payload = match answer {
                 Answer::Garbled => b"\x93not a reply".to_vec(),
-                Answer::Illegal => encode(&reply(&request, &["[9]", "I resign", "[ ]"][n % 3])),
+                Answer::Illegal => encode(&reply(&request, ["[9]", "I resign", "[ ]"][n % 3])),
                 Answer::Legal | Answer::Slow(_) => {
                     let moves = available_moves(&request);
                     encode(&reply(&request, &moves[n % moves.len()]))

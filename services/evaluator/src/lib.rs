@@ -27,8 +27,10 @@
 //! same `every_versions` / `every_seconds` schedule. Games are played
 //! asynchronously over `relay.<run>.generate` by a background task, so
 //! control messages are handled meanwhile; versions published during an
-//! evaluation are skipped but the newest (and counted). The report's
-//! `matchups` hold the results per opponent and seat.
+//! evaluation are skipped but the newest (and counted). An evaluation whose
+//! games were all abandoned (no inference server yet) is tried again after
+//! 5 s unless a newer version arrives. The report's `matchups` hold the
+//! results per opponent and seat.
 
 pub mod plugins;
 
@@ -337,6 +339,9 @@ impl MatchupMetrics {
     }
 }
 
+/// Pause before a text evaluation that played nothing is tried again.
+const TEXT_EVAL_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// What a background text evaluation hands back.
 struct TextEvaluation {
     plugin: String,
@@ -389,6 +394,10 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
         learner_env_steps: 0,
     }));
     let mut running: Option<tokio::task::JoinHandle<TextEvaluation>> = None;
+    // An evaluation that played nothing (every game abandoned: e.g. no
+    // inference server yet) is tried again after a pause, unless a newer
+    // version comes first.
+    let mut retry: Option<(tokio::time::Instant, AdapterVersion)> = None;
     loop {
         if running.is_none() {
             if let Some(target) = due.take() {
@@ -440,9 +449,15 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                 }
             }
             v = follower.newer_than(wanted), if running.is_none() && due.is_none() => match v {
-                Some(v) => due = Some(v),
+                Some(v) => {
+                    due = Some(v);
+                    retry = None;
+                }
                 None => break,
             },
+            _ = tokio::time::sleep_until(retry.map_or_else(tokio::time::Instant::now, |r| r.0)), if retry.is_some() && running.is_none() && due.is_none() => {
+                due = retry.take().map(|r| r.1);
+            }
             finished = async { running.as_mut().expect("checked").await }, if running.is_some() => {
                 running = None;
                 let evaluation = finished.map_err(ServiceError::other)?;
@@ -453,7 +468,8 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                     }
                     Ok(EvalOutcome::Returns(returns)) if !returns.is_empty() => (returns, Vec::new(), None),
                     Ok(EvalOutcome::Skipped(reason)) => {
-                        tracing::warn!(evaluator = %evaluation.plugin, version, %reason, "evaluation skipped");
+                        tracing::warn!(evaluator = %evaluation.plugin, version, %reason, retry_in_s = TEXT_EVAL_RETRY.as_secs(), "evaluation skipped");
+                        retry = Some((tokio::time::Instant::now() + TEXT_EVAL_RETRY, evaluation.target));
                         continue;
                     }
                     Ok(_) => continue,

@@ -1,7 +1,8 @@
 //! The `vs-opponent` evaluator plugin on a TicTacToe run against a real
-//! nats-server: it evaluates at start (version 0), then each new adapter
-//! version the learner announces, and reports win/draw/loss and the legal
-//! move rate per opponent and seat.
+//! nats-server: it evaluates at start (version 0; again once an inference
+//! server answers, if none did), then each new adapter version the learner
+//! announces, and reports win/draw/loss and the legal move rate per
+//! opponent and seat.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -135,7 +136,6 @@ async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions()
     let s = Subjects::new("vs-opp");
     let mut evals = client.subscribe(s.eval()).await.unwrap();
     let version = Arc::new(AtomicU64::new(0));
-    let served = spawn_stand_in_inference_server(client.clone(), "vs-opp", version.clone());
     let yaml = format!(
         "run:\n  id: vs-opp\n  env_id: TicTacToe-v0\nconnections:\n  nats_url: {}\neval:\n  evaluator: vs-opponent\n  every_versions: 1\n  options: {{games: 6, opponents: 'random, minimax'}}\ntext:\n  games_in_flight: 4\n  generate_timeout_ms: 5000\n",
         nats.url()
@@ -146,6 +146,11 @@ async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions()
     config.metrics_addr = addr;
     let (trigger, shutdown) = Shutdown::new();
     let evaluator = tokio::spawn(relay_evaluator::run(config, shutdown));
+
+    // No inference server at first: the games of the first evaluation are
+    // abandoned, and it is tried again once one answers.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let served = spawn_stand_in_inference_server(client.clone(), "vs-opp", version.clone());
 
     // At start, before any adapter version: version 0.
     let first = next_report(&mut evals).await;
