@@ -8,6 +8,12 @@
 //! Backpressure: a fragment refused because the buffer is full is retried
 //! after the delay the buffer asks for, and stepping waits meanwhile. At
 //! most one insert is in flight while the next fragment is collected.
+//!
+//! When `run.env_id` is a text game the env-runner plays games instead
+//! ([`text`]): `text.games_in_flight` at a time, with the LLM policy over
+//! `relay.<run>.generate`, publishing each finished game.
+
+mod text;
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -213,10 +219,15 @@ fn check_reply(reply: &ActReply, n: usize, space: &ActionSpace) -> Result<(), St
     Ok(())
 }
 
-/// Runs the env-runner until shutdown.
+/// Runs the env-runner until shutdown: text mode ([`text`]) when
+/// `run.env_id` is a text game, else the vectorized classic-control loop.
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("env-runner", config, shutdown.clone()).await?;
     let cfg = service.config.clone();
+    if relay_kit::config::is_text_game(&cfg.run.env_id) {
+        let seed = runner_seed(cfg.run.seed, &service.instance);
+        return text::run(service, shutdown, seed).await;
+    }
     let metrics = Metrics::register(&service.registry);
     let n = cfg.env_runner.num_envs;
     let mut envs = VecEnv::new(

@@ -18,6 +18,19 @@
 //! vectorized env, each run to its end), and publishes an [`EvalReport`].
 //! When the mean return reaches the threshold (the env's reward threshold
 //! unless `eval.threshold` says otherwise) it also announces the run solved.
+//!
+//! Text games (`run.env_id` one of the text games) need a text plugin
+//! (`vs-opponent`). The evaluator then follows the learning adapter's
+//! versions (`AdapterUpdate`s on `relay.<run>.adapters`) instead of MLP
+//! weights: it evaluates once at start (the base model, version 0, or
+//! whatever the inference servers hold), then on new versions with the
+//! same `every_versions` / `every_seconds` schedule. Games are played
+//! asynchronously over `relay.<run>.generate` by a background task, so
+//! control messages are handled meanwhile; versions published during an
+//! evaluation are skipped but the newest (and counted). An evaluation whose
+//! games were all abandoned (no inference server yet) is tried again after
+//! 5 s unless a newer version arrives. The report's `matchups` hold the
+//! results per opponent and seat.
 
 pub mod plugins;
 
@@ -28,12 +41,13 @@ use futures::StreamExt;
 use prometheus::{Gauge, GaugeVec, IntCounter, Opts};
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::ActorCritic;
-use relay_policy::PolicyFollower;
+use relay_policy::text::{NatsGenerate, LEARNING_ADAPTER};
+use relay_policy::{AdapterFollower, AdapterVersion, PolicyFollower};
 use relay_proto::{
-    EpisodeReport, EvalControl, EvalReport, RunStatus, RunStatusUpdate, SCHEMA_VERSION,
+    EpisodeReport, EvalControl, EvalReport, Matchup, RunStatus, RunStatusUpdate, SCHEMA_VERSION,
 };
 
-use plugins::{EvalContext, EvalOutcome, Evaluator};
+use plugins::{EvalContext, EvalOutcome, Evaluator, TextEvalContext};
 
 /// Plays one episode per sub-env with the policy's deterministic actions;
 /// returns each episode's return (the `greedy` plugin).
@@ -59,45 +73,26 @@ fn mean_std(values: &[f64]) -> (f64, f64) {
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("evaluator", config, shutdown.clone()).await?;
     let cfg = service.config.clone();
+    if relay_kit::config::is_text_game(&cfg.run.env_id) {
+        return run_text(service, shutdown).await;
+    }
     let mut follower = PolicyFollower::start(&service).await?;
     let threshold = cfg.solved_threshold();
-    let skipped = IntCounter::new(
-        "relay_evaluator_skipped_versions_total",
-        "Weights versions the evaluator did not evaluate because newer ones arrived.",
-    )
-    .unwrap();
-    let last_return = Gauge::new(
-        "relay_evaluator_return_mean",
-        "Mean return of the latest evaluation.",
-    )
-    .unwrap();
-    let control_rejected = IntCounter::new(
-        "relay_evaluator_control_rejected_total",
-        "EvalControl messages refused (unknown evaluator or option).",
-    )
-    .unwrap();
-    let control_applied = IntCounter::new(
-        "relay_evaluator_control_applied_total",
-        "EvalControl messages applied (evaluator plugin switched).",
-    )
-    .unwrap();
-    let active = GaugeVec::new(
-        Opts::new(
-            "relay_evaluator_active",
-            "1 for the evaluator plugin this copy runs now.",
-        ),
-        &["evaluator"],
-    )
-    .unwrap();
-    relay_kit::metrics::register(&service.registry, &active);
-    relay_kit::metrics::register(&service.registry, &skipped);
-    relay_kit::metrics::register(&service.registry, &last_return);
-    relay_kit::metrics::register(&service.registry, &control_rejected);
-    relay_kit::metrics::register(&service.registry, &control_applied);
-    let mut plugin: Arc<dyn Evaluator> =
-        plugins::build(&cfg.eval.evaluator, &cfg.eval.option_pairs())
-            .map_err(|e| ServiceError::other(format!("eval.evaluator: {e}")))?
-            .into();
+    let EvalMetrics {
+        skipped,
+        last_return,
+        control_rejected,
+        control_applied,
+        active,
+    } = EvalMetrics::register(&service.registry);
+    let build = |name: &str, options: &[(String, String)]| -> Result<Box<dyn Evaluator>, String> {
+        let plugin = plugins::build(name, options)?;
+        plugin.check_env(&cfg.run.env_id)?;
+        Ok(plugin)
+    };
+    let mut plugin: Arc<dyn Evaluator> = build(&cfg.eval.evaluator, &cfg.eval.option_pairs())
+        .map_err(|e| ServiceError::other(format!("eval.evaluator: {e}")))?
+        .into();
     let mut controls = service
         .nats
         .subscribe(service.subjects.eval_control())
@@ -136,7 +131,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
             Some(m) = controls.next() => {
                 match service.intake.decode::<EvalControl>("eval.control", &m.payload) {
-                    Ok(control) => match plugins::build(&control.evaluator, &control.options) {
+                    Ok(control) => match build(&control.evaluator, &control.options) {
                         Ok(p) => {
                             tracing::info!(from = plugin.name(), to = p.name(), options = ?control.options, "evaluator plugin switched");
                             let _ = active.remove_label_values(&[plugin.name()]);
@@ -186,7 +181,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             .map_err(ServiceError::other)?;
         let returns = match outcome {
             Ok(EvalOutcome::Returns(r)) if !r.is_empty() => r,
-            Ok(EvalOutcome::Returns(_)) => continue,
+            Ok(EvalOutcome::Returns(_) | EvalOutcome::Games { .. }) => continue,
             Ok(EvalOutcome::Skipped(reason)) => {
                 tracing::debug!(evaluator = plugin.name(), version = policy.version, %reason, "evaluation skipped");
                 continue;
@@ -219,6 +214,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             std_return: std,
             threshold: threshold.unwrap_or(f64::NAN),
             solved,
+            matchups: Vec::new(),
         };
         service.publish(service.subjects.eval(), &report).await;
         if solved && !announced_solved {
@@ -236,6 +232,300 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             };
             service.publish(service.subjects.status(), &status).await;
         }
+    }
+    service.health.set_ready(false);
+    service.drain().await;
+    Ok(())
+}
+
+/// The metrics every evaluator exports (classic and text).
+struct EvalMetrics {
+    skipped: IntCounter,
+    last_return: Gauge,
+    control_rejected: IntCounter,
+    control_applied: IntCounter,
+    active: GaugeVec,
+}
+
+impl EvalMetrics {
+    fn register(registry: &prometheus::Registry) -> Self {
+        let m = Self {
+            skipped: IntCounter::new(
+                "relay_evaluator_skipped_versions_total",
+                "Versions the evaluator did not evaluate because newer ones arrived.",
+            )
+            .unwrap(),
+            last_return: Gauge::new(
+                "relay_evaluator_return_mean",
+                "Mean return of the latest evaluation.",
+            )
+            .unwrap(),
+            control_rejected: IntCounter::new(
+                "relay_evaluator_control_rejected_total",
+                "EvalControl messages refused (unknown evaluator or option).",
+            )
+            .unwrap(),
+            control_applied: IntCounter::new(
+                "relay_evaluator_control_applied_total",
+                "EvalControl messages applied (evaluator plugin switched).",
+            )
+            .unwrap(),
+            active: GaugeVec::new(
+                Opts::new(
+                    "relay_evaluator_active",
+                    "1 for the evaluator plugin this copy runs now.",
+                ),
+                &["evaluator"],
+            )
+            .unwrap(),
+        };
+        relay_kit::metrics::register(registry, &m.active);
+        relay_kit::metrics::register(registry, &m.skipped);
+        relay_kit::metrics::register(registry, &m.last_return);
+        relay_kit::metrics::register(registry, &m.control_rejected);
+        relay_kit::metrics::register(registry, &m.control_applied);
+        m
+    }
+}
+
+/// Text-game results of the latest evaluation, per opponent and seat.
+struct MatchupMetrics {
+    games: GaugeVec,
+    legal_move_rate: GaugeVec,
+}
+
+impl MatchupMetrics {
+    fn register(registry: &prometheus::Registry) -> Self {
+        let m = Self {
+            games: GaugeVec::new(
+                Opts::new(
+                    "relay_evaluator_games",
+                    "Games of the latest text-game evaluation, by opponent, the policy's seat and its outcome (win, draw, loss, abandoned).",
+                ),
+                &["opponent", "seat", "outcome"],
+            )
+            .unwrap(),
+            legal_move_rate: GaugeVec::new(
+                Opts::new(
+                    "relay_evaluator_legal_move_rate",
+                    "Share of the policy's moves the game accepted in the latest text-game evaluation, by opponent and seat.",
+                ),
+                &["opponent", "seat"],
+            )
+            .unwrap(),
+        };
+        relay_kit::metrics::register(registry, &m.games);
+        relay_kit::metrics::register(registry, &m.legal_move_rate);
+        m
+    }
+
+    fn set(&self, matchups: &[Matchup]) {
+        for m in matchups {
+            let seat = m.seat.to_string();
+            for (outcome, n) in [
+                ("win", m.wins),
+                ("draw", m.draws),
+                ("loss", m.losses),
+                ("abandoned", m.abandoned),
+            ] {
+                self.games
+                    .with_label_values(&[&m.opponent, &seat, outcome])
+                    .set(n as f64);
+            }
+            self.legal_move_rate
+                .with_label_values(&[&m.opponent, &seat])
+                .set(m.legal_move_rate());
+        }
+    }
+}
+
+/// Pause before a text evaluation that played nothing is tried again.
+const TEXT_EVAL_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What a background text evaluation hands back.
+struct TextEvaluation {
+    plugin: String,
+    target: AdapterVersion,
+    outcome: Result<EvalOutcome, String>,
+}
+
+/// The evaluator of text-game runs (see the crate docs).
+async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceError> {
+    let cfg = service.config.clone();
+    let metrics = EvalMetrics::register(&service.registry);
+    let matchup_metrics = MatchupMetrics::register(&service.registry);
+    let threshold = cfg.eval.threshold;
+    let env_id = cfg.run.env_id.clone();
+    let build = |name: &str, options: &[(String, String)]| -> Result<Arc<dyn Evaluator>, String> {
+        let plugin = plugins::build(name, options)?;
+        plugin.check_env(&env_id)?;
+        Ok(plugin.into())
+    };
+    let mut plugin = build(&cfg.eval.evaluator, &cfg.eval.option_pairs())
+        .map_err(|e| ServiceError::other(format!("eval.evaluator: {e}")))?;
+    let mut follower = AdapterFollower::start(&service, LEARNING_ADAPTER).await?;
+    let mut controls = service
+        .nats
+        .subscribe(service.subjects.eval_control())
+        .await
+        .map_err(ServiceError::nats)?;
+    let ctx = TextEvalContext {
+        env_id: env_id.clone(),
+        games: cfg.eval.episodes,
+        seed: cfg.eval.seed,
+        text: cfg.text.clone(),
+        generator: NatsGenerate::new(service.nats.clone(), service.subjects.generate()),
+        instance: service.instance.clone(),
+    };
+    tracing::info!(evaluator = plugin.name(), %env_id, "evaluator plugin (text games)");
+    metrics.active.with_label_values(&[plugin.name()]).set(1.0);
+    service.health.set_ready(true);
+    let every_seconds = cfg
+        .eval
+        .every_seconds
+        .map(std::time::Duration::from_secs_f64);
+    let mut time_due_at = every_seconds.map(|d| tokio::time::Instant::now() + d);
+    let mut time_due = false;
+    let mut last: Option<u64> = None;
+    let mut announced_solved = false;
+    // The first evaluation starts at once: the newest version seen, else 0.
+    let mut due: Option<AdapterVersion> = Some(follower.latest().unwrap_or(AdapterVersion {
+        version: 0,
+        learner_env_steps: 0,
+    }));
+    let mut running: Option<tokio::task::JoinHandle<TextEvaluation>> = None;
+    // An evaluation that played nothing (every game abandoned: e.g. no
+    // inference server yet) is tried again after a pause, unless a newer
+    // version comes first.
+    let mut retry: Option<(tokio::time::Instant, AdapterVersion)> = None;
+    loop {
+        if running.is_none() {
+            if let Some(target) = due.take() {
+                if let Some(previous) = last {
+                    metrics
+                        .skipped
+                        .inc_by(target.version.saturating_sub(previous + 1));
+                }
+                last = Some(target.version);
+                time_due = false;
+                time_due_at = every_seconds.map(|d| tokio::time::Instant::now() + d);
+                let (evaluator, ctx) = (plugin.clone(), ctx.clone());
+                running = Some(tokio::spawn(async move {
+                    let outcome = evaluator.evaluate_text(&ctx).await;
+                    TextEvaluation {
+                        plugin: evaluator.name().to_string(),
+                        target,
+                        outcome,
+                    }
+                }));
+            }
+        }
+        let wanted = match last {
+            Some(v) if time_due => Some(v),
+            Some(v) => Some(v + cfg.eval.every_versions - 1),
+            None => None,
+        };
+        tokio::select! {
+            _ = shutdown.wait() => break,
+            _ = tokio::time::sleep_until(time_due_at.unwrap_or_else(tokio::time::Instant::now)), if time_due_at.is_some() && !time_due => {
+                time_due = true;
+            }
+            Some(m) = controls.next() => {
+                match service.intake.decode::<EvalControl>("eval.control", &m.payload) {
+                    Ok(control) => match build(&control.evaluator, &control.options) {
+                        Ok(p) => {
+                            tracing::info!(from = plugin.name(), to = p.name(), options = ?control.options, "evaluator plugin switched");
+                            let _ = metrics.active.remove_label_values(&[plugin.name()]);
+                            metrics.active.with_label_values(&[p.name()]).set(1.0);
+                            plugin = p;
+                            metrics.control_applied.inc();
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, current = plugin.name(), "eval control refused");
+                            metrics.control_rejected.inc();
+                        }
+                    },
+                    Err(_) => metrics.control_rejected.inc(),
+                }
+            }
+            v = follower.newer_than(wanted), if running.is_none() && due.is_none() => match v {
+                Some(v) => {
+                    due = Some(v);
+                    retry = None;
+                }
+                None => break,
+            },
+            _ = tokio::time::sleep_until(retry.map_or_else(tokio::time::Instant::now, |r| r.0)), if retry.is_some() && running.is_none() && due.is_none() => {
+                due = retry.take().map(|r| r.1);
+            }
+            finished = async { running.as_mut().expect("checked").await }, if running.is_some() => {
+                running = None;
+                let evaluation = finished.map_err(ServiceError::other)?;
+                let version = evaluation.target.version;
+                let (returns, matchups, acted) = match evaluation.outcome {
+                    Ok(EvalOutcome::Games { returns, matchups, policy_version }) if !returns.is_empty() => {
+                        (returns, matchups, policy_version)
+                    }
+                    Ok(EvalOutcome::Returns(returns)) if !returns.is_empty() => (returns, Vec::new(), None),
+                    Ok(EvalOutcome::Skipped(reason)) => {
+                        tracing::warn!(evaluator = %evaluation.plugin, version, %reason, retry_in_s = TEXT_EVAL_RETRY.as_secs(), "evaluation skipped");
+                        retry = Some((tokio::time::Instant::now() + TEXT_EVAL_RETRY, evaluation.target));
+                        continue;
+                    }
+                    Ok(_) => continue,
+                    Err(e) => {
+                        tracing::error!(error = %e, evaluator = %evaluation.plugin, version, "evaluation failed");
+                        continue;
+                    }
+                };
+                let (mean, std) = mean_std(&returns);
+                let solved = threshold.is_some_and(|t| mean >= t);
+                metrics.last_return.set(mean);
+                matchup_metrics.set(&matchups);
+                let policy_version = acted.unwrap_or(version);
+                for m in &matchups {
+                    tracing::info!(
+                        opponent = %m.opponent, seat = m.seat, wins = m.wins, draws = m.draws,
+                        losses = m.losses, abandoned = m.abandoned,
+                        legal_move_rate = m.legal_move_rate(), "matchup"
+                    );
+                }
+                tracing::info!(evaluator = %evaluation.plugin, version = policy_version, mean_return = mean, solved, "evaluated");
+                let report = EvalReport {
+                    schema: SCHEMA_VERSION,
+                    evaluator: evaluation.plugin.clone(),
+                    instance: service.instance.clone(),
+                    env_id: env_id.clone(),
+                    policy_version,
+                    learner_env_steps: evaluation.target.learner_env_steps,
+                    returns,
+                    mean_return: mean,
+                    std_return: std,
+                    threshold: threshold.unwrap_or(f64::NAN),
+                    solved,
+                    matchups,
+                };
+                service.publish(service.subjects.eval(), &report).await;
+                if solved && !announced_solved {
+                    announced_solved = true;
+                    let status = RunStatusUpdate {
+                        schema: SCHEMA_VERSION,
+                        status: RunStatus::Solved,
+                        service: "evaluator".into(),
+                        policy_version,
+                        detail: format!(
+                            "eval mean return {mean:.3} >= {:.3} ({})",
+                            threshold.unwrap_or(f64::NAN),
+                            evaluation.plugin
+                        ),
+                    };
+                    service.publish(service.subjects.status(), &status).await;
+                }
+            }
+        }
+    }
+    if let Some(task) = running.take() {
+        task.abort();
     }
     service.health.set_ready(false);
     service.drain().await;

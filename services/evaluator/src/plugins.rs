@@ -13,15 +13,30 @@
 //! | `threshold` | deterministic, only once the training return (mean of the last 100 training episodes) reaches `level` | `level` (required) | — |
 //! | `record` | deterministic | — | `runs/<id>/recordings/v<version>.jsonl`: one JSON line per episode with `obs`, `actions`, `rewards`, `terminated`, `truncated`, `return` |
 //!
+//! | `vs-opponent` | text games only: the LLM policy (learning adapter, newest version) against each opponent, half of the games in each seat, through the env-runner's game loop | `games` (per opponent; default `eval.episodes`), `opponents` (comma list of `random`, `minimax`, `connect_four_bot`, `self`, `base`, `adapter:<name>`; default `random`, plus `minimax` for TicTacToe or `connect_four_bot` for ConnectFour), `seed` | — |
+//!
+//! Classic plugins evaluate weights versions of the MLP policy on a
+//! blocking thread ([`Evaluator::evaluate`]); text-game plugins
+//! ([`Evaluator::plays_text`]) play asynchronously over NATS
+//! ([`Evaluator::evaluate_text`]). [`Evaluator::check_env`] refuses a plugin
+//! that cannot evaluate the run's env.
+//!
 //! An unknown plugin name or option is an error naming it.
 
 use std::io::Write;
 use std::path::PathBuf;
 
+use futures::future::BoxFuture;
+use futures::StreamExt;
 use rand::SeedableRng;
 use relay_envs::{ActionSpace, VecActions, VecEnv};
+use relay_kit::config::{is_text_game, Opponent, TextConfig};
 use relay_nn::{Actions, ActorCritic};
+use relay_policy::text::{
+    arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, Seat,
+};
 use relay_policy::VersionedPolicy;
+use relay_proto::Matchup;
 
 /// What a plugin knows about the run when it evaluates.
 #[derive(Debug, Clone)]
@@ -37,11 +52,37 @@ pub struct EvalContext {
     pub train_return: Option<f64>,
 }
 
+/// What a text-game plugin needs to play: the run's game, how model seats
+/// generate, and the learning adapter version it evaluates.
+#[derive(Clone)]
+pub struct TextEvalContext {
+    /// A text game id.
+    pub env_id: String,
+    /// `eval.episodes`: games per opponent unless the plugin says otherwise.
+    pub games: usize,
+    /// `eval.seed`, unless the plugin's `seed` option says otherwise.
+    pub seed: u64,
+    /// The run's `text` section (bots, sampling, `games_in_flight`).
+    pub text: TextConfig,
+    /// Generate requests to the inference servers.
+    pub generator: NatsGenerate,
+    /// Recorded as each game's runner.
+    pub instance: String,
+}
+
 /// The result of one evaluation.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EvalOutcome {
     /// Episodes played: their returns (published as an `EvalReport`).
     Returns(Vec<f64>),
+    /// Text games played: the policy's rewards, its results per opponent and
+    /// seat, and the oldest adapter version that moved (when the inference
+    /// servers reported one).
+    Games {
+        returns: Vec<f64>,
+        matchups: Vec<Matchup>,
+        policy_version: Option<u64>,
+    },
     /// Nothing played (and nothing published), with the reason.
     Skipped(String),
 }
@@ -52,6 +93,33 @@ pub trait Evaluator: Send + Sync {
     fn name(&self) -> &str;
     /// Evaluates one policy version (runs on a blocking thread).
     fn evaluate(&self, policy: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String>;
+    /// Plays text games (with [`Evaluator::evaluate_text`]) rather than
+    /// classic-control episodes.
+    fn plays_text(&self) -> bool {
+        false
+    }
+    /// Checks that this plugin can evaluate runs of `env_id`.
+    fn check_env(&self, env_id: &str) -> Result<(), String> {
+        match (self.plays_text(), is_text_game(env_id)) {
+            (false, true) => Err(format!(
+                "evaluator {} plays classic-control envs, not the text game {env_id}; use vs-opponent",
+                self.name()
+            )),
+            (true, false) => Err(format!(
+                "evaluator {} plays text games, not {env_id}",
+                self.name()
+            )),
+            _ => Ok(()),
+        }
+    }
+    /// Evaluates the learning adapter in text games (asynchronously).
+    fn evaluate_text<'a>(
+        &'a self,
+        _ctx: &'a TextEvalContext,
+    ) -> BoxFuture<'a, Result<EvalOutcome, String>> {
+        let name = self.name().to_string();
+        Box::pin(async move { Err(format!("evaluator {name} does not play text games")) })
+    }
 }
 
 /// Builds a plugin from its options.
@@ -64,6 +132,7 @@ pub fn registry() -> Vec<(&'static str, Factory)> {
         ("stochastic", Stochastic::build),
         ("threshold", Threshold::build),
         ("record", Record::build),
+        ("vs-opponent", VsOpponent::build),
     ]
 }
 
@@ -129,12 +198,12 @@ impl Options {
         match self.pairs.first() {
             None => Ok(()),
             Some((k, _)) => Err(format!(
-                "evaluator {}: unknown option {k:?} (known: episodes, seed{})",
+                "evaluator {}: unknown option {k:?} (known: {})",
                 self.plugin,
-                if self.plugin == "threshold" {
-                    ", level"
-                } else {
-                    ""
+                match self.plugin.as_str() {
+                    "threshold" => "episodes, seed, level",
+                    "vs-opponent" => "games, opponents, seed",
+                    _ => "episodes, seed",
                 }
             )),
         }
@@ -278,6 +347,217 @@ impl Evaluator for Record {
     }
 }
 
+/// Text games: the learning adapter against each opponent, half of the
+/// games in each seat (`vs-opponent`).
+pub struct VsOpponent {
+    games: Option<usize>,
+    opponents: Option<Vec<Opponent>>,
+    seed: Option<u64>,
+}
+
+impl VsOpponent {
+    fn build(mut o: Options) -> Result<Box<dyn Evaluator>, String> {
+        let games: Option<usize> = o.parse("games")?;
+        if games == Some(0) {
+            return Err("evaluator vs-opponent: option games must be positive".into());
+        }
+        let opponents = o
+            .take("opponents")
+            .map(|list| {
+                let parsed = list
+                    .split(',')
+                    .filter(|s| !s.trim().is_empty())
+                    .map(Opponent::parse)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| format!("evaluator vs-opponent: option opponents: {e}"))?;
+                if parsed.is_empty() {
+                    return Err("evaluator vs-opponent: option opponents is empty".to_string());
+                }
+                Ok(parsed)
+            })
+            .transpose()?;
+        let seed = o.parse("seed")?;
+        o.finish()?;
+        Ok(Box::new(Self {
+            games,
+            opponents,
+            seed,
+        }))
+    }
+
+    /// The opponents: the option, else `random` plus the game's strong bot.
+    fn opponents(&self, env_id: &str) -> Vec<Opponent> {
+        if let Some(list) = &self.opponents {
+            return list.clone();
+        }
+        let mut list = vec![Opponent::Bot("random".into())];
+        for bot in ["minimax", "connect_four_bot"] {
+            if relay_kit::config::bot_plays(bot, env_id) {
+                list.push(Opponent::Bot(bot.into()));
+            }
+        }
+        list
+    }
+}
+
+/// One game of an evaluation.
+struct EvalGame {
+    /// Index into the matchups.
+    matchup: usize,
+    spec: GameSpec,
+}
+
+impl Evaluator for VsOpponent {
+    fn name(&self) -> &str {
+        "vs-opponent"
+    }
+
+    fn evaluate(&self, _: &VersionedPolicy, _: &EvalContext) -> Result<EvalOutcome, String> {
+        Err("evaluator vs-opponent plays text games only".into())
+    }
+
+    fn plays_text(&self) -> bool {
+        true
+    }
+
+    fn check_env(&self, env_id: &str) -> Result<(), String> {
+        if !is_text_game(env_id) {
+            return Err(format!(
+                "evaluator vs-opponent plays text games, not {env_id}"
+            ));
+        }
+        for opponent in self.opponents(env_id) {
+            opponent
+                .check_game(env_id)
+                .map_err(|e| format!("evaluator vs-opponent: option opponents: {e}"))?;
+        }
+        Ok(())
+    }
+
+    fn evaluate_text<'a>(
+        &'a self,
+        ctx: &'a TextEvalContext,
+    ) -> BoxFuture<'a, Result<EvalOutcome, String>> {
+        Box::pin(async move {
+            self.check_env(&ctx.env_id)?;
+            let players = relay_envs::make_text_game(&ctx.env_id)
+                .map_err(|e| e.to_string())?
+                .num_players();
+            let games = self.games.unwrap_or(ctx.games);
+            let seed = self.seed.unwrap_or(ctx.seed);
+            let opponents = if players == 1 {
+                vec![None]
+            } else {
+                self.opponents(&ctx.env_id).into_iter().map(Some).collect()
+            };
+            // The same game seeds against every opponent; the first half
+            // of the games in seat 0, the rest in seat 1.
+            let mut matchups: Vec<Matchup> = Vec::new();
+            let mut planned = Vec::new();
+            for opponent in &opponents {
+                let label = opponent.as_ref().map_or("none".into(), Opponent::label);
+                for i in 0..games {
+                    let seat = if players == 1 {
+                        0
+                    } else {
+                        usize::from(i >= games.div_ceil(2))
+                    };
+                    let matchup = match matchups
+                        .iter()
+                        .position(|m| m.opponent == label && m.seat as usize == seat)
+                    {
+                        Some(index) => index,
+                        None => {
+                            matchups.push(Matchup {
+                                opponent: label.clone(),
+                                seat: seat as u8,
+                                games: 0,
+                                wins: 0,
+                                draws: 0,
+                                losses: 0,
+                                abandoned: 0,
+                                moves: 0,
+                                invalid_moves: 0,
+                            });
+                            matchups.len() - 1
+                        }
+                    };
+                    let game_seed = seed.wrapping_add(i as u64);
+                    let learner = Seat::learner(&ctx.text, game_seed)?;
+                    let seats = arrange(
+                        learner,
+                        || match opponent {
+                            Some(o) => Seat::opponent(o, game_seed ^ 0x5eed, &ctx.text),
+                            None => Err("a single-player game has no opponent".into()),
+                        },
+                        players,
+                        seat,
+                    )?;
+                    planned.push(EvalGame {
+                        matchup,
+                        spec: GameSpec {
+                            env_id: ctx.env_id.clone(),
+                            seed: game_seed,
+                            seats,
+                            learner_seat: Some(seat),
+                            runner_id: ctx.instance.clone(),
+                        },
+                    });
+                }
+            }
+            let settings = GameSettings::from_config(&ctx.text);
+            let results: Vec<_> = futures::stream::iter(planned.into_iter().map(|g| {
+                let settings = &settings;
+                async move { (g.matchup, play_game(&ctx.generator, g.spec, settings).await) }
+            }))
+            .buffered(ctx.text.games_in_flight.max(1))
+            .collect()
+            .await;
+            let mut returns = Vec::new();
+            let mut policy_version: Option<u64> = None;
+            for (index, result) in results {
+                let m = &mut matchups[index];
+                let game = match result {
+                    Ok(game) => game,
+                    Err(GameError::Abandoned { .. }) => {
+                        m.abandoned += 1;
+                        continue;
+                    }
+                    Err(e) => return Err(e.to_string()),
+                };
+                match game.outcome().expect("learner seat set") {
+                    Outcome::Win => m.wins += 1,
+                    Outcome::Draw => m.draws += 1,
+                    Outcome::Loss => m.losses += 1,
+                }
+                m.games += 1;
+                let learning = game.learning_seats();
+                for turn in &game.record.turns {
+                    if learning.contains(&(turn.player as usize)) {
+                        m.moves += 1;
+                        m.invalid_moves += u32::from(turn.invalid);
+                        if let Some(v) = turn.adapter.as_ref().and_then(|a| a.version) {
+                            policy_version = Some(policy_version.map_or(v, |p| p.min(v)));
+                        }
+                    }
+                }
+                returns.push(game.learner_reward().expect("learner seat set"));
+            }
+            if returns.is_empty() {
+                return Ok(EvalOutcome::Skipped(format!(
+                    "all {} games abandoned (no usable replies from the inference servers)",
+                    matchups.iter().map(|m| m.abandoned).sum::<u32>()
+                )));
+            }
+            Ok(EvalOutcome::Games {
+                returns,
+                matchups,
+                policy_version,
+            })
+        })
+    }
+}
+
 /// One episode's steps: observation before each step, action (a list of
 /// numbers: one for discrete spaces), reward, terminated, truncated.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -413,6 +693,53 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.contains("episodes"), "{err}");
+    }
+
+    #[test]
+    fn vs_opponent_checks_its_options_and_the_env() {
+        let p = build(
+            "vs-opponent",
+            &[
+                ("games".into(), "4".into()),
+                ("opponents".into(), "random, minimax".into()),
+            ],
+        )
+        .unwrap();
+        assert!(p.plays_text());
+        p.check_env("TicTacToe-v0").unwrap();
+        let err = p.check_env("ConnectFour-v0").unwrap_err();
+        assert!(
+            err.contains("minimax") && err.contains("ConnectFour-v0"),
+            "{err}"
+        );
+        let err = p.check_env("CartPole-v1").unwrap_err();
+        assert!(err.contains("CartPole-v1"), "{err}");
+        // The default opponents fit each game.
+        let default = build("vs-opponent", &[]).unwrap();
+        for game in relay_envs::TEXT_GAME_IDS {
+            default.check_env(game).unwrap();
+        }
+        for (key, value, needle) in [
+            ("opponents", "random,gpt", "gpt"),
+            ("opponents", " , ", "empty"),
+            ("games", "0", "games"),
+            ("episodes", "3", "episodes"),
+        ] {
+            let err = build("vs-opponent", &[(key.into(), value.into())])
+                .err()
+                .unwrap();
+            assert!(err.contains(needle), "{key}={value}: {err}");
+        }
+        // Classic plugins refuse text games.
+        let err = build("greedy", &[])
+            .unwrap()
+            .check_env("TicTacToe-v0")
+            .unwrap_err();
+        assert!(err.contains("vs-opponent"), "{err}");
+        build("greedy", &[])
+            .unwrap()
+            .check_env("CartPole-v1")
+            .unwrap();
     }
 
     #[test]

@@ -1,12 +1,63 @@
 //! The metric catalogue (`configs/metrics.yaml`) and the services agree:
 //! every metric any service registers or reports is catalogued, and every
-//! catalogued metric is emitted by some service during a short real run.
+//! catalogued metric is emitted by some service during a short real run (a
+//! CartPole run, and beside it a TicTacToe run of an env-runner and a
+//! `vs-opponent` evaluator with a stand-in for the inference servers'
+//! `generate` endpoint).
 
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use relay_kit::metrics::{emitted, Catalogue};
 use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_proto::{
+    decode, encode, FinishReason, GenerateReply, GenerateRequest, Prompt, Subjects, Tensor,
+    SCHEMA_VERSION,
+};
 use relay_testkit::{NatsServer, RedisServer, TempDir};
+
+/// A stand-in for the inference servers' `generate` endpoint (written
+/// elsewhere): answers each request on the real NATS with the first move of
+/// the prompt's "Available Moves" line and made-up tokens.
+fn spawn_stand_in_generate(client: async_nats::Client, run_id: &str) {
+    let subject = Subjects::new(run_id).generate();
+    tokio::spawn(async move {
+        let mut requests = client.queue_subscribe(subject, "q".into()).await.unwrap();
+        while let Some(message) = requests.next().await {
+            let Ok(request) = decode::<GenerateRequest>(&message.payload) else {
+                continue;
+            };
+            let Prompt::Chat(turns) = &request.prompt else {
+                continue;
+            };
+            let text = turns
+                .last()
+                .and_then(|t| {
+                    t.content
+                        .lines()
+                        .rev()
+                        .find_map(|l| l.strip_prefix("Available Moves: "))
+                })
+                .and_then(|moves| moves.split(", ").next())
+                .unwrap_or("[0]")
+                .trim_matches('\'')
+                .to_string();
+            let c = text.len();
+            let reply = GenerateReply {
+                schema: SCHEMA_VERSION,
+                adapter: request.adapter.clone(),
+                prompt_tokens: Tensor::from_u32(&[1], &[1]),
+                completion_tokens: Tensor::from_u32(&[c], &vec![2; c]),
+                logprobs: Tensor::from_f32(&[c], &vec![-1.0; c]),
+                text,
+                finish: FinishReason::Stop,
+            };
+            if let Some(to) = message.reply {
+                let _ = client.publish(to, encode(&reply).into()).await;
+            }
+        }
+    });
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metric_catalogue_matches_what_services_emit() {
@@ -20,8 +71,19 @@ async fn metric_catalogue_matches_what_services_emit() {
         redis.url()
     );
     let experiment = ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap();
+    let text_run = format!(
+        "run:\n  id: catalogue-text\n  env_id: TicTacToe-v0\n  runs_dir: {}\nconnections:\n  nats_url: {}\neval:\n  evaluator: vs-opponent\n  options: {{games: 2}}\ntext:\n  opponents: {{random: 1, minimax: 1}}\n  games_in_flight: 2\n",
+        dir.path().display(),
+        nats.url()
+    );
+    let text_experiment = ExperimentConfig::from_layers(&text_run, "test", &[], &[]).unwrap();
+    spawn_stand_in_generate(
+        async_nats::connect(nats.url()).await.unwrap(),
+        "catalogue-text",
+    );
     let (trigger, shutdown) = Shutdown::new();
     let config = || ServiceConfig::for_test(experiment.clone());
+    let text_config = || ServiceConfig::for_test(text_experiment.clone());
     let tasks = vec![
         tokio::spawn(relay_tracker::run(config(), shutdown.clone())),
         tokio::spawn(relay_replay_buffer::run(config(), shutdown.clone())),
@@ -29,6 +91,8 @@ async fn metric_catalogue_matches_what_services_emit() {
         tokio::spawn(relay_evaluator::run(config(), shutdown.clone())),
         tokio::spawn(relay_env_runner::run(config(), shutdown.clone())),
         tokio::spawn(relay_learner::run(config(), shutdown.clone())),
+        tokio::spawn(relay_env_runner::run(text_config(), shutdown.clone())),
+        tokio::spawn(relay_evaluator::run(text_config(), shutdown.clone())),
     ];
     // Until every catalogued metric has shown up (reports come each second,
     // the learner's after its first update), or a deadline.

@@ -50,6 +50,7 @@ fn eval(mean: f64, version: u64, steps: u64) -> EvalReport {
         std_return: 12.25,
         threshold: 475.0,
         solved: false,
+        matchups: Vec::new(),
     }
 }
 

@@ -144,6 +144,7 @@ async fn tracker_writes_csv_registry_and_plots() {
                 std_return: 5.0,
                 threshold: 475.0,
                 solved: v == 12,
+                matchups: Vec::new(),
             };
             publish(s.eval(), encode(&eval)).await;
         }

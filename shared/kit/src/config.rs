@@ -55,6 +55,8 @@ pub struct ExperimentConfig {
     pub eval: EvalConfig,
     #[serde(default)]
     pub tracker: TrackerConfig,
+    #[serde(default)]
+    pub text: TextConfig,
 }
 
 /// What is trained, for how long, and where its files go.
@@ -65,7 +67,10 @@ pub struct RunConfig {
     /// scopes every NATS subject and Redis key. Usually given by `--run-id`.
     #[serde(default)]
     pub id: Option<String>,
-    /// Gymnasium id of the environment, e.g. `CartPole-v1`.
+    /// Id of the environment: a Gymnasium classic-control id (`CartPole-v1`,
+    /// ...) or a text game (`TicTacToe-v0`, `ConnectFour-v0`,
+    /// `KuhnPoker-v0`, `GuessTheNumber-v0`: the env-runners play games
+    /// with the LLM policy, see the `text` section).
     pub env_id: String,
     /// Algorithm name, used in run ids; only `ppo` for now.
     #[serde(default = "default_algo")]
@@ -573,8 +578,10 @@ pub struct EvalConfig {
     /// registry): `greedy` (deterministic actions), `stochastic` (sampled
     /// actions), `threshold` (evaluates only once the training return crosses
     /// `options.level`), `record` (greedy, and writes each episode's
-    /// trajectory to `runs/<id>/recordings/v<version>.jsonl`). `relay eval use`
-    /// switches a running evaluator to another one.
+    /// trajectory to `runs/<id>/recordings/v<version>.jsonl`), and for
+    /// text-game runs `vs-opponent` (the learning adapter against each of
+    /// `options.opponents`, half of `options.games` in each seat). `relay
+    /// eval use` switches a running evaluator to another one.
     pub evaluator: String,
     /// Options of the plugin, `key: value` (scalars); each plugin documents
     /// its own and rejects unknown ones.
@@ -638,6 +645,269 @@ impl Default for EvalConfig {
             evaluator: "greedy".into(),
             options: Default::default(),
         }
+    }
+}
+
+/// The bots a seat can hold (`text.learner`, `text.opponents`).
+pub const BOT_NAMES: [&str; 3] = ["random", "minimax", "connect_four_bot"];
+
+/// Whether bot `name` plays text game `env_id`: `random` plays every game,
+/// `minimax` TicTacToe only, `connect_four_bot` ConnectFour only.
+pub fn bot_plays(name: &str, env_id: &str) -> bool {
+    match name {
+        "random" => true,
+        "minimax" => env_id == relay_envs::text::tic_tac_toe::ID,
+        "connect_four_bot" => env_id == relay_envs::text::connect_four::ID,
+        _ => false,
+    }
+}
+
+/// Whether `env_id` is a text game (played by the LLM policy).
+pub fn is_text_game(env_id: &str) -> bool {
+    relay_envs::TEXT_GAME_IDS.contains(&env_id)
+}
+
+/// Who sits opposite the learning policy (a key of `text.opponents`, or an
+/// entry of the `vs-opponent` evaluator's `opponents` option).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Opponent {
+    /// `self`: the learning adapter itself (mirror self-play: it holds every seat).
+    SelfPlay,
+    /// `base`: the base model without any adapter.
+    Base,
+    /// A bot of [`BOT_NAMES`].
+    Bot(String),
+    /// `adapter:<name>`: the LLM with another adapter the inference servers hold.
+    Adapter(String),
+}
+
+impl Opponent {
+    /// Parses `self`, `base`, a bot name or `adapter:<name>`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        match text {
+            "self" => Ok(Self::SelfPlay),
+            "base" => Ok(Self::Base),
+            bot if BOT_NAMES.contains(&bot) => Ok(Self::Bot(bot.to_string())),
+            other => match other.strip_prefix("adapter:") {
+                Some(name) if valid_adapter_name(name) => Ok(Self::Adapter(name.to_string())),
+                Some(name) => Err(format!(
+                    "adapter name {name:?} must be 1 to 64 ASCII letters, digits, '-', '_' or '.'"
+                )),
+                None => Err(format!(
+                    "unknown opponent {other:?}; known: self, base, {}, adapter:<name>",
+                    BOT_NAMES.join(", ")
+                )),
+            },
+        }
+    }
+
+    /// Its name as configs write it (`random`, `adapter:old`, ...).
+    pub fn label(&self) -> String {
+        match self {
+            Self::SelfPlay => "self".into(),
+            Self::Base => "base".into(),
+            Self::Bot(name) => name.clone(),
+            Self::Adapter(name) => format!("adapter:{name}"),
+        }
+    }
+
+    /// Checks that it can play `env_id` (bots play only some games).
+    pub fn check_game(&self, env_id: &str) -> Result<(), String> {
+        match self {
+            Self::Bot(name) if !bot_plays(name, env_id) => {
+                Err(format!("bot {name} does not play {env_id}"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+fn valid_adapter_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// Text-game runs (`run.env_id` one of the text games): who plays, and how
+/// the LLM policy generates its moves. Ignored for classic-control envs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TextConfig {
+    /// Base model of the run's LLM policy, loaded by the inference servers
+    /// (and the learner): a Hugging Face model folder or a GGUF file, or
+    /// `tiny` for the tiny random Qwen2 of the test fixtures.
+    pub model: String,
+    /// Who plays the learning side: `model` (the LLM with the learning
+    /// adapter `policy`), or a bot (`random`, `minimax`,
+    /// `connect_four_bot`) for a baseline run that needs no inference server.
+    pub learner: String,
+    /// Who sits opposite the learning side in training games, each with a
+    /// relative weight (>= 0; one is drawn per game): `self` (mirror: the
+    /// learning adapter in every seat), `base` (the base model without
+    /// adapter), `random`, `minimax` (TicTacToe), `connect_four_bot`
+    /// (ConnectFour), `adapter:<name>` (another adapter the inference
+    /// servers hold). Single-player games ignore it.
+    pub opponents: std::collections::BTreeMap<String, f64>,
+    /// Games each env-runner copy plays at the same time (their generate
+    /// requests overlap, so the inference servers can batch them).
+    pub games_in_flight: usize,
+    /// Most tokens the model may generate for one move.
+    pub max_turn_tokens: u32,
+    /// Sampling temperature of the model's moves (0: greedy).
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability
+    /// reaches this (1 keeps all).
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens (0 keeps all).
+    pub top_k: u32,
+    /// Ask for constrained decoding: the model's move is always one of the
+    /// game's legal moves (`legal_moves()`), spelled token by token.
+    pub constrained: bool,
+    /// System prompt put before each observation (none: the observation is
+    /// the only chat turn).
+    pub system_prompt: Option<String>,
+    /// Time one generate request may take before it counts as failed.
+    pub generate_timeout_ms: u64,
+    /// Attempts per move (the first try and its retries) before the game is
+    /// abandoned (and counted); a timeout, an undecodable reply and a
+    /// missing inference server each fail one attempt.
+    pub generate_attempts: u32,
+    /// Search depth (plies) of `connect_four_bot`.
+    pub connect_four_depth: u32,
+}
+
+impl Default for TextConfig {
+    fn default() -> Self {
+        Self {
+            model: "tiny".into(),
+            learner: "model".into(),
+            opponents: [("random".to_string(), 1.0)].into_iter().collect(),
+            games_in_flight: 4,
+            max_turn_tokens: 32,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            constrained: false,
+            system_prompt: None,
+            generate_timeout_ms: 30_000,
+            generate_attempts: 3,
+            connect_four_depth: 4,
+        }
+    }
+}
+
+impl TextConfig {
+    /// The opponents with their weights, parsed (in name order).
+    pub fn opponent_weights(&self) -> Result<Vec<(Opponent, f64)>, ConfigError> {
+        self.opponents
+            .iter()
+            .map(|(name, &w)| {
+                Opponent::parse(name)
+                    .map(|o| (o, w))
+                    .map_err(|e| invalid(&format!("text.opponents.{name}"), e))
+            })
+            .collect()
+    }
+
+    /// The learning side's bot, if `learner` names one (`None`: the model).
+    pub fn learner_bot(&self) -> Option<&str> {
+        (self.learner != "model").then_some(self.learner.as_str())
+    }
+
+    /// Checks every field; `env_id` is the run's (game-specific checks
+    /// apply only when it is a text game).
+    pub fn validate(&self, env_id: &str) -> Result<(), ConfigError> {
+        if self.model.trim().is_empty() {
+            return Err(invalid(
+                "text.model",
+                "must name a model folder, a GGUF file or `tiny`",
+            ));
+        }
+        let game = is_text_game(env_id);
+        if self.learner != "model" {
+            if !BOT_NAMES.contains(&self.learner.as_str()) {
+                return Err(invalid(
+                    "text.learner",
+                    format!(
+                        "unknown learner {:?}; known: model, {}",
+                        self.learner,
+                        BOT_NAMES.join(", ")
+                    ),
+                ));
+            }
+            if game && !bot_plays(&self.learner, env_id) {
+                return Err(invalid(
+                    "text.learner",
+                    format!("bot {} does not play {env_id}", self.learner),
+                ));
+            }
+        }
+        if self.opponents.is_empty() {
+            return Err(invalid("text.opponents", "needs at least one opponent"));
+        }
+        for (opponent, weight) in self.opponent_weights()? {
+            let field = format!("text.opponents.{}", opponent.label());
+            if !(weight.is_finite() && weight >= 0.0) {
+                return Err(invalid(
+                    &field,
+                    format!("weight must be a number >= 0, got {weight}"),
+                ));
+            }
+            if game {
+                opponent
+                    .check_game(env_id)
+                    .map_err(|e| invalid(&field, e))?;
+            }
+        }
+        if self.opponents.values().all(|&w| w <= 0.0) {
+            return Err(invalid(
+                "text.opponents",
+                "every weight is 0; at least one must be positive",
+            ));
+        }
+        positive("text.games_in_flight", self.games_in_flight)?;
+        if self.max_turn_tokens == 0 || self.max_turn_tokens > relay_proto::MAX_GENERATE_TOKENS {
+            return Err(invalid(
+                "text.max_turn_tokens",
+                format!(
+                    "must be in 1..={}, got {}",
+                    relay_proto::MAX_GENERATE_TOKENS,
+                    self.max_turn_tokens
+                ),
+            ));
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(invalid(
+                "text.temperature",
+                format!("must be a number >= 0, got {}", self.temperature),
+            ));
+        }
+        if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(invalid(
+                "text.top_p",
+                format!("must be in (0, 1], got {}", self.top_p),
+            ));
+        }
+        if self
+            .system_prompt
+            .as_ref()
+            .is_some_and(|p| p.trim().is_empty())
+        {
+            return Err(invalid(
+                "text.system_prompt",
+                "is empty; leave it unset for no system prompt",
+            ));
+        }
+        positive(
+            "text.generate_timeout_ms",
+            self.generate_timeout_ms as usize,
+        )?;
+        positive("text.generate_attempts", self.generate_attempts as usize)?;
+        positive("text.connect_four_depth", self.connect_four_depth as usize)?;
+        Ok(())
     }
 }
 
@@ -738,7 +1008,18 @@ impl ExperimentConfig {
         if let Some(id) = &self.run.id {
             relay_proto::validate_run_id(id).map_err(|e| invalid("run.id", e))?;
         }
-        relay_envs::spec(&self.run.env_id).map_err(|e| invalid("run.env_id", e.to_string()))?;
+        if !is_text_game(&self.run.env_id) && relay_envs::spec(&self.run.env_id).is_err() {
+            return Err(invalid(
+                "run.env_id",
+                format!(
+                    "unknown environment {:?}; known: {} (classic control), {} (text games)",
+                    self.run.env_id,
+                    relay_envs::ENV_IDS.join(", "),
+                    relay_envs::TEXT_GAME_IDS.join(", ")
+                ),
+            ));
+        }
+        self.text.validate(&self.run.env_id)?;
         if self.run.algo != "ppo" {
             return Err(invalid(
                 "run.algo",
@@ -1072,6 +1353,118 @@ mod tests {
                 .to_string();
             assert!(err.contains(field), "{sets:?}: {err}");
         }
+    }
+
+    const TEXT: &str = "run:\n  env_id: TicTacToe-v0\n";
+
+    #[test]
+    fn text_games_are_env_ids_and_unknown_ids_list_both_kinds() {
+        let c = ExperimentConfig::from_layers(TEXT, "t", &[], &[]).unwrap();
+        assert!(is_text_game(&c.run.env_id));
+        assert_eq!(c.text.opponent_weights().unwrap().len(), 1);
+        let err =
+            ExperimentConfig::from_layers(TEXT, "t", &[], &["run.env_id=TicTacToe-v9".into()])
+                .unwrap_err()
+                .to_string();
+        for needle in [
+            "run.env_id",
+            "TicTacToe-v9",
+            "CartPole-v1",
+            "TicTacToe-v0",
+            "KuhnPoker-v0",
+        ] {
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+    }
+
+    #[test]
+    fn text_fields_are_checked_and_errors_name_them() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["text.opponents.nobody=1"], "text.opponents.nobody"),
+            (
+                &["text.opponents.connect_four_bot=1"],
+                "text.opponents.connect_four_bot",
+            ),
+            (&["text.opponents.random=-1"], "text.opponents.random"),
+            (&["text.opponents.random=0"], "text.opponents"),
+            (&["text.opponents.adapter:=1"], "text.opponents.adapter:"),
+            (&["text.games_in_flight=0"], "text.games_in_flight"),
+            (&["text.max_turn_tokens=0"], "text.max_turn_tokens"),
+            (&["text.max_turn_tokens=100000"], "text.max_turn_tokens"),
+            (&["text.temperature=-0.5"], "text.temperature"),
+            (&["text.top_p=0"], "text.top_p"),
+            (&["text.top_p=1.5"], "text.top_p"),
+            (&["text.system_prompt=' '"], "text.system_prompt"),
+            (&["text.model=''"], "text.model"),
+            (&["text.learner=alphago"], "text.learner"),
+            (&["text.learner=connect_four_bot"], "text.learner"),
+            (&["text.generate_attempts=0"], "text.generate_attempts"),
+            (&["text.generate_timeout_ms=0"], "text.generate_timeout_ms"),
+            (&["text.constrainted=true"], "constrainted"),
+        ];
+        for (sets, field) in cases {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            let err = ExperimentConfig::from_layers(TEXT, "t", &[], &sets)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{sets:?}: {err}");
+        }
+        let c = ExperimentConfig::from_layers(
+            TEXT,
+            "t",
+            &[],
+            &[
+                "text.opponents.minimax=2".into(),
+                "text.opponents.self=1".into(),
+                "text.opponents.adapter:v1.old=0.5".into(),
+                "text.learner=minimax".into(),
+                "text.constrained=true".into(),
+                "text.system_prompt=Play well.".into(),
+            ],
+        );
+        // `--set` splits keys on dots, so an adapter name with a dot needs the file.
+        assert!(c.is_err());
+        let yaml = "run:\n  env_id: TicTacToe-v0\ntext:\n  learner: minimax\n  constrained: true\n  system_prompt: Play well.\n  opponents: {minimax: 2, self: 1, 'adapter:v1.old': 0.5}\n";
+        let c = ExperimentConfig::from_layers(yaml, "t", &[], &[]).unwrap();
+        let opponents = c.text.opponent_weights().unwrap();
+        assert_eq!(
+            opponents,
+            vec![
+                (Opponent::Adapter("v1.old".into()), 0.5),
+                (Opponent::Bot("minimax".into()), 2.0),
+                (Opponent::SelfPlay, 1.0),
+            ]
+        );
+        assert_eq!(c.text.learner_bot(), Some("minimax"));
+        // The text section does not bother classic runs, but is still checked.
+        ExperimentConfig::from_layers(BASE, "t", &[], &["text.opponents.minimax=1".into()])
+            .unwrap();
+        assert!(ExperimentConfig::from_layers(BASE, "t", &[], &["text.top_p=2".into()]).is_err());
+    }
+
+    #[test]
+    fn opponents_parse_and_print_back() {
+        for name in [
+            "self",
+            "base",
+            "random",
+            "minimax",
+            "connect_four_bot",
+            "adapter:old-1",
+        ] {
+            assert_eq!(Opponent::parse(name).unwrap().label(), name);
+        }
+        assert!(Opponent::parse("adapter:a b").is_err());
+        let err = Opponent::parse("gpt").unwrap_err();
+        assert!(err.contains("gpt") && err.contains("minimax"), "{err}");
+        assert!(Opponent::parse("minimax")
+            .unwrap()
+            .check_game("ConnectFour-v0")
+            .is_err());
+        assert!(Opponent::parse("random")
+            .unwrap()
+            .check_game("KuhnPoker-v0")
+            .is_ok());
     }
 
     #[test]

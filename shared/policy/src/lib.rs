@@ -6,7 +6,12 @@
 //!   all-or-nothing with shape checks;
 //! - [`PolicyFollower`]: keeps a copy of the learner's latest weights, fetching
 //!   the current version at start (`weights.latest`) and each new one as it is
-//!   published (`weights`), building each new model off the caller's hot path.
+//!   published (`weights`), building each new model off the caller's hot path;
+//! - [`AdapterFollower`]: the same for the LLM policy's LoRA adapter versions
+//!   (`adapters`), metadata only (the inference servers load the bytes);
+//! - [`text`]: the text-game loop the env-runner and the evaluator share.
+
+pub mod text;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +20,9 @@ use futures::StreamExt;
 use relay_envs::ActionSpace;
 use relay_kit::{ExperimentConfig, Service};
 use relay_nn::{ActionKind, Activation, ActorCritic, PolicySpec};
-use relay_proto::{NamedTensor, Rejection, WeightsRequest, WeightsUpdate, SCHEMA_VERSION};
+use relay_proto::{
+    AdapterUpdate, NamedTensor, Rejection, WeightsRequest, WeightsUpdate, SCHEMA_VERSION,
+};
 use tokio::sync::watch;
 
 /// The policy network shape of a run.
@@ -197,6 +204,77 @@ impl PolicyFollower {
             if let Some(p) = self.rx.borrow_and_update().clone() {
                 if version.is_none_or(|v| p.version > v) {
                     return Some(p);
+                }
+            }
+            self.rx.changed().await.ok()?;
+        }
+    }
+}
+
+/// A published version of a LoRA adapter (what the evaluator needs of an
+/// [`AdapterUpdate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdapterVersion {
+    pub version: u64,
+    pub learner_env_steps: u64,
+}
+
+/// Follows the versions the learner publishes of one adapter
+/// (`relay.<run>.adapters`). There is no "latest" request: until the next
+/// version is published, [`AdapterFollower::latest`] is `None`.
+pub struct AdapterFollower {
+    rx: watch::Receiver<Option<AdapterVersion>>,
+}
+
+impl AdapterFollower {
+    /// Starts following adapter `name` (a background task until shutdown).
+    pub async fn start(service: &Service, name: &str) -> Result<Self, relay_kit::ServiceError> {
+        let (tx, rx) = watch::channel(None);
+        let mut updates = service
+            .nats
+            .subscribe(service.subjects.adapters())
+            .await
+            .map_err(relay_kit::ServiceError::nats)?;
+        let (service, name) = (service.clone(), name.to_string());
+        tokio::spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    Some(m) = updates.next() => m,
+                    _ = service.shutdown.wait() => return,
+                    else => return,
+                };
+                let Ok(update) = service
+                    .intake
+                    .decode::<AdapterUpdate>("adapters", &message.payload)
+                else {
+                    continue;
+                };
+                let newer = tx
+                    .borrow()
+                    .is_none_or(|current: AdapterVersion| update.version > current.version);
+                if update.name == name && newer {
+                    let _ = tx.send(Some(AdapterVersion {
+                        version: update.version,
+                        learner_env_steps: update.learner_env_steps,
+                    }));
+                }
+            }
+        });
+        Ok(Self { rx })
+    }
+
+    /// The newest version published since the start, if any.
+    pub fn latest(&self) -> Option<AdapterVersion> {
+        *self.rx.borrow()
+    }
+
+    /// Waits until a version newer than `version` (any for `None`) is
+    /// published; `None` once the follower stopped.
+    pub async fn newer_than(&mut self, version: Option<u64>) -> Option<AdapterVersion> {
+        loop {
+            if let Some(v) = *self.rx.borrow_and_update() {
+                if version.is_none_or(|seen| v.version > seen) {
+                    return Some(v);
                 }
             }
             self.rx.changed().await.ok()?;

@@ -293,6 +293,9 @@ pub struct TextTurn {
     pub action: String,
     /// The game refused the move.
     pub invalid: bool,
+    /// The adapter that generated this move, with the version the inference
+    /// server reported (`None`: a bot, or the base model alone).
+    pub adapter: Option<AdapterRef>,
 }
 
 /// env-runner -> replay-buffer (`relay.<run>.games.insert`) and tracker,
@@ -304,8 +307,13 @@ pub struct GameRecord {
     pub env_id: String,
     /// The game's reset seed.
     pub seed: u64,
-    /// Seat `i` is player `i` (player 0 moves first).
+    /// Seat `i` is player `i` (player 0 moves first); the seating was drawn
+    /// by the game's player (a seeded shuffle in the env-runner).
     pub seats: Vec<SeatPolicy>,
+    /// The seat of the learning policy, whose reward is the episode return
+    /// (in mirror games, where the learning adapter holds every seat, the
+    /// seat drawn for it); `None` when no seat learns.
+    pub learner_seat: Option<u8>,
     pub turns: Vec<TextTurn>,
     /// Final reward of each player.
     pub rewards: Vec<f64>,
@@ -336,6 +344,25 @@ impl WireMessage for GameRecord {
         if self.rewards.iter().any(|r| !r.is_finite()) {
             return Err(invalid(K, "rewards", "non-finite reward"));
         }
+        if let Some(seat) = self.learner_seat {
+            if seat as usize >= n {
+                return Err(invalid(K, "learner_seat", format!("seat {seat} of {n}")));
+            }
+        }
+        if self.env_id.is_empty() {
+            return Err(invalid(K, "env_id", "empty"));
+        }
+        for seat in &self.seats {
+            match seat {
+                SeatPolicy::Model(Some(a)) if a.name.is_empty() => {
+                    return Err(invalid(K, "seats", "empty adapter name"));
+                }
+                SeatPolicy::Bot(name) if name.is_empty() => {
+                    return Err(invalid(K, "seats", "empty bot name"));
+                }
+                _ => {}
+            }
+        }
         for turn in &self.turns {
             if turn.player as usize >= n {
                 return Err(invalid(
@@ -363,6 +390,9 @@ impl WireMessage for GameRecord {
             let lp = turn.logprobs.to_f32().expect("checked dtype");
             if lp.iter().any(|v| v.is_nan() || *v > 0.0) {
                 return Err(invalid(K, "turns.logprobs", "NaN or positive log-prob"));
+            }
+            if turn.adapter.as_ref().is_some_and(|a| a.name.is_empty()) {
+                return Err(invalid(K, "turns.adapter", "empty adapter name"));
             }
         }
         Ok(())

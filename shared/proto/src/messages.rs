@@ -417,8 +417,75 @@ pub struct EvalReport {
     pub threshold: f64,
     /// `mean_return >= threshold`.
     pub solved: bool,
+    /// Text games (`vs-opponent`): the policy's results per opponent and
+    /// seat; empty for classic-control evaluations.
+    #[serde(default)]
+    pub matchups: Vec<Matchup>,
 }
-wire_message!(EvalReport, "EvalReport");
+wire_message!(EvalReport, "EvalReport", |m: &EvalReport| {
+    for r in &m.matchups {
+        r.validate()?;
+    }
+    Ok(())
+});
+
+/// The policy's results against one opponent from one seat (text games).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Matchup {
+    /// Who sat opposite, as `text.opponents` names it: `random`, `minimax`,
+    /// `connect_four_bot`, `self`, `base`, `adapter:<name>`; `none` in
+    /// single-player games.
+    pub opponent: String,
+    /// The policy's seat (player index; 0 moves first).
+    pub seat: u8,
+    /// Games finished (`wins + draws + losses`).
+    pub games: u32,
+    pub wins: u32,
+    pub draws: u32,
+    pub losses: u32,
+    /// Games given up because the inference servers gave no usable reply.
+    pub abandoned: u32,
+    /// Moves the policy submitted in the finished games.
+    pub moves: u32,
+    /// Of those, the moves the game refused.
+    pub invalid_moves: u32,
+}
+
+impl Matchup {
+    /// Share of the policy's moves the game accepted (1 when it made none).
+    pub fn legal_move_rate(&self) -> f64 {
+        if self.moves == 0 {
+            1.0
+        } else {
+            1.0 - self.invalid_moves as f64 / self.moves as f64
+        }
+    }
+
+    fn validate(&self) -> Result<(), Rejection> {
+        const K: &str = "EvalReport";
+        if self.opponent.is_empty() {
+            return Err(invalid(K, "matchups.opponent", "empty"));
+        }
+        if self.wins as u64 + self.draws as u64 + self.losses as u64 != self.games as u64 {
+            return Err(invalid(
+                K,
+                "matchups.games",
+                format!(
+                    "{} wins + {} draws + {} losses != {} games",
+                    self.wins, self.draws, self.losses, self.games
+                ),
+            ));
+        }
+        if self.invalid_moves > self.moves {
+            return Err(invalid(
+                K,
+                "matchups.invalid_moves",
+                format!("{} of {} moves", self.invalid_moves, self.moves),
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// Lifecycle of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

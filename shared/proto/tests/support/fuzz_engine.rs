@@ -530,9 +530,175 @@ impl Subject for EvalReport {
             std_return: rng.f64(),
             threshold: rng.f64(),
             solved: rng.bool(),
+            matchups: (0..rng.range(0, 4)).map(|_| matchup(rng)).collect(),
         }
     }
     schema_setter!();
+    fn corrupt(&mut self, rng: &mut Rng) -> bool {
+        let mut bad = matchup(rng);
+        match rng.below(3) {
+            0 => bad.opponent.clear(),
+            1 => bad.games += 1 + rng.below(3) as u32,
+            _ => bad.invalid_moves = bad.moves + 1 + rng.below(5) as u32,
+        }
+        let at = rng.range(0, self.matchups.len());
+        self.matchups.insert(at, bad);
+        true
+    }
+}
+
+fn matchup(rng: &mut Rng) -> Matchup {
+    let (wins, draws, losses) = (
+        rng.below(20) as u32,
+        rng.below(20) as u32,
+        rng.below(20) as u32,
+    );
+    let moves = rng.below(200) as u32;
+    Matchup {
+        opponent: rng.ident(LOWER_DIGIT_DASH, 16),
+        seat: rng.below(2) as u8,
+        games: wins + draws + losses,
+        wins,
+        draws,
+        losses,
+        abandoned: rng.below(5) as u32,
+        moves,
+        invalid_moves: rng.range(0, moves as usize) as u32,
+    }
+}
+
+fn u32_tensor(rng: &mut Rng, n: usize) -> Tensor {
+    let values: Vec<u32> = (0..n)
+        .map(|_| {
+            if rng.chance(0.1) {
+                rng.u64() as u32
+            } else {
+                rng.below(50_000) as u32
+            }
+        })
+        .collect();
+    Tensor::from_u32(&[n], &values)
+}
+
+/// Log-probs: finite and <= 0, now and then `-inf` (a token the
+/// unconstrained policy gives no mass, which the protocol allows).
+fn logprob_tensor(rng: &mut Rng, n: usize) -> Tensor {
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            if rng.chance(0.05) {
+                f32::NEG_INFINITY
+            } else {
+                -rng.f32().abs()
+            }
+        })
+        .collect();
+    Tensor::from_f32(&[n], &values)
+}
+
+fn seat_policy(rng: &mut Rng) -> SeatPolicy {
+    match rng.below(3) {
+        0 => SeatPolicy::Model(None),
+        1 => SeatPolicy::Model(Some(AdapterRef {
+            name: rng.ident(NAME, 12),
+            version: rng.bool().then(|| rng.u64_any()),
+        })),
+        _ => SeatPolicy::Bot(rng.ident(LOWER_DIGIT_DASH, 16)),
+    }
+}
+
+impl Subject for GameRecord {
+    fn generate(rng: &mut Rng) -> Self {
+        let players = rng.range(1, 3);
+        let turns = (0..rng.range(0, 8))
+            .map(|_| {
+                let model = rng.bool();
+                let (p, c) = if model {
+                    (rng.range(1, 64), rng.range(0, 8))
+                } else {
+                    (0, 0)
+                };
+                TextTurn {
+                    player: rng.below(players) as u8,
+                    prompt_tokens: u32_tensor(rng, p),
+                    completion_tokens: u32_tensor(rng, c),
+                    logprobs: logprob_tensor(rng, c),
+                    action: rng.text(12),
+                    invalid: rng.chance(0.2),
+                    adapter: (model && rng.bool()).then(|| AdapterRef {
+                        name: rng.ident(NAME, 12),
+                        version: rng.bool().then(|| rng.u64_any()),
+                    }),
+                }
+            })
+            .collect();
+        GameRecord {
+            schema: SCHEMA_VERSION,
+            runner_id: rng.text(12),
+            env_id: rng.ident(SERVICE, 16),
+            seed: rng.u64_any(),
+            seats: (0..players).map(|_| seat_policy(rng)).collect(),
+            learner_seat: rng.bool().then(|| rng.below(players) as u8),
+            turns,
+            rewards: (0..players).map(|_| rng.f64()).collect(),
+            reasons: (0..players).map(|_| rng.text(20)).collect(),
+            duration_ms: rng.u64_any(),
+        }
+    }
+    schema_setter!();
+    // Token ids only: log-probs may hold -inf, which the engine's generic
+    // tensor mutations (and its all-finite invariant) treat as invalid;
+    // `corrupt` breaks the log-prob rules instead.
+    fn tensors(&self) -> Vec<&Tensor> {
+        self.turns
+            .iter()
+            .flat_map(|t| [&t.prompt_tokens, &t.completion_tokens])
+            .collect()
+    }
+    fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        self.turns
+            .iter_mut()
+            .flat_map(|t| [&mut t.prompt_tokens, &mut t.completion_tokens])
+            .collect()
+    }
+    fn corrupt(&mut self, rng: &mut Rng) -> bool {
+        let n = self.seats.len();
+        let with_tokens = self
+            .turns
+            .iter()
+            .position(|t| t.completion_tokens.numel() > 0);
+        match rng.below(8) {
+            0 => self.seats.clear(),
+            1 => self.rewards.push(rng.f64()),
+            2 => self.rewards[rng.below(n)] = f64::NAN,
+            3 => self.learner_seat = Some(n as u8 + rng.below(3) as u8),
+            4 => self.env_id.clear(),
+            5 if with_tokens.is_some() => {
+                let turn = &mut self.turns[with_tokens.unwrap()];
+                let c = turn.completion_tokens.numel();
+                let mut values = turn.logprobs.to_f32().unwrap();
+                values[rng.below(c)] = rng.pick(&[f32::NAN, f32::INFINITY, 0.5]);
+                turn.logprobs = Tensor::from_f32(&[c], &values);
+            }
+            6 if with_tokens.is_some() => {
+                let turn = &mut self.turns[with_tokens.unwrap()];
+                let c = turn.completion_tokens.numel();
+                turn.logprobs = logprob_tensor(rng, c + 1);
+            }
+            _ => {
+                let player = n as u8 + rng.below(3) as u8;
+                self.turns.push(TextTurn {
+                    player,
+                    prompt_tokens: u32_tensor(rng, 1),
+                    completion_tokens: u32_tensor(rng, 0),
+                    logprobs: logprob_tensor(rng, 0),
+                    action: String::new(),
+                    invalid: false,
+                    adapter: None,
+                });
+            }
+        }
+        true
+    }
 }
 
 impl Subject for EvalControl {
@@ -722,6 +888,22 @@ const KEYS: &[&str] = &[
     "counter",
     "running",
     "failed",
+    "matchups",
+    "opponent",
+    "seat",
+    "games",
+    "seats",
+    "turns",
+    "learner_seat",
+    "player",
+    "prompt_tokens",
+    "completion_tokens",
+    "action",
+    "invalid",
+    "adapter",
+    "reasons",
+    "duration_ms",
+    "u32",
 ];
 
 fn mp_str(out: &mut Vec<u8>, s: &str) {
@@ -1276,6 +1458,7 @@ pub const SUBJECTS: &[(&str, Runner)] = &[
     ("ScaleRequest", fuzz::<ScaleRequest>),
     ("ScaleReply", fuzz::<ScaleReply>),
     ("LogBatch", fuzz::<LogBatch>),
+    ("GameRecord", fuzz::<GameRecord>),
 ];
 
 /// The `KIND`s declared with `wire_message!` in `messages.rs`.

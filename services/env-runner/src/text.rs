@@ -1,0 +1,418 @@
+//! Text mode of the env-runner (`run.env_id` is a text game): plays
+//! `text.games_in_flight` games at a time, continuously, with the shared
+//! game loop ([`relay_policy::text::play_game`]).
+//!
+//! Each game seats the learning side (`text.learner`: the learning adapter,
+//! or a bot for baselines) at a seat drawn by a seeded RNG and fills the
+//! other seats with an opponent drawn from `text.opponents` by weight. Each
+//! finished game is published as a [`relay_proto::GameRecord`] on
+//! `relay.<run>.games`, and its learning-seat reward as a training episode
+//! (`EpisodeReport`, batched each second) so the tracker's training-return
+//! metrics keep working. A game whose model seat gets no usable reply after
+//! `text.generate_attempts` tries is abandoned and counted
+//! (`relay_env_runner_games_abandoned_total{reason}`), and new games wait a
+//! second (`ABANDON_PAUSE`) so a missing inference server is not hammered.
+//!
+//! Metrics: games by opponent and outcome, abandoned games, the learning
+//! policy's moves and invalid moves, retries, time per model move and per
+//! game, completion tokens and characters (on `/metrics`); win/draw/loss
+//! and invalid-move rates, characters per second, distinct states seen
+//! and move entropy (reported to the tracker each second).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::time::{Duration, Instant};
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
+use rand::distr::weighted::WeightedIndex;
+use rand::distr::Distribution;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use relay_kit::config::Opponent;
+use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
+use relay_policy::text::{
+    arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, PlayedGame, Seat,
+};
+use relay_proto::{EpisodeReport, EpisodeSummary, SCHEMA_VERSION};
+use tokio::task::JoinSet;
+
+/// How long new games wait after one was abandoned.
+const ABANDON_PAUSE: Duration = Duration::from_secs(1);
+/// Recent games behind the reported win/draw/loss rates and mean return.
+const RECENT_GAMES: usize = 100;
+/// Recent learning moves behind the invalid-move rate and the move entropy.
+const RECENT_MOVES: usize = 1000;
+/// Distinct states remembered; the count saturates there (bounded memory).
+const MAX_DISTINCT_STATES: usize = 1 << 20;
+
+struct TextMetrics {
+    games: IntCounterVec,
+    abandoned: IntCounterVec,
+    moves: IntCounter,
+    invalid_moves: IntCounter,
+    retries: IntCounter,
+    turn_seconds: Histogram,
+    game_seconds: Histogram,
+    completion_tokens: IntCounter,
+    generated_chars: IntCounter,
+}
+
+impl TextMetrics {
+    fn register(registry: &prometheus::Registry) -> Self {
+        let games = IntCounterVec::new(
+            Opts::new(
+                "relay_env_runner_games_total",
+                "Text games finished, by opponent and the learning seat's outcome (win, draw, loss).",
+            ),
+            &["opponent", "outcome"],
+        )
+        .unwrap();
+        let abandoned = IntCounterVec::new(
+            Opts::new(
+                "relay_env_runner_games_abandoned_total",
+                "Text games abandoned because a model seat got no usable reply, by the last failure.",
+            ),
+            &["reason"],
+        )
+        .unwrap();
+        let moves = IntCounter::new(
+            "relay_env_runner_model_moves_total",
+            "Moves the learning policy submitted in finished text games.",
+        )
+        .unwrap();
+        let invalid_moves = IntCounter::new(
+            "relay_env_runner_invalid_moves_total",
+            "Moves of the learning policy that the game refused.",
+        )
+        .unwrap();
+        let retries = IntCounter::new(
+            "relay_env_runner_generate_retries_total",
+            "Generate requests that failed and were retried.",
+        )
+        .unwrap();
+        let turn_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_env_runner_turn_seconds",
+                "Wall time of one model move: generate request(s) and the game's step.",
+            )
+            .buckets(vec![
+                1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0,
+            ]),
+        )
+        .unwrap();
+        let game_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_env_runner_game_seconds",
+                "Wall time of one text game.",
+            )
+            .buckets(vec![
+                0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0,
+            ]),
+        )
+        .unwrap();
+        let completion_tokens = IntCounter::new(
+            "relay_env_runner_completion_tokens_total",
+            "Completion tokens generated for this env-runner's model seats.",
+        )
+        .unwrap();
+        let generated_chars = IntCounter::new(
+            "relay_env_runner_generated_chars_total",
+            "Characters of the completions generated for this env-runner's model seats.",
+        )
+        .unwrap();
+        relay_kit::metrics::register(registry, &games);
+        relay_kit::metrics::register(registry, &abandoned);
+        relay_kit::metrics::register(registry, &moves);
+        relay_kit::metrics::register(registry, &invalid_moves);
+        relay_kit::metrics::register(registry, &retries);
+        relay_kit::metrics::register(registry, &turn_seconds);
+        relay_kit::metrics::register(registry, &game_seconds);
+        relay_kit::metrics::register(registry, &completion_tokens);
+        relay_kit::metrics::register(registry, &generated_chars);
+        Self {
+            games,
+            abandoned,
+            moves,
+            invalid_moves,
+            retries,
+            turn_seconds,
+            game_seconds,
+            completion_tokens,
+            generated_chars,
+        }
+    }
+}
+
+/// Running statistics behind the reported values.
+#[derive(Default)]
+struct Window {
+    outcomes: VecDeque<Outcome>,
+    returns: VecDeque<f64>,
+    /// Recent learning moves: (valid, action text).
+    moves: VecDeque<(bool, String)>,
+    states: HashSet<u64>,
+    episodes: Vec<EpisodeSummary>,
+    policy_version: u64,
+}
+
+impl Window {
+    fn add_game(&mut self, game: &PlayedGame) {
+        push_bounded(&mut self.outcomes, game.outcome(), RECENT_GAMES);
+        if let Some(reward) = game.learner_reward() {
+            push_bounded(&mut self.returns, Some(reward), RECENT_GAMES);
+            self.episodes.push(EpisodeSummary {
+                episode_return: reward,
+                length: game.record.turns.len() as u32,
+                terminated: true,
+            });
+        }
+        let learning = game.learning_seats();
+        for turn in &game.record.turns {
+            if learning.contains(&(turn.player as usize)) {
+                let action = turn.action.trim().to_string();
+                push_bounded(&mut self.moves, Some((!turn.invalid, action)), RECENT_MOVES);
+                if let Some(version) = turn.adapter.as_ref().and_then(|a| a.version) {
+                    self.policy_version = version;
+                }
+            }
+        }
+        for key in &game.states {
+            if self.states.len() >= MAX_DISTINCT_STATES {
+                break;
+            }
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            key.hash(&mut hasher);
+            self.states.insert(hasher.finish());
+        }
+    }
+
+    fn rate(&self, outcome: Outcome) -> f64 {
+        self.outcomes.iter().filter(|&&o| o == outcome).count() as f64
+            / self.outcomes.len().max(1) as f64
+    }
+
+    fn invalid_move_rate(&self) -> f64 {
+        self.moves.iter().filter(|(valid, _)| !valid).count() as f64
+            / self.moves.len().max(1) as f64
+    }
+
+    /// Entropy in bits of the learning policy's recent valid moves (their
+    /// trimmed text).
+    fn move_entropy(&self) -> Option<f64> {
+        let mut counts: HashMap<&str, usize> = HashMap::new();
+        for (_, action) in self.moves.iter().filter(|(valid, _)| *valid) {
+            *counts.entry(action).or_default() += 1;
+        }
+        let total: usize = counts.values().sum();
+        (total > 0).then(|| {
+            counts
+                .values()
+                .map(|&c| {
+                    let p = c as f64 / total as f64;
+                    -p * p.log2()
+                })
+                .sum::<f64>()
+                .max(0.0)
+        })
+    }
+}
+
+fn push_bounded<T>(queue: &mut VecDeque<T>, item: Option<T>, bound: usize) {
+    if let Some(item) = item {
+        if queue.len() == bound {
+            queue.pop_front();
+        }
+        queue.push_back(item);
+    }
+}
+
+/// What a finished game task hands back.
+type Finished = (String, Result<PlayedGame, GameError>);
+
+/// Runs text mode until shutdown.
+pub(crate) async fn run(
+    service: Service,
+    shutdown: Shutdown,
+    seed: u64,
+) -> Result<(), ServiceError> {
+    let cfg = service.config.clone();
+    let text = &cfg.text;
+    let env_id = cfg.run.env_id.clone();
+    let metrics = TextMetrics::register(&service.registry);
+    let settings = GameSettings::from_config(text);
+    let generator = NatsGenerate::new(service.nats.clone(), service.subjects.generate());
+    let players = relay_envs::make_text_game(&env_id)
+        .map_err(|e| ServiceError::other(format!("run.env_id: {e}")))?
+        .num_players();
+    let opponents: Vec<(Opponent, f64)> = text.opponent_weights()?;
+    let pick = WeightedIndex::new(opponents.iter().map(|(_, w)| *w))
+        .map_err(|e| ServiceError::other(format!("text.opponents: {e}")))?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut games: JoinSet<Finished> = JoinSet::new();
+    let mut window = Window::default();
+    let mut paused_until: Option<tokio::time::Instant> = None;
+    let mut report = tokio::time::interval(Duration::from_secs(1));
+    report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut reported_moves, mut reported_tokens, mut reported_chars) = (0u64, 0u64, 0u64);
+    let (mut finished_games, mut reported_games) = (0u64, 0u64);
+    let mut reported_at = Instant::now();
+    tracing::info!(%env_id, in_flight = text.games_in_flight, learner = %text.learner, "text mode");
+    service.health.set_ready(true);
+
+    loop {
+        let paused = paused_until.is_some_and(|t| tokio::time::Instant::now() < t);
+        while !paused && games.len() < text.games_in_flight {
+            let (opponent, _) = &opponents[pick.sample(&mut rng)];
+            let label = if players == 1 {
+                "none".to_string()
+            } else {
+                opponent.label()
+            };
+            let learner_seat = rng.random_range(0..players);
+            let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
+            let bot_seed: u64 = rng.random();
+            let seats = arrange(
+                learner,
+                || Seat::opponent(opponent, bot_seed, text),
+                players,
+                learner_seat,
+            )
+            .map_err(ServiceError::other)?;
+            let spec = GameSpec {
+                env_id: env_id.clone(),
+                seed: rng.random(),
+                seats,
+                learner_seat: Some(learner_seat),
+                runner_id: service.instance.clone(),
+            };
+            let (generator, settings) = (generator.clone(), settings.clone());
+            games.spawn(async move { (label, play_game(&generator, spec, &settings).await) });
+        }
+        tokio::select! {
+            _ = shutdown.wait() => break,
+            _ = tokio::time::sleep_until(paused_until.unwrap_or_else(tokio::time::Instant::now)), if paused => {
+                paused_until = None;
+            }
+            Some(joined) = games.join_next() => match joined {
+                Ok((label, Ok(game))) => {
+                    finished_games += 1;
+                    finished(&service, &metrics, &mut window, &label, game).await;
+                }
+                Ok((_, Err(GameError::Abandoned { last, turn, player, attempts }))) => {
+                    tracing::warn!(error = %last, turn, player, attempts, "game abandoned");
+                    metrics.abandoned.with_label_values(&[last.label()]).inc();
+                    metrics.retries.inc_by(attempts.saturating_sub(1) as u64);
+                    paused_until = Some(tokio::time::Instant::now() + ABANDON_PAUSE);
+                }
+                Ok((_, Err(e))) => {
+                    tracing::error!(error = %e, "game failed");
+                    metrics.abandoned.with_label_values(&["error"]).inc();
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "game task failed");
+                    metrics.abandoned.with_label_values(&["panic"]).inc();
+                }
+            },
+            _ = report.tick() => {
+                let elapsed = reported_at.elapsed().as_secs_f64().max(1e-9);
+                reported_at = Instant::now();
+                let moves = metrics.moves.get();
+                let tokens = metrics.completion_tokens.get();
+                let chars = metrics.generated_chars.get();
+                let mut values = vec![
+                    counter("env_steps_total", (moves - reported_moves) as f64),
+                    counter("vec_steps_total", (moves - reported_moves) as f64),
+                    counter("games_total", (finished_games - reported_games) as f64),
+                    counter("completion_tokens_total", (tokens - reported_tokens) as f64),
+                    gauge("env_runner_sps", (moves - reported_moves) as f64 / elapsed),
+                    gauge("env_runner_chars_per_second", (chars - reported_chars) as f64 / elapsed),
+                    gauge("env_runner_policy_version", window.policy_version as f64),
+                    gauge("env_runner_distinct_states", window.states.len() as f64),
+                ];
+                if !window.returns.is_empty() {
+                    values.push(gauge(
+                        "env_runner_episode_return_mean",
+                        window.returns.iter().sum::<f64>() / window.returns.len() as f64,
+                    ));
+                }
+                if !window.outcomes.is_empty() {
+                    values.push(gauge("env_runner_win_rate", window.rate(Outcome::Win)));
+                    values.push(gauge("env_runner_draw_rate", window.rate(Outcome::Draw)));
+                    values.push(gauge("env_runner_loss_rate", window.rate(Outcome::Loss)));
+                }
+                if !window.moves.is_empty() {
+                    values.push(gauge("env_runner_invalid_move_rate", window.invalid_move_rate()));
+                }
+                if let Some(entropy) = window.move_entropy() {
+                    values.push(gauge("env_runner_move_entropy", entropy));
+                }
+                service.report(Some(moves), values).await;
+                (reported_moves, reported_tokens, reported_chars) = (moves, tokens, chars);
+                reported_games = finished_games;
+                publish_episodes(&service, &mut window).await;
+            }
+        }
+    }
+    service.health.set_ready(false);
+    games.abort_all();
+    publish_episodes(&service, &mut window).await;
+    service.drain().await;
+    Ok(())
+}
+
+async fn finished(
+    service: &Service,
+    metrics: &TextMetrics,
+    window: &mut Window,
+    label: &str,
+    game: PlayedGame,
+) {
+    if let Some(outcome) = game.outcome() {
+        metrics
+            .games
+            .with_label_values(&[label, outcome.label()])
+            .inc();
+    }
+    metrics
+        .game_seconds
+        .observe(game.record.duration_ms as f64 / 1000.0);
+    for seconds in &game.model_turn_seconds {
+        metrics.turn_seconds.observe(*seconds);
+    }
+    metrics.retries.inc_by(game.retries as u64);
+    let tokens: usize = game
+        .record
+        .turns
+        .iter()
+        .map(|t| t.completion_tokens.numel())
+        .sum();
+    metrics.completion_tokens.inc_by(tokens as u64);
+    metrics.generated_chars.inc_by(game.completion_chars as u64);
+    let learning = game.learning_seats();
+    for turn in &game.record.turns {
+        if learning.contains(&(turn.player as usize)) {
+            metrics.moves.inc();
+            if turn.invalid {
+                metrics.invalid_moves.inc();
+            }
+        }
+    }
+    window.add_game(&game);
+    service
+        .publish(service.subjects.games(), &game.record)
+        .await;
+}
+
+async fn publish_episodes(service: &Service, window: &mut Window) {
+    if window.episodes.is_empty() {
+        return;
+    }
+    let report = EpisodeReport {
+        schema: SCHEMA_VERSION,
+        runner_id: service.instance.clone(),
+        env_id: service.config.run.env_id.clone(),
+        policy_version: window.policy_version,
+        episodes: std::mem::take(&mut window.episodes),
+    };
+    service.publish(service.subjects.episodes(), &report).await;
+}

@@ -1,0 +1,216 @@
+//! The `vs-opponent` evaluator plugin on a TicTacToe run against a real
+//! nats-server: it evaluates at start (version 0; again once an inference
+//! server answers, if none did), then each new adapter version the learner
+//! announces, and reports win/draw/loss and the legal move rate per
+//! opponent and seat.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_proto::{
+    decode, encode, AdapterPayload, AdapterRef, AdapterUpdate, EvalControl, EvalReport,
+    FinishReason, GenerateReply, GenerateRequest, Prompt, Subjects, Tensor, SCHEMA_VERSION,
+};
+use relay_testkit::{free_port, http_get, NatsServer};
+
+/// A stand-in for the inference server's `generate` endpoint (written in
+/// parallel elsewhere): it answers `GenerateRequest`s on the real NATS
+/// subject `relay.<run>.generate` with a move from the prompt's "Available
+/// Moves" line (every fourth answer an illegal one), made-up tokens and
+/// log-probs, and the adapter version in `version`.
+fn spawn_stand_in_inference_server(
+    client: async_nats::Client,
+    run_id: &str,
+    version: Arc<AtomicU64>,
+) -> Arc<AtomicUsize> {
+    let subject = Subjects::new(run_id).generate();
+    let served = Arc::new(AtomicUsize::new(0));
+    let count = served.clone();
+    tokio::spawn(async move {
+        let mut requests = client.queue_subscribe(subject, "q".into()).await.unwrap();
+        while let Some(message) = requests.next().await {
+            let n = count.fetch_add(1, Ordering::SeqCst);
+            let request: GenerateRequest = decode(&message.payload).expect("a valid request");
+            let Prompt::Chat(turns) = &request.prompt else {
+                panic!("chat prompts")
+            };
+            let moves: Vec<String> = turns
+                .last()
+                .unwrap()
+                .content
+                .lines()
+                .rev()
+                .find_map(|l| l.strip_prefix("Available Moves: "))
+                .unwrap()
+                .split(", ")
+                .map(|m| m.trim_matches('\'').to_string())
+                .collect();
+            let text = if n % 4 == 3 {
+                "no idea".to_string()
+            } else {
+                moves[n % moves.len()].clone()
+            };
+            let c = text.len();
+            let reply = GenerateReply {
+                schema: SCHEMA_VERSION,
+                adapter: request.adapter.clone().map(|a| AdapterRef {
+                    version: Some(version.load(Ordering::SeqCst)),
+                    ..a
+                }),
+                prompt_tokens: Tensor::from_u32(&[3], &[1, 2, 3]),
+                completion_tokens: Tensor::from_u32(&[c], &vec![9; c]),
+                logprobs: Tensor::from_f32(&[c], &vec![-1.0; c]),
+                text,
+                finish: FinishReason::Stop,
+            };
+            if let Some(to) = message.reply {
+                let _ = client.publish(to, encode(&reply).into()).await;
+            }
+        }
+    });
+    served
+}
+
+async fn next_report(evals: &mut async_nats::Subscriber) -> EvalReport {
+    let message = tokio::time::timeout(Duration::from_secs(60), evals.next())
+        .await
+        .expect("an eval report within 60 s")
+        .unwrap();
+    decode(&message.payload).expect("a valid EvalReport")
+}
+
+fn check_matchups(report: &EvalReport, games: u32) {
+    assert_eq!(report.evaluator, "vs-opponent");
+    assert_eq!(report.env_id, "TicTacToe-v0");
+    let mut keys: Vec<(String, u8)> = report
+        .matchups
+        .iter()
+        .map(|m| (m.opponent.clone(), m.seat))
+        .collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        vec![
+            ("minimax".to_string(), 0),
+            ("minimax".to_string(), 1),
+            ("random".to_string(), 0),
+            ("random".to_string(), 1)
+        ]
+    );
+    let mut finished = 0;
+    for m in &report.matchups {
+        assert_eq!(m.games + m.abandoned, games / 2, "{m:?}");
+        assert_eq!(m.abandoned, 0, "{m:?}");
+        assert_eq!(m.wins + m.draws + m.losses, m.games);
+        assert!(m.moves > 0 && m.invalid_moves <= m.moves);
+        if m.opponent == "minimax" {
+            assert_eq!(m.wins, 0, "beat minimax: {m:?}");
+        }
+        finished += m.games;
+    }
+    // Every fourth answer is illegal somewhere.
+    assert!(report.matchups.iter().any(|m| m.legal_move_rate() < 1.0));
+    assert_eq!(report.returns.len(), finished as usize);
+    let mean = report.returns.iter().sum::<f64>() / report.returns.len() as f64;
+    assert!((report.mean_return - mean).abs() < 1e-12);
+    let wins: u32 = report.matchups.iter().map(|m| m.wins).sum();
+    let losses: u32 = report.matchups.iter().map(|m| m.losses).sum();
+    assert_eq!(
+        report.returns.iter().filter(|&&r| r > 0.0).count(),
+        wins as usize
+    );
+    assert_eq!(
+        report.returns.iter().filter(|&&r| r < 0.0).count(),
+        losses as usize
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions() {
+    let nats = NatsServer::start().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let s = Subjects::new("vs-opp");
+    let mut evals = client.subscribe(s.eval()).await.unwrap();
+    let version = Arc::new(AtomicU64::new(0));
+    let yaml = format!(
+        "run:\n  id: vs-opp\n  env_id: TicTacToe-v0\nconnections:\n  nats_url: {}\neval:\n  evaluator: vs-opponent\n  every_versions: 1\n  options: {{games: 6, opponents: 'random, minimax'}}\ntext:\n  games_in_flight: 4\n  generate_timeout_ms: 5000\n",
+        nats.url()
+    );
+    let experiment = ExperimentConfig::from_layers(&yaml, "test", &[], &[]).unwrap();
+    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let mut config = ServiceConfig::for_test(experiment);
+    config.metrics_addr = addr;
+    let (trigger, shutdown) = Shutdown::new();
+    let evaluator = tokio::spawn(relay_evaluator::run(config, shutdown));
+
+    // No inference server at first: the games of the first evaluation are
+    // abandoned, and it is tried again once one answers.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let served = spawn_stand_in_inference_server(client.clone(), "vs-opp", version.clone());
+
+    // At start, before any adapter version: version 0.
+    let first = next_report(&mut evals).await;
+    check_matchups(&first, 6);
+    assert_eq!(first.policy_version, 0);
+    assert!(served.load(Ordering::SeqCst) > 0);
+
+    // A classic plugin is refused on a text run; the current one stays.
+    let control = EvalControl {
+        schema: SCHEMA_VERSION,
+        evaluator: "greedy".into(),
+        options: vec![],
+    };
+    client
+        .publish(s.eval_control(), encode(&control).into())
+        .await
+        .unwrap();
+
+    // The learner announces version 2: evaluated with it.
+    version.store(2, Ordering::SeqCst);
+    let update = AdapterUpdate {
+        schema: SCHEMA_VERSION,
+        name: "policy".into(),
+        version: 2,
+        learner_env_steps: 640,
+        payload: AdapterPayload::Inline {
+            config_json: "{}".into(),
+            safetensors: vec![0; 8],
+        },
+    };
+    client
+        .publish(s.adapters(), encode(&update).into())
+        .await
+        .unwrap();
+    let second = next_report(&mut evals).await;
+    check_matchups(&second, 6);
+    assert_eq!(second.policy_version, 2);
+    assert_eq!(second.learner_env_steps, 640);
+
+    let (_, body) = http_get(addr, "/metrics").unwrap();
+    let line = |prefix: &str| {
+        body.lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in\n{body}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+    };
+    assert_eq!(line("relay_evaluator_control_rejected_total"), 1.0);
+    assert_eq!(line("relay_evaluator_skipped_versions_total"), 1.0);
+    assert!(body.contains("relay_evaluator_active{") && body.contains("evaluator=\"vs-opponent\""));
+    assert!(body.contains("relay_evaluator_games{"));
+    assert!(body.contains("relay_evaluator_legal_move_rate{"));
+
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(15), evaluator)
+        .await
+        .expect("the evaluator stops")
+        .unwrap()
+        .unwrap();
+}

@@ -1,0 +1,515 @@
+//! Text games as services play them: one game loop shared by the
+//! env-runner (training games) and the evaluator (`vs-opponent`).
+//!
+//! [`play_game`] plays one game of a [`relay_envs::TextGame`] with one
+//! [`Seat`] per player. A model seat sends a [`GenerateRequest`] (a chat
+//! prompt: the optional system prompt, then the player's observation as the
+//! user turn) through a [`Generate`] transport ([`NatsGenerate`] in the
+//! services), applies the reply's text as its move and records a
+//! [`TextTurn`] with the reply's tokens and log-probs; a bot seat moves
+//! locally. The result is a [`GameRecord`] plus what the services measure
+//! ([`PlayedGame`]).
+//!
+//! A request that fails (timeout, no inference server, an undecodable or
+//! invalid reply) is retried up to [`GameSettings::attempts`] times in all;
+//! then the game is abandoned ([`GameError::Abandoned`]) and the caller
+//! counts it. A reply whose text is not a legal move is not a failure: the
+//! game judges it, as it would judge any model output.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use relay_envs::{Bot, ConnectFourBot, EnvError, MinimaxBot, RandomBot};
+use relay_kit::config::{Opponent, TextConfig};
+use relay_kit::RequestError;
+use relay_proto::{
+    AdapterRef, ChatMessage, GameRecord, GenerateReply, GenerateRequest, Prompt, SamplingParams,
+    SeatPolicy, Tensor, TextTurn, SCHEMA_VERSION,
+};
+
+/// Name of the run's learning adapter.
+pub const LEARNING_ADAPTER: &str = "policy";
+
+/// The learning adapter at the newest version the inference server holds.
+pub fn learning_adapter() -> AdapterRef {
+    AdapterRef {
+        name: LEARNING_ADAPTER.to_string(),
+        version: None,
+    }
+}
+
+/// Who plays one seat.
+pub enum Seat {
+    /// The LLM with this adapter (`None`: the base model alone).
+    Model(Option<AdapterRef>),
+    /// A bot, moving locally.
+    Bot(Box<dyn Bot>),
+}
+
+impl Seat {
+    /// The learning policy's seat: the learning adapter, or the bot
+    /// `text.learner` names (baselines); `seed` seeds a random bot.
+    pub fn learner(config: &TextConfig, seed: u64) -> Result<Self, String> {
+        match config.learner_bot() {
+            None => Ok(Seat::Model(Some(learning_adapter()))),
+            Some(bot) => Ok(Seat::Bot(make_bot(bot, seed, config)?)),
+        }
+    }
+
+    /// An opponent's seat (`self` sits the learning adapter).
+    pub fn opponent(opponent: &Opponent, seed: u64, config: &TextConfig) -> Result<Self, String> {
+        Ok(match opponent {
+            Opponent::SelfPlay => Seat::Model(Some(learning_adapter())),
+            Opponent::Base => Seat::Model(None),
+            Opponent::Adapter(name) => Seat::Model(Some(AdapterRef {
+                name: name.clone(),
+                version: None,
+            })),
+            Opponent::Bot(name) => Seat::Bot(make_bot(name, seed, config)?),
+        })
+    }
+
+    /// How a [`GameRecord`] names this seat.
+    pub fn policy(&self) -> SeatPolicy {
+        match self {
+            Seat::Model(adapter) => SeatPolicy::Model(adapter.clone()),
+            Seat::Bot(bot) => SeatPolicy::Bot(bot.name().to_string()),
+        }
+    }
+}
+
+/// Builds bot `name` (one of `relay_kit::config::BOT_NAMES`).
+pub fn make_bot(name: &str, seed: u64, config: &TextConfig) -> Result<Box<dyn Bot>, String> {
+    Ok(match name {
+        "random" => Box::new(RandomBot::new(seed)),
+        "minimax" => Box::new(MinimaxBot::new()),
+        "connect_four_bot" => Box::new(ConnectFourBot::new(config.connect_four_depth)),
+        other => return Err(format!("unknown bot {other:?}")),
+    })
+}
+
+/// Seats `learner` at `learner_seat` and fills every other seat from
+/// `opponent`: seat `i` is player `i`, and player 0 moves first.
+pub fn arrange(
+    learner: Seat,
+    mut opponent: impl FnMut() -> Result<Seat, String>,
+    players: usize,
+    learner_seat: usize,
+) -> Result<Vec<Seat>, String> {
+    assert!(learner_seat < players, "seat {learner_seat} of {players}");
+    let mut learner = Some(learner);
+    (0..players)
+        .map(|seat| {
+            if seat == learner_seat {
+                Ok(learner.take().expect("one learner seat"))
+            } else {
+                opponent()
+            }
+        })
+        .collect()
+}
+
+/// How model seats ask for their moves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GameSettings {
+    /// System prompt before each observation.
+    pub system_prompt: Option<String>,
+    /// Sampling of each move (its `seed` is replaced per move, derived from
+    /// the game seed, so a game replays given the same replies).
+    pub sampling: SamplingParams,
+    /// Ask for constrained decoding to the legal moves.
+    pub constrained: bool,
+    /// Time one request may take.
+    pub timeout: Duration,
+    /// Tries per move before the game is abandoned (at least 1).
+    pub attempts: u32,
+    /// Wait before the first retry; doubles with each further one (up to 1 s).
+    pub retry_backoff: Duration,
+}
+
+impl GameSettings {
+    /// The settings of the `text` config section.
+    pub fn from_config(text: &TextConfig) -> Self {
+        Self {
+            system_prompt: text.system_prompt.clone(),
+            sampling: SamplingParams {
+                temperature: text.temperature,
+                top_p: text.top_p,
+                top_k: text.top_k,
+                max_tokens: text.max_turn_tokens,
+                stop: Vec::new(),
+                seed: None,
+            },
+            constrained: text.constrained,
+            timeout: Duration::from_millis(text.generate_timeout_ms),
+            attempts: text.generate_attempts.max(1),
+            retry_backoff: Duration::from_millis(50),
+        }
+    }
+
+    /// The chat prompt of one move.
+    pub fn prompt(&self, observation: &str) -> Prompt {
+        let mut turns = Vec::with_capacity(2);
+        if let Some(system) = &self.system_prompt {
+            turns.push(ChatMessage {
+                role: "system".into(),
+                content: system.clone(),
+            });
+        }
+        turns.push(ChatMessage {
+            role: "user".into(),
+            content: observation.to_string(),
+        });
+        Prompt::Chat(turns)
+    }
+}
+
+/// Why one generate request failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GenerateError {
+    #[error("no reply within the timeout")]
+    Timeout,
+    #[error("no inference server answers")]
+    NoResponders,
+    /// The reply did not decode or failed its checks.
+    #[error("bad reply: {0}")]
+    BadReply(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl GenerateError {
+    /// A short label for metrics: `timeout`, `no_responders`, `bad_reply`, `error`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            GenerateError::Timeout => "timeout",
+            GenerateError::NoResponders => "no_responders",
+            GenerateError::BadReply(_) => "bad_reply",
+            GenerateError::Other(_) => "error",
+        }
+    }
+}
+
+/// Sends generate requests: [`NatsGenerate`] in the services, anything that
+/// answers in unit tests.
+pub trait Generate: Send + Sync {
+    /// One request, answered within `timeout` or failed.
+    fn generate(
+        &self,
+        request: &GenerateRequest,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<GenerateReply, GenerateError>> + Send;
+}
+
+/// Generate requests over NATS request-reply (`relay.<run>.generate`, the
+/// inference servers' queue group).
+#[derive(Clone)]
+pub struct NatsGenerate {
+    client: async_nats::Client,
+    subject: String,
+}
+
+impl NatsGenerate {
+    pub fn new(client: async_nats::Client, subject: String) -> Self {
+        Self { client, subject }
+    }
+}
+
+impl Generate for NatsGenerate {
+    async fn generate(
+        &self,
+        request: &GenerateRequest,
+        timeout: Duration,
+    ) -> Result<GenerateReply, GenerateError> {
+        relay_kit::request::<_, GenerateReply>(&self.client, &self.subject, request, timeout)
+            .await
+            .map_err(|e| match e {
+                RequestError::Timeout { .. } => GenerateError::Timeout,
+                RequestError::NoResponders { .. } => GenerateError::NoResponders,
+                RequestError::BadReply { source, .. } => {
+                    GenerateError::BadReply(source.to_string())
+                }
+                other => GenerateError::Other(other.to_string()),
+            })
+    }
+}
+
+/// One game to play.
+pub struct GameSpec {
+    /// A text game id (`relay_envs::TEXT_GAME_IDS`).
+    pub env_id: String,
+    /// The game's reset seed (chance, and each move's sampling seed).
+    pub seed: u64,
+    /// One seat per player, seat `i` = player `i` (see [`arrange`]).
+    pub seats: Vec<Seat>,
+    /// The learning policy's seat, recorded in the [`GameRecord`].
+    pub learner_seat: Option<usize>,
+    /// Who plays it (the env-runner's or evaluator's instance), recorded.
+    pub runner_id: String,
+}
+
+/// A finished game and what the services measure of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlayedGame {
+    pub record: GameRecord,
+    /// [`relay_envs::TextGame::state_key`] before each move (including the
+    /// final state).
+    pub states: Vec<String>,
+    /// Wall time of each model move: its request(s) and the game's step.
+    pub model_turn_seconds: Vec<f64>,
+    /// Generate requests that failed and were retried.
+    pub retries: u32,
+    /// Characters of every model completion.
+    pub completion_chars: usize,
+}
+
+impl PlayedGame {
+    /// Reward of the learning seat.
+    pub fn learner_reward(&self) -> Option<f64> {
+        self.record
+            .learner_seat
+            .map(|s| self.record.rewards[s as usize])
+    }
+
+    /// Seats that play as the learning seat does (the learning seat itself,
+    /// and every other seat with the same policy: mirror games).
+    pub fn learning_seats(&self) -> Vec<usize> {
+        let Some(learner) = self.record.learner_seat else {
+            return Vec::new();
+        };
+        let own = &self.record.seats[learner as usize];
+        (0..self.record.seats.len())
+            .filter(|&s| &self.record.seats[s] == own)
+            .collect()
+    }
+
+    /// The learning seat's result: see [`Outcome::of`].
+    pub fn outcome(&self) -> Option<Outcome> {
+        self.record
+            .learner_seat
+            .map(|s| Outcome::of(&self.record.rewards, s as usize))
+    }
+}
+
+/// A game's result for one seat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Win,
+    Draw,
+    Loss,
+}
+
+impl Outcome {
+    /// With several players: a win when the seat's reward is above every
+    /// other seat's, a draw when it ties the best, a loss otherwise. Alone
+    /// (GuessTheNumber): a win at a full score (>= 1), else a loss.
+    pub fn of(rewards: &[f64], seat: usize) -> Self {
+        let own = rewards[seat];
+        if rewards.len() == 1 {
+            return if own >= 1.0 {
+                Outcome::Win
+            } else {
+                Outcome::Loss
+            };
+        }
+        let best_other = rewards
+            .iter()
+            .enumerate()
+            .filter(|&(s, _)| s != seat)
+            .map(|(_, &r)| r)
+            .fold(f64::NEG_INFINITY, f64::max);
+        if own > best_other {
+            Outcome::Win
+        } else if own == best_other {
+            Outcome::Draw
+        } else {
+            Outcome::Loss
+        }
+    }
+
+    /// `win`, `draw` or `loss` (metric label).
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Win => "win",
+            Outcome::Draw => "draw",
+            Outcome::Loss => "loss",
+        }
+    }
+}
+
+/// Why a game was not finished.
+#[derive(Debug, thiserror::Error)]
+pub enum GameError {
+    /// A model seat got no usable reply in `attempts` tries.
+    #[error("game abandoned at turn {turn}: player {player} got no usable reply in {attempts} attempts (last: {last})")]
+    Abandoned {
+        turn: usize,
+        player: usize,
+        attempts: u32,
+        last: GenerateError,
+    },
+    /// The seats do not fit the game.
+    #[error("{0}")]
+    Setup(String),
+    /// The game or a bot refused to go on.
+    #[error(transparent)]
+    Env(#[from] EnvError),
+}
+
+/// Mixes the game seed and the move number into a sampling seed.
+fn move_seed(game_seed: u64, turn: usize) -> u64 {
+    let mut z = game_seed ^ (turn as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Plays one game to its end (see the module docs).
+pub async fn play_game<G: Generate>(
+    generator: &G,
+    spec: GameSpec,
+    settings: &GameSettings,
+) -> Result<PlayedGame, GameError> {
+    let started = Instant::now();
+    let GameSpec {
+        env_id,
+        seed,
+        mut seats,
+        learner_seat,
+        runner_id,
+    } = spec;
+    let mut game = relay_envs::make_text_game(&env_id)?;
+    if seats.len() != game.num_players() {
+        return Err(GameError::Setup(format!(
+            "{env_id} has {} players, got {} seats",
+            game.num_players(),
+            seats.len()
+        )));
+    }
+    if learner_seat.is_some_and(|s| s >= seats.len()) {
+        return Err(GameError::Setup(format!(
+            "learner seat {learner_seat:?} of {} seats",
+            seats.len()
+        )));
+    }
+    game.reset(seed);
+    let policies: Vec<SeatPolicy> = seats.iter().map(Seat::policy).collect();
+    let mut turns: Vec<TextTurn> = Vec::new();
+    let mut states = Vec::new();
+    let mut model_turn_seconds = Vec::new();
+    let (mut retries, mut completion_chars) = (0u32, 0usize);
+    while !game.is_done() {
+        states.push(game.state_key());
+        let player = game.current_player();
+        let turn_started = Instant::now();
+        let turn = match &mut seats[player] {
+            Seat::Bot(bot) => {
+                let action = bot.choose_move(game.as_ref())?;
+                let outcome = game.step(&action)?;
+                TextTurn {
+                    player: player as u8,
+                    prompt_tokens: Tensor::from_u32(&[0], &[]),
+                    completion_tokens: Tensor::from_u32(&[0], &[]),
+                    logprobs: Tensor::from_f32(&[0], &[]),
+                    action,
+                    invalid: outcome.invalid_move,
+                    adapter: None,
+                }
+            }
+            Seat::Model(adapter) => {
+                let mut sampling = settings.sampling.clone();
+                sampling.seed = Some(move_seed(seed, turns.len()));
+                let mut request = GenerateRequest::new(
+                    adapter.clone(),
+                    settings.prompt(&game.observation(player)),
+                    sampling,
+                );
+                if settings.constrained {
+                    request.allowed = game.legal_moves();
+                }
+                let reply = request_with_retries(
+                    generator,
+                    &request,
+                    settings,
+                    turns.len(),
+                    player,
+                    &mut retries,
+                )
+                .await?;
+                completion_chars += reply.text.chars().count();
+                let outcome = game.step(&reply.text)?;
+                model_turn_seconds.push(turn_started.elapsed().as_secs_f64());
+                TextTurn {
+                    player: player as u8,
+                    prompt_tokens: reply.prompt_tokens,
+                    completion_tokens: reply.completion_tokens,
+                    logprobs: reply.logprobs,
+                    action: reply.text,
+                    invalid: outcome.invalid_move,
+                    adapter: reply.adapter,
+                }
+            }
+        };
+        turns.push(turn);
+    }
+    states.push(game.state_key());
+    let rewards = game.rewards().expect("the game is over");
+    let reasons = game
+        .game_info()
+        .into_iter()
+        .map(|info| info.reason.unwrap_or_default())
+        .collect();
+    let record = GameRecord {
+        schema: SCHEMA_VERSION,
+        runner_id,
+        env_id,
+        seed,
+        seats: policies,
+        learner_seat: learner_seat.map(|s| s as u8),
+        turns,
+        rewards,
+        reasons,
+        duration_ms: started.elapsed().as_millis() as u64,
+    };
+    Ok(PlayedGame {
+        record,
+        states,
+        model_turn_seconds,
+        retries,
+        completion_chars,
+    })
+}
+
+/// One move's request, retried on failure with a doubling backoff.
+async fn request_with_retries<G: Generate>(
+    generator: &G,
+    request: &GenerateRequest,
+    settings: &GameSettings,
+    turn: usize,
+    player: usize,
+    retries: &mut u32,
+) -> Result<GenerateReply, GameError> {
+    let mut backoff = settings.retry_backoff;
+    let attempts = settings.attempts.max(1);
+    let mut attempt = 1;
+    loop {
+        match generator.generate(request, settings.timeout).await {
+            Ok(reply) => return Ok(reply),
+            Err(e) if attempt >= attempts => {
+                return Err(GameError::Abandoned {
+                    turn,
+                    player,
+                    attempts,
+                    last: e,
+                })
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, attempt, turn, "generate request failed; retrying");
+                *retries += 1;
+                attempt += 1;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}

@@ -1,0 +1,319 @@
+//! The text-game loop with an in-process [`Generate`] (no NATS): what a
+//! game records, seating, retries, abandonment, constrained decoding.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use relay_kit::config::TextConfig;
+use relay_policy::text::{
+    arrange, learning_adapter, make_bot, play_game, GameError, GameSettings, GameSpec, Generate,
+    GenerateError, Outcome, Seat,
+};
+use relay_proto::{
+    AdapterRef, FinishReason, GameRecord, GenerateReply, GenerateRequest, Prompt, SeatPolicy,
+    Tensor, SCHEMA_VERSION,
+};
+
+/// The cells listed on the last "Available Moves:" line of the prompt.
+fn available_moves(request: &GenerateRequest) -> Vec<String> {
+    let Prompt::Chat(turns) = &request.prompt else {
+        panic!("expected a chat prompt")
+    };
+    let user = &turns.last().unwrap().content;
+    let line = user
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("Available Moves: "))
+        .expect("an Available Moves line");
+    line.split(", ")
+        .map(|m| m.trim_matches('\'').to_string())
+        .collect()
+}
+
+fn reply(request: &GenerateRequest, text: &str) -> GenerateReply {
+    let c = text.len();
+    GenerateReply {
+        schema: SCHEMA_VERSION,
+        adapter: request.adapter.clone().map(|a| AdapterRef {
+            version: Some(7),
+            ..a
+        }),
+        prompt_tokens: Tensor::from_u32(&[5], &[1, 2, 3, 4, 5]),
+        completion_tokens: Tensor::from_u32(&[c], &vec![42; c]),
+        logprobs: Tensor::from_f32(&[c], &vec![-0.25; c]),
+        text: text.to_string(),
+        finish: FinishReason::Stop,
+    }
+}
+
+/// Answers by a rule of (request, call number); records every request.
+struct Scripted<F> {
+    rule: F,
+    calls: AtomicUsize,
+    requests: Mutex<Vec<GenerateRequest>>,
+}
+
+impl<F> Scripted<F>
+where
+    F: Fn(&GenerateRequest, usize) -> Result<GenerateReply, GenerateError> + Send + Sync,
+{
+    fn new(rule: F) -> Self {
+        Self {
+            rule,
+            calls: AtomicUsize::new(0),
+            requests: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl<F> Generate for Scripted<F>
+where
+    F: Fn(&GenerateRequest, usize) -> Result<GenerateReply, GenerateError> + Send + Sync,
+{
+    async fn generate(
+        &self,
+        request: &GenerateRequest,
+        _timeout: Duration,
+    ) -> Result<GenerateReply, GenerateError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst);
+        self.requests.lock().unwrap().push(request.clone());
+        (self.rule)(request, n)
+    }
+}
+
+fn settings() -> GameSettings {
+    let mut s = GameSettings::from_config(&TextConfig::default());
+    s.retry_backoff = Duration::from_millis(1);
+    s
+}
+
+fn vs_minimax(learner_seat: usize) -> GameSpec {
+    let text = TextConfig::default();
+    GameSpec {
+        env_id: "TicTacToe-v0".into(),
+        seed: 11,
+        seats: arrange(
+            Seat::learner(&text, 1).unwrap(),
+            || Ok(Seat::Bot(make_bot("minimax", 2, &text)?)),
+            2,
+            learner_seat,
+        )
+        .unwrap(),
+        learner_seat: Some(learner_seat),
+        runner_id: "test".into(),
+    }
+}
+
+fn roundtrip(record: &GameRecord) {
+    let back: GameRecord = relay_proto::decode(&relay_proto::encode(record)).unwrap();
+    assert_eq!(&back, record);
+}
+
+#[tokio::test]
+async fn model_seat_plays_minimax_from_either_seat_and_records_every_turn() {
+    let generator = Scripted::new(|r: &GenerateRequest, _| Ok(reply(r, &available_moves(r)[0])));
+    for seat in [0, 1] {
+        let game = play_game(&generator, vs_minimax(seat), &settings())
+            .await
+            .unwrap();
+        let r = &game.record;
+        roundtrip(r);
+        assert_eq!(r.learner_seat, Some(seat as u8));
+        assert_eq!(r.seats[seat], SeatPolicy::Model(Some(learning_adapter())));
+        assert_eq!(r.seats[1 - seat], SeatPolicy::Bot("minimax".into()));
+        // Players alternate (every move here is legal), player 0 first.
+        for (i, turn) in r.turns.iter().enumerate() {
+            assert_eq!(turn.player as usize, i % 2);
+            assert!(!turn.invalid);
+            let model = turn.player as usize == seat;
+            assert_eq!(turn.completion_tokens.numel() > 0, model, "turn {i}");
+            assert_eq!(turn.logprobs.numel(), turn.completion_tokens.numel());
+            assert_eq!(turn.prompt_tokens.numel() > 0, model);
+            assert_eq!(
+                turn.adapter,
+                model.then(|| AdapterRef {
+                    name: "policy".into(),
+                    version: Some(7)
+                })
+            );
+        }
+        // Lowest free cell against perfect play never wins.
+        assert_eq!(r.rewards.iter().sum::<f64>(), 0.0);
+        assert!(r.rewards[seat] <= 0.0);
+        assert_ne!(game.outcome(), Some(Outcome::Win));
+        assert_eq!(game.learner_reward(), Some(r.rewards[seat]));
+        assert_eq!(game.learning_seats(), vec![seat]);
+        assert_eq!(game.states.len(), r.turns.len() + 1);
+        let model_turns = r.turns.iter().filter(|t| t.player as usize == seat).count();
+        assert_eq!(game.model_turn_seconds.len(), model_turns);
+        assert!(r.reasons.iter().all(|reason| !reason.is_empty()));
+    }
+}
+
+#[tokio::test]
+async fn an_illegal_reply_is_judged_by_the_game_and_the_same_player_moves_again() {
+    // First answer of the game is an occupied-or-absent cell, then legal moves.
+    let generator = Scripted::new(|r: &GenerateRequest, n| {
+        if n == 0 {
+            Ok(reply(r, "I pick [9]"))
+        } else {
+            Ok(reply(r, &available_moves(r)[0]))
+        }
+    });
+    let game = play_game(&generator, vs_minimax(0), &settings())
+        .await
+        .unwrap();
+    let turns = &game.record.turns;
+    assert!(turns[0].invalid && turns[0].player == 0);
+    assert_eq!(turns[0].action, "I pick [9]");
+    assert!(!turns[1].invalid && turns[1].player == 0);
+    // The second prompt carries the game's warning.
+    let requests = generator.requests.lock().unwrap();
+    let Prompt::Chat(chat) = &requests[1].prompt else {
+        panic!()
+    };
+    assert!(chat[0].content.contains("attempted an invalid move"));
+}
+
+#[tokio::test]
+async fn failed_requests_are_retried_then_the_game_is_abandoned() {
+    // Two failures, then answers: the game finishes with two retries.
+    let flaky = Scripted::new(|r: &GenerateRequest, n| match n {
+        0 => Err(GenerateError::Timeout),
+        1 => Err(GenerateError::BadReply("garbled".into())),
+        _ => Ok(reply(r, &available_moves(r)[0])),
+    });
+    let game = play_game(&flaky, vs_minimax(0), &settings()).await.unwrap();
+    assert_eq!(game.retries, 2);
+    assert!(!game.record.turns.is_empty());
+
+    // Never an answer: abandoned after exactly `attempts` tries.
+    let dead = Scripted::new(|_: &GenerateRequest, _| Err(GenerateError::NoResponders));
+    let mut s = settings();
+    s.attempts = 4;
+    let err = play_game(&dead, vs_minimax(0), &s).await.unwrap_err();
+    match err {
+        GameError::Abandoned {
+            turn,
+            player,
+            attempts,
+            last,
+        } => {
+            assert_eq!((turn, player, attempts), (0, 0, 4));
+            assert_eq!(last, GenerateError::NoResponders);
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(dead.calls.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test]
+async fn requests_carry_the_system_prompt_sampling_and_legal_moves_when_constrained() {
+    let generator = Scripted::new(|r: &GenerateRequest, _| Ok(reply(r, &r.allowed[0])));
+    let text = TextConfig {
+        constrained: true,
+        system_prompt: Some("You play to win.".into()),
+        temperature: 0.5,
+        max_turn_tokens: 7,
+        ..TextConfig::default()
+    };
+    let mut s = GameSettings::from_config(&text);
+    s.retry_backoff = Duration::from_millis(1);
+    let spec = vs_minimax(1);
+    let seed = spec.seed;
+    play_game(&generator, spec, &s).await.unwrap();
+    let requests = generator.requests.lock().unwrap();
+    assert!(!requests.is_empty());
+    let mut seeds = std::collections::HashSet::new();
+    for r in requests.iter() {
+        relay_proto::decode::<GenerateRequest>(&relay_proto::encode(r)).unwrap();
+        let Prompt::Chat(chat) = &r.prompt else {
+            panic!()
+        };
+        assert_eq!(chat.len(), 2);
+        assert_eq!(
+            (chat[0].role.as_str(), chat[0].content.as_str()),
+            ("system", "You play to win.")
+        );
+        assert_eq!(chat[1].role, "user");
+        assert!(chat[1].content.starts_with("\n[GAME] You are Player 1"));
+        assert_eq!(r.allowed, available_moves(r));
+        assert_eq!((r.sampling.temperature, r.sampling.max_tokens), (0.5, 7));
+        assert_eq!(r.adapter, Some(learning_adapter()));
+        seeds.insert(r.sampling.seed.expect("a per-move seed"));
+    }
+    assert_eq!(seeds.len(), requests.len(), "each move has its own seed");
+    assert!(!seeds.contains(&seed));
+}
+
+#[tokio::test]
+async fn bot_seats_play_without_any_generate_request() {
+    let generator = Scripted::new(
+        |_: &GenerateRequest, _| -> Result<GenerateReply, GenerateError> {
+            panic!("no model seat")
+        },
+    );
+    let text = TextConfig {
+        learner: "random".into(),
+        ..TextConfig::default()
+    };
+    let mut outcomes = std::collections::HashSet::new();
+    for seed in 0..12u64 {
+        let seat = (seed % 2) as usize;
+        let seats = arrange(
+            Seat::learner(&text, seed).unwrap(),
+            || Ok(Seat::Bot(make_bot("random", seed + 100, &text)?)),
+            2,
+            seat,
+        )
+        .unwrap();
+        let spec = GameSpec {
+            env_id: "TicTacToe-v0".into(),
+            seed,
+            seats,
+            learner_seat: Some(seat),
+            runner_id: "bots".into(),
+        };
+        let game = play_game(&generator, spec, &settings()).await.unwrap();
+        roundtrip(&game.record);
+        assert!(game
+            .record
+            .turns
+            .iter()
+            .all(|t| t.completion_tokens.numel() == 0 && !t.invalid));
+        // Mirror of the learner: both seats are "random", so both learn.
+        assert_eq!(game.learning_seats(), vec![0, 1]);
+        outcomes.insert(game.outcome().unwrap());
+    }
+    assert!(
+        outcomes.len() >= 2,
+        "random vs random always ended alike: {outcomes:?}"
+    );
+    assert_eq!(generator.calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn seats_that_do_not_fit_the_game_are_refused() {
+    let generator = Scripted::new(|r: &GenerateRequest, _| Ok(reply(r, "[0]")));
+    let spec = GameSpec {
+        env_id: "TicTacToe-v0".into(),
+        seed: 0,
+        seats: vec![Seat::Model(None)],
+        learner_seat: Some(0),
+        runner_id: "x".into(),
+    };
+    assert!(matches!(
+        play_game(&generator, spec, &settings()).await,
+        Err(GameError::Setup(_))
+    ));
+}
+
+#[test]
+fn outcomes_compare_rewards() {
+    assert_eq!(Outcome::of(&[1.0, -1.0], 0), Outcome::Win);
+    assert_eq!(Outcome::of(&[1.0, -1.0], 1), Outcome::Loss);
+    assert_eq!(Outcome::of(&[0.0, 0.0], 1), Outcome::Draw);
+    assert_eq!(Outcome::of(&[1.0], 0), Outcome::Win);
+    assert_eq!(Outcome::of(&[0.6], 0), Outcome::Loss);
+}
