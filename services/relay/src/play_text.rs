@@ -124,18 +124,6 @@ impl Player {
     }
 }
 
-/// A fixed bot by name.
-pub fn bot(name: &str, seed: u64) -> Result<Box<dyn Bot>> {
-    Ok(match name {
-        "random" => Box::new(relay_envs::text::RandomBot::new(seed)),
-        "minimax" => Box::new(relay_envs::text::MinimaxBot::new()),
-        "connect_four_bot" => Box::new(relay_envs::text::ConnectFourBot::new(4)),
-        other => {
-            bail!("unknown opponent {other:?} (known: human, random, minimax, connect_four_bot)")
-        }
-    })
-}
-
 /// Who sits in a seat.
 enum Seat<'a> {
     Model(&'a mut Player),
@@ -165,7 +153,10 @@ pub fn play_game(
     for _ in 1..players {
         opponents.push(match opponent {
             "human" => Seat::Human,
-            name => Seat::Bot(bot(name, seed)?),
+            name => Seat::Bot(
+                relay_policy::text::make_bot(name, seed, &Default::default())
+                    .map_err(|e| anyhow::anyhow!("--opponent: {e} (or human)"))?,
+            ),
         });
     }
     let mut seats: Vec<Seat> = Vec::with_capacity(players);
