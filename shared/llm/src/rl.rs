@@ -158,13 +158,9 @@ impl TokenExample {
                 self.completion.len()
             )));
         }
-        if let Some(bad) = self
-            .behaviour_logprobs
-            .iter()
-            .find(|l| !l.is_finite() || **l > 0.0)
-        {
+        if let Some(bad) = self.behaviour_logprobs.iter().find(|l| !l.is_finite()) {
             return Err(TrainError::BadInput(format!(
-                "behaviour log-prob {bad} is not a finite value <= 0"
+                "behaviour log-prob {bad} is not finite"
             )));
         }
         if !self.reward.is_finite() {
