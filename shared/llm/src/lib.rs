@@ -67,6 +67,20 @@
 //! # Ok::<(), relay_llm::ModelError>(())
 //! ```
 //!
+//! # Training side
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`token_batch`] | [`BatchConfig`], [`Truncation`], [`TokenBatch`] (right-padded blocks, completion-only loss mask), [`Aggregation`] |
+//! | [`rl`] | [`TokenExample`], the RL objectives ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`] |
+//! | [`reward`] | [`GameResult`], [`RewardShaping`]: per-env normalisation, format reward, invalid-move penalty |
+//! | [`sft`] | [`SftTrainer`], the SFT JSONL reader and chat rendering, full-model training through a `VarMap` |
+//! | [`optim`] | [`AdamW`] with gradient accumulation and global-norm clipping |
+//! | [`train_error`] | [`TrainError`] |
+//!
+//! All training goes through [`CausalLm::forward_train`]; only the vars
+//! handed to the optimizer change (a LoRA adapter's, or a `VarMap`'s).
+//!
 //! # Text side
 //!
 //! | module | owns |
@@ -88,10 +102,16 @@ pub mod init;
 pub mod lora;
 pub mod model;
 pub mod model_error;
+pub mod optim;
 pub mod peft;
+pub mod reward;
+pub mod rl;
+pub mod sft;
 pub mod smollm2;
 pub mod tiny_tokenizer;
+pub mod token_batch;
 pub mod tokenizer;
+pub mod train_error;
 
 pub use cache::KvCache;
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
@@ -105,8 +125,17 @@ pub use init::{TinyShape, TinyVocab};
 pub use lora::{LoraAdapter, LoraConfig, LoraTarget, LoraWeights};
 pub use model::{token_log_probs, BatchItem, CausalLm, LogitsWanted};
 pub use model_error::ModelError;
+pub use optim::{AdamW, AdamWConfig, StepReport};
+pub use reward::{GameResult, NormalizeConfig, RewardNormalizer, RewardShaping, RunningStats};
+pub use rl::{
+    AdvantageEstimator, Baseline, KlConfig, KlEstimator, KlMode, ObjectiveConfig, PolicyLoss,
+    RatioLevel, RlStats, RlTrainConfig, RlTrainer, TokenExample,
+};
+pub use sft::{SftConfig, SftExample, SftFormat, SftRecord, SftStats, SftTrainer};
 pub use smollm2::{find_smollm2_gguf, FindGgufError, SMOLLM2_GGUF_ENV};
 pub use tiny_tokenizer::{write_tiny_tokenizer, TINY_VOCAB_SIZE};
+pub use token_batch::{Aggregation, BatchConfig, BatchTotals, TokenBatch, Truncation};
 pub use tokenizer::{
     IncrementalDecoder, SpecialToken, SpecialTokens, TokenSequences, Tokenizer, TokenizerError,
 };
+pub use train_error::{TrainError, TrainResult};

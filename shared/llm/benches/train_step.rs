@@ -1,0 +1,205 @@
+//! `cargo bench -p relay-llm --bench train_step`: one RL train step of a
+//! LoRA adapter (r 8, all projections) on the default `init::tiny` model,
+//! 16 sequences of 200 tokens (170 prompt, 30 completion), and its parts:
+//! the training forward, the reference forward (KL), loss, backward and
+//! the AdamW step. Printed as a table (median of a few runs).
+//!
+//! Threads: candle's rayon pool, sized by `RAYON_NUM_THREADS` (printed).
+//!
+//! Measured here (`RAYON_NUM_THREADS=2`, on 2 cores shared with other
+//! builds, load ~9, so absolute numbers are pessimistic): a whole step
+//! 2.8 s (REINFORCE) and 3.3 s (GRPO with its reference forward) at
+//! minibatch 16; 3.0 s and 4.8 s at minibatch 4. Of one 16-sequence
+//! micro-batch: training forward 0.41 s, reference forward 0.37 s, loss
+//! 2 ms, AdamW 0.2 ms, forward + backward 3.0 s: the backward is ~6.5x
+//! the forward. A probe of candle 0.11's ops at these shapes showed why:
+//! the composed `candle_nn::ops::softmax` over attention scores
+//! `(32, 400, 200)` takes 53 ms forward and 187 ms backward (per layer),
+//! adding the causal mask with `broadcast_add` 4 ms forward and 58 ms
+//! backward (candle computes the gradient of the constant mask too), and
+//! a projection `x · Wᵀ` with frozen `W` pays for `W`'s unused gradient
+//! (backward 1.45x its forward instead of ~1x). All three live in
+//! `model.rs`'s training forward: a custom op for masked softmax with its
+//! own backward (`p ⊙ (g − Σ g⊙p)`) and a frozen-weight matmul that
+//! skips the weight's gradient are where to gain.
+
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use relay_llm::rl::{rl_loss, RlMicroBatch, RlRow};
+use relay_llm::{
+    init, AdamWConfig, Aggregation, BatchConfig, BatchTotals, CausalLm, LoraAdapter, LoraConfig,
+    ObjectiveConfig, RlTrainConfig, RlTrainer, TinyVocab, TokenExample, Truncation,
+};
+
+const SEQUENCES: usize = 16;
+const PROMPT: usize = 170;
+const COMPLETION: usize = 30;
+
+fn median(runs: usize, f: &mut dyn FnMut()) -> Duration {
+    f();
+    let mut times: Vec<Duration> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn row(label: &str, d: Duration) {
+    println!("{label:<58} {:>9.1} ms", d.as_secs_f64() * 1e3);
+}
+
+fn examples(vocab: u32) -> Vec<TokenExample> {
+    (0..SEQUENCES)
+        .map(|i| TokenExample {
+            prompt: (0..PROMPT)
+                .map(|t| ((i * 131 + t * 7919) as u32) % (vocab - 3) + 3)
+                .collect(),
+            completion: (0..COMPLETION)
+                .map(|t| ((i * 17 + t * 31) as u32) % (vocab - 3) + 3)
+                .collect(),
+            behaviour_logprobs: vec![-6.0; COMPLETION],
+            reward: (i % 3) as f64,
+            group: (i / 4) as u64,
+        })
+        .collect()
+}
+
+fn main() {
+    println!(
+        "RAYON_NUM_THREADS={}",
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "(unset)".into())
+    );
+    let dir = std::env::temp_dir().join(format!("relay-llm-train-bench-{}", std::process::id()));
+    let vocab = TinyVocab {
+        size: 512,
+        bos_token_id: None,
+        eos_token_id: Some(2),
+        pad_token_id: Some(0),
+    };
+    init::tiny(&dir, 0, &vocab).unwrap();
+    let model = CausalLm::load_hf(&dir).unwrap();
+    let adapter =
+        LoraAdapter::new(model.config(), LoraConfig::all_projections(8, 16.0), 0).unwrap();
+    // Non-zero B, as after the first step.
+    for (_, v) in adapter.named_vars() {
+        v.set(&Tensor::randn(0f32, 0.02, v.shape(), &Device::Cpu).unwrap())
+            .unwrap();
+    }
+    let data = examples(vocab.size as u32);
+    println!(
+        "init::tiny default shape, LoRA r 8 on all projections, {SEQUENCES} sequences x {} tokens ({PROMPT} prompt + {COMPLETION} completion)",
+        PROMPT + COMPLETION
+    );
+
+    let config = |objective: ObjectiveConfig, minibatch_size: usize| RlTrainConfig {
+        objective,
+        batch: BatchConfig {
+            batch_size: SEQUENCES,
+            minibatch_size,
+            max_seq_len: 512,
+            truncation: Truncation::CutPromptStart,
+        },
+        optimizer: AdamWConfig {
+            lr: 1e-6,
+            ..Default::default()
+        },
+    };
+    for (label, objective) in [
+        (
+            "REINFORCE (no reference forward)",
+            ObjectiveConfig::reinforce(),
+        ),
+        (
+            "GRPO (k3 KL loss: + reference forward)",
+            ObjectiveConfig::grpo(),
+        ),
+    ] {
+        for minibatch in [16, 4] {
+            let mut trainer =
+                RlTrainer::new(config(objective.clone(), minibatch), &adapter).unwrap();
+            let t = median(5, &mut || {
+                trainer.train_step(&model, &adapter, &data).unwrap();
+            });
+            row(&format!("train step, {label}, minibatch {minibatch}"), t);
+        }
+    }
+
+    // Parts of one 16-sequence micro-batch.
+    let rows: Vec<RlRow> = data
+        .iter()
+        .map(|e| RlRow {
+            prompt: &e.prompt,
+            completion: &e.completion,
+            behaviour_logprobs: &e.behaviour_logprobs,
+            advantage: 0.5,
+        })
+        .collect();
+    let totals = BatchTotals {
+        sequences: SEQUENCES,
+        tokens: SEQUENCES * COMPLETION,
+    };
+    let batch = RlMicroBatch::new(&rows, &Aggregation::TokenMean, totals, &Device::Cpu).unwrap();
+    let objective = ObjectiveConfig::ppo();
+    row(
+        "  build the micro-batch tensors",
+        median(5, &mut || {
+            RlMicroBatch::new(&rows, &Aggregation::TokenMean, totals, &Device::Cpu).unwrap();
+        }),
+    );
+    row(
+        "  forward_train, no adapter (the reference)",
+        median(5, &mut || {
+            model.forward_train(&batch.tokens.input_ids, None).unwrap();
+        }),
+    );
+    row(
+        "  forward_train with adapter",
+        median(5, &mut || {
+            model
+                .forward_train(&batch.tokens.input_ids, Some(&adapter))
+                .unwrap();
+        }),
+    );
+    let logits = model
+        .forward_train(&batch.tokens.input_ids, Some(&adapter))
+        .unwrap();
+    row(
+        "  PPO loss on the logits (select, log-softmax, entropy)",
+        median(5, &mut || {
+            rl_loss(&objective, &logits, None, &batch).unwrap();
+        }),
+    );
+    row(
+        "  forward with adapter + loss + backward",
+        median(5, &mut || {
+            let logits = model
+                .forward_train(&batch.tokens.input_ids, Some(&adapter))
+                .unwrap();
+            let out = rl_loss(&objective, &logits, None, &batch).unwrap();
+            out.loss.backward().unwrap();
+        }),
+    );
+    let mut optimizer =
+        relay_llm::AdamW::new(adapter.named_vars(), AdamWConfig::default()).unwrap();
+    let logits = model
+        .forward_train(&batch.tokens.input_ids, Some(&adapter))
+        .unwrap();
+    let grads = rl_loss(&objective, &logits, None, &batch)
+        .unwrap()
+        .loss
+        .backward()
+        .unwrap();
+    row(
+        "  AdamW: accumulate + clip + step",
+        median(5, &mut || {
+            optimizer.accumulate(&grads).unwrap();
+            optimizer.step().unwrap();
+        }),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,213 @@
+//! Reward transforms applied to a finished game before it becomes
+//! training examples: per-environment normalisation of the game's own
+//! reward, a format reward and an invalid-move penalty.
+//!
+//! This module owns [`GameResult`] (what the transforms read from a game),
+//! the pure additive terms [`format_reward`] and [`invalid_move_penalty`],
+//! [`RunningStats`] / [`RewardNormalizer`] (running mean and standard
+//! deviation per environment id) and [`RewardShaping`], which applies them
+//! in a fixed order:
+//!
+//! ```text
+//! shaped = normalise_env(reward) + format_bonus · well_formatted_turns / turns
+//!                                − invalid_move_penalty · invalid_moves
+//! ```
+//!
+//! The environment's own reward is normalised first (so that games with
+//! different reward scales become comparable), and the format and
+//! invalid-move terms are added after, in those normalised units, so a
+//! given bonus means the same in every environment. The normaliser is
+//! state the learner keeps (and may checkpoint: it is serde).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::train_error::{TrainError, TrainResult};
+
+/// One player's view of a finished game, as the reward transforms need it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GameResult {
+    /// The environment id (`"TicTacToe-v0"`): the key of normalisation.
+    pub env_id: String,
+    /// The game's own final reward for this player (TextArena: 1 win,
+    /// 0 draw, −1 loss, or the env's own scale).
+    pub reward: f64,
+    /// Turns this player took.
+    pub turns: u32,
+    /// Of those, turns whose reply had the expected format (e.g. a move
+    /// in brackets), whether or not the move was legal.
+    pub well_formatted_turns: u32,
+    /// Moves the environment rejected as invalid.
+    pub invalid_moves: u32,
+}
+
+/// `bonus · well_formatted_turns / turns` (0 for a game without turns).
+pub fn format_reward(result: &GameResult, bonus: f64) -> f64 {
+    if result.turns == 0 {
+        return 0.0;
+    }
+    bonus * f64::from(result.well_formatted_turns.min(result.turns)) / f64::from(result.turns)
+}
+
+/// `−penalty · invalid_moves`.
+pub fn invalid_move_penalty(result: &GameResult, penalty: f64) -> f64 {
+    -penalty * f64::from(result.invalid_moves)
+}
+
+/// Running mean and variance of a stream (Chan et al.'s parallel update,
+/// as Gymnasium's `RunningMeanStd`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunningStats {
+    /// Values seen.
+    pub count: u64,
+    /// Their mean.
+    pub mean: f64,
+    /// Their population variance.
+    pub var: f64,
+}
+
+impl RunningStats {
+    /// Adds a batch of values.
+    pub fn update(&mut self, values: &[f64]) {
+        if values.is_empty() {
+            return;
+        }
+        let n = values.len() as f64;
+        let mean = values.iter().sum::<f64>() / n;
+        let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+        let total = self.count as f64 + n;
+        let delta = mean - self.mean;
+        let m2 =
+            self.var * self.count as f64 + var * n + delta * delta * self.count as f64 * n / total;
+        self.mean += delta * n / total;
+        self.var = m2 / total;
+        self.count += values.len() as u64;
+    }
+
+    /// Population standard deviation.
+    pub fn std(&self) -> f64 {
+        self.var.max(0.0).sqrt()
+    }
+}
+
+/// Per-environment reward normalisation settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NormalizeConfig {
+    /// Subtract the running mean (otherwise only divide by the std).
+    pub center: bool,
+    /// Added to the std before dividing.
+    pub eps: f64,
+    /// Clip normalised rewards to `[-clip, clip]`; `None`: no clipping.
+    pub clip: Option<f64>,
+}
+
+impl Default for NormalizeConfig {
+    fn default() -> Self {
+        Self {
+            center: true,
+            eps: 1e-8,
+            clip: Some(10.0),
+        }
+    }
+}
+
+/// Running reward statistics per environment id.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RewardNormalizer {
+    /// Statistics per environment id.
+    pub per_env: BTreeMap<String, RunningStats>,
+}
+
+impl RewardNormalizer {
+    /// Updates `env_id`'s statistics with `rewards`, then returns them
+    /// normalised: `(r − mean) / (std + eps)` (or `r / (std + eps)`
+    /// without centring), clipped. The first rewards of an env are
+    /// normalised by their own statistics.
+    pub fn normalize(
+        &mut self,
+        config: &NormalizeConfig,
+        env_id: &str,
+        rewards: &[f64],
+    ) -> Vec<f64> {
+        let stats = self.per_env.entry(env_id.to_owned()).or_default();
+        stats.update(rewards);
+        let (mean, std) = (stats.mean, stats.std());
+        rewards
+            .iter()
+            .map(|&r| {
+                let centred = if config.center { r - mean } else { r };
+                let z = centred / (std + config.eps);
+                match config.clip {
+                    Some(c) => z.clamp(-c, c),
+                    None => z,
+                }
+            })
+            .collect()
+    }
+}
+
+/// The reward transforms of a run.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardShaping {
+    /// Normalise each environment's own reward by its running statistics;
+    /// `None`: leave it as the environment gave it.
+    pub normalize: Option<NormalizeConfig>,
+    /// Reward for a game whose every turn was well formatted (scaled by the
+    /// fraction of well-formatted turns).
+    pub format_bonus: f64,
+    /// Subtracted once per invalid move.
+    pub invalid_move_penalty: f64,
+}
+
+impl RewardShaping {
+    /// Checks the fields.
+    pub fn validate(&self) -> TrainResult<()> {
+        if !self.format_bonus.is_finite() {
+            return Err(TrainError::config("format_bonus", "must be finite"));
+        }
+        if !self.invalid_move_penalty.is_finite() {
+            return Err(TrainError::config("invalid_move_penalty", "must be finite"));
+        }
+        if let Some(n) = &self.normalize {
+            if !(n.eps.is_finite() && n.eps > 0.0) {
+                return Err(TrainError::config("normalize.eps", "must be > 0"));
+            }
+            if n.clip.is_some_and(|c| c.is_nan() || c <= 0.0) {
+                return Err(TrainError::config("normalize.clip", "must be > 0"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The shaped reward of each result, in order. With normalisation, the
+    /// results of each env update that env's statistics (all of this
+    /// call's results of an env count as one batch).
+    pub fn apply(&self, normalizer: &mut RewardNormalizer, results: &[GameResult]) -> Vec<f64> {
+        let mut env_rewards: Vec<f64> = results.iter().map(|r| r.reward).collect();
+        if let Some(config) = &self.normalize {
+            let mut envs: Vec<&str> = results.iter().map(|r| r.env_id.as_str()).collect();
+            envs.sort_unstable();
+            envs.dedup();
+            for env in envs {
+                let idx: Vec<usize> = (0..results.len())
+                    .filter(|&i| results[i].env_id == env)
+                    .collect();
+                let raw: Vec<f64> = idx.iter().map(|&i| results[i].reward).collect();
+                for (i, z) in idx.into_iter().zip(normalizer.normalize(config, env, &raw)) {
+                    env_rewards[i] = z;
+                }
+            }
+        }
+        results
+            .iter()
+            .zip(env_rewards)
+            .map(|(r, base)| {
+                base + format_reward(r, self.format_bonus)
+                    + invalid_move_penalty(r, self.invalid_move_penalty)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,1047 @@
+//! Token-level RL objectives for LoRA adapters, and the train step that
+//! applies them to a batch of rollouts.
+//!
+//! This module owns:
+//! - [`TokenExample`]: one sampled completion with its behaviour log-probs,
+//!   reward and group (the learner builds them from replayed games);
+//! - the objective's config ([`ObjectiveConfig`]): an
+//!   [`AdvantageEstimator`], a [`PolicyLoss`], an [`Aggregation`], an
+//!   optional [`KlConfig`] and an entropy bonus, each a serde enum or
+//!   struct, with the published recipes as presets;
+//! - [`compute_advantages`], [`rl_loss`] (pure functions of rewards and
+//!   logits, tested by hand) and [`kl_estimate`];
+//! - [`RlTrainer`]: truncation, micro-batching, gradient accumulation and
+//!   one AdamW step over the adapter's vars, with [`RlStats`].
+//!
+//! # Formulas
+//!
+//! Sequence `i` of the batch has reward `r_i`, group `g(i)` (the
+//! completions sampled for one prompt), completion tokens `t = 1..L_i`
+//! with current log-probs `logp[i,t]` (the adapted model, differentiable),
+//! behaviour log-probs `old[i,t]` (what the sampler reported: the policy
+//! at temperature 1 over the full vocabulary) and reference log-probs
+//! `ref[i,t]` (the base model without adapter: `forward_train(.., None)`).
+//!
+//! **Advantages** ([`AdvantageEstimator`]), one per sequence:
+//!
+//! | estimator | `A_i` | source |
+//! |---|---|---|
+//! | `reinforce` | `r_i − b` with `b` = 0, the batch mean, or a moving average of batch means | Williams 1992 |
+//! | `rloo` | `r_i − (1/(G−1)) Σ_{j∈g(i), j≠i} r_j` | Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740; Kool et al. 2019 |
+//! | `grpo` | `(r_i − mean_g) / (std_g + eps)`, or `r_i − mean_g` with `scale_by_std: false` | Shao et al. 2024 (DeepSeekMath), arXiv:2402.03300; Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) drops the std |
+//!
+//! `std_g` is the sample standard deviation (`G − 1`, as `torch.std` in
+//! TRL). A group (or for `reinforce` with the batch mean, the batch)
+//! whose rewards are all equal gets advantages of exactly 0, and so does
+//! a group of one under `rloo` and `grpo` (no baseline exists).
+//!
+//! **Per-token policy loss** ([`PolicyLoss`]):
+//!
+//! * `policy_gradient`: `l[i,t] = −A_i · logp[i,t]` (REINFORCE/RLOO; on
+//!   policy, behaviour log-probs unused).
+//! * `ppo_clip` (Schulman et al. 2017, arXiv:1707.06347):
+//!   `l[i,t] = −min(ρ·A_i, clip(ρ, 1−ε_low, 1+ε_high)·A_i)` with
+//!   `ρ = exp(logp[i,t] − old[i,t])` per token, or (`ratio: sequence`,
+//!   GSPO, Zheng et al. 2025, arXiv:2507.18071) the sequence ratio
+//!   `ρ_i = exp((1/L_i) Σ_t (logp[i,t] − old[i,t]))` for every token of
+//!   the sequence. Separate `ε_low`/`ε_high` allow DAPO's clip-higher.
+//!
+//! **Aggregation** ([`Aggregation`]): token mean over the batch (DAPO),
+//! mean per sequence then over sequences (GRPO), or sum over tokens over a
+//! constant `N·M` (Dr. GRPO). Weights use whole-batch counts, so the
+//! micro-batch losses sum to the batch loss and gradient accumulation is
+//! exact.
+//!
+//! **KL to the reference** ([`KlConfig`]), per token with `d = ref − logp`
+//! (estimators from Schulman, "Approximating KL Divergence", 2020):
+//! `k1 = −d` (unbiased, can be negative), `k2 = d²/2`,
+//! `k3 = exp(d) − d − 1` (unbiased, non-negative; GRPO's choice), `d`
+//! clamped to ±20 before `exp`. Either as a loss term `β · Σ w·k` (GRPO),
+//! or as a reward penalty `r_i ← r_i − β Σ_t k(old, ref)` computed with
+//! the behaviour log-probs before the advantages (InstructGPT, Ouyang et
+//! al. 2022). A fresh PEFT adapter (`B = 0`) gives exactly the reference
+//! logits, so every estimator is exactly 0.
+//!
+//! **Entropy bonus**: `−c · Σ w·H[i,t]` with the exact entropy
+//! `H = −Σ_v p_v log p_v` of the next-token distribution at each
+//! completion position.
+//!
+//! Total: `loss = policy + β·KL (loss mode) − c·entropy`.
+//!
+//! # Presets
+//!
+//! [`ObjectiveConfig::reinforce`], [`ObjectiveConfig::rloo`],
+//! [`ObjectiveConfig::grpo`], [`ObjectiveConfig::dr_grpo`],
+//! [`ObjectiveConfig::ppo`]. In YAML:
+//!
+//! ```yaml
+//! objective:
+//!   advantage: { kind: grpo, scale_by_std: true, std_eps: 1.0e-4 }
+//!   policy_loss: { kind: ppo_clip, clip_low: 0.2, clip_high: 0.2, ratio: token }
+//!   aggregation: { kind: sequence_mean }
+//!   kl: { coef: 0.04, estimator: k3, mode: loss }
+//!   entropy_coef: 0.0
+//! batch: { batch_size: 64, minibatch_size: 8, max_seq_len: 1024, truncation: cut_prompt_start }
+//! optimizer: { lr: 1.0e-5, weight_decay: 0.0, max_grad_norm: 1.0 }
+//! ```
+//!
+//! # The learner's loop
+//!
+//! ```no_run
+//! use relay_llm::rl::{RlTrainConfig, RlTrainer, TokenExample};
+//! use relay_llm::{CausalLm, LoraAdapter, LoraConfig};
+//! # fn replay() -> Vec<TokenExample> { vec![] }
+//! let model = CausalLm::load_hf("model-dir".as_ref())?;
+//! let adapter = LoraAdapter::new(model.config(), LoraConfig::all_projections(8, 16.0), 0)?;
+//! let config: RlTrainConfig = serde_yaml_or_json_from_your_config();
+//! let mut trainer = RlTrainer::new(config, &adapter)?;
+//! loop {
+//!     let examples: Vec<TokenExample> = replay(); // 1..=batch_size, whole groups
+//!     let stats = trainer.train_step(&model, &adapter, &examples)?;
+//!     let _ = (stats.loss, stats.kl, stats.grad_norm); // to metrics
+//!     // publish adapter.deep_copy()? / save_peft as version N + 1
+//! #   break;
+//! }
+//! # fn serde_yaml_or_json_from_your_config() -> RlTrainConfig { unimplemented!() }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! One call is one optimizer step; for several PPO epochs over one batch,
+//! call it again with the same examples.
+
+use std::collections::BTreeMap;
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::lora::LoraAdapter;
+use crate::model::CausalLm;
+use crate::optim::{AdamW, AdamWConfig, StepReport};
+use crate::token_batch::{
+    fit_to_length, micro_batches, target_log_probs, Aggregation, BatchConfig, BatchTotals, Fit,
+    TokenBatch, TruncationStats,
+};
+use crate::train_error::{TrainError, TrainResult};
+
+/// One sampled completion, ready for the learner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenExample {
+    /// The prompt's token ids as the policy saw them (chat template
+    /// applied); at least one.
+    pub prompt: Vec<u32>,
+    /// The sampled tokens (the policy's own output, end-of-turn token
+    /// included when it was sampled); at least one.
+    pub completion: Vec<u32>,
+    /// Log-prob of each completion token under the behaviour policy
+    /// (temperature 1, full vocabulary: `Sampled::logprob`).
+    pub behaviour_logprobs: Vec<f32>,
+    /// Scalar reward of the whole completion (after reward shaping).
+    pub reward: f64,
+    /// Group id: completions sampled for the same prompt/state share it
+    /// (RLOO and GRPO baselines are computed within groups).
+    pub group: u64,
+}
+
+impl TokenExample {
+    /// Checks lengths and finiteness.
+    pub fn validate(&self) -> TrainResult<()> {
+        if self.prompt.is_empty() {
+            return Err(TrainError::BadInput("empty prompt".into()));
+        }
+        if self.completion.is_empty() {
+            return Err(TrainError::BadInput("empty completion".into()));
+        }
+        if self.behaviour_logprobs.len() != self.completion.len() {
+            return Err(TrainError::BadInput(format!(
+                "{} behaviour log-probs for {} completion tokens",
+                self.behaviour_logprobs.len(),
+                self.completion.len()
+            )));
+        }
+        if let Some(bad) = self.behaviour_logprobs.iter().find(|l| !l.is_finite()) {
+            return Err(TrainError::BadInput(format!(
+                "behaviour log-prob {bad} is not finite"
+            )));
+        }
+        if !self.reward.is_finite() {
+            return Err(TrainError::BadInput(format!(
+                "reward {} is not finite",
+                self.reward
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The baseline REINFORCE subtracts from rewards.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Baseline {
+    /// No baseline: `A = r`.
+    None,
+    /// The batch's mean reward.
+    #[default]
+    BatchMean,
+    /// An exponential moving average of past batch means
+    /// (`b ← decay·b + (1 − decay)·mean(r)` after each step; the first
+    /// batch uses its own mean). Kept by the [`RlTrainer`].
+    MovingAverage {
+        /// Weight of the past, in `[0, 1)`.
+        decay: f64,
+    },
+}
+
+/// How rewards become per-sequence advantages (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum AdvantageEstimator {
+    /// `r − b`.
+    Reinforce {
+        /// Which `b`.
+        #[serde(default)]
+        baseline: Baseline,
+    },
+    /// Leave-one-out baseline within each group.
+    Rloo,
+    /// Group-normalised: `(r − mean_g) / (std_g + eps)`.
+    Grpo {
+        /// Divide by the group's std (GRPO); `false` only centres (Dr. GRPO).
+        scale_by_std: bool,
+        /// Added to the std before dividing.
+        std_eps: f64,
+    },
+}
+
+/// Which importance ratio PPO clips.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RatioLevel {
+    /// One ratio per token (PPO, GRPO).
+    #[default]
+    Token,
+    /// One ratio per sequence, the geometric mean of its tokens' (GSPO).
+    Sequence,
+}
+
+/// The per-token surrogate (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PolicyLoss {
+    /// `−A · logp`.
+    PolicyGradient,
+    /// `−min(ρA, clip(ρ, 1 − clip_low, 1 + clip_high) A)`.
+    PpoClip {
+        /// `ε_low`, in `[0, 1)`.
+        clip_low: f64,
+        /// `ε_high`, `>= 0` (DAPO's clip-higher uses 0.28 with 0.2 low).
+        clip_high: f64,
+        /// Token or sequence ratio.
+        #[serde(default)]
+        ratio: RatioLevel,
+    },
+}
+
+/// Estimator of `KL(π ‖ π_ref)` from sampled tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlEstimator {
+    /// `logp − ref`.
+    K1,
+    /// `(logp − ref)² / 2`.
+    K2,
+    /// `exp(ref − logp) − (ref − logp) − 1`.
+    K3,
+}
+
+/// Where the KL term goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlMode {
+    /// Added to the loss, with gradient (GRPO).
+    Loss,
+    /// Subtracted from each sequence's reward before the advantages,
+    /// computed with the behaviour log-probs (InstructGPT).
+    RewardPenalty,
+}
+
+/// KL regularisation towards the base model (the model without adapter).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KlConfig {
+    /// `β`.
+    pub coef: f64,
+    /// Which estimator.
+    pub estimator: KlEstimator,
+    /// Loss term or reward penalty.
+    pub mode: KlMode,
+}
+
+/// The RL objective (see the module docs for the formulas).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectiveConfig {
+    /// Rewards to advantages.
+    pub advantage: AdvantageEstimator,
+    /// Per-token surrogate.
+    pub policy_loss: PolicyLoss,
+    /// Per-token losses to one loss.
+    #[serde(default)]
+    pub aggregation: Aggregation,
+    /// KL towards the base model; `None`: no KL term (and no reference
+    /// forward).
+    #[serde(default)]
+    pub kl: Option<KlConfig>,
+    /// `c` of the entropy bonus (0: none; entropy is still reported).
+    #[serde(default)]
+    pub entropy_coef: f64,
+}
+
+impl ObjectiveConfig {
+    /// REINFORCE with the batch-mean baseline, token mean.
+    pub fn reinforce() -> Self {
+        Self {
+            advantage: AdvantageEstimator::Reinforce {
+                baseline: Baseline::BatchMean,
+            },
+            policy_loss: PolicyLoss::PolicyGradient,
+            aggregation: Aggregation::TokenMean,
+            kl: None,
+            entropy_coef: 0.0,
+        }
+    }
+
+    /// RLOO: leave-one-out baseline, policy gradient, token mean.
+    pub fn rloo() -> Self {
+        Self {
+            advantage: AdvantageEstimator::Rloo,
+            ..Self::reinforce()
+        }
+    }
+
+    /// GRPO as in DeepSeekMath: group-normalised advantages, token PPO
+    /// clip 0.2, mean per sequence, k3 KL loss with β = 0.04.
+    pub fn grpo() -> Self {
+        Self {
+            advantage: AdvantageEstimator::Grpo {
+                scale_by_std: true,
+                std_eps: 1e-4,
+            },
+            policy_loss: PolicyLoss::PpoClip {
+                clip_low: 0.2,
+                clip_high: 0.2,
+                ratio: RatioLevel::Token,
+            },
+            aggregation: Aggregation::SequenceMean,
+            kl: Some(KlConfig {
+                coef: 0.04,
+                estimator: KlEstimator::K3,
+                mode: KlMode::Loss,
+            }),
+            entropy_coef: 0.0,
+        }
+    }
+
+    /// Dr. GRPO: centred (not scaled) group advantages, token PPO clip,
+    /// sum over tokens divided by `max_completion_len`, no KL.
+    pub fn dr_grpo(max_completion_len: usize) -> Self {
+        Self {
+            advantage: AdvantageEstimator::Grpo {
+                scale_by_std: false,
+                std_eps: 0.0,
+            },
+            aggregation: Aggregation::ConstantLength { max_completion_len },
+            kl: None,
+            ..Self::grpo()
+        }
+    }
+
+    /// PPO-clip (0.2) on tokens with the batch-mean baseline (no critic),
+    /// token mean.
+    pub fn ppo() -> Self {
+        Self {
+            policy_loss: PolicyLoss::PpoClip {
+                clip_low: 0.2,
+                clip_high: 0.2,
+                ratio: RatioLevel::Token,
+            },
+            ..Self::reinforce()
+        }
+    }
+
+    /// Checks every field's range.
+    pub fn validate(&self) -> TrainResult<()> {
+        match self.advantage {
+            AdvantageEstimator::Reinforce {
+                baseline: Baseline::MovingAverage { decay },
+            } if !(0.0..1.0).contains(&decay) => {
+                return Err(TrainError::config(
+                    "advantage.baseline.decay",
+                    "must be in [0, 1)",
+                ))
+            }
+            AdvantageEstimator::Grpo { std_eps, .. }
+                if !(std_eps.is_finite() && std_eps >= 0.0) =>
+            {
+                return Err(TrainError::config(
+                    "advantage.std_eps",
+                    "must be finite and >= 0",
+                ))
+            }
+            _ => {}
+        }
+        if let PolicyLoss::PpoClip {
+            clip_low,
+            clip_high,
+            ..
+        } = self.policy_loss
+        {
+            if !(0.0..1.0).contains(&clip_low) {
+                return Err(TrainError::config(
+                    "policy_loss.clip_low",
+                    "must be in [0, 1)",
+                ));
+            }
+            if !(clip_high.is_finite() && clip_high >= 0.0) {
+                return Err(TrainError::config(
+                    "policy_loss.clip_high",
+                    "must be finite and >= 0",
+                ));
+            }
+        }
+        self.aggregation.validate()?;
+        if let Some(kl) = &self.kl {
+            if !(kl.coef.is_finite() && kl.coef >= 0.0) {
+                return Err(TrainError::config("kl.coef", "must be finite and >= 0"));
+            }
+        }
+        if !self.entropy_coef.is_finite() {
+            return Err(TrainError::config("entropy_coef", "must be finite"));
+        }
+        Ok(())
+    }
+}
+
+/// Per-sequence advantages of `rewards` (with their `groups`), by
+/// `estimator`. `moving_baseline` is the [`Baseline::MovingAverage`]
+/// state (`None` before the first batch).
+pub fn compute_advantages(
+    estimator: &AdvantageEstimator,
+    rewards: &[f64],
+    groups: &[u64],
+    moving_baseline: Option<f64>,
+) -> TrainResult<Vec<f64>> {
+    if rewards.len() != groups.len() {
+        return Err(TrainError::BadInput(format!(
+            "{} rewards for {} group ids",
+            rewards.len(),
+            groups.len()
+        )));
+    }
+    let all_equal = |idx: &[usize]| idx.iter().all(|&i| rewards[i] == rewards[idx[0]]);
+    let mean = |idx: &[usize]| idx.iter().map(|&i| rewards[i]).sum::<f64>() / idx.len() as f64;
+    let mut adv = vec![0.0; rewards.len()];
+    match *estimator {
+        AdvantageEstimator::Reinforce { baseline } => {
+            let all: Vec<usize> = (0..rewards.len()).collect();
+            let b = match baseline {
+                Baseline::None => 0.0,
+                Baseline::BatchMean if !all.is_empty() && all_equal(&all) => rewards[0],
+                Baseline::BatchMean => mean(&all),
+                Baseline::MovingAverage { .. } => moving_baseline.unwrap_or_else(|| {
+                    if all_equal(&all) {
+                        rewards[0]
+                    } else {
+                        mean(&all)
+                    }
+                }),
+            };
+            for (a, r) in adv.iter_mut().zip(rewards) {
+                *a = r - b;
+            }
+        }
+        AdvantageEstimator::Rloo | AdvantageEstimator::Grpo { .. } => {
+            let mut by_group: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+            for (i, g) in groups.iter().enumerate() {
+                by_group.entry(*g).or_default().push(i);
+            }
+            for idx in by_group.values() {
+                // Equal rewards: exactly zero (the arithmetic below may round).
+                if idx.len() < 2 || all_equal(idx) {
+                    continue;
+                }
+                let g = idx.len() as f64;
+                let m = mean(idx);
+                match *estimator {
+                    AdvantageEstimator::Rloo => {
+                        let sum: f64 = idx.iter().map(|&i| rewards[i]).sum();
+                        for &i in idx {
+                            adv[i] = rewards[i] - (sum - rewards[i]) / (g - 1.0);
+                        }
+                    }
+                    AdvantageEstimator::Grpo {
+                        scale_by_std,
+                        std_eps,
+                    } => {
+                        let scale = if scale_by_std {
+                            let var = idx.iter().map(|&i| (rewards[i] - m).powi(2)).sum::<f64>()
+                                / (g - 1.0);
+                            1.0 / (var.sqrt() + std_eps)
+                        } else {
+                            1.0
+                        };
+                        for &i in idx {
+                            adv[i] = (rewards[i] - m) * scale;
+                        }
+                    }
+                    AdvantageEstimator::Reinforce { .. } => unreachable!("handled above"),
+                }
+            }
+        }
+    }
+    Ok(adv)
+}
+
+/// Per-token KL estimate `(tokens,)` between `logp` and `ref_logp`
+/// (see [`KlEstimator`]); differentiable in both.
+pub fn kl_estimate(
+    estimator: KlEstimator,
+    logp: &Tensor,
+    ref_logp: &Tensor,
+) -> TrainResult<Tensor> {
+    let d = (ref_logp - logp)?;
+    Ok(match estimator {
+        KlEstimator::K1 => d.neg()?,
+        KlEstimator::K2 => (d.sqr()? * 0.5)?,
+        KlEstimator::K3 => {
+            let d = d.clamp(-20f32, 20f32)?;
+            ((d.exp()? - &d)? - 1.0)?
+        }
+    })
+}
+
+/// One sequence of an [`RlMicroBatch`].
+#[derive(Debug, Clone, Copy)]
+pub struct RlRow<'a> {
+    /// Prompt tokens (after truncation).
+    pub prompt: &'a [u32],
+    /// Completion tokens.
+    pub completion: &'a [u32],
+    /// Behaviour log-prob per completion token.
+    pub behaviour_logprobs: &'a [f32],
+    /// The sequence's advantage.
+    pub advantage: f64,
+}
+
+/// One micro-batch with everything [`rl_loss`] needs besides logits.
+#[derive(Debug, Clone)]
+pub struct RlMicroBatch {
+    /// The token block and its completion positions.
+    pub tokens: TokenBatch,
+    /// `(tokens,)` behaviour log-probs.
+    pub behaviour_logprobs: Tensor,
+    /// `(tokens,)` each token's sequence advantage.
+    pub advantages: Tensor,
+    /// `(tokens,)` aggregation weights.
+    pub weights: Tensor,
+    /// `(rows, tokens)`: `1/L_i` where token belongs to row `i`.
+    row_mean: Tensor,
+    /// `(tokens,)` u32 row of each token.
+    token_rows: Tensor,
+    advantage_values: Vec<f32>,
+    behaviour_values: Vec<f32>,
+}
+
+impl RlMicroBatch {
+    /// Builds a micro-batch; `totals` are the whole optimizer batch's.
+    pub fn new(
+        rows: &[RlRow<'_>],
+        aggregation: &Aggregation,
+        totals: BatchTotals,
+        device: &Device,
+    ) -> TrainResult<Self> {
+        for (i, r) in rows.iter().enumerate() {
+            if r.behaviour_logprobs.len() != r.completion.len() {
+                return Err(TrainError::BadInput(format!(
+                    "row {i}: {} behaviour log-probs for {} completion tokens",
+                    r.behaviour_logprobs.len(),
+                    r.completion.len()
+                )));
+            }
+        }
+        let pairs: Vec<(&[u32], &[u32])> = rows.iter().map(|r| (r.prompt, r.completion)).collect();
+        let tokens = TokenBatch::new(&pairs, device)?;
+        let n = tokens.num_tokens();
+        let behaviour_values: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| r.behaviour_logprobs.iter().copied())
+            .collect();
+        let advantage_values: Vec<f32> = tokens
+            .token_rows
+            .iter()
+            .map(|&r| rows[r as usize].advantage as f32)
+            .collect();
+        let mut row_mean = vec![0f32; rows.len() * n];
+        for (t, &r) in tokens.token_rows.iter().enumerate() {
+            row_mean[r as usize * n + t] = 1.0 / tokens.completion_lens[r as usize] as f32;
+        }
+        Ok(Self {
+            weights: tokens.token_weights(aggregation, totals)?,
+            behaviour_logprobs: Tensor::from_vec(behaviour_values.clone(), n, device)?,
+            advantages: Tensor::from_vec(advantage_values.clone(), n, device)?,
+            row_mean: Tensor::from_vec(row_mean, (rows.len(), n), device)?,
+            token_rows: Tensor::from_vec(tokens.token_rows.clone(), n, device)?,
+            tokens,
+            advantage_values,
+            behaviour_values,
+        })
+    }
+}
+
+/// Sums over tokens (or the loss parts, already weighted) of one or more
+/// micro-batches.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LossSums {
+    /// Total loss (policy + KL loss − entropy bonus).
+    pub loss: f64,
+    /// The policy part of the loss.
+    pub policy_loss: f64,
+    /// Completion tokens.
+    pub tokens: usize,
+    /// `Σ k` of the KL estimator against the reference (KL loss mode).
+    pub kl: f64,
+    /// `Σ H` of the token entropies.
+    pub entropy: f64,
+    /// Tokens whose gradient the PPO clip removed.
+    pub clipped: usize,
+    /// `Σ (ρ − 1 − log ρ)`, `ρ = exp(logp − old)`: KL(behaviour ‖ current).
+    pub approx_kl: f64,
+}
+
+impl std::ops::AddAssign for LossSums {
+    fn add_assign(&mut self, o: Self) {
+        self.loss += o.loss;
+        self.policy_loss += o.policy_loss;
+        self.tokens += o.tokens;
+        self.kl += o.kl;
+        self.entropy += o.entropy;
+        self.clipped += o.clipped;
+        self.approx_kl += o.approx_kl;
+    }
+}
+
+/// The loss of one micro-batch: `loss` to call `backward()` on, and its
+/// parts as numbers.
+#[derive(Debug)]
+pub struct RlLoss {
+    /// Scalar, differentiable.
+    pub loss: Tensor,
+    /// Values for the stats.
+    pub sums: LossSums,
+}
+
+fn scalar(t: &Tensor) -> TrainResult<f64> {
+    Ok(t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?)
+}
+
+/// The RL loss of one micro-batch (module docs) from the policy's logits
+/// `(rows, time, vocab)` and, for a KL loss, the reference's (gradients
+/// never flow into them).
+pub fn rl_loss(
+    objective: &ObjectiveConfig,
+    logits: &Tensor,
+    reference_logits: Option<&Tensor>,
+    batch: &RlMicroBatch,
+) -> TrainResult<RlLoss> {
+    let tokens = &batch.tokens;
+    let n = tokens.num_tokens();
+    let completion = tokens.completion_logits(logits)?;
+    let (logp, log_probs) = target_log_probs(&completion, &tokens.targets)?;
+    let logp_values: Vec<f32> = logp.to_vec1()?;
+    let device = logp.device();
+    let w = &batch.weights;
+    let adv = &batch.advantages;
+
+    let mut sums = LossSums {
+        tokens: n,
+        ..Default::default()
+    };
+    for (lp, old) in logp_values.iter().zip(&batch.behaviour_values) {
+        let log_ratio = f64::from(lp - old);
+        sums.approx_kl += log_ratio.exp() - 1.0 - log_ratio;
+    }
+
+    let per_token = match objective.policy_loss {
+        PolicyLoss::PolicyGradient => (&logp * adv)?.neg()?,
+        PolicyLoss::PpoClip {
+            clip_low,
+            clip_high,
+            ratio,
+        } => {
+            let log_ratio = (&logp - &batch.behaviour_logprobs)?;
+            let ratio_t = match ratio {
+                RatioLevel::Token => log_ratio.exp()?,
+                RatioLevel::Sequence => batch
+                    .row_mean
+                    .matmul(&log_ratio.unsqueeze(1)?)?
+                    .squeeze(1)?
+                    .exp()?
+                    .index_select(&batch.token_rows, 0)?,
+            };
+            let ratios: Vec<f32> = ratio_t.to_vec1()?;
+            let (lo, hi) = ((1.0 - clip_low) as f32, (1.0 + clip_high) as f32);
+            let mut keep = vec![1f32; n];
+            let mut clipped_part = vec![0f32; n];
+            for t in 0..n {
+                let (r, a) = (ratios[t], batch.advantage_values[t]);
+                // min(ρA, clip(ρ)A) picks the constant clipped term exactly here.
+                if (a > 0.0 && r > hi) || (a < 0.0 && r < lo) {
+                    keep[t] = 0.0;
+                    clipped_part[t] = -(r.clamp(lo, hi) * a);
+                    sums.clipped += 1;
+                }
+            }
+            let keep = Tensor::from_vec(keep, n, device)?;
+            let clipped_part = Tensor::from_vec(clipped_part, n, device)?;
+            ((ratio_t * (adv * keep)?)?.neg()? + clipped_part)?
+        }
+    };
+    let policy_loss = (per_token * w)?.sum_all()?;
+    sums.policy_loss = scalar(&policy_loss)?;
+    let mut loss = policy_loss;
+
+    if let Some(kl) = objective.kl.filter(|k| k.mode == KlMode::Loss) {
+        let reference = reference_logits
+            .ok_or_else(|| TrainError::BadInput("a KL loss needs the reference logits".into()))?;
+        let ref_completion = tokens.completion_logits(&reference.detach())?;
+        let (ref_logp, _) = target_log_probs(&ref_completion, &tokens.targets)?;
+        let k = kl_estimate(kl.estimator, &logp, &ref_logp.detach())?;
+        sums.kl = scalar(&k.sum_all()?)?;
+        if kl.coef != 0.0 {
+            loss = (loss + ((k * w)?.sum_all()? * kl.coef)?)?;
+        }
+    }
+
+    let entropy = (log_probs.exp()? * &log_probs)?.sum(1)?.neg()?;
+    sums.entropy = scalar(&entropy.sum_all()?)?;
+    if objective.entropy_coef != 0.0 {
+        loss = (loss - ((entropy * w)?.sum_all()? * objective.entropy_coef)?)?;
+    }
+    sums.loss = scalar(&loss)?;
+    if !sums.loss.is_finite() {
+        return Err(TrainError::NonFinite {
+            what: "loss",
+            value: sums.loss,
+        });
+    }
+    Ok(RlLoss { loss, sums })
+}
+
+/// Everything a train step needs to know.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RlTrainConfig {
+    /// The objective.
+    pub objective: ObjectiveConfig,
+    /// Batch and micro-batch sizes, truncation.
+    pub batch: BatchConfig,
+    /// AdamW over the adapter's vars.
+    #[serde(default)]
+    pub optimizer: AdamWConfig,
+}
+
+impl RlTrainConfig {
+    /// Checks every part.
+    pub fn validate(&self) -> TrainResult<()> {
+        self.objective.validate()?;
+        self.batch.validate()?;
+        self.optimizer.validate()
+    }
+}
+
+/// What one train step did (means are over the kept sequences/tokens).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct RlStats {
+    /// Total loss of the batch.
+    pub loss: f64,
+    /// Policy part of the loss.
+    pub policy_loss: f64,
+    /// Token mean of the KL estimator against the reference: with the
+    /// current policy in loss mode, the behaviour policy in penalty mode;
+    /// 0 without KL.
+    pub kl: f64,
+    /// Mean per-sequence reward penalty `β Σ_t k` (penalty mode), else 0.
+    pub kl_penalty: f64,
+    /// Token mean of the policy's entropy at completion positions.
+    pub entropy: f64,
+    /// Fraction of tokens whose gradient the PPO clip removed.
+    pub clip_fraction: f64,
+    /// Token mean of `ρ − 1 − log ρ` (KL from the behaviour policy).
+    pub approx_kl: f64,
+    /// Mean reward before any KL penalty.
+    pub reward_mean: f64,
+    /// Mean advantage.
+    pub advantage_mean: f64,
+    /// Population std of the advantages.
+    pub advantage_std: f64,
+    /// Mean prompt + completion tokens (after truncation).
+    pub mean_seq_len: f64,
+    /// Mean completion tokens.
+    pub mean_completion_len: f64,
+    /// Sequences trained on.
+    pub sequences: usize,
+    /// Completion tokens trained on.
+    pub tokens: usize,
+    /// Sequences cut to `max_seq_len`.
+    pub truncated: usize,
+    /// Prompt tokens cut.
+    pub tokens_cut: usize,
+    /// Sequences dropped (too long).
+    pub dropped: usize,
+    /// Global gradient norm before clipping (0 until the step is taken).
+    pub grad_norm: f64,
+    /// Whether clipping scaled the gradient.
+    pub grad_clipped: bool,
+}
+
+/// Trains one LoRA adapter with an RL objective: one call of
+/// [`RlTrainer::train_step`] per optimizer step.
+#[derive(Debug)]
+pub struct RlTrainer {
+    config: RlTrainConfig,
+    optimizer: AdamW,
+    moving_baseline: Option<f64>,
+}
+
+struct Kept<'a> {
+    example: &'a TokenExample,
+    prompt: &'a [u32],
+}
+
+impl RlTrainer {
+    /// A trainer whose optimizer holds `adapter`'s vars (and nothing else).
+    pub fn new(config: RlTrainConfig, adapter: &LoraAdapter) -> TrainResult<Self> {
+        config.validate()?;
+        let optimizer = AdamW::new(adapter.named_vars(), config.optimizer.clone())?;
+        Ok(Self {
+            config,
+            optimizer,
+            moving_baseline: None,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RlTrainConfig {
+        &self.config
+    }
+
+    /// The optimizer (steps taken, accumulated gradients, learning rate).
+    pub fn optimizer(&self) -> &AdamW {
+        &self.optimizer
+    }
+
+    /// The optimizer, to change the learning rate.
+    pub fn optimizer_mut(&mut self) -> &mut AdamW {
+        &mut self.optimizer
+    }
+
+    /// The moving-average baseline (`None` before the first batch, or
+    /// with another baseline).
+    pub fn moving_baseline(&self) -> Option<f64> {
+        self.moving_baseline
+    }
+
+    /// Restores the moving-average baseline (from a checkpoint).
+    pub fn set_moving_baseline(&mut self, value: Option<f64>) {
+        self.moving_baseline = value;
+    }
+
+    /// One optimizer step on `examples` (`1..=batch_size`):
+    /// [`RlTrainer::accumulate_gradients`] then
+    /// [`RlTrainer::apply_gradients`].
+    pub fn train_step(
+        &mut self,
+        model: &CausalLm,
+        adapter: &LoraAdapter,
+        examples: &[TokenExample],
+    ) -> TrainResult<RlStats> {
+        let mut stats = self.accumulate_gradients(model, adapter, examples)?;
+        let report = self.apply_gradients()?;
+        stats.grad_norm = report.grad_norm;
+        stats.grad_clipped = report.clipped;
+        Ok(stats)
+    }
+
+    /// Computes the loss of `examples` micro-batch by micro-batch and adds
+    /// its gradients to the optimizer's sums, without stepping (inspect
+    /// them with [`AdamW::accumulated_grads`]). Updates the moving
+    /// baseline.
+    pub fn accumulate_gradients(
+        &mut self,
+        model: &CausalLm,
+        adapter: &LoraAdapter,
+        examples: &[TokenExample],
+    ) -> TrainResult<RlStats> {
+        let cfg = &self.config;
+        cfg.batch.check_len(examples.len())?;
+        match adapter.vars().first() {
+            Some(v) if self.optimizer.contains(v) => {}
+            _ => {
+                return Err(TrainError::BadInput(
+                    "the adapter is not the one this trainer was built with".into(),
+                ))
+            }
+        }
+        for (i, e) in examples.iter().enumerate() {
+            e.validate()
+                .map_err(|err| TrainError::BadInput(format!("example {i}: {err}")))?;
+        }
+        let device = model.rope_cos.device().clone();
+
+        let mut truncation = TruncationStats::default();
+        let mut kept = Vec::with_capacity(examples.len());
+        for e in examples {
+            let fit = fit_to_length(
+                e.prompt.len(),
+                e.completion.len(),
+                cfg.batch.max_seq_len,
+                cfg.batch.truncation,
+            );
+            truncation.record(fit);
+            if let Fit::Keep { prompt_start } = fit {
+                kept.push(Kept {
+                    example: e,
+                    prompt: &e.prompt[prompt_start..],
+                });
+            }
+        }
+        if kept.is_empty() {
+            return Err(TrainError::BadInput(format!(
+                "all {} sequences are longer than max_seq_len {}",
+                examples.len(),
+                cfg.batch.max_seq_len
+            )));
+        }
+        let lens: Vec<usize> = kept
+            .iter()
+            .map(|k| k.prompt.len() + k.example.completion.len())
+            .collect();
+        let chunks = micro_batches(&lens, cfg.batch.minibatch_size);
+        let totals = BatchTotals {
+            sequences: kept.len(),
+            tokens: kept.iter().map(|k| k.example.completion.len()).sum(),
+        };
+
+        let raw_rewards: Vec<f64> = kept.iter().map(|k| k.example.reward).collect();
+        let mut rewards = raw_rewards.clone();
+        let mut kl_penalty_sum = 0.0;
+        let mut penalty_kl_tokens = 0.0;
+        if let Some(kl) = cfg.objective.kl.filter(|k| k.mode == KlMode::RewardPenalty) {
+            for chunk in &chunks {
+                let pairs: Vec<(&[u32], &[u32])> = chunk
+                    .iter()
+                    .map(|&i| (kept[i].prompt, kept[i].example.completion.as_slice()))
+                    .collect();
+                let batch = TokenBatch::new(&pairs, &device)?;
+                let ref_logits = model.forward_train(&batch.input_ids, None)?;
+                let (ref_logp, _) =
+                    target_log_probs(&batch.completion_logits(&ref_logits)?, &batch.targets)?;
+                let old: Vec<f32> = chunk
+                    .iter()
+                    .flat_map(|&i| kept[i].example.behaviour_logprobs.iter().copied())
+                    .collect();
+                let n = old.len();
+                let old = Tensor::from_vec(old, n, &device)?;
+                let k: Vec<f32> = kl_estimate(kl.estimator, &old, &ref_logp)?.to_vec1()?;
+                for (t, &row) in batch.token_rows.iter().enumerate() {
+                    let i = chunk[row as usize];
+                    rewards[i] -= kl.coef * f64::from(k[t]);
+                    kl_penalty_sum += kl.coef * f64::from(k[t]);
+                    penalty_kl_tokens += f64::from(k[t]);
+                }
+            }
+        }
+
+        let groups: Vec<u64> = kept.iter().map(|k| k.example.group).collect();
+        let advantages = compute_advantages(
+            &cfg.objective.advantage,
+            &rewards,
+            &groups,
+            self.moving_baseline,
+        )?;
+
+        let need_reference = cfg.objective.kl.is_some_and(|k| k.mode == KlMode::Loss);
+        let mut sums = LossSums::default();
+        for chunk in &chunks {
+            let rows: Vec<RlRow<'_>> = chunk
+                .iter()
+                .map(|&i| RlRow {
+                    prompt: kept[i].prompt,
+                    completion: &kept[i].example.completion,
+                    behaviour_logprobs: &kept[i].example.behaviour_logprobs,
+                    advantage: advantages[i],
+                })
+                .collect();
+            let batch = RlMicroBatch::new(&rows, &cfg.objective.aggregation, totals, &device)?;
+            let reference = if need_reference {
+                Some(model.forward_train(&batch.tokens.input_ids, None)?.detach())
+            } else {
+                None
+            };
+            let logits = model.forward_train(&batch.tokens.input_ids, Some(adapter))?;
+            let out = rl_loss(&cfg.objective, &logits, reference.as_ref(), &batch)?;
+            let grads = out.loss.backward()?;
+            self.optimizer.accumulate(&grads)?;
+            sums += out.sums;
+        }
+
+        if let AdvantageEstimator::Reinforce {
+            baseline: Baseline::MovingAverage { decay },
+        } = cfg.objective.advantage
+        {
+            let batch_mean = rewards.iter().sum::<f64>() / rewards.len() as f64;
+            self.moving_baseline = Some(match self.moving_baseline {
+                Some(b) => decay * b + (1.0 - decay) * batch_mean,
+                None => batch_mean,
+            });
+        }
+
+        let n = kept.len() as f64;
+        let tokens = sums.tokens as f64;
+        let adv_mean = advantages.iter().sum::<f64>() / n;
+        let adv_var = advantages
+            .iter()
+            .map(|a| (a - adv_mean).powi(2))
+            .sum::<f64>()
+            / n;
+        Ok(RlStats {
+            loss: sums.loss,
+            policy_loss: sums.policy_loss,
+            kl: if need_reference {
+                sums.kl / tokens
+            } else {
+                penalty_kl_tokens / tokens
+            },
+            kl_penalty: kl_penalty_sum / n,
+            entropy: sums.entropy / tokens,
+            clip_fraction: sums.clipped as f64 / tokens,
+            approx_kl: sums.approx_kl / tokens,
+            reward_mean: raw_rewards.iter().sum::<f64>() / n,
+            advantage_mean: adv_mean,
+            advantage_std: adv_var.sqrt(),
+            mean_seq_len: lens.iter().sum::<usize>() as f64 / n,
+            mean_completion_len: tokens / n,
+            sequences: kept.len(),
+            tokens: sums.tokens,
+            truncated: truncation.truncated,
+            tokens_cut: truncation.tokens_cut,
+            dropped: truncation.dropped,
+            grad_norm: 0.0,
+            grad_clipped: false,
+        })
+    }
+
+    /// Clips the accumulated gradients and takes the AdamW step.
+    pub fn apply_gradients(&mut self) -> TrainResult<StepReport> {
+        self.optimizer.step()
+    }
+}

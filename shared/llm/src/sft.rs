@@ -1,0 +1,551 @@
+//! Supervised fine-tuning: cross-entropy on the completion tokens of
+//! (observation → action) pairs, for a LoRA adapter or for every weight
+//! of a model.
+//!
+//! This module owns:
+//! - [`SftExample`] (token ids) and [`SftRecord`] (text), the JSONL reader
+//!   [`read_sft_jsonl`] and the rendering [`encode_record`] / [`chat_pair`];
+//! - [`sft_loss`] and [`SftTrainer`] (micro-batches, gradient accumulation,
+//!   AdamW), with [`SftStats`];
+//! - [`load_hf_trainable`] / [`save_hf_trainable`]: a Hugging Face model
+//!   whose weights are `Var`s in a `VarMap`, so full fine-tuning trains all
+//!   of them.
+//!
+//! # Data
+//!
+//! One JSON object per line, either a pair of texts
+//! `{"prompt": "<observation>", "completion": "<move>"}` or a conversation
+//! `{"messages": [{"role": "user", "content": ...}, {"role": "assistant",
+//! "content": ...}]}` whose last message (the assistant's) is the
+//! completion. Blank lines are skipped.
+//!
+//! With [`SftFormat::Chat`] (the default) a pair is rendered the way the
+//! inference server prompts the policy: the observation as the user turn
+//! (after an optional system prompt) through the tokenizer's chat
+//! template with the generation prompt, then the move's tokens
+//! (`encode(move, add_special_tokens = false)`, exactly what the server's
+//! constrained decoding matches) followed by the end-of-turn token (the
+//! tokenizer's EOS, `<|im_end|>` for ChatML), so the model learns to stop.
+//! [`SftFormat::Raw`] tokenizes prompt and completion as they are.
+//!
+//! # Loss
+//!
+//! `−Σ_{i,t} w[i,t] · log p(completion[i,t] | prefix)` over completion
+//! tokens only (prompt and padding are masked as in
+//! [`crate::token_batch`]), with the weights of an [`Aggregation`]
+//! (token mean by default).
+//!
+//! # Full fine-tuning
+//!
+//! [`CausalLm::new`] takes any `VarBuilder`; built from a `VarMap`, every
+//! weight it reads is a `Var` (the tied LM head shares the embedding's),
+//! and [`CausalLm::forward_train`] passes gradients to all of them. Hand
+//! [`named_vars`] of the map to [`SftTrainer::new`] and call the step with
+//! no adapter. The inference forward reads the same storage, so the
+//! trained weights serve at once.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use serde::{Deserialize, Serialize};
+
+use crate::chat::ChatMessage;
+use crate::config::ModelConfig;
+use crate::lora::LoraAdapter;
+use crate::model::CausalLm;
+use crate::optim::{AdamW, AdamWConfig, StepReport};
+use crate::token_batch::{
+    fit_to_length, micro_batches, target_log_probs, Aggregation, BatchConfig, BatchTotals, Fit,
+    TokenBatch, TruncationStats,
+};
+use crate::tokenizer::Tokenizer;
+use crate::train_error::{TrainError, TrainResult};
+
+/// One (prompt, completion) pair as token ids.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SftExample {
+    /// Prompt tokens (no loss); at least one.
+    pub prompt: Vec<u32>,
+    /// Completion tokens (the loss), end-of-turn token included; at least one.
+    pub completion: Vec<u32>,
+}
+
+/// One line of an SFT JSONL file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SftRecord {
+    /// An observation and the move to learn.
+    Pair {
+        /// The observation (the user turn, in chat format).
+        prompt: String,
+        /// The move (the assistant turn).
+        completion: String,
+    },
+    /// A conversation whose last message is the assistant's completion.
+    Messages {
+        /// The messages, the last one from `assistant`.
+        messages: Vec<ChatMessage>,
+    },
+}
+
+/// How an [`SftRecord::Pair`] becomes tokens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum SftFormat {
+    /// The chat template, as the inference server prompts (module docs).
+    Chat {
+        /// A system message before the observation, if the server sends one.
+        #[serde(default)]
+        system_prompt: Option<String>,
+    },
+    /// Plain text: `encode(prompt)`, `encode(completion)` (no special
+    /// tokens added), plus the EOS token when `append_eos`.
+    Raw {
+        /// End the completion with the EOS token.
+        append_eos: bool,
+    },
+}
+
+impl Default for SftFormat {
+    fn default() -> Self {
+        Self::Chat {
+            system_prompt: None,
+        }
+    }
+}
+
+fn end_of_turn(tokenizer: &Tokenizer) -> TrainResult<u32> {
+    tokenizer
+        .eos_token_id()
+        .ok_or_else(|| TrainError::BadInput("the tokenizer has no EOS (end-of-turn) token".into()))
+}
+
+/// A chat-rendered pair: `encode_chat([system?, user(observation)], true)`
+/// then `encode(action) ++ [EOS]`.
+pub fn chat_pair(
+    tokenizer: &Tokenizer,
+    system_prompt: Option<&str>,
+    observation: &str,
+    action: &str,
+) -> TrainResult<SftExample> {
+    let mut messages = Vec::with_capacity(2);
+    if let Some(system) = system_prompt {
+        messages.push(ChatMessage::system(system));
+    }
+    messages.push(ChatMessage::user(observation));
+    let prompt = tokenizer.encode_chat(&messages, true)?;
+    let mut completion = tokenizer.encode(action, false)?;
+    completion.push(end_of_turn(tokenizer)?);
+    Ok(SftExample { prompt, completion })
+}
+
+/// Tokenizes one record (module docs).
+pub fn encode_record(
+    tokenizer: &Tokenizer,
+    format: &SftFormat,
+    record: &SftRecord,
+) -> TrainResult<SftExample> {
+    let example = match record {
+        SftRecord::Pair { prompt, completion } => match format {
+            SftFormat::Chat { system_prompt } => {
+                chat_pair(tokenizer, system_prompt.as_deref(), prompt, completion)?
+            }
+            SftFormat::Raw { append_eos } => {
+                let mut completion = tokenizer.encode(completion, false)?;
+                if *append_eos {
+                    completion.push(end_of_turn(tokenizer)?);
+                }
+                SftExample {
+                    prompt: tokenizer.encode(prompt, false)?,
+                    completion,
+                }
+            }
+        },
+        SftRecord::Messages { messages } => {
+            let Some((last, context)) = messages.split_last() else {
+                return Err(TrainError::BadInput("no messages".into()));
+            };
+            if last.role != "assistant" || context.is_empty() {
+                return Err(TrainError::BadInput(
+                    "the last message must be the assistant's, after at least one other".into(),
+                ));
+            }
+            let prompt = tokenizer.encode_chat(context, true)?;
+            let mut completion = tokenizer.encode(&last.content, false)?;
+            completion.push(end_of_turn(tokenizer)?);
+            SftExample { prompt, completion }
+        }
+    };
+    if example.prompt.is_empty() || example.completion.is_empty() {
+        return Err(TrainError::BadInput(
+            "the record renders to an empty prompt or completion".into(),
+        ));
+    }
+    Ok(example)
+}
+
+/// Reads an SFT JSONL file (module docs); errors name the line.
+pub fn read_sft_jsonl(path: &Path) -> TrainResult<Vec<SftRecord>> {
+    let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut records = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let record: SftRecord = serde_json::from_str(line).map_err(|e| TrainError::Jsonl {
+            path: path.to_path_buf(),
+            line: i + 1,
+            reason: format!(
+                "{e} (expected {{\"prompt\", \"completion\"}} or {{\"messages\": [...]}})"
+            ),
+        })?;
+        records.push(record);
+    }
+    Ok(records)
+}
+
+/// [`read_sft_jsonl`] then [`encode_record`] on every line.
+pub fn load_sft_jsonl(
+    path: &Path,
+    tokenizer: &Tokenizer,
+    format: &SftFormat,
+) -> TrainResult<Vec<SftExample>> {
+    read_sft_jsonl(path)?
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            encode_record(tokenizer, format, r).map_err(|e| TrainError::Jsonl {
+                path: path.to_path_buf(),
+                line: i + 1,
+                reason: e.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// The SFT loss of one micro-batch from logits `(rows, time, vocab)`:
+/// `(loss, Σ w·nll as f64, correct greedy predictions)`.
+pub fn sft_loss(
+    logits: &Tensor,
+    batch: &TokenBatch,
+    weights: &Tensor,
+) -> TrainResult<(Tensor, f64, usize)> {
+    let completion = batch.completion_logits(logits)?;
+    let (logp, _) = target_log_probs(&completion, &batch.targets)?;
+    let loss = (logp * weights)?.sum_all()?.neg()?;
+    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    if !value.is_finite() {
+        return Err(TrainError::NonFinite {
+            what: "loss",
+            value,
+        });
+    }
+    let predicted: Vec<u32> = completion.argmax(1)?.to_vec1()?;
+    let targets: Vec<u32> = batch.targets.to_vec1()?;
+    let correct = predicted
+        .iter()
+        .zip(&targets)
+        .filter(|(p, t)| p == t)
+        .count();
+    Ok((loss, value, correct))
+}
+
+/// SFT settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SftConfig {
+    /// Batch and micro-batch sizes, truncation.
+    pub batch: BatchConfig,
+    /// AdamW over the trained vars.
+    #[serde(default)]
+    pub optimizer: AdamWConfig,
+    /// Per-token losses to one loss (token mean by default).
+    #[serde(default)]
+    pub aggregation: Aggregation,
+}
+
+impl SftConfig {
+    /// Checks every part.
+    pub fn validate(&self) -> TrainResult<()> {
+        self.batch.validate()?;
+        self.optimizer.validate()?;
+        self.aggregation.validate()
+    }
+}
+
+/// What one SFT step (or evaluation) did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SftStats {
+    /// The loss (aggregated negative log-likelihood of completion tokens).
+    pub loss: f64,
+    /// Fraction of completion tokens the model predicts greedily.
+    pub token_accuracy: f64,
+    /// Sequences used.
+    pub sequences: usize,
+    /// Completion tokens used.
+    pub tokens: usize,
+    /// Mean prompt + completion tokens (after truncation).
+    pub mean_seq_len: f64,
+    /// Sequences cut to `max_seq_len`.
+    pub truncated: usize,
+    /// Prompt tokens cut.
+    pub tokens_cut: usize,
+    /// Sequences dropped (too long).
+    pub dropped: usize,
+    /// Global gradient norm before clipping (0 for an evaluation).
+    pub grad_norm: f64,
+    /// Whether clipping scaled the gradient.
+    pub grad_clipped: bool,
+}
+
+/// Trains an adapter or a whole model on [`SftExample`]s.
+#[derive(Debug)]
+pub struct SftTrainer {
+    config: SftConfig,
+    optimizer: AdamW,
+}
+
+impl SftTrainer {
+    /// A trainer over `params`: [`LoraAdapter::named_vars`] for LoRA, or
+    /// [`named_vars`] of a [`load_hf_trainable`] map for the full model.
+    pub fn new(config: SftConfig, params: Vec<(String, Var)>) -> TrainResult<Self> {
+        config.validate()?;
+        let optimizer = AdamW::new(params, config.optimizer.clone())?;
+        Ok(Self { config, optimizer })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SftConfig {
+        &self.config
+    }
+
+    /// The optimizer.
+    pub fn optimizer(&self) -> &AdamW {
+        &self.optimizer
+    }
+
+    /// The optimizer, to change the learning rate.
+    pub fn optimizer_mut(&mut self) -> &mut AdamW {
+        &mut self.optimizer
+    }
+
+    /// One optimizer step on `examples` (`1..=batch_size`), with
+    /// `adapter` applied (`None`: the model's own weights train).
+    pub fn train_step(
+        &mut self,
+        model: &CausalLm,
+        adapter: Option<&LoraAdapter>,
+        examples: &[SftExample],
+    ) -> TrainResult<SftStats> {
+        let mut stats = self.run(model, adapter, examples, true)?;
+        let report: StepReport = self.optimizer.step()?;
+        stats.grad_norm = report.grad_norm;
+        stats.grad_clipped = report.clipped;
+        Ok(stats)
+    }
+
+    /// Adds the gradients of `examples` to the optimizer's sums without
+    /// stepping.
+    pub fn accumulate_gradients(
+        &mut self,
+        model: &CausalLm,
+        adapter: Option<&LoraAdapter>,
+        examples: &[SftExample],
+    ) -> TrainResult<SftStats> {
+        self.run(model, adapter, examples, true)
+    }
+
+    /// The loss of `examples` (any number; micro-batched), no gradients.
+    pub fn evaluate(
+        &mut self,
+        model: &CausalLm,
+        adapter: Option<&LoraAdapter>,
+        examples: &[SftExample],
+    ) -> TrainResult<SftStats> {
+        self.run(model, adapter, examples, false)
+    }
+
+    /// An epoch: shuffles nothing (the caller orders `examples`), steps on
+    /// consecutive chunks of `batch_size`; returns each step's stats.
+    pub fn train_epoch(
+        &mut self,
+        model: &CausalLm,
+        adapter: Option<&LoraAdapter>,
+        examples: &[SftExample],
+    ) -> TrainResult<Vec<SftStats>> {
+        examples
+            .chunks(self.config.batch.batch_size)
+            .map(|chunk| self.train_step(model, adapter, chunk))
+            .collect()
+    }
+
+    fn run(
+        &mut self,
+        model: &CausalLm,
+        adapter: Option<&LoraAdapter>,
+        examples: &[SftExample],
+        train: bool,
+    ) -> TrainResult<SftStats> {
+        let cfg = &self.config;
+        if train {
+            cfg.batch.check_len(examples.len())?;
+        } else if examples.is_empty() {
+            return Err(TrainError::BadInput("nothing to evaluate".into()));
+        }
+        let device = model.rope_cos.device().clone();
+        let mut truncation = TruncationStats::default();
+        let mut kept: Vec<(&[u32], &[u32])> = Vec::with_capacity(examples.len());
+        for (i, e) in examples.iter().enumerate() {
+            if e.prompt.is_empty() || e.completion.is_empty() {
+                return Err(TrainError::BadInput(format!(
+                    "example {i}: empty prompt or completion"
+                )));
+            }
+            let fit = fit_to_length(
+                e.prompt.len(),
+                e.completion.len(),
+                cfg.batch.max_seq_len,
+                cfg.batch.truncation,
+            );
+            truncation.record(fit);
+            if let Fit::Keep { prompt_start } = fit {
+                kept.push((&e.prompt[prompt_start..], &e.completion));
+            }
+        }
+        if kept.is_empty() {
+            return Err(TrainError::BadInput(format!(
+                "all {} sequences are longer than max_seq_len {}",
+                examples.len(),
+                cfg.batch.max_seq_len
+            )));
+        }
+        let lens: Vec<usize> = kept.iter().map(|(p, c)| p.len() + c.len()).collect();
+        let totals = BatchTotals {
+            sequences: kept.len(),
+            tokens: kept.iter().map(|(_, c)| c.len()).sum(),
+        };
+        let (mut loss, mut correct) = (0.0, 0usize);
+        for chunk in micro_batches(&lens, cfg.batch.minibatch_size) {
+            let rows: Vec<(&[u32], &[u32])> = chunk.iter().map(|&i| kept[i]).collect();
+            let batch = TokenBatch::new(&rows, &device)?;
+            let weights = batch.token_weights(&cfg.aggregation, totals)?;
+            let logits = model.forward_train(&batch.input_ids, adapter)?;
+            let logits = if train { logits } else { logits.detach() };
+            let (l, value, c) = sft_loss(&logits, &batch, &weights)?;
+            if train {
+                self.optimizer.accumulate(&l.backward()?)?;
+            }
+            loss += value;
+            correct += c;
+        }
+        Ok(SftStats {
+            loss,
+            token_accuracy: correct as f64 / totals.tokens as f64,
+            sequences: totals.sequences,
+            tokens: totals.tokens,
+            mean_seq_len: lens.iter().sum::<usize>() as f64 / lens.len() as f64,
+            truncated: truncation.truncated,
+            tokens_cut: truncation.tokens_cut,
+            dropped: truncation.dropped,
+            grad_norm: 0.0,
+            grad_clipped: false,
+        })
+    }
+}
+
+/// The safetensors files of a Hugging Face folder: `model.safetensors`
+/// or the shards of `model.safetensors.index.json`.
+fn weight_files(dir: &Path) -> TrainResult<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index).map_err(|source| TrainError::Io {
+        path: index.clone(),
+        source,
+    })?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| TrainError::BadInput(format!("{}: {e}", index.display())))?;
+    let mut files: Vec<String> = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| TrainError::BadInput(format!("{}: no `weight_map`", index.display())))?
+        .values()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    files.sort();
+    files.dedup();
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+}
+
+/// Loads a Hugging Face model folder with every weight a trainable `Var`
+/// in the returned map (f32, CPU).
+pub fn load_hf_trainable(dir: &Path) -> TrainResult<(CausalLm, VarMap)> {
+    let config = ModelConfig::from_hf_file(&dir.join("config.json"))?;
+    let varmap = VarMap::new();
+    let model = CausalLm::new(
+        &config,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )?;
+    let mut tensors = HashMap::new();
+    for file in weight_files(dir)? {
+        tensors.extend(candle_core::safetensors::load(&file, &Device::Cpu)?);
+    }
+    for (name, var) in varmap.data().lock().expect("VarMap lock").iter() {
+        let t = tensors.get(name).ok_or_else(|| {
+            TrainError::BadInput(format!("{}: no tensor `{name}`", dir.display()))
+        })?;
+        var.set(&t.to_dtype(DType::F32)?)?;
+    }
+    Ok((model, varmap))
+}
+
+/// Every var of a map with its name, sorted by name (a stable order for
+/// the optimizer).
+pub fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
+    let mut vars: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .expect("VarMap lock")
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
+}
+
+/// Writes a fully fine-tuned model as a Hugging Face folder:
+/// `config.json` and `model.safetensors` (copy the tokenizer files
+/// yourself).
+pub fn save_hf_trainable(varmap: &VarMap, config: &ModelConfig, dir: &Path) -> TrainResult<()> {
+    std::fs::create_dir_all(dir).map_err(|source| TrainError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let vars = named_vars(varmap);
+    let tensors: Vec<(String, Tensor)> = vars
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
+        .collect();
+    let path = dir.join("model.safetensors");
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(
+        tensors.iter().map(|(n, t)| (n.as_str(), t)),
+        Some(metadata),
+        &path,
+    )
+    .map_err(|e| TrainError::BadInput(format!("{}: {e}", path.display())))?;
+    let json = serde_json::to_string_pretty(&config.to_hf_json())
+        .map_err(|e| TrainError::BadInput(e.to_string()))?;
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, json).map_err(|source| TrainError::Io {
+        path: config_path,
+        source,
+    })
+}

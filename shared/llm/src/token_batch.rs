@@ -1,0 +1,362 @@
+//! Token sequences (prompt, then completion) into right-padded training
+//! blocks for [`crate::CausalLm::forward_train`], shared by the RL
+//! ([`crate::rl`]) and SFT ([`crate::sft`]) losses.
+//!
+//! This module owns:
+//! - [`BatchConfig`]: sequences per optimizer step, per backward pass, and
+//!   the longest sequence trained on, with [`Truncation`];
+//! - [`fit_to_length`]: where a too-long sequence is cut (or dropped);
+//! - [`TokenBatch`]: one micro-batch as tensors, with its loss mask over
+//!   the completion tokens only;
+//! - [`Aggregation`] and [`BatchTotals`]: how per-token losses add up to
+//!   the batch loss, with weights fixed by the whole optimizer batch so
+//!   that micro-batch losses sum to it exactly.
+//!
+//! # Layout
+//!
+//! A sequence `s = prompt ++ completion` of length `L` is fed as its first
+//! `L − 1` tokens; the logits at position `p` predict `s[p + 1]`. The
+//! completion token `completion[j]` sits at `s[P + j]` (`P` = prompt
+//! length) and is predicted at position `P + j − 1`, so the loss mask of a
+//! row is 1 on positions `P − 1 .. P + C − 1` and 0 on the prompt's other
+//! positions and on the right padding. A prompt must keep at least one
+//! token. Padding uses token id 0 (any id works: under causal attention
+//! real positions never see the padding after them, and the mask drops
+//! the padded positions).
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::train_error::{TrainError, TrainResult};
+
+/// What to do with a sequence longer than [`BatchConfig::max_seq_len`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Truncation {
+    /// Keep the whole completion (the policy's own tokens, the only ones
+    /// with a loss) and cut tokens from the start of the prompt; the
+    /// last prompt token is always kept. The model then sees less context
+    /// than when it sampled, so the recomputed log-probs differ from the
+    /// behaviour ones (PPO's ratio absorbs that; REINFORCE does not).
+    /// When the completion alone does not fit beside one prompt token,
+    /// the sequence is dropped.
+    #[default]
+    CutPromptStart,
+    /// Drop the whole sequence.
+    Drop,
+}
+
+/// Batch shape of a train step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchConfig {
+    /// Most sequences in one optimizer step (what the learner gathers per
+    /// step; for group objectives a multiple of the group size). A train
+    /// step takes `1..=batch_size` sequences; losses are normalised by the
+    /// number actually given.
+    pub batch_size: usize,
+    /// Sequences per forward/backward pass (micro-batch); gradients of the
+    /// micro-batches of one step are summed before the step. Bounds memory;
+    /// does not change the result.
+    pub minibatch_size: usize,
+    /// Longest sequence (prompt plus completion tokens) trained on; longer
+    /// ones are cut or dropped as [`BatchConfig::truncation`] says. At most
+    /// the model's `max_position_embeddings + 1` (the last token is never
+    /// fed).
+    pub max_seq_len: usize,
+    /// What to do with longer sequences.
+    #[serde(default)]
+    pub truncation: Truncation,
+}
+
+impl BatchConfig {
+    /// Checks sizes.
+    pub fn validate(&self) -> TrainResult<()> {
+        if self.batch_size == 0 {
+            return Err(TrainError::config("batch_size", "must be positive"));
+        }
+        if self.minibatch_size == 0 {
+            return Err(TrainError::config("minibatch_size", "must be positive"));
+        }
+        if self.max_seq_len < 2 {
+            return Err(TrainError::config(
+                "max_seq_len",
+                "must be at least 2 (one prompt and one completion token)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks that a train step may take `n` sequences.
+    pub(crate) fn check_len(&self, n: usize) -> TrainResult<()> {
+        if n == 0 || n > self.batch_size {
+            return Err(TrainError::BadInput(format!(
+                "a train step takes 1..={} sequences (batch_size), got {n}",
+                self.batch_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Where one sequence goes after [`fit_to_length`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fit {
+    /// Train on `prompt[prompt_start..] ++ completion`.
+    Keep {
+        /// Prompt tokens cut from the start (0 when it fits).
+        prompt_start: usize,
+    },
+    /// Too long: left out of the batch.
+    Drop,
+}
+
+/// Fits a `prompt_len + completion_len` sequence into `max_seq_len`.
+pub fn fit_to_length(
+    prompt_len: usize,
+    completion_len: usize,
+    max_seq_len: usize,
+    truncation: Truncation,
+) -> Fit {
+    let total = prompt_len + completion_len;
+    if total <= max_seq_len {
+        return Fit::Keep { prompt_start: 0 };
+    }
+    match truncation {
+        Truncation::Drop => Fit::Drop,
+        Truncation::CutPromptStart => {
+            if completion_len + 1 > max_seq_len {
+                Fit::Drop
+            } else {
+                Fit::Keep {
+                    prompt_start: total - max_seq_len,
+                }
+            }
+        }
+    }
+}
+
+/// Counts of what truncation did to one batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TruncationStats {
+    /// Sequences kept but cut.
+    pub truncated: usize,
+    /// Tokens removed from kept sequences (prompt tokens).
+    pub tokens_cut: usize,
+    /// Sequences dropped whole.
+    pub dropped: usize,
+}
+
+impl TruncationStats {
+    pub(crate) fn record(&mut self, fit: Fit) {
+        match fit {
+            Fit::Keep { prompt_start: 0 } => {}
+            Fit::Keep { prompt_start } => {
+                self.truncated += 1;
+                self.tokens_cut += prompt_start;
+            }
+            Fit::Drop => self.dropped += 1,
+        }
+    }
+}
+
+/// How per-token losses `l[i, t]` of an optimizer batch of `N` sequences
+/// (sequence `i` with `L_i` completion tokens) add up to one loss.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Aggregation {
+    /// `Σ_i Σ_t l[i,t] / Σ_i L_i`: every token of the batch weighs the
+    /// same (DAPO, Yu et al. 2025, arXiv:2503.14476, "token-level loss").
+    #[default]
+    TokenMean,
+    /// `(1/N) Σ_i (1/L_i) Σ_t l[i,t]`: mean per sequence, then over
+    /// sequences (GRPO as written in DeepSeekMath, Shao et al. 2024,
+    /// arXiv:2402.03300). Tokens of short sequences weigh more.
+    SequenceMean,
+    /// `(1/(N·M)) Σ_i Σ_t l[i,t]` with a constant `M`: no length
+    /// normalisation (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like
+    /// Training", arXiv:2503.20783). `M = 1` is the classic REINFORCE
+    /// "sum over tokens, mean over sequences".
+    ConstantLength {
+        /// `M`: typically the generation budget (max new tokens).
+        max_completion_len: usize,
+    },
+}
+
+/// Whole-batch counts that fix each token's loss weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchTotals {
+    /// Sequences in the optimizer batch (after dropping).
+    pub sequences: usize,
+    /// Completion tokens in the optimizer batch.
+    pub tokens: usize,
+}
+
+impl Aggregation {
+    /// Checks the constant.
+    pub fn validate(&self) -> TrainResult<()> {
+        if let Self::ConstantLength {
+            max_completion_len: 0,
+        } = self
+        {
+            return Err(TrainError::config(
+                "aggregation.max_completion_len",
+                "must be positive",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The weight of each token of a sequence with `completion_len`
+    /// tokens, so that `Σ weight · l` over the batch is the loss.
+    pub fn token_weight(&self, completion_len: usize, totals: BatchTotals) -> f64 {
+        match *self {
+            Self::TokenMean => 1.0 / totals.tokens as f64,
+            Self::SequenceMean => 1.0 / (totals.sequences as f64 * completion_len as f64),
+            Self::ConstantLength { max_completion_len } => {
+                1.0 / (totals.sequences as f64 * max_completion_len as f64)
+            }
+        }
+    }
+}
+
+/// One micro-batch of (prompt, completion) rows as tensors.
+///
+/// Per-token quantities (`targets`, and the losses' per-token inputs)
+/// list the completion tokens row by row, in order: `num_tokens()` of
+/// them. [`TokenBatch::completion_logits`] picks their logits out of the
+/// `(rows, time, vocab)` block, so no prompt or padding position enters a
+/// loss at all.
+#[derive(Debug, Clone)]
+pub struct TokenBatch {
+    /// `(rows, time)` u32: each row's sequence without its last token,
+    /// right-padded with id 0; `time` = longest row − 1.
+    pub input_ids: Tensor,
+    /// `(rows, time)` f32: 1 at positions whose next token is a
+    /// completion token, 0 at prompt positions and padding.
+    pub loss_mask: Tensor,
+    /// `(tokens,)` u32: the completion tokens, row by row.
+    pub targets: Tensor,
+    /// `(tokens,)` u32: flat index `row · time + position` of the logits
+    /// predicting each target.
+    pub positions: Tensor,
+    /// Row of each completion token.
+    pub token_rows: Vec<u32>,
+    /// Completion tokens per row.
+    pub completion_lens: Vec<usize>,
+    /// Prompt plus completion tokens per row.
+    pub seq_lens: Vec<usize>,
+}
+
+impl TokenBatch {
+    /// Builds the block from `(prompt, completion)` rows (already fitted
+    /// to length). Every prompt and every completion must be non-empty.
+    pub fn new(rows: &[(&[u32], &[u32])], device: &Device) -> TrainResult<Self> {
+        if rows.is_empty() {
+            return Err(TrainError::BadInput("empty micro-batch".into()));
+        }
+        for (i, (p, c)) in rows.iter().enumerate() {
+            if p.is_empty() {
+                return Err(TrainError::BadInput(format!(
+                    "row {i}: empty prompt (the first completion token needs one token before it)"
+                )));
+            }
+            if c.is_empty() {
+                return Err(TrainError::BadInput(format!("row {i}: empty completion")));
+            }
+        }
+        let seq_lens: Vec<usize> = rows.iter().map(|(p, c)| p.len() + c.len()).collect();
+        let time = seq_lens.iter().max().copied().unwrap_or(0) - 1;
+        let b = rows.len();
+        let mut ids = vec![0u32; b * time];
+        let mut mask = vec![0f32; b * time];
+        let mut targets = Vec::new();
+        let mut positions = Vec::new();
+        let mut token_rows = Vec::new();
+        for (row, (prompt, completion)) in rows.iter().enumerate() {
+            let base = row * time;
+            let seq = prompt.iter().chain(completion.iter());
+            for (p, &id) in seq.take(prompt.len() + completion.len() - 1).enumerate() {
+                ids[base + p] = id;
+            }
+            for (j, &target) in completion.iter().enumerate() {
+                let p = prompt.len() + j - 1;
+                mask[base + p] = 1.0;
+                targets.push(target);
+                positions.push((base + p) as u32);
+                token_rows.push(row as u32);
+            }
+        }
+        let n = targets.len();
+        Ok(Self {
+            input_ids: Tensor::from_vec(ids, (b, time), device)?,
+            loss_mask: Tensor::from_vec(mask, (b, time), device)?,
+            targets: Tensor::from_vec(targets, n, device)?,
+            positions: Tensor::from_vec(positions, n, device)?,
+            token_rows,
+            completion_lens: rows.iter().map(|(_, c)| c.len()).collect(),
+            seq_lens,
+        })
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.completion_lens.len()
+    }
+
+    /// Number of completion tokens (the per-token length).
+    pub fn num_tokens(&self) -> usize {
+        self.token_rows.len()
+    }
+
+    /// The logits predicting the completion tokens, `(tokens, vocab)`,
+    /// out of `logits` `(rows, time, vocab)`; differentiable.
+    pub fn completion_logits(&self, logits: &Tensor) -> TrainResult<Tensor> {
+        let (b, t, v) = logits.dims3()?;
+        let (eb, et) = self.input_ids.dims2()?;
+        if (b, t) != (eb, et) {
+            return Err(TrainError::BadInput(format!(
+                "logits are ({b}, {t}, {v}); the batch is ({eb}, {et})"
+            )));
+        }
+        Ok(logits
+            .reshape((b * t, v))?
+            .index_select(&self.positions, 0)?)
+    }
+
+    /// `(tokens,)` f32 per-token weights from an [`Aggregation`].
+    pub fn token_weights(
+        &self,
+        aggregation: &Aggregation,
+        totals: BatchTotals,
+    ) -> TrainResult<Tensor> {
+        let w: Vec<f32> = self
+            .token_rows
+            .iter()
+            .map(|&r| aggregation.token_weight(self.completion_lens[r as usize], totals) as f32)
+            .collect();
+        let n = w.len();
+        Ok(Tensor::from_vec(w, n, self.targets.device())?)
+    }
+}
+
+/// Log-probs `(tokens,)` of the targets and the log-softmax `(tokens,
+/// vocab)` of completion logits `(tokens, vocab)`.
+pub(crate) fn target_log_probs(
+    completion_logits: &Tensor,
+    targets: &Tensor,
+) -> TrainResult<(Tensor, Tensor)> {
+    let log_probs = candle_nn::ops::log_softmax(completion_logits, candle_core::D::Minus1)?;
+    let picked = log_probs
+        .gather(&targets.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?
+        .squeeze(1)?;
+    Ok((picked, log_probs))
+}
+
+/// Sorts indices by sequence length (so micro-batches pad little) and
+/// chunks them by `minibatch_size`.
+pub(crate) fn micro_batches(lens: &[usize], minibatch_size: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&i| (lens[i], i));
+    order.chunks(minibatch_size).map(|c| c.to_vec()).collect()
+}

@@ -1,0 +1,81 @@
+//! [`TrainError`]: what can go wrong on the training side of the crate
+//! (batching token sequences, RL and SFT losses, the optimizer, reading SFT
+//! data).
+
+use std::path::PathBuf;
+
+use crate::model_error::ModelError;
+use crate::tokenizer::TokenizerError;
+
+/// Result alias for the training side of `relay-llm`.
+pub type TrainResult<T> = std::result::Result<T, TrainError>;
+
+/// Everything that can go wrong while building batches, computing a loss
+/// or taking an optimizer step.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// An error raised inside candle.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+
+    /// The model refused the batch (token outside the vocabulary, context
+    /// overflow, quantized base without a backward, ...).
+    #[error(transparent)]
+    Model(#[from] ModelError),
+
+    /// Tokenizing SFT text failed.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+
+    /// A configuration value is invalid.
+    #[error("config `{field}`: {reason}")]
+    Config {
+        /// The offending field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The caller passed inconsistent inputs (empty batch, a completion
+    /// whose behaviour log-probs do not match its length, ...).
+    #[error("bad input: {0}")]
+    BadInput(String),
+
+    /// A loss or a gradient is NaN or infinite; no step was taken.
+    #[error("non-finite {what}: {value}")]
+    NonFinite {
+        /// Which quantity.
+        what: &'static str,
+        /// Its value.
+        value: f64,
+    },
+
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+
+    /// A line of a JSONL file is not a valid example.
+    #[error("{path}:{line}: {reason}")]
+    Jsonl {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with the line.
+        reason: String,
+    },
+}
+
+impl TrainError {
+    pub(crate) fn config(field: &'static str, reason: impl Into<String>) -> Self {
+        Self::Config {
+            field,
+            reason: reason.into(),
+        }
+    }
+}
