@@ -682,6 +682,16 @@ fn multi_host_cartpole_trains_across_network_namespaces() {
     let solve_time = started.elapsed();
     let _ = observer.join();
     assert!(solved.mean_return >= solved.threshold, "{solved:?}");
+    // The evaluator's RunStatusUpdate follows its EvalReport: give the
+    // tracker (on another host) the moment to write it before stopping.
+    let status_deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(runs.join(&run_id).join("status.json"))
+        .unwrap_or_default()
+        .contains("\"solved\"")
+        && Instant::now() < status_deadline
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
 
     // No loopback for anything: every listener is bound to its host's own
     // address, no connection uses loopback, and the runners and the trainer
