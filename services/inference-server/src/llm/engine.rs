@@ -88,7 +88,6 @@ impl Engine {
                     break;
                 }
                 self.metrics.tokens_per_second.set(0.0);
-                rate = TokenRate::new();
                 match jobs.recv() {
                     Ok(job) => waiting.push_back(job),
                     Err(_) => break,

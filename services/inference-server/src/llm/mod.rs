@@ -15,7 +15,7 @@ pub(crate) mod adapters;
 pub(crate) mod engine;
 pub(crate) mod metrics;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -245,7 +245,7 @@ impl Frontend {
 /// Serves `generate` until shutdown, then lets running completions finish.
 pub(crate) async fn serve(
     service: Service,
-    micro: async_nats::service::Service,
+    micro: &async_nats::service::Service,
     metrics: LlmMetrics,
 ) -> Result<(), ServiceError> {
     let cfg = service.config.llm.clone();
@@ -278,7 +278,7 @@ pub(crate) async fn serve(
     ));
     for (name, dir) in &cfg.adapters {
         adapters
-            .add_folder(name, resolve_path(dir))
+            .add_folder(name, dir.clone())
             .await
             .map_err(|e| ServiceError::Other(format!("llm.adapters.{name}: {e}")))?;
     }
@@ -379,9 +379,4 @@ pub(crate) async fn serve(
     }
     let _ = tokio::task::spawn_blocking(move || decode_thread.join()).await;
     Ok(())
-}
-
-/// A relative adapter path as given (the service's working directory).
-fn resolve_path(path: &Path) -> PathBuf {
-    path.to_path_buf()
 }
