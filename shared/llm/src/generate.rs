@@ -40,6 +40,7 @@
 use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
 use rand_chacha::ChaCha8Rng;
 
 use crate::cache::KvCache;
@@ -519,21 +520,39 @@ pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<S
     }
     let logits = model.forward_batch(&mut items, LogitsWanted::Last)?;
     drop(items);
-    let rows: Vec<Vec<f32>> = logits.to_vec2()?;
-    let mut rows = rows.into_iter();
+    let vocab = logits.dim(1)?;
+    let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+    // Row of each running sequence in `logits`.
+    let mut rows = Vec::with_capacity(seqs.len());
+    let mut next_row = 0;
+    for seq in seqs.iter() {
+        rows.push(seq.finished.is_none().then(|| {
+            next_row += 1;
+            next_row - 1
+        }));
+    }
+    // Sampling is independent per sequence (each has its own random
+    // stream), and a pass over a large vocabulary is not free: in parallel.
+    let sampled: Vec<Option<Sampled>> = seqs
+        .par_iter_mut()
+        .zip(rows.par_iter())
+        .map(|(seq, row)| {
+            row.map(|r| {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                match seq.allowed_next() {
+                    Some(allowed) => seq.sampler.sample_among(row, &allowed),
+                    None => seq.sampler.sample(row),
+                }
+            })
+            .transpose()
+        })
+        .collect::<Result<_>>()?;
     let mut out = Vec::with_capacity(seqs.len());
-    for seq in seqs.iter_mut() {
-        if seq.finished.is_some() {
-            out.push(None);
-            continue;
-        }
-        let row = rows.next().expect("one row per running sequence");
-        let sampled = match seq.allowed_next() {
-            Some(allowed) => seq.sampler.sample_among(&row, &allowed)?,
-            None => seq.sampler.sample(&row)?,
-        };
-        let finished = seq.record(sampled, limit);
-        out.push(Some(StepToken { sampled, finished }));
+    for (seq, sampled) in seqs.iter_mut().zip(sampled) {
+        out.push(sampled.map(|sampled| {
+            let finished = seq.record(sampled, limit);
+            StepToken { sampled, finished }
+        }));
     }
     Ok(out)
 }
