@@ -466,6 +466,12 @@ pub struct LlmConfig {
     /// Compute threads (candle/rayon) of the inference server when it serves
     /// an LLM (it then replaces `inference.threads`).
     pub threads: usize,
+    /// Recent prompts whose keys and values are kept, so a new prompt that
+    /// shares a prefix of 16 tokens or more with one (a game's
+    /// instructions, the earlier turns of a game) prefills only the rest;
+    /// 0 disables it. Memory: prompt tokens x layers x 2 x kv width x 4 bytes
+    /// each (SmolLM2: 46 KB per token).
+    pub prefix_cache: usize,
 }
 
 impl Default for LlmConfig {
@@ -477,6 +483,7 @@ impl Default for LlmConfig {
             max_adapters: 8,
             adapters: Default::default(),
             threads: 2,
+            prefix_cache: 16,
         }
     }
 }

@@ -78,20 +78,27 @@ impl KvCache {
     /// used part), e.g. to sample several continuations of one prefilled
     /// prompt.
     pub fn fork(&self) -> Result<Self> {
-        let used = self.len * self.row();
+        Ok(self.fork_prefix(self.len))
+    }
+
+    /// An independent copy of the first `len` positions (all of them if
+    /// fewer are held).
+    pub fn fork_prefix(&self, len: usize) -> Self {
+        let len = len.min(self.len);
+        let used = len * self.row();
         let copy = |buffers: &Vec<Vec<f32>>| -> Vec<Vec<f32>> {
             buffers
                 .iter()
                 .map(|b| b[..used.min(b.len())].to_vec())
                 .collect()
         };
-        Ok(Self {
+        Self {
             keys: copy(&self.keys),
             values: copy(&self.values),
-            len: self.len,
+            len,
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
-        })
+        }
     }
 
     /// Floats per position of one layer (`kv_heads * head_dim`).
@@ -171,5 +178,136 @@ impl KvCache {
     /// Marks `added` more positions as valid in every layer.
     pub(crate) fn advance(&mut self, added: usize) {
         self.len += added;
+    }
+}
+
+/// Caches of recent prompts, so that a new prompt sharing a long prefix
+/// with one of them (a game's instructions, the earlier turns of the same
+/// game) starts from a copy of that prefix's keys and values instead of
+/// prefilling it again.
+///
+/// Entries are keyed by their tokens and their adapter (the same `Arc`:
+/// the keys and values depend on the adapter); at most `capacity` are kept,
+/// the least recently used dropped first.
+#[derive(Debug)]
+pub struct PrefixCache {
+    entries: Vec<PrefixEntry>,
+    capacity: usize,
+    min_tokens: usize,
+    clock: u64,
+}
+
+#[derive(Debug)]
+struct PrefixEntry {
+    adapter: Option<std::sync::Arc<crate::LoraAdapter>>,
+    tokens: Vec<u32>,
+    cache: KvCache,
+    last_used: u64,
+}
+
+fn same_adapter(
+    a: Option<&std::sync::Arc<crate::LoraAdapter>>,
+    b: Option<&std::sync::Arc<crate::LoraAdapter>>,
+) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+        _ => false,
+    }
+}
+
+impl PrefixCache {
+    /// Keeps up to `capacity` prompts (0 disables it); a cached prefix is
+    /// used only when at least `min_tokens` long.
+    pub fn new(capacity: usize, min_tokens: usize) -> Self {
+        Self {
+            entries: Vec::new(),
+            capacity,
+            min_tokens: min_tokens.max(1),
+            clock: 0,
+        }
+    }
+
+    /// Number of prompts held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no prompt is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// A copy of the cache of the longest held prefix of `prompt` for this
+    /// adapter, at most `prompt.len() - 1` positions (the last prompt token
+    /// must still be fed to get the first logits); `None` if no held prompt
+    /// shares `min_tokens` or more.
+    pub fn lookup(
+        &mut self,
+        adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
+        prompt: &[u32],
+    ) -> Option<KvCache> {
+        let limit = prompt.len().saturating_sub(1);
+        let (index, shared) = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| same_adapter(e.adapter.as_ref(), adapter))
+            .map(|(i, e)| {
+                let shared = e
+                    .tokens
+                    .iter()
+                    .zip(prompt)
+                    .take_while(|(a, b)| a == b)
+                    .count()
+                    .min(limit)
+                    .min(e.cache.len());
+                (i, shared)
+            })
+            .max_by_key(|&(_, shared)| shared)?;
+        if shared < self.min_tokens {
+            return None;
+        }
+        self.clock += 1;
+        self.entries[index].last_used = self.clock;
+        Some(self.entries[index].cache.fork_prefix(shared))
+    }
+
+    /// Remembers the first `prompt.len()` positions of `cache` as the
+    /// cache of `prompt` (a prompt already held is only refreshed).
+    pub fn insert(
+        &mut self,
+        adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
+        prompt: &[u32],
+        cache: &KvCache,
+    ) {
+        if self.capacity == 0 || prompt.len() < self.min_tokens || cache.len() < prompt.len() {
+            return;
+        }
+        self.clock += 1;
+        if let Some(e) = self
+            .entries
+            .iter_mut()
+            .find(|e| same_adapter(e.adapter.as_ref(), adapter) && e.tokens == prompt)
+        {
+            e.last_used = self.clock;
+            return;
+        }
+        if self.entries.len() >= self.capacity {
+            let lru = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(i, _)| i)
+                .expect("full, so non-empty");
+            self.entries.swap_remove(lru);
+        }
+        self.entries.push(PrefixEntry {
+            adapter: adapter.cloned(),
+            tokens: prompt.to_vec(),
+            cache: cache.fork_prefix(prompt.len()),
+            last_used: self.clock,
+        });
     }
 }

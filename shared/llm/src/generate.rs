@@ -331,6 +331,31 @@ impl Sequence {
         })
     }
 
+    /// Like [`Sequence::new`], but starting from `cache`, which already
+    /// holds the keys and values of the first `cache.len()` tokens of
+    /// `prompt` (e.g. from a [`crate::PrefixCache`]); only the rest is
+    /// prefilled. At least one prompt token must remain to be fed.
+    pub fn with_cached_prefix(
+        model: &CausalLm,
+        prompt: Vec<u32>,
+        cache: KvCache,
+        adapter: Option<Arc<LoraAdapter>>,
+        sampler: Sampler,
+        stop: StopCondition,
+    ) -> Result<Self> {
+        if cache.len() >= prompt.len() {
+            return Err(ModelError::BadInput(format!(
+                "a cached prefix of {} tokens leaves none of the {}-token prompt to feed",
+                cache.len(),
+                prompt.len()
+            )));
+        }
+        let mut seq = Self::new(model, prompt, adapter, sampler, stop)?;
+        seq.pending.drain(..cache.len());
+        seq.cache = cache;
+        Ok(seq)
+    }
+
     /// An independent copy at the same point (cache deep-copied) that
     /// samples with `sampler`: prefill a prompt once with [`prefill`], then
     /// fork it into a group of samples.
@@ -737,6 +762,61 @@ mod tests {
             }
         }
         assert!(seen.len() >= 3, "sampling explores the allowed set: {seen:?}");
+    }
+
+    #[test]
+    fn a_sequence_from_a_cached_prefix_continues_like_a_full_prefill() {
+        let model = random_model("prefix");
+        let stop = StopCondition {
+            max_new_tokens: 6,
+            stop_token_ids: vec![],
+        };
+        let first: Vec<u32> = (0..30).map(|i| (i * 7 + 3) % 60 + 3).collect();
+        let mut second = first[..24].to_vec();
+        second.extend([9, 10, 11, 12]);
+        let run = |prompt: &[u32], cache: Option<KvCache>| {
+            let mut seq = match cache {
+                Some(cache) => Sequence::with_cached_prefix(
+                    &model,
+                    prompt.to_vec(),
+                    cache,
+                    None,
+                    Sampler::greedy(),
+                    stop.clone(),
+                )
+                .unwrap(),
+                None => {
+                    Sequence::new(&model, prompt.to_vec(), None, Sampler::greedy(), stop.clone())
+                        .unwrap()
+                }
+            };
+            generate(&model, &mut seq).unwrap();
+            seq
+        };
+        let mut prefixes = crate::PrefixCache::new(4, 8);
+        let full_first = run(&first, None);
+        prefixes.insert(None, &first, full_first.cache());
+        assert_eq!(prefixes.len(), 1);
+        // Shares 24 tokens with the first prompt.
+        let cached = prefixes.lookup(None, &second).expect("a shared prefix");
+        assert_eq!(cached.len(), 24);
+        let resumed = run(&second, Some(cached));
+        let full_second = run(&second, None);
+        assert_eq!(resumed.tokens(), full_second.tokens());
+        for (a, b) in resumed.logprobs().iter().zip(full_second.logprobs()) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+        // The same prompt again: all but its last token come from the cache.
+        let again = prefixes.lookup(None, &first).unwrap();
+        assert_eq!(again.len(), first.len() - 1);
+        assert_eq!(run(&first, Some(again)).tokens(), full_first.tokens());
+        // Too short a match, or another adapter: nothing.
+        assert!(prefixes.lookup(None, &[first[0], 50, 51]).is_none());
+        let adapter = Arc::new(
+            crate::LoraAdapter::new(model.config(), crate::LoraConfig::all_projections(2, 4.0), 1)
+                .unwrap(),
+        );
+        assert!(prefixes.lookup(Some(&adapter), &first).is_none());
     }
 
     #[test]

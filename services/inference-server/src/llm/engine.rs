@@ -6,7 +6,9 @@
 //! sequence by one token in one batched forward (a new request's prompt is
 //! prefilled in the same forward as the others' one-token decodes), checks
 //! each completion's stop strings on its incrementally decoded text, and
-//! replies to the finished ones, which leave the batch. The loop blocks
+//! replies to the finished ones, which leave the batch. A prompt that
+//! shares a long prefix with a recent one starts from a copy of that
+//! prefix's cache (`llm.prefix_cache`). The loop blocks
 //! only when nothing runs or waits; it ends once the job channel is closed
 //! and the last running sequence has finished.
 
@@ -16,8 +18,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use relay_llm::{
-    step, CausalLm, FinishReason as LlmFinish, IncrementalDecoder, LoraAdapter, Sampler,
-    SamplingParams, Sequence, StopCondition, TokenSequences, Tokenizer,
+    step, CausalLm, FinishReason as LlmFinish, IncrementalDecoder, LoraAdapter, PrefixCache,
+    Sampler, SamplingParams, Sequence, StopCondition, TokenSequences, Tokenizer,
 };
 use relay_proto::{AdapterRef, FinishReason, GenerateReply, Tensor, SCHEMA_VERSION};
 
@@ -72,8 +74,13 @@ pub(crate) struct Engine {
     /// Tokens that end a completion (`FinishReason::Eos`).
     pub stop_token_ids: Vec<u32>,
     pub max_sequences: usize,
+    /// Prompts whose caches are kept (`llm.prefix_cache`).
+    pub prefix_cache: usize,
     pub metrics: LlmMetrics,
 }
+
+/// Shortest shared prefix worth a copy of a cached prompt.
+const MIN_PREFIX_TOKENS: usize = 16;
 
 impl Engine {
     /// Runs until `jobs` is closed and every admitted job has been answered.
@@ -82,6 +89,7 @@ impl Engine {
         let mut running: Vec<Running> = Vec::with_capacity(self.max_sequences);
         let mut open = true;
         let mut rate = TokenRate::new();
+        let mut prefixes = PrefixCache::new(self.prefix_cache, MIN_PREFIX_TOKENS);
         loop {
             if running.is_empty() && waiting.is_empty() {
                 if !open {
@@ -109,7 +117,7 @@ impl Engine {
                 if job.reply.is_closed() {
                     continue;
                 }
-                if let Some(r) = self.admit(job) {
+                if let Some(r) = self.admit(job, &mut prefixes) {
                     running.push(r);
                 }
             }
@@ -152,6 +160,8 @@ impl Engine {
                     self.metrics
                         .time_to_first_token
                         .observe((now - r.received).as_secs_f64());
+                    // Its prompt is now in its cache.
+                    prefixes.insert(r.seq.adapter(), &r.prompt, r.seq.cache());
                 }
                 if let Some(finish) = self.after_token(r, token.sampled.token, token.finished) {
                     done.push((i, finish.0, finish.1));
@@ -170,7 +180,7 @@ impl Engine {
     }
 
     /// Starts a job's sequence; on a bad job replies with the error.
-    fn admit(&self, job: Job) -> Option<Running> {
+    fn admit(&self, job: Job, prefixes: &mut PrefixCache) -> Option<Running> {
         let longest_stop = job.stop.iter().map(String::len).max().unwrap_or(0);
         let built = Sampler::new(job.sampling.clone(), job.seed)
             .and_then(|sampler| {
@@ -182,16 +192,22 @@ impl Engine {
                     }
                     None => job.max_tokens,
                 };
-                Sequence::new(
-                    &self.model,
-                    job.prompt.clone(),
-                    job.adapter.as_ref().map(|(_, a)| a.clone()),
-                    sampler,
-                    StopCondition {
-                        max_new_tokens,
-                        stop_token_ids: self.stop_token_ids.clone(),
-                    },
-                )
+                let adapter = job.adapter.as_ref().map(|(_, a)| a.clone());
+                let stop = StopCondition {
+                    max_new_tokens,
+                    stop_token_ids: self.stop_token_ids.clone(),
+                };
+                match prefixes.lookup(adapter.as_ref(), &job.prompt) {
+                    Some(cache) => Sequence::with_cached_prefix(
+                        &self.model,
+                        job.prompt.clone(),
+                        cache,
+                        adapter,
+                        sampler,
+                        stop,
+                    ),
+                    None => Sequence::new(&self.model, job.prompt.clone(), adapter, sampler, stop),
+                }
             })
             .and_then(|seq| match &job.allowed {
                 Some(allowed) => seq.with_constraint(allowed.clone()),

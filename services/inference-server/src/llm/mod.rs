@@ -325,6 +325,7 @@ pub(crate) async fn serve(
         tokenizer: tokenizer.clone(),
         stop_token_ids,
         max_sequences: cfg.max_sequences,
+        prefix_cache: cfg.prefix_cache,
         metrics,
     };
     let decode_thread = std::thread::Builder::new()
