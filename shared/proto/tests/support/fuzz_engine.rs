@@ -689,7 +689,7 @@ impl Subject for GenerateRequest {
         let sampling = SamplingParams {
             temperature: rng.f32().abs(),
             top_p: rng.range(1, 100) as f32 / 100.0,
-            top_k: rng.u64() as u32 >> rng.range(1, 32),
+            top_k: rng.u64() as u32 >> rng.range(1, 31),
             max_tokens: rng.range(1, MAX_GENERATE_TOKENS as usize) as u32,
             stop: (0..rng.range(0, 3)).map(|_| rng.ident(NAME, 8)).collect(),
             seed: rng.bool().then(|| rng.u64_any()),
