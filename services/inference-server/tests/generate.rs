@@ -160,7 +160,11 @@ async fn greedy_matches_the_reference_and_continuous_batching_is_exact() {
     let cases = cases();
     for (i, case) in cases.iter().enumerate() {
         let reply = served
-            .generate(&tokens_request(&case.input_ids, None, case.greedy.len() as u32))
+            .generate(&tokens_request(
+                &case.input_ids,
+                None,
+                case.greedy.len() as u32,
+            ))
             .await
             .unwrap();
         assert_eq!(completion(&reply), case.greedy, "case {i}");
@@ -285,7 +289,11 @@ async fn stop_strings_and_max_tokens_end_completions() {
 
     // A stop string taken from the middle of the full completion's text.
     let chars: Vec<(usize, char)> = full.text.char_indices().collect();
-    assert!(chars.len() >= 6, "completion text too short: {:?}", full.text);
+    assert!(
+        chars.len() >= 6,
+        "completion text too short: {:?}",
+        full.text
+    );
     let (start, end) = (chars[3].0, chars[5].0);
     let stop = full.text[start..end].to_string();
     let mut request = tokens_request(&case.input_ids, None, 12);
@@ -303,12 +311,19 @@ async fn stop_strings_and_max_tokens_end_completions() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn constrained_decoding_returns_an_allowed_string() {
     let served = serve("gen-allowed", &[]).await;
-    let moves: Vec<String> = [0, 1, 3, 4, 5, 6, 8].iter().map(|m| format!("[{m}]")).collect();
+    let moves: Vec<String> = [0, 1, 3, 4, 5, 6, 8]
+        .iter()
+        .map(|m| format!("[{m}]"))
+        .collect();
     let mut seen = std::collections::BTreeSet::new();
     let mut requests = Vec::new();
     for seed in 0..24u64 {
         let mut request = GenerateRequest::new(
-            if seed % 2 == 0 { None } else { fixture_adapter(None) },
+            if seed % 2 == 0 {
+                None
+            } else {
+                fixture_adapter(None)
+            },
             tic_tac_toe_prompt(),
             SamplingParams {
                 temperature: if seed % 6 == 0 { 0.0 } else { 1.5 },
@@ -324,8 +339,7 @@ async fn constrained_decoding_returns_an_allowed_string() {
         }
         requests.push(request);
     }
-    let replies =
-        futures::future::join_all(requests.iter().map(|r| served.generate(r))).await;
+    let replies = futures::future::join_all(requests.iter().map(|r| served.generate(r))).await;
     for (request, reply) in requests.iter().zip(replies) {
         let reply = reply.unwrap();
         assert_eq!(reply.finish, FinishReason::Allowed, "{reply:?}");
@@ -353,7 +367,9 @@ async fn generate_when_known(served: &Served, request: &GenerateRequest) -> Gene
     loop {
         match served.generate(request).await {
             Ok(reply) => return reply,
-            Err(RequestError::Service { code, .. }) if code == "404" && Instant::now() < deadline => {
+            Err(RequestError::Service { code, .. })
+                if code == "404" && Instant::now() < deadline =>
+            {
                 tokio::time::sleep(Duration::from_millis(50)).await
             }
             Err(e) => panic!("{e}"),
@@ -367,7 +383,11 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
     let served = serve("gen-adapters", &["llm.max_adapters=1"]).await;
     let case = &cases()[1];
     let want = served
-        .generate(&tokens_request(&case.input_ids, fixture_adapter(Some(0)), 8))
+        .generate(&tokens_request(
+            &case.input_ids,
+            fixture_adapter(Some(0)),
+            8,
+        ))
         .await
         .unwrap();
     let base = served
@@ -389,7 +409,10 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
     };
     served
         .client
-        .publish(served.subjects.adapters(), relay_proto::encode(&update).into())
+        .publish(
+            served.subjects.adapters(),
+            relay_proto::encode(&update).into(),
+        )
         .await
         .unwrap();
     let policy = |version| {
@@ -398,7 +421,11 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
             version,
         })
     };
-    let v3 = generate_when_known(&served, &tokens_request(&case.input_ids, policy(Some(3)), 8)).await;
+    let v3 = generate_when_known(
+        &served,
+        &tokens_request(&case.input_ids, policy(Some(3)), 8),
+    )
+    .await;
     assert_eq!(v3.adapter, policy(Some(3)));
     assert_eq!(completion(&v3), completion(&want));
 
@@ -412,7 +439,10 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
         .await
         .unwrap();
     store
-        .put("gen-adapters/policy/4/adapter_config.json", &mut config_json.as_bytes())
+        .put(
+            "gen-adapters/policy/4/adapter_config.json",
+            &mut config_json.as_bytes(),
+        )
         .await
         .unwrap();
     store
@@ -434,10 +464,17 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
     };
     served
         .client
-        .publish(served.subjects.adapters(), relay_proto::encode(&update).into())
+        .publish(
+            served.subjects.adapters(),
+            relay_proto::encode(&update).into(),
+        )
         .await
         .unwrap();
-    let v4 = generate_when_known(&served, &tokens_request(&case.input_ids, policy(Some(4)), 8)).await;
+    let v4 = generate_when_known(
+        &served,
+        &tokens_request(&case.input_ids, policy(Some(4)), 8),
+    )
+    .await;
     assert_eq!(v4.adapter, policy(Some(4)));
     assert_eq!(completion(&v4), completion(&want));
     // No version: the newest.
@@ -448,14 +485,22 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
     assert_eq!(newest.adapter, policy(Some(4)));
     // Back to version 3 (evicted since), the base, and the fixture: all
     // reload and give what they gave.
-    for (adapter, expect) in [(policy(Some(3)), &want), (None, &base), (fixture_adapter(None), &want)] {
+    for (adapter, expect) in [
+        (policy(Some(3)), &want),
+        (None, &base),
+        (fixture_adapter(None), &want),
+    ] {
         let reply = served
             .generate(&tokens_request(&case.input_ids, adapter, 8))
             .await
             .unwrap();
         assert_eq!(completion(&reply), completion(expect));
     }
-    assert_ne!(completion(&base), completion(&want), "the adapter changes the completion");
+    assert_ne!(
+        completion(&base),
+        completion(&want),
+        "the adapter changes the completion"
+    );
     served.stop().await;
 }
 
@@ -463,8 +508,8 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
 async fn bad_requests_get_errors_and_the_service_keeps_serving() {
     let served = serve("gen-bad", &[]).await;
     let ids = cases()[2].input_ids.clone();
-    let expect_error = |result: Result<GenerateReply, RequestError>, code: &str, words: &[&str]| {
-        match result {
+    let expect_error =
+        |result: Result<GenerateReply, RequestError>, code: &str, words: &[&str]| match result {
             Err(RequestError::Service {
                 code: got, status, ..
             }) => {
@@ -474,8 +519,7 @@ async fn bad_requests_get_errors_and_the_service_keeps_serving() {
                 }
             }
             other => panic!("expected a {code} service error, got {other:?}"),
-        }
-    };
+        };
     let unknown = Some(AdapterRef {
         name: "nobody".into(),
         version: None,
@@ -508,9 +552,15 @@ async fn bad_requests_get_errors_and_the_service_keeps_serving() {
     );
     let mut zero = tokens_request(&ids, None, 4);
     zero.sampling.max_tokens = 0;
-    expect_error(served.generate(&zero).await, "400", &["sampling.max_tokens"]);
     expect_error(
-        served.generate(&tokens_request(&[5, 100_000], None, 4)).await,
+        served.generate(&zero).await,
+        "400",
+        &["sampling.max_tokens"],
+    );
+    expect_error(
+        served
+            .generate(&tokens_request(&[5, 100_000], None, 4))
+            .await,
         "400",
         &["prompt", "100000", "vocabulary"],
     );

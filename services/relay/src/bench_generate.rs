@@ -4,8 +4,9 @@
 //! Starts its own nats-server, then for each model an inference server
 //! (the release binary beside this one) with `llm.max_sequences` set to
 //! the largest batch, and for each batch size B runs B concurrent
-//! requesters, each sending `--rounds` TicTacToe chat prompts (a different
-//! board per request) with `max_tokens` completion tokens and no stop
+//! requesters, each sending at least `--rounds` TicTacToe chat prompts (a
+//! different board per request; more until `--min-seconds` have passed)
+//! with `max_tokens` completion tokens and no stop
 //! condition but EOS. Completion tokens per second is all completion
 //! tokens over the wall time of the whole batch run; latencies are per
 //! request. Prints a table and, last, one JSON line.
@@ -30,9 +31,13 @@ pub struct BenchGenerateArgs {
     /// Concurrent requesters, comma-separated.
     #[arg(long, default_value = "1,8,32", value_delimiter = ',')]
     pub batches: Vec<usize>,
-    /// Requests each requester sends, one after another.
+    /// Requests each requester sends at least, one after another.
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
+    /// Requesters keep sending (after `--rounds`) until this many seconds
+    /// have passed, so a fast model is measured over a long enough window.
+    #[arg(long, default_value_t = 5.0)]
+    pub min_seconds: f64,
     /// Completion tokens per request (`max_tokens`).
     #[arg(long, default_value_t = 16)]
     pub max_tokens: u32,
@@ -84,7 +89,9 @@ fn tic_tac_toe_prompt(index: usize) -> Prompt {
     // A few marks placed by a simple pseudo-random walk over the index.
     let mut state = index as u64 * 0x9E37_79B9 + 17;
     for turn in 0..(index % 5) {
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let cell = (state >> 33) as usize % 9;
         cells[cell] = if turn % 2 == 0 { "X" } else { "O" }.into();
     }
@@ -93,7 +100,14 @@ fn tic_tac_toe_prompt(index: usize) -> Prompt {
         .filter(|c| c.parse::<u32>().is_ok())
         .map(|c| format!("'[{c}]'"))
         .collect();
-    let row = |r: usize| format!(" {} | {} | {} ", cells[3 * r], cells[3 * r + 1], cells[3 * r + 2]);
+    let row = |r: usize| {
+        format!(
+            " {} | {} | {} ",
+            cells[3 * r],
+            cells[3 * r + 1],
+            cells[3 * r + 2]
+        )
+    };
     let content = format!(
         "[GAME] You are Player 0 in Tic Tac Toe.\nYour goal is to win three in a row (horizontally, vertically, or diagonally) on the board.\nOn your turn, you should select the square number (0-8) you want to put your mark in next.\nFor example, '[4]' places your mark in the center cell of the board.\n\nAs Player 0, you will be 'O', while your opponent is 'X'.\n\n[GAME] Current Board:\n\n{}\n---+---+---\n{}\n---+---+---\n{}\n\nAvailable Moves: {}",
         row(0),
@@ -127,12 +141,15 @@ async fn one_batch(
         .map(|requester| {
             let (client, subject) = (client.clone(), subject.to_string());
             let (rounds, max_tokens) = (args.rounds, args.max_tokens);
+            let min_time = Duration::from_secs_f64(args.min_seconds);
             tokio::spawn(async move {
                 let mut out = Vec::new();
-                for round in 0..rounds {
+                let mut round = 0;
+                while round < rounds || started.elapsed() < min_time {
+                    round += 1;
                     let request = GenerateRequest::new(
                         None,
-                        tic_tac_toe_prompt(requester * rounds + round),
+                        tic_tac_toe_prompt(requester * 7919 + round),
                         SamplingParams {
                             temperature: 1.0,
                             max_tokens,
@@ -141,13 +158,9 @@ async fn one_batch(
                         },
                     );
                     let sent = Instant::now();
-                    let reply: GenerateReply = relay_kit::request(
-                        &client,
-                        &subject,
-                        &request,
-                        Duration::from_secs(1800),
-                    )
-                    .await?;
+                    let reply: GenerateReply =
+                        relay_kit::request(&client, &subject, &request, Duration::from_secs(1800))
+                            .await?;
                     out.push((
                         sent.elapsed().as_secs_f64(),
                         reply.completion_tokens.numel() as u64,
@@ -180,7 +193,12 @@ async fn one_batch(
     })
 }
 
-fn write_config(dir: &Path, model: &str, nats_url: &str, args: &BenchGenerateArgs) -> Result<PathBuf> {
+fn write_config(
+    dir: &Path,
+    model: &str,
+    nats_url: &str,
+    args: &BenchGenerateArgs,
+) -> Result<PathBuf> {
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
     let path = dir.join(format!("bench-generate-{}.yaml", sanitize(model)));
     let text = format!(
@@ -204,7 +222,8 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
     }
     let dir = std::env::temp_dir().join(format!("relay-bench-generate-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let nats_bin = which("nats-server").context("nats-server is not installed; run `bash deploy/install.sh`")?;
+    let nats_bin = which("nats-server")
+        .context("nats-server is not installed; run `bash deploy/install.sh`")?;
     let port = free_port()?;
     let nats = Killed(
         Command::new(nats_bin)
@@ -216,6 +235,13 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
             .context("starting nats-server")?,
     );
     let nats_url = format!("nats://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            bail!("nats-server did not listen on port {port} within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -267,7 +293,10 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
                 {
                     Ok(_) => break,
                     Err(e) if Instant::now() > deadline => {
-                        bail!("the inference server did not serve {label}: {e} (log in {})", dir.display())
+                        bail!(
+                            "the inference server did not serve {label}: {e} (log in {})",
+                            dir.display()
+                        )
                     }
                     Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
                 }
@@ -289,7 +318,15 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
     drop(nats);
     println!(
         "{:<10} {:>5} {:>8} {:>10} {:>11} {:>9} {:>10} {:>8} {:>8}",
-        "model", "batch", "requests", "tokens", "prompt_len", "seconds", "tokens/s", "p50 s", "p95 s"
+        "model",
+        "batch",
+        "requests",
+        "tokens",
+        "prompt_len",
+        "seconds",
+        "tokens/s",
+        "p50 s",
+        "p95 s"
     );
     for r in &rows {
         println!(
@@ -306,7 +343,11 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
         );
     }
     let mut speedups = serde_json::Map::new();
-    for model in rows.iter().map(|r| r.model.clone()).collect::<std::collections::BTreeSet<_>>() {
+    for model in rows
+        .iter()
+        .map(|r| r.model.clone())
+        .collect::<std::collections::BTreeSet<_>>()
+    {
         let of = |b: usize| {
             rows.iter()
                 .find(|r| r.model == model && r.batch == b)

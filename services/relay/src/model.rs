@@ -74,5 +74,6 @@ pub fn init_tiny(out: &Path, seed: u64) -> Result<ModelConfig> {
         eos_token_id: tokenizer.eos_token_id(),
         pad_token_id: tokenizer.special_tokens().pad.as_ref().map(|t| t.id),
     };
-    init::tiny(out, seed, &vocab).with_context(|| format!("writing the model into {}", out.display()))
+    init::tiny(out, seed, &vocab)
+        .with_context(|| format!("writing the model into {}", out.display()))
 }

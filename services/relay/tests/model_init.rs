@@ -64,7 +64,10 @@ async fn a_tiny_model_from_relay_model_init_is_served() {
     };
     let n = reply.completion_tokens.numel();
     assert!((1..=8).contains(&n), "{n} tokens");
-    assert!(matches!(reply.finish, FinishReason::Length | FinishReason::Eos));
+    assert!(matches!(
+        reply.finish,
+        FinishReason::Length | FinishReason::Eos
+    ));
     // The prompt went through the ChatML template.
     let prompt_ids = reply.prompt_tokens.to_u32().unwrap();
     assert!(prompt_ids.len() > 10);
@@ -76,7 +79,11 @@ async fn a_tiny_model_from_relay_model_init_is_served() {
             .await
             .unwrap();
     assert_eq!(reply.finish, FinishReason::Allowed);
-    assert!(constrained.allowed.contains(&reply.text), "{:?}", reply.text);
+    assert!(
+        constrained.allowed.contains(&reply.text),
+        "{:?}",
+        reply.text
+    );
 
     trigger.trigger();
     tokio::time::timeout(Duration::from_secs(20), server)

@@ -1218,8 +1218,9 @@ mod tests {
                 .to_string();
             assert!(err.contains(field), "{set}: {err}");
         }
-        let text = ExperimentConfig::from_layers(BASE, "t", &[], &["run.env_id=TicTacToe-v0".into()])
-            .unwrap();
+        let text =
+            ExperimentConfig::from_layers(BASE, "t", &[], &["run.env_id=TicTacToe-v0".into()])
+                .unwrap();
         assert!(text.is_text_game() && text.serves_llm());
     }
 

@@ -40,14 +40,14 @@
 use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
-use rayon::prelude::*;
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
 use crate::cache::KvCache;
-use crate::tokenizer::TokenSequences;
 use crate::lora::LoraAdapter;
 use crate::model::{BatchItem, CausalLm, LogitsWanted};
 use crate::model_error::{ModelError, Result};
+use crate::tokenizer::TokenSequences;
 
 /// How to pick the next token from the logits.
 #[derive(Debug, Clone, PartialEq)]
@@ -684,10 +684,8 @@ mod tests {
 
     /// A random model small enough for unit tests, written to a fresh folder.
     fn random_model(label: &str) -> CausalLm {
-        let dir = std::env::temp_dir().join(format!(
-            "relay-llm-generate-{label}-{}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("relay-llm-generate-{label}-{}", std::process::id()));
         let vocab = crate::TinyVocab {
             size: 64,
             bos_token_id: None,
@@ -749,7 +747,11 @@ mod tests {
             seen.insert(tokens.clone());
             // Log-probs are those of the unconstrained policy.
             let mut cache = model.new_cache();
-            let fed: Vec<u32> = prompt.iter().chain(&tokens[..tokens.len() - 1]).copied().collect();
+            let fed: Vec<u32> = prompt
+                .iter()
+                .chain(&tokens[..tokens.len() - 1])
+                .copied()
+                .collect();
             let logits: Vec<Vec<f32>> = model
                 .forward_one(&fed, &mut cache, None)
                 .unwrap()
@@ -758,10 +760,16 @@ mod tests {
             for (k, (&token, &lp)) in tokens.iter().zip(seq.logprobs()).enumerate() {
                 let row = &logits[prompt.len() - 1 + k];
                 let want = policy_logprob(row, token as usize);
-                assert!((lp - want).abs() < 1e-4, "seed {seed} token {k}: {lp} vs {want}");
+                assert!(
+                    (lp - want).abs() < 1e-4,
+                    "seed {seed} token {k}: {lp} vs {want}"
+                );
             }
         }
-        assert!(seen.len() >= 3, "sampling explores the allowed set: {seen:?}");
+        assert!(
+            seen.len() >= 3,
+            "sampling explores the allowed set: {seen:?}"
+        );
     }
 
     #[test]
@@ -785,10 +793,14 @@ mod tests {
                     stop.clone(),
                 )
                 .unwrap(),
-                None => {
-                    Sequence::new(&model, prompt.to_vec(), None, Sampler::greedy(), stop.clone())
-                        .unwrap()
-                }
+                None => Sequence::new(
+                    &model,
+                    prompt.to_vec(),
+                    None,
+                    Sampler::greedy(),
+                    stop.clone(),
+                )
+                .unwrap(),
             };
             generate(&model, &mut seq).unwrap();
             seq
@@ -813,8 +825,12 @@ mod tests {
         // Too short a match, or another adapter: nothing.
         assert!(prefixes.lookup(None, &[first[0], 50, 51]).is_none());
         let adapter = Arc::new(
-            crate::LoraAdapter::new(model.config(), crate::LoraConfig::all_projections(2, 4.0), 1)
-                .unwrap(),
+            crate::LoraAdapter::new(
+                model.config(),
+                crate::LoraConfig::all_projections(2, 4.0),
+                1,
+            )
+            .unwrap(),
         );
         assert!(prefixes.lookup(Some(&adapter), &first).is_none());
     }
@@ -831,7 +847,13 @@ mod tests {
             let masked = softmax(&logits[2..], 1.0)[out.token as usize - 2].ln() as f32;
             assert!((out.sampling_logprob - masked).abs() < 1e-5);
         }
-        assert_eq!(Sampler::greedy().sample_among(&logits, &[1, 3]).unwrap().token, 1);
+        assert_eq!(
+            Sampler::greedy()
+                .sample_among(&logits, &[1, 3])
+                .unwrap()
+                .token,
+            1
+        );
         assert!(s.sample_among(&logits, &[]).is_err());
         assert!(s.sample_among(&logits, &[4]).is_err());
     }

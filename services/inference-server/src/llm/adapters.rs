@@ -173,7 +173,10 @@ impl AdapterStore {
         };
         let version = match wanted.version {
             Some(v) => v,
-            None => *versions.keys().next_back().expect("a known name has versions"),
+            None => *versions
+                .keys()
+                .next_back()
+                .expect("a known name has versions"),
         };
         let Some(source) = versions.get(&version).cloned() else {
             let known: Vec<String> = versions.keys().map(u64::to_string).collect();
@@ -222,7 +225,11 @@ impl AdapterStore {
                 .map(|(i, _)| i)
                 .expect("non-empty");
             let evicted = inner.loaded.swap_remove(lru);
-            tracing::debug!(name = evicted.name, version = evicted.version, "adapter evicted");
+            tracing::debug!(
+                name = evicted.name,
+                version = evicted.version,
+                "adapter evicted"
+            );
             self.metrics.adapter_evictions.inc();
         }
         self.metrics.adapters_loaded.set(inner.loaded.len() as i64);

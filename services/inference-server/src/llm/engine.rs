@@ -257,9 +257,7 @@ impl Engine {
                 LlmFinish::Length | LlmFinish::ContextFull => (FinishReason::Length, None),
                 LlmFinish::Allowed(i) => (
                     FinishReason::Allowed,
-                    r.seq
-                        .constraint()
-                        .and_then(|c| c.texts().get(i).cloned()),
+                    r.seq.constraint().and_then(|c| c.texts().get(i).cloned()),
                 ),
             });
         }

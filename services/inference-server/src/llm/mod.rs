@@ -139,7 +139,10 @@ impl Frontend {
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
             return Err(self.bad(
                 "prompt",
-                format!("token {bad} is outside the vocabulary of {}", self.vocab_size),
+                format!(
+                    "token {bad} is outside the vocabulary of {}",
+                    self.vocab_size
+                ),
             ));
         }
         if ids.len() >= self.context {
@@ -159,14 +162,14 @@ impl Frontend {
     /// the decode thread's answer.
     async fn handle(&self, payload: &[u8]) -> Result<Vec<u8>, JobError> {
         let received = Instant::now();
-        let request: GenerateRequest = self
-            .service
-            .intake
-            .decode("generate", payload)
-            .map_err(|rejection| JobError {
-                code: 400,
-                message: rejection.to_string(),
-            })?;
+        let request: GenerateRequest =
+            self.service
+                .intake
+                .decode("generate", payload)
+                .map_err(|rejection| JobError {
+                    code: 400,
+                    message: rejection.to_string(),
+                })?;
         let prompt = self.prompt_ids(&request.prompt)?;
         let allowed = if request.allowed.is_empty() {
             None
@@ -178,7 +181,12 @@ impl Frontend {
                     return Err(self.bad("allowed", format!("{text:?} tokenizes to no tokens")));
                 }
             }
-            let longest = sequences.sequences().iter().map(Vec::len).max().unwrap_or(0);
+            let longest = sequences
+                .sequences()
+                .iter()
+                .map(Vec::len)
+                .max()
+                .unwrap_or(0);
             if prompt.len() + longest + 1 > self.context {
                 return Err(self.bad(
                     "allowed",
@@ -369,9 +377,7 @@ pub(crate) async fn serve(
     }
     // No new jobs; the decode thread finishes the running ones and stops.
     frontend.jobs.lock().expect("jobs lock").take();
-    let drain = async {
-        while handlers.join_next().await.is_some() {}
-    };
+    let drain = async { while handlers.join_next().await.is_some() {} };
     if tokio::time::timeout(std::time::Duration::from_secs(10), drain)
         .await
         .is_err()

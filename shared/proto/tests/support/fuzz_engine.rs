@@ -694,7 +694,8 @@ impl Subject for GenerateRequest {
             stop: (0..rng.range(0, 3)).map(|_| rng.ident(NAME, 8)).collect(),
             seed: rng.bool().then(|| rng.u64_any()),
         };
-        let mut request = GenerateRequest::new(rng.bool().then(|| adapter_ref(rng)), prompt, sampling);
+        let mut request =
+            GenerateRequest::new(rng.bool().then(|| adapter_ref(rng)), prompt, sampling);
         request.allowed = (0..rng.range(0, 5)).map(|_| rng.ident(NAME, 6)).collect();
         request
     }
@@ -866,7 +867,13 @@ impl Subject for GameRecord {
     fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
         self.turns
             .iter_mut()
-            .flat_map(|t| [&mut t.prompt_tokens, &mut t.completion_tokens, &mut t.logprobs])
+            .flat_map(|t| {
+                [
+                    &mut t.prompt_tokens,
+                    &mut t.completion_tokens,
+                    &mut t.logprobs,
+                ]
+            })
             .collect()
     }
     fn corrupt(&mut self, rng: &mut Rng) -> bool {
