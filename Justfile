@@ -63,3 +63,8 @@ bench-tracker *ARGS: install
 soak *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay soak --env-runners 8 --minutes 10 --state-dir .relay/soak {{ARGS}}
+
+# LLM generation: tokens/s and p50/p95 request latency of the inference server for the tiny model and SmolLM2-135M (GGUF) at 1, 8, 32 concurrent requesters: table + JSON line.
+bench-generate *ARGS: install
+    cargo build --release -p relay -p relay-inference-server
+    {{release}}/relay bench-generate {{ARGS}}

@@ -1,4 +1,12 @@
-//! inference-server: batched `act` over NATS request-reply.
+//! inference-server: batched `act` for MLP policies and `generate` for LLM
+//! policies, over NATS request-reply.
+//!
+//! Which endpoints a copy serves follows the config: `act` unless
+//! `run.env_id` is a text game; `generate` (module [`llm`]) when it is one
+//! or `llm.model` is set. Both are endpoints of one NATS micro service
+//! (`relay-inference-server`) in its queue group.
+//!
+//! # act
 //!
 //! Requests arrive on `relay.<run>.act` in the service's queue group, so any
 //! number of copies share the load. A batch takes every request already
@@ -7,6 +15,8 @@
 //! answers them all, each reply naming the weights version used. New weights are built off the hot path
 //! by the [`PolicyFollower`] and swapped in between batches, so no request is
 //! dropped by a swap. A copy joins the queue group once it has weights.
+
+pub mod llm;
 
 use std::time::{Duration, Instant};
 
@@ -86,21 +96,50 @@ fn service_error(code: usize, status: impl Into<String>) -> async_nats::service:
 /// Runs the inference server until shutdown.
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("inference-server", config, shutdown.clone()).await?;
-    let cfg = service.config.clone();
     let metrics = Metrics::register(&service.registry);
-    let mut follower = PolicyFollower::start(&service).await?;
+    // Registered in every mode, so the catalogue holds for any run.
+    let llm_metrics = llm::metrics::LlmMetrics::register(&service.registry);
+    let micro = service.micro().await?;
+    let serve_act = !service.config.is_text_game();
+    let serve_generate = service.config.serves_llm();
+    let act = async {
+        if serve_act {
+            serve_act_requests(&service, &micro, metrics).await
+        } else {
+            Ok(())
+        }
+    };
+    let generate = async {
+        if serve_generate {
+            llm::serve(service.clone(), &micro, llm_metrics).await
+        } else {
+            Ok(())
+        }
+    };
+    let result = tokio::try_join!(act, generate).map(|_| ());
+    service.health.set_ready(false);
+    let _ = micro.stop().await;
+    service.drain().await;
+    result
+}
+
+/// Serves `act` until shutdown.
+async fn serve_act_requests(
+    service: &Service,
+    micro: &async_nats::service::Service,
+    metrics: Metrics,
+) -> Result<(), ServiceError> {
+    let shutdown = service.shutdown.clone();
+    let cfg = service.config.clone();
+    let mut follower = PolicyFollower::start(service).await?;
     // Healthy (alive, connected) at once; serving once weights are in.
     service.health.set_ready(true);
     // Join the queue group only with weights in hand, so that a new copy
     // never answers "no weights yet" while others could serve.
     tokio::select! {
         _ = follower.newer_than(None) => {}
-        _ = shutdown.wait() => {
-            service.drain().await;
-            return Ok(());
-        }
+        _ = shutdown.wait() => return Ok(()),
     }
-    let micro = service.micro().await?;
     let mut requests = micro
         .endpoint(service.subjects.act())
         .await
@@ -258,8 +297,5 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             reported_requests = answered;
         }
     }
-    service.health.set_ready(false);
-    let _ = micro.stop().await;
-    service.drain().await;
     Ok(())
 }

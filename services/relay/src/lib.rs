@@ -1,9 +1,11 @@
 //! The `relay` command line: the local stack supervisor (`up`, `down`) and
 //! the solve benchmark. See `main.rs` for the commands.
 
+pub mod bench_generate;
 pub mod chaos;
 pub mod checkpoints;
 pub mod eval;
+pub mod model;
 pub mod play;
 pub mod play_text;
 pub mod runs;

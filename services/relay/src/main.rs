@@ -11,7 +11,9 @@
 //! - `relay checkpoints ls|pin <run|@last>`: a run's checkpoints;
 //! - `relay eval use <name>`: switch the running evaluators' plugin;
 //! - `relay chaos`: fault injection (kill and restart every process) during a run;
-//! - `relay play <run|@last>`: an episode of a checkpoint's policy as text.
+//! - `relay play <run|@last>`: an episode of a checkpoint's policy as text;
+//! - `relay model init tiny`: write a tiny random Qwen2 model folder;
+//! - `relay bench-generate`: LLM generation throughput and latency per batch size.
 
 use std::path::PathBuf;
 
@@ -89,6 +91,11 @@ enum Command {
     Chaos(UpArgs),
     /// Play episodes with a checkpoint's policy and print them as text frames.
     Play(relay::play::PlayArgs),
+    /// LLM model folders: `model init tiny [--out DIR] [--seed N]`.
+    Model(relay::model::ModelArgs),
+    /// Generation tokens/s and request latency of the inference server for
+    /// several models and batch sizes; print a table and JSON.
+    BenchGenerate(relay::bench_generate::BenchGenerateArgs),
 }
 
 fn main() -> Result<()> {
@@ -113,6 +120,8 @@ fn main() -> Result<()> {
         Command::Eval(args) => relay::eval::eval(args),
         Command::Chaos(args) => relay::chaos::chaos(args),
         Command::Play(args) => relay::play::play(args),
+        Command::Model(args) => relay::model::model(args),
+        Command::BenchGenerate(args) => relay::bench_generate::bench_generate(args),
     }
 }
 

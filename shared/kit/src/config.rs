@@ -48,6 +48,8 @@ pub struct ExperimentConfig {
     #[serde(default)]
     pub inference: InferenceConfig,
     #[serde(default)]
+    pub llm: LlmConfig,
+    #[serde(default)]
     pub replay: ReplayConfig,
     #[serde(default)]
     pub ppo: PpoConfig,
@@ -427,6 +429,98 @@ impl Default for InferenceConfig {
             batch_wait_us: 0,
             threads: 1,
         }
+    }
+}
+
+/// How the inference server holds a GGUF model's weights (see
+/// `relay_llm::GgufBase`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GgufBaseName {
+    /// Quantized blocks in memory, dequantized for each product: the least
+    /// memory, slower decode steps.
+    Quantized,
+    /// Dequantized to f32 once at load: about 4x the memory of Q4, the
+    /// fastest decode steps on a CPU.
+    Dequantized,
+}
+
+/// The LLM the inference server serves on `relay.<run>.generate` (text
+/// games): the base model, its adapters and the continuous batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LlmConfig {
+    /// The base model: a Hugging Face folder (`config.json`,
+    /// `model.safetensors`, `tokenizer.json`; e.g. one written by `relay
+    /// model init tiny`), a `.gguf` file, or `smollm2` for
+    /// SmolLM2-135M-Instruct as `deploy/install.sh` installs it. Unset: no
+    /// `generate` endpoint unless `run.env_id` is a text game (then it is
+    /// required).
+    pub model: Option<String>,
+    /// How a GGUF model's weights are held (ignored for other models).
+    pub gguf_base: GgufBaseName,
+    /// Most sequences decoded together (the continuous batch); requests
+    /// beyond it wait in a queue and join as others finish.
+    pub max_sequences: usize,
+    /// Most LoRA adapters (name, version) kept loaded; the least recently
+    /// used is dropped past it and reloaded from its source when asked for.
+    pub max_adapters: usize,
+    /// Fixed adapters (e.g. opponents), name -> PEFT adapter folder;
+    /// served as version 0 of that name.
+    pub adapters: std::collections::BTreeMap<String, PathBuf>,
+    /// Compute threads (candle/rayon) of the inference server when it serves
+    /// an LLM (it then replaces `inference.threads`).
+    pub threads: usize,
+    /// Recent prompts whose keys and values are kept, so a new prompt that
+    /// shares a prefix of 16 tokens or more with one (a game's
+    /// instructions, the earlier turns of a game) prefills only the rest;
+    /// 0 disables it. Memory: prompt tokens x layers x 2 x kv width x 4 bytes
+    /// each (SmolLM2: 46 KB per token).
+    pub prefix_cache: usize,
+}
+
+impl Default for LlmConfig {
+    fn default() -> Self {
+        Self {
+            model: None,
+            gguf_base: GgufBaseName::Dequantized,
+            max_sequences: 32,
+            max_adapters: 8,
+            adapters: Default::default(),
+            threads: 2,
+            prefix_cache: 16,
+        }
+    }
+}
+
+impl LlmConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(model) = &self.model {
+            if model.trim().is_empty() {
+                return Err(invalid(
+                    "llm.model",
+                    "is empty; give a model folder, a .gguf file or `smollm2`",
+                ));
+            }
+        }
+        positive("llm.max_sequences", self.max_sequences)?;
+        positive("llm.max_adapters", self.max_adapters)?;
+        positive("llm.threads", self.threads)?;
+        for (name, path) in &self.adapters {
+            if name.is_empty() || name.chars().any(char::is_whitespace) {
+                return Err(invalid(
+                    "llm.adapters",
+                    format!("adapter name {name:?} must be non-empty without spaces"),
+                ));
+            }
+            if path.as_os_str().is_empty() {
+                return Err(invalid(
+                    &format!("llm.adapters.{name}"),
+                    "is empty; give a PEFT adapter folder",
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1040,6 +1134,7 @@ impl ExperimentConfig {
         positive("env_runner.threads", self.env_runner.threads)?;
         positive("inference.max_batch", self.inference.max_batch)?;
         positive("inference.threads", self.inference.threads)?;
+        self.llm.validate()?;
         if self.replay.capacity_steps < self.ppo.rollout_steps as u64 {
             return Err(invalid(
                 "replay.capacity_steps",
@@ -1108,6 +1203,17 @@ impl ExperimentConfig {
             }
         }
         Ok(())
+    }
+
+    /// Whether `run.env_id` is a text game (played by LLM policies).
+    pub fn is_text_game(&self) -> bool {
+        is_text_game(&self.run.env_id)
+    }
+
+    /// Whether the inference servers serve `generate`: a text game, or an
+    /// `llm.model` set.
+    pub fn serves_llm(&self) -> bool {
+        self.is_text_game() || self.llm.model.is_some()
     }
 
     /// The run id, which every service needs.
@@ -1465,6 +1571,43 @@ mod tests {
             .unwrap()
             .check_game("KuhnPoker-v0")
             .is_ok());
+    }
+
+    #[test]
+    fn llm_section_is_validated_by_field() {
+        let c = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &[
+                "llm.model=smollm2".into(),
+                "llm.gguf_base=quantized".into(),
+                "llm.adapters.opponent=adapters/opp".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.llm.gguf_base, GgufBaseName::Quantized);
+        assert!(c.serves_llm() && !c.is_text_game());
+        assert_eq!(c.llm.adapters["opponent"], PathBuf::from("adapters/opp"));
+        let cases = [
+            ("llm.max_sequences=0", "llm.max_sequences"),
+            ("llm.max_adapters=0", "llm.max_adapters"),
+            ("llm.threads=0", "llm.threads"),
+            ("llm.model=''", "llm.model"),
+            ("llm.gguf_base=q8", "gguf_base"),
+            ("llm.adapters.x=''", "llm.adapters.x"),
+            ("llm.max_sequence=3", "max_sequence"),
+        ];
+        for (set, field) in cases {
+            let err = ExperimentConfig::from_layers(BASE, "t", &[], &[set.into()])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{set}: {err}");
+        }
+        let text =
+            ExperimentConfig::from_layers(BASE, "t", &[], &["run.env_id=TicTacToe-v0".into()])
+                .unwrap();
+        assert!(text.is_text_game() && text.serves_llm());
     }
 
     #[test]

@@ -51,7 +51,7 @@ fn bench_model(label: &str, model: &CausalLm, prompt_len: usize, runs: usize) {
         "{label:<34} prefill {prompt_len:>4} tokens     {}",
         ms(prefill)
     );
-    for batch in [1usize, 8] {
+    for batch in [1usize, 8, 32] {
         let mut caches: Vec<_> = (0..batch).map(|_| model.new_cache()).collect();
         for c in &mut caches {
             model.forward_one(&prompt, c, None).unwrap();

@@ -6,29 +6,31 @@
 //! joins or leaves a running batch without touching the others' caches, and
 //! [`KvCache::fork`] lets several samples share one prefilled prompt.
 //!
-//! Storage grows by doubling, so appending one token is amortised O(1)
-//! copies; [`KvCache::truncate`] rolls a sequence back without freeing.
+//! Storage is a plain `Vec<f32>` per layer and per keys/values, position
+//! major (`(positions, kv_heads, head_dim)`): appending a position is an
+//! amortised O(1) `extend` that never moves the positions already held
+//! into another layout, and the one-token decode attention
+//! (`crate::model`) reads it in place without building candle tensors.
+//! Prefill attention views it as a strided `(kv_heads, positions,
+//! head_dim)` tensor. [`KvCache::truncate`] rolls a sequence back without
+//! freeing.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 
 use crate::config::ModelConfig;
 use crate::model_error::{ModelError, Result};
 
-/// Smallest allocation, in positions, when a layer's buffer is first used.
+/// Positions reserved when a layer's buffer is first used.
 const MIN_CAPACITY: usize = 32;
 
-#[derive(Debug, Clone, Default)]
-struct LayerBuffers {
-    /// `(kv_heads, capacity, head_dim)`, positions `[0, len)` valid.
-    keys: Option<Tensor>,
-    /// Same layout as `keys`.
-    values: Option<Tensor>,
-}
-
 /// Keys and values of one sequence for every layer of one model.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KvCache {
-    layers: Vec<LayerBuffers>,
+    /// Per layer, `(capacity, kv_heads, head_dim)`; positions `[0, len)`
+    /// valid, anything after them a write not yet committed.
+    keys: Vec<Vec<f32>>,
+    /// Same layout as `keys`.
+    values: Vec<Vec<f32>>,
     len: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -39,7 +41,8 @@ impl KvCache {
     /// the first forward.
     pub fn new(config: &ModelConfig) -> Self {
         Self {
-            layers: vec![LayerBuffers::default(); config.num_hidden_layers],
+            keys: vec![Vec::new(); config.num_hidden_layers],
+            values: vec![Vec::new(); config.num_hidden_layers],
             len: 0,
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
@@ -64,11 +67,10 @@ impl KvCache {
 
     /// Bytes held by the buffers (capacity, not just the used part).
     pub fn allocated_bytes(&self) -> usize {
-        self.layers
+        self.keys
             .iter()
-            .flat_map(|l| [&l.keys, &l.values])
-            .flatten()
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .chain(&self.values)
+            .map(|b| b.capacity() * std::mem::size_of::<f32>())
             .sum()
     }
 
@@ -76,39 +78,42 @@ impl KvCache {
     /// used part), e.g. to sample several continuations of one prefilled
     /// prompt.
     pub fn fork(&self) -> Result<Self> {
-        let len = self.len;
-        let copy = |t: &Option<Tensor>| -> Result<Option<Tensor>> {
-            match t {
-                Some(t) if len > 0 => Ok(Some(t.narrow(1, 0, len)?.contiguous()?.copy()?)),
-                _ => Ok(None),
-            }
+        Ok(self.fork_prefix(self.len))
+    }
+
+    /// An independent copy of the first `len` positions (all of them if
+    /// fewer are held).
+    pub fn fork_prefix(&self, len: usize) -> Self {
+        let len = len.min(self.len);
+        let used = len * self.row();
+        let copy = |buffers: &Vec<Vec<f32>>| -> Vec<Vec<f32>> {
+            buffers
+                .iter()
+                .map(|b| b[..used.min(b.len())].to_vec())
+                .collect()
         };
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(LayerBuffers {
-                    keys: copy(&l.keys)?,
-                    values: copy(&l.values)?,
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok(Self {
-            layers,
+        Self {
+            keys: copy(&self.keys),
+            values: copy(&self.values),
             len,
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
-        })
+        }
+    }
+
+    /// Floats per position of one layer (`kv_heads * head_dim`).
+    pub(crate) fn row(&self) -> usize {
+        self.num_kv_heads * self.head_dim
     }
 
     pub(crate) fn check_shape(&self, config: &ModelConfig) -> Result<()> {
-        if self.layers.len() != config.num_hidden_layers
+        if self.keys.len() != config.num_hidden_layers
             || self.num_kv_heads != config.num_key_value_heads
             || self.head_dim != config.head_dim
         {
             return Err(ModelError::BadInput(format!(
                 "cache for {} layers x {} kv heads x {} head dim used with a model of {} x {} x {}",
-                self.layers.len(),
+                self.keys.len(),
                 self.num_kv_heads,
                 self.head_dim,
                 config.num_hidden_layers,
@@ -119,83 +124,190 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes `new_keys`/`new_values` (`(kv_heads, t, head_dim)`) after the
-    /// current positions of `layer` and returns views of all
-    /// `len + t` positions. [`KvCache::advance`] commits them once every
-    /// layer has been appended.
+    /// Writes the keys and values of new positions (each `(t, kv_heads,
+    /// head_dim)` flattened) after the committed ones of `layer`, dropping
+    /// any uncommitted write left there. [`KvCache::advance`] commits them
+    /// once every layer has been appended.
+    pub(crate) fn append_rows(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
+        let committed = self.len * self.row();
+        for (buffer, new) in [
+            (&mut self.keys[layer], keys),
+            (&mut self.values[layer], values),
+        ] {
+            buffer.truncate(committed);
+            if buffer.capacity() == 0 {
+                buffer.reserve(MIN_CAPACITY * self.num_kv_heads * self.head_dim);
+            }
+            buffer.extend_from_slice(new);
+        }
+    }
+
+    /// Keys and values of `layer` (committed positions plus those appended
+    /// since), each `(positions, kv_heads, head_dim)` flattened.
+    pub(crate) fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+        (&self.keys[layer], &self.values[layer])
+    }
+
+    /// Writes `new_keys`/`new_values` (`(kv_heads, t, head_dim)` tensors)
+    /// after the current positions of `layer` and returns all `len + t`
+    /// positions as `(kv_heads, len + t, head_dim)` tensors (strided views
+    /// of copies).
     pub(crate) fn append(
         &mut self,
         layer: usize,
         new_keys: &Tensor,
         new_values: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        self.ensure_allocated(layer, new_keys.device())?;
-        let added = new_keys.dim(1)?;
-        let total = self.len + added;
-        let buffers = &mut self.layers[layer];
-        let keys = grow(&mut buffers.keys, self.len, total, new_keys.device())?;
-        let values = grow(&mut buffers.values, self.len, total, new_values.device())?;
-        keys.slice_set(&new_keys.contiguous()?, 1, self.len)?;
-        values.slice_set(&new_values.contiguous()?, 1, self.len)?;
-        Ok((keys.narrow(1, 0, total)?, values.narrow(1, 0, total)?))
+        let rows = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?)
+        };
+        let (k, v) = (rows(new_keys)?, rows(new_values)?);
+        self.append_rows(layer, &k, &v);
+        let total = self.keys[layer].len() / self.row();
+        let view = |buffer: &[f32]| -> Result<Tensor> {
+            Ok(Tensor::from_slice(
+                buffer,
+                (total, self.num_kv_heads, self.head_dim),
+                new_keys.device(),
+            )?
+            .transpose(0, 1)?)
+        };
+        Ok((view(&self.keys[layer])?, view(&self.values[layer])?))
     }
 
     /// Marks `added` more positions as valid in every layer.
     pub(crate) fn advance(&mut self, added: usize) {
         self.len += added;
     }
+}
 
-    fn zeros(&self, capacity: usize, device: &Device) -> Result<Tensor> {
-        Ok(Tensor::zeros(
-            (self.num_kv_heads, capacity, self.head_dim),
-            DType::F32,
-            device,
-        )?)
+/// Caches of recent prompts, so that a new prompt sharing a long prefix
+/// with one of them (a game's instructions, the earlier turns of the same
+/// game) starts from a copy of that prefix's keys and values instead of
+/// prefilling it again.
+///
+/// Entries are keyed by their tokens and their adapter (the same `Arc`:
+/// the keys and values depend on the adapter); at most `capacity` are kept,
+/// the least recently used dropped first.
+#[derive(Debug)]
+pub struct PrefixCache {
+    entries: Vec<PrefixEntry>,
+    capacity: usize,
+    min_tokens: usize,
+    clock: u64,
+}
+
+#[derive(Debug)]
+struct PrefixEntry {
+    adapter: Option<std::sync::Arc<crate::LoraAdapter>>,
+    tokens: Vec<u32>,
+    cache: KvCache,
+    last_used: u64,
+}
+
+fn same_adapter(
+    a: Option<&std::sync::Arc<crate::LoraAdapter>>,
+    b: Option<&std::sync::Arc<crate::LoraAdapter>>,
+) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+        _ => false,
     }
 }
 
-/// Makes sure `buffer` holds at least `needed` positions, keeping the first
-/// `used`; returns a handle to it.
-fn grow(
-    buffer: &mut Option<Tensor>,
-    used: usize,
-    needed: usize,
-    device: &Device,
-) -> Result<Tensor> {
-    if let Some(t) = buffer {
-        if t.dim(1)? >= needed {
-            return Ok(t.clone());
+impl PrefixCache {
+    /// Keeps up to `capacity` prompts (0 disables it); a cached prefix is
+    /// used only when at least `min_tokens` long.
+    pub fn new(capacity: usize, min_tokens: usize) -> Self {
+        Self {
+            entries: Vec::new(),
+            capacity,
+            min_tokens: min_tokens.max(1),
+            clock: 0,
         }
     }
-    let old_capacity = buffer.as_ref().map(|t| t.dim(1)).transpose()?.unwrap_or(0);
-    let capacity = needed.max(2 * old_capacity).max(MIN_CAPACITY);
-    let (kv_heads, head_dim) = match buffer {
-        Some(t) => (t.dim(0)?, t.dim(2)?),
-        None => (0, 0),
-    };
-    let fresh = match buffer.take() {
-        Some(old) if used > 0 => {
-            let tail = Tensor::zeros((kv_heads, capacity - used, head_dim), DType::F32, device)?;
-            Tensor::cat(&[&old.narrow(1, 0, used)?, &tail], 1)?
-        }
-        Some(old) => Tensor::zeros((kv_heads, capacity, head_dim), DType::F32, old.device())?,
-        None => return Err(ModelError::BadInput("unallocated cache buffer".into())),
-    };
-    *buffer = Some(fresh.clone());
-    Ok(fresh)
-}
 
-impl KvCache {
-    /// Allocates the first buffers of `layer` if needed.
-    fn ensure_allocated(&mut self, layer: usize, device: &Device) -> Result<()> {
-        if self.layers[layer].keys.is_none() {
-            let keys = self.zeros(MIN_CAPACITY, device)?;
-            let values = self.zeros(MIN_CAPACITY, device)?;
-            self.layers[layer] = LayerBuffers {
-                keys: Some(keys),
-                values: Some(values),
-            };
+    /// Number of prompts held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no prompt is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// A copy of the cache of the longest held prefix of `prompt` for this
+    /// adapter, at most `prompt.len() - 1` positions (the last prompt token
+    /// must still be fed to get the first logits); `None` if no held prompt
+    /// shares `min_tokens` or more.
+    pub fn lookup(
+        &mut self,
+        adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
+        prompt: &[u32],
+    ) -> Option<KvCache> {
+        let limit = prompt.len().saturating_sub(1);
+        let (index, shared) = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| same_adapter(e.adapter.as_ref(), adapter))
+            .map(|(i, e)| {
+                let shared = e
+                    .tokens
+                    .iter()
+                    .zip(prompt)
+                    .take_while(|(a, b)| a == b)
+                    .count()
+                    .min(limit)
+                    .min(e.cache.len());
+                (i, shared)
+            })
+            .max_by_key(|&(_, shared)| shared)?;
+        if shared < self.min_tokens {
+            return None;
         }
-        Ok(())
+        self.clock += 1;
+        self.entries[index].last_used = self.clock;
+        Some(self.entries[index].cache.fork_prefix(shared))
+    }
+
+    /// Remembers the first `prompt.len()` positions of `cache` as the
+    /// cache of `prompt` (a prompt already held is only refreshed).
+    pub fn insert(
+        &mut self,
+        adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
+        prompt: &[u32],
+        cache: &KvCache,
+    ) {
+        if self.capacity == 0 || prompt.len() < self.min_tokens || cache.len() < prompt.len() {
+            return;
+        }
+        self.clock += 1;
+        if let Some(e) = self
+            .entries
+            .iter_mut()
+            .find(|e| same_adapter(e.adapter.as_ref(), adapter) && e.tokens == prompt)
+        {
+            e.last_used = self.clock;
+            return;
+        }
+        if self.entries.len() >= self.capacity {
+            let lru = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(i, _)| i)
+                .expect("full, so non-empty");
+            self.entries.swap_remove(lru);
+        }
+        self.entries.push(PrefixEntry {
+            adapter: adapter.cloned(),
+            tokens: prompt.to_vec(),
+            cache: cache.fork_prefix(prompt.len()),
+            last_used: self.clock,
+        });
     }
 }

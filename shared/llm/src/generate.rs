@@ -20,18 +20,34 @@
 //!   recomputes from the same weights, so it is the one RL (PPO's ratio,
 //!   KL penalties) needs.
 //! * `sampling_logprob`: under the distribution the token was actually
-//!   drawn from (after temperature, top-k, top-p; 0 for greedy), for
-//!   off-policy corrections.
+//!   drawn from (after temperature, top-k, top-p, constraint; 0 for
+//!   greedy), for off-policy corrections.
+//!
+//! # Constrained decoding
+//!
+//! [`Sequence::with_constraint`] limits a completion to one of a set of
+//! token sequences ([`TokenSequences`], e.g. a game's legal moves): at each
+//! step every token that would leave all of them is masked out before
+//! sampling (temperature, top-k and top-p then apply among the rest), and
+//! the sequence finishes with [`FinishReason::Allowed`] once it spells one
+//! in full. When a complete sequence is also the prefix of a longer one
+//! (`[1]` and `[12]` as token lists), the stop tokens are allowed there
+//! too, and sampling one ends the completion on the shorter sequence.
+//! `logprob` stays the unconstrained policy's (the mask changes what is
+//! drawn, not the policy the learner recomputes); `sampling_logprob` is
+//! that of the masked distribution.
 
 use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
 use crate::cache::KvCache;
 use crate::lora::LoraAdapter;
 use crate::model::{BatchItem, CausalLm, LogitsWanted};
 use crate::model_error::{ModelError, Result};
+use crate::tokenizer::TokenSequences;
 
 /// How to pick the next token from the logits.
 #[derive(Debug, Clone, PartialEq)]
@@ -206,6 +222,31 @@ impl Sampler {
     }
 }
 
+impl Sampler {
+    /// Like [`Sampler::sample`], but only among `allowed` token ids (every
+    /// other token is masked out). `logprob` stays the policy's over the
+    /// unmasked `logits`; `sampling_logprob` is that of the masked
+    /// distribution sampled from.
+    pub fn sample_among(&mut self, logits: &[f32], allowed: &[u32]) -> Result<Sampled> {
+        if let Some(bad) = allowed.iter().find(|&&t| t as usize >= logits.len()) {
+            return Err(ModelError::BadInput(format!(
+                "allowed token {bad} is outside the vocabulary of {}",
+                logits.len()
+            )));
+        }
+        let mut masked = vec![f32::NEG_INFINITY; logits.len()];
+        for &t in allowed {
+            masked[t as usize] = logits[t as usize];
+        }
+        let mut sampled = self.sample(&masked)?;
+        if logits.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+            return Err(ModelError::BadInput("logits hold NaN or +inf".into()));
+        }
+        sampled.logprob = policy_logprob(logits, sampled.token as usize);
+        Ok(sampled)
+    }
+}
+
 /// When a sequence stops.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StopCondition {
@@ -225,6 +266,10 @@ pub enum FinishReason {
     Length,
     /// The next token would not fit in the model's context.
     ContextFull,
+    /// The completion spells the constraint's sequence of this index in
+    /// full (see [`Sequence::with_constraint`]); a stop token that ended it
+    /// is kept as its last token.
+    Allowed(usize),
 }
 
 /// One generation in progress. See the module docs for how a server
@@ -235,6 +280,8 @@ pub struct Sequence {
     adapter: Option<Arc<LoraAdapter>>,
     sampler: Sampler,
     stop: StopCondition,
+    /// Completions allowed, if constrained.
+    constraint: Option<Arc<TokenSequences>>,
     /// Tokens not yet fed to the model (the prompt, then the last sample).
     pending: Vec<u32>,
     prompt_len: usize,
@@ -274,6 +321,7 @@ impl Sequence {
             adapter,
             sampler,
             stop,
+            constraint: None,
             prompt_len: prompt.len(),
             pending: prompt,
             tokens: Vec::new(),
@@ -281,6 +329,31 @@ impl Sequence {
             sampling_logprobs: Vec::new(),
             finished: None,
         })
+    }
+
+    /// Like [`Sequence::new`], but starting from `cache`, which already
+    /// holds the keys and values of the first `cache.len()` tokens of
+    /// `prompt` (e.g. from a [`crate::PrefixCache`]); only the rest is
+    /// prefilled. At least one prompt token must remain to be fed.
+    pub fn with_cached_prefix(
+        model: &CausalLm,
+        prompt: Vec<u32>,
+        cache: KvCache,
+        adapter: Option<Arc<LoraAdapter>>,
+        sampler: Sampler,
+        stop: StopCondition,
+    ) -> Result<Self> {
+        if cache.len() >= prompt.len() {
+            return Err(ModelError::BadInput(format!(
+                "a cached prefix of {} tokens leaves none of the {}-token prompt to feed",
+                cache.len(),
+                prompt.len()
+            )));
+        }
+        let mut seq = Self::new(model, prompt, adapter, sampler, stop)?;
+        seq.pending.drain(..cache.len());
+        seq.cache = cache;
+        Ok(seq)
     }
 
     /// An independent copy at the same point (cache deep-copied) that
@@ -292,6 +365,7 @@ impl Sequence {
             adapter: self.adapter.clone(),
             sampler,
             stop: self.stop.clone(),
+            constraint: self.constraint.clone(),
             pending: self.pending.clone(),
             prompt_len: self.prompt_len,
             tokens: self.tokens.clone(),
@@ -299,6 +373,46 @@ impl Sequence {
             sampling_logprobs: self.sampling_logprobs.clone(),
             finished: self.finished,
         })
+    }
+
+    /// Limits the completion to one of `allowed`'s token sequences (see
+    /// the module docs). Every sequence must hold at least one token;
+    /// `max_new_tokens` still applies, so give at least the longest
+    /// sequence's length (plus one for a stop token).
+    pub fn with_constraint(mut self, allowed: Arc<TokenSequences>) -> Result<Self> {
+        if allowed.sequences().is_empty() {
+            return Err(ModelError::BadInput("no allowed completions".into()));
+        }
+        if let Some(i) = allowed.sequences().iter().position(Vec::is_empty) {
+            return Err(ModelError::BadInput(format!(
+                "allowed completion {i} ({:?}) has no tokens",
+                allowed.texts().get(i)
+            )));
+        }
+        if !self.tokens.is_empty() {
+            return Err(ModelError::BadInput(
+                "a constraint must be set before the first token".into(),
+            ));
+        }
+        self.constraint = Some(allowed);
+        Ok(self)
+    }
+
+    /// The constraint, if any.
+    pub fn constraint(&self) -> Option<&Arc<TokenSequences>> {
+        self.constraint.as_ref()
+    }
+
+    /// The tokens the constraint lets come next (`None`: unconstrained).
+    fn allowed_next(&self) -> Option<Vec<u32>> {
+        let constraint = self.constraint.as_ref()?;
+        let mut next = constraint.allowed_next(&self.tokens);
+        if constraint.completed(&self.tokens).is_some() {
+            next.extend(&self.stop.stop_token_ids);
+            next.sort_unstable();
+            next.dedup();
+        }
+        Some(next)
     }
 
     /// Length of the prompt.
@@ -346,7 +460,19 @@ impl Sequence {
         self.logprobs.push(sampled.logprob);
         self.sampling_logprobs.push(sampled.sampling_logprob);
         self.pending = vec![sampled.token];
-        self.finished = if self.stop.stop_token_ids.contains(&sampled.token) {
+        let is_stop = self.stop.stop_token_ids.contains(&sampled.token);
+        let allowed_done = self.constraint.as_ref().and_then(|c| {
+            let n = self.tokens.len();
+            match c.completed(&self.tokens) {
+                Some(i) if c.allowed_next(&self.tokens).is_empty() => Some(i),
+                // A stop token sampled where the constraint allowed it.
+                _ if is_stop => c.completed(&self.tokens[..n - 1]),
+                _ => None,
+            }
+        });
+        self.finished = if let Some(i) = allowed_done {
+            Some(FinishReason::Allowed(i))
+        } else if is_stop {
             Some(FinishReason::Stop(sampled.token))
         } else if self.tokens.len() >= self.stop.max_new_tokens {
             Some(FinishReason::Length)
@@ -419,18 +545,39 @@ pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<S
     }
     let logits = model.forward_batch(&mut items, LogitsWanted::Last)?;
     drop(items);
-    let rows: Vec<Vec<f32>> = logits.to_vec2()?;
-    let mut rows = rows.into_iter();
+    let vocab = logits.dim(1)?;
+    let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+    // Row of each running sequence in `logits`.
+    let mut rows = Vec::with_capacity(seqs.len());
+    let mut next_row = 0;
+    for seq in seqs.iter() {
+        rows.push(seq.finished.is_none().then(|| {
+            next_row += 1;
+            next_row - 1
+        }));
+    }
+    // Sampling is independent per sequence (each has its own random
+    // stream), and a pass over a large vocabulary is not free: in parallel.
+    let sampled: Vec<Option<Sampled>> = seqs
+        .par_iter_mut()
+        .zip(rows.par_iter())
+        .map(|(seq, row)| {
+            row.map(|r| {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                match seq.allowed_next() {
+                    Some(allowed) => seq.sampler.sample_among(row, &allowed),
+                    None => seq.sampler.sample(row),
+                }
+            })
+            .transpose()
+        })
+        .collect::<Result<_>>()?;
     let mut out = Vec::with_capacity(seqs.len());
-    for seq in seqs.iter_mut() {
-        if seq.finished.is_some() {
-            out.push(None);
-            continue;
-        }
-        let row = rows.next().expect("one row per running sequence");
-        let sampled = seq.sampler.sample(&row)?;
-        let finished = seq.record(sampled, limit);
-        out.push(Some(StepToken { sampled, finished }));
+    for (seq, sampled) in seqs.iter_mut().zip(sampled) {
+        out.push(sampled.map(|sampled| {
+            let finished = seq.record(sampled, limit);
+            StepToken { sampled, finished }
+        }));
     }
     Ok(out)
 }
@@ -533,6 +680,182 @@ mod tests {
         };
         let out = Sampler::new(params, 3).unwrap().sample(&logits).unwrap();
         assert_eq!((out.token, out.sampling_logprob), (0, 0.0));
+    }
+
+    /// A random model small enough for unit tests, written to a fresh folder.
+    fn random_model(label: &str) -> CausalLm {
+        let dir =
+            std::env::temp_dir().join(format!("relay-llm-generate-{label}-{}", std::process::id()));
+        let vocab = crate::TinyVocab {
+            size: 64,
+            bos_token_id: None,
+            eos_token_id: Some(2),
+            pad_token_id: Some(0),
+        };
+        let shape = crate::TinyShape {
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 2,
+            max_position_embeddings: 64,
+            ..crate::TinyShape::default()
+        };
+        crate::init::tiny_with_shape(&dir, 3, &vocab, &shape).unwrap();
+        let model = CausalLm::load_hf(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        model
+    }
+
+    #[test]
+    fn constrained_sequences_spell_an_allowed_completion_with_policy_logprobs() {
+        let model = random_model("constraint");
+        let texts = ["a", "b", "c", "d"].map(String::from).to_vec();
+        let sequences = vec![vec![5, 6, 7], vec![5, 8], vec![9], vec![9, 10, 11]];
+        let allowed = Arc::new(TokenSequences::from_sequences(texts, sequences.clone()).unwrap());
+        let stop = StopCondition {
+            max_new_tokens: 8,
+            stop_token_ids: vec![2],
+        };
+        let prompt = vec![1u32, 20, 30, 40];
+        let mut seen = std::collections::BTreeSet::new();
+        for seed in 0..40 {
+            let params = SamplingParams {
+                temperature: if seed % 4 == 0 { 0.0 } else { 1.5 },
+                ..SamplingParams::default()
+            };
+            let mut seq = Sequence::new(
+                &model,
+                prompt.clone(),
+                None,
+                Sampler::new(params, seed).unwrap(),
+                stop.clone(),
+            )
+            .unwrap()
+            .with_constraint(allowed.clone())
+            .unwrap();
+            generate(&model, &mut seq).unwrap();
+            let Some(FinishReason::Allowed(i)) = seq.finish_reason() else {
+                panic!("seed {seed}: finished with {:?}", seq.finish_reason());
+            };
+            let tokens = seq.tokens().to_vec();
+            // The completion is sequence i, or (for the prefix "c" of "d")
+            // sequence i followed by the stop token.
+            let body = tokens.strip_suffix(&[2]).unwrap_or(&tokens);
+            assert_eq!(body, &sequences[i][..], "seed {seed}");
+            if body.len() < tokens.len() {
+                assert_eq!(i, 2, "only \"c\" is a prefix of another sequence");
+            }
+            seen.insert(tokens.clone());
+            // Log-probs are those of the unconstrained policy.
+            let mut cache = model.new_cache();
+            let fed: Vec<u32> = prompt
+                .iter()
+                .chain(&tokens[..tokens.len() - 1])
+                .copied()
+                .collect();
+            let logits: Vec<Vec<f32>> = model
+                .forward_one(&fed, &mut cache, None)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+            for (k, (&token, &lp)) in tokens.iter().zip(seq.logprobs()).enumerate() {
+                let row = &logits[prompt.len() - 1 + k];
+                let want = policy_logprob(row, token as usize);
+                assert!(
+                    (lp - want).abs() < 1e-4,
+                    "seed {seed} token {k}: {lp} vs {want}"
+                );
+            }
+        }
+        assert!(
+            seen.len() >= 3,
+            "sampling explores the allowed set: {seen:?}"
+        );
+    }
+
+    #[test]
+    fn a_sequence_from_a_cached_prefix_continues_like_a_full_prefill() {
+        let model = random_model("prefix");
+        let stop = StopCondition {
+            max_new_tokens: 6,
+            stop_token_ids: vec![],
+        };
+        let first: Vec<u32> = (0..30).map(|i| (i * 7 + 3) % 60 + 3).collect();
+        let mut second = first[..24].to_vec();
+        second.extend([9, 10, 11, 12]);
+        let run = |prompt: &[u32], cache: Option<KvCache>| {
+            let mut seq = match cache {
+                Some(cache) => Sequence::with_cached_prefix(
+                    &model,
+                    prompt.to_vec(),
+                    cache,
+                    None,
+                    Sampler::greedy(),
+                    stop.clone(),
+                )
+                .unwrap(),
+                None => Sequence::new(
+                    &model,
+                    prompt.to_vec(),
+                    None,
+                    Sampler::greedy(),
+                    stop.clone(),
+                )
+                .unwrap(),
+            };
+            generate(&model, &mut seq).unwrap();
+            seq
+        };
+        let mut prefixes = crate::PrefixCache::new(4, 8);
+        let full_first = run(&first, None);
+        prefixes.insert(None, &first, full_first.cache());
+        assert_eq!(prefixes.len(), 1);
+        // Shares 24 tokens with the first prompt.
+        let cached = prefixes.lookup(None, &second).expect("a shared prefix");
+        assert_eq!(cached.len(), 24);
+        let resumed = run(&second, Some(cached));
+        let full_second = run(&second, None);
+        assert_eq!(resumed.tokens(), full_second.tokens());
+        for (a, b) in resumed.logprobs().iter().zip(full_second.logprobs()) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+        // The same prompt again: all but its last token come from the cache.
+        let again = prefixes.lookup(None, &first).unwrap();
+        assert_eq!(again.len(), first.len() - 1);
+        assert_eq!(run(&first, Some(again)).tokens(), full_first.tokens());
+        // Too short a match, or another adapter: nothing.
+        assert!(prefixes.lookup(None, &[first[0], 50, 51]).is_none());
+        let adapter = Arc::new(
+            crate::LoraAdapter::new(
+                model.config(),
+                crate::LoraConfig::all_projections(2, 4.0),
+                1,
+            )
+            .unwrap(),
+        );
+        assert!(prefixes.lookup(Some(&adapter), &first).is_none());
+    }
+
+    #[test]
+    fn a_constraint_masks_but_keeps_policy_logprobs() {
+        let logits = [3.0f32, 1.0, 0.0, -1.0];
+        let mut s = Sampler::new(SamplingParams::default(), 9).unwrap();
+        let p = softmax(&logits, 1.0);
+        for _ in 0..200 {
+            let out = s.sample_among(&logits, &[2, 3]).unwrap();
+            assert!(out.token == 2 || out.token == 3);
+            assert!((out.logprob - p[out.token as usize].ln() as f32).abs() < 1e-5);
+            let masked = softmax(&logits[2..], 1.0)[out.token as usize - 2].ln() as f32;
+            assert!((out.sampling_logprob - masked).abs() < 1e-5);
+        }
+        assert_eq!(
+            Sampler::greedy()
+                .sample_among(&logits, &[1, 3])
+                .unwrap()
+                .token,
+            1
+        );
+        assert!(s.sample_among(&logits, &[]).is_err());
+        assert!(s.sample_among(&logits, &[4]).is_err());
     }
 
     #[test]

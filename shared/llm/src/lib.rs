@@ -12,7 +12,7 @@
 //! |---|---|
 //! | [`config`] | [`ModelConfig`], [`Architecture`]: a checkpoint's shape, from `config.json` or GGUF metadata |
 //! | [`model`] | [`CausalLm`]: Qwen2/Llama weights, the KV-cached batched inference forward and the differentiable training forward |
-//! | [`cache`] | [`KvCache`]: one sequence's keys and values |
+//! | [`cache`] | [`KvCache`]: one sequence's keys and values; [`PrefixCache`]: recent prompts' caches, to skip prefilling a shared prefix |
 //! | [`lora`] | [`LoraAdapter`], [`LoraConfig`], [`LoraTarget`]: adapters kept apart from the base |
 //! | [`peft`] | adapters to and from PEFT's `adapter_config.json` + `adapter_model.safetensors` |
 //! | [`gguf`] | [`CausalLm`] from a GGUF file, quantized or dequantized |
@@ -113,7 +113,7 @@ pub mod token_batch;
 pub mod tokenizer;
 pub mod train_error;
 
-pub use cache::KvCache;
+pub use cache::{KvCache, PrefixCache};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
 pub use config::{Architecture, ModelConfig};
 pub use generate::{

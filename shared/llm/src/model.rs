@@ -10,7 +10,12 @@
 //!   (the expensive part); attention runs per sequence against its cache.
 //!   So a prefill of a new prompt can share a step with the one-token
 //!   decodes of running sequences, and nothing is padded. It uses candle's
-//!   fused kernels (softmax, RMSNorm, RoPE), which have no backward.
+//!   fused kernels (softmax, RMSNorm, RoPE), which have no backward. The
+//!   attention of one-token decodes (the steady state of generation) is
+//!   a plain Rust loop over each cache in place, sequences in parallel on
+//!   rayon: per sequence and layer it would otherwise take a dozen small
+//!   candle ops (views, RoPE, cache writes, two matmuls, softmax), whose
+//!   fixed costs dominate a batched decode step.
 //! * [`CausalLm::forward_train`] runs a right-padded `(batch, time)` block
 //!   from position 0 with no cache, built only from ops that pass
 //!   gradients, so a loss on its logits reaches the LoRA factors.
@@ -31,6 +36,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
+use rayon::prelude::*;
 
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
@@ -185,6 +191,116 @@ pub struct BatchItem<'a> {
     pub adapter: Option<&'a LoraAdapter>,
 }
 
+/// Rotary inverse frequencies as Hugging Face computes them (f32).
+fn rope_inv_freq(config: &ModelConfig) -> Vec<f32> {
+    (0..config.head_dim / 2)
+        .map(|i| {
+            1.0 / config
+                .rope_theta
+                .powf((2 * i) as f32 / config.head_dim as f32)
+        })
+        .collect()
+}
+
+/// `(cos, sin)` of one position's rotary angles (`head_dim / 2` each),
+/// the same values as the rows of [`rope_tables`].
+fn rope_at(inv_freq: &[f32], position: usize) -> (Vec<f32>, Vec<f32>) {
+    inv_freq
+        .iter()
+        .map(|f| {
+            let angle = position as f32 * f;
+            (angle.cos(), angle.sin())
+        })
+        .unzip()
+}
+
+/// Rotates each `head_dim` chunk of `x` in place ("rotate half" layout,
+/// as [`candle_nn::rotary_emb::rope`]).
+fn rope_in_place(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    for head in x.chunks_exact_mut(head_dim) {
+        let (x1, x2) = head.split_at_mut(half);
+        for i in 0..half {
+            let (a, b) = (x1[i], x2[i]);
+            x1[i] = a * cos[i] - b * sin[i];
+            x2[i] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+/// Dot product with eight independent accumulators, so it vectorizes.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// One-token decode attention of one sequence at `layer`: RoPE on its new
+/// query and key rows, the key and value appended to its cache, then every
+/// query head attends over every cached position of its key/value head.
+/// `q`: `heads * head_dim`; `k`, `v`: `kv_heads * head_dim`; returns
+/// `heads * head_dim`.
+#[allow(clippy::too_many_arguments)]
+fn decode_attention(
+    cache: &mut KvCache,
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (cos, sin): (&[f32], &[f32]),
+    heads: usize,
+    rep: usize,
+    head_dim: usize,
+) -> Vec<f32> {
+    let mut q = q.to_vec();
+    let mut k = k.to_vec();
+    rope_in_place(&mut q, head_dim, cos, sin);
+    rope_in_place(&mut k, head_dim, cos, sin);
+    cache.append_rows(layer, &k, v);
+    let row = cache.row();
+    let (keys, values) = cache.layer(layer);
+    let positions = keys.len() / row;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut out = vec![0f32; heads * head_dim];
+    let mut scores = vec![0f32; positions];
+    for h in 0..heads {
+        let group = h / rep;
+        let qh = &q[h * head_dim..(h + 1) * head_dim];
+        let mut max = f32::NEG_INFINITY;
+        for (p, score) in scores.iter_mut().enumerate() {
+            let start = p * row + group * head_dim;
+            *score = dot(qh, &keys[start..start + head_dim]) * scale;
+            max = max.max(*score);
+        }
+        let mut sum = 0f32;
+        for score in scores.iter_mut() {
+            *score = (*score - max).exp();
+            sum += *score;
+        }
+        let oh = &mut out[h * head_dim..(h + 1) * head_dim];
+        for (p, &w) in scores.iter().enumerate() {
+            let start = p * row + group * head_dim;
+            let w = w / sum;
+            for (o, &x) in oh.iter_mut().zip(&values[start..start + head_dim]) {
+                *o += w * x;
+            }
+        }
+    }
+    out
+}
+
 /// Rotary tables as Hugging Face computes them (f32 inverse frequencies,
 /// f32 angles), so logits match transformers to float precision.
 pub(crate) fn rope_tables(config: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
@@ -283,7 +399,7 @@ fn attend(
         Kernels::Fused => candle_nn::ops::softmax_last_dim(&scores)?,
         Kernels::Differentiable => candle_nn::ops::softmax(&scores, D::Minus1)?,
     };
-    Ok(probs.matmul(&v.contiguous()?)?)
+    Ok(probs.matmul(v)?)
 }
 
 fn load_projection(
@@ -517,13 +633,69 @@ impl CausalLm {
             cfg.head_dim,
         );
         let rep = cfg.kv_group_size();
+        // Rotary angles of each one-token item's position, for the decode
+        // attention (`None`: a multi-token item, attended with candle ops).
+        let inv_freq = rope_inv_freq(cfg);
+        let decode_rope: Vec<Option<(Vec<f32>, Vec<f32>)>> = items
+            .iter()
+            .zip(&spans)
+            .map(|(item, &(_, t))| (t == 1).then(|| rope_at(&inv_freq, item.cache.len())))
+            .collect();
+        let any_decode = decode_rope.iter().any(Option::is_some);
+        let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.input_norm, cfg.rms_norm_eps, Kernels::Fused)?;
             let q = block.q_proj.forward(&h, layer, &routing)?;
             let k = block.k_proj.forward(&h, layer, &routing)?;
             let v = block.v_proj.forward(&h, layer, &routing)?;
+            let decoded: Vec<Option<Vec<f32>>> = if any_decode {
+                let (qs, ks, vs) = (
+                    q.flatten_all()?.to_vec1::<f32>()?,
+                    k.flatten_all()?.to_vec1::<f32>()?,
+                    v.flatten_all()?.to_vec1::<f32>()?,
+                );
+                items
+                    .par_iter_mut()
+                    .zip(spans.par_iter())
+                    .zip(decode_rope.par_iter())
+                    .map(|((item, &(start, _)), rope)| {
+                        rope.as_ref().map(|(cos, sin)| {
+                            decode_attention(
+                                item.cache,
+                                layer,
+                                &qs[start * q_width..(start + 1) * q_width],
+                                &ks[start * kv_width..(start + 1) * kv_width],
+                                &vs[start * kv_width..(start + 1) * kv_width],
+                                (cos, sin),
+                                heads,
+                                rep,
+                                head_dim,
+                            )
+                        })
+                    })
+                    .collect()
+            } else {
+                vec![None; items.len()]
+            };
+            if decoded.iter().all(Option::is_some) {
+                let rows: Vec<f32> = decoded.into_iter().flatten().flatten().collect();
+                let attn = Tensor::from_vec(rows, (total, q_width), &device)?;
+                x = (x + block.o_proj.forward(&attn, layer, &routing)?)?;
+                let h = rms_norm(
+                    &x,
+                    &block.post_attention_norm,
+                    cfg.rms_norm_eps,
+                    Kernels::Fused,
+                )?;
+                x = (x + self.mlp(block, &h, layer, &routing)?)?;
+                continue;
+            }
             let mut outputs = Vec::with_capacity(items.len());
-            for (item, &(start, t)) in items.iter_mut().zip(&spans) {
+            for ((item, &(start, t)), decoded) in items.iter_mut().zip(&spans).zip(decoded) {
+                if let Some(row) = decoded {
+                    outputs.push(Tensor::from_vec(row, (1, q_width), &device)?);
+                    continue;
+                }
                 let offset = item.cache.len();
                 let cos = self.rope_cos.narrow(0, offset, t)?;
                 let sin = self.rope_sin.narrow(0, offset, t)?;

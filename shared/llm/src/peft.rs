@@ -156,17 +156,46 @@ pub fn load_adapter(dir: &Path, model: &ModelConfig) -> Result<LoraAdapter> {
     let config_path = dir.join(CONFIG_FILE);
     let text =
         std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+    let weights_path = dir.join(WEIGHTS_FILE);
+    let bytes = std::fs::read(&weights_path).map_err(|e| ModelError::io(&weights_path, e))?;
+    adapter_from_parts(&text, &bytes, model, &config_path, &weights_path)
+}
+
+/// Loads a PEFT LoRA adapter from the contents of its two files
+/// (`adapter_config.json` text, `adapter_model.safetensors` bytes), e.g.
+/// received over the network. Errors name the files as `<memory>/...`.
+pub fn load_adapter_from_bytes(
+    config_json: &str,
+    safetensors: &[u8],
+    model: &ModelConfig,
+) -> Result<LoraAdapter> {
+    let memory = Path::new("<memory>");
+    adapter_from_parts(
+        config_json,
+        safetensors,
+        model,
+        &memory.join(CONFIG_FILE),
+        &memory.join(WEIGHTS_FILE),
+    )
+}
+
+fn adapter_from_parts(
+    config_json: &str,
+    safetensors: &[u8],
+    model: &ModelConfig,
+    config_path: &Path,
+    weights_path: &Path,
+) -> Result<LoraAdapter> {
     let value: Value =
-        serde_json::from_str(&text).map_err(|e| ModelError::json(&config_path, e))?;
+        serde_json::from_str(config_json).map_err(|e| ModelError::json(config_path, e))?;
     let config = lora_config_from_peft_json(&value).map_err(|e| match e {
         ModelError::Config { field, reason } => {
-            ModelError::json(&config_path, format!("`{field}`: {reason}"))
+            ModelError::json(config_path, format!("`{field}`: {reason}"))
         }
         other => other,
     })?;
-    let weights_path = dir.join(WEIGHTS_FILE);
-    let tensors = candle_core::safetensors::load(&weights_path, &Device::Cpu)
-        .map_err(|e| ModelError::weights(&weights_path, e.to_string()))?;
+    let tensors = candle_core::safetensors::load_buffer(safetensors, &Device::Cpu)
+        .map_err(|e| ModelError::weights(weights_path, e.to_string()))?;
     // PEFT saves without the adapter name; accept files that kept it.
     let tensors: HashMap<String, Tensor> = tensors
         .into_iter()
@@ -174,7 +203,7 @@ pub fn load_adapter(dir: &Path, model: &ModelConfig) -> Result<LoraAdapter> {
         .collect();
     LoraAdapter::from_named_tensors(model, config, tensors).map_err(|e| match e {
         ModelError::Config { field, reason } => {
-            ModelError::weights(&weights_path, format!("`{field}`: {reason}"))
+            ModelError::weights(weights_path, format!("`{field}`: {reason}"))
         }
         other => other,
     })
@@ -216,6 +245,16 @@ impl LoraAdapter {
     /// Loads a PEFT adapter folder (see [`load_adapter`]).
     pub fn load_peft(dir: &Path, model: &ModelConfig) -> Result<Self> {
         load_adapter(dir, model)
+    }
+
+    /// Loads a PEFT adapter from its files' contents (see
+    /// [`load_adapter_from_bytes`]).
+    pub fn from_peft_bytes(
+        config_json: &str,
+        safetensors: &[u8],
+        model: &ModelConfig,
+    ) -> Result<Self> {
+        load_adapter_from_bytes(config_json, safetensors, model)
     }
 
     /// Saves as a PEFT adapter folder (see [`save_adapter`]).

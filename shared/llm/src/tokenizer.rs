@@ -533,6 +533,12 @@ impl TokenSequences {
         Ok(out)
     }
 
+    /// Token sequences given directly (e.g. a request that sends token
+    /// ids), each with its text; `texts` and `sequences` pair up by index.
+    pub fn from_sequences(texts: Vec<String>, sequences: Vec<Vec<u32>>) -> Option<Self> {
+        (texts.len() == sequences.len()).then_some(Self { texts, sequences })
+    }
+
     /// The texts, in the order given.
     pub fn texts(&self) -> &[String] {
         &self.texts

@@ -31,7 +31,8 @@ pub struct ChatMessage {
 /// What to complete.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Prompt {
-    /// Raw text, tokenized as is (no chat template).
+    /// Raw text, tokenized as is: no chat template, no special tokens added
+    /// (write a BOS token into the text if the model wants one).
     Text(String),
     /// Chat turns, rendered with the model's chat template and a generation prompt.
     Chat(Vec<ChatMessage>),
@@ -49,9 +50,11 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Keep only the `top_k` most likely tokens (0 keeps all).
     pub top_k: u32,
-    /// Most completion tokens to generate.
+    /// Most completion tokens to generate (not applied under `allowed`,
+    /// whose strings bound the length).
     pub max_tokens: u32,
-    /// Stop once the completion text contains one of these (the stop string is kept).
+    /// Stop once the completion text contains one of these (the text ends
+    /// with the stop string; not applied under `allowed`).
     pub stop: Vec<String>,
     /// Seed of this request's sampling; `None` draws one.
     pub seed: Option<u64>,
@@ -80,7 +83,11 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Constrained decoding: when not empty, the completion is exactly one of
     /// these strings (e.g. a game's legal moves), sampled token by token
-    /// among the tokens that keep it on one of them.
+    /// among the tokens that keep it on one of them (each string's tokens
+    /// are its own tokenization, without special tokens). Where one string's
+    /// tokens are a prefix of another's, the model may also end with its
+    /// end-of-sequence token there. The reply's `logprobs` stay those of
+    /// the unconstrained policy.
     pub allowed: Vec<String>,
 }
 
@@ -152,13 +159,17 @@ impl WireMessage for GenerateRequest {
 /// Why a completion ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishReason {
-    /// The model produced an end-of-sequence token (not included in the completion).
+    /// The model produced an end-of-sequence token: the last of
+    /// `completion_tokens` (with its log-prob, as the policy chose it), left
+    /// out of `text`.
     Eos,
     /// A stop string appeared.
     Stop,
-    /// `max_tokens` reached.
+    /// `max_tokens` reached, or the model's context is full.
     Length,
-    /// The completion spelled one of the allowed strings in full.
+    /// The completion spelled one of the allowed strings in full; `text`
+    /// is that string (an end-of-sequence token that ended it is the last
+    /// of `completion_tokens`).
     Allowed,
 }
 
@@ -174,7 +185,7 @@ pub struct GenerateReply {
     pub completion_tokens: Tensor,
     /// `f32 [c]`: log-probability of each completion token under the policy
     /// at temperature 1, before top-k / top-p / constraints (what the
-    /// learner's importance ratios need).
+    /// learner's importance ratios need); finite and <= 0.
     pub logprobs: Tensor,
     /// The completion decoded.
     pub text: String,
@@ -200,15 +211,22 @@ impl WireMessage for GenerateReply {
         )?;
         let c = self.completion_tokens.numel();
         tensor_check(K, "logprobs", self.logprobs.expect(DType::F32, &[Some(c)]))?;
-        // -inf is a legal log-prob (a token the unconstrained policy gives
-        // no mass); NaN and +inf are not.
+        // A sampled token always has mass under the policy, so its log-prob
+        // is finite.
         let lp = self.logprobs.to_f32().expect("checked dtype");
-        if let Some(index) = lp.iter().position(|v| v.is_nan() || *v > 0.0) {
+        if let Some(index) = lp.iter().position(|v| !v.is_finite()) {
             return Err(Rejection::Tensor {
                 kind: K,
                 field: "logprobs".into(),
                 source: crate::TensorError::NonFinite { index },
             });
+        }
+        if let Some(index) = lp.iter().position(|v| *v > 0.0) {
+            return Err(invalid(
+                K,
+                "logprobs",
+                format!("log-prob {} at {index} is positive", lp[index]),
+            ));
         }
         Ok(())
     }
@@ -388,8 +406,12 @@ impl WireMessage for GameRecord {
                 turn.logprobs.expect(DType::F32, &[Some(c)]),
             )?;
             let lp = turn.logprobs.to_f32().expect("checked dtype");
-            if lp.iter().any(|v| v.is_nan() || *v > 0.0) {
-                return Err(invalid(K, "turns.logprobs", "NaN or positive log-prob"));
+            if lp.iter().any(|v| !v.is_finite() || *v > 0.0) {
+                return Err(invalid(
+                    K,
+                    "turns.logprobs",
+                    "non-finite or positive log-prob",
+                ));
             }
             if turn.adapter.as_ref().is_some_and(|a| a.name.is_empty()) {
                 return Err(invalid(K, "turns.adapter", "empty adapter name"));

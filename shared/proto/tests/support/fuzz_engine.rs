@@ -817,11 +817,214 @@ impl Subject for LogBatch {
     }
 }
 
+fn u32_tensor(rng: &mut Rng, n: usize) -> Tensor {
+    let values: Vec<u32> = (0..n).map(|_| rng.u64() as u32 >> rng.below(32)).collect();
+    Tensor::from_u32(&[n], &values)
+}
+
+/// Log-probs: finite and <= 0.
+fn logprob_tensor(rng: &mut Rng, n: usize) -> Tensor {
+    let values: Vec<f32> = (0..n).map(|_| -rng.f32().abs()).collect();
+    Tensor::from_f32(&[n], &values)
+}
+
+fn adapter_ref(rng: &mut Rng) -> AdapterRef {
+    AdapterRef {
+        name: rng.ident(NAME, 16),
+        version: rng.bool().then(|| rng.u64_any()),
+    }
+}
+
+impl Subject for GenerateRequest {
+    fn generate(rng: &mut Rng) -> Self {
+        let prompt = match rng.below(3) {
+            0 => Prompt::Text(rng.text(80)),
+            1 => Prompt::Chat(
+                (0..rng.range(1, 4))
+                    .map(|_| ChatMessage {
+                        role: rng.pick(&["system", "user", "assistant"]).into(),
+                        content: rng.text(60),
+                    })
+                    .collect(),
+            ),
+            _ => {
+                let n = rng.range(1, 64);
+                Prompt::Tokens(u32_tensor(rng, n))
+            }
+        };
+        let sampling = SamplingParams {
+            temperature: rng.f32().abs(),
+            top_p: rng.range(1, 100) as f32 / 100.0,
+            top_k: rng.u64() as u32 >> rng.range(1, 31),
+            max_tokens: rng.range(1, MAX_GENERATE_TOKENS as usize) as u32,
+            stop: (0..rng.range(0, 3)).map(|_| rng.ident(NAME, 8)).collect(),
+            seed: rng.bool().then(|| rng.u64_any()),
+        };
+        let mut request =
+            GenerateRequest::new(rng.bool().then(|| adapter_ref(rng)), prompt, sampling);
+        request.allowed = (0..rng.range(0, 5)).map(|_| rng.ident(NAME, 6)).collect();
+        request
+    }
+    schema_setter!();
+    fn tensors(&self) -> Vec<&Tensor> {
+        match &self.prompt {
+            Prompt::Tokens(t) => vec![t],
+            _ => Vec::new(),
+        }
+    }
+    fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        match &mut self.prompt {
+            Prompt::Tokens(t) => vec![t],
+            _ => Vec::new(),
+        }
+    }
+    fn corrupt(&mut self, rng: &mut Rng) -> bool {
+        match rng.below(8) {
+            0 => self.sampling.temperature = -1.0 - rng.f32().abs(),
+            1 => self.sampling.top_p = rng.pick(&[0.0, 1.5, f32::NAN, -0.5]),
+            2 => self.sampling.max_tokens = rng.pick(&[0, MAX_GENERATE_TOKENS + 1, u32::MAX]),
+            3 => self.sampling.stop.push(String::new()),
+            4 => self.allowed.push(String::new()),
+            5 => {
+                self.adapter = Some(AdapterRef {
+                    name: String::new(),
+                    version: None,
+                })
+            }
+            6 => self.prompt = Prompt::Chat(Vec::new()),
+            _ => self.prompt = Prompt::Tokens(Tensor::from_u32(&[0], &[])),
+        }
+        true
+    }
+}
+
+impl Subject for GenerateReply {
+    fn generate(rng: &mut Rng) -> Self {
+        let p = rng.range(0, 64);
+        let c = rng.range(0, 32);
+        GenerateReply {
+            schema: SCHEMA_VERSION,
+            adapter: rng.bool().then(|| adapter_ref(rng)),
+            prompt_tokens: u32_tensor(rng, p),
+            completion_tokens: u32_tensor(rng, c),
+            logprobs: logprob_tensor(rng, c),
+            text: rng.text(40),
+            finish: rng.pick(&[
+                FinishReason::Eos,
+                FinishReason::Stop,
+                FinishReason::Length,
+                FinishReason::Allowed,
+            ]),
+        }
+    }
+    schema_setter!();
+    fn tensors(&self) -> Vec<&Tensor> {
+        vec![&self.prompt_tokens, &self.completion_tokens, &self.logprobs]
+    }
+    fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        vec![
+            &mut self.prompt_tokens,
+            &mut self.completion_tokens,
+            &mut self.logprobs,
+        ]
+    }
+    fn corrupt(&mut self, rng: &mut Rng) -> bool {
+        let c = self.completion_tokens.numel();
+        match rng.below(3) {
+            0 => self.logprobs = logprob_tensor(rng, c + 1),
+            1 => self.completion_tokens.dtype = DType::F32,
+            _ => {
+                let mut values = self.logprobs.to_f32().unwrap();
+                values.push(0.5 + rng.f32().abs());
+                self.logprobs = Tensor::from_f32(&[c + 1], &values);
+                self.completion_tokens = u32_tensor(rng, c + 1);
+            }
+        }
+        true
+    }
+}
+
+impl Subject for AdapterUpdate {
+    fn generate(rng: &mut Rng) -> Self {
+        let payload = if rng.bool() {
+            let n = rng.range(1, 256);
+            AdapterPayload::Inline {
+                config_json: format!("{{\"r\": {}}}", rng.range(1, 64)),
+                safetensors: rng.bytes(n),
+            }
+        } else {
+            AdapterPayload::ObjectStore {
+                bucket: rng.ident(SERVICE, 16),
+                key: rng.ident(NAME, 24),
+            }
+        };
+        AdapterUpdate {
+            schema: SCHEMA_VERSION,
+            name: rng.ident(NAME, 16),
+            version: rng.u64_any(),
+            learner_env_steps: rng.u64_any(),
+            payload,
+        }
+    }
+    schema_setter!();
+    fn corrupt(&mut self, rng: &mut Rng) -> bool {
+        match rng.below(3) {
+            0 => self.name.clear(),
+            1 => {
+                self.payload = AdapterPayload::Inline {
+                    config_json: String::new(),
+                    safetensors: rng.bytes(4),
+                }
+            }
+            _ => {
+                self.payload = AdapterPayload::ObjectStore {
+                    bucket: String::new(),
+                    key: "k".into(),
+                }
+            }
+        }
+        true
+    }
+}
+
 // ---------------------------------------------------------- MessagePack bits
 
 /// Every field name of the protocol, for MessagePack-shaped garbage.
 const KEYS: &[&str] = &[
     "schema",
+    "adapter",
+    "prompt",
+    "sampling",
+    "allowed",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "stop",
+    "seed",
+    "prompt_tokens",
+    "completion_tokens",
+    "text",
+    "finish",
+    "payload",
+    "Inline",
+    "ObjectStore",
+    "config_json",
+    "safetensors",
+    "bucket",
+    "key",
+    "Text",
+    "Chat",
+    "Tokens",
+    "role",
+    "content",
+    "seats",
+    "turns",
+    "player",
+    "action",
+    "invalid",
+    "reasons",
+    "duration_ms",
     "obs",
     "deterministic",
     "policy_version",
@@ -1458,14 +1661,23 @@ pub const SUBJECTS: &[(&str, Runner)] = &[
     ("ScaleRequest", fuzz::<ScaleRequest>),
     ("ScaleReply", fuzz::<ScaleReply>),
     ("LogBatch", fuzz::<LogBatch>),
+    ("GenerateRequest", fuzz::<GenerateRequest>),
+    ("GenerateReply", fuzz::<GenerateReply>),
+    ("AdapterUpdate", fuzz::<AdapterUpdate>),
     ("GameRecord", fuzz::<GameRecord>),
 ];
 
-/// The `KIND`s declared with `wire_message!` in `messages.rs`.
+/// The `KIND`s declared with `wire_message!` in `messages.rs` and with
+/// `const KIND` in `llm.rs`.
 pub fn declared_kinds() -> Vec<String> {
-    include_str!("../../src/messages.rs")
+    let messages = include_str!("../../src/messages.rs")
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("wire_message!("))
+        .filter_map(|l| l.trim().strip_prefix("wire_message!("));
+    let llm = include_str!("../../src/llm.rs")
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("const KIND: &'static str ="));
+    messages
+        .chain(llm)
         .filter_map(|rest| rest.split('"').nth(1))
         .filter(|kind| !kind.is_empty())
         .map(str::to_string)

@@ -1,0 +1,309 @@
+//! The adapters one base model serves: where every known (name, version)
+//! comes from, and an LRU of the ones loaded.
+//!
+//! Sources are the folders of `llm.adapters` (version 0 of their name) and
+//! every [`AdapterUpdate`] heard on `relay.<run>.adapters`: inline bytes
+//! (kept, so an evicted version reloads from them) or files in the
+//! JetStream object store (fetched again on reload). A request names an
+//! adapter and optionally a version (`None`: the newest known); at most
+//! `llm.max_adapters` versions stay loaded, the least recently used one
+//! dropped past it. Sequences already decoding keep their adapter (an
+//! `Arc`) until they finish, whatever the LRU does.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use relay_llm::{LoraAdapter, ModelConfig};
+use relay_proto::{AdapterPayload, AdapterRef, AdapterUpdate};
+use tokio::io::AsyncReadExt;
+
+use super::metrics::LlmMetrics;
+
+/// Versions of one name whose sources are kept (older ones are forgotten).
+pub(crate) const VERSIONS_KEPT: usize = 16;
+
+/// Why an adapter could not be served.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AdapterError {
+    #[error("unknown adapter {name:?} (known: {known})")]
+    UnknownName { name: String, known: String },
+    #[error("adapter {name:?} has no version {version} (known: {known})")]
+    UnknownVersion {
+        name: String,
+        version: u64,
+        known: String,
+    },
+    #[error("adapter {name:?} version {version}: {detail}")]
+    Load {
+        name: String,
+        version: u64,
+        detail: String,
+    },
+}
+
+impl AdapterError {
+    /// The NATS service error code: 404 for what is not known, 500 for a
+    /// known adapter that failed to load.
+    pub(crate) fn code(&self) -> usize {
+        match self {
+            Self::UnknownName { .. } | Self::UnknownVersion { .. } => 404,
+            Self::Load { .. } => 500,
+        }
+    }
+}
+
+/// Where an adapter version's files are.
+#[derive(Debug, Clone)]
+enum Source {
+    Folder(PathBuf),
+    Inline {
+        config_json: Arc<str>,
+        safetensors: Arc<[u8]>,
+    },
+    ObjectStore {
+        bucket: String,
+        key: String,
+    },
+}
+
+struct Loaded {
+    name: String,
+    version: u64,
+    adapter: Arc<LoraAdapter>,
+    last_used: u64,
+}
+
+struct Inner {
+    known: BTreeMap<String, BTreeMap<u64, Source>>,
+    loaded: Vec<Loaded>,
+    clock: u64,
+}
+
+/// The adapter registry; share it in an `Arc`.
+pub(crate) struct AdapterStore {
+    inner: tokio::sync::Mutex<Inner>,
+    model: ModelConfig,
+    max_loaded: usize,
+    jetstream: async_nats::jetstream::Context,
+    metrics: LlmMetrics,
+}
+
+impl AdapterStore {
+    pub(crate) fn new(
+        model: ModelConfig,
+        max_loaded: usize,
+        nats: async_nats::Client,
+        metrics: LlmMetrics,
+    ) -> Self {
+        Self {
+            inner: tokio::sync::Mutex::new(Inner {
+                known: BTreeMap::new(),
+                loaded: Vec::new(),
+                clock: 0,
+            }),
+            model,
+            max_loaded,
+            jetstream: async_nats::jetstream::new(nats),
+            metrics,
+        }
+    }
+
+    /// Adds a fixed adapter folder as version 0 of `name`, loading it now so
+    /// a bad path fails at start.
+    pub(crate) async fn add_folder(&self, name: &str, dir: PathBuf) -> Result<(), AdapterError> {
+        self.add(name, 0, Source::Folder(dir)).await
+    }
+
+    /// Adds a published version (loading it now: a bad one is refused and
+    /// the versions already known stay).
+    pub(crate) async fn add_update(&self, update: AdapterUpdate) -> Result<(), AdapterError> {
+        let source = match update.payload {
+            AdapterPayload::Inline {
+                config_json,
+                safetensors,
+            } => Source::Inline {
+                config_json: config_json.into(),
+                safetensors: safetensors.into(),
+            },
+            AdapterPayload::ObjectStore { bucket, key } => Source::ObjectStore { bucket, key },
+        };
+        self.add(&update.name, update.version, source).await
+    }
+
+    async fn add(&self, name: &str, version: u64, source: Source) -> Result<(), AdapterError> {
+        let adapter = self.load(name, version, &source).await?;
+        let mut guard = self.inner.lock().await;
+        let inner = &mut *guard;
+        // A re-published version replaces the old bytes.
+        inner
+            .loaded
+            .retain(|l| !(l.name == name && l.version == version));
+        let versions = inner.known.entry(name.to_string()).or_default();
+        versions.insert(version, source);
+        while versions.len() > VERSIONS_KEPT {
+            let oldest = *versions.keys().next().expect("non-empty");
+            versions.remove(&oldest);
+            inner
+                .loaded
+                .retain(|l| !(l.name == name && l.version == oldest));
+        }
+        self.insert(inner, name, version, adapter);
+        Ok(())
+    }
+
+    /// The adapter a request asks for, loading it if needed; returns the
+    /// reference with the version used.
+    pub(crate) async fn resolve(
+        &self,
+        wanted: &AdapterRef,
+    ) -> Result<(AdapterRef, Arc<LoraAdapter>), AdapterError> {
+        let mut guard = self.inner.lock().await;
+        let inner = &mut *guard;
+        let Some(versions) = inner.known.get(&wanted.name) else {
+            let known: Vec<&str> = inner.known.keys().map(String::as_str).collect();
+            return Err(AdapterError::UnknownName {
+                name: wanted.name.clone(),
+                known: if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                },
+            });
+        };
+        let version = match wanted.version {
+            Some(v) => v,
+            None => *versions
+                .keys()
+                .next_back()
+                .expect("a known name has versions"),
+        };
+        let Some(source) = versions.get(&version).cloned() else {
+            let known: Vec<String> = versions.keys().map(u64::to_string).collect();
+            return Err(AdapterError::UnknownVersion {
+                name: wanted.name.clone(),
+                version,
+                known: known.join(", "),
+            });
+        };
+        let used = AdapterRef {
+            name: wanted.name.clone(),
+            version: Some(version),
+        };
+        inner.clock += 1;
+        let now = inner.clock;
+        if let Some(hit) = inner
+            .loaded
+            .iter_mut()
+            .find(|l| l.name == wanted.name && l.version == version)
+        {
+            hit.last_used = now;
+            return Ok((used, hit.adapter.clone()));
+        }
+        // Loads hold the lock: concurrent requests for the same evicted
+        // version then load it once.
+        let adapter = self.load(&wanted.name, version, &source).await?;
+        self.insert(inner, &wanted.name, version, adapter.clone());
+        Ok((used, adapter))
+    }
+
+    fn insert(&self, inner: &mut Inner, name: &str, version: u64, adapter: Arc<LoraAdapter>) {
+        inner.clock += 1;
+        let now = inner.clock;
+        inner.loaded.push(Loaded {
+            name: name.to_string(),
+            version,
+            adapter,
+            last_used: now,
+        });
+        while inner.loaded.len() > self.max_loaded {
+            let lru = inner
+                .loaded
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, l)| l.last_used)
+                .map(|(i, _)| i)
+                .expect("non-empty");
+            let evicted = inner.loaded.swap_remove(lru);
+            tracing::debug!(
+                name = evicted.name,
+                version = evicted.version,
+                "adapter evicted"
+            );
+            self.metrics.adapter_evictions.inc();
+        }
+        self.metrics.adapters_loaded.set(inner.loaded.len() as i64);
+    }
+
+    async fn load(
+        &self,
+        name: &str,
+        version: u64,
+        source: &Source,
+    ) -> Result<Arc<LoraAdapter>, AdapterError> {
+        let fail = |detail: String| AdapterError::Load {
+            name: name.to_string(),
+            version,
+            detail,
+        };
+        let model = self.model.clone();
+        let adapter = match source {
+            Source::Folder(dir) => {
+                let dir = dir.clone();
+                tokio::task::spawn_blocking(move || LoraAdapter::load_peft(&dir, &model))
+                    .await
+                    .map_err(|e| fail(e.to_string()))?
+            }
+            Source::Inline {
+                config_json,
+                safetensors,
+            } => {
+                let (config_json, safetensors) = (config_json.clone(), safetensors.clone());
+                tokio::task::spawn_blocking(move || {
+                    LoraAdapter::from_peft_bytes(&config_json, &safetensors, &model)
+                })
+                .await
+                .map_err(|e| fail(e.to_string()))?
+            }
+            Source::ObjectStore { bucket, key } => {
+                let config = self
+                    .fetch(bucket, &format!("{key}/{}", relay_llm::peft::CONFIG_FILE))
+                    .await
+                    .map_err(&fail)?;
+                let weights = self
+                    .fetch(bucket, &format!("{key}/{}", relay_llm::peft::WEIGHTS_FILE))
+                    .await
+                    .map_err(&fail)?;
+                let config = String::from_utf8(config)
+                    .map_err(|_| fail(format!("{key}/adapter_config.json is not UTF-8")))?;
+                tokio::task::spawn_blocking(move || {
+                    LoraAdapter::from_peft_bytes(&config, &weights, &model)
+                })
+                .await
+                .map_err(|e| fail(e.to_string()))?
+            }
+        }
+        .map_err(|e| fail(e.to_string()))?;
+        self.metrics.adapter_loads.inc();
+        Ok(Arc::new(adapter))
+    }
+
+    /// One object's bytes from the JetStream object store.
+    async fn fetch(&self, bucket: &str, object: &str) -> Result<Vec<u8>, String> {
+        let store = self
+            .jetstream
+            .get_object_store(bucket)
+            .await
+            .map_err(|e| format!("object store bucket {bucket:?}: {e}"))?;
+        let mut reader = store
+            .get(object)
+            .await
+            .map_err(|e| format!("object {bucket}/{object}: {e}"))?;
+        let mut bytes = Vec::new();
+        reader
+            .read_to_end(&mut bytes)
+            .await
+            .map_err(|e| format!("reading object {bucket}/{object}: {e}"))?;
+        Ok(bytes)
+    }
+}

@@ -1,0 +1,334 @@
+//! The decode loop: one OS thread owns the model and runs continuous
+//! batching over every admitted request.
+//!
+//! Each turn of the loop takes the requests that arrived, admits waiting
+//! ones while fewer than `llm.max_sequences` run, advances every running
+//! sequence by one token in one batched forward (a new request's prompt is
+//! prefilled in the same forward as the others' one-token decodes), checks
+//! each completion's stop strings on its incrementally decoded text, and
+//! replies to the finished ones, which leave the batch. A prompt that
+//! shares a long prefix with a recent one starts from a copy of that
+//! prefix's cache (`llm.prefix_cache`). The loop blocks
+//! only when nothing runs or waits; it ends once the job channel is closed
+//! and the last running sequence has finished.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
+use std::time::Instant;
+
+use relay_llm::{
+    step, CausalLm, FinishReason as LlmFinish, IncrementalDecoder, LoraAdapter, PrefixCache,
+    Sampler, SamplingParams, Sequence, StopCondition, TokenSequences, Tokenizer,
+};
+use relay_proto::{AdapterRef, FinishReason, GenerateReply, Tensor, SCHEMA_VERSION};
+
+use super::metrics::LlmMetrics;
+
+/// Why a job got no completion; carries the NATS service error code.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub(crate) struct JobError {
+    /// NATS micro service error code (400 bad request, 500 failure).
+    pub code: usize,
+    pub message: String,
+}
+
+/// One request, tokenized and resolved, as the decode thread takes it.
+pub(crate) struct Job {
+    /// The prompt's token ids (non-empty, inside the vocabulary, leaving
+    /// room for at least one token in the context).
+    pub prompt: Vec<u32>,
+    /// The adapter with the version resolved, or the base model.
+    pub adapter: Option<(AdapterRef, Arc<LoraAdapter>)>,
+    pub sampling: SamplingParams,
+    pub seed: u64,
+    /// Most completion tokens.
+    pub max_tokens: usize,
+    /// Stop strings (ignored under a constraint).
+    pub stop: Vec<String>,
+    /// Constrained decoding to these completions.
+    pub allowed: Option<Arc<TokenSequences>>,
+    /// When the request arrived (latency and time to first token).
+    pub received: Instant,
+    pub reply: tokio::sync::oneshot::Sender<Result<GenerateReply, JobError>>,
+}
+
+/// A job being decoded.
+struct Running {
+    seq: Sequence,
+    adapter: Option<AdapterRef>,
+    prompt: Vec<u32>,
+    stop: Vec<String>,
+    longest_stop: usize,
+    decoder: IncrementalDecoder,
+    received: Instant,
+    first_token: bool,
+    reply: tokio::sync::oneshot::Sender<Result<GenerateReply, JobError>>,
+}
+
+/// Everything the loop needs besides the jobs.
+pub(crate) struct Engine {
+    pub model: CausalLm,
+    pub tokenizer: Arc<Tokenizer>,
+    /// Tokens that end a completion (`FinishReason::Eos`).
+    pub stop_token_ids: Vec<u32>,
+    pub max_sequences: usize,
+    /// Prompts whose caches are kept (`llm.prefix_cache`).
+    pub prefix_cache: usize,
+    pub metrics: LlmMetrics,
+}
+
+/// Shortest shared prefix worth a copy of a cached prompt.
+const MIN_PREFIX_TOKENS: usize = 16;
+
+impl Engine {
+    /// Runs until `jobs` is closed and every admitted job has been answered.
+    pub(crate) fn run(self, jobs: Receiver<Job>) {
+        let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut running: Vec<Running> = Vec::with_capacity(self.max_sequences);
+        let mut open = true;
+        let mut rate = TokenRate::new();
+        let mut prefixes = PrefixCache::new(self.prefix_cache, MIN_PREFIX_TOKENS);
+        loop {
+            if running.is_empty() && waiting.is_empty() {
+                if !open {
+                    break;
+                }
+                self.metrics.tokens_per_second.set(0.0);
+                match jobs.recv() {
+                    Ok(job) => waiting.push_back(job),
+                    Err(_) => break,
+                }
+                rate = TokenRate::new();
+            }
+            while open {
+                match jobs.try_recv() {
+                    Ok(job) => waiting.push_back(job),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            while running.len() < self.max_sequences {
+                let Some(job) = waiting.pop_front() else {
+                    break;
+                };
+                // The requester timed out or went away: skip the work.
+                if job.reply.is_closed() {
+                    continue;
+                }
+                if let Some(r) = self.admit(job, &mut prefixes) {
+                    running.push(r);
+                }
+            }
+            self.metrics.queue_depth.set(waiting.len() as i64);
+            if running.is_empty() {
+                continue;
+            }
+            self.metrics
+                .sequences_per_step
+                .observe(running.len() as f64);
+            let result = {
+                let mut refs: Vec<&mut Sequence> = running.iter_mut().map(|r| &mut r.seq).collect();
+                step(&self.model, &mut refs)
+            };
+            let tokens = match result {
+                Ok(tokens) => tokens,
+                Err(e) => {
+                    tracing::error!(error = %e, sequences = running.len(), "decode step failed");
+                    for r in running.drain(..) {
+                        let _ = r.reply.send(Err(JobError {
+                            code: 500,
+                            message: format!("decode step failed: {e}"),
+                        }));
+                    }
+                    continue;
+                }
+            };
+            let now = Instant::now();
+            let mut generated = 0u64;
+            let mut done = Vec::new();
+            for (i, (r, token)) in running.iter_mut().zip(tokens).enumerate() {
+                let Some(token) = token else {
+                    // Context already full before this step.
+                    done.push((i, FinishReason::Length, None));
+                    continue;
+                };
+                generated += 1;
+                if !r.first_token {
+                    r.first_token = true;
+                    self.metrics
+                        .time_to_first_token
+                        .observe((now - r.received).as_secs_f64());
+                    // Its prompt is now in its cache.
+                    prefixes.insert(r.seq.adapter(), &r.prompt, r.seq.cache());
+                }
+                if let Some(finish) = self.after_token(r, token.sampled.token, token.finished) {
+                    done.push((i, finish.0, finish.1));
+                }
+            }
+            self.metrics.generated_tokens.inc_by(generated);
+            if let Some(per_second) = rate.add(generated, now) {
+                self.metrics.tokens_per_second.set(per_second);
+            }
+            for (i, finish, text) in done.into_iter().rev() {
+                let r = running.swap_remove(i);
+                self.finish(r, finish, text);
+            }
+        }
+        self.metrics.queue_depth.set(0);
+    }
+
+    /// Starts a job's sequence; on a bad job replies with the error.
+    fn admit(&self, job: Job, prefixes: &mut PrefixCache) -> Option<Running> {
+        let longest_stop = job.stop.iter().map(String::len).max().unwrap_or(0);
+        let built = Sampler::new(job.sampling.clone(), job.seed)
+            .and_then(|sampler| {
+                let max_new_tokens = match &job.allowed {
+                    // The constraint bounds the length: its longest
+                    // sequence, plus a stop token after a prefix.
+                    Some(allowed) => {
+                        allowed.sequences().iter().map(Vec::len).max().unwrap_or(0) + 1
+                    }
+                    None => job.max_tokens,
+                };
+                let adapter = job.adapter.as_ref().map(|(_, a)| a.clone());
+                let stop = StopCondition {
+                    max_new_tokens,
+                    stop_token_ids: self.stop_token_ids.clone(),
+                };
+                match prefixes.lookup(adapter.as_ref(), &job.prompt) {
+                    Some(cache) => Sequence::with_cached_prefix(
+                        &self.model,
+                        job.prompt.clone(),
+                        cache,
+                        adapter,
+                        sampler,
+                        stop,
+                    ),
+                    None => Sequence::new(&self.model, job.prompt.clone(), adapter, sampler, stop),
+                }
+            })
+            .and_then(|seq| match &job.allowed {
+                Some(allowed) => seq.with_constraint(allowed.clone()),
+                None => Ok(seq),
+            });
+        match built {
+            Ok(seq) => Some(Running {
+                seq,
+                adapter: job.adapter.map(|(r, _)| r),
+                prompt: job.prompt,
+                stop: if job.allowed.is_some() {
+                    Vec::new()
+                } else {
+                    job.stop
+                },
+                longest_stop,
+                decoder: IncrementalDecoder::new(true),
+                received: job.received,
+                first_token: false,
+                reply: job.reply,
+            }),
+            Err(e) => {
+                let _ = job.reply.send(Err(JobError {
+                    code: 400,
+                    message: e.to_string(),
+                }));
+                None
+            }
+        }
+    }
+
+    /// Decodes the new token and decides whether the completion ends:
+    /// `Some((reason, text override))`.
+    fn after_token(
+        &self,
+        r: &mut Running,
+        token: u32,
+        finished: Option<LlmFinish>,
+    ) -> Option<(FinishReason, Option<String>)> {
+        let before = r.decoder.text().len();
+        if let Err(e) = r.decoder.push(&self.tokenizer, token) {
+            tracing::warn!(error = %e, token, "decoding a completion token failed");
+        }
+        if let Some(finished) = finished {
+            return Some(match finished {
+                LlmFinish::Stop(_) => (FinishReason::Eos, None),
+                LlmFinish::Length | LlmFinish::ContextFull => (FinishReason::Length, None),
+                LlmFinish::Allowed(i) => (
+                    FinishReason::Allowed,
+                    r.seq.constraint().and_then(|c| c.texts().get(i).cloned()),
+                ),
+            });
+        }
+        if r.stop.is_empty() {
+            return None;
+        }
+        // Only the tail can hold a new match: what a stop string could
+        // span across the previous text and the new piece.
+        let text = r.decoder.text();
+        let mut from = before.saturating_sub(r.longest_stop.saturating_sub(1));
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let end = r
+            .stop
+            .iter()
+            .filter_map(|s| text[from..].find(s.as_str()).map(|p| from + p + s.len()))
+            .min()?;
+        Some((FinishReason::Stop, Some(text[..end].to_string())))
+    }
+
+    fn finish(&self, mut r: Running, finish: FinishReason, text: Option<String>) {
+        let text = match text {
+            Some(text) => text,
+            None => {
+                let _ = r.decoder.finish(&self.tokenizer);
+                r.decoder.text().to_string()
+            }
+        };
+        let tokens = r.seq.tokens();
+        let reply = GenerateReply {
+            schema: SCHEMA_VERSION,
+            adapter: r.adapter,
+            prompt_tokens: Tensor::from_u32(&[r.prompt.len()], &r.prompt),
+            completion_tokens: Tensor::from_u32(&[tokens.len()], tokens),
+            logprobs: Tensor::from_f32(&[tokens.len()], r.seq.logprobs()),
+            text,
+            finish,
+        };
+        self.metrics
+            .request_seconds
+            .observe(r.received.elapsed().as_secs_f64());
+        self.metrics.requests.inc();
+        let _ = r.reply.send(Ok(reply));
+    }
+}
+
+/// Generated tokens per second over windows of at least one second.
+struct TokenRate {
+    since: Instant,
+    tokens: u64,
+}
+
+impl TokenRate {
+    fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            tokens: 0,
+        }
+    }
+
+    /// Adds tokens; returns the rate when a window closes.
+    fn add(&mut self, tokens: u64, now: Instant) -> Option<f64> {
+        self.tokens += tokens;
+        let elapsed = (now - self.since).as_secs_f64();
+        if elapsed < 1.0 {
+            return None;
+        }
+        let rate = self.tokens as f64 / elapsed;
+        self.since = now;
+        self.tokens = 0;
+        Some(rate)
+    }
+}

@@ -1,0 +1,389 @@
+//! The `generate` endpoint: LLM completions for the text games.
+//!
+//! | module | owns |
+//! |---|---|
+//! | this one | loading the model (`llm.model`), the endpoint: decoding, tokenizing and checking each [`GenerateRequest`], resolving its adapter, handing it to the decode thread and replying |
+//! | [`engine`] | the decode thread: continuous batching, stop strings, replies |
+//! | [`adapters`] | adapter sources and the LRU of loaded ones |
+//! | [`metrics`] | the endpoint's metrics |
+//!
+//! Requests are handled concurrently (one task each) up to the point where
+//! they join the decode thread's queue, so tokenizing a prompt never waits
+//! for a decode step, and a decode step never waits for NATS.
+
+pub(crate) mod adapters;
+pub(crate) mod engine;
+pub(crate) mod metrics;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::StreamExt;
+use relay_kit::config::GgufBaseName;
+use relay_kit::{Service, ServiceError};
+use relay_llm::{CausalLm, GgufBase, TokenSequences, Tokenizer};
+use relay_proto::{AdapterUpdate, GenerateRequest, Prompt, Rejection};
+
+use adapters::AdapterStore;
+use engine::{Engine, Job, JobError};
+use metrics::LlmMetrics;
+
+/// A loaded base model and its tokenizer.
+pub struct LoadedModel {
+    pub model: CausalLm,
+    pub tokenizer: Tokenizer,
+    /// What `llm.model` resolved to.
+    pub path: PathBuf,
+}
+
+/// Why `llm.model` could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("llm.model: {0}")]
+    Find(#[from] relay_llm::FindGgufError),
+    #[error("llm.model {path}: {detail}")]
+    Load { path: PathBuf, detail: String },
+}
+
+/// Loads `llm.model`: `smollm2`, a `.gguf` file, or a Hugging Face folder.
+pub fn load_model(model: &str, gguf_base: GgufBaseName) -> Result<LoadedModel, LoadError> {
+    let path = if model == "smollm2" {
+        relay_llm::find_smollm2_gguf()?
+    } else {
+        PathBuf::from(model)
+    };
+    let fail = |detail: String| LoadError::Load {
+        path: path.clone(),
+        detail,
+    };
+    let is_gguf = path.extension().is_some_and(|e| e == "gguf");
+    if is_gguf {
+        let base = match gguf_base {
+            GgufBaseName::Quantized => GgufBase::Quantized,
+            GgufBaseName::Dequantized => GgufBase::Dequantized,
+        };
+        let model = CausalLm::load_gguf(&path, base).map_err(|e| fail(e.to_string()))?;
+        let tokenizer = Tokenizer::from_gguf(&path).map_err(|e| fail(e.to_string()))?;
+        Ok(LoadedModel {
+            model,
+            tokenizer,
+            path,
+        })
+    } else if path.join("config.json").is_file() {
+        let model = CausalLm::load_hf(&path).map_err(|e| fail(e.to_string()))?;
+        let tokenizer = Tokenizer::from_hf_dir(&path).map_err(|e| fail(e.to_string()))?;
+        Ok(LoadedModel {
+            model,
+            tokenizer,
+            path,
+        })
+    } else {
+        Err(fail(
+            "neither a .gguf file nor a folder with config.json (give a Hugging Face folder, e.g. from `relay model init tiny`, a .gguf file, or `smollm2`)".into(),
+        ))
+    }
+}
+
+fn service_error(code: usize, status: impl Into<String>) -> async_nats::service::error::Error {
+    async_nats::service::error::Error {
+        status: status.into(),
+        code,
+    }
+}
+
+/// What a request handler needs; shared by every handler task.
+struct Frontend {
+    service: Service,
+    tokenizer: Arc<Tokenizer>,
+    vocab_size: usize,
+    context: usize,
+    adapters: Arc<AdapterStore>,
+    jobs: std::sync::Mutex<Option<std::sync::mpsc::Sender<Job>>>,
+    seeds: std::sync::atomic::AtomicU64,
+}
+
+impl Frontend {
+    fn bad(&self, field: &'static str, detail: impl Into<String>) -> JobError {
+        let rejection = Rejection::Invalid {
+            kind: "GenerateRequest",
+            field,
+            detail: detail.into(),
+        };
+        self.service.intake.reject("generate", &rejection);
+        JobError {
+            code: 400,
+            message: rejection.to_string(),
+        }
+    }
+
+    fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, JobError> {
+        let ids = match prompt {
+            Prompt::Text(text) => self.tokenizer.encode(text, false),
+            Prompt::Chat(turns) => {
+                let messages: Vec<relay_llm::ChatMessage> = turns
+                    .iter()
+                    .map(|t| relay_llm::ChatMessage {
+                        role: t.role.clone(),
+                        content: t.content.clone(),
+                    })
+                    .collect();
+                self.tokenizer.encode_chat(&messages, true)
+            }
+            Prompt::Tokens(t) => Ok(t.to_u32().expect("validated on decode")),
+        }
+        .map_err(|e| self.bad("prompt", e.to_string()))?;
+        if ids.is_empty() {
+            return Err(self.bad("prompt", "tokenizes to no tokens"));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(self.bad(
+                "prompt",
+                format!(
+                    "token {bad} is outside the vocabulary of {}",
+                    self.vocab_size
+                ),
+            ));
+        }
+        if ids.len() >= self.context {
+            return Err(self.bad(
+                "prompt",
+                format!(
+                    "{} tokens leave no room in the model's context of {}",
+                    ids.len(),
+                    self.context
+                ),
+            ));
+        }
+        Ok(ids)
+    }
+
+    /// Decodes and checks a request, resolves its adapter, and waits for
+    /// the decode thread's answer.
+    async fn handle(&self, payload: &[u8]) -> Result<Vec<u8>, JobError> {
+        let received = Instant::now();
+        let request: GenerateRequest =
+            self.service
+                .intake
+                .decode("generate", payload)
+                .map_err(|rejection| JobError {
+                    code: 400,
+                    message: rejection.to_string(),
+                })?;
+        let prompt = self.prompt_ids(&request.prompt)?;
+        let allowed = if request.allowed.is_empty() {
+            None
+        } else {
+            let sequences = TokenSequences::new(&self.tokenizer, &request.allowed)
+                .map_err(|e| self.bad("allowed", e.to_string()))?;
+            for (text, ids) in sequences.texts().iter().zip(sequences.sequences()) {
+                if ids.is_empty() {
+                    return Err(self.bad("allowed", format!("{text:?} tokenizes to no tokens")));
+                }
+            }
+            let longest = sequences
+                .sequences()
+                .iter()
+                .map(Vec::len)
+                .max()
+                .unwrap_or(0);
+            if prompt.len() + longest + 1 > self.context {
+                return Err(self.bad(
+                    "allowed",
+                    format!(
+                        "a completion of {longest} tokens after {} prompt tokens does not fit the context of {}",
+                        prompt.len(),
+                        self.context
+                    ),
+                ));
+            }
+            Some(Arc::new(sequences))
+        };
+        let adapter = match &request.adapter {
+            Some(wanted) => Some(self.adapters.resolve(wanted).await.map_err(|e| {
+                if e.code() == 404 {
+                    tracing::warn!(error = %e, "generate request for an unknown adapter");
+                }
+                JobError {
+                    code: e.code(),
+                    message: e.to_string(),
+                }
+            })?),
+            None => None,
+        };
+        let s = &request.sampling;
+        let seed = s.seed.unwrap_or_else(|| {
+            self.seeds
+                .fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed)
+        });
+        let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
+        let job = Job {
+            prompt,
+            adapter,
+            sampling: relay_llm::SamplingParams {
+                temperature: s.temperature,
+                top_k: s.top_k as usize,
+                top_p: s.top_p,
+            },
+            seed,
+            max_tokens: s.max_tokens as usize,
+            stop: s.stop.clone(),
+            allowed,
+            received,
+            reply: reply_tx,
+        };
+        let sent = match &*self.jobs.lock().expect("jobs lock") {
+            Some(jobs) => jobs.send(job).is_ok(),
+            None => false,
+        };
+        if !sent {
+            return Err(JobError {
+                code: 503,
+                message: "the inference server is stopping".into(),
+            });
+        }
+        let reply = reply_rx.await.map_err(|_| JobError {
+            code: 500,
+            message: "the decode thread stopped".into(),
+        })??;
+        Ok(relay_proto::encode(&reply))
+    }
+}
+
+/// Serves `generate` until shutdown, then lets running completions finish.
+pub(crate) async fn serve(
+    service: Service,
+    micro: &async_nats::service::Service,
+    metrics: LlmMetrics,
+) -> Result<(), ServiceError> {
+    let cfg = service.config.llm.clone();
+    let Some(model_name) = cfg.model.clone() else {
+        return Err(ServiceError::Other(format!(
+            "llm.model: not set, but run.env_id {} is a text game: give a model folder, a .gguf file or `smollm2`",
+            service.config.run.env_id
+        )));
+    };
+    let started = Instant::now();
+    let loaded = tokio::task::spawn_blocking(move || load_model(&model_name, cfg.gguf_base))
+        .await
+        .map_err(ServiceError::other)?
+        .map_err(ServiceError::other)?;
+    let cfg = &service.config.llm;
+    let model_config = loaded.model.config().clone();
+    tracing::info!(
+        model = %loaded.path.display(),
+        architecture = ?model_config.architecture,
+        layers = model_config.num_hidden_layers,
+        vocab = model_config.vocab_size,
+        seconds = started.elapsed().as_secs_f64(),
+        "LLM loaded"
+    );
+    let adapters = Arc::new(AdapterStore::new(
+        model_config.clone(),
+        cfg.max_adapters,
+        service.nats.clone(),
+        metrics.clone(),
+    ));
+    for (name, dir) in &cfg.adapters {
+        adapters
+            .add_folder(name, dir.clone())
+            .await
+            .map_err(|e| ServiceError::Other(format!("llm.adapters.{name}: {e}")))?;
+    }
+    // Adapter versions published by the learner (or anyone).
+    let mut updates = service
+        .nats
+        .subscribe(service.subjects.adapters())
+        .await
+        .map_err(ServiceError::nats)?;
+    {
+        let (service, adapters) = (service.clone(), adapters.clone());
+        tokio::spawn(async move {
+            while let Some(message) = updates.next().await {
+                let Ok(update) = service
+                    .intake
+                    .decode::<AdapterUpdate>("adapters", &message.payload)
+                else {
+                    continue;
+                };
+                let (name, version) = (update.name.clone(), update.version);
+                match adapters.add_update(update).await {
+                    Ok(()) => tracing::info!(name, version, "adapter version added"),
+                    Err(e) => service.intake.reject(
+                        "adapters",
+                        &Rejection::Invalid {
+                            kind: "AdapterUpdate",
+                            field: "payload",
+                            detail: e.to_string(),
+                        },
+                    ),
+                }
+            }
+        });
+    }
+
+    let tokenizer = Arc::new(loaded.tokenizer);
+    let mut stop_token_ids = model_config.eos_token_ids.clone();
+    stop_token_ids.extend(tokenizer.eos_token_id());
+    stop_token_ids.sort_unstable();
+    stop_token_ids.dedup();
+    let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
+    let engine = Engine {
+        model: loaded.model,
+        tokenizer: tokenizer.clone(),
+        stop_token_ids,
+        max_sequences: cfg.max_sequences,
+        prefix_cache: cfg.prefix_cache,
+        metrics,
+    };
+    let decode_thread = std::thread::Builder::new()
+        .name("llm-decode".into())
+        .spawn(move || engine.run(jobs_rx))
+        .map_err(ServiceError::Io)?;
+
+    let frontend = Arc::new(Frontend {
+        service: service.clone(),
+        tokenizer,
+        vocab_size: model_config.vocab_size,
+        context: model_config.max_position_embeddings,
+        adapters,
+        jobs: std::sync::Mutex::new(Some(jobs_tx)),
+        seeds: std::sync::atomic::AtomicU64::new(
+            service.config.run.seed ^ (std::process::id() as u64) << 32,
+        ),
+    });
+    let mut requests = micro
+        .endpoint(service.subjects.generate())
+        .await
+        .map_err(ServiceError::nats)?;
+    service.health.set_ready(true);
+    let mut handlers = tokio::task::JoinSet::new();
+    loop {
+        let request = tokio::select! {
+            _ = service.shutdown.wait() => break,
+            r = requests.next() => match r { Some(r) => r, None => break },
+        };
+        let frontend = frontend.clone();
+        handlers.spawn(async move {
+            let result = frontend.handle(&request.message.payload).await;
+            let response = match result {
+                Ok(bytes) => Ok(bytes.into()),
+                Err(e) => Err(service_error(e.code, e.message)),
+            };
+            let _ = request.respond(response).await;
+        });
+        // Reap finished handlers so the set stays small.
+        while handlers.try_join_next().is_some() {}
+    }
+    // No new jobs; the decode thread finishes the running ones and stops.
+    frontend.jobs.lock().expect("jobs lock").take();
+    let drain = async { while handlers.join_next().await.is_some() {} };
+    if tokio::time::timeout(std::time::Duration::from_secs(10), drain)
+        .await
+        .is_err()
+    {
+        tracing::warn!("generate requests still running after 10 s of shutdown");
+    }
+    let _ = tokio::task::spawn_blocking(move || decode_thread.join()).await;
+    Ok(())
+}

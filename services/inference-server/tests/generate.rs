@@ -1,0 +1,583 @@
+//! The `generate` endpoint against a real nats-server, serving the
+//! `tiny-qwen2` fixture (a Hugging Face Qwen2 folder with a PEFT adapter and
+//! transformers' greedy continuations in `reference.json`).
+//!
+//! The fixture folder is found relative to this crate, or at
+//! `RELAY_TINY_QWEN2`.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use relay_kit::{ExperimentConfig, RequestError, ServiceConfig, Shutdown, ShutdownTrigger};
+use relay_proto::{
+    AdapterPayload, AdapterRef, AdapterUpdate, ChatMessage, FinishReason, GenerateReply,
+    GenerateRequest, Prompt, SamplingParams, Subjects, Tensor, SCHEMA_VERSION,
+};
+use relay_testkit::NatsServer;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn fixture_dir() -> PathBuf {
+    match std::env::var_os("RELAY_TINY_QWEN2") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/fixtures/tiny-qwen2"
+        )),
+    }
+}
+
+struct Case {
+    input_ids: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+fn cases() -> Vec<Case> {
+    let path = fixture_dir().join("reference.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (set RELAY_TINY_QWEN2)", path.display()));
+    let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    value["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            input_ids: ids(&c["input_ids"]),
+            greedy: ids(&c["greedy"]),
+        })
+        .collect()
+}
+
+/// A nats-server and one inference server serving the fixture (with its
+/// adapter as `fixture`, version 0) for a TicTacToe run.
+struct Served {
+    _nats: NatsServer,
+    client: async_nats::Client,
+    subjects: Subjects,
+    trigger: ShutdownTrigger,
+    server: tokio::task::JoinHandle<Result<(), relay_kit::ServiceError>>,
+}
+
+async fn serve(run_id: &str, extra: &[&str]) -> Served {
+    let nats = NatsServer::start().unwrap();
+    let text = format!(
+        "run:\n  id: {run_id}\n  env_id: TicTacToe-v0\nconnections:\n  nats_url: {}\n  request_timeout_ms: 2000\nllm:\n  model: {}\n  max_sequences: 8\n  adapters:\n    fixture: {}\n",
+        nats.url(),
+        fixture_dir().display(),
+        fixture_dir().join("adapter").display(),
+    );
+    let overrides: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap();
+    let (trigger, shutdown) = Shutdown::new();
+    let server = tokio::spawn(relay_inference_server::run(
+        ServiceConfig::for_test(experiment),
+        shutdown,
+    ));
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let served = Served {
+        _nats: nats,
+        client,
+        subjects: Subjects::new(run_id),
+        trigger,
+        server,
+    };
+    // Until the endpoint answers.
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let probe = tokens_request(&[1, 2, 3], None, 1);
+        match served.generate(&probe).await {
+            Ok(_) => break,
+            Err(RequestError::NoResponders { .. }) | Err(RequestError::Timeout { .. })
+                if Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("server did not come up: {e}"),
+        }
+    }
+    served
+}
+
+impl Served {
+    async fn generate(&self, request: &GenerateRequest) -> Result<GenerateReply, RequestError> {
+        relay_kit::request(&self.client, &self.subjects.generate(), request, TIMEOUT).await
+    }
+
+    async fn stop(self) {
+        self.trigger.trigger();
+        tokio::time::timeout(Duration::from_secs(20), self.server)
+            .await
+            .expect("server stops")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+fn tokens_request(ids: &[u32], adapter: Option<AdapterRef>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest::new(
+        adapter,
+        Prompt::Tokens(Tensor::from_u32(&[ids.len()], ids)),
+        SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ..SamplingParams::default()
+        },
+    )
+}
+
+fn fixture_adapter(version: Option<u64>) -> Option<AdapterRef> {
+    Some(AdapterRef {
+        name: "fixture".into(),
+        version,
+    })
+}
+
+fn completion(reply: &GenerateReply) -> Vec<u32> {
+    reply.completion_tokens.to_u32().unwrap()
+}
+
+fn logprobs(reply: &GenerateReply) -> Vec<f32> {
+    reply.logprobs.to_f32().unwrap()
+}
+
+fn tic_tac_toe_prompt() -> Prompt {
+    Prompt::Chat(vec![ChatMessage {
+        role: "user".into(),
+        content: "[GAME] You are Player 0 in Tic Tac Toe.\n 0 | 1 | X \n---+---+---\n 3 | 4 | 5 \n---+---+---\n 6 | O | 8 \nAvailable Moves: '[0]', '[1]', '[3]', '[4]', '[5]', '[6]', '[8]'".into(),
+    }])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_matches_the_reference_and_continuous_batching_is_exact() {
+    let served = serve("gen-exact", &[]).await;
+    let cases = cases();
+    for (i, case) in cases.iter().enumerate() {
+        let reply = served
+            .generate(&tokens_request(
+                &case.input_ids,
+                None,
+                case.greedy.len() as u32,
+            ))
+            .await
+            .unwrap();
+        assert_eq!(completion(&reply), case.greedy, "case {i}");
+        assert_eq!(reply.prompt_tokens.to_u32().unwrap(), case.input_ids);
+        assert_eq!(reply.finish, FinishReason::Length);
+        assert_eq!(reply.adapter, None);
+        let lp = logprobs(&reply);
+        assert_eq!(lp.len(), case.greedy.len());
+        assert!(lp.iter().all(|&v| v.is_finite() && v <= 0.0), "{lp:?}");
+    }
+
+    // Every mix of prompt, adapter and sampling, each alone, then all at
+    // once (plus the same again, so sequences share steps with copies of
+    // themselves): the results must not depend on the company.
+    let mut requests = Vec::new();
+    for case in &cases {
+        for adapter in [None, fixture_adapter(None)] {
+            for seed in [None, Some(7u64), Some(8)] {
+                let mut request = tokens_request(&case.input_ids, adapter.clone(), 10);
+                if let Some(seed) = seed {
+                    request.sampling.temperature = 1.0;
+                    request.sampling.seed = Some(seed);
+                }
+                requests.push(request);
+            }
+        }
+    }
+    let mut alone = Vec::new();
+    for request in &requests {
+        alone.push(served.generate(request).await.unwrap());
+    }
+    // The adapter changes the greedy completion of at least one case and is
+    // reported with the version used.
+    assert!((0..cases.len()).any(|c| completion(&alone[6 * c]) != completion(&alone[6 * c + 3])));
+    assert_eq!(alone[3].adapter, fixture_adapter(Some(0)));
+
+    let all = futures::future::join_all(
+        requests
+            .iter()
+            .chain(&requests)
+            .map(|request| served.generate(request)),
+    )
+    .await;
+    for (i, reply) in all.into_iter().enumerate() {
+        let reply = reply.unwrap();
+        let want = &alone[i % requests.len()];
+        assert_eq!(completion(&reply), completion(want), "request {i}");
+        assert_eq!(reply.finish, want.finish, "request {i}");
+        assert_eq!(reply.text, want.text, "request {i}");
+        assert_eq!(reply.adapter, want.adapter, "request {i}");
+        for (a, b) in logprobs(&reply).iter().zip(logprobs(want)) {
+            assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
+        }
+    }
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_arriving_while_others_decode_is_served_at_once() {
+    let served = serve("gen-join", &[]).await;
+    // A prompt whose greedy completion runs to a long length without EOS.
+    let cases = cases();
+    let mut long = None;
+    for case in &cases {
+        let reply = served
+            .generate(&tokens_request(&case.input_ids, None, 200))
+            .await
+            .unwrap();
+        if reply.finish == FinishReason::Length {
+            long = Some(case.input_ids.clone());
+            break;
+        }
+    }
+    let long = long.expect("some fixture prompt decodes 200 tokens greedily without EOS");
+    let runners: Vec<_> = (0..3)
+        .map(|_| {
+            let (client, subject, request) = (
+                served.client.clone(),
+                served.subjects.generate(),
+                tokens_request(&long, None, 200),
+            );
+            tokio::spawn(async move {
+                let reply: GenerateReply = relay_kit::request(&client, &subject, &request, TIMEOUT)
+                    .await
+                    .unwrap();
+                reply
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let short = served
+        .generate(&tokens_request(&cases[0].input_ids, None, 2))
+        .await
+        .unwrap();
+    assert_eq!(completion(&short), cases[0].greedy[..2]);
+    assert!(
+        runners.iter().all(|r| !r.is_finished()),
+        "the short request waited for the long ones"
+    );
+    for runner in runners {
+        let reply = runner.await.unwrap();
+        assert_eq!(completion(&reply).len(), 200);
+    }
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_and_max_tokens_end_completions() {
+    let served = serve("gen-stop", &[]).await;
+    let case = &cases()[0];
+    let full = served
+        .generate(&tokens_request(&case.input_ids, None, 12))
+        .await
+        .unwrap();
+    assert_eq!(completion(&full).len(), 12);
+    let short = served
+        .generate(&tokens_request(&case.input_ids, None, 5))
+        .await
+        .unwrap();
+    assert_eq!(completion(&short), case.greedy[..5]);
+    assert_eq!(short.finish, FinishReason::Length);
+
+    // A stop string taken from the middle of the full completion's text.
+    let chars: Vec<(usize, char)> = full.text.char_indices().collect();
+    assert!(
+        chars.len() >= 6,
+        "completion text too short: {:?}",
+        full.text
+    );
+    let (start, end) = (chars[3].0, chars[5].0);
+    let stop = full.text[start..end].to_string();
+    let mut request = tokens_request(&case.input_ids, None, 12);
+    request.sampling.stop = vec!["never appears \u{1F600}".into(), stop.clone()];
+    let stopped = served.generate(&request).await.unwrap();
+    assert_eq!(stopped.finish, FinishReason::Stop, "{stopped:?}");
+    let first = full.text.find(&stop).unwrap();
+    assert_eq!(stopped.text, full.text[..first + stop.len()]);
+    let n = completion(&stopped).len();
+    assert!(n < 12, "stopped after {n} tokens");
+    assert_eq!(completion(&stopped), completion(&full)[..n]);
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constrained_decoding_returns_an_allowed_string() {
+    let served = serve("gen-allowed", &[]).await;
+    let moves: Vec<String> = [0, 1, 3, 4, 5, 6, 8]
+        .iter()
+        .map(|m| format!("[{m}]"))
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut requests = Vec::new();
+    for seed in 0..24u64 {
+        let mut request = GenerateRequest::new(
+            if seed % 2 == 0 {
+                None
+            } else {
+                fixture_adapter(None)
+            },
+            tic_tac_toe_prompt(),
+            SamplingParams {
+                temperature: if seed % 6 == 0 { 0.0 } else { 1.5 },
+                max_tokens: 1,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            },
+        );
+        request.allowed = moves.clone();
+        // One string that is a prefix of another, in some requests.
+        if seed % 3 == 0 {
+            request.allowed.push("[4] and more".into());
+        }
+        requests.push(request);
+    }
+    let replies = futures::future::join_all(requests.iter().map(|r| served.generate(r))).await;
+    for (request, reply) in requests.iter().zip(replies) {
+        let reply = reply.unwrap();
+        assert_eq!(reply.finish, FinishReason::Allowed, "{reply:?}");
+        assert!(request.allowed.contains(&reply.text), "{:?}", reply.text);
+        let lp = logprobs(&reply);
+        assert_eq!(lp.len(), completion(&reply).len());
+        assert!(lp.iter().all(|v| v.is_finite() && *v <= 0.0));
+        seen.insert(reply.text);
+    }
+    assert!(seen.len() >= 3, "sampling explores the moves: {seen:?}");
+    served.stop().await;
+}
+
+fn fixture_adapter_files() -> (String, Vec<u8>) {
+    let dir = fixture_dir().join("adapter");
+    (
+        std::fs::read_to_string(dir.join("adapter_config.json")).unwrap(),
+        std::fs::read(dir.join("adapter_model.safetensors")).unwrap(),
+    )
+}
+
+/// Retries until the adapter version is known (updates arrive asynchronously).
+async fn generate_when_known(served: &Served, request: &GenerateRequest) -> GenerateReply {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        match served.generate(request).await {
+            Ok(reply) => return reply,
+            Err(RequestError::Service { code, .. })
+                if code == "404" && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_published_inline_and_through_the_object_store_are_served() {
+    // One adapter loaded at a time: every switch evicts and reloads.
+    let served = serve("gen-adapters", &["llm.max_adapters=1"]).await;
+    let case = &cases()[1];
+    let want = served
+        .generate(&tokens_request(
+            &case.input_ids,
+            fixture_adapter(Some(0)),
+            8,
+        ))
+        .await
+        .unwrap();
+    let base = served
+        .generate(&tokens_request(&case.input_ids, None, 8))
+        .await
+        .unwrap();
+    let (config_json, safetensors) = fixture_adapter_files();
+
+    // Inline, as version 3 of `policy`.
+    let update = AdapterUpdate {
+        schema: SCHEMA_VERSION,
+        name: "policy".into(),
+        version: 3,
+        learner_env_steps: 100,
+        payload: AdapterPayload::Inline {
+            config_json: config_json.clone(),
+            safetensors: safetensors.clone(),
+        },
+    };
+    served
+        .client
+        .publish(
+            served.subjects.adapters(),
+            relay_proto::encode(&update).into(),
+        )
+        .await
+        .unwrap();
+    let policy = |version| {
+        Some(AdapterRef {
+            name: "policy".into(),
+            version,
+        })
+    };
+    let v3 = generate_when_known(
+        &served,
+        &tokens_request(&case.input_ids, policy(Some(3)), 8),
+    )
+    .await;
+    assert_eq!(v3.adapter, policy(Some(3)));
+    assert_eq!(completion(&v3), completion(&want));
+
+    // Through the JetStream object store, as version 4.
+    let jetstream = async_nats::jetstream::new(served.client.clone());
+    let store = jetstream
+        .create_object_store(async_nats::jetstream::object_store::Config {
+            bucket: "relay-adapters".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    store
+        .put(
+            "gen-adapters/policy/4/adapter_config.json",
+            &mut config_json.as_bytes(),
+        )
+        .await
+        .unwrap();
+    store
+        .put(
+            "gen-adapters/policy/4/adapter_model.safetensors",
+            &mut safetensors.as_slice(),
+        )
+        .await
+        .unwrap();
+    let update = AdapterUpdate {
+        schema: SCHEMA_VERSION,
+        name: "policy".into(),
+        version: 4,
+        learner_env_steps: 200,
+        payload: AdapterPayload::ObjectStore {
+            bucket: "relay-adapters".into(),
+            key: "gen-adapters/policy/4".into(),
+        },
+    };
+    served
+        .client
+        .publish(
+            served.subjects.adapters(),
+            relay_proto::encode(&update).into(),
+        )
+        .await
+        .unwrap();
+    let v4 = generate_when_known(
+        &served,
+        &tokens_request(&case.input_ids, policy(Some(4)), 8),
+    )
+    .await;
+    assert_eq!(v4.adapter, policy(Some(4)));
+    assert_eq!(completion(&v4), completion(&want));
+    // No version: the newest.
+    let newest = served
+        .generate(&tokens_request(&case.input_ids, policy(None), 8))
+        .await
+        .unwrap();
+    assert_eq!(newest.adapter, policy(Some(4)));
+    // Back to version 3 (evicted since), the base, and the fixture: all
+    // reload and give what they gave.
+    for (adapter, expect) in [
+        (policy(Some(3)), &want),
+        (None, &base),
+        (fixture_adapter(None), &want),
+    ] {
+        let reply = served
+            .generate(&tokens_request(&case.input_ids, adapter, 8))
+            .await
+            .unwrap();
+        assert_eq!(completion(&reply), completion(expect));
+    }
+    assert_ne!(
+        completion(&base),
+        completion(&want),
+        "the adapter changes the completion"
+    );
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_errors_and_the_service_keeps_serving() {
+    let served = serve("gen-bad", &[]).await;
+    let ids = cases()[2].input_ids.clone();
+    let expect_error =
+        |result: Result<GenerateReply, RequestError>, code: &str, words: &[&str]| match result {
+            Err(RequestError::Service {
+                code: got, status, ..
+            }) => {
+                assert_eq!(got, code, "{status}");
+                for w in words {
+                    assert!(status.contains(w), "{status:?} lacks {w:?}");
+                }
+            }
+            other => panic!("expected a {code} service error, got {other:?}"),
+        };
+    let unknown = Some(AdapterRef {
+        name: "nobody".into(),
+        version: None,
+    });
+    expect_error(
+        served.generate(&tokens_request(&ids, unknown, 4)).await,
+        "404",
+        &["unknown adapter", "nobody", "fixture"],
+    );
+    expect_error(
+        served
+            .generate(&tokens_request(&ids, fixture_adapter(Some(9)), 4))
+            .await,
+        "404",
+        &["no version 9"],
+    );
+    // Not MessagePack at all.
+    let garbage = served
+        .client
+        .request(served.subjects.generate(), vec![0xc1, 0x00, 0xff].into())
+        .await
+        .unwrap();
+    let headers = garbage.headers.expect("an error reply has headers");
+    assert_eq!(
+        headers
+            .get(async_nats::service::NATS_SERVICE_ERROR_CODE)
+            .unwrap()
+            .as_str(),
+        "400"
+    );
+    let mut zero = tokens_request(&ids, None, 4);
+    zero.sampling.max_tokens = 0;
+    expect_error(
+        served.generate(&zero).await,
+        "400",
+        &["sampling.max_tokens"],
+    );
+    expect_error(
+        served
+            .generate(&tokens_request(&[5, 100_000], None, 4))
+            .await,
+        "400",
+        &["prompt", "100000", "vocabulary"],
+    );
+    let too_long = vec![5u32; 600];
+    expect_error(
+        served.generate(&tokens_request(&too_long, None, 4)).await,
+        "400",
+        &["context"],
+    );
+    let mut text = tokens_request(&ids, None, 4);
+    text.prompt = Prompt::Chat(Vec::new());
+    expect_error(served.generate(&text).await, "400", &["prompt"]);
+    // Still serving.
+    let reply = served
+        .generate(&tokens_request(&cases()[2].input_ids, None, 3))
+        .await
+        .unwrap();
+    assert_eq!(completion(&reply), cases()[2].greedy[..3]);
+    served.stop().await;
+}
