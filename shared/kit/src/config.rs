@@ -830,10 +830,6 @@ fn valid_adapter_name(name: &str) -> bool {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TextConfig {
-    /// Base model of the run's LLM policy, loaded by the inference servers
-    /// (and the learner): a Hugging Face model folder or a GGUF file, or
-    /// `tiny` for the tiny random Qwen2 of the test fixtures.
-    pub model: String,
     /// Who plays the learning side: `model` (the LLM with the learning
     /// adapter `policy`), or a bot (`random`, `minimax`,
     /// `connect_four_bot`) for a baseline run that needs no inference server.
@@ -876,7 +872,6 @@ pub struct TextConfig {
 impl Default for TextConfig {
     fn default() -> Self {
         Self {
-            model: "tiny".into(),
             learner: "model".into(),
             opponents: [("random".to_string(), 1.0)].into_iter().collect(),
             games_in_flight: 4,
@@ -914,12 +909,6 @@ impl TextConfig {
     /// Checks every field; `env_id` is the run's (game-specific checks
     /// apply only when it is a text game).
     pub fn validate(&self, env_id: &str) -> Result<(), ConfigError> {
-        if self.model.trim().is_empty() {
-            return Err(invalid(
-                "text.model",
-                "must name a model folder, a GGUF file or `tiny`",
-            ));
-        }
         let game = is_text_game(env_id);
         if self.learner != "model" {
             if !BOT_NAMES.contains(&self.learner.as_str()) {
@@ -1501,7 +1490,6 @@ mod tests {
             (&["text.top_p=0"], "text.top_p"),
             (&["text.top_p=1.5"], "text.top_p"),
             (&["text.system_prompt=' '"], "text.system_prompt"),
-            (&["text.model=''"], "text.model"),
             (&["text.learner=alphago"], "text.learner"),
             (&["text.learner=connect_four_bot"], "text.learner"),
             (&["text.generate_attempts=0"], "text.generate_attempts"),
