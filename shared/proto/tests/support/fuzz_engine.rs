@@ -580,18 +580,9 @@ fn u32_tensor(rng: &mut Rng, n: usize) -> Tensor {
     Tensor::from_u32(&[n], &values)
 }
 
-/// Log-probs: finite and <= 0, now and then `-inf` (a token the
-/// unconstrained policy gives no mass, which the protocol allows).
+/// Log-probs: finite and <= 0 (a sampled token always has mass).
 fn logprob_tensor(rng: &mut Rng, n: usize) -> Tensor {
-    let values: Vec<f32> = (0..n)
-        .map(|_| {
-            if rng.chance(0.05) {
-                f32::NEG_INFINITY
-            } else {
-                -rng.f32().abs()
-            }
-        })
-        .collect();
+    let values: Vec<f32> = (0..n).map(|_| -rng.f32().abs()).collect();
     Tensor::from_f32(&[n], &values)
 }
 
@@ -815,17 +806,6 @@ impl Subject for LogBatch {
             .into();
         true
     }
-}
-
-fn u32_tensor(rng: &mut Rng, n: usize) -> Tensor {
-    let values: Vec<u32> = (0..n).map(|_| rng.u64() as u32 >> rng.below(32)).collect();
-    Tensor::from_u32(&[n], &values)
-}
-
-/// Log-probs: finite and <= 0.
-fn logprob_tensor(rng: &mut Rng, n: usize) -> Tensor {
-    let values: Vec<f32> = (0..n).map(|_| -rng.f32().abs()).collect();
-    Tensor::from_f32(&[n], &values)
 }
 
 fn adapter_ref(rng: &mut Rng) -> AdapterRef {
