@@ -435,7 +435,7 @@ impl Default for InferenceConfig {
 /// How the inference server holds a GGUF model's weights (see
 /// `relay_llm::GgufBase`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", try_from = "String")]
 pub enum GgufBaseName {
     /// Quantized blocks in memory, dequantized for each product: the least
     /// memory, slower decode steps.
@@ -443,6 +443,20 @@ pub enum GgufBaseName {
     /// Dequantized to f32 once at load: about 4x the memory of Q4, the
     /// fastest decode steps on a CPU.
     Dequantized,
+}
+
+impl TryFrom<String> for GgufBaseName {
+    type Error = String;
+    /// serde's own error would not name the field.
+    fn try_from(value: String) -> Result<Self, String> {
+        match value.as_str() {
+            "quantized" => Ok(Self::Quantized),
+            "dequantized" => Ok(Self::Dequantized),
+            other => Err(format!(
+                "llm.gguf_base: {other:?} is neither `quantized` nor `dequantized`"
+            )),
+        }
+    }
 }
 
 /// The LLM the inference server serves on `relay.<run>.generate` (text
