@@ -12,14 +12,14 @@
 //! `--max-tokens`) is the move.
 
 use std::io::{BufRead, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use relay_envs::text::Bot;
+use relay_kit::config::GgufBaseName;
 use relay_llm::{
-    CausalLm, ChatMessage, GgufBase, LoraAdapter, Sampler, SamplingParams, Sequence, StopCondition,
-    Tokenizer,
+    CausalLm, ChatMessage, LoraAdapter, Sampler, SamplingParams, Sequence, StopCondition, Tokenizer,
 };
 
 /// A language model ready to play: weights and tokenizer.
@@ -34,34 +34,6 @@ pub struct Player {
     seed: u64,
 }
 
-/// Where a model comes from: a Hugging Face folder, a `.gguf` file, or
-/// `smollm2` (the GGUF `deploy/install.sh` installs).
-pub fn load_model(spec: &str) -> Result<(CausalLm, Tokenizer)> {
-    let path = if spec == "smollm2" {
-        relay_llm::find_smollm2_gguf()?
-    } else {
-        PathBuf::from(spec)
-    };
-    if path.is_dir() {
-        let model =
-            CausalLm::load_hf(&path).with_context(|| format!("model {}", path.display()))?;
-        let tokenizer = Tokenizer::from_hf_dir(&path)
-            .with_context(|| format!("tokenizer of {}", path.display()))?;
-        Ok((model, tokenizer))
-    } else if path.extension().is_some_and(|e| e == "gguf") {
-        let model = CausalLm::load_gguf(&path, GgufBase::Dequantized)
-            .with_context(|| format!("model {}", path.display()))?;
-        let tokenizer = Tokenizer::from_gguf(&path)
-            .with_context(|| format!("tokenizer of {}", path.display()))?;
-        Ok((model, tokenizer))
-    } else {
-        bail!(
-            "model {spec:?}: not a Hugging Face folder, a .gguf file or `smollm2` ({} does not exist or is neither)",
-            path.display()
-        )
-    }
-}
-
 impl Player {
     /// Loads `model` with the PEFT adapter in `adapter` (if any).
     pub fn new(
@@ -71,7 +43,10 @@ impl Player {
         max_tokens: usize,
         seed: u64,
     ) -> Result<Self> {
-        let (model, tokenizer) = load_model(model)?;
+        // Loaded as the inference server loads `llm.model`, dequantized (the fastest on a CPU).
+        let relay_inference_server::llm::LoadedModel {
+            model, tokenizer, ..
+        } = relay_inference_server::llm::load_model(model, GgufBaseName::Dequantized)?;
         let adapter = adapter
             .map(|dir| {
                 LoraAdapter::load_peft(dir, model.config())
