@@ -16,6 +16,8 @@ use relay_proto::{
 use relay_testkit::NatsServer;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
+/// `max_position_embeddings` of the tiny fixture model.
+const TINY_CONTEXT: usize = 512;
 
 fn fixture_dir() -> PathBuf {
     match std::env::var_os("RELAY_TINY_QWEN2") {
@@ -225,26 +227,29 @@ async fn greedy_matches_the_reference_and_continuous_batching_is_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_arriving_while_others_decode_is_served_at_once() {
     let served = serve("gen-join", &[]).await;
-    // A prompt whose greedy completion runs to a long length without EOS.
+    // A prompt whose greedy completion fills the model's context without EOS
+    // (the longer the others decode, the less this test depends on timing).
     let cases = cases();
     let mut long = None;
     for case in &cases {
+        let max_tokens = (TINY_CONTEXT - case.input_ids.len() - 1) as u32;
         let reply = served
-            .generate(&tokens_request(&case.input_ids, None, 200))
+            .generate(&tokens_request(&case.input_ids, None, max_tokens))
             .await
             .unwrap();
         if reply.finish == FinishReason::Length {
-            long = Some(case.input_ids.clone());
+            long = Some((case.input_ids.clone(), max_tokens));
             break;
         }
     }
-    let long = long.expect("some fixture prompt decodes 200 tokens greedily without EOS");
+    let (long, long_tokens) =
+        long.expect("some fixture prompt decodes to the end of the context without EOS");
     let runners: Vec<_> = (0..3)
         .map(|_| {
             let (client, subject, request) = (
                 served.client.clone(),
                 served.subjects.generate(),
-                tokens_request(&long, None, 200),
+                tokens_request(&long, None, long_tokens),
             );
             tokio::spawn(async move {
                 let reply: GenerateReply = relay_kit::request(&client, &subject, &request, TIMEOUT)
@@ -254,7 +259,7 @@ async fn a_request_arriving_while_others_decode_is_served_at_once() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
     let short = served
         .generate(&tokens_request(&cases[0].input_ids, None, 2))
         .await
@@ -266,7 +271,7 @@ async fn a_request_arriving_while_others_decode_is_served_at_once() {
     );
     for runner in runners {
         let reply = runner.await.unwrap();
-        assert_eq!(completion(&reply).len(), 200);
+        assert_eq!(completion(&reply).len(), long_tokens as usize);
     }
     served.stop().await;
 }

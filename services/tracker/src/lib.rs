@@ -89,15 +89,26 @@ impl RunDir {
         Ok(())
     }
 
-    fn write_status(&self, status: &RunStatusUpdate) -> std::io::Result<()> {
+    /// Writes the run's status (which never goes down: a learner's `stopped`
+    /// after the evaluator's `solved` leaves the run solved) and, apart, the
+    /// update just received.
+    fn write_status(
+        &self,
+        run: &registry::RunRecord,
+        update: &RunStatusUpdate,
+    ) -> std::io::Result<()> {
         let tmp = self.root.join("status.json.tmp");
         std::fs::write(
             &tmp,
             serde_json::to_vec_pretty(&json!({
-                "status": status.status,
-                "service": status.service,
-                "policy_version": status.policy_version,
-                "detail": status.detail,
+                "status": run.status,
+                "detail": run.detail,
+                "last_update": {
+                    "status": update.status,
+                    "service": update.service,
+                    "policy_version": update.policy_version,
+                    "detail": update.detail,
+                },
                 "time": now(),
             }))?,
         )?;
@@ -361,7 +372,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     tracing::info!(status = ?status.status, from = %status.service, detail = %status.detail, "run status");
                     alerts.on_status(&status).await;
                     run_record.status(&status);
-                    dir.write_status(&status)
+                    dir.write_status(run_record.record(), &status)
                 }
                 Err(_) => Ok(()),
             },

@@ -177,10 +177,18 @@ async fn tracker_writes_csv_registry_and_plots() {
     .await;
     publish(s.status(), encode(&status(RunStatus::Stopped, "learner"))).await;
     client.flush().await.unwrap();
-    wait_until("status.json", || {
-        std::fs::read_to_string(run_dir.join("status.json")).is_ok_and(|t| t.contains("stopped"))
+    let status_json = || -> serde_json::Value {
+        std::fs::read(run_dir.join("status.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    };
+    wait_until("the learner's update in status.json", || {
+        status_json()["last_update"]["service"] == "learner"
     })
     .await;
+    assert_eq!(status_json()["status"], "solved", "{}", status_json());
+    assert_eq!(status_json()["last_update"]["status"], "stopped");
 
     trigger.trigger();
     tokio::time::timeout(Duration::from_secs(30), tracker)

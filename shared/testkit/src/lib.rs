@@ -76,6 +76,34 @@ fn wait_for_port(addr: SocketAddr, child: &mut Child, what: &str) -> Result<()> 
     bail!("{what} did not listen on {addr} within 20 s")
 }
 
+/// Spawns the server `command(port)` builds on a free port and waits until it
+/// listens. A port found free can be taken by another test's server before
+/// ours binds it, so a server that exits before listening is retried on a
+/// new port a few times.
+fn spawn_on_free_port(what: &str, command: impl Fn(u16) -> Command) -> Result<(Child, u16)> {
+    const ATTEMPTS: usize = 5;
+    let mut last_error = None;
+    for _ in 0..ATTEMPTS {
+        let port = free_port();
+        let mut child = command(port)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {what}"))?;
+        match wait_for_port(([127, 0, 0, 1], port).into(), &mut child, what) {
+            Ok(()) => return Ok((child, port)),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                last_error = Some(e);
+            }
+        }
+    }
+    Err(last_error
+        .expect("at least one attempt")
+        .context(format!("{ATTEMPTS} attempts")))
+}
+
 /// A running server process, killed on drop.
 pub struct ServerProcess {
     child: Child,
@@ -119,21 +147,24 @@ impl NatsServer {
     fn start_inner(conf_text: Option<&str>) -> Result<Self> {
         let bin = binary("RELAY_NATS_SERVER", "nats-server")?;
         let dir = TempDir::new("nats");
-        let port = free_port();
-        let mut command = Command::new(&bin);
-        if let Some(text) = conf_text {
-            let conf = dir.path().join("nats-server.conf");
-            std::fs::write(&conf, text).context("writing nats-server.conf")?;
-            command.arg("-c").arg(conf);
-        }
-        let mut child = command
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        wait_for_port(([127, 0, 0, 1], port).into(), &mut child, "nats-server")?;
+        let conf = match conf_text {
+            Some(text) => {
+                let conf = dir.path().join("nats-server.conf");
+                std::fs::write(&conf, text).context("writing nats-server.conf")?;
+                Some(conf)
+            }
+            None => None,
+        };
+        let (child, port) = spawn_on_free_port("nats-server", |port| {
+            let mut command = Command::new(&bin);
+            if let Some(conf) = &conf {
+                command.arg("-c").arg(conf);
+            }
+            command
+                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+                .arg(dir.path());
+            command
+        })?;
         Ok(Self(ServerProcess { child, port, dir }))
     }
 
@@ -154,26 +185,24 @@ impl RedisServer {
     pub fn start_with_args(extra: &[&str]) -> Result<Self> {
         let bin = binary("RELAY_REDIS_SERVER", "redis-server")?;
         let dir = TempDir::new("redis");
-        let port = free_port();
-        let mut child = Command::new(&bin)
-            .args([
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-            ])
-            .arg(dir.path())
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        wait_for_port(([127, 0, 0, 1], port).into(), &mut child, "redis-server")?;
+        let (child, port) = spawn_on_free_port("redis-server", |port| {
+            let mut command = Command::new(&bin);
+            command
+                .args([
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    &port.to_string(),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                ])
+                .arg(dir.path())
+                .args(extra);
+            command
+        })?;
         Ok(Self(ServerProcess { child, port, dir }))
     }
 
@@ -189,7 +218,6 @@ impl PrometheusServer {
     pub fn start(targets: &[String]) -> Result<Self> {
         let bin = binary("RELAY_PROMETHEUS", "prometheus")?;
         let dir = TempDir::new("prometheus");
-        let port = free_port();
         let targets = targets
             .iter()
             .map(|t| format!("'{t}'"))
@@ -200,18 +228,17 @@ impl PrometheusServer {
         );
         let config_path = dir.path().join("prometheus.yml");
         std::fs::write(&config_path, config)?;
-        let mut child = Command::new(&bin)
-            .arg(format!("--config.file={}", config_path.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        wait_for_port(([127, 0, 0, 1], port).into(), &mut child, "prometheus")?;
+        let (child, port) = spawn_on_free_port("prometheus", |port| {
+            let mut command = Command::new(&bin);
+            command
+                .arg(format!("--config.file={}", config_path.display()))
+                .arg(format!(
+                    "--storage.tsdb.path={}",
+                    dir.path().join("data").display()
+                ))
+                .arg(format!("--web.listen-address=127.0.0.1:{port}"));
+            command
+        })?;
         Ok(Self(ServerProcess { child, port, dir }))
     }
 
