@@ -571,6 +571,111 @@ alerts = dashboard(
     ],
 )
 
+# --- text games and LLM generation --------------------------------------------
+
+games = dashboard(
+    "relay-games",
+    "relay: text games and generation",
+    "LLM policies playing text games: outcomes and legal moves in training games and evaluations, game timing, and the inference servers' batched generation.",
+    [
+        row("Training games (env-runners)"),
+        panel(
+            "timeseries", "Win / draw / loss rate (last 100 games)",
+            [
+                t(sel("relay_env_runner_win_rate"), "{{copy}} win"),
+                t(sel("relay_env_runner_draw_rate"), "{{copy}} draw"),
+                t(sel("relay_env_runner_loss_rate"), "{{copy}} loss"),
+            ],
+            w=8, unit="percentunit", minimum=0, maximum=1,
+            description="The learning seat's outcomes over each env-runner copy's last 100 games.",
+        ),
+        panel(
+            "timeseries", "Invalid-move rate (last 1000 moves)",
+            [t(sel("relay_env_runner_invalid_move_rate"), "{{copy}}")],
+            w=8, unit="percentunit", minimum=0,
+            description="Share of the learning policy's moves the game refused.",
+        ),
+        panel(
+            "timeseries", "Games per minute by opponent and outcome",
+            [t(f"60 * sum by (opponent, outcome) (rate({sel('relay_env_runner_games_total')}[{RI}]))",
+               "{{opponent}} {{outcome}}")],
+            w=8,
+            description="Finished training games; abandoned games are counted apart.",
+        ),
+        panel(
+            "timeseries", "Time per model move",
+            quantiles("relay_env_runner_turn_seconds", by="replica", prefix="{{replica}} "),
+            w=8, unit="s", description="Generate request(s) plus the game's step, per model move.",
+        ),
+        panel(
+            "timeseries", "Time per game",
+            quantiles("relay_env_runner_game_seconds", by="replica", prefix="{{replica}} "),
+            w=8, unit="s",
+        ),
+        panel(
+            "timeseries", "Move entropy and distinct states",
+            [
+                t(sel("relay_env_runner_move_entropy"), "{{copy}} move entropy (bits)"),
+                t(f"log2({sel('relay_env_runner_distinct_states')})", "{{copy}} log2 distinct states"),
+            ],
+            w=8,
+            description="Diversity of play: entropy of the last 1000 valid moves, and the states seen so far.",
+        ),
+        row("Evaluation against fixed opponents"),
+        panel(
+            "timeseries", "Eval outcome rate by opponent",
+            [t(sel("relay_eval_outcome_rate"), "{{opponent}} {{outcome}} ({{evaluator}})")],
+            w=12, unit="percentunit", minimum=0, maximum=1,
+            description="Latest evaluation's games against each opponent, both seats together.",
+        ),
+        panel(
+            "timeseries", "Eval legal-move rate by opponent",
+            [t(sel("relay_eval_legal_move_rate"), "{{opponent}} ({{evaluator}})")],
+            w=12, unit="percentunit", minimum=0, maximum=1,
+        ),
+        row("Generation (inference servers)"),
+        panel(
+            "timeseries", "Completion tokens per second",
+            [
+                t(f"sum by (replica) (rate({sel('relay_llm_generated_tokens_total')}[{RI}]))", "{{replica}}"),
+                t(f"sum(rate({sel('relay_llm_generated_tokens_total')}[{RI}]))", "all inference servers"),
+            ],
+            w=8, unit="ops",
+        ),
+        panel(
+            "timeseries", "Sequences per decode step",
+            quantiles("relay_llm_sequences_per_step", by="replica", prefix="{{replica}} "),
+            w=8, description="Size of the continuous batch each decode step advanced.",
+        ),
+        panel(
+            "timeseries", "Generate requests waiting",
+            [t(sel("relay_llm_queue_depth"), "{{replica}}")],
+            w=8, minimum=0, decimals=0,
+            description="Requests waiting for a place in the continuous batch (llm.max_sequences).",
+        ),
+        panel(
+            "timeseries", "Time to first token",
+            quantiles("relay_llm_time_to_first_token_seconds", by="replica", prefix="{{replica}} "),
+            w=8, unit="s",
+        ),
+        panel(
+            "timeseries", "Generate request latency",
+            quantiles("relay_llm_request_seconds", by="replica", prefix="{{replica}} "),
+            w=8, unit="s",
+        ),
+        panel(
+            "timeseries", "LoRA adapters",
+            [
+                t(sel("relay_llm_adapters_loaded"), "{{replica}} loaded"),
+                t(f"sum by (replica) (increase({sel('relay_llm_adapter_loads_total')}[{RI}]))", "{{replica}} loads"),
+                t(f"sum by (replica) (increase({sel('relay_llm_adapter_evictions_total')}[{RI}]))", "{{replica}} evictions"),
+            ],
+            w=8, minimum=0,
+            description="Adapter versions held (bounded by llm.max_adapters), loaded and evicted.",
+        ),
+    ],
+)
+
 # --- league -------------------------------------------------------------------
 
 # Placeholders for the league of game-playing runs (issue 8): TrueSkill
@@ -613,6 +718,7 @@ def main():
         ("learner.json", learner),
         ("throughput.json", throughput),
         ("alerts.json", alerts),
+        ("games.json", games),
         ("league.json", league),
     ]:
         (OUT / name).write_text(json.dumps(d, indent=2) + "\n")

@@ -24,7 +24,7 @@ pub mod plots;
 pub mod registry;
 pub mod timeline;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -177,6 +177,10 @@ struct Exported {
     episode_return: Gauge,
     eval_return: GaugeVec,
     eval_version: GaugeVec,
+    /// Outcome shares of the latest evaluation per opponent (text games),
+    /// over both seats: label `outcome` is win, draw or loss.
+    eval_outcome_rate: GaugeVec,
+    eval_legal_move_rate: GaugeVec,
     recent_returns: std::collections::VecDeque<f64>,
 }
 
@@ -208,10 +212,28 @@ impl Exported {
             &["evaluator"],
         )
         .unwrap();
+        let eval_outcome_rate = GaugeVec::new(
+            Opts::new(
+                "relay_eval_outcome_rate",
+                "Share of the latest evaluation's games against an opponent won, drawn or lost (text games).",
+            ),
+            &["evaluator", "opponent", "outcome"],
+        )
+        .unwrap();
+        let eval_legal_move_rate = GaugeVec::new(
+            Opts::new(
+                "relay_eval_legal_move_rate",
+                "Share of the policy's moves the game accepted in the latest evaluation against an opponent (text games).",
+            ),
+            &["evaluator", "opponent"],
+        )
+        .unwrap();
         relay_kit::metrics::register(&registry, &episodes);
         relay_kit::metrics::register(&registry, &episode_return);
         relay_kit::metrics::register(&registry, &eval_return);
         relay_kit::metrics::register(&registry, &eval_version);
+        relay_kit::metrics::register(&registry, &eval_outcome_rate);
+        relay_kit::metrics::register(&registry, &eval_legal_move_rate);
         Self {
             registry,
             gauges: HashMap::new(),
@@ -220,6 +242,8 @@ impl Exported {
             episode_return,
             eval_return,
             eval_version,
+            eval_outcome_rate,
+            eval_legal_move_rate,
             recent_returns: Default::default(),
         }
     }
@@ -296,6 +320,32 @@ impl Exported {
         self.eval_version
             .with_label_values(&[&report.evaluator])
             .set(report.policy_version as f64);
+        // Both seats' games against one opponent add up.
+        let mut by_opponent: BTreeMap<&str, [u32; 5]> = BTreeMap::new();
+        for m in &report.matchups {
+            let sums = by_opponent.entry(&m.opponent).or_default();
+            for (sum, n) in
+                sums.iter_mut()
+                    .zip([m.wins, m.draws, m.losses, m.moves, m.invalid_moves])
+            {
+                *sum += n;
+            }
+        }
+        for (opponent, [wins, draws, losses, moves, invalid]) in by_opponent {
+            let games = wins + draws + losses;
+            if games > 0 {
+                for (outcome, n) in [("win", wins), ("draw", draws), ("loss", losses)] {
+                    self.eval_outcome_rate
+                        .with_label_values(&[&report.evaluator, opponent, outcome])
+                        .set(n as f64 / games as f64);
+                }
+            }
+            if moves > 0 {
+                self.eval_legal_move_rate
+                    .with_label_values(&[&report.evaluator, opponent])
+                    .set(1.0 - invalid as f64 / moves as f64);
+            }
+        }
     }
 }
 
@@ -363,7 +413,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             Some(m) = evals.next() => match intake.decode::<EvalReport>("eval", &m.payload) {
                 Ok(report) => {
                     exported.eval(&report);
-                    writeln!(dir.eval, "{}", json!({"time": now(), "evaluator": report.evaluator, "instance": report.instance, "policy_version": report.policy_version, "learner_env_steps": report.learner_env_steps, "mean_return": report.mean_return, "std_return": report.std_return, "returns": report.returns, "threshold": report.threshold, "solved": report.solved}))
+                    writeln!(dir.eval, "{}", json!({"time": now(), "evaluator": report.evaluator, "instance": report.instance, "policy_version": report.policy_version, "learner_env_steps": report.learner_env_steps, "mean_return": report.mean_return, "std_return": report.std_return, "returns": report.returns, "threshold": report.threshold, "solved": report.solved, "matchups": report.matchups}))
                 }
                 Err(_) => Ok(()),
             },
