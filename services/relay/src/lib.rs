@@ -10,6 +10,7 @@ pub mod play;
 pub mod play_text;
 pub mod runs;
 pub mod scale;
+pub mod sft;
 pub mod stack;
 pub mod top;
 

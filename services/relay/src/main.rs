@@ -93,12 +93,16 @@ enum Command {
     Play(relay::play::PlayArgs),
     /// LLM model folders: `model init tiny [--out DIR] [--seed N]`.
     Model(relay::model::ModelArgs),
+    /// Supervised warm start of a text-game policy: learn moves from bot games or a JSONL file.
+    Sft(relay::sft::SftArgs),
     /// Generation tokens/s and request latency of the inference server for
     /// several models and batch sizes; print a table and JSON.
     BenchGenerate(relay::bench_generate::BenchGenerateArgs),
 }
 
 fn main() -> Result<()> {
+    // `relay sft`, `play` and the benchmarks run models in this process too.
+    relay_kit::service::keep_freed_memory();
     tracing_subscriber_init();
     let cli = Cli::parse();
     match cli.command {
@@ -121,6 +125,7 @@ fn main() -> Result<()> {
         Command::Chaos(args) => relay::chaos::chaos(args),
         Command::Play(args) => relay::play::play(args),
         Command::Model(args) => relay::model::model(args),
+        Command::Sft(args) => relay::sft::sft(args),
         Command::BenchGenerate(args) => relay::bench_generate::bench_generate(args),
     }
 }

@@ -54,24 +54,32 @@ pub struct PlayArgs {
     pub max_tokens: usize,
 }
 
-/// The run's base model as its config names it (`llm.model`), if any.
-fn configured_model(config_text: &str) -> Option<String> {
-    let value: serde_yaml::Value = serde_yaml::from_str(config_text).ok()?;
-    value.get("llm")?.get("model")?.as_str().map(str::to_string)
+/// A run's or checkpoint's resolved `config.yaml`, as it was written (no
+/// environment overrides).
+fn read_resolved_config(path: &std::path::Path) -> Result<ExperimentConfig> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(ExperimentConfig::from_layers(
+        &text,
+        &path.display().to_string(),
+        &[],
+        &[],
+    )?)
 }
 
 /// `relay play` of a text game: the model (and the checkpoint's adapter)
-/// against `--opponent`, `--episodes` games, seats as `--model-seat` says.
+/// against `--opponent`, `--episodes` games, seats as `--model-seat` says;
+/// the run's config (if any) supplies `llm.model` and `text.system_prompt`.
 fn play_text_games(
     args: &PlayArgs,
     env_id: &str,
-    config_text: Option<&str>,
+    config: Option<&ExperimentConfig>,
     checkpoint: Option<&std::path::Path>,
 ) -> Result<()> {
     let model = args
         .model
         .clone()
-        .or_else(|| config_text.and_then(configured_model))
+        .or_else(|| config.and_then(|c| c.llm.model.clone()))
         .context("no model: give --model (a Hugging Face folder, a .gguf file or smollm2)")?;
     let adapter = args.adapter.clone().or_else(|| {
         checkpoint
@@ -92,14 +100,15 @@ fn play_text_games(
         args.temperature,
         args.max_tokens,
         args.seed,
-    )?;
+    )?
+    .with_system_prompt(config.and_then(|c| c.text.system_prompt.clone()));
     let stdin = std::io::stdin();
     let mut input = stdin.lock();
     let mut out = std::io::stdout();
     let mut totals = Vec::new();
     for game in 0..args.episodes.max(1) {
         println!("game {game}");
-        let rewards = crate::play_text::play_game(
+        let game = crate::play_text::play_game(
             env_id,
             &mut player,
             args.model_seat,
@@ -108,7 +117,12 @@ fn play_text_games(
             &mut input,
             &mut out,
         )?;
-        totals.push(rewards.get(args.model_seat).copied().unwrap_or(f64::NAN));
+        totals.push(
+            game.rewards
+                .get(args.model_seat)
+                .copied()
+                .unwrap_or(f64::NAN),
+        );
     }
     let returns: Vec<String> = totals.iter().map(|r| format!("{r:.1}")).collect();
     println!("model rewards: {}", returns.join(" "));
@@ -156,26 +170,19 @@ pub fn play(args: PlayArgs) -> Result<()> {
     let dir = match checkpoint {
         Ok((_, _, dir)) => dir,
         Err(e) => {
-            let text = std::fs::read_to_string(run_dir.join("config.yaml")).unwrap_or_default();
-            let env = serde_yaml::from_str::<serde_yaml::Value>(&text)
-                .ok()
-                .and_then(|v| v.get("run")?.get("env_id")?.as_str().map(str::to_string));
-            match env {
-                Some(env) if relay_envs::TEXT_GAME_IDS.contains(&env.as_str()) => {
+            let config = read_resolved_config(&run_dir.join("config.yaml")).ok();
+            match config {
+                Some(config) if config.is_text_game() => {
                     println!("relay: {id} has no checkpoint yet; its base model plays");
-                    return play_text_games(&args, &env, Some(&text), None);
+                    return play_text_games(&args, &config.run.env_id, Some(&config), None);
                 }
                 _ => return Err(e),
             }
         }
     };
-    let config_path = dir.join("config.yaml");
-    let text = std::fs::read_to_string(&config_path)
-        .with_context(|| format!("reading {}", config_path.display()))?;
-    let config =
-        ExperimentConfig::from_layers(&text, &config_path.display().to_string(), &[], &[])?;
-    if relay_envs::TEXT_GAME_IDS.contains(&config.run.env_id.as_str()) {
-        return play_text_games(&args, &config.run.env_id.clone(), Some(&text), Some(&dir));
+    let config = read_resolved_config(&dir.join("config.yaml"))?;
+    if config.is_text_game() {
+        return play_text_games(&args, &config.run.env_id, Some(&config), Some(&dir));
     }
     let spec = relay_policy::spec_for(&config)?;
     let mut model = ActorCritic::new(&spec, config.run.seed)?;

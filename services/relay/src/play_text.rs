@@ -27,6 +27,8 @@ pub struct Player {
     model: CausalLm,
     tokenizer: Tokenizer,
     adapter: Option<Arc<LoraAdapter>>,
+    /// Sent before each observation (`text.system_prompt`).
+    system_prompt: Option<String>,
     stop: StopCondition,
     /// `None`: greedy.
     sampling: Option<SamplingParams>,
@@ -54,30 +56,60 @@ impl Player {
                     .with_context(|| format!("adapter {}", dir.display()))
             })
             .transpose()?;
+        Ok(Self::from_parts(
+            model,
+            tokenizer,
+            adapter,
+            temperature,
+            max_tokens,
+            seed,
+        ))
+    }
+
+    /// A player over a model already in memory (e.g. one being trained).
+    pub fn from_parts(
+        model: CausalLm,
+        tokenizer: Tokenizer,
+        adapter: Option<Arc<LoraAdapter>>,
+        temperature: f32,
+        max_tokens: usize,
+        seed: u64,
+    ) -> Self {
         let mut stop_token_ids = model.config().eos_token_ids.clone();
         stop_token_ids.extend(tokenizer.eos_token_id());
         let sampling = (temperature > 0.0).then(|| SamplingParams {
             temperature,
             ..SamplingParams::default()
         });
-        Ok(Self {
+        Self {
             model,
             tokenizer,
             adapter,
+            system_prompt: None,
             stop: StopCondition {
                 max_new_tokens: max_tokens,
                 stop_token_ids,
             },
             sampling,
             seed,
-        })
+        }
+    }
+
+    /// Sends `system` before each observation, as `text.system_prompt`
+    /// makes the env-runners do.
+    pub fn with_system_prompt(mut self, system: Option<String>) -> Self {
+        self.system_prompt = system;
+        self
     }
 
     /// The model's move for `observation`.
     pub fn choose(&mut self, observation: &str) -> Result<String> {
-        let prompt = self
-            .tokenizer
-            .encode_chat(&[ChatMessage::user(observation)], true)?;
+        let mut messages = Vec::with_capacity(2);
+        if let Some(system) = &self.system_prompt {
+            messages.push(ChatMessage::system(system));
+        }
+        messages.push(ChatMessage::user(observation));
+        let prompt = self.tokenizer.encode_chat(&messages, true)?;
         let sampler = match &self.sampling {
             None => Sampler::greedy(),
             Some(params) => Sampler::new(params.clone(), self.seed)?,
@@ -106,9 +138,20 @@ enum Seat<'a> {
     Human,
 }
 
+/// How one game went.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GameSummary {
+    /// Final reward per seat.
+    pub rewards: Vec<f64>,
+    /// Moves the model submitted.
+    pub model_moves: u32,
+    /// Of those, the moves the game refused.
+    pub model_invalid_moves: u32,
+}
+
 /// Plays one game of `env_id` with the model in seat `model_seat` and
 /// `opponent` in the other; prints every turn to `out`, reads the human's
-/// moves from `input`. Returns the final rewards.
+/// moves from `input`.
 pub fn play_game(
     env_id: &str,
     player: &mut Player,
@@ -117,7 +160,7 @@ pub fn play_game(
     seed: u64,
     input: &mut dyn BufRead,
     out: &mut dyn Write,
-) -> Result<Vec<f64>> {
+) -> Result<GameSummary> {
     let mut game = relay_envs::make_text_game(env_id)?;
     game.reset(seed);
     let players = game.num_players();
@@ -146,6 +189,7 @@ pub fn play_game(
     }
     // What each player has been shown already.
     let mut shown = vec![0usize; players];
+    let (mut model_moves, mut model_invalid_moves) = (0, 0);
     while !game.is_done() {
         let p = game.current_player();
         let observation = game.observation(p);
@@ -174,6 +218,10 @@ pub fn play_game(
             }
         };
         let outcome = game.step(&action)?;
+        if p == model_seat {
+            model_moves += 1;
+            model_invalid_moves += u32::from(outcome.invalid_move);
+        }
         if outcome.invalid_move {
             writeln!(out, "player {p}: invalid move {action:?}")?;
         }
@@ -192,5 +240,9 @@ pub fn play_game(
             info.reason.as_deref().unwrap_or("")
         )?;
     }
-    Ok(rewards)
+    Ok(GameSummary {
+        rewards,
+        model_moves,
+        model_invalid_moves,
+    })
 }

@@ -18,7 +18,7 @@ fn tiny_qwen2() -> String {
 fn the_model_plays_a_bot_to_the_end() {
     let mut player = relay::play_text::Player::new(&tiny_qwen2(), None, 0.0, 8, 1).unwrap();
     let mut out = Vec::new();
-    let rewards = relay::play_text::play_game(
+    let game = relay::play_text::play_game(
         "TicTacToe-v0",
         &mut player,
         0,
@@ -29,7 +29,9 @@ fn the_model_plays_a_bot_to_the_end() {
     )
     .unwrap();
     let text = String::from_utf8(out).unwrap();
-    assert_eq!(rewards.len(), 2, "{text}");
+    assert_eq!(game.rewards.len(), 2, "{text}");
+    assert!(game.model_moves >= 1, "{text}");
+    assert!(game.model_invalid_moves <= game.model_moves);
     assert!(text.contains("player 0 (model):"), "{text}");
     assert!(text.contains("(minimax)"), "{text}");
     assert!(text.contains("reward"), "{text}");

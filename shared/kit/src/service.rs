@@ -287,12 +287,13 @@ fn short_random() -> String {
 /// glibc returns freed blocks of 128 KiB and more to the OS at once, so a
 /// forward or train step over a few hundred rows pays its page faults again
 /// on every call (measured: 1.8x slower at 512 rows). Keep them instead.
-fn keep_freed_memory() {
+/// Call first thing in `main`, before any other thread exists.
+pub fn keep_freed_memory() {
     #[cfg(target_env = "gnu")]
     // SAFETY: mallopt only changes allocator thresholds; called before any
     // other thread exists.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
     }
 }
