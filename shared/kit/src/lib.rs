@@ -13,6 +13,7 @@ pub mod config;
 pub mod connect;
 pub mod http;
 pub mod intake;
+pub mod league;
 pub mod metrics;
 pub mod service;
 pub mod shutdown;
