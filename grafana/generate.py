@@ -678,12 +678,12 @@ games = dashboard(
 
 # --- league -------------------------------------------------------------------
 
-# Placeholders for the league of game-playing runs (issue 8): TrueSkill
-# ratings per player and games by outcome. No service exports these yet.
+# The league of game-playing runs: TrueSkill ratings per player and games by
+# outcome, exported by the tracker from the run's pool in Redis.
 league = dashboard(
     "relay-league",
     "relay: league",
-    "Self-play league (games): TrueSkill ratings per player and games played. Filled once the league exports its metrics.",
+    "Self-play league (games): TrueSkill ratings per player and games played, from the run's league pool.",
     [
         panel("timeseries", "Rating mu by player", [t(sel("relay_league_rating_mu"), "{{player}}")], w=12,
               description="TrueSkill mean rating of each player (policy snapshot)."),
@@ -691,8 +691,10 @@ league = dashboard(
               description="TrueSkill rating uncertainty of each player."),
         panel("timeseries", "Conservative rating (mu - 3 sigma)",
               [t(f"{sel('relay_league_rating_mu')} - 3 * {sel('relay_league_rating_sigma')}", "{{player}}")], w=12),
-        panel("timeseries", "Games per minute by outcome",
-              [t(f"60 * sum by (outcome) (rate({sel('relay_league_games_total')}[{RI}]))", "{{outcome}}")], w=12),
+        panel("timeseries", "Games per minute by player and outcome",
+              [t(f"60 * sum by (player, outcome) (rate({sel('relay_league_games_total')}[{RI}]))",
+                 "{{player}} {{outcome}}")], w=12,
+              description="Each league game counts once for each of its two players."),
         panel(
             "table", "Ratings now",
             [

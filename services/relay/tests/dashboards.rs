@@ -38,8 +38,9 @@ const TEXT_RUN_DASHBOARDS: &[&str] = &["relay-games"];
 /// Metrics that panels show but that no service exports yet. A query that
 /// names one must still be valid PromQL; it may return nothing.
 const PENDING: &[&str] = &[
-    // The league of game-playing runs (issue 8): TrueSkill ratings per
-    // player and games by outcome. No service exports them yet.
+    // The league of game-playing runs: the tracker exports TrueSkill
+    // ratings and games per player once the run has a league pool, which
+    // this CartPole run has not.
     "relay_league_rating_mu",
     "relay_league_rating_sigma",
     "relay_league_games_total",

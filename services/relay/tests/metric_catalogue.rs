@@ -82,6 +82,32 @@ async fn metric_catalogue_matches_what_services_emit() {
         "catalogue-text",
     );
     let (trigger, shutdown) = Shutdown::new();
+    // A league pool with one game recorded, for the tracker's league series.
+    let store = relay_kit::league::LeagueStore::new(
+        relay_kit::connect_redis(&redis.url(), &shutdown)
+            .await
+            .unwrap(),
+        "catalogue",
+    );
+    let random = relay_league::FixedOpponent {
+        name: "random".into(),
+        kind: relay_league::FixedKind::Random,
+    };
+    store
+        .update(Default::default(), &[random], |pool| {
+            pool.add_version(relay_league::PolicyVersion {
+                version: 1,
+                parent: None,
+                weights_ref: "v1".into(),
+            })?;
+            pool.record_result(
+                &relay_league::MemberId::Version(1),
+                &relay_league::MemberId::Fixed("random".into()),
+                relay_league::Outcome::Win,
+            )
+        })
+        .await
+        .unwrap();
     let config = || ServiceConfig::for_test(experiment.clone());
     let text_config = || ServiceConfig::for_test(text_experiment.clone());
     let tasks = vec![

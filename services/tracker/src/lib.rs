@@ -12,14 +12,16 @@
 //!   abandoned timeline are purged from both ([`timeline`]);
 //! - `plots/*.png`: learning curves, drawn at shutdown ([`plots`]);
 //! - `episodes.jsonl`, `eval.jsonl`: every finished training episode batch and eval;
-//! - `status.json`: the latest run status;
+//! - `status.json`: the run's status (never down from solved) and the last update;
 //! - `logs/<service>.log`: every service's log lines.
 //!
 //! The learner writes `checkpoints/` into the same directory.
-//! Each run is also recorded in `<runs_dir>/runs.json` ([`registry`]).
+//! Each run is also recorded in `<runs_dir>/runs.json` ([`registry`]), and
+//! the league's ratings, when the run has a pool, are exported ([`league`]).
 
 pub mod alerts;
 pub mod csv;
+pub mod league;
 pub mod plots;
 pub mod registry;
 pub mod timeline;
@@ -356,6 +358,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let run_id = cfg.run_id()?.to_string();
     let mut dir = RunDir::open(cfg.run.runs_dir.join(&run_id), &cfg.to_yaml())?;
     let mut run_record = registry::RunRecorder::start(&cfg, &run_id);
+    tokio::spawn(league::follow(
+        service.config.clone(),
+        service.registry.clone(),
+        shutdown.clone(),
+    ));
     let mut exported = Exported::new(service.registry.clone());
     let mut alerts = alerts::Alerts::open(&dir.root, &service)?;
     let s = &service.subjects;
