@@ -95,6 +95,8 @@ enum Command {
     Model(relay::model::ModelArgs),
     /// Supervised warm start of a text-game policy: learn moves from bot games or a JSONL file.
     Sft(relay::sft::SftArgs),
+    /// The tiny model from scratch: SFT on random legal moves, then RL against the random bot; legal-move and win rates over time.
+    BenchTictactoe(relay::bench_tictactoe::BenchTicTacToeArgs),
     /// Generation tokens/s and request latency of the inference server for
     /// several models and batch sizes; print a table and JSON.
     BenchGenerate(relay::bench_generate::BenchGenerateArgs),
@@ -126,6 +128,7 @@ fn main() -> Result<()> {
         Command::Play(args) => relay::play::play(args),
         Command::Model(args) => relay::model::model(args),
         Command::Sft(args) => relay::sft::sft(args),
+        Command::BenchTictactoe(args) => relay::bench_tictactoe::bench_tictactoe(args),
         Command::BenchGenerate(args) => relay::bench_generate::bench_generate(args),
     }
 }

@@ -313,6 +313,11 @@ fn comma_list(text: &str) -> Vec<String> {
 
 /// `relay sft`.
 pub fn sft(args: SftArgs) -> Result<()> {
+    run_sft(args).map(|_| ())
+}
+
+/// `relay sft`, returning what it printed last.
+pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     let started = Instant::now();
     if !relay_envs::TEXT_GAME_IDS.contains(&args.env.as_str()) {
         bail!(
@@ -546,5 +551,5 @@ pub fn sft(args: SftArgs) -> Result<()> {
     )?;
     println!("wrote {}", summary.output.display());
     println!("{}", serde_json::to_string(&summary)?);
-    Ok(())
+    Ok(summary)
 }

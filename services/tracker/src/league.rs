@@ -205,13 +205,19 @@ mod tests {
         );
         let mu = |player: &str| pool.get(&player.parse().unwrap()).unwrap().rating.mu;
         assert!(mu("v2") > mu("v1"));
-        assert!(text.contains(&format!(r#"relay_league_rating_mu{{player="v2"}} {}"#, mu("v2"))));
+        assert!(text.contains(&format!(
+            r#"relay_league_rating_mu{{player="v2"}} {}"#,
+            mu("v2")
+        )));
 
         // v3 joins; keep_latest 2 evicts v1, whose series go.
         pool.add_version(version(3)).unwrap();
         export.update(&pool);
         let text = exported(&registry);
         assert!(!text.contains(r#"player="v1""#), "{text}");
-        assert!(text.contains(r#"relay_league_rating_sigma{player="v3"}"#), "{text}");
+        assert!(
+            text.contains(r#"relay_league_rating_sigma{player="v3"}"#),
+            "{text}"
+        );
     }
 }

@@ -1,0 +1,313 @@
+//! `relay bench-tictactoe`: the proof that play improves a policy.
+//!
+//! 1. `relay model init tiny`: a random tiny Qwen2 (`<work>/tiny`).
+//! 2. `relay sft --full` on games of random legal moves: the model learns
+//!    the format (legal moves), not the strategy; its greedy games against
+//!    the random bot and minimax are the SFT-only starting point.
+//! 3. RL with all six services (`relay up` on `--config`, by default
+//!    `configs/tictactoe-grpo.yaml`, with `llm.model` set to the SFT model)
+//!    for `--minutes`; the `vs-opponent` evaluator plays the current
+//!    version against random and minimax every `--eval-every-s` seconds,
+//!    and each evaluation prints a row as it arrives (from the run's
+//!    `eval.jsonl`). Decoding is not constrained to legal moves
+//!    (`text.constrained=false`), so the legal-move rate is the model's.
+//!
+//! Ends with a table (SFT only, first and last RL evaluation: legal-move
+//! rate and non-loss rate against each opponent) and a JSON line.
+
+use std::io::{BufRead, BufReader, Seek, SeekFrom};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use serde_json::{json, Value};
+
+use crate::sft::{EvalResult, SftArgs};
+use crate::UpArgs;
+
+/// Flags of `relay bench-tictactoe`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchTicTacToeArgs {
+    /// Minutes of RL after the SFT warm start.
+    #[arg(long, default_value_t = 15.0)]
+    pub minutes: f64,
+    /// The RL config.
+    #[arg(long, default_value = "configs/tictactoe-grpo.yaml")]
+    pub config: PathBuf,
+    /// Override config fields of the RL run (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Folder for the tiny model, the SFT output and the runs.
+    #[arg(long, default_value = "bench/tictactoe")]
+    pub work_dir: PathBuf,
+    /// Games of random legal moves the SFT data comes from.
+    #[arg(long, default_value_t = 300)]
+    pub sft_games: usize,
+    /// Passes of SFT over those moves.
+    #[arg(long, default_value_t = 2)]
+    pub sft_epochs: usize,
+    /// Games per opponent and seat in each evaluation.
+    #[arg(long, default_value_t = 20)]
+    pub eval_games: usize,
+    /// Seconds between evaluations of the RL run.
+    #[arg(long, default_value_t = 120)]
+    pub eval_every_s: u64,
+    /// Folder for the stack's state.
+    #[arg(long, default_value = ".relay")]
+    pub state_dir: PathBuf,
+}
+
+/// Legal-move rate and non-loss rates of one evaluation.
+#[derive(Debug, Clone, PartialEq)]
+struct Row {
+    stage: String,
+    minutes: f64,
+    version: Option<u64>,
+    results: Vec<EvalResult>,
+}
+
+impl Row {
+    fn legal_move_rate(&self) -> f64 {
+        let moves: u32 = self.results.iter().map(|r| r.moves).sum();
+        let invalid: u32 = self.results.iter().map(|r| r.invalid_moves).sum();
+        if moves == 0 {
+            1.0
+        } else {
+            1.0 - invalid as f64 / moves as f64
+        }
+    }
+
+    fn non_loss(&self, opponent: &str) -> Option<f64> {
+        self.results
+            .iter()
+            .find(|r| r.opponent == opponent)
+            .map(EvalResult::non_loss_rate)
+    }
+
+    fn print(&self) {
+        let cell = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * v));
+        let wdl = |opponent: &str| {
+            self.results
+                .iter()
+                .find(|r| r.opponent == opponent)
+                .map_or("-".to_string(), |r| {
+                    format!("{}/{}/{}", r.wins, r.draws, r.losses)
+                })
+        };
+        println!(
+            "| {} | {:.1} | {} | {:.1}% | {} | {} | {} | {} |",
+            self.stage,
+            self.minutes,
+            self.version.map_or("-".to_string(), |v| v.to_string()),
+            100.0 * self.legal_move_rate(),
+            cell(self.non_loss("random")),
+            wdl("random"),
+            cell(self.non_loss("minimax")),
+            wdl("minimax"),
+        );
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "stage": self.stage,
+            "minutes": (self.minutes * 100.0).round() / 100.0,
+            "version": self.version,
+            "legal_move_rate": self.legal_move_rate(),
+            "non_loss_vs_random": self.non_loss("random"),
+            "non_loss_vs_minimax": self.non_loss("minimax"),
+        })
+    }
+}
+
+fn header() {
+    println!("| stage | minutes | version | legal moves | non-loss vs random | W/D/L random | non-loss vs minimax | W/D/L minimax |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+}
+
+/// One `eval.jsonl` line with matchups as a row (both seats summed per opponent).
+fn eval_row(line: &Value, started: Instant) -> Option<Row> {
+    let matchups = line["matchups"].as_array().filter(|m| !m.is_empty())?;
+    let mut results: Vec<EvalResult> = Vec::new();
+    for m in matchups {
+        let opponent = m["opponent"].as_str()?.to_string();
+        let index = match results.iter().position(|r| r.opponent == opponent) {
+            Some(i) => i,
+            None => {
+                results.push(EvalResult {
+                    opponent,
+                    ..Default::default()
+                });
+                results.len() - 1
+            }
+        };
+        let r = &mut results[index];
+        let n = |k: &str| m[k].as_u64().unwrap_or(0) as u32;
+        r.games += n("games");
+        r.wins += n("wins");
+        r.draws += n("draws");
+        r.losses += n("losses");
+        r.moves += n("moves");
+        r.invalid_moves += n("invalid_moves");
+    }
+    Some(Row {
+        stage: "RL".into(),
+        minutes: started.elapsed().as_secs_f64() / 60.0,
+        version: line["policy_version"].as_u64(),
+        results,
+    })
+}
+
+/// Prints each evaluation of `eval.jsonl` as it is appended, until `stop`.
+fn follow_evals(path: PathBuf, started: Instant, stop: Arc<AtomicBool>) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let mut offset = 0u64;
+    let mut pending = String::new();
+    loop {
+        let stopping = stop.load(Ordering::Relaxed);
+        if let Ok(mut file) = std::fs::File::open(&path) {
+            if file.seek(SeekFrom::Start(offset)).is_ok() {
+                let mut reader = BufReader::new(file);
+                let mut line = String::new();
+                while let Ok(n) = reader.read_line(&mut line) {
+                    if n == 0 {
+                        break;
+                    }
+                    offset += n as u64;
+                    pending.push_str(&line);
+                    line.clear();
+                    if pending.ends_with('\n') {
+                        if let Some(row) = serde_json::from_str::<Value>(pending.trim())
+                            .ok()
+                            .and_then(|v| eval_row(&v, started))
+                        {
+                            row.print();
+                            rows.push(row);
+                        }
+                        pending.clear();
+                    }
+                }
+            }
+        }
+        if stopping {
+            return rows;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// `relay bench-tictactoe`.
+pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&args.work_dir)
+        .with_context(|| format!("creating {}", args.work_dir.display()))?;
+    let work = std::fs::canonicalize(&args.work_dir)?;
+    let tiny = work.join("tiny");
+    crate::model::init_tiny(&tiny, 0)?;
+
+    println!("== SFT on {} games of random legal moves", args.sft_games);
+    let sft_out = work.join("sft");
+    let summary = crate::sft::run_sft(SftArgs {
+        env: "TicTacToe-v0".into(),
+        model: tiny.display().to_string(),
+        out: sft_out.clone(),
+        data: None,
+        games: args.sft_games,
+        bots: "random,random".into(),
+        write_data: None,
+        full: true,
+        rank: 8,
+        alpha: 16.0,
+        epochs: args.sft_epochs,
+        batch_size: 32,
+        minibatch_size: 8,
+        lr: 1e-3,
+        max_seq_len: None,
+        system_prompt: None,
+        holdout: 0.05,
+        eval_games: args.eval_games,
+        eval_opponents: "random,minimax".into(),
+        max_tokens: 8,
+        seed: 0,
+    })?;
+    let sft_minutes = started.elapsed().as_secs_f64() / 60.0;
+    let sft_row = Row {
+        stage: "SFT only".into(),
+        minutes: sft_minutes,
+        version: None,
+        results: summary.after.clone(),
+    };
+
+    println!("== RL for {} minutes", args.minutes);
+    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
+    let run_id = format!("{}-bench", crate::make_run_id(&config));
+    let runs_dir = work.join("runs");
+    let mut overrides = args.overrides.clone();
+    overrides.extend([
+        format!("llm.model={}", sft_out.join("model").display()),
+        format!("run.runs_dir={}", runs_dir.display()),
+        "run.stop_when_solved=false".into(),
+        // The legal-move rate is the model's own: no decoding constrained to legal moves.
+        "text.constrained=false".into(),
+        "run.total_env_steps=1000000000".into(),
+        format!("eval.every_seconds={}", args.eval_every_s),
+        format!("eval.options.games={}", args.eval_games),
+    ]);
+    let up = UpArgs {
+        config: args.config.clone(),
+        overrides,
+        run_id: Some(run_id.clone()),
+        until_solved: false,
+        env_runners: 1,
+        inference_servers: 1,
+        state_dir: args.state_dir.clone(),
+        quiet: true,
+        without: Vec::new(),
+        for_seconds: Some((args.minutes * 60.0).round().max(1.0) as u64),
+        resume: None,
+        checkpoint: "last".into(),
+        init_from: None,
+        reset_optimizer: false,
+    };
+    header();
+    sft_row.print();
+    let stop = Arc::new(AtomicBool::new(false));
+    let follower = {
+        let (path, stop) = (runs_dir.join(&run_id).join("eval.jsonl"), stop.clone());
+        std::thread::spawn(move || follow_evals(path, started, stop))
+    };
+    let outcome = crate::up(up);
+    stop.store(true, Ordering::Relaxed);
+    let rows = follower
+        .join()
+        .map_err(|_| anyhow::anyhow!("the eval follower panicked"))?;
+    outcome?;
+
+    println!();
+    header();
+    sft_row.print();
+    if let Some(first) = rows.first() {
+        first.print();
+    }
+    if rows.len() > 1 {
+        rows.last().expect("non-empty").print();
+    }
+    let last = rows.last();
+    println!(
+        "{}",
+        json!({
+            "env": "TicTacToe-v0",
+            "run_id": run_id,
+            "rl_minutes": args.minutes,
+            "sft_minutes": (sft_minutes * 100.0).round() / 100.0,
+            "evaluations": rows.len(),
+            "sft_only": sft_row.json(),
+            "first_rl": rows.first().map(Row::json),
+            "last_rl": last.map(Row::json),
+            "targets_met": last.map(|r| r.legal_move_rate() >= 0.98
+                && r.non_loss("random").unwrap_or(0.0) >= 0.90),
+        })
+    );
+    Ok(())
+}
