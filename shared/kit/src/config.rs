@@ -1067,7 +1067,9 @@ impl LoraSection {
                     "lora.target_modules",
                     format!(
                         "unknown module {name:?}; known: {}",
-                        relay_llm::LoraTarget::ALL.map(|t| t.module_name()).join(", ")
+                        relay_llm::LoraTarget::ALL
+                            .map(|t| t.module_name())
+                            .join(", ")
                     ),
                 )
             })?;
@@ -1082,7 +1084,9 @@ impl LoraSection {
             targets,
             use_rslora: self.use_rslora,
         };
-        config.validate().map_err(|e| invalid("lora", e.to_string()))?;
+        config
+            .validate()
+            .map_err(|e| invalid("lora", e.to_string()))?;
         Ok(config)
     }
 
@@ -1876,8 +1880,8 @@ mod text_training_tests {
         let train = c.rl.train_config(32).unwrap();
         assert_eq!(train.objective, relay_llm::ObjectiveConfig::grpo());
         assert_eq!(train.batch.batch_size, c.rl.batch_size);
-        let c = ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.preset=rloo".into()])
-            .unwrap();
+        let c =
+            ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.preset=rloo".into()]).unwrap();
         assert_eq!(
             c.rl.train_config(32).unwrap().objective,
             relay_llm::ObjectiveConfig::rloo()

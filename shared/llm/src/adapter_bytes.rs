@@ -40,11 +40,9 @@ pub fn to_peft_bytes(adapter: &LoraAdapter, base_model: Option<&str>) -> Result<
         .map(|(name, var)| Ok((name, var.as_tensor().to_dtype(DType::F32)?.contiguous()?)))
         .collect::<Result<_>>()?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let safetensors = safetensors::serialize(
-        tensors.iter().map(|(n, t)| (n.as_str(), t)),
-        Some(metadata),
-    )
-    .map_err(|e| ModelError::weights(std::path::Path::new("<memory>"), e.to_string()))?;
+    let safetensors =
+        safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
+            .map_err(|e| ModelError::weights(std::path::Path::new("<memory>"), e.to_string()))?;
     let config_json =
         serde_json::to_string_pretty(&lora_config_to_peft_json(adapter.config(), base_model))
             .expect("a JSON value serialises");

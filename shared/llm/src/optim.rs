@@ -293,11 +293,9 @@ impl AdamW {
             }
         }
         let metadata = HashMap::from([(STEPS_KEY.to_string(), self.steps.to_string())]);
-        let bytes = safetensors::serialize(
-            tensors.iter().map(|(n, t)| (n.as_str(), t)),
-            Some(metadata),
-        )
-        .map_err(|e| TrainError::BadInput(format!("optimizer state: {e}")))?;
+        let bytes =
+            safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
+                .map_err(|e| TrainError::BadInput(format!("optimizer state: {e}")))?;
         let tmp = path.with_extension("safetensors.tmp");
         let io = |e: std::io::Error| TrainError::BadInput(format!("{}: {e}", path.display()));
         std::fs::write(&tmp, bytes).map_err(io)?;
@@ -381,7 +379,8 @@ mod state_tests {
         let mut opt = AdamW::new(vec![("x".into(), x.clone())], config.clone()).unwrap();
         step_with(&mut opt, &x);
         step_with(&mut opt, &x);
-        let path = std::env::temp_dir().join(format!("relay-adamw-{}.safetensors", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("relay-adamw-{}.safetensors", std::process::id()));
         opt.save(&path).unwrap();
 
         // The same start point and state in a new optimizer.

@@ -474,7 +474,11 @@ impl WireMessage for GameSampleRequest {
     }
     fn validate(&self) -> Result<(), Rejection> {
         if self.max_turns == 0 {
-            return Err(invalid("GameSampleRequest", "max_turns", "must be positive"));
+            return Err(invalid(
+                "GameSampleRequest",
+                "max_turns",
+                "must be positive",
+            ));
         }
         Ok(())
     }

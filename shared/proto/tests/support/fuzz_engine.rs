@@ -954,7 +954,10 @@ impl Subject for GameSampleReply {
         self.games.iter().flat_map(|g| g.tensors()).collect()
     }
     fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
-        self.games.iter_mut().flat_map(|g| g.tensors_mut()).collect()
+        self.games
+            .iter_mut()
+            .flat_map(|g| g.tensors_mut())
+            .collect()
     }
     fn corrupt(&mut self, rng: &mut Rng) -> bool {
         if self.games.is_empty() {
