@@ -1378,7 +1378,18 @@ impl ExperimentConfig {
         positive("inference.max_batch", self.inference.max_batch)?;
         positive("inference.threads", self.inference.threads)?;
         self.llm.validate()?;
-        if self.replay.capacity_steps < self.ppo.rollout_steps as u64 {
+        // Text runs gather `rl.batch_size` learning moves (a replay "step").
+        if self.is_text_game() {
+            if self.replay.capacity_steps < self.rl.batch_size as u64 {
+                return Err(invalid(
+                    "replay.capacity_steps",
+                    format!(
+                        "{} is smaller than rl.batch_size ({}): the learner could never gather a batch",
+                        self.replay.capacity_steps, self.rl.batch_size
+                    ),
+                ));
+            }
+        } else if self.replay.capacity_steps < self.ppo.rollout_steps as u64 {
             return Err(invalid(
                 "replay.capacity_steps",
                 format!(
