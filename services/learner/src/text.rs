@@ -660,7 +660,11 @@ pub(crate) async fn run(
             seconds,
             "update"
         );
-        if state.progress.updates % cfg.rl.checkpoint_every == 0 {
+        if state
+            .progress
+            .updates
+            .is_multiple_of(cfg.rl.checkpoint_every)
+        {
             state.moving_baseline = trainer.moving_baseline();
             checkpoint(&state, &trainer, false);
         }
