@@ -623,8 +623,6 @@ pub(crate) async fn run(
                     gauge("learner_policy_loss", mean(|s| s.policy_loss)),
                     gauge("learner_kl_ref", mean(|s| s.kl)),
                     gauge("learner_entropy", mean(|s| s.entropy)),
-                    gauge("learner_approx_kl", mean(|s| s.approx_kl)),
-                    gauge("learner_clip_fraction", mean(|s| s.clip_fraction)),
                     gauge("learner_grad_norm", mean(|s| s.grad_norm)),
                     gauge("learner_learning_rate", trainer.optimizer().config().lr),
                     gauge("learner_reward_mean", reward_mean),

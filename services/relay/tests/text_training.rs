@@ -260,3 +260,34 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
         .unwrap()
         .unwrap();
 }
+
+#[test]
+fn relay_up_writes_a_missing_tiny_model_and_nothing_else() {
+    let dir = TempDir::new("tiny-model");
+    let config = |model: &std::path::Path| {
+        let text = format!(
+            "run:\n  env_id: TicTacToe-v0\nllm:\n  model: {}\n",
+            model.display()
+        );
+        ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap()
+    };
+    let tiny = dir.path().join("models/tiny");
+    assert_eq!(
+        relay::stack::ensure_tiny_model(&config(&tiny)).unwrap(),
+        Some(tiny.clone())
+    );
+    let loaded = relay_llm::CausalLm::load_hf(&tiny).unwrap();
+    assert_eq!(loaded.config().num_hidden_layers, 3);
+    // Present: left alone.
+    assert_eq!(
+        relay::stack::ensure_tiny_model(&config(&tiny)).unwrap(),
+        None
+    );
+    // Any other missing model is not invented (the services then report it).
+    let other = dir.path().join("models/qwen");
+    assert_eq!(
+        relay::stack::ensure_tiny_model(&config(&other)).unwrap(),
+        None
+    );
+    assert!(!other.exists());
+}
