@@ -291,3 +291,82 @@ fn relay_up_writes_a_missing_tiny_model_and_nothing_else() {
     );
     assert!(!other.exists());
 }
+
+/// A big adapter goes through the JetStream object store, and an
+/// inference server that starts after the learner published gets the
+/// current version from `adapters.latest` and serves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_inference_server_serves_the_current_adapter_from_the_object_store() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let dir = TempDir::new("late-server");
+    let runs = dir.path().join("runs");
+    let run_id = "late-server";
+    let model_dir = tiny_model(dir.path());
+    let mut experiment = experiment(run_id, &runs, &model_dir, &nats.url(), &redis.url());
+    // Every version through the object store.
+    experiment.lora.inline_max_bytes = 0;
+    let subjects = Subjects::new(run_id);
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut adapters = client.subscribe(subjects.adapters()).await.unwrap();
+    let (trigger, shutdown) = Shutdown::new();
+    let config = || ServiceConfig::for_test(experiment.clone());
+    let learner = tokio::spawn(relay_learner::run(config(), shutdown.clone()));
+    let first = tokio::time::timeout(Duration::from_secs(30), adapters.next())
+        .await
+        .expect("the learner publishes version 0")
+        .unwrap();
+    let first: AdapterUpdate = relay_proto::decode(&first.payload).unwrap();
+    assert_eq!(first.version, 0);
+    let relay_proto::AdapterPayload::ObjectStore { bucket, key } = &first.payload else {
+        panic!("inline_max_bytes 0 sends every version through the object store");
+    };
+    assert_eq!(bucket, &format!("relay-{run_id}-adapters"));
+    assert_eq!(key, "policy/v0");
+
+    // Only now the inference server starts: it asks for the current version.
+    let server = tokio::spawn(relay_inference_server::run(config(), shutdown.clone()));
+    let request = relay_proto::GenerateRequest::new(
+        Some(relay_proto::AdapterRef {
+            name: "policy".into(),
+            version: None,
+        }),
+        relay_proto::Prompt::Text("hello".into()),
+        relay_proto::SamplingParams {
+            max_tokens: 2,
+            ..Default::default()
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let reply: relay_proto::GenerateReply = loop {
+        match relay_kit::request(
+            &client,
+            &subjects.generate(),
+            &request,
+            Duration::from_secs(5),
+        )
+        .await
+        {
+            Ok(reply) => break reply,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "never served: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!(
+        reply.adapter,
+        Some(relay_proto::AdapterRef {
+            name: "policy".into(),
+            version: Some(0)
+        })
+    );
+    trigger.trigger();
+    for task in [learner, server] {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("service stops")
+            .unwrap()
+            .unwrap();
+    }
+}
