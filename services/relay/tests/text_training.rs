@@ -29,7 +29,7 @@ fn tiny_model(dir: &std::path::Path) -> std::path::PathBuf {
 /// batch holds whole games, so it may hold fewer moves: there are at least
 /// that many updates).
 const BATCH: u64 = 8;
-const BUDGET_BATCHES: u64 = 4;
+const BUDGET_BATCHES: u64 = 3;
 
 fn experiment(
     run_id: &str,
@@ -90,12 +90,15 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
     // trained version (>= 1) has been seen.
     let mut published: Vec<u64> = Vec::new();
     let mut played: BTreeSet<u64> = BTreeSet::new();
-    let mut learner_done = false;
+    // The final version, from the learner's status.
+    let mut learner_done: Option<u64> = None;
     let deadline = Instant::now() + Duration::from_secs(120);
-    while !(learner_done && played.iter().any(|&v| v >= 1)) {
+    while !(learner_done.is_some_and(|last| published.last() == Some(&last))
+        && played.iter().any(|&v| v >= 1))
+    {
         assert!(
             Instant::now() < deadline,
-            "timed out: published {published:?}, games played by {played:?}, learner done {learner_done}"
+            "timed out: published {published:?}, games played by {played:?}, learner done at {learner_done:?}"
         );
         tokio::select! {
             Some(m) = adapters.next() => {
@@ -116,7 +119,7 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
                 let status: RunStatusUpdate = relay_proto::decode(&m.payload).unwrap();
                 if status.service == "learner" {
                     assert_eq!(status.status, RunStatus::Stopped, "{}", status.detail);
-                    learner_done = true;
+                    learner_done = Some(status.policy_version);
                 }
             }
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
