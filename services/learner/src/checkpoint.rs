@@ -14,6 +14,11 @@
 //! - `checkpoints/pinned.json` (a JSON array of checkpoint numbers, written by
 //!   `relay checkpoints pin`) lists checkpoints never removed; otherwise only
 //!   the newest `ppo.keep_checkpoints` and the best are kept.
+//! - Text runs (LoRA adapters, [`crate::text`]) write
+//!   `adapter/{adapter_config.json, adapter_model.safetensors}` (PEFT),
+//!   `optimizer.safetensors` (AdamW moments, [`relay_llm::AdamW::save`]) and
+//!   a `state.json` of [`crate::text::TextCheckpointState`] instead of the
+//!   model and Adam files.
 //! - `checkpoints/published.json` records the highest weights version the
 //!   learner has published (written before each publish), so a resumed
 //!   learner publishes above it and no subscriber sees the version go back.
@@ -233,24 +238,51 @@ pub fn save(
     config: &ExperimentConfig,
     best: bool,
 ) -> Result<PathBuf, CheckpointError> {
-    let progress = &state.progress;
+    write(
+        run_dir,
+        state.progress.updates,
+        config,
+        config.ppo.keep_checkpoints,
+        best,
+        |tmp| {
+            model
+                .save(tmp.join("model.safetensors"))
+                .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+            adam.save(tmp.join("optimizer.safetensors"))
+                .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+            write_json(&tmp.join("state.json"), state)
+        },
+    )
+}
+
+/// Writes `value` as pretty JSON.
+pub fn write_json(path: &Path, value: &impl Serialize) -> Result<(), CheckpointError> {
+    std::fs::write(
+        path,
+        serde_json::to_vec_pretty(value).expect("state serializes"),
+    )
+    .map_err(io(path))
+}
+
+/// Writes checkpoint number `updates`: `fill` writes the learner's files
+/// into a temporary folder, then `config.yaml` is added and the folder is
+/// renamed into place and linked as `last` (and `best`); numbered
+/// checkpoints beyond the newest `keep` are pruned.
+pub fn write(
+    run_dir: &Path,
+    updates: u64,
+    config: &ExperimentConfig,
+    keep: usize,
+    best: bool,
+    fill: impl FnOnce(&Path) -> Result<(), CheckpointError>,
+) -> Result<PathBuf, CheckpointError> {
     let root = run_dir.join("checkpoints");
     std::fs::create_dir_all(&root).map_err(io(&root))?;
-    let name = format!("{:08}", progress.updates);
+    let name = format!("{updates:08}");
     let tmp = root.join(format!(".{name}.tmp"));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
-    model
-        .save(tmp.join("model.safetensors"))
-        .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
-    adam.save(tmp.join("optimizer.safetensors"))
-        .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
-    let state_path = tmp.join("state.json");
-    std::fs::write(
-        &state_path,
-        serde_json::to_vec_pretty(state).expect("state serializes"),
-    )
-    .map_err(io(&state_path))?;
+    fill(&tmp)?;
     let config_path = tmp.join("config.yaml");
     std::fs::write(&config_path, config.to_yaml()).map_err(io(&config_path))?;
     let dest = root.join(&name);
@@ -260,7 +292,7 @@ pub fn save(
     if best {
         set_link(&root, "best", &name)?;
     }
-    prune(run_dir, config.ppo.keep_checkpoints);
+    prune(run_dir, keep);
     Ok(dest)
 }
 

@@ -25,9 +25,14 @@
 //! start) and `learner_rollout_vec_steps`, so a reader can check that the
 //! series continues without gap or overlap. `run.init_from` loads only the
 //! weights (and the optimizer unless reset) of another run's checkpoint.
+//!
+//! Text runs (`run.env_id` a text game) train a LoRA adapter on games
+//! instead: see [`text`].
 
 pub mod checkpoint;
+pub mod examples;
 pub mod ppo;
+pub mod text;
 
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -59,16 +64,16 @@ pub struct Progress {
 
 /// Why training stopped.
 #[derive(Debug, Clone, PartialEq)]
-enum Finish {
+pub(crate) enum Finish {
     Budget,
     Solved(String),
     Shutdown,
 }
 
-struct Metrics {
-    version: IntGauge,
-    policy_lag: Histogram,
-    update_seconds: Histogram,
+pub(crate) struct Metrics {
+    pub(crate) version: IntGauge,
+    pub(crate) policy_lag: Histogram,
+    pub(crate) update_seconds: Histogram,
 }
 
 impl Metrics {
@@ -110,6 +115,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let service = Service::start("learner", config, shutdown.clone()).await?;
     let cfg = service.config.clone();
     let metrics = Metrics::register(&service.registry);
+    if cfg.is_text_game() {
+        return text::run(service, shutdown, metrics).await;
+    }
     let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
     let mut model = ActorCritic::new(&spec, cfg.run.seed).map_err(ServiceError::other)?;
     let adam_config = AdamConfig {

@@ -132,6 +132,12 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         overrides.push("run.reset_optimizer=true".into());
     }
     let config = ExperimentConfig::load(&args.config, &overrides)?;
+    if let Some(path) = stack::ensure_tiny_model(&config)? {
+        println!(
+            "relay: wrote the tiny model to {} (llm.model)",
+            path.display()
+        );
+    }
     let run_id = match resumed_id.or(args.run_id.clone()).or(config.run.id.clone()) {
         Some(id) => id,
         None => make_run_id(&config),

@@ -609,3 +609,28 @@ pub fn down(state_dir: &Path) -> Result<()> {
     std::fs::remove_file(path)?;
     Ok(())
 }
+
+/// Whether a missing `llm.model` folder is one `relay up` writes itself:
+/// its name is `tiny` or starts with `tiny-` (e.g. `models/tiny`).
+pub fn is_tiny_model_path(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n == "tiny" || n.starts_with("tiny-"))
+}
+
+/// Before the services start: when the run serves an LLM whose `llm.model`
+/// is a missing folder named `tiny` or `tiny-*`, writes the tiny random
+/// Qwen2 there (as `relay model init tiny --out <folder>`, seed 0), so a
+/// text-game config runs from a clean clone. Returns the folder written.
+pub fn ensure_tiny_model(config: &relay_kit::ExperimentConfig) -> Result<Option<PathBuf>> {
+    let Some(model) = config.llm.model.as_deref() else {
+        return Ok(None);
+    };
+    let path = PathBuf::from(model);
+    if !config.serves_llm() || path.exists() || !is_tiny_model_path(&path) {
+        return Ok(None);
+    }
+    crate::model::init_tiny(&path, 0)
+        .with_context(|| format!("llm.model {}: writing the tiny model", path.display()))?;
+    Ok(Some(path))
+}

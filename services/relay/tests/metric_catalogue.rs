@@ -1,9 +1,10 @@
 //! The metric catalogue (`configs/metrics.yaml`) and the services agree:
 //! every metric any service registers or reports is catalogued, and every
 //! catalogued metric is emitted by some service during a short real run (a
-//! CartPole run, and beside it a TicTacToe run of an env-runner and a
-//! `vs-opponent` evaluator with a stand-in for the inference servers'
-//! `generate` endpoint).
+//! CartPole run, and beside it a TicTacToe run of an env-runner, a
+//! `vs-opponent` evaluator, a replay buffer and a learner training the
+//! LoRA adapter over the tiny-qwen2 fixture, with a stand-in for the
+//! inference servers' `generate` endpoint).
 
 use std::time::{Duration, Instant};
 
@@ -72,9 +73,11 @@ async fn metric_catalogue_matches_what_services_emit() {
     );
     let experiment = ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap();
     let text_run = format!(
-        "run:\n  id: catalogue-text\n  env_id: TicTacToe-v0\n  runs_dir: {}\nconnections:\n  nats_url: {}\neval:\n  evaluator: vs-opponent\n  options: {{games: 2}}\ntext:\n  opponents: {{random: 1, minimax: 1}}\n  games_in_flight: 2\n",
+        "run:\n  id: catalogue-text\n  env_id: TicTacToe-v0\n  runs_dir: {}\nconnections:\n  nats_url: {}\n  redis_url: {}\neval:\n  evaluator: vs-opponent\n  options: {{games: 2}}\ntext:\n  opponents: {{random: 1, minimax: 1}}\n  games_in_flight: 2\nllm:\n  model: {}\nrl:\n  batch_size: 4\n  minibatch_size: 4\n",
         dir.path().display(),
-        nats.url()
+        nats.url(),
+        redis.url(),
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/tiny-qwen2"),
     );
     let text_experiment = ExperimentConfig::from_layers(&text_run, "test", &[], &[]).unwrap();
     spawn_stand_in_generate(
@@ -119,6 +122,10 @@ async fn metric_catalogue_matches_what_services_emit() {
         tokio::spawn(relay_learner::run(config(), shutdown.clone())),
         tokio::spawn(relay_env_runner::run(text_config(), shutdown.clone())),
         tokio::spawn(relay_evaluator::run(text_config(), shutdown.clone())),
+        // Text runs' replay buffer and learner (the LoRA trainer) on the
+        // stand-in's games.
+        tokio::spawn(relay_replay_buffer::run(text_config(), shutdown.clone())),
+        tokio::spawn(relay_learner::run(text_config(), shutdown.clone())),
     ];
     // Until every catalogued metric has shown up (reports come each second,
     // the learner's after its first update), or a deadline.

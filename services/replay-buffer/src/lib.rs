@@ -12,12 +12,23 @@
 //! Keys (all under `relay:<run>:`): `fifo` (list), `fifo:steps` (env steps
 //! held), `min_version` (oldest policy version the learner accepts),
 //! `stats` (hash of running totals).
+//!
+//! Text runs (`run.env_id` a text game) keep whole games instead
+//! ([`games`]): consumed from `relay.<run>.games`, sampled on
+//! `relay.<run>.replay.games.sample`.
+
+pub mod games;
 
 use futures::StreamExt;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts};
 use redis::AsyncCommands;
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
-use relay_proto::{InsertAck, RolloutFragment, SampleReply, SampleRequest, SCHEMA_VERSION};
+use relay_proto::{
+    GameRecord, GameSampleReply, GameSampleRequest, InsertAck, RolloutFragment, SampleReply,
+    SampleRequest, SCHEMA_VERSION,
+};
+
+use games::{GameInserted, GameStore};
 
 /// Redis key names of one run.
 #[derive(Clone)]
@@ -77,6 +88,10 @@ struct Metrics {
     dropped: IntCounterVec,
     refused_full: IntCounter,
     refused_rate: IntCounter,
+    size_games: IntGauge,
+    games_inserted: IntCounter,
+    games_sampled: IntCounter,
+    games_dropped: IntCounterVec,
 }
 
 impl Metrics {
@@ -117,7 +132,38 @@ impl Metrics {
         .unwrap();
         relay_kit::metrics::register(registry, &refused_full);
         relay_kit::metrics::register(registry, &refused_rate);
+        let size_games = IntGauge::new(
+            "relay_replay_size_games",
+            "Text games held for the learner (text runs).",
+        )
+        .unwrap();
+        let games_inserted = IntCounter::new(
+            "relay_replay_games_inserted_total",
+            "Text games stored (text runs).",
+        )
+        .unwrap();
+        let games_sampled = IntCounter::new(
+            "relay_replay_games_sampled_total",
+            "Text games handed to the learner (text runs).",
+        )
+        .unwrap();
+        let games_dropped = IntCounterVec::new(
+            Opts::new(
+                "relay_replay_games_dropped_total",
+                "Text games dropped, by reason (stale, evicted, no_learning_turns, too_big, oversized, undecodable).",
+            ),
+            &["reason"],
+        )
+        .unwrap();
+        relay_kit::metrics::register(registry, &size_games);
+        relay_kit::metrics::register(registry, &games_inserted);
+        relay_kit::metrics::register(registry, &games_sampled);
+        relay_kit::metrics::register(registry, &games_dropped);
         Self {
+            size_games,
+            games_inserted,
+            games_sampled,
+            games_dropped,
             size_steps,
             inserted_steps,
             sampled_steps,
@@ -339,6 +385,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             min_size_to_sample: cfg.replay.min_size_to_sample,
             error_buffer: cfg.replay.rate_error_buffer,
         });
+    let game_store = GameStore::new(redis.clone(), cfg.run_id()?, cfg.replay.capacity_steps);
+    let text_run = cfg.is_text_game();
     let fifo = Fifo::new(
         redis,
         cfg.run_id()?,
@@ -356,8 +404,31 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         .endpoint(service.subjects.replay_sample())
         .await
         .map_err(ServiceError::nats)?;
+    // Text runs: games in (queue group: copies share them), batches of games out.
+    let mut game_stream = if text_run {
+        Some(
+            service
+                .nats
+                .queue_subscribe(service.subjects.games(), "replay-buffer".into())
+                .await
+                .map_err(ServiceError::nats)?,
+        )
+    } else {
+        None
+    };
+    let mut game_samples = if text_run {
+        Some(
+            micro
+                .endpoint(service.subjects.replay_games_sample())
+                .await
+                .map_err(ServiceError::nats)?,
+        )
+    } else {
+        None
+    };
     service.health.set_ready(true);
     let retry_after_ms = cfg.replay.retry_after_ms;
+    let (mut reported_games_in, mut reported_games_out) = (0u64, 0u64);
     let mut report = tokio::time::interval(std::time::Duration::from_secs(1));
     let (mut reported_in, mut reported_out) = (0u64, 0u64);
     loop {
@@ -421,7 +492,71 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     }
                 }
             }
+            Some(message) = next_of(&mut game_stream) => {
+                let Ok(game) = service.intake.decode::<GameRecord>("games", &message.payload) else {
+                    continue;
+                };
+                if game.env_id != cfg.run.env_id {
+                    service.intake.reject("games", &relay_proto::Rejection::Invalid {
+                        kind: "GameRecord",
+                        field: "env_id",
+                        detail: format!("game of {} from {}, this run plays {}", game.env_id, game.runner_id, cfg.run.env_id),
+                    });
+                    continue;
+                }
+                match game_store.insert(&game, &message.payload).await {
+                    Ok(GameInserted::Stored { held_turns, evicted }) => {
+                        metrics.games_inserted.inc();
+                        metrics.size_steps.set(held_turns as i64);
+                        metrics.games_dropped.with_label_values(&["evicted"]).inc_by(evicted);
+                    }
+                    Ok(GameInserted::Stale) => metrics.games_dropped.with_label_values(&["stale"]).inc(),
+                    Ok(GameInserted::TooBig) => metrics.games_dropped.with_label_values(&["too_big"]).inc(),
+                    Ok(GameInserted::NoLearningTurns) => metrics.games_dropped.with_label_values(&["no_learning_turns"]).inc(),
+                    Err(e) => tracing::warn!(error = %e, "redis game insert failed; game lost"),
+                }
+            }
+            Some(request) = next_of(&mut game_samples) => {
+                let ask: GameSampleRequest = match service.intake.decode("replay.games.sample", &request.message.payload) {
+                    Ok(a) => a,
+                    Err(rejection) => {
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: rejection.to_string(), code: 400 })).await;
+                        continue;
+                    }
+                };
+                match game_store.sample(ask.min_policy_version, ask.max_turns as u64).await {
+                    Ok(sampled) => {
+                        metrics.games_sampled.inc_by(sampled.games.len() as u64);
+                        let turns: u64 = sampled.games.iter().map(games::learning_turn_count).sum();
+                        metrics.sampled_steps.inc_by(turns);
+                        for (reason, n) in [("stale", sampled.dropped_stale), ("undecodable", sampled.undecodable), ("oversized", sampled.oversized)] {
+                            metrics.games_dropped.with_label_values(&[reason]).inc_by(n);
+                        }
+                        let reply = GameSampleReply { schema: SCHEMA_VERSION, games: sampled.games, dropped_stale: sampled.dropped_stale };
+                        let _ = request.respond(Ok(relay_proto::encode(&reply).into())).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "redis game sample failed");
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: format!("redis: {e}"), code: 503 })).await;
+                    }
+                }
+            }
             _ = report.tick() => {
+                if text_run {
+                    if let (Ok(turns), Ok(games)) = (game_store.held_turns().await, game_store.held_games().await) {
+                        metrics.size_steps.set(turns as i64);
+                        metrics.size_games.set(games as i64);
+                    }
+                    let (inserted, sampled) = (metrics.games_inserted.get(), metrics.games_sampled.get());
+                    service.report(None, vec![
+                        gauge("replay_size_steps", metrics.size_steps.get() as f64),
+                        gauge("replay_size_games", metrics.size_games.get() as f64),
+                        counter("replay_games_inserted_total", (inserted - reported_games_in) as f64),
+                        counter("replay_games_sampled_total", (sampled - reported_games_out) as f64),
+                    ]).await;
+                    (reported_games_in, reported_games_out) = (inserted, sampled);
+                    continue;
+                }
                 if let Ok(held) = fifo.held_steps().await {
                     metrics.size_steps.set(held as i64);
                 }
@@ -439,4 +574,13 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let _ = micro.stop().await;
     service.drain().await;
     Ok(())
+}
+
+/// The next item of an optional stream; pending forever without one (so a
+/// `select!` branch over it never fires).
+async fn next_of<S: futures::Stream + Unpin>(stream: &mut Option<S>) -> Option<S::Item> {
+    match stream {
+        Some(s) => s.next().await,
+        None => std::future::pending().await,
+    }
 }

@@ -59,6 +59,10 @@ pub struct ExperimentConfig {
     pub tracker: TrackerConfig,
     #[serde(default)]
     pub text: TextConfig,
+    #[serde(default)]
+    pub lora: LoraSection,
+    #[serde(default)]
+    pub rl: RlConfig,
 }
 
 /// What is trained, for how long, and where its files go.
@@ -1008,6 +1012,240 @@ impl TextConfig {
     }
 }
 
+/// The LoRA adapter the learner trains in text runs (PEFT's `LoraConfig`
+/// fields); ignored for classic-control envs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraSection {
+    /// Rank `r` of the update.
+    pub rank: usize,
+    /// `lora_alpha`: the update is scaled by `alpha / rank` (or
+    /// `alpha / sqrt(rank)` with `use_rslora`).
+    pub alpha: f64,
+    /// `lora_dropout`, saved in the adapter config (training here applies
+    /// none), in `[0, 1)`.
+    pub dropout: f64,
+    /// Projections adapted in every layer: any of `q_proj`, `k_proj`,
+    /// `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`.
+    pub target_modules: Vec<String>,
+    /// Rank-stabilised scaling `alpha / sqrt(rank)`.
+    pub use_rslora: bool,
+    /// Seed of the initial `A` factors (`B` starts at zero, so version 0
+    /// plays exactly as the base model).
+    pub seed: u64,
+    /// Adapter versions up to this many bytes (config plus safetensors)
+    /// are published inside the `AdapterUpdate`; bigger ones go through
+    /// the JetStream object store (bucket `relay-<run>-adapters`). At most
+    /// the NATS message limit less 64 KiB.
+    pub inline_max_bytes: usize,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        Self {
+            rank: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            target_modules: relay_llm::LoraTarget::ALL
+                .iter()
+                .map(|t| t.module_name().to_string())
+                .collect(),
+            use_rslora: false,
+            seed: 0,
+            inline_max_bytes: relay_proto::MAX_MESSAGE_BYTES - 64 * 1024,
+        }
+    }
+}
+
+impl LoraSection {
+    /// The adapter's hyperparameters.
+    pub fn lora_config(&self) -> Result<relay_llm::LoraConfig, ConfigError> {
+        let mut targets = Vec::with_capacity(self.target_modules.len());
+        for name in &self.target_modules {
+            let target = relay_llm::LoraTarget::from_module_name(name).ok_or_else(|| {
+                invalid(
+                    "lora.target_modules",
+                    format!(
+                        "unknown module {name:?}; known: {}",
+                        relay_llm::LoraTarget::ALL
+                            .map(|t| t.module_name())
+                            .join(", ")
+                    ),
+                )
+            })?;
+            if !targets.contains(&target) {
+                targets.push(target);
+            }
+        }
+        let config = relay_llm::LoraConfig {
+            rank: self.rank,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            targets,
+            use_rslora: self.use_rslora,
+        };
+        config
+            .validate()
+            .map_err(|e| invalid("lora", e.to_string()))?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        positive("lora.rank", self.rank)?;
+        if !self.alpha.is_finite() {
+            return Err(invalid("lora.alpha", "must be finite"));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(invalid("lora.dropout", "must be in [0, 1)"));
+        }
+        if self.target_modules.is_empty() {
+            return Err(invalid("lora.target_modules", "needs at least one module"));
+        }
+        let limit = relay_proto::MAX_MESSAGE_BYTES - 64 * 1024;
+        if self.inline_max_bytes > limit {
+            return Err(invalid(
+                "lora.inline_max_bytes",
+                format!("{} is over the limit of {limit}", self.inline_max_bytes),
+            ));
+        }
+        self.lora_config().map(|_| ())
+    }
+}
+
+/// Names of the RL objective presets (`rl.preset`).
+pub const RL_PRESETS: [&str; 5] = ["reinforce", "rloo", "grpo", "dr_grpo", "ppo"];
+
+/// How the learner trains the LoRA adapter in text runs (see
+/// `relay_llm::rl` for the objectives' formulas); ignored for
+/// classic-control envs.
+///
+/// Each learning move of a game is one training sequence (its prompt and
+/// completion tokens, the behaviour log-probs); its reward is its seat's
+/// final game reward shaped by `reward`. Sequences are grouped (the
+/// baselines of `rloo` and `grpo`) by the adapter version that played the
+/// game and the seat it played from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RlConfig {
+    /// Objective preset: `reinforce` (batch-mean baseline), `rloo`,
+    /// `grpo` (DeepSeekMath: group-normalised advantages, PPO clip 0.2,
+    /// k3 KL loss 0.04), `dr_grpo` (its length is `text.max_turn_tokens`),
+    /// `ppo` (clip 0.2, batch-mean baseline).
+    pub preset: String,
+    /// A full objective (advantage, policy_loss, aggregation, kl,
+    /// entropy_coef) that replaces the preset.
+    pub objective: Option<relay_llm::ObjectiveConfig>,
+    /// Most learning moves (sequences) per optimizer step; the learner
+    /// gathers whole games up to it.
+    pub batch_size: usize,
+    /// Sequences per forward/backward pass (bounds memory; the gradients
+    /// of one step are summed).
+    pub minibatch_size: usize,
+    /// Longest prompt plus completion trained on; at most the model's
+    /// context + 1.
+    pub max_seq_len: usize,
+    /// Longer sequences: `cut_prompt_start` (keep the completion, cut the
+    /// prompt's start) or `drop`.
+    pub truncation: relay_llm::Truncation,
+    /// Optimizer steps on each batch (PPO-style epochs; 1 is on-policy).
+    pub epochs: usize,
+    /// AdamW over the adapter: `lr`, `beta1`, `beta2`, `eps`,
+    /// `weight_decay`, `max_grad_norm`.
+    pub optimizer: relay_llm::AdamWConfig,
+    /// Reward transforms: `invalid_move_penalty` (per invalid move of the
+    /// seat), `format_bonus` (times the share of the seat's moves that
+    /// contain a bracketed move such as `[4]`), `normalize`.
+    pub reward: relay_llm::RewardShaping,
+    /// Write a checkpoint every this many updates (and at the end).
+    pub checkpoint_every: u64,
+    /// Numbered checkpoints kept (the newest ones, plus pinned ones).
+    pub keep_checkpoints: usize,
+}
+
+impl Default for RlConfig {
+    fn default() -> Self {
+        Self {
+            preset: "grpo".into(),
+            objective: None,
+            batch_size: 32,
+            minibatch_size: 8,
+            max_seq_len: 1024,
+            truncation: relay_llm::Truncation::CutPromptStart,
+            epochs: 1,
+            optimizer: relay_llm::AdamWConfig {
+                lr: 1e-4,
+                ..Default::default()
+            },
+            reward: relay_llm::RewardShaping {
+                normalize: None,
+                format_bonus: 0.0,
+                invalid_move_penalty: 0.1,
+            },
+            checkpoint_every: 10,
+            keep_checkpoints: 5,
+        }
+    }
+}
+
+impl RlConfig {
+    /// The objective: `objective` if given, else the preset's.
+    pub fn objective_config(
+        &self,
+        max_completion_len: usize,
+    ) -> Result<relay_llm::ObjectiveConfig, ConfigError> {
+        if let Some(objective) = &self.objective {
+            return Ok(objective.clone());
+        }
+        Ok(match self.preset.as_str() {
+            "reinforce" => relay_llm::ObjectiveConfig::reinforce(),
+            "rloo" => relay_llm::ObjectiveConfig::rloo(),
+            "grpo" => relay_llm::ObjectiveConfig::grpo(),
+            "dr_grpo" => relay_llm::ObjectiveConfig::dr_grpo(max_completion_len),
+            "ppo" => relay_llm::ObjectiveConfig::ppo(),
+            other => {
+                return Err(invalid(
+                    "rl.preset",
+                    format!("unknown preset {other:?}; known: {}", RL_PRESETS.join(", ")),
+                ))
+            }
+        })
+    }
+
+    /// The trainer's whole configuration (`max_completion_len` sizes the
+    /// `dr_grpo` preset).
+    pub fn train_config(
+        &self,
+        max_completion_len: usize,
+    ) -> Result<relay_llm::RlTrainConfig, ConfigError> {
+        let config = relay_llm::RlTrainConfig {
+            objective: self.objective_config(max_completion_len)?,
+            batch: relay_llm::BatchConfig {
+                batch_size: self.batch_size,
+                minibatch_size: self.minibatch_size,
+                max_seq_len: self.max_seq_len,
+                truncation: self.truncation,
+            },
+            optimizer: self.optimizer.clone(),
+        };
+        config
+            .validate()
+            .map_err(|e| invalid("rl", e.to_string()))?;
+        Ok(config)
+    }
+
+    fn validate(&self, max_completion_len: usize) -> Result<(), ConfigError> {
+        positive("rl.batch_size", self.batch_size)?;
+        positive("rl.minibatch_size", self.minibatch_size)?;
+        positive("rl.epochs", self.epochs)?;
+        positive("rl.checkpoint_every", self.checkpoint_every as usize)?;
+        positive("rl.keep_checkpoints", self.keep_checkpoints)?;
+        self.reward
+            .validate()
+            .map_err(|e| invalid("rl.reward", e.to_string()))?;
+        self.train_config(max_completion_len).map(|_| ())
+    }
+}
+
 /// tracker settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -1117,6 +1355,8 @@ impl ExperimentConfig {
             ));
         }
         self.text.validate(&self.run.env_id)?;
+        self.lora.validate()?;
+        self.rl.validate(self.text.max_turn_tokens as usize)?;
         if self.run.algo != "ppo" {
             return Err(invalid(
                 "run.algo",
@@ -1138,7 +1378,18 @@ impl ExperimentConfig {
         positive("inference.max_batch", self.inference.max_batch)?;
         positive("inference.threads", self.inference.threads)?;
         self.llm.validate()?;
-        if self.replay.capacity_steps < self.ppo.rollout_steps as u64 {
+        // Text runs gather `rl.batch_size` learning moves (a replay "step").
+        if self.is_text_game() {
+            if self.replay.capacity_steps < self.rl.batch_size as u64 {
+                return Err(invalid(
+                    "replay.capacity_steps",
+                    format!(
+                        "{} is smaller than rl.batch_size ({}): the learner could never gather a batch",
+                        self.replay.capacity_steps, self.rl.batch_size
+                    ),
+                ));
+            }
+        } else if self.replay.capacity_steps < self.ppo.rollout_steps as u64 {
             return Err(invalid(
                 "replay.capacity_steps",
                 format!(
@@ -1625,5 +1876,67 @@ mod tests {
             }
         }
         assert!(seen > 0, "no experiment configs found in {dir}");
+    }
+}
+
+#[cfg(test)]
+mod text_training_tests {
+    use super::*;
+
+    const TEXT: &str = "run:\n  env_id: TicTacToe-v0\n";
+
+    #[test]
+    fn rl_presets_are_chosen_by_name_and_a_full_objective_replaces_them() {
+        let c = ExperimentConfig::from_layers(TEXT, "test", &[], &[]).unwrap();
+        let train = c.rl.train_config(32).unwrap();
+        assert_eq!(train.objective, relay_llm::ObjectiveConfig::grpo());
+        assert_eq!(train.batch.batch_size, c.rl.batch_size);
+        let c =
+            ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.preset=rloo".into()]).unwrap();
+        assert_eq!(
+            c.rl.train_config(32).unwrap().objective,
+            relay_llm::ObjectiveConfig::rloo()
+        );
+        let c = ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.preset=dr_grpo".into()])
+            .unwrap();
+        assert_eq!(
+            c.rl.train_config(7).unwrap().objective,
+            relay_llm::ObjectiveConfig::dr_grpo(7)
+        );
+        let full = format!(
+            "{TEXT}rl:\n  objective:\n    advantage: {{kind: rloo}}\n    policy_loss: {{kind: policy_gradient}}\n    entropy_coef: 0.01\n"
+        );
+        let c = ExperimentConfig::from_layers(&full, "test", &[], &[]).unwrap();
+        let objective = c.rl.train_config(32).unwrap().objective;
+        assert_eq!(objective.entropy_coef, 0.01);
+        assert_eq!(objective.advantage, relay_llm::AdvantageEstimator::Rloo);
+    }
+
+    #[test]
+    fn bad_rl_and_lora_fields_are_named() {
+        let err = |set: &str| {
+            ExperimentConfig::from_layers(TEXT, "test", &[], &[set.into()])
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err("rl.preset=a2c").contains("rl.preset"));
+        assert!(err("rl.batch_size=0").contains("rl.batch_size"));
+        assert!(err("rl.max_seq_len=1").contains("max_seq_len"));
+        assert!(err("lora.rank=0").contains("lora.rank"));
+        assert!(err("lora.target_modules=[qkv]").contains("lora.target_modules"));
+        assert!(err("lora.inline_max_bytes=99999999").contains("lora.inline_max_bytes"));
+        let c = ExperimentConfig::from_layers(
+            TEXT,
+            "test",
+            &[],
+            &["lora.target_modules=[q_proj, v_proj]".into()],
+        )
+        .unwrap();
+        let lora = c.lora.lora_config().unwrap();
+        assert_eq!(
+            lora.targets,
+            vec![relay_llm::LoraTarget::QProj, relay_llm::LoraTarget::VProj]
+        );
+        assert_eq!(lora.scaling(), 2.0);
     }
 }

@@ -15,6 +15,8 @@
 //! | [`cache`] | [`KvCache`]: one sequence's keys and values; [`PrefixCache`]: recent prompts' caches, to skip prefilling a shared prefix |
 //! | [`lora`] | [`LoraAdapter`], [`LoraConfig`], [`LoraTarget`]: adapters kept apart from the base |
 //! | [`peft`] | adapters to and from PEFT's `adapter_config.json` + `adapter_model.safetensors` |
+//! | [`adapter_bytes`] | [`to_peft_bytes`]: those two files in memory, for publishing |
+//! | [`load`] | [`load_causal_lm`], [`load_tokenizer`]: a model spec (`smollm2`, `.gguf`, folder) loaded |
 //! | [`gguf`] | [`CausalLm`] from a GGUF file, quantized or dequantized |
 //! | [`init`] | [`init::tiny`]: a small random Qwen2 checkpoint |
 //! | [`mod@generate`] | [`Sampler`], [`Sequence`], [`step`]: sampling and batched decoding |
@@ -75,7 +77,7 @@
 //! | [`rl`] | [`TokenExample`], the RL objectives ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`] |
 //! | [`reward`] | [`GameResult`], [`RewardShaping`]: per-env normalisation, format reward, invalid-move penalty |
 //! | [`sft`] | [`SftTrainer`], the SFT JSONL reader and chat rendering, full-model training through a `VarMap` |
-//! | [`optim`] | [`AdamW`] with gradient accumulation and global-norm clipping |
+//! | [`optim`] | [`AdamW`] with gradient accumulation, global-norm clipping and saved state |
 //! | [`train_error`] | [`TrainError`] |
 //!
 //! All training goes through [`CausalLm::forward_train`]; only the vars
@@ -92,6 +94,7 @@
 //! | [`tiny_tokenizer`] | [`write_tiny_tokenizer`]: the tokenizer of `relay model init tiny` |
 //!
 
+pub mod adapter_bytes;
 pub mod cache;
 pub mod chat;
 pub mod config;
@@ -99,6 +102,7 @@ pub mod generate;
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod init;
+pub mod load;
 pub mod lora;
 pub mod model;
 pub mod model_error;
@@ -113,6 +117,7 @@ pub mod token_batch;
 pub mod tokenizer;
 pub mod train_error;
 
+pub use adapter_bytes::{to_peft_bytes, PeftBytes};
 pub use cache::{KvCache, PrefixCache};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
 pub use config::{Architecture, ModelConfig};
@@ -122,6 +127,7 @@ pub use generate::{
 };
 pub use gguf::GgufBase;
 pub use init::{TinyShape, TinyVocab};
+pub use load::{load_causal_lm, load_tokenizer, resolve_model_path, LoadError};
 pub use lora::{LoraAdapter, LoraConfig, LoraTarget, LoraWeights};
 pub use model::{token_log_probs, BatchItem, CausalLm, LogitsWanted};
 pub use model_error::ModelError;

@@ -18,9 +18,17 @@
 //! Use: [`AdamW::accumulate`] after every `loss.backward()`, then
 //! [`AdamW::step`] once. Parameters that received no gradient are left
 //! alone (as PyTorch does for `grad is None`).
+//!
+//! State ([`AdamW::save`] / [`AdamW::load`]): one safetensors file with
+//! `<param>.exp_avg` and `<param>.exp_avg_sq` (PyTorch's names) for every
+//! parameter that has moments, and the step count in the metadata
+//! (`steps`). Accumulated, unapplied gradients are not saved.
+
+use std::collections::HashMap;
+use std::path::Path;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use crate::train_error::{TrainError, TrainResult};
@@ -267,5 +275,144 @@ impl AdamW {
             grad_norm,
             clipped: scale.is_some(),
         })
+    }
+}
+
+/// Metadata key of the step count in a saved optimizer state.
+const STEPS_KEY: &str = "steps";
+
+impl AdamW {
+    /// Writes the moments and the step count to a safetensors file
+    /// (written beside it and renamed into place).
+    pub fn save(&self, path: &Path) -> TrainResult<()> {
+        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        for p in &self.params {
+            if let (Some(m), Some(v)) = (&p.first_moment, &p.second_moment) {
+                tensors.push((format!("{}.exp_avg", p.name), m.contiguous()?));
+                tensors.push((format!("{}.exp_avg_sq", p.name), v.contiguous()?));
+            }
+        }
+        let metadata = HashMap::from([(STEPS_KEY.to_string(), self.steps.to_string())]);
+        let bytes =
+            safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
+                .map_err(|e| TrainError::BadInput(format!("optimizer state: {e}")))?;
+        let tmp = path.with_extension("safetensors.tmp");
+        let io = |e: std::io::Error| TrainError::BadInput(format!("{}: {e}", path.display()));
+        std::fs::write(&tmp, bytes).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// Restores the moments and step count saved by [`AdamW::save`] for
+    /// the same parameters (names and shapes must match; a parameter
+    /// without saved moments starts afresh, as one that never had a
+    /// gradient). Accumulated gradients are cleared. On error nothing
+    /// changes.
+    pub fn load(&mut self, path: &Path) -> TrainResult<()> {
+        let fail = |detail: String| TrainError::BadInput(format!("{}: {detail}", path.display()));
+        let bytes = std::fs::read(path).map_err(|e| fail(e.to_string()))?;
+        let (_, metadata) =
+            safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| fail(e.to_string()))?;
+        let steps: u64 = metadata
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(STEPS_KEY))
+            .ok_or_else(|| fail(format!("no `{STEPS_KEY}` in the metadata")))?
+            .parse()
+            .map_err(|e| fail(format!("`{STEPS_KEY}`: {e}")))?;
+        let mut saved = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+            .map_err(|e| fail(e.to_string()))?;
+        let mut moments = Vec::with_capacity(self.params.len());
+        for p in &self.params {
+            let shape = p.var.as_tensor().shape().clone();
+            let mut take = |suffix: &str| -> TrainResult<Option<Tensor>> {
+                let name = format!("{}.{suffix}", p.name);
+                match saved.remove(&name) {
+                    Some(t) if t.shape() == &shape => Ok(Some(t.to_dtype(DType::F32)?)),
+                    Some(t) => Err(fail(format!(
+                        "{name} has shape {:?}, the parameter {:?}",
+                        t.dims(),
+                        shape.dims()
+                    ))),
+                    None => Ok(None),
+                }
+            };
+            let (m, v) = (take("exp_avg")?, take("exp_avg_sq")?);
+            if m.is_some() != v.is_some() {
+                return Err(fail(format!("{} has only one of its two moments", p.name)));
+            }
+            moments.push((m, v));
+        }
+        if let Some(extra) = saved.keys().next() {
+            return Err(fail(format!("{extra} matches no parameter")));
+        }
+        for (p, (m, v)) in self.params.iter_mut().zip(moments) {
+            p.first_moment = m;
+            p.second_moment = v;
+            p.grad = None;
+        }
+        self.steps = steps;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod state_tests {
+    use super::*;
+
+    fn var(values: &[f32]) -> Var {
+        Var::from_tensor(&Tensor::new(values, &Device::Cpu).unwrap()).unwrap()
+    }
+
+    fn step_with(opt: &mut AdamW, x: &Var) {
+        let loss = (x.as_tensor().sqr().unwrap().sum_all().unwrap() * 0.5).unwrap();
+        opt.accumulate(&loss.backward().unwrap()).unwrap();
+        opt.step().unwrap();
+    }
+
+    #[test]
+    fn a_restored_optimizer_continues_exactly() {
+        let config = AdamWConfig {
+            lr: 0.1,
+            ..Default::default()
+        };
+        let x = var(&[1.0, -2.0, 3.0]);
+        let mut opt = AdamW::new(vec![("x".into(), x.clone())], config.clone()).unwrap();
+        step_with(&mut opt, &x);
+        step_with(&mut opt, &x);
+        let path =
+            std::env::temp_dir().join(format!("relay-adamw-{}.safetensors", std::process::id()));
+        opt.save(&path).unwrap();
+
+        // The same start point and state in a new optimizer.
+        let y = var(&x.as_tensor().to_vec1::<f32>().unwrap());
+        let mut restored = AdamW::new(vec![("x".into(), y.clone())], config.clone()).unwrap();
+        restored.load(&path).unwrap();
+        assert_eq!(restored.steps(), 2);
+        step_with(&mut opt, &x);
+        step_with(&mut restored, &y);
+        assert_eq!(
+            x.as_tensor().to_vec1::<f32>().unwrap(),
+            y.as_tensor().to_vec1::<f32>().unwrap()
+        );
+        // Without the state the step differs (bias correction restarts).
+        let z = var(&[1.0, -2.0, 3.0]);
+        let mut fresh = AdamW::new(vec![("x".into(), z.clone())], config.clone()).unwrap();
+        step_with(&mut fresh, &z);
+        let w = var(&[1.0, -2.0, 3.0]);
+        let mut loaded = AdamW::new(vec![("x".into(), w.clone())], config).unwrap();
+        loaded.load(&path).unwrap();
+        step_with(&mut loaded, &w);
+        assert_ne!(
+            z.as_tensor().to_vec1::<f32>().unwrap(),
+            w.as_tensor().to_vec1::<f32>().unwrap()
+        );
+
+        // Another parameter set is refused, and nothing changes.
+        let other = var(&[1.0, 2.0]);
+        let mut wrong = AdamW::new(vec![("x".into(), other)], AdamWConfig::default()).unwrap();
+        let err = wrong.load(&path).unwrap_err().to_string();
+        assert!(err.contains("shape"), "{err}");
+        assert_eq!(wrong.steps(), 0);
+        let _ = std::fs::remove_file(&path);
     }
 }

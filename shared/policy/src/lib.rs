@@ -220,8 +220,9 @@ pub struct AdapterVersion {
 }
 
 /// Follows the versions the learner publishes of one adapter
-/// (`relay.<run>.adapters`). There is no "latest" request: until the next
-/// version is published, [`AdapterFollower::latest`] is `None`.
+/// (`relay.<run>.adapters`), starting from the current one (asked of the
+/// learner on `adapters.latest`, retried until it answers or a version is
+/// published).
 pub struct AdapterFollower {
     rx: watch::Receiver<Option<AdapterVersion>>,
 }
@@ -237,6 +238,49 @@ impl AdapterFollower {
             .map_err(relay_kit::ServiceError::nats)?;
         let (service, name) = (service.clone(), name.to_string());
         tokio::spawn(async move {
+            let offer = |tx: &watch::Sender<Option<AdapterVersion>>, update: &AdapterUpdate| {
+                let newer = tx
+                    .borrow()
+                    .is_none_or(|current: AdapterVersion| update.version > current.version);
+                if update.name == name && newer {
+                    let _ = tx.send(Some(AdapterVersion {
+                        version: update.version,
+                        learner_env_steps: update.learner_env_steps,
+                    }));
+                }
+            };
+            // The current version, in case the learner published it before we subscribed.
+            let ask = relay_proto::AdapterRequest {
+                schema: SCHEMA_VERSION,
+                name: name.clone(),
+            };
+            let mut backoff = Duration::from_millis(20);
+            while tx.borrow().is_none() && !service.shutdown.is_triggered() {
+                match relay_kit::request::<_, AdapterUpdate>(
+                    &service.nats,
+                    &service.subjects.adapters_latest(),
+                    &ask,
+                    service.request_timeout(),
+                )
+                .await
+                {
+                    Ok(update) => offer(&tx, &update),
+                    Err(e) => tracing::debug!(error = %e, "no adapter version yet"),
+                }
+                if tx.borrow().is_some() {
+                    break;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    Some(m) = updates.next() => {
+                        if let Ok(update) = service.intake.decode::<AdapterUpdate>("adapters", &m.payload) {
+                            offer(&tx, &update);
+                        }
+                    }
+                    _ = service.shutdown.wait() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_millis(1000));
+            }
             loop {
                 let message = tokio::select! {
                     Some(m) = updates.next() => m,
@@ -249,21 +293,14 @@ impl AdapterFollower {
                 else {
                     continue;
                 };
-                let newer = tx
-                    .borrow()
-                    .is_none_or(|current: AdapterVersion| update.version > current.version);
-                if update.name == name && newer {
-                    let _ = tx.send(Some(AdapterVersion {
-                        version: update.version,
-                        learner_env_steps: update.learner_env_steps,
-                    }));
-                }
+                offer(&tx, &update);
             }
         });
         Ok(Self { rx })
     }
 
-    /// The newest version published since the start, if any.
+    /// The newest version known (the current one at start, then each one
+    /// published), if any.
     pub fn latest(&self) -> Option<AdapterVersion> {
         *self.rx.borrow()
     }

@@ -316,7 +316,7 @@ pub struct TextTurn {
     pub adapter: Option<AdapterRef>,
 }
 
-/// env-runner -> replay-buffer (`relay.<run>.games.insert`) and tracker,
+/// env-runner -> replay-buffer (a queue group), tracker,
 /// evaluators, league (`relay.<run>.games`): one finished game.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GameRecord {
@@ -416,6 +416,111 @@ impl WireMessage for GameRecord {
             if turn.adapter.as_ref().is_some_and(|a| a.name.is_empty()) {
                 return Err(invalid(K, "turns.adapter", "empty adapter name"));
             }
+        }
+        Ok(())
+    }
+}
+
+impl GameRecord {
+    /// Seats that play as the learning seat does: the learning seat itself
+    /// and, in mirror games, every other seat with the same policy (empty
+    /// when no seat learns).
+    pub fn learning_seats(&self) -> Vec<usize> {
+        let Some(learner) = self.learner_seat else {
+            return Vec::new();
+        };
+        let own = &self.seats[learner as usize];
+        (0..self.seats.len())
+            .filter(|&s| &self.seats[s] == own)
+            .collect()
+    }
+
+    /// Moves of the learning seats that the model generated (with tokens):
+    /// what the learner trains on and the replay buffer counts.
+    pub fn learning_turns(&self) -> impl Iterator<Item = &TextTurn> {
+        let seats = self.learning_seats();
+        self.turns.iter().filter(move |t| {
+            seats.contains(&(t.player as usize)) && t.completion_tokens.numel() > 0
+        })
+    }
+
+    /// The oldest adapter version among the learning turns (a game may
+    /// span versions; it is as stale as its oldest move). `None` when no
+    /// learning turn names a version.
+    pub fn learning_version(&self) -> Option<u64> {
+        self.learning_turns()
+            .filter_map(|t| t.adapter.as_ref().and_then(|a| a.version))
+            .min()
+    }
+}
+
+/// learner -> replay-buffer (`relay.<run>.replay.games.sample`): whole
+/// games, oldest first, for one training batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GameSampleRequest {
+    pub schema: u16,
+    /// Games whose learning turns were played by an older adapter version
+    /// are dropped (and counted).
+    pub min_policy_version: u64,
+    /// Stop taking games once this many learning turns are gathered (the
+    /// last game may overshoot it).
+    pub max_turns: u32,
+}
+
+impl WireMessage for GameSampleRequest {
+    const KIND: &'static str = "GameSampleRequest";
+    fn schema(&self) -> u16 {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), Rejection> {
+        if self.max_turns == 0 {
+            return Err(invalid(
+                "GameSampleRequest",
+                "max_turns",
+                "must be positive",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// replay-buffer -> learner: the games taken, oldest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GameSampleReply {
+    pub schema: u16,
+    pub games: Vec<GameRecord>,
+    /// Games dropped for being older than `min_policy_version`.
+    pub dropped_stale: u64,
+}
+
+impl WireMessage for GameSampleReply {
+    const KIND: &'static str = "GameSampleReply";
+    fn schema(&self) -> u16 {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), Rejection> {
+        self.games.iter().try_for_each(WireMessage::validate)
+    }
+}
+
+/// inference-server, evaluator -> learner (`relay.<run>.adapters.latest`):
+/// the newest published version of adapter `name`, answered with its
+/// [`AdapterUpdate`] (so a service that starts after a publication still
+/// gets the current version).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdapterRequest {
+    pub schema: u16,
+    pub name: String,
+}
+
+impl WireMessage for AdapterRequest {
+    const KIND: &'static str = "AdapterRequest";
+    fn schema(&self) -> u16 {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), Rejection> {
+        if self.name.is_empty() {
+            return Err(invalid("AdapterRequest", "name", "empty"));
         }
         Ok(())
     }

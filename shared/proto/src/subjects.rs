@@ -53,9 +53,20 @@ impl Subjects {
     pub fn adapters(&self) -> String {
         self.subject("adapters")
     }
-    /// Publish: [`crate::GameRecord`], every finished text game.
+    /// Request-reply: [`crate::AdapterRequest`] -> [`crate::AdapterUpdate`]
+    /// (the newest version of that adapter), answered by the learner.
+    pub fn adapters_latest(&self) -> String {
+        self.subject("adapters.latest")
+    }
+    /// Publish: [`crate::GameRecord`], every finished text game (the
+    /// replay-buffers consume it in a queue group).
     pub fn games(&self) -> String {
         self.subject("games")
+    }
+    /// Request-reply, queue group: [`crate::GameSampleRequest`] ->
+    /// [`crate::GameSampleReply`] (text runs).
+    pub fn replay_games_sample(&self) -> String {
+        self.subject("replay.games.sample")
     }
     /// Request-reply, queue group: [`crate::RolloutFragment`] -> [`crate::InsertAck`].
     pub fn replay_insert(&self) -> String {

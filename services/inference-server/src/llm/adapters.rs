@@ -9,6 +9,10 @@
 //! `llm.max_adapters` versions stay loaded, the least recently used one
 //! dropped past it. Sequences already decoding keep their adapter (an
 //! `Arc`) until they finish, whatever the LRU does.
+//!
+//! A server that starts after the learner published asks the learner for
+//! the current version of the learning adapter (`adapters.latest`,
+//! [`AdapterStore::fetch_latest_at_start`]), retrying until it knows one.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -150,6 +154,68 @@ impl AdapterStore {
         }
         self.insert(inner, name, version, adapter);
         Ok(())
+    }
+
+    /// Whether any version of `name` is known.
+    pub(crate) async fn knows(&self, name: &str) -> bool {
+        self.inner.lock().await.known.contains_key(name)
+    }
+
+    /// In the background until shutdown: asks the learner for the newest
+    /// version of `name` (`adapters.latest`) until one is known, from that
+    /// answer or from a version published meanwhile. Text runs whose
+    /// learning side is the model only.
+    pub(crate) fn fetch_latest_at_start(
+        self: &Arc<Self>,
+        service: &relay_kit::Service,
+        name: &str,
+    ) {
+        let cfg = &service.config;
+        if !cfg.is_text_game() || cfg.text.learner_bot().is_some() {
+            return;
+        }
+        let (store, service, name) = (self.clone(), service.clone(), name.to_string());
+        tokio::spawn(async move {
+            let ask = relay_proto::AdapterRequest {
+                schema: relay_proto::SCHEMA_VERSION,
+                name: name.clone(),
+            };
+            let mut backoff = std::time::Duration::from_millis(50);
+            while !service.shutdown.is_triggered() && !store.knows(&name).await {
+                match relay_kit::request::<_, AdapterUpdate>(
+                    &service.nats,
+                    &service.subjects.adapters_latest(),
+                    &ask,
+                    service.request_timeout(),
+                )
+                .await
+                {
+                    Ok(update) if update.name == name => {
+                        let version = update.version;
+                        match store.add_update(update).await {
+                            Ok(()) => {
+                                tracing::info!(name, version, "loaded the current adapter version")
+                            }
+                            Err(e) => service.intake.reject(
+                                "adapters.latest",
+                                &relay_proto::Rejection::Invalid {
+                                    kind: "AdapterUpdate",
+                                    field: "payload",
+                                    detail: e.to_string(),
+                                },
+                            ),
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::debug!(error = %e, "no current adapter yet"),
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = service.shutdown.wait() => return,
+                }
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(1));
+            }
+        });
     }
 
     /// The adapter a request asks for, loading it if needed; returns the

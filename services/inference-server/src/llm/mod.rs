@@ -296,6 +296,7 @@ pub(crate) async fn serve(
         .subscribe(service.subjects.adapters())
         .await
         .map_err(ServiceError::nats)?;
+    adapters.fetch_latest_at_start(&service, relay_policy::text::LEARNING_ADAPTER);
     {
         let (service, adapters) = (service.clone(), adapters.clone());
         tokio::spawn(async move {

@@ -924,6 +924,64 @@ impl Subject for GenerateReply {
     }
 }
 
+impl Subject for GameSampleRequest {
+    fn generate(rng: &mut Rng) -> Self {
+        GameSampleRequest {
+            schema: SCHEMA_VERSION,
+            min_policy_version: rng.u64_any(),
+            max_turns: (rng.u64() as u32 >> rng.below(32)).max(1),
+        }
+    }
+    schema_setter!();
+    fn corrupt(&mut self, _rng: &mut Rng) -> bool {
+        self.max_turns = 0;
+        true
+    }
+}
+
+impl Subject for GameSampleReply {
+    fn generate(rng: &mut Rng) -> Self {
+        GameSampleReply {
+            schema: SCHEMA_VERSION,
+            games: (0..rng.range(0, 3))
+                .map(|_| GameRecord::generate(rng))
+                .collect(),
+            dropped_stale: rng.u64_any(),
+        }
+    }
+    schema_setter!();
+    fn tensors(&self) -> Vec<&Tensor> {
+        self.games.iter().flat_map(|g| g.tensors()).collect()
+    }
+    fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        self.games
+            .iter_mut()
+            .flat_map(|g| g.tensors_mut())
+            .collect()
+    }
+    fn corrupt(&mut self, rng: &mut Rng) -> bool {
+        if self.games.is_empty() {
+            self.games.push(GameRecord::generate(rng));
+        }
+        let i = rng.below(self.games.len());
+        self.games[i].corrupt(rng)
+    }
+}
+
+impl Subject for AdapterRequest {
+    fn generate(rng: &mut Rng) -> Self {
+        AdapterRequest {
+            schema: SCHEMA_VERSION,
+            name: rng.ident(NAME, 16),
+        }
+    }
+    schema_setter!();
+    fn corrupt(&mut self, _rng: &mut Rng) -> bool {
+        self.name.clear();
+        true
+    }
+}
+
 impl Subject for AdapterUpdate {
     fn generate(rng: &mut Rng) -> Self {
         let payload = if rng.bool() {
@@ -1645,6 +1703,9 @@ pub const SUBJECTS: &[(&str, Runner)] = &[
     ("GenerateReply", fuzz::<GenerateReply>),
     ("AdapterUpdate", fuzz::<AdapterUpdate>),
     ("GameRecord", fuzz::<GameRecord>),
+    ("GameSampleRequest", fuzz::<GameSampleRequest>),
+    ("GameSampleReply", fuzz::<GameSampleReply>),
+    ("AdapterRequest", fuzz::<AdapterRequest>),
 ];
 
 /// The `KIND`s declared with `wire_message!` in `messages.rs` and with

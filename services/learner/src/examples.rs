@@ -1,0 +1,333 @@
+//! Finished text games ([`GameRecord`]s) into training sequences
+//! ([`TokenExample`]s).
+//!
+//! - **Which moves**: those of the learning seats ([`GameRecord::learning_seats`]:
+//!   the learning seat, and in mirror games every seat with the same
+//!   policy) that carry tokens. Opponents' moves (bots, other adapters, the
+//!   base model) never become examples.
+//! - **Tokens**: the prompt tokens the inference server reported (chat
+//!   template applied), the completion tokens the policy sampled, and the
+//!   behaviour log-probs it reported; the loss mask then covers exactly
+//!   the completion tokens (`relay_llm::TokenBatch`).
+//! - **Reward**: every move of a seat gets that seat's final game reward,
+//!   shaped by `rl.reward` (`relay_llm::RewardShaping`): normalised per
+//!   env if asked, plus `format_bonus` times the share of the seat's moves
+//!   that contain a bracketed move (`[4]`, `[col 3]`, `[Bet]`: the form
+//!   every game asks for), minus `invalid_move_penalty` per move the game
+//!   refused.
+//! - **Group** (the baseline of `rloo` and `grpo`): the games played by the
+//!   same adapter version from the same seat. Their opening states follow
+//!   the same distribution (the seat decides who moves first), and the
+//!   version makes them samples of the same policy: the nearest thing to
+//!   "several completions of one prompt" that games against a random
+//!   opponent offer, since later positions rarely repeat. The group id is
+//!   `version * 256 + seat`.
+
+use relay_llm::{GameResult, RewardNormalizer, RewardShaping, TokenExample};
+use relay_proto::GameRecord;
+
+/// What a batch of games became.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Converted {
+    pub examples: Vec<TokenExample>,
+    /// Seats' game rewards before shaping (one per learning seat of each
+    /// game), for the reported mean.
+    pub game_rewards: Vec<f64>,
+    /// Moves left out because their tokens or log-probs were unusable.
+    pub skipped_moves: usize,
+}
+
+/// The group of a learning seat's moves (see the module docs).
+pub fn group_id(version: u64, seat: usize) -> u64 {
+    version.wrapping_mul(256).wrapping_add(seat as u64 % 256)
+}
+
+/// Whether a move's text holds a bracketed move (`[...]` with something
+/// inside).
+pub fn well_formatted(action: &str) -> bool {
+    action
+        .find('[')
+        .and_then(|open| action[open + 1..].find(']'))
+        .is_some_and(|len| len > 0)
+}
+
+/// Converts `games` (see the module docs). `normalizer` holds the running
+/// reward statistics when `shaping.normalize` is set.
+pub fn games_to_examples(
+    games: &[GameRecord],
+    shaping: &RewardShaping,
+    normalizer: &mut RewardNormalizer,
+) -> Converted {
+    struct SeatMoves {
+        examples: Vec<TokenExample>,
+        result: GameResult,
+    }
+    let mut seats: Vec<SeatMoves> = Vec::new();
+    let mut out = Converted::default();
+    for game in games {
+        let version = game.learning_version().unwrap_or(0);
+        for seat in game.learning_seats() {
+            let moves: Vec<_> = game
+                .turns
+                .iter()
+                .filter(|t| t.player as usize == seat)
+                .collect();
+            let mut examples = Vec::new();
+            for turn in &moves {
+                if turn.completion_tokens.numel() == 0 {
+                    continue;
+                }
+                let example = match (
+                    turn.prompt_tokens.to_u32(),
+                    turn.completion_tokens.to_u32(),
+                    turn.logprobs.to_f32(),
+                ) {
+                    (Ok(prompt), Ok(completion), Ok(behaviour_logprobs)) => TokenExample {
+                        prompt,
+                        completion,
+                        behaviour_logprobs,
+                        reward: 0.0,
+                        group: group_id(version, seat),
+                    },
+                    _ => {
+                        out.skipped_moves += 1;
+                        continue;
+                    }
+                };
+                if example.validate().is_err() {
+                    out.skipped_moves += 1;
+                    continue;
+                }
+                examples.push(example);
+            }
+            if examples.is_empty() {
+                continue;
+            }
+            let model_moves: Vec<_> = moves
+                .iter()
+                .filter(|t| t.completion_tokens.numel() > 0)
+                .collect();
+            let result = GameResult {
+                env_id: game.env_id.clone(),
+                reward: game.rewards[seat],
+                turns: model_moves.len() as u32,
+                well_formatted_turns: model_moves
+                    .iter()
+                    .filter(|t| well_formatted(&t.action))
+                    .count() as u32,
+                invalid_moves: model_moves.iter().filter(|t| t.invalid).count() as u32,
+            };
+            out.game_rewards.push(result.reward);
+            seats.push(SeatMoves { examples, result });
+        }
+    }
+    let results: Vec<GameResult> = seats.iter().map(|s| s.result.clone()).collect();
+    let shaped = shaping.apply(normalizer, &results);
+    for (seat, reward) in seats.into_iter().zip(shaped) {
+        out.examples.extend(
+            seat.examples
+                .into_iter()
+                .map(|e| TokenExample { reward, ..e }),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_proto::{AdapterRef, SeatPolicy, Tensor, TextTurn, SCHEMA_VERSION};
+
+    fn policy(version: Option<u64>) -> Option<AdapterRef> {
+        Some(AdapterRef {
+            name: "policy".into(),
+            version,
+        })
+    }
+
+    fn model_turn(player: u8, prompt: &[u32], completion: &[u32], action: &str) -> TextTurn {
+        let logprobs: Vec<f32> = completion.iter().map(|&t| -(t as f32) / 10.0).collect();
+        TextTurn {
+            player,
+            prompt_tokens: Tensor::from_u32(&[prompt.len()], prompt),
+            completion_tokens: Tensor::from_u32(&[completion.len()], completion),
+            logprobs: Tensor::from_f32(&[completion.len()], &logprobs),
+            action: action.into(),
+            invalid: false,
+            adapter: policy(Some(3)),
+        }
+    }
+
+    fn bot_turn(player: u8) -> TextTurn {
+        TextTurn {
+            player,
+            prompt_tokens: Tensor::from_u32(&[0], &[]),
+            completion_tokens: Tensor::from_u32(&[0], &[]),
+            logprobs: Tensor::from_f32(&[0], &[]),
+            action: "[0]".into(),
+            invalid: false,
+            adapter: None,
+        }
+    }
+
+    fn record(
+        seats: Vec<SeatPolicy>,
+        learner: u8,
+        turns: Vec<TextTurn>,
+        rewards: Vec<f64>,
+    ) -> GameRecord {
+        GameRecord {
+            schema: SCHEMA_VERSION,
+            runner_id: "t".into(),
+            env_id: "TicTacToe-v0".into(),
+            seed: 0,
+            reasons: vec![String::new(); seats.len()],
+            seats,
+            learner_seat: Some(learner),
+            turns,
+            rewards,
+            duration_ms: 0,
+        }
+    }
+
+    #[test]
+    fn only_the_learning_seats_moves_become_examples_with_their_tokens() {
+        // The policy is player 1; player 0 is another adapter (with tokens
+        // of its own, which must not be trained on).
+        let mut opponent = model_turn(0, &[9, 9], &[8, 8, 8], "[0]");
+        opponent.adapter = Some(AdapterRef {
+            name: "old".into(),
+            version: Some(0),
+        });
+        let game = record(
+            vec![
+                SeatPolicy::Model(Some(AdapterRef {
+                    name: "old".into(),
+                    version: None,
+                })),
+                SeatPolicy::Model(policy(None)),
+            ],
+            1,
+            vec![
+                opponent,
+                model_turn(1, &[1, 2, 3], &[10, 11], "[4]"),
+                bot_turn(0),
+                model_turn(1, &[1, 2, 3, 4, 5], &[12], "[5]"),
+            ],
+            vec![-1.0, 1.0],
+        );
+        let converted =
+            games_to_examples(&[game], &RewardShaping::default(), &mut Default::default());
+        assert_eq!(converted.examples.len(), 2);
+        let (a, b) = (&converted.examples[0], &converted.examples[1]);
+        assert_eq!(
+            (a.prompt.as_slice(), a.completion.as_slice()),
+            (&[1, 2, 3][..], &[10, 11][..])
+        );
+        assert_eq!(a.behaviour_logprobs, vec![-1.0, -1.1]);
+        assert_eq!((b.prompt.len(), b.completion.as_slice()), (5, &[12][..]));
+        assert_eq!((a.reward, b.reward), (1.0, 1.0));
+        assert_eq!(a.group, group_id(3, 1));
+        assert_eq!(converted.game_rewards, vec![1.0]);
+
+        // In a training batch, the loss mask covers exactly the completion
+        // tokens of these moves: 2 + 1 tokens.
+        let pairs: Vec<(&[u32], &[u32])> = converted
+            .examples
+            .iter()
+            .map(|e| (e.prompt.as_slice(), e.completion.as_slice()))
+            .collect();
+        let batch = relay_llm::TokenBatch::new(&pairs, &candle_core::Device::Cpu).unwrap();
+        let mask: Vec<Vec<f32>> = batch.loss_mask.to_vec2().unwrap();
+        assert_eq!(mask.iter().flatten().sum::<f32>(), 3.0);
+        // Row 0 = [1, 2, 3, 10, 11] fed as its first 4 tokens: positions 2
+        // and 3 predict the completion.
+        assert_eq!(mask[0], vec![0.0, 0.0, 1.0, 1.0, 0.0]);
+        assert_eq!(mask[1], vec![0.0, 0.0, 0.0, 0.0, 1.0]);
+    }
+
+    #[test]
+    fn rewards_are_shaped_per_seat_and_groups_follow_version_and_seat() {
+        let mut invalid = model_turn(0, &[1, 2], &[3], "I pick 4");
+        invalid.invalid = true;
+        let first = record(
+            vec![
+                SeatPolicy::Model(policy(None)),
+                SeatPolicy::Bot("random".into()),
+            ],
+            0,
+            vec![invalid, bot_turn(1), model_turn(0, &[1, 2], &[4], "[4]")],
+            vec![-1.0, 1.0],
+        );
+        // Mirror self-play at version 5: both seats learn, each with its own reward.
+        let mut mirror_turns = vec![
+            model_turn(0, &[1], &[2], "[1]"),
+            model_turn(1, &[1], &[3], "[2]"),
+            model_turn(0, &[1], &[4], "[3]"),
+        ];
+        for t in &mut mirror_turns {
+            t.adapter = policy(Some(5));
+        }
+        let mirror = record(
+            vec![
+                SeatPolicy::Model(policy(None)),
+                SeatPolicy::Model(policy(None)),
+            ],
+            1,
+            mirror_turns,
+            vec![1.0, -1.0],
+        );
+        let shaping = RewardShaping {
+            normalize: None,
+            format_bonus: 0.2,
+            invalid_move_penalty: 0.5,
+        };
+        let converted = games_to_examples(&[first, mirror], &shaping, &mut Default::default());
+        let rewards: Vec<f64> = converted.examples.iter().map(|e| e.reward).collect();
+        let groups: Vec<u64> = converted.examples.iter().map(|e| e.group).collect();
+        // Seat 0 of the first game: -1, one invalid move (-0.5), half its
+        // moves well formatted (+0.1).
+        let first_reward = -1.0 - 0.5 + 0.1;
+        assert!((rewards[0] - first_reward).abs() < 1e-12, "{rewards:?}");
+        assert_eq!(rewards[0], rewards[1]);
+        // Mirror: seat 0 won (+1 + 0.2), seat 1 lost (-1 + 0.2).
+        assert_eq!(converted.examples.len(), 5);
+        assert!((rewards[2] - 1.2).abs() < 1e-12 && (rewards[3] - 1.2).abs() < 1e-12);
+        assert!((rewards[4] + 0.8).abs() < 1e-12, "{rewards:?}");
+        assert_eq!(
+            groups,
+            vec![
+                group_id(3, 0),
+                group_id(3, 0),
+                group_id(5, 0),
+                group_id(5, 0),
+                group_id(5, 1)
+            ]
+        );
+        assert_eq!(converted.game_rewards, vec![-1.0, 1.0, -1.0]);
+    }
+
+    #[test]
+    fn unusable_moves_are_skipped_and_formats_are_recognised() {
+        let mut bad = model_turn(0, &[], &[3], "[1]");
+        bad.prompt_tokens = Tensor::from_u32(&[0], &[]);
+        let game = record(
+            vec![
+                SeatPolicy::Model(policy(None)),
+                SeatPolicy::Bot("random".into()),
+            ],
+            0,
+            vec![bad, bot_turn(1), model_turn(0, &[1], &[2], "[2]")],
+            vec![0.0, 0.0],
+        );
+        let converted =
+            games_to_examples(&[game], &RewardShaping::default(), &mut Default::default());
+        assert_eq!(converted.examples.len(), 1);
+        assert_eq!(converted.skipped_moves, 1);
+        assert!(well_formatted("I play [4] now"));
+        assert!(well_formatted("[col 3]"));
+        assert!(!well_formatted("[]"));
+        assert!(!well_formatted("4"));
+        assert!(!well_formatted("] ["));
+    }
+}

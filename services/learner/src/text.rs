@@ -1,0 +1,705 @@
+//! Text runs (`run.env_id` a text game): the learner trains the LoRA
+//! adapter `policy` over the base model `llm.model` with an RL objective
+//! (`rl`, [`relay_llm::rl`]) on the games the env-runners played.
+//!
+//! Its loop: take whole games from the replay buffer
+//! (`replay.games.sample`, oldest first, none played by an adapter more
+//! than `replay.max_policy_lag` versions old) until `rl.batch_size`
+//! learning moves are gathered (a game that would pass it waits for the
+//! next batch), turn them into training sequences ([`crate::examples`]),
+//! take `rl.epochs` optimizer steps, publish the adapter as version + 1
+//! (an [`AdapterUpdate`] on `adapters`: inline up to
+//! `lora.inline_max_bytes`, else through the JetStream object store
+//! bucket `relay-<run>-adapters`), report metrics, and checkpoint every
+//! `rl.checkpoint_every` updates. The newest version is also answered on
+//! `adapters.latest`, for inference servers and evaluators that start
+//! later. Version 0 (the fresh adapter, `B = 0`: exactly the base model)
+//! is published at start, so the env-runners' first games have an adapter
+//! to ask for.
+//!
+//! Counters: one env step is one learning move trained on (what text-mode
+//! env-runners report as env steps), so `run.total_env_steps` is the
+//! budget in moves; `episodes` counts games.
+//!
+//! Resume and `init_from` work as for the classic learner: the adapter
+//! (`adapter/`, PEFT), the optimizer (unless `run.reset_optimizer`), and
+//! with resume the counters, the moving-average baseline and the reward
+//! normaliser come from the checkpoint; versions continue above every
+//! version published before.
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::{FutureExt, StreamExt};
+use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
+use relay_llm::{
+    CausalLm, GgufBase, LoraAdapter, RewardNormalizer, RlStats, RlTrainer, TokenExample,
+};
+use relay_proto::{
+    AdapterPayload, AdapterRequest, AdapterUpdate, EvalReport, GameRecord, GameSampleReply,
+    GameSampleRequest, RunStatus, RunStatusUpdate, SCHEMA_VERSION,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, CheckpointError};
+use crate::examples::games_to_examples;
+use crate::{Finish, Metrics, Progress};
+
+/// Name of the adapter this learner trains (the one env-runners seat).
+pub const ADAPTER_NAME: &str = relay_policy::text::LEARNING_ADAPTER;
+
+/// Folder of the PEFT adapter inside a checkpoint.
+pub const ADAPTER_DIR: &str = "adapter";
+
+/// Everything of a text learner's state that is not a tensor (`state.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TextCheckpointState {
+    #[serde(flatten)]
+    pub progress: Progress,
+    /// The REINFORCE moving-average baseline, when that objective keeps one.
+    #[serde(default)]
+    pub moving_baseline: Option<f64>,
+    /// Running reward statistics of `rl.reward.normalize`.
+    #[serde(default)]
+    pub reward_normalizer: RewardNormalizer,
+    /// Best eval mean heard so far (and the version it evaluated).
+    #[serde(default)]
+    pub best_eval: Option<(f64, u64)>,
+}
+
+/// Writes a text checkpoint (see [`crate::checkpoint`]).
+pub fn save_checkpoint(
+    run_dir: &Path,
+    adapter: &LoraAdapter,
+    trainer: &RlTrainer,
+    state: &TextCheckpointState,
+    config: &relay_kit::ExperimentConfig,
+    base_model: &str,
+    best: bool,
+) -> Result<std::path::PathBuf, CheckpointError> {
+    checkpoint::write(
+        run_dir,
+        state.progress.updates,
+        config,
+        config.rl.keep_checkpoints,
+        best,
+        |tmp| {
+            adapter
+                .save_peft(&tmp.join(ADAPTER_DIR), Some(base_model))
+                .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+            trainer
+                .optimizer()
+                .save(&tmp.join("optimizer.safetensors"))
+                .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+            checkpoint::write_json(&tmp.join("state.json"), state)
+        },
+    )
+}
+
+/// Reads a text checkpoint's `state.json`.
+pub fn load_state(dir: &Path) -> Result<TextCheckpointState, CheckpointError> {
+    let path = dir.join("state.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| CheckpointError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| CheckpointError::State {
+        path,
+        detail: e.to_string(),
+    })
+}
+
+/// The JetStream object store bucket of a run's big adapter versions.
+pub fn object_store_bucket(run_id: &str) -> String {
+    format!("relay-{run_id}-adapters")
+}
+
+/// Builds the [`AdapterUpdate`] of one version, uploading the files to the
+/// object store when they are bigger than `inline_max_bytes`.
+async fn adapter_update(
+    service: &Service,
+    adapter: &LoraAdapter,
+    base_model: &str,
+    progress: &Progress,
+    inline_max_bytes: usize,
+) -> Result<AdapterUpdate, String> {
+    let files = relay_llm::to_peft_bytes(adapter, Some(base_model)).map_err(|e| e.to_string())?;
+    let payload = if files.len() <= inline_max_bytes {
+        AdapterPayload::Inline {
+            config_json: files.config_json,
+            safetensors: files.safetensors,
+        }
+    } else {
+        let bucket = object_store_bucket(service.config.run_id().map_err(|e| e.to_string())?);
+        let jetstream = async_nats::jetstream::new(service.nats.clone());
+        let store = match jetstream.get_object_store(&bucket).await {
+            Ok(store) => store,
+            Err(_) => jetstream
+                .create_object_store(async_nats::jetstream::object_store::Config {
+                    bucket: bucket.clone(),
+                    description: Some("LoRA adapter versions of the learner".into()),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| format!("object store bucket {bucket}: {e}"))?,
+        };
+        let key = format!("{ADAPTER_NAME}/v{}", progress.version);
+        for (file, bytes) in [
+            (relay_llm::peft::CONFIG_FILE, files.config_json.as_bytes()),
+            (relay_llm::peft::WEIGHTS_FILE, files.safetensors.as_slice()),
+        ] {
+            let name = format!("{key}/{file}");
+            store
+                .put(name.as_str(), &mut &bytes[..])
+                .await
+                .map_err(|e| format!("object {bucket}/{name}: {e}"))?;
+        }
+        AdapterPayload::ObjectStore { bucket, key }
+    };
+    Ok(AdapterUpdate {
+        schema: SCHEMA_VERSION,
+        name: ADAPTER_NAME.to_string(),
+        version: progress.version,
+        learner_env_steps: progress.env_steps,
+        payload,
+    })
+}
+
+/// Publishes adapter versions and keeps the newest for `adapters.latest`.
+struct Publisher<'a> {
+    service: &'a Service,
+    latest: Arc<RwLock<Bytes>>,
+    run_dir: &'a Path,
+    base_model: &'a str,
+    inline_max_bytes: usize,
+}
+
+impl Publisher<'_> {
+    /// Publishes `adapter` as `progress.version` (a failure is logged: the
+    /// next version replaces it).
+    async fn publish(&self, progress: &Progress, adapter: &LoraAdapter) {
+        let update = match adapter_update(
+            self.service,
+            adapter,
+            self.base_model,
+            progress,
+            self.inline_max_bytes,
+        )
+        .await
+        {
+            Ok(update) => update,
+            Err(e) => {
+                tracing::error!(error = %e, version = progress.version, "adapter not published");
+                return;
+            }
+        };
+        if let Err(e) = checkpoint::record_published(self.run_dir, update.version) {
+            tracing::warn!(error = %e, "could not record the published version");
+        }
+        let payload: Bytes = relay_proto::encode(&update).into();
+        *self.latest.write().expect("adapter lock") = payload.clone();
+        if let Err(e) = self
+            .service
+            .nats
+            .publish(self.service.subjects.adapters(), payload)
+            .await
+        {
+            tracing::warn!(error = %e, "adapter publish failed");
+        }
+    }
+}
+
+/// Learning moves of a game (what it counts for in a batch).
+fn game_turns(game: &GameRecord) -> usize {
+    game.learning_turns().count()
+}
+
+/// Runs the text learner until shutdown.
+pub(crate) async fn run(
+    service: Service,
+    shutdown: Shutdown,
+    metrics: Metrics,
+) -> Result<(), ServiceError> {
+    let cfg = service.config.clone();
+    if let Some(bot) = cfg.text.learner_bot() {
+        // A baseline run: the learning side is a bot, there is nothing to train.
+        tracing::info!(
+            bot,
+            "text.learner is a bot; the learner has nothing to train"
+        );
+        service.health.set_ready(true);
+        shutdown.wait().await;
+        service.health.set_ready(false);
+        service.drain().await;
+        return Ok(());
+    }
+    let Some(model_spec) = cfg.llm.model.clone() else {
+        return Err(ServiceError::Other(format!(
+            "llm.model: not set, but run.env_id {} is a text game: give the base model the inference servers serve",
+            cfg.run.env_id
+        )));
+    };
+    let mut train_config = cfg
+        .rl
+        .train_config(cfg.text.max_turn_tokens as usize)
+        .map_err(ServiceError::other)?;
+    let lora_config = cfg.lora.lora_config().map_err(ServiceError::other)?;
+    let started_loading = Instant::now();
+    let spec = model_spec.clone();
+    let (model, model_path) = tokio::task::spawn_blocking(move || {
+        // Training needs gradients through the base: GGUF weights dequantized.
+        relay_llm::load_causal_lm(&spec, GgufBase::Dequantized)
+    })
+    .await
+    .map_err(ServiceError::other)?
+    .map_err(|e| ServiceError::Other(format!("llm.model: {e}")))?;
+    if !model.supports_training() {
+        return Err(ServiceError::Other(format!(
+            "llm.model {model_spec}: this base cannot be trained through"
+        )));
+    }
+    let context = model.config().max_position_embeddings + 1;
+    if train_config.batch.max_seq_len > context {
+        tracing::info!(
+            max_seq_len = train_config.batch.max_seq_len,
+            context,
+            "rl.max_seq_len is longer than the model's context; using the context"
+        );
+        train_config.batch.max_seq_len = context;
+    }
+    let base_model = model_path.display().to_string();
+    tracing::info!(model = %base_model, layers = model.config().num_hidden_layers, seconds = started_loading.elapsed().as_secs_f64(), "base model loaded");
+
+    let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
+    let mut state = TextCheckpointState {
+        progress: Progress::default(),
+        moving_baseline: None,
+        reward_normalizer: RewardNormalizer::default(),
+        best_eval: None,
+    };
+    let mut version_floor = 0u64;
+    let mut resumed_at_vec_steps = 0u64;
+    let from = cfg.run.resume_from.clone().or(cfg.run.init_from.clone());
+    let resume = cfg.run.resume_from.is_some();
+    let fail = |dir: &Path, e: String| {
+        ServiceError::Other(format!(
+            "{} {}: {e}",
+            if resume {
+                "run.resume_from"
+            } else {
+                "run.init_from"
+            },
+            dir.display()
+        ))
+    };
+    let adapter = match &from {
+        Some(dir) => LoraAdapter::load_peft(&dir.join(ADAPTER_DIR), model.config())
+            .map_err(|e| fail(dir, e.to_string()))?,
+        None => LoraAdapter::new(model.config(), lora_config, cfg.lora.seed)
+            .map_err(ServiceError::other)?,
+    };
+    let mut trainer = RlTrainer::new(train_config, &adapter).map_err(ServiceError::other)?;
+    if let Some(dir) = &from {
+        if !cfg.run.reset_optimizer {
+            trainer
+                .optimizer_mut()
+                .load(&dir.join("optimizer.safetensors"))
+                .map_err(|e| fail(dir, e.to_string()))?;
+        }
+        if resume {
+            state = load_state(dir).map_err(|e| fail(dir, e.to_string()))?;
+            trainer.set_moving_baseline(state.moving_baseline);
+            resumed_at_vec_steps = state.progress.vec_steps;
+            state.progress.version = state
+                .progress
+                .version
+                .max(checkpoint::published_version(&run_dir))
+                + 1;
+            version_floor = state.progress.version;
+        }
+        tracing::info!(from = %dir.display(), resume, version = state.progress.version, updates = state.progress.updates, "loaded checkpoint");
+    }
+    let resumes = prometheus::IntCounter::new(
+        "relay_learner_resumes_total",
+        "Times this learner process started from a checkpoint of its own run.",
+    )
+    .unwrap();
+    relay_kit::metrics::register(&service.registry, &resumes);
+    if resume {
+        resumes.inc();
+    }
+
+    // The newest AdapterUpdate, encoded, for `adapters.latest`.
+    let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
+    let micro = service.micro().await?;
+    let mut latest_requests = micro
+        .endpoint(service.subjects.adapters_latest())
+        .await
+        .map_err(ServiceError::nats)?;
+    {
+        let (latest, shutdown, intake) = (latest.clone(), shutdown.clone(), service.intake.clone());
+        tokio::spawn(async move {
+            loop {
+                let request = tokio::select! {
+                    r = latest_requests.next() => match r { Some(r) => r, None => return },
+                    _ = shutdown.wait() => return,
+                };
+                let error = |code: usize, status: String| {
+                    Err(async_nats::service::error::Error { status, code })
+                };
+                let answer = match intake
+                    .decode::<AdapterRequest>("adapters.latest", &request.message.payload)
+                {
+                    Ok(ask) if ask.name != ADAPTER_NAME => error(
+                        404,
+                        format!("this learner trains {ADAPTER_NAME:?}, not {:?}", ask.name),
+                    ),
+                    Ok(_) => {
+                        let bytes = latest.read().expect("adapter lock").clone();
+                        if bytes.is_empty() {
+                            error(503, "no version published yet".into())
+                        } else {
+                            Ok(bytes)
+                        }
+                    }
+                    Err(rejection) => error(400, rejection.to_string()),
+                };
+                let _ = request.respond(answer).await;
+            }
+        });
+    }
+    let publisher = Publisher {
+        service: &service,
+        latest: latest.clone(),
+        run_dir: &run_dir,
+        base_model: &base_model,
+        inline_max_bytes: cfg.lora.inline_max_bytes,
+    };
+
+    let mut statuses = service
+        .nats
+        .subscribe(service.subjects.status())
+        .await
+        .map_err(ServiceError::nats)?;
+    let mut evals = service
+        .nats
+        .subscribe(service.subjects.eval())
+        .await
+        .map_err(ServiceError::nats)?;
+
+    publisher.publish(&state.progress, &adapter).await;
+    metrics.version.set(state.progress.version as i64);
+    service.health.set_ready(true);
+    tracing::info!(
+        env_id = %cfg.run.env_id,
+        adapter_params = adapter.vars().iter().map(|v| v.elem_count()).sum::<usize>(),
+        objective = %cfg.rl.preset,
+        "training starts"
+    );
+
+    let checkpoint = |state: &TextCheckpointState, trainer: &RlTrainer, best: bool| {
+        match save_checkpoint(&run_dir, &adapter, trainer, state, &cfg, &base_model, best) {
+            Ok(path) => {
+                tracing::info!(path = %path.display(), version = state.progress.version, best, "checkpoint written")
+            }
+            Err(e) => tracing::error!(error = %e, "checkpoint failed"),
+        }
+    };
+
+    let budget = cfg.run.total_env_steps;
+    let batch_size = cfg.rl.batch_size;
+    let max_lag = cfg.replay.max_policy_lag;
+    let mut pending: VecDeque<GameRecord> = VecDeque::new();
+    let mut dropped_stale = 0u64;
+    let mut reported = (0u64, 0usize, 0usize);
+    let (mut truncated_total, mut tokens_cut_total) = (0usize, 0usize);
+    let mut solved: Option<String> = None;
+    let started = Instant::now();
+    let start_env_steps = state.progress.env_steps;
+    let finish = loop {
+        if shutdown.is_triggered() {
+            break Finish::Shutdown;
+        }
+        if state.progress.env_steps >= budget {
+            break Finish::Budget;
+        }
+        if let Some(detail) = &solved {
+            if cfg.run.stop_when_solved {
+                break Finish::Solved(detail.clone());
+            }
+        }
+        while let Some(Some(m)) = statuses.next().now_or_never() {
+            if let Ok(status) = service
+                .intake
+                .decode::<RunStatusUpdate>("status", &m.payload)
+            {
+                if status.status == RunStatus::Solved && solved.is_none() {
+                    tracing::info!(detail = %status.detail, "run solved");
+                    solved = Some(status.detail);
+                }
+            }
+        }
+        let mut checkpoint_best = false;
+        while let Some(Some(m)) = evals.next().now_or_never() {
+            if let Ok(report) = service.intake.decode::<EvalReport>("eval", &m.payload) {
+                if report.returns.is_empty() || !report.mean_return.is_finite() {
+                    continue;
+                }
+                if state.best_eval.is_none_or(|(b, _)| report.mean_return > b) {
+                    state.best_eval = Some((report.mean_return, report.policy_version));
+                    checkpoint_best = true;
+                }
+            }
+        }
+        if checkpoint_best {
+            state.moving_baseline = trainer.moving_baseline();
+            checkpoint(&state, &trainer, true);
+        }
+
+        // Games played by versions too old for this update go.
+        let oldest_ok = state
+            .progress
+            .version
+            .saturating_sub(max_lag)
+            .max(version_floor);
+        pending.retain(|g| {
+            let fresh = g.learning_version().unwrap_or(0) >= oldest_ok;
+            if !fresh {
+                dropped_stale += 1;
+            }
+            fresh
+        });
+        let held: usize = pending.iter().map(game_turns).sum();
+        if held < batch_size {
+            let ask = GameSampleRequest {
+                schema: SCHEMA_VERSION,
+                min_policy_version: oldest_ok,
+                max_turns: (batch_size - held) as u32,
+            };
+            match relay_kit::request::<_, GameSampleReply>(
+                &service.nats,
+                &service.subjects.replay_games_sample(),
+                &ask,
+                service.request_timeout(),
+            )
+            .await
+            {
+                Ok(reply) => {
+                    dropped_stale += reply.dropped_stale;
+                    if reply.games.is_empty() {
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                            _ = shutdown.wait() => {}
+                        }
+                    }
+                    for game in reply.games {
+                        if game.env_id != cfg.run.env_id {
+                            service.intake.reject(
+                                "replay.games.sample",
+                                &relay_proto::Rejection::Invalid {
+                                    kind: "GameRecord",
+                                    field: "env_id",
+                                    detail: format!(
+                                        "game from {} is of {}, this run plays {}",
+                                        game.runner_id, game.env_id, cfg.run.env_id
+                                    ),
+                                },
+                            );
+                            continue;
+                        }
+                        pending.push_back(game);
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "game sample failed; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                        _ = shutdown.wait() => {}
+                    }
+                }
+            }
+            continue;
+        }
+
+        // One batch: whole games up to `batch_size` moves (at least one game).
+        let mut games = Vec::new();
+        let mut turns = 0usize;
+        while let Some(game) = pending.front() {
+            let n = game_turns(game);
+            if !games.is_empty() && turns + n > batch_size {
+                break;
+            }
+            turns += n;
+            games.push(pending.pop_front().expect("front exists"));
+        }
+        for game in &games {
+            metrics.policy_lag.observe(
+                state
+                    .progress
+                    .version
+                    .saturating_sub(game.learning_version().unwrap_or(0)) as f64,
+            );
+        }
+        let converted = games_to_examples(&games, &cfg.rl.reward, &mut state.reward_normalizer);
+        let mut examples: Vec<TokenExample> = converted.examples;
+        if converted.skipped_moves > 0 {
+            tracing::warn!(
+                skipped = converted.skipped_moves,
+                "moves without usable tokens left out"
+            );
+        }
+        // A single game longer than the batch is cut to it.
+        examples.truncate(batch_size);
+        if examples.is_empty() {
+            continue;
+        }
+        let update_started = Instant::now();
+        let epochs = cfg.rl.epochs;
+        let result = tokio::task::block_in_place(|| {
+            let mut all = Vec::with_capacity(epochs);
+            for _ in 0..epochs {
+                all.push(trainer.train_step(&model, &adapter, &examples)?);
+            }
+            Ok::<_, relay_llm::TrainError>(all)
+        });
+        let steps = match result {
+            Ok(steps) => steps,
+            Err(e) => {
+                // Bad data must not stop training: drop this batch and go on.
+                tracing::error!(error = %e, games = games.len(), "update failed; batch dropped");
+                continue;
+            }
+        };
+        let seconds = update_started.elapsed().as_secs_f64();
+        let first: RlStats = steps[0];
+        let mean = |f: fn(&RlStats) -> f64| steps.iter().map(f).sum::<f64>() / steps.len() as f64;
+        let trained_tokens: usize = steps
+            .iter()
+            .map(|s| (s.mean_seq_len * s.sequences as f64) as usize)
+            .sum();
+        truncated_total += first.truncated;
+        tokens_cut_total += first.tokens_cut;
+
+        let progress = &mut state.progress;
+        progress.updates += 1;
+        progress.version += 1;
+        progress.env_steps += examples.len() as u64;
+        progress.vec_steps += examples.len() as u64;
+        progress.episodes += games.len() as u64;
+        publisher.publish(progress, &adapter).await;
+        metrics.version.set(progress.version as i64);
+        metrics.update_seconds.observe(seconds);
+        let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
+            / started.elapsed().as_secs_f64().max(1e-3);
+        let reward_mean = if converted.game_rewards.is_empty() {
+            0.0
+        } else {
+            converted.game_rewards.iter().sum::<f64>() / converted.game_rewards.len() as f64
+        };
+        service
+            .report(
+                Some(progress.vec_steps),
+                vec![
+                    gauge("learner_updates", progress.updates as f64),
+                    gauge("learner_policy_version", progress.version as f64),
+                    gauge("learner_adapter_version", progress.version as f64),
+                    gauge("learner_env_steps", progress.env_steps as f64),
+                    gauge("learner_vec_steps", progress.vec_steps as f64),
+                    gauge("learner_episodes", progress.episodes as f64),
+                    gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
+                    gauge(
+                        "learner_progress",
+                        (progress.env_steps as f64 / budget as f64).min(1.0),
+                    ),
+                    gauge("learner_sps", sps),
+                    gauge(
+                        "learner_eta_seconds",
+                        budget.saturating_sub(progress.env_steps) as f64 / sps.max(1e-9),
+                    ),
+                    gauge("learner_loss", mean(|s| s.loss)),
+                    gauge("learner_policy_loss", mean(|s| s.policy_loss)),
+                    gauge("learner_kl_ref", mean(|s| s.kl)),
+                    gauge("learner_entropy", mean(|s| s.entropy)),
+                    gauge("learner_grad_norm", mean(|s| s.grad_norm)),
+                    gauge("learner_learning_rate", trainer.optimizer().config().lr),
+                    gauge("learner_reward_mean", reward_mean),
+                    gauge("learner_shaped_reward_mean", first.reward_mean),
+                    gauge("learner_advantage_std", first.advantage_std),
+                    gauge("learner_mean_seq_len", first.mean_seq_len),
+                    gauge("learner_sequences", first.sequences as f64),
+                    gauge(
+                        "learner_tokens_per_second",
+                        trained_tokens as f64 / seconds.max(1e-9),
+                    ),
+                    counter(
+                        "learner_truncated_sequences_total",
+                        (truncated_total - reported.1) as f64,
+                    ),
+                    counter(
+                        "learner_tokens_cut_total",
+                        (tokens_cut_total - reported.2) as f64,
+                    ),
+                    gauge("learner_last_update_seconds", seconds),
+                    counter(
+                        "learner_dropped_stale_games_total",
+                        (dropped_stale - reported.0) as f64,
+                    ),
+                ],
+            )
+            .await;
+        reported = (dropped_stale, truncated_total, tokens_cut_total);
+        tracing::debug!(
+            version = state.progress.version,
+            loss = first.loss,
+            reward_mean,
+            seconds,
+            "update"
+        );
+        if state
+            .progress
+            .updates
+            .is_multiple_of(cfg.rl.checkpoint_every)
+        {
+            state.moving_baseline = trainer.moving_baseline();
+            checkpoint(&state, &trainer, false);
+        }
+    };
+
+    state.moving_baseline = trainer.moving_baseline();
+    checkpoint(&state, &trainer, false);
+    let (status, detail) = match &finish {
+        Finish::Budget => (
+            RunStatus::Stopped,
+            format!("budget of {budget} env steps (learning moves) spent"),
+        ),
+        Finish::Solved(d) => (RunStatus::Solved, d.clone()),
+        Finish::Shutdown => (RunStatus::Stopped, "shutdown requested".to_string()),
+    };
+    tracing::info!(?status, %detail, updates = state.progress.updates, env_steps = state.progress.env_steps, "training finished");
+    let update = RunStatusUpdate {
+        schema: SCHEMA_VERSION,
+        status,
+        service: "learner".into(),
+        policy_version: state.progress.version,
+        detail,
+    };
+    service.publish(service.subjects.status(), &update).await;
+    // Keep answering `adapters.latest` until the stack stops.
+    shutdown.wait().await;
+    service.health.set_ready(false);
+    let _ = micro.stop().await;
+    service.drain().await;
+    Ok(())
+}
+
+/// Loads a checkpoint's adapter for a model (what `relay_llm` users do
+/// with a text run's checkpoint).
+pub fn load_checkpoint_adapter(
+    dir: &Path,
+    model: &CausalLm,
+) -> Result<LoraAdapter, relay_llm::ModelError> {
+    LoraAdapter::load_peft(&dir.join(ADAPTER_DIR), model.config())
+}

@@ -1,0 +1,375 @@
+//! End to end for text runs: the six services in-process on real
+//! nats-server and redis-server, with the shipped TicTacToe GRPO config
+//! and `relay model init tiny`'s model as the base, train the LoRA adapter
+//! for a few updates: adapter versions go up, the env-runner's games are
+//! played with the new versions, the checkpoint holds a PEFT adapter that
+//! `relay_llm` loads back, the tracker writes the learner's losses; then a
+//! learner resumed from that checkpoint publishes above every earlier
+//! version and answers `adapters.latest` with it.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_proto::{
+    AdapterRequest, AdapterUpdate, GameRecord, RunStatus, RunStatusUpdate, Subjects, SCHEMA_VERSION,
+};
+use relay_testkit::{NatsServer, RedisServer, TempDir};
+
+/// The model of `relay model init tiny` (its context of 2048 tokens holds
+/// a whole TicTacToe game's prompts; the tiny-qwen2 fixture's 512 does not).
+fn tiny_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("models/tiny");
+    relay::model::init_tiny(&path, 0).unwrap();
+    path
+}
+
+/// Learning moves per batch; the budget is `BUDGET_BATCHES` of them (a
+/// batch holds whole games, so it may hold fewer moves: there are at least
+/// that many updates).
+const BATCH: u64 = 8;
+const BUDGET_BATCHES: u64 = 3;
+
+fn experiment(
+    run_id: &str,
+    runs: &std::path::Path,
+    model: &std::path::Path,
+    nats: &str,
+    redis: &str,
+) -> ExperimentConfig {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/tictactoe-grpo.yaml"
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let overrides: Vec<String> = vec![
+        format!("run.id={run_id}"),
+        format!("run.runs_dir={}", runs.display()),
+        format!("connections.nats_url={nats}"),
+        format!("connections.redis_url={redis}"),
+        format!("llm.model={}", model.display()),
+        format!("run.total_env_steps={}", BUDGET_BATCHES * BATCH),
+        format!("rl.batch_size={BATCH}"),
+        "rl.minibatch_size=4".into(),
+        "rl.checkpoint_every=2".into(),
+        "text.games_in_flight=4".into(),
+        "eval.every_versions=1000".into(),
+        "eval.options={games: 2, opponents: random}".into(),
+    ];
+    ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let dir = TempDir::new("text-training");
+    let runs = dir.path().join("runs");
+    let run_id = "ttt-grpo";
+    let model_dir = tiny_model(dir.path());
+    let experiment = experiment(run_id, &runs, &model_dir, &nats.url(), &redis.url());
+    let subjects = Subjects::new(run_id);
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut adapters = client.subscribe(subjects.adapters()).await.unwrap();
+    let mut games = client.subscribe(subjects.games()).await.unwrap();
+    let mut statuses = client.subscribe(subjects.status()).await.unwrap();
+
+    let (trigger, shutdown) = Shutdown::new();
+    let config = || ServiceConfig::for_test(experiment.clone());
+    let tasks = vec![
+        tokio::spawn(relay_tracker::run(config(), shutdown.clone())),
+        tokio::spawn(relay_replay_buffer::run(config(), shutdown.clone())),
+        tokio::spawn(relay_inference_server::run(config(), shutdown.clone())),
+        tokio::spawn(relay_evaluator::run(config(), shutdown.clone())),
+        tokio::spawn(relay_env_runner::run(config(), shutdown.clone())),
+        tokio::spawn(relay_learner::run(config(), shutdown.clone())),
+    ];
+
+    // Until the learner has spent its budget and a game played by a
+    // trained version (>= 1) has been seen.
+    let mut published: Vec<u64> = Vec::new();
+    let mut played: BTreeSet<u64> = BTreeSet::new();
+    // The final version, from the learner's status.
+    let mut learner_done: Option<u64> = None;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !(learner_done.is_some_and(|last| published.last() == Some(&last))
+        && played.iter().any(|&v| v >= 1))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "timed out: published {published:?}, games played by {played:?}, learner done at {learner_done:?}"
+        );
+        tokio::select! {
+            Some(m) = adapters.next() => {
+                let update: AdapterUpdate = relay_proto::decode(&m.payload).unwrap();
+                assert_eq!(update.name, "policy");
+                published.push(update.version);
+            }
+            Some(m) = games.next() => {
+                let game: GameRecord = relay_proto::decode(&m.payload).unwrap();
+                // The learning seat's moves name the adapter version that made them.
+                for turn in game.learning_turns() {
+                    let adapter = turn.adapter.as_ref().expect("model moves name their adapter");
+                    assert_eq!(adapter.name, "policy");
+                    played.insert(adapter.version.expect("the server reports the version"));
+                }
+            }
+            Some(m) = statuses.next() => {
+                let status: RunStatusUpdate = relay_proto::decode(&m.payload).unwrap();
+                if status.service == "learner" {
+                    assert_eq!(status.status, RunStatus::Stopped, "{}", status.detail);
+                    learner_done = Some(status.policy_version);
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+    // Version 0 at start, then one per update, never going back.
+    let updates = *published.last().unwrap();
+    assert!(updates >= BUDGET_BATCHES, "{published:?}");
+    assert_eq!(
+        published,
+        (0..=updates).collect::<Vec<_>>(),
+        "published adapter versions"
+    );
+
+    // `adapters.latest` answers with the newest version.
+    let ask = AdapterRequest {
+        schema: SCHEMA_VERSION,
+        name: "policy".into(),
+    };
+    let latest: AdapterUpdate = relay_kit::request(
+        &client,
+        &subjects.adapters_latest(),
+        &ask,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(latest.version, updates);
+
+    trigger.trigger();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("service stops")
+            .unwrap()
+            .unwrap();
+    }
+
+    // The checkpoint: a PEFT adapter relay_llm loads, moved away from the
+    // fresh one (B = 0), the optimizer's moments and the counters.
+    let run_dir = runs.join(run_id);
+    let last = run_dir.join("checkpoints/last");
+    assert!(last.join("adapter/adapter_config.json").is_file());
+    assert!(last.join("adapter/adapter_model.safetensors").is_file());
+    assert!(last.join("optimizer.safetensors").is_file());
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(last.join("state.json")).unwrap()).unwrap();
+    assert_eq!(state["updates"], updates);
+    assert_eq!(state["version"], updates);
+    let moves = state["env_steps"].as_u64().unwrap();
+    assert!(
+        (BUDGET_BATCHES * BATCH..BUDGET_BATCHES * BATCH + BATCH).contains(&moves),
+        "{moves} moves trained on"
+    );
+    assert!(state["episodes"].as_u64().unwrap() >= updates);
+    let model = relay_llm::CausalLm::load_hf(&model_dir).unwrap();
+    let adapter = relay_llm::LoraAdapter::load_peft(&last.join("adapter"), model.config()).unwrap();
+    assert_eq!(adapter.config().rank, experiment.lora.rank);
+    let moved: f32 = adapter
+        .named_vars()
+        .iter()
+        .filter(|(name, _)| name.contains("lora_B"))
+        .map(|(_, v)| {
+            v.as_tensor()
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        })
+        .sum();
+    assert!(moved > 0.0, "training never moved the adapter's B factors");
+
+    // The tracker wrote the learner's metrics.
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let values = |name: &str| -> Vec<f64> {
+        metrics
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["values"][name].as_f64())
+            .collect()
+    };
+    let losses = values("learner_loss");
+    assert_eq!(losses.len() as u64, updates, "{metrics}");
+    assert!(losses.iter().all(|l| l.is_finite()));
+    assert_eq!(
+        values("learner_adapter_version").last(),
+        Some(&(updates as f64))
+    );
+    assert!(values("learner_tokens_per_second").iter().all(|&t| t > 0.0));
+    assert!(values("learner_mean_seq_len").iter().all(|&t| t > 1.0));
+    assert!(values("learner_entropy").iter().all(|&e| e > 0.0));
+
+    // Resume: a new learner from that checkpoint publishes version
+    // `updates + 1` first, and serves it on `adapters.latest`.
+    let mut adapters = client.subscribe(subjects.adapters()).await.unwrap();
+    let mut resumed = experiment.clone();
+    resumed.run.resume_from = Some(last.clone());
+    let (trigger, shutdown) = Shutdown::new();
+    let learner = tokio::spawn(relay_learner::run(
+        ServiceConfig::for_test(resumed),
+        shutdown.clone(),
+    ));
+    let first = tokio::time::timeout(Duration::from_secs(30), adapters.next())
+        .await
+        .expect("the resumed learner publishes")
+        .unwrap();
+    let first: AdapterUpdate = relay_proto::decode(&first.payload).unwrap();
+    assert_eq!(first.version, updates + 1);
+    let latest: AdapterUpdate = relay_kit::request(
+        &client,
+        &subjects.adapters_latest(),
+        &ask,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(latest.version, updates + 1);
+    // The resumed adapter is the checkpoint's.
+    let relay_proto::AdapterPayload::Inline {
+        config_json,
+        safetensors,
+    } = &latest.payload
+    else {
+        panic!("a tiny adapter is published inline");
+    };
+    let served =
+        relay_llm::LoraAdapter::from_peft_bytes(config_json, safetensors, model.config()).unwrap();
+    for ((name, a), (_, b)) in adapter.named_vars().iter().zip(served.named_vars()) {
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            a.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+            b.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        assert_eq!(a, b, "{name}");
+    }
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(30), learner)
+        .await
+        .expect("learner stops")
+        .unwrap()
+        .unwrap();
+}
+
+#[test]
+fn relay_up_writes_a_missing_tiny_model_and_nothing_else() {
+    let dir = TempDir::new("tiny-model");
+    let config = |model: &std::path::Path| {
+        let text = format!(
+            "run:\n  env_id: TicTacToe-v0\nllm:\n  model: {}\n",
+            model.display()
+        );
+        ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap()
+    };
+    let tiny = dir.path().join("models/tiny");
+    assert_eq!(
+        relay::stack::ensure_tiny_model(&config(&tiny)).unwrap(),
+        Some(tiny.clone())
+    );
+    let loaded = relay_llm::CausalLm::load_hf(&tiny).unwrap();
+    assert_eq!(loaded.config().num_hidden_layers, 3);
+    // Present: left alone.
+    assert_eq!(
+        relay::stack::ensure_tiny_model(&config(&tiny)).unwrap(),
+        None
+    );
+    // Any other missing model is not invented (the services then report it).
+    let other = dir.path().join("models/qwen");
+    assert_eq!(
+        relay::stack::ensure_tiny_model(&config(&other)).unwrap(),
+        None
+    );
+    assert!(!other.exists());
+}
+
+/// A big adapter goes through the JetStream object store, and an
+/// inference server that starts after the learner published gets the
+/// current version from `adapters.latest` and serves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_inference_server_serves_the_current_adapter_from_the_object_store() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let dir = TempDir::new("late-server");
+    let runs = dir.path().join("runs");
+    let run_id = "late-server";
+    let model_dir = tiny_model(dir.path());
+    let mut experiment = experiment(run_id, &runs, &model_dir, &nats.url(), &redis.url());
+    // Every version through the object store.
+    experiment.lora.inline_max_bytes = 0;
+    let subjects = Subjects::new(run_id);
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut adapters = client.subscribe(subjects.adapters()).await.unwrap();
+    let (trigger, shutdown) = Shutdown::new();
+    let config = || ServiceConfig::for_test(experiment.clone());
+    let learner = tokio::spawn(relay_learner::run(config(), shutdown.clone()));
+    let first = tokio::time::timeout(Duration::from_secs(30), adapters.next())
+        .await
+        .expect("the learner publishes version 0")
+        .unwrap();
+    let first: AdapterUpdate = relay_proto::decode(&first.payload).unwrap();
+    assert_eq!(first.version, 0);
+    let relay_proto::AdapterPayload::ObjectStore { bucket, key } = &first.payload else {
+        panic!("inline_max_bytes 0 sends every version through the object store");
+    };
+    assert_eq!(bucket, &format!("relay-{run_id}-adapters"));
+    assert_eq!(key, "policy/v0");
+
+    // Only now the inference server starts: it asks for the current version.
+    let server = tokio::spawn(relay_inference_server::run(config(), shutdown.clone()));
+    let request = relay_proto::GenerateRequest::new(
+        Some(relay_proto::AdapterRef {
+            name: "policy".into(),
+            version: None,
+        }),
+        relay_proto::Prompt::Text("hello".into()),
+        relay_proto::SamplingParams {
+            max_tokens: 2,
+            ..Default::default()
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let reply: relay_proto::GenerateReply = loop {
+        match relay_kit::request(
+            &client,
+            &subjects.generate(),
+            &request,
+            Duration::from_secs(5),
+        )
+        .await
+        {
+            Ok(reply) => break reply,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "never served: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!(
+        reply.adapter,
+        Some(relay_proto::AdapterRef {
+            name: "policy".into(),
+            version: Some(0)
+        })
+    );
+    trigger.trigger();
+    for task in [learner, server] {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("service stops")
+            .unwrap()
+            .unwrap();
+    }
+}

@@ -1,0 +1,94 @@
+//! A LoRA adapter as the two files of a PEFT folder, in memory: what the
+//! learner publishes (inline in an `AdapterUpdate`, or as objects of the
+//! object store) without writing a folder first.
+//! [`crate::LoraAdapter::from_peft_bytes`] reads them back.
+
+use std::collections::HashMap;
+
+use candle_core::DType;
+
+use crate::lora::LoraAdapter;
+use crate::model_error::{ModelError, Result};
+use crate::peft::lora_config_to_peft_json;
+
+/// The contents of `adapter_config.json` and `adapter_model.safetensors`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PeftBytes {
+    pub config_json: String,
+    pub safetensors: Vec<u8>,
+}
+
+impl PeftBytes {
+    /// Bytes of both files.
+    pub fn len(&self) -> usize {
+        self.config_json.len() + self.safetensors.len()
+    }
+
+    /// Whether both files are empty (never, for a valid adapter).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Serialises `adapter` as PEFT saves it (`base_model` fills
+/// `base_model_name_or_path`); the same bytes as [`crate::peft::save_adapter`]
+/// writes.
+pub fn to_peft_bytes(adapter: &LoraAdapter, base_model: Option<&str>) -> Result<PeftBytes> {
+    let tensors: Vec<(String, candle_core::Tensor)> = adapter
+        .named_vars()
+        .into_iter()
+        .map(|(name, var)| Ok((name, var.as_tensor().to_dtype(DType::F32)?.contiguous()?)))
+        .collect::<Result<_>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let safetensors =
+        safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
+            .map_err(|e| ModelError::weights(std::path::Path::new("<memory>"), e.to_string()))?;
+    let config_json =
+        serde_json::to_string_pretty(&lora_config_to_peft_json(adapter.config(), base_model))
+            .expect("a JSON value serialises");
+    Ok(PeftBytes {
+        config_json,
+        safetensors,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LoraConfig, ModelConfig};
+
+    fn tiny_config() -> ModelConfig {
+        let dir = std::env::var("RELAY_TINY_QWEN2").unwrap_or_else(|_| {
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../../shared/fixtures/tiny-qwen2"
+            )
+            .to_string()
+        });
+        ModelConfig::from_hf_file(&std::path::Path::new(&dir).join("config.json")).unwrap()
+    }
+
+    #[test]
+    fn bytes_round_trip_and_match_the_saved_folder() {
+        let model = tiny_config();
+        let adapter = LoraAdapter::new(&model, LoraConfig::all_projections(4, 8.0), 3).unwrap();
+        let bytes = to_peft_bytes(&adapter, Some("tiny")).unwrap();
+        let back =
+            LoraAdapter::from_peft_bytes(&bytes.config_json, &bytes.safetensors, &model).unwrap();
+        for ((n1, v1), (n2, v2)) in adapter.named_vars().iter().zip(back.named_vars()) {
+            assert_eq!(n1, &n2);
+            let (a, b): (Vec<f32>, Vec<f32>) = (
+                v1.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+                v2.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+            );
+            assert_eq!(a, b, "{n1}");
+        }
+        let dir = std::env::temp_dir().join(format!("relay-peft-bytes-{}", std::process::id()));
+        adapter.save_peft(&dir, Some("tiny")).unwrap();
+        let saved = std::fs::read(dir.join(crate::peft::WEIGHTS_FILE)).unwrap();
+        let saved_config = std::fs::read_to_string(dir.join(crate::peft::CONFIG_FILE)).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(saved, bytes.safetensors);
+        assert_eq!(saved_config, bytes.config_json);
+    }
+}
