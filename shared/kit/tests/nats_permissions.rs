@@ -284,3 +284,138 @@ async fn a_service_connects_with_a_token() {
         .unwrap_err();
     assert!(matches!(err, ConnectError::NatsAuth { .. }), "{err}");
 }
+
+/// Requests `subject` until a responder answers (its subscription may not
+/// have reached the server yet).
+async fn request_answered(client: &Client, subject: &str) -> async_nats::Message {
+    for _ in 0..50 {
+        match client.request(subject.to_string(), "req".into()).await {
+            Ok(reply) => return reply,
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("request on {subject}: {e}"),
+        }
+    }
+    panic!("no responder on {subject}");
+}
+
+/// Answers every request on `subject` (queue group) with `answer`.
+async fn respond(client: &Client, subject: &str, answer: &'static str) {
+    let mut requests = client
+        .queue_subscribe(subject.to_string(), "q".into())
+        .await
+        .unwrap();
+    let responder = client.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = requests.next().await {
+            if let Some(reply) = msg.reply {
+                responder.publish(reply, answer.into()).await.unwrap();
+            }
+        }
+    });
+    client.flush().await.unwrap();
+}
+
+#[tokio::test]
+async fn text_runs_generate_replay_games_and_ship_adapters_through_the_object_store() {
+    use async_nats::jetstream;
+    let server = NatsServer::start_with_config(&shipped_auth_conf()).expect("nats-server");
+    let (runner, mut runner_errors) = connect_as(&server, "env-runner").await;
+    let (inference, mut inference_errors) = connect_as(&server, "inference-server").await;
+    let (replay, mut replay_errors) = connect_as(&server, "replay-buffer").await;
+    let (learner, mut learner_errors) = connect_as(&server, "learner").await;
+    let (evaluator, mut evaluator_errors) = connect_as(&server, "evaluator").await;
+    let (operator, _) = connect_as(&server, "operator").await;
+
+    // Moves: env-runners and evaluators ask the inference servers.
+    respond(&inference, "relay.r.generate", "move").await;
+    for client in [&runner, &evaluator] {
+        assert_eq!(
+            &request_answered(client, "relay.r.generate").await.payload[..],
+            b"move"
+        );
+    }
+    // Games: env-runners publish, the replay-buffer stores, the learner samples.
+    let mut games = replay
+        .queue_subscribe("relay.r.games", "replay-buffer".into())
+        .await
+        .unwrap();
+    until_delivered(&runner, "relay.r.games", &mut games).await;
+    respond(&replay, "relay.r.replay.games.sample", "games").await;
+    assert_eq!(
+        &request_answered(&learner, "relay.r.replay.games.sample")
+            .await
+            .payload[..],
+        b"games"
+    );
+    // Adapters: the learner publishes versions and answers `adapters.latest`.
+    let mut adapters = inference.subscribe("relay.r.adapters").await.unwrap();
+    let mut evaluator_adapters = evaluator.subscribe("relay.r.adapters").await.unwrap();
+    until_delivered(&learner, "relay.r.adapters", &mut adapters).await;
+    until_delivered(&learner, "relay.r.adapters", &mut evaluator_adapters).await;
+    respond(&learner, "relay.r.adapters.latest", "v3").await;
+    for client in [&inference, &evaluator] {
+        assert_eq!(
+            &request_answered(client, "relay.r.adapters.latest")
+                .await
+                .payload[..],
+            b"v3"
+        );
+    }
+    // Big adapters: the learner writes the object store, inference servers read it.
+    let store = jetstream::new(learner.clone())
+        .create_object_store(jetstream::object_store::Config {
+            bucket: "relay-r-adapters".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("the learner creates the adapter bucket");
+    let bytes = vec![7u8; 300_000];
+    store
+        .put("policy/3/adapter_model.safetensors", &mut bytes.as_slice())
+        .await
+        .expect("the learner writes an adapter");
+    let mut object = jetstream::new(inference.clone())
+        .get_object_store("relay-r-adapters")
+        .await
+        .expect("inference servers open the bucket")
+        .get("policy/3/adapter_model.safetensors")
+        .await
+        .expect("inference servers read the adapter");
+    let mut read = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut object, &mut read)
+        .await
+        .unwrap();
+    assert_eq!(read, bytes);
+    // The operator switches evaluators.
+    let mut control = evaluator.subscribe("relay.r.eval.control").await.unwrap();
+    until_delivered(&operator, "relay.r.eval.control", &mut control).await;
+
+    for (name, errors) in [
+        ("env-runner", &mut runner_errors),
+        ("inference-server", &mut inference_errors),
+        ("replay-buffer", &mut replay_errors),
+        ("learner", &mut learner_errors),
+        ("evaluator", &mut evaluator_errors),
+    ] {
+        assert!(errors.try_recv().is_err(), "{name} hit a permission error");
+    }
+    // Only the learner publishes adapters.
+    runner
+        .publish("relay.r.adapters", "forged".into())
+        .await
+        .unwrap();
+    runner.flush().await.unwrap();
+    expect_violation(&mut runner_errors, "publish", "relay.r.adapters").await;
+    // (Probes of `until_delivered` may still be queued; the forgery is not.)
+    let forged = tokio::time::timeout(Duration::from_millis(300), async {
+        while let Some(msg) = adapters.next().await {
+            if &msg.payload[..] == b"forged" {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(forged.is_err(), "a forged adapter was delivered");
+}
