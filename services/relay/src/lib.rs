@@ -94,7 +94,7 @@ pub fn make_run_id(config: &ExperimentConfig) -> String {
     format!(
         "{}-{}-{}",
         config.run.env_id,
-        config.run.algo,
+        config.algo_name(),
         chrono::Local::now().format("%Y%m%d-%H%M%S")
     )
 }

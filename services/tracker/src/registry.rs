@@ -74,9 +74,9 @@ impl RunRecord {
         let time = now();
         Self {
             id: id.to_string(),
-            config_id: config_id(&config.run.env_id, &config.run.algo),
+            config_id: config_id(&config.run.env_id, config.algo_name()),
             env_id: config.run.env_id.clone(),
-            algo: config.run.algo.clone(),
+            algo: config.algo_name().to_string(),
             seed: Some(config.run.seed),
             status: RunStatus::Running,
             detail: String::new(),

@@ -78,7 +78,8 @@ pub struct RunConfig {
     /// `KuhnPoker-v0`, `GuessTheNumber-v0`: the env-runners play games
     /// with the LLM policy, see the `text` section).
     pub env_id: String,
-    /// Algorithm name, used in run ids; only `ppo` for now.
+    /// Algorithm of classic-control runs, used in run ids; only `ppo` for
+    /// now (text games train with the `rl` section, whose preset names them).
     #[serde(default = "default_algo")]
     pub algo: String,
     /// Base seed; every service derives its own streams from it.
@@ -1462,6 +1463,19 @@ impl ExperimentConfig {
     /// Whether `run.env_id` is a text game (played by LLM policies).
     pub fn is_text_game(&self) -> bool {
         is_text_game(&self.run.env_id)
+    }
+
+    /// The algorithm that trains the run, for run ids and the registry:
+    /// `run.algo` for classic envs; for text games the `rl` preset (or
+    /// `custom` when `rl.objective` replaces it).
+    pub fn algo_name(&self) -> &str {
+        if !self.is_text_game() {
+            &self.run.algo
+        } else if self.rl.objective.is_some() {
+            "custom"
+        } else {
+            &self.rl.preset
+        }
     }
 
     /// Whether the inference servers serve `generate`: a text game, or an
