@@ -290,25 +290,26 @@ struct RelayUp {
 }
 
 impl RelayUp {
-    fn start(dir: &Path) -> Self {
+    /// `relay up` on `configs/<config>` with `--set` overrides.
+    fn start(dir: &Path, config: &str, sets: &[String]) -> Self {
         let state = dir.join("state");
         let log = dir.join("relay-up.log");
         let out = std::fs::File::create(&log).expect("create log");
-        let config = repo().join("configs/cartpole-ppo.yaml");
-        let child = Command::new(env!("CARGO_BIN_EXE_relay"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_relay"));
+        command
             .args(["up", "--quiet", "--run-id", RUN_ID])
             .arg("--config")
-            .arg(&config)
+            .arg(repo().join("configs").join(config))
             .arg("--state-dir")
             .arg(&state)
             .args([
                 "--set",
                 &format!("run.runs_dir={}", dir.join("runs").display()),
-                "--set",
-                "run.total_env_steps=20000",
-                "--set",
-                "eval.threshold=100000",
-            ])
+            ]);
+        for set in sets {
+            command.args(["--set", set]);
+        }
+        let child = command
             .stdout(out.try_clone().expect("log"))
             .stderr(out)
             .spawn()
@@ -495,7 +496,45 @@ fn check_result(query: &Query, response: &Value) -> Result<(), String> {
 #[test]
 fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
     let dir = relay_testkit::TempDir::new("dashboards");
-    let mut relay = RelayUp::start(dir.path());
+    let relay = RelayUp::start(
+        dir.path(),
+        "cartpole-ppo.yaml",
+        &[
+            "run.total_env_steps=20000".into(),
+            "eval.threshold=100000".into(),
+        ],
+    );
+    // A CartPole run: the text-game dashboards' queries need only be valid.
+    check_live_stack(relay, true, |q| {
+        TEXT_RUN_DASHBOARDS.contains(&q.dashboard_uid.as_str())
+    });
+}
+
+/// A text-game run (the tiny model, as `relay up` writes it) fills the games
+/// and generation dashboard; the CartPole-only panels need only be valid.
+#[test]
+fn the_games_dashboard_queries_a_live_text_stack() {
+    let dir = relay_testkit::TempDir::new("dashboards-text");
+    let relay = RelayUp::start(
+        dir.path(),
+        "tictactoe-grpo.yaml",
+        &[
+            format!("llm.model={}", dir.path().join("models/tiny").display()),
+            "run.total_env_steps=100000".into(),
+            "eval.every_seconds=3".into(),
+            "eval.options.games=2".into(),
+        ],
+    );
+    check_live_stack(relay, false, |q| {
+        !TEXT_RUN_DASHBOARDS.contains(&q.dashboard_uid.as_str())
+    });
+}
+
+/// Waits until Prometheus scrapes the six services, checks every query of
+/// every panel returns data (those `only_valid` accepts need only be valid
+/// PromQL), lints every service's `/metrics` with promtool, then stops the
+/// stack with SIGINT.
+fn check_live_stack(mut relay: RelayUp, probe_alerts: bool, only_valid: impl Fn(&Query) -> bool) {
     let record = relay.wait_record(Duration::from_secs(60));
     let prometheus_url = record["prometheus_url"].as_str().unwrap_or_default();
     assert!(
@@ -546,17 +585,19 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
     // rejected-messages and alert panels could stay empty: send the tracker
     // one payload that does not decode (a rejection), and a report with a
     // NaN under a name no panel shows (the `non_finite` alert).
-    let nats = addr_of(record["nats_url"].as_str().expect("nats_url"));
-    let metrics_subject = format!("relay.{RUN_ID}.metrics");
-    nats_publish(nats, &metrics_subject, b"not msgpack");
-    let probe = relay_proto::MetricsReport {
-        schema: relay_proto::SCHEMA_VERSION,
-        service: "dashboards-test".into(),
-        instance: "dashboards-test".into(),
-        vec_steps: None,
-        values: vec![relay_kit::gauge("dashboards_test_probe", f64::NAN)],
-    };
-    nats_publish(nats, &metrics_subject, &relay_proto::encode(&probe));
+    if probe_alerts {
+        let nats = addr_of(record["nats_url"].as_str().expect("nats_url"));
+        let metrics_subject = format!("relay.{RUN_ID}.metrics");
+        nats_publish(nats, &metrics_subject, b"not msgpack");
+        let probe = relay_proto::MetricsReport {
+            schema: relay_proto::SCHEMA_VERSION,
+            service: "dashboards-test".into(),
+            instance: "dashboards-test".into(),
+            vec_steps: None,
+            values: vec![relay_kit::gauge("dashboards_test_probe", f64::NAN)],
+        };
+        nats_publish(nats, &metrics_subject, &relay_proto::encode(&probe));
+    }
 
     // Every query of every panel returns data (retrying while scrapes come in).
     let all = queries();
@@ -564,7 +605,7 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
     let mut waiting: Vec<(&Query, String)> = Vec::new();
     for query in &all {
         let promql = substitute(&query.expr);
-        if is_pending(&query.expr) || TEXT_RUN_DASHBOARDS.contains(&query.dashboard_uid.as_str()) {
+        if is_pending(&query.expr) || only_valid(query) {
             // Not exported (yet, or by this run): the query must at least be valid PromQL.
             let response = instant_query(prometheus, &promql)
                 .unwrap_or_else(|e| panic!("{}: {e}", query.name()));
@@ -579,7 +620,7 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
             waiting.push((query, String::new()));
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(40);
+    let deadline = Instant::now() + Duration::from_secs(90);
     while !waiting.is_empty() {
         relay.check_running();
         for (query, last) in waiting.iter_mut() {
@@ -604,7 +645,7 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
                 .map(|(q, why)| format!("- {}\n    {why}", q.name()))
                 .collect();
             panic!(
-                "{} of {} dashboard queries returned no usable data within 40 s:\n{}",
+                "{} of {} dashboard queries returned no usable data within 90 s:\n{}",
                 waiting.len(),
                 all.len(),
                 report.join("\n")
