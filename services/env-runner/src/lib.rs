@@ -13,6 +13,7 @@
 //! ([`text`]): `text.games_in_flight` at a time, with the LLM policy over
 //! `relay.<run>.generate`, publishing each finished game.
 
+pub mod league;
 mod text;
 
 use std::collections::VecDeque;

@@ -13,6 +13,9 @@
 //! (`relay_env_runner_games_abandoned_total{reason}`), and new games wait a
 //! second (`ABANDON_PAUSE`) so a missing inference server is not hammered.
 //!
+//! Games of the learning adapter against bots are recorded in the run's
+//! league pool ([`crate::league`]), which rates each adapter version.
+//!
 //! Metrics: games by opponent and outcome, abandoned games, the learning
 //! policy's moves and invalid moves, retries, time per model move and per
 //! game, completion tokens and characters (on `/metrics`); win/draw/loss
@@ -30,6 +33,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_kit::config::Opponent;
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
+
+use crate::league::LeagueRecorder;
 use relay_policy::text::{
     arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, PlayedGame, Seat,
 };
@@ -247,6 +252,9 @@ pub(crate) async fn run(
     let opponents: Vec<(Opponent, f64)> = text.opponent_weights()?;
     let pick = WeightedIndex::new(opponents.iter().map(|(_, w)| *w))
         .map_err(|e| ServiceError::other(format!("text.opponents: {e}")))?;
+    // Games of the learning adapter against bots rate its versions.
+    let league = (players == 2 && text.learner_bot().is_none())
+        .then(|| LeagueRecorder::start(cfg.clone(), shutdown.clone()));
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut games: JoinSet<Finished> = JoinSet::new();
     let mut window = Window::default();
@@ -296,6 +304,9 @@ pub(crate) async fn run(
             Some(joined) = games.join_next() => match joined {
                 Ok((label, Ok(game))) => {
                     finished_games += 1;
+                    if let Some(league) = &league {
+                        league.game(&game);
+                    }
                     finished(&service, &metrics, &mut window, &label, game).await;
                 }
                 Ok((_, Err(GameError::Abandoned { last, turn, player, attempts }))) => {

@@ -56,6 +56,10 @@ fn experiment(
         "text.games_in_flight=4".into(),
         "eval.every_versions=1000".into(),
         "eval.options={games: 2, opponents: random}".into(),
+        // GRPO gives a group whose games all ended alike no gradient, and a
+        // few short batches can hold only such groups; without a baseline
+        // every decided game moves the adapter, which the test checks.
+        "rl.objective={advantage: {kind: reinforce, baseline: {kind: none}}, policy_loss: {kind: policy_gradient}, aggregation: {kind: token_mean}}".into(),
     ];
     ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap()
 }
@@ -157,6 +161,32 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
             .unwrap()
             .unwrap();
     }
+
+    // The games against the random bot rated the adapter versions in the
+    // league pool (written by the env-runner, flushed as it stopped).
+    let (_keep, redis_shutdown) = Shutdown::new();
+    let pool = relay_kit::league::LeagueStore::new(
+        relay_kit::connect_redis(&redis.url(), &redis_shutdown)
+            .await
+            .unwrap(),
+        run_id,
+    )
+    .load()
+    .await
+    .unwrap()
+    .expect("the env-runner created the league pool");
+    let random = relay_league::MemberId::Fixed("random".into());
+    assert!(pool.get(&random).is_some(), "{pool:?}");
+    let versions: Vec<u64> = pool.versions().collect();
+    assert!(
+        !versions.is_empty() && versions.iter().all(|&v| v <= updates),
+        "{versions:?}"
+    );
+    let rated: u64 = versions
+        .iter()
+        .map(|&v| pool.games_between(&relay_league::MemberId::Version(v), &random))
+        .sum();
+    assert!(rated > 0, "no game was rated: {pool:?}");
 
     // The checkpoint: a PEFT adapter relay_llm loads, moved away from the
     // fresh one (B = 0), the optimizer's moments and the counters.
