@@ -13,6 +13,8 @@
 //!   `alerts`) feeding a [`TopState`]; the command and the tests use the same one.
 //! - [`probe_stack`] / [`probe_state_dir`]: the `/healthz` of each service
 //!   process recorded by `relay up` in `<state-dir>/stack.json`.
+//! - [`TopState::set_league`]: the run's league pool (read from Redis, the
+//!   stack record's or `--redis-url`), shown as a leaderboard when it exists.
 //! - [`key_action`]: which key does what (`q`, Esc and Ctrl-C quit).
 //! - [`run`]: the event loop. The terminal goes into raw mode and the
 //!   alternate screen, and is restored on every exit path, panics included.
@@ -77,6 +79,20 @@ pub struct TopArgs {
     /// Folder holding the stack's state (`stack.json`, written by `relay up`).
     #[arg(long, default_value = ".relay")]
     pub state_dir: PathBuf,
+    /// Redis holding the run's league pool; defaults to the one in `<state-dir>/stack.json`.
+    #[arg(long)]
+    pub redis_url: Option<String>,
+}
+
+/// One member of the league table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeagueRow {
+    /// `v<N>` or the fixed opponent's name.
+    pub player: String,
+    pub mu: f64,
+    pub sigma: f64,
+    /// Games against any other member.
+    pub games: u64,
 }
 
 /// The subject a message came from.
@@ -197,6 +213,8 @@ pub struct TopState {
     /// Raised alerts by `(alert, metric)`.
     alerts: BTreeMap<(String, String), AlertEvent>,
     health: Option<Vec<ProcessHealth>>,
+    /// The league's leaderboard, best conservative rating first.
+    league: Vec<LeagueRow>,
 }
 
 impl TopState {
@@ -218,7 +236,37 @@ impl TopState {
             status: None,
             alerts: BTreeMap::new(),
             health: None,
+            league: Vec::new(),
         }
+    }
+
+    /// The league pool as last read (`None`: the run has none).
+    pub fn set_league(&mut self, pool: Option<&relay_league::Pool>) {
+        self.league = pool
+            .map(|pool| {
+                let members: Vec<_> = pool.members().map(|m| m.id()).collect();
+                pool.leaderboard()
+                    .into_iter()
+                    .map(|(member, _)| {
+                        let id = member.id();
+                        LeagueRow {
+                            player: id.to_string(),
+                            mu: member.rating.mu,
+                            sigma: member.rating.sigma,
+                            games: members
+                                .iter()
+                                .map(|other| pool.games_between(&id, other))
+                                .sum(),
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+    }
+
+    /// The league's leaderboard (empty without a pool).
+    pub fn league(&self) -> &[LeagueRow] {
+        &self.league
     }
 
     /// The run shown.
@@ -621,6 +669,8 @@ impl Feed {
 pub struct Target {
     pub run_id: String,
     pub nats_url: String,
+    /// Where the league pool is, if known.
+    pub redis_url: Option<String>,
 }
 
 /// Resolves the flags against the stack record: the run id (`@last` or none:
@@ -647,12 +697,21 @@ pub fn resolve_target(args: &TopArgs) -> Result<Target> {
         Some(id) => id.to_string(),
     };
     relay_proto::validate_run_id(&run_id).map_err(anyhow::Error::msg)?;
+    let redis_url = args
+        .redis_url
+        .clone()
+        .or_else(|| record.as_ref().map(|r| r.redis_url.clone()))
+        .filter(|url| !url.is_empty());
     let nats_url = args
         .nats_url
         .clone()
         .or_else(|| record.map(|r| r.nats_url))
         .unwrap_or_else(|| DEFAULT_NATS_URL.to_string());
-    Ok(Target { run_id, nats_url })
+    Ok(Target {
+        run_id,
+        nats_url,
+        redis_url,
+    })
 }
 
 /// The terminal in raw mode on the alternate screen; restored on drop.
@@ -724,6 +783,11 @@ async fn event_loop(
         target.run_id.clone(),
         health_tx,
     ));
+    let (league_tx, mut league_rx) = tokio::sync::watch::channel(None);
+    let league_reader = target
+        .redis_url
+        .clone()
+        .map(|url| tokio::spawn(league_loop(url, target.run_id.clone(), league_tx)));
     let mut feed_open = true;
     let result = loop {
         tokio::select! {
@@ -751,10 +815,39 @@ async fn event_loop(
                 let health = health_rx.borrow_and_update().clone();
                 state.set_health(health);
             }
+            Ok(()) = league_rx.changed() => {
+                let pool = league_rx.borrow_and_update().clone();
+                state.set_league(pool.as_ref());
+            }
         }
     };
     prober.abort();
+    if let Some(reader) = league_reader {
+        reader.abort();
+    }
     result
+}
+
+/// Reads the run's league pool every 2 s (a missing Redis or pool: nothing
+/// to show).
+async fn league_loop(
+    redis_url: String,
+    run_id: String,
+    tx: tokio::sync::watch::Sender<Option<relay_league::Pool>>,
+) {
+    let (_never, shutdown) = relay_kit::Shutdown::new();
+    let Ok(redis) = relay_kit::connect_redis(&redis_url, &shutdown).await else {
+        return;
+    };
+    let store = relay_kit::league::LeagueStore::new(redis, &run_id);
+    loop {
+        if let Ok(pool) = store.load().await {
+            if tx.send(pool).is_err() {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
 }
 
 /// Probes the stack record once a second, off the async thread.
@@ -825,10 +918,23 @@ pub fn draw(frame: &mut Frame, state: &TopState) {
         Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(middle);
     draw_training(frame, training, state);
     draw_eval(frame, eval, state);
-    let [services, alerts] =
-        Layout::horizontal([Constraint::Percentage(55), Constraint::Percentage(45)]).areas(bottom);
-    draw_services(frame, services, state);
-    draw_alerts(frame, alerts, state);
+    if state.league.is_empty() {
+        let [services, alerts] =
+            Layout::horizontal([Constraint::Percentage(55), Constraint::Percentage(45)])
+                .areas(bottom);
+        draw_services(frame, services, state);
+        draw_alerts(frame, alerts, state);
+    } else {
+        let [services, alerts, league] = Layout::horizontal([
+            Constraint::Percentage(45),
+            Constraint::Percentage(25),
+            Constraint::Percentage(30),
+        ])
+        .areas(bottom);
+        draw_services(frame, services, state);
+        draw_alerts(frame, alerts, state);
+        draw_league(frame, league, state);
+    }
     let source = if state.health.is_some() {
         "health: /healthz of the stack record"
     } else {
@@ -1097,6 +1203,21 @@ fn draw_services(frame: &mut Frame, area: Rect, state: &TopState) {
             frame.render_widget(Paragraph::new("no service seen yet"), below);
         }
     }
+}
+
+fn draw_league(frame: &mut Frame, area: Rect, state: &TopState) {
+    let mut lines = vec![Line::styled(
+        format!("{:<12} {:>7} {:>6} {:>6}", "player", "mu", "sigma", "games"),
+        Style::default().add_modifier(Modifier::BOLD),
+    )];
+    lines.extend(state.league.iter().map(|row| {
+        Line::raw(format!(
+            "{:<12} {:>7.2} {:>6.2} {:>6}",
+            row.player, row.mu, row.sigma, row.games
+        ))
+    }));
+    let title = format!("league ({} members, TrueSkill)", state.league.len());
+    frame.render_widget(Paragraph::new(lines).block(panel(&title)), area);
 }
 
 fn draw_alerts(frame: &mut Frame, area: Rect, state: &TopState) {

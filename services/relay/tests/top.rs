@@ -258,6 +258,51 @@ async fn top_shows_a_live_run_from_nats() {
     assert!(text.contains("health: metric reports"), "{text}");
 }
 
+/// The league table appears once the run has a pool, best rating first.
+#[test]
+fn top_shows_the_league_leaderboard() {
+    use relay_league::{FixedKind, FixedOpponent, MemberId, Outcome, PolicyVersion, Pool};
+    let mut state = TopState::new(RUN);
+    let screen = render(&state);
+    assert!(
+        !screen.iter().any(|l| l.contains("league (")),
+        "{}",
+        screen.join("\n")
+    );
+
+    let mut pool = Pool::new(Default::default()).unwrap();
+    pool.add_fixed(FixedOpponent {
+        name: "random".into(),
+        kind: FixedKind::Random,
+    })
+    .unwrap();
+    for version in [1, 2] {
+        pool.add_version(PolicyVersion {
+            version,
+            parent: (version > 1).then_some(version - 1),
+            weights_ref: String::new(),
+        })
+        .unwrap();
+    }
+    for _ in 0..5 {
+        pool.record_result(
+            &MemberId::Version(2),
+            &MemberId::Fixed("random".into()),
+            Outcome::Win,
+        )
+        .unwrap();
+    }
+    state.set_league(Some(&pool));
+    let rows = state.league();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[0].player, "v2", "{rows:?}");
+    assert_eq!(rows[0].games, 5);
+    let screen = render(&state);
+    line_with(&screen, "league (3 members, TrueSkill)");
+    let v2 = line_with(&screen, "v2 ");
+    assert!(v2.contains(&format!("{:.2}", rows[0].mu)), "{v2}");
+}
+
 #[test]
 fn top_quits_on_q_esc_and_ctrl_c() {
     let press = |code, modifiers| KeyEvent::new(code, modifiers);
@@ -377,6 +422,7 @@ fn top_probes_the_stack_record_for_health() {
         run_id: run_id.map(String::from),
         nats_url: nats_url.map(String::from),
         state_dir: dir.path().to_path_buf(),
+        redis_url: None,
     };
     assert!(
         resolve_target(&args(None, None)).is_err(),
@@ -394,6 +440,8 @@ fn top_probes_the_stack_record_for_health() {
         let target = resolve_target(&args(run_id, None)).expect("from the record");
         assert_eq!(target.run_id, RUN);
         assert_eq!(target.nats_url, "nats://127.0.0.1:4999");
+        // This record names no Redis: no league to read.
+        assert_eq!(target.redis_url, None);
     }
     let target = resolve_target(&args(Some("other-run"), Some("nats://h:1"))).expect("flags");
     assert_eq!(
