@@ -633,6 +633,56 @@ games = dashboard(
             [t(sel("relay_eval_legal_move_rate"), "{{opponent}} ({{evaluator}})")],
             w=12, unit="percentunit", minimum=0, maximum=1,
         ),
+        row("Token-level learner"),
+        panel(
+            "timeseries", "Loss, KL to the base model, entropy",
+            [
+                t(sel("relay_learner_loss"), "{{run_id}} loss"),
+                t(sel("relay_learner_kl_ref"), "{{run_id}} KL to reference"),
+                t(sel("relay_learner_entropy"), "{{run_id}} entropy"),
+                t(sel("relay_learner_kl_penalty"), "{{run_id}} KL penalty (non-score reward)"),
+            ],
+            w=8, description="Per update: the objective, the KL of the adapted model to the base (objective/kl), the token entropy (objective/entropy), the reward-mode KL penalty.",
+        ),
+        panel(
+            "timeseries", "Rewards of the trained moves",
+            [
+                t(sel("relay_learner_reward_mean"), "{{run_id}} game reward (score)"),
+                t(sel("relay_learner_shaped_reward_mean"), "{{run_id}} shaped reward"),
+            ],
+            w=8, description="Mean game result of the learning seats, and after rl.reward shaping (format bonus, invalid-move penalty, normalisation).",
+        ),
+        panel(
+            "timeseries", "Format, legal moves, EOS",
+            [
+                t(sel("relay_learner_format_rate"), "{{run_id}} bracketed moves (format)"),
+                t(sel("relay_learner_legal_move_rate"), "{{run_id}} legal moves (correctness)"),
+                t(sel("relay_learner_eos_rate"), "{{run_id}} completions ending on EOS"),
+            ],
+            w=8, unit="percentunit", minimum=0, maximum=1,
+        ),
+        panel(
+            "timeseries", "Sequence lengths",
+            [
+                t(sel("relay_learner_mean_seq_len"), "{{run_id}} train sequence"),
+                t(sel("relay_learner_completion_len"), "{{run_id}} completion (output)"),
+            ],
+            w=8, description="Mean prompt + completion tokens trained on, and completion tokens alone.",
+        ),
+        panel(
+            "timeseries", "Training tokens per second",
+            [t(sel("relay_learner_tokens_per_second"), "{{run_id}}")],
+            w=8, unit="ops",
+        ),
+        panel(
+            "timeseries", "Truncated sequences and tokens cut",
+            [
+                t(f"sum by (run_id) (increase({sel('relay_learner_truncated_sequences_total')}[{RI}]))", "{{run_id}} sequences truncated"),
+                t(f"sum by (run_id) (increase({sel('relay_learner_tokens_cut_total')}[{RI}]))", "{{run_id}} tokens cut"),
+            ],
+            w=8, minimum=0,
+            description="Sequences longer than rl.max_seq_len lose the start of their prompt.",
+        ),
         row("Generation (inference servers)"),
         panel(
             "timeseries", "Completion tokens per second",

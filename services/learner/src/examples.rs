@@ -35,6 +35,13 @@ pub struct Converted {
     pub game_rewards: Vec<f64>,
     /// Moves left out because their tokens or log-probs were unusable.
     pub skipped_moves: usize,
+    /// The learning seats' model moves of the games (their format and
+    /// correctness rates are reported).
+    pub moves: usize,
+    /// Of those, the moves holding a bracketed move (the format reward).
+    pub well_formatted_moves: usize,
+    /// Of those, the moves the game refused (the correctness reward's misses).
+    pub invalid_moves: usize,
 }
 
 /// The group of a learning seat's moves (see the module docs).
@@ -118,6 +125,9 @@ pub fn games_to_examples(
                 invalid_moves: model_moves.iter().filter(|t| t.invalid).count() as u32,
             };
             out.game_rewards.push(result.reward);
+            out.moves += result.turns as usize;
+            out.well_formatted_moves += result.well_formatted_turns as usize;
+            out.invalid_moves += result.invalid_moves as usize;
             seats.push(SeatMoves { examples, result });
         }
     }

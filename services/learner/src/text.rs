@@ -261,6 +261,8 @@ pub(crate) async fn run(
             "llm.model {model_spec}: this base cannot be trained through"
         )));
     }
+    // Completions ending on one of these stopped by themselves.
+    let eos_ids = model.config().eos_token_ids.clone();
     let context = model.config().max_position_embeddings + 1;
     if train_config.batch.max_seq_len > context {
         tracing::info!(
@@ -629,6 +631,17 @@ pub(crate) async fn run(
                     gauge("learner_shaped_reward_mean", first.reward_mean),
                     gauge("learner_advantage_std", first.advantage_std),
                     gauge("learner_mean_seq_len", first.mean_seq_len),
+                    gauge("learner_completion_len", first.mean_completion_len),
+                    gauge("learner_kl_penalty", first.kl_penalty),
+                    gauge("learner_eos_rate", eos_rate(&examples, &eos_ids)),
+                    gauge(
+                        "learner_format_rate",
+                        rate(converted.well_formatted_moves, converted.moves),
+                    ),
+                    gauge(
+                        "learner_legal_move_rate",
+                        1.0 - rate(converted.invalid_moves, converted.moves),
+                    ),
                     gauge("learner_sequences", first.sequences as f64),
                     gauge(
                         "learner_tokens_per_second",
@@ -702,4 +715,23 @@ pub fn load_checkpoint_adapter(
     model: &CausalLm,
 ) -> Result<LoraAdapter, relay_llm::ModelError> {
     LoraAdapter::load_peft(&dir.join(ADAPTER_DIR), model.config())
+}
+
+/// `part / whole`, 0 when `whole` is 0.
+fn rate(part: usize, whole: usize) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
+/// Share of completions that end on an end-of-sequence token (the policy
+/// stopped by itself rather than at `text.max_turn_tokens`).
+fn eos_rate(examples: &[TokenExample], eos_ids: &[u32]) -> f64 {
+    let ended = examples
+        .iter()
+        .filter(|e| e.completion.last().is_some_and(|t| eos_ids.contains(t)))
+        .count();
+    rate(ended, examples.len())
 }
