@@ -27,14 +27,19 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use relay_llm::rl::{rl_loss, RlMicroBatch, RlRow};
+use relay_llm::sft::{load_hf_trainable, named_vars};
 use relay_llm::{
     init, AdamWConfig, Aggregation, BatchConfig, BatchTotals, CausalLm, LoraAdapter, LoraConfig,
-    ObjectiveConfig, RlTrainConfig, RlTrainer, TinyVocab, TokenExample, Truncation,
+    ObjectiveConfig, RlTrainConfig, RlTrainer, SftConfig, SftExample, SftTrainer, TinyVocab,
+    TokenExample, Truncation,
 };
 
 const SEQUENCES: usize = 16;
 const PROMPT: usize = 170;
 const COMPLETION: usize = 30;
+/// SFT: examples per optimizer step and per backward pass (`relay sft`'s defaults).
+const SFT_BATCH: usize = 32;
+const SFT_MINIBATCH: usize = 8;
 
 fn median(runs: usize, f: &mut dyn FnMut()) -> Duration {
     f();
@@ -67,6 +72,37 @@ fn examples(vocab: u32) -> Vec<TokenExample> {
             group: (i / 4) as u64,
         })
         .collect()
+}
+
+/// 32 (prompt, move) pairs of 150 to 250 tokens: prompts of 140 to 230
+/// tokens, completions of 4 to 20.
+fn sft_examples(vocab: u32) -> Vec<SftExample> {
+    (0..SFT_BATCH)
+        .map(|i| SftExample {
+            prompt: (0..140 + (i * 37) % 91)
+                .map(|t| ((i * 131 + t * 7919) as u32) % (vocab - 3) + 3)
+                .collect(),
+            completion: (0..4 + (i * 7) % 17)
+                .map(|t| ((i * 17 + t * 31) as u32) % (vocab - 3) + 3)
+                .collect(),
+        })
+        .collect()
+}
+
+fn sft_config() -> SftConfig {
+    SftConfig {
+        batch: BatchConfig {
+            batch_size: SFT_BATCH,
+            minibatch_size: SFT_MINIBATCH,
+            max_seq_len: 512,
+            truncation: Truncation::CutPromptStart,
+        },
+        optimizer: AdamWConfig {
+            lr: 1e-6,
+            ..Default::default()
+        },
+        aggregation: Default::default(),
+    }
 }
 
 fn main() {
@@ -127,6 +163,31 @@ fn main() {
             });
             row(&format!("train step, {label}, minibatch {minibatch}"), t);
         }
+    }
+
+    // SFT on the same model: every weight (a VarMap), then a LoRA adapter.
+    let sft_data = sft_examples(vocab.size as u32);
+    let tokens: usize = sft_data
+        .iter()
+        .map(|e| e.prompt.len() + e.completion.len())
+        .sum();
+    println!(
+        "SFT: {SFT_BATCH} examples ({tokens} tokens, 150-250 each) per step, minibatch {SFT_MINIBATCH}"
+    );
+    {
+        let (full, varmap) = load_hf_trainable(&dir).unwrap();
+        let mut trainer = SftTrainer::new(sft_config(), named_vars(&varmap)).unwrap();
+        let t = median(3, &mut || {
+            trainer.train_step(&full, None, &sft_data).unwrap();
+        });
+        row("SFT step, full fine-tuning (every weight trains)", t);
+        let mut trainer = SftTrainer::new(sft_config(), adapter.named_vars()).unwrap();
+        let t = median(3, &mut || {
+            trainer
+                .train_step(&model, Some(&adapter), &sft_data)
+                .unwrap();
+        });
+        row("SFT step, LoRA r 8 (base frozen)", t);
     }
 
     // Parts of one 16-sequence micro-batch.

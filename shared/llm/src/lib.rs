@@ -112,6 +112,8 @@ pub mod tiny_tokenizer;
 pub mod token_batch;
 pub mod tokenizer;
 pub mod train_error;
+pub mod train_forward;
+mod train_ops;
 
 pub use cache::{KvCache, PrefixCache};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
