@@ -54,6 +54,14 @@ fn median(runs: usize, f: &mut dyn FnMut()) -> Duration {
     times[times.len() / 2]
 }
 
+/// Whether to run the cases named `name` (`rl`, `sft`, `parts`):
+/// `TRAIN_STEP_CASES=sft,parts` runs only those (e.g. under `perf`).
+fn enabled(name: &str) -> bool {
+    std::env::var("TRAIN_STEP_CASES")
+        .map(|cases| cases.split(',').any(|c| c.trim() == name))
+        .unwrap_or(true)
+}
+
 fn row(label: &str, d: Duration) {
     println!("{label:<58} {:>9.1} ms", d.as_secs_f64() * 1e3);
 }
@@ -145,16 +153,21 @@ fn main() {
             ..Default::default()
         },
     };
-    for (label, objective) in [
-        (
-            "REINFORCE (no reference forward)",
-            ObjectiveConfig::reinforce(),
-        ),
-        (
-            "GRPO (k3 KL loss: + reference forward)",
-            ObjectiveConfig::grpo(),
-        ),
-    ] {
+    let rl_cases = if enabled("rl") {
+        vec![
+            (
+                "REINFORCE (no reference forward)",
+                ObjectiveConfig::reinforce(),
+            ),
+            (
+                "GRPO (k3 KL loss: + reference forward)",
+                ObjectiveConfig::grpo(),
+            ),
+        ]
+    } else {
+        Vec::new()
+    };
+    for (label, objective) in rl_cases {
         for minibatch in [16, 4] {
             let mut trainer =
                 RlTrainer::new(config(objective.clone(), minibatch), &adapter).unwrap();
@@ -174,7 +187,7 @@ fn main() {
     println!(
         "SFT: {SFT_BATCH} examples ({tokens} tokens, 150-250 each) per step, minibatch {SFT_MINIBATCH}"
     );
-    {
+    if enabled("sft") {
         let (full, varmap) = load_hf_trainable(&dir).unwrap();
         let mut trainer = SftTrainer::new(sft_config(), named_vars(&varmap)).unwrap();
         let t = median(3, &mut || {
@@ -190,6 +203,10 @@ fn main() {
         row("SFT step, LoRA r 8 (base frozen)", t);
     }
 
+    if !enabled("parts") {
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     // Parts of one 16-sequence micro-batch.
     let rows: Vec<RlRow> = data
         .iter()

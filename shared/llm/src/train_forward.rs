@@ -39,14 +39,21 @@ fn project(
     adapter: Option<&LoraAdapter>,
 ) -> Result<Tensor> {
     let w = dense_weight(projection)?;
-    let y = train_ops::linear(x, &w, projection.bias.as_ref())?;
-    let Some(lora) = adapter.and_then(|a| a.weights(layer, projection.target)) else {
-        return Ok(y);
+    let bias = projection.bias.as_ref();
+    let lora = adapter.and_then(|a| Some((a.weights(layer, projection.target)?, a.scaling())));
+    let Some((lora, scaling)) = lora else {
+        return Ok(train_ops::linear(x, &w, bias)?);
     };
-    let scaling = adapter.map_or(1.0, LoraAdapter::scaling);
-    let low = train_ops::linear(x, lora.a.as_tensor(), None)?;
-    let up = train_ops::scaled_linear(&low, lora.b.as_tensor(), scaling)?;
-    Ok((y + up)?)
+    let (a, b) = (lora.a.as_tensor(), lora.b.as_tensor());
+    if !w.track_op() && !bias.is_some_and(Tensor::track_op) {
+        return Ok(train_ops::lora_linear(x, &w, bias, (a, b), scaling)?);
+    }
+    // A trainable base under an adapter: the base product keeps its own
+    // weight gradient.
+    let y = train_ops::linear(x, &w, bias)?;
+    let low = train_ops::linear(x, a, None)?;
+    let up = train_ops::scaled_linear(&low, b, scaling)?;
+    Ok(train_ops::residual(&y, &up)?)
 }
 
 impl CausalLm {
@@ -123,12 +130,12 @@ impl CausalLm {
                 &self.rope_cos,
                 &self.rope_sin,
             )?;
-            x = (x + project(&block.o_proj, &attn, layer, adapter)?)?;
+            x = train_ops::residual(&x, &project(&block.o_proj, &attn, layer, adapter)?)?;
             let h = train_ops::rms_norm(&x, &block.post_attention_norm, eps)?;
             let gate = project(&block.gate_proj, &h, layer, adapter)?;
             let up = project(&block.up_proj, &h, layer, adapter)?;
             let inner = train_ops::swiglu(&gate, &up)?;
-            x = (x + project(&block.down_proj, &inner, layer, adapter)?)?;
+            x = train_ops::residual(&x, &project(&block.down_proj, &inner, layer, adapter)?)?;
         }
         Ok(x)
     }

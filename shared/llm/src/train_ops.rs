@@ -393,6 +393,179 @@ pub(crate) fn scaled_linear(x: &Tensor, w: &Tensor, scale: f64) -> Result<Tensor
     )
 }
 
+/// `y = x Wᵀ + b + scale · (x Aᵀ) Bᵀ`: a frozen projection (`W`, `b`
+/// held by the op, never given a gradient) with its LoRA update, in one
+/// op, so the adapted projection is one node of the graph with one
+/// gradient for `x` instead of three summed ones.
+struct LoraLinear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    scale: f32,
+}
+
+impl CustomOp3 for LoraLinear {
+    fn name(&self) -> &'static str {
+        "train-lora-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        as_: &CpuStorage,
+        al: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = Mat::of_layout(cpu_f32(xs)?, xl)?;
+        let a = Mat::of_layout(cpu_f32(as_)?, al)?;
+        let b = Mat::of_layout(cpu_f32(bs)?, bl)?;
+        if a.cols != x.cols || b.cols != a.rows {
+            bail!(
+                "lora: x ({}, {}), A ({}, {}), B ({}, {})",
+                x.rows,
+                x.cols,
+                a.rows,
+                a.cols,
+                b.rows,
+                b.cols
+            );
+        }
+        let (storage, shape) = match &self.bias {
+            Some(bias) => with_mat(&self.weight, |w| {
+                with_slice(bias, |bias| linear_fwd(x, w, Some(bias), 1.0))
+            })???,
+            None => with_mat(&self.weight, |w| linear_fwd(x, w, None, 1.0))??,
+        };
+        let CpuStorage::F32(mut y) = storage else {
+            bail!("lora: f32 output expected")
+        };
+        if shape.dims2()?.1 != b.rows {
+            bail!("lora: B has {} rows for {:?} outputs", b.rows, shape);
+        }
+        let low = matmul(x, a.t(), 1.0);
+        let low = Mat::dense(&low, x.rows, a.rows);
+        let par = parallelism(x.rows, b.rows, a.rows);
+        matmul_into(&mut y, low, b.t(), self.scale, true, par);
+        Ok((CpuStorage::F32(y), shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let scale = self.scale;
+        let (rows, rank) = (x.dim(0)?, a.dim(0)?);
+        let (dx, da, db) = with_mat(x, |xm| {
+            with_mat(a, |am| {
+                with_mat(b, |bm| {
+                    with_mat(grad, |g| {
+                        with_mat(&self.weight, |w| {
+                            // low = x Aᵀ, d_low = scale · g B.
+                            let low = matmul(xm, am.t(), 1.0);
+                            let d_low = matmul(g, bm, scale);
+                            let low = Mat::dense(&low, rows, rank);
+                            let d_low_m = Mat::dense(&d_low, rows, rank);
+                            let db = b.track_op().then(|| matmul(g.t(), low, scale));
+                            let da = a.track_op().then(|| matmul(d_low_m.t(), xm, 1.0));
+                            let dx = x.track_op().then(|| {
+                                let mut dx = matmul(g, w, 1.0);
+                                let par = parallelism(rows, xm.cols, rank);
+                                matmul_into(&mut dx, d_low_m, am, 1.0, true, par);
+                                dx
+                            });
+                            (dx, da, db)
+                        })
+                    })
+                })
+            })
+        })?????;
+        let wrap = |data: Option<Vec<f32>>, like: &Tensor| -> Result<Option<Tensor>> {
+            data.map(|d| Tensor::from_vec(d, like.shape(), &Device::Cpu))
+                .transpose()
+        };
+        Ok((wrap(dx, x)?, wrap(da, a)?, wrap(db, b)?))
+    }
+}
+
+/// `x Wᵀ + b + scale · (x Aᵀ) Bᵀ` for a frozen `W` `(out, in)` and `b`
+/// `(out,)`, and LoRA factors `A` `(rank, in)`, `B` `(out, rank)`:
+/// gradients reach `x`, `A` and `B`, never `W` or `b` (use [`linear`]
+/// twice when the weight trains too).
+pub(crate) fn lora_linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    (a, b): (&Tensor, &Tensor),
+    scale: f64,
+) -> Result<Tensor> {
+    x.apply_op3(
+        a,
+        b,
+        LoraLinear {
+            weight: weight.detach(),
+            bias: bias.map(Tensor::detach),
+            scale: scale as f32,
+        },
+    )
+}
+
+/// `a + b` for the residual stream: the sum on rayon (not candle's
+/// spinning elementwise pool), the gradient passed to both unchanged.
+struct Residual;
+
+impl CustomOp2 for Residual {
+    fn name(&self) -> &'static str {
+        "train-residual"
+    }
+
+    fn cpu_fwd(
+        &self,
+        as_: &CpuStorage,
+        al: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if al.shape() != bl.shape() {
+            bail!("residual: {:?} + {:?}", al.shape(), bl.shape());
+        }
+        let a = contiguous(as_, al, "residual")?;
+        let b = contiguous(bs, bl, "residual")?;
+        let mut y = vec![0f32; a.len()];
+        let chunk = 16 * 1024;
+        y.par_chunks_mut(chunk)
+            .zip(a.par_chunks(chunk).zip(b.par_chunks(chunk)))
+            .for_each(|(y, (a, b))| {
+                for ((y, a), b) in y.iter_mut().zip(a).zip(b) {
+                    *y = a + b;
+                }
+            });
+        Ok((CpuStorage::F32(y), al.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((
+            a.track_op().then(|| grad.clone()),
+            b.track_op().then(|| grad.clone()),
+        ))
+    }
+}
+
+/// `a + b` of two tensors of one shape (the residual stream).
+pub(crate) fn residual(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    a.contiguous()?.apply_op2(&b.contiguous()?, Residual)
+}
+
 /// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) ⊙ w`.
 struct RmsNorm {
     eps: f32,
@@ -1219,6 +1392,45 @@ mod tests {
         assert!(grads.get(&b).is_none());
         let want = randn(&[4, 2], 1).matmul(&w).unwrap();
         assert!(max_abs_diff(grads.get(x.as_tensor()).unwrap(), &want) < 1e-5);
+    }
+
+    #[test]
+    fn lora_linear_matches_its_composition() {
+        let x = var(&[9, 6], 21);
+        let w = randn(&[5, 6], 22);
+        let bias = randn(&[5], 23);
+        let a = var(&[3, 6], 24);
+        let b = var(&[5, 3], 25);
+        check(
+            &[&x, &a, &b],
+            || lora_linear(&x, &w, Some(&bias), (&a, &b), 0.7).unwrap(),
+            || {
+                let base = x
+                    .matmul(&w.t().unwrap())
+                    .unwrap()
+                    .broadcast_add(&bias)
+                    .unwrap();
+                let low = x.matmul(&a.t().unwrap()).unwrap();
+                (base + (low.matmul(&b.t().unwrap()).unwrap() * 0.7).unwrap()).unwrap()
+            },
+            1e-5,
+        );
+        let grads = probe_loss(&lora_linear(&x, &w, None, (&a, &b), 0.7).unwrap(), 2)
+            .backward()
+            .unwrap();
+        assert!(grads.get(&w).is_none());
+    }
+
+    #[test]
+    fn residual_matches_add() {
+        let a = var(&[3, 40_000], 26);
+        let b = var(&[3, 40_000], 27);
+        check(
+            &[&a, &b],
+            || residual(&a, &b).unwrap(),
+            || (a.as_tensor() + b.as_tensor()).unwrap(),
+            1e-6,
+        );
     }
 
     #[test]
