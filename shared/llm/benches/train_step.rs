@@ -41,17 +41,40 @@ const COMPLETION: usize = 30;
 const SFT_BATCH: usize = 32;
 const SFT_MINIBATCH: usize = 8;
 
-fn median(runs: usize, f: &mut dyn FnMut()) -> Duration {
+/// CPU time of the whole process so far (user + system, all threads;
+/// Linux `/proc/self/stat`, in clock ticks of 10 ms): with other
+/// processes sharing the cores, wall time says how long a step waited,
+/// CPU time how much work (and spinning) it took.
+fn process_cpu() -> Duration {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return Duration::ZERO;
+    };
+    // Fields after the parenthesised command name; utime and stime are
+    // the 14th and 15th fields of the line.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Duration::from_millis((ticks(11) + ticks(12)) * 10)
+}
+
+/// Median wall time and median CPU time of `runs` calls after a warm-up.
+fn median(runs: usize, f: &mut dyn FnMut()) -> (Duration, Duration) {
     f();
-    let mut times: Vec<Duration> = (0..runs)
+    let (mut wall, mut cpu): (Vec<Duration>, Vec<Duration>) = (0..runs)
         .map(|_| {
-            let t = Instant::now();
+            let (t, c) = (Instant::now(), process_cpu());
             f();
-            t.elapsed()
+            (t.elapsed(), process_cpu().saturating_sub(c))
         })
-        .collect();
-    times.sort();
-    times[times.len() / 2]
+        .unzip();
+    wall.sort();
+    cpu.sort();
+    (wall[wall.len() / 2], cpu[cpu.len() / 2])
 }
 
 /// Whether to run the cases named `name` (`rl`, `sft`, `parts`):
@@ -62,8 +85,12 @@ fn enabled(name: &str) -> bool {
         .unwrap_or(true)
 }
 
-fn row(label: &str, d: Duration) {
-    println!("{label:<58} {:>9.1} ms", d.as_secs_f64() * 1e3);
+fn row(label: &str, (wall, cpu): (Duration, Duration)) {
+    println!(
+        "{label:<66} {:>9.1} ms wall {:>9.0} ms CPU",
+        wall.as_secs_f64() * 1e3,
+        cpu.as_secs_f64() * 1e3
+    );
 }
 
 fn examples(vocab: u32) -> Vec<TokenExample> {
