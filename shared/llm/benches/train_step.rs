@@ -4,24 +4,49 @@
 //! the training forward, the reference forward (KL), loss, backward and
 //! the AdamW step. Printed as a table (median of a few runs).
 //!
-//! Threads: candle's rayon pool, sized by `RAYON_NUM_THREADS` (printed).
+//! Threads: rayon's pool, sized by `RAYON_NUM_THREADS` (printed), and
+//! candle's elementwise pool, sized by `CANDLE_NUM_THREADS` (see below).
 //!
-//! Measured here (`RAYON_NUM_THREADS=2`, on 2 cores shared with other
-//! builds, load ~9, so absolute numbers are pessimistic): a whole step
-//! 2.8 s (REINFORCE) and 3.3 s (GRPO with its reference forward) at
-//! minibatch 16; 3.0 s and 4.8 s at minibatch 4. Of one 16-sequence
-//! micro-batch: training forward 0.41 s, reference forward 0.37 s, loss
-//! 2 ms, AdamW 0.2 ms, forward + backward 3.0 s: the backward is ~6.5x
-//! the forward. A probe of candle 0.11's ops at these shapes showed why:
-//! the composed `candle_nn::ops::softmax` over attention scores
-//! `(32, 400, 200)` takes 53 ms forward and 187 ms backward (per layer),
-//! adding the causal mask with `broadcast_add` 4 ms forward and 58 ms
-//! backward (candle computes the gradient of the constant mask too), and
-//! a projection `x · Wᵀ` with frozen `W` pays for `W`'s unused gradient
-//! (backward 1.45x its forward instead of ~1x). All three live in
-//! `model.rs`'s training forward: a custom op for masked softmax with its
-//! own backward (`p ⊙ (g − Σ g⊙p)`) and a frozen-weight matmul that
-//! skips the weight's gradient are where to gain.
+//! It also runs SFT steps on the same model: 32 examples of 150-250
+//! tokens per step in micro-batches of 8 (`relay sft`'s defaults), full
+//! fine-tuning (every weight a var) and LoRA r 8. `TRAIN_STEP_CASES=rl,
+//! sft,parts` picks cases. Each row gives the median wall time and the
+//! median CPU time of the process (all threads): on a shared machine the
+//! wall time swings with the load, the CPU time much less.
+//!
+//! Measured here (`RAYON_NUM_THREADS=2`, 2 cores shared with other
+//! builds at load 3-8; old = the composed candle-op training path,
+//! new = `train_ops`; one interleaved round, ms wall / ms CPU):
+//!
+//! | case | old | new | old, `CANDLE_NUM_THREADS=1` | new, `CANDLE_NUM_THREADS=1` |
+//! |---|---|---|---|---|
+//! | RL step REINFORCE, minibatch 16 | 2226 / 1910 | 823 / 670 | 1896 / 1100 | 861 / 470 |
+//! | RL step GRPO (+ reference), minibatch 16 | 3024 / 2500 | 1168 / 750 | 2001 / 1310 | 1308 / 580 |
+//! | RL step GRPO (+ reference), minibatch 4 | 4064 / 3610 | 940 / 900 | 1264 / 960 | 796 / 530 |
+//! | SFT step, full fine-tuning | 6803 / 5030 | 1831 / 1540 | 1412 / 1420 | 1650 / 1010 |
+//! | SFT step, LoRA r 8 | 4185 / 4380 | 1828 / 1360 | 1554 / 1470 | 1743 / 920 |
+//! | 16-sequence forward + loss + backward | 2875 / 2370 | 1063 / 740 | 2893 / 1180 | 980 / 510 |
+//! | forward, no adapter | 359 / 350 | 214 / 140 | 284 / 200 | 230 / 160 |
+//!
+//! Two causes, measured apart:
+//! - candle 0.11's elementwise ops over 64 K elements run on its own
+//!   barrier pool (`CANDLE_NUM_THREADS`, default all cores), whose caller
+//!   spins until every pool thread has checked in; on an oversubscribed
+//!   machine each op then waits for a descheduled thread. The old path
+//!   had hundreds of such ops per micro-batch (`BarrierGuard::drop` was
+//!   the top symbol under `perf`); the new one has only the gradient sums
+//!   of candle's backward loop. `CANDLE_NUM_THREADS=1` turns the pool off
+//!   (gemm and the fused ops still use rayon's threads).
+//! - Work: the old backward computed gradients of frozen weights and of
+//!   the constant mask, and a five-op softmax over `(batch, heads, time,
+//!   time)`; the new ops compute only needed gradients, keep attention
+//!   per head in cache, and compute the LM head only at completion
+//!   positions. With the pool off, a step takes 1.4-2.3x less CPU;
+//!   `perf` then shows gemm's microkernel at ~57% of the time.
+//!
+//! The remaining fresh-page faults (`perf record -e page-faults`) come
+//! from candle's backward loop: each gradient sum allocates a zero
+//! tensor and an output (`GradStore::or_insert` + `Tensor::add`).
 
 use std::time::{Duration, Instant};
 
