@@ -4,53 +4,118 @@
 //! the training forward, the reference forward (KL), loss, backward and
 //! the AdamW step. Printed as a table (median of a few runs).
 //!
-//! Threads: candle's rayon pool, sized by `RAYON_NUM_THREADS` (printed).
+//! Threads: rayon's pool, sized by `RAYON_NUM_THREADS` (printed), and
+//! candle's elementwise pool, sized by `CANDLE_NUM_THREADS` (see below).
 //!
-//! Measured here (`RAYON_NUM_THREADS=2`, on 2 cores shared with other
-//! builds, load ~9, so absolute numbers are pessimistic): a whole step
-//! 2.8 s (REINFORCE) and 3.3 s (GRPO with its reference forward) at
-//! minibatch 16; 3.0 s and 4.8 s at minibatch 4. Of one 16-sequence
-//! micro-batch: training forward 0.41 s, reference forward 0.37 s, loss
-//! 2 ms, AdamW 0.2 ms, forward + backward 3.0 s: the backward is ~6.5x
-//! the forward. A probe of candle 0.11's ops at these shapes showed why:
-//! the composed `candle_nn::ops::softmax` over attention scores
-//! `(32, 400, 200)` takes 53 ms forward and 187 ms backward (per layer),
-//! adding the causal mask with `broadcast_add` 4 ms forward and 58 ms
-//! backward (candle computes the gradient of the constant mask too), and
-//! a projection `x · Wᵀ` with frozen `W` pays for `W`'s unused gradient
-//! (backward 1.45x its forward instead of ~1x). All three live in
-//! `model.rs`'s training forward: a custom op for masked softmax with its
-//! own backward (`p ⊙ (g − Σ g⊙p)`) and a frozen-weight matmul that
-//! skips the weight's gradient are where to gain.
+//! It also runs SFT steps on the same model: 32 examples of 150-250
+//! tokens per step in micro-batches of 8 (`relay sft`'s defaults), full
+//! fine-tuning (every weight a var) and LoRA r 8. `TRAIN_STEP_CASES=rl,
+//! sft,parts` picks cases. Each row gives the median wall time and the
+//! median CPU time of the process (all threads): on a shared machine the
+//! wall time swings with the load, the CPU time much less.
+//!
+//! Measured here (`RAYON_NUM_THREADS=2`, 2 cores shared with other
+//! builds at load 3-8; old = the composed candle-op training path,
+//! new = `train_ops`; one interleaved round, ms wall / ms CPU):
+//!
+//! | case | old | new | old, `CANDLE_NUM_THREADS=1` | new, `CANDLE_NUM_THREADS=1` |
+//! |---|---|---|---|---|
+//! | RL step REINFORCE, minibatch 16 | 2226 / 1910 | 823 / 670 | 1896 / 1100 | 861 / 470 |
+//! | RL step GRPO (+ reference), minibatch 16 | 3024 / 2500 | 1168 / 750 | 2001 / 1310 | 1308 / 580 |
+//! | RL step GRPO (+ reference), minibatch 4 | 4064 / 3610 | 940 / 900 | 1264 / 960 | 796 / 530 |
+//! | SFT step, full fine-tuning | 6803 / 5030 | 1831 / 1540 | 1412 / 1420 | 1650 / 1010 |
+//! | SFT step, LoRA r 8 | 4185 / 4380 | 1828 / 1360 | 1554 / 1470 | 1743 / 920 |
+//! | 16-sequence forward + loss + backward | 2875 / 2370 | 1063 / 740 | 2893 / 1180 | 980 / 510 |
+//! | forward, no adapter | 359 / 350 | 214 / 140 | 284 / 200 | 230 / 160 |
+//!
+//! Two causes, measured apart:
+//! - candle 0.11's elementwise ops over 64 K elements run on its own
+//!   barrier pool (`CANDLE_NUM_THREADS`, default all cores), whose caller
+//!   spins until every pool thread has checked in; on an oversubscribed
+//!   machine each op then waits for a descheduled thread. The old path
+//!   had hundreds of such ops per micro-batch (`BarrierGuard::drop` was
+//!   the top symbol under `perf`); the new one has only the gradient sums
+//!   of candle's backward loop. `CANDLE_NUM_THREADS=1` turns the pool off
+//!   (gemm and the fused ops still use rayon's threads).
+//! - Work: the old backward computed gradients of frozen weights and of
+//!   the constant mask, and a five-op softmax over `(batch, heads, time,
+//!   time)`; the new ops compute only needed gradients, keep attention
+//!   per head in cache, and compute the LM head only at completion
+//!   positions. With the pool off, a step takes 1.4-2.3x less CPU;
+//!   `perf` then shows gemm's microkernel at ~57% of the time.
+//!
+//! The remaining fresh-page faults (`perf record -e page-faults`) come
+//! from candle's backward loop: each gradient sum allocates a zero
+//! tensor and an output (`GradStore::or_insert` + `Tensor::add`).
 
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use relay_llm::rl::{rl_loss, RlMicroBatch, RlRow};
+use relay_llm::sft::{load_hf_trainable, named_vars};
 use relay_llm::{
     init, AdamWConfig, Aggregation, BatchConfig, BatchTotals, CausalLm, LoraAdapter, LoraConfig,
-    ObjectiveConfig, RlTrainConfig, RlTrainer, TinyVocab, TokenExample, Truncation,
+    ObjectiveConfig, RlTrainConfig, RlTrainer, SftConfig, SftExample, SftTrainer, TinyVocab,
+    TokenExample, Truncation,
 };
 
 const SEQUENCES: usize = 16;
 const PROMPT: usize = 170;
 const COMPLETION: usize = 30;
+/// SFT: examples per optimizer step and per backward pass (`relay sft`'s defaults).
+const SFT_BATCH: usize = 32;
+const SFT_MINIBATCH: usize = 8;
 
-fn median(runs: usize, f: &mut dyn FnMut()) -> Duration {
-    f();
-    let mut times: Vec<Duration> = (0..runs)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed()
-        })
-        .collect();
-    times.sort();
-    times[times.len() / 2]
+/// CPU time of the whole process so far (user + system, all threads;
+/// Linux `/proc/self/stat`, in clock ticks of 10 ms): with other
+/// processes sharing the cores, wall time says how long a step waited,
+/// CPU time how much work (and spinning) it took.
+fn process_cpu() -> Duration {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return Duration::ZERO;
+    };
+    // Fields after the parenthesised command name; utime and stime are
+    // the 14th and 15th fields of the line.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Duration::from_millis((ticks(11) + ticks(12)) * 10)
 }
 
-fn row(label: &str, d: Duration) {
-    println!("{label:<58} {:>9.1} ms", d.as_secs_f64() * 1e3);
+/// Median wall time and median CPU time of `runs` calls after a warm-up.
+fn median(runs: usize, f: &mut dyn FnMut()) -> (Duration, Duration) {
+    f();
+    let (mut wall, mut cpu): (Vec<Duration>, Vec<Duration>) = (0..runs)
+        .map(|_| {
+            let (t, c) = (Instant::now(), process_cpu());
+            f();
+            (t.elapsed(), process_cpu().saturating_sub(c))
+        })
+        .unzip();
+    wall.sort();
+    cpu.sort();
+    (wall[wall.len() / 2], cpu[cpu.len() / 2])
+}
+
+/// Whether to run the cases named `name` (`rl`, `sft`, `parts`):
+/// `TRAIN_STEP_CASES=sft,parts` runs only those (e.g. under `perf`).
+fn enabled(name: &str) -> bool {
+    std::env::var("TRAIN_STEP_CASES")
+        .map(|cases| cases.split(',').any(|c| c.trim() == name))
+        .unwrap_or(true)
+}
+
+fn row(label: &str, (wall, cpu): (Duration, Duration)) {
+    println!(
+        "{label:<66} {:>9.1} ms wall {:>9.0} ms CPU",
+        wall.as_secs_f64() * 1e3,
+        cpu.as_secs_f64() * 1e3
+    );
 }
 
 fn examples(vocab: u32) -> Vec<TokenExample> {
@@ -67,6 +132,37 @@ fn examples(vocab: u32) -> Vec<TokenExample> {
             group: (i / 4) as u64,
         })
         .collect()
+}
+
+/// 32 (prompt, move) pairs of 150 to 250 tokens: prompts of 140 to 230
+/// tokens, completions of 4 to 20.
+fn sft_examples(vocab: u32) -> Vec<SftExample> {
+    (0..SFT_BATCH)
+        .map(|i| SftExample {
+            prompt: (0..140 + (i * 37) % 91)
+                .map(|t| ((i * 131 + t * 7919) as u32) % (vocab - 3) + 3)
+                .collect(),
+            completion: (0..4 + (i * 7) % 17)
+                .map(|t| ((i * 17 + t * 31) as u32) % (vocab - 3) + 3)
+                .collect(),
+        })
+        .collect()
+}
+
+fn sft_config() -> SftConfig {
+    SftConfig {
+        batch: BatchConfig {
+            batch_size: SFT_BATCH,
+            minibatch_size: SFT_MINIBATCH,
+            max_seq_len: 512,
+            truncation: Truncation::CutPromptStart,
+        },
+        optimizer: AdamWConfig {
+            lr: 1e-6,
+            ..Default::default()
+        },
+        aggregation: Default::default(),
+    }
 }
 
 fn main() {
@@ -109,16 +205,21 @@ fn main() {
             ..Default::default()
         },
     };
-    for (label, objective) in [
-        (
-            "REINFORCE (no reference forward)",
-            ObjectiveConfig::reinforce(),
-        ),
-        (
-            "GRPO (k3 KL loss: + reference forward)",
-            ObjectiveConfig::grpo(),
-        ),
-    ] {
+    let rl_cases = if enabled("rl") {
+        vec![
+            (
+                "REINFORCE (no reference forward)",
+                ObjectiveConfig::reinforce(),
+            ),
+            (
+                "GRPO (k3 KL loss: + reference forward)",
+                ObjectiveConfig::grpo(),
+            ),
+        ]
+    } else {
+        Vec::new()
+    };
+    for (label, objective) in rl_cases {
         for minibatch in [16, 4] {
             let mut trainer =
                 RlTrainer::new(config(objective.clone(), minibatch), &adapter).unwrap();
@@ -129,6 +230,35 @@ fn main() {
         }
     }
 
+    // SFT on the same model: every weight (a VarMap), then a LoRA adapter.
+    let sft_data = sft_examples(vocab.size as u32);
+    let tokens: usize = sft_data
+        .iter()
+        .map(|e| e.prompt.len() + e.completion.len())
+        .sum();
+    println!(
+        "SFT: {SFT_BATCH} examples ({tokens} tokens, 150-250 each) per step, minibatch {SFT_MINIBATCH}"
+    );
+    if enabled("sft") {
+        let (full, varmap) = load_hf_trainable(&dir).unwrap();
+        let mut trainer = SftTrainer::new(sft_config(), named_vars(&varmap)).unwrap();
+        let t = median(3, &mut || {
+            trainer.train_step(&full, None, &sft_data).unwrap();
+        });
+        row("SFT step, full fine-tuning (every weight trains)", t);
+        let mut trainer = SftTrainer::new(sft_config(), adapter.named_vars()).unwrap();
+        let t = median(3, &mut || {
+            trainer
+                .train_step(&model, Some(&adapter), &sft_data)
+                .unwrap();
+        });
+        row("SFT step, LoRA r 8 (base frozen)", t);
+    }
+
+    if !enabled("parts") {
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     // Parts of one 16-sequence micro-batch.
     let rows: Vec<RlRow> = data
         .iter()

@@ -73,6 +73,7 @@
 //!
 //! | module | owns |
 //! |---|---|
+//! | [`train_forward`] | [`CausalLm::forward_train`] / [`CausalLm::forward_train_at`]: the training forward from fused ops with their own backward (`train_ops`: linear and LoRA-linear without frozen-weight gradients, RMSNorm, SwiGLU, RoPE + causal attention, target log-prob, entropy) |
 //! | [`token_batch`] | [`BatchConfig`], [`Truncation`], [`TokenBatch`] (right-padded blocks, completion-only loss mask), [`Aggregation`] |
 //! | [`rl`] | [`TokenExample`], the RL objectives ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`] |
 //! | [`reward`] | [`GameResult`], [`RewardShaping`]: per-env normalisation, format reward, invalid-move penalty |
@@ -80,8 +81,17 @@
 //! | [`optim`] | [`AdamW`] with gradient accumulation, global-norm clipping and saved state |
 //! | [`train_error`] | [`TrainError`] |
 //!
-//! All training goes through [`CausalLm::forward_train`]; only the vars
-//! handed to the optimizer change (a LoRA adapter's, or a `VarMap`'s).
+//! All training goes through [`CausalLm::forward_train`] (the trainers
+//! call [`CausalLm::forward_train_at`]: the head only where a loss
+//! reads); only the vars handed to the optimizer change (a LoRA
+//! adapter's, or a `VarMap`'s).
+//!
+//! Threads: the fused training ops run on rayon (`RAYON_NUM_THREADS`).
+//! candle's own elementwise ops (in training: only the gradient sums of
+//! its backward loop) use candle's spinning barrier pool, sized by
+//! `CANDLE_NUM_THREADS`; on a shared, oversubscribed CPU every such op
+//! waits for a descheduled pool thread, so training processes should
+//! run with `CANDLE_NUM_THREADS=1` (measured in `benches/train_step.rs`).
 //!
 //! # Text side
 //!
@@ -116,6 +126,8 @@ pub mod tiny_tokenizer;
 pub mod token_batch;
 pub mod tokenizer;
 pub mod train_error;
+pub mod train_forward;
+mod train_ops;
 
 pub use adapter_bytes::{to_peft_bytes, PeftBytes};
 pub use cache::{KvCache, PrefixCache};

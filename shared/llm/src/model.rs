@@ -781,15 +781,12 @@ impl CausalLm {
         block.down_proj.forward(&(gate * up)?, layer, routing)
     }
 
-    /// The training forward: logits `(batch, time, vocab)` for a
-    /// right-padded block of token ids `(batch, time)` (u32), every
-    /// sequence starting at position 0, with `adapter` applied.
-    ///
-    /// Every op passes gradients, so `loss.backward()` reaches the
-    /// adapter's vars. Works on a dense base and on a GGUF base held as
-    /// [`crate::GgufBase::Quantized`] or `Dequantized` (not `QMatMul8Bit`:
-    /// `QMatMul` has no backward).
-    pub fn forward_train(
+    /// [`CausalLm::forward_train`] composed of candle's basic ops (every
+    /// one with candle's own backward): the same logits and gradients,
+    /// several times slower. Kept as the reference the fused training
+    /// path ([`crate::train_forward`]) is tested against.
+    #[doc(hidden)]
+    pub fn forward_train_composed(
         &self,
         input_ids: &Tensor,
         adapter: Option<&LoraAdapter>,

@@ -645,7 +645,10 @@ fn scalar(t: &Tensor) -> TrainResult<f64> {
 
 /// The RL loss of one micro-batch (module docs) from the policy's logits
 /// `(rows, time, vocab)` and, for a KL loss, the reference's (gradients
-/// never flow into them).
+/// never flow into them). Either may instead be the logits at the
+/// completion positions only, `(tokens, vocab)`
+/// ([`CausalLm::forward_train_at`] with the batch's positions), as the
+/// trainer computes them.
 pub fn rl_loss(
     objective: &ObjectiveConfig,
     logits: &Tensor,
@@ -655,7 +658,7 @@ pub fn rl_loss(
     let tokens = &batch.tokens;
     let n = tokens.num_tokens();
     let completion = tokens.completion_logits(logits)?;
-    let (logp, log_probs) = target_log_probs(&completion, &tokens.targets)?;
+    let logp = target_log_probs(&completion, &tokens.targets)?;
     let logp_values: Vec<f32> = logp.to_vec1()?;
     let device = logp.device();
     let w = &batch.weights;
@@ -713,7 +716,7 @@ pub fn rl_loss(
         let reference = reference_logits
             .ok_or_else(|| TrainError::BadInput("a KL loss needs the reference logits".into()))?;
         let ref_completion = tokens.completion_logits(&reference.detach())?;
-        let (ref_logp, _) = target_log_probs(&ref_completion, &tokens.targets)?;
+        let ref_logp = target_log_probs(&ref_completion, &tokens.targets)?;
         let k = kl_estimate(kl.estimator, &logp, &ref_logp.detach())?;
         sums.kl = scalar(&k.sum_all()?)?;
         if kl.coef != 0.0 {
@@ -721,7 +724,7 @@ pub fn rl_loss(
         }
     }
 
-    let entropy = (log_probs.exp()? * &log_probs)?.sum(1)?.neg()?;
+    let entropy = crate::train_ops::entropy(&completion)?;
     sums.entropy = scalar(&entropy.sum_all()?)?;
     if objective.entropy_coef != 0.0 {
         loss = (loss - ((entropy * w)?.sum_all()? * objective.entropy_coef)?)?;
@@ -942,9 +945,10 @@ impl RlTrainer {
                     .map(|&i| (kept[i].prompt, kept[i].example.completion.as_slice()))
                     .collect();
                 let batch = TokenBatch::new(&pairs, &device)?;
-                let ref_logits = model.forward_train(&batch.input_ids, None)?;
-                let (ref_logp, _) =
-                    target_log_probs(&batch.completion_logits(&ref_logits)?, &batch.targets)?;
+                let ref_logits = model
+                    .forward_train_at(&batch.input_ids, None, &batch.positions)?
+                    .detach();
+                let ref_logp = target_log_probs(&ref_logits, &batch.targets)?;
                 let old: Vec<f32> = chunk
                     .iter()
                     .flat_map(|&i| kept[i].example.behaviour_logprobs.iter().copied())
@@ -983,11 +987,19 @@ impl RlTrainer {
                 .collect();
             let batch = RlMicroBatch::new(&rows, &cfg.objective.aggregation, totals, &device)?;
             let reference = if need_reference {
-                Some(model.forward_train(&batch.tokens.input_ids, None)?.detach())
+                Some(
+                    model
+                        .forward_train_at(&batch.tokens.input_ids, None, &batch.tokens.positions)?
+                        .detach(),
+                )
             } else {
                 None
             };
-            let logits = model.forward_train(&batch.tokens.input_ids, Some(adapter))?;
+            let logits = model.forward_train_at(
+                &batch.tokens.input_ids,
+                Some(adapter),
+                &batch.tokens.positions,
+            )?;
             let out = rl_loss(&cfg.objective, &logits, reference.as_ref(), &batch)?;
             let grads = out.loss.backward()?;
             self.optimizer.accumulate(&grads)?;

@@ -228,7 +228,9 @@ pub fn load_sft_jsonl(
         .collect()
 }
 
-/// The SFT loss of one micro-batch from logits `(rows, time, vocab)`:
+/// The SFT loss of one micro-batch from logits `(rows, time, vocab)`, or
+/// from the logits at the completion positions only, `(tokens, vocab)`
+/// ([`CausalLm::forward_train_at`] with [`TokenBatch::positions`]):
 /// `(loss, Σ w·nll as f64, correct greedy predictions)`.
 pub fn sft_loss(
     logits: &Tensor,
@@ -236,7 +238,7 @@ pub fn sft_loss(
     weights: &Tensor,
 ) -> TrainResult<(Tensor, f64, usize)> {
     let completion = batch.completion_logits(logits)?;
-    let (logp, _) = target_log_probs(&completion, &batch.targets)?;
+    let logp = target_log_probs(&completion, &batch.targets)?;
     let loss = (logp * weights)?.sum_all()?.neg()?;
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     if !value.is_finite() {
@@ -434,7 +436,7 @@ impl SftTrainer {
             let rows: Vec<(&[u32], &[u32])> = chunk.iter().map(|&i| kept[i]).collect();
             let batch = TokenBatch::new(&rows, &device)?;
             let weights = batch.token_weights(&cfg.aggregation, totals)?;
-            let logits = model.forward_train(&batch.input_ids, adapter)?;
+            let logits = model.forward_train_at(&batch.input_ids, adapter, &batch.positions)?;
             let logits = if train { logits } else { logits.detach() };
             let (l, value, c) = sft_loss(&logits, &batch, &weights)?;
             if train {

@@ -24,7 +24,7 @@
 //! real positions never see the padding after them, and the mask drops
 //! the padded positions).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::train_error::{TrainError, TrainResult};
@@ -310,8 +310,20 @@ impl TokenBatch {
     }
 
     /// The logits predicting the completion tokens, `(tokens, vocab)`,
-    /// out of `logits` `(rows, time, vocab)`; differentiable.
+    /// out of `logits` `(rows, time, vocab)`; differentiable. Logits
+    /// already at those positions, `(tokens, vocab)` (from
+    /// [`crate::CausalLm::forward_train_at`] with
+    /// [`TokenBatch::positions`]), are returned as they are.
     pub fn completion_logits(&self, logits: &Tensor) -> TrainResult<Tensor> {
+        if let [n, _] = *logits.dims() {
+            if n != self.num_tokens() {
+                return Err(TrainError::BadInput(format!(
+                    "{n} rows of completion logits for {} completion tokens",
+                    self.num_tokens()
+                )));
+            }
+            return Ok(logits.clone());
+        }
         let (b, t, v) = logits.dims3()?;
         let (eb, et) = self.input_ids.dims2()?;
         if (b, t) != (eb, et) {
@@ -340,17 +352,17 @@ impl TokenBatch {
     }
 }
 
-/// Log-probs `(tokens,)` of the targets and the log-softmax `(tokens,
-/// vocab)` of completion logits `(tokens, vocab)`.
+/// Log-probs `(tokens,)` of the targets under completion logits
+/// `(tokens, vocab)`: log-softmax and gather in one op with its own
+/// backward.
 pub(crate) fn target_log_probs(
     completion_logits: &Tensor,
     targets: &Tensor,
-) -> TrainResult<(Tensor, Tensor)> {
-    let log_probs = candle_nn::ops::log_softmax(completion_logits, candle_core::D::Minus1)?;
-    let picked = log_probs
-        .gather(&targets.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?
-        .squeeze(1)?;
-    Ok((picked, log_probs))
+) -> TrainResult<Tensor> {
+    Ok(crate::train_ops::target_log_probs(
+        completion_logits,
+        targets,
+    )?)
 }
 
 /// Sorts indices by sequence length (so micro-batches pad little) and

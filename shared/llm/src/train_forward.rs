@@ -1,0 +1,198 @@
+//! The training forward of [`CausalLm`]: [`CausalLm::forward_train`] and
+//! [`CausalLm::forward_train_at`], built from the fused ops of
+//! [`crate::train_ops`], each with its own backward.
+//!
+//! The layout stays `(batch · time, features)` rows from the embedding to
+//! the head: the projections, norms and MLP work on rows, and the
+//! attention op reads each head's columns of those rows in place (RoPE
+//! included), so no activation is transposed or copied between ops.
+//! Frozen base weights (the LoRA case) get no gradient computed at all;
+//! a model loaded into a `VarMap` (full fine-tuning) gets gradients for
+//! every weight. The earlier composition of candle's basic ops is kept as
+//! [`CausalLm::forward_train_composed`], the reference the tests compare
+//! this path with.
+
+use candle_core::{DType, Tensor};
+
+use crate::lora::LoraAdapter;
+use crate::model::{BaseWeight, CausalLm, Embedding, Projection};
+use crate::model_error::{ModelError, Result};
+use crate::train_ops;
+
+/// The weight of a projection as a dense f32 matrix for training.
+fn dense_weight(projection: &Projection) -> Result<Tensor> {
+    match &projection.weight {
+        BaseWeight::Dense(w) => Ok(w.clone()),
+        BaseWeight::Quantized(q) => Ok(q.dequantize(&candle_core::Device::Cpu)?),
+        BaseWeight::QMatMul(_) => Err(ModelError::BadInput(
+            "forward_train cannot pass gradients through QMatMul".into(),
+        )),
+    }
+}
+
+/// `x Wᵀ + b`, plus `scaling · B (A x)` when `adapter` adapts this
+/// projection of `layer`.
+fn project(
+    projection: &Projection,
+    x: &Tensor,
+    layer: usize,
+    adapter: Option<&LoraAdapter>,
+) -> Result<Tensor> {
+    let w = dense_weight(projection)?;
+    let bias = projection.bias.as_ref();
+    let lora = adapter.and_then(|a| Some((a.weights(layer, projection.target)?, a.scaling())));
+    let Some((lora, scaling)) = lora else {
+        return Ok(train_ops::linear(x, &w, bias)?);
+    };
+    let (a, b) = (lora.a.as_tensor(), lora.b.as_tensor());
+    if !w.track_op() && !bias.is_some_and(Tensor::track_op) {
+        return Ok(train_ops::lora_linear(x, &w, bias, (a, b), scaling)?);
+    }
+    // A trainable base under an adapter: the base product keeps its own
+    // weight gradient.
+    let y = train_ops::linear(x, &w, bias)?;
+    let low = train_ops::linear(x, a, None)?;
+    let up = train_ops::scaled_linear(&low, b, scaling)?;
+    Ok(train_ops::residual(&y, &up)?)
+}
+
+impl CausalLm {
+    /// Checks a training input and returns `(batch, time)`.
+    fn check_train_input(
+        &self,
+        input_ids: &Tensor,
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<(usize, usize, Tensor)> {
+        if !self.supports_training() {
+            return Err(ModelError::BadInput(
+                "forward_train cannot pass gradients through QMatMul: \
+                 load the GGUF with GgufBase::Quantized or Dequantized"
+                    .into(),
+            ));
+        }
+        if let Some(a) = adapter {
+            a.check_fits(&self.config)?;
+        }
+        let (batch, time) = input_ids.dims2()?;
+        if time == 0 || batch == 0 {
+            return Err(ModelError::BadInput("empty input_ids".into()));
+        }
+        if time > self.config.max_position_embeddings {
+            return Err(ModelError::ContextOverflow {
+                position: time - 1,
+                limit: self.config.max_position_embeddings,
+            });
+        }
+        let flat_ids = input_ids.flatten_all()?.to_dtype(DType::U32)?;
+        let vocab = self.config.vocab_size;
+        if let Some(bad) = flat_ids
+            .to_vec1::<u32>()?
+            .into_iter()
+            .find(|&t| t as usize >= vocab)
+        {
+            return Err(ModelError::BadInput(format!(
+                "token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        Ok((batch, time, flat_ids))
+    }
+
+    /// The residual stream after the last block, `(batch · time, hidden)`
+    /// (before the final norm).
+    fn train_trunk(
+        &self,
+        flat_ids: &Tensor,
+        (batch, time): (usize, usize),
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let eps = cfg.rms_norm_eps;
+        let shape = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let mut x = match &self.embed {
+            Embedding::Dense(w) => w.index_select(flat_ids, 0)?,
+            Embedding::Quantized(q) => q.embedding(flat_ids)?,
+        };
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = train_ops::rms_norm(&x, &block.input_norm, eps)?;
+            let q = project(&block.q_proj, &h, layer, adapter)?;
+            let k = project(&block.k_proj, &h, layer, adapter)?;
+            let v = project(&block.v_proj, &h, layer, adapter)?;
+            let attn = train_ops::causal_attention(
+                &q,
+                &k,
+                &v,
+                (batch, time),
+                shape,
+                &self.rope_cos,
+                &self.rope_sin,
+            )?;
+            x = train_ops::residual(&x, &project(&block.o_proj, &attn, layer, adapter)?)?;
+            let h = train_ops::rms_norm(&x, &block.post_attention_norm, eps)?;
+            let gate = project(&block.gate_proj, &h, layer, adapter)?;
+            let up = project(&block.up_proj, &h, layer, adapter)?;
+            let inner = train_ops::swiglu(&gate, &up)?;
+            x = train_ops::residual(&x, &project(&block.down_proj, &inner, layer, adapter)?)?;
+        }
+        Ok(x)
+    }
+
+    /// Final norm and LM head of residual rows `(rows, hidden)`.
+    fn train_head(&self, x: &Tensor) -> Result<Tensor> {
+        let x = train_ops::rms_norm(x, &self.final_norm, self.config.rms_norm_eps)?;
+        project(&self.lm_head, &x, 0, None)
+    }
+
+    /// The training forward: logits `(batch, time, vocab)` for a
+    /// right-padded block of token ids `(batch, time)` (u32), every
+    /// sequence starting at position 0, with `adapter` applied.
+    ///
+    /// Every op passes gradients, so `loss.backward()` reaches the
+    /// adapter's vars (and, for a model loaded into a `VarMap`, every
+    /// weight). Works on a dense base and on a GGUF base held as
+    /// [`crate::GgufBase::Quantized`] or `Dequantized` (not `QMatMul8Bit`:
+    /// `QMatMul` has no backward). Right padding needs no mask under
+    /// causal attention: real tokens never attend to the padding after
+    /// them; mask the padded positions in the loss.
+    pub fn forward_train(
+        &self,
+        input_ids: &Tensor,
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        let (batch, time, flat_ids) = self.check_train_input(input_ids, adapter)?;
+        let x = self.train_trunk(&flat_ids, (batch, time), adapter)?;
+        let logits = self.train_head(&x)?;
+        Ok(logits.reshape((batch, time, self.config.vocab_size))?)
+    }
+
+    /// [`CausalLm::forward_train`] but only the logits at `positions`
+    /// `(n,)` (u32 flat indices `row · time + position` into the block,
+    /// e.g. [`crate::TokenBatch::positions`]): `(n, vocab)`, in that order.
+    ///
+    /// The same values as picking those rows out of `forward_train`'s
+    /// logits, without computing the head (and its backward) at the
+    /// prompt and padding positions no loss reads.
+    pub fn forward_train_at(
+        &self,
+        input_ids: &Tensor,
+        adapter: Option<&LoraAdapter>,
+        positions: &Tensor,
+    ) -> Result<Tensor> {
+        let (batch, time, flat_ids) = self.check_train_input(input_ids, adapter)?;
+        let positions = positions.to_dtype(DType::U32)?;
+        if let Some(bad) = positions
+            .to_vec1::<u32>()?
+            .into_iter()
+            .find(|&p| p as usize >= batch * time)
+        {
+            return Err(ModelError::BadInput(format!(
+                "position {bad} is outside the ({batch}, {time}) block"
+            )));
+        }
+        let x = self.train_trunk(&flat_ids, (batch, time), adapter)?;
+        self.train_head(&x.index_select(&positions, 0)?)
+    }
+}
