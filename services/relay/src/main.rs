@@ -105,6 +105,7 @@ enum Command {
 fn main() -> Result<()> {
     // `relay sft`, `play` and the benchmarks run models in this process too.
     relay_kit::service::keep_freed_memory();
+    relay_kit::service::calm_candle_pool();
     tracing_subscriber_init();
     let cli = Cli::parse();
     match cli.command {

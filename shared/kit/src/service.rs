@@ -298,6 +298,19 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// candle runs elementwise ops over more than 64K elements on its own pool
+/// (`CANDLE_NUM_THREADS`, default every core), and the caller spins until
+/// each pool thread has checked in: on cores shared by several processes
+/// every such op waits for a descheduled thread (relay-llm's `train_step`
+/// bench: 1.3-2x the CPU per train step). Turn that pool off unless the
+/// user sized it; matmuls keep rayon's threads. Call before any other
+/// thread exists.
+pub fn calm_candle_pool() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
+}
+
 /// The body of every service's `main`: parse flags, load config, set the
 /// compute thread budget, start telemetry, run until SIGINT/SIGTERM.
 pub fn main<F, Fut>(
@@ -325,6 +338,7 @@ where
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", threads(&config.experiment).to_string());
     }
+    calm_candle_pool();
     keep_freed_memory();
     let _ = LOGS.set(crate::telemetry::init());
     let runtime = tokio::runtime::Builder::new_multi_thread()
