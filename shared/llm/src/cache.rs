@@ -15,8 +15,6 @@
 //! head_dim)` tensor. [`KvCache::truncate`] rolls a sequence back without
 //! freeing.
 
-use candle_core::Tensor;
-
 use crate::config::ModelConfig;
 use crate::model_error::{ModelError, Result};
 
@@ -146,33 +144,6 @@ impl KvCache {
     /// since), each `(positions, kv_heads, head_dim)` flattened.
     pub(crate) fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
         (&self.keys[layer], &self.values[layer])
-    }
-
-    /// Writes `new_keys`/`new_values` (`(kv_heads, t, head_dim)` tensors)
-    /// after the current positions of `layer` and returns all `len + t`
-    /// positions as `(kv_heads, len + t, head_dim)` tensors (strided views
-    /// of copies).
-    pub(crate) fn append(
-        &mut self,
-        layer: usize,
-        new_keys: &Tensor,
-        new_values: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        let rows = |t: &Tensor| -> Result<Vec<f32>> {
-            Ok(t.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?)
-        };
-        let (k, v) = (rows(new_keys)?, rows(new_values)?);
-        self.append_rows(layer, &k, &v);
-        let total = self.keys[layer].len() / self.row();
-        let view = |buffer: &[f32]| -> Result<Tensor> {
-            Ok(Tensor::from_slice(
-                buffer,
-                (total, self.num_kv_heads, self.head_dim),
-                new_keys.device(),
-            )?
-            .transpose(0, 1)?)
-        };
-        Ok((view(&self.keys[layer])?, view(&self.values[layer])?))
     }
 
     /// Marks `added` more positions as valid in every layer.
