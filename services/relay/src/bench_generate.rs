@@ -9,7 +9,9 @@
 //! with `max_tokens` completion tokens and no stop
 //! condition but EOS. Completion tokens per second is all completion
 //! tokens over the wall time of the whole batch run; latencies are per
-//! request. Prints a table and, last, one JSON line.
+//! request; `prefilled` is the prompt tokens per request that were
+//! prefilled rather than copied from the prefix cache (from the server's
+//! `/metrics`). Prints a table and, last, one JSON line.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -61,6 +63,30 @@ struct Row {
     tokens_per_second: f64,
     p50_latency_s: f64,
     p95_latency_s: f64,
+    /// Prompt tokens per admitted request that were prefilled (not from
+    /// the prefix cache); NaN if the server's metrics were unreadable.
+    prefilled_per_request: f64,
+}
+
+/// `relay_llm_prompt_tokens_total` and `relay_llm_prompt_tokens_cached_total`
+/// from the inference server's `/metrics` on `port`.
+fn prompt_token_counters(port: u16) -> Option<(f64, f64)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    let value = |name: &str| -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    };
+    Some((
+        value("relay_llm_prompt_tokens_total")?,
+        value("relay_llm_prompt_tokens_cached_total")?,
+    ))
 }
 
 struct Killed(Child);
@@ -190,6 +216,7 @@ async fn one_batch(
         tokens_per_second: completion_tokens as f64 / seconds,
         p50_latency_s: percentile(&latencies, 50.0),
         p95_latency_s: percentile(&latencies, 95.0),
+        prefilled_per_request: f64::NAN,
     })
 }
 
@@ -259,11 +286,13 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let config = write_config(&dir, &model_arg, &nats_url, &args)?;
         let run_id = format!("bench-generate-{}", sanitize(&label));
         let log = std::fs::File::create(dir.join(format!("{}.log", sanitize(&label))))?;
+        let metrics_port = free_port()?;
         let server = Killed(
             Command::new(&server_bin)
                 .arg("--config")
                 .arg(&config)
                 .args(["--run-id", &run_id])
+                .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
                 .stdout(Stdio::null())
                 .stderr(log)
                 .spawn()
@@ -303,10 +332,15 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
             }
             let mut rows = Vec::new();
             for &batch in &args.batches {
-                let row = one_batch(&client, &subject, &label, batch, &args).await?;
+                let before = prompt_token_counters(metrics_port);
+                let mut row = one_batch(&client, &subject, &label, batch, &args).await?;
+                if let (Some(a), Some(b)) = (before, prompt_token_counters(metrics_port)) {
+                    let prefilled = (b.0 - a.0) - (b.1 - a.1);
+                    row.prefilled_per_request = prefilled / row.requests.max(1) as f64;
+                }
                 eprintln!(
-                    "{label} batch {batch}: {:.1} tokens/s, p50 {:.2} s, p95 {:.2} s",
-                    row.tokens_per_second, row.p50_latency_s, row.p95_latency_s
+                    "{label} batch {batch}: {:.1} tokens/s, p50 {:.2} s, p95 {:.2} s, {:.0} prompt tokens prefilled per request",
+                    row.tokens_per_second, row.p50_latency_s, row.p95_latency_s, row.prefilled_per_request
                 );
                 rows.push(row);
             }
@@ -317,12 +351,13 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
     }
     drop(nats);
     println!(
-        "{:<10} {:>5} {:>8} {:>10} {:>11} {:>9} {:>10} {:>8} {:>8}",
+        "{:<10} {:>5} {:>8} {:>10} {:>11} {:>10} {:>9} {:>10} {:>8} {:>8}",
         "model",
         "batch",
         "requests",
         "tokens",
         "prompt_len",
+        "prefilled",
         "seconds",
         "tokens/s",
         "p50 s",
@@ -330,12 +365,13 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
     );
     for r in &rows {
         println!(
-            "{:<10} {:>5} {:>8} {:>10} {:>11.0} {:>9.2} {:>10.1} {:>8.2} {:>8.2}",
+            "{:<10} {:>5} {:>8} {:>10} {:>11.0} {:>10.0} {:>9.2} {:>10.1} {:>8.2} {:>8.2}",
             r.model,
             r.batch,
             r.requests,
             r.completion_tokens,
             r.prompt_tokens_mean,
+            r.prefilled_per_request,
             r.seconds,
             r.tokens_per_second,
             r.p50_latency_s,

@@ -209,15 +209,13 @@ impl PrefixCache {
         self.entries.is_empty()
     }
 
-    /// A copy of the cache of the longest held prefix of `prompt` for this
-    /// adapter, at most `prompt.len() - 1` positions (the last prompt token
-    /// must still be fed to get the first logits); `None` if no held prompt
-    /// shares `min_tokens` or more.
-    pub fn lookup(
-        &mut self,
+    /// The held entry sharing the longest prefix with `prompt` for this
+    /// adapter, and how many positions of it a lookup would copy.
+    fn best(
+        &self,
         adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
         prompt: &[u32],
-    ) -> Option<KvCache> {
+    ) -> Option<(usize, usize)> {
         let limit = prompt.len().saturating_sub(1);
         let (index, shared) = self
             .entries
@@ -236,9 +234,29 @@ impl PrefixCache {
                 (i, shared)
             })
             .max_by_key(|&(_, shared)| shared)?;
-        if shared < self.min_tokens {
-            return None;
-        }
+        (shared >= self.min_tokens).then_some((index, shared))
+    }
+
+    /// How many positions [`PrefixCache::lookup`] would return for
+    /// `prompt` (0 for none), without copying anything.
+    pub fn shared_len(
+        &self,
+        adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
+        prompt: &[u32],
+    ) -> usize {
+        self.best(adapter, prompt).map_or(0, |(_, shared)| shared)
+    }
+
+    /// A copy of the cache of the longest held prefix of `prompt` for this
+    /// adapter, at most `prompt.len() - 1` positions (the last prompt token
+    /// must still be fed to get the first logits); `None` if no held prompt
+    /// shares `min_tokens` or more.
+    pub fn lookup(
+        &mut self,
+        adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
+        prompt: &[u32],
+    ) -> Option<KvCache> {
+        let (index, shared) = self.best(adapter, prompt)?;
         self.clock += 1;
         self.entries[index].last_used = self.clock;
         Some(self.entries[index].cache.fork_prefix(shared))
