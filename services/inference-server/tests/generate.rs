@@ -660,3 +660,55 @@ async fn requests_beyond_the_queue_bound_are_refused_at_once() {
     assert_eq!(completion(&after), case.greedy[..2]);
     served.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_sharing_a_prefix_arriving_together_decode_as_if_alone() {
+    // Six prompts: one long shared prefix, each its own short ending.
+    let cases = cases();
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| {
+            let mut p = cases[0].input_ids.clone();
+            p.extend_from_slice(&cases[1].input_ids[i..i + 3]);
+            p
+        })
+        .collect();
+    // Reference: one at a time, no prefix cache at all.
+    let alone = serve("gen-share-alone", &["llm.prefix_cache=0"]).await;
+    let mut want = Vec::new();
+    for p in &prompts {
+        want.push(alone.generate(&tokens_request(p, None, 8)).await.unwrap());
+    }
+    alone.stop().await;
+    // Together: admitted in the same turns, sharing the prefix's cache.
+    let served = serve("gen-share", &[]).await;
+    for round in 0..2 {
+        let requesters: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let (client, subject, request) = (
+                    served.client.clone(),
+                    served.subjects.generate(),
+                    tokens_request(p, None, 8),
+                );
+                tokio::spawn(async move {
+                    let reply: GenerateReply =
+                        relay_kit::request(&client, &subject, &request, TIMEOUT)
+                            .await
+                            .unwrap();
+                    reply
+                })
+            })
+            .collect();
+        for (i, (requester, want)) in requesters.into_iter().zip(&want).enumerate() {
+            let got = requester.await.unwrap();
+            assert_eq!(
+                completion(&got),
+                completion(want),
+                "round {round} prompt {i}"
+            );
+            // Batch-invariant kernels: the same numbers, not just close ones.
+            assert_eq!(logprobs(&got), logprobs(want), "round {round} prompt {i}");
+        }
+    }
+    served.stop().await;
+}

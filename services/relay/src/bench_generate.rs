@@ -11,7 +11,10 @@
 //! tokens over the wall time of the whole batch run; latencies are per
 //! request; `prefilled` is the prompt tokens per request that were
 //! prefilled rather than copied from the prefix cache (from the server's
-//! `/metrics`). Prints a table and, last, one JSON line.
+//! `/metrics`); `cpu ms/token` is the server process's CPU time (user +
+//! system, Linux `/proc`) per completion token, which other processes on
+//! a shared machine disturb far less than wall time. Prints a table and,
+//! last, one JSON line.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -66,6 +69,22 @@ struct Row {
     /// Prompt tokens per admitted request that were prefilled (not from
     /// the prefix cache); NaN if the server's metrics were unreadable.
     prefilled_per_request: f64,
+    /// Server CPU milliseconds per completion token (NaN off Linux).
+    server_cpu_ms_per_token: f64,
+}
+
+/// CPU seconds (user + system) the process `pid` has used, from
+/// `/proc/<pid>/stat`.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are
+    // fields 14 and 15 of the whole line.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (per_second > 0).then(|| ticks / per_second as f64)
 }
 
 /// `relay_llm_prompt_tokens_total` and `relay_llm_prompt_tokens_cached_total`
@@ -80,8 +99,14 @@ fn prompt_token_counters(port: u16) -> Option<(f64, f64)> {
     let mut text = String::new();
     stream.read_to_string(&mut text).ok()?;
     let value = |name: &str| -> Option<f64> {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        // `name{labels} value` or `name value`.
+        text.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            if !(rest.starts_with('{') || rest.starts_with(' ')) {
+                return None;
+            }
+            rest.rsplit(' ').next()?.trim().parse().ok()
+        })
     };
     Some((
         value("relay_llm_prompt_tokens_total")?,
@@ -217,6 +242,7 @@ async fn one_batch(
         p50_latency_s: percentile(&latencies, 50.0),
         p95_latency_s: percentile(&latencies, 95.0),
         prefilled_per_request: f64::NAN,
+        server_cpu_ms_per_token: f64::NAN,
     })
 }
 
@@ -299,6 +325,7 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
                 .context("starting relay-inference-server")?,
         );
         let subject = Subjects::new(&run_id).generate();
+        let server_pid = server.0.id();
         let result = runtime.block_on(async {
             let client = async_nats::connect(&nats_url).await?;
             // Until the model is loaded and answers; one warm-up request.
@@ -333,14 +360,19 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
             let mut rows = Vec::new();
             for &batch in &args.batches {
                 let before = prompt_token_counters(metrics_port);
+                let cpu_before = cpu_seconds(server_pid);
                 let mut row = one_batch(&client, &subject, &label, batch, &args).await?;
+                if let (Some(a), Some(b)) = (cpu_before, cpu_seconds(server_pid)) {
+                    row.server_cpu_ms_per_token =
+                        (b - a) * 1e3 / row.completion_tokens.max(1) as f64;
+                }
                 if let (Some(a), Some(b)) = (before, prompt_token_counters(metrics_port)) {
                     let prefilled = (b.0 - a.0) - (b.1 - a.1);
                     row.prefilled_per_request = prefilled / row.requests.max(1) as f64;
                 }
                 eprintln!(
-                    "{label} batch {batch}: {:.1} tokens/s, p50 {:.2} s, p95 {:.2} s, {:.0} prompt tokens prefilled per request",
-                    row.tokens_per_second, row.p50_latency_s, row.p95_latency_s, row.prefilled_per_request
+                    "{label} batch {batch}: {:.1} tokens/s, p50 {:.2} s, p95 {:.2} s, {:.0} prompt tokens prefilled per request, {:.2} server CPU ms per token",
+                    row.tokens_per_second, row.p50_latency_s, row.p95_latency_s, row.prefilled_per_request, row.server_cpu_ms_per_token
                 );
                 rows.push(row);
             }
@@ -351,7 +383,7 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
     }
     drop(nats);
     println!(
-        "{:<10} {:>5} {:>8} {:>10} {:>11} {:>10} {:>9} {:>10} {:>8} {:>8}",
+        "{:<10} {:>5} {:>8} {:>10} {:>11} {:>10} {:>9} {:>10} {:>8} {:>8} {:>13}",
         "model",
         "batch",
         "requests",
@@ -361,11 +393,12 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
         "seconds",
         "tokens/s",
         "p50 s",
-        "p95 s"
+        "p95 s",
+        "cpu ms/token"
     );
     for r in &rows {
         println!(
-            "{:<10} {:>5} {:>8} {:>10} {:>11.0} {:>10.0} {:>9.2} {:>10.1} {:>8.2} {:>8.2}",
+            "{:<10} {:>5} {:>8} {:>10} {:>11.0} {:>10.0} {:>9.2} {:>10.1} {:>8.2} {:>8.2} {:>13.2}",
             r.model,
             r.batch,
             r.requests,
@@ -375,7 +408,8 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
             r.seconds,
             r.tokens_per_second,
             r.p50_latency_s,
-            r.p95_latency_s
+            r.p95_latency_s,
+            r.server_cpu_ms_per_token
         );
     }
     let mut speedups = serde_json::Map::new();
