@@ -141,8 +141,8 @@ fn rope_in_place(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
 }
 
 /// Dot product with eight independent accumulators, so it vectorizes.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+#[inline(always)]
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ac
@@ -157,6 +157,30 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     lanes.iter().sum::<f32>() + tail
+}
+
+/// `out += w * v`.
+#[inline(always)]
+fn axpy_portable(out: &mut [f32], w: f32, v: &[f32]) {
+    for (o, &x) in out.iter_mut().zip(v) {
+        *o += w * x;
+    }
+}
+
+/// [`attend_head_portable`] compiled for AVX2 + FMA (the crate's baseline
+/// target has neither, and attention is a fifth of a prefill).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_head_avx2(
+    cache: &KvCache,
+    layer: usize,
+    q: &[f32],
+    offset: usize,
+    t: usize,
+    head: usize,
+    shape: Heads,
+) -> Vec<f32> {
+    attend_head_portable(cache, layer, q, offset, t, head, shape)
 }
 
 /// The shapes attention needs.
@@ -177,7 +201,8 @@ impl Heads {
 /// `offset..offset + t`) attending causally over its cache, which already
 /// holds those tokens' keys and values. `q`: the sequence's roped queries,
 /// `t` rows of `heads * head_dim`. Returns `t` rows of `head_dim`.
-fn attend_head(
+#[inline(always)]
+fn attend_head_portable(
     cache: &KvCache,
     layer: usize,
     q: &[f32],
@@ -201,7 +226,7 @@ fn attend_head(
         let mut max = f32::NEG_INFINITY;
         for (p, score) in scores.iter_mut().enumerate() {
             let start = p * row + group * hd;
-            *score = dot(qh, &keys[start..start + hd]) * scale;
+            *score = dot_portable(qh, &keys[start..start + hd]) * scale;
             max = max.max(*score);
         }
         let mut sum = 0f32;
@@ -212,13 +237,28 @@ fn attend_head(
         let oh = &mut out[i * hd..(i + 1) * hd];
         for (p, &w) in scores.iter().enumerate() {
             let start = p * row + group * hd;
-            let w = w / sum;
-            for (o, &v) in oh.iter_mut().zip(&values[start..start + hd]) {
-                *o += w * v;
-            }
+            axpy_portable(oh, w / sum, &values[start..start + hd]);
         }
     }
     out
+}
+
+/// [`attend_head_portable`] with the widest vector instructions present.
+fn attend_head(
+    cache: &KvCache,
+    layer: usize,
+    q: &[f32],
+    offset: usize,
+    t: usize,
+    head: usize,
+    shape: Heads,
+) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::packed::has_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+        return unsafe { attend_head_avx2(cache, layer, q, offset, t, head, shape) };
+    }
+    attend_head_portable(cache, layer, q, offset, t, head, shape)
 }
 
 /// `y[rows, offset..offset + out] += delta` for a `(rows, out)` delta.

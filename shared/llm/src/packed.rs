@@ -142,7 +142,8 @@ impl SendPtr {
     }
 }
 
-fn has_fma() -> bool {
+/// Whether the CPU has AVX2 and FMA (checked once).
+pub(crate) fn has_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
