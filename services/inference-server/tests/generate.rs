@@ -586,3 +586,129 @@ async fn bad_requests_get_errors_and_the_service_keeps_serving() {
     assert_eq!(completion(&reply), cases()[2].greedy[..3]);
     served.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_the_queue_bound_are_refused_at_once() {
+    // One running sequence, one waiting: the rest must be refused.
+    let served = serve("gen-queue", &["llm.max_sequences=1", "llm.max_queue=1"]).await;
+    let cases = cases();
+    // A prompt whose greedy completion fills the context without EOS, so
+    // the first requests are still decoding when the others arrive.
+    let mut long = None;
+    for case in &cases {
+        let max_tokens = (TINY_CONTEXT - case.input_ids.len() - 1) as u32;
+        let reply = served
+            .generate(&tokens_request(&case.input_ids, None, max_tokens))
+            .await
+            .unwrap();
+        if reply.finish == FinishReason::Length {
+            long = Some((case, max_tokens));
+            break;
+        }
+    }
+    let (case, max_tokens) =
+        long.expect("some fixture prompt decodes to the end of the context without EOS");
+    let prompt = case.input_ids.clone();
+    let started = Instant::now();
+    let requesters: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, subject, request) = (
+                served.client.clone(),
+                served.subjects.generate(),
+                tokens_request(&prompt, None, max_tokens),
+            );
+            tokio::spawn(async move {
+                let result: Result<GenerateReply, RequestError> =
+                    relay_kit::request(&client, &subject, &request, TIMEOUT).await;
+                (result, started.elapsed())
+            })
+        })
+        .collect();
+    let mut served_at = Vec::new();
+    let mut refused_at = Vec::new();
+    for requester in requesters {
+        match requester.await.unwrap() {
+            (Ok(reply), at) => {
+                // Whatever waited is served in full and correctly.
+                assert_eq!(completion(&reply)[..case.greedy.len()], case.greedy[..]);
+                served_at.push(at);
+            }
+            (Err(RequestError::Service { code, status, .. }), at) => {
+                assert_eq!(code, "503", "{status}");
+                assert_eq!(status, "queue full (1 waiting)");
+                refused_at.push(at);
+            }
+            (Err(other), _) => panic!("unexpected error: {other}"),
+        }
+    }
+    assert!(!served_at.is_empty(), "the first request is served");
+    assert!(
+        !refused_at.is_empty(),
+        "8 requests at once with room for 1 running and 1 waiting: some are refused"
+    );
+    // Refusals come at once, not after waiting for a place.
+    let last_served = served_at.iter().max().unwrap();
+    assert!(
+        refused_at.iter().all(|at| at < last_served),
+        "refused at {refused_at:?}, served at {served_at:?}"
+    );
+    // The server keeps serving once the queue has room again.
+    let after = served
+        .generate(&tokens_request(&prompt, None, 2))
+        .await
+        .unwrap();
+    assert_eq!(completion(&after), case.greedy[..2]);
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_sharing_a_prefix_arriving_together_decode_as_if_alone() {
+    // Six prompts: one long shared prefix, each its own short ending.
+    let cases = cases();
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| {
+            let mut p = cases[0].input_ids.clone();
+            p.extend_from_slice(&cases[1].input_ids[i..i + 3]);
+            p
+        })
+        .collect();
+    // Reference: one at a time, no prefix cache at all.
+    let alone = serve("gen-share-alone", &["llm.prefix_cache=0"]).await;
+    let mut want = Vec::new();
+    for p in &prompts {
+        want.push(alone.generate(&tokens_request(p, None, 8)).await.unwrap());
+    }
+    alone.stop().await;
+    // Together: admitted in the same turns, sharing the prefix's cache.
+    let served = serve("gen-share", &[]).await;
+    for round in 0..2 {
+        let requesters: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let (client, subject, request) = (
+                    served.client.clone(),
+                    served.subjects.generate(),
+                    tokens_request(p, None, 8),
+                );
+                tokio::spawn(async move {
+                    let reply: GenerateReply =
+                        relay_kit::request(&client, &subject, &request, TIMEOUT)
+                            .await
+                            .unwrap();
+                    reply
+                })
+            })
+            .collect();
+        for (i, (requester, want)) in requesters.into_iter().zip(&want).enumerate() {
+            let got = requester.await.unwrap();
+            assert_eq!(
+                completion(&got),
+                completion(want),
+                "round {round} prompt {i}"
+            );
+            // Batch-invariant kernels: the same numbers, not just close ones.
+            assert_eq!(logprobs(&got), logprobs(want), "round {round} prompt {i}");
+        }
+    }
+    served.stop().await;
+}

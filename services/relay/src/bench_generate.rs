@@ -9,7 +9,12 @@
 //! with `max_tokens` completion tokens and no stop
 //! condition but EOS. Completion tokens per second is all completion
 //! tokens over the wall time of the whole batch run; latencies are per
-//! request. Prints a table and, last, one JSON line.
+//! request; `prefilled` is the prompt tokens per request that were
+//! prefilled rather than copied from the prefix cache (from the server's
+//! `/metrics`); `cpu ms/token` is the server process's CPU time (user +
+//! system, Linux `/proc`) per completion token, which other processes on
+//! a shared machine disturb far less than wall time. Prints a table and,
+//! last, one JSON line.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -61,6 +66,52 @@ struct Row {
     tokens_per_second: f64,
     p50_latency_s: f64,
     p95_latency_s: f64,
+    /// Prompt tokens per admitted request that were prefilled (not from
+    /// the prefix cache); NaN if the server's metrics were unreadable.
+    prefilled_per_request: f64,
+    /// Server CPU milliseconds per completion token (NaN off Linux).
+    server_cpu_ms_per_token: f64,
+}
+
+/// CPU seconds (user + system) the process `pid` has used, from
+/// `/proc/<pid>/stat`.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are
+    // fields 14 and 15 of the whole line.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (per_second > 0).then(|| ticks / per_second as f64)
+}
+
+/// `relay_llm_prompt_tokens_total` and `relay_llm_prompt_tokens_cached_total`
+/// from the inference server's `/metrics` on `port`.
+fn prompt_token_counters(port: u16) -> Option<(f64, f64)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    let value = |name: &str| -> Option<f64> {
+        // `name{labels} value` or `name value`.
+        text.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            if !(rest.starts_with('{') || rest.starts_with(' ')) {
+                return None;
+            }
+            rest.rsplit(' ').next()?.trim().parse().ok()
+        })
+    };
+    Some((
+        value("relay_llm_prompt_tokens_total")?,
+        value("relay_llm_prompt_tokens_cached_total")?,
+    ))
 }
 
 struct Killed(Child);
@@ -190,6 +241,8 @@ async fn one_batch(
         tokens_per_second: completion_tokens as f64 / seconds,
         p50_latency_s: percentile(&latencies, 50.0),
         p95_latency_s: percentile(&latencies, 95.0),
+        prefilled_per_request: f64::NAN,
+        server_cpu_ms_per_token: f64::NAN,
     })
 }
 
@@ -259,17 +312,20 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let config = write_config(&dir, &model_arg, &nats_url, &args)?;
         let run_id = format!("bench-generate-{}", sanitize(&label));
         let log = std::fs::File::create(dir.join(format!("{}.log", sanitize(&label))))?;
+        let metrics_port = free_port()?;
         let server = Killed(
             Command::new(&server_bin)
                 .arg("--config")
                 .arg(&config)
                 .args(["--run-id", &run_id])
+                .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
                 .stdout(Stdio::null())
                 .stderr(log)
                 .spawn()
                 .context("starting relay-inference-server")?,
         );
         let subject = Subjects::new(&run_id).generate();
+        let server_pid = server.0.id();
         let result = runtime.block_on(async {
             let client = async_nats::connect(&nats_url).await?;
             // Until the model is loaded and answers; one warm-up request.
@@ -303,10 +359,20 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
             }
             let mut rows = Vec::new();
             for &batch in &args.batches {
-                let row = one_batch(&client, &subject, &label, batch, &args).await?;
+                let before = prompt_token_counters(metrics_port);
+                let cpu_before = cpu_seconds(server_pid);
+                let mut row = one_batch(&client, &subject, &label, batch, &args).await?;
+                if let (Some(a), Some(b)) = (cpu_before, cpu_seconds(server_pid)) {
+                    row.server_cpu_ms_per_token =
+                        (b - a) * 1e3 / row.completion_tokens.max(1) as f64;
+                }
+                if let (Some(a), Some(b)) = (before, prompt_token_counters(metrics_port)) {
+                    let prefilled = (b.0 - a.0) - (b.1 - a.1);
+                    row.prefilled_per_request = prefilled / row.requests.max(1) as f64;
+                }
                 eprintln!(
-                    "{label} batch {batch}: {:.1} tokens/s, p50 {:.2} s, p95 {:.2} s",
-                    row.tokens_per_second, row.p50_latency_s, row.p95_latency_s
+                    "{label} batch {batch}: {:.1} tokens/s, p50 {:.2} s, p95 {:.2} s, {:.0} prompt tokens prefilled per request, {:.2} server CPU ms per token",
+                    row.tokens_per_second, row.p50_latency_s, row.p95_latency_s, row.prefilled_per_request, row.server_cpu_ms_per_token
                 );
                 rows.push(row);
             }
@@ -317,29 +383,33 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
     }
     drop(nats);
     println!(
-        "{:<10} {:>5} {:>8} {:>10} {:>11} {:>9} {:>10} {:>8} {:>8}",
+        "{:<10} {:>5} {:>8} {:>10} {:>11} {:>10} {:>9} {:>10} {:>8} {:>8} {:>13}",
         "model",
         "batch",
         "requests",
         "tokens",
         "prompt_len",
+        "prefilled",
         "seconds",
         "tokens/s",
         "p50 s",
-        "p95 s"
+        "p95 s",
+        "cpu ms/token"
     );
     for r in &rows {
         println!(
-            "{:<10} {:>5} {:>8} {:>10} {:>11.0} {:>9.2} {:>10.1} {:>8.2} {:>8.2}",
+            "{:<10} {:>5} {:>8} {:>10} {:>11.0} {:>10.0} {:>9.2} {:>10.1} {:>8.2} {:>8.2} {:>13.2}",
             r.model,
             r.batch,
             r.requests,
             r.completion_tokens,
             r.prompt_tokens_mean,
+            r.prefilled_per_request,
             r.seconds,
             r.tokens_per_second,
             r.p50_latency_s,
-            r.p95_latency_s
+            r.p95_latency_s,
+            r.server_cpu_ms_per_token
         );
     }
     let mut speedups = serde_json::Map::new();

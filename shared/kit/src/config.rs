@@ -481,6 +481,11 @@ pub struct LlmConfig {
     /// Most sequences decoded together (the continuous batch); requests
     /// beyond it wait in a queue and join as others finish.
     pub max_sequences: usize,
+    /// Most generate requests waiting for a place in the continuous batch;
+    /// a request arriving when this many wait is refused at once with a
+    /// 503 service error "queue full (N waiting)"
+    /// (`relay_llm_queue_full_total`) instead of waiting without bound.
+    pub max_queue: usize,
     /// Most LoRA adapters (name, version) kept loaded; the least recently
     /// used is dropped past it and reloaded from its source when asked for.
     pub max_adapters: usize,
@@ -504,6 +509,7 @@ impl Default for LlmConfig {
             model: None,
             gguf_base: GgufBaseName::Dequantized,
             max_sequences: 32,
+            max_queue: 256,
             max_adapters: 8,
             adapters: Default::default(),
             threads: 2,
@@ -523,6 +529,7 @@ impl LlmConfig {
             }
         }
         positive("llm.max_sequences", self.max_sequences)?;
+        positive("llm.max_queue", self.max_queue)?;
         positive("llm.max_adapters", self.max_adapters)?;
         positive("llm.threads", self.threads)?;
         for (name, path) in &self.adapters {
@@ -1858,6 +1865,7 @@ mod tests {
         assert_eq!(c.llm.adapters["opponent"], PathBuf::from("adapters/opp"));
         let cases = [
             ("llm.max_sequences=0", "llm.max_sequences"),
+            ("llm.max_queue=0", "llm.max_queue"),
             ("llm.max_adapters=0", "llm.max_adapters"),
             ("llm.threads=0", "llm.threads"),
             ("llm.model=''", "llm.model"),

@@ -15,8 +15,6 @@
 //! head_dim)` tensor. [`KvCache::truncate`] rolls a sequence back without
 //! freeing.
 
-use candle_core::Tensor;
-
 use crate::config::ModelConfig;
 use crate::model_error::{ModelError, Result};
 
@@ -148,33 +146,6 @@ impl KvCache {
         (&self.keys[layer], &self.values[layer])
     }
 
-    /// Writes `new_keys`/`new_values` (`(kv_heads, t, head_dim)` tensors)
-    /// after the current positions of `layer` and returns all `len + t`
-    /// positions as `(kv_heads, len + t, head_dim)` tensors (strided views
-    /// of copies).
-    pub(crate) fn append(
-        &mut self,
-        layer: usize,
-        new_keys: &Tensor,
-        new_values: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        let rows = |t: &Tensor| -> Result<Vec<f32>> {
-            Ok(t.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?)
-        };
-        let (k, v) = (rows(new_keys)?, rows(new_values)?);
-        self.append_rows(layer, &k, &v);
-        let total = self.keys[layer].len() / self.row();
-        let view = |buffer: &[f32]| -> Result<Tensor> {
-            Ok(Tensor::from_slice(
-                buffer,
-                (total, self.num_kv_heads, self.head_dim),
-                new_keys.device(),
-            )?
-            .transpose(0, 1)?)
-        };
-        Ok((view(&self.keys[layer])?, view(&self.values[layer])?))
-    }
-
     /// Marks `added` more positions as valid in every layer.
     pub(crate) fn advance(&mut self, added: usize) {
         self.len += added;
@@ -238,15 +209,13 @@ impl PrefixCache {
         self.entries.is_empty()
     }
 
-    /// A copy of the cache of the longest held prefix of `prompt` for this
-    /// adapter, at most `prompt.len() - 1` positions (the last prompt token
-    /// must still be fed to get the first logits); `None` if no held prompt
-    /// shares `min_tokens` or more.
-    pub fn lookup(
-        &mut self,
+    /// The held entry sharing the longest prefix with `prompt` for this
+    /// adapter, and how many positions of it a lookup would copy.
+    fn best(
+        &self,
         adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
         prompt: &[u32],
-    ) -> Option<KvCache> {
+    ) -> Option<(usize, usize)> {
         let limit = prompt.len().saturating_sub(1);
         let (index, shared) = self
             .entries
@@ -265,9 +234,29 @@ impl PrefixCache {
                 (i, shared)
             })
             .max_by_key(|&(_, shared)| shared)?;
-        if shared < self.min_tokens {
-            return None;
-        }
+        (shared >= self.min_tokens).then_some((index, shared))
+    }
+
+    /// How many positions [`PrefixCache::lookup`] would return for
+    /// `prompt` (0 for none), without copying anything.
+    pub fn shared_len(
+        &self,
+        adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
+        prompt: &[u32],
+    ) -> usize {
+        self.best(adapter, prompt).map_or(0, |(_, shared)| shared)
+    }
+
+    /// A copy of the cache of the longest held prefix of `prompt` for this
+    /// adapter, at most `prompt.len() - 1` positions (the last prompt token
+    /// must still be fed to get the first logits); `None` if no held prompt
+    /// shares `min_tokens` or more.
+    pub fn lookup(
+        &mut self,
+        adapter: Option<&std::sync::Arc<crate::LoraAdapter>>,
+        prompt: &[u32],
+    ) -> Option<KvCache> {
+        let (index, shared) = self.best(adapter, prompt)?;
         self.clock += 1;
         self.entries[index].last_used = self.clock;
         Some(self.entries[index].cache.fork_prefix(shared))

@@ -345,6 +345,7 @@ impl CausalLm {
             },
             rope_cos,
             rope_sin,
+            inference: Default::default(),
         })
     }
 }

@@ -11,7 +11,8 @@
 //! | module | owns |
 //! |---|---|
 //! | [`config`] | [`ModelConfig`], [`Architecture`]: a checkpoint's shape, from `config.json` or GGUF metadata |
-//! | [`model`] | [`CausalLm`]: Qwen2/Llama weights, the KV-cached batched inference forward and the differentiable training forward |
+//! | [`model`] | [`CausalLm`]: Qwen2/Llama weights and the differentiable training forward |
+//! | [`infer`] | [`CausalLm::forward_batch`]: the KV-cached batched inference forward (plain-Rust attention, packed dense weights from `packed`) |
 //! | [`cache`] | [`KvCache`]: one sequence's keys and values; [`PrefixCache`]: recent prompts' caches, to skip prefilling a shared prefix |
 //! | [`lora`] | [`LoraAdapter`], [`LoraConfig`], [`LoraTarget`]: adapters kept apart from the base |
 //! | [`peft`] | adapters to and from PEFT's `adapter_config.json` + `adapter_model.safetensors` |
@@ -111,12 +112,14 @@ pub mod config;
 pub mod generate;
 pub mod gguf;
 pub mod gguf_tokenizer;
+pub mod infer;
 pub mod init;
 pub mod load;
 pub mod lora;
 pub mod model;
 pub mod model_error;
 pub mod optim;
+pub(crate) mod packed;
 pub mod peft;
 pub mod reward;
 pub mod rl;

@@ -9,13 +9,9 @@
 //!   packed into one `(tokens, hidden)` matrix for every projection and MLP
 //!   (the expensive part); attention runs per sequence against its cache.
 //!   So a prefill of a new prompt can share a step with the one-token
-//!   decodes of running sequences, and nothing is padded. It uses candle's
-//!   fused kernels (softmax, RMSNorm, RoPE), which have no backward. The
-//!   attention of one-token decodes (the steady state of generation) is
-//!   a plain Rust loop over each cache in place, sequences in parallel on
-//!   rayon: per sequence and layer it would otherwise take a dozen small
-//!   candle ops (views, RoPE, cache writes, two matmuls, softmax), whose
-//!   fixed costs dominate a batched decode step.
+//!   decodes of running sequences, and nothing is padded. It lives in
+//!   [`crate::infer`]: plain Rust between the matmuls, packed dense weights,
+//!   no backward.
 //! * [`CausalLm::forward_train`] runs a right-padded `(batch, time)` block
 //!   from position 0 with no cache, built only from ops that pass
 //!   gradients, so a loss on its logits reaches the LoRA factors.
@@ -36,21 +32,11 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
-use rayon::prelude::*;
 
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
 use crate::lora::{LoraAdapter, LoraTarget};
 use crate::model_error::{ModelError, Result};
-
-/// Which kernels a forward uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kernels {
-    /// candle's fused softmax / RMSNorm / RoPE: fast, no gradient.
-    Fused,
-    /// Compositions of basic ops: every op has a backward.
-    Differentiable,
-}
 
 /// A frozen weight matrix `(out_features, in_features)`.
 #[derive(Debug, Clone)]
@@ -75,7 +61,7 @@ pub(crate) struct Projection {
 }
 
 /// Which adapter applies to which rows of a packed batch.
-enum Routing<'a> {
+pub(crate) enum Routing<'a> {
     /// No adapter anywhere.
     Base,
     /// One adapter on every row.
@@ -85,12 +71,17 @@ enum Routing<'a> {
 }
 
 impl Projection {
-    fn forward_base(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match &self.weight {
+    /// `x · Wᵀ` without the bias.
+    pub(crate) fn forward_base_no_bias(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match &self.weight {
             BaseWeight::Dense(w) => x.matmul(&w.t()?)?,
             BaseWeight::Quantized(q) => x.matmul(&q.dequantize(x.device())?.t()?)?,
             BaseWeight::QMatMul(q) => q.forward(x)?,
-        };
+        })
+    }
+
+    fn forward_base(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.forward_base_no_bias(x)?;
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -131,7 +122,7 @@ pub(crate) enum Embedding {
 }
 
 impl Embedding {
-    fn lookup(&self, ids: &Tensor) -> Result<Tensor> {
+    pub(crate) fn lookup(&self, ids: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Self::Dense(w) => w.index_select(ids, 0)?,
             Self::Quantized(q) => q.embedding(ids)?,
@@ -167,6 +158,9 @@ pub struct CausalLm {
     /// `(max_position_embeddings, head_dim / 2)` each.
     pub(crate) rope_cos: Tensor,
     pub(crate) rope_sin: Tensor,
+    /// Packed weights and plain copies for [`CausalLm::forward_batch`],
+    /// built on first use (see [`crate::infer`]).
+    pub(crate) inference: std::sync::OnceLock<std::sync::Arc<crate::infer::InferenceWeights>>,
 }
 
 /// Which positions [`CausalLm::forward_batch`] returns logits for.
@@ -189,116 +183,6 @@ pub struct BatchItem<'a> {
     pub cache: &'a mut KvCache,
     /// The adapter to apply to this sequence, or `None` for the base model.
     pub adapter: Option<&'a LoraAdapter>,
-}
-
-/// Rotary inverse frequencies as Hugging Face computes them (f32).
-fn rope_inv_freq(config: &ModelConfig) -> Vec<f32> {
-    (0..config.head_dim / 2)
-        .map(|i| {
-            1.0 / config
-                .rope_theta
-                .powf((2 * i) as f32 / config.head_dim as f32)
-        })
-        .collect()
-}
-
-/// `(cos, sin)` of one position's rotary angles (`head_dim / 2` each),
-/// the same values as the rows of [`rope_tables`].
-fn rope_at(inv_freq: &[f32], position: usize) -> (Vec<f32>, Vec<f32>) {
-    inv_freq
-        .iter()
-        .map(|f| {
-            let angle = position as f32 * f;
-            (angle.cos(), angle.sin())
-        })
-        .unzip()
-}
-
-/// Rotates each `head_dim` chunk of `x` in place ("rotate half" layout,
-/// as [`candle_nn::rotary_emb::rope`]).
-fn rope_in_place(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
-    let half = head_dim / 2;
-    for head in x.chunks_exact_mut(head_dim) {
-        let (x1, x2) = head.split_at_mut(half);
-        for i in 0..half {
-            let (a, b) = (x1[i], x2[i]);
-            x1[i] = a * cos[i] - b * sin[i];
-            x2[i] = b * cos[i] + a * sin[i];
-        }
-    }
-}
-
-/// Dot product with eight independent accumulators, so it vectorizes.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
-/// One-token decode attention of one sequence at `layer`: RoPE on its new
-/// query and key rows, the key and value appended to its cache, then every
-/// query head attends over every cached position of its key/value head.
-/// `q`: `heads * head_dim`; `k`, `v`: `kv_heads * head_dim`; returns
-/// `heads * head_dim`.
-#[allow(clippy::too_many_arguments)]
-fn decode_attention(
-    cache: &mut KvCache,
-    layer: usize,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    (cos, sin): (&[f32], &[f32]),
-    heads: usize,
-    rep: usize,
-    head_dim: usize,
-) -> Vec<f32> {
-    let mut q = q.to_vec();
-    let mut k = k.to_vec();
-    rope_in_place(&mut q, head_dim, cos, sin);
-    rope_in_place(&mut k, head_dim, cos, sin);
-    cache.append_rows(layer, &k, v);
-    let row = cache.row();
-    let (keys, values) = cache.layer(layer);
-    let positions = keys.len() / row;
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let mut out = vec![0f32; heads * head_dim];
-    let mut scores = vec![0f32; positions];
-    for h in 0..heads {
-        let group = h / rep;
-        let qh = &q[h * head_dim..(h + 1) * head_dim];
-        let mut max = f32::NEG_INFINITY;
-        for (p, score) in scores.iter_mut().enumerate() {
-            let start = p * row + group * head_dim;
-            *score = dot(qh, &keys[start..start + head_dim]) * scale;
-            max = max.max(*score);
-        }
-        let mut sum = 0f32;
-        for score in scores.iter_mut() {
-            *score = (*score - max).exp();
-            sum += *score;
-        }
-        let oh = &mut out[h * head_dim..(h + 1) * head_dim];
-        for (p, &w) in scores.iter().enumerate() {
-            let start = p * row + group * head_dim;
-            let w = w / sum;
-            for (o, &x) in oh.iter_mut().zip(&values[start..start + head_dim]) {
-                *o += w * x;
-            }
-        }
-    }
-    out
 }
 
 /// Rotary tables as Hugging Face computes them (f32 inverse frequencies,
@@ -328,32 +212,23 @@ pub(crate) fn rope_tables(config: &ModelConfig, device: &Device) -> Result<(Tens
     ))
 }
 
-fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, kernels: Kernels) -> Result<Tensor> {
-    Ok(match kernels {
-        Kernels::Fused => candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps as f32)?,
-        Kernels::Differentiable => {
-            let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
-            let inv_rms = (mean_square + eps)?.sqrt()?.recip()?;
-            x.broadcast_mul(&inv_rms)?.broadcast_mul(weight)?
-        }
-    })
+/// RMSNorm from ops that pass gradients (candle's fused one does not).
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let inv_rms = (mean_square + eps)?.sqrt()?.recip()?;
+    Ok(x.broadcast_mul(&inv_rms)?.broadcast_mul(weight)?)
 }
 
 /// Rotates `x` `(batch, heads, t, head_dim)` by the angles of positions
 /// `cos`/`sin` `(t, head_dim / 2)` ("rotate half" layout).
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, kernels: Kernels) -> Result<Tensor> {
-    Ok(match kernels {
-        Kernels::Fused => candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin)?,
-        Kernels::Differentiable => {
-            let half = x.dim(D::Minus1)? / 2;
-            let cos = Tensor::cat(&[cos, cos], D::Minus1)?;
-            let sin = Tensor::cat(&[sin, sin], D::Minus1)?;
-            let x1 = x.narrow(D::Minus1, 0, half)?;
-            let x2 = x.narrow(D::Minus1, half, half)?;
-            let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-            (x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?
-        }
-    })
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let cos = Tensor::cat(&[cos, cos], D::Minus1)?;
+    let sin = Tensor::cat(&[sin, sin], D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
 }
 
 /// Additive causal mask `(t, offset + t)` for `t` new tokens after
@@ -377,14 +252,7 @@ fn causal_mask(t: usize, offset: usize, device: &Device) -> Result<Tensor> {
 /// Grouped-query attention. `q`: `(groups, rep * t, hd)` where each group
 /// is one key/value head and its `rep` query heads; `k`, `v`:
 /// `(groups, len, hd)`; `mask`: `(t, len)` or none (when `t == 1`).
-fn attend(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    rep: usize,
-    mask: Option<&Tensor>,
-    kernels: Kernels,
-) -> Result<Tensor> {
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, rep: usize, mask: Option<&Tensor>) -> Result<Tensor> {
     let (groups, rows, head_dim) = q.dims3()?;
     let len = k.dim(1)?;
     let scores = (q.matmul(&k.t()?)? * (1.0 / (head_dim as f64).sqrt()))?;
@@ -395,10 +263,7 @@ fn attend(
             .reshape((groups, rows, len))?,
         None => scores,
     };
-    let probs = match kernels {
-        Kernels::Fused => candle_nn::ops::softmax_last_dim(&scores)?,
-        Kernels::Differentiable => candle_nn::ops::softmax(&scores, D::Minus1)?,
-    };
+    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
     Ok(probs.matmul(v)?)
 }
 
@@ -504,6 +369,7 @@ impl CausalLm {
             },
             rope_cos,
             rope_sin,
+            inference: Default::default(),
         })
     }
 
@@ -563,7 +429,7 @@ impl CausalLm {
         !self.any_weight(|w| matches!(w, BaseWeight::QMatMul(_)))
     }
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if let Some(bad) = tokens
             .iter()
             .find(|&&t| t as usize >= self.config.vocab_size)
@@ -576,179 +442,11 @@ impl CausalLm {
         Ok(())
     }
 
-    fn check_adapter(&self, adapter: Option<&LoraAdapter>) -> Result<()> {
+    pub(crate) fn check_adapter(&self, adapter: Option<&LoraAdapter>) -> Result<()> {
         match adapter {
             Some(a) => a.check_fits(&self.config),
             None => Ok(()),
         }
-    }
-
-    /// Advances every sequence of `items` by its tokens, appending to its
-    /// cache, and returns logits (see [`LogitsWanted`]).
-    ///
-    /// Sequences may have any cache lengths and token counts and any mix
-    /// of adapters: a sequence joins a running batch just by being listed
-    /// (its prompt is prefilled in the same call) and leaves by not being
-    /// listed. On error no cache is advanced.
-    pub fn forward_batch(
-        &self,
-        items: &mut [BatchItem<'_>],
-        wanted: LogitsWanted,
-    ) -> Result<Tensor> {
-        if items.is_empty() {
-            return Err(ModelError::BadInput("empty batch".into()));
-        }
-        let device = self.rope_cos.device().clone();
-        let mut spans = Vec::with_capacity(items.len());
-        let mut ids = Vec::new();
-        for item in items.iter() {
-            if item.tokens.is_empty() {
-                return Err(ModelError::BadInput("a batch item has no tokens".into()));
-            }
-            self.check_tokens(item.tokens)?;
-            item.cache.check_shape(&self.config)?;
-            let end = item.cache.len() + item.tokens.len();
-            if end > self.config.max_position_embeddings {
-                return Err(ModelError::ContextOverflow {
-                    position: end - 1,
-                    limit: self.config.max_position_embeddings,
-                });
-            }
-            spans.push((ids.len(), item.tokens.len()));
-            ids.extend_from_slice(item.tokens);
-        }
-        let adapters: Vec<Option<&LoraAdapter>> = items.iter().map(|i| i.adapter).collect();
-        for adapter in &adapters {
-            self.check_adapter(*adapter)?;
-        }
-        let routing = route(&adapters, &spans, &device)?;
-        let total = ids.len();
-        let ids = Tensor::from_vec(ids, total, &device)?;
-        let mut x = self.embed.lookup(&ids)?;
-
-        let cfg = &self.config;
-        let (heads, kv_heads, head_dim) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        );
-        let rep = cfg.kv_group_size();
-        // Rotary angles of each one-token item's position, for the decode
-        // attention (`None`: a multi-token item, attended with candle ops).
-        let inv_freq = rope_inv_freq(cfg);
-        let decode_rope: Vec<Option<(Vec<f32>, Vec<f32>)>> = items
-            .iter()
-            .zip(&spans)
-            .map(|(item, &(_, t))| (t == 1).then(|| rope_at(&inv_freq, item.cache.len())))
-            .collect();
-        let any_decode = decode_rope.iter().any(Option::is_some);
-        let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
-        for (layer, block) in self.blocks.iter().enumerate() {
-            let h = rms_norm(&x, &block.input_norm, cfg.rms_norm_eps, Kernels::Fused)?;
-            let q = block.q_proj.forward(&h, layer, &routing)?;
-            let k = block.k_proj.forward(&h, layer, &routing)?;
-            let v = block.v_proj.forward(&h, layer, &routing)?;
-            let decoded: Vec<Option<Vec<f32>>> = if any_decode {
-                let (qs, ks, vs) = (
-                    q.flatten_all()?.to_vec1::<f32>()?,
-                    k.flatten_all()?.to_vec1::<f32>()?,
-                    v.flatten_all()?.to_vec1::<f32>()?,
-                );
-                items
-                    .par_iter_mut()
-                    .zip(spans.par_iter())
-                    .zip(decode_rope.par_iter())
-                    .map(|((item, &(start, _)), rope)| {
-                        rope.as_ref().map(|(cos, sin)| {
-                            decode_attention(
-                                item.cache,
-                                layer,
-                                &qs[start * q_width..(start + 1) * q_width],
-                                &ks[start * kv_width..(start + 1) * kv_width],
-                                &vs[start * kv_width..(start + 1) * kv_width],
-                                (cos, sin),
-                                heads,
-                                rep,
-                                head_dim,
-                            )
-                        })
-                    })
-                    .collect()
-            } else {
-                vec![None; items.len()]
-            };
-            if decoded.iter().all(Option::is_some) {
-                let rows: Vec<f32> = decoded.into_iter().flatten().flatten().collect();
-                let attn = Tensor::from_vec(rows, (total, q_width), &device)?;
-                x = (x + block.o_proj.forward(&attn, layer, &routing)?)?;
-                let h = rms_norm(
-                    &x,
-                    &block.post_attention_norm,
-                    cfg.rms_norm_eps,
-                    Kernels::Fused,
-                )?;
-                x = (x + self.mlp(block, &h, layer, &routing)?)?;
-                continue;
-            }
-            let mut outputs = Vec::with_capacity(items.len());
-            for ((item, &(start, t)), decoded) in items.iter_mut().zip(&spans).zip(decoded) {
-                if let Some(row) = decoded {
-                    outputs.push(Tensor::from_vec(row, (1, q_width), &device)?);
-                    continue;
-                }
-                let offset = item.cache.len();
-                let cos = self.rope_cos.narrow(0, offset, t)?;
-                let sin = self.rope_sin.narrow(0, offset, t)?;
-                let split = |m: &Tensor, n: usize| -> Result<Tensor> {
-                    Ok(m.narrow(0, start, t)?
-                        .reshape((t, n, head_dim))?
-                        .transpose(0, 1)?
-                        .unsqueeze(0)?)
-                };
-                let qi = rope(&split(&q, heads)?, &cos, &sin, Kernels::Fused)?;
-                let ki = rope(&split(&k, kv_heads)?, &cos, &sin, Kernels::Fused)?;
-                let vi = split(&v, kv_heads)?;
-                let (keys, values) = item.cache.append(layer, &ki.squeeze(0)?, &vi.squeeze(0)?)?;
-                let qi = qi.reshape((kv_heads, rep * t, head_dim))?;
-                let mask = if t > 1 {
-                    Some(causal_mask(t, offset, &device)?)
-                } else {
-                    None
-                };
-                let out = attend(&qi, &keys, &values, rep, mask.as_ref(), Kernels::Fused)?;
-                outputs.push(
-                    out.reshape((heads, t, head_dim))?
-                        .transpose(0, 1)?
-                        .reshape((t, heads * head_dim))?,
-                );
-            }
-            let attn = if outputs.len() == 1 {
-                outputs.pop().expect("one output")
-            } else {
-                Tensor::cat(&outputs, 0)?
-            };
-            x = (x + block.o_proj.forward(&attn, layer, &routing)?)?;
-            let h = rms_norm(
-                &x,
-                &block.post_attention_norm,
-                cfg.rms_norm_eps,
-                Kernels::Fused,
-            )?;
-            x = (x + self.mlp(block, &h, layer, &routing)?)?;
-        }
-        for (item, &(_, t)) in items.iter_mut().zip(&spans) {
-            item.cache.advance(t);
-        }
-        let x = match wanted {
-            LogitsWanted::All => x,
-            LogitsWanted::Last => {
-                let last: Vec<u32> = spans.iter().map(|&(s, t)| (s + t - 1) as u32).collect();
-                let n = last.len();
-                x.index_select(&Tensor::from_vec(last, n, &device)?, 0)?
-            }
-        };
-        let x = rms_norm(&x, &self.final_norm, cfg.rms_norm_eps, Kernels::Fused)?;
-        self.lm_head.forward(&x, 0, &Routing::Base)
     }
 
     /// Feeds `tokens` to one sequence and returns the logits of every fed
@@ -830,39 +528,37 @@ impl CausalLm {
         } else {
             None
         };
-        let kernels = Kernels::Differentiable;
         let mut x = self.embed.lookup(&flat_ids)?;
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = rms_norm(&x, &block.input_norm, cfg.rms_norm_eps, kernels)?;
+            let h = rms_norm(&x, &block.input_norm, cfg.rms_norm_eps)?;
             let split = |m: Tensor, n: usize| -> Result<Tensor> {
                 Ok(m.reshape((batch, time, n, head_dim))?.transpose(1, 2)?)
             };
             let q = split(block.q_proj.forward(&h, layer, &routing)?, heads)?;
             let k = split(block.k_proj.forward(&h, layer, &routing)?, kv_heads)?;
             let v = split(block.v_proj.forward(&h, layer, &routing)?, kv_heads)?;
-            let q = rope(&q, &cos, &sin, kernels)?.contiguous()?.reshape((
+            let q = rope(&q, &cos, &sin)?.contiguous()?.reshape((
                 batch * kv_heads,
                 rep * time,
                 head_dim,
             ))?;
-            let k = rope(&k, &cos, &sin, kernels)?.contiguous()?.reshape((
-                batch * kv_heads,
-                time,
-                head_dim,
-            ))?;
+            let k =
+                rope(&k, &cos, &sin)?
+                    .contiguous()?
+                    .reshape((batch * kv_heads, time, head_dim))?;
             let v = v
                 .contiguous()?
                 .reshape((batch * kv_heads, time, head_dim))?;
-            let out = attend(&q, &k, &v, rep, mask.as_ref(), kernels)?;
+            let out = attend(&q, &k, &v, rep, mask.as_ref())?;
             let attn = out
                 .reshape((batch, heads, time, head_dim))?
                 .transpose(1, 2)?
                 .reshape((batch * time, heads * head_dim))?;
             x = (x + block.o_proj.forward(&attn, layer, &routing)?)?;
-            let h = rms_norm(&x, &block.post_attention_norm, cfg.rms_norm_eps, kernels)?;
+            let h = rms_norm(&x, &block.post_attention_norm, cfg.rms_norm_eps)?;
             x = (x + self.mlp(block, &h, layer, &routing)?)?;
         }
-        let x = rms_norm(&x, &self.final_norm, cfg.rms_norm_eps, kernels)?;
+        let x = rms_norm(&x, &self.final_norm, cfg.rms_norm_eps)?;
         let logits = self.lm_head.forward(&x, 0, &Routing::Base)?;
         Ok(logits.reshape((batch, time, cfg.vocab_size))?)
     }
@@ -881,7 +577,7 @@ pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 /// Groups the rows of a packed batch by adapter (compared by address).
-fn route<'a>(
+pub(crate) fn route<'a>(
     adapters: &[Option<&'a LoraAdapter>],
     spans: &[(usize, usize)],
     device: &Device,

@@ -8,18 +8,23 @@
 //! each completion's stop strings on its incrementally decoded text, and
 //! replies to the finished ones, which leave the batch. A prompt that
 //! shares a long prefix with a recent one starts from a copy of that
-//! prefix's cache (`llm.prefix_cache`). The loop blocks
+//! prefix's cache (`llm.prefix_cache`); prompts admitted together that
+//! share a prefix not yet cached (a game's instructions, when many
+//! requests arrive at once) get it prefilled once, in one forward before
+//! they join, and all start from copies of it. The loop blocks
 //! only when nothing runs or waits; it ends once the job channel is closed
 //! and the last running sequence has finished.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
 
 use relay_llm::{
-    step, CausalLm, FinishReason as LlmFinish, IncrementalDecoder, LoraAdapter, PrefixCache,
-    Sampler, SamplingParams, Sequence, StopCondition, TokenSequences, Tokenizer,
+    step, BatchItem, CausalLm, FinishReason as LlmFinish, IncrementalDecoder, LogitsWanted,
+    LoraAdapter, PrefixCache, Sampler, SamplingParams, Sequence, StopCondition, TokenSequences,
+    Tokenizer,
 };
 use relay_proto::{AdapterRef, FinishReason, GenerateReply, Tensor, SCHEMA_VERSION};
 
@@ -76,7 +81,18 @@ pub(crate) struct Engine {
     pub max_sequences: usize,
     /// Prompts whose caches are kept (`llm.prefix_cache`).
     pub prefix_cache: usize,
+    /// Jobs sent to this loop and not yet admitted or dropped (the
+    /// frontend counts them up, the loop down; `llm.max_queue` bounds it).
+    pub waiting: Arc<AtomicUsize>,
     pub metrics: LlmMetrics,
+}
+
+/// The first `len` tokens of `prompt`, which several admitted prompts
+/// share (`len < prompt.len()`).
+struct SharedPrefix<'a> {
+    adapter: Option<Arc<LoraAdapter>>,
+    prompt: &'a [u32],
+    len: usize,
 }
 
 /// Shortest shared prefix worth a copy of a cached prompt.
@@ -109,14 +125,20 @@ impl Engine {
                     Err(TryRecvError::Disconnected) => open = false,
                 }
             }
-            while running.len() < self.max_sequences {
+            let mut admitted = Vec::new();
+            while running.len() + admitted.len() < self.max_sequences {
                 let Some(job) = waiting.pop_front() else {
                     break;
                 };
+                self.waiting.fetch_sub(1, Ordering::Relaxed);
                 // The requester timed out or went away: skip the work.
                 if job.reply.is_closed() {
                     continue;
                 }
+                admitted.push(job);
+            }
+            self.share_prefixes(&admitted, &mut prefixes);
+            for job in admitted {
                 if let Some(r) = self.admit(job, &mut prefixes) {
                     running.push(r);
                 }
@@ -179,6 +201,86 @@ impl Engine {
         self.metrics.queue_depth.set(0);
     }
 
+    /// Prefills once each prefix that several of `jobs` share (same
+    /// adapter, at least [`MIN_PREFIX_TOKENS`]) beyond what the prefix
+    /// cache holds for them, and caches it, so their admission copies it
+    /// instead of each prefilling it. Prompts sorted in order put those
+    /// sharing the longest prefixes side by side; each run of neighbours
+    /// gets the prefix common to all of it.
+    fn share_prefixes(&self, jobs: &[Job], prefixes: &mut PrefixCache) {
+        if self.prefix_cache == 0 || jobs.len() < 2 {
+            return;
+        }
+        let adapter_of = |j: &Job| j.adapter.as_ref().map(|(_, a)| a.clone());
+        let key = |j: &Job| {
+            j.adapter
+                .as_ref()
+                .map_or(0, |(_, a)| Arc::as_ptr(a) as usize)
+        };
+        let mut order: Vec<&Job> = jobs.iter().collect();
+        order.sort_by(|a, b| key(a).cmp(&key(b)).then_with(|| a.prompt.cmp(&b.prompt)));
+        // (adapter, prefix tokens) to prefill.
+        let mut shared: Vec<SharedPrefix> = Vec::new();
+        let mut i = 0;
+        while i < order.len() {
+            let first = &order[i].prompt;
+            // The last prompt token is always fed by the step itself.
+            let mut common = first.len() - 1;
+            let mut j = i + 1;
+            while j < order.len() && key(order[j]) == key(order[i]) {
+                let other = &order[j].prompt;
+                let lcp = first.iter().zip(other).take_while(|(a, b)| a == b).count();
+                let len = lcp.min(other.len() - 1).min(common);
+                if len < MIN_PREFIX_TOKENS {
+                    break;
+                }
+                common = len;
+                j += 1;
+            }
+            let adapter = adapter_of(order[i]);
+            // Worth a forward only if it saves more than the cache does.
+            let cached = prefixes.shared_len(adapter.as_ref(), &first[..=common]);
+            if j - i >= 2 && common >= cached + MIN_PREFIX_TOKENS {
+                shared.push(SharedPrefix {
+                    adapter,
+                    prompt: first,
+                    len: common,
+                });
+            }
+            i = j.max(i + 1);
+        }
+        if shared.is_empty() {
+            return;
+        }
+        // Extend what the cache holds rather than start over (a lookup of
+        // the prefix and one token more copies at most the prefix).
+        let mut caches: Vec<relay_llm::KvCache> = shared
+            .iter()
+            .map(|s| {
+                prefixes
+                    .lookup(s.adapter.as_ref(), &s.prompt[..=s.len])
+                    .unwrap_or_else(|| self.model.new_cache())
+            })
+            .collect();
+        let mut items: Vec<BatchItem> = shared
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(s, cache)| BatchItem {
+                tokens: &s.prompt[cache.len()..s.len],
+                cache,
+                adapter: s.adapter.as_deref(),
+            })
+            .collect();
+        if let Err(e) = self.model.forward_batch(&mut items, LogitsWanted::Last) {
+            tracing::warn!(error = %e, "prefilling shared prompt prefixes failed");
+            return;
+        }
+        drop(items);
+        for (s, cache) in shared.iter().zip(&caches) {
+            prefixes.insert(s.adapter.as_ref(), &s.prompt[..s.len], cache);
+        }
+    }
+
     /// Starts a job's sequence; on a bad job replies with the error.
     fn admit(&self, job: Job, prefixes: &mut PrefixCache) -> Option<Running> {
         let longest_stop = job.stop.iter().map(String::len).max().unwrap_or(0);
@@ -197,15 +299,19 @@ impl Engine {
                     max_new_tokens,
                     stop_token_ids: self.stop_token_ids.clone(),
                 };
+                self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
                 match prefixes.lookup(adapter.as_ref(), &job.prompt) {
-                    Some(cache) => Sequence::with_cached_prefix(
-                        &self.model,
-                        job.prompt.clone(),
-                        cache,
-                        adapter,
-                        sampler,
-                        stop,
-                    ),
+                    Some(cache) => {
+                        self.metrics.prompt_tokens_cached.inc_by(cache.len() as u64);
+                        Sequence::with_cached_prefix(
+                            &self.model,
+                            job.prompt.clone(),
+                            cache,
+                            adapter,
+                            sampler,
+                            stop,
+                        )
+                    }
                     None => Sequence::new(&self.model, job.prompt.clone(), adapter, sampler, stop),
                 }
             })

@@ -11,6 +11,9 @@ pub(crate) struct LlmMetrics {
     pub time_to_first_token: Histogram,
     pub request_seconds: Histogram,
     pub queue_depth: IntGauge,
+    pub queue_full: IntCounter,
+    pub prompt_tokens: IntCounter,
+    pub prompt_tokens_cached: IntCounter,
     pub requests: IntCounter,
     pub adapters_loaded: IntGauge,
     pub adapter_loads: IntCounter,
@@ -57,6 +60,21 @@ impl LlmMetrics {
                 "Generate requests waiting for a place in the continuous batch.",
             )
             .expect("valid gauge"),
+            queue_full: IntCounter::new(
+                "relay_llm_queue_full_total",
+                "Generate requests refused at once because llm.max_queue requests were already waiting.",
+            )
+            .expect("valid counter"),
+            prompt_tokens: IntCounter::new(
+                "relay_llm_prompt_tokens_total",
+                "Prompt tokens of admitted generate requests.",
+            )
+            .expect("valid counter"),
+            prompt_tokens_cached: IntCounter::new(
+                "relay_llm_prompt_tokens_cached_total",
+                "Prompt tokens whose keys and values came from the prefix cache instead of a prefill.",
+            )
+            .expect("valid counter"),
             requests: IntCounter::new(
                 "relay_llm_requests_total",
                 "Generate requests answered with a completion.",
@@ -84,6 +102,9 @@ impl LlmMetrics {
         relay_kit::metrics::register(registry, &m.time_to_first_token);
         relay_kit::metrics::register(registry, &m.request_seconds);
         relay_kit::metrics::register(registry, &m.queue_depth);
+        relay_kit::metrics::register(registry, &m.queue_full);
+        relay_kit::metrics::register(registry, &m.prompt_tokens);
+        relay_kit::metrics::register(registry, &m.prompt_tokens_cached);
         relay_kit::metrics::register(registry, &m.requests);
         relay_kit::metrics::register(registry, &m.adapters_loaded);
         relay_kit::metrics::register(registry, &m.adapter_loads);

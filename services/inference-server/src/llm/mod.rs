@@ -100,6 +100,12 @@ struct Frontend {
     context: usize,
     adapters: Arc<AdapterStore>,
     jobs: std::sync::Mutex<Option<std::sync::mpsc::Sender<Job>>>,
+    /// Jobs sent to the decode thread and not yet admitted (see
+    /// [`Engine::waiting`]).
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
+    /// `llm.max_queue`.
+    max_queue: usize,
+    metrics: LlmMetrics,
     seeds: std::sync::atomic::AtomicU64,
 }
 
@@ -232,11 +238,27 @@ impl Frontend {
             received,
             reply: reply_tx,
         };
+        // Count the job in before it is sent (the decode thread counts it
+        // out), refusing it if the queue is full.
+        use std::sync::atomic::Ordering;
+        if let Err(waiting) =
+            self.waiting
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |waiting| {
+                    (waiting < self.max_queue).then_some(waiting + 1)
+                })
+        {
+            self.metrics.queue_full.inc();
+            return Err(JobError {
+                code: 503,
+                message: format!("queue full ({waiting} waiting)"),
+            });
+        }
         let sent = match &*self.jobs.lock().expect("jobs lock") {
             Some(jobs) => jobs.send(job).is_ok(),
             None => false,
         };
         if !sent {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
             return Err(JobError {
                 code: 503,
                 message: "the inference server is stopping".into(),
@@ -264,10 +286,21 @@ pub(crate) async fn serve(
         )));
     };
     let started = Instant::now();
-    let loaded = tokio::task::spawn_blocking(move || load_model(&model_name, cfg.gguf_base))
-        .await
-        .map_err(ServiceError::other)?
-        .map_err(ServiceError::other)?;
+    let loaded = tokio::task::spawn_blocking(move || {
+        let loaded = load_model(&model_name, cfg.gguf_base)?;
+        // Pack the weights now, not inside the first request.
+        loaded
+            .model
+            .prepare_inference()
+            .map_err(|e| LoadError::Load {
+                path: loaded.path.clone(),
+                detail: e.to_string(),
+            })?;
+        Ok::<_, LoadError>(loaded)
+    })
+    .await
+    .map_err(ServiceError::other)?
+    .map_err(ServiceError::other)?;
     let cfg = &service.config.llm;
     let model_config = loaded.model.config().clone();
     tracing::info!(
@@ -329,13 +362,15 @@ pub(crate) async fn serve(
     stop_token_ids.sort_unstable();
     stop_token_ids.dedup();
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
+    let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let engine = Engine {
         model: loaded.model,
         tokenizer: tokenizer.clone(),
         stop_token_ids,
         max_sequences: cfg.max_sequences,
         prefix_cache: cfg.prefix_cache,
-        metrics,
+        waiting: waiting.clone(),
+        metrics: metrics.clone(),
     };
     let decode_thread = std::thread::Builder::new()
         .name("llm-decode".into())
@@ -349,6 +384,9 @@ pub(crate) async fn serve(
         context: model_config.max_position_embeddings,
         adapters,
         jobs: std::sync::Mutex::new(Some(jobs_tx)),
+        waiting,
+        max_queue: cfg.max_queue,
+        metrics,
         seeds: std::sync::atomic::AtomicU64::new(
             service.config.run.seed ^ (std::process::id() as u64) << 32,
         ),
