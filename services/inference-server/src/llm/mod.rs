@@ -37,52 +37,22 @@ pub struct LoadedModel {
     pub path: PathBuf,
 }
 
-/// Why `llm.model` could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    #[error("llm.model: {0}")]
-    Find(#[from] relay_llm::FindGgufError),
-    #[error("llm.model {path}: {detail}")]
-    Load { path: PathBuf, detail: String },
-}
+pub use relay_llm::LoadError;
 
-/// Loads `llm.model`: `smollm2`, a `.gguf` file, or a Hugging Face folder.
+/// Loads `llm.model` (`smollm2`, a `.gguf` file, or a Hugging Face folder)
+/// with its tokenizer, as every process does ([`relay_llm::load`]).
 pub fn load_model(model: &str, gguf_base: GgufBaseName) -> Result<LoadedModel, LoadError> {
-    let path = if model == "smollm2" {
-        relay_llm::find_smollm2_gguf()?
-    } else {
-        PathBuf::from(model)
+    let base = match gguf_base {
+        GgufBaseName::Quantized => GgufBase::Quantized,
+        GgufBaseName::Dequantized => GgufBase::Dequantized,
     };
-    let fail = |detail: String| LoadError::Load {
-        path: path.clone(),
-        detail,
-    };
-    let is_gguf = path.extension().is_some_and(|e| e == "gguf");
-    if is_gguf {
-        let base = match gguf_base {
-            GgufBaseName::Quantized => GgufBase::Quantized,
-            GgufBaseName::Dequantized => GgufBase::Dequantized,
-        };
-        let model = CausalLm::load_gguf(&path, base).map_err(|e| fail(e.to_string()))?;
-        let tokenizer = Tokenizer::from_gguf(&path).map_err(|e| fail(e.to_string()))?;
-        Ok(LoadedModel {
-            model,
-            tokenizer,
-            path,
-        })
-    } else if path.join("config.json").is_file() {
-        let model = CausalLm::load_hf(&path).map_err(|e| fail(e.to_string()))?;
-        let tokenizer = Tokenizer::from_hf_dir(&path).map_err(|e| fail(e.to_string()))?;
-        Ok(LoadedModel {
-            model,
-            tokenizer,
-            path,
-        })
-    } else {
-        Err(fail(
-            "neither a .gguf file nor a folder with config.json (give a Hugging Face folder, e.g. from `relay model init tiny`, a .gguf file, or `smollm2`)".into(),
-        ))
-    }
+    let (model, path) = relay_llm::load_causal_lm(model, base)?;
+    let tokenizer = relay_llm::load_tokenizer(&path)?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        path,
+    })
 }
 
 fn service_error(code: usize, status: impl Into<String>) -> async_nats::service::error::Error {
@@ -300,7 +270,7 @@ pub(crate) async fn serve(
     })
     .await
     .map_err(ServiceError::other)?
-    .map_err(ServiceError::other)?;
+    .map_err(|e| ServiceError::other(format!("llm.model: {e}")))?;
     let cfg = &service.config.llm;
     let model_config = loaded.model.config().clone();
     tracing::info!(
