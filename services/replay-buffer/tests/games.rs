@@ -13,7 +13,7 @@ use relay_testkit::{NatsServer, RedisServer};
 
 fn config(nats: &NatsServer, redis: &RedisServer, run_id: &str) -> ServiceConfig {
     let text = format!(
-        "run:\n  id: {run_id}\n  env_id: TicTacToe-v0\nconnections:\n  nats_url: {}\n  redis_url: {}\n  request_timeout_ms: 2000\nreplay:\n  capacity_steps: 10\n  max_policy_lag: 1\nppo:\n  rollout_steps: 4\n",
+        "run:\n  id: {run_id}\n  env_id: TicTacToe-v0\nconnections:\n  nats_url: {}\n  redis_url: {}\n  request_timeout_ms: 2000\nreplay:\n  capacity_steps: 10\n  max_policy_lag: 1\nppo:\n  rollout_steps: 4\nrl:\n  batch_size: 4\n  minibatch_size: 4\n",
         nats.url(),
         redis.url()
     );
