@@ -22,6 +22,7 @@ use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use relay_kit::ExperimentConfig;
 use relay_proto::{EvalReport, MetricsReport, RunStatus, RunStatusUpdate, Subjects};
+use tokio::signal::unix::{signal, SignalKind};
 
 use stack::{Copies, Stack, SERVICES};
 
@@ -243,10 +244,18 @@ async fn watch(
     let mut learner_done: Option<Instant> = None;
     let mut reported_exits = std::collections::HashSet::new();
     let (mut last_steps, mut last_time) = (0u64, Instant::now());
+    // Installed once: a `ctrl_c()` future made anew each turn of the loop
+    // misses a SIGINT that arrives while the loop handles something else.
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
     loop {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {
+            _ = interrupt.recv() => {
                 println!("\nrelay: Ctrl-C; stopping the stack");
+                break;
+            }
+            _ = terminate.recv() => {
+                println!("\nrelay: SIGTERM; stopping the stack");
                 break;
             }
             Some(m) = metrics.next() => {
