@@ -259,31 +259,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 break Finish::Solved(detail.clone());
             }
         }
-        // Take announcements (solved) without waiting.
-        while let Some(Some(m)) = statuses.next().now_or_never() {
-            if let Ok(status) = service
-                .intake
-                .decode::<RunStatusUpdate>("status", &m.payload)
-            {
-                if status.status == RunStatus::Solved && solved.is_none() {
-                    tracing::info!(detail = %status.detail, "run solved");
-                    solved = Some(status.detail);
-                }
-            }
-        }
-        // Evals: checkpoint at the first one heard and at each new best mean.
-        let mut checkpoint_best = false;
-        while let Some(Some(m)) = evals.next().now_or_never() {
-            if let Ok(report) = service.intake.decode::<EvalReport>("eval", &m.payload) {
-                if report.returns.is_empty() || !report.mean_return.is_finite() {
-                    continue;
-                }
-                if best_eval.is_none_or(|(b, _)| report.mean_return > b) {
-                    best_eval = Some((report.mean_return, report.policy_version));
-                    checkpoint_best = true;
-                }
-            }
-        }
+        // Take announcements (solved) and evals without waiting; checkpoint
+        // at the first eval heard and at each new best mean.
+        take_solved(&service, &mut statuses, &mut solved);
+        let checkpoint_best = take_evals(&service, &mut evals, &mut best_eval);
         if checkpoint_best {
             let state = checkpoint_state(&progress, &rng, best_eval);
             save_checkpoint(&run_dir, &model, &adam, &state, &cfg, true);
@@ -521,4 +500,46 @@ fn save_checkpoint(
         }
         Err(e) => tracing::error!(error = %e, "checkpoint failed"),
     }
+}
+
+/// Takes the run's pending status announcements without waiting; the first
+/// `solved` heard is kept in `solved`.
+pub(crate) fn take_solved(
+    service: &Service,
+    statuses: &mut async_nats::Subscriber,
+    solved: &mut Option<String>,
+) {
+    while let Some(Some(m)) = statuses.next().now_or_never() {
+        if let Ok(status) = service
+            .intake
+            .decode::<RunStatusUpdate>("status", &m.payload)
+        {
+            if status.status == RunStatus::Solved && solved.is_none() {
+                tracing::info!(detail = %status.detail, "run solved");
+                *solved = Some(status.detail);
+            }
+        }
+    }
+}
+
+/// Takes pending eval reports without waiting; returns whether one beat
+/// `best_eval` (mean return, version), which it then replaces.
+pub(crate) fn take_evals(
+    service: &Service,
+    evals: &mut async_nats::Subscriber,
+    best_eval: &mut Option<(f64, u64)>,
+) -> bool {
+    let mut improved = false;
+    while let Some(Some(m)) = evals.next().now_or_never() {
+        if let Ok(report) = service.intake.decode::<EvalReport>("eval", &m.payload) {
+            if report.returns.is_empty() || !report.mean_return.is_finite() {
+                continue;
+            }
+            if best_eval.is_none_or(|(b, _)| report.mean_return > b) {
+                *best_eval = Some((report.mean_return, report.policy_version));
+                improved = true;
+            }
+        }
+    }
+    improved
 }

@@ -33,14 +33,14 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
 use relay_llm::{
     CausalLm, GgufBase, LoraAdapter, RewardNormalizer, RlStats, RlTrainer, TokenExample,
 };
 use relay_proto::{
-    AdapterPayload, AdapterRequest, AdapterUpdate, EvalReport, GameRecord, GameSampleReply,
-    GameSampleRequest, RunStatus, RunStatusUpdate, SCHEMA_VERSION,
+    AdapterPayload, AdapterRequest, AdapterUpdate, GameRecord, GameSampleReply, GameSampleRequest,
+    RunStatus, RunStatusUpdate, SCHEMA_VERSION,
 };
 use serde::{Deserialize, Serialize};
 
@@ -433,29 +433,8 @@ pub(crate) async fn run(
                 break Finish::Solved(detail.clone());
             }
         }
-        while let Some(Some(m)) = statuses.next().now_or_never() {
-            if let Ok(status) = service
-                .intake
-                .decode::<RunStatusUpdate>("status", &m.payload)
-            {
-                if status.status == RunStatus::Solved && solved.is_none() {
-                    tracing::info!(detail = %status.detail, "run solved");
-                    solved = Some(status.detail);
-                }
-            }
-        }
-        let mut checkpoint_best = false;
-        while let Some(Some(m)) = evals.next().now_or_never() {
-            if let Ok(report) = service.intake.decode::<EvalReport>("eval", &m.payload) {
-                if report.returns.is_empty() || !report.mean_return.is_finite() {
-                    continue;
-                }
-                if state.best_eval.is_none_or(|(b, _)| report.mean_return > b) {
-                    state.best_eval = Some((report.mean_return, report.policy_version));
-                    checkpoint_best = true;
-                }
-            }
-        }
+        crate::take_solved(&service, &mut statuses, &mut solved);
+        let checkpoint_best = crate::take_evals(&service, &mut evals, &mut state.best_eval);
         if checkpoint_best {
             state.moving_baseline = trainer.moving_baseline();
             checkpoint(&state, &trainer, true);
