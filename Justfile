@@ -51,6 +51,11 @@ bench-tictactoe *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay bench-tictactoe {{ARGS}}
 
+# SmolLM2-135M-Instruct + LoRA learns TicTacToe against the random bot for a fixed number of RL updates (default 6): tokens/s, games/min, legal-move and win rates at start and end, a table and a JSON line.
+bench-smollm2 *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay bench-smollm2 {{ARGS}}
+
 # Model and optimizer micro-benchmarks (act latency, PPO train step).
 bench-nn:
     cargo bench -p relay-nn

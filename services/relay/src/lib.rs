@@ -2,6 +2,7 @@
 //! the solve benchmark. See `main.rs` for the commands.
 
 pub mod bench_generate;
+pub mod bench_smollm2;
 pub mod bench_tictactoe;
 pub mod chaos;
 pub mod checkpoints;
@@ -60,6 +61,11 @@ pub struct UpArgs {
     /// Stop the stack after this many seconds of training.
     #[arg(long, value_name = "SECONDS")]
     pub for_seconds: Option<u64>,
+    /// With `--until-solved`: once the learner has stopped, how long to wait
+    /// for the evaluation of its last version (text-game evaluations play
+    /// whole games, so they can take minutes).
+    #[arg(long, value_name = "SECONDS", default_value_t = 2)]
+    pub final_eval_wait: u64,
     /// Continue a run (`<run-id>` or `@last`) from a checkpoint: same run id,
     /// the run's own config (from the checkpoint; `--set` still applies), the
     /// learner loads model, optimizer, counters and RNG.
@@ -339,8 +345,11 @@ async fn watch(
                 if args.for_seconds.is_some_and(|limit| ready.elapsed() >= Duration::from_secs(limit)) {
                     break;
                 }
-                // The learner has stopped training: give an eval in flight a moment to arrive.
-                if args.until_solved && learner_done.is_some_and(|t| t.elapsed() > Duration::from_secs(2)) {
+                // The learner has stopped training: give the eval of its last version time to arrive.
+                let final_evaluated = last_eval.as_ref().is_some_and(|e| e.policy_version as f64 >= version);
+                if args.until_solved
+                    && learner_done.is_some_and(|t| final_evaluated || t.elapsed() > Duration::from_secs(args.final_eval_wait))
+                {
                     break;
                 }
             }

@@ -97,6 +97,9 @@ enum Command {
     Sft(relay::sft::SftArgs),
     /// The tiny model from scratch: SFT on random legal moves, then RL against the random bot; legal-move and win rates over time.
     BenchTictactoe(relay::bench_tictactoe::BenchTicTacToeArgs),
+    /// SmolLM2-135M-Instruct with a LoRA adapter learns TicTacToe against the random bot for a fixed number of RL updates; tokens/s, games/min, legal-move and win rates at start and end.
+    #[command(name = "bench-smollm2")]
+    BenchSmolLm2(relay::bench_smollm2::BenchSmolLm2Args),
     /// Generation tokens/s and request latency of the inference server for
     /// several models and batch sizes; print a table and JSON.
     BenchGenerate(relay::bench_generate::BenchGenerateArgs),
@@ -130,6 +133,7 @@ fn main() -> Result<()> {
         Command::Model(args) => relay::model::model(args),
         Command::Sft(args) => relay::sft::sft(args),
         Command::BenchTictactoe(args) => relay::bench_tictactoe::bench_tictactoe(args),
+        Command::BenchSmolLm2(args) => relay::bench_smollm2::bench_smollm2(args),
         Command::BenchGenerate(args) => relay::bench_generate::bench_generate(args),
     }
 }
