@@ -5,9 +5,10 @@
 //! against the random bot with all six services (`relay up` on `--config`,
 //! by default `configs/tictactoe-grpo.yaml`) for a fixed number of RL
 //! updates, then the stack stops. Decoding is not constrained to legal
-//! moves, so the legal-move rate is the model's own. The `vs-opponent`
-//! evaluator plays the random bot at the start (version 0) and after the
-//! last update (`eval.every_versions` = `--updates`).
+//! moves, so the legal-move rate is the model's own; a short system prompt
+//! states the move format. The `vs-opponent` evaluator plays the random
+//! bot at the start (version 0), then the newest version whenever it is
+//! free, and the stack stops once the last version has been evaluated.
 //!
 //! Prints the start and end evaluations (legal-move rate, win rate and
 //! W/D/L against random), the throughput of the training games (completion
@@ -24,6 +25,12 @@ use serde_json::json;
 
 use crate::bench_tictactoe::{follow_evals, header, Row};
 use crate::UpArgs;
+
+/// Tells an instruct model the move format (TextArena's observation says it
+/// too, but a 135M model follows a system prompt better); `--set
+/// text.system_prompt=...` replaces it.
+const SYSTEM_PROMPT: &str =
+    "You play Tic Tac Toe. Answer with your move only: one free square number in brackets, like [4].";
 
 /// Flags of `relay bench-smollm2`.
 #[derive(Debug, Clone, clap::Args)]
@@ -140,10 +147,26 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
         // The legal-move rate is the model's own: no decoding constrained to legal moves.
         "text.constrained=false".into(),
         "text.opponents={random: 1}".into(),
-        format!("eval.every_versions={}", args.updates),
+        // The newest version whenever the evaluator is free: evaluations take
+        // minutes, and the last version must be among those evaluated.
+        "eval.every_versions=1".into(),
         format!("eval.options.games={}", args.eval_games),
         "eval.options.opponents=random".into(),
     ]);
+    if !args
+        .overrides
+        .iter()
+        .any(|o| o.starts_with("text.system_prompt="))
+    {
+        overrides.push(format!("text.system_prompt={SYSTEM_PROMPT:?}"));
+    }
+    if !args
+        .overrides
+        .iter()
+        .any(|o| o.starts_with("text.max_turn_tokens="))
+    {
+        overrides.push("text.max_turn_tokens=16".into());
+    }
     println!(
         "== SmolLM2-135M-Instruct + LoRA vs the random bot: {} updates of {} learning moves",
         args.updates, config.rl.batch_size
@@ -170,7 +193,7 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
     let run_dir = runs_dir.join(&run_id);
     let follower = {
         let (path, stop) = (run_dir.join("eval.jsonl"), stop.clone());
-        std::thread::spawn(move || follow_evals(path, started, stop))
+        std::thread::spawn(move || follow_evals(path, started, "start", stop))
     };
     let outcome = crate::up(up);
     stop.store(true, Ordering::Relaxed);

@@ -131,8 +131,9 @@ pub(crate) fn header() {
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
 }
 
-/// One `eval.jsonl` line with matchups as a row (both seats summed per opponent).
-fn eval_row(line: &Value, started: Instant) -> Option<Row> {
+/// One `eval.jsonl` line with matchups as a row (both seats summed per
+/// opponent); version 0 gets the stage `start`, later ones `RL`.
+fn eval_row(line: &Value, started: Instant, start: &str) -> Option<Row> {
     let matchups = line["matchups"].as_array().filter(|m| !m.is_empty())?;
     let mut results: Vec<EvalResult> = Vec::new();
     for m in matchups {
@@ -158,16 +159,21 @@ fn eval_row(line: &Value, started: Instant) -> Option<Row> {
     }
     let version = line["policy_version"].as_u64();
     Some(Row {
-        // Version 0 is the zero adapter: the SFT model under the evaluator's conditions.
-        stage: if version == Some(0) { "SFT only" } else { "RL" }.into(),
+        stage: if version == Some(0) { start } else { "RL" }.into(),
         minutes: started.elapsed().as_secs_f64() / 60.0,
         version,
         results,
     })
 }
 
-/// Prints each evaluation of `eval.jsonl` as it is appended, until `stop`.
-pub(crate) fn follow_evals(path: PathBuf, started: Instant, stop: Arc<AtomicBool>) -> Vec<Row> {
+/// Prints each evaluation of `eval.jsonl` as it is appended, until `stop`;
+/// version 0 (the zero adapter) is labelled `start`.
+pub(crate) fn follow_evals(
+    path: PathBuf,
+    started: Instant,
+    start: &'static str,
+    stop: Arc<AtomicBool>,
+) -> Vec<Row> {
     let mut rows = Vec::new();
     let mut offset = 0u64;
     let mut pending = String::new();
@@ -187,7 +193,7 @@ pub(crate) fn follow_evals(path: PathBuf, started: Instant, stop: Arc<AtomicBool
                     if pending.ends_with('\n') {
                         if let Some(row) = serde_json::from_str::<Value>(pending.trim())
                             .ok()
-                            .and_then(|v| eval_row(&v, started))
+                            .and_then(|v| eval_row(&v, started, start))
                         {
                             row.print();
                             rows.push(row);
@@ -283,7 +289,8 @@ pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let follower = {
         let (path, stop) = (runs_dir.join(&run_id).join("eval.jsonl"), stop.clone());
-        std::thread::spawn(move || follow_evals(path, started, stop))
+        // Version 0, the zero adapter over the SFT model, is the SFT-only starting point.
+        std::thread::spawn(move || follow_evals(path, started, "SFT only", stop))
     };
     let outcome = crate::up(up);
     stop.store(true, Ordering::Relaxed);

@@ -208,11 +208,15 @@ pub fn bot_game_records(
         while !game.is_done() {
             let player = game.current_player();
             let observation = game.observation(player);
+            let alternatives = players[player]
+                .move_support(game.as_ref())
+                .unwrap_or_default();
             let action = players[player].choose_move(game.as_ref())?;
             game.step(&action)?;
             records.push(SftRecord::Pair {
                 prompt: observation,
                 completion: action,
+                alternatives,
             });
         }
     }

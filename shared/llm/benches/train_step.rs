@@ -145,6 +145,7 @@ fn sft_examples(vocab: u32) -> Vec<SftExample> {
             completion: (0..4 + (i * 7) % 17)
                 .map(|t| ((i * 17 + t * 31) as u32) % (vocab - 3) + 3)
                 .collect(),
+            alternatives: Vec::new(),
         })
         .collect()
 }

@@ -33,7 +33,12 @@
 //! `−Σ_{i,t} w[i,t] · log p(completion[i,t] | prefix)` over completion
 //! tokens only (prompt and padding are masked as in
 //! [`crate::token_batch`]), with the weights of an [`Aggregation`]
-//! (token mean by default).
+//! (token mean by default). A pair may list `alternatives`: the moves its
+//! policy would have played with equal probability (every legal move, for
+//! a random player). Each completion token's target is then that policy's
+//! next-token distribution ([`next_token_targets`]), so one example teaches
+//! the whole distribution (e.g. "any legal move") instead of one sample of
+//! it, whose noise hides that signal for thousands of steps.
 //!
 //! # Full fine-tuning
 //!
@@ -70,6 +75,14 @@ pub struct SftExample {
     pub prompt: Vec<u32>,
     /// Completion tokens (the loss), end-of-turn token included; at least one.
     pub completion: Vec<u32>,
+    /// Completions the data's policy chooses among with equal probability
+    /// at this prompt (the completion among them), tokenized like it. When
+    /// not empty, each completion token's target is the policy's whole
+    /// next-token distribution along the completion ([`next_token_targets`])
+    /// rather than the one sampled token: the same expected loss, with far
+    /// less noise. Empty: the completion's own tokens are the targets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alternatives: Vec<Vec<u32>>,
 }
 
 /// One line of an SFT JSONL file.
@@ -82,6 +95,11 @@ pub enum SftRecord {
         prompt: String,
         /// The move (the assistant turn).
         completion: String,
+        /// Moves the data's policy would have played with equal
+        /// probability here (e.g. every legal move, for a random player);
+        /// see [`SftExample::alternatives`]. Optional.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        alternatives: Vec<String>,
     },
     /// A conversation whose last message is the assistant's completion.
     Messages {
@@ -138,7 +156,11 @@ pub fn chat_pair(
     let prompt = tokenizer.encode_chat(&messages, true)?;
     let mut completion = tokenizer.encode(action, false)?;
     completion.push(end_of_turn(tokenizer)?);
-    Ok(SftExample { prompt, completion })
+    Ok(SftExample {
+        prompt,
+        completion,
+        alternatives: Vec::new(),
+    })
 }
 
 /// Tokenizes one record (module docs).
@@ -148,21 +170,44 @@ pub fn encode_record(
     record: &SftRecord,
 ) -> TrainResult<SftExample> {
     let example = match record {
-        SftRecord::Pair { prompt, completion } => match format {
-            SftFormat::Chat { system_prompt } => {
-                chat_pair(tokenizer, system_prompt.as_deref(), prompt, completion)?
-            }
-            SftFormat::Raw { append_eos } => {
-                let mut completion = tokenizer.encode(completion, false)?;
-                if *append_eos {
-                    completion.push(end_of_turn(tokenizer)?);
+        SftRecord::Pair {
+            prompt,
+            completion,
+            alternatives,
+        } => {
+            let append_eos = match format {
+                SftFormat::Chat { .. } => true,
+                SftFormat::Raw { append_eos } => *append_eos,
+            };
+            let encode_move = |action: &str| -> TrainResult<Vec<u32>> {
+                let mut tokens = tokenizer.encode(action, false)?;
+                if append_eos {
+                    tokens.push(end_of_turn(tokenizer)?);
                 }
-                SftExample {
+                Ok(tokens)
+            };
+            let mut example = match format {
+                SftFormat::Chat { system_prompt } => {
+                    chat_pair(tokenizer, system_prompt.as_deref(), prompt, completion)?
+                }
+                SftFormat::Raw { .. } => SftExample {
                     prompt: tokenizer.encode(prompt, false)?,
-                    completion,
+                    completion: encode_move(completion)?,
+                    alternatives: Vec::new(),
+                },
+            };
+            if !alternatives.is_empty() {
+                let mut encoded = alternatives
+                    .iter()
+                    .map(|a| encode_move(a))
+                    .collect::<TrainResult<Vec<_>>>()?;
+                if !encoded.contains(&example.completion) {
+                    encoded.push(example.completion.clone());
                 }
+                example.alternatives = encoded;
             }
-        },
+            example
+        }
         SftRecord::Messages { messages } => {
             let Some((last, context)) = messages.split_last() else {
                 return Err(TrainError::BadInput("no messages".into()));
@@ -175,7 +220,11 @@ pub fn encode_record(
             let prompt = tokenizer.encode_chat(context, true)?;
             let mut completion = tokenizer.encode(&last.content, false)?;
             completion.push(end_of_turn(tokenizer)?);
-            SftExample { prompt, completion }
+            SftExample {
+                prompt,
+                completion,
+                alternatives: Vec::new(),
+            }
         }
     };
     if example.prompt.is_empty() || example.completion.is_empty() {
@@ -228,18 +277,77 @@ pub fn load_sft_jsonl(
         .collect()
 }
 
+/// The target distribution of each completion token: for token `i`, the
+/// share of `alternatives` that continue `completion[..i]` with each next
+/// token (the data policy's next-token distribution along the completion,
+/// all alternatives equally likely). Without alternatives, or where none
+/// continues the completion's prefix, the completion's own token.
+pub fn next_token_targets(completion: &[u32], alternatives: &[Vec<u32>]) -> Vec<Vec<(u32, f32)>> {
+    (0..completion.len())
+        .map(|i| {
+            let mut counts: Vec<(u32, usize)> = Vec::new();
+            for a in alternatives {
+                if a.len() > i && a[..i] == completion[..i] {
+                    match counts.iter_mut().find(|(t, _)| *t == a[i]) {
+                        Some((_, n)) => *n += 1,
+                        None => counts.push((a[i], 1)),
+                    }
+                }
+            }
+            let total: usize = counts.iter().map(|(_, n)| n).sum();
+            if total == 0 {
+                return vec![(completion[i], 1.0)];
+            }
+            counts
+                .into_iter()
+                .map(|(t, n)| (t, n as f32 / total as f32))
+                .collect()
+        })
+        .collect()
+}
+
 /// The SFT loss of one micro-batch from logits `(rows, time, vocab)`, or
 /// from the logits at the completion positions only, `(tokens, vocab)`
 /// ([`CausalLm::forward_train_at`] with [`TokenBatch::positions`]):
-/// `(loss, Σ w·nll as f64, correct greedy predictions)`.
+/// `−Σ_i w_i Σ_t q_i(t) log p_i(t)` with `targets[i]` = `q_i` as
+/// (token, probability) pairs ([`next_token_targets`]), one per completion
+/// token in batch order. Returns `(loss, its value as f64, completion
+/// tokens whose greedy prediction has target probability > 0)`.
 pub fn sft_loss(
     logits: &Tensor,
     batch: &TokenBatch,
     weights: &Tensor,
+    targets: &[Vec<(u32, f32)>],
 ) -> TrainResult<(Tensor, f64, usize)> {
     let completion = batch.completion_logits(logits)?;
-    let logp = target_log_probs(&completion, &batch.targets)?;
-    let loss = (logp * weights)?.sum_all()?.neg()?;
+    if targets.len() != batch.num_tokens() {
+        return Err(TrainError::BadInput(format!(
+            "{} target distributions for {} completion tokens",
+            targets.len(),
+            batch.num_tokens()
+        )));
+    }
+    // One row per (token, target) pair: a hard target is one row.
+    let mut rows = Vec::with_capacity(targets.len());
+    let (mut tokens, mut probs) = (Vec::with_capacity(targets.len()), Vec::new());
+    for (i, q) in targets.iter().enumerate() {
+        for &(t, p) in q {
+            rows.push(i as u32);
+            tokens.push(t);
+            probs.push(p);
+        }
+    }
+    let device = completion.device();
+    let n = rows.len();
+    let rows_t = Tensor::from_vec(rows, n, device)?;
+    let expanded = if n == targets.len() {
+        completion.clone()
+    } else {
+        completion.index_select(&rows_t, 0)?
+    };
+    let logp = target_log_probs(&expanded, &Tensor::from_vec(tokens, n, device)?)?;
+    let w = (weights.index_select(&rows_t, 0)? * Tensor::from_vec(probs, n, device)?)?;
+    let loss = (logp * w)?.sum_all()?.neg()?;
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     if !value.is_finite() {
         return Err(TrainError::NonFinite {
@@ -248,11 +356,10 @@ pub fn sft_loss(
         });
     }
     let predicted: Vec<u32> = completion.argmax(1)?.to_vec1()?;
-    let targets: Vec<u32> = batch.targets.to_vec1()?;
     let correct = predicted
         .iter()
-        .zip(&targets)
-        .filter(|(p, t)| p == t)
+        .zip(targets)
+        .filter(|(p, q)| q.iter().any(|(t, prob)| t == *p && *prob > 0.0))
         .count();
     Ok((loss, value, correct))
 }
@@ -401,7 +508,7 @@ impl SftTrainer {
         }
         let device = model.rope_cos.device().clone();
         let mut truncation = TruncationStats::default();
-        let mut kept: Vec<(&[u32], &[u32])> = Vec::with_capacity(examples.len());
+        let mut kept: Vec<(&[u32], &SftExample)> = Vec::with_capacity(examples.len());
         for (i, e) in examples.iter().enumerate() {
             if e.prompt.is_empty() || e.completion.is_empty() {
                 return Err(TrainError::BadInput(format!(
@@ -416,7 +523,7 @@ impl SftTrainer {
             );
             truncation.record(fit);
             if let Fit::Keep { prompt_start } = fit {
-                kept.push((&e.prompt[prompt_start..], &e.completion));
+                kept.push((&e.prompt[prompt_start..], e));
             }
         }
         if kept.is_empty() {
@@ -426,19 +533,29 @@ impl SftTrainer {
                 cfg.batch.max_seq_len
             )));
         }
-        let lens: Vec<usize> = kept.iter().map(|(p, c)| p.len() + c.len()).collect();
+        let lens: Vec<usize> = kept
+            .iter()
+            .map(|(p, e)| p.len() + e.completion.len())
+            .collect();
         let totals = BatchTotals {
             sequences: kept.len(),
-            tokens: kept.iter().map(|(_, c)| c.len()).sum(),
+            tokens: kept.iter().map(|(_, e)| e.completion.len()).sum(),
         };
         let (mut loss, mut correct) = (0.0, 0usize);
         for chunk in micro_batches(&lens, cfg.batch.minibatch_size) {
-            let rows: Vec<(&[u32], &[u32])> = chunk.iter().map(|&i| kept[i]).collect();
+            let rows: Vec<(&[u32], &[u32])> = chunk
+                .iter()
+                .map(|&i| (kept[i].0, kept[i].1.completion.as_slice()))
+                .collect();
+            let targets: Vec<Vec<(u32, f32)>> = chunk
+                .iter()
+                .flat_map(|&i| next_token_targets(&kept[i].1.completion, &kept[i].1.alternatives))
+                .collect();
             let batch = TokenBatch::new(&rows, &device)?;
             let weights = batch.token_weights(&cfg.aggregation, totals)?;
             let logits = model.forward_train_at(&batch.input_ids, adapter, &batch.positions)?;
             let logits = if train { logits } else { logits.detach() };
-            let (l, value, c) = sft_loss(&logits, &batch, &weights)?;
+            let (l, value, c) = sft_loss(&logits, &batch, &weights, &targets)?;
             if train {
                 self.optimizer.accumulate(&l.backward()?)?;
             }

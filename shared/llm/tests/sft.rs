@@ -7,13 +7,13 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 use relay_llm::sft::{
-    chat_pair, encode_record, load_hf_trainable, load_sft_jsonl, named_vars, read_sft_jsonl,
-    save_hf_trainable,
+    chat_pair, encode_record, load_hf_trainable, load_sft_jsonl, named_vars, next_token_targets,
+    read_sft_jsonl, save_hf_trainable, sft_loss,
 };
 use relay_llm::{
     init, write_tiny_tokenizer, AdamWConfig, BatchConfig, CausalLm, ChatMessage, LoraAdapter,
     LoraConfig, SftConfig, SftExample, SftFormat, SftRecord, SftTrainer, TinyShape, TinyVocab,
-    Tokenizer, TrainError, Truncation,
+    TokenBatch, Tokenizer, TrainError, Truncation,
 };
 
 struct TempDir(PathBuf);
@@ -169,6 +169,7 @@ fn chat_pairs_render_as_the_server_prompts() {
     let pair = SftRecord::Pair {
         prompt: "Board: empty".into(),
         completion: "[4]".into(),
+        alternatives: Vec::new(),
     };
     let format = SftFormat::Chat {
         system_prompt: Some("Play well.".into()),
@@ -207,7 +208,8 @@ fn jsonl_reader_takes_pairs_and_conversations_and_names_bad_lines() {
         vec![
             SftRecord::Pair {
                 prompt: "Board: empty".into(),
-                completion: "[4]".into()
+                completion: "[4]".into(),
+                alternatives: Vec::new(),
             },
             SftRecord::Messages {
                 messages: vec![
@@ -380,4 +382,100 @@ fn sft_truncation_and_batch_limits() {
     assert!(trainer.train_step(&model, Some(&adapter), &five).is_err());
     config.batch.max_seq_len = 1;
     assert!(SftTrainer::new(config, adapter.named_vars()).is_err());
+}
+
+#[test]
+fn next_token_targets_follow_the_alternatives_along_the_completion() {
+    let completion = [1, 5, 9];
+    let alternatives = vec![vec![1, 5, 9], vec![1, 6, 9], vec![1, 6, 8], vec![2, 7]];
+    assert_eq!(
+        next_token_targets(&completion, &alternatives),
+        vec![
+            vec![(1, 0.75), (2, 0.25)],
+            vec![(5, 1.0 / 3.0), (6, 2.0 / 3.0)],
+            vec![(9, 1.0)],
+        ]
+    );
+    let hard = vec![vec![(1, 1.0)], vec![(5, 1.0)], vec![(9, 1.0)]];
+    assert_eq!(next_token_targets(&completion, &[]), hard);
+    // No alternative continues the prefix: the completion's own token.
+    assert_eq!(
+        next_token_targets(&completion, &[vec![2, 7]])[1],
+        vec![(5, 1.0)]
+    );
+}
+
+#[test]
+fn soft_target_loss_and_gradient_are_the_cross_entropy_against_the_distribution() {
+    let device = Device::Cpu;
+    let rows: Vec<(&[u32], &[u32])> = vec![(&[3, 4], &[1, 2]), (&[5], &[3])];
+    let batch = TokenBatch::new(&rows, &device).unwrap();
+    let raw = [
+        [0.5f32, -1.0, 2.0, 0.0],
+        [1.0, 0.9, 0.0, -2.0],
+        [0.0, 0.3, -0.7, 1.2],
+    ];
+    let logits = candle_core::Var::new(&raw, &device).unwrap();
+    let w = [0.5f32, 0.25, 0.25];
+    let weights = Tensor::new(&w, &device).unwrap();
+    let targets = vec![vec![(1, 1.0)], vec![(0, 0.5), (2, 0.5)], vec![(3, 1.0)]];
+    let (loss, value, correct) = sft_loss(logits.as_tensor(), &batch, &weights, &targets).unwrap();
+
+    let softmax = |r: &[f32; 4]| -> Vec<f64> {
+        let z: f64 = r.iter().map(|&x| (x as f64).exp()).sum();
+        r.iter().map(|&x| (x as f64).exp() / z).collect()
+    };
+    let mut expected = 0.0;
+    let mut expected_grad = Vec::new();
+    for ((r, q), &wi) in raw.iter().zip(&targets).zip(&w) {
+        let p = softmax(r);
+        let mut dense = [0.0f64; 4];
+        for &(t, qt) in q {
+            dense[t as usize] = qt as f64;
+            expected -= wi as f64 * qt as f64 * p[t as usize].ln();
+        }
+        expected_grad.extend((0..4).map(|v| wi as f64 * (p[v] - dense[v])));
+    }
+    assert!((value - expected).abs() < 1e-5, "{value} vs {expected}");
+    // Greedy picks: 2 (target 1: miss), 0 (in the support), 3 (hit).
+    assert_eq!(correct, 2);
+    let grads = loss.backward().unwrap();
+    let grad: Vec<f32> = grads
+        .get(logits.as_tensor())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    for (g, e) in grad.iter().zip(&expected_grad) {
+        assert!(
+            (*g as f64 - e).abs() < 1e-5,
+            "{grad:?} vs {expected_grad:?}"
+        );
+    }
+}
+
+#[test]
+fn pair_alternatives_render_like_the_completion_and_include_it() {
+    let (_dir, tokenizer) = tiny_model_dir("alternatives");
+    let pair = SftRecord::Pair {
+        prompt: "Board: empty".into(),
+        completion: "[4]".into(),
+        alternatives: vec!["[0]".into(), "[8]".into()],
+    };
+    let example = encode_record(&tokenizer, &SftFormat::default(), &pair).unwrap();
+    let move_tokens = |m: &str| {
+        chat_pair(&tokenizer, None, "Board: empty", m)
+            .unwrap()
+            .completion
+    };
+    assert_eq!(
+        example.alternatives,
+        vec![move_tokens("[0]"), move_tokens("[8]"), move_tokens("[4]")]
+    );
+    // The JSONL field is optional and round-trips.
+    let line = serde_json::to_string(&pair).unwrap();
+    assert!(line.contains("alternatives"));
+    let back: SftRecord = serde_json::from_str(&line).unwrap();
+    assert_eq!(back, pair);
 }

@@ -26,6 +26,14 @@ pub trait Bot: Send {
     /// [`EnvError::GameOver`] if the game has ended,
     /// [`EnvError::BotCannotPlay`] if the bot does not play this game.
     fn choose_move(&mut self, game: &dyn TextGame) -> Result<String, EnvError>;
+
+    /// The moves this bot chooses among with equal probability in `game`'s
+    /// current state, when it can say (`None` otherwise). Supervised
+    /// learning from bot games uses it to learn the bot's whole
+    /// distribution rather than the one move it sampled.
+    fn move_support(&self, _game: &dyn TextGame) -> Option<Vec<String>> {
+        None
+    }
 }
 
 /// Plays a uniformly random legal move.
@@ -46,6 +54,10 @@ impl RandomBot {
 impl Bot for RandomBot {
     fn name(&self) -> &'static str {
         "random"
+    }
+
+    fn move_support(&self, game: &dyn TextGame) -> Option<Vec<String>> {
+        Some(game.legal_moves())
     }
 
     fn choose_move(&mut self, game: &dyn TextGame) -> Result<String, EnvError> {
