@@ -346,7 +346,9 @@ async fn watch(
                     break;
                 }
                 // The learner has stopped training: give the eval of its last version time to arrive.
-                let final_evaluated = last_eval.as_ref().is_some_and(|e| e.policy_version as f64 >= version);
+                // By env steps: a text evaluation reports the version its games were
+                // served with, which can trail the one it was started for.
+                let final_evaluated = last_eval.as_ref().is_some_and(|e| e.learner_env_steps >= outcome.env_steps);
                 if args.until_solved
                     && learner_done.is_some_and(|t| final_evaluated || t.elapsed() > Duration::from_secs(args.final_eval_wait))
                 {
