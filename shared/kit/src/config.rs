@@ -2259,7 +2259,7 @@ mod tests {
             ("a2c.learning_rate=0", "a2c.learning_rate"),
             ("a2c.ent_coef=-0.1", "a2c.ent_coef"),
             ("reinforce.batch_episodes=0", "reinforce.batch_episodes"),
-            ("reinforce.baseline=mean", "baseline"),
+            ("reinforce.baseline=mean", "`value` or `none`"),
             ("reinforce.max_grad_norm=0", "reinforce.max_grad_norm"),
             ("reinforce.lr=1", "lr"),
         ];
