@@ -146,10 +146,13 @@ async fn a2c_learns_cartpole_far_beyond_its_initial_policy() {
         .iter()
         .map(|e| e.mean_return)
         .fold(f64::NEG_INFINITY, f64::max);
+    println!(
+        "initial policy {initial:.1}, target {target:.1}; evals: {}",
+        summary(&trained.evals)
+    );
     assert!(
         best >= target,
-        "best eval {best:.1} < target {target:.1} (initial policy {initial:.1}); evals: {}",
-        summary(&trained.evals)
+        "best eval {best:.1} < target {target:.1} (initial policy {initial:.1})"
     );
     // The evaluator's view of version 0, when it saw it, is the initial policy.
     if let Some(v0) = trained.evals.iter().find(|e| e.policy_version == 0) {
@@ -210,10 +213,13 @@ async fn reinforce_learns_cartpole_beyond_its_initial_policy() {
         .iter()
         .map(|e| e.mean_return)
         .fold(f64::NEG_INFINITY, f64::max);
+    println!(
+        "initial policy {initial:.1}, target {target:.1}; evals: {}",
+        summary(&trained.evals)
+    );
     assert!(
         best >= target,
-        "best eval {best:.1} < target {target:.1} (initial policy {initial:.1}); evals: {}",
-        summary(&trained.evals)
+        "best eval {best:.1} < target {target:.1} (initial policy {initial:.1})"
     );
     for name in [
         "learner_policy_loss",
