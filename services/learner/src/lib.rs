@@ -7,9 +7,9 @@
 //! the algorithm needs from fragments no more than `replay.max_policy_lag`
 //! versions old (PPO: `ppo.rollout_steps` env steps; A2C: one fragment of
 //! `a2c.n_steps` per env of an env-runner; REINFORCE: `batch_episodes` whole
-//! episodes, assembled from consecutive fragments), update, publish version
-//! + 1 on `weights` (and serve the latest on `weights.latest` for services
-//! that join later), report metrics, and checkpoint every
+//! episodes, assembled from consecutive fragments), update, publish the
+//! next version on `weights` (and serve the latest on `weights.latest` for
+//! services that join later), report metrics, and checkpoint every
 //! `<algo>.checkpoint_every` updates, at the first eval, at each new best
 //! eval mean (it listens on `eval`) and at the end. It stops training when
 //! the budget `run.total_env_steps` is spent or, with
