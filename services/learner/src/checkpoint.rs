@@ -13,7 +13,10 @@
 //!   the one written when the best eval mean so far arrived.
 //! - `checkpoints/pinned.json` (a JSON array of checkpoint numbers, written by
 //!   `relay checkpoints pin`) lists checkpoints never removed; otherwise only
-//!   the newest `ppo.keep_checkpoints` and the best are kept.
+//!   the newest `<algo>.keep_checkpoints` (`ppo`, `a2c`, `reinforce` or, for
+//!   text runs, `rl`) and the best are kept.
+//! - `optimizer.safetensors` holds the Adam or RMSprop state
+//!   ([`crate::optimizer::Optimizer`]), whichever the run's algorithm uses.
 //! - Text runs (LoRA adapters, [`crate::text`]) write
 //!   `adapter/{adapter_config.json, adapter_model.safetensors}` (PEFT),
 //!   `optimizer.safetensors` (AdamW moments, [`relay_llm::AdamW::save`]) and
@@ -26,11 +29,12 @@
 use std::path::{Path, PathBuf};
 
 use relay_kit::ExperimentConfig;
-use relay_nn::{ActorCritic, Adam};
+use relay_nn::ActorCritic;
 
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::optimizer::Optimizer;
 use crate::Progress;
 
 /// The learner's RNG as saved: ChaCha8 seed (hex), stream and word position.
@@ -233,7 +237,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
 pub fn save(
     run_dir: &Path,
     model: &ActorCritic,
-    adam: &Adam,
+    optimizer: &Optimizer,
     state: &CheckpointState,
     config: &ExperimentConfig,
     best: bool,
@@ -242,13 +246,14 @@ pub fn save(
         run_dir,
         state.progress.updates,
         config,
-        config.ppo.keep_checkpoints,
+        config.keep_checkpoints(),
         best,
         |tmp| {
             model
                 .save(tmp.join("model.safetensors"))
                 .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
-            adam.save(tmp.join("optimizer.safetensors"))
+            optimizer
+                .save(tmp.join("optimizer.safetensors"))
                 .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
             write_json(&tmp.join("state.json"), state)
         },

@@ -1,16 +1,23 @@
-//! learner: trains the policy with PPO ([`ppo`]) on rollouts pulled from the
-//! replay buffer, and publishes each new weights version.
+//! learner: trains the policy of a classic-control run with PPO ([`ppo`]),
+//! A2C ([`a2c`]) or REINFORCE ([`reinforce`]), as `run.algo` says, on
+//! rollouts pulled from the replay buffer, and publishes each new weights
+//! version.
 //!
-//! One learner per run. Its loop: gather `ppo.rollout_steps` env steps of
-//! fragments no more than `replay.max_policy_lag` versions old, update,
-//! publish version + 1 on `weights` (and serve the latest on
-//! `weights.latest` for services that join later), report metrics, and
-//! checkpoint every `ppo.checkpoint_every` updates, at the first eval, at
-//! each new best eval mean (it listens on `eval`) and at the end. It stops
-//! training when the budget `run.total_env_steps` is spent or, with
+//! One learner per run. Its loop, the same for every algorithm: gather what
+//! the algorithm needs from fragments no more than `replay.max_policy_lag`
+//! versions old (PPO: `ppo.rollout_steps` env steps; A2C: one fragment of
+//! `a2c.n_steps` per env of an env-runner; REINFORCE: `batch_episodes` whole
+//! episodes, assembled from consecutive fragments), update, publish the
+//! next version on `weights` (and serve the latest on `weights.latest` for
+//! services that join later), report metrics, and checkpoint every
+//! `<algo>.checkpoint_every` updates, at the first eval, at each new best
+//! eval mean (it listens on `eval`) and at the end. It stops training when
+//! the budget `run.total_env_steps` is spent or, with
 //! `run.stop_when_solved`, when the evaluator announces the run solved; it
 //! then writes a final checkpoint and keeps serving the weights until
-//! shutdown.
+//! shutdown. The data each algorithm trains on and the rollout maths they
+//! share live in [`rollout`]; the optimizer (Adam or RMSprop) and the
+//! gradient step in [`optimizer`].
 //!
 //! Resume (`run.resume_from`): the model, optimizer (unless
 //! `run.reset_optimizer`), counters and RNG come from the checkpoint. Weights
@@ -29,9 +36,13 @@
 //! Text runs (`run.env_id` a text game) train a LoRA adapter on games
 //! instead: see [`text`].
 
+pub mod a2c;
 pub mod checkpoint;
 pub mod examples;
+pub mod optimizer;
 pub mod ppo;
+pub mod reinforce;
+pub mod rollout;
 pub mod text;
 
 use std::sync::{Arc, RwLock};
@@ -42,12 +53,15 @@ use futures::{FutureExt, StreamExt};
 use prometheus::{Histogram, HistogramOpts, IntGauge};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
-use relay_nn::{ActorCritic, Adam, AdamConfig};
+use relay_kit::{counter, gauge, ExperimentConfig, Service, ServiceConfig, ServiceError, Shutdown};
+use relay_nn::ActorCritic;
 use relay_proto::{
-    EvalReport, RolloutFragment, RunStatus, RunStatusUpdate, SampleReply, SampleRequest,
-    WeightsRequest, SCHEMA_VERSION,
+    EvalReport, MetricValue, RolloutFragment, RunStatus, RunStatusUpdate, SampleReply,
+    SampleRequest, WeightsRequest, SCHEMA_VERSION,
 };
+
+use crate::optimizer::Optimizer;
+use crate::rollout::UpdateError;
 
 /// Counters that a checkpoint carries.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
@@ -68,6 +82,139 @@ pub(crate) enum Finish {
     Budget,
     Solved(String),
     Shutdown,
+}
+
+/// What the fragments taken since the last update hold.
+#[derive(Debug, Default, Clone, Copy)]
+struct Pending {
+    env_steps: u64,
+    vec_steps: u64,
+    episodes: u64,
+}
+
+impl Pending {
+    fn of(f: &RolloutFragment) -> Self {
+        Self {
+            env_steps: f.env_steps(),
+            vec_steps: f.num_steps as u64,
+            episodes: f.episodes_ended(),
+        }
+    }
+
+    fn add(&mut self, other: Self) {
+        self.env_steps += other.env_steps;
+        self.vec_steps += other.vec_steps;
+        self.episodes += other.episodes;
+    }
+}
+
+/// The run's algorithm (`run.algo`) with what it has gathered towards its
+/// next update: the seam between the shared loop of [`run`] and the
+/// algorithm modules.
+enum Algorithm {
+    /// [`ppo`]: fragments until `ppo.rollout_steps` env steps.
+    Ppo(Vec<RolloutFragment>),
+    /// [`a2c`]: fragments until `a2c.n_steps x env_runner.num_envs` env
+    /// steps (one fragment of an env-runner).
+    A2c(Vec<RolloutFragment>),
+    /// [`reinforce`]: whole episodes until `reinforce.batch_episodes`.
+    Reinforce(reinforce::Episodes),
+}
+
+/// What an update reports beside the loop's own counters.
+struct Updated {
+    /// The algorithm's metrics (losses, learning rate, ...).
+    metrics: Vec<MetricValue>,
+    /// Oldest policy version that acted in the data trained on.
+    oldest_version: u64,
+}
+
+impl Algorithm {
+    fn for_run(cfg: &ExperimentConfig, model: &ActorCritic) -> Self {
+        match cfg.run.algo.as_str() {
+            "a2c" => Self::A2c(Vec::new()),
+            "reinforce" => Self::Reinforce(reinforce::Episodes::new(
+                model.spec().obs_dim,
+                rollout::action_dim(model),
+            )),
+            _ => Self::Ppo(Vec::new()),
+        }
+    }
+
+    /// Env steps to ask the replay buffer for, or none when ready to update.
+    fn wants(&self, cfg: &ExperimentConfig) -> Option<u64> {
+        let missing = |fragments: &[RolloutFragment], want: u64| {
+            let have: u64 = fragments.iter().map(RolloutFragment::env_steps).sum();
+            (have < want).then(|| want - have)
+        };
+        match self {
+            Self::Ppo(f) => missing(f, cfg.ppo.rollout_steps as u64),
+            Self::A2c(f) => missing(f, (cfg.a2c.n_steps * cfg.env_runner.num_envs) as u64),
+            Self::Reinforce(episodes) => (episodes.finished() < cfg.reinforce.batch_episodes)
+                .then_some(cfg.replay.capacity_steps),
+        }
+    }
+
+    /// Takes a fresh fragment of this run.
+    fn absorb(&mut self, fragment: RolloutFragment) -> Result<(), UpdateError> {
+        match self {
+            Self::Ppo(f) | Self::A2c(f) => {
+                f.push(fragment);
+                Ok(())
+            }
+            Self::Reinforce(episodes) => episodes.absorb(&fragment),
+        }
+    }
+
+    /// One update on what was gathered, which is used up whether or not it
+    /// succeeds. `progress` is `env_steps / budget`, for the schedules.
+    fn update(
+        &mut self,
+        cfg: &ExperimentConfig,
+        model: &ActorCritic,
+        optimizer: &mut Optimizer,
+        progress: f64,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Updated, UpdateError> {
+        match self {
+            Self::Ppo(f) => {
+                let fragments = std::mem::take(f);
+                let p = &cfg.ppo;
+                let rollout = rollout::prepare(model, &fragments, p.gamma, p.gae_lambda)?;
+                let stats = ppo::update(model, optimizer, &rollout, p, progress, rng)?;
+                Ok(Updated {
+                    metrics: stats.metrics(),
+                    oldest_version: rollout.oldest_version,
+                })
+            }
+            Self::A2c(f) => {
+                let fragments = std::mem::take(f);
+                let a = &cfg.a2c;
+                let rollout = rollout::prepare(model, &fragments, a.gamma, a.gae_lambda)?;
+                let stats = a2c::update(model, optimizer, &rollout, a, progress)?;
+                Ok(Updated {
+                    metrics: stats.metrics(),
+                    oldest_version: rollout.oldest_version,
+                })
+            }
+            Self::Reinforce(episodes) => {
+                let batch = episodes.take_finished();
+                let stats = reinforce::update(model, optimizer, &batch, &cfg.reinforce, progress)?;
+                Ok(Updated {
+                    metrics: stats.metrics(),
+                    oldest_version: stats.oldest_version,
+                })
+            }
+        }
+    }
+
+    /// After an update: data acted by versions below `min_version` is no
+    /// longer trained on (PPO and A2C hold none between updates).
+    fn forget_older_than(&mut self, min_version: u64) {
+        if let Self::Reinforce(episodes) = self {
+            episodes.prune(min_version);
+        }
+    }
 }
 
 pub(crate) struct Metrics {
@@ -92,11 +239,8 @@ impl Metrics {
         )
         .unwrap();
         let update_seconds = Histogram::with_opts(
-            HistogramOpts::new(
-                "relay_learner_update_seconds",
-                "Wall time of one PPO update.",
-            )
-            .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]),
+            HistogramOpts::new("relay_learner_update_seconds", "Wall time of one update.")
+                .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]),
         )
         .unwrap();
         relay_kit::metrics::register(registry, &version);
@@ -119,13 +263,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         return text::run(service, shutdown, metrics).await;
     }
     let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
-    let mut model = ActorCritic::new(&spec, cfg.run.seed).map_err(ServiceError::other)?;
-    let adam_config = AdamConfig {
-        lr: cfg.ppo.learning_rate,
-        eps: cfg.ppo.adam_eps,
-        ..AdamConfig::default()
-    };
-    let mut adam = Adam::new(model.vars(), adam_config).map_err(ServiceError::other)?;
+    let mut model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed)
+        .map_err(ServiceError::other)?;
+    let mut optimizer = Optimizer::for_run(&cfg, model.vars()).map_err(ServiceError::other)?;
+    let mut algorithm = Algorithm::for_run(&cfg, &model);
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.run.seed.wrapping_add(0x5eed));
     let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
     let mut progress = Progress::default();
@@ -150,7 +291,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             .load(dir.join("model.safetensors"))
             .map_err(|e| fail(e.to_string()))?;
         if !cfg.run.reset_optimizer {
-            adam.load(dir.join("optimizer.safetensors"))
+            optimizer
+                .load(dir.join("optimizer.safetensors"))
                 .map_err(|e| fail(e.to_string()))?;
         }
         if resume {
@@ -238,11 +380,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     publish(&service, payload).await;
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
-    tracing::info!(env_id = %cfg.run.env_id, params = model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
+    tracing::info!(env_id = %cfg.run.env_id, algo = %cfg.run.algo, params = model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
 
     let budget = cfg.run.total_env_steps;
-    let mut fragments: Vec<RolloutFragment> = Vec::new();
-    let mut gathered = 0u64;
+    // What the fragments taken since the last update hold.
+    let mut pending = Pending::default();
     let (mut dropped_stale, mut reported_stale) = (0u64, 0u64);
     let mut solved: Option<String> = None;
     let started = Instant::now();
@@ -265,19 +407,18 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         let checkpoint_best = take_evals(&service, &mut evals, &mut best_eval);
         if checkpoint_best {
             let state = checkpoint_state(&progress, &rng, best_eval);
-            save_checkpoint(&run_dir, &model, &adam, &state, &cfg, true);
+            save_checkpoint(&run_dir, &model, &optimizer, &state, &cfg, true);
         }
 
-        // Gather a rollout.
-        let want = cfg.ppo.rollout_steps as u64;
-        if gathered < want {
+        // Gather what the algorithm needs.
+        if let Some(max_steps) = algorithm.wants(&cfg) {
             let ask = SampleRequest {
                 schema: SCHEMA_VERSION,
                 min_policy_version: progress
                     .version
                     .saturating_sub(cfg.replay.max_policy_lag)
                     .max(version_floor),
-                max_steps: (want - gathered) as u32,
+                max_steps: max_steps.min(u32::MAX as u64) as u32,
             };
             match relay_kit::request::<_, SampleReply>(
                 &service.nats,
@@ -319,8 +460,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                             dropped_stale += 1;
                             continue;
                         }
-                        gathered += f.env_steps();
-                        fragments.push(f);
+                        metrics
+                            .policy_lag
+                            .observe(progress.version.saturating_sub(f.policy_version) as f64);
+                        let taken = Pending::of(&f);
+                        match algorithm.absorb(f) {
+                            Ok(()) => pending.add(taken),
+                            Err(e) => tracing::error!(error = %e, "fragment dropped"),
+                        }
                     }
                 }
                 Err(e) => {
@@ -336,35 +483,30 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 
         // Update.
         let update_started = Instant::now();
-        for f in &fragments {
-            metrics
-                .policy_lag
-                .observe(progress.version.saturating_sub(f.policy_version) as f64);
-        }
         let frac = progress.env_steps as f64 / budget as f64;
         let result = tokio::task::block_in_place(|| {
-            let rollout = ppo::prepare(&model, &fragments, cfg.ppo.gamma, cfg.ppo.gae_lambda)?;
-            let stats = ppo::update(&model, &mut adam, &rollout, &cfg.ppo, frac, &mut rng)?;
-            Ok::<_, ppo::PpoError>((rollout.vec_steps, rollout.oldest_version, stats))
+            algorithm.update(&cfg, &model, &mut optimizer, frac, &mut rng)
         });
-        let taken = std::mem::take(&mut fragments);
-        gathered = 0;
-        let (vec_steps, oldest, stats) = match result {
-            Ok(r) => r,
+        let taken = std::mem::take(&mut pending);
+        let updated = match result {
+            Ok(u) => u,
             Err(e) => {
                 // Bad data must not stop training: drop this rollout and go on.
-                tracing::error!(error = %e, fragments = taken.len(), "update failed; rollout dropped");
+                tracing::error!(error = %e, "update failed; rollout dropped");
                 continue;
             }
         };
         progress.updates += 1;
         progress.version += 1;
-        progress.env_steps += taken.iter().map(RolloutFragment::env_steps).sum::<u64>();
-        progress.vec_steps += vec_steps;
-        progress.episodes += taken
-            .iter()
-            .map(RolloutFragment::episodes_ended)
-            .sum::<u64>();
+        progress.env_steps += taken.env_steps;
+        progress.vec_steps += taken.vec_steps;
+        progress.episodes += taken.episodes;
+        algorithm.forget_older_than(
+            progress
+                .version
+                .saturating_sub(cfg.replay.max_policy_lag)
+                .max(version_floor),
+        );
         let payload = publish_weights(&model, &progress);
         publish(&service, payload).await;
         metrics.version.set(progress.version as i64);
@@ -372,66 +514,44 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
-        service
-            .report(
-                Some(progress.vec_steps),
-                vec![
-                    gauge("learner_updates", progress.updates as f64),
-                    gauge("learner_policy_version", progress.version as f64),
-                    gauge("learner_env_steps", progress.env_steps as f64),
-                    gauge("learner_vec_steps", progress.vec_steps as f64),
-                    gauge("learner_episodes", progress.episodes as f64),
-                    gauge("learner_rollout_vec_steps", vec_steps as f64),
-                    gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
-                    gauge(
-                        "learner_progress",
-                        (progress.env_steps as f64 / budget as f64).min(1.0),
-                    ),
-                    gauge("learner_sps", sps),
-                    gauge(
-                        "learner_eta_seconds",
-                        budget.saturating_sub(progress.env_steps) as f64 / sps.max(1e-9),
-                    ),
-                    gauge("learner_policy_loss", stats.policy_loss),
-                    gauge("learner_value_loss", stats.value_loss),
-                    gauge("learner_entropy", stats.entropy),
-                    gauge("learner_total_loss", stats.total_loss),
-                    gauge("learner_approx_kl", stats.approx_kl),
-                    gauge("learner_kl", stats.kl),
-                    gauge("learner_clip_fraction", stats.clip_fraction),
-                    gauge("learner_value_clip_fraction", stats.value_clip_fraction),
-                    gauge("learner_ratio_mean", stats.ratio_mean),
-                    gauge("learner_ratio_var", stats.ratio_var),
-                    gauge("learner_explained_variance", stats.explained_variance),
-                    gauge("learner_grad_norm", stats.grad_norm),
-                    gauge("learner_learning_rate", stats.learning_rate),
-                    gauge("learner_clip_range", stats.clip_range),
-                    gauge("learner_epochs", stats.epochs_done as f64),
-                    counter(
-                        "learner_kl_early_stops_total",
-                        stats.kl_early_stop as u8 as f64,
-                    ),
-                    gauge("learner_last_update_seconds", seconds),
-                    gauge(
-                        "learner_policy_lag_max",
-                        progress.version.saturating_sub(oldest + 1) as f64,
-                    ),
-                    counter(
-                        "learner_dropped_stale_fragments_total",
-                        (dropped_stale - reported_stale) as f64,
-                    ),
-                ],
-            )
-            .await;
+        let mut values = vec![
+            gauge("learner_updates", progress.updates as f64),
+            gauge("learner_policy_version", progress.version as f64),
+            gauge("learner_env_steps", progress.env_steps as f64),
+            gauge("learner_vec_steps", progress.vec_steps as f64),
+            gauge("learner_episodes", progress.episodes as f64),
+            gauge("learner_rollout_vec_steps", taken.vec_steps as f64),
+            gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
+            gauge(
+                "learner_progress",
+                (progress.env_steps as f64 / budget as f64).min(1.0),
+            ),
+            gauge("learner_sps", sps),
+            gauge(
+                "learner_eta_seconds",
+                budget.saturating_sub(progress.env_steps) as f64 / sps.max(1e-9),
+            ),
+            gauge("learner_last_update_seconds", seconds),
+            gauge(
+                "learner_policy_lag_max",
+                progress.version.saturating_sub(updated.oldest_version + 1) as f64,
+            ),
+            counter(
+                "learner_dropped_stale_fragments_total",
+                (dropped_stale - reported_stale) as f64,
+            ),
+        ];
+        values.extend(updated.metrics);
+        service.report(Some(progress.vec_steps), values).await;
         reported_stale = dropped_stale;
-        if progress.updates % cfg.ppo.checkpoint_every == 0 {
+        if progress.updates % cfg.checkpoint_every() == 0 {
             let state = checkpoint_state(&progress, &rng, best_eval);
-            save_checkpoint(&run_dir, &model, &adam, &state, &cfg, false);
+            save_checkpoint(&run_dir, &model, &optimizer, &state, &cfg, false);
         }
     };
 
     let state = checkpoint_state(&progress, &rng, best_eval);
-    save_checkpoint(&run_dir, &model, &adam, &state, &cfg, false);
+    save_checkpoint(&run_dir, &model, &optimizer, &state, &cfg, false);
     let (status, detail) = match &finish {
         Finish::Budget => (
             RunStatus::Stopped,
@@ -489,12 +609,12 @@ fn checkpoint_state(
 fn save_checkpoint(
     run_dir: &std::path::Path,
     model: &ActorCritic,
-    adam: &Adam,
+    optimizer: &Optimizer,
     state: &checkpoint::CheckpointState,
-    cfg: &relay_kit::ExperimentConfig,
+    cfg: &ExperimentConfig,
     best: bool,
 ) {
-    match checkpoint::save(run_dir, model, adam, state, cfg, best) {
+    match checkpoint::save(run_dir, model, optimizer, state, cfg, best) {
         Ok(path) => {
             tracing::info!(path = %path.display(), version = state.progress.version, best, "checkpoint written")
         }

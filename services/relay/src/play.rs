@@ -185,7 +185,7 @@ pub fn play(args: PlayArgs) -> Result<()> {
         return play_text_games(&args, &config.run.env_id, Some(&config), Some(&dir));
     }
     let spec = relay_policy::spec_for(&config)?;
-    let mut model = ActorCritic::new(&spec, config.run.seed)?;
+    let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
     model
         .load(dir.join("model.safetensors"))
         .with_context(|| format!("loading {}", dir.display()))?;

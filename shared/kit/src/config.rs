@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
+use relay_nn::{Schedule, Shape, TrunkLayout};
 use serde::{Deserialize, Serialize};
 
 /// Why a configuration was refused.
@@ -54,6 +55,10 @@ pub struct ExperimentConfig {
     #[serde(default)]
     pub ppo: PpoConfig,
     #[serde(default)]
+    pub a2c: A2cConfig,
+    #[serde(default)]
+    pub reinforce: ReinforceConfig,
+    #[serde(default)]
     pub eval: EvalConfig,
     #[serde(default)]
     pub tracker: TrackerConfig,
@@ -78,8 +83,9 @@ pub struct RunConfig {
     /// `KuhnPoker-v0`, `GuessTheNumber-v0`: the env-runners play games
     /// with the LLM policy, see the `text` section).
     pub env_id: String,
-    /// Algorithm of classic-control runs, used in run ids; only `ppo` for
-    /// now (text games train with the `rl` section, whose preset names them).
+    /// Algorithm of classic-control runs: `ppo`, `a2c` or `reinforce`, each
+    /// configured by its own section; used in run ids (text games train
+    /// with the `rl` section, whose preset names them).
     #[serde(default = "default_algo")]
     pub algo: String,
     /// Base seed; every service derives its own streams from it.
@@ -380,6 +386,9 @@ pub struct PolicyConfig {
     pub activation: ActivationName,
     /// Initial log standard deviation of Gaussian policies (continuous actions).
     pub init_log_std: f32,
+    /// Whether the actor and the critic share their hidden layers
+    /// (`separate`, SB3's `MlpPolicy` default, or `shared`).
+    pub trunk: TrunkLayout,
 }
 
 impl Default for PolicyConfig {
@@ -388,6 +397,7 @@ impl Default for PolicyConfig {
             hidden: vec![64, 64],
             activation: ActivationName::Tanh,
             init_log_std: 0.0,
+            trunk: TrunkLayout::Separate,
         }
     }
 }
@@ -589,27 +599,45 @@ impl Default for ReplayConfig {
     }
 }
 
-/// How a hyperparameter changes over training progress.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// The older, one-word spelling of a schedule, kept so configs written
+/// before schedules could be given in place still load: `linear` turns the
+/// field's constant value `v` into `{kind: linear, start: v, end: 0}`
+/// (SB3's `linear_schedule`). A field written as a schedule map already
+/// says how it changes; combining it with `linear` is an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Schedule {
-    /// Stays at its initial value.
+pub enum ScheduleShorthand {
+    /// The field's schedule as written.
+    #[default]
     Constant,
-    /// Falls linearly from its initial value to zero at the end of the budget.
+    /// The field's constant value falls linearly to zero at the end of the budget.
     Linear,
 }
 
-impl Schedule {
-    /// Value at `progress` in `[0, 1]` of the training budget.
-    pub fn at(self, initial: f64, progress: f64) -> f64 {
-        match self {
-            Schedule::Constant => initial,
-            Schedule::Linear => initial * (1.0 - progress.clamp(0.0, 1.0)),
+impl ScheduleShorthand {
+    /// The schedule `written` after applying the shorthand.
+    pub fn apply(self, written: &Schedule) -> Schedule {
+        match (self, &written.shape) {
+            (ScheduleShorthand::Linear, Shape::Constant { value }) => Schedule {
+                shape: Shape::Linear {
+                    start: *value,
+                    end: 0.0,
+                },
+                ..written.clone()
+            },
+            _ => written.clone(),
         }
     }
 }
 
 /// PPO hyperparameters (names and defaults as Stable-Baselines3's where they exist).
+///
+/// `learning_rate`, `clip_range` and `ent_coef` are [`Schedule`]s over
+/// training progress `env_steps / run.total_env_steps`: a bare number is a
+/// constant, a map gives the shape (`{kind: cosine, start: 1e-3, end: 0,
+/// warmup: {fraction: 0.05}}`; kinds `constant`, `linear`, `cosine`,
+/// `exponential`, `piecewise_linear`, with optional `warmup` and `offset`,
+/// see [`relay_nn::schedule`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PpoConfig {
@@ -623,18 +651,19 @@ pub struct PpoConfig {
     pub gamma: f64,
     /// GAE lambda: bias/variance trade-off of the advantage estimate.
     pub gae_lambda: f64,
-    /// Initial learning rate of Adam.
-    pub learning_rate: f64,
-    /// Schedule of the learning rate over the budget.
-    pub lr_schedule: Schedule,
-    /// Initial PPO clip range for the probability ratio.
-    pub clip_range: f64,
-    /// Schedule of the clip range over the budget.
-    pub clip_schedule: Schedule,
+    /// Learning rate of Adam (a schedule over training progress).
+    pub learning_rate: Schedule,
+    /// Shorthand schedule of a constant `learning_rate` (`constant` or
+    /// `linear` to zero); see [`ScheduleShorthand`].
+    pub lr_schedule: ScheduleShorthand,
+    /// PPO clip range for the probability ratio (a schedule).
+    pub clip_range: Schedule,
+    /// Shorthand schedule of a constant `clip_range`; see [`ScheduleShorthand`].
+    pub clip_schedule: ScheduleShorthand,
     /// Clip range of the value function around the old values; none disables it.
     pub clip_range_vf: Option<f64>,
-    /// Entropy bonus coefficient.
-    pub ent_coef: f64,
+    /// Entropy bonus coefficient (a schedule).
+    pub ent_coef: Schedule,
     /// Value loss coefficient.
     pub vf_coef: f64,
     /// Global gradient-norm clip.
@@ -661,12 +690,12 @@ impl Default for PpoConfig {
             epochs: 10,
             gamma: 0.99,
             gae_lambda: 0.95,
-            learning_rate: 3e-4,
-            lr_schedule: Schedule::Constant,
-            clip_range: 0.2,
-            clip_schedule: Schedule::Constant,
+            learning_rate: Schedule::constant(3e-4),
+            lr_schedule: ScheduleShorthand::Constant,
+            clip_range: Schedule::constant(0.2),
+            clip_schedule: ScheduleShorthand::Constant,
             clip_range_vf: None,
-            ent_coef: 0.0,
+            ent_coef: Schedule::constant(0.0),
             vf_coef: 0.5,
             max_grad_norm: 0.5,
             normalize_advantage: true,
@@ -677,6 +706,154 @@ impl Default for PpoConfig {
         }
     }
 }
+
+impl PpoConfig {
+    /// The learning rate's schedule, `lr_schedule` applied.
+    pub fn learning_rate_schedule(&self) -> Schedule {
+        self.lr_schedule.apply(&self.learning_rate)
+    }
+
+    /// The clip range's schedule, `clip_schedule` applied.
+    pub fn clip_range_schedule(&self) -> Schedule {
+        self.clip_schedule.apply(&self.clip_range)
+    }
+}
+
+/// A2C hyperparameters (Stable-Baselines3's `A2C`: names and defaults).
+///
+/// Each update is one gradient step on `n_steps` vector steps of every env
+/// of one env-runner (`n_steps x env_runner.num_envs` env steps), with
+/// `gae_lambda`-returns bootstrapped from the critic at the fragment's end
+/// and through time-limit truncations, never through terminations.
+/// `learning_rate` and `ent_coef` are [`Schedule`]s (see [`PpoConfig`]).
+/// Whether actor and critic share their hidden layers is `policy.trunk`
+/// (SB3's A2C `MlpPolicy` default: separate).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct A2cConfig {
+    /// Vector steps per env per update (SB3 `n_steps`); must equal
+    /// `env_runner.fragment_steps`, so each fragment is one rollout.
+    pub n_steps: usize,
+    /// Discount factor.
+    pub gamma: f64,
+    /// GAE lambda; `1.0` gives plain n-step returns (SB3's default).
+    pub gae_lambda: f64,
+    /// Learning rate (a schedule over training progress).
+    pub learning_rate: Schedule,
+    /// Entropy bonus coefficient (a schedule).
+    pub ent_coef: Schedule,
+    /// Value loss coefficient.
+    pub vf_coef: f64,
+    /// Global gradient-norm clip.
+    pub max_grad_norm: f64,
+    /// Normalise advantages over each update's batch.
+    pub normalize_advantage: bool,
+    /// Optimise with RMSprop (SB3's default); otherwise Adam.
+    pub use_rms_prop: bool,
+    /// RMSprop's decay of the running mean of squared gradients.
+    pub rms_prop_alpha: f64,
+    /// RMSprop epsilon (added to the root-mean-square).
+    pub rms_prop_eps: f64,
+    /// Adam epsilon (with `use_rms_prop: false`; SB3 sets 1e-5 for Adam).
+    pub adam_eps: f64,
+    /// Write a checkpoint every this many updates (and at stop, at the first
+    /// eval and at each new best eval mean).
+    pub checkpoint_every: u64,
+    /// Numbered checkpoints kept besides the pinned ones and the best.
+    pub keep_checkpoints: usize,
+}
+
+impl Default for A2cConfig {
+    fn default() -> Self {
+        Self {
+            n_steps: 5,
+            gamma: 0.99,
+            gae_lambda: 1.0,
+            learning_rate: Schedule::constant(7e-4),
+            ent_coef: Schedule::constant(0.0),
+            vf_coef: 0.5,
+            max_grad_norm: 0.5,
+            normalize_advantage: false,
+            use_rms_prop: true,
+            rms_prop_alpha: 0.99,
+            rms_prop_eps: 1e-5,
+            adam_eps: 1e-5,
+            checkpoint_every: 1000,
+            keep_checkpoints: 5,
+        }
+    }
+}
+
+/// The baseline REINFORCE subtracts from the returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Baseline {
+    /// The critic's value `V(s_t)`, trained towards the returns alongside.
+    #[default]
+    Value,
+    /// No baseline: the policy gradient weighs log-probabilities by the
+    /// returns themselves (the critic is not trained).
+    None,
+}
+
+/// REINFORCE hyperparameters: Monte-Carlo returns over whole episodes.
+///
+/// The learner assembles each env's episodes from consecutive fragments
+/// and trains, one gradient step with Adam, once `batch_episodes` of them
+/// have ended. An episode cut by a time limit bootstraps its last return
+/// from the critic's value of the final observation (with `baseline:
+/// value`; without a trained critic, from 0); a terminated one never does.
+/// Steps acted more than `replay.max_policy_lag` versions ago are left out
+/// (their returns stay exact: returns look forward only).
+/// `learning_rate` and `ent_coef` are [`Schedule`]s (see [`PpoConfig`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReinforceConfig {
+    /// Completed episodes per update.
+    pub batch_episodes: usize,
+    /// Discount factor.
+    pub gamma: f64,
+    /// Learning rate of Adam (a schedule over training progress).
+    pub learning_rate: Schedule,
+    /// What is subtracted from the returns: `value` or `none`.
+    pub baseline: Baseline,
+    /// Entropy bonus coefficient (a schedule).
+    pub ent_coef: Schedule,
+    /// Value loss coefficient (with `baseline: value`).
+    pub vf_coef: f64,
+    /// Global gradient-norm clip; none disables it (classic REINFORCE).
+    pub max_grad_norm: Option<f64>,
+    /// Normalise `returns - baseline` over each update's batch.
+    pub normalize_advantage: bool,
+    /// Adam epsilon.
+    pub adam_eps: f64,
+    /// Write a checkpoint every this many updates (and at stop, at the first
+    /// eval and at each new best eval mean).
+    pub checkpoint_every: u64,
+    /// Numbered checkpoints kept besides the pinned ones and the best.
+    pub keep_checkpoints: usize,
+}
+
+impl Default for ReinforceConfig {
+    fn default() -> Self {
+        Self {
+            batch_episodes: 8,
+            gamma: 0.99,
+            learning_rate: Schedule::constant(1e-3),
+            baseline: Baseline::Value,
+            ent_coef: Schedule::constant(0.0),
+            vf_coef: 0.5,
+            max_grad_norm: None,
+            normalize_advantage: true,
+            adam_eps: 1e-8,
+            checkpoint_every: 100,
+            keep_checkpoints: 5,
+        }
+    }
+}
+
+/// Algorithms that train classic-control runs (`run.algo`).
+pub const CLASSIC_ALGOS: [&str; 3] = ["ppo", "a2c", "reinforce"];
 
 /// evaluator settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -1365,10 +1542,14 @@ impl ExperimentConfig {
         self.text.validate(&self.run.env_id)?;
         self.lora.validate()?;
         self.rl.validate(self.text.max_turn_tokens as usize)?;
-        if self.run.algo != "ppo" {
+        if !CLASSIC_ALGOS.contains(&self.run.algo.as_str()) {
             return Err(invalid(
                 "run.algo",
-                format!("unknown algorithm {:?}; known: ppo", self.run.algo),
+                format!(
+                    "unknown algorithm {:?}; known: {}",
+                    self.run.algo,
+                    CLASSIC_ALGOS.join(", ")
+                ),
             ));
         }
         if self.run.total_env_steps == 0 {
@@ -1397,14 +1578,16 @@ impl ExperimentConfig {
                     ),
                 ));
             }
-        } else if self.replay.capacity_steps < self.ppo.rollout_steps as u64 {
-            return Err(invalid(
-                "replay.capacity_steps",
-                format!(
-                    "{} is smaller than ppo.rollout_steps ({}): the learner could never gather a rollout",
-                    self.replay.capacity_steps, self.ppo.rollout_steps
-                ),
-            ));
+        } else if let Some((field, steps)) = self.rollout_env_steps() {
+            if self.replay.capacity_steps < steps {
+                return Err(invalid(
+                    "replay.capacity_steps",
+                    format!(
+                        "{} is smaller than {field} ({steps} env steps): the learner could never gather a rollout",
+                        self.replay.capacity_steps
+                    ),
+                ));
+            }
         }
         if let Some(ratio) = self.replay.samples_per_insert {
             positive_f("replay.samples_per_insert", ratio)?;
@@ -1428,12 +1611,25 @@ impl ExperimentConfig {
         positive("ppo.epochs", p.epochs)?;
         unit_interval("ppo.gamma", p.gamma)?;
         unit_interval("ppo.gae_lambda", p.gae_lambda)?;
-        positive_f("ppo.learning_rate", p.learning_rate)?;
-        positive_f("ppo.clip_range", p.clip_range)?;
         if let Some(v) = p.clip_range_vf {
             positive_f("ppo.clip_range_vf", v)?;
         }
-        non_negative_f("ppo.ent_coef", p.ent_coef)?;
+        schedule("ppo.learning_rate", &p.learning_rate_schedule(), true)?;
+        schedule("ppo.clip_range", &p.clip_range_schedule(), true)?;
+        schedule("ppo.ent_coef", &p.ent_coef, false)?;
+        for (field, short, written) in [
+            ("ppo.lr_schedule", p.lr_schedule, &p.learning_rate),
+            ("ppo.clip_schedule", p.clip_schedule, &p.clip_range),
+        ] {
+            if short == ScheduleShorthand::Linear
+                && !matches!(written.shape, Shape::Constant { .. })
+            {
+                return Err(invalid(
+                    field,
+                    "`linear` applies to a constant value only; write the schedule in place instead",
+                ));
+            }
+        }
         non_negative_f("ppo.vf_coef", p.vf_coef)?;
         positive_f("ppo.max_grad_norm", p.max_grad_norm)?;
         positive_f("ppo.adam_eps", p.adam_eps)?;
@@ -1442,6 +1638,8 @@ impl ExperimentConfig {
         }
         positive("ppo.checkpoint_every", p.checkpoint_every as usize)?;
         positive("ppo.keep_checkpoints", p.keep_checkpoints)?;
+        self.validate_a2c()?;
+        self.validate_reinforce()?;
         if self.run.resume_from.is_some() && self.run.init_from.is_some() {
             return Err(invalid(
                 "run.init_from",
@@ -1465,6 +1663,93 @@ impl ExperimentConfig {
             }
         }
         Ok(())
+    }
+
+    fn validate_a2c(&self) -> Result<(), ConfigError> {
+        let a = &self.a2c;
+        positive("a2c.n_steps", a.n_steps)?;
+        unit_interval("a2c.gamma", a.gamma)?;
+        unit_interval("a2c.gae_lambda", a.gae_lambda)?;
+        schedule("a2c.learning_rate", &a.learning_rate, true)?;
+        schedule("a2c.ent_coef", &a.ent_coef, false)?;
+        non_negative_f("a2c.vf_coef", a.vf_coef)?;
+        positive_f("a2c.max_grad_norm", a.max_grad_norm)?;
+        if !(0.0..1.0).contains(&a.rms_prop_alpha) {
+            return Err(invalid(
+                "a2c.rms_prop_alpha",
+                format!("must be in [0, 1), got {}", a.rms_prop_alpha),
+            ));
+        }
+        positive_f("a2c.rms_prop_eps", a.rms_prop_eps)?;
+        positive_f("a2c.adam_eps", a.adam_eps)?;
+        positive("a2c.checkpoint_every", a.checkpoint_every as usize)?;
+        positive("a2c.keep_checkpoints", a.keep_checkpoints)?;
+        if self.run.algo == "a2c" && self.env_runner.fragment_steps != a.n_steps {
+            return Err(invalid(
+                "env_runner.fragment_steps",
+                format!(
+                    "is {} but A2C trains on fragments of a2c.n_steps = {} steps; set both to the same value",
+                    self.env_runner.fragment_steps, a.n_steps
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_reinforce(&self) -> Result<(), ConfigError> {
+        let r = &self.reinforce;
+        positive("reinforce.batch_episodes", r.batch_episodes)?;
+        unit_interval("reinforce.gamma", r.gamma)?;
+        schedule("reinforce.learning_rate", &r.learning_rate, true)?;
+        schedule("reinforce.ent_coef", &r.ent_coef, false)?;
+        non_negative_f("reinforce.vf_coef", r.vf_coef)?;
+        if let Some(v) = r.max_grad_norm {
+            positive_f("reinforce.max_grad_norm", v)?;
+        }
+        positive_f("reinforce.adam_eps", r.adam_eps)?;
+        positive("reinforce.checkpoint_every", r.checkpoint_every as usize)?;
+        positive("reinforce.keep_checkpoints", r.keep_checkpoints)?;
+        Ok(())
+    }
+
+    /// The section configuring the run's algorithm's rollout and its size in
+    /// env steps, for algorithms that train on a fixed number of env steps
+    /// (PPO, A2C); none for REINFORCE, which trains on whole episodes.
+    fn rollout_env_steps(&self) -> Option<(&'static str, u64)> {
+        match self.run.algo.as_str() {
+            "a2c" => Some((
+                "a2c.n_steps x env_runner.num_envs",
+                (self.a2c.n_steps * self.env_runner.num_envs) as u64,
+            )),
+            "reinforce" => None,
+            _ => Some(("ppo.rollout_steps", self.ppo.rollout_steps as u64)),
+        }
+    }
+
+    /// Updates between periodic checkpoints of the run's algorithm
+    /// (`<algo>.checkpoint_every`; text runs: `rl.checkpoint_every`).
+    pub fn checkpoint_every(&self) -> u64 {
+        if self.is_text_game() {
+            return self.rl.checkpoint_every;
+        }
+        match self.run.algo.as_str() {
+            "a2c" => self.a2c.checkpoint_every,
+            "reinforce" => self.reinforce.checkpoint_every,
+            _ => self.ppo.checkpoint_every,
+        }
+    }
+
+    /// Numbered checkpoints kept (`<algo>.keep_checkpoints`; text runs:
+    /// `rl.keep_checkpoints`).
+    pub fn keep_checkpoints(&self) -> usize {
+        if self.is_text_game() {
+            return self.rl.keep_checkpoints;
+        }
+        match self.run.algo.as_str() {
+            "a2c" => self.a2c.keep_checkpoints,
+            "reinforce" => self.reinforce.keep_checkpoints,
+            _ => self.ppo.keep_checkpoints,
+        }
     }
 
     /// Whether `run.env_id` is a text game (played by LLM policies).
@@ -1539,6 +1824,35 @@ fn non_negative_f(field: &str, v: f64) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// A scheduled hyperparameter: the schedule itself is valid (errors name
+/// `field.<its field>`) and its value is finite and never negative over
+/// training; with `positive`, it is above zero somewhere (a learning rate
+/// may warm up from 0 or decay to 0, but not stay there).
+fn schedule(field: &str, s: &Schedule, positive: bool) -> Result<(), ConfigError> {
+    s.validate().map_err(|e| invalid(field, e.to_string()))?;
+    // Every shape is monotone or piecewise linear between its points, so
+    // its extremes are at the ends, the warmup/offset joints or the points;
+    // a fine grid includes all of them to within a step.
+    let mut joints: Vec<f64> = (0..=1000).map(|i| i as f64 / 1000.0).collect();
+    joints.extend(s.warmup.map(|w| w.fraction));
+    joints.push(s.offset);
+    if let Shape::PiecewiseLinear { points } = &s.shape {
+        let begin = s.offset.max(s.warmup.map_or(0.0, |w| w.fraction));
+        joints.extend(points.iter().map(|(q, _)| begin + q * (1.0 - begin)));
+    }
+    let values: Vec<f64> = joints.iter().map(|&p| s.value(p)).collect();
+    if let Some(v) = values.iter().find(|v| !(v.is_finite() && **v >= 0.0)) {
+        return Err(invalid(
+            field,
+            format!("must stay finite and >= 0 over training, reaches {v}"),
+        ));
+    }
+    if positive && values.iter().all(|&v| v == 0.0) {
+        return Err(invalid(field, "must be above zero somewhere in training"));
+    }
+    Ok(())
+}
+
 fn unit_interval(field: &str, v: f64) -> Result<(), ConfigError> {
     if !(0.0..=1.0).contains(&v) {
         return Err(invalid(field, format!("must be in [0, 1], got {v}")));
@@ -1601,7 +1915,7 @@ mod tests {
             &["ppo.learning_rate=0.02".into(), "run.id=abc".into()],
         )
         .unwrap();
-        assert_eq!(c.ppo.learning_rate, 0.02);
+        assert_eq!(c.ppo.learning_rate, Schedule::constant(0.02));
         assert_eq!(c.run.id.as_deref(), Some("abc"));
     }
 
@@ -1883,6 +2197,139 @@ mod tests {
             ExperimentConfig::from_layers(BASE, "t", &[], &["run.env_id=TicTacToe-v0".into()])
                 .unwrap();
         assert!(text.is_text_game() && text.serves_llm());
+    }
+
+    #[test]
+    fn unknown_algo_names_run_algo_and_the_known_ones() {
+        let err = ExperimentConfig::from_layers(BASE, "t", &[], &["run.algo=dqn".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("run.algo") && err.contains("\"dqn\""), "{err}");
+        for algo in CLASSIC_ALGOS {
+            assert!(err.contains(algo), "{err}");
+        }
+    }
+
+    #[test]
+    fn a2c_and_reinforce_sections_have_sb3_defaults_and_checked_fields() {
+        let c = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &["run.algo=a2c".into(), "env_runner.fragment_steps=5".into()],
+        )
+        .unwrap();
+        assert_eq!(c.algo_name(), "a2c");
+        let a = &c.a2c;
+        assert_eq!((a.n_steps, a.gamma, a.gae_lambda), (5, 0.99, 1.0));
+        assert_eq!(a.learning_rate, Schedule::constant(7e-4));
+        assert_eq!((a.vf_coef, a.max_grad_norm), (0.5, 0.5));
+        assert!(a.use_rms_prop && !a.normalize_advantage);
+        assert_eq!((a.rms_prop_alpha, a.rms_prop_eps), (0.99, 1e-5));
+        assert_eq!(c.checkpoint_every(), a.checkpoint_every);
+        // A2C's rollout is one fragment: the two lengths must agree.
+        let err = ExperimentConfig::from_layers(BASE, "t", &[], &["run.algo=a2c".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("env_runner.fragment_steps") && err.contains("a2c.n_steps"),
+            "{err}"
+        );
+        let err = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &[
+                "run.algo=a2c".into(),
+                "env_runner.fragment_steps=100".into(),
+                "a2c.n_steps=100".into(),
+                "replay.capacity_steps=512".into(),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("replay.capacity_steps"), "{err}");
+        let r =
+            ExperimentConfig::from_layers(BASE, "t", &[], &["run.algo=reinforce".into()]).unwrap();
+        assert_eq!(r.reinforce.baseline, Baseline::Value);
+        assert_eq!(r.keep_checkpoints(), r.reinforce.keep_checkpoints);
+        let cases = [
+            ("a2c.gamma=2", "a2c.gamma"),
+            ("a2c.rms_prop_alpha=1", "a2c.rms_prop_alpha"),
+            ("a2c.learning_rate=0", "a2c.learning_rate"),
+            ("a2c.ent_coef=-0.1", "a2c.ent_coef"),
+            ("reinforce.batch_episodes=0", "reinforce.batch_episodes"),
+            ("reinforce.baseline=mean", "`value` or `none`"),
+            ("reinforce.max_grad_norm=0", "reinforce.max_grad_norm"),
+            ("reinforce.lr=1", "lr"),
+        ];
+        for (set, field) in cases {
+            let err = ExperimentConfig::from_layers(BASE, "t", &[], &[set.into()])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{set}: {err}");
+        }
+    }
+
+    #[test]
+    fn hyperparameters_take_schedules_and_the_old_shorthand() {
+        // The old spelling: a constant plus `linear`.
+        let c = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &[
+                "ppo.learning_rate=0.001".into(),
+                "ppo.lr_schedule=linear".into(),
+                "ppo.clip_schedule=constant".into(),
+            ],
+        )
+        .unwrap();
+        let lr = c.ppo.learning_rate_schedule();
+        assert_eq!(lr, Schedule::linear(0.001, 0.0));
+        assert!((lr.value(0.25) - 0.00075).abs() < 1e-12);
+        assert_eq!(c.ppo.clip_range_schedule(), Schedule::constant(0.2));
+        // Any shape in place, with warmup and offset, for lr, clip and entropy.
+        let text = format!(
+            "{BASE}  learning_rate: {{kind: cosine, start: 0.001, end: 0.0, warmup: {{fraction: 0.1}}}}\n  clip_range: {{kind: piecewise_linear, points: [[0.0, 0.3], [0.5, 0.1]]}}\n  ent_coef: {{kind: exponential, start: 0.01, end: 0.0001, offset: 0.5}}\na2c:\n  learning_rate: {{kind: linear, start: 0.0007, end: 0.0}}\n"
+        );
+        let c = ExperimentConfig::from_layers(&text, "t", &[], &[]).unwrap();
+        let lr = c.ppo.learning_rate_schedule();
+        assert_eq!(lr.value(0.0), 0.0);
+        assert!((lr.value(0.1) - 0.001).abs() < 1e-12);
+        assert!((c.ppo.clip_range_schedule().value(0.25) - 0.2).abs() < 1e-12);
+        assert!((c.ppo.ent_coef.value(0.75) - 0.001).abs() < 1e-12);
+        assert!((c.a2c.learning_rate.value(0.5) - 0.00035).abs() < 1e-12);
+        // It round-trips through the YAML written into run directories.
+        let back = ExperimentConfig::from_layers(&c.to_yaml(), "t", &[], &[]).unwrap();
+        assert_eq!(back, c);
+        // `linear` on a schedule map, a negative stretch, a bad shape: refused by name.
+        let cases = [
+            (
+                "ppo.learning_rate={kind: cosine, start: 1, end: 0}",
+                Some("ppo.lr_schedule=linear"),
+                "ppo.lr_schedule",
+            ),
+            (
+                "ppo.ent_coef={kind: linear, start: 0.01, end: -0.01}",
+                None,
+                "ppo.ent_coef",
+            ),
+            (
+                "ppo.clip_range={kind: exponential, start: 0.2, end: 0}",
+                None,
+                "ppo.clip_range",
+            ),
+            ("ppo.clip_range={kind: step, value: 1}", None, "step"),
+        ];
+        for (set, extra, field) in cases {
+            let mut sets = vec![set.to_string()];
+            sets.extend(extra.map(String::from));
+            let err = ExperimentConfig::from_layers(BASE, "t", &[], &sets)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{set}: {err}");
+        }
     }
 
     #[test]

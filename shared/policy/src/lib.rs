@@ -107,13 +107,15 @@ impl PolicyFollower {
             .await
             .map_err(relay_kit::ServiceError::nats)?;
         let service = service.clone();
-        let seed = service.config.run.seed;
+        let (seed, trunk) = (service.config.run.seed, service.config.policy.trunk);
         tokio::spawn(async move {
             let build = |update: &WeightsUpdate| -> Result<VersionedPolicy, Rejection> {
-                let mut model = ActorCritic::new(&spec, seed).map_err(|e| Rejection::Invalid {
-                    kind: "WeightsUpdate",
-                    field: "tensors",
-                    detail: e.to_string(),
+                let mut model = ActorCritic::with_layout(&spec, trunk, seed).map_err(|e| {
+                    Rejection::Invalid {
+                        kind: "WeightsUpdate",
+                        field: "tensors",
+                        detail: e.to_string(),
+                    }
                 })?;
                 load_weights(&mut model, update)?;
                 Ok(VersionedPolicy {
