@@ -61,15 +61,15 @@ pub struct BenchTicTacToeArgs {
 
 /// Legal-move rate and non-loss rates of one evaluation.
 #[derive(Debug, Clone, PartialEq)]
-struct Row {
+pub(crate) struct Row {
     stage: String,
-    minutes: f64,
-    version: Option<u64>,
+    pub(crate) minutes: f64,
+    pub(crate) version: Option<u64>,
     results: Vec<EvalResult>,
 }
 
 impl Row {
-    fn legal_move_rate(&self) -> f64 {
+    pub(crate) fn legal_move_rate(&self) -> f64 {
         let moves: u32 = self.results.iter().map(|r| r.moves).sum();
         let invalid: u32 = self.results.iter().map(|r| r.invalid_moves).sum();
         if moves == 0 {
@@ -79,14 +79,14 @@ impl Row {
         }
     }
 
-    fn non_loss(&self, opponent: &str) -> Option<f64> {
+    pub(crate) fn non_loss(&self, opponent: &str) -> Option<f64> {
         self.results
             .iter()
             .find(|r| r.opponent == opponent)
             .map(EvalResult::non_loss_rate)
     }
 
-    fn print(&self) {
+    pub(crate) fn print(&self) {
         let cell = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * v));
         let wdl = |opponent: &str| {
             self.results
@@ -109,7 +109,7 @@ impl Row {
         );
     }
 
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         json!({
             "stage": self.stage,
             "minutes": (self.minutes * 100.0).round() / 100.0,
@@ -121,7 +121,7 @@ impl Row {
     }
 }
 
-fn header() {
+pub(crate) fn header() {
     println!("| stage | minutes | version | legal moves | non-loss vs random | W/D/L random | non-loss vs minimax | W/D/L minimax |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
 }
@@ -160,7 +160,7 @@ fn eval_row(line: &Value, started: Instant) -> Option<Row> {
 }
 
 /// Prints each evaluation of `eval.jsonl` as it is appended, until `stop`.
-fn follow_evals(path: PathBuf, started: Instant, stop: Arc<AtomicBool>) -> Vec<Row> {
+pub(crate) fn follow_evals(path: PathBuf, started: Instant, stop: Arc<AtomicBool>) -> Vec<Row> {
     let mut rows = Vec::new();
     let mut offset = 0u64;
     let mut pending = String::new();
@@ -197,63 +197,104 @@ fn follow_evals(path: PathBuf, started: Instant, stop: Arc<AtomicBool>) -> Vec<R
     }
 }
 
-/// `relay bench-tictactoe`.
-pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
-    let started = Instant::now();
-    std::fs::create_dir_all(&args.work_dir)
-        .with_context(|| format!("creating {}", args.work_dir.display()))?;
-    let work = std::fs::canonicalize(&args.work_dir)?;
+/// The warm start of the TicTacToe benchmarks: `relay model init tiny`
+/// into `<work>/tiny`, then full SFT on games of random legal moves into
+/// `<work>/sft`; returns the SFT model's folder and its evaluation
+/// against random and minimax.
+pub(crate) fn sft_warm_start(
+    work: &std::path::Path,
+    sft_games: usize,
+    sft_epochs: usize,
+    eval_games: usize,
+    started: Instant,
+) -> Result<(PathBuf, Row)> {
     let tiny = work.join("tiny");
     crate::model::init_tiny(&tiny, 0)?;
 
-    println!("== SFT on {} games of random legal moves", args.sft_games);
+    println!("== SFT on {sft_games} games of random legal moves");
     let sft_out = work.join("sft");
     let summary = crate::sft::run_sft(SftArgs {
         env: "TicTacToe-v0".into(),
         model: tiny.display().to_string(),
         out: sft_out.clone(),
         data: None,
-        games: args.sft_games,
+        games: sft_games,
         bots: "random,random".into(),
         write_data: None,
         full: true,
         rank: 8,
         alpha: 16.0,
-        epochs: args.sft_epochs,
+        epochs: sft_epochs,
         batch_size: 32,
         minibatch_size: 8,
         lr: 1e-3,
         max_seq_len: None,
         system_prompt: None,
         holdout: 0.05,
-        eval_games: args.eval_games,
+        eval_games,
         eval_opponents: "random,minimax".into(),
         max_tokens: 8,
         seed: 0,
     })?;
-    let sft_minutes = started.elapsed().as_secs_f64() / 60.0;
-    let sft_row = Row {
+    let row = Row {
         stage: "SFT only".into(),
-        minutes: sft_minutes,
+        minutes: started.elapsed().as_secs_f64() / 60.0,
         version: None,
         results: summary.after.clone(),
     };
+    Ok((sft_out.join("model"), row))
+}
+
+/// The overrides of the benchmarks' RL run after the warm start: the SFT
+/// model as the base, runs under `runs_dir`, no stop when solved, moves
+/// not constrained to legal ones (the legal-move rate is the model's), no
+/// budget, and an evaluation every `eval_every_s` seconds.
+pub(crate) fn rl_overrides(
+    user: &[String],
+    sft_model: &std::path::Path,
+    runs_dir: &std::path::Path,
+    eval_every_s: u64,
+    eval_games: usize,
+) -> Vec<String> {
+    let mut overrides = user.to_vec();
+    overrides.extend([
+        format!("llm.model={}", sft_model.display()),
+        format!("run.runs_dir={}", runs_dir.display()),
+        "run.stop_when_solved=false".into(),
+        "text.constrained=false".into(),
+        "run.total_env_steps=1000000000".into(),
+        format!("eval.every_seconds={eval_every_s}"),
+        format!("eval.options.games={eval_games}"),
+    ]);
+    overrides
+}
+
+/// `relay bench-tictactoe`.
+pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&args.work_dir)
+        .with_context(|| format!("creating {}", args.work_dir.display()))?;
+    let work = std::fs::canonicalize(&args.work_dir)?;
+    let (sft_model, sft_row) = sft_warm_start(
+        &work,
+        args.sft_games,
+        args.sft_epochs,
+        args.eval_games,
+        started,
+    )?;
+    let sft_minutes = sft_row.minutes;
 
     println!("== RL for {} minutes", args.minutes);
     let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
     let run_id = format!("{}-bench", crate::make_run_id(&config));
     let runs_dir = work.join("runs");
-    let mut overrides = args.overrides.clone();
-    overrides.extend([
-        format!("llm.model={}", sft_out.join("model").display()),
-        format!("run.runs_dir={}", runs_dir.display()),
-        "run.stop_when_solved=false".into(),
-        // The legal-move rate is the model's own: no decoding constrained to legal moves.
-        "text.constrained=false".into(),
-        "run.total_env_steps=1000000000".into(),
-        format!("eval.every_seconds={}", args.eval_every_s),
-        format!("eval.options.games={}", args.eval_games),
-    ]);
+    let overrides = rl_overrides(
+        &args.overrides,
+        &sft_model,
+        &runs_dir,
+        args.eval_every_s,
+        args.eval_games,
+    );
     let up = UpArgs {
         config: args.config.clone(),
         overrides,

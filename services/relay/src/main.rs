@@ -13,7 +13,9 @@
 //! - `relay chaos`: fault injection (kill and restart every process) during a run;
 //! - `relay play <run|@last>`: an episode of a checkpoint's policy as text;
 //! - `relay model init tiny`: write a tiny random Qwen2 model folder;
-//! - `relay bench-generate`: LLM generation throughput and latency per batch size.
+//! - `relay bench-generate`: LLM generation throughput and latency per batch size;
+//! - `relay bench-league`: TicTacToe by self-play against past versions, with
+//!   the TrueSkill ratings of every version over time.
 
 use std::path::PathBuf;
 
@@ -97,6 +99,8 @@ enum Command {
     Sft(relay::sft::SftArgs),
     /// The tiny model from scratch: SFT on random legal moves, then RL against the random bot; legal-move and win rates over time.
     BenchTictactoe(relay::bench_tictactoe::BenchTicTacToeArgs),
+    /// TicTacToe by self-play against past versions: SFT warm start, then league training; TrueSkill ratings of every version over time and the newest one's results against random and minimax.
+    BenchLeague(relay::bench_league::BenchLeagueArgs),
     /// Generation tokens/s and request latency of the inference server for
     /// several models and batch sizes; print a table and JSON.
     BenchGenerate(relay::bench_generate::BenchGenerateArgs),
@@ -130,6 +134,7 @@ fn main() -> Result<()> {
         Command::Model(args) => relay::model::model(args),
         Command::Sft(args) => relay::sft::sft(args),
         Command::BenchTictactoe(args) => relay::bench_tictactoe::bench_tictactoe(args),
+        Command::BenchLeague(args) => relay::bench_league::bench_league(args),
         Command::BenchGenerate(args) => relay::bench_generate::bench_generate(args),
     }
 }
