@@ -53,7 +53,7 @@ fn spawn_stand_in(client: async_nats::Client, asked: Arc<Mutex<Vec<Option<u64>>>
                 headers.insert(async_nats::service::NATS_SERVICE_ERROR, "adapter \"policy\" has no version 1");
                 headers.insert(async_nats::service::NATS_SERVICE_ERROR_CODE, "404");
                 client
-                    .publish_with_headers(reply_to, headers, Vec::new().into())
+                    .publish_with_headers(reply_to, headers, Vec::<u8>::new().into())
                     .await
                     .unwrap();
                 continue;

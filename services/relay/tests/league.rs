@@ -45,9 +45,6 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
         format!("rl.batch_size={BATCH}"),
         "rl.minibatch_size=4".into(),
         "text.games_in_flight=4".into(),
-        // Games of older versions still train: the lagged opponent's
-        // versions must exist by the time the budget is spent.
-        "replay.max_policy_lag=3".into(),
         "eval.every_versions=1000".into(),
         format!("league.pool.keep_latest={KEEP}"),
         "league.pool.keep_best=0".into(),
