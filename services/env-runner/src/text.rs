@@ -289,6 +289,74 @@ fn league_opponent(matchup: &Matchup) -> (LeagueOpponent, Option<FallbackReason>
     }
 }
 
+/// Draws the opponent of one league game and seats it: the sampler's coin
+/// decides who moves first (a random seat when there was no draw).
+fn seat_league_game(
+    draws: &LeagueDraws,
+    rng: &mut ChaCha8Rng,
+    text: &relay_kit::config::TextConfig,
+    players: usize,
+    env_id: &str,
+    runner_id: &str,
+) -> Result<(GameSpec, LeagueGame), ServiceError> {
+    let (seated, learner_seat, sampler, fallback) = match draws.draw(rng) {
+        Ok(matchup) => {
+            let (seated, fallback) = league_opponent(&matchup);
+            let seat = if matchup.current_moves_first { 0 } else { 1 };
+            (seated, seat, matchup.sampler.as_str(), fallback)
+        }
+        Err(reason) => (
+            LeagueOpponent::Mirror,
+            rng.random_range(0..players),
+            "none",
+            Some(reason),
+        ),
+    };
+    let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
+    let bot_seed: u64 = rng.random();
+    let (label, past, mut seat) = match seated {
+        LeagueOpponent::Mirror => (
+            "self".to_string(),
+            None,
+            Some(Seat::Model(Some(learning_adapter()))),
+        ),
+        LeagueOpponent::Past(version) => (
+            "past".to_string(),
+            Some(version),
+            Some(Seat::Model(Some(AdapterRef {
+                name: LEARNING_ADAPTER.to_string(),
+                version: Some(version),
+            }))),
+        ),
+        LeagueOpponent::Bot(name) => {
+            let bot = make_bot(&name, bot_seed, text).map_err(ServiceError::other)?;
+            (name, None, Some(Seat::Bot(bot)))
+        }
+    };
+    let seats = arrange(
+        learner,
+        || seat.take().ok_or_else(|| "one opponent seat".to_string()),
+        players,
+        learner_seat,
+    )
+    .map_err(ServiceError::other)?;
+    let spec = GameSpec {
+        env_id: env_id.to_string(),
+        seed: rng.random(),
+        seats,
+        learner_seat: Some(learner_seat),
+        runner_id: runner_id.to_string(),
+    };
+    let game = LeagueGame {
+        opponent: label,
+        sampler,
+        fallback,
+        past,
+        fell_back: false,
+    };
+    Ok((spec, game))
+}
+
 /// A league game whose past version was not served at all is the mirror
 /// game it was played as: the opponent seat becomes the learning seat's
 /// policy (so both seats train, and it is not rated). If the pinned
@@ -363,56 +431,9 @@ pub(crate) async fn run(
                 Pick::Listed(opponent) => opponent,
                 Pick::League => {
                     let draws = draws.as_ref().expect("league picks need draws");
-                    let (seated, learner_seat, sampler, fallback) = match draws.draw(&mut rng) {
-                        Ok(matchup) => {
-                            let (seated, fallback) = league_opponent(&matchup);
-                            let seat = if matchup.current_moves_first { 0 } else { 1 };
-                            (seated, seat, matchup.sampler.as_str(), fallback)
-                        }
-                        Err(reason) => {
-                            (LeagueOpponent::Mirror, rng.random_range(0..2), "none", Some(reason))
-                        }
-                    };
-                    let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
-                    let bot_seed: u64 = rng.random();
-                    let (label, past, mut seat) = match seated {
-                        LeagueOpponent::Mirror => {
-                            ("self".to_string(), None, Some(Seat::Model(Some(learning_adapter()))))
-                        }
-                        LeagueOpponent::Past(version) => (
-                            "past".to_string(),
-                            Some(version),
-                            Some(Seat::Model(Some(AdapterRef {
-                                name: LEARNING_ADAPTER.to_string(),
-                                version: Some(version),
-                            }))),
-                        ),
-                        LeagueOpponent::Bot(name) => {
-                            let bot = make_bot(&name, bot_seed, text).map_err(ServiceError::other)?;
-                            (name, None, Some(Seat::Bot(bot)))
-                        }
-                    };
-                    let seats = arrange(
-                        learner,
-                        || seat.take().ok_or_else(|| "one opponent seat".to_string()),
-                        players,
-                        learner_seat,
-                    )
-                    .map_err(ServiceError::other)?;
-                    let spec = GameSpec {
-                        env_id: env_id.clone(),
-                        seed: rng.random(),
-                        seats,
-                        learner_seat: Some(learner_seat),
-                        runner_id: service.instance.clone(),
-                    };
-                    let game = LeagueGame {
-                        opponent: label,
-                        sampler,
-                        fallback,
-                        past,
-                        fell_back: false,
-                    };
+                    let (spec, game) =
+                        seat_league_game(draws, &mut rng, text, players, &env_id, &service.instance)?;
+                    let past = game.past;
                     let settings = settings.clone();
                     if past.is_some() {
                         let pinned = FallbackGenerate::new(service.nats.clone(), service.subjects.generate());
