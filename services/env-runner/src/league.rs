@@ -34,9 +34,7 @@ use relay_kit::{RequestError, Shutdown};
 use relay_league::{
     Matchup, MemberId, OpponentSampler, Outcome, PolicyVersion, Pool, PoolError, SampleError,
 };
-use relay_policy::text::{
-    Generate, GenerateError, NatsGenerate, PlayedGame, LEARNING_ADAPTER,
-};
+use relay_policy::text::{Generate, GenerateError, NatsGenerate, PlayedGame, LEARNING_ADAPTER};
 use relay_proto::{AdapterRef, GenerateReply, GenerateRequest, SeatPolicy};
 use tokio::sync::{mpsc, watch};
 
@@ -542,7 +540,12 @@ mod tests {
         }
     }
 
-    fn game(seats: [SeatPolicy; 2], learner: u8, turns: Vec<TextTurn>, rewards: [f64; 2]) -> PlayedGame {
+    fn game(
+        seats: [SeatPolicy; 2],
+        learner: u8,
+        turns: Vec<TextTurn>,
+        rewards: [f64; 2],
+    ) -> PlayedGame {
         PlayedGame {
             record: GameRecord {
                 schema: SCHEMA_VERSION,
@@ -595,7 +598,12 @@ mod tests {
         let spanning = game(
             [SeatPolicy::Bot("random".into()), model(None)],
             1,
-            vec![turn(0, None), turn(1, Some(5)), turn(0, None), turn(1, Some(6))],
+            vec![
+                turn(0, None),
+                turn(1, Some(5)),
+                turn(0, None),
+                turn(1, Some(6)),
+            ],
             [0.0, 0.0],
         );
         assert_eq!(LeagueResult::of(&spanning), None);
@@ -640,7 +648,10 @@ mod tests {
             .unwrap();
         }
         let matchup = LeagueDraws::draw_from(&sampler, Some(&pool), &mut rng).unwrap();
-        assert_eq!((matchup.current, matchup.opponent), (1, MemberId::Version(0)));
+        assert_eq!(
+            (matchup.current, matchup.opponent),
+            (1, MemberId::Version(0))
+        );
         let uniform = OpponentSampler::new(SamplerConfig::Uniform {
             include_fixed: true,
         })

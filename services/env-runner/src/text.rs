@@ -41,9 +41,7 @@ use relay_kit::config::Opponent;
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
 use relay_league::{Matchup, MemberId};
 
-use crate::league::{
-    FallbackGenerate, FallbackReason, LeagueDraws, LeagueMetrics, LeagueRecorder,
-};
+use crate::league::{FallbackGenerate, FallbackReason, LeagueDraws, LeagueMetrics, LeagueRecorder};
 use relay_policy::text::{
     arrange, learning_adapter, make_bot, play_game, GameError, GameSettings, GameSpec,
     NatsGenerate, Outcome, PlayedGame, Seat, LEARNING_ADAPTER,
@@ -394,7 +392,10 @@ fn count_league_game(metrics: &LeagueMetrics, league_game: LeagueGame, game: &mu
         .with_label_values(&[opponent.as_str(), league_game.sampler])
         .inc();
     if let Some(reason) = fallback {
-        metrics.mirror_fallbacks.with_label_values(&[reason.label()]).inc();
+        metrics
+            .mirror_fallbacks
+            .with_label_values(&[reason.label()])
+            .inc();
     }
 }
 

@@ -50,7 +50,10 @@ fn spawn_stand_in(client: async_nats::Client, asked: Arc<Mutex<Vec<Option<u64>>>
             asked.lock().unwrap().push(wanted);
             if wanted == Some(NOT_SERVED) {
                 let mut headers = async_nats::HeaderMap::new();
-                headers.insert(async_nats::service::NATS_SERVICE_ERROR, "adapter \"policy\" has no version 1");
+                headers.insert(
+                    async_nats::service::NATS_SERVICE_ERROR,
+                    "adapter \"policy\" has no version 1",
+                );
                 headers.insert(async_nats::service::NATS_SERVICE_ERROR_CODE, "404");
                 client
                     .publish_with_headers(reply_to, headers, Vec::<u8>::new().into())
@@ -185,7 +188,10 @@ async fn league_games_seat_past_versions_and_rate_them() {
     }
     assert_eq!(learner_seats.len(), 2, "the seating never varied");
     for expected in ["v0", "v2", "random", "self"] {
-        assert!(opponents.contains(expected), "{expected} never played: {opponents:?}");
+        assert!(
+            opponents.contains(expected),
+            "{expected} never played: {opponents:?}"
+        );
     }
     // v1 was asked for, refused, and its games went on as mirror games.
     assert!(asked.lock().unwrap().contains(&Some(NOT_SERVED)));
@@ -211,7 +217,10 @@ async fn league_games_seat_past_versions_and_rate_them() {
     }
     assert!(pool.games_between(&newest, &MemberId::Fixed("random".into())) > 0);
     // Never played, never rated: neither the refused v1 nor the mirror games.
-    assert_eq!(pool.games_between(&newest, &MemberId::Version(NOT_SERVED)), 0);
+    assert_eq!(
+        pool.games_between(&newest, &MemberId::Version(NOT_SERVED)),
+        0
+    );
     assert_eq!(pool.games_between(&newest, &newest), 0);
     let rated = pool.get(&newest).unwrap().rating;
     assert_ne!(rated, PoolConfig::default().trueskill.new_rating());

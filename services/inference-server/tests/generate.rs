@@ -511,10 +511,7 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
 
 /// Puts the fixture adapter into the run's bucket as `policy/v<version>`,
 /// as the learner of a league run stores each version.
-async fn store_version(
-    store: &async_nats::jetstream::object_store::ObjectStore,
-    version: u64,
-) {
+async fn store_version(store: &async_nats::jetstream::object_store::ObjectStore, version: u64) {
     let (config_json, safetensors) = fixture_adapter_files();
     let key = relay_kit::league::adapter_key("policy", version);
     store

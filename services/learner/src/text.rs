@@ -183,7 +183,9 @@ async fn adapter_update(
             Ok(bucket) => stored_in = Some(bucket),
             // Inline still reaches the inference servers; only serving it
             // later as a past version needs the store.
-            Err(e) if inline => tracing::warn!(error = %e, version = progress.version, "adapter version not stored"),
+            Err(e) if inline => {
+                tracing::warn!(error = %e, version = progress.version, "adapter version not stored")
+            }
             Err(e) => return Err(e),
         }
     }
@@ -228,7 +230,10 @@ impl League {
                         pool.add_fixed(fixed.clone())?;
                     }
                 }
-                if pool.get(&relay_league::MemberId::Version(version)).is_some() {
+                if pool
+                    .get(&relay_league::MemberId::Version(version))
+                    .is_some()
+                {
                     return Ok(0);
                 }
                 let parent = pool.current_version();
@@ -259,7 +264,9 @@ impl League {
         while let Some(object) = objects.next().await {
             let object = object.map_err(|e| format!("listing {bucket}: {e}"))?;
             if let Some((name, version)) = relay_kit::league::parse_adapter_object(&object.name) {
-                let kept = pool.get(&relay_league::MemberId::Version(version)).is_some();
+                let kept = pool
+                    .get(&relay_league::MemberId::Version(version))
+                    .is_some();
                 if name == ADAPTER_NAME && version < newest && !kept {
                     doomed.push((object.name, version));
                 }
@@ -317,8 +324,13 @@ impl Publisher<'_> {
                     if evicted || !league.pruned_once.swap(true, Ordering::Relaxed) {
                         match league.prune(self.service, &pool).await {
                             Ok(0) => {}
-                            Ok(deleted) => tracing::info!(deleted, "evicted league versions deleted from the object store"),
-                            Err(e) => tracing::warn!(error = %e, "evicted league versions not deleted"),
+                            Ok(deleted) => tracing::info!(
+                                deleted,
+                                "evicted league versions deleted from the object store"
+                            ),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "evicted league versions not deleted")
+                            }
                         }
                     }
                 }

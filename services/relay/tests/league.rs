@@ -96,7 +96,10 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
         }
     }
     let last = learner_done.unwrap();
-    assert!(last as usize > KEEP, "{last} versions do not overflow the pool");
+    assert!(
+        last as usize > KEEP,
+        "{last} versions do not overflow the pool"
+    );
     // The pool is written once a second: give the last results a moment.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     trigger.trigger();
@@ -121,7 +124,10 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
     .expect("the learner created the pool");
     // Every version joined; the newest KEEP stayed; the bots are fixed members.
     let versions: Vec<u64> = pool.versions().collect();
-    assert_eq!(versions, ((last + 1 - KEEP as u64)..=last).collect::<Vec<_>>());
+    assert_eq!(
+        versions,
+        ((last + 1 - KEEP as u64)..=last).collect::<Vec<_>>()
+    );
     for bot in ["random", "minimax"] {
         assert!(pool.get(&MemberId::Fixed(bot.into())).is_some(), "{pool:?}");
     }
@@ -130,8 +136,7 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
     let mut between_versions = 0;
     for (i, a) in versions.iter().enumerate() {
         for b in &versions[i + 1..] {
-            between_versions +=
-                pool.games_between(&MemberId::Version(*a), &MemberId::Version(*b));
+            between_versions += pool.games_between(&MemberId::Version(*a), &MemberId::Version(*b));
         }
     }
     assert!(

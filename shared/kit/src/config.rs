@@ -1156,7 +1156,10 @@ impl LeagueSection {
                 ));
             }
             if is_text_game(env_id) && !bot_plays(name, env_id) {
-                return Err(invalid(&field, format!("bot {name} does not play {env_id}")));
+                return Err(invalid(
+                    &field,
+                    format!("bot {name} does not play {env_id}"),
+                ));
             }
         }
         let members: Vec<String> = league_fixed_names(text, self);

@@ -187,7 +187,13 @@ mod tests {
             parse_adapter_object(&format!("{key}/adapter_config.json")),
             Some(("policy", 12))
         );
-        for bad in ["policy/v12", "policy/12/x", "policy/v/x", "/v1/x", "policy/v1x/y"] {
+        for bad in [
+            "policy/v12",
+            "policy/12/x",
+            "policy/v/x",
+            "/v1/x",
+            "policy/v1x/y",
+        ] {
             assert_eq!(parse_adapter_object(bad), None, "{bad}");
         }
         assert_eq!(adapter_bucket("ttt"), "relay-ttt-adapters");

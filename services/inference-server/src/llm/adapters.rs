@@ -294,7 +294,11 @@ impl AdapterStore {
             Some(source) => source,
             None => match self.stored(&wanted.name, version).await {
                 Ok(source) => {
-                    tracing::info!(name = wanted.name, version, "adapter version fetched from the object store");
+                    tracing::info!(
+                        name = wanted.name,
+                        version,
+                        "adapter version fetched from the object store"
+                    );
                     source
                 }
                 Err(StoredError::NotFound(detail)) => {
@@ -335,11 +339,10 @@ impl AdapterStore {
         let Some(bucket) = &self.bucket else {
             return Err(StoredError::NotFound("no object store bucket".into()));
         };
-        let store = self
-            .jetstream
-            .get_object_store(bucket)
-            .await
-            .map_err(|e| StoredError::NotFound(format!("object store bucket {bucket:?}: {e}")))?;
+        let store =
+            self.jetstream.get_object_store(bucket).await.map_err(|e| {
+                StoredError::NotFound(format!("object store bucket {bucket:?}: {e}"))
+            })?;
         let key = relay_kit::league::adapter_key(name, version);
         let object = format!("{key}/{}", relay_llm::peft::CONFIG_FILE);
         match store.info(&object).await {
@@ -347,10 +350,7 @@ impl AdapterStore {
                 bucket: bucket.clone(),
                 key,
             }),
-            Err(e)
-                if e.kind()
-                    == async_nats::jetstream::object_store::InfoErrorKind::NotFound =>
-            {
+            Err(e) if e.kind() == async_nats::jetstream::object_store::InfoErrorKind::NotFound => {
                 Err(StoredError::NotFound(format!("{bucket}/{object}: {e}")))
             }
             Err(e) => Err(StoredError::Failed(format!("{bucket}/{object}: {e}"))),
