@@ -377,6 +377,203 @@ fn as_mirror(game: &mut PlayedGame, past: u64) {
     }
 }
 
+/// Runs text mode until shutdown.
+pub(crate) async fn run(
+    service: Service,
+    shutdown: Shutdown,
+    seed: u64,
+) -> Result<(), ServiceError> {
+    let cfg = service.config.clone();
+    let text = &cfg.text;
+    let env_id = cfg.run.env_id.clone();
+    let metrics = TextMetrics::register(&service.registry);
+    let settings = GameSettings::from_config(text);
+    let generator = NatsGenerate::new(service.nats.clone(), service.subjects.generate());
+    let players = relay_envs::make_text_game(&env_id)
+        .map_err(|e| ServiceError::other(format!("run.env_id: {e}")))?
+        .num_players();
+    let mut opponents: Vec<(Pick, f64)> = text
+        .opponent_weights()?
+        .into_iter()
+        .map(|(opponent, weight)| (Pick::Listed(opponent), weight))
+        .collect();
+    let league_metrics = LeagueMetrics::register(&service.registry);
+    // League games draw their opponents from the pool (two players, the
+    // model learning: checked by the config).
+    let draws = if cfg.league_enabled() && players == 2 {
+        opponents.push((Pick::League, text.league_weight()));
+        Some(LeagueDraws::start(cfg.clone(), shutdown.clone()).map_err(ServiceError::other)?)
+    } else {
+        None
+    };
+    let pick = WeightedIndex::new(opponents.iter().map(|(_, w)| *w))
+        .map_err(|e| ServiceError::other(format!("text.opponents: {e}")))?;
+    // Games of the learning adapter against bots and past versions rate
+    // its versions.
+    let league = (players == 2 && text.learner_bot().is_none())
+        .then(|| LeagueRecorder::start(cfg.clone(), shutdown.clone()));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut games: JoinSet<Finished> = JoinSet::new();
+    let mut window = Window::default();
+    let mut paused_until: Option<tokio::time::Instant> = None;
+    let mut report = tokio::time::interval(Duration::from_secs(1));
+    report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut reported_moves, mut reported_tokens, mut reported_chars) = (0u64, 0u64, 0u64);
+    let (mut finished_games, mut reported_games) = (0u64, 0u64);
+    let mut reported_at = Instant::now();
+    tracing::info!(%env_id, in_flight = text.games_in_flight, learner = %text.learner, "text mode");
+    service.health.set_ready(true);
+
+    loop {
+        let paused = paused_until.is_some_and(|t| tokio::time::Instant::now() < t);
+        while !paused && games.len() < text.games_in_flight {
+            let (opponent, _) = &opponents[pick.sample(&mut rng)];
+            let opponent = match opponent {
+                Pick::Listed(opponent) => opponent,
+                Pick::League => {
+                    let draws = draws.as_ref().expect("league picks need draws");
+                    let (spec, game) = seat_league_game(
+                        draws,
+                        &mut rng,
+                        text,
+                        players,
+                        &env_id,
+                        &service.instance,
+                    )?;
+                    let past = game.past;
+                    let settings = settings.clone();
+                    if past.is_some() {
+                        let pinned = FallbackGenerate::new(
+                            service.nats.clone(),
+                            service.subjects.generate(),
+                        );
+                        games.spawn(async move {
+                            let played = play_game(&pinned, spec, &settings).await;
+                            let game = LeagueGame {
+                                fell_back: pinned.fell_back(),
+                                ..game
+                            };
+                            ("league".to_string(), Some(game), played)
+                        });
+                    } else {
+                        let generator = generator.clone();
+                        games.spawn(async move {
+                            let played = play_game(&generator, spec, &settings).await;
+                            ("league".to_string(), Some(game), played)
+                        });
+                    }
+                    continue;
+                }
+            };
+            let label = if players == 1 {
+                "none".to_string()
+            } else {
+                opponent.label()
+            };
+            let learner_seat = rng.random_range(0..players);
+            let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
+            let bot_seed: u64 = rng.random();
+            let seats = arrange(
+                learner,
+                || Seat::opponent(opponent, bot_seed, text),
+                players,
+                learner_seat,
+            )
+            .map_err(ServiceError::other)?;
+            let spec = GameSpec {
+                env_id: env_id.clone(),
+                seed: rng.random(),
+                seats,
+                learner_seat: Some(learner_seat),
+                runner_id: service.instance.clone(),
+            };
+            let (generator, settings) = (generator.clone(), settings.clone());
+            games.spawn(async move { (label, None, play_game(&generator, spec, &settings).await) });
+        }
+        tokio::select! {
+            _ = shutdown.wait() => break,
+            _ = tokio::time::sleep_until(paused_until.unwrap_or_else(tokio::time::Instant::now)), if paused => {
+                paused_until = None;
+            }
+            Some(joined) = games.join_next() => match joined {
+                Ok((label, league_game, Ok(mut game))) => {
+                    finished_games += 1;
+                    if let Some(league_game) = league_game {
+                        count_league_game(&league_metrics, league_game, &mut game);
+                    }
+                    if let Some(league) = &league {
+                        if let Some(result) = league.game(&game) {
+                            if let MemberId::Version(past) = result.opponent {
+                                league_metrics
+                                    .opponent_lag
+                                    .observe(result.current.saturating_sub(past) as f64);
+                            }
+                        }
+                    }
+                    finished(&service, &metrics, &mut window, &label, game).await;
+                }
+                Ok((_, _, Err(GameError::Abandoned { last, turn, player, attempts }))) => {
+                    tracing::warn!(error = %last, turn, player, attempts, "game abandoned");
+                    metrics.abandoned.with_label_values(&[last.label()]).inc();
+                    metrics.retries.inc_by(attempts.saturating_sub(1) as u64);
+                    paused_until = Some(tokio::time::Instant::now() + ABANDON_PAUSE);
+                }
+                Ok((_, _, Err(e))) => {
+                    tracing::error!(error = %e, "game failed");
+                    metrics.abandoned.with_label_values(&["error"]).inc();
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "game task failed");
+                    metrics.abandoned.with_label_values(&["panic"]).inc();
+                }
+            },
+            _ = report.tick() => {
+                let elapsed = reported_at.elapsed().as_secs_f64().max(1e-9);
+                reported_at = Instant::now();
+                let moves = metrics.moves.get();
+                let tokens = metrics.completion_tokens.get();
+                let chars = metrics.generated_chars.get();
+                let mut values = vec![
+                    counter("env_steps_total", (moves - reported_moves) as f64),
+                    counter("vec_steps_total", (moves - reported_moves) as f64),
+                    counter("games_total", (finished_games - reported_games) as f64),
+                    counter("completion_tokens_total", (tokens - reported_tokens) as f64),
+                    gauge("env_runner_sps", (moves - reported_moves) as f64 / elapsed),
+                    gauge("env_runner_chars_per_second", (chars - reported_chars) as f64 / elapsed),
+                    gauge("env_runner_policy_version", window.policy_version as f64),
+                    gauge("env_runner_distinct_states", window.states.len() as f64),
+                ];
+                if !window.returns.is_empty() {
+                    values.push(gauge(
+                        "env_runner_episode_return_mean",
+                        window.returns.iter().sum::<f64>() / window.returns.len() as f64,
+                    ));
+                }
+                if !window.outcomes.is_empty() {
+                    values.push(gauge("env_runner_win_rate", window.rate(Outcome::Win)));
+                    values.push(gauge("env_runner_draw_rate", window.rate(Outcome::Draw)));
+                    values.push(gauge("env_runner_loss_rate", window.rate(Outcome::Loss)));
+                }
+                if !window.moves.is_empty() {
+                    values.push(gauge("env_runner_invalid_move_rate", window.invalid_move_rate()));
+                }
+                if let Some(entropy) = window.move_entropy() {
+                    values.push(gauge("env_runner_move_entropy", entropy));
+                }
+                service.report(Some(moves), values).await;
+                (reported_moves, reported_tokens, reported_chars) = (moves, tokens, chars);
+                reported_games = finished_games;
+                publish_episodes(&service, &mut window).await;
+            }
+        }
+    }
+    service.health.set_ready(false);
+    games.abort_all();
+    publish_episodes(&service, &mut window).await;
+    service.drain().await;
+    Ok(())
+}
+
 /// Counts a finished league game by the opponent it really had, turning a
 /// game whose past version was not served into the mirror game it was.
 fn count_league_game(metrics: &LeagueMetrics, league_game: LeagueGame, game: &mut PlayedGame) {
