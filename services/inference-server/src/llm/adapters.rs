@@ -346,6 +346,10 @@ impl AdapterStore {
         let key = relay_kit::league::adapter_key(name, version);
         let object = format!("{key}/{}", relay_llm::peft::CONFIG_FILE);
         match store.info(&object).await {
+            // A deleted object keeps its info, marked deleted.
+            Ok(info) if info.deleted => Err(StoredError::NotFound(format!(
+                "{bucket}/{object} was deleted"
+            ))),
             Ok(_) => Ok(Source::ObjectStore {
                 bucket: bucket.clone(),
                 key,
