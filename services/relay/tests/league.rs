@@ -68,11 +68,19 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
         tokio::spawn(relay_learner::run(config(), shutdown.clone())),
     ];
 
-    // Until the learner is done and a game against a past version was seen.
+    // Until the learner is done and a game between two versions the pool
+    // still holds at the end (the newest KEEP) was seen.
     let mut against_past: BTreeSet<(u64, u64)> = BTreeSet::new();
     let mut learner_done: Option<u64> = None;
     let deadline = Instant::now() + Duration::from_secs(150);
-    while learner_done.is_none() || against_past.is_empty() {
+    let kept_pair_played = |played: &BTreeSet<(u64, u64)>, last: Option<u64>| {
+        last.is_some_and(|last| {
+            played
+                .iter()
+                .any(|&(current, past)| past + KEEP as u64 > last && current > past)
+        })
+    };
+    while !kept_pair_played(&against_past, learner_done) {
         assert!(
             Instant::now() < deadline,
             "timed out: games against past versions {against_past:?}, learner done at {learner_done:?}"
