@@ -157,16 +157,20 @@ fn follow_ratings(
     while !stop.load(Ordering::Relaxed) {
         if store.is_none() {
             if let Some(url) = stack_redis(&state_dir, &run_id) {
-                let connect = relay_kit::connect_redis(&url, &shutdown);
-                if let Ok(Ok(redis)) =
-                    runtime.block_on(tokio::time::timeout(Duration::from_secs(2), connect))
-                {
+                let connect = async {
+                    tokio::time::timeout(
+                        Duration::from_secs(2),
+                        relay_kit::connect_redis(&url, &shutdown),
+                    )
+                    .await
+                };
+                if let Ok(Ok(redis)) = runtime.block_on(connect) {
                     store = Some(relay_kit::league::LeagueStore::new(redis, &run_id));
                 }
             }
         }
         if let Some(store) = &store {
-            let load = tokio::time::timeout(Duration::from_secs(2), store.load());
+            let load = async { tokio::time::timeout(Duration::from_secs(2), store.load()).await };
             if let Ok(Ok(Some(pool))) = runtime.block_on(load) {
                 let reading = Reading::of(&pool, started.elapsed().as_secs_f64() / 60.0);
                 if printed_at.is_none_or(|t| t.elapsed() >= every) {
