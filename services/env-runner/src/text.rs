@@ -13,8 +13,14 @@
 //! (`relay_env_runner_games_abandoned_total{reason}`), and new games wait a
 //! second (`ABANDON_PAUSE`) so a missing inference server is not hammered.
 //!
-//! Games of the learning adapter against bots are recorded in the run's
-//! league pool ([`crate::league`]), which rates each adapter version.
+//! With `text.opponents.league` (the self-play league), that share of
+//! games has its opponent drawn by `league.sampler` from the run's league
+//! pool ([`crate::league`]): the current version itself (mirror), a past
+//! version (seated as the learning adapter pinned at that version,
+//! `policy@v<N>`), or a fixed bot; the sampler's coin decides who moves
+//! first. A past version no inference server serves turns the game into a
+//! mirror game (counted). Games of the learning adapter against bots and
+//! past versions are recorded in the pool, which rates each version.
 //!
 //! Metrics: games by opponent and outcome, abandoned games, the learning
 //! policy's moves and invalid moves, retries, time per model move and per
@@ -33,12 +39,14 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_kit::config::Opponent;
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
+use relay_league::{Matchup, MemberId};
 
-use crate::league::LeagueRecorder;
+use crate::league::{FallbackGenerate, FallbackReason, LeagueDraws, LeagueMetrics, LeagueRecorder};
 use relay_policy::text::{
-    arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, PlayedGame, Seat,
+    arrange, learning_adapter, make_bot, play_game, GameError, GameSettings, GameSpec,
+    NatsGenerate, Outcome, PlayedGame, Seat, LEARNING_ADAPTER,
 };
-use relay_proto::{EpisodeReport, EpisodeSummary, SCHEMA_VERSION};
+use relay_proto::{AdapterRef, EpisodeReport, EpisodeSummary, SCHEMA_VERSION};
 use tokio::task::JoinSet;
 
 /// How long new games wait after one was abandoned.
@@ -231,8 +239,143 @@ fn push_bounded<T>(queue: &mut VecDeque<T>, item: Option<T>, bound: usize) {
     }
 }
 
-/// What a finished game task hands back.
-type Finished = (String, Result<PlayedGame, GameError>);
+/// Where a training game's opponent comes from: a `text.opponents` entry,
+/// or the league sampler.
+enum Pick {
+    Listed(Opponent),
+    League,
+}
+
+/// The opponent of a league game as seated.
+enum LeagueOpponent {
+    /// The current version itself.
+    Mirror,
+    /// A past version, pinned.
+    Past(u64),
+    /// A fixed bot.
+    Bot(String),
+}
+
+/// What a league game was meant to be, for its metrics.
+struct LeagueGame {
+    /// `self`, `past` or the bot's name.
+    opponent: String,
+    /// The sampler rule that chose it (`none` when there was no draw).
+    sampler: &'static str,
+    /// Why it is a mirror game instead of the drawn one, if it is.
+    fallback: Option<FallbackReason>,
+    /// The pinned past version, if one was seated.
+    past: Option<u64>,
+    /// The past version was not served and the current one played it.
+    fell_back: bool,
+}
+
+/// What a finished game task hands back: the games-metric label, the
+/// league game's details, the game.
+type Finished = (String, Option<LeagueGame>, Result<PlayedGame, GameError>);
+
+/// The opponent a draw seats (a fixed member that is not a bot this runner
+/// plays is replaced by mirror play).
+fn league_opponent(matchup: &Matchup) -> (LeagueOpponent, Option<FallbackReason>) {
+    match &matchup.opponent {
+        MemberId::Version(version) if *version == matchup.current => (LeagueOpponent::Mirror, None),
+        MemberId::Version(version) => (LeagueOpponent::Past(*version), None),
+        MemberId::Fixed(name) if relay_kit::config::BOT_NAMES.contains(&name.as_str()) => {
+            (LeagueOpponent::Bot(name.clone()), None)
+        }
+        MemberId::Fixed(_) => (LeagueOpponent::Mirror, Some(FallbackReason::Unplayable)),
+    }
+}
+
+/// Draws the opponent of one league game and seats it: the sampler's coin
+/// decides who moves first (a random seat when there was no draw).
+fn seat_league_game(
+    draws: &LeagueDraws,
+    rng: &mut ChaCha8Rng,
+    text: &relay_kit::config::TextConfig,
+    players: usize,
+    env_id: &str,
+    runner_id: &str,
+) -> Result<(GameSpec, LeagueGame), ServiceError> {
+    let (seated, learner_seat, sampler, fallback) = match draws.draw(rng) {
+        Ok(matchup) => {
+            let (seated, fallback) = league_opponent(&matchup);
+            let seat = if matchup.current_moves_first { 0 } else { 1 };
+            (seated, seat, matchup.sampler.as_str(), fallback)
+        }
+        Err(reason) => (
+            LeagueOpponent::Mirror,
+            rng.random_range(0..players),
+            "none",
+            Some(reason),
+        ),
+    };
+    let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
+    let bot_seed: u64 = rng.random();
+    let (label, past, mut seat) = match seated {
+        LeagueOpponent::Mirror => (
+            "self".to_string(),
+            None,
+            Some(Seat::Model(Some(learning_adapter()))),
+        ),
+        LeagueOpponent::Past(version) => (
+            "past".to_string(),
+            Some(version),
+            Some(Seat::Model(Some(AdapterRef {
+                name: LEARNING_ADAPTER.to_string(),
+                version: Some(version),
+            }))),
+        ),
+        LeagueOpponent::Bot(name) => {
+            let bot = make_bot(&name, bot_seed, text).map_err(ServiceError::other)?;
+            (name, None, Some(Seat::Bot(bot)))
+        }
+    };
+    let seats = arrange(
+        learner,
+        || seat.take().ok_or_else(|| "one opponent seat".to_string()),
+        players,
+        learner_seat,
+    )
+    .map_err(ServiceError::other)?;
+    let spec = GameSpec {
+        env_id: env_id.to_string(),
+        seed: rng.random(),
+        seats,
+        learner_seat: Some(learner_seat),
+        runner_id: runner_id.to_string(),
+    };
+    let game = LeagueGame {
+        opponent: label,
+        sampler,
+        fallback,
+        past,
+        fell_back: false,
+    };
+    Ok((spec, game))
+}
+
+/// A league game whose past version was not served at all is the mirror
+/// game it was played as: the opponent seat becomes the learning seat's
+/// policy (so both seats train, and it is not rated). If the pinned
+/// version played some moves before it was lost, the record stays as it
+/// is (and is not rated: its versions are mixed).
+fn as_mirror(game: &mut PlayedGame, past: u64) {
+    let record = &mut game.record;
+    let Some(learner) = record.learner_seat.map(usize::from) else {
+        return;
+    };
+    if record.seats.len() != 2 || learner > 1 {
+        return;
+    }
+    let other = 1 - learner;
+    let pinned_moved = record.turns.iter().any(|t| {
+        t.player as usize == other && t.adapter.as_ref().and_then(|a| a.version) == Some(past)
+    });
+    if !pinned_moved {
+        record.seats[other] = record.seats[learner].clone();
+    }
+}
 
 /// Runs text mode until shutdown.
 pub(crate) async fn run(
@@ -249,10 +392,24 @@ pub(crate) async fn run(
     let players = relay_envs::make_text_game(&env_id)
         .map_err(|e| ServiceError::other(format!("run.env_id: {e}")))?
         .num_players();
-    let opponents: Vec<(Opponent, f64)> = text.opponent_weights()?;
+    let mut opponents: Vec<(Pick, f64)> = text
+        .opponent_weights()?
+        .into_iter()
+        .map(|(opponent, weight)| (Pick::Listed(opponent), weight))
+        .collect();
+    let league_metrics = LeagueMetrics::register(&service.registry);
+    // League games draw their opponents from the pool (two players, the
+    // model learning: checked by the config).
+    let draws = if cfg.league_enabled() && players == 2 {
+        opponents.push((Pick::League, text.league_weight()));
+        Some(LeagueDraws::start(cfg.clone(), shutdown.clone()).map_err(ServiceError::other)?)
+    } else {
+        None
+    };
     let pick = WeightedIndex::new(opponents.iter().map(|(_, w)| *w))
         .map_err(|e| ServiceError::other(format!("text.opponents: {e}")))?;
-    // Games of the learning adapter against bots rate its versions.
+    // Games of the learning adapter against bots and past versions rate
+    // its versions.
     let league = (players == 2 && text.learner_bot().is_none())
         .then(|| LeagueRecorder::start(cfg.clone(), shutdown.clone()));
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -271,6 +428,43 @@ pub(crate) async fn run(
         let paused = paused_until.is_some_and(|t| tokio::time::Instant::now() < t);
         while !paused && games.len() < text.games_in_flight {
             let (opponent, _) = &opponents[pick.sample(&mut rng)];
+            let opponent = match opponent {
+                Pick::Listed(opponent) => opponent,
+                Pick::League => {
+                    let draws = draws.as_ref().expect("league picks need draws");
+                    let (spec, game) = seat_league_game(
+                        draws,
+                        &mut rng,
+                        text,
+                        players,
+                        &env_id,
+                        &service.instance,
+                    )?;
+                    let past = game.past;
+                    let settings = settings.clone();
+                    if past.is_some() {
+                        let pinned = FallbackGenerate::new(
+                            service.nats.clone(),
+                            service.subjects.generate(),
+                        );
+                        games.spawn(async move {
+                            let played = play_game(&pinned, spec, &settings).await;
+                            let game = LeagueGame {
+                                fell_back: pinned.fell_back(),
+                                ..game
+                            };
+                            ("league".to_string(), Some(game), played)
+                        });
+                    } else {
+                        let generator = generator.clone();
+                        games.spawn(async move {
+                            let played = play_game(&generator, spec, &settings).await;
+                            ("league".to_string(), Some(game), played)
+                        });
+                    }
+                    continue;
+                }
+            };
             let label = if players == 1 {
                 "none".to_string()
             } else {
@@ -294,7 +488,7 @@ pub(crate) async fn run(
                 runner_id: service.instance.clone(),
             };
             let (generator, settings) = (generator.clone(), settings.clone());
-            games.spawn(async move { (label, play_game(&generator, spec, &settings).await) });
+            games.spawn(async move { (label, None, play_game(&generator, spec, &settings).await) });
         }
         tokio::select! {
             _ = shutdown.wait() => break,
@@ -302,20 +496,29 @@ pub(crate) async fn run(
                 paused_until = None;
             }
             Some(joined) = games.join_next() => match joined {
-                Ok((label, Ok(game))) => {
+                Ok((label, league_game, Ok(mut game))) => {
                     finished_games += 1;
+                    if let Some(league_game) = league_game {
+                        count_league_game(&league_metrics, league_game, &mut game);
+                    }
                     if let Some(league) = &league {
-                        league.game(&game);
+                        if let Some(result) = league.game(&game) {
+                            if let MemberId::Version(past) = result.opponent {
+                                league_metrics
+                                    .opponent_lag
+                                    .observe(result.current.saturating_sub(past) as f64);
+                            }
+                        }
                     }
                     finished(&service, &metrics, &mut window, &label, game).await;
                 }
-                Ok((_, Err(GameError::Abandoned { last, turn, player, attempts }))) => {
+                Ok((_, _, Err(GameError::Abandoned { last, turn, player, attempts }))) => {
                     tracing::warn!(error = %last, turn, player, attempts, "game abandoned");
                     metrics.abandoned.with_label_values(&[last.label()]).inc();
                     metrics.retries.inc_by(attempts.saturating_sub(1) as u64);
                     paused_until = Some(tokio::time::Instant::now() + ABANDON_PAUSE);
                 }
-                Ok((_, Err(e))) => {
+                Ok((_, _, Err(e))) => {
                     tracing::error!(error = %e, "game failed");
                     metrics.abandoned.with_label_values(&["error"]).inc();
                 }
@@ -369,6 +572,28 @@ pub(crate) async fn run(
     publish_episodes(&service, &mut window).await;
     service.drain().await;
     Ok(())
+}
+
+/// Counts a finished league game by the opponent it really had, turning a
+/// game whose past version was not served into the mirror game it was.
+fn count_league_game(metrics: &LeagueMetrics, league_game: LeagueGame, game: &mut PlayedGame) {
+    let mut opponent = league_game.opponent;
+    let mut fallback = league_game.fallback;
+    if let (true, Some(past)) = (league_game.fell_back, league_game.past) {
+        as_mirror(game, past);
+        opponent = "self".to_string();
+        fallback = Some(FallbackReason::NotServed);
+    }
+    metrics
+        .opponent_games
+        .with_label_values(&[opponent.as_str(), league_game.sampler])
+        .inc();
+    if let Some(reason) = fallback {
+        metrics
+            .mirror_fallbacks
+            .with_label_values(&[reason.label()])
+            .inc();
+    }
 }
 
 async fn finished(

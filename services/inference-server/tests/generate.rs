@@ -509,6 +509,110 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
     served.stop().await;
 }
 
+/// Puts the fixture adapter into the run's bucket as `policy/v<version>`,
+/// as the learner of a league run stores each version.
+async fn store_version(store: &async_nats::jetstream::object_store::ObjectStore, version: u64) {
+    let (config_json, safetensors) = fixture_adapter_files();
+    let key = relay_kit::league::adapter_key("policy", version);
+    store
+        .put(
+            format!("{key}/adapter_config.json").as_str(),
+            &mut config_json.as_bytes(),
+        )
+        .await
+        .unwrap();
+    store
+        .put(
+            format!("{key}/adapter_model.safetensors").as_str(),
+            &mut safetensors.as_slice(),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versions_never_announced_are_served_from_the_run_bucket() {
+    // One adapter loaded at a time: switching evicts, and the stored
+    // version has to be fetched again.
+    let run = "gen-stored";
+    let served = serve(run, &["llm.max_adapters=1"]).await;
+    let case = &cases()[1];
+    let want = served
+        .generate(&tokens_request(
+            &case.input_ids,
+            fixture_adapter(Some(0)),
+            8,
+        ))
+        .await
+        .unwrap();
+    let policy = |version| {
+        Some(AdapterRef {
+            name: "policy".into(),
+            version: Some(version),
+        })
+    };
+    let expect_404 = |result: Result<GenerateReply, RequestError>, words: &[&str]| match result {
+        Err(RequestError::Service { code, status, .. }) => {
+            assert_eq!(code, "404", "{status}");
+            for w in words {
+                assert!(status.contains(w), "{status:?} lacks {w:?}");
+            }
+        }
+        other => panic!("expected 404, got {other:?}"),
+    };
+    // No bucket yet: unknown.
+    expect_404(
+        served
+            .generate(&tokens_request(&case.input_ids, policy(7), 8))
+            .await,
+        &["policy"],
+    );
+    let jetstream = async_nats::jetstream::new(served.client.clone());
+    let store = jetstream
+        .create_object_store(async_nats::jetstream::object_store::Config {
+            bucket: relay_kit::league::adapter_bucket(run),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    store_version(&store, 7).await;
+    // Never announced on `adapters`, yet served, and again after the LRU
+    // dropped it for the fixture.
+    for adapter in [policy(7), fixture_adapter(None), policy(7)] {
+        let reply = served
+            .generate(&tokens_request(&case.input_ids, adapter.clone(), 8))
+            .await
+            .unwrap();
+        assert_eq!(completion(&reply), completion(&want));
+        if adapter.as_ref().unwrap().name == "policy" {
+            assert_eq!(reply.adapter, policy(7));
+        }
+    }
+    // A version the bucket does not hold.
+    expect_404(
+        served
+            .generate(&tokens_request(&case.input_ids, policy(8), 8))
+            .await,
+        &["policy"],
+    );
+    // Deleted from the bucket (evicted from the league): once the LRU has
+    // dropped it, it is gone.
+    for file in ["adapter_config.json", "adapter_model.safetensors"] {
+        store.delete(format!("policy/v7/{file}")).await.unwrap();
+    }
+    served
+        .generate(&tokens_request(&case.input_ids, fixture_adapter(None), 8))
+        .await
+        .unwrap();
+    expect_404(
+        served
+            .generate(&tokens_request(&case.input_ids, policy(7), 8))
+            .await,
+        &["policy"],
+    );
+    served.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_errors_and_the_service_keeps_serving() {
     let served = serve("gen-bad", &[]).await;

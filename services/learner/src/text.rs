@@ -17,6 +17,18 @@
 //! is published at start, so the env-runners' first games have an adapter
 //! to ask for.
 //!
+//! With the self-play league on (`text.opponents.league`), every version
+//! is also stored in the object store bucket (`policy/v<N>`, even when it
+//! is sent inline) so inference servers can serve it as a past opponent
+//! long after they heard it, and is admitted to the league pool before it
+//! is announced (inheriting the newest version's rating, sigma widened).
+//! The learner is the one that deletes the stored versions the pool no
+//! longer holds: it is the only writer of versions (one per run), so
+//! evictions (which happen when a version is admitted) happen here, and
+//! no two env-runners race to delete the same objects. Each pruning
+//! compares the bucket with the pool, so objects left by a crash or
+//! evicted elsewhere go too.
+//!
 //! Counters: one env step is one learning move trained on (what text-mode
 //! env-runners report as env steps), so `run.total_env_steps` is the
 //! budget in moves; `episodes` counts games.
@@ -112,52 +124,77 @@ pub fn load_state(dir: &Path) -> Result<TextCheckpointState, CheckpointError> {
     })
 }
 
-/// The JetStream object store bucket of a run's big adapter versions.
+/// The JetStream object store bucket of a run's adapter versions.
 pub fn object_store_bucket(run_id: &str) -> String {
-    format!("relay-{run_id}-adapters")
+    relay_kit::league::adapter_bucket(run_id)
+}
+
+/// The run's object store bucket, created if missing.
+async fn adapter_store(
+    service: &Service,
+) -> Result<(String, async_nats::jetstream::object_store::ObjectStore), String> {
+    let bucket = object_store_bucket(service.config.run_id().map_err(|e| e.to_string())?);
+    let jetstream = async_nats::jetstream::new(service.nats.clone());
+    let store = match jetstream.get_object_store(&bucket).await {
+        Ok(store) => store,
+        Err(_) => jetstream
+            .create_object_store(async_nats::jetstream::object_store::Config {
+                bucket: bucket.clone(),
+                description: Some("LoRA adapter versions of the learner".into()),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("object store bucket {bucket}: {e}"))?,
+    };
+    Ok((bucket, store))
 }
 
 /// Builds the [`AdapterUpdate`] of one version, uploading the files to the
-/// object store when they are bigger than `inline_max_bytes`.
+/// object store when they are bigger than `inline_max_bytes`, or always
+/// when `store_always` (the league serves past versions from there).
 async fn adapter_update(
     service: &Service,
     adapter: &LoraAdapter,
     base_model: &str,
     progress: &Progress,
     inline_max_bytes: usize,
+    store_always: bool,
 ) -> Result<AdapterUpdate, String> {
     let files = relay_llm::to_peft_bytes(adapter, Some(base_model)).map_err(|e| e.to_string())?;
-    let payload = if files.len() <= inline_max_bytes {
-        AdapterPayload::Inline {
+    let inline = files.len() <= inline_max_bytes;
+    let key = relay_kit::league::adapter_key(ADAPTER_NAME, progress.version);
+    let mut stored_in = None;
+    if store_always || !inline {
+        let upload = async {
+            let (bucket, store) = adapter_store(service).await?;
+            for (file, bytes) in [
+                (relay_llm::peft::CONFIG_FILE, files.config_json.as_bytes()),
+                (relay_llm::peft::WEIGHTS_FILE, files.safetensors.as_slice()),
+            ] {
+                let name = format!("{key}/{file}");
+                store
+                    .put(name.as_str(), &mut &bytes[..])
+                    .await
+                    .map_err(|e| format!("object {bucket}/{name}: {e}"))?;
+            }
+            Ok::<_, String>(bucket)
+        };
+        match upload.await {
+            Ok(bucket) => stored_in = Some(bucket),
+            // Inline still reaches the inference servers; only serving it
+            // later as a past version needs the store.
+            Err(e) if inline => {
+                tracing::warn!(error = %e, version = progress.version, "adapter version not stored")
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let payload = match stored_in {
+        Some(bucket) if !inline => AdapterPayload::ObjectStore { bucket, key },
+        _ => AdapterPayload::Inline {
             config_json: files.config_json,
             safetensors: files.safetensors,
-        }
-    } else {
-        let bucket = object_store_bucket(service.config.run_id().map_err(|e| e.to_string())?);
-        let jetstream = async_nats::jetstream::new(service.nats.clone());
-        let store = match jetstream.get_object_store(&bucket).await {
-            Ok(store) => store,
-            Err(_) => jetstream
-                .create_object_store(async_nats::jetstream::object_store::Config {
-                    bucket: bucket.clone(),
-                    description: Some("LoRA adapter versions of the learner".into()),
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| format!("object store bucket {bucket}: {e}"))?,
-        };
-        let key = format!("{ADAPTER_NAME}/v{}", progress.version);
-        for (file, bytes) in [
-            (relay_llm::peft::CONFIG_FILE, files.config_json.as_bytes()),
-            (relay_llm::peft::WEIGHTS_FILE, files.safetensors.as_slice()),
-        ] {
-            let name = format!("{key}/{file}");
-            store
-                .put(name.as_str(), &mut &bytes[..])
-                .await
-                .map_err(|e| format!("object {bucket}/{name}: {e}"))?;
-        }
-        AdapterPayload::ObjectStore { bucket, key }
+        },
     };
     Ok(AdapterUpdate {
         schema: SCHEMA_VERSION,
@@ -168,6 +205,85 @@ async fn adapter_update(
     })
 }
 
+/// The learner's part in the league: admitting versions and deleting the
+/// stored adapters of evicted ones.
+struct League {
+    store: relay_kit::league::LeagueStore,
+    config: relay_league::PoolConfig,
+    fixed: Vec<relay_league::FixedOpponent>,
+    /// Whether the bucket was compared with the pool since start (leftovers
+    /// of an earlier process go at the first publication).
+    pruned_once: std::sync::atomic::AtomicBool,
+}
+
+impl League {
+    /// Admits `version` (parent: the newest version in the pool), adding
+    /// missing fixed members; returns the pool and whether anything was
+    /// evicted.
+    async fn admit(&self, version: u64) -> Result<(relay_league::Pool, bool), String> {
+        let (evicted, pool) = self
+            .store
+            .update(self.config, &self.fixed, |pool| {
+                for fixed in &self.fixed {
+                    let id = relay_league::MemberId::Fixed(fixed.name.clone());
+                    if pool.get(&id).is_none() {
+                        pool.add_fixed(fixed.clone())?;
+                    }
+                }
+                if pool
+                    .get(&relay_league::MemberId::Version(version))
+                    .is_some()
+                {
+                    return Ok(0);
+                }
+                let parent = pool.current_version();
+                let evicted = pool.add_version(relay_league::PolicyVersion {
+                    version,
+                    parent,
+                    weights_ref: relay_kit::league::adapter_key(ADAPTER_NAME, version),
+                })?;
+                Ok(evicted.len())
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((pool, evicted > 0))
+    }
+
+    /// Deletes the stored versions of [`ADAPTER_NAME`] older than the
+    /// pool's newest that the pool does not hold; returns how many.
+    async fn prune(&self, service: &Service, pool: &relay_league::Pool) -> Result<usize, String> {
+        let Some(newest) = pool.current_version() else {
+            return Ok(0);
+        };
+        let (bucket, store) = adapter_store(service).await?;
+        let mut objects = store
+            .list()
+            .await
+            .map_err(|e| format!("listing {bucket}: {e}"))?;
+        let mut doomed = Vec::new();
+        while let Some(object) = objects.next().await {
+            let object = object.map_err(|e| format!("listing {bucket}: {e}"))?;
+            if let Some((name, version)) = relay_kit::league::parse_adapter_object(&object.name) {
+                let kept = pool
+                    .get(&relay_league::MemberId::Version(version))
+                    .is_some();
+                if name == ADAPTER_NAME && version < newest && !kept {
+                    doomed.push((object.name, version));
+                }
+            }
+        }
+        let mut versions = std::collections::BTreeSet::new();
+        for (object, version) in doomed {
+            store
+                .delete(&object)
+                .await
+                .map_err(|e| format!("deleting {bucket}/{object}: {e}"))?;
+            versions.insert(version);
+        }
+        Ok(versions.len())
+    }
+}
+
 /// Publishes adapter versions and keeps the newest for `adapters.latest`.
 struct Publisher<'a> {
     service: &'a Service,
@@ -175,6 +291,8 @@ struct Publisher<'a> {
     run_dir: &'a Path,
     base_model: &'a str,
     inline_max_bytes: usize,
+    /// Set when the league is on.
+    league: Option<League>,
 }
 
 impl Publisher<'_> {
@@ -187,6 +305,7 @@ impl Publisher<'_> {
             self.base_model,
             progress,
             self.inline_max_bytes,
+            self.league.is_some(),
         )
         .await
         {
@@ -196,6 +315,30 @@ impl Publisher<'_> {
                 return;
             }
         };
+        if let Some(league) = &self.league {
+            // Before the announcement, so the env-runners that hear of the
+            // version find it in the pool.
+            match league.admit(update.version).await {
+                Ok((pool, evicted)) => {
+                    use std::sync::atomic::Ordering;
+                    if evicted || !league.pruned_once.swap(true, Ordering::Relaxed) {
+                        match league.prune(self.service, &pool).await {
+                            Ok(0) => {}
+                            Ok(deleted) => tracing::info!(
+                                deleted,
+                                "evicted league versions deleted from the object store"
+                            ),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "evicted league versions not deleted")
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, version = update.version, "version not admitted to the league pool")
+                }
+            }
+        }
         if let Err(e) = checkpoint::record_published(self.run_dir, update.version) {
             tracing::warn!(error = %e, "could not record the published version");
         }
@@ -334,6 +477,20 @@ pub(crate) async fn run(
         resumes.inc();
     }
 
+    let league = if cfg.league_enabled() {
+        let redis = relay_kit::connect_redis_with(&cfg.connections, &shutdown)
+            .await
+            .map_err(|e| ServiceError::Other(format!("league pool: {e}")))?;
+        Some(League {
+            store: relay_kit::league::LeagueStore::new(redis, cfg.run_id()?),
+            config: cfg.league.pool,
+            fixed: cfg.league_fixed(),
+            pruned_once: std::sync::atomic::AtomicBool::new(false),
+        })
+    } else {
+        None
+    };
+
     // The newest AdapterUpdate, encoded, for `adapters.latest`.
     let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
     let micro = service.micro().await?;
@@ -379,6 +536,7 @@ pub(crate) async fn run(
         run_dir: &run_dir,
         base_model: &base_model,
         inline_max_bytes: cfg.lora.inline_max_bytes,
+        league,
     };
 
     let mut statuses = service

@@ -3,7 +3,7 @@
 //! 1. `relay model init tiny`: a random tiny Qwen2 (`<work>/tiny`).
 //! 2. `relay sft --full` on games of random legal moves: the model learns
 //!    the format (legal moves), not the strategy; its greedy games against
-//!    the random bot and minimax are the SFT-only starting point.
+//!    the random bot and minimax are printed as "SFT greedy".
 //! 3. RL with all six services (`relay up` on `--config`, by default
 //!    `configs/tictactoe-grpo.yaml`, with `llm.model` set to the SFT model)
 //!    for `--minutes`; the `vs-opponent` evaluator plays the current
@@ -14,8 +14,7 @@
 //!
 //! The first evaluation is of version 0, the zero adapter over the SFT
 //! model: the SFT-only starting point under the same conditions as every
-//! RL evaluation (sampled at `text.temperature`). `relay sft`'s own
-//! evaluation, greedy, is printed as "SFT greedy".
+//! RL evaluation (sampled at `text.temperature`).
 //!
 //! Ends with a table (SFT greedy, SFT only, last RL evaluation: legal-move
 //! rate and non-loss rate against each opponent) and a JSON line.
@@ -210,63 +209,104 @@ pub(crate) fn follow_evals(
     }
 }
 
-/// `relay bench-tictactoe`.
-pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
-    let started = Instant::now();
-    std::fs::create_dir_all(&args.work_dir)
-        .with_context(|| format!("creating {}", args.work_dir.display()))?;
-    let work = std::fs::canonicalize(&args.work_dir)?;
+/// The warm start of the TicTacToe benchmarks: `relay model init tiny`
+/// into `<work>/tiny`, then full SFT on games of random legal moves into
+/// `<work>/sft`; returns the SFT model's folder and its evaluation
+/// against random and minimax.
+pub(crate) fn sft_warm_start(
+    work: &std::path::Path,
+    sft_games: usize,
+    sft_epochs: usize,
+    eval_games: usize,
+    started: Instant,
+) -> Result<(PathBuf, Row)> {
     let tiny = work.join("tiny");
     crate::model::init_tiny(&tiny, 0)?;
 
-    println!("== SFT on {} games of random legal moves", args.sft_games);
+    println!("== SFT on {sft_games} games of random legal moves");
     let sft_out = work.join("sft");
     let summary = crate::sft::run_sft(SftArgs {
         env: "TicTacToe-v0".into(),
         model: tiny.display().to_string(),
         out: sft_out.clone(),
         data: None,
-        games: args.sft_games,
+        games: sft_games,
         bots: "random,random".into(),
         write_data: None,
         full: true,
         rank: 8,
         alpha: 16.0,
-        epochs: args.sft_epochs,
+        epochs: sft_epochs,
         batch_size: 32,
         minibatch_size: 8,
         lr: 1e-3,
         max_seq_len: None,
         system_prompt: None,
         holdout: 0.05,
-        eval_games: args.eval_games,
+        eval_games,
         eval_opponents: "random,minimax".into(),
         max_tokens: 8,
         seed: 0,
     })?;
-    let sft_minutes = started.elapsed().as_secs_f64() / 60.0;
-    let sft_row = Row {
+    let row = Row {
         stage: "SFT greedy".into(),
-        minutes: sft_minutes,
+        minutes: started.elapsed().as_secs_f64() / 60.0,
         version: None,
         results: summary.after.clone(),
     };
+    Ok((sft_out.join("model"), row))
+}
+
+/// The overrides of the benchmarks' RL run after the warm start: the SFT
+/// model as the base, runs under `runs_dir`, no stop when solved, moves
+/// not constrained to legal ones (the legal-move rate is the model's), no
+/// budget, and an evaluation every `eval_every_s` seconds.
+pub(crate) fn rl_overrides(
+    user: &[String],
+    sft_model: &std::path::Path,
+    runs_dir: &std::path::Path,
+    eval_every_s: u64,
+    eval_games: usize,
+) -> Vec<String> {
+    let mut overrides = user.to_vec();
+    overrides.extend([
+        format!("llm.model={}", sft_model.display()),
+        format!("run.runs_dir={}", runs_dir.display()),
+        "run.stop_when_solved=false".into(),
+        "text.constrained=false".into(),
+        "run.total_env_steps=1000000000".into(),
+        format!("eval.every_seconds={eval_every_s}"),
+        format!("eval.options.games={eval_games}"),
+    ]);
+    overrides
+}
+
+/// `relay bench-tictactoe`.
+pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&args.work_dir)
+        .with_context(|| format!("creating {}", args.work_dir.display()))?;
+    let work = std::fs::canonicalize(&args.work_dir)?;
+    let (sft_model, sft_row) = sft_warm_start(
+        &work,
+        args.sft_games,
+        args.sft_epochs,
+        args.eval_games,
+        started,
+    )?;
+    let sft_minutes = sft_row.minutes;
 
     println!("== RL for {} minutes", args.minutes);
     let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
     let run_id = format!("{}-bench", crate::make_run_id(&config));
     let runs_dir = work.join("runs");
-    let mut overrides = args.overrides.clone();
-    overrides.extend([
-        format!("llm.model={}", sft_out.join("model").display()),
-        format!("run.runs_dir={}", runs_dir.display()),
-        "run.stop_when_solved=false".into(),
-        // The legal-move rate is the model's own: no decoding constrained to legal moves.
-        "text.constrained=false".into(),
-        "run.total_env_steps=1000000000".into(),
-        format!("eval.every_seconds={}", args.eval_every_s),
-        format!("eval.options.games={}", args.eval_games),
-    ]);
+    let overrides = rl_overrides(
+        &args.overrides,
+        &sft_model,
+        &runs_dir,
+        args.eval_every_s,
+        args.eval_games,
+    );
     let up = UpArgs {
         config: args.config.clone(),
         overrides,

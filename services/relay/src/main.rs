@@ -13,7 +13,9 @@
 //! - `relay chaos`: fault injection (kill and restart every process) during a run;
 //! - `relay play <run|@last>`: an episode of a checkpoint's policy as text;
 //! - `relay model init tiny`: write a tiny random Qwen2 model folder;
-//! - `relay bench-generate`: LLM generation throughput and latency per batch size.
+//! - `relay bench-generate`: LLM generation throughput and latency per batch size;
+//! - `relay bench-league`: TicTacToe by self-play against past versions, with
+//!   the TrueSkill ratings of every version over time.
 
 use std::path::PathBuf;
 
@@ -100,6 +102,8 @@ enum Command {
     /// SmolLM2-135M-Instruct with a LoRA adapter learns TicTacToe against the random bot for a fixed number of RL updates; tokens/s, games/min, legal-move and win rates at start and end.
     #[command(name = "bench-smollm2")]
     BenchSmolLm2(relay::bench_smollm2::BenchSmolLm2Args),
+    /// TicTacToe by self-play against past versions: SFT warm start, then league training; TrueSkill ratings of every version over time and the newest one's results against random and minimax.
+    BenchLeague(relay::bench_league::BenchLeagueArgs),
     /// Generation tokens/s and request latency of the inference server for
     /// several models and batch sizes; print a table and JSON.
     BenchGenerate(relay::bench_generate::BenchGenerateArgs),
@@ -134,6 +138,7 @@ fn main() -> Result<()> {
         Command::Sft(args) => relay::sft::sft(args),
         Command::BenchTictactoe(args) => relay::bench_tictactoe::bench_tictactoe(args),
         Command::BenchSmolLm2(args) => relay::bench_smollm2::bench_smollm2(args),
+        Command::BenchLeague(args) => relay::bench_league::bench_league(args),
         Command::BenchGenerate(args) => relay::bench_generate::bench_generate(args),
     }
 }

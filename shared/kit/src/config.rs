@@ -68,6 +68,8 @@ pub struct ExperimentConfig {
     pub lora: LoraSection,
     #[serde(default)]
     pub rl: RlConfig,
+    #[serde(default)]
+    pub league: LeagueSection,
 }
 
 /// What is trained, for how long, and where its files go.
@@ -1042,7 +1044,11 @@ pub struct TextConfig {
     /// learning adapter in every seat), `base` (the base model without
     /// adapter), `random`, `minimax` (TicTacToe), `connect_four_bot`
     /// (ConnectFour), `adapter:<name>` (another adapter the inference
-    /// servers hold). Single-player games ignore it.
+    /// servers hold), `league` (an opponent the `league.sampler` draws from
+    /// the run's league pool: a past version of the learning adapter, the
+    /// current one, or a fixed bot; two-player games with `learner: model`
+    /// only). Every bot listed here, even at weight 0, is a fixed member
+    /// of the league pool. Single-player games ignore it.
     pub opponents: std::collections::BTreeMap<String, f64>,
     /// Games each env-runner copy plays at the same time (their generate
     /// requests overlap, so the inference servers can batch them).
@@ -1092,16 +1098,32 @@ impl Default for TextConfig {
 }
 
 impl TextConfig {
-    /// The opponents with their weights, parsed (in name order).
+    /// The opponents with their weights, parsed (in name order), without
+    /// the [`LEAGUE_OPPONENT`] entry (see [`TextConfig::league_weight`]).
     pub fn opponent_weights(&self) -> Result<Vec<(Opponent, f64)>, ConfigError> {
         self.opponents
             .iter()
+            .filter(|(name, _)| name.as_str() != LEAGUE_OPPONENT)
             .map(|(name, &w)| {
                 Opponent::parse(name)
                     .map(|o| (o, w))
                     .map_err(|e| invalid(&format!("text.opponents.{name}"), e))
             })
             .collect()
+    }
+
+    /// The relative weight of `league` in `opponents` (0 when absent): the
+    /// share of training games whose opponent the league sampler draws.
+    pub fn league_weight(&self) -> f64 {
+        self.opponents.get(LEAGUE_OPPONENT).copied().unwrap_or(0.0)
+    }
+
+    /// The bots among `opponents` (whatever their weight), in name order.
+    pub fn opponent_bots(&self) -> impl Iterator<Item = &str> {
+        self.opponents
+            .keys()
+            .map(String::as_str)
+            .filter(|name| BOT_NAMES.contains(name))
     }
 
     /// The learning side's bot, if `learner` names one (`None`: the model).
@@ -1146,6 +1168,31 @@ impl TextConfig {
                 opponent
                     .check_game(env_id)
                     .map_err(|e| invalid(&field, e))?;
+            }
+        }
+        let league = self.league_weight();
+        if !(league.is_finite() && league >= 0.0) {
+            return Err(invalid(
+                &format!("text.opponents.{LEAGUE_OPPONENT}"),
+                format!("weight must be a number >= 0, got {league}"),
+            ));
+        }
+        if league > 0.0 && game {
+            let field = format!("text.opponents.{LEAGUE_OPPONENT}");
+            if self.learner_bot().is_some() {
+                return Err(invalid(
+                    &field,
+                    "league games train the model: text.learner must be `model`",
+                ));
+            }
+            let players = relay_envs::make_text_game(env_id)
+                .map(|g| g.num_players())
+                .unwrap_or(0);
+            if players != 2 {
+                return Err(invalid(
+                    &field,
+                    format!("the league rates two-player games; {env_id} has {players} players"),
+                ));
             }
         }
         if self.opponents.values().all(|&w| w <= 0.0) {
@@ -1194,6 +1241,178 @@ impl TextConfig {
         positive("text.generate_attempts", self.generate_attempts as usize)?;
         positive("text.connect_four_depth", self.connect_four_depth as usize)?;
         Ok(())
+    }
+}
+
+/// The key of `text.opponents` whose weight is the share of training games
+/// played against an opponent drawn from the league pool.
+pub const LEAGUE_OPPONENT: &str = "league";
+
+/// The self-play league of a text run ([`relay_league`]): the pool of the
+/// learning adapter's published versions and fixed bots, rated by
+/// TrueSkill from the games the env-runners play, and the sampler that
+/// draws the opponent of each `league` game (`text.opponents.league`).
+///
+/// The pool lives in Redis (`relay:<run>:league`, [`crate::league`]); it is
+/// created from `pool` and the fixed members when the run first needs it
+/// and keeps its own settings afterwards (a resumed run keeps its ratings).
+/// With the league on (`text.opponents.league` > 0) the learner admits
+/// every version it publishes (inheriting the parent's rating) and stores
+/// it in the run's object store bucket, so inference servers can serve any
+/// version still in the pool.
+///
+/// Example (YAML):
+///
+/// ```yaml
+/// text:
+///   opponents: {league: 1, random: 0, minimax: 0}
+/// league:
+///   pool: {keep_latest: 8, keep_best: 2}
+///   sampler:
+///     kind: mixture
+///     components:
+///       - {weight: 0.4, sampler: {kind: mirror}}
+///       - {weight: 0.3, sampler: {kind: lagged, k: 2}}
+///       - {weight: 0.3, sampler: {kind: match_quality, temperature: 0.5}}
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LeagueSection {
+    /// How the pool rates and bounds itself (`relay_league::PoolConfig`):
+    /// `trueskill` {`mu`, `sigma`, `beta`, `tau`, `draw_probability`} (the
+    /// rating environment, defaults as the Python `trueskill` package),
+    /// `keep_latest` (newest versions always kept, default 10),
+    /// `keep_best` (best versions by `mu - conservative_k * sigma` kept
+    /// besides, default 3), `conservative_k` (default 3), `sigma_widen`
+    /// (added to the parent's sigma when a new version inherits its
+    /// rating, default 2). Versions outside these bounds are evicted, and
+    /// their stored adapters deleted.
+    pub pool: relay_league::PoolConfig,
+    /// Who the current version plays in a `league` game
+    /// (`relay_league::SamplerConfig`, tagged by `kind`): `mirror` (itself;
+    /// the default), `fixed` {`opponents`: [{`opponent`, `weight`}]} (named
+    /// members: a bot or `v<N>`), `lagged` {`k`} (the version k back),
+    /// `uniform` {`include_fixed`}, `match_quality` {`temperature`,
+    /// `floor`, `include_fixed`} (TrueSkill match quality, even matches
+    /// most), `least_played` {`include_fixed`}, or `mixture`
+    /// {`components`: [{`weight`, `sampler`}]}. Who moves first is a fair
+    /// coin each game.
+    pub sampler: relay_league::SamplerConfig,
+    /// Bots in the pool as fixed members besides those named in
+    /// `text.opponents` (`random`, `minimax`, `connect_four_bot`; each must
+    /// play the run's game), so samplers can draw them without the
+    /// env-runners also playing them directly.
+    pub fixed: Vec<String>,
+}
+
+impl LeagueSection {
+    /// Checks every field against the run's `text` section and game.
+    fn validate(&self, text: &TextConfig, env_id: &str) -> Result<(), ConfigError> {
+        if let Err(e) = self.pool.validate() {
+            return Err(match e {
+                relay_league::PoolError::InvalidConfig { field, reason } => {
+                    invalid(&format!("league.pool.{field}"), reason)
+                }
+                other => invalid("league.pool", other.to_string()),
+            });
+        }
+        relay_league::OpponentSampler::new(self.sampler.clone()).map_err(|e| {
+            let field = if e.path.is_empty() {
+                "league.sampler".to_string()
+            } else {
+                format!("league.sampler.{}", e.path)
+            };
+            invalid(&field, e.reason)
+        })?;
+        for (index, name) in self.fixed.iter().enumerate() {
+            let field = format!("league.fixed[{index}]");
+            if !BOT_NAMES.contains(&name.as_str()) {
+                return Err(invalid(
+                    &field,
+                    format!("unknown bot {name:?}; known: {}", BOT_NAMES.join(", ")),
+                ));
+            }
+            if is_text_game(env_id) && !bot_plays(name, env_id) {
+                return Err(invalid(
+                    &field,
+                    format!("bot {name} does not play {env_id}"),
+                ));
+            }
+        }
+        let members: Vec<String> = league_fixed_names(text, self);
+        check_sampler_members(&self.sampler, "league.sampler", &members)
+    }
+}
+
+/// The bots of `text.opponents`, then those of `league.fixed`, without
+/// repeats.
+fn league_fixed_names(text: &TextConfig, league: &LeagueSection) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for name in text
+        .opponent_bots()
+        .chain(league.fixed.iter().map(String::as_str))
+    {
+        if !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
+    }
+    names
+}
+
+/// A `fixed` sampler may name only fixed members the pool will hold (or
+/// policy versions, which come and go).
+fn check_sampler_members(
+    sampler: &relay_league::SamplerConfig,
+    path: &str,
+    members: &[String],
+) -> Result<(), ConfigError> {
+    use relay_league::{MemberId, SamplerConfig};
+    match sampler {
+        SamplerConfig::Fixed { opponents } => {
+            for (index, entry) in opponents.iter().enumerate() {
+                if let MemberId::Fixed(name) = &entry.opponent {
+                    if !members.contains(name) {
+                        return Err(invalid(
+                            &format!("{path}.opponents[{index}].opponent"),
+                            format!(
+                                "{name:?} is not a fixed member of the pool (the bots of text.opponents and league.fixed: {})",
+                                if members.is_empty() { "none".to_string() } else { members.join(", ") }
+                            ),
+                        ));
+                    }
+                }
+            }
+            Ok(())
+        }
+        SamplerConfig::Mixture { components } => {
+            for (index, component) in components.iter().enumerate() {
+                check_sampler_members(
+                    &component.sampler,
+                    &format!("{path}.components[{index}].sampler"),
+                    members,
+                )?;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The league member a bot is (`minimax` searches to the end,
+/// `connect_four_bot` to `text.connect_four_depth`, anything else plays
+/// random moves).
+pub fn fixed_opponent(name: &str, text: &TextConfig) -> relay_league::FixedOpponent {
+    use relay_league::FixedKind;
+    let kind = match name {
+        "minimax" => FixedKind::Minimax { depth: None },
+        "connect_four_bot" => FixedKind::Minimax {
+            depth: Some(text.connect_four_depth),
+        },
+        _ => FixedKind::Random,
+    };
+    relay_league::FixedOpponent {
+        name: name.to_string(),
+        kind,
     }
 }
 
@@ -1540,6 +1759,7 @@ impl ExperimentConfig {
             ));
         }
         self.text.validate(&self.run.env_id)?;
+        self.league.validate(&self.text, &self.run.env_id)?;
         self.lora.validate()?;
         self.rl.validate(self.text.max_turn_tokens as usize)?;
         if !CLASSIC_ALGOS.contains(&self.run.algo.as_str()) {
@@ -1755,6 +1975,22 @@ impl ExperimentConfig {
     /// Whether `run.env_id` is a text game (played by LLM policies).
     pub fn is_text_game(&self) -> bool {
         is_text_game(&self.run.env_id)
+    }
+
+    /// Whether the self-play league is on: a text game whose
+    /// `text.opponents.league` weight is positive (validation made sure the
+    /// game has two players and the model learns).
+    pub fn league_enabled(&self) -> bool {
+        self.is_text_game() && self.text.league_weight() > 0.0
+    }
+
+    /// The fixed members of the league pool: the bots of `text.opponents`
+    /// (whatever their weight), then those of `league.fixed`.
+    pub fn league_fixed(&self) -> Vec<relay_league::FixedOpponent> {
+        league_fixed_names(&self.text, &self.league)
+            .iter()
+            .map(|name| fixed_opponent(name, &self.text))
+            .collect()
     }
 
     /// The algorithm that trains the run, for run ids and the registry:
@@ -2134,6 +2370,75 @@ mod tests {
         ExperimentConfig::from_layers(BASE, "t", &[], &["text.opponents.minimax=1".into()])
             .unwrap();
         assert!(ExperimentConfig::from_layers(BASE, "t", &[], &["text.top_p=2".into()]).is_err());
+    }
+
+    #[test]
+    fn league_section_is_validated_by_field() {
+        let yaml = "run:\n  env_id: TicTacToe-v0\ntext:\n  opponents: {league: 3, random: 1, minimax: 0}\nleague:\n  fixed: [random]\n  pool: {keep_latest: 4}\n  sampler:\n    kind: mixture\n    components:\n      - {weight: 1, sampler: {kind: mirror}}\n      - {weight: 1, sampler: {kind: lagged, k: 2}}\n      - {weight: 1, sampler: {kind: fixed, opponents: [{opponent: minimax, weight: 1}]}}\n";
+        let c = ExperimentConfig::from_layers(yaml, "t", &[], &[]).unwrap();
+        assert!(c.league_enabled());
+        assert_eq!(c.text.league_weight(), 3.0);
+        // `league` is not an opponent of its own: the sampler chooses.
+        assert_eq!(
+            c.text.opponent_weights().unwrap(),
+            vec![
+                (Opponent::Bot("minimax".into()), 0.0),
+                (Opponent::Bot("random".into()), 1.0),
+            ]
+        );
+        let fixed: Vec<String> = c.league_fixed().into_iter().map(|f| f.name).collect();
+        assert_eq!(fixed, vec!["minimax".to_string(), "random".to_string()]);
+        assert_eq!(c.league.pool.keep_latest, 4);
+        let off = ExperimentConfig::from_layers(TEXT, "t", &[], &[]).unwrap();
+        assert!(!off.league_enabled());
+        assert_eq!(off.league, LeagueSection::default());
+
+        let cases: &[(&[&str], &str)] = &[
+            (&["league.pool.keep_latest=0"], "league.pool.keep_latest"),
+            (
+                &["league.pool.trueskill.beta=-1"],
+                "league.pool.trueskill.beta",
+            ),
+            (&["league.pool.keep_lates=3"], "keep_lates"),
+            (&["league.fixed=[alphago]"], "league.fixed[0]"),
+            (&["league.fixed=[connect_four_bot]"], "league.fixed[0]"),
+            (
+                &["league.sampler={kind: match_quality, temperature: 0}"],
+                "league.sampler.temperature",
+            ),
+            (
+                &["league.sampler={kind: mixture, components: [{weight: 1, sampler: {kind: fixed, opponents: [{opponent: minimax, weight: 1}]}}]}"],
+                "league.sampler.components[0].sampler.opponents[0].opponent",
+            ),
+            (&["league.sampler={kind: best}"], "best"),
+            (&["text.opponents.league=-1"], "text.opponents.league"),
+            (
+                &["text.opponents.league=1", "text.learner=random"],
+                "text.opponents.league",
+            ),
+            (
+                &["text.opponents.league=1", "run.env_id=GuessTheNumber-v0"],
+                "text.opponents.league",
+            ),
+        ];
+        for (sets, field) in cases {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            let err = ExperimentConfig::from_layers(TEXT, "t", &[], &sets)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{sets:?}: {err}");
+        }
+        // league.fixed puts minimax in the pool, so a fixed sampler may name it.
+        ExperimentConfig::from_layers(
+            TEXT,
+            "t",
+            &[],
+            &[
+                "league.fixed=[minimax]".into(),
+                "league.sampler={kind: fixed, opponents: [{opponent: minimax, weight: 1}]}".into(),
+            ],
+        )
+        .unwrap();
     }
 
     #[test]

@@ -9,10 +9,39 @@
 //! read; on a conflict (another env-runner recorded games meanwhile) the
 //! change is applied again to the fresh pool. Redis' persistence keeps the
 //! pool across restarts of every service.
+//!
+//! It also names where the league's adapter versions are stored: the run's
+//! JetStream object store bucket ([`adapter_bucket`]), one folder per
+//! version ([`adapter_key`]), which the learner writes and prunes and the
+//! inference servers read from on demand.
 
 use redis::aio::ConnectionManager;
 use relay_league::{FixedOpponent, Pool, PoolConfig, PoolError};
 use serde::{Deserialize, Serialize};
+
+/// The JetStream object store bucket of a run's adapter versions.
+pub fn adapter_bucket(run_id: &str) -> String {
+    format!("relay-{run_id}-adapters")
+}
+
+/// The folder of one adapter version in [`adapter_bucket`]: its files are
+/// `<key>/adapter_config.json` and `<key>/adapter_model.safetensors`.
+pub fn adapter_key(name: &str, version: u64) -> String {
+    format!("{name}/v{version}")
+}
+
+/// The adapter name and version of an object inside [`adapter_key`]'s
+/// folder (`policy/v12/adapter_config.json` is `("policy", 12)`).
+pub fn parse_adapter_object(object: &str) -> Option<(&str, u64)> {
+    let mut parts = object.splitn(3, '/');
+    let name = parts.next().filter(|n| !n.is_empty())?;
+    let digits = parts.next()?.strip_prefix('v')?;
+    parts.next()?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((name, digits.parse().ok()?))
+}
 
 /// Writes `ARGV[2]` (with revision `ARGV[1] + 1`) if the stored revision is
 /// `ARGV[1]` (0: no document yet). Returns 1 when written, 0 on conflict.
@@ -143,5 +172,30 @@ impl LeagueStore {
             key: self.key.clone(),
             attempts: MAX_ATTEMPTS,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adapter_objects_name_their_version() {
+        let key = adapter_key("policy", 12);
+        assert_eq!(key, "policy/v12");
+        assert_eq!(
+            parse_adapter_object(&format!("{key}/adapter_config.json")),
+            Some(("policy", 12))
+        );
+        for bad in [
+            "policy/v12",
+            "policy/12/x",
+            "policy/v/x",
+            "/v1/x",
+            "policy/v1x/y",
+        ] {
+            assert_eq!(parse_adapter_object(bad), None, "{bad}");
+        }
+        assert_eq!(adapter_bucket("ttt"), "relay-ttt-adapters");
     }
 }

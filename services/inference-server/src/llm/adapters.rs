@@ -10,6 +10,13 @@
 //! dropped past it. Sequences already decoding keep their adapter (an
 //! `Arc`) until they finish, whatever the LRU does.
 //!
+//! A request for a version the server does not know (older than the
+//! versions it keeps, or published before it started) is looked up in the
+//! run's object store bucket (`relay-<run>-adapters`, key `<name>/v<N>`),
+//! where the learner stores every version of a league run; found, it is
+//! loaded and then kept or dropped by the LRU like any other (and fetched
+//! again when asked for after that). Not found, the answer is 404.
+//!
 //! A server that starts after the learner published asks the learner for
 //! the current version of the learning adapter (`adapters.latest`,
 //! [`AdapterStore::fetch_latest_at_start`]), retrying until it knows one.
@@ -32,7 +39,7 @@ pub(crate) const VERSIONS_KEPT: usize = 16;
 pub(crate) enum AdapterError {
     #[error("unknown adapter {name:?} (known: {known})")]
     UnknownName { name: String, known: String },
-    #[error("adapter {name:?} has no version {version} (known: {known})")]
+    #[error("adapter {name:?} has no version {version} (known: {known}; not in the object store either)")]
     UnknownVersion {
         name: String,
         version: u64,
@@ -84,13 +91,33 @@ struct Inner {
     clock: u64,
 }
 
+/// The names `inner` knows, for error messages.
+fn known_names(inner: &Inner) -> String {
+    let known: Vec<&str> = inner.known.keys().map(String::as_str).collect();
+    if known.is_empty() {
+        "none".into()
+    } else {
+        known.join(", ")
+    }
+}
+
 /// The adapter registry; share it in an `Arc`.
 pub(crate) struct AdapterStore {
     inner: tokio::sync::Mutex<Inner>,
     model: ModelConfig,
     max_loaded: usize,
     jetstream: async_nats::jetstream::Context,
+    /// The run's bucket of stored versions, looked in for unknown ones.
+    bucket: Option<String>,
     metrics: LlmMetrics,
+}
+
+/// Why a version was not found in the object store.
+enum StoredError {
+    /// No such bucket or object.
+    NotFound(String),
+    /// The store did not answer properly.
+    Failed(String),
 }
 
 impl AdapterStore {
@@ -98,6 +125,7 @@ impl AdapterStore {
         model: ModelConfig,
         max_loaded: usize,
         nats: async_nats::Client,
+        bucket: Option<String>,
         metrics: LlmMetrics,
     ) -> Self {
         Self {
@@ -109,6 +137,7 @@ impl AdapterStore {
             model,
             max_loaded,
             jetstream: async_nats::jetstream::new(nats),
+            bucket,
             metrics,
         }
     }
@@ -218,39 +247,27 @@ impl AdapterStore {
         });
     }
 
-    /// The adapter a request asks for, loading it if needed; returns the
-    /// reference with the version used.
+    /// The adapter a request asks for, loading it if needed (from the
+    /// object store when the version is not known); returns the reference
+    /// with the version used.
     pub(crate) async fn resolve(
         &self,
         wanted: &AdapterRef,
     ) -> Result<(AdapterRef, Arc<LoraAdapter>), AdapterError> {
         let mut guard = self.inner.lock().await;
         let inner = &mut *guard;
-        let Some(versions) = inner.known.get(&wanted.name) else {
-            let known: Vec<&str> = inner.known.keys().map(String::as_str).collect();
-            return Err(AdapterError::UnknownName {
-                name: wanted.name.clone(),
-                known: if known.is_empty() {
-                    "none".into()
-                } else {
-                    known.join(", ")
-                },
-            });
-        };
-        let version = match wanted.version {
-            Some(v) => v,
-            None => *versions
+        let version = match (wanted.version, inner.known.get(&wanted.name)) {
+            (Some(version), _) => version,
+            (None, Some(versions)) => *versions
                 .keys()
                 .next_back()
                 .expect("a known name has versions"),
-        };
-        let Some(source) = versions.get(&version).cloned() else {
-            let known: Vec<String> = versions.keys().map(u64::to_string).collect();
-            return Err(AdapterError::UnknownVersion {
-                name: wanted.name.clone(),
-                version,
-                known: known.join(", "),
-            });
+            (None, None) => {
+                return Err(AdapterError::UnknownName {
+                    name: wanted.name.clone(),
+                    known: known_names(inner),
+                })
+            }
         };
         let used = AdapterRef {
             name: wanted.name.clone(),
@@ -266,11 +283,82 @@ impl AdapterStore {
             hit.last_used = now;
             return Ok((used, hit.adapter.clone()));
         }
+        let known_source = inner
+            .known
+            .get(&wanted.name)
+            .and_then(|versions| versions.get(&version))
+            .cloned();
         // Loads hold the lock: concurrent requests for the same evicted
         // version then load it once.
+        let source = match known_source {
+            Some(source) => source,
+            None => match self.stored(&wanted.name, version).await {
+                Ok(source) => {
+                    tracing::info!(
+                        name = wanted.name,
+                        version,
+                        "adapter version fetched from the object store"
+                    );
+                    source
+                }
+                Err(StoredError::NotFound(detail)) => {
+                    tracing::debug!(%detail, "adapter version not in the object store");
+                    return Err(match inner.known.get(&wanted.name) {
+                        Some(versions) => AdapterError::UnknownVersion {
+                            name: wanted.name.clone(),
+                            version,
+                            known: versions
+                                .keys()
+                                .map(u64::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                        },
+                        None => AdapterError::UnknownName {
+                            name: wanted.name.clone(),
+                            known: known_names(inner),
+                        },
+                    });
+                }
+                Err(StoredError::Failed(detail)) => {
+                    return Err(AdapterError::Load {
+                        name: wanted.name.clone(),
+                        version,
+                        detail,
+                    })
+                }
+            },
+        };
         let adapter = self.load(&wanted.name, version, &source).await?;
         self.insert(inner, &wanted.name, version, adapter.clone());
         Ok((used, adapter))
+    }
+
+    /// The object store source of a version the learner stored, if it is
+    /// there.
+    async fn stored(&self, name: &str, version: u64) -> Result<Source, StoredError> {
+        let Some(bucket) = &self.bucket else {
+            return Err(StoredError::NotFound("no object store bucket".into()));
+        };
+        let store =
+            self.jetstream.get_object_store(bucket).await.map_err(|e| {
+                StoredError::NotFound(format!("object store bucket {bucket:?}: {e}"))
+            })?;
+        let key = relay_kit::league::adapter_key(name, version);
+        let object = format!("{key}/{}", relay_llm::peft::CONFIG_FILE);
+        match store.info(&object).await {
+            // A deleted object keeps its info, marked deleted.
+            Ok(info) if info.deleted => Err(StoredError::NotFound(format!(
+                "{bucket}/{object} was deleted"
+            ))),
+            Ok(_) => Ok(Source::ObjectStore {
+                bucket: bucket.clone(),
+                key,
+            }),
+            Err(e) if e.kind() == async_nats::jetstream::object_store::InfoErrorKind::NotFound => {
+                Err(StoredError::NotFound(format!("{bucket}/{object}: {e}")))
+            }
+            Err(e) => Err(StoredError::Failed(format!("{bucket}/{object}: {e}"))),
+        }
     }
 
     fn insert(&self, inner: &mut Inner, name: &str, version: u64, adapter: Arc<LoraAdapter>) {

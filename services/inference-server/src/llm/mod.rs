@@ -285,6 +285,11 @@ pub(crate) async fn serve(
         model_config.clone(),
         cfg.max_adapters,
         service.nats.clone(),
+        service
+            .config
+            .run_id()
+            .ok()
+            .map(relay_kit::league::adapter_bucket),
         metrics.clone(),
     ));
     for (name, dir) in &cfg.adapters {

@@ -1,0 +1,298 @@
+//! `relay bench-league`: TicTacToe by self-play against past versions.
+//!
+//! 1. The warm start of `relay bench-tictactoe` (a tiny random Qwen2, full
+//!    SFT on games of random legal moves; [`sft_warm_start`]).
+//! 2. League training with all six services (`relay up` on `--config`, by
+//!    default `configs/tictactoe-league.yaml`, over the SFT model) for
+//!    `--minutes`. Every `--ratings-every-s` seconds the run's league pool
+//!    is read from the stack's Redis and each member's TrueSkill mu and
+//!    sigma printed (policy versions `v<N>` and the fixed bots); the
+//!    `vs-opponent` evaluator plays the current version against random and
+//!    minimax every `--eval-every-s` seconds, printed as it arrives.
+//!
+//! Ends with the ratings of the last read (best conservative rating
+//! first), the latest evaluation (the newest version's results against
+//! random and minimax) and a JSON line with the rating history.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use serde_json::{json, Value};
+
+use crate::bench_tictactoe::{follow_evals, header, rl_overrides, sft_warm_start};
+use crate::UpArgs;
+
+/// Flags of `relay bench-league`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchLeagueArgs {
+    /// Minutes of league training after the SFT warm start.
+    #[arg(long, default_value_t = 20.0)]
+    pub minutes: f64,
+    /// The league config.
+    #[arg(long, default_value = "configs/tictactoe-league.yaml")]
+    pub config: PathBuf,
+    /// Override config fields of the league run (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Folder for the tiny model, the SFT output and the runs.
+    #[arg(long, default_value = "bench/league")]
+    pub work_dir: PathBuf,
+    /// Games of random legal moves the SFT data comes from.
+    #[arg(long, default_value_t = 300)]
+    pub sft_games: usize,
+    /// Passes of SFT over those moves.
+    #[arg(long, default_value_t = 2)]
+    pub sft_epochs: usize,
+    /// Games per opponent and seat in each evaluation.
+    #[arg(long, default_value_t = 20)]
+    pub eval_games: usize,
+    /// Seconds between evaluations of the current version.
+    #[arg(long, default_value_t = 120)]
+    pub eval_every_s: u64,
+    /// Seconds between printed readings of the league's ratings.
+    #[arg(long, default_value_t = 60)]
+    pub ratings_every_s: u64,
+    /// Folder for the stack's state.
+    #[arg(long, default_value = ".relay")]
+    pub state_dir: PathBuf,
+}
+
+/// One member's rating at one reading.
+#[derive(Debug, Clone, PartialEq)]
+struct Rated {
+    player: String,
+    mu: f64,
+    sigma: f64,
+    conservative: f64,
+    games: u64,
+}
+
+/// The pool at one moment.
+#[derive(Debug, Clone, PartialEq)]
+struct Reading {
+    minutes: f64,
+    /// Best conservative rating first.
+    members: Vec<Rated>,
+}
+
+impl Reading {
+    fn of(pool: &relay_league::Pool, minutes: f64) -> Self {
+        let members = pool
+            .leaderboard()
+            .into_iter()
+            .map(|(member, conservative)| {
+                let id = member.id();
+                let games = pool
+                    .members()
+                    .map(|other| pool.games_between(&id, &other.id()))
+                    .sum();
+                Rated {
+                    player: id.to_string(),
+                    mu: member.rating.mu,
+                    sigma: member.rating.sigma,
+                    conservative,
+                    games,
+                }
+            })
+            .collect();
+        Self { minutes, members }
+    }
+
+    fn print(&self) {
+        println!("ratings at {:.1} min:", self.minutes);
+        println!("| player | mu | sigma | mu - k sigma | games |");
+        println!("|---|---:|---:|---:|---:|");
+        for m in &self.members {
+            println!(
+                "| {} | {:.2} | {:.2} | {:.2} | {} |",
+                m.player, m.mu, m.sigma, m.conservative, m.games
+            );
+        }
+    }
+
+    fn json(&self) -> Value {
+        let round = |x: f64| (x * 1000.0).round() / 1000.0;
+        json!({
+            "minutes": round(self.minutes),
+            "members": self.members.iter().map(|m| json!({
+                "player": m.player,
+                "mu": round(m.mu),
+                "sigma": round(m.sigma),
+                "games": m.games,
+            })).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// The Redis URL of the stack running `run_id`, once its record is written.
+fn stack_redis(state_dir: &Path, run_id: &str) -> Option<String> {
+    let text = std::fs::read_to_string(state_dir.join("stack.json")).ok()?;
+    let record: crate::stack::StackRecord = serde_json::from_str(&text).ok()?;
+    (record.run_id == run_id && !record.redis_url.is_empty()).then_some(record.redis_url)
+}
+
+/// Reads the run's pool every few seconds until `stop`; prints a reading
+/// every `every`, and returns the printed ones plus the last one read.
+fn follow_ratings(
+    state_dir: PathBuf,
+    run_id: String,
+    every: Duration,
+    started: Instant,
+    stop: Arc<AtomicBool>,
+) -> Vec<Reading> {
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return Vec::new();
+    };
+    let (_keep, shutdown) = relay_kit::Shutdown::new();
+    let mut store: Option<relay_kit::league::LeagueStore> = None;
+    let mut printed: Vec<Reading> = Vec::new();
+    let mut last: Option<Reading> = None;
+    let mut printed_at: Option<Instant> = None;
+    while !stop.load(Ordering::Relaxed) {
+        if store.is_none() {
+            if let Some(url) = stack_redis(&state_dir, &run_id) {
+                let connect = async {
+                    tokio::time::timeout(
+                        Duration::from_secs(2),
+                        relay_kit::connect_redis(&url, &shutdown),
+                    )
+                    .await
+                };
+                if let Ok(Ok(redis)) = runtime.block_on(connect) {
+                    store = Some(relay_kit::league::LeagueStore::new(redis, &run_id));
+                }
+            }
+        }
+        if let Some(store) = &store {
+            let load = async { tokio::time::timeout(Duration::from_secs(2), store.load()).await };
+            if let Ok(Ok(Some(pool))) = runtime.block_on(load) {
+                let reading = Reading::of(&pool, started.elapsed().as_secs_f64() / 60.0);
+                if printed_at.is_none_or(|t| t.elapsed() >= every) {
+                    reading.print();
+                    printed.push(reading.clone());
+                    printed_at = Some(Instant::now());
+                }
+                last = Some(reading);
+            }
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    if let Some(last) = last {
+        if printed.last() != Some(&last) {
+            printed.push(last);
+        }
+    }
+    printed
+}
+
+/// `relay bench-league`.
+pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&args.work_dir)
+        .with_context(|| format!("creating {}", args.work_dir.display()))?;
+    let work = std::fs::canonicalize(&args.work_dir)?;
+    let (sft_model, sft_row) = sft_warm_start(
+        &work,
+        args.sft_games,
+        args.sft_epochs,
+        args.eval_games,
+        started,
+    )?;
+
+    println!("== league training for {} minutes", args.minutes);
+    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
+    if !config.league_enabled() {
+        anyhow::bail!(
+            "{}: the league is off (text.opponents.league is 0 or missing)",
+            args.config.display()
+        );
+    }
+    let run_id = format!("{}-league", crate::make_run_id(&config));
+    let runs_dir = work.join("runs");
+    let overrides = rl_overrides(
+        &args.overrides,
+        &sft_model,
+        &runs_dir,
+        args.eval_every_s,
+        args.eval_games,
+    );
+    let up = UpArgs {
+        config: args.config.clone(),
+        overrides,
+        run_id: Some(run_id.clone()),
+        until_solved: false,
+        env_runners: 1,
+        inference_servers: 1,
+        state_dir: args.state_dir.clone(),
+        quiet: true,
+        without: Vec::new(),
+        for_seconds: Some((args.minutes * 60.0).round().max(1.0) as u64),
+        resume: None,
+        checkpoint: "last".into(),
+        init_from: None,
+        reset_optimizer: false,
+        final_eval_wait: 2,
+    };
+    header();
+    sft_row.print();
+    let stop = Arc::new(AtomicBool::new(false));
+    let evals = {
+        let (path, stop) = (runs_dir.join(&run_id).join("eval.jsonl"), stop.clone());
+        std::thread::spawn(move || follow_evals(path, started, "SFT only", stop))
+    };
+    let ratings = {
+        let (dir, run, stop) = (args.state_dir.clone(), run_id.clone(), stop.clone());
+        let every = Duration::from_secs(args.ratings_every_s.max(1));
+        std::thread::spawn(move || follow_ratings(dir, run, every, started, stop))
+    };
+    let outcome = crate::up(up);
+    stop.store(true, Ordering::Relaxed);
+    let rows = evals
+        .join()
+        .map_err(|_| anyhow::anyhow!("the eval follower panicked"))?;
+    let readings = ratings
+        .join()
+        .map_err(|_| anyhow::anyhow!("the ratings follower panicked"))?;
+    outcome?;
+
+    println!();
+    if let Some(last) = readings.last() {
+        last.print();
+    } else {
+        println!("no league pool was read");
+    }
+    println!();
+    header();
+    sft_row.print();
+    let latest = rows.last();
+    if let Some(row) = latest {
+        row.print();
+    }
+    let newest_version = readings.last().and_then(|r| {
+        r.members
+            .iter()
+            .filter_map(|m| m.player.strip_prefix('v')?.parse::<u64>().ok())
+            .max()
+    });
+    println!(
+        "{}",
+        json!({
+            "env": "TicTacToe-v0",
+            "run_id": run_id,
+            "league_minutes": args.minutes,
+            "sft_minutes": (sft_row.minutes * 100.0).round() / 100.0,
+            "newest_version": newest_version,
+            "ratings": readings.iter().map(Reading::json).collect::<Vec<_>>(),
+            "sft_only": sft_row.json(),
+            "evaluations": rows.len(),
+            "latest_eval": latest.map(|r| r.json()),
+        })
+    );
+    Ok(())
+}

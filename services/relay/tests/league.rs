@@ -1,0 +1,179 @@
+//! The self-play league end to end: the six services in-process on real
+//! nats-server and redis-server, with the shipped TicTacToe league config
+//! (tiny budgets) and `relay model init tiny`'s model. The learner admits
+//! every version to the pool and stores it in the run's bucket, the
+//! env-runner plays the current version against past ones (served by the
+//! inference server from the bucket) and rates those games, and the
+//! versions the pool evicts leave the bucket.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_league::MemberId;
+use relay_proto::{AdapterRef, GameRecord, RunStatusUpdate, SeatPolicy, Subjects};
+use relay_testkit::{NatsServer, RedisServer, TempDir};
+
+/// Learning moves per batch, and the budget in batches.
+const BATCH: u64 = 8;
+const BUDGET_BATCHES: u64 = 5;
+/// Versions the pool keeps (the newest; none for being best), so the
+/// budget's versions overflow it.
+const KEEP: usize = 3;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let dir = TempDir::new("league");
+    let runs = dir.path().join("runs");
+    let model = dir.path().join("models/tiny");
+    relay::model::init_tiny(&model, 0).unwrap();
+    let run_id = "ttt-league";
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/tictactoe-league.yaml"
+    );
+    let overrides: Vec<String> = vec![
+        format!("run.id={run_id}"),
+        format!("run.runs_dir={}", runs.display()),
+        format!("connections.nats_url={}", nats.url()),
+        format!("connections.redis_url={}", redis.url()),
+        format!("llm.model={}", model.display()),
+        format!("run.total_env_steps={}", BUDGET_BATCHES * BATCH),
+        format!("rl.batch_size={BATCH}"),
+        "rl.minibatch_size=4".into(),
+        "text.games_in_flight=4".into(),
+        "eval.every_versions=1000".into(),
+        format!("league.pool.keep_latest={KEEP}"),
+        "league.pool.keep_best=0".into(),
+        "league.sampler={kind: mixture, components: [{weight: 1, sampler: {kind: mirror}}, {weight: 3, sampler: {kind: lagged, k: 1}}]}".into(),
+    ];
+    let text = std::fs::read_to_string(path).unwrap();
+    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap();
+    assert!(experiment.league_enabled());
+    let subjects = Subjects::new(run_id);
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut games = client.subscribe(subjects.games()).await.unwrap();
+    let mut statuses = client.subscribe(subjects.status()).await.unwrap();
+
+    let (trigger, shutdown) = Shutdown::new();
+    let config = || ServiceConfig::for_test(experiment.clone());
+    let tasks = vec![
+        tokio::spawn(relay_tracker::run(config(), shutdown.clone())),
+        tokio::spawn(relay_replay_buffer::run(config(), shutdown.clone())),
+        tokio::spawn(relay_inference_server::run(config(), shutdown.clone())),
+        tokio::spawn(relay_env_runner::run(config(), shutdown.clone())),
+        tokio::spawn(relay_learner::run(config(), shutdown.clone())),
+    ];
+
+    // Until the learner is done and a game between two versions the pool
+    // still holds at the end (the newest KEEP) was seen.
+    let mut against_past: BTreeSet<(u64, u64)> = BTreeSet::new();
+    let mut learner_done: Option<u64> = None;
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let kept_pair_played = |played: &BTreeSet<(u64, u64)>, last: Option<u64>| {
+        last.is_some_and(|last| {
+            played
+                .iter()
+                .any(|&(current, past)| past + KEEP as u64 > last && current > past)
+        })
+    };
+    while !kept_pair_played(&against_past, learner_done) {
+        assert!(
+            Instant::now() < deadline,
+            "timed out: games against past versions {against_past:?}, learner done at {learner_done:?}"
+        );
+        tokio::select! {
+            Some(m) = games.next() => {
+                let game: GameRecord = relay_proto::decode(&m.payload).unwrap();
+                let learner = game.learner_seat.unwrap() as usize;
+                if let SeatPolicy::Model(Some(AdapterRef { version: Some(past), .. })) = &game.seats[1 - learner] {
+                    let current = game.learning_version().expect("model moves name versions");
+                    against_past.insert((current, *past));
+                }
+            }
+            Some(m) = statuses.next() => {
+                let status: RunStatusUpdate = relay_proto::decode(&m.payload).unwrap();
+                if status.service == "learner" {
+                    learner_done = Some(status.policy_version);
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+    let last = learner_done.unwrap();
+    assert!(
+        last as usize > KEEP,
+        "{last} versions do not overflow the pool"
+    );
+    // The pool is written once a second: give the last results a moment.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    trigger.trigger();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("service stops")
+            .unwrap()
+            .unwrap();
+    }
+
+    let (_keep, redis_shutdown) = Shutdown::new();
+    let pool = relay_kit::league::LeagueStore::new(
+        relay_kit::connect_redis(&redis.url(), &redis_shutdown)
+            .await
+            .unwrap(),
+        run_id,
+    )
+    .load()
+    .await
+    .unwrap()
+    .expect("the learner created the pool");
+    // Every version joined; the newest KEEP stayed; the bots are fixed members.
+    let versions: Vec<u64> = pool.versions().collect();
+    assert_eq!(
+        versions,
+        ((last + 1 - KEEP as u64)..=last).collect::<Vec<_>>()
+    );
+    for bot in ["random", "minimax"] {
+        assert!(pool.get(&MemberId::Fixed(bot.into())).is_some(), "{pool:?}");
+    }
+    // Games between versions were rated (those still in the pool keep
+    // their records).
+    let mut between_versions = 0;
+    for (i, a) in versions.iter().enumerate() {
+        for b in &versions[i + 1..] {
+            between_versions += pool.games_between(&MemberId::Version(*a), &MemberId::Version(*b));
+        }
+    }
+    assert!(
+        between_versions > 0,
+        "no game between versions rated: {pool:?}; played {against_past:?}"
+    );
+    // Rated games made some version's rating surer than a newcomer's.
+    let prior = pool.config().trueskill.sigma;
+    assert!(
+        versions
+            .iter()
+            .any(|v| pool.get(&MemberId::Version(*v)).unwrap().rating.sigma < prior),
+        "{pool:?}"
+    );
+
+    // The bucket holds exactly the pool's versions.
+    let jetstream = async_nats::jetstream::new(client.clone());
+    let store = jetstream
+        .get_object_store(relay_kit::league::adapter_bucket(run_id))
+        .await
+        .unwrap();
+    let mut listed = store.list().await.unwrap();
+    let mut stored = BTreeSet::new();
+    while let Some(object) = listed.next().await {
+        let object = object.unwrap();
+        let (name, version) = relay_kit::league::parse_adapter_object(&object.name)
+            .unwrap_or_else(|| panic!("unexpected object {}", object.name));
+        assert_eq!(name, "policy");
+        stored.insert(version);
+    }
+    assert_eq!(stored, versions.iter().copied().collect::<BTreeSet<_>>());
+}
