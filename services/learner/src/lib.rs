@@ -76,6 +76,36 @@ pub struct Progress {
     pub episodes: u64,
 }
 
+impl Progress {
+    /// The progress gauges every learner reports after an update: counters,
+    /// the version, the fraction of the `budget` (env steps) spent, SPS and
+    /// the ETA at that rate.
+    pub fn report_gauges(
+        &self,
+        budget: u64,
+        sps: f64,
+        resumed_at_vec_steps: u64,
+    ) -> Vec<relay_proto::MetricValue> {
+        vec![
+            gauge("learner_updates", self.updates as f64),
+            gauge("learner_policy_version", self.version as f64),
+            gauge("learner_env_steps", self.env_steps as f64),
+            gauge("learner_vec_steps", self.vec_steps as f64),
+            gauge("learner_episodes", self.episodes as f64),
+            gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
+            gauge(
+                "learner_progress",
+                (self.env_steps as f64 / budget as f64).min(1.0),
+            ),
+            gauge("learner_sps", sps),
+            gauge(
+                "learner_eta_seconds",
+                budget.saturating_sub(self.env_steps) as f64 / sps.max(1e-9),
+            ),
+        ]
+    }
+}
+
 /// Why training stopped.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Finish {
@@ -514,23 +544,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
-        let mut values = vec![
-            gauge("learner_updates", progress.updates as f64),
-            gauge("learner_policy_version", progress.version as f64),
-            gauge("learner_env_steps", progress.env_steps as f64),
-            gauge("learner_vec_steps", progress.vec_steps as f64),
-            gauge("learner_episodes", progress.episodes as f64),
+        let mut values = progress.report_gauges(budget, sps, resumed_at_vec_steps);
+        values.extend([
             gauge("learner_rollout_vec_steps", taken.vec_steps as f64),
-            gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
-            gauge(
-                "learner_progress",
-                (progress.env_steps as f64 / budget as f64).min(1.0),
-            ),
-            gauge("learner_sps", sps),
-            gauge(
-                "learner_eta_seconds",
-                budget.saturating_sub(progress.env_steps) as f64 / sps.max(1e-9),
-            ),
             gauge("learner_last_update_seconds", seconds),
             gauge(
                 "learner_policy_lag_max",
@@ -540,7 +556,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 "learner_dropped_stale_fragments_total",
                 (dropped_stale - reported_stale) as f64,
             ),
-        ];
+        ]);
         values.extend(updated.metrics);
         service.report(Some(progress.vec_steps), values).await;
         reported_stale = dropped_stale;

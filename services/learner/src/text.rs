@@ -741,63 +741,52 @@ pub(crate) async fn run(
         service
             .report(
                 Some(progress.vec_steps),
-                vec![
-                    gauge("learner_updates", progress.updates as f64),
-                    gauge("learner_policy_version", progress.version as f64),
-                    gauge("learner_adapter_version", progress.version as f64),
-                    gauge("learner_env_steps", progress.env_steps as f64),
-                    gauge("learner_vec_steps", progress.vec_steps as f64),
-                    gauge("learner_episodes", progress.episodes as f64),
-                    gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
-                    gauge(
-                        "learner_progress",
-                        (progress.env_steps as f64 / budget as f64).min(1.0),
-                    ),
-                    gauge("learner_sps", sps),
-                    gauge(
-                        "learner_eta_seconds",
-                        budget.saturating_sub(progress.env_steps) as f64 / sps.max(1e-9),
-                    ),
-                    gauge("learner_loss", mean(|s| s.loss)),
-                    gauge("learner_policy_loss", mean(|s| s.policy_loss)),
-                    gauge("learner_kl_ref", mean(|s| s.kl)),
-                    gauge("learner_entropy", mean(|s| s.entropy)),
-                    gauge("learner_grad_norm", mean(|s| s.grad_norm)),
-                    gauge("learner_learning_rate", trainer.optimizer().config().lr),
-                    gauge("learner_reward_mean", reward_mean),
-                    gauge("learner_shaped_reward_mean", first.reward_mean),
-                    gauge("learner_advantage_std", first.advantage_std),
-                    gauge("learner_mean_seq_len", first.mean_seq_len),
-                    gauge("learner_completion_len", first.mean_completion_len),
-                    gauge("learner_kl_penalty", first.kl_penalty),
-                    gauge("learner_eos_rate", eos_rate(&examples, &eos_ids)),
-                    gauge(
-                        "learner_format_rate",
-                        rate(converted.well_formatted_moves, converted.moves),
-                    ),
-                    gauge(
-                        "learner_legal_move_rate",
-                        1.0 - rate(converted.invalid_moves, converted.moves),
-                    ),
-                    gauge("learner_sequences", first.sequences as f64),
-                    gauge(
-                        "learner_tokens_per_second",
-                        trained_tokens as f64 / seconds.max(1e-9),
-                    ),
-                    counter(
-                        "learner_truncated_sequences_total",
-                        (truncated_total - reported.1) as f64,
-                    ),
-                    counter(
-                        "learner_tokens_cut_total",
-                        (tokens_cut_total - reported.2) as f64,
-                    ),
-                    gauge("learner_last_update_seconds", seconds),
-                    counter(
-                        "learner_dropped_stale_games_total",
-                        (dropped_stale - reported.0) as f64,
-                    ),
-                ],
+                progress
+                    .report_gauges(budget, sps, resumed_at_vec_steps)
+                    .into_iter()
+                    .chain([
+                        gauge("learner_adapter_version", progress.version as f64),
+                        gauge("learner_loss", mean(|s| s.loss)),
+                        gauge("learner_policy_loss", mean(|s| s.policy_loss)),
+                        gauge("learner_kl_ref", mean(|s| s.kl)),
+                        gauge("learner_entropy", mean(|s| s.entropy)),
+                        gauge("learner_grad_norm", mean(|s| s.grad_norm)),
+                        gauge("learner_learning_rate", trainer.optimizer().config().lr),
+                        gauge("learner_reward_mean", reward_mean),
+                        gauge("learner_shaped_reward_mean", first.reward_mean),
+                        gauge("learner_advantage_std", first.advantage_std),
+                        gauge("learner_mean_seq_len", first.mean_seq_len),
+                        gauge("learner_completion_len", first.mean_completion_len),
+                        gauge("learner_kl_penalty", first.kl_penalty),
+                        gauge("learner_eos_rate", eos_rate(&examples, &eos_ids)),
+                        gauge(
+                            "learner_format_rate",
+                            rate(converted.well_formatted_moves, converted.moves),
+                        ),
+                        gauge(
+                            "learner_legal_move_rate",
+                            1.0 - rate(converted.invalid_moves, converted.moves),
+                        ),
+                        gauge("learner_sequences", first.sequences as f64),
+                        gauge(
+                            "learner_tokens_per_second",
+                            trained_tokens as f64 / seconds.max(1e-9),
+                        ),
+                        counter(
+                            "learner_truncated_sequences_total",
+                            (truncated_total - reported.1) as f64,
+                        ),
+                        counter(
+                            "learner_tokens_cut_total",
+                            (tokens_cut_total - reported.2) as f64,
+                        ),
+                        gauge("learner_last_update_seconds", seconds),
+                        counter(
+                            "learner_dropped_stale_games_total",
+                            (dropped_stale - reported.0) as f64,
+                        ),
+                    ])
+                    .collect(),
             )
             .await;
         reported = (dropped_stale, truncated_total, tokens_cut_total);

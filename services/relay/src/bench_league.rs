@@ -22,8 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use crate::bench_tictactoe::{follow_evals, header, rl_overrides, sft_warm_start};
-use crate::UpArgs;
+use crate::bench_tictactoe::{bench_up_args, follow_evals, header, rl_overrides, sft_warm_start};
 
 /// Flags of `relay bench-league`.
 #[derive(Debug, Clone, clap::Args)]
@@ -222,23 +221,13 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
         args.eval_every_s,
         args.eval_games,
     );
-    let up = UpArgs {
-        config: args.config.clone(),
+    let up = bench_up_args(
+        &args.config,
         overrides,
-        run_id: Some(run_id.clone()),
-        until_solved: false,
-        env_runners: 1,
-        inference_servers: 1,
-        state_dir: args.state_dir.clone(),
-        quiet: true,
-        without: Vec::new(),
-        for_seconds: Some((args.minutes * 60.0).round().max(1.0) as u64),
-        resume: None,
-        checkpoint: "last".into(),
-        init_from: None,
-        reset_optimizer: false,
-        final_eval_wait: 2,
-    };
+        &run_id,
+        &args.state_dir,
+        Some((args.minutes * 60.0).round().max(1.0) as u64),
+    );
     header();
     sft_row.print();
     let stop = Arc::new(AtomicBool::new(false));

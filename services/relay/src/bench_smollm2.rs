@@ -23,7 +23,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 
-use crate::bench_tictactoe::{follow_evals, header, Row};
+use crate::bench_tictactoe::{bench_up_args, follow_evals, header, Row};
 use crate::UpArgs;
 
 /// Tells an instruct model the move format (TextArena's observation says it
@@ -172,21 +172,9 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
         args.updates, config.rl.batch_size
     );
     let up = UpArgs {
-        config: args.config.clone(),
-        overrides,
-        run_id: Some(run_id.clone()),
         until_solved: true,
-        env_runners: 1,
-        inference_servers: 1,
-        state_dir: args.state_dir.clone(),
-        quiet: true,
-        without: Vec::new(),
-        for_seconds: None,
         final_eval_wait: args.final_eval_wait,
-        resume: None,
-        checkpoint: "last".into(),
-        init_from: None,
-        reset_optimizer: false,
+        ..bench_up_args(&args.config, overrides, &run_id, &args.state_dir, None)
     };
     header();
     let stop = Arc::new(AtomicBool::new(false));

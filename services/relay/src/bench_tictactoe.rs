@@ -281,6 +281,35 @@ pub(crate) fn rl_overrides(
     overrides
 }
 
+/// `relay up` as the text benchmarks run it: one copy of each service,
+/// quiet, a fresh run `run_id` of `config` with `overrides`, stopping
+/// after `for_seconds` when given.
+pub(crate) fn bench_up_args(
+    config: &std::path::Path,
+    overrides: Vec<String>,
+    run_id: &str,
+    state_dir: &std::path::Path,
+    for_seconds: Option<u64>,
+) -> UpArgs {
+    UpArgs {
+        config: config.to_path_buf(),
+        overrides,
+        run_id: Some(run_id.to_string()),
+        until_solved: false,
+        env_runners: 1,
+        inference_servers: 1,
+        state_dir: state_dir.to_path_buf(),
+        quiet: true,
+        without: Vec::new(),
+        for_seconds,
+        final_eval_wait: 2,
+        resume: None,
+        checkpoint: "last".into(),
+        init_from: None,
+        reset_optimizer: false,
+    }
+}
+
 /// `relay bench-tictactoe`.
 pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
     let started = Instant::now();
@@ -307,23 +336,13 @@ pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
         args.eval_every_s,
         args.eval_games,
     );
-    let up = UpArgs {
-        config: args.config.clone(),
+    let up = bench_up_args(
+        &args.config,
         overrides,
-        run_id: Some(run_id.clone()),
-        until_solved: false,
-        env_runners: 1,
-        inference_servers: 1,
-        state_dir: args.state_dir.clone(),
-        quiet: true,
-        without: Vec::new(),
-        for_seconds: Some((args.minutes * 60.0).round().max(1.0) as u64),
-        resume: None,
-        checkpoint: "last".into(),
-        init_from: None,
-        reset_optimizer: false,
-        final_eval_wait: 2,
-    };
+        &run_id,
+        &args.state_dir,
+        Some((args.minutes * 60.0).round().max(1.0) as u64),
+    );
     header();
     sft_row.print();
     let stop = Arc::new(AtomicBool::new(false));
