@@ -196,16 +196,17 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
     std::fs::create_dir_all(&args.work_dir)
         .with_context(|| format!("creating {}", args.work_dir.display()))?;
     let work = std::fs::canonicalize(&args.work_dir)?;
+    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
     let (sft_model, sft_row) = sft_warm_start(
         &work,
         args.sft_games,
         args.sft_epochs,
         args.eval_games,
+        &config.text,
         started,
     )?;
 
     println!("== league training for {} minutes", args.minutes);
-    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
     if !config.league_enabled() {
         anyhow::bail!(
             "{}: the league is off (text.opponents.league is 0 or missing)",

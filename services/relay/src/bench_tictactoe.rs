@@ -211,13 +211,15 @@ pub(crate) fn follow_evals(
 
 /// The warm start of the TicTacToe benchmarks: `relay model init tiny`
 /// into `<work>/tiny`, then full SFT on games of random legal moves into
-/// `<work>/sft`; returns the SFT model's folder and its evaluation
-/// against random and minimax.
+/// `<work>/sft`, prompted as the RL run's `text` section prompts (system
+/// prompt, observation view); returns the SFT model's folder and its
+/// evaluation against random and minimax.
 pub(crate) fn sft_warm_start(
     work: &std::path::Path,
     sft_games: usize,
     sft_epochs: usize,
     eval_games: usize,
+    text: &relay_kit::config::TextConfig,
     started: Instant,
 ) -> Result<(PathBuf, Row)> {
     let tiny = work.join("tiny");
@@ -241,7 +243,8 @@ pub(crate) fn sft_warm_start(
         minibatch_size: 8,
         lr: 1e-3,
         max_seq_len: None,
-        system_prompt: None,
+        system_prompt: text.system_prompt.clone(),
+        observation: text.observation,
         holdout: 0.05,
         eval_games,
         eval_opponents: "random,minimax".into(),
@@ -316,17 +319,18 @@ pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
     std::fs::create_dir_all(&args.work_dir)
         .with_context(|| format!("creating {}", args.work_dir.display()))?;
     let work = std::fs::canonicalize(&args.work_dir)?;
+    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
     let (sft_model, sft_row) = sft_warm_start(
         &work,
         args.sft_games,
         args.sft_epochs,
         args.eval_games,
+        &config.text,
         started,
     )?;
     let sft_minutes = sft_row.minutes;
 
     println!("== RL for {} minutes", args.minutes);
-    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
     let run_id = format!("{}-bench", crate::make_run_id(&config));
     let runs_dir = work.join("runs");
     let overrides = rl_overrides(

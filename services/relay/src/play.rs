@@ -101,7 +101,10 @@ fn play_text_games(
         args.max_tokens,
         args.seed,
     )?
-    .with_system_prompt(config.and_then(|c| c.text.system_prompt.clone()));
+    .with_prompting(
+        config.and_then(|c| c.text.system_prompt.clone()),
+        config.map(|c| c.text.observation).unwrap_or_default(),
+    );
     let stdin = std::io::stdin();
     let mut input = stdin.lock();
     let mut out = std::io::stdout();

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use relay_envs::text::Bot;
+use relay_envs::text::{Bot, ObservationView, TextGame};
 use relay_kit::config::GgufBaseName;
 use relay_llm::{
     CausalLm, ChatMessage, LoraAdapter, Sampler, SamplingParams, Sequence, StopCondition, Tokenizer,
@@ -29,6 +29,8 @@ pub struct Player {
     adapter: Option<Arc<LoraAdapter>>,
     /// Sent before each observation (`text.system_prompt`).
     system_prompt: Option<String>,
+    /// How each observation is rendered (`text.observation`).
+    observation: ObservationView,
     stop: StopCondition,
     /// `None`: greedy.
     sampling: Option<SamplingParams>,
@@ -86,6 +88,7 @@ impl Player {
             tokenizer,
             adapter,
             system_prompt: None,
+            observation: ObservationView::Full,
             stop: StopCondition {
                 max_new_tokens: max_tokens,
                 stop_token_ids,
@@ -95,15 +98,18 @@ impl Player {
         }
     }
 
-    /// Sends `system` before each observation, as `text.system_prompt`
-    /// makes the env-runners do.
-    pub fn with_system_prompt(mut self, system: Option<String>) -> Self {
+    /// Prompts as `text.system_prompt` and `text.observation` make the
+    /// env-runners do: `system` before each observation, rendered as
+    /// `observation`.
+    pub fn with_prompting(mut self, system: Option<String>, observation: ObservationView) -> Self {
         self.system_prompt = system;
+        self.observation = observation;
         self
     }
 
-    /// The model's move for `observation`.
-    pub fn choose(&mut self, observation: &str) -> Result<String> {
+    /// The model's move as `player` of `game`.
+    pub fn choose(&mut self, game: &dyn TextGame, player: usize) -> Result<String> {
+        let observation = game.observation_as(player, self.observation);
         let mut messages = Vec::with_capacity(2);
         if let Some(system) = &self.system_prompt {
             messages.push(ChatMessage::system(system));
@@ -198,7 +204,7 @@ pub fn play_game(
         shown[p] = observation.len();
         let action = match &mut seats[p] {
             Seat::Model(player) => {
-                let action = player.choose(&observation)?;
+                let action = player.choose(game.as_ref(), p)?;
                 writeln!(out, "player {p} (model): {action}")?;
                 action
             }

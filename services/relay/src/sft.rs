@@ -32,6 +32,7 @@ use anyhow::{bail, Context, Result};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use relay_envs::ObservationView;
 use relay_kit::config::GgufBaseName;
 use relay_llm::sft::{
     encode_record, load_hf_trainable, named_vars, read_sft_jsonl, save_hf_trainable, SftConfig,
@@ -95,6 +96,9 @@ pub struct SftArgs {
     /// System prompt before each observation; give the runs' `text.system_prompt` if they set one.
     #[arg(long)]
     pub system_prompt: Option<String>,
+    /// How observations are rendered (full, first_last); give the runs' `text.observation`.
+    #[arg(long, default_value = "full")]
+    pub observation: ObservationView,
     /// Share of the examples held out to measure the loss on unseen positions.
     #[arg(long, default_value_t = 0.05)]
     pub holdout: f64,
@@ -173,12 +177,13 @@ pub struct SftSummary {
 }
 
 /// Plays one move sequence per game between `bots` (one per seat) and
-/// returns every move as an (observation, move) pair.
+/// returns every move as an (observation rendered as `view`, move) pair.
 pub fn bot_game_records(
     env: &str,
     bots: &[String],
     games: usize,
     seed: u64,
+    view: ObservationView,
 ) -> Result<Vec<SftRecord>> {
     let mut records = Vec::new();
     for game_index in 0..games {
@@ -207,7 +212,7 @@ pub fn bot_game_records(
         game.reset(game_seed);
         while !game.is_done() {
             let player = game.current_player();
-            let observation = game.observation(player);
+            let observation = game.observation_as(player, view);
             let alternatives = players[player]
                 .move_support(game.as_ref())
                 .unwrap_or_default();
@@ -364,7 +369,8 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
         Some(path) => read_sft_jsonl(path)?,
         None => {
             let bots = comma_list(&args.bots);
-            let records = bot_game_records(&args.env, &bots, args.games, args.seed)?;
+            let records =
+                bot_game_records(&args.env, &bots, args.games, args.seed, args.observation)?;
             if let Some(path) = &args.write_data {
                 let mut file = std::io::BufWriter::new(
                     std::fs::File::create(path)
@@ -427,7 +433,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
             args.max_tokens,
             args.seed,
         )
-        .with_system_prompt(args.system_prompt.clone())
+        .with_prompting(args.system_prompt.clone(), args.observation)
     };
     let eval_header = || {
         println!(

@@ -4,7 +4,8 @@
 
 use relay_envs::text::{ConnectFour, GuessTheNumber, KuhnPoker, TicTacToe};
 use relay_envs::{
-    make_text_game, Bot, ConnectFourBot, EnvError, MinimaxBot, RandomBot, TextGame, TEXT_GAME_IDS,
+    make_text_game, Bot, ConnectFourBot, EnvError, MinimaxBot, ObservationView, RandomBot,
+    TextGame, TEXT_GAME_IDS,
 };
 
 /// Plays `game` to the end with one bot per seat; returns the rewards.
@@ -79,6 +80,78 @@ fn every_registered_game_plays_to_the_end_with_random_legal_moves() {
             assert!(RandomBot::new(0).choose_move(game.as_ref()).is_err());
         }
     }
+}
+
+/// The messages of a full transcript: its `"\n[<sender>] "` lines, bare.
+fn messages(transcript: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for piece in transcript.split("\n[").skip(1) {
+        match piece.split_once("] ") {
+            Some((sender, text)) if sender == "GAME" || sender.starts_with("Player") => {
+                out.push(text.to_string())
+            }
+            // A `[`...`]` inside a message (e.g. `'[4]'`) is not a new one.
+            _ => out
+                .last_mut()
+                .expect("a message")
+                .push_str(&format!("\n[{piece}")),
+        }
+    }
+    out
+}
+
+#[test]
+fn first_last_view_is_the_prompt_and_the_latest_message_as_textarena_renders_them() {
+    for &id in TEXT_GAME_IDS {
+        let mut game = make_text_game(id).expect("registered id");
+        game.reset(3);
+        let mut bot = RandomBot::new(3);
+        let mut checked = 0;
+        while !game.is_done() {
+            for p in 0..game.num_players() {
+                let full = messages(&game.observation(p));
+                let expected = match full.as_slice() {
+                    [first] => format!("{first}\n\n"),
+                    [first, .., last] => format!("{first}\n\n{last}\n\n"),
+                    [] => unreachable!("every player gets a prompt"),
+                };
+                assert_eq!(game.observation_as(p, ObservationView::FirstLast), expected);
+                assert_eq!(
+                    game.observation_as(p, ObservationView::Full),
+                    game.observation(p)
+                );
+                checked += 1;
+            }
+            let action = bot.choose_move(game.as_ref()).expect("bot move");
+            game.step(&action).expect("step");
+        }
+        assert!(checked > 0, "{id}");
+    }
+    // TicTacToe: the rules, then the current board with its moves.
+    let mut game = make_text_game("TicTacToe-v0").unwrap();
+    game.reset(0);
+    game.step("[4]").unwrap();
+    let view = game.observation_as(1, ObservationView::FirstLast);
+    assert!(
+        view.starts_with("You are Player 1 in Tic Tac Toe."),
+        "{view}"
+    );
+    assert!(
+        view.ends_with(
+            "\n\nAvailable Moves: '[0]', '[1]', '[2]', '[3]', '[5]', '[6]', '[7]', '[8]'\n\n"
+        ),
+        "{view}"
+    );
+    assert!(
+        !view.contains("[GAME]") && !view.contains("[Player 0]"),
+        "{view}"
+    );
+    assert_eq!("first_last".parse(), Ok(ObservationView::FirstLast));
+    let err = "last".parse::<ObservationView>().unwrap_err();
+    assert!(
+        err.contains("\"last\"") && err.contains("first_last"),
+        "{err}"
+    );
 }
 
 #[test]

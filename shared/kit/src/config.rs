@@ -1068,6 +1068,12 @@ pub struct TextConfig {
     /// System prompt put before each observation (none: the observation is
     /// the only chat turn).
     pub system_prompt: Option<String>,
+    /// How the game's messages become the prompt: `full` (TextArena's
+    /// default `LLMObservationWrapper`, the whole transcript) or
+    /// `first_last` (`FirstLastObservationWrapper`: the game's rules and
+    /// the latest message, i.e. the current board; short prompts that do
+    /// not grow over the game).
+    pub observation: relay_envs::ObservationView,
     /// Time one generate request may take before it counts as failed.
     pub generate_timeout_ms: u64,
     /// Attempts per move (the first try and its retries) before the game is
@@ -1090,6 +1096,7 @@ impl Default for TextConfig {
             top_k: 0,
             constrained: false,
             system_prompt: None,
+            observation: relay_envs::ObservationView::Full,
             generate_timeout_ms: 30_000,
             generate_attempts: 3,
             connect_four_depth: 4,
@@ -1732,10 +1739,14 @@ impl ExperimentConfig {
             })?;
             set_dotted(&mut value, key.trim(), raw)?;
         }
+        // The path names the field of a value that does not parse.
         let config: ExperimentConfig =
-            serde_yaml::from_value(value).map_err(|e| ConfigError::Parse {
+            serde_path_to_error::deserialize(value).map_err(|e| ConfigError::Parse {
                 origin: origin.to_string(),
-                detail: e.to_string(),
+                detail: match e.path().to_string().as_str() {
+                    "." => e.inner().to_string(),
+                    path => format!("{path}: {}", e.inner()),
+                },
             })?;
         config.validate()?;
         Ok(config)
@@ -2331,6 +2342,7 @@ mod tests {
             (&["text.generate_attempts=0"], "text.generate_attempts"),
             (&["text.generate_timeout_ms=0"], "text.generate_timeout_ms"),
             (&["text.constrainted=true"], "constrainted"),
+            (&["text.observation=last"], "text.observation"),
         ];
         for (sets, field) in cases {
             let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();

@@ -19,7 +19,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use relay_envs::{Bot, ConnectFourBot, EnvError, MinimaxBot, RandomBot};
+use relay_envs::{Bot, ConnectFourBot, EnvError, MinimaxBot, ObservationView, RandomBot};
 use relay_kit::config::{Opponent, TextConfig};
 use relay_kit::RequestError;
 use relay_proto::{
@@ -114,6 +114,8 @@ pub fn arrange(
 pub struct GameSettings {
     /// System prompt before each observation.
     pub system_prompt: Option<String>,
+    /// How each observation is rendered.
+    pub observation: ObservationView,
     /// Sampling of each move (its `seed` is replaced per move, derived from
     /// the game seed, so a game replays given the same replies).
     pub sampling: SamplingParams,
@@ -132,6 +134,7 @@ impl GameSettings {
     pub fn from_config(text: &TextConfig) -> Self {
         Self {
             system_prompt: text.system_prompt.clone(),
+            observation: text.observation,
             sampling: SamplingParams {
                 temperature: text.temperature,
                 top_p: text.top_p,
@@ -421,7 +424,7 @@ pub async fn play_game<G: Generate>(
                 sampling.seed = Some(move_seed(seed, turns.len()));
                 let mut request = GenerateRequest::new(
                     adapter.clone(),
-                    settings.prompt(&game.observation(player)),
+                    settings.prompt(&game.observation_as(player, settings.observation)),
                     sampling,
                 );
                 if settings.constrained {

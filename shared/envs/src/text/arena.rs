@@ -7,7 +7,7 @@
 //! `LLMObservationWrapper` (the per-player transcripts). The games own only
 //! their rules and their messages.
 
-use crate::text::PlayerInfo;
+use crate::text::{ObservationView, PlayerInfo};
 
 /// TextArena's `error_allowance` default: one invalid move is forgiven with
 /// a warning, the next consecutive one ends the game.
@@ -82,6 +82,9 @@ pub(crate) struct Arena {
     /// Per player, every message addressed to them rendered as
     /// LLMObservationWrapper does: `"\n[<sender>] <message>"` each.
     transcripts: Vec<String>,
+    /// Per player, the first message addressed to them and the latest one
+    /// after it, bare (for `FirstLastObservationWrapper`).
+    first_last: Vec<(Option<String>, Option<String>)>,
     rewards: Option<Vec<f64>>,
     info: Vec<PlayerInfo>,
 }
@@ -99,6 +102,7 @@ impl Arena {
             made_invalid_move: false,
             step_invalid: false,
             transcripts: vec![String::new(); n],
+            first_last: vec![(None, None); n],
             rewards: None,
             info: (0..n).map(PlayerInfo::initial).collect(),
         }
@@ -129,8 +133,18 @@ impl Arena {
         self.done
     }
 
-    pub(crate) fn transcript(&self, player: usize) -> &str {
-        &self.transcripts[player]
+    /// What `player` is shown, as `view` renders it.
+    pub(crate) fn observation(&self, player: usize, view: ObservationView) -> String {
+        match view {
+            ObservationView::Full => self.transcripts[player].clone(),
+            // TextArena's FirstLastObservationWrapper: the first message,
+            // then the latest one if there is another, each followed by a
+            // blank line.
+            ObservationView::FirstLast => match &self.first_last[player] {
+                (Some(first), Some(last)) => format!("{first}\n\n{last}\n\n"),
+                (first, _) => format!("{}\n\n", first.as_deref().unwrap_or_default()),
+            },
+        }
     }
 
     pub(crate) fn rewards(&self) -> Option<&[f64]> {
@@ -153,9 +167,16 @@ impl Arena {
             Sender::Player(p) => self.seats.role_name(p),
         };
         let line = format!("\n[{sender}] {message}");
-        match to {
-            Some(player) => self.transcripts[player].push_str(&line),
-            None => self.transcripts.iter_mut().for_each(|t| t.push_str(&line)),
+        let players = match to {
+            Some(player) => player..player + 1,
+            None => 0..self.num_players(),
+        };
+        for player in players {
+            self.transcripts[player].push_str(&line);
+            match &mut self.first_last[player] {
+                (first @ None, _) => *first = Some(message.to_string()),
+                (Some(_), last) => *last = Some(message.to_string()),
+            }
         }
     }
 

@@ -107,6 +107,37 @@ pub use kuhn_poker::KuhnPoker;
 pub use registry::{make, TEXT_GAME_IDS};
 pub use tic_tac_toe::TicTacToe;
 
+/// How a player's messages become the observation a model is prompted
+/// with: TextArena's observation wrappers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ObservationView {
+    /// `LLMObservationWrapper` (the default ids'): every message since the
+    /// reset, each as `"\n[<sender>] <text>"`; it grows over the game.
+    #[default]
+    Full,
+    /// `FirstLastObservationWrapper`: the first message (the game's prompt)
+    /// and the latest one (in TicTacToe and ConnectFour the board with the
+    /// available moves), bare, each followed by `"\n\n"`. Prompts stay
+    /// short and the latest state is never buried under the history; after
+    /// an invalid move the latest message is the warning, without the board.
+    FirstLast,
+}
+
+impl std::str::FromStr for ObservationView {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "full" => Ok(Self::Full),
+            "first_last" => Ok(Self::FirstLast),
+            _ => Err(format!(
+                "unknown observation view {text:?}; known: full, first_last"
+            )),
+        }
+    }
+}
+
 /// What [`TextGame::step`] reports about one submitted action.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepOutcome {
@@ -174,7 +205,15 @@ pub trait TextGame: Send {
     ///
     /// # Panics
     /// If `player >= num_players()`.
-    fn observation(&self, player: usize) -> String;
+    fn observation(&self, player: usize) -> String {
+        self.observation_as(player, ObservationView::Full)
+    }
+
+    /// What `player` is shown, rendered as `view` (see [`ObservationView`]).
+    ///
+    /// # Panics
+    /// If `player >= num_players()`.
+    fn observation_as(&self, player: usize, view: ObservationView) -> String;
 
     /// The action strings that are valid now, in a fixed order (for bots
     /// and constrained decoding). Empty once the game is over.
@@ -233,8 +272,8 @@ macro_rules! arena_accessors {
             self.arena.is_done()
         }
 
-        fn observation(&self, player: usize) -> String {
-            self.arena.transcript(player).to_string()
+        fn observation_as(&self, player: usize, view: $crate::text::ObservationView) -> String {
+            self.arena.observation(player, view)
         }
 
         fn rewards(&self) -> Option<Vec<f64>> {
