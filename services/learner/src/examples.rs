@@ -13,8 +13,8 @@
 //!   shaped by `rl.reward` (`relay_llm::RewardShaping`): normalised per
 //!   env if asked, plus `format_bonus` times the share of the seat's moves
 //!   that contain a bracketed move (`[4]`, `[col 3]`, `[Bet]`: the form
-//!   every game asks for), minus `invalid_move_penalty` per move the game
-//!   refused.
+//!   every game asks for); a move the game refused gets
+//!   `invalid_move_penalty` less than the seat's other moves.
 //! - **Group** (the baseline of `rloo` and `grpo`): the games played by the
 //!   same adapter version from the same seat. Their opening states follow
 //!   the same distribution (the seat decides who moves first), and the
@@ -66,7 +66,8 @@ pub fn games_to_examples(
     normalizer: &mut RewardNormalizer,
 ) -> Converted {
     struct SeatMoves {
-        examples: Vec<TokenExample>,
+        /// Each example with whether the game refused its move.
+        examples: Vec<(TokenExample, bool)>,
         result: GameResult,
     }
     let mut seats: Vec<SeatMoves> = Vec::new();
@@ -105,7 +106,7 @@ pub fn games_to_examples(
                     out.skipped_moves += 1;
                     continue;
                 }
-                examples.push(example);
+                examples.push((example, turn.invalid));
             }
             if examples.is_empty() {
                 continue;
@@ -134,11 +135,11 @@ pub fn games_to_examples(
     let results: Vec<GameResult> = seats.iter().map(|s| s.result.clone()).collect();
     let shaped = shaping.apply(normalizer, &results);
     for (seat, reward) in seats.into_iter().zip(shaped) {
-        out.examples.extend(
-            seat.examples
-                .into_iter()
-                .map(|e| TokenExample { reward, ..e }),
-        );
+        out.examples
+            .extend(seat.examples.into_iter().map(|(e, invalid)| TokenExample {
+                reward: shaping.move_reward(reward, invalid),
+                ..e
+            }));
     }
     out
 }
@@ -257,7 +258,8 @@ mod tests {
     }
 
     #[test]
-    fn rewards_are_shaped_per_seat_and_groups_follow_version_and_seat() {
+    fn rewards_are_shaped_per_seat_the_penalty_per_refused_move_and_groups_follow_version_and_seat()
+    {
         let mut invalid = model_turn(0, &[1, 2], &[3], "I pick 4");
         invalid.invalid = true;
         let first = record(
@@ -295,11 +297,14 @@ mod tests {
         let converted = games_to_examples(&[first, mirror], &shaping, &mut Default::default());
         let rewards: Vec<f64> = converted.examples.iter().map(|e| e.reward).collect();
         let groups: Vec<u64> = converted.examples.iter().map(|e| e.group).collect();
-        // Seat 0 of the first game: -1, one invalid move (-0.5), half its
-        // moves well formatted (+0.1).
-        let first_reward = -1.0 - 0.5 + 0.1;
-        assert!((rewards[0] - first_reward).abs() < 1e-12, "{rewards:?}");
-        assert_eq!(rewards[0], rewards[1]);
+        // Seat 0 of the first game: -1, half its moves well formatted
+        // (+0.1); its refused move alone loses another 0.5.
+        let seat_reward = -1.0 + 0.1;
+        assert!(
+            (rewards[0] - (seat_reward - 0.5)).abs() < 1e-12,
+            "{rewards:?}"
+        );
+        assert!((rewards[1] - seat_reward).abs() < 1e-12, "{rewards:?}");
         // Mirror: seat 0 won (+1 + 0.2), seat 1 lost (-1 + 0.2).
         assert_eq!(converted.examples.len(), 5);
         assert!((rewards[2] - 1.2).abs() < 1e-12 && (rewards[3] - 1.2).abs() < 1e-12);

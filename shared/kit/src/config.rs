@@ -1563,8 +1563,8 @@ pub struct RlConfig {
     /// AdamW over the adapter: `lr`, `beta1`, `beta2`, `eps`,
     /// `weight_decay`, `max_grad_norm`.
     pub optimizer: relay_llm::AdamWConfig,
-    /// Reward transforms: `invalid_move_penalty` (per invalid move of the
-    /// seat), `format_bonus` (times the share of the seat's moves that
+    /// Reward transforms: `invalid_move_penalty` (taken from each move the
+    /// game refused), `format_bonus` (times the share of the seat's moves that
     /// contain a bracketed move such as `[4]`), `normalize`.
     pub reward: relay_llm::RewardShaping,
     /// Write a checkpoint every this many updates (and at the end).

@@ -3,21 +3,23 @@
 //! reward, a format reward and an invalid-move penalty.
 //!
 //! This module owns [`GameResult`] (what the transforms read from a game),
-//! the pure additive terms [`format_reward`] and [`invalid_move_penalty`],
-//! [`RunningStats`] / [`RewardNormalizer`] (running mean and standard
-//! deviation per environment id) and [`RewardShaping`], which applies them
-//! in a fixed order:
+//! the pure additive term [`format_reward`], [`RunningStats`] /
+//! [`RewardNormalizer`] (running mean and standard deviation per
+//! environment id) and [`RewardShaping`], which applies them in a fixed
+//! order:
 //!
 //! ```text
-//! shaped = normalise_env(reward) + format_bonus · well_formatted_turns / turns
-//!                                − invalid_move_penalty · invalid_moves
+//! seat = normalise_env(reward) + format_bonus · well_formatted_turns / turns
+//! move = seat − invalid_move_penalty   (only for a move the game refused)
 //! ```
 //!
 //! The environment's own reward is normalised first (so that games with
 //! different reward scales become comparable), and the format and
 //! invalid-move terms are added after, in those normalised units, so a
-//! given bonus means the same in every environment. The normaliser is
-//! state the learner keeps (and may checkpoint: it is serde).
+//! given bonus means the same in every environment. The invalid-move
+//! penalty lands on the refused move alone, not on the seat's other moves:
+//! the credit goes where the mistake was. The normaliser is state the
+//! learner keeps (and may checkpoint: it is serde).
 
 use std::collections::BTreeMap;
 
@@ -48,11 +50,6 @@ pub fn format_reward(result: &GameResult, bonus: f64) -> f64 {
         return 0.0;
     }
     bonus * f64::from(result.well_formatted_turns.min(result.turns)) / f64::from(result.turns)
-}
-
-/// `−penalty · invalid_moves`.
-pub fn invalid_move_penalty(result: &GameResult, penalty: f64) -> f64 {
-    -penalty * f64::from(result.invalid_moves)
 }
 
 /// Running mean and variance of a stream (Chan et al.'s parallel update,
@@ -158,7 +155,8 @@ pub struct RewardShaping {
     /// Reward for a game whose every turn was well formatted (scaled by the
     /// fraction of well-formatted turns).
     pub format_bonus: f64,
-    /// Subtracted once per invalid move.
+    /// Subtracted from the reward of each move the game refused (that
+    /// move only).
     pub invalid_move_penalty: f64,
 }
 
@@ -182,7 +180,8 @@ impl RewardShaping {
         Ok(())
     }
 
-    /// The shaped reward of each result, in order. With normalisation, the
+    /// The shaped reward of each result's seat, in order (before the
+    /// per-move [`RewardShaping::move_reward`]). With normalisation, the
     /// results of each env update that env's statistics (all of this
     /// call's results of an env count as one batch).
     pub fn apply(&self, normalizer: &mut RewardNormalizer, results: &[GameResult]) -> Vec<f64> {
@@ -204,10 +203,17 @@ impl RewardShaping {
         results
             .iter()
             .zip(env_rewards)
-            .map(|(r, base)| {
-                base + format_reward(r, self.format_bonus)
-                    + invalid_move_penalty(r, self.invalid_move_penalty)
-            })
+            .map(|(r, base)| base + format_reward(r, self.format_bonus))
             .collect()
+    }
+
+    /// The reward of one move of a seat whose shaped reward is `seat`:
+    /// less `invalid_move_penalty` if the game refused it.
+    pub fn move_reward(&self, seat: f64, invalid: bool) -> f64 {
+        if invalid {
+            seat - self.invalid_move_penalty
+        } else {
+            seat
+        }
     }
 }

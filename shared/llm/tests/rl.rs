@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, Var};
-use relay_llm::reward::{format_reward, invalid_move_penalty};
+use relay_llm::reward::format_reward;
 use relay_llm::rl::{compute_advantages, kl_estimate, rl_loss, RlLoss, RlMicroBatch, RlRow};
 use relay_llm::token_batch::{fit_to_length, Fit};
 use relay_llm::{
@@ -960,7 +960,6 @@ fn game(
 fn format_reward_and_invalid_move_penalty_by_hand() {
     let g = game("TicTacToe-v0", 1.0, 4, 3, 2);
     close(format_reward(&g, 0.2), 0.15, "format");
-    assert_eq!(invalid_move_penalty(&g, 0.5), -1.0);
     assert_eq!(format_reward(&game("x", 0.0, 0, 0, 0), 0.2), 0.0);
     let shaping = RewardShaping {
         normalize: None,
@@ -969,11 +968,10 @@ fn format_reward_and_invalid_move_penalty_by_hand() {
     };
     shaping.validate().unwrap();
     let mut normalizer = RewardNormalizer::default();
-    close(
-        shaping.apply(&mut normalizer, &[g])[0],
-        1.0 + 0.15 - 1.0,
-        "shaped",
-    );
+    let seat = shaping.apply(&mut normalizer, &[g])[0];
+    close(seat, 1.0 + 0.15, "shaped seat");
+    close(shaping.move_reward(seat, false), 1.15, "valid move");
+    close(shaping.move_reward(seat, true), 1.15 - 0.5, "refused move");
     assert!(normalizer.per_env.is_empty());
 }
 
