@@ -353,6 +353,9 @@ pub struct VsOpponent {
     games: Option<usize>,
     opponents: Option<Vec<Opponent>>,
     seed: Option<u64>,
+    /// Sampling temperature of the evaluated moves (0: greedy); default
+    /// the run's `text.temperature`, as in training.
+    temperature: Option<f32>,
 }
 
 impl VsOpponent {
@@ -377,11 +380,16 @@ impl VsOpponent {
             })
             .transpose()?;
         let seed = o.parse("seed")?;
+        let temperature: Option<f32> = o.parse("temperature")?;
+        if temperature.is_some_and(|t| !(t.is_finite() && t >= 0.0)) {
+            return Err("evaluator vs-opponent: option temperature must be finite and >= 0".into());
+        }
         o.finish()?;
         Ok(Box::new(Self {
             games,
             opponents,
             seed,
+            temperature,
         }))
     }
 
@@ -505,7 +513,10 @@ impl Evaluator for VsOpponent {
                     });
                 }
             }
-            let settings = GameSettings::from_config(&ctx.text);
+            let mut settings = GameSettings::from_config(&ctx.text);
+            if let Some(temperature) = self.temperature {
+                settings.sampling.temperature = temperature;
+            }
             let results: Vec<_> = futures::stream::iter(planned.into_iter().map(|g| {
                 let settings = &settings;
                 async move { (g.matchup, play_game(&ctx.generator, g.spec, settings).await) }
@@ -702,6 +713,7 @@ mod tests {
             &[
                 ("games".into(), "4".into()),
                 ("opponents".into(), "random, minimax".into()),
+                ("temperature".into(), "0".into()),
             ],
         )
         .unwrap();
@@ -724,6 +736,9 @@ mod tests {
             ("opponents", " , ", "empty"),
             ("games", "0", "games"),
             ("episodes", "3", "episodes"),
+            ("temperature", "-1", "temperature"),
+            ("temperature", "NaN", "temperature"),
+            ("temperature", "warm", "temperature"),
         ] {
             let err = build("vs-opponent", &[(key.into(), value.into())])
                 .err()

@@ -14,7 +14,8 @@
 //!
 //! The first evaluation is of version 0, the zero adapter over the SFT
 //! model: the SFT-only starting point under the same conditions as every
-//! RL evaluation (sampled at `text.temperature`).
+//! RL evaluation (the config's `eval.options`: greedy moves in
+//! `configs/tictactoe-grpo.yaml`).
 //!
 //! Ends with a table (SFT greedy, SFT only, last RL evaluation: legal-move
 //! rate and non-loss rate against each opponent) and a JSON line.
