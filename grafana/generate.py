@@ -759,6 +759,19 @@ league = dashboard(
                 {"id": "sortBy", "options": {"sort": [{"field": "mu", "desc": True}]}},
             ],
         ),
+        panel("timeseries", "Opponent sampling: games per minute by opponent and sampler",
+              [t(f"60 * sum by (opponent, sampler) (rate({sel('relay_league_opponent_games_total')}[{RI}]))",
+                 "{{opponent}} ({{sampler}})")], w=12,
+              description="League training games by the opponent they had (self: mirror, past: a past version, "
+                          "or a fixed bot) and the sampler rule that drew it: how often each kind of opponent is played."),
+        panel("timeseries", "Mirror fallbacks per minute by reason",
+              [t(f"60 * sum by (reason) (rate({sel('relay_league_mirror_fallbacks_total')}[{RI}]))", "{{reason}}")],
+              w=12,
+              description="League games played as mirror games instead of the drawn opponent "
+                          "(e.g. not_served: no inference server could serve the past version)."),
+        panel("timeseries", "Opponent lag (versions behind the learning adapter)",
+              quantiles("relay_league_opponent_lag_versions", by="run_id"), w=12,
+              description="How far back the past versions played in rated league games are."),
     ],
 )
 

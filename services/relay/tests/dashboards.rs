@@ -44,6 +44,10 @@ const PENDING: &[&str] = &[
     "relay_league_rating_mu",
     "relay_league_rating_sigma",
     "relay_league_games_total",
+    // League opponents drawn by the env-runners of a league run.
+    "relay_league_opponent_games_total",
+    "relay_league_mirror_fallbacks_total",
+    "relay_league_opponent_lag_versions_bucket",
 ];
 
 fn repo() -> PathBuf {
