@@ -167,6 +167,11 @@ impl LeagueResult {
         let current = seat_version(record, learner)??;
         let opponent = match &record.seats[other] {
             SeatPolicy::Bot(name) => MemberId::Fixed(name.clone()),
+            // A fixed adapter (`adapter:<name>`): another policy entirely.
+            SeatPolicy::Model(Some(AdapterRef {
+                name,
+                version: None,
+            })) if name != LEARNING_ADAPTER => MemberId::Fixed(format!("adapter:{name}")),
             SeatPolicy::Model(Some(AdapterRef {
                 name,
                 version: Some(version),
@@ -177,7 +182,7 @@ impl LeagueResult {
                 }
                 MemberId::Version(*version)
             }
-            // Mirror games, the base model, other adapters: not rated.
+            // Mirror games, the base model, pinned other adapters: not rated.
             _ => return None,
         };
         let outcome = match game.outcome()? {
@@ -505,8 +510,18 @@ mod tests {
             // A version against a past one, and against one never admitted.
             result(2, "v1", Outcome::Draw),
             result(2, "v7", Outcome::Win),
+            // A fixed adapter joins as what it is.
+            result(2, "adapter:old", Outcome::Loss),
         ];
-        assert_eq!(apply(&mut pool, &results, &config).unwrap(), 4);
+        assert_eq!(apply(&mut pool, &results, &config).unwrap(), 5);
+        let old = MemberId::Fixed("adapter:old".into());
+        assert_eq!(pool.record(&MemberId::Version(2), &old).losses, 1);
+        match &pool.get(&old).unwrap().kind {
+            relay_league::MemberKind::Fixed(f) => {
+                assert_eq!(f.kind, FixedKind::Adapter { path: "old".into() })
+            }
+            other => panic!("{other:?}"),
+        }
         let v1 = MemberId::Version(1);
         let v2 = MemberId::Version(2);
         let random = MemberId::Fixed("random".into());
@@ -624,6 +639,23 @@ mod tests {
             [1.0, -1.0],
         );
         assert_eq!(LeagueResult::of(&mirror), None);
+        // Another adapter the servers hold is a fixed member.
+        let against_adapter = game(
+            [
+                SeatPolicy::Model(Some(AdapterRef {
+                    name: "old".into(),
+                    version: None,
+                })),
+                model(None),
+            ],
+            1,
+            vec![turn(0, None), turn(1, Some(4))],
+            [1.0, -1.0],
+        );
+        assert_eq!(
+            LeagueResult::of(&against_adapter),
+            Some(result(4, "adapter:old", Outcome::Loss))
+        );
     }
 
     #[test]

@@ -254,6 +254,8 @@ enum LeagueOpponent {
     Past(u64),
     /// A fixed bot.
     Bot(String),
+    /// A fixed adapter the inference servers hold, by name.
+    Adapter(String),
 }
 
 /// What a league game was meant to be, for its metrics.
@@ -283,7 +285,10 @@ fn league_opponent(matchup: &Matchup) -> (LeagueOpponent, Option<FallbackReason>
         MemberId::Fixed(name) if relay_kit::config::BOT_NAMES.contains(&name.as_str()) => {
             (LeagueOpponent::Bot(name.clone()), None)
         }
-        MemberId::Fixed(_) => (LeagueOpponent::Mirror, Some(FallbackReason::Unplayable)),
+        MemberId::Fixed(name) => match name.strip_prefix("adapter:") {
+            Some(adapter) => (LeagueOpponent::Adapter(adapter.to_string()), None),
+            None => (LeagueOpponent::Mirror, Some(FallbackReason::Unplayable)),
+        },
     }
 }
 
@@ -330,6 +335,14 @@ fn seat_league_game(
             let bot = make_bot(&name, bot_seed, text).map_err(ServiceError::other)?;
             (name, None, Some(Seat::Bot(bot)))
         }
+        LeagueOpponent::Adapter(name) => (
+            format!("adapter:{name}"),
+            None,
+            Some(Seat::Model(Some(AdapterRef {
+                name,
+                version: None,
+            }))),
+        ),
     };
     let seats = arrange(
         learner,

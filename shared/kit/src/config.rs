@@ -1305,10 +1305,12 @@ pub struct LeagueSection {
     /// {`components`: [{`weight`, `sampler`}]}. Who moves first is a fair
     /// coin each game.
     pub sampler: relay_league::SamplerConfig,
-    /// Bots in the pool as fixed members besides those named in
-    /// `text.opponents` (`random`, `minimax`, `connect_four_bot`; each must
-    /// play the run's game), so samplers can draw them without the
-    /// env-runners also playing them directly.
+    /// Fixed members of the pool besides the bots and adapters named in
+    /// `text.opponents`: bots (`random`, `minimax`, `connect_four_bot`;
+    /// each must play the run's game) or `adapter:<name>` (a LoRA adapter
+    /// the inference servers hold, e.g. from `llm.adapters`: a saved
+    /// policy to beat), so samplers can draw them without the env-runners
+    /// also playing them directly.
     pub fixed: Vec<String>,
 }
 
@@ -1333,10 +1335,22 @@ impl LeagueSection {
         })?;
         for (index, name) in self.fixed.iter().enumerate() {
             let field = format!("league.fixed[{index}]");
+            if let Some(adapter) = name.strip_prefix("adapter:") {
+                if !valid_adapter_name(adapter) {
+                    return Err(invalid(
+                        &field,
+                        format!("adapter name {adapter:?} must be 1 to 64 ASCII letters, digits, '-', '_' or '.'"),
+                    ));
+                }
+                continue;
+            }
             if !BOT_NAMES.contains(&name.as_str()) {
                 return Err(invalid(
                     &field,
-                    format!("unknown bot {name:?}; known: {}", BOT_NAMES.join(", ")),
+                    format!(
+                        "unknown bot {name:?}; known: {}, or adapter:<name>",
+                        BOT_NAMES.join(", ")
+                    ),
                 ));
             }
             if is_text_game(env_id) && !bot_plays(name, env_id) {
@@ -1351,12 +1365,18 @@ impl LeagueSection {
     }
 }
 
-/// The bots of `text.opponents`, then those of `league.fixed`, without
-/// repeats.
+/// The bots and `adapter:<name>` entries of `text.opponents`, then
+/// `league.fixed`, without repeats.
 fn league_fixed_names(text: &TextConfig, league: &LeagueSection) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for name in text
         .opponent_bots()
+        .chain(
+            text.opponents
+                .keys()
+                .map(String::as_str)
+                .filter(|name| name.starts_with("adapter:")),
+        )
         .chain(league.fixed.iter().map(String::as_str))
     {
         if !names.iter().any(|n| n == name) {
@@ -1382,7 +1402,7 @@ fn check_sampler_members(
                         return Err(invalid(
                             &format!("{path}.opponents[{index}].opponent"),
                             format!(
-                                "{name:?} is not a fixed member of the pool (the bots of text.opponents and league.fixed: {})",
+                                "{name:?} is not a fixed member of the pool (the bots and adapters of text.opponents and league.fixed: {})",
                                 if members.is_empty() { "none".to_string() } else { members.join(", ") }
                             ),
                         ));
@@ -1405,9 +1425,10 @@ fn check_sampler_members(
     }
 }
 
-/// The league member a bot is (`minimax` searches to the end,
-/// `connect_four_bot` to `text.connect_four_depth`, anything else plays
-/// random moves).
+/// The league member a fixed opponent is: `adapter:<name>` the LoRA
+/// adapter the inference servers hold under that name (`llm.adapters`),
+/// `minimax` a search to the end, `connect_four_bot` one to
+/// `text.connect_four_depth`, any other bot random moves.
 pub fn fixed_opponent(name: &str, text: &TextConfig) -> relay_league::FixedOpponent {
     use relay_league::FixedKind;
     let kind = match name {
@@ -1415,7 +1436,12 @@ pub fn fixed_opponent(name: &str, text: &TextConfig) -> relay_league::FixedOppon
         "connect_four_bot" => FixedKind::Minimax {
             depth: Some(text.connect_four_depth),
         },
-        _ => FixedKind::Random,
+        other => match other.strip_prefix("adapter:") {
+            Some(adapter) => FixedKind::Adapter {
+                path: adapter.to_string(),
+            },
+            None => FixedKind::Random,
+        },
     };
     relay_league::FixedOpponent {
         name: name.to_string(),
@@ -2401,6 +2427,37 @@ mod tests {
         let fixed: Vec<String> = c.league_fixed().into_iter().map(|f| f.name).collect();
         assert_eq!(fixed, vec!["minimax".to_string(), "random".to_string()]);
         assert_eq!(c.league.pool.keep_latest, 4);
+        // Adapters join as fixed members, from text.opponents and league.fixed.
+        let with_adapters = ExperimentConfig::from_layers(
+            yaml,
+            "t",
+            &[],
+            &[
+                "text.opponents.adapter:sft=0".into(),
+                "league.fixed=[random, 'adapter:best']".into(),
+            ],
+        )
+        .unwrap();
+        let fixed: Vec<(String, relay_league::FixedKind)> = with_adapters
+            .league_fixed()
+            .into_iter()
+            .map(|f| (f.name, f.kind))
+            .collect();
+        assert_eq!(
+            fixed[2..],
+            [
+                (
+                    "adapter:sft".to_string(),
+                    relay_league::FixedKind::Adapter { path: "sft".into() }
+                ),
+                (
+                    "adapter:best".to_string(),
+                    relay_league::FixedKind::Adapter {
+                        path: "best".into()
+                    }
+                ),
+            ]
+        );
         let off = ExperimentConfig::from_layers(TEXT, "t", &[], &[]).unwrap();
         assert!(!off.league_enabled());
         assert_eq!(off.league, LeagueSection::default());
@@ -2413,6 +2470,7 @@ mod tests {
             ),
             (&["league.pool.keep_lates=3"], "keep_lates"),
             (&["league.fixed=[alphago]"], "league.fixed[0]"),
+            (&["league.fixed=['adapter:']"], "league.fixed[0]"),
             (&["league.fixed=[connect_four_bot]"], "league.fixed[0]"),
             (
                 &["league.sampler={kind: match_quality, temperature: 0}"],
