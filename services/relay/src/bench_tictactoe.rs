@@ -311,6 +311,7 @@ pub(crate) fn bench_up_args(
         checkpoint: "last".into(),
         init_from: None,
         reset_optimizer: false,
+        stop: None,
     }
 }
 

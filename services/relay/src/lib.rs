@@ -15,6 +15,7 @@ pub mod runs;
 pub mod scale;
 pub mod sft;
 pub mod stack;
+pub mod sweep;
 pub mod top;
 
 use std::path::PathBuf;
@@ -81,6 +82,26 @@ pub struct UpArgs {
     /// With `--resume` or `--init-from`: start Adam afresh.
     #[arg(long)]
     pub reset_optimizer: bool,
+    /// Set from another thread to stop the stack (e.g. `relay sweep`
+    /// stopping a hopeless trial).
+    #[arg(skip)]
+    pub stop: Option<StopFlag>,
+}
+
+/// A request to stop a running `relay up` from another thread.
+#[derive(Debug, Clone, Default)]
+pub struct StopFlag(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl StopFlag {
+    /// Asks the stack to stop (at its next one-second tick).
+    pub fn stop(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a stop was asked for.
+    pub fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// How a run ended, as seen by the supervisor.
@@ -344,6 +365,9 @@ async fn watch(
                     }
                 }
                 if args.for_seconds.is_some_and(|limit| ready.elapsed() >= Duration::from_secs(limit)) {
+                    break;
+                }
+                if args.stop.as_ref().is_some_and(StopFlag::is_set) {
                     break;
                 }
                 // The learner has stopped training: give the eval of its last version time to arrive.

@@ -78,6 +78,14 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         seeds: u64,
     },
+    /// Hyperparameter search: one run per trial (grid or random), hopeless
+    /// trials stopped by the median rule; print a ranked table and JSON.
+    Sweep {
+        #[command(flatten)]
+        up: UpArgs,
+        #[command(flatten)]
+        sweep: relay::sweep::SweepArgs,
+    },
     /// The run registry: `runs ls` lists the runs, newest first; `runs repair` rebuilds it.
     Runs(relay::runs::RunsArgs),
     /// Draw a run's learning curves (return, losses, SPS) into runs/<id>/plots/*.png.
@@ -127,6 +135,7 @@ fn main() -> Result<()> {
             env_steps,
         } => relay::bench_tracker(up, rounds, env_steps),
         Command::BenchSolve { up, seeds } => bench_solve(up, seeds),
+        Command::Sweep { up, sweep } => relay::sweep::sweep(up, sweep),
         Command::Runs(args) => relay::runs::runs(args),
         Command::Plot(args) => relay::runs::plot(args),
         Command::Top(args) => relay::top::run(args),
