@@ -314,7 +314,7 @@ mod tests {
         // "[GAME]" is removed after "[Player 0]", so the tag it hid survives.
         arena.begin_step("[Player 1][4] [Player [GAME]0]");
         assert_eq!(
-            arena.transcript(1),
+            arena.observation(1, ObservationView::Full),
             "\n[GAME] hello 1\n[Player 0] [4] [Player 0]"
         );
     }
@@ -327,9 +327,11 @@ mod tests {
         arena.set_invalid_move("bad");
         assert!(!arena.finish_step(true));
         assert_eq!(arena.current_player(), 0, "the mover retries");
-        assert!(arena.transcript(0).ends_with("Reason: bad Please resubmit a valid move and remember to follow the game rules to avoid penalties."));
+        assert!(arena.observation(0, ObservationView::Full).ends_with("Reason: bad Please resubmit a valid move and remember to follow the game rules to avoid penalties."));
         assert!(
-            !arena.transcript(1).contains("Reason"),
+            !arena
+                .observation(1, ObservationView::Full)
+                .contains("Reason"),
             "warnings are private"
         );
         arena.begin_step("[y]");
