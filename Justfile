@@ -31,6 +31,11 @@ lint:
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
 
+# Classic learners against their goals (PPO Acrobot-v1 >= -80 in 500k, DQN CartPole-v1 solved in 100k, DQN MountainCar-v0 >= -110 in 300k, SAC Pendulum-v1 >= -200 in 30k, A2C CartPole-v1 solved in 500k), 3 seeds each: table + JSON line.
+bench-learning *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay bench-learning {{ARGS}}
+
 # Full stack on CartPole-v1 for 3 seeds, each until solved: table + JSON line.
 bench-solve *ARGS: install
     cargo build --release --workspace --bins

@@ -3,6 +3,7 @@
 
 pub mod bench_generate;
 pub mod bench_league;
+pub mod bench_learning;
 pub mod bench_smollm2;
 pub mod bench_tictactoe;
 pub mod chaos;

@@ -78,6 +78,14 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         seeds: u64,
     },
+    /// Classic learners against their goals (PPO Acrobot, DQN CartPole and
+    /// MountainCar, SAC Pendulum, A2C CartPole) for several seeds; print a table and JSON.
+    BenchLearning {
+        #[command(flatten)]
+        up: UpArgs,
+        #[command(flatten)]
+        bench: relay::bench_learning::BenchLearningArgs,
+    },
     /// Hyperparameter search: one run per trial (grid or random), hopeless
     /// trials stopped by the median rule; print a ranked table and JSON.
     Sweep {
@@ -136,6 +144,7 @@ fn main() -> Result<()> {
         } => relay::bench_tracker(up, rounds, env_steps),
         Command::BenchSolve { up, seeds } => bench_solve(up, seeds),
         Command::Sweep { up, sweep } => relay::sweep::sweep(up, sweep),
+        Command::BenchLearning { up, bench } => relay::bench_learning::bench_learning(up, bench),
         Command::Runs(args) => relay::runs::runs(args),
         Command::Plot(args) => relay::runs::plot(args),
         Command::Top(args) => relay::top::run(args),
