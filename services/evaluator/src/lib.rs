@@ -57,7 +57,7 @@ pub fn evaluate(
     episodes: usize,
     seed: u64,
 ) -> Result<Vec<f64>, String> {
-    Ok(plugins::play(model, env_id, episodes, seed, true, false)?
+    Ok(plugins::play(model, None, env_id, episodes, seed, true, false)?
         .into_iter()
         .map(|e| e.ret)
         .collect())

@@ -7,6 +7,9 @@
 //! - [`PolicyFollower`]: keeps a copy of the learner's latest weights, fetching
 //!   the current version at start (`weights.latest`) and each new one as it is
 //!   published (`weights`), building each new model off the caller's hot path;
+//! - [`norm_stats`] / [`delta_stats`] / [`frozen_normalizer`]: the
+//!   normalisation statistics (`normalize:`) as they travel with fragments and
+//!   weights, and back;
 //! - [`AdapterFollower`]: the same for the LLM policy's LoRA adapter versions
 //!   (`adapters`), metadata only (the inference servers load the bytes);
 //! - [`text`]: the text-game loop the env-runner and the evaluator share.
@@ -19,9 +22,12 @@ use std::time::Duration;
 use futures::StreamExt;
 use relay_envs::ActionSpace;
 use relay_kit::{ExperimentConfig, Service};
-use relay_nn::{ActionKind, Activation, ActorCritic, PolicySpec};
+use relay_nn::{
+    ActionKind, Activation, ActorCritic, NormDelta, PolicySpec, RunningMeanStd, VecNormalize,
+};
 use relay_proto::{
-    AdapterUpdate, NamedTensor, Rejection, WeightsRequest, WeightsUpdate, SCHEMA_VERSION,
+    AdapterUpdate, Moments, NamedTensor, NormStats, Rejection, WeightsRequest, WeightsUpdate,
+    SCHEMA_VERSION,
 };
 use tokio::sync::watch;
 
@@ -49,8 +55,10 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, relay_envs::Env
 }
 
 /// Every parameter of `model` as a [`WeightsUpdate`] of `version`.
+/// (without normalisation statistics: set `normalizer` for runs that normalise).
 pub fn to_weights(model: &ActorCritic, version: u64, learner_env_steps: u64) -> WeightsUpdate {
     WeightsUpdate {
+        normalizer: None,
         schema: SCHEMA_VERSION,
         version,
         learner_env_steps,
@@ -84,11 +92,89 @@ pub fn load_weights(model: &mut ActorCritic, update: &WeightsUpdate) -> Result<(
         })
 }
 
+fn moments(rms: &RunningMeanStd) -> Moments {
+    Moments {
+        count: rms.count,
+        mean: rms.mean.clone(),
+        var: rms.var.clone(),
+    }
+}
+
+fn rms(m: &Moments) -> RunningMeanStd {
+    RunningMeanStd {
+        mean: m.mean.clone(),
+        var: m.var.clone(),
+        count: m.count,
+    }
+}
+
+/// A normaliser's statistics as they travel with a weights version.
+pub fn norm_stats(normalizer: &VecNormalize) -> NormStats {
+    NormStats {
+        obs: moments(&normalizer.obs_rms),
+        ret: moments(&normalizer.ret_rms),
+    }
+}
+
+/// An env-runner's delta as it travels with a fragment.
+pub fn delta_stats(delta: &NormDelta) -> NormStats {
+    NormStats {
+        obs: moments(&delta.obs_rms),
+        ret: moments(&delta.ret_rms),
+    }
+}
+
+/// A fragment's delta (checked by the wire) as the learner merges it.
+pub fn stats_delta(stats: &NormStats) -> NormDelta {
+    NormDelta {
+        obs_rms: rms(&stats.obs),
+        ret_rms: rms(&stats.ret),
+    }
+}
+
+/// The observation and return statistics of a weights message.
+pub fn stats_rms(stats: &NormStats) -> (RunningMeanStd, RunningMeanStd) {
+    (rms(&stats.obs), rms(&stats.ret))
+}
+
+/// The normaliser a weights version prescribes for a run, frozen (never
+/// updated): `None` when the run's `normalize` section is off (statistics
+/// a version may carry are then ignored). A normalising run's version
+/// without statistics, or with statistics of another width, is rejected.
+pub fn frozen_normalizer(
+    config: &ExperimentConfig,
+    obs_dim: usize,
+    update: &WeightsUpdate,
+) -> Result<Option<VecNormalize>, Rejection> {
+    let Some(norm) = config.normalizer() else {
+        return Ok(None);
+    };
+    let invalid = |detail: String| Rejection::Invalid {
+        kind: "WeightsUpdate",
+        field: "normalizer",
+        detail,
+    };
+    let stats = update.normalizer.as_ref().ok_or_else(|| {
+        invalid(format!(
+            "version {} carries no normalisation statistics, but this run normalises (`normalize` section)",
+            update.version
+        ))
+    })?;
+    let mut n = VecNormalize::new(norm, obs_dim, 0).map_err(|e| invalid(e.to_string()))?;
+    let (obs, ret) = stats_rms(stats);
+    n.sync(&obs, &ret).map_err(|e| invalid(e.to_string()))?;
+    n.set_training(false);
+    Ok(Some(n))
+}
+
 /// A model at a weights version.
 pub struct VersionedPolicy {
     pub version: u64,
     pub learner_env_steps: u64,
     pub model: ActorCritic,
+    /// The version's observation normaliser, frozen (runs with a
+    /// `normalize` section on); the model takes normalised observations.
+    pub normalizer: Option<VecNormalize>,
 }
 
 /// Follows the learner's weights; [`PolicyFollower::latest`] is the newest model.
@@ -108,6 +194,7 @@ impl PolicyFollower {
             .map_err(relay_kit::ServiceError::nats)?;
         let service = service.clone();
         let (seed, trunk) = (service.config.run.seed, service.config.policy.trunk);
+        let config = service.config.clone();
         tokio::spawn(async move {
             let build = |update: &WeightsUpdate| -> Result<VersionedPolicy, Rejection> {
                 let mut model = ActorCritic::with_layout(&spec, trunk, seed).map_err(|e| {
@@ -118,10 +205,12 @@ impl PolicyFollower {
                     }
                 })?;
                 load_weights(&mut model, update)?;
+                let normalizer = frozen_normalizer(&config, spec.obs_dim, update)?;
                 Ok(VersionedPolicy {
                     version: update.version,
                     learner_env_steps: update.learner_env_steps,
                     model,
+                    normalizer,
                 })
             };
             let current = |tx: &watch::Sender<Option<Arc<VersionedPolicy>>>| {
