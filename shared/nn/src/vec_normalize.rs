@@ -424,6 +424,14 @@ impl VecNormalize {
     /// when training and normalising observations, then normalises in place.
     /// Non-finite values are refused (nothing changes).
     pub fn observe(&mut self, obs: &mut [f32]) -> Result<()> {
+        let d = self.obs_dim();
+        if let Some(i) = obs.iter().position(|x| !x.is_finite()) {
+            return Err(NnError::bad_input(
+                "obs",
+                "finite observations",
+                format!("{} at index {i} (row {}, component {})", obs[i], i / d, i % d),
+            ));
+        }
         if self.training && self.config.norm_obs {
             let (mean, var, count) = batch_moments(obs, self.obs_dim())?;
             self.obs_rms.update_from_moments(&mean, &var, count)?;
@@ -850,8 +858,11 @@ mod tests {
         let mut bad = [0.5f32, f32::NAN, -0.5, 2.0];
         let err = vn.step(&mut bad, &mut [1.0, 1.0], &[false, false]).unwrap_err();
         let text = err.to_string();
-        assert!(text.contains("finite") && text.contains("NaN"), "{text}");
-        assert!(text.contains("index 1"), "{text}");
+        assert!(
+            text.contains("`obs`") && text.contains("finite") && text.contains("NaN"),
+            "{text}"
+        );
+        assert!(text.contains("index 1 (row 0, component 1)"), "{text}");
         assert_eq!(vn, before);
         let mut ok = [0.5f32, 1.0, -0.5, 2.0];
         let err = vn

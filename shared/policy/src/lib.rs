@@ -409,3 +409,55 @@ impl AdapterFollower {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(sets: &[&str]) -> ExperimentConfig {
+        let overrides: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers("run:\n  env_id: CartPole-v1\n", "t", &[], &overrides)
+            .unwrap()
+    }
+
+    fn weights(normalizer: Option<NormStats>) -> WeightsUpdate {
+        let model = ActorCritic::new(&PolicySpec::discrete(4, 2), 1).unwrap();
+        let mut w = to_weights(&model, 7, 100);
+        w.normalizer = normalizer;
+        w
+    }
+
+    #[test]
+    fn a_version_prescribes_its_statistics_frozen_or_is_rejected_without_them() {
+        let mut source = VecNormalize::new(relay_nn::NormalizeConfig::default(), 4, 2).unwrap();
+        let mut obs = [0.5f32, 1.0, -0.5, 2.0, 0.1, 0.2, 0.3, 0.4];
+        source.reset(&mut obs).unwrap();
+        let stats = norm_stats(&source);
+
+        // Off: no normaliser, whatever the version carries.
+        let off = config(&[]);
+        assert!(frozen_normalizer(&off, 4, &weights(Some(stats.clone())))
+            .unwrap()
+            .is_none());
+
+        let on = config(&["normalize.obs=true"]);
+        let n = frozen_normalizer(&on, 4, &weights(Some(stats.clone())))
+            .unwrap()
+            .unwrap();
+        assert!(!n.training());
+        assert_eq!((n.obs_rms.clone(), n.ret_rms.clone()), stats_rms(&stats));
+        let err = frozen_normalizer(&on, 4, &weights(None)).unwrap_err();
+        assert!(
+            err.to_string().contains("WeightsUpdate.normalizer")
+                && err.to_string().contains("version 7"),
+            "{err}"
+        );
+        let err = frozen_normalizer(&on, 3, &weights(Some(stats))).unwrap_err();
+        assert!(err.to_string().contains("normalizer"), "{err}");
+
+        // Deltas survive the trip through the wire form.
+        let mut delta = NormDelta::empty(4);
+        delta.obs_rms.update(&obs).unwrap();
+        assert_eq!(stats_delta(&delta_stats(&delta)), delta);
+    }
+}
