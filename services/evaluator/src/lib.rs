@@ -63,10 +63,12 @@ pub fn evaluate(
     episodes: usize,
     seed: u64,
 ) -> Result<Vec<f64>, String> {
-    Ok(plugins::play(model, None, env_id, episodes, seed, true, false)?
-        .into_iter()
-        .map(|e| e.ret)
-        .collect())
+    Ok(
+        plugins::play(model, None, env_id, episodes, seed, true, false)?
+            .into_iter()
+            .map(|e| e.ret)
+            .collect(),
+    )
 }
 
 fn mean_std(values: &[f64]) -> (f64, f64) {

@@ -240,7 +240,15 @@ impl Evaluator for Greedy {
     }
     fn evaluate(&self, p: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String> {
         let (episodes, seed) = self.0.apply(ctx);
-        let eps = play(&p.model, p.normalizer.as_ref(), &ctx.env_id, episodes, seed, true, false)?;
+        let eps = play(
+            &p.model,
+            p.normalizer.as_ref(),
+            &ctx.env_id,
+            episodes,
+            seed,
+            true,
+            false,
+        )?;
         Ok(EvalOutcome::Returns(eps.iter().map(|e| e.ret).collect()))
     }
 }
@@ -260,7 +268,15 @@ impl Evaluator for Stochastic {
     }
     fn evaluate(&self, p: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String> {
         let (episodes, seed) = self.0.apply(ctx);
-        let eps = play(&p.model, p.normalizer.as_ref(), &ctx.env_id, episodes, seed, false, false)?;
+        let eps = play(
+            &p.model,
+            p.normalizer.as_ref(),
+            &ctx.env_id,
+            episodes,
+            seed,
+            false,
+            false,
+        )?;
         Ok(EvalOutcome::Returns(eps.iter().map(|e| e.ret).collect()))
     }
 }
@@ -291,7 +307,15 @@ impl Evaluator for Threshold {
         match ctx.train_return {
             Some(r) if r >= self.level => {
                 let (episodes, seed) = self.common.apply(ctx);
-                let eps = play(&p.model, p.normalizer.as_ref(), &ctx.env_id, episodes, seed, true, false)?;
+                let eps = play(
+                    &p.model,
+                    p.normalizer.as_ref(),
+                    &ctx.env_id,
+                    episodes,
+                    seed,
+                    true,
+                    false,
+                )?;
                 Ok(EvalOutcome::Returns(eps.iter().map(|e| e.ret).collect()))
             }
             other => Ok(EvalOutcome::Skipped(format!(
@@ -318,7 +342,15 @@ impl Evaluator for Record {
     }
     fn evaluate(&self, p: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String> {
         let (episodes, seed) = self.0.apply(ctx);
-        let eps = play(&p.model, p.normalizer.as_ref(), &ctx.env_id, episodes, seed, true, true)?;
+        let eps = play(
+            &p.model,
+            p.normalizer.as_ref(),
+            &ctx.env_id,
+            episodes,
+            seed,
+            true,
+            true,
+        )?;
         let dir = ctx.run_dir.join("recordings");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let path = dir.join(format!("v{}.jsonl", p.version));

@@ -423,19 +423,17 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 
     // Serve the latest weights to services that join late.
     let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
-    let publish_weights = |model: &ActorCritic,
-                           normalizer: Option<&VecNormalize>,
-                           progress: &Progress|
-     -> Bytes {
-        if let Err(e) = checkpoint::record_published(&run_dir, progress.version) {
-            tracing::warn!(error = %e, "could not record the published version");
-        }
-        let mut update = relay_policy::to_weights(model, progress.version, progress.env_steps);
-        update.normalizer = normalizer.map(relay_policy::norm_stats);
-        let payload: Bytes = relay_proto::encode(&update).into();
-        *latest.write().expect("weights lock") = payload.clone();
-        payload
-    };
+    let publish_weights =
+        |model: &ActorCritic, normalizer: Option<&VecNormalize>, progress: &Progress| -> Bytes {
+            if let Err(e) = checkpoint::record_published(&run_dir, progress.version) {
+                tracing::warn!(error = %e, "could not record the published version");
+            }
+            let mut update = relay_policy::to_weights(model, progress.version, progress.env_steps);
+            update.normalizer = normalizer.map(relay_policy::norm_stats);
+            let payload: Bytes = relay_proto::encode(&update).into();
+            *latest.write().expect("weights lock") = payload.clone();
+            payload
+        };
     let micro = service.micro().await?;
     let mut weights_requests = micro
         .endpoint(service.subjects.weights_latest())

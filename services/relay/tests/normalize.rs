@@ -1,15 +1,19 @@
 //! Observation and reward normalisation (`normalize:`) through the whole
-//! stack, against real nats-server and redis-server: the shipped
-//! `configs/mountaincar-ppo.yaml` (rl-zoo's `normalize: true`) with the
-//! services in process.
+//! stack, against real nats-server and redis-server: the shipped presets
+//! `configs/mountaincar-ppo.yaml` and `configs/pendulum-ppo.yaml` (rl-zoo's
+//! `normalize: true`; Pendulum with smaller updates) with the services in
+//! process.
 //!
 //! Checked: every weights version carries the run's statistics, whose
 //! counts grow as the env-runner's deltas are merged (observations and
 //! returns in step: every env step adds one of each, plus the env-runner's
 //! first observations); each evaluation is exactly what the version's
 //! weights and statistics, frozen, give on the evaluator's seeds, in raw
-//! returns; the last checkpoint holds statistics at least as far along as
-//! the last version; a learner resumed from it publishes them again.
+//! returns (on Pendulum, whose continuous actions follow every change of
+//! the input, the same weights with other statistics give other returns,
+//! so the match is not an accident); the last checkpoint holds statistics
+//! at least as far along as the last version; a learner resumed from it
+//! publishes them again.
 
 use std::time::{Duration, Instant};
 
@@ -21,13 +25,17 @@ use relay_testkit::{NatsServer, RedisServer, TempDir};
 
 const INIT_COUNT: f64 = 1e-4;
 
-fn preset(run_id: &str, dir: &TempDir, nats: &NatsServer, redis: &RedisServer) -> ExperimentConfig {
-    let path = format!(
-        "{}/../../configs/mountaincar-ppo.yaml",
-        env!("CARGO_MANIFEST_DIR")
-    );
+fn preset(
+    file: &str,
+    run_id: &str,
+    dir: &TempDir,
+    nats: &NatsServer,
+    redis: &RedisServer,
+    extra: &[&str],
+) -> ExperimentConfig {
+    let path = format!("{}/../../configs/{file}", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&path).unwrap();
-    let overrides = vec![
+    let mut overrides = vec![
         format!("run.id={run_id}"),
         format!("run.runs_dir={}", dir.path().join("runs").display()),
         format!("connections.nats_url={}", nats.url()),
@@ -36,6 +44,7 @@ fn preset(run_id: &str, dir: &TempDir, nats: &NatsServer, redis: &RedisServer) -
         "eval.every_versions=2".into(),
         "ppo.checkpoint_every=2".into(),
     ];
+    overrides.extend(extra.iter().map(|s| s.to_string()));
     ExperimentConfig::from_layers(&text, &path, &[], &overrides).unwrap()
 }
 
@@ -51,18 +60,63 @@ fn policy_of(cfg: &ExperimentConfig, update: &WeightsUpdate) -> (ActorCritic, Ve
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn normalised_run_ships_merges_checkpoints_and_freezes_its_statistics() {
+async fn mountaincar_normalised_run_ships_merges_checkpoints_and_freezes_its_statistics() {
     let nats = NatsServer::start().unwrap();
     let redis = RedisServer::start().unwrap();
-    let dir = TempDir::new("normalize");
-    let run_id = "normalize-e2e";
-    let cfg = preset(run_id, &dir, &nats, &redis);
-    let norm = cfg.normalizer().expect("mountaincar-ppo.yaml normalises");
+    let dir = TempDir::new("normalize-mc");
+    let run_id = "normalize-mountaincar";
+    let cfg = preset("mountaincar-ppo.yaml", run_id, &dir, &nats, &redis, &[]);
+    let stats = normalised_run(&cfg, &nats, &dir, 6, false).await;
+    // MountainCar positions lie in [-1.2, 0.6], speeds in [-0.07, 0.07].
+    assert!((-1.2..0.6).contains(&stats.obs.mean[0]), "{stats:?}");
+    assert!(stats.obs.var[1] < 0.07 * 0.07, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pendulum_normalised_run_evaluates_with_exactly_its_versions_statistics() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let dir = TempDir::new("normalize-pendulum");
+    let run_id = "normalize-pendulum";
+    let cfg = preset(
+        "pendulum-ppo.yaml",
+        run_id,
+        &dir,
+        &nats,
+        &redis,
+        &[
+            "ppo.rollout_steps=1024",
+            "ppo.epochs=2",
+            "ppo.minibatch_size=256",
+        ],
+    );
+    let stats = normalised_run(&cfg, &nats, &dir, 4, true).await;
+    // cos and sin of the angle lie in [-1, 1].
+    assert!(
+        stats.obs.mean[0].abs() <= 1.0 && stats.obs.var[1] <= 1.0,
+        "{stats:?}"
+    );
+}
+
+/// Trains `cfg` until `min_versions` versions were published and a version
+/// >= 2 was evaluated, checks what the module docs say, and returns the
+/// statistics of the last version seen. `sensitive`: the env's returns
+/// change with any change of the normalised input (continuous actions).
+async fn normalised_run(
+    cfg: &ExperimentConfig,
+    nats: &NatsServer,
+    dir: &TempDir,
+    min_versions: usize,
+    sensitive: bool,
+) -> relay_proto::NormStats {
+    let run_id = cfg.run_id().unwrap().to_string();
+    let obs_dim = relay_policy::spec_for(cfg).unwrap().obs_dim;
+    let norm = cfg.normalizer().expect("the preset normalises");
     assert!(norm.norm_obs && norm.norm_reward);
     assert_eq!(norm.gamma, cfg.ppo.gamma);
 
     let client = async_nats::connect(nats.url()).await.unwrap();
-    let subjects = Subjects::new(run_id);
+    let subjects = Subjects::new(&run_id);
     let mut weights_sub = client.subscribe(subjects.weights()).await.unwrap();
     let mut eval_sub = client.subscribe(subjects.eval()).await.unwrap();
     client.flush().await.unwrap();
@@ -81,7 +135,7 @@ async fn normalised_run_ships_merges_checkpoints_and_freezes_its_statistics() {
     let mut evals: Vec<EvalReport> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(50);
     while Instant::now() < deadline {
-        if versions.len() >= 6 && evals.iter().any(|e| e.policy_version >= 2) {
+        if versions.len() >= min_versions && evals.iter().any(|e| e.policy_version >= 2) {
             break;
         }
         tokio::select! {
@@ -102,14 +156,21 @@ async fn normalised_run_ships_merges_checkpoints_and_freezes_its_statistics() {
             .unwrap()
             .unwrap();
     }
-    assert!(versions.len() >= 6, "only {} versions", versions.len());
+    assert!(
+        versions.len() >= min_versions,
+        "only {} versions",
+        versions.len()
+    );
 
     // Every version carries the statistics; the counts grow with training.
     let counts: Vec<(u64, u64, f64, f64)> = versions
         .iter()
         .map(|w| {
-            let s = w.normalizer.as_ref().expect("statistics with every version");
-            assert_eq!(s.obs.mean.len(), 2, "MountainCar observes 2 values");
+            let s = w
+                .normalizer
+                .as_ref()
+                .expect("statistics with every version");
+            assert_eq!(s.obs.mean.len(), obs_dim);
             (w.version, w.learner_env_steps, s.obs.count, s.ret.count)
         })
         .collect();
@@ -118,11 +179,17 @@ async fn normalised_run_ships_merges_checkpoints_and_freezes_its_statistics() {
         assert!(pair[1].2 >= pair[0].2, "obs count went back: {pair:?}");
     }
     let (first, last) = (counts[0], *counts.last().unwrap());
-    assert!(last.2 > first.2 + 1000.0, "{first:?} -> {last:?}");
+    assert!(
+        last.2 > first.2 + 3.0 * cfg.ppo.rollout_steps as f64,
+        "{first:?} -> {last:?}"
+    );
     let num_envs = cfg.env_runner.num_envs as f64;
     for &(version, trained, obs, ret) in &counts[1..] {
         // Everything trained on was merged (stale fragments are merged too).
-        assert!(obs - INIT_COUNT >= trained as f64, "v{version}: {obs} < {trained}");
+        assert!(
+            obs - INIT_COUNT >= trained as f64,
+            "v{version}: {obs} < {trained}"
+        );
         // Each env step adds one observation and one return; the env-runner's
         // first observations (one per env) have no return.
         assert!(
@@ -130,20 +197,20 @@ async fn normalised_run_ships_merges_checkpoints_and_freezes_its_statistics() {
             "v{version}: obs count {obs}, return count {ret}"
         );
     }
-    let stats = versions.last().unwrap().normalizer.as_ref().unwrap();
-    // MountainCar positions lie in [-1.2, 0.6], speeds in [-0.07, 0.07].
-    assert!((-1.2..0.6).contains(&stats.obs.mean[0]), "{stats:?}");
-    assert!(stats.obs.var[1] < 0.07 * 0.07, "{stats:?}");
+    let stats = versions.last().unwrap().normalizer.clone().unwrap();
 
     // Each evaluation is the version's policy with its statistics frozen, in raw returns.
     let evaluated: Vec<&EvalReport> = evals.iter().filter(|e| e.policy_version >= 1).collect();
-    assert!(!evaluated.is_empty(), "no evaluation of a trained version: {evals:?}");
+    assert!(
+        !evaluated.is_empty(),
+        "no evaluation of a trained version: {evals:?}"
+    );
     for report in evaluated {
         let update = versions
             .iter()
             .find(|w| w.version == report.policy_version)
             .expect("the evaluated version was published");
-        let (model, normalizer) = policy_of(&cfg, update);
+        let (model, normalizer) = policy_of(cfg, update);
         let before = normalizer.clone();
         let episodes = relay_evaluator::plugins::play(
             &model,
@@ -158,19 +225,49 @@ async fn normalised_run_ships_merges_checkpoints_and_freezes_its_statistics() {
         assert_eq!(normalizer, before);
         let returns: Vec<f64> = episodes.iter().map(|e| e.ret).collect();
         assert_eq!(returns, report.returns, "v{}", report.policy_version);
-        // MountainCar pays -1 a step for at most 200 steps: raw returns.
+        if sensitive {
+            // The same weights with the first version's statistics play otherwise.
+            let (_, prior) = policy_of(cfg, &versions[0]);
+            let other = relay_evaluator::plugins::play(
+                &model,
+                Some(&prior),
+                &cfg.run.env_id,
+                cfg.eval.episodes,
+                cfg.eval.seed,
+                true,
+                false,
+            )
+            .unwrap();
+            let other: Vec<f64> = other.iter().map(|e| e.ret).collect();
+            assert_ne!(other, report.returns, "v{}", report.policy_version);
+        }
+        // Raw returns: the env's own (MountainCar: -1 a step, at most 200
+        // steps; Pendulum: between -16.3 x 200 and 0).
         for r in &report.returns {
-            assert!(r.fract() == 0.0 && (-200.0..=-1.0).contains(r), "{r}");
+            if cfg.run.env_id == "MountainCar-v0" {
+                assert!(r.fract() == 0.0 && (-200.0..=-1.0).contains(r), "{r}");
+            } else {
+                assert!((-16.3 * 200.0..=0.0).contains(r), "{r}");
+            }
         }
     }
 
     // The last checkpoint holds the statistics, at least as far along as the last version.
-    let last_dir = dir.path().join("runs").join(run_id).join("checkpoints/last");
-    let mut saved = VecNormalize::new(norm, 2, 0).unwrap();
+    let last_dir = dir
+        .path()
+        .join("runs")
+        .join(&run_id)
+        .join("checkpoints/last");
+    let mut saved = VecNormalize::new(norm, obs_dim, 0).unwrap();
     saved
         .load(last_dir.join("vec_normalize.safetensors"))
         .expect("statistics in the checkpoint");
-    assert!(saved.obs_rms.count >= last.2, "{} < {}", saved.obs_rms.count, last.2);
+    assert!(
+        saved.obs_rms.count >= last.2,
+        "{} < {}",
+        saved.obs_rms.count,
+        last.2
+    );
     assert!(
         ((saved.obs_rms.count - saved.ret_rms.count) - num_envs).abs() < 1e-6,
         "{saved:?}"
@@ -178,7 +275,8 @@ async fn normalised_run_ships_merges_checkpoints_and_freezes_its_statistics() {
 
     // A learner resumed from that checkpoint publishes the same statistics
     // (its first version is one above any version published).
-    let published = relay_learner::checkpoint::published_version(&dir.path().join("runs").join(run_id));
+    let published =
+        relay_learner::checkpoint::published_version(&dir.path().join("runs").join(&run_id));
     assert!(published >= last.0);
     let mut resumed_cfg = cfg.clone();
     resumed_cfg.run.resume_from = Some(last_dir.canonicalize().unwrap());
@@ -210,4 +308,5 @@ async fn normalised_run_ships_merges_checkpoints_and_freezes_its_statistics() {
     assert_eq!(restored.obs_rms.mean, saved.obs_rms.mean);
     assert_eq!(restored.obs_rms.var, saved.obs_rms.var);
     assert_eq!(restored.ret_rms.var, saved.ret_rms.var);
+    stats
 }

@@ -2300,7 +2300,10 @@ mod tests {
         .unwrap();
         let n = c.normalizer().unwrap();
         assert!(n.norm_obs && !n.norm_reward);
-        assert_eq!((n.clip_obs, n.clip_reward, n.gamma, n.epsilon), (10.0, 10.0, 0.9, 1e-8));
+        assert_eq!(
+            (n.clip_obs, n.clip_reward, n.gamma, n.epsilon),
+            (10.0, 10.0, 0.9, 1e-8)
+        );
         let c = ExperimentConfig::from_layers(
             BASE,
             "t",
@@ -2334,7 +2337,10 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("normalize.reward") && err.contains("text games"), "{err}");
+        assert!(
+            err.contains("normalize.reward") && err.contains("text games"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -191,7 +191,12 @@ fn batch_moments(data: &[f32], dim: usize) -> Result<(Vec<f64>, Vec<f64>, f64)> 
         return Err(NnError::bad_input(
             "batch",
             "finite values",
-            format!("{} at index {i} (row {}, component {})", data[i], i / dim, i % dim),
+            format!(
+                "{} at index {i} (row {}, component {})",
+                data[i],
+                i / dim,
+                i % dim
+            ),
         ));
     }
     let rows = data.len() / dim;
@@ -429,7 +434,12 @@ impl VecNormalize {
             return Err(NnError::bad_input(
                 "obs",
                 "finite observations",
-                format!("{} at index {i} (row {}, component {})", obs[i], i / d, i % d),
+                format!(
+                    "{} at index {i} (row {}, component {})",
+                    obs[i],
+                    i / d,
+                    i % d
+                ),
             ));
         }
         if self.training && self.config.norm_obs {
@@ -856,7 +866,9 @@ mod tests {
         vn.reset(&mut obs).unwrap();
         let before = vn.clone();
         let mut bad = [0.5f32, f32::NAN, -0.5, 2.0];
-        let err = vn.step(&mut bad, &mut [1.0, 1.0], &[false, false]).unwrap_err();
+        let err = vn
+            .step(&mut bad, &mut [1.0, 1.0], &[false, false])
+            .unwrap_err();
         let text = err.to_string();
         assert!(
             text.contains("`obs`") && text.contains("finite") && text.contains("NaN"),
@@ -961,7 +973,8 @@ mod tests {
         for k in 0..3 {
             let (mut oa, mut ob) = (rows(k), rows(k + 5));
             let (mut ra, mut rb) = ([1.0f32, 0.5, -1.0, 2.0], [0.0f32, 1.5, 1.0, -0.5]);
-            a.step(&mut oa, &mut ra, &[false, k == 1, false, false]).unwrap();
+            a.step(&mut oa, &mut ra, &[false, k == 1, false, false])
+                .unwrap();
             b.step(&mut ob, &mut rb, &[false; 4]).unwrap();
             let mut all = rows(k);
             all.extend(rows(k + 5));

@@ -810,7 +810,10 @@ mod tests {
             rewards: Tensor,
         }
         let old: OlderReader = rmp_serde::from_slice(&encode(&f)).unwrap();
-        assert_eq!((old.schema, old.rewards), (SCHEMA_VERSION, f.rewards.clone()));
+        assert_eq!(
+            (old.schema, old.rewards),
+            (SCHEMA_VERSION, f.rewards.clone())
+        );
 
         let weights = WeightsUpdate {
             schema: SCHEMA_VERSION,
@@ -828,14 +831,20 @@ mod tests {
         f.norm_delta = Some(stats(2));
         let err = decode::<RolloutFragment>(&encode(&f)).unwrap_err();
         assert_eq!(err.reason(), "invalid");
-        assert!(err.to_string().contains("norm_delta") && err.to_string().contains("components"), "{err}");
+        assert!(
+            err.to_string().contains("norm_delta") && err.to_string().contains("components"),
+            "{err}"
+        );
         let mut bad = stats(3);
         bad.obs.mean[1] = f64::NAN;
         f.norm_delta = Some(bad);
         let err = decode::<RolloutFragment>(&encode(&f)).unwrap_err();
         assert!(err.to_string().contains("finite"), "{err}");
         f.norm_delta = None;
-        f.norm_rewards = Some(Tensor::from_f32(&[4, 2], &[0.5, f32::NAN, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]));
+        f.norm_rewards = Some(Tensor::from_f32(
+            &[4, 2],
+            &[0.5, f32::NAN, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        ));
         let err = decode::<RolloutFragment>(&encode(&f)).unwrap_err();
         assert_eq!(err.reason(), "non_finite");
         assert!(err.to_string().contains("norm_rewards"), "{err}");
@@ -852,7 +861,10 @@ mod tests {
             normalizer: Some(bad),
         };
         let err = decode::<WeightsUpdate>(&encode(&weights)).unwrap_err();
-        assert!(err.to_string().contains("WeightsUpdate.normalizer"), "{err}");
+        assert!(
+            err.to_string().contains("WeightsUpdate.normalizer"),
+            "{err}"
+        );
     }
 
     #[test]
