@@ -99,7 +99,7 @@ async fn pendulum_normalised_run_evaluates_with_exactly_its_versions_statistics(
 }
 
 /// Trains `cfg` until `min_versions` versions were published and a version
-/// >= 2 was evaluated, checks what the module docs say, and returns the
+/// of at least 2 was evaluated, checks what the module docs say, and returns the
 /// statistics of the last version seen. `sensitive`: the env's returns
 /// change with any change of the normalised input (continuous actions).
 async fn normalised_run(
