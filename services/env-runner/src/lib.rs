@@ -12,8 +12,9 @@
 //! Normalisation (`normalize:` with `obs` or `reward` on): this copy is
 //! the run's `VecNormalize` wrapper, as in Stable-Baselines3. It keeps a
 //! [`VecNormalize`] that starts from the statistics of the newest weights
-//! version (followed on `weights`) plus everything it has seen since, and
-//! updates it with each step's raw observations and discounted returns.
+//! version (followed on `weights` by a [`StatsFollower`], which builds no
+//! model) plus everything it has seen since, and updates it with each
+//! step's raw observations and discounted returns.
 //! Observations are normalised here: the inference servers act on them as
 //! they arrive, and the fragment's `obs`, `next_obs` and `final_obs` are the
 //! normalised observations the policy saw (so the learner's log-prob ratios
@@ -40,7 +41,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 use relay_envs::{ActionSpace, VecActions, VecEnv};
 use relay_kit::{counter, gauge, RequestError, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::VecNormalize;
-use relay_policy::PolicyFollower;
+use relay_policy::StatsFollower;
 use relay_proto::{
     ActReply, ActRequest, DType, EpisodeReport, EpisodeSummary, InsertAck, RolloutFragment, Tensor,
     SCHEMA_VERSION,
@@ -289,7 +290,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         None => None,
     };
     let follower = match normalizer {
-        Some(_) => Some(PolicyFollower::start(&service).await?),
+        Some(_) => Some(StatsFollower::start(&service).await?),
         None => None,
     };
     let mut synced_version: Option<u64> = None;
@@ -311,7 +312,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         let step_started = Instant::now();
         if let (Some(v), Some(latest)) = (
             normalizer.as_mut(),
-            follower.as_ref().and_then(PolicyFollower::latest),
+            follower.as_ref().and_then(StatsFollower::latest),
         ) {
             if synced_version.is_none_or(|s| latest.version > s) {
                 if let Some(global) = &latest.normalizer {

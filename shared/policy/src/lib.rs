@@ -7,6 +7,7 @@
 //! - [`PolicyFollower`]: keeps a copy of the learner's latest weights, fetching
 //!   the current version at start (`weights.latest`) and each new one as it is
 //!   published (`weights`), building each new model off the caller's hot path;
+//!   [`StatsFollower`] keeps only each version's normalisation statistics;
 //! - [`norm_stats`] / [`delta_stats`] / [`frozen_normalizer`]: the
 //!   normalisation statistics (`normalize:`) as they travel with fragments and
 //!   weights, and back;
@@ -177,15 +178,94 @@ pub struct VersionedPolicy {
     pub normalizer: Option<VecNormalize>,
 }
 
-/// Follows the learner's weights; [`PolicyFollower::latest`] is the newest model.
-pub struct PolicyFollower {
-    rx: watch::Receiver<Option<Arc<VersionedPolicy>>>,
+/// What a [`Follower`] keeps of each weights version.
+pub trait Versioned: Send + Sync + 'static {
+    /// The weights version it was built from.
+    fn version(&self) -> u64;
 }
 
-impl PolicyFollower {
+impl Versioned for VersionedPolicy {
+    fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+/// The normalisation statistics of a weights version (what an env-runner
+/// needs of it), frozen; `None` when the run does not normalise.
+pub struct VersionedStats {
+    pub version: u64,
+    pub normalizer: Option<VecNormalize>,
+}
+
+impl Versioned for VersionedStats {
+    fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+/// Follows the learner's weights, keeping what `T` takes of the newest
+/// version; [`Follower::latest`] is the newest.
+pub struct Follower<T> {
+    rx: watch::Receiver<Option<Arc<T>>>,
+}
+
+/// Keeps the newest model (and its normaliser).
+pub type PolicyFollower = Follower<VersionedPolicy>;
+
+/// Keeps the newest version's normalisation statistics only (no model is
+/// built).
+pub type StatsFollower = Follower<VersionedStats>;
+
+impl Follower<VersionedPolicy> {
     /// Starts following (a background task until shutdown).
     pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
         let spec = spec_for(&service.config).map_err(relay_kit::ServiceError::other)?;
+        let (seed, trunk) = (service.config.run.seed, service.config.policy.trunk);
+        let config = service.config.clone();
+        Self::follow(service, move |update: &WeightsUpdate| {
+            let mut model =
+                ActorCritic::with_layout(&spec, trunk, seed).map_err(|e| Rejection::Invalid {
+                    kind: "WeightsUpdate",
+                    field: "tensors",
+                    detail: e.to_string(),
+                })?;
+            load_weights(&mut model, update)?;
+            let normalizer = frozen_normalizer(&config, spec.obs_dim, update)?;
+            Ok(VersionedPolicy {
+                version: update.version,
+                learner_env_steps: update.learner_env_steps,
+                model,
+                normalizer,
+            })
+        })
+        .await
+    }
+}
+
+impl Follower<VersionedStats> {
+    /// Starts following the statistics (a background task until shutdown).
+    pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
+        let obs_dim = spec_for(&service.config)
+            .map_err(relay_kit::ServiceError::other)?
+            .obs_dim;
+        let config = service.config.clone();
+        Self::follow(service, move |update: &WeightsUpdate| {
+            Ok(VersionedStats {
+                version: update.version,
+                normalizer: frozen_normalizer(&config, obs_dim, update)?,
+            })
+        })
+        .await
+    }
+}
+
+impl<T: Versioned> Follower<T> {
+    /// Fetches the current version at start (`weights.latest`), then each
+    /// one published (`weights`), keeping what `build` makes of the newest.
+    async fn follow(
+        service: &Service,
+        build: impl Fn(&WeightsUpdate) -> Result<T, Rejection> + Send + 'static,
+    ) -> Result<Self, relay_kit::ServiceError> {
         let (tx, rx) = watch::channel(None);
         let mut updates = service
             .nats
@@ -193,29 +273,9 @@ impl PolicyFollower {
             .await
             .map_err(relay_kit::ServiceError::nats)?;
         let service = service.clone();
-        let (seed, trunk) = (service.config.run.seed, service.config.policy.trunk);
-        let config = service.config.clone();
         tokio::spawn(async move {
-            let build = |update: &WeightsUpdate| -> Result<VersionedPolicy, Rejection> {
-                let mut model = ActorCritic::with_layout(&spec, trunk, seed).map_err(|e| {
-                    Rejection::Invalid {
-                        kind: "WeightsUpdate",
-                        field: "tensors",
-                        detail: e.to_string(),
-                    }
-                })?;
-                load_weights(&mut model, update)?;
-                let normalizer = frozen_normalizer(&config, spec.obs_dim, update)?;
-                Ok(VersionedPolicy {
-                    version: update.version,
-                    learner_env_steps: update.learner_env_steps,
-                    model,
-                    normalizer,
-                })
-            };
-            let current = |tx: &watch::Sender<Option<Arc<VersionedPolicy>>>| {
-                tx.borrow().as_ref().map(|p| p.version)
-            };
+            let current =
+                |tx: &watch::Sender<Option<Arc<T>>>| tx.borrow().as_ref().map(|p| p.version());
             // The current version, in case the learner published it before we subscribed.
             let mut backoff = Duration::from_millis(20);
             while current(&tx).is_none() && !service.shutdown.is_triggered() {
@@ -232,7 +292,7 @@ impl PolicyFollower {
                 {
                     Ok(update) => match build(&update) {
                         Ok(policy) => {
-                            tracing::info!(version = policy.version, "loaded current weights");
+                            tracing::info!(version = policy.version(), "loaded current weights");
                             let _ = tx.send(Some(Arc::new(policy)));
                         }
                         Err(rejection) => service.intake.reject("weights.latest", &rejection),
@@ -283,17 +343,17 @@ impl PolicyFollower {
         Ok(Self { rx })
     }
 
-    /// The newest model, if any has arrived.
-    pub fn latest(&self) -> Option<Arc<VersionedPolicy>> {
+    /// The newest version kept, if any has arrived.
+    pub fn latest(&self) -> Option<Arc<T>> {
         self.rx.borrow().clone()
     }
 
-    /// Waits until a model newer than `version` (any model for `None`) arrives;
+    /// Waits until a version newer than `version` (any for `None`) arrives;
     /// `None` on shutdown of the follower.
-    pub async fn newer_than(&mut self, version: Option<u64>) -> Option<Arc<VersionedPolicy>> {
+    pub async fn newer_than(&mut self, version: Option<u64>) -> Option<Arc<T>> {
         loop {
             if let Some(p) = self.rx.borrow_and_update().clone() {
-                if version.is_none_or(|v| p.version > v) {
+                if version.is_none_or(|v| p.version() > v) {
                     return Some(p);
                 }
             }
