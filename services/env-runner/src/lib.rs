@@ -9,6 +9,24 @@
 //! after the delay the buffer asks for, and stepping waits meanwhile. At
 //! most one insert is in flight while the next fragment is collected.
 //!
+//! Normalisation (`normalize:` with `obs` or `reward` on): this copy is
+//! the run's `VecNormalize` wrapper, as in Stable-Baselines3. It keeps a
+//! [`VecNormalize`] that starts from the statistics of the newest weights
+//! version (followed on `weights` by a [`StatsFollower`], which builds no
+//! model) plus everything it has seen since, and updates it with each
+//! step's raw observations and discounted returns.
+//! Observations are normalised here: the inference servers act on them as
+//! they arrive, and the fragment's `obs`, `next_obs` and `final_obs` are the
+//! normalised observations the policy saw (so the learner's log-prob ratios
+//! start at exactly 1, as in SB3's rollout buffer). `rewards` stay raw;
+//! with `normalize.reward` the scaled rewards go in `norm_rewards`, which
+//! the learner trains on. Each fragment carries `norm_delta`, the
+//! statistics of the raw data seen since the previous fragment, which the
+//! learner merges into the run's statistics. A fragment the replay buffer
+//! refuses takes its delta with it (those steps are then missing from the
+//! statistics, as they are from training). Episode returns are the envs'
+//! raw returns.
+//!
 //! When `run.env_id` is a text game the env-runner plays games instead
 //! ([`text`]): `text.games_in_flight` at a time, with the LLM policy over
 //! `relay.<run>.generate`, publishing each finished game.
@@ -22,6 +40,8 @@ use std::time::{Duration, Instant};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 use relay_envs::{ActionSpace, VecActions, VecEnv};
 use relay_kit::{counter, gauge, RequestError, Service, ServiceConfig, ServiceError, Shutdown};
+use relay_nn::VecNormalize;
+use relay_policy::StatsFollower;
 use relay_proto::{
     ActReply, ActRequest, DType, EpisodeReport, EpisodeSummary, InsertAck, RolloutFragment, Tensor,
     SCHEMA_VERSION,
@@ -125,6 +145,8 @@ struct FragmentBuilder {
     logprobs: Vec<f32>,
     values: Vec<f32>,
     rewards: Vec<f32>,
+    /// Scaled rewards (`normalize.reward` runs only).
+    norm_rewards: Vec<f32>,
     terminated: Vec<bool>,
     truncated: Vec<bool>,
     final_obs: Vec<f32>,
@@ -141,6 +163,7 @@ impl FragmentBuilder {
             logprobs: Vec::new(),
             values: Vec::new(),
             rewards: Vec::new(),
+            norm_rewards: Vec::new(),
             terminated: Vec::new(),
             truncated: Vec::new(),
             final_obs: Vec::new(),
@@ -158,6 +181,7 @@ impl FragmentBuilder {
         obs_dim: usize,
         action_dim: Option<usize>,
         next_obs: &[f32],
+        normalizer: Option<&mut VecNormalize>,
     ) -> RolloutFragment {
         let t = self.steps;
         let actions = match action_dim {
@@ -183,6 +207,13 @@ impl FragmentBuilder {
                 &[self.final_obs.len() / obs_dim, obs_dim],
                 &self.final_obs,
             ),
+            norm_rewards: normalizer
+                .as_ref()
+                .is_some_and(|v| v.config.norm_reward)
+                .then(|| Tensor::from_f32(&[t, n], &self.norm_rewards)),
+            norm_delta: normalizer
+                .and_then(|v| v.take_delta())
+                .map(|d| relay_policy::delta_stats(&d)),
         };
         *self = Self::new();
         fragment
@@ -245,6 +276,24 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         ActionSpace::Discrete { .. } => (Vec::new(), Vec::new()),
     };
     let mut obs = envs.reset().map_err(ServiceError::other)?.to_vec();
+    // Normalisation: local statistics (and the delta to ship), synced to
+    // each weights version's statistics as it arrives.
+    let mut normalizer = match cfg.normalizer() {
+        Some(norm) => {
+            let mut v = VecNormalize::new(norm, obs_dim, n)
+                .map_err(|e| ServiceError::other(format!("normalize: {e}")))?;
+            v.track_delta();
+            v.reset(&mut obs)
+                .map_err(|e| ServiceError::other(format!("normalize: first observations: {e}")))?;
+            Some(v)
+        }
+        None => None,
+    };
+    let follower = match normalizer {
+        Some(_) => Some(StatsFollower::start(&service).await?),
+        None => None,
+    };
+    let mut synced_version: Option<u64> = None;
     let timeout = service.request_timeout();
     let act_subject = service.subjects.act();
     let mut fragment = FragmentBuilder::new();
@@ -261,6 +310,22 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut episode_started = vec![Instant::now(); n];
     'outer: while !shutdown.is_triggered() {
         let step_started = Instant::now();
+        if let (Some(v), Some(latest)) = (
+            normalizer.as_mut(),
+            follower.as_ref().and_then(StatsFollower::latest),
+        ) {
+            if synced_version.is_none_or(|s| latest.version > s) {
+                if let Some(global) = &latest.normalizer {
+                    v.sync(&global.obs_rms, &global.ret_rms).map_err(|e| {
+                        ServiceError::other(format!(
+                            "normalize: statistics of version {}: {e}",
+                            latest.version
+                        ))
+                    })?;
+                }
+                synced_version = Some(latest.version);
+            }
+        }
         // Ask for actions, retrying while no inference server (or no weights) is there.
         let request = ActRequest::new(Tensor::from_f32(&[n, obs_dim], &obs), false);
         let mut backoff = Duration::from_millis(10);
@@ -320,16 +385,34 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
         }
         .map_err(ServiceError::other)?;
-        fragment
-            .rewards
-            .extend(step.rewards.iter().map(|&r| r as f32));
+        let raw_rewards: Vec<f32> = step.rewards.iter().map(|&r| r as f32).collect();
+        let mut next_obs = step.obs.to_vec();
+        if let Some(v) = normalizer.as_mut() {
+            // SB3's VecNormalize.step_wait: statistics from the new (auto-reset)
+            // observations and returns, then normalise; returns reset on any end.
+            let dones: Vec<bool> = (0..n)
+                .map(|i| step.terminated[i] || step.truncated[i])
+                .collect();
+            let mut scaled = raw_rewards.clone();
+            v.step(&mut next_obs, &mut scaled, &dones)
+                .map_err(|e| ServiceError::other(format!("normalize: {} step: {e}", spec.id)))?;
+            if v.config.norm_reward {
+                fragment.norm_rewards.extend_from_slice(&scaled);
+            }
+        }
+        fragment.rewards.extend_from_slice(&raw_rewards);
         fragment.terminated.extend_from_slice(&step.terminated);
         fragment.truncated.extend_from_slice(&step.truncated);
         for i in 0..n {
             if step.truncated[i] && !step.terminated[i] {
+                let start = fragment.final_obs.len();
                 fragment
                     .final_obs
                     .extend_from_slice(step.final_obs(i).expect("episode ended"));
+                // The final observation is normalised without a statistics update (SB3's terminal_observation).
+                if let Some(v) = &normalizer {
+                    v.normalize_obs(&mut fragment.final_obs[start..]);
+                }
             }
         }
         for e in &step.finished {
@@ -348,7 +431,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             recent_returns.push_back(e.episode_return);
         }
         metrics.episodes.inc_by(step.finished.len() as u64);
-        obs.copy_from_slice(&step.obs);
+        obs.copy_from_slice(&next_obs);
         fragment.steps += 1;
         metrics.vec_steps.inc();
         metrics.env_steps.inc_by(n as u64);
@@ -357,7 +440,15 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             .observe(step_started.elapsed().as_secs_f64());
 
         if fragment.steps == cfg.env_runner.fragment_steps {
-            let message = fragment.finish(&service.instance, spec.id, n, obs_dim, action_dim, &obs);
+            let message = fragment.finish(
+                &service.instance,
+                spec.id,
+                n,
+                obs_dim,
+                action_dim,
+                &obs,
+                normalizer.as_mut(),
+            );
             // One insert in flight at a time: waiting here is the backpressure.
             if let Some(previous) = pending_insert.take() {
                 let _ = previous.await;

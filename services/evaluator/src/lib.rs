@@ -19,6 +19,11 @@
 //! When the mean return reaches the threshold (the env's reward threshold
 //! unless `eval.threshold` says otherwise) it also announces the run solved.
 //!
+//! In runs with a `normalize` section on, each version carries the run's
+//! normalisation statistics; the policy is given observations normalised
+//! with them, frozen (never updated by evaluation, as SB3 evaluates with
+//! `training = False`), and the returns reported are the envs' raw ones.
+//!
 //! Text games (`run.env_id` one of the text games) need a text plugin
 //! (`vs-opponent`). The evaluator then follows the learning adapter's
 //! versions (`AdapterUpdate`s on `relay.<run>.adapters`) instead of MLP
@@ -49,18 +54,21 @@ use relay_proto::{
 
 use plugins::{EvalContext, EvalOutcome, Evaluator, TextEvalContext};
 
-/// Plays one episode per sub-env with the policy's deterministic actions;
-/// returns each episode's return (the `greedy` plugin).
+/// Plays one episode per sub-env with the policy's deterministic actions,
+/// on raw observations (no normalisation); returns each episode's return
+/// (the `greedy` plugin without statistics).
 pub fn evaluate(
     model: &ActorCritic,
     env_id: &str,
     episodes: usize,
     seed: u64,
 ) -> Result<Vec<f64>, String> {
-    Ok(plugins::play(model, env_id, episodes, seed, true, false)?
-        .into_iter()
-        .map(|e| e.ret)
-        .collect())
+    Ok(
+        plugins::play(model, None, env_id, episodes, seed, true, false)?
+            .into_iter()
+            .map(|e| e.ret)
+            .collect(),
+    )
 }
 
 fn mean_std(values: &[f64]) -> (f64, f64) {

@@ -31,7 +31,7 @@ use futures::StreamExt;
 use rand::SeedableRng;
 use relay_envs::{ActionSpace, VecActions, VecEnv};
 use relay_kit::config::{is_text_game, Opponent, TextConfig};
-use relay_nn::{Actions, ActorCritic};
+use relay_nn::{Actions, ActorCritic, VecNormalize};
 use relay_policy::text::{
     arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, Seat,
 };
@@ -240,7 +240,15 @@ impl Evaluator for Greedy {
     }
     fn evaluate(&self, p: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String> {
         let (episodes, seed) = self.0.apply(ctx);
-        let eps = play(&p.model, &ctx.env_id, episodes, seed, true, false)?;
+        let eps = play(
+            &p.model,
+            p.normalizer.as_ref(),
+            &ctx.env_id,
+            episodes,
+            seed,
+            true,
+            false,
+        )?;
         Ok(EvalOutcome::Returns(eps.iter().map(|e| e.ret).collect()))
     }
 }
@@ -260,7 +268,15 @@ impl Evaluator for Stochastic {
     }
     fn evaluate(&self, p: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String> {
         let (episodes, seed) = self.0.apply(ctx);
-        let eps = play(&p.model, &ctx.env_id, episodes, seed, false, false)?;
+        let eps = play(
+            &p.model,
+            p.normalizer.as_ref(),
+            &ctx.env_id,
+            episodes,
+            seed,
+            false,
+            false,
+        )?;
         Ok(EvalOutcome::Returns(eps.iter().map(|e| e.ret).collect()))
     }
 }
@@ -291,7 +307,15 @@ impl Evaluator for Threshold {
         match ctx.train_return {
             Some(r) if r >= self.level => {
                 let (episodes, seed) = self.common.apply(ctx);
-                let eps = play(&p.model, &ctx.env_id, episodes, seed, true, false)?;
+                let eps = play(
+                    &p.model,
+                    p.normalizer.as_ref(),
+                    &ctx.env_id,
+                    episodes,
+                    seed,
+                    true,
+                    false,
+                )?;
                 Ok(EvalOutcome::Returns(eps.iter().map(|e| e.ret).collect()))
             }
             other => Ok(EvalOutcome::Skipped(format!(
@@ -318,7 +342,15 @@ impl Evaluator for Record {
     }
     fn evaluate(&self, p: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String> {
         let (episodes, seed) = self.0.apply(ctx);
-        let eps = play(&p.model, &ctx.env_id, episodes, seed, true, true)?;
+        let eps = play(
+            &p.model,
+            p.normalizer.as_ref(),
+            &ctx.env_id,
+            episodes,
+            seed,
+            true,
+            true,
+        )?;
         let dir = ctx.run_dir.join("recordings");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let path = dir.join(format!("v{}.jsonl", p.version));
@@ -589,8 +621,14 @@ pub struct Episode {
 
 /// Plays one episode per sub-env of a vectorized env (each to its end) with
 /// deterministic or sampled actions, recording trajectories if asked.
+///
+/// With a `normalizer` (the weights version's, runs with a `normalize`
+/// section) the model is given normalised observations; the normaliser is
+/// only read (frozen, as SB3 evaluates with `training = False`), and the
+/// returns and recorded observations and rewards are the env's raw ones.
 pub fn play(
     model: &ActorCritic,
+    normalizer: Option<&VecNormalize>,
     env_id: &str,
     episodes: usize,
     seed: u64,
@@ -605,9 +643,20 @@ pub fn play(
     let mut trajectories: Vec<Trajectory> = vec![Trajectory::default(); episodes];
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut clipped = Vec::new();
+    let mut model_obs = obs.clone();
     while returns.iter().any(Option::is_none) {
+        model_obs.copy_from_slice(&obs);
+        if let Some(n) = normalizer {
+            if let Some(i) = model_obs.iter().position(|x| !x.is_finite()) {
+                return Err(format!(
+                    "{env_id} returned a non-finite observation ({} at index {i})",
+                    model_obs[i]
+                ));
+            }
+            n.normalize_obs(&mut model_obs);
+        }
         let out = model
-            .act(&obs, obs.len() / obs_dim, deterministic, &mut rng)
+            .act(&model_obs, obs.len() / obs_dim, deterministic, &mut rng)
             .map_err(|e| e.to_string())?;
         let action_rows: Vec<Vec<f64>> = match &out.actions {
             Actions::Discrete(a) => a.iter().map(|&a| vec![a as f64]).collect(),
@@ -669,6 +718,7 @@ mod tests {
             version: 3,
             learner_env_steps: 0,
             model: ActorCritic::new(&PolicySpec::discrete(4, 2), 1).unwrap(),
+            normalizer: None,
         }
     }
 

@@ -15,6 +15,13 @@
 //! answers them all, each reply naming the weights version used. New weights are built off the hot path
 //! by the [`PolicyFollower`] and swapped in between batches, so no request is
 //! dropped by a swap. A copy joins the queue group once it has weights.
+//!
+//! In runs with a `normalize` section on, observations arrive already
+//! normalised: the env-runners normalise (with their running statistics,
+//! as SB3's `VecNormalize` wrapper does) and the fragments keep exactly
+//! what this server acted on. The server never normalises; the
+//! statistics a version carries matter to those who run the policy on raw
+//! observations (the evaluator, `relay play`).
 
 pub mod llm;
 

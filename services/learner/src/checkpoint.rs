@@ -15,6 +15,10 @@
 //!   `relay checkpoints pin`) lists checkpoints never removed; otherwise only
 //!   the newest `<algo>.keep_checkpoints` (`ppo`, `a2c`, `reinforce` or, for
 //!   text runs, `rl`) and the best are kept.
+//! - `vec_normalize.safetensors` (runs with a `normalize` section on) holds
+//!   the run's observation and return statistics
+//!   ([`relay_nn::VecNormalize::save`]: f32 tensors, exact f64 counts in the
+//!   metadata); a resumed learner continues from them.
 //! - `optimizer.safetensors` holds the Adam or RMSprop state
 //!   ([`crate::optimizer::Optimizer`]), whichever the run's algorithm uses.
 //! - Text runs (LoRA adapters, [`crate::text`]) write
@@ -29,7 +33,7 @@
 use std::path::{Path, PathBuf};
 
 use relay_kit::ExperimentConfig;
-use relay_nn::ActorCritic;
+use relay_nn::{ActorCritic, VecNormalize};
 
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -238,6 +242,7 @@ pub fn save(
     run_dir: &Path,
     model: &ActorCritic,
     optimizer: &Optimizer,
+    normalizer: Option<&VecNormalize>,
     state: &CheckpointState,
     config: &ExperimentConfig,
     best: bool,
@@ -255,9 +260,30 @@ pub fn save(
             optimizer
                 .save(tmp.join("optimizer.safetensors"))
                 .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+            if let Some(n) = normalizer {
+                n.save(tmp.join(VEC_NORMALIZE_FILE))
+                    .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+            }
             write_json(&tmp.join("state.json"), state)
         },
     )
+}
+
+/// File of a checkpoint holding the normalisation statistics.
+pub const VEC_NORMALIZE_FILE: &str = "vec_normalize.safetensors";
+
+/// Restores `normalizer`'s statistics from checkpoint folder `dir`.
+pub fn load_normalizer(dir: &Path, normalizer: &mut VecNormalize) -> Result<(), CheckpointError> {
+    let path = dir.join(VEC_NORMALIZE_FILE);
+    if !path.is_file() {
+        return Err(CheckpointError::State {
+            path,
+            detail: "missing: the run normalises (`normalize` section) but this checkpoint holds no statistics".into(),
+        });
+    }
+    normalizer
+        .load(&path)
+        .map_err(|e| CheckpointError::Tensors(e.to_string()))
 }
 
 /// Writes `value` as pretty JSON.

@@ -33,6 +33,20 @@
 //! series continues without gap or overlap. `run.init_from` loads only the
 //! weights (and the optimizer unless reset) of another run's checkpoint.
 //!
+//! Normalisation (`normalize:` with `obs` or `reward` on, as SB3's
+//! `VecNormalize`): the env-runners normalise (see `relay-env-runner`), so
+//! the fragments' observations are already the normalised ones the policy
+//! acted on and the learner never renormalises them. It holds the run's
+//! statistics: each fragment's `norm_delta` (the statistics of the raw data
+//! its env-runner saw since its previous fragment) is merged into them as
+//! the fragment arrives (also when it is then dropped as stale: the data
+//! was seen); with `normalize.reward` the fragment's `norm_rewards` replace
+//! its raw `rewards` for every algorithm. A fragment of a normalising run
+//! without them is rejected by name. The statistics travel with every
+//! weights version (`WeightsUpdate.normalizer`) and are saved in each
+//! checkpoint (`vec_normalize.safetensors`); resume continues from them
+//! (`run.init_from` takes them too when the checkpoint has them).
+//!
 //! Text runs (`run.env_id` a text game) train a LoRA adapter on games
 //! instead: see [`text`].
 
@@ -54,7 +68,7 @@ use prometheus::{Histogram, HistogramOpts, IntGauge};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use relay_kit::{counter, gauge, ExperimentConfig, Service, ServiceConfig, ServiceError, Shutdown};
-use relay_nn::ActorCritic;
+use relay_nn::{ActorCritic, VecNormalize};
 use relay_proto::{
     EvalReport, MetricValue, RolloutFragment, RunStatus, RunStatusUpdate, SampleReply,
     SampleRequest, WeightsRequest, SCHEMA_VERSION,
@@ -104,6 +118,46 @@ impl Progress {
             ),
         ]
     }
+}
+
+/// A normalising run's intake of one fragment: merges its statistics delta
+/// into the run's statistics and, with `normalize.reward`, puts its scaled
+/// rewards in place of the raw ones (see the module docs). A fragment
+/// without what the run needs is refused, and nothing changes.
+pub fn normalisation_intake(
+    normalizer: &mut VecNormalize,
+    fragment: &mut RolloutFragment,
+) -> Result<(), relay_proto::Rejection> {
+    let invalid = |field: &'static str, detail: String| relay_proto::Rejection::Invalid {
+        kind: "RolloutFragment",
+        field,
+        detail,
+    };
+    let Some(stats) = &fragment.norm_delta else {
+        return Err(invalid(
+            "norm_delta",
+            format!(
+                "fragment from {} carries no normalisation statistics, but this run normalises (`normalize` section)",
+                fragment.runner_id
+            ),
+        ));
+    };
+    if normalizer.config.norm_reward && fragment.norm_rewards.is_none() {
+        return Err(invalid(
+            "norm_rewards",
+            format!(
+                "fragment from {} carries no scaled rewards, but this run has normalize.reward on",
+                fragment.runner_id
+            ),
+        ));
+    }
+    normalizer
+        .merge(&relay_policy::stats_delta(stats))
+        .map_err(|e| invalid("norm_delta", e.to_string()))?;
+    if normalizer.config.norm_reward {
+        fragment.rewards = fragment.norm_rewards.take().expect("checked above");
+    }
+    Ok(())
 }
 
 /// Why training stopped.
@@ -296,6 +350,15 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed)
         .map_err(ServiceError::other)?;
     let mut optimizer = Optimizer::for_run(&cfg, model.vars()).map_err(ServiceError::other)?;
+    // The run's normalisation statistics (`normalize` section), merged from
+    // the env-runners' deltas; never used to normalise here.
+    let mut normalizer = match cfg.normalizer() {
+        Some(norm) => Some(
+            VecNormalize::new(norm, spec.obs_dim, 0)
+                .map_err(|e| ServiceError::other(format!("normalize: {e}")))?,
+        ),
+        None => None,
+    };
     let mut algorithm = Algorithm::for_run(&cfg, &model);
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.run.seed.wrapping_add(0x5eed));
     let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
@@ -325,6 +388,13 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 .load(dir.join("optimizer.safetensors"))
                 .map_err(|e| fail(e.to_string()))?;
         }
+        if let Some(n) = normalizer.as_mut() {
+            // A resumed run must find its statistics; a new run started
+            // from another run's weights takes them when they are there.
+            if resume || dir.join(checkpoint::VEC_NORMALIZE_FILE).is_file() {
+                checkpoint::load_normalizer(&dir, n).map_err(|e| fail(e.to_string()))?;
+            }
+        }
         if resume {
             let state = checkpoint::load_state(&dir).map_err(|e| fail(e.to_string()))?;
             if let Some(r) = &state.rng {
@@ -353,19 +423,17 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 
     // Serve the latest weights to services that join late.
     let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
-    let publish_weights = |model: &ActorCritic, progress: &Progress| -> Bytes {
-        if let Err(e) = checkpoint::record_published(&run_dir, progress.version) {
-            tracing::warn!(error = %e, "could not record the published version");
-        }
-        let payload: Bytes = relay_proto::encode(&relay_policy::to_weights(
-            model,
-            progress.version,
-            progress.env_steps,
-        ))
-        .into();
-        *latest.write().expect("weights lock") = payload.clone();
-        payload
-    };
+    let publish_weights =
+        |model: &ActorCritic, normalizer: Option<&VecNormalize>, progress: &Progress| -> Bytes {
+            if let Err(e) = checkpoint::record_published(&run_dir, progress.version) {
+                tracing::warn!(error = %e, "could not record the published version");
+            }
+            let mut update = relay_policy::to_weights(model, progress.version, progress.env_steps);
+            update.normalizer = normalizer.map(relay_policy::norm_stats);
+            let payload: Bytes = relay_proto::encode(&update).into();
+            *latest.write().expect("weights lock") = payload.clone();
+            payload
+        };
     let micro = service.micro().await?;
     let mut weights_requests = micro
         .endpoint(service.subjects.weights_latest())
@@ -406,7 +474,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         .await
         .map_err(ServiceError::nats)?;
 
-    let payload = publish_weights(&model, &progress);
+    let payload = publish_weights(&model, normalizer.as_ref(), &progress);
     publish(&service, payload).await;
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
@@ -437,7 +505,15 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         let checkpoint_best = take_evals(&service, &mut evals, &mut best_eval);
         if checkpoint_best {
             let state = checkpoint_state(&progress, &rng, best_eval);
-            save_checkpoint(&run_dir, &model, &optimizer, &state, &cfg, true);
+            save_checkpoint(
+                &run_dir,
+                &model,
+                &optimizer,
+                normalizer.as_ref(),
+                &state,
+                &cfg,
+                true,
+            );
         }
 
         // Gather what the algorithm needs.
@@ -466,7 +542,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                             _ = shutdown.wait() => {}
                         }
                     }
-                    for f in reply.fragments {
+                    for mut f in reply.fragments {
                         if f.env_id != cfg.run.env_id {
                             let detail = format!(
                                 "fragment from {} is for {}, this run trains {}",
@@ -481,6 +557,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                                 },
                             );
                             continue;
+                        }
+                        if let Some(n) = normalizer.as_mut() {
+                            if let Err(rejection) = normalisation_intake(n, &mut f) {
+                                service.intake.reject("replay.sample", &rejection);
+                                continue;
+                            }
                         }
                         // The buffer only drops what is older than we asked; a
                         // fragment that became stale while we gathered goes too.
@@ -537,7 +619,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 .saturating_sub(cfg.replay.max_policy_lag)
                 .max(version_floor),
         );
-        let payload = publish_weights(&model, &progress);
+        let payload = publish_weights(&model, normalizer.as_ref(), &progress);
         publish(&service, payload).await;
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
@@ -562,12 +644,28 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         reported_stale = dropped_stale;
         if progress.updates % cfg.checkpoint_every() == 0 {
             let state = checkpoint_state(&progress, &rng, best_eval);
-            save_checkpoint(&run_dir, &model, &optimizer, &state, &cfg, false);
+            save_checkpoint(
+                &run_dir,
+                &model,
+                &optimizer,
+                normalizer.as_ref(),
+                &state,
+                &cfg,
+                false,
+            );
         }
     };
 
     let state = checkpoint_state(&progress, &rng, best_eval);
-    save_checkpoint(&run_dir, &model, &optimizer, &state, &cfg, false);
+    save_checkpoint(
+        &run_dir,
+        &model,
+        &optimizer,
+        normalizer.as_ref(),
+        &state,
+        &cfg,
+        false,
+    );
     let (status, detail) = match &finish {
         Finish::Budget => (
             RunStatus::Stopped,
@@ -626,11 +724,12 @@ fn save_checkpoint(
     run_dir: &std::path::Path,
     model: &ActorCritic,
     optimizer: &Optimizer,
+    normalizer: Option<&VecNormalize>,
     state: &checkpoint::CheckpointState,
     cfg: &ExperimentConfig,
     best: bool,
 ) {
-    match checkpoint::save(run_dir, model, optimizer, state, cfg, best) {
+    match checkpoint::save(run_dir, model, optimizer, normalizer, state, cfg, best) {
         Ok(path) => {
             tracing::info!(path = %path.display(), version = state.progress.version, best, "checkpoint written")
         }

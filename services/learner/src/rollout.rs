@@ -316,6 +316,8 @@ pub(crate) fn test_fragment(
         truncated: Wire::from_bool(&[t, n], steps.truncated),
         next_obs: Wire::from_f32(&[n, d], steps.next_obs),
         final_obs: Wire::from_f32(&[steps.final_obs.len() / d, d], steps.final_obs),
+        norm_rewards: None,
+        norm_delta: None,
     }
 }
 
@@ -353,6 +355,8 @@ mod tests {
             truncated: Tensor::from_bool(&[3, 2], &truncated),
             next_obs: Tensor::from_f32(&[2, 4], &next_obs),
             final_obs: Tensor::from_f32(&[1, 4], &final_obs),
+            norm_rewards: None,
+            norm_delta: None,
         };
         let (gamma, lambda) = (0.9f32, 0.8f32);
         let rollout = prepare(&model, &[fragment], gamma as f64, lambda as f64).unwrap();
@@ -400,6 +404,8 @@ mod tests {
             truncated: Tensor::from_bool(&[1, 1], &[false]),
             next_obs: Tensor::from_f32(&[1, 6], &[0.0; 6]),
             final_obs: Tensor::from_f32(&[0, 6], &[]),
+            norm_rewards: None,
+            norm_delta: None,
         };
         let err = prepare(&model, &[fragment], 0.99, 0.95)
             .err()

@@ -192,10 +192,22 @@ pub fn play(args: PlayArgs) -> Result<()> {
     model
         .load(dir.join("model.safetensors"))
         .with_context(|| format!("loading {}", dir.display()))?;
+    // A normalising run's policy takes observations normalised with the
+    // checkpoint's statistics (frozen).
+    let normalizer = match config.normalizer() {
+        Some(norm) => {
+            let mut n = relay_nn::VecNormalize::new(norm, spec.obs_dim, 0)?;
+            relay_learner::checkpoint::load_normalizer(&dir, &mut n)?;
+            n.set_training(false);
+            Some(n)
+        }
+        None => None,
+    };
     let env_id = config.run.env_id.clone();
     println!("relay: {id} checkpoint {} on {env_id}", dir.display());
     let episodes = relay_evaluator::plugins::play(
         &model,
+        normalizer.as_ref(),
         &env_id,
         args.episodes.max(1),
         args.seed,

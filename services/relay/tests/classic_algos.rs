@@ -43,6 +43,7 @@ fn initial_mean_return(cfg: &ExperimentConfig) -> f64 {
     let model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed).unwrap();
     let episodes = relay_evaluator::plugins::play(
         &model,
+        None,
         &cfg.run.env_id,
         EVAL_EPISODES,
         cfg.eval.seed,

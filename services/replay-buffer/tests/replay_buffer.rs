@@ -34,6 +34,8 @@ fn fragment(version: u64, t: usize, n: usize) -> RolloutFragment {
         truncated: Tensor::from_bool(&[t, n], &vec![false; t * n]),
         next_obs: Tensor::from_f32(&[n, 4], &vec![0.1; n * 4]),
         final_obs: Tensor::from_f32(&[0, 4], &[]),
+        norm_rewards: None,
+        norm_delta: None,
     }
 }
 

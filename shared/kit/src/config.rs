@@ -70,6 +70,8 @@ pub struct ExperimentConfig {
     pub rl: RlConfig,
     #[serde(default)]
     pub league: LeagueSection,
+    #[serde(default)]
+    pub normalize: NormalizeSection,
 }
 
 /// What is trained, for how long, and where its files go.
@@ -851,6 +853,73 @@ impl Default for ReinforceConfig {
             checkpoint_every: 100,
             keep_checkpoints: 5,
         }
+    }
+}
+
+/// Running observation and reward normalisation of classic-control runs,
+/// as Stable-Baselines3's `VecNormalize` (same formulas, names and
+/// defaults; [`relay_nn::VecNormalize`]). Off by default: with `obs` and
+/// `reward` both false nothing is normalised and no statistics travel.
+///
+/// Each env-runner normalises what its envs return with the statistics of
+/// the newest weights version plus what it has seen since, gathers the
+/// statistics of its raw observations and discounted returns, and ships
+/// them with each fragment; the learner merges them into the run's
+/// statistics, which travel with every weights version and are saved in
+/// checkpoints (`vec_normalize.safetensors`). Evaluation uses the version's
+/// statistics frozen and reports raw returns.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NormalizeSection {
+    /// Normalise observations: `clip((obs - mean) / sqrt(var + epsilon),
+    /// -clip_obs, clip_obs)` with the running mean and variance of the raw
+    /// observations. Default `false`.
+    pub obs: bool,
+    /// Scale rewards by the running std of each env's discounted return
+    /// (`ret = ret * gamma + reward`, reset when an episode ends by
+    /// termination or truncation), clipped to `±clip_reward`; never
+    /// shifted. The learner trains on the scaled rewards; episode returns
+    /// and evaluations stay raw. Default `false`.
+    pub reward: bool,
+    /// Bound of normalised observations. Default `10`.
+    pub clip_obs: f64,
+    /// Bound of scaled rewards. Default `10`.
+    pub clip_reward: f64,
+    /// Discount of the running return that scales rewards; unset: the
+    /// algorithm's own (`ppo.gamma`, `a2c.gamma` or `reinforce.gamma`), as
+    /// rl-zoo does.
+    pub gamma: Option<f64>,
+    /// Added to the variance before the square root. Default `1e-8`.
+    pub epsilon: f64,
+}
+
+impl Default for NormalizeSection {
+    fn default() -> Self {
+        Self {
+            obs: false,
+            reward: false,
+            clip_obs: 10.0,
+            clip_reward: 10.0,
+            gamma: None,
+            epsilon: 1e-8,
+        }
+    }
+}
+
+impl NormalizeSection {
+    /// Whether anything is normalised (`obs` or `reward`).
+    pub fn enabled(&self) -> bool {
+        self.obs || self.reward
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        positive_f("normalize.clip_obs", self.clip_obs)?;
+        positive_f("normalize.clip_reward", self.clip_reward)?;
+        if let Some(g) = self.gamma {
+            unit_interval("normalize.gamma", g)?;
+        }
+        positive_f("normalize.epsilon", self.epsilon)?;
+        Ok(())
     }
 }
 
@@ -1911,6 +1980,17 @@ impl ExperimentConfig {
                 return Err(invalid(field, "is empty; give a checkpoint folder"));
             }
         }
+        self.normalize.validate()?;
+        if self.normalize.enabled() && self.is_text_game() {
+            return Err(invalid(
+                if self.normalize.obs {
+                    "normalize.obs"
+                } else {
+                    "normalize.reward"
+                },
+                "normalisation applies to classic-control envs, not text games",
+            ));
+        }
         self.eval.validate()?;
         positive("eval.episodes", self.eval.episodes)?;
         positive("eval.every_versions", self.eval.every_versions as usize)?;
@@ -2007,6 +2087,30 @@ impl ExperimentConfig {
             "reinforce" => self.reinforce.keep_checkpoints,
             _ => self.ppo.keep_checkpoints,
         }
+    }
+
+    /// The discount of the run's algorithm (`ppo.gamma`, `a2c.gamma` or
+    /// `reinforce.gamma`).
+    pub fn algo_gamma(&self) -> f64 {
+        match self.run.algo.as_str() {
+            "a2c" => self.a2c.gamma,
+            "reinforce" => self.reinforce.gamma,
+            _ => self.ppo.gamma,
+        }
+    }
+
+    /// The `normalize` section resolved for [`relay_nn::VecNormalize`]
+    /// (`gamma` defaulting to the algorithm's); `None` when it is off.
+    pub fn normalizer(&self) -> Option<relay_nn::NormalizeConfig> {
+        let n = &self.normalize;
+        n.enabled().then(|| relay_nn::NormalizeConfig {
+            norm_obs: n.obs,
+            norm_reward: n.reward,
+            clip_obs: n.clip_obs,
+            clip_reward: n.clip_reward,
+            gamma: n.gamma.unwrap_or_else(|| self.algo_gamma()),
+            epsilon: n.epsilon,
+        })
     }
 
     /// Whether `run.env_id` is a text game (played by LLM policies).
@@ -2217,6 +2321,63 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("run.id"), "{err}");
+    }
+
+    #[test]
+    fn normalize_section_defaults_off_resolves_gamma_and_names_bad_fields() {
+        let c = ExperimentConfig::from_layers(BASE, "t", &[], &[]).unwrap();
+        assert!(!c.normalize.enabled());
+        assert_eq!(c.normalizer(), None);
+        let c = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &["normalize.obs=true".into(), "ppo.gamma=0.9".into()],
+        )
+        .unwrap();
+        let n = c.normalizer().unwrap();
+        assert!(n.norm_obs && !n.norm_reward);
+        assert_eq!(
+            (n.clip_obs, n.clip_reward, n.gamma, n.epsilon),
+            (10.0, 10.0, 0.9, 1e-8)
+        );
+        let c = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &[
+                "normalize.reward=true".into(),
+                "normalize.gamma=0.5".into(),
+                "run.algo=a2c".into(),
+                "env_runner.fragment_steps=5".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.normalizer().unwrap().gamma, 0.5);
+        for (set, field) in [
+            ("normalize.clip_obs=0", "normalize.clip_obs"),
+            ("normalize.clip_reward=-1", "normalize.clip_reward"),
+            ("normalize.gamma=1.5", "normalize.gamma"),
+            ("normalize.epsilon=0", "normalize.epsilon"),
+            ("normalize.obss=true", "obss"),
+        ] {
+            let err = ExperimentConfig::from_layers(BASE, "t", &[], &[set.into()])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{set}: {err}");
+        }
+        let err = ExperimentConfig::from_layers(
+            "run:\n  env_id: TicTacToe-v0\n",
+            "t",
+            &[],
+            &["normalize.reward=true".into()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("normalize.reward") && err.contains("text games"),
+            "{err}"
+        );
     }
 
     #[test]

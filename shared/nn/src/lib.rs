@@ -110,4 +110,4 @@ pub use sac::{
 };
 pub use schedule::{Schedule, Shape, Warmup};
 pub use spec::{ActionKind, Activation, PolicySpec};
-pub use vec_normalize::{NormalizeConfig, RunningMeanStd, VecNormalize};
+pub use vec_normalize::{NormDelta, NormalizeConfig, RunningMeanStd, VecNormalize};

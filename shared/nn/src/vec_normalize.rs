@@ -33,6 +33,14 @@
 //! `terminal_observation`). Several runners can each accumulate their own
 //! statistics and ship them to the learner, which merges them with
 //! [`RunningMeanStd::combine`] and publishes the result with the weights.
+//!
+//! For that, [`VecNormalize::track_delta`] makes a copy also gather the
+//! statistics of what it sees since the last [`VecNormalize::take_delta`]
+//! (the delta to ship), and [`VecNormalize::sync`] replaces its statistics
+//! with newer global ones plus the delta not yet taken.
+//!
+//! Non-finite observations or rewards are refused with an error (before
+//! any statistic changes): one NaN would poison the running mean forever.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -152,7 +160,8 @@ impl RunningMeanStd {
         self.update_from_moments(&other.mean, &other.var, other.count)
     }
 
-    fn check_finite(&self, what: &'static str) -> Result<()> {
+    /// Refuses non-finite means, negative or non-finite variances and counts.
+    pub fn check_finite(&self, what: &'static str) -> Result<()> {
         let ok = self.count.is_finite()
             && self.count >= 0.0
             && self.mean.iter().all(|x| x.is_finite())
@@ -176,6 +185,18 @@ fn batch_moments(data: &[f32], dim: usize) -> Result<(Vec<f64>, Vec<f64>, f64)> 
             "batch",
             format!("a multiple of {dim} values"),
             data.len(),
+        ));
+    }
+    if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+        return Err(NnError::bad_input(
+            "batch",
+            "finite values",
+            format!(
+                "{} at index {i} (row {}, component {})",
+                data[i],
+                i / dim,
+                i % dim
+            ),
         ));
     }
     let rows = data.len() / dim;
@@ -276,6 +297,31 @@ pub struct VecNormalize {
     pub returns: Vec<f64>,
     /// Whether `reset` / `step` update the statistics (false: frozen).
     pub training: bool,
+    /// Statistics gathered since the last [`Self::take_delta`], when
+    /// tracked ([`Self::track_delta`]); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<NormDelta>,
+}
+
+/// What one copy of [`VecNormalize`] saw since it last shipped its
+/// statistics: the moments to merge into the global ones.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NormDelta {
+    /// Observation statistics (count 0 when nothing was seen).
+    pub obs_rms: RunningMeanStd,
+    /// Discounted-return statistics (one component).
+    pub ret_rms: RunningMeanStd,
+}
+
+impl NormDelta {
+    /// Nothing seen yet.
+    pub fn empty(obs_dim: usize) -> Self {
+        Self {
+            obs_rms: RunningMeanStd::empty(obs_dim),
+            ret_rms: RunningMeanStd::empty(1),
+        }
+    }
 }
 
 impl VecNormalize {
@@ -292,6 +338,7 @@ impl VecNormalize {
             ret_rms: RunningMeanStd::new(1),
             returns: vec![0.0; num_envs],
             training: true,
+            delta: None,
         })
     }
 
@@ -339,6 +386,13 @@ impl VecNormalize {
         }
         self.check_envs("rewards", rewards.len())?;
         self.check_envs("dones", dones.len())?;
+        if let Some(i) = rewards.iter().position(|r| !r.is_finite()) {
+            return Err(NnError::bad_input(
+                "rewards",
+                "finite values",
+                format!("{} for env {i}", rewards[i]),
+            ));
+        }
         self.observe(obs)?;
         if self.training {
             for (ret, &r) in self.returns.iter_mut().zip(rewards.iter()) {
@@ -347,6 +401,9 @@ impl VecNormalize {
             // SB3 updates with the f64 returns; so do we.
             let (mean, var, count) = returns_moments(&self.returns);
             self.ret_rms.update_from_moments(&[mean], &[var], count)?;
+            if let Some(delta) = &mut self.delta {
+                delta.ret_rms.update_from_moments(&[mean], &[var], count)?;
+            }
         }
         self.normalize_rewards(rewards);
         for (ret, &done) in self.returns.iter_mut().zip(dones) {
@@ -370,17 +427,93 @@ impl VecNormalize {
 
     /// Updates the observation statistics with `obs` (any number of rows)
     /// when training and normalising observations, then normalises in place.
+    /// Non-finite values are refused (nothing changes).
     pub fn observe(&mut self, obs: &mut [f32]) -> Result<()> {
-        if self.training && self.config.norm_obs {
-            self.obs_rms.update(obs)?;
-        } else if !obs.len().is_multiple_of(self.obs_dim()) {
+        let d = self.obs_dim();
+        if let Some(i) = obs.iter().position(|x| !x.is_finite()) {
             return Err(NnError::bad_input(
                 "obs",
-                format!("a multiple of {} values", self.obs_dim()),
-                obs.len(),
+                "finite observations",
+                format!(
+                    "{} at index {i} (row {}, component {})",
+                    obs[i],
+                    i / d,
+                    i % d
+                ),
             ));
         }
+        if self.training && self.config.norm_obs {
+            let (mean, var, count) = batch_moments(obs, self.obs_dim())?;
+            self.obs_rms.update_from_moments(&mean, &var, count)?;
+            if let Some(delta) = &mut self.delta {
+                delta.obs_rms.update_from_moments(&mean, &var, count)?;
+            }
+        } else {
+            // Checks the width and finiteness.
+            batch_moments(obs, self.obs_dim())?;
+        }
         self.normalize_obs(obs);
+        Ok(())
+    }
+
+    /// From now on, also gather what is seen into a delta
+    /// ([`Self::take_delta`]); a delta already tracked is kept.
+    pub fn track_delta(&mut self) {
+        if self.delta.is_none() {
+            self.delta = Some(NormDelta::empty(self.obs_dim()));
+        }
+    }
+
+    /// The statistics gathered since the last call (or since
+    /// [`Self::track_delta`]), leaving an empty delta; `None` when no delta
+    /// is tracked.
+    pub fn take_delta(&mut self) -> Option<NormDelta> {
+        let dim = self.obs_dim();
+        self.delta
+            .as_mut()
+            .map(|d| std::mem::replace(d, NormDelta::empty(dim)))
+    }
+
+    /// Adopts newer global statistics: `obs_rms` and `ret_rms` become the
+    /// given ones merged with the delta not yet taken (so nothing this copy
+    /// saw since it last shipped is lost). The running returns are kept.
+    /// Statistics of another width or not finite are refused (nothing
+    /// changes).
+    pub fn sync(&mut self, obs_rms: &RunningMeanStd, ret_rms: &RunningMeanStd) -> Result<()> {
+        if obs_rms.dim() != self.obs_dim() || ret_rms.dim() != 1 {
+            return Err(NnError::bad_input(
+                "statistics",
+                format!("{} observation components and 1 return", self.obs_dim()),
+                format!("{} and {}", obs_rms.dim(), ret_rms.dim()),
+            ));
+        }
+        obs_rms.check_finite("obs_rms")?;
+        ret_rms.check_finite("ret_rms")?;
+        let (mut obs, mut ret) = (obs_rms.clone(), ret_rms.clone());
+        if let Some(delta) = &self.delta {
+            obs.combine(&delta.obs_rms)?;
+            ret.combine(&delta.ret_rms)?;
+        }
+        self.obs_rms = obs;
+        self.ret_rms = ret;
+        Ok(())
+    }
+
+    /// Merges a delta shipped by another copy into these statistics (the
+    /// learner's side of [`Self::take_delta`]). A delta of another width or
+    /// with non-finite numbers is refused (nothing changes).
+    pub fn merge(&mut self, delta: &NormDelta) -> Result<()> {
+        if delta.obs_rms.dim() != self.obs_dim() || delta.ret_rms.dim() != 1 {
+            return Err(NnError::bad_input(
+                "delta",
+                format!("{} observation components and 1 return", self.obs_dim()),
+                format!("{} and {}", delta.obs_rms.dim(), delta.ret_rms.dim()),
+            ));
+        }
+        delta.obs_rms.check_finite("delta.obs_rms")?;
+        delta.ret_rms.check_finite("delta.ret_rms")?;
+        self.obs_rms.combine(&delta.obs_rms)?;
+        self.ret_rms.combine(&delta.ret_rms)?;
         Ok(())
     }
 
@@ -723,6 +856,151 @@ mod tests {
         let mut big = [1e6f32, -1e6];
         vn.normalize_rewards(&mut big);
         assert_eq!(big, [10.0, -10.0]);
+    }
+
+    #[test]
+    fn nan_observations_and_rewards_are_refused_and_change_nothing() {
+        let mut vn = VecNormalize::new(NormalizeConfig::default(), 2, 2).unwrap();
+        vn.track_delta();
+        let mut obs = [0.5f32, 1.0, -0.5, 2.0];
+        vn.reset(&mut obs).unwrap();
+        let before = vn.clone();
+        let mut bad = [0.5f32, f32::NAN, -0.5, 2.0];
+        let err = vn
+            .step(&mut bad, &mut [1.0, 1.0], &[false, false])
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("`obs`") && text.contains("finite") && text.contains("NaN"),
+            "{text}"
+        );
+        assert!(text.contains("index 1 (row 0, component 1)"), "{text}");
+        assert_eq!(vn, before);
+        let mut ok = [0.5f32, 1.0, -0.5, 2.0];
+        let err = vn
+            .step(&mut ok, &mut [f32::INFINITY, 1.0], &[false, false])
+            .unwrap_err();
+        assert!(err.to_string().contains("rewards"), "{err}");
+        assert_eq!(vn, before);
+        // Frozen copies refuse them too (the evaluator never feeds NaN to a model).
+        vn.set_training(false);
+        assert!(vn.observe(&mut [f32::NAN, 0.0]).is_err());
+        // A NaN in shipped statistics is refused by merge and sync.
+        let mut delta = NormDelta::empty(2);
+        delta.obs_rms.mean[0] = f64::NAN;
+        assert!(vn.merge(&delta).is_err());
+        assert!(vn.sync(&delta.obs_rms, &RunningMeanStd::new(1)).is_err());
+        assert_eq!(vn.obs_rms, before.obs_rms);
+    }
+
+    /// Three envs, gamma 0.9, no observation normalisation. Env 0 is
+    /// truncated (time limit) at step 2, env 1 terminated at step 1, env 2
+    /// runs on: both kinds of end reset the running return, as SB3 resets
+    /// on `done = terminated or truncated`.
+    #[test]
+    fn rewards_hand_computed_through_terminated_and_truncated_ends() {
+        let cfg = NormalizeConfig {
+            norm_obs: false,
+            gamma: 0.9,
+            clip_reward: 5.0,
+            ..Default::default()
+        };
+        let mut vn = VecNormalize::new(cfg, 1, 3).unwrap();
+        vn.reset(&mut [0.0f32; 3]).unwrap();
+        let rewards = [[1.0f32, 2.0, 0.5], [1.0, -1.0, 0.5], [2.0, 3.0, 0.5]];
+        let terminated = [[false, true, false], [false, false, false], [false; 3]];
+        let truncated = [[false, false, false], [true, false, false], [false; 3]];
+        // Returns before each step's reset, by hand:
+        // step 0: [1, 2, 0.5]             -> env 1 terminated: [1, 0, 0.5]
+        // step 1: [0.9+1, 0-1, 0.45+0.5]  = [1.9, -1, 0.95] -> env 0 truncated: [0, -1, 0.95]
+        // step 2: [0+2, -0.9+3, 0.855+0.5] = [2, 2.1, 1.355]
+        let seen = [[1.0, 2.0, 0.5], [1.9, -1.0, 0.95], [2.0, 2.1, 1.355]];
+        let after = [[1.0, 0.0, 0.5], [0.0, -1.0, 0.95], [2.0, 2.1, 1.355]];
+        // Population moments of each row, merged from the prior (0, 1, 1e-4).
+        let (mut m, mut v, mut c) = (0.0f64, 1.0f64, 1e-4f64);
+        let mut first = [0f32; 3];
+        for step in 0..3 {
+            let row = seen[step];
+            let bm = row.iter().sum::<f64>() / 3.0;
+            let bv = row.iter().map(|x| (x - bm).powi(2)).sum::<f64>() / 3.0;
+            let tot = c + 3.0;
+            let d = bm - m;
+            v = (v * c + bv * 3.0 + d * d * c * 3.0 / tot) / tot;
+            m += d * 3.0 / tot;
+            c = tot;
+
+            let dones: Vec<bool> = (0..3)
+                .map(|i| terminated[step][i] || truncated[step][i])
+                .collect();
+            let mut r = rewards[step];
+            vn.step(&mut [0.0f32; 3], &mut r, &dones).unwrap();
+            if step == 0 {
+                first = r;
+            }
+            for (i, &x) in vn.returns.iter().enumerate() {
+                close(x, after[step][i], 1e-12);
+            }
+            close(vn.ret_rms.mean[0], m, 1e-12);
+            close(vn.ret_rms.var[0], v, 1e-12);
+            close(vn.ret_rms.count, c, 1e-12);
+            let s = (v + 1e-8).sqrt();
+            for i in 0..3 {
+                let want = (rewards[step][i] as f64 / s).clamp(-5.0, 5.0);
+                close(r[i] as f64, want, 1e-6);
+            }
+        }
+        // Step 0 in numbers: the variance of [1, 2, 0.5] (0.3889) over the
+        // prior of count 1e-4 gives std 0.6237, so env 1's 2.0 became 3.207.
+        assert!((first[1] - 3.207).abs() < 1e-3, "{first:?}");
+    }
+
+    /// Two env-runner copies start from the same global statistics, each
+    /// gathers a delta, the learner merges both: the result equals one copy
+    /// having seen all the data.
+    #[test]
+    fn deltas_of_two_copies_merge_into_the_statistics_of_all_data() {
+        let cfg = NormalizeConfig::default();
+        let rows = |k: usize| -> Vec<f32> {
+            (0..8)
+                .map(|i| ((i * 7 + k * 13) % 11) as f32 * 0.4 - 1.5 + k as f32)
+                .collect()
+        };
+        let mut global = VecNormalize::new(cfg, 2, 0).unwrap();
+        let mut one = VecNormalize::new(cfg, 2, 4).unwrap();
+        let (mut a, mut b) = (one.clone(), one.clone());
+        a.track_delta();
+        b.track_delta();
+        for k in 0..3 {
+            let (mut oa, mut ob) = (rows(k), rows(k + 5));
+            let (mut ra, mut rb) = ([1.0f32, 0.5, -1.0, 2.0], [0.0f32, 1.5, 1.0, -0.5]);
+            a.step(&mut oa, &mut ra, &[false, k == 1, false, false])
+                .unwrap();
+            b.step(&mut ob, &mut rb, &[false; 4]).unwrap();
+            let mut all = rows(k);
+            all.extend(rows(k + 5));
+            one.obs_rms.update(&all).unwrap();
+        }
+        let (da, db) = (a.take_delta().unwrap(), b.take_delta().unwrap());
+        assert_eq!(da.obs_rms.count, 12.0);
+        assert_eq!(a.take_delta().unwrap(), NormDelta::empty(2));
+        global.merge(&da).unwrap();
+        global.merge(&db).unwrap();
+        close(global.obs_rms.count, one.obs_rms.count, 1e-12);
+        for i in 0..2 {
+            close(global.obs_rms.mean[i], one.obs_rms.mean[i], 1e-12);
+            close(global.obs_rms.var[i], one.obs_rms.var[i], 1e-12);
+        }
+        close(global.ret_rms.count, 1e-4 + 24.0, 1e-12);
+        // A copy syncing to the new global keeps what it saw since.
+        let mut o = rows(9);
+        a.step(&mut o, &mut [0.0; 4], &[false; 4]).unwrap();
+        let pending = a.delta.clone().unwrap();
+        a.sync(&global.obs_rms, &global.ret_rms).unwrap();
+        let mut want = global.obs_rms.clone();
+        want.combine(&pending.obs_rms).unwrap();
+        assert_eq!(a.obs_rms, want);
+        // Width mismatch: refused.
+        assert!(global.merge(&NormDelta::empty(3)).is_err());
     }
 
     #[test]

@@ -7,6 +7,10 @@
 //! - [`PolicyFollower`]: keeps a copy of the learner's latest weights, fetching
 //!   the current version at start (`weights.latest`) and each new one as it is
 //!   published (`weights`), building each new model off the caller's hot path;
+//!   [`StatsFollower`] keeps only each version's normalisation statistics;
+//! - [`norm_stats`] / [`delta_stats`] / [`frozen_normalizer`]: the
+//!   normalisation statistics (`normalize:`) as they travel with fragments and
+//!   weights, and back;
 //! - [`AdapterFollower`]: the same for the LLM policy's LoRA adapter versions
 //!   (`adapters`), metadata only (the inference servers load the bytes);
 //! - [`text`]: the text-game loop the env-runner and the evaluator share.
@@ -19,9 +23,12 @@ use std::time::Duration;
 use futures::StreamExt;
 use relay_envs::ActionSpace;
 use relay_kit::{ExperimentConfig, Service};
-use relay_nn::{ActionKind, Activation, ActorCritic, PolicySpec};
+use relay_nn::{
+    ActionKind, Activation, ActorCritic, NormDelta, PolicySpec, RunningMeanStd, VecNormalize,
+};
 use relay_proto::{
-    AdapterUpdate, NamedTensor, Rejection, WeightsRequest, WeightsUpdate, SCHEMA_VERSION,
+    AdapterUpdate, Moments, NamedTensor, NormStats, Rejection, WeightsRequest, WeightsUpdate,
+    SCHEMA_VERSION,
 };
 use tokio::sync::watch;
 
@@ -49,8 +56,10 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, relay_envs::Env
 }
 
 /// Every parameter of `model` as a [`WeightsUpdate`] of `version`.
+/// (without normalisation statistics: set `normalizer` for runs that normalise).
 pub fn to_weights(model: &ActorCritic, version: u64, learner_env_steps: u64) -> WeightsUpdate {
     WeightsUpdate {
+        normalizer: None,
         schema: SCHEMA_VERSION,
         version,
         learner_env_steps,
@@ -84,22 +93,179 @@ pub fn load_weights(model: &mut ActorCritic, update: &WeightsUpdate) -> Result<(
         })
 }
 
+fn moments(rms: &RunningMeanStd) -> Moments {
+    Moments {
+        count: rms.count,
+        mean: rms.mean.clone(),
+        var: rms.var.clone(),
+    }
+}
+
+fn rms(m: &Moments) -> RunningMeanStd {
+    RunningMeanStd {
+        mean: m.mean.clone(),
+        var: m.var.clone(),
+        count: m.count,
+    }
+}
+
+/// A normaliser's statistics as they travel with a weights version.
+pub fn norm_stats(normalizer: &VecNormalize) -> NormStats {
+    NormStats {
+        obs: moments(&normalizer.obs_rms),
+        ret: moments(&normalizer.ret_rms),
+    }
+}
+
+/// An env-runner's delta as it travels with a fragment.
+pub fn delta_stats(delta: &NormDelta) -> NormStats {
+    NormStats {
+        obs: moments(&delta.obs_rms),
+        ret: moments(&delta.ret_rms),
+    }
+}
+
+/// A fragment's delta (checked by the wire) as the learner merges it.
+pub fn stats_delta(stats: &NormStats) -> NormDelta {
+    NormDelta {
+        obs_rms: rms(&stats.obs),
+        ret_rms: rms(&stats.ret),
+    }
+}
+
+/// The observation and return statistics of a weights message.
+pub fn stats_rms(stats: &NormStats) -> (RunningMeanStd, RunningMeanStd) {
+    (rms(&stats.obs), rms(&stats.ret))
+}
+
+/// The normaliser a weights version prescribes for a run, frozen (never
+/// updated): `None` when the run's `normalize` section is off (statistics
+/// a version may carry are then ignored). A normalising run's version
+/// without statistics, or with statistics of another width, is rejected.
+pub fn frozen_normalizer(
+    config: &ExperimentConfig,
+    obs_dim: usize,
+    update: &WeightsUpdate,
+) -> Result<Option<VecNormalize>, Rejection> {
+    let Some(norm) = config.normalizer() else {
+        return Ok(None);
+    };
+    let invalid = |detail: String| Rejection::Invalid {
+        kind: "WeightsUpdate",
+        field: "normalizer",
+        detail,
+    };
+    let stats = update.normalizer.as_ref().ok_or_else(|| {
+        invalid(format!(
+            "version {} carries no normalisation statistics, but this run normalises (`normalize` section)",
+            update.version
+        ))
+    })?;
+    let mut n = VecNormalize::new(norm, obs_dim, 0).map_err(|e| invalid(e.to_string()))?;
+    let (obs, ret) = stats_rms(stats);
+    n.sync(&obs, &ret).map_err(|e| invalid(e.to_string()))?;
+    n.set_training(false);
+    Ok(Some(n))
+}
+
 /// A model at a weights version.
 pub struct VersionedPolicy {
     pub version: u64,
     pub learner_env_steps: u64,
     pub model: ActorCritic,
+    /// The version's observation normaliser, frozen (runs with a
+    /// `normalize` section on); the model takes normalised observations.
+    pub normalizer: Option<VecNormalize>,
 }
 
-/// Follows the learner's weights; [`PolicyFollower::latest`] is the newest model.
-pub struct PolicyFollower {
-    rx: watch::Receiver<Option<Arc<VersionedPolicy>>>,
+/// What a [`Follower`] keeps of each weights version.
+pub trait Versioned: Send + Sync + 'static {
+    /// The weights version it was built from.
+    fn version(&self) -> u64;
 }
 
-impl PolicyFollower {
+impl Versioned for VersionedPolicy {
+    fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+/// The normalisation statistics of a weights version (what an env-runner
+/// needs of it), frozen; `None` when the run does not normalise.
+pub struct VersionedStats {
+    pub version: u64,
+    pub normalizer: Option<VecNormalize>,
+}
+
+impl Versioned for VersionedStats {
+    fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+/// Follows the learner's weights, keeping what `T` takes of the newest
+/// version; [`Follower::latest`] is the newest.
+pub struct Follower<T> {
+    rx: watch::Receiver<Option<Arc<T>>>,
+}
+
+/// Keeps the newest model (and its normaliser).
+pub type PolicyFollower = Follower<VersionedPolicy>;
+
+/// Keeps the newest version's normalisation statistics only (no model is
+/// built).
+pub type StatsFollower = Follower<VersionedStats>;
+
+impl Follower<VersionedPolicy> {
     /// Starts following (a background task until shutdown).
     pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
         let spec = spec_for(&service.config).map_err(relay_kit::ServiceError::other)?;
+        let (seed, trunk) = (service.config.run.seed, service.config.policy.trunk);
+        let config = service.config.clone();
+        Self::follow(service, move |update: &WeightsUpdate| {
+            let mut model =
+                ActorCritic::with_layout(&spec, trunk, seed).map_err(|e| Rejection::Invalid {
+                    kind: "WeightsUpdate",
+                    field: "tensors",
+                    detail: e.to_string(),
+                })?;
+            load_weights(&mut model, update)?;
+            let normalizer = frozen_normalizer(&config, spec.obs_dim, update)?;
+            Ok(VersionedPolicy {
+                version: update.version,
+                learner_env_steps: update.learner_env_steps,
+                model,
+                normalizer,
+            })
+        })
+        .await
+    }
+}
+
+impl Follower<VersionedStats> {
+    /// Starts following the statistics (a background task until shutdown).
+    pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
+        let obs_dim = spec_for(&service.config)
+            .map_err(relay_kit::ServiceError::other)?
+            .obs_dim;
+        let config = service.config.clone();
+        Self::follow(service, move |update: &WeightsUpdate| {
+            Ok(VersionedStats {
+                version: update.version,
+                normalizer: frozen_normalizer(&config, obs_dim, update)?,
+            })
+        })
+        .await
+    }
+}
+
+impl<T: Versioned> Follower<T> {
+    /// Fetches the current version at start (`weights.latest`), then each
+    /// one published (`weights`), keeping what `build` makes of the newest.
+    async fn follow(
+        service: &Service,
+        build: impl Fn(&WeightsUpdate) -> Result<T, Rejection> + Send + 'static,
+    ) -> Result<Self, relay_kit::ServiceError> {
         let (tx, rx) = watch::channel(None);
         let mut updates = service
             .nats
@@ -107,26 +273,9 @@ impl PolicyFollower {
             .await
             .map_err(relay_kit::ServiceError::nats)?;
         let service = service.clone();
-        let (seed, trunk) = (service.config.run.seed, service.config.policy.trunk);
         tokio::spawn(async move {
-            let build = |update: &WeightsUpdate| -> Result<VersionedPolicy, Rejection> {
-                let mut model = ActorCritic::with_layout(&spec, trunk, seed).map_err(|e| {
-                    Rejection::Invalid {
-                        kind: "WeightsUpdate",
-                        field: "tensors",
-                        detail: e.to_string(),
-                    }
-                })?;
-                load_weights(&mut model, update)?;
-                Ok(VersionedPolicy {
-                    version: update.version,
-                    learner_env_steps: update.learner_env_steps,
-                    model,
-                })
-            };
-            let current = |tx: &watch::Sender<Option<Arc<VersionedPolicy>>>| {
-                tx.borrow().as_ref().map(|p| p.version)
-            };
+            let current =
+                |tx: &watch::Sender<Option<Arc<T>>>| tx.borrow().as_ref().map(|p| p.version());
             // The current version, in case the learner published it before we subscribed.
             let mut backoff = Duration::from_millis(20);
             while current(&tx).is_none() && !service.shutdown.is_triggered() {
@@ -143,7 +292,7 @@ impl PolicyFollower {
                 {
                     Ok(update) => match build(&update) {
                         Ok(policy) => {
-                            tracing::info!(version = policy.version, "loaded current weights");
+                            tracing::info!(version = policy.version(), "loaded current weights");
                             let _ = tx.send(Some(Arc::new(policy)));
                         }
                         Err(rejection) => service.intake.reject("weights.latest", &rejection),
@@ -194,17 +343,17 @@ impl PolicyFollower {
         Ok(Self { rx })
     }
 
-    /// The newest model, if any has arrived.
-    pub fn latest(&self) -> Option<Arc<VersionedPolicy>> {
+    /// The newest version kept, if any has arrived.
+    pub fn latest(&self) -> Option<Arc<T>> {
         self.rx.borrow().clone()
     }
 
-    /// Waits until a model newer than `version` (any model for `None`) arrives;
+    /// Waits until a version newer than `version` (any for `None`) arrives;
     /// `None` on shutdown of the follower.
-    pub async fn newer_than(&mut self, version: Option<u64>) -> Option<Arc<VersionedPolicy>> {
+    pub async fn newer_than(&mut self, version: Option<u64>) -> Option<Arc<T>> {
         loop {
             if let Some(p) = self.rx.borrow_and_update().clone() {
-                if version.is_none_or(|v| p.version > v) {
+                if version.is_none_or(|v| p.version() > v) {
                     return Some(p);
                 }
             }
@@ -318,5 +467,57 @@ impl AdapterFollower {
             }
             self.rx.changed().await.ok()?;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(sets: &[&str]) -> ExperimentConfig {
+        let overrides: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers("run:\n  env_id: CartPole-v1\n", "t", &[], &overrides)
+            .unwrap()
+    }
+
+    fn weights(normalizer: Option<NormStats>) -> WeightsUpdate {
+        let model = ActorCritic::new(&PolicySpec::discrete(4, 2), 1).unwrap();
+        let mut w = to_weights(&model, 7, 100);
+        w.normalizer = normalizer;
+        w
+    }
+
+    #[test]
+    fn a_version_prescribes_its_statistics_frozen_or_is_rejected_without_them() {
+        let mut source = VecNormalize::new(relay_nn::NormalizeConfig::default(), 4, 2).unwrap();
+        let mut obs = [0.5f32, 1.0, -0.5, 2.0, 0.1, 0.2, 0.3, 0.4];
+        source.reset(&mut obs).unwrap();
+        let stats = norm_stats(&source);
+
+        // Off: no normaliser, whatever the version carries.
+        let off = config(&[]);
+        assert!(frozen_normalizer(&off, 4, &weights(Some(stats.clone())))
+            .unwrap()
+            .is_none());
+
+        let on = config(&["normalize.obs=true"]);
+        let n = frozen_normalizer(&on, 4, &weights(Some(stats.clone())))
+            .unwrap()
+            .unwrap();
+        assert!(!n.training());
+        assert_eq!((n.obs_rms.clone(), n.ret_rms.clone()), stats_rms(&stats));
+        let err = frozen_normalizer(&on, 4, &weights(None)).unwrap_err();
+        assert!(
+            err.to_string().contains("WeightsUpdate.normalizer")
+                && err.to_string().contains("version 7"),
+            "{err}"
+        );
+        let err = frozen_normalizer(&on, 3, &weights(Some(stats))).unwrap_err();
+        assert!(err.to_string().contains("normalizer"), "{err}");
+
+        // Deltas survive the trip through the wire form.
+        let mut delta = NormDelta::empty(4);
+        delta.obs_rms.update(&obs).unwrap();
+        assert_eq!(stats_delta(&delta_stats(&delta)), delta);
     }
 }

@@ -168,6 +168,98 @@ pub struct RolloutFragment {
     /// truncated and not terminated (the ones to bootstrap from), in `(t, env)`
     /// row-major order.
     pub final_obs: Tensor,
+    /// Runs with `normalize.reward`: `[T, N]` f32, each reward scaled by
+    /// the env-runner's running std of the discounted return and clipped
+    /// (what the learner trains on); `rewards` stays raw. Absent otherwise
+    /// (and from env-runners that predate normalisation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_rewards: Option<Tensor>,
+    /// Runs with a `normalize` section on: the observation and return
+    /// statistics the env-runner gathered since its previous fragment
+    /// (count 0 when nothing), which the learner merges into the run's
+    /// statistics. In such runs `obs`, `next_obs` and `final_obs` are the
+    /// normalised observations the policy saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_delta: Option<NormStats>,
+}
+
+/// Running statistics of a stream of vectors (Stable-Baselines3's
+/// `RunningMeanStd`): a few f64 numbers, so plain arrays rather than
+/// tensors (the counts and merges need f64).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Moments {
+    /// Vectors seen (a fresh run's statistics start at 1e-4; a delta may be 0).
+    pub count: f64,
+    /// Mean of each component.
+    pub mean: Vec<f64>,
+    /// Population variance of each component.
+    pub var: Vec<f64>,
+}
+
+/// Observation and reward normalisation statistics (`normalize:`): of the
+/// raw observations, and of the discounted return whose std scales rewards.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NormStats {
+    /// `obs_dim` components.
+    pub obs: Moments,
+    /// One component.
+    pub ret: Moments,
+}
+
+impl NormStats {
+    /// Checks widths (`obs_dim` observation components when known, one
+    /// return component) and that every number is finite, variances and
+    /// counts non-negative.
+    pub fn check(
+        &self,
+        kind: &'static str,
+        field: &'static str,
+        obs_dim: Option<usize>,
+    ) -> Result<(), Rejection> {
+        for (part, m) in [("obs", &self.obs), ("ret", &self.ret)] {
+            if m.mean.len() != m.var.len() || m.mean.is_empty() {
+                return Err(invalid(
+                    kind,
+                    field,
+                    format!(
+                        "{part}: {} means and {} variances",
+                        m.mean.len(),
+                        m.var.len()
+                    ),
+                ));
+            }
+            if !(m.count.is_finite() && m.count >= 0.0)
+                || m.mean.iter().any(|x| !x.is_finite())
+                || m.var.iter().any(|x| !(x.is_finite() && *x >= 0.0))
+            {
+                return Err(invalid(
+                    kind,
+                    field,
+                    format!("{part}: count, means and variances must be finite, counts and variances >= 0"),
+                ));
+            }
+        }
+        if self.ret.mean.len() != 1 {
+            return Err(invalid(
+                kind,
+                field,
+                format!("ret has {} components, expected 1", self.ret.mean.len()),
+            ));
+        }
+        if let Some(d) = obs_dim {
+            if self.obs.mean.len() != d {
+                return Err(invalid(
+                    kind,
+                    field,
+                    format!(
+                        "obs has {} components, the observations {d}",
+                        self.obs.mean.len()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl RolloutFragment {
@@ -245,7 +337,15 @@ wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
     )?;
     finite_f32(K, "obs", &m.obs)?;
     finite_f32(K, "next_obs", &m.next_obs)?;
-    finite_f32(K, "final_obs", &m.final_obs)
+    finite_f32(K, "final_obs", &m.final_obs)?;
+    if let Some(r) = &m.norm_rewards {
+        tensor_check(K, "norm_rewards", r.expect(DType::F32, &[Some(t), Some(n)]))?;
+        finite_f32(K, "norm_rewards", r)?;
+    }
+    if let Some(stats) = &m.norm_delta {
+        stats.check(K, "norm_delta", Some(d))?;
+    }
+    Ok(())
 });
 
 /// replay-buffer -> env-runner: whether the fragment was stored.
@@ -297,8 +397,17 @@ pub struct WeightsUpdate {
     pub learner_env_steps: u64,
     /// Every parameter of the policy, by name.
     pub tensors: Vec<NamedTensor>,
+    /// Runs with a `normalize` section on: the run's observation and return
+    /// statistics as of this version. Whoever runs the policy normalises
+    /// raw observations with them (frozen: never updated from evaluation);
+    /// env-runners adopt them as their starting point. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub normalizer: Option<NormStats>,
 }
 wire_message!(WeightsUpdate, "WeightsUpdate", |m: &WeightsUpdate| {
+    if let Some(stats) = &m.normalizer {
+        stats.check("WeightsUpdate", "normalizer", None)?;
+    }
     for t in &m.tensors {
         t.tensor
             .to_finite_f32()
@@ -660,7 +769,102 @@ mod tests {
             truncated: Tensor::from_bool(&[t, n], &truncated),
             next_obs: Tensor::from_f32(&[n, d], &vec![0.1; n * d]),
             final_obs: Tensor::from_f32(&[1, d], &vec![0.2; d]),
+            norm_rewards: None,
+            norm_delta: None,
         }
+    }
+
+    fn stats(d: usize) -> NormStats {
+        NormStats {
+            obs: Moments {
+                count: 12.0,
+                mean: vec![0.25; d],
+                var: vec![2.0; d],
+            },
+            ret: Moments {
+                count: 12.0,
+                mean: vec![1.5],
+                var: vec![0.5],
+            },
+        }
+    }
+
+    /// The normalisation fields are additive (schema version unchanged): a
+    /// fragment without them is what older env-runners send and decodes to
+    /// `None`; a reader that predates them ignores them.
+    #[test]
+    fn normalisation_fields_round_trip_and_stay_optional() {
+        let plain = fragment(4, 2, 3);
+        let bytes = encode(&plain);
+        assert!(!bytes.windows(10).any(|w| w == b"norm_delta"));
+        let back: RolloutFragment = decode(&bytes).unwrap();
+        assert_eq!(back.norm_delta, None);
+        let mut f = fragment(4, 2, 3);
+        f.norm_rewards = Some(Tensor::from_f32(&[4, 2], &[0.5; 8]));
+        f.norm_delta = Some(stats(3));
+        let back: RolloutFragment = decode(&encode(&f)).unwrap();
+        assert_eq!(back, f);
+        #[derive(Deserialize)]
+        struct OlderReader {
+            schema: u16,
+            rewards: Tensor,
+        }
+        let old: OlderReader = rmp_serde::from_slice(&encode(&f)).unwrap();
+        assert_eq!(
+            (old.schema, old.rewards),
+            (SCHEMA_VERSION, f.rewards.clone())
+        );
+
+        let weights = WeightsUpdate {
+            schema: SCHEMA_VERSION,
+            version: 2,
+            learner_env_steps: 10,
+            tensors: Vec::new(),
+            normalizer: Some(stats(4)),
+        };
+        assert_eq!(decode::<WeightsUpdate>(&encode(&weights)).unwrap(), weights);
+    }
+
+    #[test]
+    fn bad_normalisation_fields_are_rejected_by_name() {
+        let mut f = fragment(4, 2, 3);
+        f.norm_delta = Some(stats(2));
+        let err = decode::<RolloutFragment>(&encode(&f)).unwrap_err();
+        assert_eq!(err.reason(), "invalid");
+        assert!(
+            err.to_string().contains("norm_delta") && err.to_string().contains("components"),
+            "{err}"
+        );
+        let mut bad = stats(3);
+        bad.obs.mean[1] = f64::NAN;
+        f.norm_delta = Some(bad);
+        let err = decode::<RolloutFragment>(&encode(&f)).unwrap_err();
+        assert!(err.to_string().contains("finite"), "{err}");
+        f.norm_delta = None;
+        f.norm_rewards = Some(Tensor::from_f32(
+            &[4, 2],
+            &[0.5, f32::NAN, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        ));
+        let err = decode::<RolloutFragment>(&encode(&f)).unwrap_err();
+        assert_eq!(err.reason(), "non_finite");
+        assert!(err.to_string().contains("norm_rewards"), "{err}");
+        f.norm_rewards = Some(Tensor::from_f32(&[2, 2], &[0.5; 4]));
+        let err = decode::<RolloutFragment>(&encode(&f)).unwrap_err();
+        assert_eq!(err.reason(), "shape");
+        let mut bad = stats(3);
+        bad.ret.var[0] = -1.0;
+        let weights = WeightsUpdate {
+            schema: SCHEMA_VERSION,
+            version: 2,
+            learner_env_steps: 10,
+            tensors: Vec::new(),
+            normalizer: Some(bad),
+        };
+        let err = decode::<WeightsUpdate>(&encode(&weights)).unwrap_err();
+        assert!(
+            err.to_string().contains("WeightsUpdate.normalizer"),
+            "{err}"
+        );
     }
 
     #[test]

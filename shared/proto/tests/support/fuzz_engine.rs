@@ -211,6 +211,8 @@ fn fragment(rng: &mut Rng) -> RolloutFragment {
         truncated: u8_tensor(truncated),
         next_obs: f32_tensor(rng, &[n, d]),
         final_obs: f32_tensor(rng, &[k, d]),
+        norm_rewards: None,
+        norm_delta: None,
     }
 }
 
@@ -423,6 +425,7 @@ impl Subject for WeightsUpdate {
             version: rng.u64_any(),
             learner_env_steps: rng.u64_any(),
             tensors,
+            normalizer: None,
         }
     }
     schema_setter!();
