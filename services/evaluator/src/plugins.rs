@@ -31,7 +31,7 @@ use futures::StreamExt;
 use rand::SeedableRng;
 use relay_envs::{ActionSpace, VecActions, VecEnv};
 use relay_kit::config::{is_text_game, Opponent, TextConfig};
-use relay_nn::{Actions, ActorCritic};
+use relay_nn::Actions;
 use relay_policy::text::{
     arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, Seat,
 };
@@ -578,8 +578,8 @@ pub struct Episode {
 
 /// Plays one episode per sub-env of a vectorized env (each to its end) with
 /// deterministic or sampled actions, recording trajectories if asked.
-pub fn play(
-    model: &ActorCritic,
+pub fn play<M: relay_policy::Act>(
+    model: &M,
     env_id: &str,
     episodes: usize,
     seed: u64,
@@ -651,13 +651,15 @@ pub fn play(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use relay_nn::PolicySpec;
+    use relay_nn::{ActorCritic, PolicySpec};
 
     fn policy() -> VersionedPolicy {
         VersionedPolicy {
             version: 3,
             learner_env_steps: 0,
-            model: ActorCritic::new(&PolicySpec::discrete(4, 2), 1).unwrap(),
+            model: relay_policy::PolicyModel::ActorCritic(
+                ActorCritic::new(&PolicySpec::discrete(4, 2), 1).unwrap(),
+            ),
         }
     }
 

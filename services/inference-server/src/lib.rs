@@ -15,6 +15,13 @@
 //! answers them all, each reply naming the weights version used. New weights are built off the hot path
 //! by the [`PolicyFollower`] and swapped in between batches, so no request is
 //! dropped by a swap. A copy joins the queue group once it has weights.
+//!
+//! DQN runs (`run.algo: dqn`): the weights are a Q-network and sampled
+//! actions are epsilon-greedy, with `dqn.exploration_rate` at the env steps
+//! the version was trained on (`WeightsUpdate::learner_env_steps`), so every
+//! env-runner explores as the learner's schedule says; deterministic
+//! requests (the evaluator's) get the greedy action. Exploration lives here
+//! and not in the env-runners so that acting has one place and one schedule.
 
 pub mod llm;
 
@@ -25,7 +32,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge};
 use rand::SeedableRng;
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::Actions;
-use relay_policy::PolicyFollower;
+use relay_policy::{Act, PolicyFollower};
 use relay_proto::{ActReply, ActRequest, Tensor, SCHEMA_VERSION};
 
 struct Metrics {

@@ -184,11 +184,20 @@ pub fn play(args: PlayArgs) -> Result<()> {
     if config.is_text_game() {
         return play_text_games(&args, &config.run.env_id, Some(&config), Some(&dir));
     }
-    let spec = relay_policy::spec_for(&config)?;
-    let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
-    model
-        .load(dir.join("model.safetensors"))
-        .with_context(|| format!("loading {}", dir.display()))?;
+    let model = if config.run.algo == "dqn" {
+        let spec = relay_policy::qnet_spec_for(&config).map_err(anyhow::Error::msg)?;
+        let mut net = relay_nn::QNetwork::new(&spec, config.run.seed)?;
+        net.load(dir.join("model.safetensors"))
+            .with_context(|| format!("loading {}", dir.display()))?;
+        relay_policy::PolicyModel::QNetwork { net, epsilon: 0.0 }
+    } else {
+        let spec = relay_policy::spec_for(&config)?;
+        let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
+        model
+            .load(dir.join("model.safetensors"))
+            .with_context(|| format!("loading {}", dir.display()))?;
+        relay_policy::PolicyModel::ActorCritic(model)
+    };
     let env_id = config.run.env_id.clone();
     println!("relay: {id} checkpoint {} on {env_id}", dir.display());
     let episodes = relay_evaluator::plugins::play(
