@@ -142,7 +142,10 @@ pub fn gradient_step(
         .map(|a| u32::try_from(a).unwrap_or(u32::MAX))
         .collect();
     let returns = batch.rewards.to_f32().map_err(|e| field("rewards", e))?;
-    let discounts = batch.discounts.to_f32().map_err(|e| field("discounts", e))?;
+    let discounts = batch
+        .discounts
+        .to_f32()
+        .map_err(|e| field("discounts", e))?;
     let weights = batch.weights.to_f32().map_err(|e| field("weights", e))?;
     let loss_cfg = DqnLossConfig {
         double_q: cfg.double_q,
@@ -294,7 +297,10 @@ pub(crate) async fn run(
         }
         take_solved(&service, &mut statuses, &mut solved);
         if take_evals(&service, &mut evals, &mut best_eval) {
-            save(&run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg, true);
+            save(
+                &run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg,
+                true,
+            );
         }
 
         // How many env steps the table holds for us.
@@ -419,11 +425,16 @@ pub(crate) async fn run(
         reported_vec_steps = progress.vec_steps;
         service.report(Some(progress.vec_steps), values).await;
         if progress.updates % cfg.checkpoint_every() == 0 {
-            save(&run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg, false);
+            save(
+                &run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg,
+                false,
+            );
         }
     };
 
-    save(&run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg, false);
+    save(
+        &run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg, false,
+    );
     let (status, detail) = match &finish {
         Finish::Budget => (
             RunStatus::Stopped,
@@ -512,8 +523,12 @@ fn save(
         cfg.keep_checkpoints(),
         best,
         |tmp| {
-            online.save(tmp.join("model.safetensors")).map_err(tensors)?;
-            target.save(tmp.join("target.safetensors")).map_err(tensors)?;
+            online
+                .save(tmp.join("model.safetensors"))
+                .map_err(tensors)?;
+            target
+                .save(tmp.join("target.safetensors"))
+                .map_err(tensors)?;
             optimizer
                 .save(tmp.join("optimizer.safetensors"))
                 .map_err(tensors)?;
@@ -561,7 +576,13 @@ mod tests {
         assert_eq!(target_updates_between(&mc, 1206, 1222), 0);
     }
 
-    fn batch(obs: &[f32], actions: &[i64], rewards: &[f32], next: &[f32], disc: &[f32]) -> TransitionBatch {
+    fn batch(
+        obs: &[f32],
+        actions: &[i64],
+        rewards: &[f32],
+        next: &[f32],
+        disc: &[f32],
+    ) -> TransitionBatch {
         let b = actions.len();
         let d = obs.len() / b;
         TransitionBatch {
@@ -615,7 +636,9 @@ mod tests {
         assert!(p0.iter().all(|&p| p > 0.0));
         let mut last = first;
         for _ in 0..300 {
-            last = gradient_step(&d, &online, &target, &mut adam, &b).unwrap().0;
+            last = gradient_step(&d, &online, &target, &mut adam, &b)
+                .unwrap()
+                .0;
         }
         assert!(last.loss < first.loss * 0.01, "{first:?} -> {last:?}");
         let q = online.q_values(&[0.5, -0.5], 1).unwrap();

@@ -591,15 +591,14 @@ pub(crate) async fn serve_latest_weights(
                 r = weights_requests.next() => match r { Some(r) => r, None => return },
                 _ = shutdown.wait() => return,
             };
-            let answer = match intake
-                .decode::<WeightsRequest>("weights.latest", &request.message.payload)
-            {
-                Ok(_) => Ok(latest.read().expect("weights lock").clone()),
-                Err(rejection) => Err(async_nats::service::error::Error {
-                    status: rejection.to_string(),
-                    code: 400,
-                }),
-            };
+            let answer =
+                match intake.decode::<WeightsRequest>("weights.latest", &request.message.payload) {
+                    Ok(_) => Ok(latest.read().expect("weights lock").clone()),
+                    Err(rejection) => Err(async_nats::service::error::Error {
+                        status: rejection.to_string(),
+                        code: 400,
+                    }),
+                };
             let _ = request.respond(answer).await;
         }
     });

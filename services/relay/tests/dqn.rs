@@ -41,7 +41,10 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
     let nats = NatsServer::start().unwrap();
     let redis = RedisServer::start().unwrap();
     let dir = TempDir::new("dqn");
-    let path = format!("{}/../../configs/cartpole-dqn.yaml", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/../../configs/cartpole-dqn.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let text = std::fs::read_to_string(&path).unwrap();
     let overrides = vec![
         "run.id=dqn-e2e".to_string(),
@@ -111,14 +114,21 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
     }
     let summary = evals
         .iter()
-        .map(|e| format!("v{}@{}: {:.1}", e.policy_version, e.learner_env_steps, e.mean_return))
+        .map(|e| {
+            format!(
+                "v{}@{}: {:.1}",
+                e.policy_version, e.learner_env_steps, e.mean_return
+            )
+        })
         .collect::<Vec<_>>()
         .join(", ");
     println!("initial policy {initial:.1}, target {target:.1}; evals: {summary}");
     // Versions are published once per training round, the first after
     // learning_starts, in order.
     assert!(versions.len() >= 2, "{versions:?}");
-    assert!(versions.windows(2).all(|w| w[1].0 == w[0].0 + 1 && w[1].1 >= w[0].1));
+    assert!(versions
+        .windows(2)
+        .all(|w| w[1].0 == w[0].0 + 1 && w[1].1 >= w[0].1));
     let first_trained = versions.iter().find(|(v, _)| *v == 1);
     if let Some((_, steps)) = first_trained {
         assert!(*steps > cfg.dqn.learning_starts, "{versions:?}");
@@ -134,15 +144,23 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
         "learner_grad_norm",
         "learner_replay_size",
     ] {
-        let values = learner.get(name).unwrap_or_else(|| panic!("{name} not reported: {:?}", learner.keys()));
+        let values = learner
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} not reported: {:?}", learner.keys()));
         assert!(values.iter().all(|v| v.is_finite()), "{name}: {values:?}");
     }
     let eps = &learner["learner_epsilon"];
     assert!(eps.windows(2).all(|w| w[1] <= w[0]), "{eps:?}");
     assert!(eps[0] < 1.0 && eps.iter().all(|&e| e >= cfg.dqn.exploration_final_eps));
     let beta = &learner["learner_per_beta"];
-    assert!(beta.windows(2).all(|w| w[1] >= w[0]) && beta[0] >= 0.4, "{beta:?}");
-    let best = evals.iter().map(|e| e.mean_return).fold(f64::NEG_INFINITY, f64::max);
+    assert!(
+        beta.windows(2).all(|w| w[1] >= w[0]) && beta[0] >= 0.4,
+        "{beta:?}"
+    );
+    let best = evals
+        .iter()
+        .map(|e| e.mean_return)
+        .fold(f64::NEG_INFINITY, f64::max);
     assert!(
         best >= target,
         "best eval {best:.1} < target {target:.1} (initial policy {initial:.1})"

@@ -28,9 +28,9 @@ pub mod offpolicy;
 
 use futures::StreamExt;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts};
+use rand::{Rng, SeedableRng};
 use redis::AsyncCommands;
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
-use rand::{Rng, SeedableRng};
 use relay_proto::{
     GameRecord, GameSampleReply, GameSampleRequest, InsertAck, PriorityAck, PriorityUpdate,
     RolloutFragment, SampleReply, SampleRequest, TransitionSampleRequest, SCHEMA_VERSION,
@@ -414,9 +414,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             error_buffer: cfg.replay.rate_error_buffer,
         });
     let game_store = GameStore::new(redis.clone(), cfg.run_id()?, cfg.replay.capacity_steps);
-    let table = cfg
-        .off_policy_table()
-        .map(|t| Table::new(redis.clone(), cfg.run_id().expect("checked above"), t, rate_limit));
+    let table = cfg.off_policy_table().map(|t| {
+        Table::new(
+            redis.clone(),
+            cfg.run_id().expect("checked above"),
+            t,
+            rate_limit,
+        )
+    });
     // What a fragment of this run looks like (the table checks inserts against it).
     let env_spec = relay_envs::spec(&cfg.run.env_id).ok();
     let text_run = cfg.is_text_game();
@@ -467,7 +472,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         ),
         None => None,
     };
-    let mut uniforms = rand::rngs::StdRng::seed_from_u64(cfg.run.seed ^ u64::from(std::process::id()));
+    let mut uniforms =
+        rand::rngs::StdRng::seed_from_u64(cfg.run.seed ^ u64::from(std::process::id()));
     let mut game_samples = if text_run {
         Some(
             micro
@@ -731,11 +737,15 @@ async fn insert_transitions(
     env_id: &str,
     spec: Option<&relay_envs::EnvSpec>,
 ) -> Result<TableInserted, offpolicy::TableError> {
-    let bad = |field: &'static str, detail: String| offpolicy::TableError::BadInput { field, detail };
+    let bad =
+        |field: &'static str, detail: String| offpolicy::TableError::BadInput { field, detail };
     if fragment.env_id != env_id {
         return Err(bad(
             "env_id",
-            format!("fragment from {} is for {}, this run trains {env_id}", fragment.runner_id, fragment.env_id),
+            format!(
+                "fragment from {} is for {}, this run trains {env_id}",
+                fragment.runner_id, fragment.env_id
+            ),
         ));
     }
     if let Some(spec) = spec {
@@ -743,14 +753,20 @@ async fn insert_transitions(
         if fragment.obs.shape[2] as usize != d {
             return Err(bad(
                 "obs",
-                format!("observations have {} features, {env_id} has {d}", fragment.obs.shape[2]),
+                format!(
+                    "observations have {} features, {env_id} has {d}",
+                    fragment.obs.shape[2]
+                ),
             ));
         }
         let discrete = matches!(spec.action_space, relay_envs::ActionSpace::Discrete { .. });
         if discrete != (fragment.actions.dtype == relay_proto::DType::I64) {
             return Err(bad(
                 "actions",
-                format!("dtype {:?} does not match the action space of {env_id}", fragment.actions.dtype),
+                format!(
+                    "dtype {:?} does not match the action space of {env_id}",
+                    fragment.actions.dtype
+                ),
             ));
         }
     }

@@ -329,7 +329,10 @@ pub fn fragment_transitions(
     let tensor = |field: &'static str, e: relay_proto::TensorError| bad(field, e.to_string());
     let obs = f.obs.to_f32().map_err(|e| tensor("obs", e))?;
     let rewards = f.rewards.to_f32().map_err(|e| tensor("rewards", e))?;
-    let terminated = f.terminated.to_bool().map_err(|e| tensor("terminated", e))?;
+    let terminated = f
+        .terminated
+        .to_bool()
+        .map_err(|e| tensor("terminated", e))?;
     let truncated = f.truncated.to_bool().map_err(|e| tensor("truncated", e))?;
     let next_obs = f.next_obs.to_f32().map_err(|e| tensor("next_obs", e))?;
     let final_obs = f.final_obs.to_f32().map_err(|e| tensor("final_obs", e))?;
@@ -390,7 +393,10 @@ pub fn fragment_transitions(
             });
         }
     }
-    Ok(out.into_iter().map(|t| t.expect("every row filled")).collect())
+    Ok(out
+        .into_iter()
+        .map(|t| t.expect("every row filled"))
+        .collect())
 }
 
 /// Importance-sampling weights of prioritized replay: `w_i = (size ·
@@ -710,7 +716,10 @@ mod tests {
         assert_eq!((at(1, 1).reward, at(1, 1).discount), (2.0, 0.5));
         assert_eq!(at(1, 1).next_obs, vec![7.0, 7.0]);
         // (2, 0): a full 2-step window, bootstrap from obs[t=4] = next_obs.
-        assert_eq!((at(2, 0).reward, at(2, 0).discount), (3.0 + 0.5 * 4.0, 0.25));
+        assert_eq!(
+            (at(2, 0).reward, at(2, 0).discount),
+            (3.0 + 0.5 * 4.0, 0.25)
+        );
         assert_eq!(at(2, 0).next_obs, vec![99.0, 99.0]);
         // (1, 0) ... (2, 1): next obs of a mid-fragment step is the next row.
         let one = fragment_transitions(&f, 1, g).unwrap();
@@ -737,7 +746,9 @@ mod tests {
         let w = importance_weights(&[0.5, 0.25, 0.25], 4, 0.5);
         assert!((w[0] - 0.5f32.sqrt()).abs() < 1e-6 && w[1] == 1.0 && w[2] == 1.0);
         // β = 0: uniform weights; β = 1 fully compensates: w ∝ 1/p.
-        assert!(importance_weights(&[0.9, 0.1], 2, 0.0).iter().all(|&w| w == 1.0));
+        assert!(importance_weights(&[0.9, 0.1], 2, 0.0)
+            .iter()
+            .all(|&w| w == 1.0));
         let w = importance_weights(&[0.8, 0.2], 2, 1.0);
         assert!((w[0] - 0.25).abs() < 1e-6 && w[1] == 1.0);
     }

@@ -37,7 +37,10 @@ fn fragment(t: usize, first: f32) -> RolloutFragment {
         actions: Tensor::from_i64(&[t, 1], &vec![1; t]),
         logprobs: Tensor::from_f32(&[t, 1], &vec![0.0; t]),
         values: Tensor::from_f32(&[t, 1], &vec![0.0; t]),
-        rewards: Tensor::from_f32(&[t, 1], &(0..t).map(|i| first + i as f32).collect::<Vec<_>>()),
+        rewards: Tensor::from_f32(
+            &[t, 1],
+            &(0..t).map(|i| first + i as f32).collect::<Vec<_>>(),
+        ),
         terminated: Tensor::from_bool(&[t, 1], &vec![false; t]),
         truncated: Tensor::from_bool(&[t, 1], &vec![false; t]),
         next_obs: Tensor::from_f32(&[1, 4], &[0.2; 4]),
@@ -52,7 +55,13 @@ struct Client {
 
 impl Client {
     async fn insert(&self, f: &RolloutFragment) -> Result<InsertAck, RequestError> {
-        relay_kit::request(&self.nats, &self.s.replay_insert(), f, Duration::from_secs(2)).await
+        relay_kit::request(
+            &self.nats,
+            &self.s.replay_insert(),
+            f,
+            Duration::from_secs(2),
+        )
+        .await
     }
     async fn sample(&self, batch_size: u32, beta: f64) -> Result<TransitionBatch, RequestError> {
         let ask = TransitionSampleRequest {
@@ -74,8 +83,13 @@ impl Client {
             ids: ids.to_vec(),
             priorities: Tensor::from_f32(&[p.len()], p),
         };
-        relay_kit::request(&self.nats, &self.s.replay_priorities(), &update, Duration::from_secs(2))
-            .await
+        relay_kit::request(
+            &self.nats,
+            &self.s.replay_priorities(),
+            &update,
+            Duration::from_secs(2),
+        )
+        .await
     }
     /// Waits until a copy answers.
     async fn ready(&self) {
@@ -121,7 +135,10 @@ async fn prioritized_table_samples_by_priority_evicts_fifo_and_refuses_bad_input
 
     // Empty table: counters only, no rows.
     let empty = c.sample(16, 0.4).await.unwrap();
-    assert_eq!((empty.ids.len(), empty.size, empty.inserted_steps), (0, 0, 0));
+    assert_eq!(
+        (empty.ids.len(), empty.size, empty.inserted_steps),
+        (0, 0, 0)
+    );
 
     // Four transitions (ids 0..4, rewards 0..4): each holds its 1-step
     // return and bootstraps with γ from the next observation.
@@ -140,7 +157,10 @@ async fn prioritized_table_samples_by_priority_evicts_fifo_and_refuses_bad_input
     assert!(b.weights.to_f32().unwrap().iter().all(|&w| w == 1.0));
 
     // Priorities 1, 1, 1, 7: id 3 is drawn with probability 0.7.
-    let ack = c.priorities(&[0, 1, 2, 3], &[1.0, 1.0, 1.0, 7.0]).await.unwrap();
+    let ack = c
+        .priorities(&[0, 1, 2, 3], &[1.0, 1.0, 1.0, 7.0])
+        .await
+        .unwrap();
     assert_eq!((ack.updated, ack.evicted), (4, 0));
     let mut counts: HashMap<u64, u32> = HashMap::new();
     let mut weight_of: HashMap<u64, f32> = HashMap::new();
@@ -180,7 +200,10 @@ async fn prioritized_table_samples_by_priority_evicts_fifo_and_refuses_bad_input
     assert_eq!((b.size, b.inserted_steps), (8, 12));
     let rewards = b.rewards.to_f32().unwrap();
     for (id, r) in b.ids.iter().zip(&rewards) {
-        assert!((4..12).contains(id) && *r == *id as f32, "id {id} reward {r}");
+        assert!(
+            (4..12).contains(id) && *r == *id as f32,
+            "id {id} reward {r}"
+        );
     }
     // A priority for an evicted id is skipped and counted.
     let ack = c.priorities(&[0, 9], &[5.0, 0.5]).await.unwrap();
@@ -282,7 +305,12 @@ async fn uniform_table_with_rate_limiter_paces_inserts_against_samples() {
         .unwrap();
     let (trigger, shutdown) = Shutdown::new();
     let server = tokio::spawn(relay_replay_buffer::run(
-        config(&nats, &redis, "offpolicy-uniform", "dqn:\n  buffer_size: 64\n"),
+        config(
+            &nats,
+            &redis,
+            "offpolicy-uniform",
+            "dqn:\n  buffer_size: 64\n",
+        ),
         shutdown,
     ));
     let c = Client {

@@ -2074,19 +2074,31 @@ impl ExperimentConfig {
     fn validate_dqn(&self) -> Result<(), ConfigError> {
         let d = &self.dqn;
         schedule("dqn.learning_rate", &d.learning_rate, true)?;
-        positive("dqn.buffer_size", d.buffer_size.min(usize::MAX as u64) as usize)?;
+        positive(
+            "dqn.buffer_size",
+            d.buffer_size.min(usize::MAX as u64) as usize,
+        )?;
         if d.buffer_size > 1 << 24 {
             return Err(invalid(
                 "dqn.buffer_size",
-                format!("{} is above the table's limit of 16,777,216 transitions", d.buffer_size),
+                format!(
+                    "{} is above the table's limit of 16,777,216 transitions",
+                    d.buffer_size
+                ),
             ));
         }
         positive("dqn.batch_size", d.batch_size)?;
         if !(d.tau.is_finite() && d.tau > 0.0 && d.tau <= 1.0) {
-            return Err(invalid("dqn.tau", format!("must be in (0, 1], got {}", d.tau)));
+            return Err(invalid(
+                "dqn.tau",
+                format!("must be in (0, 1], got {}", d.tau),
+            ));
         }
         unit_interval("dqn.gamma", d.gamma)?;
-        positive("dqn.train_freq", d.train_freq.min(usize::MAX as u64) as usize)?;
+        positive(
+            "dqn.train_freq",
+            d.train_freq.min(usize::MAX as u64) as usize,
+        )?;
         positive("dqn.gradient_steps", d.gradient_steps)?;
         positive(
             "dqn.target_update_interval",
@@ -2098,7 +2110,10 @@ impl ExperimentConfig {
         positive_f("dqn.max_grad_norm", d.max_grad_norm)?;
         positive("dqn.n_steps", d.n_steps)?;
         if d.n_steps > 100 {
-            return Err(invalid("dqn.n_steps", format!("must be at most 100, got {}", d.n_steps)));
+            return Err(invalid(
+                "dqn.n_steps",
+                format!("must be at most 100, got {}", d.n_steps),
+            ));
         }
         positive_f("dqn.huber_delta", d.huber_delta)?;
         positive_f("dqn.adam_eps", d.adam_eps)?;
@@ -2121,14 +2136,20 @@ impl ExperimentConfig {
                 if !matches!(env.action_space, relay_envs::ActionSpace::Discrete { .. }) {
                     return Err(invalid(
                         "run.algo",
-                        format!("dqn needs discrete actions; {} has continuous ones", self.run.env_id),
+                        format!(
+                            "dqn needs discrete actions; {} has continuous ones",
+                            self.run.env_id
+                        ),
                     ));
                 }
             }
             if d.batch_size as u64 > d.buffer_size {
                 return Err(invalid(
                     "dqn.batch_size",
-                    format!("{} is larger than dqn.buffer_size ({})", d.batch_size, d.buffer_size),
+                    format!(
+                        "{} is larger than dqn.buffer_size ({})",
+                        d.batch_size, d.buffer_size
+                    ),
                 ));
             }
         }
@@ -2797,13 +2818,22 @@ mod tests {
     fn dqn_section_has_sb3_defaults_and_checked_fields() {
         let c = ExperimentConfig::from_layers(BASE, "t", &[], &["run.algo=dqn".into()]).unwrap();
         let d = &c.dqn;
-        assert_eq!((d.buffer_size, d.learning_starts, d.batch_size), (1_000_000, 100, 32));
-        assert_eq!((d.train_freq, d.gradient_steps, d.target_update_interval), (4, 1, 10_000));
+        assert_eq!(
+            (d.buffer_size, d.learning_starts, d.batch_size),
+            (1_000_000, 100, 32)
+        );
+        assert_eq!(
+            (d.train_freq, d.gradient_steps, d.target_update_interval),
+            (4, 1, 10_000)
+        );
         assert_eq!((d.tau, d.gamma, d.max_grad_norm), (1.0, 0.99, 10.0));
         assert_eq!(d.learning_rate, Schedule::constant(1e-4));
         assert_eq!(c.checkpoint_every(), d.checkpoint_every);
         let table = c.off_policy_table().unwrap();
-        assert_eq!((table.capacity, table.n_steps, table.prioritized), (1_000_000, 1, false));
+        assert_eq!(
+            (table.capacity, table.n_steps, table.prioritized),
+            (1_000_000, 1, false)
+        );
         // Epsilon: SB3's linear schedule, constant after exploration_fraction.
         assert_eq!(d.exploration_rate(0.0), 1.0);
         assert!((d.exploration_rate(0.05) - 0.525).abs() < 1e-12);
@@ -2816,7 +2846,10 @@ mod tests {
             ("dqn.tau=0", "dqn.tau"),
             ("dqn.batch_size=0", "dqn.batch_size"),
             ("dqn.train_freq=0", "dqn.train_freq"),
-            ("dqn.exploration_final_eps=-0.1", "dqn.exploration_final_eps"),
+            (
+                "dqn.exploration_final_eps=-0.1",
+                "dqn.exploration_final_eps",
+            ),
             ("dqn.n_steps=0", "dqn.n_steps"),
             ("dqn.prioritized_alpha=-1", "dqn.prioritized_alpha"),
             ("dqn.prioritized_beta=1.5", "dqn.prioritized_beta"),
@@ -2825,14 +2858,10 @@ mod tests {
             ("dqn.epsilon=0.1", "epsilon"),
         ];
         for (set, field) in cases {
-            let err = ExperimentConfig::from_layers(
-                BASE,
-                "t",
-                &[],
-                &["run.algo=dqn".into(), set.into()],
-            )
-            .unwrap_err()
-            .to_string();
+            let err =
+                ExperimentConfig::from_layers(BASE, "t", &[], &["run.algo=dqn".into(), set.into()])
+                    .unwrap_err()
+                    .to_string();
             assert!(err.contains(field), "{set}: {err}");
         }
         let err = ExperimentConfig::from_layers(
@@ -2843,7 +2872,10 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("run.algo") && err.contains("discrete"), "{err}");
+        assert!(
+            err.contains("run.algo") && err.contains("discrete"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -406,13 +406,22 @@ mod tests {
             let (on, tg) = (&q_on[i * 4..i * 4 + 4], &q_tg[i * 4..i * 4 + 4]);
             let a_star = argmax(on);
             double_differs |= a_star != argmax(tg);
-            let boot = |v: f32| if discounts[i] == 0.0 { returns[i] } else { returns[i] + discounts[i] * v };
+            let boot = |v: f32| {
+                if discounts[i] == 0.0 {
+                    returns[i]
+                } else {
+                    returns[i] + discounts[i] * v
+                }
+            };
             expected_double.push(boot(tg[a_star]));
             expected_plain.push(boot(tg.iter().cloned().fold(f32::MIN, f32::max)));
         }
         // The two networks disagree somewhere, so the test tells the variants apart.
         assert!(double_differs);
-        let double = DqnLossConfig { double_q: true, ..Default::default() };
+        let double = DqnLossConfig {
+            double_q: true,
+            ..Default::default()
+        };
         let plain = DqnLossConfig::default();
         let got = dqn_targets(&double, &online, &target, &returns, &next, &discounts).unwrap();
         close(&got, &expected_double, 1e-5);

@@ -124,7 +124,11 @@ impl Act for PolicyModel {
                     .iter()
                     .zip(&greedy)
                     .map(|(&a, &g)| {
-                        let p = if a as usize == g { 1.0 - eps + explore } else { explore };
+                        let p = if a as usize == g {
+                            1.0 - eps + explore
+                        } else {
+                            explore
+                        };
                         p.max(1e-12).ln() as f32
                     })
                     .collect();

@@ -136,14 +136,16 @@ impl WireMessage for PriorityUpdate {
         tensor_check(
             K,
             "priorities",
-            self.priorities
-                .expect(DType::F32, &[Some(self.ids.len())]),
+            self.priorities.expect(DType::F32, &[Some(self.ids.len())]),
         )?;
-        let values = self.priorities.to_f32().map_err(|source| Rejection::Tensor {
-            kind: K,
-            field: "priorities".into(),
-            source,
-        })?;
+        let values = self
+            .priorities
+            .to_f32()
+            .map_err(|source| Rejection::Tensor {
+                kind: K,
+                field: "priorities".into(),
+                source,
+            })?;
         if let Some((i, p)) = values
             .iter()
             .enumerate()
