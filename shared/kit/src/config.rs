@@ -2159,7 +2159,7 @@ impl ExperimentConfig {
     /// The replay-buffer's off-policy table of this run, if its algorithm
     /// trains off-policy (`dqn`); none for the on-policy FIFO.
     pub fn off_policy_table(&self) -> Option<OffPolicyTable> {
-        (self.run.algo == "dqn" && !self.is_text_game()).then(|| OffPolicyTable {
+        (self.run.algo == "dqn" && !self.is_text_game()).then_some(OffPolicyTable {
             capacity: self.dqn.buffer_size,
             n_steps: self.dqn.n_steps,
             gamma: self.dqn.gamma,
