@@ -31,7 +31,7 @@ use futures::StreamExt;
 use rand::SeedableRng;
 use relay_envs::{ActionSpace, VecActions, VecEnv};
 use relay_kit::config::{is_text_game, Opponent, TextConfig};
-use relay_nn::{Actions, ActorCritic, VecNormalize};
+use relay_nn::{Actions, VecNormalize};
 use relay_policy::text::{
     arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, Seat,
 };
@@ -626,8 +626,8 @@ pub struct Episode {
 /// section) the model is given normalised observations; the normaliser is
 /// only read (frozen, as SB3 evaluates with `training = False`), and the
 /// returns and recorded observations and rewards are the env's raw ones.
-pub fn play(
-    model: &ActorCritic,
+pub fn play<M: relay_policy::Act>(
+    model: &M,
     normalizer: Option<&VecNormalize>,
     env_id: &str,
     episodes: usize,
@@ -711,13 +711,15 @@ pub fn play(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use relay_nn::PolicySpec;
+    use relay_nn::{ActorCritic, PolicySpec};
 
     fn policy() -> VersionedPolicy {
         VersionedPolicy {
             version: 3,
             learner_env_steps: 0,
-            model: ActorCritic::new(&PolicySpec::discrete(4, 2), 1).unwrap(),
+            model: relay_policy::PolicyModel::ActorCritic(
+                ActorCritic::new(&PolicySpec::discrete(4, 2), 1).unwrap(),
+            ),
             normalizer: None,
         }
     }

@@ -22,6 +22,13 @@
 //! what this server acted on. The server never normalises; the
 //! statistics a version carries matter to those who run the policy on raw
 //! observations (the evaluator, `relay play`).
+//!
+//! DQN runs (`run.algo: dqn`): the weights are a Q-network and sampled
+//! actions are epsilon-greedy, with `dqn.exploration_rate` at the env steps
+//! the version was trained on (`WeightsUpdate::learner_env_steps`), so every
+//! env-runner explores as the learner's schedule says; deterministic
+//! requests (the evaluator's) get the greedy action. Exploration lives here
+//! and not in the env-runners so that acting has one place and one schedule.
 
 pub mod llm;
 
@@ -32,7 +39,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge};
 use rand::SeedableRng;
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::Actions;
-use relay_policy::PolicyFollower;
+use relay_policy::{Act, PolicyFollower};
 use relay_proto::{ActReply, ActRequest, Tensor, SCHEMA_VERSION};
 
 struct Metrics {

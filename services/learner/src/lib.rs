@@ -48,10 +48,12 @@
 //! (`run.init_from` takes them too when the checkpoint has them).
 //!
 //! Text runs (`run.env_id` a text game) train a LoRA adapter on games
-//! instead: see [`text`].
+//! instead: see [`text`]. DQN (`run.algo: dqn`) trains off-policy on the
+//! replay-buffer's transition table with its own loop: see [`dqn`].
 
 pub mod a2c;
 pub mod checkpoint;
+pub mod dqn;
 pub mod examples;
 pub mod optimizer;
 pub mod ppo;
@@ -346,6 +348,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     if cfg.is_text_game() {
         return text::run(service, shutdown, metrics).await;
     }
+    if cfg.run.algo == "dqn" {
+        return dqn::run(service, shutdown, metrics).await;
+    }
     let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
     let mut model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed)
         .map_err(ServiceError::other)?;
@@ -435,33 +440,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             payload
         };
     let micro = service.micro().await?;
-    let mut weights_requests = micro
-        .endpoint(service.subjects.weights_latest())
-        .await
-        .map_err(ServiceError::nats)?;
-    {
-        let latest = latest.clone();
-        let shutdown = shutdown.clone();
-        let intake = service.intake.clone();
-        tokio::spawn(async move {
-            loop {
-                let request = tokio::select! {
-                    r = weights_requests.next() => match r { Some(r) => r, None => return },
-                    _ = shutdown.wait() => return,
-                };
-                let answer = match intake
-                    .decode::<WeightsRequest>("weights.latest", &request.message.payload)
-                {
-                    Ok(_) => Ok(latest.read().expect("weights lock").clone()),
-                    Err(rejection) => Err(async_nats::service::error::Error {
-                        status: rejection.to_string(),
-                        code: 400,
-                    }),
-                };
-                let _ = request.respond(answer).await;
-            }
-        });
-    }
+    serve_latest_weights(&service, &micro, latest.clone()).await?;
     let mut statuses = service
         .nats
         .subscribe(service.subjects.status())
@@ -691,7 +670,40 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     Ok(())
 }
 
-async fn publish(service: &Service, payload: Bytes) {
+/// Answers `weights.latest` with the newest published weights (`latest`)
+/// until shutdown, in a background task.
+pub(crate) async fn serve_latest_weights(
+    service: &Service,
+    micro: &async_nats::service::Service,
+    latest: Arc<RwLock<Bytes>>,
+) -> Result<(), ServiceError> {
+    let mut weights_requests = micro
+        .endpoint(service.subjects.weights_latest())
+        .await
+        .map_err(ServiceError::nats)?;
+    let shutdown = service.shutdown.clone();
+    let intake = service.intake.clone();
+    tokio::spawn(async move {
+        loop {
+            let request = tokio::select! {
+                r = weights_requests.next() => match r { Some(r) => r, None => return },
+                _ = shutdown.wait() => return,
+            };
+            let answer =
+                match intake.decode::<WeightsRequest>("weights.latest", &request.message.payload) {
+                    Ok(_) => Ok(latest.read().expect("weights lock").clone()),
+                    Err(rejection) => Err(async_nats::service::error::Error {
+                        status: rejection.to_string(),
+                        code: 400,
+                    }),
+                };
+            let _ = request.respond(answer).await;
+        }
+    });
+    Ok(())
+}
+
+pub(crate) async fn publish(service: &Service, payload: Bytes) {
     if payload.len() > relay_proto::MAX_MESSAGE_BYTES {
         tracing::error!(
             bytes = payload.len(),

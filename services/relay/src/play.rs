@@ -187,16 +187,26 @@ pub fn play(args: PlayArgs) -> Result<()> {
     if config.is_text_game() {
         return play_text_games(&args, &config.run.env_id, Some(&config), Some(&dir));
     }
-    let spec = relay_policy::spec_for(&config)?;
-    let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
-    model
-        .load(dir.join("model.safetensors"))
-        .with_context(|| format!("loading {}", dir.display()))?;
+    let model = if config.run.algo == "dqn" {
+        let spec = relay_policy::qnet_spec_for(&config).map_err(anyhow::Error::msg)?;
+        let mut net = relay_nn::QNetwork::new(&spec, config.run.seed)?;
+        net.load(dir.join("model.safetensors"))
+            .with_context(|| format!("loading {}", dir.display()))?;
+        relay_policy::PolicyModel::QNetwork { net, epsilon: 0.0 }
+    } else {
+        let spec = relay_policy::spec_for(&config)?;
+        let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
+        model
+            .load(dir.join("model.safetensors"))
+            .with_context(|| format!("loading {}", dir.display()))?;
+        relay_policy::PolicyModel::ActorCritic(model)
+    };
     // A normalising run's policy takes observations normalised with the
     // checkpoint's statistics (frozen).
     let normalizer = match config.normalizer() {
         Some(norm) => {
-            let mut n = relay_nn::VecNormalize::new(norm, spec.obs_dim, 0)?;
+            let obs_dim = relay_envs::spec(&config.run.env_id)?.obs_dim();
+            let mut n = relay_nn::VecNormalize::new(norm, obs_dim, 0)?;
             relay_learner::checkpoint::load_normalizer(&dir, &mut n)?;
             n.set_training(false);
             Some(n)

@@ -4,7 +4,8 @@
 //! CartPole run, and beside it a TicTacToe run of an env-runner, a
 //! `vs-opponent` evaluator, a replay buffer and a learner training the
 //! LoRA adapter over the tiny-qwen2 fixture, with a stand-in for the
-//! inference servers' `generate` endpoint).
+//! inference servers' `generate` endpoint, and a DQN CartPole run of a
+//! replay buffer, an inference server, an env-runner and a learner).
 
 use std::time::{Duration, Instant};
 
@@ -111,8 +112,17 @@ async fn metric_catalogue_matches_what_services_emit() {
         })
         .await
         .unwrap();
+    // A DQN run beside them, for the off-policy table's and DQN's series.
+    let dqn_run = format!(
+        "run:\n  id: catalogue-dqn\n  env_id: CartPole-v1\n  algo: dqn\n  runs_dir: {}\n  total_env_steps: 100000\nconnections:\n  nats_url: {}\n  redis_url: {}\nenv_runner:\n  num_envs: 2\n  fragment_steps: 8\ndqn:\n  learning_starts: 64\n  train_freq: 32\n  gradient_steps: 2\n  batch_size: 16\n  buffer_size: 1000\n  prioritized: true\n",
+        dir.path().display(),
+        nats.url(),
+        redis.url()
+    );
+    let dqn_experiment = ExperimentConfig::from_layers(&dqn_run, "test", &[], &[]).unwrap();
     let config = || ServiceConfig::for_test(experiment.clone());
     let text_config = || ServiceConfig::for_test(text_experiment.clone());
+    let dqn_config = || ServiceConfig::for_test(dqn_experiment.clone());
     let tasks = vec![
         tokio::spawn(relay_tracker::run(config(), shutdown.clone())),
         tokio::spawn(relay_replay_buffer::run(config(), shutdown.clone())),
@@ -126,6 +136,10 @@ async fn metric_catalogue_matches_what_services_emit() {
         // stand-in's games.
         tokio::spawn(relay_replay_buffer::run(text_config(), shutdown.clone())),
         tokio::spawn(relay_learner::run(text_config(), shutdown.clone())),
+        tokio::spawn(relay_replay_buffer::run(dqn_config(), shutdown.clone())),
+        tokio::spawn(relay_inference_server::run(dqn_config(), shutdown.clone())),
+        tokio::spawn(relay_env_runner::run(dqn_config(), shutdown.clone())),
+        tokio::spawn(relay_learner::run(dqn_config(), shutdown.clone())),
     ];
     // Until every catalogued metric has shown up (reports come each second,
     // the learner's after its first update), or a deadline.

@@ -16,19 +16,28 @@
 //! Text runs (`run.env_id` a text game) keep whole games instead
 //! ([`games`]): consumed from `relay.<run>.games`, sampled on
 //! `relay.<run>.replay.games.sample`.
+//!
+//! Off-policy runs (`run.algo: dqn`) keep transitions instead
+//! ([`offpolicy`]): fragments inserted on `replay.insert` become n-step
+//! transitions in a FIFO-evicting table, sampled (uniformly or by
+//! priority) on `relay.<run>.replay.transitions.sample`, with priorities
+//! set on `relay.<run>.replay.priorities`.
 
 pub mod games;
+pub mod offpolicy;
 
 use futures::StreamExt;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts};
+use rand::{Rng, SeedableRng};
 use redis::AsyncCommands;
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_proto::{
-    GameRecord, GameSampleReply, GameSampleRequest, InsertAck, RolloutFragment, SampleReply,
-    SampleRequest, SCHEMA_VERSION,
+    GameRecord, GameSampleReply, GameSampleRequest, InsertAck, PriorityAck, PriorityUpdate,
+    RolloutFragment, SampleReply, SampleRequest, TransitionSampleRequest, SCHEMA_VERSION,
 };
 
 use games::{GameInserted, GameStore};
+use offpolicy::{Table, TableInserted};
 
 /// Redis key names of one run.
 #[derive(Clone)]
@@ -92,6 +101,8 @@ struct Metrics {
     games_inserted: IntCounter,
     games_sampled: IntCounter,
     games_dropped: IntCounterVec,
+    evicted_transitions: IntCounter,
+    priority_updates: IntCounterVec,
 }
 
 impl Metrics {
@@ -159,7 +170,24 @@ impl Metrics {
         relay_kit::metrics::register(registry, &games_inserted);
         relay_kit::metrics::register(registry, &games_sampled);
         relay_kit::metrics::register(registry, &games_dropped);
+        let evicted_transitions = IntCounter::new(
+            "relay_replay_evicted_transitions_total",
+            "Transitions evicted from the off-policy table (oldest first) to make room (off-policy runs).",
+        )
+        .unwrap();
+        let priority_updates = IntCounterVec::new(
+            Opts::new(
+                "relay_replay_priority_updates_total",
+                "Priorities received for the off-policy table, by outcome (updated, evicted: the transition left the table after it was sampled).",
+            ),
+            &["outcome"],
+        )
+        .unwrap();
+        relay_kit::metrics::register(registry, &evicted_transitions);
+        relay_kit::metrics::register(registry, &priority_updates);
         Self {
+            evicted_transitions,
+            priority_updates,
             size_games,
             games_inserted,
             games_sampled,
@@ -386,6 +414,16 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             error_buffer: cfg.replay.rate_error_buffer,
         });
     let game_store = GameStore::new(redis.clone(), cfg.run_id()?, cfg.replay.capacity_steps);
+    let table = cfg.off_policy_table().map(|t| {
+        Table::new(
+            redis.clone(),
+            cfg.run_id().expect("checked above"),
+            t,
+            rate_limit,
+        )
+    });
+    // What a fragment of this run looks like (the table checks inserts against it).
+    let env_spec = relay_envs::spec(&cfg.run.env_id).ok();
     let text_run = cfg.is_text_game();
     let fifo = Fifo::new(
         redis,
@@ -416,6 +454,26 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     } else {
         None
     };
+    let mut transition_samples = match &table {
+        Some(_) => Some(
+            micro
+                .endpoint(service.subjects.replay_transitions_sample())
+                .await
+                .map_err(ServiceError::nats)?,
+        ),
+        None => None,
+    };
+    let mut priority_updates = match &table {
+        Some(_) => Some(
+            micro
+                .endpoint(service.subjects.replay_priorities())
+                .await
+                .map_err(ServiceError::nats)?,
+        ),
+        None => None,
+    };
+    let mut uniforms =
+        rand::rngs::StdRng::seed_from_u64(cfg.run.seed ^ u64::from(std::process::id()));
     let mut game_samples = if text_run {
         Some(
             micro
@@ -442,6 +500,33 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         continue;
                     }
                 };
+                if let Some(table) = &table {
+                    let ack = match insert_transitions(table, &fragment, &cfg.run.env_id, env_spec.as_ref()).await {
+                        Ok(TableInserted::Stored { size, evicted }) => {
+                            metrics.inserted_steps.inc_by(fragment.env_steps());
+                            metrics.size_steps.set(size as i64);
+                            metrics.evicted_transitions.inc_by(evicted);
+                            InsertAck { schema: SCHEMA_VERSION, accepted: true, retry_after_ms: 0, buffered_steps: size, reason: String::new() }
+                        }
+                        Ok(TableInserted::RateLimited { size }) => {
+                            metrics.refused_rate.inc();
+                            InsertAck { schema: SCHEMA_VERSION, accepted: false, retry_after_ms, buffered_steps: size, reason: "rate".into() }
+                        }
+                        Err(offpolicy::TableError::BadInput { field, detail }) => {
+                            let rejection = relay_proto::Rejection::Invalid { kind: "RolloutFragment", field, detail };
+                            service.intake.reject("replay.insert", &rejection);
+                            let _ = request.respond(Err(async_nats::service::error::Error { status: rejection.to_string(), code: 400 })).await;
+                            continue;
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "off-policy insert failed");
+                            let _ = request.respond(Err(async_nats::service::error::Error { status: e.to_string(), code: 503 })).await;
+                            continue;
+                        }
+                    };
+                    let _ = request.respond(Ok(relay_proto::encode(&ack).into())).await;
+                    continue;
+                }
                 let ack = match fifo.insert(&fragment, &request.message.payload).await {
                     Ok(Inserted::Stored { held }) => {
                         metrics.inserted_steps.inc_by(fragment.env_steps());
@@ -477,6 +562,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         continue;
                     }
                 };
+                if table.is_some() {
+                    let detail = "this run's replay table is off-policy (run.algo dqn): sample transitions on replay.transitions.sample";
+                    let _ = request.respond(Err(async_nats::service::error::Error { status: detail.into(), code: 400 })).await;
+                    continue;
+                }
                 match fifo.sample(ask.min_policy_version, ask.max_steps as u64).await {
                     Ok(sampled) => {
                         let steps: u64 = sampled.fragments.iter().map(RolloutFragment::env_steps).sum();
@@ -489,6 +579,62 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     Err(e) => {
                         tracing::warn!(error = %e, "redis sample failed");
                         let _ = request.respond(Err(async_nats::service::error::Error { status: format!("redis: {e}"), code: 503 })).await;
+                    }
+                }
+            }
+            Some(request) = next_of(&mut transition_samples) => {
+                let Some(table) = &table else { continue };
+                let ask: TransitionSampleRequest = match service.intake.decode("replay.transitions.sample", &request.message.payload) {
+                    Ok(a) => a,
+                    Err(rejection) => {
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: rejection.to_string(), code: 400 })).await;
+                        continue;
+                    }
+                };
+                if ask.batch_size > MAX_TRANSITION_BATCH {
+                    let rejection = relay_proto::Rejection::Invalid {
+                        kind: "TransitionSampleRequest",
+                        field: "batch_size",
+                        detail: format!("{} is above the limit of {MAX_TRANSITION_BATCH} transitions per sample", ask.batch_size),
+                    };
+                    service.intake.reject("replay.transitions.sample", &rejection);
+                    let _ = request.respond(Err(async_nats::service::error::Error { status: rejection.to_string(), code: 400 })).await;
+                    continue;
+                }
+                let draws: Vec<f64> = (0..ask.batch_size).map(|_| uniforms.random::<f64>()).collect();
+                match table.sample(ask.batch_size as usize, ask.beta, &draws).await {
+                    Ok(sampled) => {
+                        metrics.sampled_steps.inc_by(sampled.batch.ids.len() as u64);
+                        metrics.size_steps.set(sampled.batch.size as i64);
+                        metrics.dropped.with_label_values(&["undecodable"]).inc_by(sampled.corrupt);
+                        let _ = request.respond(Ok(relay_proto::encode(&sampled.batch).into())).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "off-policy sample failed");
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: e.to_string(), code: 503 })).await;
+                    }
+                }
+            }
+            Some(request) = next_of(&mut priority_updates) => {
+                let Some(table) = &table else { continue };
+                let update: PriorityUpdate = match service.intake.decode("replay.priorities", &request.message.payload) {
+                    Ok(u) => u,
+                    Err(rejection) => {
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: rejection.to_string(), code: 400 })).await;
+                        continue;
+                    }
+                };
+                let priorities = update.priorities.to_f32().expect("validated on decode");
+                match table.update_priorities(&update.ids, &priorities).await {
+                    Ok((updated, evicted)) => {
+                        metrics.priority_updates.with_label_values(&["updated"]).inc_by(updated);
+                        metrics.priority_updates.with_label_values(&["evicted"]).inc_by(evicted);
+                        let ack = PriorityAck { schema: SCHEMA_VERSION, updated: updated as u32, evicted: evicted as u32 };
+                        let _ = request.respond(Ok(relay_proto::encode(&ack).into())).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "priority update failed");
+                        let _ = request.respond(Err(async_nats::service::error::Error { status: e.to_string(), code: 503 })).await;
                     }
                 }
             }
@@ -557,7 +703,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     (reported_games_in, reported_games_out) = (inserted, sampled);
                     continue;
                 }
-                if let Ok(held) = fifo.held_steps().await {
+                if let Some(table) = &table {
+                    if let Ok(size) = table.size().await {
+                        metrics.size_steps.set(size as i64);
+                    }
+                } else if let Ok(held) = fifo.held_steps().await {
                     metrics.size_steps.set(held as i64);
                 }
                 let (inserted, sampled) = (metrics.inserted_steps.get(), metrics.sampled_steps.get());
@@ -574,6 +724,53 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let _ = micro.stop().await;
     service.drain().await;
     Ok(())
+}
+
+/// Most transitions one sample may ask for.
+pub const MAX_TRANSITION_BATCH: u32 = 4096;
+
+/// Inserts a fragment into the off-policy table after checking that it
+/// belongs to this run (env id, observation size, action kind).
+async fn insert_transitions(
+    table: &Table,
+    fragment: &RolloutFragment,
+    env_id: &str,
+    spec: Option<&relay_envs::EnvSpec>,
+) -> Result<TableInserted, offpolicy::TableError> {
+    let bad =
+        |field: &'static str, detail: String| offpolicy::TableError::BadInput { field, detail };
+    if fragment.env_id != env_id {
+        return Err(bad(
+            "env_id",
+            format!(
+                "fragment from {} is for {}, this run trains {env_id}",
+                fragment.runner_id, fragment.env_id
+            ),
+        ));
+    }
+    if let Some(spec) = spec {
+        let d = spec.observation_space.dim();
+        if fragment.obs.shape[2] as usize != d {
+            return Err(bad(
+                "obs",
+                format!(
+                    "observations have {} features, {env_id} has {d}",
+                    fragment.obs.shape[2]
+                ),
+            ));
+        }
+        let discrete = matches!(spec.action_space, relay_envs::ActionSpace::Discrete { .. });
+        if discrete != (fragment.actions.dtype == relay_proto::DType::I64) {
+            return Err(bad(
+                "actions",
+                format!(
+                    "dtype {:?} does not match the action space of {env_id}",
+                    fragment.actions.dtype
+                ),
+            ));
+        }
+    }
+    table.insert(fragment).await
 }
 
 /// The next item of an optional stream; pending forever without one (so a

@@ -386,4 +386,48 @@ mod tests {
         assert!(n_step_returns(&r, &ends[..4], &no, 1, g).is_err());
         assert!(n_step_returns(&r, &ends, &no, 0, g).is_err());
     }
+
+    #[test]
+    fn double_dqn_target_values_the_online_argmax_with_the_target_net() {
+        use crate::qnet::QNetSpec;
+        let spec = QNetSpec {
+            hidden: vec![8],
+            ..QNetSpec::new(3, 4)
+        };
+        let online = QNetwork::new(&spec, 1).unwrap();
+        let target = QNetwork::new(&spec, 2).unwrap();
+        let next: Vec<f32> = (0..15).map(|i| (i as f32 * 0.37).sin()).collect();
+        let returns = [1.0, -0.5, 2.0, 0.25, 0.0];
+        let discounts = [0.99, 0.9801, 0.0, 0.5, 1.0];
+        let q_on = online.q_values(&next, 5).unwrap();
+        let q_tg = target.q_values(&next, 5).unwrap();
+        let (mut double_differs, mut expected_double, mut expected_plain) = (false, vec![], vec![]);
+        for i in 0..5 {
+            let (on, tg) = (&q_on[i * 4..i * 4 + 4], &q_tg[i * 4..i * 4 + 4]);
+            let a_star = argmax(on);
+            double_differs |= a_star != argmax(tg);
+            let boot = |v: f32| {
+                if discounts[i] == 0.0 {
+                    returns[i]
+                } else {
+                    returns[i] + discounts[i] * v
+                }
+            };
+            expected_double.push(boot(tg[a_star]));
+            expected_plain.push(boot(tg.iter().cloned().fold(f32::MIN, f32::max)));
+        }
+        // The two networks disagree somewhere, so the test tells the variants apart.
+        assert!(double_differs);
+        let double = DqnLossConfig {
+            double_q: true,
+            ..Default::default()
+        };
+        let plain = DqnLossConfig::default();
+        let got = dqn_targets(&double, &online, &target, &returns, &next, &discounts).unwrap();
+        close(&got, &expected_double, 1e-5);
+        let got = dqn_targets(&plain, &online, &target, &returns, &next, &discounts).unwrap();
+        close(&got, &expected_plain, 1e-5);
+        // A terminated sample (discount 0) is its return alone.
+        assert_eq!(got[2], 2.0);
+    }
 }

@@ -1,7 +1,12 @@
 //! The policy as services hold it.
 //!
 //! - [`spec_for`]: the network shape from the experiment config and the env's spaces,
-//!   the same in the learner, the inference servers and the evaluators;
+//!   the same in the learner, the inference servers and the evaluators
+//!   ([`qnet_spec_for`]: the Q-network of `run.algo: dqn`);
+//! - [`PolicyModel`]: the acting model of a run, an actor-critic or (DQN) a
+//!   Q-network acting epsilon-greedily with the epsilon of the learner's
+//!   schedule at the version's env steps, greedily when asked for
+//!   deterministic actions; [`Act`] is what both can do;
 //! - [`to_weights`] / [`load_weights`]: a model as a versioned [`WeightsUpdate`] and back,
 //!   all-or-nothing with shape checks;
 //! - [`PolicyFollower`]: keeps a copy of the learner's latest weights, fetching
@@ -24,7 +29,8 @@ use futures::StreamExt;
 use relay_envs::ActionSpace;
 use relay_kit::{ExperimentConfig, Service};
 use relay_nn::{
-    ActionKind, Activation, ActorCritic, NormDelta, PolicySpec, RunningMeanStd, VecNormalize,
+    ActOutput, ActionKind, Actions, Activation, ActorCritic, NormDelta, PolicySpec, QNetSpec,
+    QNetwork, RunningMeanStd, VecNormalize,
 };
 use relay_proto::{
     AdapterUpdate, Moments, NamedTensor, NormStats, Rejection, WeightsRequest, WeightsUpdate,
@@ -55,20 +61,152 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, relay_envs::Env
     })
 }
 
+/// The Q-network of a DQN run: the policy's widths and activation,
+/// `dqn.dueling`.
+pub fn qnet_spec_for(config: &ExperimentConfig) -> Result<QNetSpec, String> {
+    let spec = spec_for(config).map_err(|e| e.to_string())?;
+    let mut q = QNetSpec::from_policy_spec(&spec).map_err(|e| e.to_string())?;
+    q.dueling = config.dqn.dueling;
+    Ok(q)
+}
+
+/// What a policy model does for the env-runners and evaluators: actions for
+/// `n` observations, sampled or deterministic.
+pub trait Act {
+    fn act<R: rand::Rng>(
+        &self,
+        obs: &[f32],
+        n: usize,
+        deterministic: bool,
+        rng: &mut R,
+    ) -> relay_nn::Result<ActOutput>;
+}
+
+impl Act for ActorCritic {
+    fn act<R: rand::Rng>(
+        &self,
+        obs: &[f32],
+        n: usize,
+        deterministic: bool,
+        rng: &mut R,
+    ) -> relay_nn::Result<ActOutput> {
+        ActorCritic::act(self, obs, n, deterministic, rng)
+    }
+}
+
+/// The acting model of a classic-control run.
+pub enum PolicyModel {
+    /// PPO, A2C, REINFORCE.
+    ActorCritic(ActorCritic),
+    /// DQN: greedy when deterministic, else epsilon-greedy.
+    QNetwork {
+        net: QNetwork,
+        /// `dqn.exploration_rate` at the version's `learner_env_steps`.
+        epsilon: f64,
+    },
+}
+
+impl Act for PolicyModel {
+    /// Actor-critic: as [`ActorCritic::act`]. Q-network: epsilon-greedy (or
+    /// greedy) actions, `logprobs` the log-probability of each action under
+    /// the epsilon-greedy policy, `values` `max_a Q(s, a)`.
+    fn act<R: rand::Rng>(
+        &self,
+        obs: &[f32],
+        n: usize,
+        deterministic: bool,
+        rng: &mut R,
+    ) -> relay_nn::Result<ActOutput> {
+        match self {
+            Self::ActorCritic(model) => model.act(obs, n, deterministic, rng),
+            Self::QNetwork { net, epsilon } => {
+                let eps = if deterministic { 0.0 } else { *epsilon };
+                let k = net.spec().n_actions;
+                let q = net.q_values(obs, n)?;
+                let greedy: Vec<usize> = q.chunks_exact(k).map(argmax).collect();
+                let actions = net.act_epsilon_greedy(obs, n, eps, rng)?;
+                let explore = eps / k as f64;
+                let logprobs = actions
+                    .iter()
+                    .zip(&greedy)
+                    .map(|(&a, &g)| {
+                        let p = if a as usize == g {
+                            1.0 - eps + explore
+                        } else {
+                            explore
+                        };
+                        p.max(1e-12).ln() as f32
+                    })
+                    .collect();
+                let values = q
+                    .chunks_exact(k)
+                    .zip(&greedy)
+                    .map(|(row, &g)| row[g])
+                    .collect();
+                Ok(ActOutput {
+                    actions: Actions::Discrete(actions),
+                    logprobs,
+                    values,
+                })
+            }
+        }
+    }
+}
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
 /// Every parameter of `model` as a [`WeightsUpdate`] of `version`.
 /// (without normalisation statistics: set `normalizer` for runs that normalise).
 pub fn to_weights(model: &ActorCritic, version: u64, learner_env_steps: u64) -> WeightsUpdate {
+    tensors_to_weights(&model.named_tensors(), version, learner_env_steps)
+}
+
+/// Named tensors (any model's) as a [`WeightsUpdate`] of `version`.
+pub fn tensors_to_weights(
+    tensors: &[relay_nn::NamedTensor],
+    version: u64,
+    learner_env_steps: u64,
+) -> WeightsUpdate {
     WeightsUpdate {
         normalizer: None,
         schema: SCHEMA_VERSION,
         version,
         learner_env_steps,
-        tensors: model
-            .named_tensors()
-            .iter()
-            .map(NamedTensor::from_parts)
-            .collect(),
+        tensors: tensors.iter().map(NamedTensor::from_parts).collect(),
     }
+}
+
+/// Loads a [`WeightsUpdate`] into a Q-network; on any mismatch it is unchanged.
+pub fn load_q_weights(net: &mut QNetwork, update: &WeightsUpdate) -> Result<(), Rejection> {
+    let parts = weight_parts(update)?;
+    net.load_named_tensors(&parts)
+        .map_err(|e| Rejection::Invalid {
+            kind: "WeightsUpdate",
+            field: "tensors",
+            detail: e.to_string(),
+        })
+}
+
+fn weight_parts(update: &WeightsUpdate) -> Result<Vec<relay_nn::NamedTensor>, Rejection> {
+    update
+        .tensors
+        .iter()
+        .map(|t| {
+            t.to_parts().map_err(|source| Rejection::Invalid {
+                kind: "WeightsUpdate",
+                field: "tensors",
+                detail: format!("{}: {source}", t.name),
+            })
+        })
+        .collect()
 }
 
 /// Loads a [`WeightsUpdate`] into `model`; on any mismatch the model is unchanged.
@@ -172,7 +310,7 @@ pub fn frozen_normalizer(
 pub struct VersionedPolicy {
     pub version: u64,
     pub learner_env_steps: u64,
-    pub model: ActorCritic,
+    pub model: PolicyModel,
     /// The version's observation normaliser, frozen (runs with a
     /// `normalize` section on); the model takes normalised observations.
     pub normalizer: Option<VecNormalize>,
@@ -222,14 +360,39 @@ impl Follower<VersionedPolicy> {
         let spec = spec_for(&service.config).map_err(relay_kit::ServiceError::other)?;
         let (seed, trunk) = (service.config.run.seed, service.config.policy.trunk);
         let config = service.config.clone();
+        // DQN runs act with a Q-network, epsilon-greedily at the version's env steps.
+        let dqn = (config.run.algo == "dqn").then(|| {
+            (
+                qnet_spec_for(&config),
+                config.dqn.clone(),
+                config.run.total_env_steps,
+            )
+        });
         Self::follow(service, move |update: &WeightsUpdate| {
-            let mut model =
-                ActorCritic::with_layout(&spec, trunk, seed).map_err(|e| Rejection::Invalid {
-                    kind: "WeightsUpdate",
-                    field: "tensors",
-                    detail: e.to_string(),
-                })?;
-            load_weights(&mut model, update)?;
+            let invalid = |detail: String| Rejection::Invalid {
+                kind: "WeightsUpdate",
+                field: "tensors",
+                detail,
+            };
+            let model = match &dqn {
+                Some((qspec, dqn, budget)) => {
+                    let qspec = qspec.clone().map_err(invalid)?;
+                    let mut net =
+                        QNetwork::new(&qspec, seed).map_err(|e| invalid(e.to_string()))?;
+                    load_q_weights(&mut net, update)?;
+                    let progress = update.learner_env_steps as f64 / *budget as f64;
+                    PolicyModel::QNetwork {
+                        net,
+                        epsilon: dqn.exploration_rate(progress),
+                    }
+                }
+                None => {
+                    let mut model = ActorCritic::with_layout(&spec, trunk, seed)
+                        .map_err(|e| invalid(e.to_string()))?;
+                    load_weights(&mut model, update)?;
+                    PolicyModel::ActorCritic(model)
+                }
+            };
             let normalizer = frozen_normalizer(&config, spec.obs_dim, update)?;
             Ok(VersionedPolicy {
                 version: update.version,

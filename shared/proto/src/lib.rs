@@ -12,11 +12,13 @@
 pub mod codec;
 pub mod llm;
 pub mod messages;
+pub mod offpolicy;
 pub mod subjects;
 pub mod tensor;
 
 pub use codec::{decode, encode, Rejection, WireMessage, MAX_MESSAGE_BYTES, SCHEMA_VERSION};
 pub use llm::*;
 pub use messages::*;
+pub use offpolicy::*;
 pub use subjects::{validate_run_id, Subjects};
 pub use tensor::{DType, F32Parts, NamedTensor, Tensor, TensorError};

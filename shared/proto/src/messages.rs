@@ -39,7 +39,11 @@ pub(crate) fn invalid(
 
 /// Checks an action tensor: `[lead.., ]` i64 for discrete spaces or
 /// `[lead.., dim]` finite f32 for continuous ones.
-fn check_actions(kind: &'static str, actions: &Tensor, lead: &[usize]) -> Result<(), Rejection> {
+pub(crate) fn check_actions(
+    kind: &'static str,
+    actions: &Tensor,
+    lead: &[usize],
+) -> Result<(), Rejection> {
     let lead: Vec<Option<usize>> = lead.iter().map(|&d| Some(d)).collect();
     match actions.dtype {
         DType::I64 => tensor_check(kind, "actions", actions.expect(DType::I64, &lead)),

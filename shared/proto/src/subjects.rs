@@ -76,6 +76,16 @@ impl Subjects {
     pub fn replay_sample(&self) -> String {
         self.subject("replay.sample")
     }
+    /// Request-reply, queue group: [`crate::TransitionSampleRequest`] ->
+    /// [`crate::TransitionBatch`] (off-policy table, `run.algo: dqn`).
+    pub fn replay_transitions_sample(&self) -> String {
+        self.subject("replay.transitions.sample")
+    }
+    /// Request-reply, queue group: [`crate::PriorityUpdate`] ->
+    /// [`crate::PriorityAck`] (prioritized off-policy table).
+    pub fn replay_priorities(&self) -> String {
+        self.subject("replay.priorities")
+    }
     /// Publish: [`crate::WeightsUpdate`], each new policy version.
     pub fn weights(&self) -> String {
         self.subject("weights")

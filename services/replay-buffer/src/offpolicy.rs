@@ -1,0 +1,769 @@
+//! The off-policy table (`run.algo: dqn`): transitions in Redis with FIFO
+//! eviction, uniform or prioritized sampling, priority updates, and the
+//! sample-to-insert rate limiter.
+//!
+//! # What a transition is
+//!
+//! Each inserted [`RolloutFragment`] (`T` steps of `N` envs) becomes `T x N`
+//! transitions at insert ([`fragment_transitions`]). The n-step return is
+//! computed there, per env over the fragment's consecutive steps, with
+//! [`relay_nn::n_step_returns`]: transition `t` stores `s_t`, `a_t`, `R_t =
+//! Σ_{i<k} γ^i r_{t+i}`, the bootstrap observation `s_{t+k}` and the
+//! discount `γ^k`, where the window of `k <= n` steps stops at the episode's
+//! end: 0 after a termination (no bootstrap), `γ^k` with the final
+//! observation after a time-limit truncation (bootstrap through it, as SB3's
+//! `handle_timeout_termination`). A window that reaches the fragment's end
+//! before `n` steps bootstraps there from the fragment's `next_obs` with
+//! its own `γ^k` (a shorter, still correct, target); with `n = 1` (SB3's
+//! DQN) every target is exact. Fields stay generic (continuous actions,
+//! `terminated` and `truncated` of the window's last step) for SAC.
+//!
+//! # Redis layout (all state in Redis: any number of copies)
+//!
+//! Keys under `relay:<run>:offpolicy:`: `items` (hash: slot → encoded
+//! transition), `tree` (a string of `2P` little-endian f64: a sum tree
+//! over the `P >= capacity` slots (a power of two), node `i` at byte `8i`,
+//! leaves at `P + slot` hold `p^α`), `meta` (hash: `next`, the number of
+//! transitions ever inserted; `max_priority`; `inserted_steps`, `taken`
+//! (transitions sampled), refusal counters). Transition number `id` lives
+//! in slot `id % capacity` (a ring: the oldest is overwritten first, FIFO
+//! eviction) and is still held while `id >= next - capacity`. Every
+//! operation is one Lua script, so copies never interleave inside one.
+//! Random numbers come from the caller (`ARGV`), not from Lua.
+//!
+//! # Sampling
+//!
+//! Uniform: slot `⌊u · size⌋`. Prioritized (proportional, Schaul et al.
+//! 2016): the total mass is split in `B` equal segments and one point is
+//! drawn in each (stratified, as OpenAI baselines), each found by walking
+//! the sum tree; `P(i) = p_i^α / Σ p^α`. Importance weights
+//! `w_i = (size · P(i))^-β`, normalised by the batch's largest weight
+//! ([`importance_weights`]; baselines normalises by the buffer's smallest
+//! probability instead, which needs a second, min, tree). New transitions
+//! get the largest priority ever set (1 at first). A priority update for an
+//! id that was evicted since it was sampled is skipped and counted.
+
+use relay_kit::config::OffPolicyTable;
+use relay_proto::{DType, RolloutFragment, Tensor, TransitionBatch, SCHEMA_VERSION};
+use thiserror::Error;
+
+/// Redis key names of one run's off-policy table.
+#[derive(Clone, Debug)]
+pub struct TableKeys {
+    pub items: String,
+    pub tree: String,
+    pub meta: String,
+}
+
+impl TableKeys {
+    pub fn new(run_id: &str) -> Self {
+        let base = format!("relay:{run_id}:offpolicy");
+        Self {
+            items: format!("{base}:items"),
+            tree: format!("{base}:tree"),
+            meta: format!("{base}:meta"),
+        }
+    }
+}
+
+/// Sum-tree helpers shared by the scripts (`P` is ARGV[2] in each).
+const TREE_LUA: &str = r#"
+local P = tonumber(ARGV[2])
+local function get(i)
+  local s = redis.call('GETRANGE', KEYS[2], i * 8, i * 8 + 7)
+  if #s < 8 then return 0 end
+  return (struct.unpack('<d', s))
+end
+local function put(i, v)
+  redis.call('SETRANGE', KEYS[2], i * 8, struct.pack('<d', v))
+end
+local function set_leaf(slot, v)
+  local i = P + slot
+  put(i, v)
+  while i > 1 do
+    i = math.floor(i / 2)
+    put(i, get(2 * i) + get(2 * i + 1))
+  end
+end
+local function num(field, default)
+  return tonumber(redis.call('HGET', KEYS[3], field) or default)
+end
+"#;
+
+/// KEYS: items, tree, meta. ARGV: capacity, P, alpha, ratio ('' without
+/// limiter), max_diff, env_steps, payloads...
+/// Returns {status, size, evicted}: status 1 stored, -2 rate-limited.
+const INSERT_LUA: &str = r#"
+local cap = tonumber(ARGV[1])
+local alpha = tonumber(ARGV[3])
+local steps = tonumber(ARGV[6])
+local nxt = num('next', '0')
+if ARGV[4] ~= '' then
+  local ratio = tonumber(ARGV[4])
+  if (num('inserted_steps', '0') + steps) * ratio - num('taken', '0') > tonumber(ARGV[5]) then
+    redis.call('HINCRBY', KEYS[3], 'refused_rate', 1)
+    return {-2, math.min(nxt, cap), 0}
+  end
+end
+local leaf = num('max_priority', '1') ^ alpha
+local evicted = 0
+for a = 7, #ARGV do
+  local slot = nxt % cap
+  if nxt >= cap then evicted = evicted + 1 end
+  redis.call('HSET', KEYS[1], slot, ARGV[a])
+  set_leaf(slot, leaf)
+  nxt = nxt + 1
+end
+redis.call('HSET', KEYS[3], 'next', nxt)
+redis.call('HINCRBY', KEYS[3], 'inserted_steps', steps)
+redis.call('HINCRBY', KEYS[3], 'evicted', evicted)
+return {1, math.min(nxt, cap), evicted}
+"#;
+
+/// KEYS: items, tree, meta. ARGV: capacity, P, batch, prioritized (1/0),
+/// ratio ('' without limiter), min_size, min_diff, uniforms...
+/// Returns {size, next, inserted_steps, total (string), status,
+/// [slot, leaf (string), payload]...}; status 1 sampled, 0 nothing held or
+/// counters only (batch 0), -2 held back by the rate limiter.
+const SAMPLE_LUA: &str = r#"
+local cap = tonumber(ARGV[1])
+local batch = tonumber(ARGV[3])
+local nxt = num('next', '0')
+local size = math.min(nxt, cap)
+local inserted = num('inserted_steps', '0')
+local total = get(1)
+local head = {size, nxt, inserted, string.format('%.17g', total)}
+if batch == 0 or size == 0 then
+  head[5] = 0
+  return head
+end
+if ARGV[5] ~= '' then
+  local allowance = inserted * tonumber(ARGV[5]) - num('taken', '0') - tonumber(ARGV[7])
+  if inserted < tonumber(ARGV[6]) or allowance < batch then
+    redis.call('HINCRBY', KEYS[3], 'held_samples', 1)
+    head[5] = -2
+    return head
+  end
+end
+head[5] = 1
+local prioritized = ARGV[4] == '1'
+for j = 0, batch - 1 do
+  local u = tonumber(ARGV[8 + j])
+  local slot
+  if prioritized and total > 0 then
+    local mass = (j + u) * total / batch
+    local i = 1
+    while i < P do
+      local left = get(2 * i)
+      if mass < left then
+        i = 2 * i
+      else
+        mass = mass - left
+        i = 2 * i + 1
+      end
+    end
+    slot = i - P
+  else
+    slot = math.floor(u * size)
+  end
+  if slot >= size then slot = size - 1 end
+  table.insert(head, slot)
+  table.insert(head, string.format('%.17g', get(P + slot)))
+  table.insert(head, redis.call('HGET', KEYS[1], slot))
+end
+redis.call('HINCRBY', KEYS[3], 'taken', batch)
+return head
+"#;
+
+/// KEYS: items, tree, meta. ARGV: capacity, P, alpha, then (id, priority)
+/// pairs. Returns {updated, evicted}.
+const PRIORITY_LUA: &str = r#"
+local cap = tonumber(ARGV[1])
+local alpha = tonumber(ARGV[3])
+local nxt = num('next', '0')
+local maxp = num('max_priority', '1')
+local updated, evicted = 0, 0
+for a = 4, #ARGV, 2 do
+  local id = tonumber(ARGV[a])
+  local p = tonumber(ARGV[a + 1])
+  if id < nxt and id + cap >= nxt then
+    set_leaf(id % cap, p ^ alpha)
+    if p > maxp then maxp = p end
+    updated = updated + 1
+  else
+    evicted = evicted + 1
+  end
+end
+redis.call('HSET', KEYS[3], 'max_priority', string.format('%.17g', maxp))
+redis.call('HINCRBY', KEYS[3], 'stale_priorities', evicted)
+return {updated, evicted}
+"#;
+
+/// Errors of the off-policy table.
+#[derive(Debug, Error)]
+pub enum TableError {
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("redis reply: {0}")]
+    Parse(#[from] redis::ParsingError),
+    /// The fragment does not fit this run (wrong env, observation size).
+    #[error("{field}: {detail}")]
+    BadInput { field: &'static str, detail: String },
+    /// A stored transition does not decode (written by another version).
+    #[error("stored transition in slot {slot} does not decode: {detail}")]
+    Corrupt { slot: u64, detail: String },
+}
+
+fn bad(field: &'static str, detail: impl Into<String>) -> TableError {
+    TableError::BadInput {
+        field,
+        detail: detail.into(),
+    }
+}
+
+/// One n-step transition (see the module docs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition {
+    pub obs: Vec<f32>,
+    /// Discrete action index, or the continuous action vector.
+    pub action: Action,
+    /// `R_t`, the discounted sum of the window's rewards.
+    pub reward: f32,
+    /// `s_{t+k}`.
+    pub next_obs: Vec<f32>,
+    /// `γ^k`, 0 after a termination.
+    pub discount: f32,
+    pub terminated: bool,
+    pub truncated: bool,
+}
+
+/// A stored action.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    Discrete(i64),
+    Continuous(Vec<f32>),
+}
+
+const FORMAT: u8 = 1;
+
+impl Transition {
+    /// Little-endian bytes: format, obs_dim (u16), action kind (u8: 0
+    /// discrete, 1 continuous), action_dim (u16), obs, next_obs, action,
+    /// reward, discount, terminated, truncated.
+    pub fn encode(&self) -> Vec<u8> {
+        let d = self.obs.len();
+        let mut out = Vec::with_capacity(8 + 8 * d + 16);
+        out.push(FORMAT);
+        out.extend((d as u16).to_le_bytes());
+        match &self.action {
+            Action::Discrete(_) => {
+                out.push(0);
+                out.extend(1u16.to_le_bytes());
+            }
+            Action::Continuous(a) => {
+                out.push(1);
+                out.extend((a.len() as u16).to_le_bytes());
+            }
+        }
+        for x in self.obs.iter().chain(&self.next_obs) {
+            out.extend(x.to_le_bytes());
+        }
+        match &self.action {
+            Action::Discrete(a) => out.extend(a.to_le_bytes()),
+            Action::Continuous(a) => a.iter().for_each(|x| out.extend(x.to_le_bytes())),
+        }
+        out.extend(self.reward.to_le_bytes());
+        out.extend(self.discount.to_le_bytes());
+        out.push(self.terminated as u8);
+        out.push(self.truncated as u8);
+        out
+    }
+
+    /// The inverse of [`Transition::encode`]; `None` on any mismatch.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() < 6 || bytes[0] != FORMAT {
+            return None;
+        }
+        let d = u16::from_le_bytes([bytes[1], bytes[2]]) as usize;
+        let kind = bytes[3];
+        let ad = u16::from_le_bytes([bytes[4], bytes[5]]) as usize;
+        let action_bytes = match kind {
+            0 => 8,
+            1 => 4 * ad,
+            _ => return None,
+        };
+        if bytes.len() != 6 + 8 * d + action_bytes + 10 {
+            return None;
+        }
+        let f32_at = |o: usize| f32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
+        let obs = (0..d).map(|i| f32_at(6 + 4 * i)).collect();
+        let next_obs = (0..d).map(|i| f32_at(6 + 4 * (d + i))).collect();
+        let mut o = 6 + 8 * d;
+        let action = if kind == 0 {
+            Action::Discrete(i64::from_le_bytes(bytes[o..o + 8].try_into().unwrap()))
+        } else {
+            Action::Continuous((0..ad).map(|i| f32_at(o + 4 * i)).collect())
+        };
+        o += action_bytes;
+        Some(Self {
+            obs,
+            action,
+            reward: f32_at(o),
+            next_obs,
+            discount: f32_at(o + 4),
+            terminated: bytes[o + 8] != 0,
+            truncated: bytes[o + 9] != 0,
+        })
+    }
+}
+
+/// The `T x N` n-step transitions of a validated fragment, in `(t, env)`
+/// order (see the module docs).
+pub fn fragment_transitions(
+    f: &RolloutFragment,
+    n_steps: usize,
+    gamma: f64,
+) -> Result<Vec<Transition>, TableError> {
+    let (t_len, n) = (f.num_steps as usize, f.num_envs as usize);
+    let d = f.obs.shape[2] as usize;
+    let tensor = |field: &'static str, e: relay_proto::TensorError| bad(field, e.to_string());
+    let obs = f.obs.to_f32().map_err(|e| tensor("obs", e))?;
+    let rewards = f.rewards.to_f32().map_err(|e| tensor("rewards", e))?;
+    let terminated = f
+        .terminated
+        .to_bool()
+        .map_err(|e| tensor("terminated", e))?;
+    let truncated = f.truncated.to_bool().map_err(|e| tensor("truncated", e))?;
+    let next_obs = f.next_obs.to_f32().map_err(|e| tensor("next_obs", e))?;
+    let final_obs = f.final_obs.to_f32().map_err(|e| tensor("final_obs", e))?;
+    let actions: Vec<Action> = match f.actions.dtype {
+        DType::I64 => f
+            .actions
+            .to_i64()
+            .map_err(|e| tensor("actions", e))?
+            .into_iter()
+            .map(Action::Discrete)
+            .collect(),
+        _ => {
+            let a = f.actions.to_f32().map_err(|e| tensor("actions", e))?;
+            let ad = a.len() / (t_len * n).max(1);
+            a.chunks(ad.max(1))
+                .map(|c| Action::Continuous(c.to_vec()))
+                .collect()
+        }
+    };
+    // Row (t, env) of the observation after step t: the next step's
+    // observation, the final observation of a truncation (the vector env
+    // resets in the same step), or the fragment's `next_obs` at its end.
+    let mut final_rows = vec![None; t_len * n];
+    let mut k = 0;
+    for i in 0..t_len * n {
+        if truncated[i] && !terminated[i] {
+            final_rows[i] = Some(k);
+            k += 1;
+        }
+    }
+    let after = |t: usize, e: usize| -> Vec<f32> {
+        let i = t * n + e;
+        if let Some(k) = final_rows[i] {
+            final_obs[k * d..(k + 1) * d].to_vec()
+        } else if t + 1 < t_len {
+            obs[((t + 1) * n + e) * d..((t + 1) * n + e + 1) * d].to_vec()
+        } else {
+            next_obs[e * d..(e + 1) * d].to_vec()
+        }
+    };
+    let mut out = vec![None; t_len * n];
+    for e in 0..n {
+        let col = |v: &[bool]| (0..t_len).map(|t| v[t * n + e]).collect::<Vec<_>>();
+        let r: Vec<f32> = (0..t_len).map(|t| rewards[t * n + e]).collect();
+        let (term, trunc) = (col(&terminated), col(&truncated));
+        let nstep = relay_nn::n_step_returns(&r, &term, &trunc, n_steps, gamma as f32)
+            .map_err(|e| bad("n_steps", e.to_string()))?;
+        for t in 0..t_len {
+            let last = nstep.next_index[t];
+            out[t * n + e] = Some(Transition {
+                obs: obs[(t * n + e) * d..(t * n + e + 1) * d].to_vec(),
+                action: actions[t * n + e].clone(),
+                reward: nstep.returns[t],
+                next_obs: after(last, e),
+                discount: nstep.discounts[t],
+                terminated: term[last],
+                truncated: trunc[last],
+            });
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|t| t.expect("every row filled"))
+        .collect())
+}
+
+/// Importance-sampling weights of prioritized replay: `w_i = (size ·
+/// P(i))^-β`, divided by the batch's largest. `probs` are `P(i)`.
+pub fn importance_weights(probs: &[f64], size: u64, beta: f64) -> Vec<f32> {
+    let raw: Vec<f64> = probs
+        .iter()
+        .map(|&p| (size as f64 * p).powf(-beta))
+        .collect();
+    let max = raw.iter().cloned().fold(0.0, f64::max);
+    raw.iter()
+        .map(|&w| if max > 0.0 { (w / max) as f32 } else { 1.0 })
+        .collect()
+}
+
+/// The sum tree's leaf count: the smallest power of two >= `capacity`.
+pub fn tree_leaves(capacity: u64) -> u64 {
+    capacity.max(1).next_power_of_two()
+}
+
+/// Insert sequence number of the transition held in `slot` when `next`
+/// were ever inserted.
+pub fn id_of_slot(slot: u64, next: u64, capacity: u64) -> u64 {
+    let last = next - 1;
+    last - (last + capacity - slot) % capacity
+}
+
+/// Outcome of a table insert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableInserted {
+    Stored { size: u64, evicted: u64 },
+    RateLimited { size: u64 },
+}
+
+/// What a sample returned: a batch (possibly empty) and why.
+#[derive(Debug)]
+pub struct TableSample {
+    pub batch: TransitionBatch,
+    /// Held back by the rate limiter.
+    pub held: bool,
+    /// Rows that did not decode (dropped from the batch).
+    pub corrupt: u64,
+}
+
+/// The off-policy table of one run, over a Redis connection.
+#[derive(Clone)]
+pub struct Table {
+    redis: redis::aio::ConnectionManager,
+    keys: TableKeys,
+    table: OffPolicyTable,
+    rate_limit: Option<crate::RateLimit>,
+    insert: redis::Script,
+    sample: redis::Script,
+    priorities: redis::Script,
+}
+
+impl Table {
+    pub fn new(
+        redis: redis::aio::ConnectionManager,
+        run_id: &str,
+        table: OffPolicyTable,
+        rate_limit: Option<crate::RateLimit>,
+    ) -> Self {
+        Self {
+            redis,
+            keys: TableKeys::new(run_id),
+            table,
+            rate_limit,
+            insert: redis::Script::new(&format!("{TREE_LUA}{INSERT_LUA}")),
+            sample: redis::Script::new(&format!("{TREE_LUA}{SAMPLE_LUA}")),
+            priorities: redis::Script::new(&format!("{TREE_LUA}{PRIORITY_LUA}")),
+        }
+    }
+
+    fn script<'a>(&self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {
+        let mut inv = script.key(&self.keys.items);
+        inv.key(&self.keys.tree)
+            .key(&self.keys.meta)
+            .arg(self.table.capacity)
+            .arg(tree_leaves(self.table.capacity));
+        inv
+    }
+
+    /// Inserts a validated fragment as transitions.
+    pub async fn insert(&self, fragment: &RolloutFragment) -> Result<TableInserted, TableError> {
+        let transitions = fragment_transitions(fragment, self.table.n_steps, self.table.gamma)?;
+        let mut redis = self.redis.clone();
+        let mut inv = self.script(&self.insert);
+        inv.arg(self.table.alpha)
+            .arg(
+                self.rate_limit
+                    .map_or(String::new(), |r| r.samples_per_insert.to_string()),
+            )
+            .arg(
+                self.rate_limit
+                    .map_or(String::new(), |r| r.max_diff().to_string()),
+            )
+            .arg(fragment.env_steps());
+        for t in &transitions {
+            inv.arg(t.encode());
+        }
+        let (status, size, evicted): (i64, u64, u64) = inv.invoke_async(&mut redis).await?;
+        Ok(if status == 1 {
+            TableInserted::Stored { size, evicted }
+        } else {
+            TableInserted::RateLimited { size }
+        })
+    }
+
+    /// Draws `batch` transitions (`uniforms`: `batch` numbers in `[0, 1)`).
+    pub async fn sample(
+        &self,
+        batch: usize,
+        beta: f64,
+        uniforms: &[f64],
+    ) -> Result<TableSample, TableError> {
+        assert_eq!(uniforms.len(), batch, "one uniform per row");
+        let mut redis = self.redis.clone();
+        let mut inv = self.script(&self.sample);
+        inv.arg(batch)
+            .arg(if self.table.prioritized { "1" } else { "0" })
+            .arg(
+                self.rate_limit
+                    .map_or(String::new(), |r| r.samples_per_insert.to_string()),
+            )
+            .arg(self.rate_limit.map_or(0, |r| r.min_size_to_sample))
+            .arg(self.rate_limit.map_or(0.0, |r| r.min_diff()));
+        for u in uniforms {
+            inv.arg(u);
+        }
+        let reply: Vec<redis::Value> = inv.invoke_async(&mut redis).await?;
+        let int = |v: &redis::Value| -> Result<i64, TableError> {
+            redis::from_redis_value::<i64>(v.clone()).map_err(TableError::from)
+        };
+        let float = |v: &redis::Value| -> Result<f64, TableError> {
+            let s: String = redis::from_redis_value(v.clone())?;
+            s.parse::<f64>().map_err(|e| TableError::Corrupt {
+                slot: 0,
+                detail: format!("priority {s:?}: {e}"),
+            })
+        };
+        if reply.len() < 5 {
+            return Err(TableError::Corrupt {
+                slot: 0,
+                detail: format!("sample script returned {} values", reply.len()),
+            });
+        }
+        let size = int(&reply[0])? as u64;
+        let next = int(&reply[1])? as u64;
+        let inserted_steps = int(&reply[2])? as u64;
+        let total = float(&reply[3])?;
+        let status = int(&reply[4])?;
+        let mut rows: Vec<(u64, Transition)> = Vec::new();
+        let mut probs = Vec::new();
+        let mut corrupt = 0;
+        for row in reply[5..].chunks_exact(3) {
+            let slot = int(&row[0])? as u64;
+            let leaf = float(&row[1])?;
+            let payload: Option<Vec<u8>> = redis::from_redis_value(row[2].clone())?;
+            match payload.as_deref().and_then(Transition::decode) {
+                Some(t) => {
+                    rows.push((id_of_slot(slot, next, self.table.capacity), t));
+                    probs.push(if total > 0.0 { leaf / total } else { 0.0 });
+                }
+                None => corrupt += 1,
+            }
+        }
+        let weights = if self.table.prioritized {
+            importance_weights(&probs, size, beta)
+        } else {
+            vec![1.0; rows.len()]
+        };
+        Ok(TableSample {
+            batch: build_batch(rows, weights, size, inserted_steps),
+            held: status == -2,
+            corrupt,
+        })
+    }
+
+    /// Sets the priorities of `ids` (already validated: finite, > 0).
+    pub async fn update_priorities(
+        &self,
+        ids: &[u64],
+        priorities: &[f32],
+    ) -> Result<(u64, u64), TableError> {
+        let mut redis = self.redis.clone();
+        let mut inv = self.script(&self.priorities);
+        inv.arg(self.table.alpha);
+        for (id, p) in ids.iter().zip(priorities) {
+            inv.arg(id).arg(*p as f64);
+        }
+        let (updated, evicted): (u64, u64) = inv.invoke_async(&mut redis).await?;
+        Ok((updated, evicted))
+    }
+
+    /// Transitions held.
+    pub async fn size(&self) -> Result<u64, TableError> {
+        let mut redis = self.redis.clone();
+        let next: Option<u64> = redis::cmd("HGET")
+            .arg(&self.keys.meta)
+            .arg("next")
+            .query_async(&mut redis)
+            .await?;
+        Ok(next.unwrap_or(0).min(self.table.capacity))
+    }
+}
+
+/// Stacks transitions (all of one shape: the table only holds this run's)
+/// into a [`TransitionBatch`].
+fn build_batch(
+    rows: Vec<(u64, Transition)>,
+    weights: Vec<f32>,
+    size: u64,
+    inserted_steps: u64,
+) -> TransitionBatch {
+    let b = rows.len();
+    let d = rows.first().map_or(0, |(_, t)| t.obs.len());
+    let mut obs = Vec::with_capacity(b * d);
+    let mut next_obs = Vec::with_capacity(b * d);
+    let (mut discrete, mut continuous) = (Vec::new(), Vec::new());
+    let mut ad = 0;
+    let (mut rewards, mut discounts, mut term, mut trunc, mut ids) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for (id, t) in rows {
+        ids.push(id);
+        obs.extend(&t.obs);
+        next_obs.extend(&t.next_obs);
+        match t.action {
+            Action::Discrete(a) => discrete.push(a),
+            Action::Continuous(a) => {
+                ad = a.len();
+                continuous.extend(a);
+            }
+        }
+        rewards.push(t.reward);
+        discounts.push(t.discount);
+        term.push(t.terminated);
+        trunc.push(t.truncated);
+    }
+    let actions = if continuous.is_empty() {
+        Tensor::from_i64(&[b], &discrete)
+    } else {
+        Tensor::from_f32(&[b, ad], &continuous)
+    };
+    TransitionBatch {
+        schema: SCHEMA_VERSION,
+        ids,
+        obs: Tensor::from_f32(&[b, d], &obs),
+        actions,
+        rewards: Tensor::from_f32(&[b], &rewards),
+        next_obs: Tensor::from_f32(&[b, d], &next_obs),
+        discounts: Tensor::from_f32(&[b], &discounts),
+        terminated: Tensor::from_bool(&[b], &term),
+        truncated: Tensor::from_bool(&[b], &trunc),
+        weights: Tensor::from_f32(&[b], &weights),
+        size,
+        inserted_steps,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fragment(t: usize, n: usize) -> RolloutFragment {
+        // obs[t, e] = [10 t + e, -1]; reward of (t, e) = t + 1.
+        let obs: Vec<f32> = (0..t * n)
+            .flat_map(|i| [(10 * (i / n) + i % n) as f32, -1.0])
+            .collect();
+        let rewards: Vec<f32> = (0..t * n).map(|i| (i / n + 1) as f32).collect();
+        RolloutFragment {
+            schema: SCHEMA_VERSION,
+            runner_id: "r".into(),
+            env_id: "CartPole-v1".into(),
+            policy_version: 0,
+            num_steps: t as u32,
+            num_envs: n as u32,
+            obs: Tensor::from_f32(&[t, n, 2], &obs),
+            actions: Tensor::from_i64(&[t, n], &(0..(t * n) as i64).collect::<Vec<_>>()),
+            logprobs: Tensor::from_f32(&[t, n], &vec![0.0; t * n]),
+            values: Tensor::from_f32(&[t, n], &vec![0.0; t * n]),
+            rewards: Tensor::from_f32(&[t, n], &rewards),
+            terminated: Tensor::from_bool(&[t, n], &vec![false; t * n]),
+            truncated: Tensor::from_bool(&[t, n], &vec![false; t * n]),
+            next_obs: Tensor::from_f32(&[n, 2], &vec![99.0; n * 2]),
+            final_obs: Tensor::from_f32(&[0, 2], &[]),
+            norm_rewards: None,
+            norm_delta: None,
+        }
+    }
+
+    #[test]
+    fn transitions_bootstrap_through_truncation_not_termination() {
+        // 4 steps, 2 envs. Env 0 terminates at t=1; env 1 is truncated at
+        // t=1 (final obs [7, 7]).
+        let mut f = fragment(4, 2);
+        let mut term = vec![false; 8];
+        let mut trunc = vec![false; 8];
+        term[2] = true; // (t=1, e=0)
+        trunc[3] = true; // (t=1, e=1)
+        f.terminated = Tensor::from_bool(&[4, 2], &term);
+        f.truncated = Tensor::from_bool(&[4, 2], &trunc);
+        f.final_obs = Tensor::from_f32(&[1, 2], &[7.0, 7.0]);
+        let g = 0.5;
+        let tr = fragment_transitions(&f, 2, g).unwrap();
+        assert_eq!(tr.len(), 8);
+        let at = |t: usize, e: usize| &tr[t * 2 + e];
+        // (0, 0): window t=0..1, ends with a termination: no bootstrap.
+        assert_eq!(at(0, 0).reward, 1.0 + 0.5 * 2.0);
+        assert_eq!(at(0, 0).discount, 0.0);
+        assert!(at(0, 0).terminated);
+        // (0, 1): same rewards, ends with a truncation: bootstrap from the
+        // final observation with γ^2.
+        assert_eq!(at(0, 1).reward, 2.0);
+        assert_eq!(at(0, 1).discount, 0.25);
+        assert_eq!(at(0, 1).next_obs, vec![7.0, 7.0]);
+        assert!(at(0, 1).truncated && !at(0, 1).terminated);
+        // (1, 1): one step, truncated: γ^1 from the final obs.
+        assert_eq!((at(1, 1).reward, at(1, 1).discount), (2.0, 0.5));
+        assert_eq!(at(1, 1).next_obs, vec![7.0, 7.0]);
+        // (2, 0): a full 2-step window, bootstrap from obs[t=4] = next_obs.
+        assert_eq!(
+            (at(2, 0).reward, at(2, 0).discount),
+            (3.0 + 0.5 * 4.0, 0.25)
+        );
+        assert_eq!(at(2, 0).next_obs, vec![99.0, 99.0]);
+        // (1, 0) ... (2, 1): next obs of a mid-fragment step is the next row.
+        let one = fragment_transitions(&f, 1, g).unwrap();
+        assert_eq!(one[0].next_obs, vec![10.0, -1.0]);
+        assert_eq!(one[0].discount, 0.5);
+        // (3, e): the fragment's tail bootstraps from next_obs, 1 step.
+        assert_eq!((at(3, 0).reward, at(3, 0).discount), (4.0, 0.5));
+        assert_eq!(at(3, 0).action, Action::Discrete(6));
+        for t in &tr {
+            assert_eq!(Transition::decode(&t.encode()).as_ref(), Some(t));
+        }
+        let cont = Transition {
+            action: Action::Continuous(vec![0.5, -0.25]),
+            ..tr[0].clone()
+        };
+        assert_eq!(Transition::decode(&cont.encode()), Some(cont.clone()));
+        assert_eq!(Transition::decode(&cont.encode()[..10]), None);
+    }
+
+    #[test]
+    fn importance_weights_follow_the_formula() {
+        // Probabilities 0.5, 0.25, 0.25 of 4 held, β = 0.5:
+        // w = (4 p)^-0.5 = [1/√2, 1, 1], normalised by 1.
+        let w = importance_weights(&[0.5, 0.25, 0.25], 4, 0.5);
+        assert!((w[0] - 0.5f32.sqrt()).abs() < 1e-6 && w[1] == 1.0 && w[2] == 1.0);
+        // β = 0: uniform weights; β = 1 fully compensates: w ∝ 1/p.
+        assert!(importance_weights(&[0.9, 0.1], 2, 0.0)
+            .iter()
+            .all(|&w| w == 1.0));
+        let w = importance_weights(&[0.8, 0.2], 2, 1.0);
+        assert!((w[0] - 0.25).abs() < 1e-6 && w[1] == 1.0);
+    }
+
+    #[test]
+    fn ring_slots_map_back_to_ids() {
+        assert_eq!(tree_leaves(100_000), 131_072);
+        assert_eq!(tree_leaves(8), 8);
+        // Capacity 4, 6 inserted: slots 0, 1 hold ids 4, 5; slots 2, 3 ids 2, 3.
+        assert_eq!(
+            (0..4).map(|s| id_of_slot(s, 6, 4)).collect::<Vec<_>>(),
+            vec![4, 5, 2, 3]
+        );
+        assert_eq!(id_of_slot(1, 2, 4), 1);
+    }
+}
