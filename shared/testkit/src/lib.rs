@@ -66,6 +66,12 @@ fn wait_for_port(addr: SocketAddr, child: &mut Child, what: &str) -> Result<()> 
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+            // Another test's server may hold the port while ours, unable to
+            // bind it, is exiting: ours must still be running a moment later.
+            std::thread::sleep(Duration::from_millis(100));
+            if let Some(status) = child.try_wait()? {
+                bail!("{what} exited with {status}; {addr} belongs to another process");
+            }
             return Ok(());
         }
         if let Some(status) = child.try_wait()? {
