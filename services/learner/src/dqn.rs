@@ -46,8 +46,7 @@ use relay_nn::{
     clip_grad_norm, dqn_loss, Adam, AdamConfig, DqnBatch, DqnLossConfig, DqnStats, QNetwork,
 };
 use relay_proto::{
-    PriorityAck, PriorityUpdate, RunStatus, RunStatusUpdate, Tensor, TransitionBatch,
-    TransitionSampleRequest, SCHEMA_VERSION,
+    PriorityAck, PriorityUpdate, Tensor, TransitionBatch, TransitionSampleRequest, SCHEMA_VERSION,
 };
 use serde::{Deserialize, Serialize};
 
@@ -435,27 +434,16 @@ pub(crate) async fn run(
     save(
         &run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg, false,
     );
-    let (status, detail) = match &finish {
-        Finish::Budget => (
-            RunStatus::Stopped,
-            format!("budget of {budget} env steps spent"),
-        ),
-        Finish::Solved(d) => (RunStatus::Solved, d.clone()),
-        Finish::Shutdown => (RunStatus::Stopped, "shutdown requested".to_string()),
-    };
-    tracing::info!(?status, %detail, rounds = state.rounds, env_steps = progress.env_steps, "training finished");
-    let update = RunStatusUpdate {
-        schema: SCHEMA_VERSION,
-        status,
-        service: "learner".into(),
-        policy_version: progress.version,
-        detail,
-    };
-    service.publish(service.subjects.status(), &update).await;
-    shutdown.wait().await;
-    service.health.set_ready(false);
-    let _ = micro.stop().await;
-    service.drain().await;
+    crate::finish_run(
+        &service,
+        &shutdown,
+        micro,
+        &finish,
+        format!("{budget} env steps"),
+        progress.version,
+        progress.env_steps,
+    )
+    .await;
     Ok(())
 }
 

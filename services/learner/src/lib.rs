@@ -170,6 +170,38 @@ pub(crate) enum Finish {
     Shutdown,
 }
 
+/// The end every learner shares: announces how training ended (`budget`
+/// names what the budget counts), keeps answering requests for the final
+/// weights or adapter until the stack stops, then drains.
+pub(crate) async fn finish_run(
+    service: &Service,
+    shutdown: &Shutdown,
+    micro: async_nats::service::Service,
+    finish: &Finish,
+    budget: String,
+    version: u64,
+    env_steps: u64,
+) {
+    let (status, detail) = match finish {
+        Finish::Budget => (RunStatus::Stopped, format!("budget of {budget} spent")),
+        Finish::Solved(d) => (RunStatus::Solved, d.clone()),
+        Finish::Shutdown => (RunStatus::Stopped, "shutdown requested".to_string()),
+    };
+    tracing::info!(?status, %detail, version, env_steps, "training finished");
+    let update = RunStatusUpdate {
+        schema: SCHEMA_VERSION,
+        status,
+        service: "learner".into(),
+        policy_version: version,
+        detail,
+    };
+    service.publish(service.subjects.status(), &update).await;
+    shutdown.wait().await;
+    service.health.set_ready(false);
+    let _ = micro.stop().await;
+    service.drain().await;
+}
+
 /// What the fragments taken since the last update hold.
 #[derive(Debug, Default, Clone, Copy)]
 struct Pending {
@@ -645,28 +677,16 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         &cfg,
         false,
     );
-    let (status, detail) = match &finish {
-        Finish::Budget => (
-            RunStatus::Stopped,
-            format!("budget of {budget} env steps spent"),
-        ),
-        Finish::Solved(d) => (RunStatus::Solved, d.clone()),
-        Finish::Shutdown => (RunStatus::Stopped, "shutdown requested".to_string()),
-    };
-    tracing::info!(?status, %detail, updates = progress.updates, env_steps = progress.env_steps, "training finished");
-    let update = RunStatusUpdate {
-        schema: SCHEMA_VERSION,
-        status,
-        service: "learner".into(),
-        policy_version: progress.version,
-        detail,
-    };
-    service.publish(service.subjects.status(), &update).await;
-    // Keep serving the final weights until the stack stops.
-    shutdown.wait().await;
-    service.health.set_ready(false);
-    let _ = micro.stop().await;
-    service.drain().await;
+    finish_run(
+        &service,
+        &shutdown,
+        micro,
+        &finish,
+        format!("{budget} env steps"),
+        progress.version,
+        progress.env_steps,
+    )
+    .await;
     Ok(())
 }
 

@@ -52,7 +52,7 @@ use relay_llm::{
 };
 use relay_proto::{
     AdapterPayload, AdapterRequest, AdapterUpdate, GameRecord, GameSampleReply, GameSampleRequest,
-    RunStatus, RunStatusUpdate, SCHEMA_VERSION,
+    SCHEMA_VERSION,
 };
 use serde::{Deserialize, Serialize};
 
@@ -809,28 +809,16 @@ pub(crate) async fn run(
 
     state.moving_baseline = trainer.moving_baseline();
     checkpoint(&state, &trainer, false);
-    let (status, detail) = match &finish {
-        Finish::Budget => (
-            RunStatus::Stopped,
-            format!("budget of {budget} env steps (learning moves) spent"),
-        ),
-        Finish::Solved(d) => (RunStatus::Solved, d.clone()),
-        Finish::Shutdown => (RunStatus::Stopped, "shutdown requested".to_string()),
-    };
-    tracing::info!(?status, %detail, updates = state.progress.updates, env_steps = state.progress.env_steps, "training finished");
-    let update = RunStatusUpdate {
-        schema: SCHEMA_VERSION,
-        status,
-        service: "learner".into(),
-        policy_version: state.progress.version,
-        detail,
-    };
-    service.publish(service.subjects.status(), &update).await;
-    // Keep answering `adapters.latest` until the stack stops.
-    shutdown.wait().await;
-    service.health.set_ready(false);
-    let _ = micro.stop().await;
-    service.drain().await;
+    crate::finish_run(
+        &service,
+        &shutdown,
+        micro,
+        &finish,
+        format!("{budget} env steps (learning moves)"),
+        state.progress.version,
+        state.progress.env_steps,
+    )
+    .await;
     Ok(())
 }
 
