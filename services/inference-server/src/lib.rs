@@ -166,6 +166,7 @@ async fn serve_act_requests(
     let wait = Duration::from_micros(cfg.inference.batch_wait_us);
     let mut report_at = Instant::now() + Duration::from_secs(1);
     let mut reported_requests = 0;
+    let mut reported_version: Option<u64> = None;
     loop {
         let first = tokio::select! {
             _ = shutdown.wait() => break,
@@ -293,8 +294,11 @@ async fn serve_act_requests(
                 metrics.requests.inc();
             }
         }
-        if Instant::now() >= report_at {
+        // Each second, and at once when a new version is served (a short
+        // run may end before the next second).
+        if Instant::now() >= report_at || reported_version != Some(policy.version) {
             report_at = Instant::now() + Duration::from_secs(1);
+            reported_version = Some(policy.version);
             let answered = metrics.requests.get();
             service
                 .report(
