@@ -258,16 +258,7 @@ pub(crate) async fn run(
     };
     let micro = service.micro().await?;
     crate::serve_latest_weights(&service, &micro, latest.clone()).await?;
-    let mut statuses = service
-        .nats
-        .subscribe(service.subjects.status())
-        .await
-        .map_err(ServiceError::nats)?;
-    let mut evals = service
-        .nats
-        .subscribe(service.subjects.eval())
-        .await
-        .map_err(ServiceError::nats)?;
+    let (mut statuses, mut evals) = crate::subscribe_run_events(&service).await?;
     publish(&service, publish_weights(&online, &progress)).await;
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
@@ -283,16 +274,14 @@ pub(crate) async fn run(
     let start_env_steps = progress.env_steps;
     let mut reported_vec_steps = progress.vec_steps;
     let finish = loop {
-        if shutdown.is_triggered() {
-            break Finish::Shutdown;
-        }
-        if progress.env_steps >= budget {
-            break Finish::Budget;
-        }
-        if let Some(detail) = &solved {
-            if cfg.run.stop_when_solved {
-                break Finish::Solved(detail.clone());
-            }
+        if let Some(finish) = crate::should_finish(
+            &shutdown,
+            progress.env_steps,
+            budget,
+            &solved,
+            cfg.run.stop_when_solved,
+        ) {
+            break finish;
         }
         take_solved(&service, &mut statuses, &mut solved);
         if take_evals(&service, &mut evals, &mut best_eval) {

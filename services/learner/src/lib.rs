@@ -170,6 +170,46 @@ pub(crate) enum Finish {
     Shutdown,
 }
 
+/// Why training must stop before the next step, if it must: shutdown
+/// asked for, the budget of env steps spent, or the run solved (with
+/// `run.stop_when_solved`).
+pub(crate) fn should_finish(
+    shutdown: &Shutdown,
+    env_steps: u64,
+    budget: u64,
+    solved: &Option<String>,
+    stop_when_solved: bool,
+) -> Option<Finish> {
+    if shutdown.is_triggered() {
+        Some(Finish::Shutdown)
+    } else if env_steps >= budget {
+        Some(Finish::Budget)
+    } else {
+        solved
+            .as_ref()
+            .filter(|_| stop_when_solved)
+            .map(|detail| Finish::Solved(detail.clone()))
+    }
+}
+
+/// The run's status announcements and eval reports, which every learner
+/// follows (see [`take_solved`] and [`take_evals`]).
+pub(crate) async fn subscribe_run_events(
+    service: &Service,
+) -> Result<(async_nats::Subscriber, async_nats::Subscriber), ServiceError> {
+    let statuses = service
+        .nats
+        .subscribe(service.subjects.status())
+        .await
+        .map_err(ServiceError::nats)?;
+    let evals = service
+        .nats
+        .subscribe(service.subjects.eval())
+        .await
+        .map_err(ServiceError::nats)?;
+    Ok((statuses, evals))
+}
+
 /// The end every learner shares: announces how training ended (`budget`
 /// names what the budget counts), keeps answering requests for the final
 /// weights or adapter until the stack stops, then drains.
@@ -473,17 +513,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         };
     let micro = service.micro().await?;
     serve_latest_weights(&service, &micro, latest.clone()).await?;
-    let mut statuses = service
-        .nats
-        .subscribe(service.subjects.status())
-        .await
-        .map_err(ServiceError::nats)?;
-
-    let mut evals = service
-        .nats
-        .subscribe(service.subjects.eval())
-        .await
-        .map_err(ServiceError::nats)?;
+    let (mut statuses, mut evals) = subscribe_run_events(&service).await?;
 
     let payload = publish_weights(&model, normalizer.as_ref(), &progress);
     publish(&service, payload).await;
@@ -499,16 +529,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let started = Instant::now();
     let start_env_steps = progress.env_steps;
     let finish = loop {
-        if shutdown.is_triggered() {
-            break Finish::Shutdown;
-        }
-        if progress.env_steps >= budget {
-            break Finish::Budget;
-        }
-        if let Some(detail) = &solved {
-            if cfg.run.stop_when_solved {
-                break Finish::Solved(detail.clone());
-            }
+        if let Some(finish) = should_finish(
+            &shutdown,
+            progress.env_steps,
+            budget,
+            &solved,
+            cfg.run.stop_when_solved,
+        ) {
+            break finish;
         }
         // Take announcements (solved) and evals without waiting; checkpoint
         // at the first eval heard and at each new best mean.

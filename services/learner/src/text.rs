@@ -58,7 +58,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
 use crate::examples::games_to_examples;
-use crate::{Finish, Metrics, Progress};
+use crate::{Metrics, Progress};
 
 /// Name of the adapter this learner trains (the one env-runners seat).
 pub const ADAPTER_NAME: &str = relay_policy::text::LEARNING_ADAPTER;
@@ -539,16 +539,7 @@ pub(crate) async fn run(
         league,
     };
 
-    let mut statuses = service
-        .nats
-        .subscribe(service.subjects.status())
-        .await
-        .map_err(ServiceError::nats)?;
-    let mut evals = service
-        .nats
-        .subscribe(service.subjects.eval())
-        .await
-        .map_err(ServiceError::nats)?;
+    let (mut statuses, mut evals) = crate::subscribe_run_events(&service).await?;
 
     publisher.publish(&state.progress, &adapter).await;
     metrics.version.set(state.progress.version as i64);
@@ -580,16 +571,14 @@ pub(crate) async fn run(
     let started = Instant::now();
     let start_env_steps = state.progress.env_steps;
     let finish = loop {
-        if shutdown.is_triggered() {
-            break Finish::Shutdown;
-        }
-        if state.progress.env_steps >= budget {
-            break Finish::Budget;
-        }
-        if let Some(detail) = &solved {
-            if cfg.run.stop_when_solved {
-                break Finish::Solved(detail.clone());
-            }
+        if let Some(finish) = crate::should_finish(
+            &shutdown,
+            state.progress.env_steps,
+            budget,
+            &solved,
+            cfg.run.stop_when_solved,
+        ) {
+            break finish;
         }
         crate::take_solved(&service, &mut statuses, &mut solved);
         let checkpoint_best = crate::take_evals(&service, &mut evals, &mut state.best_eval);
