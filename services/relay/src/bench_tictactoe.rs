@@ -312,6 +312,8 @@ pub(crate) fn bench_up_args(
         init_from: None,
         reset_optimizer: false,
         stop: None,
+        nats_url: None,
+        redis_url: None,
     }
 }
 

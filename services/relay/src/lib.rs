@@ -87,6 +87,15 @@ pub struct UpArgs {
     /// stopping a hopeless trial).
     #[arg(skip)]
     pub stop: Option<StopFlag>,
+    /// Use this running nats-server (e.g. another machine's) instead of
+    /// starting one: the services started here connect to it, and copies
+    /// started by hand anywhere else that reaches it join the run.
+    #[arg(long, value_name = "URL")]
+    pub nats_url: Option<String>,
+    /// Use this running redis-server instead of starting one (replay
+    /// buffers and league pools of copies on several machines must share it).
+    #[arg(long, value_name = "URL")]
+    pub redis_url: Option<String>,
 }
 
 /// A request to stop a running `relay up` from another thread.
@@ -186,7 +195,11 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         .with_context(|| format!("config {}", args.config.display()))?;
 
     let started = Instant::now();
-    let mut stack = Stack::start_infra(&state_dir, &run_id)?;
+    let external = stack::ExternalInfra {
+        nats_url: args.nats_url.clone(),
+        redis_url: args.redis_url.clone(),
+    };
+    let mut stack = Stack::start_infra(&state_dir, &run_id, &external)?;
     println!(
         "relay: run {run_id}  nats {}  redis {}  prometheus {}",
         stack.nats_url,

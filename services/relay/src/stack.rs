@@ -117,6 +117,15 @@ fn append_log_file(dir: &Path, name: &str) -> Result<(Stdio, Stdio)> {
     Ok((file.try_clone()?.into(), file.into()))
 }
 
+/// A nats-server and a redis-server that run elsewhere (`relay up
+/// --nats-url/--redis-url`): the stack connects to them instead of
+/// starting its own.
+#[derive(Debug, Clone, Default)]
+pub struct ExternalInfra {
+    pub nats_url: Option<String>,
+    pub redis_url: Option<String>,
+}
+
 /// A running local stack; everything is stopped on drop.
 pub struct Stack {
     pub state_dir: PathBuf,
@@ -134,23 +143,36 @@ pub struct Stack {
 }
 
 impl Stack {
-    /// Starts nats-server, redis-server and (if installed) prometheus on free
-    /// ports with state under `state_dir`.
-    pub fn start_infra(state_dir: &Path, run_id: &str) -> Result<Self> {
+    /// Starts nats-server and redis-server (each unless `external` names a
+    /// running one) and (if installed) prometheus on free ports with state
+    /// under `state_dir`.
+    pub fn start_infra(state_dir: &Path, run_id: &str, external: &ExternalInfra) -> Result<Self> {
         let logs = state_dir.join("logs");
         std::fs::create_dir_all(&logs)?;
         let mut infra = Vec::new();
 
-        let nats_port = free_port()?;
-        infra.push(spawn_nats(state_dir, nats_port)?);
-        let redis_port = free_port()?;
-        infra.push(spawn_redis(state_dir, redis_port)?);
+        let nats_url = match &external.nats_url {
+            Some(url) => url.clone(),
+            None => {
+                let port = free_port()?;
+                infra.push(spawn_nats(state_dir, port)?);
+                format!("nats://127.0.0.1:{port}")
+            }
+        };
+        let redis_url = match &external.redis_url {
+            Some(url) => url.clone(),
+            None => {
+                let port = free_port()?;
+                infra.push(spawn_redis(state_dir, port)?);
+                format!("redis://127.0.0.1:{port}")
+            }
+        };
 
         let mut stack = Self {
             state_dir: state_dir.to_path_buf(),
             run_id: run_id.to_string(),
-            nats_url: format!("nats://127.0.0.1:{nats_port}"),
-            redis_url: format!("redis://127.0.0.1:{redis_port}"),
+            nats_url,
+            redis_url,
             prometheus_url: None,
             infra,
             services: Vec::new(),
@@ -390,7 +412,7 @@ impl Stack {
             .services
             .iter()
             .position(|p| p.name == name)
-            .with_context(|| format!("{name} is not running"))?;
+            .with_context(|| format!("{name} is not running here (not started by this stack)"))?;
         let mut p = self.services.remove(i);
         let _ = p.child.kill();
         let _ = p.child.wait();

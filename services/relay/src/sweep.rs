@@ -1,8 +1,12 @@
-//! `relay sweep`: hyperparameter search on the local stack.
+//! `relay sweep`: hyperparameter search on the local stack, or against a
+//! remote NATS.
 //!
 //! Each trial is a normal run (`relay up --until-solved` with the trial's
 //! `--set` overrides, its own run id `<sweep>-t<k>`, in the registry like any
-//! other run), one after the other on the same machine:
+//! other run), one after the other. With `--nats-url` (and `--redis-url`)
+//! the trials use that nats-server (and redis-server) instead of starting
+//! their own, so service copies started on other machines (`relay-env-runner
+//! --run-id <sweep>-t<k> --nats-url ...`) can join a trial. The search:
 //! - `--grid key=v1,v2,...` (repeatable): every combination, in order;
 //! - `--random key=DIST` (repeatable) with `--trials N`: N draws from a
 //!   seeded RNG, where DIST is `uniform:LO:HI`, `loguniform:LO:HI`,

@@ -96,3 +96,78 @@ fn a_grid_sweep_runs_each_trial_as_a_run_and_ranks_them() {
         "{registry}"
     );
 }
+
+/// `--nats-url`/`--redis-url`: the trials run on a nats-server and a
+/// redis-server the sweep did not start (another machine's, in real use),
+/// where anyone connected sees the trial's traffic.
+#[test]
+fn a_sweep_against_a_remote_nats_runs_its_trials_there() {
+    use futures::StreamExt;
+
+    let dir = relay_testkit::TempDir::new("sweep-remote");
+    let nats = relay_testkit::NatsServer::start().expect("nats-server");
+    let redis = relay_testkit::RedisServer::start().expect("redis-server");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let mut trial_messages = runtime.block_on(async {
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        client.subscribe("relay.swr-t0.>").await.unwrap()
+    });
+
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/cartpole-ppo.yaml"
+    );
+    let state = dir.path().join("state");
+    let output = Command::new(env!("CARGO_BIN_EXE_relay"))
+        .args(["sweep", "--config", config, "--run-id", "swr"])
+        .args(["--grid", "ppo.learning_rate=0.001"])
+        .args(["--nats-url", &nats.url(), "--redis-url", &redis.url()])
+        .arg("--state-dir")
+        .arg(&state)
+        .args([
+            "--set",
+            &format!("run.runs_dir={}", dir.path().join("runs").display()),
+            "--set",
+            "run.total_env_steps=1024",
+            "--set",
+            "eval.every_versions=1",
+            "--set",
+            "eval.episodes=1",
+        ])
+        .output()
+        .expect("run relay sweep");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "relay sweep failed\nstdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains(&nats.url()), "{stdout}");
+    let seen = runtime.block_on(async {
+        let mut seen = 0;
+        while let Ok(Some(_)) =
+            tokio::time::timeout(std::time::Duration::from_millis(200), trial_messages.next()).await
+        {
+            seen += 1;
+        }
+        seen
+    });
+    assert!(
+        seen > 10,
+        "only {seen} messages of trial swr-t0 on the remote NATS"
+    );
+    // Neither server was started by the sweep.
+    let logs: Vec<String> = std::fs::read_dir(state.join("logs"))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        !logs
+            .iter()
+            .any(|l| l.starts_with("nats-server") || l.starts_with("redis-server")),
+        "{logs:?}"
+    );
+}
