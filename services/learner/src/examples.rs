@@ -22,6 +22,10 @@
 //!   "several completions of one prompt" that games against a random
 //!   opponent offer, since later positions rarely repeat. The group id is
 //!   `version * 256 + seat`.
+//! - **Stratum** (the moving-average baseline of `reinforce`): the seat.
+//!   The seats' rewards differ in level (the first mover wins more), so
+//!   one average over both would credit everything the first seat does
+//!   and blame everything the second does.
 
 use relay_llm::{GameResult, RewardNormalizer, RewardShaping, TokenExample};
 use relay_proto::GameRecord;
@@ -96,6 +100,7 @@ pub fn games_to_examples(
                         behaviour_logprobs,
                         reward: 0.0,
                         group: group_id(version, seat),
+                        stratum: seat as u64,
                     },
                     _ => {
                         out.skipped_moves += 1;

@@ -71,9 +71,10 @@ pub const ADAPTER_DIR: &str = "adapter";
 pub struct TextCheckpointState {
     #[serde(flatten)]
     pub progress: Progress,
-    /// The REINFORCE moving-average baseline, when that objective keeps one.
+    /// The REINFORCE moving-average baselines by stratum (seat), when that
+    /// objective keeps them.
     #[serde(default)]
-    pub moving_baseline: Option<f64>,
+    pub moving_baselines: relay_llm::MovingBaselines,
     /// Running reward statistics of `rl.reward.normalize`.
     #[serde(default)]
     pub reward_normalizer: RewardNormalizer,
@@ -421,7 +422,7 @@ pub(crate) async fn run(
     let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
     let mut state = TextCheckpointState {
         progress: Progress::default(),
-        moving_baseline: None,
+        moving_baselines: Default::default(),
         reward_normalizer: RewardNormalizer::default(),
         best_eval: None,
     };
@@ -456,7 +457,7 @@ pub(crate) async fn run(
         }
         if resume {
             state = load_state(dir).map_err(|e| fail(dir, e.to_string()))?;
-            trainer.set_moving_baseline(state.moving_baseline);
+            trainer.set_moving_baselines(state.moving_baselines.clone());
             resumed_at_vec_steps = state.progress.vec_steps;
             state.progress.version = state
                 .progress
@@ -583,7 +584,7 @@ pub(crate) async fn run(
         crate::take_solved(&service, &mut statuses, &mut solved);
         let checkpoint_best = crate::take_evals(&service, &mut evals, &mut state.best_eval);
         if checkpoint_best {
-            state.moving_baseline = trainer.moving_baseline();
+            state.moving_baselines = trainer.moving_baselines().clone();
             checkpoint(&state, &trainer, true);
         }
 
@@ -791,12 +792,12 @@ pub(crate) async fn run(
             .updates
             .is_multiple_of(cfg.rl.checkpoint_every)
         {
-            state.moving_baseline = trainer.moving_baseline();
+            state.moving_baselines = trainer.moving_baselines().clone();
             checkpoint(&state, &trainer, false);
         }
     };
 
-    state.moving_baseline = trainer.moving_baseline();
+    state.moving_baselines = trainer.moving_baselines().clone();
     checkpoint(&state, &trainer, false);
     crate::finish_run(
         &service,

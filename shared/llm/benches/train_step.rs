@@ -130,6 +130,7 @@ fn examples(vocab: u32) -> Vec<TokenExample> {
             behaviour_logprobs: vec![-6.0; COMPLETION],
             reward: (i % 3) as f64,
             group: (i / 4) as u64,
+            stratum: 0,
         })
         .collect()
 }

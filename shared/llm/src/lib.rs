@@ -149,8 +149,8 @@ pub use model_error::ModelError;
 pub use optim::{AdamW, AdamWConfig, StepReport};
 pub use reward::{GameResult, NormalizeConfig, RewardNormalizer, RewardShaping, RunningStats};
 pub use rl::{
-    AdvantageEstimator, Baseline, KlConfig, KlEstimator, KlMode, ObjectiveConfig, PolicyLoss,
-    RatioLevel, RlStats, RlTrainConfig, RlTrainer, TokenExample,
+    AdvantageEstimator, Baseline, KlConfig, KlEstimator, KlMode, MovingBaselines, ObjectiveConfig,
+    PolicyLoss, RatioLevel, RlStats, RlTrainConfig, RlTrainer, TokenExample,
 };
 pub use sft::{SftConfig, SftExample, SftFormat, SftRecord, SftStats, SftTrainer};
 pub use smollm2::{find_smollm2_gguf, FindGgufError, SMOLLM2_GGUF_ENV};

@@ -140,6 +140,11 @@ pub struct TokenExample {
     /// Group id: completions sampled for the same prompt/state share it
     /// (RLOO and GRPO baselines are computed within groups).
     pub group: u64,
+    /// Stratum of the moving-average baseline: examples whose rewards
+    /// have the same expected level share one average (the learner uses
+    /// the seat, since the first mover wins more often; one stratum, e.g.
+    /// 0, gives the classic single average).
+    pub stratum: u64,
 }
 
 impl TokenExample {
@@ -182,9 +187,13 @@ pub enum Baseline {
     /// The batch's mean reward.
     #[default]
     BatchMean,
-    /// An exponential moving average of past batch means
-    /// (`b ← decay·b + (1 − decay)·mean(r)` after each step; the first
-    /// batch uses its own mean). Kept by the [`RlTrainer`].
+    /// An exponential moving average of past batch means, one per
+    /// [`TokenExample::stratum`] (`b_s ← decay·b_s + (1 − decay)·mean(r_s)`
+    /// after each step over the batch's examples of stratum `s`; a
+    /// stratum's first batch uses its own mean). Kept by the
+    /// [`RlTrainer`]. Unlike group baselines it never vanishes when a
+    /// whole group has the same reward (say, every game of the second
+    /// seat lost): those moves are still pushed below the average.
     MovingAverage {
         /// Weight of the past, in `[0, 1)`.
         decay: f64,
@@ -421,20 +430,35 @@ impl ObjectiveConfig {
     }
 }
 
-/// Per-sequence advantages of `rewards` (with their `groups`), by
-/// `estimator`. `moving_baseline` is the [`Baseline::MovingAverage`]
-/// state (`None` before the first batch).
+/// Indices of `keys` by key.
+fn by_key(keys: &[u64]) -> BTreeMap<u64, Vec<usize>> {
+    let mut out: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+    for (i, k) in keys.iter().enumerate() {
+        out.entry(*k).or_default().push(i);
+    }
+    out
+}
+
+/// The [`Baseline::MovingAverage`] state: the average of each stratum
+/// seen so far.
+pub type MovingBaselines = BTreeMap<u64, f64>;
+
+/// Per-sequence advantages of `rewards` (with their `groups` and
+/// `strata`), by `estimator`. `moving` is the [`Baseline::MovingAverage`]
+/// state (empty before the first batch).
 pub fn compute_advantages(
     estimator: &AdvantageEstimator,
     rewards: &[f64],
     groups: &[u64],
-    moving_baseline: Option<f64>,
+    strata: &[u64],
+    moving: &MovingBaselines,
 ) -> TrainResult<Vec<f64>> {
-    if rewards.len() != groups.len() {
+    if rewards.len() != groups.len() || rewards.len() != strata.len() {
         return Err(TrainError::BadInput(format!(
-            "{} rewards for {} group ids",
+            "{} rewards for {} group ids and {} strata",
             rewards.len(),
-            groups.len()
+            groups.len(),
+            strata.len()
         )));
     }
     let all_equal = |idx: &[usize]| idx.iter().all(|&i| rewards[i] == rewards[idx[0]]);
@@ -443,28 +467,38 @@ pub fn compute_advantages(
     match *estimator {
         AdvantageEstimator::Reinforce { baseline } => {
             let all: Vec<usize> = (0..rewards.len()).collect();
-            let b = match baseline {
-                Baseline::None => 0.0,
-                Baseline::BatchMean if !all.is_empty() && all_equal(&all) => rewards[0],
-                Baseline::BatchMean => mean(&all),
-                Baseline::MovingAverage { .. } => moving_baseline.unwrap_or_else(|| {
-                    if all_equal(&all) {
-                        rewards[0]
-                    } else {
-                        mean(&all)
-                    }
-                }),
+            let batch_baseline = |idx: &[usize]| {
+                if idx.is_empty() {
+                    0.0
+                } else if all_equal(idx) {
+                    rewards[idx[0]]
+                } else {
+                    mean(idx)
+                }
             };
-            for (a, r) in adv.iter_mut().zip(rewards) {
-                *a = r - b;
+            match baseline {
+                Baseline::None => adv.copy_from_slice(rewards),
+                Baseline::BatchMean => {
+                    let b = batch_baseline(&all);
+                    for (a, r) in adv.iter_mut().zip(rewards) {
+                        *a = r - b;
+                    }
+                }
+                Baseline::MovingAverage { .. } => {
+                    for (stratum, idx) in by_key(strata) {
+                        let b = moving
+                            .get(&stratum)
+                            .copied()
+                            .unwrap_or_else(|| batch_baseline(&idx));
+                        for i in idx {
+                            adv[i] = rewards[i] - b;
+                        }
+                    }
+                }
             }
         }
         AdvantageEstimator::Rloo | AdvantageEstimator::Grpo { .. } => {
-            let mut by_group: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-            for (i, g) in groups.iter().enumerate() {
-                by_group.entry(*g).or_default().push(i);
-            }
-            for idx in by_group.values() {
+            for idx in by_key(groups).values() {
                 // Equal rewards: exactly zero (the arithmetic below may round).
                 if idx.len() < 2 || all_equal(idx) {
                     continue;
@@ -812,7 +846,7 @@ pub struct RlStats {
 pub struct RlTrainer {
     config: RlTrainConfig,
     optimizer: AdamW,
-    moving_baseline: Option<f64>,
+    moving_baselines: MovingBaselines,
 }
 
 struct Kept<'a> {
@@ -828,7 +862,7 @@ impl RlTrainer {
         Ok(Self {
             config,
             optimizer,
-            moving_baseline: None,
+            moving_baselines: MovingBaselines::new(),
         })
     }
 
@@ -847,15 +881,15 @@ impl RlTrainer {
         &mut self.optimizer
     }
 
-    /// The moving-average baseline (`None` before the first batch, or
-    /// with another baseline).
-    pub fn moving_baseline(&self) -> Option<f64> {
-        self.moving_baseline
+    /// The moving-average baselines by stratum (empty before the first
+    /// batch, or with another baseline).
+    pub fn moving_baselines(&self) -> &MovingBaselines {
+        &self.moving_baselines
     }
 
-    /// Restores the moving-average baseline (from a checkpoint).
-    pub fn set_moving_baseline(&mut self, value: Option<f64>) {
-        self.moving_baseline = value;
+    /// Restores the moving-average baselines (from a checkpoint).
+    pub fn set_moving_baselines(&mut self, value: MovingBaselines) {
+        self.moving_baselines = value;
     }
 
     /// One optimizer step on `examples` (`1..=batch_size`):
@@ -966,11 +1000,13 @@ impl RlTrainer {
         }
 
         let groups: Vec<u64> = kept.iter().map(|k| k.example.group).collect();
+        let strata: Vec<u64> = kept.iter().map(|k| k.example.stratum).collect();
         let advantages = compute_advantages(
             &cfg.objective.advantage,
             &rewards,
             &groups,
-            self.moving_baseline,
+            &strata,
+            &self.moving_baselines,
         )?;
 
         let need_reference = cfg.objective.kl.is_some_and(|k| k.mode == KlMode::Loss);
@@ -1010,11 +1046,13 @@ impl RlTrainer {
             baseline: Baseline::MovingAverage { decay },
         } = cfg.objective.advantage
         {
-            let batch_mean = rewards.iter().sum::<f64>() / rewards.len() as f64;
-            self.moving_baseline = Some(match self.moving_baseline {
-                Some(b) => decay * b + (1.0 - decay) * batch_mean,
-                None => batch_mean,
-            });
+            for (stratum, idx) in by_key(&strata) {
+                let batch_mean = idx.iter().map(|&i| rewards[i]).sum::<f64>() / idx.len() as f64;
+                self.moving_baselines
+                    .entry(stratum)
+                    .and_modify(|b| *b = decay * *b + (1.0 - decay) * batch_mean)
+                    .or_insert(batch_mean);
+            }
         }
 
         let n = kept.len() as f64;

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, Var};
 use relay_llm::reward::format_reward;
-use relay_llm::rl::{compute_advantages, kl_estimate, rl_loss, RlLoss, RlMicroBatch, RlRow};
+use relay_llm::rl::{
+    compute_advantages, kl_estimate, rl_loss, MovingBaselines, RlLoss, RlMicroBatch, RlRow,
+};
 use relay_llm::token_batch::{fit_to_length, Fit};
 use relay_llm::{
     init, token_log_probs, AdvantageEstimator, Aggregation, Baseline, BatchConfig, BatchTotals,
@@ -39,28 +41,81 @@ fn advantages_by_hand() {
     let rewards = [1.0, 0.0, 0.0, 3.0];
     let groups = [0, 0, 0, 0];
     assert_eq!(
-        compute_advantages(&reinforce(Baseline::BatchMean), &rewards, &groups, None).unwrap(),
+        compute_advantages(
+            &reinforce(Baseline::BatchMean),
+            &rewards,
+            &groups,
+            &vec![0; rewards.len()],
+            &MovingBaselines::new()
+        )
+        .unwrap(),
         vec![0.0, -1.0, -1.0, 2.0]
     );
     assert_eq!(
-        compute_advantages(&reinforce(Baseline::None), &rewards, &groups, None).unwrap(),
+        compute_advantages(
+            &reinforce(Baseline::None),
+            &rewards,
+            &groups,
+            &vec![0; rewards.len()],
+            &MovingBaselines::new()
+        )
+        .unwrap(),
         rewards.to_vec()
     );
     let moving = reinforce(Baseline::MovingAverage { decay: 0.9 });
     assert_eq!(
-        compute_advantages(&moving, &rewards, &groups, Some(0.5)).unwrap(),
+        compute_advantages(&moving, &rewards, &groups, &groups, &[(0, 0.5)].into()).unwrap(),
         vec![0.5, -0.5, -0.5, 2.5]
     );
     // First batch: its own mean.
     assert_eq!(
-        compute_advantages(&moving, &rewards, &groups, None).unwrap(),
+        compute_advantages(
+            &moving,
+            &rewards,
+            &groups,
+            &vec![0; rewards.len()],
+            &MovingBaselines::new()
+        )
+        .unwrap(),
         vec![0.0, -1.0, -1.0, 2.0]
     );
+
+    // Moving averages per stratum: stratum 0 has one, stratum 1 none yet
+    // (its own batch mean, 1.5); groups play no part.
+    let a = compute_advantages(
+        &moving,
+        &[1.0, -1.0, 0.0, 3.0],
+        &[5, 5, 5, 5],
+        &[0, 0, 1, 1],
+        &[(0, -0.5)].into(),
+    )
+    .unwrap();
+    assert_eq!(a, vec![1.5, -0.5, -1.5, 1.5]);
+    // A stratum whose rewards are all equal still gets non-zero
+    // advantages from its average (the second seat losing every game).
+    let a = compute_advantages(
+        &moving,
+        &[-1.0, -1.0],
+        &[2, 2],
+        &[1, 1],
+        &[(1, -0.6)].into(),
+    )
+    .unwrap();
+    for x in a {
+        close(x, -0.4, "all losses");
+    }
 
     // Two groups: [1, 0, 0] and [2, 4].
     let rewards = [1.0, 0.0, 2.0, 0.0, 4.0];
     let groups = [7, 7, 9, 7, 9];
-    let rloo = compute_advantages(&AdvantageEstimator::Rloo, &rewards, &groups, None).unwrap();
+    let rloo = compute_advantages(
+        &AdvantageEstimator::Rloo,
+        &rewards,
+        &groups,
+        &vec![0; rewards.len()],
+        &MovingBaselines::new(),
+    )
+    .unwrap();
     assert_eq!(rloo, vec![1.0, -0.5, -2.0, -0.5, 2.0]);
 
     let grpo = |scale_by_std, std_eps| AdvantageEstimator::Grpo {
@@ -68,7 +123,14 @@ fn advantages_by_hand() {
         std_eps,
     };
     // Group [1, 0, 0]: mean 1/3, sample std sqrt(1/3); group [2, 4]: mean 3, std sqrt(2).
-    let a = compute_advantages(&grpo(true, 0.0), &rewards, &groups, None).unwrap();
+    let a = compute_advantages(
+        &grpo(true, 0.0),
+        &rewards,
+        &groups,
+        &vec![0; rewards.len()],
+        &MovingBaselines::new(),
+    )
+    .unwrap();
     let s1 = (1.0f64 / 3.0).sqrt();
     let s2 = 2.0f64.sqrt();
     let expected = [
@@ -81,9 +143,23 @@ fn advantages_by_hand() {
     for (x, y) in a.iter().zip(expected) {
         close(*x, y, "grpo");
     }
-    let a = compute_advantages(&grpo(true, 0.5), &rewards, &groups, None).unwrap();
+    let a = compute_advantages(
+        &grpo(true, 0.5),
+        &rewards,
+        &groups,
+        &vec![0; rewards.len()],
+        &MovingBaselines::new(),
+    )
+    .unwrap();
     close(a[0], (2.0 / 3.0) / (s1 + 0.5), "grpo eps");
-    let a = compute_advantages(&grpo(false, 0.0), &rewards, &groups, None).unwrap();
+    let a = compute_advantages(
+        &grpo(false, 0.0),
+        &rewards,
+        &groups,
+        &vec![0; rewards.len()],
+        &MovingBaselines::new(),
+    )
+    .unwrap();
     for (x, y) in a.iter().zip([2.0 / 3.0, -1.0 / 3.0, -1.0, -1.0 / 3.0, 1.0]) {
         close(*x, y, "dr grpo");
     }
@@ -109,7 +185,14 @@ fn equal_rewards_and_singleton_groups_give_exactly_zero_advantages() {
             std_eps: 0.0,
         },
     ] {
-        let a = compute_advantages(&estimator, &rewards, &groups, None).unwrap();
+        let a = compute_advantages(
+            &estimator,
+            &rewards,
+            &groups,
+            &vec![0; rewards.len()],
+            &MovingBaselines::new(),
+        )
+        .unwrap();
         assert_eq!(a, vec![0.0; 4], "{estimator:?}");
     }
     let a = compute_advantages(
@@ -118,7 +201,8 @@ fn equal_rewards_and_singleton_groups_give_exactly_zero_advantages() {
         },
         &[0.1, 0.1, 0.1],
         &[0, 1, 2],
-        None,
+        &[0, 0, 0],
+        &MovingBaselines::new(),
     )
     .unwrap();
     assert_eq!(a, vec![0.0; 3]);
@@ -493,7 +577,14 @@ fn masked_positions_do_not_change_the_loss_or_get_gradient() {
 fn equal_rewards_in_a_group_give_zero_policy_gradient() {
     let rewards = [0.1, 0.1, 0.1];
     let estimator = ObjectiveConfig::grpo().advantage;
-    let advantages = compute_advantages(&estimator, &rewards, &[3, 3, 3], None).unwrap();
+    let advantages = compute_advantages(
+        &estimator,
+        &rewards,
+        &[3, 3, 3],
+        &vec![0; rewards.len()],
+        &MovingBaselines::new(),
+    )
+    .unwrap();
     let completions: [&[u32]; 3] = [&[1, 0], &[0], &[1, 1]];
     let behaviour: [&[f32]; 3] = [&[-0.3, -1.0], &[-0.2], &[-0.6, -0.9]];
     let rows: Vec<RlRow> = (0..3)
@@ -710,6 +801,7 @@ fn example(
         behaviour_logprobs: completion_logprobs(model, Some(adapter), prompt, completion),
         reward,
         group,
+        stratum: 0,
     }
 }
 
