@@ -59,8 +59,8 @@ pub mod examples;
 pub mod optimizer;
 pub mod ppo;
 pub mod reinforce;
-pub mod sac;
 pub mod rollout;
+pub mod sac;
 pub mod text;
 
 use std::sync::{Arc, RwLock};

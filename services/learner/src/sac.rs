@@ -423,9 +423,7 @@ pub(crate) async fn run(
 }
 
 /// The checkpoint file of each of SAC's three Adam states.
-pub fn optimizer_files(
-    optimizers: &mut SacOptimizers,
-) -> [(&'static str, &mut relay_nn::Adam); 3] {
+pub fn optimizer_files(optimizers: &mut SacOptimizers) -> [(&'static str, &mut relay_nn::Adam); 3] {
     [
         ("optimizer.safetensors", &mut optimizers.actor),
         ("critic_optimizer.safetensors", &mut optimizers.critic),

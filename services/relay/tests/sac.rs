@@ -15,9 +15,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
 use relay_nn::{Adam, AdamConfig, Sac, SacActor};
-use relay_proto::{
-    EvalReport, MetricsReport, RunStatus, RunStatusUpdate, Subjects, WeightsUpdate,
-};
+use relay_proto::{EvalReport, MetricsReport, RunStatus, RunStatusUpdate, Subjects, WeightsUpdate};
 use relay_testkit::{NatsServer, RedisServer, TempDir};
 
 const RUN: &str = "sac-e2e";
@@ -31,7 +29,12 @@ struct Observed {
     finished: Option<String>,
 }
 
-fn config(nats: &NatsServer, redis: &RedisServer, runs: &Path, extra: &[String]) -> ExperimentConfig {
+fn config(
+    nats: &NatsServer,
+    redis: &RedisServer,
+    runs: &Path,
+    extra: &[String],
+) -> ExperimentConfig {
     let path = format!(
         "{}/../../configs/pendulum-sac.yaml",
         env!("CARGO_MANIFEST_DIR")
@@ -140,7 +143,12 @@ fn finite(seen: &Observed, name: &str) -> Vec<f64> {
 fn read_checkpoint(
     cfg: &ExperimentConfig,
     dir: &Path,
-) -> (Sac, [u64; 3], relay_learner::sac::SacState, serde_json::Value) {
+) -> (
+    Sac,
+    [u64; 3],
+    relay_learner::sac::SacState,
+    serde_json::Value,
+) {
     let spec = relay_policy::sac_spec_for(cfg).unwrap();
     let mut sac = Sac::new(&spec, 1.0, 99).unwrap();
     sac.load(dir.join("model.safetensors")).unwrap();
@@ -202,7 +210,10 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
     // α is tuned: it starts at 1 and moves every step (down: the initial
     // actor's entropy is above the target -1).
     let alpha = finite(&first, "learner_ent_coef");
-    assert!(alpha[0] <= 1.0 && alpha.last().unwrap() < &alpha[0], "{alpha:?}");
+    assert!(
+        alpha[0] <= 1.0 && alpha.last().unwrap() < &alpha[0],
+        "{alpha:?}"
+    );
     // Greedy evaluations of trained versions, two episodes each.
     assert!(first.evals.iter().any(|e| e.policy_version >= 1));
     assert!(first
@@ -262,7 +273,8 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
         "resumed at {} but saved {saved_alpha}",
         alpha2[0]
     );
-    let (_, steps2, state2, counters2) = read_checkpoint(&resumed_cfg, &run_dir.join("checkpoints/last"));
+    let (_, steps2, state2, counters2) =
+        read_checkpoint(&resumed_cfg, &run_dir.join("checkpoints/last"));
     assert!(state2.rounds > state.rounds, "{state2:?} after {state:?}");
     assert_eq!(steps2, [state2.gradient_steps; 3]);
     assert!(counters2["progress"]["env_steps"].as_u64().unwrap() >= 600);

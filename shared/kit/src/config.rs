@@ -3386,7 +3386,12 @@ mod tests {
         assert_eq!(c.keep_checkpoints(), s.keep_checkpoints);
         let table = c.off_policy_table().unwrap();
         assert_eq!(
-            (table.capacity, table.n_steps, table.prioritized, table.gamma),
+            (
+                table.capacity,
+                table.n_steps,
+                table.prioritized,
+                table.gamma
+            ),
             (1_000_000, 1, false, 0.99)
         );
         // SB3's spellings of ent_coef and target_entropy.
