@@ -65,7 +65,7 @@ fn config(
 }
 
 /// Runs the six services until the learner announces the end of training
-/// and an evaluation of a trained version came in (or 40 s pass).
+/// and an evaluation of a trained version came in (or 50 s pass).
 async fn run_stack(nats: &NatsServer, cfg: &ExperimentConfig) -> Observed {
     let (trigger, shutdown) = Shutdown::new();
     let client = async_nats::connect(nats.url()).await.unwrap();
@@ -84,7 +84,7 @@ async fn run_stack(nats: &NatsServer, cfg: &ExperimentConfig) -> Observed {
         tokio::spawn(relay_learner::run(service(), shutdown.clone())),
     ];
     let mut seen = Observed::default();
-    let deadline = Instant::now() + Duration::from_secs(40);
+    let deadline = Instant::now() + Duration::from_secs(50);
     while Instant::now() < deadline {
         let trained_eval = seen.evals.iter().any(|e| e.policy_version >= 1);
         if seen.finished.is_some() && trained_eval {
@@ -117,6 +117,14 @@ async fn run_stack(nats: &NatsServer, cfg: &ExperimentConfig) -> Observed {
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
         }
     }
+    println!(
+        "{} versions (last {:?}), {} evals, finished: {:?}, learner env steps {:?}",
+        seen.versions.len(),
+        seen.versions.last(),
+        seen.evals.len(),
+        seen.finished,
+        seen.learner.get("learner_env_steps").and_then(|v| v.last())
+    );
     trigger.trigger();
     for task in tasks {
         tokio::time::timeout(Duration::from_secs(15), task)
@@ -177,7 +185,7 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
     let redis = RedisServer::start().unwrap();
     let dir = TempDir::new("sac");
     let runs = dir.path().join("runs");
-    let cfg = config(&nats, &redis, &runs, &["run.total_env_steps=400".into()]);
+    let cfg = config(&nats, &redis, &runs, &["run.total_env_steps=256".into()]);
     assert_eq!(cfg.algo_name(), "sac");
 
     // --- a fresh run to its budget -------------------------------------
@@ -243,7 +251,7 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
     assert!(a1[0].abs() <= 2.0, "{a1:?}");
     let saved_version = counters["progress"]["version"].as_u64().unwrap();
     let saved_env_steps = counters["progress"]["env_steps"].as_u64().unwrap();
-    assert!(saved_env_steps >= 400, "{counters}");
+    assert!(saved_env_steps >= 256, "{counters}");
 
     // --- resumed from it, to a larger budget ----------------------------
     let resumed_cfg = config(
@@ -251,7 +259,7 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
         &redis,
         &runs,
         &[
-            "run.total_env_steps=600".into(),
+            "run.total_env_steps=384".into(),
             format!("run.resume_from={}", last.display()),
         ],
     );
@@ -277,5 +285,5 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
         read_checkpoint(&resumed_cfg, &run_dir.join("checkpoints/last"));
     assert!(state2.rounds > state.rounds, "{state2:?} after {state:?}");
     assert_eq!(steps2, [state2.gradient_steps; 3]);
-    assert!(counters2["progress"]["env_steps"].as_u64().unwrap() >= 600);
+    assert!(counters2["progress"]["env_steps"].as_u64().unwrap() >= 384);
 }
