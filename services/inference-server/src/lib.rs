@@ -29,6 +29,11 @@
 //! env-runner explores as the learner's schedule says; deterministic
 //! requests (the evaluator's) get the greedy action. Exploration lives here
 //! and not in the env-runners so that acting has one place and one schedule.
+//!
+//! SAC runs (`run.algo: sac`): the weights are the actor alone (`actor.*`;
+//! the critics stay in the learner); sampled actions are the squashed
+//! Gaussian's `tanh(μ + σ ε)` and deterministic ones `tanh(μ)`, both in env
+//! units (scaled to the action bounds).
 
 pub mod llm;
 

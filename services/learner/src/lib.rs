@@ -48,8 +48,9 @@
 //! (`run.init_from` takes them too when the checkpoint has them).
 //!
 //! Text runs (`run.env_id` a text game) train a LoRA adapter on games
-//! instead: see [`text`]. DQN (`run.algo: dqn`) trains off-policy on the
-//! replay-buffer's transition table with its own loop: see [`dqn`].
+//! instead: see [`text`]. DQN (`run.algo: dqn`) and SAC (`run.algo: sac`)
+//! train off-policy on the replay-buffer's transition table, each with its
+//! own loop: see [`dqn`] and [`sac`].
 
 pub mod a2c;
 pub mod checkpoint;
@@ -59,6 +60,7 @@ pub mod optimizer;
 pub mod ppo;
 pub mod reinforce;
 pub mod rollout;
+pub mod sac;
 pub mod text;
 
 use std::sync::{Arc, RwLock};
@@ -422,6 +424,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     }
     if cfg.run.algo == "dqn" {
         return dqn::run(service, shutdown, metrics).await;
+    }
+    if cfg.run.algo == "sac" {
+        return sac::run(service, shutdown, metrics).await;
     }
     let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
     let mut model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed)

@@ -193,6 +193,15 @@ pub fn play(args: PlayArgs) -> Result<()> {
         net.load(dir.join("model.safetensors"))
             .with_context(|| format!("loading {}", dir.display()))?;
         relay_policy::PolicyModel::QNetwork { net, epsilon: 0.0 }
+    } else if config.run.algo == "sac" {
+        // The checkpoint holds actor, critics, targets and log α; play
+        // with the actor's deterministic action tanh(μ).
+        let spec = relay_policy::sac_spec_for(&config).map_err(anyhow::Error::msg)?;
+        let mut sac = relay_nn::Sac::new(&spec, 1.0, config.run.seed)?;
+        sac.load(dir.join("model.safetensors"))
+            .with_context(|| format!("loading {}", dir.display()))?;
+        let relay_nn::Sac { actor, .. } = sac;
+        relay_policy::PolicyModel::Sac(actor)
     } else {
         let spec = relay_policy::spec_for(&config)?;
         let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;

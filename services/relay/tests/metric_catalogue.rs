@@ -4,8 +4,9 @@
 //! CartPole run, and beside it a TicTacToe run of an env-runner, a
 //! `vs-opponent` evaluator, a replay buffer and a learner training the
 //! LoRA adapter over the tiny-qwen2 fixture, with a stand-in for the
-//! inference servers' `generate` endpoint, and a DQN CartPole run of a
-//! replay buffer, an inference server, an env-runner and a learner).
+//! inference servers' `generate` endpoint, and a DQN CartPole run and a SAC
+//! Pendulum run, each of a replay buffer, an inference server, an
+//! env-runner and a learner).
 
 use std::time::{Duration, Instant};
 
@@ -120,9 +121,18 @@ async fn metric_catalogue_matches_what_services_emit() {
         redis.url()
     );
     let dqn_experiment = ExperimentConfig::from_layers(&dqn_run, "test", &[], &[]).unwrap();
+    // And a SAC run, for SAC's series.
+    let sac_run = format!(
+        "run:\n  id: catalogue-sac\n  env_id: Pendulum-v1\n  algo: sac\n  runs_dir: {}\n  total_env_steps: 100000\nconnections:\n  nats_url: {}\n  redis_url: {}\nenv_runner:\n  num_envs: 2\n  fragment_steps: 8\nsac:\n  learning_starts: 32\n  train_freq: 16\n  batch_size: 16\n  net_arch: [16]\n",
+        dir.path().display(),
+        nats.url(),
+        redis.url()
+    );
+    let sac_experiment = ExperimentConfig::from_layers(&sac_run, "test", &[], &[]).unwrap();
     let config = || ServiceConfig::for_test(experiment.clone());
     let text_config = || ServiceConfig::for_test(text_experiment.clone());
     let dqn_config = || ServiceConfig::for_test(dqn_experiment.clone());
+    let sac_config = || ServiceConfig::for_test(sac_experiment.clone());
     let tasks = vec![
         tokio::spawn(relay_tracker::run(config(), shutdown.clone())),
         tokio::spawn(relay_replay_buffer::run(config(), shutdown.clone())),
@@ -140,6 +150,10 @@ async fn metric_catalogue_matches_what_services_emit() {
         tokio::spawn(relay_inference_server::run(dqn_config(), shutdown.clone())),
         tokio::spawn(relay_env_runner::run(dqn_config(), shutdown.clone())),
         tokio::spawn(relay_learner::run(dqn_config(), shutdown.clone())),
+        tokio::spawn(relay_replay_buffer::run(sac_config(), shutdown.clone())),
+        tokio::spawn(relay_inference_server::run(sac_config(), shutdown.clone())),
+        tokio::spawn(relay_env_runner::run(sac_config(), shutdown.clone())),
+        tokio::spawn(relay_learner::run(sac_config(), shutdown.clone())),
     ];
     // Until every catalogued metric has shown up (reports come each second,
     // the learner's after its first update), or a deadline.

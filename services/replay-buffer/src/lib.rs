@@ -17,7 +17,7 @@
 //! ([`games`]): consumed from `relay.<run>.games`, sampled on
 //! `relay.<run>.replay.games.sample`.
 //!
-//! Off-policy runs (`run.algo: dqn`) keep transitions instead
+//! Off-policy runs (`run.algo: dqn` or `sac`) keep transitions instead
 //! ([`offpolicy`]): fragments inserted on `replay.insert` become n-step
 //! transitions in a FIFO-evicting table, sampled (uniformly or by
 //! priority) on `relay.<run>.replay.transitions.sample`, with priorities
@@ -563,7 +563,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     }
                 };
                 if table.is_some() {
-                    let detail = "this run's replay table is off-policy (run.algo dqn): sample transitions on replay.transitions.sample";
+                    let detail = format!("this run's replay table is off-policy (run.algo {}): sample transitions on replay.transitions.sample", cfg.run.algo);
                     let _ = request.respond(Err(async_nats::service::error::Error { status: detail.into(), code: 400 })).await;
                     continue;
                 }

@@ -61,6 +61,8 @@ pub struct ExperimentConfig {
     #[serde(default)]
     pub dqn: DqnConfig,
     #[serde(default)]
+    pub sac: SacSection,
+    #[serde(default)]
     pub eval: EvalConfig,
     #[serde(default)]
     pub tracker: TrackerConfig,
@@ -89,7 +91,8 @@ pub struct RunConfig {
     /// `KuhnPoker-v0`, `GuessTheNumber-v0`: the env-runners play games
     /// with the LLM policy, see the `text` section).
     pub env_id: String,
-    /// Algorithm of classic-control runs: `ppo`, `a2c`, `reinforce` or `dqn`, each
+    /// Algorithm of classic-control runs: `ppo`, `a2c`, `reinforce`, `dqn`
+    /// (discrete actions) or `sac` (continuous actions), each
     /// configured by its own section; used in run ids (text games train
     /// with the `rl` section, whose preset names them).
     #[serde(default = "default_algo")]
@@ -1062,7 +1065,136 @@ pub struct OffPolicyTable {
 }
 
 /// Algorithms that train classic-control runs (`run.algo`).
-pub const CLASSIC_ALGOS: [&str; 4] = ["ppo", "a2c", "reinforce", "dqn"];
+pub const CLASSIC_ALGOS: [&str; 5] = ["ppo", "a2c", "reinforce", "dqn", "sac"];
+
+/// A hyperparameter given as a number or a name (`"auto"`, `"auto_0.1"`):
+/// SAC's `ent_coef` and `target_entropy`, spelled as in SB3.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NumberOrName {
+    /// A number.
+    Number(f64),
+    /// A name.
+    Name(String),
+}
+
+/// How SAC's entropy coefficient α is set ([`SacSection::ent_coef`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum EntCoef {
+    /// Tuned towards the target entropy, starting at `initial`.
+    Auto { initial: f64 },
+    /// Fixed at this value.
+    Fixed(f64),
+}
+
+/// SAC hyperparameters (names and defaults as Stable-Baselines3's `SAC`,
+/// without gSDE).
+///
+/// The env-runners' fragments become 1-step transitions in the
+/// replay-buffer's off-policy table (as DQN's, actions in env units, at
+/// most `buffer_size`, oldest evicted first, uniform sampling). Once more
+/// than `learning_starts` env steps were inserted, the learner takes
+/// `gradient_steps` SAC gradient steps of `batch_size` transitions per
+/// `train_freq` env steps inserted and publishes the actor as a weights
+/// version after each round. The inference servers sample the
+/// tanh-squashed Gaussian actor (env units); the evaluator asks
+/// deterministic actions, `tanh(μ)` scaled. Needs a continuous (Box)
+/// action space.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SacSection {
+    /// Learning rate of the three Adam optimizers (actor, critics, `log α`),
+    /// a schedule over training progress. SB3: 3e-4.
+    pub learning_rate: Schedule,
+    /// Transitions the off-policy table holds; past it the oldest are evicted. SB3: 1,000,000.
+    pub buffer_size: u64,
+    /// Env steps inserted before the first gradient step. SB3: 100.
+    pub learning_starts: u64,
+    /// Transitions per gradient step. SB3: 256.
+    pub batch_size: usize,
+    /// Polyak coefficient of the target critics. SB3: 0.005.
+    pub tau: f64,
+    /// Discount factor. SB3: 0.99.
+    pub gamma: f64,
+    /// Env steps (inserted, all env-runners together) per training round. SB3: 1.
+    pub train_freq: u64,
+    /// Gradient steps per training round. SB3: 1.
+    pub gradient_steps: usize,
+    /// Entropy coefficient α: `"auto"` (tuned towards `target_entropy`,
+    /// starting at 1), `"auto_<init>"` (tuned, starting at `<init>`, e.g.
+    /// `"auto_0.1"`) or a number (fixed). SB3: `"auto"`.
+    pub ent_coef: NumberOrName,
+    /// Entropy target of the tuned α: `"auto"` is `-action_dim`, or a
+    /// number. SB3: `"auto"`.
+    pub target_entropy: NumberOrName,
+    /// Gradient steps between Polyak updates of the target critics. SB3: 1.
+    pub target_update_interval: u64,
+    /// Hidden widths of the actor and of each of the two critics (ReLU). SB3: [256, 256].
+    pub net_arch: Vec<usize>,
+    /// Lower clamp of the actor's log std. SB3: -20.
+    pub log_std_min: f64,
+    /// Upper clamp of the actor's log std. SB3: 2.
+    pub log_std_max: f64,
+    /// Write a checkpoint every this many training rounds (and at stop, at
+    /// the first eval and at each new best eval mean).
+    pub checkpoint_every: u64,
+    /// Numbered checkpoints kept besides the pinned ones and the best.
+    pub keep_checkpoints: usize,
+}
+
+impl Default for SacSection {
+    fn default() -> Self {
+        Self {
+            learning_rate: Schedule::constant(3e-4),
+            buffer_size: 1_000_000,
+            learning_starts: 100,
+            batch_size: 256,
+            tau: 0.005,
+            gamma: 0.99,
+            train_freq: 1,
+            gradient_steps: 1,
+            ent_coef: NumberOrName::Name("auto".into()),
+            target_entropy: NumberOrName::Name("auto".into()),
+            target_update_interval: 1,
+            net_arch: vec![256, 256],
+            log_std_min: -20.0,
+            log_std_max: 2.0,
+            checkpoint_every: 1000,
+            keep_checkpoints: 5,
+        }
+    }
+}
+
+impl SacSection {
+    /// The entropy coefficient setting; the error names `sac.ent_coef`.
+    pub fn ent_coef(&self) -> Result<EntCoef, ConfigError> {
+        let bad = |detail: String| invalid("sac.ent_coef", detail);
+        match &self.ent_coef {
+            NumberOrName::Number(v) if v.is_finite() && *v > 0.0 => Ok(EntCoef::Fixed(*v)),
+            NumberOrName::Number(v) => Err(bad(format!("a fixed value must be > 0, got {v}"))),
+            NumberOrName::Name(name) if name == "auto" => Ok(EntCoef::Auto { initial: 1.0 }),
+            NumberOrName::Name(name) => match name.strip_prefix("auto_").map(str::parse::<f64>) {
+                Some(Ok(v)) if v.is_finite() && v > 0.0 => Ok(EntCoef::Auto { initial: v }),
+                _ => Err(bad(format!(
+                    "{name:?} is not \"auto\", \"auto_<initial value > 0>\" (e.g. \"auto_0.1\") or a number > 0"
+                ))),
+            },
+        }
+    }
+
+    /// The entropy target for `action_dim` action dimensions; the error
+    /// names `sac.target_entropy`.
+    pub fn target_entropy_for(&self, action_dim: usize) -> Result<f64, ConfigError> {
+        match &self.target_entropy {
+            NumberOrName::Number(v) if v.is_finite() => Ok(*v),
+            NumberOrName::Name(name) if name == "auto" => Ok(-(action_dim as f64)),
+            other => Err(invalid(
+                "sac.target_entropy",
+                format!("{other:?} is not \"auto\" or a finite number"),
+            )),
+        }
+    }
+}
 
 /// evaluator settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -2105,6 +2237,7 @@ impl ExperimentConfig {
         self.validate_a2c()?;
         self.validate_reinforce()?;
         self.validate_dqn()?;
+        self.validate_sac()?;
         if self.run.resume_from.is_some() && self.run.init_from.is_some() {
             return Err(invalid(
                 "run.init_from",
@@ -2130,16 +2263,19 @@ impl ExperimentConfig {
                 "normalisation applies to classic-control envs, not text games",
             ));
         }
-        if self.normalize.enabled() && self.run.algo == "dqn" {
-            // The off-policy table stores raw transitions; DQN does not
-            // take normalised ones yet.
+        if self.normalize.enabled() && matches!(self.run.algo.as_str(), "dqn" | "sac") {
+            // The off-policy table stores raw transitions; DQN and SAC do
+            // not take normalised ones yet.
             return Err(invalid(
                 if self.normalize.obs {
                     "normalize.obs"
                 } else {
                     "normalize.reward"
                 },
-                "not supported with run.algo dqn yet (its replay table keeps raw transitions)",
+                format!(
+                    "not supported with run.algo {} yet (its replay table keeps raw transitions)",
+                    self.run.algo
+                ),
             ));
         }
         self.eval.validate()?;
@@ -2285,16 +2421,107 @@ impl ExperimentConfig {
         Ok(())
     }
 
+    fn validate_sac(&self) -> Result<(), ConfigError> {
+        let s = &self.sac;
+        schedule("sac.learning_rate", &s.learning_rate, true)?;
+        positive(
+            "sac.buffer_size",
+            s.buffer_size.min(usize::MAX as u64) as usize,
+        )?;
+        if s.buffer_size > 1 << 24 {
+            return Err(invalid(
+                "sac.buffer_size",
+                format!(
+                    "{} is above the table's limit of 16,777,216 transitions",
+                    s.buffer_size
+                ),
+            ));
+        }
+        positive("sac.batch_size", s.batch_size)?;
+        unit_interval("sac.tau", s.tau)?;
+        unit_interval("sac.gamma", s.gamma)?;
+        positive(
+            "sac.train_freq",
+            s.train_freq.min(usize::MAX as u64) as usize,
+        )?;
+        positive("sac.gradient_steps", s.gradient_steps)?;
+        positive(
+            "sac.target_update_interval",
+            s.target_update_interval.min(usize::MAX as u64) as usize,
+        )?;
+        s.ent_coef()?;
+        s.target_entropy_for(1)?;
+        if s.net_arch.is_empty() || s.net_arch.contains(&0) {
+            return Err(invalid(
+                "sac.net_arch",
+                format!(
+                    "needs at least one hidden layer, each of width >= 1, got {:?}",
+                    s.net_arch
+                ),
+            ));
+        }
+        if !(s.log_std_min.is_finite() && s.log_std_max.is_finite())
+            || s.log_std_min >= s.log_std_max
+        {
+            return Err(invalid(
+                "sac.log_std_min",
+                format!(
+                    "must be finite and below sac.log_std_max, got {} and {}",
+                    s.log_std_min, s.log_std_max
+                ),
+            ));
+        }
+        positive("sac.checkpoint_every", s.checkpoint_every as usize)?;
+        positive("sac.keep_checkpoints", s.keep_checkpoints)?;
+        if self.run.algo == "sac" {
+            if let Ok(env) = relay_envs::spec(&self.run.env_id) {
+                if !matches!(env.action_space, relay_envs::ActionSpace::Box { .. }) {
+                    return Err(invalid(
+                        "run.algo",
+                        format!(
+                            "sac needs continuous (Box) actions; {} has discrete ones (use dqn, ppo, a2c or reinforce)",
+                            self.run.env_id
+                        ),
+                    ));
+                }
+            }
+            if s.batch_size as u64 > s.buffer_size {
+                return Err(invalid(
+                    "sac.batch_size",
+                    format!(
+                        "{} is larger than sac.buffer_size ({})",
+                        s.batch_size, s.buffer_size
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The replay-buffer's off-policy table of this run, if its algorithm
-    /// trains off-policy (`dqn`); none for the on-policy FIFO.
+    /// trains off-policy (`dqn`, `sac`: 1-step, uniform); none for the
+    /// on-policy FIFO.
     pub fn off_policy_table(&self) -> Option<OffPolicyTable> {
-        (self.run.algo == "dqn" && !self.is_text_game()).then_some(OffPolicyTable {
-            capacity: self.dqn.buffer_size,
-            n_steps: self.dqn.n_steps,
-            gamma: self.dqn.gamma,
-            prioritized: self.dqn.prioritized,
-            alpha: self.dqn.prioritized_alpha,
-        })
+        if self.is_text_game() {
+            return None;
+        }
+        match self.run.algo.as_str() {
+            "dqn" => Some(OffPolicyTable {
+                capacity: self.dqn.buffer_size,
+                n_steps: self.dqn.n_steps,
+                gamma: self.dqn.gamma,
+                prioritized: self.dqn.prioritized,
+                alpha: self.dqn.prioritized_alpha,
+            }),
+            "sac" => Some(OffPolicyTable {
+                capacity: self.sac.buffer_size,
+                n_steps: 1,
+                gamma: self.sac.gamma,
+                prioritized: false,
+                alpha: 0.0,
+            }),
+            _ => None,
+        }
     }
 
     /// The section configuring the run's algorithm's rollout and its size in
@@ -2306,7 +2533,7 @@ impl ExperimentConfig {
                 "a2c.n_steps x env_runner.num_envs",
                 (self.a2c.n_steps * self.env_runner.num_envs) as u64,
             )),
-            "reinforce" | "dqn" => None,
+            "reinforce" | "dqn" | "sac" => None,
             _ => Some(("ppo.rollout_steps", self.ppo.rollout_steps as u64)),
         }
     }
@@ -2321,6 +2548,7 @@ impl ExperimentConfig {
             "a2c" => self.a2c.checkpoint_every,
             "reinforce" => self.reinforce.checkpoint_every,
             "dqn" => self.dqn.checkpoint_every,
+            "sac" => self.sac.checkpoint_every,
             _ => self.ppo.checkpoint_every,
         }
     }
@@ -2335,6 +2563,7 @@ impl ExperimentConfig {
             "a2c" => self.a2c.keep_checkpoints,
             "reinforce" => self.reinforce.keep_checkpoints,
             "dqn" => self.dqn.keep_checkpoints,
+            "sac" => self.sac.keep_checkpoints,
             _ => self.ppo.keep_checkpoints,
         }
     }
@@ -2999,10 +3228,10 @@ mod tests {
 
     #[test]
     fn unknown_algo_names_run_algo_and_the_known_ones() {
-        let err = ExperimentConfig::from_layers(BASE, "t", &[], &["run.algo=sac".into()])
+        let err = ExperimentConfig::from_layers(BASE, "t", &[], &["run.algo=td3".into()])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("run.algo") && err.contains("\"sac\""), "{err}");
+        assert!(err.contains("run.algo") && err.contains("\"td3\""), "{err}");
         for algo in CLASSIC_ALGOS {
             assert!(err.contains(algo), "{err}");
         }
@@ -3129,6 +3358,83 @@ mod tests {
         .to_string();
         assert!(
             err.contains("run.algo") && err.contains("discrete"),
+            "{err}"
+        );
+    }
+
+    const PENDULUM: &str = "run:\n  env_id: Pendulum-v1\n  algo: sac\n";
+
+    #[test]
+    fn sac_section_has_sb3_defaults_and_checked_fields() {
+        let c = ExperimentConfig::from_layers(PENDULUM, "t", &[], &[]).unwrap();
+        let s = &c.sac;
+        assert_eq!(
+            (s.buffer_size, s.learning_starts, s.batch_size),
+            (1_000_000, 100, 256)
+        );
+        assert_eq!(
+            (s.train_freq, s.gradient_steps, s.target_update_interval),
+            (1, 1, 1)
+        );
+        assert_eq!((s.tau, s.gamma), (0.005, 0.99));
+        assert_eq!(s.learning_rate, Schedule::constant(3e-4));
+        assert_eq!(s.net_arch, vec![256, 256]);
+        assert_eq!((s.log_std_min, s.log_std_max), (-20.0, 2.0));
+        assert_eq!(s.ent_coef().unwrap(), EntCoef::Auto { initial: 1.0 });
+        assert_eq!(s.target_entropy_for(1).unwrap(), -1.0);
+        assert_eq!(c.checkpoint_every(), s.checkpoint_every);
+        assert_eq!(c.keep_checkpoints(), s.keep_checkpoints);
+        let table = c.off_policy_table().unwrap();
+        assert_eq!(
+            (
+                table.capacity,
+                table.n_steps,
+                table.prioritized,
+                table.gamma
+            ),
+            (1_000_000, 1, false, 0.99)
+        );
+        // SB3's spellings of ent_coef and target_entropy.
+        let with = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            ExperimentConfig::from_layers(PENDULUM, "t", &[], &sets)
+        };
+        let c = with(&["sac.ent_coef=auto_0.1", "sac.target_entropy=-3.5"]).unwrap();
+        assert_eq!(c.sac.ent_coef().unwrap(), EntCoef::Auto { initial: 0.1 });
+        assert_eq!(c.sac.target_entropy_for(1).unwrap(), -3.5);
+        let c = with(&["sac.ent_coef=0.2"]).unwrap();
+        assert_eq!(c.sac.ent_coef().unwrap(), EntCoef::Fixed(0.2));
+        // The written config reads back the same.
+        let again = ExperimentConfig::from_layers(&c.to_yaml(), "t", &[], &[]).unwrap();
+        assert_eq!(again.sac, c.sac);
+        let cases = [
+            ("sac.gamma=1.5", "sac.gamma"),
+            ("sac.tau=2", "sac.tau"),
+            ("sac.batch_size=0", "sac.batch_size"),
+            ("sac.train_freq=0", "sac.train_freq"),
+            ("sac.gradient_steps=0", "sac.gradient_steps"),
+            ("sac.target_update_interval=0", "sac.target_update_interval"),
+            ("sac.buffer_size=16", "sac.batch_size"),
+            ("sac.learning_rate=0", "sac.learning_rate"),
+            ("sac.ent_coef=automatic", "sac.ent_coef"),
+            ("sac.ent_coef=auto_-1", "sac.ent_coef"),
+            ("sac.ent_coef=0", "sac.ent_coef"),
+            ("sac.target_entropy=high", "sac.target_entropy"),
+            ("sac.net_arch=[]", "sac.net_arch"),
+            ("sac.net_arch=[64, 0]", "sac.net_arch"),
+            ("sac.log_std_min=3", "sac.log_std_min"),
+            ("sac.use_sde=true", "use_sde"),
+            ("normalize.obs=true", "normalize.obs"),
+            ("normalize.reward=true", "normalize.reward"),
+        ];
+        for (set, field) in cases {
+            let err = with(&[set]).unwrap_err().to_string();
+            assert!(err.contains(field), "{set}: {err}");
+        }
+        // SAC needs continuous actions: CartPole's are discrete.
+        let err = with(&["run.env_id=CartPole-v1"]).unwrap_err().to_string();
+        assert!(
+            err.contains("run.algo") && err.contains("continuous") && err.contains("CartPole-v1"),
             "{err}"
         );
     }

@@ -39,7 +39,7 @@
 //! 3. Critic target `y = R + γ^k (min_i Q'_i(s', a') - α log π(a'|s'))`, `a' ~ π(·|s')`;
 //!    `L_Q = 0.5 Σ_i mean((Q_i(s, a) - y)^2)`, step the critics.
 //! 4. `L_π = mean(α log π(a|s) - min_i Q_i(s, a))` with the updated critics, step the actor.
-//! 5. Polyak update of the target critics with `tau`.
+//! 5. Polyak update of the target critics with `tau` (when `update_target`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -587,6 +587,10 @@ pub struct SacConfig {
     pub target_entropy: Option<f32>,
     /// Learning rate of actor, critics and `log α` (Adam). Default `3e-4`.
     pub lr: f64,
+    /// Polyak-update the target critics at the end of the step. SB3 does it
+    /// every `target_update_interval` gradient steps; the caller, which
+    /// counts them, sets this. Default `true` (every step, SB3's default).
+    pub update_target: bool,
 }
 
 impl Default for SacConfig {
@@ -596,6 +600,7 @@ impl Default for SacConfig {
             auto_entropy: true,
             target_entropy: None,
             lr: 3e-4,
+            update_target: true,
         }
     }
 }
@@ -853,7 +858,9 @@ pub fn sac_train_step(
     opt.actor.step(&actor_loss.backward()?)?;
 
     // 5. Target critics.
-    sac.critic_target.soft_update(&sac.critic, config.tau)?;
+    if config.update_target {
+        sac.critic_target.soft_update(&sac.critic, config.tau)?;
+    }
 
     Ok(SacStats {
         critic_loss: critic_value,

@@ -2,11 +2,13 @@
 //!
 //! - [`spec_for`]: the network shape from the experiment config and the env's spaces,
 //!   the same in the learner, the inference servers and the evaluators
-//!   ([`qnet_spec_for`]: the Q-network of `run.algo: dqn`);
-//! - [`PolicyModel`]: the acting model of a run, an actor-critic or (DQN) a
+//!   ([`qnet_spec_for`]: the Q-network of `run.algo: dqn`; [`sac_spec_for`]:
+//!   the networks of `run.algo: sac`);
+//! - [`PolicyModel`]: the acting model of a run, an actor-critic, (DQN) a
 //!   Q-network acting epsilon-greedily with the epsilon of the learner's
 //!   schedule at the version's env steps, greedily when asked for
-//!   deterministic actions; [`Act`] is what both can do;
+//!   deterministic actions, or (SAC) the tanh-squashed Gaussian actor,
+//!   sampled, `tanh(μ)` when deterministic; [`Act`] is what they can do;
 //! - [`to_weights`] / [`load_weights`]: a model as a versioned [`WeightsUpdate`] and back,
 //!   all-or-nothing with shape checks;
 //! - [`PolicyFollower`]: keeps a copy of the learner's latest weights, fetching
@@ -30,7 +32,7 @@ use relay_envs::ActionSpace;
 use relay_kit::{ExperimentConfig, Service};
 use relay_nn::{
     ActOutput, ActionKind, Actions, Activation, ActorCritic, NormDelta, PolicySpec, QNetSpec,
-    QNetwork, RunningMeanStd, VecNormalize,
+    QNetwork, RunningMeanStd, SacActor, SacSpec, VecNormalize,
 };
 use relay_proto::{
     AdapterUpdate, Moments, NamedTensor, NormStats, Rejection, WeightsRequest, WeightsUpdate,
@@ -70,6 +72,27 @@ pub fn qnet_spec_for(config: &ExperimentConfig) -> Result<QNetSpec, String> {
     Ok(q)
 }
 
+/// The networks of a SAC run: the env's observation width and action
+/// bounds, `sac.net_arch` (ReLU) and the log std clamps.
+pub fn sac_spec_for(config: &ExperimentConfig) -> Result<SacSpec, String> {
+    let env = relay_envs::spec(&config.run.env_id).map_err(|e| e.to_string())?;
+    let ActionSpace::Box { low, high } = env.action_space else {
+        return Err(format!(
+            "run.algo sac needs continuous (Box) actions; {} has discrete ones",
+            config.run.env_id
+        ));
+    };
+    let spec = SacSpec {
+        hidden: config.sac.net_arch.clone(),
+        activation: Activation::Relu,
+        log_std_min: config.sac.log_std_min as f32,
+        log_std_max: config.sac.log_std_max as f32,
+        ..SacSpec::new(env.observation_space.dim(), low, high)
+    };
+    spec.validate().map_err(|e| e.to_string())?;
+    Ok(spec)
+}
+
 /// What a policy model does for the env-runners and evaluators: actions for
 /// `n` observations, sampled or deterministic.
 pub trait Act {
@@ -104,12 +127,17 @@ pub enum PolicyModel {
         /// `dqn.exploration_rate` at the version's `learner_env_steps`.
         epsilon: f64,
     },
+    /// SAC: the squashed Gaussian actor (the critics stay in the learner).
+    Sac(SacActor),
 }
 
 impl Act for PolicyModel {
     /// Actor-critic: as [`ActorCritic::act`]. Q-network: epsilon-greedy (or
     /// greedy) actions, `logprobs` the log-probability of each action under
-    /// the epsilon-greedy policy, `values` `max_a Q(s, a)`.
+    /// the epsilon-greedy policy, `values` `max_a Q(s, a)`. SAC actor:
+    /// continuous actions in env units (sampled, or `tanh(μ)` scaled when
+    /// deterministic); `logprobs` and `values` are 0 (SAC's off-policy
+    /// learner uses neither, and it has no state value).
     fn act<R: rand::Rng>(
         &self,
         obs: &[f32],
@@ -149,6 +177,14 @@ impl Act for PolicyModel {
                     values,
                 })
             }
+            Self::Sac(actor) => {
+                let actions = actor.act(obs, n, deterministic, rng)?;
+                Ok(ActOutput {
+                    actions: Actions::Continuous(actions),
+                    logprobs: vec![0.0; n],
+                    values: vec![0.0; n],
+                })
+            }
         }
     }
 }
@@ -182,6 +218,19 @@ pub fn tensors_to_weights(
         learner_env_steps,
         tensors: tensors.iter().map(NamedTensor::from_parts).collect(),
     }
+}
+
+/// Loads a [`WeightsUpdate`] (the `actor.*` tensors) into a SAC actor; on
+/// any mismatch it is unchanged.
+pub fn load_sac_weights(actor: &mut SacActor, update: &WeightsUpdate) -> Result<(), Rejection> {
+    let parts = weight_parts(update)?;
+    actor
+        .load_named_tensors(&parts)
+        .map_err(|e| Rejection::Invalid {
+            kind: "WeightsUpdate",
+            field: "tensors",
+            detail: e.to_string(),
+        })
 }
 
 /// Loads a [`WeightsUpdate`] into a Q-network; on any mismatch it is unchanged.
@@ -368,12 +417,26 @@ impl Follower<VersionedPolicy> {
                 config.run.total_env_steps,
             )
         });
+        // SAC runs act with the actor alone.
+        let sac = (config.run.algo == "sac").then(|| sac_spec_for(&config));
         Self::follow(service, move |update: &WeightsUpdate| {
             let invalid = |detail: String| Rejection::Invalid {
                 kind: "WeightsUpdate",
                 field: "tensors",
                 detail,
             };
+            if let Some(sac_spec) = &sac {
+                let sac_spec = sac_spec.clone().map_err(invalid)?;
+                let mut actor =
+                    SacActor::new(&sac_spec, seed).map_err(|e| invalid(e.to_string()))?;
+                load_sac_weights(&mut actor, update)?;
+                return Ok(VersionedPolicy {
+                    version: update.version,
+                    learner_env_steps: update.learner_env_steps,
+                    model: PolicyModel::Sac(actor),
+                    normalizer: frozen_normalizer(&config, spec.obs_dim, update)?,
+                });
+            }
             let model = match &dqn {
                 Some((qspec, dqn, budget)) => {
                     let qspec = qspec.clone().map_err(invalid)?;
