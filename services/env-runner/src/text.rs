@@ -184,11 +184,7 @@ impl GameWindow {
     fn add_game(&mut self, game: &PlayedGame) {
         self.finished += 1;
         push_bounded(&mut self.outcomes, game.outcome(), RECENT_GAMES);
-        push_bounded(
-            &mut self.returns,
-            game.learner_reward(),
-            RECENT_GAMES,
-        );
+        push_bounded(&mut self.returns, game.learner_reward(), RECENT_GAMES);
         push_bounded(
             &mut self.lengths,
             Some(game.record.turns.len() as f64),

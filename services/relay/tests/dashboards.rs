@@ -692,8 +692,8 @@ fn check_live_stack(
             let promql = format!("count by (game) ({series}{{run_id=\"{RUN_ID}\"}})");
             loop {
                 relay.check_running();
-                let response = instant_query(prometheus, &promql)
-                    .unwrap_or_else(|e| panic!("{promql}: {e}"));
+                let response =
+                    instant_query(prometheus, &promql).unwrap_or_else(|e| panic!("{promql}: {e}"));
                 let seen: BTreeSet<String> = response["data"]["result"]
                     .as_array()
                     .into_iter()

@@ -71,8 +71,7 @@ async fn both_games_are_played_trained_on_evaluated_and_reported_by_game() {
     let mut evaluated: Option<EvalReport> = None;
     let mut learner_done = false;
     let deadline = Instant::now() + Duration::from_secs(120);
-    while !(learner_done && evaluated.is_some() && played.len() == 2 && episode_games.len() == 2)
-    {
+    while !(learner_done && evaluated.is_some() && played.len() == 2 && episode_games.len() == 2) {
         assert!(
             Instant::now() < deadline,
             "timed out: games of {played:?}, episodes of {episode_games:?}, evaluated: {}, learner done: {learner_done}",
@@ -118,10 +117,7 @@ async fn both_games_are_played_trained_on_evaluated_and_reported_by_game() {
         .flat_map(|g| [0, 1].map(|seat| (g.to_string(), "random".to_string(), seat)))
         .collect();
     assert_eq!(matchups, want, "{:?}", report.matchups);
-    assert!(report
-        .matchups
-        .iter()
-        .all(|m| m.games + m.abandoned == 1));
+    assert!(report.matchups.iter().all(|m| m.games + m.abandoned == 1));
 
     trigger.trigger();
     for task in tasks {
@@ -151,7 +147,9 @@ async fn both_games_are_played_trained_on_evaluated_and_reported_by_game() {
         let rates: Vec<f64> = metrics
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter_map(|v| v["values"][format!("env_runner_game_legal_move_rate{{game={game}}}")].as_f64())
+            .filter_map(|v| {
+                v["values"][format!("env_runner_game_legal_move_rate{{game={game}}}")].as_f64()
+            })
             .collect();
         // Constrained decoding: every move is legal.
         assert!(
@@ -162,5 +160,8 @@ async fn both_games_are_played_trained_on_evaluated_and_reported_by_game() {
     // The run-wide values keep their names.
     assert!(total("games_total") >= 2.0);
     let csv = std::fs::read_to_string(runs.join(run_id).join("metrics.csv")).unwrap();
-    assert!(csv.contains(",text_games_total{game=KuhnPoker-v0},"), "{csv}");
+    assert!(
+        csv.contains(",text_games_total{game=KuhnPoker-v0},"),
+        "{csv}"
+    );
 }

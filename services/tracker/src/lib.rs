@@ -333,15 +333,16 @@ impl Exported {
         let registry = &self.registry;
         match v.kind {
             MetricKind::Gauge => {
-                let (known, gauge) = self.labelled_gauges.entry(name.clone()).or_insert_with(|| {
-                    let names: Vec<&str> = ["source", "copy"]
-                        .into_iter()
-                        .chain(keys.iter().map(String::as_str))
-                        .collect();
-                    let g = GaugeVec::new(Opts::new(name.clone(), help), &names).unwrap();
-                    relay_kit::metrics::register(registry, &g);
-                    (keys.clone(), g)
-                });
+                let (known, gauge) =
+                    self.labelled_gauges.entry(name.clone()).or_insert_with(|| {
+                        let names: Vec<&str> = ["source", "copy"]
+                            .into_iter()
+                            .chain(keys.iter().map(String::as_str))
+                            .collect();
+                        let g = GaugeVec::new(Opts::new(name.clone(), help), &names).unwrap();
+                        relay_kit::metrics::register(registry, &g);
+                        (keys.clone(), g)
+                    });
                 if *known != keys {
                     tracing::warn!(metric = %name, labels = ?keys, expected = ?known, "reported metric has other labels than before; ignored");
                     return;
@@ -360,13 +361,16 @@ impl Exported {
                     return;
                 }
                 let (known, counter) =
-                    self.labelled_counters.entry(name.clone()).or_insert_with(|| {
-                        let names: Vec<&str> = keys.iter().map(String::as_str).collect();
-                        let c = prometheus::CounterVec::new(Opts::new(name.clone(), help), &names)
-                            .unwrap();
-                        relay_kit::metrics::register(registry, &c);
-                        (keys.clone(), c)
-                    });
+                    self.labelled_counters
+                        .entry(name.clone())
+                        .or_insert_with(|| {
+                            let names: Vec<&str> = keys.iter().map(String::as_str).collect();
+                            let c =
+                                prometheus::CounterVec::new(Opts::new(name.clone(), help), &names)
+                                    .unwrap();
+                            relay_kit::metrics::register(registry, &c);
+                            (keys.clone(), c)
+                        });
                 if *known != keys {
                     tracing::warn!(metric = %name, labels = ?keys, expected = ?known, "reported metric has other labels than before; ignored");
                     return;
@@ -548,6 +552,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prometheus::Encoder;
     use relay_kit::{counter, gauge};
     use relay_proto::{Matchup, SCHEMA_VERSION};
 
@@ -586,10 +591,7 @@ mod tests {
             ));
         }
         // Other label keys than the first value's are ignored, not a panic.
-        exported.metrics(&report(
-            "e1",
-            vec![gauge("env_runner_game_win_rate", 0.1)],
-        ));
+        exported.metrics(&report("e1", vec![gauge("env_runner_game_win_rate", 0.1)]));
         let text = exposition(&registry);
         for line in [
             "relay_games_total 6",

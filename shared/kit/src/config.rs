@@ -2940,7 +2940,8 @@ mod tests {
             vec![("TicTacToe-v0".to_string(), 1.0)]
         );
         assert!(!c.text.multi_game());
-        let yaml = "run:\n  env_id: TicTacToe-v0\ntext:\n  games: {TicTacToe-v0: 2, KuhnPoker-v0: 1}\n";
+        let yaml =
+            "run:\n  env_id: TicTacToe-v0\ntext:\n  games: {TicTacToe-v0: 2, KuhnPoker-v0: 1}\n";
         let c = ExperimentConfig::from_layers(yaml, "t", &[], &[]).unwrap();
         assert_eq!(
             c.text.game_weights(&c.run.env_id),
