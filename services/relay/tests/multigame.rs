@@ -36,9 +36,8 @@ async fn both_games_are_played_trained_on_evaluated_and_reported_by_game() {
         format!("connections.nats_url={}", nats.url()),
         format!("connections.redis_url={}", redis.url()),
         format!("llm.model={}", model_dir.display()),
-        // Equal weights: a handful of games holds both.
-        "text.games={TicTacToe-v0: 1, KuhnPoker-v0: 1}".into(),
-        "run.total_env_steps=48".into(),
+        // The preset's weights (2 TicTacToe : 1 Kuhn poker).
+        "run.total_env_steps=64".into(),
         "rl.batch_size=8".into(),
         "rl.minibatch_size=4".into(),
         "rl.checkpoint_every=100".into(),
@@ -143,7 +142,23 @@ async fn both_games_are_played_trained_on_evaluated_and_reported_by_game() {
         let finished = total(&format!("text_games_total{{game={game}}}"));
         assert!(finished >= 1.0, "{game}: {finished} games reported");
         let trained = total(&format!("learner_game_examples_total{{game={game}}}"));
-        assert!(trained >= 1.0, "{game}: {trained} examples trained on");
+        assert!(
+            trained >= 1.0,
+            "{game}: {trained} examples trained on ({} stale games dropped); keys: {:?}",
+            total("learner_dropped_stale_games_total"),
+            metrics
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .filter(|v| v["service"] == "learner")
+                .flat_map(|v| v["values"]
+                    .as_object()
+                    .unwrap()
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>())
+                .filter(|k| k.contains("game"))
+                .collect::<BTreeSet<_>>()
+        );
         let rates: Vec<f64> = metrics
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
