@@ -2,6 +2,13 @@
 //! `text.games_in_flight` games at a time, continuously, with the shared
 //! game loop ([`relay_policy::text::play_game`]).
 //!
+//! Multi-game runs (`text.games`): each new game's text game is drawn
+//! from the games' weights by the same seeded RNG (single-game runs draw
+//! nothing, so their games are those of before); every record says its
+//! game (`GameRecord::env_id`), training episodes are published per game,
+//! and the per-game values below carry a `game` label. The league (pool
+//! ratings, `league` opponents) is single-game: off in multi-game runs.
+//!
 //! Each game seats the learning side (`text.learner`: the learning adapter,
 //! or a bot for baselines) at a seat drawn by a seeded RNG and fills the
 //! other seats with an opponent drawn from `text.opponents` by weight. Each
@@ -26,7 +33,10 @@
 //! policy's moves and invalid moves, retries, time per model move and per
 //! game, completion tokens and characters (on `/metrics`); win/draw/loss
 //! and invalid-move rates, characters per second, distinct states seen
-//! and move entropy (reported to the tracker each second).
+//! and move entropy (reported to the tracker each second). Per game
+//! (label `game`, every run): `text_games_total`, and the
+//! `env_runner_game_*` win/draw/loss rates, mean return, legal-move rate
+//! and mean length (turns) of the last 100 games of that game.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
@@ -75,9 +85,9 @@ impl TextMetrics {
         let games = IntCounterVec::new(
             Opts::new(
                 "relay_env_runner_games_total",
-                "Text games finished, by opponent and the learning seat's outcome (win, draw, loss).",
+                "Text games finished, by game, opponent and the learning seat's outcome (win, draw, loss).",
             ),
-            &["opponent", "outcome"],
+            &["game", "opponent", "outcome"],
         )
         .unwrap();
         let abandoned = IntCounterVec::new(
@@ -156,6 +166,74 @@ impl TextMetrics {
     }
 }
 
+/// Running statistics of one game (a `text.games` entry) behind its
+/// labelled values.
+#[derive(Default)]
+struct GameWindow {
+    /// Games finished since the last report.
+    finished: u64,
+    outcomes: VecDeque<Outcome>,
+    returns: VecDeque<f64>,
+    /// Turns of the recent games (every seat's).
+    lengths: VecDeque<f64>,
+    /// Recent learning moves: whether the game accepted each.
+    moves: VecDeque<bool>,
+}
+
+impl GameWindow {
+    fn add_game(&mut self, game: &PlayedGame) {
+        self.finished += 1;
+        push_bounded(&mut self.outcomes, game.outcome(), RECENT_GAMES);
+        push_bounded(&mut self.returns, game.learner_reward(), RECENT_GAMES);
+        push_bounded(
+            &mut self.lengths,
+            Some(game.record.turns.len() as f64),
+            RECENT_GAMES,
+        );
+        let learning = game.learning_seats();
+        for turn in &game.record.turns {
+            if learning.contains(&(turn.player as usize)) {
+                push_bounded(&mut self.moves, Some(!turn.invalid), RECENT_MOVES);
+            }
+        }
+    }
+
+    /// The values reported for `game`, each labelled with it; the count of
+    /// games since the last report is taken.
+    fn values(&mut self, game: &str) -> Vec<relay_proto::MetricValue> {
+        let mean = |q: &VecDeque<f64>| q.iter().sum::<f64>() / q.len().max(1) as f64;
+        let rate = |o: Outcome| {
+            self.outcomes.iter().filter(|&&x| x == o).count() as f64
+                / self.outcomes.len().max(1) as f64
+        };
+        let mut values = vec![counter(
+            "text_games_total",
+            std::mem::take(&mut self.finished) as f64,
+        )];
+        if !self.returns.is_empty() {
+            values.push(gauge("env_runner_game_return_mean", mean(&self.returns)));
+        }
+        if !self.lengths.is_empty() {
+            values.push(gauge("env_runner_game_length_mean", mean(&self.lengths)));
+        }
+        if !self.outcomes.is_empty() {
+            values.push(gauge("env_runner_game_win_rate", rate(Outcome::Win)));
+            values.push(gauge("env_runner_game_draw_rate", rate(Outcome::Draw)));
+            values.push(gauge("env_runner_game_loss_rate", rate(Outcome::Loss)));
+        }
+        if !self.moves.is_empty() {
+            values.push(gauge(
+                "env_runner_game_legal_move_rate",
+                self.moves.iter().filter(|&&ok| ok).count() as f64 / self.moves.len() as f64,
+            ));
+        }
+        values
+            .into_iter()
+            .map(|v| v.with_label("game", game))
+            .collect()
+    }
+}
+
 /// Running statistics behind the reported values.
 #[derive(Default)]
 struct Window {
@@ -164,8 +242,11 @@ struct Window {
     /// Recent learning moves: (valid, action text).
     moves: VecDeque<(bool, String)>,
     states: HashSet<u64>,
-    episodes: Vec<EpisodeSummary>,
+    /// Finished training episodes not yet published, per game.
+    episodes: std::collections::BTreeMap<String, Vec<EpisodeSummary>>,
     policy_version: u64,
+    /// Per game (every game of the run, from the start).
+    games: std::collections::BTreeMap<String, GameWindow>,
 }
 
 impl Window {
@@ -173,12 +254,19 @@ impl Window {
         push_bounded(&mut self.outcomes, game.outcome(), RECENT_GAMES);
         if let Some(reward) = game.learner_reward() {
             push_bounded(&mut self.returns, Some(reward), RECENT_GAMES);
-            self.episodes.push(EpisodeSummary {
-                episode_return: reward,
-                length: game.record.turns.len() as u32,
-                terminated: true,
-            });
+            self.episodes
+                .entry(game.record.env_id.clone())
+                .or_default()
+                .push(EpisodeSummary {
+                    episode_return: reward,
+                    length: game.record.turns.len() as u32,
+                    terminated: true,
+                });
         }
+        self.games
+            .entry(game.record.env_id.clone())
+            .or_default()
+            .add_game(game);
         let learning = game.learning_seats();
         for turn in &game.record.turns {
             if learning.contains(&(turn.player as usize)) {
@@ -402,9 +490,23 @@ pub(crate) async fn run(
     let metrics = TextMetrics::register(&service.registry);
     let settings = GameSettings::from_config(text);
     let generator = NatsGenerate::new(service.nats.clone(), service.subjects.generate());
-    let players = relay_envs::make_text_game(&env_id)
-        .map_err(|e| ServiceError::other(format!("run.env_id: {e}")))?
-        .num_players();
+    // The run's games: id, players, weight (`text.games`, else `run.env_id`).
+    let mut game_ids: Vec<(String, usize)> = Vec::new();
+    let mut game_weights: Vec<f64> = Vec::new();
+    for (game, weight) in text.game_weights(&env_id) {
+        let players = relay_envs::make_text_game(&game)
+            .map_err(|e| ServiceError::other(format!("text.games.{game}: {e}")))?
+            .num_players();
+        game_ids.push((game, players));
+        game_weights.push(weight);
+    }
+    let pick_game = WeightedIndex::new(&game_weights)
+        .map_err(|e| ServiceError::other(format!("text.games: {e}")))?;
+    // Single-game runs: the run's game (and its league, when it has one).
+    let players = game_ids
+        .iter()
+        .find(|(g, _)| *g == env_id)
+        .map_or(2, |(_, p)| *p);
     let mut opponents: Vec<(Pick, f64)> = text
         .opponent_weights()?
         .into_iter()
@@ -423,23 +525,33 @@ pub(crate) async fn run(
         .map_err(|e| ServiceError::other(format!("text.opponents: {e}")))?;
     // Games of the learning adapter against bots and past versions rate
     // its versions.
-    let league = (players == 2 && text.learner_bot().is_none())
+    let league = (players == 2 && text.learner_bot().is_none() && !text.multi_game())
         .then(|| LeagueRecorder::start(cfg.clone(), shutdown.clone()));
+    let mut window = Window::default();
+    for (game, _) in &game_ids {
+        window.games.insert(game.clone(), GameWindow::default());
+    }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut games: JoinSet<Finished> = JoinSet::new();
-    let mut window = Window::default();
     let mut paused_until: Option<tokio::time::Instant> = None;
     let mut report = tokio::time::interval(Duration::from_secs(1));
     report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (mut reported_moves, mut reported_tokens, mut reported_chars) = (0u64, 0u64, 0u64);
     let (mut finished_games, mut reported_games) = (0u64, 0u64);
     let mut reported_at = Instant::now();
-    tracing::info!(%env_id, in_flight = text.games_in_flight, learner = %text.learner, "text mode");
+    tracing::info!(%env_id, games = ?game_ids, in_flight = text.games_in_flight, learner = %text.learner, "text mode");
     service.health.set_ready(true);
 
     loop {
         let paused = paused_until.is_some_and(|t| tokio::time::Instant::now() < t);
         while !paused && games.len() < text.games_in_flight {
+            // Several games: draw this one's (one game: no draw, so the
+            // RNG stream of single-game runs is unchanged).
+            let (game_id, players) = if game_ids.len() > 1 {
+                game_ids[pick_game.sample(&mut rng)].clone()
+            } else {
+                game_ids[0].clone()
+            };
             let (opponent, _) = &opponents[pick.sample(&mut rng)];
             let opponent = match opponent {
                 Pick::Listed(opponent) => opponent,
@@ -494,7 +606,7 @@ pub(crate) async fn run(
             )
             .map_err(ServiceError::other)?;
             let spec = GameSpec {
-                env_id: env_id.clone(),
+                env_id: game_id.clone(),
                 seed: rng.random(),
                 seats,
                 learner_seat: Some(learner_seat),
@@ -573,6 +685,9 @@ pub(crate) async fn run(
                 if let Some(entropy) = window.move_entropy() {
                     values.push(gauge("env_runner_move_entropy", entropy));
                 }
+                for (game, stats) in window.games.iter_mut() {
+                    values.extend(stats.values(game));
+                }
                 service.report(Some(moves), values).await;
                 (reported_moves, reported_tokens, reported_chars) = (moves, tokens, chars);
                 reported_games = finished_games;
@@ -619,7 +734,7 @@ async fn finished(
     if let Some(outcome) = game.outcome() {
         metrics
             .games
-            .with_label_values(&[label, outcome.label()])
+            .with_label_values(&[&game.record.env_id, label, outcome.label()])
             .inc();
     }
     metrics
@@ -652,16 +767,19 @@ async fn finished(
         .await;
 }
 
+/// Publishes the finished training episodes, one report per game.
 async fn publish_episodes(service: &Service, window: &mut Window) {
-    if window.episodes.is_empty() {
-        return;
+    for (env_id, episodes) in std::mem::take(&mut window.episodes) {
+        if episodes.is_empty() {
+            continue;
+        }
+        let report = EpisodeReport {
+            schema: SCHEMA_VERSION,
+            runner_id: service.instance.clone(),
+            env_id,
+            policy_version: window.policy_version,
+            episodes,
+        };
+        service.publish(service.subjects.episodes(), &report).await;
     }
-    let report = EpisodeReport {
-        schema: SCHEMA_VERSION,
-        runner_id: service.instance.clone(),
-        env_id: service.config.run.env_id.clone(),
-        policy_version: window.policy_version,
-        episodes: std::mem::take(&mut window.episodes),
-    };
-    service.publish(service.subjects.episodes(), &report).await;
 }

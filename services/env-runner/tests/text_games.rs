@@ -461,3 +461,93 @@ async fn a_bot_as_the_learning_side_plays_without_any_model() {
         .unwrap()
         .unwrap();
 }
+
+/// The env-runner of a multi-game run (`text.games`, bots in every seat,
+/// one game at a time so records come in draw order): both games are
+/// played about as their weights say, the draws are the same for the same
+/// seed, episodes are published per game and the per-game values carry a
+/// `game` label, on the tracker's reports and on `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_game_run_draws_its_games_by_weight_and_labels_them() {
+    let nats = NatsServer::start().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let text = "  learner: random\n  opponents: {random: 1}\n  games_in_flight: 1\n  games: {TicTacToe-v0: 2, KuhnPoker-v0: 1}\n";
+    let mut sequences = Vec::new();
+    for run in ["multi-a", "multi-b"] {
+        let s = Subjects::new(run);
+        let mut games = client.subscribe(s.games()).await.unwrap();
+        let mut episodes = client.subscribe(s.episodes()).await.unwrap();
+        let mut metrics = client.subscribe(s.metrics()).await.unwrap();
+        let (mut config, metrics_addr) = config(&nats, run, text);
+        // The runner's seed comes from the run seed and its instance name.
+        config.instance = Some("env-runner-0".into());
+        let (trigger, shutdown) = Shutdown::new();
+        let runner = tokio::spawn(relay_env_runner::run(config, shutdown));
+        let records = next_records(&mut games, 60).await;
+        let kuhn = records
+            .iter()
+            .filter(|r| r.env_id == "KuhnPoker-v0")
+            .count();
+        let ttt = records
+            .iter()
+            .filter(|r| r.env_id == "TicTacToe-v0")
+            .count();
+        assert_eq!(kuhn + ttt, 60);
+        // 2:1 weights: 20 Kuhn games expected; a binomial(60, 1/3) is in
+        // 8..=32 but for odds below 1e-3.
+        assert!((8..=32).contains(&kuhn), "{kuhn} Kuhn poker games of 60");
+        sequences.push(records.iter().map(|r| r.env_id.clone()).collect::<Vec<_>>());
+
+        // Episodes per game, each report of one game.
+        let mut episode_games = std::collections::BTreeSet::new();
+        while episode_games.len() < 2 {
+            let message = tokio::time::timeout(Duration::from_secs(10), episodes.next())
+                .await
+                .expect("episode reports of both games")
+                .unwrap();
+            let report: EpisodeReport = decode(&message.payload).unwrap();
+            episode_games.insert(report.env_id);
+        }
+        // The reports to the tracker: per-game values with their label.
+        let mut labelled = std::collections::BTreeMap::new();
+        while labelled.len() < 2 {
+            let message = tokio::time::timeout(Duration::from_secs(10), metrics.next())
+                .await
+                .expect("metric reports")
+                .unwrap();
+            let report: MetricsReport = decode(&message.payload).unwrap();
+            for v in report.values {
+                if v.name == "env_runner_game_win_rate" {
+                    let game = v.labels["game"].clone();
+                    assert!((0.0..=1.0).contains(&v.value));
+                    labelled.insert(game, v.value);
+                }
+            }
+        }
+        assert_eq!(
+            labelled.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["KuhnPoker-v0", "TicTacToe-v0"]
+        );
+        // /metrics: finished games by game.
+        let (status, body) = http_get(metrics_addr, "/metrics").unwrap();
+        assert_eq!(status, 200);
+        for game in ["KuhnPoker-v0", "TicTacToe-v0"] {
+            assert!(
+                metric(
+                    &body,
+                    "relay_env_runner_games_total",
+                    &format!("game=\"{game}\"")
+                ) >= 1.0,
+                "{body}"
+            );
+        }
+        trigger.trigger();
+        tokio::time::timeout(Duration::from_secs(15), runner)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+    // The same seed draws the same games.
+    assert_eq!(sequences[0], sequences[1]);
+}

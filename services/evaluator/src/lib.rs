@@ -308,17 +308,17 @@ impl MatchupMetrics {
             games: GaugeVec::new(
                 Opts::new(
                     "relay_evaluator_games",
-                    "Games of the latest text-game evaluation, by opponent, the policy's seat and its outcome (win, draw, loss, abandoned).",
+                    "Games of the latest text-game evaluation, by game, opponent, the policy's seat and its outcome (win, draw, loss, abandoned).",
                 ),
-                &["opponent", "seat", "outcome"],
+                &["game", "opponent", "seat", "outcome"],
             )
             .unwrap(),
             legal_move_rate: GaugeVec::new(
                 Opts::new(
                     "relay_evaluator_legal_move_rate",
-                    "Share of the policy's moves the game accepted in the latest text-game evaluation, by opponent and seat.",
+                    "Share of the policy's moves the game accepted in the latest text-game evaluation, by game, opponent and seat.",
                 ),
-                &["opponent", "seat"],
+                &["game", "opponent", "seat"],
             )
             .unwrap(),
         };
@@ -327,9 +327,10 @@ impl MatchupMetrics {
         m
     }
 
-    fn set(&self, matchups: &[Matchup]) {
+    fn set(&self, env_id: &str, matchups: &[Matchup]) {
         for m in matchups {
             let seat = m.seat.to_string();
+            let game = m.game_or(env_id);
             for (outcome, n) in [
                 ("win", m.wins),
                 ("draw", m.draws),
@@ -337,11 +338,11 @@ impl MatchupMetrics {
                 ("abandoned", m.abandoned),
             ] {
                 self.games
-                    .with_label_values(&[&m.opponent, &seat, outcome])
+                    .with_label_values(&[game, &m.opponent, &seat, outcome])
                     .set(n as f64);
             }
             self.legal_move_rate
-                .with_label_values(&[&m.opponent, &seat])
+                .with_label_values(&[game, &m.opponent, &seat])
                 .set(m.legal_move_rate());
         }
     }
@@ -379,6 +380,13 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
         .map_err(ServiceError::nats)?;
     let ctx = TextEvalContext {
         env_id: env_id.clone(),
+        game_ids: cfg
+            .text
+            .game_weights(&env_id)
+            .into_iter()
+            .filter(|(_, weight)| *weight > 0.0)
+            .map(|(game, _)| game)
+            .collect(),
         games: cfg.eval.episodes,
         seed: cfg.eval.seed,
         text: cfg.text.clone(),
@@ -489,11 +497,11 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                 let (mean, std) = mean_std(&returns);
                 let solved = threshold.is_some_and(|t| mean >= t);
                 metrics.last_return.set(mean);
-                matchup_metrics.set(&matchups);
+                matchup_metrics.set(&env_id, &matchups);
                 let policy_version = acted.unwrap_or(version);
                 for m in &matchups {
                     tracing::info!(
-                        opponent = %m.opponent, seat = m.seat, wins = m.wins, draws = m.draws,
+                        game = %m.game_or(&env_id), opponent = %m.opponent, seat = m.seat, wins = m.wins, draws = m.draws,
                         losses = m.losses, abandoned = m.abandoned,
                         legal_move_rate = m.legal_move_rate(), "matchup"
                     );

@@ -56,8 +56,11 @@ pub struct EvalContext {
 /// generate, and the learning adapter version it evaluates.
 #[derive(Clone)]
 pub struct TextEvalContext {
-    /// A text game id.
+    /// A text game id: the run's `run.env_id`.
     pub env_id: String,
+    /// Every game of the run with a positive `text.games` weight (the
+    /// run's `env_id` alone in single-game runs); `vs-opponent` plays each.
+    pub game_ids: Vec<String>,
     /// `eval.episodes`: games per opponent unless the plugin says otherwise.
     pub games: usize,
     /// `eval.seed`, unless the plugin's `seed` option says otherwise.
@@ -380,7 +383,9 @@ impl Evaluator for Record {
 }
 
 /// Text games: the learning adapter against each opponent, half of the
-/// games in each seat (`vs-opponent`).
+/// games in each seat (`vs-opponent`), in each game of the run
+/// (`text.games`; an opponent is skipped for a game it does not play, and
+/// the results are per game, opponent and seat).
 pub struct VsOpponent {
     games: Option<usize>,
     opponents: Option<Vec<Opponent>>,
@@ -480,69 +485,96 @@ impl Evaluator for VsOpponent {
     ) -> BoxFuture<'a, Result<EvalOutcome, String>> {
         Box::pin(async move {
             self.check_env(&ctx.env_id)?;
-            let players = relay_envs::make_text_game(&ctx.env_id)
-                .map_err(|e| e.to_string())?
-                .num_players();
+            let game_ids = if ctx.game_ids.is_empty() {
+                vec![ctx.env_id.clone()]
+            } else {
+                ctx.game_ids.clone()
+            };
             let games = self.games.unwrap_or(ctx.games);
             let seed = self.seed.unwrap_or(ctx.seed);
-            let opponents = if players == 1 {
-                vec![None]
-            } else {
-                self.opponents(&ctx.env_id).into_iter().map(Some).collect()
-            };
-            // The same game seeds against every opponent; the first half
+            // Each game of the run against each opponent that plays it;
+            // the same game seeds against every opponent; the first half
             // of the games in seat 0, the rest in seat 1.
             let mut matchups: Vec<Matchup> = Vec::new();
             let mut planned = Vec::new();
-            for opponent in &opponents {
-                let label = opponent.as_ref().map_or("none".into(), Opponent::label);
-                for i in 0..games {
-                    let seat = if players == 1 {
-                        0
-                    } else {
-                        usize::from(i >= games.div_ceil(2))
-                    };
-                    let matchup = match matchups
+            for game_id in &game_ids {
+                if !is_text_game(game_id) {
+                    return Err(format!(
+                        "evaluator vs-opponent plays text games, not {game_id}"
+                    ));
+                }
+                let players = relay_envs::make_text_game(game_id)
+                    .map_err(|e| e.to_string())?
+                    .num_players();
+                let opponents: Vec<Option<Opponent>> = if players == 1 {
+                    vec![None]
+                } else {
+                    let listed = self.opponents(game_id);
+                    let playing: Vec<Option<Opponent>> = listed
                         .iter()
-                        .position(|m| m.opponent == label && m.seat as usize == seat)
-                    {
-                        Some(index) => index,
-                        None => {
-                            matchups.push(Matchup {
-                                opponent: label.clone(),
-                                seat: seat as u8,
-                                games: 0,
-                                wins: 0,
-                                draws: 0,
-                                losses: 0,
-                                abandoned: 0,
-                                moves: 0,
-                                invalid_moves: 0,
-                            });
-                            matchups.len() - 1
-                        }
-                    };
-                    let game_seed = seed.wrapping_add(i as u64);
-                    let learner = Seat::learner(&ctx.text, game_seed)?;
-                    let seats = arrange(
-                        learner,
-                        || match opponent {
-                            Some(o) => Seat::opponent(o, game_seed ^ 0x5eed, &ctx.text),
-                            None => Err("a single-player game has no opponent".into()),
-                        },
-                        players,
-                        seat,
-                    )?;
-                    planned.push(EvalGame {
-                        matchup,
-                        spec: GameSpec {
-                            env_id: ctx.env_id.clone(),
-                            seed: game_seed,
-                            seats,
-                            learner_seat: Some(seat),
-                            runner_id: ctx.instance.clone(),
-                        },
-                    });
+                        .filter(|o| o.check_game(game_id).is_ok())
+                        .cloned()
+                        .map(Some)
+                        .collect();
+                    if playing.is_empty() {
+                        let names: Vec<String> = listed.iter().map(Opponent::label).collect();
+                        return Err(format!(
+                            "evaluator vs-opponent: option opponents: none of {} plays {game_id}",
+                            names.join(", ")
+                        ));
+                    }
+                    playing
+                };
+                for opponent in &opponents {
+                    let label = opponent.as_ref().map_or("none".into(), Opponent::label);
+                    for i in 0..games {
+                        let seat = if players == 1 {
+                            0
+                        } else {
+                            usize::from(i >= games.div_ceil(2))
+                        };
+                        let matchup = match matchups.iter().position(|m| {
+                            m.opponent == label && m.seat as usize == seat && &m.game == game_id
+                        }) {
+                            Some(index) => index,
+                            None => {
+                                matchups.push(Matchup {
+                                    opponent: label.clone(),
+                                    seat: seat as u8,
+                                    game: game_id.clone(),
+                                    games: 0,
+                                    wins: 0,
+                                    draws: 0,
+                                    losses: 0,
+                                    abandoned: 0,
+                                    moves: 0,
+                                    invalid_moves: 0,
+                                });
+                                matchups.len() - 1
+                            }
+                        };
+                        let game_seed = seed.wrapping_add(i as u64);
+                        let learner = Seat::learner(&ctx.text, game_seed)?;
+                        let seats = arrange(
+                            learner,
+                            || match opponent {
+                                Some(o) => Seat::opponent(o, game_seed ^ 0x5eed, &ctx.text),
+                                None => Err("a single-player game has no opponent".into()),
+                            },
+                            players,
+                            seat,
+                        )?;
+                        planned.push(EvalGame {
+                            matchup,
+                            spec: GameSpec {
+                                env_id: game_id.clone(),
+                                seed: game_seed,
+                                seats,
+                                learner_seat: Some(seat),
+                                runner_id: ctx.instance.clone(),
+                            },
+                        });
+                    }
                 }
             }
             let mut settings = GameSettings::from_config(&ctx.text);

@@ -11,7 +11,8 @@
 //!   the completion tokens (`relay_llm::TokenBatch`).
 //! - **Reward**: every move of a seat gets that seat's final game reward,
 //!   shaped by `rl.reward` (`relay_llm::RewardShaping`): normalised per
-//!   env if asked, plus `format_bonus` times the share of the seat's moves
+//!   game (`rl.reward.normalize`: a running mean and std per game id) if
+//!   asked, plus `format_bonus` times the share of the seat's moves
 //!   that contain a bracketed move (`[4]`, `[col 3]`, `[Bet]`: the form
 //!   every game asks for); a move the game refused gets
 //!   `invalid_move_penalty` less than the seat's other moves.
@@ -20,12 +21,16 @@
 //!   the same distribution (the seat decides who moves first), and the
 //!   version makes them samples of the same policy: the nearest thing to
 //!   "several completions of one prompt" that games against a random
-//!   opponent offer, since later positions rarely repeat. The group id is
-//!   `version * 256 + seat`.
-//! - **Stratum** (the moving-average baseline of `reinforce`): the seat.
-//!   The seats' rewards differ in level (the first mover wins more), so
-//!   one average over both would credit everything the first seat does
-//!   and blame everything the second does.
+//!   opponent offer, since later positions rarely repeat. Games of
+//!   different text games (multi-game runs) are never in one group: their
+//!   rewards and openings have nothing in common. The group id is
+//!   `(version * 16 + game) * 256 + seat`, `game` the index of the game
+//!   in `relay_envs::TEXT_GAME_IDS`.
+//! - **Stratum** (the moving-average baseline of `reinforce`): the game
+//!   and the seat, `game * 256 + seat`. The seats' rewards differ in
+//!   level (the first mover wins more), so one average over both would
+//!   credit everything the first seat does and blame everything the
+//!   second does; games differ likewise.
 
 use relay_llm::{GameResult, RewardNormalizer, RewardShaping, TokenExample};
 use relay_proto::GameRecord;
@@ -46,11 +51,55 @@ pub struct Converted {
     pub well_formatted_moves: usize,
     /// Of those, the moves the game refused (the correctness reward's misses).
     pub invalid_moves: usize,
+    /// The same figures per game id (multi-game runs report each).
+    pub per_game: std::collections::BTreeMap<String, GameFigures>,
 }
 
-/// The group of a learning seat's moves (see the module docs).
-pub fn group_id(version: u64, seat: usize) -> u64 {
-    version.wrapping_mul(256).wrapping_add(seat as u64 % 256)
+/// What one game id's seats of a batch became.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct GameFigures {
+    /// Learning seats (each with at least one example).
+    pub seats: usize,
+    /// Sum of their game rewards before shaping.
+    pub reward_sum: f64,
+    /// Examples (moves) made of them.
+    pub examples: usize,
+    /// Their model moves, and of those the refused ones.
+    pub moves: usize,
+    pub invalid_moves: usize,
+}
+
+impl GameFigures {
+    /// Mean game reward of the seats (before shaping).
+    pub fn reward_mean(&self) -> f64 {
+        self.reward_sum / self.seats.max(1) as f64
+    }
+
+    /// Share of the moves the game accepted (1 without moves).
+    pub fn legal_move_rate(&self) -> f64 {
+        1.0 - self.invalid_moves as f64 / self.moves.max(1) as f64
+    }
+}
+
+/// The moving-average stratum of a learning seat's moves in a game of
+/// `env_id` (see the module docs): its group at version 0.
+pub fn stratum_id(env_id: &str, seat: usize) -> u64 {
+    group_id(env_id, 0, seat)
+}
+
+/// The group of a learning seat's moves in a game of `env_id` (see the
+/// module docs).
+pub fn group_id(env_id: &str, version: u64, seat: usize) -> u64 {
+    let game = relay_envs::TEXT_GAME_IDS
+        .iter()
+        .position(|g| *g == env_id)
+        .unwrap_or(15) as u64
+        % 16;
+    version
+        .wrapping_mul(16)
+        .wrapping_add(game)
+        .wrapping_mul(256)
+        .wrapping_add(seat as u64 % 256)
 }
 
 /// Whether a move's text holds a bracketed move (`[...]` with something
@@ -99,8 +148,8 @@ pub fn games_to_examples(
                         completion,
                         behaviour_logprobs,
                         reward: 0.0,
-                        group: group_id(version, seat),
-                        stratum: seat as u64,
+                        group: group_id(&game.env_id, version, seat),
+                        stratum: stratum_id(&game.env_id, seat),
                     },
                     _ => {
                         out.skipped_moves += 1;
@@ -134,6 +183,12 @@ pub fn games_to_examples(
             out.moves += result.turns as usize;
             out.well_formatted_moves += result.well_formatted_turns as usize;
             out.invalid_moves += result.invalid_moves as usize;
+            let figures = out.per_game.entry(game.env_id.clone()).or_default();
+            figures.seats += 1;
+            figures.reward_sum += result.reward;
+            figures.examples += examples.len();
+            figures.moves += result.turns as usize;
+            figures.invalid_moves += result.invalid_moves as usize;
             seats.push(SeatMoves { examples, result });
         }
     }
@@ -243,7 +298,7 @@ mod tests {
         assert_eq!(a.behaviour_logprobs, vec![-1.0, -1.1]);
         assert_eq!((b.prompt.len(), b.completion.as_slice()), (5, &[12][..]));
         assert_eq!((a.reward, b.reward), (1.0, 1.0));
-        assert_eq!(a.group, group_id(3, 1));
+        assert_eq!(a.group, group_id("TicTacToe-v0", 3, 1));
         assert_eq!(converted.game_rewards, vec![1.0]);
 
         // In a training batch, the loss mask covers exactly the completion
@@ -317,14 +372,85 @@ mod tests {
         assert_eq!(
             groups,
             vec![
-                group_id(3, 0),
-                group_id(3, 0),
-                group_id(5, 0),
-                group_id(5, 0),
-                group_id(5, 1)
+                group_id("TicTacToe-v0", 3, 0),
+                group_id("TicTacToe-v0", 3, 0),
+                group_id("TicTacToe-v0", 5, 0),
+                group_id("TicTacToe-v0", 5, 0),
+                group_id("TicTacToe-v0", 5, 1)
             ]
         );
         assert_eq!(converted.game_rewards, vec![-1.0, 1.0, -1.0]);
+    }
+
+    /// A game of `env_id` where the policy (seat 0, version 3) moves once
+    /// against a bot and gets `reward`.
+    fn one_move_game(env_id: &str, reward: f64) -> GameRecord {
+        let mut game = record(
+            vec![
+                SeatPolicy::Model(policy(None)),
+                SeatPolicy::Bot("random".into()),
+            ],
+            0,
+            vec![model_turn(0, &[1, 2], &[3], "[1]"), bot_turn(1)],
+            vec![reward, -reward],
+        );
+        game.env_id = env_id.into();
+        game
+    }
+
+    #[test]
+    fn several_games_never_share_a_group_and_rewards_are_normalised_per_game() {
+        let shaping = RewardShaping {
+            normalize: Some(relay_llm::NormalizeConfig {
+                center: true,
+                eps: 1e-8,
+                clip: None,
+            }),
+            format_bonus: 0.0,
+            invalid_move_penalty: 0.0,
+        };
+        let mut normalizer = RewardNormalizer::default();
+        let batch = [
+            one_move_game("TicTacToe-v0", 1.0),
+            one_move_game("KuhnPoker-v0", 3.0),
+            one_move_game("TicTacToe-v0", -1.0),
+            one_move_game("KuhnPoker-v0", 1.0),
+        ];
+        let converted = games_to_examples(&batch, &shaping, &mut normalizer);
+        let rewards: Vec<f64> = converted.examples.iter().map(|e| e.reward).collect();
+        // TicTacToe {1, -1}: mean 0, std 1; KuhnPoker {3, 1}: mean 2, std 1.
+        // Each becomes {+1, -1}. (Pooled, mean 1 and std sqrt(2) would
+        // have given 0, 1.41, -1.41, 0: Kuhn's larger rewards would win.)
+        let want = [1.0, 1.0, -1.0, -1.0];
+        for (got, want) in rewards.iter().zip(want) {
+            assert!((got - want).abs() < 1e-6, "{rewards:?}");
+        }
+        // Same version and seat, different games: different groups.
+        let groups: Vec<u64> = converted.examples.iter().map(|e| e.group).collect();
+        assert_eq!(groups[0], groups[2]);
+        assert_eq!(groups[1], groups[3]);
+        assert_ne!(groups[0], groups[1]);
+        assert_eq!(groups[0], group_id("TicTacToe-v0", 3, 0));
+        assert_eq!(groups[1], group_id("KuhnPoker-v0", 3, 0));
+        // Per-game figures.
+        let ttt = &converted.per_game["TicTacToe-v0"];
+        let kuhn = &converted.per_game["KuhnPoker-v0"];
+        assert_eq!((ttt.seats, ttt.examples, ttt.reward_mean()), (2, 2, 0.0));
+        assert_eq!((kuhn.seats, kuhn.examples, kuhn.reward_mean()), (2, 2, 2.0));
+        assert_eq!(ttt.legal_move_rate(), 1.0);
+
+        // The statistics run on per game: TicTacToe {1, -1, 1} has mean
+        // 1/3 and variance 8/9, so 1 becomes (2/3) / (2 sqrt(2) / 3) =
+        // 1/sqrt(2); KuhnPoker's statistics are untouched.
+        let converted = games_to_examples(
+            &[one_move_game("TicTacToe-v0", 1.0)],
+            &shaping,
+            &mut normalizer,
+        );
+        let z = converted.examples[0].reward;
+        assert!((z - std::f64::consts::FRAC_1_SQRT_2).abs() < 1e-6, "{z}");
+        let kuhn = normalizer.per_env["KuhnPoker-v0"];
+        assert_eq!((kuhn.count, kuhn.mean, kuhn.var), (2, 2.0, 1.0));
     }
 
     #[test]

@@ -29,6 +29,13 @@
 //! compares the bucket with the pool, so objects left by a crash or
 //! evicted elsewhere go too.
 //!
+//! Multi-game runs (`text.games`): games of every listed game are taken
+//! (a game of any other is refused, counted as a rejected message), their
+//! rewards are normalised per game when `rl.reward.normalize` is set, no
+//! group mixes games ([`crate::examples`]), and the mean game reward,
+//! legal-move rate and examples of each game are reported with a `game`
+//! label (`learner_game_*`).
+//!
 //! Counters: one env step is one learning move trained on (what text-mode
 //! env-runners report as env steps), so `run.total_env_steps` is the
 //! budget in moves; `episodes` counts games.
@@ -563,6 +570,13 @@ pub(crate) async fn run(
 
     let budget = cfg.run.total_env_steps;
     let batch_size = cfg.rl.batch_size;
+    // The games this run trains on (`text.games`, else `run.env_id`).
+    let run_games: Vec<String> = cfg
+        .text
+        .game_weights(&cfg.run.env_id)
+        .into_iter()
+        .map(|(game, _)| game)
+        .collect();
     let max_lag = cfg.replay.max_policy_lag;
     let mut pending: VecDeque<GameRecord> = VecDeque::new();
     let mut dropped_stale = 0u64;
@@ -625,7 +639,7 @@ pub(crate) async fn run(
                         }
                     }
                     for game in reply.games {
-                        if game.env_id != cfg.run.env_id {
+                        if !run_games.contains(&game.env_id) {
                             service.intake.reject(
                                 "replay.games.sample",
                                 &relay_proto::Rejection::Invalid {
@@ -633,7 +647,9 @@ pub(crate) async fn run(
                                     field: "env_id",
                                     detail: format!(
                                         "game from {} is of {}, this run plays {}",
-                                        game.runner_id, game.env_id, cfg.run.env_id
+                                        game.runner_id,
+                                        game.env_id,
+                                        run_games.join(", ")
                                     ),
                                 },
                             );
@@ -776,6 +792,14 @@ pub(crate) async fn run(
                             (dropped_stale - reported.0) as f64,
                         ),
                     ])
+                    .chain(converted.per_game.iter().flat_map(|(game, f)| {
+                        [
+                            gauge("learner_game_reward_mean", f.reward_mean()),
+                            gauge("learner_game_legal_move_rate", f.legal_move_rate()),
+                            counter("learner_game_examples_total", f.examples as f64),
+                        ]
+                        .map(|v| v.with_label("game", game))
+                    }))
                     .collect(),
             )
             .await;

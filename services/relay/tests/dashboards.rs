@@ -509,19 +509,24 @@ fn dashboards_query_a_live_stack_and_metrics_pass_promtool() {
         ],
     );
     // A CartPole run: the text-game dashboards' queries need only be valid.
-    check_live_stack(relay, true, |q| {
-        TEXT_RUN_DASHBOARDS.contains(&q.dashboard_uid.as_str())
-    });
+    check_live_stack(
+        relay,
+        true,
+        |q| TEXT_RUN_DASHBOARDS.contains(&q.dashboard_uid.as_str()),
+        &[],
+    );
 }
 
-/// A text-game run (the tiny model, as `relay up` writes it) fills the games
-/// and generation dashboard; the CartPole-only panels need only be valid.
+/// A multi-game text run (TicTacToe and Kuhn poker, the tiny model, as
+/// `relay up` writes it) fills the games and generation dashboard, its
+/// per-game panels with a series for each game; the CartPole-only panels
+/// need only be valid.
 #[test]
 fn the_games_dashboard_queries_a_live_text_stack() {
     let dir = relay_testkit::TempDir::new("dashboards-text");
     let relay = RelayUp::start(
         dir.path(),
-        "tictactoe-grpo.yaml",
+        "multigame-grpo.yaml",
         &[
             format!("llm.model={}", dir.path().join("models/tiny").display()),
             "run.total_env_steps=100000".into(),
@@ -529,16 +534,37 @@ fn the_games_dashboard_queries_a_live_text_stack() {
             "eval.options.games=2".into(),
         ],
     );
-    check_live_stack(relay, false, |q| {
-        !TEXT_RUN_DASHBOARDS.contains(&q.dashboard_uid.as_str())
-    });
+    check_live_stack(
+        relay,
+        false,
+        |q| !TEXT_RUN_DASHBOARDS.contains(&q.dashboard_uid.as_str()),
+        &["KuhnPoker-v0", "TicTacToe-v0"],
+    );
 }
+
+/// Per-game series every text run exports, each of which must show every
+/// game of the run (label `game`).
+const PER_GAME_SERIES: &[&str] = &[
+    "relay_text_games_total",
+    "relay_env_runner_game_win_rate",
+    "relay_env_runner_game_legal_move_rate",
+    "relay_learner_game_examples_total",
+    "relay_env_runner_games_total",
+    "relay_eval_outcome_rate",
+    "relay_evaluator_games",
+];
 
 /// Waits until Prometheus scrapes the six services, checks every query of
 /// every panel returns data (those `only_valid` accepts need only be valid
-/// PromQL), lints every service's `/metrics` with promtool, then stops the
-/// stack with SIGINT.
-fn check_live_stack(mut relay: RelayUp, probe_alerts: bool, only_valid: impl Fn(&Query) -> bool) {
+/// PromQL), checks each of [`PER_GAME_SERIES`] has a series for each of
+/// `games` (text runs), lints every service's `/metrics` with promtool,
+/// then stops the stack with SIGINT.
+fn check_live_stack(
+    mut relay: RelayUp,
+    probe_alerts: bool,
+    only_valid: impl Fn(&Query) -> bool,
+    games: &[&str],
+) {
     let record = relay.wait_record(Duration::from_secs(60));
     let prometheus_url = record["prometheus_url"].as_str().unwrap_or_default();
     assert!(
@@ -656,6 +682,34 @@ fn check_live_stack(mut relay: RelayUp, probe_alerts: bool, only_valid: impl Fn(
             );
         }
         std::thread::sleep(Duration::from_secs(1));
+    }
+
+    // Per-game series: one for each game of the run.
+    if !games.is_empty() {
+        let want: BTreeSet<String> = games.iter().map(|g| g.to_string()).collect();
+        let deadline = Instant::now() + Duration::from_secs(90);
+        for series in PER_GAME_SERIES {
+            let promql = format!("count by (game) ({series}{{run_id=\"{RUN_ID}\"}})");
+            loop {
+                relay.check_running();
+                let response =
+                    instant_query(prometheus, &promql).unwrap_or_else(|e| panic!("{promql}: {e}"));
+                let seen: BTreeSet<String> = response["data"]["result"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|r| r["metric"]["game"].as_str().map(str::to_string))
+                    .collect();
+                if seen == want {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{series}: series for games {seen:?}, want {want:?}"
+                );
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
     }
 
     // promtool's lint of every service's exposition.

@@ -32,6 +32,7 @@ fn metrics(service: &str, instance: &str, values: &[(&str, f64)]) -> MetricsRepo
                 name: name.to_string(),
                 kind: MetricKind::Gauge,
                 value: *value,
+                labels: Default::default(),
             })
             .collect(),
     }

@@ -15,7 +15,8 @@
 //!
 //! Text runs (`run.env_id` a text game) keep whole games instead
 //! ([`games`]): consumed from `relay.<run>.games`, sampled on
-//! `relay.<run>.replay.games.sample`.
+//! `relay.<run>.replay.games.sample`; games of every game of the run
+//! (`text.games`, multi-game runs) are stored, others refused.
 //!
 //! Off-policy runs (`run.algo: dqn` or `sac`) keep transitions instead
 //! ([`offpolicy`]): fragments inserted on `replay.insert` become n-step
@@ -424,6 +425,13 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     });
     // What a fragment of this run looks like (the table checks inserts against it).
     let env_spec = relay_envs::spec(&cfg.run.env_id).ok();
+    // Text runs: the games stored (`text.games`, else `run.env_id`).
+    let run_games: Vec<String> = cfg
+        .text
+        .game_weights(&cfg.run.env_id)
+        .into_iter()
+        .map(|(game, _)| game)
+        .collect();
     let text_run = cfg.is_text_game();
     let fifo = Fifo::new(
         redis,
@@ -642,11 +650,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 let Ok(game) = service.intake.decode::<GameRecord>("games", &message.payload) else {
                     continue;
                 };
-                if game.env_id != cfg.run.env_id {
+                if !run_games.contains(&game.env_id) {
                     service.intake.reject("games", &relay_proto::Rejection::Invalid {
                         kind: "GameRecord",
                         field: "env_id",
-                        detail: format!("game of {} from {}, this run plays {}", game.env_id, game.runner_id, cfg.run.env_id),
+                        detail: format!("game of {} from {}, this run plays {}", game.env_id, game.runner_id, run_games.join(", ")),
                     });
                     continue;
                 }

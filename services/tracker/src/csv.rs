@@ -9,6 +9,8 @@
 //! - `time`: when the tracker received the report (RFC 3339 UTC, the same
 //!   string as the `metrics.jsonl` line);
 //! - `vec_steps`: empty when the reporter did not give one;
+//! - `name`: the metric's name, with its labels when it has some
+//!   (`env_runner_text_win_rate{game=TicTacToe-v0}`, [`relay_proto::MetricValue::key`]);
 //! - `value`: a gauge's value, or a counter's increment (as on the wire);
 //! - fields holding `,`, `"` or a line break are quoted as RFC 4180 says.
 //!
@@ -64,7 +66,7 @@ pub fn rows(time: &str, report: &MetricsReport) -> Vec<String> {
                 field(&report.service),
                 field(&report.instance),
                 vec_steps.clone(),
-                field(&v.name),
+                field(&v.key()),
                 v.value.to_string(),
             ]
             .join(",")
@@ -120,6 +122,7 @@ mod tests {
                 name: "env_runner_sps".into(),
                 kind: MetricKind::Gauge,
                 value: 1234.5,
+                labels: Default::default(),
             }],
         };
         let rows = rows("2025-01-01T00:00:00.000Z", &report);

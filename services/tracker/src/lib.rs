@@ -139,7 +139,7 @@ impl RunDir {
         let values: serde_json::Map<String, serde_json::Value> = report
             .values
             .iter()
-            .map(|v| (v.name.clone(), json!(v.value)))
+            .map(|v| (v.key(), json!(v.value)))
             .collect();
         let time = now();
         writeln!(
@@ -175,12 +175,18 @@ struct Exported {
     registry: Registry,
     gauges: HashMap<String, GaugeVec>,
     counters: HashMap<String, Counter>,
+    /// Reported values with labels (per-game values): gauges keep
+    /// `source` and `copy` and add the value's label keys; counters are
+    /// summed over copies per label value. The label keys of a name are
+    /// those of its first value; a value with other keys is ignored.
+    labelled_gauges: HashMap<String, (Vec<String>, GaugeVec)>,
+    labelled_counters: HashMap<String, (Vec<String>, prometheus::CounterVec)>,
     episodes: IntCounter,
     episode_return: Gauge,
     eval_return: GaugeVec,
     eval_version: GaugeVec,
-    /// Outcome shares of the latest evaluation per opponent (text games),
-    /// over both seats: label `outcome` is win, draw or loss.
+    /// Outcome shares of the latest evaluation per game and opponent (text
+    /// games), over both seats: label `outcome` is win, draw or loss.
     eval_outcome_rate: GaugeVec,
     eval_legal_move_rate: GaugeVec,
     recent_returns: std::collections::VecDeque<f64>,
@@ -219,7 +225,7 @@ impl Exported {
                 "relay_eval_outcome_rate",
                 "Share of the latest evaluation's games against an opponent won, drawn or lost (text games).",
             ),
-            &["evaluator", "opponent", "outcome"],
+            &["evaluator", "game", "opponent", "outcome"],
         )
         .unwrap();
         let eval_legal_move_rate = GaugeVec::new(
@@ -227,7 +233,7 @@ impl Exported {
                 "relay_eval_legal_move_rate",
                 "Share of the policy's moves the game accepted in the latest evaluation against an opponent (text games).",
             ),
-            &["evaluator", "opponent"],
+            &["evaluator", "game", "opponent"],
         )
         .unwrap();
         relay_kit::metrics::register(&registry, &episodes);
@@ -240,6 +246,8 @@ impl Exported {
             registry,
             gauges: HashMap::new(),
             counters: HashMap::new(),
+            labelled_gauges: HashMap::new(),
+            labelled_counters: HashMap::new(),
             episodes,
             episode_return,
             eval_return,
@@ -264,6 +272,20 @@ impl Exported {
                 continue;
             }
             let help = spec.description.clone();
+            let labelled_before = self.labelled_gauges.contains_key(&name)
+                || self.labelled_counters.contains_key(&name);
+            let unlabelled_before =
+                self.gauges.contains_key(&name) || self.counters.contains_key(&name);
+            if (v.labels.is_empty() && labelled_before)
+                || (!v.labels.is_empty() && unlabelled_before)
+            {
+                tracing::warn!(metric = %name, labels = ?v.labels, from = %report.service, "reported metric came with labels before and now without (or the reverse); ignored");
+                continue;
+            }
+            if !v.labels.is_empty() {
+                self.labelled(report, v, name, help);
+                continue;
+            }
             match v.kind {
                 MetricKind::Gauge => {
                     let registry = &self.registry;
@@ -298,6 +320,68 @@ impl Exported {
         }
     }
 
+    /// Exports one labelled value (see [`Exported::labelled_gauges`]).
+    fn labelled(
+        &mut self,
+        report: &MetricsReport,
+        v: &relay_proto::MetricValue,
+        name: String,
+        help: String,
+    ) {
+        let keys: Vec<String> = v.labels.keys().cloned().collect();
+        let values: Vec<&str> = v.labels.values().map(String::as_str).collect();
+        let registry = &self.registry;
+        match v.kind {
+            MetricKind::Gauge => {
+                let (known, gauge) =
+                    self.labelled_gauges.entry(name.clone()).or_insert_with(|| {
+                        let names: Vec<&str> = ["source", "copy"]
+                            .into_iter()
+                            .chain(keys.iter().map(String::as_str))
+                            .collect();
+                        let g = GaugeVec::new(Opts::new(name.clone(), help), &names).unwrap();
+                        relay_kit::metrics::register(registry, &g);
+                        (keys.clone(), g)
+                    });
+                if *known != keys {
+                    tracing::warn!(metric = %name, labels = ?keys, expected = ?known, "reported metric has other labels than before; ignored");
+                    return;
+                }
+                let all: Vec<&str> = [report.service.as_str(), report.instance.as_str()]
+                    .into_iter()
+                    .chain(values)
+                    .collect();
+                if let Ok(g) = gauge.get_metric_with_label_values(&all) {
+                    g.set(v.value);
+                }
+            }
+            MetricKind::Counter => {
+                if !(v.value.is_finite() && v.value >= 0.0) {
+                    tracing::warn!(metric = %name, value = v.value, "counter increment must be finite and >= 0; ignored");
+                    return;
+                }
+                let (known, counter) =
+                    self.labelled_counters
+                        .entry(name.clone())
+                        .or_insert_with(|| {
+                            let names: Vec<&str> = keys.iter().map(String::as_str).collect();
+                            let c =
+                                prometheus::CounterVec::new(Opts::new(name.clone(), help), &names)
+                                    .unwrap();
+                            relay_kit::metrics::register(registry, &c);
+                            (keys.clone(), c)
+                        });
+                if *known != keys {
+                    tracing::warn!(metric = %name, labels = ?keys, expected = ?known, "reported metric has other labels than before; ignored");
+                    return;
+                }
+                if let Ok(c) = counter.get_metric_with_label_values(&values) {
+                    c.inc_by(v.value);
+                }
+            }
+        }
+    }
+
     /// Counts the episodes; returns the updated mean of the last 100 returns.
     fn episodes(&mut self, report: &EpisodeReport) -> Option<f64> {
         self.episodes.inc_by(report.episodes.len() as u64);
@@ -322,10 +406,12 @@ impl Exported {
         self.eval_version
             .with_label_values(&[&report.evaluator])
             .set(report.policy_version as f64);
-        // Both seats' games against one opponent add up.
-        let mut by_opponent: BTreeMap<&str, [u32; 5]> = BTreeMap::new();
+        // Both seats' games of one game against one opponent add up.
+        let mut by_opponent: BTreeMap<(&str, &str), [u32; 5]> = BTreeMap::new();
         for m in &report.matchups {
-            let sums = by_opponent.entry(&m.opponent).or_default();
+            let sums = by_opponent
+                .entry((m.game_or(&report.env_id), &m.opponent))
+                .or_default();
             for (sum, n) in
                 sums.iter_mut()
                     .zip([m.wins, m.draws, m.losses, m.moves, m.invalid_moves])
@@ -333,18 +419,18 @@ impl Exported {
                 *sum += n;
             }
         }
-        for (opponent, [wins, draws, losses, moves, invalid]) in by_opponent {
+        for ((game, opponent), [wins, draws, losses, moves, invalid]) in by_opponent {
             let games = wins + draws + losses;
             if games > 0 {
                 for (outcome, n) in [("win", wins), ("draw", draws), ("loss", losses)] {
                     self.eval_outcome_rate
-                        .with_label_values(&[&report.evaluator, opponent, outcome])
+                        .with_label_values(&[&report.evaluator, game, opponent, outcome])
                         .set(n as f64 / games as f64);
                 }
             }
             if moves > 0 {
                 self.eval_legal_move_rate
-                    .with_label_values(&[&report.evaluator, opponent])
+                    .with_label_values(&[&report.evaluator, game, opponent])
                     .set(1.0 - invalid as f64 / moves as f64);
             }
         }
@@ -461,4 +547,107 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let _ = tokio::task::spawn_blocking(move || plots::draw_run_logged(&root)).await;
     service.health.set_ready(false);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus::Encoder;
+    use relay_kit::{counter, gauge};
+    use relay_proto::{Matchup, SCHEMA_VERSION};
+
+    fn exposition(registry: &Registry) -> String {
+        let mut out = Vec::new();
+        prometheus::TextEncoder::new()
+            .encode(&registry.gather(), &mut out)
+            .unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    fn report(instance: &str, values: Vec<relay_proto::MetricValue>) -> MetricsReport {
+        MetricsReport {
+            schema: SCHEMA_VERSION,
+            service: "env-runner".into(),
+            instance: instance.into(),
+            vec_steps: None,
+            values,
+        }
+    }
+
+    #[test]
+    fn labelled_values_are_exported_per_game_beside_the_unlabelled_ones() {
+        let registry = Registry::new();
+        let mut exported = Exported::new(registry.clone());
+        for instance in ["e1", "e2"] {
+            exported.metrics(&report(
+                instance,
+                vec![
+                    counter("games_total", 3.0),
+                    counter("text_games_total", 2.0).with_label("game", "TicTacToe-v0"),
+                    counter("text_games_total", 1.0).with_label("game", "KuhnPoker-v0"),
+                    gauge("env_runner_win_rate", 0.5),
+                    gauge("env_runner_game_win_rate", 0.75).with_label("game", "TicTacToe-v0"),
+                ],
+            ));
+        }
+        // Other label keys than the first value's are ignored, not a panic.
+        exported.metrics(&report("e1", vec![gauge("env_runner_game_win_rate", 0.1)]));
+        let text = exposition(&registry);
+        for line in [
+            "relay_games_total 6",
+            "relay_text_games_total{game=\"TicTacToe-v0\"} 4",
+            "relay_text_games_total{game=\"KuhnPoker-v0\"} 2",
+            "relay_env_runner_win_rate{copy=\"e1\",source=\"env-runner\"} 0.5",
+            "relay_env_runner_game_win_rate{copy=\"e2\",game=\"TicTacToe-v0\",source=\"env-runner\"} 0.75",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}:\n{text}");
+        }
+        assert!(!text.contains("0.1"), "{text}");
+    }
+
+    #[test]
+    fn eval_outcomes_are_split_by_game_and_old_matchups_take_the_reports_env() {
+        let registry = Registry::new();
+        let mut exported = Exported::new(registry.clone());
+        let matchup = |game: &str, seat: u8, wins: u32, losses: u32| Matchup {
+            opponent: "random".into(),
+            seat,
+            game: game.into(),
+            games: wins + losses,
+            wins,
+            draws: 0,
+            losses,
+            abandoned: 0,
+            moves: 4,
+            invalid_moves: 1,
+        };
+        exported.eval(&EvalReport {
+            schema: SCHEMA_VERSION,
+            evaluator: "vs-opponent".into(),
+            instance: "ev".into(),
+            env_id: "TicTacToe-v0".into(),
+            policy_version: 1,
+            learner_env_steps: 0,
+            returns: vec![1.0],
+            mean_return: 1.0,
+            std_return: 0.0,
+            threshold: 1.0,
+            solved: false,
+            matchups: vec![
+                // An older evaluator: no game, so the report's env.
+                matchup("", 0, 1, 1),
+                matchup("TicTacToe-v0", 1, 2, 0),
+                matchup("KuhnPoker-v0", 0, 0, 4),
+            ],
+        });
+        let text = exposition(&registry);
+        for line in [
+            // TicTacToe: 3 wins of 4 over both seats.
+            "relay_eval_outcome_rate{evaluator=\"vs-opponent\",game=\"TicTacToe-v0\",opponent=\"random\",outcome=\"win\"} 0.75",
+            "relay_eval_outcome_rate{evaluator=\"vs-opponent\",game=\"KuhnPoker-v0\",opponent=\"random\",outcome=\"loss\"} 1",
+            "relay_eval_legal_move_rate{evaluator=\"vs-opponent\",game=\"KuhnPoker-v0\",opponent=\"random\"} 0.75",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}:\n{text}");
+        }
+    }
 }

@@ -138,6 +138,7 @@ mod tests {
                 name: RESUMED_AT.into(),
                 kind: MetricKind::Gauge,
                 value: resumed_at,
+                labels: Default::default(),
             }],
         }
     }

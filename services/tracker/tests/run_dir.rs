@@ -37,6 +37,7 @@ fn report(
                     MetricKind::Gauge
                 },
                 value: *value,
+                labels: Default::default(),
             })
             .collect(),
     }

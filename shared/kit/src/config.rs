@@ -1421,6 +1421,16 @@ pub struct TextConfig {
     pub generate_attempts: u32,
     /// Search depth (plies) of `connect_four_bot`.
     pub connect_four_depth: u32,
+    /// Multi-game runs: the text games trained on together, each with its
+    /// relative sampling weight (finite, >= 0, not all 0), e.g.
+    /// `{TicTacToe-v0: 2, KuhnPoker-v0: 1}`. Each env-runner draws the game
+    /// of every new training game from these weights with its seeded RNG.
+    /// Unset: the run plays `run.env_id` alone, as a single-game run. When
+    /// set, `run.env_id` must be one of these games (it names the run in
+    /// the registry and the `env_id` label), every entry of `opponents`
+    /// (and `learner`, when it is a bot) must play every game, and the
+    /// `league` opponent is refused: the league pool rates one game.
+    pub games: Option<std::collections::BTreeMap<String, f64>>,
 }
 
 impl Default for TextConfig {
@@ -1439,6 +1449,7 @@ impl Default for TextConfig {
             generate_timeout_ms: 30_000,
             generate_attempts: 3,
             connect_four_depth: 4,
+            games: None,
         }
     }
 }
@@ -1472,6 +1483,82 @@ impl TextConfig {
             .filter(|name| BOT_NAMES.contains(name))
     }
 
+    /// The games of a run whose `run.env_id` is `env_id`, with their
+    /// sampling weights, in name order: `games` when set, else `env_id`
+    /// alone at weight 1.
+    pub fn game_weights(&self, env_id: &str) -> Vec<(String, f64)> {
+        match &self.games {
+            Some(games) => games.iter().map(|(g, &w)| (g.clone(), w)).collect(),
+            None => vec![(env_id.to_string(), 1.0)],
+        }
+    }
+
+    /// Whether the run trains on several games (`games` lists more than one).
+    pub fn multi_game(&self) -> bool {
+        self.games.as_ref().is_some_and(|g| g.len() > 1)
+    }
+
+    /// Checks `games` against the run's `env_id` (see the field's docs).
+    fn validate_games(&self, env_id: &str) -> Result<(), ConfigError> {
+        let Some(games) = &self.games else {
+            return Ok(());
+        };
+        if games.is_empty() {
+            return Err(invalid(
+                "text.games",
+                "lists no game; leave it unset to play run.env_id alone",
+            ));
+        }
+        for (game, &weight) in games {
+            let field = format!("text.games.{game}");
+            if !is_text_game(game) {
+                let kind = if relay_envs::spec(game).is_ok() {
+                    "is a classic-control env; text.games lists text games only (no mixing)"
+                        .to_string()
+                } else {
+                    format!(
+                        "unknown text game {game:?}; known: {}",
+                        relay_envs::TEXT_GAME_IDS.join(", ")
+                    )
+                };
+                return Err(invalid(&field, kind));
+            }
+            if !(weight.is_finite() && weight >= 0.0) {
+                return Err(invalid(
+                    &field,
+                    format!("weight must be a number >= 0, got {weight}"),
+                ));
+            }
+        }
+        if games.values().all(|&w| w <= 0.0) {
+            return Err(invalid(
+                "text.games",
+                "every weight is 0; at least one must be positive",
+            ));
+        }
+        if !is_text_game(env_id) {
+            return Err(invalid(
+                "text.games",
+                format!("run.env_id {env_id} is not a text game: a run cannot mix classic-control and text envs"),
+            ));
+        }
+        if !games.contains_key(env_id) {
+            return Err(invalid(
+                "text.games",
+                format!(
+                    "does not list run.env_id {env_id}; a multi-game run names one of its games in run.env_id"
+                ),
+            ));
+        }
+        if games.len() > 1 && self.league_weight() > 0.0 {
+            return Err(invalid(
+                &format!("text.opponents.{LEAGUE_OPPONENT}"),
+                "the league pool rates one game; a multi-game run (text.games) cannot use league opponents",
+            ));
+        }
+        Ok(())
+    }
+
     /// The learning side's bot, if `learner` names one (`None`: the model).
     pub fn learner_bot(&self) -> Option<&str> {
         (self.learner != "model").then_some(self.learner.as_str())
@@ -1481,6 +1568,12 @@ impl TextConfig {
     /// apply only when it is a text game).
     pub fn validate(&self, env_id: &str) -> Result<(), ConfigError> {
         let game = is_text_game(env_id);
+        self.validate_games(env_id)?;
+        let games: Vec<String> = self
+            .game_weights(env_id)
+            .into_iter()
+            .map(|(g, _)| g)
+            .collect();
         if self.learner != "model" {
             if !BOT_NAMES.contains(&self.learner.as_str()) {
                 return Err(invalid(
@@ -1492,11 +1585,13 @@ impl TextConfig {
                     ),
                 ));
             }
-            if game && !bot_plays(&self.learner, env_id) {
-                return Err(invalid(
-                    "text.learner",
-                    format!("bot {} does not play {env_id}", self.learner),
-                ));
+            if game {
+                if let Some(refused) = games.iter().find(|g| !bot_plays(&self.learner, g)) {
+                    return Err(invalid(
+                        "text.learner",
+                        format!("bot {} does not play {refused}", self.learner),
+                    ));
+                }
             }
         }
         if self.opponents.is_empty() {
@@ -1511,9 +1606,9 @@ impl TextConfig {
                 ));
             }
             if game {
-                opponent
-                    .check_game(env_id)
-                    .map_err(|e| invalid(&field, e))?;
+                for g in &games {
+                    opponent.check_game(g).map_err(|e| invalid(&field, e))?;
+                }
             }
         }
         let league = self.league_weight();
@@ -1930,7 +2025,10 @@ pub struct RlConfig {
     pub optimizer: relay_llm::AdamWConfig,
     /// Reward transforms: `invalid_move_penalty` (taken from each move the
     /// game refused), `format_bonus` (times the share of the seat's moves that
-    /// contain a bracketed move such as `[4]`), `normalize`.
+    /// contain a bracketed move such as `[4]`), `normalize` (`{center,
+    /// eps, clip}`: each game's reward by its own running mean and std, per
+    /// game id, before the objective's group normalisation; recommended for
+    /// multi-game runs, see `relay_llm::reward`).
     pub reward: relay_llm::RewardShaping,
     /// Write a checkpoint every this many updates (and at the end).
     pub checkpoint_every: u64,
@@ -3060,6 +3158,86 @@ mod tests {
         ExperimentConfig::from_layers(BASE, "t", &[], &["text.opponents.minimax=1".into()])
             .unwrap();
         assert!(ExperimentConfig::from_layers(BASE, "t", &[], &["text.top_p=2".into()]).is_err());
+    }
+
+    #[test]
+    fn text_games_weigh_several_games_and_bad_entries_are_named() {
+        // Unset: the run's env alone.
+        let c = ExperimentConfig::from_layers(TEXT, "t", &[], &[]).unwrap();
+        assert_eq!(
+            c.text.game_weights(&c.run.env_id),
+            vec![("TicTacToe-v0".to_string(), 1.0)]
+        );
+        assert!(!c.text.multi_game());
+        let yaml =
+            "run:\n  env_id: TicTacToe-v0\ntext:\n  games: {TicTacToe-v0: 2, KuhnPoker-v0: 1}\n";
+        let c = ExperimentConfig::from_layers(yaml, "t", &[], &[]).unwrap();
+        assert_eq!(
+            c.text.game_weights(&c.run.env_id),
+            vec![
+                ("KuhnPoker-v0".to_string(), 1.0),
+                ("TicTacToe-v0".to_string(), 2.0)
+            ]
+        );
+        assert!(c.text.multi_game());
+        let cases: &[(&str, &[&str])] = &[
+            (
+                "text:\n  games: {TicTacToe-v0: 1, Chess-v0: 1}\n",
+                &["text.games.Chess-v0", "unknown text game", "KuhnPoker-v0"],
+            ),
+            (
+                "text:\n  games: {TicTacToe-v0: 1, CartPole-v1: 1}\n",
+                &["text.games.CartPole-v1", "classic-control"],
+            ),
+            (
+                "text:\n  games: {TicTacToe-v0: 1, KuhnPoker-v0: -1}\n",
+                &["text.games.KuhnPoker-v0", ">= 0"],
+            ),
+            (
+                "text:\n  games: {TicTacToe-v0: 1, KuhnPoker-v0: .nan}\n",
+                &["text.games.KuhnPoker-v0", "NaN"],
+            ),
+            (
+                "text:\n  games: {TicTacToe-v0: 0, KuhnPoker-v0: 0}\n",
+                &["text.games", "every weight is 0"],
+            ),
+            ("text:\n  games: {}\n", &["text.games", "no game"]),
+            (
+                "text:\n  games: {KuhnPoker-v0: 1, ConnectFour-v0: 1}\n",
+                &["text.games", "TicTacToe-v0"],
+            ),
+            (
+                "text:\n  games: {TicTacToe-v0: 1, KuhnPoker-v0: 1}\n  opponents: {random: 1, minimax: 1}\n",
+                &["text.opponents.minimax", "does not play KuhnPoker-v0"],
+            ),
+            (
+                "text:\n  games: {TicTacToe-v0: 1, KuhnPoker-v0: 1}\n  learner: minimax\n",
+                &["text.learner", "does not play KuhnPoker-v0"],
+            ),
+            (
+                "text:\n  games: {TicTacToe-v0: 1, KuhnPoker-v0: 1}\n  opponents: {random: 1, league: 1}\n",
+                &["text.opponents.league", "one game"],
+            ),
+        ];
+        for (text, needles) in cases {
+            let yaml = format!("{TEXT}{text}");
+            let err = ExperimentConfig::from_layers(&yaml, "t", &[], &[])
+                .unwrap_err()
+                .to_string();
+            for needle in *needles {
+                assert!(err.contains(needle), "{text}: {needle}: {err}");
+            }
+        }
+        // A classic run cannot list text games.
+        let err = ExperimentConfig::from_layers(
+            &format!("{BASE}text:\n  games: {{TicTacToe-v0: 1}}\n"),
+            "t",
+            &[],
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("text.games") && err.contains("mix"), "{err}");
     }
 
     #[test]

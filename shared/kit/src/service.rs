@@ -264,6 +264,7 @@ pub fn gauge(name: &str, value: f64) -> MetricValue {
         name: name.to_string(),
         kind: MetricKind::Gauge,
         value,
+        labels: Default::default(),
     }
 }
 
@@ -273,6 +274,7 @@ pub fn counter(name: &str, increment: f64) -> MetricValue {
         name: name.to_string(),
         kind: MetricKind::Counter,
         value: increment,
+        labels: Default::default(),
     }
 }
 

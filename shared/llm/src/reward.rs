@@ -20,6 +20,20 @@
 //! penalty lands on the refused move alone, not on the seat's other moves:
 //! the credit goes where the mistake was. The normaliser is state the
 //! learner keeps (and may checkpoint: it is serde).
+//!
+//! Why per game, and before the objective's own normalisation: in a
+//! multi-game run (`text.games`) one batch holds games whose rewards live
+//! on different scales and around different means (TicTacToe's ±1 against
+//! a bot it mostly beats, Kuhn poker's chips). The objectives' group
+//! baselines (`rloo`, `grpo`) only ever compare games of one game (group
+//! ids never mix games), but the batch's advantage scale, the KL and
+//! entropy terms and the learning rate are shared: without per-game
+//! statistics the game with the larger or more lopsided rewards would
+//! take most of the gradient. Normalising each game's raw reward by its
+//! own running mean and std first puts every game in the same units;
+//! the group normalisation then works on those units as it would on one
+//! game's. (`reinforce` and `ppo`, without groups, get the same benefit
+//! directly.)
 
 use std::collections::BTreeMap;
 
@@ -149,8 +163,11 @@ impl RewardNormalizer {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RewardShaping {
-    /// Normalise each environment's own reward by its running statistics;
-    /// `None`: leave it as the environment gave it.
+    /// Normalise each environment's (each game's) own reward by that
+    /// game's running mean and std, before the objective's group
+    /// normalisation (see the module docs: in multi-game runs, so that no
+    /// game dominates the gradient); `None`: leave it as the environment
+    /// gave it.
     pub normalize: Option<NormalizeConfig>,
     /// Reward for a game whose every turn was well formatted (scaled by the
     /// fraction of well-formatted turns).

@@ -475,6 +475,13 @@ pub enum MetricKind {
     Counter,
 }
 
+/// Label keys a [`MetricValue`] may carry (the tracker adds each as a
+/// Prometheus label): `game`, the text game a per-game value is about.
+pub const METRIC_LABELS: &[&str] = &["game"];
+
+/// Longest label value a [`MetricValue`] may carry.
+pub const MAX_METRIC_LABEL_LEN: usize = 64;
+
 /// One named value.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MetricValue {
@@ -482,6 +489,34 @@ pub struct MetricValue {
     pub name: String,
     pub kind: MetricKind,
     pub value: f64,
+    /// Labels of this value (keys from [`METRIC_LABELS`]), e.g.
+    /// `{game: TicTacToe-v0}` for a per-game value. Empty for most values;
+    /// absent on the wire when empty, so older readers and writers agree.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
+}
+
+impl MetricValue {
+    /// This value with label `key` set to `value`.
+    pub fn with_label(mut self, key: &str, value: &str) -> Self {
+        self.labels.insert(key.to_string(), value.to_string());
+        self
+    }
+
+    /// The name with its labels, as the run directory's files key it:
+    /// `name` alone, or `name{game=TicTacToe-v0}` (labels in key order,
+    /// comma-separated).
+    pub fn key(&self) -> String {
+        if self.labels.is_empty() {
+            return self.name.clone();
+        }
+        let labels: Vec<String> = self
+            .labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        format!("{}{{{}}}", self.name, labels.join(","))
+    }
 }
 
 /// Any service -> tracker: a batch of metric values.
@@ -507,6 +542,34 @@ wire_message!(MetricsReport, "MetricsReport", |m: &MetricsReport| {
                 "values",
                 format!("bad metric name {:?}", v.name),
             ));
+        }
+        for (key, value) in &v.labels {
+            if !METRIC_LABELS.contains(&key.as_str()) {
+                return Err(invalid(
+                    "MetricsReport",
+                    "values",
+                    format!(
+                        "metric {} has unknown label {key:?}; known: {}",
+                        v.name,
+                        METRIC_LABELS.join(", ")
+                    ),
+                ));
+            }
+            if value.is_empty()
+                || value.len() > MAX_METRIC_LABEL_LEN
+                || !value
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':'))
+            {
+                return Err(invalid(
+                    "MetricsReport",
+                    "values",
+                    format!(
+                        "metric {} has bad {key} label {value:?} (1 to {MAX_METRIC_LABEL_LEN} ASCII letters, digits, '-', '_', '.' or ':')",
+                        v.name
+                    ),
+                ));
+            }
         }
     }
     Ok(())
@@ -551,6 +614,10 @@ pub struct Matchup {
     pub opponent: String,
     /// The policy's seat (player index; 0 moves first).
     pub seat: u8,
+    /// The text game played (multi-game runs evaluate each of their
+    /// games); empty from writers that predate it: the report's `env_id`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub game: String,
     /// Games finished (`wins + draws + losses`).
     pub games: u32,
     pub wins: u32,
@@ -565,6 +632,16 @@ pub struct Matchup {
 }
 
 impl Matchup {
+    /// The game played: `game`, else (an older writer) `env_id`, the
+    /// report's.
+    pub fn game_or<'a>(&'a self, env_id: &'a str) -> &'a str {
+        if self.game.is_empty() {
+            env_id
+        } else {
+            &self.game
+        }
+    }
+
     /// Share of the policy's moves the game accepted (1 when it made none).
     pub fn legal_move_rate(&self) -> f64 {
         if self.moves == 0 {
@@ -753,6 +830,62 @@ wire_message!(LogBatch, "LogBatch", |m: &LogBatch| {
 mod tests {
     use super::*;
     use crate::{decode, encode};
+
+    #[test]
+    fn metric_labels_are_optional_on_the_wire_and_checked() {
+        // A value without labels encodes as before (no `labels` key), and
+        // an older writer's value (no `labels` key) decodes with none.
+        #[derive(Serialize)]
+        struct OldValue {
+            name: String,
+            kind: MetricKind,
+            value: f64,
+        }
+        #[derive(Serialize)]
+        struct OldReport {
+            schema: u16,
+            service: String,
+            instance: String,
+            vec_steps: Option<u64>,
+            values: Vec<OldValue>,
+        }
+        let old = rmp_serde::to_vec_named(&OldReport {
+            schema: SCHEMA_VERSION,
+            service: "env-runner".into(),
+            instance: "e1".into(),
+            vec_steps: None,
+            values: vec![OldValue {
+                name: "games_total".into(),
+                kind: MetricKind::Counter,
+                value: 2.0,
+            }],
+        })
+        .unwrap();
+        let report: MetricsReport = decode(&old).unwrap();
+        assert!(report.values[0].labels.is_empty());
+        assert_eq!(encode(&report), old);
+        assert_eq!(report.values[0].key(), "games_total");
+
+        let mut labelled = report.clone();
+        labelled.values[0] = labelled.values[0]
+            .clone()
+            .with_label("game", "KuhnPoker-v0");
+        let back: MetricsReport = decode(&encode(&labelled)).unwrap();
+        assert_eq!(back, labelled);
+        assert_eq!(back.values[0].key(), "games_total{game=KuhnPoker-v0}");
+
+        for (key, value, needle) in [
+            ("opponent", "random", "unknown label \"opponent\""),
+            ("game", "", "bad game label"),
+            ("game", "Tic Tac", "bad game label"),
+        ] {
+            let mut bad = report.clone();
+            bad.values[0].labels.insert(key.into(), value.into());
+            let err = decode::<MetricsReport>(&encode(&bad)).unwrap_err();
+            assert!(err.to_string().contains(needle), "{err}");
+            assert_eq!(err.reason(), "invalid");
+        }
+    }
 
     pub(crate) fn fragment(t: usize, n: usize, d: usize) -> RolloutFragment {
         let mut truncated = vec![false; t * n];

@@ -498,6 +498,7 @@ impl Subject for MetricsReport {
                     name: rng.ident(NAME, 24),
                     kind: rng.pick(&[MetricKind::Gauge, MetricKind::Counter]),
                     value: rng.f64(),
+                    labels: Default::default(),
                 })
                 .collect(),
         }
@@ -511,6 +512,7 @@ impl Subject for MetricsReport {
             name: bad,
             kind: MetricKind::Gauge,
             value: 1.0,
+            labels: Default::default(),
         });
         let last = self.values.len() - 1;
         let i = rng.below(self.values.len());
@@ -560,6 +562,7 @@ fn matchup(rng: &mut Rng) -> Matchup {
     Matchup {
         opponent: rng.ident(LOWER_DIGIT_DASH, 16),
         seat: rng.below(2) as u8,
+        game: String::new(),
         games: wins + draws + losses,
         wins,
         draws,
