@@ -328,7 +328,7 @@ pub(crate) async fn run(
                     continue;
                 }
             };
-            step_cfg.update_target = step as u64 % s.target_update_interval == 0;
+            step_cfg.update_target = (step as u64).is_multiple_of(s.target_update_interval);
             step += 1;
             state.gradient_steps += 1;
             let result = tokio::task::block_in_place(|| {

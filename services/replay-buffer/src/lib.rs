@@ -572,7 +572,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 };
                 if table.is_some() {
                     let detail = format!("this run's replay table is off-policy (run.algo {}): sample transitions on replay.transitions.sample", cfg.run.algo);
-                    let _ = request.respond(Err(async_nats::service::error::Error { status: detail.into(), code: 400 })).await;
+                    let _ = request.respond(Err(async_nats::service::error::Error { status: detail, code: 400 })).await;
                     continue;
                 }
                 match fifo.sample(ask.min_policy_version, ask.max_steps as u64).await {
