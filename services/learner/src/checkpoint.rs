@@ -32,10 +32,11 @@
 
 use std::path::{Path, PathBuf};
 
-use relay_kit::ExperimentConfig;
+use relay_kit::{ExperimentConfig, ServiceError};
 use relay_nn::{ActorCritic, VecNormalize};
 
 use rand_chacha::ChaCha8Rng;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::optimizer::Optimizer;
@@ -96,6 +97,106 @@ pub struct CheckpointState {
     /// Best eval mean heard so far (and the version it evaluated).
     #[serde(default)]
     pub best_eval: Option<(f64, u64)>,
+}
+
+impl CheckpointState {
+    /// The bookkeeping of a learner at this moment.
+    pub fn of(progress: &Progress, rng: &ChaCha8Rng, best_eval: Option<(f64, u64)>) -> Self {
+        Self {
+            progress: progress.clone(),
+            rng: Some(RngState::capture(rng)),
+            best_eval,
+        }
+    }
+}
+
+/// Where a learner starts: a checkpoint of its own run to continue
+/// (`run.resume_from`: weights, optimizer and bookkeeping) or another run's
+/// checkpoint to start from (`run.init_from`: weights, and the optimizer
+/// unless `run.reset_optimizer`).
+#[derive(Debug, Clone)]
+pub struct StartFrom {
+    /// The checkpoint folder.
+    pub dir: PathBuf,
+    /// Continuing this run (`run.resume_from`), not a new one.
+    pub resume: bool,
+}
+
+impl StartFrom {
+    /// The run's starting checkpoint, if it names one.
+    pub fn of(config: &ExperimentConfig) -> Option<Self> {
+        match (&config.run.resume_from, &config.run.init_from) {
+            (Some(dir), _) => Some(Self {
+                dir: dir.clone(),
+                resume: true,
+            }),
+            (None, Some(dir)) => Some(Self {
+                dir: dir.clone(),
+                resume: false,
+            }),
+            (None, None) => None,
+        }
+    }
+
+    /// A startup failure naming the config field and the folder.
+    pub fn error(&self, e: impl std::fmt::Display) -> ServiceError {
+        let field = if self.resume {
+            "run.resume_from"
+        } else {
+            "run.init_from"
+        };
+        ServiceError::other(format!("{field} {}: {e}", self.dir.display()))
+    }
+}
+
+/// The version a resumed learner publishes first: past its checkpoint's
+/// (`saved`) and past every version the run already published, so no
+/// subscriber sees the version go back.
+pub fn next_version(saved: u64, run_dir: &Path) -> u64 {
+    saved.max(published_version(run_dir)) + 1
+}
+
+/// The bookkeeping a resumed learner continues with.
+#[derive(Debug, Clone)]
+pub struct Restored {
+    /// The counters, at the [`next_version`].
+    pub progress: Progress,
+    /// The RNG where the checkpoint left it.
+    pub rng: ChaCha8Rng,
+    /// The best eval mean heard (and the version it evaluated).
+    pub best_eval: Option<(f64, u64)>,
+}
+
+/// Reads the bookkeeping of checkpoint folder `dir` of the run in
+/// `run_dir` ([`Restored`]; `rng` is kept when the checkpoint predates
+/// saved RNGs).
+pub fn restore(dir: &Path, run_dir: &Path, rng: ChaCha8Rng) -> Result<Restored, CheckpointError> {
+    let saved = load_state(dir)?;
+    let rng = match &saved.rng {
+        Some(state) => state.restore().map_err(|detail| CheckpointError::State {
+            path: dir.join("state.json"),
+            detail,
+        })?,
+        None => rng,
+    };
+    let mut progress = saved.progress;
+    progress.version = next_version(progress.version, run_dir);
+    Ok(Restored {
+        progress,
+        rng,
+        best_eval: saved.best_eval,
+    })
+}
+
+/// Logs the outcome of writing a checkpoint: a failed checkpoint is an
+/// error in the log, never the end of training.
+pub fn log_written(written: Result<PathBuf, CheckpointError>, version: u64, best: bool) {
+    match written {
+        Ok(path) => {
+            tracing::info!(path = %path.display(), version, best, "checkpoint written")
+        }
+        Err(e) => tracing::error!(error = %e, "checkpoint failed"),
+    }
 }
 
 /// Checkpoint numbers in `checkpoints/`, ascending.
@@ -327,22 +428,66 @@ pub fn write(
     Ok(dest)
 }
 
-/// Reads a checkpoint folder's `state.json`.
-pub fn load_state(dir: &Path) -> Result<CheckpointState, CheckpointError> {
-    let path = dir.join("state.json");
-    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+/// Reads a JSON file of a checkpoint.
+pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T, CheckpointError> {
+    let text = std::fs::read_to_string(path).map_err(io(path))?;
     serde_json::from_str(&text).map_err(|e| CheckpointError::State {
-        path,
+        path: path.to_path_buf(),
         detail: e.to_string(),
     })
 }
 
+/// Reads a checkpoint folder's `state.json`.
+pub fn load_state(dir: &Path) -> Result<CheckpointState, CheckpointError> {
+    read_json(&dir.join("state.json"))
+}
+
 /// Reads a checkpoint folder's counters.
 pub fn load_progress(dir: &Path) -> Result<Progress, CheckpointError> {
-    let path = dir.join("state.json");
-    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-    serde_json::from_str(&text).map_err(|e| CheckpointError::State {
-        path,
-        detail: e.to_string(),
-    })
+    read_json(&dir.join("state.json"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{RngCore, SeedableRng};
+
+    #[test]
+    fn a_restored_learner_continues_its_rng_and_publishes_past_every_version() {
+        let run_dir = std::env::temp_dir().join(format!("relay-restore-{}", std::process::id()));
+        let dir = run_dir.join("checkpoints").join("00000003");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        rng.next_u64();
+        let progress = Progress {
+            version: 5,
+            updates: 3,
+            env_steps: 300,
+            vec_steps: 75,
+            episodes: 2,
+        };
+        let saved = CheckpointState::of(&progress, &rng, Some((1.5, 4)));
+        write_json(&dir.join("state.json"), &saved).unwrap();
+        // Versions up to 9 went out after the checkpoint was written.
+        record_published(&run_dir, 9).unwrap();
+
+        let restored = restore(&dir, &run_dir, ChaCha8Rng::seed_from_u64(0)).unwrap();
+        assert_eq!(restored.progress.version, 10);
+        assert_eq!(restored.progress.env_steps, 300);
+        assert_eq!(restored.best_eval, Some((1.5, 4)));
+        assert_eq!(restored.rng.clone().next_u64(), rng.next_u64());
+
+        // A checkpoint from before RNGs were saved keeps the fresh RNG.
+        let old = CheckpointState { rng: None, ..saved };
+        write_json(&dir.join("state.json"), &old).unwrap();
+        let fresh = ChaCha8Rng::seed_from_u64(11);
+        let restored = restore(&dir, &run_dir, fresh.clone()).unwrap();
+        assert_eq!(restored.rng, fresh);
+
+        // A broken state file names itself.
+        std::fs::write(dir.join("state.json"), "{").unwrap();
+        let err = restore(&dir, &run_dir, fresh).unwrap_err().to_string();
+        assert!(err.contains("state.json"), "{err}");
+        std::fs::remove_dir_all(&run_dir).unwrap();
+    }
 }

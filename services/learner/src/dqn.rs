@@ -34,10 +34,8 @@
 //! (`dqn.json`).
 
 use std::path::Path;
-use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use relay_kit::config::DqnConfig;
@@ -45,13 +43,16 @@ use relay_kit::{gauge, ExperimentConfig, Service, ServiceError, Shutdown};
 use relay_nn::{
     clip_grad_norm, dqn_loss, Adam, AdamConfig, DqnBatch, DqnLossConfig, DqnStats, QNetwork,
 };
-use relay_proto::{
-    PriorityAck, PriorityUpdate, Tensor, TransitionBatch, TransitionSampleRequest, SCHEMA_VERSION,
-};
+use relay_proto::{PriorityAck, PriorityUpdate, Tensor, TransitionBatch, SCHEMA_VERSION};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, CheckpointError, CheckpointState, RngState};
-use crate::{publish, take_evals, take_solved, Finish, Metrics, Progress};
+use crate::checkpoint::{self, CheckpointError, CheckpointState};
+use crate::{
+    pause, sample_transitions, take_evals, take_solved, Finish, LatestWeights, Metrics, Progress,
+};
+
+/// The checkpoint file of [`DqnState`].
+const STATE_FILE: &str = "dqn.json";
 
 /// Round bookkeeping a checkpoint carries beside [`Progress`] (`dqn.json`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -200,66 +201,43 @@ pub(crate) async fn run(
     let mut state = DqnState::default();
     let mut best_eval: Option<(f64, u64)> = None;
     let mut resumed_at_vec_steps = 0u64;
-    if let Some(dir) = cfg.run.resume_from.clone().or(cfg.run.init_from.clone()) {
-        let resume = cfg.run.resume_from.is_some();
-        let fail = |e: String| {
-            let field = if resume {
-                "run.resume_from"
-            } else {
-                "run.init_from"
-            };
-            ServiceError::other(format!("{field} {}: {e}", dir.display()))
-        };
+    let start_from = checkpoint::StartFrom::of(&cfg);
+    if let Some(from) = &start_from {
+        let dir = &from.dir;
         online
             .load(dir.join("model.safetensors"))
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| from.error(e))?;
         let target_path = dir.join("target.safetensors");
-        if resume && target_path.exists() {
-            target.load(&target_path).map_err(|e| fail(e.to_string()))?;
+        if from.resume && target_path.exists() {
+            target.load(&target_path).map_err(|e| from.error(e))?;
         } else {
-            target.copy_from(&online).map_err(|e| fail(e.to_string()))?;
+            target.copy_from(&online).map_err(|e| from.error(e))?;
         }
         if !cfg.run.reset_optimizer {
             optimizer
                 .load(dir.join("optimizer.safetensors"))
-                .map_err(|e| fail(e.to_string()))?;
+                .map_err(|e| from.error(e))?;
         }
-        if resume {
-            let saved = checkpoint::load_state(&dir).map_err(|e| fail(e.to_string()))?;
-            if let Some(r) = &saved.rng {
-                rng = r.restore().map_err(fail)?;
-            }
-            best_eval = saved.best_eval;
-            progress = saved.progress;
+        if from.resume {
+            checkpoint::Restored {
+                progress,
+                rng,
+                best_eval,
+            } = checkpoint::restore(dir, &run_dir, rng).map_err(|e| from.error(e))?;
             resumed_at_vec_steps = progress.vec_steps;
-            progress.version = progress
-                .version
-                .max(checkpoint::published_version(&run_dir))
-                + 1;
-            state = load_dqn_state(&dir).map_err(|e| fail(e.to_string()))?;
+            state = checkpoint::read_json(&dir.join(STATE_FILE)).map_err(|e| from.error(e))?;
         }
-        tracing::info!(from = %dir.display(), resume, version = progress.version, rounds = state.rounds, env_steps = progress.env_steps, "loaded checkpoint");
+        tracing::info!(from = %dir.display(), resume = from.resume, version = progress.version, rounds = state.rounds, env_steps = progress.env_steps, "loaded checkpoint");
     }
+    crate::count_resume(&service, &start_from);
 
-    // Serve the latest weights to services that join late.
-    let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
-    let publish_weights = |net: &QNetwork, progress: &Progress| -> Bytes {
-        if let Err(e) = checkpoint::record_published(&run_dir, progress.version) {
-            tracing::warn!(error = %e, "could not record the published version");
-        }
-        let payload: Bytes = relay_proto::encode(&relay_policy::tensors_to_weights(
-            &net.named_tensors(),
-            progress.version,
-            progress.env_steps,
-        ))
-        .into();
-        *latest.write().expect("weights lock") = payload.clone();
-        payload
-    };
     let micro = service.micro().await?;
-    crate::serve_latest_weights(&service, &micro, latest.clone()).await?;
+    let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
+    let weights = |net: &QNetwork, progress: &Progress| {
+        relay_policy::tensors_to_weights(&net.named_tensors(), progress.version, progress.env_steps)
+    };
     let (mut statuses, mut evals) = crate::subscribe_run_events(&service).await?;
-    publish(&service, publish_weights(&online, &progress)).await;
+    latest.publish(&service, &weights(&online, &progress)).await;
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
     tracing::info!(env_id = %cfg.run.env_id, algo = "dqn", params = online.num_parameters(), prioritized = d.prioritized, double_q = d.double_q, n_steps = d.n_steps, "training starts");
@@ -292,11 +270,11 @@ pub(crate) async fn run(
         }
 
         // How many env steps the table holds for us.
-        let counters = match sample(&service, 0, 0.0).await {
+        let counters = match sample_transitions(&service, 0, 0.0).await {
             Ok(b) => b,
             Err(e) => {
                 tracing::debug!(error = %e, "replay-buffer not answering; retrying");
-                sleep(&shutdown, Duration::from_millis(50)).await;
+                pause(&shutdown, Duration::from_millis(50)).await;
                 continue;
             }
         };
@@ -306,7 +284,7 @@ pub(crate) async fn run(
         progress.vec_steps = progress.env_steps / num_envs;
         let due_at = round_due_at(&d, state.rounds);
         if progress.env_steps < due_at {
-            sleep(&shutdown, Duration::from_millis(1)).await;
+            pause(&shutdown, Duration::from_millis(1)).await;
             continue;
         }
 
@@ -332,16 +310,16 @@ pub(crate) async fn run(
         let mut stale_priorities = 0u64;
         let mut step = 0;
         while step < d.gradient_steps && !shutdown.is_triggered() {
-            let batch = match sample(&service, d.batch_size as u32, beta).await {
+            let batch = match sample_transitions(&service, d.batch_size as u32, beta).await {
                 Ok(b) if b.ids.len() == d.batch_size => b,
                 Ok(_) => {
                     // Held back by the rate limiter (or nothing held yet).
-                    sleep(&shutdown, Duration::from_millis(1)).await;
+                    pause(&shutdown, Duration::from_millis(1)).await;
                     continue;
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "sample failed; retrying");
-                    sleep(&shutdown, Duration::from_millis(20)).await;
+                    pause(&shutdown, Duration::from_millis(20)).await;
                     continue;
                 }
             };
@@ -384,7 +362,7 @@ pub(crate) async fn run(
         state.rounds += 1;
         progress.updates += 1;
         progress.version += 1;
-        publish(&service, publish_weights(&online, &progress)).await;
+        latest.publish(&service, &weights(&online, &progress)).await;
         metrics.version.set(progress.version as i64);
         let seconds = round_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
@@ -436,44 +414,6 @@ pub(crate) async fn run(
     Ok(())
 }
 
-async fn sample(
-    service: &Service,
-    batch_size: u32,
-    beta: f64,
-) -> Result<TransitionBatch, relay_kit::RequestError> {
-    let ask = TransitionSampleRequest {
-        schema: SCHEMA_VERSION,
-        batch_size,
-        beta,
-    };
-    relay_kit::request::<_, TransitionBatch>(
-        &service.nats,
-        &service.subjects.replay_transitions_sample(),
-        &ask,
-        service.request_timeout(),
-    )
-    .await
-}
-
-async fn sleep(shutdown: &Shutdown, d: Duration) {
-    tokio::select! {
-        _ = tokio::time::sleep(d) => {}
-        _ = shutdown.wait() => {}
-    }
-}
-
-fn load_dqn_state(dir: &Path) -> Result<DqnState, CheckpointError> {
-    let path = dir.join("dqn.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::State {
-        path: path.clone(),
-        detail: e.to_string(),
-    })?;
-    serde_json::from_str(&text).map_err(|e| CheckpointError::State {
-        path,
-        detail: e.to_string(),
-    })
-}
-
 #[allow(clippy::too_many_arguments)]
 fn save(
     run_dir: &Path,
@@ -487,13 +427,9 @@ fn save(
     cfg: &ExperimentConfig,
     best: bool,
 ) {
-    let counters = CheckpointState {
-        progress: progress.clone(),
-        rng: Some(RngState::capture(rng)),
-        best_eval,
-    };
+    let counters = CheckpointState::of(progress, rng, best_eval);
     let tensors = |e: relay_nn::NnError| CheckpointError::Tensors(e.to_string());
-    let result = checkpoint::write(
+    let written = checkpoint::write(
         run_dir,
         progress.updates,
         cfg,
@@ -510,15 +446,10 @@ fn save(
                 .save(tmp.join("optimizer.safetensors"))
                 .map_err(tensors)?;
             checkpoint::write_json(&tmp.join("state.json"), &counters)?;
-            checkpoint::write_json(&tmp.join("dqn.json"), state)
+            checkpoint::write_json(&tmp.join(STATE_FILE), state)
         },
     );
-    match result {
-        Ok(path) => {
-            tracing::info!(path = %path.display(), version = progress.version, best, "checkpoint written")
-        }
-        Err(e) => tracing::error!(error = %e, "checkpoint failed"),
-    }
+    checkpoint::log_written(written, progress.version, best);
 }
 
 #[cfg(test)]

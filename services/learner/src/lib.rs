@@ -63,6 +63,7 @@ pub mod rollout;
 pub mod sac;
 pub mod text;
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -75,7 +76,8 @@ use relay_kit::{counter, gauge, ExperimentConfig, Service, ServiceConfig, Servic
 use relay_nn::{ActorCritic, VecNormalize};
 use relay_proto::{
     EvalReport, MetricValue, RolloutFragment, RunStatus, RunStatusUpdate, SampleReply,
-    SampleRequest, WeightsRequest, SCHEMA_VERSION,
+    SampleRequest, TransitionBatch, TransitionSampleRequest, WeightsRequest, WeightsUpdate,
+    SCHEMA_VERSION,
 };
 
 use crate::optimizer::Optimizer;
@@ -449,79 +451,49 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     // The oldest version whose rollouts belong to this learner's timeline.
     let mut version_floor = 0u64;
     let mut resumed_at_vec_steps = 0u64;
-    if let Some(dir) = cfg.run.resume_from.clone().or(cfg.run.init_from.clone()) {
-        let resume = cfg.run.resume_from.is_some();
-        let fail = |e: String| {
-            ServiceError::other(format!(
-                "{} {}: {e}",
-                if resume {
-                    "run.resume_from"
-                } else {
-                    "run.init_from"
-                },
-                dir.display()
-            ))
-        };
+    let start_from = checkpoint::StartFrom::of(&cfg);
+    if let Some(from) = &start_from {
+        let dir = &from.dir;
         model
             .load(dir.join("model.safetensors"))
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| from.error(e))?;
         if !cfg.run.reset_optimizer {
             optimizer
                 .load(dir.join("optimizer.safetensors"))
-                .map_err(|e| fail(e.to_string()))?;
+                .map_err(|e| from.error(e))?;
         }
         if let Some(n) = normalizer.as_mut() {
             // A resumed run must find its statistics; a new run started
             // from another run's weights takes them when they are there.
-            if resume || dir.join(checkpoint::VEC_NORMALIZE_FILE).is_file() {
-                checkpoint::load_normalizer(&dir, n).map_err(|e| fail(e.to_string()))?;
+            if from.resume || dir.join(checkpoint::VEC_NORMALIZE_FILE).is_file() {
+                checkpoint::load_normalizer(dir, n).map_err(|e| from.error(e))?;
             }
         }
-        if resume {
-            let state = checkpoint::load_state(&dir).map_err(|e| fail(e.to_string()))?;
-            if let Some(r) = &state.rng {
-                rng = r.restore().map_err(fail)?;
-            }
-            best_eval = state.best_eval;
-            progress = state.progress;
+        if from.resume {
+            checkpoint::Restored {
+                progress,
+                rng,
+                best_eval,
+            } = checkpoint::restore(dir, &run_dir, rng).map_err(|e| from.error(e))?;
             resumed_at_vec_steps = progress.vec_steps;
-            progress.version = progress
-                .version
-                .max(checkpoint::published_version(&run_dir))
-                + 1;
             version_floor = progress.version;
         }
-        tracing::info!(from = %dir.display(), resume, version = progress.version, updates = progress.updates, env_steps = progress.env_steps, vec_steps = progress.vec_steps, "loaded checkpoint");
+        tracing::info!(from = %dir.display(), resume = from.resume, version = progress.version, updates = progress.updates, env_steps = progress.env_steps, vec_steps = progress.vec_steps, "loaded checkpoint");
     }
-    let resumes = prometheus::IntCounter::new(
-        "relay_learner_resumes_total",
-        "Times this learner process started from a checkpoint of its own run.",
-    )
-    .unwrap();
-    relay_kit::metrics::register(&service.registry, &resumes);
-    if cfg.run.resume_from.is_some() {
-        resumes.inc();
-    }
+    count_resume(&service, &start_from);
 
-    // Serve the latest weights to services that join late.
-    let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
-    let publish_weights =
-        |model: &ActorCritic, normalizer: Option<&VecNormalize>, progress: &Progress| -> Bytes {
-            if let Err(e) = checkpoint::record_published(&run_dir, progress.version) {
-                tracing::warn!(error = %e, "could not record the published version");
-            }
-            let mut update = relay_policy::to_weights(model, progress.version, progress.env_steps);
-            update.normalizer = normalizer.map(relay_policy::norm_stats);
-            let payload: Bytes = relay_proto::encode(&update).into();
-            *latest.write().expect("weights lock") = payload.clone();
-            payload
-        };
     let micro = service.micro().await?;
-    serve_latest_weights(&service, &micro, latest.clone()).await?;
+    let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
+    let weights = |model: &ActorCritic, normalizer: Option<&VecNormalize>, progress: &Progress| {
+        let mut update = relay_policy::to_weights(model, progress.version, progress.env_steps);
+        update.normalizer = normalizer.map(relay_policy::norm_stats);
+        update
+    };
     let (mut statuses, mut evals) = subscribe_run_events(&service).await?;
 
-    let payload = publish_weights(&model, normalizer.as_ref(), &progress);
-    publish(&service, payload).await;
+    latest
+        .publish(&service, &weights(&model, normalizer.as_ref(), &progress))
+        .await;
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
     tracing::info!(env_id = %cfg.run.env_id, algo = %cfg.run.algo, params = model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
@@ -548,7 +520,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         take_solved(&service, &mut statuses, &mut solved);
         let checkpoint_best = take_evals(&service, &mut evals, &mut best_eval);
         if checkpoint_best {
-            let state = checkpoint_state(&progress, &rng, best_eval);
+            let state = checkpoint::CheckpointState::of(&progress, &rng, best_eval);
             save_checkpoint(
                 &run_dir,
                 &model,
@@ -581,10 +553,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 Ok(reply) => {
                     dropped_stale += reply.dropped_stale;
                     if reply.fragments.is_empty() {
-                        tokio::select! {
-                            _ = tokio::time::sleep(Duration::from_millis(1)) => {}
-                            _ = shutdown.wait() => {}
-                        }
+                        pause(&shutdown, Duration::from_millis(1)).await;
                     }
                     for mut f in reply.fragments {
                         if f.env_id != cfg.run.env_id {
@@ -628,10 +597,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "sample failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                        _ = shutdown.wait() => {}
-                    }
+                    pause(&shutdown, Duration::from_millis(50)).await;
                 }
             }
             continue;
@@ -663,8 +629,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 .saturating_sub(cfg.replay.max_policy_lag)
                 .max(version_floor),
         );
-        let payload = publish_weights(&model, normalizer.as_ref(), &progress);
-        publish(&service, payload).await;
+        latest
+            .publish(&service, &weights(&model, normalizer.as_ref(), &progress))
+            .await;
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
@@ -687,7 +654,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         service.report(Some(progress.vec_steps), values).await;
         reported_stale = dropped_stale;
         if progress.updates % cfg.checkpoint_every() == 0 {
-            let state = checkpoint_state(&progress, &rng, best_eval);
+            let state = checkpoint::CheckpointState::of(&progress, &rng, best_eval);
             save_checkpoint(
                 &run_dir,
                 &model,
@@ -700,7 +667,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
     };
 
-    let state = checkpoint_state(&progress, &rng, best_eval);
+    let state = checkpoint::CheckpointState::of(&progress, &rng, best_eval);
     save_checkpoint(
         &run_dir,
         &model,
@@ -723,70 +690,126 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     Ok(())
 }
 
-/// Answers `weights.latest` with the newest published weights (`latest`)
-/// until shutdown, in a background task.
-pub(crate) async fn serve_latest_weights(
-    service: &Service,
-    micro: &async_nats::service::Service,
+/// The newest published weights of the run: served on `weights.latest` to
+/// services that join late, and recorded in the run directory before each
+/// publish ([`checkpoint::record_published`]).
+pub(crate) struct LatestWeights {
+    run_dir: PathBuf,
     latest: Arc<RwLock<Bytes>>,
-) -> Result<(), ServiceError> {
-    let mut weights_requests = micro
-        .endpoint(service.subjects.weights_latest())
-        .await
-        .map_err(ServiceError::nats)?;
-    let shutdown = service.shutdown.clone();
-    let intake = service.intake.clone();
-    tokio::spawn(async move {
-        loop {
-            let request = tokio::select! {
-                r = weights_requests.next() => match r { Some(r) => r, None => return },
-                _ = shutdown.wait() => return,
-            };
-            let answer =
-                match intake.decode::<WeightsRequest>("weights.latest", &request.message.payload) {
-                    Ok(_) => Ok(latest.read().expect("weights lock").clone()),
+}
+
+impl LatestWeights {
+    /// Starts answering `weights.latest` until shutdown, in a background
+    /// task (an empty answer until the first publish).
+    pub(crate) async fn serve(
+        service: &Service,
+        micro: &async_nats::service::Service,
+        run_dir: &Path,
+    ) -> Result<Self, ServiceError> {
+        let latest = Arc::new(RwLock::new(Bytes::new()));
+        let mut weights_requests = micro
+            .endpoint(service.subjects.weights_latest())
+            .await
+            .map_err(ServiceError::nats)?;
+        let shutdown = service.shutdown.clone();
+        let intake = service.intake.clone();
+        let answers = latest.clone();
+        tokio::spawn(async move {
+            loop {
+                let request = tokio::select! {
+                    r = weights_requests.next() => match r { Some(r) => r, None => return },
+                    _ = shutdown.wait() => return,
+                };
+                let answer = match intake
+                    .decode::<WeightsRequest>("weights.latest", &request.message.payload)
+                {
+                    Ok(_) => Ok(answers.read().expect("weights lock").clone()),
                     Err(rejection) => Err(async_nats::service::error::Error {
                         status: rejection.to_string(),
                         code: 400,
                     }),
                 };
-            let _ = request.respond(answer).await;
+                let _ = request.respond(answer).await;
+            }
+        });
+        Ok(Self {
+            run_dir: run_dir.to_path_buf(),
+            latest,
+        })
+    }
+
+    /// Records `update`'s version, keeps it as the latest and publishes it
+    /// on `weights` (a failure is logged: the next version replaces it).
+    pub(crate) async fn publish(&self, service: &Service, update: &WeightsUpdate) {
+        if let Err(e) = checkpoint::record_published(&self.run_dir, update.version) {
+            tracing::warn!(error = %e, "could not record the published version");
         }
-    });
-    Ok(())
-}
-
-pub(crate) async fn publish(service: &Service, payload: Bytes) {
-    if payload.len() > relay_proto::MAX_MESSAGE_BYTES {
-        tracing::error!(
-            bytes = payload.len(),
-            "weights exceed the message size limit; not published"
-        );
-        return;
-    }
-    if let Err(e) = service
-        .nats
-        .publish(service.subjects.weights(), payload)
-        .await
-    {
-        tracing::warn!(error = %e, "weights publish failed");
+        let payload: Bytes = relay_proto::encode(update).into();
+        *self.latest.write().expect("weights lock") = payload.clone();
+        if payload.len() > relay_proto::MAX_MESSAGE_BYTES {
+            tracing::error!(
+                bytes = payload.len(),
+                "weights exceed the message size limit; not published"
+            );
+            return;
+        }
+        if let Err(e) = service
+            .nats
+            .publish(service.subjects.weights(), payload)
+            .await
+        {
+            tracing::warn!(error = %e, "weights publish failed");
+        }
     }
 }
 
-fn checkpoint_state(
-    progress: &Progress,
-    rng: &ChaCha8Rng,
-    best_eval: Option<(f64, u64)>,
-) -> checkpoint::CheckpointState {
-    checkpoint::CheckpointState {
-        progress: progress.clone(),
-        rng: Some(checkpoint::RngState::capture(rng)),
-        best_eval,
+/// Asks the replay-buffer's off-policy table for `batch_size` transitions
+/// (0: only its counters), prioritized ones with importance weights at
+/// `beta`.
+pub(crate) async fn sample_transitions(
+    service: &Service,
+    batch_size: u32,
+    beta: f64,
+) -> Result<TransitionBatch, relay_kit::RequestError> {
+    let ask = TransitionSampleRequest {
+        schema: SCHEMA_VERSION,
+        batch_size,
+        beta,
+    };
+    relay_kit::request::<_, TransitionBatch>(
+        &service.nats,
+        &service.subjects.replay_transitions_sample(),
+        &ask,
+        service.request_timeout(),
+    )
+    .await
+}
+
+/// Waits `d`, or less if the service is shutting down.
+pub(crate) async fn pause(shutdown: &Shutdown, d: Duration) {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => {}
+        _ = shutdown.wait() => {}
+    }
+}
+
+/// Counts a start from the run's own checkpoint
+/// (`relay_learner_resumes_total`; registered either way, so the series
+/// exists from the start).
+pub(crate) fn count_resume(service: &Service, start_from: &Option<checkpoint::StartFrom>) {
+    let resumes = prometheus::IntCounter::new(
+        "relay_learner_resumes_total",
+        "Times this learner process started from a checkpoint of its own run.",
+    )
+    .unwrap();
+    relay_kit::metrics::register(&service.registry, &resumes);
+    if start_from.as_ref().is_some_and(|from| from.resume) {
+        resumes.inc();
     }
 }
 
 fn save_checkpoint(
-    run_dir: &std::path::Path,
+    run_dir: &Path,
     model: &ActorCritic,
     optimizer: &Optimizer,
     normalizer: Option<&VecNormalize>,
@@ -794,12 +817,11 @@ fn save_checkpoint(
     cfg: &ExperimentConfig,
     best: bool,
 ) {
-    match checkpoint::save(run_dir, model, optimizer, normalizer, state, cfg, best) {
-        Ok(path) => {
-            tracing::info!(path = %path.display(), version = state.progress.version, best, "checkpoint written")
-        }
-        Err(e) => tracing::error!(error = %e, "checkpoint failed"),
-    }
+    checkpoint::log_written(
+        checkpoint::save(run_dir, model, optimizer, normalizer, state, cfg, best),
+        state.progress.version,
+        best,
+    );
 }
 
 /// Takes the run's pending status announcements without waiting; the first

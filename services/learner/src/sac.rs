@@ -33,20 +33,23 @@
 //! the round bookkeeping (`sac.json`).
 
 use std::path::Path;
-use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use relay_kit::config::{EntCoef, SacSection};
 use relay_kit::{gauge, ExperimentConfig, Service, ServiceError, Shutdown};
 use relay_nn::{sac_train_step, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
-use relay_proto::{TransitionBatch, TransitionSampleRequest, SCHEMA_VERSION};
+use relay_proto::TransitionBatch;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, CheckpointError, CheckpointState, RngState};
-use crate::{publish, take_evals, take_solved, Finish, Metrics, Progress};
+use crate::checkpoint::{self, CheckpointError, CheckpointState};
+use crate::{
+    pause, sample_transitions, take_evals, take_solved, Finish, LatestWeights, Metrics, Progress,
+};
+
+/// The checkpoint file of [`SacState`].
+const STATE_FILE: &str = "sac.json";
 
 /// Round bookkeeping a checkpoint carries beside [`Progress`] (`sac.json`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -195,59 +198,41 @@ pub(crate) async fn run(
     let mut state = SacState::default();
     let mut best_eval: Option<(f64, u64)> = None;
     let mut resumed_at_vec_steps = 0u64;
-    if let Some(dir) = cfg.run.resume_from.clone().or(cfg.run.init_from.clone()) {
-        let resume = cfg.run.resume_from.is_some();
-        let fail = |e: String| {
-            let field = if resume {
-                "run.resume_from"
-            } else {
-                "run.init_from"
-            };
-            ServiceError::other(format!("{field} {}: {e}", dir.display()))
-        };
+    let start_from = checkpoint::StartFrom::of(&cfg);
+    if let Some(from) = &start_from {
+        let dir = &from.dir;
         sac.load(dir.join("model.safetensors"))
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| from.error(e))?;
         if !cfg.run.reset_optimizer {
             for (file, adam) in optimizer_files(&mut optimizers) {
-                adam.load(dir.join(file)).map_err(|e| fail(e.to_string()))?;
+                adam.load(dir.join(file)).map_err(|e| from.error(e))?;
             }
         }
-        if resume {
-            let saved = checkpoint::load_state(&dir).map_err(|e| fail(e.to_string()))?;
-            if let Some(r) = &saved.rng {
-                rng = r.restore().map_err(fail)?;
-            }
-            best_eval = saved.best_eval;
-            progress = saved.progress;
+        if from.resume {
+            checkpoint::Restored {
+                progress,
+                rng,
+                best_eval,
+            } = checkpoint::restore(dir, &run_dir, rng).map_err(|e| from.error(e))?;
             resumed_at_vec_steps = progress.vec_steps;
-            progress.version = progress
-                .version
-                .max(checkpoint::published_version(&run_dir))
-                + 1;
-            state = load_sac_state(&dir).map_err(|e| fail(e.to_string()))?;
+            state = load_sac_state(dir).map_err(|e| from.error(e))?;
         }
-        tracing::info!(from = %dir.display(), resume, version = progress.version, rounds = state.rounds, env_steps = progress.env_steps, "loaded checkpoint");
+        tracing::info!(from = %dir.display(), resume = from.resume, version = progress.version, rounds = state.rounds, env_steps = progress.env_steps, "loaded checkpoint");
     }
+    crate::count_resume(&service, &start_from);
 
-    // Serve the latest actor to services that join late.
-    let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
-    let publish_weights = |sac: &Sac, progress: &Progress| -> Bytes {
-        if let Err(e) = checkpoint::record_published(&run_dir, progress.version) {
-            tracing::warn!(error = %e, "could not record the published version");
-        }
-        let payload: Bytes = relay_proto::encode(&relay_policy::tensors_to_weights(
+    // Only the actor is published: the critics stay here.
+    let micro = service.micro().await?;
+    let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
+    let weights = |sac: &Sac, progress: &Progress| {
+        relay_policy::tensors_to_weights(
             &sac.actor.named_tensors(),
             progress.version,
             progress.env_steps,
-        ))
-        .into();
-        *latest.write().expect("weights lock") = payload.clone();
-        payload
+        )
     };
-    let micro = service.micro().await?;
-    crate::serve_latest_weights(&service, &micro, latest.clone()).await?;
     let (mut statuses, mut evals) = crate::subscribe_run_events(&service).await?;
-    publish(&service, publish_weights(&sac, &progress)).await;
+    latest.publish(&service, &weights(&sac, &progress)).await;
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
     tracing::info!(env_id = %cfg.run.env_id, algo = "sac", params = sac.num_parameters(), ent_coef = ?s.ent_coef, target_entropy = ?step_cfg.target_entropy, "training starts");
@@ -287,11 +272,11 @@ pub(crate) async fn run(
         }
 
         // How many env steps the table holds for us.
-        let counters = match sample(&service, 0).await {
+        let counters = match sample_transitions(&service, 0, 1.0).await {
             Ok(b) => b,
             Err(e) => {
                 tracing::debug!(error = %e, "replay-buffer not answering; retrying");
-                sleep(&shutdown, Duration::from_millis(50)).await;
+                pause(&shutdown, Duration::from_millis(50)).await;
                 continue;
             }
         };
@@ -301,7 +286,7 @@ pub(crate) async fn run(
         progress.vec_steps = progress.env_steps / num_envs;
         let due_at = round_due_at(&s, state.rounds);
         if progress.env_steps < due_at {
-            sleep(&shutdown, Duration::from_millis(1)).await;
+            pause(&shutdown, Duration::from_millis(1)).await;
             continue;
         }
 
@@ -315,16 +300,16 @@ pub(crate) async fn run(
         let mut rejected = 0u64;
         let mut step = 0;
         while step < s.gradient_steps && !shutdown.is_triggered() {
-            let batch = match sample(&service, s.batch_size as u32).await {
+            let batch = match sample_transitions(&service, s.batch_size as u32, 1.0).await {
                 Ok(b) if b.ids.len() == s.batch_size => b,
                 Ok(_) => {
                     // Held back by the rate limiter (or not enough held yet).
-                    sleep(&shutdown, Duration::from_millis(1)).await;
+                    pause(&shutdown, Duration::from_millis(1)).await;
                     continue;
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "sample failed; retrying");
-                    sleep(&shutdown, Duration::from_millis(20)).await;
+                    pause(&shutdown, Duration::from_millis(20)).await;
                     continue;
                 }
             };
@@ -354,7 +339,7 @@ pub(crate) async fn run(
         state.rounds += 1;
         progress.updates += 1;
         progress.version += 1;
-        publish(&service, publish_weights(&sac, &progress)).await;
+        latest.publish(&service, &weights(&sac, &progress)).await;
         metrics.version.set(progress.version as i64);
         let seconds = round_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
@@ -431,42 +416,9 @@ pub fn optimizer_files(optimizers: &mut SacOptimizers) -> [(&'static str, &mut r
     ]
 }
 
-async fn sample(
-    service: &Service,
-    batch_size: u32,
-) -> Result<TransitionBatch, relay_kit::RequestError> {
-    let ask = TransitionSampleRequest {
-        schema: SCHEMA_VERSION,
-        batch_size,
-        beta: 1.0,
-    };
-    relay_kit::request::<_, TransitionBatch>(
-        &service.nats,
-        &service.subjects.replay_transitions_sample(),
-        &ask,
-        service.request_timeout(),
-    )
-    .await
-}
-
-async fn sleep(shutdown: &Shutdown, d: Duration) {
-    tokio::select! {
-        _ = tokio::time::sleep(d) => {}
-        _ = shutdown.wait() => {}
-    }
-}
-
 /// Reads a checkpoint's round bookkeeping (`sac.json`).
 pub fn load_sac_state(dir: &Path) -> Result<SacState, CheckpointError> {
-    let path = dir.join("sac.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::State {
-        path: path.clone(),
-        detail: e.to_string(),
-    })?;
-    serde_json::from_str(&text).map_err(|e| CheckpointError::State {
-        path,
-        detail: e.to_string(),
-    })
+    checkpoint::read_json(&dir.join(STATE_FILE))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -481,13 +433,9 @@ fn save(
     cfg: &ExperimentConfig,
     best: bool,
 ) {
-    let counters = CheckpointState {
-        progress: progress.clone(),
-        rng: Some(RngState::capture(rng)),
-        best_eval,
-    };
+    let counters = CheckpointState::of(progress, rng, best_eval);
     let tensors = |e: relay_nn::NnError| CheckpointError::Tensors(e.to_string());
-    let result = checkpoint::write(
+    let written = checkpoint::write(
         run_dir,
         progress.updates,
         cfg,
@@ -499,22 +447,17 @@ fn save(
                 adam.save(tmp.join(file)).map_err(tensors)?;
             }
             checkpoint::write_json(&tmp.join("state.json"), &counters)?;
-            checkpoint::write_json(&tmp.join("sac.json"), state)
+            checkpoint::write_json(&tmp.join(STATE_FILE), state)
         },
     );
-    match result {
-        Ok(path) => {
-            tracing::info!(path = %path.display(), version = progress.version, best, "checkpoint written")
-        }
-        Err(e) => tracing::error!(error = %e, "checkpoint failed"),
-    }
+    checkpoint::log_written(written, progress.version, best);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use relay_nn::SacSpec;
-    use relay_proto::Tensor;
+    use relay_proto::{Tensor, SCHEMA_VERSION};
 
     #[test]
     fn rounds_follow_sb3_and_settings_come_from_the_section() {

@@ -121,15 +121,7 @@ pub fn save_checkpoint(
 
 /// Reads a text checkpoint's `state.json`.
 pub fn load_state(dir: &Path) -> Result<TextCheckpointState, CheckpointError> {
-    let path = dir.join("state.json");
-    let text = std::fs::read_to_string(&path).map_err(|source| CheckpointError::Io {
-        path: path.clone(),
-        source,
-    })?;
-    serde_json::from_str(&text).map_err(|e| CheckpointError::State {
-        path,
-        detail: e.to_string(),
-    })
+    checkpoint::read_json(&dir.join("state.json"))
 }
 
 /// The JetStream object store bucket of a run's adapter versions.
@@ -435,55 +427,32 @@ pub(crate) async fn run(
     };
     let mut version_floor = 0u64;
     let mut resumed_at_vec_steps = 0u64;
-    let from = cfg.run.resume_from.clone().or(cfg.run.init_from.clone());
-    let resume = cfg.run.resume_from.is_some();
-    let fail = |dir: &Path, e: String| {
-        ServiceError::Other(format!(
-            "{} {}: {e}",
-            if resume {
-                "run.resume_from"
-            } else {
-                "run.init_from"
-            },
-            dir.display()
-        ))
-    };
-    let adapter = match &from {
-        Some(dir) => LoraAdapter::load_peft(&dir.join(ADAPTER_DIR), model.config())
-            .map_err(|e| fail(dir, e.to_string()))?,
+    let start_from = checkpoint::StartFrom::of(&cfg);
+    let adapter = match &start_from {
+        Some(from) => LoraAdapter::load_peft(&from.dir.join(ADAPTER_DIR), model.config())
+            .map_err(|e| from.error(e))?,
         None => LoraAdapter::new(model.config(), lora_config, cfg.lora.seed)
             .map_err(ServiceError::other)?,
     };
     let mut trainer = RlTrainer::new(train_config, &adapter).map_err(ServiceError::other)?;
-    if let Some(dir) = &from {
+    if let Some(from) = &start_from {
+        let dir = &from.dir;
         if !cfg.run.reset_optimizer {
             trainer
                 .optimizer_mut()
                 .load(&dir.join("optimizer.safetensors"))
-                .map_err(|e| fail(dir, e.to_string()))?;
+                .map_err(|e| from.error(e))?;
         }
-        if resume {
-            state = load_state(dir).map_err(|e| fail(dir, e.to_string()))?;
+        if from.resume {
+            state = load_state(dir).map_err(|e| from.error(e))?;
             trainer.set_moving_baselines(state.moving_baselines.clone());
             resumed_at_vec_steps = state.progress.vec_steps;
-            state.progress.version = state
-                .progress
-                .version
-                .max(checkpoint::published_version(&run_dir))
-                + 1;
+            state.progress.version = checkpoint::next_version(state.progress.version, &run_dir);
             version_floor = state.progress.version;
         }
-        tracing::info!(from = %dir.display(), resume, version = state.progress.version, updates = state.progress.updates, "loaded checkpoint");
+        tracing::info!(from = %dir.display(), resume = from.resume, version = state.progress.version, updates = state.progress.updates, "loaded checkpoint");
     }
-    let resumes = prometheus::IntCounter::new(
-        "relay_learner_resumes_total",
-        "Times this learner process started from a checkpoint of its own run.",
-    )
-    .unwrap();
-    relay_kit::metrics::register(&service.registry, &resumes);
-    if resume {
-        resumes.inc();
-    }
+    crate::count_resume(&service, &start_from);
 
     let league = if cfg.league_enabled() {
         let redis = relay_kit::connect_redis_with(&cfg.connections, &shutdown)
@@ -560,12 +529,11 @@ pub(crate) async fn run(
     );
 
     let checkpoint = |state: &TextCheckpointState, trainer: &RlTrainer, best: bool| {
-        match save_checkpoint(&run_dir, &adapter, trainer, state, &cfg, &base_model, best) {
-            Ok(path) => {
-                tracing::info!(path = %path.display(), version = state.progress.version, best, "checkpoint written")
-            }
-            Err(e) => tracing::error!(error = %e, "checkpoint failed"),
-        }
+        checkpoint::log_written(
+            save_checkpoint(&run_dir, &adapter, trainer, state, &cfg, &base_model, best),
+            state.progress.version,
+            best,
+        );
     };
 
     let budget = cfg.run.total_env_steps;
@@ -633,10 +601,7 @@ pub(crate) async fn run(
                 Ok(reply) => {
                     dropped_stale += reply.dropped_stale;
                     if reply.games.is_empty() {
-                        tokio::select! {
-                            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-                            _ = shutdown.wait() => {}
-                        }
+                        crate::pause(&shutdown, Duration::from_millis(20)).await;
                     }
                     for game in reply.games {
                         if !run_games.contains(&game.env_id) {
@@ -660,10 +625,7 @@ pub(crate) async fn run(
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "game sample failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                        _ = shutdown.wait() => {}
-                    }
+                    crate::pause(&shutdown, Duration::from_millis(50)).await;
                 }
             }
             continue;
