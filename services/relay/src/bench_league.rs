@@ -11,8 +11,10 @@
 //!    minimax every `--eval-every-s` seconds, printed as it arrives.
 //!
 //! Ends with the ratings of the last read (best conservative rating
-//! first), the latest evaluation (the newest version's results against
-//! random and minimax) and a JSON line with the rating history.
+//! first), the first version (pinned by `league.pool.keep_first`) against
+//! the newest one (mu +/- 2 sigma each, and whether the newest is above
+//! with no overlap), the latest evaluation (the newest version's results
+//! against random and minimax) and a JSON line with the rating history.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -112,18 +114,63 @@ impl Reading {
         }
     }
 
+    /// The first and the newest policy version in the pool.
+    fn first_and_latest(&self) -> Option<(&Rated, &Rated)> {
+        let version = |m: &&Rated| m.player.strip_prefix('v')?.parse::<u64>().ok();
+        let first = self
+            .members
+            .iter()
+            .min_by_key(|m| version(m).unwrap_or(u64::MAX))?;
+        let latest = self.members.iter().max_by_key(|m| version(m))?;
+        (version(&first).is_some() && version(&latest) > version(&first)).then_some((first, latest))
+    }
+
     fn json(&self) -> Value {
-        let round = |x: f64| (x * 1000.0).round() / 1000.0;
         json!({
             "minutes": round(self.minutes),
-            "members": self.members.iter().map(|m| json!({
-                "player": m.player,
-                "mu": round(m.mu),
-                "sigma": round(m.sigma),
-                "games": m.games,
-            })).collect::<Vec<_>>(),
+            "members": self.members.iter().map(Rated::json).collect::<Vec<_>>(),
         })
     }
+}
+
+fn round(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+impl Rated {
+    /// `mu - 2 sigma` and `mu + 2 sigma`.
+    fn interval(&self) -> (f64, f64) {
+        (self.mu - 2.0 * self.sigma, self.mu + 2.0 * self.sigma)
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "player": self.player,
+            "mu": round(self.mu),
+            "sigma": round(self.sigma),
+            "games": self.games,
+        })
+    }
+}
+
+/// The first version against the newest: each one's mu +/- 2 sigma, and
+/// whether the newest is rated above with no overlap (the benchmark's
+/// target); printed, and returned as JSON.
+fn first_vs_latest(reading: &Reading) -> Value {
+    let Some((first, latest)) = reading.first_and_latest() else {
+        println!("first vs latest: the pool does not hold two versions");
+        return Value::Null;
+    };
+    let ((first_low, first_high), (latest_low, latest_high)) =
+        (first.interval(), latest.interval());
+    let above = latest_low > first_high;
+    println!(
+        "first vs latest: {} mu {:.2} [{:.2}, {:.2}] ({} games); {} mu {:.2} [{:.2}, {:.2}] ({} games); latest above first with no overlap of mu +/- 2 sigma: {}",
+        first.player, first.mu, first_low, first_high, first.games,
+        latest.player, latest.mu, latest_low, latest_high, latest.games,
+        if above { "yes" } else { "no" }
+    );
+    json!({"first": first.json(), "latest": latest.json(), "latest_above_first": above})
 }
 
 /// The Redis URL of the stack running `run_id`, once its record is written.
@@ -252,11 +299,16 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
     outcome?;
 
     println!();
-    if let Some(last) = readings.last() {
-        last.print();
-    } else {
-        println!("no league pool was read");
-    }
+    let first_vs_latest = match readings.last() {
+        Some(last) => {
+            last.print();
+            first_vs_latest(last)
+        }
+        None => {
+            println!("no league pool was read");
+            Value::Null
+        }
+    };
     println!();
     header();
     sft_row.print();
@@ -279,10 +331,51 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
             "sft_minutes": (sft_row.minutes * 100.0).round() / 100.0,
             "newest_version": newest_version,
             "ratings": readings.iter().map(Reading::json).collect::<Vec<_>>(),
+            "first_vs_latest": first_vs_latest,
             "sft_only": sft_row.json(),
             "evaluations": rows.len(),
             "latest_eval": latest.map(|r| r.json()),
         })
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rated(player: &str, mu: f64, sigma: f64) -> Rated {
+        Rated {
+            player: player.into(),
+            mu,
+            sigma,
+            conservative: mu - 3.0 * sigma,
+            games: 10,
+        }
+    }
+
+    #[test]
+    fn the_newest_version_is_above_the_first_only_without_overlap() {
+        let reading = |latest_mu| Reading {
+            minutes: 1.0,
+            members: vec![
+                rated("minimax", 40.0, 1.0),
+                rated("v12", latest_mu, 1.5),
+                rated("v0", 20.0, 1.0),
+                rated("v3", 25.0, 1.0),
+                rated("random", 22.0, 1.0),
+            ],
+        };
+        let separated = first_vs_latest(&reading(25.5));
+        assert_eq!(separated["first"]["player"], "v0");
+        assert_eq!(separated["latest"]["player"], "v12");
+        assert_eq!(separated["latest_above_first"], true);
+        // 24.5 - 3 = 21.5 is below 20 + 2 = 22: the intervals overlap.
+        assert_eq!(first_vs_latest(&reading(24.5))["latest_above_first"], false);
+        let alone = Reading {
+            minutes: 1.0,
+            members: vec![rated("v0", 25.0, 8.0), rated("random", 25.0, 8.0)],
+        };
+        assert_eq!(first_vs_latest(&alone), Value::Null);
+    }
 }

@@ -130,12 +130,16 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
     .await
     .unwrap()
     .expect("the learner created the pool");
-    // Every version joined; the newest KEEP stayed; the bots are fixed members.
+    // Every version joined; the first (pinned: `keep_first`) and the
+    // newest KEEP stayed; the bots are fixed members.
     let versions: Vec<u64> = pool.versions().collect();
     assert_eq!(
         versions,
-        ((last + 1 - KEEP as u64)..=last).collect::<Vec<_>>()
+        std::iter::once(0)
+            .chain((last + 1 - KEEP as u64)..=last)
+            .collect::<Vec<_>>()
     );
+    assert!(pool.get(&MemberId::Version(0)).unwrap().pinned);
     for bot in ["random", "minimax"] {
         assert!(pool.get(&MemberId::Fixed(bot.into())).is_some(), "{pool:?}");
     }

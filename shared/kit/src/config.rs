@@ -1725,9 +1725,10 @@ pub struct LeagueSection {
     /// `keep_latest` (newest versions always kept, default 10),
     /// `keep_best` (best versions by `mu - conservative_k * sigma` kept
     /// besides, default 3), `conservative_k` (default 3), `sigma_widen`
-    /// (added to the parent's sigma when a new version inherits its
-    /// rating, default 2). Versions outside these bounds are evicted, and
-    /// their stored adapters deleted.
+    /// (the uncertainty a version adds to its parent's rating, in
+    /// quadrature, default 0.5), `keep_first` (the first version stays as
+    /// the reference, default true). Versions outside these bounds are
+    /// evicted, and their stored adapters deleted.
     pub pool: relay_league::PoolConfig,
     /// Who the current version plays in a `league` game
     /// (`relay_league::SamplerConfig`, tagged by `kind`): `mirror` (itself;

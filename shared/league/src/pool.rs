@@ -280,10 +280,18 @@ pub struct PoolConfig {
     /// `k` in the conservative score `mu - k * sigma` that ranks members for
     /// `keep_best` and the leaderboard (>= 0). Default 3.
     pub conservative_k: f64,
-    /// Added to the parent's sigma when a new version inherits its rating,
-    /// capped at `trueskill.sigma`: the child is near the parent but less
-    /// certain (>= 0). Default 2.
+    /// The uncertainty one version adds to its parent's rating, added in
+    /// quadrature like TrueSkill's per-game `tau`: a new version starts at
+    /// `sqrt(parent sigma^2 + sigma_widen^2)`, capped at `trueskill.sigma`
+    /// (>= 0). A learner publishes a version per update, each a small
+    /// step from its parent, so this is small: with a large value every
+    /// version forgets its lineage's games and its rating is only its own
+    /// few games. Default 0.5.
     pub sigma_widen: f64,
+    /// Pins the first policy version admitted, so it is never evicted:
+    /// the starting point every later version is rated against. Default
+    /// true.
+    pub keep_first: bool,
 }
 
 impl Default for PoolConfig {
@@ -293,7 +301,8 @@ impl Default for PoolConfig {
             keep_latest: 10,
             keep_best: 3,
             conservative_k: 3.0,
-            sigma_widen: 2.0,
+            sigma_widen: 0.5,
+            keep_first: true,
         }
     }
 }
@@ -517,9 +526,10 @@ impl Pool {
     /// members evicted (possibly the new version itself, if it is older than
     /// the newest `keep_latest` and neither pinned nor among the best).
     ///
-    /// Its rating: the parent's mu with sigma `min(parent sigma +
-    /// sigma_widen, trueskill.sigma)` when the parent is in the pool, else
-    /// the environment's prior.
+    /// Its rating: the parent's mu with sigma `min(sqrt(parent sigma^2 +
+    /// sigma_widen^2), trueskill.sigma)` when the parent is in the pool,
+    /// else the environment's prior. The first version admitted is pinned
+    /// when [`PoolConfig::keep_first`] is set.
     pub fn add_version(&mut self, policy: PolicyVersion) -> Result<Vec<Member>, PoolError> {
         let id = MemberId::Version(policy.version);
         if self.members.contains_key(&id) {
@@ -532,16 +542,21 @@ impl Pool {
         {
             Some(parent) => Rating::new(
                 parent.rating.mu,
-                (parent.rating.sigma + self.config.sigma_widen).min(env.sigma),
+                parent
+                    .rating
+                    .sigma
+                    .hypot(self.config.sigma_widen)
+                    .min(env.sigma),
             ),
             None => env.new_rating(),
         };
+        let first = self.versions().next().is_none();
         self.members.insert(
             id,
             Member {
                 kind: MemberKind::Policy(policy),
                 rating,
-                pinned: false,
+                pinned: first && self.config.keep_first,
             },
         );
         Ok(self.enforce_bounds())

@@ -50,12 +50,12 @@ fn a_new_version_inherits_its_parents_mu_with_a_widened_capped_sigma() {
             .unwrap();
     }
     let parent = rating(&pool, &v(1));
-    assert!(parent.mu > env.mu && parent.sigma + 1.5 < env.sigma);
+    assert!(parent.mu > env.mu && parent.sigma.hypot(1.5) < env.sigma);
 
     pool.add_version(policy(2, Some(1))).unwrap();
     assert_eq!(
         rating(&pool, &v(2)),
-        Rating::new(parent.mu, parent.sigma + 1.5)
+        Rating::new(parent.mu, (parent.sigma.powi(2) + 1.5f64.powi(2)).sqrt())
     );
 
     // A parent still uncertain: the widened sigma is capped at sigma0.
@@ -187,7 +187,9 @@ fn the_pool_keeps_the_latest_the_pinned_and_the_best() {
             pool.record_result(&v(2), &other, Outcome::Win).unwrap();
         }
     }
-    pool.pin(1).unwrap();
+    // The first version is pinned (`keep_first`), the others are not.
+    assert!(pool.get(&v(1)).unwrap().pinned);
+    assert!(!pool.get(&v(2)).unwrap().pinned);
     let mut evicted_all = Vec::new();
     for version in 4..=9 {
         // New versions start from the prior so v2 stays the best.
@@ -222,6 +224,19 @@ fn the_pool_keeps_the_latest_the_pinned_and_the_best() {
     assert_eq!(versions(&pool), vec![9]);
     assert_eq!(pool.current_version(), Some(9));
     assert_eq!(pool.len(), 3);
+
+    // Without keep_first the first version is evicted like any other.
+    let mut pool = Pool::new(PoolConfig {
+        keep_latest: 1,
+        keep_best: 0,
+        keep_first: false,
+        ..PoolConfig::default()
+    })
+    .unwrap();
+    pool.add_version(policy(1, None)).unwrap();
+    let evicted = pool.add_version(policy(2, Some(1))).unwrap();
+    assert_eq!(evicted[0].id(), v(1));
+    assert_eq!(versions(&pool), vec![2]);
 }
 
 #[test]

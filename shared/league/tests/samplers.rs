@@ -150,7 +150,8 @@ fn lagged_goes_k_versions_back_clamped_to_the_oldest() {
     let zero = opponent(&pool, 0, &mut rng);
     assert_eq!((zero.opponent, zero.fallback_to_mirror), (v(10), false));
 
-    // With gaps left by eviction: the newest version at most k back.
+    // With gaps left by eviction (the first version stays, pinned by
+    // `keep_first`): the newest version at most k back.
     pool.set_config(PoolConfig {
         keep_latest: 3,
         keep_best: 0,
@@ -163,11 +164,11 @@ fn lagged_goes_k_versions_back_clamped_to_the_oldest() {
         weights_ref: "w14".into(),
     })
     .unwrap();
-    assert_eq!(pool.versions().collect::<Vec<_>>(), vec![9, 10, 14]);
+    assert_eq!(pool.versions().collect::<Vec<_>>(), vec![1, 9, 10, 14]);
     assert_eq!(opponent(&pool, 2, &mut rng).opponent, v(10));
     assert_eq!(opponent(&pool, 1, &mut rng).opponent, v(10));
     assert_eq!(opponent(&pool, 5, &mut rng).opponent, v(9));
-    assert_eq!(opponent(&pool, 100, &mut rng).opponent, v(9));
+    assert_eq!(opponent(&pool, 100, &mut rng).opponent, v(1));
 
     // Only the current version: mirror, flagged.
     let alone = pool_with(1);
