@@ -1,5 +1,6 @@
 //! DQN (`run.algo: dqn`): a Q-network trained off-policy on the
-//! replay-buffer's transition table, read top to bottom in [`run`].
+//! replay-buffer's transition table by the loop every off-policy learner
+//! shares ([`crate::offpolicy::run`]); what a round does is [`Dqn`]'s.
 //!
 //! What it does, with SB3's `DQN` as the reference:
 //!
@@ -34,22 +35,19 @@
 //! (`dqn.json`).
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
-use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use relay_kit::config::DqnConfig;
-use relay_kit::{gauge, ExperimentConfig, Service, ServiceError, Shutdown};
+use relay_kit::{gauge, ExperimentConfig, ServiceError};
 use relay_nn::{
     clip_grad_norm, dqn_loss, Adam, AdamConfig, DqnBatch, DqnLossConfig, DqnStats, QNetwork,
 };
-use relay_proto::{PriorityAck, PriorityUpdate, Tensor, TransitionBatch, SCHEMA_VERSION};
+use relay_proto::{MetricValue, TransitionBatch, WeightsUpdate};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, CheckpointError, CheckpointState};
-use crate::{
-    pause, sample_transitions, take_evals, take_solved, Finish, LatestWeights, Metrics, Progress,
-};
+use crate::checkpoint::{self, CheckpointError};
+use crate::offpolicy::OffPolicyAlgorithm;
+use crate::Progress;
 
 /// The checkpoint file of [`DqnState`].
 const STATE_FILE: &str = "dqn.json";
@@ -109,13 +107,16 @@ impl RoundStats {
     }
 }
 
-/// Errors of one gradient step on a sampled batch.
+/// Errors of a gradient step on a sampled batch, of a target update, or
+/// of loading a checkpoint.
 #[derive(Debug, thiserror::Error)]
-pub enum StepError {
+pub enum DqnError {
     #[error("batch field {field}: {detail}")]
     Batch { field: &'static str, detail: String },
     #[error(transparent)]
     Nn(#[from] relay_nn::NnError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
 }
 
 /// One gradient step on a sampled batch: the DQN loss, a clipped Adam
@@ -127,8 +128,8 @@ pub fn gradient_step(
     target: &QNetwork,
     optimizer: &mut Adam,
     batch: &TransitionBatch,
-) -> Result<(DqnStats, f32, Vec<f32>), StepError> {
-    let field = |field: &'static str, e: relay_proto::TensorError| StepError::Batch {
+) -> Result<(DqnStats, f32, Vec<f32>), DqnError> {
+    let field = |field: &'static str, e: relay_proto::TensorError| DqnError::Batch {
         field,
         detail: e.to_string(),
     };
@@ -175,287 +176,177 @@ pub fn gradient_step(
     Ok((out.stats, norm, priorities))
 }
 
-/// Runs the DQN learner until shutdown.
-pub(crate) async fn run(
-    service: Service,
-    shutdown: Shutdown,
-    metrics: Metrics,
-) -> Result<(), ServiceError> {
-    let cfg: ExperimentConfig = (*service.config).clone();
-    let d = cfg.dqn.clone();
-    let spec = relay_policy::qnet_spec_for(&cfg).map_err(ServiceError::other)?;
-    let mut online = QNetwork::new(&spec, cfg.run.seed).map_err(ServiceError::other)?;
-    let mut target = online.duplicate().map_err(ServiceError::other)?;
-    let mut optimizer = Adam::new(
-        online.vars(),
-        AdamConfig {
-            lr: d.learning_rate.value(0.0),
-            eps: d.adam_eps,
-            ..AdamConfig::default()
-        },
-    )
-    .map_err(ServiceError::other)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.run.seed.wrapping_add(0x5eed));
-    let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
-    let mut progress = Progress::default();
-    let mut state = DqnState::default();
-    let mut best_eval: Option<(f64, u64)> = None;
-    let mut resumed_at_vec_steps = 0u64;
-    let start_from = checkpoint::StartFrom::of(&cfg);
-    if let Some(from) = &start_from {
-        let dir = &from.dir;
-        online
-            .load(dir.join("model.safetensors"))
-            .map_err(|e| from.error(e))?;
-        let target_path = dir.join("target.safetensors");
-        if from.resume && target_path.exists() {
-            target.load(&target_path).map_err(|e| from.error(e))?;
-        } else {
-            target.copy_from(&online).map_err(|e| from.error(e))?;
-        }
-        if !cfg.run.reset_optimizer {
-            optimizer
-                .load(dir.join("optimizer.safetensors"))
-                .map_err(|e| from.error(e))?;
-        }
-        if from.resume {
-            checkpoint::Restored {
-                progress,
-                rng,
-                best_eval,
-            } = checkpoint::restore(dir, &run_dir, rng).map_err(|e| from.error(e))?;
-            resumed_at_vec_steps = progress.vec_steps;
-            state = checkpoint::read_json(&dir.join(STATE_FILE)).map_err(|e| from.error(e))?;
-        }
-        tracing::info!(from = %dir.display(), resume = from.resume, version = progress.version, rounds = state.rounds, env_steps = progress.env_steps, "loaded checkpoint");
+/// DQN's networks, optimizer and round bookkeeping, trained by the shared
+/// off-policy loop ([`crate::offpolicy::run`]).
+pub(crate) struct Dqn {
+    cfg: DqnConfig,
+    online: QNetwork,
+    target: QNetwork,
+    optimizer: Adam,
+    state: DqnState,
+    /// The round in progress: its statistics and its β.
+    stats: RoundStats,
+    beta: f64,
+}
+
+impl Dqn {
+    /// A fresh Q-network (and its target copy) for the run's env.
+    pub(crate) fn new(cfg: &ExperimentConfig) -> Result<Self, ServiceError> {
+        let d = cfg.dqn.clone();
+        let spec = relay_policy::qnet_spec_for(cfg).map_err(ServiceError::other)?;
+        let online = QNetwork::new(&spec, cfg.run.seed).map_err(ServiceError::other)?;
+        let target = online.duplicate().map_err(ServiceError::other)?;
+        let optimizer = Adam::new(
+            online.vars(),
+            AdamConfig {
+                lr: d.learning_rate.value(0.0),
+                eps: d.adam_eps,
+                ..AdamConfig::default()
+            },
+        )
+        .map_err(ServiceError::other)?;
+        tracing::info!(
+            prioritized = d.prioritized,
+            double_q = d.double_q,
+            n_steps = d.n_steps,
+            "dqn"
+        );
+        Ok(Self {
+            cfg: d,
+            online,
+            target,
+            optimizer,
+            state: DqnState::default(),
+            stats: RoundStats::default(),
+            beta: 1.0,
+        })
     }
-    crate::count_resume(&service, &start_from);
+}
 
-    let micro = service.micro().await?;
-    let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
-    let weights = |net: &QNetwork, progress: &Progress| {
-        relay_policy::tensors_to_weights(&net.named_tensors(), progress.version, progress.env_steps)
-    };
-    let (mut statuses, mut evals) = crate::subscribe_run_events(&service).await?;
-    latest.publish(&service, &weights(&online, &progress)).await;
-    metrics.version.set(progress.version as i64);
-    service.health.set_ready(true);
-    tracing::info!(env_id = %cfg.run.env_id, algo = "dqn", params = online.num_parameters(), prioritized = d.prioritized, double_q = d.double_q, n_steps = d.n_steps, "training starts");
+impl OffPolicyAlgorithm for Dqn {
+    const NAME: &'static str = "dqn";
+    const REPORTS_PRIORITIES: bool = true;
+    type Error = DqnError;
 
-    let budget = cfg.run.total_env_steps;
-    let num_envs = cfg.env_runner.num_envs.max(1) as u64;
-    // The table counts env steps since the run began; a resumed learner
-    // continues from its checkpoint's count.
-    let mut table_base: Option<(u64, u64)> = None;
-    let mut solved: Option<String> = None;
-    let started = Instant::now();
-    let start_env_steps = progress.env_steps;
-    let mut reported_vec_steps = progress.vec_steps;
-    let finish = loop {
-        if let Some(finish) = crate::should_finish(
-            &shutdown,
+    fn rounds(&self) -> u64 {
+        self.state.rounds
+    }
+
+    fn round_due_at(&self, rounds: u64) -> u64 {
+        round_due_at(&self.cfg, rounds)
+    }
+
+    fn batch_size(&self) -> usize {
+        self.cfg.batch_size
+    }
+
+    fn gradient_steps(&self) -> usize {
+        self.cfg.gradient_steps
+    }
+
+    fn num_parameters(&self) -> usize {
+        self.online.num_parameters()
+    }
+
+    fn load(&mut self, dir: &Path, resume: bool, optimizers: bool) -> Result<(), DqnError> {
+        self.online.load(dir.join("model.safetensors"))?;
+        // Another run's checkpoint, or one written before targets were
+        // saved: the target starts as a copy of the online network.
+        let target_path = dir.join("target.safetensors");
+        if resume && target_path.exists() {
+            self.target.load(&target_path)?;
+        } else {
+            self.target.copy_from(&self.online)?;
+        }
+        if optimizers {
+            self.optimizer.load(dir.join("optimizer.safetensors"))?;
+        }
+        if resume {
+            self.state = checkpoint::read_json(&dir.join(STATE_FILE))?;
+        }
+        Ok(())
+    }
+
+    fn save(&mut self, dir: &Path) -> Result<(), CheckpointError> {
+        let tensors = |e: relay_nn::NnError| CheckpointError::Tensors(e.to_string());
+        self.online
+            .save(dir.join("model.safetensors"))
+            .map_err(tensors)?;
+        self.target
+            .save(dir.join("target.safetensors"))
+            .map_err(tensors)?;
+        self.optimizer
+            .save(dir.join("optimizer.safetensors"))
+            .map_err(tensors)?;
+        checkpoint::write_json(&dir.join(STATE_FILE), &self.state)
+    }
+
+    fn weights(&self, progress: &Progress) -> WeightsUpdate {
+        relay_policy::tensors_to_weights(
+            &self.online.named_tensors(),
+            progress.version,
             progress.env_steps,
-            budget,
-            &solved,
-            cfg.run.stop_when_solved,
-        ) {
-            break finish;
-        }
-        take_solved(&service, &mut statuses, &mut solved);
-        if take_evals(&service, &mut evals, &mut best_eval) {
-            save(
-                &run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg,
-                true,
-            );
-        }
+        )
+    }
 
-        // How many env steps the table holds for us.
-        let counters = match sample_transitions(&service, 0, 0.0).await {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::debug!(error = %e, "replay-buffer not answering; retrying");
-                pause(&shutdown, Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let (base_inserted, base_steps) =
-            *table_base.get_or_insert((counters.inserted_steps, progress.env_steps));
-        progress.env_steps = base_steps + counters.inserted_steps.saturating_sub(base_inserted);
-        progress.vec_steps = progress.env_steps / num_envs;
-        let due_at = round_due_at(&d, state.rounds);
-        if progress.env_steps < due_at {
-            pause(&shutdown, Duration::from_millis(1)).await;
-            continue;
-        }
-
-        // A training round, as of env step `due_at`.
-        let round_started = Instant::now();
-        let frac = (due_at as f64 / budget as f64).min(1.0);
-        optimizer.set_lr(d.learning_rate.value(frac));
-        let beta = if d.prioritized {
+    fn begin_round(&mut self, due_at: u64, frac: f64) -> Result<f64, DqnError> {
+        let d = &self.cfg;
+        self.optimizer.set_lr(d.learning_rate.value(frac));
+        self.beta = if d.prioritized {
             d.prioritized_beta.value(frac)
         } else {
             1.0
         };
-        let owed = target_updates_between(&d, state.target_checked_at, due_at);
+        let owed = target_updates_between(d, self.state.target_checked_at, due_at);
+        // A hard copy (tau 1) once covers any number owed.
         for _ in 0..owed.min(if d.tau >= 1.0 { 1 } else { u64::MAX }) {
-            target
-                .soft_update(&online, d.tau as f32)
-                .map_err(ServiceError::other)?;
-            state.target_updates += 1;
+            self.target.soft_update(&self.online, d.tau as f32)?;
+            self.state.target_updates += 1;
         }
-        state.target_checked_at = due_at;
-        let mut stats = RoundStats::default();
-        let mut rejected = 0u64;
-        let mut stale_priorities = 0u64;
-        let mut step = 0;
-        while step < d.gradient_steps && !shutdown.is_triggered() {
-            let batch = match sample_transitions(&service, d.batch_size as u32, beta).await {
-                Ok(b) if b.ids.len() == d.batch_size => b,
-                Ok(_) => {
-                    // Held back by the rate limiter (or nothing held yet).
-                    pause(&shutdown, Duration::from_millis(1)).await;
-                    continue;
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "sample failed; retrying");
-                    pause(&shutdown, Duration::from_millis(20)).await;
-                    continue;
-                }
-            };
-            step += 1;
-            let result = tokio::task::block_in_place(|| {
-                gradient_step(&d, &online, &target, &mut optimizer, &batch)
-            });
-            let (loss_stats, norm, priorities) = match result {
-                Ok(r) => r,
-                Err(e) => {
-                    // Bad data must not stop training: skip this batch.
-                    tracing::error!(error = %e, "gradient step failed; batch skipped");
-                    rejected += 1;
-                    continue;
-                }
-            };
-            stats.add(&loss_stats, norm);
-            if d.prioritized {
-                let update = PriorityUpdate {
-                    schema: SCHEMA_VERSION,
-                    ids: batch.ids.clone(),
-                    priorities: Tensor::from_f32(&[priorities.len()], &priorities),
-                };
-                match relay_kit::request::<_, PriorityAck>(
-                    &service.nats,
-                    &service.subjects.replay_priorities(),
-                    &update,
-                    service.request_timeout(),
-                )
-                .await
-                {
-                    Ok(ack) => stale_priorities += ack.evicted as u64,
-                    Err(e) => tracing::warn!(error = %e, "priority update lost"),
-                }
-            }
-        }
-        if shutdown.is_triggered() {
-            break Finish::Shutdown;
-        }
-        state.rounds += 1;
-        progress.updates += 1;
-        progress.version += 1;
-        latest.publish(&service, &weights(&online, &progress)).await;
-        metrics.version.set(progress.version as i64);
-        let seconds = round_started.elapsed().as_secs_f64();
-        metrics.update_seconds.observe(seconds);
-        let stats = stats.mean();
-        let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
-            / started.elapsed().as_secs_f64().max(1e-3);
-        let mut values = progress.report_gauges(budget, sps, resumed_at_vec_steps);
-        values.extend([
-            gauge(
-                "learner_rollout_vec_steps",
-                (progress.vec_steps - reported_vec_steps) as f64,
-            ),
-            gauge("learner_last_update_seconds", seconds),
+        self.state.target_checked_at = due_at;
+        self.stats = RoundStats::default();
+        Ok(self.beta)
+    }
+
+    fn gradient_step(
+        &mut self,
+        _step: usize,
+        batch: &TransitionBatch,
+        _rng: &mut ChaCha8Rng,
+    ) -> Result<Option<Vec<f32>>, DqnError> {
+        let (loss_stats, norm, priorities) = gradient_step(
+            &self.cfg,
+            &self.online,
+            &self.target,
+            &mut self.optimizer,
+            batch,
+        )?;
+        self.stats.add(&loss_stats, norm);
+        Ok(self.cfg.prioritized.then_some(priorities))
+    }
+
+    fn end_round(&mut self, frac: f64) -> Vec<MetricValue> {
+        self.state.rounds += 1;
+        let stats = self.stats.mean();
+        let d = &self.cfg;
+        vec![
             gauge("learner_dqn_loss", stats.loss),
             gauge("learner_q_mean", stats.q_mean),
             gauge("learner_td_error_abs", stats.td_abs),
             gauge("learner_grad_norm", stats.grad_norm),
             gauge("learner_learning_rate", d.learning_rate.value(frac)),
             gauge("learner_epsilon", d.exploration_rate(frac)),
-            gauge("learner_per_beta", beta),
-            gauge("learner_replay_size", counters.size as f64),
-            gauge("learner_target_updates", state.target_updates as f64),
-            gauge("learner_stale_priorities", stale_priorities as f64),
-            gauge("learner_rejected_batches", rejected as f64),
-        ]);
-        reported_vec_steps = progress.vec_steps;
-        service.report(Some(progress.vec_steps), values).await;
-        if progress.updates % cfg.checkpoint_every() == 0 {
-            save(
-                &run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg,
-                false,
-            );
-        }
-    };
-
-    save(
-        &run_dir, &online, &target, &optimizer, &progress, &state, &rng, best_eval, &cfg, false,
-    );
-    crate::finish_run(
-        &service,
-        &shutdown,
-        micro,
-        &finish,
-        format!("{budget} env steps"),
-        progress.version,
-        progress.env_steps,
-    )
-    .await;
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn save(
-    run_dir: &Path,
-    online: &QNetwork,
-    target: &QNetwork,
-    optimizer: &Adam,
-    progress: &Progress,
-    state: &DqnState,
-    rng: &ChaCha8Rng,
-    best_eval: Option<(f64, u64)>,
-    cfg: &ExperimentConfig,
-    best: bool,
-) {
-    let counters = CheckpointState::of(progress, rng, best_eval);
-    let tensors = |e: relay_nn::NnError| CheckpointError::Tensors(e.to_string());
-    let written = checkpoint::write(
-        run_dir,
-        progress.updates,
-        cfg,
-        cfg.keep_checkpoints(),
-        best,
-        |tmp| {
-            online
-                .save(tmp.join("model.safetensors"))
-                .map_err(tensors)?;
-            target
-                .save(tmp.join("target.safetensors"))
-                .map_err(tensors)?;
-            optimizer
-                .save(tmp.join("optimizer.safetensors"))
-                .map_err(tensors)?;
-            checkpoint::write_json(&tmp.join("state.json"), &counters)?;
-            checkpoint::write_json(&tmp.join(STATE_FILE), state)
-        },
-    );
-    checkpoint::log_written(written, progress.version, best);
+            gauge("learner_per_beta", self.beta),
+            gauge("learner_target_updates", self.state.target_updates as f64),
+        ]
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use relay_nn::QNetSpec;
+    use relay_proto::{Tensor, SCHEMA_VERSION};
 
     #[test]
     fn rounds_and_target_updates_follow_sb3() {

@@ -56,6 +56,7 @@ pub mod a2c;
 pub mod checkpoint;
 pub mod dqn;
 pub mod examples;
+mod offpolicy;
 pub mod optimizer;
 pub mod ppo;
 pub mod reinforce;
@@ -425,10 +426,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         return text::run(service, shutdown, metrics).await;
     }
     if cfg.run.algo == "dqn" {
-        return dqn::run(service, shutdown, metrics).await;
+        let dqn = dqn::Dqn::new(&service.config)?;
+        return offpolicy::run(service, shutdown, metrics, dqn).await;
     }
     if cfg.run.algo == "sac" {
-        return sac::run(service, shutdown, metrics).await;
+        let sac = sac::SacLearner::new(&service.config)?;
+        return offpolicy::run(service, shutdown, metrics, sac).await;
     }
     let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
     let mut model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed)

@@ -1,6 +1,7 @@
 //! SAC (`run.algo: sac`): a tanh-squashed Gaussian actor and twin critics
-//! trained off-policy on the replay-buffer's transition table, read top to
-//! bottom in [`run`]. The maths of one gradient step is
+//! trained off-policy on the replay-buffer's transition table by the loop
+//! every off-policy learner shares ([`crate::offpolicy::run`]); what a
+//! round does is [`SacLearner`]'s, and the maths of one gradient step is
 //! [`relay_nn::sac_train_step`].
 //!
 //! What it does, with SB3's `SAC` as the reference:
@@ -33,20 +34,17 @@
 //! the round bookkeeping (`sac.json`).
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
-use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use relay_kit::config::{EntCoef, SacSection};
-use relay_kit::{gauge, ExperimentConfig, Service, ServiceError, Shutdown};
+use relay_kit::{gauge, ExperimentConfig, ServiceError};
 use relay_nn::{sac_train_step, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
-use relay_proto::TransitionBatch;
+use relay_proto::{MetricValue, TransitionBatch, WeightsUpdate};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, CheckpointError, CheckpointState};
-use crate::{
-    pause, sample_transitions, take_evals, take_solved, Finish, LatestWeights, Metrics, Progress,
-};
+use crate::checkpoint::{self, CheckpointError};
+use crate::offpolicy::OffPolicyAlgorithm;
+use crate::Progress;
 
 /// The checkpoint file of [`SacState`].
 const STATE_FILE: &str = "sac.json";
@@ -131,13 +129,16 @@ impl RoundStats {
     }
 }
 
-/// Errors of one gradient step on a sampled batch.
+/// Errors of a gradient step on a sampled batch or of loading a
+/// checkpoint.
 #[derive(Debug, thiserror::Error)]
-pub enum StepError {
+pub enum SacError {
     #[error("batch field {field}: {detail}")]
     Batch { field: &'static str, detail: String },
     #[error(transparent)]
     Nn(#[from] relay_nn::NnError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
 }
 
 /// One SAC gradient step on a sampled batch (actions in env units,
@@ -149,8 +150,8 @@ pub fn gradient_step(
     optimizers: &mut SacOptimizers,
     batch: &TransitionBatch,
     rng: &mut ChaCha8Rng,
-) -> Result<SacStats, StepError> {
-    let field = |field: &'static str, e: relay_proto::TensorError| StepError::Batch {
+) -> Result<SacStats, SacError> {
+    let field = |field: &'static str, e: relay_proto::TensorError| SacError::Batch {
         field,
         detail: e.to_string(),
     };
@@ -178,181 +179,127 @@ pub fn gradient_step(
     Ok(stats)
 }
 
-/// Runs the SAC learner until shutdown.
-pub(crate) async fn run(
-    service: Service,
-    shutdown: Shutdown,
-    metrics: Metrics,
-) -> Result<(), ServiceError> {
-    let cfg: ExperimentConfig = (*service.config).clone();
-    let s = cfg.sac.clone();
-    let spec = relay_policy::sac_spec_for(&cfg).map_err(ServiceError::other)?;
-    let init_ent_coef = initial_ent_coef(&s).map_err(ServiceError::other)?;
-    let mut step_cfg = step_config(&s, spec.action_dim(), s.learning_rate.value(0.0))
-        .map_err(ServiceError::other)?;
-    let mut sac = Sac::new(&spec, init_ent_coef, cfg.run.seed).map_err(ServiceError::other)?;
-    let mut optimizers = SacOptimizers::new(&sac, &step_cfg).map_err(ServiceError::other)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.run.seed.wrapping_add(0x5eed));
-    let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
-    let mut progress = Progress::default();
-    let mut state = SacState::default();
-    let mut best_eval: Option<(f64, u64)> = None;
-    let mut resumed_at_vec_steps = 0u64;
-    let start_from = checkpoint::StartFrom::of(&cfg);
-    if let Some(from) = &start_from {
-        let dir = &from.dir;
-        sac.load(dir.join("model.safetensors"))
-            .map_err(|e| from.error(e))?;
-        if !cfg.run.reset_optimizer {
-            for (file, adam) in optimizer_files(&mut optimizers) {
-                adam.load(dir.join(file)).map_err(|e| from.error(e))?;
+/// SAC's networks, optimizers and round bookkeeping, trained by the shared
+/// off-policy loop ([`crate::offpolicy::run`]).
+pub(crate) struct SacLearner {
+    cfg: SacSection,
+    sac: Sac,
+    optimizers: SacOptimizers,
+    step: SacConfig,
+    state: SacState,
+    /// Statistics of the round in progress.
+    stats: RoundStats,
+}
+
+impl SacLearner {
+    /// A fresh actor and critics for the run's env.
+    pub(crate) fn new(cfg: &ExperimentConfig) -> Result<Self, ServiceError> {
+        let s = cfg.sac.clone();
+        let spec = relay_policy::sac_spec_for(cfg).map_err(ServiceError::other)?;
+        let init_ent_coef = initial_ent_coef(&s).map_err(ServiceError::other)?;
+        let step = step_config(&s, spec.action_dim(), s.learning_rate.value(0.0))
+            .map_err(ServiceError::other)?;
+        let sac = Sac::new(&spec, init_ent_coef, cfg.run.seed).map_err(ServiceError::other)?;
+        let optimizers = SacOptimizers::new(&sac, &step).map_err(ServiceError::other)?;
+        tracing::info!(ent_coef = ?s.ent_coef, target_entropy = ?step.target_entropy, "sac");
+        Ok(Self {
+            cfg: s,
+            sac,
+            optimizers,
+            step,
+            state: SacState::default(),
+            stats: RoundStats::default(),
+        })
+    }
+}
+
+impl OffPolicyAlgorithm for SacLearner {
+    const NAME: &'static str = "sac";
+    const REPORTS_PRIORITIES: bool = false;
+    type Error = SacError;
+
+    fn rounds(&self) -> u64 {
+        self.state.rounds
+    }
+
+    fn round_due_at(&self, rounds: u64) -> u64 {
+        round_due_at(&self.cfg, rounds)
+    }
+
+    fn batch_size(&self) -> usize {
+        self.cfg.batch_size
+    }
+
+    fn gradient_steps(&self) -> usize {
+        self.cfg.gradient_steps
+    }
+
+    fn num_parameters(&self) -> usize {
+        self.sac.num_parameters()
+    }
+
+    fn load(&mut self, dir: &Path, resume: bool, optimizers: bool) -> Result<(), SacError> {
+        self.sac.load(dir.join("model.safetensors"))?;
+        if optimizers {
+            for (file, adam) in optimizer_files(&mut self.optimizers) {
+                adam.load(dir.join(file))?;
             }
         }
-        if from.resume {
-            checkpoint::Restored {
-                progress,
-                rng,
-                best_eval,
-            } = checkpoint::restore(dir, &run_dir, rng).map_err(|e| from.error(e))?;
-            resumed_at_vec_steps = progress.vec_steps;
-            state = load_sac_state(dir).map_err(|e| from.error(e))?;
+        if resume {
+            self.state = load_sac_state(dir)?;
         }
-        tracing::info!(from = %dir.display(), resume = from.resume, version = progress.version, rounds = state.rounds, env_steps = progress.env_steps, "loaded checkpoint");
+        Ok(())
     }
-    crate::count_resume(&service, &start_from);
 
-    // Only the actor is published: the critics stay here.
-    let micro = service.micro().await?;
-    let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
-    let weights = |sac: &Sac, progress: &Progress| {
+    fn save(&mut self, dir: &Path) -> Result<(), CheckpointError> {
+        let tensors = |e: relay_nn::NnError| CheckpointError::Tensors(e.to_string());
+        self.sac
+            .save(dir.join("model.safetensors"))
+            .map_err(tensors)?;
+        for (file, adam) in optimizer_files(&mut self.optimizers) {
+            adam.save(dir.join(file)).map_err(tensors)?;
+        }
+        checkpoint::write_json(&dir.join(STATE_FILE), &self.state)
+    }
+
+    /// Only the actor: the critics stay here.
+    fn weights(&self, progress: &Progress) -> WeightsUpdate {
         relay_policy::tensors_to_weights(
-            &sac.actor.named_tensors(),
+            &self.sac.actor.named_tensors(),
             progress.version,
             progress.env_steps,
         )
-    };
-    let (mut statuses, mut evals) = crate::subscribe_run_events(&service).await?;
-    latest.publish(&service, &weights(&sac, &progress)).await;
-    metrics.version.set(progress.version as i64);
-    service.health.set_ready(true);
-    tracing::info!(env_id = %cfg.run.env_id, algo = "sac", params = sac.num_parameters(), ent_coef = ?s.ent_coef, target_entropy = ?step_cfg.target_entropy, "training starts");
+    }
 
-    let budget = cfg.run.total_env_steps;
-    let num_envs = cfg.env_runner.num_envs.max(1) as u64;
-    // The table counts env steps since the run began; a resumed learner
-    // continues from its checkpoint's count.
-    let mut table_base: Option<(u64, u64)> = None;
-    let mut solved: Option<String> = None;
-    let started = Instant::now();
-    let start_env_steps = progress.env_steps;
-    let mut reported_vec_steps = progress.vec_steps;
-    let finish = loop {
-        if let Some(finish) = crate::should_finish(
-            &shutdown,
-            progress.env_steps,
-            budget,
-            &solved,
-            cfg.run.stop_when_solved,
-        ) {
-            break finish;
-        }
-        take_solved(&service, &mut statuses, &mut solved);
-        if take_evals(&service, &mut evals, &mut best_eval) {
-            save(
-                &run_dir,
-                &sac,
-                &mut optimizers,
-                &progress,
-                &state,
-                &rng,
-                best_eval,
-                &cfg,
-                true,
-            );
-        }
+    fn begin_round(&mut self, _due_at: u64, frac: f64) -> Result<f64, SacError> {
+        let lr = self.cfg.learning_rate.value(frac);
+        self.optimizers.set_lr(lr);
+        self.step.lr = lr;
+        self.stats = RoundStats::default();
+        Ok(1.0)
+    }
 
-        // How many env steps the table holds for us.
-        let counters = match sample_transitions(&service, 0, 1.0).await {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::debug!(error = %e, "replay-buffer not answering; retrying");
-                pause(&shutdown, Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let (base_inserted, base_steps) =
-            *table_base.get_or_insert((counters.inserted_steps, progress.env_steps));
-        progress.env_steps = base_steps + counters.inserted_steps.saturating_sub(base_inserted);
-        progress.vec_steps = progress.env_steps / num_envs;
-        let due_at = round_due_at(&s, state.rounds);
-        if progress.env_steps < due_at {
-            pause(&shutdown, Duration::from_millis(1)).await;
-            continue;
+    fn gradient_step(
+        &mut self,
+        step: usize,
+        batch: &TransitionBatch,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Option<Vec<f32>>, SacError> {
+        // SB3's condition, on the round's gradient steps.
+        self.step.update_target = (step as u64).is_multiple_of(self.cfg.target_update_interval);
+        self.state.gradient_steps += 1;
+        let stats = gradient_step(&self.step, &self.sac, &mut self.optimizers, batch, rng)?;
+        self.stats.add(&stats);
+        if self.step.update_target {
+            self.state.target_updates += 1;
         }
+        Ok(None)
+    }
 
-        // A training round, as of env step `due_at`.
-        let round_started = Instant::now();
-        let frac = (due_at as f64 / budget as f64).min(1.0);
-        let lr = s.learning_rate.value(frac);
-        optimizers.set_lr(lr);
-        step_cfg.lr = lr;
-        let mut stats = RoundStats::default();
-        let mut rejected = 0u64;
-        let mut step = 0;
-        while step < s.gradient_steps && !shutdown.is_triggered() {
-            let batch = match sample_transitions(&service, s.batch_size as u32, 1.0).await {
-                Ok(b) if b.ids.len() == s.batch_size => b,
-                Ok(_) => {
-                    // Held back by the rate limiter (or not enough held yet).
-                    pause(&shutdown, Duration::from_millis(1)).await;
-                    continue;
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "sample failed; retrying");
-                    pause(&shutdown, Duration::from_millis(20)).await;
-                    continue;
-                }
-            };
-            step_cfg.update_target = (step as u64).is_multiple_of(s.target_update_interval);
-            step += 1;
-            state.gradient_steps += 1;
-            let result = tokio::task::block_in_place(|| {
-                gradient_step(&step_cfg, &sac, &mut optimizers, &batch, &mut rng)
-            });
-            match result {
-                Ok(step_stats) => {
-                    stats.add(&step_stats);
-                    if step_cfg.update_target {
-                        state.target_updates += 1;
-                    }
-                }
-                Err(e) => {
-                    // Bad data must not stop training: skip this batch.
-                    tracing::error!(error = %e, "gradient step failed; batch skipped");
-                    rejected += 1;
-                }
-            }
-        }
-        if shutdown.is_triggered() {
-            break Finish::Shutdown;
-        }
-        state.rounds += 1;
-        progress.updates += 1;
-        progress.version += 1;
-        latest.publish(&service, &weights(&sac, &progress)).await;
-        metrics.version.set(progress.version as i64);
-        let seconds = round_started.elapsed().as_secs_f64();
-        metrics.update_seconds.observe(seconds);
-        let stats = stats.mean();
-        let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
-            / started.elapsed().as_secs_f64().max(1e-3);
-        let mut values = progress.report_gauges(budget, sps, resumed_at_vec_steps);
-        values.extend([
-            gauge(
-                "learner_rollout_vec_steps",
-                (progress.vec_steps - reported_vec_steps) as f64,
-            ),
-            gauge("learner_last_update_seconds", seconds),
+    fn end_round(&mut self, frac: f64) -> Vec<MetricValue> {
+        self.state.rounds += 1;
+        let stats = self.stats.mean();
+        vec![
             gauge("learner_policy_loss", stats.actor_loss),
             gauge("learner_value_loss", stats.critic_loss),
             gauge("learner_ent_coef_loss", stats.ent_coef_loss),
@@ -361,50 +308,10 @@ pub(crate) async fn run(
             // of the squashed policy.
             gauge("learner_entropy", -stats.logprob),
             gauge("learner_q_mean", stats.q_mean),
-            gauge("learner_learning_rate", lr),
-            gauge("learner_replay_size", counters.size as f64),
-            gauge("learner_target_updates", state.target_updates as f64),
-            gauge("learner_rejected_batches", rejected as f64),
-        ]);
-        reported_vec_steps = progress.vec_steps;
-        service.report(Some(progress.vec_steps), values).await;
-        if progress.updates % cfg.checkpoint_every() == 0 {
-            save(
-                &run_dir,
-                &sac,
-                &mut optimizers,
-                &progress,
-                &state,
-                &rng,
-                best_eval,
-                &cfg,
-                false,
-            );
-        }
-    };
-
-    save(
-        &run_dir,
-        &sac,
-        &mut optimizers,
-        &progress,
-        &state,
-        &rng,
-        best_eval,
-        &cfg,
-        false,
-    );
-    crate::finish_run(
-        &service,
-        &shutdown,
-        micro,
-        &finish,
-        format!("{budget} env steps"),
-        progress.version,
-        progress.env_steps,
-    )
-    .await;
-    Ok(())
+            gauge("learner_learning_rate", self.cfg.learning_rate.value(frac)),
+            gauge("learner_target_updates", self.state.target_updates as f64),
+        ]
+    }
 }
 
 /// The checkpoint file of each of SAC's three Adam states.
@@ -421,41 +328,10 @@ pub fn load_sac_state(dir: &Path) -> Result<SacState, CheckpointError> {
     checkpoint::read_json(&dir.join(STATE_FILE))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn save(
-    run_dir: &Path,
-    sac: &Sac,
-    optimizers: &mut SacOptimizers,
-    progress: &Progress,
-    state: &SacState,
-    rng: &ChaCha8Rng,
-    best_eval: Option<(f64, u64)>,
-    cfg: &ExperimentConfig,
-    best: bool,
-) {
-    let counters = CheckpointState::of(progress, rng, best_eval);
-    let tensors = |e: relay_nn::NnError| CheckpointError::Tensors(e.to_string());
-    let written = checkpoint::write(
-        run_dir,
-        progress.updates,
-        cfg,
-        cfg.keep_checkpoints(),
-        best,
-        |tmp| {
-            sac.save(tmp.join("model.safetensors")).map_err(tensors)?;
-            for (file, adam) in optimizer_files(optimizers) {
-                adam.save(tmp.join(file)).map_err(tensors)?;
-            }
-            checkpoint::write_json(&tmp.join("state.json"), &counters)?;
-            checkpoint::write_json(&tmp.join(STATE_FILE), state)
-        },
-    );
-    checkpoint::log_written(written, progress.version, best);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::SeedableRng;
     use relay_nn::SacSpec;
     use relay_proto::{Tensor, SCHEMA_VERSION};
 

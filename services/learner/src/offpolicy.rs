@@ -1,0 +1,295 @@
+//! The loop every off-policy learner shares (DQN, SAC), read top to bottom
+//! in [`run`]: training rounds on the replay-buffer's transition table on
+//! SB3's schedule, weights published after each round, checkpoints and
+//! resume. What a round does to the networks is the algorithm's
+//! ([`OffPolicyAlgorithm`], implemented in [`crate::dqn`] and
+//! [`crate::sac`]).
+//!
+//! 1. Start: from `run.resume_from` (networks, optimizers, the algorithm's
+//!    round bookkeeping, progress, RNG, best eval) or `run.init_from`
+//!    (networks, optimizers unless `run.reset_optimizer`); publish the
+//!    starting weights.
+//! 2. Loop until the budget of env steps is spent, the run is solved (with
+//!    `run.stop_when_solved`) or shutdown:
+//!    - checkpoint at the first eval heard and at each new best;
+//!    - read the table's counters: env steps inserted by all env-runners
+//!      together, which are the run's env steps (continued from the
+//!      checkpoint's count after a resume);
+//!    - when the next round is due ([`OffPolicyAlgorithm::round_due_at`]):
+//!      prepare it as of the env step it was due at, take
+//!      `gradient_steps` batches of `batch_size` transitions (waiting while
+//!      the replay-buffer's rate limiter holds them back), one gradient
+//!      step each (a batch that fails its step is skipped and counted), and
+//!      send the new priorities back when the algorithm returns them;
+//!    - publish weights version + 1, report metrics, checkpoint every
+//!      `checkpoint_every` rounds.
+//! 3. A last checkpoint, then the run's end is announced.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use relay_kit::{gauge, ExperimentConfig, Service, ServiceError, Shutdown};
+use relay_proto::{
+    MetricValue, PriorityAck, PriorityUpdate, Tensor, TransitionBatch, WeightsUpdate,
+    SCHEMA_VERSION,
+};
+
+use crate::checkpoint::{self, CheckpointError, CheckpointState};
+use crate::{
+    count_resume, finish_run, pause, sample_transitions, should_finish, subscribe_run_events,
+    take_evals, take_solved, Finish, LatestWeights, Metrics, Progress,
+};
+
+/// What an off-policy algorithm brings to the shared loop.
+pub(crate) trait OffPolicyAlgorithm {
+    /// `run.algo`, for logs.
+    const NAME: &'static str;
+    /// Whether it reports priority updates lost to eviction
+    /// (`learner_stale_priorities`): algorithms that can train on
+    /// prioritized replay.
+    const REPORTS_PRIORITIES: bool;
+    /// Why loading, a round's preparation or a gradient step failed.
+    type Error: std::fmt::Display;
+
+    /// Training rounds done.
+    fn rounds(&self) -> u64;
+    /// Env steps at which round `rounds` (0-based) is due.
+    fn round_due_at(&self, rounds: u64) -> u64;
+    /// Transitions per gradient step.
+    fn batch_size(&self) -> usize;
+    /// Gradient steps per round.
+    fn gradient_steps(&self) -> usize;
+    /// Trainable parameters, for the log.
+    fn num_parameters(&self) -> usize;
+    /// Loads checkpoint folder `dir`: the networks, the optimizers when
+    /// `optimizers`, and the round bookkeeping when `resume`.
+    fn load(&mut self, dir: &Path, resume: bool, optimizers: bool) -> Result<(), Self::Error>;
+    /// Writes the networks, optimizers and round bookkeeping into a
+    /// checkpoint folder being written.
+    fn save(&mut self, dir: &Path) -> Result<(), CheckpointError>;
+    /// The weights the inference servers act with, as `progress.version`.
+    fn weights(&self, progress: &Progress) -> WeightsUpdate;
+    /// Prepares the next round as of env step `due_at`, with `frac` of the
+    /// budget spent (schedules, target network updates); returns the
+    /// importance-sampling exponent β to sample with (1 when uniform).
+    fn begin_round(&mut self, due_at: u64, frac: f64) -> Result<f64, Self::Error>;
+    /// Gradient step `step` (0-based within the round) on `batch`; returns
+    /// the batch's new priorities when replay is prioritized.
+    fn gradient_step(
+        &mut self,
+        step: usize,
+        batch: &TransitionBatch,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Option<Vec<f32>>, Self::Error>;
+    /// Ends the round (one more done); returns its metrics.
+    fn end_round(&mut self, frac: f64) -> Vec<MetricValue>;
+}
+
+/// Runs `algorithm` on the run's transition table until the budget is
+/// spent, the run is solved (with `run.stop_when_solved`) or shutdown.
+pub(crate) async fn run<A: OffPolicyAlgorithm>(
+    service: Service,
+    shutdown: Shutdown,
+    metrics: Metrics,
+    mut algorithm: A,
+) -> Result<(), ServiceError> {
+    let cfg: ExperimentConfig = (*service.config).clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.run.seed.wrapping_add(0x5eed));
+    let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
+    let mut progress = Progress::default();
+    let mut best_eval: Option<(f64, u64)> = None;
+    let mut resumed_at_vec_steps = 0u64;
+    let start_from = checkpoint::StartFrom::of(&cfg);
+    if let Some(from) = &start_from {
+        algorithm
+            .load(&from.dir, from.resume, !cfg.run.reset_optimizer)
+            .map_err(|e| from.error(e))?;
+        if from.resume {
+            checkpoint::Restored {
+                progress,
+                rng,
+                best_eval,
+            } = checkpoint::restore(&from.dir, &run_dir, rng).map_err(|e| from.error(e))?;
+            resumed_at_vec_steps = progress.vec_steps;
+        }
+        tracing::info!(from = %from.dir.display(), resume = from.resume, version = progress.version, rounds = algorithm.rounds(), env_steps = progress.env_steps, "loaded checkpoint");
+    }
+    count_resume(&service, &start_from);
+    let save = |algorithm: &mut A,
+                progress: &Progress,
+                rng: &ChaCha8Rng,
+                best_eval: Option<(f64, u64)>,
+                best: bool| {
+        let counters = CheckpointState::of(progress, rng, best_eval);
+        let written = checkpoint::write(
+            &run_dir,
+            progress.updates,
+            &cfg,
+            cfg.keep_checkpoints(),
+            best,
+            |tmp| {
+                algorithm.save(tmp)?;
+                checkpoint::write_json(&tmp.join("state.json"), &counters)
+            },
+        );
+        checkpoint::log_written(written, progress.version, best);
+    };
+
+    let micro = service.micro().await?;
+    let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
+    let (mut statuses, mut evals) = subscribe_run_events(&service).await?;
+    latest
+        .publish(&service, &algorithm.weights(&progress))
+        .await;
+    metrics.version.set(progress.version as i64);
+    service.health.set_ready(true);
+    tracing::info!(env_id = %cfg.run.env_id, algo = A::NAME, params = algorithm.num_parameters(), "training starts");
+
+    let budget = cfg.run.total_env_steps;
+    let num_envs = cfg.env_runner.num_envs.max(1) as u64;
+    // The table counts env steps since the run began; a resumed learner
+    // continues from its checkpoint's count.
+    let mut table_base: Option<(u64, u64)> = None;
+    let mut solved: Option<String> = None;
+    let started = Instant::now();
+    let start_env_steps = progress.env_steps;
+    let mut reported_vec_steps = progress.vec_steps;
+    let finish = loop {
+        if let Some(finish) = should_finish(
+            &shutdown,
+            progress.env_steps,
+            budget,
+            &solved,
+            cfg.run.stop_when_solved,
+        ) {
+            break finish;
+        }
+        take_solved(&service, &mut statuses, &mut solved);
+        if take_evals(&service, &mut evals, &mut best_eval) {
+            save(&mut algorithm, &progress, &rng, best_eval, true);
+        }
+
+        // How many env steps the table holds for us.
+        let counters = match sample_transitions(&service, 0, 1.0).await {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::debug!(error = %e, "replay-buffer not answering; retrying");
+                pause(&shutdown, Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let (base_inserted, base_steps) =
+            *table_base.get_or_insert((counters.inserted_steps, progress.env_steps));
+        progress.env_steps = base_steps + counters.inserted_steps.saturating_sub(base_inserted);
+        progress.vec_steps = progress.env_steps / num_envs;
+        let due_at = algorithm.round_due_at(algorithm.rounds());
+        if progress.env_steps < due_at {
+            pause(&shutdown, Duration::from_millis(1)).await;
+            continue;
+        }
+
+        // A training round, as of env step `due_at`.
+        let round_started = Instant::now();
+        let frac = (due_at as f64 / budget as f64).min(1.0);
+        let beta = algorithm
+            .begin_round(due_at, frac)
+            .map_err(ServiceError::other)?;
+        let batch_size = algorithm.batch_size();
+        let mut rejected = 0u64;
+        let mut stale_priorities = 0u64;
+        let mut step = 0;
+        while step < algorithm.gradient_steps() && !shutdown.is_triggered() {
+            let batch = match sample_transitions(&service, batch_size as u32, beta).await {
+                Ok(b) if b.ids.len() == batch_size => b,
+                Ok(_) => {
+                    // Held back by the rate limiter (or not enough held yet).
+                    pause(&shutdown, Duration::from_millis(1)).await;
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "sample failed; retrying");
+                    pause(&shutdown, Duration::from_millis(20)).await;
+                    continue;
+                }
+            };
+            let result =
+                tokio::task::block_in_place(|| algorithm.gradient_step(step, &batch, &mut rng));
+            step += 1;
+            let priorities = match result {
+                Ok(priorities) => priorities,
+                Err(e) => {
+                    // Bad data must not stop training: skip this batch.
+                    tracing::error!(error = %e, "gradient step failed; batch skipped");
+                    rejected += 1;
+                    continue;
+                }
+            };
+            if let Some(priorities) = priorities {
+                let update = PriorityUpdate {
+                    schema: SCHEMA_VERSION,
+                    ids: batch.ids.clone(),
+                    priorities: Tensor::from_f32(&[priorities.len()], &priorities),
+                };
+                match relay_kit::request::<_, PriorityAck>(
+                    &service.nats,
+                    &service.subjects.replay_priorities(),
+                    &update,
+                    service.request_timeout(),
+                )
+                .await
+                {
+                    Ok(ack) => stale_priorities += ack.evicted as u64,
+                    Err(e) => tracing::warn!(error = %e, "priority update lost"),
+                }
+            }
+        }
+        if shutdown.is_triggered() {
+            break Finish::Shutdown;
+        }
+        let round_metrics = algorithm.end_round(frac);
+        progress.updates += 1;
+        progress.version += 1;
+        latest
+            .publish(&service, &algorithm.weights(&progress))
+            .await;
+        metrics.version.set(progress.version as i64);
+        let seconds = round_started.elapsed().as_secs_f64();
+        metrics.update_seconds.observe(seconds);
+        let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
+            / started.elapsed().as_secs_f64().max(1e-3);
+        let mut values = progress.report_gauges(budget, sps, resumed_at_vec_steps);
+        values.extend([
+            gauge(
+                "learner_rollout_vec_steps",
+                (progress.vec_steps - reported_vec_steps) as f64,
+            ),
+            gauge("learner_last_update_seconds", seconds),
+            gauge("learner_replay_size", counters.size as f64),
+            gauge("learner_rejected_batches", rejected as f64),
+        ]);
+        if A::REPORTS_PRIORITIES {
+            values.push(gauge("learner_stale_priorities", stale_priorities as f64));
+        }
+        values.extend(round_metrics);
+        reported_vec_steps = progress.vec_steps;
+        service.report(Some(progress.vec_steps), values).await;
+        if progress.updates % cfg.checkpoint_every() == 0 {
+            save(&mut algorithm, &progress, &rng, best_eval, false);
+        }
+    };
+
+    save(&mut algorithm, &progress, &rng, best_eval, false);
+    finish_run(
+        &service,
+        &shutdown,
+        micro,
+        &finish,
+        format!("{budget} env steps"),
+        progress.version,
+        progress.env_steps,
+    )
+    .await;
+    Ok(())
+}
