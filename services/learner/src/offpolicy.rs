@@ -9,7 +9,8 @@
 //!    round bookkeeping, progress, RNG, best eval) or `run.init_from`
 //!    (networks, optimizers unless `run.reset_optimizer`); publish the
 //!    starting weights.
-//! 2. Loop until the budget of env steps is spent, the run is solved (with
+//! 2. Loop until the budget of env steps is spent (inserted, and every
+//!    round due within it done), the run is solved (with
 //!    `run.stop_when_solved`) or shutdown:
 //!    - checkpoint at the first eval heard and at each new best;
 //!    - read the table's counters: env steps inserted by all env-runners
@@ -157,9 +158,15 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let start_env_steps = progress.env_steps;
     let mut reported_vec_steps = progress.vec_steps;
     let finish = loop {
+        // The budget is spent once the table holds it and every round due
+        // within it is done: env-runners running ahead of the learner
+        // (within the rate limiter's slack) do not cut rounds short.
+        let trained_through = progress
+            .env_steps
+            .min(algorithm.round_due_at(algorithm.rounds()).saturating_sub(1));
         if let Some(finish) = should_finish(
             &shutdown,
-            progress.env_steps,
+            trained_through,
             budget,
             &solved,
             cfg.run.stop_when_solved,

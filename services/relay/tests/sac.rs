@@ -233,7 +233,9 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
     let run_dir = runs.join(RUN);
     let last = run_dir.join("checkpoints/last");
     let (sac, steps, state, counters) = read_checkpoint(&cfg, &last);
-    assert!(state.rounds >= 5, "{state:?}");
+    // Every round due within the budget ran (at 72, 80, ..., 256), even
+    // with the env-runner ahead of the learner.
+    assert_eq!(state.rounds, (256 - 72) / 8 + 1, "{state:?}");
     assert_eq!(state.gradient_steps, state.rounds * 4, "{state:?}");
     assert_eq!(state.target_updates, state.gradient_steps, "{state:?}");
     assert_eq!(steps, [state.gradient_steps; 3], "Adam steps");
