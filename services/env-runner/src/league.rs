@@ -198,10 +198,11 @@ impl LeagueResult {
     }
 }
 
-/// Applies results to the pool; returns how many were recorded. A result
-/// whose version left the pool (or is older than every version in it), or
-/// whose opponent version was evicted meanwhile, is skipped; no result can
-/// fail the whole batch.
+/// Applies results to the pool; returns how many were recorded. A version
+/// between the pool's admissions is rated as the newest version in the
+/// pool ([`Pool::rated_as`]). A result whose version left the pool (or is
+/// older than every version in it), or whose opponent version was evicted
+/// meanwhile, is skipped; no result can fail the whole batch.
 pub fn apply(
     pool: &mut Pool,
     results: &[LeagueResult],
@@ -209,21 +210,27 @@ pub fn apply(
 ) -> Result<usize, PoolError> {
     let mut recorded = 0;
     for result in results {
-        let current = MemberId::Version(result.current);
-        if pool.get(&current).is_none() {
-            let newest = pool.current_version();
-            if newest.is_some_and(|n| n > result.current) {
-                continue;
+        let current = match pool.rated_as(result.current) {
+            Some(member) => member,
+            None => {
+                // A version that joins but has not (the learner admits
+                // before announcing; this covers a learner that failed to).
+                let newest = pool.current_version();
+                if newest.is_some_and(|n| n > result.current) || !pool.admits(result.current) {
+                    continue;
+                }
+                let current = MemberId::Version(result.current);
+                let admitted = pool.add_version(PolicyVersion {
+                    version: result.current,
+                    parent: newest,
+                    weights_ref: adapter_key(LEARNING_ADAPTER, result.current),
+                });
+                if admitted.is_err() || pool.get(&current).is_none() {
+                    continue;
+                }
+                current
             }
-            let admitted = pool.add_version(PolicyVersion {
-                version: result.current,
-                parent: newest,
-                weights_ref: adapter_key(LEARNING_ADAPTER, result.current),
-            });
-            if admitted.is_err() || pool.get(&current).is_none() {
-                continue;
-            }
-        }
+        };
         if pool.get(&result.opponent).is_none() {
             match &result.opponent {
                 MemberId::Fixed(name) => {
@@ -500,7 +507,11 @@ mod tests {
     #[test]
     fn results_add_versions_and_bots_and_skip_versions_older_than_the_pool() {
         let config = config();
-        let mut pool = Pool::new(PoolConfig::default()).unwrap();
+        let mut pool = Pool::new(PoolConfig {
+            admit_every: 1,
+            ..PoolConfig::default()
+        })
+        .unwrap();
         let results = [
             result(1, "random", Outcome::Win),
             result(1, "minimax", Outcome::Loss),
@@ -538,6 +549,42 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn versions_between_admissions_are_rated_as_the_newest_in_the_pool() {
+        let config = config();
+        let mut pool = Pool::new(PoolConfig {
+            admit_every: 10,
+            ..PoolConfig::default()
+        })
+        .unwrap();
+        let results = [
+            // The first version joins whatever its number.
+            result(3, "random", Outcome::Win),
+            // v4..v9 do not join: their games are v3's.
+            result(4, "random", Outcome::Win),
+            result(9, "minimax", Outcome::Loss),
+            // v10 joins (inheriting v3's rating), and v12 plays as v10.
+            result(10, "random", Outcome::Draw),
+            result(12, "v3", Outcome::Win),
+        ];
+        assert_eq!(apply(&mut pool, &results, &config).unwrap(), 5);
+        assert_eq!(pool.versions().collect::<Vec<_>>(), vec![3, 10]);
+        let (v3, v10) = (MemberId::Version(3), MemberId::Version(10));
+        let random = MemberId::Fixed("random".into());
+        assert_eq!(pool.record(&v3, &random).wins, 2);
+        assert_eq!(pool.record(&v3, &"minimax".parse().unwrap()).losses, 1);
+        assert_eq!(pool.record(&v10, &random).draws, 1);
+        assert_eq!(pool.record(&v10, &v3).wins, 1);
+        // A version older than the newest in the pool is not rated.
+        assert_eq!(
+            apply(&mut pool, &[result(5, "random", Outcome::Win)], &config).unwrap(),
+            0
+        );
+        assert_eq!(pool.rated_as(11), Some(v10.clone()));
+        assert_eq!(pool.rated_as(20), None);
+        assert_eq!(pool.rated_as(10), Some(v10));
     }
 
     fn turn(player: u8, version: Option<u64>) -> TextTurn {

@@ -217,9 +217,9 @@ struct League {
 }
 
 impl League {
-    /// Admits `version` (parent: the newest version in the pool), adding
-    /// missing fixed members; returns the pool and whether anything was
-    /// evicted.
+    /// Admits `version` (parent: the newest version in the pool) when the
+    /// pool takes it ([`relay_league::Pool::admits`]), adding missing
+    /// fixed members; returns the pool and whether anything was evicted.
     async fn admit(&self, version: u64) -> Result<(relay_league::Pool, bool), String> {
         let (evicted, pool) = self
             .store
@@ -230,9 +230,12 @@ impl League {
                         pool.add_fixed(fixed.clone())?;
                     }
                 }
-                if pool
-                    .get(&relay_league::MemberId::Version(version))
-                    .is_some()
+                // Between admissions (`admit_every`) a version's games
+                // count for the newest version in the pool.
+                if !pool.admits(version)
+                    || pool
+                        .get(&relay_league::MemberId::Version(version))
+                        .is_some()
                 {
                     return Ok(0);
                 }

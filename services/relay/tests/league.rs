@@ -48,6 +48,8 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
         "eval.every_versions=1000".into(),
         format!("league.pool.keep_latest={KEEP}"),
         "league.pool.keep_best=0".into(),
+        // Every version joins, so the budget's versions overflow the pool.
+        "league.pool.admit_every=1".into(),
         "league.sampler={kind: mixture, components: [{weight: 1, sampler: {kind: mirror}}, {weight: 3, sampler: {kind: lagged, k: 1}}]}".into(),
     ];
     let text = std::fs::read_to_string(path).unwrap();

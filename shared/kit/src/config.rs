@@ -1726,7 +1726,9 @@ pub struct LeagueSection {
     /// `keep_best` (best versions by `mu - conservative_k * sigma` kept
     /// besides, default 3), `conservative_k` (default 3), `sigma_widen`
     /// (the uncertainty a version adds to its parent's rating, in
-    /// quadrature, default 0.5), `keep_first` (the first version stays as
+    /// quadrature, default 0.5), `admit_every` (every this many published
+    /// versions join; the games of those in between count for the newest
+    /// pool version; default 10), `keep_first` (the first version stays as
     /// the reference, default true). Versions outside these bounds are
     /// evicted, and their stored adapters deleted.
     pub pool: relay_league::PoolConfig,

@@ -288,6 +288,14 @@ pub struct PoolConfig {
     /// version forgets its lineage's games and its rating is only its own
     /// few games. Default 0.5.
     pub sigma_widen: f64,
+    /// Published versions join the pool every this many (the first version
+    /// always; >= 1). The games of the versions in between count for the
+    /// newest version in the pool, the head of the lineage: a version
+    /// joins with its parent's rating once the parent's games are in,
+    /// where a version per learner update would inherit before most of
+    /// its parent's games had finished, and only the quick ones (often
+    /// lost by a refused move) would reach the lineage. Default 10.
+    pub admit_every: u64,
     /// Pins the first policy version admitted, so it is never evicted:
     /// the starting point every later version is rated against. Default
     /// true.
@@ -302,6 +310,7 @@ impl Default for PoolConfig {
             keep_best: 3,
             conservative_k: 3.0,
             sigma_widen: 0.5,
+            admit_every: 10,
             keep_first: true,
         }
     }
@@ -321,6 +330,9 @@ impl PoolConfig {
         }
         if self.keep_latest == 0 {
             return bad("keep_latest", "must be >= 1");
+        }
+        if self.admit_every == 0 {
+            return bad("admit_every", "must be >= 1");
         }
         if !(self.conservative_k.is_finite() && self.conservative_k >= 0.0) {
             return bad("conservative_k", "must be finite and >= 0");
@@ -460,6 +472,26 @@ impl Pool {
     /// The policy versions in the pool, oldest first.
     pub fn versions(&self) -> impl DoubleEndedIterator<Item = u64> + '_ {
         self.members.keys().filter_map(MemberId::version)
+    }
+
+    /// Whether published `version` joins the pool: the first version, then
+    /// every [`PoolConfig::admit_every`]-th.
+    pub fn admits(&self, version: u64) -> bool {
+        self.current_version().is_none() || version.is_multiple_of(self.config.admit_every)
+    }
+
+    /// The member a game of the learning adapter's `version` is rated as:
+    /// the version itself when it is in the pool; the newest version in
+    /// the pool when `version` came after it and does not join
+    /// ([`Pool::admits`]); `None` when it left the pool, is older than
+    /// the newest, or must join first.
+    pub fn rated_as(&self, version: u64) -> Option<MemberId> {
+        let id = MemberId::Version(version);
+        if self.members.contains_key(&id) {
+            return Some(id);
+        }
+        let newest = self.current_version()?;
+        (newest < version && !self.admits(version)).then_some(MemberId::Version(newest))
     }
 
     /// The current (newest) policy version, if any.
