@@ -183,6 +183,7 @@ mod tests {
         let mut pool = Pool::new(PoolConfig {
             keep_latest: 2,
             keep_best: 0,
+            keep_first: false,
             ..Default::default()
         })
         .unwrap();
