@@ -213,10 +213,11 @@ pub fn apply(
         let current = match pool.rated_as(result.current) {
             Some(member) => member,
             None => {
-                // A version that joins but has not (the learner admits
-                // before announcing; this covers a learner that failed to).
+                // Older than the pool's newest (evicted), or a version that
+                // joins but has not: the learner admits before announcing,
+                // this covers a learner that failed to.
                 let newest = pool.current_version();
-                if newest.is_some_and(|n| n > result.current) || !pool.admits(result.current) {
+                if newest.is_some_and(|n| n > result.current) {
                     continue;
                 }
                 let current = MemberId::Version(result.current);

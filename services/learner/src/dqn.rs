@@ -232,8 +232,8 @@ impl OffPolicyAlgorithm for Dqn {
         self.state.rounds
     }
 
-    fn round_due_at(&self, rounds: u64) -> u64 {
-        round_due_at(&self.cfg, rounds)
+    fn next_round_due_at(&self) -> u64 {
+        round_due_at(&self.cfg, self.state.rounds)
     }
 
     fn batch_size(&self) -> usize {

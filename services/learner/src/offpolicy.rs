@@ -16,7 +16,7 @@
 //!    - read the table's counters: env steps inserted by all env-runners
 //!      together, which are the run's env steps (continued from the
 //!      checkpoint's count after a resume);
-//!    - when the next round is due ([`OffPolicyAlgorithm::round_due_at`]):
+//!    - when the next round is due ([`OffPolicyAlgorithm::next_round_due_at`]):
 //!      prepare it as of the env step it was due at, take
 //!      `gradient_steps` batches of `batch_size` transitions (waiting while
 //!      the replay-buffer's rate limiter holds them back), one gradient
@@ -56,8 +56,8 @@ pub(crate) trait OffPolicyAlgorithm {
 
     /// Training rounds done.
     fn rounds(&self) -> u64;
-    /// Env steps at which round `rounds` (0-based) is due.
-    fn round_due_at(&self, rounds: u64) -> u64;
+    /// Env steps at which the next round is due.
+    fn next_round_due_at(&self) -> u64;
     /// Transitions per gradient step.
     fn batch_size(&self) -> usize;
     /// Gradient steps per round.
@@ -158,12 +158,11 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let start_env_steps = progress.env_steps;
     let mut reported_vec_steps = progress.vec_steps;
     let finish = loop {
+        let due_at = algorithm.next_round_due_at();
         // The budget is spent once the table holds it and every round due
         // within it is done: env-runners running ahead of the learner
         // (within the rate limiter's slack) do not cut rounds short.
-        let trained_through = progress
-            .env_steps
-            .min(algorithm.round_due_at(algorithm.rounds()).saturating_sub(1));
+        let trained_through = progress.env_steps.min(due_at.saturating_sub(1));
         if let Some(finish) = should_finish(
             &shutdown,
             trained_through,
@@ -191,7 +190,6 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             *table_base.get_or_insert((counters.inserted_steps, progress.env_steps));
         progress.env_steps = base_steps + counters.inserted_steps.saturating_sub(base_inserted);
         progress.vec_steps = progress.env_steps / num_envs;
-        let due_at = algorithm.round_due_at(algorithm.rounds());
         if progress.env_steps < due_at {
             pause(&shutdown, Duration::from_millis(1)).await;
             continue;

@@ -116,13 +116,12 @@ impl Reading {
 
     /// The first and the newest policy version in the pool.
     fn first_and_latest(&self) -> Option<(&Rated, &Rated)> {
-        let version = |m: &&Rated| m.player.strip_prefix('v')?.parse::<u64>().ok();
         let first = self
             .members
             .iter()
-            .min_by_key(|m| version(m).unwrap_or(u64::MAX))?;
-        let latest = self.members.iter().max_by_key(|m| version(m))?;
-        (version(&first).is_some() && version(&latest) > version(&first)).then_some((first, latest))
+            .min_by_key(|m| m.version().unwrap_or(u64::MAX))?;
+        let latest = self.members.iter().max_by_key(|m| m.version())?;
+        (first.version().is_some() && latest.version() > first.version()).then_some((first, latest))
     }
 
     fn json(&self) -> Value {
@@ -138,6 +137,11 @@ fn round(x: f64) -> f64 {
 }
 
 impl Rated {
+    /// The policy version this member is, if it is one (`v<N>`).
+    fn version(&self) -> Option<u64> {
+        self.player.strip_prefix('v')?.parse().ok()
+    }
+
     /// `mu - 2 sigma` and `mu + 2 sigma`.
     fn interval(&self) -> (f64, f64) {
         (self.mu - 2.0 * self.sigma, self.mu + 2.0 * self.sigma)
@@ -316,12 +320,9 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
     if let Some(row) = latest {
         row.print();
     }
-    let newest_version = readings.last().and_then(|r| {
-        r.members
-            .iter()
-            .filter_map(|m| m.player.strip_prefix('v')?.parse::<u64>().ok())
-            .max()
-    });
+    let newest_version = readings
+        .last()
+        .and_then(|r| r.members.iter().filter_map(Rated::version).max());
     println!(
         "{}",
         json!({
