@@ -621,6 +621,7 @@ mod tests {
                 rewards: rewards.to_vec(),
                 reasons: vec![String::new(); 2],
                 duration_ms: 1,
+                branch: None,
             },
             states: Vec::new(),
             model_turn_seconds: Vec::new(),

@@ -53,8 +53,8 @@ use relay_league::{Matchup, MemberId};
 
 use crate::league::{FallbackGenerate, FallbackReason, LeagueDraws, LeagueMetrics, LeagueRecorder};
 use relay_policy::text::{
-    arrange, learning_adapter, make_bot, play_game, GameError, GameSettings, GameSpec,
-    NatsGenerate, Outcome, PlayedGame, Seat, LEARNING_ADAPTER,
+    arrange, learning_adapter, make_bot, play_branched, play_game, GameError, GameSettings,
+    GameSpec, NatsGenerate, Outcome, PlayedGame, Seat, LEARNING_ADAPTER,
 };
 use relay_proto::{AdapterRef, EpisodeReport, EpisodeSummary, SCHEMA_VERSION};
 use tokio::task::JoinSet;
@@ -362,7 +362,14 @@ struct LeagueGame {
 
 /// What a finished game task hands back: the games-metric label, the
 /// league game's details, the game.
-type Finished = (String, Option<LeagueGame>, Result<PlayedGame, GameError>);
+/// A finished game task: the opponent's label, the league game it was
+/// (if any), and the game, followed by the continuations of its branched
+/// position when `text.branches > 1`.
+type Finished = (
+    String,
+    Option<LeagueGame>,
+    Result<Vec<PlayedGame>, GameError>,
+);
 
 /// The opponent a draw seats (a fixed member that is not a bot this runner
 /// plays is replaced by mirror play).
@@ -573,7 +580,7 @@ pub(crate) async fn run(
                             service.subjects.generate(),
                         );
                         games.spawn(async move {
-                            let played = play_game(&pinned, spec, &settings).await;
+                            let played = play_game(&pinned, spec, &settings).await.map(|g| vec![g]);
                             let game = LeagueGame {
                                 fell_back: pinned.fell_back(),
                                 ..game
@@ -583,7 +590,9 @@ pub(crate) async fn run(
                     } else {
                         let generator = generator.clone();
                         games.spawn(async move {
-                            let played = play_game(&generator, spec, &settings).await;
+                            let played = play_game(&generator, spec, &settings)
+                                .await
+                                .map(|g| vec![g]);
                             ("league".to_string(), Some(game), played)
                         });
                     }
@@ -613,7 +622,40 @@ pub(crate) async fn run(
                 runner_id: service.instance.clone(),
             };
             let (generator, settings) = (generator.clone(), settings.clone());
-            games.spawn(async move { (label, None, play_game(&generator, spec, &settings).await) });
+            if text.branches > 1 {
+                // The continuations' seats: the same policies, the bots
+                // seeded afresh.
+                let mut more = Vec::with_capacity(text.branches - 1);
+                for _ in 1..text.branches {
+                    let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
+                    let bot_seed: u64 = rng.random();
+                    more.push(
+                        arrange(
+                            learner,
+                            || Seat::opponent(opponent, bot_seed, text),
+                            players,
+                            learner_seat,
+                        )
+                        .map_err(ServiceError::other)?,
+                    );
+                }
+                let (pick, group): (f64, u64) = (rng.random(), rng.random());
+                games.spawn(async move {
+                    let played =
+                        play_branched(&generator, spec, more, pick, group, &settings).await;
+                    (label, None, played)
+                });
+            } else {
+                games.spawn(async move {
+                    (
+                        label,
+                        None,
+                        play_game(&generator, spec, &settings)
+                            .await
+                            .map(|g| vec![g]),
+                    )
+                });
+            }
         }
         tokio::select! {
             _ = shutdown.wait() => break,
@@ -621,7 +663,9 @@ pub(crate) async fn run(
                 paused_until = None;
             }
             Some(joined) = games.join_next() => match joined {
-                Ok((label, league_game, Ok(mut game))) => {
+                Ok((label, league_game, Ok(played))) => {
+                    let mut played = played.into_iter();
+                    let mut game = played.next().expect("a finished task holds its game");
                     finished_games += 1;
                     if let Some(league_game) = league_game {
                         count_league_game(&league_metrics, league_game, &mut game);
@@ -636,6 +680,9 @@ pub(crate) async fn run(
                         }
                     }
                     finished(&service, &metrics, &mut window, &label, game).await;
+                    for continuation in played {
+                        finished_continuation(&service, &metrics, continuation).await;
+                    }
                 }
                 Ok((_, _, Err(GameError::Abandoned { last, turn, player, attempts }))) => {
                     tracing::warn!(error = %last, turn, player, attempts, "game abandoned");
@@ -744,16 +791,34 @@ async fn finished(
         metrics.turn_seconds.observe(*seconds);
     }
     metrics.retries.inc_by(game.retries as u64);
-    let tokens: usize = game
-        .record
-        .turns
-        .iter()
-        .map(|t| t.completion_tokens.numel())
-        .sum();
+    count_moves(metrics, &game);
+    window.add_game(&game);
+    service
+        .publish(service.subjects.games(), &game.record)
+        .await;
+}
+
+/// A continuation of a branched position: published for training and
+/// counted in the move and token counters (its own moves only), but left
+/// out of the game outcomes, returns and states reported, which describe
+/// the games as drawn (a continuation's is conditioned on its position).
+async fn finished_continuation(service: &Service, metrics: &TextMetrics, game: PlayedGame) {
+    metrics.retries.inc_by(game.retries as u64);
+    count_moves(metrics, &game);
+    service
+        .publish(service.subjects.games(), &game.record)
+        .await;
+}
+
+/// Counts a game's own moves (not the ones a continuation replayed): the
+/// learning seats' moves and refusals, completion tokens and characters.
+fn count_moves(metrics: &TextMetrics, game: &PlayedGame) {
+    let own = &game.record.turns[game.record.own_turns_from()..];
+    let tokens: usize = own.iter().map(|t| t.completion_tokens.numel()).sum();
     metrics.completion_tokens.inc_by(tokens as u64);
     metrics.generated_chars.inc_by(game.completion_chars as u64);
     let learning = game.learning_seats();
-    for turn in &game.record.turns {
+    for turn in own {
         if learning.contains(&(turn.player as usize)) {
             metrics.moves.inc();
             if turn.invalid {
@@ -761,10 +826,6 @@ async fn finished(
             }
         }
     }
-    window.add_game(&game);
-    service
-        .publish(service.subjects.games(), &game.record)
-        .await;
 }
 
 /// Publishes the finished training episodes, one report per game.

@@ -551,3 +551,64 @@ async fn a_multi_game_run_draws_its_games_by_weight_and_labels_them() {
     // The same seed draws the same games.
     assert_eq!(sequences[0], sequences[1]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn branched_games_come_as_every_continuation_of_one_position() {
+    use relay_proto::WireMessage;
+    let nats = NatsServer::start().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let s = Subjects::new("text-branches");
+    let mut games = client.subscribe(s.games()).await.unwrap();
+    spawn_stand_in_inference_server(client.clone(), "text-branches", |_| Answer::Legal);
+    let (config, _) = config(
+        &nats,
+        "text-branches",
+        "  opponents: {random: 1}\n  games_in_flight: 2\n  branches: 3\n",
+    );
+    let (trigger, shutdown) = Shutdown::new();
+    let runner = tokio::spawn(relay_env_runner::run(config, shutdown));
+
+    let records = next_records(&mut games, 30).await;
+    let mut positions: std::collections::BTreeMap<u64, Vec<&GameRecord>> = Default::default();
+    for r in &records {
+        r.validate().unwrap();
+        let branch = r.branch.expect("every training game is branched");
+        assert_eq!(branch.size, 3);
+        positions.entry(branch.group).or_default().push(r);
+    }
+    let mut complete = 0;
+    for continuations in positions.values() {
+        // A task publishes its game and then its continuations, so every
+        // position but the last one or two is whole here.
+        if continuations.len() < 3 {
+            continue;
+        }
+        complete += 1;
+        let first = continuations[0];
+        let b = first.branch.unwrap();
+        let t = b.turn as usize;
+        let learner = first.learner_seat.unwrap();
+        assert_eq!(
+            first.turns[t].player, learner,
+            "branching at a learning move"
+        );
+        let indices: Vec<u32> = continuations
+            .iter()
+            .map(|r| r.branch.unwrap().index)
+            .collect();
+        assert_eq!(
+            indices,
+            vec![0, 1, 2],
+            "the game first, then its continuations"
+        );
+        for r in continuations {
+            assert_eq!((r.seed, r.learner_seat), (first.seed, first.learner_seat));
+            assert_eq!(r.branch.unwrap().turn, b.turn);
+            assert_eq!(r.turns[..t], first.turns[..t], "the shared turns");
+            check_turn_order(r);
+        }
+    }
+    assert!(complete >= 8, "only {complete} whole positions in 30 games");
+    trigger.trigger();
+    runner.await.unwrap().unwrap();
+}

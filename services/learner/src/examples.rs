@@ -26,6 +26,11 @@
 //!   rewards and openings have nothing in common. The group id is
 //!   `(version * 16 + game) * 256 + seat`, `game` the index of the game
 //!   in `relay_envs::TEXT_GAME_IDS`.
+//! - **Branched positions** (`text.branches`): the moves the continuations
+//!   of one position sampled there share one group instead
+//!   ([`branch_group_id`]): several completions of one prompt, whose
+//!   returns differ only by the move and what followed. A continuation's
+//!   replayed turns are trained once, in continuation 0.
 //! - **Stratum** (the moving-average baseline of `reinforce`): the game
 //!   and the seat, `game * 256 + seat`. The seats' rewards differ in
 //!   level (the first mover wins more), so one average over both would
@@ -102,6 +107,13 @@ pub fn group_id(env_id: &str, version: u64, seat: usize) -> u64 {
         .wrapping_add(seat as u64 % 256)
 }
 
+/// The group of the moves sampled at one branched position
+/// ([`relay_proto::Branch`]): its group with the top bit set, apart from
+/// every [`group_id`] (below 2^63 for any version under 2^51).
+pub fn branch_group_id(branch_group: u64) -> u64 {
+    branch_group | 1 << 63
+}
+
 /// Whether a move's text holds a bracketed move (`[...]` with something
 /// inside).
 pub fn well_formatted(action: &str) -> bool {
@@ -128,13 +140,16 @@ pub fn games_to_examples(
     for game in games {
         let version = game.learning_version().unwrap_or(0);
         for seat in game.learning_seats() {
-            let moves: Vec<_> = game
+            // A branch continuation's replayed turns are another record's.
+            let moves: Vec<(usize, &relay_proto::TextTurn)> = game
                 .turns
                 .iter()
-                .filter(|t| t.player as usize == seat)
+                .enumerate()
+                .skip(game.own_turns_from())
+                .filter(|(_, t)| t.player as usize == seat)
                 .collect();
             let mut examples = Vec::new();
-            for turn in &moves {
+            for &(index, turn) in &moves {
                 if turn.completion_tokens.numel() == 0 {
                     continue;
                 }
@@ -148,7 +163,10 @@ pub fn games_to_examples(
                         completion,
                         behaviour_logprobs,
                         reward: 0.0,
-                        group: group_id(&game.env_id, version, seat),
+                        group: match game.branch {
+                            Some(b) if b.turn as usize == index => branch_group_id(b.group),
+                            _ => group_id(&game.env_id, version, seat),
+                        },
                         stratum: stratum_id(&game.env_id, seat),
                     },
                     _ => {
@@ -167,6 +185,7 @@ pub fn games_to_examples(
             }
             let model_moves: Vec<_> = moves
                 .iter()
+                .map(|(_, t)| t)
                 .filter(|t| t.completion_tokens.numel() > 0)
                 .collect();
             let result = GameResult {
@@ -202,6 +221,123 @@ pub fn games_to_examples(
             }));
     }
     out
+}
+
+/// Games waiting for a batch, oldest first. The continuations of a
+/// branched position ([`relay_proto::Branch`]) wait until all of them are
+/// in and go into one batch together (their group is their baseline); they
+/// are dropped together when one of them is too old.
+#[derive(Debug, Default)]
+pub struct PendingGames {
+    games: std::collections::VecDeque<GameRecord>,
+    /// Branch groups dropped as stale, so continuations still on their way
+    /// are dropped too (cleared when it grows past a bound).
+    dropped_groups: std::collections::HashSet<u64>,
+}
+
+/// Dropped branch groups remembered (their late continuations arrive
+/// within a few batches).
+const DROPPED_GROUPS_KEPT: usize = 4096;
+
+impl PendingGames {
+    /// Queues a game (a continuation of a dropped group is dropped:
+    /// returns false).
+    pub fn push(&mut self, game: GameRecord) -> bool {
+        if game
+            .branch
+            .is_some_and(|b| self.dropped_groups.contains(&b.group))
+        {
+            return false;
+        }
+        self.games.push_back(game);
+        true
+    }
+
+    /// Drops the games played (in part) by versions below `oldest_ok`, with
+    /// every continuation of their positions; returns how many went.
+    pub fn drop_stale(&mut self, oldest_ok: u64) -> usize {
+        let stale = |g: &GameRecord| g.learning_version().unwrap_or(0) < oldest_ok;
+        let stale_groups: std::collections::HashSet<u64> = self
+            .games
+            .iter()
+            .filter(|g| stale(g))
+            .filter_map(|g| g.branch.map(|b| b.group))
+            .collect();
+        let before = self.games.len();
+        self.games
+            .retain(|g| !stale(g) && !g.branch.is_some_and(|b| stale_groups.contains(&b.group)));
+        if self.dropped_groups.len() + stale_groups.len() > DROPPED_GROUPS_KEPT {
+            self.dropped_groups.clear();
+        }
+        self.dropped_groups.extend(stale_groups);
+        before - self.games.len()
+    }
+
+    /// Learning moves of the games ready for a batch (plain games, and
+    /// positions whose continuations are all in).
+    pub fn ready_turns(&self) -> usize {
+        let ready = self.ready();
+        self.games
+            .iter()
+            .zip(ready)
+            .filter(|(_, r)| *r)
+            .map(|(g, _)| g.learning_turns().count())
+            .sum()
+    }
+
+    /// One batch: ready games, oldest first, up to `batch_size` learning
+    /// moves (at least one game or position); a position's continuations
+    /// count as one.
+    pub fn take_batch(&mut self, batch_size: usize) -> Vec<GameRecord> {
+        let ready = self.ready();
+        let mut take = vec![false; self.games.len()];
+        let mut turns = 0usize;
+        for i in 0..self.games.len() {
+            if !ready[i] || take[i] {
+                continue;
+            }
+            let unit: Vec<usize> = match self.games[i].branch {
+                None => vec![i],
+                Some(b) => (i..self.games.len())
+                    .filter(|&j| self.games[j].branch.is_some_and(|o| o.group == b.group))
+                    .collect(),
+            };
+            let n: usize = unit
+                .iter()
+                .map(|&j| self.games[j].learning_turns().count())
+                .sum();
+            if turns > 0 && turns + n > batch_size {
+                break;
+            }
+            turns += n;
+            for j in unit {
+                take[j] = true;
+            }
+        }
+        let mut batch = Vec::new();
+        let mut kept = std::collections::VecDeque::new();
+        for (game, take) in self.games.drain(..).zip(take) {
+            if take {
+                batch.push(game);
+            } else {
+                kept.push_back(game);
+            }
+        }
+        self.games = kept;
+        batch
+    }
+
+    /// Whether each game is ready for a batch.
+    fn ready(&self) -> Vec<bool> {
+        let mut present: std::collections::HashMap<u64, u32> = Default::default();
+        for b in self.games.iter().filter_map(|g| g.branch) {
+            *present.entry(b.group).or_default() += 1;
+        }
+        self.games
+            .iter()
+            .map(|g| g.branch.is_none_or(|b| present[&b.group] >= b.size))
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -258,6 +394,7 @@ mod tests {
             turns,
             rewards,
             duration_ms: 0,
+            branch: None,
         }
     }
 
@@ -475,5 +612,118 @@ mod tests {
         assert!(!well_formatted("[]"));
         assert!(!well_formatted("4"));
         assert!(!well_formatted("] ["));
+    }
+
+    /// Continuation `index` of 3 of a position at turn 2 (learner seat 0
+    /// against a bot): turns 0 and 1 are shared, the learner's move at 2 is
+    /// the branching one; the reward is the continuation's.
+    fn continuation(group: u64, index: u32, version: u64, reward: f64) -> GameRecord {
+        let bot = SeatPolicy::Bot("random".into());
+        let mut turns = vec![
+            model_turn(0, &[1, 2], &[10], "[0]"),
+            bot_turn(1),
+            model_turn(0, &[1, 3], &[11 + index], "[4]"),
+            bot_turn(1),
+        ];
+        for t in &mut turns {
+            if t.adapter.is_some() {
+                t.adapter = policy(Some(version));
+            }
+        }
+        let mut game = record(
+            vec![SeatPolicy::Model(policy(None)), bot],
+            0,
+            turns,
+            vec![reward, -reward],
+        );
+        game.branch = Some(relay_proto::Branch {
+            group,
+            turn: 2,
+            index,
+            size: 3,
+        });
+        game
+    }
+
+    #[test]
+    fn a_branched_positions_moves_share_one_group_and_replayed_turns_train_once() {
+        let games: Vec<GameRecord> = (0..3)
+            .map(|i| continuation(9, i, 3, if i == 1 { 1.0 } else { -1.0 }))
+            .collect();
+        let shaping = RewardShaping {
+            normalize: None,
+            format_bonus: 0.0,
+            invalid_move_penalty: 0.0,
+        };
+        let out = games_to_examples(&games, &shaping, &mut RewardNormalizer::default());
+        // Continuation 0: both its moves; the others: the branching move only.
+        let got: Vec<(Vec<u32>, u64, f64)> = out
+            .examples
+            .iter()
+            .map(|e| (e.completion.clone(), e.group, e.reward))
+            .collect();
+        let plain = group_id("TicTacToe-v0", 3, 0);
+        let branched = branch_group_id(9);
+        assert_ne!(plain, branched);
+        assert_eq!(
+            got,
+            vec![
+                (vec![10], plain, -1.0),
+                (vec![11], branched, -1.0),
+                (vec![12], branched, 1.0),
+                (vec![13], branched, -1.0),
+            ]
+        );
+        assert_eq!(out.moves, 4, "replayed moves are counted once");
+    }
+
+    fn plain(version: u64) -> GameRecord {
+        let mut game = continuation(0, 0, version, 1.0);
+        game.branch = None;
+        game
+    }
+
+    fn groups(batch: &[GameRecord]) -> Vec<Option<(u64, u32)>> {
+        batch
+            .iter()
+            .map(|g| g.branch.map(|b| (b.group, b.index)))
+            .collect()
+    }
+
+    #[test]
+    fn pending_positions_wait_for_every_continuation_and_go_into_one_batch() {
+        let mut pending = PendingGames::default();
+        assert!(pending.push(plain(3)));
+        assert!(pending.push(continuation(9, 0, 3, 1.0)));
+        assert!(pending.push(continuation(9, 1, 3, 1.0)));
+        // Group 9 lacks a continuation: only the plain game is ready.
+        assert_eq!(pending.ready_turns(), 2);
+        assert_eq!(groups(&pending.take_batch(100)), vec![None]);
+        assert!(pending.take_batch(100).is_empty());
+        assert!(pending.push(plain(3)));
+        assert!(pending.push(continuation(9, 2, 3, 1.0)));
+        // Complete: the position (2 + 1 + 1 moves) is the oldest and goes
+        // whole, past a batch of 3; the plain game waits for the next.
+        assert_eq!(pending.ready_turns(), 6);
+        assert_eq!(
+            groups(&pending.take_batch(3)),
+            vec![Some((9, 0)), Some((9, 1)), Some((9, 2))],
+            "a position is never split, even past the batch size"
+        );
+        assert_eq!(groups(&pending.take_batch(3)), vec![None]);
+    }
+
+    #[test]
+    fn a_stale_continuation_drops_its_whole_position_and_its_late_ones() {
+        let mut pending = PendingGames::default();
+        pending.push(continuation(9, 0, 2, 1.0));
+        pending.push(continuation(9, 1, 3, 1.0));
+        pending.push(plain(3));
+        assert_eq!(pending.drop_stale(3), 2);
+        assert!(
+            !pending.push(continuation(9, 2, 3, 1.0)),
+            "late continuation dropped"
+        );
+        assert_eq!(groups(&pending.take_batch(100)), vec![None]);
     }
 }

@@ -6,7 +6,9 @@
 //! (`replay.games.sample`, oldest first, none played by an adapter more
 //! than `replay.max_policy_lag` versions old) until `rl.batch_size`
 //! learning moves are gathered (a game that would pass it waits for the
-//! next batch), turn them into training sequences ([`crate::examples`]),
+//! next batch; the continuations of a branched position wait for each
+//! other and go together: [`crate::examples::PendingGames`]), turn them
+//! into training sequences ([`crate::examples`]),
 //! take `rl.epochs` optimizer steps, publish the adapter as version + 1
 //! (an [`AdapterUpdate`] on `adapters`: inline up to
 //! `lora.inline_max_bytes`, else through the JetStream object store
@@ -46,7 +48,6 @@
 //! normaliser come from the checkpoint; versions continue above every
 //! version published before.
 
-use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -58,7 +59,7 @@ use relay_llm::{
     CausalLm, GgufBase, LoraAdapter, RewardNormalizer, RlStats, RlTrainer, TokenExample,
 };
 use relay_proto::{
-    AdapterPayload, AdapterRequest, AdapterUpdate, GameRecord, GameSampleReply, GameSampleRequest,
+    AdapterPayload, AdapterRequest, AdapterUpdate, GameSampleReply, GameSampleRequest,
     SCHEMA_VERSION,
 };
 use serde::{Deserialize, Serialize};
@@ -358,11 +359,6 @@ impl Publisher<'_> {
     }
 }
 
-/// Learning moves of a game (what it counts for in a batch).
-fn game_turns(game: &GameRecord) -> usize {
-    game.learning_turns().count()
-}
-
 /// Runs the text learner until shutdown.
 pub(crate) async fn run(
     service: Service,
@@ -549,7 +545,7 @@ pub(crate) async fn run(
         .map(|(game, _)| game)
         .collect();
     let max_lag = cfg.replay.max_policy_lag;
-    let mut pending: VecDeque<GameRecord> = VecDeque::new();
+    let mut pending = crate::examples::PendingGames::default();
     let mut dropped_stale = 0u64;
     let mut reported = (0u64, 0usize, 0usize);
     let (mut truncated_total, mut tokens_cut_total) = (0usize, 0usize);
@@ -579,14 +575,8 @@ pub(crate) async fn run(
             .version
             .saturating_sub(max_lag)
             .max(version_floor);
-        pending.retain(|g| {
-            let fresh = g.learning_version().unwrap_or(0) >= oldest_ok;
-            if !fresh {
-                dropped_stale += 1;
-            }
-            fresh
-        });
-        let held: usize = pending.iter().map(game_turns).sum();
+        dropped_stale += pending.drop_stale(oldest_ok) as u64;
+        let held = pending.ready_turns();
         if held < batch_size {
             let ask = GameSampleRequest {
                 schema: SCHEMA_VERSION,
@@ -623,7 +613,9 @@ pub(crate) async fn run(
                             );
                             continue;
                         }
-                        pending.push_back(game);
+                        if !pending.push(game) {
+                            dropped_stale += 1;
+                        }
                     }
                 }
                 Err(e) => {
@@ -634,17 +626,7 @@ pub(crate) async fn run(
             continue;
         }
 
-        // One batch: whole games up to `batch_size` moves (at least one game).
-        let mut games = Vec::new();
-        let mut turns = 0usize;
-        while let Some(game) = pending.front() {
-            let n = game_turns(game);
-            if !games.is_empty() && turns + n > batch_size {
-                break;
-            }
-            turns += n;
-            games.push(pending.pop_front().expect("front exists"));
-        }
+        let games = pending.take_batch(batch_size);
         for game in &games {
             metrics.policy_lag.observe(
                 state

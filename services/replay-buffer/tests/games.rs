@@ -72,6 +72,7 @@ fn game(seed: u64, version: u64, moves: usize) -> GameRecord {
         rewards: vec![1.0, -1.0],
         reasons: vec![String::new(), String::new()],
         duration_ms: 1,
+        branch: None,
     }
 }
 

@@ -1431,6 +1431,16 @@ pub struct TextConfig {
     /// (and `learner`, when it is a bot) must play every game, and the
     /// `league` opponent is refused: the league pool rates one game.
     pub games: Option<std::collections::BTreeMap<String, f64>>,
+    /// Continuations of one position per training game (1: plain games).
+    /// With `n > 1` each training game against a listed opponent is played
+    /// to its end, then one position before a learning move (drawn
+    /// uniformly among them) is played on `n - 1` more times: the learning
+    /// seat's move there is sampled `n` times from one prompt, and those
+    /// moves are one `rloo`/`grpo` group whose returns differ only by the
+    /// move and what followed (a per-position baseline, where the games of
+    /// one version and seat give a per-seat one). Costs `n - 1` game
+    /// endings per game; league games are never branched.
+    pub branches: usize,
 }
 
 impl Default for TextConfig {
@@ -1450,6 +1460,7 @@ impl Default for TextConfig {
             generate_attempts: 3,
             connect_four_depth: 4,
             games: None,
+            branches: 1,
         }
     }
 }
@@ -1643,6 +1654,7 @@ impl TextConfig {
             ));
         }
         positive("text.games_in_flight", self.games_in_flight)?;
+        positive("text.branches", self.branches)?;
         if self.max_turn_tokens == 0 || self.max_turn_tokens > relay_proto::MAX_GENERATE_TOKENS {
             return Err(invalid(
                 "text.max_turn_tokens",
@@ -3110,6 +3122,7 @@ mod tests {
             (&["text.opponents.random=0"], "text.opponents"),
             (&["text.opponents.adapter:=1"], "text.opponents.adapter:"),
             (&["text.games_in_flight=0"], "text.games_in_flight"),
+            (&["text.branches=0"], "text.branches"),
             (&["text.max_turn_tokens=0"], "text.max_turn_tokens"),
             (&["text.max_turn_tokens=100000"], "text.max_turn_tokens"),
             (&["text.temperature=-0.5"], "text.temperature"),

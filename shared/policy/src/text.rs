@@ -23,8 +23,8 @@ use relay_envs::{Bot, ConnectFourBot, EnvError, MinimaxBot, ObservationView, Ran
 use relay_kit::config::{Opponent, TextConfig};
 use relay_kit::RequestError;
 use relay_proto::{
-    AdapterRef, ChatMessage, GameRecord, GenerateReply, GenerateRequest, Prompt, SamplingParams,
-    SeatPolicy, Tensor, TextTurn, SCHEMA_VERSION,
+    AdapterRef, Branch, ChatMessage, GameRecord, GenerateReply, GenerateRequest, Prompt,
+    SamplingParams, SeatPolicy, Tensor, TextTurn, SCHEMA_VERSION,
 };
 
 /// Name of the run's learning adapter.
@@ -373,6 +373,79 @@ pub async fn play_game<G: Generate>(
     spec: GameSpec,
     settings: &GameSettings,
 ) -> Result<PlayedGame, GameError> {
+    play(generator, spec, settings, &[], 0).await
+}
+
+/// Plays `spec` to its end, then plays one of its positions on again once
+/// per seat set of `more` (concurrently): the position before one of the
+/// learning seat's model moves, drawn uniformly (`pick` in `[0, 1)`).
+/// Each continuation replays the moves before it, samples its own move
+/// there from the same prompt and plays the rest with its own seats, so the
+/// learning seat's moves at that position are several completions of one
+/// prompt. The records carry [`Branch`] `group` (the game itself is
+/// continuation 0). A game without a learning model move is returned
+/// alone.
+pub async fn play_branched<G: Generate>(
+    generator: &G,
+    spec: GameSpec,
+    more: Vec<Vec<Seat>>,
+    pick: f64,
+    group: u64,
+    settings: &GameSettings,
+) -> Result<Vec<PlayedGame>, GameError> {
+    let (env_id, seed, learner_seat, runner_id) = (
+        spec.env_id.clone(),
+        spec.seed,
+        spec.learner_seat,
+        spec.runner_id.clone(),
+    );
+    let first = play(generator, spec, settings, &[], 0).await?;
+    let learning_moves: Vec<usize> = first.record.learning_turn_indices().collect();
+    if learning_moves.is_empty() || more.is_empty() {
+        return Ok(vec![first]);
+    }
+    let chosen = ((pick * learning_moves.len() as f64) as usize).min(learning_moves.len() - 1);
+    let turn = learning_moves[chosen];
+    let shared = &first.record.turns[..turn];
+    let others = futures::future::join_all(more.into_iter().enumerate().map(|(i, seats)| {
+        let spec = GameSpec {
+            env_id: env_id.clone(),
+            seed,
+            seats,
+            learner_seat,
+            runner_id: runner_id.clone(),
+        };
+        play(generator, spec, settings, shared, i as u64 + 1)
+    }))
+    .await;
+    let size = others.len() as u32 + 1;
+    let mut games = vec![first];
+    for game in others {
+        games.push(game?);
+    }
+    for (index, game) in games.iter_mut().enumerate() {
+        game.record.branch = Some(Branch {
+            group,
+            turn: turn as u32,
+            index: index as u32,
+            size,
+        });
+    }
+    Ok(games)
+}
+
+/// The game loop: replays `replayed` (the first turns of another game of
+/// the same seed), then plays on, sampling each model move with a seed
+/// made of the game seed, the move number and `salt` (so continuations of
+/// one position differ). What the services measure (move times, retries,
+/// characters) covers the moves played here, not the replayed ones.
+async fn play<G: Generate>(
+    generator: &G,
+    spec: GameSpec,
+    settings: &GameSettings,
+    replayed: &[TextTurn],
+    salt: u64,
+) -> Result<PlayedGame, GameError> {
     let started = Instant::now();
     let GameSpec {
         env_id,
@@ -396,9 +469,15 @@ pub async fn play_game<G: Generate>(
         )));
     }
     game.reset(seed);
+    let sampling_seed = seed ^ salt.wrapping_mul(0xD6E8_FEB8_6659_FD93);
     let policies: Vec<SeatPolicy> = seats.iter().map(Seat::policy).collect();
     let mut turns: Vec<TextTurn> = Vec::new();
     let mut states = Vec::new();
+    for turn in replayed {
+        states.push(game.state_key());
+        game.step(&turn.action)?;
+        turns.push(turn.clone());
+    }
     let mut model_turn_seconds = Vec::new();
     let (mut retries, mut completion_chars) = (0u32, 0usize);
     while !game.is_done() {
@@ -421,7 +500,7 @@ pub async fn play_game<G: Generate>(
             }
             Seat::Model(adapter) => {
                 let mut sampling = settings.sampling.clone();
-                sampling.seed = Some(move_seed(seed, turns.len()));
+                sampling.seed = Some(move_seed(sampling_seed, turns.len()));
                 let mut request = GenerateRequest::new(
                     adapter.clone(),
                     settings.prompt(&game.observation_as(player, settings.observation)),
@@ -473,6 +552,7 @@ pub async fn play_game<G: Generate>(
         rewards,
         reasons,
         duration_ms: started.elapsed().as_millis() as u64,
+        branch: None,
     };
     Ok(PlayedGame {
         record,

@@ -317,3 +317,108 @@ fn outcomes_compare_rewards() {
     assert_eq!(Outcome::of(&[1.0], 0), Outcome::Win);
     assert_eq!(Outcome::of(&[0.6], 0), Outcome::Loss);
 }
+
+fn vs_random(learner_seat: usize, bot_seed: u64) -> Vec<Seat> {
+    let text = TextConfig::default();
+    arrange(
+        Seat::learner(&text, 1).unwrap(),
+        || Ok(Seat::Bot(make_bot("random", bot_seed, &text)?)),
+        2,
+        learner_seat,
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_branched_game_plays_one_position_on_with_its_own_moves_and_the_shared_ones_replayed() {
+    use relay_policy::text::play_branched;
+    use relay_proto::WireMessage;
+    // The model takes the available move its sampling seed points at, so
+    // continuations sampling with other seeds move elsewhere.
+    let rule = |r: &GenerateRequest, _| {
+        let moves = available_moves(r);
+        let seed = r.sampling.seed.expect("a sampling seed");
+        Ok(reply(r, &moves[(seed % moves.len() as u64) as usize]))
+    };
+    for (learner_seat, pick) in [(0, 0.0), (1, 0.5), (0, 0.999)] {
+        let spec = |seats| GameSpec {
+            env_id: "TicTacToe-v0".into(),
+            seed: 5,
+            seats,
+            learner_seat: Some(learner_seat),
+            runner_id: "test".into(),
+        };
+        let generator = Scripted::new(rule);
+        let more = (0..3).map(|i| vs_random(learner_seat, 50 + i)).collect();
+        let games = play_branched(
+            &generator,
+            spec(vs_random(learner_seat, 9)),
+            more,
+            pick,
+            77,
+            &settings(),
+        )
+        .await
+        .unwrap();
+        // Continuation 0 is the game as `play_game` plays it.
+        let plain = play_game(
+            &Scripted::new(rule),
+            spec(vs_random(learner_seat, 9)),
+            &settings(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(games.len(), 4);
+        let branch = games[0].record.branch.expect("branched");
+        assert_eq!(
+            games[0].record.turns, plain.record.turns,
+            "continuation 0 is the plain game"
+        );
+        let learning: Vec<usize> = plain.record.learning_turn_indices().collect();
+        let expected = learning[((pick * learning.len() as f64) as usize).min(learning.len() - 1)];
+        assert_eq!(
+            branch.turn as usize, expected,
+            "pick {pick} of {learning:?}"
+        );
+        let t = branch.turn as usize;
+        for (i, game) in games.iter().enumerate() {
+            let r = &game.record;
+            r.validate().unwrap();
+            roundtrip(r);
+            assert_eq!(
+                r.branch,
+                Some(relay_proto::Branch {
+                    group: 77,
+                    turn: t as u32,
+                    index: i as u32,
+                    size: 4
+                })
+            );
+            assert_eq!(
+                r.turns[..t],
+                plain.record.turns[..t],
+                "shared turns replayed"
+            );
+            assert_eq!(
+                r.turns[t].player as usize, learner_seat,
+                "branching at a learning move"
+            );
+            assert_eq!(r.own_turns_from(), if i == 0 { 0 } else { t });
+            assert!(r.learning_turn_indices().all(|j| i == 0 || j >= t));
+        }
+        // The branching prompt was asked 4 times, each with its own seed
+        // (as was any prompt asked more than once).
+        let mut seeds: std::collections::HashMap<String, Vec<u64>> = Default::default();
+        for r in generator.requests.lock().unwrap().iter() {
+            seeds
+                .entry(format!("{:?}", r.prompt))
+                .or_default()
+                .push(r.sampling.seed.unwrap());
+        }
+        assert!(seeds.values().any(|s| s.len() >= 4));
+        for s in seeds.values() {
+            let distinct: std::collections::HashSet<_> = s.iter().collect();
+            assert_eq!(distinct.len(), s.len(), "one prompt, repeated seeds: {s:?}");
+        }
+    }
+}

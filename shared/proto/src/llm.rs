@@ -339,6 +339,29 @@ pub struct GameRecord {
     pub reasons: Vec<String>,
     /// Wall time of the game.
     pub duration_ms: u64,
+    /// Set when the game is one of several continuations of one position
+    /// (`text.branches`); `None` for a plain game.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch: Option<Branch>,
+}
+
+/// One of `size` games that share their first `turn` turns and go on
+/// independently from there: the learning seat's move at `turn` is sampled
+/// once per game from the same prompt, so those moves form a group of
+/// several completions of one prompt whose returns differ only by what
+/// followed (the learner's `rloo`/`grpo` baseline for that position).
+/// Continuation 0 is the whole game; the others replayed the shared turns
+/// and train on their own moves only (from `turn` on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Branch {
+    /// Shared by the continuations of one position (unique per position).
+    pub group: u64,
+    /// Index of the branching move: turns before it are shared.
+    pub turn: u32,
+    /// This continuation, `0..size`.
+    pub index: u32,
+    /// Continuations of the position.
+    pub size: u32,
 }
 
 impl WireMessage for GameRecord {
@@ -417,6 +440,22 @@ impl WireMessage for GameRecord {
                 return Err(invalid(K, "turns.adapter", "empty adapter name"));
             }
         }
+        if let Some(b) = self.branch {
+            if b.size < 2 || b.index >= b.size {
+                return Err(invalid(
+                    K,
+                    "branch",
+                    format!("continuation {} of {}", b.index, b.size),
+                ));
+            }
+            if b.turn as usize >= self.turns.len() {
+                return Err(invalid(
+                    K,
+                    "branch.turn",
+                    format!("turn {} of {}", b.turn, self.turns.len()),
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -438,10 +477,26 @@ impl GameRecord {
     /// Moves of the learning seats that the model generated (with tokens):
     /// what the learner trains on and the replay buffer counts.
     pub fn learning_turns(&self) -> impl Iterator<Item = &TextTurn> {
+        self.learning_turn_indices().map(|i| &self.turns[i])
+    }
+
+    /// Indices (into `turns`) of [`Self::learning_turns`]. A branch
+    /// continuation other than the first leaves out the turns it replayed.
+    pub fn learning_turn_indices(&self) -> impl Iterator<Item = usize> + '_ {
         let seats = self.learning_seats();
-        self.turns.iter().filter(move |t| {
+        (self.own_turns_from()..self.turns.len()).filter(move |&i| {
+            let t = &self.turns[i];
             seats.contains(&(t.player as usize)) && t.completion_tokens.numel() > 0
         })
+    }
+
+    /// Index of the first turn this record played itself: 0, or the
+    /// branching move of a continuation that replayed the turns before it.
+    pub fn own_turns_from(&self) -> usize {
+        match self.branch {
+            Some(b) if b.index > 0 => b.turn as usize,
+            _ => 0,
+        }
     }
 
     /// The oldest adapter version among the learning turns (a game may

@@ -606,7 +606,7 @@ fn seat_policy(rng: &mut Rng) -> SeatPolicy {
 impl Subject for GameRecord {
     fn generate(rng: &mut Rng) -> Self {
         let players = rng.range(1, 3);
-        let turns = (0..rng.range(0, 8))
+        let turns: Vec<TextTurn> = (0..rng.range(0, 8))
             .map(|_| {
                 let model = rng.bool();
                 let (p, c) = if model {
@@ -628,6 +628,7 @@ impl Subject for GameRecord {
                 }
             })
             .collect();
+        let (turns_len, turns_empty) = (turns.len(), turns.is_empty());
         GameRecord {
             schema: SCHEMA_VERSION,
             runner_id: rng.text(12),
@@ -639,6 +640,15 @@ impl Subject for GameRecord {
             rewards: (0..players).map(|_| rng.f64()).collect(),
             reasons: (0..players).map(|_| rng.text(20)).collect(),
             duration_ms: rng.u64_any(),
+            branch: (!turns_empty && rng.bool()).then(|| {
+                let size = 2 + rng.below(6) as u32;
+                relay_proto::Branch {
+                    group: rng.u64_any(),
+                    turn: rng.below(turns_len) as u32,
+                    index: rng.below(size as usize) as u32,
+                    size,
+                }
+            }),
         }
     }
     schema_setter!();
@@ -1069,6 +1079,10 @@ const KEYS: &[&str] = &[
     "invalid",
     "reasons",
     "duration_ms",
+    "branch",
+    "group",
+    "index",
+    "size",
     "obs",
     "deterministic",
     "policy_version",
