@@ -361,10 +361,8 @@ struct LeagueGame {
 }
 
 /// What a finished game task hands back: the games-metric label, the
-/// league game's details, the game.
-/// A finished game task: the opponent's label, the league game it was
-/// (if any), and the game, followed by the continuations of its branched
-/// position when `text.branches > 1`.
+/// league game's details, the game followed by the continuations of its
+/// branched position (`text.branches > 1`).
 type Finished = (
     String,
     Option<LeagueGame>,
@@ -622,40 +620,31 @@ pub(crate) async fn run(
                 runner_id: service.instance.clone(),
             };
             let (generator, settings) = (generator.clone(), settings.clone());
-            if text.branches > 1 {
-                // The continuations' seats: the same policies, the bots
-                // seeded afresh.
-                let mut more = Vec::with_capacity(text.branches - 1);
-                for _ in 1..text.branches {
-                    let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
-                    let bot_seed: u64 = rng.random();
-                    more.push(
-                        arrange(
-                            learner,
-                            || Seat::opponent(opponent, bot_seed, text),
-                            players,
-                            learner_seat,
-                        )
-                        .map_err(ServiceError::other)?,
-                    );
-                }
-                let (pick, group): (f64, u64) = (rng.random(), rng.random());
-                games.spawn(async move {
-                    let played =
-                        play_branched(&generator, spec, more, pick, group, &settings).await;
-                    (label, None, played)
-                });
-            } else {
-                games.spawn(async move {
-                    (
-                        label,
-                        None,
-                        play_game(&generator, spec, &settings)
-                            .await
-                            .map(|g| vec![g]),
+            // The continuations' seats (`text.branches > 1`): the same
+            // policies, the bots seeded afresh.
+            let mut more = Vec::with_capacity(text.branches - 1);
+            for _ in 1..text.branches {
+                let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
+                let bot_seed: u64 = rng.random();
+                more.push(
+                    arrange(
+                        learner,
+                        || Seat::opponent(opponent, bot_seed, text),
+                        players,
+                        learner_seat,
                     )
-                });
+                    .map_err(ServiceError::other)?,
+                );
             }
+            let (pick, group): (f64, u64) = if more.is_empty() {
+                (0.0, 0)
+            } else {
+                (rng.random(), rng.random())
+            };
+            games.spawn(async move {
+                let played = play_branched(&generator, spec, more, pick, group, &settings).await;
+                (label, None, played)
+            });
         }
         tokio::select! {
             _ = shutdown.wait() => break,

@@ -54,6 +54,10 @@ fn experiment(
         "rl.minibatch_size=4".into(),
         "rl.checkpoint_every=2".into(),
         "text.games_in_flight=4".into(),
+        // Every game comes with a continuation of one of its positions, so
+        // the branched path (replay, the learner's waiting for a position's
+        // continuations) runs end to end.
+        "text.branches=2".into(),
         "eval.every_versions=1000".into(),
         "eval.options={games: 2, opponents: random}".into(),
         // GRPO gives a group whose games all ended alike no gradient, and a
@@ -96,6 +100,7 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
     let mut played: BTreeSet<u64> = BTreeSet::new();
     // The final version, from the learner's status.
     let mut learner_done: Option<u64> = None;
+    let mut continuations = 0usize;
     let deadline = Instant::now() + Duration::from_secs(120);
     while !(learner_done.is_some_and(|last| published.last() == Some(&last))
         && played.iter().any(|&v| v >= 1))
@@ -112,6 +117,7 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
             }
             Some(m) = games.next() => {
                 let game: GameRecord = relay_proto::decode(&m.payload).unwrap();
+                continuations += game.branch.is_some_and(|b| b.index > 0) as usize;
                 // The learning seat's moves name the adapter version that made them.
                 for turn in game.learning_turns() {
                     let adapter = turn.adapter.as_ref().expect("model moves name their adapter");
@@ -129,6 +135,7 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
         }
     }
+    assert!(continuations > 0, "no branched game was played");
     // Version 0 at start, then one per update, never going back.
     let updates = *published.last().unwrap();
     assert!(updates >= BUDGET_BATCHES, "{published:?}");

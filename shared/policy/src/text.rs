@@ -383,8 +383,8 @@ pub async fn play_game<G: Generate>(
 /// there from the same prompt and plays the rest with its own seats, so the
 /// learning seat's moves at that position are several completions of one
 /// prompt. The records carry [`Branch`] `group` (the game itself is
-/// continuation 0). A game without a learning model move is returned
-/// alone.
+/// continuation 0). Without `more`, or without a learning model move, the
+/// game is returned alone, as [`play_game`] plays it.
 pub async fn play_branched<G: Generate>(
     generator: &G,
     spec: GameSpec,
