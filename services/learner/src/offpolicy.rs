@@ -43,6 +43,29 @@ use crate::{
     take_evals, take_solved, Finish, LatestWeights, Metrics, Progress,
 };
 
+/// SB3's round schedule of an off-policy learner (its config section's
+/// fields of the same names).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct RoundSchedule {
+    /// Env steps before the first round.
+    pub learning_starts: u64,
+    /// Env steps between rounds.
+    pub train_freq: u64,
+    /// Transitions per gradient step.
+    pub batch_size: usize,
+    /// Gradient steps per round.
+    pub gradient_steps: usize,
+}
+
+impl RoundSchedule {
+    /// Env steps at which round `rounds` (0-based) is due: the first
+    /// multiple of `train_freq` above `learning_starts`, then every
+    /// `train_freq`.
+    pub fn due_at(&self, rounds: u64) -> u64 {
+        (self.learning_starts / self.train_freq + 1 + rounds) * self.train_freq
+    }
+}
+
 /// What an off-policy algorithm brings to the shared loop.
 pub(crate) trait OffPolicyAlgorithm {
     /// `run.algo`, for logs.
@@ -56,12 +79,8 @@ pub(crate) trait OffPolicyAlgorithm {
 
     /// Training rounds done.
     fn rounds(&self) -> u64;
-    /// Env steps at which the next round is due.
-    fn next_round_due_at(&self) -> u64;
-    /// Transitions per gradient step.
-    fn batch_size(&self) -> usize;
-    /// Gradient steps per round.
-    fn gradient_steps(&self) -> usize;
+    /// When rounds are due and how big they are.
+    fn schedule(&self) -> RoundSchedule;
     /// Trainable parameters, for the log.
     fn num_parameters(&self) -> usize;
     /// Loads checkpoint folder `dir`: the networks, the optimizers when
@@ -157,8 +176,9 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let started = Instant::now();
     let start_env_steps = progress.env_steps;
     let mut reported_vec_steps = progress.vec_steps;
+    let schedule = algorithm.schedule();
     let finish = loop {
-        let due_at = algorithm.next_round_due_at();
+        let due_at = schedule.due_at(algorithm.rounds());
         // The budget is spent once the table holds it and every round due
         // within it is done: env-runners running ahead of the learner
         // (within the rate limiter's slack) do not cut rounds short.
@@ -201,11 +221,11 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         let beta = algorithm
             .begin_round(due_at, frac)
             .map_err(ServiceError::other)?;
-        let batch_size = algorithm.batch_size();
+        let batch_size = schedule.batch_size;
         let mut rejected = 0u64;
         let mut stale_priorities = 0u64;
         let mut step = 0;
-        while step < algorithm.gradient_steps() && !shutdown.is_triggered() {
+        while step < schedule.gradient_steps && !shutdown.is_triggered() {
             let batch = match sample_transitions(&service, batch_size as u32, beta).await {
                 Ok(b) if b.ids.len() == batch_size => b,
                 Ok(_) => {

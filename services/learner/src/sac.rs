@@ -43,7 +43,7 @@ use relay_proto::{MetricValue, TransitionBatch, WeightsUpdate};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
-use crate::offpolicy::OffPolicyAlgorithm;
+use crate::offpolicy::{OffPolicyAlgorithm, RoundSchedule};
 use crate::Progress;
 
 /// The checkpoint file of [`SacState`].
@@ -60,10 +60,20 @@ pub struct SacState {
     pub target_updates: u64,
 }
 
-/// Env steps at which round `rounds` (0-based) is due: the first multiple
-/// of `train_freq` above `learning_starts`, then every `train_freq`.
+/// The round schedule of a config section.
+pub(crate) fn schedule(cfg: &SacSection) -> RoundSchedule {
+    RoundSchedule {
+        learning_starts: cfg.learning_starts,
+        train_freq: cfg.train_freq,
+        batch_size: cfg.batch_size,
+        gradient_steps: cfg.gradient_steps,
+    }
+}
+
+/// Env steps at which round `rounds` (0-based) is due
+/// ([`RoundSchedule::due_at`]).
 pub fn round_due_at(cfg: &SacSection, rounds: u64) -> u64 {
-    (cfg.learning_starts / cfg.train_freq + 1 + rounds) * cfg.train_freq
+    schedule(cfg).due_at(rounds)
 }
 
 /// The gradient step's settings from the `sac` section, for an actor of
@@ -222,16 +232,8 @@ impl OffPolicyAlgorithm for SacLearner {
         self.state.rounds
     }
 
-    fn next_round_due_at(&self) -> u64 {
-        round_due_at(&self.cfg, self.state.rounds)
-    }
-
-    fn batch_size(&self) -> usize {
-        self.cfg.batch_size
-    }
-
-    fn gradient_steps(&self) -> usize {
-        self.cfg.gradient_steps
+    fn schedule(&self) -> RoundSchedule {
+        schedule(&self.cfg)
     }
 
     fn num_parameters(&self) -> usize {
