@@ -96,7 +96,7 @@ pub struct SftArgs {
     /// System prompt before each observation; give the runs' `text.system_prompt` if they set one.
     #[arg(long)]
     pub system_prompt: Option<String>,
-    /// How observations are rendered (full, first_last); give the runs' `text.observation`.
+    /// How observations are rendered (full, first_last, compact); give the runs' `text.observation`.
     #[arg(long, default_value = "full")]
     pub observation: ObservationView,
     /// Share of the examples held out to measure the loss on unseen positions.

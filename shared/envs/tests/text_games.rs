@@ -155,6 +155,45 @@ fn first_last_view_is_the_prompt_and_the_latest_message_as_textarena_renders_the
 }
 
 #[test]
+fn compact_view_shows_the_board_from_the_players_side() {
+    let mut game = make_text_game("TicTacToe-v0").unwrap();
+    game.reset(0);
+    game.step("[4]").unwrap();
+    game.step("[0]").unwrap();
+    game.step("[8]").unwrap();
+    let for_player = |p| game.observation_as(p, ObservationView::Compact);
+    assert!(
+        for_player(0).contains("\nYours: 4 8\nTheirs: 0\nFree: 1 2 3 5 6 7\n"),
+        "{}",
+        for_player(0)
+    );
+    assert!(
+        for_player(1).contains("\nYours: 0\nTheirs: 4 8\nFree: 1 2 3 5 6 7\n"),
+        "{}",
+        for_player(1)
+    );
+    assert!(!for_player(1).contains("Player"), "{}", for_player(1));
+
+    let mut game = make_text_game("ConnectFour-v0").unwrap();
+    game.reset(0);
+    for column in ["[3]", "[3]", "[0]"] {
+        game.step(column).unwrap();
+    }
+    let view = game.observation_as(1, ObservationView::Compact);
+    assert!(view.contains("\n0: t\n1:\n2:\n3: t y\n4:\n"), "{view}");
+    assert!(view.contains("\nOpen: 0 1 2 3 4 5 6\n"), "{view}");
+
+    // Games without a board show first_last.
+    let mut game = make_text_game("KuhnPoker-v0").unwrap();
+    game.reset(5);
+    assert_eq!(
+        game.observation_as(0, ObservationView::Compact),
+        game.observation_as(0, ObservationView::FirstLast)
+    );
+    assert_eq!("compact".parse(), Ok(ObservationView::Compact));
+}
+
+#[test]
 fn actions_without_brackets_are_bracketed_and_role_tags_removed() {
     let mut game = TicTacToe::new();
     let outcome = game.step("4").unwrap();

@@ -1411,7 +1411,9 @@ pub struct TextConfig {
     /// default `LLMObservationWrapper`, the whole transcript) or
     /// `first_last` (`FirstLastObservationWrapper`: the game's rules and
     /// the latest message, i.e. the current board; short prompts that do
-    /// not grow over the game).
+    /// not grow over the game) or `compact` (relay's own: the board from
+    /// the player's side, its cells, the opponent's and the free ones, in
+    /// a fifth of the tokens; see `relay_envs::ObservationView::Compact`).
     pub observation: relay_envs::ObservationView,
     /// Time one generate request may take before it counts as failed.
     pub generate_timeout_ms: u64,

@@ -133,14 +133,16 @@ impl Arena {
         self.done
     }
 
-    /// What `player` is shown, as `view` renders it.
+    /// What `player` is shown, as `view` renders it (`Compact` is the
+    /// game's to render: here it falls back to `FirstLast`).
     pub(crate) fn observation(&self, player: usize, view: ObservationView) -> String {
         match view {
             ObservationView::Full => self.transcripts[player].clone(),
             // TextArena's FirstLastObservationWrapper: the first message,
             // then the latest one if there is another, each followed by a
             // blank line.
-            ObservationView::FirstLast => match &self.first_last[player] {
+            ObservationView::FirstLast | ObservationView::Compact => match &self.first_last[player]
+            {
                 (Some(first), Some(last)) => format!("{first}\n\n{last}\n\n"),
                 (first, _) => format!("{}\n\n", first.as_deref().unwrap_or_default()),
             },

@@ -198,6 +198,33 @@ impl TextGame for ConnectFour {
         })
     }
 
+    /// Each column bottom to top, `y` for the player's pieces and `t` for
+    /// the opponent's, then the open columns.
+    fn compact_observation(&self, player: usize) -> Option<String> {
+        let mut text = format!(
+            "Connect Four: columns 0-{}, pieces fall to the bottom, four in a row wins.\n\
+             Columns bottom to top (y yours, t theirs):\n",
+            COLS - 1
+        );
+        for col in 0..COLS {
+            text.push_str(&format!("{col}:"));
+            for row in (0..ROWS).rev() {
+                match self.board[row][col] {
+                    Some(owner) if owner == player => text.push_str(" y"),
+                    Some(_) => text.push_str(" t"),
+                    None => break,
+                }
+            }
+            text.push('\n');
+        }
+        text.push_str("Open:");
+        for col in (0..COLS).filter(|&c| self.board[0][c].is_none()) {
+            text.push_str(&format!(" {col}"));
+        }
+        text.push_str("\nReply with an open column as [column].\n");
+        Some(text)
+    }
+
     /// The rows top to bottom (`X`, `O` or `.`) separated by `/`, `:`, the
     /// player to move.
     fn state_key(&self) -> String {

@@ -122,6 +122,16 @@ pub enum ObservationView {
     /// short and the latest state is never buried under the history; after
     /// an invalid move the latest message is the warning, without the board.
     FirstLast,
+    /// The state from the player's side in a few lines (not a TextArena
+    /// wrapper): TicTacToe lists the player's cells, the opponent's and the
+    /// free ones; ConnectFour each column bottom to top as `y` (yours) and
+    /// `t` (theirs), then the open columns. Every cell is one digit token
+    /// whatever the board holds, where TextArena's drawn board shifts the
+    /// positions of later cells by its `X`/`O`/digit spellings, and the
+    /// prompt is a fifth as long; "yours/theirs" reads the same from both
+    /// seats. Games without a board (Kuhn Poker, GuessTheNumber) show
+    /// `first_last`, whose messages are short already.
+    Compact,
 }
 
 impl std::str::FromStr for ObservationView {
@@ -131,8 +141,9 @@ impl std::str::FromStr for ObservationView {
         match text {
             "full" => Ok(Self::Full),
             "first_last" => Ok(Self::FirstLast),
+            "compact" => Ok(Self::Compact),
             _ => Err(format!(
-                "unknown observation view {text:?}; known: full, first_last"
+                "unknown observation view {text:?}; known: full, first_last, compact"
             )),
         }
     }
@@ -215,6 +226,12 @@ pub trait TextGame: Send {
     /// If `player >= num_players()`.
     fn observation_as(&self, player: usize, view: ObservationView) -> String;
 
+    /// The game's own [`ObservationView::Compact`] rendering for `player`;
+    /// `None` for games without one (they show `first_last`).
+    fn compact_observation(&self, _player: usize) -> Option<String> {
+        None
+    }
+
     /// The action strings that are valid now, in a fixed order (for bots
     /// and constrained decoding). Empty once the game is over.
     fn legal_moves(&self) -> Vec<String>;
@@ -273,7 +290,15 @@ macro_rules! arena_accessors {
         }
 
         fn observation_as(&self, player: usize, view: $crate::text::ObservationView) -> String {
-            self.arena.observation(player, view)
+            match view {
+                $crate::text::ObservationView::Compact => {
+                    self.compact_observation(player).unwrap_or_else(|| {
+                        self.arena
+                            .observation(player, $crate::text::ObservationView::FirstLast)
+                    })
+                }
+                _ => self.arena.observation(player, view),
+            }
         }
 
         fn rewards(&self) -> Option<Vec<f64>> {

@@ -185,6 +185,26 @@ impl TextGame for TicTacToe {
         })
     }
 
+    /// The player's cells, the opponent's and the free ones, e.g. for
+    /// player 1 after `[4]` and `[0]`:
+    /// `"Tic Tac Toe: ...\nYours: 0\nTheirs: 4\nFree: 1 2 3 5 6 7 8\n..."`.
+    fn compact_observation(&self, player: usize) -> Option<String> {
+        let cells = |owner: Option<usize>| -> String {
+            (0..9)
+                .filter(|&cell| self.board[cell] == owner)
+                .map(|cell| format!(" {cell}"))
+                .collect()
+        };
+        Some(format!(
+            "Tic Tac Toe: cells 0-8 row by row, three in a row wins.\n\
+             Yours:{}\nTheirs:{}\nFree:{}\n\
+             Reply with a free cell as [cell].\n",
+            cells(Some(player)),
+            cells(Some(1 - player)),
+            cells(None),
+        ))
+    }
+
     /// The nine cells row-major (`O`, `X` or `.`), `:`, the player to move;
     /// e.g. `"O...X....:0"`.
     fn state_key(&self) -> String {
