@@ -51,7 +51,7 @@ chaos *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay chaos {{ARGS}}
 
-# The tiny model from scratch: SFT on random legal moves, then RL (GRPO) against the random bot with all six services: legal-move and non-loss rates against random and minimax over time, a table and a JSON line.
+# The tiny model from scratch: SFT on random legal moves, then RL (configs/tictactoe-grpo.yaml: Dr. GRPO, compact observation, branched games) against the random bot with all six services: legal-move and non-loss rates against random and minimax over time, a table and a JSON line.
 bench-tictactoe *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay bench-tictactoe {{ARGS}}
