@@ -125,10 +125,11 @@ pub enum ObservationView {
     /// The state from the player's side in a few lines (not a TextArena
     /// wrapper): TicTacToe lists the player's cells, the opponent's and the
     /// free ones; ConnectFour each column bottom to top as `y` (yours) and
-    /// `t` (theirs), then the open columns. Every cell is one digit token
-    /// whatever the board holds, where TextArena's drawn board shifts the
-    /// positions of later cells by its `X`/`O`/digit spellings, and the
-    /// prompt is a fifth as long; "yours/theirs" reads the same from both
+    /// `t` (theirs), then the open columns. A TicTacToe cell is named by
+    /// its own digit token wherever it is, where TextArena's drawn board
+    /// shifts the positions of later cells by its `X`/`O`/digit spellings,
+    /// and the prompt is under half as long (~90 tokens with the tiny
+    /// tokenizer against ~216); "yours/theirs" reads the same from both
     /// seats. Games without a board (Kuhn Poker, GuessTheNumber) show
     /// `first_last`, whose messages are short already.
     Compact,
