@@ -44,7 +44,7 @@ pub struct BenchSmolLm2Args {
     /// Override config fields of the run (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
-    /// Games per seat against the random bot in each evaluation.
+    /// Games against the random bot in each evaluation (half in each seat).
     #[arg(long, default_value_t = 10)]
     pub eval_games: usize,
     /// Folder for the run.
