@@ -603,15 +603,21 @@ pub(crate) async fn run(
                 opponent.label()
             };
             let learner_seat = rng.random_range(0..players);
-            let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
-            let bot_seed: u64 = rng.random();
-            let seats = arrange(
-                learner,
-                || Seat::opponent(opponent, bot_seed, text),
-                players,
-                learner_seat,
-            )
-            .map_err(ServiceError::other)?;
+            // The seats of the game and of each continuation of its
+            // branched position (`text.branches > 1`): the same policies,
+            // the learner and the bots seeded afresh each time.
+            let draw_seats = |rng: &mut ChaCha8Rng| -> Result<Vec<Seat>, ServiceError> {
+                let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
+                let bot_seed: u64 = rng.random();
+                arrange(
+                    learner,
+                    || Seat::opponent(opponent, bot_seed, text),
+                    players,
+                    learner_seat,
+                )
+                .map_err(ServiceError::other)
+            };
+            let seats = draw_seats(&mut rng)?;
             let spec = GameSpec {
                 env_id: game_id.clone(),
                 seed: rng.random(),
@@ -620,22 +626,9 @@ pub(crate) async fn run(
                 runner_id: service.instance.clone(),
             };
             let (generator, settings) = (generator.clone(), settings.clone());
-            // The continuations' seats (`text.branches > 1`): the same
-            // policies, the bots seeded afresh.
-            let mut more = Vec::with_capacity(text.branches - 1);
-            for _ in 1..text.branches {
-                let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
-                let bot_seed: u64 = rng.random();
-                more.push(
-                    arrange(
-                        learner,
-                        || Seat::opponent(opponent, bot_seed, text),
-                        players,
-                        learner_seat,
-                    )
-                    .map_err(ServiceError::other)?,
-                );
-            }
+            let more = (1..text.branches)
+                .map(|_| draw_seats(&mut rng))
+                .collect::<Result<Vec<_>, _>>()?;
             let (pick, group): (f64, u64) = if more.is_empty() {
                 (0.0, 0)
             } else {
