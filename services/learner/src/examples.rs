@@ -131,8 +131,9 @@ pub fn games_to_examples(
     normalizer: &mut RewardNormalizer,
 ) -> Converted {
     struct SeatMoves {
-        /// Each example with whether the game refused its move.
-        examples: Vec<(TokenExample, bool)>,
+        /// Each example with whether the game refused its move and the
+        /// seat's moves after it.
+        examples: Vec<(TokenExample, bool, usize)>,
         result: GameResult,
     }
     let mut seats: Vec<SeatMoves> = Vec::new();
@@ -149,7 +150,7 @@ pub fn games_to_examples(
                 .filter(|(_, t)| t.player as usize == seat)
                 .collect();
             let mut examples = Vec::new();
-            for &(index, turn) in &moves {
+            for (position, &(index, turn)) in moves.iter().enumerate() {
                 if turn.completion_tokens.numel() == 0 {
                     continue;
                 }
@@ -178,7 +179,7 @@ pub fn games_to_examples(
                     out.skipped_moves += 1;
                     continue;
                 }
-                examples.push((example, turn.invalid));
+                examples.push((example, turn.invalid, moves.len() - 1 - position));
             }
             if examples.is_empty() {
                 continue;
@@ -214,11 +215,14 @@ pub fn games_to_examples(
     let results: Vec<GameResult> = seats.iter().map(|s| s.result.clone()).collect();
     let shaped = shaping.apply(normalizer, &results);
     for (seat, reward) in seats.into_iter().zip(shaped) {
-        out.examples
-            .extend(seat.examples.into_iter().map(|(e, invalid)| TokenExample {
-                reward: shaping.move_reward(reward, invalid),
-                ..e
-            }));
+        out.examples.extend(
+            seat.examples
+                .into_iter()
+                .map(|(e, invalid, later)| TokenExample {
+                    reward: shaping.move_reward(reward, invalid, later),
+                    ..e
+                }),
+        );
     }
     out
 }
@@ -490,8 +494,10 @@ mod tests {
             normalize: None,
             format_bonus: 0.2,
             invalid_move_penalty: 0.5,
+            discount: 1.0,
         };
-        let converted = games_to_examples(&[first, mirror], &shaping, &mut Default::default());
+        let games = [first, mirror];
+        let converted = games_to_examples(&games, &shaping, &mut Default::default());
         let rewards: Vec<f64> = converted.examples.iter().map(|e| e.reward).collect();
         let groups: Vec<u64> = converted.examples.iter().map(|e| e.group).collect();
         // Seat 0 of the first game: -1, half its moves well formatted
@@ -517,6 +523,19 @@ mod tests {
             ]
         );
         assert_eq!(converted.game_rewards, vec![-1.0, 1.0, -1.0]);
+
+        // Discounted: each seat's last move keeps its reward, the one
+        // before gets half; the refused move's penalty stays whole.
+        let discounted = RewardShaping {
+            discount: 0.5,
+            ..shaping
+        };
+        let converted = games_to_examples(&games, &discounted, &mut Default::default());
+        let rewards: Vec<f64> = converted.examples.iter().map(|e| e.reward).collect();
+        let expected = [seat_reward * 0.5 - 0.5, seat_reward, 0.6, 1.2, -0.8];
+        for (got, want) in rewards.iter().zip(expected) {
+            assert!((got - want).abs() < 1e-12, "{rewards:?} vs {expected:?}");
+        }
     }
 
     /// A game of `env_id` where the policy (seat 0, version 3) moves once
@@ -545,6 +564,7 @@ mod tests {
             }),
             format_bonus: 0.0,
             invalid_move_penalty: 0.0,
+            discount: 1.0,
         };
         let mut normalizer = RewardNormalizer::default();
         let batch = [
@@ -654,6 +674,7 @@ mod tests {
             normalize: None,
             format_bonus: 0.0,
             invalid_move_penalty: 0.0,
+            discount: 1.0,
         };
         let out = games_to_examples(&games, &shaping, &mut RewardNormalizer::default());
         // Continuation 0: both its moves; the others: the branching move only.

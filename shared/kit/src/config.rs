@@ -1412,8 +1412,9 @@ pub struct TextConfig {
     /// `first_last` (`FirstLastObservationWrapper`: the game's rules and
     /// the latest message, i.e. the current board; short prompts that do
     /// not grow over the game) or `compact` (relay's own: the board from
-    /// the player's side, its cells, the opponent's and the free ones, in
-    /// a fifth of the tokens; see `relay_envs::ObservationView::Compact`).
+    /// the player's side, its cells, the opponent's and the free ones: a
+    /// TicTacToe prompt in about 90 tokens where `first_last` takes about
+    /// 216; see `relay_envs::ObservationView::Compact`).
     pub observation: relay_envs::ObservationView,
     /// Time one generate request may take before it counts as failed.
     pub generate_timeout_ms: u64,
@@ -2045,7 +2046,9 @@ pub struct RlConfig {
     /// contain a bracketed move such as `[4]`), `normalize` (`{center,
     /// eps, clip}`: each game's reward by its own running mean and std, per
     /// game id, before the objective's group normalisation; recommended for
-    /// multi-game runs, see `relay_llm::reward`).
+    /// multi-game runs, see `relay_llm::reward`), `discount` (in `(0,
+    /// 1]`: each move's reward times `discount^k`, `k` the seat's later
+    /// moves in the game; 1 by default).
     pub reward: relay_llm::RewardShaping,
     /// Write a checkpoint every this many updates (and at the end).
     pub checkpoint_every: u64,
@@ -2071,6 +2074,7 @@ impl Default for RlConfig {
                 normalize: None,
                 format_bonus: 0.0,
                 invalid_move_penalty: 0.1,
+                discount: 1.0,
             },
             checkpoint_every: 10,
             keep_checkpoints: 5,
@@ -3125,6 +3129,8 @@ mod tests {
             (&["text.opponents.adapter:=1"], "text.opponents.adapter:"),
             (&["text.games_in_flight=0"], "text.games_in_flight"),
             (&["text.branches=0"], "text.branches"),
+            (&["rl.reward.discount=0"], "rl.reward: config `discount`"),
+            (&["rl.reward.discount=1.5"], "rl.reward: config `discount`"),
             (&["text.max_turn_tokens=0"], "text.max_turn_tokens"),
             (&["text.max_turn_tokens=100000"], "text.max_turn_tokens"),
             (&["text.temperature=-0.5"], "text.temperature"),

@@ -1,6 +1,7 @@
 //! Reward transforms applied to a finished game before it becomes
 //! training examples: per-environment normalisation of the game's own
-//! reward, a format reward and an invalid-move penalty.
+//! reward, a format reward, a discount over the seat's moves and an
+//! invalid-move penalty.
 //!
 //! This module owns [`GameResult`] (what the transforms read from a game),
 //! the pure additive term [`format_reward`], [`RunningStats`] /
@@ -10,7 +11,8 @@
 //!
 //! ```text
 //! seat = normalise_env(reward) + format_bonus · well_formatted_turns / turns
-//! move = seat − invalid_move_penalty   (only for a move the game refused)
+//! move = seat · discount^k − invalid_move_penalty   (k: the seat's later
+//!        moves; the penalty only for a move the game refused)
 //! ```
 //!
 //! The environment's own reward is normalised first (so that games with
@@ -160,7 +162,7 @@ impl RewardNormalizer {
 }
 
 /// The reward transforms of a run.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RewardShaping {
     /// Normalise each environment's (each game's) own reward by that
@@ -175,6 +177,24 @@ pub struct RewardShaping {
     /// Subtracted from the reward of each move the game refused (that
     /// move only).
     pub invalid_move_penalty: f64,
+    /// Discount per later move of the same seat, in `(0, 1]`: a move gets
+    /// the seat's shaped reward times `discount^k`, `k` the seat's moves
+    /// after it in the game. 1 gives every move the game's result; below
+    /// 1 the result weighs most on the moves just before it (the one that
+    /// won, the one that missed a block), which a terminal reward
+    /// otherwise spreads evenly over the whole game.
+    pub discount: f64,
+}
+
+impl Default for RewardShaping {
+    fn default() -> Self {
+        Self {
+            normalize: None,
+            format_bonus: 0.0,
+            invalid_move_penalty: 0.0,
+            discount: 1.0,
+        }
+    }
 }
 
 impl RewardShaping {
@@ -185,6 +205,9 @@ impl RewardShaping {
         }
         if !self.invalid_move_penalty.is_finite() {
             return Err(TrainError::config("invalid_move_penalty", "must be finite"));
+        }
+        if !(self.discount > 0.0 && self.discount <= 1.0) {
+            return Err(TrainError::config("discount", "must be in (0, 1]"));
         }
         if let Some(n) = &self.normalize {
             if !(n.eps.is_finite() && n.eps > 0.0) {
@@ -224,13 +247,16 @@ impl RewardShaping {
             .collect()
     }
 
-    /// The reward of one move of a seat whose shaped reward is `seat`:
-    /// less `invalid_move_penalty` if the game refused it.
-    pub fn move_reward(&self, seat: f64, invalid: bool) -> f64 {
+    /// The reward of one move of a seat whose shaped reward is `seat`,
+    /// made `later_moves` moves of that seat before the game's end:
+    /// discounted by `discount^later_moves`, less `invalid_move_penalty`
+    /// if the game refused it.
+    pub fn move_reward(&self, seat: f64, invalid: bool, later_moves: usize) -> f64 {
+        let discounted = seat * self.discount.powi(later_moves as i32);
         if invalid {
-            seat - self.invalid_move_penalty
+            discounted - self.invalid_move_penalty
         } else {
-            seat
+            discounted
         }
     }
 }

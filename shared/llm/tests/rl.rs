@@ -1057,13 +1057,50 @@ fn format_reward_and_invalid_move_penalty_by_hand() {
         normalize: None,
         format_bonus: 0.2,
         invalid_move_penalty: 0.5,
+        discount: 1.0,
     };
     shaping.validate().unwrap();
     let mut normalizer = RewardNormalizer::default();
     let seat = shaping.apply(&mut normalizer, &[g])[0];
     close(seat, 1.0 + 0.15, "shaped seat");
-    close(shaping.move_reward(seat, false), 1.15, "valid move");
-    close(shaping.move_reward(seat, true), 1.15 - 0.5, "refused move");
+    close(shaping.move_reward(seat, false, 0), 1.15, "valid move");
+    close(
+        shaping.move_reward(seat, true, 0),
+        1.15 - 0.5,
+        "refused move",
+    );
+    close(
+        shaping.move_reward(seat, false, 3),
+        1.15,
+        "no discount by default",
+    );
+    let discounted = RewardShaping {
+        discount: 0.5,
+        ..shaping.clone()
+    };
+    discounted.validate().unwrap();
+    close(
+        discounted.move_reward(seat, false, 0),
+        1.15,
+        "the last move",
+    );
+    close(
+        discounted.move_reward(seat, false, 2),
+        1.15 * 0.25,
+        "two moves before the end",
+    );
+    close(
+        discounted.move_reward(seat, true, 1),
+        1.15 * 0.5 - 0.5,
+        "the penalty is not discounted",
+    );
+    for bad in [0.0, -0.5, 1.5, f64::NAN] {
+        let shaping = RewardShaping {
+            discount: bad,
+            ..shaping.clone()
+        };
+        assert!(shaping.validate().is_err(), "discount {bad}");
+    }
     assert!(normalizer.per_env.is_empty());
 }
 
@@ -1081,6 +1118,7 @@ fn rewards_are_normalised_per_environment() {
         }),
         format_bonus: 1.0,
         invalid_move_penalty: 0.0,
+        discount: 1.0,
     };
     let mut normalizer = RewardNormalizer::default();
     // Env a: rewards 1 and 3 (mean 2, std 1); env b: 10, 30, 50 (mean 30, std sqrt(800/3)).
