@@ -3129,8 +3129,6 @@ mod tests {
             (&["text.opponents.adapter:=1"], "text.opponents.adapter:"),
             (&["text.games_in_flight=0"], "text.games_in_flight"),
             (&["text.branches=0"], "text.branches"),
-            (&["rl.reward.discount=0"], "rl.reward: config `discount`"),
-            (&["rl.reward.discount=1.5"], "rl.reward: config `discount`"),
             (&["text.max_turn_tokens=0"], "text.max_turn_tokens"),
             (&["text.max_turn_tokens=100000"], "text.max_turn_tokens"),
             (&["text.temperature=-0.5"], "text.temperature"),
@@ -3761,6 +3759,10 @@ mod text_training_tests {
         assert!(err("rl.preset=a2c").contains("rl.preset"));
         assert!(err("rl.batch_size=0").contains("rl.batch_size"));
         assert!(err("rl.max_seq_len=1").contains("max_seq_len"));
+        for discount in ["0", "1.5"] {
+            let e = err(&format!("rl.reward.discount={discount}"));
+            assert!(e.contains("rl.reward: config `discount`"), "{e}");
+        }
         assert!(err("lora.rank=0").contains("lora.rank"));
         assert!(err("lora.target_modules=[qkv]").contains("lora.target_modules"));
         assert!(err("lora.inline_max_bytes=99999999").contains("lora.inline_max_bytes"));
