@@ -482,9 +482,19 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut flush = tokio::time::interval(std::time::Duration::from_millis(cfg.tracker.flush_ms));
     let write_metrics = cfg.tracker.write_metrics;
     let intake = service.intake.clone();
+    // At shutdown the NATS connection is drained: each subscription hands
+    // over what it still holds, then ends, and the loop stops once nothing
+    // came for 50 ms. So the reports sent just before a stop (a learner's
+    // last update, its final status) are written, not dropped.
+    let mut draining = false;
     loop {
         let result: std::io::Result<()> = tokio::select! {
-            _ = shutdown.wait() => break,
+            _ = shutdown.wait(), if !draining => {
+                service.drain().await;
+                draining = true;
+                Ok(())
+            }
+            _ = tokio::time::sleep(std::time::Duration::from_millis(50)), if draining => break,
             Some(m) = metrics.next() => match intake.decode::<MetricsReport>("metrics", &m.payload) {
                 Ok(report) => {
                     exported.metrics(&report);
@@ -523,7 +533,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 Ok(batch) => dir.log(&batch),
                 Err(_) => Ok(()),
             },
-            _ = flush.tick() => {
+            _ = flush.tick(), if !draining => {
                 alerts.tick().await;
                 alerts.flush().and_then(|()| dir.flush())
             }
@@ -532,16 +542,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             tracing::error!(error = %e, "writing the run directory failed");
         }
     }
-    // Take what is still in flight before closing the files.
-    service.drain().await;
-    while let Ok(Some(m)) =
-        tokio::time::timeout(std::time::Duration::from_millis(50), logs.next()).await
-    {
-        if let Ok(batch) = relay_proto::decode::<LogBatch>(&m.payload) {
-            let _ = dir.log(&batch);
-        }
-    }
-    dir.flush()?;
+    alerts.flush().and_then(|()| dir.flush())?;
     run_record.finish();
     let root = dir.root.clone();
     let _ = tokio::task::spawn_blocking(move || plots::draw_run_logged(&root)).await;
