@@ -10,11 +10,13 @@
 //!   behaviour log-probs it reported; the loss mask then covers exactly
 //!   the completion tokens (`relay_llm::TokenBatch`).
 //! - **Reward**: every move of a seat gets that seat's final game reward,
-//!   shaped by `rl.reward` (`relay_llm::RewardShaping`): normalised per
-//!   game (`rl.reward.normalize`: a running mean and std per game id) if
-//!   asked, plus `format_bonus` times the share of the seat's moves
-//!   that contain a bracketed move (`[4]`, `[col 3]`, `[Bet]`: the form
-//!   every game asks for); a move the game refused gets
+//!   shaped by `rl.reward` (`relay_llm::RewardShaping`): replaced by
+//!   `draw` in a drawn game if that is set (drawn: the seat ties the best
+//!   other seat), normalised per game (`rl.reward.normalize`: a running
+//!   mean and std per game id) if asked, plus `format_bonus` times the
+//!   share of the seat's moves that contain a bracketed move (`[4]`,
+//!   `[col 3]`, `[Bet]`: the form every game asks for), discounted by
+//!   `discount` per later move of the seat; a move the game refused gets
 //!   `invalid_move_penalty` less than the seat's other moves.
 //! - **Group** (the baseline of `rloo` and `grpo`): the games played by the
 //!   same adapter version from the same seat. Their opening states follow
@@ -38,6 +40,7 @@
 //!   second does; games differ likewise.
 
 use relay_llm::{GameResult, RewardNormalizer, RewardShaping, TokenExample};
+use relay_policy::text::Outcome;
 use relay_proto::GameRecord;
 
 /// What a batch of games became.
@@ -192,6 +195,7 @@ pub fn games_to_examples(
             let result = GameResult {
                 env_id: game.env_id.clone(),
                 reward: game.rewards[seat],
+                drawn: Outcome::of(&game.rewards, seat) == Outcome::Draw,
                 turns: model_moves.len() as u32,
                 well_formatted_turns: model_moves
                     .iter()
@@ -495,6 +499,7 @@ mod tests {
             format_bonus: 0.2,
             invalid_move_penalty: 0.5,
             discount: 1.0,
+            draw: None,
         };
         let games = [first, mirror];
         let converted = games_to_examples(&games, &shaping, &mut Default::default());
@@ -528,7 +533,7 @@ mod tests {
         // before gets half; the refused move's penalty stays whole.
         let discounted = RewardShaping {
             discount: 0.5,
-            ..shaping
+            ..shaping.clone()
         };
         let converted = games_to_examples(&games, &discounted, &mut Default::default());
         let rewards: Vec<f64> = converted.examples.iter().map(|e| e.reward).collect();
@@ -536,6 +541,23 @@ mod tests {
         for (got, want) in rewards.iter().zip(expected) {
             assert!((got - want).abs() < 1e-12, "{rewards:?} vs {expected:?}");
         }
+
+        // With `draw: 1` both seats of the mirror game, drawn, get a win's
+        // reward; the lost game keeps its own.
+        let mut drawn = games[1].clone();
+        drawn.rewards = vec![0.0, 0.0];
+        let as_win = RewardShaping {
+            draw: Some(1.0),
+            ..shaping
+        };
+        let converted =
+            games_to_examples(&[games[0].clone(), drawn], &as_win, &mut Default::default());
+        let rewards: Vec<f64> = converted.examples.iter().map(|e| e.reward).collect();
+        let expected = [seat_reward - 0.5, seat_reward, 1.2, 1.2, 1.2];
+        for (got, want) in rewards.iter().zip(expected) {
+            assert!((got - want).abs() < 1e-12, "{rewards:?} vs {expected:?}");
+        }
+        assert_eq!(converted.game_rewards, vec![-1.0, 0.0, 0.0]);
     }
 
     /// A game of `env_id` where the policy (seat 0, version 3) moves once
@@ -565,6 +587,7 @@ mod tests {
             format_bonus: 0.0,
             invalid_move_penalty: 0.0,
             discount: 1.0,
+            draw: None,
         };
         let mut normalizer = RewardNormalizer::default();
         let batch = [
@@ -675,6 +698,7 @@ mod tests {
             format_bonus: 0.0,
             invalid_move_penalty: 0.0,
             discount: 1.0,
+            draw: None,
         };
         let out = games_to_examples(&games, &shaping, &mut RewardNormalizer::default());
         // Continuation 0: both its moves; the others: the branching move only.

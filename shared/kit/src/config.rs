@@ -1444,6 +1444,27 @@ pub struct TextConfig {
     /// one version and seat give a per-seat one). Costs `n - 1` game
     /// endings per game; league games are never branched.
     pub branches: usize,
+    /// Which position a game's continuations (`branches > 1`) play on
+    /// from: `uniform` (one before a learning move, drawn uniformly) or
+    /// `last_before_loss` (in a game the learning seat lost, the position
+    /// of its last move, the one the opponent's win followed; in other
+    /// games, uniform). The latter spends the continuations where a move
+    /// is most likely to have decided the game: against a random bot a
+    /// missed block loses only when the bot finds the cell, so the plain
+    /// games rarely show the move's cost.
+    pub branch_at: BranchPosition,
+}
+
+/// Where a training game is branched (`text.branch_at`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BranchPosition {
+    /// Before a learning move drawn uniformly.
+    #[default]
+    Uniform,
+    /// Before the learning seat's last move in a game it lost; uniform in
+    /// the others.
+    LastBeforeLoss,
 }
 
 impl Default for TextConfig {
@@ -1464,6 +1485,7 @@ impl Default for TextConfig {
             connect_four_depth: 4,
             games: None,
             branches: 1,
+            branch_at: BranchPosition::Uniform,
         }
     }
 }
@@ -2048,7 +2070,9 @@ pub struct RlConfig {
     /// game id, before the objective's group normalisation; recommended for
     /// multi-game runs, see `relay_llm::reward`), `discount` (in `(0,
     /// 1]`: each move's reward times `discount^k`, `k` the seat's later
-    /// moves in the game; 1 by default).
+    /// moves in the game; 1 by default), `draw` (a drawn game's reward in
+    /// place of the game's own; 1 counts a draw as a win, so that not
+    /// losing is the objective; unset by default).
     pub reward: relay_llm::RewardShaping,
     /// Write a checkpoint every this many updates (and at the end).
     pub checkpoint_every: u64,
@@ -2075,6 +2099,7 @@ impl Default for RlConfig {
                 format_bonus: 0.0,
                 invalid_move_penalty: 0.1,
                 discount: 1.0,
+                draw: None,
             },
             checkpoint_every: 10,
             keep_checkpoints: 5,
@@ -3141,6 +3166,7 @@ mod tests {
             (&["text.generate_timeout_ms=0"], "text.generate_timeout_ms"),
             (&["text.constrainted=true"], "constrainted"),
             (&["text.observation=last"], "text.observation"),
+            (&["text.branch_at=first_win"], "text.branch_at"),
         ];
         for (sets, field) in cases {
             let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
@@ -3763,6 +3789,8 @@ mod text_training_tests {
             let e = err(&format!("rl.reward.discount={discount}"));
             assert!(e.contains("rl.reward: config `discount`"), "{e}");
         }
+        let e = err("rl.reward.draw=.nan");
+        assert!(e.contains("rl.reward: config `draw`"), "{e}");
         assert!(err("lora.rank=0").contains("lora.rank"));
         assert!(err("lora.target_modules=[qkv]").contains("lora.target_modules"));
         assert!(err("lora.inline_max_bytes=99999999").contains("lora.inline_max_bytes"));

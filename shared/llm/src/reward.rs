@@ -1,7 +1,7 @@
 //! Reward transforms applied to a finished game before it becomes
-//! training examples: per-environment normalisation of the game's own
-//! reward, a format reward, a discount over the seat's moves and an
-//! invalid-move penalty.
+//! training examples: a draw's reward, per-environment normalisation of
+//! the game's own reward, a format reward, a discount over the seat's
+//! moves and an invalid-move penalty.
 //!
 //! This module owns [`GameResult`] (what the transforms read from a game),
 //! the pure additive term [`format_reward`], [`RunningStats`] /
@@ -10,6 +10,7 @@
 //! order:
 //!
 //! ```text
+//! reward = draw for a drawn game (when `draw` is set), else the game's own
 //! seat = normalise_env(reward) + format_bonus · well_formatted_turns / turns
 //! move = seat · discount^k − invalid_move_penalty   (k: the seat's later
 //!        moves; the penalty only for a move the game refused)
@@ -51,6 +52,9 @@ pub struct GameResult {
     /// The game's own final reward for this player (TextArena: 1 win,
     /// 0 draw, −1 loss, or the env's own scale).
     pub reward: f64,
+    /// The game was a draw for this player: its reward ties the best of
+    /// the other seats'.
+    pub drawn: bool,
     /// Turns this player took.
     pub turns: u32,
     /// Of those, turns whose reply had the expected format (e.g. a move
@@ -184,6 +188,12 @@ pub struct RewardShaping {
     /// won, the one that missed a block), which a terminal reward
     /// otherwise spreads evenly over the whole game.
     pub discount: f64,
+    /// A drawn game's reward, in place of the game's own (TextArena's is
+    /// 0); `None`: the game's own. Set to the win's reward (1), a draw
+    /// counts as a win and the objective is not losing: the advantages
+    /// then tell lost games from the others only, without the noise of
+    /// which of a win or a draw the opponent's later moves allowed.
+    pub draw: Option<f64>,
 }
 
 impl Default for RewardShaping {
@@ -193,6 +203,7 @@ impl Default for RewardShaping {
             format_bonus: 0.0,
             invalid_move_penalty: 0.0,
             discount: 1.0,
+            draw: None,
         }
     }
 }
@@ -205,6 +216,9 @@ impl RewardShaping {
         }
         if !self.invalid_move_penalty.is_finite() {
             return Err(TrainError::config("invalid_move_penalty", "must be finite"));
+        }
+        if self.draw.is_some_and(|d| !d.is_finite()) {
+            return Err(TrainError::config("draw", "must be finite"));
         }
         if !(self.discount > 0.0 && self.discount <= 1.0) {
             return Err(TrainError::config("discount", "must be in (0, 1]"));
@@ -220,12 +234,21 @@ impl RewardShaping {
         Ok(())
     }
 
+    /// The seat's reward before normalisation: the game's own, or `draw`
+    /// for a drawn game when it is set.
+    fn game_reward(&self, result: &GameResult) -> f64 {
+        match self.draw {
+            Some(draw) if result.drawn => draw,
+            _ => result.reward,
+        }
+    }
+
     /// The shaped reward of each result's seat, in order (before the
     /// per-move [`RewardShaping::move_reward`]). With normalisation, the
     /// results of each env update that env's statistics (all of this
     /// call's results of an env count as one batch).
     pub fn apply(&self, normalizer: &mut RewardNormalizer, results: &[GameResult]) -> Vec<f64> {
-        let mut env_rewards: Vec<f64> = results.iter().map(|r| r.reward).collect();
+        let mut env_rewards: Vec<f64> = results.iter().map(|r| self.game_reward(r)).collect();
         if let Some(config) = &self.normalize {
             let mut envs: Vec<&str> = results.iter().map(|r| r.env_id.as_str()).collect();
             envs.sort_unstable();
@@ -234,7 +257,7 @@ impl RewardShaping {
                 let idx: Vec<usize> = (0..results.len())
                     .filter(|&i| results[i].env_id == env)
                     .collect();
-                let raw: Vec<f64> = idx.iter().map(|&i| results[i].reward).collect();
+                let raw: Vec<f64> = idx.iter().map(|&i| env_rewards[i]).collect();
                 for (i, z) in idx.into_iter().zip(normalizer.normalize(config, env, &raw)) {
                     env_rewards[i] = z;
                 }

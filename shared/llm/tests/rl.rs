@@ -1045,6 +1045,7 @@ fn game(
         turns,
         well_formatted_turns,
         invalid_moves,
+        drawn: false,
     }
 }
 
@@ -1058,6 +1059,7 @@ fn format_reward_and_invalid_move_penalty_by_hand() {
         format_bonus: 0.2,
         invalid_move_penalty: 0.5,
         discount: 1.0,
+        draw: None,
     };
     shaping.validate().unwrap();
     let mut normalizer = RewardNormalizer::default();
@@ -1105,6 +1107,59 @@ fn format_reward_and_invalid_move_penalty_by_hand() {
 }
 
 #[test]
+fn a_drawn_game_takes_the_draw_reward_before_normalisation() {
+    let drawn = GameResult {
+        drawn: true,
+        ..game("TicTacToe-v0", 0.0, 4, 4, 0)
+    };
+    let results = [
+        game("TicTacToe-v0", 1.0, 3, 3, 0),
+        drawn,
+        game("TicTacToe-v0", -1.0, 4, 4, 0),
+    ];
+    let mut normalizer = RewardNormalizer::default();
+    let own = RewardShaping::default();
+    assert_eq!(own.apply(&mut normalizer, &results), vec![1.0, 0.0, -1.0]);
+    let as_win = RewardShaping {
+        draw: Some(1.0),
+        format_bonus: 0.1,
+        ..RewardShaping::default()
+    };
+    as_win.validate().unwrap();
+    let shaped = as_win.apply(&mut normalizer, &results);
+    for (x, y) in shaped.iter().zip([1.1, 1.1, -0.9]) {
+        close(*x, y, "a draw counts as a win");
+    }
+    // Normalised, the draw's reward is what the statistics see: 1, 1, -1
+    // (mean 1/3, std sqrt(8)/3).
+    let normalized = RewardShaping {
+        normalize: Some(NormalizeConfig {
+            center: true,
+            eps: 1e-12,
+            clip: None,
+        }),
+        ..as_win.clone()
+    };
+    let mut normalizer = RewardNormalizer::default();
+    let shaped = normalized.apply(&mut normalizer, &results);
+    let (mean, std) = (1.0 / 3.0, 8.0f64.sqrt() / 3.0);
+    for (x, y) in shaped
+        .iter()
+        .zip([1.0, 1.0, -1.0].map(|r| (r - mean) / std + 0.1))
+    {
+        close(*x, y, "normalised");
+    }
+    close(normalizer.per_env["TicTacToe-v0"].mean, mean, "statistics");
+    for bad in [f64::NAN, f64::INFINITY] {
+        let shaping = RewardShaping {
+            draw: Some(bad),
+            ..as_win.clone()
+        };
+        assert!(shaping.validate().is_err(), "draw {bad}");
+    }
+}
+
+#[test]
 fn rewards_are_normalised_per_environment() {
     let config = NormalizeConfig {
         center: true,
@@ -1119,6 +1174,7 @@ fn rewards_are_normalised_per_environment() {
         format_bonus: 1.0,
         invalid_move_penalty: 0.0,
         discount: 1.0,
+        draw: None,
     };
     let mut normalizer = RewardNormalizer::default();
     // Env a: rewards 1 and 3 (mean 2, std 1); env b: 10, 30, 50 (mean 30, std sqrt(800/3)).
