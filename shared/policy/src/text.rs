@@ -20,7 +20,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use relay_envs::{Bot, ConnectFourBot, EnvError, MinimaxBot, ObservationView, RandomBot};
-use relay_kit::config::{Opponent, TextConfig};
+use relay_kit::config::{BranchPosition, Opponent, TextConfig};
 use relay_kit::RequestError;
 use relay_proto::{
     AdapterRef, Branch, ChatMessage, GameRecord, GenerateReply, GenerateRequest, Prompt,
@@ -127,6 +127,8 @@ pub struct GameSettings {
     pub attempts: u32,
     /// Wait before the first retry; doubles with each further one (up to 1 s).
     pub retry_backoff: Duration,
+    /// Where [`play_branched`] branches a game.
+    pub branch_at: BranchPosition,
 }
 
 impl GameSettings {
@@ -147,6 +149,7 @@ impl GameSettings {
             timeout: Duration::from_millis(text.generate_timeout_ms),
             attempts: text.generate_attempts.max(1),
             retry_backoff: Duration::from_millis(50),
+            branch_at: text.branch_at,
         }
     }
 
@@ -378,7 +381,9 @@ pub async fn play_game<G: Generate>(
 
 /// Plays `spec` to its end, then plays one of its positions on again once
 /// per seat set of `more` (concurrently): the position before one of the
-/// learning seat's model moves, drawn uniformly (`pick` in `[0, 1)`).
+/// learning seat's model moves, drawn uniformly (`pick` in `[0, 1)`), or
+/// with [`BranchPosition::LastBeforeLoss`] the last of them in a game the
+/// learning seat lost.
 /// Each continuation replays the moves before it, samples its own move
 /// there from the same prompt and plays the rest with its own seats, so the
 /// learning seat's moves at that position are several completions of one
@@ -404,7 +409,11 @@ pub async fn play_branched<G: Generate>(
     if learning_moves.is_empty() || more.is_empty() {
         return Ok(vec![first]);
     }
-    let chosen = ((pick * learning_moves.len() as f64) as usize).min(learning_moves.len() - 1);
+    let lost = first.outcome() == Some(Outcome::Loss);
+    let chosen = match settings.branch_at {
+        BranchPosition::LastBeforeLoss if lost => learning_moves.len() - 1,
+        _ => ((pick * learning_moves.len() as f64) as usize).min(learning_moves.len() - 1),
+    };
     let turn = learning_moves[chosen];
     let shared = &first.record.turns[..turn];
     let others = futures::future::join_all(more.into_iter().enumerate().map(|(i, seats)| {

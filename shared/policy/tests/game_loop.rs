@@ -422,3 +422,52 @@ async fn a_branched_game_plays_one_position_on_with_its_own_moves_and_the_shared
         }
     }
 }
+
+#[tokio::test]
+async fn last_before_loss_branches_a_lost_game_at_its_last_learning_move_and_others_uniformly() {
+    use relay_kit::config::BranchPosition;
+    use relay_policy::text::play_branched;
+    let rule = |r: &GenerateRequest, _| {
+        let moves = available_moves(r);
+        let seed = r.sampling.seed.expect("a sampling seed");
+        Ok(reply(r, &moves[(seed % moves.len() as u64) as usize]))
+    };
+    let settings = GameSettings {
+        branch_at: BranchPosition::LastBeforeLoss,
+        ..settings()
+    };
+    let (mut lost, mut other) = (0, 0);
+    for seed in 0..40u64 {
+        let learner_seat = (seed % 2) as usize;
+        let spec = GameSpec {
+            env_id: "TicTacToe-v0".into(),
+            seed,
+            seats: vs_random(learner_seat, seed + 100),
+            learner_seat: Some(learner_seat),
+            runner_id: "test".into(),
+        };
+        let more = vec![vs_random(learner_seat, seed + 200)];
+        let games = play_branched(&Scripted::new(rule), spec, more, 0.0, seed, &settings)
+            .await
+            .unwrap();
+        let learning: Vec<usize> = games[0].record.learning_turn_indices().collect();
+        let turn = games[0].record.branch.expect("branched").turn as usize;
+        if games[0].outcome() == Some(Outcome::Loss) {
+            lost += 1;
+            assert_eq!(
+                turn,
+                *learning.last().unwrap(),
+                "seed {seed}: the last move"
+            );
+            // The opponent won right after it: the learner's move was the last before the loss.
+            assert_eq!(turn + 2, games[0].record.turns.len(), "seed {seed}");
+        } else {
+            other += 1;
+            assert_eq!(
+                turn, learning[0],
+                "seed {seed}: pick 0 draws the first move"
+            );
+        }
+    }
+    assert!(lost > 0 && other > 0, "{lost} lost, {other} not");
+}
