@@ -1453,6 +1453,14 @@ pub struct TextConfig {
     /// missed block loses only when the bot finds the cell, so the plain
     /// games rarely show the move's cost.
     pub branch_at: BranchPosition,
+    /// Each continuation of a branched position moves there where the
+    /// game and the earlier continuations did not (drawn by constrained
+    /// decoding among the legal moves left, one continuation after the
+    /// other; once none is left, among all). A group of one move repeated
+    /// teaches nothing (its centred advantages cancel on that move), and
+    /// a policy grown almost deterministic mostly repeats itself; distinct
+    /// moves make every group a comparison.
+    pub distinct_branch_moves: bool,
 }
 
 /// Where a training game is branched (`text.branch_at`).
@@ -1486,6 +1494,7 @@ impl Default for TextConfig {
             games: None,
             branches: 1,
             branch_at: BranchPosition::Uniform,
+            distinct_branch_moves: false,
         }
     }
 }

@@ -129,6 +129,9 @@ pub struct GameSettings {
     pub retry_backoff: Duration,
     /// Where [`play_branched`] branches a game.
     pub branch_at: BranchPosition,
+    /// [`play_branched`]'s continuations move where the game and the
+    /// earlier continuations did not, while such legal moves remain.
+    pub distinct_branch_moves: bool,
 }
 
 impl GameSettings {
@@ -150,6 +153,7 @@ impl GameSettings {
             attempts: text.generate_attempts.max(1),
             retry_backoff: Duration::from_millis(50),
             branch_at: text.branch_at,
+            distinct_branch_moves: text.distinct_branch_moves,
         }
     }
 
@@ -376,7 +380,7 @@ pub async fn play_game<G: Generate>(
     spec: GameSpec,
     settings: &GameSettings,
 ) -> Result<PlayedGame, GameError> {
-    play(generator, spec, settings, &[], 0).await
+    play(generator, spec, settings, &[], 0, None).await
 }
 
 /// Plays `spec` to its end, then plays one of its positions on again once
@@ -385,9 +389,10 @@ pub async fn play_game<G: Generate>(
 /// with [`BranchPosition::LastBeforeLoss`] the last of them in a game the
 /// learning seat lost.
 /// Each continuation replays the moves before it, samples its own move
-/// there from the same prompt and plays the rest with its own seats, so the
-/// learning seat's moves at that position are several completions of one
-/// prompt. The records carry [`Branch`] `group` (the game itself is
+/// there from the same prompt (with `distinct_branch_moves`, among the legal
+/// moves not played there yet, drawn one continuation after the other) and
+/// plays the rest with its own seats, so the learning seat's moves at that
+/// position are several completions of one prompt. The records carry [`Branch`] `group` (the game itself is
 /// continuation 0). Without `more`, or without a learning model move, the
 /// game is returned alone, as [`play_game`] plays it.
 pub async fn play_branched<G: Generate>(
@@ -404,7 +409,7 @@ pub async fn play_branched<G: Generate>(
         spec.learner_seat,
         spec.runner_id.clone(),
     );
-    let first = play(generator, spec, settings, &[], 0).await?;
+    let first = play(generator, spec, settings, &[], 0, None).await?;
     let learning_moves: Vec<usize> = first.record.learning_turn_indices().collect();
     if learning_moves.is_empty() || more.is_empty() {
         return Ok(vec![first]);
@@ -416,22 +421,73 @@ pub async fn play_branched<G: Generate>(
     };
     let turn = learning_moves[chosen];
     let shared = &first.record.turns[..turn];
-    let others = futures::future::join_all(more.into_iter().enumerate().map(|(i, seats)| {
-        let spec = GameSpec {
-            env_id: env_id.clone(),
-            seed,
-            seats,
-            learner_seat,
-            runner_id: runner_id.clone(),
-        };
-        play(generator, spec, settings, shared, i as u64 + 1)
-    }))
+    let mut branch_moves = vec![None; more.len()];
+    let mut retries = 0;
+    if settings.distinct_branch_moves {
+        let mut position = relay_envs::make_text_game(&env_id)?;
+        position.reset(seed);
+        for t in shared {
+            position.step(&t.action)?;
+        }
+        let player = position.current_player();
+        let mut played = vec![first.record.turns[turn].action.clone()];
+        // The adapters, taken out first: a `Seat` may hold a bot that is
+        // not `Sync`, so no borrow of one may live across an await.
+        let adapters: Vec<Option<Option<AdapterRef>>> = more
+            .iter()
+            .map(|seats| match &seats[player] {
+                Seat::Model(adapter) => Some(adapter.clone()),
+                Seat::Bot(_) => None,
+            })
+            .collect();
+        for (i, adapter) in adapters.iter().enumerate() {
+            let Some(adapter) = adapter else {
+                continue;
+            };
+            let salt = i as u64 + 1;
+            let mut request = model_request(
+                position.as_ref(),
+                player,
+                adapter,
+                settings,
+                seed,
+                salt,
+                turn,
+            );
+            let untried: Vec<String> = position
+                .legal_moves()
+                .into_iter()
+                .filter(|m| !played.iter().any(|p| p.contains(m.as_str())))
+                .collect();
+            if !untried.is_empty() {
+                request.allowed = untried;
+            }
+            let reply =
+                request_with_retries(generator, &request, settings, turn, player, &mut retries)
+                    .await?;
+            played.push(reply.text.clone());
+            branch_moves[i] = Some(reply);
+        }
+    }
+    let others = futures::future::join_all(more.into_iter().zip(branch_moves).enumerate().map(
+        |(i, (seats, branch_move))| {
+            let spec = GameSpec {
+                env_id: env_id.clone(),
+                seed,
+                seats,
+                learner_seat,
+                runner_id: runner_id.clone(),
+            };
+            play(generator, spec, settings, shared, i as u64 + 1, branch_move)
+        },
+    ))
     .await;
     let size = others.len() as u32 + 1;
     let mut games = vec![first];
     for game in others {
         games.push(game?);
     }
+    games[1].retries += retries;
     for (index, game) in games.iter_mut().enumerate() {
         game.record.branch = Some(Branch {
             group,
@@ -446,14 +502,17 @@ pub async fn play_branched<G: Generate>(
 /// The game loop: replays `replayed` (the first turns of another game of
 /// the same seed), then plays on, sampling each model move with a seed
 /// made of the game seed, the move number and `salt` (so continuations of
-/// one position differ). What the services measure (move times, retries,
-/// characters) covers the moves played here, not the replayed ones.
+/// one position differ); `branch_move`, if given, is the reply of the
+/// first move after the replayed ones, already drawn. What the services
+/// measure (move times, retries, characters) covers the moves played here,
+/// not the replayed ones.
 async fn play<G: Generate>(
     generator: &G,
     spec: GameSpec,
     settings: &GameSettings,
     replayed: &[TextTurn],
     salt: u64,
+    mut branch_move: Option<GenerateReply>,
 ) -> Result<PlayedGame, GameError> {
     let started = Instant::now();
     let GameSpec {
@@ -478,7 +537,6 @@ async fn play<G: Generate>(
         )));
     }
     game.reset(seed);
-    let sampling_seed = seed ^ salt.wrapping_mul(0xD6E8_FEB8_6659_FD93);
     let policies: Vec<SeatPolicy> = seats.iter().map(Seat::policy).collect();
     let mut turns: Vec<TextTurn> = Vec::new();
     let mut states = Vec::new();
@@ -508,25 +566,29 @@ async fn play<G: Generate>(
                 }
             }
             Seat::Model(adapter) => {
-                let mut sampling = settings.sampling.clone();
-                sampling.seed = Some(move_seed(sampling_seed, turns.len()));
-                let mut request = GenerateRequest::new(
-                    adapter.clone(),
-                    settings.prompt(&game.observation_as(player, settings.observation)),
-                    sampling,
-                );
-                if settings.constrained {
-                    request.allowed = game.legal_moves();
-                }
-                let reply = request_with_retries(
-                    generator,
-                    &request,
-                    settings,
-                    turns.len(),
-                    player,
-                    &mut retries,
-                )
-                .await?;
+                let reply = match branch_move.take() {
+                    Some(reply) => reply,
+                    None => {
+                        let request = model_request(
+                            game.as_ref(),
+                            player,
+                            adapter,
+                            settings,
+                            seed,
+                            salt,
+                            turns.len(),
+                        );
+                        request_with_retries(
+                            generator,
+                            &request,
+                            settings,
+                            turns.len(),
+                            player,
+                            &mut retries,
+                        )
+                        .await?
+                    }
+                };
                 completion_chars += reply.text.chars().count();
                 let outcome = game.step(&reply.text)?;
                 model_turn_seconds.push(turn_started.elapsed().as_secs_f64());
@@ -570,6 +632,34 @@ async fn play<G: Generate>(
         retries,
         completion_chars,
     })
+}
+
+/// The request of `player`'s move at `turn`: its observation as prompt,
+/// sampled with a seed made of the game seed, `salt` and the move number,
+/// constrained to the legal moves if the settings ask for it.
+fn model_request(
+    game: &dyn relay_envs::TextGame,
+    player: usize,
+    adapter: &Option<AdapterRef>,
+    settings: &GameSettings,
+    seed: u64,
+    salt: u64,
+    turn: usize,
+) -> GenerateRequest {
+    let mut sampling = settings.sampling.clone();
+    sampling.seed = Some(move_seed(
+        seed ^ salt.wrapping_mul(0xD6E8_FEB8_6659_FD93),
+        turn,
+    ));
+    let mut request = GenerateRequest::new(
+        adapter.clone(),
+        settings.prompt(&game.observation_as(player, settings.observation)),
+        sampling,
+    );
+    if settings.constrained {
+        request.allowed = game.legal_moves();
+    }
+    request
 }
 
 /// One move's request, retried on failure with a doubling backoff.

@@ -471,3 +471,66 @@ async fn last_before_loss_branches_a_lost_game_at_its_last_learning_move_and_oth
     }
     assert!(lost > 0 && other > 0, "{lost} lost, {other} not");
 }
+
+#[tokio::test]
+async fn distinct_branch_moves_differ_until_the_legal_moves_run_out() {
+    use relay_policy::text::play_branched;
+    use relay_proto::WireMessage;
+    // A deterministic policy: the first move it may play.
+    let rule = |r: &GenerateRequest, _| {
+        let moves = if r.allowed.is_empty() {
+            available_moves(r)
+        } else {
+            r.allowed.clone()
+        };
+        Ok(reply(r, &moves[0]))
+    };
+    let distinct = GameSettings {
+        distinct_branch_moves: true,
+        ..settings()
+    };
+    for (pick, learner_seat) in [(0.0, 0), (0.0, 1), (0.999, 0), (0.999, 1)] {
+        let spec = GameSpec {
+            env_id: "TicTacToe-v0".into(),
+            seed: 3,
+            seats: vs_random(learner_seat, 7),
+            learner_seat: Some(learner_seat),
+            runner_id: "test".into(),
+        };
+        let more = (0..3).map(|i| vs_random(learner_seat, 20 + i)).collect();
+        let games = play_branched(&Scripted::new(rule), spec, more, pick, 1, &distinct)
+            .await
+            .unwrap();
+        let t = games[0].record.branch.unwrap().turn as usize;
+        let legal = 9 - t;
+        let moves: Vec<&str> = games
+            .iter()
+            .map(|g| g.record.turns[t].action.as_str())
+            .collect();
+        let distinct: std::collections::HashSet<_> = moves.iter().collect();
+        assert_eq!(
+            distinct.len(),
+            legal.min(4),
+            "pick {pick}, seat {learner_seat}: {moves:?}"
+        );
+        for g in &games {
+            assert!(!g.record.turns[t].invalid);
+            g.record.validate().unwrap();
+        }
+    }
+    // Without the setting, the deterministic policy repeats its move.
+    let spec = GameSpec {
+        env_id: "TicTacToe-v0".into(),
+        seed: 3,
+        seats: vs_random(0, 7),
+        learner_seat: Some(0),
+        runner_id: "test".into(),
+    };
+    let more = (0..3).map(|i| vs_random(0, 20 + i)).collect();
+    let games = play_branched(&Scripted::new(rule), spec, more, 0.0, 1, &settings())
+        .await
+        .unwrap();
+    assert!(games
+        .iter()
+        .all(|g| g.record.turns[0].action == games[0].record.turns[0].action));
+}
