@@ -390,10 +390,10 @@ pub async fn play_game<G: Generate>(
 /// learning seat lost.
 /// Each continuation replays the moves before it, samples its own move
 /// there from the same prompt (with `distinct_branch_moves`, among the legal
-/// moves not played there yet, drawn one continuation after the other) and
-/// plays the rest with its own seats, so the learning seat's moves at that
-/// position are several completions of one prompt. The records carry [`Branch`] `group` (the game itself is
-/// continuation 0). Without `more`, or without a learning model move, the
+/// moves not played there yet: [`distinct_branch_moves`]) and plays the
+/// rest with its own seats, so the learning seat's moves at that position
+/// are several completions of one prompt. The records carry [`Branch`]
+/// `group` (the game itself is continuation 0). Without `more`, or without a learning model move, the
 /// game is returned alone, as [`play_game`] plays it.
 pub async fn play_branched<G: Generate>(
     generator: &G,
@@ -421,54 +421,22 @@ pub async fn play_branched<G: Generate>(
     };
     let turn = learning_moves[chosen];
     let shared = &first.record.turns[..turn];
-    let mut branch_moves = vec![None; more.len()];
-    let mut retries = 0;
-    if settings.distinct_branch_moves {
-        let mut position = relay_envs::make_text_game(&env_id)?;
-        position.reset(seed);
-        for t in shared {
-            position.step(&t.action)?;
-        }
-        let player = position.current_player();
-        let mut played = vec![first.record.turns[turn].action.clone()];
-        // The adapters, taken out first: a `Seat` may hold a bot that is
-        // not `Sync`, so no borrow of one may live across an await.
-        let adapters: Vec<Option<Option<AdapterRef>>> = more
-            .iter()
-            .map(|seats| match &seats[player] {
-                Seat::Model(adapter) => Some(adapter.clone()),
-                Seat::Bot(_) => None,
-            })
-            .collect();
-        for (i, adapter) in adapters.iter().enumerate() {
-            let Some(adapter) = adapter else {
-                continue;
-            };
-            let salt = i as u64 + 1;
-            let mut request = model_request(
-                position.as_ref(),
-                player,
+    let branching = &first.record.turns[turn];
+    let (branch_moves, retries) = match &first.record.seats[branching.player as usize] {
+        SeatPolicy::Model(adapter) if settings.distinct_branch_moves => {
+            let (replies, retries) = distinct_branch_moves(
+                generator,
+                (&env_id, seed, shared),
+                &branching.action,
                 adapter,
+                more.len(),
                 settings,
-                seed,
-                salt,
-                turn,
-            );
-            let untried: Vec<String> = position
-                .legal_moves()
-                .into_iter()
-                .filter(|m| !played.iter().any(|p| p.contains(m.as_str())))
-                .collect();
-            if !untried.is_empty() {
-                request.allowed = untried;
-            }
-            let reply =
-                request_with_retries(generator, &request, settings, turn, player, &mut retries)
-                    .await?;
-            played.push(reply.text.clone());
-            branch_moves[i] = Some(reply);
+            )
+            .await?;
+            (replies.into_iter().map(Some).collect(), retries)
         }
-    }
+        _ => (vec![None; more.len()], 0),
+    };
     let others = futures::future::join_all(more.into_iter().zip(branch_moves).enumerate().map(
         |(i, (seats, branch_move))| {
             let spec = GameSpec {
@@ -497,6 +465,55 @@ pub async fn play_branched<G: Generate>(
         });
     }
     Ok(games)
+}
+
+/// `count` moves at the position `shared` leads to (in game `seed` of
+/// `env_id`), made by `adapter`'s seat there, drawn one after the other
+/// among the legal moves that neither `played` (the game's own move there)
+/// nor an earlier draw names, while any is left (then among all). The
+/// `i`-th draw is continuation `i + 1`'s move, sampled with its salt. A
+/// reply names a move when it contains it (`[4]` in `I play [4]`). Also
+/// returns the retries the requests took.
+async fn distinct_branch_moves<G: Generate>(
+    generator: &G,
+    (env_id, seed, shared): (&str, u64, &[TextTurn]),
+    played: &str,
+    adapter: &Option<AdapterRef>,
+    count: usize,
+    settings: &GameSettings,
+) -> Result<(Vec<GenerateReply>, u32), GameError> {
+    let mut position = relay_envs::make_text_game(env_id)?;
+    position.reset(seed);
+    for t in shared {
+        position.step(&t.action)?;
+    }
+    let (player, turn) = (position.current_player(), shared.len());
+    let mut named = vec![played.to_string()];
+    let (mut replies, mut retries) = (Vec::with_capacity(count), 0);
+    for salt in 1..=count as u64 {
+        let mut request = model_request(
+            position.as_ref(),
+            player,
+            adapter,
+            settings,
+            seed,
+            salt,
+            turn,
+        );
+        let untried: Vec<String> = position
+            .legal_moves()
+            .into_iter()
+            .filter(|m| !named.iter().any(|reply| reply.contains(m.as_str())))
+            .collect();
+        if !untried.is_empty() {
+            request.allowed = untried;
+        }
+        let reply =
+            request_with_retries(generator, &request, settings, turn, player, &mut retries).await?;
+        named.push(reply.text.clone());
+        replies.push(reply);
+    }
+    Ok((replies, retries))
 }
 
 /// The game loop: replays `replayed` (the first turns of another game of
