@@ -498,8 +498,7 @@ mod tests {
             normalize: None,
             format_bonus: 0.2,
             invalid_move_penalty: 0.5,
-            discount: 1.0,
-            draw: None,
+            ..RewardShaping::default()
         };
         let games = [first, mirror];
         let converted = games_to_examples(&games, &shaping, &mut Default::default());
@@ -586,8 +585,7 @@ mod tests {
             }),
             format_bonus: 0.0,
             invalid_move_penalty: 0.0,
-            discount: 1.0,
-            draw: None,
+            ..RewardShaping::default()
         };
         let mut normalizer = RewardNormalizer::default();
         let batch = [
@@ -697,8 +695,7 @@ mod tests {
             normalize: None,
             format_bonus: 0.0,
             invalid_move_penalty: 0.0,
-            discount: 1.0,
-            draw: None,
+            ..RewardShaping::default()
         };
         let out = games_to_examples(&games, &shaping, &mut RewardNormalizer::default());
         // Continuation 0: both its moves; the others: the branching move only.

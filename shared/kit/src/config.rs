@@ -2107,8 +2107,7 @@ impl Default for RlConfig {
                 normalize: None,
                 format_bonus: 0.0,
                 invalid_move_penalty: 0.1,
-                discount: 1.0,
-                draw: None,
+                ..Default::default()
             },
             checkpoint_every: 10,
             keep_checkpoints: 5,

@@ -1058,8 +1058,7 @@ fn format_reward_and_invalid_move_penalty_by_hand() {
         normalize: None,
         format_bonus: 0.2,
         invalid_move_penalty: 0.5,
-        discount: 1.0,
-        draw: None,
+        ..RewardShaping::default()
     };
     shaping.validate().unwrap();
     let mut normalizer = RewardNormalizer::default();
@@ -1173,8 +1172,7 @@ fn rewards_are_normalised_per_environment() {
         }),
         format_bonus: 1.0,
         invalid_move_penalty: 0.0,
-        discount: 1.0,
-        draw: None,
+        ..RewardShaping::default()
     };
     let mut normalizer = RewardNormalizer::default();
     // Env a: rewards 1 and 3 (mean 2, std 1); env b: 10, 30, 50 (mean 30, std sqrt(800/3)).
