@@ -393,8 +393,9 @@ pub async fn play_game<G: Generate>(
 /// moves not played there yet: [`distinct_branch_moves`]) and plays the
 /// rest with its own seats, so the learning seat's moves at that position
 /// are several completions of one prompt. The records carry [`Branch`]
-/// `group` (the game itself is continuation 0). Without `more`, or without a learning model move, the
-/// game is returned alone, as [`play_game`] plays it.
+/// `group` (the game itself is continuation 0). Without `more`, or without
+/// a learning model move, the game is returned alone, as [`play_game`]
+/// plays it.
 pub async fn play_branched<G: Generate>(
     generator: &G,
     spec: GameSpec,
@@ -488,6 +489,7 @@ async fn distinct_branch_moves<G: Generate>(
         position.step(&t.action)?;
     }
     let (player, turn) = (position.current_player(), shared.len());
+    let legal = position.legal_moves();
     let mut named = vec![played.to_string()];
     let (mut replies, mut retries) = (Vec::with_capacity(count), 0);
     for salt in 1..=count as u64 {
@@ -500,10 +502,10 @@ async fn distinct_branch_moves<G: Generate>(
             salt,
             turn,
         );
-        let untried: Vec<String> = position
-            .legal_moves()
-            .into_iter()
+        let untried: Vec<String> = legal
+            .iter()
             .filter(|m| !named.iter().any(|reply| reply.contains(m.as_str())))
+            .cloned()
             .collect();
         if !untried.is_empty() {
             request.allowed = untried;
