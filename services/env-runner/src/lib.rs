@@ -300,10 +300,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut pending_insert: Option<tokio::task::JoinHandle<()>> = None;
     let mut episodes: Vec<EpisodeSummary> = Vec::new();
     let mut recent_returns: VecDeque<f64> = VecDeque::with_capacity(100);
-    let mut last_version: u64;
-    let mut report_at = Instant::now() + Duration::from_secs(1);
-    let (mut reported_env, mut reported_vec) = (0u64, 0u64);
-    let mut reported_at = Instant::now();
+    let mut last_version = 0u64;
+    let mut reported = Reported {
+        at: Instant::now(),
+        env_steps: 0,
+        vec_steps: 0,
+    };
     let mut clipped = vec![0f32; action_dim.unwrap_or(0) * n];
     service.health.set_ready(true);
 
@@ -471,33 +473,72 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
         }
 
-        if Instant::now() >= report_at {
-            let (env_steps, vec_steps) = (metrics.env_steps.get(), metrics.vec_steps.get());
-            let sps = (env_steps - reported_env) as f64 / reported_at.elapsed().as_secs_f64();
-            reported_at = Instant::now();
-            report_at = reported_at + Duration::from_secs(1);
-            let mut values = vec![
-                counter("env_steps_total", (env_steps - reported_env) as f64),
-                counter("vec_steps_total", (vec_steps - reported_vec) as f64),
-                gauge("env_runner_sps", sps),
-                gauge("env_runner_policy_version", last_version as f64),
-            ];
-            if !recent_returns.is_empty() {
-                values.push(gauge(
-                    "env_runner_episode_return_mean",
-                    recent_returns.iter().sum::<f64>() / recent_returns.len() as f64,
-                ));
-            }
-            service.report(Some(vec_steps), values).await;
-            (reported_env, reported_vec) = (env_steps, vec_steps);
+        if reported.at.elapsed() >= Duration::from_secs(1) {
+            report_progress(
+                &service,
+                &metrics,
+                &mut reported,
+                last_version,
+                &recent_returns,
+            )
+            .await;
         }
     }
+    // The steps since the last report, so a run shorter than a report
+    // period (or its last second) is not lost.
+    report_progress(
+        &service,
+        &metrics,
+        &mut reported,
+        last_version,
+        &recent_returns,
+    )
+    .await;
     service.health.set_ready(false);
     if let Some(previous) = pending_insert.take() {
         let _ = tokio::time::timeout(Duration::from_secs(2), previous).await;
     }
     service.drain().await;
     Ok(())
+}
+
+/// The counters as of the last metrics report.
+struct Reported {
+    at: Instant,
+    env_steps: u64,
+    vec_steps: u64,
+}
+
+/// Reports the steps since `reported` (then moves it to now), the step
+/// rate, the policy version last acted with and the mean return of the
+/// recent episodes.
+async fn report_progress(
+    service: &Service,
+    metrics: &Metrics,
+    reported: &mut Reported,
+    policy_version: u64,
+    recent_returns: &VecDeque<f64>,
+) {
+    let (env_steps, vec_steps) = (metrics.env_steps.get(), metrics.vec_steps.get());
+    let sps = (env_steps - reported.env_steps) as f64 / reported.at.elapsed().as_secs_f64();
+    let mut values = vec![
+        counter("env_steps_total", (env_steps - reported.env_steps) as f64),
+        counter("vec_steps_total", (vec_steps - reported.vec_steps) as f64),
+        gauge("env_runner_sps", sps),
+        gauge("env_runner_policy_version", policy_version as f64),
+    ];
+    if !recent_returns.is_empty() {
+        values.push(gauge(
+            "env_runner_episode_return_mean",
+            recent_returns.iter().sum::<f64>() / recent_returns.len() as f64,
+        ));
+    }
+    service.report(Some(vec_steps), values).await;
+    *reported = Reported {
+        at: Instant::now(),
+        env_steps,
+        vec_steps,
+    };
 }
 
 /// Sends a fragment to the replay buffer, retrying while it is full or absent.
