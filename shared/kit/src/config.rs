@@ -1212,6 +1212,13 @@ pub struct EvalConfig {
     pub seed: u64,
     /// Solved threshold on the mean eval return; defaults to the env's reward threshold.
     pub threshold: Option<f64>,
+    /// Episodes (text games: games per opponent) of the confirmation: a
+    /// version whose screening mean (the `episodes` on `seed`, the same set
+    /// every time) reaches the threshold is played again on this many
+    /// episodes from seeds no earlier evaluation of the run used, and only
+    /// a pass there solves the run (100: Gymnasium's classic criterion of
+    /// 100 consecutive episodes).
+    pub confirm_episodes: usize,
     /// Evaluator plugin this evaluator copy runs (see the evaluator crate's
     /// registry): `greedy` (deterministic actions), `stochastic` (sampled
     /// actions), `threshold` (evaluates only once the training return crosses
@@ -1226,7 +1233,30 @@ pub struct EvalConfig {
     pub options: std::collections::BTreeMap<String, serde_yaml::Value>,
 }
 
+/// Where confirmation seeds start, above the eval seed: far past any
+/// screening set (`eval.episodes` seeds from `eval.seed`).
+const CONFIRM_SEED_OFFSET: u64 = 1 << 32;
+/// Where fresh seeds for offline re-evaluation start, above the eval seed:
+/// past every confirmation of any version a run can reach.
+const FRESH_SEED_OFFSET: u64 = 1 << 48;
+
 impl EvalConfig {
+    /// First seed of the confirmation of `version`: `eval.seed + 2^32 +
+    /// version * confirm_episodes`, so no two versions' confirmations, nor
+    /// a confirmation and the screening set, share a seed.
+    pub fn confirm_seed(&self, version: u64) -> u64 {
+        self.seed
+            .wrapping_add(CONFIRM_SEED_OFFSET)
+            .wrapping_add(version.wrapping_mul(self.confirm_episodes as u64))
+    }
+
+    /// First seed of episodes that no evaluation of the run plays
+    /// (`eval.seed + 2^48`): what `relay eval checkpoint` and the
+    /// benchmarks re-evaluate saved checkpoints on by default.
+    pub fn fresh_seed(&self) -> u64 {
+        self.seed.wrapping_add(FRESH_SEED_OFFSET)
+    }
+
     /// The plugin options as `key=value` strings.
     pub fn option_pairs(&self) -> Vec<(String, String)> {
         self.options
@@ -1254,6 +1284,7 @@ impl EvalConfig {
                 "must be a positive number of seconds",
             ));
         }
+        positive("eval.confirm_episodes", self.confirm_episodes)?;
         if self.evaluator.trim().is_empty() {
             return Err(invalid("eval.evaluator", "must name an evaluator plugin"));
         }
@@ -1280,6 +1311,7 @@ impl Default for EvalConfig {
             episodes: 20,
             seed: 1_000_003,
             threshold: None,
+            confirm_episodes: 100,
             evaluator: "greedy".into(),
             options: Default::default(),
         }

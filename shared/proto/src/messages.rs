@@ -591,19 +591,82 @@ pub struct EvalReport {
     pub std_return: f64,
     /// The env's reward threshold.
     pub threshold: f64,
-    /// `mean_return >= threshold`.
+    /// The run is solved by this version: the screening mean (`mean_return`,
+    /// on the run's fixed eval seeds) reached the threshold and so did the
+    /// confirmation on fresh seeds (`confirmation.passed`).
     pub solved: bool,
     /// Text games (`vs-opponent`): the policy's results per opponent and
     /// seat; empty for classic-control evaluations.
     #[serde(default)]
     pub matchups: Vec<Matchup>,
+    /// Present when the screening mean reached the threshold: the same
+    /// version played again on episodes no earlier evaluation of the run
+    /// used (absent from older writers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmation: Option<Confirmation>,
 }
 wire_message!(EvalReport, "EvalReport", |m: &EvalReport| {
     for r in &m.matchups {
         r.validate()?;
     }
+    if let Some(c) = &m.confirmation {
+        if c.returns.is_empty() || c.returns.len() != c.episodes as usize {
+            return Err(invalid(
+                "EvalReport",
+                "confirmation.returns",
+                format!("{} returns for {} episodes", c.returns.len(), c.episodes),
+            ));
+        }
+        if !(c.mean_return.is_finite() && c.std_return.is_finite()) {
+            return Err(invalid(
+                "EvalReport",
+                "confirmation.mean_return",
+                "must be finite",
+            ));
+        }
+    }
     Ok(())
 });
+
+/// The confirmation of a version that passed the screening: `episodes`
+/// episodes from seeds `seed, seed + 1, ...`, which no earlier evaluation
+/// of the run used (see the evaluator crate for how they are drawn).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Confirmation {
+    /// Episodes (text games: games) played.
+    pub episodes: u32,
+    /// First seed of the episodes.
+    pub seed: u64,
+    pub returns: Vec<f64>,
+    pub mean_return: f64,
+    pub std_return: f64,
+    /// `mean_return >= threshold`.
+    pub passed: bool,
+}
+
+impl Confirmation {
+    /// The smallest and largest return.
+    pub fn min_max(&self) -> (f64, f64) {
+        self.returns
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &r| {
+                (lo.min(r), hi.max(r))
+            })
+    }
+}
+
+/// evaluator -> learner: an evaluation of `policy_version` begins. The
+/// learner keeps that version's weights until its [`EvalReport`] arrives,
+/// so a best (or solved) checkpoint holds exactly what was evaluated.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalStarted {
+    pub schema: u16,
+    /// Name of the evaluator plugin, e.g. `greedy`.
+    pub evaluator: String,
+    pub instance: String,
+    pub policy_version: u64,
+}
+wire_message!(EvalStarted, "EvalStarted");
 
 /// The policy's results against one opponent from one seat (text games).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -106,6 +106,10 @@ impl Subjects {
     pub fn eval(&self) -> String {
         self.subject("eval")
     }
+    /// Publish: [`crate::EvalStarted`], an evaluation of a version begins.
+    pub fn eval_started(&self) -> String {
+        self.subject("eval.started")
+    }
     /// Publish: [`crate::EvalControl`], switches the running evaluators' plugin.
     pub fn eval_control(&self) -> String {
         self.subject("eval.control")

@@ -536,10 +536,27 @@ impl Subject for EvalReport {
             threshold: rng.f64(),
             solved: rng.bool(),
             matchups: (0..rng.range(0, 4)).map(|_| matchup(rng)).collect(),
+            confirmation: rng.bool().then(|| {
+                let returns: Vec<f64> = (0..rng.range(1, 20)).map(|_| rng.f64()).collect();
+                Confirmation {
+                    episodes: returns.len() as u32,
+                    seed: rng.u64_any(),
+                    returns,
+                    mean_return: rng.f64(),
+                    std_return: rng.f64(),
+                    passed: rng.bool(),
+                }
+            }),
         }
     }
     schema_setter!();
     fn corrupt(&mut self, rng: &mut Rng) -> bool {
+        if let Some(c) = self.confirmation.as_mut() {
+            if rng.bool() {
+                c.episodes += 1 + rng.below(3) as u32;
+                return true;
+            }
+        }
         let mut bad = matchup(rng);
         match rng.below(3) {
             0 => bad.opponent.clear(),
@@ -727,6 +744,18 @@ impl Subject for EvalControl {
         };
         true
     }
+}
+
+impl Subject for EvalStarted {
+    fn generate(rng: &mut Rng) -> Self {
+        EvalStarted {
+            schema: SCHEMA_VERSION,
+            evaluator: rng.ident(LOWER_DIGIT_DASH, 12),
+            instance: rng.text(16),
+            policy_version: rng.u64_any(),
+        }
+    }
+    schema_setter!();
 }
 
 impl Subject for RunStatusUpdate {
@@ -1714,6 +1743,7 @@ pub const SUBJECTS: &[(&str, Runner)] = &[
     ("MetricsReport", fuzz::<MetricsReport>),
     ("EvalReport", fuzz::<EvalReport>),
     ("EvalControl", fuzz::<EvalControl>),
+    ("EvalStarted", fuzz::<EvalStarted>),
     ("RunStatusUpdate", fuzz::<RunStatusUpdate>),
     ("AlertEvent", fuzz::<AlertEvent>),
     ("ScaleRequest", fuzz::<ScaleRequest>),
