@@ -661,7 +661,10 @@ impl VecNormalize {
     }
 
     /// Writes the statistics (named tensors without prefix) to a safetensors
-    /// file, with the exact f64 counts and the config in the metadata.
+    /// file, with the exact f64 statistics (counts, means, variances) and
+    /// the config in the metadata: [`Self::load`] gives back this
+    /// normaliser to the bit, so a checkpoint's policy normalises exactly
+    /// as the weights version it holds did.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let c = &self.config;
         let meta: HashMap<String, String> = [
@@ -674,6 +677,10 @@ impl VecNormalize {
             ("clip_reward", c.clip_reward.to_string()),
             ("gamma", c.gamma.to_string()),
             ("epsilon", c.epsilon.to_string()),
+            ("obs_rms.mean.f64", exact_list(&self.obs_rms.mean)),
+            ("obs_rms.var.f64", exact_list(&self.obs_rms.var)),
+            ("ret_rms.mean.f64", exact_list(&self.ret_rms.mean)),
+            ("ret_rms.var.f64", exact_list(&self.ret_rms.var)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -682,7 +689,8 @@ impl VecNormalize {
     }
 
     /// Restores the statistics written by [`Self::save`] (the config is not
-    /// restored: it comes from the experiment config; the counts are exact).
+    /// restored: it comes from the experiment config; the statistics are
+    /// exact, and the f32 tensors' when a file predates the exact ones).
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let (tensors, meta) = read_safetensors(path)?;
@@ -698,16 +706,49 @@ impl VecNormalize {
         let mut copy = self.clone();
         copy.load_named_tensors(&tensors, "")?;
         for (key, rms) in [
-            ("obs_rms.count", &mut copy.obs_rms),
-            ("ret_rms.count", &mut copy.ret_rms),
+            ("obs_rms", &mut copy.obs_rms),
+            ("ret_rms", &mut copy.ret_rms),
         ] {
-            if let Some(c) = meta.get(key).and_then(|s| s.parse::<f64>().ok()) {
+            if let Some(c) = meta
+                .get(&format!("{key}.count"))
+                .and_then(|s| s.parse::<f64>().ok())
+            {
                 rms.count = c;
+            }
+            // Files written since the exact statistics were kept: the f64
+            // values the f32 tensors round, so a loaded normaliser
+            // normalises exactly as the one saved.
+            for (field, values) in [("mean", &mut rms.mean), ("var", &mut rms.var)] {
+                if let Some(exact) = meta
+                    .get(&format!("{key}.{field}.f64"))
+                    .and_then(|s| parse_exact_list(s, values.len()))
+                {
+                    *values = exact;
+                }
             }
         }
         *self = copy;
         Ok(())
     }
+}
+
+/// f64 values as text that parses back to the same bits (Rust prints the
+/// shortest representation that round-trips), comma-separated.
+fn exact_list(values: &[f64]) -> String {
+    values
+        .iter()
+        .map(f64::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Reads [`exact_list`]'s text of `len` finite values (`None` otherwise).
+fn parse_exact_list(text: &str, len: usize) -> Option<Vec<f64>> {
+    let values: Vec<f64> = text
+        .split(',')
+        .map(|v| v.parse::<f64>().ok().filter(|x| x.is_finite()))
+        .collect::<Option<_>>()?;
+    (values.len() == len).then_some(values)
 }
 
 /// Mean, population variance and count of the per-env returns.
@@ -1063,7 +1104,9 @@ mod tests {
         loaded.load(&path).unwrap();
         assert_eq!(loaded.obs_rms.count, vn.obs_rms.count);
         assert_eq!(loaded.ret_rms.count, vn.ret_rms.count);
-        close(loaded.obs_rms.var[2], vn.obs_rms.var[2], 1e-7);
+        // Exact: every statistic comes back to the bit.
+        assert_eq!(loaded.obs_rms, vn.obs_rms);
+        assert_eq!(loaded.ret_rms, vn.ret_rms);
         std::fs::remove_file(&path).unwrap();
     }
 }
