@@ -14,10 +14,21 @@
 //! (or, with `eval.every_seconds`, any newer version once that long has
 //! passed since its last evaluation), always takes the newest (skipping
 //! those it could not keep up with, and counting them in
-//! `relay_evaluator_skipped_versions_total`), plays `eval.episodes` episodes (one per sub-env of a
-//! vectorized env, each run to its end), and publishes an [`EvalReport`].
-//! When the mean return reaches the threshold (the env's reward threshold
-//! unless `eval.threshold` says otherwise) it also announces the run solved.
+//! `relay_evaluator_skipped_versions_total`), announces the evaluation
+//! ([`EvalStarted`], so the learner keeps that version's weights until the
+//! report), plays `eval.episodes` episodes (one per sub-env of a
+//! vectorized env, each run to its end: the screening, on the same seeds
+//! every time), and publishes an [`EvalReport`].
+//!
+//! When the screening mean reaches the threshold (the env's reward
+//! threshold unless `eval.threshold` says otherwise), the same plugin plays
+//! the version again on `eval.confirm_episodes` episodes from
+//! [`relay_kit::config::EvalConfig::confirm_seed`], seeds that no other
+//! evaluation of the run plays (the plugin's own `episodes` and `seed`
+//! options do not apply there): picking the first of many versions that
+//! pass one fixed set favours a policy that suits that set. The report
+//! carries the confirmation; only when it passes too is the report
+//! `solved` and the run announced solved, with both figures.
 //!
 //! In runs with a `normalize` section on, each version carries the run's
 //! normalisation statistics; the policy is given observations normalised
@@ -29,7 +40,10 @@
 //! versions (`AdapterUpdate`s on `relay.<run>.adapters`) instead of MLP
 //! weights: it evaluates once at start (the base model, version 0, or
 //! whatever the inference servers hold), then on new versions with the
-//! same `every_versions` / `every_seconds` schedule. Games are played
+//! same `every_versions` / `every_seconds` schedule. Every learning seat
+//! asks the inference servers for the evaluated version (not the newest),
+//! and a screening pass is confirmed as above, with `eval.confirm_episodes`
+//! games per opponent. Games are played
 //! asynchronously over `relay.<run>.generate` by a background task, so
 //! control messages are handled meanwhile; versions published during an
 //! evaluation are skipped but the newest (and counted). An evaluation whose
@@ -49,7 +63,8 @@ use relay_nn::ActorCritic;
 use relay_policy::text::{NatsGenerate, LEARNING_ADAPTER};
 use relay_policy::{AdapterFollower, AdapterVersion, PolicyFollower};
 use relay_proto::{
-    EpisodeReport, EvalControl, EvalReport, Matchup, RunStatus, RunStatusUpdate, SCHEMA_VERSION,
+    Confirmation, EpisodeReport, EvalControl, EvalReport, EvalStarted, Matchup, RunStatus,
+    RunStatusUpdate, SCHEMA_VERSION,
 };
 
 use plugins::{EvalContext, EvalOutcome, Evaluator, TextEvalContext};
@@ -71,7 +86,8 @@ pub fn evaluate(
     )
 }
 
-fn mean_std(values: &[f64]) -> (f64, f64) {
+/// Mean and population standard deviation, as every eval report gives them.
+pub fn mean_std(values: &[f64]) -> (f64, f64) {
     let mean = values.iter().sum::<f64>() / values.len() as f64;
     let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / values.len() as f64;
     (mean, var.sqrt())
@@ -175,6 +191,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         last = Some(policy.version);
         time_due = false;
         time_due_at = every_seconds.map(|d| tokio::time::Instant::now() + d);
+        announce_start(&service, plugin.name(), policy.version).await;
         let ctx = EvalContext {
             env_id: cfg.run.env_id.clone(),
             episodes: cfg.eval.episodes,
@@ -182,31 +199,43 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             run_dir: run_dir.clone(),
             train_return: (!recent.is_empty())
                 .then(|| recent.iter().sum::<f64>() / recent.len() as f64),
+            confirming: false,
         };
-        let (model_policy, evaluator) = (policy.clone(), plugin.clone());
-        let outcome = tokio::task::spawn_blocking(move || evaluator.evaluate(&model_policy, &ctx))
-            .await
-            .map_err(ServiceError::other)?;
-        let returns = match outcome {
-            Ok(EvalOutcome::Returns(r)) if !r.is_empty() => r,
-            Ok(EvalOutcome::Returns(_) | EvalOutcome::Games { .. }) => continue,
-            Ok(EvalOutcome::Skipped(reason)) => {
+        let returns = match play_classic(&plugin, &policy, &ctx).await? {
+            Ok(returns) => returns,
+            Err(reason) => {
                 tracing::debug!(evaluator = plugin.name(), version = policy.version, %reason, "evaluation skipped");
-                continue;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, evaluator = plugin.name(), version = policy.version, "evaluation failed");
                 continue;
             }
         };
         let (mean, std) = mean_std(&returns);
-        let solved = threshold.is_some_and(|t| mean >= t);
+        let confirmation = match threshold.filter(|t| mean >= *t) {
+            Some(t) => {
+                let seed = cfg.eval.confirm_seed(policy.version);
+                let ctx = EvalContext {
+                    episodes: cfg.eval.confirm_episodes,
+                    seed,
+                    confirming: true,
+                    ..ctx
+                };
+                match play_classic(&plugin, &policy, &ctx).await? {
+                    Ok(returns) => Some(confirmation(returns, seed, t)),
+                    Err(reason) => {
+                        tracing::warn!(evaluator = plugin.name(), version = policy.version, %reason, "confirmation not played");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let solved = confirmation.as_ref().is_some_and(|c| c.passed);
         last_return.set(mean);
         tracing::info!(
             evaluator = plugin.name(),
             version = policy.version,
             mean_return = mean,
             std_return = std,
+            confirmation_mean = confirmation.as_ref().map(|c| c.mean_return),
             solved,
             "evaluated"
         );
@@ -223,27 +252,91 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             threshold: threshold.unwrap_or(f64::NAN),
             solved,
             matchups: Vec::new(),
+            confirmation,
         };
         service.publish(service.subjects.eval(), &report).await;
         if solved && !announced_solved {
             announced_solved = true;
-            let status = RunStatusUpdate {
-                schema: SCHEMA_VERSION,
-                status: RunStatus::Solved,
-                service: "evaluator".into(),
-                policy_version: policy.version,
-                detail: format!(
-                    "eval mean return {mean:.1} >= {:.1} over {} episodes",
-                    threshold.unwrap_or(f64::NAN),
-                    cfg.eval.episodes
-                ),
-            };
-            service.publish(service.subjects.status(), &status).await;
+            announce_solved(&service, &report).await;
         }
     }
     service.health.set_ready(false);
     service.drain().await;
     Ok(())
+}
+
+/// Plays one classic evaluation (or confirmation) on a blocking thread:
+/// the returns, or why none were played (skipped or failed, logged by the
+/// caller).
+async fn play_classic(
+    plugin: &Arc<dyn Evaluator>,
+    policy: &Arc<relay_policy::VersionedPolicy>,
+    ctx: &EvalContext,
+) -> Result<Result<Vec<f64>, String>, ServiceError> {
+    let (evaluator, policy, ctx) = (plugin.clone(), policy.clone(), ctx.clone());
+    let outcome = tokio::task::spawn_blocking(move || evaluator.evaluate(&policy, &ctx))
+        .await
+        .map_err(ServiceError::other)?;
+    Ok(match outcome {
+        Ok(EvalOutcome::Returns(r)) if !r.is_empty() => Ok(r),
+        Ok(EvalOutcome::Returns(_) | EvalOutcome::Games { .. }) => Err("no episodes".into()),
+        Ok(EvalOutcome::Skipped(reason)) => Err(reason),
+        Err(e) => {
+            tracing::error!(error = %e, evaluator = plugin.name(), "evaluation failed");
+            Err(e)
+        }
+    })
+}
+
+/// The confirmation of a screening pass: `returns` played from `seed` on.
+fn confirmation(returns: Vec<f64>, seed: u64, threshold: f64) -> Confirmation {
+    let (mean, std) = mean_std(&returns);
+    Confirmation {
+        episodes: returns.len() as u32,
+        seed,
+        returns,
+        mean_return: mean,
+        std_return: std,
+        passed: mean >= threshold,
+    }
+}
+
+/// Tells the learner which version is being evaluated, so it keeps that
+/// version's weights until the report arrives.
+async fn announce_start(service: &Service, evaluator: &str, version: u64) {
+    let started = EvalStarted {
+        schema: SCHEMA_VERSION,
+        evaluator: evaluator.to_string(),
+        instance: service.instance.clone(),
+        policy_version: version,
+    };
+    service
+        .publish(service.subjects.eval_started(), &started)
+        .await;
+}
+
+/// Announces the run solved by `report` (screening and confirmation passed).
+async fn announce_solved(service: &Service, report: &EvalReport) {
+    let confirmation = report.confirmation.as_ref().expect("solved is confirmed");
+    let status = RunStatusUpdate {
+        schema: SCHEMA_VERSION,
+        status: RunStatus::Solved,
+        service: "evaluator".into(),
+        policy_version: report.policy_version,
+        detail: format!(
+            "eval mean return {:.3} over {} screening episodes, confirmed {:.3} +/- {:.3} over {} fresh episodes (seed {}), threshold {:.3}, version {} ({})",
+            report.mean_return,
+            report.returns.len(),
+            confirmation.mean_return,
+            confirmation.std_return,
+            confirmation.episodes,
+            confirmation.seed,
+            report.threshold,
+            report.policy_version,
+            report.evaluator,
+        ),
+    };
+    service.publish(service.subjects.status(), &status).await;
 }
 
 /// The metrics every evaluator exports (classic and text).
@@ -356,6 +449,21 @@ struct TextEvaluation {
     plugin: String,
     target: AdapterVersion,
     outcome: Result<EvalOutcome, String>,
+    /// The confirmation's games (first seed and outcome), when the
+    /// screening mean reached the threshold.
+    confirmation: Option<(u64, Result<EvalOutcome, String>)>,
+}
+
+/// The rewards of a text evaluation's games, if it played any.
+fn text_returns(outcome: &Result<EvalOutcome, String>) -> Option<&[f64]> {
+    match outcome {
+        Ok(EvalOutcome::Games { returns, .. } | EvalOutcome::Returns(returns))
+            if !returns.is_empty() =>
+        {
+            Some(returns)
+        }
+        _ => None,
+    }
 }
 
 /// The evaluator of text-game runs (see the crate docs).
@@ -389,6 +497,8 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
             .collect(),
         games: cfg.eval.episodes,
         seed: cfg.eval.seed,
+        confirming: false,
+        version: None,
         text: cfg.text.clone(),
         generator: NatsGenerate::new(service.nats.clone(), service.subjects.generate()),
         instance: service.instance.clone(),
@@ -425,13 +535,37 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                 last = Some(target.version);
                 time_due = false;
                 time_due_at = every_seconds.map(|d| tokio::time::Instant::now() + d);
-                let (evaluator, ctx) = (plugin.clone(), ctx.clone());
+                announce_start(&service, plugin.name(), target.version).await;
+                let evaluator = plugin.clone();
+                let ctx = TextEvalContext {
+                    version: Some(target.version),
+                    ..ctx.clone()
+                };
+                let confirm = (
+                    cfg.eval.confirm_episodes,
+                    cfg.eval.confirm_seed(target.version),
+                );
                 running = Some(tokio::spawn(async move {
                     let outcome = evaluator.evaluate_text(&ctx).await;
+                    let screened = text_returns(&outcome)
+                        .is_some_and(|r| threshold.is_some_and(|t| mean_std(r).0 >= t));
+                    let confirmation = if screened {
+                        let (games, seed) = confirm;
+                        let ctx = TextEvalContext {
+                            games,
+                            seed,
+                            confirming: true,
+                            ..ctx
+                        };
+                        Some((seed, evaluator.evaluate_text(&ctx).await))
+                    } else {
+                        None
+                    };
                     TextEvaluation {
                         plugin: evaluator.name().to_string(),
                         target,
                         outcome,
+                        confirmation,
                     }
                 }));
             }
@@ -495,7 +629,17 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                     }
                 };
                 let (mean, std) = mean_std(&returns);
-                let solved = threshold.is_some_and(|t| mean >= t);
+                let confirmation = match (evaluation.confirmation, threshold) {
+                    (Some((seed, outcome)), Some(t)) => match text_returns(&outcome) {
+                        Some(r) => Some(confirmation(r.to_vec(), seed, t)),
+                        None => {
+                            tracing::warn!(evaluator = %evaluation.plugin, version, outcome = ?outcome.err(), "confirmation played no game");
+                            None
+                        }
+                    },
+                    _ => None,
+                };
+                let solved = confirmation.as_ref().is_some_and(|c| c.passed);
                 metrics.last_return.set(mean);
                 matchup_metrics.set(&env_id, &matchups);
                 let policy_version = acted.unwrap_or(version);
@@ -506,7 +650,7 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                         legal_move_rate = m.legal_move_rate(), "matchup"
                     );
                 }
-                tracing::info!(evaluator = %evaluation.plugin, version = policy_version, mean_return = mean, solved, "evaluated");
+                tracing::info!(evaluator = %evaluation.plugin, version = policy_version, mean_return = mean, confirmation_mean = confirmation.as_ref().map(|c| c.mean_return), solved, "evaluated");
                 let report = EvalReport {
                     schema: SCHEMA_VERSION,
                     evaluator: evaluation.plugin.clone(),
@@ -520,22 +664,12 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                     threshold: threshold.unwrap_or(f64::NAN),
                     solved,
                     matchups,
+                    confirmation,
                 };
                 service.publish(service.subjects.eval(), &report).await;
                 if solved && !announced_solved {
                     announced_solved = true;
-                    let status = RunStatusUpdate {
-                        schema: SCHEMA_VERSION,
-                        status: RunStatus::Solved,
-                        service: "evaluator".into(),
-                        policy_version,
-                        detail: format!(
-                            "eval mean return {mean:.3} >= {:.3} ({})",
-                            threshold.unwrap_or(f64::NAN),
-                            evaluation.plugin
-                        ),
-                    };
-                    service.publish(service.subjects.status(), &status).await;
+                    announce_solved(&service, &report).await;
                 }
             }
         }

@@ -34,6 +34,7 @@ use relay_kit::config::{is_text_game, Opponent, TextConfig};
 use relay_nn::{Actions, VecNormalize};
 use relay_policy::text::{
     arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, Seat,
+    LEARNING_ADAPTER,
 };
 use relay_policy::VersionedPolicy;
 use relay_proto::Matchup;
@@ -50,6 +51,9 @@ pub struct EvalContext {
     pub run_dir: PathBuf,
     /// Mean return of the latest training episodes (up to 100), if any arrived.
     pub train_return: Option<f64>,
+    /// A confirmation: `episodes` and `seed` are the confirmation's and
+    /// the plugin's own `episodes` and `seed` options do not apply.
+    pub confirming: bool,
 }
 
 /// What a text-game plugin needs to play: the run's game, how model seats
@@ -65,6 +69,12 @@ pub struct TextEvalContext {
     pub games: usize,
     /// `eval.seed`, unless the plugin's `seed` option says otherwise.
     pub seed: u64,
+    /// A confirmation: `games` and `seed` are the confirmation's and the
+    /// plugin's own `games` and `seed` options do not apply.
+    pub confirming: bool,
+    /// The learning adapter version every game plays (its seats ask the
+    /// inference servers for exactly this version); `None`: the newest.
+    pub version: Option<u64>,
     /// The run's `text` section (bots, sampling, `games_in_flight`).
     pub text: TextConfig,
     /// Generate requests to the inference servers.
@@ -221,6 +231,9 @@ struct Common {
 
 impl Common {
     fn apply(&self, ctx: &EvalContext) -> (usize, u64) {
+        if ctx.confirming {
+            return (ctx.episodes, ctx.seed);
+        }
         (
             self.episodes.unwrap_or(ctx.episodes),
             self.seed.unwrap_or(ctx.seed),
@@ -356,8 +369,13 @@ impl Evaluator for Record {
         )?;
         let dir = ctx.run_dir.join("recordings");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        let path = dir.join(format!("v{}.jsonl", p.version));
-        let tmp = dir.join(format!(".v{}.jsonl.tmp", p.version));
+        let name = format!(
+            "v{}{}.jsonl",
+            p.version,
+            if ctx.confirming { ".confirmation" } else { "" }
+        );
+        let path = dir.join(&name);
+        let tmp = dir.join(format!(".{name}.tmp"));
         let mut out = std::io::BufWriter::new(
             std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?,
         );
@@ -445,6 +463,17 @@ impl VsOpponent {
     }
 }
 
+/// A seat of the learning adapter asks for `version` (when set): an
+/// evaluation plays one version, not whatever is newest move by move.
+fn pin(seat: Seat, version: Option<u64>) -> Seat {
+    match seat {
+        Seat::Model(Some(adapter)) if adapter.name == LEARNING_ADAPTER && version.is_some() => {
+            Seat::Model(Some(relay_proto::AdapterRef { version, ..adapter }))
+        }
+        other => other,
+    }
+}
+
 /// One game of an evaluation.
 struct EvalGame {
     /// Index into the matchups.
@@ -490,8 +519,14 @@ impl Evaluator for VsOpponent {
             } else {
                 ctx.game_ids.clone()
             };
-            let games = self.games.unwrap_or(ctx.games);
-            let seed = self.seed.unwrap_or(ctx.seed);
+            let (games, seed) = if ctx.confirming {
+                (ctx.games, ctx.seed)
+            } else {
+                (
+                    self.games.unwrap_or(ctx.games),
+                    self.seed.unwrap_or(ctx.seed),
+                )
+            };
             // Each game of the run against each opponent that plays it;
             // the same game seeds against every opponent; the first half
             // of the games in seat 0, the rest in seat 1.
@@ -554,11 +589,12 @@ impl Evaluator for VsOpponent {
                             }
                         };
                         let game_seed = seed.wrapping_add(i as u64);
-                        let learner = Seat::learner(&ctx.text, game_seed)?;
+                        let learner = pin(Seat::learner(&ctx.text, game_seed)?, ctx.version);
                         let seats = arrange(
                             learner,
                             || match opponent {
-                                Some(o) => Seat::opponent(o, game_seed ^ 0x5eed, &ctx.text),
+                                Some(o) => Seat::opponent(o, game_seed ^ 0x5eed, &ctx.text)
+                                    .map(|s| pin(s, ctx.version)),
                                 None => Err("a single-player game has no opponent".into()),
                             },
                             players,
@@ -763,6 +799,7 @@ mod tests {
             seed: 5,
             run_dir: dir.to_path_buf(),
             train_return: None,
+            confirming: false,
         }
     }
 
