@@ -9,8 +9,22 @@
 //!   drawn) and the best eval mean so far. The schedules (learning rate,
 //!   clip range) are functions of `env_steps / run.total_env_steps`, so the
 //!   saved `env_steps` is their position.
-//! - `checkpoints/last` links the newest checkpoint written, `checkpoints/best`
-//!   the one written when the best eval mean so far arrived.
+//! - `checkpoints/last` links the newest checkpoint of the learner's own
+//!   state (periodic, and the final one); `checkpoints/best` the one saved
+//!   for the best eval mean so far, and `checkpoints/solved` the one saved
+//!   for the evaluation that solved the run (screening and confirmation
+//!   passed). Those two hold the weights of the version the evaluator
+//!   played, byte for byte ([`crate::evaluated`]: the published tensors,
+//!   and the normalisation statistics that version carried), and the rest
+//!   of the learner's state (optimizer, counters, RNG, other networks) as
+//!   it was when the report arrived; `state.json`'s `weights_version` names
+//!   the version the weights are. A run that stops because it is solved
+//!   (`run.stop_when_solved`) ends with a checkpoint of the solving
+//!   version's weights, linked `last` too, so `relay play @last` plays the
+//!   confirmed policy.
+//! - A checkpoint is never overwritten while a pin or a link other than
+//!   those the new one takes holds it: a later checkpoint of the same
+//!   update count then takes the next free number.
 //! - `checkpoints/pinned.json` (a JSON array of checkpoint numbers, written by
 //!   `relay checkpoints pin`) lists checkpoints never removed; otherwise only
 //!   the newest `<algo>.keep_checkpoints` (`ppo`, `a2c`, `reinforce` or, for
@@ -34,6 +48,7 @@ use std::path::{Path, PathBuf};
 
 use relay_kit::{ExperimentConfig, ServiceError};
 use relay_nn::{ActorCritic, VecNormalize};
+use relay_proto::WeightsUpdate;
 
 use rand_chacha::ChaCha8Rng;
 use serde::de::DeserializeOwned;
@@ -97,15 +112,30 @@ pub struct CheckpointState {
     /// Best eval mean heard so far (and the version it evaluated).
     #[serde(default)]
     pub best_eval: Option<(f64, u64)>,
+    /// The weights version the model file holds: `progress.version`, or an
+    /// earlier version an evaluation played (`best`, `solved`). Absent in
+    /// checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_version: Option<u64>,
 }
 
 impl CheckpointState {
-    /// The bookkeeping of a learner at this moment.
+    /// The bookkeeping of a learner at this moment, its weights the
+    /// current ones (see [`Self::holding`]).
     pub fn of(progress: &Progress, rng: &ChaCha8Rng, best_eval: Option<(f64, u64)>) -> Self {
         Self {
             progress: progress.clone(),
             rng: Some(RngState::capture(rng)),
             best_eval,
+            weights_version: Some(progress.version),
+        }
+    }
+
+    /// The same, for a checkpoint holding version `version`'s weights.
+    pub fn holding(self, version: u64) -> Self {
+        Self {
+            weights_version: Some(version),
+            ..self
         }
     }
 }
@@ -188,12 +218,13 @@ pub fn restore(dir: &Path, run_dir: &Path, rng: ChaCha8Rng) -> Result<Restored, 
     })
 }
 
-/// Logs the outcome of writing a checkpoint: a failed checkpoint is an
-/// error in the log, never the end of training.
-pub fn log_written(written: Result<PathBuf, CheckpointError>, version: u64, best: bool) {
+/// Logs the outcome of writing a checkpoint of `version`'s weights linked
+/// as `links`: a failed checkpoint is an error in the log, never the end of
+/// training.
+pub fn log_written(written: Result<PathBuf, CheckpointError>, version: u64, links: &[&str]) {
     match written {
         Ok(path) => {
-            tracing::info!(path = %path.display(), version, best, "checkpoint written")
+            tracing::info!(path = %path.display(), version, links = ?links, "checkpoint written")
         }
         Err(e) => tracing::error!(error = %e, "checkpoint failed"),
     }
@@ -255,14 +286,16 @@ fn set_link(root: &Path, link: &str, name: &str) -> Result<(), CheckpointError> 
     std::fs::rename(&tmp, root.join(link)).map_err(io(root))
 }
 
+/// Links a checkpoint can have: `last`, and those of evaluated weights.
+pub const LINKS: [&str; 3] = ["last", "best", "solved"];
+
 /// Removes numbered checkpoints beyond the newest `keep`, except pinned ones
-/// and the targets of `best` and `last`; returns the removed numbers.
+/// and the targets of `best`, `solved` and `last`; returns the removed numbers.
 pub fn prune(run_dir: &Path, keep: usize) -> Vec<u64> {
     let all = list(run_dir);
     let protected: Vec<u64> = pinned(run_dir)
         .into_iter()
-        .chain(link_target(run_dir, "best"))
-        .chain(link_target(run_dir, "last"))
+        .chain(LINKS.iter().filter_map(|l| link_target(run_dir, l)))
         .collect();
     let cut = all.len().saturating_sub(keep);
     let mut removed = Vec::new();
@@ -274,18 +307,22 @@ pub fn prune(run_dir: &Path, keep: usize) -> Vec<u64> {
     removed
 }
 
-/// Resolves a checkpoint name of a run: `last`, `best` or a number.
+/// Resolves a checkpoint name of a run: `last`, `best`, `solved` or a number.
 pub fn resolve(run_dir: &Path, which: &str) -> Result<PathBuf, CheckpointError> {
     // `@best` and `@last` are accepted as well as `best` and `last`.
     let which = which.strip_prefix('@').unwrap_or(which);
     let n = match which {
-        "last" | "best" => link_target(run_dir, which).ok_or_else(|| CheckpointError::State {
-            path: run_dir.join("checkpoints").join(which),
-            detail: format!("the run has no `{which}` checkpoint"),
-        })?,
+        link if LINKS.contains(&link) => {
+            link_target(run_dir, link).ok_or_else(|| CheckpointError::State {
+                path: run_dir.join("checkpoints").join(link),
+                detail: format!("the run has no `{link}` checkpoint"),
+            })?
+        }
         other => other.parse::<u64>().map_err(|_| CheckpointError::State {
             path: run_dir.join("checkpoints"),
-            detail: format!("checkpoint {other:?} is neither `best`, `last` nor a number"),
+            detail: format!(
+                "checkpoint {other:?} is neither `best`, `last`, `solved` nor a number"
+            ),
         })?,
     };
     let dir = folder(run_dir, n);
@@ -337,8 +374,11 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     }
 }
 
-/// Writes a checkpoint, links it as `last` (and `best` when `best`), prunes
-/// old ones and returns its folder.
+/// Writes a checkpoint of a PPO, A2C or REINFORCE learner linked as
+/// `links`, prunes old ones and returns its folder. With `evaluated`, the
+/// model and normalisation statistics are that published version's
+/// ([`put_weights`]) instead of the current ones.
+#[allow(clippy::too_many_arguments)]
 pub fn save(
     run_dir: &Path,
     model: &ActorCritic,
@@ -346,14 +386,15 @@ pub fn save(
     normalizer: Option<&VecNormalize>,
     state: &CheckpointState,
     config: &ExperimentConfig,
-    best: bool,
+    links: &[&str],
+    evaluated: Option<&WeightsUpdate>,
 ) -> Result<PathBuf, CheckpointError> {
     write(
         run_dir,
         state.progress.updates,
         config,
         config.keep_checkpoints(),
-        best,
+        links,
         |tmp| {
             model
                 .save(tmp.join("model.safetensors"))
@@ -365,9 +406,57 @@ pub fn save(
                 n.save(tmp.join(VEC_NORMALIZE_FILE))
                     .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
             }
+            if let Some(update) = evaluated {
+                put_weights(tmp, update, config)?;
+            }
             write_json(&tmp.join("state.json"), state)
         },
     )
+}
+
+/// Puts a published version's weights into checkpoint folder `dir` being
+/// written: each of the version's tensors replaces the tensor of the same
+/// name in `model.safetensors` (same shape; the bytes as published), and the
+/// normalisation statistics it carried replace `vec_normalize.safetensors`
+/// (runs that normalise). Every other tensor of the file (a DQN's target,
+/// a SAC's critics) stays as written.
+pub fn put_weights(
+    dir: &Path,
+    update: &WeightsUpdate,
+    config: &ExperimentConfig,
+) -> Result<(), CheckpointError> {
+    let path = dir.join("model.safetensors");
+    let tensors_err = |e: String| CheckpointError::Tensors(format!("{}: {e}", path.display()));
+    let (mut tensors, meta) =
+        relay_nn::io::read_safetensors(&path).map_err(|e| tensors_err(e.to_string()))?;
+    for published in &update.tensors {
+        let (name, shape, values) = published
+            .to_parts()
+            .map_err(|e| tensors_err(format!("{}: {e}", published.name)))?;
+        let Some(slot) = tensors.iter_mut().find(|t| t.0 == name) else {
+            return Err(tensors_err(format!(
+                "version {} has tensor {name}, the model has none of that name",
+                update.version
+            )));
+        };
+        if slot.1 != shape {
+            return Err(tensors_err(format!(
+                "{name}: version {} has shape {shape:?}, the model {:?}",
+                update.version, slot.1
+            )));
+        }
+        slot.2 = values;
+    }
+    relay_nn::io::write_safetensors(&path, &tensors, meta)
+        .map_err(|e| tensors_err(e.to_string()))?;
+    let obs_dim = update.normalizer.as_ref().map_or(0, |n| n.obs.mean.len());
+    let frozen = relay_policy::frozen_normalizer(config, obs_dim, update)
+        .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+    if let Some(n) = frozen {
+        n.save(dir.join(VEC_NORMALIZE_FILE))
+            .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+    }
+    Ok(())
 }
 
 /// File of a checkpoint holding the normalisation statistics.
@@ -396,21 +485,35 @@ pub fn write_json(path: &Path, value: &impl Serialize) -> Result<(), CheckpointE
     .map_err(io(path))
 }
 
-/// Writes checkpoint number `updates`: `fill` writes the learner's files
-/// into a temporary folder, then `config.yaml` is added and the folder is
-/// renamed into place and linked as `last` (and `best`); numbered
-/// checkpoints beyond the newest `keep` are pruned.
+/// Writes checkpoint number `updates` (or, when that folder is pinned or
+/// linked by a link other than `links`, the next number that is not): `fill` writes
+/// the learner's files into a temporary folder, then `config.yaml` is added
+/// and the folder is renamed into place and linked as each of `links`;
+/// numbered checkpoints beyond the newest `keep` are pruned.
 pub fn write(
     run_dir: &Path,
     updates: u64,
     config: &ExperimentConfig,
     keep: usize,
-    best: bool,
+    links: &[&str],
     fill: impl FnOnce(&Path) -> Result<(), CheckpointError>,
 ) -> Result<PathBuf, CheckpointError> {
     let root = run_dir.join("checkpoints");
     std::fs::create_dir_all(&root).map_err(io(&root))?;
-    let name = format!("{updates:08}");
+    // Never overwrite what another link or a pin holds.
+    let held: Vec<u64> = pinned(run_dir)
+        .into_iter()
+        .chain(
+            LINKS
+                .iter()
+                .filter(|l| !links.contains(l))
+                .filter_map(|l| link_target(run_dir, l)),
+        )
+        .collect();
+    let number = (updates..)
+        .find(|n| !held.contains(n))
+        .expect("a free number");
+    let name = format!("{number:08}");
     let tmp = root.join(format!(".{name}.tmp"));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
@@ -420,9 +523,8 @@ pub fn write(
     let dest = root.join(&name);
     let _ = std::fs::remove_dir_all(&dest);
     std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
-    set_link(&root, "last", &name)?;
-    if best {
-        set_link(&root, "best", &name)?;
+    for link in links {
+        set_link(&root, link, &name)?;
     }
     prune(run_dir, keep);
     Ok(dest)
@@ -451,6 +553,60 @@ pub fn load_progress(dir: &Path) -> Result<Progress, CheckpointError> {
 mod tests {
     use super::*;
     use rand::{RngCore, SeedableRng};
+
+    fn preset(name: &str) -> ExperimentConfig {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../configs")
+            .join(name);
+        let text = std::fs::read_to_string(&path).unwrap();
+        ExperimentConfig::from_layers(&text, name, &[], &[]).unwrap()
+    }
+
+    #[test]
+    fn a_published_actor_replaces_only_its_own_tensors_in_a_sac_checkpoint() {
+        let dir = relay_testkit::TempDir::new("put-weights");
+        let config = preset("pendulum-sac.yaml");
+        let spec = relay_policy::sac_spec_for(&config).unwrap();
+        let current = relay_nn::Sac::new(&spec, 1.0, 1).unwrap();
+        let evaluated = relay_nn::Sac::new(&spec, 1.0, 2).unwrap();
+        current.save(dir.path().join("model.safetensors")).unwrap();
+        let update = relay_policy::tensors_to_weights(&evaluated.actor.named_tensors(), 7, 0);
+        put_weights(dir.path(), &update, &config).unwrap();
+
+        let (saved, _) =
+            relay_nn::io::read_safetensors(&dir.path().join("model.safetensors")).unwrap();
+        let by_name = |tensors: &[relay_nn::NamedTensor], name: &str| {
+            tensors.iter().find(|t| t.0 == name).cloned().unwrap()
+        };
+        let actor = evaluated.actor.named_tensors();
+        for t in &actor {
+            assert_eq!(
+                &by_name(&saved, &t.0),
+                t,
+                "{} is the evaluated actor's",
+                t.0
+            );
+        }
+        let all = current.named_tensors();
+        assert_eq!(saved.len(), all.len());
+        for t in all.iter().filter(|t| !t.0.starts_with("actor.")) {
+            assert_eq!(&by_name(&saved, &t.0), t, "{} stays the current one", t.0);
+        }
+
+        // A tensor the model lacks, or of another shape, is refused by name.
+        let mut stranger = update.clone();
+        stranger.tensors[0].name = "actor.nope".into();
+        let err = put_weights(dir.path(), &stranger, &config)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("actor.nope"), "{err}");
+        let mut misshapen = update.clone();
+        misshapen.tensors[0].tensor = relay_proto::Tensor::from_f32(&[1], &[0.0]);
+        let err = put_weights(dir.path(), &misshapen, &config)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("shape") && err.contains(&actor[0].0), "{err}");
+    }
 
     #[test]
     fn a_restored_learner_continues_its_rng_and_publishes_past_every_version() {

@@ -10,12 +10,15 @@
 //! episodes, assembled from consecutive fragments), update, publish the
 //! next version on `weights` (and serve the latest on `weights.latest` for
 //! services that join later), report metrics, and checkpoint every
-//! `<algo>.checkpoint_every` updates, at the first eval, at each new best
-//! eval mean (it listens on `eval`) and at the end. It stops training when
-//! the budget `run.total_env_steps` is spent or, with
-//! `run.stop_when_solved`, when the evaluator announces the run solved; it
-//! then writes a final checkpoint and keeps serving the weights until
-//! shutdown. The data each algorithm trains on and the rollout maths they
+//! `<algo>.checkpoint_every` updates and at the end. For each new best
+//! eval mean, and for the evaluation that solves the run, it writes a
+//! checkpoint holding the evaluated version's weights ([`evaluated`]:
+//! linked `best` and `solved`). It stops training when the budget
+//! `run.total_env_steps` is spent or, with `run.stop_when_solved`, when the
+//! evaluator announces the run solved (screening and confirmation passed);
+//! it then writes a final checkpoint (a solved run's holds the solving
+//! version's weights) and keeps serving the weights, and checkpointing the
+//! evaluations that still arrive, until shutdown. The data each algorithm trains on and the rollout maths they
 //! share live in [`rollout`]; the optimizer (Adam or RMSprop) and the
 //! gradient step in [`optimizer`].
 //!
@@ -55,6 +58,7 @@
 pub mod a2c;
 pub mod checkpoint;
 pub mod dqn;
+pub mod evaluated;
 pub mod examples;
 mod offpolicy;
 pub mod optimizer;
@@ -69,18 +73,18 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use prometheus::{Histogram, HistogramOpts, IntGauge};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use relay_kit::{counter, gauge, ExperimentConfig, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::{ActorCritic, VecNormalize};
 use relay_proto::{
-    EvalReport, MetricValue, RolloutFragment, RunStatus, RunStatusUpdate, SampleReply,
-    SampleRequest, TransitionBatch, TransitionSampleRequest, WeightsRequest, WeightsUpdate,
-    SCHEMA_VERSION,
+    MetricValue, RolloutFragment, RunStatus, RunStatusUpdate, SampleReply, SampleRequest,
+    TransitionBatch, TransitionSampleRequest, WeightsRequest, WeightsUpdate, SCHEMA_VERSION,
 };
 
+use crate::evaluated::RunEvents;
 use crate::optimizer::Optimizer;
 use crate::rollout::UpdateError;
 
@@ -197,27 +201,32 @@ pub(crate) fn should_finish(
     }
 }
 
-/// The run's status announcements and eval reports, which every learner
-/// follows (see [`take_solved`] and [`take_evals`]).
-pub(crate) async fn subscribe_run_events(
-    service: &Service,
-) -> Result<(async_nats::Subscriber, async_nats::Subscriber), ServiceError> {
-    let statuses = service
-        .nats
-        .subscribe(service.subjects.status())
-        .await
-        .map_err(ServiceError::nats)?;
-    let evals = service
-        .nats
-        .subscribe(service.subjects.eval())
-        .await
-        .map_err(ServiceError::nats)?;
-    Ok((statuses, evals))
+/// Links of a checkpoint of the learner's own state (periodic, final).
+pub(crate) const LINKS_LAST: &[&str] = &["last"];
+/// Links of the final checkpoint of a run stopped because it is solved: it
+/// holds the solving version's weights.
+pub(crate) const LINKS_LAST_SOLVED: &[&str] = &["last", "solved"];
+
+/// The weights a learner's final checkpoint holds when they are not its
+/// current ones: with `run.stop_when_solved`, the solving version's (when
+/// its weights were kept), also when shutdown came before the learner
+/// stopped on its own.
+pub(crate) fn final_weights<S>(
+    cfg: &ExperimentConfig,
+    events: &RunEvents<S>,
+) -> Option<(u64, std::sync::Arc<S>)> {
+    events
+        .solved_weights
+        .clone()
+        .filter(|_| cfg.run.stop_when_solved)
 }
 
 /// The end every learner shares: announces how training ended (`budget`
 /// names what the budget counts), keeps answering requests for the final
-/// weights or adapter until the stack stops, then drains.
+/// weights or adapter until the stack stops, then drains. Meanwhile, and
+/// once more at shutdown, `evaluations` takes the reports that still
+/// arrive (the evaluation of the last versions) and checkpoints them.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn finish_run(
     service: &Service,
     shutdown: &Shutdown,
@@ -226,6 +235,7 @@ pub(crate) async fn finish_run(
     budget: String,
     version: u64,
     env_steps: u64,
+    mut evaluations: impl FnMut(),
 ) {
     let (status, detail) = match finish {
         Finish::Budget => (RunStatus::Stopped, format!("budget of {budget} spent")),
@@ -241,7 +251,13 @@ pub(crate) async fn finish_run(
         detail,
     };
     service.publish(service.subjects.status(), &update).await;
-    shutdown.wait().await;
+    loop {
+        tokio::select! {
+            _ = shutdown.wait() => break,
+            _ = tokio::time::sleep(Duration::from_millis(100)) => evaluations(),
+        }
+    }
+    evaluations();
     service.health.set_ready(false);
     let _ = micro.stop().await;
     service.drain().await;
@@ -492,11 +508,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         update.normalizer = normalizer.map(relay_policy::norm_stats);
         update
     };
-    let (mut statuses, mut evals) = subscribe_run_events(&service).await?;
-
-    latest
-        .publish(&service, &weights(&model, normalizer.as_ref(), &progress))
-        .await;
+    let mut events: RunEvents<WeightsUpdate> = RunEvents::subscribe(&service, best_eval).await?;
+    let first = weights(&model, normalizer.as_ref(), &progress);
+    latest.publish(&service, &first).await;
+    events.record(first.version, first);
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
     tracing::info!(env_id = %cfg.run.env_id, algo = %cfg.run.algo, params = model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
@@ -505,7 +520,6 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     // What the fragments taken since the last update hold.
     let mut pending = Pending::default();
     let (mut dropped_stale, mut reported_stale) = (0u64, 0u64);
-    let mut solved: Option<String> = None;
     let started = Instant::now();
     let start_env_steps = progress.env_steps;
     let finish = loop {
@@ -513,27 +527,22 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             &shutdown,
             progress.env_steps,
             budget,
-            &solved,
+            &events.solved,
             cfg.run.stop_when_solved,
         ) {
             break finish;
         }
-        // Take announcements (solved) and evals without waiting; checkpoint
-        // at the first eval heard and at each new best mean.
-        take_solved(&service, &mut statuses, &mut solved);
-        let checkpoint_best = take_evals(&service, &mut evals, &mut best_eval);
-        if checkpoint_best {
-            let state = checkpoint::CheckpointState::of(&progress, &rng, best_eval);
-            save_checkpoint(
-                &run_dir,
-                &model,
-                &optimizer,
-                normalizer.as_ref(),
-                &state,
-                &cfg,
-                true,
-            );
-        }
+        // Take announcements (solved), evaluation starts and reports
+        // without waiting; checkpoint each new best and the solving version.
+        checkpoint_evaluations(
+            &mut events,
+            &service,
+            &run_dir,
+            (&model, &optimizer, normalizer.as_ref()),
+            &cfg,
+            &progress,
+            &rng,
+        );
 
         // Gather what the algorithm needs.
         if let Some(max_steps) = algorithm.wants(&cfg) {
@@ -632,9 +641,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 .saturating_sub(cfg.replay.max_policy_lag)
                 .max(version_floor),
         );
-        latest
-            .publish(&service, &weights(&model, normalizer.as_ref(), &progress))
-            .await;
+        let update = weights(&model, normalizer.as_ref(), &progress);
+        latest.publish(&service, &update).await;
+        events.record(update.version, update);
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
@@ -657,7 +666,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         service.report(Some(progress.vec_steps), values).await;
         reported_stale = dropped_stale;
         if progress.updates % cfg.checkpoint_every() == 0 {
-            let state = checkpoint::CheckpointState::of(&progress, &rng, best_eval);
+            let state = checkpoint::CheckpointState::of(&progress, &rng, events.best_eval);
             save_checkpoint(
                 &run_dir,
                 &model,
@@ -665,12 +674,27 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 normalizer.as_ref(),
                 &state,
                 &cfg,
-                false,
+                LINKS_LAST,
+                None,
             );
         }
     };
 
-    let state = checkpoint::CheckpointState::of(&progress, &rng, best_eval);
+    // Reports that arrived as training stopped.
+    checkpoint_evaluations(
+        &mut events,
+        &service,
+        &run_dir,
+        (&model, &optimizer, normalizer.as_ref()),
+        &cfg,
+        &progress,
+        &rng,
+    );
+    let state = checkpoint::CheckpointState::of(&progress, &rng, events.best_eval);
+    let (state, links, evaluated) = match final_weights(&cfg, &events) {
+        Some((version, weights)) => (state.holding(version), LINKS_LAST_SOLVED, Some(weights)),
+        None => (state, LINKS_LAST, None),
+    };
     save_checkpoint(
         &run_dir,
         &model,
@@ -678,7 +702,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         normalizer.as_ref(),
         &state,
         &cfg,
-        false,
+        links,
+        evaluated.as_deref(),
     );
     finish_run(
         &service,
@@ -688,6 +713,17 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         format!("{budget} env steps"),
         progress.version,
         progress.env_steps,
+        || {
+            checkpoint_evaluations(
+                &mut events,
+                &service,
+                &run_dir,
+                (&model, &optimizer, normalizer.as_ref()),
+                &cfg,
+                &progress,
+                &rng,
+            )
+        },
     )
     .await;
     Ok(())
@@ -811,6 +847,35 @@ pub(crate) fn count_resume(service: &Service, start_from: &Option<checkpoint::St
     }
 }
 
+/// Takes the run's events without waiting and writes the checkpoints of
+/// evaluated weights they ask for (best, solved), with the rest of the
+/// learner's state as it is now.
+fn checkpoint_evaluations(
+    events: &mut RunEvents<WeightsUpdate>,
+    service: &Service,
+    run_dir: &Path,
+    (model, optimizer, normalizer): (&ActorCritic, &Optimizer, Option<&VecNormalize>),
+    cfg: &ExperimentConfig,
+    progress: &Progress,
+    rng: &ChaCha8Rng,
+) {
+    for save in events.poll(service) {
+        let state =
+            checkpoint::CheckpointState::of(progress, rng, events.best_eval).holding(save.version);
+        save_checkpoint(
+            run_dir,
+            model,
+            optimizer,
+            normalizer,
+            &state,
+            cfg,
+            &save.links,
+            Some(&save.weights),
+        );
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn save_checkpoint(
     run_dir: &Path,
     model: &ActorCritic,
@@ -818,53 +883,14 @@ fn save_checkpoint(
     normalizer: Option<&VecNormalize>,
     state: &checkpoint::CheckpointState,
     cfg: &ExperimentConfig,
-    best: bool,
+    links: &[&str],
+    evaluated: Option<&WeightsUpdate>,
 ) {
     checkpoint::log_written(
-        checkpoint::save(run_dir, model, optimizer, normalizer, state, cfg, best),
-        state.progress.version,
-        best,
+        checkpoint::save(
+            run_dir, model, optimizer, normalizer, state, cfg, links, evaluated,
+        ),
+        state.weights_version.unwrap_or(state.progress.version),
+        links,
     );
-}
-
-/// Takes the run's pending status announcements without waiting; the first
-/// `solved` heard is kept in `solved`.
-pub(crate) fn take_solved(
-    service: &Service,
-    statuses: &mut async_nats::Subscriber,
-    solved: &mut Option<String>,
-) {
-    while let Some(Some(m)) = statuses.next().now_or_never() {
-        if let Ok(status) = service
-            .intake
-            .decode::<RunStatusUpdate>("status", &m.payload)
-        {
-            if status.status == RunStatus::Solved && solved.is_none() {
-                tracing::info!(detail = %status.detail, "run solved");
-                *solved = Some(status.detail);
-            }
-        }
-    }
-}
-
-/// Takes pending eval reports without waiting; returns whether one beat
-/// `best_eval` (mean return, version), which it then replaces.
-pub(crate) fn take_evals(
-    service: &Service,
-    evals: &mut async_nats::Subscriber,
-    best_eval: &mut Option<(f64, u64)>,
-) -> bool {
-    let mut improved = false;
-    while let Some(Some(m)) = evals.next().now_or_never() {
-        if let Ok(report) = service.intake.decode::<EvalReport>("eval", &m.payload) {
-            if report.returns.is_empty() || !report.mean_return.is_finite() {
-                continue;
-            }
-            if best_eval.is_none_or(|(b, _)| report.mean_return > b) {
-                *best_eval = Some((report.mean_return, report.policy_version));
-                improved = true;
-            }
-        }
-    }
-    improved
 }

@@ -12,7 +12,8 @@
 //! 2. Loop until the budget of env steps is spent (inserted, and every
 //!    round due within it done), the run is solved (with
 //!    `run.stop_when_solved`) or shutdown:
-//!    - checkpoint at the first eval heard and at each new best;
+//!    - checkpoint each new best eval and the solving one, with the
+//!      evaluated version's weights ([`crate::evaluated`]);
 //!    - read the table's counters: env steps inserted by all env-runners
 //!      together, which are the run's env steps (continued from the
 //!      checkpoint's count after a resume);
@@ -24,7 +25,8 @@
 //!      send the new priorities back when the algorithm returns them;
 //!    - publish weights version + 1, report metrics, checkpoint every
 //!      `checkpoint_every` rounds.
-//! 3. A last checkpoint, then the run's end is announced.
+//! 3. A last checkpoint (a solved run's holds the solving version's
+//!    weights), then the run's end is announced.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -38,9 +40,10 @@ use relay_proto::{
 };
 
 use crate::checkpoint::{self, CheckpointError, CheckpointState};
+use crate::evaluated::RunEvents;
 use crate::{
-    count_resume, finish_run, pause, sample_transitions, should_finish, subscribe_run_events,
-    take_evals, take_solved, Finish, LatestWeights, Metrics, Progress,
+    count_resume, final_weights, finish_run, pause, sample_transitions, should_finish, Finish,
+    LatestWeights, Metrics, Progress, LINKS_LAST, LINKS_LAST_SOLVED,
 };
 
 /// SB3's round schedule of an off-policy learner (its config section's
@@ -137,32 +140,54 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         tracing::info!(from = %from.dir.display(), resume = from.resume, version = progress.version, rounds = algorithm.rounds(), env_steps = progress.env_steps, "loaded checkpoint");
     }
     count_resume(&service, &start_from);
+    // A checkpoint linked as `links`; with `evaluated`, holding that
+    // version's weights (the acting network: DQN's online, SAC's actor).
     let save = |algorithm: &mut A,
-                progress: &Progress,
-                rng: &ChaCha8Rng,
-                best_eval: Option<(f64, u64)>,
-                best: bool| {
-        let counters = CheckpointState::of(progress, rng, best_eval);
+                counters: CheckpointState,
+                links: &[&str],
+                evaluated: Option<&WeightsUpdate>| {
+        let version = counters
+            .weights_version
+            .unwrap_or(counters.progress.version);
         let written = checkpoint::write(
             &run_dir,
-            progress.updates,
+            counters.progress.updates,
             &cfg,
             cfg.keep_checkpoints(),
-            best,
+            links,
             |tmp| {
                 algorithm.save(tmp)?;
+                if let Some(update) = evaluated {
+                    checkpoint::put_weights(tmp, update, &cfg)?;
+                }
                 checkpoint::write_json(&tmp.join("state.json"), &counters)
             },
         );
-        checkpoint::log_written(written, progress.version, best);
+        checkpoint::log_written(written, version, links);
+    };
+    // The checkpoints the run's evaluations ask for (best, solved).
+    let save_evaluated = |algorithm: &mut A,
+                          events: &mut RunEvents<WeightsUpdate>,
+                          progress: &Progress,
+                          rng: &ChaCha8Rng| {
+        for evaluated in events.poll(&service) {
+            let counters =
+                CheckpointState::of(progress, rng, events.best_eval).holding(evaluated.version);
+            save(
+                algorithm,
+                counters,
+                &evaluated.links,
+                Some(&evaluated.weights),
+            );
+        }
     };
 
     let micro = service.micro().await?;
     let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
-    let (mut statuses, mut evals) = subscribe_run_events(&service).await?;
-    latest
-        .publish(&service, &algorithm.weights(&progress))
-        .await;
+    let mut events: RunEvents<WeightsUpdate> = RunEvents::subscribe(&service, best_eval).await?;
+    let first = algorithm.weights(&progress);
+    latest.publish(&service, &first).await;
+    events.record(first.version, first);
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
     tracing::info!(env_id = %cfg.run.env_id, algo = A::NAME, params = algorithm.num_parameters(), "training starts");
@@ -172,7 +197,6 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     // The table counts env steps since the run began; a resumed learner
     // continues from its checkpoint's count.
     let mut table_base: Option<(u64, u64)> = None;
-    let mut solved: Option<String> = None;
     let started = Instant::now();
     let start_env_steps = progress.env_steps;
     let mut reported_vec_steps = progress.vec_steps;
@@ -187,15 +211,12 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             &shutdown,
             trained_through,
             budget,
-            &solved,
+            &events.solved,
             cfg.run.stop_when_solved,
         ) {
             break finish;
         }
-        take_solved(&service, &mut statuses, &mut solved);
-        if take_evals(&service, &mut evals, &mut best_eval) {
-            save(&mut algorithm, &progress, &rng, best_eval, true);
-        }
+        save_evaluated(&mut algorithm, &mut events, &progress, &rng);
 
         // How many env steps the table holds for us.
         let counters = match sample_transitions(&service, 0, 1.0).await {
@@ -276,9 +297,9 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         let round_metrics = algorithm.end_round(frac);
         progress.updates += 1;
         progress.version += 1;
-        latest
-            .publish(&service, &algorithm.weights(&progress))
-            .await;
+        let update = algorithm.weights(&progress);
+        latest.publish(&service, &update).await;
+        events.record(update.version, update);
         metrics.version.set(progress.version as i64);
         let seconds = round_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
@@ -301,11 +322,23 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         reported_vec_steps = progress.vec_steps;
         service.report(Some(progress.vec_steps), values).await;
         if progress.updates % cfg.checkpoint_every() == 0 {
-            save(&mut algorithm, &progress, &rng, best_eval, false);
+            let counters = CheckpointState::of(&progress, &rng, events.best_eval);
+            save(&mut algorithm, counters, LINKS_LAST, None);
         }
     };
 
-    save(&mut algorithm, &progress, &rng, best_eval, false);
+    // Reports that arrived as training stopped, then the last checkpoint.
+    save_evaluated(&mut algorithm, &mut events, &progress, &rng);
+    let counters = CheckpointState::of(&progress, &rng, events.best_eval);
+    match final_weights(&cfg, &events) {
+        Some((version, weights)) => save(
+            &mut algorithm,
+            counters.holding(version),
+            LINKS_LAST_SOLVED,
+            Some(&weights),
+        ),
+        None => save(&mut algorithm, counters, LINKS_LAST, None),
+    }
     finish_run(
         &service,
         &shutdown,
@@ -314,6 +347,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         format!("{budget} env steps"),
         progress.version,
         progress.env_steps,
+        || save_evaluated(&mut algorithm, &mut events, &progress, &rng),
     )
     .await;
     Ok(())

@@ -56,7 +56,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
 use relay_llm::{
-    CausalLm, GgufBase, LoraAdapter, RewardNormalizer, RlStats, RlTrainer, TokenExample,
+    CausalLm, GgufBase, LoraAdapter, PeftBytes, RewardNormalizer, RlStats, RlTrainer, TokenExample,
 };
 use relay_proto::{
     AdapterPayload, AdapterRequest, AdapterUpdate, GameSampleReply, GameSampleRequest,
@@ -65,6 +65,7 @@ use relay_proto::{
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
+use crate::evaluated::RunEvents;
 use crate::examples::games_to_examples;
 use crate::{Metrics, Progress};
 
@@ -89,9 +90,17 @@ pub struct TextCheckpointState {
     /// Best eval mean heard so far (and the version it evaluated).
     #[serde(default)]
     pub best_eval: Option<(f64, u64)>,
+    /// The adapter version `adapter/` holds: `progress.version`, or an
+    /// earlier version an evaluation played (`best`, `solved`). Absent in
+    /// checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_version: Option<u64>,
 }
 
-/// Writes a text checkpoint (see [`crate::checkpoint`]).
+/// Writes a text checkpoint linked as `links` (see [`crate::checkpoint`]);
+/// with `evaluated`, `adapter/` holds those files (a published version's,
+/// byte for byte) instead of the current adapter.
+#[allow(clippy::too_many_arguments)]
 pub fn save_checkpoint(
     run_dir: &Path,
     adapter: &LoraAdapter,
@@ -99,18 +108,41 @@ pub fn save_checkpoint(
     state: &TextCheckpointState,
     config: &relay_kit::ExperimentConfig,
     base_model: &str,
-    best: bool,
+    links: &[&str],
+    evaluated: Option<&PeftBytes>,
 ) -> Result<std::path::PathBuf, CheckpointError> {
     checkpoint::write(
         run_dir,
         state.progress.updates,
         config,
         config.rl.keep_checkpoints,
-        best,
+        links,
         |tmp| {
-            adapter
-                .save_peft(&tmp.join(ADAPTER_DIR), Some(base_model))
-                .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+            let dir = tmp.join(ADAPTER_DIR);
+            match evaluated {
+                Some(files) => {
+                    std::fs::create_dir_all(&dir)
+                        .and_then(|()| {
+                            std::fs::write(
+                                dir.join(relay_llm::peft::CONFIG_FILE),
+                                &files.config_json,
+                            )
+                        })
+                        .and_then(|()| {
+                            std::fs::write(
+                                dir.join(relay_llm::peft::WEIGHTS_FILE),
+                                &files.safetensors,
+                            )
+                        })
+                        .map_err(|source| CheckpointError::Io {
+                            path: dir.clone(),
+                            source,
+                        })?;
+                }
+                None => adapter
+                    .save_peft(&dir, Some(base_model))
+                    .map_err(|e| CheckpointError::Tensors(e.to_string()))?,
+            }
             trainer
                 .optimizer()
                 .save(&tmp.join("optimizer.safetensors"))
@@ -155,13 +187,11 @@ async fn adapter_store(
 /// when `store_always` (the league serves past versions from there).
 async fn adapter_update(
     service: &Service,
-    adapter: &LoraAdapter,
-    base_model: &str,
+    files: &PeftBytes,
     progress: &Progress,
     inline_max_bytes: usize,
     store_always: bool,
 ) -> Result<AdapterUpdate, String> {
-    let files = relay_llm::to_peft_bytes(adapter, Some(base_model)).map_err(|e| e.to_string())?;
     let inline = files.len() <= inline_max_bytes;
     let key = relay_kit::league::adapter_key(ADAPTER_NAME, progress.version);
     let mut stored_in = None;
@@ -193,8 +223,8 @@ async fn adapter_update(
     let payload = match stored_in {
         Some(bucket) if !inline => AdapterPayload::ObjectStore { bucket, key },
         _ => AdapterPayload::Inline {
-            config_json: files.config_json,
-            safetensors: files.safetensors,
+            config_json: files.config_json.clone(),
+            safetensors: files.safetensors.clone(),
         },
     };
     Ok(AdapterUpdate {
@@ -300,23 +330,28 @@ struct Publisher<'a> {
 }
 
 impl Publisher<'_> {
-    /// Publishes `adapter` as `progress.version` (a failure is logged: the
-    /// next version replaces it).
-    async fn publish(&self, progress: &Progress, adapter: &LoraAdapter) {
-        let update = match adapter_update(
-            self.service,
-            adapter,
-            self.base_model,
-            progress,
-            self.inline_max_bytes,
-            self.league.is_some(),
-        )
-        .await
-        {
-            Ok(update) => update,
+    /// Publishes `adapter` as `progress.version` and returns its PEFT
+    /// files as published (a failure is logged: the next version replaces
+    /// it).
+    async fn publish(&self, progress: &Progress, adapter: &LoraAdapter) -> Option<PeftBytes> {
+        let published = async {
+            let files = relay_llm::to_peft_bytes(adapter, Some(self.base_model))
+                .map_err(|e| e.to_string())?;
+            let update = adapter_update(
+                self.service,
+                &files,
+                progress,
+                self.inline_max_bytes,
+                self.league.is_some(),
+            )
+            .await?;
+            Ok::<_, String>((files, update))
+        };
+        let (files, update) = match published.await {
+            Ok(published) => published,
             Err(e) => {
                 tracing::error!(error = %e, version = progress.version, "adapter not published");
-                return;
+                return None;
             }
         };
         if let Some(league) = &self.league {
@@ -355,7 +390,9 @@ impl Publisher<'_> {
             .await
         {
             tracing::warn!(error = %e, "adapter publish failed");
+            return None;
         }
+        Some(files)
     }
 }
 
@@ -423,6 +460,7 @@ pub(crate) async fn run(
         moving_baselines: Default::default(),
         reward_normalizer: RewardNormalizer::default(),
         best_eval: None,
+        weights_version: None,
     };
     let mut version_floor = 0u64;
     let mut resumed_at_vec_steps = 0u64;
@@ -515,9 +553,10 @@ pub(crate) async fn run(
         league,
     };
 
-    let (mut statuses, mut evals) = crate::subscribe_run_events(&service).await?;
-
-    publisher.publish(&state.progress, &adapter).await;
+    let mut events: RunEvents<PeftBytes> = RunEvents::subscribe(&service, state.best_eval).await?;
+    if let Some(files) = publisher.publish(&state.progress, &adapter).await {
+        events.record(state.progress.version, files);
+    }
     metrics.version.set(state.progress.version as i64);
     service.health.set_ready(true);
     tracing::info!(
@@ -527,12 +566,47 @@ pub(crate) async fn run(
         "training starts"
     );
 
-    let checkpoint = |state: &TextCheckpointState, trainer: &RlTrainer, best: bool| {
+    // A checkpoint of the state as it is now, linked as `links`; with
+    // `evaluated` (a version and its files as published) holding that
+    // version's adapter.
+    let checkpoint = |state: &TextCheckpointState,
+                      trainer: &RlTrainer,
+                      links: &[&str],
+                      evaluated: Option<(u64, &PeftBytes)>| {
+        let state = TextCheckpointState {
+            moving_baselines: trainer.moving_baselines().clone(),
+            weights_version: Some(evaluated.map_or(state.progress.version, |(v, _)| v)),
+            ..state.clone()
+        };
         checkpoint::log_written(
-            save_checkpoint(&run_dir, &adapter, trainer, state, &cfg, &base_model, best),
-            state.progress.version,
-            best,
+            save_checkpoint(
+                &run_dir,
+                &adapter,
+                trainer,
+                &state,
+                &cfg,
+                &base_model,
+                links,
+                evaluated.map(|(_, files)| files),
+            ),
+            state.weights_version.unwrap_or(state.progress.version),
+            links,
         );
+    };
+    // The checkpoints the run's evaluations ask for (best, solved).
+    let checkpoint_evaluations = |events: &mut RunEvents<PeftBytes>,
+                                  state: &mut TextCheckpointState,
+                                  trainer: &RlTrainer| {
+        for save in events.poll(&service) {
+            state.best_eval = events.best_eval;
+            checkpoint(
+                state,
+                trainer,
+                &save.links,
+                Some((save.version, &save.weights)),
+            );
+        }
+        state.best_eval = events.best_eval;
     };
 
     let budget = cfg.run.total_env_steps;
@@ -549,7 +623,6 @@ pub(crate) async fn run(
     let mut dropped_stale = 0u64;
     let mut reported = (0u64, 0usize, 0usize);
     let (mut truncated_total, mut tokens_cut_total) = (0usize, 0usize);
-    let mut solved: Option<String> = None;
     let started = Instant::now();
     let start_env_steps = state.progress.env_steps;
     let finish = loop {
@@ -557,17 +630,12 @@ pub(crate) async fn run(
             &shutdown,
             state.progress.env_steps,
             budget,
-            &solved,
+            &events.solved,
             cfg.run.stop_when_solved,
         ) {
             break finish;
         }
-        crate::take_solved(&service, &mut statuses, &mut solved);
-        let checkpoint_best = crate::take_evals(&service, &mut evals, &mut state.best_eval);
-        if checkpoint_best {
-            state.moving_baselines = trainer.moving_baselines().clone();
-            checkpoint(&state, &trainer, true);
-        }
+        checkpoint_evaluations(&mut events, &mut state, &trainer);
 
         // Games played by versions too old for this update go.
         let oldest_ok = state
@@ -681,7 +749,9 @@ pub(crate) async fn run(
         progress.env_steps += examples.len() as u64;
         progress.vec_steps += examples.len() as u64;
         progress.episodes += games.len() as u64;
-        publisher.publish(progress, &adapter).await;
+        if let Some(files) = publisher.publish(progress, &adapter).await {
+            events.record(progress.version, files);
+        }
         metrics.version.set(progress.version as i64);
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
@@ -763,13 +833,21 @@ pub(crate) async fn run(
             .updates
             .is_multiple_of(cfg.rl.checkpoint_every)
         {
-            state.moving_baselines = trainer.moving_baselines().clone();
-            checkpoint(&state, &trainer, false);
+            checkpoint(&state, &trainer, crate::LINKS_LAST, None);
         }
     };
 
-    state.moving_baselines = trainer.moving_baselines().clone();
-    checkpoint(&state, &trainer, false);
+    // Reports that arrived as training stopped, then the last checkpoint.
+    checkpoint_evaluations(&mut events, &mut state, &trainer);
+    match crate::final_weights(&cfg, &events) {
+        Some((version, files)) => checkpoint(
+            &state,
+            &trainer,
+            crate::LINKS_LAST_SOLVED,
+            Some((version, &files)),
+        ),
+        None => checkpoint(&state, &trainer, crate::LINKS_LAST, None),
+    }
     crate::finish_run(
         &service,
         &shutdown,
@@ -778,6 +856,7 @@ pub(crate) async fn run(
         format!("{budget} env steps (learning moves)"),
         state.progress.version,
         state.progress.env_steps,
+        || checkpoint_evaluations(&mut events, &mut state, &trainer),
     )
     .await;
     Ok(())

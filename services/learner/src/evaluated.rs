@@ -1,0 +1,200 @@
+//! What a learner hears of its run's evaluations, and the published
+//! versions it keeps so that a checkpoint saved for an evaluation holds
+//! exactly the weights that evaluation played.
+//!
+//! An evaluation of version N reports after the learner has moved on to
+//! N+1, N+2, ... (it plays for a while, and the report travels), so the
+//! learner's current weights are not N's. Every learner records each
+//! version it publishes ([`RunEvents::record`]: the classic learners the
+//! [`relay_proto::WeightsUpdate`], the text learner the adapter's PEFT
+//! files) and keeps the newest [`RECENT_VERSIONS`]. The evaluator announces
+//! each evaluation as it begins ([`relay_proto::EvalStarted`]), and the
+//! learner then keeps that version (up to [`PINNED_VERSIONS`] at once, the
+//! oldest let go first) until the version's [`EvalReport`] arrives. A report
+//! that beats the best eval mean so far, or the first that solves the run
+//! (screening and confirmation passed), becomes a checkpoint holding that
+//! version's weights, linked `best` or `solved` ([`EvaluatedSave`]); the
+//! rest of that checkpoint (optimizer, counters, RNG, the algorithm's other
+//! networks) is the learner's state when it hears the report. A report for
+//! a version no longer held (an evaluator that never announced it, or too
+//! many evaluations at once) saves nothing and is logged: a `best` link
+//! never points at weights other than those evaluated.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use futures::{FutureExt, StreamExt};
+use relay_kit::{Service, ServiceError};
+use relay_proto::{EvalReport, EvalStarted, RunStatus, RunStatusUpdate};
+
+/// Newest published versions always kept (what an evaluation may start on
+/// before its announcement arrives).
+pub const RECENT_VERSIONS: usize = 8;
+
+/// Versions kept for evaluations in progress, at most.
+pub const PINNED_VERSIONS: usize = 16;
+
+/// A checkpoint to write for an evaluation: `weights` are version
+/// `version`'s, as published; `links` are `best` and/or `solved`.
+#[derive(Debug)]
+pub struct EvaluatedSave<S> {
+    pub version: u64,
+    pub weights: Arc<S>,
+    pub links: Vec<&'static str>,
+}
+
+/// The run's status announcements, evaluation starts and reports, and the
+/// published versions kept for them (see the module docs).
+pub struct RunEvents<S> {
+    statuses: async_nats::Subscriber,
+    reports: async_nats::Subscriber,
+    starts: async_nats::Subscriber,
+    recent: VecDeque<(u64, Arc<S>)>,
+    pinned: VecDeque<(u64, Arc<S>)>,
+    /// Best eval mean whose version's weights were saved (mean, version).
+    pub best_eval: Option<(f64, u64)>,
+    /// The detail of the first `solved` announcement heard.
+    pub solved: Option<String>,
+    /// The first version that solved the run, with its weights.
+    pub solved_weights: Option<(u64, Arc<S>)>,
+}
+
+impl<S> RunEvents<S> {
+    /// Subscribes to the run's `status`, `eval` and `eval.started`;
+    /// `best_eval` continues a resumed run's.
+    pub async fn subscribe(
+        service: &Service,
+        best_eval: Option<(f64, u64)>,
+    ) -> Result<Self, ServiceError> {
+        let subscribe = |subject: String| {
+            let nats = service.nats.clone();
+            async move { nats.subscribe(subject).await.map_err(ServiceError::nats) }
+        };
+        Ok(Self {
+            statuses: subscribe(service.subjects.status()).await?,
+            reports: subscribe(service.subjects.eval()).await?,
+            starts: subscribe(service.subjects.eval_started()).await?,
+            recent: VecDeque::with_capacity(RECENT_VERSIONS + 1),
+            pinned: VecDeque::new(),
+            best_eval,
+            solved: None,
+            solved_weights: None,
+        })
+    }
+
+    /// Keeps what version `version` published (the newest
+    /// [`RECENT_VERSIONS`] are kept).
+    pub fn record(&mut self, version: u64, published: S) {
+        self.recent.push_back((version, Arc::new(published)));
+        while self.recent.len() > RECENT_VERSIONS {
+            self.recent.pop_front();
+        }
+    }
+
+    fn held(&self, version: u64) -> Option<Arc<S>> {
+        self.pinned
+            .iter()
+            .chain(self.recent.iter())
+            .find(|(v, _)| *v == version)
+            .map(|(_, s)| s.clone())
+    }
+
+    /// Takes what arrived without waiting: `solved` announcements,
+    /// evaluation starts (their versions kept) and reports; returns the
+    /// checkpoints the reports ask for, one per version.
+    pub fn poll(&mut self, service: &Service) -> Vec<EvaluatedSave<S>> {
+        while let Some(Some(m)) = self.statuses.next().now_or_never() {
+            if let Ok(status) = service
+                .intake
+                .decode::<RunStatusUpdate>("status", &m.payload)
+            {
+                if status.status == RunStatus::Solved && self.solved.is_none() {
+                    tracing::info!(detail = %status.detail, "run solved");
+                    self.solved = Some(status.detail);
+                }
+            }
+        }
+        while let Some(Some(m)) = self.starts.next().now_or_never() {
+            if let Ok(start) = service
+                .intake
+                .decode::<EvalStarted>("eval.started", &m.payload)
+            {
+                self.pin(start.policy_version);
+            }
+        }
+        let mut saves: Vec<EvaluatedSave<S>> = Vec::new();
+        while let Some(Some(m)) = self.reports.next().now_or_never() {
+            let Ok(report) = service.intake.decode::<EvalReport>("eval", &m.payload) else {
+                continue;
+            };
+            if report.returns.is_empty() || !report.mean_return.is_finite() {
+                continue;
+            }
+            let version = report.policy_version;
+            let weights = self.held(version);
+            self.pinned.retain(|(v, _)| *v != version);
+            let mut links = Vec::new();
+            if self.best_eval.is_none_or(|(b, _)| report.mean_return > b) {
+                links.push("best");
+            }
+            if report.solved && self.solved_weights.is_none() {
+                links.push("solved");
+            }
+            if links.is_empty() {
+                continue;
+            }
+            let Some(weights) = weights else {
+                tracing::warn!(
+                    version,
+                    mean_return = report.mean_return,
+                    solved = report.solved,
+                    "evaluated version's weights no longer held; no checkpoint saved for it"
+                );
+                continue;
+            };
+            if links.contains(&"best") {
+                self.best_eval = Some((report.mean_return, version));
+            }
+            if links.contains(&"solved") {
+                self.solved_weights = Some((version, weights.clone()));
+            }
+            match saves.iter_mut().find(|s| s.version == version) {
+                Some(save) => save.links.extend(links),
+                None => saves.push(EvaluatedSave {
+                    version,
+                    weights,
+                    links,
+                }),
+            }
+        }
+        // A later best of the same poll replaces an earlier one.
+        if let Some(&(_, best)) = self.best_eval.as_ref() {
+            for save in &mut saves {
+                if save.version != best {
+                    save.links.retain(|l| *l != "best");
+                }
+            }
+            saves.retain(|s| !s.links.is_empty());
+        }
+        saves
+    }
+
+    /// Keeps `version` until its report arrives (if it is still held).
+    fn pin(&mut self, version: u64) {
+        if self.pinned.iter().any(|(v, _)| *v == version) {
+            return;
+        }
+        match self.held(version) {
+            Some(weights) => {
+                self.pinned.push_back((version, weights));
+                if self.pinned.len() > PINNED_VERSIONS {
+                    self.pinned.pop_front();
+                }
+            }
+            None => tracing::warn!(
+                version,
+                "an evaluation started on a version no longer held; its checkpoint cannot be saved"
+            ),
+        }
+    }
+}
