@@ -3,9 +3,14 @@
 //! `configs/`, a goal on the mean evaluation return and a budget of env
 //! steps) and every seed, one full-stack run (`relay up --until-solved`
 //! with `eval.threshold` set to the goal and `run.total_env_steps` to the
-//! budget): reached or not, env steps and wall time to the goal (or the
-//! end), best evaluation. A preset that does not exist yet is reported as
-//! missing, not skipped silently. Prints a table and a JSON line.
+//! budget): solved or not (a version's screening mean reached the goal and
+//! so did its confirmation on fresh episodes), env steps and wall time at
+//! the confirmation (or the end), the first screening pass beside them,
+//! the best evaluation, and the run's `best` checkpoint re-evaluated
+//! offline over 100 fresh episodes. A goal is reached only when the run
+//! was solved and that re-evaluation meets the goal too. A preset that
+//! does not exist yet is reported as missing, not skipped silently. Prints
+//! a table and a JSON line.
 
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -13,7 +18,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use serde_json::json;
 
-use crate::{up, UpArgs};
+use crate::{reevaluate_best, up, FirstPass, UpArgs, REEVAL_EPISODES};
 
 /// One learning goal.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -83,10 +88,16 @@ pub struct BenchLearningArgs {
 #[derive(Debug, Clone, PartialEq)]
 struct Attempt {
     seed: u64,
+    /// Screening and confirmation passed.
+    solved: bool,
+    /// Solved, and the best checkpoint's re-evaluation meets the goal.
     reached: bool,
     env_steps: u64,
     wall_s: f64,
+    first_pass: Option<FirstPass>,
     best_eval: Option<f64>,
+    /// The best checkpoint's mean return over fresh episodes.
+    reevaluated: Option<f64>,
 }
 
 /// The best mean return in a run's `eval.jsonl`.
@@ -162,23 +173,29 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             );
             run.run_id = Some(run_id.clone());
             let outcome = up(run)?;
+            let reevaluated = reevaluate_best(&loaded, &run_id);
             let attempt = Attempt {
                 seed,
-                reached: outcome.solved,
+                solved: outcome.solved,
+                reached: outcome.solved
+                    && reevaluated
+                        .as_ref()
+                        .is_some_and(|r| r.mean_return >= goal.threshold),
                 env_steps: outcome.env_steps,
                 wall_s: outcome.wall_s,
+                first_pass: outcome.first_pass,
                 best_eval: best_eval(&loaded.run.runs_dir.join(&run_id).join("eval.jsonl")),
+                reevaluated: reevaluated.map(|r| r.mean_return),
             };
             println!(
-                "   {} at {} env steps, {:.1}s; best eval {}",
-                if attempt.reached {
-                    "reached"
-                } else {
-                    "not reached"
-                },
+                "   {} at {} env steps, {:.1}s (first screening pass: {}); best eval {}; best checkpoint over {REEVAL_EPISODES} fresh episodes {}: goal {}",
+                if attempt.solved { "solved" } else { "not solved" },
                 attempt.env_steps,
                 attempt.wall_s,
-                attempt.best_eval.map_or("-".into(), |r| format!("{r:.1}"))
+                attempt.first_pass.map_or("none".into(), |f| format!("{} env steps, {:.1}s", f.env_steps, f.wall_s)),
+                attempt.best_eval.map_or("-".into(), |r| format!("{r:.1}")),
+                attempt.reevaluated.map_or("-".into(), |r| format!("{r:.1}")),
+                if attempt.reached { "reached" } else { "not reached" },
             );
             attempts.push(attempt);
         }
@@ -186,14 +203,14 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
     }
 
     println!();
-    println!("| goal | threshold | budget | seed | reached | env_steps | wall_s | best eval |");
-    println!("|---|---:|---:|---:|:---:|---:|---:|---:|");
+    println!("| goal | threshold | budget | seed | solved (confirmed) | env_steps | wall_s | first pass: env_steps | first pass: wall_s | best eval | best re-evaluated ({REEVAL_EPISODES} fresh) | reached |");
+    println!("|---|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|:---:|");
     let mut json_goals = Vec::new();
     for (goal, attempts) in &results {
         match attempts {
             None => {
                 println!(
-                    "| {} | {} | {} | - | missing preset | - | - | - |",
+                    "| {} | {} | {} | - | missing preset | - | - | - | - | - | - | - |",
                     goal.name, goal.threshold, goal.budget
                 );
                 json_goals
@@ -201,16 +218,21 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             }
             Some(attempts) => {
                 for a in attempts {
+                    let fmt = |v: Option<f64>| v.map_or("-".to_string(), |r| format!("{r:.1}"));
                     println!(
-                        "| {} | {} | {} | {} | {} | {} | {:.1} | {} |",
+                        "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} |",
                         goal.name,
                         goal.threshold,
                         goal.budget,
                         a.seed,
-                        if a.reached { "yes" } else { "no" },
+                        if a.solved { "yes" } else { "no" },
                         a.env_steps,
                         a.wall_s,
-                        a.best_eval.map_or("-".into(), |r| format!("{r:.1}"))
+                        a.first_pass.map_or("-".into(), |f| f.env_steps.to_string()),
+                        fmt(a.first_pass.map(|f| f.wall_s)),
+                        fmt(a.best_eval),
+                        fmt(a.reevaluated),
+                        if a.reached { "yes" } else { "no" },
                     );
                 }
                 json_goals.push(json!({
@@ -218,10 +240,14 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                     "config": goal.config,
                     "measured": true,
                     "reached": attempts.iter().filter(|a| a.reached).count(),
+                    "solved": attempts.iter().filter(|a| a.solved).count(),
                     "seeds": attempts.len(),
                     "env_steps": attempts.iter().map(|a| a.env_steps).collect::<Vec<_>>(),
                     "wall_s": attempts.iter().map(|a| (a.wall_s * 10.0).round() / 10.0).collect::<Vec<_>>(),
+                    "first_pass_env_steps": attempts.iter().map(|a| a.first_pass.map(|f| f.env_steps)).collect::<Vec<_>>(),
+                    "first_pass_wall_s": attempts.iter().map(|a| a.first_pass.map(|f| (f.wall_s * 10.0).round() / 10.0)).collect::<Vec<_>>(),
                     "best_eval": attempts.iter().map(|a| a.best_eval).collect::<Vec<_>>(),
+                    "best_reevaluated": attempts.iter().map(|a| a.reevaluated.map(|r| (r * 10.0).round() / 10.0)).collect::<Vec<_>>(),
                 }));
             }
         }

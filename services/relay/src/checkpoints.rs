@@ -1,8 +1,9 @@
 //! `relay checkpoints ls|pin <run>`: a run's checkpoints
 //! (`runs/<id>/checkpoints/<n>/`, written by the learner; see
 //! `relay_learner::checkpoint` for their contents and the keep policy), and
-//! [`resolve`], which `relay up --resume/--init-from` and `relay play` use to
-//! turn `<run|@last>` and `best|last|N` into a checkpoint folder.
+//! [`resolve`], which `relay up --resume/--init-from`, `relay play` and
+//! `relay eval checkpoint` use to turn `<run|@last>` and `best|last|solved|N`
+//! into a checkpoint folder.
 
 use std::path::{Path, PathBuf};
 
@@ -82,29 +83,31 @@ pub fn checkpoints(args: CheckpointsArgs) -> Result<()> {
     }
 }
 
-/// The checkpoints of a run as a table.
+/// The checkpoints of a run as a table (`weights`: the version whose
+/// weights the checkpoint holds, earlier than `version` for `best` and
+/// `solved`, which hold an evaluated version's).
 pub fn table(run_dir: &Path) -> String {
     let pinned = checkpoint::pinned(run_dir);
-    let (best, last) = (
-        checkpoint::link_target(run_dir, "best"),
-        checkpoint::link_target(run_dir, "last"),
+    let links: Vec<(&str, Option<u64>)> = checkpoint::LINKS
+        .iter()
+        .map(|l| (*l, checkpoint::link_target(run_dir, l)))
+        .collect();
+    let mut out = String::from(
+        "checkpoint  weights  version  updates  env_steps  vec_steps  best_eval  tags\n",
     );
-    let mut out =
-        String::from("checkpoint  version  updates  env_steps  vec_steps  best_eval  tags\n");
     for n in checkpoint::list(run_dir) {
         let state = checkpoint::load_state(&checkpoint::folder(run_dir, n)).ok();
-        let mut tags = Vec::new();
-        if last == Some(n) {
-            tags.push("@last");
-        }
-        if best == Some(n) {
-            tags.push("@best");
-        }
+        let mut tags: Vec<String> = links
+            .iter()
+            .filter(|(_, target)| *target == Some(n))
+            .map(|(link, _)| format!("@{link}"))
+            .collect();
         if pinned.contains(&n) {
-            tags.push("pinned");
+            tags.push("pinned".into());
         }
-        let (version, updates, env, vec, best_eval) = match &state {
+        let (weights, version, updates, env, vec, best_eval) = match &state {
             Some(s) => (
+                s.weights_version.unwrap_or(s.progress.version).to_string(),
                 s.progress.version.to_string(),
                 s.progress.updates.to_string(),
                 s.progress.env_steps.to_string(),
@@ -112,10 +115,17 @@ pub fn table(run_dir: &Path) -> String {
                 s.best_eval
                     .map_or("-".into(), |(m, v)| format!("{m:.1}@v{v}")),
             ),
-            None => ("?".into(), "?".into(), "?".into(), "?".into(), "?".into()),
+            None => (
+                "?".into(),
+                "?".into(),
+                "?".into(),
+                "?".into(),
+                "?".into(),
+                "?".into(),
+            ),
         };
         out.push_str(&format!(
-            "{n:>10}  {version:>7}  {updates:>7}  {env:>9}  {vec:>9}  {best_eval:>9}  {}\n",
+            "{n:>10}  {weights:>7}  {version:>7}  {updates:>7}  {env:>9}  {vec:>9}  {best_eval:>9}  {}\n",
             tags.join(" ")
         ));
     }

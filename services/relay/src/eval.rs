@@ -1,8 +1,19 @@
 //! `relay eval use <name> [--set key=value]...`: publishes an `EvalControl`
 //! on `relay.<run>.eval.control`; every running evaluator copy switches to
 //! that plugin (or logs and counts a refusal) without restarting.
+//!
+//! `relay eval checkpoint <run>[:best|last|solved|N] [--episodes 100]
+//! [--seed S]`: plays a saved checkpoint of a classic run offline, with
+//! deterministic actions as the `greedy` evaluator does (one episode per
+//! sub-env of a vectorized env seeded `S, S+1, ...`, each to its end), and
+//! prints mean ± std, min and max, then a JSON line. The default seed is
+//! the run's fresh one (`eval.seed + 2^48`), which no evaluation of the
+//! run played; `--seed <eval.seed> --episodes <eval.episodes>` replays the
+//! evaluator's screening of the version the checkpoint holds, and the
+//! report's confirmation seed and episodes its confirmation, to the same
+//! figure.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use relay_proto::{EvalControl, Subjects, SCHEMA_VERSION};
@@ -17,6 +28,20 @@ pub struct EvalArgs {
 /// `relay eval <command>`.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum EvalCommand {
+    /// Play a checkpoint of a classic run offline: mean ± std, min, max and a JSON line.
+    Checkpoint {
+        /// `<run>[:best|last|solved|N]`: run id (or `@last`) and checkpoint (default `best`).
+        checkpoint: String,
+        /// Episodes to play.
+        #[arg(long, default_value_t = 100)]
+        episodes: usize,
+        /// First seed of the episodes (default: the run's fresh seed, `eval.seed + 2^48`, which no evaluation played).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Folder holding the runs.
+        #[arg(long, env = "RELAY_RUNS_DIR", default_value = "runs")]
+        runs_dir: PathBuf,
+    },
     /// Switch the running evaluators to plugin NAME (greedy, stochastic, threshold, record).
     Use {
         /// Plugin name.
@@ -62,15 +87,125 @@ pub async fn send(nats_url: &str, run_id: &str, control: &EvalControl) -> Result
     Ok(())
 }
 
+/// What `relay eval checkpoint` measured.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CheckpointEval {
+    pub run_id: String,
+    /// The checkpoint folder's number.
+    pub checkpoint: String,
+    /// The weights version the checkpoint holds.
+    pub weights_version: u64,
+    pub env_id: String,
+    pub episodes: usize,
+    pub seed: u64,
+    pub returns: Vec<f64>,
+    pub mean_return: f64,
+    pub std_return: f64,
+    pub min_return: f64,
+    pub max_return: f64,
+    /// The run's solved threshold, when it has one.
+    pub threshold: Option<f64>,
+    /// `mean_return >= threshold`.
+    pub passed: Option<bool>,
+}
+
+/// Plays `episodes` deterministic episodes from `seed` (default: the run's
+/// fresh seed) with checkpoint `which` of run `run`.
+pub fn evaluate_checkpoint(
+    runs_dir: &Path,
+    run: &str,
+    which: &str,
+    episodes: usize,
+    seed: Option<u64>,
+) -> Result<CheckpointEval> {
+    if episodes == 0 {
+        bail!("--episodes must be at least 1");
+    }
+    let (run_id, _, dir) = crate::checkpoints::resolve(runs_dir, run, which)?;
+    let config = crate::play::read_resolved_config(&dir.join("config.yaml"))?;
+    if config.is_text_game() {
+        bail!(
+            "{run_id} is a text-game run: play its checkpoint against a bot with `relay play {run_id} --checkpoint {which} --opponent random --episodes N`"
+        );
+    }
+    let state = relay_learner::checkpoint::load_state(&dir)?;
+    let (model, normalizer) = crate::play::load_policy(&config, &dir)?;
+    let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
+    let returns: Vec<f64> = relay_evaluator::plugins::play(
+        &model,
+        normalizer.as_ref(),
+        &config.run.env_id,
+        episodes,
+        seed,
+        true,
+        false,
+    )
+    .map_err(anyhow::Error::msg)?
+    .into_iter()
+    .map(|e| e.ret)
+    .collect();
+    let (mean, std) = relay_evaluator::mean_std(&returns);
+    let threshold = config.solved_threshold();
+    Ok(CheckpointEval {
+        run_id,
+        checkpoint: dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        weights_version: state.weights_version.unwrap_or(state.progress.version),
+        env_id: config.run.env_id.clone(),
+        episodes,
+        seed,
+        min_return: returns.iter().copied().fold(f64::INFINITY, f64::min),
+        max_return: returns.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        returns,
+        mean_return: mean,
+        std_return: std,
+        threshold,
+        passed: threshold.map(|t| mean >= t),
+    })
+}
+
 /// `relay eval`.
 pub fn eval(args: EvalArgs) -> Result<()> {
-    let EvalCommand::Use {
-        name,
-        options,
-        run_id,
-        nats_url,
-        state_dir,
-    } = args.command;
+    let (name, options, run_id, nats_url, state_dir) = match args.command {
+        EvalCommand::Checkpoint {
+            checkpoint,
+            episodes,
+            seed,
+            runs_dir,
+        } => {
+            let (run, which) = checkpoint.split_once(':').unwrap_or((&checkpoint, "best"));
+            let e = evaluate_checkpoint(&runs_dir, run, which, episodes, seed)?;
+            println!(
+                "relay: {} checkpoint {} (weights version {}) on {}: {} episodes from seed {}",
+                e.run_id, e.checkpoint, e.weights_version, e.env_id, e.episodes, e.seed
+            );
+            println!(
+                "return {:.2} ± {:.2}  min {:.2}  max {:.2}{}",
+                e.mean_return,
+                e.std_return,
+                e.min_return,
+                e.max_return,
+                match (e.threshold, e.passed) {
+                    (Some(t), Some(p)) =>
+                        format!("  threshold {t}: {}", if p { "met" } else { "not met" }),
+                    _ => String::new(),
+                }
+            );
+            let mut json = serde_json::to_value(&e)?;
+            json.as_object_mut().expect("an object").remove("returns");
+            println!("{json}");
+            return Ok(());
+        }
+        EvalCommand::Use {
+            name,
+            options,
+            run_id,
+            nats_url,
+            state_dir,
+        } => (name, options, run_id, nats_url, state_dir),
+    };
     let options = parse_options(&options)?;
     // Refuse here what every evaluator would refuse.
     relay_evaluator::plugins::build(&name, &options).map_err(anyhow::Error::msg)?;

@@ -118,6 +118,8 @@ impl StopFlag {
 #[derive(Debug, Clone)]
 pub struct Outcome {
     pub run_id: String,
+    /// Solved: a version passed the screening and its confirmation on
+    /// fresh episodes.
     pub solved: bool,
     /// Start-up of the stack (infrastructure and services) until all were healthy.
     pub startup_s: f64,
@@ -125,7 +127,22 @@ pub struct Outcome {
     pub wall_s: f64,
     /// Env steps the learner had consumed at the solving eval (or the end).
     pub env_steps: u64,
+    /// The solving eval's screening mean (or the last eval's).
     pub eval_return: Option<f64>,
+    /// The solving eval's confirmation mean.
+    pub confirmed_return: Option<f64>,
+    /// The first eval whose screening mean reached the threshold (what
+    /// was called solved before confirmations), confirmed or not.
+    pub first_pass: Option<FirstPass>,
+}
+
+/// The first screening pass of a run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FirstPass {
+    pub version: u64,
+    pub wall_s: f64,
+    pub env_steps: u64,
+    pub eval_return: f64,
 }
 
 /// Makes a run id `<env>-<algo>-<yyyymmdd-hhmmss>`.
@@ -279,6 +296,8 @@ async fn watch(
         wall_s: 0.0,
         env_steps: 0,
         eval_return: None,
+        confirmed_return: None,
+        first_pass: None,
     };
     let mut last_eval: Option<EvalReport> = None;
     let (mut updates, mut version, mut episode_return) = (0.0, 0.0, f64::NAN);
@@ -315,13 +334,28 @@ async fn watch(
             }
             Some(m) = evals.next() => {
                 if let Ok(report) = relay_proto::decode::<EvalReport>(&m.payload) {
+                    if report.mean_return >= report.threshold && outcome.first_pass.is_none() {
+                        outcome.first_pass = Some(FirstPass {
+                            version: report.policy_version,
+                            wall_s: ready.elapsed().as_secs_f64(),
+                            env_steps: report.learner_env_steps,
+                            eval_return: report.mean_return,
+                        });
+                    }
+                    if let Some(c) = report.confirmation.as_ref().filter(|_| !outcome.solved) {
+                        println!("relay: {} version {}: eval mean {:.1} over {} screening episodes, {:.1} ± {:.1} over {} fresh episodes (seed {}), threshold {:.1}",
+                            if c.passed { "solved by" } else { "not confirmed:" },
+                            report.policy_version, report.mean_return, report.returns.len(),
+                            c.mean_return, c.std_return, c.episodes, c.seed, report.threshold);
+                    }
                     if report.solved && !outcome.solved {
                         outcome.solved = true;
                         outcome.wall_s = ready.elapsed().as_secs_f64();
                         outcome.env_steps = report.learner_env_steps;
                         outcome.eval_return = Some(report.mean_return);
-                        println!("relay: solved: eval mean {:.1} >= {:.1} at version {} ({} env steps, {:.1}s)",
-                            report.mean_return, report.threshold, report.policy_version, report.learner_env_steps, outcome.wall_s);
+                        outcome.confirmed_return = report.confirmation.as_ref().map(|c| c.mean_return);
+                        println!("relay: solved at version {} ({} env steps, {:.1}s)",
+                            report.policy_version, report.learner_env_steps, outcome.wall_s);
                         if args.until_solved {
                             break;
                         }
@@ -366,7 +400,8 @@ async fn watch(
                 let sps = (outcome.env_steps.saturating_sub(last_steps)) as f64 / dt.max(1e-3);
                 (last_steps, last_time) = (outcome.env_steps, Instant::now());
                 if !args.quiet {
-                    let eval = last_eval.as_ref().map_or("-".to_string(), |e| format!("{:.1}@v{}", e.mean_return, e.policy_version));
+                    let eval = last_eval.as_ref().map_or("-".to_string(), |e| format!("{:.1}@v{}{}", e.mean_return, e.policy_version,
+                        e.confirmation.as_ref().map_or(String::new(), |c| format!(" (confirmed {:.1})", c.mean_return))));
                     println!(
                         "[{:>6.1}s] env_steps {:>8}  sps {:>7.0}  updates {:>5}  version {:>5}  train_return {:>7.1}  eval {}{}",
                         ready.elapsed().as_secs_f64(), outcome.env_steps, sps, updates, version, episode_return, eval,
@@ -540,7 +575,26 @@ pub fn bench_tracker(args: UpArgs, rounds: u64, env_steps: u64) -> Result<()> {
     Ok(())
 }
 
-/// `relay bench-solve`: one full-stack run per seed, each until solved.
+/// Episodes of the offline re-evaluation of each benchmark run's best
+/// checkpoint (on the run's fresh seeds, which no evaluation played).
+pub const REEVAL_EPISODES: usize = 100;
+
+/// A benchmark run's `best` checkpoint played offline over
+/// [`REEVAL_EPISODES`] fresh episodes (`None`, logged, when the run has no
+/// best checkpoint or it cannot be played).
+pub fn reevaluate_best(config: &ExperimentConfig, run_id: &str) -> Option<eval::CheckpointEval> {
+    match eval::evaluate_checkpoint(&config.run.runs_dir, run_id, "best", REEVAL_EPISODES, None) {
+        Ok(e) => Some(e),
+        Err(e) => {
+            println!("relay: {run_id}: best checkpoint not re-evaluated: {e:#}");
+            None
+        }
+    }
+}
+
+/// `relay bench-solve`: one full-stack run per seed, each until solved
+/// (screening and confirmation), then its best checkpoint re-evaluated
+/// offline; a seed reaches the goal only if that re-evaluation passes too.
 pub fn bench_solve(args: UpArgs, seeds: u64) -> Result<()> {
     if seeds == 0 {
         bail!("--seeds must be at least 1");
@@ -554,42 +608,64 @@ pub fn bench_solve(args: UpArgs, seeds: u64) -> Result<()> {
         run.overrides.push(format!("run.seed={seed}"));
         run.run_id = Some(format!("{}-s{seed}", make_run_id(&config)));
         let outcome = up(run)?;
-        rows.push((seed, outcome));
+        let reeval = reevaluate_best(&config, &outcome.run_id);
+        rows.push((seed, outcome, reeval));
     }
+    let threshold = config.solved_threshold();
+    let fmt = |v: Option<f64>| v.map_or("-".to_string(), |r| format!("{r:.1}"));
     println!();
-    println!("| seed | solved | startup_s | wall_s | env_steps | sps | eval_return |");
-    println!("|-----:|:------:|----------:|-------:|----------:|----:|------------:|");
-    for (seed, o) in &rows {
+    println!("| seed | solved (confirmed) | startup_s | wall_s | env_steps | sps | screening | confirmation | first pass: wall_s | first pass: env_steps | best re-evaluated ({REEVAL_EPISODES} fresh) | reached |");
+    println!("|-----:|:------:|----------:|-------:|----------:|----:|------:|------:|------:|------:|------:|:---:|");
+    let reached = |o: &Outcome, r: &Option<eval::CheckpointEval>| {
+        o.solved && r.as_ref().and_then(|r| r.passed).unwrap_or(false)
+    };
+    for (seed, o, r) in &rows {
         println!(
-            "| {seed} | {} | {:.1} | {:.2} | {} | {:.0} | {} |",
+            "| {seed} | {} | {:.1} | {:.2} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
             if o.solved { "yes" } else { "no" },
             o.startup_s,
             o.wall_s,
             o.env_steps,
             o.env_steps as f64 / o.wall_s.max(1e-9),
-            o.eval_return.map_or("-".into(), |r| format!("{r:.1}"))
+            fmt(o.eval_return),
+            fmt(o.confirmed_return),
+            o.first_pass
+                .map_or("-".into(), |f| format!("{:.2}", f.wall_s)),
+            o.first_pass.map_or("-".into(), |f| f.env_steps.to_string()),
+            r.as_ref().map_or("-".into(), |r| format!(
+                "{:.1} ± {:.1} (min {:.0})",
+                r.mean_return, r.std_return, r.min_return
+            )),
+            if reached(o, r) { "yes" } else { "no" },
         );
     }
     let median = |mut v: Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
-    let solved: Vec<&Outcome> = rows.iter().map(|(_, o)| o).filter(|o| o.solved).collect();
-    let pick = |f: &dyn Fn(&Outcome) -> f64| {
-        if solved.is_empty() {
-            serde_json::Value::Null
-        } else {
-            serde_json::json!(median(solved.iter().map(|o| f(o)).collect()))
+        if v.is_empty() {
+            return serde_json::Value::Null;
         }
+        v.sort_by(|a, b| a.total_cmp(b));
+        serde_json::json!(v[v.len() / 2])
     };
+    let solved: Vec<&Outcome> = rows
+        .iter()
+        .map(|(_, o, _)| o)
+        .filter(|o| o.solved)
+        .collect();
+    let pick = |f: &dyn Fn(&Outcome) -> f64| median(solved.iter().map(|o| f(o)).collect());
+    let first: Vec<FirstPass> = rows.iter().filter_map(|(_, o, _)| o.first_pass).collect();
     let json = serde_json::json!({
         "env": config.run.env_id,
         "seeds": seeds,
+        "threshold": threshold,
         "solved": solved.len(),
+        "reached": rows.iter().filter(|(_, o, r)| reached(o, r)).count(),
         "median_wall_s": pick(&|o| (o.wall_s * 100.0).round() / 100.0),
         "median_env_steps": pick(&|o| o.env_steps as f64),
         "median_sps": pick(&|o| (o.env_steps as f64 / o.wall_s.max(1e-9)).round()),
         "median_startup_s": pick(&|o| (o.startup_s * 100.0).round() / 100.0),
+        "first_pass_median_wall_s": median(first.iter().map(|f| (f.wall_s * 100.0).round() / 100.0).collect()),
+        "first_pass_median_env_steps": median(first.iter().map(|f| f.env_steps as f64).collect()),
+        "best_reeval_returns": rows.iter().map(|(_, _, r)| r.as_ref().map(|r| (r.mean_return * 10.0).round() / 10.0)).collect::<Vec<_>>(),
     });
     println!("{json}");
     Ok(())

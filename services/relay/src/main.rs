@@ -10,6 +10,7 @@
 //! - `relay plot <run|@last>`: a run's learning curves as PNG files;
 //! - `relay checkpoints ls|pin <run|@last>`: a run's checkpoints;
 //! - `relay eval use <name>`: switch the running evaluators' plugin;
+//!   `relay eval checkpoint <run>[:which]`: play a saved checkpoint offline;
 //! - `relay chaos`: fault injection (kill and restart every process) during a run;
 //! - `relay play <run|@last>`: an episode of a checkpoint's policy as text;
 //! - `relay model init tiny`: write a tiny random Qwen2 model folder;
@@ -102,7 +103,8 @@ enum Command {
     Top(relay::top::TopArgs),
     /// A run's checkpoints: `checkpoints ls <run>`, `checkpoints pin <run> <n>`.
     Checkpoints(relay::checkpoints::CheckpointsArgs),
-    /// Switch the running evaluators: `eval use <name> [--set key=value]...`.
+    /// Switch the running evaluators (`eval use <name> [--set key=value]...`), or play a
+    /// checkpoint offline (`eval checkpoint <run>[:best|last|solved|N] [--episodes 100] [--seed S]`).
     Eval(relay::eval::EvalArgs),
     /// Kill each service, NATS and Redis in turn during a CartPole run, restart
     /// them, measure recovery, then train until solved; print a table and JSON.

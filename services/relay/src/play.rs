@@ -56,7 +56,7 @@ pub struct PlayArgs {
 
 /// A run's or checkpoint's resolved `config.yaml`, as it was written (no
 /// environment overrides).
-fn read_resolved_config(path: &std::path::Path) -> Result<ExperimentConfig> {
+pub fn read_resolved_config(path: &std::path::Path) -> Result<ExperimentConfig> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     Ok(ExperimentConfig::from_layers(
@@ -132,6 +132,49 @@ fn play_text_games(
     Ok(())
 }
 
+/// The policy of a classic run's checkpoint folder `dir` (DQN: the online
+/// network; SAC: the actor; otherwise the actor-critic) and, for a
+/// normalising run, its normaliser with the checkpoint's statistics
+/// (frozen): what the evaluator played when the checkpoint holds an
+/// evaluated version.
+pub fn load_policy(
+    config: &ExperimentConfig,
+    dir: &std::path::Path,
+) -> Result<(relay_policy::PolicyModel, Option<relay_nn::VecNormalize>)> {
+    let model_file = dir.join("model.safetensors");
+    let loading = || format!("loading {}", model_file.display());
+    let model = if config.run.algo == "dqn" {
+        let spec = relay_policy::qnet_spec_for(config).map_err(anyhow::Error::msg)?;
+        let mut net = relay_nn::QNetwork::new(&spec, config.run.seed)?;
+        net.load(&model_file).with_context(loading)?;
+        relay_policy::PolicyModel::QNetwork { net, epsilon: 0.0 }
+    } else if config.run.algo == "sac" {
+        // The checkpoint holds actor, critics, targets and log α; play
+        // with the actor's deterministic action tanh(μ).
+        let spec = relay_policy::sac_spec_for(config).map_err(anyhow::Error::msg)?;
+        let mut sac = relay_nn::Sac::new(&spec, 1.0, config.run.seed)?;
+        sac.load(&model_file).with_context(loading)?;
+        let relay_nn::Sac { actor, .. } = sac;
+        relay_policy::PolicyModel::Sac(actor)
+    } else {
+        let spec = relay_policy::spec_for(config)?;
+        let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
+        model.load(&model_file).with_context(loading)?;
+        relay_policy::PolicyModel::ActorCritic(model)
+    };
+    let normalizer = match config.normalizer() {
+        Some(norm) => {
+            let obs_dim = relay_envs::spec(&config.run.env_id)?.obs_dim();
+            let mut n = relay_nn::VecNormalize::new(norm, obs_dim, 0)?;
+            relay_learner::checkpoint::load_normalizer(dir, &mut n)?;
+            n.set_training(false);
+            Some(n)
+        }
+        None => None,
+    };
+    Ok((model, normalizer))
+}
+
 /// One CartPole frame: the track `[-2.4, 2.4]` with the cart and its pole.
 pub fn cartpole_frame(obs: &[f32]) -> String {
     const WIDTH: usize = 41;
@@ -187,41 +230,7 @@ pub fn play(args: PlayArgs) -> Result<()> {
     if config.is_text_game() {
         return play_text_games(&args, &config.run.env_id, Some(&config), Some(&dir));
     }
-    let model = if config.run.algo == "dqn" {
-        let spec = relay_policy::qnet_spec_for(&config).map_err(anyhow::Error::msg)?;
-        let mut net = relay_nn::QNetwork::new(&spec, config.run.seed)?;
-        net.load(dir.join("model.safetensors"))
-            .with_context(|| format!("loading {}", dir.display()))?;
-        relay_policy::PolicyModel::QNetwork { net, epsilon: 0.0 }
-    } else if config.run.algo == "sac" {
-        // The checkpoint holds actor, critics, targets and log α; play
-        // with the actor's deterministic action tanh(μ).
-        let spec = relay_policy::sac_spec_for(&config).map_err(anyhow::Error::msg)?;
-        let mut sac = relay_nn::Sac::new(&spec, 1.0, config.run.seed)?;
-        sac.load(dir.join("model.safetensors"))
-            .with_context(|| format!("loading {}", dir.display()))?;
-        let relay_nn::Sac { actor, .. } = sac;
-        relay_policy::PolicyModel::Sac(actor)
-    } else {
-        let spec = relay_policy::spec_for(&config)?;
-        let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
-        model
-            .load(dir.join("model.safetensors"))
-            .with_context(|| format!("loading {}", dir.display()))?;
-        relay_policy::PolicyModel::ActorCritic(model)
-    };
-    // A normalising run's policy takes observations normalised with the
-    // checkpoint's statistics (frozen).
-    let normalizer = match config.normalizer() {
-        Some(norm) => {
-            let obs_dim = relay_envs::spec(&config.run.env_id)?.obs_dim();
-            let mut n = relay_nn::VecNormalize::new(norm, obs_dim, 0)?;
-            relay_learner::checkpoint::load_normalizer(&dir, &mut n)?;
-            n.set_training(false);
-            Some(n)
-        }
-        None => None,
-    };
+    let (model, normalizer) = load_policy(&config, &dir)?;
     let env_id = config.run.env_id.clone();
     println!("relay: {id} checkpoint {} on {env_id}", dir.display());
     let episodes = relay_evaluator::plugins::play(

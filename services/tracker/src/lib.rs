@@ -516,7 +516,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             Some(m) = evals.next() => match intake.decode::<EvalReport>("eval", &m.payload) {
                 Ok(report) => {
                     exported.eval(&report);
-                    writeln!(dir.eval, "{}", json!({"time": now(), "evaluator": report.evaluator, "instance": report.instance, "policy_version": report.policy_version, "learner_env_steps": report.learner_env_steps, "mean_return": report.mean_return, "std_return": report.std_return, "returns": report.returns, "threshold": report.threshold, "solved": report.solved, "matchups": report.matchups}))
+                    writeln!(dir.eval, "{}", json!({"time": now(), "evaluator": report.evaluator, "instance": report.instance, "policy_version": report.policy_version, "learner_env_steps": report.learner_env_steps, "mean_return": report.mean_return, "std_return": report.std_return, "returns": report.returns, "threshold": report.threshold, "solved": report.solved, "matchups": report.matchups, "confirmation": report.confirmation}))
                 }
                 Err(_) => Ok(()),
             },
@@ -640,6 +640,7 @@ mod tests {
                 matchup("TicTacToe-v0", 1, 2, 0),
                 matchup("KuhnPoker-v0", 0, 0, 4),
             ],
+            confirmation: None,
         });
         let text = exposition(&registry);
         for line in [
