@@ -3,17 +3,20 @@
 //! and `relay model init tiny`'s model as the base, train the LoRA adapter
 //! for a few updates: adapter versions go up, the env-runner's games are
 //! played with the new versions, the checkpoint holds a PEFT adapter that
-//! `relay_llm` loads back, the tracker writes the learner's losses; then a
+//! `relay_llm` loads back, the `best` checkpoint holds the adapter files of
+//! the version the evaluator played, byte for byte, the tracker writes the
+//! learner's losses; then a
 //! learner resumed from that checkpoint publishes above every earlier
 //! version and answers `adapters.latest` with it.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
 use relay_proto::{
-    AdapterRequest, AdapterUpdate, GameRecord, RunStatus, RunStatusUpdate, Subjects, SCHEMA_VERSION,
+    AdapterPayload, AdapterRequest, AdapterUpdate, EvalReport, GameRecord, RunStatus,
+    RunStatusUpdate, Subjects, SCHEMA_VERSION,
 };
 use relay_testkit::{NatsServer, RedisServer, TempDir};
 
@@ -82,6 +85,7 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
     let mut adapters = client.subscribe(subjects.adapters()).await.unwrap();
     let mut games = client.subscribe(subjects.games()).await.unwrap();
     let mut statuses = client.subscribe(subjects.status()).await.unwrap();
+    let mut evals = client.subscribe(subjects.eval()).await.unwrap();
 
     let (trigger, shutdown) = Shutdown::new();
     let config = || ServiceConfig::for_test(experiment.clone());
@@ -97,13 +101,17 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
     // Until the learner has spent its budget and a game played by a
     // trained version (>= 1) has been seen.
     let mut published: Vec<u64> = Vec::new();
+    // The adapter files of each version, as published.
+    let mut files: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut evaluated: Vec<EvalReport> = Vec::new();
     let mut played: BTreeSet<u64> = BTreeSet::new();
     // The final version, from the learner's status.
     let mut learner_done: Option<u64> = None;
     let mut continuations = 0usize;
     let deadline = Instant::now() + Duration::from_secs(120);
     while !(learner_done.is_some_and(|last| published.last() == Some(&last))
-        && played.iter().any(|&v| v >= 1))
+        && played.iter().any(|&v| v >= 1)
+        && !evaluated.is_empty())
     {
         assert!(
             Instant::now() < deadline,
@@ -114,6 +122,12 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
                 let update: AdapterUpdate = relay_proto::decode(&m.payload).unwrap();
                 assert_eq!(update.name, "policy");
                 published.push(update.version);
+                if let AdapterPayload::Inline { safetensors, .. } = update.payload {
+                    files.insert(update.version, safetensors);
+                }
+            }
+            Some(m) = evals.next() => {
+                evaluated.push(relay_proto::decode(&m.payload).unwrap());
             }
             Some(m) = games.next() => {
                 let game: GameRecord = relay_proto::decode(&m.payload).unwrap();
@@ -198,6 +212,26 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
     // The checkpoint: a PEFT adapter relay_llm loads, moved away from the
     // fresh one (B = 0), the optimizer's moments and the counters.
     let run_dir = runs.join(run_id);
+    // The evaluation's version (played with that version only), saved as
+    // `best` with the files it was published with, whatever the learner
+    // held when the report came.
+    let best = run_dir.join("checkpoints/best");
+    let best_state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(best.join("state.json")).unwrap()).unwrap();
+    let best_version = best_state["weights_version"].as_u64().unwrap();
+    assert!(
+        evaluated.iter().any(|r| r.policy_version == best_version),
+        "best holds version {best_version}; evaluated {:?}",
+        evaluated
+            .iter()
+            .map(|r| r.policy_version)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        std::fs::read(best.join("adapter/adapter_model.safetensors")).unwrap(),
+        files[&best_version],
+        "best's adapter is version {best_version}'s as published"
+    );
     let last = run_dir.join("checkpoints/last");
     assert!(last.join("adapter/adapter_config.json").is_file());
     assert!(last.join("adapter/adapter_model.safetensors").is_file());

@@ -52,6 +52,7 @@ fn eval(mean: f64, version: u64, steps: u64) -> EvalReport {
         threshold: 475.0,
         solved: false,
         matchups: Vec::new(),
+        confirmation: None,
     }
 }
 

@@ -146,6 +146,7 @@ async fn tracker_writes_csv_registry_and_plots() {
                 threshold: 475.0,
                 solved: v == 12,
                 matchups: Vec::new(),
+                confirmation: None,
             };
             publish(s.eval(), encode(&eval)).await;
         }
