@@ -6,12 +6,12 @@
 //! - `state.json` holds [`CheckpointState`]: the counters ([`Progress`]),
 //!   the learner's RNG (ChaCha8 seed, stream and word position, so the
 //!   minibatch shuffles after a resume are the ones the run would have
-//!   drawn) and the best eval mean so far. The schedules (learning rate,
+//!   drawn) and the best eval figure so far (see [`crate::evaluated::eval_figure`]). The schedules (learning rate,
 //!   clip range) are functions of `env_steps / run.total_env_steps`, so the
 //!   saved `env_steps` is their position.
 //! - `checkpoints/last` links the newest checkpoint of the learner's own
 //!   state (periodic, and the final one); `checkpoints/best` the one saved
-//!   for the best eval mean so far, and `checkpoints/solved` the one saved
+//!   for the best eval figure so far, and `checkpoints/solved` the one saved
 //!   for the evaluation that solved the run (screening and confirmation
 //!   passed). Those two hold the weights of the version the evaluator
 //!   played, byte for byte ([`crate::evaluated`]: the published tensors,
@@ -109,7 +109,8 @@ pub struct CheckpointState {
     /// Absent in checkpoints written before the RNG was saved.
     #[serde(default)]
     pub rng: Option<RngState>,
-    /// Best eval mean heard so far (and the version it evaluated).
+    /// Best eval figure heard so far (the confirmation's mean when there is
+    /// one) and the version it evaluated.
     #[serde(default)]
     pub best_eval: Option<(f64, u64)>,
     /// The weights version the model file holds: `progress.version`, or an

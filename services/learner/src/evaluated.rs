@@ -11,7 +11,8 @@
 //! each evaluation as it begins ([`relay_proto::EvalStarted`]), and the
 //! learner then keeps that version (up to [`PINNED_VERSIONS`] at once, the
 //! oldest let go first) until the version's [`EvalReport`] arrives. A report
-//! that beats the best eval mean so far, or the first that solves the run
+//! that beats the best eval figure so far ([`eval_figure`]: the
+//! confirmation's mean when there is one), or the first that solves the run
 //! (screening and confirmation passed), becomes a checkpoint holding that
 //! version's weights, linked `best` or `solved` ([`EvaluatedSave`]); the
 //! rest of that checkpoint (optimizer, counters, RNG, the algorithm's other
@@ -34,6 +35,17 @@ pub const RECENT_VERSIONS: usize = 8;
 /// Versions kept for evaluations in progress, at most.
 pub const PINNED_VERSIONS: usize = 16;
 
+/// What a report says of its version: the confirmation's mean when it was
+/// confirmed (more episodes, and fresh ones), else the screening mean. A
+/// version that passed the screening by luck and failed its confirmation
+/// is not the best.
+pub fn eval_figure(report: &EvalReport) -> f64 {
+    report
+        .confirmation
+        .as_ref()
+        .map_or(report.mean_return, |c| c.mean_return)
+}
+
 /// A checkpoint to write for an evaluation: `weights` are version
 /// `version`'s, as published; `links` are `best` and/or `solved`.
 #[derive(Debug)]
@@ -51,7 +63,8 @@ pub struct RunEvents<S> {
     starts: async_nats::Subscriber,
     recent: VecDeque<(u64, Arc<S>)>,
     pinned: VecDeque<(u64, Arc<S>)>,
-    /// Best eval mean whose version's weights were saved (mean, version).
+    /// Best eval figure ([`eval_figure`]) whose version's weights were
+    /// saved (figure, version).
     pub best_eval: Option<(f64, u64)>,
     /// The detail of the first `solved` announcement heard.
     pub solved: Option<String>,
@@ -133,8 +146,9 @@ impl<S> RunEvents<S> {
             let version = report.policy_version;
             let weights = self.held(version);
             self.pinned.retain(|(v, _)| *v != version);
+            let figure = eval_figure(&report);
             let mut links = Vec::new();
-            if self.best_eval.is_none_or(|(b, _)| report.mean_return > b) {
+            if self.best_eval.is_none_or(|(b, _)| figure > b) {
                 links.push("best");
             }
             if report.solved && self.solved_weights.is_none() {
@@ -146,14 +160,14 @@ impl<S> RunEvents<S> {
             let Some(weights) = weights else {
                 tracing::warn!(
                     version,
-                    mean_return = report.mean_return,
+                    figure,
                     solved = report.solved,
                     "evaluated version's weights no longer held; no checkpoint saved for it"
                 );
                 continue;
             };
             if links.contains(&"best") {
-                self.best_eval = Some((report.mean_return, version));
+                self.best_eval = Some((figure, version));
             }
             if links.contains(&"solved") {
                 self.solved_weights = Some((version, weights.clone()));

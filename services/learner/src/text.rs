@@ -87,7 +87,8 @@ pub struct TextCheckpointState {
     /// Running reward statistics of `rl.reward.normalize`.
     #[serde(default)]
     pub reward_normalizer: RewardNormalizer,
-    /// Best eval mean heard so far (and the version it evaluated).
+    /// Best eval figure heard so far (the confirmation's mean when there is
+    /// one) and the version it evaluated.
     #[serde(default)]
     pub best_eval: Option<(f64, u64)>,
     /// The adapter version `adapter/` holds: `progress.version`, or an

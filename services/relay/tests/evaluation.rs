@@ -175,6 +175,32 @@ async fn a_late_report_saves_the_evaluated_versions_weights_byte_for_byte() {
     let newer = published.lock().unwrap()[&state.progress.version].clone();
     assert_ne!(newer.tensors, update.tensors);
 
+    // A version that passed the screening (500) but not its confirmation
+    // (100) is judged by the confirmation: not the best.
+    let lucky = newest().unwrap();
+    let start = EvalStarted {
+        policy_version: lucky,
+        ..start
+    };
+    client
+        .publish(subjects.eval_started(), relay_proto::encode(&start).into())
+        .await
+        .unwrap();
+    let mut screened = report("CartPole-v1", lucky, 500.0);
+    screened.confirmation = Some(relay_proto::Confirmation {
+        episodes: 1,
+        seed: experiment.eval.confirm_seed(lucky),
+        returns: vec![100.0],
+        mean_return: 100.0,
+        std_return: 0.0,
+        passed: false,
+    });
+    client
+        .publish(subjects.eval(), relay_proto::encode(&screened).into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+
     // A better report for a version announced by no evaluation and long
     // gone saves nothing: `best` never points at other weights.
     let held = newest().unwrap();
@@ -189,12 +215,9 @@ async fn a_late_report_saves_the_evaluated_versions_weights_byte_for_byte() {
     client.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let best_now = relay_learner::checkpoint::resolve(&run_dir, "best").unwrap();
-    assert_eq!(
-        relay_learner::checkpoint::load_state(&best_now)
-            .unwrap()
-            .weights_version,
-        Some(evaluated)
-    );
+    let state_now = relay_learner::checkpoint::load_state(&best_now).unwrap();
+    assert_eq!(state_now.weights_version, Some(evaluated));
+    assert_eq!(state_now.best_eval, Some((123.0, evaluated)));
 
     trigger.trigger();
     for t in tasks {
