@@ -11,16 +11,16 @@
 //! next version on `weights` (and serve the latest on `weights.latest` for
 //! services that join later), report metrics, and checkpoint every
 //! `<algo>.checkpoint_every` updates and at the end. For each new best
-//! eval mean, and for the evaluation that solves the run, it writes a
+//! eval figure, and for the evaluation that solves the run, it writes a
 //! checkpoint holding the evaluated version's weights ([`evaluated`]:
 //! linked `best` and `solved`). It stops training when the budget
 //! `run.total_env_steps` is spent or, with `run.stop_when_solved`, when the
 //! evaluator announces the run solved (screening and confirmation passed);
 //! it then writes a final checkpoint (a solved run's holds the solving
 //! version's weights) and keeps serving the weights, and checkpointing the
-//! evaluations that still arrive, until shutdown. The data each algorithm trains on and the rollout maths they
-//! share live in [`rollout`]; the optimizer (Adam or RMSprop) and the
-//! gradient step in [`optimizer`].
+//! evaluations that still arrive, until shutdown. The data each algorithm
+//! trains on and the rollout maths they share live in [`rollout`]; the
+//! optimizer (Adam or RMSprop) and the gradient step in [`optimizer`].
 //!
 //! Resume (`run.resume_from`): the model, optimizer (unless
 //! `run.reset_optimizer`), counters and RNG come from the checkpoint. Weights

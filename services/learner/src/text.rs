@@ -121,29 +121,10 @@ pub fn save_checkpoint(
         |tmp| {
             let dir = tmp.join(ADAPTER_DIR);
             match evaluated {
-                Some(files) => {
-                    std::fs::create_dir_all(&dir)
-                        .and_then(|()| {
-                            std::fs::write(
-                                dir.join(relay_llm::peft::CONFIG_FILE),
-                                &files.config_json,
-                            )
-                        })
-                        .and_then(|()| {
-                            std::fs::write(
-                                dir.join(relay_llm::peft::WEIGHTS_FILE),
-                                &files.safetensors,
-                            )
-                        })
-                        .map_err(|source| CheckpointError::Io {
-                            path: dir.clone(),
-                            source,
-                        })?;
-                }
-                None => adapter
-                    .save_peft(&dir, Some(base_model))
-                    .map_err(|e| CheckpointError::Tensors(e.to_string()))?,
+                Some(files) => files.save(&dir),
+                None => adapter.save_peft(&dir, Some(base_model)),
             }
+            .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
             trainer
                 .optimizer()
                 .save(&tmp.join("optimizer.safetensors"))

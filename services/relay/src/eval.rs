@@ -3,7 +3,9 @@
 //! that plugin (or logs and counts a refusal) without restarting.
 //!
 //! `relay eval checkpoint <run>[:best|last|solved|N] [--episodes 100]
-//! [--seed S]`: plays a saved checkpoint of a classic run offline, with
+//! [--seed S]`: plays a saved checkpoint offline. Text runs: the
+//! checkpoint's adapter against the bots ([`evaluate_text_checkpoint`]).
+//! Classic runs: with
 //! deterministic actions as the `greedy` evaluator does (one episode per
 //! sub-env of a vectorized env seeded `S, S+1, ...`, each to its end), and
 //! prints mean ± std, min and max, then a JSON line. The default seed is
@@ -28,7 +30,7 @@ pub struct EvalArgs {
 /// `relay eval <command>`.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum EvalCommand {
-    /// Play a checkpoint of a classic run offline: mean ± std, min, max and a JSON line.
+    /// Play a checkpoint offline: mean ± std, min, max and a JSON line (text runs: games against the bots).
     Checkpoint {
         /// `<run>[:best|last|solved|N]`: run id (or `@last`) and checkpoint (default `best`).
         checkpoint: String,
@@ -125,7 +127,7 @@ pub fn evaluate_checkpoint(
     let config = crate::play::read_resolved_config(&dir.join("config.yaml"))?;
     if config.is_text_game() {
         bail!(
-            "{run_id} is a text-game run: play its checkpoint against a bot with `relay play {run_id} --checkpoint {which} --opponent random --episodes N`"
+            "{run_id} is a text-game run: see `relay eval checkpoint` for its games against the bots"
         );
     }
     let state = relay_learner::checkpoint::load_state(&dir)?;
@@ -166,6 +168,122 @@ pub fn evaluate_checkpoint(
     })
 }
 
+/// The results against one bot of a text checkpoint's offline games.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct TextMatchup {
+    pub opponent: String,
+    pub games: u32,
+    pub wins: u32,
+    pub draws: u32,
+    pub losses: u32,
+    /// Share of the model's moves the game accepted.
+    pub legal_move_rate: f64,
+}
+
+/// Plays a text run's checkpoint against bots, in this process: the run's
+/// base model with the checkpoint's adapter, greedy (as the run's
+/// `vs-opponent` evaluations play by default), `episodes` games per bot,
+/// the first half in seat 0, game `i` seeded `seed + i`. The bots are the
+/// run's `eval.options.opponents` that are bots, else `random` (and
+/// `minimax` or `connect_four_bot` where they play). The model decodes
+/// here, not in a batched inference server, so a figure can differ from
+/// the evaluator's by the batches' rounding.
+pub fn evaluate_text_checkpoint(
+    run_id: &str,
+    dir: &Path,
+    config: &relay_kit::ExperimentConfig,
+    episodes: usize,
+    seed: u64,
+) -> Result<serde_json::Value> {
+    let env_id = config.run.env_id.clone();
+    let model = config
+        .llm
+        .model
+        .clone()
+        .context("the run's config names no llm.model")?;
+    let state = relay_learner::text::load_state(dir)?;
+    let adapter = dir.join(relay_learner::text::ADAPTER_DIR);
+    let mut player = crate::play_text::Player::new(
+        &model,
+        Some(&adapter),
+        0.0,
+        config.text.max_turn_tokens as usize,
+        seed,
+    )?
+    .with_prompting(config.text.system_prompt.clone(), config.text.observation);
+    let listed: Vec<String> = config
+        .eval
+        .options
+        .get("opponents")
+        .and_then(|v| v.as_str())
+        .map(|list| list.split(',').map(|o| o.trim().to_string()).collect())
+        .unwrap_or_default();
+    let mut bots: Vec<String> = listed
+        .into_iter()
+        .filter(|b| relay_kit::config::bot_plays(b, &env_id))
+        .collect();
+    if bots.is_empty() {
+        bots = ["random", "minimax", "connect_four_bot"]
+            .into_iter()
+            .filter(|b| relay_kit::config::bot_plays(b, &env_id))
+            .map(str::to_string)
+            .collect();
+    }
+    let players = relay_envs::make_text_game(&env_id)?.num_players();
+    let mut rewards = Vec::new();
+    let mut matchups = Vec::new();
+    for bot in &bots {
+        let mut m = TextMatchup {
+            opponent: bot.clone(),
+            ..Default::default()
+        };
+        let (mut moves, mut invalid) = (0u32, 0u32);
+        for i in 0..episodes {
+            let seat = if players == 1 {
+                0
+            } else {
+                usize::from(i >= episodes.div_ceil(2))
+            };
+            let game = crate::play_text::play_game(
+                &env_id,
+                &mut player,
+                seat,
+                bot,
+                seed.wrapping_add(i as u64),
+                &mut std::io::empty(),
+                &mut std::io::sink(),
+            )?;
+            match relay_policy::text::Outcome::of(&game.rewards, seat) {
+                relay_policy::text::Outcome::Win => m.wins += 1,
+                relay_policy::text::Outcome::Draw => m.draws += 1,
+                relay_policy::text::Outcome::Loss => m.losses += 1,
+            }
+            m.games += 1;
+            moves += game.model_moves;
+            invalid += game.model_invalid_moves;
+            rewards.push(game.rewards[seat]);
+        }
+        m.legal_move_rate = if moves == 0 {
+            1.0
+        } else {
+            1.0 - f64::from(invalid) / f64::from(moves)
+        };
+        matchups.push(m);
+    }
+    let (mean, std) = relay_evaluator::mean_std(&rewards);
+    Ok(serde_json::json!({
+        "run_id": run_id,
+        "checkpoint": dir.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "weights_version": state.weights_version.unwrap_or(state.progress.version),
+        "env_id": env_id,
+        "episodes": episodes,
+        "seed": seed,
+        "mean_return": mean,
+        "std_return": std,
+        "matchups": matchups,
+    }))
+}
+
 /// `relay eval`.
 pub fn eval(args: EvalArgs) -> Result<()> {
     let (name, options, run_id, nats_url, state_dir) = match args.command {
@@ -176,6 +294,35 @@ pub fn eval(args: EvalArgs) -> Result<()> {
             runs_dir,
         } => {
             let (run, which) = checkpoint.split_once(':').unwrap_or((&checkpoint, "best"));
+            let (run_id, _, dir) = crate::checkpoints::resolve(&runs_dir, run, which)?;
+            let config = crate::play::read_resolved_config(&dir.join("config.yaml"))?;
+            if config.is_text_game() {
+                let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
+                let e = evaluate_text_checkpoint(&run_id, &dir, &config, episodes, seed)?;
+                println!(
+                    "relay: {run_id} checkpoint {} (adapter version {}) on {}: {episodes} greedy games per bot from seed {seed}",
+                    e["checkpoint"].as_str().unwrap_or("?"),
+                    e["weights_version"],
+                    e["env_id"].as_str().unwrap_or("?"),
+                );
+                for m in e["matchups"].as_array().into_iter().flatten() {
+                    println!(
+                        "vs {}: W/D/L {}/{}/{}  legal moves {:.1} %",
+                        m["opponent"].as_str().unwrap_or("?"),
+                        m["wins"],
+                        m["draws"],
+                        m["losses"],
+                        100.0 * m["legal_move_rate"].as_f64().unwrap_or(f64::NAN)
+                    );
+                }
+                println!(
+                    "reward {:.3} ± {:.3}",
+                    e["mean_return"].as_f64().unwrap_or(f64::NAN),
+                    e["std_return"].as_f64().unwrap_or(f64::NAN)
+                );
+                println!("{e}");
+                return Ok(());
+            }
             let e = evaluate_checkpoint(&runs_dir, run, which, episodes, seed)?;
             println!(
                 "relay: {} checkpoint {} (weights version {}) on {}: {} episodes from seed {}",

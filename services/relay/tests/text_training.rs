@@ -232,6 +232,15 @@ async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() 
         files[&best_version],
         "best's adapter is version {best_version}'s as published"
     );
+    // Played offline against the run's bots (random), two games each.
+    let best_dir = best.canonicalize().unwrap();
+    let offline =
+        relay::eval::evaluate_text_checkpoint(run_id, &best_dir, &experiment, 2, 7).unwrap();
+    assert_eq!(offline["weights_version"], best_version);
+    let matchups = offline["matchups"].as_array().unwrap();
+    assert_eq!(matchups.len(), 1, "{offline}");
+    assert_eq!(matchups[0]["opponent"], "random");
+    assert_eq!(matchups[0]["games"], 2);
     let last = run_dir.join("checkpoints/last");
     assert!(last.join("adapter/adapter_config.json").is_file());
     assert!(last.join("adapter/adapter_model.safetensors").is_file());

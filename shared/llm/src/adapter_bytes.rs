@@ -7,9 +7,11 @@ use std::collections::HashMap;
 
 use candle_core::DType;
 
+use std::path::Path;
+
 use crate::lora::LoraAdapter;
 use crate::model_error::{ModelError, Result};
-use crate::peft::lora_config_to_peft_json;
+use crate::peft::{lora_config_to_peft_json, CONFIG_FILE, WEIGHTS_FILE};
 
 /// The contents of `adapter_config.json` and `adapter_model.safetensors`.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,10 +30,27 @@ impl PeftBytes {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Writes both files into folder `dir` (created if needed), each
+    /// beside its final name and renamed into place, so a crash never
+    /// leaves a half-written adapter under the real names.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+        for (file, bytes) in [
+            (WEIGHTS_FILE, self.safetensors.as_slice()),
+            (CONFIG_FILE, self.config_json.as_bytes()),
+        ] {
+            let path = dir.join(file);
+            let tmp = dir.join(format!(".{file}.tmp"));
+            std::fs::write(&tmp, bytes).map_err(|e| ModelError::io(&tmp, e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| ModelError::io(&path, e))?;
+        }
+        Ok(())
+    }
 }
 
 /// Serialises `adapter` as PEFT saves it (`base_model` fills
-/// `base_model_name_or_path`); the same bytes as [`crate::peft::save_adapter`]
+/// `base_model_name_or_path`); what [`crate::peft::save_adapter`] writes
 /// writes.
 pub fn to_peft_bytes(adapter: &LoraAdapter, base_model: Option<&str>) -> Result<PeftBytes> {
     let tensors: Vec<(String, candle_core::Tensor)> = adapter

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::config::ModelConfig;
@@ -214,31 +214,7 @@ fn adapter_from_parts(
 /// never leaves a half-written adapter under the real names.
 /// `base_model` fills `base_model_name_or_path`.
 pub fn save_adapter(adapter: &LoraAdapter, dir: &Path, base_model: Option<&str>) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-    let tensors: Vec<(String, Tensor)> = adapter
-        .named_vars()
-        .into_iter()
-        .map(|(name, var)| Ok((name, var.as_tensor().to_dtype(DType::F32)?.contiguous()?)))
-        .collect::<Result<_>>()?;
-    let weights_path = dir.join(WEIGHTS_FILE);
-    let tmp = dir.join(format!(".{WEIGHTS_FILE}.tmp"));
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(
-        tensors.iter().map(|(n, t)| (n.as_str(), t)),
-        Some(metadata),
-        &tmp,
-    )
-    .map_err(|e| ModelError::weights(&weights_path, e.to_string()))?;
-    std::fs::rename(&tmp, &weights_path).map_err(|e| ModelError::io(&weights_path, e))?;
-
-    let config_path = dir.join(CONFIG_FILE);
-    let tmp = dir.join(format!(".{CONFIG_FILE}.tmp"));
-    let text =
-        serde_json::to_string_pretty(&lora_config_to_peft_json(adapter.config(), base_model))
-            .map_err(|e| ModelError::json(&config_path, e))?;
-    std::fs::write(&tmp, text).map_err(|e| ModelError::io(&tmp, e))?;
-    std::fs::rename(&tmp, &config_path).map_err(|e| ModelError::io(&config_path, e))?;
-    Ok(())
+    crate::to_peft_bytes(adapter, base_model)?.save(dir)
 }
 
 impl LoraAdapter {
