@@ -579,8 +579,9 @@ pub(crate) async fn run(
     let checkpoint_evaluations = |events: &mut RunEvents<PeftBytes>,
                                   state: &mut TextCheckpointState,
                                   trainer: &RlTrainer| {
-        for save in events.poll(&service) {
-            state.best_eval = events.best_eval;
+        let saves = events.poll(&service);
+        state.best_eval = events.best_eval;
+        for save in saves {
             checkpoint(
                 state,
                 trainer,
@@ -588,7 +589,6 @@ pub(crate) async fn run(
                 Some((save.version, &save.weights)),
             );
         }
-        state.best_eval = events.best_eval;
     };
 
     let budget = cfg.run.total_env_steps;

@@ -120,18 +120,37 @@ pub fn evaluate_checkpoint(
     episodes: usize,
     seed: Option<u64>,
 ) -> Result<CheckpointEval> {
+    let (run_id, dir, config) = resolve(runs_dir, run, which)?;
+    if config.is_text_game() {
+        bail!("{run_id} is a text-game run: its checkpoints play games (evaluate_text_checkpoint), not episodes");
+    }
+    evaluate_classic_checkpoint(run_id, &dir, &config, episodes, seed)
+}
+
+/// A run's checkpoint `which`: the run id, the folder and its config.
+fn resolve(
+    runs_dir: &Path,
+    run: &str,
+    which: &str,
+) -> Result<(String, PathBuf, relay_kit::ExperimentConfig)> {
+    let (run_id, _, dir) = crate::checkpoints::resolve(runs_dir, run, which)?;
+    let config = crate::play::read_resolved_config(&dir.join("config.yaml"))?;
+    Ok((run_id, dir, config))
+}
+
+/// [`evaluate_checkpoint`] of a resolved classic checkpoint.
+fn evaluate_classic_checkpoint(
+    run_id: String,
+    dir: &Path,
+    config: &relay_kit::ExperimentConfig,
+    episodes: usize,
+    seed: Option<u64>,
+) -> Result<CheckpointEval> {
     if episodes == 0 {
         bail!("--episodes must be at least 1");
     }
-    let (run_id, _, dir) = crate::checkpoints::resolve(runs_dir, run, which)?;
-    let config = crate::play::read_resolved_config(&dir.join("config.yaml"))?;
-    if config.is_text_game() {
-        bail!(
-            "{run_id} is a text-game run: see `relay eval checkpoint` for its games against the bots"
-        );
-    }
-    let state = relay_learner::checkpoint::load_state(&dir)?;
-    let (model, normalizer) = crate::play::load_policy(&config, &dir)?;
+    let state = relay_learner::checkpoint::load_state(dir)?;
+    let (model, normalizer) = crate::play::load_policy(config, dir)?;
     let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
     let returns: Vec<f64> = relay_evaluator::plugins::play(
         &model,
@@ -294,8 +313,7 @@ pub fn eval(args: EvalArgs) -> Result<()> {
             runs_dir,
         } => {
             let (run, which) = checkpoint.split_once(':').unwrap_or((&checkpoint, "best"));
-            let (run_id, _, dir) = crate::checkpoints::resolve(&runs_dir, run, which)?;
-            let config = crate::play::read_resolved_config(&dir.join("config.yaml"))?;
+            let (run_id, dir, config) = resolve(&runs_dir, run, which)?;
             if config.is_text_game() {
                 let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
                 let e = evaluate_text_checkpoint(&run_id, &dir, &config, episodes, seed)?;
@@ -323,7 +341,7 @@ pub fn eval(args: EvalArgs) -> Result<()> {
                 println!("{e}");
                 return Ok(());
             }
-            let e = evaluate_checkpoint(&runs_dir, run, which, episodes, seed)?;
+            let e = evaluate_classic_checkpoint(run_id, &dir, &config, episodes, seed)?;
             println!(
                 "relay: {} checkpoint {} (weights version {}) on {}: {} episodes from seed {}",
                 e.run_id, e.checkpoint, e.weights_version, e.env_id, e.episodes, e.seed

@@ -139,10 +139,8 @@ pub struct Outcome {
 /// The first screening pass of a run.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FirstPass {
-    pub version: u64,
     pub wall_s: f64,
     pub env_steps: u64,
-    pub eval_return: f64,
 }
 
 /// Makes a run id `<env>-<algo>-<yyyymmdd-hhmmss>`.
@@ -336,10 +334,8 @@ async fn watch(
                 if let Ok(report) = relay_proto::decode::<EvalReport>(&m.payload) {
                     if report.mean_return >= report.threshold && outcome.first_pass.is_none() {
                         outcome.first_pass = Some(FirstPass {
-                            version: report.policy_version,
                             wall_s: ready.elapsed().as_secs_f64(),
                             env_steps: report.learner_env_steps,
-                            eval_return: report.mean_return,
                         });
                     }
                     if let Some(c) = report.confirmation.as_ref().filter(|_| !outcome.solved) {

@@ -644,17 +644,6 @@ pub struct Confirmation {
     pub passed: bool,
 }
 
-impl Confirmation {
-    /// The smallest and largest return.
-    pub fn min_max(&self) -> (f64, f64) {
-        self.returns
-            .iter()
-            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &r| {
-                (lo.min(r), hi.max(r))
-            })
-    }
-}
-
 /// evaluator -> learner: an evaluation of `policy_version` begins. The
 /// learner keeps that version's weights until its [`EvalReport`] arrives,
 /// so a best (or solved) checkpoint holds exactly what was evaluated.
