@@ -151,12 +151,16 @@ async fn a_killed_learner_resumes_from_its_checkpoint_and_the_run_solves() {
         "learner-2",
     );
     // The resumed run trains on until the evaluator announces it solved
-    // (the learner then stops by itself: run.stop_when_solved).
+    // (the learner then stops by itself: run.stop_when_solved), and the
+    // resumed learner has published (an evaluation of a version from
+    // before the kill, its confirmation still playing at the kill, can
+    // solve the run first).
     let status_path = run_dir.join("status.json");
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let status = std::fs::read_to_string(&status_path).unwrap_or_default();
-        if status.contains("\"solved\"") {
+        let resumed_published = versions.lock().unwrap().last().copied() > Some(killed_at);
+        if status.contains("\"solved\"") && resumed_published {
             break;
         }
         assert!(
