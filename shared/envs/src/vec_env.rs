@@ -64,7 +64,9 @@ pub struct VecStep {
 }
 
 impl VecStep {
-    fn new(num_envs: usize, obs_dim: usize) -> Self {
+    /// Zeroed buffers for `num_envs` sub-environments (for other vectorized
+    /// backends that fill a `VecStep` themselves).
+    pub fn new(num_envs: usize, obs_dim: usize) -> Self {
         Self {
             obs: vec![0.0; num_envs * obs_dim],
             rewards: vec![0.0; num_envs],
@@ -92,6 +94,12 @@ impl VecStep {
         &self.obs[i * self.obs_dim..(i + 1) * self.obs_dim]
     }
 
+    /// Records the last observation of the episode sub-environment `i` just
+    /// finished (meaningful once `terminated[i]` or `truncated[i]` is set).
+    pub fn set_final_obs(&mut self, i: usize, obs: &[f32]) {
+        self.final_obs[i * self.obs_dim..(i + 1) * self.obs_dim].copy_from_slice(obs);
+    }
+
     /// The last observation of the episode sub-environment `i` just
     /// finished (the one to bootstrap from on truncation), or `None` when
     /// its episode goes on.
@@ -104,7 +112,7 @@ impl VecStep {
 /// Derives the seed of sub-environment `index` from the `VecEnv` seed
 /// (SplitMix64 finalizer over a Weyl step, so nearby seeds/indices give
 /// unrelated streams).
-fn sub_seed(seed: u64, index: usize) -> u64 {
+pub fn sub_seed(seed: u64, index: usize) -> u64 {
     let mut z = seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -219,7 +227,7 @@ impl VecEnv {
                 env_id: self.spec.id,
             });
         }
-        self.validate(actions)?;
+        check_actions(&self.spec, self.envs.len(), actions)?;
 
         let d = self.obs_dim;
         let k = self.act_dim;
@@ -253,46 +261,51 @@ impl VecEnv {
         }
         Ok(&self.buf)
     }
+}
 
-    fn validate(&self, actions: VecActions<'_>) -> Result<(), EnvError> {
-        let n = self.envs.len();
-        let discrete = self.spec.action_space.is_discrete();
-        match actions {
-            VecActions::Discrete(a) if discrete => {
-                if a.len() != n {
-                    return Err(EnvError::ActionCount {
-                        expected: n,
-                        got: a.len(),
-                    });
-                }
-                for (i, &ai) in a.iter().enumerate() {
-                    discrete_action(&self.spec, Action::Discrete(ai)).map_err(|e| sub_env(i, e))?;
-                }
-            }
-            VecActions::Continuous(a) if !discrete => {
-                let k = self.act_dim;
-                if a.len() != n * k {
-                    return Err(EnvError::ActionCount {
-                        expected: n * k,
-                        got: a.len(),
-                    });
-                }
-                for (i, chunk) in a.chunks_exact(k.max(1)).enumerate() {
-                    continuous_action(&self.spec, Action::Continuous(chunk))
-                        .map_err(|e| sub_env(i, e))?;
-                }
-            }
-            VecActions::Discrete(_) | VecActions::Continuous(_) => {
-                let kind = |d: bool| if d { "discrete" } else { "continuous" };
-                return Err(EnvError::WrongActionKind {
-                    env_id: self.spec.id,
-                    expected: kind(discrete),
-                    got: kind(!discrete),
+/// Checks actions for `num_envs` sub-environments of `spec` (count, kind,
+/// range, finiteness) before anything is stepped.
+pub fn check_actions(
+    spec: &EnvSpec,
+    num_envs: usize,
+    actions: VecActions<'_>,
+) -> Result<(), EnvError> {
+    let n = num_envs;
+    let discrete = spec.action_space.is_discrete();
+    match actions {
+        VecActions::Discrete(a) if discrete => {
+            if a.len() != n {
+                return Err(EnvError::ActionCount {
+                    expected: n,
+                    got: a.len(),
                 });
             }
+            for (i, &ai) in a.iter().enumerate() {
+                discrete_action(spec, Action::Discrete(ai)).map_err(|e| sub_env(i, e))?;
+            }
         }
-        Ok(())
+        VecActions::Continuous(a) if !discrete => {
+            let k = spec.action_space.dim();
+            if a.len() != n * k {
+                return Err(EnvError::ActionCount {
+                    expected: n * k,
+                    got: a.len(),
+                });
+            }
+            for (i, chunk) in a.chunks_exact(k.max(1)).enumerate() {
+                continuous_action(spec, Action::Continuous(chunk)).map_err(|e| sub_env(i, e))?;
+            }
+        }
+        VecActions::Discrete(_) | VecActions::Continuous(_) => {
+            let kind = |d: bool| if d { "discrete" } else { "continuous" };
+            return Err(EnvError::WrongActionKind {
+                env_id: spec.id,
+                expected: kind(discrete),
+                got: kind(!discrete),
+            });
+        }
     }
+    Ok(())
 }
 
 fn sub_env(index: usize, source: EnvError) -> EnvError {

@@ -1,0 +1,320 @@
+"""relay's env worker: steps a batch of Python environments for a relay
+env-runner or evaluator, which owns this process.
+
+The Rust side (shared/bridge, relay_bridge::worker) starts one interpreter per
+worker with this file as the program, writes requests to its stdin and reads
+replies from its stdout. Each message is a 4-byte little-endian length and a
+MessagePack map. Only the protocol uses the real stdout: the environments'
+own prints go to stderr, which the Rust side forwards to its logs.
+
+Requests (``op``):
+- ``init``: import what the config names, ``gymnasium.make`` the env
+  ``num_envs`` times with its kwargs and wrappers, and describe its spaces.
+- ``reset``: reset every env (the first reset of env ``i`` uses ``seeds[i]``).
+- ``step``: one action per env, all envs stepped in one round trip. An env
+  whose episode ends is reset in the same step (Stable-Baselines3's
+  autoreset): its row of ``obs`` is the new episode's first observation and
+  the last observation of the ended one is sent under ``final``.
+- ``get_attr``: an attribute of one env's unwrapped env (for tests and tools).
+
+A Python exception inside one env's ``step`` does not end the worker: the
+traceback travels in ``failed``, the env is reset, and the Rust side drops the
+episode. Anything else that goes wrong is an ``error`` reply; a reply that worked is
+``{"ok": ...}``.
+"""
+
+import importlib
+import os
+import struct
+import sys
+import traceback
+
+# The protocol owns the real stdout; everything printed goes to stderr.
+_PROTO_OUT = os.fdopen(os.dup(1), "wb", buffering=0)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+_PROTO_IN = sys.stdin.buffer
+
+
+def _missing(package, exc):
+    return {
+        "error": "missing_package",
+        "package": package,
+        "message": f"{exc.__class__.__name__}: {exc}",
+        "traceback": traceback.format_exc(),
+    }
+
+
+try:
+    import msgpack
+    import numpy as np
+except ImportError as exc:  # the reply cannot be MessagePack: plain text on stderr, exit 3
+    sys.stderr.write(f"relay env worker: missing Python package {exc.name!r} ({exc})\n")
+    sys.exit(3)
+
+
+def read_message():
+    header = _PROTO_IN.read(4)
+    if len(header) < 4:
+        return None
+    (length,) = struct.unpack("<I", header)
+    body = _PROTO_IN.read(length)
+    if len(body) < length:
+        return None
+    return msgpack.unpackb(body, raw=False)
+
+
+def write_message(obj):
+    body = msgpack.packb(obj, use_bin_type=True)
+    _PROTO_OUT.write(struct.pack("<I", len(body)) + body)
+
+
+# Namespaces whose envs are registered by importing a package (what a user of
+# gymnasium.make would otherwise write by hand).
+_NAMESPACE_SETUP = {
+    "ALE": ("ale_py", "ale-py"),
+    "MinAtar": ("minatar.gym:register_envs", "minatar"),
+}
+
+
+def _import(target):
+    """``module`` or ``module:function`` (the function is called)."""
+    module_name, _, function = target.partition(":")
+    module = importlib.import_module(module_name)
+    if function:
+        getattr(module, function)()
+    return module
+
+
+def _resolve(name, default_module):
+    """A wrapper class: ``Name`` from ``default_module`` or ``module:Name``."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+    return getattr(importlib.import_module(default_module), name)
+
+
+class Flattener:
+    """Observation -> one float32 row, as gymnasium.spaces.flatten does
+    (Discrete and MultiDiscrete become one-hot, Dict and Tuple concatenate
+    their parts in order), with fast paths for Box and Discrete."""
+
+    def __init__(self, space):
+        from gymnasium import spaces
+
+        self.space = space
+        supported = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+
+        def check(s, path):
+            if isinstance(s, spaces.Dict):
+                for key, sub in s.spaces.items():
+                    check(sub, f"{path}[{key!r}]")
+            elif isinstance(s, spaces.Tuple):
+                for i, sub in enumerate(s.spaces):
+                    check(sub, f"{path}[{i}]")
+            elif not isinstance(s, supported):
+                raise UnsupportedSpace(
+                    f"observation space {path} is {s!r}; relay takes Box, Discrete, "
+                    "MultiDiscrete and MultiBinary observations, and Dict or Tuple of them"
+                )
+
+        check(space, "")
+        flat = spaces.flatten_space(space)
+        self.low = np.asarray(flat.low, dtype=np.float32).reshape(-1)
+        self.high = np.asarray(flat.high, dtype=np.float32).reshape(-1)
+        self.dim = self.low.size
+        if isinstance(space, spaces.Box):
+            self.kind = "box"
+        elif isinstance(space, spaces.Discrete):
+            self.kind = "discrete"
+            self.start = int(space.start)
+        else:
+            self.kind = "generic"
+            self._flatten = spaces.flatten
+
+    def write(self, obs, out):
+        if self.kind == "box":
+            out[:] = np.asarray(obs).reshape(-1)
+        elif self.kind == "discrete":
+            out.fill(0.0)
+            out[int(obs) - self.start] = 1.0
+        else:
+            out[:] = self._flatten(self.space, obs)
+
+
+class UnsupportedSpace(Exception):
+    pass
+
+
+class Batch:
+    def __init__(self, request):
+        import gymnasium
+
+        self.gym = gymnasium
+        env_id = request["env_id"]
+        for folder in reversed(request.get("python_path") or []):
+            sys.path.insert(0, folder)
+        for target in request.get("imports") or []:
+            _import(target)
+        namespace = env_id.split("/", 1)[0] if "/" in env_id else None
+        if namespace in _NAMESPACE_SETUP:
+            target, _package = _NAMESPACE_SETUP[namespace]
+            module = _import(target)
+            if ":" not in target:
+                gymnasium.register_envs(module)
+        entry_point = request.get("entry_point")
+        if entry_point and env_id not in gymnasium.registry:
+            gymnasium.register(id=env_id, entry_point=entry_point)
+        kwargs = request.get("kwargs") or {}
+        wrappers = request.get("wrappers") or []
+        self.envs = []
+        for _ in range(request["num_envs"]):
+            env = gymnasium.make(env_id, **kwargs)
+            for wrapper in wrappers:
+                cls = _resolve(wrapper["name"], "gymnasium.wrappers")
+                env = cls(env, **(wrapper.get("kwargs") or {}))
+            self.envs.append(env)
+        self.seeds = list(request["seeds"])
+        first = self.envs[0]
+        self.flattener = Flattener(first.observation_space)
+        self.action = self._action_space(first.action_space)
+        self.n = len(self.envs)
+        self.obs = np.zeros((self.n, self.flattener.dim), dtype=np.float32)
+        self.spec = {
+            "env_id": env_id,
+            "obs_low": self.flattener.low.tobytes(),
+            "obs_high": self.flattener.high.tobytes(),
+            "obs_space": repr(first.observation_space),
+            "action": self.action["wire"],
+            "max_episode_steps": first.spec.max_episode_steps if first.spec else None,
+            "reward_threshold": first.spec.reward_threshold if first.spec else None,
+        }
+
+    def _action_space(self, space):
+        from gymnasium import spaces
+
+        if isinstance(space, spaces.Discrete):
+            return {"kind": "discrete", "start": int(space.start), "wire": {"kind": "discrete", "n": int(space.n)}}
+        if isinstance(space, spaces.Box) and np.issubdtype(space.dtype, np.floating):
+            return {
+                "kind": "box",
+                "shape": space.shape,
+                "dtype": space.dtype,
+                "wire": {
+                    "kind": "box",
+                    "low": np.asarray(space.low, dtype=np.float32).reshape(-1).tobytes(),
+                    "high": np.asarray(space.high, dtype=np.float32).reshape(-1).tobytes(),
+                },
+            }
+        raise UnsupportedSpace(
+            f"action space is {space!r}; relay's policies take Discrete or float Box actions"
+        )
+
+    def _reset_one(self, i):
+        seed = self.seeds[i]
+        self.seeds[i] = None
+        obs, _info = self.envs[i].reset(seed=seed)
+        self.flattener.write(obs, self.obs[i])
+
+    def reset(self):
+        for i in range(self.n):
+            self._reset_one(i)
+        return {"obs": self.obs.tobytes()}
+
+    def step(self, request):
+        if self.action["kind"] == "discrete":
+            actions = np.frombuffer(request["actions"], dtype=np.int64) + self.action["start"]
+            actions = [int(a) for a in actions]
+        else:
+            flat = np.frombuffer(request["actions"], dtype=np.float32)
+            actions = flat.reshape((self.n,) + tuple(self.action["shape"])).astype(self.action["dtype"])
+        rewards = np.zeros(self.n, dtype=np.float64)
+        terminated = np.zeros(self.n, dtype=np.uint8)
+        truncated = np.zeros(self.n, dtype=np.uint8)
+        final = {}
+        failed = []
+        write = self.flattener.write
+        for i, env in enumerate(self.envs):
+            try:
+                obs, reward, term, trunc, _info = env.step(actions[i])
+                rewards[i] = float(reward)
+                terminated[i] = bool(term)
+                truncated[i] = bool(trunc)
+                write(obs, self.obs[i])
+                if term or trunc:
+                    final[i] = self.obs[i].tobytes()
+                    self._reset_one(i)
+            except Exception:
+                failed.append([i, traceback.format_exc()])
+                self._reset_one(i)
+        return {
+            "obs": self.obs.tobytes(),
+            "rewards": rewards.tobytes(),
+            "terminated": terminated.tobytes(),
+            "truncated": truncated.tobytes(),
+            "final": final,
+            "failed": failed,
+        }
+
+    def get_attr(self, request):
+        value = getattr(self.envs[request["index"]].unwrapped, request["name"])
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        elif isinstance(value, np.generic):
+            value = value.item()
+        return {"value": value}
+
+
+def _init(request):
+    import gymnasium.error
+
+    try:
+        return Batch(request), None
+    except ModuleNotFoundError as exc:
+        return None, _missing(exc.name or "?", exc)
+    except UnsupportedSpace as exc:
+        return None, {"error": "unsupported_space", "message": str(exc), "traceback": ""}
+    except gymnasium.error.Error as exc:
+        return None, {
+            "error": "unknown_env",
+            "message": f"{exc.__class__.__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+
+
+def main():
+    batch = None
+    while True:
+        request = read_message()
+        if request is None:
+            return
+        op = request.get("op")
+        try:
+            if op == "init":
+                try:
+                    import gymnasium  # noqa: F401
+                except ModuleNotFoundError as exc:
+                    write_message(_missing("gymnasium", exc))
+                    continue
+                batch, error = _init(request)
+                write_message(error if error else {"ok": batch.spec})
+            elif batch is None:
+                write_message({"error": "protocol", "message": f"{op!r} before init", "traceback": ""})
+            elif op == "reset":
+                write_message({"ok": batch.reset()})
+            elif op == "step":
+                write_message({"ok": batch.step(request)})
+            elif op == "get_attr":
+                write_message({"ok": batch.get_attr(request)})
+            else:
+                write_message({"error": "protocol", "message": f"unknown op {op!r}", "traceback": ""})
+        except Exception as exc:
+            write_message({
+                "error": "exception",
+                "message": f"{exc.__class__.__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,621 @@
+//! [`PyVecEnv`]: a batch of Gymnasium envs stepped by Python workers, with
+//! the semantics of relay's built-in [`relay_envs::VecEnv`].
+//!
+//! - `terminated` and `truncated` come from the env as it reports them; an
+//!   ended episode is reset in the same step (Stable-Baselines3's autoreset)
+//!   and its last observation is kept ([`VecStep::final_obs`]) for
+//!   bootstrapping, so episodes never mix.
+//! - Env `i` is seeded once, at its first reset, with
+//!   [`relay_envs::sub_seed`]`(seed, i)`, as the built-in envs are; a
+//!   restarted worker's envs get seeds of a new generation, so a restart
+//!   does not replay episodes.
+//! - The batch is split among `env.workers` processes; one step is one round
+//!   trip to each, all of them in flight together.
+//! - Faults: a Python exception in one env's `step` resets that env; a worker
+//!   that ends or does not answer within `env.step_timeout_s` is killed and
+//!   started again. Either way the step returns [`BridgeError::Faulted`]
+//!   naming the envs whose episode was dropped, and stepping goes on.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use relay_envs::{
+    check_actions, sub_seed, ActionSpace, BoxSpace, EnvSpec, FinishedEpisode, VecActions, VecStep,
+};
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use crate::error::{BridgeError, Fault, FaultKind};
+use crate::section::{EnvSection, WrapperConfig};
+use crate::worker::{Failure, Worker};
+
+#[derive(Serialize)]
+struct InitRequest<'a> {
+    op: &'static str,
+    env_id: &'a str,
+    kwargs: &'a BTreeMap<String, serde_json::Value>,
+    wrappers: &'a [WrapperConfig],
+    imports: &'a [String],
+    python_path: &'a [PathBuf],
+    entry_point: Option<&'a str>,
+    num_envs: usize,
+    seeds: Vec<u64>,
+}
+
+#[derive(Serialize)]
+struct OpRequest {
+    op: &'static str,
+}
+
+#[derive(Serialize)]
+struct StepRequest<'a> {
+    op: &'static str,
+    actions: &'a serde_bytes::Bytes,
+}
+
+#[derive(Serialize)]
+struct GetAttrRequest<'a> {
+    op: &'static str,
+    index: usize,
+    name: &'a str,
+}
+
+#[derive(Deserialize)]
+struct WireSpec {
+    obs_low: ByteBuf,
+    obs_high: ByteBuf,
+    obs_space: String,
+    action: WireAction,
+    max_episode_steps: Option<u64>,
+    reward_threshold: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+enum WireAction {
+    Discrete { n: usize },
+    Box { low: ByteBuf, high: ByteBuf },
+}
+
+#[derive(Deserialize)]
+struct ResetReply {
+    obs: ByteBuf,
+}
+
+#[derive(Deserialize)]
+struct StepReply {
+    obs: ByteBuf,
+    rewards: ByteBuf,
+    terminated: ByteBuf,
+    truncated: ByteBuf,
+    #[serde(rename = "final")]
+    final_obs: HashMap<usize, ByteBuf>,
+    failed: Vec<(usize, String)>,
+}
+
+#[derive(Deserialize)]
+struct AttrReply {
+    value: serde_json::Value,
+}
+
+/// One worker and the envs (indices in the batch) it steps.
+struct Slot {
+    worker: Worker,
+    envs: Range<usize>,
+    generation: u64,
+}
+
+/// `num_envs` copies of a Gymnasium env stepped by Python workers.
+pub struct PyVecEnv {
+    env_id: String,
+    section: EnvSection,
+    python: PathBuf,
+    spec: EnvSpec,
+    obs_space: String,
+    obs_dim: usize,
+    seed: u64,
+    slots: Vec<Slot>,
+    buf: VecStep,
+    returns: Vec<f64>,
+    lengths: Vec<u32>,
+    has_reset: bool,
+    restarts: u64,
+    action_bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for PyVecEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PyVecEnv")
+            .field("env_id", &self.env_id)
+            .field("num_envs", &self.returns.len())
+            .field("workers", &self.slots.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PyVecEnv {
+    /// Starts the workers and makes `num_envs` copies of `env_id` (not reset
+    /// yet); fails with an error naming the missing package, the unknown id
+    /// or the space relay cannot take.
+    pub fn new(
+        env_id: &str,
+        section: &EnvSection,
+        num_envs: usize,
+        seed: u64,
+    ) -> Result<PyVecEnv, BridgeError> {
+        if num_envs == 0 {
+            return Err(relay_envs::EnvError::NoEnvs.into());
+        }
+        let python = section.interpreter();
+        let workers = section.workers.clamp(1, num_envs);
+        let ranges: Vec<Range<usize>> = (0..workers)
+            .map(|w| (w * num_envs / workers)..((w + 1) * num_envs / workers))
+            .collect();
+        let mut env = PyVecEnv {
+            env_id: env_id.to_string(),
+            section: section.clone(),
+            python,
+            spec: placeholder_spec(),
+            obs_space: String::new(),
+            obs_dim: 0,
+            seed,
+            slots: Vec::with_capacity(workers),
+            buf: VecStep::new(0, 0),
+            returns: vec![0.0; num_envs],
+            lengths: vec![0; num_envs],
+            has_reset: false,
+            restarts: 0,
+            action_bytes: Vec::new(),
+        };
+        // Every worker imports and makes in parallel.
+        let mut started = Vec::with_capacity(workers);
+        for range in ranges {
+            let mut worker = env.spawn()?;
+            let init = env.init_request(&range, 0);
+            worker
+                .send(&init)
+                .map_err(|f| env.start_error(f, &worker_label(&range)))?;
+            started.push((worker, range));
+        }
+        for (mut worker, range) in started {
+            let wire: WireSpec = worker
+                .recv(env.start_timeout())
+                .map_err(|f| env.start_error(f, &worker_label(&range)))?;
+            if env.slots.is_empty() {
+                env.set_spec(wire)?;
+            }
+            env.slots.push(Slot {
+                worker,
+                envs: range,
+                generation: 0,
+            });
+        }
+        env.buf = VecStep::new(num_envs, env.obs_dim);
+        Ok(env)
+    }
+
+    /// The env's spec as relay sees it (flattened observations).
+    pub fn spec(&self) -> &EnvSpec {
+        &self.spec
+    }
+
+    /// The observation space as Gymnasium prints it (before flattening).
+    pub fn gymnasium_observation_space(&self) -> &str {
+        &self.obs_space
+    }
+
+    /// Number of envs.
+    pub fn num_envs(&self) -> usize {
+        self.returns.len()
+    }
+
+    /// Flattened observation width.
+    pub fn obs_dim(&self) -> usize {
+        self.obs_dim
+    }
+
+    /// Current observations, `[num_envs * obs_dim]`.
+    pub fn obs(&self) -> &[f32] {
+        &self.buf.obs
+    }
+
+    /// Workers restarted since the batch was made.
+    pub fn restarts(&self) -> u64 {
+        self.restarts
+    }
+
+    /// Resets every env and returns the first observations.
+    pub fn reset(&mut self) -> Result<&[f32], BridgeError> {
+        let timeout = self.start_timeout();
+        for slot in &mut self.slots {
+            slot.worker
+                .send(&OpRequest { op: "reset" })
+                .map_err(|f| failure_error(&self.env_id, f))?;
+        }
+        for i in 0..self.slots.len() {
+            let reply: ResetReply = self.slots[i]
+                .worker
+                .recv(timeout)
+                .map_err(|f| failure_error(&self.env_id, f))?;
+            let range = self.slots[i].envs.clone();
+            self.write_obs(&range, &reply.obs)?;
+        }
+        self.returns.fill(0.0);
+        self.lengths.fill(0);
+        self.buf.rewards.fill(0.0);
+        self.buf.terminated.fill(false);
+        self.buf.truncated.fill(false);
+        self.buf.finished.clear();
+        self.has_reset = true;
+        Ok(&self.buf.obs)
+    }
+
+    /// Steps every env (one round trip per worker). On
+    /// [`BridgeError::Faulted`] the faulted envs were reset and the step's
+    /// transitions must be discarded; stepping may go on.
+    pub fn step(&mut self, actions: VecActions<'_>) -> Result<&VecStep, BridgeError> {
+        if !self.has_reset {
+            return Err(relay_envs::EnvError::NotReset {
+                env_id: self.spec.id,
+            }
+            .into());
+        }
+        let n = self.num_envs();
+        check_actions(&self.spec, n, actions)?;
+        self.action_bytes.clear();
+        let width = match actions {
+            VecActions::Discrete(a) => {
+                self.action_bytes
+                    .extend(a.iter().flat_map(|v| v.to_le_bytes()));
+                8
+            }
+            VecActions::Continuous(a) => {
+                self.action_bytes
+                    .extend(a.iter().flat_map(|v| v.to_le_bytes()));
+                4 * self.spec.action_space.dim()
+            }
+        };
+        let step_timeout = Duration::from_secs_f64(self.section.step_timeout_s);
+        let mut outcomes: Vec<Result<StepReply, Failure>> = Vec::with_capacity(self.slots.len());
+        let mut sent = Vec::with_capacity(self.slots.len());
+        for slot in &mut self.slots {
+            let bytes = &self.action_bytes[slot.envs.start * width..slot.envs.end * width];
+            sent.push(slot.worker.send(&StepRequest {
+                op: "step",
+                actions: serde_bytes::Bytes::new(bytes),
+            }));
+        }
+        for (slot, sent) in self.slots.iter_mut().zip(sent) {
+            outcomes.push(sent.and_then(|()| slot.worker.recv(step_timeout)));
+        }
+
+        self.buf.finished.clear();
+        let mut faults = Vec::new();
+        for (s, outcome) in outcomes.into_iter().enumerate() {
+            let range = self.slots[s].envs.clone();
+            let reply = match outcome.and_then(|r| self.check_reply(&range, r)) {
+                Ok(reply) => reply,
+                Err(failure) => {
+                    faults.push(self.restart(s, failure)?);
+                    continue;
+                }
+            };
+            let failed: Vec<usize> = reply.failed.iter().map(|(i, _)| range.start + i).collect();
+            for (i, traceback) in reply.failed {
+                faults.push(Fault {
+                    kind: FaultKind::Raised,
+                    envs: vec![range.start + i],
+                    detail: traceback,
+                });
+            }
+            self.write_obs(&range, &reply.obs)?;
+            for (k, i) in range.clone().enumerate() {
+                if failed.contains(&i) {
+                    self.drop_episode(i);
+                    continue;
+                }
+                let reward =
+                    f64::from_le_bytes(reply.rewards[k * 8..k * 8 + 8].try_into().unwrap());
+                let terminated = reply.terminated[k] != 0;
+                let truncated = reply.truncated[k] != 0;
+                self.buf.rewards[i] = reward;
+                self.buf.terminated[i] = terminated;
+                self.buf.truncated[i] = truncated;
+                self.returns[i] += reward;
+                self.lengths[i] = self.lengths[i].saturating_add(1);
+                if terminated || truncated {
+                    let last = reply
+                        .final_obs
+                        .get(&k)
+                        .ok_or_else(|| BridgeError::Protocol {
+                            env_id: self.env_id.clone(),
+                            detail: format!("env {k} ended without a final observation"),
+                        })?;
+                    let last = decode_f32(last, self.obs_dim, &self.env_id)?;
+                    self.buf.set_final_obs(i, &last);
+                    self.buf.finished.push(FinishedEpisode {
+                        env_index: i,
+                        episode_return: self.returns[i],
+                        length: self.lengths[i],
+                        terminated,
+                        truncated,
+                    });
+                    self.returns[i] = 0.0;
+                    self.lengths[i] = 0;
+                }
+            }
+        }
+        if faults.is_empty() {
+            Ok(&self.buf)
+        } else {
+            Err(BridgeError::Faulted { faults })
+        }
+    }
+
+    /// An attribute of env `index`'s unwrapped env, as JSON (Gymnasium's
+    /// `VectorEnv.get_attr` for one env; NumPy arrays become lists).
+    pub fn get_attr(&mut self, index: usize, name: &str) -> Result<serde_json::Value, BridgeError> {
+        let timeout = Duration::from_secs_f64(self.section.step_timeout_s);
+        let slot = self
+            .slots
+            .iter_mut()
+            .find(|s| s.envs.contains(&index))
+            .ok_or(relay_envs::EnvError::ActionCount {
+                expected: self.returns.len(),
+                got: index + 1,
+            })?;
+        let request = GetAttrRequest {
+            op: "get_attr",
+            index: index - slot.envs.start,
+            name,
+        };
+        let reply: AttrReply = slot
+            .worker
+            .call(&request, timeout)
+            .map_err(|f| failure_error(&self.env_id, f))?;
+        Ok(reply.value)
+    }
+
+    fn drop_episode(&mut self, i: usize) {
+        self.buf.rewards[i] = 0.0;
+        self.buf.terminated[i] = false;
+        self.buf.truncated[i] = false;
+        self.returns[i] = 0.0;
+        self.lengths[i] = 0;
+    }
+
+    /// Replaces slot `s`'s worker with a new one whose envs are reset.
+    fn restart(&mut self, s: usize, failure: Failure) -> Result<Fault, BridgeError> {
+        let (kind, detail) = match failure {
+            Failure::Hung { after } => (FaultKind::Hung, format!("no answer within {after:?}")),
+            Failure::Exited { stderr } => (FaultKind::Crashed, stderr),
+            Failure::Replied(e) => (
+                FaultKind::Crashed,
+                format!("{}\n{}", e.message, e.traceback),
+            ),
+            Failure::BadReply(detail) => (FaultKind::Crashed, format!("bad reply: {detail}")),
+        };
+        let range = self.slots[s].envs.clone();
+        let generation = self.slots[s].generation + 1;
+        let label = worker_label(&range);
+        tracing::warn!(env_id = %self.env_id, worker = %label, kind = kind.as_str(), "restarting a Python env worker: {detail}");
+        let mut worker = self.spawn()?;
+        let init = self.init_request(&range, generation);
+        let timeout = self.start_timeout();
+        worker
+            .call::<_, WireSpec>(&init, timeout)
+            .map_err(|f| self.start_error(f, &label))?;
+        let reply: ResetReply = worker
+            .call(&OpRequest { op: "reset" }, timeout)
+            .map_err(|f| failure_error(&self.env_id, f))?;
+        // The old worker is killed as it drops.
+        self.slots[s] = Slot {
+            worker,
+            envs: range.clone(),
+            generation,
+        };
+        self.restarts += 1;
+        self.write_obs(&range, &reply.obs)?;
+        for i in range.clone() {
+            self.drop_episode(i);
+        }
+        Ok(Fault {
+            kind,
+            envs: range.collect(),
+            detail,
+        })
+    }
+
+    fn check_reply(&self, range: &Range<usize>, reply: StepReply) -> Result<StepReply, Failure> {
+        let k = range.len();
+        let sizes = [
+            ("obs", reply.obs.len(), k * self.obs_dim * 4),
+            ("rewards", reply.rewards.len(), k * 8),
+            ("terminated", reply.terminated.len(), k),
+            ("truncated", reply.truncated.len(), k),
+        ];
+        for (name, got, expected) in sizes {
+            if got != expected {
+                return Err(Failure::BadReply(format!(
+                    "{name} has {got} bytes, expected {expected}"
+                )));
+            }
+        }
+        if let Some((i, _)) = reply.failed.iter().find(|(i, _)| *i >= k) {
+            return Err(Failure::BadReply(format!("failed env {i} of {k}")));
+        }
+        Ok(reply)
+    }
+
+    fn write_obs(&mut self, range: &Range<usize>, bytes: &[u8]) -> Result<(), BridgeError> {
+        let d = self.obs_dim;
+        let obs = decode_f32(bytes, range.len() * d, &self.env_id)?;
+        self.buf.obs[range.start * d..range.end * d].copy_from_slice(&obs);
+        Ok(())
+    }
+
+    fn spawn(&self) -> Result<Worker, BridgeError> {
+        Worker::spawn(&self.python, &self.env_id).map_err(|source| BridgeError::NoPython {
+            python: self.python.display().to_string(),
+            source,
+        })
+    }
+
+    fn init_request<'a>(&'a self, range: &Range<usize>, generation: u64) -> InitRequest<'a> {
+        let seed = self.seed ^ generation.wrapping_mul(0xD1B5_4A32_D192_ED03);
+        InitRequest {
+            op: "init",
+            env_id: &self.env_id,
+            kwargs: &self.section.kwargs,
+            wrappers: &self.section.wrappers,
+            imports: &self.section.imports,
+            python_path: &self.section.python_path,
+            entry_point: self.section.entry_point.as_deref(),
+            num_envs: range.len(),
+            seeds: range.clone().map(|i| sub_seed(seed, i)).collect(),
+        }
+    }
+
+    fn start_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.section.start_timeout_s)
+    }
+
+    fn set_spec(&mut self, wire: WireSpec) -> Result<(), BridgeError> {
+        let protocol = |detail: String| BridgeError::Protocol {
+            env_id: self.env_id.clone(),
+            detail,
+        };
+        let low = decode_f32(&wire.obs_low, wire.obs_low.len() / 4, &self.env_id)?;
+        let high = decode_f32(&wire.obs_high, wire.obs_high.len() / 4, &self.env_id)?;
+        if low.len() != high.len() || low.is_empty() {
+            return Err(protocol(format!(
+                "observation bounds of {} and {} values",
+                low.len(),
+                high.len()
+            )));
+        }
+        let action_space = match wire.action {
+            WireAction::Discrete { n } => ActionSpace::Discrete { n },
+            WireAction::Box { low, high } => ActionSpace::Box {
+                low: decode_f32(&low, low.len() / 4, &self.env_id)?,
+                high: decode_f32(&high, high.len() / 4, &self.env_id)?,
+            },
+        };
+        self.obs_dim = low.len();
+        self.obs_space = wire.obs_space;
+        self.spec = EnvSpec {
+            id: crate::intern(&self.env_id),
+            observation_space: BoxSpace { low, high },
+            action_space,
+            max_episode_steps: wire
+                .max_episode_steps
+                .map_or(u32::MAX, |m| m.min(u32::MAX as u64) as u32),
+            reward_threshold: wire.reward_threshold,
+        };
+        Ok(())
+    }
+
+    /// The error of a worker that did not start.
+    fn start_error(&self, failure: Failure, label: &str) -> BridgeError {
+        let python = self.python.display().to_string();
+        match failure {
+            Failure::Replied(e) => match e.error.as_str() {
+                "missing_package" => BridgeError::MissingPackage {
+                    package: e.package.unwrap_or_default(),
+                    message: e.message,
+                    python,
+                },
+                "unknown_env" => BridgeError::UnknownEnv {
+                    env_id: self.env_id.clone(),
+                    message: e.message,
+                },
+                "unsupported_space" => BridgeError::UnsupportedSpace {
+                    env_id: self.env_id.clone(),
+                    message: e.message,
+                },
+                _ => BridgeError::Worker {
+                    env_id: self.env_id.clone(),
+                    message: e.message,
+                    traceback: e.traceback,
+                },
+            },
+            // The worker writes this line and exits when msgpack or numpy is missing.
+            Failure::Exited { stderr } => match stderr
+                .split("missing Python package '")
+                .nth(1)
+                .and_then(|rest| rest.split('\'').next())
+            {
+                Some(package) => BridgeError::MissingPackage {
+                    package: package.to_string(),
+                    message: "the env worker needs it".into(),
+                    python,
+                },
+                None => BridgeError::Worker {
+                    env_id: self.env_id.clone(),
+                    message: format!("worker {label} ended while starting"),
+                    traceback: stderr,
+                },
+            },
+            other => failure_error(&self.env_id, other),
+        }
+    }
+}
+
+fn worker_label(range: &Range<usize>) -> String {
+    format!("envs {}..{}", range.start, range.end)
+}
+
+/// The error of a request that failed outside a step.
+fn failure_error(env_id: &str, failure: Failure) -> BridgeError {
+    match failure {
+        Failure::Hung { after } => BridgeError::Hung {
+            env_id: env_id.to_string(),
+            after,
+        },
+        Failure::Exited { stderr } => BridgeError::Worker {
+            env_id: env_id.to_string(),
+            message: "the worker ended".into(),
+            traceback: stderr,
+        },
+        Failure::Replied(e) => BridgeError::Worker {
+            env_id: env_id.to_string(),
+            message: e.message,
+            traceback: e.traceback,
+        },
+        Failure::BadReply(detail) => BridgeError::Protocol {
+            env_id: env_id.to_string(),
+            detail,
+        },
+    }
+}
+
+fn decode_f32(bytes: &[u8], expected: usize, env_id: &str) -> Result<Vec<f32>, BridgeError> {
+    if bytes.len() != expected * 4 {
+        return Err(BridgeError::Protocol {
+            env_id: env_id.to_string(),
+            detail: format!(
+                "{} bytes where {expected} f32 values were expected",
+                bytes.len()
+            ),
+        });
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect())
+}
+
+fn placeholder_spec() -> EnvSpec {
+    EnvSpec {
+        id: "",
+        observation_space: BoxSpace {
+            low: Vec::new(),
+            high: Vec::new(),
+        },
+        action_space: ActionSpace::Discrete { n: 0 },
+        max_episode_steps: 0,
+        reward_threshold: None,
+    }
+}

@@ -1,0 +1,174 @@
+//! The `env` section of an experiment config: where `run.env_id` comes from
+//! and how the Python side makes it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Where an env id is looked up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// relay's built-in env when it has the id (the fast path), else Gymnasium.
+    #[default]
+    Auto,
+    /// Only relay's built-in envs and text games.
+    Builtin,
+    /// `gymnasium.make(run.env_id)` in Python worker processes, also for an
+    /// id relay has built in.
+    Gymnasium,
+}
+
+/// A Gymnasium wrapper applied after `gymnasium.make`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WrapperConfig {
+    /// A class of `gymnasium.wrappers` by name (`FrameStackObservation`) or
+    /// any class as `module:Class`.
+    pub name: String,
+    /// Its keyword arguments.
+    #[serde(default)]
+    pub kwargs: BTreeMap<String, serde_json::Value>,
+}
+
+/// `env:`: the environment's source and the Python workers that step it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EnvSection {
+    /// Where `run.env_id` comes from: `auto` (relay's built-in env when it
+    /// has the id, else Gymnasium), `builtin` or `gymnasium`.
+    pub backend: Backend,
+    /// Keyword arguments of `gymnasium.make(run.env_id, **kwargs)`.
+    pub kwargs: BTreeMap<String, serde_json::Value>,
+    /// Wrappers applied in order after `make`.
+    pub wrappers: Vec<WrapperConfig>,
+    /// Python modules imported before `make`, as `module`, or
+    /// `module:function` to also call a function of it: how a user's own
+    /// package registers its ids. (`ALE/...` and `MinAtar/...` ids register
+    /// their package by themselves.)
+    pub imports: Vec<String>,
+    /// Folders put first on the workers' `sys.path`: where a user's own env
+    /// module lives when it is not an installed package.
+    pub python_path: Vec<PathBuf>,
+    /// Registers `run.env_id` with this entry point (`module:Class`) before
+    /// `make`, for a user's env class that no package registers.
+    pub entry_point: Option<String>,
+    /// Python interpreter. Default: `RELAY_PYTHON`, else the
+    /// `.relay/python` environment that `just install` makes (looked for in
+    /// the working directory and its parents), else `python3`.
+    pub python: Option<PathBuf>,
+    /// Python worker processes per env-runner; its envs are split among them
+    /// and stepped in parallel (one round trip per worker per step).
+    pub workers: usize,
+    /// Seconds a worker may take to answer one step before it counts as
+    /// hung, is killed and restarted.
+    pub step_timeout_s: f64,
+    /// Seconds a worker may take to start: imports, `make`, first reset.
+    pub start_timeout_s: f64,
+}
+
+impl Default for EnvSection {
+    fn default() -> Self {
+        Self {
+            backend: Backend::Auto,
+            kwargs: BTreeMap::new(),
+            wrappers: Vec::new(),
+            imports: Vec::new(),
+            python_path: Vec::new(),
+            entry_point: None,
+            python: None,
+            workers: 1,
+            step_timeout_s: 60.0,
+            start_timeout_s: 120.0,
+        }
+    }
+}
+
+impl EnvSection {
+    /// Whether `env_id` is stepped by Python workers under this section.
+    pub fn uses_python(&self, env_id: &str) -> bool {
+        match self.backend {
+            Backend::Builtin => false,
+            Backend::Gymnasium => true,
+            Backend::Auto => !is_builtin(env_id),
+        }
+    }
+
+    /// Checks ranges and names (the id itself is checked when a worker
+    /// makes it).
+    pub fn validate(&self, env_id: &str) -> Result<(), (&'static str, String)> {
+        if self.workers == 0 {
+            return Err(("env.workers", "must be at least 1".into()));
+        }
+        for (field, v) in [
+            ("env.step_timeout_s", self.step_timeout_s),
+            ("env.start_timeout_s", self.start_timeout_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err((
+                    field,
+                    format!("must be a positive number of seconds, got {v}"),
+                ));
+            }
+        }
+        if self.backend == Backend::Builtin && !is_builtin(env_id) {
+            return Err((
+                "run.env_id",
+                format!(
+                    "env.backend is builtin, but relay has no built-in env {env_id:?}; built in: {} (classic control), {} (text games); set env.backend: gymnasium (or auto) to make it with Gymnasium",
+                    relay_envs::ENV_IDS.join(", "),
+                    relay_envs::TEXT_GAME_IDS.join(", ")
+                ),
+            ));
+        }
+        if self.uses_python(env_id) && relay_envs::TEXT_GAME_IDS.contains(&env_id) {
+            return Err((
+                "env.backend",
+                format!("{env_id} is a text game; text games run built in"),
+            ));
+        }
+        for w in &self.wrappers {
+            if w.name.trim().is_empty() {
+                return Err(("env.wrappers", "a wrapper has an empty name".into()));
+            }
+        }
+        if let Some(entry) = &self.entry_point {
+            if !entry.contains(':') {
+                return Err((
+                    "env.entry_point",
+                    format!("{entry:?} is not `module:Class`"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The interpreter the workers run (see [`EnvSection::python`]).
+    pub fn interpreter(&self) -> PathBuf {
+        if let Some(p) = &self.python {
+            return p.clone();
+        }
+        if let Some(p) = std::env::var_os("RELAY_PYTHON").filter(|p| !p.is_empty()) {
+            return PathBuf::from(p);
+        }
+        if let Ok(cwd) = std::env::current_dir() {
+            if let Some(p) = project_python(&cwd) {
+                return p;
+            }
+        }
+        PathBuf::from("python3")
+    }
+}
+
+/// The `.relay/python` interpreter in `dir` or its nearest parent that has one.
+pub fn project_python(dir: &Path) -> Option<PathBuf> {
+    dir.ancestors()
+        .map(|d| d.join(".relay/python/bin/python"))
+        .find(|p| p.is_file())
+}
+
+/// Whether relay has `env_id` built in (a classic-control env or a text game).
+pub fn is_builtin(env_id: &str) -> bool {
+    relay_envs::ENV_IDS.contains(&env_id) || relay_envs::TEXT_GAME_IDS.contains(&env_id)
+}

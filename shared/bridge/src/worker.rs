@@ -1,0 +1,202 @@
+//! One Python worker process and its pipe protocol.
+//!
+//! The worker is `python -c <relay_env_worker.py>` (the script is compiled
+//! into the binary, so nothing has to be found on disk). Requests go to its
+//! stdin and replies come from its stdout, each a 4-byte little-endian
+//! length and a MessagePack map. A reader thread turns replies into channel
+//! messages so that a wait can time out (a hung worker); a second thread
+//! forwards the worker's stderr to the logs and keeps its last lines for the
+//! error that reports a crash. Dropping a [`Worker`] kills the process.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// The worker program.
+pub const WORKER_SOURCE: &str = include_str!("../python/relay_env_worker.py");
+
+/// Lines of stderr kept for crash reports.
+const STDERR_TAIL: usize = 30;
+
+/// Why a request got no usable reply.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The process ended (or its pipes broke); what it left on stderr.
+    Exited { stderr: String },
+    /// No reply within the timeout.
+    Hung { after: Duration },
+    /// The worker answered with an error.
+    Replied(ErrorReply),
+    /// A reply that does not decode.
+    BadReply(String),
+}
+
+/// An `{"error": ...}` reply.
+#[derive(Debug, Clone)]
+pub(crate) struct ErrorReply {
+    pub error: String,
+    pub message: String,
+    pub traceback: String,
+    pub package: Option<String>,
+}
+
+/// `{"ok": T}` or the fields of an [`ErrorReply`] (not flattened: serde
+/// would buffer every reply to find out which).
+#[derive(Deserialize)]
+struct Reply<T> {
+    ok: Option<T>,
+    error: Option<String>,
+    #[serde(default)]
+    message: String,
+    #[serde(default)]
+    traceback: String,
+    #[serde(default)]
+    package: Option<String>,
+}
+
+/// A running worker process.
+pub(crate) struct Worker {
+    child: Child,
+    stdin: ChildStdin,
+    replies: Receiver<Option<Vec<u8>>>,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    frame: Vec<u8>,
+}
+
+impl Worker {
+    /// Starts `python` on the worker program; `label` names it in the logs.
+    pub fn spawn(python: &Path, label: &str) -> std::io::Result<Worker> {
+        let mut child = Command::new(python)
+            .arg("-u")
+            .arg("-c")
+            .arg(WORKER_SOURCE)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let stderr = child.stderr.take().expect("piped");
+        let (tx, replies) = mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("py-{label}-out"))
+            .spawn(move || {
+                let mut stdout = BufReader::new(stdout);
+                loop {
+                    let frame = read_frame(&mut stdout);
+                    let end = frame.is_none();
+                    if tx.send(frame).is_err() || end {
+                        return;
+                    }
+                }
+            })?;
+        let stderr_tail = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL)));
+        let tail = stderr_tail.clone();
+        let label = label.to_string();
+        std::thread::Builder::new()
+            .name(format!("py-{label}-err"))
+            .spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { return };
+                    tracing::info!(target: "relay_bridge::python", worker = %label, "{line}");
+                    let mut tail = tail.lock().expect("stderr tail");
+                    if tail.len() == STDERR_TAIL {
+                        tail.pop_front();
+                    }
+                    tail.push_back(line);
+                }
+            })?;
+        Ok(Worker {
+            child,
+            stdin,
+            replies,
+            stderr_tail,
+            frame: Vec::new(),
+        })
+    }
+
+    /// Sends one request.
+    pub fn send<T: Serialize>(&mut self, request: &T) -> Result<(), Failure> {
+        self.frame.clear();
+        self.frame.extend_from_slice(&[0; 4]);
+        rmp_serde::encode::write_named(&mut self.frame, request)
+            .map_err(|e| Failure::BadReply(format!("cannot encode the request: {e}")))?;
+        let len = (self.frame.len() - 4) as u32;
+        self.frame[..4].copy_from_slice(&len.to_le_bytes());
+        if self
+            .stdin
+            .write_all(&self.frame)
+            .and_then(|()| self.stdin.flush())
+            .is_err()
+        {
+            return Err(self.exited());
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for the reply to the last request.
+    pub fn recv<R: DeserializeOwned>(&mut self, timeout: Duration) -> Result<R, Failure> {
+        let body = match self.replies.recv_timeout(timeout) {
+            Ok(Some(body)) => body,
+            Ok(None) | Err(RecvTimeoutError::Disconnected) => return Err(self.exited()),
+            Err(RecvTimeoutError::Timeout) => return Err(Failure::Hung { after: timeout }),
+        };
+        let reply: Reply<R> =
+            rmp_serde::from_slice(&body).map_err(|e| Failure::BadReply(e.to_string()))?;
+        match (reply.ok, reply.error) {
+            (Some(ok), _) => Ok(ok),
+            (None, Some(error)) => Err(Failure::Replied(ErrorReply {
+                error,
+                message: reply.message,
+                traceback: reply.traceback,
+                package: reply.package,
+            })),
+            (None, None) => Err(Failure::BadReply("neither ok nor error".into())),
+        }
+    }
+
+    /// One request and its reply.
+    pub fn call<T: Serialize, R: DeserializeOwned>(
+        &mut self,
+        request: &T,
+        timeout: Duration,
+    ) -> Result<R, Failure> {
+        self.send(request)?;
+        self.recv(timeout)
+    }
+
+    fn exited(&mut self) -> Failure {
+        // The stderr thread may still be reading the last lines.
+        let _ = self.child.kill();
+        let status = self.child.wait().ok();
+        std::thread::sleep(Duration::from_millis(20));
+        let tail = self.stderr_tail.lock().expect("stderr tail");
+        let mut stderr = tail.iter().cloned().collect::<Vec<_>>().join("\n");
+        if let Some(status) = status {
+            stderr = format!("exited with {status}\n{stderr}");
+        }
+        Failure::Exited { stderr }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn read_frame(r: &mut impl Read) -> Option<Vec<u8>> {
+    let mut header = [0u8; 4];
+    r.read_exact(&mut header).ok()?;
+    let mut body = vec![0u8; u32::from_le_bytes(header) as usize];
+    r.read_exact(&mut body).ok()?;
+    Some(body)
+}

@@ -1,0 +1,307 @@
+//! The env bridge against the real Gymnasium in the project's Python
+//! environment (`just install` makes it): agreement with the built-in
+//! CartPole, spaces, errors that name the problem, and faults that are
+//! survived.
+
+use relay_bridge::{BridgeError, EnvSection, FaultKind, PyVecEnv, VecEnvs};
+use relay_envs::{Env, VecActions};
+use std::path::Path;
+
+fn gymnasium() -> EnvSection {
+    EnvSection {
+        backend: relay_bridge::Backend::Gymnasium,
+        ..EnvSection::default()
+    }
+}
+
+/// A module of test envs in a fresh folder, on the workers' `sys.path`.
+fn user_envs(dir: &Path) -> EnvSection {
+    std::fs::write(
+        dir.join("relay_test_envs.py"),
+        r#"
+import os, time
+import numpy as np
+import gymnasium as gym
+from gymnasium import spaces
+
+class Faulty(gym.Env):
+    """Episodes of 10 steps. With a `marker` path, the first env (of every
+    worker) to reach step `fail_at` creates the file and does `mode`."""
+    def __init__(self, mode="raise", fail_at=3, marker=None):
+        self.observation_space = spaces.Dict({
+            "position": spaces.Box(-1.0, 1.0, (2,), np.float32),
+            "room": spaces.Discrete(3),
+        })
+        self.action_space = spaces.Discrete(2)
+        self.mode, self.fail_at, self.marker = mode, fail_at, marker
+    def _obs(self):
+        return {"position": np.array([0.5, -0.5], np.float32), "room": self.t % 3}
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+    def step(self, action):
+        self.t += 1
+        if self.t == self.fail_at and self.marker and not os.path.exists(self.marker):
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                if self.mode == "raise":
+                    raise ValueError("the test env broke on purpose")
+                if self.mode == "crash":
+                    os._exit(7)
+                if self.mode == "hang":
+                    time.sleep(600)
+        return self._obs(), 1.0, self.t >= 10, False, {}
+
+class Texty(gym.Env):
+    observation_space = spaces.Text(8)
+    action_space = spaces.Discrete(2)
+"#,
+    )
+    .unwrap();
+    EnvSection {
+        python_path: vec![dir.to_path_buf()],
+        entry_point: Some("relay_test_envs:Faulty".into()),
+        ..gymnasium()
+    }
+}
+
+#[test]
+fn cartpole_through_the_bridge_agrees_with_the_builtin_one_from_the_same_states() {
+    let n = 4;
+    let mut bridge = PyVecEnv::new("CartPole-v1", &gymnasium(), n, 11).unwrap();
+    assert_eq!(bridge.spec().obs_dim(), 4);
+    assert_eq!(bridge.spec().max_episode_steps, 500);
+    assert_eq!(bridge.spec().reward_threshold, Some(475.0));
+    // Gymnasium 1.4's Box turns float32's largest value into infinity.
+    let finite =
+        |v: &[f32]| -> Vec<f32> { v.iter().map(|x| x.clamp(f32::MIN, f32::MAX)).collect() };
+    let builtin_space = relay_envs::spec("CartPole-v1").unwrap().observation_space;
+    assert_eq!(
+        finite(&bridge.spec().observation_space.low),
+        builtin_space.low
+    );
+    assert_eq!(
+        finite(&bridge.spec().observation_space.high),
+        builtin_space.high
+    );
+    bridge.reset().unwrap();
+    let mut builtin: Vec<_> = (0..n)
+        .map(|_| relay_envs::make("CartPole-v1").unwrap())
+        .collect();
+    let sync = |bridge: &mut PyVecEnv, env: &mut Box<dyn Env>, i: usize| {
+        let state: Vec<f64> = serde_json::from_value(bridge.get_attr(i, "state").unwrap()).unwrap();
+        env.set_state(&state).unwrap();
+        let mut obs = [0f32; 4];
+        env.observe(&mut obs).unwrap();
+        assert_eq!(
+            &obs[..],
+            &bridge.obs()[i * 4..(i + 1) * 4],
+            "env {i} after sync"
+        );
+    };
+    for (i, env) in builtin.iter_mut().enumerate() {
+        sync(&mut bridge, env, i);
+    }
+    let mut episodes = 0;
+    for t in 0..400u64 {
+        let actions: Vec<i64> = (0..n as u64)
+            .map(|i| ((t * 7 + i * 3) / 5 % 2) as i64)
+            .collect();
+        let step = bridge.step(VecActions::Discrete(&actions)).unwrap().clone();
+        for i in 0..n {
+            let mut obs = [0f32; 4];
+            let r = builtin[i]
+                .step(relay_envs::Action::Discrete(actions[i]), &mut obs)
+                .unwrap();
+            assert_eq!(r.reward, step.rewards[i], "reward, env {i} step {t}");
+            assert_eq!(
+                r.terminated, step.terminated[i],
+                "terminated, env {i} step {t}"
+            );
+            assert_eq!(
+                r.truncated, step.truncated[i],
+                "truncated, env {i} step {t}"
+            );
+            if step.done(i) {
+                assert_eq!(
+                    &obs[..],
+                    step.final_obs(i).unwrap(),
+                    "final obs, env {i} step {t}"
+                );
+                episodes += 1;
+                sync(&mut bridge, &mut builtin[i], i);
+            } else {
+                assert_eq!(&obs[..], step.obs(i), "obs, env {i} step {t}");
+            }
+        }
+    }
+    assert!(episodes > 10, "only {episodes} episodes ended");
+}
+
+#[test]
+fn autoreset_keeps_episodes_apart_and_seeds_reproduce() {
+    let run = |seed| {
+        let mut envs = VecEnvs::new("CartPole-v1", &gymnasium(), 3, seed).unwrap();
+        let mut trace = envs.reset().unwrap().to_vec();
+        let mut finished = Vec::new();
+        for _ in 0..60 {
+            let step = envs.step(VecActions::Discrete(&[1, 1, 0])).unwrap();
+            trace.extend_from_slice(&step.obs);
+            finished.extend(
+                step.finished
+                    .iter()
+                    .map(|e| (e.env_index, e.length, e.episode_return)),
+            );
+        }
+        (trace, finished)
+    };
+    let (a, finished) = run(5);
+    assert_eq!(a, run(5).0, "the same seed replays the same episodes");
+    assert_ne!(a, run(6).0, "another seed plays other episodes");
+    // Pushing one way ends CartPole within ~10-30 steps; each episode's length
+    // and return agree (reward 1 per step): nothing of the next one leaked in.
+    assert!(!finished.is_empty());
+    for (_, length, ret) in finished {
+        assert_eq!(ret, length as f64);
+    }
+}
+
+#[test]
+fn discrete_and_dict_observations_are_flattened_and_other_spaces_are_refused() {
+    let taxi = relay_bridge::spec("Taxi-v4", &EnvSection::default()).unwrap();
+    assert_eq!(taxi.obs_dim(), 500, "Discrete(500) is one-hot");
+    assert_eq!(
+        taxi.action_space,
+        relay_envs::ActionSpace::Discrete { n: 6 }
+    );
+    let mut envs = VecEnvs::new("Taxi-v4", &EnvSection::default(), 2, 1).unwrap();
+    let obs = envs.reset().unwrap();
+    for row in obs.chunks(500) {
+        assert_eq!(row.iter().sum::<f32>(), 1.0);
+        assert!(row.iter().all(|&x| x == 0.0 || x == 1.0));
+    }
+
+    let dir = tempdir();
+    let section = user_envs(&dir);
+    let mut envs = VecEnvs::new("RelayFaulty-v0", &section, 1, 0).unwrap();
+    assert_eq!(
+        envs.obs_dim(),
+        2 + 3,
+        "Dict(Box(2), Discrete(3)) flattens to 5"
+    );
+    assert_eq!(envs.reset().unwrap(), &[0.5, -0.5, 1.0, 0.0, 0.0]);
+
+    let texty = EnvSection {
+        entry_point: Some("relay_test_envs:Texty".into()),
+        ..section
+    };
+    let err = relay_bridge::spec("RelayTexty-v0", &texty).unwrap_err();
+    assert!(matches!(err, BridgeError::UnsupportedSpace { .. }), "{err}");
+    assert!(err.to_string().contains("Text("), "{err}");
+}
+
+#[test]
+fn unknown_ids_and_missing_packages_are_named() {
+    let err = relay_bridge::spec("NoSuchEnv-v0", &EnvSection::default()).unwrap_err();
+    assert!(matches!(err, BridgeError::UnknownEnv { .. }), "{err}");
+    assert!(err.to_string().contains("NoSuchEnv"), "{err}");
+
+    let section = EnvSection {
+        imports: vec!["relay_no_such_package".into()],
+        ..EnvSection::default()
+    };
+    let err = relay_bridge::spec("LunarLander-v3", &section).unwrap_err();
+    assert!(matches!(err, BridgeError::MissingPackage { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("relay_no_such_package") && text.contains("just install"),
+        "{text}"
+    );
+
+    let section = EnvSection {
+        python: Some("/nonexistent/python".into()),
+        ..gymnasium()
+    };
+    let err = relay_bridge::spec("CartPole-v1", &section).unwrap_err();
+    assert!(matches!(err, BridgeError::NoPython { .. }), "{err}");
+}
+
+/// Steps 3 envs of `RelayFaulty-v0`, one worker each, of which one
+/// misbehaves (`mode`) at its third step, and checks that the fault is
+/// reported for that env alone, the batch goes on, and every episode after
+/// it is whole.
+fn survives(mode: &str, kind: FaultKind, timeout_s: f64) {
+    let dir = tempdir();
+    let mut section = user_envs(&dir);
+    section.workers = 3;
+    section.step_timeout_s = timeout_s;
+    section.kwargs.insert("mode".into(), mode.into());
+    let marker = dir.join("failed").display().to_string();
+    section.kwargs.insert("marker".into(), marker.into());
+    let mut envs = PyVecEnv::new("RelayFaulty-v0", &section, 3, 0).unwrap();
+    envs.reset().unwrap();
+    envs.step(VecActions::Discrete(&[0; 3])).unwrap();
+    envs.step(VecActions::Discrete(&[0; 3])).unwrap();
+    let err = envs.step(VecActions::Discrete(&[0; 3])).unwrap_err();
+    assert!(err.is_recoverable(), "{err}");
+    let BridgeError::Faulted { faults } = &err else {
+        panic!("expected a fault, got {err}")
+    };
+    assert_eq!(faults.len(), 1, "{err}");
+    assert_eq!(faults[0].kind, kind, "{err}");
+    assert_eq!(faults[0].envs.len(), 1, "{err}");
+    if kind == FaultKind::Raised {
+        assert!(
+            faults[0].detail.contains("the test env broke on purpose"),
+            "{err}"
+        );
+        assert!(faults[0].detail.contains("Traceback"), "{err}");
+    }
+    assert_eq!(envs.restarts(), kind.restarted() as u64);
+    let faulted = faults[0].envs[0];
+    // The others go on with their episodes (10 steps, the faulted step
+    // included); the faulted env starts a new one of 10 steps.
+    let mut finished = Vec::new();
+    for _ in 0..10 {
+        let step = envs.step(VecActions::Discrete(&[1; 3])).unwrap();
+        finished.extend(
+            step.finished
+                .iter()
+                .map(|e| (e.env_index, e.length, e.episode_return)),
+        );
+    }
+    finished.sort_by_key(|e| e.0);
+    assert_eq!(finished.len(), 3, "{finished:?}");
+    for (i, length, ret) in finished {
+        assert_eq!((length, ret), (10, 10.0), "env {i} (faulted: {faulted})");
+    }
+}
+
+#[test]
+fn a_python_exception_in_step_drops_the_episode_with_its_traceback() {
+    survives("raise", FaultKind::Raised, 30.0);
+}
+
+#[test]
+fn a_crashed_worker_is_restarted() {
+    survives("crash", FaultKind::Crashed, 30.0);
+}
+
+#[test]
+fn a_hung_worker_is_killed_and_restarted() {
+    survives("hang", FaultKind::Hung, 2.0);
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "relay-bridge-test-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
