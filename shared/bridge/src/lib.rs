@@ -47,10 +47,12 @@ pub use section::{is_builtin, project_python, Backend, EnvSection, WrapperConfig
 pub use worker::WORKER_SOURCE;
 
 /// A batch of envs: relay's built-in ones, or Gymnasium's through Python.
+// A batch is made once per service and never moved in a hot loop: no box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum VecEnvs {
     Builtin(VecEnv),
-    Python(Box<PyVecEnv>),
+    Python(PyVecEnv),
 }
 
 impl VecEnvs {
@@ -65,7 +67,7 @@ impl VecEnvs {
         if section.uses_python(env_id) {
             let envs = PyVecEnv::new(env_id, section, num_envs, seed)?;
             remember_spec(env_id, section, envs.spec());
-            Ok(VecEnvs::Python(Box::new(envs)))
+            Ok(VecEnvs::Python(envs))
         } else {
             Ok(VecEnvs::Builtin(VecEnv::new(env_id, num_envs, seed)?))
         }
