@@ -38,7 +38,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
-use relay_envs::{ActionSpace, VecActions, VecEnv};
+use relay_bridge::{BridgeError, FaultKind, VecEnvs};
+use relay_envs::{ActionSpace, VecActions};
 use relay_kit::{counter, gauge, RequestError, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::VecNormalize;
 use relay_policy::StatsFollower;
@@ -56,6 +57,8 @@ struct Metrics {
     episode_seconds: Histogram,
     fragments: IntCounterVec,
     backpressure_waits: IntCounter,
+    env_faults: IntCounterVec,
+    worker_restarts: IntCounter,
 }
 
 impl Metrics {
@@ -124,6 +127,24 @@ impl Metrics {
         relay_kit::metrics::register(registry, &episode_seconds);
         relay_kit::metrics::register(registry, &fragments);
         relay_kit::metrics::register(registry, &backpressure_waits);
+        let env_faults = IntCounterVec::new(
+            Opts::new(
+                "relay_env_runner_env_faults_total",
+                "Episodes dropped by a Python env fault, by kind (raised, crashed, hung).",
+            ),
+            &["kind"],
+        )
+        .unwrap();
+        for kind in [FaultKind::Raised, FaultKind::Crashed, FaultKind::Hung] {
+            env_faults.with_label_values(&[kind.as_str()]);
+        }
+        let worker_restarts = IntCounter::new(
+            "relay_env_runner_worker_restarts_total",
+            "Python env workers restarted after a crash or a hang.",
+        )
+        .unwrap();
+        relay_kit::metrics::register(registry, &env_faults);
+        relay_kit::metrics::register(registry, &worker_restarts);
         Self {
             env_steps,
             vec_steps,
@@ -133,6 +154,8 @@ impl Metrics {
             episode_seconds,
             fragments,
             backpressure_waits,
+            env_faults,
+            worker_restarts,
         }
     }
 }
@@ -262,8 +285,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     }
     let metrics = Metrics::register(&service.registry);
     let n = cfg.env_runner.num_envs;
-    let mut envs = VecEnv::new(
+    let mut envs = VecEnvs::new(
         &cfg.run.env_id,
+        &cfg.env,
         n,
         runner_seed(cfg.run.seed, &service.instance),
     )
@@ -385,8 +409,34 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 }
                 envs.step(VecActions::Continuous(&clipped))
             }
-        }
-        .map_err(ServiceError::other)?;
+        };
+        let step = match step {
+            Ok(step) => step,
+            Err(BridgeError::Faulted { faults }) => {
+                // Faulted envs were reset: their episodes and this step's
+                // transitions (the whole fragment in progress) are dropped.
+                for fault in &faults {
+                    tracing::warn!(env_id = %spec.id, kind = fault.kind.as_str(), "env fault, episode dropped: {fault}");
+                    metrics
+                        .env_faults
+                        .with_label_values(&[fault.kind.as_str()])
+                        .inc_by(fault.envs.len() as u64);
+                    if fault.kind.restarted() {
+                        metrics.worker_restarts.inc();
+                    }
+                    for &i in &fault.envs {
+                        episode_started[i] = Instant::now();
+                    }
+                }
+                fragment = FragmentBuilder::new();
+                obs.copy_from_slice(envs.obs());
+                if let Some(v) = &normalizer {
+                    v.normalize_obs(&mut obs);
+                }
+                continue;
+            }
+            Err(e) => return Err(ServiceError::other(format!("{}: {e}", spec.id))),
+        };
         let raw_rewards: Vec<f32> = step.rewards.iter().map(|&r| r as f32).collect();
         let mut next_obs = step.obs.to_vec();
         if let Some(v) = normalizer.as_mut() {

@@ -71,19 +71,26 @@ use plugins::{EvalContext, EvalOutcome, Evaluator, TextEvalContext};
 
 /// Plays one episode per sub-env with the policy's deterministic actions,
 /// on raw observations (no normalisation); returns each episode's return
-/// (the `greedy` plugin without statistics).
+/// (the `greedy` plugin without statistics). `env_id` is made as the
+/// default `env` section makes it.
 pub fn evaluate(
     model: &ActorCritic,
     env_id: &str,
     episodes: usize,
     seed: u64,
 ) -> Result<Vec<f64>, String> {
-    Ok(
-        plugins::play(model, None, env_id, episodes, seed, true, false)?
-            .into_iter()
-            .map(|e| e.ret)
-            .collect(),
-    )
+    Ok(plugins::play(
+        model,
+        None,
+        relay_bridge::VecEnvs::new(env_id, &Default::default(), episodes, seed)
+            .map_err(|e| e.to_string())?,
+        seed,
+        true,
+        false,
+    )?
+    .into_iter()
+    .map(|e| e.ret)
+    .collect())
 }
 
 /// Mean and population standard deviation, as every eval report gives them.
@@ -200,6 +207,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             train_return: (!recent.is_empty())
                 .then(|| recent.iter().sum::<f64>() / recent.len() as f64),
             confirming: false,
+            env: cfg.env.clone(),
         };
         let returns = match play_classic(&plugin, &policy, &ctx).await? {
             Ok(returns) => returns,

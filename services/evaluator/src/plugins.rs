@@ -29,7 +29,8 @@ use std::path::PathBuf;
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use rand::SeedableRng;
-use relay_envs::{ActionSpace, VecActions, VecEnv};
+use relay_bridge::{EnvSection, VecEnvs};
+use relay_envs::{ActionSpace, VecActions};
 use relay_kit::config::{is_text_game, Opponent, TextConfig};
 use relay_nn::{Actions, VecNormalize};
 use relay_policy::text::{
@@ -54,6 +55,15 @@ pub struct EvalContext {
     /// A confirmation: `episodes` and `seed` are the confirmation's and
     /// the plugin's own `episodes` and `seed` options do not apply.
     pub confirming: bool,
+    /// The `env` section: how `env_id` is made.
+    pub env: EnvSection,
+}
+
+impl EvalContext {
+    /// `episodes` copies of the run's env, seeded from `seed`.
+    pub fn envs(&self, episodes: usize, seed: u64) -> Result<VecEnvs, String> {
+        VecEnvs::new(&self.env_id, &self.env, episodes, seed).map_err(|e| e.to_string())
+    }
 }
 
 /// What a text-game plugin needs to play: the run's game, how model seats
@@ -259,8 +269,7 @@ impl Evaluator for Greedy {
         let eps = play(
             &p.model,
             p.normalizer.as_ref(),
-            &ctx.env_id,
-            episodes,
+            ctx.envs(episodes, seed)?,
             seed,
             true,
             false,
@@ -287,8 +296,7 @@ impl Evaluator for Stochastic {
         let eps = play(
             &p.model,
             p.normalizer.as_ref(),
-            &ctx.env_id,
-            episodes,
+            ctx.envs(episodes, seed)?,
             seed,
             false,
             false,
@@ -326,8 +334,7 @@ impl Evaluator for Threshold {
                 let eps = play(
                     &p.model,
                     p.normalizer.as_ref(),
-                    &ctx.env_id,
-                    episodes,
+                    ctx.envs(episodes, seed)?,
                     seed,
                     true,
                     false,
@@ -361,8 +368,7 @@ impl Evaluator for Record {
         let eps = play(
             &p.model,
             p.normalizer.as_ref(),
-            &ctx.env_id,
-            episodes,
+            ctx.envs(episodes, seed)?,
             seed,
             true,
             true,
@@ -688,7 +694,9 @@ pub struct Episode {
 }
 
 /// Plays one episode per sub-env of a vectorized env (each to its end) with
-/// deterministic or sampled actions, recording trajectories if asked.
+/// deterministic or sampled actions (drawn from `seed`), recording
+/// trajectories if asked. A Python env fault abandons the evaluation (its
+/// episodes would not be the ones asked for).
 ///
 /// With a `normalizer` (the weights version's, runs with a `normalize`
 /// section) the model is given normalised observations; the normaliser is
@@ -697,14 +705,14 @@ pub struct Episode {
 pub fn play<M: relay_policy::Act>(
     model: &M,
     normalizer: Option<&VecNormalize>,
-    env_id: &str,
-    episodes: usize,
+    mut envs: VecEnvs,
     seed: u64,
     deterministic: bool,
     record: bool,
 ) -> Result<Vec<Episode>, String> {
-    let mut envs = VecEnv::new(env_id, episodes, seed).map_err(|e| e.to_string())?;
+    let episodes = envs.num_envs();
     let spec = envs.spec().clone();
+    let env_id = spec.id;
     let obs_dim = envs.obs_dim();
     let mut obs = envs.reset().map_err(|e| e.to_string())?.to_vec();
     let mut returns: Vec<Option<f64>> = vec![None; episodes];
@@ -800,6 +808,7 @@ mod tests {
             run_dir: dir.to_path_buf(),
             train_return: None,
             confirming: false,
+            env: EnvSection::default(),
         }
     }
 

@@ -143,11 +143,21 @@ pub struct FirstPass {
     pub env_steps: u64,
 }
 
-/// Makes a run id `<env>-<algo>-<yyyymmdd-hhmmss>`.
+/// Makes a run id `<env>-<algo>-<yyyymmdd-hhmmss>` (characters a run id
+/// cannot hold, such as the `/` of `ALE/Pong-v5`, become `-`).
 pub fn make_run_id(config: &ExperimentConfig) -> String {
+    let env: String = config
+        .run
+        .env_id
+        .chars()
+        .map(|c| match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '-' | '_' => c,
+            _ => '-',
+        })
+        .collect();
     format!(
         "{}-{}-{}",
-        config.run.env_id,
+        env,
         config.algo_name(),
         chrono::Local::now().format("%Y%m%d-%H%M%S")
     )
@@ -186,6 +196,20 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         overrides.push("run.reset_optimizer=true".into());
     }
     let config = ExperimentConfig::load(&args.config, &overrides)?;
+    if !config.is_text_game() && config.env.uses_python(&config.run.env_id) {
+        // Made once here, so that an unknown id or a missing package is
+        // reported before any service starts.
+        let spec = config.env_spec().context("run.env_id")?;
+        println!(
+            "relay: {} from Gymnasium (Python {}): {} observations, {} actions",
+            config.run.env_id,
+            config.env.interpreter().display(),
+            spec.obs_dim(),
+            spec.action_space
+                .n()
+                .map_or("continuous".to_string(), |n| format!("{n} discrete"))
+        );
+    }
     if let Some(path) = stack::ensure_tiny_model(&config)? {
         println!(
             "relay: wrote the tiny model to {} (llm.model)",

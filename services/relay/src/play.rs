@@ -164,7 +164,7 @@ pub fn load_policy(
     };
     let normalizer = match config.normalizer() {
         Some(norm) => {
-            let obs_dim = relay_envs::spec(&config.run.env_id)?.obs_dim();
+            let obs_dim = config.env_spec()?.obs_dim();
             let mut n = relay_nn::VecNormalize::new(norm, obs_dim, 0)?;
             relay_learner::checkpoint::load_normalizer(dir, &mut n)?;
             n.set_training(false);
@@ -233,16 +233,10 @@ pub fn play(args: PlayArgs) -> Result<()> {
     let (model, normalizer) = load_policy(&config, &dir)?;
     let env_id = config.run.env_id.clone();
     println!("relay: {id} checkpoint {} on {env_id}", dir.display());
-    let episodes = relay_evaluator::plugins::play(
-        &model,
-        normalizer.as_ref(),
-        &env_id,
-        args.episodes.max(1),
-        args.seed,
-        true,
-        true,
-    )
-    .map_err(anyhow::Error::msg)?;
+    let envs = relay_bridge::VecEnvs::new(&env_id, &config.env, args.episodes.max(1), args.seed)?;
+    let episodes =
+        relay_evaluator::plugins::play(&model, normalizer.as_ref(), envs, args.seed, true, true)
+            .map_err(anyhow::Error::msg)?;
     for (i, e) in episodes.iter().enumerate() {
         println!("episode {i}");
         let t = e.trajectory.as_ref().expect("recorded");

@@ -44,8 +44,8 @@ fn initial_mean_return(cfg: &ExperimentConfig) -> f64 {
     let episodes = relay_evaluator::plugins::play(
         &model,
         None,
-        &cfg.run.env_id,
-        EVAL_EPISODES,
+        relay_bridge::VecEnvs::new(&cfg.run.env_id, &cfg.env, EVAL_EPISODES, cfg.eval.seed)
+            .unwrap(),
         cfg.eval.seed,
         true,
         false,

@@ -215,8 +215,8 @@ async fn normalised_run(
         let episodes = relay_evaluator::plugins::play(
             &model,
             Some(&normalizer),
-            &cfg.run.env_id,
-            cfg.eval.episodes,
+            relay_bridge::VecEnvs::new(&cfg.run.env_id, &cfg.env, cfg.eval.episodes, cfg.eval.seed)
+                .unwrap(),
             cfg.eval.seed,
             true,
             false,
@@ -231,8 +231,13 @@ async fn normalised_run(
             let other = relay_evaluator::plugins::play(
                 &model,
                 Some(&prior),
-                &cfg.run.env_id,
-                cfg.eval.episodes,
+                relay_bridge::VecEnvs::new(
+                    &cfg.run.env_id,
+                    &cfg.env,
+                    cfg.eval.episodes,
+                    cfg.eval.seed,
+                )
+                .unwrap(),
                 cfg.eval.seed,
                 true,
                 false,

@@ -424,7 +424,15 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         )
     });
     // What a fragment of this run looks like (the table checks inserts against it).
-    let env_spec = relay_envs::spec(&cfg.run.env_id).ok();
+    let env_spec = match cfg.is_text_game() {
+        true => None,
+        false => cfg
+            .env_spec()
+            .inspect_err(|e| {
+                tracing::warn!(error = %e, "no env spec: fragments are stored unchecked against it")
+            })
+            .ok(),
+    };
     // Text runs: the games stored (`text.games`, else `run.env_id`).
     let run_games: Vec<String> = cfg
         .text

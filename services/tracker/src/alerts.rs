@@ -353,8 +353,9 @@ pub struct Alerts {
 
 impl Alerts {
     pub fn open(run_dir: &std::path::Path, service: &relay_kit::Service) -> std::io::Result<Self> {
-        let actions = relay_envs::spec(&service.config.run.env_id)
-            .ok()
+        let actions = (!service.config.is_text_game())
+            .then(|| service.config.env_spec().ok())
+            .flatten()
             .and_then(|s| s.action_space.n());
         let active = prometheus::GaugeVec::new(
             prometheus::Opts::new(

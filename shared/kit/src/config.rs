@@ -76,6 +76,10 @@ pub struct ExperimentConfig {
     pub league: LeagueSection,
     #[serde(default)]
     pub normalize: NormalizeSection,
+    /// Where `run.env_id` comes from (built in, or Gymnasium through Python
+    /// workers) and how it is made.
+    #[serde(default)]
+    pub env: relay_bridge::EnvSection,
 }
 
 /// What is trained, for how long, and where its files go.
@@ -2307,17 +2311,11 @@ impl ExperimentConfig {
         if let Some(id) = &self.run.id {
             relay_proto::validate_run_id(id).map_err(|e| invalid("run.id", e))?;
         }
-        if !is_text_game(&self.run.env_id) && relay_envs::spec(&self.run.env_id).is_err() {
-            return Err(invalid(
-                "run.env_id",
-                format!(
-                    "unknown environment {:?}; known: {} (classic control), {} (text games)",
-                    self.run.env_id,
-                    relay_envs::ENV_IDS.join(", "),
-                    relay_envs::TEXT_GAME_IDS.join(", ")
-                ),
-            ));
-        }
+        // An id relay does not have is made by Gymnasium (env.backend auto),
+        // which names an unknown id when a service first makes it.
+        self.env
+            .validate(&self.run.env_id)
+            .map_err(|(field, detail)| invalid(field, detail))?;
         self.text.validate(&self.run.env_id)?;
         self.league.validate(&self.text, &self.run.env_id)?;
         self.lora.validate()?;
@@ -2581,7 +2579,7 @@ impl ExperimentConfig {
         positive("dqn.checkpoint_every", d.checkpoint_every as usize)?;
         positive("dqn.keep_checkpoints", d.keep_checkpoints)?;
         if self.run.algo == "dqn" {
-            if let Ok(env) = relay_envs::spec(&self.run.env_id) {
+            if let Some(env) = self.builtin_env_spec() {
                 if !matches!(env.action_space, relay_envs::ActionSpace::Discrete { .. }) {
                     return Err(invalid(
                         "run.algo",
@@ -2658,7 +2656,7 @@ impl ExperimentConfig {
         positive("sac.checkpoint_every", s.checkpoint_every as usize)?;
         positive("sac.keep_checkpoints", s.keep_checkpoints)?;
         if self.run.algo == "sac" {
-            if let Ok(env) = relay_envs::spec(&self.run.env_id) {
+            if let Some(env) = self.builtin_env_spec() {
                 if !matches!(env.action_space, relay_envs::ActionSpace::Box { .. }) {
                     return Err(invalid(
                         "run.algo",
@@ -2824,13 +2822,31 @@ impl ExperimentConfig {
             .ok_or_else(|| invalid("run.id", "no run id: pass --run-id or set RELAY_RUN_ID"))
     }
 
-    /// Solved threshold: `eval.threshold`, else the env's reward threshold.
+    /// Solved threshold: `eval.threshold`, else the env's reward threshold
+    /// (Gymnasium's registration for an env made through Python).
     pub fn solved_threshold(&self) -> Option<f64> {
         self.eval.threshold.or_else(|| {
-            relay_envs::spec(&self.run.env_id)
-                .ok()
-                .and_then(|s| s.reward_threshold)
+            if self.is_text_game() {
+                return None;
+            }
+            self.env_spec().ok().and_then(|s| s.reward_threshold)
         })
+    }
+
+    /// The spec (spaces, time limit, reward threshold) of `run.env_id`: the
+    /// built-in env's, or what a Python worker reports for a Gymnasium env
+    /// (asked once per process, then cached).
+    pub fn env_spec(&self) -> Result<relay_envs::EnvSpec, relay_bridge::BridgeError> {
+        relay_bridge::spec(&self.run.env_id, &self.env)
+    }
+
+    /// The spec of a built-in classic-control `run.env_id`; `None` for a
+    /// text game or an env made through Python (validation asks no Python).
+    fn builtin_env_spec(&self) -> Option<relay_envs::EnvSpec> {
+        if self.env.uses_python(&self.run.env_id) {
+            return None;
+        }
+        relay_envs::spec(&self.run.env_id).ok()
     }
 
     /// The config as YAML, as written into the run directory and checkpoints:

@@ -41,8 +41,8 @@ use relay_proto::{
 use tokio::sync::watch;
 
 /// The policy network shape of a run.
-pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, relay_envs::EnvError> {
-    let env = relay_envs::spec(&config.run.env_id)?;
+pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, relay_bridge::BridgeError> {
+    let env = config.env_spec()?;
     let action = match env.action_space {
         ActionSpace::Discrete { n } => ActionKind::Discrete { n },
         ActionSpace::Box { low, high } => ActionKind::Continuous {
@@ -75,7 +75,7 @@ pub fn qnet_spec_for(config: &ExperimentConfig) -> Result<QNetSpec, String> {
 /// The networks of a SAC run: the env's observation width and action
 /// bounds, `sac.net_arch` (ReLU) and the log std clamps.
 pub fn sac_spec_for(config: &ExperimentConfig) -> Result<SacSpec, String> {
-    let env = relay_envs::spec(&config.run.env_id).map_err(|e| e.to_string())?;
+    let env = config.env_spec().map_err(|e| e.to_string())?;
     let ActionSpace::Box { low, high } = env.action_space else {
         return Err(format!(
             "run.algo sac needs continuous (Box) actions; {} has discrete ones",
