@@ -67,6 +67,21 @@ pub const GOALS: &[Goal] = &[
         threshold: 475.0,
         budget: 500_000,
     },
+    // Through the env bridge (Gymnasium in Python workers): rl-zoo's PPO
+    // reaches about 250 at 1M steps on LunarLander.
+    Goal {
+        name: "PPO LunarLander-v3",
+        config: "lunarlander-ppo.yaml",
+        threshold: 200.0,
+        budget: 1_000_000,
+    },
+    // Gymnasium 1.4 retired Taxi-v3 for Taxi-v4 (the same task).
+    Goal {
+        name: "PPO Taxi-v4",
+        config: "taxi-ppo.yaml",
+        threshold: 7.5,
+        budget: 1_000_000,
+    },
 ];
 
 /// Flags of `relay bench-learning` (besides those of `relay up`, whose

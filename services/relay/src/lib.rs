@@ -1,6 +1,7 @@
 //! The `relay` command line: the local stack supervisor (`up`, `down`) and
 //! the solve benchmark. See `main.rs` for the commands.
 
+pub mod bench_bridge;
 pub mod bench_generate;
 pub mod bench_league;
 pub mod bench_learning;

@@ -125,6 +125,8 @@ enum Command {
     /// Generation tokens/s and request latency of the inference server for
     /// several models and batch sizes; print a table and JSON.
     BenchGenerate(relay::bench_generate::BenchGenerateArgs),
+    /// Env steps/s of Gymnasium's CartPole through relay's env bridge against Gymnasium's own SyncVectorEnv (and relay's built-in CartPole); print a table and JSON.
+    BenchBridge(relay::bench_bridge::BenchBridgeArgs),
 }
 
 fn main() -> Result<()> {
@@ -156,6 +158,7 @@ fn main() -> Result<()> {
         Command::Play(args) => relay::play::play(args),
         Command::Model(args) => relay::model::model(args),
         Command::Sft(args) => relay::sft::sft(args),
+        Command::BenchBridge(args) => relay::bench_bridge::bench_bridge(args),
         Command::BenchTictactoe(args) => relay::bench_tictactoe::bench_tictactoe(args),
         Command::BenchSmolLm2(args) => relay::bench_smollm2::bench_smollm2(args),
         Command::BenchLeague(args) => relay::bench_league::bench_league(args),

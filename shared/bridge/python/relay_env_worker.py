@@ -124,7 +124,7 @@ class Flattener:
         self.high = np.asarray(flat.high, dtype=np.float32).reshape(-1)
         self.dim = self.low.size
         if isinstance(space, spaces.Box):
-            self.kind = "box"
+            self.kind = "box" if len(space.shape) == 1 else "box_nd"
         elif isinstance(space, spaces.Discrete):
             self.kind = "discrete"
             self.start = int(space.start)
@@ -132,14 +132,17 @@ class Flattener:
             self.kind = "generic"
             self._flatten = spaces.flatten
 
-    def write(self, obs, out):
+    def write(self, obs, rows, i):
+        """Writes `obs` as row `i` of `rows`."""
         if self.kind == "box":
-            out[:] = np.asarray(obs).reshape(-1)
+            rows[i] = obs
+        elif self.kind == "box_nd":
+            rows[i] = np.asarray(obs).reshape(-1)
         elif self.kind == "discrete":
-            out.fill(0.0)
-            out[int(obs) - self.start] = 1.0
+            rows[i] = 0.0
+            rows[i, int(obs) - self.start] = 1.0
         else:
-            out[:] = self._flatten(self.space, obs)
+            rows[i] = self._flatten(self.space, obs)
 
 
 class UnsupportedSpace(Exception):
@@ -214,7 +217,7 @@ class Batch:
         seed = self.seeds[i]
         self.seeds[i] = None
         obs, _info = self.envs[i].reset(seed=seed)
-        self.flattener.write(obs, self.obs[i])
+        self.flattener.write(obs, self.obs, i)
 
     def reset(self):
         for i in range(self.n):
@@ -222,36 +225,43 @@ class Batch:
         return {"obs": self.obs.tobytes()}
 
     def step(self, request):
+        n = self.n
         if self.action["kind"] == "discrete":
-            actions = np.frombuffer(request["actions"], dtype=np.int64) + self.action["start"]
-            actions = [int(a) for a in actions]
+            actions = np.frombuffer(request["actions"], dtype=np.int64).tolist()
+            start = self.action["start"]
+            if start:
+                actions = [a + start for a in actions]
         else:
             flat = np.frombuffer(request["actions"], dtype=np.float32)
-            actions = flat.reshape((self.n,) + tuple(self.action["shape"])).astype(self.action["dtype"])
-        rewards = np.zeros(self.n, dtype=np.float64)
-        terminated = np.zeros(self.n, dtype=np.uint8)
-        truncated = np.zeros(self.n, dtype=np.uint8)
+            actions = flat.reshape((n,) + tuple(self.action["shape"])).astype(self.action["dtype"])
+        # Plain lists, packed once: cheaper than NumPy scalar writes per env.
+        rewards = [0.0] * n
+        terminated = [False] * n
+        truncated = [False] * n
         final = {}
         failed = []
         write = self.flattener.write
+        rows = self.obs
         for i, env in enumerate(self.envs):
             try:
                 obs, reward, term, trunc, _info = env.step(actions[i])
                 rewards[i] = float(reward)
-                terminated[i] = bool(term)
-                truncated[i] = bool(trunc)
-                write(obs, self.obs[i])
+                terminated[i] = term = bool(term)
+                truncated[i] = trunc = bool(trunc)
+                write(obs, rows, i)
                 if term or trunc:
-                    final[i] = self.obs[i].tobytes()
+                    final[i] = rows[i].tobytes()
                     self._reset_one(i)
             except Exception:
                 failed.append([i, traceback.format_exc()])
+                rewards[i] = 0.0
+                terminated[i] = truncated[i] = False
                 self._reset_one(i)
         return {
-            "obs": self.obs.tobytes(),
-            "rewards": rewards.tobytes(),
-            "terminated": terminated.tobytes(),
-            "truncated": truncated.tobytes(),
+            "obs": rows.tobytes(),
+            "rewards": struct.pack(f"<{n}d", *rewards),
+            "terminated": bytes(terminated),
+            "truncated": bytes(truncated),
             "final": final,
             "failed": failed,
         }

@@ -37,7 +37,7 @@ pub enum BridgeError {
     },
 
     /// Gymnasium does not know the env id (or its version is deprecated).
-    #[error("unknown environment {env_id:?}: {message}")]
+    #[error("unknown environment {env_id:?}: {message} (relay has built in: {} (classic control), {} (text games))", relay_envs::ENV_IDS.join(", "), relay_envs::TEXT_GAME_IDS.join(", "))]
     UnknownEnv { env_id: String, message: String },
 
     /// A space relay cannot take, named.

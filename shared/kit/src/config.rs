@@ -2989,9 +2989,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("ppo.gamma"), "{err}");
-        let err = ExperimentConfig::from_layers(BASE, "t", &[], &["run.env_id=Nope-v0".into()])
-            .unwrap_err()
-            .to_string();
+        // With env.backend auto an id relay lacks goes to Gymnasium, which
+        // names it when the env is made (relay_bridge's tests); `builtin`
+        // refuses it here.
+        let auto = ExperimentConfig::from_layers(BASE, "t", &[], &["run.env_id=Nope-v0".into()]);
+        assert!(auto.unwrap().env.uses_python("Nope-v0"));
+        let err = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &["run.env_id=Nope-v0".into(), "env.backend=builtin".into()],
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             err.contains("run.env_id") && err.contains("Nope-v0"),
             "{err}"
@@ -3182,10 +3192,17 @@ mod tests {
         let c = ExperimentConfig::from_layers(TEXT, "t", &[], &[]).unwrap();
         assert!(is_text_game(&c.run.env_id));
         assert_eq!(c.text.opponent_weights().unwrap().len(), 1);
-        let err =
-            ExperimentConfig::from_layers(TEXT, "t", &[], &["run.env_id=TicTacToe-v9".into()])
-                .unwrap_err()
-                .to_string();
+        let err = ExperimentConfig::from_layers(
+            TEXT,
+            "t",
+            &[],
+            &[
+                "run.env_id=TicTacToe-v9".into(),
+                "env.backend=builtin".into(),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
         for needle in [
             "run.env_id",
             "TicTacToe-v9",
