@@ -107,15 +107,20 @@ struct Slot {
     generation: u64,
 }
 
-/// `num_envs` copies of a Gymnasium env stepped by Python workers.
-pub struct PyVecEnv {
+/// How the batch's workers are started (again, after a fault).
+struct Launcher {
     env_id: String,
     section: EnvSection,
     python: PathBuf,
+    seed: u64,
+}
+
+/// `num_envs` copies of a Gymnasium env stepped by Python workers.
+pub struct PyVecEnv {
+    launcher: Launcher,
     spec: EnvSpec,
     obs_space: String,
     obs_dim: usize,
-    seed: u64,
     slots: Vec<Slot>,
     buf: VecStep,
     returns: Vec<f64>,
@@ -128,7 +133,7 @@ pub struct PyVecEnv {
 impl std::fmt::Debug for PyVecEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PyVecEnv")
-            .field("env_id", &self.env_id)
+            .field("env_id", &self.launcher.env_id)
             .field("num_envs", &self.returns.len())
             .field("workers", &self.slots.len())
             .finish_non_exhaustive()
@@ -148,52 +153,52 @@ impl PyVecEnv {
         if num_envs == 0 {
             return Err(relay_envs::EnvError::NoEnvs.into());
         }
-        let python = section.interpreter();
-        let workers = section.workers.clamp(1, num_envs);
-        let ranges: Vec<Range<usize>> = (0..workers)
-            .map(|w| (w * num_envs / workers)..((w + 1) * num_envs / workers))
-            .collect();
-        let mut env = PyVecEnv {
+        let launcher = Launcher {
             env_id: env_id.to_string(),
             section: section.clone(),
-            python,
-            spec: placeholder_spec(),
-            obs_space: String::new(),
-            obs_dim: 0,
+            python: section.interpreter(),
             seed,
-            slots: Vec::with_capacity(workers),
-            buf: VecStep::new(0, 0),
-            returns: vec![0.0; num_envs],
-            lengths: vec![0; num_envs],
-            has_reset: false,
-            restarts: 0,
-            action_bytes: Vec::new(),
         };
+        let workers = section.workers.clamp(1, num_envs);
         // Every worker imports and makes in parallel.
         let mut started = Vec::with_capacity(workers);
-        for range in ranges {
-            let mut worker = env.spawn()?;
-            let init = env.init_request(&range, 0);
+        for w in 0..workers {
+            let range = (w * num_envs / workers)..((w + 1) * num_envs / workers);
+            let mut worker = launcher.spawn()?;
             worker
-                .send(&init)
-                .map_err(|f| env.start_error(f, &worker_label(&range)))?;
+                .send(&launcher.init_request(&range, 0))
+                .map_err(|f| launcher.start_error(f, &range))?;
             started.push((worker, range));
         }
+        let mut slots = Vec::with_capacity(workers);
+        let mut first = None;
         for (mut worker, range) in started {
             let wire: WireSpec = worker
-                .recv(env.start_timeout())
-                .map_err(|f| env.start_error(f, &worker_label(&range)))?;
-            if env.slots.is_empty() {
-                env.set_spec(wire)?;
-            }
-            env.slots.push(Slot {
+                .recv(launcher.start_timeout())
+                .map_err(|f| launcher.start_error(f, &range))?;
+            first.get_or_insert(wire);
+            slots.push(Slot {
                 worker,
                 envs: range,
                 generation: 0,
             });
         }
-        env.buf = VecStep::new(num_envs, env.obs_dim);
-        Ok(env)
+        let wire = first.expect("at least one worker");
+        let spec = spec_from_wire(env_id, &wire)?;
+        let obs_dim = spec.obs_dim();
+        Ok(PyVecEnv {
+            launcher,
+            spec,
+            obs_space: wire.obs_space,
+            obs_dim,
+            slots,
+            buf: VecStep::new(num_envs, obs_dim),
+            returns: vec![0.0; num_envs],
+            lengths: vec![0; num_envs],
+            has_reset: false,
+            restarts: 0,
+            action_bytes: Vec::new(),
+        })
     }
 
     /// The env's spec as relay sees it (flattened observations).
@@ -228,17 +233,17 @@ impl PyVecEnv {
 
     /// Resets every env and returns the first observations.
     pub fn reset(&mut self) -> Result<&[f32], BridgeError> {
-        let timeout = self.start_timeout();
+        let timeout = self.launcher.start_timeout();
         for slot in &mut self.slots {
             slot.worker
                 .send(&OpRequest { op: "reset" })
-                .map_err(|f| failure_error(&self.env_id, f))?;
+                .map_err(|f| failure_error(&self.launcher.env_id, f))?;
         }
         for i in 0..self.slots.len() {
             let reply: ResetReply = self.slots[i]
                 .worker
                 .recv(timeout)
-                .map_err(|f| failure_error(&self.env_id, f))?;
+                .map_err(|f| failure_error(&self.launcher.env_id, f))?;
             let range = self.slots[i].envs.clone();
             self.write_obs(&range, &reply.obs)?;
         }
@@ -277,7 +282,7 @@ impl PyVecEnv {
                 4 * self.spec.action_space.dim()
             }
         };
-        let step_timeout = Duration::from_secs_f64(self.section.step_timeout_s);
+        let step_timeout = Duration::from_secs_f64(self.launcher.section.step_timeout_s);
         let mut outcomes: Vec<Result<StepReply, Failure>> = Vec::with_capacity(self.slots.len());
         let mut sent = Vec::with_capacity(self.slots.len());
         for slot in &mut self.slots {
@@ -330,10 +335,10 @@ impl PyVecEnv {
                         .final_obs
                         .get(&k)
                         .ok_or_else(|| BridgeError::Protocol {
-                            env_id: self.env_id.clone(),
+                            env_id: self.launcher.env_id.clone(),
                             detail: format!("env {k} ended without a final observation"),
                         })?;
-                    let last = decode_f32(last, self.obs_dim, &self.env_id)?;
+                    let last = decode_f32(last, self.obs_dim, &self.launcher.env_id)?;
                     self.buf.set_final_obs(i, &last);
                     self.buf.finished.push(FinishedEpisode {
                         env_index: i,
@@ -357,7 +362,7 @@ impl PyVecEnv {
     /// An attribute of env `index`'s unwrapped env, as JSON (Gymnasium's
     /// `VectorEnv.get_attr` for one env; NumPy arrays become lists).
     pub fn get_attr(&mut self, index: usize, name: &str) -> Result<serde_json::Value, BridgeError> {
-        let timeout = Duration::from_secs_f64(self.section.step_timeout_s);
+        let timeout = Duration::from_secs_f64(self.launcher.section.step_timeout_s);
         let slot = self
             .slots
             .iter_mut()
@@ -374,7 +379,7 @@ impl PyVecEnv {
         let reply: AttrReply = slot
             .worker
             .call(&request, timeout)
-            .map_err(|f| failure_error(&self.env_id, f))?;
+            .map_err(|f| failure_error(&self.launcher.env_id, f))?;
         Ok(reply.value)
     }
 
@@ -399,17 +404,16 @@ impl PyVecEnv {
         };
         let range = self.slots[s].envs.clone();
         let generation = self.slots[s].generation + 1;
-        let label = worker_label(&range);
-        tracing::warn!(env_id = %self.env_id, worker = %label, kind = kind.as_str(), "restarting a Python env worker: {detail}");
-        let mut worker = self.spawn()?;
-        let init = self.init_request(&range, generation);
-        let timeout = self.start_timeout();
+        tracing::warn!(env_id = %self.launcher.env_id, worker = %worker_label(&range), kind = kind.as_str(), "restarting a Python env worker: {detail}");
+        let launcher = &self.launcher;
+        let mut worker = launcher.spawn()?;
+        let timeout = launcher.start_timeout();
         worker
-            .call::<_, WireSpec>(&init, timeout)
-            .map_err(|f| self.start_error(f, &label))?;
+            .call::<_, WireSpec>(&launcher.init_request(&range, generation), timeout)
+            .map_err(|f| launcher.start_error(f, &range))?;
         let reply: ResetReply = worker
             .call(&OpRequest { op: "reset" }, timeout)
-            .map_err(|f| failure_error(&self.env_id, f))?;
+            .map_err(|f| failure_error(&self.launcher.env_id, f))?;
         // The old worker is killed as it drops.
         self.slots[s] = Slot {
             worker,
@@ -451,11 +455,13 @@ impl PyVecEnv {
 
     fn write_obs(&mut self, range: &Range<usize>, bytes: &[u8]) -> Result<(), BridgeError> {
         let d = self.obs_dim;
-        let obs = decode_f32(bytes, range.len() * d, &self.env_id)?;
+        let obs = decode_f32(bytes, range.len() * d, &self.launcher.env_id)?;
         self.buf.obs[range.start * d..range.end * d].copy_from_slice(&obs);
         Ok(())
     }
+}
 
+impl Launcher {
     fn spawn(&self) -> Result<Worker, BridgeError> {
         Worker::spawn(&self.python, &self.env_id).map_err(|source| BridgeError::NoPython {
             python: self.python.display().to_string(),
@@ -482,43 +488,9 @@ impl PyVecEnv {
         Duration::from_secs_f64(self.section.start_timeout_s)
     }
 
-    fn set_spec(&mut self, wire: WireSpec) -> Result<(), BridgeError> {
-        let protocol = |detail: String| BridgeError::Protocol {
-            env_id: self.env_id.clone(),
-            detail,
-        };
-        let low = decode_f32(&wire.obs_low, wire.obs_low.len() / 4, &self.env_id)?;
-        let high = decode_f32(&wire.obs_high, wire.obs_high.len() / 4, &self.env_id)?;
-        if low.len() != high.len() || low.is_empty() {
-            return Err(protocol(format!(
-                "observation bounds of {} and {} values",
-                low.len(),
-                high.len()
-            )));
-        }
-        let action_space = match wire.action {
-            WireAction::Discrete { n } => ActionSpace::Discrete { n },
-            WireAction::Box { low, high } => ActionSpace::Box {
-                low: decode_f32(&low, low.len() / 4, &self.env_id)?,
-                high: decode_f32(&high, high.len() / 4, &self.env_id)?,
-            },
-        };
-        self.obs_dim = low.len();
-        self.obs_space = wire.obs_space;
-        self.spec = EnvSpec {
-            id: crate::intern(&self.env_id),
-            observation_space: BoxSpace { low, high },
-            action_space,
-            max_episode_steps: wire
-                .max_episode_steps
-                .map_or(u32::MAX, |m| m.min(u32::MAX as u64) as u32),
-            reward_threshold: wire.reward_threshold,
-        };
-        Ok(())
-    }
-
     /// The error of a worker that did not start.
-    fn start_error(&self, failure: Failure, label: &str) -> BridgeError {
+    fn start_error(&self, failure: Failure, range: &Range<usize>) -> BridgeError {
+        let label = worker_label(range);
         let python = self.python.display().to_string();
         match failure {
             Failure::Replied(e) => match e.error.as_str() {
@@ -554,13 +526,45 @@ impl PyVecEnv {
                 },
                 None => BridgeError::Worker {
                     env_id: self.env_id.clone(),
-                    message: format!("worker {label} ended while starting"),
+                    message: format!("worker of {label} ended while starting"),
                     traceback: stderr,
                 },
             },
             other => failure_error(&self.env_id, other),
         }
     }
+}
+
+/// The spec relay sees (flattened observations) from a worker's description.
+fn spec_from_wire(env_id: &str, wire: &WireSpec) -> Result<EnvSpec, BridgeError> {
+    let low = decode_f32(&wire.obs_low, wire.obs_low.len() / 4, env_id)?;
+    let high = decode_f32(&wire.obs_high, wire.obs_high.len() / 4, env_id)?;
+    if low.len() != high.len() || low.is_empty() {
+        return Err(BridgeError::Protocol {
+            env_id: env_id.to_string(),
+            detail: format!(
+                "observation bounds of {} and {} values",
+                low.len(),
+                high.len()
+            ),
+        });
+    }
+    let action_space = match &wire.action {
+        WireAction::Discrete { n } => ActionSpace::Discrete { n: *n },
+        WireAction::Box { low, high } => ActionSpace::Box {
+            low: decode_f32(low, low.len() / 4, env_id)?,
+            high: decode_f32(high, high.len() / 4, env_id)?,
+        },
+    };
+    Ok(EnvSpec {
+        id: crate::intern(env_id),
+        observation_space: BoxSpace { low, high },
+        action_space,
+        max_episode_steps: wire
+            .max_episode_steps
+            .map_or(u32::MAX, |m| m.min(u32::MAX as u64) as u32),
+        reward_threshold: wire.reward_threshold,
+    })
 }
 
 fn worker_label(range: &Range<usize>) -> String {
@@ -605,17 +609,4 @@ fn decode_f32(bytes: &[u8], expected: usize, env_id: &str) -> Result<Vec<f32>, B
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
         .collect())
-}
-
-fn placeholder_spec() -> EnvSpec {
-    EnvSpec {
-        id: "",
-        observation_space: BoxSpace {
-            low: Vec::new(),
-            high: Vec::new(),
-        },
-        action_space: ActionSpace::Discrete { n: 0 },
-        max_episode_steps: 0,
-        reward_threshold: None,
-    }
 }
