@@ -24,6 +24,7 @@ episode. Anything else that goes wrong is an ``error`` reply; a reply that worke
 """
 
 import importlib
+import math
 import os
 import struct
 import sys
@@ -257,6 +258,7 @@ class Batch:
                 rewards[i] = 0.0
                 terminated[i] = truncated[i] = False
                 self._reset_one(i)
+        self._refuse_non_finite(rows, rewards, terminated, truncated, final, failed)
         return {
             "obs": rows.tobytes(),
             "rewards": struct.pack(f"<{n}d", *rewards),
@@ -265,6 +267,36 @@ class Batch:
             "final": final,
             "failed": failed,
         }
+
+    def _refuse_non_finite(self, rows, rewards, terminated, truncated, final, failed):
+        """NaN or infinity in an observation or a reward is a fault of that
+        env (named, and its episode dropped), never data. One check of the
+        whole batch in the common case."""
+        if np.isfinite(rows).all() and all(math.isfinite(r) for r in rewards) and not any(
+            not np.isfinite(np.frombuffer(b, dtype=np.float32)).all() for b in final.values()
+        ):
+            return
+        already = {i for i, _ in failed}
+        for i in range(self.n):
+            if i in already:
+                continue
+            last = np.frombuffer(final[i], dtype=np.float32) if i in final else rows[i]
+            bad = None
+            if not math.isfinite(rewards[i]):
+                bad = f"reward {rewards[i]}"
+            elif not np.isfinite(last).all():
+                j = int(np.flatnonzero(~np.isfinite(last))[0])
+                bad = f"observation component {j} = {last[j]}"
+            elif not np.isfinite(rows[i]).all():
+                j = int(np.flatnonzero(~np.isfinite(rows[i]))[0])
+                bad = f"first observation after reset, component {j} = {rows[i][j]}"
+            if bad is None:
+                continue
+            failed.append([i, f"ValueError: the env returned a non-finite {bad}"])
+            rewards[i] = 0.0
+            terminated[i] = truncated[i] = False
+            final.pop(i, None)
+            self._reset_one(i)
 
     def get_attr(self, request):
         value = getattr(self.envs[request["index"]].unwrapped, request["name"])

@@ -456,6 +456,20 @@ impl PyVecEnv {
     fn write_obs(&mut self, range: &Range<usize>, bytes: &[u8]) -> Result<(), BridgeError> {
         let d = self.obs_dim;
         let obs = decode_f32(bytes, range.len() * d, &self.launcher.env_id)?;
+        // The worker replaces a non-finite observation by a reset; one that
+        // is still not finite comes from the reset itself: the env is broken.
+        if let Some(j) = obs.iter().position(|x| !x.is_finite()) {
+            return Err(BridgeError::Worker {
+                env_id: self.launcher.env_id.clone(),
+                message: format!(
+                    "env {} returned a non-finite first observation after reset ({} at component {})",
+                    range.start + j / d,
+                    obs[j],
+                    j % d
+                ),
+                traceback: String::new(),
+            });
+        }
         self.buf.obs[range.start * d..range.end * d].copy_from_slice(&obs);
         Ok(())
     }

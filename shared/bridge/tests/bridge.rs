@@ -54,6 +54,10 @@ class Faulty(gym.Env):
                     os._exit(7)
                 if self.mode == "hang":
                     time.sleep(600)
+                if self.mode == "nan":
+                    obs = self._obs()
+                    obs["position"][1] = np.nan
+                    return obs, 1.0, False, False, {}
         return self._obs(), 1.0, self.t >= 10, False, {}
 
 class Texty(gym.Env):
@@ -254,12 +258,21 @@ fn survives(mode: &str, kind: FaultKind, timeout_s: f64) {
     assert_eq!(faults.len(), 1, "{err}");
     assert_eq!(faults[0].kind, kind, "{err}");
     assert_eq!(faults[0].envs.len(), 1, "{err}");
-    if kind == FaultKind::Raised {
-        assert!(
-            faults[0].detail.contains("the test env broke on purpose"),
+    match mode {
+        "raise" => {
+            assert!(
+                faults[0].detail.contains("the test env broke on purpose"),
+                "{err}"
+            );
+            assert!(faults[0].detail.contains("Traceback"), "{err}");
+        }
+        "nan" => assert!(
+            faults[0]
+                .detail
+                .contains("non-finite observation component 1 = nan"),
             "{err}"
-        );
-        assert!(faults[0].detail.contains("Traceback"), "{err}");
+        ),
+        _ => {}
     }
     assert_eq!(envs.restarts(), kind.restarted() as u64);
     let faulted = faults[0].envs[0];
@@ -284,6 +297,11 @@ fn survives(mode: &str, kind: FaultKind, timeout_s: f64) {
 #[test]
 fn a_python_exception_in_step_drops_the_episode_with_its_traceback() {
     survives("raise", FaultKind::Raised, 30.0);
+}
+
+#[test]
+fn a_non_finite_observation_drops_the_episode_and_names_the_value() {
+    survives("nan", FaultKind::Raised, 30.0);
 }
 
 #[test]
