@@ -299,6 +299,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         ActionSpace::Box { low, high } => (low.clone(), high.clone()),
         ActionSpace::Discrete { .. } => (Vec::new(), Vec::new()),
     };
+    cfg.check_fragment_size(obs_dim, spec.action_space.dim())
+        .map_err(ServiceError::other)?;
     let mut obs = envs.reset().map_err(ServiceError::other)?.to_vec();
     // Normalisation: local statistics (and the delta to ship), synced to
     // each weights version's statistics as it arrives.

@@ -197,9 +197,13 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         overrides.push("run.reset_optimizer=true".into());
     }
     let config = ExperimentConfig::load(&args.config, &overrides)?;
+    if !config.is_text_game() {
+        // Made once here, so that an unknown id, a missing package or
+        // fragments too large to send are reported before any service starts.
+        let spec = config.env_spec().context("run.env_id")?;
+        config.check_fragment_size(spec.obs_dim(), spec.action_space.dim())?;
+    }
     if !config.is_text_game() && config.env.uses_python(&config.run.env_id) {
-        // Made once here, so that an unknown id or a missing package is
-        // reported before any service starts.
         let spec = config.env_spec().context("run.env_id")?;
         println!(
             "relay: {} from Gymnasium (Python {}): {} observations, {} actions",

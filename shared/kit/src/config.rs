@@ -2840,6 +2840,34 @@ impl ExperimentConfig {
         relay_bridge::spec(&self.run.env_id, &self.env)
     }
 
+    /// Refuses a fragment size that cannot travel: a wide observation (a
+    /// one-hot `Discrete(500)`, an image) times `fragment_steps x num_envs`
+    /// can outgrow a NATS message, and every insert would fail.
+    pub fn check_fragment_size(
+        &self,
+        obs_dim: usize,
+        action_values: usize,
+    ) -> Result<(), ConfigError> {
+        let (steps, n) = (self.env_runner.fragment_steps, self.env_runner.num_envs);
+        // Per env step: observation, action (i64 or f32s), logprob, value,
+        // reward, scaled reward, two flags; per fragment: next observations
+        // and about one final observation per env; then headers.
+        let per_step = n * (obs_dim * 4 + action_values * 8 + 16 + 2);
+        let fixed = 2 * n * obs_dim * 4 + 4096;
+        let bytes = steps * per_step + fixed;
+        let limit = relay_proto::MAX_MESSAGE_BYTES;
+        if bytes > limit {
+            let fits = limit.saturating_sub(fixed) / per_step;
+            return Err(invalid(
+                "env_runner.fragment_steps",
+                format!(
+                    "{steps} vector steps of {n} envs with {obs_dim} observation values make fragments of about {bytes} bytes, above the {limit} bytes a message may have; use at most {fits} (or fewer env_runner.num_envs)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The spec of a built-in classic-control `run.env_id`; `None` for a
     /// text game or an env made through Python (validation asks no Python).
     fn builtin_env_spec(&self) -> Option<relay_envs::EnvSpec> {
@@ -2981,6 +3009,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("learnin_rate"), "{err}");
+    }
+
+    #[test]
+    fn fragments_too_large_for_a_message_are_refused_naming_the_field() {
+        let c = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &[
+                "env_runner.num_envs=16".into(),
+                "env_runner.fragment_steps=128".into(),
+            ],
+        )
+        .unwrap();
+        c.check_fragment_size(4, 1).unwrap();
+        // Taxi's one-hot Discrete(500).
+        let err = c.check_fragment_size(500, 1).unwrap_err().to_string();
+        assert!(
+            err.contains("env_runner.fragment_steps") && err.contains("at most 30"),
+            "{err}"
+        );
     }
 
     #[test]
