@@ -416,15 +416,24 @@ throughput = dashboard(
             description="Fragments the env-runners sent per second: stored, stale (dropped), refused, rejected.",
         ),
         panel(
+            "timeseries", "Python env faults and worker restarts",
+            [
+                t(f"sum by (kind) (increase({sel('relay_env_runner_env_faults_total')}[{RI}]))", "{{kind}} (episodes dropped)"),
+                t(f"sum(increase({sel('relay_env_runner_worker_restarts_total')}[{RI}]))", "worker restarts"),
+            ],
+            w=8,
+            description="Envs stepped through the env bridge (Gymnasium in Python workers): episodes dropped by an exception in step (raised), a worker that exited (crashed) or went silent (hung), and workers restarted. Zero for relay's built-in envs.",
+        ),
+        panel(
             "timeseries", "Time per turn (vector step)",
             quantiles("relay_env_runner_step_seconds", by="replica", prefix="{{replica}} "),
-            w=12, unit="s",
+            w=8, unit="s",
             description="Wall time of one vector step: the act request plus stepping every env.",
         ),
         panel(
             "timeseries", "Time per episode",
             quantiles("relay_env_runner_episode_seconds", by="replica", prefix="{{replica}} "),
-            w=12, unit="s",
+            w=8, unit="s",
             description="Wall time of one episode, from its reset to its end.",
         ),
         row("Inference servers"),
