@@ -135,7 +135,7 @@ impl Metrics {
             &["kind"],
         )
         .unwrap();
-        for kind in [FaultKind::Raised, FaultKind::Crashed, FaultKind::Hung] {
+        for kind in FaultKind::ALL {
             env_faults.with_label_values(&[kind.as_str()]);
         }
         let worker_restarts = IntCounter::new(

@@ -99,6 +99,9 @@ pub enum FaultKind {
 }
 
 impl FaultKind {
+    /// Every kind (to show each at zero in metrics).
+    pub const ALL: [FaultKind; 3] = [FaultKind::Raised, FaultKind::Crashed, FaultKind::Hung];
+
     /// Label of the fault in metrics.
     pub fn as_str(self) -> &'static str {
         match self {
