@@ -40,6 +40,9 @@ use relay_proto::{
 use games::{GameInserted, GameStore};
 use offpolicy::{Table, TableInserted};
 
+/// Bytes of a `SampleReply` besides its fragments (schema, counts, the
+/// array header), with room to spare.
+const SAMPLE_REPLY_OVERHEAD: usize = 1024;
 /// Redis key names of one run.
 #[derive(Clone)]
 pub struct Keys {
@@ -313,8 +316,9 @@ impl Fifo {
         })
     }
 
-    /// Pops fragments from the head until `max_steps` env steps are gathered
-    /// or the FIFO is empty, dropping those older than `min_policy_version`.
+    /// Pops fragments from the head until `max_steps` env steps are gathered,
+    /// the FIFO is empty or one more would not fit in a reply message,
+    /// dropping those older than `min_policy_version`.
     pub async fn sample(
         &self,
         min_policy_version: u64,
@@ -348,9 +352,20 @@ impl Fifo {
         }
         let mut gathered = 0u64;
         let mut popped_steps = 0u64;
+        let mut reply_bytes = 0usize;
         while gathered < max_steps {
             let item: Option<Vec<u8>> = redis.lpop(&self.keys.fifo, None).await?;
             let Some(item) = item else { break };
+            // The reply is one NATS message: a fragment that would outgrow it
+            // goes back to the head for the next sample (wide observations
+            // make few fragments fill a message).
+            if !out.fragments.is_empty()
+                && reply_bytes + item.len() + SAMPLE_REPLY_OVERHEAD > relay_proto::MAX_MESSAGE_BYTES
+            {
+                let _: () = redis.lpush(&self.keys.fifo, item).await?;
+                break;
+            }
+            reply_bytes += item.len();
             match relay_proto::decode::<RolloutFragment>(&item) {
                 Ok(fragment) => {
                     popped_steps += fragment.env_steps();

@@ -282,3 +282,76 @@ async fn the_rate_limiter_paces_inserts_and_samples() {
         .unwrap()
         .unwrap();
 }
+
+/// A sample reply is one NATS message: fragments that together would not fit
+/// in one are handed out over several samples, none lost, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn samples_of_large_fragments_fit_in_a_message_and_lose_nothing() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let run_id = "replay-large";
+    let (trigger, shutdown) = Shutdown::new();
+    let text = format!(
+        "run:\n  id: {run_id}\n  env_id: CartPole-v1\nconnections:\n  nats_url: {}\n  redis_url: {}\n  request_timeout_ms: 5000\nreplay:\n  capacity_steps: 100000\n  max_policy_lag: 1\nppo:\n  rollout_steps: 50000\n",
+        nats.url(),
+        redis.url()
+    );
+    let config =
+        ServiceConfig::for_test(ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap());
+    let server = tokio::spawn(relay_replay_buffer::run(config, shutdown));
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let s = Subjects::new(run_id);
+    // About 540 kB each: two do not fit in one 1 MiB message.
+    let (t, n) = (500, 28);
+    let big = |k: usize| {
+        let mut f = fragment(0, t, n);
+        f.rewards = Tensor::from_f32(&[t, n], &vec![k as f32; t * n]);
+        f
+    };
+    assert!(relay_proto::encode(&big(0)).len() > relay_proto::MAX_MESSAGE_BYTES / 2);
+    for k in 0..3 {
+        let mut accepted = false;
+        for _ in 0..100 {
+            match relay_kit::request::<_, InsertAck>(
+                &client,
+                &s.replay_insert(),
+                &big(k),
+                Duration::from_millis(1000),
+            )
+            .await
+            {
+                Ok(ack) => {
+                    accepted = ack.accepted;
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        assert!(accepted, "fragment {k} stored");
+    }
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let reply: SampleReply = relay_kit::request(
+            &client,
+            &s.replay_sample(),
+            &SampleRequest {
+                schema: SCHEMA_VERSION,
+                min_policy_version: 0,
+                max_steps: 1_000_000,
+            },
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        assert_eq!(reply.fragments.len(), 1, "one fragment fits a reply");
+        seen.extend(
+            reply
+                .fragments
+                .iter()
+                .map(|f| f.rewards.to_f32().unwrap()[0]),
+        );
+    }
+    assert_eq!(seen, vec![0.0, 1.0, 2.0], "every fragment, in order");
+    trigger.trigger();
+    server.await.unwrap().unwrap();
+}
