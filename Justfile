@@ -66,7 +66,7 @@ bench-league *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay bench-league {{ARGS}}
 
-# Env steps/s of Gymnasium's CartPole-v1 through the env bridge vs Gymnasium's own SyncVectorEnv (1, 8, 64 envs) and relay's built-in CartPole: table + JSON line.
+# Env steps/s of Gymnasium's CartPole-v1 through the env bridge vs Gymnasium's own SyncVectorEnv (1, 8, 64 envs; medians of 9 alternating rounds) and relay's built-in CartPole: table + JSON line.
 bench-bridge *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay bench-bridge {{ARGS}}

@@ -29,11 +29,11 @@ pub struct BenchBridgeArgs {
     #[arg(long, default_value = "1,8,64", value_delimiter = ',')]
     pub envs: Vec<usize>,
     /// Seconds each measurement runs (after a short warm-up).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 0.5)]
     pub seconds: f64,
     /// Measurements of each column per number of envs, taken in turn (the
     /// table shows their medians: a shared machine's noise hits all alike).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 9)]
     pub rounds: usize,
     /// Worker processes of the `bridge xW` column.
     #[arg(long, default_value_t = 2)]
@@ -64,7 +64,7 @@ envs = gym.vector.SyncVectorEnv([lambda: gym.make(env_id) for _ in range(n)])
 envs.reset(seed=0)
 rng = np.random.default_rng(0)
 actions = [rng.integers(0, envs.single_action_space.n, size=n) for _ in range(1024)]
-for i in range(200):
+for i in range(100):
     envs.step(actions[i % 1024])
 steps, start = 0, time.perf_counter()
 while time.perf_counter() - start < seconds:
@@ -110,7 +110,7 @@ fn time_steps(
                 .collect()
         })
         .collect();
-    for b in batches.iter().take(200) {
+    for b in batches.iter().take(100) {
         step(b)?;
     }
     let start = Instant::now();
