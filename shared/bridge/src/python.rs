@@ -249,10 +249,7 @@ impl PyVecEnv {
         }
         self.returns.fill(0.0);
         self.lengths.fill(0);
-        self.buf.rewards.fill(0.0);
-        self.buf.terminated.fill(false);
-        self.buf.truncated.fill(false);
-        self.buf.finished.clear();
+        self.buf.clear_outcomes();
         self.has_reset = true;
         Ok(&self.buf.obs)
     }

@@ -94,6 +94,15 @@ impl VecStep {
         &self.obs[i * self.obs_dim..(i + 1) * self.obs_dim]
     }
 
+    /// Forgets the last step's rewards, flags and finished episodes (after a
+    /// reset of every sub-environment).
+    pub fn clear_outcomes(&mut self) {
+        self.rewards.fill(0.0);
+        self.terminated.fill(false);
+        self.truncated.fill(false);
+        self.finished.clear();
+    }
+
     /// Records the last observation of the episode sub-environment `i` just
     /// finished (meaningful once `terminated[i]` or `truncated[i]` is set).
     pub fn set_final_obs(&mut self, i: usize, obs: &[f32]) {
@@ -211,10 +220,7 @@ impl VecEnv {
         }
         self.returns.fill(0.0);
         self.lengths.fill(0);
-        self.buf.rewards.fill(0.0);
-        self.buf.terminated.fill(false);
-        self.buf.truncated.fill(false);
-        self.buf.finished.clear();
+        self.buf.clear_outcomes();
         self.has_reset = true;
         Ok(&self.buf.obs)
     }
