@@ -202,18 +202,17 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         // fragments too large to send are reported before any service starts.
         let spec = config.env_spec().context("run.env_id")?;
         config.check_fragment_size(spec.obs_dim(), spec.action_space.dim())?;
-    }
-    if !config.is_text_game() && config.env.uses_python(&config.run.env_id) {
-        let spec = config.env_spec().context("run.env_id")?;
-        println!(
-            "relay: {} from Gymnasium (Python {}): {} observations, {} actions",
-            config.run.env_id,
-            config.env.interpreter().display(),
-            spec.obs_dim(),
-            spec.action_space
-                .n()
-                .map_or("continuous".to_string(), |n| format!("{n} discrete"))
-        );
+        if config.env.uses_python(&config.run.env_id) {
+            println!(
+                "relay: {} from Gymnasium (Python {}): {} observations, {} actions",
+                config.run.env_id,
+                config.env.interpreter().display(),
+                spec.obs_dim(),
+                spec.action_space
+                    .n()
+                    .map_or("continuous".to_string(), |n| format!("{n} discrete"))
+            );
+        }
     }
     if let Some(path) = stack::ensure_tiny_model(&config)? {
         println!(

@@ -73,8 +73,8 @@ def write_message(obj):
 # Namespaces whose envs are registered by importing a package (what a user of
 # gymnasium.make would otherwise write by hand).
 _NAMESPACE_SETUP = {
-    "ALE": ("ale_py", "ale-py"),
-    "MinAtar": ("minatar.gym:register_envs", "minatar"),
+    "ALE": "ale_py",
+    "MinAtar": "minatar.gym:register_envs",
 }
 
 
@@ -154,7 +154,6 @@ class Batch:
     def __init__(self, request):
         import gymnasium
 
-        self.gym = gymnasium
         env_id = request["env_id"]
         for folder in reversed(request.get("python_path") or []):
             sys.path.insert(0, folder)
@@ -162,7 +161,7 @@ class Batch:
             _import(target)
         namespace = env_id.split("/", 1)[0] if "/" in env_id else None
         if namespace in _NAMESPACE_SETUP:
-            target, _package = _NAMESPACE_SETUP[namespace]
+            target = _NAMESPACE_SETUP[namespace]
             module = _import(target)
             if ":" not in target:
                 gymnasium.register_envs(module)
@@ -185,10 +184,8 @@ class Batch:
         self.n = len(self.envs)
         self.obs = np.zeros((self.n, self.flattener.dim), dtype=np.float32)
         self.spec = {
-            "env_id": env_id,
             "obs_low": self.flattener.low.tobytes(),
             "obs_high": self.flattener.high.tobytes(),
-            "obs_space": repr(first.observation_space),
             "action": self.action["wire"],
             "max_episode_steps": first.spec.max_episode_steps if first.spec else None,
             "reward_threshold": first.spec.reward_threshold if first.spec else None,

@@ -66,7 +66,6 @@ struct GetAttrRequest<'a> {
 struct WireSpec {
     obs_low: ByteBuf,
     obs_high: ByteBuf,
-    obs_space: String,
     action: WireAction,
     max_episode_steps: Option<u64>,
     reward_threshold: Option<f64>,
@@ -119,7 +118,6 @@ struct Launcher {
 pub struct PyVecEnv {
     launcher: Launcher,
     spec: EnvSpec,
-    obs_space: String,
     obs_dim: usize,
     slots: Vec<Slot>,
     buf: VecStep,
@@ -189,7 +187,6 @@ impl PyVecEnv {
         Ok(PyVecEnv {
             launcher,
             spec,
-            obs_space: wire.obs_space,
             obs_dim,
             slots,
             buf: VecStep::new(num_envs, obs_dim),
@@ -204,11 +201,6 @@ impl PyVecEnv {
     /// The env's spec as relay sees it (flattened observations).
     pub fn spec(&self) -> &EnvSpec {
         &self.spec
-    }
-
-    /// The observation space as Gymnasium prints it (before flattening).
-    pub fn gymnasium_observation_space(&self) -> &str {
-        &self.obs_space
     }
 
     /// Number of envs.
