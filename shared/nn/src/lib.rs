@@ -6,7 +6,8 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`]: what a policy looks like (serde) |
+//! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`], [`CnnSpec`]: what a policy looks like (serde) |
+//! | [`conv`] | the convolutional features extractor of image policies (NatureCNN) |
 //! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), weight exchange and checkpoints |
 //! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample) |
 //! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
@@ -71,6 +72,7 @@
 //! ```
 
 pub mod a2c;
+pub mod conv;
 pub mod dqn;
 pub mod error;
 pub mod init;
@@ -109,5 +111,5 @@ pub use sac::{
     Sac, SacActor, SacBatch, SacConfig, SacOptimizers, SacSpec, SacStats, TwinCritic,
 };
 pub use schedule::{Schedule, Shape, Warmup};
-pub use spec::{ActionKind, Activation, PolicySpec};
+pub use spec::{ActionKind, Activation, CnnSpec, ConvSpec, PolicySpec};
 pub use vec_normalize::{NormDelta, NormalizeConfig, RunningMeanStd, VecNormalize};

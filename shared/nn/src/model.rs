@@ -51,6 +51,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 use serde::{Deserialize, Serialize};
 
+use crate::conv::Cnn;
 use crate::error::{NnError, Result};
 use crate::init::orthogonal;
 use crate::io::{read_safetensors, write_safetensors, NamedTensor};
@@ -102,6 +103,8 @@ pub(crate) struct Dense {
 pub struct ActorCritic {
     spec: PolicySpec,
     varmap: VarMap,
+    /// The shared image features extractor of a CNN policy.
+    cnn: Option<Cnn>,
     policy_net: Vec<Dense>,
     value_net: Vec<Dense>,
     action_net: Dense,
@@ -244,6 +247,10 @@ impl ActorCritic {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut params: Vec<(String, Var)> = Vec::new();
         let dev = Device::Cpu;
+        let cnn = match &spec.cnn {
+            Some(c) => Some(Cnn::new(c, &mut rng, &mut params)?),
+            None => None,
+        };
         let mut dense = |prefix: String,
                          inp: usize,
                          out: usize,
@@ -258,7 +265,7 @@ impl ActorCritic {
         };
         let hidden_gain = 2f64.sqrt();
         let mut build_trunk = |net: &str, rng: &mut rand::rngs::StdRng| -> Result<Vec<Dense>> {
-            let mut inp = spec.obs_dim;
+            let mut inp = spec.features_dim();
             let mut layers = Vec::new();
             for (i, &h) in spec.hidden.iter().enumerate() {
                 layers.push(dense(
@@ -283,7 +290,7 @@ impl ActorCritic {
                 (shared.clone(), shared)
             }
         };
-        let last = spec.hidden.last().copied().unwrap_or(spec.obs_dim);
+        let last = spec.hidden.last().copied().unwrap_or(spec.features_dim());
         let action_net = dense(
             "action_net".into(),
             last,
@@ -314,6 +321,7 @@ impl ActorCritic {
         Ok(Self {
             spec: spec.clone(),
             varmap,
+            cnn,
             policy_net,
             value_net,
             action_net,
@@ -377,7 +385,15 @@ impl ActorCritic {
     /// 128 KiB and more are mmapped (or trimmed back to the OS) and freshly
     /// page-faulted on every call, which made a 512-row `act` 1.8x slower.
     fn infer(&self, obs: &[f32], n: usize, actor: bool) -> Result<(Vec<f32>, Vec<f32>)> {
-        let (act, d) = (self.spec.activation, self.spec.obs_dim);
+        let features;
+        let obs = match &self.cnn {
+            Some(cnn) => {
+                features = cnn.host(obs, n)?;
+                &features[..]
+            }
+            None => obs,
+        };
+        let (act, d) = (self.spec.activation, self.spec.features_dim());
         let widest = self
             .spec
             .hidden
@@ -510,6 +526,14 @@ impl ActorCritic {
     /// Policy-head output `[B, head]` and values `[B, 1]` as a graph.
     fn heads_graph(&self, obs: &Tensor) -> Result<(Tensor, Tensor)> {
         let act = self.spec.activation;
+        let features;
+        let obs = match &self.cnn {
+            Some(cnn) => {
+                features = cnn.graph(obs)?;
+                &features
+            }
+            None => obs,
+        };
         match self.layout {
             TrunkLayout::Separate => Ok((
                 head_graph(&trunk_graph(obs, &self.policy_net, act)?, &self.action_net)?,
@@ -606,6 +630,9 @@ impl ActorCritic {
             "activation".to_string(),
             format!("{:?}", self.spec.activation).to_lowercase(),
         );
+        if let Some(cnn) = &self.spec.cnn {
+            meta.insert("cnn".to_string(), format!("{cnn:?}"));
+        }
         meta.insert(
             "layout".to_string(),
             format!("{:?}", self.layout).to_lowercase(),

@@ -1,0 +1,193 @@
+//! CNN policies: SB3's NatureCNN names and shapes, inference and training
+//! paths agreeing, gradients against finite differences, spec validation.
+
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+use relay_nn::{ActorCritic, CnnSpec, ConvSpec, PolicySpec};
+
+fn small_cnn(input: [usize; 3]) -> PolicySpec {
+    let mut spec = PolicySpec::discrete(input.iter().product(), 3);
+    spec.hidden = vec![];
+    spec.cnn = Some(CnnSpec {
+        input,
+        conv: vec![
+            ConvSpec {
+                channels: 4,
+                kernel: 3,
+                stride: 1,
+            },
+            ConvSpec {
+                channels: 5,
+                kernel: 2,
+                stride: 2,
+            },
+        ],
+        features_dim: 8,
+    });
+    spec
+}
+
+fn pixels(n: usize, d: usize, seed: u64) -> Vec<f32> {
+    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n * d)
+        .map(|_| r.random_range(0..=255u8) as f32)
+        .collect()
+}
+
+#[test]
+fn nature_cnn_has_sb3_names_and_shapes() {
+    let mut spec = PolicySpec::discrete(4 * 84 * 84, 6);
+    spec.hidden = vec![];
+    spec.cnn = Some(CnnSpec {
+        input: [4, 84, 84],
+        ..CnnSpec::default()
+    });
+    let model = ActorCritic::new(&spec, 0).unwrap();
+    let shapes: Vec<(String, Vec<usize>)> = model
+        .named_tensors()
+        .into_iter()
+        .map(|(n, s, _)| (n, s))
+        .collect();
+    let expected: Vec<(&str, Vec<usize>)> = vec![
+        ("action_net.bias", vec![6]),
+        ("action_net.weight", vec![6, 512]),
+        ("features_extractor.cnn.0.bias", vec![32]),
+        ("features_extractor.cnn.0.weight", vec![32, 4, 8, 8]),
+        ("features_extractor.cnn.2.bias", vec![64]),
+        ("features_extractor.cnn.2.weight", vec![64, 32, 4, 4]),
+        ("features_extractor.cnn.4.bias", vec![64]),
+        ("features_extractor.cnn.4.weight", vec![64, 64, 3, 3]),
+        ("features_extractor.linear.0.bias", vec![512]),
+        ("features_extractor.linear.0.weight", vec![512, 3136]),
+        ("value_net.bias", vec![1]),
+        ("value_net.weight", vec![1, 512]),
+    ];
+    let expected: Vec<(String, Vec<usize>)> = expected
+        .into_iter()
+        .map(|(n, s)| (n.to_string(), s))
+        .collect();
+    assert_eq!(shapes, expected);
+    // 1,687,719 parameters for 6 actions, as SB3's CnnPolicy counts them (features shared).
+    assert_eq!(model.num_parameters(), 1_687_719);
+}
+
+#[test]
+fn act_agrees_with_evaluate() {
+    for (input, hidden) in [([2, 7, 6], vec![]), ([3, 8, 8], vec![16])] {
+        let mut spec = small_cnn(input);
+        spec.hidden = hidden;
+        let d = spec.obs_dim;
+        let model = ActorCritic::new(&spec, 3).unwrap();
+        // Batches below and above the host kernel's crossover.
+        for n in [1, 5, 40] {
+            let obs = pixels(n, d, n as u64);
+            let out = model
+                .act(&obs, n, false, &mut rand::rngs::StdRng::seed_from_u64(1))
+                .unwrap();
+            let relay_nn::Actions::Discrete(actions) = &out.actions else {
+                panic!("discrete")
+            };
+            let obs_t = Tensor::from_vec(obs.clone(), (n, d), &Device::Cpu).unwrap();
+            let act_t = Tensor::from_vec(actions.clone(), n, &Device::Cpu).unwrap();
+            let (lp, _, v) = model.evaluate(&obs_t, &act_t).unwrap();
+            let lp: Vec<f32> = lp.to_vec1().unwrap();
+            let v: Vec<f32> = v.to_vec1().unwrap();
+            for i in 0..n {
+                assert!(
+                    (lp[i] - out.logprobs[i]).abs() < 1e-5,
+                    "{i}: {lp:?} {:?}",
+                    out.logprobs
+                );
+                assert!(
+                    (v[i] - out.values[i]).abs() < 1e-5,
+                    "{i}: {v:?} {:?}",
+                    out.values
+                );
+            }
+            assert_eq!(model.values(&obs, n).unwrap(), out.values);
+        }
+    }
+}
+
+/// `sum(logprob + value)` as a function of every parameter, checked against
+/// central differences in f64-accurate steps on a few entries of each.
+#[test]
+fn gradients_match_finite_differences() {
+    let spec = small_cnn([2, 7, 6]);
+    let d = spec.obs_dim;
+    let mut model = ActorCritic::new(&spec, 5).unwrap();
+    let n = 3;
+    let obs = Tensor::from_vec(pixels(n, d, 9), (n, d), &Device::Cpu).unwrap();
+    let actions = Tensor::from_vec(vec![0u32, 2, 1], n, &Device::Cpu).unwrap();
+    let objective = |m: &ActorCritic| -> candle_core::Tensor {
+        let (lp, _, v) = m.evaluate(&obs, &actions).unwrap();
+        (lp + v).unwrap().sum_all().unwrap()
+    };
+    let grads = objective(&model).backward().unwrap();
+    let analytic: Vec<(String, Vec<f32>)> = model
+        .parameter_names()
+        .iter()
+        .zip(model.vars())
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.as_tensor())
+                .expect("every parameter has a gradient");
+            (
+                name.to_string(),
+                g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            )
+        })
+        .collect();
+    let base = model.named_tensors();
+    for (name, grad) in &analytic {
+        let (_, _, values) = base.iter().find(|(n, _, _)| n == name).unwrap();
+        for j in (0..values.len()).step_by(values.len().div_ceil(4)) {
+            let eps = 1e-3f32;
+            let mut at = |delta: f32| -> f32 {
+                let mut tensors = base.clone();
+                tensors.iter_mut().find(|(n, _, _)| n == name).unwrap().2[j] += delta;
+                model.load_named_tensors(&tensors).unwrap();
+                objective(&model).to_scalar::<f32>().unwrap()
+            };
+            let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
+            let tol = 2e-2 * (1.0 + numeric.abs());
+            assert!(
+                (numeric - grad[j]).abs() < tol,
+                "{name}[{j}]: analytic {} vs numeric {numeric}",
+                grad[j]
+            );
+        }
+        model.load_named_tensors(&base).unwrap();
+    }
+}
+
+#[test]
+fn spec_validation_names_the_problem() {
+    let mut spec = small_cnn([2, 7, 6]);
+    spec.obs_dim += 1;
+    let err = ActorCritic::new(&spec, 0).unwrap_err().to_string();
+    assert!(err.contains("cnn.input"), "{err}");
+    let mut spec = PolicySpec::discrete(100, 3);
+    spec.cnn = Some(CnnSpec {
+        input: [1, 10, 10],
+        ..CnnSpec::default()
+    });
+    let err = ActorCritic::new(&spec, 0).unwrap_err().to_string();
+    assert!(
+        err.contains("cnn.conv") && err.contains("does not fit"),
+        "{err}"
+    );
+}
+
+#[test]
+fn checkpoint_round_trip() {
+    let spec = small_cnn([2, 7, 6]);
+    let model = ActorCritic::new(&spec, 1).unwrap();
+    let path =
+        std::env::temp_dir().join(format!("relay-nn-cnn-{}.safetensors", std::process::id()));
+    model.save(&path).unwrap();
+    let mut other = ActorCritic::new(&spec, 2).unwrap();
+    other.load(&path).unwrap();
+    assert_eq!(other.named_tensors(), model.named_tensors());
+    std::fs::remove_file(&path).unwrap();
+}
