@@ -120,7 +120,16 @@ class Flattener:
                 )
 
         check(space, "")
+        self.image = None
+        if (
+            isinstance(space, spaces.Box)
+            and space.dtype in (np.uint8, np.bool_)
+            and len(space.shape) in (2, 3)
+        ):
+            self._init_image(space)
+            return
         flat = spaces.flatten_space(space)
+        self.dtype = np.float32
         self.low = np.asarray(flat.low, dtype=np.float32).reshape(-1)
         self.high = np.asarray(flat.high, dtype=np.float32).reshape(-1)
         self.dim = self.low.size
@@ -133,9 +142,42 @@ class Flattener:
             self.kind = "generic"
             self._flatten = spaces.flatten
 
+    def _init_image(self, space):
+        """uint8 (or bool) images travel as bytes, channels first, as
+        Stable-Baselines3's VecTransposeImage lays them out: a 2-D image is
+        one channel, and a 3-D one whose smallest axis is not the first
+        (H, W, C) is transposed. bool images (MinAtar's) become 0/255
+        pixels, so the CNN's scaling by 1/255 sees 0 and 1."""
+        shape = space.shape
+        if len(shape) == 2:
+            self.axes = None
+            chw = (1,) + tuple(shape)
+        elif int(np.argmin(shape)) == 0:
+            self.axes = None
+            chw = tuple(shape)
+        else:
+            self.axes = (2, 0, 1)
+            chw = (shape[2], shape[0], shape[1])
+        self.image = [int(d) for d in chw]
+        self.scale = 255 if space.dtype == np.bool_ else 1
+        self.kind = "image"
+        self.dtype = np.uint8
+        self.dim = int(np.prod(chw))
+        low = np.asarray(space.low, dtype=np.float32) * self.scale
+        high = np.asarray(space.high, dtype=np.float32) * self.scale
+        if self.axes:
+            low, high = low.transpose(self.axes), high.transpose(self.axes)
+        self.low = low.reshape(-1)
+        self.high = high.reshape(-1)
+
     def write(self, obs, rows, i):
         """Writes `obs` as row `i` of `rows`."""
-        if self.kind == "box":
+        if self.kind == "image":
+            obs = np.asarray(obs)
+            if self.scale != 1:
+                obs = obs.astype(np.uint8) * np.uint8(self.scale)
+            rows[i] = (obs.transpose(self.axes) if self.axes else obs).reshape(-1)
+        elif self.kind == "box":
             rows[i] = obs
         elif self.kind == "box_nd":
             rows[i] = np.asarray(obs).reshape(-1)
@@ -182,13 +224,14 @@ class Batch:
         self.flattener = Flattener(first.observation_space)
         self.action = self._action_space(first.action_space)
         self.n = len(self.envs)
-        self.obs = np.zeros((self.n, self.flattener.dim), dtype=np.float32)
+        self.obs = np.zeros((self.n, self.flattener.dim), dtype=self.flattener.dtype)
         self.spec = {
             "obs_low": self.flattener.low.tobytes(),
             "obs_high": self.flattener.high.tobytes(),
             "action": self.action["wire"],
             "max_episode_steps": first.spec.max_episode_steps if first.spec else None,
             "reward_threshold": first.spec.reward_threshold if first.spec else None,
+            "image": self.flattener.image,
         }
 
     def _action_space(self, space):
@@ -269,6 +312,8 @@ class Batch:
         """NaN or infinity in an observation or a reward is a fault of that
         env (named, and its episode dropped), never data. One check of the
         whole batch in the common case."""
+        if rows.dtype == np.uint8 and all(math.isfinite(r) for r in rewards):
+            return
         if np.isfinite(rows).all() and all(math.isfinite(r) for r in rewards) and not any(
             not np.isfinite(np.frombuffer(b, dtype=np.float32)).all() for b in final.values()
         ):
@@ -277,7 +322,7 @@ class Batch:
         for i in range(self.n):
             if i in already:
                 continue
-            last = np.frombuffer(final[i], dtype=np.float32) if i in final else rows[i]
+            last = np.frombuffer(final[i], dtype=rows.dtype) if i in final else rows[i]
             bad = None
             if not math.isfinite(rewards[i]):
                 bad = f"reward {rewards[i]}"

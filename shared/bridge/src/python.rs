@@ -5,8 +5,8 @@
 //!   ended episode is reset in the same step (Stable-Baselines3's autoreset)
 //!   and its last observation is kept ([`VecStep::final_obs`]) for
 //!   bootstrapping, so episodes never mix.
-//! - Env `i` is seeded once, at its first reset, with
-//!   [`relay_envs::sub_seed`]`(seed, i)`, as the built-in envs are; a
+//! - Env `i` is seeded once, at its first reset, with the low 32 bits of
+//!   [`relay_envs::sub_seed`]`(seed, i)` (the built-in envs use all 64); a
 //!   restarted worker's envs get seeds of a new generation, so a restart
 //!   does not replay episodes.
 //! - The batch is split among `env.workers` processes; one step is one round
@@ -69,6 +69,9 @@ struct WireSpec {
     action: WireAction,
     max_episode_steps: Option<u64>,
     reward_threshold: Option<f64>,
+    /// `[C, H, W]` of uint8 image observations, which travel as one byte each.
+    #[serde(default)]
+    image: Option<[usize; 3]>,
 }
 
 #[derive(Deserialize)]
@@ -327,7 +330,7 @@ impl PyVecEnv {
                             env_id: self.launcher.env_id.clone(),
                             detail: format!("env {k} ended without a final observation"),
                         })?;
-                    let last = decode_f32(last, self.obs_dim, &self.launcher.env_id)?;
+                    let last = self.decode_obs(last, self.obs_dim)?;
                     self.buf.set_final_obs(i, &last);
                     self.buf.finished.push(FinishedEpisode {
                         env_index: i,
@@ -424,7 +427,11 @@ impl PyVecEnv {
     fn check_reply(&self, range: &Range<usize>, reply: StepReply) -> Result<StepReply, Failure> {
         let k = range.len();
         let sizes = [
-            ("obs", reply.obs.len(), k * self.obs_dim * 4),
+            (
+                "obs",
+                reply.obs.len(),
+                k * self.obs_dim * self.obs_value_bytes(),
+            ),
             ("rewards", reply.rewards.len(), k * 8),
             ("terminated", reply.terminated.len(), k),
             ("truncated", reply.truncated.len(), k),
@@ -442,9 +449,34 @@ impl PyVecEnv {
         Ok(reply)
     }
 
+    /// Bytes per observation value on the pipe: images travel as uint8.
+    fn obs_value_bytes(&self) -> usize {
+        if self.spec.image.is_some() {
+            1
+        } else {
+            4
+        }
+    }
+
+    fn decode_obs(&self, bytes: &[u8], expected: usize) -> Result<Vec<f32>, BridgeError> {
+        if self.spec.image.is_none() {
+            return decode_f32(bytes, expected, &self.launcher.env_id);
+        }
+        if bytes.len() != expected {
+            return Err(BridgeError::Protocol {
+                env_id: self.launcher.env_id.clone(),
+                detail: format!(
+                    "{} bytes where {expected} pixels were expected",
+                    bytes.len()
+                ),
+            });
+        }
+        Ok(bytes.iter().map(|&b| f32::from(b)).collect())
+    }
+
     fn write_obs(&mut self, range: &Range<usize>, bytes: &[u8]) -> Result<(), BridgeError> {
         let d = self.obs_dim;
-        let obs = decode_f32(bytes, range.len() * d, &self.launcher.env_id)?;
+        let obs = self.decode_obs(bytes, range.len() * d)?;
         // The worker replaces a non-finite observation by a reset; one that
         // is still not finite comes from the reset itself: the env is broken.
         if let Some(j) = obs.iter().position(|x| !x.is_finite()) {
@@ -483,7 +515,12 @@ impl Launcher {
             python_path: &self.section.python_path,
             entry_point: self.section.entry_point.as_deref(),
             num_envs: range.len(),
-            seeds: range.clone().map(|i| sub_seed(seed, i)).collect(),
+            // 32 bits: NumPy's legacy `RandomState` (MinAtar, many users'
+            // envs) refuses larger seeds.
+            seeds: range
+                .clone()
+                .map(|i| sub_seed(seed, i) & u64::from(u32::MAX))
+                .collect(),
         }
     }
 
@@ -567,6 +604,7 @@ fn spec_from_wire(env_id: &str, wire: &WireSpec) -> Result<EnvSpec, BridgeError>
             .max_episode_steps
             .map_or(u32::MAX, |m| m.min(u32::MAX as u64) as u32),
         reward_threshold: wire.reward_threshold,
+        image: wire.image,
     })
 }
 

@@ -209,6 +209,46 @@ fn discrete_and_dict_observations_are_flattened_and_other_spaces_are_refused() {
 }
 
 #[test]
+fn image_observations_are_bytes_channels_first() {
+    // MinAtar: a (10, 10, 4) bool image becomes [4, 10, 10] of 0/255 pixels.
+    let mut envs = VecEnvs::new("MinAtar/Breakout-v1", &gymnasium(), 2, 3).unwrap();
+    assert_eq!(envs.spec().image, Some([4, 10, 10]));
+    assert_eq!(envs.obs_dim(), 400);
+    let obs = envs.reset().unwrap().to_vec();
+    assert!(obs.iter().all(|&x| x == 0.0 || x == 255.0));
+    for row in obs.chunks(400) {
+        // Channel 0 is the paddle, which lives on the bottom row (y = 9):
+        // only a channels-first layout puts it at 90..100 of the row.
+        let paddle = &row[..100];
+        assert_eq!(paddle.iter().filter(|&&x| x > 0.0).count(), 1);
+        assert!(paddle[90..].iter().any(|&x| x > 0.0), "{paddle:?}");
+    }
+    let step = envs.step(VecActions::Discrete(&[1, 2])).unwrap();
+    assert!(step.obs.iter().all(|&x| x == 0.0 || x == 255.0));
+
+    // Atari with the rl-zoo preprocessing from config: 4 stacked 84x84 frames.
+    let mut section = gymnasium();
+    section
+        .kwargs
+        .insert("frameskip".into(), serde_json::json!(1));
+    section.wrappers = serde_json::from_value(serde_json::json!([
+        {"name": "AtariPreprocessing", "kwargs": {"frame_skip": 4, "terminal_on_life_loss": true}},
+        {"name": "FrameStackObservation", "kwargs": {"stack_size": 4}},
+    ]))
+    .unwrap();
+    let mut envs = VecEnvs::new("ALE/Pong-v5", &section, 1, 0).unwrap();
+    assert_eq!(envs.spec().image, Some([4, 84, 84]));
+    envs.reset().unwrap();
+    let step = envs.step(VecActions::Discrete(&[0])).unwrap();
+    assert_eq!(step.obs.len(), 4 * 84 * 84);
+    assert!(step
+        .obs
+        .iter()
+        .all(|&x| x.fract() == 0.0 && (0.0..=255.0).contains(&x)));
+    assert!(step.obs.iter().any(|&x| x > 0.0));
+}
+
+#[test]
 fn unknown_ids_and_missing_packages_are_named() {
     let err = relay_bridge::spec("NoSuchEnv-v0", &EnvSection::default()).unwrap_err();
     assert!(matches!(err, BridgeError::UnknownEnv { .. }), "{err}");

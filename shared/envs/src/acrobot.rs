@@ -44,6 +44,7 @@ pub fn spec() -> EnvSpec {
         action_space: ActionSpace::Discrete { n: 3 },
         max_episode_steps: 500,
         reward_threshold: Some(-100.0),
+        image: None,
     }
 }
 

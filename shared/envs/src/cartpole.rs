@@ -41,6 +41,7 @@ pub fn spec() -> EnvSpec {
         action_space: ActionSpace::Discrete { n: 2 },
         max_episode_steps: 500,
         reward_threshold: Some(475.0),
+        image: None,
     }
 }
 

@@ -32,6 +32,7 @@ pub fn spec() -> EnvSpec {
         action_space: ActionSpace::Discrete { n: 3 },
         max_episode_steps: 200,
         reward_threshold: Some(-110.0),
+        image: None,
     }
 }
 

@@ -50,6 +50,7 @@ pub fn spec() -> EnvSpec {
         },
         max_episode_steps: 200,
         reward_threshold: None,
+        image: None,
     }
 }
 

@@ -88,6 +88,10 @@ pub struct EnvSpec {
     pub max_episode_steps: u32,
     /// Average return over 100 episodes at which the task counts as solved.
     pub reward_threshold: Option<f64>,
+    /// `Some([channels, height, width])` when observations are uint8 images:
+    /// the flat observation is that array, channels first, row-major, and
+    /// every value is a whole number in `0..=255` (it travels as one byte).
+    pub image: Option<[usize; 3]>,
 }
 
 impl EnvSpec {
