@@ -202,6 +202,7 @@ impl FragmentBuilder {
         env_id: &str,
         n: usize,
         obs_dim: usize,
+        pixels: bool,
         action_dim: Option<usize>,
         next_obs: &[f32],
         normalizer: Option<&mut VecNormalize>,
@@ -218,17 +219,18 @@ impl FragmentBuilder {
             policy_version: self.min_version,
             num_steps: t as u32,
             num_envs: n as u32,
-            obs: Tensor::from_f32(&[t, n, obs_dim], &self.obs),
+            obs: Tensor::observations(&[t, n, obs_dim], &self.obs, pixels),
             actions,
             logprobs: Tensor::from_f32(&[t, n], &self.logprobs),
             values: Tensor::from_f32(&[t, n], &self.values),
             rewards: Tensor::from_f32(&[t, n], &self.rewards),
             terminated: Tensor::from_bool(&[t, n], &self.terminated),
             truncated: Tensor::from_bool(&[t, n], &self.truncated),
-            next_obs: Tensor::from_f32(&[n, obs_dim], next_obs),
-            final_obs: Tensor::from_f32(
+            next_obs: Tensor::observations(&[n, obs_dim], next_obs, pixels),
+            final_obs: Tensor::observations(
                 &[self.final_obs.len() / obs_dim, obs_dim],
                 &self.final_obs,
+                pixels,
             ),
             norm_rewards: normalizer
                 .as_ref()
@@ -299,8 +301,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         ActionSpace::Box { low, high } => (low.clone(), high.clone()),
         ActionSpace::Discrete { .. } => (Vec::new(), Vec::new()),
     };
-    cfg.check_fragment_size(obs_dim, spec.action_space.dim())
-        .map_err(ServiceError::other)?;
+    cfg.check_env(&spec).map_err(ServiceError::other)?;
+    let pixels = cfg.observations_as_pixels(&spec);
     let mut obs = envs.reset().map_err(ServiceError::other)?.to_vec();
     // Normalisation: local statistics (and the delta to ship), synced to
     // each weights version's statistics as it arrives.
@@ -355,7 +357,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
         }
         // Ask for actions, retrying while no inference server (or no weights) is there.
-        let request = ActRequest::new(Tensor::from_f32(&[n, obs_dim], &obs), false);
+        let request = ActRequest::new(Tensor::observations(&[n, obs_dim], &obs, pixels), false);
         let mut backoff = Duration::from_millis(10);
         let reply: ActReply = loop {
             let sent = Instant::now();
@@ -499,6 +501,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 spec.id,
                 n,
                 obs_dim,
+                pixels,
                 action_dim,
                 &obs,
                 normalizer.as_mut(),

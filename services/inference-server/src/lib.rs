@@ -255,7 +255,7 @@ async fn serve_act_requests(
             }
             let mut obs = Vec::with_capacity(total * obs_dim);
             for (_, act) in &group {
-                obs.extend(act.obs.to_f32().expect("validated on decode"));
+                obs.extend(act.obs.observations_to_f32().expect("validated on decode"));
             }
             let n = obs.len() / obs_dim;
             let started = Instant::now();

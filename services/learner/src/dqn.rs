@@ -143,8 +143,14 @@ pub fn gradient_step(
         field,
         detail: e.to_string(),
     };
-    let obs = batch.obs.to_f32().map_err(|e| field("obs", e))?;
-    let next_obs = batch.next_obs.to_f32().map_err(|e| field("next_obs", e))?;
+    let obs = batch
+        .obs
+        .observations_to_f32()
+        .map_err(|e| field("obs", e))?;
+    let next_obs = batch
+        .next_obs
+        .observations_to_f32()
+        .map_err(|e| field("next_obs", e))?;
     let actions: Vec<u32> = batch
         .actions
         .to_i64()

@@ -83,7 +83,10 @@ impl Decoded {
         action_dim: usize,
     ) -> Result<Self, UpdateError> {
         let (t_len, n) = (f.num_steps as usize, f.num_envs as usize);
-        let obs = f.obs.to_f32().map_err(|e| fragment_error(f, e))?;
+        let obs = f
+            .obs
+            .observations_to_f32()
+            .map_err(|e| fragment_error(f, e))?;
         if obs.len() != t_len * n * obs_dim {
             return Err(fragment_error(
                 f,
@@ -121,12 +124,21 @@ impl Decoded {
             t_len,
             n,
             obs,
-            next_obs: f.next_obs.to_f32().map_err(|e| fragment_error(f, e))?,
-            final_obs: f.final_obs.to_f32().map_err(|e| fragment_error(f, e))?,
+            next_obs: f
+                .next_obs
+                .observations_to_f32()
+                .map_err(|e| fragment_error(f, e))?,
+            final_obs: f
+                .final_obs
+                .observations_to_f32()
+                .map_err(|e| fragment_error(f, e))?,
             rewards: f.rewards.to_f32().map_err(|e| fragment_error(f, e))?,
             terminated: f.terminated.to_bool().map_err(|e| fragment_error(f, e))?,
             truncated: f.truncated.to_bool().map_err(|e| fragment_error(f, e))?,
-            logprobs: f.logprobs.to_f32().map_err(|e| fragment_error(f, e))?,
+            logprobs: f
+                .logprobs
+                .observations_to_f32()
+                .map_err(|e| fragment_error(f, e))?,
             actions_discrete,
             actions_continuous,
         })

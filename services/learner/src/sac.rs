@@ -165,8 +165,14 @@ pub fn gradient_step(
         field,
         detail: e.to_string(),
     };
-    let obs = batch.obs.to_f32().map_err(|e| field("obs", e))?;
-    let next_obs = batch.next_obs.to_f32().map_err(|e| field("next_obs", e))?;
+    let obs = batch
+        .obs
+        .observations_to_f32()
+        .map_err(|e| field("obs", e))?;
+    let next_obs = batch
+        .next_obs
+        .observations_to_f32()
+        .map_err(|e| field("next_obs", e))?;
     let actions = batch.actions.to_f32().map_err(|e| field("actions", e))?;
     let returns = batch.rewards.to_f32().map_err(|e| field("rewards", e))?;
     let discounts = batch

@@ -28,10 +28,51 @@ pub struct Goal {
     /// The preset under `configs/`.
     pub config: &'static str,
     /// Mean evaluation return to reach.
-    pub threshold: f64,
-    /// Env steps allowed.
-    pub budget: u64,
+    pub target: Target,
+    /// Env steps or time allowed.
+    pub budget: Budget,
 }
+
+/// What a goal's mean evaluation return must reach.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Target {
+    /// This return.
+    Return(f64),
+    /// This many times the uniformly random policy's mean return, measured
+    /// at the start of each run over [`RANDOM_EPISODES`] episodes.
+    TimesRandom(f64),
+}
+
+/// What a goal's run may spend.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Budget {
+    /// Env steps (the preset's `run.total_env_steps` is replaced).
+    EnvSteps(u64),
+    /// Minutes of wall time of the whole stack on this machine (the
+    /// preset's `run.total_env_steps` stays).
+    Minutes(u64),
+}
+
+impl std::fmt::Display for Budget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Budget::EnvSteps(n) => write!(f, "{n} env steps"),
+            Budget::Minutes(m) => write!(f, "{m} min"),
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Return(r) => write!(f, "{r}"),
+            Target::TimesRandom(k) => write!(f, "{k}x random"),
+        }
+    }
+}
+
+/// Episodes of the random policy behind a [`Target::TimesRandom`].
+pub const RANDOM_EPISODES: usize = 100;
 
 /// The goals of issue "more learners for classic control" (rl-zoo's
 /// reported results as reference: PPO Acrobot -73.5 at 1M steps, PPO
@@ -40,47 +81,55 @@ pub const GOALS: &[Goal] = &[
     Goal {
         name: "PPO Acrobot-v1",
         config: "acrobot-ppo.yaml",
-        threshold: -80.0,
-        budget: 500_000,
+        target: Target::Return(-80.0),
+        budget: Budget::EnvSteps(500_000),
     },
     Goal {
         name: "DQN CartPole-v1",
         config: "cartpole-dqn.yaml",
-        threshold: 475.0,
-        budget: 100_000,
+        target: Target::Return(475.0),
+        budget: Budget::EnvSteps(100_000),
     },
     Goal {
         name: "DQN MountainCar-v0",
         config: "mountaincar-dqn.yaml",
-        threshold: -110.0,
-        budget: 300_000,
+        target: Target::Return(-110.0),
+        budget: Budget::EnvSteps(300_000),
     },
     Goal {
         name: "SAC Pendulum-v1",
         config: "pendulum-sac.yaml",
-        threshold: -200.0,
-        budget: 30_000,
+        target: Target::Return(-200.0),
+        budget: Budget::EnvSteps(30_000),
     },
     Goal {
         name: "A2C CartPole-v1",
         config: "cartpole-a2c.yaml",
-        threshold: 475.0,
-        budget: 500_000,
+        target: Target::Return(475.0),
+        budget: Budget::EnvSteps(500_000),
     },
     // Through the env bridge (Gymnasium in Python workers): rl-zoo's PPO
     // reaches about 250 at 1M steps on LunarLander.
     Goal {
         name: "PPO LunarLander-v3",
         config: "lunarlander-ppo.yaml",
-        threshold: 200.0,
-        budget: 1_000_000,
+        target: Target::Return(200.0),
+        budget: Budget::EnvSteps(1_000_000),
     },
     // Gymnasium 1.4 retired Taxi-v3 for Taxi-v4 (the same task).
     Goal {
         name: "PPO Taxi-v4",
         config: "taxi-ppo.yaml",
-        threshold: 7.5,
-        budget: 1_000_000,
+        target: Target::Return(7.5),
+        budget: Budget::EnvSteps(1_000_000),
+    },
+    // A CNN policy on images through the bridge: 10x the random policy's
+    // return within 20 minutes on the machine that runs the bench.
+    Goal {
+        name: "PPO CNN MinAtar/Breakout-v1",
+        config: "minatar-breakout-ppo.yaml",
+        target: Target::TimesRandom(10.0),
+        budget: Budget::Minutes(20),
     },
 ];
 
@@ -103,6 +152,13 @@ pub struct BenchLearningArgs {
 #[derive(Debug, Clone, PartialEq)]
 struct Attempt {
     seed: u64,
+    /// The mean return to reach (for [`Target::TimesRandom`], from this run's
+    /// random-policy measurement).
+    threshold: f64,
+    /// The random policy's mean return ([`Target::TimesRandom`] only).
+    random_return: Option<f64>,
+    /// `(minutes since the start, learner env steps, mean return)` of every evaluation.
+    curve: Vec<(f64, u64, f64)>,
     /// Screening and confirmation passed.
     solved: bool,
     /// Solved, and the best checkpoint's re-evaluation meets the goal.
@@ -117,13 +173,83 @@ struct Attempt {
 
 /// The best mean return in a run's `eval.jsonl`.
 fn best_eval(path: &Path) -> Option<f64> {
-    let file = std::fs::File::open(path).ok()?;
+    eval_curve(path, None)
+        .into_iter()
+        .map(|(_, _, r)| r)
+        .reduce(f64::max)
+}
+
+/// `(minutes since start, learner env steps, mean return)` of each line of
+/// a run's `eval.jsonl` (minutes 0 without `start`).
+fn eval_curve(path: &Path, start: Option<chrono::DateTime<chrono::Utc>>) -> Vec<(f64, u64, f64)> {
+    let Ok(file) = std::fs::File::open(path) else {
+        return Vec::new();
+    };
     std::io::BufReader::new(file)
         .lines()
         .map_while(Result::ok)
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(&l).ok())
-        .filter_map(|v| v["mean_return"].as_f64())
-        .reduce(f64::max)
+        .filter_map(|v| {
+            let minutes = match (start, v["time"].as_str()) {
+                (Some(start), Some(t)) => {
+                    chrono::DateTime::parse_from_rfc3339(t).ok().map(|t| {
+                        (t.with_timezone(&chrono::Utc) - start).num_milliseconds() as f64 / 60_000.0
+                    })?
+                }
+                _ => 0.0,
+            };
+            Some((
+                minutes,
+                v["learner_env_steps"].as_u64().unwrap_or(0),
+                v["mean_return"].as_f64()?,
+            ))
+        })
+        .collect()
+}
+
+/// Mean return of the uniformly random policy over `episodes` episodes of
+/// the config's env (made as the services make it), seeded by `seed`.
+pub fn random_policy_return(
+    config: &relay_kit::ExperimentConfig,
+    episodes: usize,
+    seed: u64,
+) -> Result<f64> {
+    use rand::{Rng, SeedableRng};
+    use relay_envs::{ActionSpace, VecActions};
+    let n = 8;
+    let mut envs = relay_bridge::VecEnvs::new(&config.run.env_id, &config.env, n, seed)?;
+    let space = envs.spec().action_space.clone();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    envs.reset()?;
+    let mut returns = Vec::with_capacity(episodes);
+    while returns.len() < episodes {
+        let step = match &space {
+            ActionSpace::Discrete { n: k } => {
+                let a: Vec<i64> = (0..n).map(|_| rng.random_range(0..*k as i64)).collect();
+                envs.step(VecActions::Discrete(&a))
+            }
+            ActionSpace::Box { low, high } => {
+                let a: Vec<f32> = (0..n)
+                    .flat_map(|_| {
+                        low.iter()
+                            .zip(high)
+                            .map(|(l, h)| (l, h))
+                            .collect::<Vec<_>>()
+                    })
+                    .map(|(l, h)| rng.random_range(*l..=*h))
+                    .collect();
+                envs.step(VecActions::Continuous(&a))
+            }
+        };
+        match step {
+            Ok(step) => returns.extend(step.finished.iter().map(|e| e.episode_return)),
+            // A faulted env loses its episode, as in training.
+            Err(relay_bridge::BridgeError::Faulted { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    returns.truncate(episodes);
+    Ok(returns.iter().sum::<f64>() / returns.len() as f64)
 }
 
 /// The goals `only` selects (all without it).
@@ -167,18 +293,32 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
         }
         let mut attempts = Vec::new();
         for seed in 1..=args.seeds {
-            println!(
-                "== {} seed {seed}: mean eval >= {} within {} env steps",
-                goal.name, goal.threshold, goal.budget
-            );
             let mut run = base.clone();
             run.config = config.clone();
             run.until_solved = true;
             run.quiet = true;
+            run.overrides.push(format!("run.seed={seed}"));
+            let (threshold, random_return) = match goal.target {
+                Target::Return(r) => (r, None),
+                Target::TimesRandom(k) => {
+                    let preset = relay_kit::ExperimentConfig::load(&run.config, &run.overrides)?;
+                    let random = random_policy_return(&preset, RANDOM_EPISODES, seed)?;
+                    println!("== {}: the random policy's mean return over {RANDOM_EPISODES} episodes: {random:.3}", goal.name);
+                    (k * random, Some(random))
+                }
+            };
+            println!(
+                "== {} seed {seed}: mean eval >= {threshold} within {}",
+                goal.name, goal.budget
+            );
+            match goal.budget {
+                Budget::EnvSteps(steps) => {
+                    run.overrides.push(format!("run.total_env_steps={steps}"))
+                }
+                Budget::Minutes(m) => run.for_seconds = Some(m * 60),
+            }
             run.overrides.extend([
-                format!("run.seed={seed}"),
-                format!("run.total_env_steps={}", goal.budget),
-                format!("eval.threshold={}", goal.threshold),
+                format!("eval.threshold={threshold}"),
                 "run.stop_when_solved=true".to_string(),
             ]);
             let loaded = relay_kit::ExperimentConfig::load(&run.config, &run.overrides)?;
@@ -187,19 +327,24 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 goal.config.trim_end_matches(".yaml")
             );
             run.run_id = Some(run_id.clone());
+            let started = chrono::Utc::now();
             let outcome = up(run)?;
             let reevaluated = reevaluate_best(&loaded, &run_id);
+            let eval_log = loaded.run.runs_dir.join(&run_id).join("eval.jsonl");
             let attempt = Attempt {
                 seed,
+                threshold,
+                random_return,
+                curve: eval_curve(&eval_log, Some(started)),
                 solved: outcome.solved,
                 reached: outcome.solved
                     && reevaluated
                         .as_ref()
-                        .is_some_and(|r| r.mean_return >= goal.threshold),
+                        .is_some_and(|r| r.mean_return >= threshold),
                 env_steps: outcome.env_steps,
                 wall_s: outcome.wall_s,
                 first_pass: outcome.first_pass,
-                best_eval: best_eval(&loaded.run.runs_dir.join(&run_id).join("eval.jsonl")),
+                best_eval: best_eval(&eval_log),
                 reevaluated: reevaluated.map(|r| r.mean_return),
             };
             println!(
@@ -212,6 +357,14 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 attempt.reevaluated.map_or("-".into(), |r| format!("{r:.1}")),
                 if attempt.reached { "reached" } else { "not reached" },
             );
+            if random_return.is_some() {
+                let points: Vec<String> = attempt
+                    .curve
+                    .iter()
+                    .map(|(m, steps, r)| format!("{m:.1} min / {steps} steps: {r:.2}"))
+                    .collect();
+                println!("   evaluation curve: {}", points.join("; "));
+            }
             attempts.push(attempt);
         }
         results.push((goal, Some(attempts)));
@@ -226,7 +379,7 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             None => {
                 println!(
                     "| {} | {} | {} | - | missing preset | - | - | - | - | - | - | - |",
-                    goal.name, goal.threshold, goal.budget
+                    goal.name, goal.target, goal.budget
                 );
                 json_goals
                     .push(json!({"goal": goal.name, "config": goal.config, "measured": false}));
@@ -237,7 +390,14 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                     println!(
                         "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} |",
                         goal.name,
-                        goal.threshold,
+                        match goal.target {
+                            Target::Return(r) => r.to_string(),
+                            Target::TimesRandom(k) => format!(
+                                "{:.2} ({k}x random {:.3})",
+                                a.threshold,
+                                a.random_return.unwrap_or(f64::NAN)
+                            ),
+                        },
                         goal.budget,
                         a.seed,
                         if a.solved { "yes" } else { "no" },
@@ -263,6 +423,9 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                     "first_pass_wall_s": attempts.iter().map(|a| a.first_pass.map(|f| (f.wall_s * 10.0).round() / 10.0)).collect::<Vec<_>>(),
                     "best_eval": attempts.iter().map(|a| a.best_eval).collect::<Vec<_>>(),
                     "best_reevaluated": attempts.iter().map(|a| a.reevaluated.map(|r| (r * 10.0).round() / 10.0)).collect::<Vec<_>>(),
+                    "threshold": attempts.iter().map(|a| a.threshold).collect::<Vec<_>>(),
+                    "random_return": attempts.iter().map(|a| a.random_return).collect::<Vec<_>>(),
+                    "curve": attempts.iter().map(|a| a.curve.iter().map(|(m, s, r)| json!([(m * 10.0).round() / 10.0, s, r])).collect::<Vec<_>>()).collect::<Vec<_>>(),
                 }));
             }
         }
@@ -287,13 +450,17 @@ mod tests {
             if !path.exists() {
                 continue;
             }
-            let overrides = vec![
-                format!("run.total_env_steps={}", goal.budget),
-                format!("eval.threshold={}", goal.threshold),
-            ];
+            let threshold = match goal.target {
+                Target::Return(r) => r,
+                Target::TimesRandom(k) => k * 0.5,
+            };
+            let mut overrides = vec![format!("eval.threshold={threshold}")];
+            if let Budget::EnvSteps(steps) = goal.budget {
+                overrides.push(format!("run.total_env_steps={steps}"));
+            }
             let config = relay_kit::ExperimentConfig::load(&path, &overrides)
                 .unwrap_or_else(|e| panic!("{}: {e}", goal.config));
-            assert_eq!(config.solved_threshold(), Some(goal.threshold));
+            assert_eq!(config.solved_threshold(), Some(threshold));
         }
     }
 

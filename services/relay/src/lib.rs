@@ -198,16 +198,20 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
     }
     let config = ExperimentConfig::load(&args.config, &overrides)?;
     if !config.is_text_game() {
-        // Made once here, so that an unknown id, a missing package or
-        // fragments too large to send are reported before any service starts.
+        // Made once here, so that an unknown id, a missing package, a policy
+        // that does not fit the observations or fragments too large to send
+        // are reported before any service starts.
         let spec = config.env_spec().context("run.env_id")?;
-        config.check_fragment_size(spec.obs_dim(), spec.action_space.dim())?;
+        config.check_env(&spec)?;
         if config.env.uses_python(&config.run.env_id) {
             println!(
                 "relay: {} from Gymnasium (Python {}): {} observations, {} actions",
                 config.run.env_id,
                 config.env.interpreter().display(),
-                spec.obs_dim(),
+                spec.image
+                    .map_or(spec.obs_dim().to_string(), |[c, h, w]| format!(
+                        "{c}x{h}x{w} image (uint8)"
+                    )),
                 spec.action_space
                     .n()
                     .map_or("continuous".to_string(), |n| format!("{n} discrete"))

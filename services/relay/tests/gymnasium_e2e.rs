@@ -1,7 +1,8 @@
 //! End to end through the env bridge: `relay up` with every service a
 //! process over real NATS and Redis trains envs that exist only in Python:
-//! Gymnasium's LunarLander-v3 (Box2D), and a user's own env module whose
-//! worker crashes once, which the env-runner survives.
+//! Gymnasium's LunarLander-v3 (Box2D), MinAtar's Breakout with a CNN policy
+//! on uint8 images, and a user's own env module whose worker crashes once,
+//! which the env-runner survives.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -98,6 +99,36 @@ fn lunar_lander_trains_through_the_bridge() {
         !stdout.contains("did not stop")
             && !String::from_utf8_lossy(&output.stderr).contains("did not stop"),
         "{stdout}"
+    );
+}
+
+#[test]
+fn a_cnn_policy_trains_on_minatar_images() {
+    let dir = relay_testkit::TempDir::new("gym-cnn-e2e");
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/minatar-breakout-ppo.yaml"
+    );
+    let output = up(dir.path(), config, "e2e-minatar", &tiny_ppo());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("MinAtar/Breakout-v1 from Gymnasium")
+            && stdout.contains("4x10x10 image (uint8) observations, 3 discrete actions"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("learner finished"), "{stdout}");
+    let run_dir = dir.path().join("runs/e2e-minatar");
+    let metrics = read(&run_dir.join("metrics.jsonl"));
+    assert!(max_of(&metrics, "learner_updates") >= 4.0, "{metrics}");
+    let eval = read(&run_dir.join("eval.jsonl"));
+    assert!(eval.contains("\"evaluator\":\"greedy\""), "{eval}");
+    // The checkpoint holds the CNN under SB3's names (safetensors' header is JSON).
+    let model = std::fs::read(run_dir.join("checkpoints/last/model.safetensors")).unwrap();
+    let header = String::from_utf8_lossy(&model[..model.len().min(8192)]);
+    assert!(
+        header.contains("features_extractor.cnn.0.weight")
+            && header.contains("features_extractor.linear.0.weight"),
+        "{header}"
     );
 }
 

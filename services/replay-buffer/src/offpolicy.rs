@@ -327,15 +327,21 @@ pub fn fragment_transitions(
     let (t_len, n) = (f.num_steps as usize, f.num_envs as usize);
     let d = f.obs.shape[2] as usize;
     let tensor = |field: &'static str, e: relay_proto::TensorError| bad(field, e.to_string());
-    let obs = f.obs.to_f32().map_err(|e| tensor("obs", e))?;
+    let obs = f.obs.observations_to_f32().map_err(|e| tensor("obs", e))?;
     let rewards = f.rewards.to_f32().map_err(|e| tensor("rewards", e))?;
     let terminated = f
         .terminated
         .to_bool()
         .map_err(|e| tensor("terminated", e))?;
     let truncated = f.truncated.to_bool().map_err(|e| tensor("truncated", e))?;
-    let next_obs = f.next_obs.to_f32().map_err(|e| tensor("next_obs", e))?;
-    let final_obs = f.final_obs.to_f32().map_err(|e| tensor("final_obs", e))?;
+    let next_obs = f
+        .next_obs
+        .observations_to_f32()
+        .map_err(|e| tensor("next_obs", e))?;
+    let final_obs = f
+        .final_obs
+        .observations_to_f32()
+        .map_err(|e| tensor("final_obs", e))?;
     let actions: Vec<Action> = match f.actions.dtype {
         DType::I64 => f
             .actions

@@ -402,6 +402,13 @@ pub struct PolicyConfig {
     /// Whether the actor and the critic share their hidden layers
     /// (`separate`, SB3's `MlpPolicy` default, or `shared`).
     pub trunk: TrunkLayout,
+    /// A convolutional features extractor for image observations, shared by
+    /// actor and critic (`cnn: {}` is SB3's NatureCNN; `conv` and
+    /// `features_dim` change it). Its input shape comes from the env. With a
+    /// CNN, `hidden: []` (SB3's `CnnPolicy`) puts the heads right on its
+    /// features. PPO and A2C.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cnn: Option<relay_nn::CnnSpec>,
 }
 
 impl Default for PolicyConfig {
@@ -411,6 +418,7 @@ impl Default for PolicyConfig {
             activation: ActivationName::Tanh,
             init_log_std: 0.0,
             trunk: TrunkLayout::Separate,
+            cnn: None,
         }
     }
 }
@@ -2333,11 +2341,16 @@ impl ExperimentConfig {
         if self.run.total_env_steps == 0 {
             return Err(invalid("run.total_env_steps", "must be positive"));
         }
-        if self.policy.hidden.is_empty() || self.policy.hidden.contains(&0) {
+        if self.policy.hidden.contains(&0)
+            || (self.policy.hidden.is_empty() && self.policy.cnn.is_none())
+        {
             return Err(invalid(
                 "policy.hidden",
-                "needs at least one layer, each wider than 0",
+                "needs at least one layer (none is allowed with policy.cnn), each wider than 0",
             ));
+        }
+        if let Some(cnn) = &self.policy.cnn {
+            self.validate_cnn(cnn)?;
         }
         positive("env_runner.num_envs", self.env_runner.num_envs)?;
         positive("env_runner.fragment_steps", self.env_runner.fragment_steps)?;
@@ -2840,20 +2853,98 @@ impl ExperimentConfig {
         relay_bridge::spec(&self.run.env_id, &self.env)
     }
 
+    /// `policy.cnn` on its own: algorithms that have CNN policies, and a
+    /// spec whose input comes from the env.
+    fn validate_cnn(&self, cnn: &relay_nn::CnnSpec) -> Result<(), ConfigError> {
+        if self.is_text_game() || !["ppo", "a2c"].contains(&self.run.algo.as_str()) {
+            return Err(invalid(
+                "policy.cnn",
+                format!(
+                    "CNN policies are for ppo and a2c on image observations, not run.algo {} on {}",
+                    self.run.algo, self.run.env_id
+                ),
+            ));
+        }
+        if cnn.input != [0; 3] {
+            return Err(invalid(
+                "policy.cnn.input",
+                "comes from the env's image observations; leave it out",
+            ));
+        }
+        if cnn.conv.is_empty() {
+            return Err(invalid("policy.cnn.conv", "needs at least one convolution"));
+        }
+        if let Some(i) = cnn
+            .conv
+            .iter()
+            .position(|c| c.channels == 0 || c.kernel == 0 || c.stride == 0)
+        {
+            return Err(invalid(
+                "policy.cnn.conv",
+                format!("layer {i}: channels, kernel and stride must be at least 1"),
+            ));
+        }
+        positive("policy.cnn.features_dim", cnn.features_dim)
+    }
+
+    /// Whether observations travel as uint8 pixels: image observations that
+    /// `normalize.obs` does not turn into floats.
+    pub fn observations_as_pixels(&self, spec: &relay_envs::EnvSpec) -> bool {
+        spec.image.is_some() && !self.normalize.obs
+    }
+
+    /// Checks the config against the env it runs on (known only once the
+    /// env is made): `policy.cnn` needs image observations that its
+    /// convolutions fit, and fragments must fit in a message.
+    pub fn check_env(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
+        if let Some(cnn) = &self.policy.cnn {
+            let Some(image) = spec.image else {
+                return Err(invalid(
+                    "policy.cnn",
+                    format!(
+                        "needs image observations; {} has flat observations of {} values",
+                        spec.id,
+                        spec.obs_dim()
+                    ),
+                ));
+            };
+            if !self.observations_as_pixels(spec) {
+                return Err(invalid(
+                    "normalize.obs",
+                    "image observations are not normalized (the CNN scales pixels by 1/255, as SB3 does); set normalize.obs: false",
+                ));
+            }
+            let cnn = relay_nn::CnnSpec {
+                input: image,
+                ..cnn.clone()
+            };
+            cnn.output_shapes()
+                .map_err(|e| invalid("policy.cnn.conv", e.to_string()))?;
+        }
+        let value_bytes = if self.observations_as_pixels(spec) {
+            1
+        } else {
+            4
+        };
+        self.check_fragment_size(spec.obs_dim(), value_bytes, spec.action_space.dim())
+    }
+
     /// Refuses a fragment size that cannot travel: a wide observation (a
     /// one-hot `Discrete(500)`, an image) times `fragment_steps x num_envs`
     /// can outgrow a NATS message, and every insert would fail.
-    pub fn check_fragment_size(
+    fn check_fragment_size(
         &self,
         obs_dim: usize,
+        obs_value_bytes: usize,
         action_values: usize,
     ) -> Result<(), ConfigError> {
         let (steps, n) = (self.env_runner.fragment_steps, self.env_runner.num_envs);
         // Per env step: observation, action (i64 or f32s), logprob, value,
         // reward, scaled reward, two flags; per fragment: next observations
         // and about one final observation per env; then headers.
-        let per_step = n * (obs_dim * 4 + action_values * 8 + 16 + 2);
-        let fixed = 2 * n * obs_dim * 4 + 4096;
+        let obs_bytes = obs_dim * obs_value_bytes;
+        let per_step = n * (obs_bytes + action_values * 8 + 16 + 2);
+        let fixed = 2 * n * obs_bytes + 4096;
         let bytes = steps * per_step + fixed;
         let limit = relay_proto::MAX_MESSAGE_BYTES;
         if bytes > limit {
@@ -3012,6 +3103,55 @@ mod tests {
     }
 
     #[test]
+    fn cnn_policies_are_checked_against_the_env_and_the_algorithm() {
+        let with = |overrides: &[&str]| {
+            let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+            ExperimentConfig::from_layers(BASE, "t", &[], &overrides)
+        };
+        let err = |r: Result<ExperimentConfig, ConfigError>| r.unwrap_err().to_string();
+        let e = err(with(&["policy.cnn={}", "run.algo=dqn"]));
+        assert!(e.contains("policy.cnn") && e.contains("dqn"), "{e}");
+        let e = err(with(&["policy.cnn={input: [1, 2, 3]}"]));
+        assert!(e.contains("policy.cnn.input"), "{e}");
+        let e = err(with(&["policy.hidden=[]"]));
+        assert!(e.contains("policy.hidden"), "{e}");
+
+        let c = with(&["policy.cnn={}", "policy.hidden=[]"]).unwrap();
+        let flat = relay_envs::spec("CartPole-v1").unwrap();
+        let e = c.check_env(&flat).unwrap_err().to_string();
+        assert!(
+            e.contains("policy.cnn") && e.contains("flat observations"),
+            "{e}"
+        );
+        let minatar = relay_envs::EnvSpec {
+            id: "MinAtar/Breakout-v1",
+            image: Some([4, 10, 10]),
+            observation_space: relay_envs::BoxSpace {
+                low: vec![0.0; 400],
+                high: vec![255.0; 400],
+            },
+            ..flat
+        };
+        // NatureCNN's 8x8 kernel does not fit a 10x10 image.
+        let e = c.check_env(&minatar).unwrap_err().to_string();
+        assert!(
+            e.contains("policy.cnn.conv") && e.contains("does not fit"),
+            "{e}"
+        );
+        let small = with(&[
+            "policy.cnn={conv: [{channels: 16, kernel: 3, stride: 1}], features_dim: 128}",
+            "policy.hidden=[]",
+        ])
+        .unwrap();
+        small.check_env(&minatar).unwrap();
+        assert!(small.observations_as_pixels(&minatar));
+        let mut normalized = small.clone();
+        normalized.normalize.obs = true;
+        let e = normalized.check_env(&minatar).unwrap_err().to_string();
+        assert!(e.contains("normalize.obs"), "{e}");
+    }
+
+    #[test]
     fn fragments_too_large_for_a_message_are_refused_naming_the_field() {
         let c = ExperimentConfig::from_layers(
             BASE,
@@ -3023,9 +3163,9 @@ mod tests {
             ],
         )
         .unwrap();
-        c.check_fragment_size(4, 1).unwrap();
+        c.check_fragment_size(4, 4, 1).unwrap();
         // Taxi's one-hot Discrete(500).
-        let err = c.check_fragment_size(500, 1).unwrap_err().to_string();
+        let err = c.check_fragment_size(500, 4, 1).unwrap_err().to_string();
         assert!(
             err.contains("env_runner.fragment_steps") && err.contains("at most 30"),
             "{err}"

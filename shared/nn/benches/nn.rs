@@ -1,7 +1,12 @@
 //! `cargo bench -p relay-nn`: acting and PPO training-step timings for the
 //! CartPole-sized policy (obs 4, hidden [64, 64], tanh, 2 actions), a DQN
 //! train step (CartPole Q-network, batch 64 and 256) and a SAC train step
-//! (Pendulum sizes, hidden [256, 256], batch 256).
+//! (Pendulum sizes, hidden [256, 256], batch 256). CNN policies at batch
+//! 256: SB3's NatureCNN on 4x84x84 frames (6 actions) and MinAtar's network
+//! on 4x10x10 (3 actions), a no-grad forward and a PPO train step each, with
+//! PyTorch's times for the same networks and steps beside them (1 thread,
+//! `benches/torch_cnn.py`, run by `RELAY_TORCH_PYTHON` or `python3` when it
+//! has `torch`; reported as missing otherwise).
 //!
 //! Prints a table, then one line of JSON. Runs with `RAYON_NUM_THREADS=1`
 //! unless the variable is already set. Besides relay-nn's own paths it
@@ -16,8 +21,65 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
 use relay_nn::{
-    clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, PolicySpec, PpoInputs, PpoLossConfig,
+    clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, CnnSpec, ConvSpec, PolicySpec,
+    PpoInputs, PpoLossConfig,
 };
+
+/// The CNN policies timed, as `(key, label, image, convolutions, features, actions)`.
+type CnnCase = (
+    &'static str,
+    &'static str,
+    [usize; 3],
+    Vec<ConvSpec>,
+    usize,
+    usize,
+);
+
+fn cnn_cases() -> Vec<CnnCase> {
+    vec![
+        (
+            "nature_cnn",
+            "NatureCNN 4x84x84",
+            [4, 84, 84],
+            CnnSpec::default().conv,
+            512,
+            6,
+        ),
+        (
+            "minatar_cnn",
+            "MinAtar CNN 4x10x10",
+            [4, 10, 10],
+            vec![ConvSpec {
+                channels: 16,
+                kernel: 3,
+                stride: 1,
+            }],
+            128,
+            3,
+        ),
+    ]
+}
+
+/// PyTorch's times for [`cnn_cases`] (JSON keys `torch_<case>_..._us`), or
+/// why there are none.
+fn torch_times(budget: Duration) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    let python = std::env::var("RELAY_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .args(["-c", include_str!("torch_cnn.py")])
+        .arg(budget.as_secs_f64().to_string())
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .map_err(|e| format!("{python}: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.lines().last().unwrap_or("").to_string();
+        return Err(format!(
+            "{python} has no working torch ({last}); set RELAY_TORCH_PYTHON to a Python with torch"
+        ));
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(line.trim()).map_err(|e| format!("torch_cnn.py printed {line:?}: {e}"))
+}
 
 /// Median and minimum time per call of `f` (over batches of calls lasting
 /// about 1 ms each), in microseconds, over about `budget`.
@@ -345,6 +407,94 @@ fn main() -> relay_nn::Result<()> {
         );
     }
 
+    // CNN policies at batch 256: forward (act's graph-free path) and a PPO
+    // train step, as the learner runs them.
+    for (key, label, image, conv, features_dim, n_actions) in cnn_cases() {
+        let b = 256;
+        let d: usize = image.iter().product();
+        let mut spec = PolicySpec::discrete(d, n_actions);
+        spec.hidden = vec![];
+        spec.cnn = Some(CnnSpec {
+            input: image,
+            conv,
+            features_dim,
+        });
+        let m = ActorCritic::new(&spec, 0)?;
+        let obs: Vec<f32> = (0..b * d)
+            .map(|_| rng.random_range(0..=255u8) as f32)
+            .collect();
+        let mut r = rand::rngs::StdRng::seed_from_u64(5);
+        bench(
+            format!("{key}_forward_b{b}_us"),
+            format!("{label} act (no graph) batch {b}"),
+            &mut || {
+                black_box(m.act(black_box(&obs), b, false, &mut r).unwrap());
+            },
+        );
+        let x = Tensor::from_slice(&obs, (b, d), &Device::Cpu)?;
+        let a = Tensor::from_vec(
+            (0..b)
+                .map(|_| rng.random_range(0..n_actions as u32))
+                .collect::<Vec<_>>(),
+            b,
+            &Device::Cpu,
+        )?;
+        let old_lp = vec![-1.0f32; b];
+        let old_v = vec![0f32; b];
+        let adv: Vec<f32> = (0..b).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut opt = Adam::new(m.vars(), AdamConfig::default())?;
+        let cfg = PpoLossConfig::default();
+        bench(
+            format!("{key}_train_step_b{b}_us"),
+            format!("{label} PPO train step batch {b}"),
+            &mut || {
+                let (lp, ent, v) = m.evaluate(&x, &a).unwrap();
+                let out = ppo_loss(
+                    &cfg,
+                    &PpoInputs {
+                        logprob: &lp,
+                        entropy: &ent,
+                        values: &v,
+                        old_logprob: &old_lp,
+                        old_values: &old_v,
+                        advantages: &adv,
+                        returns: &adv,
+                    },
+                )
+                .unwrap();
+                let mut grads = out.loss.backward().unwrap();
+                black_box(clip_grad_norm(&mut grads, opt.vars(), 0.5).unwrap());
+                opt.step(&grads).unwrap();
+            },
+        );
+    }
+    // Added to the table after the last `bench` (which holds `rows` and `json`).
+    let mut torch_rows: Vec<(String, (f64, f64))> = Vec::new();
+    let mut torch_json: Vec<(String, f64)> = Vec::new();
+    if want("torch") || want("nature") || want("minatar") {
+        match torch_times(budget) {
+            Ok(times) => {
+                let version = times.get("torch").and_then(|v| v.as_str()).unwrap_or("?");
+                for (key, label, ..) in cnn_cases() {
+                    for (what, name) in [
+                        ("forward", "forward (no grad)"),
+                        ("train_step", "PPO train step"),
+                    ] {
+                        let k = format!("torch_{key}_{what}_b256_us");
+                        if let Some(us) = times.get(&k).and_then(|v| v.as_f64()) {
+                            torch_rows.push((
+                                format!("PyTorch {version} {label} {name} batch 256"),
+                                (us, us),
+                            ));
+                            torch_json.push((k, us));
+                        }
+                    }
+                }
+            }
+            Err(why) => println!("PyTorch comparison: not measured: {why}"),
+        }
+    }
+
     let n_params = model.num_parameters();
     let mut opt = Adam::new(model.vars(), AdamConfig::default())?;
     let x = Tensor::zeros((64, 4), DType::F32, &Device::Cpu)?;
@@ -357,6 +507,8 @@ fn main() -> relay_nn::Result<()> {
         &mut || opt.step(&grads).unwrap(),
     );
 
+    rows.extend(torch_rows);
+    json.extend(torch_json);
     println!("{:<66} {:>10} {:>10}", "case", "median µs", "min µs");
     for (label, (median, min)) in &rows {
         println!("{label:<66} {median:>10.2} {min:>10.2}");

@@ -40,9 +40,20 @@ use relay_proto::{
 };
 use tokio::sync::watch;
 
+/// Why a run's policy cannot be shaped: the env cannot be made, or the
+/// config does not fit it (`policy.cnn` on flat observations, ...).
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error(transparent)]
+    Env(#[from] relay_bridge::BridgeError),
+    #[error(transparent)]
+    Config(#[from] relay_kit::config::ConfigError),
+}
+
 /// The policy network shape of a run.
-pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, relay_bridge::BridgeError> {
+pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, SpecError> {
     let env = config.env_spec()?;
+    config.check_env(&env)?;
     let action = match env.action_space {
         ActionSpace::Discrete { n } => ActionKind::Discrete { n },
         ActionSpace::Box { low, high } => ActionKind::Continuous {
@@ -60,6 +71,15 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, relay_bridge::B
             relay_kit::config::ActivationName::Relu => Activation::Relu,
         },
         init_log_std: config.policy.init_log_std,
+        cnn: config
+            .policy
+            .cnn
+            .as_ref()
+            .zip(env.image)
+            .map(|(cnn, input)| relay_nn::CnnSpec {
+                input,
+                ..cnn.clone()
+            }),
     })
 }
 

@@ -25,6 +25,31 @@ fn finite_f32(kind: &'static str, field: &'static str, t: &Tensor) -> Result<(),
     tensor_check(kind, field, t.to_finite_f32().map(|_| ()))
 }
 
+/// Observations: f32 (finite) or uint8 pixels, shaped as `want`, and, when
+/// `same_as` is given, of its dtype.
+pub(crate) fn observations_check(
+    kind: &'static str,
+    field: &'static str,
+    t: &Tensor,
+    want: &[Option<usize>],
+    same_as: Option<&Tensor>,
+) -> Result<(), Rejection> {
+    tensor_check(kind, field, t.expect_observations(want))?;
+    if let Some(first) = same_as {
+        if first.dtype != t.dtype {
+            return Err(invalid(
+                kind,
+                field,
+                format!("is {:?} but obs is {:?}", t.dtype, first.dtype),
+            ));
+        }
+    }
+    if t.dtype == DType::F32 {
+        finite_f32(kind, field, t)?;
+    }
+    Ok(())
+}
+
 pub(crate) fn invalid(
     kind: &'static str,
     field: &'static str,
@@ -83,7 +108,7 @@ macro_rules! wire_message {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ActRequest {
     pub schema: u16,
-    /// `[n, obs_dim]` f32.
+    /// `[n, obs_dim]` f32, or uint8 for image observations.
     pub obs: Tensor,
     /// Take the mode of the action distribution instead of sampling.
     pub deterministic: bool,
@@ -100,11 +125,11 @@ impl ActRequest {
 }
 
 wire_message!(ActRequest, "ActRequest", |m: &ActRequest| {
-    tensor_check("ActRequest", "obs", m.obs.expect(DType::F32, &[None, None]))?;
+    observations_check("ActRequest", "obs", &m.obs, &[None, None], None)?;
     if m.obs.shape[0] == 0 {
         return Err(invalid("ActRequest", "obs", "batch of zero observations"));
     }
-    finite_f32("ActRequest", "obs", &m.obs)
+    Ok(())
 });
 
 /// inference-server -> env-runner: one action per observation.
@@ -150,7 +175,8 @@ pub struct RolloutFragment {
     pub policy_version: u64,
     pub num_steps: u32,
     pub num_envs: u32,
-    /// `[T, N, obs_dim]` f32: observation each action was taken in.
+    /// `[T, N, obs_dim]` f32 (uint8 for image observations): observation
+    /// each action was taken in.
     pub obs: Tensor,
     /// `[T, N]` i64 or `[T, N, action_dim]` f32.
     pub actions: Tensor,
@@ -166,9 +192,10 @@ pub struct RolloutFragment {
     /// whenever the limit is reached, even on a terminal step; a terminal
     /// step is never bootstrapped.
     pub truncated: Tensor,
-    /// `[N, obs_dim]` f32: observation after the last step (bootstraps the fragment's tail).
+    /// `[N, obs_dim]`, of `obs`'s dtype: observation after the last step
+    /// (bootstraps the fragment's tail).
     pub next_obs: Tensor,
-    /// `[K, obs_dim]` f32: the last observation of each episode that was
+    /// `[K, obs_dim]`, of `obs`'s dtype: the last observation of each episode that was
     /// truncated and not terminated (the ones to bootstrap from), in `(t, env)`
     /// row-major order.
     pub final_obs: Tensor,
@@ -302,11 +329,7 @@ wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
     if m.env_id.is_empty() {
         return Err(invalid(K, "env_id", "empty"));
     }
-    tensor_check(
-        K,
-        "obs",
-        m.obs.expect(DType::F32, &[Some(t), Some(n), None]),
-    )?;
+    observations_check(K, "obs", &m.obs, &[Some(t), Some(n), None], None)?;
     let d = m.obs.shape[2] as usize;
     check_actions(K, &m.actions, &[t, n])?;
     for (field, tensor) in [
@@ -327,21 +350,21 @@ wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
         "truncated",
         m.truncated.expect(DType::U8, &[Some(t), Some(n)]),
     )?;
-    tensor_check(
+    observations_check(
         K,
         "next_obs",
-        m.next_obs.expect(DType::F32, &[Some(n), Some(d)]),
+        &m.next_obs,
+        &[Some(n), Some(d)],
+        Some(&m.obs),
     )?;
     let truncations = m.bootstrap_count();
-    tensor_check(
+    observations_check(
         K,
         "final_obs",
-        m.final_obs
-            .expect(DType::F32, &[Some(truncations), Some(d)]),
+        &m.final_obs,
+        &[Some(truncations), Some(d)],
+        Some(&m.obs),
     )?;
-    finite_f32(K, "obs", &m.obs)?;
-    finite_f32(K, "next_obs", &m.next_obs)?;
-    finite_f32(K, "final_obs", &m.final_obs)?;
     if let Some(r) = &m.norm_rewards {
         tensor_check(K, "norm_rewards", r.expect(DType::F32, &[Some(t), Some(n)]))?;
         finite_f32(K, "norm_rewards", r)?;
@@ -1105,6 +1128,30 @@ mod tests {
             decode::<ActRequest>(&encode(&req)).unwrap_err().reason(),
             "non_finite"
         );
+    }
+
+    #[test]
+    fn image_observations_travel_as_bytes() {
+        let (t, n, d) = (2, 2, 6);
+        let pixels: Vec<f32> = (0..t * n * d).map(|i| (i * 20 % 256) as f32).collect();
+        let mut f = fragment(t, n, d);
+        f.truncated = Tensor::from_bool(&[t, n], &[false; 4]);
+        f.obs = Tensor::observations(&[t, n, d], &pixels, true);
+        f.next_obs = Tensor::observations(&[n, d], &pixels[..n * d], true);
+        f.final_obs = Tensor::observations(&[0, d], &[], true);
+        let back = decode::<RolloutFragment>(&encode(&f)).unwrap();
+        assert_eq!(back.obs.dtype, DType::U8);
+        assert_eq!(back.obs.data.len(), t * n * d, "one byte per value");
+        assert_eq!(back.obs.observations_to_f32().unwrap(), pixels);
+        // Bootstrap observations of another dtype than `obs` are refused.
+        f.next_obs = Tensor::from_f32(&[n, d], &pixels[..n * d]);
+        let err = decode::<RolloutFragment>(&encode(&f)).unwrap_err();
+        assert!(err.to_string().contains("next_obs"), "{err}");
+        let req = ActRequest::new(Tensor::observations(&[1, 2], &[0.0, 255.0], true), false);
+        assert_eq!(decode::<ActRequest>(&encode(&req)).unwrap(), req);
+        let req = ActRequest::new(Tensor::from_i64(&[1, 2], &[0, 1]), false);
+        let err = decode::<ActRequest>(&encode(&req)).unwrap_err().to_string();
+        assert!(err.contains("obs") && err.contains("I64"), "{err}");
     }
 
     #[test]

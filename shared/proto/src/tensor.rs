@@ -118,6 +118,51 @@ impl Tensor {
         }
     }
 
+    pub fn from_u8(shape: &[usize], values: &[u8]) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), values.len());
+        Self {
+            dtype: DType::U8,
+            shape: shape.iter().map(|&d| d as u32).collect(),
+            data: values.to_vec(),
+        }
+    }
+
+    /// Observations as they travel: one byte per value for image
+    /// observations (`pixels`, whole numbers in `0..=255`), f32 otherwise.
+    pub fn observations(shape: &[usize], values: &[f32], pixels: bool) -> Self {
+        if pixels {
+            debug_assert!(values
+                .iter()
+                .all(|v| v.fract() == 0.0 && (0.0..=255.0).contains(v)));
+            let bytes: Vec<u8> = values.iter().map(|&v| v as u8).collect();
+            Self::from_u8(shape, &bytes)
+        } else {
+            Self::from_f32(shape, values)
+        }
+    }
+
+    /// Checks observations: f32 or uint8 pixels, with the shape `want`.
+    pub fn expect_observations(&self, want: &[Option<usize>]) -> Result<(), TensorError> {
+        let dtype = if self.dtype == DType::U8 {
+            DType::U8
+        } else {
+            DType::F32
+        };
+        self.expect(dtype, want)
+    }
+
+    /// Observations as f32, whether they travel as f32 or as uint8 pixels
+    /// (widened, not scaled: the model scales pixels).
+    pub fn observations_to_f32(&self) -> Result<Vec<f32>, TensorError> {
+        match self.dtype {
+            DType::U8 => {
+                self.check_len()?;
+                Ok(self.data.iter().map(|&b| f32::from(b)).collect())
+            }
+            _ => self.to_f32(),
+        }
+    }
+
     pub fn from_bool(shape: &[usize], values: &[bool]) -> Self {
         debug_assert_eq!(shape.iter().product::<usize>(), values.len());
         Self {
