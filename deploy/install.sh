@@ -82,20 +82,23 @@ if ! smollm2_ok; then
 fi
 
 # The env bridge's Python side (shared/bridge): Gymnasium with Box2D, ale-py
-# (ships its ROMs), OpenCV (AtariPreprocessing resizes with it), MinAtar, and
+# (ships its ROMs), OpenCV (AtariPreprocessing resizes with it), MinAtar,
+# TextArena 0.7.4 (its games, relay's reference for text games), and
 # what the worker speaks (msgpack, numpy), in a virtual environment of the
 # project's own, .relay/python, which the services
 # find by themselves (env.python or RELAY_PYTHON choose another). MinAtar
 # without its plotting dependencies: stepping needs only numpy.
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo_root/.relay/python"
-bridge_packages=(numpy==2.* msgpack==1.* "gymnasium[box2d]==1.4.0" ale-py==0.12.* opencv-python-headless==4.*)
+bridge_packages=(numpy==2.* msgpack==1.* "gymnasium[box2d]==1.4.0" ale-py==0.12.* opencv-python-headless==4.* textarena==0.7.4)
 bridge_ok() {
-  "$venv/bin/python" -c 'import gymnasium, msgpack, numpy, Box2D, ale_py, cv2, minatar.gym
-assert gymnasium.__version__ == "1.4.0", gymnasium.__version__' >/dev/null 2>&1
+  "$venv/bin/python" -c 'import gymnasium, msgpack, numpy, Box2D, ale_py, cv2, minatar.gym, textarena
+from importlib.metadata import version
+assert gymnasium.__version__ == "1.4.0", gymnasium.__version__
+assert version("textarena") == "0.7.4", version("textarena")' >/dev/null 2>&1
 }
 if ! bridge_ok; then
-  say "installing the env bridge's Python packages into .relay/python (PyPI: gymnasium 1.4.0 with Box2D, ale-py and OpenCV for AtariPreprocessing, minatar)"
+  say "installing the env bridge's Python packages into .relay/python (PyPI: gymnasium 1.4.0 with Box2D, ale-py and OpenCV for AtariPreprocessing, minatar, textarena 0.7.4)"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" \
     || { as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && python3 -m venv "$venv"; }
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${bridge_packages[@]}"

@@ -281,7 +281,7 @@ fn check_reply(reply: &ActReply, n: usize, space: &ActionSpace) -> Result<(), St
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("env-runner", config, shutdown.clone()).await?;
     let cfg = service.config.clone();
-    if relay_kit::config::is_text_game(&cfg.run.env_id) {
+    if cfg.is_text_game() {
         let seed = runner_seed(cfg.run.seed, &service.instance);
         return text::run(service, shutdown, seed).await;
     }

@@ -493,13 +493,13 @@ pub(crate) async fn run(
     let text = &cfg.text;
     let env_id = cfg.run.env_id.clone();
     let metrics = TextMetrics::register(&service.registry);
-    let settings = GameSettings::from_config(text);
+    let settings = GameSettings::from_config(text, &cfg.env);
     let generator = NatsGenerate::new(service.nats.clone(), service.subjects.generate());
     // The run's games: id, players, weight (`text.games`, else `run.env_id`).
     let mut game_ids: Vec<(String, usize)> = Vec::new();
     let mut game_weights: Vec<f64> = Vec::new();
     for (game, weight) in text.game_weights(&env_id) {
-        let players = relay_envs::make_text_game(&game)
+        let players = relay_bridge::make_text_game(&game, &cfg.env)
             .map_err(|e| ServiceError::other(format!("text.games.{game}: {e}")))?
             .num_players();
         game_ids.push((game, players));

@@ -104,7 +104,7 @@ pub fn mean_std(values: &[f64]) -> (f64, f64) {
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("evaluator", config, shutdown.clone()).await?;
     let cfg = service.config.clone();
-    if relay_kit::config::is_text_game(&cfg.run.env_id) {
+    if cfg.is_text_game() {
         return run_text(service, shutdown).await;
     }
     let mut follower = PolicyFollower::start(&service).await?;
@@ -118,7 +118,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     } = EvalMetrics::register(&service.registry);
     let build = |name: &str, options: &[(String, String)]| -> Result<Box<dyn Evaluator>, String> {
         let plugin = plugins::build(name, options)?;
-        plugin.check_env(&cfg.run.env_id)?;
+        plugin.check_env(&cfg.run.env_id, &cfg.env)?;
         Ok(plugin)
     };
     let mut plugin: Arc<dyn Evaluator> = build(&cfg.eval.evaluator, &cfg.eval.option_pairs())
@@ -483,7 +483,7 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
     let env_id = cfg.run.env_id.clone();
     let build = |name: &str, options: &[(String, String)]| -> Result<Arc<dyn Evaluator>, String> {
         let plugin = plugins::build(name, options)?;
-        plugin.check_env(&env_id)?;
+        plugin.check_env(&env_id, &cfg.env)?;
         Ok(plugin.into())
     };
     let mut plugin = build(&cfg.eval.evaluator, &cfg.eval.option_pairs())
@@ -508,6 +508,7 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
         confirming: false,
         version: None,
         text: cfg.text.clone(),
+        env: cfg.env.clone(),
         generator: NatsGenerate::new(service.nats.clone(), service.subjects.generate()),
         instance: service.instance.clone(),
     };

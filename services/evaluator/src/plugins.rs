@@ -31,7 +31,7 @@ use futures::StreamExt;
 use rand::SeedableRng;
 use relay_bridge::{EnvSection, VecEnvs};
 use relay_envs::{ActionSpace, VecActions};
-use relay_kit::config::{is_text_game, Opponent, TextConfig};
+use relay_kit::config::{Opponent, TextConfig};
 use relay_nn::{Actions, VecNormalize};
 use relay_policy::text::{
     arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, Seat,
@@ -87,6 +87,8 @@ pub struct TextEvalContext {
     pub version: Option<u64>,
     /// The run's `text` section (bots, sampling, `games_in_flight`).
     pub text: TextConfig,
+    /// The run's `env` section: where its games come from.
+    pub env: EnvSection,
     /// Generate requests to the inference servers.
     pub generator: NatsGenerate,
     /// Recorded as each game's runner.
@@ -121,9 +123,10 @@ pub trait Evaluator: Send + Sync {
     fn plays_text(&self) -> bool {
         false
     }
-    /// Checks that this plugin can evaluate runs of `env_id`.
-    fn check_env(&self, env_id: &str) -> Result<(), String> {
-        match (self.plays_text(), is_text_game(env_id)) {
+    /// Checks that this plugin can evaluate runs of `env_id` (made as the
+    /// `env` section says).
+    fn check_env(&self, env_id: &str, env: &EnvSection) -> Result<(), String> {
+        match (self.plays_text(), env.is_text_game(env_id)) {
             (false, true) => Err(format!(
                 "evaluator {} plays classic-control envs, not the text game {env_id}; use vs-opponent",
                 self.name()
@@ -500,8 +503,8 @@ impl Evaluator for VsOpponent {
         true
     }
 
-    fn check_env(&self, env_id: &str) -> Result<(), String> {
-        if !is_text_game(env_id) {
+    fn check_env(&self, env_id: &str, env: &EnvSection) -> Result<(), String> {
+        if !env.is_text_game(env_id) {
             return Err(format!(
                 "evaluator vs-opponent plays text games, not {env_id}"
             ));
@@ -519,7 +522,7 @@ impl Evaluator for VsOpponent {
         ctx: &'a TextEvalContext,
     ) -> BoxFuture<'a, Result<EvalOutcome, String>> {
         Box::pin(async move {
-            self.check_env(&ctx.env_id)?;
+            self.check_env(&ctx.env_id, &ctx.env)?;
             let game_ids = if ctx.game_ids.is_empty() {
                 vec![ctx.env_id.clone()]
             } else {
@@ -539,12 +542,12 @@ impl Evaluator for VsOpponent {
             let mut matchups: Vec<Matchup> = Vec::new();
             let mut planned = Vec::new();
             for game_id in &game_ids {
-                if !is_text_game(game_id) {
+                if !ctx.env.is_text_game(game_id) {
                     return Err(format!(
                         "evaluator vs-opponent plays text games, not {game_id}"
                     ));
                 }
-                let players = relay_envs::make_text_game(game_id)
+                let players = relay_bridge::make_text_game(game_id, &ctx.env)
                     .map_err(|e| e.to_string())?
                     .num_players();
                 let opponents: Vec<Option<Opponent>> = if players == 1 {
@@ -619,7 +622,7 @@ impl Evaluator for VsOpponent {
                     }
                 }
             }
-            let mut settings = GameSettings::from_config(&ctx.text);
+            let mut settings = GameSettings::from_config(&ctx.text, &ctx.env);
             if let Some(temperature) = self.temperature {
                 settings.sampling.temperature = temperature;
             }
@@ -848,18 +851,22 @@ mod tests {
         )
         .unwrap();
         assert!(p.plays_text());
-        p.check_env("TicTacToe-v0").unwrap();
-        let err = p.check_env("ConnectFour-v0").unwrap_err();
+        p.check_env("TicTacToe-v0", &EnvSection::default()).unwrap();
+        let err = p
+            .check_env("ConnectFour-v0", &EnvSection::default())
+            .unwrap_err();
         assert!(
             err.contains("minimax") && err.contains("ConnectFour-v0"),
             "{err}"
         );
-        let err = p.check_env("CartPole-v1").unwrap_err();
+        let err = p
+            .check_env("CartPole-v1", &EnvSection::default())
+            .unwrap_err();
         assert!(err.contains("CartPole-v1"), "{err}");
         // The default opponents fit each game.
         let default = build("vs-opponent", &[]).unwrap();
         for game in relay_envs::TEXT_GAME_IDS {
-            default.check_env(game).unwrap();
+            default.check_env(game, &EnvSection::default()).unwrap();
         }
         for (key, value, needle) in [
             ("opponents", "random,gpt", "gpt"),
@@ -878,12 +885,12 @@ mod tests {
         // Classic plugins refuse text games.
         let err = build("greedy", &[])
             .unwrap()
-            .check_env("TicTacToe-v0")
+            .check_env("TicTacToe-v0", &EnvSection::default())
             .unwrap_err();
         assert!(err.contains("vs-opponent"), "{err}");
         build("greedy", &[])
             .unwrap()
-            .check_env("CartPole-v1")
+            .check_env("CartPole-v1", &EnvSection::default())
             .unwrap();
     }
 

@@ -27,7 +27,8 @@
 //!   different text games (multi-game runs) are never in one group: their
 //!   rewards and openings have nothing in common. The group id is
 //!   `(version * 16 + game) * 256 + seat`, `game` the index of the game
-//!   in `relay_envs::TEXT_GAME_IDS`.
+//!   in `relay_envs::TEXT_GAME_IDS` (other games: a slot of 4..16 hashed
+//!   from the id).
 //! - **Branched positions** (`text.branches`): the moves the continuations
 //!   of one position sampled there share one group instead
 //!   ([`branch_group_id`]): several completions of one prompt, whose
@@ -95,13 +96,23 @@ pub fn stratum_id(env_id: &str, seat: usize) -> u64 {
     group_id(env_id, 0, seat)
 }
 
+/// The game slot of an id relay does not have built in (a TextArena game
+/// through the env bridge): one of 4..16, from a hash of the id (FNV-1a),
+/// the same in every process.
+fn other_game_slot(env_id: &str) -> u64 {
+    let hash = env_id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    4 + hash % 12
+}
+
 /// The group of a learning seat's moves in a game of `env_id` (see the
 /// module docs).
 pub fn group_id(env_id: &str, version: u64, seat: usize) -> u64 {
     let game = relay_envs::TEXT_GAME_IDS
         .iter()
         .position(|g| *g == env_id)
-        .unwrap_or(15) as u64
+        .map_or_else(|| other_game_slot(env_id), |i| i as u64)
         % 16;
     version
         .wrapping_mul(16)

@@ -252,6 +252,7 @@ pub(crate) fn sft_warm_start(
         eval_opponents: "random,minimax".into(),
         max_tokens: 8,
         seed: 0,
+        textarena: false,
     })?;
     let row = Row {
         stage: "SFT greedy".into(),

@@ -242,7 +242,7 @@ pub fn evaluate_text_checkpoint(
             .map(str::to_string)
             .collect();
     }
-    let players = relay_envs::make_text_game(&env_id)?.num_players();
+    let players = relay_bridge::make_text_game(&env_id, &config.env)?.num_players();
     let mut rewards = Vec::new();
     let mut matchups = Vec::new();
     for bot in &bots {
@@ -259,6 +259,7 @@ pub fn evaluate_text_checkpoint(
             };
             let game = crate::play_text::play_game(
                 &env_id,
+                &config.env,
                 &mut player,
                 seat,
                 bot,

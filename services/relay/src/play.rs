@@ -28,6 +28,9 @@ pub struct PlayArgs {
     /// Seed of the episodes.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// --env is a TextArena id (any of its registry), played through the env bridge.
+    #[arg(long)]
+    pub textarena: bool,
     /// Folder holding the runs.
     #[arg(long, env = "RELAY_RUNS_DIR", default_value = "runs")]
     pub runs_dir: PathBuf,
@@ -109,10 +112,15 @@ fn play_text_games(
     let mut input = stdin.lock();
     let mut out = std::io::stdout();
     let mut totals = Vec::new();
+    let section = config.map_or_else(
+        || crate::sft::text_section(args.textarena),
+        |c| c.env.clone(),
+    );
     for game in 0..args.episodes.max(1) {
         println!("game {game}");
         let game = crate::play_text::play_game(
             env_id,
+            &section,
             &mut player,
             args.model_seat,
             &args.opponent,
@@ -202,9 +210,9 @@ pub fn play(args: PlayArgs) -> Result<()> {
             .env
             .clone()
             .context("give a run (or @last), or --env and --model for a text game")?;
-        if !relay_envs::TEXT_GAME_IDS.contains(&env.as_str()) {
+        if !crate::sft::text_section(args.textarena).is_text_game(&env) {
             anyhow::bail!(
-                "--env {env:?}: without a run only text games can be played (known: {})",
+                "--env {env:?}: without a run only text games can be played (relay's: {}; add --textarena for a TextArena id)",
                 relay_envs::TEXT_GAME_IDS.join(", ")
             );
         }

@@ -160,6 +160,7 @@ pub struct GameSummary {
 /// moves from `input`.
 pub fn play_game(
     env_id: &str,
+    env: &relay_bridge::EnvSection,
     player: &mut Player,
     model_seat: usize,
     opponent: &str,
@@ -167,7 +168,7 @@ pub fn play_game(
     input: &mut dyn BufRead,
     out: &mut dyn Write,
 ) -> Result<GameSummary> {
-    let mut game = relay_envs::make_text_game(env_id)?;
+    let mut game = relay_bridge::make_text_game(env_id, env)?;
     game.reset(seed);
     let players = game.num_players();
     if model_seat >= players {

@@ -32,6 +32,7 @@ use anyhow::{bail, Context, Result};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use relay_bridge::{Backend, EnvSection};
 use relay_envs::ObservationView;
 use relay_kit::config::GgufBaseName;
 use relay_llm::sft::{
@@ -114,6 +115,9 @@ pub struct SftArgs {
     /// Seed of the bot games, the shuffling, the adapter's initialisation and the evaluation.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// --env is a TextArena id (any of its registry), played through the env bridge.
+    #[arg(long)]
+    pub textarena: bool,
 }
 
 /// Results against one opponent, both seats together.
@@ -180,6 +184,7 @@ pub struct SftSummary {
 /// returns every move as an (observation rendered as `view`, move) pair.
 pub fn bot_game_records(
     env: &str,
+    section: &EnvSection,
     bots: &[String],
     games: usize,
     seed: u64,
@@ -188,7 +193,7 @@ pub fn bot_game_records(
     let mut records = Vec::new();
     for game_index in 0..games {
         let game_seed = seed.wrapping_add(game_index as u64);
-        let mut game = relay_envs::make_text_game(env)?;
+        let mut game = relay_bridge::make_text_game(env, section)?;
         if bots.len() != game.num_players() {
             bail!(
                 "--bots: {env} has {} seats, got {} bots ({})",
@@ -231,12 +236,13 @@ pub fn bot_game_records(
 /// Plays `games` greedy games per seat against each opponent.
 fn evaluate(
     env: &str,
+    section: &EnvSection,
     player: &mut Player,
     opponents: &[String],
     games: usize,
     seed: u64,
 ) -> Result<Vec<EvalResult>> {
-    let seats = relay_envs::make_text_game(env)?.num_players();
+    let seats = relay_bridge::make_text_game(env, section)?.num_players();
     let mut results = Vec::new();
     for opponent in opponents {
         let mut result = EvalResult {
@@ -247,6 +253,7 @@ fn evaluate(
             for g in 0..games {
                 let game = play_game(
                     env,
+                    section,
                     player,
                     seat,
                     opponent,
@@ -320,6 +327,19 @@ fn comma_list(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// Where the CLI's text games come from: TextArena's registry with
+/// `--textarena`, else relay's built-in games.
+pub fn text_section(textarena: bool) -> EnvSection {
+    EnvSection {
+        backend: if textarena {
+            Backend::Textarena
+        } else {
+            Backend::Auto
+        },
+        ..EnvSection::default()
+    }
+}
+
 /// `relay sft`.
 pub fn sft(args: SftArgs) -> Result<()> {
     run_sft(args).map(|_| ())
@@ -328,9 +348,10 @@ pub fn sft(args: SftArgs) -> Result<()> {
 /// `relay sft`, returning what it printed last.
 pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     let started = Instant::now();
-    if !relay_envs::TEXT_GAME_IDS.contains(&args.env.as_str()) {
+    let section = text_section(args.textarena);
+    if !section.is_text_game(&args.env) {
         bail!(
-            "--env {:?} is not a text game (known: {})",
+            "--env {:?} is not a text game of relay's (known: {}); add --textarena for a TextArena id",
             args.env,
             relay_envs::TEXT_GAME_IDS.join(", ")
         );
@@ -369,8 +390,14 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
         Some(path) => read_sft_jsonl(path)?,
         None => {
             let bots = comma_list(&args.bots);
-            let records =
-                bot_game_records(&args.env, &bots, args.games, args.seed, args.observation)?;
+            let records = bot_game_records(
+                &args.env,
+                &section,
+                &bots,
+                args.games,
+                args.seed,
+                args.observation,
+            )?;
             if let Some(path) = &args.write_data {
                 let mut file = std::io::BufWriter::new(
                     std::fs::File::create(path)
@@ -444,6 +471,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     let before = if args.eval_games > 0 {
         let results = evaluate(
             &args.env,
+            &section,
             &mut player(&model),
             &opponents,
             args.eval_games,
@@ -530,6 +558,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     let after = if args.eval_games > 0 {
         let results = evaluate(
             &args.env,
+            &section,
             &mut player(&model),
             &opponents,
             args.eval_games,

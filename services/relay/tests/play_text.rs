@@ -20,6 +20,7 @@ fn the_model_plays_a_bot_to_the_end() {
     let mut out = Vec::new();
     let game = relay::play_text::play_game(
         "TicTacToe-v0",
+        &Default::default(),
         &mut player,
         0,
         "minimax",

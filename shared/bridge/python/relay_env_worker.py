@@ -17,14 +17,23 @@ Requests (``op``):
   the last observation of the ended one is sent under ``final``.
 - ``get_attr``: an attribute of one env's unwrapped env (for tests and tools).
 
+TextArena games (``text_*`` ops, see ``TextGames``) are served by the same
+program: ``text_init`` once, then ``text_make``, ``text_step``,
+``text_reset``, ``text_clone`` and ``text_close`` on numbered games, each
+reply a snapshot of the game (see ``TextGame.snapshot``).
+
 A Python exception inside one env's ``step`` does not end the worker: the
 traceback travels in ``failed``, the env is reset, and the Rust side drops the
 episode. Anything else that goes wrong is an ``error`` reply; a reply that worked is
 ``{"ok": ...}``.
 """
 
+import copy
+import difflib
 import importlib
 import math
+import random
+import re
 import os
 import struct
 import sys
@@ -349,6 +358,218 @@ class Batch:
         return {"value": value}
 
 
+# A heading that TextArena games put before the moves a player may make
+# ("Available Moves: '[0]', '[1]'", "Your available actions are: '[check]'",
+# "Valid moves: [e2e4], ..."): the bracketed tokens after it are the legal moves.
+_LEGAL_HEADING = re.compile(r"(?i)(?:available|valid|legal)\s+(?:moves|actions)[^:\n]{0,20}:")
+_BRACKETED = re.compile(r"\[[^\[\]\n]{1,40}\]")
+
+
+def _legal_moves(messages):
+    """The moves the newest message with a legal-move heading lists, or []."""
+    for _sender, message, _kind in reversed(messages):
+        found = None
+        for found in _LEGAL_HEADING.finditer(message):
+            pass
+        if found is not None:
+            return _BRACKETED.findall(message[found.end():])
+    return []
+
+
+class TextGame:
+    """One TextArena game: ``ta.make(id, **kwargs)`` with the id's registered
+    wrappers, reset with ``num_players`` and a seed. Each game keeps its own
+    state of Python's ``random`` (TextArena seeds the global one in
+    ``reset``), so games interleaved in one worker replay exactly from their
+    seeds."""
+
+    def __init__(self, spec, seed):
+        self.spec = spec
+        self.reset(seed)
+
+    def reset(self, seed):
+        import textarena as ta
+
+        self.env = ta.make(self.spec["env_id"], **self.spec["kwargs"])
+        self.env.reset(num_players=self.spec["num_players"], seed=seed)
+        self.rng = random.getstate()
+        self.state = self.env.state
+        # Raw messages per player (TextArena's state.observations) sent so
+        # far; get_observation() empties the current player's list.
+        self.seen = [0] * self.spec["num_players"]
+        self.history = [[] for _ in range(self.spec["num_players"])]
+        return self.snapshot(None, False)
+
+    def step(self, action):
+        random.setstate(self.rng)
+        try:
+            mover = self.state.current_player_id
+            turn = self.state.turn
+            self.env.step(action=action)
+            info = self.state.game_info.get(mover, {})
+            # TextArena's states count a turn only for a move they accept (a
+            # forfeit by a repeated invalid move counts, and marks it).
+            invalid = self.state.turn == turn or bool(info.get("invalid_move"))
+            return self.snapshot(mover, invalid)
+        finally:
+            self.rng = random.getstate()
+
+    def clone(self):
+        other = copy.copy(self)
+        other.env = copy.deepcopy(self.env)
+        other.state = other.env.state
+        other.seen = list(self.seen)
+        other.history = [list(h) for h in self.history]
+        return other
+
+    def snapshot(self, mover, invalid):
+        state = self.state
+        n = self.spec["num_players"]
+        messages = []
+        for pid in range(n):
+            queue = state.observations[pid]
+            for sender, message, kind in queue[self.seen[pid]:]:
+                if sender == -1:
+                    name = "GAME"
+                else:
+                    name = state.role_mapping.get(sender, f"Player {sender}")
+                messages.append([pid, name, str(message)])
+                self.history[pid].append((sender, str(message), kind))
+            self.seen[pid] = len(queue)
+        current = int(state.current_player_id)
+        wrapped = None
+        if not state.done:
+            # What the id's own observation wrapper shows the player to move
+            # (LLMObservationWrapper's transcript for the default ids).
+            pid, observation = self.env.get_observation()
+            self.seen[pid] = 0
+            if isinstance(observation, str):
+                wrapped = observation
+        rewards = None
+        if state.done and state.rewards is not None:
+            rewards = [float(state.rewards.get(pid, 0.0)) for pid in range(n)]
+        info = []
+        for pid in range(n):
+            entry = state.game_info.get(pid, {})
+            reason = entry.get("reason")
+            info.append({
+                "role": str(entry.get("role", f"Player {pid}")),
+                "invalid_move": bool(entry.get("invalid_move", False)),
+                "turn_count": int(entry.get("turn_count", 0)),
+                "reason": None if reason is None else str(reason),
+            })
+        return {
+            "mover": mover,
+            "invalid_move": invalid,
+            "current_player": current,
+            "done": bool(state.done),
+            "turn": int(state.turn),
+            "rewards": rewards,
+            "info": info,
+            "messages": messages,
+            "wrapped": wrapped,
+            "legal": [] if state.done else _legal_moves(self.history[current]),
+            "state_key": f"{current}|{state.game_state!r}",
+        }
+
+
+class TextGames:
+    """The TextArena games of one worker, by number."""
+
+    def __init__(self, request):
+        for folder in reversed(request.get("python_path") or []):
+            sys.path.insert(0, folder)
+        for target in request.get("imports") or []:
+            _import(target)
+        import textarena as ta
+
+        env_id = request["env_id"]
+        if env_id not in ta.envs.registration.ENV_REGISTRY:
+            raise UnknownTextGame(env_id)
+        kwargs = request.get("kwargs") or {}
+        candidates = [request["num_players"]] if request.get("num_players") else [2, 1, 3, 4, 5, 6]
+        refusals = []
+        for n in candidates:
+            try:
+                probe = ta.make(env_id, **kwargs)
+                probe.reset(num_players=n, seed=0)
+                break
+            except Exception as exc:  # the game refuses this many players
+                refusals.append(f"{n}: {exc.__class__.__name__}: {exc}")
+        else:
+            raise PlayerCount(env_id, refusals)
+        self.spec = {"env_id": env_id, "kwargs": kwargs, "num_players": n}
+        self.games = {}
+        self.next = 0
+
+    def add(self, game):
+        self.next += 1
+        self.games[self.next] = game
+        return self.next
+
+    def handle(self, request):
+        op = request["op"]
+        if op == "text_make":
+            game = TextGame(self.spec, request["seed"])
+            return {"game": self.add(game), "snapshot": game.snapshot(None, False)}
+        game = self.games[request["game"]]
+        if op == "text_step":
+            return game.step(request["action"])
+        if op == "text_reset":
+            return game.reset(request["seed"])
+        if op == "text_clone":
+            return {"game": self.add(game.clone())}
+        if op == "text_close":
+            del self.games[request["game"]]
+            return {}
+        raise ValueError(f"unknown op {op!r}")
+
+
+class UnknownTextGame(Exception):
+    pass
+
+
+class PlayerCount(Exception):
+    pass
+
+
+def _text_init(request):
+    try:
+        import textarena as ta
+    except ModuleNotFoundError as exc:
+        return None, _missing(exc.name or "textarena", exc)
+    try:
+        return TextGames(request), None
+    except ModuleNotFoundError as exc:
+        return None, _missing(exc.name or "?", exc)
+    except UnknownTextGame as exc:
+        known = sorted(ta.envs.registration.ENV_REGISTRY)
+        close = difflib.get_close_matches(str(exc), known, n=5, cutoff=0.6)
+        return None, {
+            "error": "unknown_env",
+            "message": f"TextArena {ta_version()} has no game {str(exc)!r}"
+            + (f"; similar ids: {', '.join(close)}" if close else "")
+            + f" ({len(known)} ids registered)",
+            "traceback": "",
+        }
+    except PlayerCount as exc:
+        env_id, refusals = exc.args
+        return None, {
+            "error": "unknown_env",
+            "message": f"{env_id} refused every player count tried ({'; '.join(refusals)}); set env.num_players",
+            "traceback": "",
+        }
+
+
+def ta_version():
+    try:
+        from importlib.metadata import version
+
+        return version("textarena")
+    except Exception:
+        return "?"
+
+
 def _init(request):
     import gymnasium.error
 
@@ -359,15 +580,24 @@ def _init(request):
     except UnsupportedSpace as exc:
         return None, {"error": "unsupported_space", "message": str(exc), "traceback": ""}
     except gymnasium.error.Error as exc:
+        hint = ""
+        try:
+            import textarena
+
+            if request["env_id"] in textarena.envs.registration.ENV_REGISTRY:
+                hint = f"; {request['env_id']} is a TextArena game: set env.backend: textarena"
+        except Exception:
+            pass
         return None, {
             "error": "unknown_env",
-            "message": f"{exc.__class__.__name__}: {exc}",
+            "message": f"{exc.__class__.__name__}: {exc}{hint}",
             "traceback": traceback.format_exc(),
         }
 
 
 def main():
     batch = None
+    text_games = None
     while True:
         request = read_message()
         if request is None:
@@ -382,6 +612,14 @@ def main():
                     continue
                 batch, error = _init(request)
                 write_message(error if error else {"ok": batch.spec})
+            elif op == "text_init":
+                text_games, error = _text_init(request)
+                write_message(error if error else {"ok": {"num_players": text_games.spec["num_players"]}})
+            elif str(op).startswith("text_"):
+                if text_games is None:
+                    write_message({"error": "protocol", "message": f"{op!r} before text_init", "traceback": ""})
+                else:
+                    write_message({"ok": text_games.handle(request)})
             elif batch is None:
                 write_message({"error": "protocol", "message": f"{op!r} before init", "traceback": ""})
             elif op == "reset":

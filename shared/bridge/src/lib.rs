@@ -1,6 +1,7 @@
 //! The Python edge of relay: environments that exist only in Python
 //! (any Gymnasium id, Box2D, Atari, MinAtar, a user's own) behind the same
-//! vectorized-env API as relay's built-in envs.
+//! vectorized-env API as relay's built-in envs, and TextArena's games
+//! behind the same text-game trait as relay's built-in games.
 //!
 //! # Why worker processes
 //! A batch of envs is stepped by Python processes that the caller owns
@@ -24,6 +25,8 @@
 //! - [`section`] owns the config's `env` section ([`EnvSection`]).
 //! - [`python`] owns [`PyVecEnv`]: spaces, seeding, autoreset, faults and
 //!   restarts.
+//! - [`text`] owns [`PyTextGame`]: TextArena's games behind relay's
+//!   `TextGame` trait ([`make_text_game`]).
 //! - `worker` owns one worker process and the pipe protocol; the worker
 //!   program itself is `python/relay_env_worker.py`, compiled in.
 //! - [`error`] owns [`BridgeError`] and [`Fault`].
@@ -35,6 +38,7 @@
 pub mod error;
 pub mod python;
 pub mod section;
+pub mod text;
 mod worker;
 
 use std::collections::{HashMap, HashSet};
@@ -44,6 +48,7 @@ pub use error::{BridgeError, Fault, FaultKind, INSTALL_HINT};
 pub use python::PyVecEnv;
 use relay_envs::{EnvSpec, VecActions, VecEnv, VecStep};
 pub use section::{is_builtin, project_python, Backend, EnvSection, WrapperConfig};
+pub use text::{make_text_game, PyTextGame};
 pub use worker::WORKER_SOURCE;
 
 /// A batch of envs: relay's built-in ones, or Gymnasium's through Python.
@@ -150,7 +155,7 @@ fn spec_cache() -> &'static Mutex<HashMap<String, EnvSpec>> {
 }
 
 /// What makes the env (not how many workers step it or their timeouts).
-fn cache_key(env_id: &str, section: &EnvSection) -> String {
+pub(crate) fn cache_key(env_id: &str, section: &EnvSection) -> String {
     serde_json::json!([
         env_id,
         section.kwargs,
@@ -159,6 +164,7 @@ fn cache_key(env_id: &str, section: &EnvSection) -> String {
         section.python_path,
         section.entry_point,
         section.interpreter(),
+        section.num_players,
     ])
     .to_string()
 }

@@ -530,48 +530,58 @@ impl Launcher {
 
     /// The error of a worker that did not start.
     fn start_error(&self, failure: Failure, range: &Range<usize>) -> BridgeError {
-        let label = worker_label(range);
-        let python = self.python.display().to_string();
-        match failure {
-            Failure::Replied(e) => match e.error.as_str() {
-                "missing_package" => BridgeError::MissingPackage {
-                    package: e.package.unwrap_or_default(),
-                    message: e.message,
-                    python,
-                },
-                "unknown_env" => BridgeError::UnknownEnv {
-                    env_id: self.env_id.clone(),
-                    message: e.message,
-                },
-                "unsupported_space" => BridgeError::UnsupportedSpace {
-                    env_id: self.env_id.clone(),
-                    message: e.message,
-                },
-                _ => BridgeError::Worker {
-                    env_id: self.env_id.clone(),
-                    message: e.message,
-                    traceback: e.traceback,
-                },
+        start_error(&self.env_id, &self.python, &worker_label(range), failure)
+    }
+}
+
+/// The error of a worker (labelled `label` in the logs) that did not start
+/// `env_id` under `python`.
+pub(crate) fn start_error(
+    env_id: &str,
+    python: &std::path::Path,
+    label: &str,
+    failure: Failure,
+) -> BridgeError {
+    let python = python.display().to_string();
+    match failure {
+        Failure::Replied(e) => match e.error.as_str() {
+            "missing_package" => BridgeError::MissingPackage {
+                package: e.package.unwrap_or_default(),
+                message: e.message,
+                python,
             },
-            // The worker writes this line and exits when msgpack or numpy is missing.
-            Failure::Exited { stderr } => match stderr
-                .split("missing Python package '")
-                .nth(1)
-                .and_then(|rest| rest.split('\'').next())
-            {
-                Some(package) => BridgeError::MissingPackage {
-                    package: package.to_string(),
-                    message: "the env worker needs it".into(),
-                    python,
-                },
-                None => BridgeError::Worker {
-                    env_id: self.env_id.clone(),
-                    message: format!("worker of {label} ended while starting"),
-                    traceback: stderr,
-                },
+            "unknown_env" => BridgeError::UnknownEnv {
+                env_id: env_id.to_string(),
+                message: e.message,
             },
-            other => failure_error(&self.env_id, other),
-        }
+            "unsupported_space" => BridgeError::UnsupportedSpace {
+                env_id: env_id.to_string(),
+                message: e.message,
+            },
+            _ => BridgeError::Worker {
+                env_id: env_id.to_string(),
+                message: e.message,
+                traceback: e.traceback,
+            },
+        },
+        // The worker writes this line and exits when msgpack or numpy is missing.
+        Failure::Exited { stderr } => match stderr
+            .split("missing Python package '")
+            .nth(1)
+            .and_then(|rest| rest.split('\'').next())
+        {
+            Some(package) => BridgeError::MissingPackage {
+                package: package.to_string(),
+                message: "the env worker needs it".into(),
+                python,
+            },
+            None => BridgeError::Worker {
+                env_id: env_id.to_string(),
+                message: format!("worker of {label} ended while starting"),
+                traceback: stderr,
+            },
+        },
+        other => failure_error(env_id, other),
     }
 }
 
@@ -613,7 +623,7 @@ fn worker_label(range: &Range<usize>) -> String {
 }
 
 /// The error of a request that failed outside a step.
-fn failure_error(env_id: &str, failure: Failure) -> BridgeError {
+pub(crate) fn failure_error(env_id: &str, failure: Failure) -> BridgeError {
     match failure {
         Failure::Hung { after } => BridgeError::Hung {
             env_id: env_id.to_string(),

@@ -18,6 +18,9 @@ pub enum Backend {
     /// `gymnasium.make(run.env_id)` in Python worker processes, also for an
     /// id relay has built in.
     Gymnasium,
+    /// `textarena.make(id)` in a Python worker: `run.env_id` and every id of
+    /// `text.games` is a TextArena game, also one relay has built in.
+    Textarena,
 }
 
 /// A Gymnasium wrapper applied after `gymnasium.make`.
@@ -37,9 +40,12 @@ pub struct WrapperConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct EnvSection {
     /// Where `run.env_id` comes from: `auto` (relay's built-in env when it
-    /// has the id, else Gymnasium), `builtin` or `gymnasium`.
+    /// has the id, else Gymnasium), `builtin`, `gymnasium` or `textarena`
+    /// (TextArena's games, which `auto` never picks: set it for any
+    /// TextArena id).
     pub backend: Backend,
-    /// Keyword arguments of `gymnasium.make(run.env_id, **kwargs)`.
+    /// Keyword arguments of `gymnasium.make(run.env_id, **kwargs)` (or of
+    /// `textarena.make`, overriding the id's registered ones).
     pub kwargs: BTreeMap<String, serde_json::Value>,
     /// Wrappers applied in order after `make`.
     pub wrappers: Vec<WrapperConfig>,
@@ -66,6 +72,9 @@ pub struct EnvSection {
     pub step_timeout_s: f64,
     /// Seconds a worker may take to start: imports, `make`, first reset.
     pub start_timeout_s: f64,
+    /// Players of a TextArena game (`env.reset(num_players=...)`); unset:
+    /// the first of 2, 1, 3, 4, 5, 6 that the game accepts.
+    pub num_players: Option<usize>,
 }
 
 impl Default for EnvSection {
@@ -81,6 +90,7 @@ impl Default for EnvSection {
             workers: 1,
             step_timeout_s: 60.0,
             start_timeout_s: 120.0,
+            num_players: None,
         }
     }
 }
@@ -89,10 +99,21 @@ impl EnvSection {
     /// Whether `env_id` is stepped by Python workers under this section.
     pub fn uses_python(&self, env_id: &str) -> bool {
         match self.backend {
-            Backend::Builtin => false,
+            Backend::Builtin | Backend::Textarena => false,
             Backend::Gymnasium => true,
             Backend::Auto => !is_builtin(env_id),
         }
+    }
+
+    /// Whether text game `env_id` is TextArena's, played in a Python worker.
+    pub fn text_uses_python(&self, _env_id: &str) -> bool {
+        self.backend == Backend::Textarena
+    }
+
+    /// Whether `env_id` is a text game (played by LLM policies) under this
+    /// section: one of relay's, or any id under `backend: textarena`.
+    pub fn is_text_game(&self, env_id: &str) -> bool {
+        self.backend == Backend::Textarena || relay_envs::TEXT_GAME_IDS.contains(&env_id)
     }
 
     /// Checks ranges and names (the id itself is checked when a worker
@@ -100,6 +121,9 @@ impl EnvSection {
     pub fn validate(&self, env_id: &str) -> Result<(), (&'static str, String)> {
         if self.workers == 0 {
             return Err(("env.workers", "must be at least 1".into()));
+        }
+        if self.num_players == Some(0) {
+            return Err(("env.num_players", "must be at least 1".into()));
         }
         for (field, v) in [
             ("env.step_timeout_s", self.step_timeout_s),
@@ -116,7 +140,7 @@ impl EnvSection {
             return Err((
                 "run.env_id",
                 format!(
-                    "env.backend is builtin, but relay has no built-in env {env_id:?}; built in: {} (classic control), {} (text games); set env.backend: gymnasium (or auto) to make it with Gymnasium",
+                    "env.backend is builtin, but relay has no built-in env {env_id:?}; built in: {} (classic control), {} (text games); set env.backend: gymnasium (or auto) to make it with Gymnasium, or textarena for a TextArena game",
                     relay_envs::ENV_IDS.join(", "),
                     relay_envs::TEXT_GAME_IDS.join(", ")
                 ),

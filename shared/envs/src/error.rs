@@ -111,6 +111,17 @@ pub enum EnvError {
         source: Box<EnvError>,
     },
 
+    /// A game implemented outside this crate (the env bridge's TextArena
+    /// games) failed: its Python code raised, or its worker ended or hung.
+    /// The game is lost; a new one may be made.
+    #[error("{id}: {message}")]
+    External {
+        /// Text game id.
+        id: String,
+        /// What went wrong, with the traceback where there is one.
+        message: String,
+    },
+
     /// [`crate::TextGame::step`] after the game has ended.
     #[error("{id}: the game is over; reset it before stepping")]
     GameOver {

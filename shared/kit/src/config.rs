@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
+use relay_bridge::EnvSection;
 use relay_nn::{Schedule, Shape, TrunkLayout};
 use serde::{Deserialize, Serialize};
 
@@ -79,7 +80,7 @@ pub struct ExperimentConfig {
     /// Where `run.env_id` comes from (built in, or Gymnasium through Python
     /// workers) and how it is made.
     #[serde(default)]
-    pub env: relay_bridge::EnvSection,
+    pub env: EnvSection,
 }
 
 /// What is trained, for how long, and where its files go.
@@ -1344,11 +1345,6 @@ pub fn bot_plays(name: &str, env_id: &str) -> bool {
     }
 }
 
-/// Whether `env_id` is a text game (played by the LLM policy).
-pub fn is_text_game(env_id: &str) -> bool {
-    relay_envs::TEXT_GAME_IDS.contains(&env_id)
-}
-
 /// Who sits opposite the learning policy (a key of `text.opponents`, or an
 /// entry of the `vs-opponent` evaluator's `opponents` option).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -1588,7 +1584,7 @@ impl TextConfig {
     }
 
     /// Checks `games` against the run's `env_id` (see the field's docs).
-    fn validate_games(&self, env_id: &str) -> Result<(), ConfigError> {
+    fn validate_games(&self, env_id: &str, env: &EnvSection) -> Result<(), ConfigError> {
         let Some(games) = &self.games else {
             return Ok(());
         };
@@ -1600,7 +1596,7 @@ impl TextConfig {
         }
         for (game, &weight) in games {
             let field = format!("text.games.{game}");
-            if !is_text_game(game) {
+            if !env.is_text_game(game) {
                 let kind = if relay_envs::spec(game).is_ok() {
                     "is a classic-control env; text.games lists text games only (no mixing)"
                         .to_string()
@@ -1625,7 +1621,7 @@ impl TextConfig {
                 "every weight is 0; at least one must be positive",
             ));
         }
-        if !is_text_game(env_id) {
+        if !env.is_text_game(env_id) {
             return Err(invalid(
                 "text.games",
                 format!("run.env_id {env_id} is not a text game: a run cannot mix classic-control and text envs"),
@@ -1655,9 +1651,9 @@ impl TextConfig {
 
     /// Checks every field; `env_id` is the run's (game-specific checks
     /// apply only when it is a text game).
-    pub fn validate(&self, env_id: &str) -> Result<(), ConfigError> {
-        let game = is_text_game(env_id);
-        self.validate_games(env_id)?;
+    pub fn validate(&self, env_id: &str, env: &EnvSection) -> Result<(), ConfigError> {
+        let game = env.is_text_game(env_id);
+        self.validate_games(env_id, env)?;
         let games: Vec<String> = self
             .game_weights(env_id)
             .into_iter()
@@ -1715,9 +1711,9 @@ impl TextConfig {
                     "league games train the model: text.learner must be `model`",
                 ));
             }
-            let players = relay_envs::make_text_game(env_id)
-                .map(|g| g.num_players())
-                .unwrap_or(0);
+            let players = relay_bridge::make_text_game(env_id, env)
+                .map_err(|e| invalid("run.env_id", e.to_string()))?
+                .num_players();
             if players != 2 {
                 return Err(invalid(
                     &field,
@@ -1843,7 +1839,12 @@ pub struct LeagueSection {
 
 impl LeagueSection {
     /// Checks every field against the run's `text` section and game.
-    fn validate(&self, text: &TextConfig, env_id: &str) -> Result<(), ConfigError> {
+    fn validate(
+        &self,
+        text: &TextConfig,
+        env_id: &str,
+        env: &EnvSection,
+    ) -> Result<(), ConfigError> {
         if let Err(e) = self.pool.validate() {
             return Err(match e {
                 relay_league::PoolError::InvalidConfig { field, reason } => {
@@ -1880,7 +1881,7 @@ impl LeagueSection {
                     ),
                 ));
             }
-            if is_text_game(env_id) && !bot_plays(name, env_id) {
+            if env.is_text_game(env_id) && !bot_plays(name, env_id) {
                 return Err(invalid(
                     &field,
                     format!("bot {name} does not play {env_id}"),
@@ -2324,8 +2325,9 @@ impl ExperimentConfig {
         self.env
             .validate(&self.run.env_id)
             .map_err(|(field, detail)| invalid(field, detail))?;
-        self.text.validate(&self.run.env_id)?;
-        self.league.validate(&self.text, &self.run.env_id)?;
+        self.text.validate(&self.run.env_id, &self.env)?;
+        self.league
+            .validate(&self.text, &self.run.env_id, &self.env)?;
         self.lora.validate()?;
         self.rl.validate(self.text.max_turn_tokens as usize)?;
         if !CLASSIC_ALGOS.contains(&self.run.algo.as_str()) {
@@ -2789,7 +2791,7 @@ impl ExperimentConfig {
 
     /// Whether `run.env_id` is a text game (played by LLM policies).
     pub fn is_text_game(&self) -> bool {
-        is_text_game(&self.run.env_id)
+        self.env.is_text_game(&self.run.env_id)
     }
 
     /// Whether the self-play league is on: a text game whose
@@ -3379,7 +3381,7 @@ mod tests {
     #[test]
     fn text_games_are_env_ids_and_unknown_ids_list_both_kinds() {
         let c = ExperimentConfig::from_layers(TEXT, "t", &[], &[]).unwrap();
-        assert!(is_text_game(&c.run.env_id));
+        assert!(c.is_text_game());
         assert_eq!(c.text.opponent_weights().unwrap().len(), 1);
         let err = ExperimentConfig::from_layers(
             TEXT,

@@ -19,6 +19,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use relay_bridge::EnvSection;
 use relay_envs::{Bot, ConnectFourBot, EnvError, MinimaxBot, ObservationView, RandomBot};
 use relay_kit::config::{BranchPosition, Opponent, TextConfig};
 use relay_kit::RequestError;
@@ -132,12 +133,16 @@ pub struct GameSettings {
     /// [`play_branched`]'s continuations move where the game and the
     /// earlier continuations did not, while such legal moves remain.
     pub distinct_branch_moves: bool,
+    /// Where games come from: relay's built-in ones, or TextArena's through
+    /// the env bridge (the config's `env` section).
+    pub env: EnvSection,
 }
 
 impl GameSettings {
-    /// The settings of the `text` config section.
-    pub fn from_config(text: &TextConfig) -> Self {
+    /// The settings of the `text` and `env` config sections.
+    pub fn from_config(text: &TextConfig, env: &EnvSection) -> Self {
         Self {
+            env: env.clone(),
             system_prompt: text.system_prompt.clone(),
             observation: text.observation,
             sampling: SamplingParams {
@@ -364,6 +369,9 @@ pub enum GameError {
     /// The game or a bot refused to go on.
     #[error(transparent)]
     Env(#[from] EnvError),
+    /// The game could not be made (a TextArena game's worker did not start).
+    #[error(transparent)]
+    Make(#[from] relay_bridge::BridgeError),
 }
 
 /// Mixes the game seed and the move number into a sampling seed.
@@ -483,7 +491,7 @@ async fn distinct_branch_moves<G: Generate>(
     count: usize,
     settings: &GameSettings,
 ) -> Result<(Vec<GenerateReply>, u32), GameError> {
-    let mut position = relay_envs::make_text_game(env_id)?;
+    let mut position = relay_bridge::make_text_game(env_id, &settings.env)?;
     position.reset(seed);
     for t in shared {
         position.step(&t.action)?;
@@ -541,7 +549,7 @@ async fn play<G: Generate>(
         learner_seat,
         runner_id,
     } = spec;
-    let mut game = relay_envs::make_text_game(&env_id)?;
+    let mut game = relay_bridge::make_text_game(&env_id, &settings.env)?;
     if seats.len() != game.num_players() {
         return Err(GameError::Setup(format!(
             "{env_id} has {} players, got {} seats",

@@ -83,7 +83,7 @@ where
 }
 
 fn settings() -> GameSettings {
-    let mut s = GameSettings::from_config(&TextConfig::default());
+    let mut s = GameSettings::from_config(&TextConfig::default(), &Default::default());
     s.retry_backoff = Duration::from_millis(1);
     s
 }
@@ -218,7 +218,7 @@ async fn requests_carry_the_system_prompt_sampling_and_legal_moves_when_constrai
         max_turn_tokens: 7,
         ..TextConfig::default()
     };
-    let mut s = GameSettings::from_config(&text);
+    let mut s = GameSettings::from_config(&text, &Default::default());
     s.retry_backoff = Duration::from_millis(1);
     let spec = vs_minimax(1);
     let seed = spec.seed;

@@ -7,7 +7,7 @@
 //! `LLMObservationWrapper` (the per-player transcripts). The games own only
 //! their rules and their messages.
 
-use crate::text::{ObservationView, PlayerInfo};
+use crate::text::{ObservationView, PlayerInfo, Transcript};
 
 /// TextArena's `error_allowance` default: one invalid move is forgiven with
 /// a warning, the next consecutive one ends the game.
@@ -79,12 +79,8 @@ pub(crate) struct Arena {
     made_invalid_move: bool,
     /// The move being processed was rejected (warning or forfeit).
     step_invalid: bool,
-    /// Per player, every message addressed to them rendered as
-    /// LLMObservationWrapper does: `"\n[<sender>] <message>"` each.
-    transcripts: Vec<String>,
-    /// Per player, the first message addressed to them and the latest one
-    /// after it, bare (for `FirstLastObservationWrapper`).
-    first_last: Vec<(Option<String>, Option<String>)>,
+    /// Per player, every message addressed to them.
+    transcripts: Vec<Transcript>,
     rewards: Option<Vec<f64>>,
     info: Vec<PlayerInfo>,
 }
@@ -101,8 +97,7 @@ impl Arena {
             error_count: 0,
             made_invalid_move: false,
             step_invalid: false,
-            transcripts: vec![String::new(); n],
-            first_last: vec![(None, None); n],
+            transcripts: vec![Transcript::default(); n],
             rewards: None,
             info: (0..n).map(PlayerInfo::initial).collect(),
         }
@@ -136,17 +131,7 @@ impl Arena {
     /// What `player` is shown, as `view` renders it (`Compact` is the
     /// game's to render: here it falls back to `FirstLast`).
     pub(crate) fn observation(&self, player: usize, view: ObservationView) -> String {
-        match view {
-            ObservationView::Full => self.transcripts[player].clone(),
-            // TextArena's FirstLastObservationWrapper: the first message,
-            // then the latest one if there is another, each followed by a
-            // blank line.
-            ObservationView::FirstLast | ObservationView::Compact => match &self.first_last[player]
-            {
-                (Some(first), Some(last)) => format!("{first}\n\n{last}\n\n"),
-                (first, _) => format!("{}\n\n", first.as_deref().unwrap_or_default()),
-            },
-        }
+        self.transcripts[player].render(view)
     }
 
     pub(crate) fn rewards(&self) -> Option<&[f64]> {
@@ -168,17 +153,12 @@ impl Arena {
             Sender::Game => "GAME".to_string(),
             Sender::Player(p) => self.seats.role_name(p),
         };
-        let line = format!("\n[{sender}] {message}");
         let players = match to {
             Some(player) => player..player + 1,
             None => 0..self.num_players(),
         };
         for player in players {
-            self.transcripts[player].push_str(&line);
-            match &mut self.first_last[player] {
-                (first @ None, _) => *first = Some(message.to_string()),
-                (Some(_), last) => *last = Some(message.to_string()),
-            }
+            self.transcripts[player].push(&sender, message);
         }
     }
 

@@ -61,10 +61,16 @@ impl Bot for RandomBot {
     }
 
     fn choose_move(&mut self, game: &dyn TextGame) -> Result<String, EnvError> {
+        if game.is_done() {
+            return Err(EnvError::GameOver { id: game.id() });
+        }
         game.legal_moves()
             .choose(&mut self.rng)
             .cloned()
-            .ok_or(EnvError::GameOver { id: game.id() })
+            .ok_or_else(|| EnvError::External {
+                id: game.id().to_string(),
+                message: "the random bot needs the legal moves, and this game lists none in its observation".into(),
+            })
     }
 }
 

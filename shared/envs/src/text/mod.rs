@@ -150,6 +150,53 @@ impl std::str::FromStr for ObservationView {
     }
 }
 
+/// The messages one player was sent since the reset, and their renderings
+/// as [`ObservationView::Full`] and [`ObservationView::FirstLast`]: the one
+/// place those views are written, for relay's games and the games of the
+/// env bridge alike.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Transcript {
+    /// Every message as LLMObservationWrapper renders it:
+    /// `"\n[<sender>] <message>"` each.
+    full: String,
+    /// The first message, bare.
+    first: Option<String>,
+    /// The latest message after the first, bare.
+    last: Option<String>,
+}
+
+impl Transcript {
+    /// Appends `message` from `sender` (`GAME`, or the sender's role name).
+    pub fn push(&mut self, sender: &str, message: &str) {
+        self.full.push('\n');
+        self.full.push('[');
+        self.full.push_str(sender);
+        self.full.push_str("] ");
+        self.full.push_str(message);
+        match self.first {
+            None => self.first = Some(message.to_string()),
+            Some(_) => self.last = Some(message.to_string()),
+        }
+    }
+
+    /// The transcript as `view` shows it (`Compact`, which only a game can
+    /// render, shows `FirstLast`).
+    pub fn render(&self, view: ObservationView) -> String {
+        match view {
+            ObservationView::Full => self.full.clone(),
+            // TextArena's FirstLastObservationWrapper: the first message,
+            // then the latest one if there is another, each followed by a
+            // blank line.
+            ObservationView::FirstLast | ObservationView::Compact => {
+                match (&self.first, &self.last) {
+                    (Some(first), Some(last)) => format!("{first}\n\n{last}\n\n"),
+                    (first, _) => format!("{}\n\n", first.as_deref().unwrap_or_default()),
+                }
+            }
+        }
+    }
+}
+
 /// What [`TextGame::step`] reports about one submitted action.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepOutcome {
