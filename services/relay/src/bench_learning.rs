@@ -230,12 +230,7 @@ pub fn random_policy_return(
             }
             ActionSpace::Box { low, high } => {
                 let a: Vec<f32> = (0..n)
-                    .flat_map(|_| {
-                        low.iter()
-                            .zip(high)
-                            .map(|(l, h)| (l, h))
-                            .collect::<Vec<_>>()
-                    })
+                    .flat_map(|_| low.iter().zip(high).collect::<Vec<_>>())
                     .map(|(l, h)| rng.random_range(*l..=*h))
                     .collect();
                 envs.step(VecActions::Continuous(&a))

@@ -258,8 +258,7 @@ pub fn evaluate_text_checkpoint(
                 usize::from(i >= episodes.div_ceil(2))
             };
             let game = crate::play_text::play_game(
-                &env_id,
-                &config.env,
+                relay_bridge::make_text_game(&env_id, &config.env)?,
                 &mut player,
                 seat,
                 bot,

@@ -217,6 +217,22 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
                     .map_or("continuous".to_string(), |n| format!("{n} discrete"))
             );
         }
+    } else if config.env.text_uses_python(&config.run.env_id) {
+        // Each game made once here: an unknown id or a missing package is
+        // reported before any service starts.
+        for (game, _) in config.text.game_weights(&config.run.env_id) {
+            let made = relay_bridge::make_text_game(&game, &config.env)
+                .with_context(|| format!("text game {game}"))?;
+            println!(
+                "relay: {game} from TextArena (Python {}): {} player(s), {}",
+                config.env.interpreter().display(),
+                made.num_players(),
+                match made.legal_moves().len() {
+                    0 => "no legal moves listed (no constrained decoding, no random bot)".into(),
+                    n => format!("{n} legal moves listed at the start"),
+                }
+            );
+        }
     }
     if let Some(path) = stack::ensure_tiny_model(&config)? {
         println!(

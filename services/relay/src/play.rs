@@ -119,8 +119,7 @@ fn play_text_games(
     for game in 0..args.episodes.max(1) {
         println!("game {game}");
         let game = crate::play_text::play_game(
-            env_id,
-            &section,
+            relay_bridge::make_text_game(env_id, &section)?,
             &mut player,
             args.model_seat,
             &args.opponent,

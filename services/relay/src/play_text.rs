@@ -155,12 +155,11 @@ pub struct GameSummary {
     pub model_invalid_moves: u32,
 }
 
-/// Plays one game of `env_id` with the model in seat `model_seat` and
-/// `opponent` in the other; prints every turn to `out`, reads the human's
-/// moves from `input`.
+/// Plays `game` (reset with `seed`) with the model in seat `model_seat`
+/// and `opponent` in the other; prints every turn to `out`, reads the
+/// human's moves from `input`.
 pub fn play_game(
-    env_id: &str,
-    env: &relay_bridge::EnvSection,
+    mut game: Box<dyn TextGame>,
     player: &mut Player,
     model_seat: usize,
     opponent: &str,
@@ -168,7 +167,7 @@ pub fn play_game(
     input: &mut dyn BufRead,
     out: &mut dyn Write,
 ) -> Result<GameSummary> {
-    let mut game = relay_bridge::make_text_game(env_id, env)?;
+    let env_id = game.id();
     game.reset(seed);
     let players = game.num_players();
     if model_seat >= players {

@@ -252,8 +252,7 @@ fn evaluate(
         for seat in 0..seats {
             for g in 0..games {
                 let game = play_game(
-                    env,
-                    section,
+                    relay_bridge::make_text_game(env, section)?,
                     player,
                     seat,
                     opponent,

@@ -1,8 +1,9 @@
 //! End to end through the env bridge: `relay up` with every service a
 //! process over real NATS and Redis trains envs that exist only in Python:
 //! Gymnasium's LunarLander-v3 (Box2D), MinAtar's Breakout with a CNN policy
-//! on uint8 images, and a user's own env module whose worker crashes once,
-//! which the env-runner survives.
+//! on uint8 images, a user's own env module whose worker crashes once,
+//! which the env-runner survives, and TextArena's SimpleTak-v0 with a LoRA
+//! adapter on the tiny model.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -203,4 +204,46 @@ env:
     assert!(log.contains("env fault, episode dropped"), "{log}");
     let metrics = read(&run_dir.join("metrics.jsonl"));
     assert!(max_of(&metrics, "learner_updates") >= 4.0, "{metrics}");
+}
+
+#[test]
+fn a_textarena_game_trains_the_adapter_through_the_bridge() {
+    let dir = relay_testkit::TempDir::new("textarena-e2e");
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/simpletak-grpo.yaml"
+    );
+    let sets: Vec<String> = vec![
+        format!("llm.model={}", dir.path().join("models/tiny").display()),
+        "run.total_env_steps=16".into(),
+        "rl.batch_size=8".into(),
+        "rl.minibatch_size=4".into(),
+        "rl.checkpoint_every=1".into(),
+        "text.games_in_flight=4".into(),
+        "eval.every_versions=1".into(),
+        "eval.options={games: 2, opponents: random, temperature: 0}".into(),
+        // No baseline: every decided game moves the adapter.
+        "rl.objective={advantage: {kind: reinforce, baseline: {kind: none}}, policy_loss: {kind: policy_gradient}, aggregation: {kind: token_mean}}".into(),
+    ];
+    let output = up(dir.path(), config, "e2e-simpletak", &sets);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("SimpleTak-v0 from TextArena")
+            && stdout.contains("2 player(s), 16 legal moves listed"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("learner finished"), "{stdout}");
+    let run_dir = dir.path().join("runs/e2e-simpletak");
+    let metrics = read(&run_dir.join("metrics.jsonl"));
+    assert!(max_of(&metrics, "learner_updates") >= 2.0, "{metrics}");
+    // The evaluator played the adapter against the random bot through
+    // its own TextArena worker.
+    let eval = read(&run_dir.join("eval.jsonl"));
+    assert!(
+        eval.contains("\"evaluator\":\"vs-opponent\"") && eval.contains("random"),
+        "{eval}"
+    );
+    assert!(run_dir
+        .join("checkpoints/last/adapter/adapter_model.safetensors")
+        .is_file());
 }

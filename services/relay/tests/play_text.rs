@@ -19,8 +19,7 @@ fn the_model_plays_a_bot_to_the_end() {
     let mut player = relay::play_text::Player::new(&tiny_qwen2(), None, 0.0, 8, 1).unwrap();
     let mut out = Vec::new();
     let game = relay::play_text::play_game(
-        "TicTacToe-v0",
-        &Default::default(),
+        relay_envs::make_text_game("TicTacToe-v0").unwrap(),
         &mut player,
         0,
         "minimax",
