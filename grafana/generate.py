@@ -736,6 +736,16 @@ games = dashboard(
             w=8, minimum=0,
             description="Sequences longer than rl.max_seq_len lose the start of their prompt.",
         ),
+        panel(
+            "timeseries", "Sampler vs learner log-probs",
+            [
+                t(sel("relay_learner_sampler_logprob_diff_mean"), "{{run_id}} mean |learner - sampler|"),
+                t(sel("relay_learner_sampler_logprob_diff_max"), "{{run_id}} max |learner - sampler|"),
+                t(sel("relay_learner_tis_capped_fraction"), "{{run_id}} tokens capped (truncated IS)"),
+            ],
+            w=8, minimum=0,
+            description="Per update: how far the learner's log-probs of the sampled tokens (before the update) are from the inference servers' (nats), and the share of tokens whose importance weight rl.truncated_is.cap cut.",
+        ),
         row("Generation (inference servers)"),
         panel(
             "timeseries", "Completion tokens per second",

@@ -78,6 +78,7 @@ struct TextMetrics {
     game_seconds: Histogram,
     completion_tokens: IntCounter,
     generated_chars: IntCounter,
+    worker_restarts: IntCounter,
 }
 
 impl TextMetrics {
@@ -143,6 +144,13 @@ impl TextMetrics {
             "Characters of the completions generated for this env-runner's model seats.",
         )
         .unwrap();
+        // The same series as a Gymnasium run's: TextArena workers are the
+        // bridge's Python workers too.
+        let worker_restarts = IntCounter::new(
+            "relay_env_runner_worker_restarts_total",
+            "Python env workers (TextArena games) restarted after a crash.",
+        )
+        .unwrap();
         relay_kit::metrics::register(registry, &games);
         relay_kit::metrics::register(registry, &abandoned);
         relay_kit::metrics::register(registry, &moves);
@@ -152,6 +160,7 @@ impl TextMetrics {
         relay_kit::metrics::register(registry, &game_seconds);
         relay_kit::metrics::register(registry, &completion_tokens);
         relay_kit::metrics::register(registry, &generated_chars);
+        relay_kit::metrics::register(registry, &worker_restarts);
         Self {
             games,
             abandoned,
@@ -162,6 +171,7 @@ impl TextMetrics {
             game_seconds,
             completion_tokens,
             generated_chars,
+            worker_restarts,
         }
     }
 }
@@ -682,6 +692,11 @@ pub(crate) async fn run(
                 }
             },
             _ = report.tick() => {
+                // The bridge counts its worker restarts per process.
+                let restarts = relay_bridge::text::worker_restarts();
+                metrics
+                    .worker_restarts
+                    .inc_by(restarts.saturating_sub(metrics.worker_restarts.get()));
                 let elapsed = reported_at.elapsed().as_secs_f64().max(1e-9);
                 reported_at = Instant::now();
                 let moves = metrics.moves.get();

@@ -458,13 +458,13 @@ impl VsOpponent {
     }
 
     /// The opponents: the option, else `random` plus the game's strong bot.
-    fn opponents(&self, env_id: &str) -> Vec<Opponent> {
+    fn opponents(&self, env_id: &str, env: &EnvSection) -> Vec<Opponent> {
         if let Some(list) = &self.opponents {
             return list.clone();
         }
         let mut list = vec![Opponent::Bot("random".into())];
         for bot in ["minimax", "connect_four_bot"] {
-            if relay_kit::config::bot_plays(bot, env_id) {
+            if relay_kit::config::bot_plays(bot, env_id, env) {
                 list.push(Opponent::Bot(bot.into()));
             }
         }
@@ -509,9 +509,9 @@ impl Evaluator for VsOpponent {
                 "evaluator vs-opponent plays text games, not {env_id}"
             ));
         }
-        for opponent in self.opponents(env_id) {
+        for opponent in self.opponents(env_id, env) {
             opponent
-                .check_game(env_id)
+                .check_game(env_id, env)
                 .map_err(|e| format!("evaluator vs-opponent: option opponents: {e}"))?;
         }
         Ok(())
@@ -553,10 +553,10 @@ impl Evaluator for VsOpponent {
                 let opponents: Vec<Option<Opponent>> = if players == 1 {
                     vec![None]
                 } else {
-                    let listed = self.opponents(game_id);
+                    let listed = self.opponents(game_id, &ctx.env);
                     let playing: Vec<Option<Opponent>> = listed
                         .iter()
-                        .filter(|o| o.check_game(game_id).is_ok())
+                        .filter(|o| o.check_game(game_id, &ctx.env).is_ok())
                         .cloned()
                         .map(Some)
                         .collect();

@@ -701,11 +701,7 @@ pub(crate) async fn run(
         let update_started = Instant::now();
         let epochs = cfg.rl.epochs;
         let result = tokio::task::block_in_place(|| {
-            let mut all = Vec::with_capacity(epochs);
-            for _ in 0..epochs {
-                all.push(trainer.train_step(&model, &adapter, &examples)?);
-            }
-            Ok::<_, relay_llm::TrainError>(all)
+            trainer.train_epochs(&model, &adapter, &examples, epochs)
         });
         let steps = match result {
             Ok(steps) => steps,
@@ -763,6 +759,18 @@ pub(crate) async fn run(
                         gauge("learner_mean_seq_len", first.mean_seq_len),
                         gauge("learner_completion_len", first.mean_completion_len),
                         gauge("learner_kl_penalty", first.kl_penalty),
+                        gauge(
+                            "learner_sampler_logprob_diff_mean",
+                            first.sampler_logprob_diff_mean,
+                        ),
+                        gauge(
+                            "learner_sampler_logprob_diff_max",
+                            first.sampler_logprob_diff_max,
+                        ),
+                        gauge(
+                            "learner_tis_capped_fraction",
+                            mean(|s| s.tis_capped_fraction),
+                        ),
                         gauge("learner_eos_rate", eos_rate(&examples, &eos_ids)),
                         gauge(
                             "learner_format_rate",

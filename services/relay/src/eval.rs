@@ -233,12 +233,12 @@ pub fn evaluate_text_checkpoint(
         .unwrap_or_default();
     let mut bots: Vec<String> = listed
         .into_iter()
-        .filter(|b| relay_kit::config::bot_plays(b, &env_id))
+        .filter(|b| relay_kit::config::bot_plays(b, &env_id, &config.env))
         .collect();
     if bots.is_empty() {
         bots = ["random", "minimax", "connect_four_bot"]
             .into_iter()
-            .filter(|b| relay_kit::config::bot_plays(b, &env_id))
+            .filter(|b| relay_kit::config::bot_plays(b, &env_id, &config.env))
             .map(str::to_string)
             .collect();
     }

@@ -217,7 +217,7 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
                     .map_or("continuous".to_string(), |n| format!("{n} discrete"))
             );
         }
-    } else if config.env.text_uses_python(&config.run.env_id) {
+    } else if config.env.text_uses_python() {
         // Each game made once here: an unknown id or a missing package is
         // reported before any service starts.
         for (game, _) in config.text.game_weights(&config.run.env_id) {

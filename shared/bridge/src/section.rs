@@ -105,8 +105,8 @@ impl EnvSection {
         }
     }
 
-    /// Whether text game `env_id` is TextArena's, played in a Python worker.
-    pub fn text_uses_python(&self, _env_id: &str) -> bool {
+    /// Whether text games are TextArena's, played in a Python worker.
+    pub fn text_uses_python(&self) -> bool {
         self.backend == Backend::Textarena
     }
 

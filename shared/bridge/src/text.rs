@@ -74,7 +74,7 @@ pub fn make_text_game(
     env_id: &str,
     section: &EnvSection,
 ) -> Result<Box<dyn TextGame>, BridgeError> {
-    if !section.text_uses_python(env_id) {
+    if !section.text_uses_python() {
         return Ok(relay_envs::make_text_game(env_id)?);
     }
     let worker = shared_worker(env_id, section)?;

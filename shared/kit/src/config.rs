@@ -1334,13 +1334,16 @@ impl Default for EvalConfig {
 /// The bots a seat can hold (`text.learner`, `text.opponents`).
 pub const BOT_NAMES: [&str; 3] = ["random", "minimax", "connect_four_bot"];
 
-/// Whether bot `name` plays text game `env_id`: `random` plays every game,
-/// `minimax` TicTacToe only, `connect_four_bot` ConnectFour only.
-pub fn bot_plays(name: &str, env_id: &str) -> bool {
+/// Whether bot `name` plays text game `env_id` under `env`: `random` plays
+/// every game, `minimax` relay's TicTacToe only, `connect_four_bot` relay's
+/// ConnectFour only (they search relay's own game types, so TextArena's
+/// games of the same ids, under `env.backend: textarena`, have neither).
+pub fn bot_plays(name: &str, env_id: &str, env: &EnvSection) -> bool {
+    let builtin = !env.text_uses_python();
     match name {
         "random" => true,
-        "minimax" => env_id == relay_envs::text::tic_tac_toe::ID,
-        "connect_four_bot" => env_id == relay_envs::text::connect_four::ID,
+        "minimax" => builtin && env_id == relay_envs::text::tic_tac_toe::ID,
+        "connect_four_bot" => builtin && env_id == relay_envs::text::connect_four::ID,
         _ => false,
     }
 }
@@ -1390,10 +1393,10 @@ impl Opponent {
         }
     }
 
-    /// Checks that it can play `env_id` (bots play only some games).
-    pub fn check_game(&self, env_id: &str) -> Result<(), String> {
+    /// Checks that it can play `env_id` under `env` (bots play only some games).
+    pub fn check_game(&self, env_id: &str, env: &EnvSection) -> Result<(), String> {
         match self {
-            Self::Bot(name) if !bot_plays(name, env_id) => {
+            Self::Bot(name) if !bot_plays(name, env_id, env) => {
                 Err(format!("bot {name} does not play {env_id}"))
             }
             _ => Ok(()),
@@ -1671,7 +1674,7 @@ impl TextConfig {
                 ));
             }
             if game {
-                if let Some(refused) = games.iter().find(|g| !bot_plays(&self.learner, g)) {
+                if let Some(refused) = games.iter().find(|g| !bot_plays(&self.learner, g, env)) {
                     return Err(invalid(
                         "text.learner",
                         format!("bot {} does not play {refused}", self.learner),
@@ -1692,7 +1695,9 @@ impl TextConfig {
             }
             if game {
                 for g in &games {
-                    opponent.check_game(g).map_err(|e| invalid(&field, e))?;
+                    opponent
+                        .check_game(g, env)
+                        .map_err(|e| invalid(&field, e))?;
                 }
             }
         }
@@ -1881,7 +1886,7 @@ impl LeagueSection {
                     ),
                 ));
             }
-            if env.is_text_game(env_id) && !bot_plays(name, env_id) {
+            if env.is_text_game(env_id) && !bot_plays(name, env_id, env) {
                 return Err(invalid(
                     &field,
                     format!("bot {name} does not play {env_id}"),
@@ -2114,6 +2119,13 @@ pub struct RlConfig {
     pub truncation: relay_llm::Truncation,
     /// Optimizer steps on each batch (PPO-style epochs; 1 is on-policy).
     pub epochs: usize,
+    /// Truncated importance sampling between the inference servers'
+    /// token log-probs and the learner's: `{cap: 2.0}` weights each
+    /// token's loss by `min(π_learner / π_sampler, cap)` and makes PPO's
+    /// ratio relative to the learner's own log-probs (see
+    /// `relay_llm::rl`); unset: off. Set over the preset's or
+    /// `objective`'s.
+    pub truncated_is: Option<relay_llm::TruncatedIs>,
     /// AdamW over the adapter: `lr`, `beta1`, `beta2`, `eps`,
     /// `weight_decay`, `max_grad_norm`.
     pub optimizer: relay_llm::AdamWConfig,
@@ -2144,6 +2156,7 @@ impl Default for RlConfig {
             max_seq_len: 1024,
             truncation: relay_llm::Truncation::CutPromptStart,
             epochs: 1,
+            truncated_is: None,
             optimizer: relay_llm::AdamWConfig {
                 lr: 1e-4,
                 ..Default::default()
@@ -2166,9 +2179,20 @@ impl RlConfig {
         &self,
         max_completion_len: usize,
     ) -> Result<relay_llm::ObjectiveConfig, ConfigError> {
-        if let Some(objective) = &self.objective {
-            return Ok(objective.clone());
+        let mut objective = match &self.objective {
+            Some(objective) => objective.clone(),
+            None => self.preset_objective(max_completion_len)?,
+        };
+        if self.truncated_is.is_some() {
+            objective.truncated_is = self.truncated_is;
         }
+        Ok(objective)
+    }
+
+    fn preset_objective(
+        &self,
+        max_completion_len: usize,
+    ) -> Result<relay_llm::ObjectiveConfig, ConfigError> {
         Ok(match self.preset.as_str() {
             "reinforce" => relay_llm::ObjectiveConfig::reinforce(),
             "rloo" => relay_llm::ObjectiveConfig::rloo(),
@@ -3668,14 +3692,24 @@ mod tests {
         assert!(Opponent::parse("adapter:a b").is_err());
         let err = Opponent::parse("gpt").unwrap_err();
         assert!(err.contains("gpt") && err.contains("minimax"), "{err}");
-        assert!(Opponent::parse("minimax")
-            .unwrap()
-            .check_game("ConnectFour-v0")
-            .is_err());
+        let builtin = EnvSection::default();
+        let minimax = Opponent::parse("minimax").unwrap();
+        assert!(minimax.check_game("ConnectFour-v0", &builtin).is_err());
+        assert!(minimax.check_game("TicTacToe-v0", &builtin).is_ok());
         assert!(Opponent::parse("random")
             .unwrap()
-            .check_game("KuhnPoker-v0")
+            .check_game("KuhnPoker-v0", &builtin)
             .is_ok());
+        // TextArena's TicTacToe is not relay's: minimax cannot search it.
+        let textarena = EnvSection {
+            backend: relay_bridge::Backend::Textarena,
+            ..EnvSection::default()
+        };
+        let err = minimax.check_game("TicTacToe-v0", &textarena).unwrap_err();
+        assert!(
+            err.contains("minimax") && err.contains("TicTacToe-v0"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -4037,6 +4071,23 @@ mod text_training_tests {
         let objective = c.rl.train_config(32).unwrap().objective;
         assert_eq!(objective.entropy_coef, 0.01);
         assert_eq!(objective.advantage, relay_llm::AdvantageEstimator::Rloo);
+        // `rl.truncated_is` applies over the preset.
+        let c = ExperimentConfig::from_layers(
+            TEXT,
+            "test",
+            &[],
+            &["rl.truncated_is={cap: 2.0}".into()],
+        )
+        .unwrap();
+        let objective = c.rl.train_config(32).unwrap().objective;
+        assert_eq!(
+            objective.truncated_is,
+            Some(relay_llm::TruncatedIs { cap: 2.0 })
+        );
+        assert_eq!(
+            objective.policy_loss,
+            relay_llm::ObjectiveConfig::grpo().policy_loss
+        );
     }
 
     #[test]
@@ -4049,6 +4100,8 @@ mod text_training_tests {
         assert!(err("rl.preset=a2c").contains("rl.preset"));
         assert!(err("rl.batch_size=0").contains("rl.batch_size"));
         assert!(err("rl.max_seq_len=1").contains("max_seq_len"));
+        let e = err("rl.truncated_is={cap: 0.5}");
+        assert!(e.contains("truncated_is.cap"), "{e}");
         for discount in ["0", "1.5"] {
             let e = err(&format!("rl.reward.discount={discount}"));
             assert!(e.contains("rl.reward: config `discount`"), "{e}");

@@ -265,6 +265,7 @@ fn main() {
     let rows: Vec<RlRow> = data
         .iter()
         .map(|e| RlRow {
+            learner_logprobs: None,
             prompt: &e.prompt,
             completion: &e.completion,
             behaviour_logprobs: &e.behaviour_logprobs,

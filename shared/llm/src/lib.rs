@@ -150,7 +150,7 @@ pub use optim::{AdamW, AdamWConfig, StepReport};
 pub use reward::{GameResult, NormalizeConfig, RewardNormalizer, RewardShaping, RunningStats};
 pub use rl::{
     AdvantageEstimator, Baseline, KlConfig, KlEstimator, KlMode, MovingBaselines, ObjectiveConfig,
-    PolicyLoss, RatioLevel, RlStats, RlTrainConfig, RlTrainer, TokenExample,
+    PolicyLoss, RatioLevel, RlStats, RlTrainConfig, RlTrainer, TokenExample, TruncatedIs,
 };
 pub use sft::{SftConfig, SftExample, SftFormat, SftRecord, SftStats, SftTrainer};
 pub use smollm2::{find_smollm2_gguf, FindGgufError, SMOLLM2_GGUF_ENV};

@@ -68,6 +68,20 @@
 //!
 //! Total: `loss = policy + β·KL (loss mode) − c·entropy`.
 //!
+//! **Trainer/sampler mismatch.** The sampler (the inference server: other
+//! kernels, maybe another dtype or device) and the learner compute
+//! slightly different probabilities for the same token. Every step
+//! compares the learner's log-prob of each completion token before the
+//! batch's first optimizer step, `cur[i,t]`, with the sampler's `old[i,t]`
+//! ([`RlStats::sampler_logprob_diff_mean`] and `_max`). With
+//! [`TruncatedIs`] on (Yao et al. 2025, "Your Efficient RL Framework
+//! Secretly Brings You Off-Policy RL Training"; as in Marin and prime-rl),
+//! each token's policy loss is weighted by the constant
+//! `min(exp(cur[i,t] − old[i,t]), cap)`, and the PPO ratio's denominator
+//! is `cur` (the learner's own old policy) instead of `old`, so the clip
+//! bounds the learner's policy change only. Off, nothing changes: the
+//! PPO ratio is to the sampler's log-probs and no weight applies.
+//!
 //! # Presets
 //!
 //! [`ObjectiveConfig::reinforce`], [`ObjectiveConfig::rloo`],
@@ -107,7 +121,8 @@
 //! ```
 //!
 //! One call is one optimizer step; for several PPO epochs over one batch,
-//! call it again with the same examples.
+//! call [`RlTrainer::train_epochs`], which keeps the learner's log-probs
+//! of the first epoch as the old policy of the later ones.
 
 use std::collections::BTreeMap;
 
@@ -285,6 +300,16 @@ pub struct KlConfig {
     pub mode: KlMode,
 }
 
+/// Truncated importance sampling between the sampler and the learner
+/// (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TruncatedIs {
+    /// Largest weight `π_learner / π_sampler` a token gets (2 in Yao et
+    /// al.; larger keeps more of the correction, with more variance).
+    pub cap: f64,
+}
+
 /// The RL objective (see the module docs for the formulas).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -303,6 +328,10 @@ pub struct ObjectiveConfig {
     /// `c` of the entropy bonus (0: none; entropy is still reported).
     #[serde(default)]
     pub entropy_coef: f64,
+    /// Truncated importance sampling against the sampler's log-probs;
+    /// `None`: off (the sampler's log-probs are the old policy).
+    #[serde(default)]
+    pub truncated_is: Option<TruncatedIs>,
 }
 
 impl ObjectiveConfig {
@@ -316,6 +345,7 @@ impl ObjectiveConfig {
             aggregation: Aggregation::TokenMean,
             kl: None,
             entropy_coef: 0.0,
+            truncated_is: None,
         }
     }
 
@@ -347,6 +377,7 @@ impl ObjectiveConfig {
                 mode: KlMode::Loss,
             }),
             entropy_coef: 0.0,
+            truncated_is: None,
         }
     }
 
@@ -425,6 +456,14 @@ impl ObjectiveConfig {
         }
         if !self.entropy_coef.is_finite() {
             return Err(TrainError::config("entropy_coef", "must be finite"));
+        }
+        if let Some(tis) = self.truncated_is {
+            if !(tis.cap.is_finite() && tis.cap >= 1.0) {
+                return Err(TrainError::config(
+                    "truncated_is.cap",
+                    format!("must be finite and >= 1, got {}", tis.cap),
+                ));
+            }
         }
         Ok(())
     }
@@ -562,6 +601,10 @@ pub struct RlRow<'a> {
     pub completion: &'a [u32],
     /// Behaviour log-prob per completion token.
     pub behaviour_logprobs: &'a [f32],
+    /// The learner's log-prob per completion token before the batch's
+    /// first step (epochs after the first); `None`: the current
+    /// forward's, detached (the first epoch).
+    pub learner_logprobs: Option<&'a [f32]>,
     /// The sequence's advantage.
     pub advantage: f64,
 }
@@ -583,6 +626,8 @@ pub struct RlMicroBatch {
     token_rows: Tensor,
     advantage_values: Vec<f32>,
     behaviour_values: Vec<f32>,
+    /// The rows' [`RlRow::learner_logprobs`], when every row has them.
+    learner_values: Option<Vec<f32>>,
 }
 
 impl RlMicroBatch {
@@ -601,7 +646,21 @@ impl RlMicroBatch {
                     r.completion.len()
                 )));
             }
+            if let Some(learner) = r.learner_logprobs {
+                if learner.len() != r.completion.len() {
+                    return Err(TrainError::BadInput(format!(
+                        "row {i}: {} learner log-probs for {} completion tokens",
+                        learner.len(),
+                        r.completion.len()
+                    )));
+                }
+            }
         }
+        let learner_values: Option<Vec<f32>> = rows
+            .iter()
+            .map(|r| r.learner_logprobs)
+            .collect::<Option<Vec<_>>>()
+            .map(|rows| rows.concat());
         let pairs: Vec<(&[u32], &[u32])> = rows.iter().map(|r| (r.prompt, r.completion)).collect();
         let tokens = TokenBatch::new(&pairs, device)?;
         let n = tokens.num_tokens();
@@ -627,6 +686,7 @@ impl RlMicroBatch {
             tokens,
             advantage_values,
             behaviour_values,
+            learner_values,
         })
     }
 }
@@ -649,6 +709,13 @@ pub struct LossSums {
     pub clipped: usize,
     /// `Σ (ρ − 1 − log ρ)`, `ρ = exp(logp − old)`: KL(behaviour ‖ current).
     pub approx_kl: f64,
+    /// `Σ |cur − old|`: the learner's log-probs before the batch's first
+    /// step against the sampler's.
+    pub sampler_abs_diff: f64,
+    /// `max |cur − old|`.
+    pub sampler_max_abs_diff: f64,
+    /// Tokens whose importance weight the [`TruncatedIs`] cap cut.
+    pub tis_capped: usize,
 }
 
 impl std::ops::AddAssign for LossSums {
@@ -660,6 +727,9 @@ impl std::ops::AddAssign for LossSums {
         self.entropy += o.entropy;
         self.clipped += o.clipped;
         self.approx_kl += o.approx_kl;
+        self.sampler_abs_diff += o.sampler_abs_diff;
+        self.sampler_max_abs_diff = self.sampler_max_abs_diff.max(o.sampler_max_abs_diff);
+        self.tis_capped += o.tis_capped;
     }
 }
 
@@ -671,6 +741,8 @@ pub struct RlLoss {
     pub loss: Tensor,
     /// Values for the stats.
     pub sums: LossSums,
+    /// The current log-prob of each completion token, rows in order.
+    pub logprobs: Vec<f32>,
 }
 
 fn scalar(t: &Tensor) -> TrainResult<f64> {
@@ -706,6 +778,28 @@ pub fn rl_loss(
         let log_ratio = f64::from(lp - old);
         sums.approx_kl += log_ratio.exp() - 1.0 - log_ratio;
     }
+    // The learner's old policy: the first epoch's log-probs, or this
+    // forward's (the first epoch itself).
+    let learner_old = batch.learner_values.as_deref().unwrap_or(&logp_values);
+    let mut tis_weights = Vec::with_capacity(n);
+    for (cur, old) in learner_old.iter().zip(&batch.behaviour_values) {
+        let diff = f64::from(cur - old);
+        sums.sampler_abs_diff += diff.abs();
+        sums.sampler_max_abs_diff = sums.sampler_max_abs_diff.max(diff.abs());
+        if let Some(tis) = objective.truncated_is {
+            let weight = diff.exp();
+            if weight > tis.cap {
+                sums.tis_capped += 1;
+            }
+            tis_weights.push(weight.min(tis.cap) as f32);
+        }
+    }
+    // With truncated IS, PPO's old policy is the learner's, not the sampler's.
+    let ppo_old = match (&objective.truncated_is, &batch.learner_values) {
+        (None, _) => batch.behaviour_logprobs.clone(),
+        (Some(_), Some(values)) => Tensor::from_slice(values, n, device)?,
+        (Some(_), None) => logp.detach(),
+    };
 
     let per_token = match objective.policy_loss {
         PolicyLoss::PolicyGradient => (&logp * adv)?.neg()?,
@@ -714,7 +808,7 @@ pub fn rl_loss(
             clip_high,
             ratio,
         } => {
-            let log_ratio = (&logp - &batch.behaviour_logprobs)?;
+            let log_ratio = (&logp - &ppo_old)?;
             let ratio_t = match ratio {
                 RatioLevel::Token => log_ratio.exp()?,
                 RatioLevel::Sequence => batch
@@ -741,6 +835,11 @@ pub fn rl_loss(
             let clipped_part = Tensor::from_vec(clipped_part, n, device)?;
             ((ratio_t * (adv * keep)?)?.neg()? + clipped_part)?
         }
+    };
+    let per_token = if objective.truncated_is.is_some() {
+        (per_token * Tensor::from_vec(tis_weights, n, device)?)?
+    } else {
+        per_token
     };
     let policy_loss = (per_token * w)?.sum_all()?;
     sums.policy_loss = scalar(&policy_loss)?;
@@ -770,7 +869,11 @@ pub fn rl_loss(
             value: sums.loss,
         });
     }
-    Ok(RlLoss { loss, sums })
+    Ok(RlLoss {
+        loss,
+        sums,
+        logprobs: logp_values,
+    })
 }
 
 /// Everything a train step needs to know.
@@ -814,6 +917,13 @@ pub struct RlStats {
     pub clip_fraction: f64,
     /// Token mean of `ρ − 1 − log ρ` (KL from the behaviour policy).
     pub approx_kl: f64,
+    /// Token mean of `|cur − old|`: the learner's log-probs before the
+    /// batch's first step against the sampler's (module docs).
+    pub sampler_logprob_diff_mean: f64,
+    /// Largest `|cur − old|` of the batch.
+    pub sampler_logprob_diff_max: f64,
+    /// Fraction of tokens whose [`TruncatedIs`] weight was capped (0 when off).
+    pub tis_capped_fraction: f64,
     /// Mean reward before any KL penalty.
     pub reward_mean: f64,
     /// Mean advantage.
@@ -901,11 +1011,32 @@ impl RlTrainer {
         adapter: &LoraAdapter,
         examples: &[TokenExample],
     ) -> TrainResult<RlStats> {
-        let mut stats = self.accumulate_gradients(model, adapter, examples)?;
-        let report = self.apply_gradients()?;
-        stats.grad_norm = report.grad_norm;
-        stats.grad_clipped = report.clipped;
-        Ok(stats)
+        Ok(self.train_epochs(model, adapter, examples, 1)?.remove(0))
+    }
+
+    /// `epochs` optimizer steps on the same `examples` (PPO-style epochs):
+    /// the learner's log-probs of the first are the old policy of the
+    /// later ones (module docs: trainer/sampler mismatch). One
+    /// [`RlStats`] per step.
+    pub fn train_epochs(
+        &mut self,
+        model: &CausalLm,
+        adapter: &LoraAdapter,
+        examples: &[TokenExample],
+        epochs: usize,
+    ) -> TrainResult<Vec<RlStats>> {
+        let mut all = Vec::with_capacity(epochs);
+        let mut first_logprobs: Option<Vec<Vec<f32>>> = None;
+        for _ in 0..epochs {
+            let (mut stats, logprobs) =
+                self.accumulate(model, adapter, examples, first_logprobs.as_deref())?;
+            let report = self.apply_gradients()?;
+            stats.grad_norm = report.grad_norm;
+            stats.grad_clipped = report.clipped;
+            all.push(stats);
+            first_logprobs.get_or_insert(logprobs);
+        }
+        Ok(all)
     }
 
     /// Computes the loss of `examples` micro-batch by micro-batch and adds
@@ -918,6 +1049,19 @@ impl RlTrainer {
         adapter: &LoraAdapter,
         examples: &[TokenExample],
     ) -> TrainResult<RlStats> {
+        Ok(self.accumulate(model, adapter, examples, None)?.0)
+    }
+
+    /// [`RlTrainer::accumulate_gradients`] with the learner's first-epoch
+    /// log-probs (by kept sequence, as this returns them; `None` in the
+    /// first epoch).
+    fn accumulate(
+        &mut self,
+        model: &CausalLm,
+        adapter: &LoraAdapter,
+        examples: &[TokenExample],
+        learner_logprobs: Option<&[Vec<f32>]>,
+    ) -> TrainResult<(RlStats, Vec<Vec<f32>>)> {
         let cfg = &self.config;
         cfg.batch.check_len(examples.len())?;
         match adapter.vars().first() {
@@ -1009,8 +1153,18 @@ impl RlTrainer {
             &self.moving_baselines,
         )?;
 
+        if let Some(learner) = learner_logprobs {
+            if learner.len() != kept.len() {
+                return Err(TrainError::BadInput(format!(
+                    "{} sequences of learner log-probs for {} sequences",
+                    learner.len(),
+                    kept.len()
+                )));
+            }
+        }
         let need_reference = cfg.objective.kl.is_some_and(|k| k.mode == KlMode::Loss);
         let mut sums = LossSums::default();
+        let mut logprobs: Vec<Vec<f32>> = vec![Vec::new(); kept.len()];
         for chunk in &chunks {
             let rows: Vec<RlRow<'_>> = chunk
                 .iter()
@@ -1018,6 +1172,7 @@ impl RlTrainer {
                     prompt: kept[i].prompt,
                     completion: &kept[i].example.completion,
                     behaviour_logprobs: &kept[i].example.behaviour_logprobs,
+                    learner_logprobs: learner_logprobs.map(|l| l[i].as_slice()),
                     advantage: advantages[i],
                 })
                 .collect();
@@ -1040,6 +1195,9 @@ impl RlTrainer {
             let grads = out.loss.backward()?;
             self.optimizer.accumulate(&grads)?;
             sums += out.sums;
+            for (&row, &lp) in batch.tokens.token_rows.iter().zip(&out.logprobs) {
+                logprobs[chunk[row as usize]].push(lp);
+            }
         }
 
         if let AdvantageEstimator::Reinforce {
@@ -1063,7 +1221,7 @@ impl RlTrainer {
             .map(|a| (a - adv_mean).powi(2))
             .sum::<f64>()
             / n;
-        Ok(RlStats {
+        let stats = RlStats {
             loss: sums.loss,
             policy_loss: sums.policy_loss,
             kl: if need_reference {
@@ -1075,6 +1233,9 @@ impl RlTrainer {
             entropy: sums.entropy / tokens,
             clip_fraction: sums.clipped as f64 / tokens,
             approx_kl: sums.approx_kl / tokens,
+            sampler_logprob_diff_mean: sums.sampler_abs_diff / tokens,
+            sampler_logprob_diff_max: sums.sampler_max_abs_diff,
+            tis_capped_fraction: sums.tis_capped as f64 / tokens,
             reward_mean: raw_rewards.iter().sum::<f64>() / n,
             advantage_mean: adv_mean,
             advantage_std: adv_var.sqrt(),
@@ -1087,7 +1248,8 @@ impl RlTrainer {
             dropped: truncation.dropped,
             grad_norm: 0.0,
             grad_clipped: false,
-        })
+        };
+        Ok((stats, logprobs))
     }
 
     /// Clips the accumulated gradients and takes the AdamW step.

@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use relay_llm::reward::format_reward;
 use relay_llm::rl::{
     compute_advantages, kl_estimate, rl_loss, MovingBaselines, RlLoss, RlMicroBatch, RlRow,
+    TruncatedIs,
 };
 use relay_llm::token_batch::{fit_to_length, Fit};
 use relay_llm::{
@@ -222,6 +223,7 @@ fn logits_var() -> Var {
 fn one_row_batch(behaviour: &[f32; 2], advantage: f64, aggregation: Aggregation) -> RlMicroBatch {
     RlMicroBatch::new(
         &[RlRow {
+            learner_logprobs: None,
             prompt: &[0],
             completion: &[1, 0],
             behaviour_logprobs: behaviour,
@@ -352,6 +354,84 @@ fn ppo_clip_token_ratio_by_hand() {
     close(out.sums.loss, 0.5 * 0.8 + 0.5 * 1.0, "loss, clipped below");
     assert_eq!(out.sums.clipped, 1);
     close_vec(&g, &[0.0, 0.0, 0.25, -0.25], "gradient, clipped below");
+}
+
+#[test]
+fn truncated_importance_sampling_by_hand() {
+    let logits = logits_var();
+    // Learner p = [3/4, 1/2], sampler p = [1/2, 1/2]: π_learner/π_sampler
+    // = [1.5, 1], capped at 1.2 → weights [1.2, 1].
+    let sampler = [0.5f32.ln(), 0.5f32.ln()];
+    let tis = |policy_loss| ObjectiveConfig {
+        truncated_is: Some(TruncatedIs { cap: 1.2 }),
+        ..objective(policy_loss)
+    };
+    let batch = one_row_batch(&sampler, 2.0, Aggregation::TokenMean);
+    let (out, g) = loss_and_grad(&tis(PolicyLoss::PolicyGradient), &logits, None, &batch);
+    close(
+        out.sums.loss,
+        -2.0 * (1.2 * 0.75f64.ln() + 0.5f64.ln()) / 2.0,
+        "weighted policy-gradient loss",
+    );
+    assert_eq!(out.sums.tis_capped, 1);
+    close(out.sums.sampler_abs_diff, 1.5f64.ln(), "mismatch sum");
+    close(out.sums.sampler_max_abs_diff, 1.5f64.ln(), "mismatch max");
+    // The weight is a constant: −A·w·tis·(onehot − p).
+    let weighted = [0.3, -0.3, -0.5, 0.5];
+    close_vec(&g, &weighted, "weighted gradient");
+
+    // PPO in the first epoch: the ratio is to the learner's own log-probs
+    // (1, so nothing is clipped, where the sampler's ratio 1.5 would be).
+    let (out, g) = loss_and_grad(&tis(ppo(0.2, RatioLevel::Token)), &logits, None, &batch);
+    close(out.sums.loss, -(1.2 + 1.0), "ppo loss, first epoch");
+    assert_eq!(out.sums.clipped, 0);
+    close_vec(&g, &weighted, "ppo gradient, first epoch");
+
+    // A later epoch: the learner's first-epoch log-probs were the
+    // sampler's (weights 1), and the policy has since moved to [3/4, 1/2]:
+    // token 0's ratio 1.5 is clipped, as PPO without the weights.
+    let batch = RlMicroBatch::new(
+        &[RlRow {
+            learner_logprobs: Some(&sampler),
+            prompt: &[0],
+            completion: &[1, 0],
+            behaviour_logprobs: &sampler,
+            advantage: 2.0,
+        }],
+        &Aggregation::TokenMean,
+        BatchTotals {
+            sequences: 1,
+            tokens: 2,
+        },
+        &Device::Cpu,
+    )
+    .unwrap();
+    let (out, g) = loss_and_grad(&tis(ppo(0.2, RatioLevel::Token)), &logits, None, &batch);
+    close(
+        out.sums.loss,
+        0.5 * (-1.2 * 2.0) + 0.5 * (-2.0),
+        "ppo loss, later epoch",
+    );
+    assert_eq!((out.sums.clipped, out.sums.tis_capped), (1, 0));
+    close(out.sums.sampler_abs_diff, 0.0, "no mismatch");
+    close_vec(&g, &[0.0, 0.0, -0.5, 0.5], "ppo gradient, later epoch");
+
+    // Off: today's behaviour, the mismatch still measured.
+    let batch = one_row_batch(&sampler, 2.0, Aggregation::TokenMean);
+    let (out, _) = loss_and_grad(
+        &objective(ppo(0.2, RatioLevel::Token)),
+        &logits,
+        None,
+        &batch,
+    );
+    assert_eq!((out.sums.clipped, out.sums.tis_capped), (1, 0));
+    close(out.sums.sampler_max_abs_diff, 1.5f64.ln(), "mismatch, off");
+
+    // A cap below 1 is refused by name.
+    let mut bad = tis(PolicyLoss::PolicyGradient);
+    bad.truncated_is = Some(TruncatedIs { cap: 0.5 });
+    let err = bad.validate().unwrap_err().to_string();
+    assert!(err.contains("truncated_is.cap"), "{err}");
 }
 
 #[test]
@@ -510,6 +590,7 @@ fn masked_positions_do_not_change_the_loss_or_get_gradient() {
         .iter()
         .zip([1.5, -0.5])
         .map(|((p, c, b), advantage)| RlRow {
+            learner_logprobs: None,
             prompt: p,
             completion: c,
             behaviour_logprobs: b,
@@ -589,6 +670,7 @@ fn equal_rewards_in_a_group_give_zero_policy_gradient() {
     let behaviour: [&[f32]; 3] = [&[-0.3, -1.0], &[-0.2], &[-0.6, -0.9]];
     let rows: Vec<RlRow> = (0..3)
         .map(|i| RlRow {
+            learner_logprobs: None,
             prompt: &[0],
             completion: completions[i],
             behaviour_logprobs: behaviour[i],
@@ -626,6 +708,7 @@ fn micro_batch_losses_sum_to_the_batch_loss() {
         .iter()
         .zip([1.5, -0.5])
         .map(|((p, c, b), advantage)| RlRow {
+            learner_logprobs: None,
             prompt: p,
             completion: c,
             behaviour_logprobs: b,
@@ -887,6 +970,40 @@ fn every_lora_factor_gets_a_gradient_after_one_step() {
     }
     assert_eq!(count, adapter.vars().len());
     assert_eq!(count, 2 * 7 * model.config().num_hidden_layers);
+}
+
+#[test]
+fn epochs_measure_the_sampler_mismatch_against_the_first_epoch() {
+    let model = small_model("mismatch");
+    let adapter = LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 4).unwrap();
+    let mut batch = toy_batch(&model, &adapter);
+    // The sampler saw every token 0.1 nats less likely than the learner.
+    for e in &mut batch {
+        for lp in &mut e.behaviour_logprobs {
+            *lp -= 0.1;
+        }
+    }
+    let mut objective = ObjectiveConfig::grpo();
+    objective.truncated_is = Some(TruncatedIs { cap: 2.0 });
+    let mut trainer = RlTrainer::new(train_config(objective, 6, 4), &adapter).unwrap();
+    let steps = trainer.train_epochs(&model, &adapter, &batch, 3).unwrap();
+    assert_eq!(steps.len(), 3);
+    assert_eq!(trainer.optimizer().steps(), 3);
+    for (epoch, s) in steps.iter().enumerate() {
+        // Every epoch compares the first epoch's log-probs, not the moved policy's.
+        assert!(
+            (s.sampler_logprob_diff_mean - 0.1).abs() < 1e-4,
+            "epoch {epoch}: {s:?}"
+        );
+        assert!(
+            (s.sampler_logprob_diff_max - 0.1).abs() < 1e-4,
+            "epoch {epoch}: {s:?}"
+        );
+        assert_eq!(s.tis_capped_fraction, 0.0);
+    }
+    // The first epoch's ratio to the learner's own log-probs is 1: no clip.
+    assert_eq!(steps[0].clip_fraction, 0.0);
+    assert!(steps.iter().all(|s| s.grad_norm > 0.0));
 }
 
 #[test]
