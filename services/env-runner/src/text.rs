@@ -148,7 +148,7 @@ impl TextMetrics {
         // bridge's Python workers too.
         let worker_restarts = IntCounter::new(
             "relay_env_runner_worker_restarts_total",
-            "Python env workers (TextArena games) restarted after a crash.",
+            "Python env workers restarted after a crash or a hang.",
         )
         .unwrap();
         relay_kit::metrics::register(registry, &games);

@@ -17,10 +17,11 @@ pub mod runs;
 pub mod scale;
 pub mod sft;
 pub mod stack;
+pub mod summary;
 pub mod sweep;
 pub mod top;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -135,6 +136,12 @@ pub struct Outcome {
     /// The first eval whose screening mean reached the threshold (what
     /// was called solved before confirmations), confirmed or not.
     pub first_pass: Option<FirstPass>,
+    /// How the run ended (the summary's first line).
+    pub how: String,
+    /// The best evaluation.
+    pub best: Option<summary::BestEval>,
+    /// The summary was printed while the stack stayed up.
+    pub summarized: bool,
 }
 
 /// The first screening pass of a run.
@@ -305,26 +312,44 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         .enable_all()
         .build()?;
     let threshold = config.solved_threshold();
-    let outcome = runtime.block_on(watch(&mut stack, &run_id, threshold, &args));
+    let run_dir = config.run.runs_dir.join(&run_id);
+    let outcome = runtime.block_on(watch(&mut stack, &run_id, threshold, &run_dir, &args));
     stack.stop(Duration::from_secs(15));
     let mut outcome = outcome?;
     outcome.startup_s = startup_s;
-    println!(
-        "relay: run {} {} after {:.1}s and {} env steps",
-        outcome.run_id,
-        if outcome.solved { "solved" } else { "stopped" },
-        outcome.wall_s,
-        outcome.env_steps
-    );
+    if outcome.summarized {
+        println!("relay: stack stopped");
+    } else {
+        // After the stop: the tracker has drawn the plots.
+        println!("{}", run_end(&stack, &outcome, run_dir).render());
+    }
     Ok(outcome)
+}
+
+/// The summary of `outcome`.
+fn run_end<'a>(stack: &'a Stack, outcome: &'a Outcome, run_dir: PathBuf) -> summary::RunEnd<'a> {
+    summary::RunEnd {
+        run_id: &outcome.run_id,
+        how: outcome.how.clone(),
+        env_steps: outcome.env_steps,
+        wall_s: outcome.wall_s,
+        best: outcome.best,
+        run_dir,
+        prometheus_url: stack.prometheus_url.as_deref(),
+        grafana_url: stack.grafana_url.as_deref(),
+    }
 }
 
 /// Follows the run over NATS, printing a progress line each second, until
 /// Ctrl-C, or (with `--until-solved`) the run is solved or the learner stops.
+/// When training ends with the stack left up, prints the run's summary
+/// once (after the last evaluation and the tracker's plots, or a few
+/// seconds) and no more progress lines.
 async fn watch(
     stack: &mut Stack,
     run_id: &str,
     threshold: Option<f64>,
+    run_dir: &Path,
     args: &UpArgs,
 ) -> Result<Outcome> {
     let client = async_nats::connect(&stack.nats_url).await?;
@@ -332,6 +357,11 @@ async fn watch(
     let mut metrics = client.subscribe(subjects.metrics()).await?;
     let mut evals = client.subscribe(subjects.eval()).await?;
     let mut statuses = client.subscribe(subjects.status()).await?;
+    // Training return from the episodes themselves: an env-runner's
+    // once-a-second metrics miss a run shorter than that.
+    let mut episodes = client.subscribe(subjects.episodes()).await?;
+    let mut recent_returns: std::collections::VecDeque<f64> =
+        std::collections::VecDeque::with_capacity(100);
     // `relay scale` requests (see scale.rs).
     let mut scales = client.subscribe(subjects.supervisor_scale()).await?;
     let ready = Instant::now();
@@ -344,7 +374,14 @@ async fn watch(
         eval_return: None,
         confirmed_return: None,
         first_pass: None,
+        how: String::new(),
+        best: None,
+        summarized: false,
     };
+    let mut learner_end: Option<String> = None;
+    let mut stopped_by = "stopped";
+    // When the learner finished, by the clock the plots' files are dated with.
+    let mut learner_done_at: Option<std::time::SystemTime> = None;
     let mut last_eval: Option<EvalReport> = None;
     let (mut updates, mut version, mut episode_return) = (0.0, 0.0, f64::NAN);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -359,22 +396,37 @@ async fn watch(
         tokio::select! {
             _ = interrupt.recv() => {
                 println!("\nrelay: Ctrl-C; stopping the stack");
+                stopped_by = "stopped by Ctrl-C";
                 break;
             }
             _ = terminate.recv() => {
                 println!("\nrelay: SIGTERM; stopping the stack");
+                stopped_by = "stopped by SIGTERM";
                 break;
             }
             Some(m) = metrics.next() => {
                 if let Ok(report) = relay_proto::decode::<MetricsReport>(&m.payload) {
                     for v in &report.values {
                         match v.name.as_str() {
-                            "learner_env_steps" => outcome.env_steps = v.value as u64,
+                            // Frozen at the solving evaluation once solved.
+                            "learner_env_steps" if !outcome.solved => outcome.env_steps = v.value as u64,
                             "learner_updates" => updates = v.value,
                             "learner_policy_version" => version = v.value,
-                            "env_runner_episode_return_mean" => episode_return = v.value,
                             _ => {}
                         }
+                    }
+                }
+            }
+            Some(m) = episodes.next() => {
+                if let Ok(report) = relay_proto::decode::<relay_proto::EpisodeReport>(&m.payload) {
+                    for e in report.episodes.iter().filter(|e| e.episode_return.is_finite()) {
+                        if recent_returns.len() == 100 {
+                            recent_returns.pop_front();
+                        }
+                        recent_returns.push_back(e.episode_return);
+                    }
+                    if !recent_returns.is_empty() {
+                        episode_return = recent_returns.iter().sum::<f64>() / recent_returns.len() as f64;
                     }
                 }
             }
@@ -392,6 +444,7 @@ async fn watch(
                             report.policy_version, report.mean_return, report.returns.len(),
                             c.mean_return, c.std_return, c.episodes, c.seed, report.threshold);
                     }
+                    outcome.best = summary::BestEval::update(outcome.best, &report);
                     if report.solved && !outcome.solved {
                         outcome.solved = true;
                         outcome.wall_s = ready.elapsed().as_secs_f64();
@@ -401,6 +454,7 @@ async fn watch(
                         println!("relay: solved at version {} ({} env steps, {:.1}s)",
                             report.policy_version, report.learner_env_steps, outcome.wall_s);
                         if args.until_solved {
+                            stopped_by = "solved (--until-solved stopped the stack)";
                             break;
                         }
                     }
@@ -435,7 +489,13 @@ async fn watch(
                 if let Ok(status) = relay_proto::decode::<RunStatusUpdate>(&m.payload) {
                     if status.service == "learner" && matches!(status.status, RunStatus::Stopped | RunStatus::Failed | RunStatus::Solved) {
                         learner_done.get_or_insert_with(Instant::now);
+                        learner_done_at.get_or_insert_with(std::time::SystemTime::now);
                         println!("relay: learner finished: {:?} ({})", status.status, status.detail);
+                        learner_end.get_or_insert(match status.status {
+                            RunStatus::Solved => format!("solved ({})", status.detail),
+                            RunStatus::Failed => format!("failed: {}", status.detail),
+                            _ => format!("stopped: {}", status.detail),
+                        });
                     }
                 }
             }
@@ -443,12 +503,14 @@ async fn watch(
                 let dt = last_time.elapsed().as_secs_f64();
                 let sps = (outcome.env_steps.saturating_sub(last_steps)) as f64 / dt.max(1e-3);
                 (last_steps, last_time) = (outcome.env_steps, Instant::now());
-                if !args.quiet {
+                if !args.quiet && !outcome.summarized {
                     let eval = last_eval.as_ref().map_or("-".to_string(), |e| format!("{:.1}@v{}{}", e.mean_return, e.policy_version,
                         e.confirmation.as_ref().map_or(String::new(), |c| format!(" (confirmed {:.1})", c.mean_return))));
+                    // "-": no episode has finished yet.
+                    let train_return = if episode_return.is_finite() { format!("{episode_return:.1}") } else { "-".into() };
                     println!(
-                        "[{:>6.1}s] env_steps {:>8}  sps {:>7.0}  updates {:>5}  version {:>5}  train_return {:>7.1}  eval {}{}",
-                        ready.elapsed().as_secs_f64(), outcome.env_steps, sps, updates, version, episode_return, eval,
+                        "[{:>6.1}s] env_steps {:>8}  sps {:>7.0}  updates {:>5}  version {:>5}  train_return {:>7}  eval {}{}",
+                        ready.elapsed().as_secs_f64(), outcome.env_steps, sps, updates, version, train_return, eval,
                         threshold.map_or(String::new(), |t| format!(" / {t}")),
                     );
                 }
@@ -457,7 +519,8 @@ async fn watch(
                         println!("relay: {name} exited with {status}; see its log");
                     }
                 }
-                if args.for_seconds.is_some_and(|limit| ready.elapsed() >= Duration::from_secs(limit)) {
+                if let Some(limit) = args.for_seconds.filter(|&limit| ready.elapsed() >= Duration::from_secs(limit)) {
+                    stopped_by = if limit == 0 { "stopped" } else { "stopped (--for-seconds)" };
                     break;
                 }
                 if args.stop.as_ref().is_some_and(StopFlag::is_set) {
@@ -467,13 +530,35 @@ async fn watch(
                 // By env steps: a text evaluation reports the version its games were
                 // served with, which can trail the one it was started for.
                 let final_evaluated = last_eval.as_ref().is_some_and(|e| e.learner_env_steps >= outcome.env_steps);
-                if args.until_solved
-                    && learner_done.is_some_and(|t| final_evaluated || t.elapsed() > Duration::from_secs(args.final_eval_wait))
-                {
+                let wait = Duration::from_secs(args.final_eval_wait);
+                let training_over = learner_done.is_some_and(|t| final_evaluated || t.elapsed() > wait);
+                if args.until_solved && training_over {
                     break;
+                }
+                // The stack stays up: the summary once the tracker has drawn
+                // the plots of the finished run (or a few seconds on).
+                let plots_drawn = || {
+                    let drawn = std::fs::metadata(run_dir.join("plots").join("return.png")).and_then(|m| m.modified());
+                    matches!((drawn, learner_done_at), (Ok(drawn), Some(done)) if drawn >= done)
+                };
+                if training_over && !outcome.summarized
+                    && (plots_drawn() || learner_done.is_some_and(|t| t.elapsed() > wait + Duration::from_secs(5)))
+                {
+                    outcome.summarized = true;
+                    outcome.how = learner_end.clone().unwrap_or_default();
+                    let end = learner_done.unwrap_or_else(Instant::now);
+                    let mut shown = outcome.clone();
+                    if !shown.solved {
+                        shown.wall_s = end.duration_since(ready).as_secs_f64();
+                    }
+                    println!("{}", run_end(stack, &shown, run_dir.to_path_buf()).render());
+                    println!("relay: training is over; the stack stays up for inspection (relay top, Prometheus, Grafana, relay eval switch); Ctrl-C stops it");
                 }
             }
         }
+    }
+    if outcome.how.is_empty() {
+        outcome.how = learner_end.unwrap_or_else(|| stopped_by.to_string());
     }
     if !outcome.solved {
         // Until training ended, not until the supervisor stopped watching.

@@ -133,6 +133,8 @@ pub struct Stack {
     pub nats_url: String,
     pub redis_url: String,
     pub prometheus_url: Option<String>,
+    /// grafana-server's URL, when it is installed and started.
+    pub grafana_url: Option<String>,
     infra: Vec<Proc>,
     pub services: Vec<Proc>,
     /// Next copy number of each service: instance names are never reused
@@ -174,6 +176,7 @@ impl Stack {
             nats_url,
             redis_url,
             prometheus_url: None,
+            grafana_url: None,
             infra,
             services: Vec::new(),
             next_copy: Default::default(),
@@ -258,7 +261,9 @@ impl Stack {
             .process_group(0)
             .spawn()
             .context("starting grafana-server")?;
-        println!("relay: grafana http://127.0.0.1:{port}");
+        let url = format!("http://127.0.0.1:{port}");
+        println!("relay: grafana {url}");
+        self.grafana_url = Some(url);
         self.infra.push(Proc {
             name: "grafana-server".into(),
             child,

@@ -47,6 +47,17 @@ fn six_services_train_over_nats_and_redis() {
         "relay up failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
     assert!(stdout.contains("learner finished"), "{stdout}");
+    // The summary, once, after the stop (the tracker drew the plots then).
+    assert_eq!(stdout.matches("ended:").count(), 1, "{stdout}");
+    for part in [
+        "relay: run e2e-cartpole ended: ",
+        "best eval",
+        "plots/return.png",
+        "relay top @last",
+        "relay play @last",
+    ] {
+        assert!(stdout.contains(part), "{part:?} missing:\n{stdout}");
+    }
 
     let run_dir = runs.join(run_id);
     // The tracker wrote the run directory.
@@ -104,5 +115,107 @@ fn six_services_train_over_nats_and_redis() {
     assert!(
         !stdout.contains("did not stop") && !stderr.contains("did not stop"),
         "{stdout}\n{stderr}"
+    );
+}
+
+/// Without `--until-solved` the stack stays up when training ends: the
+/// summary is printed once, with the plots the tracker drew when the
+/// learner finished, the progress lines stop, and Ctrl-C stops the stack.
+#[test]
+fn a_finished_run_says_so_once_and_the_progress_lines_stop() {
+    use std::io::BufRead;
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    let dir = relay_testkit::TempDir::new("e2e-summary");
+    let runs = dir.path().join("runs");
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/cartpole-ppo.yaml"
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_relay"))
+        .args(["up", "--config", config, "--run-id", "e2e-summary"])
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .args(["--set", &format!("run.runs_dir={}", runs.display())])
+        .args([
+            "--set",
+            "run.total_env_steps=2048",
+            "--set",
+            "eval.every_versions=4",
+            "--set",
+            "eval.episodes=4",
+            "--set",
+            "eval.threshold=100000",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run relay up");
+    let (tx, rx) = mpsc::channel::<(Instant, String)>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send((Instant::now(), line));
+        }
+    });
+    let mut lines: Vec<(Instant, String)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let over = loop {
+        match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok((at, line)) => {
+                let done = line.contains("the stack stays up");
+                lines.push((at, line));
+                if done {
+                    break at;
+                }
+            }
+            Err(_) if Instant::now() < deadline => {}
+            Err(_) => {
+                let _ = child.kill();
+                panic!("no end of training within 180 s:\n{lines:#?}");
+            }
+        }
+    };
+    // Three quiet seconds: no progress line after the summary.
+    std::thread::sleep(Duration::from_secs(3));
+    lines.extend(rx.try_iter());
+    let text: Vec<&str> = lines.iter().map(|(_, l)| l.as_str()).collect();
+    let text = text.join("\n");
+    assert!(
+        lines
+            .iter()
+            .all(|(at, l)| *at <= over || !l.starts_with('[')),
+        "progress lines after the summary:\n{text}"
+    );
+    assert!(text.contains("train_return"), "{text}");
+    assert!(!text.contains("NaN"), "{text}");
+    assert_eq!(text.matches("ended:").count(), 1, "{text}");
+    assert!(
+        text.contains("relay: run e2e-summary ended: stopped: budget of 2048"),
+        "{text}"
+    );
+    // The tracker drew the plots when the learner finished.
+    assert!(text.contains("e2e-summary/plots/return.png"), "{text}");
+    assert!(runs.join("e2e-summary/plots/return.png").is_file());
+
+    // Ctrl-C stops the stack.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGINT);
+    }
+    let status = child.wait().expect("relay up exits");
+    assert!(status.success(), "{status}");
+    // Until the reader has seen the end of the output.
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(5)) {
+        lines.push(line);
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|(_, l)| l.contains("relay: stack stopped")),
+        "{lines:#?}"
     );
 }

@@ -35,7 +35,7 @@ use futures::StreamExt;
 use prometheus::{Counter, Gauge, GaugeVec, IntCounter, Opts, Registry};
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
 use relay_proto::{
-    EpisodeReport, EvalReport, LogBatch, MetricKind, MetricsReport, RunStatusUpdate,
+    EpisodeReport, EvalReport, LogBatch, MetricKind, MetricsReport, RunStatus, RunStatusUpdate,
 };
 use serde_json::json;
 
@@ -487,7 +487,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     // came for 50 ms. So the reports sent just before a stop (a learner's
     // last update, its final status) are written, not dropped.
     let mut draining = false;
+    // Once the learner has finished, the plots are drawn at once (and again
+    // after each later evaluation), not only at shutdown: a stack left up
+    // for inspection shows the finished run's curves.
+    let mut training_over = false;
     loop {
+        let mut redraw = false;
         let result: std::io::Result<()> = tokio::select! {
             _ = shutdown.wait(), if !draining => {
                 service.drain().await;
@@ -516,6 +521,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             Some(m) = evals.next() => match intake.decode::<EvalReport>("eval", &m.payload) {
                 Ok(report) => {
                     exported.eval(&report);
+                    redraw = training_over;
                     writeln!(dir.eval, "{}", json!({"time": now(), "evaluator": report.evaluator, "instance": report.instance, "policy_version": report.policy_version, "learner_env_steps": report.learner_env_steps, "mean_return": report.mean_return, "std_return": report.std_return, "returns": report.returns, "threshold": report.threshold, "solved": report.solved, "matchups": report.matchups, "confirmation": report.confirmation}))
                 }
                 Err(_) => Ok(()),
@@ -524,6 +530,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 Ok(status) => {
                     tracing::info!(status = ?status.status, from = %status.service, detail = %status.detail, "run status");
                     alerts.on_status(&status).await;
+                    if status.service == "learner"
+                        && matches!(status.status, RunStatus::Stopped | RunStatus::Failed | RunStatus::Solved)
+                    {
+                        training_over = true;
+                        redraw = true;
+                    }
                     run_record.status(&status);
                     dir.write_status(run_record.record(), &status)
                 }
@@ -540,6 +552,13 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         };
         if let Err(e) = result {
             tracing::error!(error = %e, "writing the run directory failed");
+        }
+        if redraw && !draining {
+            if let Err(e) = dir.flush() {
+                tracing::error!(error = %e, "writing the run directory failed");
+            }
+            let root = dir.root.clone();
+            let _ = tokio::task::spawn_blocking(move || plots::draw_run_logged(&root)).await;
         }
     }
     alerts.flush().and_then(|()| dir.flush())?;
