@@ -12,7 +12,7 @@ use relay_tracker::registry::{RunRecord, RunRegistry};
 pub const LAST: &str = "@last";
 
 /// The default runs folder (`run.runs_dir` of the configs).
-const DEFAULT_RUNS_DIR: &str = "runs";
+pub const DEFAULT_RUNS_DIR: &str = "runs";
 
 /// Flags of `relay runs`.
 #[derive(Debug, Clone, clap::Args)]

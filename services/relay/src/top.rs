@@ -1,4 +1,5 @@
-//! `relay top`: a terminal overview of one live run, refreshed each second.
+//! `relay top`: a terminal overview of one run, live or finished, refreshed
+//! each second.
 //!
 //! This module owns the whole command, in layers that can be tested apart:
 //!
@@ -15,6 +16,11 @@
 //!   process recorded by `relay up` in `<state-dir>/stack.json`.
 //! - [`TopState::set_league`]: the run's league pool (read from Redis, the
 //!   stack record's or `--redis-url`), shown as a leaderboard when it exists.
+//! - [`TopState::load_run_dir`]: what the run directory (`runs/<id>/`, the
+//!   tracker's) already holds, loaded on attach: a finished run, or one
+//!   further along than the attach, shows its evaluations, status, last
+//!   metrics and alerts. With no stack running (NATS unreachable), `relay
+//!   top` shows the run directory alone.
 //! - [`key_action`]: which key does what (`q`, Esc and Ctrl-C quit).
 //! - [`run`]: the event loop. The terminal goes into raw mode and the
 //!   alternate screen, and is restored on every exit path, panics included.
@@ -82,6 +88,9 @@ pub struct TopArgs {
     /// Redis holding the run's league pool; defaults to the one in `<state-dir>/stack.json`.
     #[arg(long)]
     pub redis_url: Option<String>,
+    /// Folder holding the runs (`@last` without a stack record is the newest run there).
+    #[arg(long, env = "RELAY_RUNS_DIR", default_value = crate::runs::DEFAULT_RUNS_DIR)]
+    pub runs_dir: PathBuf,
 }
 
 /// One member of the league table.
@@ -408,6 +417,85 @@ impl TopState {
         }
     }
 
+    /// Loads what `run_dir` (`runs/<id>/`, written by the tracker) already
+    /// holds: every evaluation, the newest value of each gauge, the run's
+    /// status and its raised alerts. They are dated long enough before
+    /// `now` that no copy counts as running and the SPS is 0 until live
+    /// messages come. Returns the records read.
+    pub fn load_run_dir(&mut self, run_dir: &Path, now: Instant) -> usize {
+        let past = now.checked_sub(COPY_WINDOW + SPS_WINDOW).unwrap_or(now);
+        let lines = |name: &str| -> Vec<serde_json::Value> {
+            std::fs::read_to_string(run_dir.join(name))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect()
+        };
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+        let mut read = 0;
+        for v in lines("metrics.jsonl") {
+            let Some(values) = v["values"].as_object() else {
+                continue;
+            };
+            let report = MetricsReport {
+                schema: relay_proto::SCHEMA_VERSION,
+                service: text(&v["service"]),
+                instance: text(&v["instance"]),
+                vec_steps: v["vec_steps"].as_u64(),
+                // Counters hold increments: only gauges are shown.
+                values: values
+                    .iter()
+                    .filter(|(name, _)| !name.ends_with("_total"))
+                    .filter_map(|(name, x)| Some(relay_kit::gauge(name, x.as_f64()?)))
+                    .collect(),
+            };
+            self.on_metrics(&report, past);
+            read += 1;
+        }
+        // The tracker's lines are the wire messages less their schema (and
+        // the env id for evaluations).
+        let message = |mut v: serde_json::Value| {
+            v["schema"] = relay_proto::SCHEMA_VERSION.into();
+            if v.get("env_id").is_none() {
+                v["env_id"] = "".into();
+            }
+            v
+        };
+        for v in lines("eval.jsonl") {
+            if let Ok(report) = serde_json::from_value::<EvalReport>(message(v)) {
+                self.on_eval(&report, past);
+                read += 1;
+            }
+        }
+        for v in lines("alerts.jsonl") {
+            if let Ok(alert) = serde_json::from_value::<AlertEvent>(message(v)) {
+                self.on_alert(&alert, past);
+                read += 1;
+            }
+        }
+        let status: Option<serde_json::Value> =
+            std::fs::read_to_string(run_dir.join("status.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok());
+        if let Some(v) = status {
+            if let Ok(status) = serde_json::from_value::<RunStatus>(v["status"].clone()) {
+                self.on_status(
+                    &RunStatusUpdate {
+                        schema: relay_proto::SCHEMA_VERSION,
+                        status,
+                        service: text(&v["last_update"]["service"]),
+                        policy_version: v["last_update"]["policy_version"].as_u64().unwrap_or(0),
+                        detail: text(&v["detail"]),
+                    },
+                    past,
+                );
+                read += 1;
+            }
+        }
+        self.now = self.now.max(now);
+        read
+    }
+
     /// The probes of the stack's service processes, or `None` when there is
     /// no stack record of this run (health then comes from metric reports).
     pub fn set_health(&mut self, health: Option<Vec<ProcessHealth>>) {
@@ -689,10 +777,15 @@ pub fn resolve_target(args: &TopArgs) -> Result<Target> {
     let run_id = match args.run_id.as_deref() {
         None | Some("@last") => match &record {
             Some(r) => r.run_id.clone(),
-            None => bail!(
-                "no stack is recorded in {} (start one with `relay up`), so pass --run-id",
-                args.state_dir.join("stack.json").display()
-            ),
+            // No stack: the newest run of the runs folder.
+            None => crate::runs::resolve_run_id(&args.runs_dir, crate::runs::LAST).with_context(
+                || {
+                    format!(
+                        "no stack is recorded in {} (start one with `relay up`), so pass --run-id",
+                        args.state_dir.join("stack.json").display()
+                    )
+                },
+            )?,
         },
         Some(id) => id.to_string(),
     };
@@ -753,27 +846,47 @@ pub fn run(args: TopArgs) -> Result<()> {
     let quiet = tracing::subscriber::NoSubscriber::default();
     tracing::subscriber::with_default(quiet, || {
         runtime.block_on(async {
-            let client = async_nats::ConnectOptions::new()
+            let run_dir = args.runs_dir.join(&target.run_id);
+            let connected = async_nats::ConnectOptions::new()
                 .name("relay-top")
                 .connection_timeout(Duration::from_secs(5))
                 .connect(&target.nats_url)
                 .await
-                .with_context(|| format!("connecting to NATS at {}", target.nats_url))?;
-            let feed = Feed::subscribe(&client, &target.run_id).await?;
+                .with_context(|| format!("connecting to NATS at {}", target.nats_url));
+            // No stack running: a finished run is shown from its directory.
+            let client = match connected {
+                Ok(client) => Some(client),
+                Err(_) if run_dir.is_dir() => None,
+                Err(e) => return Err(e),
+            };
+            let feed = match &client {
+                Some(client) => Some(Feed::subscribe(client, &target.run_id).await?),
+                None => None,
+            };
             let mut session = TerminalSession::enter()?;
-            event_loop(&mut session, &client, feed, &target, &args.state_dir).await
+            event_loop(
+                &mut session,
+                client.as_ref(),
+                feed,
+                &target,
+                &args.state_dir,
+                &run_dir,
+            )
+            .await
         })
     })
 }
 
 async fn event_loop(
     session: &mut TerminalSession,
-    client: &async_nats::Client,
-    mut feed: Feed,
+    client: Option<&async_nats::Client>,
+    mut feed: Option<Feed>,
     target: &Target,
     state_dir: &Path,
+    run_dir: &Path,
 ) -> Result<()> {
     let mut state = TopState::new(&target.run_id);
+    state.load_run_dir(run_dir, Instant::now());
     let mut keys = EventStream::new();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -788,18 +901,18 @@ async fn event_loop(
         .redis_url
         .clone()
         .map(|url| tokio::spawn(league_loop(url, target.run_id.clone(), league_tx)));
-    let mut feed_open = true;
+    let mut feed_open = feed.is_some();
     let result = loop {
         tokio::select! {
             _ = tick.tick() => {
                 state.tick(Instant::now());
-                let connected = client.connection_state() == async_nats::connection::State::Connected;
+                let connected = client.is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
                 state.set_nats(&target.nats_url, connected);
                 if let Err(e) = session.terminal.draw(|frame| draw(frame, &state)) {
                     break Err(anyhow::Error::from(e).context("drawing"));
                 }
             }
-            open = feed.next_into(&mut state), if feed_open => feed_open = open,
+            open = async { feed.as_mut().expect("open").next_into(&mut state).await }, if feed_open => feed_open = open,
             event = keys.next() => match event {
                 Some(Ok(Event::Key(key))) if key_action(&key) == Some(Action::Quit) => break Ok(()),
                 Some(Ok(Event::Resize(..))) => {

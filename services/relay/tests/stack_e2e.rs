@@ -111,6 +111,32 @@ fn six_services_train_over_nats_and_redis() {
     assert!(run_dir
         .join("checkpoints/last/optimizer.safetensors")
         .is_file());
+    // `relay top` on the finished run, with no stack running: what the
+    // run directory holds (status, evaluations, the learner's last metrics).
+    let mut top = relay::top::TopState::new(run_id);
+    let loaded = top.load_run_dir(&run_dir, std::time::Instant::now());
+    assert!(loaded > 10, "{loaded} records");
+    let mut terminal =
+        ratatui::Terminal::new(ratatui::backend::TestBackend::new(120, 40)).expect("test terminal");
+    terminal.draw(|f| relay::top::draw(f, &top)).expect("draw");
+    let buffer = terminal.backend().buffer();
+    let screen: Vec<String> = buffer
+        .content
+        .chunks(usize::from(buffer.area.width))
+        .map(|row| row.iter().map(|c| c.symbol()).collect())
+        .collect();
+    let screen = screen.join("\n");
+    let status = read(&run_dir.join("status.json"));
+    let expected = if status.contains("\"solved\"") {
+        "solved"
+    } else {
+        "stopped"
+    };
+    assert!(screen.contains(expected), "{expected}:\n{screen}");
+    assert!(!screen.contains("no evaluation yet"), "{screen}");
+    assert!(!screen.contains("waiting for the learner"), "{screen}");
+    assert!(top.last_eval().is_some() && top.env_steps() >= Some(3072));
+
     // Every service stopped on SIGTERM (none had to be killed).
     assert!(
         !stdout.contains("did not stop") && !stderr.contains("did not stop"),

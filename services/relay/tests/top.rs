@@ -425,6 +425,7 @@ fn top_probes_the_stack_record_for_health() {
         nats_url: nats_url.map(String::from),
         state_dir: dir.path().to_path_buf(),
         redis_url: None,
+        runs_dir: dir.path().join("runs"),
     };
     assert!(
         resolve_target(&args(None, None)).is_err(),
