@@ -244,4 +244,15 @@ fn a_finished_run_says_so_once_and_the_progress_lines_stop() {
             .any(|(_, l)| l.contains("relay: stack stopped")),
         "{lines:#?}"
     );
+    // The training return reached metrics.jsonl and metrics.csv from the
+    // tracker itself, whatever the env-runners' report period.
+    let metrics = std::fs::read_to_string(runs.join("e2e-summary/metrics.jsonl")).unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains(r#""service":"tracker""#) && l.contains("episode_return_mean")),
+        "{metrics}"
+    );
+    let csv = std::fs::read_to_string(runs.join("e2e-summary/metrics.csv")).unwrap();
+    assert!(csv.contains(",tracker,") && csv.contains("episode_return_mean"));
 }

@@ -6,11 +6,14 @@
 //! the run directory `runs/<run-id>/`:
 //!
 //! - `config.yaml`: the resolved experiment config;
-//! - `metrics.jsonl`: one JSON object per metric report, with `vec_steps`;
+//! - `metrics.jsonl`: one JSON object per metric report, with `vec_steps`,
+//!   and the tracker's own lines (`service: tracker`) with the training
+//!   return of the episodes heard since its last flush;
 //! - `metrics.csv`: the same values, one row each ([`csv`]);
 //!   when a resumed learner rewinds the step axis, the lines of the
 //!   abandoned timeline are purged from both ([`timeline`]);
-//! - `plots/*.png`: learning curves, drawn at shutdown ([`plots`]);
+//! - `plots/*.png`: learning curves, drawn when the learner finishes, after
+//!   each later evaluation and at shutdown ([`plots`]);
 //! - `episodes.jsonl`, `eval.jsonl`: every finished training episode batch and eval;
 //! - `status.json`: the run's status (never down from solved) and the last update;
 //! - `logs/<service>.log`: every service's log lines.
@@ -437,6 +440,26 @@ impl Exported {
     }
 }
 
+/// Writes the tracker's own metrics line with the training return (the
+/// mean of the last 100 episodes heard), when there is a new one.
+fn write_train_return(
+    dir: &mut RunDir,
+    instance: &str,
+    mean: Option<f64>,
+    write_metrics: bool,
+) -> std::io::Result<()> {
+    match mean {
+        Some(mean) if write_metrics => dir.write_metrics(&MetricsReport {
+            schema: relay_proto::SCHEMA_VERSION,
+            service: "tracker".into(),
+            instance: instance.to_string(),
+            vec_steps: None,
+            values: vec![relay_kit::gauge("episode_return_mean", mean)],
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Runs the tracker until shutdown.
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("tracker", config, shutdown.clone()).await?;
@@ -491,6 +514,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     // after each later evaluation), not only at shutdown: a stack left up
     // for inspection shows the finished run's curves.
     let mut training_over = false;
+    // The training return of the episodes heard since the last flush, for
+    // metrics.jsonl/csv: an env-runner's once-a-second report misses a
+    // run shorter than that.
+    let mut train_return: Option<f64> = None;
     loop {
         let mut redraw = false;
         let result: std::io::Result<()> = tokio::select! {
@@ -512,6 +539,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 Ok(report) => {
                     if let Some(mean) = exported.episodes(&report) {
                         alerts.on_value("episode_return_mean", mean).await;
+                        train_return = Some(mean);
                     }
                     let rows: Vec<_> = report.episodes.iter().map(|e| json!({"return": e.episode_return, "length": e.length, "terminated": e.terminated})).collect();
                     writeln!(dir.episodes, "{}", json!({"time": now(), "runner": report.runner_id, "env_id": report.env_id, "policy_version": report.policy_version, "episodes": rows}))
@@ -547,7 +575,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             },
             _ = flush.tick(), if !draining => {
                 alerts.tick().await;
-                alerts.flush().and_then(|()| dir.flush())
+                write_train_return(&mut dir, &service.instance, train_return.take(), write_metrics)
+                    .and_then(|()| alerts.flush())
+                    .and_then(|()| dir.flush())
             }
         };
         if let Err(e) = result {
@@ -561,6 +591,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             let _ = tokio::task::spawn_blocking(move || plots::draw_run_logged(&root)).await;
         }
     }
+    write_train_return(&mut dir, &service.instance, train_return, write_metrics)?;
     alerts.flush().and_then(|()| dir.flush())?;
     run_record.finish();
     let root = dir.root.clone();

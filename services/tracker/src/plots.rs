@@ -184,8 +184,16 @@ impl Curves {
                 s.label = format!("train {}", s.label);
             }
         }
-        if curves.train_return.is_empty() {
-            // No env-runner means in metrics.jsonl: the run's rolling mean from episodes.jsonl.
+        // Fewer than two env-runner means in metrics.jsonl (a run shorter
+        // than their report period draws no line from them): the run's
+        // rolling mean from episodes.jsonl, one point per batch of episodes.
+        if curves
+            .train_return
+            .iter()
+            .map(|s| s.points.len())
+            .sum::<usize>()
+            < 2
+        {
             let mut recent = std::collections::VecDeque::with_capacity(100);
             let mut points = Vec::new();
             for batch in jsonl(&run_dir.join("episodes.jsonl")) {
@@ -203,6 +211,7 @@ impl Curves {
             }
             if !points.is_empty() {
                 points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                curves.train_return.clear();
                 curves.train_return.push(Series {
                     label: "train (rolling mean of 100 episodes)".into(),
                     points,
@@ -529,7 +538,8 @@ fn panel(
             .legend(move |(lx, ly)| {
                 PathElement::new([(lx, ly), (lx + 20, ly)], color.stroke_width(2))
             });
-        if line.markers {
+        // A single point draws no line: mark it.
+        if line.markers || line.points.len() < 2 {
             chart
                 .draw_series(
                     line.points
@@ -666,6 +676,39 @@ mod tests {
         );
         let (lo, hi) = range(spiky.iter().copied(), 0.0, true).unwrap();
         assert!(lo == 2000.0 && hi < 2200.0, "{lo} {hi}");
+    }
+
+    #[test]
+    fn a_run_shorter_than_a_report_period_still_has_a_training_curve() {
+        let dir = std::env::temp_dir().join(format!("relay-plots-short-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // The learner's versions, one env-runner report, three batches of episodes.
+        std::fs::write(
+            dir.join("metrics.jsonl"),
+            [
+                r#"{"service":"learner","instance":"l","vec_steps":256,"values":{"learner_policy_version":1,"learner_vec_steps":256}}"#,
+                r#"{"service":"learner","instance":"l","vec_steps":512,"values":{"learner_policy_version":2,"learner_vec_steps":512}}"#,
+                r#"{"service":"env-runner","instance":"e","vec_steps":500,"values":{"env_runner_policy_version":2,"env_runner_episode_return_mean":30.0}}"#,
+            ]
+            .join("\n"),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("episodes.jsonl"),
+            [
+                r#"{"policy_version":0,"episodes":[{"return":10.0}]}"#,
+                r#"{"policy_version":1,"episodes":[{"return":20.0}]}"#,
+                r#"{"policy_version":2,"episodes":[{"return":60.0}]}"#,
+            ]
+            .join("\n"),
+        )
+        .unwrap();
+        let curves = Curves::load(&dir);
+        assert_eq!(curves.train_return.len(), 1);
+        let points = &curves.train_return[0].points;
+        assert!(points.len() >= 2, "{points:?}");
+        assert_eq!(points.last().unwrap().1, 30.0);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
