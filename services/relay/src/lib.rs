@@ -2,6 +2,7 @@
 //! the solve benchmark. See `main.rs` for the commands.
 
 pub mod bench_bridge;
+pub mod bench_envs;
 pub mod bench_generate;
 pub mod bench_league;
 pub mod bench_learning;

@@ -127,6 +127,8 @@ enum Command {
     BenchGenerate(relay::bench_generate::BenchGenerateArgs),
     /// Env steps/s of Gymnasium's CartPole through relay's env bridge against Gymnasium's own SyncVectorEnv (and relay's built-in CartPole); print a table and JSON.
     BenchBridge(relay::bench_bridge::BenchBridgeArgs),
+    /// Raw env steps/s on one core of relay's built-in envs against Gymnasium's SyncVectorEnv and EnvPool; print a table and JSON.
+    BenchEnvs(relay::bench_envs::BenchEnvsArgs),
 }
 
 fn main() -> Result<()> {
@@ -159,6 +161,7 @@ fn main() -> Result<()> {
         Command::Model(args) => relay::model::model(args),
         Command::Sft(args) => relay::sft::sft(args),
         Command::BenchBridge(args) => relay::bench_bridge::bench_bridge(args),
+        Command::BenchEnvs(args) => relay::bench_envs::bench_envs(args),
         Command::BenchTictactoe(args) => relay::bench_tictactoe::bench_tictactoe(args),
         Command::BenchSmolLm2(args) => relay::bench_smollm2::bench_smollm2(args),
         Command::BenchLeague(args) => relay::bench_league::bench_league(args),
