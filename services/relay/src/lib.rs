@@ -520,8 +520,8 @@ async fn watch(
                         println!("relay: {name} exited with {status}; see its log");
                     }
                 }
-                if let Some(limit) = args.for_seconds.filter(|&limit| ready.elapsed() >= Duration::from_secs(limit)) {
-                    stopped_by = if limit == 0 { "stopped" } else { "stopped (--for-seconds)" };
+                if args.for_seconds.is_some_and(|limit| ready.elapsed() >= Duration::from_secs(limit)) {
+                    stopped_by = "stopped (--for-seconds)";
                     break;
                 }
                 if args.stop.as_ref().is_some_and(StopFlag::is_set) {
