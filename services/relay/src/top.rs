@@ -41,7 +41,7 @@
 //! in metric reports but absent from the record are listed too.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::io::IsTerminal;
+use std::io::{BufRead, IsTerminal};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -424,12 +424,13 @@ impl TopState {
     /// messages come. Returns the records read.
     pub fn load_run_dir(&mut self, run_dir: &Path, now: Instant) -> usize {
         let past = now.checked_sub(COPY_WINDOW + SPS_WINDOW).unwrap_or(now);
-        let lines = |name: &str| -> Vec<serde_json::Value> {
-            std::fs::read_to_string(run_dir.join(name))
-                .unwrap_or_default()
-                .lines()
-                .filter_map(|l| serde_json::from_str(l).ok())
-                .collect()
+        // Line by line: a long run's metrics.jsonl is large.
+        let lines = |name: &str| {
+            std::fs::File::open(run_dir.join(name))
+                .into_iter()
+                .flat_map(|f| std::io::BufReader::new(f).lines())
+                .map_while(Result::ok)
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(&l).ok())
         };
         let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
         let mut read = 0;
