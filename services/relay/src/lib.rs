@@ -381,8 +381,6 @@ async fn watch(
     };
     let mut learner_end: Option<String> = None;
     let mut stopped_by = "stopped";
-    // When the learner finished, by the clock the plots' files are dated with.
-    let mut learner_done_at: Option<std::time::SystemTime> = None;
     let mut last_eval: Option<EvalReport> = None;
     let (mut updates, mut version, mut episode_return) = (0.0, 0.0, f64::NAN);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -490,7 +488,6 @@ async fn watch(
                 if let Ok(status) = relay_proto::decode::<RunStatusUpdate>(&m.payload) {
                     if status.service == "learner" && matches!(status.status, RunStatus::Stopped | RunStatus::Failed | RunStatus::Solved) {
                         learner_done.get_or_insert_with(Instant::now);
-                        learner_done_at.get_or_insert_with(std::time::SystemTime::now);
                         println!("relay: learner finished: {:?} ({})", status.status, status.detail);
                         learner_end.get_or_insert(match status.status {
                             RunStatus::Solved => format!("solved ({})", status.detail),
@@ -540,19 +537,20 @@ async fn watch(
                 // the plots of the finished run (or a few seconds on).
                 let plots_drawn = || {
                     let drawn = std::fs::metadata(run_dir.join("plots").join("return.png")).and_then(|m| m.modified());
-                    matches!((drawn, learner_done_at), (Ok(drawn), Some(done)) if drawn >= done)
+                    // When the learner finished, by the clock files are dated with.
+                    let done = learner_done.and_then(|t| std::time::SystemTime::now().checked_sub(t.elapsed()));
+                    matches!((drawn, done), (Ok(drawn), Some(done)) if drawn >= done)
                 };
                 if training_over && !outcome.summarized
                     && (plots_drawn() || learner_done.is_some_and(|t| t.elapsed() > wait + Duration::from_secs(5)))
                 {
                     outcome.summarized = true;
                     outcome.how = learner_end.clone().unwrap_or_default();
-                    let end = learner_done.unwrap_or_else(Instant::now);
-                    let mut shown = outcome.clone();
-                    if !shown.solved {
-                        shown.wall_s = end.duration_since(ready).as_secs_f64();
+                    if !outcome.solved {
+                        let end = learner_done.unwrap_or_else(Instant::now);
+                        outcome.wall_s = end.duration_since(ready).as_secs_f64();
                     }
-                    println!("{}", run_end(stack, &shown, run_dir.to_path_buf()).render());
+                    println!("{}", run_end(stack, &outcome, run_dir.to_path_buf()).render());
                     println!("relay: training is over; the stack stays up for inspection (relay top, Prometheus, Grafana, relay eval switch); Ctrl-C stops it");
                 }
             }
