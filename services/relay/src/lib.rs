@@ -130,6 +130,11 @@ pub struct Outcome {
     pub wall_s: f64,
     /// Env steps the learner had consumed at the solving eval (or the end).
     pub env_steps: u64,
+    /// Env steps the learner consumed in all: a run with
+    /// `run.stop_when_solved: false` trains on after it is solved.
+    pub trained_env_steps: u64,
+    /// From every service ready until the learner stopped (or the end).
+    pub trained_s: f64,
     /// The solving eval's screening mean (or the last eval's).
     pub eval_return: Option<f64>,
     /// The solving eval's confirmation mean.
@@ -182,7 +187,13 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         let (id, _, dir) =
             checkpoints::resolve(&base.run.runs_dir, run, &args.checkpoint).context("--resume")?;
         println!("relay: resuming run {id} from {}", dir.display());
-        args.config = dir.join("config.yaml");
+        // A copy: the learner soon rotates that checkpoint away, and copies
+        // added later by `relay scale` read the config path again.
+        std::fs::create_dir_all(&args.state_dir)?;
+        let config = args.state_dir.join(format!("{id}.resumed.yaml"));
+        std::fs::copy(dir.join("config.yaml"), &config)
+            .with_context(|| format!("copying {}", dir.join("config.yaml").display()))?;
+        args.config = config;
         overrides.insert(0, format!("run.resume_from={}", dir.display()));
         overrides.insert(0, "run.init_from=null".into());
         overrides.insert(0, format!("run.runs_dir={}", base.run.runs_dir.display()));
@@ -318,9 +329,8 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
     stack.stop(Duration::from_secs(15));
     let mut outcome = outcome?;
     outcome.startup_s = startup_s;
-    if outcome.summarized {
-        println!("relay: stack stopped");
-    } else {
+    println!("relay: stack stopped");
+    if !outcome.summarized {
         // After the stop: the tracker has drawn the plots.
         println!("{}", run_end(&stack, &outcome, run_dir).render());
     }
@@ -332,8 +342,8 @@ fn run_end<'a>(stack: &'a Stack, outcome: &'a Outcome, run_dir: PathBuf) -> summ
     summary::RunEnd {
         run_id: &outcome.run_id,
         how: outcome.how.clone(),
-        env_steps: outcome.env_steps,
-        wall_s: outcome.wall_s,
+        env_steps: outcome.trained_env_steps.max(outcome.env_steps),
+        wall_s: outcome.trained_s.max(outcome.wall_s),
         best: outcome.best,
         run_dir,
         prometheus_url: stack.prometheus_url.as_deref(),
@@ -372,6 +382,8 @@ async fn watch(
         startup_s: 0.0,
         wall_s: 0.0,
         env_steps: 0,
+        trained_env_steps: 0,
+        trained_s: 0.0,
         eval_return: None,
         confirmed_return: None,
         first_pass: None,
@@ -407,8 +419,13 @@ async fn watch(
                 if let Ok(report) = relay_proto::decode::<MetricsReport>(&m.payload) {
                     for v in &report.values {
                         match v.name.as_str() {
-                            // Frozen at the solving evaluation once solved.
-                            "learner_env_steps" if !outcome.solved => outcome.env_steps = v.value as u64,
+                            "learner_env_steps" => {
+                                outcome.trained_env_steps = v.value as u64;
+                                // Frozen at the solving evaluation once solved.
+                                if !outcome.solved {
+                                    outcome.env_steps = outcome.trained_env_steps;
+                                }
+                            }
                             "learner_updates" => updates = v.value,
                             "learner_policy_version" => version = v.value,
                             _ => {}
@@ -499,8 +516,8 @@ async fn watch(
             }
             _ = tick.tick() => {
                 let dt = last_time.elapsed().as_secs_f64();
-                let sps = (outcome.env_steps.saturating_sub(last_steps)) as f64 / dt.max(1e-3);
-                (last_steps, last_time) = (outcome.env_steps, Instant::now());
+                let sps = (outcome.trained_env_steps.saturating_sub(last_steps)) as f64 / dt.max(1e-3);
+                (last_steps, last_time) = (outcome.trained_env_steps, Instant::now());
                 if !args.quiet && !outcome.summarized {
                     let eval = last_eval.as_ref().map_or("-".to_string(), |e| format!("{:.1}@v{}{}", e.mean_return, e.policy_version,
                         e.confirmation.as_ref().map_or(String::new(), |c| format!(" (confirmed {:.1})", c.mean_return))));
@@ -508,7 +525,7 @@ async fn watch(
                     let train_return = if episode_return.is_finite() { format!("{episode_return:.1}") } else { "-".into() };
                     println!(
                         "[{:>6.1}s] env_steps {:>8}  sps {:>7.0}  updates {:>5}  version {:>5}  train_return {:>7}  eval {}{}",
-                        ready.elapsed().as_secs_f64(), outcome.env_steps, sps, updates, version, train_return, eval,
+                        ready.elapsed().as_secs_f64(), outcome.trained_env_steps, sps, updates, version, train_return, eval,
                         threshold.map_or(String::new(), |t| format!(" / {t}")),
                     );
                 }
@@ -527,7 +544,7 @@ async fn watch(
                 // The learner has stopped training: give the eval of its last version time to arrive.
                 // By env steps: a text evaluation reports the version its games were
                 // served with, which can trail the one it was started for.
-                let final_evaluated = last_eval.as_ref().is_some_and(|e| e.learner_env_steps >= outcome.env_steps);
+                let final_evaluated = last_eval.as_ref().is_some_and(|e| e.learner_env_steps >= outcome.trained_env_steps);
                 let wait = Duration::from_secs(args.final_eval_wait);
                 let training_over = learner_done.is_some_and(|t| final_evaluated || t.elapsed() > wait);
                 if args.until_solved && training_over {
@@ -546,9 +563,10 @@ async fn watch(
                 {
                     outcome.summarized = true;
                     outcome.how = learner_end.clone().unwrap_or_default();
+                    let end = learner_done.unwrap_or_else(Instant::now);
+                    outcome.trained_s = end.duration_since(ready).as_secs_f64();
                     if !outcome.solved {
-                        let end = learner_done.unwrap_or_else(Instant::now);
-                        outcome.wall_s = end.duration_since(ready).as_secs_f64();
+                        outcome.wall_s = outcome.trained_s;
                     }
                     println!("{}", run_end(stack, &outcome, run_dir.to_path_buf()).render());
                     println!("relay: training is over; the stack stays up for inspection (relay top, Prometheus, Grafana, relay eval switch); Ctrl-C stops it");
@@ -559,10 +577,11 @@ async fn watch(
     if outcome.how.is_empty() {
         outcome.how = learner_end.unwrap_or_else(|| stopped_by.to_string());
     }
+    // Until training ended, not until the supervisor stopped watching.
+    let end = learner_done.unwrap_or_else(Instant::now);
+    outcome.trained_s = end.duration_since(ready).as_secs_f64();
     if !outcome.solved {
-        // Until training ended, not until the supervisor stopped watching.
-        let end = learner_done.unwrap_or_else(Instant::now);
-        outcome.wall_s = end.duration_since(ready).as_secs_f64();
+        outcome.wall_s = outcome.trained_s;
         outcome.eval_return = last_eval.map(|e| e.mean_return);
     }
     Ok(outcome)

@@ -50,6 +50,8 @@ pub struct RunEnd<'a> {
     pub run_id: &'a str,
     /// How the run ended, one line (`solved: ...`, `budget spent: ...`).
     pub how: String,
+    /// Env steps trained on in all (past the solving evaluation when the
+    /// run went on training), and the seconds that took.
     pub env_steps: u64,
     pub wall_s: f64,
     pub best: Option<BestEval>,
@@ -104,7 +106,7 @@ impl RunEnd<'_> {
         ];
         if let Some(url) = self.prometheus_url {
             look.push(format!(
-                "Prometheus {url}/graph?g0.expr=relay_eval_mean_return%7Brun_id%3D%22{}%22%7D",
+                "Prometheus {url}/graph?g0.expr=relay_eval_return_mean%7Brun_id%3D%22{}%22%7D",
                 self.run_id
             ));
         }

@@ -76,8 +76,12 @@ pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
 /// Flags of `relay top`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TopArgs {
-    /// Run to watch; defaults to the run of `<state-dir>/stack.json` (`@last` says so explicitly).
-    #[arg(long)]
+    /// Run to watch (`<run-id>` or `@last`); defaults to the run of
+    /// `<state-dir>/stack.json`, else the newest run of `--runs-dir`.
+    #[arg(value_name = "RUN")]
+    pub run: Option<String>,
+    /// The same as RUN, as a flag.
+    #[arg(long, value_name = "RUN", conflicts_with = "run")]
     pub run_id: Option<String>,
     /// NATS server; defaults to the one in `<state-dir>/stack.json`, else nats://127.0.0.1:4222.
     #[arg(long)]
@@ -762,27 +766,30 @@ pub struct Target {
     pub redis_url: Option<String>,
 }
 
+impl TopArgs {
+    /// The run asked for, positional or flag.
+    fn run(&self) -> Option<&str> {
+        self.run.as_deref().or(self.run_id.as_deref())
+    }
+}
+
 /// Resolves the flags against the stack record: the run id (`@last` or none:
 /// the record's run) and the NATS URL (the flag, the record's, the default).
 pub fn resolve_target(args: &TopArgs) -> Result<Target> {
     let record = match read_stack_record(&args.state_dir) {
         Ok(record) => record,
         // Both flags given: a damaged record does not matter.
-        Err(_)
-            if args.nats_url.is_some() && args.run_id.as_deref().is_some_and(|r| r != "@last") =>
-        {
-            None
-        }
+        Err(_) if args.nats_url.is_some() && args.run().is_some_and(|r| r != "@last") => None,
         Err(e) => return Err(e),
     };
-    let run_id = match args.run_id.as_deref() {
+    let run_id = match args.run() {
         None | Some("@last") => match &record {
             Some(r) => r.run_id.clone(),
             // No stack: the newest run of the runs folder.
             None => crate::runs::resolve_run_id(&args.runs_dir, crate::runs::LAST).with_context(
                 || {
                     format!(
-                        "no stack is recorded in {} (start one with `relay up`), so pass --run-id",
+                        "no stack is recorded in {} (start one with `relay up`), so name the run",
                         args.state_dir.join("stack.json").display()
                     )
                 },

@@ -421,7 +421,8 @@ fn top_probes_the_stack_record_for_health() {
         ],
     };
     let args = |run_id: Option<&str>, nats_url: Option<&str>| TopArgs {
-        run_id: run_id.map(String::from),
+        run: run_id.map(String::from),
+        run_id: None,
         nats_url: nats_url.map(String::from),
         state_dir: dir.path().to_path_buf(),
         redis_url: None,
