@@ -21,6 +21,16 @@ up *ARGS: install
 down:
     {{release}}/relay down
 
+# The release binaries with the `cuda` feature (candle on NVIDIA GPUs through cudarc). Builds without a GPU: installs a CUDA compiler from PyPI where none is installed (deploy/install.sh --cuda; deploy/cuda-env.sh sets CUDA_COMPUTE_CAP and the CUDA version); running them needs the NVIDIA driver.
+build-cuda: install
+    bash deploy/install.sh --cuda
+    source deploy/cuda-env.sh && cargo build --release --workspace --bins --features cuda
+
+# Type-check every crate and target with the `cuda` feature (what CI runs, so the CUDA path cannot rot); its own target folder keeps the CPU build's caches.
+check-cuda: install
+    bash deploy/install.sh --cuda
+    source deploy/cuda-env.sh && cargo check --workspace --all-targets --features cuda --target-dir target/cuda
+
 # Run every test (unit, fixtures, services against real NATS/Redis, end-to-end).
 test: install
     cargo build --workspace --bins

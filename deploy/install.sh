@@ -8,6 +8,10 @@
 # `--envpool` also installs EnvPool (PyPI) into .relay/envpool, a virtual
 # environment apart from the bridge's (its own gymnasium and numpy pins),
 # for `just bench-envs`; where it does not install, the bench says so.
+# `--cuda` also installs a CUDA 13.4 compiler and headers (PyPI's
+# nvidia-cuda-nvcc, -runtime, -crt, -cccl, nvidia-nvvm) into .relay/cuda
+# where no nvcc is installed, for `just build-cuda` and `just check-cuda`
+# (deploy/cuda-env.sh sets the build up); no GPU is needed to build.
 set -euo pipefail
 
 say() { printf 'install: %s\n' "$*" >&2; }
@@ -125,12 +129,30 @@ fi
 
 say "ready: $(nats-server --version), $(redis-server --version | cut -d' ' -f1-3), $(prometheus --version 2>&1 | head -1 | cut -d' ' -f1-3), just $(just --version | cut -d' ' -f2)"
 
-if [ "${1:-}" = "--envpool" ]; then
+for flag in "$@"; do
+  case "$flag" in
+    --envpool | --cuda) ;;
+    *) say "unknown flag $flag (known: --envpool, --cuda)"; exit 2 ;;
+  esac
+done
+
+if [[ " $* " == *" --envpool "* ]]; then
   envpool_venv="$repo_root/.relay/envpool"
   if ! "$envpool_venv/bin/python" -c 'import envpool' >/dev/null 2>&1; then
     say "installing EnvPool into .relay/envpool (PyPI envpool)"
     { [ -x "$envpool_venv/bin/python" ] || python3 -m venv "$envpool_venv"; } \
       && "$envpool_venv/bin/python" -m pip install --quiet --disable-pip-version-check envpool \
       || say "EnvPool did not install here; just bench-envs reports its column as missing"
+  fi
+fi
+
+if [[ " $* " == *" --cuda "* ]] && ! command -v nvcc >/dev/null; then
+  cuda_venv="$repo_root/.relay/cuda"
+  if ! ls "$cuda_venv"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc >/dev/null 2>&1; then
+    say "installing the CUDA 13.4 compiler and headers into .relay/cuda (PyPI nvidia-cuda-nvcc)"
+    [ -x "$cuda_venv/bin/python" ] || python3 -m venv "$cuda_venv"
+    "$cuda_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+      "nvidia-cuda-nvcc==13.4.*" "nvidia-nvvm==13.4.*" "nvidia-cuda-runtime==13.4.*" \
+      "nvidia-cuda-crt==13.4.*" nvidia-cuda-cccl
   fi
 fi

@@ -161,6 +161,11 @@ fn deploy_kustomizations_are_complete_and_render_valid_objects() {
         ] {
             assert!(text.contains(kind), "{overlay} renders no {kind}");
         }
+        if overlay == "production" {
+            // The learner and the inference servers on GPUs, from the CUDA image.
+            assert_eq!(text.matches("nvidia.com/gpu: \"1\"").count(), 4, "{text}");
+            assert_eq!(text.matches("relay:0.1.0-cuda").count(), 2, "{text}");
+        }
         assert_ok(
             &format!("kubernetes-validate of rendered {overlay}"),
             &python(K8S_VALIDATE, &[&rendered]),
