@@ -37,8 +37,8 @@
 //!   many adapters, mixed within one batch.
 //! * **Two forwards**: the inference one uses candle's fused kernels; the
 //!   training one ([`CausalLm::forward_train`]) only ops with a backward
-//!   (DESIGN.md: fused softmax/RMSNorm/RoPE and `QMatMul` pass no
-//!   gradient). Tests check they agree and that every LoRA factor gets a
+//!   (candle's fused softmax, RMSNorm and RoPE and its `QMatMul` have no
+//!   backward). Tests check they agree and that every LoRA factor gets a
 //!   gradient.
 //! * **Log-probs for RL**: [`Sampled::logprob`] is the policy's
 //!   (temperature 1, full vocabulary), what the learner recomputes;

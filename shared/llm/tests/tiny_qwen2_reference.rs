@@ -330,7 +330,8 @@ fn next_token_loss(model: &CausalLm, adapter: &LoraAdapter) -> Tensor {
         .unwrap()
 }
 
-/// DESIGN.md: fused candle ops pass no gradient. Every LoRA factor of
+/// candle's fused ops have no backward, so a forward that used one would
+/// cut the graph silently. Every LoRA factor of
 /// every layer must get a non-zero gradient from a loss on the logits.
 #[test]
 fn tiny_qwen2_reference_every_lora_parameter_gets_a_gradient() {

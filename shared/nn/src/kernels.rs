@@ -3,8 +3,8 @@
 //! and the Adam update.
 //!
 //! Why they exist: candle's CPU `tanh` calls libm's scalar `tanhf` per element
-//! and dominated the 4-64-64-2 MLP (1.8 ms vs 0.37 ms with ReLU at batch 512,
-//! see DESIGN.md), and candle's per-op overhead dominates tiny batches. These
+//! and dominated the 4-64-64-2 MLP (1.8 ms vs 0.37 ms with ReLU at batch 512),
+//! and candle's per-op overhead dominates tiny batches. These
 //! kernels are plain loops written so LLVM vectorizes them; on x86-64 they are
 //! also compiled for AVX2+FMA and for AVX-512 and the widest one the CPU
 //! supports is picked at run time, so a portable build still gets the wide

@@ -27,7 +27,7 @@
 //!
 //! candle's CPU matmul uses a rayon pool sized by `RAYON_NUM_THREADS`; on
 //! small machines shared by many services set it explicitly (1 is fastest
-//! for these model sizes, see DESIGN.md).
+//! for these model sizes, as `just bench-nn` shows).
 //!
 //! Every model keeps its parameters sorted by name in one internal
 //! `params` module, which validates weight loads (all-or-nothing, errors

@@ -18,7 +18,7 @@
 //!   caller computed in one host pass (PPO, A2C, DQN losses).
 //!
 //! Every op passes gradients to every tensor input that needs one (unlike
-//! candle-nn's fused `softmax_last_dim`, see DESIGN.md); the tests compare
+//! candle-nn's fused `softmax_last_dim`, which has no backward); the tests compare
 //! each against the same function composed from basic candle ops.
 
 use std::sync::Arc;
