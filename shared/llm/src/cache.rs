@@ -6,14 +6,18 @@
 //! joins or leaves a running batch without touching the others' caches, and
 //! [`KvCache::fork`] lets several samples share one prefilled prompt.
 //!
-//! Storage is a plain `Vec<f32>` per layer and per keys/values, position
-//! major (`(positions, kv_heads, head_dim)`): appending a position is an
-//! amortised O(1) `extend` that never moves the positions already held
-//! into another layout, and the one-token decode attention
-//! (`crate::model`) reads it in place without building candle tensors.
-//! Prefill attention views it as a strided `(kv_heads, positions,
-//! head_dim)` tensor. [`KvCache::truncate`] rolls a sequence back without
-//! freeing.
+//! Storage depends on the model's backend ([`crate::Backend`]). For the
+//! CPU engine it is a plain `Vec<f32>` per layer and per keys/values,
+//! position major (`(positions, kv_heads, head_dim)`): appending a
+//! position is an amortised O(1) `extend` that never moves the positions
+//! already held into another layout, and the engine's attention reads it
+//! in place without building candle tensors. For the candle backend it is
+//! one `(kv_heads, capacity, head_dim)` tensor per layer and per
+//! keys/values on the model's device, in its dtype, written in place
+//! (`slice_set`) and grown by doubling. [`KvCache::truncate`] rolls a
+//! sequence back without freeing.
+
+use candle_core::Tensor;
 
 use crate::config::ModelConfig;
 use crate::model_error::{ModelError, Result};
@@ -22,28 +26,77 @@ use crate::model_error::{ModelError, Result};
 const MIN_CAPACITY: usize = 32;
 
 /// Keys and values of one sequence for every layer of one model.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvCache {
-    /// Per layer, `(capacity, kv_heads, head_dim)`; positions `[0, len)`
-    /// valid, anything after them a write not yet committed.
-    keys: Vec<Vec<f32>>,
-    /// Same layout as `keys`.
-    values: Vec<Vec<f32>>,
+    storage: Storage,
     len: usize,
+    num_layers: usize,
     num_kv_heads: usize,
     head_dim: usize,
 }
 
+#[derive(Debug)]
+enum Storage {
+    /// The CPU engine's: per layer, `(capacity, kv_heads, head_dim)`
+    /// flattened; positions `[0, len)` valid, anything after them a write
+    /// not yet committed.
+    Host {
+        keys: Vec<Vec<f32>>,
+        values: Vec<Vec<f32>>,
+    },
+    /// The candle backend's: per layer, `(kv_heads, capacity, head_dim)`
+    /// on the model's device (none until the first write).
+    Device {
+        keys: Vec<Option<Tensor>>,
+        values: Vec<Option<Tensor>>,
+    },
+}
+
+impl Clone for KvCache {
+    /// A deep copy (device buffers are written in place, so a copy must
+    /// not share them).
+    fn clone(&self) -> Self {
+        match &self.storage {
+            Storage::Host { keys, values } => Self {
+                storage: Storage::Host {
+                    keys: keys.clone(),
+                    values: values.clone(),
+                },
+                ..*self
+            },
+            Storage::Device { .. } => self
+                .fork_prefix(self.len)
+                .expect("copying a device cache (out of device memory?)"),
+        }
+    }
+}
+
 impl KvCache {
-    /// An empty cache for a model of this shape. Allocates nothing until
-    /// the first forward.
+    /// An empty cache of host buffers (the CPU engine's) for a model of
+    /// this shape. Allocates nothing until the first forward; use
+    /// [`crate::CausalLm::new_cache`] to get the kind the model's backend
+    /// needs.
     pub fn new(config: &ModelConfig) -> Self {
         Self {
-            keys: vec![Vec::new(); config.num_hidden_layers],
-            values: vec![Vec::new(); config.num_hidden_layers],
+            storage: Storage::Host {
+                keys: vec![Vec::new(); config.num_hidden_layers],
+                values: vec![Vec::new(); config.num_hidden_layers],
+            },
             len: 0,
+            num_layers: config.num_hidden_layers,
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
+        }
+    }
+
+    /// An empty cache of device tensors (the candle backend's).
+    pub(crate) fn new_on_device(config: &ModelConfig) -> Self {
+        Self {
+            storage: Storage::Device {
+                keys: vec![None; config.num_hidden_layers],
+                values: vec![None; config.num_hidden_layers],
+            },
+            ..Self::new(config)
         }
     }
 
@@ -65,38 +118,67 @@ impl KvCache {
 
     /// Bytes held by the buffers (capacity, not just the used part).
     pub fn allocated_bytes(&self) -> usize {
-        self.keys
-            .iter()
-            .chain(&self.values)
-            .map(|b| b.capacity() * std::mem::size_of::<f32>())
-            .sum()
+        match &self.storage {
+            Storage::Host { keys, values } => keys
+                .iter()
+                .chain(values)
+                .map(|b| b.capacity() * std::mem::size_of::<f32>())
+                .sum(),
+            Storage::Device { keys, values } => keys
+                .iter()
+                .chain(values)
+                .flatten()
+                .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+                .sum(),
+        }
     }
 
     /// An independent copy holding the same positions (deep copy of the
     /// used part), e.g. to sample several continuations of one prefilled
     /// prompt.
     pub fn fork(&self) -> Result<Self> {
-        Ok(self.fork_prefix(self.len))
+        self.fork_prefix(self.len)
     }
 
     /// An independent copy of the first `len` positions (all of them if
     /// fewer are held).
-    pub fn fork_prefix(&self, len: usize) -> Self {
+    pub fn fork_prefix(&self, len: usize) -> Result<Self> {
         let len = len.min(self.len);
-        let used = len * self.row();
-        let copy = |buffers: &Vec<Vec<f32>>| -> Vec<Vec<f32>> {
-            buffers
-                .iter()
-                .map(|b| b[..used.min(b.len())].to_vec())
-                .collect()
+        let storage = match &self.storage {
+            Storage::Host { keys, values } => {
+                let used = len * self.row();
+                let copy = |buffers: &Vec<Vec<f32>>| -> Vec<Vec<f32>> {
+                    buffers
+                        .iter()
+                        .map(|b| b[..used.min(b.len())].to_vec())
+                        .collect()
+                };
+                Storage::Host {
+                    keys: copy(keys),
+                    values: copy(values),
+                }
+            }
+            Storage::Device { keys, values } => {
+                let copy = |buffers: &Vec<Option<Tensor>>| -> Result<Vec<Option<Tensor>>> {
+                    buffers
+                        .iter()
+                        .map(|b| match b {
+                            Some(t) if len > 0 => Ok(Some(t.narrow(1, 0, len)?.copy()?)),
+                            _ => Ok(None),
+                        })
+                        .collect()
+                };
+                Storage::Device {
+                    keys: copy(keys)?,
+                    values: copy(values)?,
+                }
+            }
         };
-        Self {
-            keys: copy(&self.keys),
-            values: copy(&self.values),
+        Ok(Self {
+            storage,
             len,
-            num_kv_heads: self.num_kv_heads,
-            head_dim: self.head_dim,
-        }
+            ..*self
+        })
     }
 
     /// Floats per position of one layer (`kv_heads * head_dim`).
@@ -104,14 +186,16 @@ impl KvCache {
         self.num_kv_heads * self.head_dim
     }
 
-    pub(crate) fn check_shape(&self, config: &ModelConfig) -> Result<()> {
-        if self.keys.len() != config.num_hidden_layers
+    /// Checks that the cache fits a model of this shape, and has the
+    /// storage of its backend (`on_device`: the candle backend's).
+    pub(crate) fn check_shape(&self, config: &ModelConfig, on_device: bool) -> Result<()> {
+        if self.num_layers != config.num_hidden_layers
             || self.num_kv_heads != config.num_key_value_heads
             || self.head_dim != config.head_dim
         {
             return Err(ModelError::BadInput(format!(
                 "cache for {} layers x {} kv heads x {} head dim used with a model of {} x {} x {}",
-                self.keys.len(),
+                self.num_layers,
                 self.num_kv_heads,
                 self.head_dim,
                 config.num_hidden_layers,
@@ -119,31 +203,82 @@ impl KvCache {
                 config.head_dim
             )));
         }
+        if on_device != matches!(self.storage, Storage::Device { .. }) {
+            return Err(ModelError::BadInput(
+                "cache made for another backend; make caches with CausalLm::new_cache".into(),
+            ));
+        }
         Ok(())
     }
 
     /// Writes the keys and values of new positions (each `(t, kv_heads,
     /// head_dim)` flattened) after the committed ones of `layer`, dropping
     /// any uncommitted write left there. [`KvCache::advance`] commits them
-    /// once every layer has been appended.
-    pub(crate) fn append_rows(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
+    /// once every layer has been appended. Host storage only.
+    pub(crate) fn append_rows(&mut self, layer: usize, new_keys: &[f32], new_values: &[f32]) {
         let committed = self.len * self.row();
+        let reserve = MIN_CAPACITY * self.row();
+        let Storage::Host { keys, values } = &mut self.storage else {
+            unreachable!("checked by check_shape");
+        };
         for (buffer, new) in [
-            (&mut self.keys[layer], keys),
-            (&mut self.values[layer], values),
+            (&mut keys[layer], new_keys),
+            (&mut values[layer], new_values),
         ] {
             buffer.truncate(committed);
             if buffer.capacity() == 0 {
-                buffer.reserve(MIN_CAPACITY * self.num_kv_heads * self.head_dim);
+                buffer.reserve(reserve);
             }
             buffer.extend_from_slice(new);
         }
     }
 
     /// Keys and values of `layer` (committed positions plus those appended
-    /// since), each `(positions, kv_heads, head_dim)` flattened.
+    /// since), each `(positions, kv_heads, head_dim)` flattened. Host
+    /// storage only.
     pub(crate) fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
-        (&self.keys[layer], &self.values[layer])
+        let Storage::Host { keys, values } = &self.storage else {
+            unreachable!("checked by check_shape");
+        };
+        (&keys[layer], &values[layer])
+    }
+
+    /// Writes keys and values of new positions, each `(kv_heads, t,
+    /// head_dim)` on the device, after the committed ones of `layer`
+    /// (overwriting any uncommitted write), and returns the layer's keys
+    /// and values up to and including them, `(kv_heads, len + t,
+    /// head_dim)`. Device storage only.
+    pub(crate) fn append_on_device(
+        &mut self,
+        layer: usize,
+        new_keys: &Tensor,
+        new_values: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (len, t) = (self.len, new_keys.dim(1)?);
+        let Storage::Device { keys, values } = &mut self.storage else {
+            unreachable!("checked by check_shape");
+        };
+        let mut out = Vec::with_capacity(2);
+        for (buffer, new) in [
+            (&mut keys[layer], new_keys),
+            (&mut values[layer], new_values),
+        ] {
+            let capacity = buffer.as_ref().map_or(0, |b| b.dim(1).unwrap_or(0));
+            if len + t > capacity {
+                let grown = (len + t).max(2 * capacity).max(MIN_CAPACITY);
+                let (kv_heads, _, head_dim) = new.dims3()?;
+                let fresh = Tensor::zeros((kv_heads, grown, head_dim), new.dtype(), new.device())?;
+                if let (Some(old), true) = (buffer.as_ref(), len > 0) {
+                    fresh.slice_set(&old.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                }
+                *buffer = Some(fresh);
+            }
+            let b = buffer.as_ref().expect("allocated above");
+            b.slice_set(&new.contiguous()?, 1, len)?;
+            out.push(b.narrow(1, 0, len + t)?);
+        }
+        let values = out.pop().expect("two");
+        Ok((out.pop().expect("two"), values))
     }
 
     /// Marks `added` more positions as valid in every layer.
@@ -259,7 +394,7 @@ impl PrefixCache {
         let (index, shared) = self.best(adapter, prompt)?;
         self.clock += 1;
         self.entries[index].last_used = self.clock;
-        Some(self.entries[index].cache.fork_prefix(shared))
+        self.entries[index].cache.fork_prefix(shared).ok()
     }
 
     /// Remembers the first `prompt.len()` positions of `cache` as the
@@ -282,6 +417,10 @@ impl PrefixCache {
             e.last_used = self.clock;
             return;
         }
+        // Out of device memory: this prompt is not remembered.
+        let Ok(copy) = cache.fork_prefix(prompt.len()) else {
+            return;
+        };
         if self.entries.len() >= self.capacity {
             let lru = self
                 .entries
@@ -295,7 +434,7 @@ impl PrefixCache {
         self.entries.push(PrefixEntry {
             adapter: adapter.cloned(),
             tokens: prompt.to_vec(),
-            cache: cache.fork_prefix(prompt.len()),
+            cache: copy,
             last_used: self.clock,
         });
     }

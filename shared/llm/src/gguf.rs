@@ -346,6 +346,7 @@ impl CausalLm {
             rope_cos,
             rope_sin,
             inference: Default::default(),
+            backend: Default::default(),
         })
     }
 }

@@ -399,6 +399,9 @@ impl CausalLm {
         if items.is_empty() {
             return Err(ModelError::BadInput("empty batch".into()));
         }
+        if matches!(self.backend, crate::backend::Backend::Candle { .. }) {
+            return self.forward_batch_candle(items, wanted);
+        }
         let device = self.rope_cos.device().clone();
         let mut spans = Vec::with_capacity(items.len());
         let mut ids = Vec::new();
@@ -407,7 +410,7 @@ impl CausalLm {
                 return Err(ModelError::BadInput("a batch item has no tokens".into()));
             }
             self.check_tokens(item.tokens)?;
-            item.cache.check_shape(&self.config)?;
+            item.cache.check_shape(&self.config, false)?;
             let end = item.cache.len() + item.tokens.len();
             if end > self.config.max_position_embeddings {
                 return Err(ModelError::ContextOverflow {

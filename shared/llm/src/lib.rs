@@ -12,7 +12,9 @@
 //! |---|---|
 //! | [`config`] | [`ModelConfig`], [`Architecture`]: a checkpoint's shape, from `config.json` or GGUF metadata |
 //! | [`model`] | [`CausalLm`]: Qwen2/Llama weights and the differentiable training forward |
-//! | [`infer`] | [`CausalLm::forward_batch`]: the KV-cached batched inference forward (plain-Rust attention, packed dense weights from `packed`) |
+//! | [`infer`] | [`CausalLm::forward_batch`]: the KV-cached batched inference forward of the CPU engine (plain-Rust attention, packed dense weights from `packed`) |
+//! | [`backend`] | [`Backend`], [`BackendSpec`]: the engine or candle on a device in a dtype (`llm.backend`, `llm.device`, `llm.dtype`); [`CausalLm::to_backend`], [`CausalLm::place_adapter`] |
+//! | [`generic`] | the candle backend's inference forward: candle tensor ops only, any device and dtype |
 //! | [`cache`] | [`KvCache`]: one sequence's keys and values; [`PrefixCache`]: recent prompts' caches, to skip prefilling a shared prefix |
 //! | [`lora`] | [`LoraAdapter`], [`LoraConfig`], [`LoraTarget`]: adapters kept apart from the base |
 //! | [`peft`] | adapters to and from PEFT's `adapter_config.json` + `adapter_model.safetensors` |
@@ -106,10 +108,12 @@
 //!
 
 pub mod adapter_bytes;
+pub mod backend;
 pub mod cache;
 pub mod chat;
 pub mod config;
 pub mod generate;
+pub mod generic;
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod infer;
@@ -133,6 +137,7 @@ pub mod train_forward;
 mod train_ops;
 
 pub use adapter_bytes::{to_peft_bytes, PeftBytes};
+pub use backend::{Backend, BackendKind, BackendSpec, DeviceSpec, LlmDtype};
 pub use cache::{KvCache, PrefixCache};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
 pub use config::{Architecture, ModelConfig};

@@ -308,6 +308,19 @@ impl LoraAdapter {
     /// A deep copy whose vars are independent of this adapter's (e.g. a
     /// frozen snapshot to serve while training continues).
     pub fn deep_copy(&self) -> Result<Self> {
+        self.map_weights(|w| {
+            Ok(LoraWeights {
+                a: Var::from_tensor(&w.a.as_tensor().copy()?)?,
+                b: Var::from_tensor(&w.b.as_tensor().copy()?)?,
+            })
+        })
+    }
+
+    /// The same adapter with every pair of factors replaced by `f`'s.
+    pub(crate) fn map_weights(
+        &self,
+        f: impl Fn(&LoraWeights) -> Result<LoraWeights>,
+    ) -> Result<Self> {
         let layers = self
             .layers
             .iter()
@@ -315,10 +328,7 @@ impl LoraAdapter {
                 let mut copy: [Option<LoraWeights>; 7] = Default::default();
                 for (slot, w) in copy.iter_mut().zip(sites) {
                     if let Some(w) = w {
-                        *slot = Some(LoraWeights {
-                            a: Var::from_tensor(&w.a.as_tensor().copy()?)?,
-                            b: Var::from_tensor(&w.b.as_tensor().copy()?)?,
-                        });
+                        *slot = Some(f(w)?);
                     }
                 }
                 Ok(copy)

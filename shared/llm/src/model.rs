@@ -89,7 +89,12 @@ impl Projection {
     }
 
     /// `x`: `(rows, in_features)` → `(rows, out_features)`.
-    fn forward(&self, x: &Tensor, layer: usize, routing: &Routing<'_>) -> Result<Tensor> {
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        layer: usize,
+        routing: &Routing<'_>,
+    ) -> Result<Tensor> {
         let mut y = self.forward_base(x)?;
         match routing {
             Routing::Base => {}
@@ -161,6 +166,8 @@ pub struct CausalLm {
     /// Packed weights and plain copies for [`CausalLm::forward_batch`],
     /// built on first use (see [`crate::infer`]).
     pub(crate) inference: std::sync::OnceLock<std::sync::Arc<crate::infer::InferenceWeights>>,
+    /// Which code computes [`CausalLm::forward_batch`] (see [`crate::backend`]).
+    pub(crate) backend: crate::backend::Backend,
 }
 
 /// Which positions [`CausalLm::forward_batch`] returns logits for.
@@ -213,7 +220,7 @@ pub(crate) fn rope_tables(config: &ModelConfig, device: &Device) -> Result<(Tens
 }
 
 /// RMSNorm from ops that pass gradients (candle's fused one does not).
-fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
     let inv_rms = (mean_square + eps)?.sqrt()?.recip()?;
     Ok(x.broadcast_mul(&inv_rms)?.broadcast_mul(weight)?)
@@ -221,7 +228,7 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 
 /// Rotates `x` `(batch, heads, t, head_dim)` by the angles of positions
 /// `cos`/`sin` `(t, head_dim / 2)` ("rotate half" layout).
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
     let cos = Tensor::cat(&[cos, cos], D::Minus1)?;
     let sin = Tensor::cat(&[sin, sin], D::Minus1)?;
@@ -233,7 +240,7 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 
 /// Additive causal mask `(t, offset + t)` for `t` new tokens after
 /// `offset` cached ones.
-fn causal_mask(t: usize, offset: usize, device: &Device) -> Result<Tensor> {
+pub(crate) fn causal_mask(t: usize, offset: usize, device: &Device) -> Result<Tensor> {
     let total = offset + t;
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| {
@@ -252,7 +259,13 @@ fn causal_mask(t: usize, offset: usize, device: &Device) -> Result<Tensor> {
 /// Grouped-query attention. `q`: `(groups, rep * t, hd)` where each group
 /// is one key/value head and its `rep` query heads; `k`, `v`:
 /// `(groups, len, hd)`; `mask`: `(t, len)` or none (when `t == 1`).
-fn attend(q: &Tensor, k: &Tensor, v: &Tensor, rep: usize, mask: Option<&Tensor>) -> Result<Tensor> {
+pub(crate) fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    rep: usize,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
     let (groups, rows, head_dim) = q.dims3()?;
     let len = k.dim(1)?;
     let scores = (q.matmul(&k.t()?)? * (1.0 / (head_dim as f64).sqrt()))?;
@@ -370,6 +383,7 @@ impl CausalLm {
             rope_cos,
             rope_sin,
             inference: Default::default(),
+            backend: Default::default(),
         })
     }
 
@@ -398,7 +412,10 @@ impl CausalLm {
 
     /// An empty cache for one sequence of this model.
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.config)
+        match self.backend {
+            crate::backend::Backend::Engine => KvCache::new(&self.config),
+            crate::backend::Backend::Candle { .. } => KvCache::new_on_device(&self.config),
+        }
     }
 
     fn any_weight(&self, pred: impl Fn(&BaseWeight) -> bool) -> bool {
@@ -467,7 +484,7 @@ impl CausalLm {
         )
     }
 
-    fn mlp(
+    pub(crate) fn mlp(
         &self,
         block: &Block,
         h: &Tensor,

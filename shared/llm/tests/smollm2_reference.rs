@@ -219,6 +219,25 @@ fn smollm2_reference_dequantized_matches_float_reference() {
     }
 }
 
+/// The candle backend (CPU, f32) on the GGUF's weights, dequantized when
+/// placed: the float reference, as the engine's dequantized base gives it.
+#[test]
+fn smollm2_reference_candle_backend_matches_float_reference() {
+    let model = load(GgufBase::Quantized)
+        .to_backend(relay_llm::Backend::Candle {
+            device: Device::Cpu,
+            dtype: candle_core::DType::F32,
+        })
+        .unwrap();
+    for (i, case) in chat_cases(&reference()).iter().enumerate() {
+        let (last, tokens) = greedy(&model, &case.prompt_ids, case.greedy.len());
+        let gap = top5_gap(&last, case);
+        eprintln!("case {i}: candle backend top-5 max |diff| {gap}");
+        assert!(gap < EXACT_TOP5_TOLERANCE, "case {i}: top-5 gap {gap}");
+        assert_eq!(tokens, case.greedy, "case {i}");
+    }
+}
+
 /// LoRA applies on top of the quantized base (same logits as on the
 /// dequantized base), and both bases train: every factor gets a gradient.
 #[test]

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use relay_llm::{
-    token_log_probs, BatchItem, CausalLm, KvCache, LogitsWanted, LoraAdapter, LoraConfig,
+    token_log_probs, Backend, BatchItem, CausalLm, KvCache, LogitsWanted, LoraAdapter, LoraConfig,
 };
 use serde_json::Value;
 
@@ -78,7 +78,23 @@ fn model() -> CausalLm {
 }
 
 fn adapter(model: &CausalLm) -> LoraAdapter {
-    LoraAdapter::load_peft(&fixture_dir().join("adapter"), model.config()).expect("adapter loads")
+    let adapter = LoraAdapter::load_peft(&fixture_dir().join("adapter"), model.config())
+        .expect("adapter loads");
+    model.place_adapter(&adapter).expect("adapter placed")
+}
+
+/// Runs `check` on the model on each inference backend: the CPU engine and
+/// the candle backend (on the CPU, f32).
+fn for_each_backend(check: impl Fn(&CausalLm)) {
+    let candle = Backend::Candle {
+        device: Device::Cpu,
+        dtype: DType::F32,
+    };
+    for backend in [Backend::Engine, candle] {
+        let model = model().to_backend(backend).expect("model placed");
+        eprintln!("backend {}", model.backend().describe());
+        check(&model);
+    }
 }
 
 /// Largest |a - b| over all positions, with the position where it occurs.
@@ -133,40 +149,42 @@ fn temp_dir(name: &str) -> PathBuf {
 
 #[test]
 fn tiny_qwen2_reference_logits_match_transformers() {
-    let model = model();
-    for (i, case) in cases().iter().enumerate() {
-        let mut cache = model.new_cache();
-        let logits = model
-            .forward_one(&case.input_ids, &mut cache, None)
-            .unwrap();
-        let (diff, pos) = max_diff(&logits, &case.logits);
-        assert!(
-            diff < LOGIT_TOLERANCE,
-            "case {i}: max |diff| {diff} at position {pos}"
-        );
-        assert_eq!(cache.len(), case.input_ids.len());
-    }
+    for_each_backend(|model| {
+        for (i, case) in cases().iter().enumerate() {
+            let mut cache = model.new_cache();
+            let logits = model
+                .forward_one(&case.input_ids, &mut cache, None)
+                .unwrap();
+            let (diff, pos) = max_diff(&logits, &case.logits);
+            assert!(
+                diff < LOGIT_TOLERANCE,
+                "case {i}: max |diff| {diff} at position {pos}"
+            );
+            assert_eq!(cache.len(), case.input_ids.len());
+        }
+    });
 }
 
 #[test]
 fn tiny_qwen2_reference_greedy_with_kv_cache() {
-    let model = model();
-    for (i, case) in cases().iter().enumerate() {
-        let mut cache = model.new_cache();
-        let mut next = argmax(&last_row(
-            &model
-                .forward_one(&case.input_ids, &mut cache, None)
-                .unwrap(),
-        ));
-        let mut generated = vec![next];
-        while generated.len() < case.greedy.len() {
-            let logits = model.forward_one(&[next], &mut cache, None).unwrap();
-            next = argmax(&last_row(&logits));
-            generated.push(next);
+    for_each_backend(|model| {
+        for (i, case) in cases().iter().enumerate() {
+            let mut cache = model.new_cache();
+            let mut next = argmax(&last_row(
+                &model
+                    .forward_one(&case.input_ids, &mut cache, None)
+                    .unwrap(),
+            ));
+            let mut generated = vec![next];
+            while generated.len() < case.greedy.len() {
+                let logits = model.forward_one(&[next], &mut cache, None).unwrap();
+                next = argmax(&last_row(&logits));
+                generated.push(next);
+            }
+            assert_eq!(generated, case.greedy, "case {i}");
+            assert_eq!(cache.len(), case.input_ids.len() + case.greedy.len() - 1);
         }
-        assert_eq!(generated, case.greedy, "case {i}");
-        assert_eq!(cache.len(), case.input_ids.len() + case.greedy.len() - 1);
-    }
+    });
 }
 
 /// All cases decoded in one ragged batch; the last case joins after the
@@ -174,102 +192,105 @@ fn tiny_qwen2_reference_greedy_with_kv_cache() {
 /// forward as their decode steps.
 #[test]
 fn tiny_qwen2_reference_batched_greedy_with_late_join() {
-    let model = model();
-    let cases = cases();
-    let late = cases.len() - 1;
-    let join_at = 3;
-    let mut caches: Vec<KvCache> = cases.iter().map(|_| model.new_cache()).collect();
-    let mut generated: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
-    let mut step = 0;
-    while generated
-        .iter()
-        .zip(&cases)
-        .any(|(g, c)| g.len() < c.greedy.len())
-    {
-        let mut feeds: Vec<(usize, Vec<u32>)> = Vec::new();
-        for (i, case) in cases.iter().enumerate() {
-            if (i == late && step < join_at) || generated[i].len() == case.greedy.len() {
-                continue;
+    for_each_backend(|model| {
+        let cases = cases();
+        let late = cases.len() - 1;
+        let join_at = 3;
+        let mut caches: Vec<KvCache> = cases.iter().map(|_| model.new_cache()).collect();
+        let mut generated: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
+        let mut step = 0;
+        while generated
+            .iter()
+            .zip(&cases)
+            .any(|(g, c)| g.len() < c.greedy.len())
+        {
+            let mut feeds: Vec<(usize, Vec<u32>)> = Vec::new();
+            for (i, case) in cases.iter().enumerate() {
+                if (i == late && step < join_at) || generated[i].len() == case.greedy.len() {
+                    continue;
+                }
+                let tokens = match generated[i].last() {
+                    None => case.input_ids.clone(),
+                    Some(&t) => vec![t],
+                };
+                feeds.push((i, tokens));
             }
-            let tokens = match generated[i].last() {
-                None => case.input_ids.clone(),
-                Some(&t) => vec![t],
-            };
-            feeds.push((i, tokens));
+            let mut items: Vec<BatchItem> = Vec::new();
+            let mut cache_refs: Vec<Option<&mut KvCache>> = caches.iter_mut().map(Some).collect();
+            for (i, tokens) in &feeds {
+                items.push(BatchItem {
+                    tokens,
+                    cache: cache_refs[*i].take().unwrap(),
+                    adapter: None,
+                });
+            }
+            let logits = model.forward_batch(&mut items, LogitsWanted::Last).unwrap();
+            assert_eq!(logits.dims(), [feeds.len(), model.config().vocab_size]);
+            let rows: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+            for ((i, _), row) in feeds.iter().zip(&rows) {
+                generated[*i].push(argmax(row));
+            }
+            step += 1;
         }
-        let mut items: Vec<BatchItem> = Vec::new();
-        let mut cache_refs: Vec<Option<&mut KvCache>> = caches.iter_mut().map(Some).collect();
-        for (i, tokens) in &feeds {
-            items.push(BatchItem {
-                tokens,
-                cache: cache_refs[*i].take().unwrap(),
-                adapter: None,
-            });
+        for (i, case) in cases.iter().enumerate() {
+            assert_eq!(generated[i], case.greedy, "case {i}");
         }
-        let logits = model.forward_batch(&mut items, LogitsWanted::Last).unwrap();
-        assert_eq!(logits.dims(), [feeds.len(), model.config().vocab_size]);
-        let rows: Vec<Vec<f32>> = logits.to_vec2().unwrap();
-        for ((i, _), row) in feeds.iter().zip(&rows) {
-            generated[*i].push(argmax(row));
-        }
-        step += 1;
-    }
-    for (i, case) in cases.iter().enumerate() {
-        assert_eq!(generated[i], case.greedy, "case {i}");
-    }
+    });
 }
 
 #[test]
 fn tiny_qwen2_reference_adapter_logits() {
-    let model = model();
-    let adapter = adapter(&model);
-    for (i, case) in cases().iter().enumerate() {
-        let mut cache = model.new_cache();
-        let logits = model
-            .forward_one(&case.input_ids, &mut cache, Some(&adapter))
-            .unwrap();
-        let (diff, pos) = max_diff(&logits, &case.logits_with_adapter);
-        assert!(
-            diff < LOGIT_TOLERANCE,
-            "case {i}: max |diff| {diff} at position {pos}"
-        );
-    }
+    for_each_backend(|model| {
+        let adapter = adapter(model);
+        for (i, case) in cases().iter().enumerate() {
+            let mut cache = model.new_cache();
+            let logits = model
+                .forward_one(&case.input_ids, &mut cache, Some(&adapter))
+                .unwrap();
+            let (diff, pos) = max_diff(&logits, &case.logits_with_adapter);
+            assert!(
+                diff < LOGIT_TOLERANCE,
+                "case {i}: max |diff| {diff} at position {pos}"
+            );
+        }
+    });
 }
 
 /// One batch mixing the adapter and the base model: each sequence gets
 /// its own logits, as if it ran alone.
 #[test]
 fn tiny_qwen2_reference_mixed_adapters_in_one_batch() {
-    let model = model();
-    let adapter = adapter(&model);
-    let cases = cases();
-    let mut caches: Vec<KvCache> = cases.iter().map(|_| model.new_cache()).collect();
-    let mut items: Vec<BatchItem> = cases
-        .iter()
-        .zip(caches.iter_mut())
-        .enumerate()
-        .map(|(i, (case, cache))| BatchItem {
-            tokens: &case.input_ids,
-            cache,
-            adapter: (i % 2 == 0).then_some(&adapter),
-        })
-        .collect();
-    let logits = model.forward_batch(&mut items, LogitsWanted::All).unwrap();
-    let mut start = 0;
-    for (i, case) in cases.iter().enumerate() {
-        let n = case.input_ids.len();
-        let want = if i % 2 == 0 {
-            &case.logits_with_adapter
-        } else {
-            &case.logits
-        };
-        let (diff, pos) = max_diff(&logits.narrow(0, start, n).unwrap(), want);
-        assert!(
-            diff < LOGIT_TOLERANCE,
-            "case {i}: max |diff| {diff} at position {pos}"
-        );
-        start += n;
-    }
+    for_each_backend(|model| {
+        let adapter = adapter(model);
+        let cases = cases();
+        let mut caches: Vec<KvCache> = cases.iter().map(|_| model.new_cache()).collect();
+        let mut items: Vec<BatchItem> = cases
+            .iter()
+            .zip(caches.iter_mut())
+            .enumerate()
+            .map(|(i, (case, cache))| BatchItem {
+                tokens: &case.input_ids,
+                cache,
+                adapter: (i % 2 == 0).then_some(&adapter),
+            })
+            .collect();
+        let logits = model.forward_batch(&mut items, LogitsWanted::All).unwrap();
+        let mut start = 0;
+        for (i, case) in cases.iter().enumerate() {
+            let n = case.input_ids.len();
+            let want = if i % 2 == 0 {
+                &case.logits_with_adapter
+            } else {
+                &case.logits
+            };
+            let (diff, pos) = max_diff(&logits.narrow(0, start, n).unwrap(), want);
+            assert!(
+                diff < LOGIT_TOLERANCE,
+                "case {i}: max |diff| {diff} at position {pos}"
+            );
+            start += n;
+        }
+    });
 }
 
 /// The differentiable path on a right-padded batch gives the reference
@@ -417,21 +438,22 @@ fn tiny_qwen2_reference_adapter_is_not_baked_into_the_base() {
 
 #[test]
 fn tiny_qwen2_reference_forked_cache_continues_like_the_original() {
-    let model = model();
-    let case = &cases()[1];
-    let (prompt, rest) = case.input_ids.split_at(20);
-    let mut cache = model.new_cache();
-    model.forward_one(prompt, &mut cache, None).unwrap();
-    let mut fork = cache.fork().unwrap();
-    let a = model.forward_one(rest, &mut cache, None).unwrap();
-    let b = model.forward_one(rest, &mut fork, None).unwrap();
-    let want: Vec<Vec<f32>> = case.logits[20..].to_vec();
-    assert!(max_diff(&a, &want).0 < LOGIT_TOLERANCE);
-    assert!(max_diff(&b, &want).0 < LOGIT_TOLERANCE);
-    // Truncate and refeed: same logits again.
-    cache.truncate(20);
-    let c = model.forward_one(rest, &mut cache, None).unwrap();
-    assert!(max_diff(&c, &want).0 < LOGIT_TOLERANCE);
+    for_each_backend(|model| {
+        let case = &cases()[1];
+        let (prompt, rest) = case.input_ids.split_at(20);
+        let mut cache = model.new_cache();
+        model.forward_one(prompt, &mut cache, None).unwrap();
+        let mut fork = cache.fork().unwrap();
+        let a = model.forward_one(rest, &mut cache, None).unwrap();
+        let b = model.forward_one(rest, &mut fork, None).unwrap();
+        let want: Vec<Vec<f32>> = case.logits[20..].to_vec();
+        assert!(max_diff(&a, &want).0 < LOGIT_TOLERANCE);
+        assert!(max_diff(&b, &want).0 < LOGIT_TOLERANCE);
+        // Truncate and refeed: same logits again.
+        cache.truncate(20);
+        let c = model.forward_one(rest, &mut cache, None).unwrap();
+        assert!(max_diff(&c, &want).0 < LOGIT_TOLERANCE);
+    });
 }
 
 fn greedy_sequence(model: &CausalLm, case: &Case) -> relay_llm::Sequence {
@@ -453,33 +475,34 @@ fn greedy_sequence(model: &CausalLm, case: &Case) -> relay_llm::Sequence {
 #[test]
 fn tiny_qwen2_reference_step_with_joining_sequence() {
     use relay_llm::{step, FinishReason, Sequence};
-    let model = model();
-    let cases = cases();
-    let mut running: Vec<Sequence> = vec![
-        greedy_sequence(&model, &cases[0]),
-        greedy_sequence(&model, &cases[1]),
-    ];
-    for _ in 0..5 {
-        let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
-        let out = step(&model, &mut refs).unwrap();
-        assert!(out.iter().all(|o| o.is_some()));
-    }
-    running.push(greedy_sequence(&model, &cases[2]));
-    while running.iter().any(|s| !s.is_finished()) {
-        let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
-        let out = step(&model, &mut refs).unwrap();
-        for (seq, o) in running.iter().zip(&out) {
-            if let Some(o) = o {
-                assert_eq!(seq.tokens().last(), Some(&o.sampled.token));
+    for_each_backend(|model| {
+        let cases = cases();
+        let mut running: Vec<Sequence> = vec![
+            greedy_sequence(model, &cases[0]),
+            greedy_sequence(model, &cases[1]),
+        ];
+        for _ in 0..5 {
+            let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
+            let out = step(model, &mut refs).unwrap();
+            assert!(out.iter().all(|o| o.is_some()));
+        }
+        running.push(greedy_sequence(model, &cases[2]));
+        while running.iter().any(|s| !s.is_finished()) {
+            let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
+            let out = step(model, &mut refs).unwrap();
+            for (seq, o) in running.iter().zip(&out) {
+                if let Some(o) = o {
+                    assert_eq!(seq.tokens().last(), Some(&o.sampled.token));
+                }
             }
         }
-    }
-    for (seq, case) in running.iter().zip(&cases) {
-        assert_eq!(seq.tokens(), case.greedy.as_slice());
-        assert_eq!(seq.finish_reason(), Some(FinishReason::Length));
-        assert!(seq.logprobs().iter().all(|&lp| lp <= 0.0 && lp.is_finite()));
-        assert!(seq.sampling_logprobs().iter().all(|&lp| lp == 0.0));
-    }
+        for (seq, case) in running.iter().zip(&cases) {
+            assert_eq!(seq.tokens(), case.greedy.as_slice());
+            assert_eq!(seq.finish_reason(), Some(FinishReason::Length));
+            assert!(seq.logprobs().iter().all(|&lp| lp <= 0.0 && lp.is_finite()));
+            assert!(seq.sampling_logprobs().iter().all(|&lp| lp == 0.0));
+        }
+    });
 }
 
 /// A prompt prefilled once and forked gives each fork the same
@@ -487,34 +510,35 @@ fn tiny_qwen2_reference_step_with_joining_sequence() {
 #[test]
 fn tiny_qwen2_reference_prefill_fork_and_stop_token() {
     use relay_llm::{generate, prefill, FinishReason, Sampler};
-    let model = model();
-    let case = &cases()[2];
-    let mut parent = greedy_sequence(&model, case);
-    prefill(&model, &mut [&mut parent]).unwrap();
-    assert_eq!(parent.cache().len(), case.input_ids.len() - 1);
-    let mut forks: Vec<_> = (0..2)
-        .map(|_| parent.fork(Sampler::greedy()).unwrap())
-        .collect();
-    for fork in &mut forks {
-        generate(&model, fork).unwrap();
-        assert_eq!(fork.tokens(), case.greedy.as_slice());
-    }
-    let stop_at = case.greedy[4];
-    let mut seq = relay_llm::Sequence::new(
-        &model,
-        case.input_ids.clone(),
-        None,
-        Sampler::greedy(),
-        relay_llm::StopCondition {
-            max_new_tokens: 100,
-            stop_token_ids: vec![stop_at],
-        },
-    )
-    .unwrap();
-    generate(&model, &mut seq).unwrap();
-    let first = case.greedy.iter().position(|&t| t == stop_at).unwrap();
-    assert_eq!(seq.tokens(), &case.greedy[..=first]);
-    assert_eq!(seq.finish_reason(), Some(FinishReason::Stop(stop_at)));
+    for_each_backend(|model| {
+        let case = &cases()[2];
+        let mut parent = greedy_sequence(model, case);
+        prefill(model, &mut [&mut parent]).unwrap();
+        assert_eq!(parent.cache().len(), case.input_ids.len() - 1);
+        let mut forks: Vec<_> = (0..2)
+            .map(|_| parent.fork(Sampler::greedy()).unwrap())
+            .collect();
+        for fork in &mut forks {
+            generate(model, fork).unwrap();
+            assert_eq!(fork.tokens(), case.greedy.as_slice());
+        }
+        let stop_at = case.greedy[4];
+        let mut seq = relay_llm::Sequence::new(
+            model,
+            case.input_ids.clone(),
+            None,
+            Sampler::greedy(),
+            relay_llm::StopCondition {
+                max_new_tokens: 100,
+                stop_token_ids: vec![stop_at],
+            },
+        )
+        .unwrap();
+        generate(model, &mut seq).unwrap();
+        let first = case.greedy.iter().position(|&t| t == stop_at).unwrap();
+        assert_eq!(seq.tokens(), &case.greedy[..=first]);
+        assert_eq!(seq.finish_reason(), Some(FinishReason::Stop(stop_at)));
+    });
 }
 
 /// With an adapter on the sequence, step samples from the adapted model:
@@ -522,38 +546,39 @@ fn tiny_qwen2_reference_prefill_fork_and_stop_token() {
 #[test]
 fn tiny_qwen2_reference_step_uses_the_sequence_adapter() {
     use relay_llm::{step, Sampler, Sequence, StopCondition};
-    let model = model();
-    let adapter = std::sync::Arc::new(adapter(&model));
-    let cases = cases();
-    let mut seqs: Vec<Sequence> = cases
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            Sequence::new(
-                &model,
-                c.input_ids.clone(),
-                (i != 1).then(|| adapter.clone()),
-                Sampler::greedy(),
-                StopCondition {
-                    max_new_tokens: 1,
-                    stop_token_ids: vec![],
-                },
-            )
-            .unwrap()
-        })
-        .collect();
-    let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
-    let out = step(&model, &mut refs).unwrap();
-    for (i, (o, c)) in out.iter().zip(&cases).enumerate() {
-        let want = if i != 1 {
-            &c.logits_with_adapter
-        } else {
-            &c.logits
-        };
-        assert_eq!(
-            o.unwrap().sampled.token,
-            argmax(want.last().unwrap()),
-            "case {i}"
-        );
-    }
+    for_each_backend(|model| {
+        let adapter = std::sync::Arc::new(adapter(model));
+        let cases = cases();
+        let mut seqs: Vec<Sequence> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                Sequence::new(
+                    model,
+                    c.input_ids.clone(),
+                    (i != 1).then(|| adapter.clone()),
+                    Sampler::greedy(),
+                    StopCondition {
+                        max_new_tokens: 1,
+                        stop_token_ids: vec![],
+                    },
+                )
+                .unwrap()
+            })
+            .collect();
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        let out = step(model, &mut refs).unwrap();
+        for (i, (o, c)) in out.iter().zip(&cases).enumerate() {
+            let want = if i != 1 {
+                &c.logits_with_adapter
+            } else {
+                &c.logits
+            };
+            assert_eq!(
+                o.unwrap().sampled.token,
+                argmax(want.last().unwrap()),
+                "case {i}"
+            );
+        }
+    });
 }

@@ -1,0 +1,275 @@
+//! [`Backend`]: which code computes a [`CausalLm`]'s inference forward, on
+//! which device and in which dtype; [`BackendSpec`] is how a config names
+//! one (`llm.backend`, `llm.device`, `llm.dtype`).
+//!
+//! * [`Backend::Engine`], the default: the tuned CPU engine of
+//!   [`crate::infer`] (plain Rust between packed f32 matmuls).
+//! * [`Backend::Candle`]: the device-generic forward of [`crate::generic`],
+//!   built from candle tensor ops only, so it runs wherever candle does
+//!   (the CPU, or an NVIDIA GPU in a build with the `cuda` feature) in f32,
+//!   bf16 or f16.
+//!
+//! Moving a model to a backend ([`CausalLm::to_backend`]) copies its
+//! weights to the device in the dtype; adapters follow with
+//! [`CausalLm::place_adapter`].
+
+use candle_core::{DType, Device};
+use serde::{Deserialize, Serialize};
+
+use crate::lora::{LoraAdapter, LoraWeights};
+use crate::model::{BaseWeight, CausalLm, Embedding, Projection};
+use crate::model_error::{ModelError, Result};
+
+/// Which forward a model runs, as a config names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// The tuned CPU engine (f32 on the CPU only).
+    #[default]
+    Engine,
+    /// candle tensor ops on `device` in `dtype`.
+    Candle,
+}
+
+/// The dtype of the candle backend's weights and activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LlmDtype {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl LlmDtype {
+    /// The candle dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
+        }
+    }
+}
+
+/// Where the candle backend computes: `cpu`, `cuda` (device 0) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| {
+                    format!("{other:?} is not a device: give `cpu`, `cuda` or `cuda:N`")
+                }),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl Serialize for DeviceSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for DeviceSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// What a config asks for: `llm.backend`, `llm.device`, `llm.dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BackendSpec {
+    pub kind: BackendKind,
+    pub device: DeviceSpec,
+    pub dtype: LlmDtype,
+}
+
+impl BackendSpec {
+    /// Checks what can be checked without touching a GPU: the engine runs
+    /// only f32 on the CPU, and CUDA needs a build with the `cuda` feature.
+    /// Errors name the config field.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.kind == BackendKind::Engine {
+            if self.device != DeviceSpec::Cpu {
+                return Err(format!(
+                    "llm.device: {} needs `llm.backend: candle` (the tuned engine runs on the CPU only)",
+                    self.device
+                ));
+            }
+            if self.dtype != LlmDtype::F32 {
+                return Err(
+                    "llm.dtype: the tuned engine computes in f32; bf16 and f16 need `llm.backend: candle`"
+                        .into(),
+                );
+            }
+        }
+        if matches!(self.device, DeviceSpec::Cuda(_)) && !cfg!(feature = "cuda") {
+            return Err(format!(
+                "llm.device: {} needs a build with the `cuda` feature \
+                 (`cargo build --release --features cuda`, or `just build-cuda`); this one has none",
+                self.device
+            ));
+        }
+        Ok(())
+    }
+
+    /// The backend, with its device opened. A CUDA device that cannot be
+    /// opened (no driver, no such GPU) is an error that says what was found.
+    pub fn open(&self) -> Result<Backend> {
+        self.validate().map_err(ModelError::BadInput)?;
+        Ok(match self.kind {
+            BackendKind::Engine => Backend::Engine,
+            BackendKind::Candle => Backend::Candle {
+                device: open_device(self.device)?,
+                dtype: self.dtype.dtype(),
+            },
+        })
+    }
+}
+
+fn open_device(spec: DeviceSpec) -> Result<Device> {
+    match spec {
+        DeviceSpec::Cpu => Ok(Device::Cpu),
+        DeviceSpec::Cuda(n) => Device::new_cuda(n).map_err(|e| {
+            ModelError::BadInput(format!(
+                "llm.device: cuda:{n} cannot be opened ({e}); \
+                 is the NVIDIA driver installed (nvidia-smi) and is there a GPU {n}?"
+            ))
+        }),
+    }
+}
+
+/// Which code computes a model's inference forward (see the module docs).
+#[derive(Debug, Clone, Default)]
+pub enum Backend {
+    #[default]
+    Engine,
+    Candle {
+        device: Device,
+        dtype: DType,
+    },
+}
+
+impl Backend {
+    /// A short description for logs: `engine (cpu, f32)`, `candle (cuda:0, bf16)`.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Engine => "engine (cpu, f32)".into(),
+            Self::Candle { device, dtype } => {
+                let device = match device.location() {
+                    candle_core::DeviceLocation::Cpu => "cpu".to_string(),
+                    candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+                    candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+                };
+                format!("candle ({device}, {})", dtype.as_str())
+            }
+        }
+    }
+}
+
+impl CausalLm {
+    /// The backend computing [`CausalLm::forward_batch`].
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// This model on `backend`: for [`Backend::Candle`] every weight is
+    /// copied to the device in the dtype (GGUF-quantized weights are
+    /// dequantized first; norms and rotary tables stay f32, as the forward
+    /// computes them in f32). The training forward stays on the CPU
+    /// engine's weights: call it on a model kept on the engine.
+    pub fn to_backend(mut self, backend: Backend) -> Result<Self> {
+        if let Backend::Candle { device, dtype } = &backend {
+            let place = |t: &candle_core::Tensor| -> Result<candle_core::Tensor> {
+                Ok(t.to_device(device)?.to_dtype(*dtype)?)
+            };
+            let place_f32 = |t: &candle_core::Tensor| -> Result<candle_core::Tensor> {
+                Ok(t.to_device(device)?.to_dtype(DType::F32)?)
+            };
+            let project = |p: &Projection| -> Result<Projection> {
+                let dense = match &p.weight {
+                    BaseWeight::Dense(w) => w.clone(),
+                    BaseWeight::Quantized(q) => q.dequantize(&Device::Cpu)?,
+                    BaseWeight::QMatMul(_) => {
+                        return Err(ModelError::BadInput(
+                            "llm.backend: candle takes a dense or dequantized base \
+                             (llm.gguf_base: dequantized or quantized, not qmatmul)"
+                                .into(),
+                        ))
+                    }
+                };
+                Ok(Projection {
+                    weight: BaseWeight::Dense(place(&dense)?),
+                    bias: p.bias.as_ref().map(place).transpose()?,
+                    target: p.target,
+                })
+            };
+            self.embed = Embedding::Dense(place(&match &self.embed {
+                Embedding::Dense(w) => w.clone(),
+                Embedding::Quantized(q) => q.dequantize(&Device::Cpu)?,
+            })?);
+            for block in &mut self.blocks {
+                block.input_norm = place_f32(&block.input_norm)?;
+                block.post_attention_norm = place_f32(&block.post_attention_norm)?;
+                for p in [
+                    &mut block.q_proj,
+                    &mut block.k_proj,
+                    &mut block.v_proj,
+                    &mut block.o_proj,
+                    &mut block.gate_proj,
+                    &mut block.up_proj,
+                    &mut block.down_proj,
+                ] {
+                    *p = project(p)?;
+                }
+            }
+            self.final_norm = place_f32(&self.final_norm)?;
+            self.lm_head = project(&self.lm_head)?;
+            self.rope_cos = place_f32(&self.rope_cos)?;
+            self.rope_sin = place_f32(&self.rope_sin)?;
+            self.inference = Default::default();
+        }
+        self.backend = backend;
+        Ok(self)
+    }
+
+    /// `adapter` placed where this model computes (a copy on the device in
+    /// the dtype for [`Backend::Candle`]; as it is for the engine). Done
+    /// once per adapter version, not per forward.
+    pub fn place_adapter(&self, adapter: &LoraAdapter) -> Result<LoraAdapter> {
+        match &self.backend {
+            Backend::Engine => Ok(adapter.clone()),
+            Backend::Candle { device, dtype } => adapter.map_weights(|w| {
+                Ok(LoraWeights {
+                    a: candle_core::Var::from_tensor(&w.a.to_device(device)?.to_dtype(*dtype)?)?,
+                    b: candle_core::Var::from_tensor(&w.b.to_device(device)?.to_dtype(*dtype)?)?,
+                })
+            }),
+        }
+    }
+}
