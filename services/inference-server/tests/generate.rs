@@ -57,6 +57,10 @@ fn cases() -> Vec<Case> {
         .collect()
 }
 
+/// The overrides of each inference backend: the CPU engine, and the
+/// candle backend (on the CPU here; a GPU in a `cuda` build).
+const BACKENDS: [&[&str]; 2] = [&[], &["llm.backend=candle"]];
+
 /// A nats-server and one inference server serving the fixture (with its
 /// adapter as `fixture`, version 0) for a TicTacToe run.
 struct Served {
@@ -158,70 +162,74 @@ fn tic_tac_toe_prompt() -> Prompt {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_matches_the_reference_and_continuous_batching_is_exact() {
-    let served = serve("gen-exact", &[]).await;
-    let cases = cases();
-    for (i, case) in cases.iter().enumerate() {
-        let reply = served
-            .generate(&tokens_request(
-                &case.input_ids,
-                None,
-                case.greedy.len() as u32,
-            ))
-            .await
-            .unwrap();
-        assert_eq!(completion(&reply), case.greedy, "case {i}");
-        assert_eq!(reply.prompt_tokens.to_u32().unwrap(), case.input_ids);
-        assert_eq!(reply.finish, FinishReason::Length);
-        assert_eq!(reply.adapter, None);
-        let lp = logprobs(&reply);
-        assert_eq!(lp.len(), case.greedy.len());
-        assert!(lp.iter().all(|&v| v.is_finite() && v <= 0.0), "{lp:?}");
-    }
+    for backend in BACKENDS {
+        let served = serve(&format!("gen-exact-{}", backend.len()), backend).await;
+        let cases = cases();
+        for (i, case) in cases.iter().enumerate() {
+            let reply = served
+                .generate(&tokens_request(
+                    &case.input_ids,
+                    None,
+                    case.greedy.len() as u32,
+                ))
+                .await
+                .unwrap();
+            assert_eq!(completion(&reply), case.greedy, "case {i}");
+            assert_eq!(reply.prompt_tokens.to_u32().unwrap(), case.input_ids);
+            assert_eq!(reply.finish, FinishReason::Length);
+            assert_eq!(reply.adapter, None);
+            let lp = logprobs(&reply);
+            assert_eq!(lp.len(), case.greedy.len());
+            assert!(lp.iter().all(|&v| v.is_finite() && v <= 0.0), "{lp:?}");
+        }
 
-    // Every mix of prompt, adapter and sampling, each alone, then all at
-    // once (plus the same again, so sequences share steps with copies of
-    // themselves): the results must not depend on the company.
-    let mut requests = Vec::new();
-    for case in &cases {
-        for adapter in [None, fixture_adapter(None)] {
-            for seed in [None, Some(7u64), Some(8)] {
-                let mut request = tokens_request(&case.input_ids, adapter.clone(), 10);
-                if let Some(seed) = seed {
-                    request.sampling.temperature = 1.0;
-                    request.sampling.seed = Some(seed);
+        // Every mix of prompt, adapter and sampling, each alone, then all at
+        // once (plus the same again, so sequences share steps with copies of
+        // themselves): the results must not depend on the company.
+        let mut requests = Vec::new();
+        for case in &cases {
+            for adapter in [None, fixture_adapter(None)] {
+                for seed in [None, Some(7u64), Some(8)] {
+                    let mut request = tokens_request(&case.input_ids, adapter.clone(), 10);
+                    if let Some(seed) = seed {
+                        request.sampling.temperature = 1.0;
+                        request.sampling.seed = Some(seed);
+                    }
+                    requests.push(request);
                 }
-                requests.push(request);
             }
         }
-    }
-    let mut alone = Vec::new();
-    for request in &requests {
-        alone.push(served.generate(request).await.unwrap());
-    }
-    // The adapter changes the greedy completion of at least one case and is
-    // reported with the version used.
-    assert!((0..cases.len()).any(|c| completion(&alone[6 * c]) != completion(&alone[6 * c + 3])));
-    assert_eq!(alone[3].adapter, fixture_adapter(Some(0)));
-
-    let all = futures::future::join_all(
-        requests
-            .iter()
-            .chain(&requests)
-            .map(|request| served.generate(request)),
-    )
-    .await;
-    for (i, reply) in all.into_iter().enumerate() {
-        let reply = reply.unwrap();
-        let want = &alone[i % requests.len()];
-        assert_eq!(completion(&reply), completion(want), "request {i}");
-        assert_eq!(reply.finish, want.finish, "request {i}");
-        assert_eq!(reply.text, want.text, "request {i}");
-        assert_eq!(reply.adapter, want.adapter, "request {i}");
-        for (a, b) in logprobs(&reply).iter().zip(logprobs(want)) {
-            assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
+        let mut alone = Vec::new();
+        for request in &requests {
+            alone.push(served.generate(request).await.unwrap());
         }
+        // The adapter changes the greedy completion of at least one case and is
+        // reported with the version used.
+        assert!(
+            (0..cases.len()).any(|c| completion(&alone[6 * c]) != completion(&alone[6 * c + 3]))
+        );
+        assert_eq!(alone[3].adapter, fixture_adapter(Some(0)));
+
+        let all = futures::future::join_all(
+            requests
+                .iter()
+                .chain(&requests)
+                .map(|request| served.generate(request)),
+        )
+        .await;
+        for (i, reply) in all.into_iter().enumerate() {
+            let reply = reply.unwrap();
+            let want = &alone[i % requests.len()];
+            assert_eq!(completion(&reply), completion(want), "request {i}");
+            assert_eq!(reply.finish, want.finish, "request {i}");
+            assert_eq!(reply.text, want.text, "request {i}");
+            assert_eq!(reply.adapter, want.adapter, "request {i}");
+            for (a, b) in logprobs(&reply).iter().zip(logprobs(want)) {
+                assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
+            }
+        }
+        served.stop().await;
     }
-    served.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -315,47 +323,49 @@ async fn stop_strings_and_max_tokens_end_completions() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn constrained_decoding_returns_an_allowed_string() {
-    let served = serve("gen-allowed", &[]).await;
-    let moves: Vec<String> = [0, 1, 3, 4, 5, 6, 8]
-        .iter()
-        .map(|m| format!("[{m}]"))
-        .collect();
-    let mut seen = std::collections::BTreeSet::new();
-    let mut requests = Vec::new();
-    for seed in 0..24u64 {
-        let mut request = GenerateRequest::new(
-            if seed % 2 == 0 {
-                None
-            } else {
-                fixture_adapter(None)
-            },
-            tic_tac_toe_prompt(),
-            SamplingParams {
-                temperature: if seed % 6 == 0 { 0.0 } else { 1.5 },
-                max_tokens: 1,
-                seed: Some(seed),
-                ..SamplingParams::default()
-            },
-        );
-        request.allowed = moves.clone();
-        // One string that is a prefix of another, in some requests.
-        if seed % 3 == 0 {
-            request.allowed.push("[4] and more".into());
+    for backend in BACKENDS {
+        let served = serve(&format!("gen-allowed-{}", backend.len()), backend).await;
+        let moves: Vec<String> = [0, 1, 3, 4, 5, 6, 8]
+            .iter()
+            .map(|m| format!("[{m}]"))
+            .collect();
+        let mut seen = std::collections::BTreeSet::new();
+        let mut requests = Vec::new();
+        for seed in 0..24u64 {
+            let mut request = GenerateRequest::new(
+                if seed % 2 == 0 {
+                    None
+                } else {
+                    fixture_adapter(None)
+                },
+                tic_tac_toe_prompt(),
+                SamplingParams {
+                    temperature: if seed % 6 == 0 { 0.0 } else { 1.5 },
+                    max_tokens: 1,
+                    seed: Some(seed),
+                    ..SamplingParams::default()
+                },
+            );
+            request.allowed = moves.clone();
+            // One string that is a prefix of another, in some requests.
+            if seed % 3 == 0 {
+                request.allowed.push("[4] and more".into());
+            }
+            requests.push(request);
         }
-        requests.push(request);
+        let replies = futures::future::join_all(requests.iter().map(|r| served.generate(r))).await;
+        for (request, reply) in requests.iter().zip(replies) {
+            let reply = reply.unwrap();
+            assert_eq!(reply.finish, FinishReason::Allowed, "{reply:?}");
+            assert!(request.allowed.contains(&reply.text), "{:?}", reply.text);
+            let lp = logprobs(&reply);
+            assert_eq!(lp.len(), completion(&reply).len());
+            assert!(lp.iter().all(|v| v.is_finite() && *v <= 0.0));
+            seen.insert(reply.text);
+        }
+        assert!(seen.len() >= 3, "sampling explores the moves: {seen:?}");
+        served.stop().await;
     }
-    let replies = futures::future::join_all(requests.iter().map(|r| served.generate(r))).await;
-    for (request, reply) in requests.iter().zip(replies) {
-        let reply = reply.unwrap();
-        assert_eq!(reply.finish, FinishReason::Allowed, "{reply:?}");
-        assert!(request.allowed.contains(&reply.text), "{:?}", reply.text);
-        let lp = logprobs(&reply);
-        assert_eq!(lp.len(), completion(&reply).len());
-        assert!(lp.iter().all(|v| v.is_finite() && *v <= 0.0));
-        seen.insert(reply.text);
-    }
-    assert!(seen.len() >= 3, "sampling explores the moves: {seen:?}");
-    served.stop().await;
 }
 
 fn fixture_adapter_files() -> (String, Vec<u8>) {
@@ -385,128 +395,135 @@ async fn generate_when_known(served: &Served, request: &GenerateRequest) -> Gene
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adapters_published_inline_and_through_the_object_store_are_served() {
     // One adapter loaded at a time: every switch evicts and reloads.
-    let served = serve("gen-adapters", &["llm.max_adapters=1"]).await;
-    let case = &cases()[1];
-    let want = served
-        .generate(&tokens_request(
-            &case.input_ids,
-            fixture_adapter(Some(0)),
-            8,
-        ))
-        .await
-        .unwrap();
-    let base = served
-        .generate(&tokens_request(&case.input_ids, None, 8))
-        .await
-        .unwrap();
-    let (config_json, safetensors) = fixture_adapter_files();
-
-    // Inline, as version 3 of `policy`.
-    let update = AdapterUpdate {
-        schema: SCHEMA_VERSION,
-        name: "policy".into(),
-        version: 3,
-        learner_env_steps: 100,
-        payload: AdapterPayload::Inline {
-            config_json: config_json.clone(),
-            safetensors: safetensors.clone(),
-        },
-    };
-    served
-        .client
-        .publish(
-            served.subjects.adapters(),
-            relay_proto::encode(&update).into(),
-        )
-        .await
-        .unwrap();
-    let policy = |version| {
-        Some(AdapterRef {
-            name: "policy".into(),
-            version,
-        })
-    };
-    let v3 = generate_when_known(
-        &served,
-        &tokens_request(&case.input_ids, policy(Some(3)), 8),
-    )
-    .await;
-    assert_eq!(v3.adapter, policy(Some(3)));
-    assert_eq!(completion(&v3), completion(&want));
-
-    // Through the JetStream object store, as version 4.
-    let jetstream = async_nats::jetstream::new(served.client.clone());
-    let store = jetstream
-        .create_object_store(async_nats::jetstream::object_store::Config {
-            bucket: "relay-adapters".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    store
-        .put(
-            "gen-adapters/policy/4/adapter_config.json",
-            &mut config_json.as_bytes(),
-        )
-        .await
-        .unwrap();
-    store
-        .put(
-            "gen-adapters/policy/4/adapter_model.safetensors",
-            &mut safetensors.as_slice(),
-        )
-        .await
-        .unwrap();
-    let update = AdapterUpdate {
-        schema: SCHEMA_VERSION,
-        name: "policy".into(),
-        version: 4,
-        learner_env_steps: 200,
-        payload: AdapterPayload::ObjectStore {
-            bucket: "relay-adapters".into(),
-            key: "gen-adapters/policy/4".into(),
-        },
-    };
-    served
-        .client
-        .publish(
-            served.subjects.adapters(),
-            relay_proto::encode(&update).into(),
-        )
-        .await
-        .unwrap();
-    let v4 = generate_when_known(
-        &served,
-        &tokens_request(&case.input_ids, policy(Some(4)), 8),
-    )
-    .await;
-    assert_eq!(v4.adapter, policy(Some(4)));
-    assert_eq!(completion(&v4), completion(&want));
-    // No version: the newest.
-    let newest = served
-        .generate(&tokens_request(&case.input_ids, policy(None), 8))
-        .await
-        .unwrap();
-    assert_eq!(newest.adapter, policy(Some(4)));
-    // Back to version 3 (evicted since), the base, and the fixture: all
-    // reload and give what they gave.
-    for (adapter, expect) in [
-        (policy(Some(3)), &want),
-        (None, &base),
-        (fixture_adapter(None), &want),
-    ] {
-        let reply = served
-            .generate(&tokens_request(&case.input_ids, adapter, 8))
+    for backend in BACKENDS {
+        let overrides: Vec<&str> = ["llm.max_adapters=1"]
+            .iter()
+            .chain(backend)
+            .copied()
+            .collect();
+        let served = serve(&format!("gen-adapters-{}", backend.len()), &overrides).await;
+        let case = &cases()[1];
+        let want = served
+            .generate(&tokens_request(
+                &case.input_ids,
+                fixture_adapter(Some(0)),
+                8,
+            ))
             .await
             .unwrap();
-        assert_eq!(completion(&reply), completion(expect));
+        let base = served
+            .generate(&tokens_request(&case.input_ids, None, 8))
+            .await
+            .unwrap();
+        let (config_json, safetensors) = fixture_adapter_files();
+
+        // Inline, as version 3 of `policy`.
+        let update = AdapterUpdate {
+            schema: SCHEMA_VERSION,
+            name: "policy".into(),
+            version: 3,
+            learner_env_steps: 100,
+            payload: AdapterPayload::Inline {
+                config_json: config_json.clone(),
+                safetensors: safetensors.clone(),
+            },
+        };
+        served
+            .client
+            .publish(
+                served.subjects.adapters(),
+                relay_proto::encode(&update).into(),
+            )
+            .await
+            .unwrap();
+        let policy = |version| {
+            Some(AdapterRef {
+                name: "policy".into(),
+                version,
+            })
+        };
+        let v3 = generate_when_known(
+            &served,
+            &tokens_request(&case.input_ids, policy(Some(3)), 8),
+        )
+        .await;
+        assert_eq!(v3.adapter, policy(Some(3)));
+        assert_eq!(completion(&v3), completion(&want));
+
+        // Through the JetStream object store, as version 4.
+        let jetstream = async_nats::jetstream::new(served.client.clone());
+        let store = jetstream
+            .create_object_store(async_nats::jetstream::object_store::Config {
+                bucket: "relay-adapters".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        store
+            .put(
+                "gen-adapters/policy/4/adapter_config.json",
+                &mut config_json.as_bytes(),
+            )
+            .await
+            .unwrap();
+        store
+            .put(
+                "gen-adapters/policy/4/adapter_model.safetensors",
+                &mut safetensors.as_slice(),
+            )
+            .await
+            .unwrap();
+        let update = AdapterUpdate {
+            schema: SCHEMA_VERSION,
+            name: "policy".into(),
+            version: 4,
+            learner_env_steps: 200,
+            payload: AdapterPayload::ObjectStore {
+                bucket: "relay-adapters".into(),
+                key: "gen-adapters/policy/4".into(),
+            },
+        };
+        served
+            .client
+            .publish(
+                served.subjects.adapters(),
+                relay_proto::encode(&update).into(),
+            )
+            .await
+            .unwrap();
+        let v4 = generate_when_known(
+            &served,
+            &tokens_request(&case.input_ids, policy(Some(4)), 8),
+        )
+        .await;
+        assert_eq!(v4.adapter, policy(Some(4)));
+        assert_eq!(completion(&v4), completion(&want));
+        // No version: the newest.
+        let newest = served
+            .generate(&tokens_request(&case.input_ids, policy(None), 8))
+            .await
+            .unwrap();
+        assert_eq!(newest.adapter, policy(Some(4)));
+        // Back to version 3 (evicted since), the base, and the fixture: all
+        // reload and give what they gave.
+        for (adapter, expect) in [
+            (policy(Some(3)), &want),
+            (None, &base),
+            (fixture_adapter(None), &want),
+        ] {
+            let reply = served
+                .generate(&tokens_request(&case.input_ids, adapter, 8))
+                .await
+                .unwrap();
+            assert_eq!(completion(&reply), completion(expect));
+        }
+        assert_ne!(
+            completion(&base),
+            completion(&want),
+            "the adapter changes the completion"
+        );
+        served.stop().await;
     }
-    assert_ne!(
-        completion(&base),
-        completion(&want),
-        "the adapter changes the completion"
-    );
-    served.stop().await;
 }
 
 /// Puts the fixture adapter into the run's bucket as `policy/v<version>`,

@@ -533,6 +533,18 @@ pub struct LlmConfig {
     /// 0 disables it. Memory: prompt tokens x layers x 2 x kv width x 4 bytes
     /// each (SmolLM2: 46 KB per token).
     pub prefix_cache: usize,
+    /// What computes the inference servers' forward: `engine` (the tuned
+    /// CPU engine, f32) or `candle` (candle tensor ops on `device` in
+    /// `dtype`: the path to a GPU). The learner and `relay sft` train on
+    /// the CPU engine whatever this says.
+    pub backend: relay_llm::BackendKind,
+    /// Where the `candle` backend computes: `cpu`, `cuda` (GPU 0) or
+    /// `cuda:N`; CUDA needs a build with the `cuda` feature (`just
+    /// build-cuda`) and the NVIDIA driver.
+    pub device: relay_llm::DeviceSpec,
+    /// The `candle` backend's weights and matmuls: `f32`, `bf16` or `f16`
+    /// (norms, softmax and logits stay f32).
+    pub dtype: relay_llm::LlmDtype,
 }
 
 impl Default for LlmConfig {
@@ -546,12 +558,27 @@ impl Default for LlmConfig {
             adapters: Default::default(),
             threads: 2,
             prefix_cache: 16,
+            backend: Default::default(),
+            device: Default::default(),
+            dtype: Default::default(),
         }
     }
 }
 
 impl LlmConfig {
+    /// The inference backend the config asks for.
+    pub fn backend_spec(&self) -> relay_llm::BackendSpec {
+        relay_llm::BackendSpec {
+            kind: self.backend,
+            device: self.device,
+            dtype: self.dtype,
+        }
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
+        self.backend_spec()
+            .validate()
+            .map_err(|e| invalid(e.field, e.detail))?;
         if let Some(model) = &self.model {
             if model.trim().is_empty() {
                 return Err(invalid(
@@ -3737,6 +3764,11 @@ mod tests {
             ("llm.gguf_base=q8", "gguf_base"),
             ("llm.adapters.x=''", "llm.adapters.x"),
             ("llm.max_sequence=3", "max_sequence"),
+            ("llm.device=cuda", "llm.device"),
+            ("llm.device=gpu0", "cuda:N"),
+            ("llm.dtype=bf16", "llm.dtype"),
+            ("llm.dtype=f8", "dtype"),
+            ("llm.backend=vllm", "backend"),
         ];
         for (set, field) in cases {
             let err = ExperimentConfig::from_layers(BASE, "t", &[], &[set.into()])
@@ -3748,6 +3780,29 @@ mod tests {
             ExperimentConfig::from_layers(BASE, "t", &[], &["run.env_id=TicTacToe-v0".into()])
                 .unwrap();
         assert!(text.is_text_game() && text.serves_llm());
+        let candle = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &["llm.backend=candle".into(), "llm.dtype=bf16".into()],
+        )
+        .unwrap();
+        assert_eq!(candle.llm.backend_spec().dtype, relay_llm::LlmDtype::Bf16);
+        // CUDA without the feature: the field, and how to build with it.
+        if !relay_llm::CUDA_BUILT {
+            let err = ExperimentConfig::from_layers(
+                BASE,
+                "t",
+                &[],
+                &["llm.backend=candle".into(), "llm.device=cuda:0".into()],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains("llm.device") && err.contains("just build-cuda"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -20,6 +20,9 @@ use crate::lora::{LoraAdapter, LoraWeights};
 use crate::model::{BaseWeight, CausalLm, Embedding, Projection};
 use crate::model_error::{ModelError, Result};
 
+/// Whether this build has the `cuda` feature (CUDA devices can be opened).
+pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
 /// Which forward a model runs, as a config names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -101,6 +104,14 @@ impl<'de> Deserialize<'de> for DeviceSpec {
     }
 }
 
+/// A [`BackendSpec`] that cannot work: the config field and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {detail}")]
+pub struct SpecError {
+    pub field: &'static str,
+    pub detail: String,
+}
+
 /// What a config asks for: `llm.backend`, `llm.device`, `llm.dtype`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BackendSpec {
@@ -113,27 +124,35 @@ impl BackendSpec {
     /// Checks what can be checked without touching a GPU: the engine runs
     /// only f32 on the CPU, and CUDA needs a build with the `cuda` feature.
     /// Errors name the config field.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), SpecError> {
+        let error = |field, detail: String| Err(SpecError { field, detail });
         if self.kind == BackendKind::Engine {
             if self.device != DeviceSpec::Cpu {
-                return Err(format!(
-                    "llm.device: {} needs `llm.backend: candle` (the tuned engine runs on the CPU only)",
-                    self.device
-                ));
+                return error(
+                    "llm.device",
+                    format!(
+                        "{} needs `llm.backend: candle` (the tuned engine runs on the CPU only)",
+                        self.device
+                    ),
+                );
             }
             if self.dtype != LlmDtype::F32 {
-                return Err(
-                    "llm.dtype: the tuned engine computes in f32; bf16 and f16 need `llm.backend: candle`"
+                return error(
+                    "llm.dtype",
+                    "the tuned engine computes in f32; bf16 and f16 need `llm.backend: candle`"
                         .into(),
                 );
             }
         }
-        if matches!(self.device, DeviceSpec::Cuda(_)) && !cfg!(feature = "cuda") {
-            return Err(format!(
-                "llm.device: {} needs a build with the `cuda` feature \
-                 (`cargo build --release --features cuda`, or `just build-cuda`); this one has none",
-                self.device
-            ));
+        if matches!(self.device, DeviceSpec::Cuda(_)) && !CUDA_BUILT {
+            return error(
+                "llm.device",
+                format!(
+                    "{} needs a build with the `cuda` feature \
+                     (`cargo build --release --features cuda`, or `just build-cuda`); this one has none",
+                    self.device
+                ),
+            );
         }
         Ok(())
     }
@@ -141,7 +160,8 @@ impl BackendSpec {
     /// The backend, with its device opened. A CUDA device that cannot be
     /// opened (no driver, no such GPU) is an error that says what was found.
     pub fn open(&self) -> Result<Backend> {
-        self.validate().map_err(ModelError::BadInput)?;
+        self.validate()
+            .map_err(|e| ModelError::BadInput(e.to_string()))?;
         Ok(match self.kind {
             BackendKind::Engine => Backend::Engine,
             BackendKind::Candle => Backend::Candle {
@@ -176,6 +196,21 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// `adapter` placed where this backend computes (a copy on the device
+    /// in the dtype for [`Backend::Candle`]; as it is for the engine). Done
+    /// once per adapter version, not per forward.
+    pub fn place_adapter(&self, adapter: &LoraAdapter) -> Result<LoraAdapter> {
+        match self {
+            Self::Engine => Ok(adapter.clone()),
+            Self::Candle { device, dtype } => adapter.map_weights(|w| {
+                Ok(LoraWeights {
+                    a: candle_core::Var::from_tensor(&w.a.to_device(device)?.to_dtype(*dtype)?)?,
+                    b: candle_core::Var::from_tensor(&w.b.to_device(device)?.to_dtype(*dtype)?)?,
+                })
+            }),
+        }
+    }
+
     /// A short description for logs: `engine (cpu, f32)`, `candle (cuda:0, bf16)`.
     pub fn describe(&self) -> String {
         match self {
@@ -258,18 +293,8 @@ impl CausalLm {
         Ok(self)
     }
 
-    /// `adapter` placed where this model computes (a copy on the device in
-    /// the dtype for [`Backend::Candle`]; as it is for the engine). Done
-    /// once per adapter version, not per forward.
+    /// `adapter` placed where this model computes ([`Backend::place_adapter`]).
     pub fn place_adapter(&self, adapter: &LoraAdapter) -> Result<LoraAdapter> {
-        match &self.backend {
-            Backend::Engine => Ok(adapter.clone()),
-            Backend::Candle { device, dtype } => adapter.map_weights(|w| {
-                Ok(LoraWeights {
-                    a: candle_core::Var::from_tensor(&w.a.to_device(device)?.to_dtype(*dtype)?)?,
-                    b: candle_core::Var::from_tensor(&w.b.to_device(device)?.to_dtype(*dtype)?)?,
-                })
-            }),
-        }
+        self.backend.place_adapter(adapter)
     }
 }

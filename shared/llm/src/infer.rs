@@ -295,6 +295,10 @@ impl CausalLm {
     /// base then holds a second, packed copy of every projection (the
     /// model's size again, plus the output head if tied to the embedding).
     pub fn prepare_inference(&self) -> Result<()> {
+        if matches!(self.backend, crate::backend::Backend::Candle { .. }) {
+            // The candle backend multiplies the placed weights as they are.
+            return Ok(());
+        }
         self.inference_weights().map(|_| ())
     }
 

@@ -137,7 +137,7 @@ pub mod train_forward;
 mod train_ops;
 
 pub use adapter_bytes::{to_peft_bytes, PeftBytes};
-pub use backend::{Backend, BackendKind, BackendSpec, DeviceSpec, LlmDtype};
+pub use backend::{Backend, BackendKind, BackendSpec, DeviceSpec, LlmDtype, SpecError, CUDA_BUILT};
 pub use cache::{KvCache, PrefixCache};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
 pub use config::{Architecture, ModelConfig};

@@ -105,6 +105,8 @@ fn known_names(inner: &Inner) -> String {
 pub(crate) struct AdapterStore {
     inner: tokio::sync::Mutex<Inner>,
     model: ModelConfig,
+    /// Where the model computes: loaded adapters are placed there.
+    backend: relay_llm::Backend,
     max_loaded: usize,
     jetstream: async_nats::jetstream::Context,
     /// The run's bucket of stored versions, looked in for unknown ones.
@@ -123,6 +125,7 @@ enum StoredError {
 impl AdapterStore {
     pub(crate) fn new(
         model: ModelConfig,
+        backend: relay_llm::Backend,
         max_loaded: usize,
         nats: async_nats::Client,
         bucket: Option<String>,
@@ -135,6 +138,7 @@ impl AdapterStore {
                 clock: 0,
             }),
             model,
+            backend,
             max_loaded,
             jetstream: async_nats::jetstream::new(nats),
             bucket,
@@ -401,6 +405,7 @@ impl AdapterStore {
             detail,
         };
         let model = self.model.clone();
+        let started = std::time::Instant::now();
         let adapter = match source {
             Source::Folder(dir) => {
                 let dir = dir.clone();
@@ -438,7 +443,14 @@ impl AdapterStore {
             }
         }
         .map_err(|e| fail(e.to_string()))?;
+        let adapter = self
+            .backend
+            .place_adapter(&adapter)
+            .map_err(|e| fail(e.to_string()))?;
         self.metrics.adapter_loads.inc();
+        self.metrics
+            .adapter_load_seconds
+            .observe(started.elapsed().as_secs_f64());
         Ok(Arc::new(adapter))
     }
 

@@ -18,6 +18,7 @@ pub(crate) struct LlmMetrics {
     pub adapters_loaded: IntGauge,
     pub adapter_loads: IntCounter,
     pub adapter_evictions: IntCounter,
+    pub adapter_load_seconds: Histogram,
 }
 
 fn histogram(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
@@ -95,8 +96,14 @@ impl LlmMetrics {
                 "LoRA adapter versions dropped from memory by the LRU bound.",
             )
             .expect("valid counter"),
+            adapter_load_seconds: histogram(
+                "relay_llm_adapter_load_seconds",
+                "Time to load one LoRA adapter version (fetch, parse, place on the model's device).",
+                vec![0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0],
+            ),
         };
         relay_kit::metrics::register(registry, &m.sequences_per_step);
+        relay_kit::metrics::register(registry, &m.adapter_load_seconds);
         relay_kit::metrics::register(registry, &m.generated_tokens);
         relay_kit::metrics::register(registry, &m.tokens_per_second);
         relay_kit::metrics::register(registry, &m.time_to_first_token);

@@ -256,16 +256,20 @@ pub(crate) async fn serve(
         )));
     };
     let started = Instant::now();
+    let backend = cfg
+        .backend_spec()
+        .open()
+        .map_err(|e| ServiceError::other(e.to_string()))?;
+    let placed = backend.clone();
     let loaded = tokio::task::spawn_blocking(move || {
-        let loaded = load_model(&model_name, cfg.gguf_base)?;
+        let mut loaded = load_model(&model_name, cfg.gguf_base)?;
+        let failed = |e: relay_llm::ModelError| LoadError::Load {
+            path: loaded.path.clone(),
+            detail: e.to_string(),
+        };
+        loaded.model = loaded.model.to_backend(placed).map_err(&failed)?;
         // Pack the weights now, not inside the first request.
-        loaded
-            .model
-            .prepare_inference()
-            .map_err(|e| LoadError::Load {
-                path: loaded.path.clone(),
-                detail: e.to_string(),
-            })?;
+        loaded.model.prepare_inference().map_err(&failed)?;
         Ok::<_, LoadError>(loaded)
     })
     .await
@@ -278,11 +282,13 @@ pub(crate) async fn serve(
         architecture = ?model_config.architecture,
         layers = model_config.num_hidden_layers,
         vocab = model_config.vocab_size,
+        backend = %backend.describe(),
         seconds = started.elapsed().as_secs_f64(),
         "LLM loaded"
     );
     let adapters = Arc::new(AdapterStore::new(
         model_config.clone(),
+        backend,
         cfg.max_adapters,
         service.nats.clone(),
         service
