@@ -21,10 +21,14 @@ up *ARGS: install
 down:
     {{release}}/relay down
 
-# The release binaries with the `cuda` feature (candle on NVIDIA GPUs through cudarc). Builds without a GPU: installs a CUDA compiler from PyPI where none is installed (deploy/install.sh --cuda; deploy/cuda-env.sh sets CUDA_COMPUTE_CAP and the CUDA version); running them needs the NVIDIA driver.
+# The release binaries with the `cuda` feature (candle on NVIDIA GPUs through cudarc), into target/cuda/release/ (the CPU build's caches stay). Builds without a GPU: installs a CUDA compiler from PyPI where none is installed (deploy/install.sh --cuda; deploy/cuda-env.sh sets CUDA_COMPUTE_CAP and the CUDA version); running them needs the NVIDIA driver. Serve on a GPU with `--set llm.backend=candle --set llm.device=cuda --set llm.dtype=bf16`.
 build-cuda: install
     bash deploy/install.sh --cuda
-    source deploy/cuda-env.sh && cargo build --release --workspace --bins --features cuda
+    source deploy/cuda-env.sh && cargo build --release --workspace --bins --features cuda --target-dir target/cuda
+
+# SmolLM2-135M generation tokens/s at B = 1, 8, 32, 64 on the CPU engine, the candle backend on the CPU and, with an NVIDIA GPU (the `cuda` build), on cuda:0 in bf16; LoRA training tokens/s and adapter load time: table + JSON line. Without a GPU it says so and measures the CPU backends.
+bench-gpu *ARGS: install
+    if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay bench-gpu {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay bench-gpu {{ARGS}}; fi
 
 # Type-check every crate and target with the `cuda` feature (what CI runs, so the CUDA path cannot rot); its own target folder keeps the CPU build's caches.
 check-cuda: install

@@ -408,6 +408,13 @@ pub(crate) async fn run(
         .train_config(cfg.text.max_turn_tokens as usize)
         .map_err(ServiceError::other)?;
     let lora_config = cfg.lora.lora_config().map_err(ServiceError::other)?;
+    if cfg.llm.backend != relay_llm::BackendKind::Engine {
+        tracing::info!(
+            device = %cfg.llm.device,
+            "llm.backend: candle serves generation on the inference servers; \
+             the learner trains on the CPU engine (f32)"
+        );
+    }
     let started_loading = Instant::now();
     let spec = model_spec.clone();
     let (model, model_path) = tokio::task::spawn_blocking(move || {

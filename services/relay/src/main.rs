@@ -125,6 +125,8 @@ enum Command {
     /// Generation tokens/s and request latency of the inference server for
     /// several models and batch sizes; print a table and JSON.
     BenchGenerate(relay::bench_generate::BenchGenerateArgs),
+    /// SmolLM2-135M generation tokens/s at B = 1, 8, 32, 64 on the CPU engine, the candle backend on the CPU and, in a `cuda` build with a GPU, on cuda:0 in bf16; LoRA training tokens/s and adapter load time; a table and JSON.
+    BenchGpu(relay::bench_gpu::BenchGpuArgs),
     /// Env steps/s of Gymnasium's CartPole through relay's env bridge against Gymnasium's own SyncVectorEnv (and relay's built-in CartPole); print a table and JSON.
     BenchBridge(relay::bench_bridge::BenchBridgeArgs),
     /// Raw env steps/s on one core of relay's built-in envs against Gymnasium's SyncVectorEnv and EnvPool; print a table and JSON.
@@ -166,6 +168,7 @@ fn main() -> Result<()> {
         Command::BenchSmolLm2(args) => relay::bench_smollm2::bench_smollm2(args),
         Command::BenchLeague(args) => relay::bench_league::bench_league(args),
         Command::BenchGenerate(args) => relay::bench_generate::bench_generate(args),
+        Command::BenchGpu(args) => relay::bench_gpu::bench_gpu(args),
     }
 }
 

@@ -1,0 +1,237 @@
+//! `relay bench-gpu` (`just bench-gpu`): SmolLM2-135M-Instruct on each
+//! inference backend, in one run: the CPU engine, the candle backend on
+//! the CPU (f32), and, in a `cuda` build on a machine with an NVIDIA GPU,
+//! the candle backend on `cuda:0` in bf16.
+//!
+//! For each backend and batch size B: B sequences of a TicTacToe prompt
+//! (each a different board) generate `--new-tokens` tokens each through
+//! [`relay_llm::step`] (continuous batching, sampling at temperature 1,
+//! no stop token), timed from the first prefill to the last token:
+//! completion tokens per second. Then the LoRA training step (forward and
+//! backward of a rank-8 adapter on every projection, B x 128 tokens) on
+//! the backends that train, and the load time of one adapter version
+//! (PEFT bytes parsed and placed on the backend's device). Without a GPU
+//! the run says so and measures the CPU backends. A table, then one JSON
+//! line.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use relay_llm::{
+    Backend, CausalLm, GgufBase, LoraAdapter, LoraConfig, Sampler, SamplingParams, Sequence,
+    StopCondition,
+};
+
+/// `relay bench-gpu` flags.
+#[derive(Debug, clap::Args)]
+pub struct BenchGpuArgs {
+    /// Batch sizes (sequences decoded together), comma-separated.
+    #[arg(long, default_value = "1,8,32,64", value_delimiter = ',')]
+    pub batches: Vec<usize>,
+    /// Tokens each sequence generates.
+    #[arg(long, default_value_t = 32)]
+    pub new_tokens: usize,
+    /// Sequences in the training step's batch (of 128 tokens each).
+    #[arg(long, default_value_t = 8)]
+    pub train_batch: usize,
+}
+
+/// One backend of the run.
+struct Contender {
+    name: String,
+    backend: Backend,
+    /// Whether LoRA training runs on it.
+    trains: bool,
+}
+
+/// The backends this build and machine have: the CPU ones always, CUDA
+/// when built with it and a GPU opens.
+fn contenders() -> (Vec<Contender>, String) {
+    let mut all = vec![
+        Contender {
+            name: "engine (cpu, f32)".into(),
+            backend: Backend::Engine,
+            trains: true,
+        },
+        Contender {
+            name: "candle (cpu, f32)".into(),
+            backend: Backend::Candle {
+                device: Device::Cpu,
+                dtype: DType::F32,
+            },
+            trains: false,
+        },
+    ];
+    let gpu = if !relay_llm::CUDA_BUILT {
+        "no GPU measured: this build has no `cuda` feature (`just build-cuda`)".to_string()
+    } else {
+        match Device::new_cuda(0) {
+            Ok(device) => {
+                all.push(Contender {
+                    name: "candle (cuda:0, bf16)".into(),
+                    backend: Backend::Candle {
+                        device,
+                        dtype: DType::BF16,
+                    },
+                    trains: false,
+                });
+                "cuda:0".to_string()
+            }
+            Err(e) => format!("no GPU measured: cuda:0 does not open ({e})"),
+        }
+    };
+    (all, gpu)
+}
+
+/// A TicTacToe prompt with board `k` (so sequences differ).
+fn prompt(tokenizer: &relay_llm::Tokenizer, k: usize) -> Result<Vec<u32>> {
+    let cells: String = (0..9)
+        .map(|i| match (k >> i) % 3 {
+            0 => " ",
+            1 => "X",
+            _ => "O",
+        })
+        .map(|c| format!("[{c}]"))
+        .collect();
+    let text = format!(
+        "You are playing TicTacToe as X. The board, row by row: {cells}. \
+         Answer with the cell you play, as [0] to [8]."
+    );
+    tokenizer.encode(&text, false).context("tokenizing the prompt")
+}
+
+/// Completion tokens per second of `batch` sequences generating `new_tokens` each.
+fn generate(model: &CausalLm, prompts: &[Vec<u32>], new_tokens: usize) -> Result<f64> {
+    let stop = StopCondition {
+        max_new_tokens: new_tokens,
+        stop_token_ids: Vec::new(),
+    };
+    let mut running: Vec<Sequence> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let sampler = Sampler::new(SamplingParams::default(), i as u64)?;
+            Sequence::new(model, p.clone(), None, sampler, stop.clone())
+        })
+        .collect::<relay_llm::model_error::Result<_>>()?;
+    let started = Instant::now();
+    let mut tokens = 0usize;
+    while running.iter().any(|s| !s.is_finished()) {
+        let mut refs: Vec<&mut Sequence> = running.iter_mut().filter(|s| !s.is_finished()).collect();
+        tokens += relay_llm::step(model, &mut refs)?.into_iter().flatten().count();
+    }
+    Ok(tokens as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Tokens per second of one LoRA training step (forward and backward) on
+/// a `(batch, 128)` block.
+fn train_step(model: &CausalLm, adapter: &LoraAdapter, batch: usize) -> Result<f64> {
+    let time = 128;
+    let ids: Vec<u32> = (0..batch * time).map(|i| (i * 7919 % 20000) as u32).collect();
+    let ids = Tensor::from_vec(ids, (batch, time), &Device::Cpu)?;
+    let run = || -> Result<()> {
+        let logits = model.forward_train(&ids, Some(adapter))?;
+        let targets = ids.narrow(1, 1, time - 1)?;
+        let logits = logits.narrow(1, 0, time - 1)?;
+        let loss = relay_llm::token_log_probs(&logits, &targets)?
+            .mean_all()?
+            .neg()?;
+        loss.backward()?;
+        Ok(())
+    };
+    run()?; // warm-up
+    let started = Instant::now();
+    run()?;
+    Ok((batch * time) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Seconds to parse one adapter version from its PEFT bytes and place it.
+fn adapter_load(model: &CausalLm, bytes: &relay_llm::PeftBytes) -> Result<f64> {
+    let started = Instant::now();
+    let adapter = LoraAdapter::from_peft_bytes(&bytes.config_json, &bytes.safetensors, model.config())?;
+    let placed = model.place_adapter(&adapter)?;
+    // On a GPU the copy is asynchronous: wait for it.
+    if let Some(w) = placed.named_vars().first() {
+        w.1.as_tensor().to_device(&Device::Cpu)?;
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// `relay bench-gpu`.
+pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
+    let (contenders, gpu) = contenders();
+    println!("relay bench-gpu: {gpu}");
+    let (base, path) = relay_llm::load_causal_lm("smollm2", GgufBase::Dequantized)
+        .context("SmolLM2-135M-Instruct (run `bash deploy/install.sh`)")?;
+    let tokenizer = relay_llm::load_tokenizer(&path)?;
+    let max_batch = args.batches.iter().copied().max().unwrap_or(1);
+    let prompts: Vec<Vec<u32>> = (0..max_batch)
+        .map(|k| prompt(&tokenizer, k * 7 + 1))
+        .collect::<Result<_>>()?;
+    let adapter = LoraAdapter::new(base.config(), LoraConfig::all_projections(8, 16.0), 0)?;
+    let bytes = relay_llm::to_peft_bytes(&adapter, None)?;
+
+    let mut rows = Vec::new();
+    for contender in &contenders {
+        let model = base.clone().to_backend(contender.backend.clone())?;
+        model.prepare_inference()?;
+        let mut generate_tps = Vec::new();
+        for &b in &args.batches {
+            let tps = generate(&model, &prompts[..b], args.new_tokens)?;
+            println!("  {:<22} B={b:<3} {tps:>9.1} tokens/s", contender.name);
+            generate_tps.push((b, tps));
+        }
+        let train_tps = if contender.trains {
+            Some(train_step(&model, &adapter, args.train_batch)?)
+        } else {
+            None
+        };
+        let load_s = adapter_load(&model, &bytes)?;
+        rows.push((contender.name.clone(), generate_tps, train_tps, load_s));
+    }
+
+    println!();
+    let header: Vec<String> = args.batches.iter().map(|b| format!("B={b} tok/s")).collect();
+    println!(
+        "| backend | {} | LoRA train tok/s (B={} x 128) | adapter load ms |",
+        header.join(" | "),
+        args.train_batch
+    );
+    println!("|---|{}---:|---:|", "---:|".repeat(args.batches.len()));
+    for (name, generate_tps, train_tps, load_s) in &rows {
+        let cells: Vec<String> = generate_tps.iter().map(|(_, t)| format!("{t:.1}")).collect();
+        println!(
+            "| {name} | {} | {} | {:.1} |",
+            cells.join(" | "),
+            train_tps.map_or("not yet on this backend".to_string(), |t| format!("{t:.1}")),
+            load_s * 1000.0
+        );
+    }
+    let json = serde_json::json!({
+        "model": "SmolLM2-135M-Instruct",
+        "gpu": gpu,
+        "new_tokens": args.new_tokens,
+        "backends": rows.iter().map(|(name, generate_tps, train_tps, load_s)| serde_json::json!({
+            "backend": name,
+            "generate_tokens_per_s": generate_tps.iter().map(|(b, t)| serde_json::json!({"batch": b, "tokens_per_s": (t * 10.0).round() / 10.0})).collect::<Vec<_>>(),
+            "lora_train_tokens_per_s": train_tps.map(|t| (t * 10.0).round() / 10.0),
+            "adapter_load_ms": (load_s * 10000.0).round() / 10.0,
+        })).collect::<Vec<_>>(),
+    });
+    println!("{json}");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_cpu_backends_are_always_measured() {
+        let (all, gpu) = super::contenders();
+        assert!(all.len() >= 2);
+        assert!(all[0].trains && !all[1].trains);
+        if !relay_llm::CUDA_BUILT {
+            assert!(gpu.contains("no GPU measured") && gpu.contains("just build-cuda"));
+        }
+    }
+}
