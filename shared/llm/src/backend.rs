@@ -196,16 +196,19 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// `adapter` placed where this backend computes (a copy on the device
-    /// in the dtype for [`Backend::Candle`]; as it is for the engine). Done
-    /// once per adapter version, not per forward.
+    /// `adapter` placed where this backend computes: for
+    /// [`Backend::Candle`] a copy on the device (its factors stay f32, the
+    /// trainable master copy; products run in the backend's dtype), as it
+    /// is for the engine. Done once per adapter version, not per forward;
+    /// to train on the device, hand the placed adapter's vars to the
+    /// optimizer.
     pub fn place_adapter(&self, adapter: &LoraAdapter) -> Result<LoraAdapter> {
         match self {
             Self::Engine => Ok(adapter.clone()),
-            Self::Candle { device, dtype } => adapter.map_weights(|w| {
+            Self::Candle { device, .. } => adapter.map_weights(|w| {
                 Ok(LoraWeights {
-                    a: candle_core::Var::from_tensor(&w.a.to_device(device)?.to_dtype(*dtype)?)?,
-                    b: candle_core::Var::from_tensor(&w.b.to_device(device)?.to_dtype(*dtype)?)?,
+                    a: candle_core::Var::from_tensor(&w.a.to_device(device)?)?,
+                    b: candle_core::Var::from_tensor(&w.b.to_device(device)?)?,
                 })
             }),
         }
@@ -231,6 +234,12 @@ impl CausalLm {
     /// The backend computing [`CausalLm::forward_batch`].
     pub fn backend(&self) -> &Backend {
         &self.backend
+    }
+
+    /// The device the model's weights are on (inputs of the training
+    /// forward may come from anywhere; logits come back on it).
+    pub fn device(&self) -> &Device {
+        self.rope_cos.device()
     }
 
     /// This model on `backend`: for [`Backend::Candle`] every weight is

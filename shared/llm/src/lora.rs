@@ -383,8 +383,13 @@ impl LoraAdapter {
         let Some(w) = self.weights(layer, target) else {
             return Ok(None);
         };
-        let low = x.matmul(&w.a.as_tensor().t()?)?;
-        let up = low.matmul(&w.b.as_tensor().t()?)?;
+        // The factors stay f32 (trainable); products in the input's dtype.
+        let (a, b) = (
+            w.a.as_tensor().to_dtype(x.dtype())?,
+            w.b.as_tensor().to_dtype(x.dtype())?,
+        );
+        let low = x.matmul(&a.t()?)?;
+        let up = low.matmul(&b.t()?)?;
         Ok(Some(up.affine(self.scaling, 0.0)?))
     }
 }

@@ -495,42 +495,54 @@ impl CausalLm {
         let up = block.up_proj.forward(h, layer, routing)?;
         block.down_proj.forward(&(gate * up)?, layer, routing)
     }
-
-    /// [`CausalLm::forward_train`] composed of candle's basic ops (every
-    /// one with candle's own backward): the same logits and gradients,
-    /// several times slower. Kept as the reference the fused training
-    /// path ([`crate::train_forward`]) is tested against.
-    #[doc(hidden)]
+    /// The training forward composed of candle's basic ops (all with a
+    /// backward, all with CUDA kernels): logits `(batch, time, vocab)` of a
+    /// right-padded block from position 0. The candle backend trains
+    /// through it ([`CausalLm::forward_train`] dispatches here); on the CPU
+    /// engine it is the reference the fused ops are tested against.
     pub fn forward_train_composed(
         &self,
         input_ids: &Tensor,
         adapter: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
-        if !self.supports_training() {
-            return Err(ModelError::BadInput(
-                "forward_train cannot pass gradients through QMatMul: \
-                 load the GGUF with GgufBase::Quantized or Dequantized"
-                    .into(),
-            ));
+        let (batch, time, flat_ids) = self.check_train_input(input_ids, adapter)?;
+        let x = self.composed_trunk(&flat_ids, (batch, time), adapter)?;
+        let logits = self.composed_head(&x)?;
+        Ok(logits.reshape((batch, time, self.config.vocab_size))?)
+    }
+
+    /// The dtype of the base's weights and matmuls.
+    pub(crate) fn compute_dtype(&self) -> DType {
+        match &self.backend {
+            crate::backend::Backend::Candle { dtype, .. } => *dtype,
+            crate::backend::Backend::Engine => DType::F32,
         }
-        self.check_adapter(adapter)?;
-        let (batch, time) = input_ids.dims2()?;
-        if time == 0 || batch == 0 {
-            return Err(ModelError::BadInput("empty input_ids".into()));
-        }
-        if time > self.config.max_position_embeddings {
-            return Err(ModelError::ContextOverflow {
-                position: time - 1,
-                limit: self.config.max_position_embeddings,
-            });
-        }
-        let flat_ids = input_ids.flatten_all()?.to_dtype(DType::U32)?;
-        self.check_tokens(&flat_ids.to_vec1::<u32>()?)?;
+    }
+
+    /// Final norm and LM head of composed residual rows: f32 logits.
+    pub(crate) fn composed_head(&self, x: &Tensor) -> Result<Tensor> {
+        let x = rms_norm(x, &self.final_norm, self.config.rms_norm_eps)?;
+        let logits = self
+            .lm_head
+            .forward(&x.to_dtype(self.compute_dtype())?, 0, &Routing::Base)?;
+        Ok(logits.to_dtype(DType::F32)?)
+    }
+
+    /// The residual rows `(batch · time, hidden)` after the last block, in
+    /// f32, from candle's basic ops: matmuls in the weights' dtype; norms,
+    /// RoPE and the attention softmax in f32.
+    pub(crate) fn composed_trunk(
+        &self,
+        flat_ids: &Tensor,
+        (batch, time): (usize, usize),
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
         let routing = match adapter {
             Some(a) => Routing::All(a),
             None => Routing::Base,
         };
         let device = self.rope_cos.device().clone();
+        let dtype = self.compute_dtype();
         let cfg = &self.config;
         let (heads, kv_heads, head_dim) = (
             cfg.num_attention_heads,
@@ -545,11 +557,14 @@ impl CausalLm {
         } else {
             None
         };
-        let mut x = self.embed.lookup(&flat_ids)?;
+        let f32_rows = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?) };
+        let mut x = f32_rows(self.embed.lookup(flat_ids)?)?;
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = rms_norm(&x, &block.input_norm, cfg.rms_norm_eps)?;
+            let h = rms_norm(&x, &block.input_norm, cfg.rms_norm_eps)?.to_dtype(dtype)?;
             let split = |m: Tensor, n: usize| -> Result<Tensor> {
-                Ok(m.reshape((batch, time, n, head_dim))?.transpose(1, 2)?)
+                Ok(f32_rows(m)?
+                    .reshape((batch, time, n, head_dim))?
+                    .transpose(1, 2)?)
             };
             let q = split(block.q_proj.forward(&h, layer, &routing)?, heads)?;
             let k = split(block.k_proj.forward(&h, layer, &routing)?, kv_heads)?;
@@ -570,14 +585,13 @@ impl CausalLm {
             let attn = out
                 .reshape((batch, heads, time, head_dim))?
                 .transpose(1, 2)?
-                .reshape((batch * time, heads * head_dim))?;
-            x = (x + block.o_proj.forward(&attn, layer, &routing)?)?;
-            let h = rms_norm(&x, &block.post_attention_norm, cfg.rms_norm_eps)?;
-            x = (x + self.mlp(block, &h, layer, &routing)?)?;
+                .reshape((batch * time, heads * head_dim))?
+                .to_dtype(dtype)?;
+            x = (x + f32_rows(block.o_proj.forward(&attn, layer, &routing)?)?)?;
+            let h = rms_norm(&x, &block.post_attention_norm, cfg.rms_norm_eps)?.to_dtype(dtype)?;
+            x = (x + f32_rows(self.mlp(block, &h, layer, &routing)?)?)?;
         }
-        let x = rms_norm(&x, &self.final_norm, cfg.rms_norm_eps)?;
-        let logits = self.lm_head.forward(&x, 0, &Routing::Base)?;
-        Ok(logits.reshape((batch, time, cfg.vocab_size))?)
+        Ok(x)
     }
 }
 

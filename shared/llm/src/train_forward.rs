@@ -8,8 +8,9 @@
 //! included), so no activation is transposed or copied between ops.
 //! Frozen base weights (the LoRA case) get no gradient computed at all;
 //! a model loaded into a `VarMap` (full fine-tuning) gets gradients for
-//! every weight. The earlier composition of candle's basic ops is kept as
-//! [`CausalLm::forward_train_composed`], the reference the tests compare
+//! every weight. The composition of candle's basic ops,
+//! [`CausalLm::forward_train_composed`], is the candle backend's training
+//! forward (any device and dtype), and the reference the tests compare
 //! this path with.
 
 use candle_core::{DType, Tensor};
@@ -57,8 +58,15 @@ fn project(
 }
 
 impl CausalLm {
+    /// Whether the candle backend computes this model (the training forward
+    /// is then [`CausalLm::forward_train_composed`]: the fused ops are CPU
+    /// and f32 only).
+    fn on_candle(&self) -> bool {
+        matches!(self.backend, crate::backend::Backend::Candle { .. })
+    }
+
     /// Checks a training input and returns `(batch, time)`.
-    fn check_train_input(
+    pub(crate) fn check_train_input(
         &self,
         input_ids: &Tensor,
         adapter: Option<&LoraAdapter>,
@@ -94,7 +102,8 @@ impl CausalLm {
                 "token {bad} is outside the vocabulary of {vocab}"
             )));
         }
-        Ok((batch, time, flat_ids))
+        // On the model's device (the candle backend's may be a GPU).
+        Ok((batch, time, flat_ids.to_device(self.rope_cos.device())?))
     }
 
     /// The residual stream after the last block, `(batch · time, hidden)`
@@ -162,6 +171,9 @@ impl CausalLm {
         input_ids: &Tensor,
         adapter: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
+        if self.on_candle() {
+            return self.forward_train_composed(input_ids, adapter);
+        }
         let (batch, time, flat_ids) = self.check_train_input(input_ids, adapter)?;
         let x = self.train_trunk(&flat_ids, (batch, time), adapter)?;
         let logits = self.train_head(&x)?;
@@ -191,6 +203,10 @@ impl CausalLm {
             return Err(ModelError::BadInput(format!(
                 "position {bad} is outside the ({batch}, {time}) block"
             )));
+        }
+        if self.on_candle() {
+            let x = self.composed_trunk(&flat_ids, (batch, time), adapter)?;
+            return self.composed_head(&x.index_select(&positions.to_device(x.device())?, 0)?);
         }
         let x = self.train_trunk(&flat_ids, (batch, time), adapter)?;
         self.train_head(&x.index_select(&positions, 0)?)

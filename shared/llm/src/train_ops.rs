@@ -32,8 +32,8 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Storage,
-    Tensor,
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape,
+    Storage, Tensor,
 };
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -1205,6 +1205,12 @@ impl CustomOp1 for TargetLogProb {
 /// `log softmax(logits)[i, targets[i]]` for logits `(rows, vocab)` and
 /// `targets` `(rows,)`: `(rows,)`, differentiable in the logits.
 pub(crate) fn target_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if !fused_here(logits) {
+        // Elsewhere (a GPU, another dtype): log-softmax and gather composed.
+        let log_probs = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, 1)?;
+        let targets = targets.to_dtype(DType::U32)?.unsqueeze(1)?.contiguous()?;
+        return log_probs.gather(&targets, 1)?.squeeze(1);
+    }
     let targets = targets
         .to_dtype(candle_core::DType::U32)?
         .to_vec1::<u32>()?;
@@ -1267,7 +1273,17 @@ impl CustomOp1 for Entropy {
 /// Entropy of the softmax of each row of `logits` `(rows, vocab)`:
 /// `(rows,)`, differentiable.
 pub(crate) fn entropy(logits: &Tensor) -> Result<Tensor> {
+    if !fused_here(logits) {
+        let log_probs = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, 1)?;
+        return (log_probs.exp()? * &log_probs)?.sum(1)?.neg();
+    }
     logits.contiguous()?.apply_op1(Entropy)
+}
+
+/// Whether the fused CPU ops take `t` (f32 on the CPU); the candle
+/// backend's tensors elsewhere get the compositions of candle ops.
+fn fused_here(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32
 }
 
 #[cfg(test)]

@@ -185,10 +185,8 @@ fn candle_backend_spec_errors_name_the_field() {
     let err = spec(BackendKind::Engine, DeviceSpec::Cuda(0), LlmDtype::F32)
         .validate()
         .unwrap_err();
-    assert!(
-        err.starts_with("llm.device") && err.contains("llm.backend: candle"),
-        "{err}"
-    );
+    assert_eq!(err.field, "llm.device");
+    assert!(err.detail.contains("llm.backend: candle"), "{err}");
     let err = spec(BackendKind::Engine, DeviceSpec::Cpu, LlmDtype::Bf16)
         .validate()
         .unwrap_err();

@@ -943,33 +943,42 @@ fn kl_to_the_base_is_exactly_zero_with_a_fresh_adapter() {
 
 #[test]
 fn every_lora_factor_gets_a_gradient_after_one_step() {
-    let model = small_model("all-grads");
-    let adapter = LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 2).unwrap();
-    let mut trainer =
-        RlTrainer::new(train_config(ObjectiveConfig::grpo(), 6, 2), &adapter).unwrap();
-    let batch = toy_batch(&model, &adapter);
-    let stats = trainer.train_step(&model, &adapter, &batch).unwrap();
-    assert!(stats.grad_norm > 0.0);
-    assert_eq!(trainer.optimizer().steps(), 1);
-    // B moved away from zero, so A now gets a gradient too.
-    trainer
-        .accumulate_gradients(&model, &adapter, &batch)
-        .unwrap();
-    let mut count = 0;
-    for (name, grad) in trainer.optimizer().accumulated_grads() {
-        let grad = grad.unwrap_or_else(|| panic!("{name}: no gradient"));
-        let norm = grad
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
+    // One RL update on the CPU engine and on the candle backend.
+    let candle = relay_llm::Backend::Candle {
+        device: candle_core::Device::Cpu,
+        dtype: candle_core::DType::F32,
+    };
+    for backend in [relay_llm::Backend::Engine, candle] {
+        let model = small_model("all-grads").to_backend(backend).unwrap();
+        let adapter =
+            LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 2).unwrap();
+        let adapter = model.place_adapter(&adapter).unwrap();
+        let mut trainer =
+            RlTrainer::new(train_config(ObjectiveConfig::grpo(), 6, 2), &adapter).unwrap();
+        let batch = toy_batch(&model, &adapter);
+        let stats = trainer.train_step(&model, &adapter, &batch).unwrap();
+        assert!(stats.grad_norm > 0.0);
+        assert_eq!(trainer.optimizer().steps(), 1);
+        // B moved away from zero, so A now gets a gradient too.
+        trainer
+            .accumulate_gradients(&model, &adapter, &batch)
             .unwrap();
-        assert!(norm > 0.0, "{name}: zero gradient");
-        count += 1;
+        let mut count = 0;
+        for (name, grad) in trainer.optimizer().accumulated_grads() {
+            let grad = grad.unwrap_or_else(|| panic!("{name}: no gradient"));
+            let norm = grad
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(norm > 0.0, "{name}: zero gradient");
+            count += 1;
+        }
+        assert_eq!(count, adapter.vars().len());
+        assert_eq!(count, 2 * 7 * model.config().num_hidden_layers);
     }
-    assert_eq!(count, adapter.vars().len());
-    assert_eq!(count, 2 * 7 * model.config().num_hidden_layers);
 }
 
 #[test]

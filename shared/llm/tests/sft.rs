@@ -246,41 +246,53 @@ fn lora_sft_lowers_the_loss_and_greedy_decoding_reproduces_the_moves() {
     // the default std 0.02 and hidden 64, too flat to fit 4 moves out of
     // 512 tokens. A std of 0.1 gives the head the range a trained model has.
     let (dir, tokenizer) = tiny_model_dir_with_init("lora", 0.1);
-    let model = CausalLm::load_hf(&dir.0).unwrap();
-    let eos = tokenizer.eos_token_id().unwrap();
-    let adapter =
-        LoraAdapter::new(model.config(), LoraConfig::all_projections(8, 16.0), 0).unwrap();
-    let data = pairs(&tokenizer);
-    let mut trainer = SftTrainer::new(sft_config(1e-2), adapter.named_vars()).unwrap();
-    let before = trainer.evaluate(&model, Some(&adapter), &data).unwrap();
-    assert_eq!(
-        before.tokens,
-        data.iter().map(|e| e.completion.len()).sum::<usize>()
-    );
-    let mut last = before;
-    for _ in 0..40 {
-        last = trainer.train_epoch(&model, Some(&adapter), &data).unwrap()[0];
-    }
-    let after = trainer.evaluate(&model, Some(&adapter), &data).unwrap();
-    assert!(
-        after.loss < 0.25 * before.loss,
-        "loss {} -> {}",
-        before.loss,
-        after.loss
-    );
-    assert_eq!(after.token_accuracy, 1.0);
-    assert!(last.grad_norm > 0.0);
-    for e in &data {
+    // On the CPU engine (fused training ops) and on the candle backend
+    // (the composed forward every device has).
+    let candle = relay_llm::Backend::Candle {
+        device: candle_core::Device::Cpu,
+        dtype: candle_core::DType::F32,
+    };
+    for backend in [relay_llm::Backend::Engine, candle] {
+        let model = CausalLm::load_hf(&dir.0)
+            .unwrap()
+            .to_backend(backend)
+            .unwrap();
+        let eos = tokenizer.eos_token_id().unwrap();
+        let adapter =
+            LoraAdapter::new(model.config(), LoraConfig::all_projections(8, 16.0), 0).unwrap();
+        let adapter = model.place_adapter(&adapter).unwrap();
+        let data = pairs(&tokenizer);
+        let mut trainer = SftTrainer::new(sft_config(1e-2), adapter.named_vars()).unwrap();
+        let before = trainer.evaluate(&model, Some(&adapter), &data).unwrap();
         assert_eq!(
-            greedy(&model, Some(&adapter), &e.prompt, eos, 8),
-            e.completion,
-            "{:?}",
-            tokenizer.decode(&e.prompt, false)
+            before.tokens,
+            data.iter().map(|e| e.completion.len()).sum::<usize>()
         );
+        let mut last = before;
+        for _ in 0..40 {
+            last = trainer.train_epoch(&model, Some(&adapter), &data).unwrap()[0];
+        }
+        let after = trainer.evaluate(&model, Some(&adapter), &data).unwrap();
+        assert!(
+            after.loss < 0.25 * before.loss,
+            "loss {} -> {}",
+            before.loss,
+            after.loss
+        );
+        assert_eq!(after.token_accuracy, 1.0);
+        assert!(last.grad_norm > 0.0);
+        for e in &data {
+            assert_eq!(
+                greedy(&model, Some(&adapter), &e.prompt, eos, 8),
+                e.completion,
+                "{:?}",
+                tokenizer.decode(&e.prompt, false)
+            );
+        }
+        // The base model (no adapter) did not change.
+        let base = trainer.evaluate(&model, None, &data).unwrap();
+        assert_eq!(base.loss, before.loss);
     }
-    // The base model (no adapter) did not change.
-    let base = trainer.evaluate(&model, None, &data).unwrap();
-    assert_eq!(base.loss, before.loss);
 }
 
 #[test]

@@ -297,41 +297,42 @@ fn tiny_qwen2_reference_mixed_adapters_in_one_batch() {
 /// logits at every real position, with and without the adapter.
 #[test]
 fn tiny_qwen2_reference_training_path_matches_inference_path() {
-    let model = model();
-    let adapter = adapter(&model);
-    let cases = cases();
-    let rows: Vec<&[u32]> = cases.iter().map(|c| c.input_ids.as_slice()).collect();
-    let ids = right_padded(&rows);
-    for with_adapter in [false, true] {
-        let logits = model
-            .forward_train(&ids, with_adapter.then_some(&adapter))
-            .unwrap();
-        for (i, case) in cases.iter().enumerate() {
-            let n = case.input_ids.len();
-            let got = logits.get(i).unwrap().narrow(0, 0, n).unwrap();
-            let want = if with_adapter {
-                &case.logits_with_adapter
-            } else {
-                &case.logits
-            };
-            let (diff, pos) = max_diff(&got, want);
-            assert!(
-                diff < LOGIT_TOLERANCE,
-                "adapter {with_adapter}, case {i}: max |diff| {diff} at position {pos}"
-            );
-            // And against the inference path directly.
-            let mut cache = model.new_cache();
-            let inference = model
-                .forward_one(
-                    &case.input_ids,
-                    &mut cache,
-                    with_adapter.then_some(&adapter),
-                )
+    for_each_backend(|model| {
+        let adapter = adapter(model);
+        let cases = cases();
+        let rows: Vec<&[u32]> = cases.iter().map(|c| c.input_ids.as_slice()).collect();
+        let ids = right_padded(&rows);
+        for with_adapter in [false, true] {
+            let logits = model
+                .forward_train(&ids, with_adapter.then_some(&adapter))
                 .unwrap();
-            let gap = (got - inference).unwrap().abs().unwrap().max_all().unwrap();
-            assert!(gap.to_scalar::<f32>().unwrap() < 1e-4);
+            for (i, case) in cases.iter().enumerate() {
+                let n = case.input_ids.len();
+                let got = logits.get(i).unwrap().narrow(0, 0, n).unwrap();
+                let want = if with_adapter {
+                    &case.logits_with_adapter
+                } else {
+                    &case.logits
+                };
+                let (diff, pos) = max_diff(&got, want);
+                assert!(
+                    diff < LOGIT_TOLERANCE,
+                    "adapter {with_adapter}, case {i}: max |diff| {diff} at position {pos}"
+                );
+                // And against the inference path directly.
+                let mut cache = model.new_cache();
+                let inference = model
+                    .forward_one(
+                        &case.input_ids,
+                        &mut cache,
+                        with_adapter.then_some(&adapter),
+                    )
+                    .unwrap();
+                let gap = (got - inference).unwrap().abs().unwrap().max_all().unwrap();
+                assert!(gap.to_scalar::<f32>().unwrap() < 1e-4);
+            }
         }
-    }
+    });
 }
 
 fn next_token_loss(model: &CausalLm, adapter: &LoraAdapter) -> Tensor {
@@ -352,41 +353,45 @@ fn next_token_loss(model: &CausalLm, adapter: &LoraAdapter) -> Tensor {
 }
 
 /// candle's fused ops have no backward, so a forward that used one would
-/// cut the graph silently. Every LoRA factor of
-/// every layer must get a non-zero gradient from a loss on the logits.
+/// cut the graph silently. Every LoRA factor of every layer must get a
+/// non-zero gradient from a loss on the logits, on either backend (the
+/// candle backend trains through the composed forward).
 #[test]
 fn tiny_qwen2_reference_every_lora_parameter_gets_a_gradient() {
-    let model = model();
-    let adapter = adapter(&model);
-    let loss = next_token_loss(&model, &adapter);
-    let grads = loss.backward().unwrap();
-    let named = adapter.named_vars();
-    assert_eq!(named.len(), 2 * 7 * model.config().num_hidden_layers);
-    for (name, var) in &named {
-        let grad = grads
-            .get(var.as_tensor())
-            .unwrap_or_else(|| panic!("{name}: no gradient"));
-        let norm: f32 = grad.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
-        assert!(
-            norm > 0.0 && norm.is_finite(),
-            "{name}: gradient norm {norm}"
-        );
-    }
-
-    // A fresh PEFT-style adapter has B = 0, so only B moves on the first step.
-    let fresh = LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 7).unwrap();
-    let grads = next_token_loss(&model, &fresh).backward().unwrap();
-    for (name, var) in fresh.named_vars() {
-        let norm: f32 = grads
-            .get(var.as_tensor())
-            .map(|g| g.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap())
-            .unwrap_or(0.0);
-        if name.contains("lora_B") {
-            assert!(norm > 0.0, "{name}: gradient norm {norm}");
-        } else {
-            assert_eq!(norm, 0.0, "{name}: A cannot move while B is zero");
+    for_each_backend(|model| {
+        let adapter = adapter(model);
+        let loss = next_token_loss(model, &adapter);
+        let grads = loss.backward().unwrap();
+        let named = adapter.named_vars();
+        assert_eq!(named.len(), 2 * 7 * model.config().num_hidden_layers);
+        for (name, var) in &named {
+            let grad = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{name}: no gradient"));
+            let norm: f32 = grad.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
+            assert!(
+                norm > 0.0 && norm.is_finite(),
+                "{name}: gradient norm {norm}"
+            );
         }
-    }
+
+        // A fresh PEFT-style adapter has B = 0, so only B moves on the first step.
+        let fresh =
+            LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 7).unwrap();
+        let fresh = model.place_adapter(&fresh).unwrap();
+        let grads = next_token_loss(model, &fresh).backward().unwrap();
+        for (name, var) in fresh.named_vars() {
+            let norm: f32 = grads
+                .get(var.as_tensor())
+                .map(|g| g.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap())
+                .unwrap_or(0.0);
+            if name.contains("lora_B") {
+                assert!(norm > 0.0, "{name}: gradient norm {norm}");
+            } else {
+                assert_eq!(norm, 0.0, "{name}: A cannot move while B is zero");
+            }
+        }
+    });
 }
 
 #[test]
