@@ -408,18 +408,25 @@ pub(crate) async fn run(
         .train_config(cfg.text.max_turn_tokens as usize)
         .map_err(ServiceError::other)?;
     let lora_config = cfg.lora.lora_config().map_err(ServiceError::other)?;
-    if cfg.llm.backend != relay_llm::BackendKind::Engine {
-        tracing::info!(
-            device = %cfg.llm.device,
-            "llm.backend: candle serves generation on the inference servers; \
-             the learner trains on the CPU engine (f32)"
-        );
-    }
     let started_loading = Instant::now();
     let spec = model_spec.clone();
+    // The fused CPU ops (engine), or the composed forward on llm.device.
+    let backend = cfg
+        .llm
+        .backend_spec()
+        .open()
+        .map_err(|e| ServiceError::Other(e.to_string()))?;
+    let placed = backend.clone();
     let (model, model_path) = tokio::task::spawn_blocking(move || {
         // Training needs gradients through the base: GGUF weights dequantized.
-        relay_llm::load_causal_lm(&spec, GgufBase::Dequantized)
+        let (model, path) = relay_llm::load_causal_lm(&spec, GgufBase::Dequantized)?;
+        let model = model
+            .to_backend(placed)
+            .map_err(|e| relay_llm::LoadError::Load {
+                path: path.clone(),
+                detail: e.to_string(),
+            })?;
+        Ok::<_, relay_llm::LoadError>((model, path))
     })
     .await
     .map_err(ServiceError::other)?
@@ -441,7 +448,7 @@ pub(crate) async fn run(
         train_config.batch.max_seq_len = context;
     }
     let base_model = model_path.display().to_string();
-    tracing::info!(model = %base_model, layers = model.config().num_hidden_layers, seconds = started_loading.elapsed().as_secs_f64(), "base model loaded");
+    tracing::info!(model = %base_model, layers = model.config().num_hidden_layers, backend = %backend.describe(), seconds = started_loading.elapsed().as_secs_f64(), "base model loaded");
 
     let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
     let mut state = TextCheckpointState {
@@ -460,6 +467,8 @@ pub(crate) async fn run(
         None => LoraAdapter::new(model.config(), lora_config, cfg.lora.seed)
             .map_err(ServiceError::other)?,
     };
+    // On the model's device: the optimizer trains these vars.
+    let adapter = model.place_adapter(&adapter).map_err(ServiceError::other)?;
     let mut trainer = RlTrainer::new(train_config, &adapter).map_err(ServiceError::other)?;
     if let Some(from) = &start_from {
         let dir = &from.dir;

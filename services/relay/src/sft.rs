@@ -73,6 +73,17 @@ pub struct SftArgs {
     /// Train every weight of a Hugging Face model instead of a LoRA adapter.
     #[arg(long)]
     pub full: bool,
+    /// What trains and plays: `engine` (the tuned CPU engine) or `candle`
+    /// (candle tensor ops on `--device` in `--dtype`; LoRA only), as
+    /// `llm.backend` in a config.
+    #[arg(long, default_value = "engine")]
+    pub backend: relay_llm::BackendKind,
+    /// The candle backend's device: `cpu`, `cuda` or `cuda:N` (`llm.device`).
+    #[arg(long, default_value = "cpu")]
+    pub device: relay_llm::DeviceSpec,
+    /// The candle backend's dtype: `f32`, `bf16` or `f16` (`llm.dtype`).
+    #[arg(long, default_value = "f32")]
+    pub dtype: relay_llm::LlmDtype,
     /// LoRA rank (on every attention and MLP projection).
     #[arg(long, default_value_t = 8)]
     pub rank: usize,
@@ -358,6 +369,15 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     if !(0.0..1.0).contains(&args.holdout) {
         bail!("--holdout {} must be in [0, 1)", args.holdout);
     }
+    let backend = relay_llm::BackendSpec {
+        kind: args.backend,
+        device: args.device,
+        dtype: args.dtype,
+    };
+    if args.full && backend.kind != relay_llm::BackendKind::Engine {
+        bail!("--full trains on the CPU engine; --backend candle trains a LoRA adapter");
+    }
+    let backend = backend.open()?;
     // The model: trainable weights for --full, else a frozen base with a new adapter.
     let (model, tokenizer, varmap) = if args.full {
         let dir = PathBuf::from(&args.model);
@@ -373,15 +393,15 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     } else {
         let loaded =
             relay_inference_server::llm::load_model(&args.model, GgufBaseName::Dequantized)?;
-        (loaded.model, loaded.tokenizer, None)
+        (loaded.model.to_backend(backend)?, loaded.tokenizer, None)
     };
     let adapter = match &varmap {
         Some(_) => None,
-        None => Some(Arc::new(LoraAdapter::new(
+        None => Some(Arc::new(model.place_adapter(&LoraAdapter::new(
             model.config(),
             LoraConfig::all_projections(args.rank, args.alpha),
             args.seed,
-        )?)),
+        )?)?)),
     };
 
     // The examples.

@@ -141,6 +141,12 @@ fn sft_refuses_bad_flags_with_clear_errors() {
         (vec!["--bots", "random"], "2 seats, got 1 bots"),
         (vec!["--bots", "random,chess_engine"], "--bots"),
         (vec!["--holdout", "1.5"], "--holdout"),
+        (vec!["--dtype", "f8"], "not a dtype"),
+        (
+            vec!["--backend", "candle", "--full"],
+            "--full trains on the CPU engine",
+        ),
+        (vec!["--dtype", "bf16"], "llm.dtype"),
     ] {
         let model = tiny_qwen2();
         let mut all = vec!["--model", model.as_str(), "--out", out.to_str().unwrap()];
@@ -150,4 +156,47 @@ fn sft_refuses_bad_flags_with_clear_errors() {
         assert!(!output.status.success(), "{args:?} was accepted");
         assert!(stderr.contains(wanted), "{args:?}: {stderr}");
     }
+}
+
+/// LoRA SFT on the candle backend (the composed training forward, as on a
+/// GPU; here on the CPU): the loss falls and the adapter is written.
+#[test]
+fn sft_trains_an_adapter_on_the_candle_backend() {
+    let tmp = relay_testkit::TempDir::new("sft-candle");
+    let model = tiny_qwen2();
+    let out = tmp.path().join("lora");
+    let output = relay_sft(&[
+        "--model",
+        &model,
+        "--out",
+        out.to_str().unwrap(),
+        "--backend",
+        "candle",
+        "--games",
+        "4",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "8",
+        "--minibatch-size",
+        "4",
+        "--lr",
+        "0.01",
+        "--eval-games",
+        "1",
+    ]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let written = summary(&out);
+    let epochs = written["epochs"].as_array().unwrap();
+    let loss = |e: &serde_json::Value| e["train_loss"].as_f64().unwrap();
+    assert!(
+        loss(&epochs[2]) < loss(&epochs[0]),
+        "the loss did not fall: {epochs:?}"
+    );
+    assert!(out.join("adapter/adapter_model.safetensors").is_file());
 }

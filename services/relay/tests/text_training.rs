@@ -40,13 +40,14 @@ fn experiment(
     model: &std::path::Path,
     nats: &str,
     redis: &str,
+    extra: &[&str],
 ) -> ExperimentConfig {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../configs/tictactoe-grpo.yaml"
     );
     let text = std::fs::read_to_string(path).unwrap();
-    let overrides: Vec<String> = vec![
+    let mut overrides: Vec<String> = vec![
         format!("run.id={run_id}"),
         format!("run.runs_dir={}", runs.display()),
         format!("connections.nats_url={nats}"),
@@ -68,18 +69,29 @@ fn experiment(
         // every decided game moves the adapter, which the test checks.
         "rl.objective={advantage: {kind: reinforce, baseline: {kind: none}}, policy_loss: {kind: policy_gradient}, aggregation: {kind: token_mean}}".into(),
     ];
+    overrides.extend(extra.iter().map(|s| s.to_string()));
     ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() {
+    trains_on_games("ttt-grpo", &[]).await;
+}
+
+/// The same run with `llm.backend: candle` (inference servers and learner
+/// on the device-generic backend; the CPU here, a GPU with `llm.device: cuda`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_candle_backend_trains_the_adapter_on_games_too() {
+    trains_on_games("ttt-grpo-candle", &["llm.backend=candle"]).await;
+}
+
+async fn trains_on_games(run_id: &str, extra: &[&str]) {
     let nats = NatsServer::start().unwrap();
     let redis = RedisServer::start().unwrap();
-    let dir = TempDir::new("text-training");
+    let dir = TempDir::new(run_id);
     let runs = dir.path().join("runs");
-    let run_id = "ttt-grpo";
     let model_dir = tiny_model(dir.path());
-    let experiment = experiment(run_id, &runs, &model_dir, &nats.url(), &redis.url());
+    let experiment = experiment(run_id, &runs, &model_dir, &nats.url(), &redis.url(), extra);
     let subjects = Subjects::new(run_id);
     let client = async_nats::connect(nats.url()).await.unwrap();
     let mut adapters = client.subscribe(subjects.adapters()).await.unwrap();
@@ -386,7 +398,7 @@ async fn a_late_inference_server_serves_the_current_adapter_from_the_object_stor
     let runs = dir.path().join("runs");
     let run_id = "late-server";
     let model_dir = tiny_model(dir.path());
-    let mut experiment = experiment(run_id, &runs, &model_dir, &nats.url(), &redis.url());
+    let mut experiment = experiment(run_id, &runs, &model_dir, &nats.url(), &redis.url(), &[]);
     // Every version through the object store.
     experiment.lora.inline_max_bytes = 0;
     let subjects = Subjects::new(run_id);

@@ -533,10 +533,9 @@ pub struct LlmConfig {
     /// 0 disables it. Memory: prompt tokens x layers x 2 x kv width x 4 bytes
     /// each (SmolLM2: 46 KB per token).
     pub prefix_cache: usize,
-    /// What computes the inference servers' forward: `engine` (the tuned
-    /// CPU engine, f32) or `candle` (candle tensor ops on `device` in
-    /// `dtype`: the path to a GPU). The learner and `relay sft` train on
-    /// the CPU engine whatever this says.
+    /// What computes the LLM, in the inference servers and the learner of a
+    /// text run: `engine` (the tuned CPU engine, f32) or `candle` (candle
+    /// tensor ops on `device` in `dtype`: the path to a GPU).
     pub backend: relay_llm::BackendKind,
     /// Where the `candle` backend computes: `cpu`, `cuda` (GPU 0) or
     /// `cuda:N`; CUDA needs a build with the `cuda` feature (`just

@@ -55,6 +55,35 @@ impl LlmDtype {
     }
 }
 
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "engine" => Ok(Self::Engine),
+            "candle" => Ok(Self::Candle),
+            other => Err(format!(
+                "{other:?} is not a backend: give `engine` or `candle`"
+            )),
+        }
+    }
+}
+
+impl std::str::FromStr for LlmDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            "f16" => Ok(Self::F16),
+            other => Err(format!(
+                "{other:?} is not a dtype: give `f32`, `bf16` or `f16`"
+            )),
+        }
+    }
+}
+
 /// Where the candle backend computes: `cpu`, `cuda` (device 0) or `cuda:N`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceSpec {

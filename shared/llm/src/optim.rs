@@ -327,7 +327,10 @@ impl AdamW {
             let mut take = |suffix: &str| -> TrainResult<Option<Tensor>> {
                 let name = format!("{}.{suffix}", p.name);
                 match saved.remove(&name) {
-                    Some(t) if t.shape() == &shape => Ok(Some(t.to_dtype(DType::F32)?)),
+                    Some(t) if t.shape() == &shape => Ok(Some(
+                        t.to_dtype(DType::F32)?
+                            .to_device(p.var.as_tensor().device())?,
+                    )),
                     Some(t) => Err(fail(format!(
                         "{name} has shape {:?}, the parameter {:?}",
                         t.dims(),
