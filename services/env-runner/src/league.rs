@@ -621,6 +621,7 @@ mod tests {
                 rewards: rewards.to_vec(),
                 reasons: vec![String::new(); 2],
                 duration_ms: 1,
+                finished_unix_ms: 0,
                 branch: None,
             },
             states: Vec::new(),

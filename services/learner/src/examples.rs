@@ -413,6 +413,7 @@ mod tests {
             turns,
             rewards,
             duration_ms: 0,
+            finished_unix_ms: 0,
             branch: None,
         }
     }

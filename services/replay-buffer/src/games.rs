@@ -17,7 +17,9 @@
 //! - A game is as old as the oldest adapter version among its learning
 //!   turns; games older than the version the learner last asked for
 //!   (`min_version`) are dropped at insert and at sample (counted as
-//!   `stale`).
+//!   `stale`). With `replay.max_age_s`, a game that ended longer ago than
+//!   that (`GameRecord::finished_unix_ms`) is dropped at sample too
+//!   (`too_old`), whatever its version.
 //! - Games without learning turns (bot learners, no learning seat) are
 //!   not stored (`no_learning_turns`); a game of more turns than the
 //!   capacity is refused (`too_big`).
@@ -102,6 +104,8 @@ pub enum GameInserted {
 pub struct SampledGames {
     pub games: Vec<GameRecord>,
     pub dropped_stale: u64,
+    /// Games that ended more than `replay.max_age_s` ago.
+    pub dropped_old: u64,
     /// Items that no longer decode (another schema version); dropped.
     pub undecodable: u64,
     /// Games too big for one reply on their own; dropped.
@@ -114,6 +118,8 @@ pub struct GameStore {
     redis: redis::aio::ConnectionManager,
     keys: GameKeys,
     capacity_turns: u64,
+    /// `replay.max_age_s` in milliseconds.
+    max_age_ms: Option<u64>,
     insert: redis::Script,
 }
 
@@ -126,11 +132,17 @@ pub fn learning_turn_count(game: &GameRecord) -> u64 {
 }
 
 impl GameStore {
-    pub fn new(redis: redis::aio::ConnectionManager, run_id: &str, capacity_turns: u64) -> Self {
+    pub fn new(
+        redis: redis::aio::ConnectionManager,
+        run_id: &str,
+        capacity_turns: u64,
+        max_age_s: Option<f64>,
+    ) -> Self {
         Self {
             redis,
             keys: GameKeys::new(run_id),
             capacity_turns,
+            max_age_ms: max_age_s.map(|s| (s * 1000.0) as u64),
             insert: redis::Script::new(INSERT_GAME_SCRIPT),
         }
     }
@@ -187,6 +199,12 @@ impl GameStore {
         let budget = relay_proto::MAX_MESSAGE_BYTES - REPLY_OVERHEAD;
         let mut out = SampledGames::default();
         let (mut gathered, mut popped_turns, mut bytes) = (0u64, 0u64, 0usize);
+        let now = relay_proto::unix_ms();
+        let too_old = |game: &GameRecord| {
+            self.max_age_ms.is_some_and(|max| {
+                game.finished_unix_ms > 0 && now.saturating_sub(game.finished_unix_ms) > max
+            })
+        };
         while gathered < max_turns {
             let item: Option<Vec<u8>> = redis.lpop(&self.keys.games, None).await?;
             let Some(item) = item else { break };
@@ -214,6 +232,7 @@ impl GameStore {
                 Ok(game) if game.learning_version().unwrap_or(0) < min_policy_version => {
                     out.dropped_stale += 1;
                 }
+                Ok(game) if too_old(&game) => out.dropped_old += 1,
                 Ok(game) => {
                     bytes += payload.len();
                     gathered += turns;
@@ -229,6 +248,11 @@ impl GameStore {
         if out.dropped_stale > 0 {
             let _: i64 = redis
                 .hincr(&self.keys.stats, "dropped_stale_games", out.dropped_stale)
+                .await?;
+        }
+        if out.dropped_old > 0 {
+            let _: i64 = redis
+                .hincr(&self.keys.stats, "dropped_too_old_games", out.dropped_old)
                 .await?;
         }
         if !out.games.is_empty() {

@@ -165,7 +165,7 @@ impl Metrics {
         let games_dropped = IntCounterVec::new(
             Opts::new(
                 "relay_replay_games_dropped_total",
-                "Text games dropped, by reason (stale, evicted, no_learning_turns, too_big, oversized, undecodable).",
+                "Text games dropped, by reason (stale: older than the learner's version floor; too_old: ended more than replay.max_age_s ago; evicted, no_learning_turns, too_big, oversized, undecodable).",
             ),
             &["reason"],
         )
@@ -429,7 +429,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             min_size_to_sample: cfg.replay.min_size_to_sample,
             error_buffer: cfg.replay.rate_error_buffer,
         });
-    let game_store = GameStore::new(redis.clone(), cfg.run_id()?, cfg.replay.capacity_steps);
+    let game_store = GameStore::new(
+        redis.clone(),
+        cfg.run_id()?,
+        cfg.replay.capacity_steps,
+        cfg.replay.max_age_s,
+    );
     let table = cfg.off_policy_table().map(|t| {
         Table::new(
             redis.clone(),
@@ -706,10 +711,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         metrics.games_sampled.inc_by(sampled.games.len() as u64);
                         let turns: u64 = sampled.games.iter().map(games::learning_turn_count).sum();
                         metrics.sampled_steps.inc_by(turns);
-                        for (reason, n) in [("stale", sampled.dropped_stale), ("undecodable", sampled.undecodable), ("oversized", sampled.oversized)] {
+                        for (reason, n) in [("stale", sampled.dropped_stale), ("too_old", sampled.dropped_old), ("undecodable", sampled.undecodable), ("oversized", sampled.oversized)] {
                             metrics.games_dropped.with_label_values(&[reason]).inc_by(n);
                         }
-                        let reply = GameSampleReply { schema: SCHEMA_VERSION, games: sampled.games, dropped_stale: sampled.dropped_stale };
+                        // Stale by either bound, as the learner counts it.
+                        let dropped_stale = sampled.dropped_stale + sampled.dropped_old;
+                        let reply = GameSampleReply { schema: SCHEMA_VERSION, games: sampled.games, dropped_stale };
                         let _ = request.respond(Ok(relay_proto::encode(&reply).into())).await;
                     }
                     Err(e) => {

@@ -12,12 +12,22 @@ use relay_proto::{
 use relay_testkit::{NatsServer, RedisServer};
 
 fn config(nats: &NatsServer, redis: &RedisServer, run_id: &str) -> ServiceConfig {
+    config_with(nats, redis, run_id, &[])
+}
+
+fn config_with(
+    nats: &NatsServer,
+    redis: &RedisServer,
+    run_id: &str,
+    overrides: &[&str],
+) -> ServiceConfig {
     let text = format!(
         "run:\n  id: {run_id}\n  env_id: TicTacToe-v0\nconnections:\n  nats_url: {}\n  redis_url: {}\n  request_timeout_ms: 2000\nreplay:\n  capacity_steps: 10\n  max_policy_lag: 1\nppo:\n  rollout_steps: 4\nrl:\n  batch_size: 4\n  minibatch_size: 4\n",
         nats.url(),
         redis.url()
     );
-    ServiceConfig::for_test(ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap())
+    let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+    ServiceConfig::for_test(ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap())
 }
 
 fn model_turn(player: u8, version: u64) -> TextTurn {
@@ -72,6 +82,7 @@ fn game(seed: u64, version: u64, moves: usize) -> GameRecord {
         rewards: vec![1.0, -1.0],
         reasons: vec![String::new(), String::new()],
         duration_ms: 1,
+        finished_unix_ms: 0,
         branch: None,
     }
 }
@@ -286,4 +297,61 @@ async fn games_are_stored_bounded_and_sampled_whole_and_fresh() {
         .unwrap()
         .unwrap()
         .unwrap();
+}
+
+/// `replay.max_age_s`: a game that ended longer ago than that is dropped at
+/// sample whatever its version, and counted; one of unknown age (an older
+/// env-runner) is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn games_older_than_max_age_are_dropped_and_counted() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let run_id = "games-age";
+    let (trigger, shutdown) = Shutdown::new();
+    let mut service_config = config_with(&nats, &redis, run_id, &["replay.max_age_s=30"]);
+    let metrics_addr: std::net::SocketAddr = ([127, 0, 0, 1], relay_testkit::free_port()).into();
+    service_config.metrics_addr = metrics_addr;
+    let server = tokio::spawn(relay_replay_buffer::run(service_config, shutdown));
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let s = Subjects::new(run_id);
+    let aged = |seed: u64, finished_unix_ms: u64| GameRecord {
+        finished_unix_ms,
+        ..game(seed, 0, 1)
+    };
+    let now = relay_proto::unix_ms();
+    // Published until the buffer listens (it drops nothing it has not heard).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        for g in [aged(1, now - 60_000), aged(2, now), aged(3, 0)] {
+            client
+                .publish(s.games(), relay_proto::encode(&g).into())
+                .await
+                .unwrap();
+        }
+        client.flush().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if metric(metrics_addr, "relay_replay_games_inserted_total").await >= 3.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replay-buffer never stored the games"
+        );
+    }
+    let reply = sample_until_some(&client, &s, 0, 100).await;
+    let mut kept: Vec<u64> = reply.games.iter().map(|g| g.seed).collect();
+    kept.sort();
+    kept.dedup();
+    assert_eq!(kept, [2, 3], "{kept:?}");
+    assert!(reply.dropped_stale >= 1);
+    assert!(
+        metric(
+            metrics_addr,
+            r#"relay_replay_games_dropped_total{reason="too_old"}"#
+        )
+        .await
+            >= 1.0
+    );
+    trigger.trigger();
+    server.await.unwrap().unwrap();
 }

@@ -633,6 +633,12 @@ pub struct ReplayConfig {
     pub min_size_to_sample: u64,
     /// Slack of the rate limiter, in env steps.
     pub rate_error_buffer: u64,
+    /// Text runs: games that ended more than this many seconds before the
+    /// learner samples them are dropped (counted as `too_old`) whatever
+    /// their adapter version: the bound in time beside `max_policy_lag`'s
+    /// in versions (slow learners, stalled runs, a queue of old games
+    /// after a restart). None: versions only.
+    pub max_age_s: Option<f64>,
 }
 
 impl Default for ReplayConfig {
@@ -644,6 +650,7 @@ impl Default for ReplayConfig {
             samples_per_insert: None,
             min_size_to_sample: 0,
             rate_error_buffer: 8192,
+            max_age_s: None,
         }
     }
 }
@@ -2432,6 +2439,9 @@ impl ExperimentConfig {
                 ));
             }
         }
+        if let Some(age) = self.replay.max_age_s {
+            positive_f("replay.max_age_s", age)?;
+        }
         if let Some(ratio) = self.replay.samples_per_insert {
             positive_f("replay.samples_per_insert", ratio)?;
             // One fragment must fit in the limiter's slack, or no insert could ever pass.
@@ -3230,6 +3240,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("ppo.gamma"), "{err}");
+        for age in ["0", "-3", ".nan"] {
+            let err = ExperimentConfig::from_layers(
+                BASE,
+                "t",
+                &[],
+                &[format!("replay.max_age_s={age}")],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("replay.max_age_s"), "{age}: {err}");
+        }
         // With env.backend auto an id relay lacks goes to Gymnasium, which
         // names it when the env is made (relay_bridge's tests); `builtin`
         // refuses it here.

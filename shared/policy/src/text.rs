@@ -650,6 +650,7 @@ async fn play<G: Generate>(
         rewards,
         reasons,
         duration_ms: started.elapsed().as_millis() as u64,
+        finished_unix_ms: relay_proto::unix_ms(),
         branch: None,
     };
     Ok(PlayedGame {

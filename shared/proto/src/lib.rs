@@ -22,3 +22,11 @@ pub use messages::*;
 pub use offpolicy::*;
 pub use subjects::{validate_run_id, Subjects};
 pub use tensor::{DType, F32Parts, NamedTensor, Tensor, TensorError};
+
+/// Milliseconds since the Unix epoch on this machine's clock (what
+/// timestamps in messages hold; 0 if the clock is before 1970).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

@@ -339,6 +339,11 @@ pub struct GameRecord {
     pub reasons: Vec<String>,
     /// Wall time of the game.
     pub duration_ms: u64,
+    /// When the game ended ([`crate::unix_ms`] on the env-runner's clock),
+    /// for the replay buffer's age bound (`replay.max_age_s`); 0: unknown
+    /// (an older env-runner), never too old.
+    #[serde(default)]
+    pub finished_unix_ms: u64,
     /// Set when the game is one of several continuations of one position
     /// (`text.branches`); `None` for a plain game.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -657,6 +657,7 @@ impl Subject for GameRecord {
             rewards: (0..players).map(|_| rng.f64()).collect(),
             reasons: (0..players).map(|_| rng.text(20)).collect(),
             duration_ms: rng.u64_any(),
+            finished_unix_ms: rng.u64_any(),
             branch: (!turns_empty && rng.bool()).then(|| {
                 let size = 2 + rng.below(6) as u32;
                 relay_proto::Branch {
