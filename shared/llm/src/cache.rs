@@ -52,25 +52,6 @@ enum Storage {
     },
 }
 
-impl Clone for KvCache {
-    /// A deep copy (device buffers are written in place, so a copy must
-    /// not share them).
-    fn clone(&self) -> Self {
-        match &self.storage {
-            Storage::Host { keys, values } => Self {
-                storage: Storage::Host {
-                    keys: keys.clone(),
-                    values: values.clone(),
-                },
-                ..*self
-            },
-            Storage::Device { .. } => self
-                .fork_prefix(self.len)
-                .expect("copying a device cache (out of device memory?)"),
-        }
-    }
-}
-
 impl KvCache {
     /// An empty cache of host buffers (the CPU engine's) for a model of
     /// this shape. Allocates nothing until the first forward; use
