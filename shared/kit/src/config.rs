@@ -3241,14 +3241,10 @@ mod tests {
             .to_string();
         assert!(err.contains("ppo.gamma"), "{err}");
         for age in ["0", "-3", ".nan"] {
-            let err = ExperimentConfig::from_layers(
-                BASE,
-                "t",
-                &[],
-                &[format!("replay.max_age_s={age}")],
-            )
-            .unwrap_err()
-            .to_string();
+            let err =
+                ExperimentConfig::from_layers(BASE, "t", &[], &[format!("replay.max_age_s={age}")])
+                    .unwrap_err()
+                    .to_string();
             assert!(err.contains("replay.max_age_s"), "{age}: {err}");
         }
         // With env.backend auto an id relay lacks goes to Gymnasium, which
