@@ -36,7 +36,7 @@ use relay_bridge::{Backend, EnvSection};
 use relay_envs::ObservationView;
 use relay_kit::config::GgufBaseName;
 use relay_llm::sft::{
-    encode_record, load_hf_trainable, named_vars, read_sft_jsonl, save_hf_trainable, SftConfig,
+    encode_record, load_hf_trainable_on, named_vars, read_sft_jsonl, save_hf_trainable, SftConfig,
     SftExample, SftFormat, SftRecord, SftStats, SftTrainer,
 };
 use relay_llm::token_batch::BatchConfig;
@@ -74,7 +74,7 @@ pub struct SftArgs {
     #[arg(long)]
     pub full: bool,
     /// What trains and plays: `engine` (the tuned CPU engine) or `candle`
-    /// (candle tensor ops on `--device` in `--dtype`; LoRA only), as
+    /// (candle tensor ops on `--device` in `--dtype`; `--full` in f32), as
     /// `llm.backend` in a config.
     #[arg(long, default_value = "engine")]
     pub backend: relay_llm::BackendKind,
@@ -374,9 +374,6 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
         device: args.device,
         dtype: args.dtype,
     };
-    if args.full && backend.kind != relay_llm::BackendKind::Engine {
-        bail!("--full trains on the CPU engine; --backend candle trains a LoRA adapter");
-    }
     let backend = backend.open()?;
     // The model: trainable weights for --full, else a frozen base with a new adapter.
     let (model, tokenizer, varmap) = if args.full {
@@ -387,7 +384,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
                 dir.display()
             );
         }
-        let (model, varmap) = load_hf_trainable(&dir)?;
+        let (model, varmap) = load_hf_trainable_on(&dir, &backend)?;
         let tokenizer = Tokenizer::from_hf_dir(&dir)?;
         (model, tokenizer, Some(varmap))
     } else {

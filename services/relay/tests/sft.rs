@@ -143,8 +143,8 @@ fn sft_refuses_bad_flags_with_clear_errors() {
         (vec!["--holdout", "1.5"], "--holdout"),
         (vec!["--dtype", "f8"], "not a dtype"),
         (
-            vec!["--backend", "candle", "--full"],
-            "--full trains on the CPU engine",
+            vec!["--backend", "candle", "--dtype", "bf16", "--full"],
+            "full fine-tuning trains f32",
         ),
         (vec!["--dtype", "bf16"], "llm.dtype"),
     ] {

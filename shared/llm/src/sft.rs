@@ -56,6 +56,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
+use crate::backend::Backend;
 use crate::chat::ChatMessage;
 use crate::config::ModelConfig;
 use crate::lora::LoraAdapter;
@@ -604,14 +605,35 @@ fn weight_files(dir: &Path) -> TrainResult<Vec<PathBuf>> {
 }
 
 /// Loads a Hugging Face model folder with every weight a trainable `Var`
-/// in the returned map (f32, CPU).
+/// in the returned map (f32, CPU, for the engine's fused training ops).
 pub fn load_hf_trainable(dir: &Path) -> TrainResult<(CausalLm, VarMap)> {
+    load_hf_trainable_on(dir, &Backend::Engine)
+}
+
+/// [`load_hf_trainable`] on `backend`: for [`Backend::Candle`] the vars
+/// live on its device and train through the composed forward. Full
+/// fine-tuning keeps f32 weights, so the candle backend must be f32.
+pub fn load_hf_trainable_on(dir: &Path, backend: &Backend) -> TrainResult<(CausalLm, VarMap)> {
+    let device = match backend {
+        Backend::Engine => Device::Cpu,
+        Backend::Candle { device, dtype } => {
+            if *dtype != DType::F32 {
+                return Err(TrainError::BadInput(format!(
+                    "full fine-tuning trains f32 weights; the backend computes in {} (use f32)",
+                    dtype.as_str()
+                )));
+            }
+            device.clone()
+        }
+    };
     let config = ModelConfig::from_hf_file(&dir.join("config.json"))?;
     let varmap = VarMap::new();
-    let model = CausalLm::new(
+    let mut model = CausalLm::new(
         &config,
-        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        VarBuilder::from_varmap(&varmap, DType::F32, &device),
     )?;
+    // The vars are the weights: placed as they are, never copied.
+    model.backend = backend.clone();
     let mut tensors = HashMap::new();
     for file in weight_files(dir)? {
         tensors.extend(candle_core::safetensors::load(&file, &Device::Cpu)?);
@@ -620,7 +642,7 @@ pub fn load_hf_trainable(dir: &Path) -> TrainResult<(CausalLm, VarMap)> {
         let t = tensors.get(name).ok_or_else(|| {
             TrainError::BadInput(format!("{}: no tensor `{name}`", dir.display()))
         })?;
-        var.set(&t.to_dtype(DType::F32)?)?;
+        var.set(&t.to_dtype(DType::F32)?.to_device(&device)?)?;
     }
     Ok((model, varmap))
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 use relay_llm::sft::{
-    chat_pair, encode_record, load_hf_trainable, load_sft_jsonl, named_vars, next_token_targets,
+    chat_pair, encode_record, load_hf_trainable_on, load_sft_jsonl, named_vars, next_token_targets,
     read_sft_jsonl, save_hf_trainable, sft_loss,
 };
 use relay_llm::{
@@ -299,64 +299,74 @@ fn lora_sft_lowers_the_loss_and_greedy_decoding_reproduces_the_moves() {
 fn full_model_sft_trains_every_weight_and_saves() {
     let (dir, tokenizer) = tiny_model_dir("full");
     let eos = tokenizer.eos_token_id().unwrap();
-    let (model, varmap) = load_hf_trainable(&dir.0).unwrap();
-    // Same weights as the frozen loader.
-    let frozen = CausalLm::load_hf(&dir.0).unwrap();
-    let data = pairs(&tokenizer);
-    let ids = Tensor::new(&data[0].prompt[..], &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let diff = (model.forward_train(&ids, None).unwrap()
-        - frozen.forward_train(&ids, None).unwrap())
-    .unwrap()
-    .abs()
-    .unwrap()
-    .max_all()
-    .unwrap()
-    .to_scalar::<f32>()
-    .unwrap();
-    assert_eq!(diff, 0.0);
-
-    let params = named_vars(&varmap);
-    // Embedding, 2 × (7 projections + 3 biases + 2 norms), final norm; the head is tied.
-    assert_eq!(params.len(), 1 + 2 * 12 + 1);
-    let mut trainer = SftTrainer::new(sft_config(3e-3), params).unwrap();
-    trainer.accumulate_gradients(&model, None, &data).unwrap();
-    for (name, grad) in trainer.optimizer().accumulated_grads() {
-        let grad = grad.unwrap_or_else(|| panic!("{name}: no gradient"));
-        let norm = grad
-            .sqr()
+    // On the CPU engine and, with the vars on its device, the candle backend.
+    let candle = relay_llm::Backend::Candle {
+        device: Device::Cpu,
+        dtype: candle_core::DType::F32,
+    };
+    for backend in [relay_llm::Backend::Engine, candle] {
+        let (model, varmap) = load_hf_trainable_on(&dir.0, &backend).unwrap();
+        // Same weights as the frozen loader.
+        let frozen = CausalLm::load_hf(&dir.0)
             .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
+            .to_backend(backend)
             .unwrap();
-        assert!(norm > 0.0, "{name}: zero gradient");
-    }
-    trainer.optimizer_mut().zero_grad();
+        let data = pairs(&tokenizer);
+        let ids = Tensor::new(&data[0].prompt[..], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let diff = (model.forward_train(&ids, None).unwrap()
+            - frozen.forward_train(&ids, None).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+        assert_eq!(diff, 0.0);
 
-    let before = trainer.evaluate(&model, None, &data).unwrap();
-    for _ in 0..40 {
-        trainer.train_epoch(&model, None, &data).unwrap();
-    }
-    let after = trainer.evaluate(&model, None, &data).unwrap();
-    assert!(
-        after.loss < 0.1 * before.loss,
-        "loss {} -> {}",
-        before.loss,
-        after.loss
-    );
-    for e in &data {
-        assert_eq!(greedy(&model, None, &e.prompt, eos, 8), e.completion);
-    }
+        let params = named_vars(&varmap);
+        // Embedding, 2 × (7 projections + 3 biases + 2 norms), final norm; the head is tied.
+        assert_eq!(params.len(), 1 + 2 * 12 + 1);
+        let mut trainer = SftTrainer::new(sft_config(3e-3), params).unwrap();
+        trainer.accumulate_gradients(&model, None, &data).unwrap();
+        for (name, grad) in trainer.optimizer().accumulated_grads() {
+            let grad = grad.unwrap_or_else(|| panic!("{name}: no gradient"));
+            let norm = grad
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(norm > 0.0, "{name}: zero gradient");
+        }
+        trainer.optimizer_mut().zero_grad();
 
-    // Saved and loaded back by the ordinary loader: the same predictions.
-    let out = TempDir::new("full-saved");
-    save_hf_trainable(&varmap, model.config(), &out.0).unwrap();
-    let reloaded = CausalLm::load_hf(&out.0).unwrap();
-    for e in &data {
-        assert_eq!(greedy(&reloaded, None, &e.prompt, eos, 8), e.completion);
+        let before = trainer.evaluate(&model, None, &data).unwrap();
+        for _ in 0..40 {
+            trainer.train_epoch(&model, None, &data).unwrap();
+        }
+        let after = trainer.evaluate(&model, None, &data).unwrap();
+        assert!(
+            after.loss < 0.1 * before.loss,
+            "loss {} -> {}",
+            before.loss,
+            after.loss
+        );
+        for e in &data {
+            assert_eq!(greedy(&model, None, &e.prompt, eos, 8), e.completion);
+        }
+
+        // Saved and loaded back by the ordinary loader: the same predictions.
+        let out = TempDir::new("full-saved");
+        save_hf_trainable(&varmap, model.config(), &out.0).unwrap();
+        let reloaded = CausalLm::load_hf(&out.0).unwrap();
+        for e in &data {
+            assert_eq!(greedy(&reloaded, None, &e.prompt, eos, 8), e.completion);
+        }
     }
 }
 
