@@ -83,14 +83,27 @@ fn adapter(model: &CausalLm) -> LoraAdapter {
     model.place_adapter(&adapter).expect("adapter placed")
 }
 
-/// Runs `check` on the model on each inference backend: the CPU engine and
-/// the candle backend (on the CPU, f32).
+/// Runs `check` on the model on each backend: the CPU engine, the candle
+/// backend on the CPU (f32) and, in a `cuda` build on a machine with a GPU
+/// (`cargo test -p relay-llm --features cuda`), on cuda:0 (f32).
 fn for_each_backend(check: impl Fn(&CausalLm)) {
-    let candle = Backend::Candle {
-        device: Device::Cpu,
-        dtype: DType::F32,
-    };
-    for backend in [Backend::Engine, candle] {
+    let mut backends = vec![
+        Backend::Engine,
+        Backend::Candle {
+            device: Device::Cpu,
+            dtype: DType::F32,
+        },
+    ];
+    if relay_llm::CUDA_BUILT {
+        match Device::new_cuda(0) {
+            Ok(device) => backends.push(Backend::Candle {
+                device,
+                dtype: DType::F32,
+            }),
+            Err(e) => eprintln!("no CUDA device to test on: {e}"),
+        }
+    }
+    for backend in backends {
         let model = model().to_backend(backend).expect("model placed");
         eprintln!("backend {}", model.backend().describe());
         check(&model);
