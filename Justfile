@@ -21,7 +21,7 @@ up *ARGS: install
 down:
     {{release}}/relay down
 
-# The release binaries with the `cuda` feature (candle on NVIDIA GPUs through cudarc), into target/cuda/release/ (the CPU build's caches stay). Builds without a GPU: installs a CUDA compiler from PyPI where none is installed (deploy/install.sh --cuda; deploy/cuda-env.sh sets CUDA_COMPUTE_CAP and the CUDA version); running them needs the NVIDIA driver. Serve on a GPU with `--set llm.backend=candle --set llm.device=cuda --set llm.dtype=bf16`.
+# The release binaries with the `cuda` feature (candle on NVIDIA GPUs through cudarc), into target/cuda/release/ (the CPU build's caches stay). Builds without a GPU: installs a CUDA compiler from PyPI where none is installed (deploy/install.sh --cuda; deploy/cuda-env.sh sets CUDA_COMPUTE_CAP and the CUDA version); running them needs the NVIDIA driver. Serve on a GPU with `--set llm.device=cuda --set llm.dtype=bf16`.
 build-cuda: install
     bash deploy/install.sh --cuda
     source deploy/cuda-env.sh && cargo build --release --workspace --bins --features cuda --target-dir target/cuda

@@ -73,10 +73,11 @@ pub struct SftArgs {
     /// Train every weight of a Hugging Face model instead of a LoRA adapter.
     #[arg(long)]
     pub full: bool,
-    /// What trains and plays: `engine` (the tuned CPU engine) or `candle`
-    /// (candle tensor ops on `--device` in `--dtype`; `--full` in f32), as
+    /// What trains and plays: `engine` (the tuned CPU engine), `candle`
+    /// (candle tensor ops on `--device` in `--dtype`; `--full` in f32) or
+    /// `auto` (the engine for f32 on the CPU, candle otherwise), as
     /// `llm.backend` in a config.
-    #[arg(long, default_value = "engine")]
+    #[arg(long, default_value = "auto")]
     pub backend: relay_llm::BackendKind,
     /// The candle backend's device: `cpu`, `cuda` or `cuda:N` (`llm.device`).
     #[arg(long, default_value = "cpu")]

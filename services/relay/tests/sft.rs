@@ -146,7 +146,7 @@ fn sft_refuses_bad_flags_with_clear_errors() {
             vec!["--backend", "candle", "--dtype", "bf16", "--full"],
             "full fine-tuning trains f32",
         ),
-        (vec!["--dtype", "bf16"], "llm.dtype"),
+        (vec!["--backend", "engine", "--dtype", "bf16"], "llm.dtype"),
     ] {
         let model = tiny_qwen2();
         let mut all = vec!["--model", model.as_str(), "--out", out.to_str().unwrap()];

@@ -534,8 +534,10 @@ pub struct LlmConfig {
     /// each (SmolLM2: 46 KB per token).
     pub prefix_cache: usize,
     /// What computes the LLM, in the inference servers and the learner of a
-    /// text run: `engine` (the tuned CPU engine, f32) or `candle` (candle
-    /// tensor ops on `device` in `dtype`: the path to a GPU).
+    /// text run: `engine` (the tuned CPU engine, f32), `candle` (candle
+    /// tensor ops on `device` in `dtype`: the path to a GPU), or `auto`
+    /// (the default: the engine for f32 on the CPU, candle otherwise, so
+    /// `llm.device: cuda` alone is enough).
     pub backend: relay_llm::BackendKind,
     /// Where the `candle` backend computes: `cpu`, `cuda` (GPU 0) or
     /// `cuda:N`; CUDA needs a build with the `cuda` feature (`just
@@ -3782,7 +3784,6 @@ mod tests {
             ("llm.max_sequence=3", "max_sequence"),
             ("llm.device=cuda", "llm.device"),
             ("llm.device=gpu0", "cuda:N"),
-            ("llm.dtype=bf16", "llm.dtype"),
             ("llm.dtype=f8", "dtype"),
             ("llm.backend=vllm", "backend"),
         ];
@@ -3804,6 +3805,22 @@ mod tests {
         )
         .unwrap();
         assert_eq!(candle.llm.backend_spec().dtype, relay_llm::LlmDtype::Bf16);
+        // `auto` (the default) takes the candle backend for bf16; the engine refuses it.
+        let auto =
+            ExperimentConfig::from_layers(BASE, "t", &[], &["llm.dtype=bf16".into()]).unwrap();
+        assert_eq!(
+            auto.llm.backend_spec().resolved_kind(),
+            relay_llm::BackendKind::Candle
+        );
+        let err = ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &["llm.backend=engine".into(), "llm.dtype=bf16".into()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("llm.dtype"), "{err}");
         // CUDA without the feature: the field, and how to build with it.
         if !relay_llm::CUDA_BUILT {
             let err = ExperimentConfig::from_layers(

@@ -27,8 +27,11 @@ pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
-    /// The tuned CPU engine (f32 on the CPU only).
+    /// The engine for f32 on the CPU, the candle backend for anything else
+    /// (so `llm.device: cuda` alone is enough).
     #[default]
+    Auto,
+    /// The tuned CPU engine (f32 on the CPU only).
     Engine,
     /// candle tensor ops on `device` in `dtype`.
     Candle,
@@ -60,10 +63,11 @@ impl std::str::FromStr for BackendKind {
 
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s.trim() {
+            "auto" => Ok(Self::Auto),
             "engine" => Ok(Self::Engine),
             "candle" => Ok(Self::Candle),
             other => Err(format!(
-                "{other:?} is not a backend: give `engine` or `candle`"
+                "{other:?} is not a backend: give `auto`, `engine` or `candle`"
             )),
         }
     }
@@ -150,6 +154,18 @@ pub struct BackendSpec {
 }
 
 impl BackendSpec {
+    /// The backend `auto` stands for: the engine for f32 on the CPU, the
+    /// candle backend otherwise.
+    pub fn resolved_kind(&self) -> BackendKind {
+        match self.kind {
+            BackendKind::Auto if self.device == DeviceSpec::Cpu && self.dtype == LlmDtype::F32 => {
+                BackendKind::Engine
+            }
+            BackendKind::Auto => BackendKind::Candle,
+            explicit => explicit,
+        }
+    }
+
     /// Checks what can be checked without touching a GPU: the engine runs
     /// only f32 on the CPU, and CUDA needs a build with the `cuda` feature.
     /// Errors name the config field.
@@ -191,8 +207,8 @@ impl BackendSpec {
     pub fn open(&self) -> Result<Backend> {
         self.validate()
             .map_err(|e| ModelError::BadInput(e.to_string()))?;
-        Ok(match self.kind {
-            BackendKind::Engine => Backend::Engine,
+        Ok(match self.resolved_kind() {
+            BackendKind::Auto | BackendKind::Engine => Backend::Engine,
             BackendKind::Candle => Backend::Candle {
                 device: open_device(self.device)?,
                 dtype: self.dtype.dtype(),

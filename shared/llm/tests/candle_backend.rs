@@ -207,6 +207,14 @@ fn candle_backend_spec_errors_name_the_field() {
             "{err}"
         );
     }
+    // `auto`: the engine for f32 on the CPU, the candle backend otherwise.
+    let auto = |device, dtype| spec(BackendKind::Auto, device, dtype).resolved_kind();
+    assert_eq!(auto(DeviceSpec::Cpu, LlmDtype::F32), BackendKind::Engine);
+    assert_eq!(auto(DeviceSpec::Cpu, LlmDtype::Bf16), BackendKind::Candle);
+    assert_eq!(
+        auto(DeviceSpec::Cuda(0), LlmDtype::F32),
+        BackendKind::Candle
+    );
     assert_eq!("cuda".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(0)));
     assert_eq!("cuda:3".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(3)));
     assert!("gpu".parse::<DeviceSpec>().unwrap_err().contains("cpu"));
