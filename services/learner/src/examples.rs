@@ -275,7 +275,8 @@ impl PendingGames {
     /// Drops the games played (in part) by versions below `oldest_ok`, with
     /// every continuation of their positions; returns how many went.
     pub fn drop_stale(&mut self, oldest_ok: u64) -> usize {
-        let stale = |g: &GameRecord| g.learning_version().unwrap_or(0) < oldest_ok;
+        let stale =
+            |g: &GameRecord| relay_proto::is_stale(g.learning_version().unwrap_or(0), oldest_ok);
         let stale_groups: std::collections::HashSet<u64> = self
             .games
             .iter()

@@ -517,6 +517,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     tracing::info!(env_id = %cfg.run.env_id, algo = %cfg.run.algo, params = model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
 
     let budget = cfg.run.total_env_steps;
+    let lag = relay_proto::PolicyLag {
+        max_lag: cfg.replay.max_policy_lag,
+        floor: version_floor,
+    };
     // What the fragments taken since the last update hold.
     let mut pending = Pending::default();
     let (mut dropped_stale, mut reported_stale) = (0u64, 0u64);
@@ -548,10 +552,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         if let Some(max_steps) = algorithm.wants(&cfg) {
             let ask = SampleRequest {
                 schema: SCHEMA_VERSION,
-                min_policy_version: progress
-                    .version
-                    .saturating_sub(cfg.replay.max_policy_lag)
-                    .max(version_floor),
+                min_policy_version: lag.oldest_fresh(progress.version),
                 max_steps: max_steps.min(u32::MAX as u64) as u32,
             };
             match relay_kit::request::<_, SampleReply>(
@@ -591,9 +592,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         }
                         // The buffer only drops what is older than we asked; a
                         // fragment that became stale while we gathered goes too.
-                        if f.policy_version + cfg.replay.max_policy_lag < progress.version
-                            || f.policy_version < version_floor
-                        {
+                        if relay_proto::is_stale(
+                            f.policy_version,
+                            lag.oldest_fresh(progress.version),
+                        ) {
                             dropped_stale += 1;
                             continue;
                         }
@@ -635,12 +637,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         progress.env_steps += taken.env_steps;
         progress.vec_steps += taken.vec_steps;
         progress.episodes += taken.episodes;
-        algorithm.forget_older_than(
-            progress
-                .version
-                .saturating_sub(cfg.replay.max_policy_lag)
-                .max(version_floor),
-        );
+        algorithm.forget_older_than(lag.oldest_fresh(progress.version));
         let update = weights(&model, normalizer.as_ref(), &progress);
         latest.publish(&service, &update).await;
         events.record(update.version, update);

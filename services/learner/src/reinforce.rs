@@ -196,7 +196,9 @@ impl Episodes {
         let (d, a) = (self.obs_dim, self.action_dim);
         let mut discarded = 0u64;
         let mut prune = |ep: &mut Episode| {
-            let k = ep.versions.partition_point(|&v| v < min_version);
+            let k = ep
+                .versions
+                .partition_point(|&v| relay_proto::is_stale(v, min_version));
             if k > 0 {
                 discarded += k as u64;
                 ep.drop_front(k, d, a);

@@ -616,7 +616,10 @@ pub(crate) async fn run(
         .into_iter()
         .map(|(game, _)| game)
         .collect();
-    let max_lag = cfg.replay.max_policy_lag;
+    let lag = relay_proto::PolicyLag {
+        max_lag: cfg.replay.max_policy_lag,
+        floor: version_floor,
+    };
     let mut pending = crate::examples::PendingGames::default();
     let mut dropped_stale = 0u64;
     let mut reported = (0u64, 0usize, 0usize);
@@ -636,11 +639,7 @@ pub(crate) async fn run(
         checkpoint_evaluations(&mut events, &mut state, &trainer);
 
         // Games played by versions too old for this update go.
-        let oldest_ok = state
-            .progress
-            .version
-            .saturating_sub(max_lag)
-            .max(version_floor);
+        let oldest_ok = lag.oldest_fresh(state.progress.version);
         dropped_stale += pending.drop_stale(oldest_ok) as u64;
         let held = pending.ready_turns();
         if held < batch_size {

@@ -229,7 +229,12 @@ impl GameStore {
             }
             popped_turns += turns;
             match relay_proto::decode::<GameRecord>(payload) {
-                Ok(game) if game.learning_version().unwrap_or(0) < min_policy_version => {
+                Ok(game)
+                    if relay_proto::is_stale(
+                        game.learning_version().unwrap_or(0),
+                        min_policy_version,
+                    ) =>
+                {
                     out.dropped_stale += 1;
                 }
                 Ok(game) if too_old(&game) => out.dropped_old += 1,

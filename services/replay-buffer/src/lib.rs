@@ -369,7 +369,7 @@ impl Fifo {
             match relay_proto::decode::<RolloutFragment>(&item) {
                 Ok(fragment) => {
                     popped_steps += fragment.env_steps();
-                    if fragment.policy_version < min_policy_version {
+                    if relay_proto::is_stale(fragment.policy_version, min_policy_version) {
                         out.dropped_stale += 1;
                     } else {
                         gathered += fragment.env_steps();

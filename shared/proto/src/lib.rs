@@ -13,6 +13,7 @@ pub mod codec;
 pub mod llm;
 pub mod messages;
 pub mod offpolicy;
+pub mod staleness;
 pub mod subjects;
 pub mod tensor;
 
@@ -20,6 +21,7 @@ pub use codec::{decode, encode, Rejection, WireMessage, MAX_MESSAGE_BYTES, SCHEM
 pub use llm::*;
 pub use messages::*;
 pub use offpolicy::*;
+pub use staleness::{is_stale, PolicyLag};
 pub use subjects::{validate_run_id, Subjects};
 pub use tensor::{DType, F32Parts, NamedTensor, Tensor, TensorError};
 
