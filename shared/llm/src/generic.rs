@@ -6,7 +6,7 @@
 //! number of sequences, each with its own cache, adapter and number of new
 //! tokens, packed into one `(tokens, hidden)` matrix for every projection
 //! and MLP (one matmul each for the whole batch, adapters applied to their
-//! rows, [`crate::model::Routing`]); attention per sequence against its
+//! rows); attention per sequence against its
 //! own cache ([`crate::KvCache`] device storage, written in place). On error no
 //! cache is advanced.
 //!
@@ -21,11 +21,14 @@
 //! `index_select`/`index_add`, `slice_set`, fused RMSNorm and softmax,
 //! elementwise ops) all have CUDA kernels in candle.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::backend::Backend;
 use crate::lora::LoraAdapter;
-use crate::model::{causal_mask, rope, route, BatchItem, CausalLm, LogitsWanted, Routing};
+use crate::model::{
+    causal_mask, rope, route, BaseWeight, BatchItem, CausalLm, Embedding, LogitsWanted, Projection,
+    Routing,
+};
 use crate::model_error::{ModelError, Result};
 
 /// Grouped-query attention of one sequence, softmax in f32. `q`:
@@ -172,5 +175,83 @@ impl CausalLm {
             .lm_head
             .forward(&x, 0, &Routing::Base)?
             .to_dtype(DType::F32)?)
+    }
+}
+
+impl CausalLm {
+    /// The backend computing [`CausalLm::forward_batch`].
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// The device the model's weights are on (inputs of the training
+    /// forward may come from anywhere; logits come back on it).
+    pub fn device(&self) -> &Device {
+        self.rope_cos.device()
+    }
+
+    /// This model on `backend`: for [`Backend::Candle`] every weight is
+    /// copied to the device in the dtype (GGUF-quantized weights are
+    /// dequantized first; norms and rotary tables stay f32, as the forward
+    /// computes them in f32). The training forward stays on the CPU
+    /// engine's weights: call it on a model kept on the engine.
+    pub fn to_backend(mut self, backend: Backend) -> Result<Self> {
+        if let Backend::Candle { device, dtype } = &backend {
+            let place = |t: &candle_core::Tensor| -> Result<candle_core::Tensor> {
+                Ok(t.to_device(device)?.to_dtype(*dtype)?)
+            };
+            let place_f32 = |t: &candle_core::Tensor| -> Result<candle_core::Tensor> {
+                Ok(t.to_device(device)?.to_dtype(DType::F32)?)
+            };
+            let project = |p: &Projection| -> Result<Projection> {
+                let dense = match &p.weight {
+                    BaseWeight::Dense(w) => w.clone(),
+                    BaseWeight::Quantized(q) => q.dequantize(&Device::Cpu)?,
+                    BaseWeight::QMatMul(_) => {
+                        return Err(ModelError::BadInput(
+                            "llm.backend: candle takes a dense or dequantized base \
+                             (llm.gguf_base: dequantized or quantized, not qmatmul)"
+                                .into(),
+                        ))
+                    }
+                };
+                Ok(Projection {
+                    weight: BaseWeight::Dense(place(&dense)?),
+                    bias: p.bias.as_ref().map(place).transpose()?,
+                    target: p.target,
+                })
+            };
+            self.embed = Embedding::Dense(place(&match &self.embed {
+                Embedding::Dense(w) => w.clone(),
+                Embedding::Quantized(q) => q.dequantize(&Device::Cpu)?,
+            })?);
+            for block in &mut self.blocks {
+                block.input_norm = place_f32(&block.input_norm)?;
+                block.post_attention_norm = place_f32(&block.post_attention_norm)?;
+                for p in [
+                    &mut block.q_proj,
+                    &mut block.k_proj,
+                    &mut block.v_proj,
+                    &mut block.o_proj,
+                    &mut block.gate_proj,
+                    &mut block.up_proj,
+                    &mut block.down_proj,
+                ] {
+                    *p = project(p)?;
+                }
+            }
+            self.final_norm = place_f32(&self.final_norm)?;
+            self.lm_head = project(&self.lm_head)?;
+            self.rope_cos = place_f32(&self.rope_cos)?;
+            self.rope_sin = place_f32(&self.rope_sin)?;
+            self.inference = Default::default();
+        }
+        self.backend = backend;
+        Ok(self)
+    }
+
+    /// `adapter` placed where this model computes ([`Backend::place_adapter`]).
+    pub fn place_adapter(&self, adapter: &LoraAdapter) -> Result<LoraAdapter> {
+        self.backend.place_adapter(adapter)
     }
 }

@@ -24,30 +24,7 @@ use crate::cache::KvCache;
 use crate::lora::LoraAdapter;
 use crate::model::{route, BaseWeight, BatchItem, CausalLm, LogitsWanted, Projection, Routing};
 use crate::model_error::{ModelError, Result};
-use crate::packed::PackedWeights;
-
-/// What the inference forward keeps besides the model's tensors: plain
-/// copies of the small vectors and, for a dense base, packed weights.
-#[derive(Debug)]
-pub(crate) struct InferenceWeights {
-    input_norms: Vec<Vec<f32>>,
-    post_attention_norms: Vec<Vec<f32>>,
-    final_norm: Vec<f32>,
-    /// `(positions, head_dim / 2)` rotary tables.
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
-    /// Per layer; `None` when the base is not dense f32.
-    layers: Option<Vec<PackedLayer>>,
-    lm_head: Option<PackedWeights>,
-}
-
-#[derive(Debug)]
-struct PackedLayer {
-    qkv: PackedWeights,
-    o: PackedWeights,
-    gate_up: PackedWeights,
-    down: PackedWeights,
-}
+use crate::packed::{InferenceWeights, PackedLayer, PackedWeights};
 
 fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_vec1::<f32>()?)

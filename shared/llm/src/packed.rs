@@ -11,7 +11,8 @@
 //! one panel with plain loads while it keeps a tile of up to [`TILE_ROWS`]
 //! input rows by [`PANEL`] outputs in registers. Several matrices that
 //! read the same input (q/k/v, gate/up) pack into one [`PackedWeights`],
-//! so they are one pass over the input.
+//! so they are one pass over the input. [`InferenceWeights`] holds a
+//! model's packed layers (built by `crate::infer`, kept by the model).
 //!
 //! Each output element is one chain of fused multiply-adds over `k` in
 //! order, whatever the row's place in the batch, so a sequence gets
@@ -246,6 +247,30 @@ mod avx {
             _mm256_storeu_ps(y.add(r * ldy + 8), acc1[r]);
         }
     }
+}
+
+/// What the inference forward keeps besides the model's tensors: plain
+/// copies of the small vectors and, for a dense base, packed weights.
+#[derive(Debug)]
+pub(crate) struct InferenceWeights {
+    pub(crate) input_norms: Vec<Vec<f32>>,
+    pub(crate) post_attention_norms: Vec<Vec<f32>>,
+    pub(crate) final_norm: Vec<f32>,
+    /// `(positions, head_dim / 2)` rotary tables.
+    pub(crate) rope_cos: Vec<f32>,
+    pub(crate) rope_sin: Vec<f32>,
+    /// Per layer; `None` when the base is not dense f32.
+    pub(crate) layers: Option<Vec<PackedLayer>>,
+    pub(crate) lm_head: Option<PackedWeights>,
+}
+
+/// One block's packed projections.
+#[derive(Debug)]
+pub(crate) struct PackedLayer {
+    pub(crate) qkv: PackedWeights,
+    pub(crate) o: PackedWeights,
+    pub(crate) gate_up: PackedWeights,
+    pub(crate) down: PackedWeights,
 }
 
 #[cfg(test)]

@@ -16,7 +16,10 @@
 use candle_core::{DType, Tensor};
 
 use crate::lora::LoraAdapter;
-use crate::model::{BaseWeight, CausalLm, Embedding, Projection};
+use crate::model::{
+    attend, causal_mask, rms_norm as composed_rms_norm, rope, BaseWeight, CausalLm, Embedding,
+    Projection, Routing,
+};
 use crate::model_error::{ModelError, Result};
 use crate::train_ops;
 
@@ -210,5 +213,97 @@ impl CausalLm {
         }
         let x = self.train_trunk(&flat_ids, (batch, time), adapter)?;
         self.train_head(&x.index_select(&positions, 0)?)
+    }
+
+    /// The training forward composed of candle's basic ops (all with a
+    /// backward, all with CUDA kernels): logits `(batch, time, vocab)` of a
+    /// right-padded block from position 0. The candle backend trains
+    /// through it ([`CausalLm::forward_train`] dispatches here); on the CPU
+    /// engine it is the reference the fused ops are tested against.
+    pub fn forward_train_composed(
+        &self,
+        input_ids: &Tensor,
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        let (batch, time, flat_ids) = self.check_train_input(input_ids, adapter)?;
+        let x = self.composed_trunk(&flat_ids, (batch, time), adapter)?;
+        let logits = self.composed_head(&x)?;
+        Ok(logits.reshape((batch, time, self.config.vocab_size))?)
+    }
+
+    /// Final norm and LM head of composed residual rows: f32 logits.
+    pub(crate) fn composed_head(&self, x: &Tensor) -> Result<Tensor> {
+        let x = composed_rms_norm(x, &self.final_norm, self.config.rms_norm_eps)?;
+        let logits = self
+            .lm_head
+            .forward(&x.to_dtype(self.compute_dtype())?, 0, &Routing::Base)?;
+        Ok(logits.to_dtype(DType::F32)?)
+    }
+
+    /// The residual rows `(batch · time, hidden)` after the last block, in
+    /// f32, from candle's basic ops: matmuls in the weights' dtype; norms,
+    /// RoPE and the attention softmax in f32.
+    pub(crate) fn composed_trunk(
+        &self,
+        flat_ids: &Tensor,
+        (batch, time): (usize, usize),
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        let routing = match adapter {
+            Some(a) => Routing::All(a),
+            None => Routing::Base,
+        };
+        let device = self.rope_cos.device().clone();
+        let dtype = self.compute_dtype();
+        let cfg = &self.config;
+        let (heads, kv_heads, head_dim) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let rep = cfg.kv_group_size();
+        let cos = self.rope_cos.narrow(0, 0, time)?;
+        let sin = self.rope_sin.narrow(0, 0, time)?;
+        let mask = if time > 1 {
+            Some(causal_mask(time, 0, &device)?)
+        } else {
+            None
+        };
+        let f32_rows = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?) };
+        let mut x = f32_rows(self.embed.lookup(flat_ids)?)?;
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = composed_rms_norm(&x, &block.input_norm, cfg.rms_norm_eps)?.to_dtype(dtype)?;
+            let split = |m: Tensor, n: usize| -> Result<Tensor> {
+                Ok(f32_rows(m)?
+                    .reshape((batch, time, n, head_dim))?
+                    .transpose(1, 2)?)
+            };
+            let q = split(block.q_proj.forward(&h, layer, &routing)?, heads)?;
+            let k = split(block.k_proj.forward(&h, layer, &routing)?, kv_heads)?;
+            let v = split(block.v_proj.forward(&h, layer, &routing)?, kv_heads)?;
+            let q = rope(&q, &cos, &sin)?.contiguous()?.reshape((
+                batch * kv_heads,
+                rep * time,
+                head_dim,
+            ))?;
+            let k =
+                rope(&k, &cos, &sin)?
+                    .contiguous()?
+                    .reshape((batch * kv_heads, time, head_dim))?;
+            let v = v
+                .contiguous()?
+                .reshape((batch * kv_heads, time, head_dim))?;
+            let out = attend(&q, &k, &v, rep, mask.as_ref())?;
+            let attn = out
+                .reshape((batch, heads, time, head_dim))?
+                .transpose(1, 2)?
+                .reshape((batch * time, heads * head_dim))?
+                .to_dtype(dtype)?;
+            x = (x + f32_rows(block.o_proj.forward(&attn, layer, &routing)?)?)?;
+            let h = composed_rms_norm(&x, &block.post_attention_norm, cfg.rms_norm_eps)?
+                .to_dtype(dtype)?;
+            x = (x + f32_rows(self.mlp(block, &h, layer, &routing)?)?)?;
+        }
+        Ok(x)
     }
 }
