@@ -96,3 +96,56 @@ async fn swaps_weights_without_dropping_requests() {
             .unwrap();
     }
 }
+
+/// Each published version's transfer is measured: from the learner's
+/// publish stamp to the version held ready, and the bytes received.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weight_transfers_are_measured() {
+    let nats = NatsServer::start().unwrap();
+    let text = format!(
+        "run:\n  id: transfer\n  env_id: CartPole-v1\nconnections:\n  nats_url: {}\n  request_timeout_ms: 2000\n",
+        nats.url()
+    );
+    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap();
+    let model = ActorCritic::new(&relay_policy::spec_for(&experiment).unwrap(), 3).unwrap();
+    let s = Subjects::new("transfer");
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut config = ServiceConfig::for_test(experiment);
+    let metrics_addr: std::net::SocketAddr = ([127, 0, 0, 1], relay_testkit::free_port()).into();
+    config.metrics_addr = metrics_addr;
+    let (trigger, shutdown) = Shutdown::new();
+    let server = tokio::spawn(relay_inference_server::run(config, shutdown));
+    let metric = |name: &str| -> f64 {
+        let Ok((_, body)) = relay_testkit::http_get(metrics_addr, "/metrics") else {
+            return 0.0;
+        };
+        body.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .map_or(0.0, |v| v.parse().unwrap())
+    };
+    // Published (stamped, as the learner does) until the server has taken some.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut version = 1;
+    let mut bytes = 0;
+    while metric("relay_weights_transfer_seconds_count") < 2.0 {
+        assert!(std::time::Instant::now() < deadline, "no transfer measured");
+        let mut update = relay_policy::to_weights(&model, version, 0);
+        update.published_unix_ms = relay_proto::unix_ms();
+        let payload = encode(&update);
+        bytes = payload.len();
+        client.publish(s.weights(), payload.into()).await.unwrap();
+        version += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(metric("relay_weights_received_bytes_total") >= 2.0 * bytes as f64);
+    // Same machine: well under a second each.
+    let sum = metric("relay_weights_transfer_seconds_sum");
+    assert!((0.0..2.0).contains(&sum), "{sum}");
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}

@@ -509,8 +509,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         update
     };
     let mut events: RunEvents<WeightsUpdate> = RunEvents::subscribe(&service, best_eval).await?;
-    let first = weights(&model, normalizer.as_ref(), &progress);
-    latest.publish(&service, &first).await;
+    let mut first = weights(&model, normalizer.as_ref(), &progress);
+    latest.publish(&service, &mut first).await;
     events.record(first.version, first);
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
@@ -638,8 +638,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         progress.vec_steps += taken.vec_steps;
         progress.episodes += taken.episodes;
         algorithm.forget_older_than(lag.oldest_fresh(progress.version));
-        let update = weights(&model, normalizer.as_ref(), &progress);
-        latest.publish(&service, &update).await;
+        let mut update = weights(&model, normalizer.as_ref(), &progress);
+        latest.publish(&service, &mut update).await;
         events.record(update.version, update);
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
@@ -775,11 +775,13 @@ impl LatestWeights {
     }
 
     /// Records `update`'s version, keeps it as the latest and publishes it
-    /// on `weights` (a failure is logged: the next version replaces it).
-    pub(crate) async fn publish(&self, service: &Service, update: &WeightsUpdate) {
+    /// on `weights` (a failure is logged: the next version replaces it),
+    /// stamped with the time of publishing.
+    pub(crate) async fn publish(&self, service: &Service, update: &mut WeightsUpdate) {
         if let Err(e) = checkpoint::record_published(&self.run_dir, update.version) {
             tracing::warn!(error = %e, "could not record the published version");
         }
+        update.published_unix_ms = relay_proto::unix_ms();
         let payload: Bytes = relay_proto::encode(update).into();
         *self.latest.write().expect("weights lock") = payload.clone();
         if payload.len() > relay_proto::MAX_MESSAGE_BYTES {

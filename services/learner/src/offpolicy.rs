@@ -185,8 +185,8 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let micro = service.micro().await?;
     let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
     let mut events: RunEvents<WeightsUpdate> = RunEvents::subscribe(&service, best_eval).await?;
-    let first = algorithm.weights(&progress);
-    latest.publish(&service, &first).await;
+    let mut first = algorithm.weights(&progress);
+    latest.publish(&service, &mut first).await;
     events.record(first.version, first);
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
@@ -297,8 +297,8 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         let round_metrics = algorithm.end_round(frac);
         progress.updates += 1;
         progress.version += 1;
-        let update = algorithm.weights(&progress);
-        latest.publish(&service, &update).await;
+        let mut update = algorithm.weights(&progress);
+        latest.publish(&service, &mut update).await;
         events.record(update.version, update);
         metrics.version.set(progress.version as i64);
         let seconds = round_started.elapsed().as_secs_f64();

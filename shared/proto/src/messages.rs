@@ -430,6 +430,10 @@ pub struct WeightsUpdate {
     /// env-runners adopt them as their starting point. Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub normalizer: Option<NormStats>,
+    /// When the learner published this version ([`crate::unix_ms`] on its
+    /// clock), so receivers measure the transfer; 0: unknown.
+    #[serde(default)]
+    pub published_unix_ms: u64,
 }
 wire_message!(WeightsUpdate, "WeightsUpdate", |m: &WeightsUpdate| {
     if let Some(stats) = &m.normalizer {
@@ -1033,6 +1037,7 @@ mod tests {
             learner_env_steps: 10,
             tensors: Vec::new(),
             normalizer: Some(stats(4)),
+            published_unix_ms: 0,
         };
         assert_eq!(decode::<WeightsUpdate>(&encode(&weights)).unwrap(), weights);
     }
@@ -1071,6 +1076,7 @@ mod tests {
             learner_env_steps: 10,
             tensors: Vec::new(),
             normalizer: Some(bad),
+            published_unix_ms: 0,
         };
         let err = decode::<WeightsUpdate>(&encode(&weights)).unwrap_err();
         assert!(

@@ -426,6 +426,7 @@ impl Subject for WeightsUpdate {
             learner_env_steps: rng.u64_any(),
             tensors,
             normalizer: None,
+            published_unix_ms: rng.u64_any(),
         }
     }
     schema_setter!();
