@@ -30,7 +30,6 @@ const MIN_CAPACITY: usize = 32;
 pub struct KvCache {
     storage: Storage,
     len: usize,
-    num_layers: usize,
     num_kv_heads: usize,
     head_dim: usize,
 }
@@ -64,7 +63,6 @@ impl KvCache {
                 values: vec![Vec::new(); config.num_hidden_layers],
             },
             len: 0,
-            num_layers: config.num_hidden_layers,
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
         }
@@ -170,13 +168,17 @@ impl KvCache {
     /// Checks that the cache fits a model of this shape, and has the
     /// storage of its backend (`on_device`: the candle backend's).
     pub(crate) fn check_shape(&self, config: &ModelConfig, on_device: bool) -> Result<()> {
-        if self.num_layers != config.num_hidden_layers
+        let num_layers = match &self.storage {
+            Storage::Host { keys, .. } => keys.len(),
+            Storage::Device { keys, .. } => keys.len(),
+        };
+        if num_layers != config.num_hidden_layers
             || self.num_kv_heads != config.num_key_value_heads
             || self.head_dim != config.head_dim
         {
             return Err(ModelError::BadInput(format!(
                 "cache for {} layers x {} kv heads x {} head dim used with a model of {} x {} x {}",
-                self.num_layers,
+                num_layers,
                 self.num_kv_heads,
                 self.head_dim,
                 config.num_hidden_layers,

@@ -193,8 +193,8 @@ impl CausalLm {
     /// This model on `backend`: for [`Backend::Candle`] every weight is
     /// copied to the device in the dtype (GGUF-quantized weights are
     /// dequantized first; norms and rotary tables stay f32, as the forward
-    /// computes them in f32). The training forward stays on the CPU
-    /// engine's weights: call it on a model kept on the engine.
+    /// computes them in f32; a head tied to the embedding stays one
+    /// tensor). Inference and training then both run on the device.
     pub fn to_backend(mut self, backend: Backend) -> Result<Self> {
         if let Backend::Candle { device, dtype } = &backend {
             let place = |t: &candle_core::Tensor| -> Result<candle_core::Tensor> {
@@ -221,10 +221,20 @@ impl CausalLm {
                     target: p.target,
                 })
             };
-            self.embed = Embedding::Dense(place(&match &self.embed {
+            let embed = place(&match &self.embed {
                 Embedding::Dense(w) => w.clone(),
                 Embedding::Quantized(q) => q.dequantize(&Device::Cpu)?,
-            })?);
+            })?;
+            self.lm_head = if self.config.tie_word_embeddings {
+                Projection {
+                    weight: BaseWeight::Dense(embed.clone()),
+                    bias: None,
+                    target: self.lm_head.target,
+                }
+            } else {
+                project(&self.lm_head)?
+            };
+            self.embed = Embedding::Dense(embed);
             for block in &mut self.blocks {
                 block.input_norm = place_f32(&block.input_norm)?;
                 block.post_attention_norm = place_f32(&block.post_attention_norm)?;
@@ -241,7 +251,6 @@ impl CausalLm {
                 }
             }
             self.final_norm = place_f32(&self.final_norm)?;
-            self.lm_head = project(&self.lm_head)?;
             self.rope_cos = place_f32(&self.rope_cos)?;
             self.rope_sin = place_f32(&self.rope_sin)?;
             self.inference = Default::default();
