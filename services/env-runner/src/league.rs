@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts};
 use rand::Rng;
-use relay_kit::config::ExperimentConfig;
+use relay_config::ExperimentConfig;
 use relay_kit::league::{adapter_key, LeagueStore};
 use relay_kit::{RequestError, Shutdown};
 use relay_league::{
@@ -235,7 +235,7 @@ pub fn apply(
         if pool.get(&result.opponent).is_none() {
             match &result.opponent {
                 MemberId::Fixed(name) => {
-                    let bot = relay_kit::config::fixed_opponent(name, &config.text);
+                    let bot = relay_config::fixed_opponent(name, &config.text);
                     if pool.add_fixed(bot).is_err() {
                         continue;
                     }

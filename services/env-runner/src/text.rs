@@ -47,7 +47,7 @@ use rand::distr::weighted::WeightedIndex;
 use rand::distr::Distribution;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use relay_kit::config::Opponent;
+use relay_config::Opponent;
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
 use relay_league::{Matchup, MemberId};
 
@@ -385,7 +385,7 @@ fn league_opponent(matchup: &Matchup) -> (LeagueOpponent, Option<FallbackReason>
     match &matchup.opponent {
         MemberId::Version(version) if *version == matchup.current => (LeagueOpponent::Mirror, None),
         MemberId::Version(version) => (LeagueOpponent::Past(*version), None),
-        MemberId::Fixed(name) if relay_kit::config::BOT_NAMES.contains(&name.as_str()) => {
+        MemberId::Fixed(name) if relay_config::BOT_NAMES.contains(&name.as_str()) => {
             (LeagueOpponent::Bot(name.clone()), None)
         }
         MemberId::Fixed(name) => match name.strip_prefix("adapter:") {
@@ -400,7 +400,7 @@ fn league_opponent(matchup: &Matchup) -> (LeagueOpponent, Option<FallbackReason>
 fn seat_league_game(
     draws: &LeagueDraws,
     rng: &mut ChaCha8Rng,
-    text: &relay_kit::config::TextConfig,
+    text: &relay_config::TextConfig,
     players: usize,
     env_id: &str,
     runner_id: &str,

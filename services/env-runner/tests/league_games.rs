@@ -15,8 +15,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use relay_config::ExperimentConfig;
 use relay_kit::league::LeagueStore;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_league::{FixedKind, FixedOpponent, MemberId, PolicyVersion, PoolConfig};
 use relay_proto::{
     decode, encode, AdapterRef, FinishReason, GameRecord, GenerateReply, GenerateRequest, Prompt,

@@ -23,7 +23,7 @@
 //! When the screening mean reaches the threshold (the env's reward
 //! threshold unless `eval.threshold` says otherwise), the same plugin plays
 //! the version again on `eval.confirm_episodes` episodes from
-//! [`relay_kit::config::EvalConfig::confirm_seed`], seeds that no other
+//! [`relay_config::EvalConfig::confirm_seed`], seeds that no other
 //! evaluation of the run plays (the plugin's own `episodes` and `seed`
 //! options do not apply there): picking the first of many versions that
 //! pass one fixed set favours a policy that suits that set. The report

@@ -30,8 +30,8 @@ use futures::future::BoxFuture;
 use futures::StreamExt;
 use rand::SeedableRng;
 use relay_bridge::{EnvSection, VecEnvs};
+use relay_config::{Opponent, TextConfig};
 use relay_envs::{ActionSpace, VecActions};
-use relay_kit::config::{Opponent, TextConfig};
 use relay_nn::{Actions, VecNormalize};
 use relay_policy::text::{
     arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, Seat,
@@ -464,7 +464,7 @@ impl VsOpponent {
         }
         let mut list = vec![Opponent::Bot("random".into())];
         for bot in ["minimax", "connect_four_bot"] {
-            if relay_kit::config::bot_plays(bot, env_id, env) {
+            if relay_config::bot_plays(bot, env_id, env) {
                 list.push(Opponent::Bot(bot.into()));
             }
         }

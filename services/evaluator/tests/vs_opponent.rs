@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::{
     decode, encode, AdapterPayload, AdapterRef, AdapterUpdate, EvalControl, EvalReport,
     FinishReason, GenerateReply, GenerateRequest, Prompt, Subjects, Tensor, SCHEMA_VERSION,

@@ -8,7 +8,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use relay_kit::{ExperimentConfig, RequestError, ServiceConfig, Shutdown, ShutdownTrigger};
+use relay_config::ExperimentConfig;
+use relay_kit::{RequestError, ServiceConfig, Shutdown, ShutdownTrigger};
 use relay_proto::{
     AdapterPayload, AdapterRef, AdapterUpdate, ChatMessage, FinishReason, GenerateReply,
     GenerateRequest, Prompt, SamplingParams, Subjects, Tensor, SCHEMA_VERSION,

@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_nn::ActorCritic;
 use relay_proto::{encode, ActReply, ActRequest, Subjects, Tensor, WeightsUpdate};
 use relay_testkit::NatsServer;

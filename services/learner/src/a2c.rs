@@ -11,10 +11,10 @@
 //!    gradient-norm clip, RMSprop (or Adam). Learning rate and entropy
 //!    coefficient follow their schedules over training progress.
 //!
-//! Hyperparameters are the fields of [`relay_kit::config::A2cConfig`], each
+//! Hyperparameters are the fields of [`relay_config::A2cConfig`], each
 //! documented there.
 
-use relay_kit::config::A2cConfig;
+use relay_config::A2cConfig;
 use relay_kit::gauge;
 use relay_nn::{a2c_loss, A2cInputs, A2cLossConfig, ActorCritic};
 use relay_proto::MetricValue;
@@ -101,7 +101,7 @@ pub fn update(
 mod tests {
     use super::*;
     use crate::rollout::{prepare, test_fragment, TestSteps};
-    use relay_kit::ExperimentConfig;
+    use relay_config::ExperimentConfig;
     use relay_nn::{PolicySpec, Schedule};
 
     fn obs(len: usize, phase: f32) -> Vec<f32> {

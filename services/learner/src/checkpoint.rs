@@ -46,7 +46,8 @@
 
 use std::path::{Path, PathBuf};
 
-use relay_kit::{ExperimentConfig, ServiceError};
+use relay_config::ExperimentConfig;
+use relay_kit::ServiceError;
 use relay_nn::{ActorCritic, VecNormalize};
 use relay_proto::WeightsUpdate;
 

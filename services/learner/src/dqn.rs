@@ -37,8 +37,9 @@
 use std::path::Path;
 
 use rand_chacha::ChaCha8Rng;
-use relay_kit::config::DqnConfig;
-use relay_kit::{gauge, ExperimentConfig, ServiceError};
+use relay_config::DqnConfig;
+use relay_config::ExperimentConfig;
+use relay_kit::{gauge, ServiceError};
 use relay_nn::{
     clip_grad_norm, dqn_loss, Adam, AdamConfig, DqnBatch, DqnLossConfig, DqnStats, QNetwork,
 };

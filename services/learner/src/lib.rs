@@ -77,7 +77,8 @@ use futures::StreamExt;
 use prometheus::{Histogram, HistogramOpts, IntGauge};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use relay_kit::{counter, gauge, ExperimentConfig, Service, ServiceConfig, ServiceError, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::{ActorCritic, VecNormalize};
 use relay_proto::{
     MetricValue, RolloutFragment, RunStatus, RunStatusUpdate, SampleReply, SampleRequest,

@@ -33,7 +33,8 @@ use std::time::{Duration, Instant};
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use relay_kit::{gauge, ExperimentConfig, Service, ServiceError, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{gauge, Service, ServiceError, Shutdown};
 use relay_proto::{
     MetricValue, PriorityAck, PriorityUpdate, Tensor, TransitionBatch, WeightsUpdate,
     SCHEMA_VERSION,

@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use candle_core::{backprop::GradStore, Tensor, Var};
-use relay_kit::ExperimentConfig;
+use relay_config::ExperimentConfig;
 use relay_nn::{clip_grad_norm, Adam, AdamConfig, NnError, RmsProp, RmsPropConfig};
 
 /// Adam or RMSprop over the model's vars.

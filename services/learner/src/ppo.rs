@@ -9,11 +9,11 @@
 //!    when approx KL exceeds 1.5 x `target_kl`. Learning rate, clip range
 //!    and entropy coefficient follow their schedules over training progress.
 //!
-//! Hyperparameters are the fields of [`relay_kit::config::PpoConfig`], each
+//! Hyperparameters are the fields of [`relay_config::PpoConfig`], each
 //! documented there.
 
 use rand::seq::SliceRandom;
-use relay_kit::config::PpoConfig;
+use relay_config::PpoConfig;
 use relay_kit::{counter, gauge};
 use relay_nn::{ppo_loss, PpoInputs, PpoLossConfig};
 use relay_proto::MetricValue;

@@ -22,14 +22,14 @@
 //!    `-mean((G - b) log π) - ent_coef * mean(H) + vf_coef * mean((G - V)^2)`
 //!    with `b = V` (detached) or `b = 0`, optional gradient-norm clip, Adam.
 //!
-//! Hyperparameters are the fields of [`relay_kit::config::ReinforceConfig`],
+//! Hyperparameters are the fields of [`relay_config::ReinforceConfig`],
 //! each documented there. Episodes held when the learner stops are not
 //! checkpointed: a resumed learner starts assembling afresh.
 
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
-use relay_kit::config::{Baseline, ReinforceConfig};
+use relay_config::{Baseline, ReinforceConfig};
 use relay_kit::gauge;
 use relay_nn::{discounted_returns, reinforce_loss, ActorCritic, ReinforceInputs};
 use relay_proto::{MetricValue, RolloutFragment};
@@ -373,7 +373,7 @@ pub fn update(
 mod tests {
     use super::*;
     use crate::rollout::{test_fragment, TestSteps};
-    use relay_kit::ExperimentConfig;
+    use relay_config::ExperimentConfig;
     use relay_nn::PolicySpec;
 
     /// Observations that say which (step, env, fragment) they belong to.

@@ -36,8 +36,9 @@
 use std::path::Path;
 
 use rand_chacha::ChaCha8Rng;
-use relay_kit::config::{EntCoef, SacSection};
-use relay_kit::{gauge, ExperimentConfig, ServiceError};
+use relay_config::ExperimentConfig;
+use relay_config::{EntCoef, SacSection};
+use relay_kit::{gauge, ServiceError};
 use relay_nn::{sac_train_step, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
 use relay_proto::{MetricValue, TransitionBatch, WeightsUpdate};
 use serde::{Deserialize, Serialize};
@@ -82,7 +83,7 @@ pub fn step_config(
     cfg: &SacSection,
     action_dim: usize,
     lr: f64,
-) -> Result<SacConfig, relay_kit::config::ConfigError> {
+) -> Result<SacConfig, relay_config::ConfigError> {
     Ok(SacConfig {
         tau: cfg.tau as f32,
         auto_entropy: matches!(cfg.ent_coef()?, EntCoef::Auto { .. }),
@@ -93,7 +94,7 @@ pub fn step_config(
 }
 
 /// The initial entropy coefficient α (`"auto"`: 1, `"auto_<x>"`: x, fixed: itself).
-pub fn initial_ent_coef(cfg: &SacSection) -> Result<f64, relay_kit::config::ConfigError> {
+pub fn initial_ent_coef(cfg: &SacSection) -> Result<f64, relay_config::ConfigError> {
     Ok(match cfg.ent_coef()? {
         EntCoef::Auto { initial } => initial,
         EntCoef::Fixed(v) => v,
@@ -361,13 +362,13 @@ mod tests {
         assert_eq!((step.tau, step.lr), (0.005, 1e-3));
         assert_eq!(initial_ent_coef(&s).unwrap(), 1.0);
         let fixed = SacSection {
-            ent_coef: relay_kit::config::NumberOrName::Number(0.2),
+            ent_coef: relay_config::NumberOrName::Number(0.2),
             ..s.clone()
         };
         assert!(!step_config(&fixed, 1, 1e-3).unwrap().auto_entropy);
         assert_eq!(initial_ent_coef(&fixed).unwrap(), 0.2);
         let bad = SacSection {
-            ent_coef: relay_kit::config::NumberOrName::Name("sometimes".into()),
+            ent_coef: relay_config::NumberOrName::Name("sometimes".into()),
             ..s
         };
         assert!(step_config(&bad, 1, 1e-3)

@@ -107,7 +107,7 @@ pub fn save_checkpoint(
     adapter: &LoraAdapter,
     trainer: &RlTrainer,
     state: &TextCheckpointState,
-    config: &relay_kit::ExperimentConfig,
+    config: &relay_config::ExperimentConfig,
     base_model: &str,
     links: &[&str],
     evaluated: Option<&PeftBytes>,

@@ -247,7 +247,7 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
     std::fs::create_dir_all(&args.work_dir)
         .with_context(|| format!("creating {}", args.work_dir.display()))?;
     let work = std::fs::canonicalize(&args.work_dir)?;
-    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
+    let config = relay_config::ExperimentConfig::load(&args.config, &args.overrides)?;
     let (sft_model, sft_row) = sft_warm_start(
         &work,
         args.sft_games,

@@ -210,7 +210,7 @@ fn eval_curve(path: &Path, start: Option<chrono::DateTime<chrono::Utc>>) -> Vec<
 /// Mean return of the uniformly random policy over `episodes` episodes of
 /// the config's env (made as the services make it), seeded by `seed`.
 pub fn random_policy_return(
-    config: &relay_kit::ExperimentConfig,
+    config: &relay_config::ExperimentConfig,
     episodes: usize,
     seed: u64,
 ) -> Result<f64> {
@@ -296,7 +296,7 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             let (threshold, random_return) = match goal.target {
                 Target::Return(r) => (r, None),
                 Target::TimesRandom(k) => {
-                    let preset = relay_kit::ExperimentConfig::load(&run.config, &run.overrides)?;
+                    let preset = relay_config::ExperimentConfig::load(&run.config, &run.overrides)?;
                     let random = random_policy_return(&preset, RANDOM_EPISODES, seed)?;
                     println!("== {}: the random policy's mean return over {RANDOM_EPISODES} episodes: {random:.3}", goal.name);
                     (k * random, Some(random))
@@ -316,7 +316,7 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 format!("eval.threshold={threshold}"),
                 "run.stop_when_solved=true".to_string(),
             ]);
-            let loaded = relay_kit::ExperimentConfig::load(&run.config, &run.overrides)?;
+            let loaded = relay_config::ExperimentConfig::load(&run.config, &run.overrides)?;
             let run_id = format!(
                 "bench-learning-{}-s{seed}-{stamp}",
                 goal.config.trim_end_matches(".yaml")
@@ -453,7 +453,7 @@ mod tests {
             if let Budget::EnvSteps(steps) = goal.budget {
                 overrides.push(format!("run.total_env_steps={steps}"));
             }
-            let config = relay_kit::ExperimentConfig::load(&path, &overrides)
+            let config = relay_config::ExperimentConfig::load(&path, &overrides)
                 .unwrap_or_else(|e| panic!("{}: {e}", goal.config));
             assert_eq!(config.solved_threshold(), Some(threshold));
         }

@@ -137,7 +137,7 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
     let runs_dir = work.join("runs");
     let mut overrides = vec!["llm.model=smollm2".to_string()];
     overrides.extend(args.overrides.iter().cloned());
-    let config = relay_kit::ExperimentConfig::load(&args.config, &overrides)?;
+    let config = relay_config::ExperimentConfig::load(&args.config, &overrides)?;
     let budget = args.updates * config.rl.batch_size as u64;
     let run_id = format!("{}-smollm2-bench", crate::make_run_id(&config));
     overrides.extend([

@@ -221,7 +221,7 @@ pub(crate) fn sft_warm_start(
     sft_games: usize,
     sft_epochs: usize,
     eval_games: usize,
-    text: &relay_kit::config::TextConfig,
+    text: &relay_config::TextConfig,
     started: Instant,
 ) -> Result<(PathBuf, Row)> {
     let tiny = work.join("tiny");
@@ -332,7 +332,7 @@ pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
     std::fs::create_dir_all(&args.work_dir)
         .with_context(|| format!("creating {}", args.work_dir.display()))?;
     let work = std::fs::canonicalize(&args.work_dir)?;
-    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
+    let config = relay_config::ExperimentConfig::load(&args.config, &args.overrides)?;
     let (sft_model, sft_row) = sft_warm_start(
         &work,
         args.sft_games,

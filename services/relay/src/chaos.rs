@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
-use relay_kit::ExperimentConfig;
+use relay_config::ExperimentConfig;
 use relay_proto::{EvalReport, MetricsReport, Subjects};
 
 use crate::stack::{Stack, SERVICES};

@@ -132,7 +132,7 @@ fn resolve(
     runs_dir: &Path,
     run: &str,
     which: &str,
-) -> Result<(String, PathBuf, relay_kit::ExperimentConfig)> {
+) -> Result<(String, PathBuf, relay_config::ExperimentConfig)> {
     let (run_id, _, dir) = crate::checkpoints::resolve(runs_dir, run, which)?;
     let config = crate::play::read_resolved_config(&dir.join("config.yaml"))?;
     Ok((run_id, dir, config))
@@ -142,7 +142,7 @@ fn resolve(
 fn evaluate_classic_checkpoint(
     run_id: String,
     dir: &Path,
-    config: &relay_kit::ExperimentConfig,
+    config: &relay_config::ExperimentConfig,
     episodes: usize,
     seed: Option<u64>,
 ) -> Result<CheckpointEval> {
@@ -204,7 +204,7 @@ pub struct TextMatchup {
 pub fn evaluate_text_checkpoint(
     run_id: &str,
     dir: &Path,
-    config: &relay_kit::ExperimentConfig,
+    config: &relay_config::ExperimentConfig,
     episodes: usize,
     seed: u64,
 ) -> Result<serde_json::Value> {
@@ -233,12 +233,12 @@ pub fn evaluate_text_checkpoint(
         .unwrap_or_default();
     let mut bots: Vec<String> = listed
         .into_iter()
-        .filter(|b| relay_kit::config::bot_plays(b, &env_id, &config.env))
+        .filter(|b| relay_config::bot_plays(b, &env_id, &config.env))
         .collect();
     if bots.is_empty() {
         bots = ["random", "minimax", "connect_four_bot"]
             .into_iter()
-            .filter(|b| relay_kit::config::bot_plays(b, &env_id, &config.env))
+            .filter(|b| relay_config::bot_plays(b, &env_id, &config.env))
             .map(str::to_string)
             .collect();
     }

@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use relay_kit::ExperimentConfig;
+use relay_config::ExperimentConfig;
 use relay_nn::ActorCritic;
 
 /// Flags of `relay play`.

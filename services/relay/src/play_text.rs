@@ -16,8 +16,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use relay_config::GgufBaseName;
 use relay_envs::text::{Bot, ObservationView, TextGame};
-use relay_kit::config::GgufBaseName;
 use relay_llm::{
     CausalLm, ChatMessage, LoraAdapter, Sampler, SamplingParams, Sequence, StopCondition, Tokenizer,
 };

@@ -314,7 +314,7 @@ impl Drop for Supervisor {
 /// and inference-server counts with `relay scale`; each is measured over a
 /// fixed window from the env-runners' `env_steps_total` counters.
 pub fn bench_scale(args: BenchScaleArgs) -> Result<()> {
-    let config = relay_kit::ExperimentConfig::load(&args.config, &args.overrides)?;
+    let config = relay_config::ExperimentConfig::load(&args.config, &args.overrides)?;
     let run_id = format!("{}-scale", crate::make_run_id(&config));
     std::fs::create_dir_all(&args.state_dir)?;
     let _ = std::fs::remove_file(args.state_dir.join("stack.json"));

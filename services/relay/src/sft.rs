@@ -33,8 +33,8 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use relay_bridge::{Backend, EnvSection};
+use relay_config::GgufBaseName;
 use relay_envs::ObservationView;
-use relay_kit::config::GgufBaseName;
 use relay_llm::sft::{
     encode_record, load_hf_trainable_on, named_vars, read_sft_jsonl, save_hf_trainable, SftConfig,
     SftExample, SftFormat, SftRecord, SftStats, SftTrainer,

@@ -649,7 +649,7 @@ pub fn is_tiny_model_path(path: &Path) -> bool {
 /// is a missing folder named `tiny` or `tiny-*`, writes the tiny random
 /// Qwen2 there (as `relay model init tiny --out <folder>`, seed 0), so a
 /// text-game config runs from a clean clone. Returns the folder written.
-pub fn ensure_tiny_model(config: &relay_kit::ExperimentConfig) -> Result<Option<PathBuf>> {
+pub fn ensure_tiny_model(config: &relay_config::ExperimentConfig) -> Result<Option<PathBuf>> {
     let Some(model) = config.llm.model.as_deref() else {
         return Ok(None);
     };

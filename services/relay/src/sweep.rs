@@ -32,7 +32,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use relay_kit::ExperimentConfig;
+use relay_config::ExperimentConfig;
 use serde::Serialize;
 
 use crate::{make_run_id, up, StopFlag, UpArgs};

@@ -5,7 +5,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::*;
 use relay_testkit::{free_port, http_get, NatsServer, RedisServer, TempDir};
 

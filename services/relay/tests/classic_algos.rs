@@ -10,7 +10,8 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_nn::ActorCritic;
 use relay_proto::{EvalReport, MetricsReport, Subjects};
 use relay_testkit::{NatsServer, RedisServer, TempDir};

@@ -10,7 +10,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_nn::QNetwork;
 use relay_policy::PolicyModel;
 use relay_proto::{EvalReport, MetricsReport, Subjects, WeightsUpdate};

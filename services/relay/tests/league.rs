@@ -10,7 +10,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_league::MemberId;
 use relay_proto::{AdapterRef, GameRecord, RunStatusUpdate, SeatPolicy, Subjects};
 use relay_testkit::{NatsServer, RedisServer, TempDir};

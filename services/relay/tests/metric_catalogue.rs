@@ -11,8 +11,9 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use relay_config::ExperimentConfig;
 use relay_kit::metrics::{emitted, Catalogue};
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::{
     decode, encode, FinishReason, GenerateReply, GenerateRequest, Prompt, Subjects, Tensor,
     SCHEMA_VERSION,

@@ -5,7 +5,8 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use relay_kit::{ExperimentConfig, RequestError, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{RequestError, ServiceConfig, Shutdown};
 use relay_proto::{
     ChatMessage, FinishReason, GenerateReply, GenerateRequest, Prompt, SamplingParams, Subjects,
 };

@@ -10,7 +10,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::{EpisodeReport, EvalReport, GameRecord, RunStatus, RunStatusUpdate, Subjects};
 use relay_testkit::{NatsServer, RedisServer, TempDir};
 

@@ -18,7 +18,8 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_nn::{ActorCritic, VecNormalize};
 use relay_proto::{EvalReport, Subjects, WeightsUpdate};
 use relay_testkit::{NatsServer, RedisServer, TempDir};

@@ -14,8 +14,8 @@ fn every_preset_loads_and_fits_its_env() {
         if !name.ends_with(".yaml") || name == "metrics.yaml" {
             continue;
         }
-        let config =
-            relay_kit::ExperimentConfig::load(&path, &[]).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let config = relay_config::ExperimentConfig::load(&path, &[])
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         if !config.is_text_game() {
             let spec = config.env_spec().unwrap_or_else(|e| panic!("{name}: {e}"));
             config

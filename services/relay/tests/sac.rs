@@ -13,7 +13,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_nn::{Adam, AdamConfig, Sac, SacActor};
 use relay_proto::{EvalReport, MetricsReport, RunStatus, RunStatusUpdate, Subjects, WeightsUpdate};
 use relay_testkit::{NatsServer, RedisServer, TempDir};

@@ -126,7 +126,7 @@ fn sft_trains_an_adapter_from_bot_games_then_a_whole_model_from_jsonl() {
     assert_eq!(summary(&full)["trained"], "model");
     let loaded = relay_inference_server::llm::load_model(
         full.join("model").to_str().unwrap(),
-        relay_kit::config::GgufBaseName::Dequantized,
+        relay_config::GgufBaseName::Dequantized,
     )
     .expect("the trained model loads as llm.model");
     assert_eq!(loaded.model.config().hidden_size, config.hidden_size);

@@ -13,7 +13,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::{
     AdapterPayload, AdapterRequest, AdapterUpdate, EvalReport, GameRecord, RunStatus,
     RunStatusUpdate, Subjects, SCHEMA_VERSION,

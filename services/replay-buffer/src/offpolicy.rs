@@ -43,7 +43,7 @@
 //! get the largest priority ever set (1 at first). A priority update for an
 //! id that was evicted since it was sampled is skipped and counted.
 
-use relay_kit::config::OffPolicyTable;
+use relay_config::OffPolicyTable;
 use relay_proto::{DType, RolloutFragment, Tensor, TransitionBatch, SCHEMA_VERSION};
 use thiserror::Error;
 

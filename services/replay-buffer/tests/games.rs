@@ -4,7 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::{
     AdapterRef, GameRecord, GameSampleReply, GameSampleRequest, SeatPolicy, Subjects, Tensor,
     TextTurn, SCHEMA_VERSION,

@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use relay_kit::{ExperimentConfig, RequestError, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{RequestError, ServiceConfig, Shutdown};
 use relay_proto::{
     InsertAck, PriorityAck, PriorityUpdate, RolloutFragment, Subjects, Tensor, TransitionBatch,
     TransitionSampleRequest, SCHEMA_VERSION,

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::{
     InsertAck, RolloutFragment, SampleReply, SampleRequest, Subjects, Tensor, SCHEMA_VERSION,
 };

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
-use relay_kit::config::ExperimentConfig;
+use relay_config::ExperimentConfig;
 use relay_kit::league::LeagueStore;
 use relay_kit::Shutdown;
 use relay_league::Pool;

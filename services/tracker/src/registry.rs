@@ -35,7 +35,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use relay_kit::ExperimentConfig;
+use relay_config::ExperimentConfig;
 use relay_proto::{RunStatus, RunStatusUpdate};
 use serde::{Deserialize, Serialize};
 

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use relay_kit::ExperimentConfig;
+use relay_config::ExperimentConfig;
 use relay_proto::{RunStatus, RunStatusUpdate, SCHEMA_VERSION};
 use relay_testkit::TempDir;
 use relay_tracker::registry::{RegistryError, RunRecord, RunRecorder, RunRegistry};

@@ -8,7 +8,8 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use relay_kit::{ExperimentConfig, ServiceConfig, Shutdown};
+use relay_config::ExperimentConfig;
+use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::*;
 use relay_testkit::{free_port, http_get, NatsServer, TempDir};
 use relay_tracker::csv::{split_line, HEADER};

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use relay_proto::{Rejection, WireMessage};
 
-use crate::config::{redact_url, ConnectionsConfig, Secret};
 use crate::Shutdown;
+use relay_config::{redact_url, ConnectionsConfig, Secret};
 
 /// Why a connection or request failed. URLs in it are redacted.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,5 @@
 //! Plumbing every relay service uses the same way.
 //!
-//! - [`config`]: the experiment schema, layered loading, validation.
 //! - [`service`]: flags, start-up, the [`Service`] context, `main`.
 //! - [`connect`]: NATS and Redis connections with backoff; requests with timeouts.
 //! - [`intake`]: decoding received payloads and counting rejections.
@@ -9,7 +8,6 @@
 //! - [`telemetry`]: tracing setup and log forwarding to the tracker.
 //! - [`shutdown`]: the signal passed into `run`.
 
-pub mod config;
 pub mod connect;
 pub mod http;
 pub mod intake;
@@ -19,7 +17,6 @@ pub mod service;
 pub mod shutdown;
 pub mod telemetry;
 
-pub use config::{ExperimentConfig, Secret};
 pub use connect::{
     connect_nats, connect_nats_with, connect_redis, connect_redis_with, request, RequestError,
 };

@@ -12,12 +12,12 @@ use std::time::Duration;
 use prometheus::Registry;
 use relay_proto::{MetricKind, MetricValue, MetricsReport, Subjects, SCHEMA_VERSION};
 
-use crate::config::{ConfigError, ExperimentConfig};
 use crate::connect::{connect_nats_with, ConnectError};
 use crate::http::{serve, Health};
 use crate::intake::Intake;
 use crate::telemetry::LogForwarding;
 use crate::Shutdown;
+use relay_config::{ConfigError, ExperimentConfig};
 
 /// Flags shared by every service binary.
 #[derive(Debug, Clone, clap::Args)]

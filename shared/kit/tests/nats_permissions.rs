@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_nats::{Client, ConnectOptions, Event, ServerError};
 use futures::StreamExt;
-use relay_kit::config::{ConnectionsConfig, ExperimentConfig};
+use relay_config::{ConnectionsConfig, ExperimentConfig};
 use relay_kit::connect::ConnectError;
 use relay_kit::{connect_nats_with, Shutdown};
 use relay_testkit::NatsServer;

@@ -1,6 +1,6 @@
 //! Redis AUTH from config against a real redis-server that requires a password.
 
-use relay_kit::config::{ConnectionsConfig, Secret};
+use relay_config::{ConnectionsConfig, Secret};
 use relay_kit::connect::{connect_redis_with, ConnectError};
 use relay_kit::Shutdown;
 use relay_testkit::RedisServer;

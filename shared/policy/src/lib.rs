@@ -28,8 +28,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use relay_config::ExperimentConfig;
 use relay_envs::ActionSpace;
-use relay_kit::{ExperimentConfig, Service};
+use relay_kit::Service;
 use relay_nn::{
     ActOutput, ActionKind, Actions, Activation, ActorCritic, NormDelta, PolicySpec, QNetSpec,
     QNetwork, RunningMeanStd, SacActor, SacSpec, VecNormalize,
@@ -47,7 +48,7 @@ pub enum SpecError {
     #[error(transparent)]
     Env(#[from] relay_bridge::BridgeError),
     #[error(transparent)]
-    Config(#[from] relay_kit::config::ConfigError),
+    Config(#[from] relay_config::ConfigError),
 }
 
 /// The policy network shape of a run.
@@ -67,8 +68,8 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, SpecError> {
         action,
         hidden: config.policy.hidden.clone(),
         activation: match config.policy.activation {
-            relay_kit::config::ActivationName::Tanh => Activation::Tanh,
-            relay_kit::config::ActivationName::Relu => Activation::Relu,
+            relay_config::ActivationName::Tanh => Activation::Tanh,
+            relay_config::ActivationName::Relu => Activation::Relu,
         },
         init_log_std: config.policy.init_log_std,
         cnn: config

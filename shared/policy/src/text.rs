@@ -20,8 +20,8 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use relay_bridge::EnvSection;
+use relay_config::{BranchPosition, Opponent, TextConfig};
 use relay_envs::{Bot, ConnectFourBot, EnvError, MinimaxBot, ObservationView, RandomBot};
-use relay_kit::config::{BranchPosition, Opponent, TextConfig};
 use relay_kit::RequestError;
 use relay_proto::{
     AdapterRef, Branch, ChatMessage, GameRecord, GenerateReply, GenerateRequest, Prompt,
@@ -79,7 +79,7 @@ impl Seat {
     }
 }
 
-/// Builds bot `name` (one of `relay_kit::config::BOT_NAMES`).
+/// Builds bot `name` (one of `relay_config::BOT_NAMES`).
 pub fn make_bot(name: &str, seed: u64, config: &TextConfig) -> Result<Box<dyn Bot>, String> {
     Ok(match name {
         "random" => Box::new(RandomBot::new(seed)),

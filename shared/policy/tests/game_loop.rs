@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use relay_kit::config::TextConfig;
+use relay_config::TextConfig;
 use relay_policy::text::{
     arrange, learning_adapter, make_bot, play_game, GameError, GameSettings, GameSpec, Generate,
     GenerateError, Outcome, Seat,
@@ -425,7 +425,7 @@ async fn a_branched_game_plays_one_position_on_with_its_own_moves_and_the_shared
 
 #[tokio::test]
 async fn last_before_loss_branches_a_lost_game_at_its_last_learning_move_and_others_uniformly() {
-    use relay_kit::config::BranchPosition;
+    use relay_config::BranchPosition;
     use relay_policy::text::play_branched;
     let rule = |r: &GenerateRequest, _| {
         let moves = available_moves(r);

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
-use relay_kit::config::GgufBaseName;
+use relay_config::GgufBaseName;
 use relay_kit::{Service, ServiceError};
 use relay_llm::{CausalLm, GgufBase, TokenSequences, Tokenizer};
 use relay_proto::{AdapterUpdate, GenerateRequest, Prompt, Rejection};
