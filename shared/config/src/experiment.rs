@@ -1,0 +1,542 @@
+//! [`ExperimentConfig`], a whole run's config: layered loading (file, then
+//! `RELAY__` environment variables, then `--set`), validation across
+//! sections, and what services derive from several sections at once.
+
+use std::path::Path;
+
+use relay_bridge::EnvSection;
+use serde::{Deserialize, Serialize};
+
+use crate::a2c::A2cConfig;
+use crate::check::{invalid, positive, positive_f, ConfigError};
+use crate::connections::{ConnectionsConfig, SECRET_ENV_VARS};
+use crate::dqn::DqnConfig;
+use crate::eval::EvalConfig;
+use crate::league::{fixed_opponent, league_fixed_names, LeagueSection};
+use crate::llm::LlmConfig;
+use crate::lora::LoraSection;
+use crate::normalize::NormalizeSection;
+use crate::policy::PolicyConfig;
+use crate::ppo::PpoConfig;
+use crate::reinforce::ReinforceConfig;
+use crate::rl::RlConfig;
+use crate::run::{RunConfig, CLASSIC_ALGOS};
+use crate::sac::SacSection;
+use crate::services::{EnvRunnerConfig, InferenceConfig, ReplayConfig, TrackerConfig};
+use crate::text::TextConfig;
+
+/// A whole experiment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExperimentConfig {
+    pub run: RunConfig,
+    #[serde(default)]
+    pub connections: ConnectionsConfig,
+    #[serde(default)]
+    pub policy: PolicyConfig,
+    #[serde(default)]
+    pub env_runner: EnvRunnerConfig,
+    #[serde(default)]
+    pub inference: InferenceConfig,
+    #[serde(default)]
+    pub llm: LlmConfig,
+    #[serde(default)]
+    pub replay: ReplayConfig,
+    #[serde(default)]
+    pub ppo: PpoConfig,
+    #[serde(default)]
+    pub a2c: A2cConfig,
+    #[serde(default)]
+    pub reinforce: ReinforceConfig,
+    #[serde(default)]
+    pub dqn: DqnConfig,
+    #[serde(default)]
+    pub sac: SacSection,
+    #[serde(default)]
+    pub eval: EvalConfig,
+    #[serde(default)]
+    pub tracker: TrackerConfig,
+    #[serde(default)]
+    pub text: TextConfig,
+    #[serde(default)]
+    pub lora: LoraSection,
+    #[serde(default)]
+    pub rl: RlConfig,
+    #[serde(default)]
+    pub league: LeagueSection,
+    #[serde(default)]
+    pub normalize: NormalizeSection,
+    /// Where `run.env_id` comes from (built in, or Gymnasium through Python
+    /// workers) and how it is made.
+    #[serde(default)]
+    pub env: EnvSection,
+}
+
+/// Environment variables of this form override config fields:
+/// `RELAY__PPO__LEARNING_RATE=0.0003` sets `ppo.learning_rate`.
+pub const ENV_PREFIX: &str = "RELAY__";
+
+/// Sets `a.b.c` in a YAML mapping to `raw` parsed as a YAML scalar.
+/// Secrets (`*_password`, `*_token`) are taken verbatim as strings, so a
+/// password such as `123` or `yes` stays what it is.
+pub(crate) fn set_dotted(
+    root: &mut serde_yaml::Value,
+    key: &str,
+    raw: &str,
+) -> Result<(), ConfigError> {
+    let parsed: serde_yaml::Value = if key.ends_with("_password") || key.ends_with("_token") {
+        serde_yaml::Value::String(raw.to_string())
+    } else {
+        serde_yaml::from_str(raw).map_err(|e| ConfigError::Override {
+            key: key.to_string(),
+            detail: e.to_string(),
+        })?
+    };
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(ConfigError::Override {
+            key: key.to_string(),
+            detail: "empty path segment".into(),
+        });
+    }
+    let mut node = root;
+    for part in &parts[..parts.len() - 1] {
+        let map = node.as_mapping_mut().ok_or_else(|| ConfigError::Override {
+            key: key.to_string(),
+            detail: format!("{part} is not inside a mapping"),
+        })?;
+        node = map
+            .entry(serde_yaml::Value::String(part.to_string()))
+            .or_insert_with(|| serde_yaml::Value::Mapping(Default::default()));
+    }
+    let map = node.as_mapping_mut().ok_or_else(|| ConfigError::Override {
+        key: key.to_string(),
+        detail: "parent is not a mapping".into(),
+    })?;
+    map.insert(
+        serde_yaml::Value::String(parts[parts.len() - 1].to_string()),
+        parsed,
+    );
+    Ok(())
+}
+
+impl ExperimentConfig {
+    /// Loads a file, applies environment overrides, then `--set` overrides, and validates.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let mut env: Vec<(String, String)> = std::env::vars()
+            .filter_map(|(k, v)| {
+                k.strip_prefix(ENV_PREFIX)
+                    .map(|rest| (rest.to_ascii_lowercase().replace("__", "."), v))
+            })
+            .collect();
+        for (var, key) in SECRET_ENV_VARS {
+            if let Ok(value) = std::env::var(var) {
+                env.push((key.to_string(), value));
+            }
+        }
+        Self::from_layers(&text, &path.display().to_string(), &env, overrides)
+    }
+
+    /// Parses YAML text and applies `(dotted.key, value)` overrides, then `key=value` ones.
+    pub fn from_layers(
+        text: &str,
+        origin: &str,
+        env: &[(String, String)],
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let mut value: serde_yaml::Value =
+            serde_yaml::from_str(text).map_err(|e| ConfigError::Parse {
+                origin: origin.to_string(),
+                detail: e.to_string(),
+            })?;
+        for (key, raw) in env {
+            set_dotted(&mut value, key, raw)?;
+        }
+        for item in overrides {
+            let (key, raw) = item.split_once('=').ok_or_else(|| ConfigError::Override {
+                key: item.clone(),
+                detail: "expected key=value, e.g. ppo.learning_rate=0.0003".into(),
+            })?;
+            set_dotted(&mut value, key.trim(), raw)?;
+        }
+        // The path names the field of a value that does not parse.
+        let config: ExperimentConfig =
+            serde_path_to_error::deserialize(value).map_err(|e| ConfigError::Parse {
+                origin: origin.to_string(),
+                detail: match e.path().to_string().as_str() {
+                    "." => e.inner().to_string(),
+                    path => format!("{path}: {}", e.inner()),
+                },
+            })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and cross-field constraints.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.connections.validate()?;
+        if let Some(id) = &self.run.id {
+            relay_proto::validate_run_id(id).map_err(|e| invalid("run.id", e))?;
+        }
+        // An id relay does not have is made by Gymnasium (env.backend auto),
+        // which names an unknown id when a service first makes it.
+        self.env
+            .validate(&self.run.env_id)
+            .map_err(|(field, detail)| invalid(field, detail))?;
+        self.text.validate(&self.run.env_id, &self.env)?;
+        self.league
+            .validate(&self.text, &self.run.env_id, &self.env)?;
+        self.lora.validate()?;
+        self.rl.validate(self.text.max_turn_tokens as usize)?;
+        if !CLASSIC_ALGOS.contains(&self.run.algo.as_str()) {
+            return Err(invalid(
+                "run.algo",
+                format!(
+                    "unknown algorithm {:?}; known: {}",
+                    self.run.algo,
+                    CLASSIC_ALGOS.join(", ")
+                ),
+            ));
+        }
+        if self.run.total_env_steps == 0 {
+            return Err(invalid("run.total_env_steps", "must be positive"));
+        }
+        if self.policy.hidden.contains(&0)
+            || (self.policy.hidden.is_empty() && self.policy.cnn.is_none())
+        {
+            return Err(invalid(
+                "policy.hidden",
+                "needs at least one layer (none is allowed with policy.cnn), each wider than 0",
+            ));
+        }
+        if let Some(cnn) = &self.policy.cnn {
+            self.validate_cnn(cnn)?;
+        }
+        positive("env_runner.num_envs", self.env_runner.num_envs)?;
+        positive("env_runner.fragment_steps", self.env_runner.fragment_steps)?;
+        positive("env_runner.threads", self.env_runner.threads)?;
+        positive("inference.max_batch", self.inference.max_batch)?;
+        positive("inference.threads", self.inference.threads)?;
+        self.llm.validate()?;
+        // Text runs gather `rl.batch_size` learning moves (a replay "step").
+        if self.is_text_game() {
+            if self.replay.capacity_steps < self.rl.batch_size as u64 {
+                return Err(invalid(
+                    "replay.capacity_steps",
+                    format!(
+                        "{} is smaller than rl.batch_size ({}): the learner could never gather a batch",
+                        self.replay.capacity_steps, self.rl.batch_size
+                    ),
+                ));
+            }
+        } else if let Some((field, steps)) = self.rollout_env_steps() {
+            if self.replay.capacity_steps < steps {
+                return Err(invalid(
+                    "replay.capacity_steps",
+                    format!(
+                        "{} is smaller than {field} ({steps} env steps): the learner could never gather a rollout",
+                        self.replay.capacity_steps
+                    ),
+                ));
+            }
+        }
+        if let Some(age) = self.replay.max_age_s {
+            positive_f("replay.max_age_s", age)?;
+        }
+        if let Some(ratio) = self.replay.samples_per_insert {
+            positive_f("replay.samples_per_insert", ratio)?;
+            // One fragment must fit in the limiter's slack, or no insert could ever pass.
+            let fragment = (self.env_runner.num_envs * self.env_runner.fragment_steps) as f64;
+            let max_diff = ratio * self.replay.min_size_to_sample as f64
+                + self.replay.rate_error_buffer as f64;
+            if ratio * fragment > max_diff {
+                return Err(invalid(
+                    "replay.rate_error_buffer",
+                    format!(
+                        "{} (+ samples_per_insert x min_size_to_sample) admits less than one fragment of {fragment} env steps",
+                        self.replay.rate_error_buffer
+                    ),
+                ));
+            }
+        }
+        self.ppo.validate()?;
+        self.validate_a2c()?;
+        self.validate_reinforce()?;
+        self.validate_dqn()?;
+        self.validate_sac()?;
+        if self.run.resume_from.is_some() && self.run.init_from.is_some() {
+            return Err(invalid(
+                "run.init_from",
+                "cannot be set together with run.resume_from (resume continues a run, init_from starts a new one)",
+            ));
+        }
+        for (field, path) in [
+            ("run.resume_from", &self.run.resume_from),
+            ("run.init_from", &self.run.init_from),
+        ] {
+            if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+                return Err(invalid(field, "is empty; give a checkpoint folder"));
+            }
+        }
+        self.normalize.validate()?;
+        if self.normalize.enabled() && self.is_text_game() {
+            return Err(invalid(
+                if self.normalize.obs {
+                    "normalize.obs"
+                } else {
+                    "normalize.reward"
+                },
+                "normalisation applies to classic-control envs, not text games",
+            ));
+        }
+        if self.normalize.enabled() && matches!(self.run.algo.as_str(), "dqn" | "sac") {
+            // The off-policy table stores raw transitions; DQN and SAC do
+            // not take normalised ones yet.
+            return Err(invalid(
+                if self.normalize.obs {
+                    "normalize.obs"
+                } else {
+                    "normalize.reward"
+                },
+                format!(
+                    "not supported with run.algo {} yet (its replay table keeps raw transitions)",
+                    self.run.algo
+                ),
+            ));
+        }
+        self.eval.validate()?;
+        positive("eval.episodes", self.eval.episodes)?;
+        positive("eval.every_versions", self.eval.every_versions as usize)?;
+        if let Some(t) = self.eval.threshold {
+            if !t.is_finite() {
+                return Err(invalid("eval.threshold", "must be finite"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The section configuring the run's algorithm's rollout and its size in
+    /// env steps, for algorithms that train on a fixed number of env steps
+    /// (PPO, A2C); none for REINFORCE, which trains on whole episodes.
+    pub(crate) fn rollout_env_steps(&self) -> Option<(&'static str, u64)> {
+        match self.run.algo.as_str() {
+            "a2c" => Some((
+                "a2c.n_steps x env_runner.num_envs",
+                (self.a2c.n_steps * self.env_runner.num_envs) as u64,
+            )),
+            "reinforce" | "dqn" | "sac" => None,
+            _ => Some(("ppo.rollout_steps", self.ppo.rollout_steps as u64)),
+        }
+    }
+
+    /// Updates between periodic checkpoints of the run's algorithm
+    /// (`<algo>.checkpoint_every`; text runs: `rl.checkpoint_every`).
+    pub fn checkpoint_every(&self) -> u64 {
+        if self.is_text_game() {
+            return self.rl.checkpoint_every;
+        }
+        match self.run.algo.as_str() {
+            "a2c" => self.a2c.checkpoint_every,
+            "reinforce" => self.reinforce.checkpoint_every,
+            "dqn" => self.dqn.checkpoint_every,
+            "sac" => self.sac.checkpoint_every,
+            _ => self.ppo.checkpoint_every,
+        }
+    }
+
+    /// Numbered checkpoints kept (`<algo>.keep_checkpoints`; text runs:
+    /// `rl.keep_checkpoints`).
+    pub fn keep_checkpoints(&self) -> usize {
+        if self.is_text_game() {
+            return self.rl.keep_checkpoints;
+        }
+        match self.run.algo.as_str() {
+            "a2c" => self.a2c.keep_checkpoints,
+            "reinforce" => self.reinforce.keep_checkpoints,
+            "dqn" => self.dqn.keep_checkpoints,
+            "sac" => self.sac.keep_checkpoints,
+            _ => self.ppo.keep_checkpoints,
+        }
+    }
+
+    /// The discount of the run's algorithm (`ppo.gamma`, `a2c.gamma` or
+    /// `reinforce.gamma`).
+    pub fn algo_gamma(&self) -> f64 {
+        match self.run.algo.as_str() {
+            "a2c" => self.a2c.gamma,
+            "reinforce" => self.reinforce.gamma,
+            _ => self.ppo.gamma,
+        }
+    }
+
+    /// The `normalize` section resolved for [`relay_nn::VecNormalize`]
+    /// (`gamma` defaulting to the algorithm's); `None` when it is off.
+    pub fn normalizer(&self) -> Option<relay_nn::NormalizeConfig> {
+        let n = &self.normalize;
+        n.enabled().then(|| relay_nn::NormalizeConfig {
+            norm_obs: n.obs,
+            norm_reward: n.reward,
+            clip_obs: n.clip_obs,
+            clip_reward: n.clip_reward,
+            gamma: n.gamma.unwrap_or_else(|| self.algo_gamma()),
+            epsilon: n.epsilon,
+        })
+    }
+
+    /// Whether `run.env_id` is a text game (played by LLM policies).
+    pub fn is_text_game(&self) -> bool {
+        self.env.is_text_game(&self.run.env_id)
+    }
+
+    /// Whether the self-play league is on: a text game whose
+    /// `text.opponents.league` weight is positive (validation made sure the
+    /// game has two players and the model learns).
+    pub fn league_enabled(&self) -> bool {
+        self.is_text_game() && self.text.league_weight() > 0.0
+    }
+
+    /// The fixed members of the league pool: the bots of `text.opponents`
+    /// (whatever their weight), then those of `league.fixed`.
+    pub fn league_fixed(&self) -> Vec<relay_league::FixedOpponent> {
+        league_fixed_names(&self.text, &self.league)
+            .iter()
+            .map(|name| fixed_opponent(name, &self.text))
+            .collect()
+    }
+
+    /// The algorithm that trains the run, for run ids and the registry:
+    /// `run.algo` for classic envs; for text games the `rl` preset (or
+    /// `custom` when `rl.objective` replaces it).
+    pub fn algo_name(&self) -> &str {
+        if !self.is_text_game() {
+            &self.run.algo
+        } else if self.rl.objective.is_some() {
+            "custom"
+        } else {
+            &self.rl.preset
+        }
+    }
+
+    /// Whether the inference servers serve `generate`: a text game, or an
+    /// `llm.model` set.
+    pub fn serves_llm(&self) -> bool {
+        self.is_text_game() || self.llm.model.is_some()
+    }
+
+    /// The run id, which every service needs.
+    pub fn run_id(&self) -> Result<&str, ConfigError> {
+        self.run
+            .id
+            .as_deref()
+            .ok_or_else(|| invalid("run.id", "no run id: pass --run-id or set RELAY_RUN_ID"))
+    }
+
+    /// Solved threshold: `eval.threshold`, else the env's reward threshold
+    /// (Gymnasium's registration for an env made through Python).
+    pub fn solved_threshold(&self) -> Option<f64> {
+        self.eval.threshold.or_else(|| {
+            if self.is_text_game() {
+                return None;
+            }
+            self.env_spec().ok().and_then(|s| s.reward_threshold)
+        })
+    }
+
+    /// The spec (spaces, time limit, reward threshold) of `run.env_id`: the
+    /// built-in env's, or what a Python worker reports for a Gymnasium env
+    /// (asked once per process, then cached).
+    pub fn env_spec(&self) -> Result<relay_envs::EnvSpec, relay_bridge::BridgeError> {
+        relay_bridge::spec(&self.run.env_id, &self.env)
+    }
+
+    /// Whether observations travel as uint8 pixels: image observations that
+    /// `normalize.obs` does not turn into floats.
+    pub fn observations_as_pixels(&self, spec: &relay_envs::EnvSpec) -> bool {
+        spec.image.is_some() && !self.normalize.obs
+    }
+
+    /// Checks the config against the env it runs on (known only once the
+    /// env is made): `policy.cnn` needs image observations that its
+    /// convolutions fit, and fragments must fit in a message.
+    pub fn check_env(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
+        if let Some(cnn) = &self.policy.cnn {
+            let Some(image) = spec.image else {
+                return Err(invalid(
+                    "policy.cnn",
+                    format!(
+                        "needs image observations; {} has flat observations of {} values",
+                        spec.id,
+                        spec.obs_dim()
+                    ),
+                ));
+            };
+            if !self.observations_as_pixels(spec) {
+                return Err(invalid(
+                    "normalize.obs",
+                    "image observations are not normalized (the CNN scales pixels by 1/255, as SB3 does); set normalize.obs: false",
+                ));
+            }
+            let cnn = relay_nn::CnnSpec {
+                input: image,
+                ..cnn.clone()
+            };
+            cnn.output_shapes()
+                .map_err(|e| invalid("policy.cnn.conv", e.to_string()))?;
+        }
+        let value_bytes = if self.observations_as_pixels(spec) {
+            1
+        } else {
+            4
+        };
+        self.check_fragment_size(spec.obs_dim(), value_bytes, spec.action_space.dim())
+    }
+
+    /// Refuses a fragment size that cannot travel: a wide observation (a
+    /// one-hot `Discrete(500)`, an image) times `fragment_steps x num_envs`
+    /// can outgrow a NATS message, and every insert would fail.
+    pub(crate) fn check_fragment_size(
+        &self,
+        obs_dim: usize,
+        obs_value_bytes: usize,
+        action_values: usize,
+    ) -> Result<(), ConfigError> {
+        let (steps, n) = (self.env_runner.fragment_steps, self.env_runner.num_envs);
+        // Per env step: observation, action (i64 or f32s), logprob, value,
+        // reward, scaled reward, two flags; per fragment: next observations
+        // and about one final observation per env; then headers.
+        let obs_bytes = obs_dim * obs_value_bytes;
+        let per_step = n * (obs_bytes + action_values * 8 + 16 + 2);
+        let fixed = 2 * n * obs_bytes + 4096;
+        let bytes = steps * per_step + fixed;
+        let limit = relay_proto::MAX_MESSAGE_BYTES;
+        if bytes > limit {
+            let fits = limit.saturating_sub(fixed) / per_step;
+            return Err(invalid(
+                "env_runner.fragment_steps",
+                format!(
+                    "{steps} vector steps of {n} envs with {obs_dim} observation values make fragments of about {bytes} bytes, above the {limit} bytes a message may have; use at most {fits} (or fewer env_runner.num_envs)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The spec of a built-in classic-control `run.env_id`; `None` for a
+    /// text game or an env made through Python (validation asks no Python).
+    pub(crate) fn builtin_env_spec(&self) -> Option<relay_envs::EnvSpec> {
+        if self.env.uses_python(&self.run.env_id) {
+            return None;
+        }
+        relay_envs::spec(&self.run.env_id).ok()
+    }
+
+    /// The config as YAML, as written into the run directory and checkpoints:
+    /// passwords and tokens print as `***`, URLs lose their passwords.
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).expect("config serializes")
+    }
+}

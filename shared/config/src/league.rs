@@ -1,0 +1,214 @@
+//! The `league` section: self-play against past versions: the pool, its
+//! rating and the opponent sampler, and the fixed opponents it rates against.
+
+use relay_bridge::EnvSection;
+use serde::{Deserialize, Serialize};
+
+use crate::check::{invalid, ConfigError};
+use crate::text::{bot_plays, valid_adapter_name, TextConfig, BOT_NAMES};
+
+/// The key of `text.opponents` whose weight is the share of training games
+/// played against an opponent drawn from the league pool.
+pub const LEAGUE_OPPONENT: &str = "league";
+
+/// The self-play league of a text run ([`relay_league`]): the pool of the
+/// learning adapter's published versions and fixed bots, rated by
+/// TrueSkill from the games the env-runners play, and the sampler that
+/// draws the opponent of each `league` game (`text.opponents.league`).
+///
+/// The pool lives in Redis (`relay:<run>:league`, [`crate::league`]); it is
+/// created from `pool` and the fixed members when the run first needs it
+/// and keeps its own settings afterwards (a resumed run keeps its ratings).
+/// With the league on (`text.opponents.league` > 0) the learner admits
+/// every version it publishes (inheriting the parent's rating) and stores
+/// it in the run's object store bucket, so inference servers can serve any
+/// version still in the pool.
+///
+/// Example (YAML):
+///
+/// ```yaml
+/// text:
+///   opponents: {league: 1, random: 0, minimax: 0}
+/// league:
+///   pool: {keep_latest: 8, keep_best: 2}
+///   sampler:
+///     kind: mixture
+///     components:
+///       - {weight: 0.4, sampler: {kind: mirror}}
+///       - {weight: 0.3, sampler: {kind: lagged, k: 2}}
+///       - {weight: 0.3, sampler: {kind: match_quality, temperature: 0.5}}
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LeagueSection {
+    /// How the pool rates and bounds itself (`relay_league::PoolConfig`):
+    /// `trueskill` {`mu`, `sigma`, `beta`, `tau`, `draw_probability`} (the
+    /// rating environment, defaults as the Python `trueskill` package),
+    /// `keep_latest` (newest versions always kept, default 10),
+    /// `keep_best` (best versions by `mu - conservative_k * sigma` kept
+    /// besides, default 3), `conservative_k` (default 3), `sigma_widen`
+    /// (the uncertainty a version adds to its parent's rating, in
+    /// quadrature, default 0.5), `admit_every` (every this many published
+    /// versions join; the games of those in between count for the newest
+    /// pool version; default 10), `keep_first` (the first version stays as
+    /// the reference, default true). Versions outside these bounds are
+    /// evicted, and their stored adapters deleted.
+    pub pool: relay_league::PoolConfig,
+    /// Who the current version plays in a `league` game
+    /// (`relay_league::SamplerConfig`, tagged by `kind`): `mirror` (itself;
+    /// the default), `fixed` {`opponents`: [{`opponent`, `weight`}]} (named
+    /// members: a bot or `v<N>`), `lagged` {`k`} (the version k back),
+    /// `uniform` {`include_fixed`}, `match_quality` {`temperature`,
+    /// `floor`, `include_fixed`} (TrueSkill match quality, even matches
+    /// most), `least_played` {`include_fixed`}, or `mixture`
+    /// {`components`: [{`weight`, `sampler`}]}. Who moves first is a fair
+    /// coin each game.
+    pub sampler: relay_league::SamplerConfig,
+    /// Fixed members of the pool besides the bots and adapters named in
+    /// `text.opponents`: bots (`random`, `minimax`, `connect_four_bot`;
+    /// each must play the run's game) or `adapter:<name>` (a LoRA adapter
+    /// the inference servers hold, e.g. from `llm.adapters`: a saved
+    /// policy to beat), so samplers can draw them without the env-runners
+    /// also playing them directly.
+    pub fixed: Vec<String>,
+}
+
+impl LeagueSection {
+    /// Checks every field against the run's `text` section and game.
+    pub(crate) fn validate(
+        &self,
+        text: &TextConfig,
+        env_id: &str,
+        env: &EnvSection,
+    ) -> Result<(), ConfigError> {
+        if let Err(e) = self.pool.validate() {
+            return Err(match e {
+                relay_league::PoolError::InvalidConfig { field, reason } => {
+                    invalid(&format!("league.pool.{field}"), reason)
+                }
+                other => invalid("league.pool", other.to_string()),
+            });
+        }
+        relay_league::OpponentSampler::new(self.sampler.clone()).map_err(|e| {
+            let field = if e.path.is_empty() {
+                "league.sampler".to_string()
+            } else {
+                format!("league.sampler.{}", e.path)
+            };
+            invalid(&field, e.reason)
+        })?;
+        for (index, name) in self.fixed.iter().enumerate() {
+            let field = format!("league.fixed[{index}]");
+            if let Some(adapter) = name.strip_prefix("adapter:") {
+                if !valid_adapter_name(adapter) {
+                    return Err(invalid(
+                        &field,
+                        format!("adapter name {adapter:?} must be 1 to 64 ASCII letters, digits, '-', '_' or '.'"),
+                    ));
+                }
+                continue;
+            }
+            if !BOT_NAMES.contains(&name.as_str()) {
+                return Err(invalid(
+                    &field,
+                    format!(
+                        "unknown bot {name:?}; known: {}, or adapter:<name>",
+                        BOT_NAMES.join(", ")
+                    ),
+                ));
+            }
+            if env.is_text_game(env_id) && !bot_plays(name, env_id, env) {
+                return Err(invalid(
+                    &field,
+                    format!("bot {name} does not play {env_id}"),
+                ));
+            }
+        }
+        let members: Vec<String> = league_fixed_names(text, self);
+        check_sampler_members(&self.sampler, "league.sampler", &members)
+    }
+}
+
+/// The bots and `adapter:<name>` entries of `text.opponents`, then
+/// `league.fixed`, without repeats.
+pub(crate) fn league_fixed_names(text: &TextConfig, league: &LeagueSection) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for name in text
+        .opponent_bots()
+        .chain(
+            text.opponents
+                .keys()
+                .map(String::as_str)
+                .filter(|name| name.starts_with("adapter:")),
+        )
+        .chain(league.fixed.iter().map(String::as_str))
+    {
+        if !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
+    }
+    names
+}
+
+/// A `fixed` sampler may name only fixed members the pool will hold (or
+/// policy versions, which come and go).
+pub(crate) fn check_sampler_members(
+    sampler: &relay_league::SamplerConfig,
+    path: &str,
+    members: &[String],
+) -> Result<(), ConfigError> {
+    use relay_league::{MemberId, SamplerConfig};
+    match sampler {
+        SamplerConfig::Fixed { opponents } => {
+            for (index, entry) in opponents.iter().enumerate() {
+                if let MemberId::Fixed(name) = &entry.opponent {
+                    if !members.contains(name) {
+                        return Err(invalid(
+                            &format!("{path}.opponents[{index}].opponent"),
+                            format!(
+                                "{name:?} is not a fixed member of the pool (the bots and adapters of text.opponents and league.fixed: {})",
+                                if members.is_empty() { "none".to_string() } else { members.join(", ") }
+                            ),
+                        ));
+                    }
+                }
+            }
+            Ok(())
+        }
+        SamplerConfig::Mixture { components } => {
+            for (index, component) in components.iter().enumerate() {
+                check_sampler_members(
+                    &component.sampler,
+                    &format!("{path}.components[{index}].sampler"),
+                    members,
+                )?;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The league member a fixed opponent is: `adapter:<name>` the LoRA
+/// adapter the inference servers hold under that name (`llm.adapters`),
+/// `minimax` a search to the end, `connect_four_bot` one to
+/// `text.connect_four_depth`, any other bot random moves.
+pub fn fixed_opponent(name: &str, text: &TextConfig) -> relay_league::FixedOpponent {
+    use relay_league::FixedKind;
+    let kind = match name {
+        "minimax" => FixedKind::Minimax { depth: None },
+        "connect_four_bot" => FixedKind::Minimax {
+            depth: Some(text.connect_four_depth),
+        },
+        other => match other.strip_prefix("adapter:") {
+            Some(adapter) => FixedKind::Adapter {
+                path: adapter.to_string(),
+            },
+            None => FixedKind::Random,
+        },
+    };
+    relay_league::FixedOpponent {
+        name: name.to_string(),
+        kind,
+    }
+}

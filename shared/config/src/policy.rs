@@ -1,0 +1,85 @@
+//! The `policy` section: the classic policy network's shape.
+
+use relay_nn::TrunkLayout;
+use serde::{Deserialize, Serialize};
+
+use crate::check::{invalid, positive, ConfigError};
+use crate::experiment::ExperimentConfig;
+
+/// Hidden-layer activation of the policy networks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActivationName {
+    Tanh,
+    Relu,
+}
+
+/// Shape of the actor-critic networks (shared by learner, inference server and evaluator).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyConfig {
+    /// Hidden layer widths of both the actor and the critic MLP.
+    pub hidden: Vec<usize>,
+    /// Hidden-layer activation.
+    pub activation: ActivationName,
+    /// Initial log standard deviation of Gaussian policies (continuous actions).
+    pub init_log_std: f32,
+    /// Whether the actor and the critic share their hidden layers
+    /// (`separate`, SB3's `MlpPolicy` default, or `shared`).
+    pub trunk: TrunkLayout,
+    /// A convolutional features extractor for image observations, shared by
+    /// actor and critic (`cnn: {}` is SB3's NatureCNN; `conv` and
+    /// `features_dim` change it). Its input shape comes from the env. With a
+    /// CNN, `hidden: []` (SB3's `CnnPolicy`) puts the heads right on its
+    /// features. PPO and A2C.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cnn: Option<relay_nn::CnnSpec>,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            hidden: vec![64, 64],
+            activation: ActivationName::Tanh,
+            init_log_std: 0.0,
+            trunk: TrunkLayout::Separate,
+            cnn: None,
+        }
+    }
+}
+
+impl ExperimentConfig {
+    /// `policy.cnn` on its own: algorithms that have CNN policies, and a
+    /// spec whose input comes from the env.
+    pub(crate) fn validate_cnn(&self, cnn: &relay_nn::CnnSpec) -> Result<(), ConfigError> {
+        if self.is_text_game() || !["ppo", "a2c"].contains(&self.run.algo.as_str()) {
+            return Err(invalid(
+                "policy.cnn",
+                format!(
+                    "CNN policies are for ppo and a2c on image observations, not run.algo {} on {}",
+                    self.run.algo, self.run.env_id
+                ),
+            ));
+        }
+        if cnn.input != [0; 3] {
+            return Err(invalid(
+                "policy.cnn.input",
+                "comes from the env's image observations; leave it out",
+            ));
+        }
+        if cnn.conv.is_empty() {
+            return Err(invalid("policy.cnn.conv", "needs at least one convolution"));
+        }
+        if let Some(i) = cnn
+            .conv
+            .iter()
+            .position(|c| c.channels == 0 || c.kernel == 0 || c.stride == 0)
+        {
+            return Err(invalid(
+                "policy.cnn.conv",
+                format!("layer {i}: channels, kernel and stride must be at least 1"),
+            ));
+        }
+        positive("policy.cnn.features_dim", cnn.features_dim)
+    }
+}

@@ -1,0 +1,86 @@
+//! Tests of the text-training sections (`rl`, `lora`, `text`).
+
+use super::*;
+#[allow(unused_imports)]
+use relay_bridge::EnvSection;
+#[allow(unused_imports)]
+use relay_nn::{Schedule, Shape, TrunkLayout};
+#[allow(unused_imports)]
+use std::path::{Path, PathBuf};
+
+const TEXT: &str = "run:\n  env_id: TicTacToe-v0\n";
+
+#[test]
+fn rl_presets_are_chosen_by_name_and_a_full_objective_replaces_them() {
+    let c = ExperimentConfig::from_layers(TEXT, "test", &[], &[]).unwrap();
+    let train = c.rl.train_config(32).unwrap();
+    assert_eq!(train.objective, relay_llm::ObjectiveConfig::grpo());
+    assert_eq!(train.batch.batch_size, c.rl.batch_size);
+    let c = ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.preset=rloo".into()]).unwrap();
+    assert_eq!(
+        c.rl.train_config(32).unwrap().objective,
+        relay_llm::ObjectiveConfig::rloo()
+    );
+    let c =
+        ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.preset=dr_grpo".into()]).unwrap();
+    assert_eq!(
+        c.rl.train_config(7).unwrap().objective,
+        relay_llm::ObjectiveConfig::dr_grpo(7)
+    );
+    let full = format!(
+        "{TEXT}rl:\n  objective:\n    advantage: {{kind: rloo}}\n    policy_loss: {{kind: policy_gradient}}\n    entropy_coef: 0.01\n"
+    );
+    let c = ExperimentConfig::from_layers(&full, "test", &[], &[]).unwrap();
+    let objective = c.rl.train_config(32).unwrap().objective;
+    assert_eq!(objective.entropy_coef, 0.01);
+    assert_eq!(objective.advantage, relay_llm::AdvantageEstimator::Rloo);
+    // `rl.truncated_is` applies over the preset.
+    let c =
+        ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.truncated_is={cap: 2.0}".into()])
+            .unwrap();
+    let objective = c.rl.train_config(32).unwrap().objective;
+    assert_eq!(
+        objective.truncated_is,
+        Some(relay_llm::TruncatedIs { cap: 2.0 })
+    );
+    assert_eq!(
+        objective.policy_loss,
+        relay_llm::ObjectiveConfig::grpo().policy_loss
+    );
+}
+
+#[test]
+fn bad_rl_and_lora_fields_are_named() {
+    let err = |set: &str| {
+        ExperimentConfig::from_layers(TEXT, "test", &[], &[set.into()])
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err("rl.preset=a2c").contains("rl.preset"));
+    assert!(err("rl.batch_size=0").contains("rl.batch_size"));
+    assert!(err("rl.max_seq_len=1").contains("max_seq_len"));
+    let e = err("rl.truncated_is={cap: 0.5}");
+    assert!(e.contains("truncated_is.cap"), "{e}");
+    for discount in ["0", "1.5"] {
+        let e = err(&format!("rl.reward.discount={discount}"));
+        assert!(e.contains("rl.reward: config `discount`"), "{e}");
+    }
+    let e = err("rl.reward.draw=.nan");
+    assert!(e.contains("rl.reward: config `draw`"), "{e}");
+    assert!(err("lora.rank=0").contains("lora.rank"));
+    assert!(err("lora.target_modules=[qkv]").contains("lora.target_modules"));
+    assert!(err("lora.inline_max_bytes=99999999").contains("lora.inline_max_bytes"));
+    let c = ExperimentConfig::from_layers(
+        TEXT,
+        "test",
+        &[],
+        &["lora.target_modules=[q_proj, v_proj]".into()],
+    )
+    .unwrap();
+    let lora = c.lora.lora_config().unwrap();
+    assert_eq!(
+        lora.targets,
+        vec![relay_llm::LoraTarget::QProj, relay_llm::LoraTarget::VProj]
+    );
+    assert_eq!(lora.scaling(), 2.0);
+}
