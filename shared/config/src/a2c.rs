@@ -1,7 +1,7 @@
 //! The `a2c` section: A2C's hyperparameters, with SB3's defaults, and the
 //! checks A2C makes against the rest of the config.
 
-use relay_nn::Schedule;
+use crate::hyper::schedule::Schedule;
 use serde::{Deserialize, Serialize};
 
 use crate::check::{

@@ -3,7 +3,28 @@
 
 use std::path::PathBuf;
 
-use relay_nn::{Schedule, Shape};
+use crate::hyper::schedule::{Schedule, Shape};
+
+/// A hyperparameter type's own check failed: the field, relative to the
+/// type (`lr`, `warmup.start`), and why. The pure crates that use the type
+/// turn it into their own error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("config `{field}`: {reason}")]
+pub struct FieldError {
+    /// The offending field.
+    pub field: &'static str,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl FieldError {
+    pub fn new(field: &'static str, reason: impl Into<String>) -> Self {
+        Self {
+            field,
+            reason: reason.into(),
+        }
+    }
+}
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +82,8 @@ pub(crate) fn non_negative_f(field: &str, v: f64) -> Result<(), ConfigError> {
 /// training; with `positive`, it is above zero somewhere (a learning rate
 /// may warm up from 0 or decay to 0, but not stay there).
 pub(crate) fn schedule(field: &str, s: &Schedule, positive: bool) -> Result<(), ConfigError> {
-    s.validate().map_err(|e| invalid(field, e.to_string()))?;
+    s.validate()
+        .map_err(|e| invalid(field, format!("invalid {e}")))?;
     // Every shape is monotone or piecewise linear between its points, so
     // its extremes are at the ends, the warmup/offset joints or the points;
     // a fine grid includes all of them to within a step.

@@ -2,7 +2,7 @@
 //! cross-section checks, and the replay-buffer's off-policy table a run
 //! with an off-policy algorithm uses ([`OffPolicyTable`]).
 
-use relay_nn::Schedule;
+use crate::hyper::schedule::Schedule;
 use serde::{Deserialize, Serialize};
 
 use crate::check::{

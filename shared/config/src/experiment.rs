@@ -373,11 +373,11 @@ impl ExperimentConfig {
         }
     }
 
-    /// The `normalize` section resolved for [`relay_nn::VecNormalize`]
+    /// The `normalize` section resolved for relay-nn's `VecNormalize`
     /// (`gamma` defaulting to the algorithm's); `None` when it is off.
-    pub fn normalizer(&self) -> Option<relay_nn::NormalizeConfig> {
+    pub fn normalizer(&self) -> Option<crate::hyper::policy::NormalizeConfig> {
         let n = &self.normalize;
-        n.enabled().then(|| relay_nn::NormalizeConfig {
+        n.enabled().then(|| crate::hyper::policy::NormalizeConfig {
             norm_obs: n.obs,
             norm_reward: n.reward,
             clip_obs: n.clip_obs,
@@ -480,7 +480,7 @@ impl ExperimentConfig {
                     "image observations are not normalized (the CNN scales pixels by 1/255, as SB3 does); set normalize.obs: false",
                 ));
             }
-            let cnn = relay_nn::CnnSpec {
+            let cnn = crate::hyper::policy::CnnSpec {
                 input: image,
                 ..cnn.clone()
             };

@@ -17,6 +17,7 @@ pub mod connections;
 pub mod dqn;
 pub mod eval;
 pub mod experiment;
+pub mod hyper;
 pub mod league;
 pub mod llm;
 pub mod lora;

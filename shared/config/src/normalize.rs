@@ -7,7 +7,7 @@ use crate::check::{positive_f, unit_interval, ConfigError};
 
 /// Running observation and reward normalisation of classic-control runs,
 /// as Stable-Baselines3's `VecNormalize` (same formulas, names and
-/// defaults; [`relay_nn::VecNormalize`]). Off by default: with `obs` and
+/// defaults; relay-nn's `VecNormalize`). Off by default: with `obs` and
 /// `reward` both false nothing is normalised and no statistics travel.
 ///
 /// Each env-runner normalises what its envs return with the statistics of

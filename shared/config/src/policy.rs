@@ -1,6 +1,6 @@
 //! The `policy` section: the classic policy network's shape.
 
-use relay_nn::TrunkLayout;
+use crate::hyper::policy::TrunkLayout;
 use serde::{Deserialize, Serialize};
 
 use crate::check::{invalid, positive, ConfigError};
@@ -33,7 +33,7 @@ pub struct PolicyConfig {
     /// CNN, `hidden: []` (SB3's `CnnPolicy`) puts the heads right on its
     /// features. PPO and A2C.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub cnn: Option<relay_nn::CnnSpec>,
+    pub cnn: Option<crate::hyper::policy::CnnSpec>,
 }
 
 impl Default for PolicyConfig {
@@ -51,7 +51,10 @@ impl Default for PolicyConfig {
 impl ExperimentConfig {
     /// `policy.cnn` on its own: algorithms that have CNN policies, and a
     /// spec whose input comes from the env.
-    pub(crate) fn validate_cnn(&self, cnn: &relay_nn::CnnSpec) -> Result<(), ConfigError> {
+    pub(crate) fn validate_cnn(
+        &self,
+        cnn: &crate::hyper::policy::CnnSpec,
+    ) -> Result<(), ConfigError> {
         if self.is_text_game() || !["ppo", "a2c"].contains(&self.run.algo.as_str()) {
             return Err(invalid(
                 "policy.cnn",

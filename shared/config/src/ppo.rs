@@ -1,6 +1,6 @@
 //! The `ppo` section: PPO's hyperparameters, with SB3's defaults.
 
-use relay_nn::{Schedule, Shape};
+use crate::hyper::schedule::{Schedule, Shape};
 use serde::{Deserialize, Serialize};
 
 use crate::check::{
@@ -15,7 +15,7 @@ use crate::schedule::ScheduleShorthand;
 /// constant, a map gives the shape (`{kind: cosine, start: 1e-3, end: 0,
 /// warmup: {fraction: 0.05}}`; kinds `constant`, `linear`, `cosine`,
 /// `exponential`, `piecewise_linear`, with optional `warmup` and `offset`,
-/// see [`relay_nn::schedule`]).
+/// see [`crate::hyper::schedule`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PpoConfig {

@@ -1,7 +1,7 @@
 //! The `reinforce` section: REINFORCE's hyperparameters and baselines, and
 //! its cross-section checks.
 
-use relay_nn::Schedule;
+use crate::hyper::schedule::Schedule;
 use serde::{Deserialize, Serialize};
 
 use crate::check::{non_negative_f, positive, positive_f, schedule, unit_interval, ConfigError};

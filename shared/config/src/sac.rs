@@ -1,6 +1,6 @@
 //! The `sac` section: SAC's hyperparameters and its cross-section checks.
 
-use relay_nn::Schedule;
+use crate::hyper::schedule::Schedule;
 use serde::{Deserialize, Serialize};
 
 use crate::check::{invalid, positive, schedule, unit_interval, ConfigError};

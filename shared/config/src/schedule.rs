@@ -1,7 +1,7 @@
 //! Shorthands for schedules that SB3 configs write beside a value
 //! (`lr_schedule: linear`).
 
-use relay_nn::{Schedule, Shape};
+use crate::hyper::schedule::{Schedule, Shape};
 use serde::{Deserialize, Serialize};
 
 /// The older, one-word spelling of a schedule, kept so configs written

@@ -2,9 +2,10 @@
 
 use super::*;
 #[allow(unused_imports)]
-use relay_bridge::EnvSection;
+use crate::hyper::policy::TrunkLayout;
+use crate::hyper::schedule::Schedule;
 #[allow(unused_imports)]
-use relay_nn::{Schedule, Shape, TrunkLayout};
+use relay_bridge::EnvSection;
 #[allow(unused_imports)]
 use std::path::{Path, PathBuf};
 

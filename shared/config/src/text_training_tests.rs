@@ -2,9 +2,9 @@
 
 use super::*;
 #[allow(unused_imports)]
-use relay_bridge::EnvSection;
+use crate::hyper::policy::TrunkLayout;
 #[allow(unused_imports)]
-use relay_nn::{Schedule, Shape, TrunkLayout};
+use relay_bridge::EnvSection;
 #[allow(unused_imports)]
 use std::path::{Path, PathBuf};
 

@@ -91,6 +91,15 @@ pub enum NnError {
     },
 }
 
+impl From<relay_config::FieldError> for NnError {
+    fn from(e: relay_config::FieldError) -> Self {
+        Self::InvalidConfig {
+            field: e.field,
+            reason: e.reason,
+        }
+    }
+}
+
 impl NnError {
     pub(crate) fn bad_input(
         what: &'static str,

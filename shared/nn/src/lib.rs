@@ -85,7 +85,7 @@ pub(crate) mod params;
 pub mod ppo;
 pub mod qnet;
 pub mod sac;
-pub mod schedule;
+pub use relay_config::hyper::schedule;
 pub mod spec;
 pub mod vec_normalize;
 

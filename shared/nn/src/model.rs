@@ -49,7 +49,6 @@ use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
 use candle_nn::VarMap;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
-use serde::{Deserialize, Serialize};
 
 use crate::conv::Cnn;
 use crate::error::{NnError, Result};
@@ -59,6 +58,7 @@ use crate::kernels;
 use crate::ops::{self, cpu_f32, HALF_LN_2PI};
 use crate::params::Params;
 use crate::spec::{ActionKind, Activation, PolicySpec};
+pub use relay_config::hyper::policy::TrunkLayout;
 
 /// `format` metadata written into model checkpoints.
 pub const MODEL_FORMAT: &str = "relay-nn/actor-critic";
@@ -113,24 +113,6 @@ pub struct ActorCritic {
     layout: TrunkLayout,
     /// Every parameter, sorted by name.
     params: Params,
-}
-
-/// Whether the actor and the critic share their hidden layers.
-///
-/// Not a [`PolicySpec`] field yet (adding one breaks code that builds the
-/// spec as a struct literal); pass it to [`ActorCritic::with_layout`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TrunkLayout {
-    /// Separate actor and critic MLPs (SB3 >= 1.8 `MlpPolicy` default for PPO
-    /// and A2C: `net_arch=dict(pi=hidden, vf=hidden)`).
-    #[default]
-    Separate,
-    /// One hidden MLP feeding both heads (SB3 < 1.8 `net_arch=[..]`, CleanRL's
-    /// Atari agents); its layers are named `mlp_extractor.shared_net.{2i}`.
-    /// The value loss then also trains the actor's features, so `vf_coef`
-    /// matters more.
-    Shared,
 }
 
 impl fmt::Debug for ActorCritic {

@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
+pub use relay_config::hyper::policy::{CnnSpec, ConvSpec};
 
 /// The action space of the environment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -82,112 +83,6 @@ pub struct PolicySpec {
     pub cnn: Option<CnnSpec>,
 }
 
-/// One convolution of a [`CnnSpec`]: no padding, followed by ReLU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ConvSpec {
-    /// Output channels.
-    pub channels: usize,
-    /// Square kernel size.
-    pub kernel: usize,
-    /// Stride in both directions.
-    pub stride: usize,
-}
-
-/// A convolutional features extractor: convolutions with ReLU, flatten, one
-/// dense layer with ReLU. The default is Stable-Baselines3's `NatureCNN`
-/// (Mnih et al. 2015): 32 8x8/4, 64 4x4/2, 64 3x3/1, dense 512.
-///
-/// Observations are uint8 pixels; the extractor divides them by 255 first.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CnnSpec {
-    /// Image shape, channels first: `[channels, height, width]`. Filled in
-    /// from the environment's observation space (left empty in configs).
-    #[serde(default)]
-    pub input: [usize; 3],
-    /// The convolutions, in order. Default: NatureCNN's three.
-    #[serde(default = "nature_convs")]
-    pub conv: Vec<ConvSpec>,
-    /// Width of the dense layer after the convolutions. Default 512.
-    #[serde(default = "default_features_dim")]
-    pub features_dim: usize,
-}
-
-impl Default for CnnSpec {
-    fn default() -> Self {
-        Self {
-            input: [0; 3],
-            conv: nature_convs(),
-            features_dim: default_features_dim(),
-        }
-    }
-}
-
-fn nature_convs() -> Vec<ConvSpec> {
-    vec![
-        ConvSpec {
-            channels: 32,
-            kernel: 8,
-            stride: 4,
-        },
-        ConvSpec {
-            channels: 64,
-            kernel: 4,
-            stride: 2,
-        },
-        ConvSpec {
-            channels: 64,
-            kernel: 3,
-            stride: 1,
-        },
-    ]
-}
-
-fn default_features_dim() -> usize {
-    512
-}
-
-impl CnnSpec {
-    /// `(channels, height, width)` after each convolution, or an error naming
-    /// the first one that does not fit its input.
-    pub fn output_shapes(&self) -> Result<Vec<[usize; 3]>> {
-        let mut shape = self.input;
-        let mut shapes = Vec::with_capacity(self.conv.len());
-        for (i, c) in self.conv.iter().enumerate() {
-            let [_, h, w] = shape;
-            if c.channels == 0 || c.kernel == 0 || c.stride == 0 {
-                return Err(NnError::config(
-                    "cnn.conv",
-                    format!("layer {i}: channels, kernel and stride must be at least 1"),
-                ));
-            }
-            if c.kernel > h || c.kernel > w {
-                return Err(NnError::config(
-                    "cnn.conv",
-                    format!(
-                        "layer {i}: a {k}x{k} kernel does not fit its {h}x{w} input \
-                         (the image is {:?}); use smaller kernels or strides for small images",
-                        self.input,
-                        k = c.kernel
-                    ),
-                ));
-            }
-            shape = [
-                c.channels,
-                (h - c.kernel) / c.stride + 1,
-                (w - c.kernel) / c.stride + 1,
-            ];
-            shapes.push(shape);
-        }
-        Ok(shapes)
-    }
-
-    /// Values per observation: `channels * height * width`.
-    pub fn input_len(&self) -> usize {
-        self.input.iter().product()
-    }
-}
 fn default_hidden() -> Vec<usize> {
     vec![64, 64]
 }

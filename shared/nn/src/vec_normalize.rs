@@ -49,6 +49,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
 use crate::io::{read_safetensors, write_safetensors, NamedTensor};
+pub use relay_config::hyper::policy::NormalizeConfig;
 
 /// `format` metadata of files written by [`VecNormalize::save`].
 pub const VEC_NORMALIZE_FORMAT: &str = "relay-nn/vec-normalize";
@@ -222,65 +223,6 @@ fn batch_moments(data: &[f32], dim: usize) -> Result<(Vec<f64>, Vec<f64>, f64)> 
         *v /= rows as f64;
     }
     Ok((mean, var, rows as f64))
-}
-
-/// Hyperparameters of [`VecNormalize`]. Defaults are SB3's.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct NormalizeConfig {
-    /// Normalise observations. Default `true`.
-    pub norm_obs: bool,
-    /// Scale rewards by the running std of the discounted return. Default `true`.
-    pub norm_reward: bool,
-    /// Normalised observations are clipped to `[-clip_obs, clip_obs]`. Default `10`.
-    pub clip_obs: f64,
-    /// Scaled rewards are clipped to `[-clip_reward, clip_reward]`. Default `10`.
-    pub clip_reward: f64,
-    /// Discount of the running return whose variance scales rewards; use the
-    /// algorithm's gamma. Default `0.99`.
-    pub gamma: f64,
-    /// Added to the variance before the square root. Default `1e-8`.
-    pub epsilon: f64,
-}
-
-impl Default for NormalizeConfig {
-    fn default() -> Self {
-        Self {
-            norm_obs: true,
-            norm_reward: true,
-            clip_obs: 10.0,
-            clip_reward: 10.0,
-            gamma: 0.99,
-            epsilon: 1e-8,
-        }
-    }
-}
-
-impl NormalizeConfig {
-    /// Checks ranges; the error names the field.
-    pub fn validate(&self) -> Result<()> {
-        for (field, v) in [
-            ("clip_obs", self.clip_obs),
-            ("clip_reward", self.clip_reward),
-        ] {
-            if v.is_nan() || v <= 0.0 {
-                return Err(NnError::config(field, format!("must be > 0, got {v}")));
-            }
-        }
-        if !(0.0..=1.0).contains(&self.gamma) {
-            return Err(NnError::config(
-                "gamma",
-                format!("must be in [0, 1], got {}", self.gamma),
-            ));
-        }
-        if !(self.epsilon.is_finite() && self.epsilon >= 0.0) {
-            return Err(NnError::config(
-                "epsilon",
-                format!("must be finite and >= 0, got {}", self.epsilon),
-            ));
-        }
-        Ok(())
-    }
 }
 
 /// Observation and reward normalisation for `num_envs` envs (see module docs).

@@ -3,7 +3,7 @@
 //! A [`Schedule`] is plain data (serde) for an experiment config; the
 //! learner evaluates it with [`Schedule::value`] at progress
 //! `p = steps_done / total_steps` in `[0, 1]` (0 at the start of training,
-//! 1 at the end) and passes the result on, e.g. to [`crate::Adam::set_lr`],
+//! 1 at the end) and passes the result on, e.g. to relay-nn's `Adam::set_lr`,
 //! as the PPO clip range or as DQN's exploration epsilon. SB3 passes
 //! `progress_remaining = 1 - p` to its schedules instead; the shapes here
 //! are written in `p`.
@@ -46,7 +46,9 @@ use std::fmt;
 use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::error::{NnError, Result};
+use crate::check::FieldError;
+
+type Result<T> = std::result::Result<T, FieldError>;
 
 /// The curve a [`Schedule`] follows over its local progress `q` in `[0, 1]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -147,7 +149,7 @@ impl Shape {
             if x.is_finite() {
                 Ok(())
             } else {
-                Err(NnError::config(field, format!("must be finite, got {x}")))
+                Err(FieldError::new(field, format!("must be finite, got {x}")))
             }
         };
         match self {
@@ -160,7 +162,7 @@ impl Shape {
                 finite("start", *start)?;
                 finite("end", *end)?;
                 if *start == 0.0 || *end == 0.0 || start.signum() != end.signum() {
-                    return Err(NnError::config(
+                    return Err(FieldError::new(
                         "end",
                         format!(
                             "exponential needs non-zero start and end of the same sign, got {start} and {end}"
@@ -171,11 +173,11 @@ impl Shape {
             }
             Shape::PiecewiseLinear { points } => {
                 if points.is_empty() {
-                    return Err(NnError::config("points", "needs at least one point"));
+                    return Err(FieldError::new("points", "needs at least one point"));
                 }
                 for (i, &(q, v)) in points.iter().enumerate() {
                     if !(0.0..=1.0).contains(&q) || !v.is_finite() {
-                        return Err(NnError::config(
+                        return Err(FieldError::new(
                             "points",
                             format!(
                                 "point {i} ({q}, {v}): need progress in [0, 1] and a finite value"
@@ -183,7 +185,7 @@ impl Shape {
                         ));
                     }
                     if i > 0 && q <= points[i - 1].0 {
-                        return Err(NnError::config(
+                        return Err(FieldError::new(
                             "points",
                             format!(
                                 "point {i}: progress {q} must be greater than the previous one"
@@ -239,20 +241,20 @@ impl Schedule {
     pub fn validate(&self) -> Result<()> {
         self.shape.validate()?;
         if !(0.0..1.0).contains(&self.offset) {
-            return Err(NnError::config(
+            return Err(FieldError::new(
                 "offset",
                 format!("must be in [0, 1), got {}", self.offset),
             ));
         }
         if let Some(w) = &self.warmup {
             if !(0.0..1.0).contains(&w.fraction) {
-                return Err(NnError::config(
+                return Err(FieldError::new(
                     "warmup.fraction",
                     format!("must be in [0, 1), got {}", w.fraction),
                 ));
             }
             if !w.start.is_finite() {
-                return Err(NnError::config("warmup.start", "must be finite"));
+                return Err(FieldError::new("warmup.start", "must be finite"));
             }
         }
         Ok(())
