@@ -40,7 +40,7 @@
 //!   credit everything the first seat does and blame everything the
 //!   second does; games differ likewise.
 
-use relay_llm::{GameResult, RewardNormalizer, RewardShaping, TokenExample};
+use relay_llm::{ApplyShaping, GameResult, RewardNormalizer, RewardShaping, TokenExample};
 use relay_policy::text::Outcome;
 use relay_proto::GameRecord;
 

@@ -411,10 +411,7 @@ pub(crate) async fn run(
     let started_loading = Instant::now();
     let spec = model_spec.clone();
     // The fused CPU ops (engine), or the composed forward on llm.device.
-    let backend = cfg
-        .llm
-        .backend_spec()
-        .open()
+    let backend = relay_llm::Backend::open(&cfg.llm.backend_spec())
         .map_err(|e| ServiceError::Other(e.to_string()))?;
     let placed = backend.clone();
     let (model, model_path) = tokio::task::spawn_blocking(move || {

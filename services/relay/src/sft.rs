@@ -375,7 +375,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
         device: args.device,
         dtype: args.dtype,
     };
-    let backend = backend.open()?;
+    let backend = relay_llm::Backend::open(&backend)?;
     // The model: trainable weights for --full, else a frozen base with a new adapter.
     let (model, tokenizer, varmap) = if args.full {
         let dir = PathBuf::from(&args.model);

@@ -76,14 +76,14 @@ pub struct LlmConfig {
     /// tensor ops on `device` in `dtype`: the path to a GPU), or `auto`
     /// (the default: the engine for f32 on the CPU, candle otherwise, so
     /// `llm.device: cuda` alone is enough).
-    pub backend: relay_llm::BackendKind,
+    pub backend: crate::hyper::backend::BackendKind,
     /// Where the `candle` backend computes: `cpu`, `cuda` (GPU 0) or
     /// `cuda:N`; CUDA needs a build with the `cuda` feature (`just
     /// build-cuda`) and the NVIDIA driver.
-    pub device: relay_llm::DeviceSpec,
+    pub device: crate::hyper::backend::DeviceSpec,
     /// The `candle` backend's weights and matmuls: `f32`, `bf16` or `f16`
     /// (norms, softmax and logits stay f32).
-    pub dtype: relay_llm::LlmDtype,
+    pub dtype: crate::hyper::backend::LlmDtype,
 }
 
 impl Default for LlmConfig {
@@ -106,8 +106,8 @@ impl Default for LlmConfig {
 
 impl LlmConfig {
     /// The inference backend the config asks for.
-    pub fn backend_spec(&self) -> relay_llm::BackendSpec {
-        relay_llm::BackendSpec {
+    pub fn backend_spec(&self) -> crate::hyper::backend::BackendSpec {
+        crate::hyper::backend::BackendSpec {
             kind: self.backend,
             device: self.device,
             dtype: self.dtype,

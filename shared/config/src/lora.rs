@@ -38,7 +38,7 @@ impl Default for LoraSection {
             rank: 8,
             alpha: 16.0,
             dropout: 0.0,
-            target_modules: relay_llm::LoraTarget::ALL
+            target_modules: crate::hyper::lora::LoraTarget::ALL
                 .iter()
                 .map(|t| t.module_name().to_string())
                 .collect(),
@@ -51,25 +51,26 @@ impl Default for LoraSection {
 
 impl LoraSection {
     /// The adapter's hyperparameters.
-    pub fn lora_config(&self) -> Result<relay_llm::LoraConfig, ConfigError> {
+    pub fn lora_config(&self) -> Result<crate::hyper::lora::LoraConfig, ConfigError> {
         let mut targets = Vec::with_capacity(self.target_modules.len());
         for name in &self.target_modules {
-            let target = relay_llm::LoraTarget::from_module_name(name).ok_or_else(|| {
-                invalid(
-                    "lora.target_modules",
-                    format!(
-                        "unknown module {name:?}; known: {}",
-                        relay_llm::LoraTarget::ALL
-                            .map(|t| t.module_name())
-                            .join(", ")
-                    ),
-                )
-            })?;
+            let target =
+                crate::hyper::lora::LoraTarget::from_module_name(name).ok_or_else(|| {
+                    invalid(
+                        "lora.target_modules",
+                        format!(
+                            "unknown module {name:?}; known: {}",
+                            crate::hyper::lora::LoraTarget::ALL
+                                .map(|t| t.module_name())
+                                .join(", ")
+                        ),
+                    )
+                })?;
             if !targets.contains(&target) {
                 targets.push(target);
             }
         }
-        let config = relay_llm::LoraConfig {
+        let config = crate::hyper::lora::LoraConfig {
             rank: self.rank,
             alpha: self.alpha,
             dropout: self.dropout,

@@ -27,7 +27,7 @@ pub struct RlConfig {
     pub preset: String,
     /// A full objective (advantage, policy_loss, aggregation, kl,
     /// entropy_coef) that replaces the preset.
-    pub objective: Option<relay_llm::ObjectiveConfig>,
+    pub objective: Option<crate::hyper::objective::ObjectiveConfig>,
     /// Most learning moves (sequences) per optimizer step; the learner
     /// gathers whole games up to it.
     pub batch_size: usize,
@@ -39,7 +39,7 @@ pub struct RlConfig {
     pub max_seq_len: usize,
     /// Longer sequences: `cut_prompt_start` (keep the completion, cut the
     /// prompt's start) or `drop`.
-    pub truncation: relay_llm::Truncation,
+    pub truncation: crate::hyper::objective::Truncation,
     /// Optimizer steps on each batch (PPO-style epochs; 1 is on-policy).
     pub epochs: usize,
     /// Truncated importance sampling between the inference servers'
@@ -48,10 +48,10 @@ pub struct RlConfig {
     /// ratio relative to the learner's own log-probs (see
     /// `relay_llm::rl`); unset: off. Set over the preset's or
     /// `objective`'s.
-    pub truncated_is: Option<relay_llm::TruncatedIs>,
+    pub truncated_is: Option<crate::hyper::objective::TruncatedIs>,
     /// AdamW over the adapter: `lr`, `beta1`, `beta2`, `eps`,
     /// `weight_decay`, `max_grad_norm`.
-    pub optimizer: relay_llm::AdamWConfig,
+    pub optimizer: crate::hyper::objective::AdamWConfig,
     /// Reward transforms: `invalid_move_penalty` (taken from each move the
     /// game refused), `format_bonus` (times the share of the seat's moves that
     /// contain a bracketed move such as `[4]`), `normalize` (`{center,
@@ -62,7 +62,7 @@ pub struct RlConfig {
     /// moves in the game; 1 by default), `draw` (a drawn game's reward in
     /// place of the game's own; 1 counts a draw as a win, so that not
     /// losing is the objective; unset by default).
-    pub reward: relay_llm::RewardShaping,
+    pub reward: crate::hyper::reward::RewardShaping,
     /// Write a checkpoint every this many updates (and at the end).
     pub checkpoint_every: u64,
     /// Numbered checkpoints kept (the newest ones, plus pinned ones).
@@ -77,14 +77,14 @@ impl Default for RlConfig {
             batch_size: 32,
             minibatch_size: 8,
             max_seq_len: 1024,
-            truncation: relay_llm::Truncation::CutPromptStart,
+            truncation: crate::hyper::objective::Truncation::CutPromptStart,
             epochs: 1,
             truncated_is: None,
-            optimizer: relay_llm::AdamWConfig {
+            optimizer: crate::hyper::objective::AdamWConfig {
                 lr: 1e-4,
                 ..Default::default()
             },
-            reward: relay_llm::RewardShaping {
+            reward: crate::hyper::reward::RewardShaping {
                 normalize: None,
                 format_bonus: 0.0,
                 invalid_move_penalty: 0.1,
@@ -101,7 +101,7 @@ impl RlConfig {
     pub fn objective_config(
         &self,
         max_completion_len: usize,
-    ) -> Result<relay_llm::ObjectiveConfig, ConfigError> {
+    ) -> Result<crate::hyper::objective::ObjectiveConfig, ConfigError> {
         let mut objective = match &self.objective {
             Some(objective) => objective.clone(),
             None => self.preset_objective(max_completion_len)?,
@@ -115,13 +115,13 @@ impl RlConfig {
     pub(crate) fn preset_objective(
         &self,
         max_completion_len: usize,
-    ) -> Result<relay_llm::ObjectiveConfig, ConfigError> {
+    ) -> Result<crate::hyper::objective::ObjectiveConfig, ConfigError> {
         Ok(match self.preset.as_str() {
-            "reinforce" => relay_llm::ObjectiveConfig::reinforce(),
-            "rloo" => relay_llm::ObjectiveConfig::rloo(),
-            "grpo" => relay_llm::ObjectiveConfig::grpo(),
-            "dr_grpo" => relay_llm::ObjectiveConfig::dr_grpo(max_completion_len),
-            "ppo" => relay_llm::ObjectiveConfig::ppo(),
+            "reinforce" => crate::hyper::objective::ObjectiveConfig::reinforce(),
+            "rloo" => crate::hyper::objective::ObjectiveConfig::rloo(),
+            "grpo" => crate::hyper::objective::ObjectiveConfig::grpo(),
+            "dr_grpo" => crate::hyper::objective::ObjectiveConfig::dr_grpo(max_completion_len),
+            "ppo" => crate::hyper::objective::ObjectiveConfig::ppo(),
             other => {
                 return Err(invalid(
                     "rl.preset",
@@ -136,10 +136,10 @@ impl RlConfig {
     pub fn train_config(
         &self,
         max_completion_len: usize,
-    ) -> Result<relay_llm::RlTrainConfig, ConfigError> {
-        let config = relay_llm::RlTrainConfig {
+    ) -> Result<crate::hyper::objective::RlTrainConfig, ConfigError> {
+        let config = crate::hyper::objective::RlTrainConfig {
             objective: self.objective_config(max_completion_len)?,
-            batch: relay_llm::BatchConfig {
+            batch: crate::hyper::objective::BatchConfig {
                 batch_size: self.batch_size,
                 minibatch_size: self.minibatch_size,
                 max_seq_len: self.max_seq_len,

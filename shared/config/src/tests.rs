@@ -667,12 +667,15 @@ fn llm_section_is_validated_by_field() {
         &["llm.backend=candle".into(), "llm.dtype=bf16".into()],
     )
     .unwrap();
-    assert_eq!(candle.llm.backend_spec().dtype, relay_llm::LlmDtype::Bf16);
+    assert_eq!(
+        candle.llm.backend_spec().dtype,
+        crate::hyper::backend::LlmDtype::Bf16
+    );
     // `auto` (the default) takes the candle backend for bf16; the engine refuses it.
     let auto = ExperimentConfig::from_layers(BASE, "t", &[], &["llm.dtype=bf16".into()]).unwrap();
     assert_eq!(
         auto.llm.backend_spec().resolved_kind(),
-        relay_llm::BackendKind::Candle
+        crate::hyper::backend::BackendKind::Candle
     );
     let err = ExperimentConfig::from_layers(
         BASE,
@@ -684,7 +687,7 @@ fn llm_section_is_validated_by_field() {
     .to_string();
     assert!(err.contains("llm.dtype"), "{err}");
     // CUDA without the feature: the field, and how to build with it.
-    if !relay_llm::CUDA_BUILT {
+    if !crate::hyper::backend::CUDA_BUILT {
         let err = ExperimentConfig::from_layers(
             BASE,
             "t",

@@ -14,18 +14,21 @@ const TEXT: &str = "run:\n  env_id: TicTacToe-v0\n";
 fn rl_presets_are_chosen_by_name_and_a_full_objective_replaces_them() {
     let c = ExperimentConfig::from_layers(TEXT, "test", &[], &[]).unwrap();
     let train = c.rl.train_config(32).unwrap();
-    assert_eq!(train.objective, relay_llm::ObjectiveConfig::grpo());
+    assert_eq!(
+        train.objective,
+        crate::hyper::objective::ObjectiveConfig::grpo()
+    );
     assert_eq!(train.batch.batch_size, c.rl.batch_size);
     let c = ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.preset=rloo".into()]).unwrap();
     assert_eq!(
         c.rl.train_config(32).unwrap().objective,
-        relay_llm::ObjectiveConfig::rloo()
+        crate::hyper::objective::ObjectiveConfig::rloo()
     );
     let c =
         ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.preset=dr_grpo".into()]).unwrap();
     assert_eq!(
         c.rl.train_config(7).unwrap().objective,
-        relay_llm::ObjectiveConfig::dr_grpo(7)
+        crate::hyper::objective::ObjectiveConfig::dr_grpo(7)
     );
     let full = format!(
         "{TEXT}rl:\n  objective:\n    advantage: {{kind: rloo}}\n    policy_loss: {{kind: policy_gradient}}\n    entropy_coef: 0.01\n"
@@ -33,7 +36,10 @@ fn rl_presets_are_chosen_by_name_and_a_full_objective_replaces_them() {
     let c = ExperimentConfig::from_layers(&full, "test", &[], &[]).unwrap();
     let objective = c.rl.train_config(32).unwrap().objective;
     assert_eq!(objective.entropy_coef, 0.01);
-    assert_eq!(objective.advantage, relay_llm::AdvantageEstimator::Rloo);
+    assert_eq!(
+        objective.advantage,
+        crate::hyper::objective::AdvantageEstimator::Rloo
+    );
     // `rl.truncated_is` applies over the preset.
     let c =
         ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.truncated_is={cap: 2.0}".into()])
@@ -41,11 +47,11 @@ fn rl_presets_are_chosen_by_name_and_a_full_objective_replaces_them() {
     let objective = c.rl.train_config(32).unwrap().objective;
     assert_eq!(
         objective.truncated_is,
-        Some(relay_llm::TruncatedIs { cap: 2.0 })
+        Some(crate::hyper::objective::TruncatedIs { cap: 2.0 })
     );
     assert_eq!(
         objective.policy_loss,
-        relay_llm::ObjectiveConfig::grpo().policy_loss
+        crate::hyper::objective::ObjectiveConfig::grpo().policy_loss
     );
 }
 
@@ -80,7 +86,10 @@ fn bad_rl_and_lora_fields_are_named() {
     let lora = c.lora.lora_config().unwrap();
     assert_eq!(
         lora.targets,
-        vec![relay_llm::LoraTarget::QProj, relay_llm::LoraTarget::VProj]
+        vec![
+            crate::hyper::lora::LoraTarget::QProj,
+            crate::hyper::lora::LoraTarget::VProj
+        ]
     );
     assert_eq!(lora.scaling(), 2.0);
 }

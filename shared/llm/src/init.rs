@@ -157,7 +157,7 @@ pub fn tiny_with_shape(
     for layer in 0..config.num_hidden_layers {
         let prefix = format!("model.layers.{layer}");
         for target in LoraTarget::ALL {
-            let (fan_in, fan_out) = target.dims(&config);
+            let (fan_in, fan_out) = crate::lora::target_dims(target, &config);
             let name = format!("{prefix}.{}.{}", target.parent(), target.module_name());
             tensors.push((format!("{name}.weight"), random(fan_out, fan_in)?));
             if matches!(

@@ -137,7 +137,9 @@ pub mod train_forward;
 mod train_ops;
 
 pub use adapter_bytes::{to_peft_bytes, PeftBytes};
-pub use backend::{Backend, BackendKind, BackendSpec, DeviceSpec, LlmDtype, SpecError, CUDA_BUILT};
+pub use backend::{
+    candle_dtype, Backend, BackendKind, BackendSpec, DeviceSpec, LlmDtype, SpecError, CUDA_BUILT,
+};
 pub use cache::{KvCache, PrefixCache};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
 pub use config::{Architecture, ModelConfig};
@@ -152,7 +154,9 @@ pub use lora::{LoraAdapter, LoraConfig, LoraTarget, LoraWeights};
 pub use model::{token_log_probs, BatchItem, CausalLm, LogitsWanted};
 pub use model_error::ModelError;
 pub use optim::{AdamW, AdamWConfig, StepReport};
-pub use reward::{GameResult, NormalizeConfig, RewardNormalizer, RewardShaping, RunningStats};
+pub use reward::{
+    ApplyShaping, GameResult, NormalizeConfig, RewardNormalizer, RewardShaping, RunningStats,
+};
 pub use rl::{
     AdvantageEstimator, Baseline, KlConfig, KlEstimator, KlMode, MovingBaselines, ObjectiveConfig,
     PolicyLoss, RatioLevel, RlStats, RlTrainConfig, RlTrainer, TokenExample, TruncatedIs,

@@ -16,137 +16,20 @@ use rand_chacha::ChaCha8Rng;
 use crate::config::ModelConfig;
 use crate::model_error::{ModelError, Result};
 
-/// A projection LoRA can adapt, named as in Hugging Face checkpoints.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum LoraTarget {
-    /// `self_attn.q_proj`
-    QProj,
-    /// `self_attn.k_proj`
-    KProj,
-    /// `self_attn.v_proj`
-    VProj,
-    /// `self_attn.o_proj`
-    OProj,
-    /// `mlp.gate_proj`
-    GateProj,
-    /// `mlp.up_proj`
-    UpProj,
-    /// `mlp.down_proj`
-    DownProj,
-}
+pub use relay_config::hyper::lora::{LoraConfig, LoraTarget};
 
-impl LoraTarget {
-    /// Every projection, in block order.
-    pub const ALL: [LoraTarget; 7] = [
-        Self::QProj,
-        Self::KProj,
-        Self::VProj,
-        Self::OProj,
-        Self::GateProj,
-        Self::UpProj,
-        Self::DownProj,
-    ];
-
-    /// The module's own name (`"q_proj"`), as in PEFT's `target_modules`.
-    pub fn module_name(self) -> &'static str {
-        match self {
-            Self::QProj => "q_proj",
-            Self::KProj => "k_proj",
-            Self::VProj => "v_proj",
-            Self::OProj => "o_proj",
-            Self::GateProj => "gate_proj",
-            Self::UpProj => "up_proj",
-            Self::DownProj => "down_proj",
-        }
-    }
-
-    /// The block sub-module holding it (`"self_attn"` or `"mlp"`).
-    pub fn parent(self) -> &'static str {
-        match self {
-            Self::QProj | Self::KProj | Self::VProj | Self::OProj => "self_attn",
-            Self::GateProj | Self::UpProj | Self::DownProj => "mlp",
-        }
-    }
-
-    /// Parses a module name (`"q_proj"`).
-    pub fn from_module_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|t| t.module_name() == name)
-    }
-
-    /// `(in_features, out_features)` of this projection in a model.
-    pub fn dims(self, config: &ModelConfig) -> (usize, usize) {
-        let hidden = config.hidden_size;
-        let q = config.num_attention_heads * config.head_dim;
-        let kv = config.num_key_value_heads * config.head_dim;
-        let inter = config.intermediate_size;
-        match self {
-            Self::QProj => (hidden, q),
-            Self::KProj | Self::VProj => (hidden, kv),
-            Self::OProj => (q, hidden),
-            Self::GateProj | Self::UpProj => (hidden, inter),
-            Self::DownProj => (inter, hidden),
-        }
-    }
-
-    pub(crate) fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// Hyperparameters of a LoRA adapter (PEFT's `LoraConfig` subset).
-#[derive(Debug, Clone, PartialEq)]
-pub struct LoraConfig {
-    /// Rank `r` of the update (rows of `A`, columns of `B`).
-    pub rank: usize,
-    /// `lora_alpha`: the update is scaled by `alpha / rank`
-    /// (or `alpha / sqrt(rank)` with `use_rslora`).
-    pub alpha: f64,
-    /// `lora_dropout`: dropout on the adapter's input during training in
-    /// PEFT. Stored and saved; this crate does not apply it (its training
-    /// forward is deterministic), and inference never does.
-    pub dropout: f64,
-    /// Projections that get an adapter, in every layer.
-    pub targets: Vec<LoraTarget>,
-    /// Rank-stabilised scaling `alpha / sqrt(rank)` (PEFT's `use_rslora`).
-    pub use_rslora: bool,
-}
-
-impl LoraConfig {
-    /// Rank `rank`, `alpha`, no dropout, on all seven projections.
-    pub fn all_projections(rank: usize, alpha: f64) -> Self {
-        Self {
-            rank,
-            alpha,
-            dropout: 0.0,
-            targets: LoraTarget::ALL.to_vec(),
-            use_rslora: false,
-        }
-    }
-
-    /// The factor applied to `B (A x)`.
-    pub fn scaling(&self) -> f64 {
-        if self.use_rslora {
-            self.alpha / (self.rank as f64).sqrt()
-        } else {
-            self.alpha / self.rank as f64
-        }
-    }
-
-    /// Checks rank, alpha and targets.
-    pub fn validate(&self) -> Result<()> {
-        if self.rank == 0 {
-            return Err(ModelError::config("r", "must be positive"));
-        }
-        if !self.alpha.is_finite() {
-            return Err(ModelError::config("lora_alpha", "must be finite"));
-        }
-        if !(0.0..1.0).contains(&self.dropout) {
-            return Err(ModelError::config("lora_dropout", "must be in [0, 1)"));
-        }
-        if self.targets.is_empty() {
-            return Err(ModelError::config("target_modules", "is empty"));
-        }
-        Ok(())
+/// `(in_features, out_features)` of this projection in a model.
+pub fn target_dims(target: LoraTarget, config: &ModelConfig) -> (usize, usize) {
+    let hidden = config.hidden_size;
+    let q = config.num_attention_heads * config.head_dim;
+    let kv = config.num_key_value_heads * config.head_dim;
+    let inter = config.intermediate_size;
+    match target {
+        LoraTarget::QProj => (hidden, q),
+        LoraTarget::KProj | LoraTarget::VProj => (hidden, kv),
+        LoraTarget::OProj => (q, hidden),
+        LoraTarget::GateProj | LoraTarget::UpProj => (hidden, inter),
+        LoraTarget::DownProj => (inter, hidden),
     }
 }
 
@@ -192,14 +75,14 @@ impl LoraAdapter {
                 if !config.targets.contains(&target) {
                     continue;
                 }
-                let (fan_in, fan_out) = target.dims(model);
+                let (fan_in, fan_out) = crate::lora::target_dims(target, model);
                 let bound = 1.0 / (fan_in as f32).sqrt();
                 let a: Vec<f32> = (0..config.rank * fan_in)
                     .map(|_| rng.random_range(-bound..bound))
                     .collect();
                 let a = Tensor::from_vec(a, (config.rank, fan_in), &Device::Cpu)?;
                 let b = Tensor::zeros((fan_out, config.rank), DType::F32, &Device::Cpu)?;
-                sites[target.index()] = Some(LoraWeights {
+                sites[target as usize] = Some(LoraWeights {
                     a: Var::from_tensor(&a)?,
                     b: Var::from_tensor(&b)?,
                 });
@@ -229,7 +112,7 @@ impl LoraAdapter {
                 if !config.targets.contains(&target) {
                     continue;
                 }
-                let (fan_in, fan_out) = target.dims(model);
+                let (fan_in, fan_out) = crate::lora::target_dims(target, model);
                 let mut take = |factor: char, shape: (usize, usize)| -> Result<Var> {
                     let name = peft_tensor_name(layer, target, factor);
                     let t = tensors
@@ -245,7 +128,7 @@ impl LoraAdapter {
                 };
                 let a = take('A', (config.rank, fan_in))?;
                 let b = take('B', (fan_out, config.rank))?;
-                sites[target.index()] = Some(LoraWeights { a, b });
+                sites[target as usize] = Some(LoraWeights { a, b });
             }
             layers.push(sites);
         }
@@ -282,7 +165,7 @@ impl LoraAdapter {
 
     /// The factors of one projection, if it is adapted.
     pub fn weights(&self, layer: usize, target: LoraTarget) -> Option<&LoraWeights> {
-        self.layers.get(layer)?[target.index()].as_ref()
+        self.layers.get(layer)?[target as usize].as_ref()
     }
 
     /// Every trainable factor with its PEFT name, layer by layer, `A`
@@ -291,7 +174,7 @@ impl LoraAdapter {
         let mut out = Vec::new();
         for (layer, sites) in self.layers.iter().enumerate() {
             for target in LoraTarget::ALL {
-                if let Some(w) = &sites[target.index()] {
+                if let Some(w) = &sites[target as usize] {
                     out.push((peft_tensor_name(layer, target, 'A'), w.a.clone()));
                     out.push((peft_tensor_name(layer, target, 'B'), w.b.clone()));
                 }
@@ -352,8 +235,8 @@ impl LoraAdapter {
         }
         for sites in &self.layers {
             for target in LoraTarget::ALL {
-                if let Some(w) = &sites[target.index()] {
-                    let (fan_in, fan_out) = target.dims(model);
+                if let Some(w) = &sites[target as usize] {
+                    let (fan_in, fan_out) = crate::lora::target_dims(target, model);
                     if w.a.dims() != [self.config.rank, fan_in]
                         || w.b.dims() != [fan_out, self.config.rank]
                     {

@@ -287,7 +287,7 @@ fn load_projection(
     config: &ModelConfig,
     bias: bool,
 ) -> Result<Projection> {
-    let (fan_in, fan_out) = target.dims(config);
+    let (fan_in, fan_out) = crate::lora::target_dims(target, config);
     let vb = vb.pp(name);
     Ok(Projection {
         weight: BaseWeight::Dense(vb.get((fan_out, fan_in), "weight")?),

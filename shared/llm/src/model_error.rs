@@ -64,6 +64,12 @@ pub enum ModelError {
     },
 }
 
+impl From<relay_config::FieldError> for ModelError {
+    fn from(e: relay_config::FieldError) -> Self {
+        Self::config(e.field, e.reason)
+    }
+}
+
 impl ModelError {
     pub(crate) fn config(field: impl Into<String>, reason: impl Into<String>) -> Self {
         Self::Config {

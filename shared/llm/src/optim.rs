@@ -29,76 +29,10 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use serde::{Deserialize, Serialize};
+
+pub use relay_config::hyper::objective::AdamWConfig;
 
 use crate::train_error::{TrainError, TrainResult};
-
-/// Hyperparameters of [`AdamW`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AdamWConfig {
-    /// Learning rate.
-    pub lr: f64,
-    /// Decay of the first-moment (mean) estimate.
-    pub beta1: f64,
-    /// Decay of the second-moment (uncentred variance) estimate.
-    pub beta2: f64,
-    /// Added to the square root of the second moment, for stability.
-    pub eps: f64,
-    /// Decoupled weight decay per step (`θ ← θ − lr·wd·θ`). Default 0, as
-    /// in TRL; `candle_nn::ParamsAdamW` and PyTorch default to 0.01. On a
-    /// LoRA adapter it pulls the update towards the base model.
-    pub weight_decay: f64,
-    /// Clip the summed gradient to this global L2 norm before the step
-    /// (PyTorch's `clip_grad_norm_`); `None` turns clipping off.
-    pub max_grad_norm: Option<f64>,
-}
-
-impl Default for AdamWConfig {
-    fn default() -> Self {
-        Self {
-            lr: 1e-4,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            max_grad_norm: Some(1.0),
-        }
-    }
-}
-
-impl AdamWConfig {
-    /// Checks every field's range.
-    pub fn validate(&self) -> TrainResult<()> {
-        if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return Err(TrainError::config("lr", "must be finite and >= 0"));
-        }
-        if !(0.0..1.0).contains(&self.beta1) {
-            return Err(TrainError::config("beta1", "must be in [0, 1)"));
-        }
-        if !(0.0..1.0).contains(&self.beta2) {
-            return Err(TrainError::config("beta2", "must be in [0, 1)"));
-        }
-        if !(self.eps.is_finite() && self.eps > 0.0) {
-            return Err(TrainError::config("eps", "must be finite and > 0"));
-        }
-        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return Err(TrainError::config(
-                "weight_decay",
-                "must be finite and >= 0",
-            ));
-        }
-        if let Some(n) = self.max_grad_norm {
-            if !(n.is_finite() && n > 0.0) {
-                return Err(TrainError::config(
-                    "max_grad_norm",
-                    "must be finite and > 0 (or absent to turn clipping off)",
-                ));
-            }
-        }
-        Ok(())
-    }
-}
 
 #[derive(Debug)]
 struct Param {

@@ -42,7 +42,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::train_error::{TrainError, TrainResult};
+pub use relay_config::hyper::reward::{NormalizeConfig, RewardShaping};
 
 /// One player's view of a finished game, as the reward transforms need it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -108,28 +108,6 @@ impl RunningStats {
     }
 }
 
-/// Per-environment reward normalisation settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct NormalizeConfig {
-    /// Subtract the running mean (otherwise only divide by the std).
-    pub center: bool,
-    /// Added to the std before dividing.
-    pub eps: f64,
-    /// Clip normalised rewards to `[-clip, clip]`; `None`: no clipping.
-    pub clip: Option<f64>,
-}
-
-impl Default for NormalizeConfig {
-    fn default() -> Self {
-        Self {
-            center: true,
-            eps: 1e-8,
-            clip: Some(10.0),
-        }
-    }
-}
-
 /// Running reward statistics per environment id.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RewardNormalizer {
@@ -165,90 +143,19 @@ impl RewardNormalizer {
     }
 }
 
-/// The reward transforms of a run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RewardShaping {
-    /// Normalise each environment's (each game's) own reward by that
-    /// game's running mean and std, before the objective's group
-    /// normalisation (see the module docs: in multi-game runs, so that no
-    /// game dominates the gradient); `None`: leave it as the environment
-    /// gave it.
-    pub normalize: Option<NormalizeConfig>,
-    /// Reward for a game whose every turn was well formatted (scaled by the
-    /// fraction of well-formatted turns).
-    pub format_bonus: f64,
-    /// Subtracted from the reward of each move the game refused (that
-    /// move only).
-    pub invalid_move_penalty: f64,
-    /// Discount per later move of the same seat, in `(0, 1]`: a move gets
-    /// the seat's shaped reward times `discount^k`, `k` the seat's moves
-    /// after it in the game. 1 gives every move the game's result; below
-    /// 1 the result weighs most on the moves just before it (the one that
-    /// won, the one that missed a block), which a terminal reward
-    /// otherwise spreads evenly over the whole game.
-    pub discount: f64,
-    /// A drawn game's reward, in place of the game's own (TextArena's is
-    /// 0); `None`: the game's own. Set to the win's reward (1), a draw
-    /// counts as a win and the objective is not losing: the advantages
-    /// then tell lost games from the others only, without the noise of
-    /// which of a win or a draw the opponent's later moves allowed.
-    pub draw: Option<f64>,
-}
-
-impl Default for RewardShaping {
-    fn default() -> Self {
-        Self {
-            normalize: None,
-            format_bonus: 0.0,
-            invalid_move_penalty: 0.0,
-            discount: 1.0,
-            draw: None,
-        }
-    }
-}
-
-impl RewardShaping {
-    /// Checks the fields.
-    pub fn validate(&self) -> TrainResult<()> {
-        if !self.format_bonus.is_finite() {
-            return Err(TrainError::config("format_bonus", "must be finite"));
-        }
-        if !self.invalid_move_penalty.is_finite() {
-            return Err(TrainError::config("invalid_move_penalty", "must be finite"));
-        }
-        if self.draw.is_some_and(|d| !d.is_finite()) {
-            return Err(TrainError::config("draw", "must be finite"));
-        }
-        if !(self.discount > 0.0 && self.discount <= 1.0) {
-            return Err(TrainError::config("discount", "must be in (0, 1]"));
-        }
-        if let Some(n) = &self.normalize {
-            if !(n.eps.is_finite() && n.eps > 0.0) {
-                return Err(TrainError::config("normalize.eps", "must be > 0"));
-            }
-            if n.clip.is_some_and(|c| c.is_nan() || c <= 0.0) {
-                return Err(TrainError::config("normalize.clip", "must be > 0"));
-            }
-        }
-        Ok(())
-    }
-
-    /// The seat's reward before normalisation: the game's own, or `draw`
-    /// for a drawn game when it is set.
-    fn game_reward(&self, result: &GameResult) -> f64 {
-        match self.draw {
-            Some(draw) if result.drawn => draw,
-            _ => result.reward,
-        }
-    }
-
+/// Applies a run's [`RewardShaping`] (plain config data, defined in
+/// relay-config) to game results.
+pub trait ApplyShaping {
     /// The shaped reward of each result's seat, in order (before the
     /// per-move [`RewardShaping::move_reward`]). With normalisation, the
     /// results of each env update that env's statistics (all of this
     /// call's results of an env count as one batch).
-    pub fn apply(&self, normalizer: &mut RewardNormalizer, results: &[GameResult]) -> Vec<f64> {
-        let mut env_rewards: Vec<f64> = results.iter().map(|r| self.game_reward(r)).collect();
+    fn apply(&self, normalizer: &mut RewardNormalizer, results: &[GameResult]) -> Vec<f64>;
+}
+
+impl ApplyShaping for RewardShaping {
+    fn apply(&self, normalizer: &mut RewardNormalizer, results: &[GameResult]) -> Vec<f64> {
+        let mut env_rewards: Vec<f64> = results.iter().map(|r| game_reward(self, r)).collect();
         if let Some(config) = &self.normalize {
             let mut envs: Vec<&str> = results.iter().map(|r| r.env_id.as_str()).collect();
             envs.sort_unstable();
@@ -269,17 +176,13 @@ impl RewardShaping {
             .map(|(r, base)| base + format_reward(r, self.format_bonus))
             .collect()
     }
+}
 
-    /// The reward of one move of a seat whose shaped reward is `seat`,
-    /// made `later_moves` moves of that seat before the game's end:
-    /// discounted by `discount^later_moves`, less `invalid_move_penalty`
-    /// if the game refused it.
-    pub fn move_reward(&self, seat: f64, invalid: bool, later_moves: usize) -> f64 {
-        let discounted = seat * self.discount.powi(later_moves as i32);
-        if invalid {
-            discounted - self.invalid_move_penalty
-        } else {
-            discounted
-        }
+/// The seat's reward before normalisation: the game's own, or `draw` for a
+/// drawn game when it is set.
+fn game_reward(shaping: &RewardShaping, result: &GameResult) -> f64 {
+    match shaping.draw {
+        Some(draw) if result.drawn => draw,
+        _ => result.reward,
     }
 }

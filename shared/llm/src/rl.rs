@@ -129,12 +129,17 @@ use std::collections::BTreeMap;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+pub use relay_config::hyper::objective::{
+    AdvantageEstimator, Baseline, KlConfig, KlEstimator, KlMode, ObjectiveConfig, PolicyLoss,
+    RatioLevel, RlTrainConfig, TruncatedIs,
+};
+
 use crate::lora::LoraAdapter;
 use crate::model::CausalLm;
-use crate::optim::{AdamW, AdamWConfig, StepReport};
+use crate::optim::{AdamW, StepReport};
 use crate::token_batch::{
-    fit_to_length, micro_batches, target_log_probs, Aggregation, BatchConfig, BatchTotals, Fit,
-    TokenBatch, TruncationStats,
+    fit_to_length, micro_batches, target_log_probs, Aggregation, BatchTotals, Fit, TokenBatch,
+    TruncationStats,
 };
 use crate::train_error::{TrainError, TrainResult};
 
@@ -188,282 +193,6 @@ impl TokenExample {
                 "reward {} is not finite",
                 self.reward
             )));
-        }
-        Ok(())
-    }
-}
-
-/// The baseline REINFORCE subtracts from rewards.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Baseline {
-    /// No baseline: `A = r`.
-    None,
-    /// The batch's mean reward.
-    #[default]
-    BatchMean,
-    /// An exponential moving average of past batch means, one per
-    /// [`TokenExample::stratum`] (`b_s ← decay·b_s + (1 − decay)·mean(r_s)`
-    /// after each step over the batch's examples of stratum `s`; a
-    /// stratum's first batch uses its own mean). Kept by the
-    /// [`RlTrainer`]. Unlike group baselines it never vanishes when a
-    /// whole group has the same reward (say, every game of the second
-    /// seat lost): those moves are still pushed below the average.
-    MovingAverage {
-        /// Weight of the past, in `[0, 1)`.
-        decay: f64,
-    },
-}
-
-/// How rewards become per-sequence advantages (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum AdvantageEstimator {
-    /// `r − b`.
-    Reinforce {
-        /// Which `b`.
-        #[serde(default)]
-        baseline: Baseline,
-    },
-    /// Leave-one-out baseline within each group.
-    Rloo,
-    /// Group-normalised: `(r − mean_g) / (std_g + eps)`.
-    Grpo {
-        /// Divide by the group's std (GRPO); `false` only centres (Dr. GRPO).
-        scale_by_std: bool,
-        /// Added to the std before dividing.
-        std_eps: f64,
-    },
-}
-
-/// Which importance ratio PPO clips.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RatioLevel {
-    /// One ratio per token (PPO, GRPO).
-    #[default]
-    Token,
-    /// One ratio per sequence, the geometric mean of its tokens' (GSPO).
-    Sequence,
-}
-
-/// The per-token surrogate (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum PolicyLoss {
-    /// `−A · logp`.
-    PolicyGradient,
-    /// `−min(ρA, clip(ρ, 1 − clip_low, 1 + clip_high) A)`.
-    PpoClip {
-        /// `ε_low`, in `[0, 1)`.
-        clip_low: f64,
-        /// `ε_high`, `>= 0` (DAPO's clip-higher uses 0.28 with 0.2 low).
-        clip_high: f64,
-        /// Token or sequence ratio.
-        #[serde(default)]
-        ratio: RatioLevel,
-    },
-}
-
-/// Estimator of `KL(π ‖ π_ref)` from sampled tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KlEstimator {
-    /// `logp − ref`.
-    K1,
-    /// `(logp − ref)² / 2`.
-    K2,
-    /// `exp(ref − logp) − (ref − logp) − 1`.
-    K3,
-}
-
-/// Where the KL term goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KlMode {
-    /// Added to the loss, with gradient (GRPO).
-    Loss,
-    /// Subtracted from each sequence's reward before the advantages,
-    /// computed with the behaviour log-probs (InstructGPT).
-    RewardPenalty,
-}
-
-/// KL regularisation towards the base model (the model without adapter).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KlConfig {
-    /// `β`.
-    pub coef: f64,
-    /// Which estimator.
-    pub estimator: KlEstimator,
-    /// Loss term or reward penalty.
-    pub mode: KlMode,
-}
-
-/// Truncated importance sampling between the sampler and the learner
-/// (module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TruncatedIs {
-    /// Largest weight `π_learner / π_sampler` a token gets (2 in Yao et
-    /// al.; larger keeps more of the correction, with more variance).
-    pub cap: f64,
-}
-
-/// The RL objective (see the module docs for the formulas).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ObjectiveConfig {
-    /// Rewards to advantages.
-    pub advantage: AdvantageEstimator,
-    /// Per-token surrogate.
-    pub policy_loss: PolicyLoss,
-    /// Per-token losses to one loss.
-    #[serde(default)]
-    pub aggregation: Aggregation,
-    /// KL towards the base model; `None`: no KL term (and no reference
-    /// forward).
-    #[serde(default)]
-    pub kl: Option<KlConfig>,
-    /// `c` of the entropy bonus (0: none; entropy is still reported).
-    #[serde(default)]
-    pub entropy_coef: f64,
-    /// Truncated importance sampling against the sampler's log-probs;
-    /// `None`: off (the sampler's log-probs are the old policy).
-    #[serde(default)]
-    pub truncated_is: Option<TruncatedIs>,
-}
-
-impl ObjectiveConfig {
-    /// REINFORCE with the batch-mean baseline, token mean.
-    pub fn reinforce() -> Self {
-        Self {
-            advantage: AdvantageEstimator::Reinforce {
-                baseline: Baseline::BatchMean,
-            },
-            policy_loss: PolicyLoss::PolicyGradient,
-            aggregation: Aggregation::TokenMean,
-            kl: None,
-            entropy_coef: 0.0,
-            truncated_is: None,
-        }
-    }
-
-    /// RLOO: leave-one-out baseline, policy gradient, token mean.
-    pub fn rloo() -> Self {
-        Self {
-            advantage: AdvantageEstimator::Rloo,
-            ..Self::reinforce()
-        }
-    }
-
-    /// GRPO as in DeepSeekMath: group-normalised advantages, token PPO
-    /// clip 0.2, mean per sequence, k3 KL loss with β = 0.04.
-    pub fn grpo() -> Self {
-        Self {
-            advantage: AdvantageEstimator::Grpo {
-                scale_by_std: true,
-                std_eps: 1e-4,
-            },
-            policy_loss: PolicyLoss::PpoClip {
-                clip_low: 0.2,
-                clip_high: 0.2,
-                ratio: RatioLevel::Token,
-            },
-            aggregation: Aggregation::SequenceMean,
-            kl: Some(KlConfig {
-                coef: 0.04,
-                estimator: KlEstimator::K3,
-                mode: KlMode::Loss,
-            }),
-            entropy_coef: 0.0,
-            truncated_is: None,
-        }
-    }
-
-    /// Dr. GRPO: centred (not scaled) group advantages, token PPO clip,
-    /// sum over tokens divided by `max_completion_len`, no KL.
-    pub fn dr_grpo(max_completion_len: usize) -> Self {
-        Self {
-            advantage: AdvantageEstimator::Grpo {
-                scale_by_std: false,
-                std_eps: 0.0,
-            },
-            aggregation: Aggregation::ConstantLength { max_completion_len },
-            kl: None,
-            ..Self::grpo()
-        }
-    }
-
-    /// PPO-clip (0.2) on tokens with the batch-mean baseline (no critic),
-    /// token mean.
-    pub fn ppo() -> Self {
-        Self {
-            policy_loss: PolicyLoss::PpoClip {
-                clip_low: 0.2,
-                clip_high: 0.2,
-                ratio: RatioLevel::Token,
-            },
-            ..Self::reinforce()
-        }
-    }
-
-    /// Checks every field's range.
-    pub fn validate(&self) -> TrainResult<()> {
-        match self.advantage {
-            AdvantageEstimator::Reinforce {
-                baseline: Baseline::MovingAverage { decay },
-            } if !(0.0..1.0).contains(&decay) => {
-                return Err(TrainError::config(
-                    "advantage.baseline.decay",
-                    "must be in [0, 1)",
-                ))
-            }
-            AdvantageEstimator::Grpo { std_eps, .. }
-                if !(std_eps.is_finite() && std_eps >= 0.0) =>
-            {
-                return Err(TrainError::config(
-                    "advantage.std_eps",
-                    "must be finite and >= 0",
-                ))
-            }
-            _ => {}
-        }
-        if let PolicyLoss::PpoClip {
-            clip_low,
-            clip_high,
-            ..
-        } = self.policy_loss
-        {
-            if !(0.0..1.0).contains(&clip_low) {
-                return Err(TrainError::config(
-                    "policy_loss.clip_low",
-                    "must be in [0, 1)",
-                ));
-            }
-            if !(clip_high.is_finite() && clip_high >= 0.0) {
-                return Err(TrainError::config(
-                    "policy_loss.clip_high",
-                    "must be finite and >= 0",
-                ));
-            }
-        }
-        self.aggregation.validate()?;
-        if let Some(kl) = &self.kl {
-            if !(kl.coef.is_finite() && kl.coef >= 0.0) {
-                return Err(TrainError::config("kl.coef", "must be finite and >= 0"));
-            }
-        }
-        if !self.entropy_coef.is_finite() {
-            return Err(TrainError::config("entropy_coef", "must be finite"));
-        }
-        if let Some(tis) = self.truncated_is {
-            if !(tis.cap.is_finite() && tis.cap >= 1.0) {
-                return Err(TrainError::config(
-                    "truncated_is.cap",
-                    format!("must be finite and >= 1, got {}", tis.cap),
-                ));
-            }
         }
         Ok(())
     }
@@ -876,28 +605,6 @@ pub fn rl_loss(
     })
 }
 
-/// Everything a train step needs to know.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RlTrainConfig {
-    /// The objective.
-    pub objective: ObjectiveConfig,
-    /// Batch and micro-batch sizes, truncation.
-    pub batch: BatchConfig,
-    /// AdamW over the adapter's vars.
-    #[serde(default)]
-    pub optimizer: AdamWConfig,
-}
-
-impl RlTrainConfig {
-    /// Checks every part.
-    pub fn validate(&self) -> TrainResult<()> {
-        self.objective.validate()?;
-        self.batch.validate()?;
-        self.optimizer.validate()
-    }
-}
-
 /// What one train step did (means are over the kept sequences/tokens).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct RlStats {
@@ -1063,7 +770,7 @@ impl RlTrainer {
         learner_logprobs: Option<&[Vec<f32>]>,
     ) -> TrainResult<(RlStats, Vec<Vec<f32>>)> {
         let cfg = &self.config;
-        cfg.batch.check_len(examples.len())?;
+        crate::token_batch::check_batch_len(&cfg.batch, examples.len())?;
         match adapter.vars().first() {
             Some(v) if self.optimizer.contains(v) => {}
             _ => {

@@ -384,7 +384,7 @@ impl SftConfig {
     pub fn validate(&self) -> TrainResult<()> {
         self.batch.validate()?;
         self.optimizer.validate()?;
-        self.aggregation.validate()
+        Ok(self.aggregation.validate()?)
     }
 }
 
@@ -503,7 +503,7 @@ impl SftTrainer {
     ) -> TrainResult<SftStats> {
         let cfg = &self.config;
         if train {
-            cfg.batch.check_len(examples.len())?;
+            crate::token_batch::check_batch_len(&cfg.batch, examples.len())?;
         } else if examples.is_empty() {
             return Err(TrainError::BadInput("nothing to evaluate".into()));
         }

@@ -27,76 +27,19 @@
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+pub use relay_config::hyper::objective::{Aggregation, BatchConfig, BatchTotals, Truncation};
+
 use crate::train_error::{TrainError, TrainResult};
 
-/// What to do with a sequence longer than [`BatchConfig::max_seq_len`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Truncation {
-    /// Keep the whole completion (the policy's own tokens, the only ones
-    /// with a loss) and cut tokens from the start of the prompt; the
-    /// last prompt token is always kept. The model then sees less context
-    /// than when it sampled, so the recomputed log-probs differ from the
-    /// behaviour ones (PPO's ratio absorbs that; REINFORCE does not).
-    /// When the completion alone does not fit beside one prompt token,
-    /// the sequence is dropped.
-    #[default]
-    CutPromptStart,
-    /// Drop the whole sequence.
-    Drop,
-}
-
-/// Batch shape of a train step.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BatchConfig {
-    /// Most sequences in one optimizer step (what the learner gathers per
-    /// step; for group objectives a multiple of the group size). A train
-    /// step takes `1..=batch_size` sequences; losses are normalised by the
-    /// number actually given.
-    pub batch_size: usize,
-    /// Sequences per forward/backward pass (micro-batch); gradients of the
-    /// micro-batches of one step are summed before the step. Bounds memory;
-    /// does not change the result.
-    pub minibatch_size: usize,
-    /// Longest sequence (prompt plus completion tokens) trained on; longer
-    /// ones are cut or dropped as [`BatchConfig::truncation`] says. At most
-    /// the model's `max_position_embeddings + 1` (the last token is never
-    /// fed).
-    pub max_seq_len: usize,
-    /// What to do with longer sequences.
-    #[serde(default)]
-    pub truncation: Truncation,
-}
-
-impl BatchConfig {
-    /// Checks sizes.
-    pub fn validate(&self) -> TrainResult<()> {
-        if self.batch_size == 0 {
-            return Err(TrainError::config("batch_size", "must be positive"));
-        }
-        if self.minibatch_size == 0 {
-            return Err(TrainError::config("minibatch_size", "must be positive"));
-        }
-        if self.max_seq_len < 2 {
-            return Err(TrainError::config(
-                "max_seq_len",
-                "must be at least 2 (one prompt and one completion token)",
-            ));
-        }
-        Ok(())
+/// Checks that a train step may take `n` sequences.
+pub(crate) fn check_batch_len(config: &BatchConfig, n: usize) -> TrainResult<()> {
+    if n == 0 || n > config.batch_size {
+        return Err(TrainError::BadInput(format!(
+            "a train step takes 1..={} sequences (batch_size), got {n}",
+            config.batch_size
+        )));
     }
-
-    /// Checks that a train step may take `n` sequences.
-    pub(crate) fn check_len(&self, n: usize) -> TrainResult<()> {
-        if n == 0 || n > self.batch_size {
-            return Err(TrainError::BadInput(format!(
-                "a train step takes 1..={} sequences (batch_size), got {n}",
-                self.batch_size
-            )));
-        }
-        Ok(())
-    }
+    Ok(())
 }
 
 /// Where one sequence goes after [`fit_to_length`].
@@ -156,66 +99,6 @@ impl TruncationStats {
                 self.tokens_cut += prompt_start;
             }
             Fit::Drop => self.dropped += 1,
-        }
-    }
-}
-
-/// How per-token losses `l[i, t]` of an optimizer batch of `N` sequences
-/// (sequence `i` with `L_i` completion tokens) add up to one loss.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Aggregation {
-    /// `Σ_i Σ_t l[i,t] / Σ_i L_i`: every token of the batch weighs the
-    /// same (DAPO, Yu et al. 2025, arXiv:2503.14476, "token-level loss").
-    #[default]
-    TokenMean,
-    /// `(1/N) Σ_i (1/L_i) Σ_t l[i,t]`: mean per sequence, then over
-    /// sequences (GRPO as written in DeepSeekMath, Shao et al. 2024,
-    /// arXiv:2402.03300). Tokens of short sequences weigh more.
-    SequenceMean,
-    /// `(1/(N·M)) Σ_i Σ_t l[i,t]` with a constant `M`: no length
-    /// normalisation (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like
-    /// Training", arXiv:2503.20783). `M = 1` is the classic REINFORCE
-    /// "sum over tokens, mean over sequences".
-    ConstantLength {
-        /// `M`: typically the generation budget (max new tokens).
-        max_completion_len: usize,
-    },
-}
-
-/// Whole-batch counts that fix each token's loss weight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BatchTotals {
-    /// Sequences in the optimizer batch (after dropping).
-    pub sequences: usize,
-    /// Completion tokens in the optimizer batch.
-    pub tokens: usize,
-}
-
-impl Aggregation {
-    /// Checks the constant.
-    pub fn validate(&self) -> TrainResult<()> {
-        if let Self::ConstantLength {
-            max_completion_len: 0,
-        } = self
-        {
-            return Err(TrainError::config(
-                "aggregation.max_completion_len",
-                "must be positive",
-            ));
-        }
-        Ok(())
-    }
-
-    /// The weight of each token of a sequence with `completion_len`
-    /// tokens, so that `Σ weight · l` over the batch is the loss.
-    pub fn token_weight(&self, completion_len: usize, totals: BatchTotals) -> f64 {
-        match *self {
-            Self::TokenMean => 1.0 / totals.tokens as f64,
-            Self::SequenceMean => 1.0 / (totals.sequences as f64 * completion_len as f64),
-            Self::ConstantLength { max_completion_len } => {
-                1.0 / (totals.sequences as f64 * max_completion_len as f64)
-            }
         }
     }
 }

@@ -71,11 +71,11 @@ pub enum TrainError {
     },
 }
 
-impl TrainError {
-    pub(crate) fn config(field: &'static str, reason: impl Into<String>) -> Self {
+impl From<relay_config::FieldError> for TrainError {
+    fn from(e: relay_config::FieldError) -> Self {
         Self::Config {
-            field,
-            reason: reason.into(),
+            field: e.field,
+            reason: e.reason,
         }
     }
 }

@@ -197,7 +197,7 @@ fn candle_backend_spec_errors_name_the_field() {
     let cuda = spec(BackendKind::Candle, DeviceSpec::Cuda(1), LlmDtype::Bf16);
     if relay_llm::CUDA_BUILT {
         // Built with CUDA: opening a missing GPU says what was found.
-        if let Err(e) = cuda.open() {
+        if let Err(e) = relay_llm::Backend::open(&cuda) {
             assert!(e.to_string().contains("llm.device: cuda:1"), "{e}");
         }
     } else {

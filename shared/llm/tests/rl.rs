@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, Var};
-use relay_llm::reward::format_reward;
+use relay_llm::reward::{format_reward, ApplyShaping};
 use relay_llm::rl::{
     compute_advantages, kl_estimate, rl_loss, MovingBaselines, RlLoss, RlMicroBatch, RlRow,
     TruncatedIs,

@@ -256,9 +256,7 @@ pub(crate) async fn serve(
         )));
     };
     let started = Instant::now();
-    let backend = cfg
-        .backend_spec()
-        .open()
+    let backend = relay_llm::Backend::open(&cfg.backend_spec())
         .map_err(|e| ServiceError::other(e.to_string()))?;
     let placed = backend.clone();
     let loaded = tokio::task::spawn_blocking(move || {

@@ -3,5 +3,9 @@
 //! nor a tokenizer. Each type owns its defaults and its own range checks
 //! ([`crate::FieldError`]); the sections that hold them add the field path.
 
+pub mod backend;
+pub mod lora;
+pub mod objective;
 pub mod policy;
+pub mod reward;
 pub mod schedule;
