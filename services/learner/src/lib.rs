@@ -77,7 +77,7 @@ use futures::StreamExt;
 use prometheus::{Histogram, HistogramOpts, IntGauge};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use relay_config::ExperimentConfig;
+use relay_config::{Algo, ExperimentConfig};
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::{ActorCritic, VecNormalize};
 use relay_proto::{
@@ -311,13 +311,13 @@ struct Updated {
 
 impl Algorithm {
     fn for_run(cfg: &ExperimentConfig, model: &ActorCritic) -> Self {
-        match cfg.run.algo.as_str() {
-            "a2c" => Self::A2c(Vec::new()),
-            "reinforce" => Self::Reinforce(reinforce::Episodes::new(
+        match cfg.run.algo {
+            Algo::A2c => Self::A2c(Vec::new()),
+            Algo::Reinforce => Self::Reinforce(reinforce::Episodes::new(
                 model.spec().obs_dim,
                 rollout::action_dim(model),
             )),
-            _ => Self::Ppo(Vec::new()),
+            Algo::Ppo | Algo::Dqn | Algo::Sac => Self::Ppo(Vec::new()),
         }
     }
 
@@ -442,13 +442,16 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     if cfg.is_text_game() {
         return text::run(service, shutdown, metrics).await;
     }
-    if cfg.run.algo == "dqn" {
-        let dqn = dqn::Dqn::new(&service.config)?;
-        return offpolicy::run(service, shutdown, metrics, dqn).await;
-    }
-    if cfg.run.algo == "sac" {
-        let sac = sac::SacLearner::new(&service.config)?;
-        return offpolicy::run(service, shutdown, metrics, sac).await;
+    match cfg.run.algo {
+        Algo::Dqn => {
+            let dqn = dqn::Dqn::new(&service.config)?;
+            return offpolicy::run(service, shutdown, metrics, dqn).await;
+        }
+        Algo::Sac => {
+            let sac = sac::SacLearner::new(&service.config)?;
+            return offpolicy::run(service, shutdown, metrics, sac).await;
+        }
+        Algo::Ppo | Algo::A2c | Algo::Reinforce => {}
     }
     let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
     let mut model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed)

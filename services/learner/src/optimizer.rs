@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use candle_core::{backprop::GradStore, Tensor, Var};
-use relay_config::ExperimentConfig;
+use relay_config::{Algo, ExperimentConfig};
 use relay_nn::{clip_grad_norm, Adam, AdamConfig, NnError, RmsProp, RmsPropConfig};
 
 /// Adam or RMSprop over the model's vars.
@@ -30,8 +30,8 @@ impl Optimizer {
                 },
             )?))
         };
-        match cfg.run.algo.as_str() {
-            "a2c" if cfg.a2c.use_rms_prop => Ok(Self::RmsProp(RmsProp::new(
+        match cfg.run.algo {
+            Algo::A2c if cfg.a2c.use_rms_prop => Ok(Self::RmsProp(RmsProp::new(
                 vars,
                 RmsPropConfig {
                     lr: cfg.a2c.learning_rate.value(0.0),
@@ -40,12 +40,12 @@ impl Optimizer {
                     ..RmsPropConfig::default()
                 },
             )?)),
-            "a2c" => adam(cfg.a2c.learning_rate.value(0.0), cfg.a2c.adam_eps),
-            "reinforce" => adam(
+            Algo::A2c => adam(cfg.a2c.learning_rate.value(0.0), cfg.a2c.adam_eps),
+            Algo::Reinforce => adam(
                 cfg.reinforce.learning_rate.value(0.0),
                 cfg.reinforce.adam_eps,
             ),
-            _ => adam(
+            Algo::Ppo | Algo::Dqn | Algo::Sac => adam(
                 cfg.ppo.learning_rate_schedule().value(0.0),
                 cfg.ppo.adam_eps,
             ),

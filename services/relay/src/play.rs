@@ -150,24 +150,28 @@ pub fn load_policy(
 ) -> Result<(relay_policy::PolicyModel, Option<relay_nn::VecNormalize>)> {
     let model_file = dir.join("model.safetensors");
     let loading = || format!("loading {}", model_file.display());
-    let model = if config.run.algo == "dqn" {
-        let spec = relay_policy::qnet_spec_for(config).map_err(anyhow::Error::msg)?;
-        let mut net = relay_nn::QNetwork::new(&spec, config.run.seed)?;
-        net.load(&model_file).with_context(loading)?;
-        relay_policy::PolicyModel::QNetwork { net, epsilon: 0.0 }
-    } else if config.run.algo == "sac" {
-        // The checkpoint holds actor, critics, targets and log α; play
-        // with the actor's deterministic action tanh(μ).
-        let spec = relay_policy::sac_spec_for(config).map_err(anyhow::Error::msg)?;
-        let mut sac = relay_nn::Sac::new(&spec, 1.0, config.run.seed)?;
-        sac.load(&model_file).with_context(loading)?;
-        let relay_nn::Sac { actor, .. } = sac;
-        relay_policy::PolicyModel::Sac(actor)
-    } else {
-        let spec = relay_policy::spec_for(config)?;
-        let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
-        model.load(&model_file).with_context(loading)?;
-        relay_policy::PolicyModel::ActorCritic(model)
+    let model = match config.run.algo {
+        relay_config::Algo::Dqn => {
+            let spec = relay_policy::qnet_spec_for(config).map_err(anyhow::Error::msg)?;
+            let mut net = relay_nn::QNetwork::new(&spec, config.run.seed)?;
+            net.load(&model_file).with_context(loading)?;
+            relay_policy::PolicyModel::QNetwork { net, epsilon: 0.0 }
+        }
+        relay_config::Algo::Sac => {
+            // The checkpoint holds actor, critics, targets and log α; play
+            // with the actor's deterministic action tanh(μ).
+            let spec = relay_policy::sac_spec_for(config).map_err(anyhow::Error::msg)?;
+            let mut sac = relay_nn::Sac::new(&spec, 1.0, config.run.seed)?;
+            sac.load(&model_file).with_context(loading)?;
+            let relay_nn::Sac { actor, .. } = sac;
+            relay_policy::PolicyModel::Sac(actor)
+        }
+        relay_config::Algo::Ppo | relay_config::Algo::A2c | relay_config::Algo::Reinforce => {
+            let spec = relay_policy::spec_for(config)?;
+            let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
+            model.load(&model_file).with_context(loading)?;
+            relay_policy::PolicyModel::ActorCritic(model)
+        }
     };
     let normalizer = match config.normalizer() {
         Some(norm) => {

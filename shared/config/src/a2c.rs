@@ -8,6 +8,7 @@ use crate::check::{
     invalid, non_negative_f, positive, positive_f, schedule, unit_interval, ConfigError,
 };
 use crate::experiment::ExperimentConfig;
+use crate::run::Algo;
 
 /// A2C hyperparameters (Stable-Baselines3's `A2C`: names and defaults).
 ///
@@ -94,7 +95,7 @@ impl ExperimentConfig {
         positive_f("a2c.adam_eps", a.adam_eps)?;
         positive("a2c.checkpoint_every", a.checkpoint_every as usize)?;
         positive("a2c.keep_checkpoints", a.keep_checkpoints)?;
-        if self.run.algo == "a2c" && self.env_runner.fragment_steps != a.n_steps {
+        if self.run.algo == Algo::A2c && self.env_runner.fragment_steps != a.n_steps {
             return Err(invalid(
                 "env_runner.fragment_steps",
                 format!(

@@ -9,6 +9,7 @@ use crate::check::{
     invalid, non_negative_f, positive, positive_f, schedule, unit_interval, ConfigError,
 };
 use crate::experiment::ExperimentConfig;
+use crate::run::Algo;
 
 /// DQN hyperparameters (names and defaults as Stable-Baselines3's `DQN`;
 /// prioritized replay as Schaul et al. 2016, proportional variant).
@@ -206,7 +207,7 @@ impl ExperimentConfig {
         positive_f("dqn.prioritized_eps", d.prioritized_eps)?;
         positive("dqn.checkpoint_every", d.checkpoint_every as usize)?;
         positive("dqn.keep_checkpoints", d.keep_checkpoints)?;
-        if self.run.algo == "dqn" {
+        if self.run.algo == Algo::Dqn {
             if let Some(env) = self.builtin_env_spec() {
                 if !matches!(env.action_space, relay_envs::ActionSpace::Discrete { .. }) {
                     return Err(invalid(
@@ -238,22 +239,22 @@ impl ExperimentConfig {
         if self.is_text_game() {
             return None;
         }
-        match self.run.algo.as_str() {
-            "dqn" => Some(OffPolicyTable {
+        match self.run.algo {
+            Algo::Dqn => Some(OffPolicyTable {
                 capacity: self.dqn.buffer_size,
                 n_steps: self.dqn.n_steps,
                 gamma: self.dqn.gamma,
                 prioritized: self.dqn.prioritized,
                 alpha: self.dqn.prioritized_alpha,
             }),
-            "sac" => Some(OffPolicyTable {
+            Algo::Sac => Some(OffPolicyTable {
                 capacity: self.sac.buffer_size,
                 n_steps: 1,
                 gamma: self.sac.gamma,
                 prioritized: false,
                 alpha: 0.0,
             }),
-            _ => None,
+            Algo::Ppo | Algo::A2c | Algo::Reinforce => None,
         }
     }
 }

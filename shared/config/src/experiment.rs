@@ -20,7 +20,7 @@ use crate::policy::PolicyConfig;
 use crate::ppo::PpoConfig;
 use crate::reinforce::ReinforceConfig;
 use crate::rl::RlConfig;
-use crate::run::{RunConfig, CLASSIC_ALGOS};
+use crate::run::{Algo, RunConfig};
 use crate::sac::SacSection;
 use crate::services::{EnvRunnerConfig, InferenceConfig, ReplayConfig, TrackerConfig};
 use crate::text::TextConfig;
@@ -192,16 +192,6 @@ impl ExperimentConfig {
             .validate(&self.text, &self.run.env_id, &self.env)?;
         self.lora.validate()?;
         self.rl.validate(self.text.max_turn_tokens as usize)?;
-        if !CLASSIC_ALGOS.contains(&self.run.algo.as_str()) {
-            return Err(invalid(
-                "run.algo",
-                format!(
-                    "unknown algorithm {:?}; known: {}",
-                    self.run.algo,
-                    CLASSIC_ALGOS.join(", ")
-                ),
-            ));
-        }
         if self.run.total_env_steps == 0 {
             return Err(invalid("run.total_env_steps", "must be positive"));
         }
@@ -293,7 +283,7 @@ impl ExperimentConfig {
                 "normalisation applies to classic-control envs, not text games",
             ));
         }
-        if self.normalize.enabled() && matches!(self.run.algo.as_str(), "dqn" | "sac") {
+        if self.normalize.enabled() && self.run.algo.is_off_policy() {
             // The off-policy table stores raw transitions; DQN and SAC do
             // not take normalised ones yet.
             return Err(invalid(
@@ -323,13 +313,13 @@ impl ExperimentConfig {
     /// env steps, for algorithms that train on a fixed number of env steps
     /// (PPO, A2C); none for REINFORCE, which trains on whole episodes.
     pub(crate) fn rollout_env_steps(&self) -> Option<(&'static str, u64)> {
-        match self.run.algo.as_str() {
-            "a2c" => Some((
+        match self.run.algo {
+            Algo::A2c => Some((
                 "a2c.n_steps x env_runner.num_envs",
                 (self.a2c.n_steps * self.env_runner.num_envs) as u64,
             )),
-            "reinforce" | "dqn" | "sac" => None,
-            _ => Some(("ppo.rollout_steps", self.ppo.rollout_steps as u64)),
+            Algo::Reinforce | Algo::Dqn | Algo::Sac => None,
+            Algo::Ppo => Some(("ppo.rollout_steps", self.ppo.rollout_steps as u64)),
         }
     }
 
@@ -339,12 +329,12 @@ impl ExperimentConfig {
         if self.is_text_game() {
             return self.rl.checkpoint_every;
         }
-        match self.run.algo.as_str() {
-            "a2c" => self.a2c.checkpoint_every,
-            "reinforce" => self.reinforce.checkpoint_every,
-            "dqn" => self.dqn.checkpoint_every,
-            "sac" => self.sac.checkpoint_every,
-            _ => self.ppo.checkpoint_every,
+        match self.run.algo {
+            Algo::Ppo => self.ppo.checkpoint_every,
+            Algo::A2c => self.a2c.checkpoint_every,
+            Algo::Reinforce => self.reinforce.checkpoint_every,
+            Algo::Dqn => self.dqn.checkpoint_every,
+            Algo::Sac => self.sac.checkpoint_every,
         }
     }
 
@@ -354,22 +344,22 @@ impl ExperimentConfig {
         if self.is_text_game() {
             return self.rl.keep_checkpoints;
         }
-        match self.run.algo.as_str() {
-            "a2c" => self.a2c.keep_checkpoints,
-            "reinforce" => self.reinforce.keep_checkpoints,
-            "dqn" => self.dqn.keep_checkpoints,
-            "sac" => self.sac.keep_checkpoints,
-            _ => self.ppo.keep_checkpoints,
+        match self.run.algo {
+            Algo::Ppo => self.ppo.keep_checkpoints,
+            Algo::A2c => self.a2c.keep_checkpoints,
+            Algo::Reinforce => self.reinforce.keep_checkpoints,
+            Algo::Dqn => self.dqn.keep_checkpoints,
+            Algo::Sac => self.sac.keep_checkpoints,
         }
     }
 
     /// The discount of the run's algorithm (`ppo.gamma`, `a2c.gamma` or
     /// `reinforce.gamma`).
     pub fn algo_gamma(&self) -> f64 {
-        match self.run.algo.as_str() {
-            "a2c" => self.a2c.gamma,
-            "reinforce" => self.reinforce.gamma,
-            _ => self.ppo.gamma,
+        match self.run.algo {
+            Algo::A2c => self.a2c.gamma,
+            Algo::Reinforce => self.reinforce.gamma,
+            Algo::Ppo | Algo::Dqn | Algo::Sac => self.ppo.gamma,
         }
     }
 
@@ -413,7 +403,7 @@ impl ExperimentConfig {
     /// `custom` when `rl.objective` replaces it).
     pub fn algo_name(&self) -> &str {
         if !self.is_text_game() {
-            &self.run.algo
+            self.run.algo.name()
         } else if self.rl.objective.is_some() {
             "custom"
         } else {

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::check::{invalid, positive, ConfigError};
 use crate::experiment::ExperimentConfig;
+use crate::run::Algo;
 
 /// Hidden-layer activation of the policy networks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,7 +56,7 @@ impl ExperimentConfig {
         &self,
         cnn: &crate::hyper::policy::CnnSpec,
     ) -> Result<(), ConfigError> {
-        if self.is_text_game() || !["ppo", "a2c"].contains(&self.run.algo.as_str()) {
+        if self.is_text_game() || !matches!(self.run.algo, Algo::Ppo | Algo::A2c) {
             return Err(invalid(
                 "policy.cnn",
                 format!(

@@ -24,8 +24,8 @@ pub struct RunConfig {
     /// (discrete actions) or `sac` (continuous actions), each
     /// configured by its own section; used in run ids (text games train
     /// with the `rl` section, whose preset names them).
-    #[serde(default = "default_algo")]
-    pub algo: String,
+    #[serde(default)]
+    pub algo: Algo,
     /// Base seed; every service derives its own streams from it.
     #[serde(default = "default_seed")]
     pub seed: u64,
@@ -54,11 +54,73 @@ pub struct RunConfig {
     pub reset_optimizer: bool,
 }
 
-/// Algorithms that train classic-control runs (`run.algo`).
-pub const CLASSIC_ALGOS: [&str; 5] = ["ppo", "a2c", "reinforce", "dqn", "sac"];
+/// The algorithm that trains a classic-control run (`run.algo`), parsed
+/// once from its name; code matches on it, never on the name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Algo {
+    #[default]
+    Ppo,
+    A2c,
+    Reinforce,
+    Dqn,
+    Sac,
+}
 
-pub(crate) fn default_algo() -> String {
-    "ppo".into()
+impl Algo {
+    /// Every algorithm, in the order error messages list them.
+    pub const ALL: [Algo; 5] = [Algo::Ppo, Algo::A2c, Algo::Reinforce, Algo::Dqn, Algo::Sac];
+
+    /// The name configs and run ids use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Ppo => "ppo",
+            Algo::A2c => "a2c",
+            Algo::Reinforce => "reinforce",
+            Algo::Dqn => "dqn",
+            Algo::Sac => "sac",
+        }
+    }
+
+    /// Trains from a replay table of transitions (DQN, SAC) rather than
+    /// from fresh rollouts.
+    pub fn is_off_policy(self) -> bool {
+        matches!(self, Algo::Dqn | Algo::Sac)
+    }
+}
+
+impl std::fmt::Display for Algo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Algo {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Algo::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Algo::ALL.iter().map(|a| a.name()).collect();
+                format!("unknown algorithm {s:?}; known: {}", known.join(", "))
+            })
+    }
+}
+
+impl TryFrom<String> for Algo {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<Algo> for String {
+    fn from(a: Algo) -> String {
+        a.name().to_string()
+    }
 }
 
 pub(crate) fn default_seed() -> u64 {

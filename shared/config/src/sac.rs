@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::check::{invalid, positive, schedule, unit_interval, ConfigError};
 use crate::experiment::ExperimentConfig;
+use crate::run::Algo;
 
 /// A hyperparameter given as a number or a name (`"auto"`, `"auto_0.1"`):
 /// SAC's `ent_coef` and `target_entropy`, spelled as in SB3.
@@ -188,7 +189,7 @@ impl ExperimentConfig {
         }
         positive("sac.checkpoint_every", s.checkpoint_every as usize)?;
         positive("sac.keep_checkpoints", s.keep_checkpoints)?;
-        if self.run.algo == "sac" {
+        if self.run.algo == Algo::Sac {
             if let Some(env) = self.builtin_env_spec() {
                 if !matches!(env.action_space, relay_envs::ActionSpace::Box { .. }) {
                     return Err(invalid(

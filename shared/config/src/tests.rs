@@ -709,7 +709,7 @@ fn unknown_algo_names_run_algo_and_the_known_ones() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("run.algo") && err.contains("\"td3\""), "{err}");
-    for algo in CLASSIC_ALGOS {
+    for algo in Algo::ALL.map(Algo::name) {
         assert!(err.contains(algo), "{err}");
     }
 }

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use relay_config::ExperimentConfig;
+use relay_config::{Algo, ExperimentConfig};
 use relay_envs::ActionSpace;
 use relay_kit::Service;
 use relay_nn::{
@@ -432,7 +432,7 @@ impl Follower<VersionedPolicy> {
         let (seed, trunk) = (service.config.run.seed, service.config.policy.trunk);
         let config = service.config.clone();
         // DQN runs act with a Q-network, epsilon-greedily at the version's env steps.
-        let dqn = (config.run.algo == "dqn").then(|| {
+        let dqn = (config.run.algo == Algo::Dqn).then(|| {
             (
                 qnet_spec_for(&config),
                 config.dqn.clone(),
@@ -440,7 +440,7 @@ impl Follower<VersionedPolicy> {
             )
         });
         // SAC runs act with the actor alone.
-        let sac = (config.run.algo == "sac").then(|| sac_spec_for(&config));
+        let sac = (config.run.algo == Algo::Sac).then(|| sac_spec_for(&config));
         Self::follow(service, move |update: &WeightsUpdate| {
             let invalid = |detail: String| Rejection::Invalid {
                 kind: "WeightsUpdate",
