@@ -56,7 +56,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::optimizer::Optimizer;
-use crate::Progress;
+use crate::progress::Progress;
 
 /// The learner's RNG as saved: ChaCha8 seed (hex), stream and word position.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

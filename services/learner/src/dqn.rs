@@ -48,7 +48,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
 use crate::offpolicy::{OffPolicyAlgorithm, RoundSchedule};
-use crate::Progress;
+use crate::progress::Progress;
 
 /// The checkpoint file of [`DqnState`].
 const STATE_FILE: &str = "dqn.json";

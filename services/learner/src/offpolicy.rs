@@ -36,16 +36,17 @@ use rand_chacha::ChaCha8Rng;
 use relay_config::ExperimentConfig;
 use relay_kit::{gauge, Service, ServiceError, Shutdown};
 use relay_proto::{
-    MetricValue, PriorityAck, PriorityUpdate, Tensor, TransitionBatch, WeightsUpdate,
-    SCHEMA_VERSION,
+    MetricValue, PriorityAck, PriorityUpdate, Tensor, TransitionBatch, TransitionSampleRequest,
+    WeightsUpdate, SCHEMA_VERSION,
 };
 
 use crate::checkpoint::{self, CheckpointError, CheckpointState};
 use crate::evaluated::RunEvents;
-use crate::{
-    count_resume, final_weights, finish_run, pause, sample_transitions, should_finish, Finish,
-    LatestWeights, Metrics, Progress, LINKS_LAST, LINKS_LAST_SOLVED,
+use crate::progress::{
+    count_resume, finish_run, pause, should_finish, Finish, Metrics, Progress, LINKS_LAST,
+    LINKS_LAST_SOLVED,
 };
+use crate::publish::{final_weights, LatestWeights};
 
 /// SB3's round schedule of an off-policy learner (its config section's
 /// fields of the same names).
@@ -352,4 +353,26 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     )
     .await;
     Ok(())
+}
+
+/// Asks the replay-buffer's off-policy table for `batch_size` transitions
+/// (0: only its counters), prioritized ones with importance weights at
+/// `beta`.
+pub(crate) async fn sample_transitions(
+    service: &Service,
+    batch_size: u32,
+    beta: f64,
+) -> Result<TransitionBatch, relay_kit::RequestError> {
+    let ask = TransitionSampleRequest {
+        schema: SCHEMA_VERSION,
+        batch_size,
+        beta,
+    };
+    relay_kit::request::<_, TransitionBatch>(
+        &service.nats,
+        &service.subjects.replay_transitions_sample(),
+        &ask,
+        service.request_timeout(),
+    )
+    .await
 }

@@ -45,7 +45,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
 use crate::offpolicy::{OffPolicyAlgorithm, RoundSchedule};
-use crate::Progress;
+use crate::progress::Progress;
 
 /// The checkpoint file of [`SacState`].
 const STATE_FILE: &str = "sac.json";

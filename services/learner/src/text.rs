@@ -67,7 +67,7 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::{self, CheckpointError};
 use crate::evaluated::RunEvents;
 use crate::examples::games_to_examples;
-use crate::{Metrics, Progress};
+use crate::progress::{Metrics, Progress};
 
 /// Name of the adapter this learner trains (the one env-runners seat).
 pub const ADAPTER_NAME: &str = relay_policy::text::LEARNING_ADAPTER;
@@ -484,7 +484,7 @@ pub(crate) async fn run(
         }
         tracing::info!(from = %dir.display(), resume = from.resume, version = state.progress.version, updates = state.progress.updates, "loaded checkpoint");
     }
-    crate::count_resume(&service, &start_from);
+    crate::progress::count_resume(&service, &start_from);
 
     let league = if cfg.league_enabled() {
         let redis = relay_kit::connect_redis_with(&cfg.connections, &shutdown)
@@ -624,7 +624,7 @@ pub(crate) async fn run(
     let started = Instant::now();
     let start_env_steps = state.progress.env_steps;
     let finish = loop {
-        if let Some(finish) = crate::should_finish(
+        if let Some(finish) = crate::progress::should_finish(
             &shutdown,
             state.progress.env_steps,
             budget,
@@ -656,7 +656,7 @@ pub(crate) async fn run(
                 Ok(reply) => {
                     dropped_stale += reply.dropped_stale;
                     if reply.games.is_empty() {
-                        crate::pause(&shutdown, Duration::from_millis(20)).await;
+                        crate::progress::pause(&shutdown, Duration::from_millis(20)).await;
                     }
                     for game in reply.games {
                         if !run_games.contains(&game.env_id) {
@@ -682,7 +682,7 @@ pub(crate) async fn run(
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "game sample failed; retrying");
-                    crate::pause(&shutdown, Duration::from_millis(50)).await;
+                    crate::progress::pause(&shutdown, Duration::from_millis(50)).await;
                 }
             }
             continue;
@@ -835,22 +835,22 @@ pub(crate) async fn run(
             .updates
             .is_multiple_of(cfg.rl.checkpoint_every)
         {
-            checkpoint(&state, &trainer, crate::LINKS_LAST, None);
+            checkpoint(&state, &trainer, crate::progress::LINKS_LAST, None);
         }
     };
 
     // Reports that arrived as training stopped, then the last checkpoint.
     checkpoint_evaluations(&mut events, &mut state, &trainer);
-    match crate::final_weights(&cfg, &events) {
+    match crate::publish::final_weights(&cfg, &events) {
         Some((version, files)) => checkpoint(
             &state,
             &trainer,
-            crate::LINKS_LAST_SOLVED,
+            crate::progress::LINKS_LAST_SOLVED,
             Some((version, &files)),
         ),
-        None => checkpoint(&state, &trainer, crate::LINKS_LAST, None),
+        None => checkpoint(&state, &trainer, crate::progress::LINKS_LAST, None),
     }
-    crate::finish_run(
+    crate::progress::finish_run(
         &service,
         &shutdown,
         micro,

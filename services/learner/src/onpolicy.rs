@@ -1,0 +1,530 @@
+//! The on-policy loop (PPO, A2C, REINFORCE): gather fresh fragments no
+//! older than the policy lag allows, update, publish, checkpoint (see the
+//! crate docs for the whole cycle, resume and normalisation).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use relay_config::{Algo, ExperimentConfig};
+use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
+use relay_nn::{ActorCritic, VecNormalize};
+use relay_proto::{
+    MetricValue, RolloutFragment, SampleReply, SampleRequest, WeightsUpdate, SCHEMA_VERSION,
+};
+
+use crate::evaluated::RunEvents;
+use crate::optimizer::Optimizer;
+use crate::progress::{
+    count_resume, finish_run, pause, should_finish, Metrics, Progress, LINKS_LAST,
+    LINKS_LAST_SOLVED,
+};
+use crate::publish::{final_weights, LatestWeights};
+use crate::rollout::UpdateError;
+use crate::{a2c, checkpoint, ppo, reinforce, rollout};
+
+/// A normalising run's intake of one fragment: merges its statistics delta
+/// into the run's statistics and, with `normalize.reward`, puts its scaled
+/// rewards in place of the raw ones (see the module docs). A fragment
+/// without what the run needs is refused, and nothing changes.
+pub fn normalisation_intake(
+    normalizer: &mut VecNormalize,
+    fragment: &mut RolloutFragment,
+) -> Result<(), relay_proto::Rejection> {
+    let invalid = |field: &'static str, detail: String| relay_proto::Rejection::Invalid {
+        kind: "RolloutFragment",
+        field,
+        detail,
+    };
+    let Some(stats) = &fragment.norm_delta else {
+        return Err(invalid(
+            "norm_delta",
+            format!(
+                "fragment from {} carries no normalisation statistics, but this run normalises (`normalize` section)",
+                fragment.runner_id
+            ),
+        ));
+    };
+    if normalizer.config.norm_reward && fragment.norm_rewards.is_none() {
+        return Err(invalid(
+            "norm_rewards",
+            format!(
+                "fragment from {} carries no scaled rewards, but this run has normalize.reward on",
+                fragment.runner_id
+            ),
+        ));
+    }
+    normalizer
+        .merge(&relay_policy::stats_delta(stats))
+        .map_err(|e| invalid("norm_delta", e.to_string()))?;
+    if normalizer.config.norm_reward {
+        fragment.rewards = fragment.norm_rewards.take().expect("checked above");
+    }
+    Ok(())
+}
+
+/// What the fragments taken since the last update hold.
+#[derive(Debug, Default, Clone, Copy)]
+struct Pending {
+    env_steps: u64,
+    vec_steps: u64,
+    episodes: u64,
+}
+
+impl Pending {
+    pub(crate) fn of(f: &RolloutFragment) -> Self {
+        Self {
+            env_steps: f.env_steps(),
+            vec_steps: f.num_steps as u64,
+            episodes: f.episodes_ended(),
+        }
+    }
+
+    pub(crate) fn add(&mut self, other: Self) {
+        self.env_steps += other.env_steps;
+        self.vec_steps += other.vec_steps;
+        self.episodes += other.episodes;
+    }
+}
+
+/// The run's algorithm (`run.algo`) with what it has gathered towards its
+/// next update: the seam between the shared loop of [`run`] and the
+/// algorithm modules.
+enum Algorithm {
+    /// [`ppo`]: fragments until `ppo.rollout_steps` env steps.
+    Ppo(Vec<RolloutFragment>),
+    /// [`a2c`]: fragments until `a2c.n_steps x env_runner.num_envs` env
+    /// steps (one fragment of an env-runner).
+    A2c(Vec<RolloutFragment>),
+    /// [`reinforce`]: whole episodes until `reinforce.batch_episodes`.
+    Reinforce(reinforce::Episodes),
+}
+
+/// What an update reports beside the loop's own counters.
+struct Updated {
+    /// The algorithm's metrics (losses, learning rate, ...).
+    metrics: Vec<MetricValue>,
+    /// Oldest policy version that acted in the data trained on.
+    oldest_version: u64,
+}
+
+impl Algorithm {
+    pub(crate) fn for_run(cfg: &ExperimentConfig, model: &ActorCritic) -> Self {
+        match cfg.run.algo {
+            Algo::A2c => Self::A2c(Vec::new()),
+            Algo::Reinforce => Self::Reinforce(reinforce::Episodes::new(
+                model.spec().obs_dim,
+                rollout::action_dim(model),
+            )),
+            Algo::Ppo | Algo::Dqn | Algo::Sac => Self::Ppo(Vec::new()),
+        }
+    }
+
+    /// Env steps to ask the replay buffer for, or none when ready to update.
+    pub(crate) fn wants(&self, cfg: &ExperimentConfig) -> Option<u64> {
+        let missing = |fragments: &[RolloutFragment], want: u64| {
+            let have: u64 = fragments.iter().map(RolloutFragment::env_steps).sum();
+            (have < want).then(|| want - have)
+        };
+        match self {
+            Self::Ppo(f) => missing(f, cfg.ppo.rollout_steps as u64),
+            Self::A2c(f) => missing(f, (cfg.a2c.n_steps * cfg.env_runner.num_envs) as u64),
+            Self::Reinforce(episodes) => (episodes.finished() < cfg.reinforce.batch_episodes)
+                .then_some(cfg.replay.capacity_steps),
+        }
+    }
+
+    /// Takes a fresh fragment of this run.
+    pub(crate) fn absorb(&mut self, fragment: RolloutFragment) -> Result<(), UpdateError> {
+        match self {
+            Self::Ppo(f) | Self::A2c(f) => {
+                f.push(fragment);
+                Ok(())
+            }
+            Self::Reinforce(episodes) => episodes.absorb(&fragment),
+        }
+    }
+
+    /// One update on what was gathered, which is used up whether or not it
+    /// succeeds. `progress` is `env_steps / budget`, for the schedules.
+    pub(crate) fn update(
+        &mut self,
+        cfg: &ExperimentConfig,
+        model: &ActorCritic,
+        optimizer: &mut Optimizer,
+        progress: f64,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Updated, UpdateError> {
+        match self {
+            Self::Ppo(f) => {
+                let fragments = std::mem::take(f);
+                let p = &cfg.ppo;
+                let rollout = rollout::prepare(model, &fragments, p.gamma, p.gae_lambda)?;
+                let stats = ppo::update(model, optimizer, &rollout, p, progress, rng)?;
+                Ok(Updated {
+                    metrics: stats.metrics(),
+                    oldest_version: rollout.oldest_version,
+                })
+            }
+            Self::A2c(f) => {
+                let fragments = std::mem::take(f);
+                let a = &cfg.a2c;
+                let rollout = rollout::prepare(model, &fragments, a.gamma, a.gae_lambda)?;
+                let stats = a2c::update(model, optimizer, &rollout, a, progress)?;
+                Ok(Updated {
+                    metrics: stats.metrics(),
+                    oldest_version: rollout.oldest_version,
+                })
+            }
+            Self::Reinforce(episodes) => {
+                let batch = episodes.take_finished();
+                let stats = reinforce::update(model, optimizer, &batch, &cfg.reinforce, progress)?;
+                Ok(Updated {
+                    metrics: stats.metrics(),
+                    oldest_version: stats.oldest_version,
+                })
+            }
+        }
+    }
+
+    /// After an update: data acted by versions below `min_version` is no
+    /// longer trained on (PPO and A2C hold none between updates).
+    pub(crate) fn forget_older_than(&mut self, min_version: u64) {
+        if let Self::Reinforce(episodes) = self {
+            episodes.prune(min_version);
+        }
+    }
+}
+
+/// Trains a PPO, A2C or REINFORCE run until shutdown.
+pub(crate) async fn run(
+    service: Service,
+    shutdown: Shutdown,
+    metrics: Metrics,
+) -> Result<(), ServiceError> {
+    let cfg = service.config.clone();
+    let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
+    let mut model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed)
+        .map_err(ServiceError::other)?;
+    let mut optimizer = Optimizer::for_run(&cfg, model.vars()).map_err(ServiceError::other)?;
+    // The run's normalisation statistics (`normalize` section), merged from
+    // the env-runners' deltas; never used to normalise here.
+    let mut normalizer = match cfg.normalizer() {
+        Some(norm) => Some(
+            VecNormalize::new(norm, spec.obs_dim, 0)
+                .map_err(|e| ServiceError::other(format!("normalize: {e}")))?,
+        ),
+        None => None,
+    };
+    let mut algorithm = Algorithm::for_run(&cfg, &model);
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.run.seed.wrapping_add(0x5eed));
+    let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
+    let mut progress = Progress::default();
+    let mut best_eval: Option<(f64, u64)> = None;
+    // The oldest version whose rollouts belong to this learner's timeline.
+    let mut version_floor = 0u64;
+    let mut resumed_at_vec_steps = 0u64;
+    let start_from = checkpoint::StartFrom::of(&cfg);
+    if let Some(from) = &start_from {
+        let dir = &from.dir;
+        model
+            .load(dir.join("model.safetensors"))
+            .map_err(|e| from.error(e))?;
+        if !cfg.run.reset_optimizer {
+            optimizer
+                .load(dir.join("optimizer.safetensors"))
+                .map_err(|e| from.error(e))?;
+        }
+        if let Some(n) = normalizer.as_mut() {
+            // A resumed run must find its statistics; a new run started
+            // from another run's weights takes them when they are there.
+            if from.resume || dir.join(checkpoint::VEC_NORMALIZE_FILE).is_file() {
+                checkpoint::load_normalizer(dir, n).map_err(|e| from.error(e))?;
+            }
+        }
+        if from.resume {
+            checkpoint::Restored {
+                progress,
+                rng,
+                best_eval,
+            } = checkpoint::restore(dir, &run_dir, rng).map_err(|e| from.error(e))?;
+            resumed_at_vec_steps = progress.vec_steps;
+            version_floor = progress.version;
+        }
+        tracing::info!(from = %dir.display(), resume = from.resume, version = progress.version, updates = progress.updates, env_steps = progress.env_steps, vec_steps = progress.vec_steps, "loaded checkpoint");
+    }
+    count_resume(&service, &start_from);
+
+    let micro = service.micro().await?;
+    let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
+    let weights = |model: &ActorCritic, normalizer: Option<&VecNormalize>, progress: &Progress| {
+        let mut update = relay_policy::to_weights(model, progress.version, progress.env_steps);
+        update.normalizer = normalizer.map(relay_policy::norm_stats);
+        update
+    };
+    let mut events: RunEvents<WeightsUpdate> = RunEvents::subscribe(&service, best_eval).await?;
+    let mut first = weights(&model, normalizer.as_ref(), &progress);
+    latest.publish(&service, &mut first).await;
+    events.record(first.version, first);
+    metrics.version.set(progress.version as i64);
+    service.health.set_ready(true);
+    tracing::info!(env_id = %cfg.run.env_id, algo = %cfg.run.algo, params = model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
+
+    let budget = cfg.run.total_env_steps;
+    let lag = relay_proto::PolicyLag {
+        max_lag: cfg.replay.max_policy_lag,
+        floor: version_floor,
+    };
+    // What the fragments taken since the last update hold.
+    let mut pending = Pending::default();
+    let (mut dropped_stale, mut reported_stale) = (0u64, 0u64);
+    let started = Instant::now();
+    let start_env_steps = progress.env_steps;
+    let finish = loop {
+        if let Some(finish) = should_finish(
+            &shutdown,
+            progress.env_steps,
+            budget,
+            &events.solved,
+            cfg.run.stop_when_solved,
+        ) {
+            break finish;
+        }
+        // Take announcements (solved), evaluation starts and reports
+        // without waiting; checkpoint each new best and the solving version.
+        checkpoint_evaluations(
+            &mut events,
+            &service,
+            &run_dir,
+            (&model, &optimizer, normalizer.as_ref()),
+            &cfg,
+            &progress,
+            &rng,
+        );
+
+        // Gather what the algorithm needs.
+        if let Some(max_steps) = algorithm.wants(&cfg) {
+            let ask = SampleRequest {
+                schema: SCHEMA_VERSION,
+                min_policy_version: lag.oldest_fresh(progress.version),
+                max_steps: max_steps.min(u32::MAX as u64) as u32,
+            };
+            match relay_kit::request::<_, SampleReply>(
+                &service.nats,
+                &service.subjects.replay_sample(),
+                &ask,
+                service.request_timeout(),
+            )
+            .await
+            {
+                Ok(reply) => {
+                    dropped_stale += reply.dropped_stale;
+                    if reply.fragments.is_empty() {
+                        pause(&shutdown, Duration::from_millis(1)).await;
+                    }
+                    for mut f in reply.fragments {
+                        if f.env_id != cfg.run.env_id {
+                            let detail = format!(
+                                "fragment from {} is for {}, this run trains {}",
+                                f.runner_id, f.env_id, cfg.run.env_id
+                            );
+                            service.intake.reject(
+                                "replay.sample",
+                                &relay_proto::Rejection::Invalid {
+                                    kind: "RolloutFragment",
+                                    field: "env_id",
+                                    detail,
+                                },
+                            );
+                            continue;
+                        }
+                        if let Some(n) = normalizer.as_mut() {
+                            if let Err(rejection) = normalisation_intake(n, &mut f) {
+                                service.intake.reject("replay.sample", &rejection);
+                                continue;
+                            }
+                        }
+                        // The buffer only drops what is older than we asked; a
+                        // fragment that became stale while we gathered goes too.
+                        if relay_proto::is_stale(
+                            f.policy_version,
+                            lag.oldest_fresh(progress.version),
+                        ) {
+                            dropped_stale += 1;
+                            continue;
+                        }
+                        metrics
+                            .policy_lag
+                            .observe(progress.version.saturating_sub(f.policy_version) as f64);
+                        let taken = Pending::of(&f);
+                        match algorithm.absorb(f) {
+                            Ok(()) => pending.add(taken),
+                            Err(e) => tracing::error!(error = %e, "fragment dropped"),
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "sample failed; retrying");
+                    pause(&shutdown, Duration::from_millis(50)).await;
+                }
+            }
+            continue;
+        }
+
+        // Update.
+        let update_started = Instant::now();
+        let frac = progress.env_steps as f64 / budget as f64;
+        let result = tokio::task::block_in_place(|| {
+            algorithm.update(&cfg, &model, &mut optimizer, frac, &mut rng)
+        });
+        let taken = std::mem::take(&mut pending);
+        let updated = match result {
+            Ok(u) => u,
+            Err(e) => {
+                // Bad data must not stop training: drop this rollout and go on.
+                tracing::error!(error = %e, "update failed; rollout dropped");
+                continue;
+            }
+        };
+        progress.updates += 1;
+        progress.version += 1;
+        progress.env_steps += taken.env_steps;
+        progress.vec_steps += taken.vec_steps;
+        progress.episodes += taken.episodes;
+        algorithm.forget_older_than(lag.oldest_fresh(progress.version));
+        let mut update = weights(&model, normalizer.as_ref(), &progress);
+        latest.publish(&service, &mut update).await;
+        events.record(update.version, update);
+        metrics.version.set(progress.version as i64);
+        let seconds = update_started.elapsed().as_secs_f64();
+        metrics.update_seconds.observe(seconds);
+        let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
+            / started.elapsed().as_secs_f64().max(1e-3);
+        let mut values = progress.report_gauges(budget, sps, resumed_at_vec_steps);
+        values.extend([
+            gauge("learner_rollout_vec_steps", taken.vec_steps as f64),
+            gauge("learner_last_update_seconds", seconds),
+            gauge(
+                "learner_policy_lag_max",
+                progress.version.saturating_sub(updated.oldest_version + 1) as f64,
+            ),
+            counter(
+                "learner_dropped_stale_fragments_total",
+                (dropped_stale - reported_stale) as f64,
+            ),
+        ]);
+        values.extend(updated.metrics);
+        service.report(Some(progress.vec_steps), values).await;
+        reported_stale = dropped_stale;
+        if progress.updates % cfg.checkpoint_every() == 0 {
+            let state = checkpoint::CheckpointState::of(&progress, &rng, events.best_eval);
+            save_checkpoint(
+                &run_dir,
+                &model,
+                &optimizer,
+                normalizer.as_ref(),
+                &state,
+                &cfg,
+                LINKS_LAST,
+                None,
+            );
+        }
+    };
+
+    // Reports that arrived as training stopped.
+    checkpoint_evaluations(
+        &mut events,
+        &service,
+        &run_dir,
+        (&model, &optimizer, normalizer.as_ref()),
+        &cfg,
+        &progress,
+        &rng,
+    );
+    let state = checkpoint::CheckpointState::of(&progress, &rng, events.best_eval);
+    let (state, links, evaluated) = match final_weights(&cfg, &events) {
+        Some((version, weights)) => (state.holding(version), LINKS_LAST_SOLVED, Some(weights)),
+        None => (state, LINKS_LAST, None),
+    };
+    save_checkpoint(
+        &run_dir,
+        &model,
+        &optimizer,
+        normalizer.as_ref(),
+        &state,
+        &cfg,
+        links,
+        evaluated.as_deref(),
+    );
+    finish_run(
+        &service,
+        &shutdown,
+        micro,
+        &finish,
+        format!("{budget} env steps"),
+        progress.version,
+        progress.env_steps,
+        || {
+            checkpoint_evaluations(
+                &mut events,
+                &service,
+                &run_dir,
+                (&model, &optimizer, normalizer.as_ref()),
+                &cfg,
+                &progress,
+                &rng,
+            )
+        },
+    )
+    .await;
+    Ok(())
+}
+
+/// Takes the run's events without waiting and writes the checkpoints of
+/// evaluated weights they ask for (best, solved), with the rest of the
+/// learner's state as it is now.
+fn checkpoint_evaluations(
+    events: &mut RunEvents<WeightsUpdate>,
+    service: &Service,
+    run_dir: &Path,
+    (model, optimizer, normalizer): (&ActorCritic, &Optimizer, Option<&VecNormalize>),
+    cfg: &ExperimentConfig,
+    progress: &Progress,
+    rng: &ChaCha8Rng,
+) {
+    for save in events.poll(service) {
+        let state =
+            checkpoint::CheckpointState::of(progress, rng, events.best_eval).holding(save.version);
+        save_checkpoint(
+            run_dir,
+            model,
+            optimizer,
+            normalizer,
+            &state,
+            cfg,
+            &save.links,
+            Some(&save.weights),
+        );
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn save_checkpoint(
+    run_dir: &Path,
+    model: &ActorCritic,
+    optimizer: &Optimizer,
+    normalizer: Option<&VecNormalize>,
+    state: &checkpoint::CheckpointState,
+    cfg: &ExperimentConfig,
+    links: &[&str],
+    evaluated: Option<&WeightsUpdate>,
+) {
+    checkpoint::log_written(
+        checkpoint::save(
+            run_dir, model, optimizer, normalizer, state, cfg, links, evaluated,
+        ),
+        state.weights_version.unwrap_or(state.progress.version),
+        links,
+    );
+}
