@@ -48,9 +48,9 @@ impl Player {
         seed: u64,
     ) -> Result<Self> {
         // Loaded as the inference server loads `llm.model`, dequantized (the fastest on a CPU).
-        let relay_inference_server::llm::LoadedModel {
+        let relay_llm::LoadedModel {
             model, tokenizer, ..
-        } = relay_inference_server::llm::load_model(model, GgufBaseName::Dequantized)?;
+        } = relay_llm::load_model(model, GgufBaseName::Dequantized)?;
         let adapter = adapter
             .map(|dir| {
                 LoraAdapter::load_peft(dir, model.config())

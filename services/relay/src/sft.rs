@@ -389,8 +389,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
         let tokenizer = Tokenizer::from_hf_dir(&dir)?;
         (model, tokenizer, Some(varmap))
     } else {
-        let loaded =
-            relay_inference_server::llm::load_model(&args.model, GgufBaseName::Dequantized)?;
+        let loaded = relay_llm::load_model(&args.model, GgufBaseName::Dequantized)?;
         (loaded.model.to_backend(backend)?, loaded.tokenizer, None)
     };
     let adapter = match &varmap {

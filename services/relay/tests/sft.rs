@@ -124,7 +124,7 @@ fn sft_trains_an_adapter_from_bot_games_then_a_whole_model_from_jsonl() {
         String::from_utf8_lossy(&output.stderr)
     );
     assert_eq!(summary(&full)["trained"], "model");
-    let loaded = relay_inference_server::llm::load_model(
+    let loaded = relay_llm::load_model(
         full.join("model").to_str().unwrap(),
         relay_config::GgufBaseName::Dequantized,
     )

@@ -149,7 +149,9 @@ pub use generate::{
 };
 pub use gguf::GgufBase;
 pub use init::{TinyShape, TinyVocab};
-pub use load::{load_causal_lm, load_tokenizer, resolve_model_path, LoadError};
+pub use load::{
+    load_causal_lm, load_model, load_tokenizer, resolve_model_path, LoadError, LoadedModel,
+};
 pub use lora::{LoraAdapter, LoraConfig, LoraTarget, LoraWeights};
 pub use model::{token_log_probs, BatchItem, CausalLm, LogitsWanted};
 pub use model_error::ModelError;

@@ -5,6 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
+use relay_config::GgufBaseName;
+
 use crate::{find_smollm2_gguf, CausalLm, FindGgufError, GgufBase, Tokenizer};
 
 /// Why a model spec could not be loaded.
@@ -60,5 +62,34 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, LoadError> {
     result.map_err(|e| LoadError::Load {
         path: path.to_path_buf(),
         detail: e.to_string(),
+    })
+}
+
+/// A loaded base model and its tokenizer.
+pub struct LoadedModel {
+    pub model: CausalLm,
+    pub tokenizer: Tokenizer,
+    /// What `llm.model` resolved to.
+    pub path: PathBuf,
+}
+
+impl From<GgufBaseName> for GgufBase {
+    fn from(name: GgufBaseName) -> Self {
+        match name {
+            GgufBaseName::Quantized => GgufBase::Quantized,
+            GgufBaseName::Dequantized => GgufBase::Dequantized,
+        }
+    }
+}
+
+/// Loads `llm.model` (`smollm2`, a `.gguf` file, or a Hugging Face folder)
+/// with its tokenizer, as every process does.
+pub fn load_model(model: &str, gguf_base: GgufBaseName) -> Result<LoadedModel, LoadError> {
+    let (model, path) = load_causal_lm(model, gguf_base.into())?;
+    let tokenizer = load_tokenizer(&path)?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        path,
     })
 }

@@ -15,45 +15,19 @@ pub(crate) mod adapters;
 pub(crate) mod engine;
 pub(crate) mod metrics;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
-use relay_config::GgufBaseName;
 use relay_kit::{Service, ServiceError};
-use relay_llm::{CausalLm, GgufBase, TokenSequences, Tokenizer};
+use relay_llm::{TokenSequences, Tokenizer};
 use relay_proto::{AdapterUpdate, GenerateRequest, Prompt, Rejection};
 
 use adapters::AdapterStore;
 use engine::{Engine, Job, JobError};
 use metrics::LlmMetrics;
 
-/// A loaded base model and its tokenizer.
-pub struct LoadedModel {
-    pub model: CausalLm,
-    pub tokenizer: Tokenizer,
-    /// What `llm.model` resolved to.
-    pub path: PathBuf,
-}
-
-pub use relay_llm::LoadError;
-
-/// Loads `llm.model` (`smollm2`, a `.gguf` file, or a Hugging Face folder)
-/// with its tokenizer, as every process does ([`relay_llm::load`]).
-pub fn load_model(model: &str, gguf_base: GgufBaseName) -> Result<LoadedModel, LoadError> {
-    let base = match gguf_base {
-        GgufBaseName::Quantized => GgufBase::Quantized,
-        GgufBaseName::Dequantized => GgufBase::Dequantized,
-    };
-    let (model, path) = relay_llm::load_causal_lm(model, base)?;
-    let tokenizer = relay_llm::load_tokenizer(&path)?;
-    Ok(LoadedModel {
-        model,
-        tokenizer,
-        path,
-    })
-}
+pub use relay_llm::{load_model, LoadError, LoadedModel};
 
 fn service_error(code: usize, status: impl Into<String>) -> async_nats::service::error::Error {
     async_nats::service::error::Error {
