@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use relay_tracker::registry::{RunRecord, RunRegistry};
+use relay_runs::registry::{RunRecord, RunRegistry};
 
 /// The run id argument that names the newest run of the registry.
 pub const LAST: &str = "@last";
@@ -119,7 +119,7 @@ pub fn runs(args: RunsArgs) -> Result<()> {
 /// `<runs_dir>/<id>/plots/` and prints their paths.
 pub fn plot(args: PlotArgs) -> Result<()> {
     let (id, dir) = resolve_run_dir(&args.runs_dir, &args.run)?;
-    let paths = relay_tracker::plots::draw_run(&dir).with_context(|| format!("run {id}"))?;
+    let paths = relay_runs::plots::draw_run(&dir).with_context(|| format!("run {id}"))?;
     println!("run {id}:");
     for path in paths {
         println!("  {}", path.display());

@@ -13,20 +13,18 @@
 //!   when a resumed learner rewinds the step axis, the lines of the
 //!   abandoned timeline are purged from both ([`timeline`]);
 //! - `plots/*.png`: learning curves, drawn when the learner finishes, after
-//!   each later evaluation and at shutdown ([`plots`]);
+//!   each later evaluation and at shutdown ([`relay_runs::plots`]);
 //! - `episodes.jsonl`, `eval.jsonl`: every finished training episode batch and eval;
 //! - `status.json`: the run's status (never down from solved) and the last update;
 //! - `logs/<service>.log`: every service's log lines.
 //!
 //! The learner writes `checkpoints/` into the same directory.
-//! Each run is also recorded in `<runs_dir>/runs.json` ([`registry`]), and
+//! Each run is also recorded in `<runs_dir>/runs.json` ([`relay_runs::registry`]), and
 //! the league's ratings, when the run has a pool, are exported ([`league`]).
 
 pub mod alerts;
 pub mod csv;
 pub mod league;
-pub mod plots;
-pub mod registry;
 pub mod timeline;
 
 use std::collections::{BTreeMap, HashMap};
@@ -99,7 +97,7 @@ impl RunDir {
     /// update just received.
     fn write_status(
         &self,
-        run: &registry::RunRecord,
+        run: &relay_runs::registry::RunRecord,
         update: &RunStatusUpdate,
     ) -> std::io::Result<()> {
         let tmp = self.root.join("status.json.tmp");
@@ -466,7 +464,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let cfg = service.config.clone();
     let run_id = cfg.run_id()?.to_string();
     let mut dir = RunDir::open(cfg.run.runs_dir.join(&run_id), &cfg.to_yaml())?;
-    let mut run_record = registry::RunRecorder::start(&cfg, &run_id);
+    let mut run_record = relay_runs::registry::RunRecorder::start(&cfg, &run_id);
     tokio::spawn(league::follow(
         service.config.clone(),
         service.registry.clone(),
@@ -588,14 +586,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 tracing::error!(error = %e, "writing the run directory failed");
             }
             let root = dir.root.clone();
-            let _ = tokio::task::spawn_blocking(move || plots::draw_run_logged(&root)).await;
+            let _ = tokio::task::spawn_blocking(move || relay_runs::plots::draw_run_logged(&root)).await;
         }
     }
     write_train_return(&mut dir, &service.instance, train_return, write_metrics)?;
     alerts.flush().and_then(|()| dir.flush())?;
     run_record.finish();
     let root = dir.root.clone();
-    let _ = tokio::task::spawn_blocking(move || plots::draw_run_logged(&root)).await;
+    let _ = tokio::task::spawn_blocking(move || relay_runs::plots::draw_run_logged(&root)).await;
     service.health.set_ready(false);
     Ok(())
 }

@@ -13,7 +13,7 @@ use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::*;
 use relay_testkit::{free_port, http_get, NatsServer, TempDir};
 use relay_tracker::csv::{split_line, HEADER};
-use relay_tracker::registry::RunRegistry;
+use relay_runs::registry::RunRegistry;
 
 const RUN: &str = "tracker-files";
 

@@ -1,0 +1,9 @@
+//! What runs leave on disk, shared by the tracker (which writes it) and the
+//! command line (which reads it, and redraws plots):
+//!
+//! - [`registry`]: `runs/runs.json`, one record per run, safe to share
+//!   between threads and processes.
+//! - [`plots`]: a run directory's PNG plots, drawn from its CSV files.
+
+pub mod plots;
+pub mod registry;
