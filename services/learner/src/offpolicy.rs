@@ -307,7 +307,8 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
-        let mut values = progress.report_gauges(budget, sps, resumed_at_vec_steps);
+        let mut values =
+            crate::progress::report_gauges(&progress, budget, sps, resumed_at_vec_steps);
         values.extend([
             gauge(
                 "learner_rollout_vec_steps",

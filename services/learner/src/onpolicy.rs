@@ -240,7 +240,7 @@ pub(crate) async fn run(
             // A resumed run must find its statistics; a new run started
             // from another run's weights takes them when they are there.
             if from.resume || dir.join(checkpoint::VEC_NORMALIZE_FILE).is_file() {
-                checkpoint::load_normalizer(dir, n).map_err(|e| from.error(e))?;
+                relay_policy::load_normalizer(dir, n).map_err(|e| from.error(e))?;
             }
         }
         if from.resume {
@@ -401,7 +401,8 @@ pub(crate) async fn run(
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
-        let mut values = progress.report_gauges(budget, sps, resumed_at_vec_steps);
+        let mut values =
+            crate::progress::report_gauges(&progress, budget, sps, resumed_at_vec_steps);
         values.extend([
             gauge("learner_rollout_vec_steps", taken.vec_steps as f64),
             gauge("learner_last_update_seconds", seconds),

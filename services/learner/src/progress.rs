@@ -10,48 +10,34 @@ use relay_kit::{gauge, Service, Shutdown};
 use relay_proto::{RunStatus, RunStatusUpdate, SCHEMA_VERSION};
 
 use crate::checkpoint;
+pub use relay_runs::checkpoint::Progress;
 
-/// Counters that a checkpoint carries.
-#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
-pub struct Progress {
-    pub version: u64,
-    pub updates: u64,
-    pub env_steps: u64,
-    pub vec_steps: u64,
-    /// Training episodes that ended in the rollouts trained on (0 in
-    /// checkpoints written before it was counted).
-    #[serde(default)]
-    pub episodes: u64,
-}
-
-impl Progress {
-    /// The progress gauges every learner reports after an update: counters,
-    /// the version, the fraction of the `budget` (env steps) spent, SPS and
-    /// the ETA at that rate.
-    pub fn report_gauges(
-        &self,
-        budget: u64,
-        sps: f64,
-        resumed_at_vec_steps: u64,
-    ) -> Vec<relay_proto::MetricValue> {
-        vec![
-            gauge("learner_updates", self.updates as f64),
-            gauge("learner_policy_version", self.version as f64),
-            gauge("learner_env_steps", self.env_steps as f64),
-            gauge("learner_vec_steps", self.vec_steps as f64),
-            gauge("learner_episodes", self.episodes as f64),
-            gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
-            gauge(
-                "learner_progress",
-                (self.env_steps as f64 / budget as f64).min(1.0),
-            ),
-            gauge("learner_sps", sps),
-            gauge(
-                "learner_eta_seconds",
-                budget.saturating_sub(self.env_steps) as f64 / sps.max(1e-9),
-            ),
-        ]
-    }
+/// The progress gauges every learner reports after an update: counters,
+/// the version, the fraction of the `budget` (env steps) spent, SPS and
+/// the ETA at that rate.
+pub(crate) fn report_gauges(
+    progress: &Progress,
+    budget: u64,
+    sps: f64,
+    resumed_at_vec_steps: u64,
+) -> Vec<relay_proto::MetricValue> {
+    vec![
+        gauge("learner_updates", progress.updates as f64),
+        gauge("learner_policy_version", progress.version as f64),
+        gauge("learner_env_steps", progress.env_steps as f64),
+        gauge("learner_vec_steps", progress.vec_steps as f64),
+        gauge("learner_episodes", progress.episodes as f64),
+        gauge("learner_resumed_at_vec_steps", resumed_at_vec_steps as f64),
+        gauge(
+            "learner_progress",
+            (progress.env_steps as f64 / budget as f64).min(1.0),
+        ),
+        gauge("learner_sps", sps),
+        gauge(
+            "learner_eta_seconds",
+            budget.saturating_sub(progress.env_steps) as f64 / sps.max(1e-9),
+        ),
+    ]
 }
 
 /// Why training stopped.

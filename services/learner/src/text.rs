@@ -73,7 +73,7 @@ use crate::progress::{Metrics, Progress};
 pub const ADAPTER_NAME: &str = relay_policy::text::LEARNING_ADAPTER;
 
 /// Folder of the PEFT adapter inside a checkpoint.
-pub const ADAPTER_DIR: &str = "adapter";
+pub use relay_runs::checkpoint::ADAPTER_DIR;
 
 /// Everything of a text learner's state that is not a tensor (`state.json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -754,8 +754,7 @@ pub(crate) async fn run(
         service
             .report(
                 Some(progress.vec_steps),
-                progress
-                    .report_gauges(budget, sps, resumed_at_vec_steps)
+                crate::progress::report_gauges(progress, budget, sps, resumed_at_vec_steps)
                     .into_iter()
                     .chain([
                         gauge("learner_adapter_version", progress.version as f64),

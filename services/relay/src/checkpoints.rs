@@ -1,6 +1,6 @@
 //! `relay checkpoints ls|pin <run>`: a run's checkpoints
 //! (`runs/<id>/checkpoints/<n>/`, written by the learner; see
-//! `relay_learner::checkpoint` for their contents and the keep policy), and
+//! `relay_runs::checkpoint` for their contents and the keep policy), and
 //! [`resolve`], which `relay up --resume/--init-from`, `relay play` and
 //! `relay eval checkpoint` use to turn `<run|@last>` and `best|last|solved|N`
 //! into a checkpoint folder.
@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use relay_learner::checkpoint;
+use relay_runs::checkpoint;
 
 /// The default runs folder (`run.runs_dir` of the configs).
 const DEFAULT_RUNS_DIR: &str = "runs";

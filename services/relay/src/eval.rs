@@ -149,7 +149,7 @@ fn evaluate_classic_checkpoint(
     if episodes == 0 {
         bail!("--episodes must be at least 1");
     }
-    let state = relay_learner::checkpoint::load_state(dir)?;
+    let state = relay_runs::checkpoint::load_state(dir)?;
     let (model, normalizer) = crate::play::load_policy(config, dir)?;
     let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
     let envs = relay_bridge::VecEnvs::new(&config.run.env_id, &config.env, episodes, seed)?;
@@ -214,8 +214,8 @@ pub fn evaluate_text_checkpoint(
         .model
         .clone()
         .context("the run's config names no llm.model")?;
-    let state = relay_learner::text::load_state(dir)?;
-    let adapter = dir.join(relay_learner::text::ADAPTER_DIR);
+    let state = relay_runs::checkpoint::load_state(dir)?;
+    let adapter = dir.join(relay_runs::checkpoint::ADAPTER_DIR);
     let mut player = crate::play_text::Player::new(
         &model,
         Some(&adapter),

@@ -177,7 +177,7 @@ pub fn load_policy(
         Some(norm) => {
             let obs_dim = config.env_spec()?.obs_dim();
             let mut n = relay_nn::VecNormalize::new(norm, obs_dim, 0)?;
-            relay_learner::checkpoint::load_normalizer(dir, &mut n)?;
+            relay_policy::load_normalizer(dir, &mut n)?;
             n.set_training(false);
             Some(n)
         }

@@ -7,8 +7,8 @@ use std::process::{Command, Output};
 
 use relay::runs::{resolve_run_dir, resolve_run_id};
 use relay_proto::RunStatus;
-use relay_testkit::TempDir;
 use relay_runs::registry::{RunRecord, RunRegistry};
+use relay_testkit::TempDir;
 use serde_json::json;
 
 fn relay(args: &[&str], runs: &Path) -> Output {

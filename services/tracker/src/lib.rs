@@ -586,7 +586,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 tracing::error!(error = %e, "writing the run directory failed");
             }
             let root = dir.root.clone();
-            let _ = tokio::task::spawn_blocking(move || relay_runs::plots::draw_run_logged(&root)).await;
+            let _ = tokio::task::spawn_blocking(move || relay_runs::plots::draw_run_logged(&root))
+                .await;
         }
     }
     write_train_return(&mut dir, &service.instance, train_return, write_metrics)?;

@@ -11,9 +11,9 @@ use std::time::Duration;
 use relay_config::ExperimentConfig;
 use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::*;
+use relay_runs::registry::RunRegistry;
 use relay_testkit::{free_port, http_get, NatsServer, TempDir};
 use relay_tracker::csv::{split_line, HEADER};
-use relay_runs::registry::RunRegistry;
 
 const RUN: &str = "tracker-files";
 

@@ -757,6 +757,23 @@ impl AdapterFollower {
     }
 }
 
+/// Restores `normalizer`'s statistics from checkpoint folder `dir`.
+pub fn load_normalizer(
+    dir: &std::path::Path,
+    normalizer: &mut VecNormalize,
+) -> Result<(), relay_runs::checkpoint::CheckpointError> {
+    let path = dir.join(relay_runs::checkpoint::VEC_NORMALIZE_FILE);
+    if !path.is_file() {
+        return Err(relay_runs::checkpoint::CheckpointError::State {
+            path,
+            detail: "missing: the run normalises (`normalize` section) but this checkpoint holds no statistics".into(),
+        });
+    }
+    normalizer
+        .load(&path)
+        .map_err(|e| relay_runs::checkpoint::CheckpointError::Tensors(e.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,10 @@
 //!
 //! - [`registry`]: `runs/runs.json`, one record per run, safe to share
 //!   between threads and processes.
+//! - [`checkpoint`]: the checkpoint folders of a run: their layout, numbers,
+//!   links, pins and pruning, and the state a checkpoint carries.
 //! - [`plots`]: a run directory's PNG plots, drawn from its CSV files.
 
+pub mod checkpoint;
 pub mod plots;
 pub mod registry;

@@ -4,8 +4,8 @@
 use std::io::Write;
 use std::path::Path;
 
-use relay_testkit::TempDir;
 use relay_runs::plots::{draw_run, Curves};
+use relay_testkit::TempDir;
 use serde_json::json;
 
 /// Writes a plausible run: 2 env-runner copies (8 envs each), a learner

@@ -6,8 +6,8 @@ use std::process::{Command, Stdio};
 
 use relay_config::ExperimentConfig;
 use relay_proto::{RunStatus, RunStatusUpdate, SCHEMA_VERSION};
-use relay_testkit::TempDir;
 use relay_runs::registry::{RegistryError, RunRecord, RunRecorder, RunRegistry};
+use relay_testkit::TempDir;
 
 const CHILD_DIR: &str = "RELAY_REGISTRY_TEST_CHILD_DIR";
 const CHILD_TAG: &str = "RELAY_REGISTRY_TEST_CHILD_TAG";
