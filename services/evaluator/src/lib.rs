@@ -51,15 +51,12 @@
 //! 5 s unless a newer version arrives. The report's `matchups` hold the
 //! results per opponent and seat.
 
-pub mod plugins;
-
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use futures::StreamExt;
 use prometheus::{Gauge, GaugeVec, IntCounter, Opts};
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
-use relay_nn::ActorCritic;
 use relay_policy::text::{NatsGenerate, LEARNING_ADAPTER};
 use relay_policy::{AdapterFollower, AdapterVersion, PolicyFollower};
 use relay_proto::{
@@ -68,37 +65,7 @@ use relay_proto::{
 };
 
 use plugins::{EvalContext, EvalOutcome, Evaluator, TextEvalContext};
-
-/// Plays one episode per sub-env with the policy's deterministic actions,
-/// on raw observations (no normalisation); returns each episode's return
-/// (the `greedy` plugin without statistics). `env_id` is made as the
-/// default `env` section makes it.
-pub fn evaluate(
-    model: &ActorCritic,
-    env_id: &str,
-    episodes: usize,
-    seed: u64,
-) -> Result<Vec<f64>, String> {
-    Ok(plugins::play(
-        model,
-        None,
-        relay_bridge::VecEnvs::new(env_id, &Default::default(), episodes, seed)
-            .map_err(|e| e.to_string())?,
-        seed,
-        true,
-        false,
-    )?
-    .into_iter()
-    .map(|e| e.ret)
-    .collect())
-}
-
-/// Mean and population standard deviation, as every eval report gives them.
-pub fn mean_std(values: &[f64]) -> (f64, f64) {
-    let mean = values.iter().sum::<f64>() / values.len() as f64;
-    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / values.len() as f64;
-    (mean, var.sqrt())
-}
+pub use relay_eval::{evaluate, mean_std, plugins};
 
 /// Runs the evaluator until shutdown.
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {

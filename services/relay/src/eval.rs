@@ -154,12 +154,12 @@ fn evaluate_classic_checkpoint(
     let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
     let envs = relay_bridge::VecEnvs::new(&config.run.env_id, &config.env, episodes, seed)?;
     let returns: Vec<f64> =
-        relay_evaluator::plugins::play(&model, normalizer.as_ref(), envs, seed, true, false)
+        relay_eval::plugins::play(&model, normalizer.as_ref(), envs, seed, true, false)
             .map_err(anyhow::Error::msg)?
             .into_iter()
             .map(|e| e.ret)
             .collect();
-    let (mean, std) = relay_evaluator::mean_std(&returns);
+    let (mean, std) = relay_eval::mean_std(&returns);
     let threshold = config.solved_threshold();
     Ok(CheckpointEval {
         run_id,
@@ -283,7 +283,7 @@ pub fn evaluate_text_checkpoint(
         };
         matchups.push(m);
     }
-    let (mean, std) = relay_evaluator::mean_std(&rewards);
+    let (mean, std) = relay_eval::mean_std(&rewards);
     Ok(serde_json::json!({
         "run_id": run_id,
         "checkpoint": dir.file_name().map(|n| n.to_string_lossy().into_owned()),
@@ -367,7 +367,7 @@ pub fn eval(args: EvalArgs) -> Result<()> {
     };
     let options = parse_options(&options)?;
     // Refuse here what every evaluator would refuse.
-    relay_evaluator::plugins::build(&name, &options).map_err(anyhow::Error::msg)?;
+    relay_eval::plugins::build(&name, &options).map_err(anyhow::Error::msg)?;
     let record = || -> Result<crate::stack::StackRecord> {
         let path = state_dir.join("stack.json");
         let text = std::fs::read_to_string(&path)

@@ -246,7 +246,7 @@ pub fn play(args: PlayArgs) -> Result<()> {
     println!("relay: {id} checkpoint {} on {env_id}", dir.display());
     let envs = relay_bridge::VecEnvs::new(&env_id, &config.env, args.episodes.max(1), args.seed)?;
     let episodes =
-        relay_evaluator::plugins::play(&model, normalizer.as_ref(), envs, args.seed, true, true)
+        relay_eval::plugins::play(&model, normalizer.as_ref(), envs, args.seed, true, true)
             .map_err(anyhow::Error::msg)?;
     for (i, e) in episodes.iter().enumerate() {
         println!("episode {i}");
