@@ -28,7 +28,7 @@ build-cuda: install
 
 # SmolLM2-135M generation tokens/s at B = 1, 8, 32, 64 on the CPU engine, the candle backend on the CPU and, with an NVIDIA GPU (the `cuda` build), on cuda:0 in bf16; LoRA training tokens/s and adapter load time: table + JSON line. Without a GPU it says so and measures the CPU backends.
 bench-gpu *ARGS: install
-    if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay bench-gpu {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay bench-gpu {{ARGS}}; fi
+    if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay-bench bench-gpu {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay-bench bench-gpu {{ARGS}}; fi
 
 # Type-check every crate and target with the `cuda` feature (what CI runs, so the CUDA path cannot rot); its own target folder keeps the CPU build's caches.
 check-cuda: install
@@ -48,48 +48,48 @@ lint:
 # Classic learners against their goals (PPO Acrobot-v1 >= -80 in 500k, DQN CartPole-v1 solved in 100k, DQN MountainCar-v0 >= -110 in 300k, SAC Pendulum-v1 >= -200 in 30k, A2C CartPole-v1 solved in 500k; through the env bridge PPO LunarLander-v3 >= 200 in 1M, PPO Taxi-v4 >= 7.5 in 1M), 3 seeds each: table + JSON line.
 bench-learning *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay bench-learning {{ARGS}}
+    {{release}}/relay-bench bench-learning {{ARGS}}
 
 # Full stack on CartPole-v1 for 3 seeds, each until solved: table + JSON line.
 bench-solve *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay bench-solve --seeds 3 {{ARGS}}
+    {{release}}/relay-bench bench-solve --seeds 3 {{ARGS}}
 
 # Env steps/s with 1, 2, 4 env-runners x 1, 2 inference servers (one stack scaled with `relay scale`): table + JSON line.
 bench-scale *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay bench-scale {{ARGS}}
+    {{release}}/relay-bench bench-scale {{ARGS}}
 
 # Kill every service, restart Redis and NATS during a CartPole run, measure recovery, then solve: table + JSON line.
 chaos *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay chaos {{ARGS}}
+    {{release}}/relay-bench chaos {{ARGS}}
 
 # The tiny model from scratch: SFT on random legal moves, then RL (configs/tictactoe-grpo.yaml: Dr. GRPO, compact observation, branched games) against the random bot with all six services: legal-move and non-loss rates against random and minimax over time, a table and a JSON line.
 bench-tictactoe *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay bench-tictactoe {{ARGS}}
+    {{release}}/relay-bench bench-tictactoe {{ARGS}}
 
 # SmolLM2-135M-Instruct + LoRA learns TicTacToe against the random bot for a fixed number of RL updates (default 6): tokens/s, games/min, legal-move and win rates at start and end, a table and a JSON line.
 bench-smollm2 *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay bench-smollm2 {{ARGS}}
+    {{release}}/relay-bench bench-smollm2 {{ARGS}}
 
 # TicTacToe by self-play: the warm start of bench-tictactoe, then league training against past versions (configs/tictactoe-league.yaml): TrueSkill mu/sigma of each version over time, the first version against the newest (mu +/- 2 sigma), and the newest version's results against random and minimax, tables and a JSON line.
 bench-league *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay bench-league {{ARGS}}
+    {{release}}/relay-bench bench-league {{ARGS}}
 
 # Env steps/s of Gymnasium's CartPole-v1 through the env bridge vs Gymnasium's own SyncVectorEnv (1, 8, 64 envs; medians of 9 alternating rounds) and relay's built-in CartPole: table + JSON line.
 bench-bridge *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay bench-bridge {{ARGS}}
+    {{release}}/relay-bench bench-bridge {{ARGS}}
 
 # Raw env steps/s on one core: relay's built-in envs (VecEnv, 1 and 16 envs) against Gymnasium's SyncVectorEnv and EnvPool (installed into .relay/envpool on first use): table + JSON line.
 bench-envs *ARGS: install
     bash deploy/install.sh --envpool
     cargo build --release --workspace --bins
-    {{release}}/relay bench-envs {{ARGS}}
+    {{release}}/relay-bench bench-envs {{ARGS}}
 
 # Model and optimizer micro-benchmarks (act latency, PPO train step).
 bench-nn:
@@ -102,14 +102,14 @@ bench-fuzz:
 # Tracker overhead: CartPole training SPS with the tracker on and off (metrics dropped).
 bench-tracker *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay bench-tracker {{ARGS}}
+    {{release}}/relay-bench bench-tracker {{ARGS}}
 
 # Memory soak: 8 env-runners training CartPole for 10 minutes; RSS of every process after warm-up and at the end.
 soak *ARGS: install
     cargo build --release --workspace --bins
-    {{release}}/relay soak --env-runners 8 --minutes 10 --state-dir .relay/soak {{ARGS}}
+    {{release}}/relay-bench soak --env-runners 8 --minutes 10 --state-dir .relay/soak {{ARGS}}
 
 # LLM generation: tokens/s and p50/p95 request latency of the inference server for the tiny model and SmolLM2-135M (GGUF) at 1, 8, 32 concurrent requesters: table + JSON line.
 bench-generate *ARGS: install
     cargo build --release -p relay -p relay-inference-server
-    {{release}}/relay bench-generate {{ARGS}}
+    {{release}}/relay-bench bench-generate {{ARGS}}

@@ -35,7 +35,7 @@ use rand_chacha::ChaCha8Rng;
 use relay_config::ExperimentConfig;
 use serde::Serialize;
 
-use crate::{make_run_id, up, StopFlag, UpArgs};
+use relay::{make_run_id, up, StopFlag, UpArgs};
 
 /// Flags of `relay sweep` (besides those of `relay up`).
 #[derive(Debug, Clone, clap::Args)]

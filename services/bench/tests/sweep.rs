@@ -14,7 +14,7 @@ fn a_grid_sweep_runs_each_trial_as_a_run_and_ranks_them() {
         "/../../configs/cartpole-ppo.yaml"
     );
     let sweep = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_relay"))
+        Command::new(env!("CARGO_BIN_EXE_relay-bench"))
             .args(["sweep", "--config", config, "--run-id", "sw"])
             .arg("--state-dir")
             .arg(dir.path().join("state"))
@@ -118,7 +118,7 @@ fn a_sweep_against_a_remote_nats_runs_its_trials_there() {
         "/../../configs/cartpole-ppo.yaml"
     );
     let state = dir.path().join("state");
-    let output = Command::new(env!("CARGO_BIN_EXE_relay"))
+    let output = Command::new(env!("CARGO_BIN_EXE_relay-bench"))
         .args(["sweep", "--config", config, "--run-id", "swr"])
         .args(["--grid", "ppo.learning_rate=0.001"])
         .args(["--nats-url", &nats.url(), "--redis-url", &redis.url()])

@@ -24,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 
 use crate::bench_tictactoe::{bench_up_args, follow_evals, header, Row};
-use crate::UpArgs;
+use relay::UpArgs;
 
 /// Tells an instruct model the move format (TextArena's observation says it
 /// too, but a 135M model follows a system prompt better); `--set
@@ -139,7 +139,7 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
     overrides.extend(args.overrides.iter().cloned());
     let config = relay_config::ExperimentConfig::load(&args.config, &overrides)?;
     let budget = args.updates * config.rl.batch_size as u64;
-    let run_id = format!("{}-smollm2-bench", crate::make_run_id(&config));
+    let run_id = format!("{}-smollm2-bench", relay::make_run_id(&config));
     overrides.extend([
         format!("run.runs_dir={}", runs_dir.display()),
         "run.stop_when_solved=false".into(),
@@ -183,7 +183,7 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
         let (path, stop) = (run_dir.join("eval.jsonl"), stop.clone());
         std::thread::spawn(move || follow_evals(path, started, "start", stop))
     };
-    let outcome = crate::up(up);
+    let outcome = relay::up(up);
     stop.store(true, Ordering::Relaxed);
     let rows = follower
         .join()

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use relay_proto::{ChatMessage, GenerateReply, GenerateRequest, Prompt, SamplingParams, Subjects};
 
-use crate::stack::{free_port, sibling_binary, which};
+use relay::stack::{free_port, sibling_binary, which};
 
 /// `relay bench-generate` flags.
 #[derive(Debug, clap::Args)]
@@ -304,7 +304,7 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
     for model in &args.models {
         let (label, model_arg) = if model == "tiny" {
             let out = dir.join("tiny");
-            crate::model::init_tiny(&out, 0)?;
+            relay::model::init_tiny(&out, 0)?;
             ("tiny".to_string(), out.display().to_string())
         } else {
             (model.clone(), model.clone())

@@ -16,7 +16,7 @@ fn chaos_every_fault_recovers_and_the_run_solves() {
     );
     let out_path = dir.path().join("chaos.out");
     let err_path = dir.path().join("chaos.err");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_relay"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_relay-bench"))
         .args(["chaos", "--config", config, "--for-seconds", "100"])
         .arg("--state-dir")
         .arg(dir.path().join("state"))

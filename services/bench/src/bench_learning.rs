@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use serde_json::json;
 
-use crate::{reevaluate_best, up, FirstPass, UpArgs, REEVAL_EPISODES};
+use crate::bench_solve::{reevaluate_best, REEVAL_EPISODES};
+use relay::{up, FirstPass, UpArgs};
 
 /// One learning goal.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use crate::sft::{EvalResult, SftArgs};
-use crate::UpArgs;
+use relay::sft::{EvalResult, SftArgs};
+use relay::UpArgs;
 
 /// Flags of `relay bench-tictactoe`.
 #[derive(Debug, Clone, clap::Args)]
@@ -225,11 +225,11 @@ pub(crate) fn sft_warm_start(
     started: Instant,
 ) -> Result<(PathBuf, Row)> {
     let tiny = work.join("tiny");
-    crate::model::init_tiny(&tiny, 0)?;
+    relay::model::init_tiny(&tiny, 0)?;
 
     println!("== SFT on {sft_games} games of random legal moves");
     let sft_out = work.join("sft");
-    let summary = crate::sft::run_sft(SftArgs {
+    let summary = relay::sft::run_sft(SftArgs {
         env: "TicTacToe-v0".into(),
         model: tiny.display().to_string(),
         out: sft_out.clone(),
@@ -344,7 +344,7 @@ pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
     let sft_minutes = sft_row.minutes;
 
     println!("== RL for {} minutes", args.minutes);
-    let run_id = format!("{}-bench", crate::make_run_id(&config));
+    let run_id = format!("{}-bench", relay::make_run_id(&config));
     let runs_dir = work.join("runs");
     let overrides = rl_overrides(
         &args.overrides,
@@ -368,7 +368,7 @@ pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
         // Version 0, the zero adapter over the SFT model, is the SFT-only starting point.
         std::thread::spawn(move || follow_evals(path, started, "SFT only", stop))
     };
-    let outcome = crate::up(up);
+    let outcome = relay::up(up);
     stop.store(true, Ordering::Relaxed);
     let rows = follower
         .join()

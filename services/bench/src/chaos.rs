@@ -15,8 +15,8 @@ use futures::StreamExt;
 use relay_config::ExperimentConfig;
 use relay_proto::{EvalReport, MetricsReport, Subjects};
 
-use crate::stack::{Stack, SERVICES};
-use crate::{make_run_id, UpArgs};
+use relay::stack::{Stack, SERVICES};
+use relay::{make_run_id, UpArgs};
 
 /// What the watcher has heard on NATS.
 #[derive(Default)]

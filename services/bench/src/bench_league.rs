@@ -180,7 +180,7 @@ fn first_vs_latest(reading: &Reading) -> Value {
 /// The Redis URL of the stack running `run_id`, once its record is written.
 fn stack_redis(state_dir: &Path, run_id: &str) -> Option<String> {
     let text = std::fs::read_to_string(state_dir.join("stack.json")).ok()?;
-    let record: crate::stack::StackRecord = serde_json::from_str(&text).ok()?;
+    let record: relay::stack::StackRecord = serde_json::from_str(&text).ok()?;
     (record.run_id == run_id && !record.redis_url.is_empty()).then_some(record.redis_url)
 }
 
@@ -264,7 +264,7 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
             args.config.display()
         );
     }
-    let run_id = format!("{}-league", crate::make_run_id(&config));
+    let run_id = format!("{}-league", relay::make_run_id(&config));
     let runs_dir = work.join("runs");
     let overrides = rl_overrides(
         &args.overrides,
@@ -292,7 +292,7 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
         let every = Duration::from_secs(args.ratings_every_s.max(1));
         std::thread::spawn(move || follow_ratings(dir, run, every, started, stop))
     };
-    let outcome = crate::up(up);
+    let outcome = relay::up(up);
     stop.store(true, Ordering::Relaxed);
     let rows = evals
         .join()
