@@ -37,7 +37,7 @@ use relay_config::ExperimentConfig;
 use relay_kit::{gauge, Service, ServiceError, Shutdown};
 use relay_proto::{
     MetricValue, PriorityAck, PriorityUpdate, Tensor, TransitionBatch, TransitionSampleRequest,
-    WeightsUpdate, SCHEMA_VERSION,
+    WeightsUpdate, MAX_TRANSITION_SAMPLE, SCHEMA_VERSION,
 };
 
 use crate::checkpoint::{self, CheckpointError, CheckpointState};
@@ -203,6 +203,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let start_env_steps = progress.env_steps;
     let mut reported_vec_steps = progress.vec_steps;
     let schedule = algorithm.schedule();
+    let mut draw = DrawSize::default();
     let finish = loop {
         let due_at = schedule.due_at(algorithm.rounds());
         // The budget is spent once the table holds it and every round due
@@ -247,52 +248,83 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         let batch_size = schedule.batch_size;
         let mut rejected = 0u64;
         let mut stale_priorities = 0u64;
+        let mut round = RoundTimes::default();
+        // The round's minibatches are drawn several per request and their
+        // new priorities sent once, at the end of the round: a request per
+        // gradient step cost far more than the step itself.
+        let mut drawn: std::collections::VecDeque<TransitionBatch> = Default::default();
+        let mut per_request = draw.minibatches(batch_size, schedule.gradient_steps);
+        let (mut priority_ids, mut priority_values) = (Vec::new(), Vec::new());
         let mut step = 0;
         while step < schedule.gradient_steps && !shutdown.is_triggered() {
-            let batch = match sample_transitions(&service, batch_size as u32, beta).await {
-                Ok(b) if b.ids.len() == batch_size => b,
-                Ok(_) => {
-                    // Held back by the rate limiter (or not enough held yet).
-                    pause(&shutdown, Duration::from_millis(1)).await;
-                    continue;
+            let Some(batch) = drawn.pop_front() else {
+                let k = per_request.min(schedule.gradient_steps - step);
+                let rows = batch_size * k;
+                let asked = Instant::now();
+                let sampled = sample_transitions(&service, rows as u32, beta).await;
+                round.sample_s += asked.elapsed().as_secs_f64();
+                match sampled {
+                    Ok(b) if b.ids.len() == rows => {
+                        draw.learn_row_bytes(&b);
+                        drawn.extend(b.split_interleaved(k));
+                    }
+                    Ok(_) if k > 1 => {
+                        // The rate limiter's allowance is below k
+                        // minibatches: ask for fewer at a time.
+                        per_request = k / 2;
+                    }
+                    Ok(_) => {
+                        // Held back by the rate limiter (or not enough held yet).
+                        pause(&shutdown, Duration::from_millis(1)).await;
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "sample failed; retrying");
+                        pause(&shutdown, Duration::from_millis(20)).await;
+                    }
                 }
-                Err(e) => {
-                    tracing::debug!(error = %e, "sample failed; retrying");
-                    pause(&shutdown, Duration::from_millis(20)).await;
-                    continue;
-                }
+                continue;
             };
+            let trained = Instant::now();
             let result =
                 tokio::task::block_in_place(|| algorithm.gradient_step(step, &batch, &mut rng));
+            round.train_s += trained.elapsed().as_secs_f64();
             step += 1;
-            let priorities = match result {
-                Ok(priorities) => priorities,
+            match result {
+                Ok(Some(priorities)) => {
+                    priority_ids.extend_from_slice(&batch.ids);
+                    priority_values.extend(priorities);
+                }
+                Ok(None) => {}
                 Err(e) => {
                     // Bad data must not stop training: skip this batch.
                     tracing::error!(error = %e, "gradient step failed; batch skipped");
                     rejected += 1;
-                    continue;
-                }
-            };
-            if let Some(priorities) = priorities {
-                let update = PriorityUpdate {
-                    schema: SCHEMA_VERSION,
-                    ids: batch.ids.clone(),
-                    priorities: Tensor::from_f32(&[priorities.len()], &priorities),
-                };
-                match relay_kit::request::<_, PriorityAck>(
-                    &service.nats,
-                    &service.subjects.replay_priorities(),
-                    &update,
-                    service.request_timeout(),
-                )
-                .await
-                {
-                    Ok(ack) => stale_priorities += ack.evicted as u64,
-                    Err(e) => tracing::warn!(error = %e, "priority update lost"),
                 }
             }
         }
+        let sent = Instant::now();
+        for (ids, priorities) in priority_ids
+            .chunks(PRIORITIES_PER_UPDATE)
+            .zip(priority_values.chunks(PRIORITIES_PER_UPDATE))
+        {
+            let update = PriorityUpdate {
+                schema: SCHEMA_VERSION,
+                ids: ids.to_vec(),
+                priorities: Tensor::from_f32(&[priorities.len()], priorities),
+            };
+            match relay_kit::request::<_, PriorityAck>(
+                &service.nats,
+                &service.subjects.replay_priorities(),
+                &update,
+                service.request_timeout(),
+            )
+            .await
+            {
+                Ok(ack) => stale_priorities += ack.evicted as u64,
+                Err(e) => tracing::warn!(error = %e, "priority update lost"),
+            }
+        }
+        round.priority_s += sent.elapsed().as_secs_f64();
         if shutdown.is_triggered() {
             break Finish::Shutdown;
         }
@@ -317,6 +349,9 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             gauge("learner_last_update_seconds", seconds),
             gauge("learner_replay_size", counters.size as f64),
             gauge("learner_rejected_batches", rejected as f64),
+            gauge("learner_round_sample_seconds", round.sample_s),
+            gauge("learner_round_train_seconds", round.train_s),
+            gauge("learner_round_priority_seconds", round.priority_s),
         ]);
         if A::REPORTS_PRIORITIES {
             values.push(gauge("learner_stale_priorities", stale_priorities as f64));
@@ -354,6 +389,44 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     )
     .await;
     Ok(())
+}
+
+/// Priorities sent in one [`PriorityUpdate`] (12 bytes each on the wire).
+const PRIORITIES_PER_UPDATE: usize = 16_384;
+
+/// Seconds of a training round spent drawing minibatches, on gradient
+/// steps and sending priorities back (`learner_round_*_seconds`).
+#[derive(Debug, Default)]
+struct RoundTimes {
+    sample_s: f64,
+    train_s: f64,
+    priority_s: f64,
+}
+
+/// How many minibatches one sample request carries: one until a reply's
+/// size per row is known, then as many as fit half a message and
+/// [`MAX_TRANSITION_SAMPLE`] rows.
+#[derive(Debug, Default)]
+struct DrawSize {
+    row_bytes: Option<usize>,
+}
+
+impl DrawSize {
+    fn learn_row_bytes(&mut self, batch: &TransitionBatch) {
+        if self.row_bytes.is_none() && !batch.ids.is_empty() {
+            let bytes = relay_proto::encode(batch).len();
+            self.row_bytes = Some(bytes.div_ceil(batch.ids.len()));
+        }
+    }
+
+    fn minibatches(&self, batch_size: usize, gradient_steps: usize) -> usize {
+        let Some(row_bytes) = self.row_bytes else {
+            return 1;
+        };
+        let by_rows = MAX_TRANSITION_SAMPLE as usize / batch_size.max(1);
+        let by_bytes = relay_proto::MAX_MESSAGE_BYTES / 2 / (row_bytes * batch_size).max(1);
+        by_rows.min(by_bytes).min(gradient_steps).max(1)
+    }
 }
 
 /// Asks the replay-buffer's off-policy table for `batch_size` transitions

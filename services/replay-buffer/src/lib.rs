@@ -34,7 +34,8 @@ use redis::AsyncCommands;
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_proto::{
     GameRecord, GameSampleReply, GameSampleRequest, InsertAck, PriorityAck, PriorityUpdate,
-    RolloutFragment, SampleReply, SampleRequest, TransitionSampleRequest, SCHEMA_VERSION,
+    RolloutFragment, SampleReply, SampleRequest, TransitionSampleRequest, MAX_TRANSITION_SAMPLE,
+    SCHEMA_VERSION,
 };
 
 use games::{GameInserted, GameStore};
@@ -627,11 +628,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         continue;
                     }
                 };
-                if ask.batch_size > MAX_TRANSITION_BATCH {
+                if ask.batch_size > MAX_TRANSITION_SAMPLE {
                     let rejection = relay_proto::Rejection::Invalid {
                         kind: "TransitionSampleRequest",
                         field: "batch_size",
-                        detail: format!("{} is above the limit of {MAX_TRANSITION_BATCH} transitions per sample", ask.batch_size),
+                        detail: format!("{} is above the limit of {MAX_TRANSITION_SAMPLE} transitions per sample", ask.batch_size),
                     };
                     service.intake.reject("replay.transitions.sample", &rejection);
                     let _ = request.respond(Err(async_nats::service::error::Error { status: rejection.to_string(), code: 400 })).await;
@@ -763,9 +764,6 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     service.drain().await;
     Ok(())
 }
-
-/// Most transitions one sample may ask for.
-pub const MAX_TRANSITION_BATCH: u32 = 4096;
 
 /// Inserts a fragment into the off-policy table after checking that it
 /// belongs to this run (env id, observation size, action kind).

@@ -8,8 +8,12 @@ use crate::codec::{Rejection, WireMessage};
 use crate::messages::{check_actions, invalid, tensor_check};
 use crate::tensor::{DType, Tensor};
 
-/// learner -> replay-buffer (`relay.<run>.replay.transitions.sample`): one
-/// minibatch of transitions from the off-policy table.
+/// Most transitions one [`TransitionSampleRequest`] may ask for.
+pub const MAX_TRANSITION_SAMPLE: u32 = 4096;
+
+/// learner -> replay-buffer (`relay.<run>.replay.transitions.sample`):
+/// transitions from the off-policy table: one minibatch, or several drawn
+/// at once ([`TransitionBatch::split_interleaved`] parts them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TransitionSampleRequest {
     pub schema: u16,
@@ -71,6 +75,46 @@ pub struct TransitionBatch {
     pub size: u64,
     /// Env steps inserted into the table since the run began.
     pub inserted_steps: u64,
+}
+
+impl TransitionBatch {
+    /// Parts a draw of `k · B` rows into `k` minibatches of `B` rows:
+    /// minibatch `s` takes rows `s, s + k, s + 2k, ...`, so a prioritized
+    /// draw, stratified over all its rows, stays stratified in each part.
+    /// Importance weights are renormalised by each part's largest, as a
+    /// draw of `B` rows alone would be. `k` divides the row count.
+    pub fn split_interleaved(&self, k: usize) -> Vec<TransitionBatch> {
+        let n = self.ids.len();
+        assert!(
+            k > 0 && n.is_multiple_of(k),
+            "{n} rows do not part into {k} minibatches"
+        );
+        let weights = self.weights.to_f32().unwrap_or_else(|_| vec![1.0; n]);
+        (0..k)
+            .map(|s| {
+                let rows: Vec<usize> = (s..n).step_by(k).collect();
+                let mut part: Vec<f32> = rows.iter().map(|&r| weights[r]).collect();
+                let largest = part.iter().copied().fold(0.0f32, f32::max);
+                if largest > 0.0 {
+                    part.iter_mut().for_each(|w| *w /= largest);
+                }
+                TransitionBatch {
+                    schema: self.schema,
+                    ids: rows.iter().map(|&r| self.ids[r]).collect(),
+                    obs: self.obs.select_rows(&rows),
+                    actions: self.actions.select_rows(&rows),
+                    rewards: self.rewards.select_rows(&rows),
+                    next_obs: self.next_obs.select_rows(&rows),
+                    discounts: self.discounts.select_rows(&rows),
+                    terminated: self.terminated.select_rows(&rows),
+                    truncated: self.truncated.select_rows(&rows),
+                    weights: Tensor::from_f32(&[rows.len()], &part),
+                    size: self.size,
+                    inserted_steps: self.inserted_steps,
+                }
+            })
+            .collect()
+    }
 }
 
 impl WireMessage for TransitionBatch {
@@ -185,6 +229,46 @@ impl WireMessage for PriorityAck {
 mod tests {
     use super::*;
     use crate::codec::SCHEMA_VERSION;
+
+    #[test]
+    fn a_draw_parts_into_interleaved_minibatches_with_their_own_weight_scale() {
+        let n = 6;
+        let obs: Vec<f32> = (0..n * 2).map(|v| v as f32).collect();
+        let draw = TransitionBatch {
+            schema: SCHEMA_VERSION,
+            ids: (10..16).collect(),
+            obs: Tensor::from_f32(&[n, 2], &obs),
+            actions: Tensor::from_i64(&[n], &[0, 1, 2, 3, 4, 5]),
+            rewards: Tensor::from_f32(&[n], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]),
+            next_obs: Tensor::from_f32(&[n, 2], &obs),
+            discounts: Tensor::from_f32(&[n], &[0.9; 6]),
+            terminated: Tensor::from_u8(&[n], &[0, 0, 0, 0, 0, 1]),
+            truncated: Tensor::from_u8(&[n], &[0; 6]),
+            weights: Tensor::from_f32(&[n], &[0.2, 1.0, 0.5, 0.25, 0.1, 0.5]),
+            size: 100,
+            inserted_steps: 120,
+        };
+        let parts = draw.split_interleaved(2);
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0].ids, vec![10, 12, 14]);
+        assert_eq!(parts[1].ids, vec![11, 13, 15]);
+        assert_eq!(
+            parts[1].obs.to_f32().unwrap(),
+            vec![2.0, 3.0, 6.0, 7.0, 10.0, 11.0]
+        );
+        assert_eq!(parts[1].actions.to_i64().unwrap(), vec![1, 3, 5]);
+        assert_eq!(
+            parts[1].terminated.to_bool().unwrap(),
+            vec![false, false, true]
+        );
+        // Each part's weights are scaled by its own largest.
+        assert_eq!(parts[0].weights.to_f32().unwrap(), vec![0.4, 1.0, 0.2]);
+        assert_eq!(parts[1].weights.to_f32().unwrap(), vec![1.0, 0.25, 0.5]);
+        for p in &parts {
+            p.validate().unwrap();
+            assert_eq!((p.size, p.inserted_steps), (100, 120));
+        }
+    }
 
     #[test]
     fn rejects_bad_priorities_and_beta() {

@@ -182,6 +182,26 @@ impl Tensor {
             .fold(1usize, |n, &d| n.saturating_mul(d as usize))
     }
 
+    /// The rows `rows` of a tensor whose first dimension is `n` rows (a
+    /// checked tensor: its byte length matches its shape), in that order.
+    pub fn select_rows(&self, rows: &[usize]) -> Tensor {
+        let n = self.shape.first().copied().unwrap_or(0) as usize;
+        let width = self.data.len().checked_div(n).unwrap_or(0);
+        let mut data = Vec::with_capacity(rows.len() * width);
+        for &r in rows {
+            data.extend_from_slice(&self.data[r * width..(r + 1) * width]);
+        }
+        let mut shape = self.shape.clone();
+        if let Some(first) = shape.first_mut() {
+            *first = rows.len() as u32;
+        }
+        Tensor {
+            dtype: self.dtype,
+            shape,
+            data,
+        }
+    }
+
     pub fn shape_usize(&self) -> Vec<usize> {
         self.shape.iter().map(|&d| d as usize).collect()
     }
