@@ -252,53 +252,62 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         // The round's minibatches are drawn several per request and their
         // new priorities sent once, at the end of the round: a request per
         // gradient step cost far more than the step itself.
-        let mut drawn: std::collections::VecDeque<TransitionBatch> = Default::default();
         let mut per_request = draw.minibatches(batch_size, schedule.gradient_steps);
         let (mut priority_ids, mut priority_values) = (Vec::new(), Vec::new());
         let mut step = 0;
         while step < schedule.gradient_steps && !shutdown.is_triggered() {
-            let Some(batch) = drawn.pop_front() else {
-                let k = per_request.min(schedule.gradient_steps - step);
-                let rows = batch_size * k;
-                let asked = Instant::now();
-                let sampled = sample_transitions(&service, rows as u32, beta).await;
-                round.sample_s += asked.elapsed().as_secs_f64();
-                match sampled {
-                    Ok(b) if b.ids.len() == rows => {
-                        draw.learn_row_bytes(&b);
-                        drawn.extend(b.split_interleaved(k));
-                    }
-                    Ok(_) if k > 1 => {
-                        // The rate limiter's allowance is below k
-                        // minibatches: ask for fewer at a time.
-                        per_request = k / 2;
-                    }
-                    Ok(_) => {
-                        // Held back by the rate limiter (or not enough held yet).
-                        pause(&shutdown, Duration::from_millis(1)).await;
-                    }
-                    Err(e) => {
-                        tracing::debug!(error = %e, "sample failed; retrying");
-                        pause(&shutdown, Duration::from_millis(20)).await;
-                    }
+            let k = per_request.min(schedule.gradient_steps - step);
+            let rows = batch_size * k;
+            let asked = Instant::now();
+            let sampled = sample_transitions(&service, rows as u32, beta).await;
+            round.sample_s += asked.elapsed().as_secs_f64();
+            let minibatches = match sampled {
+                Ok(b) if b.ids.len() == rows => {
+                    draw.learn_row_bytes(&b);
+                    b.split_interleaved(k)
                 }
-                continue;
-            };
-            let trained = Instant::now();
-            let result =
-                tokio::task::block_in_place(|| algorithm.gradient_step(step, &batch, &mut rng));
-            round.train_s += trained.elapsed().as_secs_f64();
-            step += 1;
-            match result {
-                Ok(Some(priorities)) => {
-                    priority_ids.extend_from_slice(&batch.ids);
-                    priority_values.extend(priorities);
+                Ok(_) if k > 1 => {
+                    // The rate limiter's allowance is below k minibatches:
+                    // ask for fewer at a time.
+                    per_request = k / 2;
+                    continue;
                 }
-                Ok(None) => {}
+                Ok(_) => {
+                    // Held back by the rate limiter (or not enough held yet).
+                    pause(&shutdown, Duration::from_millis(1)).await;
+                    continue;
+                }
                 Err(e) => {
-                    // Bad data must not stop training: skip this batch.
-                    tracing::error!(error = %e, "gradient step failed; batch skipped");
-                    rejected += 1;
+                    tracing::debug!(error = %e, "sample failed; retrying");
+                    pause(&shutdown, Duration::from_millis(20)).await;
+                    continue;
+                }
+            };
+            // The draw's gradient steps, in one blocking section.
+            let trained = Instant::now();
+            let results = tokio::task::block_in_place(|| {
+                minibatches
+                    .into_iter()
+                    .map(|batch| {
+                        let result = algorithm.gradient_step(step, &batch, &mut rng);
+                        step += 1;
+                        (result, batch.ids)
+                    })
+                    .collect::<Vec<_>>()
+            });
+            round.train_s += trained.elapsed().as_secs_f64();
+            for (result, ids) in results {
+                match result {
+                    Ok(Some(priorities)) => {
+                        priority_ids.extend(ids);
+                        priority_values.extend(priorities);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        // Bad data must not stop training: skip this batch.
+                        tracing::error!(error = %e, "gradient step failed; batch skipped");
+                        rejected += 1;
+                    }
                 }
             }
         }
