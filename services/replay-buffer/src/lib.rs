@@ -95,6 +95,18 @@ redis.call('HINCRBY', KEYS[4], 'inserted_steps', ARGV[2])
 return {1, redis.call('INCRBY', KEYS[2], ARGV[2])}
 "#;
 
+/// Zeroes the held-steps counter when the FIFO is empty (KEYS: fifo,
+/// steps). A sample pops and then decrements in separate commands: a Redis
+/// killed between them (its append-only file keeping the pops but not the
+/// decrement) leaves the counter above what the list holds, and inserts
+/// would be refused as full for good. An empty list proves the count is 0.
+const EMPTY_SCRIPT: &str = r#"
+if redis.call('LLEN', KEYS[1]) == 0 then
+  redis.call('SET', KEYS[2], 0)
+end
+return 0
+"#;
+
 struct Metrics {
     size_steps: IntGauge,
     inserted_steps: IntCounter,
@@ -216,6 +228,7 @@ pub struct Fifo {
     max_policy_lag: u64,
     rate_limit: Option<RateLimit>,
     insert: redis::Script,
+    empty: redis::Script,
 }
 
 /// Outcome of an insert.
@@ -280,6 +293,7 @@ impl Fifo {
             max_policy_lag,
             rate_limit,
             insert: redis::Script::new(INSERT_SCRIPT),
+            empty: redis::Script::new(EMPTY_SCRIPT),
         }
     }
 
@@ -354,9 +368,13 @@ impl Fifo {
         let mut gathered = 0u64;
         let mut popped_steps = 0u64;
         let mut reply_bytes = 0usize;
+        let mut emptied = false;
         while gathered < max_steps {
             let item: Option<Vec<u8>> = redis.lpop(&self.keys.fifo, None).await?;
-            let Some(item) = item else { break };
+            let Some(item) = item else {
+                emptied = true;
+                break;
+            };
             // The reply is one NATS message: a fragment that would outgrow it
             // goes back to the head for the next sample (wide observations
             // make few fragments fill a message).
@@ -386,6 +404,14 @@ impl Fifo {
             let _: i64 = redis.decr(&self.keys.steps, popped_steps).await?;
             let _: i64 = redis
                 .hincr(&self.keys.stats, "taken_steps", popped_steps)
+                .await?;
+        }
+        if emptied {
+            let _: i64 = self
+                .empty
+                .key(&self.keys.fifo)
+                .key(&self.keys.steps)
+                .invoke_async(&mut redis)
                 .await?;
         }
         if out.dropped_stale > 0 {

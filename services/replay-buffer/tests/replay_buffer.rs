@@ -356,3 +356,79 @@ async fn samples_of_large_fragments_fit_in_a_message_and_lose_nothing() {
     trigger.trigger();
     server.await.unwrap().unwrap();
 }
+
+/// A Redis killed between a sample's pops and its decrement (the
+/// append-only file keeps the pops) leaves the held-steps counter above
+/// what the FIFO holds: inserts are refused as full until the learner's
+/// next sample finds the FIFO empty and zeroes the counter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_count_left_by_a_killed_redis_heals_once_the_fifo_is_empty() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let run_id = "replay-heal";
+    let (trigger, shutdown) = Shutdown::new();
+    let server = tokio::spawn(relay_replay_buffer::run(
+        config(&nats, &redis, run_id),
+        shutdown,
+    ));
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let s = Subjects::new(run_id);
+    let mut first = None;
+    for _ in 0..100 {
+        match relay_kit::request::<_, InsertAck>(
+            &client,
+            &s.replay_insert(),
+            &fragment(0, 4, 4),
+            Duration::from_millis(500),
+        )
+        .await
+        {
+            Ok(ack) => {
+                first = Some(ack);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    assert!(first.expect("replay-buffer answers").accepted);
+    let sample = || async {
+        relay_kit::request::<_, SampleReply>(
+            &client,
+            &s.replay_sample(),
+            &SampleRequest {
+                schema: SCHEMA_VERSION,
+                min_policy_version: 0,
+                max_steps: 48,
+            },
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap()
+    };
+    assert_eq!(sample().await.fragments.len(), 1);
+    // The counter says the FIFO is full; the list is empty.
+    let mut conn = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(format!("relay:{run_id}:fifo:steps"))
+        .arg(48)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let refused = insert(&client, &s, &fragment(0, 4, 4)).await;
+    assert!(!refused.accepted);
+    assert_eq!(refused.reason, "full");
+    assert!(sample().await.fragments.is_empty());
+    let healed = insert(&client, &s, &fragment(0, 4, 4)).await;
+    assert!(healed.accepted, "{healed:?}");
+    assert_eq!(healed.buffered_steps, 16);
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
