@@ -116,3 +116,20 @@ fn main() -> Result<()> {
         Command::BenchGpu(args) => relay_bench::bench_gpu::bench_gpu(args),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn relay_forwards_exactly_these_subcommands() {
+        let mut ours: Vec<String> = super::Cli::command()
+            .get_subcommands()
+            .map(|c| c.get_name().to_string())
+            .collect();
+        let mut forwarded: Vec<String> = relay::BENCH_COMMANDS.map(String::from).to_vec();
+        ours.sort();
+        forwarded.sort();
+        assert_eq!(ours, forwarded);
+    }
+}

@@ -441,7 +441,7 @@ impl DrawSize {
 /// Asks the replay-buffer's off-policy table for `batch_size` transitions
 /// (0: only its counters), prioritized ones with importance weights at
 /// `beta`.
-pub(crate) async fn sample_transitions(
+async fn sample_transitions(
     service: &Service,
     batch_size: u32,
     beta: f64,

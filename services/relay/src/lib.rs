@@ -26,6 +26,25 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use stack::{Copies, Stack, SERVICES};
 
+/// The subcommands `relay` runs through the `relay-bench` binary beside it
+/// (relay-bench's own tests check that they are exactly its subcommands).
+pub const BENCH_COMMANDS: [&str; 14] = [
+    "bench-scale",
+    "soak",
+    "bench-tracker",
+    "bench-solve",
+    "bench-learning",
+    "sweep",
+    "chaos",
+    "bench-tictactoe",
+    "bench-smollm2",
+    "bench-league",
+    "bench-generate",
+    "bench-gpu",
+    "bench-bridge",
+    "bench-envs",
+];
+
 /// Flags of `relay up`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {

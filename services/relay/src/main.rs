@@ -97,28 +97,15 @@ fn main() -> Result<()> {
 /// Runs `relay-bench` (found beside this binary) with the subcommand and
 /// its arguments: `relay bench-learning ...` is `relay-bench bench-learning ...`.
 fn bench(args: Vec<OsString>) -> Result<()> {
-    const BENCH_COMMANDS: [&str; 14] = [
-        "bench-scale",
-        "soak",
-        "bench-tracker",
-        "bench-solve",
-        "bench-learning",
-        "sweep",
-        "chaos",
-        "bench-tictactoe",
-        "bench-smollm2",
-        "bench-league",
-        "bench-generate",
-        "bench-gpu",
-        "bench-bridge",
-        "bench-envs",
-    ];
     let name = args.first().map(|a| a.to_string_lossy().into_owned());
-    if !name.as_deref().is_some_and(|n| BENCH_COMMANDS.contains(&n)) {
+    if !name
+        .as_deref()
+        .is_some_and(|n| relay::BENCH_COMMANDS.contains(&n))
+    {
         anyhow::bail!(
             "unknown command {:?}; see `relay --help` (benchmarks: {})",
             name.unwrap_or_default(),
-            BENCH_COMMANDS.join(", ")
+            relay::BENCH_COMMANDS.join(", ")
         );
     }
     let bin = relay::stack::sibling_binary("relay-bench")?;

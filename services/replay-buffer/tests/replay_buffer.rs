@@ -46,6 +46,17 @@ async fn insert(client: &async_nats::Client, s: &Subjects, f: &RolloutFragment) 
         .unwrap()
 }
 
+/// The first insert, retried until the freshly started service answers.
+async fn first_insert(client: &async_nats::Client, s: &Subjects, f: &RolloutFragment) -> InsertAck {
+    for _ in 0..100 {
+        match relay_kit::request(client, &s.replay_insert(), f, Duration::from_millis(500)).await {
+            Ok(ack) => return ack,
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    panic!("replay-buffer answers");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifo_backpressure_staleness_and_bad_input() {
     let nats = NatsServer::start().unwrap();
@@ -60,24 +71,7 @@ async fn fifo_backpressure_staleness_and_bad_input() {
     let s = Subjects::new(run_id);
 
     // Wait for the service to answer.
-    let mut first = None;
-    for _ in 0..100 {
-        match relay_kit::request::<_, InsertAck>(
-            &client,
-            &s.replay_insert(),
-            &fragment(0, 4, 4),
-            Duration::from_millis(500),
-        )
-        .await
-        {
-            Ok(ack) => {
-                first = Some(ack);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-    let first = first.expect("replay-buffer answers");
+    let first = first_insert(&client, &s, &fragment(0, 4, 4)).await;
     assert!(first.accepted);
     assert_eq!(first.buffered_steps, 16);
 
@@ -245,22 +239,7 @@ async fn the_rate_limiter_paces_inserts_and_samples() {
     };
 
     // Wait for the service, then insert: max diff = 1 x 32 + 16 = 48 steps.
-    let mut first = None;
-    for _ in 0..100 {
-        if let Ok(ack) = relay_kit::request::<_, InsertAck>(
-            &client,
-            &s.replay_insert(),
-            &fragment(0, 4, 4),
-            Duration::from_millis(500),
-        )
-        .await
-        {
-            first = Some(ack);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(first.expect("replay-buffer answers").accepted);
+    assert!(first_insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
     // 16 inserted: under min_size_to_sample, the learner gets nothing.
     assert_eq!(sample(client.clone()).await, 0);
     assert!(insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
@@ -373,24 +352,7 @@ async fn a_held_count_left_by_a_killed_redis_heals_once_the_fifo_is_empty() {
     ));
     let client = async_nats::connect(nats.url()).await.unwrap();
     let s = Subjects::new(run_id);
-    let mut first = None;
-    for _ in 0..100 {
-        match relay_kit::request::<_, InsertAck>(
-            &client,
-            &s.replay_insert(),
-            &fragment(0, 4, 4),
-            Duration::from_millis(500),
-        )
-        .await
-        {
-            Ok(ack) => {
-                first = Some(ack);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-    assert!(first.expect("replay-buffer answers").accepted);
+    assert!(first_insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
     let sample = || async {
         relay_kit::request::<_, SampleReply>(
             &client,
