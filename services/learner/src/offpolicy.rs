@@ -198,7 +198,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let num_envs = cfg.env_runner.num_envs.max(1) as u64;
     // The table counts env steps since the run began; a resumed learner
     // continues from its checkpoint's count.
-    let mut table_base: Option<(u64, u64)> = None;
+    let mut table = TableCounters::default();
     let started = Instant::now();
     let start_env_steps = progress.env_steps;
     let mut reported_vec_steps = progress.vec_steps;
@@ -221,22 +221,22 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         }
         save_evaluated(&mut algorithm, &mut events, &progress, &rng);
 
-        // How many env steps the table holds for us.
-        let counters = match sample_transitions(&service, 0, 1.0).await {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::debug!(error = %e, "replay-buffer not answering; retrying");
-                pause(&shutdown, Duration::from_millis(50)).await;
+        // How many env steps the table holds for us: every sample reply
+        // says, so the table is asked on its own only while the last count
+        // is short of the round due (SAC's rounds are one env step apart).
+        if table.base.is_none() || progress.env_steps < due_at {
+            match sample_transitions(&service, 0, 1.0).await {
+                Ok(reply) => table.observe(&reply, &mut progress, num_envs),
+                Err(e) => {
+                    tracing::debug!(error = %e, "replay-buffer not answering; retrying");
+                    pause(&shutdown, Duration::from_millis(50)).await;
+                    continue;
+                }
+            }
+            if progress.env_steps < due_at {
+                pause(&shutdown, Duration::from_millis(1)).await;
                 continue;
             }
-        };
-        let (base_inserted, base_steps) =
-            *table_base.get_or_insert((counters.inserted_steps, progress.env_steps));
-        progress.env_steps = base_steps + counters.inserted_steps.saturating_sub(base_inserted);
-        progress.vec_steps = progress.env_steps / num_envs;
-        if progress.env_steps < due_at {
-            pause(&shutdown, Duration::from_millis(1)).await;
-            continue;
         }
 
         // A training round, as of env step `due_at`.
@@ -263,6 +263,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             round.sample_s += asked.elapsed().as_secs_f64();
             let minibatches = match sampled {
                 Ok(b) if b.ids.len() == rows => {
+                    table.observe(&b, &mut progress, num_envs);
                     draw.learn_row_bytes(&b);
                     b.split_interleaved(k)
                 }
@@ -356,7 +357,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                 (progress.vec_steps - reported_vec_steps) as f64,
             ),
             gauge("learner_last_update_seconds", seconds),
-            gauge("learner_replay_size", counters.size as f64),
+            gauge("learner_replay_size", table.size as f64),
             gauge("learner_rejected_batches", rejected as f64),
             gauge("learner_round_sample_seconds", round.sample_s),
             gauge("learner_round_train_seconds", round.train_s),
@@ -398,6 +399,28 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     )
     .await;
     Ok(())
+}
+
+/// The off-policy table's counters as the learner last heard them.
+#[derive(Debug, Default)]
+struct TableCounters {
+    /// The table's `inserted_steps` and the learner's env steps when it
+    /// first answered (a resumed learner counts on from its checkpoint).
+    base: Option<(u64, u64)>,
+    /// Transitions held.
+    size: u64,
+}
+
+impl TableCounters {
+    /// Takes the counters of a sample reply into the learner's progress.
+    fn observe(&mut self, reply: &TransitionBatch, progress: &mut Progress, num_envs: u64) {
+        let (base_inserted, base_steps) = *self
+            .base
+            .get_or_insert((reply.inserted_steps, progress.env_steps));
+        progress.env_steps = base_steps + reply.inserted_steps.saturating_sub(base_inserted);
+        progress.vec_steps = progress.env_steps / num_envs;
+        self.size = reply.size;
+    }
 }
 
 /// Priorities sent in one [`PriorityUpdate`] (12 bytes each on the wire).

@@ -138,7 +138,7 @@ return {1, math.min(nxt, cap), evicted}
 /// KEYS: items, tree, meta. ARGV: capacity, P, batch, prioritized (1/0),
 /// ratio ('' without limiter), min_size, min_diff, uniforms...
 /// Returns {size, next, inserted_steps, total (string), status,
-/// [slot, leaf (string), payload]...}; status 1 sampled, 0 nothing held or
+/// [slot, leaf (string; "0" when uniform), payload]...}; status 1 sampled, 0 nothing held or
 /// counters only (batch 0), -2 held back by the rate limiter.
 const SAMPLE_LUA: &str = r#"
 local cap = tonumber(ARGV[1])
@@ -162,6 +162,7 @@ if ARGV[5] ~= '' then
 end
 head[5] = 1
 local prioritized = ARGV[4] == '1'
+local slots = {}
 for j = 0, batch - 1 do
   local u = tonumber(ARGV[8 + j])
   local slot
@@ -182,9 +183,14 @@ for j = 0, batch - 1 do
     slot = math.floor(u * size)
   end
   if slot >= size then slot = size - 1 end
-  table.insert(head, slot)
-  table.insert(head, string.format('%.17g', get(P + slot)))
-  table.insert(head, redis.call('HGET', KEYS[1], slot))
+  slots[j + 1] = slot
+end
+-- One HMGET for the batch; leaves only where they weigh the sample.
+local items = redis.call('HMGET', KEYS[1], unpack(slots))
+for j = 1, batch do
+  table.insert(head, slots[j])
+  table.insert(head, prioritized and string.format('%.17g', get(P + slots[j])) or '0')
+  table.insert(head, items[j])
 end
 redis.call('HINCRBY', KEYS[3], 'taken', batch)
 return head

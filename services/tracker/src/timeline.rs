@@ -6,8 +6,12 @@
 //! `metrics.csv`, as TensorBoard's `purge_step` does: every curve then
 //! continues from the checkpoint's step with no gap and no overlap.
 //!
-//! Only learner reports move the axis (one per update, `vec_steps` growing
-//! by its rollout); lines without `vec_steps` are never purged.
+//! Only learner reports move the axis; lines without `vec_steps` are never
+//! purged. A report at the highest step so far is not a rewind by itself:
+//! an off-policy learner makes several updates between two inserts of the
+//! env-runners and reports each at the same `vec_steps`. A learner resumed
+//! from a checkpoint says so in every report (`learner_resumed_at_vec_steps`),
+//! and a resume not seen before rewinds the axis even at that step.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, Write};
@@ -27,6 +31,9 @@ const RESUMED_AT: &str = "learner_resumed_at_vec_steps";
 pub struct Timeline {
     /// The highest learner `vec_steps` written so far.
     learner_max: Option<u64>,
+    /// The checkpoint step the latest learner report said it resumed from
+    /// (`None`: a fresh start).
+    resumed_at: Option<u64>,
 }
 
 impl Timeline {
@@ -47,6 +54,7 @@ impl Timeline {
             if value["service"] == LEARNER {
                 if let Some(v) = value["vec_steps"].as_u64() {
                     timeline.learner_max = Some(timeline.learner_max.map_or(v, |m| m.max(v)));
+                    timeline.resumed_at = resumed_at(value["values"][RESUMED_AT].as_f64(), v);
                 }
             }
         }
@@ -60,7 +68,19 @@ impl Timeline {
             return None;
         }
         let v = report.vec_steps?;
-        let rewound = self.learner_max.is_some_and(|max| v <= max);
+        let resumed = resumed_at(
+            report
+                .values
+                .iter()
+                .find(|m| m.name == RESUMED_AT)
+                .map(|m| m.value),
+            v,
+        );
+        let new_resume = resumed.is_some() && resumed != self.resumed_at;
+        self.resumed_at = resumed;
+        let rewound = self
+            .learner_max
+            .is_some_and(|max| v < max || (v == max && new_resume));
         self.learner_max = Some(if rewound {
             v
         } else {
@@ -69,15 +89,16 @@ impl Timeline {
         if !rewound {
             return None;
         }
-        let resumed_at = report
-            .values
-            .iter()
-            .find(|m| m.name == RESUMED_AT)
-            .map(|m| m.value)
-            .filter(|r| r.is_finite() && *r > 0.0 && (*r as u64) < v)
-            .map(|r| r as u64);
-        Some(resumed_at.unwrap_or(v - 1))
+        Some(resumed.unwrap_or(v - 1))
     }
+}
+
+/// The checkpoint step a learner report at `vec_steps` says it resumed
+/// from: a positive value below the report's own step, else none.
+fn resumed_at(value: Option<f64>, vec_steps: u64) -> Option<u64> {
+    value
+        .filter(|r| r.is_finite() && *r > 0.0 && (*r as u64) < vec_steps)
+        .map(|r| r as u64)
 }
 
 /// Removes every line of `metrics.jsonl` and row of `metrics.csv` whose
@@ -156,7 +177,37 @@ mod tests {
         assert_eq!(t.on_report(&report("learner", 256, 128.0)), None);
         assert_eq!(t.on_report(&report("learner", 320, 128.0)), None);
         // Without the resume value the report's own step is kept.
-        assert_eq!(t.on_report(&report("learner", 320, 0.0)), Some(319));
+        assert_eq!(t.on_report(&report("learner", 256, 0.0)), Some(255));
+    }
+
+    #[test]
+    fn updates_reported_at_the_same_step_are_not_a_rewind() {
+        // An off-policy learner trains several rounds per insert.
+        let mut t = Timeline::default();
+        for v in [16, 16, 16, 32, 32] {
+            assert_eq!(t.on_report(&report("learner", v, 0.0)), None);
+        }
+        // A resume not seen before is a rewind even at the highest step ...
+        assert_eq!(t.on_report(&report("learner", 32, 16.0)), Some(16));
+        // ... once: the resumed learner's next reports at that step are not.
+        assert_eq!(t.on_report(&report("learner", 32, 16.0)), None);
+        assert_eq!(t.on_report(&report("learner", 48, 16.0)), None);
+    }
+
+    #[test]
+    fn a_restarted_tracker_knows_the_resume_it_already_wrote() {
+        let dir = std::env::temp_dir().join(format!("relay-timeline-scan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let jsonl = dir.join("metrics.jsonl");
+        let line = |v: u64, r: f64| {
+            serde_json::json!({"service": "learner", "vec_steps": v, "values": {RESUMED_AT: r}})
+                .to_string()
+        };
+        std::fs::write(&jsonl, format!("{}\n{}\n", line(64, 0.0), line(96, 32.0))).unwrap();
+        let mut t = Timeline::scan(&jsonl).unwrap();
+        assert_eq!(t.on_report(&report("learner", 96, 32.0)), None);
+        assert_eq!(t.on_report(&report("learner", 96, 48.0)), Some(48));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -128,10 +128,10 @@ fn add_row_bias_generic(x: &mut [f32], b: &[f32]) {
 #[inline(always)]
 fn relu_inplace_generic(xs: &mut [f32]) {
     for x in xs.iter_mut() {
-        // `max` would turn NaN into 0; keep NaN visible.
-        if *x < 0.0 {
-            *x = 0.0;
-        }
+        // `max` would turn NaN into 0; keep NaN visible. A select with an
+        // unconditional store vectorizes (a conditional store did not, and
+        // cost a seventh of a SAC train step).
+        *x = if *x < 0.0 { 0.0 } else { *x };
     }
 }
 
@@ -258,6 +258,7 @@ mod x86 {
     versions!(tanh_grad, tanh_grad_512, (y: &[f32], g: &[f32], out: &mut [f32]), tanh_grad_generic(y, g, out));
     versions!(relu_grad, relu_grad_512, (y: &[f32], g: &[f32], out: &mut [f32]), relu_grad_generic(y, g, out));
     versions!(column_sums, column_sums_512, (x: &[f32], sums: &mut [f32]), column_sums_generic(x, sums));
+    versions!(relu_inplace, relu_inplace_512, (xs: &mut [f32]), relu_inplace_generic(xs));
     versions!(add_row_bias, add_row_bias_512, (x: &mut [f32], b: &[f32]), add_row_bias_generic(x, b));
     versions!(
         adam,
@@ -416,7 +417,12 @@ pub fn tanh_inplace(xs: &mut [f32]) {
 
 /// `xs[i] = max(xs[i], 0)` (NaN stays NaN).
 pub fn relu_inplace(xs: &mut [f32]) {
-    relu_inplace_generic(xs)
+    dispatch!(
+        relu_inplace,
+        relu_inplace_512,
+        (xs),
+        relu_inplace_generic(xs)
+    )
 }
 
 /// Gradient through `y = tanh(z)`: `out = g * (1 - y^2)`. All slices have equal length.
@@ -701,5 +707,17 @@ mod tests {
         }
         relu_grad(&y, &g, &mut out);
         assert_eq!(out, [1.0, 0.0, 0.0, 0.5]);
+    }
+
+    #[test]
+    fn relu_zeroes_negatives_and_keeps_nan() {
+        // Longer than one vector, with a tail.
+        let mut x: Vec<f32> = (0..37).map(|i| i as f32 - 18.0).collect();
+        x[5] = f32::NAN;
+        let mut expected: Vec<f32> = x.iter().map(|v| if *v < 0.0 { 0.0 } else { *v }).collect();
+        relu_inplace(&mut x);
+        assert!(x[5].is_nan());
+        (x[5], expected[5]) = (0.0, 0.0);
+        assert_eq!(x, expected);
     }
 }

@@ -137,7 +137,7 @@ impl CustomOp3 for LinearAct {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
@@ -164,8 +164,18 @@ impl CustomOp3 for LinearAct {
         } else {
             None
         };
-        let gw = gz.t()?.matmul(&x.detach())?;
-        Ok((gx, Some(gw), Some(new_f32(gb, outw)?)))
+        // Parameters held constant (detached) get no gradient.
+        let gw = if w.track_op() {
+            Some(gz.t()?.matmul(&x.detach())?)
+        } else {
+            None
+        };
+        let gb = if b.track_op() {
+            Some(new_f32(gb, outw)?)
+        } else {
+            None
+        };
+        Ok((gx, gw, gb))
     }
 }
 
