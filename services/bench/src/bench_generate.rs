@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use relay_proto::{ChatMessage, GenerateReply, GenerateRequest, Prompt, SamplingParams, Subjects};
 
-use relay::stack::{free_port, sibling_binary, which};
+use relay::stack::{free_port, metric_value, scrape, sibling_binary, which};
 
 /// `relay bench-generate` flags.
 #[derive(Debug, clap::Args)]
@@ -90,27 +90,10 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
 /// `relay_llm_prompt_tokens_total` and `relay_llm_prompt_tokens_cached_total`
 /// from the inference server's `/metrics` on `port`.
 fn prompt_token_counters(port: u16) -> Option<(f64, f64)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).ok()?;
-    let value = |name: &str| -> Option<f64> {
-        // `name{labels} value` or `name value`.
-        text.lines().find_map(|l| {
-            let rest = l.strip_prefix(name)?;
-            if !(rest.starts_with('{') || rest.starts_with(' ')) {
-                return None;
-            }
-            rest.rsplit(' ').next()?.trim().parse().ok()
-        })
-    };
+    let text = scrape(([127, 0, 0, 1], port).into())?;
     Some((
-        value("relay_llm_prompt_tokens_total")?,
-        value("relay_llm_prompt_tokens_cached_total")?,
+        metric_value(&text, "relay_llm_prompt_tokens_total")?,
+        metric_value(&text, "relay_llm_prompt_tokens_cached_total")?,
     ))
 }
 

@@ -15,6 +15,7 @@ pub mod bench_smollm2;
 pub mod bench_solve;
 pub mod bench_tictactoe;
 pub mod bench_tracker;
+pub mod bench_weights;
 pub mod chaos;
 pub mod soak;
 pub mod sweep;

@@ -84,6 +84,8 @@ enum Command {
     BenchBridge(relay_bench::bench_bridge::BenchBridgeArgs),
     /// Raw env steps/s on one core of relay's built-in envs against Gymnasium's SyncVectorEnv and EnvPool; print a table and JSON.
     BenchEnvs(relay_bench::bench_envs::BenchEnvsArgs),
+    /// Publish-to-serving latency and MB/s of weights versions (a classic policy, a LoRA adapter, a full model through the object store) for 1, 2 and 4 inference servers; print a table and JSON.
+    BenchWeights(relay_bench::bench_weights::BenchWeightsArgs),
 }
 
 fn main() -> Result<()> {
@@ -114,6 +116,7 @@ fn main() -> Result<()> {
         Command::BenchLeague(args) => relay_bench::bench_league::bench_league(args),
         Command::BenchGenerate(args) => relay_bench::bench_generate::bench_generate(args),
         Command::BenchGpu(args) => relay_bench::bench_gpu::bench_gpu(args),
+        Command::BenchWeights(args) => relay_bench::bench_weights::bench_weights(args),
     }
 }
 

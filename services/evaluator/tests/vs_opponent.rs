@@ -181,6 +181,7 @@ async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions()
             config_json: "{}".into(),
             safetensors: vec![0; 8],
         },
+        published_unix_ms: 0,
     };
     client
         .publish(s.adapters(), encode(&update).into())

@@ -428,6 +428,7 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
                 config_json: config_json.clone(),
                 safetensors: safetensors.clone(),
             },
+            published_unix_ms: relay_proto::unix_ms(),
         };
         served
             .client
@@ -483,6 +484,7 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
                 bucket: "relay-adapters".into(),
                 key: "gen-adapters/policy/4".into(),
             },
+            published_unix_ms: relay_proto::unix_ms(),
         };
         served
             .client

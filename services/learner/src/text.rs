@@ -58,10 +58,7 @@ use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
 use relay_llm::{
     CausalLm, GgufBase, LoraAdapter, PeftBytes, RewardNormalizer, RlStats, RlTrainer, TokenExample,
 };
-use relay_proto::{
-    AdapterPayload, AdapterRequest, AdapterUpdate, GameSampleReply, GameSampleRequest,
-    SCHEMA_VERSION,
-};
+use relay_proto::{AdapterRequest, GameSampleReply, GameSampleRequest, SCHEMA_VERSION};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
@@ -144,80 +141,6 @@ pub fn object_store_bucket(run_id: &str) -> String {
     relay_kit::league::adapter_bucket(run_id)
 }
 
-/// The run's object store bucket, created if missing.
-async fn adapter_store(
-    service: &Service,
-) -> Result<(String, async_nats::jetstream::object_store::ObjectStore), String> {
-    let bucket = object_store_bucket(service.config.run_id().map_err(|e| e.to_string())?);
-    let jetstream = async_nats::jetstream::new(service.nats.clone());
-    let store = match jetstream.get_object_store(&bucket).await {
-        Ok(store) => store,
-        Err(_) => jetstream
-            .create_object_store(async_nats::jetstream::object_store::Config {
-                bucket: bucket.clone(),
-                description: Some("LoRA adapter versions of the learner".into()),
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| format!("object store bucket {bucket}: {e}"))?,
-    };
-    Ok((bucket, store))
-}
-
-/// Builds the [`AdapterUpdate`] of one version, uploading the files to the
-/// object store when they are bigger than `inline_max_bytes`, or always
-/// when `store_always` (the league serves past versions from there).
-async fn adapter_update(
-    service: &Service,
-    files: &PeftBytes,
-    progress: &Progress,
-    inline_max_bytes: usize,
-    store_always: bool,
-) -> Result<AdapterUpdate, String> {
-    let inline = files.len() <= inline_max_bytes;
-    let key = relay_kit::league::adapter_key(ADAPTER_NAME, progress.version);
-    let mut stored_in = None;
-    if store_always || !inline {
-        let upload = async {
-            let (bucket, store) = adapter_store(service).await?;
-            for (file, bytes) in [
-                (relay_llm::peft::CONFIG_FILE, files.config_json.as_bytes()),
-                (relay_llm::peft::WEIGHTS_FILE, files.safetensors.as_slice()),
-            ] {
-                let name = format!("{key}/{file}");
-                store
-                    .put(name.as_str(), &mut &bytes[..])
-                    .await
-                    .map_err(|e| format!("object {bucket}/{name}: {e}"))?;
-            }
-            Ok::<_, String>(bucket)
-        };
-        match upload.await {
-            Ok(bucket) => stored_in = Some(bucket),
-            // Inline still reaches the inference servers; only serving it
-            // later as a past version needs the store.
-            Err(e) if inline => {
-                tracing::warn!(error = %e, version = progress.version, "adapter version not stored")
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    let payload = match stored_in {
-        Some(bucket) if !inline => AdapterPayload::ObjectStore { bucket, key },
-        _ => AdapterPayload::Inline {
-            config_json: files.config_json.clone(),
-            safetensors: files.safetensors.clone(),
-        },
-    };
-    Ok(AdapterUpdate {
-        schema: SCHEMA_VERSION,
-        name: ADAPTER_NAME.to_string(),
-        version: progress.version,
-        learner_env_steps: progress.env_steps,
-        payload,
-    })
-}
-
 /// The learner's part in the league: admitting versions and deleting the
 /// stored adapters of evicted ones.
 struct League {
@@ -271,7 +194,11 @@ impl League {
         let Some(newest) = pool.current_version() else {
             return Ok(0);
         };
-        let (bucket, store) = adapter_store(service).await?;
+        let (bucket, store) = relay_kit::adapters::store(
+            &service.nats,
+            service.config.run_id().map_err(|e| e.to_string())?,
+        )
+        .await?;
         let mut objects = store
             .list()
             .await
@@ -319,14 +246,18 @@ impl Publisher<'_> {
         let published = async {
             let files = relay_llm::to_peft_bytes(adapter, Some(self.base_model))
                 .map_err(|e| e.to_string())?;
-            let update = adapter_update(
-                self.service,
-                &files,
-                progress,
-                self.inline_max_bytes,
-                self.league.is_some(),
-            )
-            .await?;
+            let run_id = self.service.config.run_id().map_err(|e| e.to_string())?;
+            let version = relay_kit::adapters::AdapterVersion {
+                name: ADAPTER_NAME,
+                version: progress.version,
+                learner_env_steps: progress.env_steps,
+                config_json: &files.config_json,
+                safetensors: &files.safetensors,
+                inline_max_bytes: self.inline_max_bytes,
+                store_always: self.league.is_some(),
+            };
+            let update =
+                relay_kit::adapters::adapter_update(&self.service.nats, run_id, version).await?;
             Ok::<_, String>((files, update))
         };
         let (files, update) = match published.await {

@@ -28,7 +28,7 @@ use stack::{Copies, Stack, SERVICES};
 
 /// The subcommands `relay` runs through the `relay-bench` binary beside it
 /// (relay-bench's own tests check that they are exactly its subcommands).
-pub const BENCH_COMMANDS: [&str; 14] = [
+pub const BENCH_COMMANDS: [&str; 15] = [
     "bench-scale",
     "soak",
     "bench-tracker",
@@ -43,6 +43,7 @@ pub const BENCH_COMMANDS: [&str; 14] = [
     "bench-gpu",
     "bench-bridge",
     "bench-envs",
+    "bench-weights",
 ];
 
 /// Flags of `relay up`.

@@ -103,6 +103,28 @@ pub fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
     std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
 }
 
+/// A service's `/metrics` text at `addr` (tiny HTTP/1.0 client).
+pub fn scrape(addr: SocketAddr) -> Option<String> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
+/// The value of the first sample of metric `name` (`name value` or
+/// `name{labels} value`) in a `/metrics` text.
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(name)?;
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            return None;
+        }
+        rest.rsplit(' ').next()?.trim().parse().ok()
+    })
+}
+
 fn log_file(dir: &Path, name: &str) -> Result<(Stdio, Stdio)> {
     let file = std::fs::File::create(dir.join(format!("{name}.log")))?;
     Ok((file.try_clone()?.into(), file.into()))

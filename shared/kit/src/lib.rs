@@ -8,6 +8,7 @@
 //! - [`telemetry`]: tracing setup and log forwarding to the tracker.
 //! - [`shutdown`]: the signal passed into `run`.
 
+pub mod adapters;
 pub mod connect;
 pub mod http;
 pub mod intake;

@@ -136,3 +136,57 @@ mod tests {
         }
     }
 }
+
+/// A weights version's transfer as a receiver sees it: from the publisher's
+/// stamp to the version held ready here (`relay_weights_transfer_seconds`,
+/// the two clocks: same machine or NTP), and the bytes received
+/// (`relay_weights_received_bytes_total`). Classic policies' followers and
+/// inference servers' LoRA adapters record the same two metrics.
+#[derive(Clone)]
+pub struct WeightsTransfer {
+    seconds: prometheus::Histogram,
+    bytes: prometheus::IntCounter,
+}
+
+impl WeightsTransfer {
+    /// Registers both metrics in `registry`.
+    pub fn register(registry: &Registry) -> Self {
+        let seconds = prometheus::Histogram::with_opts(
+            prometheus::HistogramOpts::new(
+                "relay_weights_transfer_seconds",
+                "From the publisher stamping a weights version to this copy holding it ready (both clocks: same machine or NTP).",
+            )
+            .buckets(vec![0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0]),
+        )
+        .expect("valid histogram");
+        let bytes = prometheus::IntCounter::new(
+            "relay_weights_received_bytes_total",
+            "Bytes of published weights versions this copy received.",
+        )
+        .expect("valid counter");
+        register(registry, &seconds);
+        register(registry, &bytes);
+        Self { seconds, bytes }
+    }
+
+    /// Records `bytes` received, and the transfer of a version stamped at
+    /// `published_unix_ms` that is ready now ([`Self::ready`]).
+    pub fn record(&self, published_unix_ms: u64, bytes: usize) {
+        self.received(bytes);
+        self.ready(published_unix_ms);
+    }
+
+    /// Counts `bytes` of weights received.
+    pub fn received(&self, bytes: usize) {
+        self.bytes.inc_by(bytes as u64);
+    }
+
+    /// Times the transfer of a version stamped at `published_unix_ms`
+    /// (0: unknown, not timed) that is ready now.
+    pub fn ready(&self, published_unix_ms: u64) {
+        if published_unix_ms > 0 {
+            let ms = relay_proto::unix_ms().saturating_sub(published_unix_ms);
+            self.seconds.observe(ms as f64 / 1000.0);
+        }
+    }
+}

@@ -133,6 +133,8 @@ pub struct Service {
     pub health: Health,
     pub metrics_addr: SocketAddr,
     pub shutdown: Shutdown,
+    /// Registered on first use ([`Self::weights_transfer`]).
+    weights_transfer: Arc<std::sync::OnceLock<crate::metrics::WeightsTransfer>>,
 }
 
 impl Service {
@@ -192,7 +194,17 @@ impl Service {
             health,
             metrics_addr,
             shutdown,
+            weights_transfer: Arc::default(),
         })
+    }
+
+    /// This process's weights-transfer metrics, registered the first time
+    /// anything here receives weights (a classic policy's follower, an
+    /// inference server's LoRA adapters), shared by all of them after.
+    pub fn weights_transfer(&self) -> crate::metrics::WeightsTransfer {
+        self.weights_transfer
+            .get_or_init(|| crate::metrics::WeightsTransfer::register(&self.registry))
+            .clone()
     }
 
     /// Registers this process as a NATS micro service (`$SRV.PING/INFO/STATS`),

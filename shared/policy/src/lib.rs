@@ -507,42 +507,6 @@ impl Follower<VersionedStats> {
     }
 }
 
-/// The weight transfer as a follower sees it: from the learner's publish
-/// to the version built and ready here, and the bytes received.
-struct TransferMetrics {
-    seconds: prometheus::Histogram,
-    bytes: prometheus::IntCounter,
-}
-
-impl TransferMetrics {
-    fn register(registry: &prometheus::Registry) -> Self {
-        let seconds = prometheus::Histogram::with_opts(
-            prometheus::HistogramOpts::new(
-                "relay_weights_transfer_seconds",
-                "From the learner publishing a weights version to this copy holding it ready (both clocks: same machine or NTP).",
-            )
-            .buckets(vec![0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0]),
-        )
-        .expect("valid histogram");
-        let bytes = prometheus::IntCounter::new(
-            "relay_weights_received_bytes_total",
-            "Bytes of published weights versions this copy received.",
-        )
-        .expect("valid counter");
-        relay_kit::metrics::register(registry, &seconds);
-        relay_kit::metrics::register(registry, &bytes);
-        Self { seconds, bytes }
-    }
-
-    fn record(&self, update: &WeightsUpdate, bytes: usize) {
-        self.bytes.inc_by(bytes as u64);
-        if update.published_unix_ms > 0 {
-            let ms = relay_proto::unix_ms().saturating_sub(update.published_unix_ms);
-            self.seconds.observe(ms as f64 / 1000.0);
-        }
-    }
-}
-
 impl<T: Versioned> Follower<T> {
     /// Fetches the current version at start (`weights.latest`), then each
     /// one published (`weights`), keeping what `build` makes of the newest
@@ -551,7 +515,7 @@ impl<T: Versioned> Follower<T> {
         service: &Service,
         build: impl Fn(&WeightsUpdate) -> Result<T, Rejection> + Send + 'static,
     ) -> Result<Self, relay_kit::ServiceError> {
-        let transfer = TransferMetrics::register(&service.registry);
+        let transfer = service.weights_transfer();
         let (tx, rx) = watch::channel(None);
         let mut updates = service
             .nats
@@ -621,7 +585,7 @@ impl<T: Versioned> Follower<T> {
                 match build(&update) {
                     Ok(policy) => {
                         let _ = tx.send(Some(Arc::new(policy)));
-                        transfer.record(&update, message.payload.len());
+                        transfer.record(update.published_unix_ms, message.payload.len());
                     }
                     Err(rejection) => service.intake.reject("weights", &rejection),
                 }

@@ -232,6 +232,12 @@ impl WireMessage for GenerateReply {
     }
 }
 
+/// The object holding an adapter's PEFT `adapter_config.json` in its
+/// [`AdapterPayload::ObjectStore`] folder.
+pub const ADAPTER_CONFIG_OBJECT: &str = "adapter_config.json";
+/// The object holding an adapter's PEFT `adapter_model.safetensors`.
+pub const ADAPTER_WEIGHTS_OBJECT: &str = "adapter_model.safetensors";
+
 /// Where the bytes of an adapter version are.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum AdapterPayload {
@@ -257,6 +263,11 @@ pub struct AdapterUpdate {
     pub version: u64,
     pub learner_env_steps: u64,
     pub payload: AdapterPayload,
+    /// When the publisher began publishing this version ([`crate::unix_ms`]
+    /// on its clock, before any upload to the object store), so receivers
+    /// measure the whole transfer; 0: unknown.
+    #[serde(default)]
+    pub published_unix_ms: u64,
 }
 
 impl WireMessage for AdapterUpdate {

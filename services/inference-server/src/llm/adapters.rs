@@ -112,6 +112,8 @@ pub(crate) struct AdapterStore {
     /// The run's bucket of stored versions, looked in for unknown ones.
     bucket: Option<String>,
     metrics: LlmMetrics,
+    /// Counts the adapter bytes fetched from the object store.
+    transfer: relay_kit::metrics::WeightsTransfer,
 }
 
 /// Why a version was not found in the object store.
@@ -130,6 +132,7 @@ impl AdapterStore {
         nats: async_nats::Client,
         bucket: Option<String>,
         metrics: LlmMetrics,
+        transfer: relay_kit::metrics::WeightsTransfer,
     ) -> Self {
         Self {
             inner: tokio::sync::Mutex::new(Inner {
@@ -143,6 +146,7 @@ impl AdapterStore {
             jetstream: async_nats::jetstream::new(nats),
             bucket,
             metrics,
+            transfer,
         }
     }
 
@@ -348,7 +352,7 @@ impl AdapterStore {
                 StoredError::NotFound(format!("object store bucket {bucket:?}: {e}"))
             })?;
         let key = relay_kit::league::adapter_key(name, version);
-        let object = format!("{key}/{}", relay_llm::peft::CONFIG_FILE);
+        let object = format!("{key}/{}", relay_proto::ADAPTER_CONFIG_OBJECT);
         match store.info(&object).await {
             // A deleted object keeps its info, marked deleted.
             Ok(info) if info.deleted => Err(StoredError::NotFound(format!(
@@ -426,11 +430,17 @@ impl AdapterStore {
             }
             Source::ObjectStore { bucket, key } => {
                 let config = self
-                    .fetch(bucket, &format!("{key}/{}", relay_llm::peft::CONFIG_FILE))
+                    .fetch(
+                        bucket,
+                        &format!("{key}/{}", relay_proto::ADAPTER_CONFIG_OBJECT),
+                    )
                     .await
                     .map_err(&fail)?;
                 let weights = self
-                    .fetch(bucket, &format!("{key}/{}", relay_llm::peft::WEIGHTS_FILE))
+                    .fetch(
+                        bucket,
+                        &format!("{key}/{}", relay_proto::ADAPTER_WEIGHTS_OBJECT),
+                    )
                     .await
                     .map_err(&fail)?;
                 let config = String::from_utf8(config)
@@ -470,6 +480,7 @@ impl AdapterStore {
             .read_to_end(&mut bytes)
             .await
             .map_err(|e| format!("reading object {bucket}/{object}: {e}"))?;
+        self.transfer.received(bytes.len());
         Ok(bytes)
     }
 }

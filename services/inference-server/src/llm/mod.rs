@@ -269,6 +269,7 @@ pub(crate) async fn serve(
             .ok()
             .map(relay_kit::league::adapter_bucket),
         metrics.clone(),
+        service.weights_transfer(),
     ));
     for (name, dir) in &cfg.adapters {
         adapters
@@ -285,6 +286,7 @@ pub(crate) async fn serve(
     adapters.fetch_latest_at_start(&service, relay_policy::text::LEARNING_ADAPTER);
     {
         let (service, adapters) = (service.clone(), adapters.clone());
+        let transfer = service.weights_transfer();
         tokio::spawn(async move {
             while let Some(message) = updates.next().await {
                 let Ok(update) = service
@@ -294,8 +296,13 @@ pub(crate) async fn serve(
                     continue;
                 };
                 let (name, version) = (update.name.clone(), update.version);
+                let published_unix_ms = update.published_unix_ms;
+                transfer.received(message.payload.len());
                 match adapters.add_update(update).await {
-                    Ok(()) => tracing::info!(name, version, "adapter version added"),
+                    Ok(()) => {
+                        transfer.ready(published_unix_ms);
+                        tracing::info!(name, version, "adapter version added")
+                    }
                     Err(e) => service.intake.reject(
                         "adapters",
                         &Rejection::Invalid {

@@ -908,6 +908,7 @@ impl Subject for AdapterUpdate {
             version: rng.u64_any(),
             learner_env_steps: rng.u64_any(),
             payload,
+            published_unix_ms: rng.u64_any(),
         }
     }
     schema_setter!();
