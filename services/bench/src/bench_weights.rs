@@ -1,0 +1,492 @@
+//! `relay-bench bench-weights` (`just bench-weights`): how long a new
+//! weights version takes from its publishing to being served, and how many
+//! bytes per second that moves, for 1, 2 and 4 inference servers.
+//!
+//! Three payloads, each through the path its versions take in a run:
+//!
+//! - **classic**: a classic policy (`--classic-config`, CartPole PPO by
+//!   default) as a `WeightsUpdate` on `relay.<run>.weights`, published the
+//!   way the learner publishes (stamped, then one NATS message);
+//! - **lora**: a LoRA adapter over `--model` (SmolLM2-135M by default, the
+//!   `lora` section's defaults: rank 8 on every projection) published with
+//!   the learner's own code ([`relay_kit::adapters::adapter_update`]):
+//!   inline when it fits a message, else uploaded to the run's object
+//!   store bucket first, then announced on `relay.<run>.adapters`;
+//! - **full**: a full model of `--full-params` f32 parameters (SmolLM2-135M's
+//!   134,515,008 by default) through the JetStream object store, the path
+//!   a full-weight version would take. relay's text runs publish adapters
+//!   only, so no inference server loads full weights yet: this payload
+//!   times the transport alone (upload, announcement, each server's
+//!   download into memory), with one NATS connection per simulated server.
+//!
+//! Classic and LoRA versions are served by real `relay-inference-server`
+//! processes, and their times are the servers' own
+//! `relay_weights_transfer_seconds` (from the publisher's stamp to the
+//! version held ready: decoded and built, or fetched, parsed and placed on
+//! the model); the stamps are whole milliseconds, so each server's mean
+//! over `--versions` versions is what is reported. Prints a table and,
+//! last, one JSON line.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use relay::stack::{metric_value, scrape, ExternalInfra, Stack};
+use relay_proto::{encode, Subjects, WeightsRequest, WeightsUpdate};
+use serde::Serialize;
+use tokio::io::AsyncReadExt;
+
+/// `relay-bench bench-weights` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchWeightsArgs {
+    /// Inference-server counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub servers: Vec<usize>,
+    /// Payloads to measure: classic, lora, full.
+    #[arg(long, value_delimiter = ',', default_value = "classic,lora,full")]
+    pub payloads: Vec<String>,
+    /// Versions published per classic or LoRA measurement.
+    #[arg(long, default_value_t = 20)]
+    pub versions: u64,
+    /// Milliseconds between two classic or LoRA versions.
+    #[arg(long, default_value_t = 200)]
+    pub interval_ms: u64,
+    /// Versions of the full model per measurement.
+    #[arg(long, default_value_t = 3)]
+    pub full_versions: u64,
+    /// Parameters (f32) of the full-model payload.
+    #[arg(long, default_value_t = 134_515_008)]
+    pub full_params: u64,
+    /// Config of the classic policy.
+    #[arg(long, default_value = "configs/cartpole-ppo.yaml")]
+    pub classic_config: PathBuf,
+    /// Base model of the LoRA payload (`llm.model`: `smollm2`, `tiny`, a
+    /// folder or a `.gguf`).
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// Folder for the benchmark's NATS state and the servers' logs.
+    #[arg(long, default_value = ".relay/bench-weights")]
+    pub state_dir: PathBuf,
+}
+
+/// One (payload, server count) measurement.
+#[derive(Debug, Clone, Serialize)]
+struct Row {
+    payload: String,
+    servers: usize,
+    bytes: u64,
+    versions: u64,
+    /// Mean publish-to-ready time over every (server, version).
+    mean_ms: f64,
+    /// Until every server held a version: the slowest server's mean
+    /// (classic, LoRA) or the mean over versions of the slowest server
+    /// (full).
+    all_ready_ms: f64,
+    /// Bytes delivered to all servers per second of `all_ready_ms`.
+    mb_per_s: f64,
+    /// Full model: the mean time of the upload to the object store, the
+    /// first part of `mean_ms`.
+    upload_ms: Option<f64>,
+}
+
+impl Row {
+    fn new(
+        payload: &str,
+        servers: usize,
+        bytes: u64,
+        versions: u64,
+        mean_ms: f64,
+        all_ready_ms: f64,
+    ) -> Self {
+        Self {
+            payload: payload.into(),
+            servers,
+            bytes,
+            versions,
+            mean_ms,
+            all_ready_ms,
+            mb_per_s: bytes as f64 * servers as f64 / 1e6 / (all_ready_ms / 1e3).max(1e-9),
+            upload_ms: None,
+        }
+    }
+}
+
+/// Runs the benchmark (see the module docs).
+pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
+    if args.servers.is_empty() || args.servers.contains(&0) || args.versions == 0 {
+        bail!("--servers must list positive counts and --versions be positive");
+    }
+    for p in &args.payloads {
+        if !["classic", "lora", "full"].contains(&p.as_str()) {
+            bail!("unknown payload {p:?} in --payloads (known: classic, lora, full)");
+        }
+    }
+    std::fs::create_dir_all(&args.state_dir)?;
+    let _ = std::fs::remove_dir_all(args.state_dir.join("nats"));
+    let mut stack =
+        Stack::start_infra(&args.state_dir, "bench-weights", &ExternalInfra::default())?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let client = runtime.block_on(async_nats::connect(&stack.nats_url))?;
+    let mut rows = Vec::new();
+    for payload in &args.payloads {
+        for &servers in &args.servers {
+            let row = match payload.as_str() {
+                "classic" => classic(&mut stack, &runtime, &client, servers, &args)?,
+                "lora" => lora(&mut stack, &runtime, &client, servers, &args)?,
+                _ => runtime.block_on(full(&stack.nats_url, &client, servers, &args))?,
+            };
+            eprintln!(
+                "{} x{}: {:.2} MB, mean {:.1} ms, all ready {:.1} ms, {:.0} MB/s",
+                row.payload,
+                row.servers,
+                row.bytes as f64 / 1e6,
+                row.mean_ms,
+                row.all_ready_ms,
+                row.mb_per_s
+            );
+            rows.push(row);
+        }
+    }
+    drop(client);
+    stack.stop(Duration::from_secs(10));
+
+    println!();
+    println!("| payload | servers | MB | versions | mean publish-to-serving ms | all servers ready ms | MB/s | of which upload ms |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {:.3} | {} | {:.1} | {:.1} | {:.0} | {} |",
+            r.payload,
+            r.servers,
+            r.bytes as f64 / 1e6,
+            r.versions,
+            r.mean_ms,
+            r.all_ready_ms,
+            r.mb_per_s,
+            r.upload_ms.map_or("-".to_string(), |u| format!("{u:.0}"))
+        );
+    }
+    let full_4 = rows
+        .iter()
+        .find(|r| r.payload == "full" && r.servers == 4)
+        .map(|r| r.all_ready_ms / 1e3);
+    println!(
+        "{}",
+        serde_json::json!({
+            "bench": "weights",
+            "rows": rows,
+            "full_4_servers_all_ready_s": full_4,
+            "target_full_4_servers_s": 2.0,
+        })
+    );
+    Ok(())
+}
+
+/// Starts `servers` inference servers of run `run_id` on `config` and
+/// waits until they answer `/healthz`.
+fn start_servers(
+    stack: &mut Stack,
+    run_id: &str,
+    config: &std::path::Path,
+    servers: usize,
+) -> Result<()> {
+    stack.run_id = run_id.to_string();
+    for _ in 0..servers {
+        stack.spawn_service("inference-server", config, &[])?;
+    }
+    stack
+        .wait_healthy(Duration::from_secs(300))
+        .with_context(|| {
+            format!(
+                "inference servers of {run_id} (logs in {})",
+                stack.state_dir.join("logs").display()
+            )
+        })
+}
+
+/// Stops the inference servers `start_servers` started.
+fn stop_servers(stack: &mut Stack, servers: usize) -> Result<()> {
+    for mut p in stack.take_copies("inference-server", servers)? {
+        let _ = p.child.wait();
+    }
+    Ok(())
+}
+
+/// `(count, sum)` of `relay_weights_transfer_seconds` on each server.
+fn transfer_counters(stack: &Stack) -> Vec<(f64, f64)> {
+    stack
+        .services
+        .iter()
+        .filter_map(|p| p.metrics_addr)
+        .map(|addr| {
+            let text = scrape(addr).unwrap_or_default();
+            (
+                metric_value(&text, "relay_weights_transfer_seconds_count").unwrap_or(0.0),
+                metric_value(&text, "relay_weights_transfer_seconds_sum").unwrap_or(0.0),
+            )
+        })
+        .collect()
+}
+
+/// Publishes `versions` versions with `publish(v)` every `interval_ms`,
+/// waits until every server timed all of them, and returns the mean over
+/// every transfer and the slowest server's mean, in ms.
+async fn measure<F, Fut>(
+    stack: &Stack,
+    args: &BenchWeightsArgs,
+    mut publish: F,
+) -> Result<(f64, f64)>
+where
+    F: FnMut(u64) -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    let before = transfer_counters(stack);
+    for v in 1..=args.versions {
+        publish(v).await?;
+        tokio::time::sleep(Duration::from_millis(args.interval_ms)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let after = transfer_counters(stack);
+        let done = after
+            .iter()
+            .zip(&before)
+            .all(|(a, b)| a.0 - b.0 >= args.versions as f64);
+        if done {
+            let means: Vec<f64> = after
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| (a.1 - b.1) / (a.0 - b.0) * 1e3)
+                .collect();
+            let mean = means.iter().sum::<f64>() / means.len() as f64;
+            let worst = means.iter().copied().fold(0.0, f64::max);
+            return Ok((mean, worst));
+        }
+        if Instant::now() > deadline {
+            let got: Vec<f64> = after.iter().zip(&before).map(|(a, b)| a.0 - b.0).collect();
+            bail!(
+                "servers timed {got:?} of {} versions within 60 s",
+                args.versions
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Classic policy versions through `relay.<run>.weights`.
+fn classic(
+    stack: &mut Stack,
+    runtime: &tokio::runtime::Runtime,
+    client: &async_nats::Client,
+    servers: usize,
+    args: &BenchWeightsArgs,
+) -> Result<Row> {
+    let config = relay_config::ExperimentConfig::load(&args.classic_config, &[])?;
+    let model = relay_nn::ActorCritic::new(&relay_policy::spec_for(&config)?, 0)?;
+    let run_id = format!("bench-weights-classic-{servers}");
+    let subjects = Subjects::new(&run_id);
+    // As the learner: answer `weights.latest` with version 0.
+    let first = encode(&relay_policy::to_weights(&model, 0, 0));
+    let mut latest = runtime.block_on(client.subscribe(subjects.weights_latest()))?;
+    let answering = {
+        let client = client.clone();
+        runtime.spawn(async move {
+            while let Some(m) = latest.next().await {
+                if relay_proto::decode::<WeightsRequest>(&m.payload).is_ok() {
+                    if let Some(reply) = m.reply {
+                        let _ = client.publish(reply, first.clone().into()).await;
+                    }
+                }
+            }
+        })
+    };
+    start_servers(stack, &run_id, &args.classic_config, servers)?;
+    let mut bytes = 0;
+    let measured = runtime.block_on(measure(stack, args, |v| {
+        let mut update: WeightsUpdate = relay_policy::to_weights(&model, v, 0);
+        update.published_unix_ms = relay_proto::unix_ms();
+        let payload = encode(&update);
+        bytes = payload.len() as u64;
+        let (client, subject) = (client.clone(), subjects.weights());
+        async move {
+            client.publish(subject, payload.into()).await?;
+            Ok(())
+        }
+    }));
+    answering.abort();
+    stop_servers(stack, servers)?;
+    let (mean, worst) = measured?;
+    Ok(Row::new(
+        "classic",
+        servers,
+        bytes,
+        args.versions,
+        mean,
+        worst,
+    ))
+}
+
+/// LoRA adapter versions as the learner publishes them.
+fn lora(
+    stack: &mut Stack,
+    runtime: &tokio::runtime::Runtime,
+    client: &async_nats::Client,
+    servers: usize,
+    args: &BenchWeightsArgs,
+) -> Result<Row> {
+    let model_arg = if args.model == "tiny" {
+        let out = args.state_dir.join("tiny");
+        relay::model::init_tiny(&out, 0)?;
+        out.display().to_string()
+    } else {
+        args.model.clone()
+    };
+    let (base, _) = relay_llm::load_causal_lm(&model_arg, relay_llm::GgufBase::Dequantized)
+        .with_context(|| format!("base model {model_arg} (run `bash deploy/install.sh`)"))?;
+    let lora = relay_config::LoraSection::default();
+    let inline_max_bytes = lora.inline_max_bytes;
+    let adapter = relay_llm::LoraAdapter::new(base.config(), lora.lora_config()?, 0)?;
+    let files = relay_llm::to_peft_bytes(&adapter, Some(&model_arg))?;
+    drop(base);
+    let config = args.state_dir.join("bench-weights-lora.yaml");
+    std::fs::write(
+        &config,
+        format!("run:\n  env_id: TicTacToe-v0\nllm:\n  model: {model_arg:?}\n  threads: 1\n"),
+    )?;
+    let run_id = format!("bench-weights-lora-{servers}");
+    start_servers(stack, &run_id, &config, servers)?;
+    let subjects = Subjects::new(&run_id);
+    let measured = runtime.block_on(measure(stack, args, |v| {
+        let (client, subject, run_id, files) = (
+            client.clone(),
+            subjects.adapters(),
+            run_id.clone(),
+            files.clone(),
+        );
+        async move {
+            let version = relay_kit::adapters::AdapterVersion {
+                name: relay_policy::text::LEARNING_ADAPTER,
+                version: v,
+                learner_env_steps: 0,
+                config_json: &files.config_json,
+                safetensors: &files.safetensors,
+                inline_max_bytes,
+                store_always: false,
+            };
+            let update = relay_kit::adapters::adapter_update(&client, &run_id, version)
+                .await
+                .map_err(anyhow::Error::msg)?;
+            client.publish(subject, encode(&update).into()).await?;
+            Ok(())
+        }
+    }));
+    stop_servers(stack, servers)?;
+    let (mean, worst) = measured?;
+    Ok(Row::new(
+        "lora",
+        servers,
+        files.len() as u64,
+        args.versions,
+        mean,
+        worst,
+    ))
+}
+
+/// A full model's bytes through the JetStream object store to `servers`
+/// readers, each on its own NATS connection (see the module docs).
+async fn full(
+    nats_url: &str,
+    client: &async_nats::Client,
+    servers: usize,
+    args: &BenchWeightsArgs,
+) -> Result<Row> {
+    let bytes = args.full_params as usize * 4;
+    let payload: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
+    let jetstream = async_nats::jetstream::new(client.clone());
+    let bucket = format!("relay-bench-weights-full-{servers}");
+    let store = jetstream
+        .create_object_store(async_nats::jetstream::object_store::Config {
+            bucket: bucket.clone(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("object store bucket {bucket}: {e}"))?;
+    let notices = format!("relay.{bucket}.versions");
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Result<(usize, Instant)>>();
+    let mut readers = Vec::new();
+    for _ in 0..servers {
+        let reader = async_nats::connect(nats_url).await?;
+        let mut versions = reader.subscribe(notices.clone()).await?;
+        let store = async_nats::jetstream::new(reader.clone())
+            .get_object_store(&bucket)
+            .await
+            .map_err(|e| anyhow::anyhow!("object store bucket {bucket}: {e}"))?;
+        let done = done_tx.clone();
+        readers.push(tokio::spawn(async move {
+            let _connection = reader;
+            while let Some(notice) = versions.next().await {
+                let key = String::from_utf8_lossy(&notice.payload).to_string();
+                let fetched = async {
+                    let mut object = store
+                        .get(&key)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+                    let mut held = Vec::with_capacity(bytes);
+                    object.read_to_end(&mut held).await?;
+                    Ok::<_, anyhow::Error>(held.len())
+                }
+                .await;
+                let _ = done.send(fetched.map(|n| (n, Instant::now())));
+            }
+        }));
+    }
+    client.flush().await?;
+    let (mut all, mut slowest, mut uploads) = (Vec::new(), Vec::new(), Vec::new());
+    for v in 1..=args.full_versions {
+        let key = format!("policy/v{v}");
+        let published = Instant::now();
+        store
+            .put(key.as_str(), &mut payload.as_slice())
+            .await
+            .map_err(|e| anyhow::anyhow!("uploading {key}: {e}"))?;
+        uploads.push(published.elapsed().as_secs_f64() * 1e3);
+        client.publish(notices.clone(), key.clone().into()).await?;
+        let mut latest = 0.0f64;
+        for _ in 0..servers {
+            let (n, at) = tokio::time::timeout(Duration::from_secs(300), done_rx.recv())
+                .await
+                .context("a reader did not finish within 300 s")?
+                .context("readers stopped")??;
+            if n != bytes {
+                bail!("a reader got {n} of {bytes} bytes");
+            }
+            let ms = (at - published).as_secs_f64() * 1e3;
+            all.push(ms);
+            latest = latest.max(ms);
+        }
+        slowest.push(latest);
+        store
+            .delete(&key)
+            .await
+            .map_err(|e| anyhow::anyhow!("deleting {key}: {e}"))?;
+    }
+    for r in readers {
+        r.abort();
+    }
+    let _ = jetstream.delete_object_store(&bucket).await;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let mut row = Row::new(
+        "full",
+        servers,
+        bytes as u64,
+        args.full_versions,
+        mean(&all),
+        mean(&slowest),
+    );
+    row.upload_ms = Some(mean(&uploads));
+    Ok(row)
+}
