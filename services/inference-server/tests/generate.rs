@@ -70,6 +70,7 @@ struct Served {
     subjects: Subjects,
     trigger: ShutdownTrigger,
     server: tokio::task::JoinHandle<Result<(), relay_kit::ServiceError>>,
+    metrics_addr: std::net::SocketAddr,
 }
 
 async fn serve(run_id: &str, extra: &[&str]) -> Served {
@@ -83,10 +84,10 @@ async fn serve(run_id: &str, extra: &[&str]) -> Served {
     let overrides: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
     let experiment = ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap();
     let (trigger, shutdown) = Shutdown::new();
-    let server = tokio::spawn(relay_inference_server::run(
-        ServiceConfig::for_test(experiment),
-        shutdown,
-    ));
+    let mut config = ServiceConfig::for_test(experiment);
+    let metrics_addr: std::net::SocketAddr = ([127, 0, 0, 1], relay_testkit::free_port()).into();
+    config.metrics_addr = metrics_addr;
+    let server = tokio::spawn(relay_inference_server::run(config, shutdown));
     let client = async_nats::connect(nats.url()).await.unwrap();
     let served = Served {
         _nats: nats,
@@ -94,6 +95,7 @@ async fn serve(run_id: &str, extra: &[&str]) -> Served {
         subjects: Subjects::new(run_id),
         trigger,
         server,
+        metrics_addr,
     };
     // Until the endpoint answers.
     let deadline = Instant::now() + TIMEOUT;
@@ -501,6 +503,22 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
         .await;
         assert_eq!(v4.adapter, policy(Some(4)));
         assert_eq!(completion(&v4), completion(&want));
+        // Both published versions' transfers are timed, and their bytes
+        // counted (version 4's fetched from the store).
+        let (_, text) = relay_testkit::http_get(served.metrics_addr, "/metrics").unwrap();
+        let metric = |name: &str| -> f64 {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.rsplit(' ').next())
+                .map_or(0.0, |v| v.parse().unwrap())
+        };
+        assert_eq!(
+            metric("relay_weights_transfer_seconds_count"),
+            2.0,
+            "{text}"
+        );
+        let files = (config_json.len() + safetensors.len()) as f64;
+        assert!(metric("relay_weights_received_bytes_total") > 2.0 * files);
         // No version: the newest.
         let newest = served
             .generate(&tokens_request(&case.input_ids, policy(None), 8))
