@@ -1,6 +1,8 @@
 //! `relay bench-scale`: CartPole env steps per second for several
 //! env-runner and inference-server counts, one `relay up` stack scaled with
-//! `relay scale`.
+//! `relay scale`: the env steps the env-runners generate, and the env steps
+//! the learner trains on (what the on-policy FIFO evicts unsampled, or the
+//! learner drops as too stale, is generated but never trained on).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -135,27 +137,38 @@ pub fn bench_scale(args: BenchScaleArgs) -> Result<()> {
                 tokio::pin!(window);
                 let mut steps = 0.0;
                 let mut instances = std::collections::BTreeSet::new();
+                // The learner's count of env steps it trained on, with
+                // when it came, at the window's first and last learner report.
+                let mut trained: Option<((f64, Instant), (f64, Instant))> = None;
                 loop {
                     tokio::select! {
                         _ = &mut window => break,
                         Some(m) = metrics.next() => {
                             let Ok(report) = relay_proto::decode::<MetricsReport>(&m.payload) else { continue };
-                            if report.service != "env-runner" { continue }
                             for v in &report.values {
-                                if v.name == "env_steps_total" {
+                                if report.service == "env-runner" && v.name == "env_steps_total" {
                                     steps += v.value;
                                     instances.insert(report.instance.clone());
+                                }
+                                if report.service == "learner" && v.name == "learner_env_steps" {
+                                    let now = (v.value, Instant::now());
+                                    trained = Some((trained.map_or(now, |t| t.0), now));
                                 }
                             }
                         }
                     }
                 }
                 let sps = steps / args.window_s;
+                // Between the learner's first and last report in the window
+                // (it reports once per update).
+                let trained_sps = trained.map_or(0.0, |((first, from), (last, to))| {
+                    (last - first) / (to - from).as_secs_f64().max(1e-3)
+                });
                 println!(
-                    "relay: env-runners {runners} inference-servers {inference}: {sps:.0} env steps/s ({} runners reporting)",
+                    "relay: env-runners {runners} inference-servers {inference}: {sps:.0} env steps/s generated, {trained_sps:.0} trained on by the learner ({} runners reporting)",
                     instances.len()
                 );
-                rows.push((runners, inference, sps));
+                rows.push((runners, inference, sps, trained_sps));
             }
         }
         anyhow::Ok(rows)
@@ -174,11 +187,11 @@ pub fn bench_scale(args: BenchScaleArgs) -> Result<()> {
         .find(|r| r.0 == 1 && r.1 == 1)
         .map_or(f64::NAN, |r| r.2);
     println!();
-    println!("| env-runners | inference-servers | env steps/s | vs 1+1 |");
-    println!("|---:|---:|---:|---:|");
-    for (runners, inference, sps) in &rows {
+    println!("| env-runners | inference-servers | env steps/s generated | vs 1+1 | env steps/s trained on |");
+    println!("|---:|---:|---:|---:|---:|");
+    for (runners, inference, sps, trained) in &rows {
         println!(
-            "| {runners} | {inference} | {sps:.0} | {:.2}x |",
+            "| {runners} | {inference} | {sps:.0} | {:.2}x | {trained:.0} |",
             sps / base
         );
     }
@@ -188,7 +201,7 @@ pub fn bench_scale(args: BenchScaleArgs) -> Result<()> {
         "cores": cores,
         "warmup_s": args.warmup_s,
         "window_s": args.window_s,
-        "results": rows.iter().map(|(r, i, s)| serde_json::json!({"env_runners": r, "inference_servers": i, "sps": s.round()})).collect::<Vec<_>>(),
+        "results": rows.iter().map(|(r, i, s, t)| serde_json::json!({"env_runners": r, "inference_servers": i, "sps": s.round(), "trained_sps": t.round()})).collect::<Vec<_>>(),
     });
     println!("{json}");
     Ok(())
