@@ -41,11 +41,12 @@ pub struct BenchLeagueArgs {
     /// Folder for the tiny model, the SFT output and the runs.
     #[arg(long, default_value = "bench/league")]
     pub work_dir: PathBuf,
-    /// Games of random legal moves the SFT data comes from.
-    #[arg(long, default_value_t = 300)]
+    /// Games of random legal moves the SFT data comes from (as
+    /// `bench-tictactoe`, whose result the league is compared with).
+    #[arg(long, default_value_t = 1000)]
     pub sft_games: usize,
     /// Passes of SFT over those moves.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 4)]
     pub sft_epochs: usize,
     /// Games per opponent and seat in each evaluation.
     #[arg(long, default_value_t = 20)]
