@@ -112,6 +112,61 @@ impl Row {
     }
 }
 
+/// One payload's bytes, made once and published for every server count.
+enum Payload {
+    /// The classic policy whose versions are published.
+    Classic(Box<relay_nn::ActorCritic>),
+    /// The adapter's PEFT files, and the servers' config (its base model).
+    Lora {
+        files: relay_llm::PeftBytes,
+        config: PathBuf,
+    },
+    /// The full model's bytes.
+    Full(Vec<u8>),
+}
+
+impl Payload {
+    fn prepare(name: &str, args: &BenchWeightsArgs) -> Result<Self> {
+        Ok(match name {
+            "classic" => {
+                let config = relay_config::ExperimentConfig::load(&args.classic_config, &[])?;
+                Self::Classic(Box::new(relay_nn::ActorCritic::new(
+                    &relay_policy::spec_for(&config)?,
+                    0,
+                )?))
+            }
+            "lora" => {
+                let model = if args.model == "tiny" {
+                    let out = args.state_dir.join("tiny");
+                    relay::model::init_tiny(&out, 0)?;
+                    out.display().to_string()
+                } else {
+                    args.model.clone()
+                };
+                let (base, _) = relay_llm::load_causal_lm(&model, relay_llm::GgufBase::Dequantized)
+                    .with_context(|| {
+                        format!("base model {model} (run `bash deploy/install.sh`)")
+                    })?;
+                let lora = relay_config::LoraSection::default().lora_config()?;
+                let adapter = relay_llm::LoraAdapter::new(base.config(), lora, 0)?;
+                let files = relay_llm::to_peft_bytes(&adapter, Some(&model))?;
+                let config = args.state_dir.join("bench-weights-lora.yaml");
+                std::fs::write(
+                    &config,
+                    format!(
+                        "run:\n  env_id: TicTacToe-v0\nllm:\n  model: {model:?}\n  threads: 1\n"
+                    ),
+                )?;
+                Self::Lora { files, config }
+            }
+            _ => {
+                let bytes = args.full_params as usize * 4;
+                Self::Full((0..bytes).map(|i| (i * 31 % 251) as u8).collect())
+            }
+        })
+    }
+}
+
 /// Runs the benchmark (see the module docs).
 pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
     if args.servers.is_empty() || args.servers.contains(&0) || args.versions == 0 {
@@ -132,12 +187,19 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
         .build()?;
     let client = runtime.block_on(async_nats::connect(&stack.nats_url))?;
     let mut rows = Vec::new();
-    for payload in &args.payloads {
+    for name in &args.payloads {
+        let payload = Payload::prepare(name, &args)?;
         for &servers in &args.servers {
-            let row = match payload.as_str() {
-                "classic" => classic(&mut stack, &runtime, &client, servers, &args)?,
-                "lora" => lora(&mut stack, &runtime, &client, servers, &args)?,
-                _ => runtime.block_on(full(&stack.nats_url, &client, servers, &args))?,
+            let row = match &payload {
+                Payload::Classic(model) => {
+                    classic(&mut stack, &runtime, &client, servers, &args, model)?
+                }
+                Payload::Lora { files, config } => {
+                    lora(&mut stack, &runtime, &client, servers, &args, files, config)?
+                }
+                Payload::Full(bytes) => {
+                    runtime.block_on(full(&stack.nats_url, &client, servers, &args, bytes))?
+                }
             };
             eprintln!(
                 "{} x{}: {:.2} MB, mean {:.1} ms, all ready {:.1} ms, {:.0} MB/s",
@@ -284,13 +346,12 @@ fn classic(
     client: &async_nats::Client,
     servers: usize,
     args: &BenchWeightsArgs,
+    model: &relay_nn::ActorCritic,
 ) -> Result<Row> {
-    let config = relay_config::ExperimentConfig::load(&args.classic_config, &[])?;
-    let model = relay_nn::ActorCritic::new(&relay_policy::spec_for(&config)?, 0)?;
     let run_id = format!("bench-weights-classic-{servers}");
     let subjects = Subjects::new(&run_id);
     // As the learner: answer `weights.latest` with version 0.
-    let first = encode(&relay_policy::to_weights(&model, 0, 0));
+    let first = encode(&relay_policy::to_weights(model, 0, 0));
     let mut latest = runtime.block_on(client.subscribe(subjects.weights_latest()))?;
     let answering = {
         let client = client.clone();
@@ -307,7 +368,7 @@ fn classic(
     start_servers(stack, &run_id, &args.classic_config, servers)?;
     let mut bytes = 0;
     let measured = runtime.block_on(measure(stack, args, |v| {
-        let mut update: WeightsUpdate = relay_policy::to_weights(&model, v, 0);
+        let mut update: WeightsUpdate = relay_policy::to_weights(model, v, 0);
         update.published_unix_ms = relay_proto::unix_ms();
         let payload = encode(&update);
         bytes = payload.len() as u64;
@@ -337,28 +398,12 @@ fn lora(
     client: &async_nats::Client,
     servers: usize,
     args: &BenchWeightsArgs,
+    files: &relay_llm::PeftBytes,
+    config: &std::path::Path,
 ) -> Result<Row> {
-    let model_arg = if args.model == "tiny" {
-        let out = args.state_dir.join("tiny");
-        relay::model::init_tiny(&out, 0)?;
-        out.display().to_string()
-    } else {
-        args.model.clone()
-    };
-    let (base, _) = relay_llm::load_causal_lm(&model_arg, relay_llm::GgufBase::Dequantized)
-        .with_context(|| format!("base model {model_arg} (run `bash deploy/install.sh`)"))?;
-    let lora = relay_config::LoraSection::default();
-    let inline_max_bytes = lora.inline_max_bytes;
-    let adapter = relay_llm::LoraAdapter::new(base.config(), lora.lora_config()?, 0)?;
-    let files = relay_llm::to_peft_bytes(&adapter, Some(&model_arg))?;
-    drop(base);
-    let config = args.state_dir.join("bench-weights-lora.yaml");
-    std::fs::write(
-        &config,
-        format!("run:\n  env_id: TicTacToe-v0\nllm:\n  model: {model_arg:?}\n  threads: 1\n"),
-    )?;
+    let inline_max_bytes = relay_config::LoraSection::default().inline_max_bytes;
     let run_id = format!("bench-weights-lora-{servers}");
-    start_servers(stack, &run_id, &config, servers)?;
+    start_servers(stack, &run_id, config, servers)?;
     let subjects = Subjects::new(&run_id);
     let measured = runtime.block_on(measure(stack, args, |v| {
         let (client, subject, run_id, files) = (
@@ -403,9 +448,9 @@ async fn full(
     client: &async_nats::Client,
     servers: usize,
     args: &BenchWeightsArgs,
+    payload: &[u8],
 ) -> Result<Row> {
-    let bytes = args.full_params as usize * 4;
-    let payload: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
+    let bytes = payload.len();
     let jetstream = async_nats::jetstream::new(client.clone());
     let bucket = format!("relay-bench-weights-full-{servers}");
     let store = jetstream
@@ -450,7 +495,7 @@ async fn full(
         let key = format!("policy/v{v}");
         let published = Instant::now();
         store
-            .put(key.as_str(), &mut payload.as_slice())
+            .put(key.as_str(), &mut &payload[..])
             .await
             .map_err(|e| anyhow::anyhow!("uploading {key}: {e}"))?;
         uploads.push(published.elapsed().as_secs_f64() * 1e3);

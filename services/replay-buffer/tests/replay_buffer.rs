@@ -46,6 +46,24 @@ async fn insert(client: &async_nats::Client, s: &Subjects, f: &RolloutFragment) 
         .unwrap()
 }
 
+/// The learner's sample request: fragments of `min_policy_version` or
+/// newer, up to `max_steps` env steps.
+async fn sample(
+    client: &async_nats::Client,
+    s: &Subjects,
+    min_policy_version: u64,
+    max_steps: u32,
+) -> SampleReply {
+    let ask = SampleRequest {
+        schema: SCHEMA_VERSION,
+        min_policy_version,
+        max_steps,
+    };
+    relay_kit::request(client, &s.replay_sample(), &ask, Duration::from_secs(5))
+        .await
+        .unwrap()
+}
+
 /// The first insert, retried until the freshly started service answers.
 async fn first_insert(client: &async_nats::Client, s: &Subjects, f: &RolloutFragment) -> InsertAck {
     for _ in 0..100 {
@@ -106,18 +124,7 @@ async fn fifo_backpressure_staleness_and_bad_input() {
     }
 
     // The learner is at version 2 with max lag 1: version 0 is dropped as stale.
-    let reply: SampleReply = relay_kit::request(
-        &client,
-        &s.replay_sample(),
-        &SampleRequest {
-            schema: SCHEMA_VERSION,
-            min_policy_version: 1,
-            max_steps: 32,
-        },
-        Duration::from_secs(2),
-    )
-    .await
-    .unwrap();
+    let reply = sample(&client, &s, 1, 32).await;
     assert_eq!(reply.dropped_stale, 1);
     assert_eq!(reply.fragments.len(), 2);
     assert!(reply.fragments.iter().all(|f| f.policy_version == 1));
@@ -221,27 +228,15 @@ async fn the_rate_limiter_paces_inserts_and_samples() {
     let server = tokio::spawn(relay_replay_buffer::run(service_config, shutdown));
     let client = async_nats::connect(nats.url()).await.unwrap();
     let s = Subjects::new(run_id);
-    let sample = |client: async_nats::Client| async move {
-        let ask = SampleRequest {
-            schema: SCHEMA_VERSION,
-            min_policy_version: 0,
-            max_steps: 1000,
-        };
-        let reply: SampleReply = relay_kit::request(
-            &client,
-            &Subjects::new(run_id).replay_sample(),
-            &ask,
-            Duration::from_secs(2),
-        )
-        .await
-        .unwrap();
+    let sampled_steps = |client: async_nats::Client| async move {
+        let reply = sample(&client, &Subjects::new(run_id), 0, 1000).await;
         reply.fragments.iter().map(|f| f.env_steps()).sum::<u64>()
     };
 
     // Wait for the service, then insert: max diff = 1 x 32 + 16 = 48 steps.
     assert!(first_insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
     // 16 inserted: under min_size_to_sample, the learner gets nothing.
-    assert_eq!(sample(client.clone()).await, 0);
+    assert_eq!(sampled_steps(client.clone()).await, 0);
     assert!(insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
     assert!(insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
     let held = insert(&client, &s, &fragment(0, 4, 4)).await;
@@ -251,8 +246,12 @@ async fn the_rate_limiter_paces_inserts_and_samples() {
         "48 inserted, nothing sampled: inserts wait"
     );
     // 48 inserted, min diff = 32 - 16 = 16: the learner may take 32 steps.
-    assert_eq!(sample(client.clone()).await, 32);
-    assert_eq!(sample(client.clone()).await, 0, "the allowance is spent");
+    assert_eq!(sampled_steps(client.clone()).await, 32);
+    assert_eq!(
+        sampled_steps(client.clone()).await,
+        0,
+        "the allowance is spent"
+    );
     // Sampling made room for inserts again.
     assert!(insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
     trigger.trigger();
@@ -311,18 +310,7 @@ async fn samples_of_large_fragments_fit_in_a_message_and_lose_nothing() {
     }
     let mut seen = Vec::new();
     for _ in 0..3 {
-        let reply: SampleReply = relay_kit::request(
-            &client,
-            &s.replay_sample(),
-            &SampleRequest {
-                schema: SCHEMA_VERSION,
-                min_policy_version: 0,
-                max_steps: 1_000_000,
-            },
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+        let reply = sample(&client, &s, 0, 1_000_000).await;
         assert_eq!(reply.fragments.len(), 1, "one fragment fits a reply");
         seen.extend(
             reply
@@ -353,21 +341,7 @@ async fn a_held_count_left_by_a_killed_redis_heals_once_the_fifo_is_empty() {
     let client = async_nats::connect(nats.url()).await.unwrap();
     let s = Subjects::new(run_id);
     assert!(first_insert(&client, &s, &fragment(0, 4, 4)).await.accepted);
-    let sample = || async {
-        relay_kit::request::<_, SampleReply>(
-            &client,
-            &s.replay_sample(),
-            &SampleRequest {
-                schema: SCHEMA_VERSION,
-                min_policy_version: 0,
-                max_steps: 48,
-            },
-            Duration::from_secs(2),
-        )
-        .await
-        .unwrap()
-    };
-    assert_eq!(sample().await.fragments.len(), 1);
+    assert_eq!(sample(&client, &s, 0, 48).await.fragments.len(), 1);
     // The counter says the FIFO is full; the list is empty.
     let mut conn = redis::Client::open(redis.url())
         .unwrap()
@@ -383,7 +357,7 @@ async fn a_held_count_left_by_a_killed_redis_heals_once_the_fifo_is_empty() {
     let refused = insert(&client, &s, &fragment(0, 4, 4)).await;
     assert!(!refused.accepted);
     assert_eq!(refused.reason, "full");
-    assert!(sample().await.fragments.is_empty());
+    assert!(sample(&client, &s, 0, 48).await.fragments.is_empty());
     let healed = insert(&client, &s, &fragment(0, 4, 4)).await;
     assert!(healed.accepted, "{healed:?}");
     assert_eq!(healed.buffered_steps, 16);
