@@ -494,8 +494,7 @@ async fn full(
     for v in 1..=args.full_versions {
         let key = format!("policy/v{v}");
         let published = Instant::now();
-        store
-            .put(key.as_str(), &mut &payload[..])
+        relay_kit::adapters::put_object(client, &store, &key, payload)
             .await
             .map_err(|e| anyhow::anyhow!("uploading {key}: {e}"))?;
         uploads.push(published.elapsed().as_secs_f64() * 1e3);
