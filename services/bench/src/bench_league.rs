@@ -10,11 +10,16 @@
 //!    `vs-opponent` evaluator plays the current version against random and
 //!    minimax every `--eval-every-s` seconds, printed as it arrives.
 //!
-//! Ends with the ratings of the last read (best conservative rating
-//! first), the first version (pinned by `league.pool.keep_first`) against
-//! the newest one (mu +/- 2 sigma each, and whether the newest is above
-//! with no overlap), the latest evaluation (the newest version's results
-//! against random and minimax) and a JSON line with the rating history.
+//! Each run ends with the ratings of the last read (best conservative
+//! rating first), the first version (pinned by `league.pool.keep_first`)
+//! against the newest one (mu +/- 2 sigma each, and whether the newest is
+//! above with no overlap) and the latest evaluation (the newest version's
+//! results against random and minimax). `--seeds` runs repeat step 2
+//! with `run.seed` counting up from the config's; the benchmark ends with
+//! a table of every seed (the targets: the newest version above the first
+//! with no overlap, and at least 90 % non-loss against random in the last
+//! evaluation; the best evaluated version beside them) and a JSON line
+//! with each seed's rating history and evaluations.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,14 +29,22 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use crate::bench_tictactoe::{bench_up_args, follow_evals, header, rl_overrides, sft_warm_start};
+use crate::bench_tictactoe::{
+    bench_up_args, follow_evals, header, rl_overrides, sft_warm_start, Row,
+};
 
 /// Flags of `relay bench-league`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchLeagueArgs {
-    /// Minutes of league training after the SFT warm start.
-    #[arg(long, default_value_t = 20.0)]
+    /// Minutes of league training after the SFT warm start, per seed (as
+    /// long as `bench-tictactoe` trains against the random bot, the result
+    /// the league is compared with).
+    #[arg(long, default_value_t = 15.0)]
     pub minutes: f64,
+    /// League runs, one after the other from the same warm start, with
+    /// `run.seed` the config's seed, then one more for each.
+    #[arg(long, default_value_t = 3)]
+    pub seeds: u64,
     /// The league config.
     #[arg(long, default_value = "configs/tictactoe-league.yaml")]
     pub config: PathBuf,
@@ -48,8 +61,10 @@ pub struct BenchLeagueArgs {
     /// Passes of SFT over those moves.
     #[arg(long, default_value_t = 4)]
     pub sft_epochs: usize,
-    /// Games per opponent and seat in each evaluation.
-    #[arg(long, default_value_t = 20)]
+    /// Games per opponent and seat in each evaluation (as
+    /// `bench-tictactoe`: fewer games against the random bot miss the
+    /// policy's rate by many points).
+    #[arg(long, default_value_t = 100)]
     pub eval_games: usize,
     /// Seconds between evaluations of the current version.
     #[arg(long, default_value_t = 120)]
@@ -115,13 +130,19 @@ impl Reading {
         }
     }
 
-    /// The first and the newest policy version in the pool.
+    /// The first policy version in the pool and the newest one that has
+    /// played (a version admitted moments ago holds only its parent's
+    /// inherited rating).
     fn first_and_latest(&self) -> Option<(&Rated, &Rated)> {
         let first = self
             .members
             .iter()
             .min_by_key(|m| m.version().unwrap_or(u64::MAX))?;
-        let latest = self.members.iter().max_by_key(|m| m.version())?;
+        let latest = self
+            .members
+            .iter()
+            .filter(|m| m.games > 0)
+            .max_by_key(|m| m.version())?;
         (first.version().is_some() && latest.version() > first.version()).then_some((first, latest))
     }
 
@@ -242,6 +263,76 @@ fn follow_ratings(
     printed
 }
 
+/// What one seed's league run reached.
+struct SeedOutcome {
+    seed: u64,
+    run_id: String,
+    /// The pool's printed readings, the last one read at the end.
+    readings: Vec<Reading>,
+    /// The newest version against the first (JSON of [`first_vs_latest`]).
+    first_vs_latest: Value,
+    /// Every evaluation, in order (the first is of version 0).
+    evaluations: Vec<Row>,
+}
+
+impl SeedOutcome {
+    fn latest_above_first(&self) -> bool {
+        self.first_vs_latest["latest_above_first"] == true
+    }
+
+    /// The last evaluation: the newest version's results.
+    fn latest_eval(&self) -> Option<&Row> {
+        self.evaluations.last()
+    }
+
+    /// The best evaluated RL version: highest non-loss against random,
+    /// then against minimax.
+    fn best_eval(&self) -> Option<&Row> {
+        let score = |r: &Row| {
+            (
+                r.non_loss("random").unwrap_or(0.0),
+                r.non_loss("minimax").unwrap_or(0.0),
+            )
+        };
+        self.evaluations
+            .iter()
+            .filter(|r| r.version.is_some_and(|v| v > 0))
+            .max_by(|a, b| {
+                score(a)
+                    .partial_cmp(&score(b))
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            })
+    }
+
+    /// The newest version above the first with no overlap, and at least
+    /// 90 % non-loss against random in the last evaluation.
+    fn meets_targets(&self) -> bool {
+        self.latest_above_first()
+            && self
+                .latest_eval()
+                .and_then(|r| r.non_loss("random"))
+                .is_some_and(|v| v >= 0.9)
+    }
+
+    fn json(&self) -> Value {
+        let newest_version = self
+            .readings
+            .last()
+            .and_then(|r| r.members.iter().filter_map(Rated::version).max());
+        json!({
+            "seed": self.seed,
+            "run_id": self.run_id,
+            "newest_version": newest_version,
+            "first_vs_latest": self.first_vs_latest,
+            "latest_eval": self.latest_eval().map(Row::json),
+            "best_eval": self.best_eval().map(Row::json),
+            "evaluations": self.evaluations.iter().map(Row::json).collect::<Vec<_>>(),
+            "ratings": self.readings.iter().map(Reading::json).collect::<Vec<_>>(),
+            "meets_targets": self.meets_targets(),
+        })
+    }
+}
+
 /// `relay bench-league`.
 pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
     let started = Instant::now();
@@ -249,6 +340,12 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
         .with_context(|| format!("creating {}", args.work_dir.display()))?;
     let work = std::fs::canonicalize(&args.work_dir)?;
     let config = relay_config::ExperimentConfig::load(&args.config, &args.overrides)?;
+    if !config.league_enabled() {
+        anyhow::bail!(
+            "{}: the league is off (text.opponents.league is 0 or missing)",
+            args.config.display()
+        );
+    }
     let (sft_model, sft_row) = sft_warm_start(
         &work,
         args.sft_games,
@@ -257,23 +354,86 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
         &config.text,
         started,
     )?;
+    let mut outcomes = Vec::new();
+    for seed in config.run.seed..config.run.seed + args.seeds.max(1) {
+        outcomes.push(league_run(
+            &args, &config, &work, &sft_model, &sft_row, seed,
+        )?);
+    }
 
-    println!("== league training for {} minutes", args.minutes);
-    if !config.league_enabled() {
-        anyhow::bail!(
-            "{}: the league is off (text.opponents.league is 0 or missing)",
-            args.config.display()
+    println!();
+    println!(
+        "== {} league runs of {} minutes",
+        outcomes.len(),
+        args.minutes
+    );
+    println!("| seed | newest above first | last eval: version | non-loss vs random | vs minimax | best eval: version | non-loss vs random | vs minimax | targets met |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---|");
+    let pct = |r: Option<&Row>, opponent: &str| {
+        r.and_then(|r| r.non_loss(opponent))
+            .map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * v))
+    };
+    let version = |r: Option<&Row>| {
+        r.and_then(|r| r.version)
+            .map_or("-".into(), |v| v.to_string())
+    };
+    for o in &outcomes {
+        let (latest, best) = (o.latest_eval(), o.best_eval());
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            o.seed,
+            if o.latest_above_first() { "yes" } else { "no" },
+            version(latest),
+            pct(latest, "random"),
+            pct(latest, "minimax"),
+            version(best),
+            pct(best, "random"),
+            pct(best, "minimax"),
+            if o.meets_targets() { "yes" } else { "no" },
         );
     }
-    let run_id = format!("{}-league", relay::make_run_id(&config));
+    let met = outcomes.iter().filter(|o| o.meets_targets()).count();
+    println!(
+        "{}",
+        json!({
+            "env": "TicTacToe-v0",
+            "league_minutes": args.minutes,
+            "sft_minutes": (sft_row.minutes * 100.0).round() / 100.0,
+            "sft_only": sft_row.json(),
+            "seeds": outcomes.iter().map(SeedOutcome::json).collect::<Vec<_>>(),
+            "targets_met": format!("{met}/{}", outcomes.len()),
+        })
+    );
+    Ok(())
+}
+
+/// One league run of `args.minutes` from the SFT model with `run.seed`
+/// set to `seed`: its ratings and evaluations printed as they come, then
+/// the last ratings, the first version against the newest and the last
+/// evaluation.
+fn league_run(
+    args: &BenchLeagueArgs,
+    config: &relay_config::ExperimentConfig,
+    work: &Path,
+    sft_model: &Path,
+    sft_row: &Row,
+    seed: u64,
+) -> Result<SeedOutcome> {
+    println!(
+        "== league training for {} minutes, seed {seed}",
+        args.minutes
+    );
+    let started = Instant::now();
+    let run_id = format!("{}-league-seed{seed}", relay::make_run_id(config));
     let runs_dir = work.join("runs");
-    let overrides = rl_overrides(
+    let mut overrides = rl_overrides(
         &args.overrides,
-        &sft_model,
+        sft_model,
         &runs_dir,
         args.eval_every_s,
         args.eval_games,
     );
+    overrides.push(format!("run.seed={seed}"));
     let up = bench_up_args(
         &args.config,
         overrides,
@@ -295,7 +455,7 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
     };
     let outcome = relay::up(up);
     stop.store(true, Ordering::Relaxed);
-    let rows = evals
+    let evaluations = evals
         .join()
         .map_err(|_| anyhow::anyhow!("the eval follower panicked"))?;
     let readings = ratings
@@ -317,29 +477,16 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
     println!();
     header();
     sft_row.print();
-    let latest = rows.last();
-    if let Some(row) = latest {
+    if let Some(row) = evaluations.last() {
         row.print();
     }
-    let newest_version = readings
-        .last()
-        .and_then(|r| r.members.iter().filter_map(Rated::version).max());
-    println!(
-        "{}",
-        json!({
-            "env": "TicTacToe-v0",
-            "run_id": run_id,
-            "league_minutes": args.minutes,
-            "sft_minutes": (sft_row.minutes * 100.0).round() / 100.0,
-            "newest_version": newest_version,
-            "ratings": readings.iter().map(Reading::json).collect::<Vec<_>>(),
-            "first_vs_latest": first_vs_latest,
-            "sft_only": sft_row.json(),
-            "evaluations": rows.len(),
-            "latest_eval": latest.map(|r| r.json()),
-        })
-    );
-    Ok(())
+    Ok(SeedOutcome {
+        seed,
+        run_id,
+        readings,
+        first_vs_latest,
+        evaluations,
+    })
 }
 
 #[cfg(test)]
@@ -363,6 +510,10 @@ mod tests {
             members: vec![
                 rated("minimax", 40.0, 1.0),
                 rated("v12", latest_mu, 1.5),
+                Rated {
+                    games: 0,
+                    ..rated("v13", 20.0, 1.5)
+                },
                 rated("v0", 20.0, 1.0),
                 rated("v3", 25.0, 1.0),
                 rated("random", 22.0, 1.0),
