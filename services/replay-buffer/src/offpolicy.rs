@@ -66,38 +66,87 @@ impl TableKeys {
     }
 }
 
-/// Sum-tree helpers shared by the scripts (`P` is ARGV[2] in each). A
-/// script reads each node from Redis once and writes each changed node
-/// once (`flush` at its end): a batch of leaves shares most of its
-/// ancestors, and every `redis.call` costs about a microsecond.
+/// Sum-tree helpers shared by the scripts (`P` is ARGV[2] in each). Every
+/// `redis.call` costs about a microsecond, so a script reads each node
+/// once (cached in `nodes`), and `flush` recomputes each changed leaf's
+/// ancestors once, a level at a time (a parent is the sum of its
+/// children's final values, as when each leaf's path is walked in turn),
+/// then writes each changed node once. A script that touches many leaves
+/// (a round's priorities, a large prioritized sample: at least
+/// `BULK_LEAVES`) first calls `bulk`: the whole tree comes with one `GET`
+/// and goes back with one `SET`, assembled in index order (levels are
+/// contiguous, root first, so each level's sorted nodes keep that order),
+/// instead of tens of thousands of `GETRANGE`s and `SETRANGE`s. Small
+/// scripts (an env-runner's insert) keep to single nodes: moving the
+/// whole tree for them costs more than it saves.
 const TREE_LUA: &str = r#"
 local P = tonumber(ARGV[2])
-local nodes, dirty = {}, {}
+local BULK_LEAVES = 512
+local tree = nil
+local nodes, dirty, leaves = {}, {}, {}
+local function bulk(touched)
+  if touched >= BULK_LEAVES then tree = redis.call('GET', KEYS[2]) or '' end
+end
 local function get(i)
   local v = nodes[i]
   if v == nil then
-    local s = redis.call('GETRANGE', KEYS[2], i * 8, i * 8 + 7)
-    if #s < 8 then v = 0 else v = (struct.unpack('<d', s)) end
+    if tree then
+      if i * 8 + 8 > #tree then v = 0 else v = (struct.unpack('<d', tree, i * 8 + 1)) end
+    else
+      local s = redis.call('GETRANGE', KEYS[2], i * 8, i * 8 + 7)
+      if #s < 8 then v = 0 else v = (struct.unpack('<d', s)) end
+    end
     nodes[i] = v
   end
   return v
 end
-local function put(i, v)
-  nodes[i] = v
-  dirty[i] = true
-end
-local function flush()
-  for i in pairs(dirty) do
-    redis.call('SETRANGE', KEYS[2], i * 8, struct.pack('<d', nodes[i]))
-  end
-end
 local function set_leaf(slot, v)
   local i = P + slot
-  put(i, v)
-  while i > 1 do
-    i = math.floor(i / 2)
-    put(i, get(2 * i) + get(2 * i + 1))
+  if not dirty[i] then
+    dirty[i] = true
+    leaves[#leaves + 1] = i
   end
+  nodes[i] = v
+end
+local function flush()
+  if #leaves == 0 then return end
+  table.sort(leaves)
+  local levels = {leaves}
+  local level = leaves
+  while level[1] > 1 do
+    local up, last = {}, nil
+    for _, i in ipairs(level) do
+      local parent = math.floor(i / 2)
+      if parent ~= last then
+        nodes[parent] = get(2 * parent) + get(2 * parent + 1)
+        up[#up + 1] = parent
+        last = parent
+      end
+    end
+    levels[#levels + 1] = up
+    level = up
+  end
+  if not tree then
+    for _, changed in ipairs(levels) do
+      for _, i in ipairs(changed) do
+        redis.call('SETRANGE', KEYS[2], i * 8, struct.pack('<d', nodes[i]))
+      end
+    end
+    return
+  end
+  local size = 2 * P * 8
+  if #tree < size then tree = tree .. string.rep('\0', size - #tree) end
+  local pieces, pos = {}, 1
+  for l = #levels, 1, -1 do
+    for _, i in ipairs(levels[l]) do
+      local at = i * 8 + 1
+      if at > pos then pieces[#pieces + 1] = string.sub(tree, pos, at - 1) end
+      pieces[#pieces + 1] = struct.pack('<d', nodes[i])
+      pos = at + 8
+    end
+  end
+  if pos <= size then pieces[#pieces + 1] = string.sub(tree, pos) end
+  redis.call('SET', KEYS[2], table.concat(pieces))
 end
 local function num(field, default)
   return tonumber(redis.call('HGET', KEYS[3], field) or default)
@@ -121,6 +170,7 @@ if ARGV[4] ~= '' then
 end
 local leaf = num('max_priority', '1') ^ alpha
 local evicted = 0
+bulk(#ARGV - 6)
 for a = 7, #ARGV do
   local slot = nxt % cap
   if nxt >= cap then evicted = evicted + 1 end
@@ -143,6 +193,7 @@ return {1, math.min(nxt, cap), evicted}
 const SAMPLE_LUA: &str = r#"
 local cap = tonumber(ARGV[1])
 local batch = tonumber(ARGV[3])
+if ARGV[4] == '1' then bulk(batch) end
 local nxt = num('next', '0')
 local size = math.min(nxt, cap)
 local inserted = num('inserted_steps', '0')
@@ -204,6 +255,7 @@ local alpha = tonumber(ARGV[3])
 local nxt = num('next', '0')
 local maxp = num('max_priority', '1')
 local updated, evicted = 0, 0
+bulk((#ARGV - 3) / 2)
 for a = 4, #ARGV, 2 do
   local id = tonumber(ARGV[a])
   local p = tonumber(ARGV[a + 1])

@@ -1,8 +1,9 @@
 //! The replay-buffer's off-policy table (`run.algo: dqn`) against a real
 //! redis-server and nats-server, served by two replay-buffer copies that
 //! share it: insert, uniform and prioritized sampling, priority updates,
-//! FIFO eviction, the rate limiter, and bad input refused while the service
-//! keeps answering.
+//! FIFO eviction, the rate limiter, the sum tree kept exact through
+//! batched updates, and bad input refused while the service keeps
+//! answering.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -258,6 +259,133 @@ async fn prioritized_table_samples_by_priority_evicts_fifo_and_refuses_bad_input
             .unwrap()
             .unwrap();
     }
+}
+
+/// The sum tree as stored: `2P` little-endian f64, node `i` at `8i`.
+async fn stored_tree(redis: &RedisServer, run_id: &str) -> Vec<f64> {
+    let mut conn = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let bytes: Vec<u8> = redis::cmd("GET")
+        .arg(format!("relay:{run_id}:offpolicy:tree"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    bytes
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sum_tree_stays_exact_through_batched_updates_and_wraparound() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let run_id = "offpolicy-tree";
+    let (trigger, shutdown) = Shutdown::new();
+    // Capacity 1000: 1024 leaves, 24 of them never used.
+    let extra = "dqn:\n  buffer_size: 1000\n  batch_size: 32\n  prioritized: true\n  prioritized_alpha: 0.6\n";
+    let copy = tokio::spawn(relay_replay_buffer::run(
+        config(&nats, &redis, run_id, extra),
+        shutdown,
+    ));
+    let c = Client {
+        nats: async_nats::connect(nats.url()).await.unwrap(),
+        s: Subjects::new(run_id),
+    };
+    c.ready().await;
+    // Ids 0..1300 in small inserts (the last 300 overwrite the slots of
+    // ids 0..300), each followed by a small batch of priorities.
+    let mut priority_of: HashMap<u64, f64> = HashMap::new();
+    let mut next = 0u64;
+    for round in 0..13u64 {
+        assert!(
+            c.insert(&fragment(100, next as f32))
+                .await
+                .unwrap()
+                .accepted
+        );
+        next += 100;
+        // A batch of priorities for held ids, scattered and repeated
+        // (the last value of an id counts), and one evicted id.
+        let ids: Vec<u64> = (0..120)
+            .map(|k| (next.saturating_sub(1000)) + (k * 37 + round * 11) % next.min(1000))
+            .collect();
+        let p: Vec<f32> = (0..ids.len())
+            .map(|k| 0.05 + ((k as u64 * 7919 + round * 104_729) % 1000) as f32 / 100.0)
+            .collect();
+        let mut sent_ids = ids.clone();
+        let mut sent_p = p.clone();
+        if next > 1000 {
+            sent_ids.push(0);
+            sent_p.push(3.0);
+        }
+        let ack = c.priorities(&sent_ids, &sent_p).await.unwrap();
+        assert_eq!(ack.updated as usize, ids.len());
+        assert_eq!(ack.evicted as usize, sent_ids.len() - ids.len());
+        for (id, p) in ids.iter().zip(&p) {
+            priority_of.insert(*id, *p as f64);
+        }
+    }
+    // Then a large insert and a large batch of priorities: scripts that
+    // move the whole tree at once.
+    assert!(
+        c.insert(&fragment(600, next as f32))
+            .await
+            .unwrap()
+            .accepted
+    );
+    next += 600;
+    let ids: Vec<u64> = (0..700).map(|k| next - 1000 + (k * 13) % 1000).collect();
+    let p: Vec<f32> = (0..ids.len())
+        .map(|k| 0.01 + ((k as u64 * 6007) % 997) as f32 / 50.0)
+        .collect();
+    let ack = c.priorities(&ids, &p).await.unwrap();
+    assert_eq!((ack.updated as usize, ack.evicted), (ids.len(), 0));
+    for (id, p) in ids.iter().zip(&p) {
+        priority_of.insert(*id, *p as f64);
+    }
+
+    let tree = stored_tree(&redis, run_id).await;
+    let leaves = 1024usize;
+    assert_eq!(tree.len(), 2 * leaves);
+    // Every inner node is exactly the sum of its children.
+    for i in 1..leaves {
+        assert_eq!(tree[i], tree[2 * i] + tree[2 * i + 1], "node {i}");
+    }
+    // Held ids: their priority^alpha where one was sent after they were
+    // inserted, else the largest priority seen before their insert
+    // (checked loosely: some mass).
+    let held = next - 1000..next;
+    for id in held.clone() {
+        let leaf = tree[leaves + (id % 1000) as usize];
+        match priority_of.get(&id) {
+            Some(p) => assert!(
+                (leaf - p.powf(0.6)).abs() < 1e-6 * leaf,
+                "id {id}: {leaf} vs {p}"
+            ),
+            None => assert!(leaf > 0.0, "id {id} has no mass"),
+        }
+    }
+    // Slots past the capacity hold nothing, and sampling follows the
+    // stored masses: the root is their total.
+    assert!(tree[leaves + 1000..].iter().all(|&v| v == 0.0));
+    let total: f64 = tree[leaves..].iter().sum();
+    assert!((tree[1] - total).abs() < 1e-9 * total);
+    for batch in [256, 1024] {
+        let b = c.sample(batch, 1.0).await.unwrap();
+        assert_eq!(b.ids.len(), batch as usize);
+        assert!(b.ids.iter().all(|id| held.contains(id)), "{:?}", b.ids);
+    }
+
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(10), copy)
+        .await
+        .expect("copy stops")
+        .unwrap()
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
