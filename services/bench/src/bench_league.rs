@@ -285,8 +285,8 @@ impl SeedOutcome {
         self.evaluations.last()
     }
 
-    /// The best evaluated RL version: highest non-loss against random,
-    /// then against minimax.
+    /// The best evaluated RL version among complete evaluations (no game
+    /// abandoned): highest non-loss against random, then against minimax.
     fn best_eval(&self) -> Option<&Row> {
         let score = |r: &Row| {
             (
@@ -296,7 +296,7 @@ impl SeedOutcome {
         };
         self.evaluations
             .iter()
-            .filter(|r| r.version.is_some_and(|v| v > 0))
+            .filter(|r| r.version.is_some_and(|v| v > 0) && r.abandoned == 0)
             .max_by(|a, b| {
                 score(a)
                     .partial_cmp(&score(b))

@@ -72,6 +72,10 @@ pub(crate) struct Row {
     pub(crate) minutes: f64,
     pub(crate) version: Option<u64>,
     pub(crate) results: Vec<EvalResult>,
+    /// Games the evaluator gave up on (no usable reply for the version it
+    /// plays): the rates are over the games played, so a row with
+    /// abandoned games measures fewer games than asked, maybe one seat only.
+    pub(crate) abandoned: u32,
 }
 
 impl Row {
@@ -103,7 +107,7 @@ impl Row {
                 })
         };
         println!(
-            "| {} | {:.1} | {} | {:.1}% | {} | {} | {} | {} |",
+            "| {} | {:.1} | {} | {:.1}% | {} | {} | {} | {} | {} |",
             self.stage,
             self.minutes,
             self.version.map_or("-".to_string(), |v| v.to_string()),
@@ -112,6 +116,7 @@ impl Row {
             wdl("random"),
             cell(self.non_loss("minimax")),
             wdl("minimax"),
+            self.abandoned,
         );
     }
 
@@ -123,13 +128,14 @@ impl Row {
             "legal_move_rate": self.legal_move_rate(),
             "non_loss_vs_random": self.non_loss("random"),
             "non_loss_vs_minimax": self.non_loss("minimax"),
+            "abandoned": self.abandoned,
         })
     }
 }
 
 pub(crate) fn header() {
-    println!("| stage | minutes | version | legal moves | non-loss vs random | W/D/L random | non-loss vs minimax | W/D/L minimax |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| stage | minutes | version | legal moves | non-loss vs random | W/D/L random | non-loss vs minimax | W/D/L minimax | abandoned |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
 }
 
 /// One `eval.jsonl` line with matchups as a row (both seats summed per
@@ -137,7 +143,9 @@ pub(crate) fn header() {
 fn eval_row(line: &Value, started: Instant, start: &str) -> Option<Row> {
     let matchups = line["matchups"].as_array().filter(|m| !m.is_empty())?;
     let mut results: Vec<EvalResult> = Vec::new();
+    let mut abandoned = 0;
     for m in matchups {
+        abandoned += m["abandoned"].as_u64().unwrap_or(0) as u32;
         let opponent = m["opponent"].as_str()?.to_string();
         let index = match results.iter().position(|r| r.opponent == opponent) {
             Some(i) => i,
@@ -164,6 +172,7 @@ fn eval_row(line: &Value, started: Instant, start: &str) -> Option<Row> {
         minutes: started.elapsed().as_secs_f64() / 60.0,
         version,
         results,
+        abandoned,
     })
 }
 
@@ -262,6 +271,7 @@ pub(crate) fn sft_warm_start(
         minutes: started.elapsed().as_secs_f64() / 60.0,
         version: None,
         results: summary.after.clone(),
+        abandoned: 0,
     };
     Ok((sft_out.join("model"), row))
 }
