@@ -75,7 +75,7 @@ bench-smollm2 *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-smollm2 {{ARGS}}
 
-# TicTacToe by self-play: the warm start of bench-tictactoe, then league training against past versions (configs/tictactoe-league.yaml): TrueSkill mu/sigma of each version over time, the first version against the newest (mu +/- 2 sigma), and the newest version's results against random and minimax, tables and a JSON line.
+# TicTacToe by self-play: the warm start of bench-tictactoe, then 3 seeds of 15 minutes of league training against past versions and the random bot (configs/tictactoe-league.yaml): TrueSkill mu/sigma of each version over time, the first version against the newest (mu +/- 2 sigma), each seed's evaluations against random and minimax, tables and a JSON line.
 bench-league *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-league {{ARGS}}
