@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use relay_config::ExperimentConfig;
-use relay_kit::{RequestError, ServiceConfig, Shutdown};
+use relay_kit::{RequestError, ServiceConfig, Shutdown, ShutdownTrigger};
 use relay_proto::{
     InsertAck, PriorityAck, PriorityUpdate, RolloutFragment, Subjects, Tensor, TransitionBatch,
     TransitionSampleRequest, SCHEMA_VERSION,
@@ -107,6 +107,52 @@ impl Client {
     }
 }
 
+/// `copies` replay-buffer copies serving table `run_id` (config `extra`),
+/// and a client once one answers.
+async fn serve(
+    nats: &NatsServer,
+    redis: &RedisServer,
+    run_id: &str,
+    extra: &str,
+    copies: usize,
+) -> (Client, Copies) {
+    let (trigger, shutdown) = Shutdown::new();
+    let handles = (0..copies)
+        .map(|_| {
+            tokio::spawn(relay_replay_buffer::run(
+                config(nats, redis, run_id, extra),
+                shutdown.clone(),
+            ))
+        })
+        .collect();
+    let c = Client {
+        nats: async_nats::connect(nats.url()).await.unwrap(),
+        s: Subjects::new(run_id),
+    };
+    c.ready().await;
+    (c, Copies { trigger, handles })
+}
+
+/// Running replay-buffer copies, stopped together.
+struct Copies {
+    trigger: ShutdownTrigger,
+    handles: Vec<tokio::task::JoinHandle<Result<(), relay_kit::ServiceError>>>,
+}
+
+impl Copies {
+    /// Signals shutdown and waits for every copy to return cleanly.
+    async fn stop(self) {
+        self.trigger.trigger();
+        for copy in self.handles {
+            tokio::time::timeout(Duration::from_secs(10), copy)
+                .await
+                .expect("copy stops")
+                .unwrap()
+                .unwrap();
+        }
+    }
+}
+
 fn service_error(e: RequestError) -> (String, String) {
     match e {
         RequestError::Service { code, status, .. } => (code, status),
@@ -119,23 +165,10 @@ async fn prioritized_table_samples_by_priority_evicts_fifo_and_refuses_bad_input
     let nats = NatsServer::start().unwrap();
     let redis = RedisServer::start().unwrap();
     let run_id = "offpolicy-per";
-    let (trigger, shutdown) = Shutdown::new();
     // Capacity 8, alpha 1 (priorities are probabilities up to a constant),
     // 1-step returns.
     let extra = "dqn:\n  buffer_size: 8\n  batch_size: 4\n  prioritized: true\n  prioritized_alpha: 1.0\n  gamma: 0.5\n";
-    let copies: Vec<_> = (0..2)
-        .map(|_| {
-            tokio::spawn(relay_replay_buffer::run(
-                config(&nats, &redis, run_id, extra),
-                shutdown.clone(),
-            ))
-        })
-        .collect();
-    let c = Client {
-        nats: async_nats::connect(nats.url()).await.unwrap(),
-        s: Subjects::new(run_id),
-    };
-    c.ready().await;
+    let (c, copies) = serve(&nats, &redis, run_id, extra, 2).await;
 
     // Empty table: counters only, no rows.
     let empty = c.sample(16, 0.4).await.unwrap();
@@ -251,14 +284,7 @@ async fn prioritized_table_samples_by_priority_evicts_fifo_and_refuses_bad_input
     let b = c.sample(8, 1.0).await.unwrap();
     assert_eq!((b.ids.len(), b.size, b.inserted_steps), (8, 8, 12));
 
-    trigger.trigger();
-    for copy in copies {
-        tokio::time::timeout(Duration::from_secs(10), copy)
-            .await
-            .expect("copy stops")
-            .unwrap()
-            .unwrap();
-    }
+    copies.stop().await;
 }
 
 /// The sum tree as stored: `2P` little-endian f64, node `i` at `8i`.
@@ -284,18 +310,9 @@ async fn the_sum_tree_stays_exact_through_batched_updates_and_wraparound() {
     let nats = NatsServer::start().unwrap();
     let redis = RedisServer::start().unwrap();
     let run_id = "offpolicy-tree";
-    let (trigger, shutdown) = Shutdown::new();
     // Capacity 1000: 1024 leaves, 24 of them never used.
     let extra = "dqn:\n  buffer_size: 1000\n  batch_size: 32\n  prioritized: true\n  prioritized_alpha: 0.6\n";
-    let copy = tokio::spawn(relay_replay_buffer::run(
-        config(&nats, &redis, run_id, extra),
-        shutdown,
-    ));
-    let c = Client {
-        nats: async_nats::connect(nats.url()).await.unwrap(),
-        s: Subjects::new(run_id),
-    };
-    c.ready().await;
+    let (c, copies) = serve(&nats, &redis, run_id, extra, 1).await;
     // Ids 0..1300 in small inserts (the last 300 overwrite the slots of
     // ids 0..300), each followed by a small batch of priorities.
     let mut priority_of: HashMap<u64, f64> = HashMap::new();
@@ -380,12 +397,7 @@ async fn the_sum_tree_stays_exact_through_batched_updates_and_wraparound() {
         assert!(b.ids.iter().all(|id| held.contains(id)), "{:?}", b.ids);
     }
 
-    trigger.trigger();
-    tokio::time::timeout(Duration::from_secs(10), copy)
-        .await
-        .expect("copy stops")
-        .unwrap()
-        .unwrap();
+    copies.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -393,20 +405,11 @@ async fn uniform_table_with_rate_limiter_paces_inserts_against_samples() {
     let nats = NatsServer::start().unwrap();
     let redis = RedisServer::start().unwrap();
     let run_id = "offpolicy-rate";
-    let (trigger, shutdown) = Shutdown::new();
     // 2 transitions sampled per env step inserted, sampling from 4 env
     // steps on, slack 4: inserts stop while inserted * 2 - taken > 12,
     // samples while inserted * 2 - taken - 4 < batch.
     let extra = "dqn:\n  buffer_size: 64\n  batch_size: 4\nreplay:\n  samples_per_insert: 2.0\n  min_size_to_sample: 4\n  rate_error_buffer: 4\n";
-    let server = tokio::spawn(relay_replay_buffer::run(
-        config(&nats, &redis, run_id, extra),
-        shutdown,
-    ));
-    let c = Client {
-        nats: async_nats::connect(nats.url()).await.unwrap(),
-        s: Subjects::new(run_id),
-    };
-    c.ready().await;
+    let (c, copies) = serve(&nats, &redis, run_id, extra, 1).await;
 
     assert!(c.insert(&fragment(4, 0.0)).await.unwrap().accepted);
     let refused = c.insert(&fragment(4, 4.0)).await.unwrap();
@@ -428,27 +431,15 @@ async fn uniform_table_with_rate_limiter_paces_inserts_against_samples() {
     let mut counts = [0u32; 8];
     // (The limiter allows no more now; a fresh table without it samples freely.)
     drop(b);
-    trigger.trigger();
-    tokio::time::timeout(Duration::from_secs(10), server)
-        .await
-        .expect("stops")
-        .unwrap()
-        .unwrap();
-    let (trigger, shutdown) = Shutdown::new();
-    let server = tokio::spawn(relay_replay_buffer::run(
-        config(
-            &nats,
-            &redis,
-            "offpolicy-uniform",
-            "dqn:\n  buffer_size: 64\n",
-        ),
-        shutdown,
-    ));
-    let c = Client {
-        nats: c.nats,
-        s: Subjects::new("offpolicy-uniform"),
-    };
-    c.ready().await;
+    copies.stop().await;
+    let (c, copies) = serve(
+        &nats,
+        &redis,
+        "offpolicy-uniform",
+        "dqn:\n  buffer_size: 64\n",
+        1,
+    )
+    .await;
     assert!(c.insert(&fragment(4, 0.0)).await.unwrap().accepted);
     assert!(c.insert(&fragment(4, 4.0)).await.unwrap().accepted);
     let b = c.sample(4000, 0.4).await.unwrap();
@@ -459,10 +450,5 @@ async fn uniform_table_with_rate_limiter_paces_inserts_against_samples() {
         assert!((n as f64 / 4000.0 - 0.125).abs() < 0.03, "{counts:?}");
     }
     assert!(b.weights.to_f32().unwrap().iter().all(|&w| w == 1.0));
-    trigger.trigger();
-    tokio::time::timeout(Duration::from_secs(10), server)
-        .await
-        .expect("stops")
-        .unwrap()
-        .unwrap();
+    copies.stop().await;
 }
