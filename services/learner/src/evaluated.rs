@@ -20,6 +20,10 @@
 //! a version no longer held (an evaluator that never announced it, or too
 //! many evaluations at once) saves nothing and is logged: a `best` link
 //! never points at weights other than those evaluated.
+//!
+//! A league learner also spares the versions kept here when it deletes
+//! evicted versions from the run's object store, so that an evaluation's
+//! inference servers can fetch its version until its last game.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -102,6 +106,13 @@ impl<S> RunEvents<S> {
         while self.recent.len() > RECENT_VERSIONS {
             self.recent.pop_front();
         }
+    }
+
+    /// The versions under evaluation (announced, not yet reported). A
+    /// league learner does not delete these from the run's object store,
+    /// where the inference servers fetch them again.
+    pub fn versions_under_evaluation(&self) -> std::collections::BTreeSet<u64> {
+        self.pinned.iter().map(|(v, _)| *v).collect()
     }
 
     fn held(&self, version: u64) -> Option<Arc<S>> {

@@ -189,8 +189,16 @@ impl League {
     }
 
     /// Deletes the stored versions of [`ADAPTER_NAME`] older than the
-    /// pool's newest that the pool does not hold; returns how many.
-    async fn prune(&self, service: &Service, pool: &relay_league::Pool) -> Result<usize, String> {
+    /// pool's newest that neither the pool nor `held` holds (`held`: those
+    /// under evaluation, which inference servers may fetch again until the
+    /// evaluation's last game); returns how many. A held version goes at a
+    /// later prune.
+    async fn prune(
+        &self,
+        service: &Service,
+        pool: &relay_league::Pool,
+        held: &std::collections::BTreeSet<u64>,
+    ) -> Result<usize, String> {
         let Some(newest) = pool.current_version() else {
             return Ok(0);
         };
@@ -210,7 +218,7 @@ impl League {
                 let kept = pool
                     .get(&relay_league::MemberId::Version(version))
                     .is_some();
-                if name == ADAPTER_NAME && version < newest && !kept {
+                if name == ADAPTER_NAME && version < newest && !kept && !held.contains(&version) {
                     doomed.push((object.name, version));
                 }
             }
@@ -241,8 +249,13 @@ struct Publisher<'a> {
 impl Publisher<'_> {
     /// Publishes `adapter` as `progress.version` and returns its PEFT
     /// files as published (a failure is logged: the next version replaces
-    /// it).
-    async fn publish(&self, progress: &Progress, adapter: &LoraAdapter) -> Option<PeftBytes> {
+    /// it). A league prune spares the `held` versions.
+    async fn publish(
+        &self,
+        progress: &Progress,
+        adapter: &LoraAdapter,
+        held: &std::collections::BTreeSet<u64>,
+    ) -> Option<PeftBytes> {
         let published = async {
             let files = relay_llm::to_peft_bytes(adapter, Some(self.base_model))
                 .map_err(|e| e.to_string())?;
@@ -274,7 +287,7 @@ impl Publisher<'_> {
                 Ok((pool, evicted)) => {
                     use std::sync::atomic::Ordering;
                     if evicted || !league.pruned_once.swap(true, Ordering::Relaxed) {
-                        match league.prune(self.service, &pool).await {
+                        match league.prune(self.service, &pool, held).await {
                             Ok(0) => {}
                             Ok(deleted) => tracing::info!(
                                 deleted,
@@ -480,7 +493,14 @@ pub(crate) async fn run(
     };
 
     let mut events: RunEvents<PeftBytes> = RunEvents::subscribe(&service, state.best_eval).await?;
-    if let Some(files) = publisher.publish(&state.progress, &adapter).await {
+    if let Some(files) = publisher
+        .publish(
+            &state.progress,
+            &adapter,
+            &events.versions_under_evaluation(),
+        )
+        .await
+    {
         events.record(state.progress.version, files);
     }
     metrics.version.set(state.progress.version as i64);
@@ -670,7 +690,10 @@ pub(crate) async fn run(
         progress.env_steps += examples.len() as u64;
         progress.vec_steps += examples.len() as u64;
         progress.episodes += games.len() as u64;
-        if let Some(files) = publisher.publish(progress, &adapter).await {
+        if let Some(files) = publisher
+            .publish(progress, &adapter, &events.versions_under_evaluation())
+            .await
+        {
             events.record(progress.version, files);
         }
         metrics.version.set(progress.version as i64);

@@ -4,7 +4,7 @@
 //! every version to the pool and stores it in the run's bucket, the
 //! env-runner plays the current version against past ones (served by the
 //! inference server from the bucket) and rates those games, and the
-//! versions the pool evicts leave the bucket.
+//! versions the pool evicts leave the bucket, except one under evaluation.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -13,7 +13,10 @@ use futures::StreamExt;
 use relay_config::ExperimentConfig;
 use relay_kit::{ServiceConfig, Shutdown};
 use relay_league::MemberId;
-use relay_proto::{AdapterRef, GameRecord, RunStatusUpdate, SeatPolicy, Subjects};
+use relay_proto::{
+    AdapterRef, AdapterUpdate, EvalStarted, GameRecord, RunStatusUpdate, SeatPolicy, Subjects,
+    SCHEMA_VERSION,
+};
 use relay_testkit::{NatsServer, RedisServer, TempDir};
 
 /// Learning moves per batch, and the budget in batches.
@@ -22,6 +25,8 @@ const BUDGET_BATCHES: u64 = 5;
 /// Versions the pool keeps (the newest; none for being best), so the
 /// budget's versions overflow it.
 const KEEP: usize = 3;
+/// A version under evaluation when the pool evicts it.
+const EVALUATED: u64 = 1;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() {
@@ -60,6 +65,7 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
     let client = async_nats::connect(nats.url()).await.unwrap();
     let mut games = client.subscribe(subjects.games()).await.unwrap();
     let mut statuses = client.subscribe(subjects.status()).await.unwrap();
+    let mut adapters = client.subscribe(subjects.adapters()).await.unwrap();
 
     let (trigger, shutdown) = Shutdown::new();
     let config = || ServiceConfig::for_test(experiment.clone());
@@ -95,6 +101,24 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
                 if let SeatPolicy::Model(Some(AdapterRef { version: Some(past), .. })) = &game.seats[1 - learner] {
                     let current = game.learning_version().expect("model moves name versions");
                     against_past.insert((current, *past));
+                }
+            }
+            // An evaluation of version EVALUATED begins as it is published
+            // and never reports: the pool evicts that version, but the
+            // bucket keeps it for the evaluation's inference servers.
+            Some(m) = adapters.next() => {
+                let update: AdapterUpdate = relay_proto::decode(&m.payload).unwrap();
+                if update.version == EVALUATED {
+                    let start = EvalStarted {
+                        schema: SCHEMA_VERSION,
+                        evaluator: "vs-opponent".into(),
+                        instance: "test".into(),
+                        policy_version: EVALUATED,
+                    };
+                    client
+                        .publish(subjects.eval_started(), relay_proto::encode(&start).into())
+                        .await
+                        .unwrap();
                 }
             }
             Some(m) = statuses.next() => {
@@ -167,7 +191,9 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
         "{pool:?}"
     );
 
-    // The bucket holds exactly the pool's versions.
+    // The bucket holds exactly the pool's versions and the one under
+    // evaluation.
+    assert!(!versions.contains(&EVALUATED), "{versions:?}");
     let jetstream = async_nats::jetstream::new(client.clone());
     let store = jetstream
         .get_object_store(relay_kit::league::adapter_bucket(run_id))
@@ -182,5 +208,6 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
         assert_eq!(name, "policy");
         stored.insert(version);
     }
-    assert_eq!(stored, versions.iter().copied().collect::<BTreeSet<_>>());
+    let expected: BTreeSet<u64> = versions.iter().copied().chain([EVALUATED]).collect();
+    assert_eq!(stored, expected);
 }
