@@ -28,6 +28,8 @@
 //! first. A past version no inference server serves turns the game into a
 //! mirror game (counted). Games of the learning adapter against bots and
 //! past versions are recorded in the pool, which rates each version.
+//! League games branch as the others do (`text.branches`): the game as
+//! drawn is rated, its continuations only train.
 //!
 //! Metrics: games by opponent and outcome, abandoned games, the learning
 //! policy's moves and invalid moves, retries, time per model move and per
@@ -53,8 +55,8 @@ use relay_league::{Matchup, MemberId};
 
 use crate::league::{FallbackGenerate, FallbackReason, LeagueDraws, LeagueMetrics, LeagueRecorder};
 use relay_policy::text::{
-    arrange, learning_adapter, make_bot, play_branched, play_game, GameError, GameSettings,
-    GameSpec, NatsGenerate, Outcome, PlayedGame, Seat, LEARNING_ADAPTER,
+    arrange, learning_adapter, make_bot, play_branched, GameError, GameSettings, GameSpec,
+    NatsGenerate, Outcome, PlayedGame, Seat, LEARNING_ADAPTER,
 };
 use relay_proto::{AdapterRef, EpisodeReport, EpisodeSummary, SCHEMA_VERSION};
 use tokio::task::JoinSet;
@@ -404,7 +406,7 @@ fn seat_league_game(
     players: usize,
     env_id: &str,
     runner_id: &str,
-) -> Result<(GameSpec, LeagueGame), ServiceError> {
+) -> Result<(BranchedGame, LeagueGame), ServiceError> {
     let (seated, learner_seat, sampler, fallback) = match draws.draw(rng) {
         Ok(matchup) => {
             let (seated, fallback) = league_opponent(&matchup);
@@ -418,49 +420,32 @@ fn seat_league_game(
             Some(reason),
         ),
     };
-    let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
-    let bot_seed: u64 = rng.random();
-    let (label, past, mut seat) = match seated {
-        LeagueOpponent::Mirror => (
-            "self".to_string(),
-            None,
-            Some(Seat::Model(Some(learning_adapter()))),
-        ),
-        LeagueOpponent::Past(version) => (
-            "past".to_string(),
-            Some(version),
-            Some(Seat::Model(Some(AdapterRef {
-                name: LEARNING_ADAPTER.to_string(),
-                version: Some(version),
-            }))),
-        ),
-        LeagueOpponent::Bot(name) => {
-            let bot = make_bot(&name, bot_seed, text).map_err(ServiceError::other)?;
-            (name, None, Some(Seat::Bot(bot)))
-        }
-        LeagueOpponent::Adapter(name) => (
-            format!("adapter:{name}"),
-            None,
-            Some(Seat::Model(Some(AdapterRef {
-                name,
-                version: None,
-            }))),
-        ),
+    let (label, past) = match &seated {
+        LeagueOpponent::Mirror => ("self".to_string(), None),
+        LeagueOpponent::Past(version) => ("past".to_string(), Some(*version)),
+        LeagueOpponent::Bot(name) => (name.clone(), None),
+        LeagueOpponent::Adapter(name) => (format!("adapter:{name}"), None),
     };
-    let seats = arrange(
-        learner,
-        || seat.take().ok_or_else(|| "one opponent seat".to_string()),
-        players,
-        learner_seat,
-    )
-    .map_err(ServiceError::other)?;
-    let spec = GameSpec {
-        env_id: env_id.to_string(),
-        seed: rng.random(),
-        seats,
-        learner_seat: Some(learner_seat),
-        runner_id: runner_id.to_string(),
-    };
+    let branched = branched_game(
+        rng,
+        text,
+        (env_id, players, learner_seat),
+        runner_id,
+        |bot_seed| {
+            Ok(match &seated {
+                LeagueOpponent::Mirror => Seat::Model(Some(learning_adapter())),
+                LeagueOpponent::Past(version) => Seat::Model(Some(AdapterRef {
+                    name: LEARNING_ADAPTER.to_string(),
+                    version: Some(*version),
+                })),
+                LeagueOpponent::Bot(name) => Seat::Bot(make_bot(name, bot_seed, text)?),
+                LeagueOpponent::Adapter(name) => Seat::Model(Some(AdapterRef {
+                    name: name.clone(),
+                    version: None,
+                })),
+            })
+        },
+    )?;
     let game = LeagueGame {
         opponent: label,
         sampler,
@@ -468,7 +453,70 @@ fn seat_league_game(
         past,
         fell_back: false,
     };
-    Ok((spec, game))
+    Ok((branched, game))
+}
+
+/// A game to play and the seats of the continuations of its branched
+/// position (`text.branches - 1` of them; see
+/// [`relay_policy::text::play_branched`]).
+struct BranchedGame {
+    spec: GameSpec,
+    more: Vec<Vec<Seat>>,
+    pick: f64,
+    group: u64,
+}
+
+impl BranchedGame {
+    async fn play<G: relay_policy::text::Generate>(
+        self,
+        generator: &G,
+        settings: &GameSettings,
+    ) -> Result<Vec<PlayedGame>, GameError> {
+        play_branched(
+            generator, self.spec, self.more, self.pick, self.group, settings,
+        )
+        .await
+    }
+}
+
+/// Seats a game of `env_id` for `players` with the learner at
+/// `learner_seat` and `opponent(bot_seed)` in every other seat, and the
+/// continuations of its branched position with the same policies, the
+/// learner and the bots seeded afresh each time.
+fn branched_game(
+    rng: &mut ChaCha8Rng,
+    text: &relay_config::TextConfig,
+    (env_id, players, learner_seat): (&str, usize, usize),
+    runner_id: &str,
+    opponent: impl Fn(u64) -> Result<Seat, String>,
+) -> Result<BranchedGame, ServiceError> {
+    let draw_seats = |rng: &mut ChaCha8Rng| -> Result<Vec<Seat>, ServiceError> {
+        let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
+        let bot_seed: u64 = rng.random();
+        arrange(learner, || opponent(bot_seed), players, learner_seat).map_err(ServiceError::other)
+    };
+    let seats = draw_seats(rng)?;
+    let spec = GameSpec {
+        env_id: env_id.to_string(),
+        seed: rng.random(),
+        seats,
+        learner_seat: Some(learner_seat),
+        runner_id: runner_id.to_string(),
+    };
+    let more = (1..text.branches)
+        .map(|_| draw_seats(rng))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (pick, group) = if more.is_empty() {
+        (0.0, 0)
+    } else {
+        (rng.random(), rng.random())
+    };
+    Ok(BranchedGame {
+        spec,
+        more,
+        pick,
+        group,
+    })
 }
 
 /// A league game whose past version was not served at all is the mirror
@@ -572,7 +620,7 @@ pub(crate) async fn run(
                 Pick::Listed(opponent) => opponent,
                 Pick::League => {
                     let draws = draws.as_ref().expect("league picks need draws");
-                    let (spec, game) = seat_league_game(
+                    let (branched, game) = seat_league_game(
                         draws,
                         &mut rng,
                         text,
@@ -580,15 +628,14 @@ pub(crate) async fn run(
                         &env_id,
                         &service.instance,
                     )?;
-                    let past = game.past;
                     let settings = settings.clone();
-                    if past.is_some() {
+                    if game.past.is_some() {
                         let pinned = FallbackGenerate::new(
                             service.nats.clone(),
                             service.subjects.generate(),
                         );
                         games.spawn(async move {
-                            let played = play_game(&pinned, spec, &settings).await.map(|g| vec![g]);
+                            let played = branched.play(&pinned, &settings).await;
                             let game = LeagueGame {
                                 fell_back: pinned.fell_back(),
                                 ..game
@@ -598,9 +645,7 @@ pub(crate) async fn run(
                     } else {
                         let generator = generator.clone();
                         games.spawn(async move {
-                            let played = play_game(&generator, spec, &settings)
-                                .await
-                                .map(|g| vec![g]);
+                            let played = branched.play(&generator, &settings).await;
                             ("league".to_string(), Some(game), played)
                         });
                     }
@@ -613,39 +658,16 @@ pub(crate) async fn run(
                 opponent.label()
             };
             let learner_seat = rng.random_range(0..players);
-            // The seats of the game and of each continuation of its
-            // branched position (`text.branches > 1`): the same policies,
-            // the learner and the bots seeded afresh each time.
-            let draw_seats = |rng: &mut ChaCha8Rng| -> Result<Vec<Seat>, ServiceError> {
-                let learner = Seat::learner(text, rng.random()).map_err(ServiceError::other)?;
-                let bot_seed: u64 = rng.random();
-                arrange(
-                    learner,
-                    || Seat::opponent(opponent, bot_seed, text),
-                    players,
-                    learner_seat,
-                )
-                .map_err(ServiceError::other)
-            };
-            let seats = draw_seats(&mut rng)?;
-            let spec = GameSpec {
-                env_id: game_id.clone(),
-                seed: rng.random(),
-                seats,
-                learner_seat: Some(learner_seat),
-                runner_id: service.instance.clone(),
-            };
+            let branched = branched_game(
+                &mut rng,
+                text,
+                (&game_id, players, learner_seat),
+                &service.instance,
+                |bot_seed| Seat::opponent(opponent, bot_seed, text),
+            )?;
             let (generator, settings) = (generator.clone(), settings.clone());
-            let more = (1..text.branches)
-                .map(|_| draw_seats(&mut rng))
-                .collect::<Result<Vec<_>, _>>()?;
-            let (pick, group): (f64, u64) = if more.is_empty() {
-                (0.0, 0)
-            } else {
-                (rng.random(), rng.random())
-            };
             games.spawn(async move {
-                let played = play_branched(&generator, spec, more, pick, group, &settings).await;
+                let played = branched.play(&generator, &settings).await;
                 (label, None, played)
             });
         }

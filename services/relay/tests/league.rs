@@ -81,6 +81,8 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
     // still holds at the end (the newest KEEP) was seen.
     let mut against_past: BTreeSet<(u64, u64)> = BTreeSet::new();
     let mut learner_done: Option<u64> = None;
+    // League games branch at their lost position (`text.branches`).
+    let mut continuations = 0;
     let deadline = Instant::now() + Duration::from_secs(150);
     let kept_pair_played = |played: &BTreeSet<(u64, u64)>, last: Option<u64>| {
         last.is_some_and(|last| {
@@ -97,6 +99,7 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
         tokio::select! {
             Some(m) = games.next() => {
                 let game: GameRecord = relay_proto::decode(&m.payload).unwrap();
+                continuations += game.branch.is_some_and(|b| b.index > 0) as usize;
                 let learner = game.learner_seat.unwrap() as usize;
                 if let SeatPolicy::Model(Some(AdapterRef { version: Some(past), .. })) = &game.seats[1 - learner] {
                     let current = game.learning_version().expect("model moves name versions");
@@ -131,6 +134,7 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
         }
     }
     let last = learner_done.unwrap();
+    assert!(continuations > 0, "no league game was branched");
     assert!(
         last as usize > KEEP,
         "{last} versions do not overflow the pool"
