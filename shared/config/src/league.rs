@@ -159,7 +159,7 @@ pub(crate) fn check_sampler_members(
 ) -> Result<(), ConfigError> {
     use relay_league::{MemberId, SamplerConfig};
     match sampler {
-        SamplerConfig::Fixed { opponents } => {
+        SamplerConfig::Fixed { opponents, .. } => {
             for (index, entry) in opponents.iter().enumerate() {
                 if let MemberId::Fixed(name) = &entry.opponent {
                     if !members.contains(name) {

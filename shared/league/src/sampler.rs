@@ -47,6 +47,12 @@ pub enum SamplerConfig {
     Fixed {
         /// The members to choose from, each with its relative weight.
         opponents: Vec<WeightedOpponent>,
+        /// The chance that the current version moves first against them
+        /// (in `(0, 1)`); unset, a fair coin as for every other rule. A
+        /// seat that loses more to a fixed bot (the second player's, in
+        /// TicTacToe) can be given more of its games.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        moves_first: Option<f64>,
     },
     /// The version `k` versions back: the newest version in the pool whose
     /// number is at most `current - k`, or the oldest version in the pool if
@@ -234,8 +240,9 @@ impl OpponentSampler {
         &self.config
     }
 
-    /// Draws the current version's next opponent and the seating (a fair
-    /// coin from the same RNG, drawn after the opponent).
+    /// Draws the current version's next opponent and the seating (a coin
+    /// from the same RNG, drawn after the opponent: fair unless the rule
+    /// that chose the opponent says `moves_first`).
     pub fn sample<R: Rng + ?Sized>(
         &self,
         pool: &Pool,
@@ -245,7 +252,7 @@ impl OpponentSampler {
             .current_version()
             .ok_or(SampleError::NoCurrentVersion)?;
         let choice = choose(&self.config, pool, current, rng)?;
-        let current_moves_first = rng.random_bool(0.5);
+        let current_moves_first = rng.random_bool(choice.moves_first.unwrap_or(0.5));
         Ok(Matchup {
             current,
             opponent: choice.opponent,
@@ -281,7 +288,18 @@ fn validate(config: &SamplerConfig, path: &str) -> Result<(), SamplerConfigError
         | SamplerConfig::Lagged { .. }
         | SamplerConfig::Uniform { .. }
         | SamplerConfig::LeastPlayed { .. } => Ok(()),
-        SamplerConfig::Fixed { opponents } => {
+        SamplerConfig::Fixed {
+            opponents,
+            moves_first,
+        } => {
+            if let Some(share) = moves_first {
+                if !(share.is_finite() && *share > 0.0 && *share < 1.0) {
+                    return Err(SamplerConfigError {
+                        path: join(path, "moves_first"),
+                        reason: format!("{share} must be in (0, 1)"),
+                    });
+                }
+            }
             if opponents.is_empty() {
                 return Err(SamplerConfigError {
                     path: join(path, "opponents"),
@@ -334,6 +352,8 @@ struct Choice {
     opponent: MemberId,
     sampler: SamplerKind,
     fallback_to_mirror: bool,
+    /// The chance the current version moves first (`None`: a fair coin).
+    moves_first: Option<f64>,
 }
 
 fn chosen(opponent: MemberId, sampler: SamplerKind) -> Choice {
@@ -341,6 +361,7 @@ fn chosen(opponent: MemberId, sampler: SamplerKind) -> Choice {
         opponent,
         sampler,
         fallback_to_mirror: false,
+        moves_first: None,
     }
 }
 
@@ -349,6 +370,7 @@ fn mirror_fallback(current: u64, sampler: SamplerKind) -> Choice {
         opponent: MemberId::Version(current),
         sampler,
         fallback_to_mirror: true,
+        moves_first: None,
     }
 }
 
@@ -386,7 +408,10 @@ fn choose<R: Rng + ?Sized>(
     let current_id = MemberId::Version(current);
     match config {
         SamplerConfig::Mirror => Ok(chosen(current_id, SamplerKind::Mirror)),
-        SamplerConfig::Fixed { opponents } => {
+        SamplerConfig::Fixed {
+            opponents,
+            moves_first,
+        } => {
             let present: Vec<&WeightedOpponent> = opponents
                 .iter()
                 .filter(|entry| pool.get(&entry.opponent).is_some())
@@ -401,7 +426,10 @@ fn choose<R: Rng + ?Sized>(
             }
             let weights: Vec<f64> = present.iter().map(|entry| entry.weight).collect();
             let index = weighted_index(&weights, rng);
-            Ok(chosen(present[index].opponent.clone(), SamplerKind::Fixed))
+            Ok(Choice {
+                moves_first: *moves_first,
+                ..chosen(present[index].opponent.clone(), SamplerKind::Fixed)
+            })
         }
         SamplerConfig::Lagged { k } => {
             let target = current.saturating_sub(*k);

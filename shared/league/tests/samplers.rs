@@ -97,6 +97,27 @@ fn mirror_plays_the_current_version() {
 }
 
 #[test]
+fn fixed_seats_the_current_version_first_as_often_as_moves_first_says() {
+    let pool = pool_with(2);
+    for (moves_first, expected) in [(None, 0.5), (Some(0.25), 0.25)] {
+        let config = SamplerConfig::Fixed {
+            opponents: vec![WeightedOpponent {
+                opponent: fixed("random"),
+                weight: 1.0,
+            }],
+            moves_first,
+        };
+        let matchups = draws(&sampler(config), &pool, 3);
+        let first = matchups.iter().filter(|m| m.current_moves_first).count();
+        let share = first as f64 / matchups.len() as f64;
+        assert!(
+            (share - expected).abs() < 0.03,
+            "moves_first {moves_first:?}: {share}"
+        );
+    }
+}
+
+#[test]
 fn fixed_follows_its_weights_and_skips_missing_members() {
     let pool = pool_with(2);
     let config = SamplerConfig::Fixed {
@@ -114,6 +135,7 @@ fn fixed_follows_its_weights_and_skips_missing_members() {
                 weight: 100.0,
             },
         ],
+        moves_first: None,
     };
     let matchups = draws(&sampler(config), &pool, 2);
     assert_frequencies(
@@ -127,6 +149,7 @@ fn fixed_follows_its_weights_and_skips_missing_members() {
             opponent: fixed("gone"),
             weight: 1.0,
         }],
+        moves_first: None,
     });
     let err = nobody
         .sample(&pool, &mut ChaCha8Rng::seed_from_u64(0))
@@ -335,6 +358,7 @@ fn mixture() -> SamplerConfig {
                         opponent: fixed("minimax"),
                         weight: 1.0,
                     }],
+                    moves_first: None,
                 },
             },
         ],
@@ -487,7 +511,7 @@ fn configs_parse_with_defaults_and_invalid_ones_name_the_path() {
             include_fixed: true
         }
     );
-    let SamplerConfig::Fixed { opponents } = &components[2].sampler else {
+    let SamplerConfig::Fixed { opponents, .. } = &components[2].sampler else {
         panic!("{parsed:?}")
     };
     assert_eq!(opponents[1].opponent, v(3));
@@ -523,15 +547,32 @@ fn configs_parse_with_defaults_and_invalid_ones_name_the_path() {
             },
             "floor",
         ),
-        (SamplerConfig::Fixed { opponents: vec![] }, "opponents"),
+        (
+            SamplerConfig::Fixed {
+                opponents: vec![],
+                moves_first: None,
+            },
+            "opponents",
+        ),
         (
             SamplerConfig::Fixed {
                 opponents: vec![WeightedOpponent {
                     opponent: fixed("random"),
                     weight: -1.0,
                 }],
+                moves_first: None,
             },
             "opponents[0].weight",
+        ),
+        (
+            SamplerConfig::Fixed {
+                opponents: vec![WeightedOpponent {
+                    opponent: fixed("random"),
+                    weight: 1.0,
+                }],
+                moves_first: Some(1.0),
+            },
+            "moves_first",
         ),
         (SamplerConfig::Mixture { components: vec![] }, "components"),
     ] {
