@@ -54,21 +54,6 @@ pub struct Acrobot {
     spec: EnvSpec,
     clock: EpisodeClock,
     state: [f64; 4],
-    /// `[cos theta1, sin theta1, cos theta2, sin theta2]` of `state`,
-    /// computed once a step: the observation, the terminal test and the
-    /// next step's first Runge-Kutta stage all use them (the same inputs
-    /// give the same bits, so nothing changes but the count of sin/cos).
-    trig: [f64; 4],
-}
-
-/// [`Acrobot::trig`] of `state`.
-fn trig_of(state: &[f64; 4]) -> [f64; 4] {
-    [
-        state[0].cos(),
-        state[0].sin(),
-        state[1].cos(),
-        state[1].sin(),
-    ]
 }
 
 impl Default for Acrobot {
@@ -81,11 +66,6 @@ impl Default for Acrobot {
 /// the expression order kept as in Python so rounding is identical (`x**2`
 /// is `pow(x, 2)` there, hence `py_pow2`).
 fn dsdt(s: &[f64; 5]) -> [f64; 5] {
-    dsdt_given(s, (s[1].cos(), s[1].sin()))
-}
-
-/// [`dsdt`] with `(cos theta2, sin theta2)` already known.
-fn dsdt_given(s: &[f64; 5], (cos_t2, sin_t2): (f64, f64)) -> [f64; 5] {
     let m1 = LINK_MASS_1;
     let m2 = LINK_MASS_2;
     let l1 = LINK_LENGTH_1;
@@ -99,6 +79,8 @@ fn dsdt_given(s: &[f64; 5], (cos_t2, sin_t2): (f64, f64)) -> [f64; 5] {
     let theta2 = s[1];
     let dtheta1 = s[2];
     let dtheta2 = s[3];
+    let cos_t2 = theta2.cos();
+    let sin_t2 = theta2.sin();
     let d1 =
         m1 * py_pow2(lc1) + m2 * (py_pow2(l1) + py_pow2(lc2) + 2.0 * l1 * lc2 * cos_t2) + i1 + i2;
     let d2 = m2 * (py_pow2(lc2) + l1 * lc2 * cos_t2) + i2;
@@ -119,12 +101,11 @@ fn axpy(y: &[f64; 5], h: f64, k: &[f64; 5]) -> [f64; 5] {
     std::array::from_fn(|i| y[i] + h * k[i])
 }
 
-/// One step of Gymnasium's `rk4(derivs, y0, [0, dt])`; `trig_t2` is
-/// `(cos, sin)` of `y0`'s theta2.
-fn rk4(y0: &[f64; 5], trig_t2: (f64, f64)) -> [f64; 5] {
+/// One step of Gymnasium's `rk4(derivs, y0, [0, dt])`.
+fn rk4(y0: &[f64; 5]) -> [f64; 5] {
     let dt = DT - 0.0;
     let dt2 = dt / 2.0;
-    let k1 = dsdt_given(y0, trig_t2);
+    let k1 = dsdt(y0);
     let k2 = dsdt(&axpy(y0, dt2, &k1));
     let k3 = dsdt(&axpy(y0, dt2, &k2));
     let k4 = dsdt(&axpy(y0, dt, &k3));
@@ -163,18 +144,12 @@ impl Acrobot {
             spec,
             clock,
             state: [0.0; 4],
-            trig: trig_of(&[0.0; 4]),
         }
     }
 
-    fn set(&mut self, state: [f64; 4]) {
-        self.state = state;
-        self.trig = trig_of(&state);
-    }
-
     fn write_obs(&self, obs: &mut [f32]) {
-        let (s, t) = (&self.state, &self.trig);
-        let o = [t[0], t[1], t[2], t[3], s[2], s[3]];
+        let s = &self.state;
+        let o = [s[0].cos(), s[0].sin(), s[1].cos(), s[1].sin(), s[2], s[3]];
         for (dst, v) in obs.iter_mut().zip(o) {
             *dst = v as f32;
         }
@@ -182,7 +157,7 @@ impl Acrobot {
 
     fn terminal(&self) -> bool {
         let s = &self.state;
-        -self.trig[0] - (s[1] + s[0]).cos() > 1.0
+        -s[0].cos() - (s[1] + s[0]).cos() > 1.0
     }
 }
 
@@ -193,11 +168,10 @@ impl Env for Acrobot {
 
     fn reset(&mut self, rng: &mut dyn RngCore, obs: &mut [f32]) -> Result<(), EnvError> {
         check_obs_len(obs, 6)?;
-        let state = std::array::from_fn(|_| {
+        for s in &mut self.state {
             let v: f64 = rng.random_range(-0.1..0.1);
-            f64::from(v as f32)
-        });
-        self.set(state);
+            *s = f64::from(v as f32);
+        }
         self.clock.restart();
         self.write_obs(obs);
         Ok(())
@@ -210,16 +184,13 @@ impl Env for Acrobot {
 
         let torque = AVAIL_TORQUE[action];
         let s = &self.state;
-        let ns = rk4(
-            &[s[0], s[1], s[2], s[3], torque],
-            (self.trig[2], self.trig[3]),
-        );
-        self.set([
+        let ns = rk4(&[s[0], s[1], s[2], s[3], torque]);
+        self.state = [
             wrap(ns[0], -PI, PI),
             wrap(ns[1], -PI, PI),
             bound(ns[2], -MAX_VEL_1, MAX_VEL_1),
             bound(ns[3], -MAX_VEL_2, MAX_VEL_2),
-        ]);
+        ];
         let terminated = self.terminal();
         let reward = if terminated { 0.0 } else { -1.0 };
 
@@ -238,7 +209,7 @@ impl Env for Acrobot {
 
     fn set_state(&mut self, state: &[f64]) -> Result<(), EnvError> {
         check_state_len(ID, state, 4)?;
-        self.set([state[0], state[1], state[2], state[3]]);
+        self.state.copy_from_slice(state);
         self.clock.restart();
         Ok(())
     }
@@ -272,13 +243,10 @@ mod tests {
 
     #[test]
     fn rk4_keeps_the_torque_component() {
-        let y = rk4(
-            &[0.1, -0.2, 0.3, -0.4, 1.0],
-            ((-0.2f64).cos(), (-0.2f64).sin()),
-        );
+        let y = rk4(&[0.1, -0.2, 0.3, -0.4, 1.0]);
         assert_eq!(y[4], 1.0);
         // At rest hanging down with no torque, nothing moves (up to the
         // rounding of cos(-pi/2)).
-        assert!(rk4(&[0.0; 5], (1.0, 0.0)).iter().all(|v| v.abs() < 1e-14));
+        assert!(rk4(&[0.0; 5]).iter().all(|v| v.abs() < 1e-14));
     }
 }
