@@ -91,7 +91,7 @@ bench-envs *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-envs {{ARGS}}
 
-# Publish-to-serving latency and MB/s of weights versions (classic policy, LoRA adapter over SmolLM2-135M, a 135M full model through the object store) for 1, 2 and 4 inference servers: table + JSON line.
+# Publish-to-serving latency and MB/s of weights versions (classic policy, LoRA adapter over SmolLM2-135M, a 135M full model from the publisher's direct transfer server and through the object store) for 1, 2 and 4 inference servers: table + JSON line.
 bench-weights *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-weights {{ARGS}}

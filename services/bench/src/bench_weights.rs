@@ -13,11 +13,17 @@
 //!   inline when it fits a message, else uploaded to the run's object
 //!   store bucket first, then announced on `relay.<run>.adapters`;
 //! - **full**: a full model of `--full-params` f32 parameters (SmolLM2-135M's
-//!   134,515,008 by default) through the JetStream object store, the path
-//!   a full-weight version would take. relay's text runs publish adapters
-//!   only, so no inference server loads full weights yet: this payload
-//!   times the transport alone (upload, announcement, each server's
-//!   download into memory), with one NATS connection per simulated server.
+//!   134,515,008 by default) offered on the publisher's
+//!   [`relay_kit::direct::DirectServer`] and fetched by each reader over
+//!   its own TCP connection, the path a full-weight version takes;
+//! - **full-store**: the same bytes through the JetStream object store
+//!   (upload in 1 MiB chunks, then each reader's download), the path of
+//!   what must outlive its publisher, for comparison.
+//!
+//!   relay's text runs publish adapters only, so no inference server loads
+//!   full weights yet: both full payloads time the transport alone
+//!   (publishing, announcement on NATS, each reader's copy in memory), with
+//!   one NATS connection per simulated server.
 //!
 //! Classic and LoRA versions are served by real `relay-inference-server`
 //! processes, and their times are the servers' own
@@ -43,8 +49,12 @@ pub struct BenchWeightsArgs {
     /// Inference-server counts to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub servers: Vec<usize>,
-    /// Payloads to measure: classic, lora, full.
-    #[arg(long, value_delimiter = ',', default_value = "classic,lora,full")]
+    /// Payloads to measure: classic, lora, full, full-store.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "classic,lora,full,full-store"
+    )]
     pub payloads: Vec<String>,
     /// Versions published per classic or LoRA measurement.
     #[arg(long, default_value_t = 20)]
@@ -85,8 +95,8 @@ struct Row {
     all_ready_ms: f64,
     /// Bytes delivered to all servers per second of `all_ready_ms`.
     mb_per_s: f64,
-    /// Full model: the mean time of the upload to the object store, the
-    /// first part of `mean_ms`.
+    /// Full model through the object store: the mean time of the upload,
+    /// the first part of `mean_ms`.
     upload_ms: Option<f64>,
 }
 
@@ -121,8 +131,9 @@ enum Payload {
         files: relay_llm::PeftBytes,
         config: PathBuf,
     },
-    /// The full model's bytes.
-    Full(Vec<u8>),
+    /// The full model's bytes, and whether they travel through the object
+    /// store.
+    Full(bytes::Bytes, FullPath),
 }
 
 impl Payload {
@@ -161,7 +172,12 @@ impl Payload {
             }
             _ => {
                 let bytes = args.full_params as usize * 4;
-                Self::Full((0..bytes).map(|i| (i * 31 % 251) as u8).collect())
+                let path = if name == "full" {
+                    FullPath::Direct
+                } else {
+                    FullPath::ObjectStore
+                };
+                Self::Full((0..bytes).map(|i| (i * 31 % 251) as u8).collect(), path)
             }
         })
     }
@@ -173,8 +189,8 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
         bail!("--servers must list positive counts and --versions be positive");
     }
     for p in &args.payloads {
-        if !["classic", "lora", "full"].contains(&p.as_str()) {
-            bail!("unknown payload {p:?} in --payloads (known: classic, lora, full)");
+        if !["classic", "lora", "full", "full-store"].contains(&p.as_str()) {
+            bail!("unknown payload {p:?} in --payloads (known: classic, lora, full, full-store)");
         }
     }
     std::fs::create_dir_all(&args.state_dir)?;
@@ -197,9 +213,14 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
                 Payload::Lora { files, config } => {
                     lora(&mut stack, &runtime, &client, servers, &args, files, config)?
                 }
-                Payload::Full(bytes) => {
-                    runtime.block_on(full(&stack.nats_url, &client, servers, &args, bytes))?
-                }
+                Payload::Full(bytes, path) => runtime.block_on(full(
+                    &stack.nats_url,
+                    &client,
+                    servers,
+                    &args,
+                    bytes,
+                    *path,
+                ))?,
             };
             eprintln!(
                 "{} x{}: {:.2} MB, mean {:.1} ms, all ready {:.1} ms, {:.0} MB/s",
@@ -441,47 +462,98 @@ fn lora(
     ))
 }
 
-/// A full model's bytes through the JetStream object store to `servers`
-/// readers, each on its own NATS connection (see the module docs).
+/// Which way the full model travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FullPath {
+    /// From the publisher's [`relay_kit::direct::DirectServer`].
+    Direct,
+    /// Through the JetStream object store.
+    ObjectStore,
+}
+
+/// A new full-model version announced to the readers.
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct FullNotice {
+    /// The direct server's `host:port` ([`FullPath::Direct`]).
+    addr: Option<String>,
+    key: String,
+}
+
+/// A full model's bytes to `servers` readers, each on its own NATS
+/// connection, along `path` (see the module docs).
 async fn full(
     nats_url: &str,
     client: &async_nats::Client,
     servers: usize,
     args: &BenchWeightsArgs,
-    payload: &[u8],
+    payload: &bytes::Bytes,
+    path: FullPath,
 ) -> Result<Row> {
     let bytes = payload.len();
     let jetstream = async_nats::jetstream::new(client.clone());
     let bucket = format!("relay-bench-weights-full-{servers}");
-    let store = jetstream
-        .create_object_store(async_nats::jetstream::object_store::Config {
-            bucket: bucket.clone(),
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| anyhow::anyhow!("object store bucket {bucket}: {e}"))?;
+    let (store, direct) = match path {
+        FullPath::ObjectStore => {
+            let store = jetstream
+                .create_object_store(async_nats::jetstream::object_store::Config {
+                    bucket: bucket.clone(),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| anyhow::anyhow!("object store bucket {bucket}: {e}"))?;
+            (Some(store), None)
+        }
+        FullPath::Direct => {
+            let server =
+                relay_kit::direct::DirectServer::bind(([127, 0, 0, 1], 0).into(), None, 1).await?;
+            (None, Some(server))
+        }
+    };
     let notices = format!("relay.{bucket}.versions");
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Result<(usize, Instant)>>();
     let mut readers = Vec::new();
     for _ in 0..servers {
         let reader = async_nats::connect(nats_url).await?;
         let mut versions = reader.subscribe(notices.clone()).await?;
-        let store = async_nats::jetstream::new(reader.clone())
-            .get_object_store(&bucket)
-            .await
-            .map_err(|e| anyhow::anyhow!("object store bucket {bucket}: {e}"))?;
+        // The subscription reaches the server before the first notice.
+        reader.flush().await?;
+        let store = match path {
+            FullPath::ObjectStore => Some(
+                async_nats::jetstream::new(reader.clone())
+                    .get_object_store(&bucket)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("object store bucket {bucket}: {e}"))?,
+            ),
+            FullPath::Direct => None,
+        };
         let done = done_tx.clone();
         readers.push(tokio::spawn(async move {
             let _connection = reader;
             while let Some(notice) = versions.next().await {
-                let key = String::from_utf8_lossy(&notice.payload).to_string();
                 let fetched = async {
-                    let mut object = store
-                        .get(&key)
-                        .await
-                        .map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
-                    let mut held = Vec::with_capacity(bytes);
-                    object.read_to_end(&mut held).await?;
+                    let notice: FullNotice = serde_json::from_slice(&notice.payload)?;
+                    let key = notice.key;
+                    let held = match (&store, notice.addr) {
+                        (_, Some(addr)) => {
+                            relay_kit::direct::fetch(
+                                &addr,
+                                &key,
+                                bytes as u64,
+                                Duration::from_secs(300),
+                            )
+                            .await?
+                        }
+                        (Some(store), None) => {
+                            let mut object = store
+                                .get(&key)
+                                .await
+                                .map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+                            let mut held = Vec::with_capacity(bytes);
+                            object.read_to_end(&mut held).await?;
+                            held
+                        }
+                        (None, None) => bail!("a notice without an address"),
+                    };
                     Ok::<_, anyhow::Error>(held.len())
                 }
                 .await;
@@ -494,11 +566,29 @@ async fn full(
     for v in 1..=args.full_versions {
         let key = format!("policy/v{v}");
         let published = Instant::now();
-        relay_kit::adapters::put_object(client, &store, &key, payload)
-            .await
-            .map_err(|e| anyhow::anyhow!("uploading {key}: {e}"))?;
-        uploads.push(published.elapsed().as_secs_f64() * 1e3);
-        client.publish(notices.clone(), key.clone().into()).await?;
+        let notice = match (&store, &direct) {
+            (_, Some(server)) => {
+                server.offer(&key, payload.clone());
+                FullNotice {
+                    addr: Some(server.addr().to_string()),
+                    key: key.clone(),
+                }
+            }
+            (Some(store), None) => {
+                relay_kit::adapters::put_object(client, store, &key, payload)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("uploading {key}: {e}"))?;
+                uploads.push(published.elapsed().as_secs_f64() * 1e3);
+                FullNotice {
+                    addr: None,
+                    key: key.clone(),
+                }
+            }
+            (None, None) => unreachable!("one path is set up above"),
+        };
+        client
+            .publish(notices.clone(), serde_json::to_vec(&notice)?.into())
+            .await?;
         let mut latest = 0.0f64;
         for _ in 0..servers {
             let (n, at) = tokio::time::timeout(Duration::from_secs(300), done_rx.recv())
@@ -513,24 +603,31 @@ async fn full(
             latest = latest.max(ms);
         }
         slowest.push(latest);
-        store
-            .delete(&key)
-            .await
-            .map_err(|e| anyhow::anyhow!("deleting {key}: {e}"))?;
+        if let Some(store) = &store {
+            store
+                .delete(&key)
+                .await
+                .map_err(|e| anyhow::anyhow!("deleting {key}: {e}"))?;
+        }
     }
     for r in readers {
         r.abort();
     }
-    let _ = jetstream.delete_object_store(&bucket).await;
+    if store.is_some() {
+        let _ = jetstream.delete_object_store(&bucket).await;
+    }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let mut row = Row::new(
-        "full",
+        match path {
+            FullPath::Direct => "full",
+            FullPath::ObjectStore => "full-store",
+        },
         servers,
         bytes as u64,
         args.full_versions,
         mean(&all),
         mean(&slowest),
     );
-    row.upload_ms = Some(mean(&uploads));
+    row.upload_ms = (!uploads.is_empty()).then(|| mean(&uploads));
     Ok(row)
 }

@@ -2,6 +2,7 @@
 //!
 //! - [`service`]: flags, start-up, the [`Service`] context, `main`.
 //! - [`connect`]: NATS and Redis connections with backoff; requests with timeouts.
+//! - [`direct`]: large weight versions straight from their publisher over TCP.
 //! - [`intake`]: decoding received payloads and counting rejections.
 //! - [`metrics`]: the metric catalogue and checked registration.
 //! - [`http`]: `/metrics` and `/healthz`.
@@ -10,6 +11,7 @@
 
 pub mod adapters;
 pub mod connect;
+pub mod direct;
 pub mod http;
 pub mod intake;
 pub mod league;
