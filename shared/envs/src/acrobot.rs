@@ -54,6 +54,10 @@ pub struct Acrobot {
     spec: EnvSpec,
     clock: EpisodeClock,
     state: [f64; 4],
+    /// `[cos theta1, sin theta1, cos theta2, sin theta2]` of `state`: the
+    /// observation, the terminal test and the next step's first RK4 stage
+    /// all need them, and the trigonometry is most of a step's time.
+    trig: [f64; 4],
 }
 
 impl Default for Acrobot {
@@ -64,8 +68,10 @@ impl Default for Acrobot {
 
 /// `_dsdt` of the augmented state `[theta1, theta2, dtheta1, dtheta2, a]`,
 /// the expression order kept as in Python so rounding is identical (`x**2`
-/// is `pow(x, 2)` there, hence `py_pow2`).
-fn dsdt(s: &[f64; 5]) -> [f64; 5] {
+/// is `pow(x, 2)` there, hence `py_pow2`; the constants' squares, 0.25 and
+/// 1, are exact both ways, so they are plain products).
+/// `(cos theta2, sin theta2)` come from the caller, which may know them.
+fn dsdt(s: &[f64; 5], (cos_t2, sin_t2): (f64, f64)) -> [f64; 5] {
     let m1 = LINK_MASS_1;
     let m2 = LINK_MASS_2;
     let l1 = LINK_LENGTH_1;
@@ -79,11 +85,8 @@ fn dsdt(s: &[f64; 5]) -> [f64; 5] {
     let theta2 = s[1];
     let dtheta1 = s[2];
     let dtheta2 = s[3];
-    let cos_t2 = theta2.cos();
-    let sin_t2 = theta2.sin();
-    let d1 =
-        m1 * py_pow2(lc1) + m2 * (py_pow2(l1) + py_pow2(lc2) + 2.0 * l1 * lc2 * cos_t2) + i1 + i2;
-    let d2 = m2 * (py_pow2(lc2) + l1 * lc2 * cos_t2) + i2;
+    let d1 = m1 * (lc1 * lc1) + m2 * ((l1 * l1) + (lc2 * lc2) + 2.0 * l1 * lc2 * cos_t2) + i1 + i2;
+    let d2 = m2 * ((lc2 * lc2) + l1 * lc2 * cos_t2) + i2;
     let phi2 = m2 * lc2 * g * (theta1 + theta2 - PI / 2.0).cos();
     let phi1 = -m2 * l1 * lc2 * py_pow2(dtheta2) * sin_t2
         - 2.0 * m2 * l1 * lc2 * dtheta2 * dtheta1 * sin_t2
@@ -91,7 +94,7 @@ fn dsdt(s: &[f64; 5]) -> [f64; 5] {
         + phi2;
     // book dynamics
     let ddtheta2 = (a + d2 / d1 * phi1 - m2 * l1 * lc2 * py_pow2(dtheta1) * sin_t2 - phi2)
-        / (m2 * py_pow2(lc2) + i2 - py_pow2(d2) / d1);
+        / (m2 * (lc2 * lc2) + i2 - py_pow2(d2) / d1);
     let ddtheta1 = -(d2 * ddtheta2 + phi1) / d1;
     [dtheta1, dtheta2, ddtheta1, ddtheta2, 0.0]
 }
@@ -101,14 +104,20 @@ fn axpy(y: &[f64; 5], h: f64, k: &[f64; 5]) -> [f64; 5] {
     std::array::from_fn(|i| y[i] + h * k[i])
 }
 
-/// One step of Gymnasium's `rk4(derivs, y0, [0, dt])`.
-fn rk4(y0: &[f64; 5]) -> [f64; 5] {
+/// `dsdt` computing its own `cos theta2, sin theta2`.
+fn dsdt_at(s: &[f64; 5]) -> [f64; 5] {
+    dsdt(s, (s[1].cos(), s[1].sin()))
+}
+
+/// One step of Gymnasium's `rk4(derivs, y0, [0, dt])`; `trig_t2`:
+/// `(cos, sin)` of `y0`'s `theta2`.
+fn rk4(y0: &[f64; 5], trig_t2: (f64, f64)) -> [f64; 5] {
     let dt = DT - 0.0;
     let dt2 = dt / 2.0;
-    let k1 = dsdt(y0);
-    let k2 = dsdt(&axpy(y0, dt2, &k1));
-    let k3 = dsdt(&axpy(y0, dt2, &k2));
-    let k4 = dsdt(&axpy(y0, dt, &k3));
+    let k1 = dsdt(y0, trig_t2);
+    let k2 = dsdt_at(&axpy(y0, dt2, &k1));
+    let k3 = dsdt_at(&axpy(y0, dt2, &k2));
+    let k4 = dsdt_at(&axpy(y0, dt, &k3));
     let h = dt / 6.0;
     std::array::from_fn(|i| y0[i] + h * (k1[i] + 2.0 * k2[i] + 2.0 * k3[i] + k4[i]))
 }
@@ -144,12 +153,21 @@ impl Acrobot {
             spec,
             clock,
             state: [0.0; 4],
+            trig: [1.0, 0.0, 1.0, 0.0],
         }
     }
 
+    /// Sets the state and its [`Self::trig`].
+    fn set(&mut self, state: [f64; 4]) {
+        self.state = state;
+        let (sin1, cos1) = state[0].sin_cos();
+        let (sin2, cos2) = state[1].sin_cos();
+        self.trig = [cos1, sin1, cos2, sin2];
+    }
+
     fn write_obs(&self, obs: &mut [f32]) {
-        let s = &self.state;
-        let o = [s[0].cos(), s[0].sin(), s[1].cos(), s[1].sin(), s[2], s[3]];
+        let (s, t) = (&self.state, &self.trig);
+        let o = [t[0], t[1], t[2], t[3], s[2], s[3]];
         for (dst, v) in obs.iter_mut().zip(o) {
             *dst = v as f32;
         }
@@ -157,7 +175,7 @@ impl Acrobot {
 
     fn terminal(&self) -> bool {
         let s = &self.state;
-        -s[0].cos() - (s[1] + s[0]).cos() > 1.0
+        -self.trig[0] - (s[1] + s[0]).cos() > 1.0
     }
 }
 
@@ -168,10 +186,12 @@ impl Env for Acrobot {
 
     fn reset(&mut self, rng: &mut dyn RngCore, obs: &mut [f32]) -> Result<(), EnvError> {
         check_obs_len(obs, 6)?;
-        for s in &mut self.state {
+        let mut state = [0.0; 4];
+        for s in &mut state {
             let v: f64 = rng.random_range(-0.1..0.1);
             *s = f64::from(v as f32);
         }
+        self.set(state);
         self.clock.restart();
         self.write_obs(obs);
         Ok(())
@@ -184,13 +204,16 @@ impl Env for Acrobot {
 
         let torque = AVAIL_TORQUE[action];
         let s = &self.state;
-        let ns = rk4(&[s[0], s[1], s[2], s[3], torque]);
-        self.state = [
+        let ns = rk4(
+            &[s[0], s[1], s[2], s[3], torque],
+            (self.trig[2], self.trig[3]),
+        );
+        self.set([
             wrap(ns[0], -PI, PI),
             wrap(ns[1], -PI, PI),
             bound(ns[2], -MAX_VEL_1, MAX_VEL_1),
             bound(ns[3], -MAX_VEL_2, MAX_VEL_2),
-        ];
+        ]);
         let terminated = self.terminal();
         let reward = if terminated { 0.0 } else { -1.0 };
 
@@ -209,7 +232,7 @@ impl Env for Acrobot {
 
     fn set_state(&mut self, state: &[f64]) -> Result<(), EnvError> {
         check_state_len(ID, state, 4)?;
-        self.state.copy_from_slice(state);
+        self.set([state[0], state[1], state[2], state[3]]);
         self.clock.restart();
         Ok(())
     }
@@ -243,10 +266,13 @@ mod tests {
 
     #[test]
     fn rk4_keeps_the_torque_component() {
-        let y = rk4(&[0.1, -0.2, 0.3, -0.4, 1.0]);
+        let y = rk4(
+            &[0.1, -0.2, 0.3, -0.4, 1.0],
+            ((-0.2f64).cos(), (-0.2f64).sin()),
+        );
         assert_eq!(y[4], 1.0);
         // At rest hanging down with no torque, nothing moves (up to the
         // rounding of cos(-pi/2)).
-        assert!(rk4(&[0.0; 5]).iter().all(|v| v.abs() < 1e-14));
+        assert!(rk4(&[0.0; 5], (1.0, 0.0)).iter().all(|v| v.abs() < 1e-14));
     }
 }
