@@ -213,8 +213,9 @@ pub async fn connect_redis(
 }
 
 /// Connects to Redis at `connections.redis_url` with
-/// `connections.redis_password`, retrying with backoff; the manager
-/// reconnects by itself afterwards.
+/// `connections.redis_password`, retrying with backoff until it answers
+/// `PING` (a restarted Redis answers `LOADING` until its dataset is back in
+/// memory); the manager reconnects by itself afterwards.
 pub async fn connect_redis_with(
     connections: &ConnectionsConfig,
     shutdown: &Shutdown,
@@ -232,7 +233,15 @@ pub async fn connect_redis_with(
             .set_response_timeout(Some(Duration::from_secs(5)))
             .set_number_of_retries(6);
         match client.get_connection_manager_with_config(config).await {
-            Ok(manager) => return Ok(manager),
+            // A Redis that restarts answers every command with LOADING until
+            // its dataset is back in memory: wait for that too, so no
+            // service starts its work on errors.
+            Ok(mut manager) => match redis::cmd("PING").query_async::<String>(&mut manager).await {
+                Ok(_) => return Ok(manager),
+                Err(e) => {
+                    tracing::warn!(url = %shown, error = %e, retry_in_ms = backoff.as_millis() as u64, "waiting for Redis to load its dataset")
+                }
+            },
             Err(e) => {
                 let detail = e.to_string();
                 if e.kind() == redis::ErrorKind::AuthenticationFailed

@@ -192,24 +192,54 @@ impl RedisServer {
         let bin = binary("RELAY_REDIS_SERVER", "redis-server")?;
         let dir = TempDir::new("redis");
         let (child, port) = spawn_on_free_port("redis-server", |port| {
-            let mut command = Command::new(&bin);
-            command
-                .args([
-                    "--bind",
-                    "127.0.0.1",
-                    "--port",
-                    &port.to_string(),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                ])
-                .arg(dir.path())
-                .args(extra);
-            command
+            Self::command(&bin, port, &dir, extra)
         })?;
         Ok(Self(ServerProcess { child, port, dir }))
+    }
+
+    /// Starts with an append-only file in its folder, so that
+    /// [`Self::restart_persistent`] brings its data back.
+    pub fn start_persistent() -> Result<Self> {
+        Self::start_with_args(&["--appendonly", "yes"])
+    }
+
+    /// Kills a [`Self::start_persistent`] server and starts it again on the
+    /// same port and folder; returns once it listens, which is before it
+    /// has loaded its data (it answers `LOADING` until then).
+    pub fn restart_persistent(&mut self) -> Result<()> {
+        self.0.kill();
+        let bin = binary("RELAY_REDIS_SERVER", "redis-server")?;
+        let mut child = Self::command(&bin, self.0.port, &self.0.dir, &["--appendonly", "yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("restarting redis-server")?;
+        let addr = ([127, 0, 0, 1], self.0.port).into();
+        if let Err(e) = wait_for_port(addr, &mut child, "redis-server") {
+            let _ = child.kill();
+            return Err(e);
+        }
+        self.0.child = child;
+        Ok(())
+    }
+
+    fn command(bin: &Path, port: u16, dir: &TempDir, extra: &[&str]) -> Command {
+        let mut command = Command::new(bin);
+        command
+            .args([
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+            ])
+            .arg(dir.path())
+            .args(extra);
+        command
     }
 
     pub fn url(&self) -> String {
