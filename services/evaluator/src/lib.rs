@@ -194,7 +194,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     ..ctx
                 };
                 match play_classic(&plugin, &policy, &ctx).await? {
-                    Ok(returns) => Some(confirmation(returns, seed, t)),
+                    Ok(returns) => Some(confirmation(returns, seed, t, cfg.eval.confirm_z)),
                     Err(reason) => {
                         tracing::warn!(evaluator = plugin.name(), version = policy.version, %reason, "confirmation not played");
                         None
@@ -263,16 +263,19 @@ async fn play_classic(
     })
 }
 
-/// The confirmation of a screening pass: `returns` played from `seed` on.
-fn confirmation(returns: Vec<f64>, seed: u64, threshold: f64) -> Confirmation {
+/// The confirmation of a screening pass: `returns` played from `seed` on;
+/// it passes when its mean less `z` standard errors reaches `threshold`
+/// (`eval.confirm_z`).
+fn confirmation(returns: Vec<f64>, seed: u64, threshold: f64, z: f64) -> Confirmation {
     let (mean, std) = mean_std(&returns);
+    let standard_error = std / (returns.len() as f64).sqrt();
     Confirmation {
         episodes: returns.len() as u32,
         seed,
         returns,
         mean_return: mean,
         std_return: std,
-        passed: mean >= threshold,
+        passed: mean - z * standard_error >= threshold,
     }
 }
 
@@ -293,19 +296,23 @@ async fn announce_start(service: &Service, evaluator: &str, version: u64) {
 /// Announces the run solved by `report` (screening and confirmation passed).
 async fn announce_solved(service: &Service, report: &EvalReport) {
     let confirmation = report.confirmation.as_ref().expect("solved is confirmed");
+    let z = service.config.eval.confirm_z;
     let status = RunStatusUpdate {
         schema: SCHEMA_VERSION,
         status: RunStatus::Solved,
         service: "evaluator".into(),
         policy_version: report.policy_version,
         detail: format!(
-            "eval mean return {:.3} over {} screening episodes, confirmed {:.3} +/- {:.3} over {} fresh episodes (seed {}), threshold {:.3}, version {} ({})",
+            "eval mean return {:.3} over {} screening episodes, confirmed {:.3} +/- {:.3} over {} fresh episodes (seed {}; less {} standard errors {:.3}), threshold {:.3}, version {} ({})",
             report.mean_return,
             report.returns.len(),
             confirmation.mean_return,
             confirmation.std_return,
             confirmation.episodes,
             confirmation.seed,
+            z,
+            confirmation.mean_return
+                - z * confirmation.std_return / f64::from(confirmation.episodes.max(1)).sqrt(),
             report.threshold,
             report.policy_version,
             report.evaluator,
@@ -607,7 +614,7 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                 let (mean, std) = mean_std(&returns);
                 let confirmation = match (evaluation.confirmation, threshold) {
                     (Some((seed, outcome)), Some(t)) => match text_returns(&outcome) {
-                        Some(r) => Some(confirmation(r.to_vec(), seed, t)),
+                        Some(r) => Some(confirmation(r.to_vec(), seed, t, cfg.eval.confirm_z)),
                         None => {
                             tracing::warn!(evaluator = %evaluation.plugin, version, outcome = ?outcome.err(), "confirmation played no game");
                             None

@@ -11,8 +11,9 @@
 //! each evaluation as it begins ([`relay_proto::EvalStarted`]), and the
 //! learner then keeps that version (up to [`PINNED_VERSIONS`] at once, the
 //! oldest let go first) until the version's [`EvalReport`] arrives. A report
-//! that beats the best eval figure so far ([`eval_figure`]: the
-//! confirmation's mean when there is one), or the first that solves the run
+//! that beats the best eval figure so far ([`eval_figure`]: the lower
+//! confidence bound of the confirmation's mean when there is one), or the
+//! first that solves the run
 //! (screening and confirmation passed), becomes a checkpoint holding that
 //! version's weights, linked `best` or `solved` ([`EvaluatedSave`]); the
 //! rest of that checkpoint (optimizer, counters, RNG, the algorithm's other
@@ -39,15 +40,20 @@ pub const RECENT_VERSIONS: usize = 8;
 /// Versions kept for evaluations in progress, at most.
 pub const PINNED_VERSIONS: usize = 16;
 
-/// What a report says of its version: the confirmation's mean when it was
-/// confirmed (more episodes, and fresh ones), else the screening mean. A
-/// version that passed the screening by luck and failed its confirmation
-/// is not the best.
-pub fn eval_figure(report: &EvalReport) -> f64 {
-    report
-        .confirmation
-        .as_ref()
-        .map_or(report.mean_return, |c| c.mean_return)
+/// What a report says of its version: the mean of its confirmation when
+/// it was confirmed (more episodes, and fresh ones), else of its
+/// screening, less `z` standard errors (`eval.confirm_z`, the margin a
+/// confirmation must clear the threshold by). A version that passed the
+/// screening by luck and failed its confirmation is not the best, nor is
+/// one whose mean is high only because its returns scatter: the best of
+/// many noisy means is the one most likely to fall back. The version that
+/// solves the run is thereby also the best so far.
+pub fn eval_figure(report: &EvalReport, z: f64) -> f64 {
+    let (mean, std, episodes) = match &report.confirmation {
+        Some(c) => (c.mean_return, c.std_return, c.returns.len()),
+        None => (report.mean_return, report.std_return, report.returns.len()),
+    };
+    mean - z * std / (episodes.max(1) as f64).sqrt()
 }
 
 /// A checkpoint to write for an evaluation: `weights` are version
@@ -74,6 +80,8 @@ pub struct RunEvents<S> {
     pub solved: Option<String>,
     /// The first version that solved the run, with its weights.
     pub solved_weights: Option<(u64, Arc<S>)>,
+    /// `eval.confirm_z`, for [`eval_figure`].
+    confirm_z: f64,
 }
 
 impl<S> RunEvents<S> {
@@ -96,6 +104,7 @@ impl<S> RunEvents<S> {
             best_eval,
             solved: None,
             solved_weights: None,
+            confirm_z: service.config.eval.confirm_z,
         })
     }
 
@@ -157,7 +166,7 @@ impl<S> RunEvents<S> {
             let version = report.policy_version;
             let weights = self.held(version);
             self.pinned.retain(|(v, _)| *v != version);
-            let figure = eval_figure(&report);
+            let figure = eval_figure(&report, self.confirm_z);
             let mut links = Vec::new();
             if self.best_eval.is_none_or(|(b, _)| figure > b) {
                 links.push("best");

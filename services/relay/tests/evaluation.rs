@@ -345,7 +345,29 @@ async fn a_screening_pass_solves_the_run_only_when_fresh_episodes_confirm_it() {
     assert!(!report.solved);
     assert!(status.is_none(), "not announced solved: {status:?}");
 
-    // A threshold both meet: solved, announced with both figures.
+    // A threshold the confirmation's mean meets exactly: by the default
+    // `eval.confirm_z` of 2 its mean must clear it by two standard
+    // errors, so this is not solved either.
+    let experiment = cartpole(
+        "confirmation-without-margin",
+        &runs,
+        &nats,
+        &redis,
+        &[
+            "eval.episodes=5",
+            "eval.confirm_episodes=40",
+            &format!("eval.threshold={confirmation}"),
+        ],
+    );
+    let (report, status) = evaluate_once(experiment, &nats, &model).await;
+    let c = report.confirmation.expect("a screening pass is confirmed");
+    assert_eq!(c.mean_return, confirmation);
+    assert!(c.std_return > 0.0);
+    assert!(!c.passed && !report.solved);
+    assert!(status.is_none(), "not announced solved: {status:?}");
+
+    // A threshold both meet, the mean alone counting (`confirm_z=0`):
+    // solved, announced with both figures.
     let below = confirmation.min(screening) - 1.0;
     let experiment = cartpole(
         "confirmation-passes",
@@ -355,6 +377,7 @@ async fn a_screening_pass_solves_the_run_only_when_fresh_episodes_confirm_it() {
         &[
             "eval.episodes=5",
             "eval.confirm_episodes=40",
+            "eval.confirm_z=0",
             &format!("eval.threshold={below}"),
         ],
     );

@@ -28,6 +28,13 @@ pub struct EvalConfig {
     /// a pass there solves the run (100: Gymnasium's classic criterion of
     /// 100 consecutive episodes).
     pub confirm_episodes: usize,
+    /// Standard errors the confirmation's mean must clear the threshold
+    /// by: it passes when `mean - confirm_z * std / sqrt(episodes)` reaches
+    /// the threshold. The first version to pass is a selection among many,
+    /// and a policy that sits at the threshold passes half its
+    /// confirmations; with 2 a version that passes holds its mean on fresh
+    /// episodes about 9 times in 10. 0: the mean alone.
+    pub confirm_z: f64,
     /// Evaluator plugin this evaluator copy runs (see the evaluator crate's
     /// registry): `greedy` (deterministic actions), `stochastic` (sampled
     /// actions), `threshold` (evaluates only once the training return crosses
@@ -95,6 +102,12 @@ impl EvalConfig {
             ));
         }
         positive("eval.confirm_episodes", self.confirm_episodes)?;
+        if !(self.confirm_z.is_finite() && self.confirm_z >= 0.0) {
+            return Err(invalid(
+                "eval.confirm_z",
+                "must be a finite number of standard errors >= 0",
+            ));
+        }
         if self.evaluator.trim().is_empty() {
             return Err(invalid("eval.evaluator", "must name an evaluator plugin"));
         }
@@ -122,6 +135,7 @@ impl Default for EvalConfig {
             seed: 1_000_003,
             threshold: None,
             confirm_episodes: 100,
+            confirm_z: 2.0,
             evaluator: "greedy".into(),
             options: Default::default(),
         }

@@ -667,7 +667,8 @@ pub struct Confirmation {
     pub returns: Vec<f64>,
     pub mean_return: f64,
     pub std_return: f64,
-    /// `mean_return >= threshold`.
+    /// `mean_return - z * std_return / sqrt(episodes) >= threshold`, `z`
+    /// the run's `eval.confirm_z` (2 by default; 0: the mean alone).
     pub passed: bool,
 }
 
