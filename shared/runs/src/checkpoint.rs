@@ -124,7 +124,8 @@ pub struct CheckpointState {
     #[serde(default)]
     pub rng: Option<RngState>,
     /// Best eval figure heard so far (the confirmation's mean when there is
-    /// one) and the version it evaluated.
+    /// one, less `eval.confirm_z` standard errors) and the version it
+    /// evaluated.
     #[serde(default)]
     pub best_eval: Option<(f64, u64)>,
     /// The weights version the model file holds: `progress.version`, or an
