@@ -268,14 +268,14 @@ async fn play_classic(
 /// (`eval.confirm_z`).
 fn confirmation(returns: Vec<f64>, seed: u64, threshold: f64, z: f64) -> Confirmation {
     let (mean, std) = mean_std(&returns);
-    let standard_error = std / (returns.len() as f64).sqrt();
+    let bound = relay_proto::mean_less_standard_errors(mean, std, returns.len(), z);
     Confirmation {
         episodes: returns.len() as u32,
         seed,
         returns,
         mean_return: mean,
         std_return: std,
-        passed: mean - z * standard_error >= threshold,
+        passed: bound >= threshold,
     }
 }
 
@@ -311,8 +311,12 @@ async fn announce_solved(service: &Service, report: &EvalReport) {
             confirmation.episodes,
             confirmation.seed,
             z,
-            confirmation.mean_return
-                - z * confirmation.std_return / f64::from(confirmation.episodes.max(1)).sqrt(),
+            relay_proto::mean_less_standard_errors(
+                confirmation.mean_return,
+                confirmation.std_return,
+                confirmation.returns.len(),
+                z
+            ),
             report.threshold,
             report.policy_version,
             report.evaluator,

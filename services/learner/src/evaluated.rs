@@ -53,7 +53,7 @@ pub fn eval_figure(report: &EvalReport, z: f64) -> f64 {
         Some(c) => (c.mean_return, c.std_return, c.returns.len()),
         None => (report.mean_return, report.std_return, report.returns.len()),
     };
-    mean - z * std / (episodes.max(1) as f64).sqrt()
+    relay_proto::mean_less_standard_errors(mean, std, episodes, z)
 }
 
 /// A checkpoint to write for an evaluation: `weights` are version

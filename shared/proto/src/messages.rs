@@ -667,9 +667,17 @@ pub struct Confirmation {
     pub returns: Vec<f64>,
     pub mean_return: f64,
     pub std_return: f64,
-    /// `mean_return - z * std_return / sqrt(episodes) >= threshold`, `z`
-    /// the run's `eval.confirm_z` (2 by default; 0: the mean alone).
+    /// `mean_return - z * std_return / sqrt(episodes) >= threshold`
+    /// ([`mean_less_standard_errors`]), `z` the run's `eval.confirm_z` (2
+    /// by default; 0: the mean alone).
     pub passed: bool,
+}
+
+/// `mean - z * std / sqrt(episodes)`: a mean over `episodes` less `z`
+/// standard errors, what a confirmation must bring to the threshold and
+/// what ranks evaluated versions for the `best` checkpoint.
+pub fn mean_less_standard_errors(mean: f64, std: f64, episodes: usize, z: f64) -> f64 {
+    mean - z * std / (episodes.max(1) as f64).sqrt()
 }
 
 /// evaluator -> learner: an evaluation of `policy_version` begins. The
