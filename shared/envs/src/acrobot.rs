@@ -70,6 +70,7 @@ impl Default for Acrobot {
 /// the expression order kept as in Python so rounding is identical (`x**2`
 /// is `pow(x, 2)` there, hence `py_pow2`; the constants' squares, 0.25 and
 /// 1, are exact both ways, so they are plain products).
+///
 /// `(cos theta2, sin theta2)` come from the caller, which may know them.
 fn dsdt(s: &[f64; 5], (cos_t2, sin_t2): (f64, f64)) -> [f64; 5] {
     let m1 = LINK_MASS_1;
