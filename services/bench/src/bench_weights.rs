@@ -492,22 +492,24 @@ async fn full(
     let bytes = payload.len();
     let jetstream = async_nats::jetstream::new(client.clone());
     let bucket = format!("relay-bench-weights-full-{servers}");
-    let (store, direct) = match path {
-        FullPath::ObjectStore => {
-            let store = jetstream
+    /// Where the publisher puts each version.
+    enum Publisher {
+        Direct(relay_kit::direct::DirectServer),
+        Store(Box<async_nats::jetstream::object_store::ObjectStore>),
+    }
+    let publisher = match path {
+        FullPath::ObjectStore => Publisher::Store(Box::new(
+            jetstream
                 .create_object_store(async_nats::jetstream::object_store::Config {
                     bucket: bucket.clone(),
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| anyhow::anyhow!("object store bucket {bucket}: {e}"))?;
-            (Some(store), None)
-        }
-        FullPath::Direct => {
-            let server =
-                relay_kit::direct::DirectServer::bind(([127, 0, 0, 1], 0).into(), None, 1).await?;
-            (None, Some(server))
-        }
+                .map_err(|e| anyhow::anyhow!("object store bucket {bucket}: {e}"))?,
+        )),
+        FullPath::Direct => Publisher::Direct(
+            relay_kit::direct::DirectServer::bind(([127, 0, 0, 1], 0).into(), None, 1).await?,
+        ),
     };
     let notices = format!("relay.{bucket}.versions");
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Result<(usize, Instant)>>();
@@ -566,25 +568,22 @@ async fn full(
     for v in 1..=args.full_versions {
         let key = format!("policy/v{v}");
         let published = Instant::now();
-        let notice = match (&store, &direct) {
-            (_, Some(server)) => {
+        let addr = match &publisher {
+            Publisher::Direct(server) => {
                 server.offer(&key, payload.clone());
-                FullNotice {
-                    addr: Some(server.addr().to_string()),
-                    key: key.clone(),
-                }
+                Some(server.addr().to_string())
             }
-            (Some(store), None) => {
+            Publisher::Store(store) => {
                 relay_kit::adapters::put_object(client, store, &key, payload)
                     .await
                     .map_err(|e| anyhow::anyhow!("uploading {key}: {e}"))?;
                 uploads.push(published.elapsed().as_secs_f64() * 1e3);
-                FullNotice {
-                    addr: None,
-                    key: key.clone(),
-                }
+                None
             }
-            (None, None) => unreachable!("one path is set up above"),
+        };
+        let notice = FullNotice {
+            addr,
+            key: key.clone(),
         };
         client
             .publish(notices.clone(), serde_json::to_vec(&notice)?.into())
@@ -603,7 +602,7 @@ async fn full(
             latest = latest.max(ms);
         }
         slowest.push(latest);
-        if let Some(store) = &store {
+        if let Publisher::Store(store) = &publisher {
             store
                 .delete(&key)
                 .await
@@ -613,7 +612,7 @@ async fn full(
     for r in readers {
         r.abort();
     }
-    if store.is_some() {
+    if let Publisher::Store(_) = publisher {
         let _ = jetstream.delete_object_store(&bucket).await;
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
