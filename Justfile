@@ -55,7 +55,7 @@ bench-solve *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-solve --seeds 3 {{ARGS}}
 
-# Env steps/s with 1, 2, 4 env-runners x 1, 2 inference servers (one stack scaled with `relay scale`): table + JSON line.
+# Env steps/s with 1, 2, 4 env-runners x 1, 2 inference servers (one stack per config, scaled with `relay scale`), CPU per env step by process: tables + JSON line.
 bench-scale *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-scale {{ARGS}}

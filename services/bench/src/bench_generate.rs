@@ -73,20 +73,6 @@ struct Row {
     server_cpu_ms_per_token: f64,
 }
 
-/// CPU seconds (user + system) the process `pid` has used, from
-/// `/proc/<pid>/stat`.
-fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the parenthesised command name; utime and stime are
-    // fields 14 and 15 of the whole line.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split(' ').collect();
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    // SAFETY: sysconf only reads a configuration value.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (per_second > 0).then(|| ticks / per_second as f64)
-}
-
 /// `relay_llm_prompt_tokens_total` and `relay_llm_prompt_tokens_cached_total`
 /// from the inference server's `/metrics` on `port`.
 fn prompt_token_counters(port: u16) -> Option<(f64, f64)> {
@@ -343,9 +329,9 @@ pub fn bench_generate(args: BenchGenerateArgs) -> Result<()> {
             let mut rows = Vec::new();
             for &batch in &args.batches {
                 let before = prompt_token_counters(metrics_port);
-                let cpu_before = cpu_seconds(server_pid);
+                let cpu_before = crate::cpu_seconds(server_pid);
                 let mut row = one_batch(&client, &subject, &label, batch, &args).await?;
-                if let (Some(a), Some(b)) = (cpu_before, cpu_seconds(server_pid)) {
+                if let (Some(a), Some(b)) = (cpu_before, crate::cpu_seconds(server_pid)) {
                     row.server_cpu_ms_per_token =
                         (b - a) * 1e3 / row.completion_tokens.max(1) as f64;
                 }

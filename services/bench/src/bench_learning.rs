@@ -109,6 +109,14 @@ pub const GOALS: &[Goal] = &[
         target: Target::Return(475.0),
         budget: Budget::EnvSteps(500_000),
     },
+    // PPO shaped for throughput (issue 25's 100k env steps/s through the
+    // stack): it must still learn.
+    Goal {
+        name: "PPO CartPole-v1 (throughput preset)",
+        config: "cartpole-ppo-throughput.yaml",
+        target: Target::Return(475.0),
+        budget: Budget::EnvSteps(2_000_000),
+    },
     // Through the env bridge (Gymnasium in Python workers): rl-zoo's PPO
     // reaches about 250 at 1M steps on LunarLander.
     Goal {
