@@ -7,7 +7,7 @@
 //! so did its confirmation on fresh episodes), env steps and wall time at
 //! the confirmation (or the end), the first screening pass beside them,
 //! the best evaluation, and the run's `best` checkpoint re-evaluated
-//! offline over 100 fresh episodes. A goal is reached only when the run
+//! offline over 1,000 fresh episodes. A goal is reached only when the run
 //! was solved and that re-evaluation meets the goal too. A preset that
 //! does not exist yet is reported as missing, not skipped silently. Prints
 //! a table and a JSON line.

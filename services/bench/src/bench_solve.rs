@@ -6,8 +6,12 @@ use relay::{eval, make_run_id, up, FirstPass, Outcome, UpArgs};
 use relay_config::ExperimentConfig;
 
 /// Episodes of the offline re-evaluation of each benchmark run's best
-/// checkpoint (on the run's fresh seeds, which no evaluation played).
-pub const REEVAL_EPISODES: usize = 100;
+/// checkpoint (on the run's fresh seeds, which no evaluation played). A
+/// thousand, so the judge is at least as precise as the confirmations it
+/// checks: over 100, Acrobot's heavy-tailed greedy returns (std 15-30)
+/// scatter the mean by 3 points either way, failing checkpoints whose mean
+/// over thousands of episodes clears the goal and passing some that do not.
+pub const REEVAL_EPISODES: usize = 1000;
 
 /// A benchmark run's `best` checkpoint played offline over
 /// [`REEVAL_EPISODES`] fresh episodes (`None`, logged, when the run has no
