@@ -65,18 +65,14 @@ struct Row {
     cpu_us_per_step: BTreeMap<String, f64>,
 }
 
+/// The infrastructure processes of a stack, beside its services
+/// ([`relay::stack::SERVICES`]) in the CPU breakdown.
+const INFRA: [&str; 3] = ["nats-server", "redis-server", "prometheus"];
+
 /// The kinds of process in the CPU breakdown, in the table's order.
-const PROCESS_KINDS: [&str; 9] = [
-    "env-runner",
-    "inference-server",
-    "replay-buffer",
-    "learner",
-    "evaluator",
-    "tracker",
-    "nats-server",
-    "redis-server",
-    "prometheus",
-];
+fn process_kinds() -> impl Iterator<Item = &'static str> {
+    relay::stack::SERVICES.into_iter().chain(INFRA)
+}
 
 /// Kills the benchmark's `relay up` if the benchmark fails half-way.
 struct Supervisor(std::process::Child);
@@ -124,13 +120,14 @@ pub fn bench_scale(args: BenchScaleArgs) -> Result<()> {
     println!();
     println!("CPU microseconds per env step generated, by process (copies summed):");
     println!();
+    let kinds: Vec<&str> = process_kinds().collect();
     println!(
         "| config | runners x servers | {} | total |",
-        PROCESS_KINDS.join(" | ")
+        kinds.join(" | ")
     );
-    println!("|---|---|{}---:|", "---:|".repeat(PROCESS_KINDS.len()));
+    println!("|---|---|{}---:|", "---:|".repeat(kinds.len()));
     for row in &rows {
-        let cells: Vec<String> = PROCESS_KINDS
+        let cells: Vec<String> = kinds
             .iter()
             .map(|k| format!("{:.2}", row.cpu_us_per_step.get(*k).copied().unwrap_or(0.0)))
             .collect();
