@@ -484,7 +484,11 @@ async fn watch(
                             report.policy_version, report.learner_env_steps, outcome.wall_s);
                         if args.until_solved {
                             stopped_by = "solved (--until-solved stopped the stack)";
-                            break;
+                            // The learner stops on the same news and saves
+                            // its checkpoints: stop the stack once it says so.
+                            if learner_done.is_some() {
+                                break;
+                            }
                         }
                     }
                     last_eval = Some(report);
@@ -524,6 +528,9 @@ async fn watch(
                             RunStatus::Failed => format!("failed: {}", status.detail),
                             _ => format!("stopped: {}", status.detail),
                         });
+                        if args.until_solved && outcome.solved {
+                            break;
+                        }
                     }
                 }
             }
@@ -560,7 +567,10 @@ async fn watch(
                 let final_evaluated = last_eval.as_ref().is_some_and(|e| e.learner_env_steps >= outcome.trained_env_steps);
                 let wait = Duration::from_secs(args.final_eval_wait);
                 let training_over = learner_done.is_some_and(|t| final_evaluated || t.elapsed() > wait);
-                if args.until_solved && training_over {
+                // Solved, and the learner did not stop within the wait
+                // (`run.stop_when_solved: false`).
+                let solved_long_ago = outcome.solved && ready.elapsed().as_secs_f64() > outcome.wall_s + wait.as_secs_f64();
+                if args.until_solved && (training_over || solved_long_ago) {
                     break;
                 }
                 // The stack stays up: the summary once the tracker has drawn
