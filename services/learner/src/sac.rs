@@ -39,7 +39,7 @@ use rand_chacha::ChaCha8Rng;
 use relay_config::ExperimentConfig;
 use relay_config::{EntCoef, SacSection};
 use relay_kit::{gauge, ServiceError};
-use relay_nn::{sac_train_step, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
+use relay_nn::{sac_train_step, Pair, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
 use relay_proto::{MetricValue, TransitionBatch, WeightsUpdate};
 use serde::{Deserialize, Serialize};
 
@@ -161,6 +161,7 @@ pub fn gradient_step(
     optimizers: &mut SacOptimizers,
     batch: &TransitionBatch,
     rng: &mut ChaCha8Rng,
+    pair: &Pair,
 ) -> Result<SacStats, SacError> {
     let field = |field: &'static str, e: relay_proto::TensorError| SacError::Batch {
         field,
@@ -192,6 +193,7 @@ pub fn gradient_step(
             discounts: &discounts,
         },
         rng,
+        pair,
     )?;
     Ok(stats)
 }
@@ -206,6 +208,8 @@ pub(crate) struct SacLearner {
     state: SacState,
     /// Statistics of the round in progress.
     stats: RoundStats,
+    /// The gradient step's threads (`sac.threads`).
+    pair: Pair,
 }
 
 impl SacLearner {
@@ -218,6 +222,7 @@ impl SacLearner {
             .map_err(ServiceError::other)?;
         let sac = Sac::new(&spec, init_ent_coef, cfg.run.seed).map_err(ServiceError::other)?;
         let optimizers = SacOptimizers::new(&sac, &step).map_err(ServiceError::other)?;
+        let pair = Pair::new(s.threads).map_err(ServiceError::other)?;
         tracing::info!(ent_coef = ?s.ent_coef, target_entropy = ?step.target_entropy, "sac");
         Ok(Self {
             cfg: s,
@@ -226,6 +231,7 @@ impl SacLearner {
             step,
             state: SacState::default(),
             stats: RoundStats::default(),
+            pair,
         })
     }
 }
@@ -297,12 +303,23 @@ impl OffPolicyAlgorithm for SacLearner {
         // SB3's condition, on the round's gradient steps.
         self.step.update_target = (step as u64).is_multiple_of(self.cfg.target_update_interval);
         self.state.gradient_steps += 1;
-        let stats = gradient_step(&self.step, &self.sac, &mut self.optimizers, batch, rng)?;
+        let stats = gradient_step(
+            &self.step,
+            &self.sac,
+            &mut self.optimizers,
+            batch,
+            rng,
+            &self.pair,
+        )?;
         self.stats.add(&stats);
         if self.step.update_target {
             self.state.target_updates += 1;
         }
         Ok(None)
+    }
+
+    fn prioritized(&self) -> bool {
+        false
     }
 
     fn end_round(&mut self, frac: f64) -> Vec<MetricValue> {
@@ -406,13 +423,15 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let before = sac.ent_coef().unwrap();
         let good = batch(8, 3, 1, &[0.5; 8]);
-        let stats = gradient_step(&step, &sac, &mut opt, &good, &mut rng).unwrap();
+        let stats =
+            gradient_step(&step, &sac, &mut opt, &good, &mut rng, &Pair::sequential()).unwrap();
         assert!(stats.critic_loss.is_finite() && stats.actor_loss.is_finite());
         assert_eq!(stats.ent_coef, before);
         assert_ne!(sac.ent_coef().unwrap(), before);
         // Two action values per row for a one-dimensional actor.
         let bad = batch(8, 3, 2, &[0.5; 16]);
-        let err = gradient_step(&step, &sac, &mut opt, &bad, &mut rng).unwrap_err();
+        let err =
+            gradient_step(&step, &sac, &mut opt, &bad, &mut rng, &Pair::sequential()).unwrap_err();
         assert!(err.to_string().contains("actions"), "{err}");
     }
 }

@@ -80,6 +80,12 @@ pub struct SacSection {
     pub checkpoint_every: u64,
     /// Numbered checkpoints kept besides the pinned ones and the best.
     pub keep_checkpoints: usize,
+    /// Threads one gradient step runs on, 1 or 2: with 2 the twin critics'
+    /// halves of each stage (targets, critic loss and backward, the actor
+    /// loss's action gradients) run side by side. The result is the same
+    /// either way; 2 takes a SAC step on Pendulum sizes from 5.9 to 3.9 ms
+    /// on two cores. Not an SB3 setting.
+    pub threads: usize,
 }
 
 impl Default for SacSection {
@@ -101,6 +107,7 @@ impl Default for SacSection {
             log_std_max: 2.0,
             checkpoint_every: 1000,
             keep_checkpoints: 5,
+            threads: 2,
         }
     }
 }
@@ -189,6 +196,15 @@ impl ExperimentConfig {
         }
         positive("sac.checkpoint_every", s.checkpoint_every as usize)?;
         positive("sac.keep_checkpoints", s.keep_checkpoints)?;
+        if !(1..=2).contains(&s.threads) {
+            return Err(invalid(
+                "sac.threads",
+                format!(
+                    "must be 1 or 2 (the step has two halves), got {}",
+                    s.threads
+                ),
+            ));
+        }
         if self.run.algo == Algo::Sac {
             if let Some(env) = self.builtin_env_spec() {
                 if !matches!(env.action_space, relay_envs::ActionSpace::Box { .. }) {

@@ -374,29 +374,35 @@ fn main() -> relay_nn::Result<()> {
         let actions: Vec<f32> = (0..b).map(|_| rng.random_range(-2.0..2.0)).collect();
         let returns: Vec<f32> = (0..b).map(|_| rng.random_range(-1.0..0.0)).collect();
         let discounts: Vec<f32> = vec![0.99; b];
-        let mut r = rand::rngs::StdRng::seed_from_u64(3);
-        bench(
-            format!("sac_train_step_b{b}_us"),
-            format!("SAC train step (alpha+critics+actor+Polyak) batch {b}"),
-            &mut || {
-                black_box(
-                    relay_nn::sac_train_step(
-                        &cfg,
-                        &sac,
-                        &mut opt,
-                        &relay_nn::SacBatch {
-                            obs: &obs,
-                            actions: &actions,
-                            returns: &returns,
-                            next_obs: &next_obs,
-                            discounts: &discounts,
-                        },
-                        &mut r,
-                    )
-                    .unwrap(),
-                );
-            },
-        );
+        for threads in [1, 2] {
+            let pair = relay_nn::Pair::new(threads)?;
+            let mut r = rand::rngs::StdRng::seed_from_u64(3);
+            bench(
+                format!("sac_train_step_b{b}_t{threads}_us"),
+                format!(
+                    "SAC train step (alpha+critics+actor+Polyak) batch {b}, {threads} thread(s)"
+                ),
+                &mut || {
+                    black_box(
+                        relay_nn::sac_train_step(
+                            &cfg,
+                            &sac,
+                            &mut opt,
+                            &relay_nn::SacBatch {
+                                obs: &obs,
+                                actions: &actions,
+                                returns: &returns,
+                                next_obs: &next_obs,
+                                discounts: &discounts,
+                            },
+                            &mut r,
+                            &pair,
+                        )
+                        .unwrap(),
+                    );
+                },
+            );
+        }
         let mut r2 = rand::rngs::StdRng::seed_from_u64(4);
         bench(
             "sac_act_b1_us".into(),

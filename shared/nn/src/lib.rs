@@ -18,6 +18,7 @@
 //! | [`sac`] | [`Sac`] ([`SacActor`], [`TwinCritic`] and targets, `log α`), its losses and [`sac_train_step`] |
 //! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
 //! | [`vec_normalize`] | [`RunningMeanStd`], [`VecNormalize`]: SB3's observation and reward normalisation |
+//! | [`par`] | [`Pair`]: two independent halves of a train step side by side (SAC's twin critics) |
 //! | [`optim`] | [`Adam`] and [`RmsProp`] with resumable state, [`clip_grad_norm`] |
 //! | [`init`] | orthogonal initialisation |
 //! | [`io`] | named f32 tensors to and from safetensors files, [`split_prefixed`] |
@@ -81,6 +82,7 @@ pub mod kernels;
 pub mod model;
 pub mod ops;
 pub mod optim;
+pub mod par;
 pub(crate) mod params;
 pub mod ppo;
 pub mod qnet;
@@ -102,6 +104,7 @@ pub use model::{ActOutput, Actions, ActorCritic, TrunkLayout};
 pub use optim::{
     clip_grad_norm, Adam, AdamConfig, AdamState, RmsProp, RmsPropConfig, RmsPropState,
 };
+pub use par::Pair;
 pub use ppo::{
     explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats,
 };

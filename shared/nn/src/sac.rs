@@ -52,10 +52,12 @@ use rand_distr::StandardNormal;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
+use crate::init::Init;
 use crate::io::NamedTensor;
 use crate::model::{dense_host, head_graph, mlp_host, trunk_graph, trunk_host, Dense};
 use crate::ops::{self, precomputed_loss, with_f32};
 use crate::optim::{Adam, AdamConfig};
+use crate::par::Pair;
 use crate::params::Params;
 use crate::qnet::LayerBuilder;
 use crate::spec::Activation;
@@ -230,9 +232,22 @@ impl SacActor {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut b = LayerBuilder {
             params: Vec::new(),
-            rng: &mut rng,
+            init: Init::Draw(&mut rng),
         };
         Self::build(spec, &mut b)
+    }
+
+    /// An actor holding `tensors` (the learner's `actor.*`, validated as
+    /// [`Self::load_named_tensors`]), with no init drawn.
+    pub fn from_named_tensors(spec: &SacSpec, tensors: &[NamedTensor]) -> Result<Self> {
+        spec.validate()?;
+        let mut b = LayerBuilder {
+            params: Vec::new(),
+            init: Init::Zeros,
+        };
+        let mut actor = Self::build(spec, &mut b)?;
+        actor.load_named_tensors(tensors)?;
+        Ok(actor)
     }
 
     /// The spec.
@@ -327,6 +342,12 @@ impl SacActor {
         self.sample_with_noise(&mu, &log_std, eps)
     }
 
+    /// [`Self::sample`] with given noise (`B * A` standard-normal values).
+    pub fn sample_noise(&self, obs: &Tensor, eps: Arc<[f32]>) -> Result<ActorSample> {
+        let (mu, log_std) = self.distribution(obs)?;
+        self.sample_with_noise(&mu, &log_std, eps)
+    }
+
     /// [`Self::sample`] with given noise (`B * A` standard-normal values) on
     /// a [`Self::distribution`] output.
     pub fn sample_with_noise(
@@ -412,18 +433,12 @@ impl TwinCritic {
     /// `(Q_0, Q_1)`, `[B]` each, for `obs: [B, obs_dim]` and squashed
     /// `actions: [B, A]`, as a graph.
     pub fn forward(&self, obs: &Tensor, actions: &Tensor) -> Result<(Tensor, Tensor)> {
-        self.graph(obs, actions, false)
+        let x = self.input(obs, actions)?;
+        Ok((self.q_graph(0, &x, false)?, self.q_graph(1, &x, false)?))
     }
 
-    /// [`Self::forward`] with the critics' parameters held constant: the
-    /// graph passes gradients to `obs` and `actions` only (the actor loss
-    /// needs no critic gradients, and computing them cost a tenth of a
-    /// SAC step).
-    pub fn forward_frozen(&self, obs: &Tensor, actions: &Tensor) -> Result<(Tensor, Tensor)> {
-        self.graph(obs, actions, true)
-    }
-
-    fn graph(&self, obs: &Tensor, actions: &Tensor, frozen: bool) -> Result<(Tensor, Tensor)> {
+    /// `concat(obs, actions)`, `[B, obs_dim + A]`, checked.
+    fn input(&self, obs: &Tensor, actions: &Tensor) -> Result<Tensor> {
         let obs = check_obs_tensor(obs, self.obs_dim)?;
         let b = obs.dims2()?.0;
         if actions.dims() != [b, self.action_dim] {
@@ -433,7 +448,12 @@ impl TwinCritic {
                 format!("{:?}", actions.dims()),
             ));
         }
-        let x = Tensor::cat(&[&obs, actions], 1)?;
+        Ok(Tensor::cat(&[&obs, actions], 1)?)
+    }
+
+    /// `Q_i`, `[B]`, on `x = concat(obs, squashed action)`, as a graph
+    /// (with the critic's parameters held constant when `frozen`).
+    fn q_graph(&self, i: usize, x: &Tensor, frozen: bool) -> Result<Tensor> {
         let layer = |h: &Tensor, l: &Dense, act: Option<Activation>| -> Result<Tensor> {
             Ok(if frozen {
                 ops::linear(h, &l.w.as_tensor().detach(), &l.b.as_tensor().detach(), act)?
@@ -441,19 +461,17 @@ impl TwinCritic {
                 ops::linear(h, &l.w, &l.b, act)?
             })
         };
-        let q = |(trunk, head): &(Vec<Dense>, Dense)| -> Result<Tensor> {
-            let mut h = x.clone();
-            for l in trunk {
-                h = layer(&h, l, Some(self.activation))?;
-            }
-            Ok(layer(&h, head, None)?.squeeze(1)?)
-        };
-        Ok((q(&self.nets[0])?, q(&self.nets[1])?))
+        let (trunk, head) = &self.nets[i];
+        let mut h = x.clone();
+        for l in trunk {
+            h = layer(&h, l, Some(self.activation))?;
+        }
+        Ok(layer(&h, head, None)?.squeeze(1)?)
     }
 
-    /// `min(Q_0, Q_1)` for `n` rows of `concat(obs, squashed action)`
+    /// `Q_i` for `n` rows of `concat(obs, squashed action)`
     /// (`n * (obs_dim + A)` values), no graph.
-    pub fn min_q_host(&self, obs_actions: &[f32], n: usize) -> Result<Vec<f32>> {
+    pub fn q_host(&self, i: usize, obs_actions: &[f32], n: usize) -> Result<Vec<f32>> {
         let w = self.obs_dim + self.action_dim;
         if obs_actions.len() != n * w {
             return Err(NnError::bad_input(
@@ -462,23 +480,31 @@ impl TwinCritic {
                 obs_actions.len(),
             ));
         }
-        let q0 = mlp_host(
-            &self.nets[0].0,
-            &self.nets[0].1,
-            self.activation,
-            obs_actions,
-            n,
-            w,
-        )?;
-        let q1 = mlp_host(
-            &self.nets[1].0,
-            &self.nets[1].1,
-            self.activation,
-            obs_actions,
-            n,
-            w,
-        )?;
-        Ok(q0.iter().zip(&q1).map(|(a, b)| a.min(*b)).collect())
+        let (trunk, head) = &self.nets[i];
+        mlp_host(trunk, head, self.activation, obs_actions, n, w)
+    }
+
+    /// `Q_i(s, a)`, `[B]`, and its gradient with respect to each row's
+    /// squashed action, `[B * A]`, with the critic's parameters held
+    /// constant: what the actor loss needs of critic `i`.
+    pub fn q_and_action_grad(
+        &self,
+        i: usize,
+        obs: &Tensor,
+        actions: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let b = check_obs_tensor(obs, self.obs_dim)?.dims2()?.0;
+        let a = Var::from_slice(actions, (b, self.action_dim), &Device::Cpu)?;
+        let q = self.q_graph(i, &self.input(obs, a.as_tensor())?, true)?;
+        let q_values: Vec<f32> = with_f32(&q, "q_and_action_grad", |x| x.to_vec())?;
+        // Rows are independent, so one backward of Σ_r Q_i[r] gives every
+        // row's own ∂Q_i[r]/∂a[r].
+        let grads = precomputed_loss(&q, 0.0, vec![1.0; b])?.backward()?;
+        let grad = grads.get(a.as_tensor()).ok_or_else(|| {
+            NnError::bad_input("actions", "a gradient path to the critic", "none")
+        })?;
+        let grad: Vec<f32> = with_f32(grad, "q_and_action_grad", |x| x.to_vec())?;
+        Ok((q_values, grad))
     }
 
     /// Polyak update `self = (1 - tau) self + tau source` (target critics).
@@ -531,7 +557,7 @@ impl Sac {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut b = LayerBuilder {
             params: Vec::new(),
-            rng: &mut rng,
+            init: Init::Draw(&mut rng),
         };
         let actor = SacActor::build(spec, &mut b)?;
         let critic = TwinCritic::build(spec, "critic", &mut b)?;
@@ -739,19 +765,32 @@ pub fn sac_ent_coef_loss(
     Ok((loss, value))
 }
 
-/// Critic targets `R + γ^k (min_i Q'_i(s', a') - α log π(a'|s'))`, no graph.
+/// Critic targets `R + γ^k (min_i Q'_i(s', a') - α log π(a'|s'))` for
+/// `next`, a fresh sample for the next states ([`SacActor::sample`] on
+/// `batch.next_obs`); no graph. The two target critics run side by side on
+/// `pair`.
 pub fn sac_targets(
     sac: &Sac,
     batch: &SacBatch<'_>,
+    next: &ActorSample,
     ent_coef: f32,
-    rng: &mut impl Rng,
+    pair: &Pair,
 ) -> Result<Vec<f32>> {
     let (d, a) = (sac.spec.obs_dim, sac.spec.action_dim());
     let b = batch.returns.len();
-    let next_obs = Tensor::from_slice(batch.next_obs, (b, d), &Device::Cpu)?;
-    let next = sac.actor.sample(&next_obs, rng)?;
     let next_actions: Vec<f32> = with_f32(&next.actions, "sac_targets", |x| x.to_vec())?;
     let next_logprob: Vec<f32> = with_f32(&next.logprob, "sac_targets", |x| x.to_vec())?;
+    if next_logprob.len() != b || batch.next_obs.len() != b * d {
+        return Err(NnError::bad_input(
+            "next",
+            format!("a sample for {b} next states"),
+            format!(
+                "{} samples, {} next_obs values",
+                next_logprob.len(),
+                batch.next_obs.len()
+            ),
+        ));
+    }
     let mut x = Vec::with_capacity(b * (d + a));
     for (o, act) in batch
         .next_obs
@@ -761,10 +800,12 @@ pub fn sac_targets(
         x.extend_from_slice(o);
         x.extend_from_slice(act);
     }
-    let q_next = sac.critic_target.min_q_host(&x, b)?;
+    let target = &sac.critic_target;
+    let (q0, q1) = pair.join(|| target.q_host(0, &x, b), || target.q_host(1, &x, b));
+    let (q0, q1) = (q0?, q1?);
     Ok((0..b)
         .map(|i| {
-            let soft_v = q_next[i] - ent_coef * next_logprob[i];
+            let soft_v = q0[i].min(q1[i]) - ent_coef * next_logprob[i];
             batch.returns[i] + batch.discounts[i] * soft_v
         })
         .collect())
@@ -798,66 +839,117 @@ fn check_batch(spec: &SacSpec, batch: &SacBatch<'_>) -> Result<usize> {
     Ok(b)
 }
 
-/// The critic loss `0.5 (mean((Q_0 - y)^2) + mean((Q_1 - y)^2))` of the
-/// replayed (env-unit) actions, differentiable in the critics' vars.
-/// Returns the loss, its value and `mean Q_0`.
+/// Critic `i`'s half of the critic loss `0.5 Σ_i mean((Q_i - y)^2)`: `0.5
+/// mean((Q_i - y)^2)` on the replayed (env-unit) actions, differentiable in
+/// critic `i`'s vars. Returns the loss, its value and `mean Q_i`.
 pub fn sac_critic_loss(
     sac: &Sac,
+    i: usize,
     batch: &SacBatch<'_>,
     targets: &[f32],
 ) -> Result<(Tensor, f32, f32)> {
     let b = check_batch(&sac.spec, batch)?;
+    if targets.len() != b {
+        return Err(NnError::bad_input(
+            "targets",
+            format!("{b} values"),
+            targets.len(),
+        ));
+    }
     let (d, a) = (sac.spec.obs_dim, sac.spec.action_dim());
     let obs = Tensor::from_slice(batch.obs, (b, d), &Device::Cpu)?;
     let mut acts = batch.actions.to_vec();
     sac.actor.to_squashed(&mut acts);
     let acts = Tensor::from_vec(acts, (b, a), &Device::Cpu)?;
-    let (q0, q1) = sac.critic.forward(&obs, &acts)?;
-    let q = Tensor::stack(&[&q0, &q1], 0)?; // [2, B]
+    let q = sac
+        .critic
+        .q_graph(i, &sac.critic.input(&obs, &acts)?, false)?;
     let qv: Vec<f32> = with_f32(&q, "sac_critic_loss", |x| x.to_vec())?;
-    let mut grad = vec![0f32; 2 * b];
+    let mut grad = vec![0f32; b];
     let mut loss = 0f64;
-    for c in 0..2 {
-        for i in 0..b {
-            let e = qv[c * b + i] - targets[i];
-            loss += 0.5 * (e as f64) * (e as f64) / b as f64;
-            grad[c * b + i] = e / b as f32;
-        }
+    for ((g, q), y) in grad.iter_mut().zip(&qv).zip(targets) {
+        let e = q - y;
+        loss += 0.5 * (e as f64) * (e as f64) / b as f64;
+        *g = e / b as f32;
     }
-    let q_mean = qv[..b].iter().sum::<f32>() / b as f32;
+    let q_mean = qv.iter().sum::<f32>() / b as f32;
     let t = precomputed_loss(&q, loss as f32, grad)?;
     Ok((t, loss as f32, q_mean))
 }
 
-/// The actor loss `mean(α log π(a|s) - min_i Q_i(s, a))` of a fresh sample
-/// ([`SacActor::sample`] on `obs: [B, obs_dim]`), differentiable in the
-/// actor's vars only (the critics are held constant).
+/// The actor loss `L_π = mean(α log π(a|s) - min_i Q_i(s, a))` of a fresh
+/// sample ([`SacActor::sample`] on `obs: [B, obs_dim]`), differentiable in
+/// the actor's vars only; returns the loss and its value.
+///
+/// The critics are held constant and enter only through each row's
+/// `G = ∂L_π/∂a = -(1/B) ∂Q_m/∂a` (`m` the row's smaller critic; a tie
+/// splits it, as autograd through `min` does), computed for both critics
+/// side by side on `pair`. The returned graph is `mean(α log π) + Σ G ⊙ a`
+/// with `G` constant: the same gradient with respect to the actor.
 pub fn sac_actor_loss(
     critic: &TwinCritic,
     obs: &Tensor,
     sample: &ActorSample,
     ent_coef: f32,
-) -> Result<Tensor> {
-    let (q0, q1) = critic.forward_frozen(obs, &sample.actions)?;
-    let min_q = q0.minimum(&q1)?;
-    Ok(((&sample.logprob * ent_coef as f64)? - min_q)?.mean_all()?)
+    pair: &Pair,
+) -> Result<(Tensor, f32)> {
+    let actions: Vec<f32> = with_f32(&sample.actions, "sac_actor_loss", |x| x.to_vec())?;
+    let logprob: Vec<f32> = with_f32(&sample.logprob, "sac_actor_loss", |x| x.to_vec())?;
+    let b = logprob.len().max(1);
+    let a = actions.len() / b;
+    let (c0, c1) = pair.join(
+        || critic.q_and_action_grad(0, obs, &actions),
+        || critic.q_and_action_grad(1, obs, &actions),
+    );
+    let ((q0, g0), (q1, g1)) = (c0?, c1?);
+    let mut grad = vec![0f32; actions.len()];
+    let mut min_q_sum = 0f64;
+    for r in 0..b {
+        let (w0, w1) = match q0[r].partial_cmp(&q1[r]) {
+            Some(std::cmp::Ordering::Less) => (1.0, 0.0),
+            Some(std::cmp::Ordering::Greater) => (0.0, 1.0),
+            _ => (0.5, 0.5),
+        };
+        min_q_sum += q0[r].min(q1[r]) as f64;
+        for j in r * a..(r + 1) * a {
+            grad[j] = -(w0 * g0[j] + w1 * g1[j]) / b as f32;
+        }
+    }
+    let logprob_mean = logprob.iter().map(|&x| x as f64).sum::<f64>() / b as f64;
+    let value = (ent_coef as f64 * logprob_mean - min_q_sum / b as f64) as f32;
+    let entropy_term = (sample.logprob.mean_all()? * ent_coef as f64)?;
+    let critic_term = precomputed_loss(&sample.actions, 0.0, grad)?;
+    Ok(((entropy_term + critic_term)?, value))
 }
 
 /// One SAC gradient step on a minibatch, in SB3's order (see the module
-/// docs): entropy coefficient, critics, actor, target critics.
+/// docs): entropy coefficient, critics, actor, target critics. The twin
+/// critics' halves of each stage (and the two samples of the actor) run
+/// side by side on `pair`; the result does not depend on its threads.
 pub fn sac_train_step(
     config: &SacConfig,
     sac: &Sac,
     opt: &mut SacOptimizers,
     batch: &SacBatch<'_>,
     rng: &mut impl Rng,
+    pair: &Pair,
 ) -> Result<SacStats> {
     config.validate()?;
     let b = check_batch(&sac.spec, batch)?;
-    let obs = Tensor::from_slice(batch.obs, (b, sac.spec.obs_dim), &Device::Cpu)?;
+    let (d, a) = (sac.spec.obs_dim, sac.spec.action_dim());
+    let obs = Tensor::from_slice(batch.obs, (b, d), &Device::Cpu)?;
+    let next_obs = Tensor::from_slice(batch.next_obs, (b, d), &Device::Cpu)?;
+    // Both samples' noise, in SB3's order: current states, then next states.
+    let mut noise = || -> Arc<[f32]> { (0..b * a).map(|_| rng.sample(StandardNormal)).collect() };
+    let (noise_now, noise_next) = (noise(), noise());
 
-    // 1. Fresh actions for the current states (graph kept for the actor loss).
-    let sample = sac.actor.sample(&obs, rng)?;
+    // 1. Fresh actions for the current states (graph kept for the actor
+    //    loss) and, beside them, for the next states (the critic targets').
+    let (sample, next) = pair.join(
+        || sac.actor.sample_noise(&obs, noise_now),
+        || sac.actor.sample_noise(&next_obs, noise_next),
+    );
+    let (sample, next) = (sample?, next?);
     let logprob: Vec<f32> = with_f32(&sample.logprob, "sac_train_step", |x| x.to_vec())?;
 
     // 2. Entropy coefficient: use the current α, then update log α.
@@ -870,14 +962,20 @@ pub fn sac_train_step(
         ent_coef_loss = value;
     }
 
-    // 3. Critics towards the soft targets.
-    let targets = sac_targets(sac, batch, ent_coef, rng)?;
-    let (critic_loss, critic_value, q_mean) = sac_critic_loss(sac, batch, &targets)?;
-    opt.critic.step(&critic_loss.backward()?)?;
+    // 3. Critics towards the soft targets, each critic's loss and backward
+    //    on its own thread, one Adam step over both.
+    let targets = sac_targets(sac, batch, &next, ent_coef, pair)?;
+    let half = |i: usize| -> Result<_> {
+        let (loss, value, q_mean) = sac_critic_loss(sac, i, batch, &targets)?;
+        Ok((loss.backward()?, value, q_mean))
+    };
+    let (c0, c1) = pair.join(|| half(0), || half(1));
+    let ((mut grads, value0, q_mean), (grads1, value1, _)) = (c0?, c1?);
+    grads.extend(grads1)?;
+    opt.critic.step(&grads)?;
 
     // 4. Actor against the updated critics.
-    let actor_loss = sac_actor_loss(&sac.critic, &obs, &sample, ent_coef)?;
-    let actor_value = actor_loss.to_scalar::<f32>()?;
+    let (actor_loss, actor_value) = sac_actor_loss(&sac.critic, &obs, &sample, ent_coef, pair)?;
     opt.actor.step(&actor_loss.backward()?)?;
 
     // 5. Target critics.
@@ -886,7 +984,7 @@ pub fn sac_train_step(
     }
 
     Ok(SacStats {
-        critic_loss: critic_value,
+        critic_loss: value0 + value1,
         actor_loss: actor_value,
         ent_coef_loss,
         ent_coef,

@@ -9,8 +9,8 @@ use candle_core::{Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use relay_nn::{
     dqn_loss, n_step_returns, sac_actor_loss, sac_critic_loss, sac_ent_coef_loss, sac_targets,
-    sac_train_step, Activation, DqnBatch, DqnLossConfig, NamedTensor, QNetSpec, QNetwork, Sac,
-    SacBatch, SacConfig, SacOptimizers, SacSpec,
+    sac_train_step, Activation, DqnBatch, DqnLossConfig, NamedTensor, Pair, QNetSpec, QNetwork,
+    Sac, SacBatch, SacConfig, SacOptimizers, SacSpec,
 };
 
 fn rng(seed: u64) -> rand::rngs::StdRng {
@@ -577,9 +577,13 @@ fn sac_gradients_reach_every_parameter() {
         discounts: &discounts,
     };
     let mut r = rng(3);
-    let targets = sac_targets(&sac, &batch, 0.5, &mut r).unwrap();
-    let (critic_loss, _, _) = sac_critic_loss(&sac, &batch, &targets).unwrap();
-    let g = critic_loss.backward().unwrap();
+    let pair = Pair::sequential();
+    let next_t = Tensor::from_slice(&next_obs, (32, 3), &Device::Cpu).unwrap();
+    let next = sac.actor.sample(&next_t, &mut r).unwrap();
+    let targets = sac_targets(&sac, &batch, &next, 0.5, &pair).unwrap();
+    let (loss0, _, _) = sac_critic_loss(&sac, 0, &batch, &targets).unwrap();
+    let (loss1, _, _) = sac_critic_loss(&sac, 1, &batch, &targets).unwrap();
+    let g = (loss0 + loss1).unwrap().backward().unwrap();
     let nonzero = |g: &candle_core::backprop::GradStore, v: &Var| {
         g.get(v).is_some_and(|t| {
             t.flatten_all()
@@ -598,10 +602,34 @@ fn sac_gradients_reach_every_parameter() {
     }
     let obs_t = Tensor::from_slice(&obs, (32, 3), &Device::Cpu).unwrap();
     let sample = sac.actor.sample(&obs_t, &mut r).unwrap();
-    let actor_loss = sac_actor_loss(&sac.critic, &obs_t, &sample, 0.5).unwrap();
+    let (actor_loss, actor_value) =
+        sac_actor_loss(&sac.critic, &obs_t, &sample, 0.5, &pair).unwrap();
     let g = actor_loss.backward().unwrap();
     for (name, v) in sac.actor.parameter_names().iter().zip(sac.actor.vars()) {
         assert!(nonzero(&g, &v), "actor {name} got no gradient");
+    }
+    for v in sac.critic.vars() {
+        assert!(g.get(&v).is_none(), "the actor loss reached a critic var");
+    }
+    // The same value and actor gradients as autograd through
+    // `mean(α log π - min(Q_0, Q_1))` composed from candle ops.
+    let (q0, q1) = sac.critic.forward(&obs_t, &sample.actions).unwrap();
+    let reference = ((&sample.logprob * 0.5).unwrap() - q0.minimum(&q1).unwrap())
+        .unwrap()
+        .mean_all()
+        .unwrap();
+    assert!((reference.to_scalar::<f32>().unwrap() - actor_value).abs() < 1e-5);
+    let g_ref = reference.backward().unwrap();
+    for v in sac.actor.vars() {
+        let got: Vec<f32> = g.get(&v).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let want: Vec<f32> = g_ref
+            .get(&v)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        close(&got, &want, 1e-5);
     }
     let lp: Vec<f32> = sample.logprob.to_vec1().unwrap();
     let (ent_loss, value) = sac_ent_coef_loss(&sac.log_ent_coef, &lp, -2.0).unwrap();
@@ -638,13 +666,13 @@ fn sac_targets_hand_check_and_train_step() {
         discounts: &discounts,
     };
     // Terminated samples (discount 0) have target = reward exactly.
-    let targets = sac_targets(&sac, &batch, 0.2, &mut rng(1)).unwrap();
+    let next = Tensor::from_slice(&next_obs, (16, 3), &Device::Cpu).unwrap();
+    let s = sac.actor.sample(&next, &mut rng(1)).unwrap();
+    let targets = sac_targets(&sac, &batch, &s, 0.2, &Pair::new(2).unwrap()).unwrap();
     for i in (0..16).step_by(5) {
         assert_eq!(targets[i], returns[i]);
     }
-    // Same noise: target = r + γ (min Q' - α logπ), recomputed from the parts.
-    let next = Tensor::from_slice(&next_obs, (16, 3), &Device::Cpu).unwrap();
-    let s = sac.actor.sample(&next, &mut rng(1)).unwrap();
+    // target = r + γ (min Q' - α logπ), recomputed from the parts.
     let (q0, q1) = sac.critic_target.forward(&next, &s.actions).unwrap();
     let q0: Vec<f32> = q0.to_vec1().unwrap();
     let q1: Vec<f32> = q1.to_vec1().unwrap();
@@ -658,7 +686,8 @@ fn sac_targets_hand_check_and_train_step() {
     let mut opt = SacOptimizers::new(&sac, &cfg).unwrap();
     let actor0 = sac.actor.named_tensors();
     let mut r = rng(7);
-    let stats = sac_train_step(&cfg, &sac, &mut opt, &batch, &mut r).unwrap();
+    let stats =
+        sac_train_step(&cfg, &sac, &mut opt, &batch, &mut r, &Pair::new(2).unwrap()).unwrap();
     assert_eq!(stats.ent_coef, 1.0);
     assert!(stats.critic_loss.is_finite() && stats.actor_loss.is_finite());
     // Every part moved.
@@ -753,6 +782,7 @@ fn sac_learns_a_continuous_bandit() {
             / 200.0
     };
     let before = error(&sac, &mut r);
+    let pair = Pair::new(2).unwrap();
     for _ in 0..400 {
         let obs: Vec<f32> = (0..b * 2).map(|_| r.random_range(-1.0..1.0)).collect();
         let actions = sac.actor.act(&obs, b, false, &mut r).unwrap();
@@ -773,6 +803,7 @@ fn sac_learns_a_continuous_bandit() {
                 discounts: &vec![0.0; b],
             },
             &mut r,
+            &pair,
         )
         .unwrap();
     }
@@ -782,4 +813,31 @@ fn sac_learns_a_continuous_bandit() {
         sac.ent_coef().unwrap()
     );
     assert!(after < 0.1 && after < 0.5 * before, "{before} -> {after}");
+}
+
+#[test]
+fn sac_steps_on_one_and_two_threads_agree_exactly() {
+    let spec = sac_spec();
+    let (obs, actions, returns, next_obs, discounts) = sac_batch_data(&spec, 64, 21);
+    let batch = SacBatch {
+        obs: &obs,
+        actions: &actions,
+        returns: &returns,
+        next_obs: &next_obs,
+        discounts: &discounts,
+    };
+    let cfg = SacConfig::default();
+    let run = |threads: usize| {
+        let sac = Sac::new(&spec, 1.0, 22).unwrap();
+        let mut opt = SacOptimizers::new(&sac, &cfg).unwrap();
+        let pair = Pair::new(threads).unwrap();
+        let mut r = rng(23);
+        let stats: Vec<_> = (0..5)
+            .map(|_| sac_train_step(&cfg, &sac, &mut opt, &batch, &mut r, &pair).unwrap())
+            .collect();
+        (stats, sac.named_tensors())
+    };
+    let (one, two) = (run(1), run(2));
+    assert_eq!(one.0, two.0);
+    assert_eq!(one.1, two.1);
 }
