@@ -33,10 +33,9 @@ use std::borrow::Cow;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor, Var};
-use rand::Rng;
 
 use crate::error::Result;
-use crate::init::orthogonal;
+use crate::init::Init;
 use crate::kernels;
 use crate::model::{dense_host, Dense};
 use crate::ops::{self, cpu_f32, with_f32};
@@ -350,7 +349,7 @@ impl Cnn {
     /// Builds the extractor with SB3's init, registering its parameters in `params`.
     pub(crate) fn new(
         spec: &CnnSpec,
-        rng: &mut impl Rng,
+        init: &mut Init<'_>,
         params: &mut Vec<(String, Var)>,
     ) -> Result<Self> {
         let dev = Device::Cpu;
@@ -361,7 +360,7 @@ impl Cnn {
         for (i, (c, &out)) in spec.conv.iter().zip(&shapes).enumerate() {
             let fan_in = input[0] * c.kernel * c.kernel;
             let w = Var::from_vec(
-                orthogonal(c.channels, fan_in, gain, rng),
+                init.orthogonal(c.channels, fan_in, gain),
                 (c.channels, input[0], c.kernel, c.kernel),
                 &dev,
             )?;
@@ -378,7 +377,7 @@ impl Cnn {
         }
         let flat: usize = input.iter().product();
         let w = Var::from_vec(
-            orthogonal(spec.features_dim, flat, gain, rng),
+            init.orthogonal(spec.features_dim, flat, gain),
             (spec.features_dim, flat),
             &dev,
         )?;
@@ -587,7 +586,7 @@ mod tests {
         };
         let mut params = Vec::new();
         let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-        let cnn = Cnn::new(&spec, &mut rng, &mut params).unwrap();
+        let cnn = Cnn::new(&spec, &mut Init::Draw(&mut rng), &mut params).unwrap();
         let get = |name: &str| -> Vec<f32> {
             let var = &params.iter().find(|(n, _)| n == name).unwrap().1;
             var.flatten_all().unwrap().to_vec1().unwrap()

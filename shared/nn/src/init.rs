@@ -4,6 +4,33 @@
 use rand::Rng;
 use rand_distr::StandardNormal;
 
+/// Where a new model's parameters come from.
+pub(crate) enum Init<'a> {
+    /// Drawn: each layer's own init (orthogonal or uniform), from this generator.
+    Draw(&'a mut rand::rngs::StdRng),
+    /// Zeros, for a model whose tensors are loaded right after (a followed
+    /// weights version): drawing SAC's actor cost more than loading it.
+    Zeros,
+}
+
+impl Init<'_> {
+    /// [`orthogonal`], or zeros.
+    pub(crate) fn orthogonal(&mut self, rows: usize, cols: usize, gain: f64) -> Vec<f32> {
+        match self {
+            Init::Draw(rng) => orthogonal(rows, cols, gain, *rng),
+            Init::Zeros => vec![0.0; rows * cols],
+        }
+    }
+
+    /// [`uniform_fan_in`], or zeros.
+    pub(crate) fn uniform_fan_in(&mut self, n: usize, fan_in: usize) -> Vec<f32> {
+        match self {
+            Init::Draw(rng) => uniform_fan_in(n, fan_in, *rng),
+            Init::Zeros => vec![0.0; n],
+        }
+    }
+}
+
 /// A `rows x cols` row-major matrix with orthonormal rows (if `rows <= cols`)
 /// or orthonormal columns (otherwise), scaled by `gain`.
 ///

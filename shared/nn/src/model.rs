@@ -52,7 +52,7 @@ use rand_distr::StandardNormal;
 
 use crate::conv::Cnn;
 use crate::error::{NnError, Result};
-use crate::init::orthogonal;
+use crate::init::Init;
 use crate::io::{read_safetensors, write_safetensors, NamedTensor};
 use crate::kernels;
 use crate::ops::{self, cpu_f32, HALF_LN_2PI};
@@ -225,28 +225,45 @@ impl ActorCritic {
     /// As [`Self::new`], choosing whether actor and critic share the hidden
     /// layers ([`TrunkLayout::Separate`] is exactly [`Self::new`]).
     pub fn with_layout(spec: &PolicySpec, layout: TrunkLayout, seed: u64) -> Result<Self> {
-        spec.validate()?;
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        Self::build(spec, layout, Init::Draw(&mut rng))
+    }
+
+    /// A model of `layout` holding `tensors` (validated as
+    /// [`Self::load_named_tensors`]), with no init drawn: orthogonal init
+    /// takes a QR decomposition per layer, wasted on a followed version.
+    pub fn from_named_tensors(
+        spec: &PolicySpec,
+        layout: TrunkLayout,
+        tensors: &[NamedTensor],
+    ) -> Result<Self> {
+        let mut model = Self::build(spec, layout, Init::Zeros)?;
+        model.load_named_tensors(tensors)?;
+        Ok(model)
+    }
+
+    fn build(spec: &PolicySpec, layout: TrunkLayout, mut init: Init<'_>) -> Result<Self> {
+        spec.validate()?;
         let mut params: Vec<(String, Var)> = Vec::new();
         let dev = Device::Cpu;
         let cnn = match &spec.cnn {
-            Some(c) => Some(Cnn::new(c, &mut rng, &mut params)?),
+            Some(c) => Some(Cnn::new(c, &mut init, &mut params)?),
             None => None,
         };
         let mut dense = |prefix: String,
                          inp: usize,
                          out: usize,
                          gain: f64,
-                         rng: &mut rand::rngs::StdRng|
+                         init: &mut Init<'_>|
          -> Result<Dense> {
-            let w = Var::from_vec(orthogonal(out, inp, gain, rng), (out, inp), &dev)?;
+            let w = Var::from_vec(init.orthogonal(out, inp, gain), (out, inp), &dev)?;
             let b = Var::zeros(out, DType::F32, &dev)?;
             params.push((format!("{prefix}.weight"), w.clone()));
             params.push((format!("{prefix}.bias"), b.clone()));
             Ok(Dense { w, b })
         };
         let hidden_gain = 2f64.sqrt();
-        let mut build_trunk = |net: &str, rng: &mut rand::rngs::StdRng| -> Result<Vec<Dense>> {
+        let mut build_trunk = |net: &str, init: &mut Init<'_>| -> Result<Vec<Dense>> {
             let mut inp = spec.features_dim();
             let mut layers = Vec::new();
             for (i, &h) in spec.hidden.iter().enumerate() {
@@ -255,7 +272,7 @@ impl ActorCritic {
                     inp,
                     h,
                     hidden_gain,
-                    rng,
+                    init,
                 )?);
                 inp = h;
             }
@@ -263,12 +280,12 @@ impl ActorCritic {
         };
         let (policy_net, value_net) = match layout {
             TrunkLayout::Separate => (
-                build_trunk("policy_net", &mut rng)?,
-                build_trunk("value_net", &mut rng)?,
+                build_trunk("policy_net", &mut init)?,
+                build_trunk("value_net", &mut init)?,
             ),
             // The same `Var`s on both paths: gradients from both heads add up.
             TrunkLayout::Shared => {
-                let shared = build_trunk("shared_net", &mut rng)?;
+                let shared = build_trunk("shared_net", &mut init)?;
                 (shared.clone(), shared)
             }
         };
@@ -278,9 +295,9 @@ impl ActorCritic {
             last,
             spec.action.head_width(),
             0.01,
-            &mut rng,
+            &mut init,
         )?;
-        let value_head = dense("value_net".into(), last, 1, 1.0, &mut rng)?;
+        let value_head = dense("value_net".into(), last, 1, 1.0, &mut init)?;
         let log_std = match &spec.action {
             ActionKind::Discrete { .. } => None,
             ActionKind::Continuous { dim, .. } => {

@@ -34,7 +34,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
-use crate::init::uniform_fan_in;
+use crate::init::Init;
 use crate::io::NamedTensor;
 use crate::model::{dense_host, head_graph, trunk_graph, trunk_host, Dense};
 use crate::params::Params;
@@ -143,14 +143,14 @@ impl fmt::Debug for QNetwork {
 /// Builds dense layers with PyTorch's default init and records their names.
 pub(crate) struct LayerBuilder<'a> {
     pub(crate) params: Vec<(String, Var)>,
-    pub(crate) rng: &'a mut rand::rngs::StdRng,
+    pub(crate) init: Init<'a>,
 }
 
 impl LayerBuilder<'_> {
     pub(crate) fn dense(&mut self, name: &str, inp: usize, out: usize) -> Result<Dense> {
         let dev = Device::Cpu;
-        let w = Var::from_vec(uniform_fan_in(out * inp, inp, self.rng), (out, inp), &dev)?;
-        let b = Var::from_vec(uniform_fan_in(out, inp, self.rng), out, &dev)?;
+        let w = Var::from_vec(self.init.uniform_fan_in(out * inp, inp), (out, inp), &dev)?;
+        let b = Var::from_vec(self.init.uniform_fan_in(out, inp), out, &dev)?;
         self.params.push((format!("{name}.weight"), w.clone()));
         self.params.push((format!("{name}.bias"), b.clone()));
         Ok(Dense { w, b })
@@ -187,11 +187,23 @@ pub(crate) fn argmax(xs: &[f32]) -> usize {
 impl QNetwork {
     /// A freshly initialised network; deterministic given `seed`.
     pub fn new(spec: &QNetSpec, seed: u64) -> Result<Self> {
-        spec.validate()?;
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        Self::build(spec, Init::Draw(&mut rng))
+    }
+
+    /// A network holding `tensors` (validated as
+    /// [`Self::load_named_tensors`]), with no init drawn.
+    pub fn from_named_tensors(spec: &QNetSpec, tensors: &[NamedTensor]) -> Result<Self> {
+        let mut net = Self::build(spec, Init::Zeros)?;
+        net.load_named_tensors(tensors)?;
+        Ok(net)
+    }
+
+    fn build(spec: &QNetSpec, init: Init<'_>) -> Result<Self> {
+        spec.validate()?;
         let mut b = LayerBuilder {
             params: Vec::new(),
-            rng: &mut rng,
+            init,
         };
         let trunk = b.trunk("q_net", spec.obs_dim, &spec.hidden)?;
         let last = spec.hidden.last().copied().unwrap_or(spec.obs_dim);
@@ -218,7 +230,7 @@ impl QNetwork {
     /// A network of the same spec whose parameters equal this one's (the
     /// initial target network).
     pub fn duplicate(&self) -> Result<Self> {
-        let copy = Self::new(&self.spec, 0)?;
+        let copy = Self::build(&self.spec, Init::Zeros)?;
         copy.copy_from(self)?;
         Ok(copy)
     }
