@@ -334,6 +334,10 @@ impl OffPolicyAlgorithm for Dqn {
         Ok(self.cfg.prioritized.then_some(priorities))
     }
 
+    fn prioritized(&self) -> bool {
+        self.cfg.prioritized
+    }
+
     fn end_round(&mut self, frac: f64) -> Vec<MetricValue> {
         self.state.rounds += 1;
         let stats = self.stats.mean();

@@ -110,6 +110,9 @@ pub(crate) trait OffPolicyAlgorithm {
     ) -> Result<Option<Vec<f32>>, Self::Error>;
     /// Ends the round (one more done); returns its metrics.
     fn end_round(&mut self, frac: f64) -> Vec<MetricValue>;
+    /// Whether replay is prioritized: each round's sample then waits for
+    /// the last round's priorities, and is not drawn ahead.
+    fn prioritized(&self) -> bool;
 }
 
 /// Runs `algorithm` on the run's transition table until the budget is
@@ -202,8 +205,17 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let started = Instant::now();
     let start_env_steps = progress.env_steps;
     let mut reported_vec_steps = progress.vec_steps;
+    // Rounds can be one env step apart (SAC): their reports are sent at
+    // most every MIN_REPORT_INTERVAL, the latest round's values with the
+    // counts of every round since; the last one is sent when training stops.
+    let mut last_report: Option<Instant> = None;
+    let mut unreported: Option<Vec<MetricValue>> = None;
+    let (mut rejected_since, mut stale_since) = (0u64, 0u64);
     let schedule = algorithm.schedule();
     let mut draw = DrawSize::default();
+    // The next round's first draw, asked while this round trains (uniform
+    // replay only): the sample's round trip then overlaps the gradient step.
+    let mut prefetched: Option<tokio::task::JoinHandle<SampleReply>> = None;
     let finish = loop {
         let due_at = schedule.due_at(algorithm.rounds());
         // The budget is spent once the table holds it and every round due
@@ -220,6 +232,16 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             break finish;
         }
         save_evaluated(&mut algorithm, &mut events, &progress, &rng);
+
+        // The draw asked while the last round trained, if it came back.
+        let mut ready = None;
+        if let Some(Ok(Ok(reply))) = match prefetched.take() {
+            Some(handle) => Some(handle.await),
+            None => None,
+        } {
+            table.observe(&reply, &mut progress, num_envs);
+            ready = Some(reply);
+        }
 
         // How many env steps the table holds for us: every sample reply
         // says, so the table is asked on its own only while the last count
@@ -259,7 +281,10 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             let k = per_request.min(schedule.gradient_steps - step);
             let rows = batch_size * k;
             let asked = Instant::now();
-            let sampled = sample_transitions(&service, rows as u32, beta).await;
+            let sampled = match ready.take() {
+                Some(reply) if reply.ids.len() == rows => Ok(reply),
+                _ => sample_transitions(&service, rows as u32, beta).await,
+            };
             round.sample_s += asked.elapsed().as_secs_f64();
             let minibatches = match sampled {
                 Ok(b) if b.ids.len() == rows => {
@@ -284,6 +309,21 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                     continue;
                 }
             };
+            // Drawn ahead only from a table that already holds the next
+            // round's env steps, so no drawn sample goes unused.
+            if step + minibatches.len() >= schedule.gradient_steps
+                && !algorithm.prioritized()
+                && progress.env_steps >= schedule.due_at(algorithm.rounds() + 1)
+            {
+                let next_rows = batch_size
+                    * draw
+                        .minibatches(batch_size, schedule.gradient_steps)
+                        .min(schedule.gradient_steps);
+                let service = service.clone();
+                prefetched = Some(tokio::spawn(async move {
+                    sample_transitions(&service, next_rows as u32, 1.0).await
+                }));
+            }
             // The draw's gradient steps, in one blocking section.
             let trained = Instant::now();
             let results = tokio::task::block_in_place(|| {
@@ -349,6 +389,8 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
+        rejected_since += rejected;
+        stale_since += stale_priorities;
         let mut values =
             crate::progress::report_gauges(&progress, budget, sps, resumed_at_vec_steps);
         values.extend([
@@ -358,23 +400,36 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             ),
             gauge("learner_last_update_seconds", seconds),
             gauge("learner_replay_size", table.size as f64),
-            gauge("learner_rejected_batches", rejected as f64),
+            gauge("learner_rejected_batches", rejected_since as f64),
             gauge("learner_round_sample_seconds", round.sample_s),
             gauge("learner_round_train_seconds", round.train_s),
             gauge("learner_round_priority_seconds", round.priority_s),
         ]);
         if A::REPORTS_PRIORITIES {
-            values.push(gauge("learner_stale_priorities", stale_priorities as f64));
+            values.push(gauge("learner_stale_priorities", stale_since as f64));
         }
         values.extend(round_metrics);
-        reported_vec_steps = progress.vec_steps;
-        service.report(Some(progress.vec_steps), values).await;
+        if last_report.is_none_or(|at| at.elapsed() >= MIN_REPORT_INTERVAL) {
+            last_report = Some(Instant::now());
+            reported_vec_steps = progress.vec_steps;
+            (rejected_since, stale_since) = (0, 0);
+            unreported = None;
+            service.report(Some(progress.vec_steps), values).await;
+        } else {
+            unreported = Some(values);
+        }
         if progress.updates % cfg.checkpoint_every() == 0 {
             let counters = CheckpointState::of(&progress, &rng, events.best_eval);
             save(&mut algorithm, counters, LINKS_LAST, None);
         }
     };
 
+    if let Some(handle) = prefetched.take() {
+        handle.abort();
+    }
+    if let Some(values) = unreported {
+        service.report(Some(progress.vec_steps), values).await;
+    }
     // Reports that arrived as training stopped, then the last checkpoint.
     save_evaluated(&mut algorithm, &mut events, &progress, &rng);
     let counters = CheckpointState::of(&progress, &rng, events.best_eval);
@@ -426,6 +481,9 @@ impl TableCounters {
 /// Priorities sent in one [`PriorityUpdate`] (12 bytes each on the wire).
 const PRIORITIES_PER_UPDATE: usize = 16_384;
 
+/// Shortest time between two round reports (at most 20 a second).
+const MIN_REPORT_INTERVAL: Duration = Duration::from_millis(50);
+
 /// Seconds of a training round spent drawing minibatches, on gradient
 /// steps and sending priorities back (`learner_round_*_seconds`).
 #[derive(Debug, Default)]
@@ -461,14 +519,13 @@ impl DrawSize {
     }
 }
 
+/// A sample request's outcome.
+type SampleReply = Result<TransitionBatch, relay_kit::RequestError>;
+
 /// Asks the replay-buffer's off-policy table for `batch_size` transitions
 /// (0: only its counters), prioritized ones with importance weights at
 /// `beta`.
-async fn sample_transitions(
-    service: &Service,
-    batch_size: u32,
-    beta: f64,
-) -> Result<TransitionBatch, relay_kit::RequestError> {
+async fn sample_transitions(service: &Service, batch_size: u32, beta: f64) -> SampleReply {
     let ask = TransitionSampleRequest {
         schema: SCHEMA_VERSION,
         batch_size,
