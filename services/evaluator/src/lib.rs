@@ -14,7 +14,9 @@
 //! (or, with `eval.every_seconds`, any newer version once that long has
 //! passed since its last evaluation), always takes the newest (skipping
 //! those it could not keep up with, and counting them in
-//! `relay_evaluator_skipped_versions_total`), announces the evaluation
+//! `relay_evaluator_skipped_versions_total`; it hears each version on
+//! `weights.announce` and fetches only the weights it plays, a
+//! [`PolicyFetcher`]), announces the evaluation
 //! ([`EvalStarted`], so the learner keeps that version's weights until the
 //! report), plays `eval.episodes` episodes (one per sub-env of a
 //! vectorized env, each run to its end: the screening, on the same seeds
@@ -58,7 +60,7 @@ use futures::StreamExt;
 use prometheus::{Gauge, GaugeVec, IntCounter, Opts};
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
 use relay_policy::text::{NatsGenerate, LEARNING_ADAPTER};
-use relay_policy::{AdapterFollower, AdapterVersion, PolicyFollower};
+use relay_policy::{AdapterFollower, AdapterVersion, PolicyFetcher};
 use relay_proto::{
     Confirmation, EpisodeReport, EvalControl, EvalReport, EvalStarted, Matchup, RunStatus,
     RunStatusUpdate, SCHEMA_VERSION,
@@ -74,7 +76,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     if cfg.is_text_game() {
         return run_text(service, shutdown).await;
     }
-    let mut follower = PolicyFollower::start(&service).await?;
+    let mut follower = PolicyFetcher::start(&service).await?;
     let threshold = cfg.solved_threshold();
     let EvalMetrics {
         skipped,

@@ -77,8 +77,9 @@ impl LatestWeights {
     }
 
     /// Records `update`'s version, keeps it as the latest and publishes it
-    /// on `weights` (a failure is logged: the next version replaces it),
-    /// stamped with the time of publishing.
+    /// on `weights` and, without its tensors, on `weights.announce` (a
+    /// failure is logged: the next version replaces it), stamped with the
+    /// time of publishing.
     pub(crate) async fn publish(&self, service: &Service, update: &mut WeightsUpdate) {
         if let Err(e) = checkpoint::record_published(&self.run_dir, update.version) {
             tracing::warn!(error = %e, "could not record the published version");
@@ -99,6 +100,23 @@ impl LatestWeights {
             .await
         {
             tracing::warn!(error = %e, "weights publish failed");
+        }
+        // The same version without its tensors, for services that fetch only
+        // some versions (the evaluator).
+        let announcement = WeightsUpdate {
+            tensors: Vec::new(),
+            normalizer: None,
+            ..*update
+        };
+        if let Err(e) = service
+            .nats
+            .publish(
+                service.subjects.weights_announce(),
+                relay_proto::encode(&announcement).into(),
+            )
+            .await
+        {
+            tracing::warn!(error = %e, "weights announcement failed");
         }
     }
 }

@@ -217,6 +217,12 @@ async fn every_subscriber_rejects_bad_input_and_keeps_running() {
         (s.weights(), with_schema(&weights, |m| m.schema = 7)),
         (s.weights(), encode(&nan_weights)),
         (s.weights(), encode(&wrong_shape)),
+        (s.weights_announce(), garbage.clone()),
+        (
+            s.weights_announce(),
+            with_schema(&weights, |m| m.schema = 7),
+        ),
+        (s.weights_announce(), encode(&nan_weights)),
         (s.status(), garbage.clone()),
         (s.status(), with_schema(&status, |m| m.schema = 7)),
         (s.metrics(), garbage.clone()),
@@ -261,12 +267,13 @@ async fn every_subscriber_rejects_bad_input_and_keeps_running() {
         1,
         "wrong-shape weights"
     );
+    // The evaluator hears versions announced and fetches the weights it
+    // plays from the learner (whose weights are valid).
     let evaluator = metrics(evaluator_addr).await;
     for (subject, reason) in [
-        ("weights", "decode"),
-        ("weights", "schema_version"),
-        ("weights", "non_finite"),
-        ("weights", "invalid"),
+        ("weights.announce", "decode"),
+        ("weights.announce", "schema_version"),
+        ("weights.announce", "non_finite"),
     ] {
         assert!(
             rejected(&evaluator, subject, reason) >= 1,

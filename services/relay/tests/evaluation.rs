@@ -272,11 +272,31 @@ async fn evaluate_once(
         shutdown,
     ));
     let weights = relay_policy::to_weights(model, 1, 1000);
+    // The test is the learner: it answers `weights.latest` and announces the version.
+    let mut latest = client.subscribe(subjects.weights_latest()).await.unwrap();
+    let (answers, payload) = (client.clone(), relay_proto::encode(&weights));
+    let answering = tokio::spawn(async move {
+        while let Some(m) = latest.next().await {
+            if let Some(reply) = m.reply {
+                answers
+                    .publish(reply, payload.clone().into())
+                    .await
+                    .unwrap();
+            }
+        }
+    });
+    let announcement = WeightsUpdate {
+        tensors: Vec::new(),
+        ..weights.clone()
+    };
     let report = tokio::time::timeout(Duration::from_secs(60), async {
         loop {
             // Until the evaluator hears it (it may subscribe after a publish).
             client
-                .publish(subjects.weights(), relay_proto::encode(&weights).into())
+                .publish(
+                    subjects.weights_announce(),
+                    relay_proto::encode(&announcement).into(),
+                )
                 .await
                 .unwrap();
             if let Ok(Some(m)) =
@@ -298,6 +318,7 @@ async fn evaluate_once(
         .map(|m| relay_proto::decode::<RunStatusUpdate>(&m.payload).unwrap());
     trigger.trigger();
     evaluator.await.unwrap().unwrap();
+    answering.abort();
     (report, status)
 }
 

@@ -15,6 +15,9 @@
 //!   the current version at start (`weights.latest`) and each new one as it is
 //!   published (`weights`), building each new model off the caller's hot path;
 //!   [`StatsFollower`] keeps only each version's normalisation statistics;
+//! - [`PolicyFetcher`]: for a service that plays only some versions, hears
+//!   each one announced (`weights.announce`) and fetches a version's
+//!   weights only when asked for one;
 //! - [`norm_stats`] / [`delta_stats`] / [`frozen_normalizer`]: the
 //!   normalisation statistics (`normalize:`) as they travel with fragments and
 //!   weights, and back;
@@ -242,30 +245,7 @@ pub fn tensors_to_weights(
     }
 }
 
-/// Loads a [`WeightsUpdate`] (the `actor.*` tensors) into a SAC actor; on
-/// any mismatch it is unchanged.
-pub fn load_sac_weights(actor: &mut SacActor, update: &WeightsUpdate) -> Result<(), Rejection> {
-    let parts = weight_parts(update)?;
-    actor
-        .load_named_tensors(&parts)
-        .map_err(|e| Rejection::Invalid {
-            kind: "WeightsUpdate",
-            field: "tensors",
-            detail: e.to_string(),
-        })
-}
-
-/// Loads a [`WeightsUpdate`] into a Q-network; on any mismatch it is unchanged.
-pub fn load_q_weights(net: &mut QNetwork, update: &WeightsUpdate) -> Result<(), Rejection> {
-    let parts = weight_parts(update)?;
-    net.load_named_tensors(&parts)
-        .map_err(|e| Rejection::Invalid {
-            kind: "WeightsUpdate",
-            field: "tensors",
-            detail: e.to_string(),
-        })
-}
-
+/// The tensors of a [`WeightsUpdate`] as the models take them.
 fn weight_parts(update: &WeightsUpdate) -> Result<Vec<relay_nn::NamedTensor>, Rejection> {
     update
         .tensors
@@ -282,17 +262,7 @@ fn weight_parts(update: &WeightsUpdate) -> Result<Vec<relay_nn::NamedTensor>, Re
 
 /// Loads a [`WeightsUpdate`] into `model`; on any mismatch the model is unchanged.
 pub fn load_weights(model: &mut ActorCritic, update: &WeightsUpdate) -> Result<(), Rejection> {
-    let parts = update
-        .tensors
-        .iter()
-        .map(|t| {
-            t.to_parts().map_err(|source| Rejection::Invalid {
-                kind: "WeightsUpdate",
-                field: "tensors",
-                detail: format!("{}: {source}", t.name),
-            })
-        })
-        .collect::<Result<Vec<relay_nn::NamedTensor>, _>>()?;
+    let parts = weight_parts(update)?;
     model
         .load_named_tensors(&parts)
         .map_err(|e| Rejection::Invalid {
@@ -425,68 +395,161 @@ pub type PolicyFollower = Follower<VersionedPolicy>;
 /// built).
 pub type StatsFollower = Follower<VersionedStats>;
 
+/// What builds a [`VersionedPolicy`] from a [`WeightsUpdate`] of this run.
+type PolicyBuilder =
+    Box<dyn Fn(&WeightsUpdate) -> Result<VersionedPolicy, Rejection> + Send + Sync>;
+
+/// The run's acting model built straight from a version's tensors (no
+/// init is drawn to be overwritten).
+fn policy_builder(
+    config: &Arc<ExperimentConfig>,
+) -> Result<PolicyBuilder, relay_kit::ServiceError> {
+    let spec = spec_for(config).map_err(relay_kit::ServiceError::other)?;
+    let trunk = config.policy.trunk;
+    let config = config.clone();
+    // DQN runs act with a Q-network, epsilon-greedily at the version's env steps.
+    let dqn = (config.run.algo == Algo::Dqn).then(|| {
+        (
+            qnet_spec_for(&config),
+            config.dqn.clone(),
+            config.run.total_env_steps,
+        )
+    });
+    // SAC runs act with the actor alone.
+    let sac = (config.run.algo == Algo::Sac).then(|| sac_spec_for(&config));
+    Ok(Box::new(move |update: &WeightsUpdate| {
+        let invalid = |detail: String| Rejection::Invalid {
+            kind: "WeightsUpdate",
+            field: "tensors",
+            detail,
+        };
+        let parts = weight_parts(update)?;
+        let rejected = |e: relay_nn::NnError| invalid(e.to_string());
+        let model = match (&sac, &dqn) {
+            (Some(sac_spec), _) => {
+                let sac_spec = sac_spec.clone().map_err(invalid)?;
+                PolicyModel::Sac(SacActor::from_named_tensors(&sac_spec, &parts).map_err(rejected)?)
+            }
+            (None, Some((qspec, dqn, budget))) => {
+                let qspec = qspec.clone().map_err(invalid)?;
+                let net = QNetwork::from_named_tensors(&qspec, &parts).map_err(rejected)?;
+                let progress = update.learner_env_steps as f64 / *budget as f64;
+                PolicyModel::QNetwork {
+                    net,
+                    epsilon: dqn.exploration_rate(progress),
+                }
+            }
+            (None, None) => PolicyModel::ActorCritic(
+                ActorCritic::from_named_tensors(&spec, trunk, &parts).map_err(rejected)?,
+            ),
+        };
+        let normalizer = frozen_normalizer(&config, spec.obs_dim, update)?;
+        Ok(VersionedPolicy {
+            version: update.version,
+            learner_env_steps: update.learner_env_steps,
+            model,
+            normalizer,
+        })
+    }))
+}
+
 impl Follower<VersionedPolicy> {
     /// Starts following (a background task until shutdown).
     pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
-        let spec = spec_for(&service.config).map_err(relay_kit::ServiceError::other)?;
-        let (seed, trunk) = (service.config.run.seed, service.config.policy.trunk);
-        let config = service.config.clone();
-        // DQN runs act with a Q-network, epsilon-greedily at the version's env steps.
-        let dqn = (config.run.algo == Algo::Dqn).then(|| {
-            (
-                qnet_spec_for(&config),
-                config.dqn.clone(),
-                config.run.total_env_steps,
-            )
-        });
-        // SAC runs act with the actor alone.
-        let sac = (config.run.algo == Algo::Sac).then(|| sac_spec_for(&config));
-        Self::follow(service, move |update: &WeightsUpdate| {
-            let invalid = |detail: String| Rejection::Invalid {
-                kind: "WeightsUpdate",
-                field: "tensors",
-                detail,
-            };
-            if let Some(sac_spec) = &sac {
-                let sac_spec = sac_spec.clone().map_err(invalid)?;
-                let mut actor =
-                    SacActor::new(&sac_spec, seed).map_err(|e| invalid(e.to_string()))?;
-                load_sac_weights(&mut actor, update)?;
-                return Ok(VersionedPolicy {
-                    version: update.version,
-                    learner_env_steps: update.learner_env_steps,
-                    model: PolicyModel::Sac(actor),
-                    normalizer: frozen_normalizer(&config, spec.obs_dim, update)?,
-                });
+        Self::follow(service, policy_builder(&service.config)?).await
+    }
+}
+
+/// The learner's weights for a service that plays only some versions (the
+/// evaluator: one every `eval.every_versions`): it hears every version on
+/// `weights.announce` (a [`WeightsUpdate`] without tensors) and fetches a
+/// version's weights (`weights.latest`) only when asked for one, instead of
+/// receiving and building each (SAC publishes one per env step).
+pub struct PolicyFetcher {
+    service: Service,
+    build: PolicyBuilder,
+    announced: watch::Receiver<Option<u64>>,
+}
+
+impl PolicyFetcher {
+    /// Starts listening to the announcements (a background task until shutdown).
+    pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
+        let build = policy_builder(&service.config)?;
+        let mut announcements = service
+            .nats
+            .subscribe(service.subjects.weights_announce())
+            .await
+            .map_err(relay_kit::ServiceError::nats)?;
+        let (tx, announced) = watch::channel(None);
+        let listener = service.clone();
+        tokio::spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    Some(m) = announcements.next() => m,
+                    _ = listener.shutdown.wait() => return,
+                    else => return,
+                };
+                if let Ok(update) = listener
+                    .intake
+                    .decode::<WeightsUpdate>("weights.announce", &message.payload)
+                {
+                    tx.send_if_modified(|v| {
+                        let newer = v.is_none_or(|seen| update.version > seen);
+                        if newer {
+                            *v = Some(update.version);
+                        }
+                        newer
+                    });
+                }
             }
-            let model = match &dqn {
-                Some((qspec, dqn, budget)) => {
-                    let qspec = qspec.clone().map_err(invalid)?;
-                    let mut net =
-                        QNetwork::new(&qspec, seed).map_err(|e| invalid(e.to_string()))?;
-                    load_q_weights(&mut net, update)?;
-                    let progress = update.learner_env_steps as f64 / *budget as f64;
-                    PolicyModel::QNetwork {
-                        net,
-                        epsilon: dqn.exploration_rate(progress),
+        });
+        Ok(Self {
+            service: service.clone(),
+            build,
+            announced,
+        })
+    }
+
+    /// Waits until a version newer than `version` (any for `None`) is
+    /// announced, then fetches and builds the newest; `None` on shutdown.
+    pub async fn newer_than(&mut self, version: Option<u64>) -> Option<Arc<VersionedPolicy>> {
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            if let Some(seen) = version {
+                while self.announced.borrow_and_update().is_none_or(|v| v <= seen) {
+                    tokio::select! {
+                        changed = self.announced.changed() => changed.ok()?,
+                        _ = self.service.shutdown.wait() => return None,
                     }
                 }
-                None => {
-                    let mut model = ActorCritic::with_layout(&spec, trunk, seed)
-                        .map_err(|e| invalid(e.to_string()))?;
-                    load_weights(&mut model, update)?;
-                    PolicyModel::ActorCritic(model)
-                }
+            }
+            let ask = WeightsRequest {
+                schema: SCHEMA_VERSION,
             };
-            let normalizer = frozen_normalizer(&config, spec.obs_dim, update)?;
-            Ok(VersionedPolicy {
-                version: update.version,
-                learner_env_steps: update.learner_env_steps,
-                model,
-                normalizer,
-            })
-        })
-        .await
+            match relay_kit::request::<_, WeightsUpdate>(
+                &self.service.nats,
+                &self.service.subjects.weights_latest(),
+                &ask,
+                self.service.request_timeout(),
+            )
+            .await
+            {
+                Ok(update) if version.is_none_or(|seen| update.version > seen) => {
+                    match (self.build)(&update) {
+                        Ok(policy) => return Some(Arc::new(policy)),
+                        Err(rejection) => self.service.intake.reject("weights.latest", &rejection),
+                    }
+                }
+                // Older than announced: a restarted learner not yet at it.
+                Ok(_) => {}
+                Err(e) => tracing::debug!(error = %e, "no weights yet"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = self.service.shutdown.wait() => return None,
+            }
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
     }
 }
 

@@ -90,6 +90,11 @@ impl Subjects {
     pub fn weights(&self) -> String {
         self.subject("weights")
     }
+    /// Publish: each new policy version's [`crate::WeightsUpdate`] without
+    /// its tensors (for services that fetch only some versions).
+    pub fn weights_announce(&self) -> String {
+        self.subject("weights.announce")
+    }
     /// Request-reply: [`crate::WeightsRequest`] -> [`crate::WeightsUpdate`] (latest).
     pub fn weights_latest(&self) -> String {
         self.subject("weights.latest")
