@@ -6,8 +6,10 @@
 //! each seeds its envs from the run seed and its instance name.
 //!
 //! Backpressure: a fragment refused because the buffer is full is retried
-//! after the delay the buffer asks for, and stepping waits meanwhile. At
-//! most one insert is in flight while the next fragment is collected.
+//! after the delay the buffer asks for, one the rate limiter holds back
+//! after twice as long with each refusal in a row (up to 16 ms), and
+//! stepping waits meanwhile. At most one insert is in flight while the
+//! next fragment is collected.
 //!
 //! Normalisation (`normalize:` with `obs` or `reward` on): this copy is
 //! the run's `VecNormalize` wrapper, as in Stable-Baselines3. It keeps a
@@ -596,6 +598,11 @@ async fn report_progress(
     };
 }
 
+/// Longest wait between two inserts the rate limiter refused. When a
+/// refused fragment fits, the table still holds the limiter's slack less
+/// one fragment for the learner, far more than this at the presets' rates.
+const RATE_WAIT_CAP: Duration = Duration::from_millis(16);
+
 /// Sends a fragment to the replay buffer, retrying while it is full or absent.
 async fn insert_with_retry(
     service: Service,
@@ -606,6 +613,7 @@ async fn insert_with_retry(
     let subject = service.subjects.replay_insert();
     let timeout = service.request_timeout();
     let mut backoff = Duration::from_millis(5);
+    let mut rate_refusals = 0u32;
     loop {
         match relay_kit::request::<_, InsertAck>(&service.nats, &subject, &fragment, timeout).await
         {
@@ -617,6 +625,16 @@ async fn insert_with_retry(
             Ok(ack) if ack.reason == "full" || ack.reason == "rate" => {
                 waits.inc();
                 backoff = Duration::from_millis(ack.retry_after_ms.max(1) as u64);
+                if ack.reason == "rate" {
+                    // The insert fits once the learner has sampled enough,
+                    // which takes longer the further ahead this runner is:
+                    // the wait doubles with each refusal in a row (up to a
+                    // cap), so a runner held back asks a few times, not
+                    // every millisecond, each time with its whole fragment.
+                    backoff =
+                        (backoff * 2u32.pow(rate_refusals.min(8))).min(RATE_WAIT_CAP.max(backoff));
+                    rate_refusals += 1;
+                }
             }
             Ok(ack) => {
                 tracing::debug!(reason = %ack.reason, version = fragment.policy_version, "fragment dropped by the replay buffer");

@@ -56,7 +56,9 @@ pub struct ReplayConfig {
     /// Fragments acted by a policy more than this many versions behind the
     /// learner are dropped (and counted).
     pub max_policy_lag: u64,
-    /// How long an env-runner waits before retrying a refused insert.
+    /// How long an env-runner waits before retrying a refused insert (after
+    /// the rate limiter's refusals, twice as long with each one in a row,
+    /// up to 16 ms).
     pub retry_after_ms: u32,
     /// Rate limiter (as Reverb's `SampleToInsertRatio`): env steps taken out
     /// per env step inserted (DQN's off-policy table: transitions sampled
