@@ -235,12 +235,11 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
 
         // The draw asked while the last round trained, if it came back.
         let mut ready = None;
-        if let Some(Ok(Ok(reply))) = match prefetched.take() {
-            Some(handle) => Some(handle.await),
-            None => None,
-        } {
-            table.observe(&reply, &mut progress, num_envs);
-            ready = Some(reply);
+        if let Some(handle) = prefetched.take() {
+            if let Ok(Ok(reply)) = handle.await {
+                table.observe(&reply, &mut progress, num_envs);
+                ready = Some(reply);
+            }
         }
 
         // How many env steps the table holds for us: every sample reply
