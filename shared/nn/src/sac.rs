@@ -336,10 +336,9 @@ impl SacActor {
     /// differentiable with respect to the actor's vars; draws `B * A`
     /// standard normals from `rng`.
     pub fn sample(&self, obs: &Tensor, rng: &mut impl Rng) -> Result<ActorSample> {
-        let (mu, log_std) = self.distribution(obs)?;
-        let (b, a) = mu.dims2()?;
-        let eps: Arc<[f32]> = (0..b * a).map(|_| rng.sample(StandardNormal)).collect();
-        self.sample_with_noise(&mu, &log_std, eps)
+        let n = obs.dims().first().copied().unwrap_or(0) * self.spec.action_dim();
+        let eps: Arc<[f32]> = (0..n).map(|_| rng.sample(StandardNormal)).collect();
+        self.sample_noise(obs, eps)
     }
 
     /// [`Self::sample`] with given noise (`B * A` standard-normal values).

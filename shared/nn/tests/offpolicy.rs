@@ -548,6 +548,16 @@ fn squashed_gaussian_gradient_matches_composition() {
 /// `(obs, actions, returns, next_obs, discounts)`.
 type SacData = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
 
+fn sac_batch((obs, actions, returns, next_obs, discounts): &SacData) -> SacBatch<'_> {
+    SacBatch {
+        obs,
+        actions,
+        returns,
+        next_obs,
+        discounts,
+    }
+}
+
 fn sac_batch_data(spec: &SacSpec, b: usize, seed: u64) -> SacData {
     let mut r = rng(seed);
     let d = spec.obs_dim;
@@ -568,17 +578,12 @@ fn sac_batch_data(spec: &SacSpec, b: usize, seed: u64) -> SacData {
 fn sac_gradients_reach_every_parameter() {
     let spec = sac_spec();
     let sac = Sac::new(&spec, 0.5, 1).unwrap();
-    let (obs, actions, returns, next_obs, discounts) = sac_batch_data(&spec, 32, 2);
-    let batch = SacBatch {
-        obs: &obs,
-        actions: &actions,
-        returns: &returns,
-        next_obs: &next_obs,
-        discounts: &discounts,
-    };
+    let data = sac_batch_data(&spec, 32, 2);
+    let (obs, next_obs) = (&data.0, &data.3);
+    let batch = sac_batch(&data);
     let mut r = rng(3);
     let pair = Pair::sequential();
-    let next_t = Tensor::from_slice(&next_obs, (32, 3), &Device::Cpu).unwrap();
+    let next_t = Tensor::from_slice(next_obs, (32, 3), &Device::Cpu).unwrap();
     let next = sac.actor.sample(&next_t, &mut r).unwrap();
     let targets = sac_targets(&sac, &batch, &next, 0.5, &pair).unwrap();
     let (loss0, _, _) = sac_critic_loss(&sac, 0, &batch, &targets).unwrap();
@@ -600,7 +605,7 @@ fn sac_gradients_reach_every_parameter() {
     for v in sac.critic_target.vars().iter().chain(&sac.actor.vars()) {
         assert!(g.get(v).is_none(), "critic loss reached a non-critic var");
     }
-    let obs_t = Tensor::from_slice(&obs, (32, 3), &Device::Cpu).unwrap();
+    let obs_t = Tensor::from_slice(obs, (32, 3), &Device::Cpu).unwrap();
     let sample = sac.actor.sample(&obs_t, &mut r).unwrap();
     let (actor_loss, actor_value) =
         sac_actor_loss(&sac.critic, &obs_t, &sample, 0.5, &pair).unwrap();
@@ -657,16 +662,11 @@ fn sac_targets_hand_check_and_train_step() {
         .map(|t| t.2)
         .collect();
     assert_eq!(t0, c0);
-    let (obs, actions, returns, next_obs, discounts) = sac_batch_data(&spec, 16, 5);
-    let batch = SacBatch {
-        obs: &obs,
-        actions: &actions,
-        returns: &returns,
-        next_obs: &next_obs,
-        discounts: &discounts,
-    };
+    let data = sac_batch_data(&spec, 16, 5);
+    let (obs, returns, next_obs, discounts) = (&data.0, &data.2, &data.3, &data.4);
+    let batch = sac_batch(&data);
     // Terminated samples (discount 0) have target = reward exactly.
-    let next = Tensor::from_slice(&next_obs, (16, 3), &Device::Cpu).unwrap();
+    let next = Tensor::from_slice(next_obs, (16, 3), &Device::Cpu).unwrap();
     let s = sac.actor.sample(&next, &mut rng(1)).unwrap();
     let targets = sac_targets(&sac, &batch, &s, 0.2, &Pair::new(2).unwrap()).unwrap();
     for i in (0..16).step_by(5) {
@@ -721,14 +721,14 @@ fn sac_targets_hand_check_and_train_step() {
         "{alpha} {gap}"
     );
     // Actions in bounds.
-    let a = sac.actor.act(&obs, 16, false, &mut r).unwrap();
+    let a = sac.actor.act(obs, 16, false, &mut r).unwrap();
     for (i, x) in a.iter().enumerate() {
         assert!(*x >= spec.low[i % 2] && *x <= spec.high[i % 2]);
     }
-    let det = sac.actor.act(&obs, 16, true, &mut r).unwrap();
+    let det = sac.actor.act(obs, 16, true, &mut r).unwrap();
     let (mu, _) = sac
         .actor
-        .distribution(&Tensor::from_slice(&obs, (16, 3), &Device::Cpu).unwrap())
+        .distribution(&Tensor::from_slice(obs, (16, 3), &Device::Cpu).unwrap())
         .unwrap();
     let mut expect: Vec<f32> = mu
         .flatten_all()
@@ -745,7 +745,7 @@ fn sac_targets_hand_check_and_train_step() {
     standalone
         .load_named_tensors(&sac.actor.named_tensors())
         .unwrap();
-    close(&standalone.act(&obs, 16, true, &mut r).unwrap(), &det, 0.0);
+    close(&standalone.act(obs, 16, true, &mut r).unwrap(), &det, 0.0);
     // Checkpoint round trip.
     let path = tmp_path("sac.safetensors");
     sac.save(&path).unwrap();
@@ -818,14 +818,8 @@ fn sac_learns_a_continuous_bandit() {
 #[test]
 fn sac_steps_on_one_and_two_threads_agree_exactly() {
     let spec = sac_spec();
-    let (obs, actions, returns, next_obs, discounts) = sac_batch_data(&spec, 64, 21);
-    let batch = SacBatch {
-        obs: &obs,
-        actions: &actions,
-        returns: &returns,
-        next_obs: &next_obs,
-        discounts: &discounts,
-    };
+    let data = sac_batch_data(&spec, 64, 21);
+    let batch = sac_batch(&data);
     let cfg = SacConfig::default();
     let run = |threads: usize| {
         let sac = Sac::new(&spec, 1.0, 22).unwrap();

@@ -395,6 +395,20 @@ pub type PolicyFollower = Follower<VersionedPolicy>;
 /// built).
 pub type StatsFollower = Follower<VersionedStats>;
 
+/// The learner's newest version, asked on `weights.latest`.
+async fn latest_weights(service: &Service) -> Result<WeightsUpdate, relay_kit::RequestError> {
+    let ask = WeightsRequest {
+        schema: SCHEMA_VERSION,
+    };
+    relay_kit::request(
+        &service.nats,
+        &service.subjects.weights_latest(),
+        &ask,
+        service.request_timeout(),
+    )
+    .await
+}
+
 /// What builds a [`VersionedPolicy`] from a [`WeightsUpdate`] of this run.
 type PolicyBuilder =
     Box<dyn Fn(&WeightsUpdate) -> Result<VersionedPolicy, Rejection> + Send + Sync>;
@@ -523,17 +537,7 @@ impl PolicyFetcher {
                     }
                 }
             }
-            let ask = WeightsRequest {
-                schema: SCHEMA_VERSION,
-            };
-            match relay_kit::request::<_, WeightsUpdate>(
-                &self.service.nats,
-                &self.service.subjects.weights_latest(),
-                &ask,
-                self.service.request_timeout(),
-            )
-            .await
-            {
+            match latest_weights(&self.service).await {
                 Ok(update) if version.is_none_or(|seen| update.version > seen) => {
                     match (self.build)(&update) {
                         Ok(policy) => return Some(Arc::new(policy)),
@@ -592,17 +596,7 @@ impl<T: Versioned> Follower<T> {
             // The current version, in case the learner published it before we subscribed.
             let mut backoff = Duration::from_millis(20);
             while current(&tx).is_none() && !service.shutdown.is_triggered() {
-                let ask = WeightsRequest {
-                    schema: SCHEMA_VERSION,
-                };
-                match relay_kit::request::<_, WeightsUpdate>(
-                    &service.nats,
-                    &service.subjects.weights_latest(),
-                    &ask,
-                    service.request_timeout(),
-                )
-                .await
-                {
+                match latest_weights(&service).await {
                     Ok(update) => match build(&update) {
                         Ok(policy) => {
                             tracing::info!(version = policy.version(), "loaded current weights");
