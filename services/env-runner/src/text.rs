@@ -28,7 +28,8 @@
 //! first. A past version no inference server serves turns the game into a
 //! mirror game (counted). Games of the learning adapter against bots and
 //! past versions are recorded in the pool, which rates each version.
-//! League games branch as the others do (`text.branches`): the game as
+//! League games branch as the others do (`text.branches`), or only those
+//! against the fixed members `league.branch_against` lists: the game as
 //! drawn is rated, its continuations only train.
 //!
 //! Metrics: games by opponent and outcome, abandoned games, the learning
@@ -403,6 +404,7 @@ fn seat_league_game(
     draws: &LeagueDraws,
     rng: &mut ChaCha8Rng,
     text: &relay_config::TextConfig,
+    branch_against: Option<&[String]>,
     players: usize,
     env_id: &str,
     runner_id: &str,
@@ -429,6 +431,7 @@ fn seat_league_game(
     let branched = branched_game(
         rng,
         text,
+        league_branches(&seated, text.branches, branch_against),
         (env_id, players, learner_seat),
         runner_id,
         |bot_seed| {
@@ -456,6 +459,29 @@ fn seat_league_game(
     Ok((branched, game))
 }
 
+/// The games a league game against `seated` plays from its branched
+/// position (`text.branches`): every league game branches, unless
+/// `league.branch_against` lists the fixed members whose games do.
+fn league_branches(
+    seated: &LeagueOpponent,
+    branches: usize,
+    branch_against: Option<&[String]>,
+) -> usize {
+    let Some(listed) = branch_against else {
+        return branches;
+    };
+    let member = match seated {
+        LeagueOpponent::Bot(name) => name.clone(),
+        LeagueOpponent::Adapter(name) => format!("adapter:{name}"),
+        LeagueOpponent::Mirror | LeagueOpponent::Past(_) => return 1,
+    };
+    if listed.contains(&member) {
+        branches
+    } else {
+        1
+    }
+}
+
 /// A game to play and the seats of the continuations of its branched
 /// position (`text.branches - 1` of them; see
 /// [`relay_policy::text::play_branched`]).
@@ -481,11 +507,12 @@ impl BranchedGame {
 
 /// Seats a game of `env_id` for `players` with the learner at
 /// `learner_seat` and `opponent(bot_seed)` in every other seat, and the
-/// continuations of its branched position with the same policies, the
-/// learner and the bots seeded afresh each time.
+/// `branches - 1` continuations of its branched position with the same
+/// policies, the learner and the bots seeded afresh each time.
 fn branched_game(
     rng: &mut ChaCha8Rng,
     text: &relay_config::TextConfig,
+    branches: usize,
     (env_id, players, learner_seat): (&str, usize, usize),
     runner_id: &str,
     opponent: impl Fn(u64) -> Result<Seat, String>,
@@ -503,7 +530,7 @@ fn branched_game(
         learner_seat: Some(learner_seat),
         runner_id: runner_id.to_string(),
     };
-    let more = (1..text.branches)
+    let more = (1..branches)
         .map(|_| draw_seats(rng))
         .collect::<Result<Vec<_>, _>>()?;
     let (pick, group) = if more.is_empty() {
@@ -624,6 +651,7 @@ pub(crate) async fn run(
                         draws,
                         &mut rng,
                         text,
+                        cfg.league.branch_against.as_deref(),
                         players,
                         &env_id,
                         &service.instance,
@@ -661,6 +689,7 @@ pub(crate) async fn run(
             let branched = branched_game(
                 &mut rng,
                 text,
+                text.branches,
                 (&game_id, players, learner_seat),
                 &service.instance,
                 |bot_seed| Seat::opponent(opponent, bot_seed, text),
@@ -861,5 +890,32 @@ async fn publish_episodes(service: &Service, window: &mut Window) {
             episodes,
         };
         service.publish(service.subjects.episodes(), &report).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn league_games_branch_unless_branch_against_leaves_their_opponent_out() {
+        let random = LeagueOpponent::Bot("random".into());
+        let minimax = LeagueOpponent::Bot("minimax".into());
+        let adapter = LeagueOpponent::Adapter("sft".into());
+        for seated in [&random, &minimax, &adapter, &LeagueOpponent::Mirror] {
+            assert_eq!(league_branches(seated, 4, None), 4);
+        }
+        let listed = ["random".to_string(), "adapter:sft".to_string()];
+        assert_eq!(league_branches(&random, 4, Some(&listed)), 4);
+        assert_eq!(league_branches(&adapter, 4, Some(&listed)), 4);
+        assert_eq!(league_branches(&minimax, 4, Some(&listed)), 1);
+        assert_eq!(
+            league_branches(&LeagueOpponent::Mirror, 4, Some(&listed)),
+            1
+        );
+        assert_eq!(
+            league_branches(&LeagueOpponent::Past(3), 4, Some(&listed)),
+            1
+        );
     }
 }

@@ -71,6 +71,15 @@ pub struct LeagueSection {
     /// policy to beat), so samplers can draw them without the env-runners
     /// also playing them directly.
     pub fixed: Vec<String>,
+    /// Which league games branch (`text.branches > 1`): unset, every one;
+    /// a list of fixed members (`random`, `minimax`, `adapter:<name>`),
+    /// only the games against them. Branching the games against a fixed
+    /// bot gives each position the learner lost from a baseline of its own
+    /// against the same opponent, as `bench-tictactoe` trains; in mirror
+    /// games and those against past versions the opponent moves after the
+    /// branched move differ with each continuation too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch_against: Option<Vec<String>>,
 }
 
 impl LeagueSection {
@@ -125,6 +134,15 @@ impl LeagueSection {
             }
         }
         let members: Vec<String> = league_fixed_names(text, self);
+        for (index, name) in self.branch_against.iter().flatten().enumerate() {
+            if !members.contains(name) {
+                return Err(not_a_member(
+                    &format!("league.branch_against[{index}]"),
+                    name,
+                    &members,
+                ));
+            }
+        }
         check_sampler_members(&self.sampler, "league.sampler", &members)
     }
 }
@@ -150,6 +168,17 @@ pub(crate) fn league_fixed_names(text: &TextConfig, league: &LeagueSection) -> V
     names
 }
 
+/// `field` names `name`, which the pool does not hold as a fixed member.
+fn not_a_member(field: &str, name: &str, members: &[String]) -> ConfigError {
+    invalid(
+        field,
+        format!(
+            "{name:?} is not a fixed member of the pool (the bots and adapters of text.opponents and league.fixed: {})",
+            if members.is_empty() { "none".to_string() } else { members.join(", ") }
+        ),
+    )
+}
+
 /// A `fixed` sampler may name only fixed members the pool will hold (or
 /// policy versions, which come and go).
 pub(crate) fn check_sampler_members(
@@ -163,12 +192,10 @@ pub(crate) fn check_sampler_members(
             for (index, entry) in opponents.iter().enumerate() {
                 if let MemberId::Fixed(name) = &entry.opponent {
                     if !members.contains(name) {
-                        return Err(invalid(
+                        return Err(not_a_member(
                             &format!("{path}.opponents[{index}].opponent"),
-                            format!(
-                                "{name:?} is not a fixed member of the pool (the bots and adapters of text.opponents and league.fixed: {})",
-                                if members.is_empty() { "none".to_string() } else { members.join(", ") }
-                            ),
+                            name,
+                            members,
                         ));
                     }
                 }

@@ -556,6 +556,7 @@ fn league_section_is_validated_by_field() {
             "league.sampler.components[0].sampler.opponents[0].opponent",
         ),
         (&["league.sampler={kind: best}"], "best"),
+        (&["league.branch_against=[minimax]"], "league.branch_against[0]"),
         (&["text.opponents.league=-1"], "text.opponents.league"),
         (
             &["text.opponents.league=1", "text.learner=random"],
@@ -581,6 +582,7 @@ fn league_section_is_validated_by_field() {
         &[
             "league.fixed=[minimax]".into(),
             "league.sampler={kind: fixed, opponents: [{opponent: minimax, weight: 1}]}".into(),
+            "league.branch_against=[minimax]".into(),
         ],
     )
     .unwrap();

@@ -161,7 +161,8 @@ pub struct TextConfig {
     /// moves are one `rloo`/`grpo` group whose returns differ only by the
     /// move and what followed (a per-position baseline, where the games of
     /// one version and seat give a per-seat one). Costs `n - 1` game
-    /// endings per game; league games are never branched.
+    /// endings per game. League games branch too, or only those against the
+    /// fixed members `league.branch_against` lists.
     pub branches: usize,
     /// Which position a game's continuations (`branches > 1`) play on
     /// from: `uniform` (one before a learning move, drawn uniformly) or
