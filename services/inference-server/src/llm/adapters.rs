@@ -4,7 +4,10 @@
 //! Sources are the folders of `llm.adapters` (version 0 of their name) and
 //! every [`AdapterUpdate`] heard on `relay.<run>.adapters`: inline bytes
 //! (kept, so an evicted version reloads from them) or files in the
-//! JetStream object store (fetched again on reload). A request names an
+//! JetStream object store (fetched again on reload); of each name the
+//! sources of the [`VERSIONS_KEPT`] versions last published or asked for
+//! are kept (an evaluation pins the version it plays, and must find it
+//! until its last game, whatever is published meanwhile). A request names an
 //! adapter and optionally a version (`None`: the newest known); at most
 //! `llm.max_adapters` versions stay loaded, the least recently used one
 //! dropped past it. Sequences already decoding keep their adapter (an
@@ -31,7 +34,9 @@ use tokio::io::AsyncReadExt;
 
 use super::metrics::LlmMetrics;
 
-/// Versions of one name whose sources are kept (older ones are forgotten).
+/// Versions of one name whose sources are kept: past it, the least
+/// recently published or asked for is forgotten, so a version an evaluation
+/// keeps playing stays however many are published meanwhile.
 pub(crate) const VERSIONS_KEPT: usize = 16;
 
 /// Why an adapter could not be served.
@@ -78,6 +83,29 @@ enum Source {
     },
 }
 
+/// A known version: where it comes from, and when it was last published
+/// or asked for (on [`Inner::clock`]).
+struct Known {
+    source: Source,
+    last_used: u64,
+}
+
+/// Forgets the least recently used versions past [`VERSIONS_KEPT`];
+/// returns them.
+fn forget_least_recently_used(versions: &mut BTreeMap<u64, Known>) -> Vec<u64> {
+    let mut forgotten = Vec::new();
+    while versions.len() > VERSIONS_KEPT {
+        let lru = versions
+            .iter()
+            .min_by_key(|(_, known)| known.last_used)
+            .map(|(version, _)| *version)
+            .expect("non-empty");
+        versions.remove(&lru);
+        forgotten.push(lru);
+    }
+    forgotten
+}
+
 struct Loaded {
     name: String,
     version: u64,
@@ -86,7 +114,7 @@ struct Loaded {
 }
 
 struct Inner {
-    known: BTreeMap<String, BTreeMap<u64, Source>>,
+    known: BTreeMap<String, BTreeMap<u64, Known>>,
     loaded: Vec<Loaded>,
     clock: u64,
 }
@@ -180,14 +208,14 @@ impl AdapterStore {
         inner
             .loaded
             .retain(|l| !(l.name == name && l.version == version));
+        inner.clock += 1;
+        let last_used = inner.clock;
         let versions = inner.known.entry(name.to_string()).or_default();
-        versions.insert(version, source);
-        while versions.len() > VERSIONS_KEPT {
-            let oldest = *versions.keys().next().expect("non-empty");
-            versions.remove(&oldest);
+        versions.insert(version, Known { source, last_used });
+        for forgotten in forget_least_recently_used(versions) {
             inner
                 .loaded
-                .retain(|l| !(l.name == name && l.version == oldest));
+                .retain(|l| !(l.name == name && l.version == forgotten));
         }
         self.insert(inner, name, version, adapter);
         Ok(())
@@ -283,6 +311,14 @@ impl AdapterStore {
         };
         inner.clock += 1;
         let now = inner.clock;
+        let known = inner
+            .known
+            .get_mut(&wanted.name)
+            .and_then(|versions| versions.get_mut(&version));
+        let known_source = known.map(|known| {
+            known.last_used = now;
+            known.source.clone()
+        });
         if let Some(hit) = inner
             .loaded
             .iter_mut()
@@ -291,11 +327,6 @@ impl AdapterStore {
             hit.last_used = now;
             return Ok((used, hit.adapter.clone()));
         }
-        let known_source = inner
-            .known
-            .get(&wanted.name)
-            .and_then(|versions| versions.get(&version))
-            .cloned();
         // Loads hold the lock: concurrent requests for the same evicted
         // version then load it once.
         let source = match known_source {
@@ -482,5 +513,32 @@ impl AdapterStore {
             .map_err(|e| format!("reading object {bucket}/{object}: {e}"))?;
         self.transfer.received(bytes.len());
         Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_versions_forgotten_are_the_least_recently_used_not_the_oldest() {
+        let known = |last_used| Known {
+            source: Source::Folder(PathBuf::new()),
+            last_used,
+        };
+        // Version 5 is asked for after all the others were published.
+        let mut versions: BTreeMap<u64, Known> = (0..VERSIONS_KEPT as u64 + 2)
+            .map(|v| (v, known(v)))
+            .collect();
+        versions.get_mut(&5).unwrap().last_used = 100;
+        assert_eq!(forget_least_recently_used(&mut versions), vec![0, 1]);
+        assert_eq!(versions.len(), VERSIONS_KEPT);
+        for newer in 200..200 + VERSIONS_KEPT as u64 - 1 {
+            versions.insert(newer, known(newer));
+            forget_least_recently_used(&mut versions);
+        }
+        assert!(versions.contains_key(&5), "still in use");
+        versions.insert(1000, known(1000));
+        assert_eq!(forget_least_recently_used(&mut versions), vec![5]);
     }
 }
