@@ -51,8 +51,10 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
         format!("rl.batch_size={BATCH}"),
         "rl.minibatch_size=4".into(),
         "text.games_in_flight=4".into(),
-        // League games branch like the others when asked to.
+        // League games branch like the others when asked to (all of them:
+        // the preset branches only its games against the random bot).
         "text.branches=4".into(),
+        "league.branch_against=null".into(),
         "eval.every_versions=1000".into(),
         format!("league.pool.keep_latest={KEEP}"),
         "league.pool.keep_best=0".into(),
