@@ -459,9 +459,9 @@ fn seat_league_game(
     Ok((branched, game))
 }
 
-/// The games a league game against `seated` plays from its branched
-/// position (`text.branches`): every league game branches, unless
-/// `league.branch_against` lists the fixed members whose games do.
+/// How many games a league game against `seated` plays from its branched
+/// position: `text.branches` for every league game, unless
+/// `league.branch_against` lists the fixed members whose games branch.
 fn league_branches(
     seated: &LeagueOpponent,
     branches: usize,

@@ -311,14 +311,13 @@ impl AdapterStore {
         };
         inner.clock += 1;
         let now = inner.clock;
-        let known = inner
+        if let Some(known) = inner
             .known
             .get_mut(&wanted.name)
-            .and_then(|versions| versions.get_mut(&version));
-        let known_source = known.map(|known| {
+            .and_then(|versions| versions.get_mut(&version))
+        {
             known.last_used = now;
-            known.source.clone()
-        });
+        }
         if let Some(hit) = inner
             .loaded
             .iter_mut()
@@ -327,6 +326,11 @@ impl AdapterStore {
             hit.last_used = now;
             return Ok((used, hit.adapter.clone()));
         }
+        let known_source = inner
+            .known
+            .get(&wanted.name)
+            .and_then(|versions| versions.get(&version))
+            .map(|known| known.source.clone());
         // Loads hold the lock: concurrent requests for the same evicted
         // version then load it once.
         let source = match known_source {
