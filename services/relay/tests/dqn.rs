@@ -28,8 +28,14 @@ fn initial_mean_return(cfg: &ExperimentConfig) -> f64 {
     let episodes = relay_evaluator::plugins::play(
         &model,
         None,
-        relay_bridge::VecEnvs::new(&cfg.run.env_id, &cfg.env, EVAL_EPISODES, cfg.eval.seed)
-            .unwrap(),
+        relay_evaluator::plugins::eval_envs(
+            &cfg.run.env_id,
+            &cfg.env,
+            EVAL_EPISODES,
+            cfg.eval.seed,
+        )
+        .unwrap(),
+        EVAL_EPISODES,
         cfg.eval.seed,
         true,
         false,

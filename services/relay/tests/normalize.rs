@@ -216,8 +216,14 @@ async fn normalised_run(
         let episodes = relay_evaluator::plugins::play(
             &model,
             Some(&normalizer),
-            relay_bridge::VecEnvs::new(&cfg.run.env_id, &cfg.env, cfg.eval.episodes, cfg.eval.seed)
-                .unwrap(),
+            relay_evaluator::plugins::eval_envs(
+                &cfg.run.env_id,
+                &cfg.env,
+                cfg.eval.episodes,
+                cfg.eval.seed,
+            )
+            .unwrap(),
+            cfg.eval.episodes,
             cfg.eval.seed,
             true,
             false,
@@ -232,13 +238,14 @@ async fn normalised_run(
             let other = relay_evaluator::plugins::play(
                 &model,
                 Some(&prior),
-                relay_bridge::VecEnvs::new(
+                relay_evaluator::plugins::eval_envs(
                     &cfg.run.env_id,
                     &cfg.env,
                     cfg.eval.episodes,
                     cfg.eval.seed,
                 )
                 .unwrap(),
+                cfg.eval.episodes,
                 cfg.eval.seed,
                 true,
                 false,

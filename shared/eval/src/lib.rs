@@ -11,7 +11,7 @@ pub mod plugins;
 
 use relay_nn::ActorCritic;
 
-/// Plays one episode per sub-env with the policy's deterministic actions,
+/// Plays `episodes` episodes with the policy's deterministic actions,
 /// on raw observations (no normalisation); returns each episode's return
 /// (the `greedy` plugin without statistics). `env_id` is made as the
 /// default `env` section makes it.
@@ -24,8 +24,8 @@ pub fn evaluate(
     Ok(plugins::play(
         model,
         None,
-        relay_bridge::VecEnvs::new(env_id, &Default::default(), episodes, seed)
-            .map_err(|e| e.to_string())?,
+        plugins::eval_envs(env_id, &Default::default(), episodes, seed)?,
+        episodes,
         seed,
         true,
         false,

@@ -60,9 +60,9 @@ pub struct EvalContext {
 }
 
 impl EvalContext {
-    /// `episodes` copies of the run's env, seeded from `seed`.
+    /// The run's envs to [`play`] `episodes` episodes on ([`eval_envs`]).
     pub fn envs(&self, episodes: usize, seed: u64) -> Result<VecEnvs, String> {
-        VecEnvs::new(&self.env_id, &self.env, episodes, seed).map_err(|e| e.to_string())
+        eval_envs(&self.env_id, &self.env, episodes, seed)
     }
 }
 
@@ -273,6 +273,7 @@ impl Evaluator for Greedy {
             &p.model,
             p.normalizer.as_ref(),
             ctx.envs(episodes, seed)?,
+            episodes,
             seed,
             true,
             false,
@@ -300,6 +301,7 @@ impl Evaluator for Stochastic {
             &p.model,
             p.normalizer.as_ref(),
             ctx.envs(episodes, seed)?,
+            episodes,
             seed,
             false,
             false,
@@ -338,6 +340,7 @@ impl Evaluator for Threshold {
                     &p.model,
                     p.normalizer.as_ref(),
                     ctx.envs(episodes, seed)?,
+                    episodes,
                     seed,
                     true,
                     false,
@@ -372,6 +375,7 @@ impl Evaluator for Record {
             &p.model,
             p.normalizer.as_ref(),
             ctx.envs(episodes, seed)?,
+            episodes,
             seed,
             true,
             true,
@@ -696,10 +700,31 @@ pub struct Episode {
     pub trajectory: Option<Trajectory>,
 }
 
-/// Plays one episode per sub-env of a vectorized env (each to its end) with
-/// deterministic or sampled actions (drawn from `seed`), recording
-/// trajectories if asked. A Python env fault abandons the evaluation (its
-/// episodes would not be the ones asked for).
+/// Most envs an evaluation steps at once. An evaluation of more episodes
+/// plays them in turn on these: a Python env takes milliseconds to make
+/// (Taxi's transition table: 4.4 ms), so one env per episode made a
+/// 3,000-episode confirmation spend 13 s making envs.
+pub const MAX_EVAL_ENVS: usize = 64;
+
+/// The envs [`play`] plays `episodes` episodes on: `min(episodes,
+/// MAX_EVAL_ENVS)` copies of `env_id`, env `i` seeded from `(seed, i)`.
+pub fn eval_envs(
+    env_id: &str,
+    section: &EnvSection,
+    episodes: usize,
+    seed: u64,
+) -> Result<VecEnvs, String> {
+    VecEnvs::new(env_id, section, episodes.clamp(1, MAX_EVAL_ENVS), seed).map_err(|e| e.to_string())
+}
+
+/// Plays `episodes` episodes on a vectorized env (made by [`eval_envs`])
+/// with deterministic or sampled actions (drawn from `seed`), recording
+/// trajectories if asked. Env `i` of `n` plays episodes `i`, `i + n`,
+/// `i + 2n`, ... in its own order: the first from its seed, the next ones
+/// from its autoreset, so which episodes count never depends on how long
+/// they last, and the same `(episodes, seed)` gives the same start states.
+/// A Python env fault abandons the evaluation (its episodes would not be
+/// the ones asked for).
 ///
 /// With a `normalizer` (the weights version's, runs with a `normalize`
 /// section) the model is given normalised observations; the normaliser is
@@ -709,21 +734,26 @@ pub fn play<M: relay_policy::Act>(
     model: &M,
     normalizer: Option<&VecNormalize>,
     mut envs: VecEnvs,
+    episodes: usize,
     seed: u64,
     deterministic: bool,
     record: bool,
 ) -> Result<Vec<Episode>, String> {
-    let episodes = envs.num_envs();
+    let num_envs = envs.num_envs();
     let spec = envs.spec().clone();
     let env_id = spec.id;
     let obs_dim = envs.obs_dim();
     let mut obs = envs.reset().map_err(|e| e.to_string())?.to_vec();
     let mut returns: Vec<Option<f64>> = vec![None; episodes];
-    let mut trajectories: Vec<Trajectory> = vec![Trajectory::default(); episodes];
+    let mut unfinished = episodes;
+    // The episode each env is playing: env i's k-th is i + k * num_envs.
+    let mut playing: Vec<usize> = (0..num_envs).collect();
+    let mut trajectories: Vec<Trajectory> =
+        vec![Trajectory::default(); if record { episodes } else { 0 }];
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut clipped = Vec::new();
     let mut model_obs = obs.clone();
-    while returns.iter().any(Option::is_none) {
+    while unfinished > 0 {
         model_obs.copy_from_slice(&obs);
         if let Some(n) = normalizer {
             if let Some(i) = model_obs.iter().position(|x| !x.is_finite()) {
@@ -735,15 +765,8 @@ pub fn play<M: relay_policy::Act>(
             n.normalize_obs(&mut model_obs);
         }
         let out = model
-            .act(&model_obs, obs.len() / obs_dim, deterministic, &mut rng)
+            .act(&model_obs, num_envs, deterministic, &mut rng)
             .map_err(|e| e.to_string())?;
-        let action_rows: Vec<Vec<f64>> = match &out.actions {
-            Actions::Discrete(a) => a.iter().map(|&a| vec![a as f64]).collect(),
-            Actions::Continuous(a) => a
-                .chunks(a.len() / episodes)
-                .map(|c| c.iter().map(|&v| v as f64).collect())
-                .collect(),
-        };
         let step = match (&out.actions, &spec.action_space) {
             (Actions::Discrete(a), _) => envs.step(VecActions::Discrete(a)),
             (Actions::Continuous(a), ActionSpace::Box { low, high }) => {
@@ -761,28 +784,42 @@ pub fn play<M: relay_policy::Act>(
         }
         .map_err(|e| e.to_string())?;
         if record {
-            for (i, t) in trajectories.iter_mut().enumerate() {
-                if returns[i].is_some() {
+            for (i, &episode) in playing.iter().enumerate() {
+                let Some(t) = trajectories.get_mut(episode) else {
                     continue;
-                }
+                };
                 t.obs.push(obs[i * obs_dim..(i + 1) * obs_dim].to_vec());
-                t.actions.push(action_rows[i].clone());
+                t.actions.push(match &out.actions {
+                    Actions::Discrete(a) => vec![a[i] as f64],
+                    Actions::Continuous(a) => {
+                        let width = a.len() / num_envs;
+                        a[i * width..(i + 1) * width]
+                            .iter()
+                            .map(|&v| v as f64)
+                            .collect()
+                    }
+                });
                 t.rewards.push(step.rewards[i]);
                 t.terminated.push(step.terminated[i]);
                 t.truncated.push(step.truncated[i]);
             }
         }
         for e in &step.finished {
-            returns[e.env_index].get_or_insert(e.episode_return);
+            let episode = &mut playing[e.env_index];
+            if let Some(slot) = returns.get_mut(*episode) {
+                *slot = Some(e.episode_return);
+                unfinished -= 1;
+            }
+            *episode += num_envs;
         }
         obs.copy_from_slice(&step.obs);
     }
     Ok(returns
         .into_iter()
-        .zip(trajectories)
-        .map(|(r, t)| Episode {
+        .enumerate()
+        .map(|(i, r)| Episode {
             ret: r.expect("every episode finished"),
-            trajectory: record.then_some(t),
+            trajectory: record.then(|| std::mem::take(&mut trajectories[i])),
         })
         .collect())
 }
@@ -892,6 +929,63 @@ mod tests {
             .unwrap()
             .check_env("CartPole-v1", &EnvSection::default())
             .unwrap();
+    }
+
+    #[test]
+    fn more_episodes_than_envs_are_played_in_turn_in_each_envs_order() {
+        let model = policy().model;
+        let n = 2 * MAX_EVAL_ENVS + 5;
+        let envs = eval_envs("CartPole-v1", &EnvSection::default(), n, 9).unwrap();
+        assert_eq!(envs.num_envs(), MAX_EVAL_ENVS);
+        let episodes = play(&model, None, envs, n, 9, true, true).unwrap();
+        assert_eq!(episodes.len(), n);
+
+        // Env i's k-th episode is episode i + k * MAX_EVAL_ENVS, whichever
+        // episodes end first.
+        let mut reference =
+            VecEnvs::new("CartPole-v1", &EnvSection::default(), MAX_EVAL_ENVS, 9).unwrap();
+        let mut obs = reference.reset().unwrap().to_vec();
+        let mut by_env: Vec<Vec<f64>> = vec![Vec::new(); MAX_EVAL_ENVS];
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+        while by_env
+            .iter()
+            .enumerate()
+            .any(|(i, r)| i + r.len() * MAX_EVAL_ENVS < n)
+        {
+            let out = relay_policy::Act::act(&model, &obs, MAX_EVAL_ENVS, true, &mut rng).unwrap();
+            let Actions::Discrete(a) = &out.actions else {
+                panic!("CartPole is discrete")
+            };
+            let step = reference.step(VecActions::Discrete(a.as_slice())).unwrap();
+            for e in &step.finished {
+                by_env[e.env_index].push(e.episode_return);
+            }
+            obs.copy_from_slice(&step.obs);
+        }
+        for (i, episode) in episodes.iter().enumerate() {
+            let (env, k) = (i % MAX_EVAL_ENVS, i / MAX_EVAL_ENVS);
+            assert_eq!(episode.ret, by_env[env][k], "episode {i}");
+            let t = episode.trajectory.as_ref().unwrap();
+            assert_eq!(t.rewards.iter().sum::<f64>(), episode.ret);
+            assert_eq!(t.obs.len(), t.rewards.len());
+            let ends = |j: usize| t.terminated[j] || t.truncated[j];
+            assert!(ends(t.rewards.len() - 1) && (0..t.rewards.len() - 1).all(|j| !ends(j)));
+        }
+
+        // The first episodes are those of an evaluation of fewer.
+        let few = play(
+            &model,
+            None,
+            eval_envs("CartPole-v1", &EnvSection::default(), 7, 9).unwrap(),
+            7,
+            9,
+            true,
+            false,
+        )
+        .unwrap();
+        let few: Vec<f64> = few.iter().map(|e| e.ret).collect();
+        let many: Vec<f64> = episodes[..7].iter().map(|e| e.ret).collect();
+        assert_eq!(few, many);
     }
 
     #[test]
