@@ -40,9 +40,9 @@
 //! Text games (`run.env_id` one of the text games) need a text plugin
 //! (`vs-opponent`). The evaluator then follows the learning adapter's
 //! versions (`AdapterUpdate`s on `relay.<run>.adapters`) instead of MLP
-//! weights: it evaluates once at start (the base model, version 0, or
-//! whatever the inference servers hold), then on new versions with the
-//! same `every_versions` / `every_seconds` schedule. Every learning seat
+//! weights: it evaluates the learner's current version as soon as it is
+//! known (published, or answered on `adapters.latest`), then new versions
+//! with the same `every_versions` / `every_seconds` schedule. Every learning seat
 //! asks the inference servers for the evaluated version (not the newest),
 //! and a screening pass is confirmed as above, with `eval.confirm_episodes`
 //! games per opponent. Games are played
@@ -503,11 +503,16 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
     let mut time_due = false;
     let mut last: Option<u64> = None;
     let mut announced_solved = false;
-    // The first evaluation starts at once: the newest version seen, else 0.
-    let mut due: Option<AdapterVersion> = Some(follower.latest().unwrap_or(AdapterVersion {
-        version: 0,
-        learner_env_steps: 0,
-    }));
+    // The first evaluation plays the learner's current version once it is
+    // known: asked for before the learner published it, the inference
+    // servers know no adapter yet and abandon the games (16 to 56 of 400 in
+    // `bench-league`). A bot learner publishes none: version 0 at once.
+    let mut due: Option<AdapterVersion> = follower.latest().or_else(|| {
+        cfg.text.learner_bot().map(|_| AdapterVersion {
+            version: 0,
+            learner_env_steps: 0,
+        })
+    });
     let mut running: Option<tokio::task::JoinHandle<TextEvaluation>> = None;
     // An evaluation that played nothing (every game abandoned: e.g. no
     // inference server yet) is tried again after a pause, unless a newer

@@ -148,12 +148,37 @@ async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions()
     let (trigger, shutdown) = Shutdown::new();
     let evaluator = tokio::spawn(relay_evaluator::run(config, shutdown));
 
+    // Nothing is evaluated before the learner's first version is known.
+    let update = |version: u64, learner_env_steps: u64| AdapterUpdate {
+        schema: SCHEMA_VERSION,
+        name: "policy".into(),
+        version,
+        learner_env_steps,
+        payload: AdapterPayload::Inline {
+            config_json: "{}".into(),
+            safetensors: vec![0; 8],
+        },
+        published_unix_ms: 0,
+    };
+    let mut started = client.subscribe(s.eval_started()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), started.next())
+            .await
+            .is_err(),
+        "an evaluation started before any adapter version"
+    );
+    client
+        .publish(s.adapters(), encode(&update(0, 0)).into())
+        .await
+        .unwrap();
+
     // No inference server at first: the games of the first evaluation are
     // abandoned, and it is tried again once one answers.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let served = spawn_stand_in_inference_server(client.clone(), "vs-opp", version.clone());
 
-    // At start, before any adapter version: version 0.
+    // The learner's first version.
     let first = next_report(&mut evals).await;
     check_matchups(&first, 6);
     assert_eq!(first.policy_version, 0);
@@ -172,19 +197,8 @@ async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions()
 
     // The learner announces version 2: evaluated with it.
     version.store(2, Ordering::SeqCst);
-    let update = AdapterUpdate {
-        schema: SCHEMA_VERSION,
-        name: "policy".into(),
-        version: 2,
-        learner_env_steps: 640,
-        payload: AdapterPayload::Inline {
-            config_json: "{}".into(),
-            safetensors: vec![0; 8],
-        },
-        published_unix_ms: 0,
-    };
     client
-        .publish(s.adapters(), encode(&update).into())
+        .publish(s.adapters(), encode(&update(2, 640)).into())
         .await
         .unwrap();
     let second = next_report(&mut evals).await;
