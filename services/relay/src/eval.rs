@@ -154,19 +154,12 @@ fn evaluate_classic_checkpoint(
     let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
     let envs = relay_eval::plugins::eval_envs(&config.run.env_id, &config.env, episodes, seed)
         .map_err(anyhow::Error::msg)?;
-    let returns: Vec<f64> = relay_eval::plugins::play(
-        &model,
-        normalizer.as_ref(),
-        envs,
-        episodes,
-        seed,
-        true,
-        false,
-    )
-    .map_err(anyhow::Error::msg)?
-    .into_iter()
-    .map(|e| e.ret)
-    .collect();
+    let returns: Vec<f64> =
+        relay_eval::plugins::play(&model, normalizer.as_ref(), envs, seed, true, false)
+            .map_err(anyhow::Error::msg)?
+            .into_iter()
+            .map(|e| e.ret)
+            .collect();
     let (mean, std) = relay_eval::mean_std(&returns);
     let threshold = config.solved_threshold();
     Ok(CheckpointEval {

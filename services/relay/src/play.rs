@@ -244,19 +244,12 @@ pub fn play(args: PlayArgs) -> Result<()> {
     let (model, normalizer) = load_policy(&config, &dir)?;
     let env_id = config.run.env_id.clone();
     println!("relay: {id} checkpoint {} on {env_id}", dir.display());
-    let episodes = args.episodes.max(1);
-    let envs = relay_eval::plugins::eval_envs(&env_id, &config.env, episodes, args.seed)
-        .map_err(anyhow::Error::msg)?;
-    let episodes = relay_eval::plugins::play(
-        &model,
-        normalizer.as_ref(),
-        envs,
-        episodes,
-        args.seed,
-        true,
-        true,
-    )
-    .map_err(anyhow::Error::msg)?;
+    let envs =
+        relay_eval::plugins::eval_envs(&env_id, &config.env, args.episodes.max(1), args.seed)
+            .map_err(anyhow::Error::msg)?;
+    let episodes =
+        relay_eval::plugins::play(&model, normalizer.as_ref(), envs, args.seed, true, true)
+            .map_err(anyhow::Error::msg)?;
     for (i, e) in episodes.iter().enumerate() {
         println!("episode {i}");
         let t = e.trajectory.as_ref().expect("recorded");

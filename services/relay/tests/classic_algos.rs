@@ -52,7 +52,6 @@ fn initial_mean_return(cfg: &ExperimentConfig) -> f64 {
             cfg.eval.seed,
         )
         .unwrap(),
-        EVAL_EPISODES,
         cfg.eval.seed,
         true,
         false,

@@ -223,7 +223,6 @@ async fn normalised_run(
                 cfg.eval.seed,
             )
             .unwrap(),
-            cfg.eval.episodes,
             cfg.eval.seed,
             true,
             false,
@@ -245,7 +244,6 @@ async fn normalised_run(
                     cfg.eval.seed,
                 )
                 .unwrap(),
-                cfg.eval.episodes,
                 cfg.eval.seed,
                 true,
                 false,

@@ -25,7 +25,6 @@ pub fn evaluate(
         model,
         None,
         plugins::eval_envs(env_id, &Default::default(), episodes, seed)?,
-        episodes,
         seed,
         true,
         false,

@@ -61,7 +61,7 @@ pub struct EvalContext {
 
 impl EvalContext {
     /// The run's envs to [`play`] `episodes` episodes on ([`eval_envs`]).
-    pub fn envs(&self, episodes: usize, seed: u64) -> Result<VecEnvs, String> {
+    pub fn envs(&self, episodes: usize, seed: u64) -> Result<EvalEnvs, String> {
         eval_envs(&self.env_id, &self.env, episodes, seed)
     }
 }
@@ -273,7 +273,6 @@ impl Evaluator for Greedy {
             &p.model,
             p.normalizer.as_ref(),
             ctx.envs(episodes, seed)?,
-            episodes,
             seed,
             true,
             false,
@@ -301,7 +300,6 @@ impl Evaluator for Stochastic {
             &p.model,
             p.normalizer.as_ref(),
             ctx.envs(episodes, seed)?,
-            episodes,
             seed,
             false,
             false,
@@ -340,7 +338,6 @@ impl Evaluator for Threshold {
                     &p.model,
                     p.normalizer.as_ref(),
                     ctx.envs(episodes, seed)?,
-                    episodes,
                     seed,
                     true,
                     false,
@@ -375,7 +372,6 @@ impl Evaluator for Record {
             &p.model,
             p.normalizer.as_ref(),
             ctx.envs(episodes, seed)?,
-            episodes,
             seed,
             true,
             true,
@@ -706,6 +702,13 @@ pub struct Episode {
 /// 3,000-episode confirmation spend 13 s making envs.
 pub const MAX_EVAL_ENVS: usize = 64;
 
+/// The envs an evaluation of `episodes` episodes plays on ([`eval_envs`]).
+#[derive(Debug)]
+pub struct EvalEnvs {
+    envs: VecEnvs,
+    episodes: usize,
+}
+
 /// The envs [`play`] plays `episodes` episodes on: `min(episodes,
 /// MAX_EVAL_ENVS)` copies of `env_id`, env `i` seeded from `(seed, i)`.
 pub fn eval_envs(
@@ -713,12 +716,13 @@ pub fn eval_envs(
     section: &EnvSection,
     episodes: usize,
     seed: u64,
-) -> Result<VecEnvs, String> {
-    VecEnvs::new(env_id, section, episodes.clamp(1, MAX_EVAL_ENVS), seed).map_err(|e| e.to_string())
+) -> Result<EvalEnvs, String> {
+    let envs = VecEnvs::new(env_id, section, episodes.clamp(1, MAX_EVAL_ENVS), seed)
+        .map_err(|e| e.to_string())?;
+    Ok(EvalEnvs { envs, episodes })
 }
 
-/// Plays `episodes` episodes on a vectorized env (made by [`eval_envs`])
-/// with deterministic or sampled actions (drawn from `seed`), recording
+/// Plays the episodes of `envs` ([`eval_envs`]) with deterministic or sampled actions (drawn from `seed`), recording
 /// trajectories if asked. Env `i` of `n` plays episodes `i`, `i + n`,
 /// `i + 2n`, ... in its own order: the first from its seed, the next ones
 /// from its autoreset, so which episodes count never depends on how long
@@ -733,12 +737,12 @@ pub fn eval_envs(
 pub fn play<M: relay_policy::Act>(
     model: &M,
     normalizer: Option<&VecNormalize>,
-    mut envs: VecEnvs,
-    episodes: usize,
+    envs: EvalEnvs,
     seed: u64,
     deterministic: bool,
     record: bool,
 ) -> Result<Vec<Episode>, String> {
+    let EvalEnvs { mut envs, episodes } = envs;
     let num_envs = envs.num_envs();
     let spec = envs.spec().clone();
     let env_id = spec.id;
@@ -936,8 +940,8 @@ mod tests {
         let model = policy().model;
         let n = 2 * MAX_EVAL_ENVS + 5;
         let envs = eval_envs("CartPole-v1", &EnvSection::default(), n, 9).unwrap();
-        assert_eq!(envs.num_envs(), MAX_EVAL_ENVS);
-        let episodes = play(&model, None, envs, n, 9, true, true).unwrap();
+        assert_eq!(envs.envs.num_envs(), MAX_EVAL_ENVS);
+        let episodes = play(&model, None, envs, 9, true, true).unwrap();
         assert_eq!(episodes.len(), n);
 
         // Env i's k-th episode is episode i + k * MAX_EVAL_ENVS, whichever
@@ -977,7 +981,6 @@ mod tests {
             &model,
             None,
             eval_envs("CartPole-v1", &EnvSection::default(), 7, 9).unwrap(),
-            7,
             9,
             true,
             false,
