@@ -326,6 +326,7 @@ pub(crate) fn bench_up_args(
         without: Vec::new(),
         for_seconds,
         final_eval_wait: 2,
+        stall_timeout: 300,
         resume: None,
         checkpoint: "last".into(),
         init_from: None,

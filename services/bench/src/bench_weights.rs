@@ -9,9 +9,9 @@
 //!   way the learner publishes (stamped, then one NATS message);
 //! - **lora**: a LoRA adapter over `--model` (SmolLM2-135M by default, the
 //!   `lora` section's defaults: rank 8 on every projection) published with
-//!   the learner's own code ([`relay_kit::adapters::adapter_update`]):
-//!   inline when it fits a message, else uploaded to the run's object
-//!   store bucket first, then announced on `relay.<run>.adapters`;
+//!   the learner's own code ([`relay_kit::weights::publish_adapter`]):
+//!   inline when small, else from the publisher's direct transfer server,
+//!   then announced on `relay.<run>.adapters`;
 //! - **full**: a full model of `--full-params` f32 parameters (SmolLM2-135M's
 //!   134,515,008 by default) offered on the publisher's
 //!   [`relay_kit::direct::DirectServer`] and fetched by each reader over
@@ -195,8 +195,12 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
     }
     std::fs::create_dir_all(&args.state_dir)?;
     let _ = std::fs::remove_dir_all(args.state_dir.join("nats"));
-    let mut stack =
-        Stack::start_infra(&args.state_dir, "bench-weights", &ExternalInfra::default())?;
+    let mut stack = Stack::start_infra(
+        &args.state_dir,
+        "bench-weights",
+        &ExternalInfra::default(),
+        relay_proto::DEFAULT_MAX_PAYLOAD,
+    )?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -371,8 +375,16 @@ fn classic(
 ) -> Result<Row> {
     let run_id = format!("bench-weights-classic-{servers}");
     let subjects = Subjects::new(&run_id);
-    // As the learner: answer `weights.latest` with version 0.
-    let first = encode(&relay_policy::to_weights(model, 0, 0));
+    // As the learner: answer `weights.latest` with version 0, and publish
+    // through the weights transport.
+    let config = relay_config::ExperimentConfig::load(&args.classic_config, &[])?;
+    let publisher = runtime.block_on(relay_kit::weights::WeightsPublisher::start(
+        client,
+        &config.weights,
+        &stack.nats_url,
+    ))?;
+    let bucket = format!("relay-{run_id}-weights");
+    let first = encode(&relay_policy::PolicyWeights::of(model, 0, 0).inline_update());
     let mut latest = runtime.block_on(client.subscribe(subjects.weights_latest()))?;
     let answering = {
         let client = client.clone();
@@ -389,13 +401,33 @@ fn classic(
     start_servers(stack, &run_id, &args.classic_config, servers)?;
     let mut bytes = 0;
     let measured = runtime.block_on(measure(stack, args, |v| {
-        let mut update: WeightsUpdate = relay_policy::to_weights(model, v, 0);
-        update.published_unix_ms = relay_proto::unix_ms();
-        let payload = encode(&update);
-        bytes = payload.len() as u64;
-        let (client, subject) = (client.clone(), subjects.weights());
+        let weights = relay_policy::PolicyWeights::of(model, v, 0);
+        let (client, subject, publisher, bucket) = (
+            client.clone(),
+            subjects.weights(),
+            &publisher,
+            bucket.clone(),
+        );
+        let safetensors = bytes::Bytes::from(weights.to_safetensors());
+        bytes = safetensors.len() as u64;
         async move {
-            client.publish(subject, payload.into()).await?;
+            let published_unix_ms = relay_proto::unix_ms();
+            let key = format!("weights/v{v}");
+            let blob = publisher
+                .publish(
+                    safetensors,
+                    relay_kit::weights::Outgoing {
+                        key: &key,
+                        bucket: &bucket,
+                        keep_in_store: false,
+                    },
+                )
+                .await?;
+            let update = WeightsUpdate {
+                published_unix_ms,
+                ..weights.update(blob)
+            };
+            client.publish(subject, encode(&update).into()).await?;
             Ok(())
         }
     }));
@@ -422,30 +454,32 @@ fn lora(
     files: &relay_llm::PeftBytes,
     config: &std::path::Path,
 ) -> Result<Row> {
-    let inline_max_bytes = relay_config::LoraSection::default().inline_max_bytes;
     let run_id = format!("bench-weights-lora-{servers}");
     start_servers(stack, &run_id, config, servers)?;
+    let publisher = runtime.block_on(relay_kit::weights::WeightsPublisher::start(
+        client,
+        &relay_config::WeightsSection::default(),
+        &stack.nats_url,
+    ))?;
     let subjects = Subjects::new(&run_id);
     let measured = runtime.block_on(measure(stack, args, |v| {
-        let (client, subject, run_id, files) = (
+        let (client, subject, run_id, files, publisher) = (
             client.clone(),
             subjects.adapters(),
             run_id.clone(),
             files.clone(),
+            &publisher,
         );
         async move {
-            let version = relay_kit::adapters::AdapterVersion {
+            let version = relay_kit::weights::AdapterVersion {
                 name: relay_policy::text::LEARNING_ADAPTER,
                 version: v,
                 learner_env_steps: 0,
                 config_json: &files.config_json,
-                safetensors: &files.safetensors,
-                inline_max_bytes,
-                store_always: false,
+                safetensors: files.safetensors.clone().into(),
+                keep_in_store: false,
             };
-            let update = relay_kit::adapters::adapter_update(&client, &run_id, version)
-                .await
-                .map_err(anyhow::Error::msg)?;
+            let update = relay_kit::weights::publish_adapter(publisher, &run_id, version).await?;
             client.publish(subject, encode(&update).into()).await?;
             Ok(())
         }
@@ -574,7 +608,7 @@ async fn full(
                 Some(server.addr().to_string())
             }
             Publisher::Store(store) => {
-                relay_kit::adapters::put_object(client, store, &key, payload)
+                relay_kit::weights::put_object(client, store, &key, payload)
                     .await
                     .map_err(|e| anyhow::anyhow!("uploading {key}: {e}"))?;
                 uploads.push(published.elapsed().as_secs_f64() * 1e3);

@@ -59,7 +59,12 @@ pub fn chaos(mut args: UpArgs) -> Result<()> {
     std::fs::create_dir_all(&args.state_dir)?;
     let state_dir = args.state_dir.canonicalize()?;
     let config_path = args.config.canonicalize()?;
-    let mut stack = Stack::start_infra(&state_dir, &run_id, &Default::default())?;
+    let mut stack = Stack::start_infra(
+        &state_dir,
+        &run_id,
+        &Default::default(),
+        relay_proto::DEFAULT_MAX_PAYLOAD,
+    )?;
     for service in SERVICES {
         stack.spawn_service(service, &config_path, &overrides)?;
         stack.wait_healthy(Duration::from_secs(60))?;

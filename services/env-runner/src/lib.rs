@@ -33,6 +33,7 @@
 //! ([`text`]): `text.games_in_flight` at a time, with the LLM policy over
 //! `relay.<run>.generate`, publishing each finished game.
 
+mod fragment;
 pub mod league;
 mod text;
 
@@ -49,6 +50,8 @@ use relay_proto::{
     ActReply, ActRequest, DType, EpisodeReport, EpisodeSummary, InsertAck, RolloutFragment, Tensor,
     SCHEMA_VERSION,
 };
+
+use fragment::{FragmentBuilder, FragmentPlan};
 
 struct Metrics {
     env_steps: IntCounter,
@@ -162,91 +165,6 @@ impl Metrics {
     }
 }
 
-/// Columns of one fragment being collected.
-struct FragmentBuilder {
-    obs: Vec<f32>,
-    actions_i64: Vec<i64>,
-    actions_f32: Vec<f32>,
-    logprobs: Vec<f32>,
-    values: Vec<f32>,
-    rewards: Vec<f32>,
-    /// Scaled rewards (`normalize.reward` runs only).
-    norm_rewards: Vec<f32>,
-    terminated: Vec<bool>,
-    truncated: Vec<bool>,
-    final_obs: Vec<f32>,
-    min_version: u64,
-    steps: usize,
-}
-
-impl FragmentBuilder {
-    fn new() -> Self {
-        Self {
-            obs: Vec::new(),
-            actions_i64: Vec::new(),
-            actions_f32: Vec::new(),
-            logprobs: Vec::new(),
-            values: Vec::new(),
-            rewards: Vec::new(),
-            norm_rewards: Vec::new(),
-            terminated: Vec::new(),
-            truncated: Vec::new(),
-            final_obs: Vec::new(),
-            min_version: u64::MAX,
-            steps: 0,
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn finish(
-        &mut self,
-        runner_id: &str,
-        env_id: &str,
-        n: usize,
-        obs_dim: usize,
-        pixels: bool,
-        action_dim: Option<usize>,
-        next_obs: &[f32],
-        normalizer: Option<&mut VecNormalize>,
-    ) -> RolloutFragment {
-        let t = self.steps;
-        let actions = match action_dim {
-            None => Tensor::from_i64(&[t, n], &self.actions_i64),
-            Some(a) => Tensor::from_f32(&[t, n, a], &self.actions_f32),
-        };
-        let fragment = RolloutFragment {
-            schema: SCHEMA_VERSION,
-            runner_id: runner_id.to_string(),
-            env_id: env_id.to_string(),
-            policy_version: self.min_version,
-            num_steps: t as u32,
-            num_envs: n as u32,
-            obs: Tensor::observations(&[t, n, obs_dim], &self.obs, pixels),
-            actions,
-            logprobs: Tensor::from_f32(&[t, n], &self.logprobs),
-            values: Tensor::from_f32(&[t, n], &self.values),
-            rewards: Tensor::from_f32(&[t, n], &self.rewards),
-            terminated: Tensor::from_bool(&[t, n], &self.terminated),
-            truncated: Tensor::from_bool(&[t, n], &self.truncated),
-            next_obs: Tensor::observations(&[n, obs_dim], next_obs, pixels),
-            final_obs: Tensor::observations(
-                &[self.final_obs.len() / obs_dim, obs_dim],
-                &self.final_obs,
-                pixels,
-            ),
-            norm_rewards: normalizer
-                .as_ref()
-                .is_some_and(|v| v.config.norm_reward)
-                .then(|| Tensor::from_f32(&[t, n], &self.norm_rewards)),
-            norm_delta: normalizer
-                .and_then(|v| v.take_delta())
-                .map(|d| relay_policy::delta_stats(&d)),
-        };
-        *self = Self::new();
-        fragment
-    }
-}
-
 /// Derives this copy's env seed from the run seed and its instance name, so
 /// that copies do not replay each other's episodes.
 fn runner_seed(seed: u64, instance: &str) -> u64 {
@@ -282,6 +200,8 @@ fn check_reply(reply: &ActReply, n: usize, space: &ActionSpace) -> Result<(), St
 /// `run.env_id` is a text game, else the vectorized classic-control loop.
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("env-runner", config, shutdown.clone()).await?;
+    // From here on the service stops on the caller's signal or its own failure.
+    let shutdown = service.shutdown.clone();
     let cfg = service.config.clone();
     if cfg.is_text_game() {
         let seed = runner_seed(cfg.run.seed, &service.instance);
@@ -326,7 +246,33 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut synced_version: Option<u64> = None;
     let timeout = service.request_timeout();
     let act_subject = service.subjects.act();
-    let mut fragment = FragmentBuilder::new();
+    // Fragments and act requests sized to the NATS server's messages.
+    let max_message = service.max_message_bytes();
+    let obs_bytes = cfg.observation_bytes(&spec);
+    let plan = FragmentPlan::new(
+        n,
+        cfg.env_runner.fragment_steps,
+        obs_bytes,
+        spec.action_space.dim() * 8,
+        max_message,
+    );
+    if plan.steps < cfg.env_runner.fragment_steps || plan.groups.len() > 1 {
+        tracing::info!(
+            max_message,
+            steps = plan.steps,
+            groups = plan.groups.len(),
+            "fragments of env_runner.fragment_steps x num_envs would not fit a NATS message: sent as {} fragment(s) of {} steps",
+            plan.groups.len(),
+            plan.steps
+        );
+    }
+    let mut fragments: Vec<FragmentBuilder> = plan
+        .groups
+        .iter()
+        .map(|envs| FragmentBuilder::new(envs.clone(), obs_dim, pixels, spec.image))
+        .collect();
+    let act_chunk = (max_message.saturating_sub(64 * 1024) / obs_bytes.max(1)).max(1);
+    let rejected_in_a_row = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let mut pending_insert: Option<tokio::task::JoinHandle<()>> = None;
     let mut episodes: Vec<EpisodeSummary> = Vec::new();
     let mut recent_returns: VecDeque<f64> = VecDeque::with_capacity(100);
@@ -340,7 +286,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     service.health.set_ready(true);
 
     let mut episode_started = vec![Instant::now(); n];
-    'outer: while !shutdown.is_triggered() {
+    'outer: while !service.shutdown.is_triggered() {
         let step_started = Instant::now();
         if let (Some(v), Some(latest)) = (
             normalizer.as_mut(),
@@ -359,12 +305,20 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
         }
         // Ask for actions, retrying while no inference server (or no weights) is there.
-        let request = ActRequest::new(Tensor::observations(&[n, obs_dim], &obs, pixels), false);
         let mut backoff = Duration::from_millis(10);
         let reply: ActReply = loop {
             let sent = Instant::now();
-            match relay_kit::request::<_, ActReply>(&service.nats, &act_subject, &request, timeout)
-                .await
+            match act(
+                &service,
+                &act_subject,
+                &obs,
+                n,
+                obs_dim,
+                pixels,
+                act_chunk,
+                timeout,
+            )
+            .await
             {
                 Ok(reply) => match check_reply(&reply, n, &spec.action_space) {
                     Ok(()) => {
@@ -383,34 +337,43 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 Err(RequestError::BadReply { source, .. }) => {
                     service.intake.reject("act.reply", &source)
                 }
+                Err(e @ RequestError::TooLarge { .. }) => {
+                    service.fail(format!("cannot ask for actions: {e}")).await;
+                    break 'outer;
+                }
                 Err(e) => tracing::debug!(error = %e, "act request failed; retrying"),
             }
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => {}
-                _ = shutdown.wait() => break 'outer,
+                _ = service.shutdown.wait() => break 'outer,
             }
             backoff = (backoff * 2).min(Duration::from_secs(1));
         };
         last_version = reply.policy_version;
-        fragment.min_version = fragment.min_version.min(reply.policy_version);
-        fragment.obs.extend_from_slice(&obs);
-        fragment
-            .logprobs
-            .extend(reply.logprobs.to_f32().expect("checked by decode"));
-        fragment
-            .values
-            .extend(reply.values.to_f32().expect("checked by decode"));
-        let step = match action_dim {
-            None => {
-                let actions = reply.actions.to_i64().expect("checked above");
-                fragment.actions_i64.extend_from_slice(&actions);
-                envs.step(VecActions::Discrete(&actions))
+        let logprobs = reply.logprobs.to_f32().expect("checked by decode");
+        let values = reply.values.to_f32().expect("checked by decode");
+        let (actions_i64, actions_f32) = match action_dim {
+            None => (reply.actions.to_i64().expect("checked above"), Vec::new()),
+            Some(_) => (Vec::new(), reply.actions.to_f32().expect("checked above")),
+        };
+        for f in &mut fragments {
+            let envs = f.envs.clone();
+            f.min_version = f.min_version.min(reply.policy_version);
+            f.push_obs(&obs);
+            f.logprobs.extend_from_slice(&logprobs[envs.clone()]);
+            f.values.extend_from_slice(&values[envs.clone()]);
+            match action_dim {
+                None => f.actions_i64.extend_from_slice(&actions_i64[envs]),
+                Some(dim) => f
+                    .actions_f32
+                    .extend_from_slice(&actions_f32[envs.start * dim..envs.end * dim]),
             }
+        }
+        let step = match action_dim {
+            None => envs.step(VecActions::Discrete(&actions_i64)),
             Some(dim) => {
-                let actions = reply.actions.to_f32().expect("checked above");
-                fragment.actions_f32.extend_from_slice(&actions);
                 // The policy samples unbounded Gaussian actions; the env gets them clipped.
-                for (i, (c, a)) in clipped.iter_mut().zip(&actions).enumerate() {
+                for (i, (c, a)) in clipped.iter_mut().zip(&actions_f32).enumerate() {
                     *c = a.clamp(low[i % dim], high[i % dim]);
                 }
                 envs.step(VecActions::Continuous(&clipped))
@@ -434,7 +397,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         episode_started[i] = Instant::now();
                     }
                 }
-                fragment = FragmentBuilder::new();
+                fragments.iter_mut().for_each(FragmentBuilder::reset);
                 obs.copy_from_slice(envs.obs());
                 if let Some(v) = &normalizer {
                     v.normalize_obs(&mut obs);
@@ -445,32 +408,34 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         };
         let raw_rewards: Vec<f32> = step.rewards.iter().map(|&r| r as f32).collect();
         let mut next_obs = step.obs.to_vec();
+        let mut scaled = Vec::new();
         if let Some(v) = normalizer.as_mut() {
             // SB3's VecNormalize.step_wait: statistics from the new (auto-reset)
             // observations and returns, then normalise; returns reset on any end.
             let dones: Vec<bool> = (0..n)
                 .map(|i| step.terminated[i] || step.truncated[i])
                 .collect();
-            let mut scaled = raw_rewards.clone();
+            scaled.clone_from(&raw_rewards);
             v.step(&mut next_obs, &mut scaled, &dones)
                 .map_err(|e| ServiceError::other(format!("normalize: {} step: {e}", spec.id)))?;
-            if v.config.norm_reward {
-                fragment.norm_rewards.extend_from_slice(&scaled);
-            }
         }
-        fragment.rewards.extend_from_slice(&raw_rewards);
-        fragment.terminated.extend_from_slice(&step.terminated);
-        fragment.truncated.extend_from_slice(&step.truncated);
-        for i in 0..n {
-            if step.truncated[i] && !step.terminated[i] {
-                let start = fragment.final_obs.len();
-                fragment
-                    .final_obs
-                    .extend_from_slice(step.final_obs(i).expect("episode ended"));
+        let norm_rewards = normalizer.as_ref().is_some_and(|v| v.config.norm_reward);
+        for f in &mut fragments {
+            let envs = f.envs.clone();
+            if norm_rewards {
+                f.norm_rewards.extend_from_slice(&scaled[envs.clone()]);
+            }
+            f.rewards.extend_from_slice(&raw_rewards[envs.clone()]);
+            f.terminated
+                .extend_from_slice(&step.terminated[envs.clone()]);
+            f.truncated.extend_from_slice(&step.truncated[envs.clone()]);
+            for i in envs.filter(|&i| step.truncated[i] && !step.terminated[i]) {
+                let mut row = step.final_obs(i).expect("episode ended").to_vec();
                 // The final observation is normalised without a statistics update (SB3's terminal_observation).
                 if let Some(v) = &normalizer {
-                    v.normalize_obs(&mut fragment.final_obs[start..]);
+                    v.normalize_obs(&mut row);
                 }
+                f.push_final_obs(i, &row);
             }
         }
         for e in &step.finished {
@@ -490,33 +455,42 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
         metrics.episodes.inc_by(step.finished.len() as u64);
         obs.copy_from_slice(&next_obs);
-        fragment.steps += 1;
+        fragments.iter_mut().for_each(|f| f.steps += 1);
         metrics.vec_steps.inc();
         metrics.env_steps.inc_by(n as u64);
         metrics
             .step_seconds
             .observe(step_started.elapsed().as_secs_f64());
 
-        if fragment.steps == cfg.env_runner.fragment_steps {
-            let message = fragment.finish(
-                &service.instance,
-                spec.id,
-                n,
-                obs_dim,
-                pixels,
-                action_dim,
-                &obs,
-                normalizer.as_mut(),
-            );
+        if fragments[0].steps == plan.steps {
+            // The statistics gathered since the last fragment go with the first.
+            let mut delta = normalizer
+                .as_mut()
+                .and_then(|v| v.take_delta())
+                .map(|d| relay_policy::delta_stats(&d));
+            let messages: Vec<RolloutFragment> = fragments
+                .iter_mut()
+                .map(|f| {
+                    f.finish(
+                        &service.instance,
+                        spec.id,
+                        action_dim,
+                        &obs,
+                        norm_rewards,
+                        delta.take(),
+                    )
+                })
+                .collect();
             // One insert in flight at a time: waiting here is the backpressure.
             if let Some(previous) = pending_insert.take() {
                 let _ = previous.await;
             }
-            pending_insert = Some(tokio::spawn(insert_with_retry(
+            pending_insert = Some(tokio::spawn(insert_all_with_retry(
                 service.clone(),
-                message,
+                messages,
                 metrics.fragments.clone(),
                 metrics.backpressure_waits.clone(),
+                rejected_in_a_row.clone(),
             )));
             if !episodes.is_empty() {
                 let report = EpisodeReport {
@@ -551,12 +525,55 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         &recent_returns,
     )
     .await;
-    service.health.set_ready(false);
     if let Some(previous) = pending_insert.take() {
         let _ = tokio::time::timeout(Duration::from_secs(2), previous).await;
     }
-    service.drain().await;
-    Ok(())
+    service.finish().await
+}
+
+/// Actions for the `n` observations `obs` (`obs_dim` values each, uint8
+/// pixels when `pixels`): one act request per `chunk` envs, sent together
+/// (a request must fit a NATS message), answered as one reply acted by the
+/// oldest version among them.
+#[allow(clippy::too_many_arguments)]
+async fn act(
+    service: &Service,
+    subject: &str,
+    obs: &[f32],
+    n: usize,
+    obs_dim: usize,
+    pixels: bool,
+    chunk: usize,
+    timeout: Duration,
+) -> Result<ActReply, RequestError> {
+    if chunk >= n {
+        let request = ActRequest::new(Tensor::observations(&[n, obs_dim], obs, pixels), false);
+        return relay_kit::request(&service.nats, subject, &request, timeout).await;
+    }
+    let requests =
+        obs.chunks(chunk * obs_dim).map(|rows| {
+            let request = ActRequest::new(
+                Tensor::observations(&[rows.len() / obs_dim, obs_dim], rows, pixels),
+                false,
+            );
+            async move {
+                relay_kit::request::<_, ActReply>(&service.nats, subject, &request, timeout).await
+            }
+        });
+    let replies = futures::future::try_join_all(requests).await?;
+    let concat = |parts: Vec<&Tensor>| {
+        let mut whole = parts[0].clone();
+        whole.shape[0] = parts.iter().map(|t| t.shape[0]).sum();
+        whole.data = parts.iter().flat_map(|t| t.data.iter().copied()).collect();
+        whole
+    };
+    Ok(ActReply {
+        schema: SCHEMA_VERSION,
+        policy_version: replies.iter().map(|r| r.policy_version).min().unwrap_or(0),
+        actions: concat(replies.iter().map(|r| &r.actions).collect()),
+        logprobs: concat(replies.iter().map(|r| &r.logprobs).collect()),
+        values: concat(replies.iter().map(|r| &r.values).collect()),
+    })
 }
 
 /// The counters as of the last metrics report.
@@ -603,13 +620,48 @@ async fn report_progress(
 /// one fragment for the learner, far more than this at the presets' rates.
 const RATE_WAIT_CAP: Duration = Duration::from_millis(16);
 
-/// Sends a fragment to the replay buffer, retrying while it is full or absent.
-async fn insert_with_retry(
+/// Fragments in a row the replay buffer refused as bad, after which the
+/// env-runner fails: what it sends cannot be stored.
+const REJECTED_FRAGMENTS_TO_FAIL: u32 = 3;
+
+/// Sends the fragments of one collection period in turn
+/// ([`insert_with_retry`]); fails the service once
+/// [`REJECTED_FRAGMENTS_TO_FAIL`] in a row were refused as bad.
+async fn insert_all_with_retry(
     service: Service,
-    fragment: RolloutFragment,
+    fragments: Vec<RolloutFragment>,
     outcomes: IntCounterVec,
     waits: IntCounter,
+    rejected_in_a_row: std::sync::Arc<std::sync::atomic::AtomicU32>,
 ) {
+    use std::sync::atomic::Ordering;
+    for fragment in fragments {
+        match insert_with_retry(&service, fragment, &outcomes, &waits).await {
+            Err(reason) => {
+                if rejected_in_a_row.fetch_add(1, Ordering::Relaxed) + 1
+                    >= REJECTED_FRAGMENTS_TO_FAIL
+                {
+                    service
+                        .fail(format!(
+                            "{REJECTED_FRAGMENTS_TO_FAIL} fragments in a row could not be stored; the last: {reason}"
+                        ))
+                        .await;
+                }
+            }
+            Ok(()) => rejected_in_a_row.store(0, Ordering::Relaxed),
+        }
+    }
+}
+
+/// Sends a fragment to the replay buffer, retrying while it is full or
+/// absent; an error says why the fragment can never be stored (the buffer
+/// rejected it as bad, or it does not fit a message).
+async fn insert_with_retry(
+    service: &Service,
+    fragment: RolloutFragment,
+    outcomes: &IntCounterVec,
+    waits: &IntCounter,
+) -> Result<(), String> {
     let subject = service.subjects.replay_insert();
     let timeout = service.request_timeout();
     let mut backoff = Duration::from_millis(5);
@@ -619,7 +671,7 @@ async fn insert_with_retry(
         {
             Ok(ack) if ack.accepted => {
                 outcomes.with_label_values(&["stored"]).inc();
-                return;
+                return Ok(());
             }
             // Backpressure: the buffer is full or the rate limiter holds inserts back.
             Ok(ack) if ack.reason == "full" || ack.reason == "rate" => {
@@ -645,13 +697,17 @@ async fn insert_with_retry(
                         "refused"
                     }])
                     .inc();
-                return;
+                return Ok(());
             }
             Err(RequestError::Service { code, status, .. }) if code == "400" => {
                 // The fragment itself is bad: retrying cannot help.
                 tracing::warn!(%status, "replay buffer rejected a fragment");
                 outcomes.with_label_values(&["rejected"]).inc();
-                return;
+                return Err(format!("the replay buffer rejected it: {status}"));
+            }
+            Err(e @ RequestError::TooLarge { .. }) => {
+                outcomes.with_label_values(&["rejected"]).inc();
+                return Err(e.to_string());
             }
             Err(e) => {
                 tracing::debug!(error = %e, "insert failed; retrying");
@@ -659,7 +715,7 @@ async fn insert_with_retry(
             }
         }
         if service.shutdown.is_triggered() {
-            return;
+            return Ok(());
         }
         tokio::time::sleep(backoff).await;
     }

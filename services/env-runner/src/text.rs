@@ -790,11 +790,9 @@ pub(crate) async fn run(
             }
         }
     }
-    service.health.set_ready(false);
     games.abort_all();
     publish_episodes(&service, &mut window).await;
-    service.drain().await;
-    Ok(())
+    service.finish().await
 }
 
 /// Counts a finished league game by the opponent it really had, turning a

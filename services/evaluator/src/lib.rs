@@ -72,6 +72,8 @@ pub use relay_eval::{evaluate, mean_std, plugins};
 /// Runs the evaluator until shutdown.
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("evaluator", config, shutdown.clone()).await?;
+    // From here on the service stops on the caller's signal or its own failure.
+    let shutdown = service.shutdown.clone();
     let cfg = service.config.clone();
     if cfg.is_text_game() {
         return run_text(service, shutdown).await;
@@ -237,9 +239,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             announce_solved(&service, &report).await;
         }
     }
-    service.health.set_ready(false);
-    service.drain().await;
-    Ok(())
+    service.finish().await
 }
 
 /// Plays one classic evaluation (or confirmation) on a blocking thread:
@@ -671,7 +671,5 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
     if let Some(task) = running.take() {
         task.abort();
     }
-    service.health.set_ready(false);
-    service.drain().await;
-    Ok(())
+    service.finish().await
 }

@@ -13,8 +13,8 @@ use futures::StreamExt;
 use relay_config::ExperimentConfig;
 use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::{
-    decode, encode, AdapterPayload, AdapterRef, AdapterUpdate, EvalControl, EvalReport,
-    FinishReason, GenerateReply, GenerateRequest, Prompt, Subjects, Tensor, SCHEMA_VERSION,
+    decode, encode, AdapterRef, AdapterUpdate, EvalControl, EvalReport, FinishReason,
+    GenerateReply, GenerateRequest, Prompt, Subjects, Tensor, SCHEMA_VERSION,
 };
 use relay_testkit::{free_port, http_get, NatsServer};
 
@@ -154,10 +154,8 @@ async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions()
         name: "policy".into(),
         version,
         learner_env_steps,
-        payload: AdapterPayload::Inline {
-            config_json: "{}".into(),
-            safetensors: vec![0; 8],
-        },
+        config_json: "{}".into(),
+        weights: relay_proto::WeightsBlob::inline(vec![0; 8]),
         published_unix_ms: 0,
     };
     let mut started = client.subscribe(s.eval_started()).await.unwrap();

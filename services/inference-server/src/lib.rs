@@ -114,7 +114,7 @@ fn service_error(code: usize, status: impl Into<String>) -> async_nats::service:
 
 /// Runs the inference server until shutdown.
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
-    let service = Service::start("inference-server", config, shutdown.clone()).await?;
+    let service = Service::start("inference-server", config, shutdown).await?;
     let metrics = Metrics::register(&service.registry);
     // Registered in every mode, so the catalogue holds for any run.
     let llm_metrics = llm::metrics::LlmMetrics::register(&service.registry);
@@ -136,10 +136,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
     };
     let result = tokio::try_join!(act, generate).map(|_| ());
-    service.health.set_ready(false);
     let _ = micro.stop().await;
-    service.drain().await;
-    result
+    result.and(service.finish().await)
 }
 
 /// Serves `act` until shutdown.

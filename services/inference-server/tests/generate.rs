@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use relay_config::ExperimentConfig;
 use relay_kit::{RequestError, ServiceConfig, Shutdown, ShutdownTrigger};
 use relay_proto::{
-    AdapterPayload, AdapterRef, AdapterUpdate, ChatMessage, FinishReason, GenerateReply,
-    GenerateRequest, Prompt, SamplingParams, Subjects, Tensor, SCHEMA_VERSION,
+    AdapterRef, AdapterUpdate, ChatMessage, FinishReason, GenerateReply, GenerateRequest, Prompt,
+    SamplingParams, Subjects, Tensor, SCHEMA_VERSION,
 };
 use relay_testkit::NatsServer;
 
@@ -426,10 +426,8 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
             name: "policy".into(),
             version: 3,
             learner_env_steps: 100,
-            payload: AdapterPayload::Inline {
-                config_json: config_json.clone(),
-                safetensors: safetensors.clone(),
-            },
+            config_json: config_json.clone(),
+            weights: relay_proto::WeightsBlob::inline(safetensors.clone()),
             published_unix_ms: relay_proto::unix_ms(),
         };
         served
@@ -465,26 +463,27 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
             .unwrap();
         store
             .put(
-                "gen-adapters/policy/4/adapter_config.json",
-                &mut config_json.as_bytes(),
-            )
-            .await
-            .unwrap();
-        store
-            .put(
                 "gen-adapters/policy/4/adapter_model.safetensors",
                 &mut safetensors.as_slice(),
             )
             .await
             .unwrap();
+        let remote = relay_proto::WeightsBlob {
+            inline: None,
+            ..relay_proto::WeightsBlob::inline(safetensors.clone())
+        };
         let update = AdapterUpdate {
             schema: SCHEMA_VERSION,
             name: "policy".into(),
             version: 4,
             learner_env_steps: 200,
-            payload: AdapterPayload::ObjectStore {
-                bucket: "relay-adapters".into(),
-                key: "gen-adapters/policy/4".into(),
+            config_json: config_json.clone(),
+            weights: relay_proto::WeightsBlob {
+                store: Some(relay_proto::StoreLocation {
+                    bucket: "relay-adapters".into(),
+                    key: "gen-adapters/policy/4/adapter_model.safetensors".into(),
+                }),
+                ..remote.clone()
             },
             published_unix_ms: relay_proto::unix_ms(),
         };
@@ -503,8 +502,41 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
         .await;
         assert_eq!(v4.adapter, policy(Some(4)));
         assert_eq!(completion(&v4), completion(&want));
-        // Both published versions' transfers are timed, and their bytes
-        // counted (version 4's fetched from the store).
+
+        // From the publisher's direct transfer server, as version 5.
+        let direct = relay_kit::direct::DirectServer::bind(([127, 0, 0, 1], 0).into(), None, 1)
+            .await
+            .unwrap();
+        direct.offer("policy/v5", safetensors.clone().into());
+        let update = AdapterUpdate {
+            version: 5,
+            weights: relay_proto::WeightsBlob {
+                direct: Some(relay_proto::DirectLocation {
+                    addr: direct.addr().into(),
+                    key: "policy/v5".into(),
+                }),
+                ..remote
+            },
+            ..update
+        };
+        served
+            .client
+            .publish(
+                served.subjects.adapters(),
+                relay_proto::encode(&update).into(),
+            )
+            .await
+            .unwrap();
+        let v5 = generate_when_known(
+            &served,
+            &tokens_request(&case.input_ids, policy(Some(5)), 8),
+        )
+        .await;
+        assert_eq!(v5.adapter, policy(Some(5)));
+        assert_eq!(completion(&v5), completion(&want));
+        // Every published version's transfer is timed, and its bytes
+        // counted (version 4's fetched from the store, 5's from the
+        // publisher).
         let (_, text) = relay_testkit::http_get(served.metrics_addr, "/metrics").unwrap();
         let metric = |name: &str| -> f64 {
             text.lines()
@@ -514,17 +546,17 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
         };
         assert_eq!(
             metric("relay_weights_transfer_seconds_count"),
-            2.0,
+            3.0,
             "{text}"
         );
         let files = (config_json.len() + safetensors.len()) as f64;
-        assert!(metric("relay_weights_received_bytes_total") > 2.0 * files);
+        assert!(metric("relay_weights_received_bytes_total") > 3.0 * files);
         // No version: the newest.
         let newest = served
             .generate(&tokens_request(&case.input_ids, policy(None), 8))
             .await
             .unwrap();
-        assert_eq!(newest.adapter, policy(Some(4)));
+        assert_eq!(newest.adapter, policy(Some(5)));
         // Back to version 3 (evicted since), the base, and the fixture: all
         // reload and give what they gave.
         for (adapter, expect) in [

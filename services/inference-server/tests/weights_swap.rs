@@ -25,9 +25,9 @@ async fn swaps_weights_without_dropping_requests() {
     let client = async_nats::connect(nats.url()).await.unwrap();
 
     // Stand in for the learner: serve the latest weights, publish new versions.
-    let latest = std::sync::Arc::new(std::sync::Mutex::new(relay_policy::to_weights(
-        &model, 0, 0,
-    )));
+    let latest = std::sync::Arc::new(std::sync::Mutex::new(
+        relay_policy::PolicyWeights::of(&model, 0, 0).inline_update(),
+    ));
     let mut latest_requests = client.subscribe(s.weights_latest()).await.unwrap();
     {
         let (client, latest) = (client.clone(), latest.clone());
@@ -55,7 +55,8 @@ async fn swaps_weights_without_dropping_requests() {
     let mut next_version = 1u64;
     for i in 0..600 {
         if i % 60 == 59 && next_version <= 8 {
-            let update: WeightsUpdate = relay_policy::to_weights(&model, next_version, 0);
+            let update: WeightsUpdate =
+                relay_policy::PolicyWeights::of(&model, next_version, 0).inline_update();
             *latest.lock().unwrap() = update.clone();
             client
                 .publish(s.weights(), encode(&update).into())
@@ -131,10 +132,10 @@ async fn weight_transfers_are_measured() {
     let mut bytes = 0;
     while metric("relay_weights_transfer_seconds_count") < 2.0 {
         assert!(std::time::Instant::now() < deadline, "no transfer measured");
-        let mut update = relay_policy::to_weights(&model, version, 0);
+        let mut update = relay_policy::PolicyWeights::of(&model, version, 0).inline_update();
         update.published_unix_ms = relay_proto::unix_ms();
+        bytes = update.weights.size;
         let payload = encode(&update);
-        bytes = payload.len();
         client.publish(s.weights(), payload.into()).await.unwrap();
         version += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;

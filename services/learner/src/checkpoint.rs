@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use relay_config::ExperimentConfig;
 use relay_kit::ServiceError;
 use relay_nn::{ActorCritic, VecNormalize};
-use relay_proto::WeightsUpdate;
+use relay_policy::PolicyWeights;
 
 use crate::optimizer::Optimizer;
 
@@ -68,7 +68,7 @@ pub fn save(
     state: &CheckpointState,
     config: &ExperimentConfig,
     links: &[&str],
-    evaluated: Option<&WeightsUpdate>,
+    evaluated: Option<&PolicyWeights>,
 ) -> Result<PathBuf, CheckpointError> {
     write(
         run_dir,
@@ -103,36 +103,38 @@ pub fn save(
 /// a SAC's critics) stays as written.
 pub fn put_weights(
     dir: &Path,
-    update: &WeightsUpdate,
+    update: &PolicyWeights,
     config: &ExperimentConfig,
 ) -> Result<(), CheckpointError> {
     let path = dir.join("model.safetensors");
     let tensors_err = |e: String| CheckpointError::Tensors(format!("{}: {e}", path.display()));
     let (mut tensors, meta) =
         relay_nn::io::read_safetensors(&path).map_err(|e| tensors_err(e.to_string()))?;
-    for published in &update.tensors {
-        let (name, shape, values) = published
-            .to_parts()
-            .map_err(|e| tensors_err(format!("{}: {e}", published.name)))?;
-        let Some(slot) = tensors.iter_mut().find(|t| t.0 == name) else {
+    for (name, shape, values) in &update.tensors {
+        let Some(slot) = tensors.iter_mut().find(|t| &t.0 == name) else {
             return Err(tensors_err(format!(
                 "version {} has tensor {name}, the model has none of that name",
                 update.version
             )));
         };
-        if slot.1 != shape {
+        if &slot.1 != shape {
             return Err(tensors_err(format!(
                 "{name}: version {} has shape {shape:?}, the model {:?}",
                 update.version, slot.1
             )));
         }
-        slot.2 = values;
+        slot.2.clone_from(values);
     }
     relay_nn::io::write_safetensors(&path, &tensors, meta)
         .map_err(|e| tensors_err(e.to_string()))?;
     let obs_dim = update.normalizer.as_ref().map_or(0, |n| n.obs.mean.len());
-    let frozen = relay_policy::frozen_normalizer(config, obs_dim, update)
-        .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+    let frozen = relay_policy::frozen_normalizer(
+        config,
+        obs_dim,
+        update.version,
+        update.normalizer.as_ref(),
+    )
+    .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
     if let Some(n) = frozen {
         n.save(dir.join(VEC_NORMALIZE_FILE))
             .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
@@ -160,7 +162,7 @@ mod tests {
         let current = relay_nn::Sac::new(&spec, 1.0, 1).unwrap();
         let evaluated = relay_nn::Sac::new(&spec, 1.0, 2).unwrap();
         current.save(dir.path().join("model.safetensors")).unwrap();
-        let update = relay_policy::tensors_to_weights(&evaluated.actor.named_tensors(), 7, 0);
+        let update = PolicyWeights::from_tensors(evaluated.actor.named_tensors(), 7, 0);
         put_weights(dir.path(), &update, &config).unwrap();
 
         let (saved, _) =
@@ -185,13 +187,14 @@ mod tests {
 
         // A tensor the model lacks, or of another shape, is refused by name.
         let mut stranger = update.clone();
-        stranger.tensors[0].name = "actor.nope".into();
+        stranger.tensors[0].0 = "actor.nope".into();
         let err = put_weights(dir.path(), &stranger, &config)
             .unwrap_err()
             .to_string();
         assert!(err.contains("actor.nope"), "{err}");
         let mut misshapen = update.clone();
-        misshapen.tensors[0].tensor = relay_proto::Tensor::from_f32(&[1], &[0.0]);
+        misshapen.tensors[0].1 = vec![1];
+        misshapen.tensors[0].2 = vec![0.0];
         let err = put_weights(dir.path(), &misshapen, &config)
             .unwrap_err()
             .to_string();

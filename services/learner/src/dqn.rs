@@ -43,7 +43,8 @@ use relay_kit::{gauge, ServiceError};
 use relay_nn::{
     clip_grad_norm, dqn_loss, Adam, AdamConfig, DqnBatch, DqnLossConfig, DqnStats, QNetwork,
 };
-use relay_proto::{MetricValue, TransitionBatch, WeightsUpdate};
+use relay_policy::PolicyWeights;
+use relay_proto::{MetricValue, TransitionBatch};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
@@ -290,9 +291,9 @@ impl OffPolicyAlgorithm for Dqn {
         checkpoint::write_json(&dir.join(STATE_FILE), &self.state)
     }
 
-    fn weights(&self, progress: &Progress) -> WeightsUpdate {
-        relay_policy::tensors_to_weights(
-            &self.online.named_tensors(),
+    fn weights(&self, progress: &Progress) -> PolicyWeights {
+        PolicyWeights::from_tensors(
+            self.online.named_tensors(),
             progress.version,
             progress.env_steps,
         )

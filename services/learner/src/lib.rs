@@ -82,6 +82,8 @@ pub use progress::Progress;
 /// on-policy or off-policy algorithm).
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("learner", config, shutdown.clone()).await?;
+    // From here on the service stops on the caller's signal or its own failure.
+    let shutdown = service.shutdown.clone();
     let metrics = Metrics::register(&service.registry);
     if service.config.is_text_game() {
         return text::run(service, shutdown, metrics).await;

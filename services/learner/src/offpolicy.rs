@@ -35,9 +35,10 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use relay_config::ExperimentConfig;
 use relay_kit::{gauge, Service, ServiceError, Shutdown};
+use relay_policy::PolicyWeights;
 use relay_proto::{
     MetricValue, PriorityAck, PriorityUpdate, Tensor, TransitionBatch, TransitionSampleRequest,
-    WeightsUpdate, MAX_TRANSITION_SAMPLE, SCHEMA_VERSION,
+    MAX_TRANSITION_SAMPLE, SCHEMA_VERSION,
 };
 
 use crate::checkpoint::{self, CheckpointError, CheckpointState};
@@ -95,7 +96,7 @@ pub(crate) trait OffPolicyAlgorithm {
     /// checkpoint folder being written.
     fn save(&mut self, dir: &Path) -> Result<(), CheckpointError>;
     /// The weights the inference servers act with, as `progress.version`.
-    fn weights(&self, progress: &Progress) -> WeightsUpdate;
+    fn weights(&self, progress: &Progress) -> PolicyWeights;
     /// Prepares the next round as of env step `due_at`, with `frac` of the
     /// budget spent (schedules, target network updates); returns the
     /// importance-sampling exponent β to sample with (1 when uniform).
@@ -150,7 +151,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let save = |algorithm: &mut A,
                 counters: CheckpointState,
                 links: &[&str],
-                evaluated: Option<&WeightsUpdate>| {
+                evaluated: Option<&PolicyWeights>| {
         let version = counters
             .weights_version
             .unwrap_or(counters.progress.version);
@@ -172,7 +173,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     };
     // The checkpoints the run's evaluations ask for (best, solved).
     let save_evaluated = |algorithm: &mut A,
-                          events: &mut RunEvents<WeightsUpdate>,
+                          events: &mut RunEvents<PolicyWeights>,
                           progress: &Progress,
                           rng: &ChaCha8Rng| {
         for evaluated in events.poll(&service) {
@@ -189,9 +190,9 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
 
     let micro = service.micro().await?;
     let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
-    let mut events: RunEvents<WeightsUpdate> = RunEvents::subscribe(&service, best_eval).await?;
-    let mut first = algorithm.weights(&progress);
-    latest.publish(&service, &mut first).await;
+    let mut events: RunEvents<PolicyWeights> = RunEvents::subscribe(&service, best_eval).await?;
+    let first = algorithm.weights(&progress);
+    latest.publish(&service, &first).await;
     events.record(first.version, first);
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
@@ -212,7 +213,11 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let mut unreported: Option<Vec<MetricValue>> = None;
     let (mut rejected_since, mut stale_since) = (0u64, 0u64);
     let schedule = algorithm.schedule();
-    let mut draw = DrawSize::default();
+    // A transition holds two observations, an action and a few numbers.
+    let spec = cfg.env_spec().map_err(ServiceError::other)?;
+    let row_bytes = 2 * cfg.observation_bytes(&spec) + spec.action_space.dim() * 8 + 22;
+    let mut draw = DrawSize::new(schedule.batch_size, row_bytes, service.max_message_bytes())
+        .map_err(ServiceError::other)?;
     // The next round's first draw, asked while this round trains (uniform
     // replay only): the sample's round trip then overlaps the gradient step.
     let mut prefetched: Option<tokio::task::JoinHandle<SampleReply>> = None;
@@ -302,6 +307,19 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                     pause(&shutdown, Duration::from_millis(1)).await;
                     continue;
                 }
+                Err(relay_kit::RequestError::Service { code, status, .. }) if code == "413" => {
+                    // The reply would not fit a message: fewer minibatches
+                    // a request, down to one, which must fit.
+                    if k == 1 {
+                        // Fires `shutdown`: the loops end with the failure.
+                        service
+                            .fail(format!("cannot draw a minibatch: {status}"))
+                            .await;
+                        break;
+                    }
+                    per_request = k / 2;
+                    continue;
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "sample failed; retrying");
                     pause(&shutdown, Duration::from_millis(20)).await;
@@ -380,8 +398,8 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         let round_metrics = algorithm.end_round(frac);
         progress.updates += 1;
         progress.version += 1;
-        let mut update = algorithm.weights(&progress);
-        latest.publish(&service, &mut update).await;
+        let update = algorithm.weights(&progress);
+        latest.publish(&service, &update).await;
         events.record(update.version, update);
         metrics.version.set(progress.version as i64);
         let seconds = round_started.elapsed().as_secs_f64();
@@ -451,8 +469,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         progress.env_steps,
         || save_evaluated(&mut algorithm, &mut events, &progress, &rng),
     )
-    .await;
-    Ok(())
+    .await
 }
 
 /// The off-policy table's counters as the learner last heard them.
@@ -493,14 +510,33 @@ struct RoundTimes {
 }
 
 /// How many minibatches one sample request carries: one until a reply's
-/// size per row is known, then as many as fit half a message and
-/// [`MAX_TRANSITION_SAMPLE`] rows.
-#[derive(Debug, Default)]
+/// size per row is known, then as many as fit half a message of the NATS
+/// server (`max_message`, its `max_payload`) and [`MAX_TRANSITION_SAMPLE`]
+/// rows.
+#[derive(Debug)]
 struct DrawSize {
     row_bytes: Option<usize>,
+    max_message: usize,
 }
 
 impl DrawSize {
+    /// Checks that one minibatch of `batch_size` rows of about `row_bytes`
+    /// each fits in a reply: a minibatch is drawn as one sample (its
+    /// stratified priorities and importance weights are the batch's own),
+    /// so it is never split across messages.
+    fn new(batch_size: usize, row_bytes: usize, max_message: usize) -> Result<Self, String> {
+        let bytes = batch_size * row_bytes + 64 * 1024;
+        if bytes > max_message {
+            return Err(format!(
+                "a minibatch of {batch_size} transitions is about {bytes} bytes, more than the {max_message} bytes a message carries on this NATS server (its max_payload): raise max_payload to at least {bytes}, or lower the batch size"
+            ));
+        }
+        Ok(Self {
+            row_bytes: None,
+            max_message,
+        })
+    }
+
     fn learn_row_bytes(&mut self, batch: &TransitionBatch) {
         if self.row_bytes.is_none() && !batch.ids.is_empty() {
             let bytes = relay_proto::encode(batch).len();
@@ -513,7 +549,7 @@ impl DrawSize {
             return 1;
         };
         let by_rows = MAX_TRANSITION_SAMPLE as usize / batch_size.max(1);
-        let by_bytes = relay_proto::MAX_MESSAGE_BYTES / 2 / (row_bytes * batch_size).max(1);
+        let by_bytes = self.max_message / 2 / (row_bytes * batch_size).max(1);
         by_rows.min(by_bytes).min(gradient_steps).max(1)
     }
 }

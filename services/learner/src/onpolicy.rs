@@ -10,9 +10,8 @@ use rand_chacha::ChaCha8Rng;
 use relay_config::{Algo, ExperimentConfig};
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
 use relay_nn::{ActorCritic, VecNormalize};
-use relay_proto::{
-    MetricValue, RolloutFragment, SampleReply, SampleRequest, WeightsUpdate, SCHEMA_VERSION,
-};
+use relay_policy::PolicyWeights;
+use relay_proto::{MetricValue, RolloutFragment, SampleReply, SampleRequest, SCHEMA_VERSION};
 
 use crate::evaluated::RunEvents;
 use crate::optimizer::Optimizer;
@@ -259,13 +258,13 @@ pub(crate) async fn run(
     let micro = service.micro().await?;
     let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
     let weights = |model: &ActorCritic, normalizer: Option<&VecNormalize>, progress: &Progress| {
-        let mut update = relay_policy::to_weights(model, progress.version, progress.env_steps);
+        let mut update = PolicyWeights::of(model, progress.version, progress.env_steps);
         update.normalizer = normalizer.map(relay_policy::norm_stats);
         update
     };
-    let mut events: RunEvents<WeightsUpdate> = RunEvents::subscribe(&service, best_eval).await?;
-    let mut first = weights(&model, normalizer.as_ref(), &progress);
-    latest.publish(&service, &mut first).await;
+    let mut events: RunEvents<PolicyWeights> = RunEvents::subscribe(&service, best_eval).await?;
+    let first = weights(&model, normalizer.as_ref(), &progress);
+    latest.publish(&service, &first).await;
     events.record(first.version, first);
     metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
@@ -393,8 +392,8 @@ pub(crate) async fn run(
         progress.vec_steps += taken.vec_steps;
         progress.episodes += taken.episodes;
         algorithm.forget_older_than(lag.oldest_fresh(progress.version));
-        let mut update = weights(&model, normalizer.as_ref(), &progress);
-        latest.publish(&service, &mut update).await;
+        let update = weights(&model, normalizer.as_ref(), &progress);
+        latest.publish(&service, &update).await;
         events.record(update.version, update);
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
@@ -478,15 +477,14 @@ pub(crate) async fn run(
             )
         },
     )
-    .await;
-    Ok(())
+    .await
 }
 
 /// Takes the run's events without waiting and writes the checkpoints of
 /// evaluated weights they ask for (best, solved), with the rest of the
 /// learner's state as it is now.
 fn checkpoint_evaluations(
-    events: &mut RunEvents<WeightsUpdate>,
+    events: &mut RunEvents<PolicyWeights>,
     service: &Service,
     run_dir: &Path,
     (model, optimizer, normalizer): (&ActorCritic, &Optimizer, Option<&VecNormalize>),
@@ -519,7 +517,7 @@ fn save_checkpoint(
     state: &checkpoint::CheckpointState,
     cfg: &ExperimentConfig,
     links: &[&str],
-    evaluated: Option<&WeightsUpdate>,
+    evaluated: Option<&PolicyWeights>,
 ) {
     checkpoint::log_written(
         checkpoint::save(

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use prometheus::{Histogram, HistogramOpts, IntGauge};
-use relay_kit::{gauge, Service, Shutdown};
+use relay_kit::{gauge, Service, ServiceError, Shutdown};
 use relay_proto::{RunStatus, RunStatusUpdate, SCHEMA_VERSION};
 
 use crate::checkpoint;
@@ -81,7 +81,9 @@ pub(crate) const LINKS_LAST_SOLVED: &[&str] = &["last", "solved"];
 /// names what the budget counts), keeps answering requests for the final
 /// weights or adapter until the stack stops, then drains. Meanwhile, and
 /// once more at shutdown, `evaluations` takes the reports that still
-/// arrive (the evaluation of the last versions) and checkpoints them.
+/// arrive (the evaluation of the last versions) and checkpoints them. A
+/// learner that failed ([`Service::fail`]) announced that already: it
+/// stops at once and returns the failure.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn finish_run(
     service: &Service,
@@ -92,31 +94,32 @@ pub(crate) async fn finish_run(
     version: u64,
     env_steps: u64,
     mut evaluations: impl FnMut(),
-) {
-    let (status, detail) = match finish {
-        Finish::Budget => (RunStatus::Stopped, format!("budget of {budget} spent")),
-        Finish::Solved(d) => (RunStatus::Solved, d.clone()),
-        Finish::Shutdown => (RunStatus::Stopped, "shutdown requested".to_string()),
-    };
-    tracing::info!(?status, %detail, version, env_steps, "training finished");
-    let update = RunStatusUpdate {
-        schema: SCHEMA_VERSION,
-        status,
-        service: "learner".into(),
-        policy_version: version,
-        detail,
-    };
-    service.publish(service.subjects.status(), &update).await;
-    loop {
-        tokio::select! {
-            _ = shutdown.wait() => break,
-            _ = tokio::time::sleep(Duration::from_millis(100)) => evaluations(),
+) -> Result<(), ServiceError> {
+    if service.failure().is_none() {
+        let (status, detail) = match finish {
+            Finish::Budget => (RunStatus::Stopped, format!("budget of {budget} spent")),
+            Finish::Solved(d) => (RunStatus::Solved, d.clone()),
+            Finish::Shutdown => (RunStatus::Stopped, "shutdown requested".to_string()),
+        };
+        tracing::info!(?status, %detail, version, env_steps, "training finished");
+        let update = RunStatusUpdate {
+            schema: SCHEMA_VERSION,
+            status,
+            service: "learner".into(),
+            policy_version: version,
+            detail,
+        };
+        service.publish(service.subjects.status(), &update).await;
+        loop {
+            tokio::select! {
+                _ = shutdown.wait() => break,
+                _ = tokio::time::sleep(Duration::from_millis(100)) => evaluations(),
+            }
         }
     }
     evaluations();
-    service.health.set_ready(false);
     let _ = micro.stop().await;
-    service.drain().await;
+    service.finish().await
 }
 
 pub(crate) struct Metrics {

@@ -1,6 +1,7 @@
 //! Weights publishing: the latest version every follower can ask for
-//! ([`LatestWeights`]), published with its send time, and which weights a
-//! final checkpoint holds ([`final_weights`]).
+//! ([`LatestWeights`]), published through the one weights transport with
+//! its send time, and which weights a final checkpoint holds
+//! ([`final_weights`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -8,8 +9,10 @@ use std::sync::{Arc, RwLock};
 use bytes::Bytes;
 use futures::StreamExt;
 use relay_config::ExperimentConfig;
+use relay_kit::weights::{Outgoing, WeightsPublisher};
 use relay_kit::{Service, ServiceError};
-use relay_proto::{WeightsRequest, WeightsUpdate};
+use relay_policy::PolicyWeights;
+use relay_proto::{WeightsAnnouncement, WeightsRequest, WeightsUpdate, SCHEMA_VERSION};
 
 use crate::checkpoint;
 use crate::evaluated::RunEvents;
@@ -30,20 +33,42 @@ pub(crate) fn final_weights<S>(
 
 /// The newest published weights of the run: served on `weights.latest` to
 /// services that join late, and recorded in the run directory before each
-/// publish ([`checkpoint::record_published`]).
+/// publish ([`checkpoint::record_published`]). Each version's parameters
+/// travel through the one weights transport ([`WeightsPublisher`]:
+/// inline when small, else from this learner's direct transfer server or
+/// the run's object store), so a policy of any size reaches every
+/// follower.
 pub(crate) struct LatestWeights {
     pub(crate) run_dir: PathBuf,
+    /// The newest version's message, as answered on `weights.latest`.
     pub(crate) latest: Arc<RwLock<Bytes>>,
+    publisher: WeightsPublisher,
+    /// The run's object store bucket for policy versions.
+    bucket: String,
+}
+
+/// The JetStream object store bucket of a run's policy versions (used when
+/// `weights.store` puts them there).
+pub fn weights_bucket(run_id: &str) -> String {
+    format!("relay-{run_id}-weights")
 }
 
 impl LatestWeights {
-    /// Starts answering `weights.latest` until shutdown, in a background
-    /// task (an empty answer until the first publish).
+    /// Starts the weights transport and answering `weights.latest` until
+    /// shutdown, in a background task (an empty answer until the first
+    /// publish).
     pub(crate) async fn serve(
         service: &Service,
         micro: &async_nats::service::Service,
         run_dir: &Path,
     ) -> Result<Self, ServiceError> {
+        let publisher = WeightsPublisher::start(
+            &service.nats,
+            &service.config.weights,
+            &service.config.connections.nats_url,
+        )
+        .await
+        .map_err(ServiceError::other)?;
         let latest = Arc::new(RwLock::new(Bytes::new()));
         let mut weights_requests = micro
             .endpoint(service.subjects.weights_latest())
@@ -73,50 +98,69 @@ impl LatestWeights {
         Ok(Self {
             run_dir: run_dir.to_path_buf(),
             latest,
+            publisher,
+            bucket: weights_bucket(service.config.run_id()?),
         })
     }
 
-    /// Records `update`'s version, keeps it as the latest and publishes it
-    /// on `weights` and, without its tensors, on `weights.announce` (a
-    /// failure is logged: the next version replaces it), stamped with the
-    /// time of publishing.
-    pub(crate) async fn publish(&self, service: &Service, update: &mut WeightsUpdate) {
-        if let Err(e) = checkpoint::record_published(&self.run_dir, update.version) {
+    /// Records `weights`' version, makes its parameters fetchable, keeps
+    /// its message as the latest and publishes it on `weights` and, as an
+    /// announcement, on `weights.announce`, stamped with the time
+    /// publishing began. A version no follower could fetch fails the
+    /// service ([`Service::fail`]): the run could not move past it. A
+    /// message lost on the way is only logged: followers ask
+    /// `weights.latest` and the next version replaces it.
+    pub(crate) async fn publish(&self, service: &Service, weights: &PolicyWeights) {
+        if let Err(e) = checkpoint::record_published(&self.run_dir, weights.version) {
             tracing::warn!(error = %e, "could not record the published version");
         }
-        update.published_unix_ms = relay_proto::unix_ms();
-        let payload: Bytes = relay_proto::encode(update).into();
+        let published_unix_ms = relay_proto::unix_ms();
+        let key = format!("weights/v{}", weights.version);
+        let bytes = Bytes::from(weights.to_safetensors());
+        let size = bytes.len();
+        let blob = match self
+            .publisher
+            .publish(
+                bytes,
+                Outgoing {
+                    key: &key,
+                    bucket: &self.bucket,
+                    keep_in_store: false,
+                },
+            )
+            .await
+        {
+            Ok(blob) => blob,
+            Err(e) => {
+                service
+                    .fail(format!(
+                        "weights version {} ({size} bytes) cannot be published: {e}",
+                        weights.version
+                    ))
+                    .await;
+                return;
+            }
+        };
+        let update = WeightsUpdate {
+            published_unix_ms,
+            ..weights.update(blob)
+        };
+        let payload: Bytes = relay_proto::encode(&update).into();
         *self.latest.write().expect("weights lock") = payload.clone();
-        if payload.len() > relay_proto::MAX_MESSAGE_BYTES {
-            tracing::error!(
-                bytes = payload.len(),
-                "weights exceed the message size limit; not published"
-            );
-            return;
-        }
         if let Err(e) = service
             .nats
             .publish(service.subjects.weights(), payload)
             .await
         {
-            tracing::warn!(error = %e, "weights publish failed");
+            tracing::warn!(error = %e, version = weights.version, "weights message not sent");
         }
-        // The same version without its tensors, for services that fetch only
-        // some versions (the evaluator).
-        let announcement = WeightsUpdate {
-            tensors: Vec::new(),
-            normalizer: None,
-            ..*update
+        let announcement = WeightsAnnouncement {
+            schema: SCHEMA_VERSION,
+            version: weights.version,
+            learner_env_steps: weights.learner_env_steps,
         };
-        if let Err(e) = service
-            .nats
-            .publish(
-                service.subjects.weights_announce(),
-                relay_proto::encode(&announcement).into(),
-            )
-            .await
-        {
-            tracing::warn!(error = %e, "weights announcement failed");
-        }
+        service
+            .publish(service.subjects.weights_announce(), &announcement)
+            .await;
     }
 }

@@ -10,7 +10,7 @@
 
 use candle_core::{Device, Tensor};
 use relay_nn::{ActorCritic, NnError};
-use relay_proto::RolloutFragment;
+use relay_proto::{ObsField, RolloutFragment};
 
 /// Why an update could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -83,10 +83,8 @@ impl Decoded {
         action_dim: usize,
     ) -> Result<Self, UpdateError> {
         let (t_len, n) = (f.num_steps as usize, f.num_envs as usize);
-        let obs = f
-            .obs
-            .observations_to_f32()
-            .map_err(|e| fragment_error(f, e))?;
+        let rows = |field| f.observations(field).map_err(|e| fragment_error(f, e));
+        let obs = rows(ObsField::Obs)?;
         if obs.len() != t_len * n * obs_dim {
             return Err(fragment_error(
                 f,
@@ -124,21 +122,12 @@ impl Decoded {
             t_len,
             n,
             obs,
-            next_obs: f
-                .next_obs
-                .observations_to_f32()
-                .map_err(|e| fragment_error(f, e))?,
-            final_obs: f
-                .final_obs
-                .observations_to_f32()
-                .map_err(|e| fragment_error(f, e))?,
+            next_obs: rows(ObsField::Next)?,
+            final_obs: rows(ObsField::Final)?,
             rewards: f.rewards.to_f32().map_err(|e| fragment_error(f, e))?,
             terminated: f.terminated.to_bool().map_err(|e| fragment_error(f, e))?,
             truncated: f.truncated.to_bool().map_err(|e| fragment_error(f, e))?,
-            logprobs: f
-                .logprobs
-                .observations_to_f32()
-                .map_err(|e| fragment_error(f, e))?,
+            logprobs: f.logprobs.to_f32().map_err(|e| fragment_error(f, e))?,
             actions_discrete,
             actions_continuous,
         })
@@ -330,6 +319,7 @@ pub(crate) fn test_fragment(
         final_obs: Wire::from_f32(&[steps.final_obs.len() / d, d], steps.final_obs),
         norm_rewards: None,
         norm_delta: None,
+        frames: None,
     }
 }
 
@@ -369,6 +359,7 @@ mod tests {
             final_obs: Tensor::from_f32(&[1, 4], &final_obs),
             norm_rewards: None,
             norm_delta: None,
+            frames: None,
         };
         let (gamma, lambda) = (0.9f32, 0.8f32);
         let rollout = prepare(&model, &[fragment], gamma as f64, lambda as f64).unwrap();
@@ -418,6 +409,7 @@ mod tests {
             final_obs: Tensor::from_f32(&[0, 6], &[]),
             norm_rewards: None,
             norm_delta: None,
+            frames: None,
         };
         let err = prepare(&model, &[fragment], 0.99, 0.95)
             .err()

@@ -40,7 +40,8 @@ use relay_config::ExperimentConfig;
 use relay_config::{EntCoef, SacSection};
 use relay_kit::{gauge, ServiceError};
 use relay_nn::{sac_train_step, Pair, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
-use relay_proto::{MetricValue, TransitionBatch, WeightsUpdate};
+use relay_policy::PolicyWeights;
+use relay_proto::{MetricValue, TransitionBatch};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
@@ -278,9 +279,9 @@ impl OffPolicyAlgorithm for SacLearner {
     }
 
     /// Only the actor: the critics stay here.
-    fn weights(&self, progress: &Progress) -> WeightsUpdate {
-        relay_policy::tensors_to_weights(
-            &self.sac.actor.named_tensors(),
+    fn weights(&self, progress: &Progress) -> PolicyWeights {
+        PolicyWeights::from_tensors(
+            self.sac.actor.named_tensors(),
             progress.version,
             progress.env_steps,
         )

@@ -10,9 +10,11 @@
 //! other and go together: [`crate::examples::PendingGames`]), turn them
 //! into training sequences ([`crate::examples`]),
 //! take `rl.epochs` optimizer steps, publish the adapter as version + 1
-//! (an [`AdapterUpdate`] on `adapters`: inline up to
-//! `lora.inline_max_bytes`, else through the JetStream object store
-//! bucket `relay-<run>-adapters`), report metrics, and checkpoint every
+//! (an [`AdapterUpdate`] on `adapters`, its weights through the one
+//! weights transport, `relay_kit::weights`: inline up to
+//! `weights.inline_max_bytes`, else from this learner's direct transfer
+//! server or the object store bucket `relay-<run>-adapters`), report
+//! metrics, and checkpoint every
 //! `rl.checkpoint_every` updates. The newest version is also answered on
 //! `adapters.latest`, for inference servers and evaluators that start
 //! later. Version 0 (the fresh adapter, `B = 0`: exactly the base model)
@@ -54,6 +56,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
+use relay_kit::weights::WeightsPublisher;
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
 use relay_llm::{
     CausalLm, GgufBase, LoraAdapter, PeftBytes, RewardNormalizer, RlStats, RlTrainer, TokenExample,
@@ -202,11 +205,10 @@ impl League {
         let Some(newest) = pool.current_version() else {
             return Ok(0);
         };
-        let (bucket, store) = relay_kit::adapters::store(
-            &service.nats,
-            service.config.run_id().map_err(|e| e.to_string())?,
-        )
-        .await?;
+        let bucket = object_store_bucket(service.config.run_id().map_err(|e| e.to_string())?);
+        let store = relay_kit::weights::store(&service.nats, &bucket, "LoRA adapter versions")
+            .await
+            .map_err(|e| e.to_string())?;
         let mut objects = store
             .list()
             .await
@@ -241,15 +243,17 @@ struct Publisher<'a> {
     latest: Arc<RwLock<Bytes>>,
     run_dir: &'a Path,
     base_model: &'a str,
-    inline_max_bytes: usize,
+    /// The one weights transport (inline, direct, object store).
+    transport: WeightsPublisher,
     /// Set when the league is on.
     league: Option<League>,
 }
 
 impl Publisher<'_> {
     /// Publishes `adapter` as `progress.version` and returns its PEFT
-    /// files as published (a failure is logged: the next version replaces
-    /// it). A league prune spares the `held` versions.
+    /// files as published. A version no follower could fetch fails the
+    /// service; a message lost on the way is logged (the next version
+    /// replaces it). A league prune spares the `held` versions.
     async fn publish(
         &self,
         progress: &Progress,
@@ -260,23 +264,29 @@ impl Publisher<'_> {
             let files = relay_llm::to_peft_bytes(adapter, Some(self.base_model))
                 .map_err(|e| e.to_string())?;
             let run_id = self.service.config.run_id().map_err(|e| e.to_string())?;
-            let version = relay_kit::adapters::AdapterVersion {
+            let version = relay_kit::weights::AdapterVersion {
                 name: ADAPTER_NAME,
                 version: progress.version,
                 learner_env_steps: progress.env_steps,
                 config_json: &files.config_json,
-                safetensors: &files.safetensors,
-                inline_max_bytes: self.inline_max_bytes,
-                store_always: self.league.is_some(),
+                safetensors: files.safetensors.clone().into(),
+                keep_in_store: self.league.is_some(),
             };
-            let update =
-                relay_kit::adapters::adapter_update(&self.service.nats, run_id, version).await?;
+            let update = relay_kit::weights::publish_adapter(&self.transport, run_id, version)
+                .await
+                .map_err(|e| e.to_string())?;
             Ok::<_, String>((files, update))
         };
         let (files, update) = match published.await {
             Ok(published) => published,
             Err(e) => {
-                tracing::error!(error = %e, version = progress.version, "adapter not published");
+                // No follower can get this version: the run cannot move past it.
+                self.service
+                    .fail(format!(
+                        "adapter version {} cannot be published: {e}",
+                        progress.version
+                    ))
+                    .await;
                 return None;
             }
         };
@@ -337,9 +347,7 @@ pub(crate) async fn run(
         );
         service.health.set_ready(true);
         shutdown.wait().await;
-        service.health.set_ready(false);
-        service.drain().await;
-        return Ok(());
+        return service.finish().await;
     }
     let Some(model_spec) = cfg.llm.model.clone() else {
         return Err(ServiceError::Other(format!(
@@ -488,7 +496,9 @@ pub(crate) async fn run(
         latest: latest.clone(),
         run_dir: &run_dir,
         base_model: &base_model,
-        inline_max_bytes: cfg.lora.inline_max_bytes,
+        transport: WeightsPublisher::start(&service.nats, &cfg.weights, &cfg.connections.nats_url)
+            .await
+            .map_err(ServiceError::other)?,
         league,
     };
 
@@ -813,8 +823,7 @@ pub(crate) async fn run(
         state.progress.env_steps,
         || checkpoint_evaluations(&mut events, &mut state, &trainer),
     )
-    .await;
-    Ok(())
+    .await
 }
 
 /// Loads a checkpoint's adapter for a model (what `relay_llm` users do

@@ -85,6 +85,11 @@ pub struct UpArgs {
     /// whole games, so they can take minutes).
     #[arg(long, value_name = "SECONDS", default_value_t = 2)]
     pub final_eval_wait: u64,
+    /// Fail the run (stop the stack, exit non-zero) when neither an env
+    /// step nor a learner update happened for this many seconds while it
+    /// trains, naming what each service last reported (0: never).
+    #[arg(long, value_name = "SECONDS", default_value_t = 300)]
+    pub stall_timeout: u64,
     /// Continue a run (`<run-id>` or `@last`) from a checkpoint: same run id,
     /// the run's own config (from the checkpoint; `--set` still applies), the
     /// learner loads model, optimizer, counters and RNG.
@@ -161,6 +166,9 @@ pub struct Outcome {
     pub best: Option<summary::BestEval>,
     /// The summary was printed while the stack stayed up.
     pub summarized: bool,
+    /// Why the run failed: a service reported it could not do its part,
+    /// exited, or the run stalled.
+    pub failure: Option<String>,
 }
 
 /// The first screening pass of a run.
@@ -229,12 +237,17 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         overrides.push("run.reset_optimizer=true".into());
     }
     let config = ExperimentConfig::load(&args.config, &overrides)?;
+    // What relay's own nats-server carries: the largest message of the run.
+    let mut nats_max_payload = relay_proto::DEFAULT_MAX_PAYLOAD;
+    let mut largest_message = None;
     if !config.is_text_game() {
         // Made once here, so that an unknown id, a missing package, a policy
-        // that does not fit the observations or fragments too large to send
-        // are reported before any service starts.
+        // that does not fit the observations or observations too large to
+        // send are reported before any service starts.
         let spec = config.env_spec().context("run.env_id")?;
         config.check_env(&spec)?;
+        nats_max_payload = config.nats_max_payload(&spec);
+        largest_message = Some(config.largest_message_bytes(&spec));
         if config.env.uses_python(&config.run.env_id) {
             println!(
                 "relay: {} from Gymnasium (Python {}): {} observations, {} actions",
@@ -294,13 +307,16 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         nats_url: args.nats_url.clone(),
         redis_url: args.redis_url.clone(),
     };
-    let mut stack = Stack::start_infra(&state_dir, &run_id, &external)?;
+    let mut stack = Stack::start_infra(&state_dir, &run_id, &external, nats_max_payload)?;
     println!(
         "relay: run {run_id}  nats {}  redis {}  prometheus {}",
         stack.nats_url,
         stack.redis_url,
         stack.prometheus_url.as_deref().unwrap_or("(not installed)")
     );
+    if let Some(largest) = largest_message {
+        report_message_limit(&stack, &external, largest, nats_max_payload)?;
+    }
     // The tracker first (it must hear the others' first log lines), the
     // learner last (training starts once everything else listens).
     if let Some(unknown) = args
@@ -347,7 +363,107 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         // After the stop: the tracker has drawn the plots.
         println!("{}", run_end(&stack, &outcome, run_dir).render());
     }
+    if let Some(failure) = outcome.failure {
+        bail!("run {run_id} failed: {failure}");
+    }
     Ok(outcome)
+}
+
+/// Says what limits the run's messages: relay's own nats-server sized to
+/// the largest one, or an external server's `max_payload`, below which
+/// fragments and act requests are split.
+fn report_message_limit(
+    stack: &Stack,
+    external: &stack::ExternalInfra,
+    largest: usize,
+    own: usize,
+) -> Result<()> {
+    const MB: f64 = 1e6;
+    if external.nats_url.is_none() {
+        if own > relay_proto::DEFAULT_MAX_PAYLOAD {
+            println!(
+                "relay: nats-server carries messages of up to {:.1} MB (max_payload), this run's largest: {:.1} MB",
+                own as f64 / MB,
+                largest as f64 / MB
+            );
+        }
+        return Ok(());
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let limit = runtime.block_on(async {
+        let client = async_nats::connect(&stack.nats_url).await?;
+        client.flush().await?;
+        Ok::<_, anyhow::Error>(client.max_payload())
+    })?;
+    if limit < largest {
+        println!(
+            "relay: {} carries messages of at most {:.1} MB (max_payload); this run's largest is {:.1} MB, so fragments and act requests are split to fit (set max_payload to at least {} on that server for fewer, larger messages)",
+            stack.nats_url,
+            limit as f64 / MB,
+            largest as f64 / MB,
+            largest
+        );
+    }
+    Ok(())
+}
+
+/// The last line of a service's log that reports an error (`ERROR` from
+/// tracing, or the `Error:` a binary prints when it exits), shortened.
+fn last_error_line(log: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.contains("ERROR") || l.starts_with("Error:"))?;
+    Some(line.trim().chars().take(400).collect())
+}
+
+/// What a metrics report says of progress, for the stall report: its
+/// counters and step, version and update gauges.
+fn report_summary(report: &MetricsReport) -> String {
+    let shown: Vec<String> = report
+        .values
+        .iter()
+        .filter(|v| {
+            v.name.ends_with("_total")
+                || ["env_steps", "version", "updates", "sps"]
+                    .iter()
+                    .any(|k| v.name.ends_with(k))
+        })
+        .take(6)
+        .map(|v| format!("{} {}", v.name, v.value))
+        .collect();
+    if shown.is_empty() {
+        format!("{} values", report.values.len())
+    } else {
+        shown.join(", ")
+    }
+}
+
+/// The failure of a run with no env step and no update for `stalled`:
+/// what every service instance last reported, and when, and which of the
+/// stack's `instances` never did.
+fn stall_report(
+    stalled: Duration,
+    last_reports: &std::collections::BTreeMap<String, (Instant, String)>,
+    instances: &[String],
+) -> String {
+    let mut report = format!(
+        "stalled: no env step and no learner update for {:.0} s (--stall-timeout);",
+        stalled.as_secs_f64()
+    );
+    for silent in instances.iter().filter(|i| !last_reports.contains_key(*i)) {
+        report.push_str(&format!(" {silent} never reported;"));
+    }
+    for (instance, (at, summary)) in last_reports {
+        report.push_str(&format!(
+            " {instance} last reported {:.0} s ago ({summary});",
+            at.elapsed().as_secs_f64()
+        ));
+    }
+    report.trim_end_matches(';').to_string()
 }
 
 /// The summary of `outcome`.
@@ -403,6 +519,7 @@ async fn watch(
         how: String::new(),
         best: None,
         summarized: false,
+        failure: None,
     };
     let mut learner_end: Option<String> = None;
     let mut stopped_by = "stopped";
@@ -410,8 +527,11 @@ async fn watch(
     let (mut updates, mut version, mut episode_return) = (0.0, 0.0, f64::NAN);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut learner_done: Option<Instant> = None;
-    let mut reported_exits = std::collections::HashSet::new();
     let (mut last_steps, mut last_time) = (0u64, Instant::now());
+    // The stall watchdog: when an env step or an update last happened, and
+    // what each service instance last reported.
+    let mut last_progress = Instant::now();
+    let mut last_reports = std::collections::BTreeMap::<String, (Instant, String)>::new();
     // Installed once: a `ctrl_c()` future made anew each turn of the loop
     // misses a SIGINT that arrives while the loop handles something else.
     let mut interrupt = signal(SignalKind::interrupt())?;
@@ -430,6 +550,11 @@ async fn watch(
             }
             Some(m) = metrics.next() => {
                 if let Ok(report) = relay_proto::decode::<MetricsReport>(&m.payload) {
+                    let before = (outcome.trained_env_steps, updates);
+                    last_reports.insert(report.instance.clone(), (Instant::now(), report_summary(&report)));
+                    if report.values.iter().any(|v| v.name == "env_steps_total" && v.value > 0.0) {
+                        last_progress = Instant::now();
+                    }
                     for v in &report.values {
                         match v.name.as_str() {
                             "learner_env_steps" => {
@@ -443,6 +568,9 @@ async fn watch(
                             "learner_policy_version" => version = v.value,
                             _ => {}
                         }
+                    }
+                    if (outcome.trained_env_steps, updates) != before {
+                        last_progress = Instant::now();
                     }
                 }
             }
@@ -520,12 +648,16 @@ async fn watch(
             }
             Some(m) = statuses.next() => {
                 if let Ok(status) = relay_proto::decode::<RunStatusUpdate>(&m.payload) {
-                    if status.service == "learner" && matches!(status.status, RunStatus::Stopped | RunStatus::Failed | RunStatus::Solved) {
+                    if status.status == RunStatus::Failed {
+                        println!("relay: {} failed: {}", status.service, status.detail);
+                        outcome.failure = Some(format!("{} failed: {}", status.service, status.detail));
+                        break;
+                    }
+                    if status.service == "learner" && matches!(status.status, RunStatus::Stopped | RunStatus::Solved) {
                         learner_done.get_or_insert_with(Instant::now);
                         println!("relay: learner finished: {:?} ({})", status.status, status.detail);
                         learner_end.get_or_insert(match status.status {
                             RunStatus::Solved => format!("solved ({})", status.detail),
-                            RunStatus::Failed => format!("failed: {}", status.detail),
                             _ => format!("stopped: {}", status.detail),
                         });
                         if args.until_solved && outcome.solved {
@@ -549,10 +681,21 @@ async fn watch(
                         threshold.map_or(String::new(), |t| format!(" / {t}")),
                     );
                 }
-                for (name, status) in stack.exited() {
-                    if reported_exits.insert(name.clone()) {
-                        println!("relay: {name} exited with {status}; see its log");
-                    }
+                // A service that exits on its own cannot do its part of the run.
+                if let Some((name, status)) = stack.exited().into_iter().next() {
+                    let log = stack.state_dir.join("logs").join(format!("{name}.log"));
+                    let why = last_error_line(&log).unwrap_or_else(|| format!("see {}", log.display()));
+                    println!("relay: {name} exited with {status}: {why}");
+                    outcome.failure = Some(format!("{name} exited with {status}: {why}"));
+                    break;
+                }
+                let stalled = last_progress.elapsed();
+                if args.stall_timeout > 0 && learner_done.is_none() && stalled >= Duration::from_secs(args.stall_timeout) {
+                    let instances: Vec<String> = stack.services.iter().map(|p| p.name.clone()).collect();
+                    let failure = stall_report(stalled, &last_reports, &instances);
+                    println!("relay: {failure}");
+                    outcome.failure = Some(failure);
+                    break;
                 }
                 if args.for_seconds.is_some_and(|limit| ready.elapsed() >= Duration::from_secs(limit)) {
                     stopped_by = "stopped (--for-seconds)";
@@ -596,6 +739,9 @@ async fn watch(
                 }
             }
         }
+    }
+    if let Some(failure) = &outcome.failure {
+        outcome.how = format!("failed: {failure}");
     }
     if outcome.how.is_empty() {
         outcome.how = learner_end.unwrap_or_else(|| stopped_by.to_string());

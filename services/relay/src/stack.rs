@@ -164,6 +164,8 @@ pub struct Stack {
     pub grafana_url: Option<String>,
     infra: Vec<Proc>,
     pub services: Vec<Proc>,
+    /// The `max_payload` relay's own nats-server was started with.
+    nats_max_payload: usize,
     /// Next copy number of each service: instance names are never reused
     /// within a stack (`env-runner-3` after `env-runner-2` was removed).
     next_copy: std::collections::HashMap<String, usize>,
@@ -172,10 +174,16 @@ pub struct Stack {
 }
 
 impl Stack {
-    /// Starts nats-server and redis-server (each unless `external` names a
-    /// running one) and (if installed) prometheus on free ports with state
-    /// under `state_dir`.
-    pub fn start_infra(state_dir: &Path, run_id: &str, external: &ExternalInfra) -> Result<Self> {
+    /// Starts nats-server (carrying messages of up to `nats_max_payload`
+    /// bytes: see `ExperimentConfig::nats_max_payload`) and redis-server
+    /// (each unless `external` names a running one) and (if installed)
+    /// prometheus on free ports with state under `state_dir`.
+    pub fn start_infra(
+        state_dir: &Path,
+        run_id: &str,
+        external: &ExternalInfra,
+        nats_max_payload: usize,
+    ) -> Result<Self> {
         let logs = state_dir.join("logs");
         std::fs::create_dir_all(&logs)?;
         let mut infra = Vec::new();
@@ -184,7 +192,7 @@ impl Stack {
             Some(url) => url.clone(),
             None => {
                 let port = free_port()?;
-                infra.push(spawn_nats(state_dir, run_id, port)?);
+                infra.push(spawn_nats(state_dir, run_id, port, nats_max_payload)?);
                 format!("nats://127.0.0.1:{port}")
             }
         };
@@ -206,6 +214,7 @@ impl Stack {
             grafana_url: None,
             infra,
             services: Vec::new(),
+            nats_max_payload,
             next_copy: Default::default(),
             service_args: None,
         };
@@ -464,7 +473,12 @@ impl Stack {
         let _ = old.child.kill();
         let _ = old.child.wait();
         let proc = match name {
-            "nats-server" => spawn_nats(&self.state_dir, &self.run_id, url_port(&self.nats_url)?)?,
+            "nats-server" => spawn_nats(
+                &self.state_dir,
+                &self.run_id,
+                url_port(&self.nats_url)?,
+                self.nats_max_payload,
+            )?,
             "redis-server" => {
                 spawn_redis(&self.state_dir, &self.run_id, url_port(&self.redis_url)?)?
             }
@@ -590,11 +604,23 @@ fn run_data_dir(state_dir: &Path, server: &str, run_id: &str) -> Result<PathBuf>
     Ok(dir)
 }
 
-fn spawn_nats(state_dir: &Path, run_id: &str, port: u16) -> Result<Proc> {
+/// Starts nats-server on `port` with JetStream (data under the run's
+/// folder) and `max_payload` bytes a message, which only a config file
+/// sets (nats-server has no flag for it).
+fn spawn_nats(state_dir: &Path, run_id: &str, port: u16, max_payload: usize) -> Result<Proc> {
     let (out, err) = append_log_file(&state_dir.join("logs"), "nats-server")?;
+    let data = run_data_dir(state_dir, "nats", run_id)?;
+    let conf = data.join("relay-nats.conf");
+    std::fs::write(
+        &conf,
+        format!("# Written by relay up: messages of up to what this run sends.\nmax_payload: {max_payload}\n"),
+    )
+    .with_context(|| format!("writing {}", conf.display()))?;
     let mut nats = Command::new(require("nats-server")?)
+        .arg("-c")
+        .arg(&conf)
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-        .arg(run_data_dir(state_dir, "nats", run_id)?)
+        .arg(&data)
         .stdout(out)
         .stderr(err)
         .process_group(0)

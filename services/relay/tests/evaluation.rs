@@ -161,20 +161,29 @@ async fn a_late_report_saves_the_evaluated_versions_weights_byte_for_byte() {
     );
     assert_eq!(state.best_eval, Some((123.0, evaluated)));
     let saved = tensor_bits(&best.join("model.safetensors"));
-    let update = published.lock().unwrap()[&evaluated].clone();
-    assert_eq!(saved.len(), update.tensors.len());
-    for t in &update.tensors {
-        let (name, shape, values) = t.to_parts().unwrap();
+    let parameters = |update: &WeightsUpdate| {
+        let bytes = update
+            .weights
+            .inline
+            .as_ref()
+            .expect("CartPole travels inline");
+        relay_policy::PolicyWeights::from_update(update, bytes)
+            .unwrap()
+            .tensors
+    };
+    let update = parameters(&published.lock().unwrap()[&evaluated]);
+    assert_eq!(saved.len(), update.len());
+    for (name, shape, values) in &update {
         let bits: Vec<u32> = values.iter().map(|v| v.to_bits()).collect();
         assert_eq!(
-            saved[&name],
-            (shape, bits),
+            saved[name],
+            (shape.clone(), bits),
             "{name} differs from version {evaluated}"
         );
     }
     // The current weights differ, so the check above could fail.
-    let newer = published.lock().unwrap()[&state.progress.version].clone();
-    assert_ne!(newer.tensors, update.tensors);
+    let newer = parameters(&published.lock().unwrap()[&state.progress.version]);
+    assert_ne!(newer, update);
 
     // A version that passed the screening (500) but not its confirmation
     // (100) is judged by the confirmation: not the best.
@@ -271,7 +280,7 @@ async fn evaluate_once(
         ServiceConfig::for_test(experiment),
         shutdown,
     ));
-    let weights = relay_policy::to_weights(model, 1, 1000);
+    let weights = relay_policy::PolicyWeights::of(model, 1, 1000).inline_update();
     // The test is the learner: it answers `weights.latest` and announces the version.
     let mut latest = client.subscribe(subjects.weights_latest()).await.unwrap();
     let (answers, payload) = (client.clone(), relay_proto::encode(&weights));
@@ -285,9 +294,10 @@ async fn evaluate_once(
             }
         }
     });
-    let announcement = WeightsUpdate {
-        tensors: Vec::new(),
-        ..weights.clone()
+    let announcement = relay_proto::WeightsAnnouncement {
+        schema: SCHEMA_VERSION,
+        version: weights.version,
+        learner_env_steps: weights.learner_env_steps,
     };
     let report = tokio::time::timeout(Duration::from_secs(60), async {
         loop {

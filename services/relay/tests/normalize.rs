@@ -53,10 +53,24 @@ fn preset(
 fn policy_of(cfg: &ExperimentConfig, update: &WeightsUpdate) -> (ActorCritic, VecNormalize) {
     let spec = relay_policy::spec_for(cfg).unwrap();
     let mut model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed).unwrap();
-    relay_policy::load_weights(&mut model, update).unwrap();
-    let normalizer = relay_policy::frozen_normalizer(cfg, spec.obs_dim, update)
-        .unwrap()
-        .expect("the preset normalises");
+    let weights = relay_policy::PolicyWeights::from_update(
+        update,
+        update
+            .weights
+            .inline
+            .as_ref()
+            .expect("the preset's policy travels inline"),
+    )
+    .unwrap();
+    relay_policy::load_weights(&mut model, &weights).unwrap();
+    let normalizer = relay_policy::frozen_normalizer(
+        cfg,
+        spec.obs_dim,
+        update.version,
+        update.normalizer.as_ref(),
+    )
+    .unwrap()
+    .expect("the preset normalises");
     (model, normalizer)
 }
 

@@ -105,8 +105,10 @@ async fn run_stack(nats: &NatsServer, cfg: &ExperimentConfig) -> Observed {
             Some(m) = weights_sub.next() => {
                 let w: WeightsUpdate = relay_proto::decode(&m.payload).unwrap();
                 // The actor only: the critics stay in the learner.
-                assert!(w.tensors.iter().all(|t| t.name.starts_with("actor.")), "{:?}",
-                    w.tensors.iter().map(|t| &t.name).collect::<Vec<_>>());
+                let bytes = w.weights.inline.as_ref().expect("a SAC actor travels inline");
+                let tensors = relay_policy::PolicyWeights::from_update(&w, bytes).unwrap().tensors;
+                assert!(tensors.iter().all(|t| t.0.starts_with("actor.")), "{:?}",
+                    tensors.iter().map(|t| &t.0).collect::<Vec<_>>());
                 seen.versions.push((w.version, w.learner_env_steps));
             }
             Some(m) = status_sub.next() => {

@@ -16,8 +16,8 @@ use futures::StreamExt;
 use relay_config::ExperimentConfig;
 use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::{
-    AdapterPayload, AdapterRequest, AdapterUpdate, EvalReport, GameRecord, RunStatus,
-    RunStatusUpdate, Subjects, SCHEMA_VERSION,
+    AdapterRequest, AdapterUpdate, EvalReport, GameRecord, RunStatus, RunStatusUpdate, Subjects,
+    SCHEMA_VERSION,
 };
 use relay_testkit::{NatsServer, RedisServer, TempDir};
 
@@ -135,7 +135,7 @@ async fn trains_on_games(run_id: &str, extra: &[&str]) {
                 let update: AdapterUpdate = relay_proto::decode(&m.payload).unwrap();
                 assert_eq!(update.name, "policy");
                 published.push(update.version);
-                if let AdapterPayload::Inline { safetensors, .. } = update.payload {
+                if let Some(safetensors) = update.weights.inline {
                     files.insert(update.version, safetensors);
                 }
             }
@@ -333,15 +333,12 @@ async fn trains_on_games(run_id: &str, extra: &[&str]) {
     .unwrap();
     assert_eq!(latest.version, updates + 1);
     // The resumed adapter is the checkpoint's.
-    let relay_proto::AdapterPayload::Inline {
-        config_json,
-        safetensors,
-    } = &latest.payload
-    else {
+    let Some(safetensors) = &latest.weights.inline else {
         panic!("a tiny adapter is published inline");
     };
     let served =
-        relay_llm::LoraAdapter::from_peft_bytes(config_json, safetensors, model.config()).unwrap();
+        relay_llm::LoraAdapter::from_peft_bytes(&latest.config_json, safetensors, model.config())
+            .unwrap();
     for ((name, a), (_, b)) in adapter.named_vars().iter().zip(served.named_vars()) {
         let (a, b): (Vec<f32>, Vec<f32>) = (
             a.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
@@ -388,9 +385,9 @@ fn relay_up_writes_a_missing_tiny_model_and_nothing_else() {
     assert!(!other.exists());
 }
 
-/// A big adapter goes through the JetStream object store, and an
-/// inference server that starts after the learner published gets the
-/// current version from `adapters.latest` and serves it.
+/// A big adapter goes through the JetStream object store (direct transfer
+/// off), and an inference server that starts after the learner published
+/// gets the current version from `adapters.latest` and serves it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_inference_server_serves_the_current_adapter_from_the_object_store() {
     let nats = NatsServer::start().unwrap();
@@ -401,7 +398,8 @@ async fn a_late_inference_server_serves_the_current_adapter_from_the_object_stor
     let model_dir = tiny_model(dir.path());
     let mut experiment = experiment(run_id, &runs, &model_dir, &nats.url(), &redis.url(), &[]);
     // Every version through the object store.
-    experiment.lora.inline_max_bytes = 0;
+    experiment.weights.inline_max_bytes = 0;
+    experiment.weights.direct = false;
     let subjects = Subjects::new(run_id);
     let client = async_nats::connect(nats.url()).await.unwrap();
     let mut adapters = client.subscribe(subjects.adapters()).await.unwrap();
@@ -414,11 +412,17 @@ async fn a_late_inference_server_serves_the_current_adapter_from_the_object_stor
         .unwrap();
     let first: AdapterUpdate = relay_proto::decode(&first.payload).unwrap();
     assert_eq!(first.version, 0);
-    let relay_proto::AdapterPayload::ObjectStore { bucket, key } = &first.payload else {
-        panic!("inline_max_bytes 0 sends every version through the object store");
+    let (Some(stored), None, None) = (
+        &first.weights.store,
+        &first.weights.inline,
+        &first.weights.direct,
+    ) else {
+        panic!(
+            "inline_max_bytes 0 and no direct transfer send every version through the object store"
+        );
     };
-    assert_eq!(bucket, &format!("relay-{run_id}-adapters"));
-    assert_eq!(key, "policy/v0");
+    assert_eq!(stored.bucket, format!("relay-{run_id}-adapters"));
+    assert_eq!(stored.key, "policy/v0/adapter_model.safetensors");
 
     // Only now the inference server starts: it asks for the current version.
     let server = tokio::spawn(relay_inference_server::run(config(), shutdown.clone()));

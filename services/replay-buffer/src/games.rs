@@ -191,12 +191,13 @@ impl GameStore {
         &self,
         min_policy_version: u64,
         max_turns: u64,
+        max_reply_bytes: usize,
     ) -> redis::RedisResult<SampledGames> {
         let mut redis = self.redis.clone();
         let _: () = redis
             .set(&self.keys.min_version, min_policy_version)
             .await?;
-        let budget = relay_proto::MAX_MESSAGE_BYTES - REPLY_OVERHEAD;
+        let budget = max_reply_bytes.saturating_sub(REPLY_OVERHEAD);
         let mut out = SampledGames::default();
         let (mut gathered, mut popped_turns, mut bytes) = (0u64, 0u64, 0usize);
         let now = relay_proto::unix_ms();

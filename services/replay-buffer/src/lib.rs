@@ -332,12 +332,14 @@ impl Fifo {
     }
 
     /// Pops fragments from the head until `max_steps` env steps are gathered,
-    /// the FIFO is empty or one more would not fit in a reply message,
-    /// dropping those older than `min_policy_version`.
+    /// the FIFO is empty or one more would not fit in a reply message of
+    /// `max_reply_bytes` (the NATS server's `max_payload`), dropping those
+    /// older than `min_policy_version`.
     pub async fn sample(
         &self,
         min_policy_version: u64,
         max_steps: u64,
+        max_reply_bytes: usize,
     ) -> redis::RedisResult<Sampled> {
         let mut redis = self.redis.clone();
         // Inserts refuse anything older than this from now on.
@@ -379,7 +381,7 @@ impl Fifo {
             // goes back to the head for the next sample (wide observations
             // make few fragments fill a message).
             if !out.fragments.is_empty()
-                && reply_bytes + item.len() + SAMPLE_REPLY_OVERHEAD > relay_proto::MAX_MESSAGE_BYTES
+                && reply_bytes + item.len() + SAMPLE_REPLY_OVERHEAD > max_reply_bytes
             {
                 let _: () = redis.lpush(&self.keys.fifo, item).await?;
                 break;
@@ -446,6 +448,8 @@ impl Fifo {
 /// Runs the replay-buffer until shutdown.
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("replay-buffer", config, shutdown.clone()).await?;
+    // From here on the service stops on the caller's signal or its own failure.
+    let shutdown = service.shutdown.clone();
     let cfg = service.config.clone();
     let redis = relay_kit::connect_redis_with(&cfg.connections, &shutdown).await?;
     let rate_limit = cfg
@@ -630,7 +634,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     let _ = request.respond(Err(async_nats::service::error::Error { status: detail, code: 400 })).await;
                     continue;
                 }
-                match fifo.sample(ask.min_policy_version, ask.max_steps as u64).await {
+                match fifo.sample(ask.min_policy_version, ask.max_steps as u64, service.max_message_bytes()).await {
                     Ok(sampled) => {
                         let steps: u64 = sampled.fragments.iter().map(RolloutFragment::env_steps).sum();
                         metrics.sampled_steps.inc_by(steps);
@@ -670,7 +674,18 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         metrics.sampled_steps.inc_by(sampled.batch.ids.len() as u64);
                         metrics.size_steps.set(sampled.batch.size as i64);
                         metrics.dropped.with_label_values(&["undecodable"]).inc_by(sampled.corrupt);
-                        let _ = request.respond(Ok(relay_proto::encode(&sampled.batch).into())).await;
+                        let reply = relay_proto::encode(&sampled.batch);
+                        let limit = service.max_message_bytes();
+                        let answer = if reply.len() > limit {
+                            // Said, not dropped: the learner asks for fewer rows.
+                            Err(async_nats::service::error::Error {
+                                status: format!("{} transitions make a reply of {} bytes, more than the {limit} bytes a message carries here (max_payload); ask for fewer", ask.batch_size, reply.len()),
+                                code: 413,
+                            })
+                        } else {
+                            Ok(reply.into())
+                        };
+                        let _ = request.respond(answer).await;
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "off-policy sample failed");
@@ -733,7 +748,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         continue;
                     }
                 };
-                match game_store.sample(ask.min_policy_version, ask.max_turns as u64).await {
+                match game_store.sample(ask.min_policy_version, ask.max_turns as u64, service.max_message_bytes()).await {
                     Ok(sampled) => {
                         metrics.games_sampled.inc_by(sampled.games.len() as u64);
                         let turns: u64 = sampled.games.iter().map(games::learning_turn_count).sum();
@@ -785,10 +800,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
         }
     }
-    service.health.set_ready(false);
     let _ = micro.stop().await;
-    service.drain().await;
-    Ok(())
+    service.finish().await
 }
 
 /// Inserts a fragment into the off-policy table after checking that it
@@ -812,12 +825,12 @@ async fn insert_transitions(
     }
     if let Some(spec) = spec {
         let d = spec.observation_space.dim();
-        if fragment.obs.shape[2] as usize != d {
+        if fragment.obs_dim() != d {
             return Err(bad(
                 "obs",
                 format!(
                     "observations have {} features, {env_id} has {d}",
-                    fragment.obs.shape[2]
+                    fragment.obs_dim()
                 ),
             ));
         }

@@ -21,7 +21,8 @@
 //! # Redis layout (all state in Redis: any number of copies)
 //!
 //! Keys under `relay:<run>:offpolicy:`: `items` (hash: slot → encoded
-//! transition), `tree` (a string of `2P` little-endian f64: a sum tree
+//! transition), `frames:<id>` and `blocks` (image observations, below),
+//! `tree` (a string of `2P` little-endian f64: a sum tree
 //! over the `P >= capacity` slots (a power of two), node `i` at byte `8i`,
 //! leaves at `P + slot` hold `p^α`), `meta` (hash: `next`, the number of
 //! transitions ever inserted; `max_priority`; `inserted_steps`, `taken`
@@ -30,6 +31,21 @@
 //! eviction) and is still held while `id >= next - capacity`. Every
 //! operation is one Lua script, so copies never interleave inside one.
 //! Random numbers come from the caller (`ARGV`), not from Lua.
+//!
+//! # Image observations, stored once
+//! A fragment whose observations are stored as frames (see
+//! [`RolloutFragment::frames`]) keeps them so in the table: its frames go
+//! into one string `frames:<id>`, `id` the number of the insert's first
+//! transition, and each of its transitions holds the plane indices of
+//! its observation and bootstrap observation in it (with its position in
+//! the insert, which leads back to `id`). A frame of Atari's 4-frame
+//! stacks is then stored about once, not 8 times (4 in the observation, 4
+//! in the next one), and as a byte, not an f32: 7 kB a transition instead
+//! of 226 kB. `blocks` lists the inserts' `id:last-id`, oldest first; an
+//! insert deletes the frames whose transitions were all evicted. The
+//! sample script reads each sampled row's planes with `GETRANGE` and
+//! returns them after the row, so the learner gets the pixels (uint8)
+//! and the frames never leave Redis otherwise.
 //!
 //! # Sampling
 //!
@@ -44,7 +60,7 @@
 //! id that was evicted since it was sampled is skipped and counted.
 
 use relay_config::OffPolicyTable;
-use relay_proto::{DType, RolloutFragment, Tensor, TransitionBatch, SCHEMA_VERSION};
+use relay_proto::{DType, ObsField, RolloutFragment, Tensor, TransitionBatch, SCHEMA_VERSION};
 use thiserror::Error;
 
 /// Redis key names of one run's off-policy table.
@@ -53,6 +69,9 @@ pub struct TableKeys {
     pub items: String,
     pub tree: String,
     pub meta: String,
+    /// Prefix of the frames of one insert: `frames:<first id>`.
+    pub frames: String,
+    pub blocks: String,
 }
 
 impl TableKeys {
@@ -62,6 +81,8 @@ impl TableKeys {
             items: format!("{base}:items"),
             tree: format!("{base}:tree"),
             meta: format!("{base}:meta"),
+            frames: format!("{base}:frames:"),
+            blocks: format!("{base}:blocks"),
         }
     }
 }
@@ -153,9 +174,10 @@ local function num(field, default)
 end
 "#;
 
-/// KEYS: items, tree, meta. ARGV: capacity, P, alpha, ratio ('' without
-/// limiter), max_diff, env_steps, payloads...
-/// Returns {status, size, evicted}: status 1 stored, -2 rate-limited.
+/// KEYS: items, tree, meta, frames prefix, blocks. ARGV: capacity, P,
+/// alpha, ratio ('' without limiter), max_diff, env_steps, frames (''
+/// without), payloads... Returns {status, size, evicted}: status 1
+/// stored, -2 rate-limited.
 const INSERT_LUA: &str = r#"
 local cap = tonumber(ARGV[1])
 local alpha = tonumber(ARGV[3])
@@ -170,8 +192,9 @@ if ARGV[4] ~= '' then
 end
 local leaf = num('max_priority', '1') ^ alpha
 local evicted = 0
-bulk(#ARGV - 6)
-for a = 7, #ARGV do
+local first = nxt
+bulk(#ARGV - 7)
+for a = 8, #ARGV do
   local slot = nxt % cap
   if nxt >= cap then evicted = evicted + 1 end
   redis.call('HSET', KEYS[1], slot, ARGV[a])
@@ -179,14 +202,29 @@ for a = 7, #ARGV do
   nxt = nxt + 1
 end
 flush()
+if ARGV[7] ~= '' then
+  redis.call('SET', KEYS[4] .. first, ARGV[7])
+  redis.call('RPUSH', KEYS[5], first .. ':' .. (nxt - 1))
+end
+-- Frames whose transitions were all evicted go.
+while true do
+  local head = redis.call('LINDEX', KEYS[5], 0)
+  if not head then break end
+  local f, l = string.match(head, '(%d+):(%d+)')
+  if tonumber(l) >= nxt - cap then break end
+  redis.call('DEL', KEYS[4] .. f)
+  redis.call('LPOP', KEYS[5])
+end
 redis.call('HSET', KEYS[3], 'next', nxt)
 redis.call('HINCRBY', KEYS[3], 'inserted_steps', steps)
 redis.call('HINCRBY', KEYS[3], 'evicted', evicted)
 return {1, math.min(nxt, cap), evicted}
 "#;
 
-/// KEYS: items, tree, meta. ARGV: capacity, P, batch, prioritized (1/0),
-/// ratio ('' without limiter), min_size, min_diff, uniforms...
+/// KEYS: items, tree, meta, frames prefix. ARGV: capacity, P, batch,
+/// prioritized (1/0), ratio ('' without limiter), min_size, min_diff,
+/// uniforms... A row stored with plane indices comes back with its
+/// planes' pixels after it (nil when its frames are gone).
 /// Returns {size, next, inserted_steps, total (string), status,
 /// [slot, leaf (string; "0" when uniform), payload]...}; status 1 sampled, 0 nothing held or
 /// counters only (batch 0), -2 held back by the rate limiter.
@@ -238,6 +276,28 @@ for j = 0, batch - 1 do
 end
 -- One HMGET for the batch; leaves only where they weigh the sample.
 local items = redis.call('HMGET', KEYS[1], unpack(slots))
+for j = 1, batch do
+  local item = items[j]
+  if item and string.byte(item, 1) == 2 then
+    local c = struct.unpack('<I2', item, 2)
+    local plane = struct.unpack('<I4', item, 7)
+    local offset = struct.unpack('<I4', item, 11)
+    local last = nxt - 1
+    local id = last - (last + cap - slots[j]) % cap
+    local key = KEYS[4] .. (id - offset)
+    local parts = {item}
+    for i = 0, 2 * c - 1 do
+      local index = struct.unpack('<I4', item, 15 + 4 * i)
+      local pixels = redis.call('GETRANGE', key, index * plane, (index + 1) * plane - 1)
+      if #pixels ~= plane then
+        parts = nil
+        break
+      end
+      parts[#parts + 1] = pixels
+    end
+    items[j] = parts and table.concat(parts) or false
+  end
+end
 for j = 1, batch do
   table.insert(head, slots[j])
   table.insert(head, prioritized and string.format('%.17g', get(P + slots[j])) or '0')
@@ -295,16 +355,32 @@ fn bad(field: &'static str, detail: impl Into<String>) -> TableError {
     }
 }
 
+/// The two observations of a transition (`s_t` and `s_{t+k}`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Observations {
+    /// f32 values.
+    Values { obs: Vec<f32>, next_obs: Vec<f32> },
+    /// As stored for image observations: the indices of their planes in
+    /// the frames of the insert the transition came in, `offset` its
+    /// position in that insert, `plane` the pixels of a plane.
+    Planes {
+        obs: Vec<u32>,
+        next_obs: Vec<u32>,
+        plane: u32,
+        offset: u32,
+    },
+    /// As sampled for image observations: their pixels.
+    Pixels { obs: Vec<u8>, next_obs: Vec<u8> },
+}
+
 /// One n-step transition (see the module docs).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Transition {
-    pub obs: Vec<f32>,
+    pub observations: Observations,
     /// Discrete action index, or the continuous action vector.
     pub action: Action,
     /// `R_t`, the discounted sum of the window's rewards.
     pub reward: f32,
-    /// `s_{t+k}`.
-    pub next_obs: Vec<f32>,
     /// `γ^k`, 0 after a termination.
     pub discount: f32,
     pub terminated: bool,
@@ -318,17 +394,27 @@ pub enum Action {
     Continuous(Vec<f32>),
 }
 
-const FORMAT: u8 = 1;
+/// Stored with f32 observations.
+const FORMAT_VALUES: u8 = 1;
+/// Stored with plane indices (image observations stored once).
+const FORMAT_PLANES: u8 = 2;
 
 impl Transition {
-    /// Little-endian bytes: format, obs_dim (u16), action kind (u8: 0
-    /// discrete, 1 continuous), action_dim (u16), obs, next_obs, action,
-    /// reward, discount, terminated, truncated.
+    /// Little-endian bytes: format, then observation width `d` (values) or
+    /// planes `C` (u16), action kind (u8: 0 discrete, 1 continuous),
+    /// action_dim (u16), for planes the pixels of a plane and the offset
+    /// in the insert (u32 each), the observations (`2d` f32 or `2C` u32),
+    /// action, reward, discount, terminated, truncated. Only stored forms
+    /// (values, planes) encode.
     pub fn encode(&self) -> Vec<u8> {
-        let d = self.obs.len();
-        let mut out = Vec::with_capacity(8 + 8 * d + 16);
-        out.push(FORMAT);
-        out.extend((d as u16).to_le_bytes());
+        let mut out = Vec::with_capacity(64);
+        let (format, width) = match &self.observations {
+            Observations::Values { obs, .. } => (FORMAT_VALUES, obs.len()),
+            Observations::Planes { obs, .. } => (FORMAT_PLANES, obs.len()),
+            Observations::Pixels { .. } => unreachable!("sampled rows are not stored"),
+        };
+        out.push(format);
+        out.extend((width as u16).to_le_bytes());
         match &self.action {
             Action::Discrete(_) => {
                 out.push(0);
@@ -339,8 +425,25 @@ impl Transition {
                 out.extend((a.len() as u16).to_le_bytes());
             }
         }
-        for x in self.obs.iter().chain(&self.next_obs) {
-            out.extend(x.to_le_bytes());
+        match &self.observations {
+            Observations::Values { obs, next_obs } => {
+                for x in obs.iter().chain(next_obs) {
+                    out.extend(x.to_le_bytes());
+                }
+            }
+            Observations::Planes {
+                obs,
+                next_obs,
+                plane,
+                offset,
+            } => {
+                out.extend(plane.to_le_bytes());
+                out.extend(offset.to_le_bytes());
+                for i in obs.iter().chain(next_obs) {
+                    out.extend(i.to_le_bytes());
+                }
+            }
+            Observations::Pixels { .. } => unreachable!(),
         }
         match &self.action {
             Action::Discrete(a) => out.extend(a.to_le_bytes()),
@@ -353,12 +456,15 @@ impl Transition {
         out
     }
 
-    /// The inverse of [`Transition::encode`]; `None` on any mismatch.
+    /// The inverse of [`Transition::encode`]; a planes row followed by its
+    /// planes' pixels (as the sample script returns it) decodes to
+    /// [`Observations::Pixels`]. `None` on any mismatch.
     pub fn decode(bytes: &[u8]) -> Option<Self> {
-        if bytes.len() < 6 || bytes[0] != FORMAT {
+        if bytes.len() < 6 {
             return None;
         }
-        let d = u16::from_le_bytes([bytes[1], bytes[2]]) as usize;
+        let format = bytes[0];
+        let width = u16::from_le_bytes([bytes[1], bytes[2]]) as usize;
         let kind = bytes[3];
         let ad = u16::from_le_bytes([bytes[4], bytes[5]]) as usize;
         let action_bytes = match kind {
@@ -366,13 +472,45 @@ impl Transition {
             1 => 4 * ad,
             _ => return None,
         };
-        if bytes.len() != 6 + 8 * d + action_bytes + 10 {
-            return None;
-        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
         let f32_at = |o: usize| f32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
-        let obs = (0..d).map(|i| f32_at(6 + 4 * i)).collect();
-        let next_obs = (0..d).map(|i| f32_at(6 + 4 * (d + i))).collect();
-        let mut o = 6 + 8 * d;
+        let tail = action_bytes + 10;
+        let (observations, mut o) = match format {
+            FORMAT_VALUES => {
+                if bytes.len() != 6 + 8 * width + tail {
+                    return None;
+                }
+                let obs = (0..width).map(|i| f32_at(6 + 4 * i)).collect();
+                let next_obs = (0..width).map(|i| f32_at(6 + 4 * (width + i))).collect();
+                (Observations::Values { obs, next_obs }, 6 + 8 * width)
+            }
+            FORMAT_PLANES => {
+                if bytes.len() < 14 + 8 * width + tail {
+                    return None;
+                }
+                let (plane, offset) = (u32_at(6), u32_at(10));
+                let stored = 14 + 8 * width + tail;
+                let observations = if bytes.len() == stored {
+                    Observations::Planes {
+                        obs: (0..width).map(|i| u32_at(14 + 4 * i)).collect(),
+                        next_obs: (0..width).map(|i| u32_at(14 + 4 * (width + i))).collect(),
+                        plane,
+                        offset,
+                    }
+                } else {
+                    let half = width * plane as usize;
+                    if bytes.len() != stored + 2 * half {
+                        return None;
+                    }
+                    Observations::Pixels {
+                        obs: bytes[stored..stored + half].to_vec(),
+                        next_obs: bytes[stored + half..].to_vec(),
+                    }
+                };
+                (observations, 14 + 8 * width)
+            }
+            _ => return None,
+        };
         let action = if kind == 0 {
             Action::Discrete(i64::from_le_bytes(bytes[o..o + 8].try_into().unwrap()))
         } else {
@@ -380,14 +518,115 @@ impl Transition {
         };
         o += action_bytes;
         Some(Self {
-            obs,
+            observations,
             action,
             reward: f32_at(o),
-            next_obs,
             discount: f32_at(o + 4),
             terminated: bytes[o + 8] != 0,
             truncated: bytes[o + 9] != 0,
         })
+    }
+}
+
+/// A fragment's observations as the table stores them: f32 rows, or
+/// plane-index rows when the fragment stores frames once.
+enum Rows {
+    Values {
+        obs: Vec<f32>,
+        next_obs: Vec<f32>,
+        final_obs: Vec<f32>,
+        width: usize,
+    },
+    Planes {
+        obs: Vec<u32>,
+        next_obs: Vec<u32>,
+        final_obs: Vec<u32>,
+        width: usize,
+        plane: u32,
+    },
+}
+
+/// One row of a [`Rows`]' field.
+enum Row<'a> {
+    Values(&'a [f32]),
+    Planes(&'a [u32]),
+}
+
+impl Rows {
+    fn of(f: &RolloutFragment) -> Result<Self, TableError> {
+        let tensor = |field: &'static str, e: relay_proto::TensorError| bad(field, e.to_string());
+        Ok(match &f.frames {
+            None => Self::Values {
+                obs: f
+                    .observations(ObsField::Obs)
+                    .map_err(|e| tensor("obs", e))?,
+                next_obs: f
+                    .observations(ObsField::Next)
+                    .map_err(|e| tensor("next_obs", e))?,
+                final_obs: f
+                    .observations(ObsField::Final)
+                    .map_err(|e| tensor("final_obs", e))?,
+                width: f.obs_dim(),
+            },
+            Some(frames) => Self::Planes {
+                obs: f.obs.to_u32().map_err(|e| tensor("obs", e))?,
+                next_obs: f.next_obs.to_u32().map_err(|e| tensor("next_obs", e))?,
+                final_obs: f.final_obs.to_u32().map_err(|e| tensor("final_obs", e))?,
+                width: f.obs.shape[2] as usize,
+                plane: frames.shape[1],
+            },
+        })
+    }
+
+    /// Row `i` of `field`.
+    fn row(&self, field: ObsField, i: usize) -> Row<'_> {
+        match self {
+            Self::Values {
+                obs,
+                next_obs,
+                final_obs,
+                width,
+            } => {
+                let all = match field {
+                    ObsField::Obs => obs,
+                    ObsField::Next => next_obs,
+                    ObsField::Final => final_obs,
+                };
+                Row::Values(&all[i * width..(i + 1) * width])
+            }
+            Self::Planes {
+                obs,
+                next_obs,
+                final_obs,
+                width,
+                ..
+            } => {
+                let all = match field {
+                    ObsField::Obs => obs,
+                    ObsField::Next => next_obs,
+                    ObsField::Final => final_obs,
+                };
+                Row::Planes(&all[i * width..(i + 1) * width])
+            }
+        }
+    }
+
+    /// The observations of a transition from `obs` to `next`; `offset`
+    /// its position in the insert.
+    fn observations(&self, obs: Row, next: Row, offset: usize) -> Observations {
+        match (obs, next, self) {
+            (Row::Values(o), Row::Values(n), _) => Observations::Values {
+                obs: o.to_vec(),
+                next_obs: n.to_vec(),
+            },
+            (Row::Planes(o), Row::Planes(n), Self::Planes { plane, .. }) => Observations::Planes {
+                obs: o.to_vec(),
+                next_obs: n.to_vec(),
+                plane: *plane,
+                offset: offset as u32,
+            },
+            _ => unreachable!("rows of one fragment are of one kind"),
+        }
     }
 }
 
@@ -399,23 +638,14 @@ pub fn fragment_transitions(
     gamma: f64,
 ) -> Result<Vec<Transition>, TableError> {
     let (t_len, n) = (f.num_steps as usize, f.num_envs as usize);
-    let d = f.obs.shape[2] as usize;
     let tensor = |field: &'static str, e: relay_proto::TensorError| bad(field, e.to_string());
-    let obs = f.obs.observations_to_f32().map_err(|e| tensor("obs", e))?;
+    let rows = Rows::of(f)?;
     let rewards = f.rewards.to_f32().map_err(|e| tensor("rewards", e))?;
     let terminated = f
         .terminated
         .to_bool()
         .map_err(|e| tensor("terminated", e))?;
     let truncated = f.truncated.to_bool().map_err(|e| tensor("truncated", e))?;
-    let next_obs = f
-        .next_obs
-        .observations_to_f32()
-        .map_err(|e| tensor("next_obs", e))?;
-    let final_obs = f
-        .final_obs
-        .observations_to_f32()
-        .map_err(|e| tensor("final_obs", e))?;
     let actions: Vec<Action> = match f.actions.dtype {
         DType::I64 => f
             .actions
@@ -443,14 +673,14 @@ pub fn fragment_transitions(
             k += 1;
         }
     }
-    let after = |t: usize, e: usize| -> Vec<f32> {
+    let after = |t: usize, e: usize| -> Row<'_> {
         let i = t * n + e;
         if let Some(k) = final_rows[i] {
-            final_obs[k * d..(k + 1) * d].to_vec()
+            rows.row(ObsField::Final, k)
         } else if t + 1 < t_len {
-            obs[((t + 1) * n + e) * d..((t + 1) * n + e + 1) * d].to_vec()
+            rows.row(ObsField::Obs, (t + 1) * n + e)
         } else {
-            next_obs[e * d..(e + 1) * d].to_vec()
+            rows.row(ObsField::Next, e)
         }
     };
     let mut out = vec![None; t_len * n];
@@ -462,11 +692,11 @@ pub fn fragment_transitions(
             .map_err(|e| bad("n_steps", e.to_string()))?;
         for t in 0..t_len {
             let last = nstep.next_index[t];
-            out[t * n + e] = Some(Transition {
-                obs: obs[(t * n + e) * d..(t * n + e + 1) * d].to_vec(),
-                action: actions[t * n + e].clone(),
+            let at = t * n + e;
+            out[at] = Some(Transition {
+                observations: rows.observations(rows.row(ObsField::Obs, at), after(last, e), at),
+                action: actions[at].clone(),
                 reward: nstep.returns[t],
-                next_obs: after(last, e),
                 discount: nstep.discounts[t],
                 terminated: term[last],
                 truncated: trunc[last],
@@ -555,6 +785,8 @@ impl Table {
         let mut inv = script.key(&self.keys.items);
         inv.key(&self.keys.tree)
             .key(&self.keys.meta)
+            .key(&self.keys.frames)
+            .key(&self.keys.blocks)
             .arg(self.table.capacity)
             .arg(tree_leaves(self.table.capacity));
         inv
@@ -574,7 +806,8 @@ impl Table {
                 self.rate_limit
                     .map_or(String::new(), |r| r.max_diff().to_string()),
             )
-            .arg(fragment.env_steps());
+            .arg(fragment.env_steps())
+            .arg(fragment.frames.as_ref().map_or(&[][..], |f| &f.data[..]));
         for t in &transitions {
             inv.arg(t.encode());
         }
@@ -693,17 +926,25 @@ fn build_batch(
     inserted_steps: u64,
 ) -> TransitionBatch {
     let b = rows.len();
-    let d = rows.first().map_or(0, |(_, t)| t.obs.len());
-    let mut obs = Vec::with_capacity(b * d);
-    let mut next_obs = Vec::with_capacity(b * d);
+    let (mut values, mut next_values) = (Vec::new(), Vec::new());
+    let (mut pixels, mut next_pixels) = (Vec::new(), Vec::new());
     let (mut discrete, mut continuous) = (Vec::new(), Vec::new());
     let mut ad = 0;
     let (mut rewards, mut discounts, mut term, mut trunc, mut ids) =
         (vec![], vec![], vec![], vec![], vec![]);
     for (id, t) in rows {
         ids.push(id);
-        obs.extend(&t.obs);
-        next_obs.extend(&t.next_obs);
+        match t.observations {
+            Observations::Values { obs, next_obs } => {
+                values.extend(obs);
+                next_values.extend(next_obs);
+            }
+            Observations::Pixels { obs, next_obs } => {
+                pixels.extend(obs);
+                next_pixels.extend(next_obs);
+            }
+            Observations::Planes { .. } => unreachable!("samples return pixels"),
+        }
         match t.action {
             Action::Discrete(a) => discrete.push(a),
             Action::Continuous(a) => {
@@ -721,13 +962,27 @@ fn build_batch(
     } else {
         Tensor::from_f32(&[b, ad], &continuous)
     };
+    // One table holds one run's transitions: all values or all pixels.
+    let (obs, next_obs) = if pixels.is_empty() {
+        let d = values.len() / b.max(1);
+        (
+            Tensor::from_f32(&[b, d], &values),
+            Tensor::from_f32(&[b, d], &next_values),
+        )
+    } else {
+        let d = pixels.len() / b;
+        (
+            Tensor::from_u8(&[b, d], &pixels),
+            Tensor::from_u8(&[b, d], &next_pixels),
+        )
+    };
     TransitionBatch {
         schema: SCHEMA_VERSION,
         ids,
-        obs: Tensor::from_f32(&[b, d], &obs),
+        obs,
         actions,
         rewards: Tensor::from_f32(&[b], &rewards),
-        next_obs: Tensor::from_f32(&[b, d], &next_obs),
+        next_obs,
         discounts: Tensor::from_f32(&[b], &discounts),
         terminated: Tensor::from_bool(&[b], &term),
         truncated: Tensor::from_bool(&[b], &trunc),
@@ -740,6 +995,14 @@ fn build_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bootstrap observation of a transition of f32 values.
+    fn next_values(t: &Transition) -> Vec<f32> {
+        match &t.observations {
+            Observations::Values { next_obs, .. } => next_obs.clone(),
+            other => panic!("not values: {other:?}"),
+        }
+    }
 
     fn fragment(t: usize, n: usize) -> RolloutFragment {
         // obs[t, e] = [10 t + e, -1]; reward of (t, e) = t + 1.
@@ -765,6 +1028,7 @@ mod tests {
             final_obs: Tensor::from_f32(&[0, 2], &[]),
             norm_rewards: None,
             norm_delta: None,
+            frames: None,
         }
     }
 
@@ -792,20 +1056,20 @@ mod tests {
         // final observation with γ^2.
         assert_eq!(at(0, 1).reward, 2.0);
         assert_eq!(at(0, 1).discount, 0.25);
-        assert_eq!(at(0, 1).next_obs, vec![7.0, 7.0]);
+        assert_eq!(next_values(at(0, 1)), vec![7.0, 7.0]);
         assert!(at(0, 1).truncated && !at(0, 1).terminated);
         // (1, 1): one step, truncated: γ^1 from the final obs.
         assert_eq!((at(1, 1).reward, at(1, 1).discount), (2.0, 0.5));
-        assert_eq!(at(1, 1).next_obs, vec![7.0, 7.0]);
+        assert_eq!(next_values(at(1, 1)), vec![7.0, 7.0]);
         // (2, 0): a full 2-step window, bootstrap from obs[t=4] = next_obs.
         assert_eq!(
             (at(2, 0).reward, at(2, 0).discount),
             (3.0 + 0.5 * 4.0, 0.25)
         );
-        assert_eq!(at(2, 0).next_obs, vec![99.0, 99.0]);
+        assert_eq!(next_values(at(2, 0)), vec![99.0, 99.0]);
         // (1, 0) ... (2, 1): next obs of a mid-fragment step is the next row.
         let one = fragment_transitions(&f, 1, g).unwrap();
-        assert_eq!(one[0].next_obs, vec![10.0, -1.0]);
+        assert_eq!(next_values(&one[0]), vec![10.0, -1.0]);
         assert_eq!(one[0].discount, 0.5);
         // (3, e): the fragment's tail bootstraps from next_obs, 1 step.
         assert_eq!((at(3, 0).reward, at(3, 0).discount), (4.0, 0.5));

@@ -461,6 +461,8 @@ fn write_train_return(
 /// Runs the tracker until shutdown.
 pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), ServiceError> {
     let service = Service::start("tracker", config, shutdown.clone()).await?;
+    // From here on the service stops on the caller's signal or its own failure.
+    let shutdown = service.shutdown.clone();
     let cfg = service.config.clone();
     let run_id = cfg.run_id()?.to_string();
     let mut dir = RunDir::open(cfg.run.runs_dir.join(&run_id), &cfg.to_yaml())?;

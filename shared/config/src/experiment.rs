@@ -24,6 +24,7 @@ use crate::run::{Algo, RunConfig};
 use crate::sac::SacSection;
 use crate::services::{EnvRunnerConfig, InferenceConfig, ReplayConfig, TrackerConfig};
 use crate::text::TextConfig;
+use crate::weights::WeightsSection;
 
 /// A whole experiment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -66,11 +67,18 @@ pub struct ExperimentConfig {
     pub league: LeagueSection,
     #[serde(default)]
     pub normalize: NormalizeSection,
+    /// How weights versions travel to the services that follow them.
+    #[serde(default)]
+    pub weights: WeightsSection,
     /// Where `run.env_id` comes from (built in, or Gymnasium through Python
     /// workers) and how it is made.
     #[serde(default)]
     pub env: EnvSection,
 }
+
+/// What a message holds besides its arrays (field names, ids, schema,
+/// normalisation statistics of a wide observation), with room to spare.
+const MESSAGE_OVERHEAD: usize = 64 * 1024;
 
 /// Environment variables of this form override config fields:
 /// `RELAY__PPO__LEARNING_RATE=0.0003` sets `ppo.learning_rate`.
@@ -191,6 +199,7 @@ impl ExperimentConfig {
         self.league
             .validate(&self.text, &self.run.env_id, &self.env)?;
         self.lora.validate()?;
+        self.weights.validate()?;
         self.rl.validate(self.text.max_turn_tokens as usize)?;
         if self.run.total_env_steps == 0 {
             return Err(invalid("run.total_env_steps", "must be positive"));
@@ -451,7 +460,7 @@ impl ExperimentConfig {
 
     /// Checks the config against the env it runs on (known only once the
     /// env is made): `policy.cnn` needs image observations that its
-    /// convolutions fit, and fragments must fit in a message.
+    /// convolutions fit, and one observation must fit in a message.
     pub fn check_env(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
         if let Some(cnn) = &self.policy.cnn {
             let Some(image) = spec.image else {
@@ -477,42 +486,80 @@ impl ExperimentConfig {
             cnn.output_shapes()
                 .map_err(|e| invalid("policy.cnn.conv", e.to_string()))?;
         }
+        self.check_observation_size(spec)
+    }
+
+    /// Bytes one observation of `spec` takes on the wire: a byte a pixel,
+    /// else an f32 a value.
+    pub fn observation_bytes(&self, spec: &relay_envs::EnvSpec) -> usize {
         let value_bytes = if self.observations_as_pixels(spec) {
             1
         } else {
             4
         };
-        self.check_fragment_size(spec.obs_dim(), value_bytes, spec.action_space.dim())
+        spec.obs_dim() * value_bytes
     }
 
-    /// Refuses a fragment size that cannot travel: a wide observation (a
-    /// one-hot `Discrete(500)`, an image) times `fragment_steps x num_envs`
-    /// can outgrow a NATS message, and every insert would fail.
-    pub(crate) fn check_fragment_size(
-        &self,
-        obs_dim: usize,
-        obs_value_bytes: usize,
-        action_values: usize,
-    ) -> Result<(), ConfigError> {
-        let (steps, n) = (self.env_runner.fragment_steps, self.env_runner.num_envs);
-        // Per env step: observation, action (i64 or f32s), logprob, value,
-        // reward, scaled reward, two flags; per fragment: next observations
-        // and about one final observation per env; then headers.
-        let obs_bytes = obs_dim * obs_value_bytes;
-        let per_step = n * (obs_bytes + action_values * 8 + 16 + 2);
-        let fixed = 2 * n * obs_bytes + 4096;
-        let bytes = steps * per_step + fixed;
-        let limit = relay_proto::MAX_MESSAGE_BYTES;
-        if bytes > limit {
-            let fits = limit.saturating_sub(fixed) / per_step;
+    /// Refuses observations too large for any NATS message: the smallest
+    /// fragment (one step of one env, with its next and final
+    /// observations) must fit in the most nats-server carries. Anything
+    /// larger is split by whoever sends it.
+    fn check_observation_size(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
+        let smallest = 3 * self.observation_bytes(spec) + MESSAGE_OVERHEAD;
+        if smallest > relay_proto::MAX_MESSAGE_BYTES {
             return Err(invalid(
-                "env_runner.fragment_steps",
+                "run.env_id",
                 format!(
-                    "{steps} vector steps of {n} envs with {obs_dim} observation values make fragments of about {bytes} bytes, above the {limit} bytes a message may have; use at most {fits} (or fewer env_runner.num_envs)"
+                    "{} has observations of {} bytes; one env step with its next and final observations ({smallest} bytes) does not fit in a NATS message (at most {} bytes)",
+                    spec.id,
+                    self.observation_bytes(spec),
+                    relay_proto::MAX_MESSAGE_BYTES
                 ),
             ));
         }
         Ok(())
+    }
+
+    /// The largest message this run sends at its configured sizes: a
+    /// fragment of `env_runner.fragment_steps` steps of
+    /// `env_runner.num_envs` envs (observations not deduplicated, with the
+    /// next observations and one final observation per env), an act
+    /// request of `num_envs` observations, and for DQN and SAC a minibatch
+    /// of transitions. What relay's own nats-server is sized to
+    /// ([`Self::nats_max_payload`]).
+    pub fn largest_message_bytes(&self, spec: &relay_envs::EnvSpec) -> usize {
+        let obs = self.observation_bytes(spec);
+        let action = spec.action_space.dim() * 8;
+        let (steps, n) = (self.env_runner.fragment_steps, self.env_runner.num_envs);
+        // Per env step: observation, action (i64 or f32s), logprob, value,
+        // reward, scaled reward, two flags.
+        let fragment = steps * n * (obs + action + 18) + 2 * n * obs;
+        let act = n * obs;
+        let batch = match self.run.algo {
+            Algo::Dqn => self.dqn.batch_size,
+            Algo::Sac => self.sac.batch_size,
+            _ => 0,
+        };
+        // Per transition: observation and next observation, action, reward,
+        // discount, importance weight, id, two flags.
+        let transitions = batch * (2 * obs + action + 22);
+        fragment.max(act).max(transitions) + MESSAGE_OVERHEAD
+    }
+
+    /// The `max_payload` relay's own nats-server is started with for this
+    /// run: the largest message it sends ([`Self::largest_message_bytes`])
+    /// rounded up to a whole MiB, at least nats-server's default of 1 MiB
+    /// and at most the 64 MiB nats-server allows (past it, fragments are
+    /// split to fit).
+    pub fn nats_max_payload(&self, spec: &relay_envs::EnvSpec) -> usize {
+        const MIB: usize = 1 << 20;
+        self.largest_message_bytes(spec)
+            .div_ceil(MIB)
+            .saturating_mul(MIB)
+            .clamp(
+                relay_proto::DEFAULT_MAX_PAYLOAD,
+                relay_proto::MAX_MESSAGE_BYTES,
+            )
     }
 
     /// The spec of a built-in classic-control `run.env_id`; `None` for a

@@ -31,6 +31,7 @@ pub mod sac;
 pub mod schedule;
 pub mod services;
 pub mod text;
+pub mod weights;
 
 pub use a2c::*;
 pub use check::*;
@@ -51,6 +52,7 @@ pub use sac::*;
 pub use schedule::*;
 pub use services::*;
 pub use text::*;
+pub use weights::*;
 
 #[cfg(test)]
 mod tests;

@@ -25,11 +25,6 @@ pub struct LoraSection {
     /// Seed of the initial `A` factors (`B` starts at zero, so version 0
     /// plays exactly as the base model).
     pub seed: u64,
-    /// Adapter versions up to this many bytes (config plus safetensors)
-    /// are published inside the `AdapterUpdate`; bigger ones go through
-    /// the JetStream object store (bucket `relay-<run>-adapters`). At most
-    /// the NATS message limit less 64 KiB.
-    pub inline_max_bytes: usize,
 }
 
 impl Default for LoraSection {
@@ -44,7 +39,6 @@ impl Default for LoraSection {
                 .collect(),
             use_rslora: false,
             seed: 0,
-            inline_max_bytes: relay_proto::MAX_MESSAGE_BYTES - 64 * 1024,
         }
     }
 }
@@ -93,13 +87,6 @@ impl LoraSection {
         }
         if self.target_modules.is_empty() {
             return Err(invalid("lora.target_modules", "needs at least one module"));
-        }
-        let limit = relay_proto::MAX_MESSAGE_BYTES - 64 * 1024;
-        if self.inline_max_bytes > limit {
-            return Err(invalid(
-                "lora.inline_max_bytes",
-                format!("{} is over the limit of {limit}", self.inline_max_bytes),
-            ));
         }
         self.lora_config().map(|_| ())
     }

@@ -81,24 +81,85 @@ fn cnn_policies_are_checked_against_the_env_and_the_algorithm() {
     assert!(e.contains("normalize.obs"), "{e}");
 }
 
+/// A 4x84x84 uint8 image env with 4 discrete actions (Atari's shape).
+fn atari_spec() -> relay_envs::EnvSpec {
+    relay_envs::EnvSpec {
+        id: "ALE/Breakout-v5",
+        image: Some([4, 84, 84]),
+        observation_space: relay_envs::BoxSpace {
+            low: vec![0.0; 4 * 84 * 84],
+            high: vec![255.0; 4 * 84 * 84],
+        },
+        action_space: relay_envs::ActionSpace::Discrete { n: 4 },
+        ..relay_envs::spec("CartPole-v1").unwrap()
+    }
+}
+
 #[test]
-fn fragments_too_large_for_a_message_are_refused_naming_the_field() {
-    let c = ExperimentConfig::from_layers(
-        BASE,
-        "t",
-        &[],
-        &[
-            "env_runner.num_envs=16".into(),
-            "env_runner.fragment_steps=128".into(),
-        ],
-    )
-    .unwrap();
-    c.check_fragment_size(4, 4, 1).unwrap();
-    // Taxi's one-hot Discrete(500).
-    let err = c.check_fragment_size(500, 4, 1).unwrap_err().to_string();
+fn relay_s_nats_server_is_sized_to_the_largest_message_of_the_run() {
+    let with = |overrides: &[&str]| {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers(BASE, "t", &[], &overrides).unwrap()
+    };
+    let atari = atari_spec();
+    let frame_stack = 4 * 84 * 84;
+    // 8 envs x 32 steps of uint8 frame stacks: about 7.3 MB of fragment.
+    let ppo = with(&[
+        "policy.cnn={}",
+        "policy.hidden=[]",
+        "env_runner.num_envs=8",
+        "env_runner.fragment_steps=32",
+    ]);
+    ppo.check_env(&atari).unwrap();
+    assert_eq!(ppo.observation_bytes(&atari), frame_stack);
+    let bytes = ppo.largest_message_bytes(&atari);
     assert!(
-        err.contains("env_runner.fragment_steps") && err.contains("at most 30"),
-        "{err}"
+        bytes > 8 * 32 * frame_stack && bytes < 8 * 35 * frame_stack,
+        "{bytes}"
+    );
+    assert_eq!(ppo.nats_max_payload(&atari), 8 << 20);
+    // Any size is accepted: past 64 MiB the env-runner splits fragments.
+    let huge = with(&[
+        "policy.cnn={}",
+        "policy.hidden=[]",
+        "env_runner.num_envs=64",
+        "env_runner.fragment_steps=512",
+    ]);
+    huge.check_env(&atari).unwrap();
+    assert_eq!(
+        huge.nats_max_payload(&atari),
+        relay_proto::MAX_MESSAGE_BYTES
+    );
+    // CartPole needs no more than nats-server's default.
+    let flat = relay_envs::spec("CartPole-v1").unwrap();
+    assert_eq!(
+        with(&[]).nats_max_payload(&flat),
+        relay_proto::DEFAULT_MAX_PAYLOAD
+    );
+    // Taxi's one-hot Discrete(500) at 16 envs x 128 steps: 4.2 MB.
+    let taxi = relay_envs::EnvSpec {
+        observation_space: relay_envs::BoxSpace {
+            low: vec![0.0; 500],
+            high: vec![1.0; 500],
+        },
+        ..flat.clone()
+    };
+    let wide = with(&["env_runner.num_envs=16", "env_runner.fragment_steps=128"]);
+    wide.check_env(&taxi).unwrap();
+    assert_eq!(wide.nats_max_payload(&taxi), 5 << 20);
+    // An observation no message can carry is refused, naming the env.
+    let giant = relay_envs::EnvSpec {
+        image: None,
+        observation_space: relay_envs::BoxSpace {
+            low: vec![0.0; 8 << 20],
+            high: vec![1.0; 8 << 20],
+        },
+        ..flat
+    };
+    let e = with(&[]).check_env(&giant).unwrap_err().to_string();
+    assert!(
+        e.contains("run.env_id") && e.contains("does not fit"),
+        "{e}"
     );
 }
 

@@ -75,7 +75,7 @@ fn bad_rl_and_lora_fields_are_named() {
     assert!(e.contains("rl.reward: config `draw`"), "{e}");
     assert!(err("lora.rank=0").contains("lora.rank"));
     assert!(err("lora.target_modules=[qkv]").contains("lora.target_modules"));
-    assert!(err("lora.inline_max_bytes=99999999").contains("lora.inline_max_bytes"));
+    assert!(err("weights.inline_max_bytes=99999999").contains("weights.inline_max_bytes"));
     let c = ExperimentConfig::from_layers(
         TEXT,
         "test",

@@ -91,6 +91,14 @@ pub enum RequestError {
     BadReply { subject: String, source: Rejection },
     #[error("request on {subject} failed: {detail}")]
     Other { subject: String, detail: String },
+    /// The request is larger than the NATS server carries (its
+    /// `max_payload`): sending it again cannot help.
+    #[error("request on {subject} of {bytes} bytes is larger than the {limit} bytes this NATS server carries (max_payload)")]
+    TooLarge {
+        subject: String,
+        bytes: usize,
+        limit: usize,
+    },
 }
 
 impl RequestError {
@@ -270,6 +278,13 @@ pub async fn request<Req: WireMessage, Rep: WireMessage>(
     timeout: Duration,
 ) -> Result<Rep, RequestError> {
     let payload = relay_proto::encode(message);
+    if payload.len() > client.max_payload() {
+        return Err(RequestError::TooLarge {
+            subject: subject.to_string(),
+            bytes: payload.len(),
+            limit: client.max_payload(),
+        });
+    }
     let request = async_nats::Request::new()
         .payload(payload.into())
         .timeout(Some(timeout));

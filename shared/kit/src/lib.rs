@@ -2,6 +2,7 @@
 //!
 //! - [`service`]: flags, start-up, the [`Service`] context, `main`.
 //! - [`connect`]: NATS and Redis connections with backoff; requests with timeouts.
+//! - [`weights`]: the one weights transport (inline, direct, object store).
 //! - [`direct`]: large weight versions straight from their publisher over TCP.
 //! - [`intake`]: decoding received payloads and counting rejections.
 //! - [`metrics`]: the metric catalogue and checked registration.
@@ -9,7 +10,6 @@
 //! - [`telemetry`]: tracing setup and log forwarding to the tracker.
 //! - [`shutdown`]: the signal passed into `run`.
 
-pub mod adapters;
 pub mod connect;
 pub mod direct;
 pub mod http;
@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod service;
 pub mod shutdown;
 pub mod telemetry;
+pub mod weights;
 
 pub use connect::{
     connect_nats, connect_nats_with, connect_redis, connect_redis_with, request, RequestError,

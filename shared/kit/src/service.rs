@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::Registry;
-use relay_proto::{MetricKind, MetricValue, MetricsReport, Subjects, SCHEMA_VERSION};
+use relay_proto::{
+    MetricKind, MetricValue, MetricsReport, RunStatus, RunStatusUpdate, Subjects, SCHEMA_VERSION,
+};
 
 use crate::connect::{connect_nats_with, ConnectError};
 use crate::http::{serve, Health};
@@ -107,6 +109,9 @@ pub enum ServiceError {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Other(String),
+    /// The service could not do its part of the run ([`Service::fail`]).
+    #[error("failed: {0}")]
+    Failed(String),
 }
 
 impl ServiceError {
@@ -120,6 +125,10 @@ impl ServiceError {
 
 static LOGS: std::sync::OnceLock<LogForwarding> = std::sync::OnceLock::new();
 
+/// The first service this process started, so that `main` can report an
+/// error `run` returned as the service's failure.
+static STARTED: std::sync::OnceLock<Service> = std::sync::OnceLock::new();
+
 /// The common parts of a started service.
 #[derive(Clone)]
 pub struct Service {
@@ -132,7 +141,12 @@ pub struct Service {
     pub intake: Intake,
     pub health: Health,
     pub metrics_addr: SocketAddr,
+    /// Fires on the caller's shutdown signal or on [`Self::fail`]: every
+    /// loop of the service waits on this one.
     pub shutdown: Shutdown,
+    stop: crate::ShutdownTrigger,
+    /// Why the service failed, once it has ([`Self::fail`]).
+    failure: Arc<std::sync::Mutex<Option<String>>>,
     /// Registered on first use ([`Self::weights_transfer`]).
     weights_transfer: Arc<std::sync::OnceLock<crate::metrics::WeightsTransfer>>,
 }
@@ -183,7 +197,14 @@ impl Service {
             );
         }
         tracing::info!(service = name, %instance, run_id, %metrics_addr, "started");
-        Ok(Self {
+        // The service stops on the caller's signal or on its own failure.
+        let (stop, own_shutdown) = Shutdown::new();
+        let forward = stop.clone();
+        tokio::spawn(async move {
+            shutdown.wait().await;
+            forward.trigger();
+        });
+        let service = Self {
             name,
             instance,
             config: Arc::new(experiment),
@@ -193,9 +214,65 @@ impl Service {
             intake,
             health,
             metrics_addr,
-            shutdown,
+            shutdown: own_shutdown,
+            stop,
+            failure: Arc::default(),
             weights_transfer: Arc::default(),
-        })
+        };
+        let _ = STARTED.set(service.clone());
+        Ok(service)
+    }
+
+    /// Marks the service failed: it cannot do its part of the run (a
+    /// version it cannot publish or fetch, a message it cannot send, a
+    /// model it cannot load). Logs `reason`, publishes it as a
+    /// [`RunStatus::Failed`] status (which `relay up` prints before it
+    /// stops the stack and exits non-zero), and stops the service
+    /// ([`Self::shutdown`] fires; [`Self::finish`] then returns the
+    /// failure). Only the first failure is reported.
+    pub async fn fail(&self, reason: impl Into<String>) {
+        let reason = reason.into();
+        {
+            let mut failure = self.failure.lock().expect("failure lock");
+            if failure.is_some() {
+                return;
+            }
+            *failure = Some(reason.clone());
+        }
+        tracing::error!(service = self.name, %reason, "service failed; stopping");
+        let status = RunStatusUpdate {
+            schema: SCHEMA_VERSION,
+            status: RunStatus::Failed,
+            service: self.name.to_string(),
+            policy_version: 0,
+            detail: format!("{}: {reason}", self.instance),
+        };
+        self.publish(self.subjects.status(), &status).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.nats.flush()).await;
+        self.stop.trigger();
+    }
+
+    /// Why the service failed, if it has.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().expect("failure lock").clone()
+    }
+
+    /// The end of every service's `run`: drains the NATS connection and
+    /// returns the failure, if [`Self::fail`] was called.
+    pub async fn finish(&self) -> Result<(), ServiceError> {
+        self.health.set_ready(false);
+        self.drain().await;
+        match self.failure() {
+            Some(reason) => Err(ServiceError::Failed(reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// The largest message the NATS server this service is connected to
+    /// carries (its `max_payload`): what senders split or size their
+    /// messages to.
+    pub fn max_message_bytes(&self) -> usize {
+        self.nats.max_payload()
     }
 
     /// This process's weights-transfer metrics, registered the first time
@@ -361,7 +438,14 @@ where
         .build()?;
     runtime.block_on(async move {
         let shutdown = Shutdown::on_signals();
-        run(config, shutdown).await
+        let result = run(config, shutdown).await;
+        if let (Err(e), Some(service)) = (&result, STARTED.get()) {
+            // An error `run` returned is the service's failure too.
+            if !matches!(e, ServiceError::Failed(_)) {
+                service.fail(e.to_string()).await;
+            }
+        }
+        result
     })?;
     tracing::info!(service = name, "stopped");
     Ok(())

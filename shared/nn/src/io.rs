@@ -1,4 +1,5 @@
-//! Reading and writing named f32 tensors as safetensors files.
+//! Reading and writing named f32 tensors as safetensors, in files
+//! (checkpoints) and in memory (weights versions on the wire).
 //!
 //! The only file I/O in the crate. Writes go to a temporary file beside the
 //! target and are renamed into place, so a crash never leaves a truncated
@@ -45,25 +46,32 @@ fn ckpt_err(path: &Path, reason: impl std::fmt::Display) -> NnError {
     }
 }
 
+/// Views of `tensors` for the safetensors writer, each checked to fill
+/// its shape.
+fn views(tensors: &[NamedTensor]) -> Result<Vec<(&str, F32View<'_>)>> {
+    tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            if shape.iter().product::<usize>() != data.len() {
+                return Err(NnError::ShapeMismatch {
+                    name: name.clone(),
+                    expected: shape.clone(),
+                    got: shape.clone(),
+                    detail: format!("; data has {} values", data.len()),
+                });
+            }
+            Ok((name.as_str(), F32View { shape, data }))
+        })
+        .collect()
+}
+
 /// Writes `tensors` (f32) and string `metadata` to `path` atomically.
 pub fn write_safetensors(
     path: &Path,
     tensors: &[NamedTensor],
     metadata: HashMap<String, String>,
 ) -> Result<()> {
-    for (name, shape, data) in tensors {
-        if shape.iter().product::<usize>() != data.len() {
-            return Err(NnError::ShapeMismatch {
-                name: name.clone(),
-                expected: shape.clone(),
-                got: shape.clone(),
-                detail: format!("; data has {} values", data.len()),
-            });
-        }
-    }
-    let views = tensors
-        .iter()
-        .map(|(name, shape, data)| (name.as_str(), F32View { shape, data }));
+    let views = views(tensors)?;
     let file_name = path
         .file_name()
         .ok_or_else(|| ckpt_err(path, "path has no file name"))?
@@ -74,6 +82,15 @@ pub fn write_safetensors(
         let _ = std::fs::remove_file(&tmp);
         ckpt_err(path, format!("rename from {}: {e}", tmp.display()))
     })
+}
+
+/// `tensors` (f32) and string `metadata` as the bytes of a safetensors file.
+pub fn to_safetensors(
+    tensors: &[NamedTensor],
+    metadata: HashMap<String, String>,
+) -> Result<Vec<u8>> {
+    safetensors::serialize(views(tensors)?, Some(metadata))
+        .map_err(|e| ckpt_err(Path::new("(in memory)"), e))
 }
 
 /// Splits named tensors into those whose name starts with `prefix` (with
@@ -98,9 +115,18 @@ pub fn split_prefixed(
 /// name, and its string metadata.
 pub fn read_safetensors(path: &Path) -> Result<(Vec<NamedTensor>, HashMap<String, String>)> {
     let bytes = std::fs::read(path).map_err(|e| ckpt_err(path, e))?;
-    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| ckpt_err(path, e))?;
+    parse(&bytes, path)
+}
+
+/// [`read_safetensors`] of a file's bytes held in memory.
+pub fn from_safetensors(bytes: &[u8]) -> Result<(Vec<NamedTensor>, HashMap<String, String>)> {
+    parse(bytes, Path::new("(in memory)"))
+}
+
+fn parse(bytes: &[u8], path: &Path) -> Result<(Vec<NamedTensor>, HashMap<String, String>)> {
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| ckpt_err(path, e))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| ckpt_err(path, e))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| ckpt_err(path, e))?;
     let mut out = Vec::with_capacity(st.len());
     for (name, view) in st.tensors() {
         if view.dtype() != Dtype::F32 {

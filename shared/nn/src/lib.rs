@@ -99,7 +99,7 @@ pub use dqn::{
     dqn_loss, dqn_targets, n_step_returns, DqnBatch, DqnLoss, DqnLossConfig, DqnStats, NStepReturns,
 };
 pub use error::{NnError, Result};
-pub use io::{split_prefixed, NamedTensor};
+pub use io::{from_safetensors, split_prefixed, to_safetensors, NamedTensor};
 pub use model::{ActOutput, Actions, ActorCritic, TrunkLayout};
 pub use optim::{
     clip_grad_norm, Adam, AdamConfig, AdamState, RmsProp, RmsPropConfig, RmsPropState,

@@ -9,12 +9,17 @@
 //!   schedule at the version's env steps, greedily when asked for
 //!   deterministic actions, or (SAC) the tanh-squashed Gaussian actor,
 //!   sampled, `tanh(μ)` when deterministic; [`Act`] is what they can do;
-//! - [`to_weights`] / [`load_weights`]: a model as a versioned [`WeightsUpdate`] and back,
-//!   all-or-nothing with shape checks;
+//! - [`PolicyWeights`]: a version's parameters (named f32 tensors) as
+//!   services hold them, as the safetensors bytes that travel
+//!   ([`WeightsUpdate::weights`], through `relay_kit::weights` whatever the
+//!   size), and loaded into a model ([`load_weights`], all-or-nothing with
+//!   shape checks);
 //! - [`PolicyFollower`]: keeps a copy of the learner's latest weights, fetching
 //!   the current version at start (`weights.latest`) and each new one as it is
-//!   published (`weights`), building each new model off the caller's hot path;
-//!   [`StatsFollower`] keeps only each version's normalisation statistics;
+//!   published (`weights`), fetching its parameters and building each new
+//!   model off the caller's hot path; [`StatsFollower`] keeps only each
+//!   version's normalisation statistics (which travel in the message: it
+//!   fetches no parameters);
 //! - [`PolicyFetcher`]: for a service that plays only some versions, hears
 //!   each one announced (`weights.announce`) and fetches a version's
 //!   weights only when asked for one;
@@ -30,7 +35,7 @@ pub mod text;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use relay_config::{Algo, ExperimentConfig};
 use relay_envs::ActionSpace;
 use relay_kit::Service;
@@ -39,8 +44,8 @@ use relay_nn::{
     QNetwork, RunningMeanStd, SacActor, SacSpec, VecNormalize,
 };
 use relay_proto::{
-    AdapterUpdate, Moments, NamedTensor, NormStats, Rejection, WeightsRequest, WeightsUpdate,
-    SCHEMA_VERSION,
+    AdapterUpdate, Moments, NormStats, Rejection, WeightsAnnouncement, WeightsRequest,
+    WeightsUpdate, SCHEMA_VERSION,
 };
 use tokio::sync::watch;
 
@@ -223,51 +228,128 @@ fn argmax(row: &[f32]) -> usize {
     best
 }
 
-/// Every parameter of `model` as a [`WeightsUpdate`] of `version`.
-/// (without normalisation statistics: set `normalizer` for runs that normalise).
-pub fn to_weights(model: &ActorCritic, version: u64, learner_env_steps: u64) -> WeightsUpdate {
-    tensors_to_weights(&model.named_tensors(), version, learner_env_steps)
+/// A weights version's parameters and what comes with them, as the
+/// learner keeps them and followers build models from them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyWeights {
+    pub version: u64,
+    /// Env steps the learner had consumed when it made this version.
+    pub learner_env_steps: u64,
+    /// Every parameter of the model (any model's: actor-critic, Q-network,
+    /// SAC actor), by name.
+    pub tensors: Vec<relay_nn::NamedTensor>,
+    /// The run's normalisation statistics as of this version (runs with a
+    /// `normalize` section on).
+    pub normalizer: Option<NormStats>,
 }
 
-/// Named tensors (any model's) as a [`WeightsUpdate`] of `version`.
-pub fn tensors_to_weights(
-    tensors: &[relay_nn::NamedTensor],
-    version: u64,
-    learner_env_steps: u64,
-) -> WeightsUpdate {
-    WeightsUpdate {
-        normalizer: None,
-        published_unix_ms: 0,
-        schema: SCHEMA_VERSION,
-        version,
-        learner_env_steps,
-        tensors: tensors.iter().map(NamedTensor::from_parts).collect(),
+/// Why a version's parameters cannot be had: not fetched, or not what a
+/// policy's parameters must be.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("weights version {version}: {source}")]
+    Fetch {
+        version: u64,
+        source: relay_kit::weights::TransportError,
+    },
+    #[error(transparent)]
+    Rejected(#[from] Rejection),
+}
+
+impl PolicyWeights {
+    /// Every parameter of `model` at `version` (without normalisation
+    /// statistics: set `normalizer` for runs that normalise).
+    pub fn of(model: &ActorCritic, version: u64, learner_env_steps: u64) -> Self {
+        Self::from_tensors(model.named_tensors(), version, learner_env_steps)
+    }
+
+    /// Named tensors (any model's) at `version`.
+    pub fn from_tensors(
+        tensors: Vec<relay_nn::NamedTensor>,
+        version: u64,
+        learner_env_steps: u64,
+    ) -> Self {
+        Self {
+            version,
+            learner_env_steps,
+            tensors,
+            normalizer: None,
+        }
+    }
+
+    /// The parameters as the bytes of a safetensors file (what travels).
+    pub fn to_safetensors(&self) -> Vec<u8> {
+        relay_nn::to_safetensors(&self.tensors, Default::default())
+            .expect("a model's parameters fill their shapes")
+    }
+
+    /// The version a message describes, with its parameters read from
+    /// `bytes` (the message's blob, fetched): rejected when they are not
+    /// a safetensors file of finite f32 tensors.
+    pub fn from_update(update: &WeightsUpdate, bytes: &[u8]) -> Result<Self, Rejection> {
+        let invalid = |detail: String| Rejection::Invalid {
+            kind: "WeightsUpdate",
+            field: "weights",
+            detail,
+        };
+        let (tensors, _) = relay_nn::from_safetensors(bytes).map_err(|e| invalid(e.to_string()))?;
+        for (name, _, values) in &tensors {
+            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+                return Err(Rejection::Tensor {
+                    kind: "WeightsUpdate",
+                    field: format!("weights[{name}]").into(),
+                    source: relay_proto::TensorError::NonFinite { index },
+                });
+            }
+        }
+        Ok(Self {
+            version: update.version,
+            learner_env_steps: update.learner_env_steps,
+            tensors,
+            normalizer: update.normalizer.clone(),
+        })
+    }
+
+    /// The message of this version with its parameters inline, however
+    /// large (tests; a publisher sends larger ones through
+    /// `relay_kit::weights`).
+    pub fn inline_update(&self) -> WeightsUpdate {
+        self.update(relay_proto::WeightsBlob::inline(self.to_safetensors()))
+    }
+
+    /// The message of this version, its parameters where `weights` says.
+    pub fn update(&self, weights: relay_proto::WeightsBlob) -> WeightsUpdate {
+        WeightsUpdate {
+            schema: SCHEMA_VERSION,
+            version: self.version,
+            learner_env_steps: self.learner_env_steps,
+            weights,
+            normalizer: self.normalizer.clone(),
+            published_unix_ms: 0,
+        }
+    }
+
+    /// The version a message describes, its parameters fetched (inline,
+    /// from the publisher, or from the object store) and checked.
+    pub async fn fetch(service: &Service, update: &WeightsUpdate) -> Result<Self, WeightsError> {
+        let timeout = Duration::from_millis(service.config.weights.fetch_timeout_ms);
+        let bytes = relay_kit::weights::fetch(&service.nats, &update.weights, timeout)
+            .await
+            .map_err(|source| WeightsError::Fetch {
+                version: update.version,
+                source,
+            })?;
+        Ok(Self::from_update(update, &bytes)?)
     }
 }
 
-/// The tensors of a [`WeightsUpdate`] as the models take them.
-fn weight_parts(update: &WeightsUpdate) -> Result<Vec<relay_nn::NamedTensor>, Rejection> {
-    update
-        .tensors
-        .iter()
-        .map(|t| {
-            t.to_parts().map_err(|source| Rejection::Invalid {
-                kind: "WeightsUpdate",
-                field: "tensors",
-                detail: format!("{}: {source}", t.name),
-            })
-        })
-        .collect()
-}
-
-/// Loads a [`WeightsUpdate`] into `model`; on any mismatch the model is unchanged.
-pub fn load_weights(model: &mut ActorCritic, update: &WeightsUpdate) -> Result<(), Rejection> {
-    let parts = weight_parts(update)?;
+/// Loads `weights` into `model`; on any mismatch the model is unchanged.
+pub fn load_weights(model: &mut ActorCritic, weights: &PolicyWeights) -> Result<(), Rejection> {
     model
-        .load_named_tensors(&parts)
+        .load_named_tensors(&weights.tensors)
         .map_err(|e| Rejection::Invalid {
             kind: "WeightsUpdate",
-            field: "tensors",
+            field: "weights",
             detail: e.to_string(),
         })
 }
@@ -324,7 +406,8 @@ pub fn stats_rms(stats: &NormStats) -> (RunningMeanStd, RunningMeanStd) {
 pub fn frozen_normalizer(
     config: &ExperimentConfig,
     obs_dim: usize,
-    update: &WeightsUpdate,
+    version: u64,
+    stats: Option<&NormStats>,
 ) -> Result<Option<VecNormalize>, Rejection> {
     let Some(norm) = config.normalizer() else {
         return Ok(None);
@@ -334,10 +417,9 @@ pub fn frozen_normalizer(
         field: "normalizer",
         detail,
     };
-    let stats = update.normalizer.as_ref().ok_or_else(|| {
+    let stats = stats.ok_or_else(|| {
         invalid(format!(
-            "version {} carries no normalisation statistics, but this run normalises (`normalize` section)",
-            update.version
+            "version {version} carries no normalisation statistics, but this run normalises (`normalize` section)"
         ))
     })?;
     let mut n = VecNormalize::new(norm, obs_dim, 0).map_err(|e| invalid(e.to_string()))?;
@@ -409,9 +491,9 @@ async fn latest_weights(service: &Service) -> Result<WeightsUpdate, relay_kit::R
     .await
 }
 
-/// What builds a [`VersionedPolicy`] from a [`WeightsUpdate`] of this run.
+/// What builds a [`VersionedPolicy`] from a version of this run.
 type PolicyBuilder =
-    Box<dyn Fn(&WeightsUpdate) -> Result<VersionedPolicy, Rejection> + Send + Sync>;
+    Box<dyn Fn(&PolicyWeights) -> Result<VersionedPolicy, Rejection> + Send + Sync>;
 
 /// The run's acting model built straight from a version's tensors (no
 /// init is drawn to be overwritten).
@@ -431,22 +513,22 @@ fn policy_builder(
     });
     // SAC runs act with the actor alone.
     let sac = (config.run.algo == Algo::Sac).then(|| sac_spec_for(&config));
-    Ok(Box::new(move |update: &WeightsUpdate| {
+    Ok(Box::new(move |update: &PolicyWeights| {
         let invalid = |detail: String| Rejection::Invalid {
             kind: "WeightsUpdate",
-            field: "tensors",
+            field: "weights",
             detail,
         };
-        let parts = weight_parts(update)?;
+        let parts = &update.tensors;
         let rejected = |e: relay_nn::NnError| invalid(e.to_string());
         let model = match (&sac, &dqn) {
             (Some(sac_spec), _) => {
                 let sac_spec = sac_spec.clone().map_err(invalid)?;
-                PolicyModel::Sac(SacActor::from_named_tensors(&sac_spec, &parts).map_err(rejected)?)
+                PolicyModel::Sac(SacActor::from_named_tensors(&sac_spec, parts).map_err(rejected)?)
             }
             (None, Some((qspec, dqn, budget))) => {
                 let qspec = qspec.clone().map_err(invalid)?;
-                let net = QNetwork::from_named_tensors(&qspec, &parts).map_err(rejected)?;
+                let net = QNetwork::from_named_tensors(&qspec, parts).map_err(rejected)?;
                 let progress = update.learner_env_steps as f64 / *budget as f64;
                 PolicyModel::QNetwork {
                     net,
@@ -454,10 +536,15 @@ fn policy_builder(
                 }
             }
             (None, None) => PolicyModel::ActorCritic(
-                ActorCritic::from_named_tensors(&spec, trunk, &parts).map_err(rejected)?,
+                ActorCritic::from_named_tensors(&spec, trunk, parts).map_err(rejected)?,
             ),
         };
-        let normalizer = frozen_normalizer(&config, spec.obs_dim, update)?;
+        let normalizer = frozen_normalizer(
+            &config,
+            spec.obs_dim,
+            update.version,
+            update.normalizer.as_ref(),
+        )?;
         Ok(VersionedPolicy {
             version: update.version,
             learner_env_steps: update.learner_env_steps,
@@ -470,15 +557,20 @@ fn policy_builder(
 impl Follower<VersionedPolicy> {
     /// Starts following (a background task until shutdown).
     pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
-        Self::follow(service, policy_builder(&service.config)?).await
+        let build = policy_builder(&service.config)?;
+        Self::follow(service, true, move |_, weights| {
+            build(weights.expect("fetched: this follower builds models"))
+        })
+        .await
     }
 }
 
 /// The learner's weights for a service that plays only some versions (the
 /// evaluator: one every `eval.every_versions`): it hears every version on
-/// `weights.announce` (a [`WeightsUpdate`] without tensors) and fetches a
-/// version's weights (`weights.latest`) only when asked for one, instead of
-/// receiving and building each (SAC publishes one per env step).
+/// `weights.announce` (a [`relay_proto::WeightsAnnouncement`]) and fetches
+/// a version's weights (`weights.latest`, then its parameters) only when
+/// asked for one, instead of receiving and building each (SAC publishes
+/// one per env step).
 pub struct PolicyFetcher {
     service: Service,
     build: PolicyBuilder,
@@ -503,14 +595,14 @@ impl PolicyFetcher {
                     _ = listener.shutdown.wait() => return,
                     else => return,
                 };
-                if let Ok(update) = listener
+                if let Ok(announced) = listener
                     .intake
-                    .decode::<WeightsUpdate>("weights.announce", &message.payload)
+                    .decode::<WeightsAnnouncement>("weights.announce", &message.payload)
                 {
                     tx.send_if_modified(|v| {
-                        let newer = v.is_none_or(|seen| update.version > seen);
+                        let newer = v.is_none_or(|seen| announced.version > seen);
                         if newer {
-                            *v = Some(update.version);
+                            *v = Some(announced.version);
                         }
                         newer
                     });
@@ -528,6 +620,7 @@ impl PolicyFetcher {
     /// announced, then fetches and builds the newest; `None` on shutdown.
     pub async fn newer_than(&mut self, version: Option<u64>) -> Option<Arc<VersionedPolicy>> {
         let mut backoff = Duration::from_millis(20);
+        let mut failures = FetchFailures::default();
         loop {
             if let Some(seen) = version {
                 while self.announced.borrow_and_update().is_none_or(|v| v <= seen) {
@@ -539,9 +632,14 @@ impl PolicyFetcher {
             }
             match latest_weights(&self.service).await {
                 Ok(update) if version.is_none_or(|seen| update.version > seen) => {
-                    match (self.build)(&update) {
-                        Ok(policy) => return Some(Arc::new(policy)),
-                        Err(rejection) => self.service.intake.reject("weights.latest", &rejection),
+                    match PolicyWeights::fetch(&self.service, &update).await {
+                        Ok(weights) => match (self.build)(&weights) {
+                            Ok(policy) => return Some(Arc::new(policy)),
+                            Err(rejection) => {
+                                self.service.intake.reject("weights.latest", &rejection)
+                            }
+                        },
+                        Err(e) => failures.failed(&self.service, &e, false).await,
                     }
                 }
                 // Older than announced: a restarted learner not yet at it.
@@ -557,17 +655,52 @@ impl PolicyFetcher {
     }
 }
 
+/// Versions in a row whose parameters could not be fetched, after which a
+/// follower that holds no version fails its service: it would never act.
+const FETCH_FAILURES_TO_FAIL: u32 = 3;
+
+/// Consecutive fetch failures of a follower.
+#[derive(Default)]
+struct FetchFailures(u32);
+
+impl FetchFailures {
+    /// Logs a failed fetch; the [`FETCH_FAILURES_TO_FAIL`]th in a row,
+    /// while nothing is `held`, fails the service with the reason.
+    async fn failed(&mut self, service: &Service, error: &WeightsError, held: bool) {
+        self.0 += 1;
+        tracing::warn!(error = %error, "weights version not fetched");
+        if !held && self.0 >= FETCH_FAILURES_TO_FAIL {
+            service
+                .fail(format!(
+                "{} weights versions in a row could not be fetched, and none is held; the last: {error}. Readers must reach the learner's direct transfer server (weights.direct_listen / weights.direct_advertise) or the versions must be in the object store (weights.store: always)",
+                    self.0
+                ))
+                .await;
+        }
+    }
+
+    fn succeeded(&mut self) {
+        self.0 = 0;
+    }
+}
+
 impl Follower<VersionedStats> {
-    /// Starts following the statistics (a background task until shutdown).
+    /// Starts following the statistics (a background task until shutdown);
+    /// they travel in the message, so no parameters are fetched.
     pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
         let obs_dim = spec_for(&service.config)
             .map_err(relay_kit::ServiceError::other)?
             .obs_dim;
         let config = service.config.clone();
-        Self::follow(service, move |update: &WeightsUpdate| {
+        Self::follow(service, false, move |update, _| {
             Ok(VersionedStats {
                 version: update.version,
-                normalizer: frozen_normalizer(&config, obs_dim, update)?,
+                normalizer: frozen_normalizer(
+                    &config,
+                    obs_dim,
+                    update.version,
+                    update.normalizer.as_ref(),
+                )?,
             })
         })
         .await
@@ -575,12 +708,18 @@ impl Follower<VersionedStats> {
 }
 
 impl<T: Versioned> Follower<T> {
-    /// Fetches the current version at start (`weights.latest`), then each
-    /// one published (`weights`), keeping what `build` makes of the newest
-    /// and measuring each published one's transfer.
+    /// Takes the current version at start (`weights.latest`), then each
+    /// one published (`weights`), skipping to the newest of those already
+    /// queued; fetches its parameters when `fetch` is set (see
+    /// [`PolicyWeights::fetch`]), keeps what `build` makes of it, and
+    /// measures each published one's transfer.
     async fn follow(
         service: &Service,
-        build: impl Fn(&WeightsUpdate) -> Result<T, Rejection> + Send + 'static,
+        fetch: bool,
+        build: impl Fn(&WeightsUpdate, Option<&PolicyWeights>) -> Result<T, Rejection>
+            + Send
+            + Sync
+            + 'static,
     ) -> Result<Self, relay_kit::ServiceError> {
         let transfer = service.weights_transfer();
         let (tx, rx) = watch::channel(None);
@@ -593,17 +732,52 @@ impl<T: Versioned> Follower<T> {
         tokio::spawn(async move {
             let current =
                 |tx: &watch::Sender<Option<Arc<T>>>| tx.borrow().as_ref().map(|p| p.version());
+            let mut failures = FetchFailures::default();
+            // Fetches and builds `update`; true when it is now the newest held.
+            let take = async |update: WeightsUpdate,
+                              subject: &str,
+                              tx: &watch::Sender<Option<Arc<T>>>,
+                              failures: &mut FetchFailures|
+                   -> bool {
+                let weights = if fetch {
+                    match PolicyWeights::fetch(&service, &update).await {
+                        Ok(w) => Some(w),
+                        Err(WeightsError::Rejected(rejection)) => {
+                            service.intake.reject(subject, &rejection);
+                            return false;
+                        }
+                        Err(e) => {
+                            failures.failed(&service, &e, current(tx).is_some()).await;
+                            return false;
+                        }
+                    }
+                } else {
+                    None
+                };
+                failures.succeeded();
+                match build(&update, weights.as_ref()) {
+                    Ok(built) => {
+                        let _ = tx.send(Some(Arc::new(built)));
+                        if update.published_unix_ms > 0 {
+                            transfer.record(update.published_unix_ms, update.weights.size as usize);
+                        }
+                        true
+                    }
+                    Err(rejection) => {
+                        service.intake.reject(subject, &rejection);
+                        false
+                    }
+                }
+            };
             // The current version, in case the learner published it before we subscribed.
             let mut backoff = Duration::from_millis(20);
             while current(&tx).is_none() && !service.shutdown.is_triggered() {
                 match latest_weights(&service).await {
-                    Ok(update) => match build(&update) {
-                        Ok(policy) => {
-                            tracing::info!(version = policy.version(), "loaded current weights");
-                            let _ = tx.send(Some(Arc::new(policy)));
+                    Ok(update) => {
+                        if take(update, "weights.latest", &tx, &mut failures).await {
+                            tracing::info!(version = current(&tx), "loaded current weights");
                         }
-                        Err(rejection) => service.intake.reject("weights.latest", &rejection),
-                    },
+                    }
                     Err(e) => tracing::debug!(error = %e, "no weights yet"),
                 }
                 if current(&tx).is_some() {
@@ -614,10 +788,7 @@ impl<T: Versioned> Follower<T> {
                     Some(m) = updates.next() => {
                         // A published version arrived first: take it.
                         if let Ok(update) = service.intake.decode::<WeightsUpdate>("weights", &m.payload) {
-                            match build(&update) {
-                                Ok(policy) => { let _ = tx.send(Some(Arc::new(policy))); }
-                                Err(rejection) => service.intake.reject("weights", &rejection),
-                            }
+                            take(update, "weights", &tx, &mut failures).await;
                         }
                     }
                     _ = service.shutdown.wait() => return,
@@ -625,27 +796,32 @@ impl<T: Versioned> Follower<T> {
                 backoff = (backoff * 2).min(Duration::from_millis(500));
             }
             loop {
-                let message = tokio::select! {
+                let first = tokio::select! {
                     Some(m) = updates.next() => m,
                     _ = service.shutdown.wait() => return,
                     else => return,
                 };
-                let Ok(update) = service
-                    .intake
-                    .decode::<WeightsUpdate>("weights", &message.payload)
-                else {
-                    continue;
-                };
+                // Every message is checked (a bad one is counted), but of
+                // the versions published while the last one was fetched
+                // only the newest is worth fetching.
+                let mut newest: Option<WeightsUpdate> = None;
+                let mut message = Some(first);
+                while let Some(m) = message {
+                    if let Ok(update) = service
+                        .intake
+                        .decode::<WeightsUpdate>("weights", &m.payload)
+                    {
+                        if newest.as_ref().is_none_or(|n| update.version > n.version) {
+                            newest = Some(update);
+                        }
+                    }
+                    message = updates.next().now_or_never().flatten();
+                }
+                let Some(update) = newest else { continue };
                 if current(&tx).is_some_and(|v| update.version <= v) {
                     continue;
                 }
-                match build(&update) {
-                    Ok(policy) => {
-                        let _ = tx.send(Some(Arc::new(policy)));
-                        transfer.record(update.published_unix_ms, message.payload.len());
-                    }
-                    Err(rejection) => service.intake.reject("weights", &rejection),
-                }
+                take(update, "weights", &tx, &mut failures).await;
             }
         });
         Ok(Self { rx })
@@ -805,11 +981,34 @@ mod tests {
             .unwrap()
     }
 
-    fn weights(normalizer: Option<NormStats>) -> WeightsUpdate {
+    fn weights(normalizer: Option<NormStats>) -> PolicyWeights {
         let model = ActorCritic::new(&PolicySpec::discrete(4, 2), 1).unwrap();
-        let mut w = to_weights(&model, 7, 100);
+        let mut w = PolicyWeights::of(&model, 7, 100);
         w.normalizer = normalizer;
         w
+    }
+
+    /// [`frozen_normalizer`] of a version.
+    fn frozen(
+        config: &ExperimentConfig,
+        obs_dim: usize,
+        w: &PolicyWeights,
+    ) -> Result<Option<VecNormalize>, Rejection> {
+        frozen_normalizer(config, obs_dim, w.version, w.normalizer.as_ref())
+    }
+
+    #[test]
+    fn a_version_travels_as_safetensors_and_refuses_what_is_not_finite() {
+        let w = weights(None);
+        let update = w.inline_update();
+        let bytes = update.weights.inline.clone().unwrap();
+        assert_eq!(PolicyWeights::from_update(&update, &bytes).unwrap(), w);
+        let mut bad = w.clone();
+        bad.tensors[0].2[1] = f32::NAN;
+        let err = PolicyWeights::from_update(&update, &bad.to_safetensors()).unwrap_err();
+        assert_eq!(err.reason(), "non_finite", "{err}");
+        let err = PolicyWeights::from_update(&update, b"not safetensors").unwrap_err();
+        assert!(err.to_string().contains("WeightsUpdate.weights"), "{err}");
     }
 
     #[test]
@@ -821,23 +1020,23 @@ mod tests {
 
         // Off: no normaliser, whatever the version carries.
         let off = config(&[]);
-        assert!(frozen_normalizer(&off, 4, &weights(Some(stats.clone())))
+        assert!(frozen(&off, 4, &weights(Some(stats.clone())))
             .unwrap()
             .is_none());
 
         let on = config(&["normalize.obs=true"]);
-        let n = frozen_normalizer(&on, 4, &weights(Some(stats.clone())))
+        let n = frozen(&on, 4, &weights(Some(stats.clone())))
             .unwrap()
             .unwrap();
         assert!(!n.training());
         assert_eq!((n.obs_rms.clone(), n.ret_rms.clone()), stats_rms(&stats));
-        let err = frozen_normalizer(&on, 4, &weights(None)).unwrap_err();
+        let err = frozen(&on, 4, &weights(None)).unwrap_err();
         assert!(
             err.to_string().contains("WeightsUpdate.normalizer")
                 && err.to_string().contains("version 7"),
             "{err}"
         );
-        let err = frozen_normalizer(&on, 3, &weights(Some(stats))).unwrap_err();
+        let err = frozen(&on, 3, &weights(Some(stats))).unwrap_err();
         assert!(err.to_string().contains("normalizer"), "{err}");
 
         // Deltas survive the trip through the wire form.

@@ -13,8 +13,17 @@ use crate::tensor::TensorError;
 /// an older reader would misread.
 pub const SCHEMA_VERSION: u16 = 1;
 
-/// Largest payload any subscriber accepts (NATS's default `max_payload`).
-pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+/// Largest payload any reader accepts: the most nats-server's
+/// `max_payload` can be set to (64 MB). What one connection can carry is
+/// its server's `max_payload` (`relay_kit::Service::max_message_bytes`):
+/// relay's own nats-server is started with one that fits the run's largest
+/// message, and senders split or size what they send to the limit of
+/// the server they are connected to.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// nats-server's default `max_payload` (1 MiB): what a shared cluster
+/// whose operator changed nothing carries.
+pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
 
 /// A message type that travels on the wire.
 pub trait WireMessage: Serialize + DeserializeOwned {

@@ -9,6 +9,7 @@
 //! ([`Tensor`]): MessagePack writes each f32 as 5 bytes and is far slower on
 //! numeric arrays than a byte copy.
 
+pub mod blob;
 pub mod codec;
 pub mod llm;
 pub mod messages;
@@ -17,7 +18,10 @@ pub mod staleness;
 pub mod subjects;
 pub mod tensor;
 
-pub use codec::{decode, encode, Rejection, WireMessage, MAX_MESSAGE_BYTES, SCHEMA_VERSION};
+pub use blob::{sha256, DirectLocation, StoreLocation, WeightsBlob};
+pub use codec::{
+    decode, encode, Rejection, WireMessage, DEFAULT_MAX_PAYLOAD, MAX_MESSAGE_BYTES, SCHEMA_VERSION,
+};
 pub use llm::*;
 pub use messages::*;
 pub use offpolicy::*;

@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::blob::WeightsBlob;
 use crate::codec::{Rejection, WireMessage, SCHEMA_VERSION};
 use crate::messages::{invalid, tensor_check};
 use crate::tensor::{DType, Tensor};
@@ -232,40 +233,30 @@ impl WireMessage for GenerateReply {
     }
 }
 
-/// The object holding an adapter's PEFT `adapter_config.json` in its
-/// [`AdapterPayload::ObjectStore`] folder.
+/// The object holding an adapter version's PEFT `adapter_config.json` in
+/// the run's adapter bucket, under the version's key (`<name>/v<N>`).
 pub const ADAPTER_CONFIG_OBJECT: &str = "adapter_config.json";
-/// The object holding an adapter's PEFT `adapter_model.safetensors`.
+/// The object holding an adapter version's `adapter_model.safetensors`,
+/// under the same key.
 pub const ADAPTER_WEIGHTS_OBJECT: &str = "adapter_model.safetensors";
 
-/// Where the bytes of an adapter version are.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum AdapterPayload {
-    /// Carried in the message (small adapters).
-    Inline {
-        /// PEFT `adapter_config.json`.
-        config_json: String,
-        /// PEFT `adapter_model.safetensors`.
-        #[serde(with = "serde_bytes")]
-        safetensors: Vec<u8>,
-    },
-    /// In the JetStream object store: bucket `bucket`, objects
-    /// `<key>/adapter_config.json` and `<key>/adapter_model.safetensors`.
-    ObjectStore { bucket: String, key: String },
-}
-
 /// learner -> inference-servers, evaluators (`relay.<run>.adapters`): a
-/// new version of a LoRA adapter over the run's base model.
+/// new version of a LoRA adapter over the run's base model. Its
+/// `adapter_model.safetensors` travels as every weights version does
+/// ([`WeightsBlob`]: inline when small, else fetched).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AdapterUpdate {
     pub schema: u16,
     pub name: String,
     pub version: u64,
     pub learner_env_steps: u64,
-    pub payload: AdapterPayload,
+    /// PEFT `adapter_config.json`.
+    pub config_json: String,
+    /// PEFT `adapter_model.safetensors`.
+    pub weights: WeightsBlob,
     /// When the publisher began publishing this version ([`crate::unix_ms`]
-    /// on its clock, before any upload to the object store), so receivers
-    /// measure the whole transfer; 0: unknown.
+    /// on its clock, before any upload), so receivers measure the whole
+    /// transfer; 0: unknown.
     #[serde(default)]
     pub published_unix_ms: u64,
 }
@@ -280,22 +271,10 @@ impl WireMessage for AdapterUpdate {
         if self.name.is_empty() {
             return Err(invalid(K, "name", "empty"));
         }
-        match &self.payload {
-            AdapterPayload::Inline {
-                config_json,
-                safetensors,
-            } => {
-                if config_json.is_empty() || safetensors.is_empty() {
-                    return Err(invalid(K, "payload", "empty adapter files"));
-                }
-            }
-            AdapterPayload::ObjectStore { bucket, key } => {
-                if bucket.is_empty() || key.is_empty() {
-                    return Err(invalid(K, "payload", "empty bucket or key"));
-                }
-            }
+        if self.config_json.is_empty() {
+            return Err(invalid(K, "config_json", "empty"));
         }
-        Ok(())
+        self.weights.check(K, "weights")
     }
 }
 

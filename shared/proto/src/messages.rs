@@ -6,8 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::blob::WeightsBlob;
 use crate::codec::{Rejection, WireMessage, SCHEMA_VERSION};
-use crate::tensor::{DType, NamedTensor, Tensor};
+use crate::tensor::{DType, Tensor, TensorError};
 
 pub(crate) fn tensor_check(
     kind: &'static str,
@@ -176,7 +177,8 @@ pub struct RolloutFragment {
     pub num_steps: u32,
     pub num_envs: u32,
     /// `[T, N, obs_dim]` f32 (uint8 for image observations): observation
-    /// each action was taken in.
+    /// each action was taken in. With [`RolloutFragment::frames`]: `[T, N,
+    /// planes]` u32, the index of each of the observation's planes in it.
     pub obs: Tensor,
     /// `[T, N]` i64 or `[T, N, action_dim]` f32.
     pub actions: Tensor,
@@ -193,12 +195,22 @@ pub struct RolloutFragment {
     /// step is never bootstrapped.
     pub truncated: Tensor,
     /// `[N, obs_dim]`, of `obs`'s dtype: observation after the last step
-    /// (bootstraps the fragment's tail).
+    /// (bootstraps the fragment's tail). With `frames`: `[N, planes]` u32.
     pub next_obs: Tensor,
     /// `[K, obs_dim]`, of `obs`'s dtype: the last observation of each episode that was
     /// truncated and not terminated (the ones to bootstrap from), in `(t, env)`
-    /// row-major order.
+    /// row-major order. With `frames`: `[K, planes]` u32.
     pub final_obs: Tensor,
+    /// Image observations stored once: `[F, plane]` uint8, each distinct
+    /// plane (one frame of a frame stack, `plane = height x width`) of the
+    /// fragment's observations. A stack of 4 frames shares 3 with the
+    /// step before, so a fragment of `T` steps holds about `T + 3` frames
+    /// per env instead of `4 T` (Stable-Baselines3's
+    /// `optimize_memory_usage`, generalised). The observations are then
+    /// `u32` plane indices; [`RolloutFragment::observations`] gives them
+    /// back whole. Absent for flat observations (and from older writers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frames: Option<Tensor>,
     /// Runs with `normalize.reward`: `[T, N]` f32, each reward scaled by
     /// the env-runner's running std of the discounted return and clipped
     /// (what the learner trains on); `rewards` stays raw. Absent otherwise
@@ -293,7 +305,55 @@ impl NormStats {
     }
 }
 
+/// Which observations of a fragment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ObsField {
+    /// `obs`: `T x N` rows.
+    Obs,
+    /// `next_obs`: `N` rows.
+    Next,
+    /// `final_obs`: `K` rows.
+    Final,
+}
+
 impl RolloutFragment {
+    /// Values in one observation.
+    pub fn obs_dim(&self) -> usize {
+        let last = self.obs.shape.last().copied().unwrap_or(0) as usize;
+        match &self.frames {
+            Some(frames) => last * frames.shape.get(1).copied().unwrap_or(0) as usize,
+            None => last,
+        }
+    }
+
+    /// The observations of `field` as f32 rows of [`Self::obs_dim`] values
+    /// (pixels widened, not scaled), planes put back together when the
+    /// fragment stores frames once. Validated fragments never fail.
+    pub fn observations(&self, field: ObsField) -> Result<Vec<f32>, TensorError> {
+        let tensor = match field {
+            ObsField::Obs => &self.obs,
+            ObsField::Next => &self.next_obs,
+            ObsField::Final => &self.final_obs,
+        };
+        let Some(frames) = &self.frames else {
+            return tensor.observations_to_f32();
+        };
+        let plane = frames.shape.get(1).copied().unwrap_or(0) as usize;
+        let indices = tensor.to_u32()?;
+        let mut out = Vec::with_capacity(indices.len() * plane);
+        for &i in &indices {
+            let at = i as usize * plane;
+            let Some(pixels) = frames.data.get(at..at + plane) else {
+                return Err(TensorError::Shape {
+                    want: frames.shape.clone(),
+                    got: vec![i],
+                });
+            };
+            out.extend(pixels.iter().map(|&b| f32::from(b)));
+        }
+        Ok(out)
+    }
+
     /// Number of env steps (`T * N`).
     pub fn env_steps(&self) -> u64 {
         self.num_steps as u64 * self.num_envs as u64
@@ -329,8 +389,74 @@ wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
     if m.env_id.is_empty() {
         return Err(invalid(K, "env_id", "empty"));
     }
-    observations_check(K, "obs", &m.obs, &[Some(t), Some(n), None], None)?;
-    let d = m.obs.shape[2] as usize;
+    let truncations = m.bootstrap_count();
+    let d = match &m.frames {
+        None => {
+            observations_check(K, "obs", &m.obs, &[Some(t), Some(n), None], None)?;
+            let d = m.obs.shape[2] as usize;
+            observations_check(
+                K,
+                "next_obs",
+                &m.next_obs,
+                &[Some(n), Some(d)],
+                Some(&m.obs),
+            )?;
+            observations_check(
+                K,
+                "final_obs",
+                &m.final_obs,
+                &[Some(truncations), Some(d)],
+                Some(&m.obs),
+            )?;
+            d
+        }
+        Some(frames) => {
+            tensor_check(K, "frames", frames.expect(DType::U8, &[None, None]))?;
+            let (count, plane) = (frames.shape[0], frames.shape[1] as usize);
+            if count == 0 || plane == 0 {
+                return Err(invalid(K, "frames", "holds no frame"));
+            }
+            tensor_check(
+                K,
+                "obs",
+                m.obs.expect(DType::U32, &[Some(t), Some(n), None]),
+            )?;
+            let planes = m.obs.shape[2] as usize;
+            if planes == 0 {
+                return Err(invalid(K, "obs", "observations of no plane"));
+            }
+            tensor_check(
+                K,
+                "next_obs",
+                m.next_obs.expect(DType::U32, &[Some(n), Some(planes)]),
+            )?;
+            tensor_check(
+                K,
+                "final_obs",
+                m.final_obs
+                    .expect(DType::U32, &[Some(truncations), Some(planes)]),
+            )?;
+            for (field, tensor) in [
+                ("obs", &m.obs),
+                ("next_obs", &m.next_obs),
+                ("final_obs", &m.final_obs),
+            ] {
+                let indices = tensor.to_u32().map_err(|source| Rejection::Tensor {
+                    kind: K,
+                    field: field.into(),
+                    source,
+                })?;
+                if let Some(bad) = indices.iter().find(|&&i| i >= count) {
+                    return Err(invalid(
+                        K,
+                        field,
+                        format!("frame index {bad} of {count} frames"),
+                    ));
+                }
+            }
+            planes * plane
+        }
+    };
     check_actions(K, &m.actions, &[t, n])?;
     for (field, tensor) in [
         ("logprobs", &m.logprobs),
@@ -349,21 +475,6 @@ wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
         K,
         "truncated",
         m.truncated.expect(DType::U8, &[Some(t), Some(n)]),
-    )?;
-    observations_check(
-        K,
-        "next_obs",
-        &m.next_obs,
-        &[Some(n), Some(d)],
-        Some(&m.obs),
-    )?;
-    let truncations = m.bootstrap_count();
-    observations_check(
-        K,
-        "final_obs",
-        &m.final_obs,
-        &[Some(truncations), Some(d)],
-        Some(&m.obs),
     )?;
     if let Some(r) = &m.norm_rewards {
         tensor_check(K, "norm_rewards", r.expect(DType::F32, &[Some(t), Some(n)]))?;
@@ -414,7 +525,10 @@ wire_message!(SampleReply, "SampleReply", |m: &SampleReply| {
     m.fragments.iter().try_for_each(WireMessage::validate)
 });
 
-/// learner -> inference-server, evaluator, replay-buffer: a new policy.
+/// learner -> inference-server, evaluator, normalising env-runners: a new
+/// policy version. Its parameters are a safetensors file (named f32
+/// tensors) in [`WeightsUpdate::weights`]: inline when small, else fetched
+/// by each reader (see [`crate::blob`]), whatever the policy's size.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WeightsUpdate {
     pub schema: u16,
@@ -422,16 +536,17 @@ pub struct WeightsUpdate {
     pub version: u64,
     /// Env steps the learner had consumed when it made this version.
     pub learner_env_steps: u64,
-    /// Every parameter of the policy, by name.
-    pub tensors: Vec<NamedTensor>,
+    /// Every parameter of the policy, by name, as safetensors bytes.
+    pub weights: WeightsBlob,
     /// Runs with a `normalize` section on: the run's observation and return
     /// statistics as of this version. Whoever runs the policy normalises
     /// raw observations with them (frozen: never updated from evaluation);
     /// env-runners adopt them as their starting point. Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub normalizer: Option<NormStats>,
-    /// When the learner published this version ([`crate::unix_ms`] on its
-    /// clock), so receivers measure the transfer; 0: unknown.
+    /// When the learner began publishing this version ([`crate::unix_ms`]
+    /// on its clock, before any upload), so receivers measure the whole
+    /// transfer; 0: unknown.
     #[serde(default)]
     pub published_unix_ms: u64,
 }
@@ -439,17 +554,18 @@ wire_message!(WeightsUpdate, "WeightsUpdate", |m: &WeightsUpdate| {
     if let Some(stats) = &m.normalizer {
         stats.check("WeightsUpdate", "normalizer", None)?;
     }
-    for t in &m.tensors {
-        t.tensor
-            .to_finite_f32()
-            .map_err(|source| Rejection::Tensor {
-                kind: "WeightsUpdate",
-                field: format!("tensors[{}]", t.name).into(),
-                source,
-            })?;
-    }
-    Ok(())
+    m.weights.check("WeightsUpdate", "weights")
 });
+
+/// learner -> evaluators (`weights.announce`): a version was published;
+/// services that play only some versions fetch the ones they want.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightsAnnouncement {
+    pub schema: u16,
+    pub version: u64,
+    pub learner_env_steps: u64,
+}
+wire_message!(WeightsAnnouncement, "WeightsAnnouncement");
 
 /// Any service -> learner: ask for the latest [`WeightsUpdate`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -996,6 +1112,7 @@ mod tests {
             final_obs: Tensor::from_f32(&[1, d], &vec![0.2; d]),
             norm_rewards: None,
             norm_delta: None,
+            frames: None,
         }
     }
 
@@ -1044,7 +1161,7 @@ mod tests {
             schema: SCHEMA_VERSION,
             version: 2,
             learner_env_steps: 10,
-            tensors: Vec::new(),
+            weights: WeightsBlob::inline(vec![1, 2, 3]),
             normalizer: Some(stats(4)),
             published_unix_ms: 0,
         };
@@ -1083,7 +1200,7 @@ mod tests {
             schema: SCHEMA_VERSION,
             version: 2,
             learner_env_steps: 10,
-            tensors: Vec::new(),
+            weights: WeightsBlob::inline(vec![1, 2, 3]),
             normalizer: Some(bad),
             published_unix_ms: 0,
         };

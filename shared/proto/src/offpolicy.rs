@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{Rejection, WireMessage};
-use crate::messages::{check_actions, invalid, tensor_check};
+use crate::messages::{check_actions, invalid, observations_check, tensor_check};
 use crate::tensor::{DType, Tensor};
 
 /// Most transitions one [`TransitionSampleRequest`] may ask for.
@@ -54,13 +54,13 @@ pub struct TransitionBatch {
     pub schema: u16,
     /// Insert sequence number of each row (what [`PriorityUpdate`] names).
     pub ids: Vec<u64>,
-    /// `[B, obs_dim]` f32.
+    /// `[B, obs_dim]` f32, or uint8 for image observations.
     pub obs: Tensor,
     /// `[B]` i64 (discrete) or `[B, action_dim]` f32.
     pub actions: Tensor,
     /// `[B]` f32: n-step discounted reward sums.
     pub rewards: Tensor,
-    /// `[B, obs_dim]` f32: the bootstrap observation `s_{t+k}`.
+    /// `[B, obs_dim]`, of `obs`'s dtype: the bootstrap observation `s_{t+k}`.
     pub next_obs: Tensor,
     /// `[B]` f32: `γ^k`, 0 after a termination.
     pub discounts: Tensor,
@@ -125,12 +125,14 @@ impl WireMessage for TransitionBatch {
     fn validate(&self) -> Result<(), Rejection> {
         const K: &str = "TransitionBatch";
         let b = self.ids.len();
-        tensor_check(K, "obs", self.obs.expect(DType::F32, &[Some(b), None]))?;
+        observations_check(K, "obs", &self.obs, &[Some(b), None], None)?;
         let d = self.obs.shape[1] as usize;
-        tensor_check(
+        observations_check(
             K,
             "next_obs",
-            self.next_obs.expect(DType::F32, &[Some(b), Some(d)]),
+            &self.next_obs,
+            &[Some(b), Some(d)],
+            Some(&self.obs),
         )?;
         check_actions(K, &self.actions, &[b])?;
         for (field, t) in [
@@ -147,8 +149,6 @@ impl WireMessage for TransitionBatch {
             tensor_check(K, field, t.expect(DType::U8, &[Some(b)]))?;
         }
         for (field, t) in [
-            ("obs", &self.obs),
-            ("next_obs", &self.next_obs),
             ("rewards", &self.rewards),
             ("discounts", &self.discounts),
             ("weights", &self.weights),

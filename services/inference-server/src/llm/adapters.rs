@@ -2,9 +2,11 @@
 //! comes from, and an LRU of the ones loaded.
 //!
 //! Sources are the folders of `llm.adapters` (version 0 of their name) and
-//! every [`AdapterUpdate`] heard on `relay.<run>.adapters`: inline bytes
-//! (kept, so an evicted version reloads from them) or files in the
-//! JetStream object store (fetched again on reload); of each name the
+//! every [`AdapterUpdate`] heard on `relay.<run>.adapters`: its config and
+//! where its weights are ([`WeightsBlob`], through the one weights
+//! transport, `relay_kit::weights`): inline bytes (kept, so an evicted
+//! version reloads from them), or the learner's direct transfer server or
+//! the JetStream object store (fetched again on reload); of each name the
 //! sources of the [`VERSIONS_KEPT`] versions last published or asked for
 //! are kept (an evaluation pins the version it plays, and must find it
 //! until its last game, whatever is published meanwhile). A request names an
@@ -29,8 +31,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use relay_llm::{LoraAdapter, ModelConfig};
-use relay_proto::{AdapterPayload, AdapterRef, AdapterUpdate};
-use tokio::io::AsyncReadExt;
+use relay_proto::{AdapterRef, AdapterUpdate, WeightsBlob};
 
 use super::metrics::LlmMetrics;
 
@@ -73,10 +74,13 @@ impl AdapterError {
 #[derive(Debug, Clone)]
 enum Source {
     Folder(PathBuf),
-    Inline {
+    /// A published version: its config, and its weights inline or where
+    /// to fetch them.
+    Published {
         config_json: Arc<str>,
-        safetensors: Arc<[u8]>,
+        weights: Arc<WeightsBlob>,
     },
+    /// A version the learner keeps in the store (league runs), found by key.
     ObjectStore {
         bucket: String,
         key: String,
@@ -136,7 +140,9 @@ pub(crate) struct AdapterStore {
     /// Where the model computes: loaded adapters are placed there.
     backend: relay_llm::Backend,
     max_loaded: usize,
-    jetstream: async_nats::jetstream::Context,
+    nats: async_nats::Client,
+    /// How long fetching one version may take.
+    fetch_timeout: std::time::Duration,
     /// The run's bucket of stored versions, looked in for unknown ones.
     bucket: Option<String>,
     metrics: LlmMetrics,
@@ -153,14 +159,15 @@ enum StoredError {
 }
 
 impl AdapterStore {
+    /// The registry of `service`'s run: fetches through its NATS
+    /// connection within `weights.fetch_timeout_ms`, looks unknown
+    /// versions up in the run's bucket, counts what it fetches.
     pub(crate) fn new(
         model: ModelConfig,
         backend: relay_llm::Backend,
         max_loaded: usize,
-        nats: async_nats::Client,
-        bucket: Option<String>,
+        service: &relay_kit::Service,
         metrics: LlmMetrics,
-        transfer: relay_kit::metrics::WeightsTransfer,
     ) -> Self {
         Self {
             inner: tokio::sync::Mutex::new(Inner {
@@ -171,10 +178,17 @@ impl AdapterStore {
             model,
             backend,
             max_loaded,
-            jetstream: async_nats::jetstream::new(nats),
-            bucket,
+            nats: service.nats.clone(),
+            fetch_timeout: std::time::Duration::from_millis(
+                service.config.weights.fetch_timeout_ms,
+            ),
+            bucket: service
+                .config
+                .run_id()
+                .ok()
+                .map(relay_kit::league::adapter_bucket),
             metrics,
-            transfer,
+            transfer: service.weights_transfer(),
         }
     }
 
@@ -187,15 +201,9 @@ impl AdapterStore {
     /// Adds a published version (loading it now: a bad one is refused and
     /// the versions already known stay).
     pub(crate) async fn add_update(&self, update: AdapterUpdate) -> Result<(), AdapterError> {
-        let source = match update.payload {
-            AdapterPayload::Inline {
-                config_json,
-                safetensors,
-            } => Source::Inline {
-                config_json: config_json.into(),
-                safetensors: safetensors.into(),
-            },
-            AdapterPayload::ObjectStore { bucket, key } => Source::ObjectStore { bucket, key },
+        let source = Source::Published {
+            config_json: update.config_json.into(),
+            weights: Arc::new(update.weights),
         };
         self.add(&update.name, update.version, source).await
     }
@@ -265,7 +273,7 @@ impl AdapterStore {
                                 "adapters.latest",
                                 &relay_proto::Rejection::Invalid {
                                     kind: "AdapterUpdate",
-                                    field: "payload",
+                                    field: "weights",
                                     detail: e.to_string(),
                                 },
                             ),
@@ -382,10 +390,10 @@ impl AdapterStore {
         let Some(bucket) = &self.bucket else {
             return Err(StoredError::NotFound("no object store bucket".into()));
         };
-        let store =
-            self.jetstream.get_object_store(bucket).await.map_err(|e| {
-                StoredError::NotFound(format!("object store bucket {bucket:?}: {e}"))
-            })?;
+        let store = async_nats::jetstream::new(self.nats.clone())
+            .get_object_store(bucket)
+            .await
+            .map_err(|e| StoredError::NotFound(format!("object store bucket {bucket:?}: {e}")))?;
         let key = relay_kit::league::adapter_key(name, version);
         let object = format!("{key}/{}", relay_proto::ADAPTER_CONFIG_OBJECT);
         match store.info(&object).await {
@@ -452,11 +460,18 @@ impl AdapterStore {
                     .await
                     .map_err(|e| fail(e.to_string()))?
             }
-            Source::Inline {
+            Source::Published {
                 config_json,
-                safetensors,
+                weights,
             } => {
-                let (config_json, safetensors) = (config_json.clone(), safetensors.clone());
+                let safetensors =
+                    relay_kit::weights::fetch(&self.nats, weights, self.fetch_timeout)
+                        .await
+                        .map_err(|e| fail(e.to_string()))?;
+                if weights.inline.is_none() {
+                    self.transfer.received(safetensors.len());
+                }
+                let config_json = config_json.clone();
                 tokio::task::spawn_blocking(move || {
                     LoraAdapter::from_peft_bytes(&config_json, &safetensors, &model)
                 })
@@ -464,18 +479,20 @@ impl AdapterStore {
                 .map_err(|e| fail(e.to_string()))?
             }
             Source::ObjectStore { bucket, key } => {
-                let config = self
-                    .fetch(
-                        bucket,
-                        &format!("{key}/{}", relay_proto::ADAPTER_CONFIG_OBJECT),
-                    )
+                let read = |file: &str| {
+                    let object = format!("{key}/{file}");
+                    async move {
+                        let bytes = relay_kit::weights::get_object(&self.nats, bucket, &object)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        self.transfer.received(bytes.len());
+                        Ok::<_, String>(bytes)
+                    }
+                };
+                let config = read(relay_proto::ADAPTER_CONFIG_OBJECT)
                     .await
                     .map_err(&fail)?;
-                let weights = self
-                    .fetch(
-                        bucket,
-                        &format!("{key}/{}", relay_proto::ADAPTER_WEIGHTS_OBJECT),
-                    )
+                let weights = read(relay_proto::ADAPTER_WEIGHTS_OBJECT)
                     .await
                     .map_err(&fail)?;
                 let config = String::from_utf8(config)
@@ -497,26 +514,6 @@ impl AdapterStore {
             .adapter_load_seconds
             .observe(started.elapsed().as_secs_f64());
         Ok(Arc::new(adapter))
-    }
-
-    /// One object's bytes from the JetStream object store.
-    async fn fetch(&self, bucket: &str, object: &str) -> Result<Vec<u8>, String> {
-        let store = self
-            .jetstream
-            .get_object_store(bucket)
-            .await
-            .map_err(|e| format!("object store bucket {bucket:?}: {e}"))?;
-        let mut reader = store
-            .get(object)
-            .await
-            .map_err(|e| format!("object {bucket}/{object}: {e}"))?;
-        let mut bytes = Vec::new();
-        reader
-            .read_to_end(&mut bytes)
-            .await
-            .map_err(|e| format!("reading object {bucket}/{object}: {e}"))?;
-        self.transfer.received(bytes.len());
-        Ok(bytes)
     }
 }
 

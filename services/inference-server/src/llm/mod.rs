@@ -262,14 +262,8 @@ pub(crate) async fn serve(
         model_config.clone(),
         backend,
         cfg.max_adapters,
-        service.nats.clone(),
-        service
-            .config
-            .run_id()
-            .ok()
-            .map(relay_kit::league::adapter_bucket),
+        &service,
         metrics.clone(),
-        service.weights_transfer(),
     ));
     for (name, dir) in &cfg.adapters {
         adapters

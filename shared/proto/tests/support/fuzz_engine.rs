@@ -240,9 +240,10 @@ pub fn fuzz<T: Subject>(seed: u64, cases: u64) -> Report {
         kind: T::KIND,
         ..Report::default()
     };
-    // Reused for payloads at and over the limit: noise, with a valid
+    // Reused for payloads at and over the limit: noise (1 MiB of it, tiled:
+    // drawing 64 MiB a byte at a time takes seconds per type), with a valid
     // encoding written at its head when needed.
-    let mut big = rng.bytes(MAX_MESSAGE_BYTES + 4096);
+    let mut big = rng.bytes(1 << 20).repeat((MAX_MESSAGE_BYTES >> 20) + 1);
     let mut other = encode(&T::generate(&mut rng));
     while report.cases < cases {
         let class = rng.below(100);
@@ -369,6 +370,7 @@ pub const SUBJECTS: &[(&str, Runner)] = &[
     ("SampleRequest", fuzz::<SampleRequest>),
     ("SampleReply", fuzz::<SampleReply>),
     ("WeightsUpdate", fuzz::<WeightsUpdate>),
+    ("WeightsAnnouncement", fuzz::<WeightsAnnouncement>),
     ("WeightsRequest", fuzz::<WeightsRequest>),
     ("EpisodeReport", fuzz::<EpisodeReport>),
     ("MetricsReport", fuzz::<MetricsReport>),

@@ -54,7 +54,7 @@ pub fn fragment(rng: &mut Rng) -> RolloutFragment {
         shape: vec![t as u32, n as u32],
         data,
     };
-    RolloutFragment {
+    let mut f = RolloutFragment {
         schema: SCHEMA_VERSION,
         runner_id: rng.text(12),
         env_id: rng.ident(SERVICE, 16),
@@ -72,7 +72,27 @@ pub fn fragment(rng: &mut Rng) -> RolloutFragment {
         final_obs: f32_tensor(rng, &[k, d]),
         norm_rewards: None,
         norm_delta: None,
+        frames: None,
+    };
+    if rng.below(3) == 0 {
+        // Image observations stored once: planes and indices into them.
+        let (count, plane, planes) = (rng.range(1, 6), rng.range(1, 5), rng.range(1, 4));
+        let pixels = rng.bytes(count * plane);
+        f.frames = Some(Tensor::from_u8(&[count, plane], &pixels));
+        let mut indices = |rows: usize| {
+            let values: Vec<u32> = (0..rows * planes)
+                .map(|_| rng.below(count) as u32)
+                .collect();
+            values
+        };
+        let obs = indices(t * n);
+        f.obs = Tensor::from_u32(&[t, n, planes], &obs);
+        let next = indices(n);
+        f.next_obs = Tensor::from_u32(&[n, planes], &next);
+        let finals = indices(k);
+        f.final_obs = Tensor::from_u32(&[k, planes], &finals);
     }
+    f
 }
 
 /// Breaks one rule of a fragment's validation; the result must be refused.
@@ -92,10 +112,19 @@ pub fn corrupt_fragment(f: &mut RolloutFragment, rng: &mut Rng) {
             }
         }
         4 => f.actions.dtype = DType::U8,
-        _ => {
-            let d = f.obs.shape[2] as usize;
-            f.next_obs = f32_tensor(rng, &[f.num_envs as usize + 1, d]);
-        }
+        _ => match &f.frames {
+            // A frame index past the frames.
+            Some(frames) => {
+                let mut obs = f.obs.to_u32().unwrap();
+                let i = rng.below(obs.len());
+                obs[i] = frames.shape[0] + rng.below(3) as u32;
+                f.obs = Tensor::from_u32(&f.obs.shape_usize(), &obs);
+            }
+            None => {
+                let d = f.obs.shape[2] as usize;
+                f.next_obs = f32_tensor(rng, &[f.num_envs as usize + 1, d]);
+            }
+        },
     }
 }
 
@@ -268,42 +297,75 @@ impl Subject for SampleReply {
     }
 }
 
+/// A weights blob: inline bytes, or a direct and/or object store location.
+fn blob(rng: &mut Rng) -> WeightsBlob {
+    let len = rng.range(1, 256);
+    let bytes = rng.bytes(len);
+    let mut blob = WeightsBlob::inline(bytes);
+    if rng.bool() {
+        blob.inline = None;
+        if rng.bool() {
+            blob.direct = Some(DirectLocation {
+                addr: {
+                    let (host, port) = (rng.range(1, 254), rng.range(1, 65535));
+                    format!("10.0.0.{host}:{port}")
+                },
+                key: rng.ident(NAME, 24),
+            });
+        }
+        if blob.direct.is_none() || rng.bool() {
+            blob.store = Some(StoreLocation {
+                bucket: rng.ident(SERVICE, 16),
+                key: rng.ident(NAME, 24),
+            });
+        }
+    }
+    blob
+}
+
+/// A blob a receiver must refuse.
+fn corrupt_blob(blob: &mut WeightsBlob, rng: &mut Rng) {
+    match rng.below(4) {
+        0 => blob.sha256.truncate(rng.below(32)),
+        1 => blob.size = 0,
+        2 => {
+            blob.inline = None;
+            blob.direct = None;
+            blob.store = None;
+        }
+        _ => {
+            blob.inline = Some(rng.bytes(blob.size as usize + 1));
+        }
+    }
+}
+
 impl Subject for WeightsUpdate {
     fn generate(rng: &mut Rng) -> Self {
-        let tensors = (0..rng.range(0, 4))
-            .map(|i| {
-                let shape: Vec<usize> = (0..rng.range(0, 3)).map(|_| rng.range(0, 5)).collect();
-                NamedTensor {
-                    name: format!("layer{i}.{}", rng.ident(NAME, 8)),
-                    tensor: f32_tensor(rng, &shape),
-                }
-            })
-            .collect();
         WeightsUpdate {
             schema: SCHEMA_VERSION,
             version: rng.u64_any(),
             learner_env_steps: rng.u64_any(),
-            tensors,
+            weights: blob(rng),
             normalizer: None,
             published_unix_ms: rng.u64_any(),
         }
     }
     schema_setter!();
-    fn tensors(&self) -> Vec<&Tensor> {
-        self.tensors.iter().map(|t| &t.tensor).collect()
-    }
-    fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
-        self.tensors.iter_mut().map(|t| &mut t.tensor).collect()
-    }
     fn corrupt(&mut self, rng: &mut Rng) -> bool {
-        // A weights tensor that is not f32.
-        let values: Vec<i64> = (0..rng.range(0, 4)).map(|i| i as i64).collect();
-        self.tensors.push(NamedTensor {
-            name: "bad".into(),
-            tensor: Tensor::from_i64(&[values.len()], &values),
-        });
+        corrupt_blob(&mut self.weights, rng);
         true
     }
+}
+
+impl Subject for WeightsAnnouncement {
+    fn generate(rng: &mut Rng) -> Self {
+        WeightsAnnouncement {
+            schema: SCHEMA_VERSION,
+            version: rng.u64_any(),
+            learner_env_steps: rng.u64_any(),
+        }
+    }
+    schema_setter!();
 }
 
 impl Subject for WeightsRequest {
@@ -890,24 +952,13 @@ impl Subject for AdapterRequest {
 
 impl Subject for AdapterUpdate {
     fn generate(rng: &mut Rng) -> Self {
-        let payload = if rng.bool() {
-            let n = rng.range(1, 256);
-            AdapterPayload::Inline {
-                config_json: format!("{{\"r\": {}}}", rng.range(1, 64)),
-                safetensors: rng.bytes(n),
-            }
-        } else {
-            AdapterPayload::ObjectStore {
-                bucket: rng.ident(SERVICE, 16),
-                key: rng.ident(NAME, 24),
-            }
-        };
         AdapterUpdate {
             schema: SCHEMA_VERSION,
             name: rng.ident(NAME, 16),
             version: rng.u64_any(),
             learner_env_steps: rng.u64_any(),
-            payload,
+            config_json: format!("{{\"r\": {}}}", rng.range(1, 64)),
+            weights: blob(rng),
             published_unix_ms: rng.u64_any(),
         }
     }
@@ -915,18 +966,8 @@ impl Subject for AdapterUpdate {
     fn corrupt(&mut self, rng: &mut Rng) -> bool {
         match rng.below(3) {
             0 => self.name.clear(),
-            1 => {
-                self.payload = AdapterPayload::Inline {
-                    config_json: String::new(),
-                    safetensors: rng.bytes(4),
-                }
-            }
-            _ => {
-                self.payload = AdapterPayload::ObjectStore {
-                    bucket: String::new(),
-                    key: "k".into(),
-                }
-            }
+            1 => self.config_json.clear(),
+            _ => corrupt_blob(&mut self.weights, rng),
         }
         true
     }
