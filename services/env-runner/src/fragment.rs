@@ -354,7 +354,10 @@ mod tests {
         let frame_stack = 4 * 84 * 84;
         // 8 envs x 128 steps of Atari frames at relay's sizing: all of it.
         let plan = FragmentPlan::new(8, 128, frame_stack, 8, 64 << 20);
-        assert_eq!((plan.steps, plan.groups.len(), plan.groups[0].clone()), (128, 1, 0..8));
+        assert_eq!(
+            (plan.steps, plan.groups.len(), plan.groups[0].clone()),
+            (128, 1, 0..8)
+        );
         // At nats-server's default of 1 MiB: 2 steps of 8 envs.
         let plan = FragmentPlan::new(8, 128, frame_stack, 8, 1 << 20);
         assert_eq!((plan.steps, plan.groups.len()), (2, 1));
