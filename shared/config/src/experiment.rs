@@ -474,8 +474,7 @@ impl ExperimentConfig {
                 input: image,
                 ..cnn.clone()
             };
-            cnn.output_shapes()
-                .map_err(|e| invalid("policy.cnn.conv", e.to_string()))?;
+            cnn.output_shapes().map_err(crate::policy::cnn_error)?;
         }
         let value_bytes = if self.observations_as_pixels(spec) {
             1

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
 use relay_nn::{
-    clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, CnnSpec, ConvSpec, PolicySpec,
-    PpoInputs, PpoLossConfig,
+    clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, CnnArch, CnnSpec, ConvSpec,
+    PolicySpec, PpoInputs, PpoLossConfig,
 };
 
 /// The CNN policies timed, as `(key, label, image, convolutions, features, actions)`.
@@ -41,7 +41,23 @@ fn cnn_cases() -> Vec<CnnCase> {
             "nature_cnn",
             "NatureCNN 4x84x84",
             [4, 84, 84],
-            CnnSpec::default().conv,
+            vec![
+                ConvSpec {
+                    channels: 32,
+                    kernel: 8,
+                    stride: 4,
+                },
+                ConvSpec {
+                    channels: 64,
+                    kernel: 4,
+                    stride: 2,
+                },
+                ConvSpec {
+                    channels: 64,
+                    kernel: 3,
+                    stride: 1,
+                },
+            ],
             512,
             6,
         ),
@@ -422,7 +438,7 @@ fn main() -> relay_nn::Result<()> {
         spec.hidden = vec![];
         spec.cnn = Some(CnnSpec {
             input: image,
-            conv,
+            arch: CnnArch::Nature { conv },
             features_dim,
         });
         let m = ActorCritic::new(&spec, 0)?;

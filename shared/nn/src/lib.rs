@@ -6,8 +6,8 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`], [`CnnSpec`]: what a policy looks like (serde) |
-//! | [`conv`] | the convolutional features extractor of image policies (NatureCNN) |
+//! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`], [`CnnSpec`] ([`CnnArch`]): what a policy looks like (serde) |
+//! | [`conv`] | the convolutional features extractor of image policies (NatureCNN, IMPALA's ResNet): padded convolutions, max-pool, residual blocks |
 //! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), weight exchange and checkpoints |
 //! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample) |
 //! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
@@ -114,5 +114,5 @@ pub use sac::{
     Sac, SacActor, SacBatch, SacConfig, SacOptimizers, SacSpec, SacStats, TwinCritic,
 };
 pub use schedule::{Schedule, Shape, Warmup};
-pub use spec::{ActionKind, Activation, CnnSpec, ConvSpec, PolicySpec};
+pub use spec::{ActionKind, Activation, CnnArch, CnnSpec, ConvSpec, PolicySpec};
 pub use vec_normalize::{NormDelta, NormalizeConfig, RunningMeanStd, VecNormalize};

@@ -29,14 +29,14 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
-use crate::init::Init;
+use crate::init::{Init, LayerInit};
 use crate::io::NamedTensor;
-use crate::model::{dense_host, head_graph, trunk_graph, trunk_host, Dense};
+use crate::model::{dense_host, head_graph, new_layer, trunk_graph, trunk_host, Dense};
 use crate::params::Params;
 use crate::spec::{ActionKind, Activation, PolicySpec};
 
@@ -148,12 +148,13 @@ pub(crate) struct LayerBuilder<'a> {
 
 impl LayerBuilder<'_> {
     pub(crate) fn dense(&mut self, name: &str, inp: usize, out: usize) -> Result<Dense> {
-        let dev = Device::Cpu;
-        let w = Var::from_vec(self.init.uniform_fan_in(out * inp, inp), (out, inp), &dev)?;
-        let b = Var::from_vec(self.init.uniform_fan_in(out, inp), out, &dev)?;
-        self.params.push((format!("{name}.weight"), w.clone()));
-        self.params.push((format!("{name}.bias"), b.clone()));
-        Ok(Dense { w, b })
+        new_layer(
+            name,
+            &[out, inp],
+            LayerInit::FanIn,
+            &mut self.init,
+            &mut self.params,
+        )
     }
 
     /// Hidden layers `{prefix}.{2i}` from `inp` through `hidden`.

@@ -1,27 +1,45 @@
-//! CNN policies: SB3's NatureCNN names and shapes, inference and training
-//! paths agreeing, gradients against finite differences, spec validation.
+//! CNN policies, NatureCNN and IMPALA's ResNet: names and shapes,
+//! inference and training paths agreeing, gradients against finite
+//! differences, spec validation, checkpoints.
 
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
-use relay_nn::{ActorCritic, CnnSpec, ConvSpec, PolicySpec};
+use relay_nn::{ActorCritic, CnnArch, CnnSpec, ConvSpec, PolicySpec, TrunkLayout};
 
 fn small_cnn(input: [usize; 3]) -> PolicySpec {
     let mut spec = PolicySpec::discrete(input.iter().product(), 3);
     spec.hidden = vec![];
     spec.cnn = Some(CnnSpec {
         input,
-        conv: vec![
-            ConvSpec {
-                channels: 4,
-                kernel: 3,
-                stride: 1,
-            },
-            ConvSpec {
-                channels: 5,
-                kernel: 2,
-                stride: 2,
-            },
-        ],
+        arch: CnnArch::Nature {
+            conv: vec![
+                ConvSpec {
+                    channels: 4,
+                    kernel: 3,
+                    stride: 1,
+                },
+                ConvSpec {
+                    channels: 5,
+                    kernel: 2,
+                    stride: 2,
+                },
+            ],
+        },
+        features_dim: 8,
+    });
+    spec
+}
+
+/// A small IMPALA: 2 stacks of 3 and 4 channels, 2 residual blocks each.
+fn small_impala(input: [usize; 3]) -> PolicySpec {
+    let mut spec = PolicySpec::discrete(input.iter().product(), 3);
+    spec.hidden = vec![];
+    spec.cnn = Some(CnnSpec {
+        input,
+        arch: CnnArch::Impala {
+            channels: vec![3, 4],
+            blocks: 2,
+        },
         features_dim: 8,
     });
     spec
@@ -72,9 +90,63 @@ fn nature_cnn_has_sb3_names_and_shapes() {
 }
 
 #[test]
+fn impala_has_cleanrl_names_and_shapes() {
+    let mut spec = PolicySpec::discrete(4 * 84 * 84, 6);
+    spec.hidden = vec![];
+    spec.cnn = Some(CnnSpec {
+        input: [4, 84, 84],
+        ..CnnSpec::impala()
+    });
+    let model = ActorCritic::new(&spec, 0).unwrap();
+    let shapes: std::collections::BTreeMap<String, Vec<usize>> = model
+        .named_tensors()
+        .into_iter()
+        .map(|(n, s, _)| (n, s))
+        .collect();
+    let mut expected = std::collections::BTreeMap::new();
+    let mut input = 4;
+    for (i, c) in [16, 32, 32].into_iter().enumerate() {
+        let stack = format!("features_extractor.cnn.{i}");
+        expected.insert(format!("{stack}.conv.weight"), vec![c, input, 3, 3]);
+        expected.insert(format!("{stack}.conv.bias"), vec![c]);
+        for j in 0..2 {
+            for k in 0..2 {
+                let conv = format!("{stack}.res_block{j}.conv{k}");
+                expected.insert(format!("{conv}.weight"), vec![c, c, 3, 3]);
+                expected.insert(format!("{conv}.bias"), vec![c]);
+            }
+        }
+        input = c;
+    }
+    // 84 -> 42 -> 21 -> 11.
+    for (name, shape) in [
+        (
+            "features_extractor.linear.0.weight",
+            vec![256, 32 * 11 * 11],
+        ),
+        ("features_extractor.linear.0.bias", vec![256]),
+        ("action_net.weight", vec![6, 256]),
+        ("action_net.bias", vec![6]),
+        ("value_net.weight", vec![1, 256]),
+        ("value_net.bias", vec![1]),
+    ] {
+        expected.insert(name.to_string(), shape);
+    }
+    assert_eq!(shapes, expected);
+    // As PyTorch counts CleanRL's `ppo_procgen.py` Agent on 4x84x84 frames
+    // with 6 actions (`benches/torch_cnn.py` builds it).
+    assert_eq!(model.num_parameters(), 1_091_031);
+}
+
+#[test]
 fn act_agrees_with_evaluate() {
-    for (input, hidden) in [([2, 7, 6], vec![]), ([3, 8, 8], vec![16])] {
-        let mut spec = small_cnn(input);
+    for (spec, hidden) in [
+        (small_cnn([2, 7, 6]), vec![]),
+        (small_cnn([3, 8, 8]), vec![16]),
+        (small_impala([2, 7, 6]), vec![]),
+        (small_impala([3, 9, 8]), vec![16]),
+    ] {
+        let mut spec = spec;
         spec.hidden = hidden;
         let d = spec.obs_dim;
         let model = ActorCritic::new(&spec, 3).unwrap();
@@ -113,7 +185,12 @@ fn act_agrees_with_evaluate() {
 /// central differences in f64-accurate steps on a few entries of each.
 #[test]
 fn gradients_match_finite_differences() {
-    let spec = small_cnn([2, 7, 6]);
+    for spec in [small_cnn([2, 7, 6]), small_impala([2, 7, 6])] {
+        check_gradients(spec);
+    }
+}
+
+fn check_gradients(spec: PolicySpec) {
     let d = spec.obs_dim;
     let mut model = ActorCritic::new(&spec, 5).unwrap();
     let n = 3;
@@ -149,11 +226,19 @@ fn gradients_match_finite_differences() {
                 model.load_named_tensors(&tensors).unwrap();
                 objective(&model).to_scalar::<f32>().unwrap()
             };
-            let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
-            let tol = 2e-2 * (1.0 + numeric.abs());
+            // Piecewise linear (ReLUs, max-pools): a step that crosses a
+            // kink on one side still has the gradient's slope on the other.
+            let (below, here, above) = (at(-eps), at(0.0), at(eps));
+            let slopes = [
+                (above - below) / (2.0 * eps),
+                (above - here) / eps,
+                (here - below) / eps,
+            ];
             assert!(
-                (numeric - grad[j]).abs() < tol,
-                "{name}[{j}]: analytic {} vs numeric {numeric}",
+                slopes
+                    .iter()
+                    .any(|s| (s - grad[j]).abs() < 2e-2 * (1.0 + s.abs())),
+                "{name}[{j}]: analytic {} vs numeric (central, forward, backward) {slopes:?}",
                 grad[j]
             );
         }
@@ -177,17 +262,64 @@ fn spec_validation_names_the_problem() {
         err.contains("cnn.conv") && err.contains("does not fit"),
         "{err}"
     );
+    let mut spec = small_impala([2, 7, 6]);
+    spec.cnn.as_mut().unwrap().arch = CnnArch::Impala {
+        channels: vec![],
+        blocks: 2,
+    };
+    let err = ActorCritic::new(&spec, 0).unwrap_err().to_string();
+    assert!(err.contains("cnn.channels"), "{err}");
 }
 
 #[test]
 fn checkpoint_round_trip() {
-    let spec = small_cnn([2, 7, 6]);
-    let model = ActorCritic::new(&spec, 1).unwrap();
-    let path =
-        std::env::temp_dir().join(format!("relay-nn-cnn-{}.safetensors", std::process::id()));
-    model.save(&path).unwrap();
-    let mut other = ActorCritic::new(&spec, 2).unwrap();
-    other.load(&path).unwrap();
-    assert_eq!(other.named_tensors(), model.named_tensors());
-    std::fs::remove_file(&path).unwrap();
+    for (i, spec) in [small_cnn([2, 7, 6]), small_impala([2, 7, 6])]
+        .into_iter()
+        .enumerate()
+    {
+        let model = ActorCritic::new(&spec, 1).unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "relay-nn-cnn-{}-{i}.safetensors",
+            std::process::id()
+        ));
+        model.save(&path).unwrap();
+        let mut other = ActorCritic::new(&spec, 2).unwrap();
+        other.load(&path).unwrap();
+        assert_eq!(other.named_tensors(), model.named_tensors());
+        std::fs::remove_file(&path).unwrap();
+        let tensors = model.named_tensors();
+        let built =
+            ActorCritic::from_named_tensors(&spec, TrunkLayout::Separate, &tensors).unwrap();
+        assert_eq!(built.named_tensors(), tensors);
+    }
+}
+
+/// A missing or an extra tensor is refused, naming it, and the model is
+/// left as it was.
+#[test]
+fn impala_weights_with_a_missing_or_extra_tensor_are_refused_by_name() {
+    let spec = small_impala([2, 7, 6]);
+    let mut model = ActorCritic::new(&spec, 1).unwrap();
+    let before = model.named_tensors();
+    let name = "features_extractor.cnn.1.res_block1.conv0.weight";
+    let missing: Vec<_> = before.iter().filter(|t| t.0 != name).cloned().collect();
+    let err = model.load_named_tensors(&missing).unwrap_err().to_string();
+    assert!(err.contains(name) && err.contains("missing"), "{err}");
+    let err = ActorCritic::from_named_tensors(&spec, TrunkLayout::Separate, &missing)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(name), "{err}");
+    let mut extra = before.clone();
+    extra.push((
+        "features_extractor.cnn.1.res_block2.conv0.weight".into(),
+        vec![4, 4, 3, 3],
+        vec![0.0; 144],
+    ));
+    let err = model.load_named_tensors(&extra).unwrap_err().to_string();
+    assert!(
+        err.contains("features_extractor.cnn.1.res_block2.conv0.weight")
+            && err.contains("unexpected"),
+        "{err}"
+    );
+    assert_eq!(model.named_tensors(), before);
 }
