@@ -33,7 +33,8 @@ pub struct PolicyConfig {
     /// `features_dim` change it; `{arch: impala}` is IMPALA's ResNet, with
     /// `channels`, `blocks` and `features_dim`). Its input shape comes from
     /// the env. With a CNN, `hidden: []` (SB3's `CnnPolicy`) puts the heads
-    /// right on its features. PPO and A2C.
+    /// right on its features. PPO and A2C; DQN puts it in front of its
+    /// Q-network (SB3's DQN `CnnPolicy`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cnn: Option<crate::hyper::policy::CnnSpec>,
 }
@@ -57,11 +58,11 @@ impl ExperimentConfig {
         &self,
         cnn: &crate::hyper::policy::CnnSpec,
     ) -> Result<(), ConfigError> {
-        if self.is_text_game() || !matches!(self.run.algo, Algo::Ppo | Algo::A2c) {
+        if self.is_text_game() || !matches!(self.run.algo, Algo::Ppo | Algo::A2c | Algo::Dqn) {
             return Err(invalid(
                 "policy.cnn",
                 format!(
-                    "CNN policies are for ppo and a2c on image observations, not run.algo {} on {}",
+                    "CNN policies are for ppo, a2c and dqn on image observations, not run.algo {} on {}",
                     self.run.algo, self.run.env_id
                 ),
             ));

@@ -39,8 +39,9 @@ fn cnn_policies_are_checked_against_the_env_and_the_algorithm() {
         ExperimentConfig::from_layers(BASE, "t", &[], &overrides)
     };
     let err = |r: Result<ExperimentConfig, ConfigError>| r.unwrap_err().to_string();
-    let e = err(with(&["policy.cnn={}", "run.algo=dqn"]));
-    assert!(e.contains("policy.cnn") && e.contains("dqn"), "{e}");
+    let e = err(with(&["policy.cnn={}", "run.algo=sac"]));
+    assert!(e.contains("policy.cnn") && e.contains("sac"), "{e}");
+    with(&["policy.cnn={}", "policy.hidden=[]", "run.algo=dqn"]).unwrap();
     let e = err(with(&["policy.cnn={input: [1, 2, 3]}"]));
     assert!(e.contains("policy.cnn.input"), "{e}");
     let e = err(with(&["policy.hidden=[]"]));

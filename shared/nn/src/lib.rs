@@ -7,13 +7,13 @@
 //! | module | owns |
 //! |---|---|
 //! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`], [`CnnSpec`] ([`CnnArch`]): what a policy looks like (serde) |
-//! | [`conv`] | the convolutional features extractor of image policies (NatureCNN, IMPALA's ResNet): padded convolutions, max-pool, residual blocks |
+//! | [`conv`] | the convolutional features extractor of image policies and Q-networks (NatureCNN, IMPALA's ResNet): padded convolutions, max-pool, residual blocks |
 //! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), weight exchange and checkpoints |
 //! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample) |
 //! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
 //! | [`ppo`] | [`gae`], [`ppo_loss`] and its [`PpoLossConfig`], [`explained_variance`], [`normalize`] |
 //! | [`a2c`] | [`a2c_loss`], [`reinforce_loss`], [`discounted_returns`] |
-//! | [`qnet`] | [`QNetwork`] (optionally dueling) and its [`QNetSpec`]: Q-values, epsilon-greedy acting, target updates |
+//! | [`qnet`] | [`QNetwork`] (optionally dueling, optionally behind a CNN) and its [`QNetSpec`]: Q-values, epsilon-greedy acting, target updates |
 //! | [`dqn`] | [`n_step_returns`], [`dqn_targets`], [`dqn_loss`] (double DQN, Huber, importance weights, TD errors) |
 //! | [`sac`] | [`Sac`] ([`SacActor`], [`TwinCritic`] and targets, `log α`), its losses and [`sac_train_step`] |
 //! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
