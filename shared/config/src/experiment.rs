@@ -483,8 +483,7 @@ impl ExperimentConfig {
                 input: image,
                 ..cnn.clone()
             };
-            cnn.output_shapes()
-                .map_err(|e| invalid("policy.cnn.conv", e.to_string()))?;
+            cnn.output_shapes().map_err(crate::policy::cnn_error)?;
         }
         self.check_observation_size(spec)
     }

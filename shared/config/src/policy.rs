@@ -3,7 +3,7 @@
 use crate::hyper::policy::TrunkLayout;
 use serde::{Deserialize, Serialize};
 
-use crate::check::{invalid, positive, ConfigError};
+use crate::check::{invalid, ConfigError};
 use crate::experiment::ExperimentConfig;
 use crate::run::Algo;
 
@@ -30,9 +30,11 @@ pub struct PolicyConfig {
     pub trunk: TrunkLayout,
     /// A convolutional features extractor for image observations, shared by
     /// actor and critic (`cnn: {}` is SB3's NatureCNN; `conv` and
-    /// `features_dim` change it). Its input shape comes from the env. With a
-    /// CNN, `hidden: []` (SB3's `CnnPolicy`) puts the heads right on its
-    /// features. PPO and A2C.
+    /// `features_dim` change it; `{arch: impala}` is IMPALA's ResNet, with
+    /// `channels`, `blocks` and `features_dim`). Its input shape comes from
+    /// the env. With a CNN, `hidden: []` (SB3's `CnnPolicy`) puts the heads
+    /// right on its features. PPO and A2C; DQN puts it in front of its
+    /// Q-network (SB3's DQN `CnnPolicy`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cnn: Option<crate::hyper::policy::CnnSpec>,
 }
@@ -56,11 +58,11 @@ impl ExperimentConfig {
         &self,
         cnn: &crate::hyper::policy::CnnSpec,
     ) -> Result<(), ConfigError> {
-        if self.is_text_game() || !matches!(self.run.algo, Algo::Ppo | Algo::A2c) {
+        if self.is_text_game() || !matches!(self.run.algo, Algo::Ppo | Algo::A2c | Algo::Dqn) {
             return Err(invalid(
                 "policy.cnn",
                 format!(
-                    "CNN policies are for ppo and a2c on image observations, not run.algo {} on {}",
+                    "CNN policies are for ppo, a2c and dqn on image observations, not run.algo {} on {}",
                     self.run.algo, self.run.env_id
                 ),
             ));
@@ -71,19 +73,11 @@ impl ExperimentConfig {
                 "comes from the env's image observations; leave it out",
             ));
         }
-        if cnn.conv.is_empty() {
-            return Err(invalid("policy.cnn.conv", "needs at least one convolution"));
-        }
-        if let Some(i) = cnn
-            .conv
-            .iter()
-            .position(|c| c.channels == 0 || c.kernel == 0 || c.stride == 0)
-        {
-            return Err(invalid(
-                "policy.cnn.conv",
-                format!("layer {i}: channels, kernel and stride must be at least 1"),
-            ));
-        }
-        positive("policy.cnn.features_dim", cnn.features_dim)
+        cnn.validate_layers().map_err(cnn_error)
     }
+}
+
+/// A [`crate::hyper::policy::CnnSpec`] check's error under `policy.`.
+pub(crate) fn cnn_error(e: crate::FieldError) -> ConfigError {
+    invalid(&format!("policy.{}", e.field), e.reason)
 }

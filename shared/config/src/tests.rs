@@ -39,8 +39,9 @@ fn cnn_policies_are_checked_against_the_env_and_the_algorithm() {
         ExperimentConfig::from_layers(BASE, "t", &[], &overrides)
     };
     let err = |r: Result<ExperimentConfig, ConfigError>| r.unwrap_err().to_string();
-    let e = err(with(&["policy.cnn={}", "run.algo=dqn"]));
-    assert!(e.contains("policy.cnn") && e.contains("dqn"), "{e}");
+    let e = err(with(&["policy.cnn={}", "run.algo=sac"]));
+    assert!(e.contains("policy.cnn") && e.contains("sac"), "{e}");
+    with(&["policy.cnn={}", "policy.hidden=[]", "run.algo=dqn"]).unwrap();
     let e = err(with(&["policy.cnn={input: [1, 2, 3]}"]));
     assert!(e.contains("policy.cnn.input"), "{e}");
     let e = err(with(&["policy.hidden=[]"]));
@@ -93,6 +94,70 @@ fn atari_spec() -> relay_envs::EnvSpec {
         action_space: relay_envs::ActionSpace::Discrete { n: 4 },
         ..relay_envs::spec("CartPole-v1").unwrap()
     }
+}
+
+#[test]
+fn cnn_arch_selects_the_body_and_its_options() {
+    use crate::hyper::policy::{CnnArch, CnnSpec};
+    let with = |cnn: &str| {
+        ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &[format!("policy.cnn={cnn}"), "policy.hidden=[]".into()],
+        )
+    };
+    let cnn = |s: &str| with(s).unwrap().policy.cnn.unwrap();
+    // Every config written before `arch` means what it meant.
+    assert_eq!(cnn("{}"), CnnSpec::default());
+    let plain = cnn("{conv: [{channels: 16, kernel: 3, stride: 1}], features_dim: 128}");
+    assert_eq!(plain.features_dim, 128);
+    assert!(matches!(&plain.arch, CnnArch::Nature { conv } if conv.len() == 1));
+    assert_eq!(cnn("{arch: nature}"), CnnSpec::default());
+    // IMPALA's defaults, and its options.
+    assert_eq!(cnn("{arch: impala}"), CnnSpec::impala());
+    assert_eq!(CnnSpec::impala().features_dim, 256);
+    let wide = cnn("{arch: impala, channels: [32, 64, 64], blocks: 1, features_dim: 512}");
+    assert_eq!(
+        wide.arch,
+        CnnArch::Impala {
+            channels: vec![32, 64, 64],
+            blocks: 1
+        }
+    );
+    assert_eq!(wide.features_dim, 512);
+    // An option of the other architecture, or an unknown one, is refused.
+    for (bad, says) in [
+        ("{arch: impala, conv: []}", "conv"),
+        ("{channels: [16]}", "channels"),
+        ("{arch: resnet}", "resnet"),
+        ("{arch: impala, chanels: [16]}", "chanels"),
+    ] {
+        let e = with(bad).unwrap_err().to_string();
+        assert!(e.contains(says), "{bad}: {e}");
+    }
+    let e = with("{arch: impala, channels: [16, 0]}")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("policy.cnn.channels"), "{e}");
+    // Serialized and read back (a checkpoint's spec) as the same spec.
+    for spec in [CnnSpec::default(), wide] {
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(
+            serde_json::from_str::<CnnSpec>(&json).unwrap(),
+            spec,
+            "{json}"
+        );
+    }
+    // Any image fits IMPALA: the stacks halve it, rounding up.
+    let spec = CnnSpec {
+        input: [4, 84, 84],
+        ..CnnSpec::impala()
+    };
+    assert_eq!(
+        spec.output_shapes().unwrap(),
+        vec![[16, 42, 42], [32, 21, 21], [32, 11, 11]]
+    );
 }
 
 #[test]

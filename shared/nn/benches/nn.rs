@@ -2,8 +2,10 @@
 //! CartPole-sized policy (obs 4, hidden [64, 64], tanh, 2 actions), a DQN
 //! train step (CartPole Q-network, batch 64 and 256) and a SAC train step
 //! (Pendulum sizes, hidden [256, 256], batch 256). CNN policies at batch
-//! 256: SB3's NatureCNN on 4x84x84 frames (6 actions) and MinAtar's network
-//! on 4x10x10 (3 actions), a no-grad forward and a PPO train step each, with
+//! 256: SB3's NatureCNN on 4x84x84 frames (6 actions), IMPALA's ResNet on
+//! 4x84x84 (6 actions) and MinAtar's network on 4x10x10 (3 actions), a
+//! no-grad forward and a PPO train step each; a DQN train step of SB3's DQN
+//! `CnnPolicy` (NatureCNN, 6 actions) on 4x84x84 at batch 32; with
 //! PyTorch's times for the same networks and steps beside them (1 thread,
 //! `benches/torch_cnn.py`, run by `RELAY_TORCH_PYTHON` or `python3` when it
 //! has `torch`; reported as missing otherwise).
@@ -21,52 +23,90 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
 use relay_nn::{
-    clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, CnnSpec, ConvSpec, PolicySpec,
-    PpoInputs, PpoLossConfig,
+    clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, CnnArch, CnnSpec, ConvSpec,
+    PolicySpec, PpoInputs, PpoLossConfig,
 };
 
-/// The CNN policies timed, as `(key, label, image, convolutions, features, actions)`.
-type CnnCase = (
-    &'static str,
-    &'static str,
-    [usize; 3],
-    Vec<ConvSpec>,
-    usize,
-    usize,
-);
-
-fn cnn_cases() -> Vec<CnnCase> {
+/// The CNN policies timed at batch 256, as `(key, label, extractor, actions)`.
+fn cnn_cases() -> Vec<(&'static str, &'static str, CnnSpec, usize)> {
     vec![
         (
             "nature_cnn",
             "NatureCNN 4x84x84",
-            [4, 84, 84],
-            CnnSpec::default().conv,
-            512,
+            CnnSpec {
+                input: [4, 84, 84],
+                ..CnnSpec::default()
+            },
+            6,
+        ),
+        (
+            "impala_cnn",
+            "IMPALA CNN 4x84x84",
+            CnnSpec {
+                input: [4, 84, 84],
+                ..CnnSpec::impala()
+            },
             6,
         ),
         (
             "minatar_cnn",
             "MinAtar CNN 4x10x10",
-            [4, 10, 10],
-            vec![ConvSpec {
-                channels: 16,
-                kernel: 3,
-                stride: 1,
-            }],
-            128,
+            CnnSpec {
+                input: [4, 10, 10],
+                arch: CnnArch::Nature {
+                    conv: vec![ConvSpec {
+                        channels: 16,
+                        kernel: 3,
+                        stride: 1,
+                    }],
+                },
+                features_dim: 128,
+            },
             3,
         ),
     ]
 }
 
-/// PyTorch's times for [`cnn_cases`] (JSON keys `torch_<case>_..._us`), or
-/// why there are none.
-fn torch_times(budget: Duration) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+/// The DQN CNN case: its key and batch; the Q-network is [`cnn_cases`]'
+/// NatureCNN with `hidden: []`.
+const DQN_CNN: (&str, usize) = ("dqn_nature_cnn", 32);
+
+/// The rows PyTorch times, as `(case, JSON key, label)`: [`cnn_cases`]'
+/// forward and PPO train step, and the DQN train step.
+fn torch_rows() -> Vec<(&'static str, String, String)> {
+    let mut rows = Vec::new();
+    for (key, label, ..) in cnn_cases() {
+        for (what, name) in [
+            ("forward", "forward (no grad)"),
+            ("train_step", "PPO train step"),
+        ] {
+            rows.push((
+                key,
+                format!("{key}_{what}_b256_us"),
+                format!("{label} {name} batch 256"),
+            ));
+        }
+    }
+    let (key, b) = DQN_CNN;
+    rows.push((
+        key,
+        format!("{key}_train_step_b{b}_us"),
+        format!("DQN NatureCNN 4x84x84 train step batch {b}"),
+    ));
+    rows
+}
+
+/// PyTorch's times for `cases` of `benches/torch_cnn.py` (JSON keys
+/// `torch_<case>_..._us`), or why there are none.
+fn torch_times(
+    budget: Duration,
+    cases: &[&str],
+) -> Result<serde_json::Map<String, serde_json::Value>, String> {
     let python = std::env::var("RELAY_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
     let out = std::process::Command::new(&python)
         .args(["-c", include_str!("torch_cnn.py")])
         .arg(budget.as_secs_f64().to_string())
+        .arg(cases.join(","))
         .env("OMP_NUM_THREADS", "1")
         .output()
         .map_err(|e| format!("{python}: {e}"))?;
@@ -415,16 +455,12 @@ fn main() -> relay_nn::Result<()> {
 
     // CNN policies at batch 256: forward (act's graph-free path) and a PPO
     // train step, as the learner runs them.
-    for (key, label, image, conv, features_dim, n_actions) in cnn_cases() {
+    for (key, label, cnn, n_actions) in cnn_cases() {
         let b = 256;
-        let d: usize = image.iter().product();
+        let d = cnn.input_len();
         let mut spec = PolicySpec::discrete(d, n_actions);
         spec.hidden = vec![];
-        spec.cnn = Some(CnnSpec {
-            input: image,
-            conv,
-            features_dim,
-        });
+        spec.cnn = Some(cnn);
         let m = ActorCritic::new(&spec, 0)?;
         let obs: Vec<f32> = (0..b * d)
             .map(|_| rng.random_range(0..=255u8) as f32)
@@ -474,26 +510,75 @@ fn main() -> relay_nn::Result<()> {
             },
         );
     }
+    // DQN with SB3's CnnPolicy (NatureCNN, `net_arch=[]`) as the learner
+    // runs it: targets, Huber loss, backward, grad-norm clip 10, Adam.
+    {
+        let (key, b) = DQN_CNN;
+        let (_, _, cnn, n_actions) = cnn_cases().swap_remove(0);
+        let d = cnn.input_len();
+        let qspec = relay_nn::QNetSpec {
+            hidden: vec![],
+            cnn: Some(cnn),
+            ..relay_nn::QNetSpec::new(d, n_actions)
+        };
+        let online = relay_nn::QNetwork::new(&qspec, 0)?;
+        let target = online.duplicate()?;
+        let mut opt = Adam::new(online.vars(), AdamConfig::default())?;
+        let mut pixels = || -> Vec<f32> {
+            (0..b * d)
+                .map(|_| rng.random_range(0..=255u8) as f32)
+                .collect()
+        };
+        let (obs, next_obs) = (pixels(), pixels());
+        let actions: Vec<u32> = (0..b)
+            .map(|_| rng.random_range(0..n_actions as u32))
+            .collect();
+        let returns: Vec<f32> = (0..b).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let discounts: Vec<f32> = vec![0.99; b];
+        let cfg = relay_nn::DqnLossConfig::default();
+        bench(
+            format!("{key}_train_step_b{b}_us"),
+            format!("DQN NatureCNN 4x84x84 train step batch {b}"),
+            &mut || {
+                let out = relay_nn::dqn_loss(
+                    &cfg,
+                    &online,
+                    &target,
+                    &relay_nn::DqnBatch {
+                        obs: &obs,
+                        actions: &actions,
+                        returns: &returns,
+                        next_obs: &next_obs,
+                        discounts: &discounts,
+                        weights: None,
+                    },
+                )
+                .unwrap();
+                let mut grads = out.loss.backward().unwrap();
+                black_box(clip_grad_norm(&mut grads, opt.vars(), 10.0).unwrap());
+                opt.step(&grads).unwrap();
+            },
+        );
+    }
+
     // Added to the table after the last `bench` (which holds `rows` and `json`).
-    let mut torch_rows: Vec<(String, (f64, f64))> = Vec::new();
+    let mut torch_rows_out: Vec<(String, (f64, f64))> = Vec::new();
     let mut torch_json: Vec<(String, f64)> = Vec::new();
-    if want("torch") || want("nature") || want("minatar") {
-        match torch_times(budget) {
+    let wanted = torch_rows()
+        .into_iter()
+        .filter(|(_, k, _)| want(k) || want(&format!("torch_{k}")))
+        .collect::<Vec<_>>();
+    let mut cases: Vec<&str> = wanted.iter().map(|(case, ..)| *case).collect();
+    cases.dedup();
+    if !cases.is_empty() {
+        match torch_times(budget, &cases) {
             Ok(times) => {
                 let version = times.get("torch").and_then(|v| v.as_str()).unwrap_or("?");
-                for (key, label, ..) in cnn_cases() {
-                    for (what, name) in [
-                        ("forward", "forward (no grad)"),
-                        ("train_step", "PPO train step"),
-                    ] {
-                        let k = format!("torch_{key}_{what}_b256_us");
-                        if let Some(us) = times.get(&k).and_then(|v| v.as_f64()) {
-                            torch_rows.push((
-                                format!("PyTorch {version} {label} {name} batch 256"),
-                                (us, us),
-                            ));
-                            torch_json.push((k, us));
-                        }
+                for (_, key, label) in wanted {
+                    let k = format!("torch_{key}");
+                    if let Some(us) = times.get(&k).and_then(|v| v.as_f64()) {
+                        torch_rows_out.push((format!("PyTorch {version} {label}"), (us, us)));
+                        torch_json.push((k, us));
                     }
                 }
             }
@@ -513,11 +598,11 @@ fn main() -> relay_nn::Result<()> {
         &mut || opt.step(&grads).unwrap(),
     );
 
-    rows.extend(torch_rows);
+    rows.extend(torch_rows_out);
     json.extend(torch_json);
-    println!("{:<66} {:>10} {:>10}", "case", "median µs", "min µs");
+    println!("{:<72} {:>10} {:>10}", "case", "median µs", "min µs");
     for (label, (median, min)) in &rows {
-        println!("{label:<66} {median:>10.2} {min:>10.2}");
+        println!("{label:<72} {median:>10.2} {min:>10.2}");
     }
     let body: Vec<String> = json
         .iter()

@@ -31,6 +31,37 @@ impl Init<'_> {
     }
 }
 
+/// How one layer's weight and bias are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum LayerInit {
+    /// An orthogonal weight with this gain and a zero bias (SB3's
+    /// `ortho_init`, which actor-critic policies use).
+    Orthogonal(f64),
+    /// PyTorch's default `nn.Linear` / `nn.Conv2d` init, weight and bias
+    /// uniform in `±1/sqrt(fan_in)` (SB3's DQN and SAC networks keep it).
+    FanIn,
+}
+
+impl Init<'_> {
+    /// One layer's weight, `[out, fan_in]` row-major (a convolution's
+    /// `[out, C, k, k]` with `fan_in = C k k`), and bias `[out]`, drawn as
+    /// `how` says (the weight first), or zeros.
+    pub(crate) fn layer(
+        &mut self,
+        how: LayerInit,
+        out: usize,
+        fan_in: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        match how {
+            LayerInit::Orthogonal(gain) => (self.orthogonal(out, fan_in, gain), vec![0.0; out]),
+            LayerInit::FanIn => (
+                self.uniform_fan_in(out * fan_in, fan_in),
+                self.uniform_fan_in(out, fan_in),
+            ),
+        }
+    }
+}
+
 /// A `rows x cols` row-major matrix with orthonormal rows (if `rows <= cols`)
 /// or orthonormal columns (otherwise), scaled by `gain`.
 ///

@@ -1,6 +1,6 @@
 //! Hand-written f32 kernels: a fast `tanh`, activation gradients, a small
 //! dense layer `y = act(x W^T + b)` for tiny batches, bias and column sums,
-//! and the Adam update.
+//! the Adam update, and a channels-last max-pool (with its argmax).
 //!
 //! Why they exist: candle's CPU `tanh` calls libm's scalar `tanhf` per element
 //! and dominated the 4-64-64-2 MLP (1.8 ms vs 0.37 ms with ReLU at batch 512),
@@ -112,6 +112,133 @@ fn column_sums_generic(x: &[f32], sums: &mut [f32]) {
     for row in x.chunks_exact(sums.len()) {
         for (s, &v) in sums.iter_mut().zip(row) {
             *s += v;
+        }
+    }
+}
+
+/// The window of a max-pool over channels-last images: `kernel`, `stride`
+/// and `pad` (which never wins), in both directions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolWindow {
+    /// Square window size.
+    pub kernel: usize,
+    /// Step between windows.
+    pub stride: usize,
+    /// Border on every side, smaller than `kernel`.
+    pub pad: usize,
+}
+
+impl PoolWindow {
+    /// Output size of an input size.
+    pub fn out(&self, size: usize) -> usize {
+        (size + 2 * self.pad - self.kernel) / self.stride + 1
+    }
+}
+
+/// Values per block of [`zip_lanes`]: one AVX-512 vector.
+const LANES: usize = 16;
+
+/// `f(d, s)` for every pair of `dst` and `src` values, in blocks of
+/// [`LANES`]: LLVM's vector loops want several vectors' worth of values
+/// before they start, so runs of a few channels would stay scalar.
+#[inline(always)]
+pub(crate) fn zip_lanes(dst: &mut [f32], src: &[f32], f: impl Fn(&mut f32, f32)) {
+    let mut d = dst.chunks_exact_mut(LANES);
+    let mut s = src.chunks_exact(LANES);
+    for (d, s) in (&mut d).zip(&mut s) {
+        let (d, s): (&mut [f32; LANES], &[f32; LANES]) = (
+            d.try_into().expect("LANES values"),
+            s.try_into().expect("LANES values"),
+        );
+        // On local copies: on the slices LLVM cannot rule out aliasing
+        // and keeps the block scalar.
+        let (mut dv, sv) = (*d, *s);
+        for (d, s) in dv.iter_mut().zip(sv) {
+            f(d, s);
+        }
+        *d = dv;
+    }
+    for (d, &s) in d.into_remainder().iter_mut().zip(s.remainder()) {
+        f(d, s);
+    }
+}
+
+/// Where `pixel` beats `best`, takes its values, and their indices
+/// (`at`, `at + 1`, ...) into `arg`; in blocks of [`LANES`], branch-free.
+#[inline(always)]
+fn max_argmax_lanes(best: &mut [f32], arg: &mut [u32], pixel: &[f32], at: u32) {
+    // Selects by bit masks on local copies: LLVM turns `if` selects on the
+    // slices into branches and scalar stores.
+    #[inline(always)]
+    fn step<const N: usize>(m: &mut [f32; N], a: &mut [u32; N], v: &[f32; N], at: u32) {
+        let (mut mv, mut av) = (*m, *a);
+        for l in 0..N {
+            let take = ((v[l] > mv[l]) as u32).wrapping_neg();
+            mv[l] = f32::from_bits((v[l].to_bits() & take) | (mv[l].to_bits() & !take));
+            av[l] = ((at + l as u32) & take) | (av[l] & !take);
+        }
+        (*m, *a) = (mv, av);
+    }
+    let n = pixel.len();
+    let full = n - n % LANES;
+    for block in (0..full).step_by(LANES) {
+        let range = block..block + LANES;
+        step::<LANES>(
+            (&mut best[range.clone()]).try_into().expect("LANES"),
+            (&mut arg[range.clone()]).try_into().expect("LANES"),
+            pixel[range].try_into().expect("LANES"),
+            at + block as u32,
+        );
+    }
+    for i in full..n {
+        step::<1>(
+            (&mut best[i..i + 1]).try_into().expect("1"),
+            (&mut arg[i..i + 1]).try_into().expect("1"),
+            pixel[i..i + 1].try_into().expect("1"),
+            at + i as u32,
+        );
+    }
+}
+
+#[inline(always)]
+fn max_pool_generic<const ARGMAX: bool>(
+    x: &[f32],
+    [c, h, w]: [usize; 3],
+    win: PoolWindow,
+    y: &mut Vec<f32>,
+    argmax: &mut Vec<u32>,
+) {
+    let PoolWindow {
+        kernel: k,
+        stride: s,
+        pad: p,
+    } = win;
+    // The in-image part of a window: `lo..hi` of a row or column.
+    let span = |o: usize, size: usize| ((o * s).saturating_sub(p), (o * s + k - p).min(size));
+    for sample in x.chunks_exact(c * h * w) {
+        for oy in 0..win.out(h) {
+            let (y0, y1) = span(oy, h);
+            for ox in 0..win.out(w) {
+                let (x0, x1) = span(ox, w);
+                // The window's first pixel, then the rest against it.
+                let (start, first) = (y.len(), (y0 * w + x0) * c);
+                y.extend_from_slice(&sample[first..first + c]);
+                if ARGMAX {
+                    argmax.extend((first..first + c).map(|i| i as u32));
+                }
+                for iy in y0..y1 {
+                    for ix in x0..x1 {
+                        let at = (iy * w + ix) * c;
+                        let pixel = &sample[at..at + c];
+                        let best = &mut y[start..];
+                        if ARGMAX {
+                            max_argmax_lanes(best, &mut argmax[start..], pixel, at as u32);
+                        } else {
+                            zip_lanes(best, pixel, |m, v| *m = if v > *m { v } else { *m });
+                        }
+                    }
+                }
+            }
         }
     }
 }
@@ -260,6 +387,18 @@ mod x86 {
     versions!(column_sums, column_sums_512, (x: &[f32], sums: &mut [f32]), column_sums_generic(x, sums));
     versions!(relu_inplace, relu_inplace_512, (xs: &mut [f32]), relu_inplace_generic(xs));
     versions!(add_row_bias, add_row_bias_512, (x: &mut [f32], b: &[f32]), add_row_bias_generic(x, b));
+    versions!(
+        max_pool,
+        max_pool_512,
+        (x: &[f32], image: [usize; 3], win: PoolWindow, y: &mut Vec<f32>, argmax: &mut Vec<u32>),
+        max_pool_generic::<false>(x, image, win, y, argmax)
+    );
+    versions!(
+        max_pool_argmax,
+        max_pool_argmax_512,
+        (x: &[f32], image: [usize; 3], win: PoolWindow, y: &mut Vec<f32>, argmax: &mut Vec<u32>),
+        max_pool_generic::<true>(x, image, win, y, argmax)
+    );
     versions!(
         adam,
         adam_512,
@@ -484,6 +623,41 @@ pub fn column_sums(x: &[f32], sums: &mut [f32]) {
         (x, sums),
         column_sums_generic(x, sums)
     )
+}
+
+/// Max-pool of channels-last images `x: [n, h, w, c]` (`image` is `[c, h,
+/// w]`) appended to `y` as `[n, out_h, out_w, c]`; with `argmax`, also the
+/// index in its image of each output's maximum (the first in window order
+/// on ties, as PyTorch), appended there.
+pub fn max_pool(
+    x: &[f32],
+    image: [usize; 3],
+    win: PoolWindow,
+    y: &mut Vec<f32>,
+    argmax: Option<&mut Vec<u32>>,
+) {
+    assert!(
+        win.pad < win.kernel
+            && x.len()
+                .is_multiple_of(image.iter().product::<usize>().max(1))
+    );
+    match argmax {
+        None => {
+            let none = &mut Vec::new();
+            dispatch!(
+                max_pool,
+                max_pool_512,
+                (x, image, win, y, none),
+                max_pool_generic::<false>(x, image, win, y, none)
+            )
+        }
+        Some(argmax) => dispatch!(
+            max_pool_argmax,
+            max_pool_argmax_512,
+            (x, image, win, y, argmax),
+            max_pool_generic::<true>(x, image, win, y, argmax)
+        ),
+    }
 }
 
 /// `x[r, j] += b[j]` for row-major `x: [rows, b.len()]`.

@@ -6,14 +6,14 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`], [`CnnSpec`]: what a policy looks like (serde) |
-//! | [`conv`] | the convolutional features extractor of image policies (NatureCNN) |
+//! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`], [`CnnSpec`] ([`CnnArch`]): what a policy looks like (serde) |
+//! | [`conv`] | the convolutional features extractor of image policies and Q-networks (NatureCNN, IMPALA's ResNet): padded convolutions, max-pool, residual blocks |
 //! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), weight exchange and checkpoints |
 //! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample) |
 //! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
 //! | [`ppo`] | [`gae`], [`ppo_loss`] and its [`PpoLossConfig`], [`explained_variance`], [`normalize`] |
 //! | [`a2c`] | [`a2c_loss`], [`reinforce_loss`], [`discounted_returns`] |
-//! | [`qnet`] | [`QNetwork`] (optionally dueling) and its [`QNetSpec`]: Q-values, epsilon-greedy acting, target updates |
+//! | [`qnet`] | [`QNetwork`] (optionally dueling, optionally behind a CNN) and its [`QNetSpec`]: Q-values, epsilon-greedy acting, target updates |
 //! | [`dqn`] | [`n_step_returns`], [`dqn_targets`], [`dqn_loss`] (double DQN, Huber, importance weights, TD errors) |
 //! | [`sac`] | [`Sac`] ([`SacActor`], [`TwinCritic`] and targets, `log α`), its losses and [`sac_train_step`] |
 //! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
@@ -114,5 +114,5 @@ pub use sac::{
     Sac, SacActor, SacBatch, SacConfig, SacOptimizers, SacSpec, SacStats, TwinCritic,
 };
 pub use schedule::{Schedule, Shape, Warmup};
-pub use spec::{ActionKind, Activation, CnnSpec, ConvSpec, PolicySpec};
+pub use spec::{ActionKind, Activation, CnnArch, CnnSpec, ConvSpec, PolicySpec};
 pub use vec_normalize::{NormDelta, NormalizeConfig, RunningMeanStd, VecNormalize};

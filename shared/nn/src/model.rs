@@ -52,7 +52,7 @@ use rand_distr::StandardNormal;
 
 use crate::conv::Cnn;
 use crate::error::{NnError, Result};
-use crate::init::Init;
+use crate::init::{Init, LayerInit};
 use crate::io::{read_safetensors, write_safetensors, NamedTensor};
 use crate::kernels;
 use crate::ops::{self, cpu_f32, HALF_LN_2PI};
@@ -131,6 +131,25 @@ pub(crate) fn storage_f32<'a>(s: &'a Storage, l: &candle_core::Layout) -> Result
         Storage::Cpu(s) => Ok(cpu_f32(s, l, "parameter")?),
         _ => Err(candle_core::Error::Msg("parameters must live on the CPU".into()).into()),
     }
+}
+
+/// A layer's weight (`shape`, `[out, ...]`; fan-in the product of the rest)
+/// and bias `[out]`, drawn as `how` says and registered in `params` as
+/// `{name}.weight` and `{name}.bias`.
+pub(crate) fn new_layer(
+    name: &str,
+    shape: &[usize],
+    how: LayerInit,
+    init: &mut Init<'_>,
+    params: &mut Vec<(String, Var)>,
+) -> Result<Dense> {
+    let out = shape[0];
+    let (w, b) = init.layer(how, out, shape[1..].iter().product());
+    let w = Var::from_vec(w, shape, &Device::Cpu)?;
+    let b = Var::from_vec(b, out, &Device::Cpu)?;
+    params.push((format!("{name}.weight"), w.clone()));
+    params.push((format!("{name}.bias"), b.clone()));
+    Ok(Dense { w, b })
 }
 
 /// One dense layer `act(x W^T + b)` without a graph, weights read in place.
@@ -246,8 +265,14 @@ impl ActorCritic {
         spec.validate()?;
         let mut params: Vec<(String, Var)> = Vec::new();
         let dev = Device::Cpu;
+        let hidden_gain = 2f64.sqrt();
         let cnn = match &spec.cnn {
-            Some(c) => Some(Cnn::new(c, &mut init, &mut params)?),
+            Some(c) => Some(Cnn::new(
+                c,
+                LayerInit::Orthogonal(hidden_gain),
+                &mut init,
+                &mut params,
+            )?),
             None => None,
         };
         let mut dense = |prefix: String,
@@ -256,13 +281,14 @@ impl ActorCritic {
                          gain: f64,
                          init: &mut Init<'_>|
          -> Result<Dense> {
-            let w = Var::from_vec(init.orthogonal(out, inp, gain), (out, inp), &dev)?;
-            let b = Var::zeros(out, DType::F32, &dev)?;
-            params.push((format!("{prefix}.weight"), w.clone()));
-            params.push((format!("{prefix}.bias"), b.clone()));
-            Ok(Dense { w, b })
+            new_layer(
+                &prefix,
+                &[out, inp],
+                LayerInit::Orthogonal(gain),
+                init,
+                &mut params,
+            )
         };
-        let hidden_gain = 2f64.sqrt();
         let mut build_trunk = |net: &str, init: &mut Init<'_>| -> Result<Vec<Dense>> {
             let mut inp = spec.features_dim();
             let mut layers = Vec::new();

@@ -1,6 +1,7 @@
-//! The Q-network of DQN: an MLP from an observation to one value per
-//! discrete action, optionally dueling; acting (greedy and epsilon-greedy),
-//! weight exchange, checkpoints, and target-network updates.
+//! The Q-network of DQN: an MLP from an observation (or, for images, from
+//! a CNN's features) to one value per discrete action, optionally dueling;
+//! acting (greedy and epsilon-greedy), weight exchange, checkpoints, and
+//! target-network updates.
 //!
 //! # Layout
 //!
@@ -9,6 +10,7 @@
 //!
 //! | name | shape | init |
 //! |---|---|---|
+//! | `features_extractor.*` (with `cnn`) | the CNN's, see [`crate::conv`] | PyTorch default |
 //! | `q_net.{2i}.weight` / `.bias` | `[hidden[i], in]` / `[hidden[i]]` | PyTorch default (uniform ±1/√in) |
 //! | `q_net.{2L}.weight` / `.bias` (not dueling; `L = hidden.len()`) | `[n_actions, last]` / `[n_actions]` | same |
 //! | `value_stream.weight` / `.bias` (dueling) | `[1, last]` / `[1]` | same |
@@ -17,28 +19,35 @@
 //! Dueling (Wang et al. 2016): `Q(s, a) = V(s) + A(s, a) - mean_a' A(s, a')`,
 //! both streams linear heads on the shared hidden layers.
 //!
+//! With a CNN (`QNetSpec::cnn`, SB3's DQN `CnnPolicy`: NatureCNN's 512
+//! features, then `net_arch=[]`, a linear layer to the actions), the hidden
+//! layers read its features instead of the observation; observations are
+//! then pixel values `0..=255` as f32, which the CNN scales.
+//!
 //! # Two forward paths
 //!
 //! As [`crate::ActorCritic`]: [`QNetwork::forward`] builds a differentiable
 //! graph of fused ops (training); [`QNetwork::q_values`] and the acting
 //! functions read the `Var`s in place with no graph (inference, and the
-//! target network's values in [`crate::dqn_loss`]).
+//! target network's values in [`crate::dqn_loss`]); a CNN runs its own
+//! graph and graph-free paths in front of them.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::conv::Cnn;
 use crate::error::{NnError, Result};
-use crate::init::Init;
+use crate::init::{Init, LayerInit};
 use crate::io::NamedTensor;
-use crate::model::{dense_host, head_graph, trunk_graph, trunk_host, Dense};
+use crate::model::{dense_host, head_graph, new_layer, trunk_graph, trunk_host, Dense};
 use crate::params::Params;
-use crate::spec::{ActionKind, Activation, PolicySpec};
+use crate::spec::{validate_cnn, ActionKind, Activation, CnnSpec, PolicySpec};
 
 /// `format` metadata written into Q-network checkpoints.
 pub const QNET_FORMAT: &str = "relay-nn/q-network";
@@ -60,6 +69,11 @@ pub struct QNetSpec {
     /// Dueling streams (value + mean-subtracted advantage). Default `false`.
     #[serde(default)]
     pub dueling: bool,
+    /// A convolutional features extractor in front of the hidden layers,
+    /// for image observations (`None`: the flat observation feeds them).
+    /// SB3's DQN `CnnPolicy` is NatureCNN with `hidden: []`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cnn: Option<CnnSpec>,
 }
 
 fn default_hidden() -> Vec<usize> {
@@ -79,11 +93,12 @@ impl QNetSpec {
             hidden: default_hidden(),
             activation: default_activation(),
             dueling: false,
+            cnn: None,
         }
     }
 
     /// The Q-network for a run's discrete [`PolicySpec`] (same observation
-    /// size, action count, widths and activation).
+    /// size, action count, widths, activation and CNN).
     pub fn from_policy_spec(spec: &PolicySpec) -> Result<Self> {
         let ActionKind::Discrete { n } = spec.action else {
             return Err(NnError::config(
@@ -97,7 +112,14 @@ impl QNetSpec {
             hidden: spec.hidden.clone(),
             activation: spec.activation,
             dueling: false,
+            cnn: spec.cnn.clone(),
         })
+    }
+
+    /// Width of what the hidden layers read: the CNN's features, or the
+    /// observation itself.
+    pub fn features_dim(&self) -> usize {
+        self.cnn.as_ref().map_or(self.obs_dim, |c| c.features_dim)
     }
 
     /// Checks every field; the error names the field.
@@ -114,7 +136,7 @@ impl QNetSpec {
                 format!("layer {i} has width 0; every width must be at least 1"),
             ));
         }
-        Ok(())
+        validate_cnn(self.cnn.as_ref(), self.obs_dim)
     }
 }
 
@@ -123,9 +145,11 @@ enum Head {
     Dueling { value: Dense, advantage: Dense },
 }
 
-/// An MLP Q-network (see the module docs).
+/// A Q-network (see the module docs).
 pub struct QNetwork {
     spec: QNetSpec,
+    /// The image features extractor of a CNN Q-network.
+    cnn: Option<Cnn>,
     trunk: Vec<Dense>,
     head: Head,
     params: Params,
@@ -148,12 +172,13 @@ pub(crate) struct LayerBuilder<'a> {
 
 impl LayerBuilder<'_> {
     pub(crate) fn dense(&mut self, name: &str, inp: usize, out: usize) -> Result<Dense> {
-        let dev = Device::Cpu;
-        let w = Var::from_vec(self.init.uniform_fan_in(out * inp, inp), (out, inp), &dev)?;
-        let b = Var::from_vec(self.init.uniform_fan_in(out, inp), out, &dev)?;
-        self.params.push((format!("{name}.weight"), w.clone()));
-        self.params.push((format!("{name}.bias"), b.clone()));
-        Ok(Dense { w, b })
+        new_layer(
+            name,
+            &[out, inp],
+            LayerInit::FanIn,
+            &mut self.init,
+            &mut self.params,
+        )
     }
 
     /// Hidden layers `{prefix}.{2i}` from `inp` through `hidden`.
@@ -205,8 +230,12 @@ impl QNetwork {
             params: Vec::new(),
             init,
         };
-        let trunk = b.trunk("q_net", spec.obs_dim, &spec.hidden)?;
-        let last = spec.hidden.last().copied().unwrap_or(spec.obs_dim);
+        let cnn = match &spec.cnn {
+            Some(c) => Some(Cnn::new(c, LayerInit::FanIn, &mut b.init, &mut b.params)?),
+            None => None,
+        };
+        let trunk = b.trunk("q_net", spec.features_dim(), &spec.hidden)?;
+        let last = spec.hidden.last().copied().unwrap_or(spec.features_dim());
         let head = if spec.dueling {
             Head::Dueling {
                 value: b.dense("value_stream", last, 1)?,
@@ -221,6 +250,7 @@ impl QNetwork {
         };
         Ok(Self {
             spec: spec.clone(),
+            cnn,
             trunk,
             head,
             params: Params::new(b.params),
@@ -271,7 +301,16 @@ impl QNetwork {
     /// values row-major; no graph.
     pub fn q_values(&self, obs: &[f32], n: usize) -> Result<Vec<f32>> {
         self.check_obs(obs, n)?;
-        let (h, width) = trunk_host(&self.trunk, self.spec.activation, obs, n, self.spec.obs_dim)?;
+        let features;
+        let x = match &self.cnn {
+            Some(cnn) => {
+                features = cnn.host(obs, n)?;
+                &features[..]
+            }
+            None => obs,
+        };
+        let d = self.spec.features_dim();
+        let (h, width) = trunk_host(&self.trunk, self.spec.activation, x, n, d)?;
         match &self.head {
             Head::Plain(head) => dense_host(head, h, n, width, None),
             Head::Dueling { value, advantage } => {
@@ -340,8 +379,11 @@ impl QNetwork {
                 ))
             }
         }
-        let obs = obs.to_dtype(DType::F32)?.contiguous()?;
-        let h = trunk_graph(&obs, &self.trunk, self.spec.activation)?;
+        let mut x = obs.to_dtype(DType::F32)?.contiguous()?;
+        if let Some(cnn) = &self.cnn {
+            x = cnn.graph(&x)?;
+        }
+        let h = trunk_graph(&x, &self.trunk, self.spec.activation)?;
         match &self.head {
             Head::Plain(head) => head_graph(&h, head),
             Head::Dueling { value, advantage } => {
@@ -387,6 +429,7 @@ impl QNetwork {
             ("dueling", s.dueling.to_string()),
         ]
         .into_iter()
+        .chain(s.cnn.as_ref().map(|c| ("cnn", format!("{c:?}"))))
         .map(|(k, v)| (k.to_string(), v))
         .collect();
         self.params.save(path.as_ref(), QNET_FORMAT, meta)

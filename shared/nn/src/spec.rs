@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
-pub use relay_config::hyper::policy::{CnnSpec, ConvSpec};
+pub use relay_config::hyper::policy::{CnnArch, CnnSpec, ConvSpec};
 
 /// The action space of the environment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -83,6 +83,25 @@ pub struct PolicySpec {
     pub cnn: Option<CnnSpec>,
 }
 
+/// Checks an image policy's CNN against the observations it reads: the
+/// image is `obs_dim` values and every layer fits it; the error names the
+/// field (`cnn.input`, `cnn.conv`, ...).
+pub(crate) fn validate_cnn(cnn: Option<&CnnSpec>, obs_dim: usize) -> Result<()> {
+    let Some(cnn) = cnn else { return Ok(()) };
+    if cnn.input_len() != obs_dim {
+        return Err(NnError::config(
+            "cnn.input",
+            format!(
+                "{:?} is {} values, but observations have obs_dim = {obs_dim}",
+                cnn.input,
+                cnn.input_len(),
+            ),
+        ));
+    }
+    cnn.output_shapes()?;
+    Ok(())
+}
+
 fn default_hidden() -> Vec<usize> {
     vec![64, 64]
 }
@@ -127,29 +146,7 @@ impl PolicySpec {
         if self.obs_dim == 0 {
             return Err(NnError::config("obs_dim", "must be at least 1"));
         }
-        if let Some(cnn) = &self.cnn {
-            if cnn.input_len() != self.obs_dim {
-                return Err(NnError::config(
-                    "cnn.input",
-                    format!(
-                        "{:?} is {} values, but observations have obs_dim = {}",
-                        cnn.input,
-                        cnn.input_len(),
-                        self.obs_dim
-                    ),
-                ));
-            }
-            if cnn.conv.is_empty() {
-                return Err(NnError::config(
-                    "cnn.conv",
-                    "needs at least one convolution",
-                ));
-            }
-            if cnn.features_dim == 0 {
-                return Err(NnError::config("cnn.features_dim", "must be at least 1"));
-            }
-            cnn.output_shapes()?;
-        }
+        validate_cnn(self.cnn.as_ref(), self.obs_dim)?;
         if let Some(i) = self.hidden.iter().position(|&h| h == 0) {
             return Err(NnError::config(
                 "hidden",

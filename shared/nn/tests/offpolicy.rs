@@ -40,6 +40,7 @@ fn linear_q(w: &[f32], b: &[f32], obs_dim: usize) -> QNetwork {
         hidden: vec![],
         activation: Activation::Relu,
         dueling: false,
+        cnn: None,
     };
     let mut q = QNetwork::new(&spec, 0).unwrap();
     q.load_named_tensors(&[

@@ -92,8 +92,8 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, SpecError> {
     })
 }
 
-/// The Q-network of a DQN run: the policy's widths and activation,
-/// `dqn.dueling`.
+/// The Q-network of a DQN run: the policy's widths, activation and CNN
+/// (`policy.cnn`, in front of the hidden layers), `dqn.dueling`.
 pub fn qnet_spec_for(config: &ExperimentConfig) -> Result<QNetSpec, String> {
     let spec = spec_for(config).map_err(|e| e.to_string())?;
     let mut q = QNetSpec::from_policy_spec(&spec).map_err(|e| e.to_string())?;

@@ -26,7 +26,8 @@ pub enum TrunkLayout {
     Shared,
 }
 
-/// One convolution of a [`CnnSpec`]: no padding, followed by ReLU.
+/// One convolution of a plain ([`CnnArch::Nature`]) stack: no padding,
+/// followed by ReLU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConvSpec {
@@ -38,35 +39,161 @@ pub struct ConvSpec {
     pub stride: usize,
 }
 
-/// A convolutional features extractor: convolutions with ReLU, flatten, one
-/// dense layer with ReLU. The default is Stable-Baselines3's `NatureCNN`
-/// (Mnih et al. 2015): 32 8x8/4, 64 4x4/2, 64 3x3/1, dense 512.
+/// The convolutional body of a [`CnnSpec`], before its dense layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CnnArch {
+    /// A plain stack of unpadded convolutions, each followed by ReLU
+    /// (`arch: nature`, the default): Stable-Baselines3's `NatureCNN`
+    /// (Mnih et al. 2015) with its default `conv`.
+    Nature {
+        /// The convolutions, in order. Default: NatureCNN's three, 32 8x8/4,
+        /// 64 4x4/2, 64 3x3/1.
+        conv: Vec<ConvSpec>,
+    },
+    /// IMPALA's ResNet (`arch: impala`; Espeholt et al. 2018, CleanRL's
+    /// `ppo_procgen.py`, Sample Factory's `resnet_impala`): per stack a 3x3
+    /// convolution with stride 1 and padding 1, a 3x3 max-pool with stride 2
+    /// and padding 1, and `blocks` residual blocks
+    /// `x + conv(relu(conv(relu(x))))`; ReLU after the last stack.
+    Impala {
+        /// Output channels of each stack, in order. Default `[16, 32, 32]`.
+        channels: Vec<usize>,
+        /// Residual blocks per stack. Default 2.
+        blocks: usize,
+    },
+}
+
+/// A convolutional features extractor: a convolutional body ([`CnnArch`]),
+/// flatten, one dense layer with ReLU. The default is Stable-Baselines3's
+/// `NatureCNN`: 32 8x8/4, 64 4x4/2, 64 3x3/1, dense 512.
 ///
 /// Observations are uint8 pixels; the extractor divides them by 255 first.
+///
+/// In a config (`policy.cnn`), `arch` picks the body and the other keys
+/// are its options: `{}` is NatureCNN, `{conv: [...], features_dim: 128}` a
+/// plain stack of one's own, `{arch: impala}` IMPALA's ResNet with
+/// `channels`, `blocks` and `features_dim` (default 256) to change it. A
+/// key of the other architecture is refused.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "CnnFields", into = "CnnFields")]
 pub struct CnnSpec {
     /// Image shape, channels first: `[channels, height, width]`. Filled in
     /// from the environment's observation space (left empty in configs).
-    #[serde(default)]
     pub input: [usize; 3],
-    /// The convolutions, in order. Default: NatureCNN's three.
-    #[serde(default = "nature_convs")]
-    pub conv: Vec<ConvSpec>,
-    /// Width of the dense layer after the convolutions. Default 512.
-    #[serde(default = "default_features_dim")]
+    /// The convolutional body.
+    pub arch: CnnArch,
+    /// Width of the dense layer after the body. Default 512 (NatureCNN),
+    /// 256 (IMPALA).
     pub features_dim: usize,
+}
+
+/// The names `arch` takes in a config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum ArchName {
+    /// [`CnnArch::Nature`].
+    #[default]
+    Nature,
+    /// [`CnnArch::Impala`].
+    Impala,
+}
+
+/// [`CnnSpec`] as a config writes it: every key optional, defaults by `arch`.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CnnFields {
+    /// [`CnnSpec::input`].
+    #[serde(default)]
+    input: [usize; 3],
+    /// Which [`CnnArch`]. Default `nature`.
+    #[serde(default)]
+    arch: ArchName,
+    /// `nature` only: [`CnnArch::Nature::conv`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    conv: Option<Vec<ConvSpec>>,
+    /// `impala` only: [`CnnArch::Impala::channels`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    channels: Option<Vec<usize>>,
+    /// `impala` only: [`CnnArch::Impala::blocks`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    blocks: Option<usize>,
+    /// [`CnnSpec::features_dim`]; its default depends on `arch`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    features_dim: Option<usize>,
+}
+
+impl TryFrom<CnnFields> for CnnSpec {
+    type Error = String;
+
+    fn try_from(f: CnnFields) -> std::result::Result<Self, String> {
+        let (arch, features_dim) = match f.arch {
+            ArchName::Nature => {
+                if f.channels.is_some() || f.blocks.is_some() {
+                    return Err("`channels` and `blocks` are options of arch: impala; \
+                                arch: nature takes `conv`"
+                        .into());
+                }
+                let conv = f.conv.unwrap_or_else(nature_convs);
+                (CnnArch::Nature { conv }, NATURE_FEATURES_DIM)
+            }
+            ArchName::Impala => {
+                if f.conv.is_some() {
+                    return Err("`conv` is an option of arch: nature; \
+                                arch: impala takes `channels` and `blocks`"
+                        .into());
+                }
+                let channels = f.channels.unwrap_or_else(|| IMPALA_CHANNELS.to_vec());
+                let blocks = f.blocks.unwrap_or(IMPALA_BLOCKS);
+                (CnnArch::Impala { channels, blocks }, IMPALA_FEATURES_DIM)
+            }
+        };
+        Ok(Self {
+            input: f.input,
+            arch,
+            features_dim: f.features_dim.unwrap_or(features_dim),
+        })
+    }
+}
+
+impl From<CnnSpec> for CnnFields {
+    fn from(spec: CnnSpec) -> Self {
+        let (arch, conv, channels, blocks) = match spec.arch {
+            CnnArch::Nature { conv } => (ArchName::Nature, Some(conv), None, None),
+            CnnArch::Impala { channels, blocks } => {
+                (ArchName::Impala, None, Some(channels), Some(blocks))
+            }
+        };
+        Self {
+            input: spec.input,
+            arch,
+            conv,
+            channels,
+            blocks,
+            features_dim: Some(spec.features_dim),
+        }
+    }
 }
 
 impl Default for CnnSpec {
     fn default() -> Self {
         Self {
             input: [0; 3],
-            conv: nature_convs(),
-            features_dim: default_features_dim(),
+            arch: CnnArch::Nature {
+                conv: nature_convs(),
+            },
+            features_dim: NATURE_FEATURES_DIM,
         }
     }
 }
+
+/// NatureCNN's dense width.
+const NATURE_FEATURES_DIM: usize = 512;
+/// IMPALA's stack channels (CleanRL's and Sample Factory's).
+const IMPALA_CHANNELS: [usize; 3] = [16, 32, 32];
+/// IMPALA's residual blocks per stack.
+const IMPALA_BLOCKS: usize = 2;
+/// IMPALA's dense width.
+const IMPALA_FEATURES_DIM: usize = 256;
 
 fn nature_convs() -> Vec<ConvSpec> {
     vec![
@@ -88,43 +215,102 @@ fn nature_convs() -> Vec<ConvSpec> {
     ]
 }
 
-fn default_features_dim() -> usize {
-    512
-}
-
 impl CnnSpec {
-    /// `(channels, height, width)` after each convolution, or an error naming
-    /// the first one that does not fit its input.
-    pub fn output_shapes(&self) -> Result<Vec<[usize; 3]>> {
-        let mut shape = self.input;
-        let mut shapes = Vec::with_capacity(self.conv.len());
-        for (i, c) in self.conv.iter().enumerate() {
-            let [_, h, w] = shape;
-            if c.channels == 0 || c.kernel == 0 || c.stride == 0 {
-                return Err(FieldError::new(
-                    "cnn.conv",
-                    format!("layer {i}: channels, kernel and stride must be at least 1"),
-                ));
-            }
-            if c.kernel > h || c.kernel > w {
-                return Err(FieldError::new(
-                    "cnn.conv",
-                    format!(
-                        "layer {i}: a {k}x{k} kernel does not fit its {h}x{w} input \
-                         (the image is {:?}); use smaller kernels or strides for small images",
-                        self.input,
-                        k = c.kernel
-                    ),
-                ));
-            }
-            shape = [
-                c.channels,
-                (h - c.kernel) / c.stride + 1,
-                (w - c.kernel) / c.stride + 1,
-            ];
-            shapes.push(shape);
+    /// IMPALA's ResNet with its defaults (`policy.cnn: {arch: impala}`):
+    /// channels `[16, 32, 32]`, 2 residual blocks per stack, dense 256.
+    pub fn impala() -> Self {
+        Self {
+            input: [0; 3],
+            arch: CnnArch::Impala {
+                channels: IMPALA_CHANNELS.to_vec(),
+                blocks: IMPALA_BLOCKS,
+            },
+            features_dim: IMPALA_FEATURES_DIM,
         }
-        Ok(shapes)
+    }
+
+    /// Checks what does not depend on the image: at least one convolution
+    /// (or stack), every size at least 1 (`blocks` may be 0). The error
+    /// names the field (`cnn.conv`, `cnn.channels`, `cnn.features_dim`).
+    pub fn validate_layers(&self) -> Result<()> {
+        match &self.arch {
+            CnnArch::Nature { conv } => {
+                if conv.is_empty() {
+                    return Err(FieldError::new(
+                        "cnn.conv",
+                        "needs at least one convolution",
+                    ));
+                }
+                if let Some(i) = conv
+                    .iter()
+                    .position(|c| c.channels == 0 || c.kernel == 0 || c.stride == 0)
+                {
+                    return Err(FieldError::new(
+                        "cnn.conv",
+                        format!("layer {i}: channels, kernel and stride must be at least 1"),
+                    ));
+                }
+            }
+            CnnArch::Impala { channels, .. } => {
+                if channels.is_empty() {
+                    return Err(FieldError::new("cnn.channels", "needs at least one stack"));
+                }
+                if let Some(i) = channels.iter().position(|&c| c == 0) {
+                    return Err(FieldError::new(
+                        "cnn.channels",
+                        format!("stack {i} has 0 channels; every stack needs at least 1"),
+                    ));
+                }
+            }
+        }
+        if self.features_dim == 0 {
+            return Err(FieldError::new("cnn.features_dim", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// `(channels, height, width)` after each convolution (`nature`) or
+    /// stack (`impala`), or an error naming the first layer that is invalid
+    /// ([`Self::validate_layers`]) or does not fit its input.
+    pub fn output_shapes(&self) -> Result<Vec<[usize; 3]>> {
+        self.validate_layers()?;
+        let mut shape = self.input;
+        match &self.arch {
+            CnnArch::Nature { conv } => conv
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let [_, h, w] = shape;
+                    if c.kernel > h || c.kernel > w {
+                        return Err(FieldError::new(
+                            "cnn.conv",
+                            format!(
+                                "layer {i}: a {k}x{k} kernel does not fit its {h}x{w} input \
+                                 (the image is {:?}); use smaller kernels or strides for small images",
+                                self.input,
+                                k = c.kernel
+                            ),
+                        ));
+                    }
+                    shape = [
+                        c.channels,
+                        (h - c.kernel) / c.stride + 1,
+                        (w - c.kernel) / c.stride + 1,
+                    ];
+                    Ok(shape)
+                })
+                .collect(),
+            // The padded 3x3 convolution keeps the size; the 3x3/2 max-pool
+            // with padding 1 halves it, rounding up.
+            CnnArch::Impala { channels, .. } => Ok(channels
+                .iter()
+                .map(|&c| {
+                    let [_, h, w] = shape;
+                    shape = [c, h.div_ceil(2), w.div_ceil(2)];
+                    shape
+                })
+                .collect()),
+        }
     }
 
     /// Values per observation: `channels * height * width`.
