@@ -8,6 +8,10 @@
 # `--envpool` also installs EnvPool (PyPI) into .relay/envpool, a virtual
 # environment apart from the bridge's (its own gymnasium and numpy pins),
 # for `just bench-envs`; where it does not install, the bench says so.
+# `--sb3` also installs Stable-Baselines3 with PyTorch (PyPI's, 5 GB), Gymnasium,
+# ale-py and OpenCV into .relay/sb3, the anchor of `just bench-learning`'s
+# Atari row and `just bench-nn` (both find it there; RELAY_TORCH_PYTHON
+# names another Python).
 # `--cuda` also installs a CUDA 13.4 compiler and headers (PyPI's
 # nvidia-cuda-nvcc, -runtime, -crt, -cccl, nvidia-nvvm) into .relay/cuda
 # where no nvcc is installed, for `just build-cuda` and `just check-cuda`
@@ -131,8 +135,8 @@ say "ready: $(nats-server --version), $(redis-server --version | cut -d' ' -f1-3
 
 for flag in "$@"; do
   case "$flag" in
-    --envpool | --cuda) ;;
-    *) say "unknown flag $flag (known: --envpool, --cuda)"; exit 2 ;;
+    --envpool | --cuda | --sb3) ;;
+    *) say "unknown flag $flag (known: --envpool, --cuda, --sb3)"; exit 2 ;;
   esac
 done
 
@@ -143,6 +147,17 @@ if [[ " $* " == *" --envpool "* ]]; then
     { [ -x "$envpool_venv/bin/python" ] || python3 -m venv "$envpool_venv"; } \
       && "$envpool_venv/bin/python" -m pip install --quiet --disable-pip-version-check envpool \
       || say "EnvPool did not install here; just bench-envs reports its column as missing"
+  fi
+fi
+
+if [[ " $* " == *" --sb3 "* ]]; then
+  sb3_venv="$repo_root/.relay/sb3"
+  if ! "$sb3_venv/bin/python" -c 'import stable_baselines3, ale_py, cv2' >/dev/null 2>&1; then
+    say "installing Stable-Baselines3, PyTorch, Gymnasium and ale-py into .relay/sb3"
+    [ -x "$sb3_venv/bin/python" ] || python3 -m venv "$sb3_venv"
+    "$sb3_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+      stable-baselines3 "gymnasium==1.4.0" ale-py opencv-python-headless \
+      || say "Stable-Baselines3 did not install here; the benches report its columns as missing"
   fi
 fi
 

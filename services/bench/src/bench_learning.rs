@@ -32,6 +32,18 @@ pub struct Goal {
     pub target: Target,
     /// Env steps or time allowed.
     pub budget: Budget,
+    /// The anchor library's training timed beside relay's runs, if any.
+    pub anchor: Option<Anchor>,
+}
+
+/// A script under `services/bench/sb3/` that trains the goal's env with
+/// Stable-Baselines3 for `seconds` and prints its env steps per second
+/// (last line, JSON `env_steps_per_s`), run once after relay's seeds on
+/// the same machine.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Anchor {
+    pub script: &'static str,
+    pub seconds: u64,
 }
 
 /// What a goal's mean evaluation return must reach.
@@ -84,30 +96,35 @@ pub const GOALS: &[Goal] = &[
         config: "acrobot-ppo.yaml",
         target: Target::Return(-80.0),
         budget: Budget::EnvSteps(500_000),
+        anchor: None,
     },
     Goal {
         name: "DQN CartPole-v1",
         config: "cartpole-dqn.yaml",
         target: Target::Return(475.0),
         budget: Budget::EnvSteps(100_000),
+        anchor: None,
     },
     Goal {
         name: "DQN MountainCar-v0",
         config: "mountaincar-dqn.yaml",
         target: Target::Return(-110.0),
         budget: Budget::EnvSteps(300_000),
+        anchor: None,
     },
     Goal {
         name: "SAC Pendulum-v1",
         config: "pendulum-sac.yaml",
         target: Target::Return(-200.0),
         budget: Budget::EnvSteps(30_000),
+        anchor: None,
     },
     Goal {
         name: "A2C CartPole-v1",
         config: "cartpole-a2c.yaml",
         target: Target::Return(475.0),
         budget: Budget::EnvSteps(500_000),
+        anchor: None,
     },
     // PPO shaped for throughput (issue 25's 100k env steps/s through the
     // stack): it must still learn.
@@ -116,6 +133,7 @@ pub const GOALS: &[Goal] = &[
         config: "cartpole-ppo-throughput.yaml",
         target: Target::Return(475.0),
         budget: Budget::EnvSteps(2_000_000),
+        anchor: None,
     },
     // Through the env bridge (Gymnasium in Python workers): rl-zoo's PPO
     // reaches about 250 at 1M steps on LunarLander.
@@ -124,6 +142,7 @@ pub const GOALS: &[Goal] = &[
         config: "lunarlander-ppo.yaml",
         target: Target::Return(200.0),
         budget: Budget::EnvSteps(1_000_000),
+        anchor: None,
     },
     // Gymnasium 1.4 retired Taxi-v3 for Taxi-v4 (the same task).
     Goal {
@@ -131,6 +150,7 @@ pub const GOALS: &[Goal] = &[
         config: "taxi-ppo.yaml",
         target: Target::Return(7.5),
         budget: Budget::EnvSteps(1_000_000),
+        anchor: None,
     },
     // A CNN policy on images through the bridge: 10x the random policy's
     // return within 20 minutes on the machine that runs the bench.
@@ -139,8 +159,69 @@ pub const GOALS: &[Goal] = &[
         config: "minatar-breakout-ppo.yaml",
         target: Target::TimesRandom(10.0),
         budget: Budget::Minutes(20),
+        anchor: None,
+    },
+    // Atari through the whole stack with rl-zoo's preprocessing and PPO
+    // hyperparameters: 10x the random policy's return within 30 minutes,
+    // env steps/s beside Stable-Baselines3's PPO CnnPolicy (1 torch thread).
+    Goal {
+        name: "PPO ALE/Breakout-v5",
+        config: "breakout-ppo.yaml",
+        target: Target::TimesRandom(10.0),
+        budget: Budget::Minutes(30),
+        anchor: Some(Anchor {
+            script: "ppo_atari.py",
+            seconds: 300,
+        }),
     },
 ];
+
+/// The Python with Stable-Baselines3 and torch: `RELAY_TORCH_PYTHON`, else
+/// `.relay/sb3` (made by `bash deploy/install.sh --sb3`), else `python3`.
+pub fn torch_python() -> String {
+    std::env::var("RELAY_TORCH_PYTHON").unwrap_or_else(|_| {
+        let venv = Path::new(".relay/sb3/bin/python");
+        if venv.exists() {
+            venv.display().to_string()
+        } else {
+            "python3".into()
+        }
+    })
+}
+
+/// Runs `anchor` (seed 1) and returns its env steps per second, or why
+/// there is none.
+fn run_anchor(anchor: &Anchor) -> Result<f64, String> {
+    let python = torch_python();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("sb3")
+        .join(anchor.script);
+    println!(
+        "== anchor: {python} {} --seconds {}",
+        script.display(),
+        anchor.seconds
+    );
+    let out = std::process::Command::new(&python)
+        .arg(&script)
+        .args(["--seconds", &anchor.seconds.to_string(), "--seed", "1"])
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .map_err(|e| format!("{python}: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "{} failed ({}); `bash deploy/install.sh --sb3` installs Stable-Baselines3 into .relay/sb3",
+            anchor.script,
+            err.lines().last().unwrap_or_default()
+        ));
+    }
+    serde_json::from_str::<serde_json::Value>(last)
+        .ok()
+        .and_then(|v| v["env_steps_per_s"].as_f64())
+        .ok_or_else(|| format!("{} printed no env_steps_per_s: {last}", anchor.script))
+}
 
 /// Flags of `relay bench-learning` (besides those of `relay up`, whose
 /// `--config` is ignored: each goal has its preset).
@@ -283,7 +364,10 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
         );
     }
     let stamp = chrono::Local::now().format("%Y%m%d-%H%M%S");
-    let mut results: Vec<(Goal, Option<Vec<Attempt>>)> = Vec::new();
+    // Per goal: its runs and the anchor's env steps/s (`Some(None)`: an
+    // anchor that could not be measured), or `None` for a missing preset.
+    #[allow(clippy::type_complexity)]
+    let mut results: Vec<(Goal, Option<(Vec<Attempt>, Option<Option<f64>>)>)> = Vec::new();
     for goal in goals {
         let config = args.configs.join(goal.config);
         if !config.exists() {
@@ -371,7 +455,15 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             }
             attempts.push(attempt);
         }
-        results.push((goal, Some(attempts)));
+        let anchor = goal.anchor.map(|anchor| {
+            let measured = run_anchor(&anchor);
+            match &measured {
+                Ok(sps) => println!("   Stable-Baselines3: {sps:.1} env steps/s"),
+                Err(why) => println!("   Stable-Baselines3 not measured: {why}"),
+            }
+            measured.ok()
+        });
+        results.push((goal, Some((attempts, anchor))));
     }
 
     println!();
@@ -388,7 +480,7 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 json_goals
                     .push(json!({"goal": goal.name, "config": goal.config, "measured": false}));
             }
-            Some(attempts) => {
+            Some((attempts, anchor)) => {
                 for a in attempts {
                     let fmt = |v: Option<f64>| v.map_or("-".to_string(), |r| format!("{r:.1}"));
                     println!(
@@ -414,6 +506,9 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                         if a.reached { "yes" } else { "no" },
                     );
                 }
+                // Over the whole runs, start-up and evaluation included.
+                let relay_sps = attempts.iter().map(|a| a.env_steps as f64).sum::<f64>()
+                    / attempts.iter().map(|a| a.wall_s).sum::<f64>().max(1e-9);
                 json_goals.push(json!({
                     "goal": goal.name,
                     "config": goal.config,
@@ -430,7 +525,17 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                     "threshold": attempts.iter().map(|a| a.threshold).collect::<Vec<_>>(),
                     "random_return": attempts.iter().map(|a| a.random_return).collect::<Vec<_>>(),
                     "curve": attempts.iter().map(|a| a.curve.iter().map(|(m, s, r)| json!([(m * 10.0).round() / 10.0, s, r])).collect::<Vec<_>>()).collect::<Vec<_>>(),
+                    "env_steps_per_s": relay_sps,
+                    "anchor_env_steps_per_s": anchor.flatten(),
                 }));
+                if let Some(anchor) = anchor {
+                    println!(
+                        "| {} env steps/s | relay {relay_sps:.1} | Stable-Baselines3 {} | ratio {} |",
+                        goal.name,
+                        anchor.map_or("-".into(), |a| format!("{a:.1}")),
+                        anchor.map_or("-".into(), |a| format!("{:.2}x", relay_sps / a)),
+                    );
+                }
             }
         }
     }
@@ -450,6 +555,12 @@ mod tests {
         assert!(selected(Some("alphago")).is_empty());
         let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
         for goal in GOALS {
+            if let Some(anchor) = goal.anchor {
+                let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("sb3")
+                    .join(anchor.script);
+                assert!(script.exists(), "{}", script.display());
+            }
             let path = configs.join(goal.config);
             if !path.exists() {
                 continue;

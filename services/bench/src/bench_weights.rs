@@ -5,8 +5,15 @@
 //! Three payloads, each through the path its versions take in a run:
 //!
 //! - **classic**: a classic policy (`--classic-config`, CartPole PPO by
-//!   default) as a `WeightsUpdate` on `relay.<run>.weights`, published the
-//!   way the learner publishes (stamped, then one NATS message);
+//!   default) published the way the learner publishes
+//!   ([`relay_kit::weights::WeightsPublisher`]: inline up to
+//!   `weights.inline_max_bytes`, else from the publisher's direct transfer
+//!   server; then the stamped `WeightsUpdate` on `relay.<run>.weights`, the
+//!   announcement on `weights.announce` and the newest answered on
+//!   `weights.latest`), to the inference servers and one evaluator;
+//! - **classic-`N`mb** (`classic-1mb`, `classic-10mb`, `classic-100mb`):
+//!   the same policy widened (two hidden layers as wide as it takes) to
+//!   about `N` MB of f32 parameters, the same way;
 //! - **lora**: a LoRA adapter over `--model` (SmolLM2-135M by default, the
 //!   `lora` section's defaults: rank 8 on every projection) published with
 //!   the learner's own code ([`relay_kit::weights::publish_adapter`]):
@@ -26,12 +33,15 @@
 //!   one NATS connection per simulated server.
 //!
 //! Classic and LoRA versions are served by real `relay-inference-server`
-//! processes, and their times are the servers' own
-//! `relay_weights_transfer_seconds` (from the publisher's stamp to the
-//! version held ready: decoded and built, or fetched, parsed and placed on
-//! the model); the stamps are whole milliseconds, so each server's mean
-//! over `--versions` versions is what is reported. Prints a table and,
-//! last, one JSON line.
+//! processes (classic ones also by a real `relay-evaluator`, which fetches
+//! each version it evaluates: here every one, one episode each), and their
+//! times are the services' own `relay_weights_transfer_seconds` (from the
+//! publisher's stamp to the version held ready: fetched, parsed and built
+//! or placed on the model); the stamps are whole milliseconds, so each
+//! follower's mean over the versions is what is reported. A version is
+//! published once every follower holds the one before and the evaluator
+//! has evaluated it, so versions never queue. Prints a table and, last,
+//! one JSON line.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -39,7 +49,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use relay::stack::{metric_value, scrape, ExternalInfra, Stack};
-use relay_proto::{encode, Subjects, WeightsRequest, WeightsUpdate};
+use relay_proto::{encode, Subjects, WeightsAnnouncement, WeightsRequest, WeightsUpdate};
 use serde::Serialize;
 use tokio::io::AsyncReadExt;
 
@@ -49,16 +59,21 @@ pub struct BenchWeightsArgs {
     /// Inference-server counts to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub servers: Vec<usize>,
-    /// Payloads to measure: classic, lora, full, full-store.
+    /// Payloads to measure: classic, classic-<N>mb (a classic policy of
+    /// about N MB), lora, full, full-store.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "classic,lora,full,full-store"
+        default_value = "classic,classic-1mb,classic-10mb,classic-100mb,lora,full,full-store"
     )]
     pub payloads: Vec<String>,
     /// Versions published per classic or LoRA measurement.
     #[arg(long, default_value_t = 20)]
     pub versions: u64,
+    /// Versions published per measurement of a sized classic policy
+    /// (`classic-<N>mb`).
+    #[arg(long, default_value_t = 5)]
+    pub sized_versions: u64,
     /// Milliseconds between two classic or LoRA versions.
     #[arg(long, default_value_t = 200)]
     pub interval_ms: u64,
@@ -98,6 +113,9 @@ struct Row {
     /// Full model through the object store: the mean time of the upload,
     /// the first part of `mean_ms`.
     upload_ms: Option<f64>,
+    /// Classic policies: the evaluator's mean publish-to-held time (it is
+    /// not in `mean_ms` or `all_ready_ms`, which are the servers').
+    evaluator_ms: Option<f64>,
 }
 
 impl Row {
@@ -118,14 +136,19 @@ impl Row {
             all_ready_ms,
             mb_per_s: bytes as f64 * servers as f64 / 1e6 / (all_ready_ms / 1e3).max(1e-9),
             upload_ms: None,
+            evaluator_ms: None,
         }
     }
 }
 
 /// One payload's bytes, made once and published for every server count.
 enum Payload {
-    /// The classic policy whose versions are published.
-    Classic(Box<relay_nn::ActorCritic>),
+    /// The classic policy whose versions are published, and the config
+    /// overrides that give the followers its shape.
+    Classic {
+        model: Box<relay_nn::ActorCritic>,
+        overrides: Vec<String>,
+    },
     /// The adapter's PEFT files, and the servers' config (its base model).
     Lora {
         files: relay_llm::PeftBytes,
@@ -136,15 +159,36 @@ enum Payload {
     Full(bytes::Bytes, FullPath),
 }
 
+/// `N` of a `classic-<N>mb` payload name.
+fn classic_megabytes(name: &str) -> Result<f64> {
+    name.strip_prefix("classic-")
+        .and_then(|n| n.strip_suffix("mb"))
+        .and_then(|n| n.parse::<f64>().ok())
+        .filter(|mb| *mb > 0.0)
+        .with_context(|| format!("payload {name:?}: expected classic-<N>mb, e.g. classic-10mb"))
+}
+
 impl Payload {
+    fn classic(args: &BenchWeightsArgs, overrides: Vec<String>) -> Result<Self> {
+        let config = relay_config::ExperimentConfig::load(&args.classic_config, &overrides)?;
+        Ok(Self::Classic {
+            model: Box::new(relay_nn::ActorCritic::new(
+                &relay_policy::spec_for(&config)?,
+                0,
+            )?),
+            overrides,
+        })
+    }
+
     fn prepare(name: &str, args: &BenchWeightsArgs) -> Result<Self> {
         Ok(match name {
-            "classic" => {
-                let config = relay_config::ExperimentConfig::load(&args.classic_config, &[])?;
-                Self::Classic(Box::new(relay_nn::ActorCritic::new(
-                    &relay_policy::spec_for(&config)?,
-                    0,
-                )?))
+            "classic" => Self::classic(args, Vec::new())?,
+            _ if name.starts_with("classic-") => {
+                let mb = classic_megabytes(name)?;
+                // Actor and critic of two hidden layers of `width`: about
+                // 2 * width^2 parameters of 4 bytes.
+                let width = ((mb * 1e6 / 8.0).sqrt().round() as usize).max(1);
+                Self::classic(args, vec![format!("policy.hidden=[{width}, {width}]")])?
             }
             "lora" => {
                 let model = if args.model == "tiny" {
@@ -189,8 +233,10 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
         bail!("--servers must list positive counts and --versions be positive");
     }
     for p in &args.payloads {
-        if !["classic", "lora", "full", "full-store"].contains(&p.as_str()) {
-            bail!("unknown payload {p:?} in --payloads (known: classic, lora, full, full-store)");
+        if p.starts_with("classic-") {
+            classic_megabytes(p)?;
+        } else if !["classic", "lora", "full", "full-store"].contains(&p.as_str()) {
+            bail!("unknown payload {p:?} in --payloads (known: classic, classic-<N>mb, lora, full, full-store)");
         }
     }
     std::fs::create_dir_all(&args.state_dir)?;
@@ -211,9 +257,9 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
         let payload = Payload::prepare(name, &args)?;
         for &servers in &args.servers {
             let row = match &payload {
-                Payload::Classic(model) => {
-                    classic(&mut stack, &runtime, &client, servers, &args, model)?
-                }
+                Payload::Classic { model, overrides } => classic(
+                    &mut stack, &runtime, &client, servers, &args, name, model, overrides,
+                )?,
                 Payload::Lora { files, config } => {
                     lora(&mut stack, &runtime, &client, servers, &args, files, config)?
                 }
@@ -227,13 +273,15 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
                 ))?,
             };
             eprintln!(
-                "{} x{}: {:.2} MB, mean {:.1} ms, all ready {:.1} ms, {:.0} MB/s",
+                "{} x{}: {:.2} MB, mean {:.1} ms, all ready {:.1} ms, {:.0} MB/s{}",
                 row.payload,
                 row.servers,
                 row.bytes as f64 / 1e6,
                 row.mean_ms,
                 row.all_ready_ms,
-                row.mb_per_s
+                row.mb_per_s,
+                row.evaluator_ms
+                    .map_or(String::new(), |e| format!(", evaluator {e:.1} ms"))
             );
             rows.push(row);
         }
@@ -242,11 +290,13 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
     stack.stop(Duration::from_secs(10));
 
     println!();
-    println!("| payload | servers | MB | versions | mean publish-to-serving ms | all servers ready ms | MB/s | of which upload ms |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| payload | servers | MB | versions | mean publish-to-serving ms | all servers ready ms | MB/s | of which upload ms | evaluator ms |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let or_dash =
+        |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |v| format!("{v:.digits$}"));
     for r in &rows {
         println!(
-            "| {} | {} | {:.3} | {} | {:.1} | {:.1} | {:.0} | {} |",
+            "| {} | {} | {:.3} | {} | {:.1} | {:.1} | {:.0} | {} | {} |",
             r.payload,
             r.servers,
             r.bytes as f64 / 1e6,
@@ -254,7 +304,8 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
             r.mean_ms,
             r.all_ready_ms,
             r.mb_per_s,
-            r.upload_ms.map_or("-".to_string(), |u| format!("{u:.0}"))
+            or_dash(r.upload_ms, 0),
+            or_dash(r.evaluator_ms, 1),
         );
     }
     let full_4 = rows
@@ -273,17 +324,29 @@ pub fn bench_weights(args: BenchWeightsArgs) -> Result<()> {
     Ok(())
 }
 
-/// Starts `servers` inference servers of run `run_id` on `config` and
-/// waits until they answer `/healthz`.
+/// Starts `servers` inference servers of run `run_id` on `config` with
+/// `overrides` (and an evaluator with `evaluator` set) and waits until they
+/// answer `/healthz`.
 fn start_servers(
     stack: &mut Stack,
     run_id: &str,
     config: &std::path::Path,
+    overrides: &[String],
     servers: usize,
+    evaluator: bool,
 ) -> Result<()> {
     stack.run_id = run_id.to_string();
     for _ in 0..servers {
-        stack.spawn_service("inference-server", config, &[])?;
+        stack.spawn_service("inference-server", config, overrides)?;
+    }
+    if evaluator {
+        // Every version evaluated, one episode each: it fetches each one.
+        let overrides: Vec<String> = overrides
+            .iter()
+            .cloned()
+            .chain(["eval.every_versions=1".into(), "eval.episodes=1".into()])
+            .collect();
+        stack.spawn_service("evaluator", config, &overrides)?;
     }
     stack
         .wait_healthy(Duration::from_secs(300))
@@ -295,121 +358,166 @@ fn start_servers(
         })
 }
 
-/// Stops the inference servers `start_servers` started.
+/// Stops the inference servers (and the evaluator) `start_servers` started.
 fn stop_servers(stack: &mut Stack, servers: usize) -> Result<()> {
-    for mut p in stack.take_copies("inference-server", servers)? {
+    let evaluators = stack.take_copies("evaluator", 1)?;
+    for mut p in stack
+        .take_copies("inference-server", servers)?
+        .into_iter()
+        .chain(evaluators)
+    {
         let _ = p.child.wait();
     }
     Ok(())
 }
 
-/// `(count, sum)` of `relay_weights_transfer_seconds` on each server.
-fn transfer_counters(stack: &Stack) -> Vec<(f64, f64)> {
+/// One follower's `relay_weights_transfer_seconds`: `(count, sum)`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Transfers {
+    count: f64,
+    sum: f64,
+}
+
+/// The transfer counters of every service of the stack, by instance name.
+fn transfer_counters(stack: &Stack) -> Vec<(String, Transfers)> {
     stack
         .services
         .iter()
-        .filter_map(|p| p.metrics_addr)
-        .map(|addr| {
+        .filter_map(|p| Some((p.name.clone(), p.metrics_addr?)))
+        .map(|(name, addr)| {
             let text = scrape(addr).unwrap_or_default();
-            (
-                metric_value(&text, "relay_weights_transfer_seconds_count").unwrap_or(0.0),
-                metric_value(&text, "relay_weights_transfer_seconds_sum").unwrap_or(0.0),
-            )
+            let transfers = Transfers {
+                count: metric_value(&text, "relay_weights_transfer_seconds_count").unwrap_or(0.0),
+                sum: metric_value(&text, "relay_weights_transfer_seconds_sum").unwrap_or(0.0),
+            };
+            (name, transfers)
         })
         .collect()
 }
 
-/// Publishes `versions` versions with `publish(v)` every `interval_ms`,
-/// waits until every server timed all of them, and returns the mean over
-/// every transfer and the slowest server's mean, in ms.
+/// Waits until every follower timed `n` transfers more than `before`.
+async fn taken(stack: &Stack, before: &[Transfers], n: u64, what: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let after = transfer_counters(stack);
+        let behind: Vec<&str> = after
+            .iter()
+            .zip(before)
+            .filter(|((_, a), b)| a.count - b.count < n as f64)
+            .map(|((name, _), _)| name.as_str())
+            .collect();
+        if behind.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{behind:?} did not take {what} within 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits for the evaluator's report of version `v` (or a later one).
+async fn evaluated(evaluations: &mut async_nats::Subscriber, v: u64) -> Result<()> {
+    loop {
+        let report = tokio::time::timeout(Duration::from_secs(120), evaluations.next())
+            .await
+            .with_context(|| format!("no evaluation of version {v} within 120 s"))?
+            .context("evaluations subscription ended")?;
+        let report: relay_proto::EvalReport = relay_proto::decode(&report.payload)?;
+        if report.policy_version >= v {
+            return Ok(());
+        }
+    }
+}
+
+/// What [`measure`] found: over the inference servers, the mean of every
+/// transfer and the slowest server's mean; the evaluator's mean, if one
+/// runs; in ms.
+struct Measured {
+    mean_ms: f64,
+    worst_ms: f64,
+    evaluator_ms: Option<f64>,
+}
+
+/// Publishes `versions` versions with `publish(v)`, each once every
+/// follower timed the one before (and `evaluations`, when given, reported
+/// its evaluation), `interval_ms` apart, and returns the followers' means.
 async fn measure<F, Fut>(
     stack: &Stack,
     args: &BenchWeightsArgs,
+    versions: u64,
+    mut evaluations: Option<&mut async_nats::Subscriber>,
     mut publish: F,
-) -> Result<(f64, f64)>
+) -> Result<Measured>
 where
     F: FnMut(u64) -> Fut,
     Fut: std::future::Future<Output = Result<()>>,
 {
+    // Version 0, taken at start, is not timed: its stamp is from before
+    // the followers started.
+    let none = vec![Transfers::default(); stack.services.len()];
+    taken(stack, &none, 1, "version 0").await?;
+    if let Some(evaluations) = evaluations.as_deref_mut() {
+        evaluated(evaluations, 0).await?;
+    }
     let before = transfer_counters(stack);
-    for v in 1..=args.versions {
+    let before: Vec<Transfers> = before.into_iter().map(|(_, t)| t).collect();
+    for v in 1..=versions {
         publish(v).await?;
+        taken(stack, &before, v, &format!("version {v} of {versions}")).await?;
+        if let Some(evaluations) = evaluations.as_deref_mut() {
+            // The evaluator plays the version before it asks for the next.
+            evaluated(evaluations, v).await?;
+        }
         tokio::time::sleep(Duration::from_millis(args.interval_ms)).await;
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let after = transfer_counters(stack);
-        let done = after
-            .iter()
-            .zip(&before)
-            .all(|(a, b)| a.0 - b.0 >= args.versions as f64);
-        if done {
-            let means: Vec<f64> = after
-                .iter()
-                .zip(&before)
-                .map(|(a, b)| (a.1 - b.1) / (a.0 - b.0) * 1e3)
-                .collect();
-            let mean = means.iter().sum::<f64>() / means.len() as f64;
-            let worst = means.iter().copied().fold(0.0, f64::max);
-            return Ok((mean, worst));
-        }
-        if Instant::now() > deadline {
-            let got: Vec<f64> = after.iter().zip(&before).map(|(a, b)| a.0 - b.0).collect();
-            bail!(
-                "servers timed {got:?} of {} versions within 60 s",
-                args.versions
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let after = transfer_counters(stack);
+    let means = after.iter().zip(&before).map(|((name, a), b)| {
+        (
+            relay::stack::service_of(name).to_string(),
+            (a.sum - b.sum) / (a.count - b.count) * 1e3,
+        )
+    });
+    let (servers, evaluator): (Vec<_>, Vec<_>) =
+        means.partition(|(service, _)| service == "inference-server");
+    let servers: Vec<f64> = servers.into_iter().map(|(_, ms)| ms).collect();
+    Ok(Measured {
+        mean_ms: servers.iter().sum::<f64>() / servers.len() as f64,
+        worst_ms: servers.iter().copied().fold(0.0, f64::max),
+        evaluator_ms: evaluator.first().map(|(_, ms)| *ms),
+    })
 }
 
-/// Classic policy versions through `relay.<run>.weights`.
+/// Classic policy versions as the learner publishes them (see the module
+/// docs), to `servers` inference servers and an evaluator.
+#[allow(clippy::too_many_arguments)]
 fn classic(
     stack: &mut Stack,
     runtime: &tokio::runtime::Runtime,
     client: &async_nats::Client,
     servers: usize,
     args: &BenchWeightsArgs,
+    name: &str,
     model: &relay_nn::ActorCritic,
+    overrides: &[String],
 ) -> Result<Row> {
-    let run_id = format!("bench-weights-classic-{servers}");
+    let run_id = format!("bench-weights-{name}-{servers}");
     let subjects = Subjects::new(&run_id);
-    // As the learner: answer `weights.latest` with version 0, and publish
-    // through the weights transport.
-    let config = relay_config::ExperimentConfig::load(&args.classic_config, &[])?;
+    let config = relay_config::ExperimentConfig::load(&args.classic_config, overrides)?;
     let publisher = runtime.block_on(relay_kit::weights::WeightsPublisher::start(
         client,
         &config.weights,
         &stack.nats_url,
     ))?;
     let bucket = format!("relay-{run_id}-weights");
-    let first = encode(&relay_policy::PolicyWeights::of(model, 0, 0).inline_update());
-    let mut latest = runtime.block_on(client.subscribe(subjects.weights_latest()))?;
-    let answering = {
-        let client = client.clone();
-        runtime.spawn(async move {
-            while let Some(m) = latest.next().await {
-                if relay_proto::decode::<WeightsRequest>(&m.payload).is_ok() {
-                    if let Some(reply) = m.reply {
-                        let _ = client.publish(reply, first.clone().into()).await;
-                    }
-                }
-            }
-        })
-    };
-    start_servers(stack, &run_id, &args.classic_config, servers)?;
-    let mut bytes = 0;
-    let measured = runtime.block_on(measure(stack, args, |v| {
+    // As the learner: answer `weights.latest` with the newest version.
+    let newest = std::sync::Arc::new(std::sync::RwLock::new(bytes::Bytes::new()));
+    let publish = |v: u64| {
         let weights = relay_policy::PolicyWeights::of(model, v, 0);
-        let (client, subject, publisher, bucket) = (
-            client.clone(),
-            subjects.weights(),
-            &publisher,
-            bucket.clone(),
-        );
         let safetensors = bytes::Bytes::from(weights.to_safetensors());
-        bytes = safetensors.len() as u64;
+        let (client, publisher, bucket, newest) =
+            (client.clone(), &publisher, bucket.clone(), newest.clone());
+        let subjects = subjects.clone();
         async move {
             let published_unix_ms = relay_proto::unix_ms();
             let key = format!("weights/v{v}");
@@ -423,25 +531,76 @@ fn classic(
                     },
                 )
                 .await?;
-            let update = WeightsUpdate {
+            let update = encode(&WeightsUpdate {
                 published_unix_ms,
                 ..weights.update(blob)
+            });
+            *newest.write().expect("weights lock") = update.clone().into();
+            client.publish(subjects.weights(), update.into()).await?;
+            let announcement = WeightsAnnouncement {
+                schema: relay_proto::SCHEMA_VERSION,
+                version: v,
+                learner_env_steps: 0,
             };
-            client.publish(subject, encode(&update).into()).await?;
-            Ok(())
+            client
+                .publish(subjects.weights_announce(), encode(&announcement).into())
+                .await?;
+            anyhow::Ok(())
         }
-    }));
+    };
+    runtime.block_on(publish(0))?;
+    let mut latest = runtime.block_on(client.subscribe(subjects.weights_latest()))?;
+    let answering = {
+        let (client, newest) = (client.clone(), newest.clone());
+        runtime.spawn(async move {
+            while let Some(m) = latest.next().await {
+                if relay_proto::decode::<WeightsRequest>(&m.payload).is_ok() {
+                    if let Some(reply) = m.reply {
+                        let answer = newest.read().expect("weights lock").clone();
+                        let _ = client.publish(reply, answer).await;
+                    }
+                }
+            }
+        })
+    };
+    let mut evaluations = runtime.block_on(client.subscribe(subjects.eval()))?;
+    start_servers(
+        stack,
+        &run_id,
+        &args.classic_config,
+        overrides,
+        servers,
+        true,
+    )?;
+    let versions = if name == "classic" {
+        args.versions
+    } else {
+        args.sized_versions
+    };
+    let bytes = relay_policy::PolicyWeights::of(model, 0, 0)
+        .to_safetensors()
+        .len() as u64;
+    let measured = runtime.block_on(measure(
+        stack,
+        args,
+        versions,
+        Some(&mut evaluations),
+        publish,
+    ));
     answering.abort();
     stop_servers(stack, servers)?;
-    let (mean, worst) = measured?;
-    Ok(Row::new(
-        "classic",
-        servers,
-        bytes,
-        args.versions,
-        mean,
-        worst,
-    ))
+    let measured = measured?;
+    Ok(Row {
+        evaluator_ms: measured.evaluator_ms,
+        ..Row::new(
+            name,
+            servers,
+            bytes,
+            versions,
+            measured.mean_ms,
+            measured.worst_ms,
+        )
+    })
 }
 
 /// LoRA adapter versions as the learner publishes them.
@@ -455,14 +614,14 @@ fn lora(
     config: &std::path::Path,
 ) -> Result<Row> {
     let run_id = format!("bench-weights-lora-{servers}");
-    start_servers(stack, &run_id, config, servers)?;
+    start_servers(stack, &run_id, config, &[], servers, false)?;
     let publisher = runtime.block_on(relay_kit::weights::WeightsPublisher::start(
         client,
         &relay_config::WeightsSection::default(),
         &stack.nats_url,
     ))?;
     let subjects = Subjects::new(&run_id);
-    let measured = runtime.block_on(measure(stack, args, |v| {
+    let measured = runtime.block_on(measure(stack, args, args.versions, None, |v| {
         let (client, subject, run_id, files, publisher) = (
             client.clone(),
             subjects.adapters(),
@@ -485,14 +644,14 @@ fn lora(
         }
     }));
     stop_servers(stack, servers)?;
-    let (mean, worst) = measured?;
+    let measured = measured?;
     Ok(Row::new(
         "lora",
         servers,
         files.len() as u64,
         args.versions,
-        mean,
-        worst,
+        measured.mean_ms,
+        measured.worst_ms,
     ))
 }
 

@@ -24,7 +24,7 @@ use relay_config::ExperimentConfig;
 use relay_proto::{EvalReport, MetricsReport, RunStatus, RunStatusUpdate, Subjects};
 use tokio::signal::unix::{signal, SignalKind};
 
-use stack::{Copies, Stack, SERVICES};
+use stack::{last_error_line, Copies, Stack, SERVICES};
 
 /// The subcommands `relay` runs through the `relay-bench` binary beside it
 /// (relay-bench's own tests check that they are exactly its subcommands).
@@ -326,21 +326,31 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
     {
         bail!("--without {unknown}: not a service; the services are {SERVICES:?}");
     }
-    for service in SERVICES {
-        let n = match service {
-            _ if args.without.iter().any(|w| w == service) => 0,
-            "env-runner" => copies.env_runners,
-            "inference-server" => copies.inference_servers,
-            _ => 1,
-        };
-        for _ in 0..n {
-            stack.spawn_service(service, &config_path, &overrides)?;
+    let start_services = |stack: &mut Stack| -> Result<()> {
+        for service in SERVICES {
+            let n = match service {
+                _ if args.without.iter().any(|w| w == service) => 0,
+                "env-runner" => copies.env_runners,
+                "inference-server" => copies.inference_servers,
+                _ => 1,
+            };
+            for _ in 0..n {
+                stack.spawn_service(service, &config_path, &overrides)?;
+            }
+            if matches!(service, "tracker" | "env-runner") {
+                stack.wait_healthy(Duration::from_secs(60))?;
+            }
         }
-        if matches!(service, "tracker" | "env-runner") {
-            stack.wait_healthy(Duration::from_secs(60))?;
-        }
+        stack.wait_healthy(Duration::from_secs(60))
+    };
+    if let Err(e) = start_services(&mut stack) {
+        // Said on stdout with the progress lines, and the stack stopped,
+        // before the error ends the command.
+        println!("relay: {e:#}");
+        stack.stop(Duration::from_secs(15));
+        println!("relay: stack stopped");
+        return Err(e.context(format!("run {run_id} failed to start")));
     }
-    stack.wait_healthy(Duration::from_secs(60))?;
     let startup_s = started.elapsed().as_secs_f64();
     println!(
         "relay: {} services ready in {startup_s:.1}s; run directory {}/{run_id}; logs in {}/logs",
@@ -407,17 +417,6 @@ fn report_message_limit(
         );
     }
     Ok(())
-}
-
-/// The last line of a service's log that reports an error (`ERROR` from
-/// tracing, or the `Error:` a binary prints when it exits), shortened.
-fn last_error_line(log: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(log).ok()?;
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.contains("ERROR") || l.starts_with("Error:"))?;
-    Some(line.trim().chars().take(400).collect())
 }
 
 /// What a metrics report says of progress, for the stall report: its

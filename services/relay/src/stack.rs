@@ -369,12 +369,10 @@ impl Stack {
                     break;
                 }
                 if let Some(status) = p.child.try_wait()? {
-                    bail!(
-                        "{} exited with {status} during start-up; see {}/logs/{}.log",
-                        p.name,
-                        self.state_dir.display(),
-                        p.name
-                    );
+                    let log = self.state_dir.join("logs").join(format!("{}.log", p.name));
+                    let why =
+                        last_error_line(&log).unwrap_or_else(|| format!("see {}", log.display()));
+                    bail!("{} exited with {status} during start-up: {why}", p.name);
                 }
                 if Instant::now() > deadline {
                     bail!("{} not healthy within {timeout:?}", p.name);
@@ -559,6 +557,17 @@ impl Drop for Stack {
     fn drop(&mut self) {
         self.stop(Duration::from_secs(10));
     }
+}
+
+/// The last error a service logged (its `Error:` exit line, or the last
+/// `ERROR` event), for a failure report that names the reason.
+pub fn last_error_line(log: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.contains("ERROR") || l.starts_with("Error:"))?;
+    Some(line.trim().chars().take(400).collect())
 }
 
 /// The service of an instance name: `env-runner-3` -> `env-runner`.

@@ -97,11 +97,59 @@ def _import(target):
 
 
 def _resolve(name, default_module):
-    """A wrapper class: ``Name`` from ``default_module`` or ``module:Name``."""
+    """A wrapper class: ``Name`` from ``default_module`` (or, failing that,
+    relay's own below), or ``module:Name``."""
     if ":" in name:
         module_name, _, attr = name.partition(":")
         return getattr(importlib.import_module(module_name), attr)
-    return getattr(importlib.import_module(default_module), name)
+    module = importlib.import_module(default_module)
+    if not hasattr(module, name) and name in _RELAY_WRAPPERS:
+        return _RELAY_WRAPPERS[name]
+    return getattr(module, name)
+
+
+def _fire_reset():
+    import gymnasium
+
+    class FireReset(gymnasium.Wrapper):
+        """Presses FIRE (then UP, action 2) after every reset, for Atari
+        games that wait for it to start (Breakout launches its ball so),
+        as Stable-Baselines3's ``FireResetEnv`` in its ``AtariWrapper``:
+        a policy never has to learn to start the game, and a greedy one
+        that never fires does not idle to the time limit."""
+
+        def __init__(self, env):
+            super().__init__(env)
+            meanings = env.unwrapped.get_action_meanings()
+            if len(meanings) < 3 or meanings[1] != "FIRE":
+                raise ValueError(f"FireReset needs FIRE as action 1, the env has {meanings}")
+
+        def reset(self, **kwargs):
+            obs, info = self.env.reset(**kwargs)
+            for action in (1, 2):
+                obs, _, terminated, truncated, info = self.env.step(action)
+                if terminated or truncated:
+                    obs, info = self.env.reset(**kwargs)
+            return obs, info
+
+    return FireReset
+
+
+class _LazyWrappers(dict):
+    """relay's own wrappers, by name, made on first use (gymnasium is
+    imported only by workers that make Gymnasium envs)."""
+
+    _makers = {"FireReset": _fire_reset}
+
+    def __contains__(self, name):
+        return name in self._makers
+
+    def __missing__(self, name):
+        self[name] = self._makers[name]()
+        return self[name]
+
+
+_RELAY_WRAPPERS = _LazyWrappers()
 
 
 class Flattener:

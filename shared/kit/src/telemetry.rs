@@ -96,7 +96,12 @@ pub fn init_with_default(default_filter: &str) -> LogForwarding {
             .try_init()
     } else {
         registry
-            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    // Colour on a terminal only: `relay up` sends logs to files.
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                    .with_writer(std::io::stderr),
+            )
             .try_init()
     };
     LogForwarding {

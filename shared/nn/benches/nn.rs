@@ -7,7 +7,8 @@
 //! no-grad forward and a PPO train step each; a DQN train step of SB3's DQN
 //! `CnnPolicy` (NatureCNN, 6 actions) on 4x84x84 at batch 32; with
 //! PyTorch's times for the same networks and steps beside them (1 thread,
-//! `benches/torch_cnn.py`, run by `RELAY_TORCH_PYTHON` or `python3` when it
+//! `benches/torch_cnn.py`, run by `RELAY_TORCH_PYTHON`, else the Python of
+//! `.relay/sb3` (`bash deploy/install.sh --sb3`), else `python3`, when it
 //! has `torch`; reported as missing otherwise).
 //!
 //! Prints a table, then one line of JSON. Runs with `RAYON_NUM_THREADS=1`
@@ -102,7 +103,16 @@ fn torch_times(
     budget: Duration,
     cases: &[&str],
 ) -> Result<serde_json::Map<String, serde_json::Value>, String> {
-    let python = std::env::var("RELAY_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    // `bash deploy/install.sh --sb3` puts torch into the project's .relay/sb3.
+    let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.relay/sb3/bin/python");
+    let python = std::env::var("RELAY_TORCH_PYTHON").unwrap_or_else(|_| {
+        if std::path::Path::new(venv).exists() {
+            venv
+        } else {
+            "python3"
+        }
+        .into()
+    });
     let out = std::process::Command::new(&python)
         .args(["-c", include_str!("torch_cnn.py")])
         .arg(budget.as_secs_f64().to_string())
@@ -114,7 +124,7 @@ fn torch_times(
         let err = String::from_utf8_lossy(&out.stderr);
         let last = err.lines().last().unwrap_or("").to_string();
         return Err(format!(
-            "{python} has no working torch ({last}); set RELAY_TORCH_PYTHON to a Python with torch"
+            "{python} has no working torch ({last}); run `bash deploy/install.sh --sb3` or set RELAY_TORCH_PYTHON to a Python with torch"
         ));
     }
     let line = String::from_utf8_lossy(&out.stdout);

@@ -571,16 +571,33 @@ impl Follower<VersionedPolicy> {
 /// a version's weights (`weights.latest`, then its parameters) only when
 /// asked for one, instead of receiving and building each (SAC publishes
 /// one per env step).
+///
+/// [`PolicyFetcher::newer_than`] is cancel-safe: a fetch runs in its own
+/// task and a call dropped mid-way (the evaluator's `select!` woken by an
+/// episode report) leaves it running for the next call to collect, so a
+/// large version that takes longer to fetch than the gap between two
+/// messages still arrives.
 pub struct PolicyFetcher {
     service: Service,
-    build: PolicyBuilder,
+    build: Arc<PolicyBuilder>,
     announced: watch::Receiver<Option<u64>>,
+    /// The fetch under way, if any: it outlives a cancelled call.
+    fetching: Option<tokio::task::JoinHandle<FetchAttempt>>,
+    failures: FetchFailures,
+}
+
+/// What one fetch of the newest version came to.
+enum FetchAttempt {
+    Built(Arc<VersionedPolicy>),
+    /// No version yet, or its parameters could not be fetched (a failure
+    /// is counted), or it was rejected: try again after a pause.
+    Failed(Option<WeightsError>),
 }
 
 impl PolicyFetcher {
     /// Starts listening to the announcements (a background task until shutdown).
     pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
-        let build = policy_builder(&service.config)?;
+        let build = Arc::new(policy_builder(&service.config)?);
         let mut announcements = service
             .nats
             .subscribe(service.subjects.weights_announce())
@@ -613,44 +630,90 @@ impl PolicyFetcher {
             service: service.clone(),
             build,
             announced,
+            fetching: None,
+            failures: FetchFailures::default(),
         })
     }
 
     /// Waits until a version newer than `version` (any for `None`) is
     /// announced, then fetches and builds the newest; `None` on shutdown.
+    /// Cancel-safe (see the type's docs).
     pub async fn newer_than(&mut self, version: Option<u64>) -> Option<Arc<VersionedPolicy>> {
         let mut backoff = Duration::from_millis(20);
-        let mut failures = FetchFailures::default();
         loop {
-            if let Some(seen) = version {
-                while self.announced.borrow_and_update().is_none_or(|v| v <= seen) {
-                    tokio::select! {
-                        changed = self.announced.changed() => changed.ok()?,
-                        _ = self.service.shutdown.wait() => return None,
+            if self.fetching.is_none() {
+                if let Some(seen) = version {
+                    while self.announced.borrow_and_update().is_none_or(|v| v <= seen) {
+                        tokio::select! {
+                            changed = self.announced.changed() => changed.ok()?,
+                            _ = self.service.shutdown.wait() => return None,
+                        }
                     }
                 }
+                let (service, build) = (self.service.clone(), self.build.clone());
+                self.fetching = Some(tokio::spawn(
+                    async move { fetch_newest(&service, &build).await },
+                ));
             }
-            match latest_weights(&self.service).await {
-                Ok(update) if version.is_none_or(|seen| update.version > seen) => {
-                    match PolicyWeights::fetch(&self.service, &update).await {
-                        Ok(weights) => match (self.build)(&weights) {
-                            Ok(policy) => return Some(Arc::new(policy)),
-                            Err(rejection) => {
-                                self.service.intake.reject("weights.latest", &rejection)
-                            }
-                        },
-                        Err(e) => failures.failed(&self.service, &e, false).await,
+            let attempt = tokio::select! {
+                joined = self.fetching.as_mut().expect("a fetch is under way") => joined,
+                _ = self.service.shutdown.wait() => return None,
+            };
+            self.fetching = None;
+            match attempt {
+                Ok(FetchAttempt::Built(policy)) => {
+                    self.failures.succeeded();
+                    // Older than asked for: fetched for an earlier call, or
+                    // a restarted learner not yet at the announced version.
+                    if version.is_none_or(|seen| policy.version > seen) {
+                        return Some(policy);
                     }
                 }
-                // Older than announced: a restarted learner not yet at it.
-                Ok(_) => {}
-                Err(e) => tracing::debug!(error = %e, "no weights yet"),
+                Ok(FetchAttempt::Failed(Some(e))) => {
+                    self.failures.failed(&self.service, &e, false).await
+                }
+                Ok(FetchAttempt::Failed(None)) => {}
+                Err(e) => tracing::warn!(error = %e, "weights fetch task ended"),
             }
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => {}
                 _ = self.service.shutdown.wait() => return None,
             }
             backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+}
+
+/// Asks `weights.latest`, fetches that version's parameters and builds it,
+/// timing its transfer from the learner's stamp.
+async fn fetch_newest(service: &Service, build: &PolicyBuilder) -> FetchAttempt {
+    let update = match latest_weights(service).await {
+        Ok(update) => update,
+        Err(e) => {
+            tracing::debug!(error = %e, "no weights yet");
+            return FetchAttempt::Failed(None);
+        }
+    };
+    let weights = match PolicyWeights::fetch(service, &update).await {
+        Ok(weights) => weights,
+        Err(WeightsError::Rejected(rejection)) => {
+            service.intake.reject("weights.latest", &rejection);
+            return FetchAttempt::Failed(None);
+        }
+        Err(e) => return FetchAttempt::Failed(Some(e)),
+    };
+    match build(&weights) {
+        Ok(policy) => {
+            if update.published_unix_ms > 0 {
+                service
+                    .weights_transfer()
+                    .record(update.published_unix_ms, update.weights.size as usize);
+            }
+            FetchAttempt::Built(Arc::new(policy))
+        }
+        Err(rejection) => {
+            service.intake.reject("weights.latest", &rejection);
+            FetchAttempt::Failed(None)
         }
     }
 }

@@ -140,17 +140,23 @@ pub struct NatsServer(pub ServerProcess);
 
 impl NatsServer {
     pub fn start() -> Result<Self> {
-        Self::start_inner(None)
+        Self::start_inner(None, true)
+    }
+
+    /// A nats-server without JetStream, as a shared cluster may run: no
+    /// object store.
+    pub fn start_without_jetstream() -> Result<Self> {
+        Self::start_inner(None, false)
     }
 
     /// A nats-server that also reads `conf_text` as its config file (e.g.
     /// `authorization { users = [...] }`); address, port, JetStream and store
     /// folder still come from the command line.
     pub fn start_with_config(conf_text: &str) -> Result<Self> {
-        Self::start_inner(Some(conf_text))
+        Self::start_inner(Some(conf_text), true)
     }
 
-    fn start_inner(conf_text: Option<&str>) -> Result<Self> {
+    fn start_inner(conf_text: Option<&str>, jetstream: bool) -> Result<Self> {
         let bin = binary("RELAY_NATS_SERVER", "nats-server")?;
         let dir = TempDir::new("nats");
         let conf = match conf_text {
@@ -166,9 +172,10 @@ impl NatsServer {
             if let Some(conf) = &conf {
                 command.arg("-c").arg(conf);
             }
-            command
-                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-                .arg(dir.path());
+            command.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
+            if jetstream {
+                command.args(["-js", "-sd"]).arg(dir.path());
+            }
             command
         })?;
         Ok(Self(ServerProcess { child, port, dir }))
