@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use relay_proto::{ScaleReply, ScaleRequest, StoppedCopy, Subjects, MAX_COPIES, SCHEMA_VERSION};
 
-use crate::stack::{http_status, Proc, Stack, StackRecord, SERVICES};
+use crate::stack::{Proc, Stack, StackRecord, StartState, SERVICES};
 
 /// How long a removed copy may take to drain before it is killed.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(15);
@@ -229,21 +229,30 @@ pub async fn handle(stack: &mut Stack, req: ScaleRequest) -> ScaleReply {
             .iter_mut()
             .filter(|p| started.contains(&p.name))
         {
-            let addr = p.metrics_addr.expect("services have a metrics address");
-            while http_status(addr, "/healthz") != Some(200) {
-                if let Ok(Some(status)) = p.child.try_wait() {
-                    error = Some(format!(
-                        "{} exited with {status} during start-up; see its log",
-                        p.name
-                    ));
-                    break 'wait;
+            loop {
+                match p.poll_start() {
+                    Ok(StartState::Healthy) => break,
+                    Ok(StartState::Exited(status)) => {
+                        error = Some(format!(
+                            "{} exited with {status} during start-up; see its log",
+                            p.name
+                        ));
+                        break 'wait;
+                    }
+                    Err(e) => {
+                        error = Some(format!("{}: {e:#}", p.name));
+                        break 'wait;
+                    }
+                    Ok(StartState::Starting) if Instant::now() > deadline => {
+                        error = Some(format!("{} not healthy within {START_TIMEOUT:?}", p.name));
+                        break 'wait;
+                    }
+                    Ok(StartState::Starting) => tokio::time::sleep(Duration::from_millis(50)).await,
                 }
-                if Instant::now() > deadline {
-                    error = Some(format!("{} not healthy within {START_TIMEOUT:?}", p.name));
-                    break 'wait;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
             }
+        }
+        if let Err(e) = stack.services_listed() {
+            error.get_or_insert(format!("{e:#}"));
         }
     } else if want < have {
         match stack.take_copies(&req.service, have - want) {

@@ -61,7 +61,41 @@ pub struct ProcessRecord {
 pub struct Proc {
     pub name: String,
     pub child: Child,
+    /// A service's /metrics address, known once it has written its
+    /// `addr_file`; infrastructure has none.
     pub metrics_addr: Option<SocketAddr>,
+    /// Where a service writes the address it bound (it binds port 0).
+    pub addr_file: Option<PathBuf>,
+}
+
+/// Where a starting service stands ([`Proc::poll_start`]).
+pub enum StartState {
+    Starting,
+    Healthy,
+    Exited(std::process::ExitStatus),
+}
+
+impl Proc {
+    /// Learns the service's address from its `addr_file` once written, then
+    /// asks `/healthz`.
+    pub fn poll_start(&mut self) -> Result<StartState> {
+        if self.metrics_addr.is_none() {
+            if let Some(file) = &self.addr_file {
+                self.metrics_addr = std::fs::read_to_string(file)
+                    .ok()
+                    .and_then(|text| text.trim().parse().ok());
+            }
+        }
+        if let Some(addr) = self.metrics_addr {
+            if http_status(addr, "/healthz") == Some(200) {
+                return Ok(StartState::Healthy);
+            }
+        }
+        Ok(match self.child.try_wait()? {
+            Some(status) => StartState::Exited(status),
+            None => StartState::Starting,
+        })
+    }
 }
 
 /// A port that was free a moment ago.
@@ -83,19 +117,51 @@ fn require(name: &str) -> Result<PathBuf> {
     })
 }
 
+/// Waits until `child` listens on `port`; a child that exits first (its
+/// port was taken meanwhile) or never listens is killed.
 fn wait_for_port(port: u16, child: &mut Child, what: &str) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    while Instant::now() < deadline {
-        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+    let result = loop {
+        // Someone else's server on the port answers too: ours must be alive.
+        let listening = TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok();
+        if let Some(status) = child.try_wait()? {
+            break Err(anyhow::anyhow!(
+                "{what} exited with {status} before listening on port {port}"
+            ));
+        }
+        if listening {
             return Ok(());
         }
-        if let Some(status) = child.try_wait()? {
-            bail!("{what} exited with {status} before listening on port {port}");
+        if Instant::now() > deadline {
+            break Err(anyhow::anyhow!(
+                "{what} did not listen on port {port} within 30 s"
+            ));
         }
         std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
+
+/// Starts a server with `start(port)` on a port that was free a moment ago,
+/// retrying on a new port a few times: another program can take the port
+/// between the check and the server's bind.
+fn on_free_port<T>(what: &str, mut start: impl FnMut(u16) -> Result<T>) -> Result<(T, u16)> {
+    const ATTEMPTS: usize = 5;
+    let mut attempt = 1;
+    loop {
+        let port = free_port()?;
+        match start(port) {
+            Ok(started) => return Ok((started, port)),
+            Err(e) if attempt < ATTEMPTS => {
+                tracing::warn!("{what} on port {port}: {e:#}; trying another port");
+                attempt += 1;
+            }
+            Err(e) => return Err(e.context(format!("{what}: {ATTEMPTS} ports tried"))),
+        }
     }
-    bail!("{what} did not listen on port {port} within 30 s")
 }
 
 /// GETs `path` from `addr` and returns the status code (tiny HTTP/1.0 client).
@@ -191,16 +257,19 @@ impl Stack {
         let nats_url = match &external.nats_url {
             Some(url) => url.clone(),
             None => {
-                let port = free_port()?;
-                infra.push(spawn_nats(state_dir, run_id, port, nats_max_payload)?);
+                let (nats, port) = on_free_port("nats-server", |port| {
+                    spawn_nats(state_dir, run_id, port, nats_max_payload)
+                })?;
+                infra.push(nats);
                 format!("nats://127.0.0.1:{port}")
             }
         };
         let redis_url = match &external.redis_url {
             Some(url) => url.clone(),
             None => {
-                let port = free_port()?;
-                infra.push(spawn_redis(state_dir, run_id, port)?);
+                let (redis, port) =
+                    on_free_port("redis-server", |port| spawn_redis(state_dir, run_id, port))?;
+                infra.push(redis);
                 format!("redis://127.0.0.1:{port}")
             }
         };
@@ -242,30 +311,33 @@ impl Stack {
             dir.join("rules.yml"),
             include_str!("../../../deploy/prometheus/rules.yml"),
         )?;
-        let port = free_port()?;
         let logs = self.state_dir.join("logs");
-        let (out, err) = log_file(&logs, "prometheus")?;
-        let mut child = Command::new(bin)
-            .arg(format!(
-                "--config.file={}",
-                dir.join("prometheus.yml").display()
-            ))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdout(out)
-            .stderr(err)
-            .process_group(0)
-            .spawn()
-            .context("starting prometheus")?;
-        wait_for_port(port, &mut child, "prometheus")?;
+        let (child, port) = on_free_port("prometheus", |port| {
+            let (out, err) = log_file(&logs, "prometheus")?;
+            let mut child = Command::new(&bin)
+                .arg(format!(
+                    "--config.file={}",
+                    dir.join("prometheus.yml").display()
+                ))
+                .arg(format!(
+                    "--storage.tsdb.path={}",
+                    dir.join("data").display()
+                ))
+                .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+                .stdout(out)
+                .stderr(err)
+                .process_group(0)
+                .spawn()
+                .context("starting prometheus")?;
+            wait_for_port(port, &mut child, "prometheus")?;
+            Ok(child)
+        })?;
         self.prometheus_url = Some(format!("http://127.0.0.1:{port}"));
         self.infra.push(Proc {
             name: "prometheus".into(),
             child,
             metrics_addr: None,
+            addr_file: None,
         });
         Ok(())
     }
@@ -304,6 +376,7 @@ impl Stack {
             name: "grafana-server".into(),
             child,
             metrics_addr: None,
+            addr_file: None,
         });
         Ok(())
     }
@@ -320,8 +393,12 @@ impl Stack {
         let copy = self.next_copy.entry(service.to_string()).or_default();
         let name = format!("{service}-{copy}");
         *copy += 1;
-        let port = free_port()?;
-        let metrics_addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        // The service binds port 0 and says which port it got: a port
+        // picked free here could be taken before the service binds it.
+        let addrs = self.state_dir.join("addrs");
+        std::fs::create_dir_all(&addrs)?;
+        let addr_file = addrs.join(&name);
+        let _ = std::fs::remove_file(&addr_file);
         let (out, err) = log_file(&self.state_dir.join("logs"), &name)?;
         let mut command = Command::new(bin);
         command
@@ -335,12 +412,9 @@ impl Stack {
                 "--redis-url",
                 &self.redis_url,
             ])
-            .args([
-                "--metrics-addr",
-                &metrics_addr.to_string(),
-                "--instance",
-                &name,
-            ]);
+            .args(["--metrics-addr", "127.0.0.1:0", "--instance", &name])
+            .arg("--addr-file")
+            .arg(&addr_file);
         for o in overrides {
             command.args(["--set", o]);
         }
@@ -353,34 +427,41 @@ impl Stack {
         self.services.push(Proc {
             name,
             child,
-            metrics_addr: Some(metrics_addr),
+            metrics_addr: None,
+            addr_file: Some(addr_file),
         });
-        self.write_targets()?;
         self.write_record()
     }
 
-    /// Waits until every service answers `/healthz` with 200.
+    /// Waits until every service answers `/healthz` with 200, then lists
+    /// their addresses for Prometheus and `relay top`.
     pub fn wait_healthy(&mut self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         for p in &mut self.services {
-            let addr = p.metrics_addr.expect("services have a metrics address");
             loop {
-                if http_status(addr, "/healthz") == Some(200) {
-                    break;
+                match p.poll_start()? {
+                    StartState::Healthy => break,
+                    StartState::Exited(status) => {
+                        let log = self.state_dir.join("logs").join(format!("{}.log", p.name));
+                        let why = last_error_line(&log)
+                            .unwrap_or_else(|| format!("see {}", log.display()));
+                        bail!("{} exited with {status} during start-up: {why}", p.name);
+                    }
+                    StartState::Starting if Instant::now() > deadline => {
+                        bail!("{} not healthy within {timeout:?}", p.name)
+                    }
+                    StartState::Starting => std::thread::sleep(Duration::from_millis(20)),
                 }
-                if let Some(status) = p.child.try_wait()? {
-                    let log = self.state_dir.join("logs").join(format!("{}.log", p.name));
-                    let why =
-                        last_error_line(&log).unwrap_or_else(|| format!("see {}", log.display()));
-                    bail!("{} exited with {status} during start-up: {why}", p.name);
-                }
-                if Instant::now() > deadline {
-                    bail!("{} not healthy within {timeout:?}", p.name);
-                }
-                std::thread::sleep(Duration::from_millis(20));
             }
         }
-        Ok(())
+        self.services_listed()
+    }
+
+    /// Writes the Prometheus targets and the stack record after services
+    /// started or stopped.
+    pub fn services_listed(&self) -> Result<()> {
+        self.write_targets()?;
+        self.write_record()
     }
 
     /// Names of services that have exited, with their status.
@@ -495,11 +576,11 @@ impl Stack {
         let groups: Vec<serde_json::Value> = self
             .services
             .iter()
-            .map(|p| {
-                serde_json::json!({
-                    "targets": [p.metrics_addr.expect("metrics address").to_string()],
+            .filter_map(|p| {
+                Some(serde_json::json!({
+                    "targets": [p.metrics_addr?.to_string()],
                     "labels": {"replica": p.name},
-                })
+                }))
             })
             .collect();
         let tmp = dir.join("relay.json.tmp");
@@ -640,6 +721,7 @@ fn spawn_nats(state_dir: &Path, run_id: &str, port: u16, max_payload: usize) -> 
         name: "nats-server".into(),
         child: nats,
         metrics_addr: None,
+        addr_file: None,
     })
 }
 
@@ -660,6 +742,7 @@ fn spawn_redis(state_dir: &Path, run_id: &str, port: u16) -> Result<Proc> {
         name: "redis-server".into(),
         child: redis,
         metrics_addr: None,
+        addr_file: None,
     })
 }
 
@@ -730,4 +813,32 @@ pub fn ensure_tiny_model(config: &relay_config::ExperimentConfig) -> Result<Opti
     crate::model::init_tiny(&path, 0)
         .with_context(|| format!("llm.model {}: writing the tiny model", path.display()))?;
     Ok(Some(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_that_loses_its_port_is_started_on_another() {
+        let mut tried = Vec::new();
+        let (started, port) = on_free_port("server", |port| {
+            tried.push(port);
+            if tried.len() < 3 {
+                bail!("port {port} taken");
+            }
+            Ok(port)
+        })
+        .unwrap();
+        assert_eq!((tried.len(), started), (3, port));
+    }
+
+    #[test]
+    fn a_server_that_never_starts_is_an_error_naming_it() {
+        let e = on_free_port::<()>("nats-server", |port| bail!("port {port} taken")).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("nats-server: 5 ports tried"),
+            "{e:#}"
+        );
+    }
 }

@@ -43,6 +43,11 @@ pub struct ServiceArgs {
     /// Address of the /metrics and /healthz endpoint (port 0 picks one).
     #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:0")]
     pub metrics_addr: SocketAddr,
+    /// File the bound /metrics address is written to once the endpoint
+    /// listens, so that a launcher can pass port 0 and learn the port the
+    /// kernel chose (a port picked free beforehand can be taken meanwhile).
+    #[arg(long, env = "RELAY_ADDR_FILE")]
+    pub addr_file: Option<PathBuf>,
     /// Name of this copy; defaults to `<service>-<pid>`.
     #[arg(long, env = "RELAY_INSTANCE")]
     pub instance: Option<String>,
@@ -56,6 +61,8 @@ pub struct ServiceArgs {
 pub struct ServiceConfig {
     pub experiment: ExperimentConfig,
     pub metrics_addr: SocketAddr,
+    /// Where to write the bound metrics address ([`ServiceArgs::addr_file`]).
+    pub addr_file: Option<PathBuf>,
     pub instance: Option<String>,
 }
 
@@ -65,6 +72,7 @@ impl ServiceConfig {
         Self {
             experiment,
             metrics_addr: ([127, 0, 0, 1], 0).into(),
+            addr_file: None,
             instance: None,
         }
     }
@@ -89,6 +97,7 @@ impl ServiceArgs {
         Ok(ServiceConfig {
             experiment,
             metrics_addr: self.metrics_addr,
+            addr_file: self.addr_file.clone(),
             instance: self.instance.clone(),
         })
     }
@@ -187,6 +196,12 @@ impl Service {
             shutdown.clone(),
         )
         .await?;
+        if let Some(path) = &config.addr_file {
+            // Written whole, then renamed: a reader never sees half an address.
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, metrics_addr.to_string())?;
+            std::fs::rename(&tmp, path)?;
+        }
         if let Some(logs) = LOGS.get() {
             logs.start(
                 nats.clone(),
