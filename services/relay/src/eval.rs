@@ -5,9 +5,10 @@
 //! `relay eval checkpoint <run>[:best|last|solved|N] [--episodes 100]
 //! [--seed S]`: plays a saved checkpoint offline. Text runs: the
 //! checkpoint's adapter against the bots ([`evaluate_text_checkpoint`]).
-//! Classic runs: with
-//! deterministic actions as the `greedy` evaluator does (one episode per
-//! sub-env of a vectorized env seeded `S, S+1, ...`, each to its end), and
+//! Classic runs: with the actions of the run's evaluator, sampled (drawn
+//! from the seed) when it is `stochastic` (rl-zoo's way for Atari, whose
+//! deterministic policies can stall), deterministic otherwise (one episode
+//! per sub-env of a vectorized env seeded `S, S+1, ...`, each to its end), and
 //! prints mean ± std, min and max, then a JSON line. The default seed is
 //! the run's fresh one (`eval.seed + 2^48`), which no evaluation of the
 //! run played; `--seed <eval.seed> --episodes <eval.episodes>` replays the
@@ -100,6 +101,8 @@ pub struct CheckpointEval {
     pub env_id: String,
     pub episodes: usize,
     pub seed: u64,
+    /// `greedy` (deterministic actions) or `sampled`, as the run's evaluator.
+    pub actions: &'static str,
     pub returns: Vec<f64>,
     pub mean_return: f64,
     pub std_return: f64,
@@ -111,8 +114,8 @@ pub struct CheckpointEval {
     pub passed: Option<bool>,
 }
 
-/// Plays `episodes` deterministic episodes from `seed` (default: the run's
-/// fresh seed) with checkpoint `which` of run `run`.
+/// Plays `episodes` episodes from `seed` (default: the run's fresh seed)
+/// with checkpoint `which` of run `run`, acting as the run's evaluator.
 pub fn evaluate_checkpoint(
     runs_dir: &Path,
     run: &str,
@@ -154,12 +157,19 @@ fn evaluate_classic_checkpoint(
     let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
     let envs = relay_eval::plugins::eval_envs(&config.run.env_id, &config.env, episodes, seed)
         .map_err(anyhow::Error::msg)?;
-    let returns: Vec<f64> =
-        relay_eval::plugins::play(&model, normalizer.as_ref(), envs, seed, true, false)
-            .map_err(anyhow::Error::msg)?
-            .into_iter()
-            .map(|e| e.ret)
-            .collect();
+    let deterministic = config.eval.evaluator != "stochastic";
+    let returns: Vec<f64> = relay_eval::plugins::play(
+        &model,
+        normalizer.as_ref(),
+        envs,
+        seed,
+        deterministic,
+        false,
+    )
+    .map_err(anyhow::Error::msg)?
+    .into_iter()
+    .map(|e| e.ret)
+    .collect();
     let (mean, std) = relay_eval::mean_std(&returns);
     let threshold = config.solved_threshold();
     Ok(CheckpointEval {
@@ -172,6 +182,7 @@ fn evaluate_classic_checkpoint(
         env_id: config.run.env_id.clone(),
         episodes,
         seed,
+        actions: if deterministic { "greedy" } else { "sampled" },
         min_return: returns.iter().copied().fold(f64::INFINITY, f64::min),
         max_return: returns.iter().copied().fold(f64::NEG_INFINITY, f64::max),
         returns,
@@ -338,8 +349,8 @@ pub fn eval(args: EvalArgs) -> Result<()> {
             }
             let e = evaluate_classic_checkpoint(run_id, &dir, &config, episodes, seed)?;
             println!(
-                "relay: {} checkpoint {} (weights version {}) on {}: {} episodes from seed {}",
-                e.run_id, e.checkpoint, e.weights_version, e.env_id, e.episodes, e.seed
+                "relay: {} checkpoint {} (weights version {}) on {}: {} {} episodes from seed {}",
+                e.run_id, e.checkpoint, e.weights_version, e.env_id, e.episodes, e.actions, e.seed
             );
             println!(
                 "return {:.2} ± {:.2}  min {:.2}  max {:.2}{}",

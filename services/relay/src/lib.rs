@@ -526,7 +526,10 @@ async fn watch(
     let (mut updates, mut version, mut episode_return) = (0.0, 0.0, f64::NAN);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut learner_done: Option<Instant> = None;
-    let (mut last_steps, mut last_time) = (0u64, Instant::now());
+    // Env steps arrive an update at a time (1,024 every few seconds on
+    // Atari): the rate is taken over the last `SPS_WINDOW`, not one tick.
+    const SPS_WINDOW: Duration = Duration::from_secs(20);
+    let mut recent_steps: std::collections::VecDeque<(Instant, u64)> = [(Instant::now(), 0)].into();
     // The stall watchdog: when an env step or an update last happened, and
     // what each service instance last reported.
     let mut last_progress = Instant::now();
@@ -666,9 +669,14 @@ async fn watch(
                 }
             }
             _ = tick.tick() => {
-                let dt = last_time.elapsed().as_secs_f64();
-                let sps = (outcome.trained_env_steps.saturating_sub(last_steps)) as f64 / dt.max(1e-3);
-                (last_steps, last_time) = (outcome.trained_env_steps, Instant::now());
+                let now = Instant::now();
+                recent_steps.push_back((now, outcome.trained_env_steps));
+                while recent_steps.len() > 2 && now - recent_steps[1].0 >= SPS_WINDOW {
+                    recent_steps.pop_front();
+                }
+                let (since, steps_then) = recent_steps[0];
+                let sps = outcome.trained_env_steps.saturating_sub(steps_then) as f64
+                    / (now - since).as_secs_f64().max(1e-3);
                 if !args.quiet && !outcome.summarized {
                     let eval = last_eval.as_ref().map_or("-".to_string(), |e| format!("{:.1}@v{}{}", e.mean_return, e.policy_version,
                         e.confirmation.as_ref().map_or(String::new(), |c| format!(" (confirmed {:.1})", c.mean_return))));
