@@ -227,9 +227,13 @@ fn run_anchor(anchor: &Anchor) -> Result<f64, String> {
 /// `--config` is ignored: each goal has its preset).
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchLearningArgs {
-    /// Seeds per goal (1, 2, ...).
+    /// Seeds per goal: `first_seed`, `first_seed + 1`, ...
     #[arg(long, default_value_t = 3)]
     pub seeds: u64,
+    /// The first seed (so that seeds of one goal can be run apart, e.g.
+    /// `--first-seed 3 --seeds 1`).
+    #[arg(long, default_value_t = 1)]
+    pub first_seed: u64,
     /// Only the goals whose name contains this (case-insensitive), e.g. `dqn`.
     #[arg(long)]
     pub only: Option<String>,
@@ -380,7 +384,7 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             continue;
         }
         let mut attempts = Vec::new();
-        for seed in 1..=args.seeds {
+        for seed in args.first_seed..args.first_seed + args.seeds {
             let mut run = base.clone();
             run.config = config.clone();
             run.until_solved = true;
@@ -539,7 +543,10 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             }
         }
     }
-    println!("{}", json!({"seeds": args.seeds, "goals": json_goals}));
+    println!(
+        "{}",
+        json!({"seeds": args.seeds, "first_seed": args.first_seed, "goals": json_goals})
+    );
     Ok(())
 }
 
