@@ -238,6 +238,23 @@ fn mask_relu(g: &mut [f32], y: &[f32]) {
 /// `cols` (cleared first) := `[n, sample_len]` -> `[n * patches,
 /// patch_len]`, every value through `pre`.
 fn im2col_into(cols: &mut Vec<f32>, x: &[f32], n: usize, g: &Geometry, pre: Pre) {
+    if let (false, 0, Pre::Scale(scale)) = (g.channels_last, g.pad, pre) {
+        // A first layer on channels-first pixels copies runs of `kernel`
+        // values: at a length known to the compiler each is a vector load,
+        // multiply and store (NatureCNN's 8x8 layer: 2.5x faster than
+        // through `for_each_run`).
+        match g.kernel {
+            8 => return im2col_planes::<8>(cols, x, n, g, scale),
+            4 => return im2col_planes::<4>(cols, x, n, g, scale),
+            3 => return im2col_planes::<3>(cols, x, n, g, scale),
+            _ => {}
+        }
+    }
+    im2col_runs(cols, x, n, g, pre)
+}
+
+/// [`im2col_into`] of any geometry, run by run.
+fn im2col_runs(cols: &mut Vec<f32>, x: &[f32], n: usize, g: &Geometry, pre: Pre) {
     let (block, sl) = (g.patches() * g.patch_len(), g.sample_len());
     // Runs come in patch order, so the matrix is appended, never zeroed first.
     cols.clear();
@@ -261,6 +278,35 @@ fn im2col_into(cols: &mut Vec<f32>, x: &[f32], n: usize, g: &Geometry, pre: Pre)
     // zeros): its runs of a few channels are too short for vector loops.
     if pre == Pre::Relu {
         kernels::relu_inplace(cols);
+    }
+}
+
+/// [`im2col_into`] of channels-first input without padding for a `K`x`K`
+/// kernel, every value times `scale`.
+fn im2col_planes<const K: usize>(
+    cols: &mut Vec<f32>,
+    x: &[f32],
+    n: usize,
+    g: &Geometry,
+    scale: f32,
+) {
+    debug_assert!(!g.channels_last && g.pad == 0 && g.kernel == K);
+    let (plane_len, w, stride) = (g.height * g.width, g.width, g.stride);
+    cols.clear();
+    cols.reserve(n * g.patches() * g.patch_len());
+    for sample in x.chunks_exact(g.sample_len()).take(n) {
+        for oy in 0..g.out_h {
+            for ox in 0..g.out_w {
+                for plane in sample.chunks_exact(plane_len) {
+                    for ky in 0..K {
+                        let at = (oy * stride + ky) * w + ox * stride;
+                        let src: &[f32; K] = plane[at..at + K].try_into().expect("K values");
+                        let run: [f32; K] = std::array::from_fn(|i| src[i] * scale);
+                        cols.extend_from_slice(&run);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -1179,7 +1225,14 @@ mod tests {
         let x: Vec<f32> = (0..n * c * h * wd)
             .map(|i| ((i * 37) % 11) as f32 - 5.0)
             .collect();
-        for (k, s, p) in [(3, 2, 0), (3, 1, 1), (2, 1, 0), (4, 3, 2), (3, 2, 1)] {
+        for (k, s, p) in [
+            (3, 2, 0),
+            (3, 1, 1),
+            (2, 1, 0),
+            (4, 3, 2),
+            (3, 2, 1),
+            (4, 2, 0),
+        ] {
             let w: Vec<f32> = (0..out * c * k * k)
                 .map(|i| ((i * 13) % 7) as f32 - 3.0)
                 .collect();
@@ -1215,6 +1268,18 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_first_layers_fast_path_copies_what_the_runs_copy() {
+        for (input, k, s) in [([4, 84, 84], 8, 4), ([2, 10, 9], 4, 2), ([3, 10, 10], 3, 1)] {
+            let g = Geometry::new(input, k, s, 0, false);
+            let x: Vec<f32> = (0..2 * g.sample_len()).map(|i| (i % 251) as f32).collect();
+            let (mut fast, mut runs) = (Vec::new(), Vec::new());
+            im2col_into(&mut fast, &x, 2, &g, Pre::Scale(PIXEL_SCALE));
+            im2col_runs(&mut runs, &x, 2, &g, Pre::Scale(PIXEL_SCALE));
+            assert_eq!(fast, runs, "{input:?} k {k} s {s}");
         }
     }
 
