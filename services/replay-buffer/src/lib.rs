@@ -68,8 +68,10 @@ impl Keys {
 /// Appends a fragment unless it is stale, would overflow the capacity, or the
 /// rate limiter holds inserts back.
 /// KEYS: fifo, steps, min_version, stats. ARGV: payload, steps, capacity,
-/// version, samples-per-insert ratio ('' without limiter), max diff.
-/// Returns {status, held}: status 1 stored, 0 full, -1 stale, -2 rate.
+/// version, samples-per-insert ratio ('' without limiter), max diff, and
+/// '1' to only check (the payload then empty).
+/// Returns {status, held}: status 1 stored, 2 room (checked only), 0 full,
+/// -1 stale, -2 rate.
 const INSERT_SCRIPT: &str = r#"
 local held = tonumber(redis.call('GET', KEYS[2]) or '0')
 local min_version = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -89,6 +91,9 @@ if ARGV[5] ~= '' then
     redis.call('HINCRBY', KEYS[4], 'refused_rate', 1)
     return {-2, held}
   end
+end
+if ARGV[7] == '1' then
+  return {2, held}
 end
 redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'inserted_steps', ARGV[2])
@@ -297,14 +302,34 @@ impl Fifo {
         }
     }
 
+    /// Stores `fragment` (encoded as `payload`) unless it is stale, the
+    /// FIFO is full or the rate limiter holds it back. The checks run first
+    /// without the payload: a refused insert (an env-runner retries until
+    /// the learner makes room) must not copy megabytes of frames into Redis
+    /// each time (a Breakout fragment's 2 MB took Redis about 10 ms).
     pub async fn insert(
         &self,
         fragment: &RolloutFragment,
         payload: &[u8],
     ) -> redis::RedisResult<Inserted> {
+        match self.insert_script(fragment, &[], true).await? {
+            (2, _) => {}
+            refused => return Ok(Self::inserted(refused)),
+        }
+        Ok(Self::inserted(
+            self.insert_script(fragment, payload, false).await?,
+        ))
+    }
+
+    /// One call of [`INSERT_SCRIPT`]: `(status, held)`.
+    async fn insert_script(
+        &self,
+        fragment: &RolloutFragment,
+        payload: &[u8],
+        check_only: bool,
+    ) -> redis::RedisResult<(i64, u64)> {
         let mut redis = self.redis.clone();
-        let (status, held): (i64, u64) = self
-            .insert
+        self.insert
             .key(&self.keys.fifo)
             .key(&self.keys.steps)
             .key(&self.keys.min_version)
@@ -321,14 +346,18 @@ impl Fifo {
                 self.rate_limit
                     .map_or(String::new(), |r| r.max_diff().to_string()),
             )
+            .arg(if check_only { "1" } else { "0" })
             .invoke_async(&mut redis)
-            .await?;
-        Ok(match status {
+            .await
+    }
+
+    fn inserted((status, held): (i64, u64)) -> Inserted {
+        match status {
             1 => Inserted::Stored { held },
             0 => Inserted::Full { held },
             -2 => Inserted::RateLimited { held },
             _ => Inserted::Stale { held },
-        })
+        }
     }
 
     /// Pops fragments from the head until `max_steps` env steps are gathered,
