@@ -9,7 +9,11 @@
 //! after the delay the buffer asks for, one the rate limiter holds back
 //! after twice as long with each refusal in a row (up to 16 ms), and
 //! stepping waits meanwhile. At most one insert is in flight while the
-//! next fragment is collected.
+//! next fragment is collected. With `env_runner.pace` a copy in a PPO or
+//! A2C run also paces itself ([`pace`]): while the buffer holds a whole
+//! rollout for the learner it begins no fragment, but waits for the
+//! learner's next version, rather than act steps that would be dropped as
+//! stale.
 //!
 //! Normalisation (`normalize:` with `obs` or `reward` on): this copy is
 //! the run's `VecNormalize` wrapper, as in Stable-Baselines3. It keeps a
@@ -35,6 +39,7 @@
 
 mod fragment;
 pub mod league;
+mod pace;
 mod text;
 
 use std::collections::VecDeque;
@@ -62,6 +67,7 @@ struct Metrics {
     episode_seconds: Histogram,
     fragments: IntCounterVec,
     backpressure_waits: IntCounter,
+    pace_wait_seconds: prometheus::Counter,
     env_faults: IntCounterVec,
     worker_restarts: IntCounter,
 }
@@ -132,6 +138,12 @@ impl Metrics {
         relay_kit::metrics::register(registry, &episode_seconds);
         relay_kit::metrics::register(registry, &fragments);
         relay_kit::metrics::register(registry, &backpressure_waits);
+        let pace_wait_seconds = prometheus::Counter::new(
+            "relay_env_runner_pace_wait_seconds_total",
+            "Seconds spent waiting for a newer policy version after one rollout's env steps (env_runner.pace).",
+        )
+        .unwrap();
+        relay_kit::metrics::register(registry, &pace_wait_seconds);
         let env_faults = IntCounterVec::new(
             Opts::new(
                 "relay_env_runner_env_faults_total",
@@ -159,6 +171,7 @@ impl Metrics {
             episode_seconds,
             fragments,
             backpressure_waits,
+            pace_wait_seconds,
             env_faults,
             worker_restarts,
         }
@@ -274,9 +287,21 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let act_chunk = (max_message.saturating_sub(64 * 1024) / obs_bytes.max(1)).max(1);
     let rejected_in_a_row = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let mut pending_insert: Option<tokio::task::JoinHandle<()>> = None;
+    // Env steps of the insert in flight, and those the buffer held at the
+    // last ack (the pacer's view of what waits for the learner).
+    let mut pending_steps = 0u64;
+    let buffered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut episodes: Vec<EpisodeSummary> = Vec::new();
     let mut recent_returns: VecDeque<f64> = VecDeque::with_capacity(100);
     let mut last_version = 0u64;
+    let mut pacer = match cfg.rollout_env_steps() {
+        Some((_, rollout)) if cfg.env_runner.pace => Some(pace::Pacer::new(
+            rollout,
+            Duration::from_secs_f64(cfg.env_runner.pace_timeout_s),
+            relay_policy::announced_versions(&service).await?,
+        )),
+        _ => None,
+    };
     let mut reported = Reported {
         at: Instant::now(),
         env_steps: 0,
@@ -303,6 +328,24 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 }
                 synced_version = Some(latest.version);
             }
+        }
+        if let (0, Some(p)) = (fragments[0].steps, pacer.as_mut()) {
+            let paced = Instant::now();
+            let in_flight = match &pending_insert {
+                Some(insert) if !insert.is_finished() => pending_steps,
+                _ => 0,
+            };
+            let held = buffered.load(std::sync::atomic::Ordering::Relaxed) + in_flight;
+            match p.before_fragment(held, last_version, &shutdown).await {
+                None => break 'outer,
+                // The learner took what the last ack counted; the next ack
+                // says what is held now.
+                Some(true) => buffered.store(0, std::sync::atomic::Ordering::Relaxed),
+                Some(false) => {}
+            }
+            metrics
+                .pace_wait_seconds
+                .inc_by(paced.elapsed().as_secs_f64());
         }
         // Ask for actions, retrying while no inference server (or no weights) is there.
         let mut backoff = Duration::from_millis(10);
@@ -349,6 +392,15 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
             backoff = (backoff * 2).min(Duration::from_secs(1));
         };
+        if pacer
+            .as_mut()
+            .is_some_and(|p| p.ask_again(reply.policy_version))
+        {
+            tokio::select! {
+                _ = tokio::time::sleep(pace::RETRY_ACT_AFTER) => continue,
+                _ = shutdown.wait() => break 'outer,
+            }
+        }
         last_version = reply.policy_version;
         let logprobs = reply.logprobs.to_f32().expect("checked by decode");
         let values = reply.values.to_f32().expect("checked by decode");
@@ -481,6 +533,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     )
                 })
                 .collect();
+            pending_steps = messages.iter().map(RolloutFragment::env_steps).sum();
             // One insert in flight at a time: waiting here is the backpressure.
             if let Some(previous) = pending_insert.take() {
                 let _ = previous.await;
@@ -491,6 +544,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 metrics.fragments.clone(),
                 metrics.backpressure_waits.clone(),
                 rejected_in_a_row.clone(),
+                buffered.clone(),
             )));
             if !episodes.is_empty() {
                 let report = EpisodeReport {
@@ -633,10 +687,11 @@ async fn insert_all_with_retry(
     outcomes: IntCounterVec,
     waits: IntCounter,
     rejected_in_a_row: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    buffered: std::sync::Arc<std::sync::atomic::AtomicU64>,
 ) {
     use std::sync::atomic::Ordering;
     for fragment in fragments {
-        match insert_with_retry(&service, fragment, &outcomes, &waits).await {
+        match insert_with_retry(&service, fragment, &outcomes, &waits, &buffered).await {
             Err(reason) => {
                 if rejected_in_a_row.fetch_add(1, Ordering::Relaxed) + 1
                     >= REJECTED_FRAGMENTS_TO_FAIL
@@ -661,14 +716,19 @@ async fn insert_with_retry(
     fragment: RolloutFragment,
     outcomes: &IntCounterVec,
     waits: &IntCounter,
+    buffered: &std::sync::atomic::AtomicU64,
 ) -> Result<(), String> {
     let subject = service.subjects.replay_insert();
     let timeout = service.request_timeout();
     let mut backoff = Duration::from_millis(5);
     let mut rate_refusals = 0u32;
     loop {
-        match relay_kit::request::<_, InsertAck>(&service.nats, &subject, &fragment, timeout).await
-        {
+        let acked = relay_kit::request::<_, InsertAck>(&service.nats, &subject, &fragment, timeout)
+            .await
+            .inspect(|ack| {
+                buffered.store(ack.buffered_steps, std::sync::atomic::Ordering::Relaxed)
+            });
+        match acked {
             Ok(ack) if ack.accepted => {
                 outcomes.with_label_values(&["stored"]).inc();
                 return Ok(());

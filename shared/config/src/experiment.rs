@@ -218,6 +218,7 @@ impl ExperimentConfig {
         positive("env_runner.num_envs", self.env_runner.num_envs)?;
         positive("env_runner.fragment_steps", self.env_runner.fragment_steps)?;
         positive("env_runner.threads", self.env_runner.threads)?;
+        positive_f("env_runner.pace_timeout_s", self.env_runner.pace_timeout_s)?;
         positive("inference.max_batch", self.inference.max_batch)?;
         positive("inference.threads", self.inference.threads)?;
         self.llm.validate()?;
@@ -321,7 +322,7 @@ impl ExperimentConfig {
     /// The section configuring the run's algorithm's rollout and its size in
     /// env steps, for algorithms that train on a fixed number of env steps
     /// (PPO, A2C); none for REINFORCE, which trains on whole episodes.
-    pub(crate) fn rollout_env_steps(&self) -> Option<(&'static str, u64)> {
+    pub fn rollout_env_steps(&self) -> Option<(&'static str, u64)> {
         match self.run.algo {
             Algo::A2c => Some((
                 "a2c.n_steps x env_runner.num_envs",

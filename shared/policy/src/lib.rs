@@ -565,6 +565,43 @@ impl Follower<VersionedPolicy> {
     }
 }
 
+/// The version last announced on `weights.announce` (a
+/// [`relay_proto::WeightsAnnouncement`] per version the learner publishes;
+/// lower than the one before after a learner restarted from an older
+/// checkpoint), `None` before the first: a background task listens until
+/// shutdown.
+pub async fn announced_versions(
+    service: &Service,
+) -> Result<watch::Receiver<Option<u64>>, relay_kit::ServiceError> {
+    let mut announcements = service
+        .nats
+        .subscribe(service.subjects.weights_announce())
+        .await
+        .map_err(relay_kit::ServiceError::nats)?;
+    let (tx, announced) = watch::channel(None);
+    let listener = service.clone();
+    tokio::spawn(async move {
+        loop {
+            let message = tokio::select! {
+                Some(m) = announcements.next() => m,
+                _ = listener.shutdown.wait() => return,
+                else => return,
+            };
+            if let Ok(announced) = listener
+                .intake
+                .decode::<WeightsAnnouncement>("weights.announce", &message.payload)
+            {
+                tx.send_if_modified(|v| {
+                    let changed = *v != Some(announced.version);
+                    *v = Some(announced.version);
+                    changed
+                });
+            }
+        }
+    });
+    Ok(announced)
+}
+
 /// The learner's weights for a service that plays only some versions (the
 /// evaluator: one every `eval.every_versions`): it hears every version on
 /// `weights.announce` (a [`relay_proto::WeightsAnnouncement`]) and fetches
@@ -598,38 +635,10 @@ impl PolicyFetcher {
     /// Starts listening to the announcements (a background task until shutdown).
     pub async fn start(service: &Service) -> Result<Self, relay_kit::ServiceError> {
         let build = Arc::new(policy_builder(&service.config)?);
-        let mut announcements = service
-            .nats
-            .subscribe(service.subjects.weights_announce())
-            .await
-            .map_err(relay_kit::ServiceError::nats)?;
-        let (tx, announced) = watch::channel(None);
-        let listener = service.clone();
-        tokio::spawn(async move {
-            loop {
-                let message = tokio::select! {
-                    Some(m) = announcements.next() => m,
-                    _ = listener.shutdown.wait() => return,
-                    else => return,
-                };
-                if let Ok(announced) = listener
-                    .intake
-                    .decode::<WeightsAnnouncement>("weights.announce", &message.payload)
-                {
-                    tx.send_if_modified(|v| {
-                        let newer = v.is_none_or(|seen| announced.version > seen);
-                        if newer {
-                            *v = Some(announced.version);
-                        }
-                        newer
-                    });
-                }
-            }
-        });
         Ok(Self {
             service: service.clone(),
             build,
-            announced,
+            announced: announced_versions(service).await?,
             fetching: None,
             failures: FetchFailures::default(),
         })
