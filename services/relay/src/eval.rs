@@ -157,7 +157,10 @@ fn evaluate_classic_checkpoint(
     let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
     let envs = relay_eval::plugins::eval_envs(&config.run.env_id, &config.env, episodes, seed)
         .map_err(anyhow::Error::msg)?;
-    let deterministic = config.eval.evaluator != "stochastic";
+    let deterministic =
+        !relay_eval::plugins::build(&config.eval.evaluator, &config.eval.option_pairs())
+            .map_err(|e| anyhow::anyhow!("eval.evaluator: {e}"))?
+            .samples_actions();
     let returns: Vec<f64> = relay_eval::plugins::play(
         &model,
         normalizer.as_ref(),

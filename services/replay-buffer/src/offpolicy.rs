@@ -580,34 +580,29 @@ impl Rows {
 
     /// Row `i` of `field`.
     fn row(&self, field: ObsField, i: usize) -> Row<'_> {
+        /// Row `i` of the array of `field`, whatever its element type.
+        fn pick<T>(field: ObsField, [obs, next, last]: [&[T]; 3], i: usize, width: usize) -> &[T] {
+            let all = match field {
+                ObsField::Obs => obs,
+                ObsField::Next => next,
+                ObsField::Final => last,
+            };
+            &all[i * width..(i + 1) * width]
+        }
         match self {
             Self::Values {
                 obs,
                 next_obs,
                 final_obs,
                 width,
-            } => {
-                let all = match field {
-                    ObsField::Obs => obs,
-                    ObsField::Next => next_obs,
-                    ObsField::Final => final_obs,
-                };
-                Row::Values(&all[i * width..(i + 1) * width])
-            }
+            } => Row::Values(pick(field, [obs, next_obs, final_obs], i, *width)),
             Self::Planes {
                 obs,
                 next_obs,
                 final_obs,
                 width,
                 ..
-            } => {
-                let all = match field {
-                    ObsField::Obs => obs,
-                    ObsField::Next => next_obs,
-                    ObsField::Final => final_obs,
-                };
-                Row::Planes(&all[i * width..(i + 1) * width])
-            }
+            } => Row::Planes(pick(field, [obs, next_obs, final_obs], i, *width)),
         }
     }
 

@@ -123,6 +123,12 @@ pub trait Evaluator: Send + Sync {
     fn plays_text(&self) -> bool {
         false
     }
+    /// Acts by sampling the policy's distribution rather than taking its
+    /// mode (what `relay eval checkpoint` does to judge a saved checkpoint
+    /// as the run's evaluator judged its versions).
+    fn samples_actions(&self) -> bool {
+        false
+    }
     /// Checks that this plugin can evaluate runs of `env_id` (made as the
     /// `env` section says).
     fn check_env(&self, env_id: &str, env: &EnvSection) -> Result<(), String> {
@@ -293,6 +299,9 @@ impl Stochastic {
 impl Evaluator for Stochastic {
     fn name(&self) -> &str {
         "stochastic"
+    }
+    fn samples_actions(&self) -> bool {
+        true
     }
     fn evaluate(&self, p: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String> {
         let (episodes, seed) = self.0.apply(ctx);
