@@ -140,7 +140,7 @@ impl Metrics {
         relay_kit::metrics::register(registry, &backpressure_waits);
         let pace_wait_seconds = prometheus::Counter::new(
             "relay_env_runner_pace_wait_seconds_total",
-            "Seconds spent waiting for a newer policy version after one rollout's env steps (env_runner.pace).",
+            "Seconds an env-runner waited for the learner's next version with a whole rollout in the buffer (env_runner.pace).",
         )
         .unwrap();
         relay_kit::metrics::register(registry, &pace_wait_seconds);
