@@ -2,8 +2,8 @@
 //! `tiny-qwen2` fixture (a Hugging Face Qwen2 folder with a PEFT adapter and
 //! transformers' greedy continuations in `reference.json`).
 //!
-//! The fixture folder is found relative to this crate, or at
-//! `RELAY_TINY_QWEN2`.
+//! The fixture folder is `tiny-qwen2` under `$RELAY_LLM_FIXTURES` (default
+//! `shared/fixtures` beside the repository).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -21,13 +21,7 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 const TINY_CONTEXT: usize = 512;
 
 fn fixture_dir() -> PathBuf {
-    match std::env::var_os("RELAY_TINY_QWEN2") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/fixtures/tiny-qwen2"
-        )),
-    }
+    relay_testkit::llm_fixture("tiny-qwen2")
 }
 
 struct Case {
@@ -38,7 +32,7 @@ struct Case {
 fn cases() -> Vec<Case> {
     let path = fixture_dir().join("reference.json");
     let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (set RELAY_TINY_QWEN2)", path.display()));
+        .unwrap_or_else(|e| panic!("{}: {e} (set RELAY_LLM_FIXTURES)", path.display()));
     let value: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
         v.as_array()

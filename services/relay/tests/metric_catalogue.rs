@@ -80,7 +80,7 @@ async fn metric_catalogue_matches_what_services_emit() {
         dir.path().display(),
         nats.url(),
         redis.url(),
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/tiny-qwen2"),
+        relay_testkit::llm_fixture("tiny-qwen2").display(),
     );
     let text_experiment = ExperimentConfig::from_layers(&text_run, "test", &[], &[]).unwrap();
     spawn_stand_in_generate(

@@ -5,13 +5,9 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 
 fn tiny_qwen2() -> String {
-    std::env::var("RELAY_TINY_QWEN2").unwrap_or_else(|_| {
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/fixtures/tiny-qwen2"
-        )
-        .to_string()
-    })
+    relay_testkit::llm_fixture("tiny-qwen2")
+        .to_string_lossy()
+        .into_owned()
 }
 
 #[test]

@@ -8,13 +8,9 @@ use std::process::Command;
 use relay_llm::{LoraAdapter, ModelConfig};
 
 fn tiny_qwen2() -> String {
-    std::env::var("RELAY_TINY_QWEN2").unwrap_or_else(|_| {
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/fixtures/tiny-qwen2"
-        )
-        .to_string()
-    })
+    relay_testkit::llm_fixture("tiny-qwen2")
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn relay_sft(args: &[&str]) -> std::process::Output {

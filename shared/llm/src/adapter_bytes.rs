@@ -77,14 +77,8 @@ mod tests {
     use crate::{LoraConfig, ModelConfig};
 
     fn tiny_config() -> ModelConfig {
-        let dir = std::env::var("RELAY_TINY_QWEN2").unwrap_or_else(|_| {
-            concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures/tiny-qwen2"
-            )
-            .to_string()
-        });
-        ModelConfig::from_hf_file(&std::path::Path::new(&dir).join("config.json")).unwrap()
+        let dir = relay_testkit::llm_fixture("tiny-qwen2");
+        ModelConfig::from_hf_file(&dir.join("config.json")).unwrap()
     }
 
     #[test]

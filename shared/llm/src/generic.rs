@@ -124,12 +124,26 @@ impl CausalLm {
         let mut x = self.embed.lookup(&ids)?.to_dtype(DType::F32)?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.input_norm, eps)?.to_dtype(dtype)?;
-            let turn = |t: Tensor, n: usize| -> Result<Tensor> {
+            // (Qwen3: each head's RMSNorm, then) RoPE, in f32.
+            let turn = |t: Tensor, n: usize, norm: Option<&Tensor>| -> Result<Tensor> {
                 let t = t.to_dtype(DType::F32)?.reshape((total, n, hd))?;
+                let t = match norm {
+                    Some(weight) => rms_norm(&t, weight, eps)?,
+                    None => t,
+                };
                 Ok(rope(&t, &cos, &sin)?.to_dtype(dtype)?)
             };
-            let q = turn(block.q_proj.forward(&h, layer, &routing)?, heads)?;
-            let k = turn(block.k_proj.forward(&h, layer, &routing)?, kv_heads)?;
+            let qk_norm = block.qk_norm.as_ref();
+            let q = turn(
+                block.q_proj.forward(&h, layer, &routing)?,
+                heads,
+                qk_norm.map(|n| &n.q),
+            )?;
+            let k = turn(
+                block.k_proj.forward(&h, layer, &routing)?,
+                kv_heads,
+                qk_norm.map(|n| &n.k),
+            )?;
             let v = block
                 .v_proj
                 .forward(&h, layer, &routing)?
@@ -238,6 +252,10 @@ impl CausalLm {
             for block in &mut self.blocks {
                 block.input_norm = place_f32(&block.input_norm)?;
                 block.post_attention_norm = place_f32(&block.post_attention_norm)?;
+                if let Some(norm) = &mut block.qk_norm {
+                    norm.q = place_f32(&norm.q)?;
+                    norm.k = place_f32(&norm.k)?;
+                }
                 for p in [
                     &mut block.q_proj,
                     &mut block.k_proj,

@@ -22,9 +22,9 @@ use std::sync::Arc;
 use candle_core::quantized::{gguf_file, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::{Architecture, ModelConfig, RopeScaling};
 use crate::lora::LoraTarget;
-use crate::model::{rope_tables, BaseWeight, Block, CausalLm, Embedding, Projection};
+use crate::model::{rope_tables, BaseWeight, Block, CausalLm, Embedding, Projection, QkNorm};
 use crate::model_error::{ModelError, Result};
 
 /// How to hold and multiply the base weights of a GGUF model.
@@ -107,14 +107,26 @@ pub fn config_from_gguf(content: &gguf_file::Content) -> Result<ModelConfig> {
     let architecture = match arch_name.as_str() {
         "llama" => Architecture::Llama,
         "qwen2" => Architecture::Qwen2,
+        "qwen3" => Architecture::Qwen3,
         other => {
             return Err(ModelError::config(
                 "general.architecture",
-                format!("`{other}` is not supported (llama or qwen2)"),
+                format!("`{other}` is not supported (llama, qwen2 or qwen3)"),
             ))
         }
     };
     let key = |k: &str| format!("{arch_name}.{k}");
+    if let Some(kind) = content.metadata.get(&key("rope.scaling.type")) {
+        let kind = kind
+            .to_string()
+            .map_err(|e| ModelError::config(key("rope.scaling.type"), e.to_string()))?;
+        if kind != "none" {
+            return Err(ModelError::config(
+                key("rope.scaling.type"),
+                format!("rope scaling `{kind}` is not supported (none; Llama 3's comes as rope_freqs.weight)"),
+            ));
+        }
+    }
     let embed = content
         .tensor_infos
         .get("token_embd.weight")
@@ -132,6 +144,15 @@ pub fn config_from_gguf(content: &gguf_file::Content) -> Result<ModelConfig> {
         Some(_) => meta_usize(content, &key("attention.key_length"))?,
         None => hidden_size / num_attention_heads.max(1),
     };
+    if content.metadata.contains_key(&key("rope.dimension_count")) {
+        let rotated = meta_usize(content, &key("rope.dimension_count"))?;
+        if rotated != head_dim {
+            return Err(ModelError::config(
+                key("rope.dimension_count"),
+                format!("RoPE on {rotated} of {head_dim} head dimensions is not supported"),
+            ));
+        }
+    }
     let has_bias = content.tensor_infos.contains_key("blk.0.attn_q.bias");
     let has_o_bias = content.tensor_infos.contains_key("blk.0.attn_output.bias");
     let has_mlp_bias = content.tensor_infos.contains_key("blk.0.ffn_up.bias");
@@ -146,6 +167,8 @@ pub fn config_from_gguf(content: &gguf_file::Content) -> Result<ModelConfig> {
         head_dim,
         max_position_embeddings: meta_usize(content, &key("context_length"))?,
         rope_theta: meta_opt_f32(content, &key("rope.freq_base")).unwrap_or(10_000.0),
+        // Llama 3's scaling is a tensor (`rope_freqs.weight`), read with the weights.
+        rope_scaling: None,
         rms_norm_eps: f64::from(
             meta_opt_f32(content, &key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
         ),
@@ -199,13 +222,40 @@ struct Reader<'a, R> {
     file: &'a mut R,
     path: &'a Path,
     base: GgufBase,
+    /// Every tensor read, so that one the model does not use is an error.
+    read: std::collections::HashSet<String>,
 }
 
 impl<R: std::io::Read + std::io::Seek> Reader<'_, R> {
     fn qtensor(&mut self, name: &str) -> Result<QTensor> {
+        self.read.insert(name.to_owned());
         self.content
             .tensor(self.file, name, &Device::Cpu)
             .map_err(|e| ModelError::weights(self.path, format!("tensor `{name}`: {e}")))
+    }
+
+    /// Fails naming the file's tensors that were never read.
+    fn check_all_used(&self, config: &ModelConfig) -> Result<()> {
+        let mut unused: Vec<&str> = self
+            .content
+            .tensor_infos
+            .keys()
+            .map(String::as_str)
+            .filter(|name| !self.read.contains(*name))
+            .collect();
+        if unused.is_empty() {
+            return Ok(());
+        }
+        unused.sort();
+        Err(ModelError::weights(
+            self.path,
+            format!(
+                "{} tensor(s) that a `{}` model does not use, e.g. {}",
+                unused.len(),
+                config.architecture.model_type(),
+                unused[..unused.len().min(5)].join(", ")
+            ),
+        ))
     }
 
     fn dense(&mut self, name: &str) -> Result<Tensor> {
@@ -247,13 +297,15 @@ impl<R: std::io::Read + std::io::Seek> Reader<'_, R> {
 }
 
 impl CausalLm {
-    /// Loads a Llama or Qwen2 GGUF file (tensor names as llama.cpp writes
-    /// them: `token_embd`, `blk.N.attn_q`, ..., `output_norm`, `output`).
+    /// Loads a Llama, Qwen2 or Qwen3 GGUF file (tensor names as llama.cpp
+    /// writes them: `token_embd`, `blk.N.attn_q`, ..., `blk.N.attn_q_norm`
+    /// (Qwen3), `output_norm`, `output`, `rope_freqs` (Llama 3)). A tensor
+    /// of the file that the model does not use is an error.
     pub fn load_gguf(path: &Path, base: GgufBase) -> Result<Self> {
         let mut file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
         let content = gguf_file::Content::read(&mut file)
             .map_err(|e| ModelError::weights(path, e.to_string()))?;
-        let config = config_from_gguf(&content)?;
+        let mut config = config_from_gguf(&content)?;
         let permuted = config.architecture == Architecture::Llama;
         let q_heads = permuted.then_some(config.num_attention_heads);
         let k_heads = permuted.then_some(config.num_key_value_heads);
@@ -262,7 +314,16 @@ impl CausalLm {
             file: &mut file,
             path,
             base,
+            read: Default::default(),
         };
+        if content.tensor_infos.contains_key("rope_freqs.weight") {
+            let divisors = reader
+                .dense("rope_freqs.weight")?
+                .flatten_all()?
+                .to_vec1()?;
+            config.rope_scaling = Some(RopeScaling::FrequencyDivisors(divisors));
+            config.validate()?;
+        }
         let embed_q = Arc::new(reader.qtensor("token_embd.weight")?);
         let embed = match base {
             GgufBase::Quantized | GgufBase::QMatMul8Bit => Embedding::Quantized(embed_q.clone()),
@@ -297,6 +358,14 @@ impl CausalLm {
                     config.o_bias,
                     None,
                 )?,
+                qk_norm: if config.architecture.has_qk_norm() {
+                    Some(QkNorm {
+                        q: reader.dense(&format!("{p}.attn_q_norm.weight"))?,
+                        k: reader.dense(&format!("{p}.attn_k_norm.weight"))?,
+                    })
+                } else {
+                    None
+                },
                 post_attention_norm: reader.dense(&format!("{p}.ffn_norm.weight"))?,
                 gate_proj: reader.projection(
                     &format!("{p}.ffn_gate"),
@@ -332,6 +401,7 @@ impl CausalLm {
                     .weight
             }
         };
+        reader.check_all_used(&config)?;
         let (rope_cos, rope_sin) = rope_tables(&config, &Device::Cpu)?;
         Ok(Self {
             config,

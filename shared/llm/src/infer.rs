@@ -81,6 +81,16 @@ impl InferenceWeights {
                 .iter()
                 .map(|b| to_vec(&b.post_attention_norm))
                 .collect::<Result<_>>()?,
+            qk_norms: model
+                .blocks
+                .iter()
+                .map(|b| {
+                    b.qk_norm
+                        .as_ref()
+                        .map(|n| Ok((to_vec(&n.q)?, to_vec(&n.k)?)))
+                        .transpose()
+                })
+                .collect::<Result<_>>()?,
             final_norm: to_vec(&model.final_norm)?,
             rope_cos: to_vec(&model.rope_cos)?,
             rope_sin: to_vec(&model.rope_sin)?,
@@ -92,15 +102,20 @@ impl InferenceWeights {
 
 /// RMSNorm of each `width`-wide row, as candle's fused kernel computes it.
 fn rms_norm_rows(x: &[f32], width: usize, weight: &[f32], eps: f32) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    for (src, dst) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
-        let sum2: f32 = src.iter().map(|v| v * v).sum();
+    let mut out = x.to_vec();
+    rms_norm_in_place(&mut out, width, weight, eps);
+    out
+}
+
+/// [`rms_norm_rows`] in place (Qwen3's per-head norm of queries and keys).
+fn rms_norm_in_place(x: &mut [f32], width: usize, weight: &[f32], eps: f32) {
+    for row in x.chunks_exact_mut(width) {
+        let sum2: f32 = row.iter().map(|v| v * v).sum();
         let m = (sum2 / width as f32 + eps).sqrt();
-        for ((d, s), a) in dst.iter_mut().zip(src).zip(weight) {
-            *d = *s / m * *a;
+        for (v, a) in row.iter_mut().zip(weight) {
+            *v = *v / m * *a;
         }
     }
-    out
 }
 
 /// Rotates each `head_dim` chunk of `x` in place ("rotate half" layout,
@@ -460,6 +475,10 @@ impl CausalLm {
                         q.extend_from_slice(&r[at[0]..at[0] + q_width]);
                         k.extend_from_slice(&r[at[1]..at[1] + kv_width]);
                         v.extend_from_slice(&r[at[2]..at[2] + kv_width]);
+                        if let Some((q_norm, k_norm)) = &weights.qk_norms[layer] {
+                            rms_norm_in_place(&mut q[q0..], hd, q_norm, eps);
+                            rms_norm_in_place(&mut k[k0..], hd, k_norm, eps);
+                        }
                         rope_in_place(&mut q[q0..], hd, cos, sin);
                         rope_in_place(&mut k[k0..], hd, cos, sin);
                     }

@@ -98,6 +98,7 @@ pub fn tiny_config(vocab: &TinyVocab, shape: &TinyShape) -> Result<ModelConfig> 
         head_dim: shape.hidden_size / shape.num_attention_heads,
         max_position_embeddings: shape.max_position_embeddings,
         rope_theta: shape.rope_theta,
+        rope_scaling: None,
         rms_norm_eps: 1e-6,
         tie_word_embeddings: true,
         qkv_bias: true,
@@ -196,7 +197,7 @@ pub fn tiny_with_shape(
         "pad_token_id": vocab.pad_token_id,
     });
     write_json(&out_dir.join("generation_config.json"), &generation)?;
-    write_json(&out_dir.join("config.json"), &config.to_hf_json())?;
+    write_json(&out_dir.join("config.json"), &config.to_hf_json()?)?;
     Ok(config)
 }
 

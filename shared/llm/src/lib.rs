@@ -11,7 +11,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`config`] | [`ModelConfig`], [`Architecture`]: a checkpoint's shape, from `config.json` or GGUF metadata |
-//! | [`model`] | [`CausalLm`]: Qwen2/Llama weights and the differentiable training forward |
+//! | [`model`] | [`CausalLm`]: Qwen2/Qwen3/Llama weights and the differentiable training forward |
 //! | [`infer`] | [`CausalLm::forward_batch`]: the KV-cached batched inference forward of the CPU engine (plain-Rust attention, packed dense weights from `packed`) |
 //! | [`backend`] | [`Backend`], [`BackendSpec`]: the engine or candle on a device in a dtype (`llm.backend`, `llm.device`, `llm.dtype`); [`CausalLm::to_backend`], [`CausalLm::place_adapter`] |
 //! | [`generic`] | the candle backend's inference forward: candle tensor ops only, any device and dtype |
@@ -20,6 +20,7 @@
 //! | [`peft`] | adapters to and from PEFT's `adapter_config.json` + `adapter_model.safetensors` |
 //! | [`adapter_bytes`] | [`to_peft_bytes`]: those two files in memory, for publishing |
 //! | [`load`] | [`load_causal_lm`], [`load_tokenizer`]: a model spec (`smollm2`, `.gguf`, folder) loaded |
+//! | `hf_weights` | a Hugging Face folder's safetensors (one file or shards, any float dtype), memory-mapped; a tensor the model does not use is an error |
 //! | [`gguf`] | [`CausalLm`] from a GGUF file, quantized or dequantized |
 //! | [`init`] | [`init::tiny`]: a small random Qwen2 checkpoint |
 //! | [`mod@generate`] | [`Sampler`], [`Sequence`], [`step`]: sampling and batched decoding |
@@ -116,6 +117,7 @@ pub mod generate;
 pub mod generic;
 pub mod gguf;
 pub mod gguf_tokenizer;
+mod hf_weights;
 pub mod infer;
 pub mod init;
 pub mod load;
@@ -142,7 +144,7 @@ pub use backend::{
 };
 pub use cache::{KvCache, PrefixCache};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
-pub use config::{Architecture, ModelConfig};
+pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use generate::{
     generate, prefill, step, FinishReason, Sampled, Sampler, SamplingParams, Sequence, StepToken,
     StopCondition,

@@ -1,4 +1,4 @@
-//! [`CausalLm`]: one decoder-only transformer for Qwen2 and Llama, with a
+//! [`CausalLm`]: one decoder-only transformer for Qwen2, Qwen3 and Llama, with a
 //! KV-cached inference path and a differentiable training path.
 //!
 //! # Two paths, one set of weights
@@ -27,7 +27,7 @@
 //! candle's `QMatMul` (no backward: inference only); see
 //! [`crate::gguf::GgufBase`].
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
@@ -35,6 +35,7 @@ use candle_nn::VarBuilder;
 
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
+use crate::hf_weights::HfWeights;
 use crate::lora::{LoraAdapter, LoraTarget};
 use crate::model_error::{ModelError, Result};
 
@@ -135,6 +136,14 @@ impl Embedding {
     }
 }
 
+/// Qwen3's RMSNorm weights, `(head_dim,)` each, applied to every head's
+/// queries and keys before RoPE.
+#[derive(Debug, Clone)]
+pub(crate) struct QkNorm {
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+}
+
 /// One pre-norm transformer block.
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
@@ -143,13 +152,15 @@ pub(crate) struct Block {
     pub(crate) k_proj: Projection,
     pub(crate) v_proj: Projection,
     pub(crate) o_proj: Projection,
+    /// Per-head norms of queries and keys (Qwen3 only).
+    pub(crate) qk_norm: Option<QkNorm>,
     pub(crate) post_attention_norm: Tensor,
     pub(crate) gate_proj: Projection,
     pub(crate) up_proj: Projection,
     pub(crate) down_proj: Projection,
 }
 
-/// A Qwen2 or Llama causal language model with frozen base weights.
+/// A Qwen2, Qwen3 or Llama causal language model with frozen base weights.
 ///
 /// Cheap to share: wrap it in an `Arc` and run forwards from several
 /// threads; all state of a sequence lives in its [`KvCache`].
@@ -196,13 +207,7 @@ pub struct BatchItem<'a> {
 /// f32 angles), so logits match transformers to float precision.
 pub(crate) fn rope_tables(config: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     let half = config.head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| {
-            1.0 / config
-                .rope_theta
-                .powf((2 * i) as f32 / config.head_dim as f32)
-        })
-        .collect();
+    let inv_freq = config.rope_inv_freq();
     let positions = config.max_position_embeddings;
     let mut cos = Vec::with_capacity(positions * half);
     let mut sin = Vec::with_capacity(positions * half);
@@ -338,6 +343,14 @@ impl CausalLm {
                     config.qkv_bias,
                 )?,
                 o_proj: load_projection(&attn, "o_proj", LoraTarget::OProj, config, config.o_bias)?,
+                qk_norm: if config.architecture.has_qk_norm() {
+                    Some(QkNorm {
+                        q: attn.get(config.head_dim, "q_norm.weight")?,
+                        k: attn.get(config.head_dim, "k_norm.weight")?,
+                    })
+                } else {
+                    None
+                },
                 post_attention_norm: layer.get(hidden, "post_attention_layernorm.weight")?,
                 gate_proj: load_projection(
                     &mlp,
@@ -389,20 +402,20 @@ impl CausalLm {
 
     /// Loads a Hugging Face model folder: `config.json` and
     /// `model.safetensors` (or the shards listed in
-    /// `model.safetensors.index.json`). Weights are converted to f32.
+    /// `model.safetensors.index.json`), in any float dtype. Weights are
+    /// converted to f32. A tensor of the files that the model does not
+    /// use is an error, as is a missing one.
     pub fn load_hf(dir: &Path) -> Result<Self> {
         let config = ModelConfig::from_hf_file(&dir.join("config.json"))?;
-        let mut tensors = std::collections::HashMap::new();
-        for file in safetensors_files(dir)? {
-            let part = candle_core::safetensors::load(&file, &Device::Cpu)
-                .map_err(|e| ModelError::weights(&file, e.to_string()))?;
-            tensors.extend(part);
-        }
-        let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
-        Self::new(&config, vb).map_err(|e| match e {
+        let weights = HfWeights::open(dir)?;
+        let (vb, read) = weights.var_builder();
+        let model = Self::new(&config, vb).map_err(|e| match e {
             ModelError::Candle(e) => ModelError::weights(dir, e.to_string()),
             other => other,
-        })
+        })?;
+        let read = read.lock().expect("read-names lock");
+        weights.check_all_used(&config, |name| read.contains(name))?;
+        Ok(model)
     }
 
     /// The model's shape.
@@ -552,32 +565,4 @@ pub(crate) fn route<'a>(
         })
         .collect::<Result<_>>()?;
     Ok(Routing::Groups(groups))
-}
-
-/// The safetensors files of a Hugging Face model folder.
-fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let single = dir.join("model.safetensors");
-    if single.exists() {
-        return Ok(vec![single]);
-    }
-    let index = dir.join("model.safetensors.index.json");
-    let text = std::fs::read_to_string(&index).map_err(|e| {
-        ModelError::weights(
-            dir,
-            format!("neither model.safetensors nor model.safetensors.index.json is readable: {e}"),
-        )
-    })?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| ModelError::json(&index, e))?;
-    let map = value
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| ModelError::json(&index, "no `weight_map` object"))?;
-    let mut files: Vec<String> = map
-        .values()
-        .filter_map(|v| v.as_str().map(str::to_owned))
-        .collect();
-    files.sort();
-    files.dedup();
-    Ok(files.into_iter().map(|f| dir.join(f)).collect())
 }

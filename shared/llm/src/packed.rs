@@ -255,6 +255,8 @@ mod avx {
 pub(crate) struct InferenceWeights {
     pub(crate) input_norms: Vec<Vec<f32>>,
     pub(crate) post_attention_norms: Vec<Vec<f32>>,
+    /// Per layer, Qwen3's per-head query and key norm weights.
+    pub(crate) qk_norms: Vec<Option<(Vec<f32>, Vec<f32>)>>,
     pub(crate) final_norm: Vec<f32>,
     /// `(positions, head_dim / 2)` rotary tables.
     pub(crate) rope_cos: Vec<f32>,

@@ -50,7 +50,7 @@
 //! trained weights serve at once.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
@@ -59,6 +59,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::Backend;
 use crate::chat::ChatMessage;
 use crate::config::ModelConfig;
+use crate::hf_weights::HfWeights;
 use crate::lora::LoraAdapter;
 use crate::model::CausalLm;
 use crate::optim::{AdamW, AdamWConfig, StepReport};
@@ -578,32 +579,6 @@ impl SftTrainer {
     }
 }
 
-/// The safetensors files of a Hugging Face folder: `model.safetensors`
-/// or the shards of `model.safetensors.index.json`.
-fn weight_files(dir: &Path) -> TrainResult<Vec<PathBuf>> {
-    let single = dir.join("model.safetensors");
-    if single.exists() {
-        return Ok(vec![single]);
-    }
-    let index = dir.join("model.safetensors.index.json");
-    let text = std::fs::read_to_string(&index).map_err(|source| TrainError::Io {
-        path: index.clone(),
-        source,
-    })?;
-    let value: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| TrainError::BadInput(format!("{}: {e}", index.display())))?;
-    let mut files: Vec<String> = value
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| TrainError::BadInput(format!("{}: no `weight_map`", index.display())))?
-        .values()
-        .filter_map(|v| v.as_str().map(str::to_owned))
-        .collect();
-    files.sort();
-    files.dedup();
-    Ok(files.into_iter().map(|f| dir.join(f)).collect())
-}
-
 /// Loads a Hugging Face model folder with every weight a trainable `Var`
 /// in the returned map (f32, CPU, for the engine's fused training ops).
 pub fn load_hf_trainable(dir: &Path) -> TrainResult<(CausalLm, VarMap)> {
@@ -634,16 +609,14 @@ pub fn load_hf_trainable_on(dir: &Path, backend: &Backend) -> TrainResult<(Causa
     )?;
     // The vars are the weights: placed as they are, never copied.
     model.backend = backend.clone();
-    let mut tensors = HashMap::new();
-    for file in weight_files(dir)? {
-        tensors.extend(candle_core::safetensors::load(&file, &Device::Cpu)?);
-    }
-    for (name, var) in varmap.data().lock().expect("VarMap lock").iter() {
-        let t = tensors.get(name).ok_or_else(|| {
-            TrainError::BadInput(format!("{}: no tensor `{name}`", dir.display()))
-        })?;
+    let weights = HfWeights::open(dir)?;
+    let vars = varmap.data().lock().expect("VarMap lock");
+    for (name, var) in vars.iter() {
+        let t = weights.load(name, &Device::Cpu)?;
         var.set(&t.to_dtype(DType::F32)?.to_device(&device)?)?;
     }
+    weights.check_all_used(&config, |name| vars.contains_key(name))?;
+    drop(vars);
     Ok((model, varmap))
 }
 
@@ -682,7 +655,7 @@ pub fn save_hf_trainable(varmap: &VarMap, config: &ModelConfig, dir: &Path) -> T
         &path,
     )
     .map_err(|e| TrainError::BadInput(format!("{}: {e}", path.display())))?;
-    let json = serde_json::to_string_pretty(&config.to_hf_json())
+    let json = serde_json::to_string_pretty(&config.to_hf_json()?)
         .map_err(|e| TrainError::BadInput(e.to_string()))?;
     let config_path = dir.join("config.json");
     std::fs::write(&config_path, json).map_err(|source| TrainError::Io {

@@ -130,9 +130,19 @@ impl CausalLm {
         };
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = train_ops::rms_norm(&x, &block.input_norm, eps)?;
-            let q = project(&block.q_proj, &h, layer, adapter)?;
-            let k = project(&block.k_proj, &h, layer, adapter)?;
+            let mut q = project(&block.q_proj, &h, layer, adapter)?;
+            let mut k = project(&block.k_proj, &h, layer, adapter)?;
             let v = project(&block.v_proj, &h, layer, adapter)?;
+            if let Some(norm) = &block.qk_norm {
+                // Each head's `head_dim` columns are one row of the norm.
+                let per_head = |m: &Tensor, weight: &Tensor| -> Result<Tensor> {
+                    let rows = m.dims2()?;
+                    let heads = m.reshape(((), cfg.head_dim))?;
+                    Ok(train_ops::rms_norm(&heads, weight, eps)?.reshape(rows)?)
+                };
+                q = per_head(&q, &norm.q)?;
+                k = per_head(&k, &norm.k)?;
+            }
             let attn = train_ops::causal_attention(
                 &q,
                 &k,
@@ -278,9 +288,13 @@ impl CausalLm {
                     .reshape((batch, time, n, head_dim))?
                     .transpose(1, 2)?)
             };
-            let q = split(block.q_proj.forward(&h, layer, &routing)?, heads)?;
-            let k = split(block.k_proj.forward(&h, layer, &routing)?, kv_heads)?;
+            let mut q = split(block.q_proj.forward(&h, layer, &routing)?, heads)?;
+            let mut k = split(block.k_proj.forward(&h, layer, &routing)?, kv_heads)?;
             let v = split(block.v_proj.forward(&h, layer, &routing)?, kv_heads)?;
+            if let Some(norm) = &block.qk_norm {
+                q = composed_rms_norm(&q, &norm.q, cfg.rms_norm_eps)?;
+                k = composed_rms_norm(&k, &norm.k, cfg.rms_norm_eps)?;
+            }
             let q = rope(&q, &cos, &sin)?.contiguous()?.reshape((
                 batch * kv_heads,
                 rep * time,

@@ -2,7 +2,6 @@
 //! (which run on both) do not cover — lower precisions, the prefix cache
 //! with device caches, caches of the wrong backend, and the config checks.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -12,11 +11,7 @@ use relay_llm::{
 };
 
 fn tiny_qwen2() -> CausalLm {
-    let dir = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/fixtures/tiny-qwen2"
-    ));
-    CausalLm::load_hf(&dir).expect("tiny-qwen2 loads")
+    CausalLm::load_hf(&relay_testkit::llm_fixture("tiny-qwen2")).expect("tiny-qwen2 loads")
 }
 
 fn candle(dtype: DType) -> Backend {

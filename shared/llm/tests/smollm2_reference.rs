@@ -25,13 +25,7 @@ const QMATMUL_TOP5_TOLERANCE: f32 = 1.5;
 const QUANTIZED_GREEDY_TOKENS: usize = 8;
 
 fn reference() -> Value {
-    let path = match std::env::var_os("RELAY_SMOLLM2_REFERENCE") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/fixtures/smollm2/reference.json"
-        )),
-    };
+    let path = relay_testkit::llm_fixture("smollm2").join("reference.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).expect("reference.json parses")
 }

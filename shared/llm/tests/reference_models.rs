@@ -1,0 +1,1049 @@
+//! The model, its KV cache, LoRA and PEFT files against transformers'
+//! reference data, for each architecture: `tiny-qwen2` (Qwen2),
+//! `tiny-qwen3` (Qwen3: per-head q/k norms, explicit head_dim) and
+//! `tiny-llama3` (Llama 3.1: llama3 RoPE scaling, untied head), each with
+//! logits at every position, greedy continuations and a PEFT adapter's
+//! logits computed by transformers and peft.
+//!
+//! The same checks run on every fixture (the `reference_suite!` modules,
+//! so `cargo test -- qwen3` or `-- llama3` selects one architecture) and
+//! on both backends. The fixture folders are found under
+//! `$RELAY_LLM_FIXTURES` (default `shared/fixtures` beside the
+//! repository), so the suite can be pointed at other models of the same
+//! layout.
+//!
+//! Beyond the fixture as written: the same weights as the Hub holds them
+//! (sharded, bf16, transformers 4's config), as llama.cpp's converter
+//! writes them into GGUF, and refused when `config.json` names another
+//! architecture.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use relay_llm::{
+    token_log_probs, Backend, BatchItem, CausalLm, KvCache, LogitsWanted, LoraAdapter, LoraConfig,
+};
+use serde_json::Value;
+
+/// Tolerance on logits against transformers (float32 on both sides).
+const LOGIT_TOLERANCE: f32 = 1e-4;
+
+fn fixture_dir(name: &str) -> PathBuf {
+    relay_testkit::llm_fixture(name)
+}
+
+struct Case {
+    input_ids: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    greedy: Vec<u32>,
+    logits_with_adapter: Vec<Vec<f32>>,
+}
+
+fn cases(name: &str) -> Vec<Case> {
+    let path = fixture_dir(name).join("reference.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (set RELAY_LLM_FIXTURES)", path.display()));
+    let value: Value = serde_json::from_str(&text).expect("reference.json parses");
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .expect("id list")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect()
+    };
+    let matrix = |v: &Value| -> Vec<Vec<f32>> {
+        v.as_array()
+            .expect("rows")
+            .iter()
+            .map(|row| {
+                row.as_array()
+                    .expect("row")
+                    .iter()
+                    .map(|x| x.as_f64().expect("logit") as f32)
+                    .collect()
+            })
+            .collect()
+    };
+    let cases: Vec<Case> = value["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|c| Case {
+            input_ids: ids(&c["input_ids"]),
+            logits: matrix(&c["logits"]),
+            greedy: ids(&c["greedy"]),
+            logits_with_adapter: matrix(&c["logits_with_adapter"]),
+        })
+        .collect();
+    assert!(!cases.is_empty());
+    cases
+}
+
+fn model(name: &str) -> CausalLm {
+    CausalLm::load_hf(&fixture_dir(name)).unwrap_or_else(|e| panic!("{name} loads: {e}"))
+}
+
+fn adapter(name: &str, model: &CausalLm) -> LoraAdapter {
+    let adapter = LoraAdapter::load_peft(&fixture_dir(name).join("adapter"), model.config())
+        .expect("adapter loads");
+    model.place_adapter(&adapter).expect("adapter placed")
+}
+
+/// Runs `check` on the model on each backend: the CPU engine, the candle
+/// backend on the CPU (f32) and, in a `cuda` build on a machine with a GPU
+/// (`cargo test -p relay-llm --features cuda`), on cuda:0 (f32).
+fn for_each_backend(name: &str, check: impl Fn(&CausalLm)) {
+    let mut backends = vec![
+        Backend::Engine,
+        Backend::Candle {
+            device: Device::Cpu,
+            dtype: DType::F32,
+        },
+    ];
+    if relay_llm::CUDA_BUILT {
+        match Device::new_cuda(0) {
+            Ok(device) => backends.push(Backend::Candle {
+                device,
+                dtype: DType::F32,
+            }),
+            Err(e) => eprintln!("no CUDA device to test on: {e}"),
+        }
+    }
+    for backend in backends {
+        let model = model(name).to_backend(backend).expect("model placed");
+        eprintln!("backend {}", model.backend().describe());
+        check(&model);
+    }
+}
+
+/// Largest |a - b| over all positions, with the position where it occurs.
+fn max_diff(got: &Tensor, want: &[Vec<f32>]) -> (f32, usize) {
+    let got: Vec<Vec<f32>> = got.to_vec2().expect("2-D logits");
+    assert_eq!(got.len(), want.len(), "positions");
+    let mut worst = (0.0f32, 0);
+    for (pos, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.len(), w.len(), "vocab");
+        for (a, b) in g.iter().zip(w) {
+            let d = (a - b).abs();
+            assert!(d.is_finite(), "non-finite logit at position {pos}");
+            if d > worst.0 {
+                worst = (d, pos);
+            }
+        }
+    }
+    worst
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn last_row(logits: &Tensor) -> Vec<f32> {
+    let n = logits.dim(0).unwrap();
+    logits.get(n - 1).unwrap().to_vec1().unwrap()
+}
+
+/// Pads `rows` on the right with token 0 into a `(batch, time)` u32 tensor.
+fn right_padded(rows: &[&[u32]]) -> Tensor {
+    let time = rows.iter().map(|r| r.len()).max().unwrap();
+    let mut flat = Vec::with_capacity(rows.len() * time);
+    for r in rows {
+        flat.extend_from_slice(r);
+        flat.extend(std::iter::repeat_n(0, time - r.len()));
+    }
+    Tensor::from_vec(flat, (rows.len(), time), &Device::Cpu).unwrap()
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("relay-llm-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn logits_match_transformers(name: &str) {
+    for_each_backend(name, |model| {
+        for (i, case) in cases(name).iter().enumerate() {
+            let mut cache = model.new_cache();
+            let logits = model
+                .forward_one(&case.input_ids, &mut cache, None)
+                .unwrap();
+            let (diff, pos) = max_diff(&logits, &case.logits);
+            assert!(
+                diff < LOGIT_TOLERANCE,
+                "case {i}: max |diff| {diff} at position {pos}"
+            );
+            assert_eq!(cache.len(), case.input_ids.len());
+        }
+    });
+}
+
+fn greedy_with_kv_cache(name: &str) {
+    for_each_backend(name, |model| {
+        for (i, case) in cases(name).iter().enumerate() {
+            let mut cache = model.new_cache();
+            let mut next = argmax(&last_row(
+                &model
+                    .forward_one(&case.input_ids, &mut cache, None)
+                    .unwrap(),
+            ));
+            let mut generated = vec![next];
+            while generated.len() < case.greedy.len() {
+                let logits = model.forward_one(&[next], &mut cache, None).unwrap();
+                next = argmax(&last_row(&logits));
+                generated.push(next);
+            }
+            assert_eq!(generated, case.greedy, "case {i}");
+            assert_eq!(cache.len(), case.input_ids.len() + case.greedy.len() - 1);
+        }
+    });
+}
+
+/// All cases decoded in one ragged batch; the last case joins after the
+/// others have decoded three tokens, its prompt prefilled in the same
+/// forward as their decode steps.
+fn batched_greedy_with_late_join(name: &str) {
+    for_each_backend(name, |model| {
+        let cases = cases(name);
+        let late = cases.len() - 1;
+        let join_at = 3;
+        let mut caches: Vec<KvCache> = cases.iter().map(|_| model.new_cache()).collect();
+        let mut generated: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
+        let mut step = 0;
+        while generated
+            .iter()
+            .zip(&cases)
+            .any(|(g, c)| g.len() < c.greedy.len())
+        {
+            let mut feeds: Vec<(usize, Vec<u32>)> = Vec::new();
+            for (i, case) in cases.iter().enumerate() {
+                if (i == late && step < join_at) || generated[i].len() == case.greedy.len() {
+                    continue;
+                }
+                let tokens = match generated[i].last() {
+                    None => case.input_ids.clone(),
+                    Some(&t) => vec![t],
+                };
+                feeds.push((i, tokens));
+            }
+            let mut items: Vec<BatchItem> = Vec::new();
+            let mut cache_refs: Vec<Option<&mut KvCache>> = caches.iter_mut().map(Some).collect();
+            for (i, tokens) in &feeds {
+                items.push(BatchItem {
+                    tokens,
+                    cache: cache_refs[*i].take().unwrap(),
+                    adapter: None,
+                });
+            }
+            let logits = model.forward_batch(&mut items, LogitsWanted::Last).unwrap();
+            assert_eq!(logits.dims(), [feeds.len(), model.config().vocab_size]);
+            let rows: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+            for ((i, _), row) in feeds.iter().zip(&rows) {
+                generated[*i].push(argmax(row));
+            }
+            step += 1;
+        }
+        for (i, case) in cases.iter().enumerate() {
+            assert_eq!(generated[i], case.greedy, "case {i}");
+        }
+    });
+}
+
+fn adapter_logits(name: &str) {
+    for_each_backend(name, |model| {
+        let adapter = adapter(name, model);
+        for (i, case) in cases(name).iter().enumerate() {
+            let mut cache = model.new_cache();
+            let logits = model
+                .forward_one(&case.input_ids, &mut cache, Some(&adapter))
+                .unwrap();
+            let (diff, pos) = max_diff(&logits, &case.logits_with_adapter);
+            assert!(
+                diff < LOGIT_TOLERANCE,
+                "case {i}: max |diff| {diff} at position {pos}"
+            );
+        }
+    });
+}
+
+/// One batch mixing the adapter and the base model: each sequence gets
+/// its own logits, as if it ran alone.
+fn mixed_adapters_in_one_batch(name: &str) {
+    for_each_backend(name, |model| {
+        let adapter = adapter(name, model);
+        let cases = cases(name);
+        let mut caches: Vec<KvCache> = cases.iter().map(|_| model.new_cache()).collect();
+        let mut items: Vec<BatchItem> = cases
+            .iter()
+            .zip(caches.iter_mut())
+            .enumerate()
+            .map(|(i, (case, cache))| BatchItem {
+                tokens: &case.input_ids,
+                cache,
+                adapter: (i % 2 == 0).then_some(&adapter),
+            })
+            .collect();
+        let logits = model.forward_batch(&mut items, LogitsWanted::All).unwrap();
+        let mut start = 0;
+        for (i, case) in cases.iter().enumerate() {
+            let n = case.input_ids.len();
+            let want = if i % 2 == 0 {
+                &case.logits_with_adapter
+            } else {
+                &case.logits
+            };
+            let (diff, pos) = max_diff(&logits.narrow(0, start, n).unwrap(), want);
+            assert!(
+                diff < LOGIT_TOLERANCE,
+                "case {i}: max |diff| {diff} at position {pos}"
+            );
+            start += n;
+        }
+    });
+}
+
+/// The differentiable path on a right-padded batch gives the reference
+/// logits at every real position, with and without the adapter.
+fn training_path_matches_inference_path(name: &str) {
+    for_each_backend(name, |model| {
+        let adapter = adapter(name, model);
+        let cases = cases(name);
+        let rows: Vec<&[u32]> = cases.iter().map(|c| c.input_ids.as_slice()).collect();
+        let ids = right_padded(&rows);
+        for with_adapter in [false, true] {
+            let logits = model
+                .forward_train(&ids, with_adapter.then_some(&adapter))
+                .unwrap();
+            for (i, case) in cases.iter().enumerate() {
+                let n = case.input_ids.len();
+                let got = logits.get(i).unwrap().narrow(0, 0, n).unwrap();
+                let want = if with_adapter {
+                    &case.logits_with_adapter
+                } else {
+                    &case.logits
+                };
+                let (diff, pos) = max_diff(&got, want);
+                assert!(
+                    diff < LOGIT_TOLERANCE,
+                    "adapter {with_adapter}, case {i}: max |diff| {diff} at position {pos}"
+                );
+                // And against the inference path directly.
+                let mut cache = model.new_cache();
+                let inference = model
+                    .forward_one(
+                        &case.input_ids,
+                        &mut cache,
+                        with_adapter.then_some(&adapter),
+                    )
+                    .unwrap();
+                let gap = (got - inference).unwrap().abs().unwrap().max_all().unwrap();
+                assert!(gap.to_scalar::<f32>().unwrap() < 1e-4);
+            }
+        }
+    });
+}
+
+fn next_token_loss(name: &str, model: &CausalLm, adapter: &LoraAdapter) -> Tensor {
+    let cases = cases(name);
+    let rows: Vec<&[u32]> = cases.iter().map(|c| c.input_ids.as_slice()).collect();
+    let ids = right_padded(&rows);
+    let time = ids.dim(1).unwrap();
+    let logits = model
+        .forward_train(&ids.narrow(1, 0, time - 1).unwrap(), Some(adapter))
+        .unwrap();
+    let targets = ids.narrow(1, 1, time - 1).unwrap();
+    token_log_probs(&logits, &targets)
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .neg()
+        .unwrap()
+}
+
+/// candle's fused ops have no backward, so a forward that used one would
+/// cut the graph silently. Every LoRA factor of every layer must get a
+/// non-zero gradient from a loss on the logits, on either backend (the
+/// candle backend trains through the composed forward).
+fn every_lora_parameter_gets_a_gradient(name: &str) {
+    for_each_backend(name, |model| {
+        let adapter = adapter(name, model);
+        let loss = next_token_loss(name, model, &adapter);
+        let grads = loss.backward().unwrap();
+        let named = adapter.named_vars();
+        assert_eq!(named.len(), 2 * 7 * model.config().num_hidden_layers);
+        for (name, var) in &named {
+            let grad = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{name}: no gradient"));
+            let norm: f32 = grad.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
+            assert!(
+                norm > 0.0 && norm.is_finite(),
+                "{name}: gradient norm {norm}"
+            );
+        }
+
+        // A fresh PEFT-style adapter has B = 0, so only B moves on the first step.
+        let fresh =
+            LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 7).unwrap();
+        let fresh = model.place_adapter(&fresh).unwrap();
+        let grads = next_token_loss(name, model, &fresh).backward().unwrap();
+        for (name, var) in fresh.named_vars() {
+            let norm: f32 = grads
+                .get(var.as_tensor())
+                .map(|g| g.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap())
+                .unwrap_or(0.0);
+            if name.contains("lora_B") {
+                assert!(norm > 0.0, "{name}: gradient norm {norm}");
+            } else {
+                assert_eq!(norm, 0.0, "{name}: A cannot move while B is zero");
+            }
+        }
+    });
+}
+
+fn peft_round_trip(name: &str) {
+    let model = model(name);
+    let original = adapter(name, &model);
+    let dir = temp_dir(&format!("{name}-peft-round-trip"));
+    original.save_peft(&dir, Some(name)).unwrap();
+    let loaded = LoraAdapter::load_peft(&dir, model.config()).unwrap();
+    assert_eq!(loaded.config(), original.config());
+    assert_eq!(loaded.scaling(), 2.0);
+    let (a, b) = (original.named_vars(), loaded.named_vars());
+    assert_eq!(a.len(), b.len());
+    for ((name_a, var_a), (name_b, var_b)) in a.iter().zip(&b) {
+        assert_eq!(name_a, name_b);
+        let a: Vec<f32> = var_a.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = var_b.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a, b, "{name_a}");
+    }
+    // The saved config is PEFT's: the fields PEFT reads are there.
+    let saved: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["peft_type"], "LORA");
+    assert_eq!(saved["r"], 4);
+    assert_eq!(saved["lora_alpha"], 8.0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A trained adapter changes the logits; an adapter shared by reference
+/// leaves the base model and other sequences untouched.
+fn adapter_is_not_baked_into_the_base(name: &str) {
+    let model = model(name);
+    let adapter = adapter(name, &model);
+    let case = &cases(name)[2];
+    let mut cache = model.new_cache();
+    let _ = model
+        .forward_one(&case.input_ids, &mut cache, Some(&adapter))
+        .unwrap();
+    let mut cache = model.new_cache();
+    let base = model
+        .forward_one(&case.input_ids, &mut cache, None)
+        .unwrap();
+    let (diff, _) = max_diff(&base, &case.logits);
+    assert!(diff < LOGIT_TOLERANCE);
+    assert_eq!(base.dtype(), DType::F32);
+}
+
+fn forked_cache_continues_like_the_original(name: &str) {
+    for_each_backend(name, |model| {
+        let case = &cases(name)[1];
+        let (prompt, rest) = case.input_ids.split_at(20);
+        let mut cache = model.new_cache();
+        model.forward_one(prompt, &mut cache, None).unwrap();
+        let mut fork = cache.fork().unwrap();
+        let a = model.forward_one(rest, &mut cache, None).unwrap();
+        let b = model.forward_one(rest, &mut fork, None).unwrap();
+        let want: Vec<Vec<f32>> = case.logits[20..].to_vec();
+        assert!(max_diff(&a, &want).0 < LOGIT_TOLERANCE);
+        assert!(max_diff(&b, &want).0 < LOGIT_TOLERANCE);
+        // Truncate and refeed: same logits again.
+        cache.truncate(20);
+        let c = model.forward_one(rest, &mut cache, None).unwrap();
+        assert!(max_diff(&c, &want).0 < LOGIT_TOLERANCE);
+    });
+}
+
+fn greedy_sequence(model: &CausalLm, case: &Case) -> relay_llm::Sequence {
+    relay_llm::Sequence::new(
+        model,
+        case.input_ids.clone(),
+        None,
+        relay_llm::Sampler::greedy(),
+        relay_llm::StopCondition {
+            max_new_tokens: case.greedy.len(),
+            stop_token_ids: Vec::new(),
+        },
+    )
+    .unwrap()
+}
+
+/// `generate::step` over a running batch that a sequence joins mid-decode
+/// reproduces every greedy continuation; finished sequences report `None`.
+fn step_with_joining_sequence(name: &str) {
+    use relay_llm::{step, FinishReason, Sequence};
+    for_each_backend(name, |model| {
+        let cases = cases(name);
+        let mut running: Vec<Sequence> = vec![
+            greedy_sequence(model, &cases[0]),
+            greedy_sequence(model, &cases[1]),
+        ];
+        for _ in 0..5 {
+            let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
+            let out = step(model, &mut refs).unwrap();
+            assert!(out.iter().all(|o| o.is_some()));
+        }
+        running.push(greedy_sequence(model, &cases[2]));
+        while running.iter().any(|s| !s.is_finished()) {
+            let mut refs: Vec<&mut Sequence> = running.iter_mut().collect();
+            let out = step(model, &mut refs).unwrap();
+            for (seq, o) in running.iter().zip(&out) {
+                if let Some(o) = o {
+                    assert_eq!(seq.tokens().last(), Some(&o.sampled.token));
+                }
+            }
+        }
+        for (seq, case) in running.iter().zip(&cases) {
+            assert_eq!(seq.tokens(), case.greedy.as_slice());
+            assert_eq!(seq.finish_reason(), Some(FinishReason::Length));
+            assert!(seq.logprobs().iter().all(|&lp| lp <= 0.0 && lp.is_finite()));
+            assert!(seq.sampling_logprobs().iter().all(|&lp| lp == 0.0));
+        }
+    });
+}
+
+/// A prompt prefilled once and forked gives each fork the same
+/// continuation as an unforked run; a stop token ends a sequence.
+fn prefill_fork_and_stop_token(name: &str) {
+    use relay_llm::{generate, prefill, FinishReason, Sampler};
+    for_each_backend(name, |model| {
+        let case = &cases(name)[2];
+        let mut parent = greedy_sequence(model, case);
+        prefill(model, &mut [&mut parent]).unwrap();
+        assert_eq!(parent.cache().len(), case.input_ids.len() - 1);
+        let mut forks: Vec<_> = (0..2)
+            .map(|_| parent.fork(Sampler::greedy()).unwrap())
+            .collect();
+        for fork in &mut forks {
+            generate(model, fork).unwrap();
+            assert_eq!(fork.tokens(), case.greedy.as_slice());
+        }
+        let stop_at = case.greedy[4];
+        let mut seq = relay_llm::Sequence::new(
+            model,
+            case.input_ids.clone(),
+            None,
+            Sampler::greedy(),
+            relay_llm::StopCondition {
+                max_new_tokens: 100,
+                stop_token_ids: vec![stop_at],
+            },
+        )
+        .unwrap();
+        generate(model, &mut seq).unwrap();
+        let first = case.greedy.iter().position(|&t| t == stop_at).unwrap();
+        assert_eq!(seq.tokens(), &case.greedy[..=first]);
+        assert_eq!(seq.finish_reason(), Some(FinishReason::Stop(stop_at)));
+    });
+}
+
+/// With an adapter on the sequence, step samples from the adapted model:
+/// its first greedy token is the argmax of `logits_with_adapter`.
+fn step_uses_the_sequence_adapter(name: &str) {
+    use relay_llm::{step, Sampler, Sequence, StopCondition};
+    for_each_backend(name, |model| {
+        let adapter = std::sync::Arc::new(adapter(name, model));
+        let cases = cases(name);
+        let mut seqs: Vec<Sequence> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                Sequence::new(
+                    model,
+                    c.input_ids.clone(),
+                    (i != 1).then(|| adapter.clone()),
+                    Sampler::greedy(),
+                    StopCondition {
+                        max_new_tokens: 1,
+                        stop_token_ids: vec![],
+                    },
+                )
+                .unwrap()
+            })
+            .collect();
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        let out = step(model, &mut refs).unwrap();
+        for (i, (o, c)) in out.iter().zip(&cases).enumerate() {
+            let want = if i != 1 {
+                &c.logits_with_adapter
+            } else {
+                &c.logits
+            };
+            assert_eq!(
+                o.unwrap().sampled.token,
+                argmax(want.last().unwrap()),
+                "case {i}"
+            );
+        }
+    });
+}
+
+/// Full fine-tuning: every weight of the model (Qwen3's q/k norms
+/// included) is a var that gets a gradient from a loss on the logits, on
+/// both backends, and the saved folder loads back to the same logits.
+fn full_fine_tuning_reaches_every_weight(name: &str) {
+    let candle = Backend::Candle {
+        device: Device::Cpu,
+        dtype: DType::F32,
+    };
+    let cases = cases(name);
+    let case = &cases[2];
+    let ids = Tensor::new(&case.input_ids[..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    for backend in [Backend::Engine, candle] {
+        let (model, varmap) =
+            relay_llm::sft::load_hf_trainable_on(&fixture_dir(name), &backend).unwrap();
+        let logits = model.forward_train(&ids, None).unwrap().squeeze(0).unwrap();
+        let (diff, pos) = max_diff(&logits, &case.logits);
+        assert!(diff < LOGIT_TOLERANCE, "|diff| {diff} at {pos}");
+        let time = ids.dim(1).unwrap();
+        let logits = model
+            .forward_train(&ids.narrow(1, 0, time - 1).unwrap(), None)
+            .unwrap();
+        let loss = token_log_probs(&logits, &ids.narrow(1, 1, time - 1).unwrap())
+            .unwrap()
+            .mean_all()
+            .unwrap()
+            .neg()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let vars = relay_llm::sft::named_vars(&varmap);
+        if model.config().architecture.has_qk_norm() {
+            assert!(vars.iter().any(|(n, _)| n.ends_with("q_norm.weight")));
+        }
+        for (var_name, var) in &vars {
+            let norm: f32 = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{var_name}: no gradient"))
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(norm > 0.0 && norm.is_finite(), "{var_name}: {norm}");
+        }
+        let saved = temp_dir(&format!("{name}-full-saved"));
+        relay_llm::sft::save_hf_trainable(&varmap, model.config(), &saved).unwrap();
+        let reloaded = CausalLm::load_hf(&saved).unwrap();
+        assert_eq!(reloaded.config(), model.config());
+        let mut cache = reloaded.new_cache();
+        let logits = reloaded
+            .forward_one(&case.input_ids, &mut cache, None)
+            .unwrap();
+        assert!(max_diff(&logits, &case.logits).0 < LOGIT_TOLERANCE);
+        std::fs::remove_dir_all(&saved).unwrap();
+    }
+}
+
+/// The fixture's tensors, f32, by name.
+fn fixture_tensors(name: &str) -> Vec<(String, Tensor)> {
+    let path = fixture_dir(name).join("model.safetensors");
+    let mut tensors: Vec<(String, Tensor)> = candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    tensors
+}
+
+fn fixture_config(name: &str) -> Value {
+    let path = fixture_dir(name).join("config.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// `config` as transformers 4 writes it (what the Hub's Qwen3 and Llama 3
+/// repositories hold): top-level `rope_theta` and `rope_scaling` instead
+/// of `rope_parameters`.
+fn transformers4_config(mut config: Value) -> Value {
+    let obj = config.as_object_mut().unwrap();
+    let mut rope = obj.remove("rope_parameters").expect("rope_parameters");
+    let rope = rope.as_object_mut().unwrap();
+    obj.insert("rope_theta".into(), rope.remove("rope_theta").unwrap());
+    let scaling = match rope.get("rope_type").and_then(Value::as_str) {
+        Some("default") | None => Value::Null,
+        Some(_) => Value::Object(rope.clone()),
+    };
+    obj.insert("rope_scaling".into(), scaling);
+    config
+}
+
+/// Writes `tensors` in `dtype` as a Hub-style sharded folder (two shards
+/// and `model.safetensors.index.json`) with `config`.
+fn write_sharded(dir: &Path, tensors: &[(String, Tensor)], dtype: DType, config: &Value) {
+    std::fs::create_dir_all(dir).unwrap();
+    let half = tensors.len() / 2;
+    let mut weight_map = serde_json::Map::new();
+    for (shard, part) in [&tensors[..half], &tensors[half..]].iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", shard + 1);
+        let converted: Vec<(String, Tensor)> = part
+            .iter()
+            .map(|(n, t)| (n.clone(), t.to_dtype(dtype).unwrap()))
+            .collect();
+        for (n, _) in &converted {
+            weight_map.insert(n.clone(), Value::String(file.clone()));
+        }
+        candle_core::safetensors::save(
+            &converted
+                .into_iter()
+                .collect::<std::collections::HashMap<_, _>>(),
+            dir.join(&file),
+        )
+        .unwrap();
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+}
+
+/// The fixture as the Hub holds such a model: sharded, transformers 4's
+/// config. In f32 it gives the reference logits; in bf16 exactly the
+/// logits of its weights rounded to bf16 and stored as f32, and the full
+/// fine-tuning loader reads it too.
+fn hub_layout_loads_the_same(name: &str) {
+    let tensors = fixture_tensors(name);
+    let config = transformers4_config(fixture_config(name));
+    let case = &cases(name)[0];
+    let logits = |model: &CausalLm| {
+        let mut cache = model.new_cache();
+        model
+            .forward_one(&case.input_ids, &mut cache, None)
+            .unwrap()
+    };
+
+    let f32_dir = temp_dir(&format!("{name}-hub-f32"));
+    write_sharded(&f32_dir, &tensors, DType::F32, &config);
+    let (diff, pos) = max_diff(&logits(&CausalLm::load_hf(&f32_dir).unwrap()), &case.logits);
+    assert!(
+        diff < LOGIT_TOLERANCE,
+        "sharded f32: |diff| {diff} at {pos}"
+    );
+
+    let bf16_dir = temp_dir(&format!("{name}-hub-bf16"));
+    write_sharded(&bf16_dir, &tensors, DType::BF16, &config);
+    let rounded: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            let t = t
+                .to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            (n.clone(), t)
+        })
+        .collect();
+    let rounded_dir = temp_dir(&format!("{name}-hub-rounded"));
+    write_sharded(&rounded_dir, &rounded, DType::F32, &config);
+    let bf16 = logits(&CausalLm::load_hf(&bf16_dir).unwrap());
+    let want: Vec<Vec<f32>> = logits(&CausalLm::load_hf(&rounded_dir).unwrap())
+        .to_vec2()
+        .unwrap();
+    assert_eq!(max_diff(&bf16, &want).0, 0.0, "bf16 weights read exactly");
+    // bf16 rounding moves these random-weight logits by about 2.5 % of
+    // their range: a sanity bound, the exact check is the one above.
+    let (diff, _) = max_diff(&bf16, &case.logits);
+    let scale = case
+        .logits
+        .iter()
+        .flatten()
+        .fold(0f32, |m, x| m.max(x.abs()));
+    assert!(
+        diff < 0.05 * scale,
+        "bf16 weights stay near the f32 logits: {diff} of {scale}"
+    );
+
+    let (trainable, vars) = relay_llm::sft::load_hf_trainable(&bf16_dir).unwrap();
+    assert_eq!(vars.all_vars().len(), tensors.len());
+    assert_eq!(max_diff(&logits(&trainable), &want).0, 0.0);
+    for dir in [f32_dir, bf16_dir, rounded_dir] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+/// The fixture's config.json renamed to each other architecture: loading
+/// fails, naming a weight that is missing or one the model would ignore
+/// (Qwen3 read as Llama would run without its q/k norms).
+fn other_architecture_is_refused(name: &str) {
+    let config = fixture_config(name);
+    let own = config["model_type"].as_str().unwrap().to_owned();
+    for other in ["qwen2", "qwen3", "llama"] {
+        if other == own {
+            continue;
+        }
+        let dir = temp_dir(&format!("{name}-as-{other}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            fixture_dir(name).join("model.safetensors"),
+            dir.join("model.safetensors"),
+        )
+        .unwrap();
+        let mut renamed = config.clone();
+        renamed["model_type"] = Value::String(other.into());
+        std::fs::write(dir.join("config.json"), renamed.to_string()).unwrap();
+        let err = CausalLm::load_hf(&dir)
+            .err()
+            .unwrap_or_else(|| panic!("{name} loaded as {other}"))
+            .to_string();
+        assert!(
+            err.contains("does not use") || err.contains("cannot find"),
+            "{name} as {other}: {err}"
+        );
+        if own == "qwen3" && other == "llama" {
+            assert!(err.contains("q_norm") || err.contains("k_norm"), "{err}");
+        }
+        let err = relay_llm::sft::load_hf_trainable(&dir)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(!err.is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// llama.cpp's interleaved-RoPE row order of a Llama q or k weight
+/// (`permute` in its converter): Hugging Face row `s · head_dim / 2 + i`
+/// of each head becomes row `2 i + s`.
+fn llama_cpp_permute(w: &Tensor, heads: usize) -> Tensor {
+    let (rows, cols) = w.dims2().unwrap();
+    w.reshape((heads, 2, rows / heads / 2, cols))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .reshape((rows, cols))
+        .unwrap()
+}
+
+/// The fixture converted to GGUF as llama.cpp's `convert_hf_to_gguf.py`
+/// writes it (tensor names, metadata keys, Llama's permuted q/k rows, Llama
+/// 3's scaling as `rope_freqs.weight`), in f32.
+fn write_gguf_like_llama_cpp(name: &str, path: &Path) {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let config = fixture_config(name);
+    let arch = config["model_type"].as_str().unwrap();
+    let int = |k: &str| config[k].as_u64().unwrap() as u32;
+    let heads = int("num_attention_heads") as usize;
+    let kv_heads = int("num_key_value_heads") as usize;
+    let head_dim = match config.get("head_dim") {
+        Some(d) if !d.is_null() => d.as_u64().unwrap() as u32,
+        _ => int("hidden_size") / heads as u32,
+    };
+    let rope = &config["rope_parameters"];
+    let theta = rope["rope_theta"].as_f64().unwrap() as f32;
+    let meta: Vec<(String, gguf_file::Value)> = vec![
+        (
+            "general.architecture".into(),
+            gguf_file::Value::String(arch.into()),
+        ),
+        (
+            format!("{arch}.context_length"),
+            gguf_file::Value::U32(int("max_position_embeddings")),
+        ),
+        (
+            format!("{arch}.embedding_length"),
+            gguf_file::Value::U32(int("hidden_size")),
+        ),
+        (
+            format!("{arch}.block_count"),
+            gguf_file::Value::U32(int("num_hidden_layers")),
+        ),
+        (
+            format!("{arch}.feed_forward_length"),
+            gguf_file::Value::U32(int("intermediate_size")),
+        ),
+        (
+            format!("{arch}.attention.head_count"),
+            gguf_file::Value::U32(heads as u32),
+        ),
+        (
+            format!("{arch}.attention.head_count_kv"),
+            gguf_file::Value::U32(kv_heads as u32),
+        ),
+        (
+            format!("{arch}.attention.key_length"),
+            gguf_file::Value::U32(head_dim),
+        ),
+        (
+            format!("{arch}.attention.value_length"),
+            gguf_file::Value::U32(head_dim),
+        ),
+        (
+            format!("{arch}.rope.dimension_count"),
+            gguf_file::Value::U32(head_dim),
+        ),
+        (
+            format!("{arch}.rope.freq_base"),
+            gguf_file::Value::F32(theta),
+        ),
+        (
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            gguf_file::Value::F32(config["rms_norm_eps"].as_f64().unwrap() as f32),
+        ),
+        (
+            "tokenizer.ggml.eos_token_id".into(),
+            gguf_file::Value::U32(int("eos_token_id")),
+        ),
+    ];
+    let mut tensors: Vec<(String, Tensor)> = Vec::new();
+    for (hf, t) in fixture_tensors(name) {
+        let gguf = hf
+            .replace("model.embed_tokens", "token_embd")
+            .replace("model.norm", "output_norm")
+            .replace("lm_head", "output")
+            .replace("model.layers.", "blk.")
+            .replace(".self_attn.q_proj", ".attn_q")
+            .replace(".self_attn.k_proj", ".attn_k")
+            .replace(".self_attn.v_proj", ".attn_v")
+            .replace(".self_attn.o_proj", ".attn_output")
+            .replace(".self_attn.q_norm", ".attn_q_norm")
+            .replace(".self_attn.k_norm", ".attn_k_norm")
+            .replace(".input_layernorm", ".attn_norm")
+            .replace(".post_attention_layernorm", ".ffn_norm")
+            .replace(".mlp.gate_proj", ".ffn_gate")
+            .replace(".mlp.up_proj", ".ffn_up")
+            .replace(".mlp.down_proj", ".ffn_down");
+        let t = match (
+            arch,
+            gguf.ends_with("attn_q.weight"),
+            gguf.ends_with("attn_k.weight"),
+        ) {
+            ("llama", true, _) => llama_cpp_permute(&t, heads),
+            ("llama", _, true) => llama_cpp_permute(&t, kv_heads),
+            _ => t,
+        };
+        tensors.push((gguf, t));
+    }
+    if rope["rope_type"] == "llama3" {
+        let f = |k: &str| rope[k].as_f64().unwrap() as f32;
+        let (factor, low, high) = (f("factor"), f("low_freq_factor"), f("high_freq_factor"));
+        let original = f("original_max_position_embeddings");
+        let divisors: Vec<f32> = (0..head_dim / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32);
+                let wavelen = 2.0 * std::f32::consts::PI / freq;
+                if wavelen < original / high {
+                    1.0
+                } else if wavelen > original / low {
+                    factor
+                } else {
+                    let smooth = (original / wavelen - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                }
+            })
+            .collect();
+        let n = divisors.len();
+        tensors.push((
+            "rope_freqs.weight".into(),
+            Tensor::from_vec(divisors, n, &Device::Cpu).unwrap(),
+        ));
+    }
+    let qtensors: Vec<(String, QTensor)> = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), QTensor::quantize(t, GgmlDType::F32).unwrap()))
+        .collect();
+    let meta_refs: Vec<(&str, &gguf_file::Value)> =
+        meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> =
+        qtensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut file = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut file, &meta_refs, &tensor_refs).unwrap();
+}
+
+/// The GGUF conversion loads to the reference logits, with and without
+/// the PEFT adapter (trained on the Hugging Face layout), on either way of
+/// holding a GGUF base that keeps float-exact logits.
+fn gguf_logits_match_transformers(name: &str) {
+    use relay_llm::GgufBase;
+    let dir = temp_dir(&format!("{name}-gguf"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.gguf");
+    write_gguf_like_llama_cpp(name, &path);
+    for base in [GgufBase::Dequantized, GgufBase::Quantized] {
+        let model = CausalLm::load_gguf(&path, base).unwrap();
+        let adapter = adapter(name, &model);
+        for (i, case) in cases(name).iter().enumerate() {
+            for (with_adapter, want) in [(false, &case.logits), (true, &case.logits_with_adapter)] {
+                let mut cache = model.new_cache();
+                let logits = model
+                    .forward_one(
+                        &case.input_ids,
+                        &mut cache,
+                        with_adapter.then_some(&adapter),
+                    )
+                    .unwrap();
+                let (diff, pos) = max_diff(&logits, want);
+                assert!(
+                    diff < LOGIT_TOLERANCE,
+                    "{base:?}, adapter {with_adapter}, case {i}: |diff| {diff} at {pos}"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// One module per fixture, each running every check above, so that a
+/// test's name says its architecture (`cargo test -- qwen3`).
+macro_rules! reference_suite {
+    ($module:ident, $folder:literal, [$($check:ident),* $(,)?]) => {
+        mod $module {
+            $(
+                #[test]
+                fn $check() {
+                    super::$check($folder)
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! every_reference_check {
+    ($module:ident, $folder:literal) => {
+        reference_suite!(
+            $module,
+            $folder,
+            [
+                logits_match_transformers,
+                greedy_with_kv_cache,
+                batched_greedy_with_late_join,
+                adapter_logits,
+                mixed_adapters_in_one_batch,
+                training_path_matches_inference_path,
+                every_lora_parameter_gets_a_gradient,
+                peft_round_trip,
+                adapter_is_not_baked_into_the_base,
+                forked_cache_continues_like_the_original,
+                step_with_joining_sequence,
+                prefill_fork_and_stop_token,
+                step_uses_the_sequence_adapter,
+                full_fine_tuning_reaches_every_weight,
+                hub_layout_loads_the_same,
+                other_architecture_is_refused,
+                gguf_logits_match_transformers,
+            ]
+        );
+    };
+}
+
+every_reference_check!(tiny_qwen2_reference, "tiny-qwen2");
+every_reference_check!(tiny_qwen3_reference, "tiny-qwen3");
+every_reference_check!(tiny_llama3_reference, "tiny-llama3");
