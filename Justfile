@@ -114,6 +114,12 @@ soak *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench soak --env-runners 8 --minutes 10 --state-dir .relay/soak {{ARGS}}
 
+# A checkpoint of a real model's size as the Hub holds it: transformers writes a random Qwen3-1.7B-Base (its exact config, bf16 shards) into .relay/models on first use (deploy/install.sh --transformers); load time, resident memory, generation tokens/s at B = 1 and 8 on the CPU: table + JSON line.
+bench-hub-model *ARGS: install
+    bash deploy/install.sh --transformers
+    cargo build --release -p relay-bench
+    {{release}}/relay-bench bench-hub-model {{ARGS}}
+
 # LLM generation: tokens/s and p50/p95 request latency of the inference server for the tiny model and SmolLM2-135M (GGUF) at 1, 8, 32 concurrent requesters: table + JSON line.
 bench-generate *ARGS: install
     cargo build --release -p relay -p relay-inference-server

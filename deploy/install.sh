@@ -12,6 +12,9 @@
 # ale-py and OpenCV into .relay/sb3, the anchor of `just bench-learning`'s
 # Atari row and `just bench-nn` (both find it there; RELAY_TORCH_PYTHON
 # names another Python).
+# `--transformers` also installs transformers (and PyTorch, where --sb3 has
+# not) into .relay/sb3, for `just bench-hub-model`, which writes a random
+# checkpoint of a Hub model's config with it.
 # `--cuda` also installs a CUDA 13.4 compiler and headers (PyPI's
 # nvidia-cuda-nvcc, -runtime, -crt, -cccl, nvidia-nvvm) into .relay/cuda
 # where no nvcc is installed, for `just build-cuda` and `just check-cuda`
@@ -135,8 +138,8 @@ say "ready: $(nats-server --version), $(redis-server --version | cut -d' ' -f1-3
 
 for flag in "$@"; do
   case "$flag" in
-    --envpool | --cuda | --sb3) ;;
-    *) say "unknown flag $flag (known: --envpool, --cuda, --sb3)"; exit 2 ;;
+    --envpool | --cuda | --sb3 | --transformers) ;;
+    *) say "unknown flag $flag (known: --envpool, --cuda, --sb3, --transformers)"; exit 2 ;;
   esac
 done
 
@@ -158,6 +161,17 @@ if [[ " $* " == *" --sb3 "* ]]; then
     "$sb3_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
       stable-baselines3 "gymnasium==1.4.0" ale-py opencv-python-headless \
       || say "Stable-Baselines3 did not install here; the benches report its columns as missing"
+  fi
+fi
+
+if [[ " $* " == *" --transformers "* ]]; then
+  torch_venv="$repo_root/.relay/sb3"
+  if ! "$torch_venv/bin/python" -c 'import torch, transformers, safetensors' >/dev/null 2>&1; then
+    say "installing transformers and PyTorch into .relay/sb3 (the venv of the PyTorch anchors)"
+    [ -x "$torch_venv/bin/python" ] || python3 -m venv "$torch_venv"
+    "$torch_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+      torch transformers safetensors \
+      || say "transformers did not install here; bench-hub-model cannot write its checkpoint"
   fi
 fi
 

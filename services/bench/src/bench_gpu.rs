@@ -100,7 +100,7 @@ fn prompt(tokenizer: &relay_llm::Tokenizer, k: usize) -> Result<Vec<u32>> {
 }
 
 /// Completion tokens per second of `batch` sequences generating `new_tokens` each.
-fn generate(model: &CausalLm, prompts: &[Vec<u32>], new_tokens: usize) -> Result<f64> {
+pub(crate) fn generate(model: &CausalLm, prompts: &[Vec<u32>], new_tokens: usize) -> Result<f64> {
     let stop = StopCondition {
         max_new_tokens: new_tokens,
         stop_token_ids: Vec::new(),

@@ -8,6 +8,7 @@ pub mod bench_bridge;
 pub mod bench_envs;
 pub mod bench_generate;
 pub mod bench_gpu;
+pub mod bench_hub_model;
 pub mod bench_league;
 pub mod bench_learning;
 pub mod bench_scale;

@@ -80,6 +80,8 @@ enum Command {
     BenchGenerate(relay_bench::bench_generate::BenchGenerateArgs),
     /// SmolLM2-135M generation tokens/s at B = 1, 8, 32, 64 on the CPU engine, the candle backend on the CPU and, in a `cuda` build with a GPU, on cuda:0 in bf16; LoRA training tokens/s and adapter load time; a table and JSON.
     BenchGpu(relay_bench::bench_gpu::BenchGpuArgs),
+    /// A checkpoint of a real model's size as the Hub holds it (by default a random Qwen3-1.7B-Base written by transformers, bf16 shards): load time, resident memory and generation tokens/s at B = 1 and 8 on the CPU engine; a table and JSON.
+    BenchHubModel(relay_bench::bench_hub_model::BenchHubModelArgs),
     /// Env steps/s of Gymnasium's CartPole through relay's env bridge against Gymnasium's own SyncVectorEnv (and relay's built-in CartPole); print a table and JSON.
     BenchBridge(relay_bench::bench_bridge::BenchBridgeArgs),
     /// Raw env steps/s on one core of relay's built-in envs against Gymnasium's SyncVectorEnv and EnvPool; print a table and JSON.
@@ -116,6 +118,7 @@ fn main() -> Result<()> {
         Command::BenchLeague(args) => relay_bench::bench_league::bench_league(args),
         Command::BenchGenerate(args) => relay_bench::bench_generate::bench_generate(args),
         Command::BenchGpu(args) => relay_bench::bench_gpu::bench_gpu(args),
+        Command::BenchHubModel(args) => relay_bench::bench_hub_model::bench_hub_model(args),
         Command::BenchWeights(args) => relay_bench::bench_weights::bench_weights(args),
     }
 }

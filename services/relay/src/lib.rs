@@ -28,7 +28,7 @@ use stack::{last_error_line, Copies, Stack, SERVICES};
 
 /// The subcommands `relay` runs through the `relay-bench` binary beside it
 /// (relay-bench's own tests check that they are exactly its subcommands).
-pub const BENCH_COMMANDS: [&str; 15] = [
+pub const BENCH_COMMANDS: [&str; 16] = [
     "bench-scale",
     "soak",
     "bench-tracker",
@@ -41,6 +41,7 @@ pub const BENCH_COMMANDS: [&str; 15] = [
     "bench-league",
     "bench-generate",
     "bench-gpu",
+    "bench-hub-model",
     "bench-bridge",
     "bench-envs",
     "bench-weights",
