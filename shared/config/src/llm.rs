@@ -84,6 +84,11 @@ pub struct LlmConfig {
     /// The `candle` backend's weights and matmuls: `f32`, `bf16` or `f16`
     /// (norms, softmax and logits stay f32).
     pub dtype: crate::hyper::backend::LlmDtype,
+    /// Extra variables of the model's chat template, passed to every
+    /// rendering of a prompt as transformers' `apply_chat_template(**kwargs)`
+    /// and vLLM's `chat_template_kwargs` pass them, e.g. `{enable_thinking:
+    /// false}` for Qwen3 (an empty thought block, then the answer).
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Default for LlmConfig {
@@ -100,6 +105,7 @@ impl Default for LlmConfig {
             backend: Default::default(),
             device: Default::default(),
             dtype: Default::default(),
+            chat_template_kwargs: Default::default(),
         }
     }
 }

@@ -759,9 +759,14 @@ fn llm_section_is_validated_by_field() {
             "llm.model=smollm2".into(),
             "llm.gguf_base=quantized".into(),
             "llm.adapters.opponent=adapters/opp".into(),
+            "llm.chat_template_kwargs.enable_thinking=false".into(),
         ],
     )
     .unwrap();
+    assert_eq!(
+        c.llm.chat_template_kwargs["enable_thinking"],
+        serde_json::Value::Bool(false)
+    );
     assert_eq!(c.llm.gguf_base, GgufBaseName::Quantized);
     assert!(c.serves_llm() && !c.is_text_game());
     assert_eq!(c.llm.adapters["opponent"], PathBuf::from("adapters/opp"));

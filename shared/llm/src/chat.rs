@@ -110,12 +110,31 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
+        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`ChatTemplate::render`] with extra template variables, as
+    /// transformers' `apply_chat_template(..., **kwargs)` passes them:
+    /// Qwen3's `enable_thinking`, Llama 3.1's `date_string`. They override
+    /// `bos_token` and `eos_token` of the same name. As in transformers,
+    /// `tools` and `documents` are defined (as none) unless given.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ChatTemplateError> {
         let template = self.env.get_template(TEMPLATE_NAME)?;
         let context = minijinja::context! {
-            messages => Serde(messages),
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.clone(),
-            eos_token => self.eos_token.clone(),
+            ..Value::from(Serde(kwargs)),
+            ..minijinja::context! {
+                messages => Serde(messages),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token.clone(),
+                eos_token => self.eos_token.clone(),
+                tools => (),
+                documents => (),
+            }
         };
         Ok(template.render(context)?)
     }

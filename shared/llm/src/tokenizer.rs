@@ -110,6 +110,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     special: SpecialTokens,
     chat_template: Option<ChatTemplate>,
+    /// Extra variables of every rendering (`enable_thinking`, ...).
+    chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// Whether the decoder is GPT-2's byte-level one, so token strings map to bytes
     /// through the byte-to-unicode table.
     byte_level: bool,
@@ -154,6 +156,7 @@ impl Tokenizer {
             inner,
             special,
             chat_template,
+            chat_template_kwargs: Default::default(),
             byte_level,
             added,
         }
@@ -245,7 +248,8 @@ impl Tokenizer {
     }
 
     /// Renders `messages` with the chat template, ending with the assistant's
-    /// generation prompt when `add_generation_prompt`.
+    /// generation prompt when `add_generation_prompt`, with the variables
+    /// of [`Tokenizer::set_chat_template_kwargs`].
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
@@ -255,7 +259,14 @@ impl Tokenizer {
             .chat_template
             .as_ref()
             .ok_or(TokenizerError::NoChatTemplate)?;
-        Ok(template.render(messages, add_generation_prompt)?)
+        Ok(template.render_with(messages, add_generation_prompt, &self.chat_template_kwargs)?)
+    }
+
+    /// Extra variables for every rendering of the chat template, as
+    /// transformers' `apply_chat_template(**kwargs)` and vLLM's
+    /// `chat_template_kwargs` pass them (Qwen3's `enable_thinking`).
+    pub fn set_chat_template_kwargs(&mut self, kwargs: serde_json::Map<String, serde_json::Value>) {
+        self.chat_template_kwargs = kwargs;
     }
 
     /// The rendered chat prompt's ids (no special tokens added beyond the template's).

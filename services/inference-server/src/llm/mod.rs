@@ -235,6 +235,9 @@ pub(crate) async fn serve(
     let placed = backend.clone();
     let loaded = tokio::task::spawn_blocking(move || {
         let mut loaded = load_model(&model_name, cfg.gguf_base)?;
+        loaded
+            .tokenizer
+            .set_chat_template_kwargs(cfg.chat_template_kwargs.clone());
         let failed = |e: relay_llm::ModelError| LoadError::Load {
             path: loaded.path.clone(),
             detail: e.to_string(),
