@@ -600,6 +600,10 @@ mod tests {
                 name: LEARNING_ADAPTER.into(),
                 version: Some(v),
             }),
+            observation: "[GAME] board".into(),
+            completion: String::new(),
+            no_answer: false,
+            truncated: false,
         }
     }
 

@@ -85,6 +85,7 @@ fn spawn_stand_in(client: async_nats::Client, asked: Arc<Mutex<Vec<Option<u64>>>
                 logprobs: Tensor::from_f32(&[c], &vec![-0.5; c]),
                 text,
                 finish: FinishReason::Stop,
+                answer_start: None,
             };
             client
                 .publish(reply_to, encode(&reply).into())

@@ -107,6 +107,7 @@ fn reply(request: &GenerateRequest, text: &str) -> GenerateReply {
         logprobs: Tensor::from_f32(&[c], &vec![-0.5; c]),
         text: text.to_string(),
         finish: FinishReason::Stop,
+        answer_start: None,
     }
 }
 

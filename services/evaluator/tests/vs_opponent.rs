@@ -67,6 +67,7 @@ fn spawn_stand_in_inference_server(
                 logprobs: Tensor::from_f32(&[c], &vec![-1.0; c]),
                 text,
                 finish: FinishReason::Stop,
+                answer_start: None,
             };
             if let Some(to) = message.reply {
                 let _ = client.publish(to, encode(&reply).into()).await;

@@ -14,7 +14,8 @@
 //!   `draw` in a drawn game if that is set (drawn: the seat ties the best
 //!   other seat), normalised per game (`rl.reward.normalize`: a running
 //!   mean and std per game id) if asked, plus `format_bonus` times the
-//!   share of the seat's moves that contain a bracketed move (`[4]`,
+//!   share of the seat's moves whose answer the run's answer format found
+//!   (`text.answer`; under `raw`, a bracketed move such as `[4]`,
 //!   `[col 3]`, `[Bet]`: the form every game asks for), discounted by
 //!   `discount` per later move of the seat; a move the game refused gets
 //!   `invalid_move_penalty` less than the seat's other moves.
@@ -56,7 +57,7 @@ pub struct Converted {
     /// The learning seats' model moves of the games (their format and
     /// correctness rates are reported).
     pub moves: usize,
-    /// Of those, the moves holding a bracketed move (the format reward).
+    /// Of those, the moves whose answer was found (the format reward).
     pub well_formatted_moves: usize,
     /// Of those, the moves the game refused (the correctness reward's misses).
     pub invalid_moves: usize,
@@ -126,15 +127,6 @@ pub fn group_id(env_id: &str, version: u64, seat: usize) -> u64 {
 /// every [`group_id`] (below 2^63 for any version under 2^51).
 pub fn branch_group_id(branch_group: u64) -> u64 {
     branch_group | 1 << 63
-}
-
-/// Whether a move's text holds a bracketed move (`[...]` with something
-/// inside).
-pub fn well_formatted(action: &str) -> bool {
-    action
-        .find('[')
-        .and_then(|open| action[open + 1..].find(']'))
-        .is_some_and(|len| len > 0)
 }
 
 /// Converts `games` (see the module docs). `normalizer` holds the running
@@ -208,10 +200,7 @@ pub fn games_to_examples(
                 reward: game.rewards[seat],
                 drawn: Outcome::of(&game.rewards, seat) == Outcome::Draw,
                 turns: model_moves.len() as u32,
-                well_formatted_turns: model_moves
-                    .iter()
-                    .filter(|t| well_formatted(&t.action))
-                    .count() as u32,
+                well_formatted_turns: model_moves.iter().filter(|t| !t.no_answer).count() as u32,
                 invalid_moves: model_moves.iter().filter(|t| t.invalid).count() as u32,
             };
             out.game_rewards.push(result.reward);
@@ -382,6 +371,10 @@ mod tests {
             action: action.into(),
             invalid: false,
             adapter: policy(Some(3)),
+            observation: "[GAME] board".into(),
+            completion: action.into(),
+            no_answer: !relay_envs::text::answer::holds_bracketed_move(action),
+            truncated: false,
         }
     }
 
@@ -394,6 +387,10 @@ mod tests {
             action: "[0]".into(),
             invalid: false,
             adapter: None,
+            observation: "[GAME] board".into(),
+            completion: String::new(),
+            no_answer: false,
+            truncated: false,
         }
     }
 
@@ -661,11 +658,6 @@ mod tests {
             games_to_examples(&[game], &RewardShaping::default(), &mut Default::default());
         assert_eq!(converted.examples.len(), 1);
         assert_eq!(converted.skipped_moves, 1);
-        assert!(well_formatted("I play [4] now"));
-        assert!(well_formatted("[col 3]"));
-        assert!(!well_formatted("[]"));
-        assert!(!well_formatted("4"));
-        assert!(!well_formatted("] ["));
     }
 
     /// Continuation `index` of 3 of a position at turn 2 (learner seat 0

@@ -55,6 +55,7 @@ fn spawn_stand_in_generate(client: async_nats::Client, run_id: &str) {
                 logprobs: Tensor::from_f32(&[c], &vec![-1.0; c]),
                 text,
                 finish: FinishReason::Stop,
+                answer_start: None,
             };
             if let Some(to) = message.reply {
                 let _ = client.publish(to, encode(&reply).into()).await;

@@ -43,6 +43,10 @@ fn model_turn(player: u8, version: u64) -> TextTurn {
             name: "policy".into(),
             version: Some(version),
         }),
+        observation: "[GAME] board".into(),
+        completion: String::new(),
+        no_answer: false,
+        truncated: false,
     }
 }
 
@@ -55,6 +59,10 @@ fn bot_turn(player: u8) -> TextTurn {
         action: "[0]".into(),
         invalid: false,
         adapter: None,
+        observation: "[GAME] board".into(),
+        completion: String::new(),
+        no_answer: false,
+        truncated: false,
     }
 }
 

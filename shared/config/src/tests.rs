@@ -492,6 +492,12 @@ fn text_fields_are_checked_and_errors_name_them() {
         (&["text.constrainted=true"], "constrainted"),
         (&["text.observation=last"], "text.observation"),
         (&["text.branch_at=first_win"], "text.branch_at"),
+        (&["text.answer=boxes"], "text.answer"),
+        (&["text.answer.regex=("], "text.answer"),
+        (
+            &["text.answer.regex=Move (.*)", "text.constrained=true"],
+            "text.constrained",
+        ),
     ];
     for (sets, field) in cases {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
@@ -1122,4 +1128,28 @@ fn shipped_configs_load() {
         }
     }
     assert!(seen > 0, "no experiment configs found in {dir}");
+}
+
+#[test]
+fn answer_formats_are_set_by_name_or_pattern() {
+    let format = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers(TEXT, "t", &[], &sets)
+            .unwrap()
+            .text
+            .answer
+    };
+    assert_eq!(format(&[]), relay_envs::AnswerFormat::Raw);
+    assert_eq!(
+        format(&["text.answer=boxed", "text.constrained=true"]),
+        relay_envs::AnswerFormat::Boxed
+    );
+    assert_eq!(
+        format(&["text.answer=last_bracket"]),
+        relay_envs::AnswerFormat::LastBracket
+    );
+    assert_eq!(
+        format(&["text.answer.regex='Move: (\\[\\d\\])'"]),
+        relay_envs::AnswerFormat::Regex("Move: (\\[\\d\\])".into())
+    );
 }

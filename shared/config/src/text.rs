@@ -111,8 +111,20 @@ pub struct TextConfig {
     /// Games each env-runner copy plays at the same time (their generate
     /// requests overlap, so the inference servers can batch them).
     pub games_in_flight: usize,
-    /// Most tokens the model may generate for one move.
+    /// Most tokens the model may generate for one move: its whole reply,
+    /// or with an answer format and `constrained`, its thought (the
+    /// constrained answer follows it).
     pub max_turn_tokens: u32,
+    /// Where the move is in the model's reply: `raw` (the whole reply goes
+    /// to the game, which finds the move in it: TextArena's way), `boxed`
+    /// (the last `\boxed{...}`, bracketed unless it holds brackets:
+    /// UnstableBaselines' and SPIRAL's), `last_bracket` (the last `[...]`),
+    /// or `{regex: <pattern>}` (its last match: the first capture group,
+    /// else the whole match). With a format the model may think in free
+    /// text before its answer; a reply without an answer sends the game an
+    /// empty move (refused, and counted as `no_answer`). The format reward
+    /// (`rl.reward.format_bonus`) counts the moves whose answer was found.
+    pub answer: relay_envs::AnswerFormat,
     /// Sampling temperature of the model's moves (0: greedy).
     pub temperature: f32,
     /// Nucleus sampling: keep the smallest set of tokens whose probability
@@ -121,7 +133,12 @@ pub struct TextConfig {
     /// Keep only the `top_k` most likely tokens (0 keeps all).
     pub top_k: u32,
     /// Ask for constrained decoding: the model's move is always one of the
-    /// game's legal moves (`legal_moves()`), spelled token by token.
+    /// game's legal moves (`legal_moves()`), spelled token by token. Under
+    /// `answer: raw` the whole reply is the move; under `boxed` and
+    /// `last_bracket` the model thinks freely first and only the answer is
+    /// constrained: from where it writes `\boxed{` (then a legal move and
+    /// `}`), or where it ends its turn or reaches `max_turn_tokens` (then
+    /// the whole answer is decoded there). Not available with `regex`.
     pub constrained: bool,
     /// System prompt put before each observation (none: the observation is
     /// the only chat turn).
@@ -202,6 +219,7 @@ impl Default for TextConfig {
             opponents: [("random".to_string(), 1.0)].into_iter().collect(),
             games_in_flight: 4,
             max_turn_tokens: 32,
+            answer: relay_envs::AnswerFormat::Raw,
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
@@ -419,6 +437,14 @@ impl TextConfig {
                     relay_proto::MAX_GENERATE_TOKENS,
                     self.max_turn_tokens
                 ),
+            ));
+        }
+        relay_envs::AnswerReader::new(&self.answer).map_err(|e| invalid("text.answer", e))?;
+        if self.constrained && matches!(self.answer, relay_envs::AnswerFormat::Regex(_)) {
+            return Err(invalid(
+                "text.constrained",
+                "constrained decoding needs an answer with a known frame (raw, boxed or \
+                 last_bracket); a regex answer has none",
             ));
         }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {

@@ -71,8 +71,8 @@ pub use pendulum::Pendulum;
 pub use registry::{make, spec, ENV_IDS};
 pub use spaces::{ActionSpace, BoxSpace, EnvSpec};
 pub use text::{
-    make as make_text_game, Bot, ConnectFourBot, MinimaxBot, ObservationView, PlayerInfo,
-    RandomBot, StepOutcome, TextGame, TEXT_GAME_IDS,
+    make as make_text_game, AnswerFormat, AnswerReader, Bot, ConnectFourBot, MinimaxBot,
+    ObservationView, PlayerInfo, RandomBot, StepOutcome, TextGame, TEXT_GAME_IDS,
 };
 pub use vec_env::{check_actions, sub_seed, FinishedEpisode, VecActions, VecEnv, VecStep};
 

@@ -21,11 +21,13 @@ use std::time::{Duration, Instant};
 
 use relay_bridge::EnvSection;
 use relay_config::{BranchPosition, Opponent, TextConfig};
-use relay_envs::{Bot, ConnectFourBot, EnvError, MinimaxBot, ObservationView, RandomBot};
+use relay_envs::{
+    AnswerReader, Bot, ConnectFourBot, EnvError, MinimaxBot, ObservationView, RandomBot,
+};
 use relay_kit::RequestError;
 use relay_proto::{
-    AdapterRef, Branch, ChatMessage, GameRecord, GenerateReply, GenerateRequest, Prompt,
-    SamplingParams, SeatPolicy, Tensor, TextTurn, SCHEMA_VERSION,
+    AdapterRef, AnswerFrame, Branch, ChatMessage, FinishReason, GameRecord, GenerateReply,
+    GenerateRequest, Prompt, SamplingParams, SeatPolicy, Tensor, TextTurn, SCHEMA_VERSION,
 };
 
 /// Name of the run's learning adapter.
@@ -120,8 +122,11 @@ pub struct GameSettings {
     /// Sampling of each move (its `seed` is replaced per move, derived from
     /// the game seed, so a game replays given the same replies).
     pub sampling: SamplingParams,
-    /// Ask for constrained decoding to the legal moves.
+    /// Ask for constrained decoding to the legal moves (of the answer
+    /// only, after the thought, when the answer format has a frame).
     pub constrained: bool,
+    /// Where the move is in a reply (`text.answer`).
+    pub answer: AnswerReader,
     /// Time one request may take.
     pub timeout: Duration,
     /// Tries per move before the game is abandoned (at least 1).
@@ -139,9 +144,12 @@ pub struct GameSettings {
 }
 
 impl GameSettings {
-    /// The settings of the `text` and `env` config sections.
+    /// The settings of the `text` and `env` config sections (validated:
+    /// the answer pattern compiles).
     pub fn from_config(text: &TextConfig, env: &EnvSection) -> Self {
         Self {
+            answer: AnswerReader::new(&text.answer)
+                .expect("text.answer is checked when the config is validated"),
             env: env.clone(),
             system_prompt: text.system_prompt.clone(),
             observation: text.observation,
@@ -481,7 +489,7 @@ pub async fn play_branched<G: Generate>(
 /// among the legal moves that neither `played` (the game's own move there)
 /// nor an earlier draw names, while any is left (then among all). The
 /// `i`-th draw is continuation `i + 1`'s move, sampled with its salt. A
-/// reply names a move when it contains it (`[4]` in `I play [4]`). Also
+/// reply names a move when its answer contains it (`[4]` in `I play [4]`). Also
 /// returns the retries the requests took.
 async fn distinct_branch_moves<G: Generate>(
     generator: &G,
@@ -503,7 +511,7 @@ async fn distinct_branch_moves<G: Generate>(
     for salt in 1..=count as u64 {
         let mut request = model_request(
             position.as_ref(),
-            player,
+            &position.observation_as(player, settings.observation),
             adapter,
             settings,
             seed,
@@ -520,7 +528,7 @@ async fn distinct_branch_moves<G: Generate>(
         }
         let reply =
             request_with_retries(generator, &request, settings, turn, player, &mut retries).await?;
-        named.push(reply.text.clone());
+        named.push(settings.answer.read(&reply.text).action);
         replies.push(reply);
     }
     Ok((replies, retries))
@@ -580,6 +588,7 @@ async fn play<G: Generate>(
         let turn_started = Instant::now();
         let turn = match &mut seats[player] {
             Seat::Bot(bot) => {
+                let observation = game.observation_as(player, settings.observation);
                 let action = bot.choose_move(game.as_ref())?;
                 let outcome = game.step(&action)?;
                 TextTurn {
@@ -590,15 +599,20 @@ async fn play<G: Generate>(
                     action,
                     invalid: outcome.invalid_move,
                     adapter: None,
+                    observation,
+                    completion: String::new(),
+                    no_answer: false,
+                    truncated: false,
                 }
             }
             Seat::Model(adapter) => {
+                let observation = game.observation_as(player, settings.observation);
                 let reply = match branch_move.take() {
                     Some(reply) => reply,
                     None => {
                         let request = model_request(
                             game.as_ref(),
-                            player,
+                            &observation,
                             adapter,
                             settings,
                             seed,
@@ -617,16 +631,25 @@ async fn play<G: Generate>(
                     }
                 };
                 completion_chars += reply.text.chars().count();
-                let outcome = game.step(&reply.text)?;
+                let answer = settings.answer.read(&reply.text);
+                let outcome = game.step(&answer.action)?;
                 model_turn_seconds.push(turn_started.elapsed().as_secs_f64());
+                let truncated = reply.finish == FinishReason::Length
+                    || reply
+                        .answer_start
+                        .is_some_and(|start| start >= settings.sampling.max_tokens);
                 TextTurn {
                     player: player as u8,
                     prompt_tokens: reply.prompt_tokens,
                     completion_tokens: reply.completion_tokens,
                     logprobs: reply.logprobs,
-                    action: reply.text,
+                    action: answer.action,
                     invalid: outcome.invalid_move,
                     adapter: reply.adapter,
+                    observation,
+                    completion: reply.text,
+                    no_answer: !answer.found,
+                    truncated,
                 }
             }
         };
@@ -662,12 +685,14 @@ async fn play<G: Generate>(
     })
 }
 
-/// The request of `player`'s move at `turn`: its observation as prompt,
-/// sampled with a seed made of the game seed, `salt` and the move number,
-/// constrained to the legal moves if the settings ask for it.
+/// The request of the move at `turn` of the player who sees
+/// `observation`: that as prompt, sampled with a seed made of the game
+/// seed, `salt` and the move number, constrained to the legal moves if the
+/// settings ask for it (the answer alone, in the answer format's frame,
+/// when it has one).
 fn model_request(
     game: &dyn relay_envs::TextGame,
-    player: usize,
+    observation: &str,
     adapter: &Option<AdapterRef>,
     settings: &GameSettings,
     seed: u64,
@@ -679,13 +704,13 @@ fn model_request(
         seed ^ salt.wrapping_mul(0xD6E8_FEB8_6659_FD93),
         turn,
     ));
-    let mut request = GenerateRequest::new(
-        adapter.clone(),
-        settings.prompt(&game.observation_as(player, settings.observation)),
-        sampling,
-    );
+    let mut request = GenerateRequest::new(adapter.clone(), settings.prompt(observation), sampling);
     if settings.constrained {
         request.allowed = game.legal_moves();
+        request.answer_frame = settings.answer.frame().map(|frame| AnswerFrame {
+            opener: frame.opener.to_string(),
+            closer: frame.closer.to_string(),
+        });
     }
     request
 }

@@ -44,6 +44,7 @@ fn reply(request: &GenerateRequest, text: &str) -> GenerateReply {
         logprobs: Tensor::from_f32(&[c], &vec![-0.25; c]),
         text: text.to_string(),
         finish: FinishReason::Stop,
+        answer_start: None,
     }
 }
 
@@ -245,6 +246,79 @@ async fn requests_carry_the_system_prompt_sampling_and_legal_moves_when_constrai
     }
     assert_eq!(seeds.len(), requests.len(), "each move has its own seed");
     assert!(!seeds.contains(&seed));
+}
+
+#[tokio::test]
+async fn answer_formats_send_the_game_the_answer_and_record_the_thought() {
+    // Thinks aloud about a taken-looking cell, then answers with a free one;
+    // every third reply runs out of tokens before answering.
+    let generator = Scripted::new(|r: &GenerateRequest, n| {
+        let moves = available_moves(r);
+        let cell = moves[0].trim_matches(|c| c == '[' || c == ']');
+        if n % 3 == 2 {
+            let mut cut = reply(r, "Let me think about [0] and");
+            cut.finish = FinishReason::Length;
+            return Ok(cut);
+        }
+        Ok(reply(r, &format!("Not [0], I think. \\boxed{{{cell}}}")))
+    });
+    let text = TextConfig {
+        answer: relay_envs::AnswerFormat::Boxed,
+        ..TextConfig::default()
+    };
+    let mut s = GameSettings::from_config(&text, &Default::default());
+    s.retry_backoff = Duration::from_millis(1);
+    let game = play_game(&generator, vs_minimax(0), &s).await.unwrap();
+    roundtrip(&game.record);
+    let model: Vec<_> = game.record.turns.iter().filter(|t| t.player == 0).collect();
+    assert!(model.len() >= 3, "{model:?}");
+    for (n, turn) in model.iter().enumerate() {
+        assert!(turn.observation.starts_with("\n[GAME] You are Player 0"));
+        if n % 3 == 2 {
+            assert_eq!(turn.completion, "Let me think about [0] and");
+            assert_eq!(turn.action, "", "no answer: an empty move");
+            assert!(turn.no_answer && turn.truncated && turn.invalid);
+        } else {
+            assert!(turn.completion.starts_with("Not [0], I think. \\boxed{"));
+            assert!(turn.action.starts_with('[') && !turn.action.contains("Not"));
+            assert!(
+                !turn.no_answer && !turn.truncated && !turn.invalid,
+                "{turn:?}"
+            );
+        }
+    }
+    let bot = game.record.turns.iter().find(|t| t.player == 1).unwrap();
+    assert!(bot.observation.starts_with("\n[GAME] You are Player 1"));
+    assert!(bot.completion.is_empty() && !bot.no_answer);
+}
+
+#[tokio::test]
+async fn constrained_decoding_with_an_answer_format_frames_the_answer() {
+    let generator = Scripted::new(|r: &GenerateRequest, _| {
+        Ok(reply(r, &format!("Hmm. \\boxed{{{}}}", r.allowed[0])))
+    });
+    for (answer, frame) in [
+        (relay_envs::AnswerFormat::Boxed, Some(("\\boxed{", "}"))),
+        (relay_envs::AnswerFormat::LastBracket, Some(("", ""))),
+        (relay_envs::AnswerFormat::Raw, None),
+    ] {
+        let text = TextConfig {
+            answer,
+            constrained: true,
+            ..TextConfig::default()
+        };
+        let s = GameSettings::from_config(&text, &Default::default());
+        play_game(&generator, vs_minimax(0), &s).await.unwrap();
+        let requests = std::mem::take(&mut *generator.requests.lock().unwrap());
+        for r in &requests {
+            assert!(!r.allowed.is_empty());
+            let got = r
+                .answer_frame
+                .as_ref()
+                .map(|f| (f.opener.as_str(), f.closer.as_str()));
+            assert_eq!(got, frame);
+        }
+    }
 }
 
 #[tokio::test]

@@ -90,6 +90,25 @@ pub struct GenerateRequest {
     /// end-of-sequence token there. The reply's `logprobs` stay those of
     /// the unconstrained policy.
     pub allowed: Vec<String>,
+    /// With `allowed`: the model first writes free text (its thought, up
+    /// to `sampling.max_tokens` tokens), and the constraint applies only to
+    /// the answer after it (see [`AnswerFrame`]). `None`: the whole
+    /// completion is constrained.
+    #[serde(default)]
+    pub answer_frame: Option<AnswerFrame>,
+}
+
+/// How a constrained answer sits in a free-text completion: where the
+/// model writes `opener` (e.g. `\boxed{`), the rest of its completion is
+/// one of the allowed strings and then `closer` (`}`); where it ends its
+/// turn or reaches `max_tokens` first, `opener`, one of the allowed strings
+/// and `closer` are decoded in place of that end (the end-of-turn token it
+/// sampled is dropped). An empty `opener` (answers read as the last `[...]`)
+/// leaves only the second way.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AnswerFrame {
+    pub opener: String,
+    pub closer: String,
 }
 
 impl GenerateRequest {
@@ -100,6 +119,7 @@ impl GenerateRequest {
             prompt,
             sampling,
             allowed: Vec::new(),
+            answer_frame: None,
         }
     }
 }
@@ -137,6 +157,13 @@ impl WireMessage for GenerateRequest {
         }
         if self.allowed.iter().any(String::is_empty) {
             return Err(invalid(K, "allowed", "empty allowed completion"));
+        }
+        if self.answer_frame.is_some() && self.allowed.is_empty() {
+            return Err(invalid(
+                K,
+                "answer_frame",
+                "set without allowed completions to constrain the answer to",
+            ));
         }
         if self.adapter.as_ref().is_some_and(|a| a.name.is_empty()) {
             return Err(invalid(K, "adapter.name", "empty"));
@@ -191,6 +218,12 @@ pub struct GenerateReply {
     /// The completion decoded.
     pub text: String,
     pub finish: FinishReason,
+    /// With an [`AnswerFrame`]: the index in `completion_tokens` where the
+    /// constrained part began (the thought is before it; equal to the
+    /// request's `max_tokens` when the thought used them all). `None`:
+    /// no answer frame.
+    #[serde(default)]
+    pub answer_start: Option<u32>,
 }
 
 impl WireMessage for GenerateReply {
@@ -297,13 +330,29 @@ pub struct TextTurn {
     pub completion_tokens: Tensor,
     /// `f32 [c]`: behaviour log-prob of each completion token.
     pub logprobs: Tensor,
-    /// The action sent to the game.
+    /// The action sent to the game: the answer the run's answer format
+    /// read from `completion` (all of it under the `raw` format; empty when
+    /// it found none), or a bot's move.
     pub action: String,
     /// The game refused the move.
     pub invalid: bool,
     /// The adapter that generated this move, with the version the inference
     /// server reported (`None`: a bot, or the base model alone).
     pub adapter: Option<AdapterRef>,
+    /// What the player saw: its observation as the prompt's user turn
+    /// carried it (before the chat template); for a bot, the same view.
+    #[serde(default)]
+    pub observation: String,
+    /// The model's whole reply, thought and answer (empty for bots).
+    #[serde(default)]
+    pub completion: String,
+    /// The answer format found no answer in `completion`.
+    #[serde(default)]
+    pub no_answer: bool,
+    /// The reply reached the token limit before its answer (a truncated
+    /// thought; with an answer frame, the answer was then decoded after it).
+    #[serde(default)]
+    pub truncated: bool,
 }
 
 /// env-runner -> replay-buffer (a queue group), tracker,

@@ -402,6 +402,7 @@ impl Engine {
             logprobs: Tensor::from_f32(&[tokens.len()], r.seq.logprobs()),
             text,
             finish,
+            answer_start: None,
         };
         self.metrics
             .request_seconds

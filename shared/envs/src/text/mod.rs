@@ -85,6 +85,7 @@
 //! by [`TextGame::reset`]'s seed. They follow TextArena's rules but do
 //! **not** reproduce the deal Python's `random` makes for the same seed.
 
+pub mod answer;
 pub(crate) mod arena;
 pub mod bots;
 pub mod connect_four;
@@ -100,6 +101,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::EnvError;
 
+pub use answer::{Answer, AnswerFormat, AnswerReader};
 pub use bots::{Bot, ConnectFourBot, MinimaxBot, RandomBot};
 pub use connect_four::ConnectFour;
 pub use guess_the_number::GuessTheNumber;

@@ -564,6 +564,10 @@ impl Subject for GameRecord {
                         name: rng.ident(NAME, 12),
                         version: rng.bool().then(|| rng.u64_any()),
                     }),
+                    observation: rng.text(40),
+                    completion: if model { rng.text(40) } else { String::new() },
+                    no_answer: model && rng.chance(0.2),
+                    truncated: model && rng.chance(0.2),
                 }
             })
             .collect();
@@ -641,6 +645,10 @@ impl Subject for GameRecord {
                     action: String::new(),
                     invalid: false,
                     adapter: None,
+                    observation: String::new(),
+                    completion: String::new(),
+                    no_answer: false,
+                    truncated: false,
                 });
             }
         }
@@ -811,6 +819,12 @@ impl Subject for GenerateRequest {
         let mut request =
             GenerateRequest::new(rng.bool().then(|| adapter_ref(rng)), prompt, sampling);
         request.allowed = (0..rng.range(0, 5)).map(|_| rng.ident(NAME, 6)).collect();
+        if !request.allowed.is_empty() && rng.bool() {
+            request.answer_frame = Some(AnswerFrame {
+                opener: rng.pick(&["\\boxed{", ""]).to_string(),
+                closer: rng.pick(&["}", ""]).to_string(),
+            });
+        }
         request
     }
     schema_setter!();
@@ -827,7 +841,7 @@ impl Subject for GenerateRequest {
         }
     }
     fn corrupt(&mut self, rng: &mut Rng) -> bool {
-        match rng.below(8) {
+        match rng.below(9) {
             0 => self.sampling.temperature = -1.0 - rng.f32().abs(),
             1 => self.sampling.top_p = rng.pick(&[0.0, 1.5, f32::NAN, -0.5]),
             2 => self.sampling.max_tokens = rng.pick(&[0, MAX_GENERATE_TOKENS + 1, u32::MAX]),
@@ -840,6 +854,13 @@ impl Subject for GenerateRequest {
                 })
             }
             6 => self.prompt = Prompt::Chat(Vec::new()),
+            7 => {
+                self.allowed.clear();
+                self.answer_frame = Some(AnswerFrame {
+                    opener: "\\boxed{".into(),
+                    closer: "}".into(),
+                });
+            }
             _ => self.prompt = Prompt::Tokens(Tensor::from_u32(&[0], &[])),
         }
         true
@@ -863,6 +884,7 @@ impl Subject for GenerateReply {
                 FinishReason::Length,
                 FinishReason::Allowed,
             ]),
+            answer_start: rng.bool().then(|| rng.range(0, c + 1) as u32),
         }
     }
     schema_setter!();
