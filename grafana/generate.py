@@ -605,6 +605,16 @@ games = dashboard(
             description="Share of the learning policy's moves the game refused.",
         ),
         panel(
+            "timeseries", "Answers: missing, illegal, truncated thought",
+            [
+                t(f"sum(rate({sel('relay_env_runner_no_answer_total')}[{RI}])) / sum(rate({sel('relay_env_runner_model_moves_total')}[{RI}]))", "no answer"),
+                t(f"sum(rate({sel('relay_env_runner_illegal_answers_total')}[{RI}])) / sum(rate({sel('relay_env_runner_model_moves_total')}[{RI}]))", "illegal answer"),
+                t(f"sum(rate({sel('relay_env_runner_truncated_thoughts_total')}[{RI}])) / sum(rate({sel('relay_env_runner_model_moves_total')}[{RI}]))", "truncated thought"),
+            ],
+            w=8, unit="percentunit", minimum=0,
+            description="Shares of the learning policy's moves whose reply held no answer in the run's answer format (text.answer), whose answer the game refused, and whose thought reached text.max_turn_tokens before the answer.",
+        ),
+        panel(
             "timeseries", "Games per minute by game, opponent and outcome",
             [t(f"60 * sum by (game, opponent, outcome) (rate({sel('relay_env_runner_games_total')}[{RI}]))",
                "{{game}} {{opponent}} {{outcome}}")],
@@ -708,7 +718,7 @@ games = dashboard(
         panel(
             "timeseries", "Format, legal moves, EOS",
             [
-                t(sel("relay_learner_format_rate"), "{{run_id}} bracketed moves (format)"),
+                t(sel("relay_learner_format_rate"), "{{run_id}} answers found (format)"),
                 t(sel("relay_learner_legal_move_rate"), "{{run_id}} legal moves (correctness)"),
                 t(sel("relay_learner_eos_rate"), "{{run_id}} completions ending on EOS"),
             ],

@@ -259,6 +259,7 @@ pub(crate) fn sft_warm_start(
         max_seq_len: None,
         system_prompt: text.system_prompt.clone(),
         observation: text.observation,
+        chat_template_kwargs: None,
         holdout: 0.05,
         eval_games,
         eval_opponents: "random,minimax".into(),

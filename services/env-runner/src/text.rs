@@ -76,6 +76,9 @@ struct TextMetrics {
     abandoned: IntCounterVec,
     moves: IntCounter,
     invalid_moves: IntCounter,
+    no_answer: IntCounter,
+    illegal_answers: IntCounter,
+    truncated_thoughts: IntCounter,
     retries: IntCounter,
     turn_seconds: Histogram,
     game_seconds: Histogram,
@@ -110,6 +113,21 @@ impl TextMetrics {
         let invalid_moves = IntCounter::new(
             "relay_env_runner_invalid_moves_total",
             "Moves of the learning policy that the game refused.",
+        )
+        .unwrap();
+        let no_answer = IntCounter::new(
+            "relay_env_runner_no_answer_total",
+            "Moves of the learning policy whose reply held no answer in the run's answer format (text.answer).",
+        )
+        .unwrap();
+        let illegal_answers = IntCounter::new(
+            "relay_env_runner_illegal_answers_total",
+            "Moves of the learning policy whose answer was found but refused by the game.",
+        )
+        .unwrap();
+        let truncated_thoughts = IntCounter::new(
+            "relay_env_runner_truncated_thoughts_total",
+            "Moves of the learning policy whose reply reached text.max_turn_tokens before its answer.",
         )
         .unwrap();
         let retries = IntCounter::new(
@@ -158,6 +176,9 @@ impl TextMetrics {
         relay_kit::metrics::register(registry, &abandoned);
         relay_kit::metrics::register(registry, &moves);
         relay_kit::metrics::register(registry, &invalid_moves);
+        relay_kit::metrics::register(registry, &no_answer);
+        relay_kit::metrics::register(registry, &illegal_answers);
+        relay_kit::metrics::register(registry, &truncated_thoughts);
         relay_kit::metrics::register(registry, &retries);
         relay_kit::metrics::register(registry, &turn_seconds);
         relay_kit::metrics::register(registry, &game_seconds);
@@ -169,6 +190,9 @@ impl TextMetrics {
             abandoned,
             moves,
             invalid_moves,
+            no_answer,
+            illegal_answers,
+            truncated_thoughts,
             retries,
             turn_seconds,
             game_seconds,
@@ -857,7 +881,8 @@ async fn finished_continuation(service: &Service, metrics: &TextMetrics, game: P
 }
 
 /// Counts a game's own moves (not the ones a continuation replayed): the
-/// learning seats' moves and refusals, completion tokens and characters.
+/// learning seats' moves, refusals, missing answers and truncated
+/// thoughts, completion tokens and characters.
 fn count_moves(metrics: &TextMetrics, game: &PlayedGame) {
     let own = &game.record.turns[game.record.own_turns_from()..];
     let tokens: usize = own.iter().map(|t| t.completion_tokens.numel()).sum();
@@ -869,6 +894,14 @@ fn count_moves(metrics: &TextMetrics, game: &PlayedGame) {
             metrics.moves.inc();
             if turn.invalid {
                 metrics.invalid_moves.inc();
+            }
+            if turn.no_answer {
+                metrics.no_answer.inc();
+            } else if turn.invalid {
+                metrics.illegal_answers.inc();
+            }
+            if turn.truncated {
+                metrics.truncated_thoughts.inc();
             }
         }
     }

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use relay_config::ExperimentConfig;
 use relay_kit::{RequestError, ServiceConfig, Shutdown, ShutdownTrigger};
 use relay_proto::{
-    AdapterRef, AdapterUpdate, ChatMessage, FinishReason, GenerateReply, GenerateRequest, Prompt,
-    SamplingParams, Subjects, Tensor, SCHEMA_VERSION,
+    AdapterRef, AdapterUpdate, AnswerFrame, ChatMessage, FinishReason, GenerateReply,
+    GenerateRequest, Prompt, SamplingParams, Subjects, Tensor, SCHEMA_VERSION,
 };
 use relay_testkit::NatsServer;
 
@@ -363,6 +363,73 @@ async fn constrained_decoding_returns_an_allowed_string() {
         assert!(seen.len() >= 3, "sampling explores the moves: {seen:?}");
         served.stop().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_after_a_free_thought_is_constrained_alone() {
+    let served = serve("gen-thought", &[]).await;
+    let moves: Vec<String> = ["[0]", "[4]", "[8]"].map(String::from).to_vec();
+    let request = |temperature: f32, seed: u64, opener: &str, closer: &str| {
+        let mut request = GenerateRequest::new(
+            None,
+            tic_tac_toe_prompt(),
+            SamplingParams {
+                temperature,
+                max_tokens: 6,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            },
+        );
+        request.allowed = moves.clone();
+        request.answer_frame = Some(AnswerFrame {
+            opener: opener.into(),
+            closer: closer.into(),
+        });
+        request
+    };
+    // The thought ends by itself or at its 6 tokens; the whole answer
+    // (opener, move, closer) is decoded there.
+    for seed in 0..8 {
+        let reply = served
+            .generate(&request(1.5, seed, "\\boxed{", "}"))
+            .await
+            .unwrap();
+        assert_eq!(reply.finish, FinishReason::Allowed, "{reply:?}");
+        let start = reply.answer_start.expect("an answer start") as usize;
+        assert!(start <= 6, "{start}");
+        assert!(
+            moves
+                .iter()
+                .any(|m| reply.text.ends_with(&format!("\\boxed{{{m}}}"))),
+            "{:?}",
+            reply.text
+        );
+        let n = completion(&reply).len();
+        assert!(n > start && logprobs(&reply).len() == n);
+    }
+    // A model that writes the opener itself: greedy writes its first two
+    // tokens' text, so take that as the opener; the answer follows it.
+    let mut free = request(0.0, 0, "", "");
+    free.allowed.clear();
+    free.answer_frame = None;
+    free.sampling.max_tokens = 2;
+    let free = served.generate(&free).await.unwrap();
+    let opener = free.text.clone();
+    let reply = served
+        .generate(&request(0.0, 0, &opener, "}"))
+        .await
+        .unwrap();
+    assert_eq!(reply.finish, FinishReason::Allowed, "{reply:?}");
+    assert!(reply.text.starts_with(&opener), "{:?}", reply.text);
+    let answer = &reply.text[opener.len()..];
+    assert!(
+        moves.iter().any(|m| answer == format!("{m}}}")),
+        "{:?}",
+        reply.text
+    );
+    assert_eq!(reply.answer_start, Some(2));
+    assert_eq!(completion(&reply)[..2], completion(&free)[..]);
+    served.stop().await;
 }
 
 fn fixture_adapter_files() -> (String, Vec<u8>) {

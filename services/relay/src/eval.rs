@@ -238,7 +238,11 @@ pub fn evaluate_text_checkpoint(
         config.text.max_turn_tokens as usize,
         seed,
     )?
-    .with_prompting(config.text.system_prompt.clone(), config.text.observation);
+    .with_prompting(config.text.system_prompt.clone(), config.text.observation)
+    .with_run_text(
+        relay_envs::AnswerReader::new(&config.text.answer).map_err(anyhow::Error::msg)?,
+        config.llm.chat_template_kwargs.clone(),
+    );
     let listed: Vec<String> = config
         .eval
         .options

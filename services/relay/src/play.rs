@@ -108,6 +108,12 @@ fn play_text_games(
         config.and_then(|c| c.text.system_prompt.clone()),
         config.map(|c| c.text.observation).unwrap_or_default(),
     );
+    if let Some(config) = config {
+        player = player.with_run_text(
+            relay_envs::AnswerReader::new(&config.text.answer).map_err(anyhow::Error::msg)?,
+            config.llm.chat_template_kwargs.clone(),
+        );
+    }
     let stdin = std::io::stdin();
     let mut input = stdin.lock();
     let mut out = std::io::stdout();

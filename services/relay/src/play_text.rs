@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use relay_config::GgufBaseName;
-use relay_envs::text::{Bot, ObservationView, TextGame};
+use relay_envs::text::{AnswerReader, Bot, ObservationView, TextGame};
 use relay_llm::{
     CausalLm, ChatMessage, LoraAdapter, Sampler, SamplingParams, Sequence, StopCondition, Tokenizer,
 };
@@ -31,6 +31,8 @@ pub struct Player {
     system_prompt: Option<String>,
     /// How each observation is rendered (`text.observation`).
     observation: ObservationView,
+    /// Where the move is in the reply (`text.answer`).
+    answer: AnswerReader,
     stop: StopCondition,
     /// `None`: greedy.
     sampling: Option<SamplingParams>,
@@ -89,6 +91,7 @@ impl Player {
             adapter,
             system_prompt: None,
             observation: ObservationView::Full,
+            answer: AnswerReader::new(&Default::default()).expect("raw needs no pattern"),
             stop: StopCondition {
                 max_new_tokens: max_tokens,
                 stop_token_ids,
@@ -107,8 +110,23 @@ impl Player {
         self
     }
 
-    /// The model's move as `player` of `game`.
-    pub fn choose(&mut self, game: &dyn TextGame, player: usize) -> Result<String> {
+    /// Reads the move from each reply as `text.answer` makes the
+    /// env-runners read it, and renders the chat template with
+    /// `llm.chat_template_kwargs`: how a run's config prompts and reads
+    /// its model.
+    pub fn with_run_text(
+        mut self,
+        answer: AnswerReader,
+        chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    ) -> Self {
+        self.answer = answer;
+        self.tokenizer
+            .set_chat_template_kwargs(chat_template_kwargs);
+        self
+    }
+
+    /// The model's reply as `player` of `game`, and the move read from it.
+    pub fn choose(&mut self, game: &dyn TextGame, player: usize) -> Result<ModelMove> {
         let observation = game.observation_as(player, self.observation);
         let mut messages = Vec::with_capacity(2);
         if let Some(system) = &self.system_prompt {
@@ -129,12 +147,20 @@ impl Player {
             self.stop.clone(),
         )?;
         relay_llm::generate(&self.model, &mut seq)?;
-        Ok(self
+        let reply = self
             .tokenizer
             .decode(seq.tokens(), true)?
             .trim()
-            .to_string())
+            .to_string();
+        let action = self.answer.read(&reply).action;
+        Ok(ModelMove { reply, action })
     }
+}
+
+/// What the model said, and the move the answer format read from it.
+pub struct ModelMove {
+    pub reply: String,
+    pub action: String,
 }
 
 /// Who sits in a seat.
@@ -204,8 +230,13 @@ pub fn play_game(
         shown[p] = observation.len();
         let action = match &mut seats[p] {
             Seat::Model(player) => {
-                let action = player.choose(game.as_ref(), p)?;
-                writeln!(out, "player {p} (model): {action}")?;
+                let ModelMove { reply, action } = player.choose(game.as_ref(), p)?;
+                if reply == action {
+                    writeln!(out, "player {p} (model): {action}")?;
+                } else {
+                    writeln!(out, "player {p} (model) says: {reply}")?;
+                    writeln!(out, "player {p} (model) answers: {action:?}")?;
+                }
                 action
             }
             Seat::Bot(bot) => {

@@ -112,6 +112,9 @@ pub struct SftArgs {
     /// How observations are rendered (full, first_last, compact); give the runs' `text.observation`.
     #[arg(long, default_value = "full")]
     pub observation: ObservationView,
+    /// Variables of the model's chat template, as a JSON object (e.g. `{"enable_thinking": false}` for Qwen3); give the runs' `llm.chat_template_kwargs`.
+    #[arg(long, value_parser = parse_json_object)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// Share of the examples held out to measure the loss on unseen positions.
     #[arg(long, default_value_t = 0.05)]
     pub holdout: f64,
@@ -130,6 +133,15 @@ pub struct SftArgs {
     /// --env is a TextArena id (any of its registry), played through the env bridge.
     #[arg(long)]
     pub textarena: bool,
+}
+
+/// A command-line JSON object.
+fn parse_json_object(text: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(other) => Err(format!("expected a JSON object, got {other}")),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
 }
 
 /// Results against one opponent, both seats together.
@@ -377,7 +389,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     };
     let backend = relay_llm::Backend::open(&backend)?;
     // The model: trainable weights for --full, else a frozen base with a new adapter.
-    let (model, tokenizer, varmap) = if args.full {
+    let (model, mut tokenizer, varmap) = if args.full {
         let dir = PathBuf::from(&args.model);
         if !dir.join("config.json").is_file() {
             bail!(
@@ -392,6 +404,9 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
         let loaded = relay_llm::load_model(&args.model, GgufBaseName::Dequantized)?;
         (loaded.model.to_backend(backend)?, loaded.tokenizer, None)
     };
+    if let Some(kwargs) = &args.chat_template_kwargs {
+        tokenizer.set_chat_template_kwargs(kwargs.clone());
+    }
     let adapter = match &varmap {
         Some(_) => None,
         None => Some(Arc::new(model.place_adapter(&LoraAdapter::new(

@@ -36,6 +36,21 @@
 //! `logprob` stays the unconstrained policy's (the mask changes what is
 //! drawn, not the policy the learner recomputes); `sampling_logprob` is
 //! that of the masked distribution.
+//!
+//! # An answer after a thought
+//!
+//! [`Sequence::with_answer_after_thought`] leaves the completion free
+//! (the model's thought, up to `max_new_tokens`) and constrains only its
+//! answer: from where the caller sees the model write the answer's opener
+//! (`\boxed{`) and calls [`Sequence::begin_answer`], the rest must spell
+//! one of [`AnswerAfterThought::after_opener`] (the move and the closer);
+//! where the model samples a stop token or reaches `max_new_tokens` first,
+//! the stop token is dropped and one of [`AnswerAfterThought::whole`]
+//! (opener, move, closer) is decoded in its place, the first of its tokens
+//! sampled from the same logits. Either way the completion is the thought
+//! then an answer, whose tokens start at [`Sequence::answer_start`]. The
+//! thought is found in text, not tokens (a model spells `\boxed{` in more
+//! than one way), so noticing the opener is the caller's: it decodes.
 
 use std::sync::Arc;
 
@@ -272,6 +287,17 @@ pub enum FinishReason {
     Allowed(usize),
 }
 
+/// The answers of [`Sequence::with_answer_after_thought`].
+#[derive(Debug, Clone)]
+pub struct AnswerAfterThought {
+    /// What may follow the opener the model wrote itself: each allowed
+    /// move, then the closer.
+    pub after_opener: Arc<TokenSequences>,
+    /// What is decoded where the thought ends without an opener: the
+    /// opener, each allowed move, then the closer.
+    pub whole: Arc<TokenSequences>,
+}
+
 /// One generation in progress. See the module docs for how a server
 /// batches them.
 #[derive(Debug)]
@@ -280,8 +306,13 @@ pub struct Sequence {
     adapter: Option<Arc<LoraAdapter>>,
     sampler: Sampler,
     stop: StopCondition,
-    /// Completions allowed, if constrained.
+    /// Completions allowed, if constrained: of the whole completion, or of
+    /// the tokens from `answer_start` on.
     constraint: Option<Arc<TokenSequences>>,
+    /// Where an answer after a thought started.
+    answer_start: Option<usize>,
+    /// The answer still to come after the thought (cleared once it starts).
+    answer: Option<AnswerAfterThought>,
     /// Tokens not yet fed to the model (the prompt, then the last sample).
     pending: Vec<u32>,
     prompt_len: usize,
@@ -322,6 +353,8 @@ impl Sequence {
             sampler,
             stop,
             constraint: None,
+            answer_start: None,
+            answer: None,
             prompt_len: prompt.len(),
             pending: prompt,
             tokens: Vec::new(),
@@ -366,6 +399,8 @@ impl Sequence {
             sampler,
             stop: self.stop.clone(),
             constraint: self.constraint.clone(),
+            answer_start: self.answer_start,
+            answer: self.answer.clone(),
             pending: self.pending.clone(),
             prompt_len: self.prompt_len,
             tokens: self.tokens.clone(),
@@ -380,6 +415,22 @@ impl Sequence {
     /// `max_new_tokens` still applies, so give at least the longest
     /// sequence's length (plus one for a stop token).
     pub fn with_constraint(mut self, allowed: Arc<TokenSequences>) -> Result<Self> {
+        self.check_unstarted(&allowed)?;
+        self.constraint = Some(allowed);
+        Ok(self)
+    }
+
+    /// Leaves the thought free and constrains the answer after it (see
+    /// the module docs); `max_new_tokens` bounds the thought, the answer
+    /// comes on top.
+    pub fn with_answer_after_thought(mut self, answer: AnswerAfterThought) -> Result<Self> {
+        self.check_unstarted(&answer.after_opener)?;
+        self.check_unstarted(&answer.whole)?;
+        self.answer = Some(answer);
+        Ok(self)
+    }
+
+    fn check_unstarted(&self, allowed: &TokenSequences) -> Result<()> {
         if allowed.sequences().is_empty() {
             return Err(ModelError::BadInput("no allowed completions".into()));
         }
@@ -394,8 +445,43 @@ impl Sequence {
                 "a constraint must be set before the first token".into(),
             ));
         }
+        Ok(())
+    }
+
+    /// The model has written the answer's opener: the tokens from here on
+    /// spell one of [`AnswerAfterThought::after_opener`]. Returns `false`
+    /// (and does nothing) when no answer is waiting for its thought.
+    pub fn begin_answer(&mut self) -> bool {
+        match self.answer.take() {
+            Some(answer) => {
+                self.start_constraint(answer.after_opener);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The thought ended without an opener: the whole answer follows.
+    fn answer_in_place_of_end(&mut self) {
+        if let Some(answer) = self.answer.take() {
+            self.start_constraint(answer.whole);
+        }
+    }
+
+    fn start_constraint(&mut self, allowed: Arc<TokenSequences>) {
         self.constraint = Some(allowed);
-        Ok(self)
+        self.answer_start = Some(self.tokens.len());
+    }
+
+    /// Whether an answer waits for the end of the thought.
+    pub fn thinking(&self) -> bool {
+        self.answer.is_some()
+    }
+
+    /// Where the constrained answer began in [`Sequence::tokens`], once
+    /// an answer after a thought has (`None` otherwise).
+    pub fn answer_start(&self) -> Option<usize> {
+        self.answer_start
     }
 
     /// The constraint, if any.
@@ -403,11 +489,16 @@ impl Sequence {
         self.constraint.as_ref()
     }
 
+    /// The constrained part of the completion.
+    fn constrained_tokens(&self) -> &[u32] {
+        &self.tokens[self.answer_start.unwrap_or(0)..]
+    }
+
     /// The tokens the constraint lets come next (`None`: unconstrained).
     fn allowed_next(&self) -> Option<Vec<u32>> {
         let constraint = self.constraint.as_ref()?;
-        let mut next = constraint.allowed_next(&self.tokens);
-        if constraint.completed(&self.tokens).is_some() {
+        let mut next = constraint.allowed_next(self.constrained_tokens());
+        if constraint.completed(self.constrained_tokens()).is_some() {
             next.extend(&self.stop.stop_token_ids);
             next.sort_unstable();
             next.dedup();
@@ -462,19 +553,25 @@ impl Sequence {
         self.pending = vec![sampled.token];
         let is_stop = self.stop.stop_token_ids.contains(&sampled.token);
         let allowed_done = self.constraint.as_ref().and_then(|c| {
-            let n = self.tokens.len();
-            match c.completed(&self.tokens) {
-                Some(i) if c.allowed_next(&self.tokens).is_empty() => Some(i),
+            let constrained = self.constrained_tokens();
+            let n = constrained.len();
+            match c.completed(constrained) {
+                Some(i) if c.allowed_next(constrained).is_empty() => Some(i),
                 // A stop token sampled where the constraint allowed it.
-                _ if is_stop => c.completed(&self.tokens[..n - 1]),
+                _ if is_stop => c.completed(&constrained[..n - 1]),
                 _ => None,
             }
         });
+        // An answer after a thought ends by its constraint alone.
+        let thought_used_up =
+            self.answer_start.is_none() && self.tokens.len() >= self.stop.max_new_tokens;
         self.finished = if let Some(i) = allowed_done {
             Some(FinishReason::Allowed(i))
         } else if is_stop {
             Some(FinishReason::Stop(sampled.token))
-        } else if self.tokens.len() >= self.stop.max_new_tokens {
+        } else if thought_used_up && !self.thinking() {
+            // (A thought that used its tokens is followed by its answer at
+            // the next step, after the caller had a look for the opener.)
             Some(FinishReason::Length)
         } else if self.cache.len() >= max_positions {
             Some(FinishReason::ContextFull)
@@ -564,10 +661,21 @@ pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<S
         .map(|(seq, row)| {
             row.map(|r| {
                 let row = &logits[r * vocab..(r + 1) * vocab];
-                match seq.allowed_next() {
-                    Some(allowed) => seq.sampler.sample_among(row, &allowed),
-                    None => seq.sampler.sample(row),
+                if seq.thinking() && seq.tokens.len() >= seq.stop.max_new_tokens {
+                    seq.answer_in_place_of_end();
                 }
+                let sampled = match seq.allowed_next() {
+                    Some(allowed) => seq.sampler.sample_among(row, &allowed)?,
+                    None => seq.sampler.sample(row)?,
+                };
+                if seq.thinking() && seq.stop.stop_token_ids.contains(&sampled.token) {
+                    // The thought ends here: the answer takes the stop
+                    // token's place.
+                    seq.answer_in_place_of_end();
+                    let allowed = seq.allowed_next().expect("the answer is constrained");
+                    return seq.sampler.sample_among(row, &allowed);
+                }
+                Ok(sampled)
             })
             .transpose()
         })
@@ -703,6 +811,73 @@ mod tests {
         let model = CausalLm::load_hf(&dir).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         model
+    }
+
+    #[test]
+    fn an_answer_after_a_thought_is_constrained_alone_and_takes_the_end_token_s_place() {
+        let model = random_model("thought");
+        let seqs = |texts: &[&str], ids: Vec<Vec<u32>>| {
+            let texts = texts.iter().map(|t| t.to_string()).collect();
+            Arc::new(TokenSequences::from_sequences(texts, ids).unwrap())
+        };
+        // Opener 30, moves [5 6] and [7], closer 31.
+        let answer = AnswerAfterThought {
+            after_opener: seqs(&["a}", "b}"], vec![vec![5, 6, 31], vec![7, 31]]),
+            whole: seqs(&["{a}", "{b}"], vec![vec![30, 5, 6, 31], vec![30, 7, 31]]),
+        };
+        // Many end tokens, so that thoughts end both ways.
+        let stop = StopCondition {
+            max_new_tokens: 4,
+            stop_token_ids: (10..30).collect(),
+        };
+        let (mut ended_early, mut used_up) = (0, 0);
+        for seed in 0..40 {
+            let sampler = Sampler::new(SamplingParams::default(), seed).unwrap();
+            let mut seq = Sequence::new(&model, vec![1, 20, 3], None, sampler, stop.clone())
+                .unwrap()
+                .with_answer_after_thought(answer.clone())
+                .unwrap();
+            generate(&model, &mut seq).unwrap();
+            let Some(FinishReason::Allowed(i)) = seq.finish_reason() else {
+                panic!("seed {seed}: finished with {:?}", seq.finish_reason());
+            };
+            let start = seq.answer_start().expect("the answer started");
+            let (thought, answer_tokens) = seq.tokens().split_at(start);
+            assert_eq!(answer_tokens, answer.whole.sequences()[i].as_slice());
+            assert!(thought.len() <= 4);
+            // The end token that stopped the thought is not in it.
+            assert!(thought.iter().all(|t| !(10..30).contains(t)), "{thought:?}");
+            if thought.len() < 4 {
+                ended_early += 1;
+            } else {
+                used_up += 1;
+            }
+            assert!(seq.logprobs().iter().all(|l| l.is_finite() && *l <= 0.0));
+        }
+        assert!(ended_early > 0 && used_up > 0, "{ended_early} / {used_up}");
+
+        // The caller saw the opener after the first token.
+        let sampler = Sampler::new(SamplingParams::default(), 7).unwrap();
+        let mut seq = Sequence::new(&model, vec![1, 20, 3], None, sampler, stop)
+            .unwrap()
+            .with_answer_after_thought(answer.clone())
+            .unwrap();
+        step(&model, &mut [&mut seq]).unwrap();
+        assert!(
+            seq.thinking(),
+            "seed 7's first token does not end the thought"
+        );
+        assert!(seq.begin_answer());
+        assert!(!seq.begin_answer(), "one answer");
+        generate(&model, &mut seq).unwrap();
+        let Some(FinishReason::Allowed(i)) = seq.finish_reason() else {
+            panic!("finished with {:?}", seq.finish_reason());
+        };
+        assert_eq!(seq.answer_start(), Some(1));
+        assert_eq!(
+            &seq.tokens()[1..],
+            answer.after_opener.sequences()[i].as_slice()
+        );
     }
 
     #[test]

@@ -146,8 +146,8 @@ pub use cache::{KvCache, PrefixCache};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use generate::{
-    generate, prefill, step, FinishReason, Sampled, Sampler, SamplingParams, Sequence, StepToken,
-    StopCondition,
+    generate, prefill, step, AnswerAfterThought, FinishReason, Sampled, Sampler, SamplingParams,
+    Sequence, StepToken, StopCondition,
 };
 pub use gguf::GgufBase;
 pub use init::{TinyShape, TinyVocab};

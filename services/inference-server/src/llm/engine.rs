@@ -22,9 +22,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use relay_llm::{
-    step, BatchItem, CausalLm, FinishReason as LlmFinish, IncrementalDecoder, LogitsWanted,
-    LoraAdapter, PrefixCache, Sampler, SamplingParams, Sequence, StopCondition, TokenSequences,
-    Tokenizer,
+    step, AnswerAfterThought, BatchItem, CausalLm, FinishReason as LlmFinish, IncrementalDecoder,
+    LogitsWanted, LoraAdapter, PrefixCache, Sampler, SamplingParams, Sequence, StopCondition,
+    TokenSequences, Tokenizer,
 };
 use relay_proto::{AdapterRef, FinishReason, GenerateReply, Tensor, SCHEMA_VERSION};
 
@@ -54,9 +54,18 @@ pub(crate) struct Job {
     pub stop: Vec<String>,
     /// Constrained decoding to these completions.
     pub allowed: Option<Arc<TokenSequences>>,
+    /// Or a free thought, then a constrained answer.
+    pub answer: Option<JobAnswer>,
     /// When the request arrived (latency and time to first token).
     pub received: Instant,
     pub reply: tokio::sync::oneshot::Sender<Result<GenerateReply, JobError>>,
+}
+
+/// A thought's answer: where the model writes `opener`, the answer
+/// (constrained) begins.
+pub(crate) struct JobAnswer {
+    pub opener: String,
+    pub answer: AnswerAfterThought,
 }
 
 /// A job being decoded.
@@ -66,6 +75,11 @@ struct Running {
     prompt: Vec<u32>,
     stop: Vec<String>,
     longest_stop: usize,
+    /// The opener of an answer after a thought ("" for none, or none to
+    /// look for).
+    opener: String,
+    /// Bytes of decoded text before the answer after a thought.
+    thought_text_len: Option<usize>,
     decoder: IncrementalDecoder,
     received: Instant,
     first_token: bool,
@@ -315,21 +329,24 @@ impl Engine {
                     None => Sequence::new(&self.model, job.prompt.clone(), adapter, sampler, stop),
                 }
             })
-            .and_then(|seq| match &job.allowed {
-                Some(allowed) => seq.with_constraint(allowed.clone()),
-                None => Ok(seq),
+            .and_then(|seq| match (&job.allowed, &job.answer) {
+                (Some(allowed), _) => seq.with_constraint(allowed.clone()),
+                (None, Some(answer)) => seq.with_answer_after_thought(answer.answer.clone()),
+                (None, None) => Ok(seq),
             });
         match built {
             Ok(seq) => Some(Running {
                 seq,
                 adapter: job.adapter.map(|(r, _)| r),
                 prompt: job.prompt,
-                stop: if job.allowed.is_some() {
+                stop: if job.allowed.is_some() || job.answer.is_some() {
                     Vec::new()
                 } else {
                     job.stop
                 },
                 longest_stop,
+                opener: job.answer.map(|a| a.opener).unwrap_or_default(),
+                thought_text_len: None,
                 decoder: IncrementalDecoder::new(true),
                 received: job.received,
                 first_token: false,
@@ -354,6 +371,9 @@ impl Engine {
         finished: Option<LlmFinish>,
     ) -> Option<(FinishReason, Option<String>)> {
         let before = r.decoder.text().len();
+        if r.thought_text_len.is_none() && r.seq.answer_start().is_some() {
+            r.thought_text_len = Some(before);
+        }
         if let Err(e) = r.decoder.push(&self.tokenizer, token) {
             tracing::warn!(error = %e, token, "decoding a completion token failed");
         }
@@ -361,11 +381,18 @@ impl Engine {
             return Some(match finished {
                 LlmFinish::Stop(_) => (FinishReason::Eos, None),
                 LlmFinish::Length | LlmFinish::ContextFull => (FinishReason::Length, None),
-                LlmFinish::Allowed(i) => (
-                    FinishReason::Allowed,
-                    r.seq.constraint().and_then(|c| c.texts().get(i).cloned()),
-                ),
+                LlmFinish::Allowed(i) => {
+                    let answer = r.seq.constraint().and_then(|c| c.texts().get(i));
+                    let thought = &r.decoder.text()[..r.thought_text_len.unwrap_or(0)];
+                    (
+                        FinishReason::Allowed,
+                        answer.map(|answer| format!("{thought}{answer}")),
+                    )
+                }
             });
+        }
+        if r.seq.thinking() && !r.opener.is_empty() && r.decoder.text().ends_with(&r.opener) {
+            r.seq.begin_answer();
         }
         if r.stop.is_empty() {
             return None;
@@ -402,7 +429,7 @@ impl Engine {
             logprobs: Tensor::from_f32(&[tokens.len()], r.seq.logprobs()),
             text,
             finish,
-            answer_start: None,
+            answer_start: r.seq.answer_start().map(|start| start as u32),
         };
         self.metrics
             .request_seconds

@@ -20,11 +20,11 @@ use std::time::Instant;
 
 use futures::StreamExt;
 use relay_kit::{Service, ServiceError};
-use relay_llm::{TokenSequences, Tokenizer};
+use relay_llm::{AnswerAfterThought, TokenSequences, Tokenizer};
 use relay_proto::{AdapterUpdate, GenerateRequest, Prompt, Rejection};
 
 use adapters::AdapterStore;
-use engine::{Engine, Job, JobError};
+use engine::{Engine, Job, JobAnswer, JobError};
 use metrics::LlmMetrics;
 
 pub use relay_llm::{load_model, LoadError, LoadedModel};
@@ -124,7 +124,16 @@ impl Frontend {
         let allowed = if request.allowed.is_empty() {
             None
         } else {
-            let sequences = TokenSequences::new(&self.tokenizer, &request.allowed)
+            let texts: Vec<String> = match &request.answer_frame {
+                // Checked here: the answer decoded where a thought ends.
+                Some(frame) => request
+                    .allowed
+                    .iter()
+                    .map(|m| format!("{}{m}{}", frame.opener, frame.closer))
+                    .collect(),
+                None => request.allowed.clone(),
+            };
+            let sequences = TokenSequences::new(&self.tokenizer, &texts)
                 .map_err(|e| self.bad("allowed", e.to_string()))?;
             for (text, ids) in sequences.texts().iter().zip(sequences.sequences()) {
                 if ids.is_empty() {
@@ -149,6 +158,34 @@ impl Frontend {
             }
             Some(Arc::new(sequences))
         };
+        let answer = match (&request.answer_frame, &allowed) {
+            (Some(frame), Some(whole)) => {
+                let after: Vec<String> = request
+                    .allowed
+                    .iter()
+                    .map(|m| format!("{m}{}", frame.closer))
+                    .collect();
+                let after_opener = TokenSequences::new(&self.tokenizer, &after)
+                    .map_err(|e| self.bad("allowed", e.to_string()))?;
+                if let Some(text) = after_opener
+                    .texts()
+                    .iter()
+                    .zip(after_opener.sequences())
+                    .find_map(|(text, ids)| ids.is_empty().then_some(text))
+                {
+                    return Err(self.bad("allowed", format!("{text:?} tokenizes to no tokens")));
+                }
+                Some(JobAnswer {
+                    opener: frame.opener.clone(),
+                    answer: AnswerAfterThought {
+                        after_opener: Arc::new(after_opener),
+                        whole: whole.clone(),
+                    },
+                })
+            }
+            _ => None,
+        };
+        let allowed = if answer.is_some() { None } else { allowed };
         let adapter = match &request.adapter {
             Some(wanted) => Some(self.adapters.resolve(wanted).await.map_err(|e| {
                 if e.code() == 404 {
@@ -179,6 +216,7 @@ impl Frontend {
             max_tokens: s.max_tokens as usize,
             stop: s.stop.clone(),
             allowed,
+            answer,
             received,
             reply: reply_tx,
         };
