@@ -330,8 +330,15 @@ learner = dashboard(
               description="Mean policy entropy (nats)."),
         panel("timeseries", "Total loss", [t(sel("relay_learner_total_loss"), "{{run_id}}")], w=6,
               description="policy_loss - ent_coef * entropy + vf_coef * value_loss."),
-        panel("timeseries", "Approx KL", [t(sel("relay_learner_approx_kl"), "{{run_id}}")], w=8,
-              description="Approximate KL(old || new), mean((r - 1) - log r)."),
+        panel(
+            "timeseries", "Approx KL",
+            [
+                t(sel("relay_learner_approx_kl"), "{{run_id}} from the sampled policy"),
+                t(sel("relay_learner_epoch_kl"), "{{run_id}} between epochs (text runs)"),
+            ],
+            w=8,
+            description="Approximate KL(old || new), mean((r - 1) - log r): from the policy that sampled the batch, and (text runs with rl.epochs > 1) between consecutive epochs of one update.",
+        ),
         panel(
             "timeseries", "Clip fractions",
             [
@@ -712,6 +719,7 @@ games = dashboard(
             [
                 t(sel("relay_learner_reward_mean"), "{{run_id}} game reward (score)"),
                 t(sel("relay_learner_shaped_reward_mean"), "{{run_id}} shaped reward"),
+                t(sel("relay_learner_rlhf_reward"), "{{run_id}} RLHF reward (shaped minus KL penalty)"),
             ],
             w=8, description="Mean game result of the learning seats, and after rl.reward shaping (format bonus, invalid-move penalty, normalisation).",
         ),

@@ -734,6 +734,10 @@ pub(crate) async fn run(
                         gauge("learner_mean_seq_len", first.mean_seq_len),
                         gauge("learner_completion_len", first.mean_completion_len),
                         gauge("learner_kl_penalty", first.kl_penalty),
+                        // score minus the KL penalty, TRL's rlhf_reward
+                        gauge("learner_rlhf_reward", first.reward_mean - first.kl_penalty),
+                        gauge("learner_ratio_mean", mean(|s| s.ratio_mean)),
+                        gauge("learner_ratio_var", mean(|s| s.ratio_var)),
                         gauge(
                             "learner_sampler_logprob_diff_mean",
                             first.sampler_logprob_diff_mean,
@@ -774,6 +778,27 @@ pub(crate) async fn run(
                             (dropped_stale - reported.0) as f64,
                         ),
                     ])
+                    // PPO's movement measures, once an update takes several
+                    // steps on its batch (in one step the policy is measured
+                    // before it moves, so they only show the sampler's
+                    // mismatch, reported apart).
+                    .chain(
+                        (steps.len() > 1)
+                            .then(|| {
+                                let between = &steps[1..];
+                                [
+                                    gauge("learner_approx_kl", mean(|s| s.approx_kl)),
+                                    gauge("learner_clip_fraction", mean(|s| s.clip_fraction)),
+                                    gauge(
+                                        "learner_epoch_kl",
+                                        between.iter().map(|s| s.epoch_kl).sum::<f64>()
+                                            / between.len() as f64,
+                                    ),
+                                ]
+                            })
+                            .into_iter()
+                            .flatten(),
+                    )
                     .chain(converted.per_game.iter().flat_map(|(game, f)| {
                         [
                             gauge("learner_game_reward_mean", f.reward_mean()),

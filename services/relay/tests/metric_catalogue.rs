@@ -1,7 +1,7 @@
 //! The metric catalogue (`configs/metrics.yaml`) and the services agree:
 //! every metric any service registers or reports is catalogued, and every
 //! catalogued metric is emitted by some service during a short real run (a
-//! CartPole run, and beside it a TicTacToe run of an env-runner, a
+//! CartPole run, and beside it a TicTacToe run (two epochs per update) of an env-runner, a
 //! `vs-opponent` evaluator, a replay buffer and a learner training the
 //! LoRA adapter over the tiny-qwen2 fixture, with a stand-in for the
 //! inference servers' `generate` endpoint, and a DQN CartPole run and a SAC
@@ -77,7 +77,7 @@ async fn metric_catalogue_matches_what_services_emit() {
     );
     let experiment = ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap();
     let text_run = format!(
-        "run:\n  id: catalogue-text\n  env_id: TicTacToe-v0\n  runs_dir: {}\nconnections:\n  nats_url: {}\n  redis_url: {}\neval:\n  evaluator: vs-opponent\n  options: {{games: 2}}\ntext:\n  opponents: {{random: 1, minimax: 1}}\n  games_in_flight: 2\nllm:\n  model: {}\nrl:\n  batch_size: 4\n  minibatch_size: 4\n",
+        "run:\n  id: catalogue-text\n  env_id: TicTacToe-v0\n  runs_dir: {}\nconnections:\n  nats_url: {}\n  redis_url: {}\neval:\n  evaluator: vs-opponent\n  options: {{games: 2}}\ntext:\n  opponents: {{random: 1, minimax: 1}}\n  games_in_flight: 2\nllm:\n  model: {}\nrl:\n  batch_size: 4\n  minibatch_size: 4\n  epochs: 2\n",
         dir.path().display(),
         nats.url(),
         redis.url(),

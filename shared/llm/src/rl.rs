@@ -445,6 +445,11 @@ pub struct LossSums {
     pub sampler_max_abs_diff: f64,
     /// Tokens whose importance weight the [`TruncatedIs`] cap cut.
     pub tis_capped: usize,
+    /// `Σ ρ` and `Σ ρ²` of the token ratios `ρ = exp(logp − old)` to the
+    /// policy PPO's clip compares with (the sampler's, or the learner's
+    /// first epoch with truncated IS), whatever the policy loss.
+    pub ratio: f64,
+    pub ratio_sq: f64,
 }
 
 impl std::ops::AddAssign for LossSums {
@@ -459,6 +464,8 @@ impl std::ops::AddAssign for LossSums {
         self.sampler_abs_diff += o.sampler_abs_diff;
         self.sampler_max_abs_diff = self.sampler_max_abs_diff.max(o.sampler_max_abs_diff);
         self.tis_capped += o.tis_capped;
+        self.ratio += o.ratio;
+        self.ratio_sq += o.ratio_sq;
     }
 }
 
@@ -524,6 +531,16 @@ pub fn rl_loss(
         }
     }
     // With truncated IS, PPO's old policy is the learner's, not the sampler's.
+    let old_values: &[f32] = match (&objective.truncated_is, &batch.learner_values) {
+        (None, _) => &batch.behaviour_values,
+        (Some(_), Some(values)) => values,
+        (Some(_), None) => &logp_values,
+    };
+    for (lp, old) in logp_values.iter().zip(old_values) {
+        let ratio = f64::from(lp - old).exp();
+        sums.ratio += ratio;
+        sums.ratio_sq += ratio * ratio;
+    }
     let ppo_old = match (&objective.truncated_is, &batch.learner_values) {
         (None, _) => batch.behaviour_logprobs.clone(),
         (Some(_), Some(values)) => Tensor::from_slice(values, n, device)?,
@@ -631,6 +648,15 @@ pub struct RlStats {
     pub sampler_logprob_diff_max: f64,
     /// Fraction of tokens whose [`TruncatedIs`] weight was capped (0 when off).
     pub tis_capped_fraction: f64,
+    /// Token mean and population variance of the ratio `ρ = exp(logp −
+    /// old)` to the policy PPO's clip compares with.
+    pub ratio_mean: f64,
+    pub ratio_var: f64,
+    /// Token mean of `ρ − 1 − log ρ` with `ρ` the ratio of this epoch's
+    /// log-probs to the previous epoch's (of the same update): how far the
+    /// last step moved the policy, PPO's approximate KL between epochs;
+    /// 0 in the first epoch.
+    pub epoch_kl: f64,
     /// Mean reward before any KL penalty.
     pub reward_mean: f64,
     /// Mean advantage.
@@ -655,6 +681,21 @@ pub struct RlStats {
     pub grad_norm: f64,
     /// Whether clipping scaled the gradient.
     pub grad_clipped: bool,
+}
+
+/// Token mean of `ρ − 1 − log ρ`, `ρ = exp(new − old)`: the k3 estimate of
+/// KL(old ‖ new) on the sampled tokens, by sequence (both as
+/// [`RlTrainer::accumulate`] returns them).
+fn approx_kl_between(old: &[Vec<f32>], new: &[Vec<f32>]) -> f64 {
+    let (mut sum, mut tokens) = (0.0, 0usize);
+    for (old, new) in old.iter().zip(new) {
+        for (o, n) in old.iter().zip(new) {
+            let log_ratio = f64::from(n - o);
+            sum += log_ratio.exp() - 1.0 - log_ratio;
+            tokens += 1;
+        }
+    }
+    sum / tokens.max(1) as f64
 }
 
 /// Trains one LoRA adapter with an RL objective: one call of
@@ -734,14 +775,21 @@ impl RlTrainer {
     ) -> TrainResult<Vec<RlStats>> {
         let mut all = Vec::with_capacity(epochs);
         let mut first_logprobs: Option<Vec<Vec<f32>>> = None;
+        let mut previous: Option<Vec<Vec<f32>>> = None;
         for _ in 0..epochs {
             let (mut stats, logprobs) =
                 self.accumulate(model, adapter, examples, first_logprobs.as_deref())?;
             let report = self.apply_gradients()?;
             stats.grad_norm = report.grad_norm;
             stats.grad_clipped = report.clipped;
+            if let Some(previous) = &previous {
+                stats.epoch_kl = approx_kl_between(previous, &logprobs);
+            }
             all.push(stats);
-            first_logprobs.get_or_insert(logprobs);
+            if first_logprobs.is_none() {
+                first_logprobs = Some(logprobs.clone());
+            }
+            previous = Some(logprobs);
         }
         Ok(all)
     }
@@ -943,6 +991,9 @@ impl RlTrainer {
             sampler_logprob_diff_mean: sums.sampler_abs_diff / tokens,
             sampler_logprob_diff_max: sums.sampler_max_abs_diff,
             tis_capped_fraction: sums.tis_capped as f64 / tokens,
+            ratio_mean: sums.ratio / tokens,
+            ratio_var: (sums.ratio_sq / tokens - (sums.ratio / tokens).powi(2)).max(0.0),
+            epoch_kl: 0.0,
             reward_mean: raw_rewards.iter().sum::<f64>() / n,
             advantage_mean: adv_mean,
             advantage_std: adv_var.sqrt(),

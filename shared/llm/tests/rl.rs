@@ -1012,7 +1012,45 @@ fn epochs_measure_the_sampler_mismatch_against_the_first_epoch() {
     }
     // The first epoch's ratio to the learner's own log-probs is 1: no clip.
     assert_eq!(steps[0].clip_fraction, 0.0);
+    assert!((steps[0].ratio_mean - 1.0).abs() < 1e-6 && steps[0].ratio_var < 1e-9);
     assert!(steps.iter().all(|s| s.grad_norm > 0.0));
+    // Each later epoch measures how far the step before it moved the policy.
+    assert_eq!(steps[0].epoch_kl, 0.0);
+    for s in &steps[1..] {
+        assert!(s.epoch_kl > 0.0 && s.epoch_kl.is_finite(), "{s:?}");
+        assert!(s.ratio_var > 0.0, "the policy moved: {s:?}");
+    }
+}
+
+#[test]
+fn ratio_statistics_by_hand() {
+    // The ratios to the sampler's log-probs, on a policy-gradient loss.
+    let behaviour = [-0.2f32, 0.2];
+    let (var, batch) = (
+        logits_var(),
+        one_row_batch(&behaviour, 1.0, Aggregation::TokenMean),
+    );
+    let out = rl_loss(
+        &objective(PolicyLoss::PolicyGradient),
+        var.as_tensor(),
+        None,
+        &batch,
+    )
+    .unwrap();
+    let ratios: Vec<f64> = out
+        .logprobs
+        .iter()
+        .zip(&behaviour)
+        .map(|(lp, old)| f64::from(lp - old).exp())
+        .collect();
+    let n = ratios.len() as f64;
+    let mean = ratios.iter().sum::<f64>() / n;
+    close(out.sums.ratio / n, mean, "ratio mean");
+    close(
+        out.sums.ratio_sq / n - mean * mean,
+        ratios.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n,
+        "ratio variance",
+    );
 }
 
 #[test]
