@@ -229,3 +229,127 @@ async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions()
         .unwrap()
         .unwrap();
 }
+
+/// A two-player TextArena game of the test's own module whose
+/// observations list no legal moves: each player says a word in brackets;
+/// after four words it is a draw.
+const WORDS_GAME: &str = r#"
+import textarena as ta
+
+class Words(ta.Env):
+    def reset(self, num_players, seed=None):
+        self.state = ta.TwoPlayerState(num_players=num_players, seed=seed)
+        self.state.reset(game_state={"said": []}, player_prompt_function=lambda player_id, game_state:
+            f"Player {player_id}, say any word in brackets, like [hello].")
+    def step(self, action):
+        self.state.add_observation(from_id=self.state.current_player_id, message=action,
+            observation_type=ta.ObservationType.PLAYER_ACTION)
+        self.state.game_state["said"].append(action)
+        if len(self.state.game_state["said"]) == 4:
+            self.state.set_draw(reason="four words said")
+        return self.state.step()
+
+ta.envs.registration.register(id="Words-v0", entry_point=Words)
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_game_without_legal_moves_is_evaluated_against_the_base_model_by_default() {
+    let dir = relay_testkit::TempDir::new("vs-opp-words");
+    std::fs::write(dir.path().join("relay_words_game.py"), WORDS_GAME).unwrap();
+    let nats = NatsServer::start().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let s = Subjects::new("vs-words");
+    let mut evals = client.subscribe(s.eval()).await.unwrap();
+    let env = format!(
+        "env:\n  backend: textarena\n  imports: [relay_words_game]\n  python_path: [{}]\n",
+        dir.path().display()
+    );
+    let yaml = |options: &str| {
+        format!(
+            "run:\n  id: vs-words\n  env_id: Words-v0\nconnections:\n  nats_url: {}\n{env}eval:\n  evaluator: vs-opponent\n  options: {{games: 4{options}}}\ntext:\n  opponents: {{self: 1}}\n  generate_timeout_ms: 5000\n",
+            nats.url()
+        )
+    };
+    let experiment = ExperimentConfig::from_layers(&yaml(""), "test", &[], &[]).unwrap();
+
+    // What `relay up` prints, and a random bot named by the user refused.
+    let plugin = relay_eval::plugins::build("vs-opponent", &[]).unwrap();
+    plugin.check_env("Words-v0", &experiment.env).unwrap();
+    let described = plugin.describe(&experiment);
+    assert!(
+        described.contains("Words-v0 against base") && described.contains("no legal moves"),
+        "{described}"
+    );
+    let random = relay_eval::plugins::build(
+        "vs-opponent",
+        &[("opponents".to_string(), "random".to_string())],
+    )
+    .unwrap();
+    let err = random.check_env("Words-v0", &experiment.env).unwrap_err();
+    assert!(err.contains("random bot needs the legal moves"), "{err}");
+
+    // Every model seat says a word.
+    let generate = client.clone();
+    tokio::spawn(async move {
+        let mut requests = generate
+            .queue_subscribe(s.generate(), "q".into())
+            .await
+            .unwrap();
+        while let Some(message) = requests.next().await {
+            let request: GenerateRequest = decode(&message.payload).unwrap();
+            let text = "[hello]".to_string();
+            let reply = GenerateReply {
+                schema: SCHEMA_VERSION,
+                adapter: request.adapter.clone().map(|a| AdapterRef {
+                    version: Some(0),
+                    ..a
+                }),
+                prompt_tokens: Tensor::from_u32(&[3], &[1, 2, 3]),
+                completion_tokens: Tensor::from_u32(&[2], &[9, 9]),
+                logprobs: Tensor::from_f32(&[2], &[-1.0, -1.0]),
+                text,
+                finish: FinishReason::Stop,
+                answer_start: None,
+            };
+            if let Some(to) = message.reply {
+                let _ = generate.publish(to, encode(&reply).into()).await;
+            }
+        }
+    });
+    let mut config = ServiceConfig::for_test(experiment);
+    config.metrics_addr = ([127, 0, 0, 1], free_port()).into();
+    let (trigger, shutdown) = Shutdown::new();
+    let evaluator = tokio::spawn(relay_evaluator::run(config, shutdown));
+    let update = AdapterUpdate {
+        schema: SCHEMA_VERSION,
+        name: "policy".into(),
+        version: 0,
+        learner_env_steps: 0,
+        config_json: "{}".into(),
+        weights: relay_proto::WeightsBlob::inline(vec![0; 8]),
+        published_unix_ms: 0,
+    };
+    // (Once the evaluator has subscribed.)
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    client
+        .publish(Subjects::new("vs-words").adapters(), encode(&update).into())
+        .await
+        .unwrap();
+    let report = next_report(&mut evals).await;
+    assert_eq!(report.env_id, "Words-v0");
+    let opponents: Vec<&str> = report
+        .matchups
+        .iter()
+        .map(|m| m.opponent.as_str())
+        .collect();
+    assert_eq!(opponents, ["base", "base"], "{report:?}");
+    for m in &report.matchups {
+        assert_eq!((m.games, m.abandoned, m.draws), (2, 0, 2), "{m:?}");
+    }
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(15), evaluator)
+        .await
+        .expect("the evaluator stops")
+        .unwrap()
+        .unwrap();
+}

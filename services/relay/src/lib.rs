@@ -280,6 +280,24 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
             );
         }
     }
+    // Which evaluation the run gets, and a plugin that cannot evaluate
+    // this run refused before any service starts.
+    let evaluator = relay_eval::plugins::build(&config.eval.evaluator, &config.eval.option_pairs())
+        .map_err(anyhow::Error::msg)
+        .context("eval.evaluator")?;
+    evaluator
+        .check_env(&config.run.env_id, &config.env)
+        .map_err(anyhow::Error::msg)
+        .context("eval.evaluator")?;
+    println!(
+        "relay: evaluation every {} version(s){}: {}",
+        config.eval.every_versions,
+        config
+            .eval
+            .every_seconds
+            .map_or(String::new(), |s| format!(" or {s} s")),
+        evaluator.describe(&config)
+    );
     if let Some(path) = stack::ensure_tiny_model(&config)? {
         println!(
             "relay: wrote the tiny model to {} (llm.model)",

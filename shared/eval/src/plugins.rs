@@ -13,7 +13,7 @@
 //! | `threshold` | deterministic, only once the training return (mean of the last 100 training episodes) reaches `level` | `level` (required) | — |
 //! | `record` | deterministic | — | `runs/<id>/recordings/v<version>.jsonl`: one JSON line per episode with `obs`, `actions`, `rewards`, `terminated`, `truncated`, `return` |
 //!
-//! | `vs-opponent` | text games only: the LLM policy (learning adapter, newest version) against each opponent, half of the games in each seat, through the env-runner's game loop | `games` (per opponent; default `eval.episodes`), `opponents` (comma list of `random`, `minimax`, `connect_four_bot`, `self`, `base`, `adapter:<name>`; default `random`, plus `minimax` for TicTacToe or `connect_four_bot` for ConnectFour), `seed` | — |
+//! | `vs-opponent` | text games only: the LLM policy (learning adapter, newest version) against each opponent, half of the games in each seat, through the env-runner's game loop | `games` (per opponent; default `eval.episodes`), `opponents` (comma list of `random`, `minimax`, `connect_four_bot`, `self`, `base`, `adapter:<name>`; default `random` (`base`, the policy's first version, in a game that lists no legal moves), plus `minimax` for TicTacToe or `connect_four_bot` for ConnectFour), `seed` | — |
 //!
 //! Classic plugins evaluate weights versions of the MLP policy on a
 //! blocking thread ([`Evaluator::evaluate`]); text-game plugins
@@ -143,6 +143,20 @@ pub trait Evaluator: Send + Sync {
             )),
             _ => Ok(()),
         }
+    }
+    /// What the plugin will do in a run of `config`, in one line for the
+    /// user starting it (`relay up` prints it).
+    fn describe(&self, config: &relay_config::ExperimentConfig) -> String {
+        format!(
+            "{}, {} episodes{}",
+            self.name(),
+            config.eval.episodes,
+            if self.samples_actions() {
+                " (sampled actions)"
+            } else {
+                ""
+            }
+        )
     }
     /// Evaluates the learning adapter in text games (asynchronously).
     fn evaluate_text<'a>(
@@ -466,18 +480,48 @@ impl VsOpponent {
         }))
     }
 
-    /// The opponents: the option, else `random` plus the game's strong bot.
-    fn opponents(&self, env_id: &str, env: &EnvSection) -> Vec<Opponent> {
+    /// The opponents: the option, else `random` plus the game's strong bot;
+    /// in a game that lists no legal moves (some of TextArena's), where
+    /// the random bot cannot move, `base`: the base model without adapter,
+    /// the policy's first version (a new LoRA adapter is zero).
+    fn opponents(&self, env_id: &str, env: &EnvSection, lists_moves: bool) -> Vec<Opponent> {
         if let Some(list) = &self.opponents {
             return list.clone();
         }
-        let mut list = vec![Opponent::Bot("random".into())];
+        let mut list = vec![if lists_moves {
+            Opponent::Bot("random".into())
+        } else {
+            Opponent::Base
+        }];
         for bot in ["minimax", "connect_four_bot"] {
             if relay_config::bot_plays(bot, env_id, env) {
                 list.push(Opponent::Bot(bot.into()));
             }
         }
         list
+    }
+}
+
+/// Whether the random bot can play `game`: it lists its legal moves.
+fn lists_legal_moves(game: &mut dyn relay_envs::TextGame) -> bool {
+    game.reset(0);
+    !game.legal_moves().is_empty()
+}
+
+/// `random` needs the legal moves; a game that lists none refuses it by name.
+fn check_opponent(
+    opponent: &Opponent,
+    game_id: &str,
+    env: &EnvSection,
+    lists_moves: bool,
+) -> Result<(), String> {
+    opponent.check_game(game_id, env)?;
+    match opponent {
+        Opponent::Bot(name) if name == "random" && !lists_moves => Err(format!(
+            "the random bot needs the legal moves, and {game_id} lists none in its observation; \
+             evaluate against `base` (the policy's first version) or `adapter:<name>`"
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -518,12 +562,52 @@ impl Evaluator for VsOpponent {
                 "evaluator vs-opponent plays text games, not {env_id}"
             ));
         }
-        for opponent in self.opponents(env_id, env) {
-            opponent
-                .check_game(env_id, env)
+        let mut game = relay_bridge::make_text_game(env_id, env).map_err(|e| e.to_string())?;
+        let lists_moves = lists_legal_moves(game.as_mut());
+        for opponent in self.opponents(env_id, env, lists_moves) {
+            check_opponent(&opponent, env_id, env, lists_moves)
                 .map_err(|e| format!("evaluator vs-opponent: option opponents: {e}"))?;
         }
         Ok(())
+    }
+
+    fn describe(&self, config: &relay_config::ExperimentConfig) -> String {
+        let env = &config.env;
+        let games = self.games.unwrap_or(config.eval.episodes);
+        let per_game: Vec<String> = config
+            .text
+            .game_weights(&config.run.env_id)
+            .into_iter()
+            .map(|(game_id, _)| {
+                let (players, lists_moves) = relay_bridge::make_text_game(&game_id, env)
+                    .map(|mut game| (game.num_players(), lists_legal_moves(game.as_mut())))
+                    .unwrap_or((2, true));
+                if players == 1 {
+                    return format!("{game_id} alone");
+                }
+                let opponents: Vec<String> = self
+                    .opponents(&game_id, env, lists_moves)
+                    .iter()
+                    .filter(|o| check_opponent(o, &game_id, env, lists_moves).is_ok())
+                    .map(|o| match o {
+                        Opponent::Base => {
+                            "base (the base model: the policy's first version)".into()
+                        }
+                        other => other.label(),
+                    })
+                    .collect();
+                let why = if !lists_moves && self.opponents.is_none() {
+                    " (it lists no legal moves, so the random bot cannot play it)"
+                } else {
+                    ""
+                };
+                format!("{game_id} against {}{why}", opponents.join(", "))
+            })
+            .collect();
+        format!(
+            "vs-opponent, {games} games per opponent (half in each seat): {}",
+            per_game.join("; ")
+        )
     }
 
     fn evaluate_text<'a>(
@@ -556,16 +640,17 @@ impl Evaluator for VsOpponent {
                         "evaluator vs-opponent plays text games, not {game_id}"
                     ));
                 }
-                let players = relay_bridge::make_text_game(game_id, &ctx.env)
-                    .map_err(|e| e.to_string())?
-                    .num_players();
+                let mut game =
+                    relay_bridge::make_text_game(game_id, &ctx.env).map_err(|e| e.to_string())?;
+                let players = game.num_players();
+                let lists_moves = lists_legal_moves(game.as_mut());
                 let opponents: Vec<Option<Opponent>> = if players == 1 {
                     vec![None]
                 } else {
-                    let listed = self.opponents(game_id, &ctx.env);
+                    let listed = self.opponents(game_id, &ctx.env, lists_moves);
                     let playing: Vec<Option<Opponent>> = listed
                         .iter()
-                        .filter(|o| o.check_game(game_id, &ctx.env).is_ok())
+                        .filter(|o| check_opponent(o, game_id, &ctx.env, lists_moves).is_ok())
                         .cloned()
                         .map(Some)
                         .collect();
