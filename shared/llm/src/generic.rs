@@ -228,6 +228,9 @@ impl CausalLm {
                                 .into(),
                         ))
                     }
+                    BaseWeight::PackedOnly => {
+                        return Err(crate::model::packed_only_error("the candle backend"))
+                    }
                 };
                 Ok(Projection {
                     weight: BaseWeight::Dense(place(&dense)?),

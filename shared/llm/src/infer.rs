@@ -50,19 +50,8 @@ impl InferenceWeights {
     fn new(model: &CausalLm) -> Result<Self> {
         let mut layers = Some(Vec::with_capacity(model.blocks.len()));
         for b in &model.blocks {
-            let parts = (
-                pack(&[&b.q_proj, &b.k_proj, &b.v_proj])?,
-                pack(&[&b.o_proj])?,
-                pack(&[&b.gate_proj, &b.up_proj])?,
-                pack(&[&b.down_proj])?,
-            );
-            match (parts, layers.as_mut()) {
-                ((Some(qkv), Some(o), Some(gate_up), Some(down)), Some(l)) => l.push(PackedLayer {
-                    qkv,
-                    o,
-                    gate_up,
-                    down,
-                }),
+            match (pack_block(b)?, layers.as_mut()) {
+                (Some(layer), Some(l)) => l.push(layer),
                 _ => layers = None,
             }
         }
@@ -70,6 +59,15 @@ impl InferenceWeights {
             Some(_) => pack(&[&model.lm_head])?,
             None => None,
         };
+        Self::around(model, layers, lm_head)
+    }
+
+    /// The packed `layers` and `lm_head` with plain copies of the rest.
+    fn around(
+        model: &CausalLm,
+        layers: Option<Vec<PackedLayer>>,
+        lm_head: Option<PackedWeights>,
+    ) -> Result<Self> {
         Ok(Self {
             input_norms: model
                 .blocks
@@ -97,6 +95,51 @@ impl InferenceWeights {
             layers,
             lm_head,
         })
+    }
+}
+
+/// One block's projections packed, if all are dense.
+fn pack_block(b: &crate::model::Block) -> Result<Option<PackedLayer>> {
+    Ok(
+        match (
+            pack(&[&b.q_proj, &b.k_proj, &b.v_proj])?,
+            pack(&[&b.o_proj])?,
+            pack(&[&b.gate_proj, &b.up_proj])?,
+            pack(&[&b.down_proj])?,
+        ) {
+            (Some(qkv), Some(o), Some(gate_up), Some(down)) => Some(PackedLayer {
+                qkv,
+                o,
+                gate_up,
+                down,
+            }),
+            _ => None,
+        },
+    )
+}
+
+/// Marks a block's projections as held in the packed copy only.
+fn release_block(b: &mut crate::model::Block) {
+    for p in [
+        &mut b.q_proj,
+        &mut b.k_proj,
+        &mut b.v_proj,
+        &mut b.o_proj,
+        &mut b.gate_proj,
+        &mut b.up_proj,
+        &mut b.down_proj,
+    ] {
+        p.weight = BaseWeight::PackedOnly;
+    }
+}
+
+/// Returns freed heap pages to the system: the released matrices were
+/// large, and glibc keeps what it freed in its arenas otherwise.
+fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks glibc's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 
@@ -292,6 +335,43 @@ impl CausalLm {
             return Ok(());
         }
         self.inference_weights().map(|_| ())
+    }
+
+    /// Packs the weights (as [`CausalLm::prepare_inference`]) and releases
+    /// the f32 matrices packing copied, so a dense base is held once, not
+    /// twice: a server that only runs [`CausalLm::forward_batch`] on the
+    /// engine needs nothing else of them. Embeddings, norms and biases
+    /// stay. Afterwards the candle paths (training, `to_backend`) refuse
+    /// the model by name. Nothing changes on the candle backend or for a
+    /// quantized base, which are not packed.
+    pub fn keep_packed_only(&mut self) -> Result<()> {
+        if matches!(self.backend, crate::backend::Backend::Candle { .. }) {
+            return Ok(());
+        }
+        if self.inference.get().is_some() || self.is_quantized() || self.is_packed_only() {
+            // Already packed (both copies were made), or nothing to pack.
+            let weights = self.inference_weights()?;
+            if weights.layers.is_some() {
+                self.blocks.iter_mut().for_each(release_block);
+                if weights.lm_head.is_some() {
+                    self.lm_head.weight = BaseWeight::PackedOnly;
+                }
+            }
+        } else {
+            // Layer by layer, each f32 copy released once packed: at most
+            // one layer is held twice.
+            let mut layers = Vec::with_capacity(self.blocks.len());
+            for b in &mut self.blocks {
+                layers.push(pack_block(b)?.expect("a dense base packs"));
+                release_block(b);
+            }
+            let lm_head = pack(&[&self.lm_head])?;
+            self.lm_head.weight = BaseWeight::PackedOnly;
+            let weights = InferenceWeights::around(self, Some(layers), lm_head)?;
+            self.inference = std::sync::OnceLock::from(Arc::new(weights));
+        }
+        return_freed_memory();
+        Ok(())
     }
 
     /// `x` `(rows, in)` through the projections `parts` (which read the

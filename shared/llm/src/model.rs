@@ -51,6 +51,18 @@ pub(crate) enum BaseWeight {
     /// quantizes the activations (to 8 bits for 4-bit weights); no
     /// gradient reaches the input.
     QMatMul(QMatMul),
+    /// Only in the model's packed inference copy: the f32 matrix was
+    /// released once packed ([`CausalLm::keep_packed_only`]), so only
+    /// the engine's [`CausalLm::forward_batch`] can multiply it.
+    PackedOnly,
+}
+
+/// What a path other than the engine's forward says of a packed-only weight.
+pub(crate) fn packed_only_error(what: &str) -> ModelError {
+    ModelError::BadInput(format!(
+        "{what} needs the base's f32 weights, which this model released after packing them \
+         for inference (CausalLm::keep_packed_only); load the model again"
+    ))
 }
 
 /// One linear projection of the base model, plus where LoRA may attach.
@@ -78,6 +90,7 @@ impl Projection {
             BaseWeight::Dense(w) => x.matmul(&w.t()?)?,
             BaseWeight::Quantized(q) => x.matmul(&q.dequantize(x.device())?.t()?)?,
             BaseWeight::QMatMul(q) => q.forward(x)?,
+            BaseWeight::PackedOnly => return Err(packed_only_error("a candle matmul")),
         })
     }
 
@@ -450,13 +463,19 @@ impl CausalLm {
 
     /// Whether the base keeps GGUF-quantized weights in memory.
     pub fn is_quantized(&self) -> bool {
-        self.any_weight(|w| !matches!(w, BaseWeight::Dense(_)))
+        self.any_weight(|w| matches!(w, BaseWeight::Quantized(_) | BaseWeight::QMatMul(_)))
     }
 
     /// Whether [`CausalLm::forward_train`] can pass gradients through the
-    /// base (false only for [`crate::GgufBase::QMatMul8Bit`]).
+    /// base (false for [`crate::GgufBase::QMatMul8Bit`] and once
+    /// [`CausalLm::keep_packed_only`] released the f32 weights).
     pub fn supports_training(&self) -> bool {
-        !self.any_weight(|w| matches!(w, BaseWeight::QMatMul(_)))
+        !self.any_weight(|w| matches!(w, BaseWeight::QMatMul(_) | BaseWeight::PackedOnly))
+    }
+
+    /// Whether [`CausalLm::keep_packed_only`] released the f32 weights.
+    pub(crate) fn is_packed_only(&self) -> bool {
+        self.any_weight(|w| matches!(w, BaseWeight::PackedOnly))
     }
 
     pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {

@@ -31,6 +31,7 @@ fn dense_weight(projection: &Projection) -> Result<Tensor> {
         BaseWeight::QMatMul(_) => Err(ModelError::BadInput(
             "forward_train cannot pass gradients through QMatMul".into(),
         )),
+        BaseWeight::PackedOnly => Err(crate::model::packed_only_error("forward_train")),
     }
 }
 
@@ -74,6 +75,9 @@ impl CausalLm {
         input_ids: &Tensor,
         adapter: Option<&LoraAdapter>,
     ) -> Result<(usize, usize, Tensor)> {
+        if self.is_packed_only() {
+            return Err(crate::model::packed_only_error("forward_train"));
+        }
         if !self.supports_training() {
             return Err(ModelError::BadInput(
                 "forward_train cannot pass gradients through QMatMul: \

@@ -1001,6 +1001,41 @@ fn gguf_logits_match_transformers(name: &str) {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The engine with only its packed weights (as the inference server holds
+/// a dense base) gives the same logits, with and without the adapter; the
+/// paths that need the f32 weights refuse it by name.
+fn packed_only_engine_matches_transformers(name: &str) {
+    let mut model = model(name).to_backend(Backend::Engine).unwrap();
+    let adapter = adapter(name, &model);
+    model.keep_packed_only().unwrap();
+    assert!(!model.is_quantized() && !model.supports_training());
+    for (i, case) in cases(name).iter().enumerate() {
+        for (with, want) in [
+            (None, &case.logits),
+            (Some(&adapter), &case.logits_with_adapter),
+        ] {
+            let mut cache = model.new_cache();
+            let logits = model
+                .forward_one(&case.input_ids, &mut cache, with)
+                .unwrap();
+            let (diff, pos) = max_diff(&logits, want);
+            assert!(
+                diff < LOGIT_TOLERANCE,
+                "case {i}: max |diff| {diff} at position {pos}"
+            );
+        }
+    }
+    let ids = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu).unwrap();
+    let err = model.forward_train(&ids, None).unwrap_err().to_string();
+    assert!(err.contains("released"), "{err}");
+    let candle = Backend::Candle {
+        device: Device::Cpu,
+        dtype: DType::F32,
+    };
+    let err = model.clone().to_backend(candle).unwrap_err().to_string();
+    assert!(err.contains("released"), "{err}");
+}
+
 /// One module per fixture, each running every check above, so that a
 /// test's name says its architecture (`cargo test -- qwen3`).
 macro_rules! reference_suite {
@@ -1039,6 +1074,7 @@ macro_rules! every_reference_check {
                 hub_layout_loads_the_same,
                 other_architecture_is_refused,
                 gguf_logits_match_transformers,
+                packed_only_engine_matches_transformers,
             ]
         );
     };

@@ -281,8 +281,9 @@ pub(crate) async fn serve(
             detail: e.to_string(),
         };
         loaded.model = loaded.model.to_backend(placed).map_err(&failed)?;
-        // Pack the weights now, not inside the first request.
-        loaded.model.prepare_inference().map_err(&failed)?;
+        // Pack the weights now, not inside the first request, and hold a
+        // dense base once: the server only runs the engine's forward.
+        loaded.model.keep_packed_only().map_err(&failed)?;
         Ok::<_, LoadError>(loaded)
     })
     .await
