@@ -51,7 +51,10 @@
 //! evaluation are skipped but the newest (and counted). An evaluation whose
 //! games were all abandoned (no inference server yet) is tried again after
 //! 5 s unless a newer version arrives. The report's `matchups` hold the
-//! results per opponent and seat.
+//! results per opponent and seat; after the report, each game played
+//! (screening and confirmation) is published as an [`EvalGame`] on
+//! `relay.<run>.eval.games`, which the tracker writes to the run
+//! directory's `games.jsonl` (the tracker is that file's one writer).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -62,11 +65,11 @@ use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
 use relay_policy::text::{NatsGenerate, LEARNING_ADAPTER};
 use relay_policy::{AdapterFollower, AdapterVersion, PolicyFetcher};
 use relay_proto::{
-    Confirmation, EpisodeReport, EvalControl, EvalReport, EvalStarted, Matchup, RunStatus,
-    RunStatusUpdate, SCHEMA_VERSION,
+    Confirmation, EpisodeReport, EvalControl, EvalGame, EvalReport, EvalStarted, Matchup,
+    RunStatus, RunStatusUpdate, SCHEMA_VERSION,
 };
 
-use plugins::{EvalContext, EvalOutcome, Evaluator, TextEvalContext};
+use plugins::{EvalContext, EvalOutcome, Evaluator, OpponentGame, TextEvalContext};
 pub use relay_eval::{evaluate, mean_std, plugins};
 
 /// Runs the evaluator until shutdown.
@@ -454,6 +457,30 @@ fn text_returns(outcome: &Result<EvalOutcome, String>) -> Option<&[f64]> {
     }
 }
 
+/// Publishes the games of an evaluation (`confirmation`: of its
+/// confirmation) for the run directory's `games.jsonl`, after its report.
+async fn publish_games(
+    service: &Service,
+    report: &EvalReport,
+    played: Vec<OpponentGame>,
+    confirmation: bool,
+) {
+    for game in played {
+        let message = EvalGame {
+            schema: SCHEMA_VERSION,
+            evaluator: report.evaluator.clone(),
+            instance: report.instance.clone(),
+            policy_version: report.policy_version,
+            opponent: game.opponent,
+            confirmation,
+            game: game.record,
+        };
+        service
+            .publish(service.subjects.eval_games(), &message)
+            .await;
+    }
+}
+
 /// The evaluator of text-game runs (see the crate docs).
 async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceError> {
     let cfg = service.config.clone();
@@ -606,11 +633,11 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                 running = None;
                 let evaluation = finished.map_err(ServiceError::other)?;
                 let version = evaluation.target.version;
-                let (returns, matchups, acted) = match evaluation.outcome {
-                    Ok(EvalOutcome::Games { returns, matchups, policy_version }) if !returns.is_empty() => {
-                        (returns, matchups, policy_version)
+                let (returns, matchups, acted, played) = match evaluation.outcome {
+                    Ok(EvalOutcome::Games { returns, matchups, policy_version, played }) if !returns.is_empty() => {
+                        (returns, matchups, policy_version, played)
                     }
-                    Ok(EvalOutcome::Returns(returns)) if !returns.is_empty() => (returns, Vec::new(), None),
+                    Ok(EvalOutcome::Returns(returns)) if !returns.is_empty() => (returns, Vec::new(), None, Vec::new()),
                     Ok(EvalOutcome::Skipped(reason)) => {
                         tracing::warn!(evaluator = %evaluation.plugin, version, %reason, retry_in_s = TEXT_EVAL_RETRY.as_secs(), "evaluation skipped");
                         retry = Some((tokio::time::Instant::now() + TEXT_EVAL_RETRY, evaluation.target));
@@ -623,9 +650,16 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                     }
                 };
                 let (mean, std) = mean_std(&returns);
+                let mut confirmation_played = Vec::new();
                 let confirmation = match (evaluation.confirmation, threshold) {
                     (Some((seed, outcome)), Some(t)) => match text_returns(&outcome) {
-                        Some(r) => Some(confirmation(r.to_vec(), seed, t, cfg.eval.confirm_z)),
+                        Some(r) => {
+                            let confirmed = confirmation(r.to_vec(), seed, t, cfg.eval.confirm_z);
+                            if let Ok(EvalOutcome::Games { played, .. }) = outcome {
+                                confirmation_played = played;
+                            }
+                            Some(confirmed)
+                        }
                         None => {
                             tracing::warn!(evaluator = %evaluation.plugin, version, outcome = ?outcome.err(), "confirmation played no game");
                             None
@@ -661,6 +695,8 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                     confirmation,
                 };
                 service.publish(service.subjects.eval(), &report).await;
+                publish_games(&service, &report, played, false).await;
+                publish_games(&service, &report, confirmation_played, true).await;
                 if solved && !announced_solved {
                     announced_solved = true;
                     announce_solved(&service, &report).await;

@@ -2,7 +2,8 @@
 //! nats-server: it evaluates at start (version 0; again once an inference
 //! server answers, if none did), then each new adapter version the learner
 //! announces, and reports win/draw/loss and the legal move rate per
-//! opponent and seat.
+//! opponent and seat; after each report it publishes the games it played
+//! (`EvalGame`, for the tracker's `games.jsonl`).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,7 +14,7 @@ use futures::StreamExt;
 use relay_config::ExperimentConfig;
 use relay_kit::{ServiceConfig, Shutdown};
 use relay_proto::{
-    decode, encode, AdapterRef, AdapterUpdate, EvalControl, EvalReport, FinishReason,
+    decode, encode, AdapterRef, AdapterUpdate, EvalControl, EvalGame, EvalReport, FinishReason,
     GenerateReply, GenerateRequest, Prompt, Subjects, Tensor, SCHEMA_VERSION,
 };
 use relay_testkit::{free_port, http_get, NatsServer};
@@ -137,6 +138,7 @@ async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions()
     let client = async_nats::connect(nats.url()).await.unwrap();
     let s = Subjects::new("vs-opp");
     let mut evals = client.subscribe(s.eval()).await.unwrap();
+    let mut eval_games = client.subscribe(s.eval_games()).await.unwrap();
     let version = Arc::new(AtomicU64::new(0));
     let yaml = format!(
         "run:\n  id: vs-opp\n  env_id: TicTacToe-v0\nconnections:\n  nats_url: {}\neval:\n  evaluator: vs-opponent\n  every_versions: 1\n  options: {{games: 6, opponents: 'random, minimax'}}\ntext:\n  games_in_flight: 4\n  generate_timeout_ms: 5000\n",
@@ -182,6 +184,43 @@ async fn vs_opponent_reports_results_per_opponent_and_follows_adapter_versions()
     check_matchups(&first, 6);
     assert_eq!(first.policy_version, 0);
     assert!(served.load(Ordering::SeqCst) > 0);
+    // Its games follow the report, one message each (the abandoned first
+    // try published none), named by the matchups' opponents.
+    let mut by_opponent: std::collections::BTreeMap<String, u32> = Default::default();
+    for _ in 0..first.returns.len() {
+        let message = tokio::time::timeout(Duration::from_secs(10), eval_games.next())
+            .await
+            .expect("the evaluation's games")
+            .unwrap();
+        let game: EvalGame = decode(&message.payload).expect("a valid EvalGame");
+        assert_eq!(game.evaluator, "vs-opponent");
+        assert_eq!(game.policy_version, 0);
+        assert!(!game.confirmation);
+        let record = &game.game;
+        let seat = record.learner_seat.expect("the learning seat") as usize;
+        let model_moves: Vec<_> = record
+            .turns
+            .iter()
+            .filter(|t| t.player as usize == seat)
+            .collect();
+        assert!(!model_moves.is_empty());
+        assert!(model_moves
+            .iter()
+            .all(|t| !t.completion.is_empty() && !t.observation.is_empty()));
+        *by_opponent.entry(game.opponent.clone()).or_default() += 1;
+    }
+    let reported = |opponent: &str| -> u32 {
+        first
+            .matchups
+            .iter()
+            .filter(|m| m.opponent == opponent)
+            .map(|m| m.games)
+            .sum()
+    };
+    assert_eq!(by_opponent.len(), 2, "{by_opponent:?}");
+    for (opponent, games) in &by_opponent {
+        assert_eq!(*games, reported(opponent), "{opponent}");
+    }
 
     // A classic plugin is refused on a text run; the current one stays.
     let control = EvalControl {

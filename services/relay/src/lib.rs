@@ -1,10 +1,11 @@
 //! The `relay` command line: the local stack supervisor (`up`, `down`,
 //! `scale`, `top`), runs, checkpoints, plots, offline evaluation, play,
-//! models and SFT. See `main.rs` for the commands; the benchmarks, chaos,
+//! a text run's games, models and SFT. See `main.rs` for the commands; the benchmarks, chaos,
 //! soak and sweeps are `relay-bench`'s.
 
 pub mod checkpoints;
 pub mod eval;
+pub mod games;
 pub mod model;
 pub mod play;
 pub mod play_text;

@@ -10,6 +10,8 @@
 //! - `relay eval use <name>`: switch the running evaluators' plugin;
 //!   `relay eval checkpoint <run>[:which]`: play a saved checkpoint offline;
 //! - `relay play <run|@last>`: an episode of a checkpoint's policy as text;
+//! - `relay games <run|@last>`: a text run's training and evaluation games,
+//!   as the tracker wrote them to `games.jsonl`;
 //! - `relay model init tiny`: write a tiny random Qwen2 model folder;
 //! - `relay bench-*`, `relay chaos`, `relay soak`, `relay sweep`: run by
 //!   `relay-bench` (see its `--help`).
@@ -62,6 +64,9 @@ enum Command {
     Eval(relay::eval::EvalArgs),
     /// Play episodes with a checkpoint's policy and print them as text frames.
     Play(relay::play::PlayArgs),
+    /// A text run's games (runs/<id>/games.jsonl) for reading: what each player saw, the model's
+    /// reply and the move; `--version N`, `--opponent NAME`, `--eval|--train`, `--last K`, `--full`.
+    Games(relay::games::GamesArgs),
     /// LLM model folders: `model init tiny [--out DIR] [--seed N]`.
     Model(relay::model::ModelArgs),
     /// Supervised warm start of a text-game policy: learn moves from bot games or a JSONL file.
@@ -88,6 +93,7 @@ fn main() -> Result<()> {
         Command::Checkpoints(args) => relay::checkpoints::checkpoints(args),
         Command::Eval(args) => relay::eval::eval(args),
         Command::Play(args) => relay::play::play(args),
+        Command::Games(args) => relay::games::games(args),
         Command::Model(args) => relay::model::model(args),
         Command::Sft(args) => relay::sft::sft(args),
         Command::Bench(args) => bench(args),

@@ -127,23 +127,26 @@ pub fn plot(args: PlotArgs) -> Result<()> {
     Ok(())
 }
 
+/// An RFC 3339 time of the run directory as local time
+/// (`2026-11-26 22:16:50`); the text itself when it does not parse.
+pub fn local_time(rfc3339: &str) -> String {
+    chrono::DateTime::parse_from_rfc3339(rfc3339)
+        .map(|t| {
+            t.with_timezone(&chrono::Local)
+                .format("%Y-%m-%d %H:%M:%S")
+                .to_string()
+        })
+        .unwrap_or_else(|_| rfc3339.to_string())
+}
+
 /// The `relay runs ls` table: id, start (local time), env, algo, status.
 pub fn table(records: &[RunRecord]) -> String {
-    let started = |r: &RunRecord| {
-        chrono::DateTime::parse_from_rfc3339(&r.time)
-            .map(|t| {
-                t.with_timezone(&chrono::Local)
-                    .format("%Y-%m-%d %H:%M:%S")
-                    .to_string()
-            })
-            .unwrap_or_else(|_| r.time.clone())
-    };
     let rows: Vec<[String; 5]> = records
         .iter()
         .map(|r| {
             [
                 r.id.clone(),
-                started(r),
+                local_time(&r.time),
                 r.env_id.clone(),
                 r.algo.clone(),
                 serde_json::to_value(r.status)

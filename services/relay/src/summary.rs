@@ -1,6 +1,6 @@
 //! The block `relay up` prints once when a run ends: how it ended, its
 //! env steps, wall time and best evaluation, where its results are, and
-//! the commands that look further. After it, no more progress lines.
+//! the commands that look further (`relay games` when the run wrote text games). After it, no more progress lines.
 
 use std::path::{Path, PathBuf};
 
@@ -104,6 +104,10 @@ impl RunEnd<'_> {
             "relay play @last".to_string(),
             "relay eval checkpoint @last".to_string(),
         ];
+        // Text runs: the games the tracker wrote, as text.
+        if self.run_dir.join(relay_runs::games::FILE).exists() {
+            look.insert(2, "relay games @last".to_string());
+        }
         if let Some(url) = self.prometheus_url {
             look.push(format!(
                 "Prometheus {url}/graph?g0.expr=relay_eval_return_mean%7Brun_id%3D%22{}%22%7D",
@@ -157,6 +161,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("relay-summary-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("plots")).unwrap();
         std::fs::write(dir.join("plots/return.png"), b"").unwrap();
+        std::fs::write(dir.join("games.jsonl"), b"").unwrap();
         let text = RunEnd {
             run_id: "r1",
             how: "solved: eval 500.0".into(),
@@ -179,6 +184,7 @@ mod tests {
             "plots/return.png",
             "relay top @last",
             "relay play @last",
+            "relay games @last",
             "http://127.0.0.1:9090/graph",
         ] {
             assert!(text.contains(part), "{part:?} missing from\n{text}");

@@ -1,5 +1,6 @@
-//! `relay runs ls`, `relay runs repair` and `relay plot @last`, run as the
-//! real binary against a temporary runs folder, and the `@last` resolver.
+//! `relay runs ls`, `relay runs repair`, `relay plot @last` and `relay
+//! games @last`, run as the real binary against a temporary runs folder,
+//! and the `@last` resolver.
 
 use std::io::Write;
 use std::path::Path;
@@ -256,4 +257,97 @@ fn a_corrupt_registry_is_reported_and_repaired() {
         stdout.contains("solved") && stdout.contains("stopped"),
         "{stdout}"
     );
+}
+
+/// A `games.jsonl` line as the tracker writes it: the learning adapter
+/// (seat 0, its moves at `version`) against `opponent`.
+fn game_line(kind: &str, version: u64, opponent: &str, seed: u64) -> serde_json::Value {
+    let observation = |free: &str| format!("Tic Tac Toe: cells 0-8.\nFree: {free}\n");
+    json!({
+        "time": "2026-12-01T10:41:07.512Z", "kind": kind, "opponent": opponent,
+        "env_id": "TicTacToe-v0", "seed": seed, "runner": "env-runner-1", "version": version,
+        "seats": [{"model": {"name": "policy", "version": null}}, {"bot": opponent}],
+        "learner_seat": 0, "rewards": [1.0, -1.0], "reasons": ["Player 0 won.", "Player 0 won."],
+        "duration_ms": 900, "finished_unix_ms": 0,
+        "turns": [
+            {"player": 0, "adapter": {"name": "policy", "version": version},
+             "observation": observation("0 1 2 3 4 5 6 7 8"), "completion": format!("Centre first (game {seed}). [4]"),
+             "action": "[4]", "invalid": false, "no_answer": false, "truncated": false,
+             "prompt_tokens": 40, "completion_tokens": 9},
+            {"player": 1, "observation": observation("0 1 2 3 5 6 7 8"), "completion": "", "action": "[0]",
+             "invalid": false, "no_answer": false, "truncated": false, "prompt_tokens": 0, "completion_tokens": 0}
+        ]
+    })
+}
+
+#[test]
+fn games_prints_the_newest_matching_games_of_a_run() {
+    let tmp = TempDir::new("runs-games");
+    let runs = tmp.path().join("runs");
+    add_run(
+        &runs,
+        "text-run",
+        "2026-12-01T10:00:00.000Z",
+        RunStatus::Running,
+    );
+    let output = relay(&["games", "@last"], &runs);
+    assert!(output.status.success(), "{:?}", text(&output));
+    assert!(
+        text(&output).0.contains("no games.jsonl yet"),
+        "{:?}",
+        text(&output)
+    );
+
+    let mut file = std::fs::File::create(runs.join("text-run/games.jsonl")).unwrap();
+    for (kind, version, opponent, seed) in [
+        ("train", 1, "random", 11),
+        ("eval", 1, "minimax", 12),
+        ("train", 2, "random", 13),
+        ("train", 2, "random", 14),
+        ("eval", 2, "minimax", 15),
+    ] {
+        writeln!(file, "{}", game_line(kind, version, opponent, seed)).unwrap();
+    }
+    drop(file);
+
+    let output = relay(
+        &["games", "@last", "--opponent", "random", "--last", "1"],
+        &runs,
+    );
+    let (stdout, stderr) = text(&output);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stdout.starts_with(
+            "run text-run: 1 of 3 matching games [vs random] (5 in the file; oldest first)"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("=== train · TicTacToe-v0 · seed 14 · v2 vs random · win · "),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("  reply │ Centre first (game 14). [4]"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("--- move 2 · player 1 · bot random\n   move │ [0]"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("\x1b["),
+        "no colours off a terminal: {stdout}"
+    );
+
+    let output = relay(&["games", "text-run", "--eval", "--version", "1"], &runs);
+    let stdout = text(&output).0;
+    assert!(
+        stdout.contains("1 of 1 matching game [eval, v1]"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("seed 12 · v1 vs minimax"), "{stdout}");
+    assert!(!stdout.contains("seed 15"), "{stdout}");
+
+    let output = relay(&["games", "text-run", "--eval", "--train"], &runs);
+    assert!(!output.status.success(), "--eval and --train together");
 }

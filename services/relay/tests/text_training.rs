@@ -5,7 +5,8 @@
 //! played with the new versions, the checkpoint holds a PEFT adapter that
 //! `relay_llm` loads back, the `best` checkpoint holds the adapter files of
 //! the version the evaluator played, byte for byte, the tracker writes the
-//! learner's losses; then a
+//! learner's losses and the games (`games.jsonl`, training and
+//! evaluation, as `relay games` prints them); then a
 //! learner resumed from that checkpoint publishes above every earlier
 //! version and answers `adapters.latest` with it.
 
@@ -65,6 +66,8 @@ fn experiment(
         "text.branches=2".into(),
         "eval.every_versions=1000".into(),
         "eval.options={games: 2, opponents: random}".into(),
+        // Every training game into games.jsonl (the default writes a tenth).
+        "tracker.games_train_rate=1".into(),
         // GRPO gives a group whose games all ended alike no gradient, and a
         // few short batches can hold only such groups; without a baseline
         // every decided game moves the adapter, which the test checks.
@@ -187,6 +190,57 @@ async fn trains_on_games(run_id: &str, extra: &[&str]) {
     .unwrap();
     assert_eq!(latest.version, updates);
 
+    // The tracker wrote the games as text: training games as they came,
+    // and the evaluation's (published after its report).
+    let run_dir = runs.join(run_id);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let written = loop {
+        let games = relay_runs::games::read(&run_dir).unwrap();
+        let kinds: BTreeSet<_> = games.games.iter().map(|g| g.kind.label()).collect();
+        if kinds.len() == 2 {
+            break games;
+        }
+        assert!(Instant::now() < deadline, "games.jsonl holds {kinds:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for game in &written.games {
+        assert_eq!(game.env_id, "TicTacToe-v0");
+        let seat = game.learner_seat.expect("a learning seat");
+        let moves: Vec<_> = game.turns.iter().filter(|t| t.player == seat).collect();
+        assert!(!moves.is_empty(), "{game:?}");
+        for turn in moves {
+            assert!(!turn.observation.is_empty() && !turn.completion.is_empty());
+            assert!(turn.prompt_tokens > 0 && turn.completion_tokens > 0);
+            assert_eq!(turn.adapter.as_ref().unwrap().name, "policy");
+        }
+        match game.kind {
+            relay_runs::games::GameKind::Train => assert_eq!(game.opponent, "random"),
+            relay_runs::games::GameKind::Eval => {
+                assert_eq!(game.opponent, "random");
+                assert_eq!(game.evaluator.as_deref(), Some("vs-opponent"));
+                assert!(evaluated
+                    .iter()
+                    .any(|r| Some(r.policy_version) == game.version));
+            }
+        }
+    }
+    let printed = relay::games::render(
+        run_id,
+        &written,
+        &relay::games::Filter::default(),
+        false,
+        relay::games::Style::default(),
+    );
+    assert!(
+        printed.contains("=== train · TicTacToe-v0 · seed "),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("=== eval (vs-opponent) · TicTacToe-v0 · seed "),
+        "{printed}"
+    );
+    assert!(printed.contains("  reply │ "), "{printed}");
+
     trigger.trigger();
     for task in tasks {
         tokio::time::timeout(Duration::from_secs(30), task)
@@ -224,7 +278,6 @@ async fn trains_on_games(run_id: &str, extra: &[&str]) {
 
     // The checkpoint: a PEFT adapter relay_llm loads, moved away from the
     // fresh one (B = 0), the optimizer's moments and the counters.
-    let run_dir = runs.join(run_id);
     // The evaluation's version (played with that version only), saved as
     // `best` with the files it was published with, whatever the learner
     // held when the report came.

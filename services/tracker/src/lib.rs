@@ -15,6 +15,8 @@
 //! - `plots/*.png`: learning curves, drawn when the learner finishes, after
 //!   each later evaluation and at shutdown ([`relay_runs::plots`]);
 //! - `episodes.jsonl`, `eval.jsonl`: every finished training episode batch and eval;
+//! - `games.jsonl` (text runs): a sample of the training games and the
+//!   evaluation games, as text, within a size bound ([`games`]);
 //! - `status.json`: the run's status (never down from solved) and the last update;
 //! - `logs/<service>.log`: every service's log lines.
 //!
@@ -24,6 +26,7 @@
 
 pub mod alerts;
 pub mod csv;
+pub mod games;
 pub mod league;
 pub mod timeline;
 
@@ -36,7 +39,8 @@ use futures::StreamExt;
 use prometheus::{Counter, Gauge, GaugeVec, IntCounter, Opts, Registry};
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};
 use relay_proto::{
-    EpisodeReport, EvalReport, LogBatch, MetricKind, MetricsReport, RunStatus, RunStatusUpdate,
+    EpisodeReport, EvalGame, EvalReport, GameRecord, LogBatch, MetricKind, MetricsReport,
+    RunStatus, RunStatusUpdate,
 };
 use serde_json::json;
 
@@ -47,6 +51,7 @@ struct RunDir {
     metrics_csv: csv::MetricsCsv,
     episodes: BufWriter<File>,
     eval: BufWriter<File>,
+    games: games::GamesFile,
     logs: HashMap<String, BufWriter<File>>,
     timeline: timeline::Timeline,
 }
@@ -58,7 +63,11 @@ fn append(path: &Path) -> std::io::Result<BufWriter<File>> {
 }
 
 impl RunDir {
-    fn open(root: PathBuf, config_yaml: &str) -> std::io::Result<Self> {
+    fn open(
+        root: PathBuf,
+        config_yaml: &str,
+        tracker: &relay_config::TrackerConfig,
+    ) -> std::io::Result<Self> {
         std::fs::create_dir_all(root.join("logs"))?;
         let config_path = root.join("config.yaml");
         let tmp = root.join("config.yaml.tmp");
@@ -70,6 +79,7 @@ impl RunDir {
             metrics_csv: csv::MetricsCsv::open(&root.join("metrics.csv"))?,
             episodes: append(&root.join("episodes.jsonl"))?,
             eval: append(&root.join("eval.jsonl"))?,
+            games: games::GamesFile::new(root.clone(), tracker),
             logs: HashMap::new(),
             root,
         })
@@ -156,6 +166,7 @@ impl RunDir {
         self.metrics_csv.flush()?;
         self.episodes.flush()?;
         self.eval.flush()?;
+        self.games.flush()?;
         for file in self.logs.values_mut() {
             file.flush()?;
         }
@@ -465,7 +476,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let shutdown = service.shutdown.clone();
     let cfg = service.config.clone();
     let run_id = cfg.run_id()?.to_string();
-    let mut dir = RunDir::open(cfg.run.runs_dir.join(&run_id), &cfg.to_yaml())?;
+    let mut dir = RunDir::open(cfg.run.runs_dir.join(&run_id), &cfg.to_yaml(), &cfg.tracker)?;
     let mut run_record = relay_runs::registry::RunRecorder::start(&cfg, &run_id);
     tokio::spawn(league::follow(
         service.config.clone(),
@@ -488,6 +499,18 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut evals = service
         .nats
         .subscribe(s.eval())
+        .await
+        .map_err(ServiceError::nats)?;
+    // A plain subscription beside the replay buffers' queue group: the
+    // tracker hears every game.
+    let mut games = service
+        .nats
+        .subscribe(s.games())
+        .await
+        .map_err(ServiceError::nats)?;
+    let mut eval_games = service
+        .nats
+        .subscribe(s.eval_games())
         .await
         .map_err(ServiceError::nats)?;
     let mut statuses = service
@@ -552,6 +575,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     redraw = training_over;
                     writeln!(dir.eval, "{}", json!({"time": now(), "evaluator": report.evaluator, "instance": report.instance, "policy_version": report.policy_version, "learner_env_steps": report.learner_env_steps, "mean_return": report.mean_return, "std_return": report.std_return, "returns": report.returns, "threshold": report.threshold, "solved": report.solved, "matchups": report.matchups, "confirmation": report.confirmation}))
                 }
+                Err(_) => Ok(()),
+            },
+            Some(m) = games.next() => match intake.decode::<GameRecord>("games", &m.payload) {
+                Ok(record) => dir.games.train(&record, now()),
+                Err(_) => Ok(()),
+            },
+            Some(m) = eval_games.next() => match intake.decode::<EvalGame>("eval.games", &m.payload) {
+                Ok(game) => dir.games.eval(&game, now()),
                 Err(_) => Ok(()),
             },
             Some(m) = statuses.next() => match intake.decode::<RunStatusUpdate>("status", &m.payload) {

@@ -308,6 +308,7 @@ impl ExperimentConfig {
                 ),
             ));
         }
+        self.tracker.validate()?;
         self.eval.validate()?;
         positive("eval.episodes", self.eval.episodes)?;
         positive("eval.every_versions", self.eval.every_versions as usize)?;

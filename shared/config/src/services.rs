@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::check::{positive, unit_interval, ConfigError};
+
 /// env-runner settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -121,6 +123,28 @@ pub struct TrackerConfig {
     pub write_metrics: bool,
     /// How often buffered metric lines are flushed to disk.
     pub flush_ms: u64,
+    /// Text runs: the share of finished training games (`relay.<run>.games`)
+    /// written to `runs/<id>/games.jsonl`, in `[0, 1]` (0: none, 1: every
+    /// one). Which games is decided by a hash of each game (runner, seed,
+    /// end time, branch), not by a random draw: the same games are written
+    /// whichever tracker copy or restart hears them. Default 0.1: a fast
+    /// run plays many games a second, and a tenth of them still shows what
+    /// the policy does while the size bound covers ten times the stretch of
+    /// training.
+    pub games_train_rate: f64,
+    /// Text runs: the share of evaluation games (`relay.<run>.eval.games`)
+    /// written there, in `[0, 1]`, chosen the same way. Default 1: every
+    /// game of every evaluation (they are few, and the ones a report sums up).
+    pub games_eval_rate: f64,
+    /// The most bytes the run's games take on disk (`null`: no bound). The
+    /// newest games are kept: once writing a game would take `games.jsonl`
+    /// past half of this, it is renamed `games.1.jsonl` (replacing the
+    /// previous one, whose games are dropped) and a new `games.jsonl`
+    /// begins, so the two files hold at most this many bytes. The tracker
+    /// logs a warning the first time the bound is reached (and drops, with
+    /// a warning, a single game larger than half of it); `relay games`
+    /// reads both files. Default 256 MiB.
+    pub games_max_bytes: Option<u64>,
 }
 
 impl Default for TrackerConfig {
@@ -128,6 +152,22 @@ impl Default for TrackerConfig {
         Self {
             write_metrics: true,
             flush_ms: 500,
+            games_train_rate: 0.1,
+            games_eval_rate: 1.0,
+            games_max_bytes: Some(256 << 20),
         }
+    }
+}
+
+impl TrackerConfig {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        // tokio's interval panics on a zero period.
+        positive("tracker.flush_ms", self.flush_ms as usize)?;
+        unit_interval("tracker.games_train_rate", self.games_train_rate)?;
+        unit_interval("tracker.games_eval_rate", self.games_eval_rate)?;
+        if let Some(bytes) = self.games_max_bytes {
+            positive("tracker.games_max_bytes", bytes as usize)?;
+        }
+        Ok(())
     }
 }

@@ -1153,3 +1153,26 @@ fn answer_formats_are_set_by_name_or_pattern() {
         relay_envs::AnswerFormat::Regex("Move: (\\[\\d\\])".into())
     );
 }
+
+#[test]
+fn tracker_games_settings_default_and_are_checked_by_name() {
+    let c = ExperimentConfig::from_layers(BASE, "t", &[], &[]).unwrap();
+    assert_eq!(c.tracker.games_train_rate, 0.1);
+    assert_eq!(c.tracker.games_eval_rate, 1.0);
+    assert_eq!(c.tracker.games_max_bytes, Some(256 << 20));
+    let c = ExperimentConfig::from_layers(BASE, "t", &[], &["tracker.games_max_bytes=null".into()])
+        .unwrap();
+    assert_eq!(c.tracker.games_max_bytes, None);
+    for (set, field) in [
+        ("tracker.games_train_rate=1.5", "tracker.games_train_rate"),
+        ("tracker.games_eval_rate=-0.1", "tracker.games_eval_rate"),
+        ("tracker.games_eval_rate=.nan", "tracker.games_eval_rate"),
+        ("tracker.games_max_bytes=0", "tracker.games_max_bytes"),
+        ("tracker.flush_ms=0", "tracker.flush_ms"),
+    ] {
+        let e = ExperimentConfig::from_layers(BASE, "t", &[], &[set.into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(field), "{set}: {e}");
+    }
+}

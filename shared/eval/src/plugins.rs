@@ -13,7 +13,7 @@
 //! | `threshold` | deterministic, only once the training return (mean of the last 100 training episodes) reaches `level` | `level` (required) | — |
 //! | `record` | deterministic | — | `runs/<id>/recordings/v<version>.jsonl`: one JSON line per episode with `obs`, `actions`, `rewards`, `terminated`, `truncated`, `return` |
 //!
-//! | `vs-opponent` | text games only: the LLM policy (learning adapter, newest version) against each opponent, half of the games in each seat, through the env-runner's game loop | `games` (per opponent; default `eval.episodes`), `opponents` (comma list of `random`, `minimax`, `connect_four_bot`, `self`, `base`, `adapter:<name>`; default `random` (`base`, the policy's first version, in a game that lists no legal moves), plus `minimax` for TicTacToe or `connect_four_bot` for ConnectFour), `seed` | — |
+//! | `vs-opponent` | text games only: the LLM policy (learning adapter, newest version) against each opponent, half of the games in each seat, through the env-runner's game loop | `games` (per opponent; default `eval.episodes`), `opponents` (comma list of `random`, `minimax`, `connect_four_bot`, `self`, `base`, `adapter:<name>`; default `random` (`base`, the policy's first version, in a game that lists no legal moves), plus `minimax` for TicTacToe or `connect_four_bot` for ConnectFour), `seed` | its games, published on `relay.<run>.eval.games` for the tracker's `runs/<id>/games.jsonl` |
 //!
 //! Classic plugins evaluate weights versions of the MLP policy on a
 //! blocking thread ([`Evaluator::evaluate`]); text-game plugins
@@ -38,7 +38,7 @@ use relay_policy::text::{
     LEARNING_ADAPTER,
 };
 use relay_policy::VersionedPolicy;
-use relay_proto::Matchup;
+use relay_proto::{GameRecord, Matchup};
 
 /// What a plugin knows about the run when it evaluates.
 #[derive(Debug, Clone)]
@@ -101,15 +101,25 @@ pub enum EvalOutcome {
     /// Episodes played: their returns (published as an `EvalReport`).
     Returns(Vec<f64>),
     /// Text games played: the policy's rewards, its results per opponent and
-    /// seat, and the oldest adapter version that moved (when the inference
-    /// servers reported one).
+    /// seat, the oldest adapter version that moved (when the inference
+    /// servers reported one), and the games themselves (the evaluator
+    /// publishes them for the run directory's `games.jsonl`).
     Games {
         returns: Vec<f64>,
         matchups: Vec<Matchup>,
         policy_version: Option<u64>,
+        played: Vec<OpponentGame>,
     },
     /// Nothing played (and nothing published), with the reason.
     Skipped(String),
+}
+
+/// A game a text evaluation finished, with the plugin's name for its
+/// opponent (a matchup's `opponent`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpponentGame {
+    pub opponent: String,
+    pub record: GameRecord,
 }
 
 /// An evaluator plugin.
@@ -729,6 +739,7 @@ impl Evaluator for VsOpponent {
             .await;
             let mut returns = Vec::new();
             let mut policy_version: Option<u64> = None;
+            let mut played = Vec::new();
             for (index, result) in results {
                 let m = &mut matchups[index];
                 let game = match result {
@@ -756,6 +767,10 @@ impl Evaluator for VsOpponent {
                     }
                 }
                 returns.push(game.learner_reward().expect("learner seat set"));
+                played.push(OpponentGame {
+                    opponent: m.opponent.clone(),
+                    record: game.record,
+                });
             }
             if returns.is_empty() {
                 return Ok(EvalOutcome::Skipped(format!(
@@ -767,6 +782,7 @@ impl Evaluator for VsOpponent {
                 returns,
                 matchups,
                 policy_version,
+                played,
             })
         })
     }

@@ -391,6 +391,12 @@ async fn text_runs_generate_replay_games_and_ship_adapters_through_the_object_st
     // The operator switches evaluators.
     let mut control = evaluator.subscribe("relay.r.eval.control").await.unwrap();
     until_delivered(&operator, "relay.r.eval.control", &mut control).await;
+    // The tracker reads the games, training and evaluation, for games.jsonl.
+    let (tracker, mut tracker_errors) = connect_as(&server, "tracker").await;
+    let mut tracked = tracker.subscribe("relay.r.games").await.unwrap();
+    until_delivered(&runner, "relay.r.games", &mut tracked).await;
+    let mut eval_games = tracker.subscribe("relay.r.eval.games").await.unwrap();
+    until_delivered(&evaluator, "relay.r.eval.games", &mut eval_games).await;
 
     for (name, errors) in [
         ("env-runner", &mut runner_errors),
@@ -398,6 +404,7 @@ async fn text_runs_generate_replay_games_and_ship_adapters_through_the_object_st
         ("replay-buffer", &mut replay_errors),
         ("learner", &mut learner_errors),
         ("evaluator", &mut evaluator_errors),
+        ("tracker", &mut tracker_errors),
     ] {
         assert!(errors.try_recv().is_err(), "{name} hit a permission error");
     }

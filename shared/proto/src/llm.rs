@@ -355,8 +355,9 @@ pub struct TextTurn {
     pub truncated: bool,
 }
 
-/// env-runner -> replay-buffer (a queue group), tracker,
-/// evaluators, league (`relay.<run>.games`): one finished game.
+/// env-runner -> replay-buffer (a queue group), tracker
+/// (`relay.<run>.games`): one finished game. The evaluator's games travel
+/// inside an [`EvalGame`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GameRecord {
     pub schema: u16,
@@ -550,6 +551,42 @@ impl GameRecord {
         self.learning_turns()
             .filter_map(|t| t.adapter.as_ref().and_then(|a| a.version))
             .min()
+    }
+}
+
+/// evaluator -> tracker (`relay.<run>.eval.games`): one game a text
+/// evaluation played, for the run directory's `games.jsonl` (the tracker
+/// is its one writer, of training and evaluation games alike).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalGame {
+    pub schema: u16,
+    /// The plugin that played it (`vs-opponent`), as its `EvalReport` names it.
+    pub evaluator: String,
+    /// The evaluator copy.
+    pub instance: String,
+    /// The learning adapter version the evaluation played.
+    pub policy_version: u64,
+    /// The opponent as the plugin names it: `random`, `minimax`, `self`,
+    /// `base`, `adapter:<name>`; `none` in a single-player game.
+    pub opponent: String,
+    /// One of the confirmation's games (else the screening's).
+    pub confirmation: bool,
+    pub game: GameRecord,
+}
+
+impl WireMessage for EvalGame {
+    const KIND: &'static str = "EvalGame";
+    fn schema(&self) -> u16 {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), Rejection> {
+        if self.evaluator.is_empty() {
+            return Err(invalid("EvalGame", "evaluator", "empty"));
+        }
+        if self.opponent.is_empty() {
+            return Err(invalid("EvalGame", "opponent", "empty"));
+        }
+        self.game.validate()
     }
 }
 

@@ -59,7 +59,8 @@ impl Subjects {
         self.subject("adapters.latest")
     }
     /// Publish: [`crate::GameRecord`], every finished text game (the
-    /// replay-buffers consume it in a queue group).
+    /// replay-buffers consume it in a queue group; the tracker writes a
+    /// sample of them to the run directory's `games.jsonl`).
     pub fn games(&self) -> String {
         self.subject("games")
     }
@@ -111,6 +112,11 @@ impl Subjects {
     pub fn eval(&self) -> String {
         self.subject("eval")
     }
+    /// Publish: [`crate::EvalGame`], each game a text evaluation played (the
+    /// tracker writes them to the run directory's `games.jsonl`).
+    pub fn eval_games(&self) -> String {
+        self.subject("eval.games")
+    }
     /// Publish: [`crate::EvalStarted`], an evaluation of a version begins.
     pub fn eval_started(&self) -> String {
         self.subject("eval.started")
@@ -151,6 +157,7 @@ mod tests {
         let s = Subjects::new("cartpole-ppo-1");
         assert_eq!(s.act(), "relay.cartpole-ppo-1.act");
         assert_eq!(s.replay_insert(), "relay.cartpole-ppo-1.replay.insert");
+        assert_eq!(s.eval_games(), "relay.cartpole-ppo-1.eval.games");
         assert_eq!(
             s.supervisor_scale(),
             "relay.cartpole-ppo-1.supervisor.scale"

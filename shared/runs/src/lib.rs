@@ -6,7 +6,10 @@
 //! - [`checkpoint`]: the checkpoint folders of a run: their layout, numbers,
 //!   links, pins and pruning, and the state a checkpoint carries.
 //! - [`plots`]: a run directory's PNG plots, drawn from its CSV files.
+//! - [`games`]: `games.jsonl`, the text games of a run (the line format,
+//!   which games are written, and reading them back).
 
 pub mod checkpoint;
+pub mod games;
 pub mod plots;
 pub mod registry;

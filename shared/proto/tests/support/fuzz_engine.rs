@@ -386,6 +386,7 @@ pub const SUBJECTS: &[(&str, Runner)] = &[
     ("GenerateReply", fuzz::<GenerateReply>),
     ("AdapterUpdate", fuzz::<AdapterUpdate>),
     ("GameRecord", fuzz::<GameRecord>),
+    ("EvalGame", fuzz::<EvalGame>),
     ("GameSampleRequest", fuzz::<GameSampleRequest>),
     ("GameSampleReply", fuzz::<GameSampleReply>),
     ("AdapterRequest", fuzz::<AdapterRequest>),

@@ -958,6 +958,35 @@ impl Subject for GameSampleReply {
     }
 }
 
+impl Subject for EvalGame {
+    fn generate(rng: &mut Rng) -> Self {
+        EvalGame {
+            schema: SCHEMA_VERSION,
+            evaluator: rng.ident(LOWER_DIGIT_DASH, 12),
+            instance: rng.text(16),
+            policy_version: rng.u64_any(),
+            opponent: rng.ident(SERVICE, 16),
+            confirmation: rng.bool(),
+            game: GameRecord::generate(rng),
+        }
+    }
+    schema_setter!();
+    fn tensors(&self) -> Vec<&Tensor> {
+        self.game.tensors()
+    }
+    fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        self.game.tensors_mut()
+    }
+    fn corrupt(&mut self, rng: &mut Rng) -> bool {
+        match rng.below(4) {
+            0 => self.evaluator.clear(),
+            1 => self.opponent.clear(),
+            _ => return self.game.corrupt(rng),
+        }
+        true
+    }
+}
+
 impl Subject for AdapterRequest {
     fn generate(rng: &mut Rng) -> Self {
         AdapterRequest {
