@@ -330,15 +330,8 @@ learner = dashboard(
               description="Mean policy entropy (nats)."),
         panel("timeseries", "Total loss", [t(sel("relay_learner_total_loss"), "{{run_id}}")], w=6,
               description="policy_loss - ent_coef * entropy + vf_coef * value_loss."),
-        panel(
-            "timeseries", "Approx KL",
-            [
-                t(sel("relay_learner_approx_kl"), "{{run_id}} from the sampled policy"),
-                t(sel("relay_learner_epoch_kl"), "{{run_id}} between epochs (text runs)"),
-            ],
-            w=8,
-            description="Approximate KL(old || new), mean((r - 1) - log r): from the policy that sampled the batch, and (text runs with rl.epochs > 1) between consecutive epochs of one update.",
-        ),
+        panel("timeseries", "Approx KL", [t(sel("relay_learner_approx_kl"), "{{run_id}}")], w=8,
+              description="Approximate KL(old || new), mean((r - 1) - log r)."),
         panel(
             "timeseries", "Clip fractions",
             [
@@ -713,6 +706,16 @@ games = dashboard(
                 t(sel("relay_learner_kl_penalty"), "{{run_id}} KL penalty (non-score reward)"),
             ],
             w=8, description="Per update: the objective, the KL of the adapted model to the base (objective/kl), the token entropy (objective/entropy), the reward-mode KL penalty.",
+        ),
+        panel(
+            "timeseries", "Policy movement per update (rl.epochs > 1)",
+            [
+                t(sel("relay_learner_approx_kl"), "{{run_id}} approx KL from the sampler"),
+                t(sel("relay_learner_epoch_kl"), "{{run_id}} approx KL between epochs"),
+                t(sel("relay_learner_clip_fraction"), "{{run_id}} clip fraction"),
+            ],
+            w=8,
+            description="Text runs taking several steps per batch: mean((r - 1) - log r) of the learner's policy against the one that sampled the batch, and between consecutive epochs of one update; the share of tokens PPO's clip held. Not reported with one epoch.",
         ),
         panel(
             "timeseries", "Rewards of the trained moves",

@@ -532,6 +532,8 @@ fn the_games_dashboard_queries_a_live_text_stack() {
             "run.total_env_steps=100000".into(),
             "eval.every_seconds=3".into(),
             "eval.options.games=2".into(),
+            // Several steps per batch, so the update's movement is reported.
+            "rl.epochs=2".into(),
         ],
     );
     check_live_stack(
