@@ -343,8 +343,6 @@ pub struct RlRow<'a> {
 pub struct RlMicroBatch {
     /// The token block and its completion positions.
     pub tokens: TokenBatch,
-    /// `(tokens,)` behaviour log-probs.
-    pub behaviour_logprobs: Tensor,
     /// `(tokens,)` each token's sequence advantage.
     pub advantages: Tensor,
     /// `(tokens,)` aggregation weights.
@@ -408,7 +406,6 @@ impl RlMicroBatch {
         }
         Ok(Self {
             weights: tokens.token_weights(aggregation, totals)?,
-            behaviour_logprobs: Tensor::from_vec(behaviour_values.clone(), n, device)?,
             advantages: Tensor::from_vec(advantage_values.clone(), n, device)?,
             row_mean: Tensor::from_vec(row_mean, (rows.len(), n), device)?,
             token_rows: Tensor::from_vec(tokens.token_rows.clone(), n, device)?,
@@ -530,7 +527,8 @@ pub fn rl_loss(
             tis_weights.push(weight.min(tis.cap) as f32);
         }
     }
-    // With truncated IS, PPO's old policy is the learner's, not the sampler's.
+    // PPO's old policy: the sampler's, or with truncated IS the learner's
+    // (its first epoch, or this forward in the first epoch).
     let old_values: &[f32] = match (&objective.truncated_is, &batch.learner_values) {
         (None, _) => &batch.behaviour_values,
         (Some(_), Some(values)) => values,
@@ -541,11 +539,7 @@ pub fn rl_loss(
         sums.ratio += ratio;
         sums.ratio_sq += ratio * ratio;
     }
-    let ppo_old = match (&objective.truncated_is, &batch.learner_values) {
-        (None, _) => batch.behaviour_logprobs.clone(),
-        (Some(_), Some(values)) => Tensor::from_slice(values, n, device)?,
-        (Some(_), None) => logp.detach(),
-    };
+    let ppo_old = Tensor::from_slice(old_values, n, device)?;
 
     let per_token = match objective.policy_loss {
         PolicyLoss::PolicyGradient => (&logp * adv)?.neg()?,
