@@ -250,7 +250,8 @@ pub fn bench_llamacpp(args: BenchLlamaCppArgs) -> Result<()> {
     set_threads(threads)?;
     let cpu = crate::cpu_name();
     let simd = crate::cpu_simd();
-    println!("relay bench-llamacpp: CPU {cpu} ({simd}), {threads} threads");
+    let thread_s = if threads == 1 { "thread" } else { "threads" };
+    println!("relay bench-llamacpp: CPU {cpu} ({simd}), {threads} {thread_s}");
 
     let (model, gguf) = relay_llm::load_causal_lm("smollm2", GgufBase::Dequantized)
         .context("SmolLM2-135M-Instruct (run `bash deploy/install.sh`)")?;
@@ -335,11 +336,11 @@ pub fn bench_llamacpp(args: BenchLlamaCppArgs) -> Result<()> {
 
     println!();
     println!(
-        "CPU {cpu} ({simd}), {threads} threads; medians of {} rounds",
+        "CPU {cpu} ({simd}), {threads} {thread_s}; medians of {} rounds",
         args.rounds
     );
     println!(
-        "| SmolLM2-135M-Instruct Q4_1 GGUF | relay engine (f32, dequantized) | llama.cpp {version} (Q4_1) | relay / llama.cpp |"
+        "| SmolLM2-135M-Instruct Q4_1 GGUF | relay engine (f32, dequantized) | llama.cpp (llama-cpp-python {version}, Q4_1) | relay / llama.cpp |"
     );
     println!("|---|---:|---:|---:|");
     let rows = [
