@@ -18,7 +18,8 @@
 # `--llama-cpp` also installs llama-cpp-python 0.3.36 (PyPI; it builds
 # llama.cpp from source with the machine's gcc/g++, cmake and ninja from
 # PyPI, a plain CPU build tuned to this CPU: -DGGML_NATIVE=ON, so AVX-512
-# where there is one; 10+ minutes on 2 cores) into .relay/llama-cpp, for
+# where there is one; about an hour on the busy 2-core dev machine)
+# into .relay/llama-cpp, for
 # `just bench-llamacpp`. No wheel cache: pip would reuse a wheel built
 # with other CMAKE_ARGS.
 # `--cuda` also installs a CUDA 13.4 compiler and headers (PyPI's
@@ -185,7 +186,7 @@ if [[ " $* " == *" --llama-cpp "* ]]; then
   llama_venv="$repo_root/.relay/llama-cpp"
   llama_version=0.3.36
   if ! "$llama_venv/bin/python" -c "import llama_cpp; assert llama_cpp.__version__ == '$llama_version'" >/dev/null 2>&1; then
-    say "installing llama-cpp-python $llama_version into .relay/llama-cpp (PyPI; builds llama.cpp for this CPU, 10+ minutes on 2 cores)"
+    say "installing llama-cpp-python $llama_version into .relay/llama-cpp (PyPI; builds llama.cpp for this CPU: up to an hour on 2 cores)"
     { [ -x "$llama_venv/bin/python" ] || python3 -m venv "$llama_venv"; } \
       && CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF" \
         CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
