@@ -120,6 +120,12 @@ bench-hub-model *ARGS: install
     cargo build --release -p relay-bench
     {{release}}/relay-bench bench-hub-model {{ARGS}}
 
+# relay's CPU engine against llama.cpp (llama-cpp-python, installed into .relay/llama-cpp on first use: deploy/install.sh --llama-cpp) on the same SmolLM2-135M-Instruct GGUF and threads (default every core; --threads N): prompt tokens/s of a 200-token prompt and generation tokens/s at B = 1, medians of alternating rounds, ratios: table + JSON line.
+bench-llamacpp *ARGS: install
+    bash deploy/install.sh --llama-cpp
+    cargo build --release -p relay-bench
+    {{release}}/relay-bench bench-llamacpp {{ARGS}}
+
 # LLM generation: tokens/s and p50/p95 request latency of the inference server for the tiny model and SmolLM2-135M (GGUF) at 1, 8, 32 concurrent requesters: table + JSON line.
 bench-generate *ARGS: install
     cargo build --release -p relay -p relay-inference-server

@@ -15,6 +15,13 @@
 # `--transformers` also installs transformers (and PyTorch, where --sb3 has
 # not) into .relay/sb3, for `just bench-hub-model`, which writes a random
 # checkpoint of a Hub model's config with it.
+# `--llama-cpp` also installs llama-cpp-python 0.3.36 (PyPI; it builds
+# llama.cpp from source with the machine's gcc/g++, cmake and ninja from
+# PyPI, a plain CPU build tuned to this CPU: -DGGML_NATIVE=ON, so AVX-512
+# where there is one; about an hour on the busy 2-core dev machine)
+# into .relay/llama-cpp, for
+# `just bench-llamacpp`. No wheel cache: pip would reuse a wheel built
+# with other CMAKE_ARGS.
 # `--cuda` also installs a CUDA 13.4 compiler and headers (PyPI's
 # nvidia-cuda-nvcc, -runtime, -crt, -cccl, nvidia-nvvm) into .relay/cuda
 # where no nvcc is installed, for `just build-cuda` and `just check-cuda`
@@ -138,8 +145,8 @@ say "ready: $(nats-server --version), $(redis-server --version | cut -d' ' -f1-3
 
 for flag in "$@"; do
   case "$flag" in
-    --envpool | --cuda | --sb3 | --transformers) ;;
-    *) say "unknown flag $flag (known: --envpool, --cuda, --sb3, --transformers)"; exit 2 ;;
+    --envpool | --cuda | --sb3 | --transformers | --llama-cpp) ;;
+    *) say "unknown flag $flag (known: --envpool, --cuda, --sb3, --transformers, --llama-cpp)"; exit 2 ;;
   esac
 done
 
@@ -172,6 +179,20 @@ if [[ " $* " == *" --transformers "* ]]; then
     "$torch_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
       torch transformers safetensors \
       || say "transformers did not install here; bench-hub-model cannot write its checkpoint"
+  fi
+fi
+
+if [[ " $* " == *" --llama-cpp "* ]]; then
+  llama_venv="$repo_root/.relay/llama-cpp"
+  llama_version=0.3.36
+  if ! "$llama_venv/bin/python" -c "import llama_cpp; assert llama_cpp.__version__ == '$llama_version'" >/dev/null 2>&1; then
+    say "installing llama-cpp-python $llama_version into .relay/llama-cpp (PyPI; builds llama.cpp for this CPU: up to an hour on 2 cores)"
+    { [ -x "$llama_venv/bin/python" ] || python3 -m venv "$llama_venv"; } \
+      && CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF" \
+        CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$llama_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+        --no-cache-dir "llama-cpp-python==$llama_version" \
+      || say "llama-cpp-python did not install here; just bench-llamacpp reports its column as missing"
   fi
 fi
 

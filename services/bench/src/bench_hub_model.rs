@@ -58,16 +58,6 @@ fn memory_gib() -> (f64, f64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-/// The CPU's model name (Linux), for the figures' record.
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .map_or_else(|| "unknown".into(), |n| n.trim().to_owned())
-}
-
 /// Writes the random checkpoint with transformers; returns its JSON report.
 fn write_checkpoint(config: &Path, dir: &Path) -> Result<serde_json::Value> {
     let python = crate::bench_learning::torch_python();
@@ -122,7 +112,7 @@ pub fn bench_hub_model(args: BenchHubModelArgs) -> Result<()> {
         write_checkpoint(&args.config, &args.dir)?
     };
     let (files, gb) = checkpoint_files(&args.dir)?;
-    let cpu = cpu_name();
+    let cpu = crate::cpu_name();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("== {files} safetensors files, {gb:.2} GB; CPU {cpu}, {threads} threads");
 

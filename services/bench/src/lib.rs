@@ -11,6 +11,7 @@ pub mod bench_gpu;
 pub mod bench_hub_model;
 pub mod bench_league;
 pub mod bench_learning;
+pub mod bench_llamacpp;
 pub mod bench_scale;
 pub mod bench_smollm2;
 pub mod bench_solve;
@@ -33,4 +34,35 @@ pub(crate) fn cpu_seconds(pid: u32) -> Option<f64> {
     // SAFETY: sysconf only reads a configuration value.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     (per_second > 0).then(|| ticks / per_second as f64)
+}
+
+/// The CPU's model name (Linux), for the figures' record.
+pub(crate) fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map_or_else(|| "unknown".into(), |n| n.trim().to_owned())
+}
+
+/// The widest x86 vector extension the CPU reports (Linux):
+/// `AVX-512`, `AVX2`, `AVX` or `no AVX`.
+pub(crate) fn cpu_simd() -> &'static str {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let flags: Vec<&str> = info
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .and_then(|l| l.split(':').nth(1))
+        .map_or_else(Vec::new, |f| f.split_whitespace().collect());
+    let has = |flag: &str| flags.contains(&flag);
+    if has("avx512f") {
+        "AVX-512"
+    } else if has("avx2") {
+        "AVX2"
+    } else if has("avx") {
+        "AVX"
+    } else {
+        "no AVX"
+    }
 }

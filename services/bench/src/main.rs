@@ -82,6 +82,9 @@ enum Command {
     BenchGpu(relay_bench::bench_gpu::BenchGpuArgs),
     /// A checkpoint of a real model's size as the Hub holds it (by default a random Qwen3-1.7B-Base written by transformers, bf16 shards): load time, resident memory and generation tokens/s at B = 1 and 8 on the CPU engine; a table and JSON.
     BenchHubModel(relay_bench::bench_hub_model::BenchHubModelArgs),
+    /// relay's CPU engine against llama.cpp (llama-cpp-python) on the same SmolLM2-135M-Instruct GGUF and threads: prompt tokens/s of a 200-token prompt and generation tokens/s at B = 1, side by side with ratios; a table and JSON.
+    #[command(name = "bench-llamacpp")]
+    BenchLlamaCpp(relay_bench::bench_llamacpp::BenchLlamaCppArgs),
     /// Env steps/s of Gymnasium's CartPole through relay's env bridge against Gymnasium's own SyncVectorEnv (and relay's built-in CartPole); print a table and JSON.
     BenchBridge(relay_bench::bench_bridge::BenchBridgeArgs),
     /// Raw env steps/s on one core of relay's built-in envs against Gymnasium's SyncVectorEnv and EnvPool; print a table and JSON.
@@ -119,6 +122,7 @@ fn main() -> Result<()> {
         Command::BenchGenerate(args) => relay_bench::bench_generate::bench_generate(args),
         Command::BenchGpu(args) => relay_bench::bench_gpu::bench_gpu(args),
         Command::BenchHubModel(args) => relay_bench::bench_hub_model::bench_hub_model(args),
+        Command::BenchLlamaCpp(args) => relay_bench::bench_llamacpp::bench_llamacpp(args),
         Command::BenchWeights(args) => relay_bench::bench_weights::bench_weights(args),
     }
 }

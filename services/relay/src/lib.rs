@@ -29,7 +29,7 @@ use stack::{last_error_line, Copies, Stack, SERVICES};
 
 /// The subcommands `relay` runs through the `relay-bench` binary beside it
 /// (relay-bench's own tests check that they are exactly its subcommands).
-pub const BENCH_COMMANDS: [&str; 16] = [
+pub const BENCH_COMMANDS: [&str; 17] = [
     "bench-scale",
     "soak",
     "bench-tracker",
@@ -43,6 +43,7 @@ pub const BENCH_COMMANDS: [&str; 16] = [
     "bench-generate",
     "bench-gpu",
     "bench-hub-model",
+    "bench-llamacpp",
     "bench-bridge",
     "bench-envs",
     "bench-weights",
