@@ -377,7 +377,7 @@ pub fn bench_llamacpp(args: BenchLlamaCppArgs) -> Result<()> {
     };
     let json = serde_json::json!({
         "bench": "llamacpp",
-        "model": gguf.display().to_string(),
+        "model": gguf.file_name().map(|name| name.to_string_lossy().into_owned()),
         "cpu": cpu,
         "simd": simd,
         "threads": threads,
