@@ -111,18 +111,25 @@ impl Player {
     }
 
     /// Reads the move from each reply as `text.answer` makes the
-    /// env-runners read it, and renders the chat template with
-    /// `llm.chat_template_kwargs`: how a run's config prompts and reads
-    /// its model.
+    /// env-runners read it.
+    pub fn with_answer(mut self, answer: AnswerReader) -> Self {
+        self.answer = answer;
+        self
+    }
+
+    /// Reads moves as [`Self::with_answer`] and renders the chat template
+    /// with `llm.chat_template_kwargs`: how a run's config prompts and
+    /// reads its model.
     pub fn with_run_text(
-        mut self,
+        self,
         answer: AnswerReader,
         chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     ) -> Self {
-        self.answer = answer;
-        self.tokenizer
+        let mut player = self.with_answer(answer);
+        player
+            .tokenizer
             .set_chat_template_kwargs(chat_template_kwargs);
-        self
+        player
     }
 
     /// The model's reply as `player` of `game`, and the move read from it.

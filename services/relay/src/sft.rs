@@ -106,6 +106,9 @@ pub struct SftArgs {
     /// Longest prompt + completion in tokens (default: the model's context); longer examples lose the start of their prompt.
     #[arg(long)]
     pub max_seq_len: Option<usize>,
+    /// How replies give their move (raw, boxed, last_bracket); give the runs' `text.answer`: the bot games' targets are written in it (`boxed`: `\boxed{4}`) and the evaluation reads moves the same way.
+    #[arg(long, default_value = "raw")]
+    pub answer: relay_envs::AnswerFormat,
     /// System prompt before each observation; give the runs' `text.system_prompt` if they set one.
     #[arg(long)]
     pub system_prompt: Option<String>,
@@ -205,7 +208,8 @@ pub struct SftSummary {
 }
 
 /// Plays one move sequence per game between `bots` (one per seat) and
-/// returns every move as an (observation rendered as `view`, move) pair.
+/// returns every move as an (observation rendered as `view`, move written
+/// in `answer`'s format) pair.
 pub fn bot_game_records(
     env: &str,
     section: &EnvSection,
@@ -213,7 +217,13 @@ pub fn bot_game_records(
     games: usize,
     seed: u64,
     view: ObservationView,
+    answer: &relay_envs::AnswerFormat,
 ) -> Result<Vec<SftRecord>> {
+    let write = |action: &str| {
+        answer.write(action).with_context(|| {
+            format!("the answer format {answer:?} is a pattern to read answers by, not a way to write the bots' moves; give --data")
+        })
+    };
     let mut records = Vec::new();
     for game_index in 0..games {
         let game_seed = seed.wrapping_add(game_index as u64);
@@ -244,12 +254,15 @@ pub fn bot_game_records(
             let observation = game.observation_as(player, view);
             let alternatives = players[player]
                 .move_support(game.as_ref())
-                .unwrap_or_default();
+                .unwrap_or_default()
+                .iter()
+                .map(|m| write(m))
+                .collect::<Result<Vec<_>>>()?;
             let action = players[player].choose_move(game.as_ref())?;
             game.step(&action)?;
             records.push(SftRecord::Pair {
                 prompt: observation,
-                completion: action,
+                completion: write(&action)?,
                 alternatives,
             });
         }
@@ -428,6 +441,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
                 args.games,
                 args.seed,
                 args.observation,
+                &args.answer,
             )?;
             if let Some(path) = &args.write_data {
                 let mut file = std::io::BufWriter::new(
@@ -482,6 +496,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     )?;
 
     let opponents = comma_list(&args.eval_opponents);
+    let answer = relay_envs::AnswerReader::new(&args.answer).map_err(anyhow::Error::msg)?;
     let player = |model: &CausalLm| {
         Player::from_parts(
             model.clone(),
@@ -492,6 +507,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
             args.seed,
         )
         .with_prompting(args.system_prompt.clone(), args.observation)
+        .with_answer(answer.clone())
     };
     let eval_header = || {
         println!(

@@ -128,6 +128,57 @@ fn sft_trains_an_adapter_from_bot_games_then_a_whole_model_from_jsonl() {
     assert_eq!(loaded.model.config().hidden_size, config.hidden_size);
 }
 
+/// `--answer boxed`: the bots' moves become `\boxed{N}` targets (their
+/// alternatives too), as a run with `text.answer: boxed` reads them.
+#[test]
+fn sft_writes_the_bots_moves_in_the_answer_format() {
+    let tmp = relay_testkit::TempDir::new("sft-answer");
+    let model = tiny_qwen2();
+    let out = tmp.path().join("boxed");
+    let data = tmp.path().join("boxed.jsonl");
+    let output = relay_sft(&[
+        "--model",
+        &model,
+        "--out",
+        out.to_str().unwrap(),
+        "--games",
+        "2",
+        "--bots",
+        "random,random",
+        "--answer",
+        "boxed",
+        "--write-data",
+        data.to_str().unwrap(),
+        "--epochs",
+        "1",
+        "--eval-games",
+        "1",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let boxed = |m: &serde_json::Value| {
+        let m = m.as_str().unwrap();
+        m.strip_prefix("\\boxed{")
+            .and_then(|m| m.strip_suffix('}'))
+            .is_some_and(|cell| cell.parse::<u8>().is_ok_and(|c| c < 9))
+    };
+    let lines = std::fs::read_to_string(&data).unwrap();
+    assert!(lines.lines().count() >= 2 * 5);
+    for line in lines.lines() {
+        let pair: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert!(boxed(&pair["completion"]), "{pair}");
+        let alternatives = pair["alternatives"].as_array().unwrap();
+        assert!(
+            !alternatives.is_empty() && alternatives.iter().all(boxed),
+            "{pair}"
+        );
+    }
+    assert_eq!(summary(&out)["after"].as_array().unwrap().len(), 2);
+}
+
 #[test]
 fn sft_refuses_bad_flags_with_clear_errors() {
     let tmp = relay_testkit::TempDir::new("sft-bad");
@@ -137,6 +188,7 @@ fn sft_refuses_bad_flags_with_clear_errors() {
         (vec!["--bots", "random"], "2 seats, got 1 bots"),
         (vec!["--bots", "random,chess_engine"], "--bots"),
         (vec!["--holdout", "1.5"], "--holdout"),
+        (vec!["--answer", "json"], "unknown answer format"),
         (vec!["--dtype", "f8"], "not a dtype"),
         (
             vec!["--backend", "candle", "--dtype", "bf16", "--full"],

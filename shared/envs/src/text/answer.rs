@@ -60,6 +60,15 @@ impl TryFrom<FormatText> for AnswerFormat {
     }
 }
 
+/// A named format (`raw`, `boxed`, `last_bracket`), as a command-line flag
+/// spells it.
+impl std::str::FromStr for AnswerFormat {
+    type Err = String;
+    fn from_str(name: &str) -> Result<Self, String> {
+        FormatText::Name(name.to_string()).try_into()
+    }
+}
+
 impl From<AnswerFormat> for FormatText {
     fn from(format: AnswerFormat) -> Self {
         match format {
@@ -67,6 +76,29 @@ impl From<AnswerFormat> for FormatText {
             AnswerFormat::Boxed => FormatText::Name("boxed".into()),
             AnswerFormat::LastBracket => FormatText::Name("last_bracket".into()),
             AnswerFormat::Regex(regex) => FormatText::Pattern { regex },
+        }
+    }
+}
+
+impl AnswerFormat {
+    /// `action` (a move as the game takes it, e.g. `[4]`) written as a
+    /// reply this format reads back as `action`, for supervised targets:
+    /// `\boxed{4}` under `boxed` (a one-word bracketed move loses its
+    /// brackets, as those models write it), the move itself under `raw` and
+    /// `last_bracket`. `None` under `regex`: a pattern says how to read an
+    /// answer, not how to write one.
+    pub fn write(&self, action: &str) -> Option<String> {
+        match self {
+            AnswerFormat::Raw | AnswerFormat::LastBracket => Some(action.to_string()),
+            AnswerFormat::Boxed => {
+                let inner = action
+                    .strip_prefix('[')
+                    .and_then(|a| a.strip_suffix(']'))
+                    .filter(|inner| !inner.contains(['[', ']']) && !inner.trim().is_empty())
+                    .unwrap_or(action);
+                Some(format!("{BOXED_OPENER}{inner}}}"))
+            }
+            AnswerFormat::Regex(_) => None,
         }
     }
 }
@@ -230,6 +262,27 @@ mod tests {
 
     fn read(format: AnswerFormat, reply: &str) -> Answer {
         AnswerReader::new(&format).unwrap().read(reply)
+    }
+
+    #[test]
+    fn a_written_answer_reads_back_as_the_move() {
+        for format in [
+            AnswerFormat::Raw,
+            AnswerFormat::Boxed,
+            AnswerFormat::LastBracket,
+        ] {
+            for action in ["[4]", "[Bet]", "[a2 a4]", "[Pass]"] {
+                let reply = format.write(action).unwrap();
+                let answer = read(format.clone(), &reply);
+                assert_eq!(
+                    (answer.action.as_str(), answer.found),
+                    (action, true),
+                    "{format:?} wrote {reply:?}"
+                );
+            }
+        }
+        assert_eq!(AnswerFormat::Boxed.write("[4]").unwrap(), "\\boxed{4}");
+        assert_eq!(AnswerFormat::Regex("Move: (.*)".into()).write("[4]"), None);
     }
 
     #[test]
