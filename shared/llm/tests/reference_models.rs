@@ -15,7 +15,9 @@
 //! Beyond the fixture as written: the same weights as the Hub holds them
 //! (sharded, bf16, transformers 4's config), as llama.cpp's converter
 //! writes them into GGUF, and refused when `config.json` names another
-//! architecture.
+//! architecture. `$RELAY_LLM_GGUF` may name a folder of `<fixture>.gguf`
+//! files made by llama.cpp's converter itself; the GGUF check then loads
+//! those instead of writing its own.
 
 use std::path::{Path, PathBuf};
 
@@ -975,8 +977,14 @@ fn gguf_logits_match_transformers(name: &str) {
     use relay_llm::GgufBase;
     let dir = temp_dir(&format!("{name}-gguf"));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("model.gguf");
-    write_gguf_like_llama_cpp(name, &path);
+    let path = match std::env::var_os("RELAY_LLM_GGUF") {
+        Some(folder) => PathBuf::from(folder).join(format!("{name}.gguf")),
+        None => {
+            let path = dir.join("model.gguf");
+            write_gguf_like_llama_cpp(name, &path);
+            path
+        }
+    };
     for base in [GgufBase::Dequantized, GgufBase::Quantized] {
         let model = CausalLm::load_gguf(&path, base).unwrap();
         let adapter = adapter(name, &model);
