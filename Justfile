@@ -70,7 +70,7 @@ bench-tictactoe *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-tictactoe {{ARGS}}
 
-# SmolLM2-135M-Instruct + LoRA learns TicTacToe against the random bot for a fixed number of RL updates (default 6): tokens/s, games/min, legal-move and win rates at start and end, a table and a JSON line.
+# SmolLM2-135M-Instruct learns TicTacToe against the random bot from both seats (--seed 1; run again with --seed 2): a LoRA SFT warm start on random legal moves, then 60 minutes of GRPO with LoRA; every 10 minutes 200 greedy evaluation games: legal-move, win and non-loss rates, games/min and learner tokens/s, whether non-loss rose 15 points; a table and a JSON line.
 bench-smollm2 *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-smollm2 {{ARGS}}

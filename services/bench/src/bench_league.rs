@@ -201,9 +201,9 @@ fn first_vs_latest(reading: &Reading) -> Value {
 
 /// The Redis URL of the stack running `run_id`, once its record is written.
 fn stack_redis(state_dir: &Path, run_id: &str) -> Option<String> {
-    let text = std::fs::read_to_string(state_dir.join("stack.json")).ok()?;
-    let record: relay::stack::StackRecord = serde_json::from_str(&text).ok()?;
-    (record.run_id == run_id && !record.redis_url.is_empty()).then_some(record.redis_url)
+    crate::stack_record(state_dir, run_id)
+        .map(|record| record.redis_url)
+        .filter(|url| !url.is_empty())
 }
 
 /// Reads the run's pool every few seconds until `stop`; prints a reading
@@ -351,7 +351,7 @@ pub fn bench_league(args: BenchLeagueArgs) -> Result<()> {
         args.sft_games,
         args.sft_epochs,
         args.eval_games,
-        &config.text,
+        &config,
         started,
     )?;
     let mut outcomes = Vec::new();
@@ -446,7 +446,7 @@ fn league_run(
     let stop = Arc::new(AtomicBool::new(false));
     let evals = {
         let (path, stop) = (runs_dir.join(&run_id).join("eval.jsonl"), stop.clone());
-        std::thread::spawn(move || follow_evals(path, started, "SFT only", stop))
+        std::thread::spawn(move || follow_evals(path, started, "SFT only", stop, |_| {}))
     };
     let ratings = {
         let (dir, run, stop) = (args.state_dir.clone(), run_id.clone(), stop.clone());

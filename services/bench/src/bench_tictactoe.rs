@@ -176,13 +176,15 @@ fn eval_row(line: &Value, started: Instant, start: &str) -> Option<Row> {
     })
 }
 
-/// Prints each evaluation of `eval.jsonl` as it is appended, until `stop`;
-/// version 0 (the zero adapter) is labelled `start`.
+/// Prints each evaluation of `eval.jsonl` as it is appended and hands it
+/// to `on_row` with the rows before it, until `stop`; version 0 (the
+/// starting adapter) is labelled `start`.
 pub(crate) fn follow_evals(
     path: PathBuf,
     started: Instant,
     start: &'static str,
     stop: Arc<AtomicBool>,
+    mut on_row: impl FnMut(&[Row]),
 ) -> Vec<Row> {
     let mut rows = Vec::new();
     let mut offset = 0u64;
@@ -207,6 +209,7 @@ pub(crate) fn follow_evals(
                         {
                             row.print();
                             rows.push(row);
+                            on_row(&rows);
                         }
                         pending.clear();
                     }
@@ -220,30 +223,26 @@ pub(crate) fn follow_evals(
     }
 }
 
-/// The warm start of the TicTacToe benchmarks: `relay model init tiny`
-/// into `<work>/tiny`, then full SFT on games of random legal moves into
-/// `<work>/sft`, prompted as the RL run's `text` section prompts (system
-/// prompt, observation view); returns the SFT model's folder and its
-/// evaluation against random and minimax.
-pub(crate) fn sft_warm_start(
-    work: &std::path::Path,
-    sft_games: usize,
-    sft_epochs: usize,
+/// `relay sft` on TicTacToe games of random legal moves (both seats),
+/// prompted as the RL run's `text` section prompts (system prompt,
+/// observation view, chat template variables): full fine-tuning of
+/// `model` into `<out>/model`; callers change what differs (a LoRA adapter
+/// with `full: false`, the seed, the learning rate).
+pub(crate) fn random_move_sft(
+    model: String,
+    out: PathBuf,
+    games: usize,
+    epochs: usize,
     eval_games: usize,
     text: &relay_config::TextConfig,
-    started: Instant,
-) -> Result<(PathBuf, Row)> {
-    let tiny = work.join("tiny");
-    relay::model::init_tiny(&tiny, 0)?;
-
-    println!("== SFT on {sft_games} games of random legal moves");
-    let sft_out = work.join("sft");
-    let summary = relay::sft::run_sft(SftArgs {
+    llm: &relay_config::LlmConfig,
+) -> SftArgs {
+    SftArgs {
         env: "TicTacToe-v0".into(),
-        model: tiny.display().to_string(),
-        out: sft_out.clone(),
+        model,
+        out,
         data: None,
-        games: sft_games,
+        games,
         bots: "random,random".into(),
         write_data: None,
         full: true,
@@ -252,21 +251,51 @@ pub(crate) fn sft_warm_start(
         dtype: Default::default(),
         rank: 8,
         alpha: 16.0,
-        epochs: sft_epochs,
+        epochs,
         batch_size: 32,
         minibatch_size: 8,
         lr: 1e-3,
         max_seq_len: None,
         system_prompt: text.system_prompt.clone(),
         observation: text.observation,
-        chat_template_kwargs: None,
+        answer: text.answer.clone(),
+        chat_template_kwargs: (!llm.chat_template_kwargs.is_empty())
+            .then(|| llm.chat_template_kwargs.clone()),
         holdout: 0.05,
         eval_games,
         eval_opponents: "random,minimax".into(),
         max_tokens: 8,
         seed: 0,
         textarena: false,
-    })?;
+    }
+}
+
+/// The warm start of the tiny-model TicTacToe benchmarks: `relay model
+/// init tiny` into `<work>/tiny`, then full SFT on games of random legal
+/// moves into `<work>/sft` ([`random_move_sft`]); returns the SFT model's
+/// folder and its evaluation against random and minimax.
+pub(crate) fn sft_warm_start(
+    work: &std::path::Path,
+    sft_games: usize,
+    sft_epochs: usize,
+    eval_games: usize,
+    config: &relay_config::ExperimentConfig,
+    started: Instant,
+) -> Result<(PathBuf, Row)> {
+    let tiny = work.join("tiny");
+    relay::model::init_tiny(&tiny, 0)?;
+
+    println!("== SFT on {sft_games} games of random legal moves");
+    let sft_out = work.join("sft");
+    let summary = relay::sft::run_sft(random_move_sft(
+        tiny.display().to_string(),
+        sft_out.clone(),
+        sft_games,
+        sft_epochs,
+        eval_games,
+        &config.text,
+        &config.llm,
+    ))?;
     let row = Row {
         stage: "SFT greedy".into(),
         minutes: started.elapsed().as_secs_f64() / 60.0,
@@ -350,7 +379,7 @@ pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
         args.sft_games,
         args.sft_epochs,
         args.eval_games,
-        &config.text,
+        &config,
         started,
     )?;
     let sft_minutes = sft_row.minutes;
@@ -378,7 +407,7 @@ pub fn bench_tictactoe(args: BenchTicTacToeArgs) -> Result<()> {
     let follower = {
         let (path, stop) = (runs_dir.join(&run_id).join("eval.jsonl"), stop.clone());
         // Version 0, the zero adapter over the SFT model, is the SFT-only starting point.
-        std::thread::spawn(move || follow_evals(path, started, "SFT only", stop))
+        std::thread::spawn(move || follow_evals(path, started, "SFT only", stop, |_| {}))
     };
     let outcome = relay::up(up);
     stop.store(true, Ordering::Relaxed);

@@ -36,6 +36,17 @@ pub(crate) fn cpu_seconds(pid: u32) -> Option<f64> {
     (per_second > 0).then(|| ticks / per_second as f64)
 }
 
+/// The record of the stack `relay up` runs for `run_id` (`stack.json` in
+/// `state_dir`), once it is written.
+pub(crate) fn stack_record(
+    state_dir: &std::path::Path,
+    run_id: &str,
+) -> Option<relay::stack::StackRecord> {
+    let text = std::fs::read_to_string(state_dir.join("stack.json")).ok()?;
+    let record: relay::stack::StackRecord = serde_json::from_str(&text).ok()?;
+    (record.run_id == run_id).then_some(record)
+}
+
 /// The CPU's model name (Linux), for the figures' record.
 pub(crate) fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
