@@ -139,8 +139,36 @@ impl ServerProcess {
         let _ = self.child.wait();
     }
 
+    /// Stops the process with SIGTERM, as a service manager would, and waits
+    /// for it: Redis writes and fsyncs its append-only file on the way out,
+    /// where SIGKILL may lose the last second of writes.
+    pub fn terminate(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        terminate(&mut self.child, "server", timeout)
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+}
+
+/// Sends SIGTERM to `child` and waits up to `timeout` for it to exit
+/// (SIGKILL after that, with an error).
+fn terminate(child: &mut Child, name: &str, timeout: Duration) -> Result<std::process::ExitStatus> {
+    // SAFETY: kill(2) with a pid we own; no memory is touched.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{name} did not exit within {timeout:?} of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -225,11 +253,13 @@ impl RedisServer {
         Self::start_with_args(&["--appendonly", "yes"])
     }
 
-    /// Kills a [`Self::start_persistent`] server and starts it again on the
-    /// same port and folder; returns once it listens, which is before it
-    /// has loaded its data (it answers `LOADING` until then).
+    /// Stops a [`Self::start_persistent`] server cleanly (SIGTERM: its
+    /// append-only file is complete on disk; a SIGKILL can lose the writes
+    /// of the last second) and starts it again on the same port and folder;
+    /// returns once it listens, which is before it has loaded its data (it
+    /// answers `LOADING` until then).
     pub fn restart_persistent(&mut self) -> Result<()> {
-        self.0.kill();
+        self.0.terminate(Duration::from_secs(60))?;
         let bin = binary("RELAY_REDIS_SERVER", "redis-server")?;
         let mut child = Self::command(&bin, self.0.port, &self.0.dir, &["--appendonly", "yes"])
             .stdout(Stdio::null())
@@ -348,21 +378,7 @@ impl ChildProcess {
 
     /// Sends SIGTERM and waits up to `timeout` for a clean exit.
     pub fn terminate(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
-        // SAFETY: kill(2) with a pid we own; no memory is touched.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                return Ok(status);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                bail!("{} did not exit within {:?} of SIGTERM", self.name, timeout);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        terminate(&mut self.child, &self.name, timeout)
     }
 
     pub fn log_text(&self) -> String {
