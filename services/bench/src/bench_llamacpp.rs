@@ -284,6 +284,13 @@ pub fn bench_llamacpp(args: BenchLlamaCppArgs) -> Result<()> {
     let mut relay_rounds = Vec::new();
     let mut llama_rounds = Vec::new();
     let (mut relay_tokens, mut llama_tokens) = (Vec::new(), Vec::new());
+    let round_rates = |r: &Round| {
+        format!(
+            "{:>8.1} prompt tok/s {:>7.1} gen tok/s",
+            args.prompt_tokens as f64 / r.prompt_s,
+            args.new_tokens as f64 / r.gen_s
+        )
+    };
     for round in 0..=args.rounds {
         let label = if round == 0 {
             "warm-up".to_string()
@@ -291,11 +298,7 @@ pub fn bench_llamacpp(args: BenchLlamaCppArgs) -> Result<()> {
             format!("round {round}")
         };
         let (r, tokens) = relay_round(&model, &prompt, args.new_tokens)?;
-        print!(
-            "   {label:<8} relay {:>8.1} prompt tok/s {:>7.1} gen tok/s",
-            args.prompt_tokens as f64 / r.prompt_s,
-            args.new_tokens as f64 / r.gen_s
-        );
+        print!("   {label:<8} relay {}", round_rates(&r));
         relay_tokens = tokens;
         if round > 0 {
             relay_rounds.push(r);
@@ -303,11 +306,7 @@ pub fn bench_llamacpp(args: BenchLlamaCppArgs) -> Result<()> {
         if let Ok(l) = &mut llama {
             match l.round() {
                 Ok((r, tokens)) => {
-                    print!(
-                        " | llama.cpp {:>8.1} prompt tok/s {:>7.1} gen tok/s",
-                        args.prompt_tokens as f64 / r.prompt_s,
-                        args.new_tokens as f64 / r.gen_s
-                    );
+                    print!(" | llama.cpp {}", round_rates(&r));
                     llama_tokens = tokens;
                     if round > 0 {
                         llama_rounds.push(r);

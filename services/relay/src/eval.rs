@@ -75,11 +75,21 @@ pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>> {
         .collect()
 }
 
-/// Publishes the control message.
+/// Connects to NATS and publishes the control message.
 pub async fn send(nats_url: &str, run_id: &str, control: &EvalControl) -> Result<()> {
     let client = async_nats::connect(nats_url)
         .await
         .with_context(|| format!("connecting to {nats_url}"))?;
+    publish(&client, run_id, control).await
+}
+
+/// Publishes the control message to run `run_id`'s evaluators over
+/// `client` and flushes it.
+pub async fn publish(
+    client: &async_nats::Client,
+    run_id: &str,
+    control: &EvalControl,
+) -> Result<()> {
     client
         .publish(
             Subjects::new(run_id).eval_control(),
