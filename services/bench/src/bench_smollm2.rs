@@ -27,8 +27,11 @@
 //! evaluation at the minute of training its version was taken, with the
 //! throughput of the window before it (training games per minute and
 //! completion tokens/s from the run's `metrics.csv`, the learner's
-//! reported tokens/s), then a JSON line with the gain in non-loss rate and
-//! whether the target (+15 points) is met.
+//! reported tokens/s) and how the version played the moves that decide
+//! games against a random bot (from the evaluation games in the run's
+//! `games.jsonl`: an open win taken, else the opponent's open line
+//! blocked), then a JSON line with the gain in non-loss rate and whether
+//! the target (+15 points) is met.
 //!
 //! The evaluations share the machine's two cores with training: while one
 //! plays, the training games and the learner slow down (200 games of
@@ -47,7 +50,11 @@ use serde_json::json;
 use crate::bench_tictactoe::{bench_up_args, follow_evals, header, random_move_sft, Row};
 use futures::StreamExt;
 use relay::{StopFlag, UpArgs};
+use relay_envs::text::tic_tac_toe::completing_cells;
+use relay_envs::text::TicTacToe;
+use relay_envs::TextGame;
 use relay_proto::{EvalControl, EvalStarted, Subjects, SCHEMA_VERSION};
+use relay_runs::games::{GameKind, GameLine};
 
 /// Tells an instruct model the move format (TextArena's observation says it
 /// too, but a 135M model follows a system prompt better); `--set
@@ -286,15 +293,72 @@ impl Pacer {
                     evaluator: "vs-opponent".into(),
                     options,
                 };
-                client
-                    .publish(
-                        subjects.eval_control(),
-                        relay_proto::encode(&control).into(),
-                    )
-                    .await?;
-                client.flush().await?;
+                relay::eval::publish(&client, &self.run_id, &control).await?;
             }
         }
+    }
+}
+
+/// How an evaluated version played the two moves that decide most games
+/// against a random bot, over its evaluation games in `games.jsonl`: the
+/// learning rate of the benchmark in terms of play, where the non-loss rate
+/// also carries the bot's luck.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Tactics {
+    /// Moves where a line of its own could be completed.
+    win_chances: usize,
+    /// ...and it completed one.
+    wins_taken: usize,
+    /// Moves with no win open where the opponent could complete a line.
+    block_chances: usize,
+    /// ...and it took (one of) the cells that would.
+    blocks_made: usize,
+}
+
+impl Tactics {
+    /// Tallies the learning seat's moves of the TicTacToe evaluation games
+    /// of `version`, replayed on the game itself (an invalid move counts as
+    /// neither taken nor blocked).
+    fn of(games: &[GameLine], version: u64) -> Result<Self> {
+        let mut tally = Self::default();
+        let evaluated = games.iter().filter(|g| {
+            g.kind == GameKind::Eval && g.version == Some(version) && g.env_id == TicTacToe::ID
+        });
+        for game_line in evaluated {
+            let Some(seat) = game_line.learner_seat.map(usize::from) else {
+                continue;
+            };
+            let mut game = TicTacToe::new();
+            for turn in &game_line.turns {
+                let before = game.board();
+                let done = game.step(&turn.action)?.done;
+                if usize::from(turn.player) == seat {
+                    let cell = (0..9).find(|&c| before[c].is_none() && game.board()[c].is_some());
+                    let wins = completing_cells(&before, seat);
+                    let threats = completing_cells(&before, 1 - seat);
+                    let hit = |cells: &[usize]| cell.is_some_and(|c| cells.contains(&c));
+                    if !wins.is_empty() {
+                        tally.win_chances += 1;
+                        tally.wins_taken += usize::from(hit(&wins));
+                    } else if !threats.is_empty() {
+                        tally.block_chances += 1;
+                        tally.blocks_made += usize::from(hit(&threats));
+                    }
+                }
+                if done {
+                    break;
+                }
+            }
+        }
+        Ok(tally)
+    }
+
+    fn wins_text(&self) -> String {
+        format!("{}/{}", self.wins_taken, self.win_chances)
+    }
+
+    fn blocks_text(&self) -> String {
+        format!("{}/{}", self.blocks_made, self.block_chances)
     }
 }
 
@@ -477,12 +541,13 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
     paced.context("pacing the evaluations")?;
     let starts = starts.lock().expect("starts").clone();
     let samples = throughput_samples(&run_dir.join("metrics.csv"))?;
+    let games = relay_runs::games::read(&run_dir)?.games;
 
     // Each evaluation at the minute of training its version was taken,
     // with the training throughput of the window since the one before.
     println!();
-    println!("| RL minutes | version | games | legal moves | non-loss vs random | win rate | W/D/L | games/min | completion tok/s | learner tok/s |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| RL minutes | version | games | legal moves | non-loss vs random | win rate | W/D/L | wins taken | blocks | games/min | completion tok/s | learner tok/s |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut evaluations_json = Vec::new();
     for (k, row) in rows.iter().enumerate() {
         let start = starts.get(k);
@@ -493,8 +558,9 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
         let result = row.results.iter().find(|r| r.opponent == "random");
         let cell =
             |v: Option<f64>, digits: usize| v.map_or("-".into(), |v| format!("{v:.digits$}"));
+        let tactics = row.version.map(|v| Tactics::of(&games, v)).transpose()?;
         println!(
-            "| {} | {} | {} | {:.1}% | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.1}% | {} | {} | {} | {} | {} | {} | {} | {} |",
             cell(start.map(|s| s.rl_minutes), 1),
             row.version.map_or("-".into(), |v| v.to_string()),
             result.map_or(0, |r| r.games),
@@ -505,6 +571,8 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
                 "{}/{}/{}",
                 r.wins, r.draws, r.losses
             )),
+            tactics.map_or("-".into(), |t| t.wins_text()),
+            tactics.map_or("-".into(), |t| t.blocks_text()),
             cell(t.map(|t| t.games_per_min()), 1),
             cell(t.map(|t| t.tokens_per_s()), 1),
             cell(t.and_then(|t| t.learner_tokens_per_s), 0),
@@ -513,6 +581,8 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
         v["rl_minutes"] = json!(start.map(|s| (s.rl_minutes * 10.0).round() / 10.0));
         v["games"] = json!(result.map(|r| r.games));
         v["win_rate_vs_random"] = json!(win_rate(row));
+        v["wins_taken"] = json!(tactics.map(|t| [t.wins_taken, t.win_chances]));
+        v["blocks_made"] = json!(tactics.map(|t| [t.blocks_made, t.block_chances]));
         v["games_per_min"] = json!(t.map(|t| (t.games_per_min() * 10.0).round() / 10.0));
         v["completion_tokens_per_s"] = json!(t.map(|t| (t.tokens_per_s() * 10.0).round() / 10.0));
         v["learner_tokens_per_s"] = json!(t.and_then(|t| t.learner_tokens_per_s).map(f64::round));
@@ -560,6 +630,52 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A TicTacToe game line of `kind` where player 0 learns and plays `moves[0]`,
+    /// `moves[2]`, ...
+    fn game_line(kind: &str, version: u64, moves: &[u8]) -> GameLine {
+        let turns: Vec<_> = moves
+            .iter()
+            .enumerate()
+            .map(|(i, cell)| {
+                json!({"player": i % 2, "observation": "", "completion": "", "action": format!("[{cell}]"),
+                       "invalid": false, "no_answer": false, "truncated": false,
+                       "prompt_tokens": 0, "completion_tokens": 0})
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "time": "", "kind": kind, "opponent": "random", "env_id": "TicTacToe-v0", "seed": 0,
+            "runner": "", "version": version, "seats": [{"model": null}, {"bot": "random"}],
+            "learner_seat": 0, "rewards": [0.0, 0.0], "reasons": ["", ""], "duration_ms": 0,
+            "finished_unix_ms": 0, "turns": turns,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn tactics_count_open_wins_taken_and_open_lines_blocked_of_the_evaluated_version() {
+        // O: 0, 1 (threatens 2), 5 (misses the win at 2), 6 (blocks X's 2-4-6), 8: a draw.
+        let moves = [0, 3, 1, 4, 5, 2, 6, 7, 8];
+        let games = vec![
+            game_line("eval", 7, &moves),
+            // Neither a training game nor another version's counts.
+            game_line("train", 7, &moves),
+            game_line("eval", 8, &moves),
+        ];
+        let tactics = Tactics::of(&games, 7).unwrap();
+        assert_eq!(
+            tactics,
+            Tactics {
+                win_chances: 1,
+                wins_taken: 0,
+                block_chances: 1,
+                blocks_made: 1
+            }
+        );
+        // Taking the win at 2 instead ends the game there.
+        let won = Tactics::of(&[game_line("eval", 7, &[0, 3, 1, 4, 2])], 7).unwrap();
+        assert_eq!((won.wins_taken, won.win_chances), (1, 1));
+    }
 
     #[test]
     fn a_window_sums_games_and_tokens_and_averages_the_learner_within_its_bounds() {

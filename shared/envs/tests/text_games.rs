@@ -2,6 +2,7 @@
 //! (legal moves are accepted, games end, errors), the invalid-move rule,
 //! KuhnPoker's and GuessTheNumber's rules and texts, and the bots.
 
+use relay_envs::text::tic_tac_toe::completing_cells;
 use relay_envs::text::{ConnectFour, GuessTheNumber, KuhnPoker, TicTacToe};
 use relay_envs::{
     make_text_game, Bot, ConnectFourBot, EnvError, MinimaxBot, ObservationView, RandomBot,
@@ -152,6 +153,20 @@ fn first_last_view_is_the_prompt_and_the_latest_message_as_textarena_renders_the
         err.contains("\"last\"") && err.contains("first_last"),
         "{err}"
     );
+}
+
+#[test]
+fn completing_cells_are_the_free_cells_that_finish_a_line() {
+    // O (player 0) holds 0 and 4; X (player 1) holds 2 and 5, and 8 is taken.
+    let mut board = [None; 9];
+    for (cell, player) in [(0, 0), (4, 0), (2, 1), (5, 1), (6, 0)] {
+        board[cell] = Some(player);
+    }
+    // O: 8 (the diagonal 0-4-8) and 3 (the column 0-3-6); 2 is not free.
+    assert_eq!(completing_cells(&board, 0), vec![3, 8]);
+    // X: 8 (the column 2-5-8).
+    assert_eq!(completing_cells(&board, 1), vec![8]);
+    assert!(completing_cells(&[None; 9], 0).is_empty());
 }
 
 #[test]

@@ -41,6 +41,22 @@ pub(crate) fn has_line(board: &[Option<usize>; 9], player: usize) -> bool {
         .any(|line| line.iter().all(|&cell| board[cell] == Some(player)))
 }
 
+/// The free cells of `board` that would complete a line of `player`'s:
+/// where `player` wins at once, or where its opponent must move to block.
+pub fn completing_cells(board: &[Option<usize>; 9], player: usize) -> Vec<usize> {
+    (0..9)
+        .filter(|&cell| {
+            board[cell].is_none()
+                && LINES.iter().any(|line| {
+                    line.contains(&cell)
+                        && line
+                            .iter()
+                            .all(|&other| other == cell || board[other] == Some(player))
+                })
+        })
+        .collect()
+}
+
 /// TextArena's TicTacToe with its default wrappers.
 #[derive(Debug, Clone)]
 pub struct TicTacToe {
