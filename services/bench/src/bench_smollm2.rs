@@ -300,9 +300,9 @@ impl Pacer {
 }
 
 /// How an evaluated version played the two moves that decide most games
-/// against a random bot, over its evaluation games in `games.jsonl`: the
-/// learning rate of the benchmark in terms of play, where the non-loss rate
-/// also carries the bot's luck.
+/// against a random bot, over its evaluation games in `games.jsonl`: what
+/// training changed in its play, where the non-loss rate also carries the
+/// bot's luck.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
 struct Tactics {
     /// Moves where a line of its own could be completed.
