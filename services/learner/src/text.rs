@@ -72,8 +72,8 @@ use crate::progress::{Metrics, Progress};
 /// Name of the adapter this learner trains (the one env-runners seat).
 pub const ADAPTER_NAME: &str = relay_policy::text::LEARNING_ADAPTER;
 
-/// Folder of the PEFT adapter inside a checkpoint.
-pub use relay_runs::checkpoint::ADAPTER_DIR;
+/// Folders of the PEFT adapter and of the KL reference inside a checkpoint.
+pub use relay_runs::checkpoint::{ADAPTER_DIR, REFERENCE_DIR};
 
 /// Everything of a text learner's state that is not a tensor (`state.json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -125,6 +125,11 @@ pub fn save_checkpoint(
                 None => adapter.save_peft(&dir, Some(base_model)),
             }
             .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+            if let Some(reference) = trainer.reference() {
+                reference
+                    .save_peft(&tmp.join(REFERENCE_DIR), Some(base_model))
+                    .map_err(|e| CheckpointError::Tensors(e.to_string()))?;
+            }
             trainer
                 .optimizer()
                 .save(&tmp.join("optimizer.safetensors"))
@@ -132,6 +137,40 @@ pub fn save_checkpoint(
             checkpoint::write_json(&tmp.join("state.json"), state)
         },
     )
+}
+
+/// The KL term's reference adapter (`None`: the base model): with a KL
+/// term and `rl.kl_reference: start`, the adapter the run started from. A
+/// warm start (`run.init_from`) is that adapter as loaded, before any
+/// update; a resumed run takes its checkpoint's `reference/`, and measures
+/// against the base model when there is none (the run began from a fresh
+/// adapter, which is exactly the base).
+fn kl_reference(
+    train_config: &relay_llm::rl::RlTrainConfig,
+    kind: relay_config::KlReference,
+    start_from: Option<&checkpoint::StartFrom>,
+    start: &LoraAdapter,
+    model: &relay_llm::ModelConfig,
+) -> Result<Option<LoraAdapter>, ServiceError> {
+    if train_config.objective.kl.is_none() || kind == relay_config::KlReference::Base {
+        return Ok(None);
+    }
+    let Some(from) = start_from else {
+        return Ok(None);
+    };
+    if !from.resume {
+        return start
+            .deep_copy()
+            .map(Some)
+            .map_err(|e| from.error(format!("copying the adapter as the KL reference: {e}")));
+    }
+    let dir = from.dir.join(REFERENCE_DIR);
+    if !dir.exists() {
+        return Ok(None);
+    }
+    LoraAdapter::load_peft(&dir, model)
+        .map(Some)
+        .map_err(|e| from.error(format!("{REFERENCE_DIR}/: {e}")))
 }
 
 /// Reads a text checkpoint's `state.json`.
@@ -418,7 +457,30 @@ pub(crate) async fn run(
     };
     // On the model's device: the optimizer trains these vars.
     let adapter = model.place_adapter(&adapter).map_err(ServiceError::other)?;
+    let reference = kl_reference(
+        &train_config,
+        cfg.rl.kl_reference,
+        start_from.as_ref(),
+        &adapter,
+        model.config(),
+    )?;
+    if train_config.objective.kl.is_some() {
+        let against = if reference.is_some() {
+            "the adapter the run started from"
+        } else {
+            "the base model"
+        };
+        tracing::info!(reference = against, "KL term towards {against}");
+    }
     let mut trainer = RlTrainer::new(train_config, &adapter).map_err(ServiceError::other)?;
+    if let Some(reference) = reference {
+        let reference = model
+            .place_adapter(&reference)
+            .map_err(ServiceError::other)?;
+        trainer
+            .set_reference(Some(reference))
+            .map_err(ServiceError::other)?;
+    }
     if let Some(from) = &start_from {
         let dir = &from.dir;
         if !cfg.run.reset_optimizer {
@@ -877,4 +939,108 @@ fn eos_rate(examples: &[TokenExample], eos_ids: &[u32]) -> f64 {
         .filter(|e| e.completion.last().is_some_and(|t| eos_ids.contains(t)))
         .count();
     rate(ended, examples.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_config::ExperimentConfig;
+    use relay_llm::{init, LoraConfig, TinyVocab};
+    use relay_testkit::TempDir;
+
+    fn factors(adapter: &LoraAdapter) -> Vec<Vec<f32>> {
+        adapter
+            .vars()
+            .iter()
+            .map(|v| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn the_kl_reference_is_the_warm_start_and_survives_a_resume() {
+        let dir = TempDir::new("kl-reference");
+        let vocab = TinyVocab {
+            size: 32,
+            bos_token_id: None,
+            eos_token_id: Some(2),
+            pad_token_id: Some(0),
+        };
+        let model = init::tiny(&dir.path().join("model"), 1, &vocab).unwrap();
+        // A warm start away from the base: B factors set to ones.
+        let warm = LoraAdapter::new(&model, LoraConfig::all_projections(2, 4.0), 3).unwrap();
+        for (name, var) in warm.named_vars() {
+            if name.contains("lora_B") {
+                var.set(&var.as_tensor().ones_like().unwrap()).unwrap();
+            }
+        }
+        let init_dir = dir.path().join("sft");
+        warm.save_peft(&init_dir.join(ADAPTER_DIR), None).unwrap();
+        let config = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            ExperimentConfig::from_layers(
+                "run:\n  env_id: TicTacToe-v0\nrl:\n  preset: dr_grpo\n",
+                "test",
+                &[],
+                &sets,
+            )
+            .unwrap()
+        };
+        let reference_of = |cfg: &ExperimentConfig, from: Option<&checkpoint::StartFrom>| {
+            let train = cfg
+                .rl
+                .train_config(cfg.text.max_turn_tokens as usize)
+                .unwrap();
+            kl_reference(&train, cfg.rl.kl_reference, from, &warm, &model).unwrap()
+        };
+        let init = checkpoint::StartFrom {
+            dir: init_dir.clone(),
+            resume: false,
+        };
+        let kl = "rl.kl={coef: 0.05, estimator: k3, mode: loss}";
+        // With a KL term, a warm start is its own reference (a copy).
+        let reference = reference_of(&config(&[kl]), Some(&init)).expect("a reference");
+        assert_eq!(factors(&reference), factors(&warm));
+        // Without a KL term, with `base`, or from a fresh adapter: the base.
+        assert!(reference_of(&config(&[]), Some(&init)).is_none());
+        assert!(reference_of(&config(&[kl, "rl.kl_reference=base"]), Some(&init)).is_none());
+        assert!(reference_of(&config(&[kl]), None).is_none());
+        // A resumed run reads `reference/` from its checkpoint, and none
+        // there means it began at the base.
+        let resumed_dir = dir.path().join("checkpoint");
+        let resume = checkpoint::StartFrom {
+            dir: resumed_dir.clone(),
+            resume: true,
+        };
+        assert!(reference_of(&config(&[kl]), Some(&resume)).is_none());
+        let earlier = LoraAdapter::new(&model, LoraConfig::all_projections(2, 4.0), 9).unwrap();
+        earlier
+            .save_peft(&resumed_dir.join(REFERENCE_DIR), None)
+            .unwrap();
+        let reloaded = reference_of(&config(&[kl]), Some(&resume)).expect("the saved reference");
+        assert_eq!(factors(&reloaded), factors(&earlier));
+
+        // Checkpoints carry the reference, and only when there is one.
+        let cfg = config(&[kl]);
+        let train = cfg
+            .rl
+            .train_config(cfg.text.max_turn_tokens as usize)
+            .unwrap();
+        let mut trainer = RlTrainer::new(train, &warm).unwrap();
+        let run_dir = dir.path().join("run");
+        let state = TextCheckpointState {
+            progress: Progress::default(),
+            moving_baselines: Default::default(),
+            reward_normalizer: RewardNormalizer::default(),
+            best_eval: None,
+            weights_version: None,
+        };
+        let save = |trainer: &RlTrainer| {
+            save_checkpoint(&run_dir, &warm, trainer, &state, &cfg, "m", &["last"], None).unwrap()
+        };
+        assert!(!save(&trainer).join(REFERENCE_DIR).exists());
+        trainer.set_reference(Some(reference)).unwrap();
+        let saved = save(&trainer);
+        let saved = LoraAdapter::load_peft(&saved.join(REFERENCE_DIR), &model).unwrap();
+        assert_eq!(factors(&saved), factors(&warm));
+    }
 }

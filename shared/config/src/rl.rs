@@ -8,6 +8,18 @@ use crate::check::{invalid, positive, ConfigError};
 /// Names of the RL objective presets (`rl.preset`).
 pub const RL_PRESETS: [&str; 5] = ["reinforce", "rloo", "grpo", "dr_grpo", "ppo"];
 
+/// The policy a text run's KL term measures against (`rl.kl_reference`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlReference {
+    /// The policy the run started from (the warm start's adapter, or the
+    /// base model under a fresh adapter).
+    #[default]
+    Start,
+    /// The base model without adapter.
+    Base,
+}
+
 /// How the learner trains the LoRA adapter in text runs (see
 /// `relay_llm::rl` for the objectives' formulas); ignored for
 /// classic-control envs.
@@ -49,6 +61,10 @@ pub struct RlConfig {
     /// `relay_llm::rl`); unset: off. Set over the preset's or
     /// `objective`'s.
     pub truncated_is: Option<crate::hyper::objective::TruncatedIs>,
+    /// A KL term towards `kl_reference`: `{coef, estimator, mode}` (for
+    /// example `{coef: 0.05, estimator: k3, mode: loss}`), set over the
+    /// preset's or `objective`'s (`dr_grpo` has none); unset: theirs.
+    pub kl: Option<crate::hyper::objective::KlConfig>,
     /// AdamW over the adapter: `lr`, `beta1`, `beta2`, `eps`,
     /// `weight_decay`, `max_grad_norm`.
     pub optimizer: crate::hyper::objective::AdamWConfig,
@@ -63,6 +79,14 @@ pub struct RlConfig {
     /// place of the game's own; 1 counts a draw as a win, so that not
     /// losing is the objective; unset by default).
     pub reward: crate::hyper::reward::RewardShaping,
+    /// What the objective's KL term measures against (unused without
+    /// one): `start` (default), the policy the run started from: the
+    /// adapter of `run.init_from` (a warm start, such as `relay sft`'s),
+    /// kept in every checkpoint as `reference/` so that a resumed run
+    /// measures against the same policy; with a fresh adapter (`B = 0`)
+    /// that is exactly the base model. `base`: the base model without
+    /// adapter (TRL's reference for a PEFT model), also after a warm start.
+    pub kl_reference: KlReference,
     /// Write a checkpoint every this many updates (and at the end).
     pub checkpoint_every: u64,
     /// Numbered checkpoints kept (the newest ones, plus pinned ones).
@@ -80,6 +104,7 @@ impl Default for RlConfig {
             truncation: crate::hyper::objective::Truncation::CutPromptStart,
             epochs: 1,
             truncated_is: None,
+            kl: None,
             optimizer: crate::hyper::objective::AdamWConfig {
                 lr: 1e-4,
                 ..Default::default()
@@ -90,6 +115,7 @@ impl Default for RlConfig {
                 invalid_move_penalty: 0.1,
                 ..Default::default()
             },
+            kl_reference: KlReference::Start,
             checkpoint_every: 10,
             keep_checkpoints: 5,
         }
@@ -108,6 +134,9 @@ impl RlConfig {
         };
         if self.truncated_is.is_some() {
             objective.truncated_is = self.truncated_is;
+        }
+        if self.kl.is_some() {
+            objective.kl = self.kl;
         }
         Ok(objective)
     }

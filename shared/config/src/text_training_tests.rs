@@ -53,6 +53,30 @@ fn rl_presets_are_chosen_by_name_and_a_full_objective_replaces_them() {
         objective.policy_loss,
         crate::hyper::objective::ObjectiveConfig::grpo().policy_loss
     );
+    // `rl.kl` adds a KL term to a preset without one, towards the run's
+    // start unless `rl.kl_reference` says the base model.
+    let sets = [
+        "rl.preset=dr_grpo".into(),
+        "rl.kl={coef: 0.05, estimator: k3, mode: loss}".into(),
+    ];
+    let c = ExperimentConfig::from_layers(TEXT, "test", &[], &sets).unwrap();
+    let objective = c.rl.train_config(16).unwrap().objective;
+    assert_eq!(
+        objective.kl,
+        Some(crate::hyper::objective::KlConfig {
+            coef: 0.05,
+            estimator: crate::hyper::objective::KlEstimator::K3,
+            mode: crate::hyper::objective::KlMode::Loss,
+        })
+    );
+    assert_eq!(
+        objective.aggregation,
+        crate::hyper::objective::ObjectiveConfig::dr_grpo(16).aggregation
+    );
+    assert_eq!(c.rl.kl_reference, KlReference::Start);
+    let c =
+        ExperimentConfig::from_layers(TEXT, "test", &[], &["rl.kl_reference=base".into()]).unwrap();
+    assert_eq!(c.rl.kl_reference, KlReference::Base);
 }
 
 #[test]
@@ -67,6 +91,10 @@ fn bad_rl_and_lora_fields_are_named() {
     assert!(err("rl.max_seq_len=1").contains("max_seq_len"));
     let e = err("rl.truncated_is={cap: 0.5}");
     assert!(e.contains("truncated_is.cap"), "{e}");
+    let e = err("rl.kl={coef: -1, estimator: k3, mode: loss}");
+    assert!(e.contains("kl.coef"), "{e}");
+    let e = err("rl.kl_reference=sft");
+    assert!(e.contains("kl_reference"), "{e}");
     for discount in ["0", "1.5"] {
         let e = err(&format!("rl.reward.discount={discount}"));
         assert!(e.contains("rl.reward: config `discount`"), "{e}");

@@ -20,7 +20,8 @@
 //! with current log-probs `logp[i,t]` (the adapted model, differentiable),
 //! behaviour log-probs `old[i,t]` (what the sampler reported: the policy
 //! at temperature 1 over the full vocabulary) and reference log-probs
-//! `ref[i,t]` (the base model without adapter: `forward_train(.., None)`).
+//! `ref[i,t]` (the base model without adapter, or the adapter set by
+//! [`RlTrainer::set_reference`]: the policy a run started from).
 //!
 //! **Advantages** ([`AdvantageEstimator`]), one per sequence:
 //!
@@ -699,6 +700,8 @@ pub struct RlTrainer {
     config: RlTrainConfig,
     optimizer: AdamW,
     moving_baselines: MovingBaselines,
+    /// The KL term's reference: `None` is the base model.
+    reference: Option<LoraAdapter>,
 }
 
 struct Kept<'a> {
@@ -715,7 +718,29 @@ impl RlTrainer {
             config,
             optimizer,
             moving_baselines: MovingBaselines::new(),
+            reference: None,
         })
+    }
+
+    /// Measures the KL term against `reference` (a frozen adapter over the
+    /// same base, e.g. a deep copy of the warm start a run began from)
+    /// instead of the base model; `None` restores the base. Refused when
+    /// it is the adapter being trained, which would make the KL 0.
+    pub fn set_reference(&mut self, reference: Option<LoraAdapter>) -> TrainResult<()> {
+        if let Some(r) = &reference {
+            if r.vars().first().is_some_and(|v| self.optimizer.contains(v)) {
+                return Err(TrainError::BadInput(
+                    "the KL reference must be a copy of the adapter, not the trained one".into(),
+                ));
+            }
+        }
+        self.reference = reference;
+        Ok(())
+    }
+
+    /// The KL term's reference adapter (`None`: the base model).
+    pub fn reference(&self) -> Option<&LoraAdapter> {
+        self.reference.as_ref()
     }
 
     /// The configuration.
@@ -873,7 +898,7 @@ impl RlTrainer {
                     .collect();
                 let batch = TokenBatch::new(&pairs, &device)?;
                 let ref_logits = model
-                    .forward_train_at(&batch.input_ids, None, &batch.positions)?
+                    .forward_train_at(&batch.input_ids, self.reference.as_ref(), &batch.positions)?
                     .detach();
                 let ref_logp = target_log_probs(&ref_logits, &batch.targets)?;
                 let old: Vec<f32> = chunk
@@ -929,7 +954,11 @@ impl RlTrainer {
             let reference = if need_reference {
                 Some(
                     model
-                        .forward_train_at(&batch.tokens.input_ids, None, &batch.tokens.positions)?
+                        .forward_train_at(
+                            &batch.tokens.input_ids,
+                            self.reference.as_ref(),
+                            &batch.tokens.positions,
+                        )?
                         .detach(),
                 )
             } else {

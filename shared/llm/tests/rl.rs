@@ -942,6 +942,55 @@ fn kl_to_the_base_is_exactly_zero_with_a_fresh_adapter() {
 }
 
 #[test]
+fn kl_to_a_reference_adapter_measures_from_the_warm_start() {
+    // A warm start: an adapter one step away from the base.
+    let model = small_model("kl-reference");
+    let adapter = LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 6).unwrap();
+    let mut warm = RlTrainer::new(train_config(ObjectiveConfig::rloo(), 6, 4), &adapter).unwrap();
+    warm.train_step(&model, &adapter, &toy_batch(&model, &adapter))
+        .unwrap();
+    for mode in [KlMode::Loss, KlMode::RewardPenalty] {
+        // Sampled by the adapter as it is now (each mode trains it on).
+        let batch = toy_batch(&model, &adapter);
+        let mut objective = ObjectiveConfig::grpo();
+        objective.kl.as_mut().unwrap().mode = mode;
+        let config = train_config(objective, 6, 4);
+        // Against the base model the warm start is already away from it.
+        let mut trainer = RlTrainer::new(config.clone(), &adapter).unwrap();
+        let stats = trainer
+            .accumulate_gradients(&model, &adapter, &batch)
+            .unwrap();
+        assert!(stats.kl > 1e-6, "{mode:?}: {}", stats.kl);
+        // Against a frozen copy of the warm start it starts at exactly 0,
+        // and the copy stays where it was while the adapter trains.
+        let mut trainer = RlTrainer::new(config, &adapter).unwrap();
+        let reference = adapter.deep_copy().unwrap();
+        assert!(trainer.set_reference(Some(adapter.clone())).is_err());
+        trainer.set_reference(Some(reference.clone())).unwrap();
+        let first = trainer.train_step(&model, &adapter, &batch).unwrap();
+        assert!(first.kl.abs() < 1e-6, "{mode:?}: {}", first.kl);
+        if mode == KlMode::Loss {
+            // (A reward penalty reads the behaviour log-probs, which stay.)
+            let second = trainer
+                .accumulate_gradients(&model, &adapter, &batch)
+                .unwrap();
+            assert!(second.kl > 1e-6, "{}", second.kl);
+        }
+        let frozen = completion_logprobs(&model, Some(&reference), &PROMPT, &GOOD);
+        let started =
+            completion_logprobs(&model, Some(&adapter.deep_copy().unwrap()), &PROMPT, &GOOD);
+        assert_ne!(
+            frozen, started,
+            "{mode:?}: the reference moved with the adapter"
+        );
+        assert_eq!(
+            frozen,
+            completion_logprobs(&model, Some(trainer.reference().unwrap()), &PROMPT, &GOOD)
+        );
+    }
+}
+
+#[test]
 fn every_lora_factor_gets_a_gradient_after_one_step() {
     // One RL update on the CPU engine and on the candle backend.
     let candle = relay_llm::Backend::Candle {

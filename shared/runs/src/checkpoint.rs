@@ -37,6 +37,9 @@
 //!   (the learner's `Optimizer`), whichever the run's algorithm uses.
 //! - Text runs (LoRA adapters, the learner's `text`) write
 //!   `adapter/` ([`ADAPTER_DIR`]: `{adapter_config.json, adapter_model.safetensors}`, PEFT),
+//!   with a KL term measured against a warm start also `reference/`
+//!   ([`REFERENCE_DIR`], the same PEFT layout: the adapter the run started
+//!   from, which a resumed run measures against again),
 //!   `optimizer.safetensors` (AdamW moments, relay-llm's `AdamW::save`) and
 //!   a `state.json` of the learner's `TextCheckpointState` (a [`CheckpointState`] reader sees its `Progress` and `weights_version`) instead of the
 //!   model and Adam files.
@@ -70,6 +73,10 @@ pub struct Progress {
 
 /// The folder of a text run's LoRA adapter inside a checkpoint.
 pub const ADAPTER_DIR: &str = "adapter";
+
+/// The folder of a text run's KL reference adapter inside a checkpoint
+/// (present only when the reference is a warm start, not the base model).
+pub const REFERENCE_DIR: &str = "reference";
 
 /// The learner's RNG as saved: ChaCha8 seed (hex), stream and word position.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

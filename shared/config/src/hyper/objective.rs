@@ -103,7 +103,9 @@ pub enum KlMode {
     RewardPenalty,
 }
 
-/// KL regularisation towards the base model (the model without adapter).
+/// KL regularisation towards a reference policy: in text runs the one
+/// `rl.kl_reference` names (the run's start by default), else the base
+/// model (the model without adapter).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KlConfig {
@@ -136,8 +138,8 @@ pub struct ObjectiveConfig {
     /// Per-token losses to one loss.
     #[serde(default)]
     pub aggregation: Aggregation,
-    /// KL towards the base model; `None`: no KL term (and no reference
-    /// forward).
+    /// KL towards the reference (see [`KlConfig`]); `None`: no KL term
+    /// (and no reference forward).
     #[serde(default)]
     pub kl: Option<KlConfig>,
     /// `c` of the entropy bonus (0: none; entropy is still reported).
