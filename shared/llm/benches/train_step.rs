@@ -10,7 +10,7 @@
 //! It also runs SFT steps on the same model: 32 examples of 150-250
 //! tokens per step in micro-batches of 8 (`relay sft`'s defaults), full
 //! fine-tuning (every weight a var) and LoRA r 8. `TRAIN_STEP_CASES=rl,
-//! sft,parts` picks cases. Each row gives the median wall time and the
+//! sft,parts,prefix` picks cases. Each row gives the median wall time and the
 //! median CPU time of the process (all threads): on a shared machine the
 //! wall time swings with the load, the CPU time much less.
 //!
@@ -43,6 +43,15 @@
 //!   per head in cache, and compute the LM head only at completion
 //!   positions. With the pool off, a step takes 1.4-2.3x less CPU;
 //!   `perf` then shows gemm's microkernel at ~57% of the time.
+//!
+//! The `prefix` case is one micro-batch of a text game's moves, shaped as
+//! `bench-smollm2`'s: 8 sequences whose prompts share their first 60
+//! tokens (system prompt, chat header, rules), then 41 of their own (the
+//! board) and 4 completion tokens; forward, loss and backward through the
+//! padded block (`forward_train_at`) and with the prefix once
+//! (`forward_train_batch`, what the trainers run). `TRAIN_STEP_MODEL=
+//! smollm2` (or any model spec `relay` takes) runs it on that model
+//! instead of `init::tiny`.
 //!
 //! The remaining fresh-page faults (`perf record -e page-faults`) come
 //! from candle's backward loop: each gradient sum allocates a zero
@@ -102,7 +111,7 @@ fn median(runs: usize, f: &mut dyn FnMut()) -> (Duration, Duration) {
     (wall[wall.len() / 2], cpu[cpu.len() / 2])
 }
 
-/// Whether to run the cases named `name` (`rl`, `sft`, `parts`):
+/// Whether to run the cases named `name` (`rl`, `sft`, `parts`, `prefix`):
 /// `TRAIN_STEP_CASES=sft,parts` runs only those (e.g. under `perf`).
 fn enabled(name: &str) -> bool {
     std::env::var("TRAIN_STEP_CASES")
@@ -257,6 +266,9 @@ fn main() {
         row("SFT step, LoRA r 8 (base frozen)", t);
     }
 
+    if enabled("prefix") {
+        shared_prefix(&model, &adapter);
+    }
     if !enabled("parts") {
         let _ = std::fs::remove_dir_all(&dir);
         return;
@@ -335,4 +347,89 @@ fn main() {
         }),
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The `prefix` case (module docs).
+fn shared_prefix(tiny: &CausalLm, tiny_adapter: &LoraAdapter) {
+    const MOVES: usize = 8;
+    const SHARED: usize = 60;
+    const OWN: usize = 41;
+    const MOVE_TOKENS: usize = 4;
+    let loaded = std::env::var("TRAIN_STEP_MODEL").ok().map(|spec| {
+        let (model, path) =
+            relay_llm::load::load_causal_lm(&spec, relay_llm::GgufBase::Dequantized).unwrap();
+        let adapter =
+            LoraAdapter::new(model.config(), LoraConfig::all_projections(8, 16.0), 0).unwrap();
+        for (_, v) in adapter.named_vars() {
+            v.set(&Tensor::randn(0f32, 0.02, v.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+        }
+        (model, adapter, path.display().to_string())
+    });
+    let (model, adapter, name) = match &loaded {
+        Some((m, a, name)) => (m, a, name.clone()),
+        None => (tiny, tiny_adapter, "init::tiny".to_string()),
+    };
+    let vocab = model.config().vocab_size as u32;
+    let token = |i: usize| (i as u32 * 7919) % (vocab - 3) + 3;
+    let data: Vec<TokenExample> = (0..MOVES)
+        .map(|m| TokenExample {
+            prompt: (0..SHARED)
+                .map(token)
+                .chain((0..OWN).map(|t| token(1000 + m * 97 + t)))
+                .collect(),
+            completion: (0..MOVE_TOKENS).map(|t| token(5000 + m * 13 + t)).collect(),
+            behaviour_logprobs: vec![-1.0; MOVE_TOKENS],
+            reward: 0.0,
+            group: 0,
+            stratum: 0,
+        })
+        .collect();
+    let rows: Vec<RlRow> = data
+        .iter()
+        .map(|e| RlRow {
+            learner_logprobs: None,
+            prompt: &e.prompt,
+            completion: &e.completion,
+            behaviour_logprobs: &e.behaviour_logprobs,
+            advantage: 0.5,
+        })
+        .collect();
+    let totals = BatchTotals {
+        sequences: MOVES,
+        tokens: MOVES * MOVE_TOKENS,
+    };
+    let batch = RlMicroBatch::new(&rows, &Aggregation::TokenMean, totals, &Device::Cpu).unwrap();
+    println!(
+        "{name}, LoRA r 8: {MOVES} moves of {} tokens ({SHARED} shared, {OWN} own, {MOVE_TOKENS} completion): {} padded tokens, {} with the prefix once",
+        SHARED + OWN + MOVE_TOKENS,
+        batch.tokens.input_ids.elem_count(),
+        batch.tokens.packed.input_ids.len()
+    );
+    let objective = ObjectiveConfig::dr_grpo(16);
+    let padded = median(5, &mut || {
+        let logits = model
+            .forward_train_at(
+                &batch.tokens.input_ids,
+                Some(adapter),
+                &batch.tokens.positions,
+            )
+            .unwrap();
+        let out = rl_loss(&objective, &logits, None, &batch).unwrap();
+        out.loss.backward().unwrap();
+    });
+    row("  forward + loss + backward, padded block", padded);
+    let packed = median(5, &mut || {
+        let logits = model
+            .forward_train_batch(&batch.tokens, Some(adapter))
+            .unwrap();
+        let out = rl_loss(&objective, &logits, None, &batch).unwrap();
+        out.loss.backward().unwrap();
+    });
+    row("  forward + loss + backward, shared prefix once", packed);
+    println!(
+        "  padded / shared prefix: {:.2}x wall, {:.2}x CPU",
+        padded.0.as_secs_f64() / packed.0.as_secs_f64(),
+        padded.1.as_secs_f64() / packed.1.as_secs_f64()
+    );
 }

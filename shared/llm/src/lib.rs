@@ -77,8 +77,8 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`train_forward`] | [`CausalLm::forward_train`] / [`CausalLm::forward_train_at`]: the training forward from fused ops with their own backward (`train_ops`: linear and LoRA-linear without frozen-weight gradients, RMSNorm, SwiGLU, RoPE + causal attention, target log-prob, entropy) |
-//! | [`token_batch`] | [`BatchConfig`], [`Truncation`], [`TokenBatch`] (right-padded blocks, completion-only loss mask), [`Aggregation`] |
+//! | [`train_forward`] | [`CausalLm::forward_train`] / [`CausalLm::forward_train_at`] / [`CausalLm::forward_train_batch`]: the training forward from fused ops with their own backward (`train_ops`: linear and LoRA-linear without frozen-weight gradients, RMSNorm, SwiGLU, RoPE + causal attention over padded blocks or a shared prefix, target log-prob, entropy) |
+//! | [`token_batch`] | [`BatchConfig`], [`Truncation`], [`TokenBatch`] (right-padded blocks, completion-only loss mask; [`PackedRows`]: the rows' shared prefix once), [`Aggregation`] |
 //! | [`rl`] | [`TokenExample`], the RL objectives ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`] |
 //! | [`reward`] | [`GameResult`], [`RewardShaping`]: per-env normalisation, format reward, invalid-move penalty |
 //! | [`sft`] | [`SftTrainer`], the SFT JSONL reader and chat rendering, full-model training through a `VarMap` |
@@ -86,8 +86,8 @@
 //! | [`train_error`] | [`TrainError`] |
 //!
 //! All training goes through [`CausalLm::forward_train`] (the trainers
-//! call [`CausalLm::forward_train_at`]: the head only where a loss
-//! reads); only the vars handed to the optimizer change (a LoRA
+//! call [`CausalLm::forward_train_batch`]: the head only where a loss
+//! reads, a micro-batch's shared prompt prefix once); only the vars handed to the optimizer change (a LoRA
 //! adapter's, or a `VarMap`'s).
 //!
 //! Threads: the fused training ops run on rayon (`RAYON_NUM_THREADS`).
@@ -168,7 +168,7 @@ pub use rl::{
 pub use sft::{SftConfig, SftExample, SftFormat, SftRecord, SftStats, SftTrainer};
 pub use smollm2::{find_smollm2_gguf, FindGgufError, SMOLLM2_GGUF_ENV};
 pub use tiny_tokenizer::{write_tiny_tokenizer, TINY_VOCAB_SIZE};
-pub use token_batch::{Aggregation, BatchConfig, BatchTotals, TokenBatch, Truncation};
+pub use token_batch::{Aggregation, BatchConfig, BatchTotals, PackedRows, TokenBatch, Truncation};
 pub use tokenizer::{
     IncrementalDecoder, SpecialToken, SpecialTokens, TokenSequences, Tokenizer, TokenizerError,
 };

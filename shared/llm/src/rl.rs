@@ -487,7 +487,7 @@ fn scalar(t: &Tensor) -> TrainResult<f64> {
 /// `(rows, time, vocab)` and, for a KL loss, the reference's (gradients
 /// never flow into them). Either may instead be the logits at the
 /// completion positions only, `(tokens, vocab)`
-/// ([`CausalLm::forward_train_at`] with the batch's positions), as the
+/// ([`CausalLm::forward_train_batch`]), as the
 /// trainer computes them.
 pub fn rl_loss(
     objective: &ObjectiveConfig,
@@ -898,7 +898,7 @@ impl RlTrainer {
                     .collect();
                 let batch = TokenBatch::new(&pairs, &device)?;
                 let ref_logits = model
-                    .forward_train_at(&batch.input_ids, self.reference.as_ref(), &batch.positions)?
+                    .forward_train_batch(&batch, self.reference.as_ref())?
                     .detach();
                 let ref_logp = target_log_probs(&ref_logits, &batch.targets)?;
                 let old: Vec<f32> = chunk
@@ -954,21 +954,13 @@ impl RlTrainer {
             let reference = if need_reference {
                 Some(
                     model
-                        .forward_train_at(
-                            &batch.tokens.input_ids,
-                            self.reference.as_ref(),
-                            &batch.tokens.positions,
-                        )?
+                        .forward_train_batch(&batch.tokens, self.reference.as_ref())?
                         .detach(),
                 )
             } else {
                 None
             };
-            let logits = model.forward_train_at(
-                &batch.tokens.input_ids,
-                Some(adapter),
-                &batch.tokens.positions,
-            )?;
+            let logits = model.forward_train_batch(&batch.tokens, Some(adapter))?;
             let out = rl_loss(&cfg.objective, &logits, reference.as_ref(), &batch)?;
             let grads = out.loss.backward()?;
             self.optimizer.accumulate(&grads)?;

@@ -310,7 +310,7 @@ pub fn next_token_targets(completion: &[u32], alternatives: &[Vec<u32>]) -> Vec<
 
 /// The SFT loss of one micro-batch from logits `(rows, time, vocab)`, or
 /// from the logits at the completion positions only, `(tokens, vocab)`
-/// ([`CausalLm::forward_train_at`] with [`TokenBatch::positions`]):
+/// ([`CausalLm::forward_train_batch`]):
 /// `−Σ_i w_i Σ_t q_i(t) log p_i(t)` with `targets[i]` = `q_i` as
 /// (token, probability) pairs ([`next_token_targets`]), one per completion
 /// token in batch order. Returns `(loss, its value as f64, completion
@@ -555,7 +555,7 @@ impl SftTrainer {
                 .collect();
             let batch = TokenBatch::new(&rows, &device)?;
             let weights = batch.token_weights(&cfg.aggregation, totals)?;
-            let logits = model.forward_train_at(&batch.input_ids, adapter, &batch.positions)?;
+            let logits = model.forward_train_batch(&batch, adapter)?;
             let logits = if train { logits } else { logits.detach() };
             let (l, value, c) = sft_loss(&logits, &batch, &weights, &targets)?;
             if train {

@@ -7,7 +7,8 @@
 //!   the longest sequence trained on, with [`Truncation`];
 //! - [`fit_to_length`]: where a too-long sequence is cut (or dropped);
 //! - [`TokenBatch`]: one micro-batch as tensors, with its loss mask over
-//!   the completion tokens only;
+//!   the completion tokens only, and the same rows packed with their
+//!   shared prefix once ([`PackedRows`]);
 //! - [`Aggregation`] and [`BatchTotals`]: how per-token losses add up to
 //!   the batch loss, with weights fixed by the whole optimizer batch so
 //!   that micro-batch losses sum to it exactly.
@@ -23,6 +24,14 @@
 //! token. Padding uses token id 0 (any id works: under causal attention
 //! real positions never see the padding after them, and the mask drops
 //! the padded positions).
+//!
+//! [`PackedRows`] holds the same inputs without padding and with the
+//! tokens every row opens with (a text game's system prompt, chat header
+//! and rules: most of a move's prompt) once, so the CPU engine computes
+//! them once per micro-batch ([`crate::CausalLm::forward_train_batch`]).
+//! The prefix stops before every row's first predicting position, so each
+//! row keeps at least one input token of its own and every target is
+//! predicted from a row's own part.
 
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -129,6 +138,59 @@ pub struct TokenBatch {
     pub completion_lens: Vec<usize>,
     /// Prompt plus completion tokens per row.
     pub seq_lens: Vec<usize>,
+    /// The same inputs with their shared prefix once and no padding.
+    pub packed: PackedRows,
+}
+
+/// A [`TokenBatch`]'s inputs as one run of tokens: the prefix every row
+/// shares, then each row's remaining input tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedRows {
+    /// Leading input tokens all rows share (held once), at most the
+    /// shortest prompt less one token.
+    pub prefix_len: usize,
+    /// Each row's input tokens after the prefix (at least one).
+    pub suffix_lens: Vec<usize>,
+    /// The prefix, then each row's suffix: `prefix_len + Σ suffix_lens`.
+    pub input_ids: Vec<u32>,
+    /// Index into `input_ids` of the token whose logits predict each
+    /// target, in [`TokenBatch::targets`]' order.
+    pub positions: Vec<u32>,
+}
+
+impl PackedRows {
+    /// Packs `rows` (each `prompt ++ completion`, fed without its last
+    /// token); prompts and completions non-empty.
+    fn new(rows: &[(&[u32], &[u32])]) -> Self {
+        let input = |(p, c): &(&[u32], &[u32])| -> Vec<u32> {
+            let mut s = p.to_vec();
+            s.extend_from_slice(&c[..c.len() - 1]);
+            s
+        };
+        let inputs: Vec<Vec<u32>> = rows.iter().map(input).collect();
+        let shortest_prompt = rows.iter().map(|(p, _)| p.len()).min().unwrap_or(1);
+        let first = &inputs[0];
+        let prefix_len = (0..shortest_prompt - 1)
+            .take_while(|&i| inputs.iter().all(|s| s[i] == first[i]))
+            .count();
+        let mut input_ids = first[..prefix_len].to_vec();
+        let mut positions = Vec::new();
+        let mut suffix_lens = Vec::with_capacity(rows.len());
+        for ((prompt, completion), seq) in rows.iter().zip(&inputs) {
+            let start = input_ids.len() - prefix_len;
+            for j in 0..completion.len() {
+                positions.push((start + prompt.len() + j - 1) as u32);
+            }
+            input_ids.extend_from_slice(&seq[prefix_len..]);
+            suffix_lens.push(seq.len() - prefix_len);
+        }
+        Self {
+            prefix_len,
+            suffix_lens,
+            input_ids,
+            positions,
+        }
+    }
 }
 
 impl TokenBatch {
@@ -179,6 +241,7 @@ impl TokenBatch {
             token_rows,
             completion_lens: rows.iter().map(|(_, c)| c.len()).collect(),
             seq_lens,
+            packed: PackedRows::new(rows),
         })
     }
 
@@ -254,4 +317,68 @@ pub(crate) fn micro_batches(lens: &[usize], minibatch_size: usize) -> Vec<Vec<us
     let mut order: Vec<usize> = (0..lens.len()).collect();
     order.sort_by_key(|&i| (lens[i], i));
     order.chunks(minibatch_size).map(|c| c.to_vec()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each target's packed position holds the token just before it in
+    /// its row.
+    fn assert_positions_precede_targets(rows: &[(&[u32], &[u32])]) {
+        let batch = TokenBatch::new(rows, &Device::Cpu).unwrap();
+        let packed = &batch.packed;
+        let mut t = 0;
+        for (prompt, completion) in rows {
+            let seq: Vec<u32> = prompt.iter().chain(completion.iter()).copied().collect();
+            for j in 0..completion.len() {
+                let at = packed.positions[t] as usize;
+                assert_eq!(packed.input_ids[at], seq[prompt.len() + j - 1]);
+                t += 1;
+            }
+        }
+        assert_eq!(t, batch.num_tokens());
+    }
+
+    #[test]
+    fn the_shared_prefix_stops_before_every_rows_first_prediction() {
+        // Identical prompts: everything but each prompt's last token is
+        // shared, so every row keeps the token that predicts its first
+        // completion token.
+        let rows: [(&[u32], &[u32]); 2] = [(&[1, 2, 3, 4], &[7, 8]), (&[1, 2, 3, 4], &[9])];
+        let packed = TokenBatch::new(&rows, &Device::Cpu).unwrap().packed;
+        assert_eq!(packed.prefix_len, 3);
+        assert_eq!(packed.suffix_lens, [2, 1]);
+        assert_eq!(packed.input_ids, [1, 2, 3, 4, 7, 4]);
+        assert_positions_precede_targets(&rows);
+
+        // A shorter prompt caps the prefix.
+        let rows: [(&[u32], &[u32]); 2] = [(&[1, 2, 3, 4, 5], &[7]), (&[1, 2], &[3, 4])];
+        assert_eq!(
+            TokenBatch::new(&rows, &Device::Cpu)
+                .unwrap()
+                .packed
+                .prefix_len,
+            1
+        );
+        assert_positions_precede_targets(&rows);
+
+        // No common opening: the rows are packed without padding.
+        let rows: [(&[u32], &[u32]); 3] = [(&[1, 2], &[3]), (&[2, 2, 2], &[3, 4]), (&[1], &[5])];
+        let packed = TokenBatch::new(&rows, &Device::Cpu).unwrap().packed;
+        assert_eq!(packed.prefix_len, 0);
+        assert_eq!(packed.suffix_lens, [2, 4, 1]);
+        assert_positions_precede_targets(&rows);
+
+        // One row: its whole prompt but the last token is the prefix.
+        let rows: [(&[u32], &[u32]); 1] = [(&[4, 5, 6], &[7, 8, 9])];
+        assert_eq!(
+            TokenBatch::new(&rows, &Device::Cpu)
+                .unwrap()
+                .packed
+                .prefix_len,
+            2
+        );
+        assert_positions_precede_targets(&rows);
+    }
 }

@@ -21,7 +21,8 @@ use crate::model::{
     Projection, Routing,
 };
 use crate::model_error::{ModelError, Result};
-use crate::train_ops;
+use crate::token_batch::TokenBatch;
+use crate::train_ops::{self, AttentionLayout};
 
 /// The weight of a projection as a dense f32 matrix for training.
 fn dense_weight(projection: &Projection) -> Result<Tensor> {
@@ -113,12 +114,12 @@ impl CausalLm {
         Ok((batch, time, flat_ids.to_device(self.rope_cos.device())?))
     }
 
-    /// The residual stream after the last block, `(batch · time, hidden)`
-    /// (before the final norm).
+    /// The residual stream after the last block, one row per input token
+    /// in `layout`'s order (before the final norm).
     fn train_trunk(
         &self,
         flat_ids: &Tensor,
-        (batch, time): (usize, usize),
+        layout: &AttentionLayout,
         adapter: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
         let cfg = &self.config;
@@ -151,10 +152,9 @@ impl CausalLm {
                 &q,
                 &k,
                 &v,
-                (batch, time),
+                layout,
                 shape,
-                &self.rope_cos,
-                &self.rope_sin,
+                (&self.rope_cos, &self.rope_sin),
             )?;
             x = train_ops::residual(&x, &project(&block.o_proj, &attn, layer, adapter)?)?;
             let h = train_ops::rms_norm(&x, &block.post_attention_norm, eps)?;
@@ -192,7 +192,8 @@ impl CausalLm {
             return self.forward_train_composed(input_ids, adapter);
         }
         let (batch, time, flat_ids) = self.check_train_input(input_ids, adapter)?;
-        let x = self.train_trunk(&flat_ids, (batch, time), adapter)?;
+        let layout = AttentionLayout::padded(batch, time);
+        let x = self.train_trunk(&flat_ids, &layout, adapter)?;
         let logits = self.train_head(&x)?;
         Ok(logits.reshape((batch, time, self.config.vocab_size))?)
     }
@@ -225,7 +226,41 @@ impl CausalLm {
             let x = self.composed_trunk(&flat_ids, (batch, time), adapter)?;
             return self.composed_head(&x.index_select(&positions.to_device(x.device())?, 0)?);
         }
-        let x = self.train_trunk(&flat_ids, (batch, time), adapter)?;
+        let layout = AttentionLayout::padded(batch, time);
+        let x = self.train_trunk(&flat_ids, &layout, adapter)?;
+        self.train_head(&x.index_select(&positions, 0)?)
+    }
+
+    /// The logits predicting `batch`'s completion tokens, `(tokens,
+    /// vocab)`, in [`TokenBatch::targets`]' order: what every trainer's
+    /// loss reads.
+    ///
+    /// The same values as [`CausalLm::forward_train_at`] with the batch's
+    /// block and positions. On the CPU engine the tokens every row opens
+    /// with ([`TokenBatch::packed`]: a text game's system prompt, chat
+    /// header and rules) go through the model once, not once a row, and
+    /// the right padding not at all; their gradient is the sum over the
+    /// rows, as it is in the padded block. The candle backend runs the
+    /// padded block.
+    pub fn forward_train_batch(
+        &self,
+        batch: &TokenBatch,
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        if self.on_candle() {
+            return self.forward_train_at(&batch.input_ids, adapter, &batch.positions);
+        }
+        // Checks the tokens, their length and the adapter.
+        self.check_train_input(&batch.input_ids, adapter)?;
+        let packed = &batch.packed;
+        let device = candle_core::Device::Cpu;
+        let ids = Tensor::new(packed.input_ids.as_slice(), &device)?;
+        let positions = Tensor::new(packed.positions.as_slice(), &device)?;
+        let layout = AttentionLayout {
+            prefix: packed.prefix_len,
+            segments: packed.suffix_lens.clone(),
+        };
+        let x = self.train_trunk(&ids, &layout, adapter)?;
         self.train_head(&x.index_select(&positions, 0)?)
     }
 

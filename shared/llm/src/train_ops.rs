@@ -18,8 +18,9 @@
 //! - [`rms_norm`]: RMSNorm with gradients for the input and the weight;
 //! - [`swiglu`]: `silu(gate) ⊙ up`;
 //! - [`causal_attention`]: RoPE on queries and keys, grouped-query causal
-//!   attention, for right-padded blocks from position 0; takes and gives
-//!   `(batch · time, heads · head_dim)` rows, as the projections do; its
+//!   attention over an [`AttentionLayout`] (right-padded blocks, or a
+//!   shared prefix held once and the rows' own parts after it); takes and
+//!   gives `(rows, heads · head_dim)`, as the projections do; its
 //!   backward recomputes each head's probabilities (flash-attention
 //!   style) instead of storing them;
 //! - [`target_log_probs`] and [`entropy`] of logit rows: log-softmax,
@@ -307,7 +308,10 @@ mod tests {
         let (cos_t, sin_t) = (cos.narrow(0, 0, t).unwrap(), sin.narrow(0, 0, t).unwrap());
         check(
             &[&q, &k, &v],
-            || causal_attention(&q, &k, &v, (b, t), (h, kvh, d), &cos, &sin).unwrap(),
+            || {
+                let layout = AttentionLayout::padded(b, t);
+                causal_attention(&q, &k, &v, &layout, (h, kvh, d), (&cos, &sin)).unwrap()
+            },
             || composed_attention(&q, &k, &v, (b, t), (h, kvh, d), &cos_t, &sin_t),
             1e-4,
         );
@@ -323,7 +327,8 @@ mod tests {
         let angles = randn(&[t, d / 2], 19);
         let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
         let run = |k: &Tensor, v: &Tensor| {
-            causal_attention(&q, k, v, (b, t), (h, kvh, d), &cos, &sin)
+            let layout = AttentionLayout::padded(b, t);
+            causal_attention(&q, k, v, &layout, (h, kvh, d), (&cos, &sin))
                 .unwrap()
                 .narrow(0, 0, t - 1)
                 .unwrap()
@@ -333,6 +338,68 @@ mod tests {
             Tensor::cat(&[&m.narrow(0, 0, t - 1).unwrap(), &last], 0).unwrap()
         };
         assert_eq!(max_abs_diff(&run(&k, &v), &run(&bump(&k), &bump(&v))), 0.0);
+    }
+
+    #[test]
+    fn a_shared_prefix_attends_as_it_does_in_every_padded_row() {
+        // Three sequences opening with the same 5 rows, then 3, 1 and 4
+        // rows of their own: packed once, against the padded block built
+        // from the same rows (index_select, so the padded prefix rows'
+        // gradients sum back into the packed ones).
+        let (prefix, own, h, kvh, d) = (5, [3usize, 1, 4], 4, 2, 8);
+        let rows = prefix + own.iter().sum::<usize>();
+        let t = prefix + own.iter().max().unwrap();
+        let q = var(&[rows, h * d], 21);
+        let k = var(&[rows, kvh * d], 22);
+        let v = var(&[rows, kvh * d], 23);
+        let angles = randn(&[t + 2, d / 2], 24);
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        // Row of the packed layout at padded position (b, p); padding
+        // repeats the sequence's last row.
+        let mut padded_rows = Vec::new();
+        let mut packed_of_padded = Vec::new();
+        let mut start = prefix;
+        for (b, &n) in own.iter().enumerate() {
+            for p in 0..t {
+                let own_p = p.saturating_sub(prefix).min(n - 1);
+                padded_rows.push(if p < prefix { p } else { start + own_p } as u32);
+            }
+            for p in prefix..prefix + n {
+                packed_of_padded.push((b * t + p) as u32);
+            }
+            start += n;
+        }
+        let padded_rows = Tensor::new(padded_rows.as_slice(), &Device::Cpu).unwrap();
+        // Packed order of the padded outputs: the prefix (from the first
+        // sequence), then each sequence's own rows.
+        let mut order: Vec<u32> = (0..prefix as u32).collect();
+        order.extend(packed_of_padded);
+        let order = Tensor::new(order.as_slice(), &Device::Cpu).unwrap();
+        let layout = AttentionLayout {
+            prefix,
+            segments: own.to_vec(),
+        };
+        assert_eq!(layout.rows(), rows);
+        check(
+            &[&q, &k, &v],
+            || causal_attention(&q, &k, &v, &layout, (h, kvh, d), (&cos, &sin)).unwrap(),
+            || {
+                let pad = |m: &Var| m.as_tensor().index_select(&padded_rows, 0).unwrap();
+                let block = AttentionLayout::padded(own.len(), t);
+                causal_attention(
+                    &pad(&q),
+                    &pad(&k),
+                    &pad(&v),
+                    &block,
+                    (h, kvh, d),
+                    (&cos, &sin),
+                )
+                .unwrap()
+                .index_select(&order, 0)
+                .unwrap()
+            },
+            1e-5,
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use candle_core::{Device, Tensor, Var};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 use relay_llm::sft::{load_hf_trainable, named_vars};
-use relay_llm::{init, CausalLm, LoraAdapter, LoraConfig, TinyShape, TinyVocab};
+use relay_llm::{init, CausalLm, LoraAdapter, LoraConfig, TinyShape, TinyVocab, TokenBatch};
 
 struct TempDir(PathBuf);
 
@@ -182,4 +182,69 @@ fn logits_at_positions_are_those_rows_of_the_full_logits() {
     assert!(max_abs_diff(&at, &want) <= 1e-5 * max_abs(&want).max(1.0));
     let outside = Tensor::new(&[27u32], &Device::Cpu).unwrap();
     assert!(model.forward_train_at(&ids, None, &outside).is_err());
+}
+
+/// Rows that open with the same 6 prompt tokens, then differ: prompts of
+/// 11, 9 and 10 tokens, completions of 3, 1 and 2.
+fn shared_prefix_rows() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let opening = [5u32, 9, 14, 3, 27, 40];
+    [(3usize, 3usize), (1, 1), (2, 2)]
+        .iter()
+        .enumerate()
+        .map(|(row, &(own, completion))| {
+            let token = |i: usize| ((row * 13 + i * 7 + 1) % VOCAB) as u32;
+            let mut prompt = opening.to_vec();
+            // The first own token differs in every row.
+            prompt.push(50 + row as u32);
+            prompt.extend((0..own + 1).map(token));
+            (prompt, (10..10 + completion).map(token).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn a_micro_batch_runs_its_shared_prefix_once_with_the_padded_blocks_logits_and_gradients() {
+    let rows = shared_prefix_rows();
+    let pairs: Vec<(&[u32], &[u32])> = rows
+        .iter()
+        .map(|(p, c)| (p.as_slice(), c.as_slice()))
+        .collect();
+    let batch = TokenBatch::new(&pairs, &Device::Cpu).unwrap();
+    let packed = &batch.packed;
+    assert_eq!(packed.prefix_len, 6);
+    // Each row's input (prompt and completion less its last token) after
+    // the prefix: 11 + 3 - 1 - 6, 9 + 1 - 1 - 6, 10 + 2 - 1 - 6.
+    assert_eq!(packed.suffix_lens, [7, 3, 5]);
+    assert_eq!(packed.input_ids.len(), 6 + 7 + 3 + 5);
+
+    // LoRA, with non-zero B.
+    let dir = model_dir("packed");
+    let model = CausalLm::load_hf(&dir.0).unwrap();
+    let adapter = LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 5).unwrap();
+    for (i, (_, v)) in adapter.named_vars().iter().enumerate() {
+        v.set(&randn(v.dims(), 0.1, 200 + i as u64)).unwrap();
+    }
+    let packed_logits = model.forward_train_batch(&batch, Some(&adapter)).unwrap();
+    let padded = model
+        .forward_train_at(&batch.input_ids, Some(&adapter), &batch.positions)
+        .unwrap();
+    assert_eq!(packed_logits.dims(), [batch.num_tokens(), VOCAB]);
+    assert!(max_abs_diff(&packed_logits, &padded) <= 1e-5 * max_abs(&padded).max(1.0));
+    let vars = adapter.named_vars();
+    let g_packed = probe_loss(&packed_logits).backward().unwrap();
+    let g_padded = probe_loss(&padded).backward().unwrap();
+    assert_same_grads(&vars, &g_packed, &g_padded);
+
+    // Full fine-tuning: the embeddings and every weight of the prefix's
+    // rows get the sum of the rows' gradients.
+    let (model, varmap) = load_hf_trainable(&dir.0).unwrap();
+    let vars = named_vars(&varmap);
+    let packed_logits = model.forward_train_batch(&batch, None).unwrap();
+    let padded = model
+        .forward_train_at(&batch.input_ids, None, &batch.positions)
+        .unwrap();
+    assert!(max_abs_diff(&packed_logits, &padded) <= 1e-5 * max_abs(&padded).max(1.0));
+    let g_packed = probe_loss(&packed_logits).backward().unwrap();
+    let g_padded = probe_loss(&padded).backward().unwrap();
+    assert_same_grads(&vars, &g_packed, &g_padded);
 }
