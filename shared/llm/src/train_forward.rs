@@ -1,11 +1,16 @@
-//! The training forward of [`CausalLm`]: [`CausalLm::forward_train`] and
-//! [`CausalLm::forward_train_at`], built from the fused ops of
-//! [`crate::train_ops`], each with its own backward.
+//! The training forward of [`CausalLm`]: [`CausalLm::forward_train`],
+//! [`CausalLm::forward_train_at`] and [`CausalLm::forward_train_batch`],
+//! built from the fused ops of [`crate::train_ops`], each with its own
+//! backward.
 //!
-//! The layout stays `(batch · time, features)` rows from the embedding to
-//! the head: the projections, norms and MLP work on rows, and the
-//! attention op reads each head's columns of those rows in place (RoPE
-//! included), so no activation is transposed or copied between ops.
+//! The layout stays one row of features per input token from the
+//! embedding to the head: a padded block's `batch · time` rows, or a
+//! [`TokenBatch`]'s packed rows (the shared prefix once, then each row's
+//! own tokens). The projections, norms and MLP work on rows whatever their
+//! order; only the attention op knows which rows see which (its
+//! `AttentionLayout`), and it reads each head's columns of the rows in
+//! place (RoPE included), so no activation is transposed or copied
+//! between ops.
 //! Frozen base weights (the LoRA case) get no gradient computed at all;
 //! a model loaded into a `VarMap` (full fine-tuning) gets gradients for
 //! every weight. The composition of candle's basic ops,
