@@ -127,6 +127,19 @@ fn row(label: &str, (wall, cpu): (Duration, Duration)) {
     );
 }
 
+/// The examples as one micro-batch's rows, each with advantage 0.5.
+fn rl_rows(data: &[TokenExample]) -> Vec<RlRow<'_>> {
+    data.iter()
+        .map(|e| RlRow {
+            learner_logprobs: None,
+            prompt: &e.prompt,
+            completion: &e.completion,
+            behaviour_logprobs: &e.behaviour_logprobs,
+            advantage: 0.5,
+        })
+        .collect()
+}
+
 fn examples(vocab: u32) -> Vec<TokenExample> {
     (0..SEQUENCES)
         .map(|i| TokenExample {
@@ -274,16 +287,7 @@ fn main() {
         return;
     }
     // Parts of one 16-sequence micro-batch.
-    let rows: Vec<RlRow> = data
-        .iter()
-        .map(|e| RlRow {
-            learner_logprobs: None,
-            prompt: &e.prompt,
-            completion: &e.completion,
-            behaviour_logprobs: &e.behaviour_logprobs,
-            advantage: 0.5,
-        })
-        .collect();
+    let rows = rl_rows(&data);
     let totals = BatchTotals {
         sequences: SEQUENCES,
         tokens: SEQUENCES * COMPLETION,
@@ -385,16 +389,7 @@ fn shared_prefix(tiny: &CausalLm, tiny_adapter: &LoraAdapter) {
             stratum: 0,
         })
         .collect();
-    let rows: Vec<RlRow> = data
-        .iter()
-        .map(|e| RlRow {
-            learner_logprobs: None,
-            prompt: &e.prompt,
-            completion: &e.completion,
-            behaviour_logprobs: &e.behaviour_logprobs,
-            advantage: 0.5,
-        })
-        .collect();
+    let rows = rl_rows(&data);
     let totals = BatchTotals {
         sequences: MOVES,
         tokens: MOVES * MOVE_TOKENS,

@@ -323,9 +323,9 @@ pub(crate) fn micro_batches(lens: &[usize], minibatch_size: usize) -> Vec<Vec<us
 mod tests {
     use super::*;
 
-    /// Each target's packed position holds the token just before it in
-    /// its row.
-    fn assert_positions_precede_targets(rows: &[(&[u32], &[u32])]) {
+    /// Packs `rows`, checking that each target's packed position holds the
+    /// token just before it in its row.
+    fn checked_packing(rows: &[(&[u32], &[u32])]) -> PackedRows {
         let batch = TokenBatch::new(rows, &Device::Cpu).unwrap();
         let packed = &batch.packed;
         let mut t = 0;
@@ -338,6 +338,7 @@ mod tests {
             }
         }
         assert_eq!(t, batch.num_tokens());
+        batch.packed
     }
 
     #[test]
@@ -346,39 +347,23 @@ mod tests {
         // shared, so every row keeps the token that predicts its first
         // completion token.
         let rows: [(&[u32], &[u32]); 2] = [(&[1, 2, 3, 4], &[7, 8]), (&[1, 2, 3, 4], &[9])];
-        let packed = TokenBatch::new(&rows, &Device::Cpu).unwrap().packed;
+        let packed = checked_packing(&rows);
         assert_eq!(packed.prefix_len, 3);
         assert_eq!(packed.suffix_lens, [2, 1]);
         assert_eq!(packed.input_ids, [1, 2, 3, 4, 7, 4]);
-        assert_positions_precede_targets(&rows);
 
         // A shorter prompt caps the prefix.
         let rows: [(&[u32], &[u32]); 2] = [(&[1, 2, 3, 4, 5], &[7]), (&[1, 2], &[3, 4])];
-        assert_eq!(
-            TokenBatch::new(&rows, &Device::Cpu)
-                .unwrap()
-                .packed
-                .prefix_len,
-            1
-        );
-        assert_positions_precede_targets(&rows);
+        assert_eq!(checked_packing(&rows).prefix_len, 1);
 
         // No common opening: the rows are packed without padding.
         let rows: [(&[u32], &[u32]); 3] = [(&[1, 2], &[3]), (&[2, 2, 2], &[3, 4]), (&[1], &[5])];
-        let packed = TokenBatch::new(&rows, &Device::Cpu).unwrap().packed;
+        let packed = checked_packing(&rows);
         assert_eq!(packed.prefix_len, 0);
         assert_eq!(packed.suffix_lens, [2, 4, 1]);
-        assert_positions_precede_targets(&rows);
 
         // One row: its whole prompt but the last token is the prefix.
         let rows: [(&[u32], &[u32]); 1] = [(&[4, 5, 6], &[7, 8, 9])];
-        assert_eq!(
-            TokenBatch::new(&rows, &Device::Cpu)
-                .unwrap()
-                .packed
-                .prefix_len,
-            2
-        );
-        assert_positions_precede_targets(&rows);
+        assert_eq!(checked_packing(&rows).prefix_len, 2);
     }
 }
