@@ -409,28 +409,17 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
     std::fs::create_dir_all(&args.work_dir)
         .with_context(|| format!("creating {}", args.work_dir.display()))?;
     let work = std::fs::canonicalize(&args.work_dir)?.join(format!("seed-{}", args.seed));
+    // The bench's settings come first: `--set` overrides apply in order, so
+    // the user's own (appended last) replace any of them.
     let mut overrides = vec![
         "llm.model=smollm2".to_string(),
         format!("run.seed={}", args.seed),
         format!("lora.seed={}", args.seed),
+        format!("text.system_prompt={SYSTEM_PROMPT:?}"),
+        "text.max_turn_tokens=16".into(),
+        format!("rl.kl={KL_TO_WARM_START}"),
+        format!("llm.threads={INFERENCE_THREADS}"),
     ];
-    let user_sets = |field: &str| {
-        args.overrides
-            .iter()
-            .any(|o| o.starts_with(&format!("{field}=")))
-    };
-    if !user_sets("text.system_prompt") {
-        overrides.push(format!("text.system_prompt={SYSTEM_PROMPT:?}"));
-    }
-    if !user_sets("text.max_turn_tokens") {
-        overrides.push("text.max_turn_tokens=16".into());
-    }
-    if !user_sets("rl.kl") {
-        overrides.push(format!("rl.kl={KL_TO_WARM_START}"));
-    }
-    if !user_sets("llm.threads") {
-        overrides.push(format!("llm.threads={INFERENCE_THREADS}"));
-    }
     overrides.extend(args.overrides.iter().cloned());
     let config = relay_config::ExperimentConfig::load(&args.config, &overrides)?;
     let cpu = format!("{} ({})", crate::cpu_name(), crate::cpu_simd());
