@@ -70,7 +70,7 @@ bench-tictactoe *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-tictactoe {{ARGS}}
 
-# SmolLM2-135M-Instruct learns TicTacToe against the random bot from both seats (--seed 1; run again with --seed 2): a LoRA SFT warm start on random legal moves, then 60 minutes of GRPO with LoRA; every 10 minutes 200 greedy evaluation games: legal-move, win and non-loss rates, games/min and learner tokens/s, whether non-loss rose 15 points; a table and a JSON line.
+# SmolLM2-135M-Instruct learns TicTacToe against the random bot from both seats (--seed 1; run again with --seed 2): a LoRA SFT warm start on random legal moves, then 60 minutes of GRPO with LoRA; greedy evaluation games every 10 minutes (200 at the start and the end, 50 between): legal-move, win and non-loss rates, games/min and learner tokens/s; then the saved best checkpoint and the SFT start replayed on 200 fresh games each; whether non-loss rose 15 points in both; tables and a JSON line.
 bench-smollm2 *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-smollm2 {{ARGS}}

@@ -141,7 +141,7 @@ pub fn evaluate_checkpoint(
 }
 
 /// A run's checkpoint `which`: the run id, the folder and its config.
-fn resolve(
+pub fn resolve(
     runs_dir: &Path,
     run: &str,
     which: &str,
@@ -218,14 +218,8 @@ pub struct TextMatchup {
     pub legal_move_rate: f64,
 }
 
-/// Plays a text run's checkpoint against bots, in this process: the run's
-/// base model with the checkpoint's adapter, greedy (as the run's
-/// `vs-opponent` evaluations play by default), `episodes` games per bot,
-/// the first half in seat 0, game `i` seeded `seed + i`. The bots are the
-/// run's `eval.options.opponents` that are bots, else `random` (and
-/// `minimax` or `connect_four_bot` where they play). The model decodes
-/// here, not in a batched inference server, so a figure can differ from
-/// the evaluator's by the batches' rounding.
+/// A text run's checkpoint played against bots: [`play_text_adapter`]
+/// with the checkpoint's adapter, and a JSON report of it.
 pub fn evaluate_text_checkpoint(
     run_id: &str,
     dir: &Path,
@@ -233,17 +227,56 @@ pub fn evaluate_text_checkpoint(
     episodes: usize,
     seed: u64,
 ) -> Result<serde_json::Value> {
+    let state = relay_runs::checkpoint::load_state(dir)?;
+    let adapter = dir.join(relay_runs::checkpoint::ADAPTER_DIR);
+    let played = play_text_adapter(config, Some(&adapter), episodes, seed)?;
+    let (mean, std) = relay_eval::mean_std(&played.rewards);
+    Ok(serde_json::json!({
+        "run_id": run_id,
+        "checkpoint": dir.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "weights_version": state.weights_version.unwrap_or(state.progress.version),
+        "env_id": config.run.env_id,
+        "episodes": episodes,
+        "seed": seed,
+        "mean_return": mean,
+        "std_return": std,
+        "matchups": played.matchups,
+    }))
+}
+
+/// What [`play_text_adapter`] played.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextGamesPlayed {
+    /// One per bot, in the order played.
+    pub matchups: Vec<TextMatchup>,
+    /// The model's reward of each game, in the order played.
+    pub rewards: Vec<f64>,
+}
+
+/// Plays a text run's base model with the PEFT `adapter` (none: the base
+/// model alone) against bots, in this process, as the run's `vs-opponent`
+/// evaluations play by default: greedy, `episodes` games per bot, the
+/// first half in seat 0, game `i` seeded `seed + i`, prompted and read as
+/// the run's `text` section says. The bots are the run's
+/// `eval.options.opponents` that are bots, else `random` (and `minimax` or
+/// `connect_four_bot` where they play). The model decodes here, not in a
+/// batched inference server, so a figure can differ from the evaluator's
+/// by the batches' rounding.
+pub fn play_text_adapter(
+    config: &relay_config::ExperimentConfig,
+    adapter: Option<&Path>,
+    episodes: usize,
+    seed: u64,
+) -> Result<TextGamesPlayed> {
     let env_id = config.run.env_id.clone();
     let model = config
         .llm
         .model
         .clone()
         .context("the run's config names no llm.model")?;
-    let state = relay_runs::checkpoint::load_state(dir)?;
-    let adapter = dir.join(relay_runs::checkpoint::ADAPTER_DIR);
     let mut player = crate::play_text::Player::new(
         &model,
-        Some(&adapter),
+        adapter,
         0.0,
         config.text.max_turn_tokens as usize,
         seed,
@@ -312,18 +345,7 @@ pub fn evaluate_text_checkpoint(
         };
         matchups.push(m);
     }
-    let (mean, std) = relay_eval::mean_std(&rewards);
-    Ok(serde_json::json!({
-        "run_id": run_id,
-        "checkpoint": dir.file_name().map(|n| n.to_string_lossy().into_owned()),
-        "weights_version": state.weights_version.unwrap_or(state.progress.version),
-        "env_id": env_id,
-        "episodes": episodes,
-        "seed": seed,
-        "mean_return": mean,
-        "std_return": std,
-        "matchups": matchups,
-    }))
+    Ok(TextGamesPlayed { matchups, rewards })
 }
 
 /// `relay eval`.
