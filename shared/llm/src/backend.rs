@@ -30,10 +30,22 @@ pub fn candle_dtype(dtype: LlmDtype) -> DType {
     }
 }
 
-fn open_device(spec: DeviceSpec) -> Result<Device> {
+/// The one place a device is opened. A CUDA device gets a stream of its own
+/// (`new_cuda_with_stream`), not candle's default per-thread stream: the
+/// weights and adapters are placed on one thread (a blocking task) and used
+/// on others, and work queued on different per-thread streams is not
+/// ordered, so a forward could read a buffer whose upload had not finished.
+/// One stream orders every copy and kernel of the device, whichever thread
+/// queues it.
+pub fn open_device(spec: DeviceSpec) -> Result<Device> {
     match spec {
         DeviceSpec::Cpu => Ok(Device::Cpu),
-        DeviceSpec::Cuda(n) => Device::new_cuda(n).map_err(|e| {
+        DeviceSpec::Cuda(n) => Device::new_cuda_with_stream(n).map_err(|e| {
+            // The cause alone: the backtrace candle attaches is not the user's concern.
+            let e = match e {
+                candle_core::Error::WithBacktrace { inner, .. } => *inner,
+                e => e,
+            };
             ModelError::BadInput(format!(
                 "llm.device: cuda:{n} cannot be opened ({e}); \
                  is the NVIDIA driver installed (nvidia-smi) and is there a GPU {n}?"

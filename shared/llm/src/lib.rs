@@ -140,7 +140,8 @@ mod train_ops;
 
 pub use adapter_bytes::{to_peft_bytes, PeftBytes};
 pub use backend::{
-    candle_dtype, Backend, BackendKind, BackendSpec, DeviceSpec, LlmDtype, SpecError, CUDA_BUILT,
+    candle_dtype, open_device, Backend, BackendKind, BackendSpec, DeviceSpec, LlmDtype, SpecError,
+    CUDA_BUILT,
 };
 pub use cache::{KvCache, PrefixCache};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};

@@ -103,7 +103,7 @@ fn for_each_backend(name: &str, check: impl Fn(&CausalLm)) {
         },
     ];
     if relay_llm::CUDA_BUILT {
-        match Device::new_cuda(0) {
+        match relay_llm::open_device(relay_llm::DeviceSpec::Cuda(0)) {
             Ok(device) => backends.push(Backend::Candle {
                 device,
                 dtype: DType::F32,
