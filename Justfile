@@ -21,7 +21,7 @@ up *ARGS: install
 down:
     {{release}}/relay down
 
-# The release binaries with the `cuda` feature (candle on NVIDIA GPUs through cudarc), into target/cuda/release/ (the CPU build's caches stay). Builds without a GPU: installs a CUDA compiler from PyPI where none is installed (deploy/install.sh --cuda; deploy/cuda-env.sh sets CUDA_COMPUTE_CAP and the CUDA version); running them needs the NVIDIA driver. Serve on a GPU with `--set llm.device=cuda --set llm.dtype=bf16`.
+# The release binaries with the `cuda` feature (candle on NVIDIA GPUs through cudarc), into target/cuda/release/ (the CPU build's caches stay). Builds without a GPU: installs a CUDA compiler from PyPI where none is installed, of the version RELAY_CUDA_VERSION names (default 13.0: at most the driver's CUDA version, which is 13.0 for driver 580), with link stubs of the CUDA libraries (deploy/install.sh --cuda; deploy/cuda-env.sh sets CUDA_COMPUTE_CAP and the CUDA version); running them on a GPU needs the NVIDIA driver, cuBLAS, cuRAND and NVRTC (PyTorch's nvidia/cu13/lib holds them). Serve on a GPU with `--set llm.device=cuda --set llm.dtype=bf16`.
 build-cuda: install
     bash deploy/install.sh --cuda
     source deploy/cuda-env.sh && cargo build --release --workspace --bins --features cuda --target-dir target/cuda
@@ -30,10 +30,26 @@ build-cuda: install
 bench-gpu *ARGS: install
     if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay-bench bench-gpu {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay-bench bench-gpu {{ARGS}}; fi
 
-# Type-check every crate and target with the `cuda` feature (what CI runs, so the CUDA path cannot rot); its own target folder keeps the CPU build's caches.
-check-cuda: install
-    bash deploy/install.sh --cuda
-    source deploy/cuda-env.sh && cargo check --workspace --all-targets --features cuda --target-dir target/cuda
+# Build and link with the `cuda` feature (the GPU check's bundle: relay-bench and the LLM reference tests, release; where there is no NVIDIA driver, against the link stubs deploy/install.sh --cuda writes), run the bundle's check on the CPU (deploy/gpu-check.sh --dry-run), and, without a GPU, check that a GPU asked for is refused, saying cuda:0 does not open. What CI runs, so the CUDA path cannot rot although CI has no GPU; its own target folder keeps the CPU build's caches.
+check-cuda: gpu-check-dry-run
+    #!/usr/bin/env bash
+    set -euo pipefail
+    source deploy/cuda-env.sh
+    if nvidia-smi -L >/dev/null 2>&1; then exit 0; fi
+    err=target/cuda/gpu.err
+    if target/cuda/release/relay-bench bench-gpu --model gpu-bundle/fixtures/tiny-qwen3 --backends cuda 2>"$err"; then
+        echo "check-cuda: --backends cuda ran on a machine without a GPU" >&2; exit 1
+    fi
+    grep -q "cuda:0 does not open" "$err" || { echo "check-cuda: --backends cuda failed without saying why:" >&2; cat "$err" >&2; exit 1; }
+    echo "check-cuda: linked; the GPU check ran on the CPU; a GPU asked for is refused here: $(grep "does not open" "$err" | tail -1)"
+
+# The GPU check's bundle, built here without a GPU: relay-bench and the LLM reference tests with the `cuda` feature (release, stripped, xz), the tiny LLM fixtures and a manifest, into gpu-bundle/ (at most 60 MiB). On a GPU machine (no Rust there): carry gpu-bundle and run `bash deploy/gpu-check.sh` (GPU, reference tests on cuda:0, a random-weight Qwen3-0.6B's generation and LoRA training against transformers' generate on the same GPU; a table, and gpu-check.json under $OUT).
+gpu-bundle: install
+    bash deploy/gpu-bundle.sh
+
+# The GPU check's dry run on this machine's CPU (what CI runs, so the script cannot rot between GPU checks): the bundle, then every step of deploy/gpu-check.sh on the CPU backends with the tiny Qwen3 fixture.
+gpu-check-dry-run: gpu-bundle
+    bash deploy/gpu-check.sh --dry-run
 
 # Run every test (unit, fixtures, services against real NATS/Redis, end-to-end).
 test: install

@@ -22,10 +22,15 @@
 # into .relay/llama-cpp, for
 # `just bench-llamacpp`. No wheel cache: pip would reuse a wheel built
 # with other CMAKE_ARGS.
-# `--cuda` also installs a CUDA 13.4 compiler and headers (PyPI's
-# nvidia-cuda-nvcc, -runtime, -crt, -cccl, nvidia-nvvm) into .relay/cuda
-# where no nvcc is installed, for `just build-cuda` and `just check-cuda`
-# (deploy/cuda-env.sh sets the build up); no GPU is needed to build.
+# `--cuda` also installs a CUDA compiler and headers (PyPI's
+# nvidia-cuda-nvcc, -runtime, -crt, -cccl, nvidia-nvvm) of the version
+# RELAY_CUDA_VERSION names (default 13.0) into .relay/cuda-<version> where no
+# nvcc is installed, with link stubs of the driver, cuBLAS, cuBLASLt, cuRAND
+# and NVRTC (deploy/cuda_stubs.py) in its lib/stubs, for `just build-cuda`
+# and `just check-cuda` (deploy/cuda-env.sh sets the build up); no GPU is
+# needed to build. The rule for the version: at most the CUDA version of the
+# driver the binaries will meet (nvidia-smi's "CUDA Version"), since the
+# driver refuses PTX from a newer compiler; driver 580 is CUDA 13.0.
 set -euo pipefail
 
 say() { printf 'install: %s\n' "$*" >&2; }
@@ -197,12 +202,33 @@ if [[ " $* " == *" --llama-cpp "* ]]; then
 fi
 
 if [[ " $* " == *" --cuda "* ]] && ! command -v nvcc >/dev/null; then
-  cuda_venv="$repo_root/.relay/cuda"
-  if ! ls "$cuda_venv"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc >/dev/null 2>&1; then
-    say "installing the CUDA 13.4 compiler and headers into .relay/cuda (PyPI nvidia-cuda-nvcc)"
+  cuda_version="${RELAY_CUDA_VERSION:-13.0}"
+  if ! [[ "$cuda_version" =~ ^13\.[0-9]+$ ]]; then
+    say "RELAY_CUDA_VERSION=$cuda_version: PyPI's toolkit is installed for CUDA 13.x (13.0 for driver 580); for another version install CUDA and put its nvcc on PATH"
+    exit 2
+  fi
+  cuda_venv="$repo_root/.relay/cuda-$cuda_version"
+  toolkit_glob="$cuda_venv/lib/python3*/site-packages/nvidia/cu13"
+  if ! ls $toolkit_glob/bin/nvcc >/dev/null 2>&1; then
+    say "installing the CUDA $cuda_version compiler and headers into .relay/cuda-$cuda_version (PyPI nvidia-cuda-nvcc)"
     [ -x "$cuda_venv/bin/python" ] || python3 -m venv "$cuda_venv"
     "$cuda_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-      "nvidia-cuda-nvcc==13.4.*" "nvidia-nvvm==13.4.*" "nvidia-cuda-runtime==13.4.*" \
-      "nvidia-cuda-crt==13.4.*" nvidia-cuda-cccl
+      "nvidia-cuda-nvcc==$cuda_version.*" "nvidia-nvvm==$cuda_version.*" \
+      "nvidia-cuda-runtime==$cuda_version.*" "nvidia-cuda-crt==$cuda_version.*" \
+      "nvidia-cuda-cccl==$cuda_version.*"
   fi
+  toolkit=$(ls -d $toolkit_glob | head -1)
+  if ! [ -e "$toolkit/lib/stubs/libcuda.so.1" ]; then
+    # The stubs export what cudarc binds, so they are made from the cudarc
+    # this workspace locks with the `cuda` feature (cargo metadata fetches it
+    # when missing).
+    cudarc_src=$(cd "$repo_root" && cargo metadata --format-version 1 --locked --features cuda 2>/dev/null | python3 -c '
+import json, os, sys
+print(next(os.path.dirname(p["manifest_path"]) for p in json.load(sys.stdin)["packages"] if p["name"] == "cudarc"))')
+    say "writing link stubs of the CUDA libraries into $toolkit/lib/stubs (from $(basename "$cudarc_src"))"
+    python3 "$repo_root/deploy/cuda_stubs.py" "$cudarc_src" 13 "$toolkit/lib/stubs"
+  fi
+  # candle-kernels links the runtime by `-lcudart`; the wheel holds only the
+  # versioned library.
+  [ -e "$toolkit/lib/libcudart.so" ] || ln -s libcudart.so.13 "$toolkit/lib/libcudart.so"
 fi

@@ -13,11 +13,13 @@
 //! backend), and the load time of one adapter version
 //! (PEFT bytes parsed and placed on the backend's device). Without a GPU
 //! the run says so and measures the CPU backends. A table, then one JSON
-//! line.
+//! line. `--model` measures another model (a Hugging Face folder, e.g. a
+//! random-weight one with a real config made where the GPU is), and
+//! `--backends` a subset of the backends.
 
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use relay_llm::{
     Backend, CausalLm, GgufBase, LoraAdapter, LoraConfig, Sampler, SamplingParams, Sequence,
@@ -36,10 +38,24 @@ pub struct BenchGpuArgs {
     /// Sequences in the training step's batch (of 128 tokens each).
     #[arg(long, default_value_t = 8)]
     pub train_batch: usize,
+    /// The model: `smollm2`, a Hugging Face folder (a random-weight one made
+    /// on a GPU machine by transformers, say) or a `.gguf` file.
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// Backends to measure, of `engine`, `candle-cpu` and `cuda`
+    /// (comma-separated; default: all this build and machine have). `cuda`
+    /// named where it does not open is an error.
+    #[arg(long, value_delimiter = ',')]
+    pub backends: Vec<String>,
 }
+
+/// The names `--backends` takes, in the order the run measures them.
+const BACKEND_NAMES: [&str; 3] = ["engine", "candle-cpu", "cuda"];
 
 /// One backend of the run.
 struct Contender {
+    /// Its `--backends` name.
+    key: &'static str,
     name: String,
     backend: Backend,
 }
@@ -49,10 +65,12 @@ struct Contender {
 fn contenders() -> (Vec<Contender>, String) {
     let mut all = vec![
         Contender {
+            key: "engine",
             name: "engine (cpu, f32)".into(),
             backend: Backend::Engine,
         },
         Contender {
+            key: "candle-cpu",
             name: "candle (cpu, f32)".into(),
             backend: Backend::Candle {
                 device: Device::Cpu,
@@ -63,9 +81,10 @@ fn contenders() -> (Vec<Contender>, String) {
     let gpu = if !relay_llm::CUDA_BUILT {
         "no GPU measured: this build has no `cuda` feature (`just build-cuda`)".to_string()
     } else {
-        match Device::new_cuda(0) {
+        match relay_llm::open_device(relay_llm::DeviceSpec::Cuda(0)) {
             Ok(device) => {
                 all.push(Contender {
+                    key: "cuda",
                     name: "candle (cuda:0, bf16)".into(),
                     backend: Backend::Candle {
                         device,
@@ -97,6 +116,17 @@ fn prompt(tokenizer: &relay_llm::Tokenizer, k: usize) -> Result<Vec<u32>> {
     tokenizer
         .encode(&text, false)
         .context("tokenizing the prompt")
+}
+
+/// Prompt length where the model has no tokenizer (about a TicTacToe prompt's).
+const SYNTHETIC_PROMPT_TOKENS: usize = 48;
+
+/// Prompt `k` of token ids for a model without a tokenizer: distinct for
+/// each `k`, spread over the vocabulary.
+fn synthetic_prompt(vocab: usize, k: usize) -> Vec<u32> {
+    (0..SYNTHETIC_PROMPT_TOKENS)
+        .map(|i| ((k * 7919 + i * 104_729 + 1) % vocab.max(1)) as u32)
+        .collect()
 }
 
 /// Completion tokens per second of `batch` sequences generating `new_tokens` each.
@@ -131,7 +161,7 @@ pub(crate) fn generate(model: &CausalLm, prompts: &[Vec<u32>], new_tokens: usize
 fn train_step(model: &CausalLm, adapter: &LoraAdapter, batch: usize) -> Result<f64> {
     let time = 128;
     let ids: Vec<u32> = (0..batch * time)
-        .map(|i| (i * 7919 % 20000) as u32)
+        .map(|i| (i * 7919 % model.config().vocab_size.clamp(1, 20_000)) as u32)
         .collect();
     let ids = Tensor::from_vec(ids, (batch, time), model.device())?;
     let adapter = model.place_adapter(adapter)?;
@@ -166,15 +196,36 @@ fn adapter_load(model: &CausalLm, bytes: &relay_llm::PeftBytes) -> Result<f64> {
 
 /// `relay bench-gpu`.
 pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
-    let (contenders, gpu) = contenders();
-    println!("relay bench-gpu: {gpu}");
-    let (base, path) = relay_llm::load_causal_lm("smollm2", GgufBase::Dequantized)
-        .context("SmolLM2-135M-Instruct (run `bash deploy/install.sh`)")?;
-    let tokenizer = relay_llm::load_tokenizer(&path)?;
+    let (mut contenders, gpu) = contenders();
+    if !args.backends.is_empty() {
+        for name in &args.backends {
+            if !BACKEND_NAMES.contains(&name.as_str()) {
+                bail!("--backends: unknown backend {name:?} (one of {BACKEND_NAMES:?})");
+            }
+            if !contenders.iter().any(|c| c.key == name) {
+                bail!("--backends {name}: not available here ({gpu})");
+            }
+        }
+        contenders.retain(|c| args.backends.iter().any(|b| b == c.key));
+    }
+    println!("relay bench-gpu: {gpu}; model {}", args.model);
+    let (base, path) = relay_llm::load_causal_lm(&args.model, GgufBase::Dequantized)
+        .with_context(|| format!("--model {}", args.model))?;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
-    let prompts: Vec<Vec<u32>> = (0..max_batch)
-        .map(|k| prompt(&tokenizer, k * 7 + 1))
-        .collect::<Result<_>>()?;
+    // A random-weight checkpoint has no tokenizer: its prompts are token ids.
+    let prompts: Vec<Vec<u32>> = match relay_llm::load_tokenizer(&path) {
+        Ok(tokenizer) => (0..max_batch)
+            .map(|k| prompt(&tokenizer, k * 7 + 1))
+            .collect::<Result<_>>()?,
+        Err(e) => {
+            println!(
+                "relay bench-gpu: no tokenizer ({e}); prompts of {SYNTHETIC_PROMPT_TOKENS} token ids"
+            );
+            (0..max_batch)
+                .map(|k| synthetic_prompt(base.config().vocab_size, k))
+                .collect()
+        }
+    };
     let adapter = LoraAdapter::new(base.config(), LoraConfig::all_projections(8, 16.0), 0)?;
     let bytes = relay_llm::to_peft_bytes(&adapter, None)?;
 
@@ -217,7 +268,7 @@ pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
         );
     }
     let json = serde_json::json!({
-        "model": "SmolLM2-135M-Instruct",
+        "model": args.model,
         "gpu": gpu,
         "new_tokens": args.new_tokens,
         "backends": rows.iter().map(|(name, generate_tps, train_tps, load_s)| serde_json::json!({
@@ -233,6 +284,17 @@ pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn synthetic_prompts_differ_and_stay_inside_the_vocabulary() {
+        let (a, b) = (
+            super::synthetic_prompt(384, 0),
+            super::synthetic_prompt(384, 1),
+        );
+        assert_eq!(a.len(), super::SYNTHETIC_PROMPT_TOKENS);
+        assert_ne!(a, b);
+        assert!(a.iter().chain(&b).all(|&t| t < 384));
+    }
+
     #[test]
     fn the_cpu_backends_are_always_measured() {
         let (all, gpu) = super::contenders();

@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# The GPU check: run from the repository root on a machine with an NVIDIA
+# GPU and the folder `just gpu-bundle` made (gpu-bundle/, carried there).
+# It needs only what such a machine has: the driver, and a python3 with
+# PyTorch and transformers (whose CUDA wheels hold cuBLAS, cuRAND and
+# NVRTC). No Rust toolchain, no network.
+#
+#   1. machine: the GPU and driver (nvidia-smi), the CUDA libraries the
+#      binaries link, found in PyTorch's nvidia wheels.
+#   2. reference: the LLM reference tests (shared/llm/tests/reference_models.rs,
+#      the bundle's test binary) on every backend, cuda:0 (f32) included,
+#      against transformers' logits, greedy continuations and PEFT adapters
+#      of the tiny Qwen2, Qwen3 and Llama 3 fixtures the bundle carries.
+#   3. model: a random-weight checkpoint with Qwen3-0.6B's config, written by
+#      transformers there (services/bench/hf/random_checkpoint.py; nothing
+#      downloaded, a real model does not fit the carry).
+#   4. relay: `relay-bench bench-gpu` on that model, candle on cuda:0 in
+#      bf16: generation tokens/s at each batch size, LoRA training tokens/s.
+#   5. anchor: transformers' generate on the same model, prompts and lengths
+#      (services/bench/hf/generate_anchor.py).
+#
+# Prints a table and writes gpu-check.json (its last line) and every step's
+# log under $OUT (default gpu-bundle/out). Exit status: 0 only if every step
+# passed.
+#
+# --dry-run: the same steps on a machine without a GPU (CI runs it, so the
+# script cannot rot between GPU checks): the CPU backends, the tiny Qwen3
+# fixture as the model, small sizes, and the anchor only where PyTorch and
+# transformers import.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+dry_run=false
+[ "${1:-}" = "--dry-run" ] && dry_run=true
+bundle=${RELAY_GPU_BUNDLE:-gpu-bundle}
+out=${OUT:-$bundle/out}
+mkdir -p "$out"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+python=${RELAY_GPU_PYTHON:-python3}
+status=()
+fail=0
+record() { # name, rc
+  if [ "$2" -eq 0 ]; then status+=("$1=ok"); else status+=("$1=failed($2)"); fail=1; fi
+}
+say() { printf 'gpu-check: %s\n' "$*"; }
+
+if ! [ -f "$bundle/manifest.json" ]; then
+  say "no $bundle/manifest.json: make the bundle with \`just gpu-bundle\` and carry $bundle"
+  exit 2
+fi
+say "bundle $(tr -d '\n' < "$bundle/manifest.json")"
+for f in "$bundle"/bin/*.xz; do
+  name=$(basename "${f%.xz}")
+  xz -dc "$f" > "$work/$name" && chmod +x "$work/$name" || { say "unpacking $f failed"; exit 2; }
+done
+
+# 1. machine
+if $dry_run; then
+  gpu="none (dry run)"
+  say "dry run: no GPU; the CPU backends only"
+  # The binaries start against the link stubs where no driver is installed.
+  # shellcheck source=deploy/cuda-env.sh
+  source deploy/cuda-env.sh || exit 2
+else
+  gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1) || {
+    say "nvidia-smi failed: $gpu"; exit 2; }
+  say "GPU: $gpu"
+  # cuBLAS, cuBLASLt, cuRAND, NVRTC and the runtime from PyTorch's CUDA wheels.
+  libs=$("$python" - <<'EOF'
+import glob, os
+import nvidia
+dirs = {os.path.dirname(p) for root in nvidia.__path__ for p in glob.glob(os.path.join(root, "**", "lib*.so*"), recursive=True)}
+print(":".join(sorted(dirs)))
+EOF
+  ) || { say "$python cannot import PyTorch's nvidia packages, which hold the CUDA libraries"; exit 2; }
+  export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+for bin in "$work"/*; do
+  missing=$(ldd "$bin" 2>&1 | grep "not found")
+  if [ -n "$missing" ]; then
+    say "$(basename "$bin") links libraries this machine lacks: $missing"
+    exit 2
+  fi
+done
+ldd "$work/relay-bench" | grep -E "libcuda|libcublas|libcurand|libnvrtc|libcudart" > "$out/libraries.txt"
+cat "$out/libraries.txt"
+
+# 2. reference
+say "reference tests (every backend against transformers)"
+RELAY_LLM_FIXTURES="$bundle/fixtures" RUST_BACKTRACE=1 \
+  "$work/reference_models" --test-threads 4 --nocapture > "$out/reference.log" 2>&1
+rc=$?
+grep -E "^test result|FAILED|panicked" "$out/reference.log" | head -20
+tested=$(grep -o "^backend .*" "$out/reference.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')
+say "backends tested (checks each): $tested"
+if ! $dry_run && ! grep -q "^backend candle (cuda" "$out/reference.log"; then
+  say "no test ran on cuda:0"; grep "no CUDA device" "$out/reference.log" | head -3
+  [ "$rc" -eq 0 ] && rc=1
+fi
+record reference "$rc"
+
+# 3. model
+if $dry_run; then
+  model="$bundle/fixtures/tiny-qwen3"
+  batches=1,2 new_tokens=4 train_batch=2 backends=engine,candle-cpu
+  record model 0
+else
+  model="$work/qwen3-0.6b-random"
+  batches=1,8,32,64 new_tokens=32 train_batch=8 backends=cuda
+  say "writing a random-weight Qwen3-0.6B with transformers"
+  "$python" services/bench/hf/random_checkpoint.py --config services/bench/hf/qwen3-0.6b.json \
+    --out "$model" > "$out/model.log" 2>&1
+  rc=$?
+  tail -1 "$out/model.log"
+  record model "$rc"
+fi
+
+# 4. relay
+say "relay-bench bench-gpu --model $(basename "$model") --backends $backends --batches $batches"
+"$work/relay-bench" bench-gpu --model "$model" --backends "$backends" --batches "$batches" \
+  --new-tokens "$new_tokens" --train-batch "$train_batch" > "$out/bench-gpu.log" 2>&1
+rc=$?
+grep -v "^{" "$out/bench-gpu.log" | tail -8
+record relay "$rc"
+relay_json=$(grep "^{" "$out/bench-gpu.log" | tail -1)
+
+# 5. anchor
+anchor_json=null
+if $dry_run && ! "$python" -c "import torch, transformers" 2>/dev/null; then
+  say "anchor skipped: no PyTorch with transformers here"
+  status+=("anchor=skipped")
+else
+  device=cuda:0
+  $dry_run && device=cpu
+  say "transformers generate on $device"
+  "$python" services/bench/hf/generate_anchor.py --model "$model" --batches "$batches" \
+    --new-tokens "$new_tokens" --device "$device" > "$out/anchor.log" 2>&1
+  rc=$?
+  grep -v "^{" "$out/anchor.log" | tail -6
+  record anchor "$rc"
+  anchor_json=$(grep "^{" "$out/anchor.log" | tail -1)
+fi
+
+# Side by side, and the JSON line.
+RELAY_JSON="${relay_json:-null}" ANCHOR_JSON="${anchor_json:-null}" GPU="$gpu" \
+  STATUS="${status[*]}" MANIFEST="$bundle/manifest.json" OUT_DIR="$out" "$python" - <<'EOF'
+import json, os
+relay = json.loads(os.environ["RELAY_JSON"] or "null")
+anchor = json.loads(os.environ["ANCHOR_JSON"] or "null")
+status = dict(s.split("=", 1) for s in os.environ["STATUS"].split())
+with open(os.environ["MANIFEST"]) as f:
+    manifest = json.load(f)
+rows = []
+if relay:
+    for backend in relay["backends"]:
+        theirs = {r["batch"]: r["tokens_per_s"] for r in (anchor or {}).get("generate_tokens_per_s", [])}
+        for r in backend["generate_tokens_per_s"]:
+            t = theirs.get(r["batch"])
+            rows.append({"backend": backend["backend"], "batch": r["batch"], "relay_tokens_per_s": r["tokens_per_s"],
+                         "transformers_tokens_per_s": t, "ratio": round(r["tokens_per_s"] / t, 2) if t else None})
+print("| backend | B | relay tok/s | transformers tok/s | relay / transformers |")
+print("|---|---:|---:|---:|---:|")
+for r in rows:
+    print(f"| {r['backend']} | {r['batch']} | {r['relay_tokens_per_s']} | {r['transformers_tokens_per_s'] or '-'} | {r['ratio'] or '-'} |")
+summary = {"check": "gpu", "gpu": os.environ["GPU"], "bundle": manifest, "steps": status,
+           "generate": rows, "relay": relay, "anchor": anchor}
+line = json.dumps(summary)
+with open(os.path.join(os.environ["OUT_DIR"], "gpu-check.json"), "w") as f:
+    f.write(line + "\n")
+print(line)
+EOF
+say "steps: ${status[*]}"
+exit $fail
