@@ -57,7 +57,7 @@ chmod -R u+w "$bundle/fixtures"
 
 bytes=$(du -sb "$bundle" | cut -f1)
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-dirty=$(git status --porcelain 2>/dev/null | grep -v "^??" | head -1)
+dirty=$(git status --porcelain 2>/dev/null | grep -v "^??" | head -1 || true)
 cat > "$bundle/manifest.json" <<EOF
 {"commit": "$commit${dirty:+-dirty}", "cuda": "$CUDARC_CUDA_VERSION", "compute_cap": "${CUDA_COMPUTE_CAP:-80}", "bytes": $bytes, "binaries": {$(for f in "$bundle"/bin/*.xz; do printf '"%s": %s,' "$(basename "$f")" "$(stat -c %s "$f")"; done | sed 's/,$//')}}
 EOF
