@@ -186,7 +186,7 @@ fn adapter_load(model: &CausalLm, bytes: &relay_llm::PeftBytes) -> Result<f64> {
     let started = Instant::now();
     let adapter =
         LoraAdapter::from_peft_bytes(&bytes.config_json, &bytes.safetensors, model.config())?;
-    let placed = model.place_adapter(&adapter)?;
+    let placed = model.place_frozen_adapter(&adapter)?;
     // On a GPU the copy is asynchronous: wait for it.
     if let Some(w) = placed.named_vars().first() {
         w.1.as_tensor().to_device(&Device::Cpu)?;

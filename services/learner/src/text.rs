@@ -475,7 +475,7 @@ pub(crate) async fn run(
     let mut trainer = RlTrainer::new(train_config, &adapter).map_err(ServiceError::other)?;
     if let Some(reference) = reference {
         let reference = model
-            .place_adapter(&reference)
+            .place_frozen_adapter(&reference)
             .map_err(ServiceError::other)?;
         trainer
             .set_reference(Some(reference))

@@ -11,7 +11,8 @@
 //!
 //! Moving a model to a backend ([`crate::CausalLm::to_backend`], in
 //! [`crate::generic`]) copies its weights to the device in the dtype;
-//! adapters follow with [`Backend::place_adapter`].
+//! adapters follow with [`Backend::place_adapter`] (trained: f32 factors)
+//! or [`Backend::place_frozen_adapter`] (served: factors in the dtype).
 
 use candle_core::{DType, Device};
 pub use relay_config::hyper::backend::{
@@ -37,21 +38,71 @@ pub fn candle_dtype(dtype: LlmDtype) -> DType {
 /// ordered, so a forward could read a buffer whose upload had not finished.
 /// One stream orders every copy and kernel of the device, whichever thread
 /// queues it.
+///
+/// The device's memory pool keeps what is freed ([`keep_freed_memory`]), set
+/// once here for the process.
 pub fn open_device(spec: DeviceSpec) -> Result<Device> {
     match spec {
         DeviceSpec::Cpu => Ok(Device::Cpu),
-        DeviceSpec::Cuda(n) => Device::new_cuda_with_stream(n).map_err(|e| {
-            // The cause alone: the backtrace candle attaches is not the user's concern.
-            let e = match e {
-                candle_core::Error::WithBacktrace { inner, .. } => *inner,
-                e => e,
-            };
-            ModelError::BadInput(format!(
-                "llm.device: cuda:{n} cannot be opened ({e}); \
-                 is the NVIDIA driver installed (nvidia-smi) and is there a GPU {n}?"
-            ))
-        }),
+        DeviceSpec::Cuda(n) => {
+            let device = Device::new_cuda_with_stream(n).map_err(|e| {
+                ModelError::BadInput(format!(
+                    "llm.device: cuda:{n} cannot be opened ({}); \
+                     is the NVIDIA driver installed (nvidia-smi) and is there a GPU {n}?",
+                    without_backtrace(e)
+                ))
+            })?;
+            keep_freed_memory(&device).map_err(|e| {
+                ModelError::BadInput(format!(
+                    "llm.device: cuda:{n}: its memory pool cannot be set to keep freed memory ({e})"
+                ))
+            })?;
+            Ok(device)
+        }
     }
+}
+
+/// The cause alone: the backtrace candle attaches is not the user's concern.
+fn without_backtrace(e: candle_core::Error) -> candle_core::Error {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => *inner,
+        e => e,
+    }
+}
+
+/// Sets the release threshold of the device's default memory pool (the one
+/// cudarc's stream-ordered allocations draw from) to "never": by default it
+/// is 0, so every synchronisation hands the freed memory back to the driver
+/// and the next step's allocations map it again. Kept, it is reused, as
+/// PyTorch's caching allocator reuses its blocks.
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(device: &Device) -> std::result::Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let Device::Cuda(cuda) = device else {
+        return Ok(());
+    };
+    let stream = cuda.cuda_stream();
+    let context = stream.context();
+    context.bind_to_thread().map_err(|e| e.to_string())?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the device comes from an open context, and the attribute's
+    // value is a u64, as CUDA documents for the release threshold.
+    unsafe {
+        let pool =
+            result::device::get_default_mem_pool(context.cu_device()).map_err(|e| e.to_string())?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .result()
+        .map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn keep_freed_memory(_device: &Device) -> std::result::Result<(), String> {
+    Ok(())
 }
 
 /// Which code computes a model's inference forward (see the module docs).
@@ -93,6 +144,27 @@ impl Backend {
                 Ok(LoraWeights {
                     a: candle_core::Var::from_tensor(&w.a.to_device(device)?)?,
                     b: candle_core::Var::from_tensor(&w.b.to_device(device)?)?,
+                })
+            }),
+        }
+    }
+
+    /// `adapter` placed to be served, not trained: its factors in the
+    /// backend's dtype, cast once here rather than at every projection of
+    /// every step (a served version never changes). The engine computes in
+    /// f32 and takes it as it is.
+    pub fn place_frozen_adapter(&self, adapter: &LoraAdapter) -> Result<LoraAdapter> {
+        match self {
+            Self::Engine => Ok(adapter.clone()),
+            Self::Candle { device, dtype } => adapter.map_weights(|w| {
+                let place = |t: &candle_core::Tensor| -> Result<candle_core::Var> {
+                    Ok(candle_core::Var::from_tensor(
+                        &t.to_device(device)?.to_dtype(*dtype)?,
+                    )?)
+                };
+                Ok(LoraWeights {
+                    a: place(w.a.as_tensor())?,
+                    b: place(w.b.as_tensor())?,
                 })
             }),
         }

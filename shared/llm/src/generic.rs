@@ -284,4 +284,10 @@ impl CausalLm {
     pub fn place_adapter(&self, adapter: &LoraAdapter) -> Result<LoraAdapter> {
         self.backend.place_adapter(adapter)
     }
+
+    /// `adapter` placed to be served, its factors in the compute dtype
+    /// ([`Backend::place_frozen_adapter`]).
+    pub fn place_frozen_adapter(&self, adapter: &LoraAdapter) -> Result<LoraAdapter> {
+        self.backend.place_frozen_adapter(adapter)
+    }
 }

@@ -266,7 +266,9 @@ impl LoraAdapter {
         let Some(w) = self.weights(layer, target) else {
             return Ok(None);
         };
-        // The factors stay f32 (trainable); products in the input's dtype.
+        // Products in the input's dtype. A trained adapter's factors are f32
+        // and cast here; a served one is already in that dtype
+        // (`Backend::place_frozen_adapter`), and the cast is then free.
         let (a, b) = (
             w.a.as_tensor().to_dtype(x.dtype())?,
             w.b.as_tensor().to_dtype(x.dtype())?,

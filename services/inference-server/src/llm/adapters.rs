@@ -507,7 +507,7 @@ impl AdapterStore {
         .map_err(|e| fail(e.to_string()))?;
         let adapter = self
             .backend
-            .place_adapter(&adapter)
+            .place_frozen_adapter(&adapter)
             .map_err(|e| fail(e.to_string()))?;
         self.metrics.adapter_loads.inc();
         self.metrics
