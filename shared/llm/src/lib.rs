@@ -82,7 +82,7 @@
 //! | [`rl`] | [`TokenExample`], the RL objectives ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`] |
 //! | [`reward`] | [`GameResult`], [`RewardShaping`]: per-env normalisation, format reward, invalid-move penalty |
 //! | [`sft`] | [`SftTrainer`], the SFT JSONL reader and chat rendering, full-model training through a `VarMap` |
-//! | [`optim`] | [`AdamW`] with gradient accumulation, global-norm clipping and saved state |
+//! | [`optim`] | [`AdamW`] (multi-tensor: one flat update per bucket of parameters) with gradient accumulation, global-norm clipping and saved state |
 //! | [`train_error`] | [`TrainError`] |
 //!
 //! All training goes through [`CausalLm::forward_train`] (the trainers
