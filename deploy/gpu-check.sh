@@ -8,9 +8,12 @@
 #   1. machine: the GPU and driver (nvidia-smi), the CUDA libraries the
 #      binaries link, found in PyTorch's nvidia wheels.
 #   2. reference: the LLM reference tests (shared/llm/tests/reference_models.rs,
-#      the bundle's test binary) on every backend, cuda:0 (f32) included,
-#      against transformers' logits, greedy continuations and PEFT adapters
-#      of the tiny Qwen2, Qwen3 and Llama 3 fixtures the bundle carries.
+#      the bundle's test binary) on every backend, cuda:0 included (its
+#      memory pool poisoned with NaN first), against transformers' logits,
+#      greedy continuations and PEFT adapters of the tiny Qwen2, Qwen3 and
+#      Llama 3 fixtures the bundle carries, in f32, f16 and bf16; and one
+#      RL update and one SFT step on fresh random batches against the CPU
+#      engine's (losses, gradients, the step).
 #   3. model: a random-weight checkpoint with Qwen3-0.6B's config, written by
 #      transformers there (services/bench/hf/random_checkpoint.py; nothing
 #      downloaded, a real model does not fit the carry).
@@ -92,6 +95,13 @@ RELAY_LLM_FIXTURES="$bundle/fixtures" RUST_BACKTRACE=1 \
   "$work/reference_models" --test-threads 4 --nocapture > "$out/reference.log" 2>&1
 rc=$?
 grep -E "^test result|FAILED|panicked" "$out/reference.log" | head -20
+# The half-precision and training checks' measured gaps, device by device
+# (tolerances in shared/llm/tests/reference_models.rs), and the seed of
+# their random batches (RELAY_CHECK_SEED=<it> repeats a run).
+grep -E "^candle \(.*(gap|difference)" "$out/reference.log" | sort > "$out/gaps.txt"
+awk '{v=$NF; $NF=""; if (!($0 in m) || v+0 > m[$0]+0) m[$0]=v} END {for (k in m) print "  " k "max " m[k]}' \
+  "$out/gaps.txt" | sort
+grep -o "RELAY_CHECK_SEED=[0-9]*" "$out/reference.log" | sort -u | tr '\n' ' '; echo
 tested=$(grep -o "^backend .*" "$out/reference.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')
 say "backends tested (checks each): $tested"
 if ! $dry_run && ! grep -q "^backend candle (cuda" "$out/reference.log"; then

@@ -91,31 +91,59 @@ fn adapter(name: &str, model: &CausalLm) -> LoraAdapter {
     model.place_adapter(&adapter).expect("adapter placed")
 }
 
-/// Runs `check` on the model on each backend: the CPU engine, the candle
-/// backend on the CPU (f32) and, in a `cuda` build on a machine with a GPU
-/// (`cargo test -p relay-llm --features cuda`), on cuda:0 (f32).
+/// Runs `check` on the model on each backend: the CPU engine, and the
+/// candle backend in f32 ([`candle_backends`]).
 fn for_each_backend(name: &str, check: impl Fn(&CausalLm)) {
-    let mut backends = vec![
-        Backend::Engine,
-        Backend::Candle {
-            device: Device::Cpu,
-            dtype: DType::F32,
-        },
-    ];
-    if relay_llm::CUDA_BUILT {
-        match relay_llm::open_device(relay_llm::DeviceSpec::Cuda(0)) {
-            Ok(device) => backends.push(Backend::Candle {
-                device,
-                dtype: DType::F32,
-            }),
-            Err(e) => eprintln!("no CUDA device to test on: {e}"),
-        }
-    }
+    let backends = std::iter::once(Backend::Engine).chain(candle_backends(DType::F32));
     for backend in backends {
         let model = model(name).to_backend(backend).expect("model placed");
         eprintln!("backend {}", model.backend().describe());
         check(&model);
+        synchronize(&model);
     }
+}
+
+/// The candle backend in `dtype` on the CPU and, in a `cuda` build on a
+/// machine with a GPU (`cargo test -p relay-llm --features cuda`), on
+/// cuda:0, its memory pool poisoned first ([`poison`]).
+fn candle_backends(dtype: DType) -> Vec<Backend> {
+    let mut backends = vec![Backend::Candle {
+        device: Device::Cpu,
+        dtype,
+    }];
+    if relay_llm::CUDA_BUILT {
+        match relay_llm::open_device(relay_llm::DeviceSpec::Cuda(0)) {
+            Ok(device) => {
+                poison(&device);
+                backends.push(Backend::Candle { device, dtype });
+            }
+            Err(e) => eprintln!("no CUDA device to test on: {e}"),
+        }
+    }
+    backends
+}
+
+/// Fills 1 GiB of the device's memory pool with NaN and frees it: the
+/// pool keeps freed memory ([`relay_llm::open_device`]), so the buffers
+/// the checks' kernels get come from it, and an output a kernel fails to
+/// write reads as NaN, which every comparison refuses, rather than as
+/// zeros or a previous run's values.
+fn poison(device: &Device) {
+    if device.is_cpu() {
+        return;
+    }
+    let nan = Tensor::full(f32::NAN, 1 << 28, device).expect("poison allocated");
+    drop(nan);
+    device.synchronize().expect("poisoned");
+}
+
+/// Waits for the device's queued work, so that an asynchronous CUDA error
+/// fails the check that caused it.
+fn synchronize(model: &CausalLm) {
+    model
+        .device()
+        .synchronize()
+        .unwrap_or_else(|e| panic!("{}: {e}", model.backend().describe()));
 }
 
 /// Largest |a - b| over all positions, with the position where it occurs.
@@ -1044,6 +1072,336 @@ fn packed_only_engine_matches_transformers(name: &str) {
     assert!(err.contains("released"), "{err}");
 }
 
+/// Tolerances of half-precision logits against transformers' f32 ones, as
+/// the relative L2 gap of a case's whole logits matrix (‖got − want‖ /
+/// ‖want‖): the weights, the matmuls' inputs and outputs and the KV cache
+/// are in the dtype; the residual stream, norms, RoPE and the attention
+/// softmax stay f32. (Attention scores from f32 queries and keys gained
+/// only a tenth of the gap, for a cast of the whole K cache per layer.) Set from measurement on the fixtures: the gap
+/// follows the dtype's rounding (2⁻⁹ for bf16's 8-bit mantissa, 2⁻¹² for
+/// f16's 11 bits): bf16 up to 4.5e-2 (with the adapter), f16 6e-3.
+const HALF_TOLERANCES: [(DType, f64); 2] = [(DType::BF16, 5e-2), (DType::F16, 1e-2)];
+
+/// The candle backend in bf16 and f16, on the CPU and on cuda:0: logits
+/// of the inference path and of the training path, without and with the
+/// adapter (served: factors cast once to the dtype,
+/// `place_frozen_adapter`; trained: f32 factors), within
+/// [`HALF_TOLERANCES`] of transformers' f32 logits.
+fn half_precision_logits_match_transformers(name: &str) {
+    for (dtype, tolerance) in HALF_TOLERANCES {
+        for backend in candle_backends(dtype) {
+            let model = model(name).to_backend(backend).expect("model placed");
+            let what = model.backend().describe();
+            let served = LoraAdapter::load_peft(&fixture_dir(name).join("adapter"), model.config())
+                .and_then(|a| model.place_frozen_adapter(&a))
+                .expect("adapter placed");
+            for (factor, var) in served.named_vars() {
+                assert_eq!(
+                    var.dtype(),
+                    dtype,
+                    "{factor}: a served factor is in {dtype:?}"
+                );
+            }
+            let trained = adapter(name, &model);
+            let mut worst = 0f64;
+            for (i, case) in cases(name).iter().enumerate() {
+                let ids = right_padded(&[case.input_ids.as_slice()]);
+                for (path, adapter, want) in [
+                    ("inference", None, &case.logits),
+                    ("inference", Some(&served), &case.logits_with_adapter),
+                    ("training", None, &case.logits),
+                    ("training", Some(&trained), &case.logits_with_adapter),
+                ] {
+                    let logits = if path == "inference" {
+                        let mut cache = model.new_cache();
+                        model.forward_one(&case.input_ids, &mut cache, adapter)
+                    } else {
+                        model
+                            .forward_train(&ids, adapter)
+                            .and_then(|l| Ok(l.squeeze(0)?))
+                    }
+                    .unwrap();
+                    max_diff(&logits, want); // finite, and the right shape
+                    let got: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+                    let want: Vec<f32> = want.iter().flatten().copied().collect();
+                    let gap = relative_gap(&got, &want);
+                    worst = worst.max(gap);
+                    assert!(
+                        gap <= tolerance,
+                        "{what}: {path} path, case {i}, adapter {}: relative gap {gap:.2e} > {tolerance}",
+                        adapter.is_some()
+                    );
+                }
+            }
+            eprintln!("{what}: logits relative gap {worst:.2e}");
+            synchronize(&model);
+        }
+    }
+}
+
+/// The seed of the training checks' random batches: `RELAY_CHECK_SEED`
+/// repeats one; by default a new one each run (printed), so that the
+/// checks see fresh inputs every time.
+fn check_seed() -> u64 {
+    let seed = std::env::var("RELAY_CHECK_SEED")
+        .ok()
+        .map(|s| s.parse().expect("RELAY_CHECK_SEED is a number"))
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("RELAY_CHECK_SEED={seed}");
+    seed
+}
+
+/// What one RL update and one SFT step did, on the host.
+struct Steps {
+    rl_loss: f64,
+    /// Every factor's gradient before the RL step, concatenated.
+    rl_grads: Vec<f32>,
+    /// Every factor's change made by the RL step, concatenated.
+    rl_update: Vec<f32>,
+    sft_loss: f64,
+    sft_grads: Vec<f32>,
+}
+
+fn flat_host(tensors: impl Iterator<Item = Tensor>) -> Vec<f32> {
+    tensors
+        .flat_map(|t| {
+            t.to_dtype(DType::F32)
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("to the host")
+        })
+        .collect()
+}
+
+fn factors(adapter: &LoraAdapter) -> Vec<f32> {
+    flat_host(
+        adapter
+            .named_vars()
+            .into_iter()
+            .map(|(_, v)| v.as_tensor().clone()),
+    )
+}
+
+/// A REINFORCE update (2 prompts, 4 completions each, rewards in [0.5, 1.5)) and an SFT
+/// step (4 examples) of the fixture's adapter, from random tokens of
+/// `seed`: the behaviour log-probs are `reference`'s (the CPU engine's).
+fn train_steps(model: &CausalLm, start: &LoraAdapter, reference: &CausalLm, seed: u64) -> Steps {
+    use rand::{Rng, SeedableRng};
+    use relay_llm::{RlTrainConfig, SftConfig, SftExample, SftTrainer, TokenExample};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let vocab = model.config().vocab_size as u32;
+    let mut tokens =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
+    let mut shapes = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 1);
+    let mut examples = Vec::new();
+    let mut sft = Vec::new();
+    for group in 0..2u64 {
+        let prompt = tokens(shapes.random_range(3..12));
+        for _ in 0..4 {
+            let completion = tokens(shapes.random_range(2..9));
+            let behaviour_logprobs = completion_logprobs(reference, start, &prompt, &completion);
+            examples.push(TokenExample {
+                prompt: prompt.clone(),
+                completion,
+                behaviour_logprobs,
+                reward: shapes.random_range(0.5..1.5),
+                group,
+                stratum: 0,
+            });
+        }
+        for _ in 0..2 {
+            sft.push(SftExample {
+                prompt: prompt.clone(),
+                completion: tokens(shapes.random_range(2..9)),
+                alternatives: Vec::new(),
+            });
+        }
+    }
+    let batch = relay_llm::BatchConfig {
+        batch_size: 8,
+        minibatch_size: 4,
+        max_seq_len: 64,
+        truncation: relay_llm::Truncation::CutPromptStart,
+    };
+    let optimizer = relay_llm::AdamWConfig {
+        lr: 1e-3,
+        ..Default::default()
+    };
+
+    let adapter = model.place_adapter(&start.deep_copy().unwrap()).unwrap();
+    let config = RlTrainConfig {
+        // Advantage = reward, no baseline: with one, the gradient is the
+        // difference of near-equal sums, whose relative error in bf16
+        // measures cancellation, not the device's arithmetic (advantage
+        // estimators are host code, checked in tests/rl.rs).
+        objective: relay_llm::ObjectiveConfig {
+            advantage: relay_llm::AdvantageEstimator::Reinforce {
+                baseline: relay_llm::Baseline::None,
+            },
+            ..relay_llm::ObjectiveConfig::reinforce()
+        },
+        batch: batch.clone(),
+        optimizer: optimizer.clone(),
+    };
+    let mut trainer = relay_llm::RlTrainer::new(config, &adapter).unwrap();
+    let rl = trainer
+        .accumulate_gradients(model, &adapter, &examples)
+        .unwrap();
+    let rl_grads = flat_host(
+        trainer
+            .optimizer()
+            .accumulated_grads()
+            .map(|(name, g)| g.unwrap_or_else(|| panic!("{name}: no gradient")).clone()),
+    );
+    let before = factors(&adapter);
+    trainer.apply_gradients().unwrap();
+    let rl_update = factors(&adapter)
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| a - b)
+        .collect();
+
+    let adapter = model.place_adapter(&start.deep_copy().unwrap()).unwrap();
+    let config = SftConfig {
+        batch: relay_llm::BatchConfig {
+            batch_size: 4,
+            ..batch
+        },
+        optimizer,
+        aggregation: Default::default(),
+    };
+    let mut trainer = SftTrainer::new(config, adapter.named_vars()).unwrap();
+    let stats = trainer
+        .accumulate_gradients(model, Some(&adapter), &sft)
+        .unwrap();
+    let sft_grads = flat_host(
+        trainer
+            .optimizer()
+            .accumulated_grads()
+            .map(|(name, g)| g.unwrap_or_else(|| panic!("{name}: no gradient")).clone()),
+    );
+    synchronize(model);
+    Steps {
+        rl_loss: rl.loss,
+        rl_grads,
+        rl_update,
+        sft_loss: stats.loss,
+        sft_grads,
+    }
+}
+
+/// Log-probs of `completion` after `prompt` under `model` with `adapter`.
+fn completion_logprobs(
+    model: &CausalLm,
+    adapter: &LoraAdapter,
+    prompt: &[u32],
+    completion: &[u32],
+) -> Vec<f32> {
+    let seq: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+    let n = seq.len();
+    let input = Tensor::new(&seq[..n - 1], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let targets = Tensor::new(&seq[1..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits = model.forward_train(&input, Some(adapter)).unwrap().detach();
+    let lp: Vec<f32> = token_log_probs(&logits, &targets.to_device(logits.device()).unwrap())
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    lp[prompt.len() - 1..].to_vec()
+}
+
+/// ‖got − want‖ / ‖want‖.
+fn relative_gap(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+    assert!(diff.is_finite(), "a non-finite value");
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Tolerances of [`training_steps_match_the_cpu_engine`] by dtype: the
+/// losses' relative difference, the gradients' relative gap, and the
+/// step's (AdamW's first step is about `lr · sign(g)`, so an element whose
+/// gradient is near zero may step the other way). Set from measurement
+/// over 40 seeds on the CPU, with a margin (largest seen: f32 1e-5 for
+/// the gradients, 4.5e-3 for the step; f16 5e-2 and 0.15; bf16 0.28 and
+/// 0.41, its losses 6e-3): f16 and bf16 run the same code, so f16 (11
+/// bits) is the tight check of the half-precision path, and bf16 (8 bits,
+/// its backward through bf16 matmuls) the check that its kernels compute
+/// the right thing at all: a missing term, a zero or a wrong sign gives a
+/// gap of 1 or more.
+const TRAINING_TOLERANCES: [(DType, f64, f64, f64); 3] = [
+    (DType::F32, 1e-4, 1e-3, 2e-2),
+    (DType::F16, 1e-2, 0.1, 0.3),
+    (DType::BF16, 2e-2, 0.5, 0.8),
+];
+
+/// One RL update and one SFT step of the fixture's adapter on fresh random
+/// batches ([`check_seed`]), on the candle backend in f32, f16 and bf16
+/// (CPU, and cuda:0 where there is one), against the CPU engine's (the
+/// fused training ops, f32): the losses, every factor's gradient (as one
+/// vector) and the RL step's change of the factors, within
+/// [`TRAINING_TOLERANCES`].
+fn training_steps_match_the_cpu_engine(name: &str) {
+    let seed = check_seed();
+    let engine = model(name);
+    let start = adapter(name, &engine);
+    let want = train_steps(&engine, &start, &engine, seed);
+    assert!(want.rl_grads.iter().any(|g| *g != 0.0) && want.sft_grads.iter().any(|g| *g != 0.0));
+    let backends = TRAINING_TOLERANCES
+        .into_iter()
+        .flat_map(|(dtype, loss, grad, step)| {
+            candle_backends(dtype)
+                .into_iter()
+                .map(move |b| (b, loss, grad, step))
+        });
+    for (backend, loss_tolerance, tolerance, update_tolerance) in backends {
+        let model = model(name).to_backend(backend).expect("model placed");
+        let what = model.backend().describe();
+        eprintln!("backend {what}");
+        let got = train_steps(&model, &start, &engine, seed);
+        for (part, got, want) in [
+            ("RL loss", got.rl_loss, want.rl_loss),
+            ("SFT loss", got.sft_loss, want.sft_loss),
+        ] {
+            let gap = (got - want).abs() / want.abs().max(1e-3);
+            eprintln!("{what}: {part} relative difference {gap:.2e}");
+            assert!(
+                gap <= loss_tolerance,
+                "{what}, seed {seed}: {part} {got} != {want}"
+            );
+        }
+        for (part, got, want, tolerance) in [
+            ("RL gradient", &got.rl_grads, &want.rl_grads, tolerance),
+            ("SFT gradient", &got.sft_grads, &want.sft_grads, tolerance),
+            ("RL step", &got.rl_update, &want.rl_update, update_tolerance),
+        ] {
+            let gap = relative_gap(got, want);
+            eprintln!("{what}: {part} relative gap {gap:.2e}");
+            assert!(
+                gap <= tolerance,
+                "{what}, seed {seed}: {part} relative gap {gap:.2e} > {tolerance}"
+            );
+        }
+    }
+}
+
 /// One module per fixture, each running every check above, so that a
 /// test's name says its architecture (`cargo test -- qwen3`).
 macro_rules! reference_suite {
@@ -1083,6 +1441,8 @@ macro_rules! every_reference_check {
                 other_architecture_is_refused,
                 gguf_logits_match_transformers,
                 packed_only_engine_matches_transformers,
+                half_precision_logits_match_transformers,
+                training_steps_match_the_cpu_engine,
             ]
         );
     };
