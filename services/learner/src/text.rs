@@ -407,14 +407,7 @@ pub(crate) async fn run(
     let placed = backend.clone();
     let (model, model_path) = tokio::task::spawn_blocking(move || {
         // Training needs gradients through the base: GGUF weights dequantized.
-        let (model, path) = relay_llm::load_causal_lm(&spec, GgufBase::Dequantized)?;
-        let model = model
-            .to_backend(placed)
-            .map_err(|e| relay_llm::LoadError::Load {
-                path: path.clone(),
-                detail: e.to_string(),
-            })?;
-        Ok::<_, relay_llm::LoadError>((model, path))
+        relay_llm::load_causal_lm_on(&spec, GgufBase::Dequantized, &placed)
     })
     .await
     .map_err(ServiceError::other)?

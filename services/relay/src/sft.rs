@@ -414,8 +414,8 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
         let tokenizer = Tokenizer::from_hf_dir(&dir)?;
         (model, tokenizer, Some(varmap))
     } else {
-        let loaded = relay_llm::load_model(&args.model, GgufBaseName::Dequantized)?;
-        (loaded.model.to_backend(backend)?, loaded.tokenizer, None)
+        let loaded = relay_llm::load_model_on(&args.model, GgufBaseName::Dequantized, &backend)?;
+        (loaded.model, loaded.tokenizer, None)
     };
     if let Some(kwargs) = &args.chat_template_kwargs {
         tokenizer.set_chat_template_kwargs(kwargs.clone());

@@ -2,9 +2,10 @@
 //! `model.safetensors`, or the shards that `model.safetensors.index.json`
 //! lists, as the Hub holds them (bf16, f16 or f32).
 //!
-//! The files are memory-mapped and each tensor is converted to f32 when
-//! the model asks for it, so a checkpoint of billions of parameters is
-//! never held twice (once as read, once converted). Every name the model
+//! The files are memory-mapped and each tensor is read in the dtype and
+//! onto the device the model asks for when it asks, so a checkpoint of
+//! billions of parameters is never held twice (once as read, once
+//! converted), and a bf16 checkpoint goes to a bf16 GPU model as bf16. Every name the model
 //! asks for is recorded, and a tensor of the files that it never asked
 //! for is an error naming it: a checkpoint of an architecture that the
 //! model code only partly implements (Qwen3's `q_norm` read as Llama)
@@ -53,16 +54,17 @@ impl HfWeights {
             .map_err(|e| ModelError::weights(&self.dir, format!("tensor `{name}`: {e}")))
     }
 
-    /// A `VarBuilder` that reads these tensors as f32 on the CPU, and the
-    /// set of names it was asked for (for [`HfWeights::check_all_used`]).
-    pub(crate) fn var_builder(&self) -> (VarBuilder<'_>, ReadNames) {
+    /// A `VarBuilder` that reads these tensors in `dtype` on `device` (each
+    /// copied to the device as stored, then converted there), and the set
+    /// of names it was asked for (for [`HfWeights::check_all_used`]).
+    pub(crate) fn var_builder(&self, dtype: DType, device: &Device) -> (VarBuilder<'_>, ReadNames) {
         let read = ReadNames::default();
         let backend = Recording {
             files: &self.files,
             read: read.clone(),
         };
         (
-            VarBuilder::from_backend(Box::new(backend), DType::F32, Device::Cpu),
+            VarBuilder::from_backend(Box::new(backend), dtype, device.clone()),
             read,
         )
     }

@@ -19,7 +19,7 @@
 //! | [`lora`] | [`LoraAdapter`], [`LoraConfig`], [`LoraTarget`]: adapters kept apart from the base |
 //! | [`peft`] | adapters to and from PEFT's `adapter_config.json` + `adapter_model.safetensors` |
 //! | [`adapter_bytes`] | [`to_peft_bytes`]: those two files in memory, for publishing |
-//! | [`load`] | [`load_causal_lm`], [`load_tokenizer`]: a model spec (`smollm2`, `.gguf`, folder) loaded |
+//! | [`load`] | [`load_causal_lm`] / [`load_causal_lm_on`] (onto a backend: a folder's tensors go to the device as stored), [`load_tokenizer`]: a model spec (`smollm2`, `.gguf`, folder) loaded |
 //! | `hf_weights` | a Hugging Face folder's safetensors (one file or shards, any float dtype), memory-mapped; a tensor the model does not use is an error |
 //! | [`gguf`] | [`CausalLm`] from a GGUF file, quantized or dequantized |
 //! | [`init`] | [`init::tiny`]: a small random Qwen2 checkpoint |
@@ -153,7 +153,8 @@ pub use generate::{
 pub use gguf::GgufBase;
 pub use init::{TinyShape, TinyVocab};
 pub use load::{
-    load_causal_lm, load_model, load_tokenizer, resolve_model_path, LoadError, LoadedModel,
+    load_causal_lm, load_causal_lm_on, load_model, load_model_on, load_tokenizer,
+    resolve_model_path, LoadError, LoadedModel,
 };
 pub use lora::{LoraAdapter, LoraConfig, LoraTarget, LoraWeights};
 pub use model::{token_log_probs, BatchItem, CausalLm, LogitsWanted};

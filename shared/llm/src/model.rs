@@ -33,6 +33,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
 
+use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
 use crate::hf_weights::HfWeights;
@@ -191,7 +192,7 @@ pub struct CausalLm {
     /// built on first use (see [`crate::infer`]).
     pub(crate) inference: std::sync::OnceLock<std::sync::Arc<crate::packed::InferenceWeights>>,
     /// Which code computes [`CausalLm::forward_batch`] (see [`crate::backend`]).
-    pub(crate) backend: crate::backend::Backend,
+    pub(crate) backend: Backend,
 }
 
 /// Which positions [`CausalLm::forward_batch`] returns logits for.
@@ -321,7 +322,9 @@ fn load_projection(
 impl CausalLm {
     /// Builds the model from tensors named as in Hugging Face checkpoints
     /// (`model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`,
-    /// `model.norm.weight`, `lm_head.weight` unless tied).
+    /// `model.norm.weight`, `lm_head.weight` unless tied), in `vb`'s dtype
+    /// but the norms' weights, which are read in f32 (every forward
+    /// normalises in f32).
     pub fn new(config: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
         let hidden = config.hidden_size;
@@ -333,7 +336,9 @@ impl CausalLm {
             let attn = layer.pp("self_attn");
             let mlp = layer.pp("mlp");
             blocks.push(Block {
-                input_norm: layer.get(hidden, "input_layernorm.weight")?,
+                input_norm: layer
+                    .to_dtype(DType::F32)
+                    .get(hidden, "input_layernorm.weight")?,
                 q_proj: load_projection(
                     &attn,
                     "q_proj",
@@ -358,13 +363,19 @@ impl CausalLm {
                 o_proj: load_projection(&attn, "o_proj", LoraTarget::OProj, config, config.o_bias)?,
                 qk_norm: if config.architecture.has_qk_norm() {
                     Some(QkNorm {
-                        q: attn.get(config.head_dim, "q_norm.weight")?,
-                        k: attn.get(config.head_dim, "k_norm.weight")?,
+                        q: attn
+                            .to_dtype(DType::F32)
+                            .get(config.head_dim, "q_norm.weight")?,
+                        k: attn
+                            .to_dtype(DType::F32)
+                            .get(config.head_dim, "k_norm.weight")?,
                     })
                 } else {
                     None
                 },
-                post_attention_norm: layer.get(hidden, "post_attention_layernorm.weight")?,
+                post_attention_norm: layer
+                    .to_dtype(DType::F32)
+                    .get(hidden, "post_attention_layernorm.weight")?,
                 gate_proj: load_projection(
                     &mlp,
                     "gate_proj",
@@ -388,7 +399,7 @@ impl CausalLm {
                 )?,
             });
         }
-        let final_norm = model.get(hidden, "norm.weight")?;
+        let final_norm = model.to_dtype(DType::F32).get(hidden, "norm.weight")?;
         let head = if config.tie_word_embeddings {
             embed.clone()
         } else {
@@ -415,20 +426,36 @@ impl CausalLm {
 
     /// Loads a Hugging Face model folder: `config.json` and
     /// `model.safetensors` (or the shards listed in
-    /// `model.safetensors.index.json`), in any float dtype. Weights are
-    /// converted to f32. A tensor of the files that the model does not
-    /// use is an error, as is a missing one.
+    /// `model.safetensors.index.json`), in any float dtype, converted to
+    /// f32 for the engine ([`CausalLm::load_hf_on`] for another backend).
+    /// A tensor of the files that the model does not use is an error, as
+    /// is a missing one.
     pub fn load_hf(dir: &Path) -> Result<Self> {
+        Self::load_hf_on(dir, &Backend::Engine)
+    }
+
+    /// [`CausalLm::load_hf`] straight onto `backend`: for the candle
+    /// backend every tensor is read from the file to the device as stored
+    /// and converted there, so a bf16 checkpoint stays bf16 from the disk
+    /// to the GPU (never widened to f32 on the host) and the host holds
+    /// no copy of the weights.
+    pub fn load_hf_on(dir: &Path, backend: &Backend) -> Result<Self> {
         let config = ModelConfig::from_hf_file(&dir.join("config.json"))?;
         let weights = HfWeights::open(dir)?;
-        let (vb, read) = weights.var_builder();
+        let (dtype, device) = match backend {
+            Backend::Engine => (DType::F32, Device::Cpu),
+            Backend::Candle { device, dtype } => (*dtype, device.clone()),
+        };
+        let (vb, read) = weights.var_builder(dtype, &device);
         let model = Self::new(&config, vb).map_err(|e| match e {
             ModelError::Candle(e) => ModelError::weights(dir, e.to_string()),
             other => other,
         })?;
         let read = read.lock().expect("read-names lock");
         weights.check_all_used(&config, |name| read.contains(name))?;
-        Ok(model)
+        // Norms and rotary tables to f32 where the backend keeps them so;
+        // the weights are already where they belong.
+        model.to_backend(backend.clone())
     }
 
     /// The model's shape.

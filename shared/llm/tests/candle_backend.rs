@@ -214,3 +214,25 @@ fn candle_backend_spec_errors_name_the_field() {
     assert_eq!("cuda:3".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(3)));
     assert!("gpu".parse::<DeviceSpec>().unwrap_err().contains("cpu"));
 }
+
+/// Loading straight onto the backend (`load_hf_on`: the files' tensors
+/// converted to the dtype on the device, the norms read in f32) computes
+/// exactly what loading for the engine and then placing does.
+#[test]
+fn loading_onto_a_backend_equals_placing_after_loading() {
+    for fixture in ["tiny-qwen2", "tiny-qwen3", "tiny-llama3"] {
+        let dir = relay_testkit::llm_fixture(fixture);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let direct = CausalLm::load_hf_on(&dir, &candle(dtype)).unwrap();
+            let placed = CausalLm::load_hf(&dir)
+                .unwrap()
+                .to_backend(candle(dtype))
+                .unwrap();
+            assert_eq!(
+                logits(&direct, &prompt(), None),
+                logits(&placed, &prompt(), None),
+                "{fixture} in {dtype:?}"
+            );
+        }
+    }
+}

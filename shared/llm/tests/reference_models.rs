@@ -1076,11 +1076,12 @@ fn packed_only_engine_matches_transformers(name: &str) {
 /// the relative L2 gap of a case's whole logits matrix (‖got − want‖ /
 /// ‖want‖): the weights, the matmuls' inputs and outputs and the KV cache
 /// are in the dtype; the residual stream, norms, RoPE and the attention
-/// softmax stay f32. (Attention scores from f32 queries and keys gained
-/// only a tenth of the gap, for a cast of the whole K cache per layer.) Set from measurement on the fixtures: the gap
+/// softmax stay f32. (Attention scores from f32 queries and keys brought
+/// the largest gap to 4.5e-2, for a cast of the whole K cache per layer.) Set from measurement on the fixtures: the gap
 /// follows the dtype's rounding (2⁻⁹ for bf16's 8-bit mantissa, 2⁻¹² for
-/// f16's 11 bits): bf16 up to 4.5e-2 (with the adapter), f16 6e-3.
-const HALF_TOLERANCES: [(DType, f64); 2] = [(DType::BF16, 5e-2), (DType::F16, 1e-2)];
+/// f16's 11 bits): bf16 up to 5.7e-2 (Llama 3 with the adapter), f16
+/// 6e-3.
+const HALF_TOLERANCES: [(DType, f64); 2] = [(DType::BF16, 8e-2), (DType::F16, 1e-2)];
 
 /// The candle backend in bf16 and f16, on the CPU and on cuda:0: logits
 /// of the inference path and of the training path, without and with the
@@ -1090,7 +1091,8 @@ const HALF_TOLERANCES: [(DType, f64); 2] = [(DType::BF16, 5e-2), (DType::F16, 1e
 fn half_precision_logits_match_transformers(name: &str) {
     for (dtype, tolerance) in HALF_TOLERANCES {
         for backend in candle_backends(dtype) {
-            let model = model(name).to_backend(backend).expect("model placed");
+            // Straight from the files to the device in the dtype.
+            let model = CausalLm::load_hf_on(&fixture_dir(name), &backend).expect("model loads");
             let what = model.backend().describe();
             let served = LoraAdapter::load_peft(&fixture_dir(name).join("adapter"), model.config())
                 .and_then(|a| model.place_frozen_adapter(&a))

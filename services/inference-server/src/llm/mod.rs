@@ -272,7 +272,7 @@ pub(crate) async fn serve(
         .map_err(|e| ServiceError::other(e.to_string()))?;
     let placed = backend.clone();
     let loaded = tokio::task::spawn_blocking(move || {
-        let mut loaded = load_model(&model_name, cfg.gguf_base)?;
+        let mut loaded = relay_llm::load_model_on(&model_name, cfg.gguf_base, &placed)?;
         loaded
             .tokenizer
             .set_chat_template_kwargs(cfg.chat_template_kwargs.clone());
@@ -280,7 +280,6 @@ pub(crate) async fn serve(
             path: loaded.path.clone(),
             detail: e.to_string(),
         };
-        loaded.model = loaded.model.to_backend(placed).map_err(&failed)?;
         // Pack the weights now, not inside the first request, and hold a
         // dense base once: the server only runs the engine's forward.
         loaded.model.keep_packed_only().map_err(&failed)?;
