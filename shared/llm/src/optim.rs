@@ -176,8 +176,8 @@ impl AdamW {
     /// are cleared.
     ///
     /// Multi-tensor, as PyTorch's `foreach` AdamW: the parameters with a
-    /// gradient are cut into buckets ([`BUCKET_ELEMENTS`]) of neighbours on
-    /// one device in one dtype, and each bucket is updated as one flat
+    /// gradient are cut into buckets ([`BUCKET_ELEMENTS`]) on one device in
+    /// one dtype, and each bucket is updated as one flat
     /// tensor, so the dozen elementwise kernels of the update run once per
     /// bucket, not once per parameter (a LoRA adapter of a 28-layer model
     /// has 392 factors). The arithmetic is the same element by element.
@@ -223,8 +223,9 @@ impl AdamW {
         })
     }
 
-    /// The parameters that have a gradient, in order, in buckets on one device in one dtype, each of at most [`BUCKET_ELEMENTS`]
-    /// elements (or one parameter larger than that).
+    /// The parameters that have a gradient, in order, in buckets on one
+    /// device in one dtype, each of at most `bucket_elements` elements (or
+    /// one parameter larger than that).
     fn buckets(&self) -> Vec<Bucket> {
         let mut buckets: Vec<Bucket> = Vec::new();
         let mut elements = 0;
