@@ -5,8 +5,8 @@
 //! The files are memory-mapped and each tensor is read in the dtype and
 //! onto the device the model asks for when it asks, so a checkpoint of
 //! billions of parameters is never held twice (once as read, once
-//! converted), and a bf16 checkpoint goes to a bf16 GPU model as bf16. Every name the model
-//! asks for is recorded, and a tensor of the files that it never asked
+//! converted), and a bf16 checkpoint goes to a bf16 GPU model as bf16.
+//! Every name the model asks for is recorded, and a tensor of the files that it never asked
 //! for is an error naming it: a checkpoint of an architecture that the
 //! model code only partly implements (Qwen3's `q_norm` read as Llama)
 //! must fail to load, not run without that weight.

@@ -1180,6 +1180,15 @@ fn flat_host(tensors: impl Iterator<Item = Tensor>) -> Vec<f32> {
         .collect()
 }
 
+/// Every parameter's accumulated gradient, concatenated; each must have one.
+fn accumulated_grads(optimizer: &relay_llm::AdamW) -> Vec<f32> {
+    flat_host(
+        optimizer
+            .accumulated_grads()
+            .map(|(name, g)| g.unwrap_or_else(|| panic!("{name}: no gradient")).clone()),
+    )
+}
+
 fn factors(adapter: &LoraAdapter) -> Vec<f32> {
     flat_host(
         adapter
@@ -1254,12 +1263,7 @@ fn train_steps(model: &CausalLm, start: &LoraAdapter, reference: &CausalLm, seed
     let rl = trainer
         .accumulate_gradients(model, &adapter, &examples)
         .unwrap();
-    let rl_grads = flat_host(
-        trainer
-            .optimizer()
-            .accumulated_grads()
-            .map(|(name, g)| g.unwrap_or_else(|| panic!("{name}: no gradient")).clone()),
-    );
+    let rl_grads = accumulated_grads(trainer.optimizer());
     let before = factors(&adapter);
     trainer.apply_gradients().unwrap();
     let rl_update = factors(&adapter)
@@ -1281,12 +1285,7 @@ fn train_steps(model: &CausalLm, start: &LoraAdapter, reference: &CausalLm, seed
     let stats = trainer
         .accumulate_gradients(model, Some(&adapter), &sft)
         .unwrap();
-    let sft_grads = flat_host(
-        trainer
-            .optimizer()
-            .accumulated_grads()
-            .map(|(name, g)| g.unwrap_or_else(|| panic!("{name}: no gradient")).clone()),
-    );
+    let sft_grads = accumulated_grads(trainer.optimizer());
     synchronize(model);
     Steps {
         rl_loss: rl.loss,
