@@ -18,7 +18,8 @@
 #      transformers there (services/bench/hf/random_checkpoint.py; nothing
 #      downloaded, a real model does not fit the carry).
 #   4. relay: `relay-bench bench-gpu` on that model, candle on cuda:0 in
-#      bf16: generation tokens/s at each batch size, LoRA training tokens/s.
+#      bf16: generation tokens/s at each batch size, LoRA training tokens/s
+#      (B=8 x T=1024), and the longest T one step trains at B=4.
 #   5. anchor: transformers' generate on the same model, prompts and lengths
 #      (services/bench/hf/generate_anchor.py).
 #
@@ -113,11 +114,12 @@ record reference "$rc"
 # 3. model
 if $dry_run; then
   model="$bundle/fixtures/tiny-qwen3"
-  batches=1,2 new_tokens=4 train_batch=2 backends=engine,candle-cpu
+  batches=1,2 new_tokens=4 train_batch=2 train_len=16 longest=32,64 backends=engine,candle-cpu
   record model 0
 else
   model="$work/qwen3-0.6b-random"
-  batches=1,8,32,64 new_tokens=32 train_batch=8 backends=cuda
+  batches=1,8,32,64 new_tokens=32 train_batch=8 train_len=1024 backends=cuda
+  longest=1024,2048,4096,8192,16384
   say "writing a random-weight Qwen3-0.6B with transformers"
   "$python" services/bench/hf/random_checkpoint.py --config services/bench/hf/qwen3-0.6b.json \
     --out "$model" > "$out/model.log" 2>&1
@@ -129,7 +131,8 @@ fi
 # 4. relay
 say "relay-bench bench-gpu --model $(basename "$model") --backends $backends --batches $batches"
 "$work/relay-bench" bench-gpu --model "$model" --backends "$backends" --batches "$batches" \
-  --new-tokens "$new_tokens" --train-batch "$train_batch" > "$out/bench-gpu.log" 2>&1
+  --new-tokens "$new_tokens" --train-batch "$train_batch" --train-len "$train_len" \
+  --longest "$longest" --longest-batch 4 > "$out/bench-gpu.log" 2>&1
 rc=$?
 grep -v "^{" "$out/bench-gpu.log" | tail -8
 record relay "$rc"

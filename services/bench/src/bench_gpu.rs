@@ -8,9 +8,12 @@
 //! [`relay_llm::step`] (continuous batching, sampling at temperature 1,
 //! no stop token), timed from the first prefill to the last token:
 //! completion tokens per second. Then the LoRA training step (forward and
-//! backward of a rank-8 adapter on every projection, B x 128 tokens: the
-//! fused CPU ops on the engine, the composed forward on the candle
-//! backend), and the load time of one adapter version
+//! backward of a rank-8 adapter on every projection, `--train-batch` x
+//! `--train-len` tokens: the fused CPU ops on the engine, the composed
+//! forward with activations recomputed on the candle backend), the longest
+//! sequence one step trains at `--longest-batch` (`--longest`, a search that
+//! stops at the first failure, out of memory say), and the load time of one
+//! adapter version
 //! (PEFT bytes parsed and placed on the backend's device). Without a GPU
 //! the run says so and measures the CPU backends. A table, then one JSON
 //! line. `--model` measures another model (a Hugging Face folder, e.g. a
@@ -20,7 +23,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use relay_llm::{
     Backend, CausalLm, GgufBase, LoraAdapter, LoraConfig, Sampler, SamplingParams, Sequence,
     StopCondition,
@@ -35,9 +38,21 @@ pub struct BenchGpuArgs {
     /// Tokens each sequence generates.
     #[arg(long, default_value_t = 32)]
     pub new_tokens: usize,
-    /// Sequences in the training step's batch (of 128 tokens each).
+    /// Sequences in the training step's batch.
     #[arg(long, default_value_t = 8)]
     pub train_batch: usize,
+    /// Tokens of each training sequence (half prompt, half completion).
+    #[arg(long, default_value_t = 128)]
+    pub train_len: usize,
+    /// Sequence lengths to try, in order, for the longest that trains at
+    /// `--longest-batch` sequences (one step with activations recomputed;
+    /// the first that fails, out of memory say, ends the search). Empty:
+    /// no search.
+    #[arg(long, value_delimiter = ',')]
+    pub longest: Vec<usize>,
+    /// Sequences per step of the `--longest` search.
+    #[arg(long, default_value_t = 4)]
+    pub longest_batch: usize,
     /// The model: `smollm2`, a Hugging Face folder (a random-weight one made
     /// on a GPU machine by transformers, say) or a `.gguf` file.
     #[arg(long, default_value = "smollm2")]
@@ -156,29 +171,68 @@ pub(crate) fn generate(model: &CausalLm, prompts: &[Vec<u32>], new_tokens: usize
     Ok(tokens as f64 / started.elapsed().as_secs_f64())
 }
 
-/// Tokens per second of one LoRA training step (forward and backward) on
-/// a `(batch, 128)` block.
-fn train_step(model: &CausalLm, adapter: &LoraAdapter, batch: usize) -> Result<f64> {
-    let time = 128;
-    let ids: Vec<u32> = (0..batch * time)
-        .map(|i| (i * 7919 % model.config().vocab_size.clamp(1, 20_000)) as u32)
+/// Tokens per second of one LoRA training step (forward and backward,
+/// activations recomputed where the backend does that) on `batch`
+/// sequences of `time` tokens, half prompt and half completion (the loss
+/// on the completion), as an RL or SFT step trains.
+fn train_step(model: &CausalLm, adapter: &LoraAdapter, batch: usize, time: usize) -> Result<f64> {
+    let vocab = model.config().vocab_size.clamp(1, 20_000);
+    let rows: Vec<Vec<u32>> = (0..batch)
+        .map(|b| {
+            (0..time)
+                .map(|i| ((b * time + i) * 7919 % vocab) as u32)
+                .collect()
+        })
         .collect();
-    let ids = Tensor::from_vec(ids, (batch, time), model.device())?;
+    let half = time / 2;
+    let pairs: Vec<(&[u32], &[u32])> = rows.iter().map(|r| r.split_at(half)).collect();
+    let tokens = relay_llm::TokenBatch::new(&pairs, model.device())?;
     let adapter = model.place_adapter(adapter)?;
     let run = || -> Result<()> {
-        let logits = model.forward_train(&ids, Some(&adapter))?;
-        let targets = ids.narrow(1, 1, time - 1)?;
-        let logits = logits.narrow(1, 0, time - 1)?;
-        let loss = relay_llm::token_log_probs(&logits, &targets)?
+        let forward = model.forward_train_for_backward(&tokens, Some(&adapter), true)?;
+        let loss = relay_llm::token_log_probs(forward.logits(), &tokens.targets)?
             .mean_all()?
             .neg()?;
-        loss.backward()?;
+        let grads = forward.backward(&loss)?;
+        // On a GPU the step is asynchronous: wait for its last gradient.
+        if let Some(g) = adapter
+            .vars()
+            .first()
+            .and_then(|v| grads.get(v.as_tensor()))
+        {
+            g.sum_all()?.to_device(&Device::Cpu)?;
+        }
         Ok(())
     };
     run()?; // warm-up
     let started = Instant::now();
     run()?;
     Ok((batch * time) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The longest of `lengths` (tried in order) that one training step at
+/// `batch` sequences goes through, and why the next did not.
+fn longest_trained(
+    model: &CausalLm,
+    adapter: &LoraAdapter,
+    batch: usize,
+    lengths: &[usize],
+) -> (Option<usize>, Option<String>) {
+    let mut longest = None;
+    for &time in lengths {
+        match train_step(model, adapter, batch, time) {
+            Ok(tps) => {
+                println!("  train B={batch} T={time}: {tps:.1} tokens/s");
+                longest = Some(time);
+            }
+            Err(e) => {
+                let why = format!("T={time}: {e:#}");
+                println!("  train B={batch} {why}");
+                return (longest, Some(why));
+            }
+        }
+    }
+    (longest, None)
 }
 
 /// Seconds to parse one adapter version from its PEFT bytes and place it.
@@ -239,9 +293,16 @@ pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
             println!("  {:<22} B={b:<3} {tps:>9.1} tokens/s", contender.name);
             generate_tps.push((b, tps));
         }
-        let train_tps = train_step(&model, &adapter, args.train_batch)?;
+        let train_tps = train_step(&model, &adapter, args.train_batch, args.train_len)?;
         let load_s = adapter_load(&model, &bytes)?;
-        rows.push((contender.name.clone(), generate_tps, train_tps, load_s));
+        let longest = longest_trained(&model, &adapter, args.longest_batch, &args.longest);
+        rows.push((
+            contender.name.clone(),
+            generate_tps,
+            train_tps,
+            load_s,
+            longest,
+        ));
     }
 
     println!();
@@ -251,18 +312,21 @@ pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
         .map(|b| format!("B={b} tok/s"))
         .collect();
     println!(
-        "| backend | {} | LoRA train tok/s (B={} x 128) | adapter load ms |",
+        "| backend | {} | LoRA train tok/s (B={} x {}) | adapter load ms | longest T trained at B={} |",
         header.join(" | "),
-        args.train_batch
+        args.train_batch,
+        args.train_len,
+        args.longest_batch
     );
-    println!("|---|{}---:|---:|", "---:|".repeat(args.batches.len()));
-    for (name, generate_tps, train_tps, load_s) in &rows {
+    println!("|---|{}---:|---:|---:|", "---:|".repeat(args.batches.len()));
+    for (name, generate_tps, train_tps, load_s, (longest, _)) in &rows {
         let cells: Vec<String> = generate_tps
             .iter()
             .map(|(_, t)| format!("{t:.1}"))
             .collect();
+        let longest = longest.map_or("-".into(), |t| t.to_string());
         println!(
-            "| {name} | {} | {train_tps:.1} | {:.1} |",
+            "| {name} | {} | {train_tps:.1} | {:.1} | {longest} |",
             cells.join(" | "),
             load_s * 1000.0
         );
@@ -271,11 +335,16 @@ pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
         "model": args.model,
         "gpu": gpu,
         "new_tokens": args.new_tokens,
-        "backends": rows.iter().map(|(name, generate_tps, train_tps, load_s)| serde_json::json!({
+        "train_batch": args.train_batch,
+        "train_len": args.train_len,
+        "longest_batch": args.longest_batch,
+        "backends": rows.iter().map(|(name, generate_tps, train_tps, load_s, (longest, stopped))| serde_json::json!({
             "backend": name,
             "generate_tokens_per_s": generate_tps.iter().map(|(b, t)| serde_json::json!({"batch": b, "tokens_per_s": (t * 10.0).round() / 10.0})).collect::<Vec<_>>(),
             "lora_train_tokens_per_s": (train_tps * 10.0).round() / 10.0,
             "adapter_load_ms": (load_s * 10000.0).round() / 10.0,
+            "longest_train_len": longest,
+            "longest_stopped_by": stopped,
         })).collect::<Vec<_>>(),
     });
     println!("{json}");

@@ -947,3 +947,82 @@ async fn prompts_sharing_a_prefix_arriving_together_decode_as_if_alone() {
     }
     served.stop().await;
 }
+
+/// With `llm.kv_cache_mib` bounding the candle backend's KV pool, requests
+/// are admitted by memory: twelve that may each fill the context, with
+/// room in the pool for three, all get their full greedy completion (none
+/// fails for want of a block), never more than three (of 32 places)
+/// decode at once, and the pool's bytes stay under the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_are_admitted_by_kv_memory() {
+    // tiny-qwen2 in f32: a block of 16 positions is 8 KiB (2 layers, keys
+    // and values of 2 heads x 16), so 1 MiB holds 128; a request up to the
+    // 512-token context promises 33.
+    let served = serve(
+        "gen-kv-memory",
+        &[
+            "llm.backend=candle",
+            "llm.kv_cache_mib=1",
+            "llm.max_sequences=32",
+            "llm.prefix_cache=0",
+        ],
+    )
+    .await;
+    let cases = cases();
+    // A prompt whose greedy completion runs to the end of the context, so
+    // that the requests decode side by side.
+    let mut long = None;
+    for case in &cases {
+        let max_tokens = (TINY_CONTEXT - case.input_ids.len()) as u32;
+        let reply = served
+            .generate(&tokens_request(&case.input_ids, None, max_tokens))
+            .await
+            .unwrap();
+        if reply.finish == FinishReason::Length {
+            long = Some((case, max_tokens));
+            break;
+        }
+    }
+    let (case, max_tokens) = long.expect("some fixture prompt decodes to the end of the context");
+    let requesters: Vec<_> = (0..12)
+        .map(|_| {
+            let (client, subject, request) = (
+                served.client.clone(),
+                served.subjects.generate(),
+                tokens_request(&case.input_ids, None, max_tokens),
+            );
+            tokio::spawn(async move {
+                let reply: Result<GenerateReply, RequestError> =
+                    relay_kit::request(&client, &subject, &request, TIMEOUT * 4).await;
+                reply
+            })
+        })
+        .collect();
+    for requester in requesters {
+        let reply = requester.await.unwrap().expect("every request is served");
+        let got = completion(&reply);
+        let n = case.greedy.len().min(got.len());
+        assert_eq!(got[..n], case.greedy[..n]);
+    }
+    let (_, text) = relay_testkit::http_get(served.metrics_addr, "/metrics").unwrap();
+    let value = |name: &str, label: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(name) && l.contains(label))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} {label} in {text}"))
+    };
+    let steps = value("relay_llm_sequences_per_step_count", "");
+    let at_most_two = value("relay_llm_sequences_per_step_bucket", "le=\"2\"");
+    let at_most_four = value("relay_llm_sequences_per_step_bucket", "le=\"4\"");
+    let sequences = value("relay_llm_sequences_per_step_sum", "");
+    assert_eq!(
+        at_most_four, steps,
+        "a step decoded more than the pool admits"
+    );
+    assert!(at_most_two < steps, "the pool admits three at once");
+    // Sum over steps of at most 3 each, and more than 2 on some.
+    assert!(sequences <= 3.0 * steps);
+    assert!(value("relay_llm_kv_cache_bytes", "") <= (1 << 20) as f64);
+    served.stop().await;
+}

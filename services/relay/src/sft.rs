@@ -481,6 +481,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
                     .max_seq_len
                     .unwrap_or(model.config().max_position_embeddings + 1),
                 truncation: Default::default(),
+                recompute_activations: true,
             },
             optimizer: AdamWConfig {
                 lr: args.lr,

@@ -71,6 +71,16 @@ pub struct LlmConfig {
     /// 0 disables it. Memory: prompt tokens x layers x 2 x kv width x 4 bytes
     /// each (SmolLM2: 46 KB per token).
     pub prefix_cache: usize,
+    /// Most MiB of keys and values the `candle` backend's paged KV pool may
+    /// hold (running sequences and cached prefixes together; Qwen3-0.6B in
+    /// bf16: 112 KiB per token). A request is admitted only while the
+    /// pool can hold its prompt and every token it may generate beside
+    /// what the running sequences may still take; cached prefixes are
+    /// dropped first to make room, and a request that could never fit is
+    /// refused with the numbers. 0: no bound but `max_sequences` and the
+    /// device's memory. The CPU engine keeps host caches of its own and
+    /// refuses a bound.
+    pub kv_cache_mib: usize,
     /// What computes the LLM, in the inference servers and the learner of a
     /// text run: `engine` (the tuned CPU engine, f32), `candle` (candle
     /// tensor ops on `device` in `dtype`: the path to a GPU), or `auto`
@@ -102,6 +112,7 @@ impl Default for LlmConfig {
             adapters: Default::default(),
             threads: 2,
             prefix_cache: 16,
+            kv_cache_mib: 0,
             backend: Default::default(),
             device: Default::default(),
             dtype: Default::default(),

@@ -52,6 +52,11 @@ pub struct RlConfig {
     /// Longer sequences: `cut_prompt_start` (keep the completion, cut the
     /// prompt's start) or `drop`.
     pub truncation: crate::hyper::objective::Truncation,
+    /// On the candle backend (a GPU), recompute each block's activations
+    /// in the backward pass instead of keeping them all (activation
+    /// checkpointing: one block's memory, one more forward's compute;
+    /// the same gradients). Ignored by the CPU engine.
+    pub recompute_activations: bool,
     /// Optimizer steps on each batch (PPO-style epochs; 1 is on-policy).
     pub epochs: usize,
     /// Truncated importance sampling between the inference servers'
@@ -102,6 +107,7 @@ impl Default for RlConfig {
             minibatch_size: 8,
             max_seq_len: 1024,
             truncation: crate::hyper::objective::Truncation::CutPromptStart,
+            recompute_activations: true,
             epochs: 1,
             truncated_is: None,
             kl: None,
@@ -173,6 +179,7 @@ impl RlConfig {
                 minibatch_size: self.minibatch_size,
                 max_seq_len: self.max_seq_len,
                 truncation: self.truncation,
+                recompute_activations: self.recompute_activations,
             },
             optimizer: self.optimizer.clone(),
         };

@@ -180,6 +180,7 @@ fn sft_config() -> SftConfig {
             minibatch_size: SFT_MINIBATCH,
             max_seq_len: 512,
             truncation: Truncation::CutPromptStart,
+            recompute_activations: true,
         },
         optimizer: AdamWConfig {
             lr: 1e-6,
@@ -223,6 +224,7 @@ fn main() {
             minibatch_size,
             max_seq_len: 512,
             truncation: Truncation::CutPromptStart,
+            recompute_activations: true,
         },
         optimizer: AdamWConfig {
             lr: 1e-6,

@@ -1,29 +1,269 @@
 //! [`KvCache`]: the keys and values one sequence has produced so far, per
-//! layer.
+//! layer; [`KvPool`]: the paged store the candle backend's caches live in.
 //!
 //! One cache per sequence, not one per batch: sequences of any lengths can
 //! be decoded together (see [`crate::CausalLm::forward_batch`]), a sequence
 //! joins or leaves a running batch without touching the others' caches, and
 //! [`KvCache::fork`] lets several samples share one prefilled prompt.
 //!
-//! Storage depends on the model's backend ([`crate::Backend`]). For the
-//! CPU engine it is a plain `Vec<f32>` per layer and per keys/values,
-//! position major (`(positions, kv_heads, head_dim)`): appending a
-//! position is an amortised O(1) `extend` that never moves the positions
-//! already held into another layout, and the engine's attention reads it
-//! in place without building candle tensors. For the candle backend it is
-//! one `(kv_heads, capacity, head_dim)` tensor per layer and per
-//! keys/values on the model's device, in its dtype, written in place
-//! (`slice_set`) and grown by doubling. [`KvCache::truncate`] rolls a
-//! sequence back without freeing.
+//! Storage depends on the model's backend ([`crate::Backend`]):
+//!
+//! * The CPU engine's: a plain `Vec<f32>` per layer and per keys/values,
+//!   position major (`(positions, kv_heads, head_dim)`). Appending a
+//!   position is an amortised O(1) `extend` that never moves the positions
+//!   already held, and the engine's attention reads it in place without
+//!   building candle tensors.
+//! * The candle backend's: blocks of [`BLOCK_POSITIONS`] positions in the
+//!   model's [`KvPool`], one tensor per layer and per keys/values on the
+//!   device, in its dtype, `(kv_heads, slots, head_dim)`, as vLLM's
+//!   PagedAttention keeps them. A cache is a list of block ids. This is
+//!   what lets one step attend for every decoding sequence at once: the
+//!   step writes all new keys with one `scatter_set` per layer and gathers
+//!   every sequence's keys with one `index_select`, whatever the number of
+//!   sequences, where per-sequence buffers cost several kernels per
+//!   sequence and layer. Memory is taken in blocks, so the pool knows how
+//!   much is held and a server admits requests by memory
+//!   ([`KvPool::usage`]). A fork shares its parent's blocks (reference
+//!   counts) instead of copying them; a block is copied only when a cache
+//!   writes into a block another cache also holds (copy on write).
+//!
+//! [`KvCache::truncate`] rolls a sequence back (the candle backend's cache
+//! gives back the blocks it no longer needs).
 
-use candle_core::Tensor;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
 use crate::model_error::{ModelError, Result};
 
-/// Positions reserved when a layer's buffer is first used.
+/// Positions reserved when a host layer buffer is first used.
 const MIN_CAPACITY: usize = 32;
+
+/// Positions per block of a [`KvPool`]: small enough that a sequence
+/// wastes at most 15 positions, large enough that a block table stays short
+/// (vLLM's default is 16 too).
+pub const BLOCK_POSITIONS: usize = 16;
+
+/// Blocks a pool holds at its first allocation; it doubles from there.
+const INITIAL_BLOCKS: usize = 64;
+
+/// The candle backend's paged key/value store for every cache of one model
+/// (see the module docs). Made by [`crate::CausalLm::to_backend`]; clones
+/// of a model share it.
+///
+/// Block 0 is never handed out: it stays zero, and the batched attention
+/// points the padding of shorter sequences at it (masked out, but finite:
+/// a NaN there would poison the softmax's weighted sum even at weight 0).
+#[derive(Debug)]
+pub struct KvPool {
+    state: Mutex<PoolState>,
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
+}
+
+/// Blocks in use and the pool's size, for admission by memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvUsage {
+    /// Blocks held by caches (a block shared by forks counts once).
+    pub used_blocks: usize,
+    /// Most blocks the pool may hold ([`KvPool::set_limit_bytes`]); `None`:
+    /// it grows until the device is full.
+    pub limit_blocks: Option<usize>,
+    /// Bytes of one block: keys and values of [`BLOCK_POSITIONS`]
+    /// positions in every layer.
+    pub block_bytes: usize,
+}
+
+impl KvUsage {
+    /// Blocks needed to hold `positions` positions.
+    pub fn blocks_for(positions: usize) -> usize {
+        positions.div_ceil(BLOCK_POSITIONS)
+    }
+
+    /// Blocks that can still be taken, if the pool is bounded.
+    pub fn free_blocks(&self) -> Option<usize> {
+        self.limit_blocks
+            .map(|limit| limit.saturating_sub(self.used_blocks))
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct PoolState {
+    /// Per layer, `(kv_heads, capacity * BLOCK_POSITIONS, head_dim)`;
+    /// empty until the first block is taken.
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    /// Caches holding each block (block 0: the zero block, never taken).
+    refs: Vec<u32>,
+    free: Vec<u32>,
+    limit_blocks: Option<usize>,
+}
+
+impl KvPool {
+    pub(crate) fn new(config: &ModelConfig, dtype: DType, device: &Device) -> Self {
+        Self {
+            state: Mutex::new(PoolState::default()),
+            layers: config.num_hidden_layers,
+            kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            dtype,
+            device: device.clone(),
+        }
+    }
+
+    /// The state, locked; a forward holds it from its first write to its
+    /// last read, so that no growth of the pool can replace a tensor under
+    /// it. (A panic while it was held leaves counts that are still right.)
+    pub(crate) fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes of one block in every layer, keys and values.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.layers
+            * BLOCK_POSITIONS
+            * self.kv_heads
+            * self.head_dim
+            * self.dtype.size_in_bytes()
+    }
+
+    /// Bounds the pool to `bytes` of keys and values (`None`: no bound but
+    /// the device's memory). Taking a block past it is
+    /// [`ModelError::KvCacheFull`]; blocks already held are kept.
+    pub fn set_limit_bytes(&self, bytes: Option<usize>) {
+        self.lock().limit_blocks = bytes.map(|b| b / self.block_bytes());
+    }
+
+    /// Blocks in use and the bound.
+    pub fn usage(&self) -> KvUsage {
+        let state = self.lock();
+        let capacity = state.refs.len().saturating_sub(1);
+        KvUsage {
+            used_blocks: capacity - state.free.len(),
+            limit_blocks: state.limit_blocks,
+            block_bytes: self.block_bytes(),
+        }
+    }
+
+    /// Keys and values of `layer`, each `(kv_heads, slots, head_dim)`.
+    pub(crate) fn layer<'a>(&self, state: &'a PoolState, layer: usize) -> (&'a Tensor, &'a Tensor) {
+        (&state.keys[layer], &state.values[layer])
+    }
+
+    /// A block for one cache, growing the pool if none is free.
+    fn take(&self, state: &mut PoolState) -> Result<u32> {
+        if state.free.is_empty() {
+            self.grow(state)?;
+        }
+        let block = state.free.pop().expect("grown");
+        state.refs[block as usize] = 1;
+        Ok(block)
+    }
+
+    /// Doubles the pool (up to its bound), copying what it holds.
+    fn grow(&self, state: &mut PoolState) -> Result<()> {
+        let capacity = state.refs.len().saturating_sub(1);
+        let mut grown = (2 * capacity).max(INITIAL_BLOCKS);
+        if let Some(limit) = state.limit_blocks {
+            grown = grown.min(limit);
+        }
+        if grown <= capacity {
+            return Err(ModelError::KvCacheFull {
+                blocks: capacity,
+                bytes: capacity * self.block_bytes(),
+            });
+        }
+        let slots = (grown + 1) * BLOCK_POSITIONS;
+        let fresh = |old: Option<&Tensor>| -> Result<Tensor> {
+            let t = Tensor::zeros(
+                (self.kv_heads, slots, self.head_dim),
+                self.dtype,
+                &self.device,
+            )?;
+            if let Some(old) = old {
+                t.slice_set(old, 1, 0)?;
+            }
+            Ok(t)
+        };
+        for layer in 0..self.layers {
+            let keys = fresh(state.keys.get(layer))?;
+            let values = fresh(state.values.get(layer))?;
+            if layer < state.keys.len() {
+                state.keys[layer] = keys;
+                state.values[layer] = values;
+            } else {
+                state.keys.push(keys);
+                state.values.push(values);
+            }
+        }
+        let first_new = capacity + 1;
+        state.refs.resize(grown + 1, 0);
+        // Lowest ids popped first.
+        state.free.extend((first_new as u32..=grown as u32).rev());
+        Ok(())
+    }
+
+    /// One more cache holds `block`.
+    fn share(&self, state: &mut PoolState, block: u32) {
+        state.refs[block as usize] += 1;
+    }
+
+    /// One cache fewer holds each of `blocks`.
+    fn release(&self, state: &mut PoolState, blocks: &[u32]) {
+        for &b in blocks {
+            let refs = &mut state.refs[b as usize];
+            *refs -= 1;
+            if *refs == 0 {
+                state.free.push(b);
+            }
+        }
+    }
+
+    /// Performs the copies [`KvCache::reserve_slots`] asked for: the
+    /// positions of blocks `from[i]` into blocks `to[i]`, every layer (one
+    /// gather and one scatter per layer and keys/values).
+    pub(crate) fn copy_on_write(
+        &self,
+        state: &PoolState,
+        (from, to): &(Vec<u32>, Vec<u32>),
+    ) -> Result<()> {
+        if from.is_empty() {
+            return Ok(());
+        }
+        let slots_of = |blocks: &[u32]| -> Vec<u32> {
+            blocks
+                .iter()
+                .flat_map(|&b| {
+                    let first = b * BLOCK_POSITIONS as u32;
+                    first..first + BLOCK_POSITIONS as u32
+                })
+                .collect()
+        };
+        let n = from.len() * BLOCK_POSITIONS;
+        let from = Tensor::from_vec(slots_of(from), n, &self.device)?;
+        let to = self.scatter_index(slots_of(to))?;
+        for layer in 0..self.layers {
+            for t in [&state.keys[layer], &state.values[layer]] {
+                t.scatter_set(&to, &t.index_select(&from, 1)?, 1)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The index `scatter_set` along the slots takes to write `n` new
+    /// positions into `slots`: `(kv_heads, n, head_dim)`, each slot id
+    /// repeated over its heads and head dimensions.
+    pub(crate) fn scatter_index(&self, slots: Vec<u32>) -> Result<Tensor> {
+        let n = slots.len();
+        Ok(Tensor::from_vec(slots, (1, n, 1), &self.device)?
+            .broadcast_as((self.kv_heads, n, self.head_dim))?
+            .contiguous()?)
+    }
+}
 
 /// Keys and values of one sequence for every layer of one model.
 #[derive(Debug)]
@@ -43,12 +283,22 @@ enum Storage {
         keys: Vec<Vec<f32>>,
         values: Vec<Vec<f32>>,
     },
-    /// The candle backend's: per layer, `(kv_heads, capacity, head_dim)`
-    /// on the model's device (none until the first write).
-    Device {
-        keys: Vec<Option<Tensor>>,
-        values: Vec<Option<Tensor>>,
+    /// The candle backend's: position `p` is in slot `p %
+    /// BLOCK_POSITIONS` of block `blocks[p / BLOCK_POSITIONS]` of the
+    /// pool; blocks past `len` hold writes not yet committed.
+    Paged {
+        pool: Arc<KvPool>,
+        blocks: Vec<u32>,
+        num_layers: usize,
     },
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        if let Storage::Paged { pool, blocks, .. } = &self.storage {
+            pool.release(&mut pool.lock(), blocks);
+        }
+    }
 }
 
 impl KvCache {
@@ -68,14 +318,18 @@ impl KvCache {
         }
     }
 
-    /// An empty cache of device tensors (the candle backend's).
-    pub(crate) fn new_on_device(config: &ModelConfig) -> Self {
+    /// An empty cache in `pool` (the candle backend's); holds no block
+    /// until the first forward.
+    pub(crate) fn paged(config: &ModelConfig, pool: Arc<KvPool>) -> Self {
         Self {
-            storage: Storage::Device {
-                keys: vec![None; config.num_hidden_layers],
-                values: vec![None; config.num_hidden_layers],
+            storage: Storage::Paged {
+                pool,
+                blocks: Vec::new(),
+                num_layers: config.num_hidden_layers,
             },
-            ..Self::new(config)
+            len: 0,
+            num_kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
         }
     }
 
@@ -90,12 +344,21 @@ impl KvCache {
     }
 
     /// Forgets every position at or after `len` (no-op if already shorter).
-    /// The memory is kept for reuse.
+    /// Host buffers keep their memory for reuse; a paged cache gives back
+    /// the blocks it no longer needs.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
+        if let Storage::Paged { pool, blocks, .. } = &mut self.storage {
+            let keep = self.len.div_ceil(BLOCK_POSITIONS);
+            if blocks.len() > keep {
+                let dropped = blocks.split_off(keep);
+                pool.release(&mut pool.lock(), &dropped);
+            }
+        }
     }
 
-    /// Bytes held by the buffers (capacity, not just the used part).
+    /// Bytes held by the buffers (capacity, not just the used part; a
+    /// block shared with forks counts in each of them).
     pub fn allocated_bytes(&self) -> usize {
         match &self.storage {
             Storage::Host { keys, values } => keys
@@ -103,23 +366,18 @@ impl KvCache {
                 .chain(values)
                 .map(|b| b.capacity() * std::mem::size_of::<f32>())
                 .sum(),
-            Storage::Device { keys, values } => keys
-                .iter()
-                .chain(values)
-                .flatten()
-                .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-                .sum(),
+            Storage::Paged { pool, blocks, .. } => blocks.len() * pool.block_bytes(),
         }
     }
 
-    /// An independent copy holding the same positions (deep copy of the
-    /// used part), e.g. to sample several continuations of one prefilled
-    /// prompt.
+    /// A cache holding the same positions, e.g. to sample several
+    /// continuations of one prefilled prompt: a deep copy of host
+    /// buffers; a paged cache shares its blocks (copied on write).
     pub fn fork(&self) -> Result<Self> {
         self.fork_prefix(self.len)
     }
 
-    /// An independent copy of the first `len` positions (all of them if
+    /// [`KvCache::fork`] of the first `len` positions (all of them if
     /// fewer are held).
     pub fn fork_prefix(&self, len: usize) -> Result<Self> {
         let len = len.min(self.len);
@@ -137,26 +395,28 @@ impl KvCache {
                     values: copy(values),
                 }
             }
-            Storage::Device { keys, values } => {
-                let copy = |buffers: &Vec<Option<Tensor>>| -> Result<Vec<Option<Tensor>>> {
-                    buffers
-                        .iter()
-                        .map(|b| match b {
-                            Some(t) if len > 0 => Ok(Some(t.narrow(1, 0, len)?.copy()?)),
-                            _ => Ok(None),
-                        })
-                        .collect()
-                };
-                Storage::Device {
-                    keys: copy(keys)?,
-                    values: copy(values)?,
+            Storage::Paged {
+                pool,
+                blocks,
+                num_layers,
+            } => {
+                let shared = blocks[..len.div_ceil(BLOCK_POSITIONS)].to_vec();
+                let mut state = pool.lock();
+                for &b in &shared {
+                    pool.share(&mut state, b);
+                }
+                Storage::Paged {
+                    pool: pool.clone(),
+                    blocks: shared,
+                    num_layers: *num_layers,
                 }
             }
         };
         Ok(Self {
             storage,
             len,
-            ..*self
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
         })
     }
 
@@ -165,12 +425,25 @@ impl KvCache {
         self.num_kv_heads * self.head_dim
     }
 
+    /// The pool a paged cache lives in.
+    pub(crate) fn pool(&self) -> Option<&Arc<KvPool>> {
+        match &self.storage {
+            Storage::Host { .. } => None,
+            Storage::Paged { pool, .. } => Some(pool),
+        }
+    }
+
     /// Checks that the cache fits a model of this shape, and has the
-    /// storage of its backend (`on_device`: the candle backend's).
-    pub(crate) fn check_shape(&self, config: &ModelConfig, on_device: bool) -> Result<()> {
+    /// storage of its backend (`pool`: the candle backend's, which must be
+    /// the model's own).
+    pub(crate) fn check_shape(
+        &self,
+        config: &ModelConfig,
+        pool: Option<&Arc<KvPool>>,
+    ) -> Result<()> {
         let num_layers = match &self.storage {
             Storage::Host { keys, .. } => keys.len(),
-            Storage::Device { keys, .. } => keys.len(),
+            Storage::Paged { num_layers, .. } => *num_layers,
         };
         if num_layers != config.num_hidden_layers
             || self.num_kv_heads != config.num_key_value_heads
@@ -186,9 +459,15 @@ impl KvCache {
                 config.head_dim
             )));
         }
-        if on_device != matches!(self.storage, Storage::Device { .. }) {
+        let same_store = match (self.pool(), pool) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        if !same_store {
             return Err(ModelError::BadInput(
-                "cache made for another backend; make caches with CausalLm::new_cache".into(),
+                "cache made for another backend or model; make caches with CausalLm::new_cache"
+                    .into(),
             ));
         }
         Ok(())
@@ -226,48 +505,52 @@ impl KvCache {
         (&keys[layer], &values[layer])
     }
 
-    /// Writes keys and values of new positions, each `(kv_heads, t,
-    /// head_dim)` on the device, after the committed ones of `layer`
-    /// (overwriting any uncommitted write), and returns the layer's keys
-    /// and values up to and including them, `(kv_heads, len + t,
-    /// head_dim)`. Device storage only.
-    pub(crate) fn append_on_device(
+    /// Makes room for `added` positions after the committed ones and
+    /// returns the pool slots they go to. A block this cache shares with
+    /// another is replaced by a fresh one first, and the pair is pushed to
+    /// `copies` (`(from, to)`) for [`KvPool::copy_on_write`] to fill before
+    /// anything is written. Paged storage only.
+    pub(crate) fn reserve_slots(
         &mut self,
-        layer: usize,
-        new_keys: &Tensor,
-        new_values: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        let (len, t) = (self.len, new_keys.dim(1)?);
-        let Storage::Device { keys, values } = &mut self.storage else {
+        state: &mut PoolState,
+        added: usize,
+        copies: &mut (Vec<u32>, Vec<u32>),
+    ) -> Result<Vec<u32>> {
+        let Storage::Paged { pool, blocks, .. } = &mut self.storage else {
             unreachable!("checked by check_shape");
         };
-        let mut out = Vec::with_capacity(2);
-        for (buffer, new) in [
-            (&mut keys[layer], new_keys),
-            (&mut values[layer], new_values),
-        ] {
-            let capacity = buffer.as_ref().map_or(0, |b| b.dim(1).unwrap_or(0));
-            if len + t > capacity {
-                let grown = (len + t).max(2 * capacity).max(MIN_CAPACITY);
-                let (kv_heads, _, head_dim) = new.dims3()?;
-                let fresh = Tensor::zeros((kv_heads, grown, head_dim), new.dtype(), new.device())?;
-                if let (Some(old), true) = (buffer.as_ref(), len > 0) {
-                    fresh.slice_set(&old.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-                }
-                *buffer = Some(fresh);
+        let end = self.len + added;
+        for b in self.len / BLOCK_POSITIONS..end.div_ceil(BLOCK_POSITIONS) {
+            if b == blocks.len() {
+                blocks.push(pool.take(state)?);
+            } else if state.refs[blocks[b] as usize] > 1 {
+                let fresh = pool.take(state)?;
+                copies.0.push(blocks[b]);
+                copies.1.push(fresh);
+                pool.release(state, &[blocks[b]]);
+                blocks[b] = fresh;
             }
-            let b = buffer.as_ref().expect("allocated above");
-            b.slice_set(&new.contiguous()?, 1, len)?;
-            out.push(b.narrow(1, 0, len + t)?);
         }
-        let values = out.pop().expect("two");
-        Ok((out.pop().expect("two"), values))
+        Ok((self.len..end).map(|p| slot(blocks, p)).collect())
+    }
+
+    /// Pool slots of positions `[0, n)`. Paged storage only.
+    pub(crate) fn slots(&self, n: usize) -> impl Iterator<Item = u32> + '_ {
+        let Storage::Paged { blocks, .. } = &self.storage else {
+            unreachable!("checked by check_shape");
+        };
+        (0..n).map(|p| slot(blocks, p))
     }
 
     /// Marks `added` more positions as valid in every layer.
     pub(crate) fn advance(&mut self, added: usize) {
         self.len += added;
     }
+}
+
+/// The pool slot of position `p` of a cache with these blocks.
+fn slot(blocks: &[u32], p: usize) -> u32 {
+    blocks[p / BLOCK_POSITIONS] * BLOCK_POSITIONS as u32 + (p % BLOCK_POSITIONS) as u32
 }
 
 /// Caches of recent prompts, so that a new prompt sharing a long prefix
@@ -320,6 +603,22 @@ impl PrefixCache {
     /// Number of prompts held.
     pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// Drops the least recently used prompt, to give its memory back;
+    /// false if none was held.
+    pub fn evict_oldest(&mut self) -> bool {
+        let Some(lru) = self
+            .entries
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, e)| e.last_used)
+            .map(|(i, _)| i)
+        else {
+            return false;
+        };
+        self.entries.swap_remove(lru);
+        true
     }
 
     /// Whether no prompt is held.
@@ -405,14 +704,7 @@ impl PrefixCache {
             return;
         };
         if self.entries.len() >= self.capacity {
-            let lru = self
-                .entries
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(i, _)| i)
-                .expect("full, so non-empty");
-            self.entries.swap_remove(lru);
+            self.evict_oldest();
         }
         self.entries.push(PrefixEntry {
             adapter: adapter.cloned(),

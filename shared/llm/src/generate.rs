@@ -12,6 +12,16 @@
 //! the others' one-token decodes), and a finished one leaves by being
 //! removed. Nothing is padded or copied when the batch changes.
 //!
+//! # Where tokens are drawn
+//!
+//! On the CPU engine the logits come to the host and [`Sampler`] draws
+//! there. On the candle backend (a GPU) they stay on the device and
+//! [`step`] draws there (`crate::device_sample`): only each row's token and
+//! log-probabilities cross to the host. Both take the same numbers from
+//! the sequence's stream for the same decisions and walk the kept tokens
+//! in id order, so on the same logits they draw the same tokens (up to f32
+//! rounding at a boundary, and top-k ties, which the device keeps).
+//!
 //! # Log-probabilities
 //!
 //! Every sampled token comes with two log-probabilities:
@@ -58,7 +68,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use candle_core::Tensor;
+
 use crate::cache::KvCache;
+use crate::device_sample::{sample_rows, RowDraw};
 use crate::lora::LoraAdapter;
 use crate::model::{BatchItem, CausalLm, LogitsWanted};
 use crate::model_error::{ModelError, Result};
@@ -133,7 +146,7 @@ pub struct Sampler {
 }
 
 /// `log_softmax(logits)[token]` in f64.
-fn policy_logprob(logits: &[f32], token: usize) -> f32 {
+pub(crate) fn policy_logprob(logits: &[f32], token: usize) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
     (logits[token] as f64 - max - sum.ln()) as f32
@@ -166,19 +179,7 @@ impl Sampler {
     /// Picks a token from one position's logits (`vocab` values; `-inf`
     /// masks a token out, NaN is an error).
     pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled> {
-        if logits.is_empty() {
-            return Err(ModelError::BadInput("no logits to sample from".into()));
-        }
-        if logits.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
-            return Err(ModelError::BadInput("logits hold NaN or +inf".into()));
-        }
-        let best = logits
-            .iter()
-            .enumerate()
-            .fold(0, |best, (i, &x)| if x > logits[best] { i } else { best });
-        if logits[best] == f32::NEG_INFINITY {
-            return Err(ModelError::BadInput("every token is masked out".into()));
-        }
+        let best = check_logits(logits)?;
         if self.params.temperature == 0.0 {
             return Ok(Sampled {
                 token: best as u32,
@@ -186,54 +187,89 @@ impl Sampler {
                 sampling_logprob: 0.0,
             });
         }
-        let inv_t = 1.0 / self.params.temperature as f64;
-        let max = logits[best] as f64;
-        // Candidates in decreasing order only when truncating; else all in place.
-        let truncating =
-            (self.params.top_k > 0 && self.params.top_k < logits.len()) || self.params.top_p < 1.0;
-        let mut candidates: Vec<(usize, f64)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, &x)| x > f32::NEG_INFINITY)
-            .map(|(i, &x)| (i, ((x as f64 - max) * inv_t).exp()))
-            .collect();
-        if truncating {
-            let by_weight =
-                |a: &(usize, f64), b: &(usize, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-            if self.params.top_k > 0 && self.params.top_k < candidates.len() {
-                candidates.select_nth_unstable_by(self.params.top_k - 1, by_weight);
-                candidates.truncate(self.params.top_k);
-            }
-            candidates.sort_by(by_weight);
-            if self.params.top_p < 1.0 {
-                let total: f64 = candidates.iter().map(|c| c.1).sum();
-                let mut mass = 0.0;
-                let mut keep = candidates.len();
-                for (i, c) in candidates.iter().enumerate() {
-                    mass += c.1 / total;
-                    if mass >= self.params.top_p as f64 {
-                        keep = i + 1;
-                        break;
-                    }
+        let uniform = self.next_uniform();
+        Ok(draw(&self.params, logits, best, uniform))
+    }
+
+    /// The next number of the stream, uniform in [0, 1): what one
+    /// non-greedy draw takes.
+    pub(crate) fn next_uniform(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+}
+
+/// Checks one row of logits (non-empty, no NaN or +inf, some token not
+/// masked out) and returns its first best token.
+fn check_logits(logits: &[f32]) -> Result<usize> {
+    if logits.is_empty() {
+        return Err(ModelError::BadInput("no logits to sample from".into()));
+    }
+    if logits.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+        return Err(ModelError::BadInput("logits hold NaN or +inf".into()));
+    }
+    let best = logits
+        .iter()
+        .enumerate()
+        .fold(0, |best, (i, &x)| if x > logits[best] { i } else { best });
+    if logits[best] == f32::NEG_INFINITY {
+        return Err(ModelError::BadInput("every token is masked out".into()));
+    }
+    Ok(best)
+}
+
+/// The token where `uniform` falls in the cumulative weights of `logits`
+/// after temperature, top-k and top-p (`best`: the row's best token;
+/// `params.temperature > 0`).
+pub(crate) fn draw(params: &SamplingParams, logits: &[f32], best: usize, uniform: f64) -> Sampled {
+    let inv_t = 1.0 / params.temperature as f64;
+    let max = logits[best] as f64;
+    // Candidates in decreasing order only when truncating; else all in place.
+    let truncating = (params.top_k > 0 && params.top_k < logits.len()) || params.top_p < 1.0;
+    let mut candidates: Vec<(usize, f64)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, &x)| x > f32::NEG_INFINITY)
+        .map(|(i, &x)| (i, ((x as f64 - max) * inv_t).exp()))
+        .collect();
+    if truncating {
+        let by_weight =
+            |a: &(usize, f64), b: &(usize, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if params.top_k > 0 && params.top_k < candidates.len() {
+            candidates.select_nth_unstable_by(params.top_k - 1, by_weight);
+            candidates.truncate(params.top_k);
+        }
+        candidates.sort_by(by_weight);
+        if params.top_p < 1.0 {
+            let total: f64 = candidates.iter().map(|c| c.1).sum();
+            let mut mass = 0.0;
+            let mut keep = candidates.len();
+            for (i, c) in candidates.iter().enumerate() {
+                mass += c.1 / total;
+                if mass >= params.top_p as f64 {
+                    keep = i + 1;
+                    break;
                 }
-                candidates.truncate(keep);
             }
+            candidates.truncate(keep);
         }
-        let total: f64 = candidates.iter().map(|c| c.1).sum();
-        let mut target = self.rng.random::<f64>() * total;
-        let mut chosen = candidates[candidates.len() - 1];
-        for &c in &candidates {
-            if target < c.1 {
-                chosen = c;
-                break;
-            }
-            target -= c.1;
+        // The draw walks the kept tokens in id order, as it does the whole
+        // vocabulary (and as the device's scan does).
+        candidates.sort_unstable_by_key(|c| c.0);
+    }
+    let total: f64 = candidates.iter().map(|c| c.1).sum();
+    let mut target = uniform * total;
+    let mut chosen = candidates[candidates.len() - 1];
+    for &c in &candidates {
+        if target < c.1 {
+            chosen = c;
+            break;
         }
-        Ok(Sampled {
-            token: chosen.0 as u32,
-            logprob: policy_logprob(logits, chosen.0),
-            sampling_logprob: (chosen.1 / total).ln() as f32,
-        })
+        target -= c.1;
+    }
+    Sampled {
+        token: chosen.0 as u32,
+        logprob: policy_logprob(logits, chosen.0),
+        sampling_logprob: (chosen.1 / total).ln() as f32,
     }
 }
 
@@ -642,6 +678,24 @@ pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<S
     }
     let logits = model.forward_batch(&mut items, LogitsWanted::Last)?;
     drop(items);
+    let sampled = if model.backend().is_candle() {
+        sample_on_device(&logits, seqs)?
+    } else {
+        sample_on_host(&logits, seqs)?
+    };
+    let mut out = Vec::with_capacity(seqs.len());
+    for (seq, sampled) in seqs.iter_mut().zip(sampled) {
+        out.push(sampled.map(|sampled| {
+            let finished = seq.record(sampled, limit);
+            StepToken { sampled, finished }
+        }));
+    }
+    Ok(out)
+}
+
+/// Each unfinished sequence's token from its row of `logits` (rows in the
+/// order of the unfinished sequences), the logits copied to the host.
+fn sample_on_host(logits: &Tensor, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<Sampled>>> {
     let vocab = logits.dim(1)?;
     let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
     // Row of each running sequence in `logits`.
@@ -655,8 +709,7 @@ pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<S
     }
     // Sampling is independent per sequence (each has its own random
     // stream), and a pass over a large vocabulary is not free: in parallel.
-    let sampled: Vec<Option<Sampled>> = seqs
-        .par_iter_mut()
+    seqs.par_iter_mut()
         .zip(rows.par_iter())
         .map(|(seq, row)| {
             row.map(|r| {
@@ -679,13 +732,58 @@ pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<S
             })
             .transpose()
         })
-        .collect::<Result<_>>()?;
-    let mut out = Vec::with_capacity(seqs.len());
-    for (seq, sampled) in seqs.iter_mut().zip(sampled) {
-        out.push(sampled.map(|sampled| {
-            let finished = seq.record(sampled, limit);
-            StepToken { sampled, finished }
-        }));
+        .collect()
+}
+
+/// [`sample_on_host`]'s draws made on the logits' device
+/// ([`crate::device_sample`]): the same decisions, in the same order, each
+/// taking the same numbers from the sequence's stream.
+fn sample_on_device(logits: &Tensor, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<Sampled>>> {
+    let draw_for = |seq: &mut Sequence| RowDraw {
+        allowed: seq.allowed_next(),
+        uniform: if seq.sampler.params.temperature > 0.0 {
+            seq.sampler.next_uniform()
+        } else {
+            0.0
+        },
+        params: seq.sampler.params.clone(),
+    };
+    let mut draws = Vec::new();
+    let mut running = Vec::new();
+    for (i, seq) in seqs.iter_mut().enumerate() {
+        if seq.finished.is_some() {
+            continue;
+        }
+        if seq.thinking() && seq.tokens.len() >= seq.stop.max_new_tokens {
+            seq.answer_in_place_of_end();
+        }
+        draws.push(draw_for(seq));
+        running.push(i);
+    }
+    let mut sampled = sample_rows(logits, &draws)?;
+    // A thought that sampled its stop token: its answer takes the token's
+    // place, drawn from the same row.
+    let mut again = Vec::new();
+    let mut again_rows = Vec::new();
+    for (row, &i) in running.iter().enumerate() {
+        let seq = &mut *seqs[i];
+        if seq.thinking() && seq.stop.stop_token_ids.contains(&sampled[row].token) {
+            seq.answer_in_place_of_end();
+            again.push(draw_for(seq));
+            again_rows.push(row as u32);
+        }
+    }
+    if !again.is_empty() {
+        let n = again_rows.len();
+        let rows = Tensor::from_vec(again_rows.clone(), n, logits.device())?;
+        let redrawn = sample_rows(&logits.index_select(&rows, 0)?, &again)?;
+        for (row, s) in again_rows.into_iter().zip(redrawn) {
+            sampled[row as usize] = s;
+        }
+    }
+    let mut out = vec![None; seqs.len()];
+    for (i, s) in running.into_iter().zip(sampled) {
+        out[i] = Some(s);
     }
     Ok(out)
 }

@@ -6,9 +6,11 @@
 //! number of sequences, each with its own cache, adapter and number of new
 //! tokens, packed into one `(tokens, hidden)` matrix for every projection
 //! and MLP (one matmul each for the whole batch, adapters applied to their
-//! rows); attention per sequence against its
-//! own cache ([`crate::KvCache`] device storage, written in place). On error no
-//! cache is advanced.
+//! rows). Keys and values live in the model's paged pool
+//! ([`crate::KvPool`]): each step writes every new row's with one scatter
+//! per layer, attends for all one-token decodes in one batched product
+//! over slots gathered from the pool, and for each prefill on its own
+//! (`AttentionPlan`). On error no cache is advanced.
 //!
 //! Precision: weights and matmuls in the backend's dtype; the residual
 //! stream, RMSNorm, RoPE, the attention softmax and the logits in f32 (so
@@ -18,8 +20,11 @@
 //! cache per model (a whole batch shares one length, padded), apply no
 //! per-row LoRA, and cannot mix prefills and decodes of different lengths
 //! in one step, which continuous batching needs. The ops used here (matmul,
-//! `index_select`/`index_add`, `slice_set`, fused RMSNorm and softmax,
-//! elementwise ops) all have CUDA kernels in candle.
+//! `index_select`/`index_add`, `scatter_set`, `slice_set`, fused RMSNorm
+//! and softmax, elementwise ops) all have CUDA kernels in candle. A fused
+//! paged-attention kernel (vLLM's) would read the blocks in place instead
+//! of gathering them; candle has none, and the gather costs one copy of
+//! the keys and values read per layer, not a kernel per sequence.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -33,23 +38,203 @@ use crate::model_error::{ModelError, Result};
 
 /// Grouped-query attention of one sequence, softmax in f32. `q`:
 /// `(kv_heads, rep * t, head_dim)`, `k`, `v`: `(kv_heads, len, head_dim)`,
-/// `mask`: `(t, len)` f32 or none (one new token sees every position).
-fn attend(q: &Tensor, k: &Tensor, v: &Tensor, rep: usize, mask: Option<&Tensor>) -> Result<Tensor> {
+/// causal `mask`: `(t, len)` f32.
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, rep: usize, mask: &Tensor) -> Result<Tensor> {
     let (groups, rows, head_dim) = q.dims3()?;
     let len = k.dim(1)?;
     let scores = q
         .matmul(&k.t()?)?
         .to_dtype(DType::F32)?
         .affine(1.0 / (head_dim as f64).sqrt(), 0.0)?;
-    let scores = match mask {
-        Some(mask) => scores
-            .reshape((groups, rep, rows / rep, len))?
-            .broadcast_add(mask)?
-            .reshape((groups, rows, len))?,
-        None => scores,
-    };
+    let scores = scores
+        .reshape((groups, rep, rows / rep, len))?
+        .broadcast_add(mask)?
+        .reshape((groups, rows, len))?;
     let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
     Ok(probs.matmul(&v.contiguous()?)?)
+}
+
+/// How one step's attention reads the pool: every one-token decode of the
+/// step in one batched product (its queries against every decoding
+/// sequence's keys, gathered with one `index_select` and padded to the
+/// longest with the pool's zero block, masked), and each longer item (a
+/// prefill) on its own with a causal mask. A decode step of B sequences is
+/// thus about fifteen kernels per layer, whatever B. Built once per step:
+/// every layer reads the same slots.
+struct AttentionPlan {
+    decode: Option<DecodeGroup>,
+    prefills: Vec<PrefillItem>,
+    /// Row of the concatenated outputs (decodes, then prefills) for each
+    /// row of the batch, unless that is already the batch's order.
+    order: Option<Tensor>,
+    kv_heads: usize,
+    rep: usize,
+    head_dim: usize,
+}
+
+/// The step's one-token decodes.
+struct DecodeGroup {
+    /// Their rows in the batch (`None`: all rows, in order).
+    rows: Option<Tensor>,
+    count: usize,
+    /// Longest sequence, new token included.
+    longest: usize,
+    /// `(count * longest)` pool slots, each sequence's then padding.
+    gather: Tensor,
+    /// `(1, count, 1, longest)`: 0 for a sequence's positions, -inf for
+    /// its padding.
+    mask: Tensor,
+}
+
+/// One item of several new tokens.
+struct PrefillItem {
+    start: usize,
+    len: usize,
+    /// Pool slots of all its positions, new ones included.
+    gather: Tensor,
+    /// Causal, `(len, positions)`.
+    mask: Tensor,
+}
+
+impl AttentionPlan {
+    fn new(
+        items: &[BatchItem<'_>],
+        spans: &[(usize, usize)],
+        cfg: &crate::config::ModelConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut decodes = Vec::new();
+        let mut prefills = Vec::new();
+        for (item, &(start, len)) in items.iter().zip(spans) {
+            let positions = item.cache.len() + len;
+            if len == 1 {
+                decodes.push((start, positions, item));
+            } else {
+                let slots: Vec<u32> = item.cache.slots(positions).collect();
+                prefills.push(PrefillItem {
+                    start,
+                    len,
+                    gather: Tensor::from_vec(slots, positions, device)?,
+                    mask: causal_mask(len, item.cache.len(), device)?,
+                });
+            }
+        }
+        let decode = if decodes.is_empty() {
+            None
+        } else {
+            let count = decodes.len();
+            let longest = decodes.iter().map(|d| d.1).max().expect("non-empty");
+            let mut gather = Vec::with_capacity(count * longest);
+            let mut mask = Vec::with_capacity(count * longest);
+            for &(_, positions, item) in &decodes {
+                gather.extend(item.cache.slots(positions));
+                // Slot 0: the pool's zero block.
+                gather.extend(std::iter::repeat_n(0, longest - positions));
+                mask.extend(std::iter::repeat_n(0f32, positions));
+                mask.extend(std::iter::repeat_n(f32::NEG_INFINITY, longest - positions));
+            }
+            let in_order = decodes.iter().enumerate().all(|(i, d)| d.0 == i)
+                && count == spans.iter().map(|s| s.1).sum::<usize>();
+            let rows = (!in_order)
+                .then(|| {
+                    let rows: Vec<u32> = decodes.iter().map(|d| d.0 as u32).collect();
+                    Tensor::from_vec(rows, count, device)
+                })
+                .transpose()?;
+            Some(DecodeGroup {
+                rows,
+                count,
+                longest,
+                gather: Tensor::from_vec(gather, count * longest, device)?,
+                mask: Tensor::from_vec(mask, (1, count, 1, longest), device)?,
+            })
+        };
+        // Outputs come decodes first, then prefills; put them back.
+        let mut grouped: Vec<u32> = decodes.iter().map(|d| d.0 as u32).collect();
+        for p in &prefills {
+            grouped.extend((p.start..p.start + p.len).map(|r| r as u32));
+        }
+        let order = if grouped.iter().enumerate().all(|(i, &r)| r as usize == i) {
+            None
+        } else {
+            let mut order = vec![0u32; grouped.len()];
+            for (at, &row) in grouped.iter().enumerate() {
+                order[row as usize] = at as u32;
+            }
+            let n = order.len();
+            Some(Tensor::from_vec(order, n, device)?)
+        };
+        Ok(Self {
+            decode,
+            prefills,
+            order,
+            kv_heads: cfg.num_key_value_heads,
+            rep: cfg.kv_group_size(),
+            head_dim: cfg.head_dim,
+        })
+    }
+
+    /// The attention output `(rows, heads * head_dim)` of queries `q`
+    /// `(rows, heads, head_dim)` against the pool's `keys` and `values`
+    /// of one layer (`(kv_heads, slots, head_dim)`, this step's rows
+    /// already written).
+    fn attend(&self, q: &Tensor, keys: &Tensor, values: &Tensor) -> Result<Tensor> {
+        let (kv, rep, hd) = (self.kv_heads, self.rep, self.head_dim);
+        let heads = kv * rep;
+        let mut outs = Vec::with_capacity(1 + self.prefills.len());
+        if let Some(d) = &self.decode {
+            let (n, longest) = (d.count, d.longest);
+            let q = match &d.rows {
+                Some(rows) => q.index_select(rows, 0)?,
+                None => q.clone(),
+            };
+            // Each key/value head with its `rep` query heads: (kv, n, rep, hd).
+            let q = q.reshape((n, kv, rep, hd))?.transpose(0, 1)?.contiguous()?;
+            let k = keys
+                .index_select(&d.gather, 1)?
+                .reshape((kv, n, longest, hd))?;
+            let v = values
+                .index_select(&d.gather, 1)?
+                .reshape((kv, n, longest, hd))?;
+            let scores = q
+                .matmul(&k.t()?)?
+                .to_dtype(DType::F32)?
+                .affine(1.0 / (hd as f64).sqrt(), 0.0)?
+                .broadcast_add(&d.mask)?;
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+            outs.push(
+                probs
+                    .matmul(&v)?
+                    .transpose(0, 1)?
+                    .reshape((n, heads * hd))?,
+            );
+        }
+        for p in &self.prefills {
+            // (kv, rep * t, hd): head g * rep + r reads key/value head g.
+            let q = q
+                .narrow(0, p.start, p.len)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((kv, rep * p.len, hd))?;
+            let k = keys.index_select(&p.gather, 1)?;
+            let v = values.index_select(&p.gather, 1)?;
+            let out = attend(&q, &k, &v, rep, &p.mask)?;
+            outs.push(
+                out.reshape((heads, p.len, hd))?
+                    .transpose(0, 1)?
+                    .reshape((p.len, heads * hd))?,
+            );
+        }
+        let out = if outs.len() == 1 {
+            outs.pop().expect("one")
+        } else {
+            Tensor::cat(&outs, 0)?
+        };
+        Ok(match &self.order {
+            Some(order) => out.index_select(order, 0)?,
+            None => out,
+        })
+    }
 }
 
 /// RMSNorm of f32 rows with an f32 weight (candle's fused kernel).
@@ -73,6 +258,10 @@ impl CausalLm {
         };
         let dtype = *dtype;
         let cfg = &self.config;
+        let pool = self
+            .kv_pool
+            .as_ref()
+            .expect("a model on the candle backend has a pool");
         let mut spans = Vec::with_capacity(items.len());
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -81,7 +270,7 @@ impl CausalLm {
                 return Err(ModelError::BadInput("a batch item has no tokens".into()));
             }
             self.check_tokens(item.tokens)?;
-            item.cache.check_shape(cfg, true)?;
+            item.cache.check_shape(cfg, Some(pool))?;
             let (offset, t) = (item.cache.len(), item.tokens.len());
             if offset + t > cfg.max_position_embeddings {
                 return Err(ModelError::ContextOverflow {
@@ -109,17 +298,22 @@ impl CausalLm {
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
-        let rep = cfg.kv_group_size();
         let eps = cfg.rms_norm_eps;
-        let masks: Vec<Option<Tensor>> = items
-            .iter()
-            .zip(&spans)
-            .map(|(item, &(_, t))| {
-                (t > 1)
-                    .then(|| causal_mask(t, item.cache.len(), device))
-                    .transpose()
-            })
-            .collect::<Result<_>>()?;
+        let mut state = pool.lock();
+        // Room for the new positions in every cache (shared blocks copied
+        // first), then where each new row's keys and values go.
+        let mut copies = (Vec::new(), Vec::new());
+        let mut write_slots = Vec::with_capacity(total);
+        for item in items.iter_mut() {
+            write_slots.extend(item.cache.reserve_slots(
+                &mut state,
+                item.tokens.len(),
+                &mut copies,
+            )?);
+        }
+        pool.copy_on_write(&state, &copies)?;
+        let write_index = pool.scatter_index(write_slots)?;
+        let plan = AttentionPlan::new(items, &spans, cfg, device)?;
 
         let mut x = self.embed.lookup(&ids)?.to_dtype(DType::F32)?;
         for (layer, block) in self.blocks.iter().enumerate() {
@@ -148,24 +342,11 @@ impl CausalLm {
                 .v_proj
                 .forward(&h, layer, &routing)?
                 .reshape((total, kv_heads, hd))?;
-            let mut outs = Vec::with_capacity(items.len());
-            for ((item, &(start, t)), mask) in items.iter_mut().zip(&spans).zip(&masks) {
-                // (heads, t, hd) and (kv_heads, t, hd).
-                let by_head = |m: &Tensor| -> Result<Tensor> {
-                    Ok(m.narrow(0, start, t)?.transpose(0, 1)?.contiguous()?)
-                };
-                let (keys, values) =
-                    item.cache
-                        .append_on_device(layer, &by_head(&k)?, &by_head(&v)?)?;
-                let q = by_head(&q)?.reshape((kv_heads, rep * t, hd))?;
-                let out = attend(&q, &keys, &values, rep, mask.as_ref())?;
-                outs.push(
-                    out.reshape((heads, t, hd))?
-                        .transpose(0, 1)?
-                        .reshape((t, heads * hd))?,
-                );
-            }
-            let attn = Tensor::cat(&outs, 0)?;
+            let (pool_keys, pool_values) = pool.layer(&state, layer);
+            // Every new row's keys and values into its slot: (kv_heads, total, hd).
+            pool_keys.scatter_set(&write_index, &k.transpose(0, 1)?.contiguous()?, 1)?;
+            pool_values.scatter_set(&write_index, &v.transpose(0, 1)?.contiguous()?, 1)?;
+            let attn = plan.attend(&q, pool_keys, pool_values)?;
             x = (x + block
                 .o_proj
                 .forward(&attn, layer, &routing)?
@@ -173,6 +354,7 @@ impl CausalLm {
             let h = rms_norm(&x, &block.post_attention_norm, eps)?.to_dtype(dtype)?;
             x = (x + self.mlp(block, &h, layer, &routing)?.to_dtype(DType::F32)?)?;
         }
+        drop(state);
         for (item, &(_, t)) in items.iter_mut().zip(&spans) {
             item.cache.advance(t);
         }
@@ -276,8 +458,21 @@ impl CausalLm {
             self.rope_sin = place_f32(&self.rope_sin)?;
             self.inference = Default::default();
         }
-        self.backend = backend;
+        self.set_backend(backend);
         Ok(self)
+    }
+
+    /// Makes `backend` compute this model's forward, its weights already
+    /// where the backend wants them; the candle backend gets a fresh KV
+    /// pool.
+    pub(crate) fn set_backend(&mut self, backend: Backend) {
+        self.kv_pool = match &backend {
+            Backend::Engine => None,
+            Backend::Candle { device, dtype } => Some(std::sync::Arc::new(
+                crate::cache::KvPool::new(&self.config, *dtype, device),
+            )),
+        };
+        self.backend = backend;
     }
 
     /// `adapter` placed where this model computes ([`Backend::place_adapter`]).

@@ -417,6 +417,7 @@ impl CausalLm {
             rope_sin,
             inference: Default::default(),
             backend: Default::default(),
+            kv_pool: None,
         })
     }
 }

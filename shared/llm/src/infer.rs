@@ -486,7 +486,7 @@ impl CausalLm {
                 return Err(ModelError::BadInput("a batch item has no tokens".into()));
             }
             self.check_tokens(item.tokens)?;
-            item.cache.check_shape(&self.config, false)?;
+            item.cache.check_shape(&self.config, None)?;
             let end = item.cache.len() + item.tokens.len();
             if end > self.config.max_position_embeddings {
                 return Err(ModelError::ContextOverflow {

@@ -77,7 +77,7 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`train_forward`] | [`CausalLm::forward_train`] / [`CausalLm::forward_train_at`] / [`CausalLm::forward_train_batch`]: the training forward from fused ops with their own backward (`train_ops`: linear and LoRA-linear without frozen-weight gradients, RMSNorm, SwiGLU, RoPE + causal attention over padded blocks or a shared prefix, target log-prob, entropy) |
+//! | [`train_forward`] | [`CausalLm::forward_train`] / [`CausalLm::forward_train_at`] / [`CausalLm::forward_train_batch`]: the training forward from fused ops with their own backward (`train_ops`: linear and LoRA-linear without frozen-weight gradients, RMSNorm, SwiGLU, RoPE + causal attention over padded blocks or a shared prefix, target log-prob, entropy); [`TrainForward`]: activation checkpointing on the candle backend |
 //! | [`token_batch`] | [`BatchConfig`], [`Truncation`], [`TokenBatch`] (right-padded blocks, completion-only loss mask; [`PackedRows`]: the rows' shared prefix once), [`Aggregation`] |
 //! | [`rl`] | [`TokenExample`], the RL objectives ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`] |
 //! | [`reward`] | [`GameResult`], [`RewardShaping`]: per-env normalisation, format reward, invalid-move penalty |
@@ -113,6 +113,7 @@ pub mod backend;
 pub mod cache;
 pub mod chat;
 pub mod config;
+mod device_sample;
 pub mod generate;
 pub mod generic;
 pub mod gguf;
@@ -143,7 +144,7 @@ pub use backend::{
     candle_dtype, open_device, Backend, BackendKind, BackendSpec, DeviceSpec, LlmDtype, SpecError,
     CUDA_BUILT,
 };
-pub use cache::{KvCache, PrefixCache};
+pub use cache::{KvCache, KvPool, KvUsage, PrefixCache, BLOCK_POSITIONS};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use generate::{
@@ -175,3 +176,4 @@ pub use tokenizer::{
     IncrementalDecoder, SpecialToken, SpecialTokens, TokenSequences, Tokenizer, TokenizerError,
 };
 pub use train_error::{TrainError, TrainResult};
+pub use train_forward::TrainForward;

@@ -193,6 +193,9 @@ pub struct CausalLm {
     pub(crate) inference: std::sync::OnceLock<std::sync::Arc<crate::packed::InferenceWeights>>,
     /// Which code computes [`CausalLm::forward_batch`] (see [`crate::backend`]).
     pub(crate) backend: Backend,
+    /// The candle backend's paged key/value store, shared by every cache
+    /// of this model (and of its clones); `None` for the CPU engine.
+    pub(crate) kv_pool: Option<std::sync::Arc<crate::cache::KvPool>>,
 }
 
 /// Which positions [`CausalLm::forward_batch`] returns logits for.
@@ -421,6 +424,7 @@ impl CausalLm {
             rope_sin,
             inference: Default::default(),
             backend: Default::default(),
+            kv_pool: None,
         })
     }
 
@@ -465,10 +469,16 @@ impl CausalLm {
 
     /// An empty cache for one sequence of this model.
     pub fn new_cache(&self) -> KvCache {
-        match self.backend {
-            crate::backend::Backend::Engine => KvCache::new(&self.config),
-            crate::backend::Backend::Candle { .. } => KvCache::new_on_device(&self.config),
+        match &self.kv_pool {
+            None => KvCache::new(&self.config),
+            Some(pool) => KvCache::paged(&self.config, pool.clone()),
         }
+    }
+
+    /// The candle backend's key/value pool (its usage and bound); `None`
+    /// for the CPU engine, whose caches are host buffers of their own.
+    pub fn kv_pool(&self) -> Option<&crate::cache::KvPool> {
+        self.kv_pool.as_deref()
     }
 
     fn any_weight(&self, pred: impl Fn(&BaseWeight) -> bool) -> bool {

@@ -62,6 +62,19 @@ pub enum ModelError {
         /// The model's `max_position_embeddings`.
         limit: usize,
     },
+
+    /// The candle backend's key/value pool holds as many blocks as its
+    /// bound (`llm.kv_cache_mib`) allows, all in use.
+    #[error(
+        "the KV cache is full: all {blocks} blocks ({bytes} bytes) are in use; \
+         raise llm.kv_cache_mib or lower llm.max_sequences"
+    )]
+    KvCacheFull {
+        /// Blocks the pool holds.
+        blocks: usize,
+        /// Their bytes.
+        bytes: usize,
+    },
 }
 
 impl From<relay_config::FieldError> for ModelError {

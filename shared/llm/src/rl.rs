@@ -960,9 +960,13 @@ impl RlTrainer {
             } else {
                 None
             };
-            let logits = model.forward_train_batch(&batch.tokens, Some(adapter))?;
-            let out = rl_loss(&cfg.objective, &logits, reference.as_ref(), &batch)?;
-            let grads = out.loss.backward()?;
+            let forward = model.forward_train_for_backward(
+                &batch.tokens,
+                Some(adapter),
+                cfg.batch.recompute_activations,
+            )?;
+            let out = rl_loss(&cfg.objective, forward.logits(), reference.as_ref(), &batch)?;
+            let grads = forward.backward(&out.loss)?;
             self.optimizer.accumulate(&grads)?;
             sums += out.sums;
             for (&row, &lp) in batch.tokens.token_rows.iter().zip(&out.logprobs) {

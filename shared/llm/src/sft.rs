@@ -555,12 +555,20 @@ impl SftTrainer {
                 .collect();
             let batch = TokenBatch::new(&rows, &device)?;
             let weights = batch.token_weights(&cfg.aggregation, totals)?;
-            let logits = model.forward_train_batch(&batch, adapter)?;
-            let logits = if train { logits } else { logits.detach() };
-            let (l, value, c) = sft_loss(&logits, &batch, &weights, &targets)?;
-            if train {
-                self.optimizer.accumulate(&l.backward()?)?;
+            if !train {
+                let logits = model.forward_train_batch(&batch, adapter)?.detach();
+                let (_, value, c) = sft_loss(&logits, &batch, &weights, &targets)?;
+                loss += value;
+                correct += c;
+                continue;
             }
+            let forward = model.forward_train_for_backward(
+                &batch,
+                adapter,
+                cfg.batch.recompute_activations,
+            )?;
+            let (l, value, c) = sft_loss(forward.logits(), &batch, &weights, &targets)?;
+            self.optimizer.accumulate(&forward.backward(&l)?)?;
             loss += value;
             correct += c;
         }
@@ -608,7 +616,7 @@ pub fn load_hf_trainable_on(dir: &Path, backend: &Backend) -> TrainResult<(Causa
         VarBuilder::from_varmap(&varmap, DType::F32, &device),
     )?;
     // The vars are the weights: placed as they are, never copied.
-    model.backend = backend.clone();
+    model.set_backend(backend.clone());
     let weights = HfWeights::open(dir)?;
     let vars = varmap.data().lock().expect("VarMap lock");
     for (name, var) in vars.iter() {

@@ -300,68 +300,215 @@ impl CausalLm {
     pub(crate) fn composed_trunk(
         &self,
         flat_ids: &Tensor,
-        (batch, time): (usize, usize),
+        shape: (usize, usize),
         adapter: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
-        let routing = match adapter {
-            Some(a) => Routing::All(a),
-            None => Routing::Base,
-        };
-        let device = self.rope_cos.device().clone();
-        let dtype = self.compute_dtype();
+        let context = BlockContext::new(self, shape, adapter)?;
+        let mut x = self.embed.lookup(flat_ids)?.to_dtype(DType::F32)?;
+        for layer in 0..self.blocks.len() {
+            x = self.composed_block(layer, &x, &context)?;
+        }
+        Ok(x)
+    }
+
+    /// Block `layer` of the composed trunk on residual rows `x`.
+    fn composed_block(&self, layer: usize, x: &Tensor, c: &BlockContext<'_>) -> Result<Tensor> {
+        let block = &self.blocks[layer];
         let cfg = &self.config;
+        let (batch, time) = c.shape;
         let (heads, kv_heads, head_dim) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
         let rep = cfg.kv_group_size();
-        let cos = self.rope_cos.narrow(0, 0, time)?;
-        let sin = self.rope_sin.narrow(0, 0, time)?;
-        let mask = if time > 1 {
-            Some(causal_mask(time, 0, &device)?)
-        } else {
-            None
-        };
         let f32_rows = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?) };
-        let mut x = f32_rows(self.embed.lookup(flat_ids)?)?;
-        for (layer, block) in self.blocks.iter().enumerate() {
-            let h = composed_rms_norm(&x, &block.input_norm, cfg.rms_norm_eps)?.to_dtype(dtype)?;
-            let split = |m: Tensor, n: usize| -> Result<Tensor> {
-                Ok(f32_rows(m)?
-                    .reshape((batch, time, n, head_dim))?
-                    .transpose(1, 2)?)
-            };
-            let mut q = split(block.q_proj.forward(&h, layer, &routing)?, heads)?;
-            let mut k = split(block.k_proj.forward(&h, layer, &routing)?, kv_heads)?;
-            let v = split(block.v_proj.forward(&h, layer, &routing)?, kv_heads)?;
-            if let Some(norm) = &block.qk_norm {
-                q = composed_rms_norm(&q, &norm.q, cfg.rms_norm_eps)?;
-                k = composed_rms_norm(&k, &norm.k, cfg.rms_norm_eps)?;
-            }
-            let q = rope(&q, &cos, &sin)?.contiguous()?.reshape((
-                batch * kv_heads,
-                rep * time,
-                head_dim,
-            ))?;
-            let k =
-                rope(&k, &cos, &sin)?
-                    .contiguous()?
-                    .reshape((batch * kv_heads, time, head_dim))?;
-            let v = v
+        let h = composed_rms_norm(x, &block.input_norm, cfg.rms_norm_eps)?.to_dtype(c.dtype)?;
+        let split = |m: Tensor, n: usize| -> Result<Tensor> {
+            Ok(f32_rows(m)?
+                .reshape((batch, time, n, head_dim))?
+                .transpose(1, 2)?)
+        };
+        let mut q = split(block.q_proj.forward(&h, layer, &c.routing)?, heads)?;
+        let mut k = split(block.k_proj.forward(&h, layer, &c.routing)?, kv_heads)?;
+        let v = split(block.v_proj.forward(&h, layer, &c.routing)?, kv_heads)?;
+        if let Some(norm) = &block.qk_norm {
+            q = composed_rms_norm(&q, &norm.q, cfg.rms_norm_eps)?;
+            k = composed_rms_norm(&k, &norm.k, cfg.rms_norm_eps)?;
+        }
+        let q = rope(&q, &c.cos, &c.sin)?.contiguous()?.reshape((
+            batch * kv_heads,
+            rep * time,
+            head_dim,
+        ))?;
+        let k =
+            rope(&k, &c.cos, &c.sin)?
                 .contiguous()?
                 .reshape((batch * kv_heads, time, head_dim))?;
-            let out = attend(&q, &k, &v, rep, mask.as_ref())?;
-            let attn = out
-                .reshape((batch, heads, time, head_dim))?
-                .transpose(1, 2)?
-                .reshape((batch * time, heads * head_dim))?
-                .to_dtype(dtype)?;
-            x = (x + f32_rows(block.o_proj.forward(&attn, layer, &routing)?)?)?;
-            let h = composed_rms_norm(&x, &block.post_attention_norm, cfg.rms_norm_eps)?
-                .to_dtype(dtype)?;
-            x = (x + f32_rows(self.mlp(block, &h, layer, &routing)?)?)?;
+        let v = v
+            .contiguous()?
+            .reshape((batch * kv_heads, time, head_dim))?;
+        let out = attend(&q, &k, &v, rep, c.mask.as_ref())?;
+        let attn = out
+            .reshape((batch, heads, time, head_dim))?
+            .transpose(1, 2)?
+            .reshape((batch * time, heads * head_dim))?
+            .to_dtype(c.dtype)?;
+        let x = (x + f32_rows(block.o_proj.forward(&attn, layer, &c.routing)?)?)?;
+        let h = composed_rms_norm(&x, &block.post_attention_norm, cfg.rms_norm_eps)?
+            .to_dtype(c.dtype)?;
+        Ok((&x + f32_rows(self.mlp(block, &h, layer, &c.routing)?)?)?)
+    }
+
+    /// The logits of [`CausalLm::forward_train_batch`], ready for a
+    /// backward pass that recomputes the trunk's activations when
+    /// `recompute` is set on the candle backend (activation checkpointing,
+    /// see [`TrainForward`]); otherwise the plain forward.
+    pub fn forward_train_for_backward<'a>(
+        &'a self,
+        batch: &TokenBatch,
+        adapter: Option<&'a LoraAdapter>,
+        recompute: bool,
+    ) -> Result<TrainForward<'a>> {
+        if !(recompute && self.on_candle()) {
+            return Ok(TrainForward::Kept(
+                self.forward_train_batch(batch, adapter)?,
+            ));
         }
-        Ok(x)
+        let (batch_size, time, flat_ids) = self.check_train_input(&batch.input_ids, adapter)?;
+        let positions = batch.positions.to_dtype(DType::U32)?;
+        let shape = (batch_size, time);
+        let context = BlockContext::new(self, shape, adapter)?;
+        // Each block's input, without the graph that made it.
+        let mut inputs = Vec::with_capacity(self.blocks.len());
+        let mut x = self.embed.lookup(&flat_ids)?.to_dtype(DType::F32)?.detach();
+        for layer in 0..self.blocks.len() {
+            let next = self.composed_block(layer, &x, &context)?.detach();
+            inputs.push(std::mem::replace(&mut x, next));
+        }
+        let trunk_out = candle_core::Var::from_tensor(&x)?;
+        drop(x);
+        let rows = trunk_out
+            .as_tensor()
+            .index_select(&positions.to_device(trunk_out.device())?, 0)?;
+        let logits = self.composed_head(&rows)?;
+        Ok(TrainForward::Recomputed(Box::new(Recomputed {
+            model: self,
+            adapter,
+            flat_ids,
+            shape,
+            inputs,
+            trunk_out,
+            logits,
+        })))
+    }
+}
+
+/// What every block of one composed training forward shares.
+struct BlockContext<'a> {
+    shape: (usize, usize),
+    routing: Routing<'a>,
+    dtype: DType,
+    /// Rotary tables of positions `[0, time)`.
+    cos: Tensor,
+    sin: Tensor,
+    /// Causal, `(time, time)`; none for one token.
+    mask: Option<Tensor>,
+}
+
+impl<'a> BlockContext<'a> {
+    fn new(
+        model: &CausalLm,
+        (batch, time): (usize, usize),
+        adapter: Option<&'a LoraAdapter>,
+    ) -> Result<Self> {
+        let device = model.rope_cos.device();
+        Ok(Self {
+            shape: (batch, time),
+            routing: match adapter {
+                Some(a) => Routing::All(a),
+                None => Routing::Base,
+            },
+            dtype: model.compute_dtype(),
+            cos: model.rope_cos.narrow(0, 0, time)?,
+            sin: model.rope_sin.narrow(0, 0, time)?,
+            mask: (time > 1)
+                .then(|| causal_mask(time, 0, device))
+                .transpose()?,
+        })
+    }
+}
+
+/// Training logits and how their backward pass runs: [`TrainForward::logits`]
+/// go into the loss, [`TrainForward::backward`] takes the loss.
+///
+/// `Recomputed` is activation checkpointing (Chen et al. 2016,
+/// arXiv:1604.06174; PyTorch's `torch.utils.checkpoint` per decoder
+/// layer, as TRL's `gradient_checkpointing` does): the forward keeps only
+/// each block's input rows, and the backward goes block by block from the
+/// last, recomputing the block's forward from its input and passing the
+/// gradient of its output through it. So the memory is one block's
+/// activations (for attention: its `time²` scores per head) plus
+/// `layers · rows · hidden` floats, not every block's activations, for
+/// the cost of one more forward. The gradients are those of the plain
+/// backward (the same ops on the same values).
+pub enum TrainForward<'a> {
+    /// The whole graph kept: `loss.backward()`.
+    Kept(Tensor),
+    /// Each block recomputed in the backward pass.
+    Recomputed(Box<Recomputed<'a>>),
+}
+
+/// The state of a [`TrainForward::Recomputed`] forward.
+pub struct Recomputed<'a> {
+    model: &'a CausalLm,
+    adapter: Option<&'a LoraAdapter>,
+    flat_ids: Tensor,
+    shape: (usize, usize),
+    /// `inputs[l]`: the rows entering block `l`, detached.
+    inputs: Vec<Tensor>,
+    /// The rows after the last block, as the leaf the head starts from.
+    trunk_out: candle_core::Var,
+    logits: Tensor,
+}
+
+impl TrainForward<'_> {
+    /// The logits, `(tokens, vocab)` in the batch's target order.
+    pub fn logits(&self) -> &Tensor {
+        match self {
+            TrainForward::Kept(logits) => logits,
+            TrainForward::Recomputed(r) => &r.logits,
+        }
+    }
+
+    /// The gradients of `loss` (computed from [`TrainForward::logits`]) for
+    /// every var it depends on.
+    pub fn backward(self, loss: &Tensor) -> Result<candle_core::backprop::GradStore> {
+        let r = match self {
+            TrainForward::Kept(_) => return Ok(loss.backward()?),
+            TrainForward::Recomputed(r) => r,
+        };
+        let mut grads = loss.backward()?;
+        let mut upstream = grads.remove(r.trunk_out.as_tensor());
+        let context = BlockContext::new(r.model, r.shape, r.adapter)?;
+        for layer in (0..r.inputs.len()).rev() {
+            let Some(grad_out) = upstream.take() else {
+                break;
+            };
+            let input = candle_core::Var::from_tensor(&r.inputs[layer])?;
+            let out = r.model.composed_block(layer, input.as_tensor(), &context)?;
+            // d(sum(out · g))/d(out) = g: the block's vector-Jacobian product.
+            let mut block_grads = (out * grad_out)?.sum_all()?.backward()?;
+            upstream = block_grads.remove(input.as_tensor());
+            grads.extend(block_grads)?;
+        }
+        // A trainable embedding (full fine-tuning) gets the rest.
+        if let Some(grad_out) = upstream {
+            let embedded = r.model.embed.lookup(&r.flat_ids)?.to_dtype(DType::F32)?;
+            if embedded.track_op() {
+                grads.extend((embedded * grad_out)?.sum_all()?.backward()?)?;
+            }
+        }
+        Ok(grads)
     }
 }

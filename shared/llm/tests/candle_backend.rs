@@ -151,6 +151,168 @@ fn candle_backend_prefix_cache_and_mixed_adapters_match_the_engine() {
     assert!(gap < 1e-4, "max |logit gap| {gap}");
 }
 
+/// Logits of the last token of `tokens` from the CPU engine, fed alone.
+fn engine_last(engine: &CausalLm, tokens: &[u32]) -> Vec<f32> {
+    logits(engine, tokens, None).pop().unwrap()
+}
+
+/// One-token decodes of sequences of many lengths (across block
+/// boundaries), in a batch also holding a prefill, in any order, each get
+/// the logits they get alone: the batched attention's padding and
+/// gathering mix no sequence's keys into another's.
+#[test]
+fn a_paged_step_of_many_lengths_equals_each_sequence_alone() {
+    let engine = tiny_qwen2();
+    let model = tiny_qwen2().to_backend(candle(DType::F32)).unwrap();
+    let all = prompt();
+    let lengths = [1, 5, 16, 17, 33, 40];
+    let mut histories: Vec<Vec<u32>> = lengths.iter().map(|&n| all[..n].to_vec()).collect();
+    let mut caches: Vec<_> = histories
+        .iter()
+        .map(|h| {
+            let mut cache = model.new_cache();
+            model.forward_one(&h[..h.len() - 1], &mut cache, None).ok();
+            cache
+        })
+        .collect();
+    // The one-token history fed nothing yet: its first step feeds it.
+    let mut fresh = model.new_cache();
+    let late_prompt: Vec<u32> = all[3..30].to_vec();
+    for step in 0..3u32 {
+        // Fed in a shuffled order, the late prompt in the middle.
+        let order = [4, 0, 5, 2, 1, 3];
+        let mut slots: Vec<Option<&mut relay_llm::KvCache>> = caches.iter_mut().map(Some).collect();
+        let fed: Vec<Vec<u32>> = histories
+            .iter()
+            .zip(&lengths)
+            .map(|(h, &n)| {
+                if step == 0 && n == 1 {
+                    h.clone()
+                } else {
+                    vec![*h.last().unwrap()]
+                }
+            })
+            .collect();
+        let mut late = (step == 0).then_some(&mut fresh);
+        let mut items = Vec::new();
+        for (k, &i) in order.iter().enumerate() {
+            if k == 3 {
+                if let Some(cache) = late.take() {
+                    items.push(relay_llm::BatchItem {
+                        tokens: &late_prompt,
+                        cache,
+                        adapter: None,
+                    });
+                }
+            }
+            items.push(relay_llm::BatchItem {
+                tokens: &fed[i],
+                cache: slots[i].take().unwrap(),
+                adapter: None,
+            });
+        }
+        let got: Vec<Vec<f32>> = model
+            .forward_batch(&mut items, relay_llm::LogitsWanted::Last)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        drop(items);
+        let mut row = 0;
+        for (k, &i) in order.iter().enumerate() {
+            if k == 3 && step == 0 {
+                let gap = max_gap(&got[row..=row], &[engine_last(&engine, &late_prompt)]);
+                assert!(gap < 1e-4, "the prefill beside the decodes: gap {gap}");
+                row += 1;
+            }
+            let gap = max_gap(&got[row..=row], &[engine_last(&engine, &histories[i])]);
+            assert!(
+                gap < 1e-4,
+                "step {step}, length {}: gap {gap}",
+                histories[i].len()
+            );
+            row += 1;
+        }
+        for h in &mut histories {
+            h.push((step * 31 + h.len() as u32) % 200);
+        }
+    }
+    assert_eq!(caches[5].len(), 42);
+}
+
+/// A fork shares its parent's blocks; where either writes into a shared
+/// block it gets a copy first, so both continue as if alone, and dropping
+/// them gives every block back.
+#[test]
+fn forks_share_blocks_and_copy_on_write() {
+    let engine = tiny_qwen2();
+    let model = tiny_qwen2().to_backend(candle(DType::F32)).unwrap();
+    let pool = model
+        .kv_pool()
+        .expect("the candle backend pages its caches");
+    let tokens = prompt();
+    let mut parent = model.new_cache();
+    model.forward_one(&tokens, &mut parent, None).unwrap();
+    // 40 positions: blocks of 16, 16 and 8.
+    assert_eq!(pool.usage().used_blocks, 3);
+    let mut child = parent.fork_prefix(20).unwrap();
+    let mut twin = parent.fork().unwrap();
+    assert_eq!(pool.usage().used_blocks, 3, "forks copy nothing");
+    assert_eq!(child.allocated_bytes(), 2 * pool.block_bytes());
+    // The child writes into the second block (shared): it is copied.
+    let child_tokens: Vec<u32> = (0..10).map(|i| 150 + i).collect();
+    let got = model.forward_one(&child_tokens, &mut child, None).unwrap();
+    assert_eq!(pool.usage().used_blocks, 4);
+    let mut history = tokens[..20].to_vec();
+    history.extend(&child_tokens);
+    let last = got.to_vec2::<f32>().unwrap().pop().unwrap();
+    assert!(max_gap(&[last], &[engine_last(&engine, &history)]) < 1e-4);
+    // Parent and twin both continue from the third block (shared by them).
+    for (cache, token) in [(&mut parent, 7u32), (&mut twin, 9)] {
+        let got = model.forward_one(&[token], cache, None).unwrap();
+        let mut history = tokens.clone();
+        history.push(token);
+        let last = got.to_vec2::<f32>().unwrap().pop().unwrap();
+        assert!(max_gap(&[last], &[engine_last(&engine, &history)]) < 1e-4);
+    }
+    assert_eq!(pool.usage().used_blocks, 5);
+    drop((parent, child, twin));
+    assert_eq!(pool.usage().used_blocks, 0);
+}
+
+/// A pool bounded to a few blocks refuses a sequence past the bound with
+/// an error that names the setting; the sequence that refused advances
+/// nothing, the others keep their keys and values, and once blocks are
+/// given back the refused one goes through.
+#[test]
+fn a_full_pool_refuses_by_name_and_loses_nothing() {
+    let engine = tiny_qwen2();
+    let model = tiny_qwen2().to_backend(candle(DType::F32)).unwrap();
+    let pool = model.kv_pool().unwrap();
+    pool.set_limit_bytes(Some(4 * pool.block_bytes()));
+    assert_eq!(pool.usage().free_blocks(), Some(4));
+    let tokens = prompt();
+    let mut first = model.new_cache();
+    model.forward_one(&tokens, &mut first, None).unwrap();
+    let mut second = model.new_cache();
+    let err = model.forward_one(&tokens, &mut second, None).unwrap_err();
+    assert!(
+        matches!(err, relay_llm::ModelError::KvCacheFull { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("llm.kv_cache_mib"), "{err}");
+    assert!(second.is_empty());
+    // The first still decodes right.
+    let got = model.forward_one(&[5], &mut first, None).unwrap();
+    let mut history = tokens.clone();
+    history.push(5);
+    let last = got.to_vec2::<f32>().unwrap().pop().unwrap();
+    assert!(max_gap(&[last], &[engine_last(&engine, &history)]) < 1e-4);
+    drop(first);
+    second.truncate(0);
+    model.forward_one(&tokens, &mut second, None).unwrap();
+    assert_eq!(second.len(), tokens.len());
+}
+
 /// A cache of one backend handed to a model on the other is refused, by
 /// name, and advances nothing.
 #[test]
@@ -235,4 +397,88 @@ fn loading_onto_a_backend_equals_placing_after_loading() {
             );
         }
     }
+}
+
+/// Gradients of a loss through `forward`, by var, as host vectors.
+fn gradients(
+    forward: relay_llm::TrainForward<'_>,
+    vars: &[(String, candle_core::Var)],
+    seed: u64,
+) -> Vec<(String, Vec<f32>)> {
+    // A loss that reads every logit with its own weight.
+    let logits = forward.logits().clone();
+    let n = logits.elem_count();
+    let weights: Vec<f32> = (0..n)
+        .map(|i| ((i as u64 * 2654435761 + seed) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let weights = Tensor::from_vec(weights, logits.shape(), logits.device()).unwrap();
+    let loss = (logits * weights).unwrap().sum_all().unwrap();
+    let grads = forward.backward(&loss).unwrap();
+    vars.iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{name} gets a gradient"));
+            (name.clone(), g.flatten_all().unwrap().to_vec1().unwrap())
+        })
+        .collect()
+}
+
+/// Recomputing each block's activations in the backward pass (activation
+/// checkpointing) gives the gradients of the plain backward: for a LoRA
+/// adapter on each reference architecture, and for every weight of a
+/// fully trained model (embedding, norms, projections, head).
+#[test]
+fn recomputed_activations_give_the_plain_gradients() {
+    let rows: Vec<(Vec<u32>, Vec<u32>)> = vec![
+        ((0..20).map(|i| (i * 7 + 3) % 300).collect(), vec![5, 9, 11]),
+        ((0..9).map(|i| (i * 13 + 1) % 300).collect(), vec![17, 2]),
+    ];
+    let pairs: Vec<(&[u32], &[u32])> = rows
+        .iter()
+        .map(|(p, c)| (p.as_slice(), c.as_slice()))
+        .collect();
+    let batch = relay_llm::TokenBatch::new(&pairs, &Device::Cpu).unwrap();
+    let compare =
+        |what: &str, plain: Vec<(String, Vec<f32>)>, recomputed: Vec<(String, Vec<f32>)>| {
+            for ((name, a), (_, b)) in plain.iter().zip(&recomputed) {
+                let scale = a.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+                let gap = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                assert!(gap <= 1e-5 * scale, "{what} {name}: gap {gap} of {scale}");
+            }
+        };
+    for fixture in ["tiny-qwen2", "tiny-qwen3", "tiny-llama3"] {
+        let model = CausalLm::load_hf(&relay_testkit::llm_fixture(fixture))
+            .unwrap()
+            .to_backend(candle(DType::F32))
+            .unwrap();
+        let adapter = model.place_adapter(&nonzero_adapter(&model, 3)).unwrap();
+        let vars = adapter.named_vars();
+        let run = |recompute| {
+            let forward = model
+                .forward_train_for_backward(&batch, Some(&adapter), recompute)
+                .unwrap();
+            gradients(forward, &vars, 7)
+        };
+        assert!(matches!(
+            model
+                .forward_train_for_backward(&batch, Some(&adapter), true)
+                .unwrap(),
+            relay_llm::TrainForward::Recomputed(_)
+        ));
+        compare(fixture, run(false), run(true));
+    }
+    let (model, varmap) = relay_llm::sft::load_hf_trainable_on(
+        &relay_testkit::llm_fixture("tiny-qwen2"),
+        &candle(DType::F32),
+    )
+    .unwrap();
+    let vars = relay_llm::sft::named_vars(&varmap);
+    let run = |recompute| {
+        let forward = model
+            .forward_train_for_backward(&batch, None, recompute)
+            .unwrap();
+        gradients(forward, &vars, 11)
+    };
+    compare("full fine-tuning", run(false), run(true));
 }

@@ -1238,6 +1238,7 @@ fn train_steps(model: &CausalLm, start: &LoraAdapter, reference: &CausalLm, seed
         minibatch_size: 4,
         max_seq_len: 64,
         truncation: relay_llm::Truncation::CutPromptStart,
+        recompute_activations: true,
     };
     let optimizer = relay_llm::AdamWConfig {
         lr: 1e-3,

@@ -900,6 +900,7 @@ fn train_config(
             minibatch_size,
             max_seq_len: 64,
             truncation: Truncation::CutPromptStart,
+            recompute_activations: true,
         },
         optimizer: relay_llm::AdamWConfig {
             lr: 1e-2,

@@ -108,6 +108,7 @@ fn sft_config(lr: f64) -> SftConfig {
             minibatch_size: 2,
             max_seq_len: 128,
             truncation: Truncation::CutPromptStart,
+            recompute_activations: true,
         },
         optimizer: AdamWConfig {
             lr,

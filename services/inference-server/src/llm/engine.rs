@@ -2,7 +2,9 @@
 //! batching over every admitted request.
 //!
 //! Each turn of the loop takes the requests that arrived, admits waiting
-//! ones while fewer than `llm.max_sequences` run, advances every running
+//! ones while fewer than `llm.max_sequences` run and (on the candle
+//! backend, with `llm.kv_cache_mib`) while the paged KV pool can hold
+//! each one's prompt and every token it may generate, advances every running
 //! sequence by one token in one batched forward (a new request's prompt is
 //! prefilled in the same forward as the others' one-token decodes), checks
 //! each completion's stop strings on its incrementally decoded text, and
@@ -23,8 +25,8 @@ use std::time::Instant;
 
 use relay_llm::{
     step, AnswerAfterThought, BatchItem, CausalLm, FinishReason as LlmFinish, IncrementalDecoder,
-    LogitsWanted, LoraAdapter, PrefixCache, Sampler, SamplingParams, Sequence, StopCondition,
-    TokenSequences, Tokenizer,
+    KvUsage, LogitsWanted, LoraAdapter, PrefixCache, Sampler, SamplingParams, Sequence,
+    StopCondition, TokenSequences, Tokenizer,
 };
 use relay_proto::{AdapterRef, FinishReason, GenerateReply, Tensor, SCHEMA_VERSION};
 
@@ -68,9 +70,20 @@ pub(crate) struct JobAnswer {
     pub answer: AnswerAfterThought,
 }
 
+/// Whether the KV pool can take a job now.
+enum Room {
+    Fits,
+    /// Not until running sequences finish.
+    Later,
+    /// Never: it needs more than the whole pool (the reason).
+    Never(String),
+}
+
 /// A job being decoded.
 struct Running {
     seq: Sequence,
+    /// KV pool blocks it may come to hold ([`Engine::promised_blocks`]).
+    promised_blocks: usize,
     adapter: Option<AdapterRef>,
     prompt: Vec<u32>,
     stop: Vec<String>,
@@ -141,15 +154,29 @@ impl Engine {
             }
             let mut admitted = Vec::new();
             while running.len() + admitted.len() < self.max_sequences {
-                let Some(job) = waiting.pop_front() else {
+                let Some(job) = waiting.front() else {
                     break;
                 };
-                self.waiting.fetch_sub(1, Ordering::Relaxed);
                 // The requester timed out or went away: skip the work.
-                if job.reply.is_closed() {
-                    continue;
+                let room = if job.reply.is_closed() {
+                    None
+                } else {
+                    match self.kv_room(job, &running, &admitted, &mut prefixes) {
+                        Room::Fits => Some(()),
+                        Room::Later => break,
+                        Room::Never(message) => {
+                            let job = waiting.pop_front().expect("front");
+                            self.waiting.fetch_sub(1, Ordering::Relaxed);
+                            let _ = job.reply.send(Err(JobError { code: 400, message }));
+                            continue;
+                        }
+                    }
+                };
+                let job = waiting.pop_front().expect("front");
+                self.waiting.fetch_sub(1, Ordering::Relaxed);
+                if room.is_some() {
+                    admitted.push(job);
                 }
-                admitted.push(job);
             }
             self.share_prefixes(&admitted, &mut prefixes);
             for job in admitted {
@@ -158,6 +185,12 @@ impl Engine {
                 }
             }
             self.metrics.queue_depth.set(waiting.len() as i64);
+            if let Some(pool) = self.model.kv_pool() {
+                let usage = pool.usage();
+                self.metrics
+                    .kv_cache_bytes
+                    .set((usage.used_blocks * usage.block_bytes) as i64);
+            }
             if running.is_empty() {
                 continue;
             }
@@ -295,6 +328,66 @@ impl Engine {
         }
     }
 
+    /// Blocks of the KV pool a job may come to hold: its prompt and every
+    /// token it may generate, and one more for the copy of a block it
+    /// shares with a cached prefix.
+    fn promised_blocks(&self, job: &Job) -> usize {
+        let longest = |s: &TokenSequences| s.sequences().iter().map(Vec::len).max().unwrap_or(0);
+        let most_new = match (&job.allowed, &job.answer) {
+            (Some(allowed), _) => longest(allowed) + 1,
+            (None, Some(answer)) => job.max_tokens + longest(&answer.answer.whole),
+            (None, None) => job.max_tokens,
+        };
+        let positions =
+            (job.prompt.len() + most_new).min(self.model.config().max_position_embeddings);
+        KvUsage::blocks_for(positions) + 1
+    }
+
+    /// Whether the KV pool (when `llm.kv_cache_mib` bounds it) can take
+    /// `job` beside what the running and just admitted sequences may still
+    /// take; cached prefixes are dropped, oldest first, to make room.
+    fn kv_room(
+        &self,
+        job: &Job,
+        running: &[Running],
+        admitted: &[Job],
+        prefixes: &mut PrefixCache,
+    ) -> Room {
+        let Some(pool) = self.model.kv_pool() else {
+            return Room::Fits;
+        };
+        let Some(limit) = pool.usage().limit_blocks else {
+            return Room::Fits;
+        };
+        let need = self.promised_blocks(job);
+        if need > limit {
+            return Room::Never(format!(
+                "a prompt of {} tokens and up to {} new ones need {need} KV blocks of {} \
+                 positions; llm.kv_cache_mib holds {limit}",
+                job.prompt.len(),
+                job.max_tokens,
+                relay_llm::BLOCK_POSITIONS
+            ));
+        }
+        let block_bytes = pool.block_bytes();
+        let growth: usize = running
+            .iter()
+            .map(|r| {
+                r.promised_blocks
+                    .saturating_sub(r.seq.cache().allocated_bytes() / block_bytes)
+            })
+            .chain(admitted.iter().map(|j| self.promised_blocks(j)))
+            .sum();
+        loop {
+            if pool.usage().used_blocks + growth + need <= limit {
+                return Room::Fits;
+            }
+            if !prefixes.evict_oldest() {
+                return Room::Later;
+            }
+        }
+    }
+
     /// Starts a job's sequence; on a bad job replies with the error.
     fn admit(&self, job: Job, prefixes: &mut PrefixCache) -> Option<Running> {
         let longest_stop = job.stop.iter().map(String::len).max().unwrap_or(0);
@@ -334,9 +427,11 @@ impl Engine {
                 (None, Some(answer)) => seq.with_answer_after_thought(answer.answer.clone()),
                 (None, None) => Ok(seq),
             });
+        let promised_blocks = self.promised_blocks(&job);
         match built {
             Ok(seq) => Some(Running {
                 seq,
+                promised_blocks,
                 adapter: job.adapter.map(|(r, _)| r),
                 prompt: job.prompt,
                 stop: if job.allowed.is_some() || job.answer.is_some() {

@@ -11,6 +11,7 @@ pub(crate) struct LlmMetrics {
     pub time_to_first_token: Histogram,
     pub request_seconds: Histogram,
     pub queue_depth: IntGauge,
+    pub kv_cache_bytes: IntGauge,
     pub queue_full: IntCounter,
     pub prompt_tokens: IntCounter,
     pub prompt_tokens_cached: IntCounter,
@@ -61,6 +62,11 @@ impl LlmMetrics {
                 "Generate requests waiting for a place in the continuous batch.",
             )
             .expect("valid gauge"),
+            kv_cache_bytes: IntGauge::new(
+                "relay_llm_kv_cache_bytes",
+                "Bytes of keys and values held in the candle backend's paged KV pool (running sequences and cached prefixes).",
+            )
+            .expect("valid gauge"),
             queue_full: IntCounter::new(
                 "relay_llm_queue_full_total",
                 "Generate requests refused at once because llm.max_queue requests were already waiting.",
@@ -109,6 +115,7 @@ impl LlmMetrics {
         relay_kit::metrics::register(registry, &m.time_to_first_token);
         relay_kit::metrics::register(registry, &m.request_seconds);
         relay_kit::metrics::register(registry, &m.queue_depth);
+        relay_kit::metrics::register(registry, &m.kv_cache_bytes);
         relay_kit::metrics::register(registry, &m.queue_full);
         relay_kit::metrics::register(registry, &m.prompt_tokens);
         relay_kit::metrics::register(registry, &m.prompt_tokens_cached);

@@ -270,6 +270,14 @@ pub(crate) async fn serve(
     let started = Instant::now();
     let backend = relay_llm::Backend::open(&cfg.backend_spec())
         .map_err(|e| ServiceError::other(e.to_string()))?;
+    if cfg.kv_cache_mib > 0 && matches!(backend, relay_llm::Backend::Engine) {
+        return Err(ServiceError::Other(
+            "llm.kv_cache_mib: bounds the candle backend's paged KV pool, but this server runs \
+             the CPU engine (llm.backend: engine, or auto for f32 on the CPU), whose host \
+             caches llm.max_sequences bounds; set it to 0 or use llm.backend: candle"
+                .into(),
+        ));
+    }
     let placed = backend.clone();
     let loaded = tokio::task::spawn_blocking(move || {
         let mut loaded = relay_llm::load_model_on(&model_name, cfg.gguf_base, &placed)?;
@@ -289,6 +297,9 @@ pub(crate) async fn serve(
     .map_err(ServiceError::other)?
     .map_err(|e| ServiceError::other(format!("llm.model: {e}")))?;
     let cfg = &service.config.llm;
+    if let Some(pool) = loaded.model.kv_pool() {
+        pool.set_limit_bytes((cfg.kv_cache_mib > 0).then_some(cfg.kv_cache_mib << 20));
+    }
     let model_config = loaded.model.config().clone();
     tracing::info!(
         model = %loaded.path.display(),

@@ -343,6 +343,18 @@ pub struct BatchConfig {
     /// What to do with longer sequences.
     #[serde(default)]
     pub truncation: Truncation,
+    /// On the candle backend, keep only each block's input during the
+    /// forward and recompute the block in the backward pass (activation
+    /// checkpointing): memory for one block's activations (its attention
+    /// scores are `time²` per head) instead of every block's, for one more
+    /// forward's compute. The same gradients either way. The CPU engine's
+    /// fused ops keep small activations of their own and ignore it.
+    #[serde(default = "recompute_by_default")]
+    pub recompute_activations: bool,
+}
+
+fn recompute_by_default() -> bool {
+    true
 }
 
 impl BatchConfig {
