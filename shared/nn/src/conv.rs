@@ -73,7 +73,7 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Device, Layout, Shape, Tensor, Var};
 
-use crate::error::Result;
+use crate::error::{NnError, Result};
 use crate::init::{Init, LayerInit};
 use crate::kernels::{self, zip_lanes, PoolWindow};
 use crate::model::{dense_host, new_layer, Dense};
@@ -1009,6 +1009,9 @@ impl Cnn {
     /// Features `[B, features_dim]` of raw observations `[B, C*H*W]` as a
     /// graph (the observations themselves get no gradient).
     pub(crate) fn graph(&self, obs: &Tensor) -> Result<Tensor> {
+        if !obs.device().is_cpu() {
+            return self.composed_graph(obs);
+        }
         let n = obs.dims2()?.0;
         let h = match &self.body {
             Body::Plain(convs) => {
@@ -1042,6 +1045,44 @@ impl Cnn {
             .reshape((n, c * oh * ow))?;
         Ok(ops::linear(
             &flat,
+            &self.linear.w,
+            &self.linear.b,
+            Some(Activation::Relu),
+        )?)
+    }
+
+    /// [`Cnn::graph`] composed of candle's basic ops (`conv2d`, ReLU,
+    /// matmul), each with candle's own backward and a kernel on every
+    /// device: what runs off the CPU, where the fused ops (CPU code)
+    /// cannot. Channels first throughout, so flattening is PyTorch's. A
+    /// plain stack only: an IMPALA stack is one fused CPU op with no
+    /// composed form yet, and is refused by name.
+    pub(crate) fn composed_graph(&self, obs: &Tensor) -> Result<Tensor> {
+        let Body::Plain(convs) = &self.body else {
+            return Err(NnError::bad_input(
+                "policy.cnn",
+                "a `nature` features extractor off the CPU",
+                "`impala`, which trains on the CPU only for now",
+            ));
+        };
+        let n = obs.dims2()?.0;
+        let [c, height, width] = self.input;
+        let mut x = (obs.reshape((n, c, height, width))? * PIXEL_SCALE as f64)?;
+        for conv in convs {
+            let g = &conv.kind.geometry;
+            // Only the rows and columns a window reads: candle's backward of
+            // a strided conv2d assumes the windows cover the input.
+            let used = |out: usize| (out - 1) * g.stride + g.kernel;
+            let bias = conv.layer.b.as_tensor().reshape((1, (), 1, 1))?;
+            x = x
+                .narrow(2, 0, used(g.out_h))?
+                .narrow(3, 0, used(g.out_w))?
+                .conv2d(conv.layer.w.as_tensor(), 0, g.stride, 1, 1)?
+                .broadcast_add(&bias)?
+                .relu()?;
+        }
+        Ok(ops::composed::linear(
+            &x.flatten_from(1)?,
             &self.linear.w,
             &self.linear.b,
             Some(Activation::Relu),
@@ -1578,6 +1619,66 @@ mod tests {
             want.iter().any(|&v| v > 0.0),
             "a test with all-zero features shows nothing"
         );
+    }
+
+    /// The composed NatureCNN graph (what runs off the CPU) gives the fused
+    /// graph's features and the same gradients for every parameter.
+    #[test]
+    fn composed_plain_extractor_matches_the_fused_one() {
+        let spec = CnnSpec {
+            input: [2, 12, 11],
+            arch: CnnArch::Nature {
+                conv: vec![
+                    ConvSpec {
+                        channels: 3,
+                        kernel: 4,
+                        stride: 2,
+                    },
+                    ConvSpec {
+                        channels: 4,
+                        kernel: 2,
+                        stride: 1,
+                    },
+                ],
+            },
+            features_dim: 5,
+        };
+        let mut params = Vec::new();
+        let cnn = Cnn::new(
+            &spec,
+            LayerInit::Orthogonal(2f64.sqrt()),
+            &mut Init::Draw(&mut rng(0)),
+            &mut params,
+        )
+        .unwrap();
+        let (n, d) = (3, 2 * 12 * 11);
+        let obs: Vec<f32> = (0..n * d).map(|i| ((i * 53) % 256) as f32).collect();
+        let x = Tensor::from_vec(obs, (n, d), &Device::Cpu).unwrap();
+        let run = |features: Tensor| {
+            let loss = weighted_sum(&features, 9);
+            let grads = loss.backward().unwrap();
+            let mut out = vec![features.flatten_all().unwrap().to_vec1::<f32>().unwrap()];
+            for (_, var) in &params {
+                out.push(
+                    grads
+                        .get(var)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap(),
+                );
+            }
+            out
+        };
+        let fused = run(cnn.graph(&x).unwrap());
+        let composed = run(cnn.composed_graph(&x).unwrap());
+        assert!(fused[0].iter().any(|&v| v > 0.0), "some feature is on");
+        for (a, b) in fused.iter().zip(&composed) {
+            for (u, v) in a.iter().zip(b) {
+                assert!((u - v).abs() <= 1e-4 * (1.0 + u.abs()), "{a:?}\n{b:?}");
+            }
+        }
     }
 
     /// NatureCNN-style stacks against direct convolutions in PyTorch's

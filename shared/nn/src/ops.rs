@@ -187,6 +187,9 @@ pub fn linear(
     b: &Tensor,
     act: Option<Activation>,
 ) -> candle_core::Result<Tensor> {
+    if !x.device().is_cpu() {
+        return composed::linear(x, w, b, act);
+    }
     x.apply_op3(w, b, LinearAct { act })
 }
 
@@ -319,11 +322,17 @@ impl CustomOp1 for CategoricalEntropy {
 /// Log-probability of `actions` (one index per row, validated by the caller
 /// to lie in `0..n`) under the categorical with `logits: [B, n]`; `[B]`.
 pub fn categorical_logprob(logits: &Tensor, actions: Arc<[u32]>) -> candle_core::Result<Tensor> {
+    if !logits.device().is_cpu() {
+        return composed::categorical_logprob(logits, &actions);
+    }
     logits.apply_op1(CategoricalLogProb { actions })
 }
 
 /// Entropy of the categorical with `logits: [B, n]`; `[B]`.
 pub fn categorical_entropy(logits: &Tensor) -> candle_core::Result<Tensor> {
+    if !logits.device().is_cpu() {
+        return composed::categorical_entropy(logits);
+    }
     logits.apply_op1(CategoricalEntropy)
 }
 
@@ -454,12 +463,91 @@ pub fn gaussian_logprob(
     log_std: &Tensor,
     actions: Arc<[f32]>,
 ) -> candle_core::Result<Tensor> {
+    if !mean.device().is_cpu() {
+        return composed::gaussian_logprob(mean, log_std, &actions);
+    }
     mean.apply_op2(log_std, GaussianLogProb { actions })
 }
 
 /// Entropy of the diagonal Gaussian with `log_std: [D]`, repeated for `rows` rows; `[rows]`.
 pub fn gaussian_entropy(log_std: &Tensor, rows: usize) -> candle_core::Result<Tensor> {
+    if !log_std.device().is_cpu() {
+        return composed::gaussian_entropy(log_std, rows);
+    }
     log_std.apply_op1(GaussianEntropy { rows })
+}
+
+/// The same functions composed from candle's basic ops, each with candle's
+/// own backward and a kernel on every device: what [`linear`],
+/// [`categorical_logprob`], [`categorical_entropy`], [`gaussian_logprob`]
+/// and [`gaussian_entropy`] run for tensors off the CPU, where the fused
+/// ops (CPU code) cannot. The tests check each against its fused op.
+pub(crate) mod composed {
+    use candle_core::{DType, Tensor, D};
+
+    use super::HALF_LN_2PI;
+    use crate::spec::Activation;
+
+    /// `act(x W^T + b)`.
+    pub(crate) fn linear(
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        act: Option<Activation>,
+    ) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&w.t()?)?.broadcast_add(b)?;
+        match act {
+            Some(Activation::Tanh) => y.tanh(),
+            Some(Activation::Relu) => y.relu(),
+            None => Ok(y),
+        }
+    }
+
+    /// `log_softmax(logits)[b, actions[b]]`, `[B]`.
+    pub(crate) fn categorical_logprob(
+        logits: &Tensor,
+        actions: &[u32],
+    ) -> candle_core::Result<Tensor> {
+        let rows = logits.dim(0)?;
+        if actions.len() != rows {
+            candle_core::bail!(
+                "categorical logprob: {} actions for {rows} rows",
+                actions.len()
+            )
+        }
+        let actions = Tensor::from_slice(actions, (rows, 1), logits.device())?;
+        candle_nn::ops::log_softmax(logits, D::Minus1)?
+            .gather(&actions, 1)?
+            .squeeze(1)
+    }
+
+    /// `-sum_j p_j log p_j` per row, `[B]`.
+    pub(crate) fn categorical_entropy(logits: &Tensor) -> candle_core::Result<Tensor> {
+        let log_p = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+        log_p.exp()?.mul(&log_p)?.sum(1)?.neg()
+    }
+
+    /// `sum_d -0.5 z^2 - log_std[d] - 0.5 ln 2π` per row, `[B]`.
+    pub(crate) fn gaussian_logprob(
+        mean: &Tensor,
+        log_std: &Tensor,
+        actions: &[f32],
+    ) -> candle_core::Result<Tensor> {
+        let actions = Tensor::from_slice(actions, mean.shape(), mean.device())?;
+        let z = actions.sub(mean)?.broadcast_mul(&log_std.neg()?.exp()?)?;
+        let per_dim = (z.sqr()? * -0.5)?
+            .broadcast_sub(log_std)?
+            .affine(1.0, -(HALF_LN_2PI as f64))?;
+        per_dim.sum(1)
+    }
+
+    /// `sum_d 0.5 + 0.5 ln 2π + log_std[d]`, repeated for `rows` rows.
+    pub(crate) fn gaussian_entropy(log_std: &Tensor, rows: usize) -> candle_core::Result<Tensor> {
+        let d = log_std.elem_count();
+        let h =
+            (log_std.to_dtype(DType::F32)?.sum_all()? + (d as f64) * (0.5 + HALF_LN_2PI as f64))?;
+        h.broadcast_as(rows)?.contiguous()
+    }
 }
 
 // ---------------------------------------------------------------- squashed gaussian
@@ -709,9 +797,10 @@ pub(crate) fn precomputed_loss(
 
 #[cfg(test)]
 mod tests {
-    //! Each fused op against the same function composed from basic candle ops.
+    //! Each fused op against the same function composed from basic candle
+    //! ops ([`composed`], what runs off the CPU): values and gradients.
     use super::*;
-    use candle_core::{Var, D};
+    use candle_core::Var;
 
     fn close(a: &Tensor, b: &Tensor, tol: f32) {
         let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
@@ -744,16 +833,7 @@ mod tests {
             let w = var(&[3, 4], 2);
             let b = var(&[3], 3);
             let y = linear(&x, &w, &b, act).unwrap();
-            let z = x
-                .matmul(&w.t().unwrap())
-                .unwrap()
-                .broadcast_add(&b)
-                .unwrap();
-            let r = match act {
-                None => z,
-                Some(Activation::Tanh) => z.tanh().unwrap(),
-                Some(Activation::Relu) => z.relu().unwrap(),
-            };
+            let r = composed::linear(&x, &w, &b, act).unwrap();
             close(&y, &r, 1e-6);
             let c = weights(4);
             let g1 = (&y * &c).unwrap().sum_all().unwrap().backward().unwrap();
@@ -770,15 +850,8 @@ mod tests {
         let actions: Arc<[u32]> = vec![0, 2, 1, 1, 0].into();
         let lp = categorical_logprob(&logits, actions.clone()).unwrap();
         let ent = categorical_entropy(&logits).unwrap();
-        let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
-        let idx = Tensor::from_vec(actions.to_vec(), (5, 1), &Device::Cpu).unwrap();
-        let lp_ref = lsm.gather(&idx, 1).unwrap().squeeze(1).unwrap();
-        let ent_ref = (lsm.exp().unwrap() * &lsm)
-            .unwrap()
-            .sum(1)
-            .unwrap()
-            .neg()
-            .unwrap();
+        let lp_ref = composed::categorical_logprob(&logits, &actions).unwrap();
+        let ent_ref = composed::categorical_entropy(&logits).unwrap();
         close(&lp, &lp_ref, 1e-6);
         close(&ent, &ent_ref, 1e-6);
         let c1 = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0, 1.5], &Device::Cpu).unwrap();
@@ -801,26 +874,8 @@ mod tests {
         let actions: Arc<[f32]> = vec![0.3, -1.2, 2.0, 0.0, -0.5, 0.5, 1.0, 1.0].into();
         let lp = gaussian_logprob(&mean, &log_std, actions.clone()).unwrap();
         let ent = gaussian_entropy(&log_std, 4).unwrap();
-        let a = Tensor::from_vec(actions.to_vec(), (4, 2), &Device::Cpu).unwrap();
-        let z = a
-            .sub(&mean)
-            .unwrap()
-            .broadcast_div(&log_std.exp().unwrap())
-            .unwrap();
-        let lp_ref = ((z.sqr().unwrap() * -0.5)
-            .unwrap()
-            .broadcast_sub(&log_std)
-            .unwrap()
-            - HALF_LN_2PI as f64)
-            .unwrap()
-            .sum(1)
-            .unwrap();
-        let ent_ref = ((log_std.as_tensor() + (0.5 + HALF_LN_2PI as f64))
-            .unwrap()
-            .sum_all()
-            .unwrap())
-        .broadcast_as(4)
-        .unwrap();
+        let lp_ref = composed::gaussian_logprob(&mean, &log_std, &actions).unwrap();
+        let ent_ref = composed::gaussian_entropy(&log_std, 4).unwrap();
         close(&lp, &lp_ref, 1e-6);
         close(&ent, &ent_ref, 1e-6);
         let c1 = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0], &Device::Cpu).unwrap();
