@@ -49,7 +49,7 @@ pub const BLOCK_POSITIONS: usize = 16;
 const INITIAL_BLOCKS: usize = 64;
 
 /// The candle backend's paged key/value store for every cache of one model
-/// (see the module docs). Made by [`crate::CausalLm::to_backend`]; clones
+/// (see the module docs). Each model on the candle backend has one; clones
 /// of a model share it.
 ///
 /// Block 0 is never handed out: it stays zero, and the batched attention
@@ -103,6 +103,13 @@ pub(crate) struct PoolState {
     limit_blocks: Option<usize>,
 }
 
+impl PoolState {
+    /// Keys and values of `layer`, each `(kv_heads, slots, head_dim)`.
+    pub(crate) fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
+        (&self.keys[layer], &self.values[layer])
+    }
+}
+
 impl KvPool {
     pub(crate) fn new(config: &ModelConfig, dtype: DType, device: &Device) -> Self {
         Self {
@@ -147,11 +154,6 @@ impl KvPool {
             limit_blocks: state.limit_blocks,
             block_bytes: self.block_bytes(),
         }
-    }
-
-    /// Keys and values of `layer`, each `(kv_heads, slots, head_dim)`.
-    pub(crate) fn layer<'a>(&self, state: &'a PoolState, layer: usize) -> (&'a Tensor, &'a Tensor) {
-        (&state.keys[layer], &state.values[layer])
     }
 
     /// A block for one cache, growing the pool if none is free.

@@ -34,7 +34,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::generate::{draw, Sampled, SamplingParams};
+use crate::generate::{sample_masked, Sampled, SamplingParams};
 use crate::model_error::{ModelError, Result};
 
 /// Tokens per chunk of the two-level scan.
@@ -306,23 +306,7 @@ fn scan_draw(weights: &Tensor, uniforms: &Tensor) -> Result<(Tensor, Tensor)> {
 /// Row `i` drawn on the host with the same number (see the module docs).
 fn redraw_on_host(logits: &Tensor, i: usize, row: &RowDraw) -> Result<Sampled> {
     let values: Vec<f32> = logits.get(i)?.to_vec1()?;
-    let masked = match &row.allowed {
-        None => values.clone(),
-        Some(allowed) => {
-            let mut masked = vec![f32::NEG_INFINITY; values.len()];
-            for &t in allowed {
-                masked[t as usize] = values[t as usize];
-            }
-            masked
-        }
-    };
-    let best = masked
-        .iter()
-        .enumerate()
-        .fold(0, |best, (j, &x)| if x > masked[best] { j } else { best });
-    let mut sampled = draw(&row.params, &masked, best, row.uniform);
-    sampled.logprob = crate::generate::policy_logprob(&values, sampled.token as usize);
-    Ok(sampled)
+    sample_masked(&row.params, &values, row.allowed.as_deref(), || row.uniform)
 }
 
 #[cfg(test)]

@@ -146,7 +146,7 @@ pub struct Sampler {
 }
 
 /// `log_softmax(logits)[token]` in f64.
-pub(crate) fn policy_logprob(logits: &[f32], token: usize) -> f32 {
+fn policy_logprob(logits: &[f32], token: usize) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
     (logits[token] as f64 - max - sum.ln()) as f32
@@ -179,16 +179,8 @@ impl Sampler {
     /// Picks a token from one position's logits (`vocab` values; `-inf`
     /// masks a token out, NaN is an error).
     pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled> {
-        let best = check_logits(logits)?;
-        if self.params.temperature == 0.0 {
-            return Ok(Sampled {
-                token: best as u32,
-                logprob: policy_logprob(logits, best),
-                sampling_logprob: 0.0,
-            });
-        }
-        let uniform = self.next_uniform();
-        Ok(draw(&self.params, logits, best, uniform))
+        let rng = &mut self.rng;
+        sample_masked(&self.params, logits, None, || rng.random())
     }
 
     /// The next number of the stream, uniform in [0, 1): what one
@@ -198,29 +190,69 @@ impl Sampler {
     }
 }
 
-/// Checks one row of logits (non-empty, no NaN or +inf, some token not
-/// masked out) and returns its first best token.
-fn check_logits(logits: &[f32]) -> Result<usize> {
+/// One draw from a row of `logits` (`-inf` masks a token out, NaN is an
+/// error), only among `allowed` if given, taking `uniform()` (a number in
+/// [0, 1)) unless greedy: [`Sampler::sample`] and [`Sampler::sample_among`]
+/// with the sampler's stream, the device sampler's host fallback with the
+/// number it already took. `logprob` is the policy's over the unmasked
+/// row.
+pub(crate) fn sample_masked(
+    params: &SamplingParams,
+    logits: &[f32],
+    allowed: Option<&[u32]>,
+    uniform: impl FnOnce() -> f64,
+) -> Result<Sampled> {
     if logits.is_empty() {
         return Err(ModelError::BadInput("no logits to sample from".into()));
+    }
+    if let Some(bad) = allowed
+        .into_iter()
+        .flatten()
+        .find(|&&t| t as usize >= logits.len())
+    {
+        return Err(ModelError::BadInput(format!(
+            "allowed token {bad} is outside the vocabulary of {}",
+            logits.len()
+        )));
     }
     if logits.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
         return Err(ModelError::BadInput("logits hold NaN or +inf".into()));
     }
-    let best = logits
+    let masked;
+    let row = match allowed {
+        None => logits,
+        Some(allowed) => {
+            let mut m = vec![f32::NEG_INFINITY; logits.len()];
+            for &t in allowed {
+                m[t as usize] = logits[t as usize];
+            }
+            masked = m;
+            &masked
+        }
+    };
+    let best = row
         .iter()
         .enumerate()
-        .fold(0, |best, (i, &x)| if x > logits[best] { i } else { best });
-    if logits[best] == f32::NEG_INFINITY {
+        .fold(0, |best, (i, &x)| if x > row[best] { i } else { best });
+    if row[best] == f32::NEG_INFINITY {
         return Err(ModelError::BadInput("every token is masked out".into()));
     }
-    Ok(best)
+    let (token, sampling_logprob) = if params.temperature == 0.0 {
+        (best, 0.0)
+    } else {
+        draw(params, row, best, uniform())
+    };
+    Ok(Sampled {
+        token: token as u32,
+        logprob: policy_logprob(logits, token),
+        sampling_logprob,
+    })
 }
 
 /// The token where `uniform` falls in the cumulative weights of `logits`
 /// after temperature, top-k and top-p (`best`: the row's best token;
-/// `params.temperature > 0`).
-pub(crate) fn draw(params: &SamplingParams, logits: &[f32], best: usize, uniform: f64) -> Sampled {
+/// `params.temperature > 0`), and its log-probability under them.
+fn draw(params: &SamplingParams, logits: &[f32], best: usize, uniform: f64) -> (usize, f32) {
     let inv_t = 1.0 / params.temperature as f64;
     let max = logits[best] as f64;
     // Candidates in decreasing order only when truncating; else all in place.
@@ -266,11 +298,7 @@ pub(crate) fn draw(params: &SamplingParams, logits: &[f32], best: usize, uniform
         }
         target -= c.1;
     }
-    Sampled {
-        token: chosen.0 as u32,
-        logprob: policy_logprob(logits, chosen.0),
-        sampling_logprob: (chosen.1 / total).ln() as f32,
-    }
+    (chosen.0, (chosen.1 / total).ln() as f32)
 }
 
 impl Sampler {
@@ -279,22 +307,8 @@ impl Sampler {
     /// unmasked `logits`; `sampling_logprob` is that of the masked
     /// distribution sampled from.
     pub fn sample_among(&mut self, logits: &[f32], allowed: &[u32]) -> Result<Sampled> {
-        if let Some(bad) = allowed.iter().find(|&&t| t as usize >= logits.len()) {
-            return Err(ModelError::BadInput(format!(
-                "allowed token {bad} is outside the vocabulary of {}",
-                logits.len()
-            )));
-        }
-        let mut masked = vec![f32::NEG_INFINITY; logits.len()];
-        for &t in allowed {
-            masked[t as usize] = logits[t as usize];
-        }
-        let mut sampled = self.sample(&masked)?;
-        if logits.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
-            return Err(ModelError::BadInput("logits hold NaN or +inf".into()));
-        }
-        sampled.logprob = policy_logprob(logits, sampled.token as usize);
-        Ok(sampled)
+        let rng = &mut self.rng;
+        sample_masked(&self.params, logits, Some(allowed), || rng.random())
     }
 }
 

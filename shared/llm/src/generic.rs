@@ -342,7 +342,7 @@ impl CausalLm {
                 .v_proj
                 .forward(&h, layer, &routing)?
                 .reshape((total, kv_heads, hd))?;
-            let (pool_keys, pool_values) = pool.layer(&state, layer);
+            let (pool_keys, pool_values) = state.layer(layer);
             // Every new row's keys and values into its slot: (kv_heads, total, hd).
             pool_keys.scatter_set(&write_index, &k.transpose(0, 1)?.contiguous()?, 1)?;
             pool_values.scatter_set(&write_index, &v.transpose(0, 1)?.contiguous()?, 1)?;

@@ -7,7 +7,9 @@
 //!   sequences, each with its own [`KvCache`] and its own adapter (or none),
 //!   by any number of tokens each, in one call. Tokens of all sequences are
 //!   packed into one `(tokens, hidden)` matrix for every projection and MLP
-//!   (the expensive part); attention runs per sequence against its cache.
+//!   (the expensive part); attention runs per sequence against its cache
+//!   on the CPU engine, and for all one-token decodes at once over the
+//!   paged KV pool on the candle backend ([`crate::generic`]).
 //!   So a prefill of a new prompt can share a step with the one-token
 //!   decodes of running sequences, and nothing is padded. It lives in
 //!   [`crate::infer`]: plain Rust between the matmuls, packed dense weights,

@@ -157,25 +157,24 @@ impl Engine {
                 let Some(job) = waiting.front() else {
                     break;
                 };
-                // The requester timed out or went away: skip the work.
-                let room = if job.reply.is_closed() {
+                // (The requester timed out or went away: skip the work.)
+                let refused = if job.reply.is_closed() {
                     None
                 } else {
                     match self.kv_room(job, &running, &admitted, &mut prefixes) {
-                        Room::Fits => Some(()),
+                        Room::Fits => None,
                         Room::Later => break,
-                        Room::Never(message) => {
-                            let job = waiting.pop_front().expect("front");
-                            self.waiting.fetch_sub(1, Ordering::Relaxed);
-                            let _ = job.reply.send(Err(JobError { code: 400, message }));
-                            continue;
-                        }
+                        Room::Never(message) => Some(message),
                     }
                 };
                 let job = waiting.pop_front().expect("front");
                 self.waiting.fetch_sub(1, Ordering::Relaxed);
-                if room.is_some() {
-                    admitted.push(job);
+                match refused {
+                    Some(message) => {
+                        let _ = job.reply.send(Err(JobError { code: 400, message }));
+                    }
+                    None if job.reply.is_closed() => {}
+                    None => admitted.push(job),
                 }
             }
             self.share_prefixes(&admitted, &mut prefixes);
