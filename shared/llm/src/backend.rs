@@ -117,12 +117,6 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// Whether this is [`Backend::Candle`]: its logits stay on the device,
-    /// and tokens are sampled there.
-    pub fn is_candle(&self) -> bool {
-        matches!(self, Backend::Candle { .. })
-    }
-
     /// The backend a spec names, with its device opened. A CUDA device that cannot be
     /// opened (no driver, no such GPU) is an error that says what was found.
     pub fn open(spec: &BackendSpec) -> Result<Backend> {

@@ -14,10 +14,10 @@
 //!
 //! # Where tokens are drawn
 //!
-//! On the CPU engine the logits come to the host and [`Sampler`] draws
-//! there. On the candle backend (a GPU) they stay on the device and
-//! [`step`] draws there (`crate::device_sample`): only each row's token and
-//! log-probabilities cross to the host. Both take the same numbers from
+//! Logits in host memory (the CPU engine, candle on the CPU) are drawn
+//! from by [`Sampler`] where they are. Logits on a GPU stay there and
+//! [`step`] draws on the device (`crate::device_sample`): only each row's
+//! token and log-probabilities cross to the host. Both take the same numbers from
 //! the sequence's stream for the same decisions and walk the kept tokens
 //! in id order, so on the same logits they draw the same tokens (up to f32
 //! rounding at a boundary, and top-k ties, which the device keeps).
@@ -669,6 +669,27 @@ pub fn prefill(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<()> {
 /// already finished (or could not take another token). On error no
 /// sequence changes.
 pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<StepToken>>> {
+    step_sampling(model, seqs, |logits, seqs| {
+        // Logits already in host memory (the engine, candle on the CPU) are
+        // cheaper to sample where they are.
+        if logits.device().is_cpu() {
+            sample_on_host(logits, seqs)
+        } else {
+            sample_on_device(logits, seqs)
+        }
+    })
+}
+
+/// Each unfinished sequence's token from its row of the logits (rows in
+/// the order of the unfinished sequences).
+type Sampling = fn(&Tensor, &mut [&mut Sequence]) -> Result<Vec<Option<Sampled>>>;
+
+/// [`step`] with the tokens drawn by `sample`.
+fn step_sampling(
+    model: &CausalLm,
+    seqs: &mut [&mut Sequence],
+    sample: Sampling,
+) -> Result<Vec<Option<StepToken>>> {
     let limit = model.config().max_position_embeddings;
     for seq in seqs.iter_mut() {
         if seq.finished.is_none() && seq.cache.len() + seq.pending.len() > limit {
@@ -692,11 +713,7 @@ pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<S
     }
     let logits = model.forward_batch(&mut items, LogitsWanted::Last)?;
     drop(items);
-    let sampled = if model.backend().is_candle() {
-        sample_on_device(&logits, seqs)?
-    } else {
-        sample_on_host(&logits, seqs)?
-    };
+    let sampled = sample(&logits, seqs)?;
     let mut out = Vec::with_capacity(seqs.len());
     for (seq, sampled) in seqs.iter_mut().zip(sampled) {
         out.push(sampled.map(|sampled| {
@@ -707,8 +724,7 @@ pub fn step(model: &CausalLm, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<S
     Ok(out)
 }
 
-/// Each unfinished sequence's token from its row of `logits` (rows in the
-/// order of the unfinished sequences), the logits copied to the host.
+/// [`Sampling`] with the logits copied to the host.
 fn sample_on_host(logits: &Tensor, seqs: &mut [&mut Sequence]) -> Result<Vec<Option<Sampled>>> {
     let vocab = logits.dim(1)?;
     let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
@@ -923,6 +939,81 @@ mod tests {
         let model = CausalLm::load_hf(&dir).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         model
+    }
+
+    /// Drawing on the logits' device (what a GPU does) and on the host give
+    /// the same generations, token for token, for every kind of sequence
+    /// decoded side by side: greedy, temperature, top-k and top-p, a
+    /// constraint, and a free thought with a constrained answer (whose end
+    /// token is drawn again from the same row).
+    #[test]
+    fn device_and_host_sampling_generate_alike() {
+        let model = random_model("device-sampling");
+        let moves = |texts: &[&str], ids: Vec<Vec<u32>>| {
+            let texts = texts.iter().map(|t| t.to_string()).collect();
+            Arc::new(TokenSequences::from_sequences(texts, ids).unwrap())
+        };
+        let answer = AnswerAfterThought {
+            after_opener: moves(&["a}", "b}"], vec![vec![5, 6, 31], vec![7, 31]]),
+            whole: moves(&["{a}", "{b}"], vec![vec![30, 5, 6, 31], vec![30, 7, 31]]),
+        };
+        let allowed = moves(&["x", "y"], vec![vec![40, 41], vec![42]]);
+        let params = |temperature, top_k, top_p| SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+        };
+        let build = |seed: u64| -> Vec<Sequence> {
+            let stop = |n| StopCondition {
+                max_new_tokens: n,
+                stop_token_ids: (10..20).collect(),
+            };
+            let seq = |p: SamplingParams, k: u64, n| {
+                let sampler = Sampler::new(p, seed * 10 + k).unwrap();
+                Sequence::new(&model, vec![1, 3 + k as u32, 4], None, sampler, stop(n)).unwrap()
+            };
+            vec![
+                seq(params(0.0, 0, 1.0), 0, 12),
+                seq(params(1.0, 0, 1.0), 1, 12),
+                seq(params(0.7, 5, 0.9), 2, 12),
+                seq(params(1.0, 0, 1.0), 3, 4)
+                    .with_constraint(allowed.clone())
+                    .unwrap(),
+                seq(params(1.0, 0, 1.0), 4, 4)
+                    .with_answer_after_thought(answer.clone())
+                    .unwrap(),
+            ]
+        };
+        let run = |sample: Sampling, seed| {
+            let mut seqs = build(seed);
+            while seqs.iter().any(|s| !s.is_finished()) {
+                let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+                step_sampling(&model, &mut refs, sample).unwrap();
+            }
+            seqs.iter()
+                .map(|s| {
+                    (
+                        s.tokens().to_vec(),
+                        s.logprobs().to_vec(),
+                        s.finish_reason(),
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        for seed in 0..10 {
+            let host = run(sample_on_host, seed);
+            let device = run(sample_on_device, seed);
+            for (k, (h, d)) in host.iter().zip(&device).enumerate() {
+                assert_eq!(h.0, d.0, "seed {seed}, sequence {k}: tokens");
+                assert_eq!(h.2, d.2, "seed {seed}, sequence {k}: finish");
+                for (a, b) in h.1.iter().zip(&d.1) {
+                    assert!(
+                        (a - b).abs() < 1e-4,
+                        "seed {seed}, sequence {k}: {a} vs {b}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
