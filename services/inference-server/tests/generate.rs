@@ -822,6 +822,23 @@ async fn bad_requests_get_errors_and_the_service_keeps_serving() {
     served.stop().await;
 }
 
+/// The first fixture case whose greedy completion runs without EOS until
+/// `spare` positions of the context are left, and that completion's
+/// `max_tokens`.
+async fn long_case<'a>(served: &Served, cases: &'a [Case], spare: usize) -> (&'a Case, u32) {
+    for case in cases {
+        let max_tokens = (TINY_CONTEXT - case.input_ids.len() - spare) as u32;
+        let reply = served
+            .generate(&tokens_request(&case.input_ids, None, max_tokens))
+            .await
+            .unwrap();
+        if reply.finish == FinishReason::Length {
+            return (case, max_tokens);
+        }
+    }
+    panic!("no fixture prompt decodes to the end of the context without EOS")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_the_queue_bound_are_refused_at_once() {
     // One running sequence, one waiting: the rest must be refused.
@@ -829,20 +846,7 @@ async fn requests_beyond_the_queue_bound_are_refused_at_once() {
     let cases = cases();
     // A prompt whose greedy completion fills the context without EOS, so
     // the first requests are still decoding when the others arrive.
-    let mut long = None;
-    for case in &cases {
-        let max_tokens = (TINY_CONTEXT - case.input_ids.len() - 1) as u32;
-        let reply = served
-            .generate(&tokens_request(&case.input_ids, None, max_tokens))
-            .await
-            .unwrap();
-        if reply.finish == FinishReason::Length {
-            long = Some((case, max_tokens));
-            break;
-        }
-    }
-    let (case, max_tokens) =
-        long.expect("some fixture prompt decodes to the end of the context without EOS");
+    let (case, max_tokens) = long_case(&served, &cases, 1).await;
     let prompt = case.input_ids.clone();
     let started = Instant::now();
     let requesters: Vec<_> = (0..8)
@@ -971,19 +975,7 @@ async fn requests_are_admitted_by_kv_memory() {
     let cases = cases();
     // A prompt whose greedy completion runs to the end of the context, so
     // that the requests decode side by side.
-    let mut long = None;
-    for case in &cases {
-        let max_tokens = (TINY_CONTEXT - case.input_ids.len()) as u32;
-        let reply = served
-            .generate(&tokens_request(&case.input_ids, None, max_tokens))
-            .await
-            .unwrap();
-        if reply.finish == FinishReason::Length {
-            long = Some((case, max_tokens));
-            break;
-        }
-    }
-    let (case, max_tokens) = long.expect("some fixture prompt decodes to the end of the context");
+    let (case, max_tokens) = long_case(&served, &cases, 0).await;
     let requesters: Vec<_> = (0..12)
         .map(|_| {
             let (client, subject, request) = (

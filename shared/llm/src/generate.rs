@@ -941,6 +941,19 @@ mod tests {
         model
     }
 
+    fn token_sequences(texts: &[&str], ids: Vec<Vec<u32>>) -> Arc<TokenSequences> {
+        let texts = texts.iter().map(|t| t.to_string()).collect();
+        Arc::new(TokenSequences::from_sequences(texts, ids).unwrap())
+    }
+
+    /// Opener 30, moves [5 6] and [7], closer 31.
+    fn thought_answer() -> AnswerAfterThought {
+        AnswerAfterThought {
+            after_opener: token_sequences(&["a}", "b}"], vec![vec![5, 6, 31], vec![7, 31]]),
+            whole: token_sequences(&["{a}", "{b}"], vec![vec![30, 5, 6, 31], vec![30, 7, 31]]),
+        }
+    }
+
     /// Drawing on the logits' device (what a GPU does) and on the host give
     /// the same generations, token for token, for every kind of sequence
     /// decoded side by side: greedy, temperature, top-k and top-p, a
@@ -949,15 +962,8 @@ mod tests {
     #[test]
     fn device_and_host_sampling_generate_alike() {
         let model = random_model("device-sampling");
-        let moves = |texts: &[&str], ids: Vec<Vec<u32>>| {
-            let texts = texts.iter().map(|t| t.to_string()).collect();
-            Arc::new(TokenSequences::from_sequences(texts, ids).unwrap())
-        };
-        let answer = AnswerAfterThought {
-            after_opener: moves(&["a}", "b}"], vec![vec![5, 6, 31], vec![7, 31]]),
-            whole: moves(&["{a}", "{b}"], vec![vec![30, 5, 6, 31], vec![30, 7, 31]]),
-        };
-        let allowed = moves(&["x", "y"], vec![vec![40, 41], vec![42]]);
+        let answer = thought_answer();
+        let allowed = token_sequences(&["x", "y"], vec![vec![40, 41], vec![42]]);
         let params = |temperature, top_k, top_p| SamplingParams {
             temperature,
             top_k,
@@ -1019,15 +1025,7 @@ mod tests {
     #[test]
     fn an_answer_after_a_thought_is_constrained_alone_and_takes_the_end_token_s_place() {
         let model = random_model("thought");
-        let seqs = |texts: &[&str], ids: Vec<Vec<u32>>| {
-            let texts = texts.iter().map(|t| t.to_string()).collect();
-            Arc::new(TokenSequences::from_sequences(texts, ids).unwrap())
-        };
-        // Opener 30, moves [5 6] and [7], closer 31.
-        let answer = AnswerAfterThought {
-            after_opener: seqs(&["a}", "b}"], vec![vec![5, 6, 31], vec![7, 31]]),
-            whole: seqs(&["{a}", "{b}"], vec![vec![30, 5, 6, 31], vec![30, 7, 31]]),
-        };
+        let answer = thought_answer();
         // Many end tokens, so that thoughts end both ways.
         let stop = StopCondition {
             max_new_tokens: 4,

@@ -27,6 +27,9 @@ use relay_llm::{
 };
 use serde_json::Value;
 
+mod common;
+use common::completion_logprobs;
+
 /// Tolerance on logits against transformers (float32 on both sides).
 const LOGIT_TOLERANCE: f32 = 1e-4;
 
@@ -1215,7 +1218,8 @@ fn train_steps(model: &CausalLm, start: &LoraAdapter, reference: &CausalLm, seed
         let prompt = tokens(shapes.random_range(3..12));
         for _ in 0..4 {
             let completion = tokens(shapes.random_range(2..9));
-            let behaviour_logprobs = completion_logprobs(reference, start, &prompt, &completion);
+            let behaviour_logprobs =
+                completion_logprobs(reference, Some(start), &prompt, &completion);
             examples.push(TokenExample {
                 prompt: prompt.clone(),
                 completion,
@@ -1295,33 +1299,6 @@ fn train_steps(model: &CausalLm, start: &LoraAdapter, reference: &CausalLm, seed
         sft_loss: stats.loss,
         sft_grads,
     }
-}
-
-/// Log-probs of `completion` after `prompt` under `model` with `adapter`.
-fn completion_logprobs(
-    model: &CausalLm,
-    adapter: &LoraAdapter,
-    prompt: &[u32],
-    completion: &[u32],
-) -> Vec<f32> {
-    let seq: Vec<u32> = prompt.iter().chain(completion).copied().collect();
-    let n = seq.len();
-    let input = Tensor::new(&seq[..n - 1], &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let targets = Tensor::new(&seq[1..], &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let logits = model.forward_train(&input, Some(adapter)).unwrap().detach();
-    let lp: Vec<f32> = token_log_probs(&logits, &targets.to_device(logits.device()).unwrap())
-        .unwrap()
-        .squeeze(0)
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    lp[prompt.len() - 1..].to_vec()
 }
 
 /// ‖got − want‖ / ‖want‖.

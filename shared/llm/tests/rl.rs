@@ -12,11 +12,14 @@ use relay_llm::rl::{
 };
 use relay_llm::token_batch::{fit_to_length, Fit};
 use relay_llm::{
-    init, token_log_probs, AdvantageEstimator, Aggregation, Baseline, BatchConfig, BatchTotals,
-    CausalLm, GameResult, KlConfig, KlEstimator, KlMode, LoraAdapter, LoraConfig, NormalizeConfig,
+    init, AdvantageEstimator, Aggregation, Baseline, BatchConfig, BatchTotals, CausalLm,
+    GameResult, KlConfig, KlEstimator, KlMode, LoraAdapter, LoraConfig, NormalizeConfig,
     ObjectiveConfig, PolicyLoss, RatioLevel, RewardNormalizer, RewardShaping, RlTrainConfig,
     RlTrainer, RunningStats, TinyShape, TinyVocab, TokenBatch, TokenExample, Truncation,
 };
+
+mod common;
+use common::completion_logprobs;
 
 const TOL: f64 = 1e-5;
 
@@ -841,33 +844,6 @@ fn small_model(name: &str) -> CausalLm {
     };
     init::tiny_with_shape(&dir.0, 5, &vocab, &shape).unwrap();
     CausalLm::load_hf(&dir.0).unwrap()
-}
-
-/// Log-probs of `completion` after `prompt` (per token).
-fn completion_logprobs(
-    model: &CausalLm,
-    adapter: Option<&LoraAdapter>,
-    prompt: &[u32],
-    completion: &[u32],
-) -> Vec<f32> {
-    let seq: Vec<u32> = prompt.iter().chain(completion).copied().collect();
-    let n = seq.len();
-    let input = Tensor::new(&seq[..n - 1], &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let targets = Tensor::new(&seq[1..], &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let logits = model.forward_train(&input, adapter).unwrap().detach();
-    let lp = token_log_probs(&logits, &targets)
-        .unwrap()
-        .squeeze(0)
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    lp[prompt.len() - 1..].to_vec()
 }
 
 fn example(

@@ -1567,6 +1567,16 @@ mod tests {
     /// An extractor with non-zero biases (so a bias applied at the wrong
     /// place shows), and a getter of its parameters by name.
     fn extractor(spec: &CnnSpec) -> (Cnn, impl Fn(&str) -> Vec<f32>) {
+        let (cnn, params) = extractor_params(spec);
+        let get = move |name: &str| -> Vec<f32> {
+            let var = &params.iter().find(|(n, _)| n == name).unwrap().1;
+            var.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        (cnn, get)
+    }
+
+    /// [`extractor`]'s network and its parameters by name.
+    fn extractor_params(spec: &CnnSpec) -> (Cnn, Vec<(String, Var)>) {
         let mut params = Vec::new();
         let cnn = Cnn::new(
             spec,
@@ -1583,11 +1593,7 @@ mod tests {
                     .unwrap();
             }
         }
-        let get = move |name: &str| -> Vec<f32> {
-            let var = &params.iter().find(|(n, _)| n == name).unwrap().1;
-            var.flatten_all().unwrap().to_vec1().unwrap()
-        };
-        (cnn, get)
+        (cnn, params)
     }
 
     /// The extractor's host and graph features of `n` random pixel
@@ -1643,14 +1649,7 @@ mod tests {
             },
             features_dim: 5,
         };
-        let mut params = Vec::new();
-        let cnn = Cnn::new(
-            &spec,
-            LayerInit::Orthogonal(2f64.sqrt()),
-            &mut Init::Draw(&mut rng(0)),
-            &mut params,
-        )
-        .unwrap();
+        let (cnn, params) = extractor_params(&spec);
         let (n, d) = (3, 2 * 12 * 11);
         let obs: Vec<f32> = (0..n * d).map(|i| ((i * 53) % 256) as f32).collect();
         let x = Tensor::from_vec(obs, (n, d), &Device::Cpu).unwrap();
