@@ -185,7 +185,7 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
     target_net.load(last.join("target.safetensors")).unwrap();
     let mut adam = relay_nn::Adam::new(online.vars(), relay_nn::AdamConfig::default()).unwrap();
     adam.load(last.join("optimizer.safetensors")).unwrap();
-    assert!(adam.state().step > 0);
+    assert!(adam.state().unwrap().step > 0);
     let state: relay_learner::dqn::DqnState =
         serde_json::from_str(&std::fs::read_to_string(last.join("dqn.json")).unwrap()).unwrap();
     assert!(state.rounds >= 1 && state.target_updates >= 1, "{state:?}");

@@ -166,7 +166,7 @@ fn read_checkpoint(
     let step = |vars, file: &str| {
         let mut adam = Adam::new(vars, AdamConfig::default()).unwrap();
         adam.load(dir.join(file)).unwrap();
-        adam.state().step
+        adam.state().unwrap().step
     };
     let steps = [
         step(sac.actor.vars(), "optimizer.safetensors"),

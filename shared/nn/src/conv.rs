@@ -1009,7 +1009,7 @@ impl Cnn {
     /// Features `[B, features_dim]` of raw observations `[B, C*H*W]` as a
     /// graph (the observations themselves get no gradient).
     pub(crate) fn graph(&self, obs: &Tensor) -> Result<Tensor> {
-        if !obs.device().is_cpu() {
+        if !crate::ops::fused_on(obs.device()) {
             return self.composed_graph(obs);
         }
         let n = obs.dims2()?.0;

@@ -35,6 +35,35 @@ use crate::spec::Activation;
 /// `0.5 * ln(2π)`.
 pub(crate) const HALF_LN_2PI: f32 = 0.918_938_5;
 
+thread_local! {
+    static COMPOSED_ON_CPU: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether work on `device` takes the fused CPU code (ops, losses,
+/// optimizer kernels, the graph-free acting path) or the device-generic
+/// path composed from candle's basic ops. Off the CPU it is always the
+/// composed path; on the CPU it is the fused one unless the calling thread
+/// is inside [`composed_on_cpu`].
+pub fn fused_on(device: &Device) -> bool {
+    device.is_cpu() && !COMPOSED_ON_CPU.with(|c| c.get())
+}
+
+/// Runs `f` with every relay-nn op, loss and optimizer built inside it taking
+/// the device-generic path a GPU takes, on the CPU: so that path is checked
+/// against the fused one on machines without a GPU (the tests, and the GPU
+/// bundle's dry run). Affects only the calling thread; an optimizer keeps
+/// the path it was built with.
+pub fn composed_on_cpu<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            COMPOSED_ON_CPU.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(COMPOSED_ON_CPU.with(|c| c.replace(true)));
+    f()
+}
+
 /// The contiguous f32 data behind a CPU storage and layout.
 pub(crate) fn cpu_f32<'a>(
     s: &'a CpuStorage,
@@ -50,13 +79,19 @@ pub(crate) fn cpu_f32<'a>(
     }
 }
 
-/// Runs `f` on the contiguous f32 data of a CPU tensor (copying only when the
-/// tensor is not contiguous).
+/// Runs `f` on the contiguous f32 data of a tensor: in place on the CPU
+/// (copying only when the tensor is not contiguous), copied to the host from
+/// a device (the losses read their `[B]` inputs so; the fused ops run only on
+/// the CPU).
 pub(crate) fn with_f32<R>(
     t: &Tensor,
     op: &'static str,
     f: impl FnOnce(&[f32]) -> R,
 ) -> candle_core::Result<R> {
+    if !t.device().is_cpu() {
+        let host: Vec<f32> = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+        return Ok(f(&host));
+    }
     let t = t.contiguous()?;
     let (guard, layout) = t.storage_and_layout();
     match &*guard {
@@ -187,7 +222,7 @@ pub fn linear(
     b: &Tensor,
     act: Option<Activation>,
 ) -> candle_core::Result<Tensor> {
-    if !x.device().is_cpu() {
+    if !fused_on(x.device()) {
         return composed::linear(x, w, b, act);
     }
     x.apply_op3(w, b, LinearAct { act })
@@ -322,7 +357,7 @@ impl CustomOp1 for CategoricalEntropy {
 /// Log-probability of `actions` (one index per row, validated by the caller
 /// to lie in `0..n`) under the categorical with `logits: [B, n]`; `[B]`.
 pub fn categorical_logprob(logits: &Tensor, actions: Arc<[u32]>) -> candle_core::Result<Tensor> {
-    if !logits.device().is_cpu() {
+    if !fused_on(logits.device()) {
         return composed::categorical_logprob(logits, &actions);
     }
     logits.apply_op1(CategoricalLogProb { actions })
@@ -330,7 +365,7 @@ pub fn categorical_logprob(logits: &Tensor, actions: Arc<[u32]>) -> candle_core:
 
 /// Entropy of the categorical with `logits: [B, n]`; `[B]`.
 pub fn categorical_entropy(logits: &Tensor) -> candle_core::Result<Tensor> {
-    if !logits.device().is_cpu() {
+    if !fused_on(logits.device()) {
         return composed::categorical_entropy(logits);
     }
     logits.apply_op1(CategoricalEntropy)
@@ -463,7 +498,7 @@ pub fn gaussian_logprob(
     log_std: &Tensor,
     actions: Arc<[f32]>,
 ) -> candle_core::Result<Tensor> {
-    if !mean.device().is_cpu() {
+    if !fused_on(mean.device()) {
         return composed::gaussian_logprob(mean, log_std, &actions);
     }
     mean.apply_op2(log_std, GaussianLogProb { actions })
@@ -471,7 +506,7 @@ pub fn gaussian_logprob(
 
 /// Entropy of the diagonal Gaussian with `log_std: [D]`, repeated for `rows` rows; `[rows]`.
 pub fn gaussian_entropy(log_std: &Tensor, rows: usize) -> candle_core::Result<Tensor> {
-    if !log_std.device().is_cpu() {
+    if !fused_on(log_std.device()) {
         return composed::gaussian_entropy(log_std, rows);
     }
     log_std.apply_op1(GaussianEntropy { rows })
@@ -539,6 +574,58 @@ pub(crate) mod composed {
             .broadcast_sub(log_std)?
             .affine(1.0, -(HALF_LN_2PI as f64))?;
         per_dim.sum(1)
+    }
+
+    /// A scalar worth `loss` whose gradient with respect to `inputs[i]` is
+    /// `grads[i]`: `loss + s - detach(s)` with `s = Σ_i sum(inputs[i] *
+    /// grads[i])`, so the value is exactly `loss` (`s - s` is 0) and
+    /// backward is candle's own, on any device.
+    pub(crate) fn precomputed_loss(
+        inputs: &[&Tensor],
+        loss: f32,
+        grads: &[Vec<f32>],
+    ) -> candle_core::Result<Tensor> {
+        let mut linear: Option<Tensor> = None;
+        for (t, g) in inputs.iter().zip(grads) {
+            let g = Tensor::from_slice(g, t.shape(), t.device())?.to_dtype(t.dtype())?;
+            let term = t.mul(&g)?.sum_all()?.to_dtype(DType::F32)?;
+            linear = Some(match linear {
+                None => term,
+                Some(sum) => sum.add(&term)?,
+            });
+        }
+        let Some(linear) = linear else {
+            candle_core::bail!("precomputed loss: no inputs")
+        };
+        linear.sub(&linear.detach())?.affine(1.0, loss as f64)
+    }
+
+    /// `[tanh(u), Σ_j (-0.5 eps_j^2 - log_std_j - 0.5 ln 2π - ln(1 - tanh(u_j)^2))]`
+    /// per row with `u = mean + exp(log_std) eps`, the last term in the
+    /// stable form `2 (ln 2 - u - softplus(-2u))`; `[B, A + 1]`.
+    pub(crate) fn squashed_gaussian(
+        mean: &Tensor,
+        log_std: &Tensor,
+        eps: &[f32],
+    ) -> candle_core::Result<Tensor> {
+        let eps = Tensor::from_slice(eps, mean.shape(), mean.device())?;
+        let u = mean.add(&log_std.exp()?.mul(&eps)?)?;
+        // softplus(x) = max(x, 0) + ln(1 + e^-|x|)
+        let x = u.affine(-2.0, 0.0)?;
+        let softplus = x
+            .relu()?
+            .add(&x.abs()?.neg()?.exp()?.affine(1.0, 1.0)?.log()?)?;
+        let log_jacobian = u
+            .neg()?
+            .sub(&softplus)?
+            .affine(2.0, 2.0 * std::f64::consts::LN_2)?;
+        let logp = eps
+            .sqr()?
+            .affine(-0.5, -(HALF_LN_2PI as f64))?
+            .sub(log_std)?
+            .sub(&log_jacobian)?
+            .sum_keepdim(1)?;
+        Tensor::cat(&[&u.tanh()?, &logp], 1)
     }
 
     /// `sum_d 0.5 + 0.5 ln 2π + log_std[d]`, repeated for `rows` rows.
@@ -676,6 +763,9 @@ pub fn squashed_gaussian(
     log_std: &Tensor,
     eps: Arc<[f32]>,
 ) -> candle_core::Result<Tensor> {
+    if !fused_on(mean.device()) {
+        return composed::squashed_gaussian(mean, log_std, &eps);
+    }
     mean.apply_op2(log_std, SquashedGaussian { eps })
 }
 
@@ -744,6 +834,9 @@ pub(crate) fn precomputed_loss3(
             bail!("precomputed loss: {} gradients for {:?}", g.len(), t.dims())
         }
     }
+    if !fused_on(inputs[0].device()) {
+        return composed::precomputed_loss(&inputs, loss, &grads);
+    }
     inputs[0].apply_op3(
         inputs[1],
         inputs[2],
@@ -788,6 +881,9 @@ pub(crate) fn precomputed_loss(
             grad.len(),
             input.dims()
         )
+    }
+    if !fused_on(input.device()) {
+        return composed::precomputed_loss(&[input], loss, &[grad]);
     }
     input.apply_op1(PrecomputedLoss1 {
         loss,
@@ -890,5 +986,49 @@ mod tests {
         let g2 = f(&lp_ref, &ent_ref).backward().unwrap();
         close(g1.get(&mean).unwrap(), g2.get(&mean).unwrap(), 1e-5);
         close(g1.get(&log_std).unwrap(), g2.get(&log_std).unwrap(), 1e-5);
+    }
+
+    #[test]
+    fn squashed_gaussian_matches_composition() {
+        let mean = var(&[3, 2], 8);
+        let log_std = var(&[3, 2], 9);
+        let eps: Arc<[f32]> = vec![0.3, -1.2, 2.0, 0.0, -0.5, 3.5].into();
+        let y = squashed_gaussian(&mean, &log_std, eps.clone()).unwrap();
+        let r = composed::squashed_gaussian(&mean, &log_std, &eps).unwrap();
+        close(&y, &r, 1e-5);
+        let c = var(&[3, 3], 10).as_detached_tensor();
+        let g1 = (&y * &c).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (&r * &c).unwrap().sum_all().unwrap().backward().unwrap();
+        close(g1.get(&mean).unwrap(), g2.get(&mean).unwrap(), 1e-5);
+        close(g1.get(&log_std).unwrap(), g2.get(&log_std).unwrap(), 1e-5);
+    }
+
+    #[test]
+    fn precomputed_losses_match_composition() {
+        let (a, b, c) = (var(&[4], 11), var(&[4], 12), var(&[2, 2], 13));
+        let grads = [
+            vec![1.0, -2.0, 0.5, 0.25],
+            vec![0.0, 3.0, -1.0, 2.0],
+            vec![0.5, 0.5, -0.5, 7.0],
+        ];
+        let fused = precomputed_loss3([&a, &b, &c], 1.25, grads.clone()).unwrap();
+        let composed = composed_on_cpu(|| precomputed_loss3([&a, &b, &c], 1.25, grads.clone()));
+        let composed = composed.unwrap();
+        assert_eq!(fused.to_scalar::<f32>().unwrap(), 1.25);
+        assert_eq!(composed.to_scalar::<f32>().unwrap(), 1.25);
+        // Scaled by an outer factor, as a weighted sum of losses is.
+        let g1 = (fused * 3.0).unwrap().backward().unwrap();
+        let g2 = (composed * 3.0).unwrap().backward().unwrap();
+        for v in [&a, &b, &c] {
+            close(g1.get(v).unwrap(), g2.get(v).unwrap(), 1e-6);
+        }
+        let single = composed_on_cpu(|| precomputed_loss(&a, -0.5, grads[0].clone())).unwrap();
+        assert_eq!(single.to_scalar::<f32>().unwrap(), -0.5);
+        let g = single.backward().unwrap();
+        close(
+            g.get(&a).unwrap(),
+            &Tensor::new(&grads[0][..], &Device::Cpu).unwrap(),
+            0.0,
+        );
     }
 }

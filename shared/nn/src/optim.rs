@@ -2,24 +2,98 @@
 //!
 //! Our own Adam rather than candle-nn's `AdamW` (which defaults to weight
 //! decay 0.01 and cannot save its state): the update is exactly
-//! `torch.optim.Adam`'s, computed in f32 directly on each `Var`'s storage in
-//! place (no temporaries), and its state (step count, first and second
+//! `torch.optim.Adam`'s, and its state (step count, first and second
 //! moments) saves to safetensors so a resumed run continues bit-for-bit.
 //! [`RmsProp`] (A2C's optimizer in SB3) is `torch.optim.RMSprop`, with the
-//! same in-place update and resumable state.
+//! same resumable state.
+//!
+//! Where the update runs follows the vars ([`crate::ops::fused_on`]): for
+//! vars on the CPU the moments are host buffers and one fused kernel per
+//! var updates parameter and moments in place (no temporaries); for vars on
+//! a GPU the moments are tensors beside them and the same formula runs as a
+//! handful of elementwise candle ops per var, so nothing crosses to the
+//! host. Both save the same state files.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::backprop::GradStore;
-use candle_core::{bail, CpuStorage, InplaceOp1, InplaceOp2, Layout, Storage, Tensor, Var};
+use candle_core::{bail, CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
 use crate::io::{read_safetensors, write_safetensors, NamedTensor};
 use crate::kernels::{self, AdamCoeffs};
-use crate::ops::cpu_f32;
+use crate::ops::{cpu_f32, fused_on};
+
+/// One buffer per var (a moment, an average): host vectors updated in place
+/// by the fused kernels when the vars are on the CPU, tensors on the vars'
+/// device otherwise. An unused buffer (RMSprop without centring or
+/// momentum) is empty.
+#[derive(Debug, Clone)]
+enum Buffers {
+    Host(Vec<Vec<f32>>),
+    Device(Vec<Tensor>),
+}
+
+impl Buffers {
+    /// Zeros shaped like each var (empty when `used` is false), where `fused` says.
+    fn zeros(vars: &[Var], used: bool, fused: bool) -> Result<Self> {
+        let host: Vec<Vec<f32>> = vars
+            .iter()
+            .map(|v| vec![0f32; if used { v.elem_count() } else { 0 }])
+            .collect();
+        Self::from_host(host, vars, fused)
+    }
+
+    /// Buffers holding `data` (validated by the caller against the vars).
+    fn from_host(data: Vec<Vec<f32>>, vars: &[Var], fused: bool) -> Result<Self> {
+        if fused {
+            return Ok(Self::Host(data));
+        }
+        let tensors = data
+            .into_iter()
+            .zip(vars)
+            .map(|(d, var)| {
+                if d.is_empty() {
+                    Tensor::zeros(0, DType::F32, var.device())
+                } else {
+                    Tensor::from_vec(d, var.shape(), var.device())
+                }
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self::Device(tensors))
+    }
+
+    /// A host copy.
+    fn to_host(&self) -> Result<Vec<Vec<f32>>> {
+        match self {
+            Self::Host(h) => Ok(h.clone()),
+            Self::Device(ts) => Ok(ts
+                .iter()
+                .map(|t| t.flatten_all()?.to_vec1::<f32>())
+                .collect::<candle_core::Result<_>>()?),
+        }
+    }
+}
+
+/// Whether `vars` take the fused CPU update; all must share one device and be f32.
+fn fused_vars(vars: &[Var]) -> Result<bool> {
+    let Some(first) = vars.first() else {
+        return Ok(true);
+    };
+    for (i, v) in vars.iter().enumerate() {
+        if v.dtype() != DType::F32 || !v.device().same_device(first.device()) {
+            return Err(NnError::bad_input(
+                "vars",
+                format!("f32 vars on one device ({:?})", first.device().location()),
+                format!("var {i}: {:?} on {:?}", v.dtype(), v.device().location()),
+            ));
+        }
+    }
+    Ok(fused_on(first.device()))
+}
 
 /// `format` metadata written into optimizer state files.
 pub const ADAM_FORMAT: &str = "relay-nn/adam";
@@ -110,14 +184,17 @@ pub struct AdamState {
 pub struct Adam {
     vars: Vec<Var>,
     config: AdamConfig,
-    state: AdamState,
+    /// Number of steps taken.
+    step: u64,
+    m: Buffers,
+    v: Buffers,
 }
 
 impl std::fmt::Debug for Adam {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Adam")
             .field("config", &self.config)
-            .field("step", &self.state.step)
+            .field("step", &self.step)
             .field("vars", &self.vars.len())
             .finish()
     }
@@ -211,12 +288,27 @@ fn sum_sq(t: &Tensor) -> Result<f64> {
 /// gradient are skipped) and returns it (pre-clip). If it exceeds `max_norm`
 /// every gradient is scaled in place by `max_norm / (norm + 1e-6)`. When the
 /// norm is not finite the gradients are left as they are: skip the step.
+///
+/// Gradients off the fused path are summed on their device and read back
+/// once, so a GPU step synchronises once here, not once per parameter.
 pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f32) -> Result<f32> {
     let mut total = 0f64;
+    let mut on_device: Option<Tensor> = None;
     for var in vars {
         if let Some(g) = grads.get(var) {
-            total += sum_sq(g)?;
+            if fused_on(g.device()) {
+                total += sum_sq(g)?;
+            } else {
+                let sq = g.to_dtype(DType::F32)?.sqr()?.sum_all()?;
+                on_device = Some(match on_device {
+                    None => sq,
+                    Some(sum) => sum.add(&sq)?,
+                });
+            }
         }
+    }
+    if let Some(sum) = on_device {
+        total += sum.to_scalar::<f32>()? as f64;
     }
     let norm = total.sqrt() as f32;
     if !norm.is_finite() {
@@ -226,8 +318,13 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f32) -> Res
     if coef < 1.0 {
         for var in vars {
             if let Some(g) = grads.get(var) {
-                let g = g.contiguous()?;
-                g.inplace_op1(&Scale(coef))?;
+                let g = if fused_on(g.device()) {
+                    let g = g.contiguous()?;
+                    g.inplace_op1(&Scale(coef))?;
+                    g
+                } else {
+                    g.affine(coef as f64, 0.0)?
+                };
                 grads.insert(var, g);
             }
         }
@@ -235,33 +332,45 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f32) -> Res
     Ok(norm)
 }
 
+/// The Adam update of one var from its gradient in elementwise candle ops
+/// on the var's device, the same formula as [`kernels::adam`].
+fn adam_composed(
+    var: &Var,
+    grad: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    c: AdamCoeffs,
+) -> Result<()> {
+    let p = var.as_detached_tensor();
+    let mut g = grad.detach();
+    if c.weight_decay != 0.0 {
+        g = g.add(&p.affine(c.weight_decay as f64, 0.0)?)?;
+    }
+    let new_m = m
+        .affine(c.beta1 as f64, 0.0)?
+        .add(&g.affine(1.0 - c.beta1 as f64, 0.0)?)?;
+    let new_v = v
+        .affine(c.beta2 as f64, 0.0)?
+        .add(&g.sqr()?.affine(1.0 - c.beta2 as f64, 0.0)?)?;
+    let denom = new_v.sqrt()?.affine(c.inv_bc2_sqrt as f64, c.eps as f64)?;
+    let update = new_m.div(&denom)?.affine(c.step_size as f64, 0.0)?;
+    var.set(&p.sub(&update)?)?;
+    (*m, *v) = (new_m, new_v);
+    Ok(())
+}
+
 impl Adam {
     /// A fresh optimizer (step 0, zero moments) over `vars`.
+    /// The vars must be f32 and on one device; the update runs there.
     pub fn new(vars: Vec<Var>, config: AdamConfig) -> Result<Self> {
         config.validate()?;
-        for (i, v) in vars.iter().enumerate() {
-            if v.dtype() != candle_core::DType::F32 || !v.device().is_cpu() {
-                return Err(NnError::bad_input(
-                    "vars",
-                    "f32 vars on the CPU",
-                    format!("var {i}: {:?}", v.dtype()),
-                ));
-            }
-        }
-        let zeros = || {
-            vars.iter()
-                .map(|v| vec![0f32; v.elem_count()])
-                .collect::<Vec<_>>()
-        };
-        let state = AdamState {
-            step: 0,
-            m: zeros(),
-            v: zeros(),
-        };
+        let fused = fused_vars(&vars)?;
         Ok(Self {
+            m: Buffers::zeros(&vars, true, fused)?,
+            v: Buffers::zeros(&vars, true, fused)?,
             vars,
             config,
-            state,
+            step: 0,
         })
     }
 
@@ -282,7 +391,7 @@ impl Adam {
 
     /// Number of steps taken so far.
     pub fn step_count(&self) -> u64 {
-        self.state.step
+        self.step
     }
 
     /// The vars being optimised, in the order given to [`Self::new`].
@@ -293,8 +402,8 @@ impl Adam {
     /// One Adam step using the gradients in `grads` (from `loss.backward()`,
     /// optionally clipped by [`clip_grad_norm`]). Updates the vars in place.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
-        self.state.step += 1;
-        let t = self.state.step as f64;
+        self.step += 1;
+        let t = self.step as f64;
         let c = &self.config;
         let coeffs = AdamCoeffs {
             beta1: c.beta1 as f32,
@@ -304,30 +413,41 @@ impl Adam {
             eps: c.eps as f32,
             weight_decay: c.weight_decay as f32,
         };
-        for ((var, m), v) in self
-            .vars
-            .iter()
-            .zip(&mut self.state.m)
-            .zip(&mut self.state.v)
-        {
-            let Some(g) = grads.get(var) else { continue };
-            let kernel = AdamKernel {
-                m: RefCell::new(m),
-                v: RefCell::new(v),
-                coeffs,
-            };
-            if g.is_contiguous() {
-                var.inplace_op2(g, &kernel)?;
-            } else {
-                var.inplace_op2(&g.contiguous()?, &kernel)?;
+        match (&mut self.m, &mut self.v) {
+            (Buffers::Host(ms), Buffers::Host(vs)) => {
+                for ((var, m), v) in self.vars.iter().zip(ms).zip(vs) {
+                    let Some(g) = grads.get(var) else { continue };
+                    let kernel = AdamKernel {
+                        m: RefCell::new(m),
+                        v: RefCell::new(v),
+                        coeffs,
+                    };
+                    if g.is_contiguous() {
+                        var.inplace_op2(g, &kernel)?;
+                    } else {
+                        var.inplace_op2(&g.contiguous()?, &kernel)?;
+                    }
+                }
             }
+            (Buffers::Device(ms), Buffers::Device(vs)) => {
+                for ((var, m), v) in self.vars.iter().zip(ms).zip(vs) {
+                    let Some(g) = grads.get(var) else { continue };
+                    adam_composed(var, g, m, v, coeffs)?;
+                }
+            }
+            _ => unreachable!("both moments are built on the same side"),
         }
         Ok(())
     }
 
-    /// A copy of the resumable state.
-    pub fn state(&self) -> AdamState {
-        self.state.clone()
+    /// A copy of the resumable state (read back from the device when the
+    /// vars live on one).
+    pub fn state(&self) -> Result<AdamState> {
+        Ok(AdamState {
+            step: self.step,
+            m: self.m.to_host()?,
+            v: self.v.to_host()?,
+        })
     }
 
     /// Restores a state taken from an optimizer over vars of the same shapes.
@@ -366,7 +486,10 @@ impl Adam {
                 }
             }
         }
-        self.state = state;
+        let fused = matches!(self.m, Buffers::Host(_));
+        let m = Buffers::from_host(state.m, &self.vars, fused)?;
+        let v = Buffers::from_host(state.v, &self.vars, fused)?;
+        (self.step, self.m, self.v) = (state.step, m, v);
         Ok(())
     }
 
@@ -375,23 +498,21 @@ impl Adam {
     /// the metadata for reference but are not restored by [`Self::load`]:
     /// they come from the config the optimizer is built with.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let state = self.state()?;
         let mut tensors: Vec<NamedTensor> = Vec::with_capacity(2 * self.vars.len());
-        for (i, var) in self.vars.iter().enumerate() {
-            tensors.push((
-                format!("m.{i}"),
-                var.dims().to_vec(),
-                self.state.m[i].clone(),
-            ));
-            tensors.push((
-                format!("v.{i}"),
-                var.dims().to_vec(),
-                self.state.v[i].clone(),
-            ));
+        for ((i, var), (m, v)) in self
+            .vars
+            .iter()
+            .enumerate()
+            .zip(state.m.into_iter().zip(state.v))
+        {
+            tensors.push((format!("m.{i}"), var.dims().to_vec(), m));
+            tensors.push((format!("v.{i}"), var.dims().to_vec(), v));
         }
         let c = &self.config;
         let meta: HashMap<String, String> = [
             ("format", ADAM_FORMAT.to_string()),
-            ("step", self.state.step.to_string()),
+            ("step", state.step.to_string()),
             ("num_vars", self.vars.len().to_string()),
             ("lr", c.lr.to_string()),
             ("beta1", c.beta1.to_string()),
@@ -552,14 +673,18 @@ pub struct RmsPropState {
 pub struct RmsProp {
     vars: Vec<Var>,
     config: RmsPropConfig,
-    state: RmsPropState,
+    /// Number of steps taken.
+    step: u64,
+    square_avg: Buffers,
+    grad_avg: Buffers,
+    momentum_buffer: Buffers,
 }
 
 impl std::fmt::Debug for RmsProp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RmsProp")
             .field("config", &self.config)
-            .field("step", &self.state.step)
+            .field("step", &self.step)
             .field("vars", &self.vars.len())
             .finish()
     }
@@ -634,40 +759,57 @@ impl InplaceOp2 for RmsPropKernel<'_> {
     }
 }
 
+/// The RMSprop update of one var in elementwise candle ops on its device,
+/// the same formula as [`RmsPropKernel`]; `buffers` are the square average,
+/// the gradient average and the momentum buffer (the last two empty when
+/// unused).
+fn rmsprop_composed(
+    c: &RmsPropConfig,
+    var: &Var,
+    grad: &Tensor,
+    buffers: [&mut Tensor; 3],
+) -> Result<()> {
+    let [square_avg, grad_avg, momentum_buffer] = buffers;
+    let p = var.as_detached_tensor();
+    let mut g = grad.detach();
+    if c.weight_decay != 0.0 {
+        g = g.add(&p.affine(c.weight_decay, 0.0)?)?;
+    }
+    let keep = |t: &Tensor, new: &Tensor| -> candle_core::Result<Tensor> {
+        t.affine(c.alpha, 0.0)?
+            .add(&new.affine(1.0 - c.alpha, 0.0)?)
+    };
+    *square_avg = keep(square_avg, &g.sqr()?)?;
+    let spread = if c.centered {
+        *grad_avg = keep(grad_avg, &g)?;
+        square_avg.sub(&grad_avg.sqr()?)?
+    } else {
+        square_avg.clone()
+    };
+    let step = g.div(&spread.sqrt()?.affine(1.0, c.eps)?)?;
+    let update = if c.momentum > 0.0 {
+        *momentum_buffer = momentum_buffer.affine(c.momentum, 0.0)?.add(&step)?;
+        momentum_buffer.clone()
+    } else {
+        step
+    };
+    var.set(&p.sub(&update.affine(c.lr, 0.0)?)?)?;
+    Ok(())
+}
+
 impl RmsProp {
     /// A fresh optimizer (zero averages) over `vars`.
+    /// The vars must be f32 and on one device; the update runs there.
     pub fn new(vars: Vec<Var>, config: RmsPropConfig) -> Result<Self> {
         config.validate()?;
-        for (i, v) in vars.iter().enumerate() {
-            if v.dtype() != candle_core::DType::F32 || !v.device().is_cpu() {
-                return Err(NnError::bad_input(
-                    "vars",
-                    "f32 vars on the CPU",
-                    format!("var {i}: {:?}", v.dtype()),
-                ));
-            }
-        }
-        let buffers = |on: bool| -> Vec<Vec<f32>> {
-            vars.iter()
-                .map(|v| {
-                    if on {
-                        vec![0f32; v.elem_count()]
-                    } else {
-                        Vec::new()
-                    }
-                })
-                .collect()
-        };
-        let state = RmsPropState {
-            step: 0,
-            square_avg: buffers(true),
-            grad_avg: buffers(config.centered),
-            momentum_buffer: buffers(config.momentum > 0.0),
-        };
+        let fused = fused_vars(&vars)?;
         Ok(Self {
+            square_avg: Buffers::zeros(&vars, true, fused)?,
+            grad_avg: Buffers::zeros(&vars, config.centered, fused)?,
+            momentum_buffer: Buffers::zeros(&vars, config.momentum > 0.0, fused)?,
             vars,
             config,
-            state,
+            step: 0,
         })
     }
 
@@ -688,7 +830,7 @@ impl RmsProp {
 
     /// Number of steps taken so far.
     pub fn step_count(&self) -> u64 {
-        self.state.step
+        self.step
     }
 
     /// The vars being optimised, in the order given to [`Self::new`].
@@ -698,28 +840,48 @@ impl RmsProp {
 
     /// One step using the gradients in `grads`; updates the vars in place.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
-        self.state.step += 1;
-        let s = &mut self.state;
-        for (i, var) in self.vars.iter().enumerate() {
-            let Some(g) = grads.get(var) else { continue };
-            let kernel = RmsPropKernel {
-                config: self.config,
-                square_avg: RefCell::new(&mut s.square_avg[i]),
-                grad_avg: RefCell::new(&mut s.grad_avg[i]),
-                momentum_buffer: RefCell::new(&mut s.momentum_buffer[i]),
-            };
-            if g.is_contiguous() {
-                var.inplace_op2(g, &kernel)?;
-            } else {
-                var.inplace_op2(&g.contiguous()?, &kernel)?;
+        self.step += 1;
+        match (
+            &mut self.square_avg,
+            &mut self.grad_avg,
+            &mut self.momentum_buffer,
+        ) {
+            (Buffers::Host(sq), Buffers::Host(avg), Buffers::Host(mom)) => {
+                for (i, var) in self.vars.iter().enumerate() {
+                    let Some(g) = grads.get(var) else { continue };
+                    let kernel = RmsPropKernel {
+                        config: self.config,
+                        square_avg: RefCell::new(&mut sq[i]),
+                        grad_avg: RefCell::new(&mut avg[i]),
+                        momentum_buffer: RefCell::new(&mut mom[i]),
+                    };
+                    if g.is_contiguous() {
+                        var.inplace_op2(g, &kernel)?;
+                    } else {
+                        var.inplace_op2(&g.contiguous()?, &kernel)?;
+                    }
+                }
             }
+            (Buffers::Device(sq), Buffers::Device(avg), Buffers::Device(mom)) => {
+                for (i, var) in self.vars.iter().enumerate() {
+                    let Some(g) = grads.get(var) else { continue };
+                    rmsprop_composed(&self.config, var, g, [&mut sq[i], &mut avg[i], &mut mom[i]])?;
+                }
+            }
+            _ => unreachable!("every buffer is built on the same side"),
         }
         Ok(())
     }
 
-    /// A copy of the resumable state.
-    pub fn state(&self) -> RmsPropState {
-        self.state.clone()
+    /// A copy of the resumable state (read back from the device when the
+    /// vars live on one).
+    pub fn state(&self) -> Result<RmsPropState> {
+        Ok(RmsPropState {
+            step: self.step,
+            square_avg: self.square_avg.to_host()?,
+            grad_avg: self.grad_avg.to_host()?,
+            momentum_buffer: self.momentum_buffer.to_host()?,
+        })
     }
 
     /// Restores a state taken from an optimizer with the same config over
@@ -763,29 +925,36 @@ impl RmsProp {
                 }
             }
         }
-        self.state = state;
+        let fused = matches!(self.square_avg, Buffers::Host(_));
+        let square_avg = Buffers::from_host(state.square_avg, &self.vars, fused)?;
+        let grad_avg = Buffers::from_host(state.grad_avg, &self.vars, fused)?;
+        let momentum_buffer = Buffers::from_host(state.momentum_buffer, &self.vars, fused)?;
+        self.step = state.step;
+        (self.square_avg, self.grad_avg, self.momentum_buffer) =
+            (square_avg, grad_avg, momentum_buffer);
         Ok(())
     }
 
     /// Writes the state (step in the metadata; `square_avg.{i}`, and
     /// `grad_avg.{i}` / `momentum_buffer.{i}` when used) to a safetensors file.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let state = self.state()?;
         let mut tensors: Vec<NamedTensor> = Vec::new();
         for (kind, bufs) in [
-            ("square_avg", &self.state.square_avg),
-            ("grad_avg", &self.state.grad_avg),
-            ("momentum_buffer", &self.state.momentum_buffer),
+            ("square_avg", state.square_avg),
+            ("grad_avg", state.grad_avg),
+            ("momentum_buffer", state.momentum_buffer),
         ] {
-            for (i, (buf, var)) in bufs.iter().zip(&self.vars).enumerate() {
+            for (i, (buf, var)) in bufs.into_iter().zip(&self.vars).enumerate() {
                 if !buf.is_empty() {
-                    tensors.push((format!("{kind}.{i}"), var.dims().to_vec(), buf.clone()));
+                    tensors.push((format!("{kind}.{i}"), var.dims().to_vec(), buf));
                 }
             }
         }
         let c = &self.config;
         let meta: HashMap<String, String> = [
             ("format", RMSPROP_FORMAT.to_string()),
-            ("step", self.state.step.to_string()),
+            ("step", state.step.to_string()),
             ("num_vars", self.vars.len().to_string()),
             ("lr", c.lr.to_string()),
             ("alpha", c.alpha.to_string()),
@@ -926,7 +1095,7 @@ mod rmsprop_tests {
                 }
                 opt.step(&loss(&var).backward().unwrap()).unwrap();
                 if step == 1 {
-                    state_after_2 = Some(opt.state());
+                    state_after_2 = Some(opt.state().unwrap());
                     p_after_2 = Some(var.as_tensor().to_vec1::<f32>().unwrap());
                 }
             }
@@ -962,5 +1131,128 @@ mod rmsprop_tests {
             }
         )
         .is_err());
+    }
+}
+
+#[cfg(test)]
+mod composed_tests {
+    //! The device-generic updates (what a GPU runs) against the fused CPU
+    //! kernels: same parameters step by step, same saved state, and a state
+    //! taken on one side resumes on the other.
+    use super::*;
+    use crate::ops::composed_on_cpu;
+    use candle_core::Device;
+
+    fn vars() -> Vec<Var> {
+        [vec![0.5f32, 1.0, -2.0, 0.25], vec![3.0f32, -0.5]]
+            .iter()
+            .map(|p| Var::from_slice(p, p.len(), &Device::Cpu).unwrap())
+            .collect()
+    }
+
+    /// `sum(k * p^2 / 2)` with a per-step `k`: gradients vary in sign and size.
+    fn grads(vars: &[Var], step: usize) -> GradStore {
+        let mut loss = Tensor::new(0f32, &Device::Cpu).unwrap();
+        for (i, v) in vars.iter().enumerate() {
+            let k = (((step * 7 + i * 3) % 5) as f64 - 2.0) * 0.7 + 0.1;
+            let term = (v.as_tensor().sqr().unwrap().sum_all().unwrap() * (0.5 * k)).unwrap();
+            loss = (loss + term).unwrap();
+        }
+        loss.backward().unwrap()
+    }
+
+    fn values(vars: &[Var]) -> Vec<Vec<f32>> {
+        vars.iter()
+            .map(|v| v.as_tensor().to_vec1().unwrap())
+            .collect()
+    }
+
+    fn close(a: &[Vec<f32>], b: &[Vec<f32>], tol: f32) {
+        for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+            assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{x} vs {y}");
+        }
+    }
+
+    #[test]
+    fn adam_on_the_device_path_matches_the_fused_kernel() {
+        let config = AdamConfig {
+            lr: 0.05,
+            weight_decay: 0.01,
+            ..Default::default()
+        };
+        let (fused_vars, device_vars) = (vars(), vars());
+        let mut fused = Adam::new(fused_vars.clone(), config).unwrap();
+        let mut device = composed_on_cpu(|| Adam::new(device_vars.clone(), config)).unwrap();
+        assert!(matches!(device.m, Buffers::Device(_)));
+        for step in 0..6 {
+            fused.step(&grads(&fused_vars, step)).unwrap();
+            device.step(&grads(&device_vars, step)).unwrap();
+            close(&values(&fused_vars), &values(&device_vars), 1e-6);
+        }
+        let (a, b) = (fused.state().unwrap(), device.state().unwrap());
+        assert_eq!(a.step, b.step);
+        close(&a.m, &b.m, 1e-6);
+        close(&a.v, &b.v, 1e-6);
+        // The fused state resumes on the device path and goes on alike.
+        device.set_state(a).unwrap();
+        for step in 6..8 {
+            fused.step(&grads(&fused_vars, step)).unwrap();
+            device.step(&grads(&device_vars, step)).unwrap();
+        }
+        close(&values(&fused_vars), &values(&device_vars), 1e-6);
+    }
+
+    #[test]
+    fn rmsprop_on_the_device_path_matches_the_fused_kernel() {
+        for config in [
+            RmsPropConfig::default(),
+            RmsPropConfig {
+                lr: 0.01,
+                centered: true,
+                momentum: 0.9,
+                weight_decay: 0.1,
+                ..Default::default()
+            },
+        ] {
+            let (fused_vars, device_vars) = (vars(), vars());
+            let mut fused = RmsProp::new(fused_vars.clone(), config).unwrap();
+            let mut device = composed_on_cpu(|| RmsProp::new(device_vars.clone(), config)).unwrap();
+            for step in 0..6 {
+                fused.step(&grads(&fused_vars, step)).unwrap();
+                device.step(&grads(&device_vars, step)).unwrap();
+                close(&values(&fused_vars), &values(&device_vars), 1e-6);
+            }
+            let (a, b) = (fused.state().unwrap(), device.state().unwrap());
+            close(&a.square_avg, &b.square_avg, 1e-6);
+            close(&a.grad_avg, &b.grad_avg, 1e-6);
+            close(&a.momentum_buffer, &b.momentum_buffer, 1e-6);
+            assert_eq!(
+                a.momentum_buffer.iter().map(Vec::len).collect::<Vec<_>>(),
+                b.momentum_buffer.iter().map(Vec::len).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    #[test]
+    fn clipping_on_the_device_path_matches_the_fused_one() {
+        let vars = vars();
+        let mut fused = grads(&vars, 1);
+        let mut device = grads(&vars, 1);
+        let n1 = clip_grad_norm(&mut fused, &vars, 0.3).unwrap();
+        let n2 = composed_on_cpu(|| clip_grad_norm(&mut device, &vars, 0.3)).unwrap();
+        assert!((n1 - n2).abs() < 1e-6 * n1, "{n1} vs {n2}");
+        assert!(n1 > 0.3, "the test must clip");
+        for v in &vars {
+            let a: Vec<f32> = fused.get(v).unwrap().to_vec1().unwrap();
+            let b: Vec<f32> = device.get(v).unwrap().to_vec1().unwrap();
+            close(&[a], &[b], 1e-6);
+        }
+    }
+
+    #[test]
+    fn vars_on_different_devices_or_dtypes_are_refused() {
+        let bf16 = Var::from_tensor(&Tensor::zeros(2, DType::BF16, &Device::Cpu).unwrap()).unwrap();
+        let err = Adam::new(vec![vars()[0].clone(), bf16], AdamConfig::default()).unwrap_err();
+        assert!(err.to_string().contains("var 1"), "{err}");
     }
 }
