@@ -909,12 +909,13 @@ impl Cnn {
         how: LayerInit,
         init: &mut Init<'_>,
         params: &mut Vec<(String, Var)>,
+        device: &Device,
     ) -> Result<Self> {
         let shapes = spec.output_shapes()?;
         let mut input = spec.input;
         let mut layer = |name: String, kind: &ConvKind| {
             let (c, k) = (kind.geometry.channels, kind.geometry.kernel);
-            new_layer(&name, &[kind.out, c, k, k], how, init, params)
+            new_layer(&name, &[kind.out, c, k, k], how, init, params, device)
         };
         let kind = |input, (kernel, stride, pad), out, pre, relu, channels_last| ConvKind {
             geometry: Geometry::new(input, kernel, stride, pad, channels_last),
@@ -989,6 +990,7 @@ impl Cnn {
             how,
             init,
             params,
+            device,
         )?;
         let largest = match &body {
             Body::Plain(convs) => convs.iter().map(|c| c.kind.patch_values()).max(),
@@ -1583,6 +1585,7 @@ mod tests {
             LayerInit::Orthogonal(2f64.sqrt()),
             &mut Init::Draw(&mut rng(0)),
             &mut params,
+            &Device::Cpu,
         )
         .unwrap();
         for (name, var) in &params {

@@ -20,7 +20,7 @@
 //! but bootstraps from the truncated step's final observation, as SB3 does
 //! (`handle_timeout_termination`).
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
@@ -288,7 +288,7 @@ pub fn dqn_loss(
         batch.discounts,
     )?;
 
-    let obs = Tensor::from_slice(batch.obs, (b, d), &Device::Cpu)?;
+    let obs = Tensor::from_slice(batch.obs, (b, d), online.device())?;
     let q_all = online.forward(&obs)?;
     let q_host: Vec<f32> = with_f32(&q_all, "dqn_loss", |q| q.to_vec())?;
     let delta = config.huber_delta;

@@ -142,11 +142,12 @@ pub(crate) fn new_layer(
     how: LayerInit,
     init: &mut Init<'_>,
     params: &mut Vec<(String, Var)>,
+    device: &Device,
 ) -> Result<Dense> {
     let out = shape[0];
     let (w, b) = init.layer(how, out, shape[1..].iter().product());
-    let w = Var::from_vec(w, shape, &Device::Cpu)?;
-    let b = Var::from_vec(b, out, &Device::Cpu)?;
+    let w = Var::from_vec(w, shape, device)?;
+    let b = Var::from_vec(b, out, device)?;
     params.push((format!("{name}.weight"), w.clone()));
     params.push((format!("{name}.bias"), b.clone()));
     Ok(Dense { w, b })
@@ -245,7 +246,7 @@ impl ActorCritic {
     /// layers ([`TrunkLayout::Separate`] is exactly [`Self::new`]).
     pub fn with_layout(spec: &PolicySpec, layout: TrunkLayout, seed: u64) -> Result<Self> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        Self::build(spec, layout, Init::Draw(&mut rng))
+        Self::build(spec, layout, Init::Draw(&mut rng), &Device::Cpu)
     }
 
     /// A model of `layout` holding `tensors` (validated as
@@ -256,15 +257,34 @@ impl ActorCritic {
         layout: TrunkLayout,
         tensors: &[NamedTensor],
     ) -> Result<Self> {
-        let mut model = Self::build(spec, layout, Init::Zeros)?;
+        let mut model = Self::build(spec, layout, Init::Zeros, &Device::Cpu)?;
         model.load_named_tensors(tensors)?;
         Ok(model)
     }
 
-    fn build(spec: &PolicySpec, layout: TrunkLayout, mut init: Init<'_>) -> Result<Self> {
+    /// A copy of this model with its parameters on `device` (a GPU: the
+    /// graph paths then run there, composed from candle's ops, and `act`
+    /// reads back only its outputs). The copy trains and acts alone; this
+    /// one is unchanged.
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        let mut model = Self::build(&self.spec, self.layout, Init::Zeros, device)?;
+        model.load_named_tensors(&self.named_tensors())?;
+        Ok(model)
+    }
+
+    /// The device the parameters live on.
+    pub fn device(&self) -> &Device {
+        self.value_head.b.device()
+    }
+
+    fn build(
+        spec: &PolicySpec,
+        layout: TrunkLayout,
+        mut init: Init<'_>,
+        dev: &Device,
+    ) -> Result<Self> {
         spec.validate()?;
         let mut params: Vec<(String, Var)> = Vec::new();
-        let dev = Device::Cpu;
         let hidden_gain = 2f64.sqrt();
         let cnn = match &spec.cnn {
             Some(c) => Some(Cnn::new(
@@ -272,6 +292,7 @@ impl ActorCritic {
                 LayerInit::Orthogonal(hidden_gain),
                 &mut init,
                 &mut params,
+                dev,
             )?),
             None => None,
         };
@@ -287,6 +308,7 @@ impl ActorCritic {
                 LayerInit::Orthogonal(gain),
                 init,
                 &mut params,
+                dev,
             )
         };
         let mut build_trunk = |net: &str, init: &mut Init<'_>| -> Result<Vec<Dense>> {
@@ -327,7 +349,7 @@ impl ActorCritic {
         let log_std = match &spec.action {
             ActionKind::Discrete { .. } => None,
             ActionKind::Continuous { dim, .. } => {
-                let v = Var::from_vec(vec![spec.init_log_std; *dim], *dim, &dev)?;
+                let v = Var::from_vec(vec![spec.init_log_std; *dim], *dim, dev)?;
                 params.push(("log_std".into(), v.clone()));
                 Some(v)
             }
@@ -410,6 +432,9 @@ impl ActorCritic {
     /// 128 KiB and more are mmapped (or trimmed back to the OS) and freshly
     /// page-faulted on every call, which made a 512-row `act` 1.8x slower.
     fn infer(&self, obs: &[f32], n: usize, actor: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+        if !ops::fused_on(self.device()) {
+            return self.infer_on_device(obs, n);
+        }
         let features;
         let obs = match &self.cnn {
             Some(cnn) => {
@@ -467,6 +492,18 @@ impl ActorCritic {
             )?);
         }
         Ok((head, values))
+    }
+
+    /// [`Self::infer`] off the fused path: the graph forward on the
+    /// parameters' device, one upload of the observations and one read-back
+    /// of the head and the values.
+    fn infer_on_device(&self, obs: &[f32], n: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let x = Tensor::from_slice(obs, (n, self.spec.obs_dim), self.device())?;
+        let (head, values) = self.heads_graph(&x)?;
+        Ok((
+            head.detach().flatten_all()?.to_vec1()?,
+            values.detach().flatten_all()?.to_vec1()?,
+        ))
     }
 
     /// Chooses actions for `n` observations (`obs` is `n * obs_dim` values,

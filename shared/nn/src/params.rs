@@ -9,11 +9,11 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{bail, CpuStorage, Device, InplaceOp2, Layout, Tensor, Var};
+use candle_core::{bail, CpuStorage, InplaceOp2, Layout, Tensor, Var};
 
 use crate::error::{NnError, Result};
 use crate::io::{read_safetensors, write_safetensors, NamedTensor};
-use crate::ops::{cpu_f32, with_f32};
+use crate::ops::{cpu_f32, fused_on, with_f32};
 
 /// Parameters sorted by name (names unique).
 #[derive(Clone, Default)]
@@ -89,7 +89,7 @@ impl Params {
             .iter()
             .map(|(name, var)| {
                 let data = with_f32(var.as_tensor(), "named_tensors", |d| d.to_vec())
-                    .expect("parameters are contiguous f32 tensors on the CPU");
+                    .expect("parameters are f32 tensors");
                 (name.clone(), var.dims().to_vec(), data)
             })
             .collect()
@@ -154,7 +154,7 @@ impl Params {
         // Validated: building the tensors and `Var::set` cannot fail now.
         for (name, var) in &self.0 {
             let (shape, data) = given[name.as_str()];
-            var.set(&Tensor::from_slice(data, shape, &Device::Cpu)?)?;
+            var.set(&Tensor::from_slice(data, shape, var.device())?)?;
         }
         Ok(())
     }
@@ -227,8 +227,13 @@ impl Params {
             return self.copy_unchecked(source);
         }
         for ((_, t), (_, s)) in self.0.iter().zip(&source.0) {
-            let s = s.as_tensor().contiguous()?;
-            t.inplace_op2(&s, &Polyak(tau))?;
+            if fused_on(t.device()) {
+                let s = s.as_tensor().contiguous()?;
+                t.inplace_op2(&s, &Polyak(tau))?;
+            } else {
+                let kept = t.as_detached_tensor().affine(1.0 - tau as f64, 0.0)?;
+                t.set(&kept.add(&s.as_detached_tensor().affine(tau as f64, 0.0)?)?)?;
+            }
         }
         Ok(())
     }

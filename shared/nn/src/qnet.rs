@@ -37,7 +37,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
@@ -168,6 +168,8 @@ impl fmt::Debug for QNetwork {
 pub(crate) struct LayerBuilder<'a> {
     pub(crate) params: Vec<(String, Var)>,
     pub(crate) init: Init<'a>,
+    /// Where the parameters are placed.
+    pub(crate) device: Device,
 }
 
 impl LayerBuilder<'_> {
@@ -178,6 +180,7 @@ impl LayerBuilder<'_> {
             LayerInit::FanIn,
             &mut self.init,
             &mut self.params,
+            &self.device,
         )
     }
 
@@ -213,25 +216,50 @@ impl QNetwork {
     /// A freshly initialised network; deterministic given `seed`.
     pub fn new(spec: &QNetSpec, seed: u64) -> Result<Self> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        Self::build(spec, Init::Draw(&mut rng))
+        Self::build(spec, Init::Draw(&mut rng), &Device::Cpu)
     }
 
     /// A network holding `tensors` (validated as
     /// [`Self::load_named_tensors`]), with no init drawn.
     pub fn from_named_tensors(spec: &QNetSpec, tensors: &[NamedTensor]) -> Result<Self> {
-        let mut net = Self::build(spec, Init::Zeros)?;
+        let mut net = Self::build(spec, Init::Zeros, &Device::Cpu)?;
         net.load_named_tensors(tensors)?;
         Ok(net)
     }
 
-    fn build(spec: &QNetSpec, init: Init<'_>) -> Result<Self> {
+    /// A copy of this network with its parameters on `device` (see
+    /// [`crate::ActorCritic::to_device`]).
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        let mut net = Self::build(&self.spec, Init::Zeros, device)?;
+        net.load_named_tensors(&self.named_tensors())?;
+        Ok(net)
+    }
+
+    /// The device the parameters live on.
+    pub fn device(&self) -> &Device {
+        self.params
+            .iter()
+            .next()
+            .expect("a network has parameters")
+            .1
+            .device()
+    }
+
+    fn build(spec: &QNetSpec, init: Init<'_>, device: &Device) -> Result<Self> {
         spec.validate()?;
         let mut b = LayerBuilder {
             params: Vec::new(),
             init,
+            device: device.clone(),
         };
         let cnn = match &spec.cnn {
-            Some(c) => Some(Cnn::new(c, LayerInit::FanIn, &mut b.init, &mut b.params)?),
+            Some(c) => Some(Cnn::new(
+                c,
+                LayerInit::FanIn,
+                &mut b.init,
+                &mut b.params,
+                device,
+            )?),
             None => None,
         };
         let trunk = b.trunk("q_net", spec.features_dim(), &spec.hidden)?;
@@ -260,7 +288,7 @@ impl QNetwork {
     /// A network of the same spec whose parameters equal this one's (the
     /// initial target network).
     pub fn duplicate(&self) -> Result<Self> {
-        let copy = Self::build(&self.spec, Init::Zeros)?;
+        let copy = Self::build(&self.spec, Init::Zeros, self.device())?;
         copy.copy_from(self)?;
         Ok(copy)
     }
@@ -301,6 +329,11 @@ impl QNetwork {
     /// values row-major; no graph.
     pub fn q_values(&self, obs: &[f32], n: usize) -> Result<Vec<f32>> {
         self.check_obs(obs, n)?;
+        if !crate::ops::fused_on(self.device()) {
+            // The graph forward where the parameters are; one read-back.
+            let x = Tensor::from_slice(obs, (n, self.spec.obs_dim), self.device())?;
+            return Ok(self.forward(&x)?.detach().flatten_all()?.to_vec1()?);
+        }
         let features;
         let x = match &self.cnn {
             Some(cnn) => {

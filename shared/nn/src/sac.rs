@@ -233,6 +233,7 @@ impl SacActor {
         let mut b = LayerBuilder {
             params: Vec::new(),
             init: Init::Draw(&mut rng),
+            device: Device::Cpu,
         };
         Self::build(spec, &mut b)
     }
@@ -244,6 +245,7 @@ impl SacActor {
         let mut b = LayerBuilder {
             params: Vec::new(),
             init: Init::Zeros,
+            device: Device::Cpu,
         };
         let mut actor = Self::build(spec, &mut b)?;
         actor.load_named_tensors(tensors)?;
@@ -557,6 +559,7 @@ impl Sac {
         let mut b = LayerBuilder {
             params: Vec::new(),
             init: Init::Draw(&mut rng),
+            device: Device::Cpu,
         };
         let actor = SacActor::build(spec, &mut b)?;
         let critic = TwinCritic::build(spec, "critic", &mut b)?;
