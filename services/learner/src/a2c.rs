@@ -66,8 +66,10 @@ pub fn update(
     let ent_coef = cfg.ent_coef.value(progress);
     optimizer.set_lr(learning_rate);
     let rows: Vec<usize> = (0..rollout.len).collect();
-    let (logprob, entropy, values) =
-        model.evaluate(&rollout.obs_tensor(&rows)?, &rollout.actions_tensor(&rows)?)?;
+    let (logprob, entropy, values) = model.evaluate(
+        &rollout.obs_tensor(&rows, model.device())?,
+        &rollout.actions_tensor(&rows, model.device())?,
+    )?;
     let loss = a2c_loss(
         &A2cLossConfig {
             ent_coef,

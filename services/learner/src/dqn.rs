@@ -212,7 +212,10 @@ impl Dqn {
     pub(crate) fn new(cfg: &ExperimentConfig) -> Result<Self, ServiceError> {
         let d = cfg.dqn.clone();
         let spec = relay_policy::qnet_spec_for(cfg).map_err(ServiceError::other)?;
-        let online = QNetwork::new(&spec, cfg.run.seed).map_err(ServiceError::other)?;
+        let device = relay_policy::policy_device(cfg).map_err(ServiceError::other)?;
+        let online = QNetwork::new(&spec, cfg.run.seed)
+            .and_then(|net| net.to_device(&device))
+            .map_err(ServiceError::other)?;
         let target = online.duplicate().map_err(ServiceError::other)?;
         let optimizer = Adam::new(
             online.vars(),

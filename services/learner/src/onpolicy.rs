@@ -204,7 +204,9 @@ pub(crate) async fn run(
 ) -> Result<(), ServiceError> {
     let cfg = service.config.clone();
     let spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
+    let device = relay_policy::policy_device(&cfg).map_err(ServiceError::other)?;
     let mut model = ActorCritic::with_layout(&spec, cfg.policy.trunk, cfg.run.seed)
+        .and_then(|m| m.to_device(&device))
         .map_err(ServiceError::other)?;
     let mut optimizer = Optimizer::for_run(&cfg, model.vars()).map_err(ServiceError::other)?;
     // The run's normalisation statistics (`normalize` section), merged from

@@ -111,8 +111,8 @@ pub fn update(
         for chunk in indices.chunks(minibatch) {
             let m = chunk.len();
             let gather = |src: &[f32]| -> Vec<f32> { chunk.iter().map(|&j| src[j]).collect() };
-            let obs = rollout.obs_tensor(chunk)?;
-            let actions = rollout.actions_tensor(chunk)?;
+            let obs = rollout.obs_tensor(chunk, model.device())?;
+            let actions = rollout.actions_tensor(chunk, model.device())?;
             let (old_logprob, old_values) =
                 (gather(&rollout.old_logprobs), gather(&rollout.old_values));
             let (advantages, returns) = (gather(&rollout.advantages), gather(&rollout.returns));

@@ -28,7 +28,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use relay_config::{Baseline, ReinforceConfig};
 use relay_kit::gauge;
 use relay_nn::{discounted_returns, reinforce_loss, ActorCritic, ReinforceInputs};
@@ -311,21 +311,22 @@ pub fn update(
         .iter()
         .flat_map(|e| e.obs.iter().copied())
         .collect();
-    let obs = Tensor::from_vec(obs, (len, d), &Device::Cpu)?;
+    let device = model.device();
+    let obs = Tensor::from_vec(obs, (len, d), device)?;
     let actions = match &spec.action {
         relay_nn::ActionKind::Discrete { .. } => {
             let a: Vec<u32> = episodes
                 .iter()
                 .flat_map(|e| e.actions_discrete.iter().copied())
                 .collect();
-            Tensor::from_vec(a, len, &Device::Cpu)?
+            Tensor::from_vec(a, len, device)?
         }
         relay_nn::ActionKind::Continuous { dim, .. } => {
             let a: Vec<f32> = episodes
                 .iter()
                 .flat_map(|e| e.actions_continuous.iter().copied())
                 .collect();
-            Tensor::from_vec(a, (len, *dim), &Device::Cpu)?
+            Tensor::from_vec(a, (len, *dim), device)?
         }
     };
     let (logprob, entropy, values) = model.evaluate(&obs, &actions)?;
@@ -538,11 +539,12 @@ mod tests {
                     .map(|i| (i as f32 * 0.37 + 9.0).sin())
                     .collect::<Vec<f32>>(),
                 (16, 4),
-                &Device::Cpu,
+                &candle_core::Device::Cpu,
             )
             .unwrap();
             let p_pay = |model: &ActorCritic| -> f32 {
-                let zeros = Tensor::zeros(16, candle_core::DType::U32, &Device::Cpu).unwrap();
+                let zeros =
+                    Tensor::zeros(16, candle_core::DType::U32, &candle_core::Device::Cpu).unwrap();
                 let (lp, _, _) = model.evaluate(&probe, &zeros).unwrap();
                 lp.exp()
                     .unwrap()

@@ -246,18 +246,19 @@ pub fn prepare(
 }
 
 impl Rollout {
-    /// Observations of rows `rows` as a `[rows, obs_dim]` tensor.
-    pub fn obs_tensor(&self, rows: &[usize]) -> Result<Tensor, UpdateError> {
+    /// Observations of rows `rows` as a `[rows, obs_dim]` tensor on `device`.
+    pub fn obs_tensor(&self, rows: &[usize], device: &Device) -> Result<Tensor, UpdateError> {
         let d = self.obs_dim;
         let obs: Vec<f32> = rows
             .iter()
             .flat_map(|&j| self.obs[j * d..(j + 1) * d].iter().copied())
             .collect();
-        Ok(Tensor::from_vec(obs, (rows.len(), d), &Device::Cpu)?)
+        Ok(Tensor::from_vec(obs, (rows.len(), d), device)?)
     }
 
-    /// Actions of rows `rows`: `[rows]` u32 (discrete) or `[rows, action_dim]` f32.
-    pub fn actions_tensor(&self, rows: &[usize]) -> Result<Tensor, UpdateError> {
+    /// Actions of rows `rows` on `device`: `[rows]` u32 (discrete) or
+    /// `[rows, action_dim]` f32.
+    pub fn actions_tensor(&self, rows: &[usize], device: &Device) -> Result<Tensor, UpdateError> {
         let (m, a) = (rows.len(), self.action_dim);
         Ok(if a == 0 {
             Tensor::from_vec(
@@ -265,14 +266,14 @@ impl Rollout {
                     .map(|&j| self.actions_discrete[j])
                     .collect::<Vec<u32>>(),
                 m,
-                &Device::Cpu,
+                device,
             )?
         } else {
             let v: Vec<f32> = rows
                 .iter()
                 .flat_map(|&j| self.actions_continuous[j * a..(j + 1) * a].iter().copied())
                 .collect();
-            Tensor::from_vec(v, (m, a), &Device::Cpu)?
+            Tensor::from_vec(v, (m, a), device)?
         })
     }
 }

@@ -215,6 +215,7 @@ impl ExperimentConfig {
         if let Some(cnn) = &self.policy.cnn {
             self.validate_cnn(cnn)?;
         }
+        self.validate_policy_device()?;
         positive("env_runner.num_envs", self.env_runner.num_envs)?;
         positive("env_runner.fragment_steps", self.env_runner.fragment_steps)?;
         positive("env_runner.threads", self.env_runner.threads)?;

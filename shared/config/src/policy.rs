@@ -1,5 +1,6 @@
-//! The `policy` section: the classic policy network's shape.
+//! The `policy` section: the classic policy network's shape and device.
 
+use crate::hyper::backend::{DeviceSpec, CUDA_BUILT};
 use crate::hyper::policy::TrunkLayout;
 use serde::{Deserialize, Serialize};
 
@@ -37,6 +38,16 @@ pub struct PolicyConfig {
     /// Q-network (SB3's DQN `CnnPolicy`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cnn: Option<crate::hyper::policy::CnnSpec>,
+    /// Where the learner trains the network and the inference server runs
+    /// it: `cpu` (the default: fused CPU kernels, fastest for MLPs), `cuda`
+    /// or `cuda:N` (a build with the `cuda` feature, `just build-cuda`; for
+    /// CNN policies). PPO, A2C, REINFORCE and DQN; SAC trains on the CPU.
+    #[serde(skip_serializing_if = "is_cpu")]
+    pub device: DeviceSpec,
+}
+
+fn is_cpu(device: &DeviceSpec) -> bool {
+    *device == DeviceSpec::Cpu
 }
 
 impl Default for PolicyConfig {
@@ -47,6 +58,7 @@ impl Default for PolicyConfig {
             init_log_std: 0.0,
             trunk: TrunkLayout::Separate,
             cnn: None,
+            device: DeviceSpec::Cpu,
         }
     }
 }
@@ -74,6 +86,41 @@ impl ExperimentConfig {
             ));
         }
         cnn.validate_layers().map_err(cnn_error)
+    }
+}
+
+impl ExperimentConfig {
+    /// `policy.device`: a classic run on an algorithm with a device path, in
+    /// a build that can open it.
+    pub(crate) fn validate_policy_device(&self) -> Result<(), ConfigError> {
+        let device = self.policy.device;
+        if device == DeviceSpec::Cpu {
+            return Ok(());
+        }
+        if self.is_text_game() {
+            return Err(invalid(
+                "policy.device",
+                format!(
+                    "{device}: text games place their language model with llm.device, not policy.device"
+                ),
+            ));
+        }
+        if self.run.algo == Algo::Sac {
+            return Err(invalid(
+                "policy.device",
+                format!("{device}: SAC trains on the CPU only; leave policy.device at cpu"),
+            ));
+        }
+        if !CUDA_BUILT {
+            return Err(invalid(
+                "policy.device",
+                format!(
+                    "{device} needs a build with the `cuda` feature \
+                     (`cargo build --release --features cuda`, or `just build-cuda`); this one has none"
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

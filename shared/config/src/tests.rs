@@ -843,6 +843,44 @@ fn llm_section_is_validated_by_field() {
 }
 
 #[test]
+fn policy_device_names_what_cannot_work() {
+    let err_of = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers(BASE, "t", &[], &sets)
+            .unwrap_err()
+            .to_string()
+    };
+    let err = err_of(&["policy.device=gpu"]);
+    assert!(
+        err.contains("policy.device") && err.contains("cuda:N"),
+        "{err}"
+    );
+    let err = err_of(&[
+        "run.algo=sac",
+        "run.env_id=Pendulum-v1",
+        "policy.device=cuda",
+    ]);
+    assert!(
+        err.contains("policy.device") && err.contains("SAC"),
+        "{err}"
+    );
+    let err = err_of(&["run.env_id=TicTacToe-v0", "policy.device=cuda:1"]);
+    assert!(
+        err.contains("policy.device") && err.contains("llm.device"),
+        "{err}"
+    );
+    if !crate::hyper::backend::CUDA_BUILT {
+        let err = err_of(&["policy.device=cuda:0"]);
+        assert!(
+            err.contains("policy.device") && err.contains("just build-cuda"),
+            "{err}"
+        );
+    }
+    let cpu = ExperimentConfig::from_layers(BASE, "t", &[], &["policy.device=cpu".into()]).unwrap();
+    assert_eq!(cpu.policy.device, crate::hyper::backend::DeviceSpec::Cpu);
+}
+
+#[test]
 fn unknown_algo_names_run_algo_and_the_known_ones() {
     let err = ExperimentConfig::from_layers(BASE, "t", &[], &["run.algo=td3".into()])
         .unwrap_err()

@@ -2,7 +2,10 @@
 //! the learner, the inference server and the evaluator.
 //!
 //! Pure: no NATS, no async, no I/O beyond reading and writing safetensors
-//! files. Everything runs on candle's CPU device.
+//! files. On the CPU the models, losses and optimizers run fused kernels
+//! ([`ops`], [`kernels`]); placed on a GPU (`to_device`, `policy.device`)
+//! the same code runs composed from candle's basic ops, and
+//! [`ops::composed_on_cpu`] checks that path on machines without one.
 //!
 //! | module | owns |
 //! |---|---|
@@ -18,6 +21,7 @@
 //! | [`sac`] | [`Sac`] ([`SacActor`], [`TwinCritic`] and targets, `log α`), its losses and [`sac_train_step`] |
 //! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
 //! | [`vec_normalize`] | [`RunningMeanStd`], [`VecNormalize`]: SB3's observation and reward normalisation |
+//! | [`device`] | [`open_device`]: the one place a device (CPU or CUDA) is opened, here and in relay-llm |
 //! | [`par`] | [`Pair`]: two independent halves of a train step side by side (SAC's twin critics) |
 //! | [`optim`] | [`Adam`] and [`RmsProp`] with resumable state, [`clip_grad_norm`] |
 //! | [`init`] | orthogonal initialisation |
@@ -74,6 +78,7 @@
 
 pub mod a2c;
 pub mod conv;
+pub mod device;
 pub mod dqn;
 pub mod error;
 pub mod init;
@@ -95,6 +100,7 @@ pub use a2c::{
     a2c_loss, discounted_returns, reinforce_loss, A2cInputs, A2cLossConfig, PgLoss, PgStats,
     ReinforceConfig, ReinforceInputs,
 };
+pub use device::{open_device, DeviceError, DeviceSpec};
 pub use dqn::{
     dqn_loss, dqn_targets, n_step_returns, DqnBatch, DqnLoss, DqnLossConfig, DqnStats, NStepReturns,
 };

@@ -262,11 +262,13 @@ impl ActorCritic {
         Ok(model)
     }
 
-    /// A copy of this model with its parameters on `device` (a GPU: the
-    /// graph paths then run there, composed from candle's ops, and `act`
-    /// reads back only its outputs). The copy trains and acts alone; this
-    /// one is unchanged.
-    pub fn to_device(&self, device: &Device) -> Result<Self> {
+    /// This model with its parameters on `device` (a GPU: the graph paths
+    /// then run there, composed from candle's ops, and `act` reads back only
+    /// its outputs); itself when it is there already.
+    pub fn to_device(self, device: &Device) -> Result<Self> {
+        if self.device().same_device(device) {
+            return Ok(self);
+        }
         let mut model = Self::build(&self.spec, self.layout, Init::Zeros, device)?;
         model.load_named_tensors(&self.named_tensors())?;
         Ok(model)

@@ -227,9 +227,12 @@ impl QNetwork {
         Ok(net)
     }
 
-    /// A copy of this network with its parameters on `device` (see
-    /// [`crate::ActorCritic::to_device`]).
-    pub fn to_device(&self, device: &Device) -> Result<Self> {
+    /// This network with its parameters on `device`; itself when it is
+    /// there already (see [`crate::ActorCritic::to_device`]).
+    pub fn to_device(self, device: &Device) -> Result<Self> {
+        if self.device().same_device(device) {
+            return Ok(self);
+        }
         let mut net = Self::build(&self.spec, Init::Zeros, device)?;
         net.load_named_tensors(&self.named_tensors())?;
         Ok(net)

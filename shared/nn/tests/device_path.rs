@@ -109,7 +109,11 @@ fn ppo_steps_on_the_device_path_match_the_fused_path() {
         (nature_cnn(6), 8, 1e-4),
     ] {
         let fused = ActorCritic::new(&spec, 3).unwrap();
-        let composed = fused.to_device(&Device::Cpu).unwrap();
+        // Placed on the CPU, where `composed_on_cpu` takes the GPU's path.
+        let composed = ActorCritic::new(&spec, 3)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
         let config = AdamConfig {
             lr: 1e-3,
             ..Default::default()
@@ -163,7 +167,10 @@ fn dqn_steps_on_the_device_path_match_the_fused_path() {
     let spec = QNetSpec::from_policy_spec(&policy).unwrap();
     let fused = QNetwork::new(&spec, 2).unwrap();
     let fused_target = fused.duplicate().unwrap();
-    let composed = fused.to_device(&Device::Cpu).unwrap();
+    let composed = QNetwork::new(&spec, 2)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
     let composed_target = composed.duplicate().unwrap();
     let n = 8;
     let obs = observations(&policy, n, 3);

@@ -59,6 +59,12 @@ pub enum SpecError {
     Config(#[from] relay_config::ConfigError),
 }
 
+/// The device `policy.device` names, opened once by each process that
+/// trains or runs the policy ([`relay_nn::open_device`]).
+pub fn policy_device(config: &ExperimentConfig) -> Result<candle_core::Device, String> {
+    relay_nn::open_device(config.policy.device).map_err(|e| format!("policy.device: {e}"))
+}
+
 /// The policy network shape of a run.
 pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, SpecError> {
     let env = config.env_spec()?;
@@ -502,6 +508,7 @@ fn policy_builder(
 ) -> Result<PolicyBuilder, relay_kit::ServiceError> {
     let spec = spec_for(config).map_err(relay_kit::ServiceError::other)?;
     let trunk = config.policy.trunk;
+    let device = policy_device(config).map_err(relay_kit::ServiceError::other)?;
     let config = config.clone();
     // DQN runs act with a Q-network, epsilon-greedily at the version's env steps.
     let dqn = (config.run.algo == Algo::Dqn).then(|| {
@@ -528,16 +535,21 @@ fn policy_builder(
             }
             (None, Some((qspec, dqn, budget))) => {
                 let qspec = qspec.clone().map_err(invalid)?;
-                let net = QNetwork::from_named_tensors(&qspec, parts).map_err(rejected)?;
+                let net = QNetwork::from_named_tensors(&qspec, parts)
+                    .and_then(|net| net.to_device(&device))
+                    .map_err(rejected)?;
                 let progress = update.learner_env_steps as f64 / *budget as f64;
                 PolicyModel::QNetwork {
                     net,
                     epsilon: dqn.exploration_rate(progress),
                 }
             }
-            (None, None) => PolicyModel::ActorCritic(
-                ActorCritic::from_named_tensors(&spec, trunk, parts).map_err(rejected)?,
-            ),
+            (None, None) => {
+                let model = ActorCritic::from_named_tensors(&spec, trunk, parts)
+                    .and_then(|model| model.to_device(&device))
+                    .map_err(rejected)?;
+                PolicyModel::ActorCritic(model)
+            }
         };
         let normalizer = frozen_normalizer(
             &config,
