@@ -22,6 +22,10 @@
 #      (B=8 x T=1024), and the longest T one step trains at B=4.
 #   5. anchor: transformers' generate on the same model, prompts and lengths
 #      (services/bench/hf/generate_anchor.py).
+#   6. cnn: `relay-bench bench-cnn-step`, one PPO train step of NatureCNN
+#      (Atari's CnnPolicy) at batch 256 on cuda:0, checked against the fused
+#      CPU step (loss, gradient norm, parameters) and timed, beside the same
+#      step in PyTorch on the same GPU (services/bench/hf/cnn_step_anchor.py).
 #
 # Prints a table and writes gpu-check.json (its last line) and every step's
 # log under $OUT (default gpu-bundle/out). Exit status: 0 only if every step
@@ -29,7 +33,8 @@
 #
 # --dry-run: the same steps on a machine without a GPU (CI runs it, so the
 # script cannot rot between GPU checks): the CPU backends, the tiny Qwen3
-# fixture as the model, small sizes, and the anchor only where PyTorch and
+# fixture as the model, small sizes, the CNN step on the GPU's code path
+# run on the CPU (`composed-cpu`), and the anchors only where PyTorch and
 # transformers import.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -155,8 +160,32 @@ else
   anchor_json=$(grep "^{" "$out/anchor.log" | tail -1)
 fi
 
+# 6. cnn
+cnn_device=cuda cnn_batch=256 cnn_steps=20 torch_device=cuda:0
+$dry_run && cnn_device=composed-cpu cnn_batch=16 cnn_steps=2 torch_device=cpu
+say "relay-bench bench-cnn-step --device $cnn_device --batch $cnn_batch"
+"$work/relay-bench" bench-cnn-step --device "$cnn_device" --batch "$cnn_batch" --steps "$cnn_steps" \
+  > "$out/cnn-step.log" 2>&1
+rc=$?
+grep -v "^{" "$out/cnn-step.log" | tail -4
+record cnn "$rc"
+cnn_json=$(grep "^{" "$out/cnn-step.log" | tail -1)
+cnn_anchor_json=null
+if $dry_run && ! "$python" -c "import torch" 2>/dev/null; then
+  say "cnn anchor skipped: no PyTorch here"
+  status+=("cnn_anchor=skipped")
+else
+  "$python" services/bench/hf/cnn_step_anchor.py --device "$torch_device" --batch "$cnn_batch" \
+    --steps "$cnn_steps" > "$out/cnn-anchor.log" 2>&1
+  rc=$?
+  grep -v "^{" "$out/cnn-anchor.log" | tail -3
+  record cnn_anchor "$rc"
+  cnn_anchor_json=$(grep "^{" "$out/cnn-anchor.log" | tail -1)
+fi
+
 # Side by side, and the JSON line.
 RELAY_JSON="${relay_json:-null}" ANCHOR_JSON="${anchor_json:-null}" GPU="$gpu" \
+  CNN_JSON="${cnn_json:-null}" CNN_ANCHOR_JSON="${cnn_anchor_json:-null}" \
   STATUS="${status[*]}" MANIFEST="$bundle/manifest.json" OUT_DIR="$out" "$python" - <<'EOF'
 import json, os
 relay = json.loads(os.environ["RELAY_JSON"] or "null")
@@ -176,8 +205,19 @@ print("| backend | B | relay tok/s | transformers tok/s | relay / transformers |
 print("|---|---:|---:|---:|---:|")
 for r in rows:
     print(f"| {r['backend']} | {r['batch']} | {r['relay_tokens_per_s']} | {r['transformers_tokens_per_s'] or '-'} | {r['ratio'] or '-'} |")
+cnn = json.loads(os.environ["CNN_JSON"] or "null")
+cnn_anchor = json.loads(os.environ["CNN_ANCHOR_JSON"] or "null")
+if cnn:
+    theirs = (cnn_anchor or {}).get("samples_per_s")
+    ratio = round(cnn["samples_per_s"] / theirs, 2) if theirs else None
+    print()
+    print("| NatureCNN PPO step | batch | check (largest gap) | relay samples/s | PyTorch samples/s | relay / PyTorch |")
+    print("|---|---:|---|---:|---:|---:|")
+    gap = max(cnn["loss_gap"], cnn["grad_norm_gap"], cnn["parameter_gap"])
+    print(f"| {cnn['device']} | {cnn['batch']} | {cnn['check']} ({gap:.1e}) | {cnn['samples_per_s']:.0f} | "
+          f"{f'{theirs:.0f}' if theirs else '-'} | {ratio or '-'} |")
 summary = {"check": "gpu", "gpu": os.environ["GPU"], "bundle": manifest, "steps": status,
-           "generate": rows, "relay": relay, "anchor": anchor}
+           "generate": rows, "relay": relay, "anchor": anchor, "cnn_step": cnn, "cnn_anchor": cnn_anchor}
 line = json.dumps(summary)
 with open(os.path.join(os.environ["OUT_DIR"], "gpu-check.json"), "w") as f:
     f.write(line + "\n")

@@ -5,6 +5,7 @@
 //! supervisor) and print a table and a last JSON line.
 
 pub mod bench_bridge;
+pub mod bench_cnn_step;
 pub mod bench_envs;
 pub mod bench_generate;
 pub mod bench_gpu;

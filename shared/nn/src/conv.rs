@@ -73,7 +73,7 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Device, Layout, Shape, Tensor, Var};
 
-use crate::error::{NnError, Result};
+use crate::error::Result;
 use crate::init::{Init, LayerInit};
 use crate::kernels::{self, zip_lanes, PoolWindow};
 use crate::model::{dense_host, new_layer, Dense};
@@ -901,6 +901,49 @@ pub(crate) struct Cnn {
     host_chunk: usize,
 }
 
+/// Max-pool of `x: [N, C, H, W]` over `g`'s windows (its `pad` a border
+/// that never wins), from candle's basic ops: separably, rows then columns,
+/// each the `maximum` of the `kernel` strided views of the padded axis
+/// (candle's own `max_pool2d` has no backward for overlapping windows).
+fn max_pool_composed(x: &Tensor, g: &Geometry) -> candle_core::Result<Tensor> {
+    let rows = max_along(x, 2, g.out_h, g)?;
+    max_along(&rows, 3, g.out_w, g)
+}
+
+/// The maximum over `g.kernel` consecutive entries of axis `dim`, every
+/// `g.stride`-th window, `out` windows, after a border of `g.pad` lowest
+/// values before.
+fn max_along(x: &Tensor, dim: usize, out: usize, g: &Geometry) -> candle_core::Result<Tensor> {
+    let (k, s, p) = (g.kernel, g.stride, g.pad);
+    let len = x.dim(dim)?;
+    // Every view below reads `out * s` entries from offset `dy < k`.
+    let total = k - 1 + out * s;
+    let kept = len.min(total - p);
+    let x = x.narrow(dim, 0, kept)?;
+    let border = |size: usize| -> candle_core::Result<Tensor> {
+        let mut shape = x.dims().to_vec();
+        shape[dim] = size;
+        Tensor::full(f32::MIN, shape, x.device())?.to_dtype(x.dtype())
+    };
+    let padded = Tensor::cat(&[&border(p)?, &x, &border(total - p - kept)?], dim)?;
+    let mut best: Option<Tensor> = None;
+    for dy in 0..k {
+        let mut split = padded.dims().to_vec();
+        split[dim] = out;
+        split.insert(dim + 1, s);
+        let view = padded
+            .narrow(dim, dy, out * s)?
+            .reshape(split)?
+            .narrow(dim + 1, 0, 1)?
+            .squeeze(dim + 1)?;
+        best = Some(match best {
+            None => view,
+            Some(b) => b.maximum(&view)?,
+        });
+    }
+    Ok(best.expect("a window has entries"))
+}
+
 impl Cnn {
     /// Builds the extractor, its parameters drawn as `how` says and
     /// registered in `params`.
@@ -1054,34 +1097,44 @@ impl Cnn {
     }
 
     /// [`Cnn::graph`] composed of candle's basic ops (`conv2d`, ReLU,
-    /// matmul), each with candle's own backward and a kernel on every
-    /// device: what runs off the CPU, where the fused ops (CPU code)
-    /// cannot. Channels first throughout, so flattening is PyTorch's. A
-    /// plain stack only: an IMPALA stack is one fused CPU op with no
-    /// composed form yet, and is refused by name.
+    /// `maximum`, matmul), each with candle's own backward and a kernel on
+    /// every device: what runs off the CPU, where the fused ops (CPU code)
+    /// cannot. Channels first throughout, so flattening is PyTorch's.
     pub(crate) fn composed_graph(&self, obs: &Tensor) -> Result<Tensor> {
-        let Body::Plain(convs) = &self.body else {
-            return Err(NnError::bad_input(
-                "policy.cnn",
-                "a `nature` features extractor off the CPU",
-                "`impala`, which trains on the CPU only for now",
-            ));
-        };
         let n = obs.dims2()?.0;
         let [c, height, width] = self.input;
         let mut x = (obs.reshape((n, c, height, width))? * PIXEL_SCALE as f64)?;
-        for conv in convs {
-            let g = &conv.kind.geometry;
-            // Only the rows and columns a window reads: candle's backward of
-            // a strided conv2d assumes the windows cover the input.
-            let used = |out: usize| (out - 1) * g.stride + g.kernel;
-            let bias = conv.layer.b.as_tensor().reshape((1, (), 1, 1))?;
-            x = x
-                .narrow(2, 0, used(g.out_h))?
-                .narrow(3, 0, used(g.out_w))?
-                .conv2d(conv.layer.w.as_tensor(), 0, g.stride, 1, 1)?
-                .broadcast_add(&bias)?
-                .relu()?;
+        let conv = |x: &Tensor, g: &Geometry, layer: &Dense| -> Result<Tensor> {
+            let bias = layer.b.as_tensor().reshape((1, (), 1, 1))?;
+            Ok(x.conv2d(layer.w.as_tensor(), g.pad, g.stride, 1, 1)?
+                .broadcast_add(&bias)?)
+        };
+        match &self.body {
+            Body::Plain(convs) => {
+                for c in convs {
+                    let g = &c.kind.geometry;
+                    // Only the rows and columns a window reads: candle's
+                    // backward of a strided conv2d assumes the windows
+                    // cover the input.
+                    let used = |out: usize| (out - 1) * g.stride + g.kernel;
+                    let x_used = x.narrow(2, 0, used(g.out_h))?.narrow(3, 0, used(g.out_w))?;
+                    x = conv(&x_used, g, &c.layer)?.relu()?;
+                }
+            }
+            Body::Impala(stacks) => {
+                for stack in stacks {
+                    let k = &stack.kind;
+                    let mut layers = stack.layers.iter();
+                    let mut next = || layers.next().expect("a layer per convolution");
+                    x = conv(&x, &k.conv.geometry, next())?;
+                    x = max_pool_composed(&x, &k.pool)?;
+                    for [first, second] in &k.blocks {
+                        let h = conv(&x.relu()?, &first.geometry, next())?.relu()?;
+                        x = x.add(&conv(&h, &second.geometry, next())?)?;
+                    }
+                }
+                x = x.relu()?;
+            }
         }
         Ok(ops::composed::linear(
             &x.flatten_from(1)?,
@@ -1633,8 +1686,8 @@ mod tests {
     /// The composed NatureCNN graph (what runs off the CPU) gives the fused
     /// graph's features and the same gradients for every parameter.
     #[test]
-    fn composed_plain_extractor_matches_the_fused_one() {
-        let spec = CnnSpec {
+    fn composed_extractors_match_the_fused_ones() {
+        let plain = CnnSpec {
             input: [2, 12, 11],
             arch: CnnArch::Nature {
                 conv: vec![
@@ -1652,7 +1705,22 @@ mod tests {
             },
             features_dim: 5,
         };
-        let (cnn, params) = extractor_params(&spec);
+        // Odd and even sides: the pools' last windows end on the border.
+        let impala = CnnSpec {
+            input: [2, 12, 11],
+            arch: CnnArch::Impala {
+                channels: vec![3, 4],
+                blocks: 2,
+            },
+            features_dim: 5,
+        };
+        for spec in [plain, impala] {
+            composed_extractor_matches_the_fused_one(&spec);
+        }
+    }
+
+    fn composed_extractor_matches_the_fused_one(spec: &CnnSpec) {
+        let (cnn, params) = extractor_params(spec);
         let (n, d) = (3, 2 * 12 * 11);
         let obs: Vec<f32> = (0..n * d).map(|i| ((i * 53) % 256) as f32).collect();
         let x = Tensor::from_vec(obs, (n, d), &Device::Cpu).unwrap();

@@ -2,14 +2,14 @@
 //! candle's basic ops, losses attached by composition, optimizer moments as
 //! tensors) run on the CPU inside `composed_on_cpu`, against the fused CPU
 //! path: the same actions, losses and parameters after several PPO and DQN
-//! steps, for an MLP and for NatureCNN at Atari's size.
+//! steps, for MLPs and for NatureCNN and IMPALA's ResNet at Atari's size.
 
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use relay_nn::ops::composed_on_cpu;
 use relay_nn::{
-    clip_grad_norm, dqn_loss, ppo_loss, Actions, ActorCritic, Adam, AdamConfig, CnnSpec, DqnBatch,
-    DqnLossConfig, PolicySpec, PpoInputs, PpoLossConfig, QNetSpec, QNetwork,
+    clip_grad_norm, dqn_loss, ppo_loss, Actions, ActorCritic, Adam, AdamConfig, CnnArch, CnnSpec,
+    DqnBatch, DqnLossConfig, PolicySpec, PpoInputs, PpoLossConfig, QNetSpec, QNetwork,
 };
 
 fn rng(seed: u64) -> rand::rngs::StdRng {
@@ -22,6 +22,21 @@ fn nature_cnn(actions: usize) -> PolicySpec {
     spec.cnn = Some(CnnSpec {
         input: [4, 84, 84],
         ..CnnSpec::default()
+    });
+    spec
+}
+
+/// IMPALA's ResNet as CleanRL's `ppo_procgen.py` has it (channels 16, 32,
+/// 32, two residual blocks each, 256 features).
+fn impala_cnn(actions: usize) -> PolicySpec {
+    let mut spec = nature_cnn(actions);
+    spec.cnn = Some(CnnSpec {
+        input: [4, 84, 84],
+        arch: CnnArch::Impala {
+            channels: vec![16, 32, 32],
+            blocks: 2,
+        },
+        features_dim: 256,
     });
     spec
 }
@@ -107,6 +122,7 @@ fn ppo_steps_on_the_device_path_match_the_fused_path() {
         (PolicySpec::discrete(6, 3), 32, 1e-5),
         (continuous, 32, 1e-5),
         (nature_cnn(6), 8, 1e-4),
+        (impala_cnn(6), 4, 1e-4),
     ] {
         let fused = ActorCritic::new(&spec, 3).unwrap();
         // Placed on the CPU, where `composed_on_cpu` takes the GPU's path.
