@@ -1,6 +1,7 @@
 //! Plumbing every relay service uses the same way.
 //!
 //! - [`service`]: flags, start-up, the [`Service`] context, `main`.
+//! - [`collective`]: data-parallel groups of replicas: membership, views, ring all-reduce.
 //! - [`connect`]: NATS and Redis connections with backoff; requests with timeouts.
 //! - [`weights`]: the one weights transport (inline, direct, object store).
 //! - [`direct`]: large weight versions straight from their publisher over TCP.
@@ -10,6 +11,7 @@
 //! - [`telemetry`]: tracing setup and log forwarding to the tracker.
 //! - [`shutdown`]: the signal passed into `run`.
 
+pub mod collective;
 pub mod connect;
 pub mod direct;
 pub mod http;
