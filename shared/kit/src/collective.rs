@@ -376,15 +376,8 @@ impl Group {
         tag: u64,
         data: &mut [f32],
     ) -> Result<(), CollectiveError> {
-        let n = view.size();
-        let rank =
-            view.rank_of(&self.config.member)
-                .ok_or_else(|| CollectiveError::NotAMember {
-                    group: self.config.name.clone(),
-                    epoch: view.epoch,
-                    member: self.config.member.clone(),
-                })?;
-        if n == 1 {
+        let rank = self.rank_in(view)?;
+        if view.size() == 1 {
             return Ok(());
         }
         let result = self.ring(view, rank, tag, data).await;
@@ -395,6 +388,136 @@ impl Group {
         result
     }
 
+    /// Sends `data` from the member of rank `root` to every other member of
+    /// `view` (whose `data` is replaced), passed along the ring in pieces
+    /// of 1 MiB so that every link carries it once. Every member must call
+    /// it with the same view, `tag` and root.
+    pub async fn broadcast(
+        &mut self,
+        view: &View,
+        tag: u64,
+        root: usize,
+        data: &mut Vec<u8>,
+    ) -> Result<(), CollectiveError> {
+        let rank = self.rank_in(view)?;
+        if view.size() == 1 {
+            return Ok(());
+        }
+        let result = self.pass_along(view, rank, tag, root, data).await;
+        if result.is_err() {
+            self.links = None;
+        }
+        result
+    }
+
+    fn rank_in(&self, view: &View) -> Result<usize, CollectiveError> {
+        view.rank_of(&self.config.member)
+            .ok_or_else(|| CollectiveError::NotAMember {
+                group: self.config.name.clone(),
+                epoch: view.epoch,
+                member: self.config.member.clone(),
+            })
+    }
+
+    fn peer_error(&self, view: &View, tag: u64, peer: &Member, detail: String) -> CollectiveError {
+        CollectiveError::Peer {
+            group: self.config.name.clone(),
+            epoch: view.epoch,
+            tag,
+            peer: peer.id.clone(),
+            detail,
+        }
+    }
+
+    /// The ring links of `view`'s epoch, made on first use.
+    async fn links(
+        &mut self,
+        view: &View,
+        rank: usize,
+        tag: u64,
+    ) -> Result<&mut Links, CollectiveError> {
+        let n = view.size();
+        if self.links.as_ref().is_none_or(|l| l.epoch != view.epoch) {
+            self.links = None;
+            let timeout = self.config.io_timeout;
+            let right = &view.members[(rank + 1) % n];
+            let left = &view.members[(rank + n - 1) % n];
+            let right_stream = connect(&right.addr, view.epoch, &self.config.member, timeout)
+                .await
+                .map_err(|e| {
+                    self.peer_error(view, tag, right, format!("cannot be reached: {e}"))
+                })?;
+            let left_stream = self
+                .left_link(view.epoch, &left.id, timeout)
+                .await
+                .map_err(|detail| self.peer_error(view, tag, left, detail))?;
+            self.links = Some(Links {
+                epoch: view.epoch,
+                right: right_stream,
+                left: left_stream,
+            });
+        }
+        Ok(self.links.as_mut().expect("set above"))
+    }
+
+    async fn pass_along(
+        &mut self,
+        view: &View,
+        rank: usize,
+        tag: u64,
+        root: usize,
+        data: &mut Vec<u8>,
+    ) -> Result<(), CollectiveError> {
+        const PIECE: usize = 1 << 20;
+        let n = view.size();
+        let left = view.members[(rank + n - 1) % n].clone();
+        let timeout = self.config.io_timeout;
+        let sends = (rank + 1) % n != root;
+        let receives = rank != root;
+        let links = self.links(view, rank, tag).await?;
+        let moved = tokio::time::timeout(timeout, async {
+            if !receives {
+                let mut head = Vec::with_capacity(16);
+                head.extend_from_slice(&tag.to_be_bytes());
+                head.extend_from_slice(&(data.len() as u64).to_be_bytes());
+                links.right.write_all(&head).await?;
+                return links.right.write_all(data).await;
+            }
+            let mut head = [0u8; 16];
+            links.left.read_exact(&mut head).await?;
+            let their_tag = u64::from_be_bytes(head[..8].try_into().expect("8 bytes"));
+            let len = u64::from_be_bytes(head[8..].try_into().expect("8 bytes")) as usize;
+            if their_tag != tag {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("is broadcasting step {their_tag}, this member expects step {tag}"),
+                ));
+            }
+            data.clear();
+            data.resize(len, 0);
+            if sends {
+                links.right.write_all(&head).await?;
+            }
+            // Each piece is forwarded as it arrives.
+            let mut at = 0;
+            while at < len {
+                let end = (at + PIECE).min(len);
+                links.left.read_exact(&mut data[at..end]).await?;
+                if sends {
+                    links.right.write_all(&data[at..end]).await?;
+                }
+                at = end;
+            }
+            Ok(())
+        })
+        .await;
+        match moved {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(self.peer_error(view, tag, &left, format!("failed: {e}"))),
+            Err(_) => Err(self.peer_error(view, tag, &left, format!("was silent for {timeout:?}"))),
+        }
+    }
+
     async fn ring(
         &mut self,
         view: &View,
@@ -403,7 +526,6 @@ impl Group {
         data: &mut [f32],
     ) -> Result<(), CollectiveError> {
         let n = view.size();
-        let right = &view.members[(rank + 1) % n];
         let left = &view.members[(rank + n - 1) % n];
         let timeout = self.config.io_timeout;
         let group = self.config.name.clone();
@@ -414,22 +536,7 @@ impl Group {
             peer: peer.id.clone(),
             detail,
         };
-        if self.links.as_ref().is_none_or(|l| l.epoch != view.epoch) {
-            self.links = None;
-            let right_stream = connect(&right.addr, view.epoch, &self.config.member, timeout)
-                .await
-                .map_err(|e| peer_error(right, format!("cannot be reached: {e}")))?;
-            let left_stream = self
-                .left_link(view.epoch, &left.id, timeout)
-                .await
-                .map_err(|detail| peer_error(left, detail))?;
-            self.links = Some(Links {
-                epoch: view.epoch,
-                right: right_stream,
-                left: left_stream,
-            });
-        }
-        let links = self.links.as_mut().expect("set above");
+        let links = self.links(view, rank, tag).await?;
 
         // Both sides say what they are reducing before any data moves.
         let header = [tag, data.len() as u64];

@@ -1,7 +1,8 @@
 //! Data-parallel groups against a real nats-server: members agree on one
 //! view with ranks in joining order, the ring all-reduce sums exactly and
 //! leaves every member with the same bits (3 members, small and large
-//! buffers, uneven chunks), a member that stops refreshing is gone within
+//! buffers, uneven chunks), a broadcast reaches every member, a member
+//! that stops refreshing is gone within
 //! its lease and the others re-form without it, and a neighbour that dies
 //! inside an all-reduce is an error naming it, not a hang.
 
@@ -97,6 +98,43 @@ async fn members_agree_and_the_ring_sums_bit_identically() {
                 "length {len}, index {i}: {got} vs {want}"
             );
         }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broadcast_reaches_every_member_between_reductions() {
+    let server = NatsServer::start().unwrap();
+    let nats = async_nats::connect(server.url()).await.unwrap();
+    let mut groups = Vec::new();
+    for id in ["a", "b", "c"] {
+        groups.push(join(&nats, "run4-learner", id).await);
+    }
+    let view = agreed_view(&mut groups, 3).await;
+    // Pieces of 1 MiB and a remainder; from a root that is not rank 0.
+    let sent: Vec<u8> = (0..3_000_017u32).map(|i| (i % 251) as u8).collect();
+    for (tag, root) in [(1u64, 1usize), (2, 0)] {
+        let futures = groups.iter_mut().map(|g| {
+            let (view, sent) = (view.clone(), sent.clone());
+            async move {
+                let mut data = if view.rank_of(g.member()) == Some(root) {
+                    sent
+                } else {
+                    vec![7u8; 3]
+                };
+                g.broadcast(&view, tag, root, &mut data)
+                    .await
+                    .map(|()| data)
+            }
+        });
+        for got in futures::future::join_all(futures).await {
+            assert!(
+                got.unwrap() == sent,
+                "root {root}: a member got other bytes"
+            );
+        }
+        // The links stay in step for the reductions that follow.
+        let results = reduce_all(&mut groups, &view, 10 + tag, 999).await;
+        assert_eq!(results[0], results[2]);
     }
 }
 
