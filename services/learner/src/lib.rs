@@ -67,6 +67,7 @@ pub mod ppo;
 pub mod progress;
 mod publish;
 pub mod reinforce;
+pub mod replicas;
 pub mod rollout;
 pub mod sac;
 pub mod text;

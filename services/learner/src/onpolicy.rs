@@ -160,7 +160,15 @@ impl Algorithm {
                 let fragments = std::mem::take(f);
                 let p = &cfg.ppo;
                 let rollout = rollout::prepare(model, &fragments, p.gamma, p.gae_lambda)?;
-                let stats = ppo::update(model, optimizer, &rollout, p, progress, rng)?;
+                let stats = ppo::update(
+                    model,
+                    optimizer,
+                    &rollout,
+                    p,
+                    progress,
+                    rng,
+                    &mut crate::replicas::Alone,
+                )?;
                 Ok(Updated {
                     metrics: stats.metrics(),
                     oldest_version: rollout.oldest_version,

@@ -10,6 +10,9 @@ use candle_core::{backprop::GradStore, Tensor, Var};
 use relay_config::{Algo, ExperimentConfig};
 use relay_nn::{clip_grad_norm, Adam, AdamConfig, NnError, RmsProp, RmsPropConfig};
 
+use crate::replicas::GradientSync;
+use crate::rollout::UpdateError;
+
 /// Adam or RMSprop over the model's vars.
 #[derive(Debug)]
 pub enum Optimizer {
@@ -99,6 +102,63 @@ impl Optimizer {
             self.step(&grads)?;
         } else {
             tracing::warn!(norm, "non-finite gradient norm; step skipped");
+        }
+        Ok(norm as f64)
+    }
+
+    /// [`Self::minimise`] for one replica's share of a minibatch
+    /// ([`crate::replicas`]): backpropagates `loss` (`None`: an empty share,
+    /// zero gradients), sums the gradients and `extra` (statistics the
+    /// caller weighted as the loss) across the replicas with `sync`, then
+    /// clips and steps, the same on every replica. Alone, it is exactly
+    /// [`Self::minimise`] and `extra` stays as it is.
+    pub fn minimise_shared(
+        &mut self,
+        loss: Option<&Tensor>,
+        max_norm: Option<f64>,
+        sync: &mut dyn GradientSync,
+        extra: &mut [f32],
+    ) -> Result<f64, UpdateError> {
+        if sync.share().1 == 1 {
+            let loss = loss.expect("a lone learner's share is the whole minibatch");
+            return Ok(self.minimise(loss, max_norm)?);
+        }
+        let vars = self.vars().to_vec();
+        let mut grads = match loss {
+            Some(loss) => loss.backward()?,
+            // A store holding no var's gradient.
+            None => Tensor::zeros((), candle_core::DType::F32, vars[0].device())?.backward()?,
+        };
+        let mut flat = Vec::with_capacity(vars.iter().map(|v| v.elem_count()).sum::<usize>());
+        for var in &vars {
+            match grads.get(var) {
+                Some(g) => flat.extend(g.flatten_all()?.to_vec1::<f32>()?),
+                None => flat.extend(std::iter::repeat_n(0f32, var.elem_count())),
+            }
+        }
+        let n_grads = flat.len();
+        flat.extend_from_slice(extra);
+        sync.sum(&mut flat)?;
+        extra.copy_from_slice(&flat[n_grads..]);
+        let mut at = 0;
+        for var in &vars {
+            let len = var.elem_count();
+            let summed = Tensor::from_slice(&flat[at..at + len], var.shape(), var.device())?;
+            grads.insert(var, summed);
+            at += len;
+        }
+        let norm = clip_grad_norm(
+            &mut grads,
+            &vars,
+            max_norm.map_or(f32::INFINITY, |m| m as f32),
+        )?;
+        if norm.is_finite() {
+            self.step(&grads)?;
+        } else {
+            tracing::warn!(
+                norm,
+                "non-finite gradient norm; step skipped on every replica"
+            );
         }
         Ok(norm as f64)
     }

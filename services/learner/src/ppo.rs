@@ -9,6 +9,12 @@
 //!    when approx KL exceeds 1.5 x `target_kl`. Learning rate, clip range
 //!    and entropy coefficient follow their schedules over training progress.
 //!
+//! With learner replicas ([`crate::replicas`]) each takes its part of every
+//! minibatch: advantages are normalised over the whole minibatch first,
+//! each part's loss and statistics are weighted by its share of it, and
+//! the gradients and statistics are summed across replicas before the
+//! clipped step, so every replica steps (and stops early) alike.
+//!
 //! Hyperparameters are the fields of [`relay_config::PpoConfig`], each
 //! documented there.
 
@@ -19,6 +25,7 @@ use relay_nn::{ppo_loss, PpoInputs, PpoLossConfig};
 use relay_proto::MetricValue;
 
 use crate::optimizer::Optimizer;
+use crate::replicas::{part, GradientSync};
 use crate::rollout::{Rollout, UpdateError};
 use relay_nn::ActorCritic;
 
@@ -74,8 +81,12 @@ impl UpdateStats {
     }
 }
 
+/// The per-minibatch statistics summed across replicas, in this order.
+const SUMMED_STATS: usize = 11;
+
 /// Epochs of minibatch gradient steps on a prepared rollout at training
-/// progress `progress` (`env_steps / budget`).
+/// progress `progress` (`env_steps / budget`), this replica's part of each
+/// minibatch as `sync` says ([`crate::replicas::Alone`]: all of it).
 pub fn update(
     model: &ActorCritic,
     optimizer: &mut Optimizer,
@@ -83,18 +94,22 @@ pub fn update(
     cfg: &PpoConfig,
     progress: f64,
     rng: &mut impl rand::Rng,
+    sync: &mut dyn GradientSync,
 ) -> Result<UpdateStats, UpdateError> {
     let learning_rate = cfg.learning_rate_schedule().value(progress);
     let clip_range = cfg.clip_range_schedule().value(progress);
     let ent_coef = cfg.ent_coef.value(progress);
     optimizer.set_lr(learning_rate);
+    // Advantages are normalised here, over the whole minibatch, before it
+    // is split among replicas.
     let loss_config = PpoLossConfig {
         clip_range,
         clip_range_vf: cfg.clip_range_vf,
         vf_coef: cfg.vf_coef,
         ent_coef,
-        normalize_advantage: cfg.normalize_advantage,
+        normalize_advantage: false,
     };
+    let share = sync.share();
     let mut stats = UpdateStats {
         learning_rate,
         clip_range,
@@ -110,50 +125,103 @@ pub fn update(
         let mut epoch_kls = Vec::new();
         for chunk in indices.chunks(minibatch) {
             let m = chunk.len();
-            let gather = |src: &[f32]| -> Vec<f32> { chunk.iter().map(|&j| src[j]).collect() };
-            let obs = rollout.obs_tensor(chunk, model.device())?;
-            let actions = rollout.actions_tensor(chunk, model.device())?;
-            let (old_logprob, old_values) =
-                (gather(&rollout.old_logprobs), gather(&rollout.old_values));
-            let (advantages, returns) = (gather(&rollout.advantages), gather(&rollout.returns));
-
-            let (logprob, entropy, values) = model.evaluate(&obs, &actions)?;
-            // The plain estimator of KL(old || new), beside the loss's approx_kl.
-            let kl = logprob
-                .to_vec1::<f32>()?
-                .iter()
-                .zip(&old_logprob)
-                .map(|(new, old)| (old - new) as f64)
-                .sum::<f64>()
-                / m as f64;
-            let loss = ppo_loss(
-                &loss_config,
-                &PpoInputs {
-                    logprob: &logprob,
-                    entropy: &entropy,
-                    values: &values,
-                    old_logprob: &old_logprob,
-                    old_values: &old_values,
-                    advantages: &advantages,
-                    returns: &returns,
-                },
+            let gather = |rows: &[usize], src: &[f32]| -> Vec<f32> {
+                rows.iter().map(|&j| src[j]).collect()
+            };
+            let minibatch_advantages = gather(chunk, &rollout.advantages);
+            let minibatch_advantages = if cfg.normalize_advantage {
+                relay_nn::normalize(&minibatch_advantages)
+            } else {
+                minibatch_advantages
+            };
+            let mine = part(chunk, share);
+            let weight = mine.len() as f64 / m as f64;
+            // Weighted by this part's share: summed over replicas they are
+            // the whole minibatch's means (ratio: its first two moments).
+            let mut summed = [0f32; SUMMED_STATS];
+            let loss = if mine.is_empty() {
+                None
+            } else {
+                let obs = rollout.obs_tensor(mine, model.device())?;
+                let actions = rollout.actions_tensor(mine, model.device())?;
+                let (old_logprob, old_values) = (
+                    gather(mine, &rollout.old_logprobs),
+                    gather(mine, &rollout.old_values),
+                );
+                let returns = gather(mine, &rollout.returns);
+                let advantages = part(&minibatch_advantages, share);
+                let (logprob, entropy, values) = model.evaluate(&obs, &actions)?;
+                // The plain estimator of KL(old || new), beside the loss's approx_kl.
+                let kl = logprob
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .zip(&old_logprob)
+                    .map(|(new, old)| (old - new) as f64)
+                    .sum::<f64>()
+                    / mine.len() as f64;
+                let loss = ppo_loss(
+                    &loss_config,
+                    &PpoInputs {
+                        logprob: &logprob,
+                        entropy: &entropy,
+                        values: &values,
+                        old_logprob: &old_logprob,
+                        old_values: &old_values,
+                        advantages,
+                        returns: &returns,
+                    },
+                )?;
+                let s = &loss.stats;
+                let ratio_sq = s.ratio_var as f64 + (s.ratio_mean as f64).powi(2);
+                for (slot, value) in summed.iter_mut().zip([
+                    s.policy_loss as f64,
+                    s.value_loss as f64,
+                    s.entropy as f64,
+                    s.loss as f64,
+                    s.approx_kl as f64,
+                    kl,
+                    s.clip_fraction as f64,
+                    s.value_clip_fraction as f64,
+                    s.ratio_mean as f64,
+                    ratio_sq,
+                    1.0,
+                ]) {
+                    *slot = (value * weight) as f32;
+                }
+                Some(if share.1 == 1 {
+                    loss.loss
+                } else {
+                    (loss.loss * weight)?
+                })
+            };
+            let grad_norm = optimizer.minimise_shared(
+                loss.as_ref(),
+                Some(cfg.max_grad_norm),
+                sync,
+                &mut summed,
             )?;
-            let grad_norm = optimizer.minimise(&loss.loss, Some(cfg.max_grad_norm))?;
 
-            let s = &loss.stats;
-            stats.policy_loss += s.policy_loss as f64;
-            stats.value_loss += s.value_loss as f64;
-            stats.entropy += s.entropy as f64;
-            stats.total_loss += s.loss as f64;
-            stats.approx_kl += s.approx_kl as f64;
+            let [policy_loss, value_loss, entropy, total_loss, approx_kl, kl, clip_fraction, value_clip_fraction, ratio_mean, ratio_sq, covered] =
+                summed.map(f64::from);
+            if (covered - 1.0).abs() > 1e-5 {
+                return Err(UpdateError::Replicas(format!(
+                    "the replicas' parts cover {covered} of a minibatch, not all of it: \
+                     they hold different rollouts"
+                )));
+            }
+            stats.policy_loss += policy_loss;
+            stats.value_loss += value_loss;
+            stats.entropy += entropy;
+            stats.total_loss += total_loss;
+            stats.approx_kl += approx_kl;
             stats.kl += kl;
-            stats.clip_fraction += s.clip_fraction as f64;
-            stats.value_clip_fraction += s.value_clip_fraction as f64;
-            stats.ratio_mean += s.ratio_mean as f64;
-            stats.ratio_var += s.ratio_var as f64;
+            stats.clip_fraction += clip_fraction;
+            stats.value_clip_fraction += value_clip_fraction;
+            stats.ratio_mean += ratio_mean;
+            stats.ratio_var += (ratio_sq - ratio_mean * ratio_mean).max(0.0);
             stats.grad_norm += grad_norm;
             stats.gradient_steps += 1;
-            epoch_kls.push(s.approx_kl as f64);
+            epoch_kls.push(approx_kl);
         }
         stats.epochs_done += 1;
         if let Some(target) = cfg.target_kl {

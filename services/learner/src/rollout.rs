@@ -21,6 +21,8 @@ pub enum UpdateError {
     Candle(#[from] candle_core::Error),
     #[error("fragment from {runner}: {detail}")]
     Fragment { runner: String, detail: String },
+    #[error("learner replicas: {0}")]
+    Replicas(String),
 }
 
 /// A rollout flattened for training: `len` steps.

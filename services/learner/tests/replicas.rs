@@ -1,0 +1,167 @@
+//! Learner replicas' PPO updates against a real nats-server: two replicas,
+//! each computing its half of every minibatch and summing gradients by the
+//! group's ring all-reduce, end 24 gradient steps (3 updates of 2 epochs
+//! of 4 minibatches) with bit-identical parameters, equal to one learner's
+//! on the same global batches within 1e-5 (relative): the sums are the
+//! same numbers added in another order (two halves, then the halves
+//! together), which float addition does not keep exactly, and Adam carries
+//! those last-bit differences forward.
+
+use std::time::Duration;
+
+use candle_core::Device;
+use rand::{Rng, SeedableRng};
+use relay_config::PpoConfig;
+use relay_kit::collective::{Group, GroupConfig, View};
+use relay_learner::optimizer::Optimizer;
+use relay_learner::ppo;
+use relay_learner::replicas::{Alone, GradientSync, InGroup};
+use relay_learner::rollout::Rollout;
+use relay_nn::{Actions, ActorCritic, Adam, AdamConfig, PolicySpec};
+use relay_testkit::NatsServer;
+
+const SEED: u64 = 11;
+
+fn model() -> ActorCritic {
+    let mut spec = PolicySpec::discrete(4, 3);
+    spec.hidden = vec![32, 32];
+    ActorCritic::new(&spec, SEED).unwrap()
+}
+
+/// A rollout of 256 steps acted by `model` itself, random advantages.
+fn rollout(model: &ActorCritic, round: u64) -> Rollout {
+    let n = 256;
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(round);
+    let obs: Vec<f32> = (0..n * 4).map(|_| r.random_range(-1.0..1.0)).collect();
+    let out = model.act(&obs, n, false, &mut r).unwrap();
+    let Actions::Discrete(actions) = out.actions else {
+        unreachable!("a discrete policy")
+    };
+    let advantages: Vec<f32> = (0..n).map(|_| r.random_range(-1.0..1.0)).collect();
+    let returns = advantages
+        .iter()
+        .zip(&out.values)
+        .map(|(a, v)| a + v)
+        .collect();
+    Rollout {
+        obs,
+        obs_dim: 4,
+        actions_discrete: actions.iter().map(|&a| a as u32).collect(),
+        actions_continuous: Vec::new(),
+        action_dim: 0,
+        old_logprobs: out.logprobs,
+        old_values: out.values,
+        advantages,
+        returns,
+        len: n,
+        vec_steps: n as u64,
+        oldest_version: 0,
+    }
+}
+
+fn config() -> PpoConfig {
+    PpoConfig {
+        minibatch_size: 64,
+        epochs: 2,
+        ent_coef: relay_nn::Schedule::constant(0.01),
+        ..PpoConfig::default()
+    }
+}
+
+/// Three updates (each on a fresh rollout the model acted) as `sync`
+/// shares them; returns the parameters and each update's approx KL.
+fn train(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+    let model = model();
+    let mut optimizer = Optimizer::Adam(
+        Adam::new(
+            model.vars(),
+            AdamConfig {
+                lr: 1e-3,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(SEED);
+    let mut kls = Vec::new();
+    for round in 0..3 {
+        let rollout = rollout(&model, round);
+        let stats = ppo::update(
+            &model,
+            &mut optimizer,
+            &rollout,
+            &config(),
+            round as f64 / 3.0,
+            &mut rng,
+            sync,
+        )
+        .unwrap();
+        assert_eq!(stats.gradient_steps, 8);
+        kls.push(stats.approx_kl);
+    }
+    let params = model
+        .named_tensors()
+        .into_iter()
+        .flat_map(|(_, _, d)| d)
+        .collect();
+    (params, kls)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_replicas_train_as_one_learner_does() {
+    assert!(Device::Cpu.is_cpu());
+    let (alone, alone_kls) = tokio::task::spawn_blocking(|| train(&mut Alone))
+        .await
+        .unwrap();
+
+    let server = NatsServer::start().unwrap();
+    let nats = async_nats::connect(server.url()).await.unwrap();
+    let mut groups = Vec::new();
+    for id in ["r0", "r1"] {
+        let mut c = GroupConfig::new("ppo-learner", id, "127.0.0.1:0".parse().unwrap());
+        c.settle = Duration::from_millis(200);
+        groups.push(Group::join(&nats, c).await.unwrap());
+    }
+    let mut view: Option<View> = None;
+    for g in &mut groups {
+        let v = g.view_after(None, Duration::from_secs(10)).await.unwrap();
+        view = Some(v);
+    }
+    let view = view.unwrap();
+    assert_eq!(view.size(), 2, "{view:?}");
+    let replicas = groups.into_iter().map(|mut group| {
+        let view = view.clone();
+        let runtime = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || {
+            let mut sync = InGroup::new(&mut group, view, 1, runtime).unwrap();
+            train(&mut sync)
+        })
+    });
+    let results: Vec<(Vec<f32>, Vec<f64>)> = futures::future::join_all(replicas)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+
+    let (first, first_kls) = &results[0];
+    let (second, second_kls) = &results[1];
+    assert!(
+        first.iter().zip(second).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the replicas' parameters differ"
+    );
+    assert_eq!(first_kls, second_kls, "the replicas saw different statistics");
+    let worst = first
+        .iter()
+        .zip(&alone)
+        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-5, "two replicas against one learner: gap {worst:e}");
+    let moved = alone
+        .iter()
+        .zip(model().named_tensors().into_iter().flat_map(|(_, _, d)| d))
+        .any(|(a, b)| (a - b).abs() > 1e-3);
+    assert!(moved, "the updates must change the model");
+    for (a, b) in first_kls.iter().zip(&alone_kls) {
+        assert!((a - b).abs() < 1e-5 * (1.0 + b.abs()), "approx KL {a} vs {b}");
+    }
+}
