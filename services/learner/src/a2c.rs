@@ -11,6 +11,11 @@
 //!    gradient-norm clip, RMSprop (or Adam). Learning rate and entropy
 //!    coefficient follow their schedules over training progress.
 //!
+//! With learner replicas ([`crate::replicas`]) each takes its part of the
+//! rollout's rows (advantages normalised over all of them first), weights
+//! its loss by its share, and the gradients and statistics are summed
+//! across replicas before the step.
+//!
 //! Hyperparameters are the fields of [`relay_config::A2cConfig`], each
 //! documented there.
 
@@ -20,6 +25,7 @@ use relay_nn::{a2c_loss, A2cInputs, A2cLossConfig, ActorCritic};
 use relay_proto::MetricValue;
 
 use crate::optimizer::Optimizer;
+use crate::replicas::{part, GradientSync};
 use crate::rollout::{Rollout, UpdateError};
 
 /// What one update did.
@@ -54,43 +60,68 @@ impl UpdateStats {
 }
 
 /// One gradient step on a prepared rollout at training progress `progress`
-/// (`env_steps / budget`).
+/// (`env_steps / budget`), this replica's part of its rows as `sync` says.
 pub fn update(
     model: &ActorCritic,
     optimizer: &mut Optimizer,
     rollout: &Rollout,
     cfg: &A2cConfig,
     progress: f64,
+    sync: &mut dyn GradientSync,
 ) -> Result<UpdateStats, UpdateError> {
     let learning_rate = cfg.learning_rate.value(progress);
     let ent_coef = cfg.ent_coef.value(progress);
     optimizer.set_lr(learning_rate);
-    let rows: Vec<usize> = (0..rollout.len).collect();
-    let (logprob, entropy, values) = model.evaluate(
-        &rollout.obs_tensor(&rows, model.device())?,
-        &rollout.actions_tensor(&rows, model.device())?,
-    )?;
-    let loss = a2c_loss(
-        &A2cLossConfig {
-            ent_coef,
-            vf_coef: cfg.vf_coef,
-            normalize_advantage: cfg.normalize_advantage,
-        },
-        &A2cInputs {
-            logprob: &logprob,
-            entropy: &entropy,
-            values: &values,
-            advantages: &rollout.advantages,
-            returns: &rollout.returns,
-        },
-    )?;
-    let grad_norm = optimizer.minimise(&loss.loss, Some(cfg.max_grad_norm))?;
-    let s = loss.stats;
+    let all: Vec<usize> = (0..rollout.len).collect();
+    let advantages = if cfg.normalize_advantage {
+        relay_nn::normalize(&rollout.advantages)
+    } else {
+        rollout.advantages.clone()
+    };
+    let share = sync.share();
+    let rows = part(&all, share);
+    let weight = rows.len() as f64 / rollout.len.max(1) as f64;
+    // Weighted by this part's share: summed, the whole rollout's means.
+    let mut summed = [0f32; 4];
+    let loss = if rows.is_empty() {
+        None
+    } else {
+        let (logprob, entropy, values) = model.evaluate(
+            &rollout.obs_tensor(rows, model.device())?,
+            &rollout.actions_tensor(rows, model.device())?,
+        )?;
+        let returns: Vec<f32> = rows.iter().map(|&j| rollout.returns[j]).collect();
+        let loss = a2c_loss(
+            &A2cLossConfig {
+                ent_coef,
+                vf_coef: cfg.vf_coef,
+                normalize_advantage: false,
+            },
+            &A2cInputs {
+                logprob: &logprob,
+                entropy: &entropy,
+                values: &values,
+                advantages: part(&advantages, share),
+                returns: &returns,
+            },
+        )?;
+        let s = loss.stats;
+        summed =
+            [s.policy_loss, s.value_loss, s.entropy, s.loss].map(|x| (x as f64 * weight) as f32);
+        Some(if share.1 == 1 {
+            loss.loss
+        } else {
+            (loss.loss * weight)?
+        })
+    };
+    let grad_norm =
+        optimizer.minimise_shared(loss.as_ref(), Some(cfg.max_grad_norm), sync, &mut summed)?;
+    let [policy_loss, value_loss, entropy, total_loss] = summed.map(f64::from);
     Ok(UpdateStats {
-        policy_loss: s.policy_loss as f64,
-        value_loss: s.value_loss as f64,
-        entropy: s.entropy as f64,
-        total_loss: s.loss as f64,
+        policy_loss,
+        value_loss,
+        entropy,
+        total_loss,
         grad_norm,
         explained_variance: relay_nn::explained_variance(&rollout.old_values, &rollout.returns)
             as f64,
@@ -206,7 +237,15 @@ mod tests {
                 },
             );
             let rollout = prepare(&model, &[fragment], cfg.a2c.gamma, cfg.a2c.gae_lambda).unwrap();
-            last = update(&model, &mut optimizer, &rollout, &cfg.a2c, k as f64 / 150.0).unwrap();
+            last = update(
+                &model,
+                &mut optimizer,
+                &rollout,
+                &cfg.a2c,
+                k as f64 / 150.0,
+                &mut crate::replicas::Alone,
+            )
+            .unwrap();
         }
         let after = p_pay(&model);
         assert!(after > 0.9, "P(paying action) {before} -> {after}");
@@ -246,7 +285,15 @@ mod tests {
             },
         );
         let rollout = prepare(&model, &[fragment], 0.99, 1.0).unwrap();
-        let stats = update(&model, &mut optimizer, &rollout, &cfg.a2c, 0.5).unwrap();
+        let stats = update(
+            &model,
+            &mut optimizer,
+            &rollout,
+            &cfg.a2c,
+            0.5,
+            &mut crate::replicas::Alone,
+        )
+        .unwrap();
         assert!((stats.learning_rate - 5e-4).abs() < 1e-12);
         assert!((stats.ent_coef - 0.01).abs() < 1e-12);
         let names: Vec<String> = stats.metrics().into_iter().map(|m| m.name).collect();

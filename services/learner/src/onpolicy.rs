@@ -178,7 +178,14 @@ impl Algorithm {
                 let fragments = std::mem::take(f);
                 let a = &cfg.a2c;
                 let rollout = rollout::prepare(model, &fragments, a.gamma, a.gae_lambda)?;
-                let stats = a2c::update(model, optimizer, &rollout, a, progress)?;
+                let stats = a2c::update(
+                    model,
+                    optimizer,
+                    &rollout,
+                    a,
+                    progress,
+                    &mut crate::replicas::Alone,
+                )?;
                 Ok(Updated {
                     metrics: stats.metrics(),
                     oldest_version: rollout.oldest_version,

@@ -1,23 +1,23 @@
-//! Learner replicas' PPO updates against a real nats-server: two replicas,
+//! Learner replicas' updates against a real nats-server: two replicas,
 //! each computing its half of every minibatch and summing gradients by the
-//! group's ring all-reduce, end 24 gradient steps (3 updates of 2 epochs
-//! of 4 minibatches) with bit-identical parameters, equal to one learner's
-//! on the same global batches within 1e-5 (relative): the sums are the
-//! same numbers added in another order (two halves, then the halves
-//! together), which float addition does not keep exactly, and Adam carries
-//! those last-bit differences forward.
+//! group's ring all-reduce, end with bit-identical parameters, equal to one
+//! learner's on the same global batches within 1e-5 (relative): PPO after
+//! 24 gradient steps (3 updates of 2 epochs of 4 minibatches), A2C
+//! (RMSprop) after 20. The sums are the same numbers added in another
+//! order (two halves, then the halves together), which float addition
+//! does not keep exactly, and the optimizers carry those last-bit
+//! differences forward.
 
 use std::time::Duration;
 
-use candle_core::Device;
 use rand::{Rng, SeedableRng};
-use relay_config::PpoConfig;
+use relay_config::{A2cConfig, PpoConfig};
 use relay_kit::collective::{Group, GroupConfig, View};
 use relay_learner::optimizer::Optimizer;
-use relay_learner::ppo;
 use relay_learner::replicas::{Alone, GradientSync, InGroup};
 use relay_learner::rollout::Rollout;
-use relay_nn::{Actions, ActorCritic, Adam, AdamConfig, PolicySpec};
+use relay_learner::{a2c, ppo};
+use relay_nn::{Actions, ActorCritic, Adam, AdamConfig, PolicySpec, RmsProp, RmsPropConfig};
 use relay_testkit::NatsServer;
 
 const SEED: u64 = 11;
@@ -68,9 +68,17 @@ fn config() -> PpoConfig {
     }
 }
 
-/// Three updates (each on a fresh rollout the model acted) as `sync`
+fn parameters(model: &ActorCritic) -> Vec<f32> {
+    model
+        .named_tensors()
+        .into_iter()
+        .flat_map(|(_, _, d)| d)
+        .collect()
+}
+
+/// Three PPO updates (each on a fresh rollout the model acted) as `sync`
 /// shares them; returns the parameters and each update's approx KL.
-fn train(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+fn train_ppo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
     let model = model();
     let mut optimizer = Optimizer::Adam(
         Adam::new(
@@ -99,18 +107,45 @@ fn train(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
         assert_eq!(stats.gradient_steps, 8);
         kls.push(stats.approx_kl);
     }
-    let params = model
-        .named_tensors()
-        .into_iter()
-        .flat_map(|(_, _, d)| d)
-        .collect();
-    (params, kls)
+    (parameters(&model), kls)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_replicas_train_as_one_learner_does() {
-    assert!(Device::Cpu.is_cpu());
-    let (alone, alone_kls) = tokio::task::spawn_blocking(|| train(&mut Alone))
+/// Twenty A2C steps with RMSprop as `sync` shares them; returns the
+/// parameters and each step's total loss.
+fn train_a2c(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+    let model = model();
+    let mut optimizer = Optimizer::RmsProp(
+        RmsProp::new(
+            model.vars(),
+            RmsPropConfig {
+                lr: 1e-3,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let cfg = A2cConfig {
+        normalize_advantage: true,
+        ..A2cConfig::default()
+    };
+    let losses = (0..20)
+        .map(|step| {
+            let rollout = rollout(&model, 100 + step);
+            a2c::update(&model, &mut optimizer, &rollout, &cfg, 0.5, sync)
+                .unwrap()
+                .total_loss
+        })
+        .collect();
+    (parameters(&model), losses)
+}
+
+/// `train` alone, then by two replicas of a group over a real nats-server;
+/// checks the replicas agree bit for bit, and with the lone learner.
+async fn two_replicas_train_as_one(
+    group: &str,
+    train: fn(&mut dyn GradientSync) -> (Vec<f32>, Vec<f64>),
+) {
+    let (alone, alone_stats) = tokio::task::spawn_blocking(move || train(&mut Alone))
         .await
         .unwrap();
 
@@ -118,14 +153,13 @@ async fn two_replicas_train_as_one_learner_does() {
     let nats = async_nats::connect(server.url()).await.unwrap();
     let mut groups = Vec::new();
     for id in ["r0", "r1"] {
-        let mut c = GroupConfig::new("ppo-learner", id, "127.0.0.1:0".parse().unwrap());
+        let mut c = GroupConfig::new(group, id, "127.0.0.1:0".parse().unwrap());
         c.settle = Duration::from_millis(200);
         groups.push(Group::join(&nats, c).await.unwrap());
     }
     let mut view: Option<View> = None;
     for g in &mut groups {
-        let v = g.view_after(None, Duration::from_secs(10)).await.unwrap();
-        view = Some(v);
+        view = Some(g.view_after(None, Duration::from_secs(10)).await.unwrap());
     }
     let view = view.unwrap();
     assert_eq!(view.size(), 2, "{view:?}");
@@ -143,25 +177,47 @@ async fn two_replicas_train_as_one_learner_does() {
         .map(Result::unwrap)
         .collect();
 
-    let (first, first_kls) = &results[0];
-    let (second, second_kls) = &results[1];
+    let (first, first_stats) = &results[0];
+    let (second, second_stats) = &results[1];
     assert!(
-        first.iter().zip(second).all(|(a, b)| a.to_bits() == b.to_bits()),
-        "the replicas' parameters differ"
+        first
+            .iter()
+            .zip(second)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{group}: the replicas' parameters differ"
     );
-    assert_eq!(first_kls, second_kls, "the replicas saw different statistics");
+    assert_eq!(
+        first_stats, second_stats,
+        "{group}: the replicas saw different statistics"
+    );
     let worst = first
         .iter()
         .zip(&alone)
         .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
         .fold(0f32, f32::max);
-    assert!(worst < 1e-5, "two replicas against one learner: gap {worst:e}");
+    assert!(
+        worst < 1e-5,
+        "{group}: two replicas against one learner: gap {worst:e}"
+    );
     let moved = alone
         .iter()
-        .zip(model().named_tensors().into_iter().flat_map(|(_, _, d)| d))
+        .zip(parameters(&model()))
         .any(|(a, b)| (a - b).abs() > 1e-3);
-    assert!(moved, "the updates must change the model");
-    for (a, b) in first_kls.iter().zip(&alone_kls) {
-        assert!((a - b).abs() < 1e-5 * (1.0 + b.abs()), "approx KL {a} vs {b}");
+    assert!(moved, "{group}: the updates must change the model");
+    for (a, b) in first_stats.iter().zip(&alone_stats) {
+        assert!(
+            (a - b).abs() < 1e-5 * (1.0 + b.abs()),
+            "{group}: statistic {a} vs {b}"
+        );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_ppo_replicas_train_as_one_learner_does() {
+    two_replicas_train_as_one("ppo-learner", train_ppo).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_a2c_replicas_train_as_one_learner_does() {
+    two_replicas_train_as_one("a2c-learner", train_a2c).await;
 }
