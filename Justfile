@@ -30,6 +30,11 @@ build-cuda: install
 bench-gpu *ARGS: install
     if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay-bench bench-gpu {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay-bench bench-gpu {{ARGS}}; fi
 
+# One NatureCNN PPO train step at batch 256 (Atari's CnnPolicy) on the GPU when there is one (`--device cuda`), else on the CPU's fused kernels and on the GPU's code path run on the CPU (`--device composed-cpu`), checked against the fused CPU step and timed, beside PyTorch's same step where it imports: tables + JSON lines.
+bench-cnn-step *ARGS: install
+    if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay-bench bench-cnn-step --device cuda {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay-bench bench-cnn-step --device cpu {{ARGS}} && {{release}}/relay-bench bench-cnn-step --device composed-cpu {{ARGS}}; fi
+    if [ -x .relay/sb3/bin/python ]; then .relay/sb3/bin/python services/bench/hf/cnn_step_anchor.py --device "$(nvidia-smi -L >/dev/null 2>&1 && echo cuda:0 || echo cpu)"; else echo "PyTorch anchor skipped: no .relay/sb3 (bash deploy/install.sh --transformers)"; fi
+
 # Build and link with the `cuda` feature (the GPU check's bundle: relay-bench and the LLM reference tests, release; where there is no NVIDIA driver, against the link stubs deploy/install.sh --cuda writes), run the bundle's check on the CPU (deploy/gpu-check.sh --dry-run), and, without a GPU, check that a GPU asked for is refused, saying cuda:0 does not open. What CI runs, so the CUDA path cannot rot although CI has no GPU; its own target folder keeps the CPU build's caches.
 check-cuda: gpu-check-dry-run
     #!/usr/bin/env bash

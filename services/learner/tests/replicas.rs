@@ -139,12 +139,12 @@ fn train_a2c(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
     (parameters(&model), losses)
 }
 
+/// A training run as a replica shares it: the parameters and a statistic per update.
+type Training = fn(&mut dyn GradientSync) -> (Vec<f32>, Vec<f64>);
+
 /// `train` alone, then by two replicas of a group over a real nats-server;
 /// checks the replicas agree bit for bit, and with the lone learner.
-async fn two_replicas_train_as_one(
-    group: &str,
-    train: fn(&mut dyn GradientSync) -> (Vec<f32>, Vec<f64>),
-) {
+async fn two_replicas_train_as_one(group: &str, train: Training) {
     let (alone, alone_stats) = tokio::task::spawn_blocking(move || train(&mut Alone))
         .await
         .unwrap();

@@ -29,7 +29,7 @@ use stack::{last_error_line, Copies, Stack, SERVICES};
 
 /// The subcommands `relay` runs through the `relay-bench` binary beside it
 /// (relay-bench's own tests check that they are exactly its subcommands).
-pub const BENCH_COMMANDS: [&str; 17] = [
+pub const BENCH_COMMANDS: [&str; 18] = [
     "bench-scale",
     "soak",
     "bench-tracker",
@@ -42,6 +42,7 @@ pub const BENCH_COMMANDS: [&str; 17] = [
     "bench-league",
     "bench-generate",
     "bench-gpu",
+    "bench-cnn-step",
     "bench-hub-model",
     "bench-llamacpp",
     "bench-bridge",
