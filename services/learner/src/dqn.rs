@@ -50,6 +50,7 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::{self, CheckpointError};
 use crate::offpolicy::{OffPolicyAlgorithm, RoundSchedule};
 use crate::progress::Progress;
+use crate::replicas::{check_covered, part_range, summed_gradients, GradientSync};
 
 /// The checkpoint file of [`DqnState`].
 const STATE_FILE: &str = "dqn.json";
@@ -129,17 +130,25 @@ pub enum DqnError {
     Nn(#[from] relay_nn::NnError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Replicas(#[from] crate::rollout::UpdateError),
 }
 
 /// One gradient step on a sampled batch: the DQN loss, a clipped Adam
 /// step. Returns the loss statistics, the gradient norm before clipping
-/// and the new priorities `|δ| + eps`.
+/// and the new priorities `|δ| + eps` of the whole batch.
+///
+/// With learner replicas ([`crate::replicas`]) every replica holds the
+/// batch and takes its part of the rows (so prioritized replay's sample,
+/// drawn once, keeps its distribution); losses, statistics and priorities
+/// are weighted and summed across replicas with the gradients.
 pub fn gradient_step(
     cfg: &DqnConfig,
     online: &QNetwork,
     target: &QNetwork,
     optimizer: &mut Adam,
     batch: &TransitionBatch,
+    sync: &mut dyn GradientSync,
 ) -> Result<(DqnStats, f32, Vec<f32>), DqnError> {
     let field = |field: &'static str, e: relay_proto::TensorError| DqnError::Batch {
         field,
@@ -170,28 +179,61 @@ pub fn gradient_step(
         double_q: cfg.double_q,
         huber_delta: cfg.huber_delta as f32,
     };
-    let out = dqn_loss(
-        &loss_cfg,
-        online,
-        target,
-        &DqnBatch {
-            obs: &obs,
-            actions: &actions,
-            returns: &returns,
-            next_obs: &next_obs,
-            discounts: &discounts,
-            weights: Some(&weights),
-        },
-    )?;
-    let mut grads = out.loss.backward().map_err(relay_nn::NnError::from)?;
+    let b = actions.len();
+    let d = obs.len() / b.max(1);
+    let share = sync.share();
+    let rows = part_range(b, share);
+    let weight = rows.len() as f64 / b.max(1) as f64;
+    // The weighted statistics (loss, Q, target, |δ|, the share itself),
+    // then the batch's priorities, each replica writing its own rows'.
+    let mut summed = vec![0f32; 5 + b];
+    let loss = if rows.is_empty() {
+        None
+    } else {
+        let out = dqn_loss(
+            &loss_cfg,
+            online,
+            target,
+            &DqnBatch {
+                obs: &obs[rows.start * d..rows.end * d],
+                actions: &actions[rows.clone()],
+                returns: &returns[rows.clone()],
+                next_obs: &next_obs[rows.start * d..rows.end * d],
+                discounts: &discounts[rows.clone()],
+                weights: Some(&weights[rows.clone()]),
+            },
+        )?;
+        let s = &out.stats;
+        for (slot, value) in
+            summed
+                .iter_mut()
+                .zip([s.loss, s.q_mean, s.target_mean, s.td_abs_mean, 1.0])
+        {
+            *slot = (value as f64 * weight) as f32;
+        }
+        for (slot, td) in summed[5 + rows.start..5 + rows.end]
+            .iter_mut()
+            .zip(&out.td_errors)
+        {
+            *slot = td.abs() + cfg.prioritized_eps as f32;
+        }
+        Some(if share.1 == 1 {
+            out.loss
+        } else {
+            (out.loss * weight).map_err(relay_nn::NnError::from)?
+        })
+    };
+    let mut grads = summed_gradients(loss.as_ref(), optimizer.vars(), sync, &mut summed)?;
+    check_covered(summed[4])?;
     let norm = clip_grad_norm(&mut grads, optimizer.vars(), cfg.max_grad_norm as f32)?;
     optimizer.step(&grads)?;
-    let priorities = out
-        .td_errors
-        .iter()
-        .map(|d| d.abs() + cfg.prioritized_eps as f32)
-        .collect();
-    Ok((out.stats, norm, priorities))
+    let stats = DqnStats {
+        loss: summed[0],
+        q_mean: summed[1],
+        target_mean: summed[2],
+        td_abs_mean: summed[3],
+    };
+    Ok((stats, norm, summed.split_off(5)))
 }
 
 /// DQN's networks, optimizer and round bookkeeping, trained by the shared
@@ -333,6 +375,7 @@ impl OffPolicyAlgorithm for Dqn {
             &self.target,
             &mut self.optimizer,
             batch,
+            &mut crate::replicas::Alone,
         )?;
         self.stats.add(&loss_stats, norm);
         Ok(self.cfg.prioritized.then_some(priorities))
@@ -447,20 +490,43 @@ mod tests {
             &[0.0; 4],
             &[0.0, 0.0],
         );
-        let (first, _, p0) = gradient_step(&d, &online, &target, &mut adam, &b).unwrap();
+        let (first, _, p0) = gradient_step(
+            &d,
+            &online,
+            &target,
+            &mut adam,
+            &b,
+            &mut crate::replicas::Alone,
+        )
+        .unwrap();
         assert_eq!(p0.len(), 2);
         assert!(p0.iter().all(|&p| p > 0.0));
         let mut last = first;
         for _ in 0..300 {
-            last = gradient_step(&d, &online, &target, &mut adam, &b)
-                .unwrap()
-                .0;
+            last = gradient_step(
+                &d,
+                &online,
+                &target,
+                &mut adam,
+                &b,
+                &mut crate::replicas::Alone,
+            )
+            .unwrap()
+            .0;
         }
         assert!(last.loss < first.loss * 0.01, "{first:?} -> {last:?}");
         let q = online.q_values(&[0.5, -0.5], 1).unwrap();
         assert!((q[0] - 1.0).abs() < 0.05 && q[1].abs() < 0.05, "{q:?}");
         // A discrete action out of range is an error, not a panic.
         let bad = batch(&[0.5, -0.5], &[7], &[1.0], &[0.0; 2], &[0.0]);
-        assert!(gradient_step(&d, &online, &target, &mut adam, &bad).is_err());
+        assert!(gradient_step(
+            &d,
+            &online,
+            &target,
+            &mut adam,
+            &bad,
+            &mut crate::replicas::Alone
+        )
+        .is_err());
     }
 }

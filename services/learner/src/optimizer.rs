@@ -10,7 +10,7 @@ use candle_core::{backprop::GradStore, Tensor, Var};
 use relay_config::{Algo, ExperimentConfig};
 use relay_nn::{clip_grad_norm, Adam, AdamConfig, NnError, RmsProp, RmsPropConfig};
 
-use crate::replicas::GradientSync;
+use crate::replicas::{summed_gradients, GradientSync};
 use crate::rollout::UpdateError;
 
 /// Adam or RMSprop over the model's vars.
@@ -124,29 +124,7 @@ impl Optimizer {
             return Ok(self.minimise(loss, max_norm)?);
         }
         let vars = self.vars().to_vec();
-        let mut grads = match loss {
-            Some(loss) => loss.backward()?,
-            // A store holding no var's gradient.
-            None => Tensor::zeros((), candle_core::DType::F32, vars[0].device())?.backward()?,
-        };
-        let mut flat = Vec::with_capacity(vars.iter().map(|v| v.elem_count()).sum::<usize>());
-        for var in &vars {
-            match grads.get(var) {
-                Some(g) => flat.extend(g.flatten_all()?.to_vec1::<f32>()?),
-                None => flat.extend(std::iter::repeat_n(0f32, var.elem_count())),
-            }
-        }
-        let n_grads = flat.len();
-        flat.extend_from_slice(extra);
-        sync.sum(&mut flat)?;
-        extra.copy_from_slice(&flat[n_grads..]);
-        let mut at = 0;
-        for var in &vars {
-            let len = var.elem_count();
-            let summed = Tensor::from_slice(&flat[at..at + len], var.shape(), var.device())?;
-            grads.insert(var, summed);
-            at += len;
-        }
+        let mut grads = summed_gradients(loss, &vars, sync, extra)?;
         let norm = clip_grad_norm(
             &mut grads,
             &vars,

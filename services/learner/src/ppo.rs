@@ -25,7 +25,7 @@ use relay_nn::{ppo_loss, PpoInputs, PpoLossConfig};
 use relay_proto::MetricValue;
 
 use crate::optimizer::Optimizer;
-use crate::replicas::{part, GradientSync};
+use crate::replicas::{check_covered, part, GradientSync};
 use crate::rollout::{Rollout, UpdateError};
 use relay_nn::ActorCritic;
 
@@ -203,12 +203,7 @@ pub fn update(
 
             let [policy_loss, value_loss, entropy, total_loss, approx_kl, kl, clip_fraction, value_clip_fraction, ratio_mean, ratio_sq, covered] =
                 summed.map(f64::from);
-            if (covered - 1.0).abs() > 1e-5 {
-                return Err(UpdateError::Replicas(format!(
-                    "the replicas' parts cover {covered} of a minibatch, not all of it: \
-                     they hold different rollouts"
-                )));
-            }
+            check_covered(covered as f32)?;
             stats.policy_loss += policy_loss;
             stats.value_loss += value_loss;
             stats.entropy += entropy;

@@ -19,6 +19,8 @@
 //! reducing a finished bucket while later layers are still computing, as
 //! DDP's bucketed reducer does. Gradients are one buffer per step.
 
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
 use relay_kit::collective::{Group, View};
 
 use crate::rollout::UpdateError;
@@ -34,10 +36,67 @@ pub trait GradientSync: Send {
     fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError>;
 }
 
+/// The gradients of `loss` (`None`: an empty share, zeros) with respect to
+/// `vars`, and `extra` (statistics the caller weighted as the loss), summed
+/// across the replicas with `sync`: one buffer, one all-reduce. Alone, just
+/// `loss.backward()`, `extra` as it is.
+pub fn summed_gradients(
+    loss: Option<&Tensor>,
+    vars: &[Var],
+    sync: &mut dyn GradientSync,
+    extra: &mut [f32],
+) -> Result<GradStore, UpdateError> {
+    if sync.share().1 == 1 {
+        let loss = loss.expect("a lone learner's share is the whole batch");
+        return Ok(loss.backward()?);
+    }
+    let mut grads = match loss {
+        Some(loss) => loss.backward()?,
+        // A store holding no var's gradient.
+        None => Tensor::zeros((), candle_core::DType::F32, vars[0].device())?.backward()?,
+    };
+    let mut flat = Vec::with_capacity(vars.iter().map(|v| v.elem_count()).sum::<usize>());
+    for var in vars {
+        match grads.get(var) {
+            Some(g) => flat.extend(g.flatten_all()?.to_vec1::<f32>()?),
+            None => flat.extend(std::iter::repeat_n(0f32, var.elem_count())),
+        }
+    }
+    let n_grads = flat.len();
+    flat.extend_from_slice(extra);
+    sync.sum(&mut flat)?;
+    extra.copy_from_slice(&flat[n_grads..]);
+    let mut at = 0;
+    for var in vars {
+        let len = var.elem_count();
+        let summed = Tensor::from_slice(&flat[at..at + len], var.shape(), var.device())?;
+        grads.insert(var, summed);
+        at += len;
+    }
+    Ok(grads)
+}
+
 /// The `rank`-th of `n` contiguous, near-equal parts of `items`.
-pub fn part<T>(items: &[T], (rank, n): (usize, usize)) -> &[T] {
-    let len = items.len();
-    &items[rank * len / n..(rank + 1) * len / n]
+pub fn part<T>(items: &[T], share: (usize, usize)) -> &[T] {
+    &items[part_range(items.len(), share)]
+}
+
+/// The rows of the `rank`-th of `n` contiguous, near-equal parts of `len` rows.
+pub fn part_range(len: usize, (rank, n): (usize, usize)) -> std::ops::Range<usize> {
+    rank * len / n..(rank + 1) * len / n
+}
+
+/// Checks that the replicas' summed shares (the `1.0` each weighted by its
+/// share) cover a whole batch: replicas that hold different batches fail
+/// here rather than train on a mixture.
+pub fn check_covered(covered: f32) -> Result<(), UpdateError> {
+    if (covered - 1.0).abs() > 1e-5 {
+        return Err(UpdateError::Replicas(format!(
+            "the replicas' parts cover {covered} of a batch, not all of it: \
+             they hold different batches"
+        )));
+    }
+    Ok(())
 }
 
 /// A learner on its own: its share is everything, sums are what it has.
