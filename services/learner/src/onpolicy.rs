@@ -193,7 +193,14 @@ impl Algorithm {
             }
             Self::Reinforce(episodes) => {
                 let batch = episodes.take_finished();
-                let stats = reinforce::update(model, optimizer, &batch, &cfg.reinforce, progress)?;
+                let stats = reinforce::update(
+                    model,
+                    optimizer,
+                    &batch,
+                    &cfg.reinforce,
+                    progress,
+                    &mut crate::replicas::Alone,
+                )?;
                 Ok(Updated {
                     metrics: stats.metrics(),
                     oldest_version: stats.oldest_version,

@@ -35,6 +35,7 @@ use relay_nn::{discounted_returns, reinforce_loss, ActorCritic, ReinforceInputs}
 use relay_proto::{MetricValue, RolloutFragment};
 
 use crate::optimizer::Optimizer;
+use crate::replicas::{check_covered, part_range, GradientSync};
 use crate::rollout::{Decoded, UpdateError};
 
 /// How an episode ended.
@@ -286,13 +287,16 @@ pub fn episode_returns(
 }
 
 /// One gradient step on finished `episodes` at training progress `progress`
-/// (`env_steps / budget`).
+/// (`env_steps / budget`), this replica's part of their steps as `sync`
+/// says ([`crate::replicas`]): with normalised advantages, their mean and
+/// spread over all steps are summed across replicas first.
 pub fn update(
     model: &ActorCritic,
     optimizer: &mut Optimizer,
     episodes: &[Episode],
     cfg: &ReinforceConfig,
     progress: f64,
+    sync: &mut dyn GradientSync,
 ) -> Result<UpdateStats, UpdateError> {
     let learning_rate = cfg.learning_rate.value(progress);
     let ent_coef = cfg.ent_coef.value(progress);
@@ -307,56 +311,123 @@ pub fn update(
     })?;
     let spec = model.spec();
     let (d, len) = (spec.obs_dim, returns.len());
+    let share = sync.share();
+    let rows = part_range(len, share);
+    let weight = rows.len() as f64 / len.max(1) as f64;
     let obs: Vec<f32> = episodes
         .iter()
         .flat_map(|e| e.obs.iter().copied())
+        .skip(rows.start * d)
+        .take(rows.len() * d)
         .collect();
     let device = model.device();
-    let obs = Tensor::from_vec(obs, (len, d), device)?;
+    let obs = Tensor::from_vec(obs, (rows.len(), d), device)?;
     let actions = match &spec.action {
         relay_nn::ActionKind::Discrete { .. } => {
             let a: Vec<u32> = episodes
                 .iter()
                 .flat_map(|e| e.actions_discrete.iter().copied())
+                .skip(rows.start)
+                .take(rows.len())
                 .collect();
-            Tensor::from_vec(a, len, device)?
+            Tensor::from_vec(a, rows.len(), device)?
         }
         relay_nn::ActionKind::Continuous { dim, .. } => {
             let a: Vec<f32> = episodes
                 .iter()
                 .flat_map(|e| e.actions_continuous.iter().copied())
+                .skip(rows.start * dim)
+                .take(rows.len() * dim)
                 .collect();
-            Tensor::from_vec(a, (len, *dim), device)?
+            Tensor::from_vec(a, (rows.len(), *dim), device)?
         }
     };
-    let (logprob, entropy, values) = model.evaluate(&obs, &actions)?;
-    let explained_variance = if baseline {
-        let v: Vec<f32> = values.to_vec1()?;
-        Some(relay_nn::explained_variance(&v, &returns) as f64)
-    } else {
+    let returns = &returns[rows.clone()];
+    let evaluated = if rows.is_empty() {
         None
+    } else {
+        Some(model.evaluate(&obs, &actions)?)
     };
-    let loss = reinforce_loss(
-        &relay_nn::ReinforceConfig {
-            baseline,
-            ent_coef,
-            vf_coef: cfg.vf_coef,
-            normalize_advantage: cfg.normalize_advantage,
-        },
-        &ReinforceInputs {
-            logprob: &logprob,
-            entropy: &entropy,
-            values: Some(&values),
-            returns: &returns,
-        },
-    )?;
-    let grad_norm = optimizer.minimise(&loss.loss, cfg.max_grad_norm)?;
-    let s = loss.stats;
+    let values: Vec<f32> = match &evaluated {
+        Some((_, _, v)) if baseline => v.to_vec1()?,
+        _ => vec![0.0; rows.len()],
+    };
+    // Sums over this part (a replica's; alone, all steps): returns, their
+    // squares, residuals G - V and their squares, for the advantages' and
+    // explained variance's statistics over all steps.
+    let moments =
+        |xs: &mut dyn Iterator<Item = f64>| xs.fold([0f64; 2], |[s, q], x| [s + x, q + x * x]);
+    let [g_sum, g_sq] = moments(&mut returns.iter().map(|&g| g as f64));
+    let [r_sum, r_sq] = moments(&mut returns.iter().zip(&values).map(|(&g, &v)| (g - v) as f64));
+    let mut totals = [g_sum, g_sq, r_sum, r_sq];
+    if share.1 > 1 {
+        let mut part = totals.map(|x| x as f32);
+        sync.sum(&mut part)?;
+        totals = part.map(f64::from);
+    }
+    let n = len as f64;
+    let [g_sum, g_sq, r_sum, r_sq] = totals;
+    let population_var = |sum: f64, sq: f64| (sq / n - (sum / n).powi(2)).max(0.0);
+    let explained_variance = baseline.then(|| {
+        if share.1 == 1 {
+            return relay_nn::explained_variance(&values, returns) as f64;
+        }
+        let var_g = population_var(g_sum, g_sq);
+        if var_g == 0.0 {
+            f64::NAN
+        } else {
+            1.0 - population_var(r_sum, r_sq) / var_g
+        }
+    });
+    // Alone, the loss normalises over its own batch (which is all steps).
+    let advantage_stats = (share.1 > 1 && len > 1).then(|| {
+        let (sum, sq) = if baseline {
+            (r_sum, r_sq)
+        } else {
+            (g_sum, g_sq)
+        };
+        let mean = sum / n;
+        let unbiased = ((sq - n * mean * mean) / (n - 1.0)).max(0.0);
+        (mean, unbiased.sqrt())
+    });
+    let mut summed = [0f32; 5];
+    let loss = match &evaluated {
+        None => None,
+        Some((logprob, entropy, values)) => {
+            let loss = reinforce_loss(
+                &relay_nn::ReinforceConfig {
+                    baseline,
+                    ent_coef,
+                    vf_coef: cfg.vf_coef,
+                    normalize_advantage: cfg.normalize_advantage,
+                },
+                &ReinforceInputs {
+                    logprob,
+                    entropy,
+                    values: Some(values),
+                    returns,
+                    advantage_stats,
+                },
+            )?;
+            let s = loss.stats;
+            summed = [s.policy_loss, s.value_loss, s.entropy, s.loss, 1.0]
+                .map(|x| (x as f64 * weight) as f32);
+            Some(if share.1 == 1 {
+                loss.loss
+            } else {
+                (loss.loss * weight)?
+            })
+        }
+    };
+    let grad_norm =
+        optimizer.minimise_shared(loss.as_ref(), cfg.max_grad_norm, sync, &mut summed)?;
+    check_covered(summed[4])?;
+    let [policy_loss, value_loss, entropy, total_loss, _] = summed.map(f64::from);
     Ok(UpdateStats {
-        policy_loss: s.policy_loss as f64,
-        value_loss: s.value_loss as f64,
-        entropy: s.entropy as f64,
-        total_loss: s.loss as f64,
+        policy_loss,
+        value_loss,
+        entropy,
+        total_loss,
         grad_norm,
         explained_variance,
         learning_rate,
@@ -571,7 +642,15 @@ mod tests {
                         }
                     })
                     .collect();
-                stats = update(&model, &mut optimizer, &episodes, &cfg.reinforce, 0.0).unwrap();
+                stats = update(
+                    &model,
+                    &mut optimizer,
+                    &episodes,
+                    &cfg.reinforce,
+                    0.0,
+                    &mut crate::replicas::Alone,
+                )
+                .unwrap();
             }
             let after = p_pay(&model);
             assert!(

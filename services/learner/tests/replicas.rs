@@ -4,7 +4,8 @@
 //! learner's on the same global batches within 1e-5 (relative): PPO after
 //! 24 gradient steps (3 updates of 2 epochs of 4 minibatches), A2C
 //! (RMSprop) after 20, DQN (importance weights, priorities, Polyak target
-//! updates) after 20. The sums are the same numbers added in another
+//! updates) after 20, REINFORCE with a value baseline and normalised
+//! advantages (their statistics summed across replicas first) after 20. The sums are the same numbers added in another
 //! order (two halves, then the halves together), which float addition
 //! does not keep exactly, and the optimizers carry those last-bit
 //! differences forward.
@@ -12,9 +13,10 @@
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
-use relay_config::{A2cConfig, DqnConfig, PpoConfig};
+use relay_config::{A2cConfig, Baseline, DqnConfig, PpoConfig, ReinforceConfig};
 use relay_kit::collective::{Group, GroupConfig, View};
 use relay_learner::optimizer::Optimizer;
+use relay_learner::reinforce::{self, End, Episode};
 use relay_learner::replicas::{Alone, GradientSync, InGroup};
 use relay_learner::rollout::Rollout;
 use relay_learner::{a2c, dqn, ppo};
@@ -213,6 +215,54 @@ fn train_dqn(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
     (params, stats)
 }
 
+/// Twenty REINFORCE steps (value baseline, normalised advantages) on 5
+/// random episodes of 20 to 59 steps each, one cut by a time limit, as
+/// `sync` shares them; returns the parameters and each step's loss.
+fn train_reinforce(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+    let model = model();
+    let mut optimizer = Optimizer::Adam(
+        Adam::new(
+            model.vars(),
+            AdamConfig {
+                lr: 1e-3,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let cfg = ReinforceConfig {
+        baseline: Baseline::Value,
+        normalize_advantage: true,
+        ..ReinforceConfig::default()
+    };
+    let losses = (0..20u64)
+        .map(|step| {
+            let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(300 + step);
+            let episodes: Vec<Episode> = (0..5)
+                .map(|e| {
+                    let len = r.random_range(20..60);
+                    Episode {
+                        obs: (0..len * 4).map(|_| r.random_range(-1.0..1.0)).collect(),
+                        actions_discrete: (0..len).map(|_| r.random_range(0..3)).collect(),
+                        actions_continuous: Vec::new(),
+                        rewards: (0..len).map(|_| r.random_range(0.0..1.0)).collect(),
+                        versions: vec![0; len],
+                        end: Some(if e == 0 {
+                            End::Truncated(vec![0.1, -0.2, 0.3, 0.0])
+                        } else {
+                            End::Terminated
+                        }),
+                    }
+                })
+                .collect();
+            reinforce::update(&model, &mut optimizer, &episodes, &cfg, 0.5, sync)
+                .unwrap()
+                .total_loss
+        })
+        .collect();
+    (parameters(&model), losses)
+}
+
 /// A training run as a replica shares it: the parameters and a statistic per update.
 type Training = fn(&mut dyn GradientSync) -> (Vec<f32>, Vec<f64>);
 
@@ -291,6 +341,11 @@ async fn two_ppo_replicas_train_as_one_learner_does() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_dqn_replicas_train_as_one_learner_does() {
     two_replicas_train_as_one("dqn-learner", train_dqn).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_reinforce_replicas_train_as_one_learner_does() {
+    two_replicas_train_as_one("reinforce-learner", train_reinforce).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -284,6 +284,10 @@ pub struct ReinforceInputs<'a> {
     pub values: Option<&'a Tensor>,
     /// Discounted returns `G_t` ([`discounted_returns`]).
     pub returns: &'a [f32],
+    /// With `normalize_advantage`: the mean and unbiased standard deviation
+    /// the advantages are normalised with. `None`: this batch's own; learner
+    /// replicas pass the whole batch's, this batch being their part of it.
+    pub advantage_stats: Option<(f64, f64)>,
 }
 
 /// REINFORCE: `-mean((G - b) log π) - ent_coef * mean(entropy) +
@@ -311,10 +315,21 @@ pub fn reinforce_loss(config: &ReinforceConfig, inputs: &ReinforceInputs<'_>) ->
         }
         None => inputs.returns.to_vec(),
     };
+    let (advantages, normalize_here) = match inputs.advantage_stats {
+        Some((mean, std)) if config.normalize_advantage => {
+            let scale = 1.0 / (std + 1e-8);
+            let normalized = advantages
+                .iter()
+                .map(|&a| ((a as f64 - mean) * scale) as f32)
+                .collect();
+            (normalized, false)
+        }
+        _ => (advantages, config.normalize_advantage),
+    };
     pg_loss(
         config.ent_coef,
         if config.baseline { config.vf_coef } else { 0.0 },
-        config.normalize_advantage,
+        normalize_here,
         inputs.logprob,
         inputs.entropy,
         values,
@@ -417,6 +432,7 @@ mod tests {
                 entropy: &ent,
                 values: Some(&v),
                 returns: &returns,
+                advantage_stats: None,
             },
         )
         .unwrap();
@@ -445,6 +461,7 @@ mod tests {
                 entropy: &ent,
                 values: Some(&v),
                 returns: &returns,
+                advantage_stats: None,
             },
         )
         .unwrap();
@@ -460,6 +477,7 @@ mod tests {
                 entropy: &ent,
                 values: None,
                 returns: &returns,
+                advantage_stats: None,
             },
         )
         .is_err());

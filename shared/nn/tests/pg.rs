@@ -100,6 +100,7 @@ fn shared_trunk_names_paths_and_gradients() {
                 entropy: &ent,
                 values: None,
                 returns: &returns,
+                advantage_stats: None,
             },
         )
         .unwrap();
