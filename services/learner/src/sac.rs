@@ -39,7 +39,11 @@ use rand_chacha::ChaCha8Rng;
 use relay_config::ExperimentConfig;
 use relay_config::{EntCoef, SacSection};
 use relay_kit::{gauge, ServiceError};
-use relay_nn::{sac_train_step, Pair, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
+use relay_nn::{
+    sac_train_step_part, BatchShare, Pair, Sac, SacBatch, SacConfig, SacOptimizers, SacStats,
+};
+
+use crate::replicas::GradientSync;
 use relay_policy::PolicyWeights;
 use relay_proto::{MetricValue, TransitionBatch};
 use serde::{Deserialize, Serialize};
@@ -155,7 +159,10 @@ pub enum SacError {
 
 /// One SAC gradient step on a sampled batch (actions in env units,
 /// `[B, action_dim]`); a batch of the wrong shape is an error naming the
-/// field, never a panic.
+/// field, never a panic. With learner replicas ([`crate::replicas`]) every
+/// replica holds the batch and takes its part of the rows; each of the
+/// three optimizers' gradients is summed across replicas before its step
+/// ([`relay_nn::sac_train_step_part`]).
 pub fn gradient_step(
     step: &SacConfig,
     sac: &Sac,
@@ -163,6 +170,7 @@ pub fn gradient_step(
     batch: &TransitionBatch,
     rng: &mut ChaCha8Rng,
     pair: &Pair,
+    sync: &mut dyn GradientSync,
 ) -> Result<SacStats, SacError> {
     let field = |field: &'static str, e: relay_proto::TensorError| SacError::Batch {
         field,
@@ -182,7 +190,14 @@ pub fn gradient_step(
         .discounts
         .to_f32()
         .map_err(|e| field("discounts", e))?;
-    let stats = sac_train_step(
+    let (rank, replicas) = sync.share();
+    let mut sum = |data: &mut [f32]| sync.sum(data).map_err(|e| e.to_string());
+    let mut share = BatchShare {
+        rank,
+        replicas,
+        sum: (replicas > 1).then_some(&mut sum as &mut dyn FnMut(&mut [f32]) -> _),
+    };
+    let stats = sac_train_step_part(
         step,
         sac,
         optimizers,
@@ -195,6 +210,7 @@ pub fn gradient_step(
         },
         rng,
         pair,
+        &mut share,
     )?;
     Ok(stats)
 }
@@ -311,6 +327,7 @@ impl OffPolicyAlgorithm for SacLearner {
             batch,
             rng,
             &self.pair,
+            &mut crate::replicas::Alone,
         )?;
         self.stats.add(&stats);
         if self.step.update_target {
@@ -424,15 +441,31 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let before = sac.ent_coef().unwrap();
         let good = batch(8, 3, 1, &[0.5; 8]);
-        let stats =
-            gradient_step(&step, &sac, &mut opt, &good, &mut rng, &Pair::sequential()).unwrap();
+        let stats = gradient_step(
+            &step,
+            &sac,
+            &mut opt,
+            &good,
+            &mut rng,
+            &Pair::sequential(),
+            &mut crate::replicas::Alone,
+        )
+        .unwrap();
         assert!(stats.critic_loss.is_finite() && stats.actor_loss.is_finite());
         assert_eq!(stats.ent_coef, before);
         assert_ne!(sac.ent_coef().unwrap(), before);
         // Two action values per row for a one-dimensional actor.
         let bad = batch(8, 3, 2, &[0.5; 16]);
-        let err =
-            gradient_step(&step, &sac, &mut opt, &bad, &mut rng, &Pair::sequential()).unwrap_err();
+        let err = gradient_step(
+            &step,
+            &sac,
+            &mut opt,
+            &bad,
+            &mut rng,
+            &Pair::sequential(),
+            &mut crate::replicas::Alone,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("actions"), "{err}");
     }
 }

@@ -5,7 +5,9 @@
 //! 24 gradient steps (3 updates of 2 epochs of 4 minibatches), A2C
 //! (RMSprop) after 20, DQN (importance weights, priorities, Polyak target
 //! updates) after 20, REINFORCE with a value baseline and normalised
-//! advantages (their statistics summed across replicas first) after 20. The sums are the same numbers added in another
+//! advantages (their statistics summed across replicas first) after 20,
+//! SAC (entropy tuning, twin critics, actor: three optimizers, each
+//! summed) after 20. The sums are the same numbers added in another
 //! order (two halves, then the halves together), which float addition
 //! does not keep exactly, and the optimizers carry those last-bit
 //! differences forward.
@@ -19,9 +21,10 @@ use relay_learner::optimizer::Optimizer;
 use relay_learner::reinforce::{self, End, Episode};
 use relay_learner::replicas::{Alone, GradientSync, InGroup};
 use relay_learner::rollout::Rollout;
-use relay_learner::{a2c, dqn, ppo};
+use relay_learner::{a2c, dqn, ppo, sac};
 use relay_nn::{
-    Actions, ActorCritic, Adam, AdamConfig, PolicySpec, QNetSpec, QNetwork, RmsProp, RmsPropConfig,
+    Actions, ActorCritic, Adam, AdamConfig, Pair, PolicySpec, QNetSpec, QNetwork, RmsProp,
+    RmsPropConfig, Sac, SacConfig, SacOptimizers, SacSpec,
 };
 use relay_proto::{Tensor as Wire, TransitionBatch, SCHEMA_VERSION};
 use relay_testkit::NatsServer;
@@ -263,6 +266,66 @@ fn train_reinforce(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
     (parameters(&model), losses)
 }
 
+/// Twenty SAC steps on random batches of 64 (2-dimensional actions in
+/// [-2, 2]) as `sync` shares them; returns every parameter and each step's
+/// critic and actor losses and entropy coefficient.
+fn train_sac(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+    let mut spec = SacSpec::new(4, vec![-2.0; 2], vec![2.0; 2]);
+    spec.hidden = vec![32, 32];
+    let model = Sac::new(&spec, 1.0, SEED).unwrap();
+    let config = SacConfig::default();
+    let mut optimizers = SacOptimizers::new(&model, &config).unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(SEED);
+    let mut stats = Vec::new();
+    for step in 0..20u64 {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(400 + step);
+        let b = 64;
+        let mut uniform = |k: usize, lo: f32, hi: f32| -> Vec<f32> {
+            (0..k).map(|_| r.random_range(lo..hi)).collect()
+        };
+        let (obs, next, rewards) = (
+            uniform(b * 4, -1.0, 1.0),
+            uniform(b * 4, -1.0, 1.0),
+            uniform(b, -1.0, 1.0),
+        );
+        let actions = uniform(b * 2, -2.0, 2.0);
+        let discounts: Vec<f32> = (0..b)
+            .map(|i| if i % 5 == 0 { 0.0 } else { 0.99 })
+            .collect();
+        let batch = TransitionBatch {
+            schema: SCHEMA_VERSION,
+            ids: (0..b as u64).collect(),
+            obs: Wire::from_f32(&[b, 4], &obs),
+            actions: Wire::from_f32(&[b, 2], &actions),
+            rewards: Wire::from_f32(&[b], &rewards),
+            next_obs: Wire::from_f32(&[b, 4], &next),
+            discounts: Wire::from_f32(&[b], &discounts),
+            terminated: Wire::from_bool(&[b], &vec![false; b]),
+            truncated: Wire::from_bool(&[b], &vec![false; b]),
+            weights: Wire::from_f32(&[b], &vec![1.0; b]),
+            size: b as u64,
+            inserted_steps: b as u64,
+        };
+        let s = sac::gradient_step(
+            &config,
+            &model,
+            &mut optimizers,
+            &batch,
+            &mut rng,
+            &Pair::sequential(),
+            sync,
+        )
+        .unwrap();
+        stats.extend([s.critic_loss as f64, s.actor_loss as f64, s.ent_coef as f64]);
+    }
+    let params = model
+        .named_tensors()
+        .into_iter()
+        .flat_map(|(_, _, d)| d)
+        .collect();
+    (params, stats)
+}
+
 /// A training run as a replica shares it: the parameters and a statistic per update.
 type Training = fn(&mut dyn GradientSync) -> (Vec<f32>, Vec<f64>);
 
@@ -346,6 +409,11 @@ async fn two_dqn_replicas_train_as_one_learner_does() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_reinforce_replicas_train_as_one_learner_does() {
     two_replicas_train_as_one("reinforce-learner", train_reinforce).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_sac_replicas_train_as_one_learner_does() {
+    two_replicas_train_as_one("sac-learner", train_sac).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -82,6 +82,9 @@ pub enum NnError {
     },
 
     /// A safetensors file could not be read or written, or is not what we expect.
+    /// Summing across learner replicas failed (their all-reduce).
+    #[error("learner replicas: {0}")]
+    Replicas(String),
     #[error("safetensors file {path}: {reason}")]
     Checkpoint {
         /// The file.

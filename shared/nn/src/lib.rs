@@ -116,8 +116,9 @@ pub use ppo::{
 };
 pub use qnet::{QNetSpec, QNetwork};
 pub use sac::{
-    sac_actor_loss, sac_critic_loss, sac_ent_coef_loss, sac_targets, sac_train_step, ActorSample,
-    Sac, SacActor, SacBatch, SacConfig, SacOptimizers, SacSpec, SacStats, TwinCritic,
+    sac_actor_loss, sac_critic_loss, sac_ent_coef_loss, sac_targets, sac_train_step,
+    sac_train_step_part, ActorSample, BatchShare, Sac, SacActor, SacBatch, SacConfig,
+    SacOptimizers, SacSpec, SacStats, TwinCritic,
 };
 pub use schedule::{Schedule, Shape, Warmup};
 pub use spec::{ActionKind, Activation, CnnArch, CnnSpec, ConvSpec, PolicySpec};

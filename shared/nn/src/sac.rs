@@ -46,6 +46,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
@@ -936,49 +937,178 @@ pub fn sac_train_step(
     rng: &mut impl Rng,
     pair: &Pair,
 ) -> Result<SacStats> {
-    config.validate()?;
-    let b = check_batch(&sac.spec, batch)?;
-    let (d, a) = (sac.spec.obs_dim, sac.spec.action_dim());
-    let obs = Tensor::from_slice(batch.obs, (b, d), &Device::Cpu)?;
-    let next_obs = Tensor::from_slice(batch.next_obs, (b, d), &Device::Cpu)?;
-    // Both samples' noise, in SB3's order: current states, then next states.
-    let mut noise = || -> Arc<[f32]> { (0..b * a).map(|_| rng.sample(StandardNormal)).collect() };
-    let (noise_now, noise_next) = (noise(), noise());
+    sac_train_step_part(config, sac, opt, batch, rng, pair, &mut BatchShare::whole())
+}
 
-    // 1. Fresh actions for the current states (graph kept for the actor
-    //    loss) and, beside them, for the next states (the critic targets').
-    let (sample, next) = pair.join(
-        || sac.actor.sample_noise(&obs, noise_now),
-        || sac.actor.sample_noise(&next_obs, noise_next),
-    );
-    let (sample, next) = (sample?, next?);
-    let logprob: Vec<f32> = with_f32(&sample.logprob, "sac_train_step", |x| x.to_vec())?;
+/// Sums f32 buffers across learner replicas in place; an error says why not.
+pub type SumAcross<'a> = &'a mut dyn FnMut(&mut [f32]) -> std::result::Result<(), String>;
 
-    // 2. Entropy coefficient: use the current α, then update log α.
-    let ent_coef = sac.ent_coef()?;
-    let mut ent_coef_loss = 0.0;
-    if config.auto_entropy {
-        let target = config.target_entropy_for(sac.spec.action_dim());
-        let (loss, value) = sac_ent_coef_loss(&sac.log_ent_coef, &logprob, target)?;
-        opt.ent_coef.step(&loss.backward()?)?;
-        ent_coef_loss = value;
+/// A learner replica's part of a SAC step ([`sac_train_step_part`]): the
+/// `rank`-th of `replicas` contiguous parts of each batch, and how f32
+/// buffers are summed across the replicas (the learner's all-reduce; every
+/// replica must end with the same bits).
+pub struct BatchShare<'a> {
+    pub rank: usize,
+    pub replicas: usize,
+    /// `None`: a learner alone (nothing to sum).
+    pub sum: Option<SumAcross<'a>>,
+}
+
+impl BatchShare<'_> {
+    /// A learner alone: its part is the whole batch.
+    pub fn whole() -> Self {
+        Self {
+            rank: 0,
+            replicas: 1,
+            sum: None,
+        }
     }
 
-    // 3. Critics towards the soft targets, each critic's loss and backward
-    //    on its own thread, one Adam step over both.
-    let targets = sac_targets(sac, batch, &next, ent_coef, pair)?;
-    let half = |i: usize| -> Result<_> {
-        let (loss, value, q_mean) = sac_critic_loss(sac, i, batch, &targets)?;
-        Ok((loss.backward()?, value, q_mean))
-    };
-    let (c0, c1) = pair.join(|| half(0), || half(1));
-    let ((mut grads, value0, q_mean), (grads1, value1, _)) = (c0?, c1?);
-    grads.extend(grads1)?;
-    opt.critic.step(&grads)?;
+    fn rows(&self, b: usize) -> std::ops::Range<usize> {
+        self.rank * b / self.replicas..(self.rank + 1) * b / self.replicas
+    }
 
-    // 4. Actor against the updated critics.
-    let (actor_loss, actor_value) = sac_actor_loss(&sac.critic, &obs, &sample, ent_coef, pair)?;
-    opt.actor.step(&actor_loss.backward()?)?;
+    fn sum(&mut self, data: &mut [f32]) -> Result<()> {
+        match &mut self.sum {
+            Some(sum) => sum(data).map_err(NnError::Replicas),
+            None => Ok(()),
+        }
+    }
+
+    /// `opt`'s step on `loss`'s gradients (`None`: this part is empty),
+    /// summed across the replicas first; alone, just the step.
+    fn step(&mut self, opt: &mut Adam, loss: Option<GradStore>) -> Result<()> {
+        if self.sum.is_none() {
+            return match loss {
+                Some(grads) => opt.step(&grads),
+                None => Ok(()),
+            };
+        }
+        let vars = opt.vars().to_vec();
+        let mut grads = match loss {
+            Some(g) => g,
+            None => Tensor::zeros((), DType::F32, vars[0].device())?.backward()?,
+        };
+        let mut flat = Vec::with_capacity(vars.iter().map(|v| v.elem_count()).sum::<usize>());
+        for var in &vars {
+            match grads.get(var) {
+                Some(g) => flat.extend(g.flatten_all()?.to_vec1::<f32>()?),
+                None => flat.extend(std::iter::repeat_n(0f32, var.elem_count())),
+            }
+        }
+        self.sum(&mut flat)?;
+        let mut at = 0;
+        for var in &vars {
+            let len = var.elem_count();
+            grads.insert(
+                var,
+                Tensor::from_slice(&flat[at..at + len], var.shape(), var.device())?,
+            );
+            at += len;
+        }
+        opt.step(&grads)
+    }
+}
+
+/// [`sac_train_step`] on this replica's part of `batch` (`share`): every
+/// replica draws the whole batch's noise from its RNG (they hold the same
+/// one) and takes its rows; each loss is weighted by the part's share and
+/// each optimizer's gradients are summed across replicas before its step,
+/// so every replica steps alike. The statistics are the whole batch's.
+pub fn sac_train_step_part(
+    config: &SacConfig,
+    sac: &Sac,
+    opt: &mut SacOptimizers,
+    batch: &SacBatch<'_>,
+    rng: &mut impl Rng,
+    pair: &Pair,
+    share: &mut BatchShare<'_>,
+) -> Result<SacStats> {
+    config.validate()?;
+    let whole = check_batch(&sac.spec, batch)?;
+    let (d, a) = (sac.spec.obs_dim, sac.spec.action_dim());
+    // Both samples' noise for the whole batch, in SB3's order: current
+    // states, then next states; this part's rows of each.
+    let mut noise = || -> Vec<f32> { (0..whole * a).map(|_| rng.sample(StandardNormal)).collect() };
+    let (noise_now, noise_next) = (noise(), noise());
+    let rows = share.rows(whole);
+    let b = rows.len();
+    let weight = b as f64 / whole.max(1) as f64;
+    let part = SacBatch {
+        obs: &batch.obs[rows.start * d..rows.end * d],
+        actions: &batch.actions[rows.start * a..rows.end * a],
+        returns: &batch.returns[rows.clone()],
+        next_obs: &batch.next_obs[rows.start * d..rows.end * d],
+        discounts: &batch.discounts[rows.clone()],
+    };
+    let alone = share.replicas == 1;
+    let weighted =
+        |loss: Tensor| -> Result<Tensor> { Ok(if alone { loss } else { (loss * weight)? }) };
+    let ent_coef = sac.ent_coef()?;
+    // The weighted statistics, summed at the end: critic loss, actor loss,
+    // entropy coefficient loss, log-prob, Q, target, the share itself.
+    let mut stats = [0f64; 7];
+    if b == 0 {
+        if config.auto_entropy {
+            share.step(&mut opt.ent_coef, None)?;
+        }
+        share.step(&mut opt.critic, None)?;
+        share.step(&mut opt.actor, None)?;
+    } else {
+        let obs = Tensor::from_slice(part.obs, (b, d), &Device::Cpu)?;
+        let next_obs = Tensor::from_slice(part.next_obs, (b, d), &Device::Cpu)?;
+        let noise_now: Arc<[f32]> = noise_now[rows.start * a..rows.end * a].into();
+        let noise_next: Arc<[f32]> = noise_next[rows.start * a..rows.end * a].into();
+
+        // 1. Fresh actions for the current states (graph kept for the actor
+        //    loss) and, beside them, for the next states (the critic targets').
+        let (sample, next) = pair.join(
+            || sac.actor.sample_noise(&obs, noise_now),
+            || sac.actor.sample_noise(&next_obs, noise_next),
+        );
+        let (sample, next) = (sample?, next?);
+        let logprob: Vec<f32> = with_f32(&sample.logprob, "sac_train_step", |x| x.to_vec())?;
+
+        // 2. Entropy coefficient: use the current α, then update log α.
+        if config.auto_entropy {
+            let target = config.target_entropy_for(sac.spec.action_dim());
+            let (loss, value) = sac_ent_coef_loss(&sac.log_ent_coef, &logprob, target)?;
+            let grads = weighted(loss)?.backward()?;
+            share.step(&mut opt.ent_coef, Some(grads))?;
+            stats[2] = value as f64;
+        }
+
+        // 3. Critics towards the soft targets, each critic's loss and
+        //    backward on its own thread, one Adam step over both.
+        let targets = sac_targets(sac, &part, &next, ent_coef, pair)?;
+        let half = |i: usize| -> Result<_> {
+            let (loss, value, q_mean) = sac_critic_loss(sac, i, &part, &targets)?;
+            Ok((weighted(loss)?.backward()?, value, q_mean))
+        };
+        let (c0, c1) = pair.join(|| half(0), || half(1));
+        let ((mut grads, value0, q_mean), (grads1, value1, _)) = (c0?, c1?);
+        grads.extend(grads1)?;
+        share.step(&mut opt.critic, Some(grads))?;
+
+        // 4. Actor against the updated critics.
+        let (actor_loss, actor_value) = sac_actor_loss(&sac.critic, &obs, &sample, ent_coef, pair)?;
+        share.step(&mut opt.actor, Some(weighted(actor_loss)?.backward()?))?;
+
+        stats[0] = (value0 + value1) as f64;
+        stats[1] = actor_value as f64;
+        stats[3] = logprob.iter().map(|&x| x as f64).sum::<f64>() / b as f64;
+        stats[4] = q_mean as f64;
+        stats[5] = targets.iter().map(|&x| x as f64).sum::<f64>() / b as f64;
+        stats[6] = 1.0;
+    }
+    let mut summed = stats.map(|x| (x * weight) as f32);
+    share.sum(&mut summed)?;
+    if (summed[6] - 1.0).abs() > 1e-5 {
+        return Err(NnError::Replicas(format!(
+            "the replicas' parts cover {} of a batch, not all of it: they hold different batches",
+            summed[6]
+        )));
+    }
 
     // 5. Target critics.
     if config.update_target {
@@ -986,12 +1116,12 @@ pub fn sac_train_step(
     }
 
     Ok(SacStats {
-        critic_loss: value0 + value1,
-        actor_loss: actor_value,
-        ent_coef_loss,
+        critic_loss: summed[0],
+        actor_loss: summed[1],
+        ent_coef_loss: summed[2],
         ent_coef,
-        logprob_mean: logprob.iter().sum::<f32>() / b as f32,
-        q_mean,
-        target_mean: targets.iter().sum::<f32>() / b as f32,
+        logprob_mean: summed[3],
+        q_mean: summed[4],
+        target_mean: summed[5],
     })
 }
