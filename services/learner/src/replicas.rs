@@ -36,6 +36,22 @@ pub trait GradientSync: Send {
     fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError>;
 }
 
+/// Runs `f` with `sync` as the pure crates see a replica
+/// ([`relay_nn::BatchShare`]: its part of each batch, and the sum).
+pub fn with_batch_share<R>(
+    sync: &mut dyn GradientSync,
+    f: impl FnOnce(&mut relay_nn::BatchShare<'_>) -> R,
+) -> R {
+    let (rank, replicas) = sync.share();
+    let mut sum = |data: &mut [f32]| sync.sum(data).map_err(|e| e.to_string());
+    let mut share = relay_nn::BatchShare {
+        rank,
+        replicas,
+        sum: (replicas > 1).then_some(&mut sum as relay_nn::SumAcross<'_>),
+    };
+    f(&mut share)
+}
+
 /// The gradients of `loss` (`None`: an empty share, zeros) with respect to
 /// `vars`, and `extra` (statistics the caller weighted as the loss), summed
 /// across the replicas with `sync`: one buffer, one all-reduce. Alone, just

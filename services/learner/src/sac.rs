@@ -39,11 +39,9 @@ use rand_chacha::ChaCha8Rng;
 use relay_config::ExperimentConfig;
 use relay_config::{EntCoef, SacSection};
 use relay_kit::{gauge, ServiceError};
-use relay_nn::{
-    sac_train_step_part, BatchShare, Pair, Sac, SacBatch, SacConfig, SacOptimizers, SacStats,
-};
+use relay_nn::{sac_train_step_part, Pair, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
 
-use crate::replicas::GradientSync;
+use crate::replicas::{with_batch_share, GradientSync};
 use relay_policy::PolicyWeights;
 use relay_proto::{MetricValue, TransitionBatch};
 use serde::{Deserialize, Serialize};
@@ -190,28 +188,23 @@ pub fn gradient_step(
         .discounts
         .to_f32()
         .map_err(|e| field("discounts", e))?;
-    let (rank, replicas) = sync.share();
-    let mut sum = |data: &mut [f32]| sync.sum(data).map_err(|e| e.to_string());
-    let mut share = BatchShare {
-        rank,
-        replicas,
-        sum: (replicas > 1).then_some(&mut sum as &mut dyn FnMut(&mut [f32]) -> _),
-    };
-    let stats = sac_train_step_part(
-        step,
-        sac,
-        optimizers,
-        &SacBatch {
-            obs: &obs,
-            actions: &actions,
-            returns: &returns,
-            next_obs: &next_obs,
-            discounts: &discounts,
-        },
-        rng,
-        pair,
-        &mut share,
-    )?;
+    let stats = with_batch_share(sync, |share| {
+        sac_train_step_part(
+            step,
+            sac,
+            optimizers,
+            &SacBatch {
+                obs: &obs,
+                actions: &actions,
+                returns: &returns,
+                next_obs: &next_obs,
+                discounts: &discounts,
+            },
+            rng,
+            pair,
+            share,
+        )
+    })?;
     Ok(stats)
 }
 

@@ -7,7 +7,9 @@
 //! updates) after 20, REINFORCE with a value baseline and normalised
 //! advantages (their statistics summed across replicas first) after 20,
 //! SAC (entropy tuning, twin critics, actor: three optimizers, each
-//! summed) after 20. The sums are the same numbers added in another
+//! summed) after 20, and a LoRA GRPO update of a tiny language model
+//! (a KL penalty in the rewards, two epochs: every sequence's penalty and
+//! log-probs summed too) after 6. The sums are the same numbers added in another
 //! order (two halves, then the halves together), which float addition
 //! does not keep exactly, and the optimizers carry those last-bit
 //! differences forward.
@@ -326,6 +328,96 @@ fn train_sac(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
     (params, stats)
 }
 
+/// Three GRPO batches of 8 completions (2 groups of 4) on a tiny random
+/// Qwen-shaped model with a rank-4 LoRA adapter, two epochs each, micro-
+/// batches of 2 (4 per batch: 2 per replica), with a KL penalty to the
+/// base model in the rewards; returns the adapter's factors and each
+/// step's loss and KL penalty.
+fn train_grpo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+    use relay_llm::{
+        BatchConfig, CausalLm, KlMode, LoraAdapter, LoraConfig, ObjectiveConfig, RlTrainConfig,
+        RlTrainer, TinyShape, TinyVocab, TokenExample, Truncation,
+    };
+    let dir = relay_testkit::TempDir::new("replicas-grpo");
+    let vocab = TinyVocab {
+        size: 64,
+        bos_token_id: None,
+        eos_token_id: Some(2),
+        pad_token_id: Some(0),
+    };
+    let shape = TinyShape {
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        max_position_embeddings: 128,
+        ..TinyShape::default()
+    };
+    relay_llm::init::tiny_with_shape(dir.path(), 5, &vocab, &shape).unwrap();
+    let model = CausalLm::load_hf(dir.path()).unwrap();
+    let adapter = LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 3).unwrap();
+    let mut objective = ObjectiveConfig::grpo();
+    objective.kl.as_mut().unwrap().mode = KlMode::RewardPenalty;
+    let config = RlTrainConfig {
+        objective,
+        batch: BatchConfig {
+            batch_size: 8,
+            minibatch_size: 2,
+            max_seq_len: 64,
+            truncation: Truncation::CutPromptStart,
+            recompute_activations: true,
+        },
+        optimizer: relay_llm::AdamWConfig {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    };
+    let mut trainer = RlTrainer::new(config, &adapter).unwrap();
+    let mut stats = Vec::new();
+    for round in 0..3u64 {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(500 + round);
+        let examples: Vec<TokenExample> = (0..8u64)
+            .map(|i| {
+                let completion: Vec<u32> = (0..r.random_range(2..6))
+                    .map(|_| r.random_range(3..60))
+                    .chain([2])
+                    .collect();
+                TokenExample {
+                    prompt: vec![1, 5 + i as u32 % 2, 6, 7],
+                    behaviour_logprobs: completion
+                        .iter()
+                        .map(|_| r.random_range(-4.5f32..-3.5))
+                        .collect(),
+                    completion,
+                    reward: r.random_range(0.0..1.0),
+                    group: i / 4,
+                    stratum: 0,
+                }
+            })
+            .collect();
+        let steps = relay_learner::replicas::with_batch_share(sync, |share| {
+            trainer.train_epochs_part(&model, &adapter, &examples, 2, share)
+        })
+        .unwrap();
+        for s in steps {
+            stats.extend([s.loss, s.kl_penalty, s.epoch_kl]);
+        }
+    }
+    let factors = adapter
+        .named_vars()
+        .into_iter()
+        .flat_map(|(_, v)| {
+            v.as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        })
+        .collect();
+    (factors, stats)
+}
+
 /// A training run as a replica shares it: the parameters and a statistic per update.
 type Training = fn(&mut dyn GradientSync) -> (Vec<f32>, Vec<f64>);
 
@@ -414,6 +506,11 @@ async fn two_reinforce_replicas_train_as_one_learner_does() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_sac_replicas_train_as_one_learner_does() {
     two_replicas_train_as_one("sac-learner", train_sac).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_grpo_replicas_train_as_one_learner_does() {
+    two_replicas_train_as_one("grpo-learner", train_grpo).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -792,12 +792,35 @@ impl RlTrainer {
         examples: &[TokenExample],
         epochs: usize,
     ) -> TrainResult<Vec<RlStats>> {
+        self.train_epochs_part(
+            model,
+            adapter,
+            examples,
+            epochs,
+            &mut relay_nn::BatchShare::whole(),
+        )
+    }
+
+    /// [`RlTrainer::train_epochs`] as one of several learner replicas
+    /// (`share`): every replica holds all `examples` and computes its part
+    /// of the micro-batches; the gradients, the statistics and the
+    /// log-probs of every sequence are summed across replicas before each
+    /// step (the losses are normalised by the whole batch's totals, so the
+    /// sum is the whole batch's gradient), and every replica steps alike.
+    pub fn train_epochs_part(
+        &mut self,
+        model: &CausalLm,
+        adapter: &LoraAdapter,
+        examples: &[TokenExample],
+        epochs: usize,
+        share: &mut relay_nn::BatchShare<'_>,
+    ) -> TrainResult<Vec<RlStats>> {
         let mut all = Vec::with_capacity(epochs);
         let mut first_logprobs: Option<Vec<Vec<f32>>> = None;
         let mut previous: Option<Vec<Vec<f32>>> = None;
         for _ in 0..epochs {
             let (mut stats, logprobs) =
-                self.accumulate(model, adapter, examples, first_logprobs.as_deref())?;
+                self.accumulate(model, adapter, examples, first_logprobs.as_deref(), share)?;
             let report = self.apply_gradients()?;
             stats.grad_norm = report.grad_norm;
             stats.grad_clipped = report.clipped;
@@ -823,7 +846,15 @@ impl RlTrainer {
         adapter: &LoraAdapter,
         examples: &[TokenExample],
     ) -> TrainResult<RlStats> {
-        Ok(self.accumulate(model, adapter, examples, None)?.0)
+        Ok(self
+            .accumulate(
+                model,
+                adapter,
+                examples,
+                None,
+                &mut relay_nn::BatchShare::whole(),
+            )?
+            .0)
     }
 
     /// [`RlTrainer::accumulate_gradients`] with the learner's first-epoch
@@ -835,6 +866,7 @@ impl RlTrainer {
         adapter: &LoraAdapter,
         examples: &[TokenExample],
         learner_logprobs: Option<&[Vec<f32>]>,
+        share: &mut relay_nn::BatchShare<'_>,
     ) -> TrainResult<(RlStats, Vec<Vec<f32>>)> {
         let cfg = &self.config;
         crate::token_batch::check_batch_len(&cfg.batch, examples.len())?;
@@ -881,6 +913,13 @@ impl RlTrainer {
             .map(|k| k.prompt.len() + k.example.completion.len())
             .collect();
         let chunks = micro_batches(&lens, cfg.batch.minibatch_size);
+        // This replica's micro-batches (alone: all of them).
+        let mine = &chunks[share.rows(chunks.len())];
+        let sum_across = |share: &mut relay_nn::BatchShare<'_>, data: &mut [f32]| {
+            share
+                .sum(data)
+                .map_err(|e| TrainError::BadInput(e.to_string()))
+        };
         let totals = BatchTotals {
             sequences: kept.len(),
             tokens: kept.iter().map(|k| k.example.completion.len()).sum(),
@@ -891,7 +930,8 @@ impl RlTrainer {
         let mut kl_penalty_sum = 0.0;
         let mut penalty_kl_tokens = 0.0;
         if let Some(kl) = cfg.objective.kl.filter(|k| k.mode == KlMode::RewardPenalty) {
-            for chunk in &chunks {
+            let mut penalties = vec![0f64; kept.len()];
+            for chunk in mine {
                 let pairs: Vec<(&[u32], &[u32])> = chunk
                     .iter()
                     .map(|&i| (kept[i].prompt, kept[i].example.completion.as_slice()))
@@ -910,10 +950,23 @@ impl RlTrainer {
                 let k: Vec<f32> = kl_estimate(kl.estimator, &old, &ref_logp)?.to_vec1()?;
                 for (t, &row) in batch.token_rows.iter().enumerate() {
                     let i = chunk[row as usize];
-                    rewards[i] -= kl.coef * f64::from(k[t]);
+                    penalties[i] += kl.coef * f64::from(k[t]);
                     kl_penalty_sum += kl.coef * f64::from(k[t]);
                     penalty_kl_tokens += f64::from(k[t]);
                 }
+            }
+            // Every sequence's penalty, whichever replica computed it,
+            // before the advantages compare rewards across the batch.
+            if !share.is_alone() {
+                let mut summed: Vec<f32> = penalties.iter().map(|&p| p as f32).collect();
+                summed.extend([kl_penalty_sum as f32, penalty_kl_tokens as f32]);
+                sum_across(share, &mut summed)?;
+                let n = kept.len();
+                (kl_penalty_sum, penalty_kl_tokens) = (summed[n] as f64, summed[n + 1] as f64);
+                penalties = summed[..n].iter().map(|&p| p as f64).collect();
+            }
+            for (reward, penalty) in rewards.iter_mut().zip(penalties) {
+                *reward -= penalty;
             }
         }
 
@@ -939,7 +992,7 @@ impl RlTrainer {
         let need_reference = cfg.objective.kl.is_some_and(|k| k.mode == KlMode::Loss);
         let mut sums = LossSums::default();
         let mut logprobs: Vec<Vec<f32>> = vec![Vec::new(); kept.len()];
-        for chunk in &chunks {
+        for chunk in mine {
             let rows: Vec<RlRow<'_>> = chunk
                 .iter()
                 .map(|&i| RlRow {
@@ -972,6 +1025,11 @@ impl RlTrainer {
             for (&row, &lp) in batch.tokens.token_rows.iter().zip(&out.logprobs) {
                 logprobs[chunk[row as usize]].push(lp);
             }
+        }
+
+        if !share.is_alone() {
+            (sums, logprobs) =
+                sum_across_replicas(&mut self.optimizer, share, sums, logprobs, &kept)?;
         }
 
         if let AdvantageEstimator::Reinforce {
@@ -1033,4 +1091,71 @@ impl RlTrainer {
     pub fn apply_gradients(&mut self) -> TrainResult<StepReport> {
         self.optimizer.step()
     }
+}
+
+/// The accumulated gradients, the loss sums and every kept sequence's
+/// log-probs (each replica holds those of its micro-batches) summed
+/// across the replicas in one all-reduce; the largest sampler gap is
+/// the largest of the replicas' (each writes its own slot).
+fn sum_across_replicas(
+    optimizer: &mut AdamW,
+    share: &mut relay_nn::BatchShare<'_>,
+    sums: LossSums,
+    logprobs: Vec<Vec<f32>>,
+    kept: &[Kept<'_>],
+) -> TrainResult<(LossSums, Vec<Vec<f32>>)> {
+    const FIELDS: usize = 11;
+    let lens: Vec<usize> = kept.iter().map(|k| k.example.completion.len()).collect();
+    let mut extra = vec![0f32; FIELDS + share.replicas + lens.iter().sum::<usize>()];
+    for (slot, x) in extra.iter_mut().zip([
+        sums.loss,
+        sums.policy_loss,
+        sums.tokens as f64,
+        sums.kl,
+        sums.entropy,
+        sums.clipped as f64,
+        sums.approx_kl,
+        sums.sampler_abs_diff,
+        sums.tis_capped as f64,
+        sums.ratio,
+        sums.ratio_sq,
+    ]) {
+        *slot = x as f32;
+    }
+    extra[FIELDS + share.rank] = sums.sampler_max_abs_diff as f32;
+    let mut at = FIELDS + share.replicas;
+    for (lp, &n) in logprobs.iter().zip(&lens) {
+        if lp.len() == n {
+            extra[at..at + n].copy_from_slice(lp);
+        }
+        at += n;
+    }
+    optimizer.sum_accumulated(share, &mut extra)?;
+    let f = |i: usize| f64::from(extra[i]);
+    let summed = LossSums {
+        loss: f(0),
+        policy_loss: f(1),
+        tokens: f(2).round() as usize,
+        kl: f(3),
+        entropy: f(4),
+        clipped: f(5).round() as usize,
+        approx_kl: f(6),
+        sampler_abs_diff: f(7),
+        sampler_max_abs_diff: extra[FIELDS..FIELDS + share.replicas]
+            .iter()
+            .fold(0f64, |m, &x| m.max(f64::from(x))),
+        tis_capped: f(8).round() as usize,
+        ratio: f(9),
+        ratio_sq: f(10),
+    };
+    let mut at = FIELDS + share.replicas;
+    let logprobs = lens
+        .iter()
+        .map(|&n| {
+            let lp = extra[at..at + n].to_vec();
+            at += n;
+            lp
+        })
+        .collect();
+    Ok((summed, logprobs))
 }

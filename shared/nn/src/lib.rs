@@ -22,6 +22,7 @@
 //! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
 //! | [`vec_normalize`] | [`RunningMeanStd`], [`VecNormalize`]: SB3's observation and reward normalisation |
 //! | [`device`] | [`open_device`]: the one place a device (CPU or CUDA) is opened, here and in relay-llm |
+//! | [`share`] | [`BatchShare`]: a learner replica's part of each batch and the sum across replicas |
 //! | [`par`] | [`Pair`]: two independent halves of a train step side by side (SAC's twin critics) |
 //! | [`optim`] | [`Adam`] and [`RmsProp`] with resumable state, [`clip_grad_norm`] |
 //! | [`init`] | orthogonal initialisation |
@@ -92,6 +93,7 @@ pub(crate) mod params;
 pub mod ppo;
 pub mod qnet;
 pub mod sac;
+pub mod share;
 pub use relay_config::hyper::schedule;
 pub mod spec;
 pub mod vec_normalize;
@@ -117,9 +119,10 @@ pub use ppo::{
 pub use qnet::{QNetSpec, QNetwork};
 pub use sac::{
     sac_actor_loss, sac_critic_loss, sac_ent_coef_loss, sac_targets, sac_train_step,
-    sac_train_step_part, ActorSample, BatchShare, Sac, SacActor, SacBatch, SacConfig,
-    SacOptimizers, SacSpec, SacStats, TwinCritic,
+    sac_train_step_part, ActorSample, Sac, SacActor, SacBatch, SacConfig, SacOptimizers, SacSpec,
+    SacStats, TwinCritic,
 };
 pub use schedule::{Schedule, Shape, Warmup};
+pub use share::{BatchShare, SumAcross};
 pub use spec::{ActionKind, Activation, CnnArch, CnnSpec, ConvSpec, PolicySpec};
 pub use vec_normalize::{NormDelta, NormalizeConfig, RunningMeanStd, VecNormalize};

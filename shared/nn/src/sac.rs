@@ -46,7 +46,6 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
@@ -61,6 +60,7 @@ use crate::optim::{Adam, AdamConfig};
 use crate::par::Pair;
 use crate::params::Params;
 use crate::qnet::LayerBuilder;
+use crate::share::BatchShare;
 use crate::spec::Activation;
 
 /// `format` metadata of SAC checkpoints (actor, critics, targets, `log α`).
@@ -938,76 +938,6 @@ pub fn sac_train_step(
     pair: &Pair,
 ) -> Result<SacStats> {
     sac_train_step_part(config, sac, opt, batch, rng, pair, &mut BatchShare::whole())
-}
-
-/// Sums f32 buffers across learner replicas in place; an error says why not.
-pub type SumAcross<'a> = &'a mut dyn FnMut(&mut [f32]) -> std::result::Result<(), String>;
-
-/// A learner replica's part of a SAC step ([`sac_train_step_part`]): the
-/// `rank`-th of `replicas` contiguous parts of each batch, and how f32
-/// buffers are summed across the replicas (the learner's all-reduce; every
-/// replica must end with the same bits).
-pub struct BatchShare<'a> {
-    pub rank: usize,
-    pub replicas: usize,
-    /// `None`: a learner alone (nothing to sum).
-    pub sum: Option<SumAcross<'a>>,
-}
-
-impl BatchShare<'_> {
-    /// A learner alone: its part is the whole batch.
-    pub fn whole() -> Self {
-        Self {
-            rank: 0,
-            replicas: 1,
-            sum: None,
-        }
-    }
-
-    fn rows(&self, b: usize) -> std::ops::Range<usize> {
-        self.rank * b / self.replicas..(self.rank + 1) * b / self.replicas
-    }
-
-    fn sum(&mut self, data: &mut [f32]) -> Result<()> {
-        match &mut self.sum {
-            Some(sum) => sum(data).map_err(NnError::Replicas),
-            None => Ok(()),
-        }
-    }
-
-    /// `opt`'s step on `loss`'s gradients (`None`: this part is empty),
-    /// summed across the replicas first; alone, just the step.
-    fn step(&mut self, opt: &mut Adam, loss: Option<GradStore>) -> Result<()> {
-        if self.sum.is_none() {
-            return match loss {
-                Some(grads) => opt.step(&grads),
-                None => Ok(()),
-            };
-        }
-        let vars = opt.vars().to_vec();
-        let mut grads = match loss {
-            Some(g) => g,
-            None => Tensor::zeros((), DType::F32, vars[0].device())?.backward()?,
-        };
-        let mut flat = Vec::with_capacity(vars.iter().map(|v| v.elem_count()).sum::<usize>());
-        for var in &vars {
-            match grads.get(var) {
-                Some(g) => flat.extend(g.flatten_all()?.to_vec1::<f32>()?),
-                None => flat.extend(std::iter::repeat_n(0f32, var.elem_count())),
-            }
-        }
-        self.sum(&mut flat)?;
-        let mut at = 0;
-        for var in &vars {
-            let len = var.elem_count();
-            grads.insert(
-                var,
-                Tensor::from_slice(&flat[at..at + len], var.shape(), var.device())?,
-            );
-            at += len;
-        }
-        opt.step(&grads)
-    }
 }
 
 /// [`sac_train_step`] on this replica's part of `batch` (`share`): every
