@@ -54,42 +54,18 @@ pub fn with_batch_share<R>(
 
 /// The gradients of `loss` (`None`: an empty share, zeros) with respect to
 /// `vars`, and `extra` (statistics the caller weighted as the loss), summed
-/// across the replicas with `sync`: one buffer, one all-reduce. Alone, just
-/// `loss.backward()`, `extra` as it is.
+/// across the replicas with `sync` ([`relay_nn::BatchShare::sum_gradients`]:
+/// one buffer, one all-reduce). Alone, just `loss.backward()`.
 pub fn summed_gradients(
     loss: Option<&Tensor>,
     vars: &[Var],
     sync: &mut dyn GradientSync,
     extra: &mut [f32],
 ) -> Result<GradStore, UpdateError> {
-    if sync.share().1 == 1 {
-        let loss = loss.expect("a lone learner's share is the whole batch");
-        return Ok(loss.backward()?);
-    }
-    let mut grads = match loss {
-        Some(loss) => loss.backward()?,
-        // A store holding no var's gradient.
-        None => Tensor::zeros((), candle_core::DType::F32, vars[0].device())?.backward()?,
-    };
-    let mut flat = Vec::with_capacity(vars.iter().map(|v| v.elem_count()).sum::<usize>());
-    for var in vars {
-        match grads.get(var) {
-            Some(g) => flat.extend(g.flatten_all()?.to_vec1::<f32>()?),
-            None => flat.extend(std::iter::repeat_n(0f32, var.elem_count())),
-        }
-    }
-    let n_grads = flat.len();
-    flat.extend_from_slice(extra);
-    sync.sum(&mut flat)?;
-    extra.copy_from_slice(&flat[n_grads..]);
-    let mut at = 0;
-    for var in vars {
-        let len = var.elem_count();
-        let summed = Tensor::from_slice(&flat[at..at + len], var.shape(), var.device())?;
-        grads.insert(var, summed);
-        at += len;
-    }
-    Ok(grads)
+    let grads = loss.map(Tensor::backward).transpose()?;
+    Ok(with_batch_share(sync, |share| {
+        share.sum_gradients(grads, vars, extra)
+    })?)
 }
 
 /// The `rank`-th of `n` contiguous, near-equal parts of `items`.

@@ -9,7 +9,7 @@
 //! SAC (entropy tuning, twin critics, actor: three optimizers, each
 //! summed) after 20, and a LoRA GRPO update of a tiny language model
 //! (a KL penalty in the rewards, two epochs: every sequence's penalty and
-//! log-probs summed too) after 6. The sums are the same numbers added in another
+//! log-probs summed too) after 6, and LoRA SFT after 4. The sums are the same numbers added in another
 //! order (two halves, then the halves together), which float addition
 //! does not keep exactly, and the optimizers carry those last-bit
 //! differences forward.
@@ -328,17 +328,17 @@ fn train_sac(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
     (params, stats)
 }
 
-/// Three GRPO batches of 8 completions (2 groups of 4) on a tiny random
-/// Qwen-shaped model with a rank-4 LoRA adapter, two epochs each, micro-
-/// batches of 2 (4 per batch: 2 per replica), with a KL penalty to the
-/// base model in the rewards; returns the adapter's factors and each
-/// step's loss and KL penalty.
-fn train_grpo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
-    use relay_llm::{
-        BatchConfig, CausalLm, KlMode, LoraAdapter, LoraConfig, ObjectiveConfig, RlTrainConfig,
-        RlTrainer, TinyShape, TinyVocab, TokenExample, Truncation,
-    };
-    let dir = relay_testkit::TempDir::new("replicas-grpo");
+/// A tiny random Qwen-shaped model (its folder kept alive) and a rank-4
+/// LoRA adapter on every projection.
+fn tiny_model_and_adapter(
+    name: &str,
+) -> (
+    relay_testkit::TempDir,
+    relay_llm::CausalLm,
+    relay_llm::LoraAdapter,
+) {
+    use relay_llm::{CausalLm, LoraAdapter, LoraConfig, TinyShape, TinyVocab};
+    let dir = relay_testkit::TempDir::new(name);
     let vocab = TinyVocab {
         size: 64,
         bos_token_id: None,
@@ -357,6 +357,76 @@ fn train_grpo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
     relay_llm::init::tiny_with_shape(dir.path(), 5, &vocab, &shape).unwrap();
     let model = CausalLm::load_hf(dir.path()).unwrap();
     let adapter = LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 3).unwrap();
+    (dir, model, adapter)
+}
+
+fn adapter_factors(adapter: &relay_llm::LoraAdapter) -> Vec<f32> {
+    adapter
+        .named_vars()
+        .into_iter()
+        .flat_map(|(_, v)| {
+            v.as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Four LoRA SFT steps on batches of 8 random completions, micro-batches
+/// of 2, as `sync` shares them; returns the factors and each step's loss
+/// and token accuracy.
+fn train_sft(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+    use relay_llm::{BatchConfig, SftConfig, SftExample, SftTrainer, Truncation};
+    let (_dir, model, adapter) = tiny_model_and_adapter("replicas-sft");
+    let config = SftConfig {
+        batch: BatchConfig {
+            batch_size: 8,
+            minibatch_size: 2,
+            max_seq_len: 64,
+            truncation: Truncation::CutPromptStart,
+            recompute_activations: true,
+        },
+        optimizer: relay_llm::AdamWConfig {
+            lr: 1e-2,
+            ..Default::default()
+        },
+        aggregation: Default::default(),
+    };
+    let mut trainer = SftTrainer::new(config, adapter.named_vars()).unwrap();
+    let mut stats = Vec::new();
+    for round in 0..4u64 {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(600 + round);
+        let examples: Vec<SftExample> = (0..8)
+            .map(|_| SftExample {
+                prompt: vec![1, r.random_range(3..60), 6],
+                completion: (0..r.random_range(2..6))
+                    .map(|_| r.random_range(3..60))
+                    .chain([2])
+                    .collect(),
+                alternatives: Vec::new(),
+            })
+            .collect();
+        let s = relay_learner::replicas::with_batch_share(sync, |share| {
+            trainer.train_step_part(&model, Some(&adapter), &examples, share)
+        })
+        .unwrap();
+        stats.extend([s.loss, s.token_accuracy]);
+    }
+    (adapter_factors(&adapter), stats)
+}
+
+/// Three GRPO batches of 8 completions (2 groups of 4) on a tiny random
+/// Qwen-shaped model with a rank-4 LoRA adapter, two epochs each, micro-
+/// batches of 2 (4 per batch: 2 per replica), with a KL penalty to the
+/// base model in the rewards; returns the adapter's factors and each
+/// step's loss and KL penalty.
+fn train_grpo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+    use relay_llm::{
+        BatchConfig, KlMode, ObjectiveConfig, RlTrainConfig, RlTrainer, TokenExample, Truncation,
+    };
+    let (_dir, model, adapter) = tiny_model_and_adapter("replicas-grpo");
     let mut objective = ObjectiveConfig::grpo();
     objective.kl.as_mut().unwrap().mode = KlMode::RewardPenalty;
     let config = RlTrainConfig {
@@ -404,18 +474,7 @@ fn train_grpo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
             stats.extend([s.loss, s.kl_penalty, s.epoch_kl]);
         }
     }
-    let factors = adapter
-        .named_vars()
-        .into_iter()
-        .flat_map(|(_, v)| {
-            v.as_tensor()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-        })
-        .collect();
-    (factors, stats)
+    (adapter_factors(&adapter), stats)
 }
 
 /// A training run as a replica shares it: the parameters and a statistic per update.
@@ -511,6 +570,11 @@ async fn two_sac_replicas_train_as_one_learner_does() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_grpo_replicas_train_as_one_learner_does() {
     two_replicas_train_as_one("grpo-learner", train_grpo).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_sft_replicas_train_as_one_learner_does() {
+    two_replicas_train_as_one("sft-learner", train_sft).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

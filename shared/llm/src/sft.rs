@@ -453,7 +453,22 @@ impl SftTrainer {
         adapter: Option<&LoraAdapter>,
         examples: &[SftExample],
     ) -> TrainResult<SftStats> {
-        let mut stats = self.run(model, adapter, examples, true)?;
+        self.train_step_part(model, adapter, examples, &mut relay_nn::BatchShare::whole())
+    }
+
+    /// [`SftTrainer::train_step`] as one of several learner replicas
+    /// (`share`): every replica holds all `examples` and computes its part
+    /// of the micro-batches; the gradients and the loss sums are summed
+    /// across replicas before the step (the losses are weighted by the
+    /// whole batch's totals), and every replica steps alike.
+    pub fn train_step_part(
+        &mut self,
+        model: &CausalLm,
+        adapter: Option<&LoraAdapter>,
+        examples: &[SftExample],
+        share: &mut relay_nn::BatchShare<'_>,
+    ) -> TrainResult<SftStats> {
+        let mut stats = self.run(model, adapter, examples, Some(share))?;
         let report: StepReport = self.optimizer.step()?;
         stats.grad_norm = report.grad_norm;
         stats.grad_clipped = report.clipped;
@@ -468,7 +483,12 @@ impl SftTrainer {
         adapter: Option<&LoraAdapter>,
         examples: &[SftExample],
     ) -> TrainResult<SftStats> {
-        self.run(model, adapter, examples, true)
+        self.run(
+            model,
+            adapter,
+            examples,
+            Some(&mut relay_nn::BatchShare::whole()),
+        )
     }
 
     /// The loss of `examples` (any number; micro-batched), no gradients.
@@ -478,7 +498,7 @@ impl SftTrainer {
         adapter: Option<&LoraAdapter>,
         examples: &[SftExample],
     ) -> TrainResult<SftStats> {
-        self.run(model, adapter, examples, false)
+        self.run(model, adapter, examples, None)
     }
 
     /// An epoch: shuffles nothing (the caller orders `examples`), steps on
@@ -495,15 +515,18 @@ impl SftTrainer {
             .collect()
     }
 
+    /// The loss of `examples`; when training (`train`: this replica's part
+    /// of the micro-batches and the sum across replicas) also their
+    /// gradients, summed across the replicas.
     fn run(
         &mut self,
         model: &CausalLm,
         adapter: Option<&LoraAdapter>,
         examples: &[SftExample],
-        train: bool,
+        train: Option<&mut relay_nn::BatchShare<'_>>,
     ) -> TrainResult<SftStats> {
         let cfg = &self.config;
-        if train {
+        if train.is_some() {
             crate::token_batch::check_batch_len(&cfg.batch, examples.len())?;
         } else if examples.is_empty() {
             return Err(TrainError::BadInput("nothing to evaluate".into()));
@@ -544,7 +567,12 @@ impl SftTrainer {
             tokens: kept.iter().map(|(_, e)| e.completion.len()).sum(),
         };
         let (mut loss, mut correct) = (0.0, 0usize);
-        for chunk in micro_batches(&lens, cfg.batch.minibatch_size) {
+        let chunks = micro_batches(&lens, cfg.batch.minibatch_size);
+        let mine = match &train {
+            Some(share) => &chunks[share.rows(chunks.len())],
+            None => &chunks[..],
+        };
+        for chunk in mine {
             let rows: Vec<(&[u32], &[u32])> = chunk
                 .iter()
                 .map(|&i| (kept[i].0, kept[i].1.completion.as_slice()))
@@ -555,7 +583,7 @@ impl SftTrainer {
                 .collect();
             let batch = TokenBatch::new(&rows, &device)?;
             let weights = batch.token_weights(&cfg.aggregation, totals)?;
-            if !train {
+            if train.is_none() {
                 let logits = model.forward_train_batch(&batch, adapter)?.detach();
                 let (_, value, c) = sft_loss(&logits, &batch, &weights, &targets)?;
                 loss += value;
@@ -571,6 +599,13 @@ impl SftTrainer {
             self.optimizer.accumulate(&forward.backward(&l)?)?;
             loss += value;
             correct += c;
+        }
+        if let Some(share) = train {
+            if !share.is_alone() {
+                let mut sums = [loss as f32, correct as f32];
+                self.optimizer.sum_accumulated(share, &mut sums)?;
+                (loss, correct) = (f64::from(sums[0]), sums[1].round() as usize);
+            }
         }
         Ok(SftStats {
             loss,

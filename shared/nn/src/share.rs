@@ -5,7 +5,7 @@
 //! this crate stays free of networking.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, Var};
 
 use crate::error::{NnError, Result};
 use crate::optim::Adam;
@@ -52,30 +52,36 @@ impl BatchShare<'_> {
         }
     }
 
-    /// `opt`'s step on `loss`'s gradients (`None`: this part is empty),
-    /// summed across the replicas first; alone, just the step.
-    pub(crate) fn step(&mut self, opt: &mut Adam, loss: Option<GradStore>) -> Result<()> {
-        if self.sum.is_none() {
-            return match loss {
-                Some(grads) => opt.step(&grads),
-                None => Ok(()),
-            };
-        }
-        let vars = opt.vars().to_vec();
-        let mut grads = match loss {
+    /// `grads` (`None`: this part is empty, zeros) of `vars`, and `extra`
+    /// (statistics weighted as the loss), summed across the replicas: one
+    /// buffer, one sum. Alone: `grads` as they are, `extra` unchanged.
+    pub fn sum_gradients(
+        &mut self,
+        grads: Option<GradStore>,
+        vars: &[Var],
+        extra: &mut [f32],
+    ) -> Result<GradStore> {
+        let mut grads = match grads {
             Some(g) => g,
+            // A store holding no var's gradient.
             None => Tensor::zeros((), DType::F32, vars[0].device())?.backward()?,
         };
+        if self.sum.is_none() {
+            return Ok(grads);
+        }
         let mut flat = Vec::with_capacity(vars.iter().map(|v| v.elem_count()).sum::<usize>());
-        for var in &vars {
+        for var in vars {
             match grads.get(var) {
                 Some(g) => flat.extend(g.flatten_all()?.to_vec1::<f32>()?),
                 None => flat.extend(std::iter::repeat_n(0f32, var.elem_count())),
             }
         }
+        let n_grads = flat.len();
+        flat.extend_from_slice(extra);
         self.sum(&mut flat)?;
+        extra.copy_from_slice(&flat[n_grads..]);
         let mut at = 0;
-        for var in &vars {
+        for var in vars {
             let len = var.elem_count();
             grads.insert(
                 var,
@@ -83,6 +89,14 @@ impl BatchShare<'_> {
             );
             at += len;
         }
+        Ok(grads)
+    }
+
+    /// `opt`'s step on `grads` (`None`: this part is empty) summed across
+    /// the replicas first.
+    pub(crate) fn step(&mut self, opt: &mut Adam, grads: Option<GradStore>) -> Result<()> {
+        let vars = opt.vars().to_vec();
+        let grads = self.sum_gradients(grads, &vars, &mut [])?;
         opt.step(&grads)
     }
 }
