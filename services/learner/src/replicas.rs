@@ -14,6 +14,18 @@
 //! stopping) are summed the same way, so every replica takes the same
 //! decisions, and all apply the same clipped step from the same bits.
 //!
+//! Every algorithm's update takes a [`GradientSync`]: PPO and A2C (parts of
+//! each minibatch or rollout, advantages normalised over all of it first),
+//! REINFORCE (the advantages' mean and spread summed first), DQN (parts of
+//! each sampled batch, drawn once so prioritized replay keeps its
+//! distribution; every row's new priority summed back), SAC (each of its
+//! three optimizers summed, the whole batch's noise drawn alike) and the
+//! LLM trainers (parts of the micro-batches of `relay_llm::RlTrainer` and
+//! `relay_llm::SftTrainer`, through [`with_batch_share`]). The service
+//! loops still run one learner ([`Alone`]); the replicas' processes, rank
+//! 0's duties (sampling, publishing, checkpoints), the state handed to a
+//! joining replica and re-forming after a failure come next (issue 46).
+//!
 //! The all-reduce waits for the whole backward pass: candle computes every
 //! gradient in one `backward()` call, so there is no hook to start
 //! reducing a finished bucket while later layers are still computing, as
