@@ -30,6 +30,11 @@ build-cuda: install
 bench-gpu *ARGS: install
     if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay-bench bench-gpu {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay-bench bench-gpu {{ARGS}}; fi
 
+# The learner replicas' ring all-reduce: time and bus bandwidth for 10 KB to 100 MB of gradients with 2 and 4 members joined through nats-server: table + JSON line.
+bench-allreduce *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay-bench bench-allreduce {{ARGS}}
+
 # One NatureCNN PPO train step at batch 256 (Atari's CnnPolicy) on the GPU when there is one (`--device cuda`), else on the CPU's fused kernels and on the GPU's code path run on the CPU (`--device composed-cpu`), checked against the fused CPU step and timed, beside PyTorch's same step where it imports: tables + JSON lines.
 bench-cnn-step *ARGS: install
     if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay-bench bench-cnn-step --device cuda {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay-bench bench-cnn-step --device cpu {{ARGS}} && {{release}}/relay-bench bench-cnn-step --device composed-cpu {{ARGS}}; fi

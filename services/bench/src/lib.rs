@@ -4,6 +4,7 @@
 //! run). They drive the stack through the `relay` library (`up`, the
 //! supervisor) and print a table and a last JSON line.
 
+pub mod bench_allreduce;
 pub mod bench_bridge;
 pub mod bench_cnn_step;
 pub mod bench_envs;

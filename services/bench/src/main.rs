@@ -82,6 +82,8 @@ enum Command {
     BenchGpu(relay_bench::bench_gpu::BenchGpuArgs),
     /// One PPO train step of NatureCNN (Atari's CnnPolicy) at batch 256 on a device (`cuda`, `cpu`, or `composed-cpu`: the GPU's code path on the CPU), checked against the fused CPU step and timed; a table and JSON.
     BenchCnnStep(relay_bench::bench_cnn_step::BenchCnnStepArgs),
+    /// The learner replicas' ring all-reduce: time and bus bandwidth for 10 KB to 100 MB of gradients with 2 and 4 members joined through nats-server; a table and JSON.
+    BenchAllreduce(relay_bench::bench_allreduce::BenchAllreduceArgs),
     /// A checkpoint of a real model's size as the Hub holds it (by default a random Qwen3-1.7B-Base written by transformers, bf16 shards): load time, resident memory and generation tokens/s at B = 1 and 8 on the CPU engine; a table and JSON.
     BenchHubModel(relay_bench::bench_hub_model::BenchHubModelArgs),
     /// relay's CPU engine against llama.cpp (llama-cpp-python) on the same SmolLM2-135M-Instruct GGUF and threads: prompt tokens/s of a 200-token prompt and generation tokens/s at B = 1, side by side with ratios; a table and JSON.
@@ -124,6 +126,7 @@ fn main() -> Result<()> {
         Command::BenchGenerate(args) => relay_bench::bench_generate::bench_generate(args),
         Command::BenchGpu(args) => relay_bench::bench_gpu::bench_gpu(args),
         Command::BenchCnnStep(args) => relay_bench::bench_cnn_step::bench_cnn_step(args),
+        Command::BenchAllreduce(args) => relay_bench::bench_allreduce::bench_allreduce(args),
         Command::BenchHubModel(args) => relay_bench::bench_hub_model::bench_hub_model(args),
         Command::BenchLlamaCpp(args) => relay_bench::bench_llamacpp::bench_llamacpp(args),
         Command::BenchWeights(args) => relay_bench::bench_weights::bench_weights(args),

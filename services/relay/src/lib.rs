@@ -29,7 +29,7 @@ use stack::{last_error_line, Copies, Stack, SERVICES};
 
 /// The subcommands `relay` runs through the `relay-bench` binary beside it
 /// (relay-bench's own tests check that they are exactly its subcommands).
-pub const BENCH_COMMANDS: [&str; 18] = [
+pub const BENCH_COMMANDS: [&str; 19] = [
     "bench-scale",
     "soak",
     "bench-tracker",
@@ -43,6 +43,7 @@ pub const BENCH_COMMANDS: [&str; 18] = [
     "bench-generate",
     "bench-gpu",
     "bench-cnn-step",
+    "bench-allreduce",
     "bench-hub-model",
     "bench-llamacpp",
     "bench-bridge",

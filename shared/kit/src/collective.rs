@@ -573,7 +573,7 @@ impl Group {
 
         let len = data.len();
         let chunk = |i: usize| -> std::ops::Range<usize> { (i * len / n)..((i + 1) * len / n) };
-        let mut recv = Vec::new();
+        let mut recv: Vec<f32> = Vec::new();
         // Reduce-scatter: after round k, chunk (rank - k - 1) holds k + 2 terms.
         for phase in [Phase::ReduceScatter, Phase::AllGather] {
             for k in 0..n - 1 {
@@ -581,12 +581,12 @@ impl Group {
                     Phase::ReduceScatter => ((rank + n - k) % n, (rank + 2 * n - k - 1) % n),
                     Phase::AllGather => ((rank + 1 + n - k) % n, (rank + n - k) % n),
                 };
-                let out = to_bytes(&data[chunk(send)]);
-                recv.resize(chunk(take).len() * 4, 0);
+                let out = wire_bytes(&data[chunk(send)]);
+                recv.resize(chunk(take).len(), 0.0);
                 let moved = tokio::time::timeout(timeout, async {
                     tokio::try_join!(
                         links.right.write_all(&out),
-                        links.left.read_exact(&mut recv)
+                        links.left.read_exact(bytemuck::cast_slice_mut(&mut recv))
                     )
                 })
                 .await;
@@ -595,13 +595,15 @@ impl Group {
                     Ok(Err(e)) => return Err(peer_error(left, format!("failed: {e}"))),
                     Err(_) => return Err(peer_error(left, format!("was silent for {timeout:?}"))),
                 }
+                from_wire(&mut recv);
                 let target = &mut data[chunk(take)];
-                for (x, b) in target.iter_mut().zip(recv.chunks_exact(4)) {
-                    let v = f32::from_le_bytes(b.try_into().expect("4 bytes"));
-                    match phase {
-                        Phase::ReduceScatter => *x += v,
-                        Phase::AllGather => *x = v,
+                match phase {
+                    Phase::ReduceScatter => {
+                        for (x, v) in target.iter_mut().zip(&recv) {
+                            *x += v;
+                        }
                     }
+                    Phase::AllGather => target.copy_from_slice(&recv),
                 }
             }
         }
@@ -644,12 +646,24 @@ enum Phase {
     AllGather,
 }
 
-fn to_bytes(xs: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(xs.len() * 4);
-    for x in xs {
-        out.extend_from_slice(&x.to_le_bytes());
+/// `xs` as the wire carries them, little-endian: the values' own bytes on
+/// a little-endian host (no copy), converted on a big-endian one.
+fn wire_bytes(xs: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(xs))
+    } else {
+        std::borrow::Cow::Owned(xs.iter().flat_map(|x| x.to_le_bytes()).collect())
     }
-    out
+}
+
+/// Values read from the wire as native bytes, made native f32s (nothing to
+/// do on a little-endian host).
+fn from_wire(xs: &mut [f32]) {
+    if cfg!(target_endian = "big") {
+        for x in xs {
+            *x = f32::from_bits(u32::from_le(x.to_bits()));
+        }
+    }
 }
 
 /// The bucket, created if it is not there yet.
