@@ -79,12 +79,36 @@ fn config() -> PpoConfig {
     }
 }
 
-fn parameters(model: &ActorCritic) -> Vec<f32> {
-    model
-        .named_tensors()
-        .into_iter()
-        .flat_map(|(_, _, d)| d)
-        .collect()
+/// Every parameter's values, in name order.
+fn flat(tensors: Vec<relay_nn::NamedTensor>) -> Vec<f32> {
+    tensors.into_iter().flat_map(|(_, _, d)| d).collect()
+}
+
+/// A random batch of 64 transitions with 4 observations (one in five
+/// terminal), drawn from `seed`, carrying `actions` and importance `weights`.
+fn transitions(seed: u64, actions: Wire, weights: &[f32]) -> TransitionBatch {
+    let b = 64;
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut uniform =
+        |k: usize| -> Vec<f32> { (0..k).map(|_| r.random_range(-1.0..1.0)).collect() };
+    let (obs, next, rewards) = (uniform(b * 4), uniform(b * 4), uniform(b));
+    let discounts: Vec<f32> = (0..b)
+        .map(|i| if i % 5 == 0 { 0.0 } else { 0.99 })
+        .collect();
+    TransitionBatch {
+        schema: SCHEMA_VERSION,
+        ids: (0..b as u64).collect(),
+        obs: Wire::from_f32(&[b, 4], &obs),
+        actions,
+        rewards: Wire::from_f32(&[b], &rewards),
+        next_obs: Wire::from_f32(&[b, 4], &next),
+        discounts: Wire::from_f32(&[b], &discounts),
+        terminated: Wire::from_bool(&[b], &vec![false; b]),
+        truncated: Wire::from_bool(&[b], &vec![false; b]),
+        weights: Wire::from_f32(&[b], weights),
+        size: b as u64,
+        inserted_steps: b as u64,
+    }
 }
 
 /// Three PPO updates (each on a fresh rollout the model acted) as `sync`
@@ -118,7 +142,7 @@ fn train_ppo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
         assert_eq!(stats.gradient_steps, 8);
         kls.push(stats.approx_kl);
     }
-    (parameters(&model), kls)
+    (flat(model.named_tensors()), kls)
 }
 
 /// Twenty A2C steps with RMSprop as `sync` shares them; returns the
@@ -147,7 +171,7 @@ fn train_a2c(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
                 .total_loss
         })
         .collect();
-    (parameters(&model), losses)
+    (flat(model.named_tensors()), losses)
 }
 
 /// Twenty DQN steps on random prioritized batches of 64 (importance
@@ -172,35 +196,11 @@ fn train_dqn(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
     let cfg = DqnConfig::default();
     let mut stats = Vec::new();
     for step in 0..20u64 {
-        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(200 + step);
         let b = 64;
-        let mut uniform = |k: usize, lo: f32, hi: f32| -> Vec<f32> {
-            (0..k).map(|_| r.random_range(lo..hi)).collect()
-        };
-        let (obs, next, rewards) = (
-            uniform(b * 4, -1.0, 1.0),
-            uniform(b * 4, -1.0, 1.0),
-            uniform(b, -1.0, 1.0),
-        );
-        let weights = uniform(b, 0.3, 1.0);
-        let discounts: Vec<f32> = (0..b)
-            .map(|i| if i % 5 == 0 { 0.0 } else { 0.99 })
-            .collect();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(1200 + step);
+        let weights: Vec<f32> = (0..b).map(|_| r.random_range(0.3..1.0)).collect();
         let actions: Vec<i64> = (0..b).map(|i| ((i as u64 * 7 + step) % 3) as i64).collect();
-        let batch = TransitionBatch {
-            schema: SCHEMA_VERSION,
-            ids: (0..b as u64).collect(),
-            obs: Wire::from_f32(&[b, 4], &obs),
-            actions: Wire::from_i64(&[b], &actions),
-            rewards: Wire::from_f32(&[b], &rewards),
-            next_obs: Wire::from_f32(&[b, 4], &next),
-            discounts: Wire::from_f32(&[b], &discounts),
-            terminated: Wire::from_bool(&[b], &vec![false; b]),
-            truncated: Wire::from_bool(&[b], &vec![false; b]),
-            weights: Wire::from_f32(&[b], &weights),
-            size: b as u64,
-            inserted_steps: b as u64,
-        };
+        let batch = transitions(200 + step, Wire::from_i64(&[b], &actions), &weights);
         let (loss, _, priorities) =
             dqn::gradient_step(&cfg, &online, &target, &mut adam, &batch, sync).unwrap();
         assert_eq!(
@@ -212,12 +212,7 @@ fn train_dqn(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
         stats.push(loss.loss as f64);
         stats.push(priorities.iter().map(|&p| p as f64).sum());
     }
-    let params = online
-        .named_tensors()
-        .into_iter()
-        .flat_map(|(_, _, d)| d)
-        .collect();
-    (params, stats)
+    (flat(online.named_tensors()), stats)
 }
 
 /// Twenty REINFORCE steps (value baseline, normalised advantages) on 5
@@ -265,7 +260,7 @@ fn train_reinforce(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
                 .total_loss
         })
         .collect();
-    (parameters(&model), losses)
+    (flat(model.named_tensors()), losses)
 }
 
 /// Twenty SAC steps on random batches of 64 (2-dimensional actions in
@@ -280,34 +275,10 @@ fn train_sac(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(SEED);
     let mut stats = Vec::new();
     for step in 0..20u64 {
-        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(400 + step);
         let b = 64;
-        let mut uniform = |k: usize, lo: f32, hi: f32| -> Vec<f32> {
-            (0..k).map(|_| r.random_range(lo..hi)).collect()
-        };
-        let (obs, next, rewards) = (
-            uniform(b * 4, -1.0, 1.0),
-            uniform(b * 4, -1.0, 1.0),
-            uniform(b, -1.0, 1.0),
-        );
-        let actions = uniform(b * 2, -2.0, 2.0);
-        let discounts: Vec<f32> = (0..b)
-            .map(|i| if i % 5 == 0 { 0.0 } else { 0.99 })
-            .collect();
-        let batch = TransitionBatch {
-            schema: SCHEMA_VERSION,
-            ids: (0..b as u64).collect(),
-            obs: Wire::from_f32(&[b, 4], &obs),
-            actions: Wire::from_f32(&[b, 2], &actions),
-            rewards: Wire::from_f32(&[b], &rewards),
-            next_obs: Wire::from_f32(&[b, 4], &next),
-            discounts: Wire::from_f32(&[b], &discounts),
-            terminated: Wire::from_bool(&[b], &vec![false; b]),
-            truncated: Wire::from_bool(&[b], &vec![false; b]),
-            weights: Wire::from_f32(&[b], &vec![1.0; b]),
-            size: b as u64,
-            inserted_steps: b as u64,
-        };
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(1400 + step);
+        let actions: Vec<f32> = (0..b * 2).map(|_| r.random_range(-2.0..2.0)).collect();
+        let batch = transitions(400 + step, Wire::from_f32(&[b, 2], &actions), &vec![1.0; b]);
         let s = sac::gradient_step(
             &config,
             &model,
@@ -320,12 +291,7 @@ fn train_sac(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
         .unwrap();
         stats.extend([s.critic_loss as f64, s.actor_loss as f64, s.ent_coef as f64]);
     }
-    let params = model
-        .named_tensors()
-        .into_iter()
-        .flat_map(|(_, _, d)| d)
-        .collect();
-    (params, stats)
+    (flat(model.named_tensors()), stats)
 }
 
 /// A tiny random Qwen-shaped model (its folder kept alive) and a rank-4

@@ -420,13 +420,7 @@ impl Group {
     }
 
     fn peer_error(&self, view: &View, tag: u64, peer: &Member, detail: String) -> CollectiveError {
-        CollectiveError::Peer {
-            group: self.config.name.clone(),
-            epoch: view.epoch,
-            tag,
-            peer: peer.id.clone(),
-            detail,
-        }
+        peer_error(&self.config.name, view, tag, peer, detail)
     }
 
     /// The ring links of `view`'s epoch, made on first use.
@@ -529,13 +523,7 @@ impl Group {
         let left = &view.members[(rank + n - 1) % n];
         let timeout = self.config.io_timeout;
         let group = self.config.name.clone();
-        let peer_error = |peer: &Member, detail: String| CollectiveError::Peer {
-            group: group.clone(),
-            epoch: view.epoch,
-            tag,
-            peer: peer.id.clone(),
-            detail,
-        };
+        let peer_error = |peer: &Member, detail| peer_error(&group, view, tag, peer, detail);
         let links = self.links(view, rank, tag).await?;
 
         // Both sides say what they are reducing before any data moves.
@@ -637,6 +625,23 @@ impl Group {
                 Err(_) => return Err(format!("did not connect within {timeout:?}")),
             }
         }
+    }
+}
+
+/// A neighbour's failure inside a collective of `view` on step `tag`.
+fn peer_error(
+    group: &str,
+    view: &View,
+    tag: u64,
+    peer: &Member,
+    detail: String,
+) -> CollectiveError {
+    CollectiveError::Peer {
+        group: group.to_string(),
+        epoch: view.epoch,
+        tag,
+        peer: peer.id.clone(),
+        detail,
     }
 }
 
