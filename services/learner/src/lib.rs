@@ -3,7 +3,10 @@
 //! rollouts pulled from the replay buffer, and publishes each new weights
 //! version.
 //!
-//! One learner per run. Its loop, the same for every algorithm: gather what
+//! PPO, A2C and REINFORCE runs may have several learner replicas
+//! (synchronous data parallelism, [`replicas`]): rank 0 runs the loop
+//! below and hands each batch to the others, and all apply the same
+//! update. The loop, the same for every algorithm: gather what
 //! the algorithm needs from fragments no more than `replay.max_policy_lag`
 //! versions old (PPO: `ppo.rollout_steps` env steps; A2C: one fragment of
 //! `a2c.n_steps` per env of an env-runner; REINFORCE: `batch_episodes` whole

@@ -20,6 +20,7 @@ use crate::progress::{
     LINKS_LAST_SOLVED,
 };
 use crate::publish::{final_weights, LatestWeights};
+use crate::replicas::{GradientSync, Replicas};
 use crate::rollout::UpdateError;
 use crate::{a2c, checkpoint, ppo, reinforce, rollout};
 
@@ -64,7 +65,7 @@ pub fn normalisation_intake(
 }
 
 /// What the fragments taken since the last update hold.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone, Copy, serde::Serialize, serde::Deserialize)]
 struct Pending {
     env_steps: u64,
     vec_steps: u64,
@@ -98,6 +99,208 @@ enum Algorithm {
     A2c(Vec<RolloutFragment>),
     /// [`reinforce`]: whole episodes until `reinforce.batch_episodes`.
     Reinforce(reinforce::Episodes),
+}
+
+/// The data of one update, as rank 0 gathered it and hands it out.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+enum Batch {
+    /// PPO's rollout or A2C's fragments.
+    Fragments(Vec<RolloutFragment>),
+    /// REINFORCE's finished episodes.
+    Episodes(Vec<reinforce::Episode>),
+}
+
+/// One update on `batch` with the sums of `sync`. `progress` is
+/// `env_steps / budget`, for the schedules.
+fn update(
+    cfg: &ExperimentConfig,
+    model: &ActorCritic,
+    optimizer: &mut Optimizer,
+    batch: &Batch,
+    progress: f64,
+    rng: &mut ChaCha8Rng,
+    sync: &mut dyn GradientSync,
+) -> Result<Updated, UpdateError> {
+    match (cfg.run.algo, batch) {
+        (Algo::Reinforce, Batch::Episodes(batch)) => {
+            let stats = reinforce::update(model, optimizer, batch, &cfg.reinforce, progress, sync)?;
+            Ok(Updated {
+                metrics: stats.metrics(),
+                oldest_version: stats.oldest_version,
+            })
+        }
+        (Algo::A2c, Batch::Fragments(fragments)) => {
+            let a = &cfg.a2c;
+            let rollout = rollout::prepare(model, fragments, a.gamma, a.gae_lambda)?;
+            let stats = a2c::update(model, optimizer, &rollout, a, progress, sync)?;
+            Ok(Updated {
+                metrics: stats.metrics(),
+                oldest_version: rollout.oldest_version,
+            })
+        }
+        (Algo::Ppo, Batch::Fragments(fragments)) => {
+            let p = &cfg.ppo;
+            let rollout = rollout::prepare(model, fragments, p.gamma, p.gae_lambda)?;
+            let stats = ppo::update(model, optimizer, &rollout, p, progress, rng, sync)?;
+            Ok(Updated {
+                metrics: stats.metrics(),
+                oldest_version: rollout.oldest_version,
+            })
+        }
+        (algo, _) => Err(UpdateError::Replicas(format!(
+            "a batch of the wrong kind for {algo}: the replicas run different algorithms"
+        ))),
+    }
+}
+
+/// One step as rank 0 hands it to the other replicas.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+enum StepInput {
+    /// Update number `updates` (the count before it) on `batch`.
+    Update {
+        updates: u64,
+        frac: f64,
+        taken: Pending,
+        batch: Batch,
+        /// Rank 0's best evaluation so far, for whoever leads next.
+        best_eval: Option<(f64, u64)>,
+        /// The run's normalisation statistics after taking the batch's
+        /// fragments (`vec_normalize.safetensors`), for whoever leads next.
+        normalizer: Option<Vec<u8>>,
+    },
+    /// Rank 0 stopped training.
+    Stop,
+}
+
+/// What rank 0 hands to every replica of a new view: what a checkpoint
+/// holds, in a checkpoint's formats.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ReplicaState {
+    /// `model.safetensors`, `optimizer.safetensors` and, for runs that
+    /// normalise, `vec_normalize.safetensors`.
+    files: Vec<(String, Vec<u8>)>,
+    progress: Progress,
+    rng: relay_runs::checkpoint::RngState,
+    version_floor: u64,
+}
+
+/// The learner's state to hand over or roll back to.
+fn capture_state(
+    model: &ActorCritic,
+    optimizer: &Optimizer,
+    normalizer: Option<&VecNormalize>,
+    progress: &Progress,
+    rng: &ChaCha8Rng,
+    version_floor: u64,
+) -> Result<Vec<u8>, String> {
+    let files = through_files(|dir| {
+        model
+            .save(dir.join("model.safetensors"))
+            .map_err(|e| e.to_string())?;
+        optimizer
+            .save(dir.join("optimizer.safetensors"))
+            .map_err(|e| e.to_string())?;
+        if let Some(n) = normalizer {
+            n.save(dir.join(checkpoint::VEC_NORMALIZE_FILE))
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    })?;
+    let state = ReplicaState {
+        files,
+        progress: progress.clone(),
+        rng: relay_runs::checkpoint::RngState::capture(rng),
+        version_floor,
+    };
+    rmp_serde::to_vec(&state).map_err(|e| e.to_string())
+}
+
+/// Loads a state [`capture_state`] made.
+fn restore_state(
+    bytes: &[u8],
+    model: &mut ActorCritic,
+    optimizer: &mut Optimizer,
+    normalizer: Option<&mut VecNormalize>,
+    progress: &mut Progress,
+    rng: &mut ChaCha8Rng,
+    version_floor: &mut u64,
+) -> Result<(), String> {
+    let state: ReplicaState = rmp_serde::from_slice(bytes).map_err(|e| e.to_string())?;
+    let dir = scratch_dir()?;
+    let loaded = (|| {
+        for (name, data) in &state.files {
+            std::fs::write(dir.join(name), data).map_err(|e| e.to_string())?;
+        }
+        model
+            .load(dir.join("model.safetensors"))
+            .map_err(|e| e.to_string())?;
+        optimizer
+            .load(dir.join("optimizer.safetensors"))
+            .map_err(|e| e.to_string())?;
+        if let Some(n) = normalizer {
+            n.load(dir.join(checkpoint::VEC_NORMALIZE_FILE))
+                .map_err(|e| e.to_string())?;
+        }
+        Ok::<_, String>(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    loaded?;
+    *rng = state.rng.restore()?;
+    *progress = state.progress;
+    *version_floor = state.version_floor;
+    Ok(())
+}
+
+/// The normalisation statistics as their checkpoint file holds them.
+fn normalizer_file(normalizer: &VecNormalize) -> Result<Vec<u8>, String> {
+    let mut files = through_files(|dir| {
+        normalizer
+            .save(dir.join(checkpoint::VEC_NORMALIZE_FILE))
+            .map_err(|e| e.to_string())
+    })?;
+    Ok(files.pop().map(|f| f.1).unwrap_or_default())
+}
+
+fn load_normalizer_file(normalizer: &mut VecNormalize, data: &[u8]) -> Result<(), String> {
+    let dir = scratch_dir()?;
+    let path = dir.join(checkpoint::VEC_NORMALIZE_FILE);
+    let loaded = std::fs::write(&path, data)
+        .map_err(|e| e.to_string())
+        .and_then(|()| normalizer.load(&path).map_err(|e| e.to_string()));
+    let _ = std::fs::remove_dir_all(&dir);
+    loaded
+}
+
+/// The files `write` puts in a scratch folder, read back.
+fn through_files(
+    write: impl FnOnce(&Path) -> Result<(), String>,
+) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let dir = scratch_dir()?;
+    let read = write(&dir).and_then(|()| {
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(&dir).map_err(|e| e.to_string())? {
+            let entry = entry.map_err(|e| e.to_string())?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            files.push((
+                name,
+                std::fs::read(entry.path()).map_err(|e| e.to_string())?,
+            ));
+        }
+        files.sort();
+        Ok(files)
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    read
+}
+
+fn scratch_dir() -> Result<std::path::PathBuf, String> {
+    let dir = std::env::temp_dir().join(format!(
+        "relay-learner-state-{}-{:016x}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    Ok(dir)
 }
 
 /// What an update reports beside the loop's own counters.
@@ -145,67 +348,11 @@ impl Algorithm {
         }
     }
 
-    /// One update on what was gathered, which is used up whether or not it
-    /// succeeds. `progress` is `env_steps / budget`, for the schedules.
-    pub(crate) fn update(
-        &mut self,
-        cfg: &ExperimentConfig,
-        model: &ActorCritic,
-        optimizer: &mut Optimizer,
-        progress: f64,
-        rng: &mut ChaCha8Rng,
-    ) -> Result<Updated, UpdateError> {
+    /// Takes what was gathered for one update.
+    pub(crate) fn take_batch(&mut self) -> Batch {
         match self {
-            Self::Ppo(f) => {
-                let fragments = std::mem::take(f);
-                let p = &cfg.ppo;
-                let rollout = rollout::prepare(model, &fragments, p.gamma, p.gae_lambda)?;
-                let stats = ppo::update(
-                    model,
-                    optimizer,
-                    &rollout,
-                    p,
-                    progress,
-                    rng,
-                    &mut crate::replicas::Alone,
-                )?;
-                Ok(Updated {
-                    metrics: stats.metrics(),
-                    oldest_version: rollout.oldest_version,
-                })
-            }
-            Self::A2c(f) => {
-                let fragments = std::mem::take(f);
-                let a = &cfg.a2c;
-                let rollout = rollout::prepare(model, &fragments, a.gamma, a.gae_lambda)?;
-                let stats = a2c::update(
-                    model,
-                    optimizer,
-                    &rollout,
-                    a,
-                    progress,
-                    &mut crate::replicas::Alone,
-                )?;
-                Ok(Updated {
-                    metrics: stats.metrics(),
-                    oldest_version: rollout.oldest_version,
-                })
-            }
-            Self::Reinforce(episodes) => {
-                let batch = episodes.take_finished();
-                let stats = reinforce::update(
-                    model,
-                    optimizer,
-                    &batch,
-                    &cfg.reinforce,
-                    progress,
-                    &mut crate::replicas::Alone,
-                )?;
-                Ok(Updated {
-                    metrics: stats.metrics(),
-                    oldest_version: stats.oldest_version,
-                })
-            }
+            Self::Ppo(f) | Self::A2c(f) => Batch::Fragments(std::mem::take(f)),
+            Self::Reinforce(episodes) => Batch::Episodes(episodes.take_finished()),
         }
     }
 
@@ -214,6 +361,90 @@ impl Algorithm {
     pub(crate) fn forget_older_than(&mut self, min_version: u64) {
         if let Self::Reinforce(episodes) = self {
             episodes.prune(min_version);
+        }
+    }
+}
+
+/// Every this many updates the replicas check that they hold bit-identical
+/// parameters (a digest of them, from rank 0 to the others).
+const DIGEST_EVERY: u64 = 10;
+
+/// Asks the replay buffer for up to `max_steps` env steps of fragments no
+/// older than `oldest_fresh` and gives each valid one to `algorithm`
+/// (rejecting by name what does not belong to the run).
+#[allow(clippy::too_many_arguments)]
+async fn gather(
+    service: &Service,
+    shutdown: &Shutdown,
+    cfg: &ExperimentConfig,
+    metrics: &Metrics,
+    algorithm: &mut Algorithm,
+    mut normalizer: Option<&mut VecNormalize>,
+    pending: &mut Pending,
+    dropped_stale: &mut u64,
+    oldest_fresh: u64,
+    version: u64,
+    max_steps: u64,
+) {
+    let ask = SampleRequest {
+        schema: SCHEMA_VERSION,
+        min_policy_version: oldest_fresh,
+        max_steps: max_steps.min(u32::MAX as u64) as u32,
+    };
+    let reply = match relay_kit::request::<_, SampleReply>(
+        &service.nats,
+        &service.subjects.replay_sample(),
+        &ask,
+        service.request_timeout(),
+    )
+    .await
+    {
+        Ok(reply) => reply,
+        Err(e) => {
+            tracing::debug!(error = %e, "sample failed; retrying");
+            pause(shutdown, Duration::from_millis(50)).await;
+            return;
+        }
+    };
+    *dropped_stale += reply.dropped_stale;
+    if reply.fragments.is_empty() {
+        pause(shutdown, Duration::from_millis(1)).await;
+    }
+    for mut f in reply.fragments {
+        if f.env_id != cfg.run.env_id {
+            let detail = format!(
+                "fragment from {} is for {}, this run trains {}",
+                f.runner_id, f.env_id, cfg.run.env_id
+            );
+            service.intake.reject(
+                "replay.sample",
+                &relay_proto::Rejection::Invalid {
+                    kind: "RolloutFragment",
+                    field: "env_id",
+                    detail,
+                },
+            );
+            continue;
+        }
+        if let Some(n) = normalizer.as_deref_mut() {
+            if let Err(rejection) = normalisation_intake(n, &mut f) {
+                service.intake.reject("replay.sample", &rejection);
+                continue;
+            }
+        }
+        // The buffer only drops what is older than we asked; a fragment
+        // that became stale while we gathered goes too.
+        if relay_proto::is_stale(f.policy_version, oldest_fresh) {
+            *dropped_stale += 1;
+            continue;
+        }
+        metrics
+            .policy_lag
+            .observe(version.saturating_sub(f.policy_version) as f64);
+        let taken = Pending::of(&f);
+        match algorithm.absorb(f) {
+            Ok(()) => pending.add(taken),
+            Err(e) => tracing::error!(error = %e, "fragment dropped"),
         }
     }
 }
@@ -280,147 +511,285 @@ pub(crate) async fn run(
     count_resume(&service, &start_from);
 
     let micro = service.micro().await?;
-    let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
+    let mut replicas = Replicas::join(&service).await?;
+    // Rank 0 alone publishes and takes the run's events (a replica that
+    // takes over starts then).
+    let mut leading: Option<(LatestWeights, RunEvents<PolicyWeights>)> = None;
     let weights = |model: &ActorCritic, normalizer: Option<&VecNormalize>, progress: &Progress| {
         let mut update = PolicyWeights::of(model, progress.version, progress.env_steps);
         update.normalizer = normalizer.map(relay_policy::norm_stats);
         update
     };
-    let mut events: RunEvents<PolicyWeights> = RunEvents::subscribe(&service, best_eval).await?;
-    let first = weights(&model, normalizer.as_ref(), &progress);
-    latest.publish(&service, &first).await;
-    events.record(first.version, first);
-    metrics.version.set(progress.version as i64);
     service.health.set_ready(true);
     tracing::info!(env_id = %cfg.run.env_id, algo = %cfg.run.algo, params = model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
 
     let budget = cfg.run.total_env_steps;
-    let lag = relay_proto::PolicyLag {
+    let lag = |floor| relay_proto::PolicyLag {
         max_lag: cfg.replay.max_policy_lag,
-        floor: version_floor,
+        floor,
     };
     // What the fragments taken since the last update hold.
     let mut pending = Pending::default();
     let (mut dropped_stale, mut reported_stale) = (0u64, 0u64);
     let started = Instant::now();
     let start_env_steps = progress.env_steps;
+    // The step handed out and not yet applied: kept across a failed step
+    // so that the replicas redo it in the next view.
+    let mut held: Option<StepInput> = None;
     let finish = loop {
-        if let Some(finish) = should_finish(
-            &shutdown,
-            progress.env_steps,
-            budget,
-            &events.solved,
-            cfg.run.stop_when_solved,
-        ) {
-            break finish;
-        }
-        // Take announcements (solved), evaluation starts and reports
-        // without waiting; checkpoint each new best and the solving version.
-        checkpoint_evaluations(
-            &mut events,
-            &service,
-            &run_dir,
-            (&model, &optimizer, normalizer.as_ref()),
-            &cfg,
-            &progress,
-            &rng,
-        );
-
-        // Gather what the algorithm needs.
-        if let Some(max_steps) = algorithm.wants(&cfg) {
-            let ask = SampleRequest {
-                schema: SCHEMA_VERSION,
-                min_policy_version: lag.oldest_fresh(progress.version),
-                max_steps: max_steps.min(u32::MAX as u64) as u32,
+        // A new view: rank 0's state goes to every replica.
+        if replicas.follow_view()? {
+            let leads = replicas.leads();
+            if replicas.took_over() {
+                // The old rank 0 may have published one version past what
+                // this replica holds: skip it.
+                progress.version += 2;
+            }
+            let mut state = if leads {
+                capture_state(
+                    &model,
+                    &optimizer,
+                    normalizer.as_ref(),
+                    &progress,
+                    &rng,
+                    version_floor,
+                )
+                .map_err(ServiceError::other)?
+            } else {
+                Vec::new()
             };
-            match relay_kit::request::<_, SampleReply>(
-                &service.nats,
-                &service.subjects.replay_sample(),
-                &ask,
-                service.request_timeout(),
-            )
-            .await
-            {
-                Ok(reply) => {
-                    dropped_stale += reply.dropped_stale;
-                    if reply.fragments.is_empty() {
-                        pause(&shutdown, Duration::from_millis(1)).await;
-                    }
-                    for mut f in reply.fragments {
-                        if f.env_id != cfg.run.env_id {
-                            let detail = format!(
-                                "fragment from {} is for {}, this run trains {}",
-                                f.runner_id, f.env_id, cfg.run.env_id
-                            );
-                            service.intake.reject(
-                                "replay.sample",
-                                &relay_proto::Rejection::Invalid {
-                                    kind: "RolloutFragment",
-                                    field: "env_id",
-                                    detail,
-                                },
-                            );
-                            continue;
-                        }
-                        if let Some(n) = normalizer.as_mut() {
-                            if let Err(rejection) = normalisation_intake(n, &mut f) {
-                                service.intake.reject("replay.sample", &rejection);
-                                continue;
-                            }
-                        }
-                        // The buffer only drops what is older than we asked; a
-                        // fragment that became stale while we gathered goes too.
-                        if relay_proto::is_stale(
-                            f.policy_version,
-                            lag.oldest_fresh(progress.version),
-                        ) {
-                            dropped_stale += 1;
-                            continue;
-                        }
-                        metrics
-                            .policy_lag
-                            .observe(progress.version.saturating_sub(f.policy_version) as f64);
-                        let taken = Pending::of(&f);
-                        match algorithm.absorb(f) {
-                            Ok(()) => pending.add(taken),
-                            Err(e) => tracing::error!(error = %e, "fragment dropped"),
-                        }
+            if let Err(e) = replicas.hand_over(&mut state).await {
+                tracing::warn!(error = %e, "state hand-over failed; waiting for the next view");
+                replicas.recover().await?;
+                continue;
+            }
+            if !leads {
+                restore_state(
+                    &state,
+                    &mut model,
+                    &mut optimizer,
+                    normalizer.as_mut(),
+                    &mut progress,
+                    &mut rng,
+                    &mut version_floor,
+                )
+                .map_err(|e| {
+                    ServiceError::other(format!("learner replicas: rank 0's state: {e}"))
+                })?;
+            }
+            metrics.version.set(progress.version as i64);
+        }
+        if replicas.leads() && leading.is_none() {
+            let serving = LatestWeights::serve(&service, &micro, &run_dir).await?;
+            let mut events = RunEvents::subscribe(&service, best_eval).await?;
+            let first = weights(&model, normalizer.as_ref(), &progress);
+            serving.publish(&service, &first).await;
+            events.record(first.version, first);
+            metrics.version.set(progress.version as i64);
+            leading = Some((serving, events));
+        }
+        let lag = lag(version_floor);
+
+        let input = if let Some((_, events)) = leading.as_mut() {
+            if let Some(finish) = should_finish(
+                &shutdown,
+                progress.env_steps,
+                budget,
+                &events.solved,
+                cfg.run.stop_when_solved,
+            ) {
+                if !replicas.alone() {
+                    let mut stop = rmp_serde::to_vec(&StepInput::Stop).expect("a stop encodes");
+                    if let Err(e) = replicas.hand_out(&mut stop).await {
+                        tracing::warn!(error = %e, "the other replicas were not told to stop");
                     }
                 }
-                Err(e) => {
-                    tracing::debug!(error = %e, "sample failed; retrying");
-                    pause(&shutdown, Duration::from_millis(50)).await;
+                break finish;
+            }
+            // Take announcements (solved), evaluation starts and reports
+            // without waiting; checkpoint each new best and the solving version.
+            checkpoint_evaluations(
+                events,
+                &service,
+                &run_dir,
+                (&model, &optimizer, normalizer.as_ref()),
+                &cfg,
+                &progress,
+                &rng,
+            );
+            best_eval = events.best_eval;
+            let input = match held.take() {
+                // A step that failed in the previous view is redone.
+                Some(input) => input,
+                None => {
+                    // Gather what the algorithm needs.
+                    if let Some(max_steps) = algorithm.wants(&cfg) {
+                        gather(
+                            &service,
+                            &shutdown,
+                            &cfg,
+                            &metrics,
+                            &mut algorithm,
+                            normalizer.as_mut(),
+                            &mut pending,
+                            &mut dropped_stale,
+                            lag.oldest_fresh(progress.version),
+                            progress.version,
+                            max_steps,
+                        )
+                        .await;
+                        continue;
+                    }
+                    StepInput::Update {
+                        updates: progress.updates,
+                        frac: progress.env_steps as f64 / budget as f64,
+                        taken: std::mem::take(&mut pending),
+                        batch: algorithm.take_batch(),
+                        best_eval,
+                        normalizer: match normalizer.as_ref().filter(|_| !replicas.alone()) {
+                            Some(n) => Some(normalizer_file(n).map_err(ServiceError::other)?),
+                            None => None,
+                        },
+                    }
+                }
+            };
+            if !replicas.alone() {
+                let mut bytes = rmp_serde::to_vec(&input).map_err(ServiceError::other)?;
+                if let Err(e) = replicas.hand_out(&mut bytes).await {
+                    tracing::warn!(error = %e, "handing out the step failed; redoing it in the next view");
+                    held = Some(input);
+                    replicas.recover().await?;
+                    continue;
                 }
             }
+            input
+        } else {
+            // A follower: the step barrier is waiting for rank 0's step.
+            let mut bytes = Vec::new();
+            tokio::select! {
+                sent = replicas.hand_out(&mut bytes) => match sent {
+                    Ok(()) => {}
+                    Err(relay_kit::collective::CollectiveError::Superseded { .. }) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "rank 0's step did not arrive; waiting for the next view");
+                        replicas.recover().await?;
+                        continue;
+                    }
+                },
+                _ = shutdown.wait() => break crate::progress::Finish::Shutdown,
+            }
+            match rmp_serde::from_slice::<StepInput>(&bytes) {
+                Ok(input) => input,
+                Err(e) => {
+                    return Err(ServiceError::other(format!(
+                        "learner replicas: rank 0's step does not decode: {e}"
+                    )))
+                }
+            }
+        };
+        let StepInput::Update {
+            updates,
+            frac,
+            taken,
+            batch,
+            best_eval: best_eval_after,
+            normalizer: normalizer_after,
+        } = input
+        else {
+            break crate::progress::Finish::Shutdown;
+        };
+        if updates != progress.updates {
+            // Rank 0's state was already past this step: it is not redone.
             continue;
         }
 
         // Update.
         let update_started = Instant::now();
-        let frac = progress.env_steps as f64 / budget as f64;
+        let snapshot = if replicas.alone() {
+            None
+        } else {
+            Some(
+                capture_state(
+                    &model,
+                    &optimizer,
+                    normalizer.as_ref(),
+                    &progress,
+                    &rng,
+                    version_floor,
+                )
+                .map_err(ServiceError::other)?,
+            )
+        };
         let result = tokio::task::block_in_place(|| {
-            algorithm.update(&cfg, &model, &mut optimizer, frac, &mut rng)
+            replicas.step(|sync| update(&cfg, &model, &mut optimizer, &batch, frac, &mut rng, sync))
         });
-        let taken = std::mem::take(&mut pending);
         let updated = match result {
             Ok(u) => u,
+            Err(UpdateError::Replicas(e)) if snapshot.is_some() => {
+                tracing::warn!(error = %e, step = updates, "a replica failed inside the step; rolling back and redoing it in the next view");
+                restore_state(
+                    snapshot.as_deref().expect("checked"),
+                    &mut model,
+                    &mut optimizer,
+                    normalizer.as_mut(),
+                    &mut progress,
+                    &mut rng,
+                    &mut version_floor,
+                )
+                .map_err(ServiceError::other)?;
+                held = Some(StepInput::Update {
+                    updates,
+                    frac,
+                    taken,
+                    batch,
+                    best_eval: best_eval_after,
+                    normalizer: normalizer_after,
+                });
+                replicas.recover().await?;
+                continue;
+            }
             Err(e) => {
                 // Bad data must not stop training: drop this rollout and go on.
                 tracing::error!(error = %e, "update failed; rollout dropped");
                 continue;
             }
         };
+        if leading.is_none() {
+            best_eval = best_eval_after;
+            if let (Some(n), Some(data)) = (normalizer.as_mut(), &normalizer_after) {
+                load_normalizer_file(n, data).map_err(ServiceError::other)?;
+            }
+        }
         progress.updates += 1;
         progress.version += 1;
         progress.env_steps += taken.env_steps;
         progress.vec_steps += taken.vec_steps;
         progress.episodes += taken.episodes;
         algorithm.forget_older_than(lag.oldest_fresh(progress.version));
-        let update = weights(&model, normalizer.as_ref(), &progress);
-        latest.publish(&service, &update).await;
-        events.record(update.version, update);
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
+        let (rank, size) = replicas.share();
+        let replica_values = vec![
+            gauge("learner_replicas", size as f64),
+            gauge("learner_replica_rank", rank as f64),
+            gauge("learner_replica_updates", progress.updates as f64),
+            gauge("learner_allreduce_seconds", replicas.last_step.seconds),
+            gauge("learner_allreduce_bytes", replicas.last_step.bytes as f64),
+            gauge("learner_barrier_wait_seconds", replicas.last_wait_seconds),
+        ];
+        if !replicas.alone() && progress.updates % DIGEST_EVERY == 0 {
+            let digest = crate::replicas::digest(&model.named_tensors());
+            replicas.check_digest(digest, progress.updates).await?;
+        }
+        let Some((serving, events)) = leading.as_mut() else {
+            service
+                .report(Some(progress.vec_steps), replica_values)
+                .await;
+            continue;
+        };
+        let update = weights(&model, normalizer.as_ref(), &progress);
+        serving.publish(&service, &update).await;
+        events.record(update.version, update);
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
@@ -438,6 +807,7 @@ pub(crate) async fn run(
                 (dropped_stale - reported_stale) as f64,
             ),
         ]);
+        values.extend(replica_values);
         values.extend(updated.metrics);
         service.report(Some(progress.vec_steps), values).await;
         reported_stale = dropped_stale;
@@ -454,6 +824,13 @@ pub(crate) async fn run(
                 None,
             );
         }
+    };
+    replicas.leave().await;
+    let Some((_latest, mut events)) = leading else {
+        // A follower: rank 0 finishes the run; this replica waits for shutdown.
+        shutdown.wait().await;
+        let _ = micro.stop().await;
+        return service.finish().await;
     };
 
     // Reports that arrived as training stopped.

@@ -39,7 +39,7 @@ use crate::replicas::{check_covered, part_range, GradientSync};
 use crate::rollout::{Decoded, UpdateError};
 
 /// How an episode ended.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum End {
     /// A terminal state: nothing follows.
     Terminated,
@@ -49,7 +49,7 @@ pub enum End {
 
 /// Consecutive steps of one env: an episode in progress, or a finished one
 /// (`end` set). Per-step arrays of equal length (`obs` is `len * obs_dim`).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Episode {
     pub obs: Vec<f32>,
     /// Discrete actions (empty for continuous policies).

@@ -21,10 +21,28 @@
 //! distribution; every row's new priority summed back), SAC (each of its
 //! three optimizers summed, the whole batch's noise drawn alike) and the
 //! LLM trainers (parts of the micro-batches of `relay_llm::RlTrainer` and
-//! `relay_llm::SftTrainer`, through [`with_batch_share`]). The service
-//! loops still run one learner ([`Alone`]); the replicas' processes, rank
-//! 0's duties (sampling, publishing, checkpoints), the state handed to a
-//! joining replica and re-forming after a failure come next (issue 46).
+//! `relay_llm::SftTrainer`, through [`with_batch_share`]).
+//!
+//! [`Replicas`] is a learner process's side of it: the on-policy loop
+//! (PPO, A2C, REINFORCE) joins the run's group at start, and rank 0
+//! gathers each batch and hands it to the others ([`Replicas::hand_out`],
+//! the step barrier); a new view starts with rank 0's state handed to every
+//! member ([`Replicas::hand_over`]), and a step a failure interrupted is
+//! rolled back and redone in the next view. The DQN, SAC and text loops do
+//! not join yet: their runs are refused more than one learner by `relay`.
+//!
+//! Why this transport: membership, views and the barrier need agreement,
+//! which JetStream's Raft already gives (a home-made consensus would be a
+//! second one to trust); the gradients need bandwidth, which a ring over
+//! direct TCP gives without passing through nats-server. PyTorch DDP on
+//! CPUs uses gloo, whose default all-reduce is a ring (and halving-doubling)
+//! over TCP with a rendezvous store (TCPStore, etcd) for membership;
+//! Horovod used MPI or gloo rings with NCCL between GPUs, and elastic
+//! Horovod re-forms after a failure and resumes from the last committed
+//! state, as [`Replicas::recover`] does from the snapshot taken before each
+//! step. Between GPUs NCCL's ring (cudarc's `nccl` feature) would replace
+//! the TCP ring; it is not built yet, so CUDA replicas sum through the
+//! host.
 //!
 //! The all-reduce waits for the whole backward pass: candle computes every
 //! gradient in one `backward()` call, so there is no hook to start
@@ -33,7 +51,10 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use relay_kit::collective::{Group, View};
+use std::time::Duration;
+
+use relay_kit::collective::{CollectiveError, Group, GroupConfig, View};
+use relay_kit::{Service, ServiceError};
 
 use crate::rollout::UpdateError;
 
@@ -127,6 +148,15 @@ pub struct InGroup<'a> {
     /// The tag of the next sum.
     next_tag: u64,
     runtime: tokio::runtime::Handle,
+    /// Time spent in sums and the bytes summed, since creation.
+    pub reduced: Reduced,
+}
+
+/// What a replica's sums cost.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Reduced {
+    pub seconds: f64,
+    pub bytes: u64,
 }
 
 impl<'a> InGroup<'a> {
@@ -148,6 +178,7 @@ impl<'a> InGroup<'a> {
             rank,
             next_tag: first_tag,
             runtime,
+            reduced: Reduced::default(),
         })
     }
 
@@ -165,8 +196,237 @@ impl GradientSync for InGroup<'_> {
     fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError> {
         let tag = self.next_tag;
         self.next_tag += 1;
-        self.runtime
+        let started = std::time::Instant::now();
+        let summed = self
+            .runtime
             .block_on(self.group.all_reduce_sum(&self.view, tag, data))
-            .map_err(|e| UpdateError::Replicas(e.to_string()))
+            .map_err(|e| UpdateError::Replicas(e.to_string()));
+        self.reduced.seconds += started.elapsed().as_secs_f64();
+        self.reduced.bytes += std::mem::size_of_val(data) as u64;
+        summed
     }
+}
+
+/// How long a replica waits for a view after losing a neighbour, or for its
+/// first view, before it fails.
+const VIEW_WAIT: Duration = Duration::from_secs(60);
+
+/// A learner process's place among its run's replicas: the group it joined
+/// (`<run id>-learner`), the view it works in, and the tags of the
+/// collectives it has taken part in there. Every member takes the same
+/// sequence of collectives in a view, so one counter, reset at each view,
+/// tags them all.
+pub struct Replicas {
+    group: Group,
+    view: View,
+    /// The epoch whose state this replica holds (`None`: it must receive it).
+    synced: Option<u64>,
+    /// The tag of the next collective in `view`.
+    tag: u64,
+    /// Set when this replica became rank 0 in place of another, until
+    /// [`Self::took_over`] reads it.
+    takeover: bool,
+    /// What the last step's sums cost, and how long this replica waited
+    /// for rank 0's step.
+    pub last_step: Reduced,
+    pub last_wait_seconds: f64,
+}
+
+impl Replicas {
+    /// Joins the run's learner group (listening on this machine's interface
+    /// that reaches NATS, as the direct weights server does) and waits for
+    /// a view that holds this learner.
+    pub async fn join(service: &Service) -> Result<Self, ServiceError> {
+        let cfg = &service.config;
+        let mut listen =
+            relay_kit::weights::listen_address(&cfg.weights, &cfg.connections.nats_url)
+                .map_err(ServiceError::other)?;
+        listen.set_port(0);
+        let name = format!("{}-learner", cfg.run_id()?);
+        let member = format!(
+            "{}-{}-{:08x}",
+            service.instance,
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let mut config = GroupConfig::new(name, member, listen);
+        config.advertise = cfg.weights.direct_advertise.clone();
+        let mut group = Group::join(&service.nats, config)
+            .await
+            .map_err(|e| ServiceError::other(format!("learner replicas: {e}")))?;
+        let view = group
+            .view_after(None, VIEW_WAIT)
+            .await
+            .map_err(|e| ServiceError::other(format!("learner replicas: {e}")))?;
+        tracing::info!(
+            epoch = view.epoch,
+            rank = view.rank_of(group.member()),
+            replicas = view.size(),
+            "joined the learner replicas"
+        );
+        Ok(Self {
+            group,
+            view,
+            synced: None,
+            tag: 0,
+            takeover: false,
+            last_step: Reduced::default(),
+            last_wait_seconds: 0.0,
+        })
+    }
+
+    /// This replica's rank and the number of replicas in its view.
+    pub fn share(&self) -> (usize, usize) {
+        (
+            self.view.rank_of(self.group.member()).unwrap_or(0),
+            self.view.size(),
+        )
+    }
+
+    /// Whether this replica is rank 0: it gathers the data, publishes the
+    /// weights and writes the checkpoints.
+    pub fn leads(&self) -> bool {
+        self.share().0 == 0
+    }
+
+    /// Whether the replicas work alone (no collective can fail).
+    pub fn alone(&self) -> bool {
+        self.view.size() == 1
+    }
+
+    /// Moves to the newest agreed view, if there is one. Fails when that
+    /// view no longer holds this replica: the others went on without it
+    /// (it was partitioned or stalled past the lease) and its state is
+    /// behind theirs, so it must restart to rejoin. Returns whether this
+    /// replica must take part in a state hand-over ([`Self::hand_over`]).
+    pub fn follow_view(&mut self) -> Result<bool, ServiceError> {
+        if let Some(newest) = self.group.current_view() {
+            if newest.epoch > self.view.epoch {
+                if newest.rank_of(self.group.member()).is_none() {
+                    return Err(ServiceError::other(format!(
+                        "learner replica {} was dropped from the replicas' view (epoch {}): \
+                         it was partitioned or stalled past the lease; restart it to rejoin",
+                        self.group.member(),
+                        newest.epoch
+                    )));
+                }
+                self.enter(newest);
+            }
+        }
+        Ok(self.synced != Some(self.view.epoch))
+    }
+
+    fn enter(&mut self, view: View) {
+        let me = self.group.member();
+        let led = self.view.members.first().is_some_and(|m| m.id == me);
+        let leads = view.members.first().is_some_and(|m| m.id == me);
+        self.takeover |= leads && !led;
+        tracing::info!(
+            epoch = view.epoch,
+            rank = view.rank_of(self.group.member()),
+            replicas = view.size(),
+            "learner replicas re-formed"
+        );
+        self.view = view;
+        self.tag = 0;
+    }
+
+    /// Whether this replica just became rank 0 in place of another: the
+    /// previous rank 0 may have published one version beyond the state
+    /// any survivor holds.
+    pub fn took_over(&mut self) -> bool {
+        std::mem::take(&mut self.takeover)
+    }
+
+    /// Hands rank 0's `state` to every replica of the view (the others'
+    /// `state` is replaced): at every new view, so that a joining replica
+    /// starts from the live parameters, optimizer state and counters and
+    /// survivors of a failed step agree again.
+    pub async fn hand_over(&mut self, state: &mut Vec<u8>) -> Result<(), CollectiveError> {
+        let tag = self.next_tag();
+        self.group.broadcast(&self.view, tag, 0, state).await?;
+        self.synced = Some(self.view.epoch);
+        Ok(())
+    }
+
+    /// Rank 0 hands its next step (`input`) to the others, who wait for it
+    /// (the step barrier) until rank 0 sends or the view changes.
+    pub async fn hand_out(&mut self, input: &mut Vec<u8>) -> Result<(), CollectiveError> {
+        let tag = self.next_tag();
+        let started = std::time::Instant::now();
+        let sent = self
+            .group
+            .broadcast_awaited(&self.view, tag, 0, input)
+            .await;
+        self.last_wait_seconds = started.elapsed().as_secs_f64();
+        sent
+    }
+
+    /// Runs one update with `sync` summing over this view's replicas.
+    pub fn step<R>(&mut self, f: impl FnOnce(&mut dyn GradientSync) -> R) -> R {
+        let runtime = tokio::runtime::Handle::current();
+        let mut sync = InGroup::new(&mut self.group, self.view.clone(), self.tag, runtime)
+            .expect("follow_view keeps this replica in its view");
+        let result = f(&mut sync);
+        self.tag = sync.next_tag();
+        self.last_step = sync.reduced;
+        result
+    }
+
+    /// Checks that every replica holds rank 0's parameters bit for bit
+    /// (`digest` of this replica's), after step `step`.
+    pub async fn check_digest(&mut self, digest: [u8; 32], step: u64) -> Result<(), ServiceError> {
+        let mut theirs = digest.to_vec();
+        let tag = self.next_tag();
+        match self.group.broadcast(&self.view, tag, 0, &mut theirs).await {
+            Ok(()) if theirs == digest => Ok(()),
+            Ok(()) => Err(ServiceError::other(format!(
+                "learner replica {} diverged from rank 0 after step {step}: its parameters' digest differs",
+                self.group.member()
+            ))),
+            // A broken ring is a failure the next step meets too.
+            Err(e) => {
+                tracing::warn!(error = %e, "parameter digest not compared");
+                Ok(())
+            }
+        }
+    }
+
+    /// After a failed collective: waits for the next view (the failed
+    /// member's lease runs out) and marks the state for a hand-over.
+    pub async fn recover(&mut self) -> Result<(), ServiceError> {
+        let newer = self
+            .group
+            .view_after(Some(self.view.epoch), VIEW_WAIT)
+            .await
+            .map_err(|e| ServiceError::other(format!("learner replicas: {e}")))?;
+        self.enter(newer);
+        self.synced = None;
+        Ok(())
+    }
+
+    fn next_tag(&mut self) -> u64 {
+        self.tag += 1;
+        self.tag - 1
+    }
+
+    /// Leaves the group at once.
+    pub async fn leave(self) {
+        if let Err(e) = self.group.leave().await {
+            tracing::warn!(error = %e, "leaving the learner replicas");
+        }
+    }
+}
+
+/// The digest of parameters `tensors` (name, then bytes), compared across
+/// replicas.
+pub fn digest(tensors: &[relay_nn::NamedTensor]) -> [u8; 32] {
+    use sha2::Digest;
+    let mut hash = sha2::Sha256::new();
+    for t in tensors {
+        hash.update(t.0.as_bytes());
+        let bytes: Vec<u8> = t.2.iter().flat_map(|x| x.to_le_bytes()).collect();
+        hash.update(&bytes);
+    }
+    hash.finalize().into()
 }

@@ -72,6 +72,11 @@ pub struct UpArgs {
     /// Copies of the inference server.
     #[arg(long, default_value_t = 1)]
     pub inference_servers: usize,
+    /// Learner replicas (synchronous data parallelism: each takes a share
+    /// of every batch and the gradients are summed; PPO, A2C and
+    /// REINFORCE runs).
+    #[arg(long, default_value_t = 1)]
+    pub learners: usize,
     /// Folder for the stack's state (NATS, Redis, Prometheus data, process logs).
     #[arg(long, default_value = ".relay")]
     pub state_dir: PathBuf,
@@ -314,9 +319,13 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
     };
     relay_proto::validate_run_id(&run_id).map_err(anyhow::Error::msg)?;
     overrides.retain(|o| !o.starts_with("run.id="));
+    if args.learners != 1 {
+        scale::check_learners(&config, args.learners as u32).map_err(anyhow::Error::msg)?;
+    }
     let copies = Copies {
         env_runners: args.env_runners,
         inference_servers: args.inference_servers,
+        learners: args.learners,
     };
     std::fs::create_dir_all(&args.state_dir)?;
     let state_dir = args.state_dir.canonicalize()?;
@@ -355,6 +364,7 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
                 _ if args.without.iter().any(|w| w == service) => 0,
                 "env-runner" => copies.env_runners,
                 "inference-server" => copies.inference_servers,
+                "learner" => copies.learners,
                 _ => 1,
             };
             for _ in 0..n {
@@ -711,12 +721,24 @@ async fn watch(
                         threshold.map_or(String::new(), |t| format!(" / {t}")),
                     );
                 }
-                // A service that exits on its own cannot do its part of the run.
-                if let Some((name, status)) = stack.exited().into_iter().next() {
+                // A service that exits on its own cannot do its part of the
+                // run, except a learner replica whose peers go on without it.
+                let mut failed = None;
+                for (name, status) in stack.exited() {
                     let log = stack.state_dir.join("logs").join(format!("{name}.log"));
                     let why = last_error_line(&log).unwrap_or_else(|| format!("see {}", log.display()));
+                    let learners = stack.copies_of("learner").len();
+                    if stack::service_of(&name) == "learner" && learners > 1 {
+                        println!("relay: learner replica {name} exited with {status}: {why}; {} learner replicas go on", learners - 1);
+                        stack.kill_service(&name)?;
+                        continue;
+                    }
                     println!("relay: {name} exited with {status}: {why}");
-                    outcome.failure = Some(format!("{name} exited with {status}: {why}"));
+                    failed = Some(format!("{name} exited with {status}: {why}"));
+                    break;
+                }
+                if let Some(failure) = failed {
+                    outcome.failure = Some(failure);
                     break;
                 }
                 let stalled = last_progress.elapsed();

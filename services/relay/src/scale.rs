@@ -46,22 +46,48 @@ pub fn parse_target(target: &str) -> Result<(String, u32)> {
     Ok((service.to_string(), copies))
 }
 
-/// The supervisor's rules: a known service, at most [`MAX_COPIES`], the learner at one copy.
+/// The supervisor's rules: a known service, at most [`MAX_COPIES`], at
+/// least one learner (replicas only where the run can have them:
+/// [`check_learners`]).
 pub fn check(service: &str, copies: u32) -> Result<(), String> {
     if !SERVICES.contains(&service) {
         return Err(format!(
             "{service:?} is not a service; the services are {SERVICES:?}"
         ));
     }
-    if service == "learner" && copies != 1 {
-        return Err(format!(
-            "the learner runs as exactly one copy (it owns the policy and the optimizer); cannot scale it to {copies}"
-        ));
+    if service == "learner" && copies == 0 {
+        return Err("a run needs at least one learner; cannot scale it to 0".into());
     }
     if copies > MAX_COPIES {
         return Err(format!("{copies} copies is over the limit of {MAX_COPIES}"));
     }
     Ok(())
+}
+
+/// Whether `config`'s run can train with `copies` learner replicas: the
+/// on-policy loop (PPO, A2C, REINFORCE) runs them; DQN, SAC and text runs
+/// train with one learner for now, and say so rather than run two
+/// learners that each publish their own versions.
+pub fn check_learners(config: &relay_config::ExperimentConfig, copies: u32) -> Result<(), String> {
+    if copies <= 1 {
+        return Ok(());
+    }
+    let single = if config.is_text_game() {
+        Some("text-game runs".to_string())
+    } else if matches!(
+        config.run.algo,
+        relay_config::Algo::Dqn | relay_config::Algo::Sac
+    ) {
+        Some(format!("{} runs", config.run.algo))
+    } else {
+        None
+    };
+    match single {
+        Some(what) => Err(format!(
+            "{copies} learners: {what} train with one learner (replicas run PPO, A2C and REINFORCE)"
+        )),
+        None => Ok(()),
+    }
 }
 
 pub fn read_record(state_dir: &Path) -> Result<StackRecord> {
@@ -206,6 +232,17 @@ async fn drain(procs: Vec<Proc>, grace: Duration) -> Vec<StoppedCopy> {
 pub async fn handle(stack: &mut Stack, req: ScaleRequest) -> ScaleReply {
     if let Err(e) = check(&req.service, req.copies) {
         return refused(&req, stack, e);
+    }
+    if req.service == "learner" {
+        let replicable = match &stack.service_args {
+            Some((config, overrides)) => relay_config::ExperimentConfig::load(config, overrides)
+                .map_err(|e| e.to_string())
+                .and_then(|c| check_learners(&c, req.copies)),
+            None => Ok(()),
+        };
+        if let Err(e) = replicable {
+            return refused(&req, stack, e);
+        }
     }
     let have = stack.copies_of(&req.service).len();
     let want = req.copies as usize;

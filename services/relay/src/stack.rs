@@ -38,6 +38,7 @@ pub const SERVICES: [&str; 6] = [
 pub struct Copies {
     pub env_runners: usize,
     pub inference_servers: usize,
+    pub learners: usize,
 }
 
 /// What `relay down` needs to find a running stack.
@@ -236,7 +237,7 @@ pub struct Stack {
     /// within a stack (`env-runner-3` after `env-runner-2` was removed).
     next_copy: std::collections::HashMap<String, usize>,
     /// Config and overrides the services were started with (for `relay scale`).
-    service_args: Option<(PathBuf, Vec<String>)>,
+    pub(crate) service_args: Option<(PathBuf, Vec<String>)>,
 }
 
 impl Stack {

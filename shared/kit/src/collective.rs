@@ -75,6 +75,12 @@ pub enum CollectiveError {
     },
     #[error("group {group}: closed")]
     Closed { group: String },
+    #[error("group {group}: epoch {epoch} was superseded while waiting for rank {root}")]
+    Superseded {
+        group: String,
+        epoch: u64,
+        root: usize,
+    },
 }
 
 /// How a member joins and behaves.
@@ -399,11 +405,38 @@ impl Group {
         root: usize,
         data: &mut Vec<u8>,
     ) -> Result<(), CollectiveError> {
+        self.broadcast_in(view, tag, root, data, false).await
+    }
+
+    /// [`Self::broadcast`] for a root that sends when it is ready (rank 0
+    /// handing out a step's batch after gathering it): the other members
+    /// wait for its first bytes however long that takes, until a view
+    /// newer than `view` is agreed ([`CollectiveError::Superseded`]: a
+    /// member left or joined). The bytes themselves move under the usual
+    /// I/O timeout.
+    pub async fn broadcast_awaited(
+        &mut self,
+        view: &View,
+        tag: u64,
+        root: usize,
+        data: &mut Vec<u8>,
+    ) -> Result<(), CollectiveError> {
+        self.broadcast_in(view, tag, root, data, true).await
+    }
+
+    async fn broadcast_in(
+        &mut self,
+        view: &View,
+        tag: u64,
+        root: usize,
+        data: &mut Vec<u8>,
+        patient: bool,
+    ) -> Result<(), CollectiveError> {
         let rank = self.rank_in(view)?;
         if view.size() == 1 {
             return Ok(());
         }
-        let result = self.pass_along(view, rank, tag, root, data).await;
+        let result = self.pass_along(view, rank, tag, root, data, patient).await;
         if result.is_err() {
             self.links = None;
         }
@@ -461,6 +494,7 @@ impl Group {
         tag: u64,
         root: usize,
         data: &mut Vec<u8>,
+        patient: bool,
     ) -> Result<(), CollectiveError> {
         const PIECE: usize = 1 << 20;
         let n = view.size();
@@ -468,7 +502,23 @@ impl Group {
         let timeout = self.config.io_timeout;
         let sends = (rank + 1) % n != root;
         let receives = rank != root;
+        let mut views = self.view_rx.clone();
+        let group = self.config.name.clone();
         let links = self.links(view, rank, tag).await?;
+        let mut head = [0u8; 16];
+        if receives && patient {
+            let epoch = view.epoch;
+            tokio::select! {
+                read = links.left.read_exact(&mut head) => {
+                    if let Err(e) = read {
+                        return Err(peer_error(&group, view, tag, &left, format!("failed: {e}")));
+                    }
+                }
+                _ = views.wait_for(|v| v.as_ref().is_some_and(|v| v.epoch > epoch)) => {
+                    return Err(CollectiveError::Superseded { group, epoch, root });
+                }
+            }
+        }
         let moved = tokio::time::timeout(timeout, async {
             if !receives {
                 let mut head = Vec::with_capacity(16);
@@ -477,8 +527,9 @@ impl Group {
                 links.right.write_all(&head).await?;
                 return links.right.write_all(data).await;
             }
-            let mut head = [0u8; 16];
-            links.left.read_exact(&mut head).await?;
+            if !patient {
+                links.left.read_exact(&mut head).await?;
+            }
             let their_tag = u64::from_be_bytes(head[..8].try_into().expect("8 bytes"));
             let len = u64::from_be_bytes(head[8..].try_into().expect("8 bytes")) as usize;
             if their_tag != tag {

@@ -149,8 +149,12 @@ pub async fn get_object(
 
 /// The address the direct transfer server listens on: `weights.direct_listen`,
 /// else this machine's address on the route to the NATS server (what
-/// reaches NATS reaches this too), port 0.
-fn listen_address(config: &WeightsSection, nats_url: &str) -> Result<SocketAddr, TransportError> {
+/// reaches NATS reaches this too), port 0. The learner replicas' ring
+/// listens on the same host.
+pub fn listen_address(
+    config: &WeightsSection,
+    nats_url: &str,
+) -> Result<SocketAddr, TransportError> {
     let err = |listen: &str, detail: String| TransportError::Listen {
         listen: listen.to_string(),
         detail,

@@ -1,0 +1,278 @@
+//! Learner replicas as processes of a real `relay up` stack: `--learners 2`
+//! gives two replicas of one run, `relay scale learner=3` adds a third that
+//! takes the live state, a replica killed mid-run is noticed and the other
+//! two go on training (the supervisor keeps the run), and the final
+//! checkpoint holds the step count the live replicas reached.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+
+/// Stops the supervisor (SIGINT) if the test fails half-way.
+struct Up(Child);
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            signal(self.0.id(), libc::SIGINT);
+            let _ = self.0.wait();
+        }
+    }
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) on a pid this test's stack started.
+    unsafe {
+        libc::kill(pid as i32, sig);
+    }
+}
+
+fn record(state: &Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(state.join("stack.json")).ok()?).ok()
+}
+
+fn pid_of(state: &Path, name: &str) -> Option<u32> {
+    record(state)?["processes"]
+        .as_array()?
+        .iter()
+        .find(|p| p["name"] == name)
+        .and_then(|p| p["pid"].as_u64())
+        .map(|p| p as u32)
+}
+
+/// The newest value of each learner metric, per instance.
+#[derive(Default)]
+struct Learners(BTreeMap<String, BTreeMap<String, f64>>);
+
+impl Learners {
+    fn get(&self, instance: &str, metric: &str) -> Option<f64> {
+        self.0.get(instance)?.get(metric).copied()
+    }
+}
+
+/// Reads the run's metric reports into `seen` until `done` holds (true)
+/// or `within` passes (false).
+async fn until(
+    metrics: &mut async_nats::Subscriber,
+    seen: &mut Learners,
+    within: Duration,
+    done: impl Fn(&Learners) -> bool,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    while !done(seen) {
+        match tokio::time::timeout_at(deadline, metrics.next()).await {
+            Ok(Some(m)) => {
+                if let Ok(r) = relay_proto::decode::<relay_proto::MetricsReport>(&m.payload) {
+                    if r.instance.starts_with("learner-") {
+                        let values = seen.0.entry(r.instance).or_default();
+                        for v in r.values {
+                            values.insert(v.name, v.value);
+                        }
+                    }
+                }
+            }
+            _ => return false,
+        }
+    }
+    true
+}
+
+#[test]
+fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
+    let dir = relay_testkit::TempDir::new("learner-replicas");
+    let state = dir.path().join("state");
+    let run_id = "replicas-cartpole";
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/cartpole-ppo.yaml"
+    );
+    let log = std::fs::File::create(dir.path().join("relay-up.log")).unwrap();
+    let mut up = Up(Command::new(env!("CARGO_BIN_EXE_relay"))
+        .args(["up", "--quiet", "--config", config, "--run-id", run_id])
+        .args(["--learners", "2"])
+        .arg("--state-dir")
+        .arg(&state)
+        .args([
+            "--set",
+            &format!("run.runs_dir={}", dir.path().join("runs").display()),
+            "--set",
+            "run.total_env_steps=2000000",
+            // Never solved: the run trains until the test stops it.
+            "--set",
+            "eval.threshold=100000",
+        ])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("start relay up"));
+    let up_log = || std::fs::read_to_string(dir.path().join("relay-up.log")).unwrap_or_default();
+    let learner_log = |name: &str| {
+        std::fs::read_to_string(state.join("logs").join(format!("{name}.log"))).unwrap_or_default()
+    };
+
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while pid_of(&state, "learner-1").is_none() {
+        assert!(
+            up.0.try_wait().unwrap().is_none(),
+            "relay up exited:\n{}",
+            up_log()
+        );
+        assert!(Instant::now() < deadline, "no stack.json:\n{}", up_log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let nats_url = record(&state).unwrap()["nats_url"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = runtime.block_on(async_nats::connect(&nats_url)).unwrap();
+    let mut metrics = runtime
+        .block_on(client.subscribe(format!("relay.{run_id}.metrics")))
+        .unwrap();
+    let mut seen = Learners::default();
+
+    // Two replicas train together: both report a view of 2, and rank 0
+    // (the first to join) publishes updates.
+    let in_view = |s: &Learners, names: &[&str], n: f64| {
+        names
+            .iter()
+            .all(|i| s.get(i, "learner_replicas") == Some(n))
+    };
+    let leader = |s: &Learners, names: &[&str]| {
+        names
+            .iter()
+            .find(|i| s.get(i, "learner_replica_rank") == Some(0.0))
+            .map(|i| i.to_string())
+    };
+    let updates_of = |s: &Learners, i: &str| s.get(i, "learner_updates").unwrap_or(0.0);
+    assert!(
+        runtime.block_on(until(
+            &mut metrics,
+            &mut seen,
+            Duration::from_secs(120),
+            |s| in_view(s, &["learner-0", "learner-1"], 2.0)
+                && leader(s, &["learner-0", "learner-1"]).is_some_and(|l| updates_of(s, &l) >= 3.0)
+        )),
+        "no two replicas training:\n{}\nlearner-1:\n{}",
+        up_log(),
+        learner_log("learner-1")
+    );
+    let first_leader = leader(&seen, &["learner-0", "learner-1"]).unwrap();
+    let follower = if first_leader == "learner-0" {
+        "learner-1"
+    } else {
+        "learner-0"
+    };
+    assert_eq!(seen.get(follower, "learner_replica_rank"), Some(1.0));
+    assert!(seen.get(follower, "learner_allreduce_bytes").unwrap() > 0.0);
+
+    // A third joins while the run trains and takes the live state.
+    let output = Command::new(env!("CARGO_BIN_EXE_relay"))
+        .args(["scale", "learner=3", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && text.contains("started learner-2"),
+        "{text}"
+    );
+    assert!(
+        runtime.block_on(until(
+            &mut metrics,
+            &mut seen,
+            Duration::from_secs(60),
+            |s| in_view(s, &["learner-0", "learner-1", "learner-2"], 3.0)
+                && s.get("learner-2", "learner_replica_updates")
+                    == s.get(&first_leader, "learner_updates")
+        )),
+        "no view of 3:\n{}\nlearner-2:\n{}",
+        up_log(),
+        learner_log("learner-2")
+    );
+
+    // Kill rank 0 mid-run: the other two re-form, the oldest survivor takes
+    // over publishing and checkpoints, and training goes on.
+    signal(pid_of(&state, &first_leader).unwrap(), libc::SIGKILL);
+    let killed_at = updates_of(&seen, &first_leader);
+    seen.0.remove(&first_leader);
+    let survivors = [follower, "learner-2"];
+    assert!(
+        runtime.block_on(until(
+            &mut metrics,
+            &mut seen,
+            Duration::from_secs(60),
+            |s| in_view(s, &survivors, 2.0)
+                && leader(s, &survivors).is_some_and(|l| updates_of(s, &l) >= killed_at + 5.0)
+        )),
+        "the survivors did not go on:\n{}\n{follower}:\n{}",
+        up_log(),
+        learner_log(follower)
+    );
+    let new_leader = leader(&seen, &survivors).unwrap();
+    assert_eq!(new_leader, follower, "the oldest survivor leads");
+    assert!(
+        up.0.try_wait().unwrap().is_none(),
+        "the supervisor stopped the run:\n{}",
+        up_log()
+    );
+    assert!(
+        up_log().contains(&format!("learner replica {first_leader} exited")),
+        "{}",
+        up_log()
+    );
+
+    // Stop: the final checkpoint holds the step the replicas reached.
+    signal(up.0.id(), libc::SIGINT);
+    // The last reports rank 0 sent before it stopped.
+    runtime.block_on(until(
+        &mut metrics,
+        &mut seen,
+        Duration::from_secs(5),
+        |_| false,
+    ));
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(status) = up.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "relay up did not stop:\n{}",
+            up_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        status.success(),
+        "relay up exited with {status}:\n{}",
+        up_log()
+    );
+    let last = dir
+        .path()
+        .join("runs")
+        .join(run_id)
+        .join("checkpoints/last");
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(last.join("state.json")).unwrap()).unwrap();
+    let updates = saved["updates"].as_f64().unwrap();
+    assert_eq!(
+        Some(updates),
+        seen.get(&new_leader, "learner_updates"),
+        "the checkpoint's step is not rank 0's last: {saved}"
+    );
+    // Every step completes on all replicas before the next begins.
+    assert_eq!(
+        Some(updates),
+        seen.get("learner-2", "learner_replica_updates"),
+        "the live follower's step is not the checkpoint's"
+    );
+}
