@@ -217,7 +217,9 @@ const VIEW_WAIT: Duration = Duration::from_secs(60);
 /// sequence of collectives in a view, so one counter, reset at each view,
 /// tags them all.
 pub struct Replicas {
-    group: Group,
+    /// `None`: NATS has no JetStream, so this learner trains alone.
+    group: Option<Group>,
+    member: String,
     view: View,
     /// The epoch whose state this replica holds (`None`: it must receive it).
     synced: Option<u64>,
@@ -249,7 +251,24 @@ impl Replicas {
             std::process::id(),
             rand::random::<u32>()
         );
-        let mut config = GroupConfig::new(name, member, listen);
+        if !service.nats.server_info().jetstream {
+            // Replicas agree through JetStream; a single learner needs none.
+            tracing::warn!("NATS has no JetStream: this learner trains alone (learner replicas need JetStream)");
+            return Ok(Self {
+                group: None,
+                view: View {
+                    epoch: 0,
+                    members: Vec::new(),
+                },
+                member,
+                synced: Some(0),
+                tag: 0,
+                takeover: false,
+                last_step: Reduced::default(),
+                last_wait_seconds: 0.0,
+            });
+        }
+        let mut config = GroupConfig::new(name, member.clone(), listen);
         config.advertise = cfg.weights.direct_advertise.clone();
         let mut group = Group::join(&service.nats, config)
             .await
@@ -265,8 +284,9 @@ impl Replicas {
             "joined the learner replicas"
         );
         Ok(Self {
-            group,
+            group: Some(group),
             view,
+            member,
             synced: None,
             tag: 0,
             takeover: false,
@@ -278,8 +298,8 @@ impl Replicas {
     /// This replica's rank and the number of replicas in its view.
     pub fn share(&self) -> (usize, usize) {
         (
-            self.view.rank_of(self.group.member()).unwrap_or(0),
-            self.view.size(),
+            self.view.rank_of(&self.member).unwrap_or(0),
+            self.view.size().max(1),
         )
     }
 
@@ -300,14 +320,13 @@ impl Replicas {
     /// behind theirs, so it must restart to rejoin. Returns whether this
     /// replica must take part in a state hand-over ([`Self::hand_over`]).
     pub fn follow_view(&mut self) -> Result<bool, ServiceError> {
-        if let Some(newest) = self.group.current_view() {
+        if let Some(newest) = self.group.as_ref().and_then(Group::current_view) {
             if newest.epoch > self.view.epoch {
-                if newest.rank_of(self.group.member()).is_none() {
+                if newest.rank_of(&self.member).is_none() {
                     return Err(ServiceError::other(format!(
                         "learner replica {} was dropped from the replicas' view (epoch {}): \
                          it was partitioned or stalled past the lease; restart it to rejoin",
-                        self.group.member(),
-                        newest.epoch
+                        self.member, newest.epoch
                     )));
                 }
                 self.enter(newest);
@@ -317,13 +336,13 @@ impl Replicas {
     }
 
     fn enter(&mut self, view: View) {
-        let me = self.group.member();
-        let led = self.view.members.first().is_some_and(|m| m.id == me);
-        let leads = view.members.first().is_some_and(|m| m.id == me);
+        let me = &self.member;
+        let led = self.view.members.first().is_some_and(|m| m.id == *me);
+        let leads = view.members.first().is_some_and(|m| m.id == *me);
         self.takeover |= leads && !led;
         tracing::info!(
             epoch = view.epoch,
-            rank = view.rank_of(self.group.member()),
+            rank = view.rank_of(&self.member),
             replicas = view.size(),
             "learner replicas re-formed"
         );
@@ -344,7 +363,9 @@ impl Replicas {
     /// survivors of a failed step agree again.
     pub async fn hand_over(&mut self, state: &mut Vec<u8>) -> Result<(), CollectiveError> {
         let tag = self.next_tag();
-        self.group.broadcast(&self.view, tag, 0, state).await?;
+        if let Some(group) = &mut self.group {
+            group.broadcast(&self.view, tag, 0, state).await?;
+        }
         self.synced = Some(self.view.epoch);
         Ok(())
     }
@@ -354,18 +375,21 @@ impl Replicas {
     pub async fn hand_out(&mut self, input: &mut Vec<u8>) -> Result<(), CollectiveError> {
         let tag = self.next_tag();
         let started = std::time::Instant::now();
-        let sent = self
-            .group
-            .broadcast_awaited(&self.view, tag, 0, input)
-            .await;
+        let sent = match &mut self.group {
+            Some(group) => group.broadcast_awaited(&self.view, tag, 0, input).await,
+            None => Ok(()),
+        };
         self.last_wait_seconds = started.elapsed().as_secs_f64();
         sent
     }
 
     /// Runs one update with `sync` summing over this view's replicas.
     pub fn step<R>(&mut self, f: impl FnOnce(&mut dyn GradientSync) -> R) -> R {
+        let Some(group) = &mut self.group else {
+            return f(&mut Alone);
+        };
         let runtime = tokio::runtime::Handle::current();
-        let mut sync = InGroup::new(&mut self.group, self.view.clone(), self.tag, runtime)
+        let mut sync = InGroup::new(group, self.view.clone(), self.tag, runtime)
             .expect("follow_view keeps this replica in its view");
         let result = f(&mut sync);
         self.tag = sync.next_tag();
@@ -378,11 +402,14 @@ impl Replicas {
     pub async fn check_digest(&mut self, digest: [u8; 32], step: u64) -> Result<(), ServiceError> {
         let mut theirs = digest.to_vec();
         let tag = self.next_tag();
-        match self.group.broadcast(&self.view, tag, 0, &mut theirs).await {
+        let Some(group) = &mut self.group else {
+            return Ok(());
+        };
+        match group.broadcast(&self.view, tag, 0, &mut theirs).await {
             Ok(()) if theirs == digest => Ok(()),
             Ok(()) => Err(ServiceError::other(format!(
                 "learner replica {} diverged from rank 0 after step {step}: its parameters' digest differs",
-                self.group.member()
+                self.member
             ))),
             // A broken ring is a failure the next step meets too.
             Err(e) => {
@@ -395,8 +422,10 @@ impl Replicas {
     /// After a failed collective: waits for the next view (the failed
     /// member's lease runs out) and marks the state for a hand-over.
     pub async fn recover(&mut self) -> Result<(), ServiceError> {
-        let newer = self
-            .group
+        let Some(group) = &mut self.group else {
+            return Ok(());
+        };
+        let newer = group
             .view_after(Some(self.view.epoch), VIEW_WAIT)
             .await
             .map_err(|e| ServiceError::other(format!("learner replicas: {e}")))?;
@@ -412,7 +441,8 @@ impl Replicas {
 
     /// Leaves the group at once.
     pub async fn leave(self) {
-        if let Err(e) = self.group.leave().await {
+        let Some(group) = self.group else { return };
+        if let Err(e) = group.leave().await {
             tracing::warn!(error = %e, "leaving the learner replicas");
         }
     }
