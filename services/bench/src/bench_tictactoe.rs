@@ -351,7 +351,7 @@ pub(crate) fn bench_up_args(
         until_solved: false,
         env_runners: 1,
         inference_servers: 1,
-        learners: 1,
+        learners: None,
         state_dir: state_dir.to_path_buf(),
         quiet: true,
         without: Vec::new(),

@@ -14,7 +14,7 @@ use relay_policy::PolicyWeights;
 use relay_proto::{MetricValue, RolloutFragment, SampleReply, SampleRequest, SCHEMA_VERSION};
 
 use crate::evaluated::RunEvents;
-use crate::optimizer::Optimizer;
+use crate::optimizer::{Optimizer, OptimizerState};
 use crate::progress::{
     count_resume, finish_run, pause, should_finish, Metrics, Progress, LINKS_LAST,
     LINKS_LAST_SOLVED,
@@ -129,21 +129,21 @@ fn update(
                 oldest_version: stats.oldest_version,
             })
         }
-        (Algo::A2c, Batch::Fragments(fragments)) => {
-            let a = &cfg.a2c;
-            let rollout = rollout::prepare(model, fragments, a.gamma, a.gae_lambda)?;
-            let stats = a2c::update(model, optimizer, &rollout, a, progress, sync)?;
+        (Algo::A2c | Algo::Ppo, Batch::Fragments(fragments)) => {
+            let (gamma, gae_lambda) = match cfg.run.algo {
+                Algo::A2c => (cfg.a2c.gamma, cfg.a2c.gae_lambda),
+                _ => (cfg.ppo.gamma, cfg.ppo.gae_lambda),
+            };
+            let rollout = rollout::prepare(model, fragments, gamma, gae_lambda)?;
+            let metrics = match cfg.run.algo {
+                Algo::A2c => {
+                    a2c::update(model, optimizer, &rollout, &cfg.a2c, progress, sync)?.metrics()
+                }
+                _ => ppo::update(model, optimizer, &rollout, &cfg.ppo, progress, rng, sync)?
+                    .metrics(),
+            };
             Ok(Updated {
-                metrics: stats.metrics(),
-                oldest_version: rollout.oldest_version,
-            })
-        }
-        (Algo::Ppo, Batch::Fragments(fragments)) => {
-            let p = &cfg.ppo;
-            let rollout = rollout::prepare(model, fragments, p.gamma, p.gae_lambda)?;
-            let stats = ppo::update(model, optimizer, &rollout, p, progress, rng, sync)?;
-            Ok(Updated {
-                metrics: stats.metrics(),
+                metrics,
                 oldest_version: rollout.oldest_version,
             })
         }
@@ -165,142 +165,72 @@ enum StepInput {
         /// Rank 0's best evaluation so far, for whoever leads next.
         best_eval: Option<(f64, u64)>,
         /// The run's normalisation statistics after taking the batch's
-        /// fragments (`vec_normalize.safetensors`), for whoever leads next.
-        normalizer: Option<Vec<u8>>,
+        /// fragments, for whoever leads next.
+        normalizer: Option<VecNormalize>,
     },
     /// Rank 0 stopped training.
     Stop,
 }
 
-/// What rank 0 hands to every replica of a new view: what a checkpoint
-/// holds, in a checkpoint's formats.
-#[derive(serde::Serialize, serde::Deserialize)]
+/// The learner's whole state, in memory: what rank 0 hands to every
+/// replica of a new view, and the rollback point of a replicated step.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 struct ReplicaState {
-    /// `model.safetensors`, `optimizer.safetensors` and, for runs that
-    /// normalise, `vec_normalize.safetensors`.
-    files: Vec<(String, Vec<u8>)>,
+    params: Vec<relay_nn::NamedTensor>,
+    optimizer: OptimizerState,
+    /// The run's normalisation statistics, for runs that normalise.
+    normalizer: Option<VecNormalize>,
     progress: Progress,
     rng: relay_runs::checkpoint::RngState,
     version_floor: u64,
 }
 
-/// The learner's state to hand over or roll back to.
-fn capture_state(
-    model: &ActorCritic,
-    optimizer: &Optimizer,
-    normalizer: Option<&VecNormalize>,
-    progress: &Progress,
-    rng: &ChaCha8Rng,
-    version_floor: u64,
-) -> Result<Vec<u8>, String> {
-    let files = through_files(|dir| {
+impl ReplicaState {
+    fn capture(
+        model: &ActorCritic,
+        optimizer: &Optimizer,
+        normalizer: Option<&VecNormalize>,
+        progress: &Progress,
+        rng: &ChaCha8Rng,
+        version_floor: u64,
+    ) -> Result<Self, String> {
+        Ok(Self {
+            params: model.named_tensors(),
+            optimizer: optimizer.state().map_err(|e| e.to_string())?,
+            normalizer: normalizer.cloned(),
+            progress: progress.clone(),
+            rng: relay_runs::checkpoint::RngState::capture(rng),
+            version_floor,
+        })
+    }
+
+    /// Puts this state back into the learner's parts (parameters and
+    /// optimizer validated as a checkpoint's are).
+    fn restore(
+        self,
+        model: &mut ActorCritic,
+        optimizer: &mut Optimizer,
+        normalizer: Option<&mut VecNormalize>,
+        progress: &mut Progress,
+        rng: &mut ChaCha8Rng,
+        version_floor: &mut u64,
+    ) -> Result<(), String> {
         model
-            .save(dir.join("model.safetensors"))
+            .load_named_tensors(&self.params)
             .map_err(|e| e.to_string())?;
         optimizer
-            .save(dir.join("optimizer.safetensors"))
+            .set_state(self.optimizer)
             .map_err(|e| e.to_string())?;
-        if let Some(n) = normalizer {
-            n.save(dir.join(checkpoint::VEC_NORMALIZE_FILE))
-                .map_err(|e| e.to_string())?;
+        match (normalizer, self.normalizer) {
+            (Some(n), Some(held)) => *n = held,
+            (None, None) => {}
+            _ => return Err("one side normalises and the other does not".into()),
         }
+        *rng = self.rng.restore()?;
+        *progress = self.progress;
+        *version_floor = self.version_floor;
         Ok(())
-    })?;
-    let state = ReplicaState {
-        files,
-        progress: progress.clone(),
-        rng: relay_runs::checkpoint::RngState::capture(rng),
-        version_floor,
-    };
-    rmp_serde::to_vec(&state).map_err(|e| e.to_string())
-}
-
-/// Loads a state [`capture_state`] made.
-fn restore_state(
-    bytes: &[u8],
-    model: &mut ActorCritic,
-    optimizer: &mut Optimizer,
-    normalizer: Option<&mut VecNormalize>,
-    progress: &mut Progress,
-    rng: &mut ChaCha8Rng,
-    version_floor: &mut u64,
-) -> Result<(), String> {
-    let state: ReplicaState = rmp_serde::from_slice(bytes).map_err(|e| e.to_string())?;
-    let dir = scratch_dir()?;
-    let loaded = (|| {
-        for (name, data) in &state.files {
-            std::fs::write(dir.join(name), data).map_err(|e| e.to_string())?;
-        }
-        model
-            .load(dir.join("model.safetensors"))
-            .map_err(|e| e.to_string())?;
-        optimizer
-            .load(dir.join("optimizer.safetensors"))
-            .map_err(|e| e.to_string())?;
-        if let Some(n) = normalizer {
-            n.load(dir.join(checkpoint::VEC_NORMALIZE_FILE))
-                .map_err(|e| e.to_string())?;
-        }
-        Ok::<_, String>(())
-    })();
-    let _ = std::fs::remove_dir_all(&dir);
-    loaded?;
-    *rng = state.rng.restore()?;
-    *progress = state.progress;
-    *version_floor = state.version_floor;
-    Ok(())
-}
-
-/// The normalisation statistics as their checkpoint file holds them.
-fn normalizer_file(normalizer: &VecNormalize) -> Result<Vec<u8>, String> {
-    let mut files = through_files(|dir| {
-        normalizer
-            .save(dir.join(checkpoint::VEC_NORMALIZE_FILE))
-            .map_err(|e| e.to_string())
-    })?;
-    Ok(files.pop().map(|f| f.1).unwrap_or_default())
-}
-
-fn load_normalizer_file(normalizer: &mut VecNormalize, data: &[u8]) -> Result<(), String> {
-    let dir = scratch_dir()?;
-    let path = dir.join(checkpoint::VEC_NORMALIZE_FILE);
-    let loaded = std::fs::write(&path, data)
-        .map_err(|e| e.to_string())
-        .and_then(|()| normalizer.load(&path).map_err(|e| e.to_string()));
-    let _ = std::fs::remove_dir_all(&dir);
-    loaded
-}
-
-/// The files `write` puts in a scratch folder, read back.
-fn through_files(
-    write: impl FnOnce(&Path) -> Result<(), String>,
-) -> Result<Vec<(String, Vec<u8>)>, String> {
-    let dir = scratch_dir()?;
-    let read = write(&dir).and_then(|()| {
-        let mut files = Vec::new();
-        for entry in std::fs::read_dir(&dir).map_err(|e| e.to_string())? {
-            let entry = entry.map_err(|e| e.to_string())?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            files.push((
-                name,
-                std::fs::read(entry.path()).map_err(|e| e.to_string())?,
-            ));
-        }
-        files.sort();
-        Ok(files)
-    });
-    let _ = std::fs::remove_dir_all(&dir);
-    read
-}
-
-fn scratch_dir() -> Result<std::path::PathBuf, String> {
-    let dir = std::env::temp_dir().join(format!(
-        "relay-learner-state-{}-{:016x}",
-        std::process::id(),
-        rand::random::<u64>()
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    Ok(dir)
+    }
 }
 
 /// What an update reports beside the loop's own counters.
@@ -546,7 +476,7 @@ pub(crate) async fn run(
                 progress.version += 2;
             }
             let mut state = if leads {
-                capture_state(
+                let state = ReplicaState::capture(
                     &model,
                     &optimizer,
                     normalizer.as_ref(),
@@ -554,7 +484,8 @@ pub(crate) async fn run(
                     &rng,
                     version_floor,
                 )
-                .map_err(ServiceError::other)?
+                .map_err(ServiceError::other)?;
+                rmp_serde::to_vec(&state).map_err(ServiceError::other)?
             } else {
                 Vec::new()
             };
@@ -564,18 +495,21 @@ pub(crate) async fn run(
                 continue;
             }
             if !leads {
-                restore_state(
-                    &state,
-                    &mut model,
-                    &mut optimizer,
-                    normalizer.as_mut(),
-                    &mut progress,
-                    &mut rng,
-                    &mut version_floor,
-                )
-                .map_err(|e| {
-                    ServiceError::other(format!("learner replicas: rank 0's state: {e}"))
-                })?;
+                rmp_serde::from_slice::<ReplicaState>(&state)
+                    .map_err(|e| e.to_string())
+                    .and_then(|state| {
+                        state.restore(
+                            &mut model,
+                            &mut optimizer,
+                            normalizer.as_mut(),
+                            &mut progress,
+                            &mut rng,
+                            &mut version_floor,
+                        )
+                    })
+                    .map_err(|e| {
+                        ServiceError::other(format!("learner replicas: rank 0's state: {e}"))
+                    })?;
             }
             metrics.version.set(progress.version as i64);
         }
@@ -646,10 +580,7 @@ pub(crate) async fn run(
                         taken: std::mem::take(&mut pending),
                         batch: algorithm.take_batch(),
                         best_eval,
-                        normalizer: match normalizer.as_ref().filter(|_| !replicas.alone()) {
-                            Some(n) => Some(normalizer_file(n).map_err(ServiceError::other)?),
-                            None => None,
-                        },
+                        normalizer: normalizer.clone().filter(|_| !replicas.alone()),
                     }
                 }
             };
@@ -709,7 +640,7 @@ pub(crate) async fn run(
             None
         } else {
             Some(
-                capture_state(
+                ReplicaState::capture(
                     &model,
                     &optimizer,
                     normalizer.as_ref(),
@@ -723,20 +654,20 @@ pub(crate) async fn run(
         let result = tokio::task::block_in_place(|| {
             replicas.step(|sync| update(&cfg, &model, &mut optimizer, &batch, frac, &mut rng, sync))
         });
-        let updated = match result {
-            Ok(u) => u,
-            Err(UpdateError::Replicas(e)) if snapshot.is_some() => {
+        let updated = match (result, snapshot) {
+            (Ok(u), _) => u,
+            (Err(UpdateError::Replicas(e)), Some(snapshot)) => {
                 tracing::warn!(error = %e, step = updates, "a replica failed inside the step; rolling back and redoing it in the next view");
-                restore_state(
-                    snapshot.as_deref().expect("checked"),
-                    &mut model,
-                    &mut optimizer,
-                    normalizer.as_mut(),
-                    &mut progress,
-                    &mut rng,
-                    &mut version_floor,
-                )
-                .map_err(ServiceError::other)?;
+                snapshot
+                    .restore(
+                        &mut model,
+                        &mut optimizer,
+                        normalizer.as_mut(),
+                        &mut progress,
+                        &mut rng,
+                        &mut version_floor,
+                    )
+                    .map_err(ServiceError::other)?;
                 held = Some(StepInput::Update {
                     updates,
                     frac,
@@ -748,7 +679,7 @@ pub(crate) async fn run(
                 replicas.recover().await?;
                 continue;
             }
-            Err(e) => {
+            (Err(e), _) => {
                 // Bad data must not stop training: drop this rollout and go on.
                 tracing::error!(error = %e, "update failed; rollout dropped");
                 continue;
@@ -756,8 +687,8 @@ pub(crate) async fn run(
         };
         if leading.is_none() {
             best_eval = best_eval_after;
-            if let (Some(n), Some(data)) = (normalizer.as_mut(), &normalizer_after) {
-                load_normalizer_file(n, data).map_err(ServiceError::other)?;
+            if let (Some(n), Some(after)) = (normalizer.as_mut(), normalizer_after) {
+                *n = after;
             }
         }
         progress.updates += 1;

@@ -20,6 +20,14 @@ pub enum Optimizer {
     RmsProp(RmsProp),
 }
 
+/// An [`Optimizer`]'s resumable state, held in memory (a replica's
+/// rollback point and what it hands to a new view's members).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub enum OptimizerState {
+    Adam(relay_nn::AdamState),
+    RmsProp(relay_nn::RmsPropState),
+}
+
 impl Optimizer {
     /// The optimizer `run.algo` calls for, at its initial learning rate.
     pub fn for_run(cfg: &ExperimentConfig, vars: Vec<Var>) -> Result<Self, NnError> {
@@ -139,6 +147,35 @@ impl Optimizer {
             );
         }
         Ok(norm as f64)
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Adam(_) => "Adam",
+            Self::RmsProp(_) => "RMSprop",
+        }
+    }
+
+    /// A copy of the resumable state.
+    pub fn state(&self) -> Result<OptimizerState, NnError> {
+        Ok(match self {
+            Self::Adam(o) => OptimizerState::Adam(o.state()?),
+            Self::RmsProp(o) => OptimizerState::RmsProp(o.state()?),
+        })
+    }
+
+    /// Restores a state [`Self::state`] took from an optimizer of the same
+    /// kind over vars of the same shapes (all-or-nothing).
+    pub fn set_state(&mut self, state: OptimizerState) -> Result<(), NnError> {
+        match (self, state) {
+            (Self::Adam(o), OptimizerState::Adam(s)) => o.set_state(s),
+            (Self::RmsProp(o), OptimizerState::RmsProp(s)) => o.set_state(s),
+            (o, _) => Err(NnError::BadInput {
+                what: "optimizer state",
+                expected: format!("{} state", o.name()),
+                got: "another optimizer's state".into(),
+            }),
+        }
     }
 
     /// Writes the state to a safetensors file.

@@ -29,7 +29,10 @@
 //! the step barrier); a new view starts with rank 0's state handed to every
 //! member ([`Replicas::hand_over`]), and a step a failure interrupted is
 //! rolled back and redone in the next view. The DQN, SAC and text loops do
-//! not join yet: their runs are refused more than one learner by `relay`.
+//! not run replicas yet: `relay` and the config refuse them more than one
+//! learner, and each joins the group only to hold its place
+//! ([`Replicas::join_single`]), so a second learner started by hand for
+//! the run fails, naming why, rather than publish versions of its own.
 //!
 //! Why this transport: membership, views and the barrier need agreement,
 //! which JetStream's Raft already gives (a home-made consensus would be a
@@ -211,6 +214,11 @@ impl GradientSync for InGroup<'_> {
 /// first view, before it fails.
 const VIEW_WAIT: Duration = Duration::from_secs(60);
 
+/// How long a learner that must train alone waits for another member's
+/// membership to lapse (a dead predecessor's lasts up to a lease, 3 s)
+/// before it concludes that another learner is live.
+const SINGLE_WAIT: Duration = Duration::from_secs(10);
+
 /// A learner process's place among its run's replicas: the group it joined
 /// (`<run id>-learner`), the view it works in, and the tags of the
 /// collectives it has taken part in there. Every member takes the same
@@ -293,6 +301,33 @@ impl Replicas {
             last_step: Reduced::default(),
             last_wait_seconds: 0.0,
         })
+    }
+
+    /// Joins the run's learner group as a loop that trains alone (DQN,
+    /// SAC, text): the group's oldest member goes on; a learner started
+    /// beside it (by hand, with the run's id) fails with `why` rather than
+    /// publish versions of its own. A restarted learner may find its dead
+    /// predecessor's membership for up to a lease: it waits for that to
+    /// lapse before it decides.
+    pub async fn join_single(service: &Service, why: &str) -> Result<Self, ServiceError> {
+        let mut replicas = Self::join(service).await?;
+        let deadline = tokio::time::Instant::now() + SINGLE_WAIT;
+        while !replicas.leads() {
+            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let group = replicas.group.as_mut().expect("only a group has ranks");
+            match group.view_after(Some(replicas.view.epoch), remaining).await {
+                Ok(view) => replicas.view = view,
+                Err(_) => {
+                    let others = replicas.view.size() - 1;
+                    replicas.leave().await;
+                    return Err(ServiceError::other(format!(
+                        "this run already has a learner ({others} other member(s) of its learner group): {why}"
+                    )));
+                }
+            }
+        }
+        replicas.synced = Some(replicas.view.epoch);
+        Ok(replicas)
     }
 
     /// This replica's rank and the number of replicas in its view.

@@ -74,9 +74,9 @@ pub struct UpArgs {
     pub inference_servers: usize,
     /// Learner replicas (synchronous data parallelism: each takes a share
     /// of every batch and the gradients are summed; PPO, A2C and
-    /// REINFORCE runs).
-    #[arg(long, default_value_t = 1)]
-    pub learners: usize,
+    /// REINFORCE runs); defaults to the config's `learner.replicas`.
+    #[arg(long)]
+    pub learners: Option<usize>,
     /// Folder for the stack's state (NATS, Redis, Prometheus data, process logs).
     #[arg(long, default_value = ".relay")]
     pub state_dir: PathBuf,
@@ -319,13 +319,14 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
     };
     relay_proto::validate_run_id(&run_id).map_err(anyhow::Error::msg)?;
     overrides.retain(|o| !o.starts_with("run.id="));
-    if args.learners != 1 {
-        scale::check_learners(&config, args.learners as u32).map_err(anyhow::Error::msg)?;
+    let learners = args.learners.unwrap_or(config.learner.replicas);
+    if learners != 1 {
+        scale::check_learners(&config, learners as u32).map_err(anyhow::Error::msg)?;
     }
     let copies = Copies {
         env_runners: args.env_runners,
         inference_servers: args.inference_servers,
-        learners: args.learners,
+        learners,
     };
     std::fs::create_dir_all(&args.state_dir)?;
     let state_dir = args.state_dir.canonicalize()?;

@@ -64,30 +64,12 @@ pub fn check(service: &str, copies: u32) -> Result<(), String> {
     Ok(())
 }
 
-/// Whether `config`'s run can train with `copies` learner replicas: the
-/// on-policy loop (PPO, A2C, REINFORCE) runs them; DQN, SAC and text runs
-/// train with one learner for now, and say so rather than run two
-/// learners that each publish their own versions.
+/// Whether `config`'s run can train with `copies` learner replicas
+/// ([`relay_config::ExperimentConfig::learner_replicas_refused`]).
 pub fn check_learners(config: &relay_config::ExperimentConfig, copies: u32) -> Result<(), String> {
-    if copies <= 1 {
-        return Ok(());
-    }
-    let single = if config.is_text_game() {
-        Some("text-game runs".to_string())
-    } else if matches!(
-        config.run.algo,
-        relay_config::Algo::Dqn | relay_config::Algo::Sac
-    ) {
-        Some(format!("{} runs", config.run.algo))
-    } else {
-        None
-    };
-    match single {
-        Some(what) => Err(format!(
-            "{copies} learners: {what} train with one learner (replicas run PPO, A2C and REINFORCE)"
-        )),
-        None => Ok(()),
-    }
+    config
+        .learner_replicas_refused(copies as usize)
+        .map_or(Ok(()), Err)
 }
 
 pub fn read_record(state_dir: &Path) -> Result<StackRecord> {

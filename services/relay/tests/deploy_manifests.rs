@@ -161,6 +161,14 @@ fn deploy_kustomizations_are_complete_and_render_valid_objects() {
         ] {
             assert!(text.contains(kind), "{overlay} renders no {kind}");
         }
+        // The learner replicas: a StatefulSet, one per machine or GPU,
+        // sharing one run folder (ReadWriteMany except on one node).
+        let learner = learner_statefulset(&out.stdout);
+        let (replicas, modes) = match overlay {
+            "production" => (2, "['ReadWriteMany']"),
+            _ => (1, "['ReadWriteOnce']"),
+        };
+        assert_eq!(learner, format!("{replicas} Parallel {modes}"), "{overlay}");
         if overlay == "production" {
             // The learner and the inference servers on GPUs, from the CUDA image.
             assert_eq!(text.matches("nvidia.com/gpu: \"1\"").count(), 4, "{text}");
@@ -171,6 +179,24 @@ fn deploy_kustomizations_are_complete_and_render_valid_objects() {
             &python(K8S_VALIDATE, &[&rendered]),
         );
     }
+}
+
+/// The rendered learner StatefulSet's replicas, pod management policy and
+/// its run folder's access modes, as one line.
+fn learner_statefulset(rendered: &[u8]) -> String {
+    const SCRIPT: &str = r#"
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+sts = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "learner")
+pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == "relay-learner-runs")
+print(sts["spec"]["replicas"], sts["spec"]["podManagementPolicy"], pvc["spec"]["accessModes"])
+"#;
+    let dir = relay_testkit::TempDir::new("k8s-learner");
+    let path = dir.path().join("rendered.yaml");
+    std::fs::write(&path, rendered).unwrap();
+    let out = python(SCRIPT, &[&path]);
+    assert_ok("the rendered learner StatefulSet", &out);
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 const COMPOSE_CHECK: &str = r#"

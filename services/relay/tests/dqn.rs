@@ -114,6 +114,19 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
         }
     }
+    // A second learner started for the run (as by hand) is refused by
+    // name: DQN trains with one learner, which goes on.
+    let second = tokio::time::timeout(
+        Duration::from_secs(40),
+        relay_learner::run(config(), shutdown.clone()),
+    )
+    .await
+    .expect("a second learner gives up within its wait");
+    let err = second.expect_err("a second DQN learner is refused").to_string();
+    assert!(
+        err.contains("already has a learner") && err.contains("dqn runs"),
+        "{err}"
+    );
     trigger.trigger();
     for task in tasks {
         tokio::time::timeout(Duration::from_secs(15), task)

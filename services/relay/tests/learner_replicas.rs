@@ -6,36 +6,14 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-
-/// Stops the supervisor (SIGINT) if the test fails half-way.
-struct Up(Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            signal(self.0.id(), libc::SIGINT);
-            let _ = self.0.wait();
-        }
-    }
-}
-
-fn signal(pid: u32, sig: i32) {
-    // SAFETY: kill(2) on a pid this test's stack started.
-    unsafe {
-        libc::kill(pid as i32, sig);
-    }
-}
-
-fn record(state: &Path) -> Option<serde_json::Value> {
-    serde_json::from_str(&std::fs::read_to_string(state.join("stack.json")).ok()?).ok()
-}
+use relay_testkit::{stack_record, Supervisor};
 
 fn pid_of(state: &Path, name: &str) -> Option<u32> {
-    record(state)?["processes"]
+    stack_record(state)?["processes"]
         .as_array()?
         .iter()
         .find(|p| p["name"] == name)
@@ -90,25 +68,27 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
         "/../../configs/cartpole-ppo.yaml"
     );
     let log = std::fs::File::create(dir.path().join("relay-up.log")).unwrap();
-    let mut up = Up(Command::new(env!("CARGO_BIN_EXE_relay"))
-        .args(["up", "--quiet", "--config", config, "--run-id", run_id])
-        .args(["--learners", "2"])
-        .arg("--state-dir")
-        .arg(&state)
-        .args([
-            "--set",
-            &format!("run.runs_dir={}", dir.path().join("runs").display()),
-            "--set",
-            "run.total_env_steps=2000000",
-            // Never solved: the run trains until the test stops it.
-            "--set",
-            "eval.threshold=100000",
-        ])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .expect("start relay up"));
+    let mut up = Supervisor(
+        Command::new(env!("CARGO_BIN_EXE_relay"))
+            .args(["up", "--quiet", "--config", config, "--run-id", run_id])
+            .args(["--learners", "2"])
+            .arg("--state-dir")
+            .arg(&state)
+            .args([
+                "--set",
+                &format!("run.runs_dir={}", dir.path().join("runs").display()),
+                "--set",
+                "run.total_env_steps=2000000",
+                // Never solved: the run trains until the test stops it.
+                "--set",
+                "eval.threshold=100000",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start relay up"),
+    );
     let up_log = || std::fs::read_to_string(dir.path().join("relay-up.log")).unwrap_or_default();
     let learner_log = |name: &str| {
         std::fs::read_to_string(state.join("logs").join(format!("{name}.log"))).unwrap_or_default()
@@ -124,7 +104,7 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
         assert!(Instant::now() < deadline, "no stack.json:\n{}", up_log());
         std::thread::sleep(Duration::from_millis(100));
     }
-    let nats_url = record(&state).unwrap()["nats_url"]
+    let nats_url = stack_record(&state).unwrap()["nats_url"]
         .as_str()
         .unwrap()
         .to_string();
@@ -201,7 +181,7 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
 
     // Kill rank 0 mid-run: the other two re-form, the oldest survivor takes
     // over publishing and checkpoints, and training goes on.
-    signal(pid_of(&state, &first_leader).unwrap(), libc::SIGKILL);
+    relay_testkit::signal(pid_of(&state, &first_leader).unwrap(), libc::SIGKILL);
     let killed_at = updates_of(&seen, &first_leader);
     seen.0.remove(&first_leader);
     let survivors = [follower, "learner-2"];
@@ -231,7 +211,7 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
     );
 
     // Stop: the final checkpoint holds the step the replicas reached.
-    signal(up.0.id(), libc::SIGINT);
+    up.interrupt();
     // The last reports rank 0 sent before it stopped.
     runtime.block_on(until(
         &mut metrics,

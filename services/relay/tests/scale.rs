@@ -4,36 +4,14 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-
-/// Stops the supervisor (SIGINT) if the test fails half-way.
-struct Up(Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            sigint(&self.0);
-            let _ = self.0.wait();
-        }
-    }
-}
-
-fn sigint(child: &Child) {
-    // SAFETY: kill(2) on a pid this test started.
-    unsafe {
-        libc::kill(child.id() as i32, libc::SIGINT);
-    }
-}
-
-fn record(state: &Path) -> Option<serde_json::Value> {
-    serde_json::from_str(&std::fs::read_to_string(state.join("stack.json")).ok()?).ok()
-}
+use relay_testkit::{stack_record, Supervisor};
 
 fn names(state: &Path) -> BTreeSet<String> {
-    record(state).map_or_else(BTreeSet::new, |r| {
+    stack_record(state).map_or_else(BTreeSet::new, |r| {
         r["processes"]
             .as_array()
             .unwrap()
@@ -116,23 +94,25 @@ fn scale_adds_and_drains_copies_of_a_running_stack() {
         "/../../configs/cartpole-ppo.yaml"
     );
     let log = std::fs::File::create(dir.path().join("relay-up.log")).unwrap();
-    let mut up = Up(Command::new(env!("CARGO_BIN_EXE_relay"))
-        .args(["up", "--quiet", "--config", config, "--run-id", run_id])
-        .arg("--state-dir")
-        .arg(&state)
-        .args([
-            "--set",
-            &format!("run.runs_dir={}", dir.path().join("runs").display()),
-            "--set",
-            "run.total_env_steps=200000",
-            "--set",
-            "eval.threshold=100000",
-        ])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .expect("start relay up"));
+    let mut up = Supervisor(
+        Command::new(env!("CARGO_BIN_EXE_relay"))
+            .args(["up", "--quiet", "--config", config, "--run-id", run_id])
+            .arg("--state-dir")
+            .arg(&state)
+            .args([
+                "--set",
+                &format!("run.runs_dir={}", dir.path().join("runs").display()),
+                "--set",
+                "run.total_env_steps=200000",
+                "--set",
+                "eval.threshold=100000",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start relay up"),
+    );
     let up_log = || std::fs::read_to_string(dir.path().join("relay-up.log")).unwrap_or_default();
 
     // stack.json lists the learner once every service was started.
@@ -146,7 +126,7 @@ fn scale_adds_and_drains_copies_of_a_running_stack() {
         assert!(Instant::now() < deadline, "no stack.json:\n{}", up_log());
         std::thread::sleep(Duration::from_millis(100));
     }
-    let nats_url = record(&state).unwrap()["nats_url"]
+    let nats_url = stack_record(&state).unwrap()["nats_url"]
         .as_str()
         .unwrap()
         .to_string();
@@ -241,7 +221,7 @@ fn scale_adds_and_drains_copies_of_a_running_stack() {
     );
 
     // SIGINT: the supervisor stops everything and exits 0.
-    sigint(&up.0);
+    up.interrupt();
     let deadline = Instant::now() + Duration::from_secs(90);
     let status = loop {
         if let Some(status) = up.0.try_wait().unwrap() {

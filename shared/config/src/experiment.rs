@@ -22,7 +22,9 @@ use crate::reinforce::ReinforceConfig;
 use crate::rl::RlConfig;
 use crate::run::{Algo, RunConfig};
 use crate::sac::SacSection;
-use crate::services::{EnvRunnerConfig, InferenceConfig, ReplayConfig, TrackerConfig};
+use crate::services::{
+    EnvRunnerConfig, InferenceConfig, LearnerConfig, ReplayConfig, TrackerConfig,
+};
 use crate::text::TextConfig;
 use crate::weights::WeightsSection;
 
@@ -41,6 +43,8 @@ pub struct ExperimentConfig {
     pub inference: InferenceConfig,
     #[serde(default)]
     pub llm: LlmConfig,
+    #[serde(default)]
+    pub learner: LearnerConfig,
     #[serde(default)]
     pub replay: ReplayConfig,
     #[serde(default)]
@@ -222,6 +226,10 @@ impl ExperimentConfig {
         positive_f("env_runner.pace_timeout_s", self.env_runner.pace_timeout_s)?;
         positive("inference.max_batch", self.inference.max_batch)?;
         positive("inference.threads", self.inference.threads)?;
+        positive("learner.replicas", self.learner.replicas)?;
+        if let Some(why) = self.learner_replicas_refused(self.learner.replicas) {
+            return Err(invalid("learner.replicas", why));
+        }
         self.llm.validate()?;
         // Text runs gather `rl.batch_size` learning moves (a replay "step").
         if self.is_text_game() {
@@ -387,6 +395,26 @@ impl ExperimentConfig {
             gamma: n.gamma.unwrap_or_else(|| self.algo_gamma()),
             epsilon: n.epsilon,
         })
+    }
+
+    /// Why this run cannot have `replicas` learner replicas (`None`: it
+    /// can). The on-policy loop (PPO, A2C, REINFORCE) runs replicas; DQN,
+    /// SAC and text runs train with one learner, and say so rather than run
+    /// learners that each publish their own versions.
+    pub fn learner_replicas_refused(&self, replicas: usize) -> Option<String> {
+        if replicas <= 1 {
+            return None;
+        }
+        let what = if self.is_text_game() {
+            "text-game runs".to_string()
+        } else if matches!(self.run.algo, Algo::Dqn | Algo::Sac) {
+            format!("{} runs", self.run.algo)
+        } else {
+            return None;
+        };
+        Some(format!(
+            "{replicas} learners: {what} train with one learner (replicas run PPO, A2C and REINFORCE)"
+        ))
     }
 
     /// Whether `run.env_id` is a text game (played by LLM policies).

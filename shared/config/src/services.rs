@@ -1,4 +1,5 @@
-//! The per-service sections: `env_runner`, `inference`, `replay`, `tracker`.
+//! The per-service sections: `env_runner`, `inference`, `learner`,
+//! `replay`, `tracker`.
 
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +64,24 @@ impl Default for InferenceConfig {
             batch_wait_us: 0,
             threads: 1,
         }
+    }
+}
+
+/// learner settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LearnerConfig {
+    /// Learner replicas `relay up` starts (its `--learners` overrides it):
+    /// synchronous data parallelism, each replica takes a share of every
+    /// batch and the gradients are averaged, so the global batch is the
+    /// config's whatever the count. PPO, A2C and REINFORCE runs; others
+    /// are refused more than one by name.
+    pub replicas: usize,
+}
+
+impl Default for LearnerConfig {
+    fn default() -> Self {
+        Self { replicas: 1 }
     }
 }
 

@@ -265,6 +265,32 @@ fn bad_values_name_the_field() {
 }
 
 #[test]
+fn learner_replicas_are_counted_and_refused_by_name_where_unsupported() {
+    let with = |overrides: &[&str]| {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers(BASE, "t", &[], &overrides)
+    };
+    assert_eq!(with(&[]).unwrap().learner.replicas, 1);
+    assert_eq!(with(&["learner.replicas=3"]).unwrap().learner.replicas, 3);
+    let err = with(&["learner.replicas=0"]).unwrap_err().to_string();
+    assert!(err.contains("learner.replicas"), "{err}");
+    for algo in ["dqn", "sac"] {
+        let env = if algo == "sac" { "Pendulum-v1" } else { "CartPole-v1" };
+        let err = with(&[
+            &format!("run.algo={algo}"),
+            &format!("run.env_id={env}"),
+            "learner.replicas=2",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("learner.replicas") && err.contains("one learner"),
+            "{algo}: {err}"
+        );
+    }
+}
+
+#[test]
 fn normalize_section_defaults_off_resolves_gamma_and_names_bad_fields() {
     let c = ExperimentConfig::from_layers(BASE, "t", &[], &[]).unwrap();
     assert!(!c.normalize.enabled());

@@ -167,7 +167,7 @@ impl AdamConfig {
 }
 
 /// The resumable state of [`Adam`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdamState {
     /// Number of steps taken.
     pub step: u64,
@@ -648,7 +648,7 @@ impl RmsPropConfig {
 /// The resumable state of [`RmsProp`] (one entry per var, in var order;
 /// `grad_avg` only when centred and `momentum_buffer` only with momentum,
 /// empty vectors otherwise).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RmsPropState {
     /// Number of steps taken.
     pub step: u64,

@@ -411,3 +411,37 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
         .unwrap_or_default();
     Ok((status, body))
 }
+
+/// A `relay up` supervisor a test started: interrupted (SIGINT, as a
+/// user's Ctrl-C) and waited for on drop, when a test fails half-way.
+pub struct Supervisor(pub Child);
+
+impl Supervisor {
+    /// Sends SIGINT: the supervisor stops its stack and exits.
+    pub fn interrupt(&self) {
+        signal(self.0.id(), libc::SIGINT);
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            self.interrupt();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Sends signal `sig` to process `pid`.
+pub fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) takes any pid and signal number; a wrong one fails
+    // with an error code, which a test's later checks notice.
+    unsafe {
+        libc::kill(pid as i32, sig);
+    }
+}
+
+/// `relay up`'s record of its stack (`<state>/stack.json`), once written.
+pub fn stack_record(state: &Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(state.join("stack.json")).ok()?).ok()
+}
