@@ -383,6 +383,31 @@ learner = dashboard(
             w=12,
             description="Fragments trained on per policy-lag bucket (versions).",
         ),
+        row("Learner replicas"),
+        panel(
+            "timeseries", "Replicas and their steps",
+            [
+                t(f"max by (run_id) ({sel('relay_learner_replicas')})", "{{run_id}} replicas"),
+                t(sel("relay_learner_replica_updates"), "{{copy}} updates"),
+            ],
+            w=8, right_axis=("B",),
+            description="Learner replicas in the view (left axis) and the updates each replica has applied (right axis): replicas in step draw one line. Rank 0 gathers, publishes and checkpoints.",
+        ),
+        panel(
+            "timeseries", "All-reduce time and size per update",
+            [
+                t(sel("relay_learner_allreduce_seconds"), "{{copy}} seconds"),
+                t(sel("relay_learner_allreduce_bytes"), "{{copy}} bytes"),
+            ],
+            w=8, unit="s", right_axis=("B",),
+            description="Time each replica spent summing gradients in its latest update (left axis) and the bytes summed (right axis); 0 for a single learner.",
+        ),
+        panel(
+            "timeseries", "Wait at the step barrier",
+            [t(sel("relay_learner_barrier_wait_seconds"), "{{copy}}")],
+            w=8, unit="s",
+            description="How long each replica waited for rank 0's step (rank 0: the time to hand it out). Followers that wait long are waiting for rank 0's data.",
+        ),
     ],
 )
 

@@ -35,6 +35,11 @@
 //! `learner_env_steps` grows over the last [`SPS_WINDOW`]. Counters are not
 //! shown: `top` would only see the increments since it started.
 //!
+//! Learner replicas (a run with more than one) are listed under the
+//! learner's row by rank, from each replica's `learner_replica_rank`,
+//! `learner_replica_updates`, `learner_allreduce_seconds` and
+//! `learner_barrier_wait_seconds`: replicas in step show the same step.
+//!
 //! Health: with a stack record of the same run, each recorded service process
 //! is probed on `/healthz` (200 is up); without one (services started by hand),
 //! a copy is up when it sent a metric report within [`UP_WITHIN`]. Copies seen
@@ -179,6 +184,19 @@ impl ServiceRow {
             .filter(|(_, s)| *s == CopyState::Up)
             .count()
     }
+}
+
+/// One learner replica as its latest report shows it (`relay_learner_replica_*`,
+/// the all-reduce and barrier gauges).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaRow {
+    pub instance: String,
+    pub rank: u64,
+    pub updates: Option<u64>,
+    /// Seconds its latest update spent in all-reduces.
+    pub allreduce_seconds: Option<f64>,
+    /// Seconds it waited at the step barrier for rank 0's step.
+    pub barrier_wait_seconds: Option<f64>,
 }
 
 /// What a key does.

@@ -379,6 +379,43 @@ fn top_measures_sps_eta_and_forgets_silent_copies() {
     assert!((state.sps().expect("sps") - 1000.0).abs() < 1e-6);
 }
 
+#[test]
+fn top_lists_the_learner_replicas_by_rank() {
+    let now = Instant::now();
+    let mut state = TopState::new(RUN);
+    let replica = |instance: &str, rank: f64, wait: f64| {
+        metrics(
+            "learner",
+            instance,
+            &[
+                ("learner_replicas", 2.0),
+                ("learner_replica_rank", rank),
+                ("learner_replica_updates", 47.0),
+                ("learner_allreduce_seconds", 0.47),
+                ("learner_barrier_wait_seconds", wait),
+            ],
+        )
+    };
+    // One learner: no replica lines.
+    state.on_metrics(
+        &metrics("learner", "learner-0", &[("learner_replicas", 1.0)]),
+        now,
+    );
+    assert!(state.learner_replicas().is_empty());
+    state.on_metrics(&replica("learner-2", 0.0, 0.0), now);
+    state.on_metrics(&replica("learner-1", 1.0, 0.08), now);
+    let rows = state.learner_replicas();
+    let ranks: Vec<(&str, u64)> = rows.iter().map(|r| (r.instance.as_str(), r.rank)).collect();
+    assert_eq!(ranks, [("learner-2", 0), ("learner-1", 1)]);
+    let screen = render(&state);
+    let rank0 = line_with(&screen, "learner-2");
+    assert!(
+        rank0.contains("rank 0") && rank0.contains("step 47") && rank0.contains("reduce 0.47s"),
+        "{rank0}"
+    );
+    assert!(line_with(&screen, "learner-1").contains("wait 0.08s"));
+}
+
 /// A tiny HTTP endpoint that answers every request with `status`.
 fn http_endpoint(status: u16) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");

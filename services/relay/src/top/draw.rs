@@ -280,10 +280,11 @@ pub(crate) fn draw_eval(frame: &mut Frame, area: Rect, state: &TopState) {
 }
 
 pub(crate) fn draw_services(frame: &mut Frame, area: Rect, state: &TopState) {
+    let replicas = state.learner_replicas();
     let rows: Vec<Row> = state
         .services()
         .into_iter()
-        .map(|row| {
+        .flat_map(|row| {
             let problems: Vec<String> = row
                 .copies
                 .iter()
@@ -302,12 +303,31 @@ pub(crate) fn draw_services(frame: &mut Frame, area: Rect, state: &TopState) {
             } else {
                 (problems.join(", "), Color::Yellow)
             };
-            Row::new(vec![
+            let mut lines = vec![Row::new(vec![
                 Cell::from(row.service.clone()),
                 Cell::from(row.copies.len().to_string()),
                 Cell::from(up.to_string()),
                 Cell::from(health).style(Style::default().fg(color)),
-            ])
+            ])];
+            if row.service == "learner" {
+                // One line per data-parallel replica, by rank.
+                lines.extend(replicas.iter().map(|r| {
+                    let secs = |v: Option<f64>| fmt_opt(v, 2);
+                    Row::new(vec![
+                        Cell::from(format!(" {}", r.instance)),
+                        Cell::from(format!("rank {}", r.rank)),
+                        Cell::from(""),
+                        Cell::from(format!(
+                            "step {}, reduce {}s, wait {}s",
+                            r.updates.map_or("-".to_string(), |u| u.to_string()),
+                            secs(r.allreduce_seconds),
+                            secs(r.barrier_wait_seconds),
+                        ))
+                        .style(Style::default().fg(Color::DarkGray)),
+                    ])
+                }));
+            }
+            lines
         })
         .collect();
     let empty = rows.is_empty();

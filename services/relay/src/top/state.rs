@@ -392,6 +392,35 @@ impl TopState {
             .collect()
     }
 
+    /// The learner replicas that reported within [`COPY_WINDOW`], by rank;
+    /// empty for a run with one learner.
+    pub fn learner_replicas(&self) -> Vec<ReplicaRow> {
+        let mut rows: Vec<ReplicaRow> = self
+            .copies
+            .get("learner")
+            .into_iter()
+            .flat_map(|instances| instances.iter())
+            .filter(|(_, s)| self.now.saturating_duration_since(s.last) <= COPY_WINDOW)
+            .filter(|(_, s)| s.gauges.get("learner_replicas").is_some_and(|n| *n > 1.0))
+            .filter_map(|(instance, s)| {
+                let g = |name: &str| s.gauges.get(name).copied().filter(|v| v.is_finite());
+                Some(ReplicaRow {
+                    instance: instance.clone(),
+                    rank: g("learner_replica_rank")? as u64,
+                    updates: g("learner_replica_updates").map(|u| u as u64),
+                    allreduce_seconds: g("learner_allreduce_seconds"),
+                    barrier_wait_seconds: g("learner_barrier_wait_seconds"),
+                })
+            })
+            .collect();
+        rows.sort_by(|a, b| {
+            a.rank
+                .cmp(&b.rank)
+                .then_with(|| a.instance.cmp(&b.instance))
+        });
+        rows
+    }
+
     /// Each service with its copies: the probed processes of the stack
     /// record, plus copies seen only in metric reports. Services in start
     /// order, then by name.
