@@ -35,6 +35,11 @@ bench-allreduce *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-allreduce {{ARGS}}
 
+# Learner throughput with 1 and 2 data-parallel replicas (each a process of one thread, joined through nats-server) on the Atari NatureCNN PPO preset: samples/s, speedup, all-reduce time per update: table + JSON line.
+bench-learners *ARGS: install
+    cargo build --release --workspace --bins
+    {{release}}/relay-bench bench-learners {{ARGS}}
+
 # One NatureCNN PPO train step at batch 256 (Atari's CnnPolicy) on the GPU when there is one (`--device cuda`), else on the CPU's fused kernels and on the GPU's code path run on the CPU (`--device composed-cpu`), checked against the fused CPU step and timed, beside PyTorch's same step where it imports: tables + JSON lines.
 bench-cnn-step *ARGS: install
     if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay-bench bench-cnn-step --device cuda {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay-bench bench-cnn-step --device cpu {{ARGS}} && {{release}}/relay-bench bench-cnn-step --device composed-cpu {{ARGS}}; fi

@@ -12,6 +12,7 @@ pub mod bench_generate;
 pub mod bench_gpu;
 pub mod bench_hub_model;
 pub mod bench_league;
+pub mod bench_learners;
 pub mod bench_learning;
 pub mod bench_llamacpp;
 pub mod bench_scale;

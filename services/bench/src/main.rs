@@ -84,6 +84,8 @@ enum Command {
     BenchCnnStep(relay_bench::bench_cnn_step::BenchCnnStepArgs),
     /// The learner replicas' ring all-reduce: time and bus bandwidth for 10 KB to 100 MB of gradients with 2 and 4 members joined through nats-server; a table and JSON.
     BenchAllreduce(relay_bench::bench_allreduce::BenchAllreduceArgs),
+    /// Learner throughput with 1 and 2 data-parallel replicas (each a process of one thread, joined through nats-server) on the Atari NatureCNN PPO preset: samples/s, speedup, all-reduce time per update; a table and JSON.
+    BenchLearners(relay_bench::bench_learners::BenchLearnersArgs),
     /// A checkpoint of a real model's size as the Hub holds it (by default a random Qwen3-1.7B-Base written by transformers, bf16 shards): load time, resident memory and generation tokens/s at B = 1 and 8 on the CPU engine; a table and JSON.
     BenchHubModel(relay_bench::bench_hub_model::BenchHubModelArgs),
     /// relay's CPU engine against llama.cpp (llama-cpp-python) on the same SmolLM2-135M-Instruct GGUF and threads: prompt tokens/s of a 200-token prompt and generation tokens/s at B = 1, side by side with ratios; a table and JSON.
@@ -127,6 +129,7 @@ fn main() -> Result<()> {
         Command::BenchGpu(args) => relay_bench::bench_gpu::bench_gpu(args),
         Command::BenchCnnStep(args) => relay_bench::bench_cnn_step::bench_cnn_step(args),
         Command::BenchAllreduce(args) => relay_bench::bench_allreduce::bench_allreduce(args),
+        Command::BenchLearners(args) => relay_bench::bench_learners::bench_learners(args),
         Command::BenchHubModel(args) => relay_bench::bench_hub_model::bench_hub_model(args),
         Command::BenchLlamaCpp(args) => relay_bench::bench_llamacpp::bench_llamacpp(args),
         Command::BenchWeights(args) => relay_bench::bench_weights::bench_weights(args),

@@ -29,7 +29,7 @@ use stack::{last_error_line, Copies, Stack, SERVICES};
 
 /// The subcommands `relay` runs through the `relay-bench` binary beside it
 /// (relay-bench's own tests check that they are exactly its subcommands).
-pub const BENCH_COMMANDS: [&str; 19] = [
+pub const BENCH_COMMANDS: [&str; 20] = [
     "bench-scale",
     "soak",
     "bench-tracker",
@@ -44,6 +44,7 @@ pub const BENCH_COMMANDS: [&str; 19] = [
     "bench-gpu",
     "bench-cnn-step",
     "bench-allreduce",
+    "bench-learners",
     "bench-hub-model",
     "bench-llamacpp",
     "bench-bridge",

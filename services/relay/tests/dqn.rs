@@ -122,7 +122,9 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
     )
     .await
     .expect("a second learner gives up within its wait");
-    let err = second.expect_err("a second DQN learner is refused").to_string();
+    let err = second
+        .expect_err("a second DQN learner is refused")
+        .to_string();
     assert!(
         err.contains("already has a learner") && err.contains("dqn runs"),
         "{err}"

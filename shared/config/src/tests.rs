@@ -275,7 +275,11 @@ fn learner_replicas_are_counted_and_refused_by_name_where_unsupported() {
     let err = with(&["learner.replicas=0"]).unwrap_err().to_string();
     assert!(err.contains("learner.replicas"), "{err}");
     for algo in ["dqn", "sac"] {
-        let env = if algo == "sac" { "Pendulum-v1" } else { "CartPole-v1" };
+        let env = if algo == "sac" {
+            "Pendulum-v1"
+        } else {
+            "CartPole-v1"
+        };
         let err = with(&[
             &format!("run.algo={algo}"),
             &format!("run.env_id={env}"),
