@@ -491,7 +491,9 @@ pub(crate) async fn run(
             };
             if let Err(e) = replicas.hand_over(&mut state).await {
                 tracing::warn!(error = %e, "state hand-over failed; waiting for the next view");
-                replicas.recover().await?;
+                if !replicas.recover(&shutdown).await? {
+                    break crate::progress::Finish::Shutdown;
+                }
                 continue;
             }
             if !leads {
@@ -589,7 +591,9 @@ pub(crate) async fn run(
                 if let Err(e) = replicas.hand_out(&mut bytes).await {
                     tracing::warn!(error = %e, "handing out the step failed; redoing it in the next view");
                     held = Some(input);
-                    replicas.recover().await?;
+                    if !replicas.recover(&shutdown).await? {
+                        break crate::progress::Finish::Shutdown;
+                    }
                     continue;
                 }
             }
@@ -603,7 +607,9 @@ pub(crate) async fn run(
                     Err(relay_kit::collective::CollectiveError::Superseded { .. }) => continue,
                     Err(e) => {
                         tracing::warn!(error = %e, "rank 0's step did not arrive; waiting for the next view");
-                        replicas.recover().await?;
+                        if !replicas.recover(&shutdown).await? {
+                    break crate::progress::Finish::Shutdown;
+                }
                         continue;
                     }
                 },
@@ -676,7 +682,9 @@ pub(crate) async fn run(
                     best_eval: best_eval_after,
                     normalizer: normalizer_after,
                 });
-                replicas.recover().await?;
+                if !replicas.recover(&shutdown).await? {
+                    break crate::progress::Finish::Shutdown;
+                }
                 continue;
             }
             (Err(e), _) => {

@@ -57,7 +57,7 @@ use candle_core::{Tensor, Var};
 use std::time::Duration;
 
 use relay_kit::collective::{CollectiveError, Group, GroupConfig, View};
-use relay_kit::{Service, ServiceError};
+use relay_kit::{Service, ServiceError, Shutdown};
 
 use crate::rollout::UpdateError;
 
@@ -456,17 +456,19 @@ impl Replicas {
 
     /// After a failed collective: waits for the next view (the failed
     /// member's lease runs out) and marks the state for a hand-over.
-    pub async fn recover(&mut self) -> Result<(), ServiceError> {
+    /// Returns `false` when `shutdown` came first: the learner stops.
+    pub async fn recover(&mut self, shutdown: &Shutdown) -> Result<bool, ServiceError> {
         let Some(group) = &mut self.group else {
-            return Ok(());
+            return Ok(true);
         };
-        let newer = group
-            .view_after(Some(self.view.epoch), VIEW_WAIT)
-            .await
-            .map_err(|e| ServiceError::other(format!("learner replicas: {e}")))?;
+        let newer = tokio::select! {
+            newer = group.view_after(Some(self.view.epoch), VIEW_WAIT) => newer
+                .map_err(|e| ServiceError::other(format!("learner replicas: {e}")))?,
+            _ = shutdown.wait() => return Ok(false),
+        };
         self.enter(newer);
         self.synced = None;
-        Ok(())
+        Ok(true)
     }
 
     fn next_tag(&mut self) -> u64 {

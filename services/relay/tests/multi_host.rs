@@ -3,9 +3,13 @@
 //!
 //! ```text
 //!   infra   10.213.0.1   nats-server, redis-server, tracker
-//!   runners 10.213.0.2   env-runner x2, evaluator
-//!   trainer 10.213.0.3   inference-server, replay-buffer, learner
+//!   runners 10.213.0.2   env-runner x2, evaluator, learner replica 2
+//!   trainer 10.213.0.3   inference-server, replay-buffer, learner replica 1
 //! ```
+//!
+//! The two learner replicas (data parallel, one run) agree on their view
+//! through NATS and sum gradients over a TCP ring between the two hosts'
+//! addresses; both must report training in a view of 2.
 //!
 //! Each host has one veth (`eth0`) whose peer sits on a bridge in a fourth
 //! namespace, so nothing is added to the root namespace and the test subnet
@@ -579,7 +583,7 @@ fn multi_host_cartpole_trains_across_network_namespaces() {
     }
 
     // Services, in the order `relay up` starts them (learner last).
-    let placement: [(&str, &'static str, &str, u16); 7] = [
+    let placement: [(&str, &'static str, &str, u16); 8] = [
         ("tracker", "infra", "tracker-0", 9101),
         ("replay-buffer", "trainer", "replay-buffer-0", 9102),
         ("inference-server", "trainer", "inference-server-0", 9103),
@@ -587,6 +591,7 @@ fn multi_host_cartpole_trains_across_network_namespaces() {
         ("env-runner", "runners", "env-runner-0", 9105),
         ("env-runner", "runners", "env-runner-1", 9106),
         ("learner", "trainer", "learner-0", 9107),
+        ("learner", "runners", "learner-1", 9108),
     ];
     let observer_rx = {
         let (tx, rx) = mpsc::channel();
@@ -761,7 +766,7 @@ fn multi_host_cartpole_trains_across_network_namespaces() {
 
     // Stop with SIGTERM: the learner, then the workers, then the tracker,
     // then the infrastructure; every service drains and exits cleanly.
-    let mut stopped = procs.stop(&["learner-0"], STOP_GRACE);
+    let mut stopped = procs.stop(&["learner-0", "learner-1"], STOP_GRACE);
     stopped.extend(procs.stop(
         &[
             "env-runner-0",
@@ -794,6 +799,21 @@ fn multi_host_cartpole_trains_across_network_namespaces() {
         run_dir.join("metrics.jsonl").display()
     );
     assert!(max_metric(&metrics, "learner_env_steps") > 0.0);
+    // Both learner replicas trained in a view of two, each reporting its rank.
+    for rank in [0.0, 1.0] {
+        let in_two = metrics
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .any(|v| {
+                v["values"]["learner_replicas"].as_f64() == Some(2.0)
+                    && v["values"]["learner_replica_rank"].as_f64() == Some(rank)
+                    && v["values"]["learner_replica_updates"].as_f64() > Some(0.0)
+            });
+        assert!(
+            in_two,
+            "no update of learner replica rank {rank} in a view of 2"
+        );
+    }
     assert!(
         std::fs::read_to_string(run_dir.join("status.json"))
             .unwrap_or_default()

@@ -6,7 +6,9 @@
 //! `metrics.csv`, as TensorBoard's `purge_step` does: every curve then
 //! continues from the checkpoint's step with no gap and no overlap.
 //!
-//! Only learner reports move the axis; lines without `vec_steps` are never
+//! Only learner reports move the axis, and of a run's learner replicas
+//! only rank 0's (the others report `learner_replica_rank` above 0 and do
+//! not say whether they resumed); lines without `vec_steps` are never
 //! purged. A report at the highest step so far is not a rewind by itself:
 //! an off-policy learner makes several updates between two inserts of the
 //! env-runners and reports each at the same `vec_steps`. A learner resumed
@@ -25,6 +27,8 @@ use crate::csv;
 const LEARNER: &str = "learner";
 /// The learner's report of the checkpoint it resumed from (0: a fresh start).
 const RESUMED_AT: &str = "learner_resumed_at_vec_steps";
+/// A learner replica's rank: only rank 0 (or a lone learner) moves the axis.
+const REPLICA_RANK: &str = "learner_replica_rank";
 
 /// Watches learner reports for a rewound step axis.
 #[derive(Debug, Default)]
@@ -51,7 +55,10 @@ impl Timeline {
             let Ok(value) = serde_json::from_str::<serde_json::Value>(&line) else {
                 continue; // a torn last line of a killed tracker
             };
-            if value["service"] == LEARNER {
+            let follower = value["values"][REPLICA_RANK]
+                .as_f64()
+                .is_some_and(|r| r > 0.0);
+            if value["service"] == LEARNER && !follower {
                 if let Some(v) = value["vec_steps"].as_u64() {
                     timeline.learner_max = Some(timeline.learner_max.map_or(v, |m| m.max(v)));
                     timeline.resumed_at = resumed_at(value["values"][RESUMED_AT].as_f64(), v);
@@ -64,7 +71,11 @@ impl Timeline {
     /// Takes a report before it is written. Returns `Some(step)` when it
     /// rewinds the axis: lines above `step` belong to the abandoned timeline.
     pub fn on_report(&mut self, report: &MetricsReport) -> Option<u64> {
-        if report.service != LEARNER {
+        let follower = report
+            .values
+            .iter()
+            .any(|m| m.name == REPLICA_RANK && m.value > 0.0);
+        if report.service != LEARNER || follower {
             return None;
         }
         let v = report.vec_steps?;
@@ -178,6 +189,29 @@ mod tests {
         assert_eq!(t.on_report(&report("learner", 320, 128.0)), None);
         // Without the resume value the report's own step is kept.
         assert_eq!(t.on_report(&report("learner", 256, 0.0)), Some(255));
+    }
+
+    #[test]
+    fn learner_replicas_beside_rank_0_do_not_move_the_axis() {
+        let mut t = Timeline::default();
+        let follower = |v| {
+            let mut r = report("learner", v, 0.0);
+            r.values.retain(|m| m.name != RESUMED_AT);
+            r.values.push(MetricValue {
+                name: REPLICA_RANK.into(),
+                kind: MetricKind::Gauge,
+                value: 1.0,
+                labels: Default::default(),
+            });
+            r
+        };
+        // Rank 0 resumed at 128; its replica reports alongside, at its step
+        // or one behind, and says nothing of the resume.
+        assert_eq!(t.on_report(&report("learner", 192, 128.0)), None);
+        for v in [192, 256, 192] {
+            assert_eq!(t.on_report(&follower(v)), None);
+            assert_eq!(t.on_report(&report("learner", 256, 128.0)), None);
+        }
     }
 
     #[test]
