@@ -1,7 +1,9 @@
 //! Learner replicas as processes of a real `relay up` stack: `--learners 2`
 //! gives two replicas of one run, `relay scale learner=3` adds a third that
-//! takes the live state, a replica killed mid-run is noticed and the other
-//! two go on training (the supervisor keeps the run), and the final
+//! takes the live state, rank 0 killed mid-run is noticed and the other
+//! two go on training (the supervisor keeps the run) to the goal (CartPole
+//! at 495, a confirmed solve of a version trained after the kill), a
+//! replica joins again and the run continues with 3, and the final
 //! checkpoint holds the step count the live replicas reached.
 
 use std::collections::BTreeMap;
@@ -79,9 +81,14 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
                 &format!("run.runs_dir={}", dir.path().join("runs").display()),
                 "--set",
                 "run.total_env_steps=2000000",
-                // Never solved: the run trains until the test stops it.
+                // Solved later than the preset (after the kill below), and
+                // training on once solved, until the test stops it.
                 "--set",
-                "eval.threshold=100000",
+                "eval.threshold=495",
+                "--set",
+                "ppo.learning_rate=0.0003",
+                "--set",
+                "run.stop_when_solved=false",
             ])
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -117,6 +124,9 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
         .block_on(client.subscribe(format!("relay.{run_id}.metrics")))
         .unwrap();
     let mut seen = Learners::default();
+    let mut evals = runtime
+        .block_on(client.subscribe(format!("relay.{run_id}.eval")))
+        .unwrap();
 
     // Two replicas train together: both report a view of 2, and rank 0
     // (the first to join) publishes updates.
@@ -173,6 +183,7 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
             |s| in_view(s, &["learner-0", "learner-1", "learner-2"], 3.0)
                 && s.get("learner-2", "learner_replica_updates")
                     == s.get(&first_leader, "learner_updates")
+                && updates_of(s, &first_leader) >= 1.0
         )),
         "no view of 3:\n{}\nlearner-2:\n{}",
         up_log(),
@@ -183,6 +194,9 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
     // over publishing and checkpoints, and training goes on.
     relay_testkit::signal(pid_of(&state, &first_leader).unwrap(), libc::SIGKILL);
     let killed_at = updates_of(&seen, &first_leader);
+    let killed_version = seen
+        .get(&first_leader, "learner_policy_version")
+        .unwrap_or(killed_at);
     seen.0.remove(&first_leader);
     let survivors = [follower, "learner-2"];
     assert!(
@@ -208,6 +222,63 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
         up_log().contains(&format!("learner replica {first_leader} exited")),
         "{}",
         up_log()
+    );
+
+    // The two go on to the goal: a confirmed solve of a version they trained.
+    let solved = runtime.block_on(async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(240);
+        loop {
+            match tokio::time::timeout_at(deadline, evals.next()).await {
+                Ok(Some(m)) => {
+                    if let Ok(r) = relay_proto::decode::<relay_proto::EvalReport>(&m.payload) {
+                        if r.solved {
+                            return Some(r);
+                        }
+                    }
+                }
+                _ => return None,
+            }
+        }
+    });
+    let solved = solved.unwrap_or_else(|| panic!("two replicas did not solve:\n{}", up_log()));
+    assert!(
+        solved.policy_version as f64 > killed_version,
+        "solved at version {} before rank 0 was killed (version {killed_version}): {solved:?}",
+        solved.policy_version
+    );
+
+    eprintln!(
+        "learner_replicas: rank 0 killed at version {killed_version}; solved (confirmed) at version {} with 2 replicas, eval mean {:.1}",
+        solved.policy_version, solved.mean_return
+    );
+
+    // A replica joins again: the run continues with 3.
+    let output = Command::new(env!("CARGO_BIN_EXE_relay"))
+        .args(["scale", "learner=3", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && text.contains("started learner-3"),
+        "{text}"
+    );
+    let three = [follower, "learner-2", "learner-3"];
+    let rejoined_at = updates_of(&seen, &new_leader);
+    assert!(
+        runtime.block_on(until(
+            &mut metrics,
+            &mut seen,
+            Duration::from_secs(60),
+            |s| in_view(s, &three, 3.0)
+                && s.get("learner-3", "learner_replica_updates")
+                    == s.get(&new_leader, "learner_updates")
+                && updates_of(s, &new_leader) >= rejoined_at + 3.0
+        )),
+        "no view of 3 after the rejoin:\n{}\nlearner-3:\n{}",
+        up_log(),
+        learner_log("learner-3")
     );
 
     // Stop: the final checkpoint holds the step the replicas reached.
