@@ -233,7 +233,7 @@ pub fn bench_learners(args: BenchLearnersArgs) -> Result<()> {
     if let Some(spec) = &args.replica {
         return run_replica(spec, &cfg, args.updates);
     }
-    if args.updates == 0 || args.replicas.iter().any(|&n| n == 0) {
+    if args.updates == 0 || args.replicas.contains(&0) {
         bail!("--updates and every --replicas count must be positive");
     }
     std::fs::create_dir_all(&args.state_dir)?;

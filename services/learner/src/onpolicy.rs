@@ -166,7 +166,7 @@ enum StepInput {
         best_eval: Option<(f64, u64)>,
         /// The run's normalisation statistics after taking the batch's
         /// fragments, for whoever leads next.
-        normalizer: Option<VecNormalize>,
+        normalizer: Option<Box<VecNormalize>>,
     },
     /// Rank 0 stopped training.
     Stop,
@@ -582,7 +582,10 @@ pub(crate) async fn run(
                         taken: std::mem::take(&mut pending),
                         batch: algorithm.take_batch(),
                         best_eval,
-                        normalizer: normalizer.clone().filter(|_| !replicas.alone()),
+                        normalizer: normalizer
+                            .clone()
+                            .filter(|_| !replicas.alone())
+                            .map(Box::new),
                     }
                 }
             };
@@ -696,7 +699,7 @@ pub(crate) async fn run(
         if leading.is_none() {
             best_eval = best_eval_after;
             if let (Some(n), Some(after)) = (normalizer.as_mut(), normalizer_after) {
-                *n = after;
+                *n = *after;
             }
         }
         progress.updates += 1;
