@@ -60,6 +60,21 @@ async fn until(
     true
 }
 
+/// `relay scale learner=3`, which must start `new` (the next instance name).
+fn scale_learners_to_3(state: &Path, new: &str) {
+    let output = Command::new(env!("CARGO_BIN_EXE_relay"))
+        .args(["scale", "learner=3", "--state-dir"])
+        .arg(state)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && text.contains(&format!("started {new}")),
+        "{text}"
+    );
+}
+
 #[test]
 fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
     let dir = relay_testkit::TempDir::new("learner-replicas");
@@ -164,17 +179,7 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
     assert!(seen.get(follower, "learner_allreduce_bytes").unwrap() > 0.0);
 
     // A third joins while the run trains and takes the live state.
-    let output = Command::new(env!("CARGO_BIN_EXE_relay"))
-        .args(["scale", "learner=3", "--state-dir"])
-        .arg(&state)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&output.stdout).to_string()
-        + &String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success() && text.contains("started learner-2"),
-        "{text}"
-    );
+    scale_learners_to_3(&state, "learner-2");
     assert!(
         runtime.block_on(until(
             &mut metrics,
@@ -253,17 +258,7 @@ fn learner_replicas_scale_survive_a_kill_and_checkpoint_the_shared_step() {
     );
 
     // A replica joins again: the run continues with 3.
-    let output = Command::new(env!("CARGO_BIN_EXE_relay"))
-        .args(["scale", "learner=3", "--state-dir"])
-        .arg(&state)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&output.stdout).to_string()
-        + &String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success() && text.contains("started learner-3"),
-        "{text}"
-    );
+    scale_learners_to_3(&state, "learner-3");
     let three = [follower, "learner-2", "learner-3"];
     let rejoined_at = updates_of(&seen, &new_leader);
     assert!(
