@@ -30,7 +30,7 @@ build-cuda: install
 bench-gpu *ARGS: install
     if nvidia-smi -L >/dev/null 2>&1; then just build-cuda && target/cuda/release/relay-bench bench-gpu {{ARGS}}; else cargo build --release --workspace --bins && {{release}}/relay-bench bench-gpu {{ARGS}}; fi
 
-# The learner replicas' ring all-reduce: time and bus bandwidth for 10 KB to 100 MB of gradients with 2 and 4 members joined through nats-server: table + JSON line.
+# The learner replicas' ring all-reduce: time and bus bandwidth for 10 KB to 100 MB of gradients with 2 and 4 members joined through nats-server (`--netns-rate 10gbit --members 2,4,8`: each member in its own network namespace, its link limited by tc; root): table + JSON line.
 bench-allreduce *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-allreduce {{ARGS}}

@@ -26,14 +26,17 @@
 //! message unless `RELAY_SKIP_NETNS=1` is set.
 
 use std::fs::File;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use relay_testkit::netns::{
+    self, in_netns, iproute2_binary, run_iproute2, spawn_in_netns, wait_reachable, Network,
+};
 
 /// Prefix of every namespace this test creates: `relaymh-<pid>-<host>`.
 const NS_PREFIX: &str = "relaymh-";
@@ -58,15 +61,6 @@ fn host_ip(host: &str) -> Ipv4Addr {
 // ---------------------------------------------------------------------------
 // Preconditions
 
-/// `ip` on PATH or in the usual sbin folders (PATH of a test may lack them).
-fn ip_binary() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from))
-        .map(|d| d.join("ip"))
-        .find(|p| p.is_file())
-}
-
 /// Returns the `ip` binary, or `None` when the test is to be skipped
 /// (`RELAY_SKIP_NETNS=1`); panics with a clear message otherwise.
 fn preconditions() -> Option<PathBuf> {
@@ -74,7 +68,7 @@ fn preconditions() -> Option<PathBuf> {
     let problem = {
         // SAFETY: geteuid has no preconditions.
         let euid = unsafe { libc::geteuid() };
-        match ip_binary() {
+        match iproute2_binary("ip") {
             None => Some(
                 "`ip` (iproute2) is not installed; run `bash deploy/install.sh` or `apt-get install iproute2`"
                     .to_string(),
@@ -96,62 +90,10 @@ fn preconditions() -> Option<PathBuf> {
 // ---------------------------------------------------------------------------
 // Namespaces
 
-fn run_ip(ip: &Path, args: &[&str]) -> Result<String> {
-    let out = Command::new(ip)
-        .args(args)
-        .output()
-        .with_context(|| format!("running {} {}", ip.display(), args.join(" ")))?;
-    if !out.status.success() {
-        bail!(
-            "`ip {}` failed with {}: {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// Kills what still runs in `ns` (SIGKILL) and deletes it; its veths go with it.
-fn destroy_netns(ip: &Path, ns: &str) {
-    if let Ok(pids) = run_ip(ip, &["netns", "pids", ns]) {
-        for pid in pids
-            .split_whitespace()
-            .filter_map(|p| p.parse::<i32>().ok())
-        {
-            // SAFETY: kill(2) on a process inside a namespace this test created.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-            }
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline
-            && run_ip(ip, &["netns", "pids", ns]).is_ok_and(|p| !p.trim().is_empty())
-        {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-    if let Err(e) = run_ip(ip, &["netns", "del", ns]) {
-        eprintln!("multi_host: could not delete namespace {ns}: {e}");
-    }
-}
-
-/// Namespaces of this test's earlier runs whose process is gone.
+/// Namespaces and temporary folders of this test's earlier runs whose
+/// process is gone.
 fn remove_leftovers(ip: &Path) -> Result<()> {
-    let list = run_ip(ip, &["netns", "list"])?;
-    for name in list.lines().filter_map(|l| l.split_whitespace().next()) {
-        let Some(rest) = name.strip_prefix(NS_PREFIX) else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
-            continue; // another run of this test, still alive
-        }
-        eprintln!("multi_host: removing namespace {name} left by an earlier run");
-        destroy_netns(ip, name);
-    }
+    netns::remove_leftovers(ip, NS_PREFIX)?;
     // The temporary folder of a crashed run (`relay-test-multi-host-<pid>-...`).
     if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
         for entry in entries.flatten() {
@@ -171,106 +113,10 @@ fn remove_leftovers(ip: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The test network; every namespace is deleted on drop.
-struct Network {
-    ip: PathBuf,
-    prefix: String,
-    created: Vec<String>,
-}
-
-impl Network {
-    fn ns(&self, host: &str) -> String {
-        format!("{}{host}", self.prefix)
-    }
-
-    fn add_ns(&mut self, host: &str) -> Result<String> {
-        let ns = self.ns(host);
-        run_ip(&self.ip, &["netns", "add", &ns])?;
-        self.created.push(ns.clone());
-        run_ip(&self.ip, &["-n", &ns, "link", "set", "lo", "up"])?;
-        Ok(ns)
-    }
-
-    /// A bridge namespace and one namespace per host, each linked to the bridge.
-    fn create(ip: &Path) -> Result<Self> {
-        let mut net = Self {
-            ip: ip.to_path_buf(),
-            prefix: format!("{NS_PREFIX}{}-", std::process::id()),
-            created: Vec::new(),
-        };
-        let br = net.add_ns("bridge")?;
-        run_ip(ip, &["-n", &br, "link", "add", "br0", "type", "bridge"])?;
-        run_ip(ip, &["-n", &br, "link", "set", "br0", "up"])?;
-        for (host, _) in HOSTS {
-            let ns = net.add_ns(host)?;
-            let port = format!("v-{host}");
-            run_ip(
-                ip,
-                &[
-                    "-n", &br, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
-                    "netns", &ns,
-                ],
-            )?;
-            run_ip(
-                ip,
-                &["-n", &br, "link", "set", &port, "master", "br0", "up"],
-            )?;
-            let cidr = format!("{}/24", host_ip(host));
-            run_ip(ip, &["-n", &ns, "addr", "add", &cidr, "dev", "eth0"])?;
-            run_ip(ip, &["-n", &ns, "link", "set", "eth0", "up"])?;
-        }
-        Ok(net)
-    }
-}
-
-impl Drop for Network {
-    fn drop(&mut self) {
-        for ns in self.created.iter().rev() {
-            destroy_netns(&self.ip, ns);
-        }
-    }
-}
-
-/// Runs `f` on a thread that has entered network namespace `ns`.
-fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
-    let handle = spawn_in_netns(ns, f)?;
-    handle
-        .join()
-        .map_err(|_| anyhow::anyhow!("thread in {ns} panicked"))?
-}
-
-fn spawn_in_netns<T: Send + 'static>(
-    ns: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<std::thread::JoinHandle<Result<T>>> {
-    let path = format!("/run/netns/{ns}");
-    let file = File::open(&path).with_context(|| format!("opening {path}"))?;
-    let ns = ns.to_string();
-    Ok(std::thread::spawn(move || {
-        use std::os::fd::AsRawFd;
-        // SAFETY: setns(2) on an open namespace file; it changes only this
-        // thread's network namespace.
-        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            bail!("setns into {ns}: {}", std::io::Error::last_os_error());
-        }
-        Ok(f())
-    }))
-}
-
-/// Waits until `addr` accepts TCP connections from namespace `ns`.
-fn wait_reachable(ns: &str, addr: SocketAddr, timeout: Duration) -> Result<()> {
-    in_netns(ns, move || {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        false
-    })?
-    .then_some(())
-    .with_context(|| format!("{addr} not reachable from {ns} within {timeout:?}"))
+/// The test network: a bridge and the three hosts.
+fn create_network(ip: &Path) -> Result<Network> {
+    let hosts: Vec<(&str, Ipv4Addr)> = HOSTS.iter().map(|(h, _)| (*h, host_ip(h))).collect();
+    Network::create(ip, NS_PREFIX, &hosts)
 }
 
 // ---------------------------------------------------------------------------
@@ -299,9 +145,8 @@ impl Procs {
     ) -> Result<()> {
         let log = logs.join(format!("{name}.log"));
         let file = File::create(&log)?;
-        let child = Command::new(&net.ip)
-            .args(["netns", "exec", &net.ns(host)])
-            .arg(program)
+        let child = net
+            .command(host, program)
             .args(args)
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)
@@ -513,7 +358,7 @@ fn multi_host_cartpole_trains_across_network_namespaces() {
         "/../../configs/cartpole-ppo.yaml"
     );
 
-    let net = Network::create(&ip).unwrap_or_else(|e| {
+    let net = create_network(&ip).unwrap_or_else(|e| {
         panic!(
             "creating network namespaces failed: {e:#}\n(needs root with CAP_SYS_ADMIN and CAP_NET_ADMIN; set RELAY_SKIP_NETNS=1 to skip this test)"
         )
@@ -822,9 +667,9 @@ fn multi_host_cartpole_trains_across_network_namespaces() {
     );
 
     drop(procs);
-    let ns_names: Vec<String> = net.created.clone();
+    let ns_names: Vec<String> = net.created().to_vec();
     drop(net);
-    let left = run_ip(&ip, &["netns", "list"]).unwrap_or_default();
+    let left = run_iproute2(&ip, &["netns", "list"]).unwrap_or_default();
     for ns in &ns_names {
         assert!(
             !left

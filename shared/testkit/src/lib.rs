@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+pub mod netns;
+
 /// A folder of the LLM reference data (`tiny-qwen2`, `tiny-qwen3`,
 /// `tiny-llama3`, `smollm2`): under `$RELAY_LLM_FIXTURES` when set (so
 /// the same tests can be pointed at other models of the same layout),
