@@ -116,14 +116,7 @@ fn loopback_rows(args: &BenchAllreduceArgs) -> Result<Vec<Row>> {
                 let config = GroupConfig::new(&name, format!("m{i}"), "127.0.0.1:0".parse()?);
                 groups.push(Group::join(&nats, config).await?);
             }
-            let deadline = Instant::now() + Duration::from_secs(20);
-            let view = loop {
-                match groups[0].current_view() {
-                    Some(v) if v.size() == n => break v,
-                    _ if Instant::now() > deadline => bail!("no view of {n} members"),
-                    _ => tokio::time::sleep(Duration::from_millis(50)).await,
-                }
-            };
+            let view = crate::full_view(&groups[0], n, Duration::from_secs(20)).await?;
             let mut tag = 0;
             for &kb in &args.sizes_kb {
                 let floats = (kb * 1000 / 4).max(n);
@@ -157,15 +150,15 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> Result<()> {
     if args.members.iter().any(|&n| n < 2) || args.rounds == 0 || args.sizes_kb.is_empty() {
         bail!("--members must be 2 or more, --rounds positive, --sizes-kb not empty");
     }
-    let rows = match &args.netns_rate {
-        Some(rate) => netns_rows(&args, rate)?,
-        None => loopback_rows(&args)?,
-    };
     let rate = args
         .netns_rate
         .as_deref()
         .map(rate_bytes_per_s)
         .transpose()?;
+    let rows = match &args.netns_rate {
+        Some(rate) => netns_rows(&args, rate)?,
+        None => loopback_rows(&args)?,
+    };
     let cpu = format!("{} ({})", crate::cpu_name(), crate::cpu_simd());
     match (&args.netns_rate, rate) {
         (Some(r), Some(_)) => println!(
@@ -222,7 +215,8 @@ fn rate_bytes_per_s(rate: &str) -> Result<f64> {
 const NS_PREFIX: &str = "relayar-";
 const SUBNET: &str = "10.215.0";
 
-/// Every member a thread in its own namespace, each link limited to `rate`.
+/// Every member a thread in its own namespace, each link limited to `rate`
+/// (checked by the caller).
 fn netns_rows(args: &BenchAllreduceArgs, rate: &str) -> Result<Vec<Row>> {
     use relay_testkit::netns::{self, iproute2_binary, spawn_in_netns, Network};
     let ip = iproute2_binary("ip").context("`ip` (iproute2) is not installed")?;
@@ -230,7 +224,6 @@ fn netns_rows(args: &BenchAllreduceArgs, rate: &str) -> Result<Vec<Row>> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("--netns-rate creates network namespaces: run as root");
     }
-    rate_bytes_per_s(rate)?;
     let nats_bin = relay::stack::which("nats-server")
         .context("nats-server is not installed; run `bash deploy/install.sh`")?;
     netns::remove_leftovers(&ip, NS_PREFIX)?;
@@ -333,14 +326,7 @@ fn netns_member(
         let nats = async_nats::connect(url).await?;
         let config = GroupConfig::new(name, format!("m{index}"), (address, 0).into());
         let group = Group::join(&nats, config).await?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let view = loop {
-            match group.current_view() {
-                Some(v) if v.size() == n => break v,
-                _ if Instant::now() > deadline => bail!("no view of {n} members"),
-                _ => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        };
+        let view = crate::full_view(&group, n, Duration::from_secs(30)).await?;
         Ok::<_, anyhow::Error>((group, view))
     })?;
     let mut tag = 0;

@@ -52,6 +52,18 @@ pub struct BenchCnnStepArgs {
 
 const ACTIONS: usize = 6;
 
+/// SB3's Atari `CnnPolicy`: NatureCNN on 4 stacked 84 x 84 frames, no MLP
+/// after it, `actions` discrete actions.
+pub fn nature_cnn_spec(actions: usize) -> PolicySpec {
+    let mut spec = PolicySpec::discrete(4 * 84 * 84, actions);
+    spec.hidden = vec![];
+    spec.cnn = Some(CnnSpec {
+        input: [4, 84, 84],
+        ..CnnSpec::default()
+    });
+    spec
+}
+
 /// A minibatch as the learner builds one.
 struct Minibatch {
     obs: Vec<f32>,
@@ -151,12 +163,7 @@ pub fn bench_cnn_step(args: BenchCnnStepArgs) -> Result<()> {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0)
     });
-    let mut spec = PolicySpec::discrete(4 * 84 * 84, ACTIONS);
-    spec.hidden = vec![];
-    spec.cnn = Some(CnnSpec {
-        input: [4, 84, 84],
-        ..CnnSpec::default()
-    });
+    let spec = nature_cnn_spec(ACTIONS);
     let config = AdamConfig {
         lr: 2.5e-4,
         ..Default::default()

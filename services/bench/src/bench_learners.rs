@@ -29,7 +29,7 @@ use relay_kit::collective::{Group, GroupConfig, View};
 use relay_learner::optimizer::Optimizer;
 use relay_learner::replicas::{Alone, GradientSync, InGroup};
 use relay_learner::rollout::Rollout;
-use relay_nn::{Actions, ActorCritic, CnnSpec, PolicySpec};
+use relay_nn::{Actions, ActorCritic};
 
 /// `relay-bench bench-learners` flags.
 #[derive(Debug, clap::Args)]
@@ -71,12 +71,7 @@ struct ReplicaReport {
 }
 
 fn nature_cnn() -> Result<ActorCritic> {
-    let mut spec = PolicySpec::discrete(4 * 84 * 84, ACTIONS);
-    spec.hidden = vec![];
-    spec.cnn = Some(CnnSpec {
-        input: [4, 84, 84],
-        ..CnnSpec::default()
-    });
+    let spec = crate::bench_cnn_step::nature_cnn_spec(ACTIONS);
     Ok(ActorCritic::new(&spec, SEED)?)
 }
 
@@ -208,14 +203,7 @@ async fn join(nats_url: &str, name: &str, id: usize, replicas: usize) -> Result<
     let nats = async_nats::connect(nats_url).await?;
     let config = GroupConfig::new(name, format!("m{id}"), "127.0.0.1:0".parse()?);
     let group = Group::join(&nats, config).await?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let view = loop {
-        match group.current_view() {
-            Some(v) if v.size() == replicas => break v,
-            _ if Instant::now() > deadline => bail!("no view of {replicas} replicas"),
-            _ => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    };
+    let view = crate::full_view(&group, replicas, Duration::from_secs(30)).await?;
     Ok((group, view))
 }
 

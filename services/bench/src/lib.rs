@@ -80,3 +80,22 @@ pub(crate) fn cpu_simd() -> &'static str {
         "no AVX"
     }
 }
+
+/// Waits up to `within` for `group`'s agreed view to hold all `n` members
+/// (the benchmarks' groups join together, then measure).
+pub(crate) async fn full_view(
+    group: &relay_kit::collective::Group,
+    n: usize,
+    within: std::time::Duration,
+) -> anyhow::Result<relay_kit::collective::View> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        match group.current_view() {
+            Some(v) if v.size() == n => return Ok(v),
+            _ if std::time::Instant::now() > deadline => {
+                anyhow::bail!("no view of {n} members within {within:?}")
+            }
+            _ => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    }
+}
