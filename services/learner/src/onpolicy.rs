@@ -583,9 +583,9 @@ pub(crate) async fn run(
                         batch: algorithm.take_batch(),
                         best_eval,
                         normalizer: normalizer
-                            .clone()
+                            .as_ref()
                             .filter(|_| !replicas.alone())
-                            .map(Box::new),
+                            .map(|n| Box::new(n.clone())),
                     }
                 }
             };
