@@ -1,23 +1,36 @@
 //! `relay-bench bench-learners` (`just bench-learners`): learner throughput
 //! with 1 and with 2 data-parallel replicas of one compute thread each, on
-//! the Atari NatureCNN PPO preset (`configs/breakout-ppo.yaml`: a rollout
-//! of 1,024 frames of 4 x 84 x 84, 4 epochs of 256-sample minibatches, the
-//! 1.69M-parameter CnnPolicy).
+//! learner-bound workloads:
+//! - `ppo-naturecnn`: the Atari NatureCNN PPO preset
+//!   (`configs/breakout-ppo.yaml`: a rollout of 1,024 frames of 4 x 84 x
+//!   84, 4 epochs of 256-sample minibatches, the 1.69M-parameter
+//!   CnnPolicy), one update per step;
+//! - `sac`: the Pendulum SAC preset (`configs/pendulum-sac.yaml`: actor
+//!   and twin critics of [256, 256], batch 256) at 8 gradient steps per
+//!   env step, one round of 8 gradient steps per step.
 //!
 //! Each replica is its own process (this binary, started again with
 //! `--replica`), with `RAYON_NUM_THREADS=1`, joined through a real
 //! nats-server into a [`relay_kit::collective::Group`], and runs the
-//! learner's own PPO update (`relay_learner::ppo::update`) with
+//! learner's own update (`relay_learner::ppo::update`,
+//! `relay_learner::sac::gradient_step`) with
 //! [`relay_learner::replicas::InGroup`]: its share of every minibatch, the
 //! gradients summed by the ring all-reduce. Every replica holds the same
-//! rollout (drawn from one seed), as rank 0 hands it out in a run. The
-//! figure is samples trained per second (rollout length x epochs over the
-//! median update time, after one warm-up update), and the speedup is the
-//! 2-replica figure over the lone learner's. The replicas' parameters are
-//! compared bit for bit at the end, so a fast wrong sum cannot pass.
-//! A table, then one JSON line.
+//! data (drawn from one seed), as rank 0 hands it out in a run. The
+//! figure is samples trained per second (samples per step over the median
+//! step time, after one warm-up step), and the speedup is the 2-replica
+//! figure over the lone learner's.
+//!
+//! The replicas' parameters are compared bit for bit at the end, and with
+//! the lone learner's: the gap, max |a - b| / (1 + |b|) over every
+//! parameter, is printed, and above 1e-2 the bench fails. It is not zero:
+//! the replicas add the same numbers in another order (two halves, then
+//! the halves together), and the optimizer carries the last-bit
+//! differences forward. So a fast wrong sum cannot pass, and the bench is
+//! also the process-level equivalence check of the replicas (its test runs
+//! it on small networks for 20 steps). A table, then one JSON line.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -30,49 +43,225 @@ use relay_learner::optimizer::Optimizer;
 use relay_learner::replicas::{Alone, GradientSync, InGroup};
 use relay_learner::rollout::Rollout;
 use relay_nn::{Actions, ActorCritic};
+use relay_proto::TransitionBatch;
 
 /// `relay-bench bench-learners` flags.
 #[derive(Debug, clap::Args)]
 pub struct BenchLearnersArgs {
-    /// The PPO config whose rollout, minibatch and epochs are trained.
-    #[arg(long, default_value = "configs/breakout-ppo.yaml")]
-    pub config: PathBuf,
+    /// The workloads, comma-separated.
+    #[arg(long, value_enum, default_values_t = [Workload::PpoNaturecnn, Workload::Sac], value_delimiter = ',')]
+    pub workloads: Vec<Workload>,
+    /// The folder of the presets.
+    #[arg(long, default_value = "configs")]
+    pub configs_dir: PathBuf,
+    /// Config overrides (`section.field=value`) for every workload's preset.
+    #[arg(long = "set")]
+    pub overrides: Vec<String>,
     /// Replica counts, comma-separated (each replica one process of one thread).
     #[arg(long, default_value = "1,2", value_delimiter = ',')]
     pub replicas: Vec<usize>,
-    /// Timed updates per replica count (the median is reported), after one warm-up.
+    /// Timed steps per replica count (the median is reported), after one warm-up.
     #[arg(long, default_value_t = 3)]
     pub updates: usize,
     /// Where the nats-server keeps its state.
     #[arg(long, default_value = ".relay/bench-learners")]
     pub state_dir: PathBuf,
-    /// Internal: run as one replica, `ID,REPLICAS,NATS_URL,GROUP` (the
-    /// bench starts these itself).
+    /// Internal: run as one replica, `ID,REPLICAS,NATS_URL,GROUP,WORKLOAD,PARAMS_OUT`
+    /// (the bench starts these itself).
     #[arg(long, hide = true)]
     pub replica: Option<String>,
 }
 
+/// A learner-bound workload (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Workload {
+    /// PPO on the Atari NatureCNN preset.
+    PpoNaturecnn,
+    /// SAC on the Pendulum preset at 8 gradient steps per env step.
+    Sac,
+}
+
+impl Workload {
+    fn name(self) -> &'static str {
+        match self {
+            Self::PpoNaturecnn => "ppo-naturecnn",
+            Self::Sac => "sac",
+        }
+    }
+
+    /// The preset, with the workload's own settings and `overrides`.
+    fn config(self, dir: &Path, overrides: &[String]) -> Result<ExperimentConfig> {
+        let (file, own): (&str, &[&str]) = match self {
+            Self::PpoNaturecnn => ("breakout-ppo.yaml", &[]),
+            Self::Sac => ("pendulum-sac.yaml", &["sac.gradient_steps=8"]),
+        };
+        let path = dir.join(file);
+        let text =
+            std::fs::read_to_string(&path).with_context(|| format!("config {}", path.display()))?;
+        let mut layers: Vec<String> = own.iter().map(|s| s.to_string()).collect();
+        layers.extend(overrides.iter().cloned());
+        Ok(ExperimentConfig::from_layers(
+            &text,
+            &path.display().to_string(),
+            &[],
+            &layers,
+        )?)
+    }
+
+    /// What one step trains, for the table's heading.
+    fn describe(self, cfg: &ExperimentConfig) -> String {
+        match self {
+            Self::PpoNaturecnn => format!(
+                "PPO updates (NatureCNN, rollout {} x {} epochs, minibatch {})",
+                cfg.ppo.rollout_steps, cfg.ppo.epochs, cfg.ppo.minibatch_size
+            ),
+            Self::Sac => format!(
+                "SAC rounds ({:?} networks on {}, {} gradient steps of batch {})",
+                cfg.sac.net_arch, cfg.run.env_id, cfg.sac.gradient_steps, cfg.sac.batch_size
+            ),
+        }
+    }
+
+    /// Samples trained in one step.
+    fn samples_per_step(self, cfg: &ExperimentConfig) -> f64 {
+        match self {
+            Self::PpoNaturecnn => (cfg.ppo.rollout_steps * cfg.ppo.epochs) as f64,
+            Self::Sac => (cfg.sac.gradient_steps * cfg.sac.batch_size) as f64,
+        }
+    }
+}
+
 /// Breakout's actions.
 const ACTIONS: usize = 4;
-/// The seed of the model and the rollout every replica draws alike.
+/// The seed of the models and the data every replica draws alike.
 const SEED: u64 = 7;
+/// The largest gap to the lone learner's parameters the bench accepts.
+/// Adam moves a parameter by about its learning rate whatever the
+/// gradient's size, so where a gradient is near zero the last-bit
+/// differences of the sums can flip a step's sign: the gap grows by up to
+/// twice the learning rate a step (NatureCNN PPO: 7.7e-4 after 64 steps at
+/// 2.5e-4), while different batches or a lost share move every parameter.
+const MAX_GAP: f32 = 1e-2;
 
 /// What one replica process reports (its last line of stdout).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct ReplicaReport {
     rank: usize,
-    /// Seconds of each timed update.
+    /// Seconds of each timed step.
     seconds: Vec<f64>,
-    /// Seconds in all-reduces over the timed updates, and bytes summed.
+    /// Seconds in all-reduces over the timed steps, and bytes summed.
     allreduce_seconds: f64,
     allreduce_bytes: u64,
-    /// SHA-256 of the parameters after the last update.
+    /// SHA-256 of the parameters after the last step.
     digest: String,
 }
 
-fn nature_cnn() -> Result<ActorCritic> {
-    let spec = crate::bench_cnn_step::nature_cnn_spec(ACTIONS);
-    Ok(ActorCritic::new(&spec, SEED)?)
+/// A replica's model, optimizer and data.
+enum Trainer {
+    Ppo {
+        model: ActorCritic,
+        optimizer: Optimizer,
+        rollout: Rollout,
+        cfg: relay_config::PpoConfig,
+    },
+    Sac {
+        sac: relay_nn::Sac,
+        optimizers: relay_nn::SacOptimizers,
+        step: relay_nn::SacConfig,
+        target_update_interval: u64,
+        batches: Vec<TransitionBatch>,
+    },
+}
+
+impl Trainer {
+    fn new(workload: Workload, cfg: &ExperimentConfig) -> Result<Self> {
+        if workload == Workload::PpoNaturecnn && cfg.run.algo != relay_config::Algo::Ppo {
+            bail!("the ppo-naturecnn workload trains PPO");
+        }
+        Ok(match workload {
+            Workload::PpoNaturecnn => {
+                let spec = crate::bench_cnn_step::nature_cnn_spec(ACTIONS);
+                let model = ActorCritic::new(&spec, SEED)?;
+                let optimizer = Optimizer::for_run(cfg, model.vars())?;
+                let rollout = rollout(&model, cfg.ppo.rollout_steps)?;
+                Self::Ppo {
+                    model,
+                    optimizer,
+                    rollout,
+                    cfg: cfg.ppo.clone(),
+                }
+            }
+            Workload::Sac => {
+                let s = &cfg.sac;
+                let spec = relay_policy::sac_spec_for(cfg).map_err(anyhow::Error::msg)?;
+                let step = relay_learner::sac::step_config(
+                    s,
+                    spec.action_dim(),
+                    s.learning_rate.value(0.0),
+                )?;
+                let sac =
+                    relay_nn::Sac::new(&spec, relay_learner::sac::initial_ent_coef(s)?, SEED)?;
+                let optimizers = relay_nn::SacOptimizers::new(&sac, &step)?;
+                let batches = (0..s.gradient_steps)
+                    .map(|i| transitions(&spec, s.batch_size, SEED + i as u64))
+                    .collect();
+                Self::Sac {
+                    sac,
+                    optimizers,
+                    step,
+                    target_update_interval: s.target_update_interval,
+                    batches,
+                }
+            }
+        })
+    }
+
+    /// One step (a PPO update, or a SAC round) at `progress` of the run.
+    fn step(
+        &mut self,
+        progress: f64,
+        rng: &mut rand_chacha::ChaCha8Rng,
+        sync: &mut dyn GradientSync,
+    ) -> Result<()> {
+        match self {
+            Self::Ppo {
+                model,
+                optimizer,
+                rollout,
+                cfg,
+            } => {
+                relay_learner::ppo::update(model, optimizer, rollout, cfg, progress, rng, sync)?;
+            }
+            Self::Sac {
+                sac,
+                optimizers,
+                step,
+                target_update_interval,
+                batches,
+            } => {
+                for (i, batch) in batches.iter().enumerate() {
+                    step.update_target = (i as u64).is_multiple_of(*target_update_interval);
+                    relay_learner::sac::gradient_step(
+                        step,
+                        sac,
+                        optimizers,
+                        batch,
+                        rng,
+                        &relay_nn::Pair::sequential(),
+                        sync,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn parameters(&self) -> Vec<relay_nn::NamedTensor> {
+        match self {
+            Self::Ppo { model, .. } => model.named_tensors(),
+            Self::Sac { sac, .. } => sac.named_tensors(),
+        }
+    }
 }
 
 /// A rollout of `n` random frames acted by `model`, random advantages.
@@ -111,27 +300,56 @@ fn rollout(model: &ActorCritic, n: usize) -> Result<Rollout> {
     })
 }
 
-fn load_config(path: &std::path::Path) -> Result<ExperimentConfig> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("config {}", path.display()))?;
-    let cfg = ExperimentConfig::from_layers(&text, &path.display().to_string(), &[], &[])?;
-    if cfg.run.algo != relay_config::Algo::Ppo {
-        bail!("{}: bench-learners trains PPO configs", path.display());
+/// `b` random transitions of the env `spec` describes (actions within its
+/// bounds, one in five terminal), drawn from `seed`.
+fn transitions(spec: &relay_nn::SacSpec, b: usize, seed: u64) -> TransitionBatch {
+    use relay_proto::Tensor as Wire;
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let (d, a) = (spec.obs_dim, spec.action_dim());
+    let mut uniform =
+        |k: usize| -> Vec<f32> { (0..k).map(|_| r.random_range(-1.0..1.0)).collect() };
+    let (obs, next, rewards) = (uniform(b * d), uniform(b * d), uniform(b));
+    let actions: Vec<f32> = uniform(b * a)
+        .iter()
+        .enumerate()
+        .map(|(i, u)| {
+            let (lo, hi) = (spec.low[i % a], spec.high[i % a]);
+            lo + (u + 1.0) / 2.0 * (hi - lo)
+        })
+        .collect();
+    let discounts: Vec<f32> = (0..b)
+        .map(|i| if i % 5 == 0 { 0.0 } else { 0.99 })
+        .collect();
+    TransitionBatch {
+        schema: relay_proto::SCHEMA_VERSION,
+        ids: (0..b as u64).collect(),
+        obs: Wire::from_f32(&[b, d], &obs),
+        actions: Wire::from_f32(&[b, a], &actions),
+        rewards: Wire::from_f32(&[b], &rewards),
+        next_obs: Wire::from_f32(&[b, d], &next),
+        discounts: Wire::from_f32(&[b], &discounts),
+        terminated: Wire::from_bool(&[b], &vec![false; b]),
+        truncated: Wire::from_bool(&[b], &vec![false; b]),
+        weights: Wire::from_f32(&[b], &vec![1.0; b]),
+        size: b as u64,
+        inserted_steps: b as u64,
     }
-    Ok(cfg)
 }
 
-/// One replica process: joins the group, trains `updates + 1` PPO updates
-/// with its share of each minibatch, prints its report.
-fn run_replica(spec: &str, cfg: &ExperimentConfig, updates: usize) -> Result<()> {
-    let parts: Vec<&str> = spec.splitn(4, ',').collect();
-    let [id, replicas, nats_url, group_name] = parts[..] else {
-        bail!("--replica {spec:?}: ID,REPLICAS,NATS_URL,GROUP");
+/// One replica process: joins the group, trains `updates + 1` steps with
+/// its share of each minibatch, writes its parameters to `PARAMS_OUT`
+/// (MessagePack) and prints its report.
+fn run_replica(spec: &str, args: &BenchLearnersArgs) -> Result<()> {
+    let parts: Vec<&str> = spec.splitn(6, ',').collect();
+    let [id, replicas, nats_url, group_name, workload, params_out] = parts[..] else {
+        bail!("--replica {spec:?}: ID,REPLICAS,NATS_URL,GROUP,WORKLOAD,PARAMS_OUT");
     };
     let (id, replicas): (usize, usize) = (id.parse()?, replicas.parse()?);
-    let model = nature_cnn()?;
-    let mut optimizer = Optimizer::for_run(cfg, model.vars())?;
-    let batch = rollout(&model, cfg.ppo.rollout_steps)?;
+    let workload = <Workload as clap::ValueEnum>::from_str(workload, false)
+        .map_err(|e| anyhow::anyhow!("--replica workload: {e}"))?;
+    let cfg = workload.config(&args.configs_dir, &args.overrides)?;
+    let updates = args.updates;
+    let mut trainer = Trainer::new(workload, &cfg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -153,26 +371,15 @@ fn run_replica(spec: &str, cfg: &ExperimentConfig, updates: usize) -> Result<()>
     for update in 0..=updates {
         let started = Instant::now();
         let progress = update as f64 / (updates + 1) as f64;
-        let mut train = |sync: &mut dyn GradientSync, rng: &mut rand_chacha::ChaCha8Rng| {
-            relay_learner::ppo::update(
-                &model,
-                &mut optimizer,
-                &batch,
-                &cfg.ppo,
-                progress,
-                rng,
-                sync,
-            )
-        };
         let reduced = match joined.as_mut() {
             Some((group, view)) => {
                 let mut sync = InGroup::new(group, view.clone(), tag, runtime.handle().clone())?;
-                train(&mut sync, &mut rng)?;
+                trainer.step(progress, &mut rng, &mut sync)?;
                 tag = sync.next_tag();
                 sync.reduced
             }
             None => {
-                train(&mut Alone, &mut rng)?;
+                trainer.step(progress, &mut rng, &mut Alone)?;
                 Default::default()
             }
         };
@@ -182,7 +389,11 @@ fn run_replica(spec: &str, cfg: &ExperimentConfig, updates: usize) -> Result<()>
             allreduce_bytes += reduced.bytes;
         }
     }
-    let digest = relay_learner::replicas::digest(&model.named_tensors());
+    let parameters = trainer.parameters();
+    let digest = relay_learner::replicas::digest(&parameters);
+    if rank == 0 {
+        std::fs::write(params_out, rmp_serde::to_vec(&parameters)?)?;
+    }
     let report = ReplicaReport {
         rank,
         seconds,
@@ -209,17 +420,18 @@ async fn join(nats_url: &str, name: &str, id: usize, replicas: usize) -> Result<
 
 struct Row {
     replicas: usize,
-    /// Median seconds of one update (rank 0's).
-    update_seconds: f64,
+    /// Median seconds of one step (rank 0's).
+    step_seconds: f64,
     samples_per_s: f64,
-    allreduce_seconds_per_update: f64,
-    allreduce_mb_per_update: f64,
+    allreduce_seconds_per_step: f64,
+    allreduce_mb_per_step: f64,
+    /// The gap to the lone learner's parameters (none without one).
+    gap: Option<f32>,
 }
 
 pub fn bench_learners(args: BenchLearnersArgs) -> Result<()> {
-    let cfg = load_config(&args.config)?;
     if let Some(spec) = &args.replica {
-        return run_replica(spec, &cfg, args.updates);
+        return run_replica(spec, &args);
     }
     if args.updates == 0 || args.replicas.contains(&0) {
         bail!("--updates and every --replicas count must be positive");
@@ -232,20 +444,88 @@ pub fn bench_learners(args: BenchLearnersArgs) -> Result<()> {
         &ExternalInfra::default(),
         relay_proto::DEFAULT_MAX_PAYLOAD,
     )?;
+    let cpu = format!("{} ({})", crate::cpu_name(), crate::cpu_simd());
+    let mut json_workloads = Vec::new();
+    for &workload in &args.workloads {
+        let cfg = workload.config(&args.configs_dir, &args.overrides)?;
+        let rows = bench_workload(&args, workload, &cfg, &stack.nats_url)?;
+        let base = rows
+            .iter()
+            .find(|r| r.replicas == 1)
+            .map(|r| r.samples_per_s);
+        println!(
+            "{} {}, each replica a process of 1 thread; {cpu}",
+            workload.name(),
+            workload.describe(&cfg),
+        );
+        println!("| replicas | step (median) | samples/s | speedup | all-reduce per step | summed per step | gap to 1 learner |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|");
+        let mut json_rows = Vec::new();
+        for r in &rows {
+            let speedup = base.map(|b| r.samples_per_s / b);
+            println!(
+                "| {} | {:.3} s | {:.0} | {} | {:.4} s | {:.2} MB | {} |",
+                r.replicas,
+                r.step_seconds,
+                r.samples_per_s,
+                speedup.map_or("-".into(), |s| format!("{s:.2}x")),
+                r.allreduce_seconds_per_step,
+                r.allreduce_mb_per_step,
+                r.gap.map_or("-".into(), |g| format!("{g:.1e}")),
+            );
+            json_rows.push(serde_json::json!({
+                "replicas": r.replicas,
+                "step_seconds": r.step_seconds,
+                "samples_per_s": r.samples_per_s,
+                "speedup": speedup,
+                "allreduce_seconds_per_step": r.allreduce_seconds_per_step,
+                "allreduce_bytes_per_step": r.allreduce_mb_per_step * 1e6,
+                "gap": r.gap,
+            }));
+        }
+        println!();
+        json_workloads.push(serde_json::json!({"workload": workload.name(), "rows": json_rows}));
+    }
+    drop(stack);
+    println!(
+        "{}",
+        serde_json::json!({"bench": "learners", "cpu": cpu, "updates": args.updates, "workloads": json_workloads})
+    );
+    Ok(())
+}
+
+/// Runs `workload` with each replica count: the rows of its table.
+fn bench_workload(
+    args: &BenchLearnersArgs,
+    workload: Workload,
+    cfg: &ExperimentConfig,
+    nats_url: &str,
+) -> Result<Vec<Row>> {
     let exe = std::env::current_exe()?;
-    let samples_per_update = (cfg.ppo.rollout_steps * cfg.ppo.epochs) as f64;
+    let samples_per_step = workload.samples_per_step(cfg);
+    let mut alone: Option<Vec<relay_nn::NamedTensor>> = None;
     let mut rows = Vec::new();
     for &n in &args.replicas {
-        let group = format!("bench-learners-{n}-{}", std::process::id());
+        let group = format!(
+            "bench-learners-{}-{n}-{}",
+            workload.name(),
+            std::process::id()
+        );
+        let params_out = args.state_dir.join(format!("{group}.params"));
         let mut children = Vec::new();
         for id in 0..n {
             let child = Command::new(&exe)
                 .arg("bench-learners")
-                .arg("--config")
-                .arg(&args.config)
+                .arg("--configs-dir")
+                .arg(&args.configs_dir)
+                .args(args.overrides.iter().flat_map(|o| ["--set", o]))
                 .args(["--updates", &args.updates.to_string()])
                 .arg("--replica")
-                .arg(format!("{id},{n},{},{group}", stack.nats_url))
+                .arg(format!(
+                    "{id},{n},{nats_url},{group},{},{}",
+                    workload.name(),
+                    params_out.display()
+                ))
                 .env("RAYON_NUM_THREADS", "1")
                 .stdout(Stdio::piped())
                 .spawn()
@@ -257,66 +537,61 @@ pub fn bench_learners(args: BenchLearnersArgs) -> Result<()> {
             let out = child.wait_with_output()?;
             let stdout = String::from_utf8_lossy(&out.stdout);
             if !out.status.success() {
-                bail!("a replica of {n} failed ({}): {stdout}", out.status);
+                bail!(
+                    "{}: a replica of {n} failed ({}): {stdout}",
+                    workload.name(),
+                    out.status
+                );
             }
             let last = stdout.lines().last().unwrap_or_default();
             reports.push(serde_json::from_str::<ReplicaReport>(last)?);
         }
         if reports.iter().any(|r| r.digest != reports[0].digest) {
-            bail!("{n} replicas ended with different parameters");
+            bail!(
+                "{}: {n} replicas ended with different parameters",
+                workload.name()
+            );
+        }
+        let parameters: Vec<relay_nn::NamedTensor> =
+            rmp_serde::from_slice(&std::fs::read(&params_out)?)?;
+        let _ = std::fs::remove_file(&params_out);
+        let gap = match &alone {
+            Some(alone) if n > 1 => Some(gap(&parameters, alone)?),
+            _ => None,
+        };
+        if let Some(gap) = gap.filter(|&g| g.is_nan() || g > MAX_GAP) {
+            bail!(
+                "{}: {n} replicas ended {gap:e} from the lone learner's parameters (at most {MAX_GAP:e} is the order of the sums)",
+                workload.name()
+            );
+        }
+        if n == 1 {
+            alone = Some(parameters);
         }
         let lead = reports.iter().find(|r| r.rank == 0).context("no rank 0")?;
         let mut times = lead.seconds.clone();
         times.sort_by(f64::total_cmp);
-        let update_seconds = times[times.len() / 2];
+        let step_seconds = times[times.len() / 2];
         rows.push(Row {
             replicas: n,
-            update_seconds,
-            samples_per_s: samples_per_update / update_seconds,
-            allreduce_seconds_per_update: lead.allreduce_seconds / lead.seconds.len() as f64,
-            allreduce_mb_per_update: lead.allreduce_bytes as f64 / 1e6 / lead.seconds.len() as f64,
+            step_seconds,
+            samples_per_s: samples_per_step / step_seconds,
+            allreduce_seconds_per_step: lead.allreduce_seconds / lead.seconds.len() as f64,
+            allreduce_mb_per_step: lead.allreduce_bytes as f64 / 1e6 / lead.seconds.len() as f64,
+            gap,
         });
     }
-    drop(stack);
+    Ok(rows)
+}
 
-    let cpu = format!("{} ({})", crate::cpu_name(), crate::cpu_simd());
-    let base = rows
-        .iter()
-        .find(|r| r.replicas == 1)
-        .map(|r| r.samples_per_s);
-    println!(
-        "PPO updates of {} (NatureCNN, rollout {} x {} epochs, minibatch {}), each replica a process of 1 thread; {cpu}",
-        args.config.display(),
-        cfg.ppo.rollout_steps,
-        cfg.ppo.epochs,
-        cfg.ppo.minibatch_size
-    );
-    println!("| replicas | update (median) | samples/s | speedup | all-reduce per update | summed per update |");
-    println!("|---:|---:|---:|---:|---:|---:|");
-    let mut json_rows = Vec::new();
-    for r in &rows {
-        let speedup = base.map(|b| r.samples_per_s / b);
-        println!(
-            "| {} | {:.2} s | {:.0} | {} | {:.3} s | {:.0} MB |",
-            r.replicas,
-            r.update_seconds,
-            r.samples_per_s,
-            speedup.map_or("-".into(), |s| format!("{s:.2}x")),
-            r.allreduce_seconds_per_update,
-            r.allreduce_mb_per_update,
-        );
-        json_rows.push(serde_json::json!({
-            "replicas": r.replicas,
-            "update_seconds": r.update_seconds,
-            "samples_per_s": r.samples_per_s,
-            "speedup": speedup,
-            "allreduce_seconds_per_update": r.allreduce_seconds_per_update,
-            "allreduce_bytes_per_update": r.allreduce_mb_per_update * 1e6,
-        }));
+/// max |a - b| / (1 + |b|) over every parameter of `a` against `b`.
+fn gap(a: &[relay_nn::NamedTensor], b: &[relay_nn::NamedTensor]) -> Result<f32> {
+    if a.len() != b.len() || a.iter().zip(b).any(|(x, y)| x.0 != y.0 || x.1 != y.1) {
+        bail!("the replicas' parameters are not the lone learner's tensors");
     }
-    println!(
-        "{}",
-        serde_json::json!({"bench": "learners", "workload": "ppo-naturecnn", "cpu": cpu, "updates": args.updates, "rows": json_rows})
-    );
-    Ok(())
+    Ok(a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.2.iter().zip(&y.2))
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0f32, f32::max))
 }

@@ -66,6 +66,16 @@ pub struct DqnState {
     pub target_updates: u64,
 }
 
+/// What learner replicas hold alike: both networks, Adam's state and the
+/// round bookkeeping.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct DqnReplicaState {
+    online: Vec<relay_nn::NamedTensor>,
+    target: Vec<relay_nn::NamedTensor>,
+    optimizer: relay_nn::AdamState,
+    state: DqnState,
+}
+
 /// The round schedule of a config section.
 pub(crate) fn schedule(cfg: &DqnConfig) -> RoundSchedule {
     RoundSchedule {
@@ -290,6 +300,7 @@ impl OffPolicyAlgorithm for Dqn {
     const NAME: &'static str = "dqn";
     const REPORTS_PRIORITIES: bool = true;
     type Error = DqnError;
+    type State = DqnReplicaState;
 
     fn rounds(&self) -> u64 {
         self.state.rounds
@@ -344,14 +355,41 @@ impl OffPolicyAlgorithm for Dqn {
         )
     }
 
-    fn begin_round(&mut self, due_at: u64, frac: f64) -> Result<f64, DqnError> {
-        let d = &self.cfg;
-        self.optimizer.set_lr(d.learning_rate.value(frac));
-        self.beta = if d.prioritized {
-            d.prioritized_beta.value(frac)
+    fn parameters(&self) -> Vec<relay_nn::NamedTensor> {
+        let mut tensors = self.online.named_tensors();
+        tensors.extend(self.target.named_tensors());
+        tensors
+    }
+
+    fn capture(&self) -> Result<DqnReplicaState, DqnError> {
+        Ok(DqnReplicaState {
+            online: self.online.named_tensors(),
+            target: self.target.named_tensors(),
+            optimizer: self.optimizer.state()?,
+            state: self.state,
+        })
+    }
+
+    fn restore(&mut self, state: DqnReplicaState) -> Result<(), DqnError> {
+        self.online.load_named_tensors(&state.online)?;
+        self.target.load_named_tensors(&state.target)?;
+        self.optimizer.set_state(state.optimizer)?;
+        self.state = state.state;
+        Ok(())
+    }
+
+    fn sampling_beta(&self, frac: f64) -> f64 {
+        if self.cfg.prioritized {
+            self.cfg.prioritized_beta.value(frac)
         } else {
             1.0
-        };
+        }
+    }
+
+    fn begin_round(&mut self, due_at: u64, frac: f64) -> Result<(), DqnError> {
+        self.beta = self.sampling_beta(frac);
+        let d = &self.cfg;
+        self.optimizer.set_lr(d.learning_rate.value(frac));
         let owed = target_updates_between(d, self.state.target_checked_at, due_at);
         // A hard copy (tau 1) once covers any number owed.
         for _ in 0..owed.min(if d.tau >= 1.0 { 1 } else { u64::MAX }) {
@@ -360,7 +398,7 @@ impl OffPolicyAlgorithm for Dqn {
         }
         self.state.target_checked_at = due_at;
         self.stats = RoundStats::default();
-        Ok(self.beta)
+        Ok(())
     }
 
     fn gradient_step(
@@ -368,6 +406,7 @@ impl OffPolicyAlgorithm for Dqn {
         _step: usize,
         batch: &TransitionBatch,
         _rng: &mut ChaCha8Rng,
+        sync: &mut dyn GradientSync,
     ) -> Result<Option<Vec<f32>>, DqnError> {
         let (loss_stats, norm, priorities) = gradient_step(
             &self.cfg,
@@ -375,7 +414,7 @@ impl OffPolicyAlgorithm for Dqn {
             &self.target,
             &mut self.optimizer,
             batch,
-            &mut crate::replicas::Alone,
+            sync,
         )?;
         self.stats.add(&loss_stats, norm);
         Ok(self.cfg.prioritized.then_some(priorities))

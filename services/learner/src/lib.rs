@@ -89,26 +89,28 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     // From here on the service stops on the caller's signal or its own failure.
     let shutdown = service.shutdown.clone();
     let metrics = Metrics::register(&service.registry);
-    if let Algo::Ppo | Algo::A2c | Algo::Reinforce = service.config.run.algo {
-        if !service.config.is_text_game() {
-            return onpolicy::run(service, shutdown, metrics).await;
-        }
+    if !service.config.is_text_game() {
+        return match service.config.run.algo {
+            Algo::Ppo | Algo::A2c | Algo::Reinforce => {
+                onpolicy::run(service, shutdown, metrics).await
+            }
+            Algo::Dqn => {
+                let dqn = dqn::Dqn::new(&service.config)?;
+                offpolicy::run(service, shutdown, metrics, dqn).await
+            }
+            Algo::Sac => {
+                let sac = sac::SacLearner::new(&service.config)?;
+                offpolicy::run(service, shutdown, metrics, sac).await
+            }
+        };
     }
-    // The other loops train alone: a second learner of the run is refused.
+    // The text loop trains alone: a second learner of the run is refused.
     let why = service
         .config
         .learner_replicas_refused(2)
-        .expect("only the on-policy loop runs replicas");
+        .expect("text runs train with one learner");
     let single = replicas::Replicas::join_single(&service, &why).await?;
-    let trained = if service.config.is_text_game() {
-        text::run(service, shutdown, metrics).await
-    } else if service.config.run.algo == Algo::Dqn {
-        let dqn = dqn::Dqn::new(&service.config)?;
-        offpolicy::run(service, shutdown, metrics, dqn).await
-    } else {
-        let sac = sac::SacLearner::new(&service.config)?;
-        offpolicy::run(service, shutdown, metrics, sac).await
-    };
+    let trained = text::run(service, shutdown, metrics).await;
     single.leave().await;
     trained
 }

@@ -27,6 +27,12 @@
 //!      `checkpoint_every` rounds.
 //! 3. A last checkpoint (a solved run's holds the solving version's
 //!    weights), then the run's end is announced.
+//!
+//! A round's minibatches are all drawn before it trains (the next round's
+//! draw is asked while it trains), so that with learner replicas
+//! ([`crate::replicas`]) rank 0 draws them and hands the round to the
+//! others whole: every replica trains its part of each minibatch, and
+//! rank 0 alone talks to the replay-buffer, publishes and checkpoints.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -48,6 +54,9 @@ use crate::progress::{
     LINKS_LAST_SOLVED,
 };
 use crate::publish::{final_weights, LatestWeights};
+use crate::replicas::{GradientSync, Next, Replicas};
+use relay_nn::NamedTensor;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// SB3's round schedule of an off-policy learner (its config section's
 /// fields of the same names).
@@ -82,6 +91,10 @@ pub(crate) trait OffPolicyAlgorithm {
     const REPORTS_PRIORITIES: bool;
     /// Why loading, a round's preparation or a gradient step failed.
     type Error: std::fmt::Display;
+    /// Everything a replica must hold alike (networks, optimizers, round
+    /// bookkeeping): handed to the replicas of a new view, and the
+    /// rollback point of a round.
+    type State: Serialize + DeserializeOwned;
 
     /// Training rounds done.
     fn rounds(&self) -> u64;
@@ -97,17 +110,27 @@ pub(crate) trait OffPolicyAlgorithm {
     fn save(&mut self, dir: &Path) -> Result<(), CheckpointError>;
     /// The weights the inference servers act with, as `progress.version`.
     fn weights(&self, progress: &Progress) -> PolicyWeights;
+    /// The parameters whose digest the replicas compare.
+    fn parameters(&self) -> Vec<NamedTensor>;
+    /// This replica's state, in memory.
+    fn capture(&self) -> Result<Self::State, Self::Error>;
+    /// Puts a replica's state in place (validated as a checkpoint is).
+    fn restore(&mut self, state: Self::State) -> Result<(), Self::Error>;
+    /// The importance-sampling exponent β a round with `frac` of the
+    /// budget spent samples with (1 when uniform).
+    fn sampling_beta(&self, frac: f64) -> f64;
     /// Prepares the next round as of env step `due_at`, with `frac` of the
-    /// budget spent (schedules, target network updates); returns the
-    /// importance-sampling exponent β to sample with (1 when uniform).
-    fn begin_round(&mut self, due_at: u64, frac: f64) -> Result<f64, Self::Error>;
-    /// Gradient step `step` (0-based within the round) on `batch`; returns
-    /// the batch's new priorities when replay is prioritized.
+    /// budget spent (schedules, target network updates).
+    fn begin_round(&mut self, due_at: u64, frac: f64) -> Result<(), Self::Error>;
+    /// Gradient step `step` (0-based within the round) on `batch`, with
+    /// `sync` summing across replicas; returns the whole batch's new
+    /// priorities when replay is prioritized.
     fn gradient_step(
         &mut self,
         step: usize,
         batch: &TransitionBatch,
         rng: &mut ChaCha8Rng,
+        sync: &mut dyn GradientSync,
     ) -> Result<Option<Vec<f32>>, Self::Error>;
     /// Ends the round (one more done); returns its metrics.
     fn end_round(&mut self, frac: f64) -> Vec<MetricValue>;
@@ -118,6 +141,14 @@ pub(crate) trait OffPolicyAlgorithm {
 
 /// Runs `algorithm` on the run's transition table until the budget is
 /// spent, the run is solved (with `run.stop_when_solved`) or shutdown.
+///
+/// With learner replicas ([`crate::replicas`]) rank 0 does all of the
+/// above that touches the replay-buffer and the run: it draws each
+/// round's minibatches and hands them out (the step barrier), then every
+/// replica trains the round, each on its part of every minibatch, the
+/// gradients and new priorities summed across replicas; rank 0 sends the
+/// priorities back, publishes and checkpoints. A round a failure
+/// interrupted is rolled back and redone in the next view.
 pub(crate) async fn run<A: OffPolicyAlgorithm>(
     service: Service,
     shutdown: Shutdown,
@@ -189,12 +220,10 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     };
 
     let micro = service.micro().await?;
-    let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
-    let mut events: RunEvents<PolicyWeights> = RunEvents::subscribe(&service, best_eval).await?;
-    let first = algorithm.weights(&progress);
-    latest.publish(&service, &first).await;
-    events.record(first.version, first);
-    metrics.version.set(progress.version as i64);
+    let mut replicas = Replicas::join(&service).await?;
+    // Rank 0 alone publishes and takes the run's events (a replica that
+    // takes over starts then).
+    let mut leading: Option<(LatestWeights, RunEvents<PolicyWeights>)> = None;
     service.health.set_ready(true);
     tracing::info!(env_id = %cfg.run.env_id, algo = A::NAME, params = algorithm.num_parameters(), "training starts");
 
@@ -218,195 +247,211 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let row_bytes = 2 * cfg.observation_bytes(&spec) + spec.action_space.dim() * 8 + 22;
     let mut draw = DrawSize::new(schedule.batch_size, row_bytes, service.max_message_bytes())
         .map_err(ServiceError::other)?;
-    // The next round's first draw, asked while this round trains (uniform
-    // replay only): the sample's round trip then overlaps the gradient step.
+    // The next round's draw, asked while this round trains (uniform
+    // replay only): the sample's round trip then overlaps the training.
     let mut prefetched: Option<tokio::task::JoinHandle<SampleReply>> = None;
+    // The round handed out and not yet trained: kept across a failed
+    // round so that the replicas redo it in the next view.
+    let mut held: Option<RoundInput> = None;
     let finish = loop {
-        let due_at = schedule.due_at(algorithm.rounds());
-        // The budget is spent once the table holds it and every round due
-        // within it is done: env-runners running ahead of the learner
-        // (within the rate limiter's slack) do not cut rounds short.
-        let trained_through = progress.env_steps.min(due_at.saturating_sub(1));
-        if let Some(finish) = should_finish(
-            &shutdown,
-            trained_through,
-            budget,
-            &events.solved,
-            cfg.run.stop_when_solved,
-        ) {
-            break finish;
-        }
-        save_evaluated(&mut algorithm, &mut events, &progress, &rng);
-
-        // The draw asked while the last round trained, if it came back.
-        let mut ready = None;
-        if let Some(handle) = prefetched.take() {
-            if let Ok(Ok(reply)) = handle.await {
-                table.observe(&reply, &mut progress, num_envs);
-                ready = Some(reply);
+        // A new view: rank 0's state goes to every replica.
+        if replicas.follow_view()? {
+            if replicas.took_over() {
+                // The old rank 0 may have published one version past what
+                // this replica holds: skip it.
+                progress.version += 2;
             }
+            let mine = replicas
+                .leads()
+                .then(|| ReplicaState::capture(&algorithm, &progress, &rng, &table))
+                .transpose()
+                .map_err(ServiceError::other)?;
+            match replicas.share_state(&shutdown, mine).await? {
+                Next::Go(Some(state)) => state
+                    .restore(&mut algorithm, &mut progress, &mut rng, &mut table)
+                    .map_err(|e| {
+                        ServiceError::other(format!("learner replicas: rank 0's state: {e}"))
+                    })?,
+                Next::Go(None) => {}
+                Next::Retry => continue,
+                Next::Stop => break Finish::Shutdown,
+            }
+            metrics.version.set(progress.version as i64);
+        }
+        if replicas.leads() && leading.is_none() {
+            let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
+            let mut events = RunEvents::subscribe(&service, best_eval).await?;
+            let first = algorithm.weights(&progress);
+            latest.publish(&service, &first).await;
+            events.record(first.version, first);
+            metrics.version.set(progress.version as i64);
+            leading = Some((latest, events));
         }
 
-        // How many env steps the table holds for us: every sample reply
-        // says, so the table is asked on its own only while the last count
-        // is short of the round due (SAC's rounds are one env step apart).
-        if table.base.is_none() || progress.env_steps < due_at {
-            match sample_transitions(&service, 0, 1.0).await {
-                Ok(reply) => table.observe(&reply, &mut progress, num_envs),
-                Err(e) => {
-                    tracing::debug!(error = %e, "replay-buffer not answering; retrying");
-                    pause(&shutdown, Duration::from_millis(50)).await;
-                    continue;
+        let round_started = Instant::now();
+        let mut times = RoundTimes::default();
+        let input = if let Some((_, events)) = leading.as_mut() {
+            let due_at = schedule.due_at(algorithm.rounds());
+            // The budget is spent once the table holds it and every round
+            // due within it is done: env-runners running ahead of the
+            // learner (within the rate limiter's slack) do not cut rounds
+            // short.
+            let trained_through = progress.env_steps.min(due_at.saturating_sub(1));
+            if let Some(finish) = should_finish(
+                &shutdown,
+                trained_through,
+                budget,
+                &events.solved,
+                cfg.run.stop_when_solved,
+            ) {
+                replicas.announce_stop().await;
+                break finish;
+            }
+            save_evaluated(&mut algorithm, events, &progress, &rng);
+            best_eval = events.best_eval;
+            Some(match held.take() {
+                // A round that failed in the previous view is redone.
+                Some(input) => input,
+                None => {
+                    // The draw asked while the last round trained, if it
+                    // came back.
+                    let mut ready = None;
+                    if let Some(handle) = prefetched.take() {
+                        if let Ok(Ok(reply)) = handle.await {
+                            table.observe(&reply, &mut progress, num_envs);
+                            ready = Some(reply);
+                        }
+                    }
+                    // How many env steps the table holds for us: every
+                    // sample reply says, so the table is asked on its own
+                    // only while the last count is short of the round due
+                    // (SAC's rounds are one env step apart).
+                    if table.base.is_none() || progress.env_steps < due_at {
+                        match sample_transitions(&service, 0, 1.0).await {
+                            Ok(reply) => table.observe(&reply, &mut progress, num_envs),
+                            Err(e) => {
+                                tracing::debug!(error = %e, "replay-buffer not answering; retrying");
+                                pause(&shutdown, Duration::from_millis(50)).await;
+                                continue;
+                            }
+                        }
+                        if progress.env_steps < due_at {
+                            pause(&shutdown, Duration::from_millis(1)).await;
+                            continue;
+                        }
+                    }
+                    // A training round, as of env step `due_at`.
+                    let frac = (due_at as f64 / budget as f64).min(1.0);
+                    let Some(batches) = draw_round(
+                        &service,
+                        &shutdown,
+                        &mut draw,
+                        schedule,
+                        algorithm.sampling_beta(frac),
+                        ready,
+                        (&mut table, &mut progress, num_envs),
+                        &mut times,
+                    )
+                    .await
+                    else {
+                        // Shutdown, or a minibatch that cannot be drawn.
+                        continue;
+                    };
+                    // Drawn ahead only from a table that already holds the
+                    // next round's env steps, so no drawn sample goes unused.
+                    if !algorithm.prioritized()
+                        && progress.env_steps >= schedule.due_at(algorithm.rounds() + 1)
+                    {
+                        let rows = schedule.batch_size
+                            * draw
+                                .minibatches(schedule.batch_size, schedule.gradient_steps)
+                                .min(schedule.gradient_steps);
+                        let service = service.clone();
+                        prefetched = Some(tokio::spawn(async move {
+                            sample_transitions(&service, rows as u32, 1.0).await
+                        }));
+                    }
+                    RoundInput {
+                        rounds: algorithm.rounds(),
+                        due_at,
+                        frac,
+                        progress: progress.clone(),
+                        table,
+                        best_eval,
+                        batches,
+                    }
                 }
-            }
-            if progress.env_steps < due_at {
-                pause(&shutdown, Duration::from_millis(1)).await;
+            })
+        } else {
+            // A follower: the step barrier waits for rank 0's round.
+            None
+        };
+        let input = match replicas.exchange(&shutdown, input, &mut held).await? {
+            Next::Go(input) => input,
+            Next::Retry => continue,
+            Next::Stop => break Finish::Shutdown,
+        };
+        if input.rounds != algorithm.rounds() {
+            // Rank 0's state was already past this round: it is not redone.
+            continue;
+        }
+
+        // The round's gradient steps, in one blocking section.
+        let snapshot = (!replicas.alone())
+            .then(|| ReplicaState::capture(&algorithm, &progress, &rng, &table))
+            .transpose()
+            .map_err(ServiceError::other)?;
+        let trained_at = Instant::now();
+        let trained = tokio::task::block_in_place(|| {
+            replicas.step(|sync| train_round(&mut algorithm, &input, &mut rng, sync))
+        });
+        times.train_s = trained_at.elapsed().as_secs_f64();
+        let trained = match trained {
+            Ok(trained) => trained.map_err(ServiceError::other)?,
+            Err(e) => {
+                tracing::warn!(error = %e, round = input.rounds, "a replica failed inside the round; rolling back and redoing it in the next view");
+                snapshot
+                    .expect("only replicas fail in a collective")
+                    .restore(&mut algorithm, &mut progress, &mut rng, &mut table)
+                    .map_err(ServiceError::other)?;
+                held = Some(input);
+                if !replicas.recover(&shutdown).await? {
+                    break Finish::Shutdown;
+                }
                 continue;
             }
+        };
+        if leading.is_none() {
+            (progress, table, best_eval) = (input.progress, input.table, input.best_eval);
         }
-
-        // A training round, as of env step `due_at`.
-        let round_started = Instant::now();
-        let frac = (due_at as f64 / budget as f64).min(1.0);
-        let beta = algorithm
-            .begin_round(due_at, frac)
-            .map_err(ServiceError::other)?;
-        let batch_size = schedule.batch_size;
-        let mut rejected = 0u64;
-        let mut stale_priorities = 0u64;
-        let mut round = RoundTimes::default();
-        // The round's minibatches are drawn several per request and their
-        // new priorities sent once, at the end of the round: a request per
-        // gradient step cost far more than the step itself.
-        let mut per_request = draw.minibatches(batch_size, schedule.gradient_steps);
-        let (mut priority_ids, mut priority_values) = (Vec::new(), Vec::new());
-        let mut step = 0;
-        while step < schedule.gradient_steps && !shutdown.is_triggered() {
-            let k = per_request.min(schedule.gradient_steps - step);
-            let rows = batch_size * k;
-            let asked = Instant::now();
-            let sampled = match ready.take() {
-                Some(reply) if reply.ids.len() == rows => Ok(reply),
-                _ => sample_transitions(&service, rows as u32, beta).await,
-            };
-            round.sample_s += asked.elapsed().as_secs_f64();
-            let minibatches = match sampled {
-                Ok(b) if b.ids.len() == rows => {
-                    table.observe(&b, &mut progress, num_envs);
-                    draw.learn_row_bytes(&b);
-                    b.split_interleaved(k)
-                }
-                Ok(_) if k > 1 => {
-                    // The rate limiter's allowance is below k minibatches:
-                    // ask for fewer at a time.
-                    per_request = k / 2;
-                    continue;
-                }
-                Ok(_) => {
-                    // Held back by the rate limiter (or not enough held yet).
-                    pause(&shutdown, Duration::from_millis(1)).await;
-                    continue;
-                }
-                Err(relay_kit::RequestError::Service { code, status, .. }) if code == "413" => {
-                    // The reply would not fit a message: fewer minibatches
-                    // a request, down to one, which must fit.
-                    if k == 1 {
-                        // Fires `shutdown`: the loops end with the failure.
-                        service
-                            .fail(format!("cannot draw a minibatch: {status}"))
-                            .await;
-                        break;
-                    }
-                    per_request = k / 2;
-                    continue;
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "sample failed; retrying");
-                    pause(&shutdown, Duration::from_millis(20)).await;
-                    continue;
-                }
-            };
-            // Drawn ahead only from a table that already holds the next
-            // round's env steps, so no drawn sample goes unused.
-            if step + minibatches.len() >= schedule.gradient_steps
-                && !algorithm.prioritized()
-                && progress.env_steps >= schedule.due_at(algorithm.rounds() + 1)
-            {
-                let next_rows = batch_size
-                    * draw
-                        .minibatches(batch_size, schedule.gradient_steps)
-                        .min(schedule.gradient_steps);
-                let service = service.clone();
-                prefetched = Some(tokio::spawn(async move {
-                    sample_transitions(&service, next_rows as u32, 1.0).await
-                }));
-            }
-            // The draw's gradient steps, in one blocking section.
-            let trained = Instant::now();
-            let results = tokio::task::block_in_place(|| {
-                minibatches
-                    .into_iter()
-                    .map(|batch| {
-                        let result = algorithm.gradient_step(step, &batch, &mut rng);
-                        step += 1;
-                        (result, batch.ids)
-                    })
-                    .collect::<Vec<_>>()
-            });
-            round.train_s += trained.elapsed().as_secs_f64();
-            for (result, ids) in results {
-                match result {
-                    Ok(Some(priorities)) => {
-                        priority_ids.extend(ids);
-                        priority_values.extend(priorities);
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        // Bad data must not stop training: skip this batch.
-                        tracing::error!(error = %e, "gradient step failed; batch skipped");
-                        rejected += 1;
-                    }
-                }
-            }
-        }
-        let sent = Instant::now();
-        for (ids, priorities) in priority_ids
-            .chunks(PRIORITIES_PER_UPDATE)
-            .zip(priority_values.chunks(PRIORITIES_PER_UPDATE))
-        {
-            let update = PriorityUpdate {
-                schema: SCHEMA_VERSION,
-                ids: ids.to_vec(),
-                priorities: Tensor::from_f32(&[priorities.len()], priorities),
-            };
-            match relay_kit::request::<_, PriorityAck>(
-                &service.nats,
-                &service.subjects.replay_priorities(),
-                &update,
-                service.request_timeout(),
-            )
-            .await
-            {
-                Ok(ack) => stale_priorities += ack.evicted as u64,
-                Err(e) => tracing::warn!(error = %e, "priority update lost"),
-            }
-        }
-        round.priority_s += sent.elapsed().as_secs_f64();
-        if shutdown.is_triggered() {
-            break Finish::Shutdown;
-        }
-        let round_metrics = algorithm.end_round(frac);
         progress.updates += 1;
         progress.version += 1;
+        metrics.version.set(progress.version as i64);
+        let replica_values = replicas.gauges(progress.updates);
+        replicas
+            .check_parameters(progress.updates, || algorithm.parameters())
+            .await?;
+        let Some((latest, events)) = leading.as_mut() else {
+            if last_report.is_none_or(|at| at.elapsed() >= MIN_REPORT_INTERVAL) {
+                last_report = Some(Instant::now());
+                service
+                    .report(Some(progress.vec_steps), replica_values)
+                    .await;
+            }
+            continue;
+        };
+
+        let sent = Instant::now();
+        let stale_priorities = send_priorities(&service, &trained.priorities).await;
+        times.priority_s = sent.elapsed().as_secs_f64();
         let update = algorithm.weights(&progress);
         latest.publish(&service, &update).await;
         events.record(update.version, update);
-        metrics.version.set(progress.version as i64);
         let seconds = round_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
-        rejected_since += rejected;
+        rejected_since += trained.rejected;
         stale_since += stale_priorities;
         let mut values =
             crate::progress::report_gauges(&progress, budget, sps, resumed_at_vec_steps);
@@ -418,14 +463,15 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             gauge("learner_last_update_seconds", seconds),
             gauge("learner_replay_size", table.size as f64),
             gauge("learner_rejected_batches", rejected_since as f64),
-            gauge("learner_round_sample_seconds", round.sample_s),
-            gauge("learner_round_train_seconds", round.train_s),
-            gauge("learner_round_priority_seconds", round.priority_s),
+            gauge("learner_round_sample_seconds", times.sample_s),
+            gauge("learner_round_train_seconds", times.train_s),
+            gauge("learner_round_priority_seconds", times.priority_s),
         ]);
         if A::REPORTS_PRIORITIES {
             values.push(gauge("learner_stale_priorities", stale_since as f64));
         }
-        values.extend(round_metrics);
+        values.extend(trained.metrics);
+        values.extend(replica_values);
         if last_report.is_none_or(|at| at.elapsed() >= MIN_REPORT_INTERVAL) {
             last_report = Some(Instant::now());
             reported_vec_steps = progress.vec_steps;
@@ -441,9 +487,16 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         }
     };
 
+    replicas.leave().await;
     if let Some(handle) = prefetched.take() {
         handle.abort();
     }
+    let Some((_latest, mut events)) = leading else {
+        // A follower: rank 0 finishes the run; this replica waits for shutdown.
+        shutdown.wait().await;
+        let _ = micro.stop().await;
+        return service.finish().await;
+    };
     if let Some(values) = unreported {
         service.report(Some(progress.vec_steps), values).await;
     }
@@ -472,8 +525,206 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     .await
 }
 
+/// One training round as rank 0 hands it to the other replicas.
+#[derive(Serialize, Deserialize)]
+struct RoundInput {
+    /// Rounds done before this one.
+    rounds: u64,
+    /// The env step the round is due at, and the budget's fraction then.
+    due_at: u64,
+    frac: f64,
+    /// Rank 0's counters and table as it drew the round, and its best
+    /// evaluation so far, for whoever leads next.
+    progress: Progress,
+    table: TableCounters,
+    best_eval: Option<(f64, u64)>,
+    /// `gradient_steps` minibatches of `batch_size` transitions.
+    batches: Vec<TransitionBatch>,
+}
+
+/// What a trained round brings back.
+struct TrainedRound {
+    /// The algorithm's metrics of the round.
+    metrics: Vec<MetricValue>,
+    /// New priorities (prioritized replay), with the ids they are for.
+    priorities: (Vec<u64>, Vec<f32>),
+    /// Minibatches whose gradient step failed (skipped).
+    rejected: u64,
+}
+
+/// Trains round `input` with `sync` summing across replicas: one gradient
+/// step per minibatch (a minibatch that fails its step is skipped and
+/// counted; every replica fails the same one).
+fn train_round<A: OffPolicyAlgorithm>(
+    algorithm: &mut A,
+    input: &RoundInput,
+    rng: &mut ChaCha8Rng,
+    sync: &mut dyn GradientSync,
+) -> Result<TrainedRound, A::Error> {
+    algorithm.begin_round(input.due_at, input.frac)?;
+    let (mut ids, mut values) = (Vec::new(), Vec::new());
+    let mut rejected = 0;
+    for (step, batch) in input.batches.iter().enumerate() {
+        match algorithm.gradient_step(step, batch, rng, sync) {
+            Ok(Some(priorities)) => {
+                ids.extend_from_slice(&batch.ids);
+                values.extend(priorities);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                // Bad data must not stop training: skip this batch.
+                tracing::error!(error = %e, "gradient step failed; batch skipped");
+                rejected += 1;
+            }
+        }
+    }
+    Ok(TrainedRound {
+        metrics: algorithm.end_round(input.frac),
+        priorities: (ids, values),
+        rejected,
+    })
+}
+
+/// Draws a round's `gradient_steps` minibatches of `batch_size`
+/// transitions, several per request (a request per gradient step cost far
+/// more than the step itself), starting with `ready` (drawn ahead),
+/// waiting while the replay-buffer's rate limiter holds them back, and
+/// taking each reply's counters into `table` and `progress`. `None`:
+/// shutdown, or a minibatch too large for a message (the learner fails).
+#[allow(clippy::too_many_arguments)]
+async fn draw_round(
+    service: &Service,
+    shutdown: &Shutdown,
+    draw: &mut DrawSize,
+    schedule: RoundSchedule,
+    beta: f64,
+    mut ready: Option<TransitionBatch>,
+    (table, progress, num_envs): (&mut TableCounters, &mut Progress, u64),
+    times: &mut RoundTimes,
+) -> Option<Vec<TransitionBatch>> {
+    let batch_size = schedule.batch_size;
+    let mut per_request = draw.minibatches(batch_size, schedule.gradient_steps);
+    let mut batches = Vec::with_capacity(schedule.gradient_steps);
+    while batches.len() < schedule.gradient_steps {
+        if shutdown.is_triggered() {
+            return None;
+        }
+        let k = per_request.min(schedule.gradient_steps - batches.len());
+        let rows = batch_size * k;
+        let asked = Instant::now();
+        let sampled = match ready.take() {
+            Some(reply) if reply.ids.len() == rows => Ok(reply),
+            _ => sample_transitions(service, rows as u32, beta).await,
+        };
+        times.sample_s += asked.elapsed().as_secs_f64();
+        match sampled {
+            Ok(b) if b.ids.len() == rows => {
+                table.observe(&b, progress, num_envs);
+                draw.learn_row_bytes(&b);
+                batches.extend(b.split_interleaved(k));
+            }
+            Ok(_) if k > 1 => {
+                // The rate limiter's allowance is below k minibatches: ask
+                // for fewer at a time.
+                per_request = k / 2;
+            }
+            Ok(_) => {
+                // Held back by the rate limiter (or not enough held yet).
+                pause(shutdown, Duration::from_millis(1)).await;
+            }
+            Err(relay_kit::RequestError::Service { code, status, .. }) if code == "413" => {
+                // The reply would not fit a message: fewer minibatches a
+                // request, down to one, which must fit.
+                if k == 1 {
+                    // Fires `shutdown`: the loops end with the failure.
+                    service
+                        .fail(format!("cannot draw a minibatch: {status}"))
+                        .await;
+                    return None;
+                }
+                per_request = k / 2;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "sample failed; retrying");
+                pause(shutdown, Duration::from_millis(20)).await;
+            }
+        }
+    }
+    Some(batches)
+}
+
+/// Sends a round's new priorities to the replay-buffer; returns how many
+/// were for transitions evicted since they were drawn.
+async fn send_priorities(service: &Service, (ids, priorities): &(Vec<u64>, Vec<f32>)) -> u64 {
+    let mut stale = 0;
+    for (ids, priorities) in ids
+        .chunks(PRIORITIES_PER_UPDATE)
+        .zip(priorities.chunks(PRIORITIES_PER_UPDATE))
+    {
+        let update = PriorityUpdate {
+            schema: SCHEMA_VERSION,
+            ids: ids.to_vec(),
+            priorities: Tensor::from_f32(&[priorities.len()], priorities),
+        };
+        match relay_kit::request::<_, PriorityAck>(
+            &service.nats,
+            &service.subjects.replay_priorities(),
+            &update,
+            service.request_timeout(),
+        )
+        .await
+        {
+            Ok(ack) => stale += ack.evicted as u64,
+            Err(e) => tracing::warn!(error = %e, "priority update lost"),
+        }
+    }
+    stale
+}
+
+/// A replica's whole state, in memory: what rank 0 hands to every replica
+/// of a new view, and the rollback point of a replicated round.
+#[derive(Serialize, Deserialize)]
+struct ReplicaState<S> {
+    algorithm: S,
+    progress: Progress,
+    rng: relay_runs::checkpoint::RngState,
+    table: TableCounters,
+}
+
+impl<S> ReplicaState<S> {
+    fn capture<A: OffPolicyAlgorithm<State = S>>(
+        algorithm: &A,
+        progress: &Progress,
+        rng: &ChaCha8Rng,
+        table: &TableCounters,
+    ) -> Result<Self, String> {
+        Ok(Self {
+            algorithm: algorithm.capture().map_err(|e| e.to_string())?,
+            progress: progress.clone(),
+            rng: relay_runs::checkpoint::RngState::capture(rng),
+            table: *table,
+        })
+    }
+
+    fn restore<A: OffPolicyAlgorithm<State = S>>(
+        self,
+        algorithm: &mut A,
+        progress: &mut Progress,
+        rng: &mut ChaCha8Rng,
+        table: &mut TableCounters,
+    ) -> Result<(), String> {
+        algorithm
+            .restore(self.algorithm)
+            .map_err(|e| e.to_string())?;
+        *rng = self.rng.restore()?;
+        *progress = self.progress;
+        *table = self.table;
+        Ok(())
+    }
+}
+
 /// The off-policy table's counters as the learner last heard them.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy, Serialize, Deserialize)]
 struct TableCounters {
     /// The table's `inserted_steps` and the learner's env steps when it
     /// first answered (a resumed learner counts on from its checkpoint).

@@ -20,7 +20,7 @@ use crate::progress::{
     LINKS_LAST_SOLVED,
 };
 use crate::publish::{final_weights, LatestWeights};
-use crate::replicas::{GradientSync, Replicas};
+use crate::replicas::{GradientSync, Next, Replicas};
 use crate::rollout::UpdateError;
 use crate::{a2c, checkpoint, ppo, reinforce, rollout};
 
@@ -153,23 +153,19 @@ fn update(
     }
 }
 
-/// One step as rank 0 hands it to the other replicas.
+/// Update number `updates` (the count before it) on `batch`, as rank 0
+/// hands it to the other replicas.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
-enum StepInput {
-    /// Update number `updates` (the count before it) on `batch`.
-    Update {
-        updates: u64,
-        frac: f64,
-        taken: Pending,
-        batch: Batch,
-        /// Rank 0's best evaluation so far, for whoever leads next.
-        best_eval: Option<(f64, u64)>,
-        /// The run's normalisation statistics after taking the batch's
-        /// fragments, for whoever leads next.
-        normalizer: Option<Box<VecNormalize>>,
-    },
-    /// Rank 0 stopped training.
-    Stop,
+struct StepInput {
+    updates: u64,
+    frac: f64,
+    taken: Pending,
+    batch: Batch,
+    /// Rank 0's best evaluation so far, for whoever leads next.
+    best_eval: Option<(f64, u64)>,
+    /// The run's normalisation statistics after taking the batch's
+    /// fragments, for whoever leads next.
+    normalizer: Option<Box<VecNormalize>>,
 }
 
 /// The learner's whole state, in memory: what rank 0 hands to every
@@ -294,10 +290,6 @@ impl Algorithm {
         }
     }
 }
-
-/// Every this many updates the replicas check that they hold bit-identical
-/// parameters (a digest of them, from rank 0 to the others).
-const DIGEST_EVERY: u64 = 10;
 
 /// Asks the replay buffer for up to `max_steps` env steps of fragments no
 /// older than `oldest_fresh` and gives each valid one to `algorithm`
@@ -469,49 +461,41 @@ pub(crate) async fn run(
     let finish = loop {
         // A new view: rank 0's state goes to every replica.
         if replicas.follow_view()? {
-            let leads = replicas.leads();
             if replicas.took_over() {
                 // The old rank 0 may have published one version past what
                 // this replica holds: skip it.
                 progress.version += 2;
             }
-            let mut state = if leads {
-                let state = ReplicaState::capture(
-                    &model,
-                    &optimizer,
-                    normalizer.as_ref(),
-                    &progress,
-                    &rng,
-                    version_floor,
-                )
+            let mine = replicas
+                .leads()
+                .then(|| {
+                    ReplicaState::capture(
+                        &model,
+                        &optimizer,
+                        normalizer.as_ref(),
+                        &progress,
+                        &rng,
+                        version_floor,
+                    )
+                })
+                .transpose()
                 .map_err(ServiceError::other)?;
-                rmp_serde::to_vec(&state).map_err(ServiceError::other)?
-            } else {
-                Vec::new()
-            };
-            if let Err(e) = replicas.hand_over(&mut state).await {
-                tracing::warn!(error = %e, "state hand-over failed; waiting for the next view");
-                if !replicas.recover(&shutdown).await? {
-                    break crate::progress::Finish::Shutdown;
-                }
-                continue;
-            }
-            if !leads {
-                rmp_serde::from_slice::<ReplicaState>(&state)
-                    .map_err(|e| e.to_string())
-                    .and_then(|state| {
-                        state.restore(
-                            &mut model,
-                            &mut optimizer,
-                            normalizer.as_mut(),
-                            &mut progress,
-                            &mut rng,
-                            &mut version_floor,
-                        )
-                    })
+            match replicas.share_state(&shutdown, mine).await? {
+                Next::Go(Some(state)) => state
+                    .restore(
+                        &mut model,
+                        &mut optimizer,
+                        normalizer.as_mut(),
+                        &mut progress,
+                        &mut rng,
+                        &mut version_floor,
+                    )
                     .map_err(|e| {
                         ServiceError::other(format!("learner replicas: rank 0's state: {e}"))
-                    })?;
+                    })?,
+                Next::Go(None) => {}
+                Next::Retry => continue,
+                Next::Stop => break crate::progress::Finish::Shutdown,
             }
             metrics.version.set(progress.version as i64);
         }
@@ -534,12 +518,7 @@ pub(crate) async fn run(
                 &events.solved,
                 cfg.run.stop_when_solved,
             ) {
-                if !replicas.alone() {
-                    let mut stop = rmp_serde::to_vec(&StepInput::Stop).expect("a stop encodes");
-                    if let Err(e) = replicas.hand_out(&mut stop).await {
-                        tracing::warn!(error = %e, "the other replicas were not told to stop");
-                    }
-                }
+                replicas.announce_stop().await;
                 break finish;
             }
             // Take announcements (solved), evaluation starts and reports
@@ -554,7 +533,7 @@ pub(crate) async fn run(
                 &rng,
             );
             best_eval = events.best_eval;
-            let input = match held.take() {
+            Some(match held.take() {
                 // A step that failed in the previous view is redone.
                 Some(input) => input,
                 None => {
@@ -576,7 +555,7 @@ pub(crate) async fn run(
                         .await;
                         continue;
                     }
-                    StepInput::Update {
+                    StepInput {
                         updates: progress.updates,
                         frac: progress.env_steps as f64 / budget as f64,
                         taken: std::mem::take(&mut pending),
@@ -588,67 +567,25 @@ pub(crate) async fn run(
                             .map(|n| Box::new(n.clone())),
                     }
                 }
-            };
-            if !replicas.alone() {
-                let mut bytes = rmp_serde::to_vec(&input).map_err(ServiceError::other)?;
-                if let Err(e) = replicas.hand_out(&mut bytes).await {
-                    tracing::warn!(error = %e, "handing out the step failed; redoing it in the next view");
-                    held = Some(input);
-                    if !replicas.recover(&shutdown).await? {
-                        break crate::progress::Finish::Shutdown;
-                    }
-                    continue;
-                }
-            }
-            input
+            })
         } else {
-            // A follower: the step barrier is waiting for rank 0's step.
-            let mut bytes = Vec::new();
-            tokio::select! {
-                sent = replicas.hand_out(&mut bytes) => match sent {
-                    Ok(()) => {}
-                    Err(relay_kit::collective::CollectiveError::Superseded { .. }) => continue,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "rank 0's step did not arrive; waiting for the next view");
-                        if !replicas.recover(&shutdown).await? {
-                    break crate::progress::Finish::Shutdown;
-                }
-                        continue;
-                    }
-                },
-                _ = shutdown.wait() => break crate::progress::Finish::Shutdown,
-            }
-            match rmp_serde::from_slice::<StepInput>(&bytes) {
-                Ok(input) => input,
-                Err(e) => {
-                    return Err(ServiceError::other(format!(
-                        "learner replicas: rank 0's step does not decode: {e}"
-                    )))
-                }
-            }
+            // A follower: the step barrier waits for rank 0's step.
+            None
         };
-        let StepInput::Update {
-            updates,
-            frac,
-            taken,
-            batch,
-            best_eval: best_eval_after,
-            normalizer: normalizer_after,
-        } = input
-        else {
-            break crate::progress::Finish::Shutdown;
+        let input = match replicas.exchange(&shutdown, input, &mut held).await? {
+            Next::Go(input) => input,
+            Next::Retry => continue,
+            Next::Stop => break crate::progress::Finish::Shutdown,
         };
-        if updates != progress.updates {
+        if input.updates != progress.updates {
             // Rank 0's state was already past this step: it is not redone.
             continue;
         }
 
         // Update.
         let update_started = Instant::now();
-        let snapshot = if replicas.alone() {
-            None
-        } else {
-            Some(
+        let snapshot = (!replicas.alone())
+            .then(|| {
                 ReplicaState::capture(
                     &model,
                     &optimizer,
@@ -657,17 +594,33 @@ pub(crate) async fn run(
                     &rng,
                     version_floor,
                 )
-                .map_err(ServiceError::other)?,
-            )
-        };
+            })
+            .transpose()
+            .map_err(ServiceError::other)?;
         let result = tokio::task::block_in_place(|| {
-            replicas.step(|sync| update(&cfg, &model, &mut optimizer, &batch, frac, &mut rng, sync))
+            replicas.step(|sync| {
+                update(
+                    &cfg,
+                    &model,
+                    &mut optimizer,
+                    &input.batch,
+                    input.frac,
+                    &mut rng,
+                    sync,
+                )
+            })
         });
-        let updated = match (result, snapshot) {
-            (Ok(u), _) => u,
-            (Err(UpdateError::Replicas(e)), Some(snapshot)) => {
-                tracing::warn!(error = %e, step = updates, "a replica failed inside the step; rolling back and redoing it in the next view");
+        let updated = match result {
+            Ok(Ok(u)) => u,
+            Ok(Err(e)) => {
+                // Bad data must not stop training: drop this rollout and go on.
+                tracing::error!(error = %e, "update failed; rollout dropped");
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, step = input.updates, "a replica failed inside the step; rolling back and redoing it in the next view");
                 snapshot
+                    .expect("only replicas fail in a collective")
                     .restore(
                         &mut model,
                         &mut optimizer,
@@ -677,25 +630,19 @@ pub(crate) async fn run(
                         &mut version_floor,
                     )
                     .map_err(ServiceError::other)?;
-                held = Some(StepInput::Update {
-                    updates,
-                    frac,
-                    taken,
-                    batch,
-                    best_eval: best_eval_after,
-                    normalizer: normalizer_after,
-                });
+                held = Some(input);
                 if !replicas.recover(&shutdown).await? {
                     break crate::progress::Finish::Shutdown;
                 }
                 continue;
             }
-            (Err(e), _) => {
-                // Bad data must not stop training: drop this rollout and go on.
-                tracing::error!(error = %e, "update failed; rollout dropped");
-                continue;
-            }
         };
+        let StepInput {
+            taken,
+            best_eval: best_eval_after,
+            normalizer: normalizer_after,
+            ..
+        } = input;
         if leading.is_none() {
             best_eval = best_eval_after;
             if let (Some(n), Some(after)) = (normalizer.as_mut(), normalizer_after) {
@@ -710,19 +657,10 @@ pub(crate) async fn run(
         algorithm.forget_older_than(lag.oldest_fresh(progress.version));
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
-        let (rank, size) = replicas.share();
-        let replica_values = vec![
-            gauge("learner_replicas", size as f64),
-            gauge("learner_replica_rank", rank as f64),
-            gauge("learner_replica_updates", progress.updates as f64),
-            gauge("learner_allreduce_seconds", replicas.last_step.seconds),
-            gauge("learner_allreduce_bytes", replicas.last_step.bytes as f64),
-            gauge("learner_barrier_wait_seconds", replicas.last_wait_seconds),
-        ];
-        if !replicas.alone() && progress.updates % DIGEST_EVERY == 0 {
-            let digest = crate::replicas::digest(&model.named_tensors());
-            replicas.check_digest(digest, progress.updates).await?;
-        }
+        let replica_values = replicas.gauges(progress.updates);
+        replicas
+            .check_parameters(progress.updates, || model.named_tensors())
+            .await?;
         let Some((serving, events)) = leading.as_mut() else {
             service
                 .report(Some(progress.vec_steps), replica_values)

@@ -18,19 +18,25 @@
 //! each minibatch or rollout, advantages normalised over all of it first),
 //! REINFORCE (the advantages' mean and spread summed first), DQN (parts of
 //! each sampled batch, drawn once so prioritized replay keeps its
-//! distribution; every row's new priority summed back), SAC (each of its
+//! distribution; every row's new priority summed back, so rank 0 sends the
+//! whole batch's), SAC (each of its
 //! three optimizers summed, the whole batch's noise drawn alike) and the
 //! LLM trainers (parts of the micro-batches of `relay_llm::RlTrainer` and
 //! `relay_llm::SftTrainer`, through [`with_batch_share`]).
 //!
-//! [`Replicas`] is a learner process's side of it: the on-policy loop
-//! (PPO, A2C, REINFORCE) joins the run's group at start, and rank 0
-//! gathers each batch and hands it to the others ([`Replicas::hand_out`],
-//! the step barrier); a new view starts with rank 0's state handed to every
-//! member ([`Replicas::hand_over`]), and a step a failure interrupted is
-//! rolled back and redone in the next view. The DQN, SAC and text loops do
-//! not run replicas yet: `relay` and the config refuse them more than one
-//! learner, and each joins the group only to hold its place
+//! [`Replicas`] is a learner process's side of it, the same sequence in
+//! the on-policy loop (PPO, A2C, REINFORCE) and the off-policy loop (DQN,
+//! SAC): each joins the run's group at start; at every new view rank 0's
+//! state goes to every member ([`Replicas::share_state`]), so a joining
+//! replica starts from the live parameters, optimizer state and counters;
+//! rank 0 gathers each step's data (a rollout, or a round's minibatches
+//! drawn once from the replay buffer, so prioritized replay keeps its
+//! sampling distribution) and hands it to the others
+//! ([`Replicas::exchange`], the step barrier); all run the step
+//! ([`Replicas::step`]), and a step a failure interrupted is rolled back
+//! from the snapshot taken before it and redone in the next view. The
+//! text loop does not run replicas yet: `relay` and the config refuse it
+//! more than one learner, and it joins the group only to hold its place
 //! ([`Replicas::join_single`]), so a second learner started by hand for
 //! the run fails, naming why, rather than publish versions of its own.
 //!
@@ -57,7 +63,9 @@ use candle_core::{Tensor, Var};
 use std::time::Duration;
 
 use relay_kit::collective::{CollectiveError, Group, GroupConfig, View};
-use relay_kit::{Service, ServiceError, Shutdown};
+use relay_kit::{gauge, Service, ServiceError, Shutdown};
+use relay_proto::MetricValue;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::rollout::UpdateError;
 
@@ -153,6 +161,9 @@ pub struct InGroup<'a> {
     runtime: tokio::runtime::Handle,
     /// Time spent in sums and the bytes summed, since creation.
     pub reduced: Reduced,
+    /// Why a sum failed: the ring is broken for the rest of this view, so
+    /// later sums fail at once.
+    pub broken: Option<String>,
 }
 
 /// What a replica's sums cost.
@@ -182,6 +193,7 @@ impl<'a> InGroup<'a> {
             next_tag: first_tag,
             runtime,
             reduced: Reduced::default(),
+            broken: None,
         })
     }
 
@@ -197,18 +209,46 @@ impl GradientSync for InGroup<'_> {
     }
 
     fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError> {
+        if let Some(broken) = &self.broken {
+            return Err(UpdateError::Replicas(broken.clone()));
+        }
         let tag = self.next_tag;
         self.next_tag += 1;
         let started = std::time::Instant::now();
         let summed = self
             .runtime
             .block_on(self.group.all_reduce_sum(&self.view, tag, data))
-            .map_err(|e| UpdateError::Replicas(e.to_string()));
+            .map_err(|e| e.to_string());
         self.reduced.seconds += started.elapsed().as_secs_f64();
         self.reduced.bytes += std::mem::size_of_val(data) as u64;
-        summed
+        summed.map_err(|e| {
+            self.broken = Some(e.clone());
+            UpdateError::Replicas(e)
+        })
     }
 }
+
+/// What a replicated loop does after one of its collectives.
+pub enum Next<T> {
+    /// Go on, with what the collective brought.
+    Go(T),
+    /// A member failed and the replicas re-formed: the loop's turn starts
+    /// again (with the new view's state hand-over).
+    Retry,
+    /// Shutdown came, or rank 0 stopped training.
+    Stop,
+}
+
+/// What rank 0 hands out at each step barrier.
+#[derive(Serialize, Deserialize)]
+enum Handed<T> {
+    Step(T),
+    Stop,
+}
+
+/// Every this many updates the replicas check that they hold bit-identical
+/// parameters (a digest of them, from rank 0 to the others).
+const DIGEST_EVERY: u64 = 10;
 
 /// How long a replica waits for a view after losing a neighbour, or for its
 /// first view, before it fails.
@@ -419,9 +459,11 @@ impl Replicas {
     }
 
     /// Runs one update with `sync` summing over this view's replicas.
-    pub fn step<R>(&mut self, f: impl FnOnce(&mut dyn GradientSync) -> R) -> R {
+    /// `Err` says which collective failed inside it: whatever the update
+    /// did must be rolled back and the step redone in the next view.
+    pub fn step<R>(&mut self, f: impl FnOnce(&mut dyn GradientSync) -> R) -> Result<R, String> {
         let Some(group) = &mut self.group else {
-            return f(&mut Alone);
+            return Ok(f(&mut Alone));
         };
         let runtime = tokio::runtime::Handle::current();
         let mut sync = InGroup::new(group, self.view.clone(), self.tag, runtime)
@@ -429,12 +471,133 @@ impl Replicas {
         let result = f(&mut sync);
         self.tag = sync.next_tag();
         self.last_step = sync.reduced;
-        result
+        match sync.broken {
+            Some(broken) => Err(broken),
+            None => Ok(result),
+        }
+    }
+
+    /// At a new view ([`Self::follow_view`]): rank 0 gives `Some` of its
+    /// state, which every other replica (giving `None`) receives to
+    /// restore.
+    pub async fn share_state<S: Serialize + DeserializeOwned>(
+        &mut self,
+        shutdown: &Shutdown,
+        mine: Option<S>,
+    ) -> Result<Next<Option<S>>, ServiceError> {
+        let mut bytes = match &mine {
+            Some(state) => rmp_serde::to_vec(state).map_err(ServiceError::other)?,
+            None => Vec::new(),
+        };
+        if let Err(e) = self.hand_over(&mut bytes).await {
+            tracing::warn!(error = %e, "state hand-over failed; waiting for the next view");
+            return self.recovered(shutdown).await;
+        }
+        if mine.is_some() {
+            return Ok(Next::Go(None));
+        }
+        rmp_serde::from_slice(&bytes)
+            .map(|state| Next::Go(Some(state)))
+            .map_err(|e| {
+                ServiceError::other(format!(
+                    "learner replicas: rank 0's state does not decode: {e}"
+                ))
+            })
+    }
+
+    /// The step barrier: rank 0 hands `Some(input)` to the others, who
+    /// give `None` and wait for it. When that fails, the replicas re-form
+    /// ([`Next::Retry`]) and rank 0's input waits in `held` to be handed
+    /// out again in the next view.
+    pub async fn exchange<T: Serialize + DeserializeOwned>(
+        &mut self,
+        shutdown: &Shutdown,
+        input: Option<T>,
+        held: &mut Option<T>,
+    ) -> Result<Next<T>, ServiceError> {
+        if let Some(input) = input {
+            if self.alone() {
+                return Ok(Next::Go(input));
+            }
+            let mut bytes =
+                rmp_serde::to_vec(&Handed::Step(&input)).map_err(ServiceError::other)?;
+            if let Err(e) = self.hand_out(&mut bytes).await {
+                tracing::warn!(error = %e, "handing out the step failed; redoing it in the next view");
+                *held = Some(input);
+                return self.recovered(shutdown).await;
+            }
+            return Ok(Next::Go(input));
+        }
+        let mut bytes = Vec::new();
+        tokio::select! {
+            sent = self.hand_out(&mut bytes) => match sent {
+                Ok(()) => {}
+                Err(CollectiveError::Superseded { .. }) => return Ok(Next::Retry),
+                Err(e) => {
+                    tracing::warn!(error = %e, "rank 0's step did not arrive; waiting for the next view");
+                    return self.recovered(shutdown).await;
+                }
+            },
+            _ = shutdown.wait() => return Ok(Next::Stop),
+        }
+        match rmp_serde::from_slice::<Handed<T>>(&bytes) {
+            Ok(Handed::Step(input)) => Ok(Next::Go(input)),
+            Ok(Handed::Stop) => Ok(Next::Stop),
+            Err(e) => Err(ServiceError::other(format!(
+                "learner replicas: rank 0's step does not decode: {e}"
+            ))),
+        }
+    }
+
+    /// Rank 0 tells the others that training stopped.
+    pub async fn announce_stop(&mut self) {
+        if self.alone() {
+            return;
+        }
+        let mut stop = rmp_serde::to_vec(&Handed::<()>::Stop).expect("a stop encodes");
+        if let Err(e) = self.hand_out(&mut stop).await {
+            tracing::warn!(error = %e, "the other replicas were not told to stop");
+        }
+    }
+
+    /// After a failure inside a collective: the next view, or a stop.
+    pub async fn recovered<T>(&mut self, shutdown: &Shutdown) -> Result<Next<T>, ServiceError> {
+        Ok(if self.recover(shutdown).await? {
+            Next::Retry
+        } else {
+            Next::Stop
+        })
+    }
+
+    /// What a step's report says of the replicas, after `updates` updates.
+    pub fn gauges(&self, updates: u64) -> Vec<MetricValue> {
+        let (rank, size) = self.share();
+        vec![
+            gauge("learner_replicas", size as f64),
+            gauge("learner_replica_rank", rank as f64),
+            gauge("learner_replica_updates", updates as f64),
+            gauge("learner_allreduce_seconds", self.last_step.seconds),
+            gauge("learner_allreduce_bytes", self.last_step.bytes as f64),
+            gauge("learner_barrier_wait_seconds", self.last_wait_seconds),
+        ]
+    }
+
+    /// Every [`DIGEST_EVERY`] steps, checks that every replica holds rank
+    /// 0's `parameters` bit for bit.
+    pub async fn check_parameters(
+        &mut self,
+        step: u64,
+        parameters: impl FnOnce() -> Vec<relay_nn::NamedTensor>,
+    ) -> Result<(), ServiceError> {
+        if self.alone() || !step.is_multiple_of(DIGEST_EVERY) {
+            return Ok(());
+        }
+        self.check_digest(digest(&parameters()), step).await
     }
 
     /// Checks that every replica holds rank 0's parameters bit for bit
     /// (`digest` of this replica's), after step `step`.
-    pub async fn check_digest(&mut self, digest: [u8; 32], step: u64) -> Result<(), ServiceError> {
+    async fn check_digest(&mut self, digest: [u8; 32], step: u64) -> Result<(), ServiceError> {
         let mut theirs = digest.to_vec();
         let tag = self.next_tag();
         let Some(group) = &mut self.group else {

@@ -64,6 +64,16 @@ pub struct SacState {
     pub target_updates: u64,
 }
 
+/// What learner replicas hold alike: every parameter (actor, critics,
+/// targets, `log α`), the three optimizers' states (actor, critic,
+/// entropy coefficient) and the round bookkeeping.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct SacReplicaState {
+    parameters: Vec<relay_nn::NamedTensor>,
+    optimizers: [relay_nn::AdamState; 3],
+    state: SacState,
+}
+
 /// The round schedule of a config section.
 pub(crate) fn schedule(cfg: &SacSection) -> RoundSchedule {
     RoundSchedule {
@@ -250,6 +260,7 @@ impl OffPolicyAlgorithm for SacLearner {
     const NAME: &'static str = "sac";
     const REPORTS_PRIORITIES: bool = false;
     type Error = SacError;
+    type State = SacReplicaState;
 
     fn rounds(&self) -> u64 {
         self.state.rounds
@@ -296,12 +307,40 @@ impl OffPolicyAlgorithm for SacLearner {
         )
     }
 
-    fn begin_round(&mut self, _due_at: u64, frac: f64) -> Result<f64, SacError> {
+    fn parameters(&self) -> Vec<relay_nn::NamedTensor> {
+        self.sac.named_tensors()
+    }
+
+    fn capture(&self) -> Result<SacReplicaState, SacError> {
+        let o = &self.optimizers;
+        Ok(SacReplicaState {
+            parameters: self.sac.named_tensors(),
+            optimizers: [o.actor.state()?, o.critic.state()?, o.ent_coef.state()?],
+            state: self.state,
+        })
+    }
+
+    fn restore(&mut self, state: SacReplicaState) -> Result<(), SacError> {
+        self.sac.load_named_tensors(&state.parameters)?;
+        let [actor, critic, ent_coef] = state.optimizers;
+        let o = &mut self.optimizers;
+        o.actor.set_state(actor)?;
+        o.critic.set_state(critic)?;
+        o.ent_coef.set_state(ent_coef)?;
+        self.state = state.state;
+        Ok(())
+    }
+
+    fn sampling_beta(&self, _frac: f64) -> f64 {
+        1.0
+    }
+
+    fn begin_round(&mut self, _due_at: u64, frac: f64) -> Result<(), SacError> {
         let lr = self.cfg.learning_rate.value(frac);
         self.optimizers.set_lr(lr);
         self.step.lr = lr;
         self.stats = RoundStats::default();
-        Ok(1.0)
+        Ok(())
     }
 
     fn gradient_step(
@@ -309,6 +348,7 @@ impl OffPolicyAlgorithm for SacLearner {
         step: usize,
         batch: &TransitionBatch,
         rng: &mut ChaCha8Rng,
+        sync: &mut dyn GradientSync,
     ) -> Result<Option<Vec<f32>>, SacError> {
         // SB3's condition, on the round's gradient steps.
         self.step.update_target = (step as u64).is_multiple_of(self.cfg.target_update_interval);
@@ -320,7 +360,7 @@ impl OffPolicyAlgorithm for SacLearner {
             batch,
             rng,
             &self.pair,
-            &mut crate::replicas::Alone,
+            sync,
         )?;
         self.stats.add(&stats);
         if self.step.update_target {

@@ -1,5 +1,6 @@
 //! DQN through the whole stack, against real nats-server and redis-server:
-//! every service in process with the shipped preset
+//! every service in process, the learner as two replicas, with the shipped
+//! preset
 //! (`configs/cartpole-dqn.yaml`: double DQN, prioritized replay in the
 //! replay-buffer's off-policy table, the sample-to-insert rate limiter).
 //!
@@ -84,6 +85,9 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
         tokio::spawn(relay_inference_server::run(config(), shutdown.clone())),
         tokio::spawn(relay_evaluator::run(config(), shutdown.clone())),
         tokio::spawn(relay_env_runner::run(config(), shutdown.clone())),
+        // Two learner replicas: each round's minibatches are drawn once
+        // by rank 0 and shared out, priorities summed back.
+        tokio::spawn(relay_learner::run(config(), shutdown.clone())),
         tokio::spawn(relay_learner::run(config(), shutdown.clone())),
     ];
     let mut evals: Vec<EvalReport> = Vec::new();
@@ -114,21 +118,6 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
         }
     }
-    // A second learner started for the run (as by hand) is refused by
-    // name: DQN trains with one learner, which goes on.
-    let second = tokio::time::timeout(
-        Duration::from_secs(40),
-        relay_learner::run(config(), shutdown.clone()),
-    )
-    .await
-    .expect("a second learner gives up within its wait");
-    let err = second
-        .expect_err("a second DQN learner is refused")
-        .to_string();
-    assert!(
-        err.contains("already has a learner") && err.contains("dqn runs"),
-        "{err}"
-    );
     trigger.trigger();
     for task in tasks {
         tokio::time::timeout(Duration::from_secs(15), task)
@@ -148,6 +137,11 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
         .collect::<Vec<_>>()
         .join(", ");
     println!("initial policy {initial:.1}, target {target:.1}; evals: {summary}");
+    // Both replicas trained, in one view of two.
+    let ranks = &learner["learner_replica_rank"];
+    assert!(ranks.contains(&0.0) && ranks.contains(&1.0), "{ranks:?}");
+    assert!(learner["learner_replicas"].contains(&2.0));
+    assert!(learner["learner_allreduce_bytes"].iter().any(|&b| b > 0.0));
     // Versions are published once per training round, the first after
     // learning_starts, in order.
     assert!(versions.len() >= 2, "{versions:?}");

@@ -161,7 +161,14 @@ async fn a_killed_learner_resumes_from_its_checkpoint_and_the_run_solves() {
     loop {
         let status = std::fs::read_to_string(&status_path).unwrap_or_default();
         let resumed_published = versions.lock().unwrap().last().copied() > Some(killed_at);
-        if status.contains("\"solved\"") && resumed_published {
+        // ... and the tracker has written a report of the resumed learner
+        // (the run can solve between its publish and its report).
+        let resumed_reported = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .any(|v| v["values"]["learner_resumed_at_vec_steps"].as_f64() > Some(0.0));
+        if status.contains("\"solved\"") && resumed_published && resumed_reported {
             break;
         }
         assert!(

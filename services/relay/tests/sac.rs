@@ -6,7 +6,7 @@
 //! is published once per round, the off-policy table fills, training moves
 //! the entropy coefficient and the actor, greedy evaluations are reported,
 //! and a checkpoint carries every network, the three Adam states and the
-//! counters into the resumed run.
+//! counters into the resumed run, which trains with two learner replicas.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -76,14 +76,19 @@ async fn run_stack(nats: &NatsServer, cfg: &ExperimentConfig) -> Observed {
     let mut weights_sub = client.subscribe(subjects.weights()).await.unwrap();
     let mut status_sub = client.subscribe(subjects.status()).await.unwrap();
     let service = || ServiceConfig::for_test(cfg.clone());
-    let tasks = vec![
+    let mut tasks = vec![
         tokio::spawn(relay_tracker::run(service(), shutdown.clone())),
         tokio::spawn(relay_replay_buffer::run(service(), shutdown.clone())),
         tokio::spawn(relay_inference_server::run(service(), shutdown.clone())),
         tokio::spawn(relay_evaluator::run(service(), shutdown.clone())),
         tokio::spawn(relay_env_runner::run(service(), shutdown.clone())),
-        tokio::spawn(relay_learner::run(service(), shutdown.clone())),
     ];
+    for _ in 0..cfg.learner.replicas {
+        tasks.push(tokio::spawn(relay_learner::run(
+            service(),
+            shutdown.clone(),
+        )));
+    }
     let mut seen = Observed::default();
     let deadline = Instant::now() + Duration::from_secs(50);
     while Instant::now() < deadline {
@@ -266,6 +271,9 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
         &[
             "run.total_env_steps=384".into(),
             format!("run.resume_from={}", last.display()),
+            // Resumed with two learner replicas: both start from the
+            // checkpoint rank 0 loaded, hand over at the first view.
+            "learner.replicas=2".into(),
         ],
     );
     let second = run_stack(&nats, &resumed_cfg).await;
@@ -290,5 +298,11 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
         read_checkpoint(&resumed_cfg, &run_dir.join("checkpoints/last"));
     assert!(state2.rounds > state.rounds, "{state2:?} after {state:?}");
     assert_eq!(steps2, [state2.gradient_steps; 3]);
+    // Both replicas trained every round after the resume, in a view of 2.
+    let ranks = finite(&second, "learner_replica_rank");
+    assert!(ranks.contains(&0.0) && ranks.contains(&1.0), "{ranks:?}");
+    assert!(finite(&second, "learner_allreduce_bytes")
+        .iter()
+        .any(|&b| b > 0.0));
     assert!(counters2["env_steps"].as_u64().unwrap() >= 384);
 }

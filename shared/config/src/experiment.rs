@@ -398,23 +398,18 @@ impl ExperimentConfig {
     }
 
     /// Why this run cannot have `replicas` learner replicas (`None`: it
-    /// can). The on-policy loop (PPO, A2C, REINFORCE) runs replicas; DQN,
-    /// SAC and text runs train with one learner, and say so rather than run
-    /// learners that each publish their own versions.
+    /// can). The on-policy (PPO, A2C, REINFORCE) and off-policy (DQN, SAC)
+    /// loops run replicas; text runs train with one learner, and say so
+    /// rather than run learners that each publish their own versions.
     pub fn learner_replicas_refused(&self, replicas: usize) -> Option<String> {
         if replicas <= 1 {
             return None;
         }
-        let what = if self.is_text_game() {
-            "text-game runs".to_string()
-        } else if matches!(self.run.algo, Algo::Dqn | Algo::Sac) {
-            format!("{} runs", self.run.algo)
-        } else {
-            return None;
-        };
-        Some(format!(
-            "{replicas} learners: {what} train with one learner (replicas run PPO, A2C and REINFORCE)"
-        ))
+        self.is_text_game().then(|| {
+            format!(
+                "{replicas} learners: text-game runs train with one learner (replicas run PPO, A2C, REINFORCE, DQN and SAC)"
+            )
+        })
     }
 
     /// Whether `run.env_id` is a text game (played by LLM policies).
