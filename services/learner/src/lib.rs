@@ -3,10 +3,11 @@
 //! rollouts pulled from the replay buffer, and publishes each new weights
 //! version.
 //!
-//! PPO, A2C and REINFORCE runs may have several learner replicas
-//! (synchronous data parallelism, [`replicas`]): rank 0 runs the loop
-//! below and hands each batch to the others, and all apply the same
-//! update. The loop, the same for every algorithm: gather what
+//! Every run may have several learner replicas (synchronous data
+//! parallelism, [`replicas`]; the on-policy, off-policy and text loops
+//! alike): rank 0 runs the loop below and hands each batch to the others,
+//! and all apply the same update. The loop, the same for every on-policy
+//! algorithm: gather what
 //! the algorithm needs from fragments no more than `replay.max_policy_lag`
 //! versions old (PPO: `ppo.rollout_steps` env steps; A2C: one fragment of
 //! `a2c.n_steps` per env of an env-runner; REINFORCE: `batch_episodes` whole
@@ -89,28 +90,18 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     // From here on the service stops on the caller's signal or its own failure.
     let shutdown = service.shutdown.clone();
     let metrics = Metrics::register(&service.registry);
-    if !service.config.is_text_game() {
-        return match service.config.run.algo {
-            Algo::Ppo | Algo::A2c | Algo::Reinforce => {
-                onpolicy::run(service, shutdown, metrics).await
-            }
-            Algo::Dqn => {
-                let dqn = dqn::Dqn::new(&service.config)?;
-                offpolicy::run(service, shutdown, metrics, dqn).await
-            }
-            Algo::Sac => {
-                let sac = sac::SacLearner::new(&service.config)?;
-                offpolicy::run(service, shutdown, metrics, sac).await
-            }
-        };
+    if service.config.is_text_game() {
+        return text::run(service, shutdown, metrics).await;
     }
-    // The text loop trains alone: a second learner of the run is refused.
-    let why = service
-        .config
-        .learner_replicas_refused(2)
-        .expect("text runs train with one learner");
-    let single = replicas::Replicas::join_single(&service, &why).await?;
-    let trained = text::run(service, shutdown, metrics).await;
-    single.leave().await;
-    trained
+    match service.config.run.algo {
+        Algo::Ppo | Algo::A2c | Algo::Reinforce => onpolicy::run(service, shutdown, metrics).await,
+        Algo::Dqn => {
+            let dqn = dqn::Dqn::new(&service.config)?;
+            offpolicy::run(service, shutdown, metrics, dqn).await
+        }
+        Algo::Sac => {
+            let sac = sac::SacLearner::new(&service.config)?;
+            offpolicy::run(service, shutdown, metrics, sac).await
+        }
+    }
 }

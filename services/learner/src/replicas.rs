@@ -19,26 +19,25 @@
 //! REINFORCE (the advantages' mean and spread summed first), DQN (parts of
 //! each sampled batch, drawn once so prioritized replay keeps its
 //! distribution; every row's new priority summed back, so rank 0 sends the
-//! whole batch's), SAC (each of its
-//! three optimizers summed, the whole batch's noise drawn alike) and the
+//! whole batch's), SAC (each of its three optimizers summed, the whole
+//! batch's noise drawn alike) and the
 //! LLM trainers (parts of the micro-batches of `relay_llm::RlTrainer` and
 //! `relay_llm::SftTrainer`, through [`with_batch_share`]).
 //!
 //! [`Replicas`] is a learner process's side of it, the same sequence in
-//! the on-policy loop (PPO, A2C, REINFORCE) and the off-policy loop (DQN,
-//! SAC): each joins the run's group at start; at every new view rank 0's
-//! state goes to every member ([`Replicas::share_state`]), so a joining
-//! replica starts from the live parameters, optimizer state and counters;
-//! rank 0 gathers each step's data (a rollout, or a round's minibatches
-//! drawn once from the replay buffer, so prioritized replay keeps its
-//! sampling distribution) and hands it to the others
-//! ([`Replicas::exchange`], the step barrier); all run the step
+//! the on-policy loop (PPO, A2C, REINFORCE), the off-policy loop (DQN,
+//! SAC) and the text loop (LoRA GRPO, RLOO, PPO on tokens): each joins
+//! the run's group at start; at every new view rank 0's state goes to
+//! every member ([`Replicas::share_state`]), so a joining replica starts
+//! from the live parameters, optimizer state and counters; rank 0 gathers
+//! each step's data (a rollout, a round's minibatches drawn once from the
+//! replay buffer so that prioritized replay keeps its sampling
+//! distribution, or a batch of games' examples) and hands it to the
+//! others ([`Replicas::exchange`], the step barrier); all run the step
 //! ([`Replicas::step`]), and a step a failure interrupted is rolled back
-//! from the snapshot taken before it and redone in the next view. The
-//! text loop does not run replicas yet: `relay` and the config refuse it
-//! more than one learner, and it joins the group only to hold its place
-//! ([`Replicas::join_single`]), so a second learner started by hand for
-//! the run fails, naming why, rather than publish versions of its own.
+//! from the snapshot taken before it and redone in the next view. Rank 0
+//! alone talks to the replay buffer, publishes versions and writes
+//! checkpoints.
 //!
 //! Why this transport: membership, views and the barrier need agreement,
 //! which JetStream's Raft already gives (a home-made consensus would be a
@@ -254,11 +253,6 @@ const DIGEST_EVERY: u64 = 10;
 /// first view, before it fails.
 const VIEW_WAIT: Duration = Duration::from_secs(60);
 
-/// How long a learner that must train alone waits for another member's
-/// membership to lapse (a dead predecessor's lasts up to a lease, 3 s)
-/// before it concludes that another learner is live.
-const SINGLE_WAIT: Duration = Duration::from_secs(10);
-
 /// A learner process's place among its run's replicas: the group it joined
 /// (`<run id>-learner`), the view it works in, and the tags of the
 /// collectives it has taken part in there. Every member takes the same
@@ -341,33 +335,6 @@ impl Replicas {
             last_step: Reduced::default(),
             last_wait_seconds: 0.0,
         })
-    }
-
-    /// Joins the run's learner group as a loop that trains alone (DQN,
-    /// SAC, text): the group's oldest member goes on; a learner started
-    /// beside it (by hand, with the run's id) fails with `why` rather than
-    /// publish versions of its own. A restarted learner may find its dead
-    /// predecessor's membership for up to a lease: it waits for that to
-    /// lapse before it decides.
-    pub async fn join_single(service: &Service, why: &str) -> Result<Self, ServiceError> {
-        let mut replicas = Self::join(service).await?;
-        let deadline = tokio::time::Instant::now() + SINGLE_WAIT;
-        while !replicas.leads() {
-            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let group = replicas.group.as_mut().expect("only a group has ranks");
-            match group.view_after(Some(replicas.view.epoch), remaining).await {
-                Ok(view) => replicas.view = view,
-                Err(_) => {
-                    let others = replicas.view.size() - 1;
-                    replicas.leave().await;
-                    return Err(ServiceError::other(format!(
-                        "this run already has a learner ({others} other member(s) of its learner group): {why}"
-                    )));
-                }
-            }
-        }
-        replicas.synced = Some(replicas.view.epoch);
-        Ok(replicas)
     }
 
     /// This replica's rank and the number of replicas in its view.

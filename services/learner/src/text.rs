@@ -67,7 +67,9 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::{self, CheckpointError};
 use crate::evaluated::RunEvents;
 use crate::examples::games_to_examples;
+use crate::examples::Converted;
 use crate::progress::{Metrics, Progress};
+use crate::replicas::{Next, Replicas};
 
 /// Name of the adapter this learner trains (the one env-runners seat).
 pub const ADAPTER_NAME: &str = relay_policy::text::LEARNING_ADAPTER;
@@ -371,6 +373,89 @@ impl Publisher<'_> {
     }
 }
 
+impl<'a> Publisher<'a> {
+    /// Rank 0's publishing side: the league pool (when on), the answer on
+    /// `adapters.latest` and the weights transport.
+    async fn start(
+        service: &'a Service,
+        micro: &async_nats::service::Service,
+        shutdown: &Shutdown,
+        run_dir: &'a Path,
+        base_model: &'a str,
+    ) -> Result<Publisher<'a>, ServiceError> {
+        let cfg = &service.config;
+        let league = if cfg.league_enabled() {
+            let redis = relay_kit::connect_redis_with(&cfg.connections, shutdown)
+                .await
+                .map_err(|e| ServiceError::Other(format!("league pool: {e}")))?;
+            Some(League {
+                store: relay_kit::league::LeagueStore::new(redis, cfg.run_id()?),
+                config: cfg.league.pool,
+                fixed: cfg.league_fixed(),
+                pruned_once: std::sync::atomic::AtomicBool::new(false),
+            })
+        } else {
+            None
+        };
+
+        // The newest AdapterUpdate, encoded, for `adapters.latest`.
+        let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
+        let mut latest_requests = micro
+            .endpoint(service.subjects.adapters_latest())
+            .await
+            .map_err(ServiceError::nats)?;
+        {
+            let (latest, shutdown, intake) =
+                (latest.clone(), shutdown.clone(), service.intake.clone());
+            tokio::spawn(async move {
+                loop {
+                    let request = tokio::select! {
+                        r = latest_requests.next() => match r { Some(r) => r, None => return },
+                        _ = shutdown.wait() => return,
+                    };
+                    let error = |code: usize, status: String| {
+                        Err(async_nats::service::error::Error { status, code })
+                    };
+                    let answer = match intake
+                        .decode::<AdapterRequest>("adapters.latest", &request.message.payload)
+                    {
+                        Ok(ask) if ask.name != ADAPTER_NAME => error(
+                            404,
+                            format!("this learner trains {ADAPTER_NAME:?}, not {:?}", ask.name),
+                        ),
+                        Ok(_) => {
+                            let bytes = latest.read().expect("adapter lock").clone();
+                            if bytes.is_empty() {
+                                error(503, "no version published yet".into())
+                            } else {
+                                Ok(bytes)
+                            }
+                        }
+                        Err(rejection) => error(400, rejection.to_string()),
+                    };
+                    let _ = request.respond(answer).await;
+                }
+            });
+        }
+        let publisher = Publisher {
+            service,
+            latest: latest.clone(),
+            run_dir,
+            base_model,
+            transport: WeightsPublisher::start(
+                &service.nats,
+                &cfg.weights,
+                &cfg.connections.nats_url,
+            )
+            .await
+            .map_err(ServiceError::other)?,
+            league,
+        };
+
+        Ok(publisher)
+    }
+}
+
 /// Runs the text learner until shutdown.
 pub(crate) async fn run(
     service: Service,
@@ -493,82 +578,11 @@ pub(crate) async fn run(
     }
     crate::progress::count_resume(&service, &start_from);
 
-    let league = if cfg.league_enabled() {
-        let redis = relay_kit::connect_redis_with(&cfg.connections, &shutdown)
-            .await
-            .map_err(|e| ServiceError::Other(format!("league pool: {e}")))?;
-        Some(League {
-            store: relay_kit::league::LeagueStore::new(redis, cfg.run_id()?),
-            config: cfg.league.pool,
-            fixed: cfg.league_fixed(),
-            pruned_once: std::sync::atomic::AtomicBool::new(false),
-        })
-    } else {
-        None
-    };
-
-    // The newest AdapterUpdate, encoded, for `adapters.latest`.
-    let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
     let micro = service.micro().await?;
-    let mut latest_requests = micro
-        .endpoint(service.subjects.adapters_latest())
-        .await
-        .map_err(ServiceError::nats)?;
-    {
-        let (latest, shutdown, intake) = (latest.clone(), shutdown.clone(), service.intake.clone());
-        tokio::spawn(async move {
-            loop {
-                let request = tokio::select! {
-                    r = latest_requests.next() => match r { Some(r) => r, None => return },
-                    _ = shutdown.wait() => return,
-                };
-                let error = |code: usize, status: String| {
-                    Err(async_nats::service::error::Error { status, code })
-                };
-                let answer = match intake
-                    .decode::<AdapterRequest>("adapters.latest", &request.message.payload)
-                {
-                    Ok(ask) if ask.name != ADAPTER_NAME => error(
-                        404,
-                        format!("this learner trains {ADAPTER_NAME:?}, not {:?}", ask.name),
-                    ),
-                    Ok(_) => {
-                        let bytes = latest.read().expect("adapter lock").clone();
-                        if bytes.is_empty() {
-                            error(503, "no version published yet".into())
-                        } else {
-                            Ok(bytes)
-                        }
-                    }
-                    Err(rejection) => error(400, rejection.to_string()),
-                };
-                let _ = request.respond(answer).await;
-            }
-        });
-    }
-    let publisher = Publisher {
-        service: &service,
-        latest: latest.clone(),
-        run_dir: &run_dir,
-        base_model: &base_model,
-        transport: WeightsPublisher::start(&service.nats, &cfg.weights, &cfg.connections.nats_url)
-            .await
-            .map_err(ServiceError::other)?,
-        league,
-    };
-
-    let mut events: RunEvents<PeftBytes> = RunEvents::subscribe(&service, state.best_eval).await?;
-    if let Some(files) = publisher
-        .publish(
-            &state.progress,
-            &adapter,
-            &events.versions_under_evaluation(),
-        )
-        .await
-    {
-        events.record(state.progress.version, files);
-    }
-    metrics.version.set(state.progress.version as i64);
+    let mut replicas = Replicas::join(&service).await?;
+    // Rank 0 alone publishes and takes the run's events (a replica that
+    // takes over starts then).
+    let mut leading: Option<(Publisher, RunEvents<PeftBytes>)> = None;
     service.health.set_ready(true);
     tracing::info!(
         env_id = %cfg.run.env_id,
@@ -629,116 +643,225 @@ pub(crate) async fn run(
         .into_iter()
         .map(|(game, _)| game)
         .collect();
-    let lag = relay_proto::PolicyLag {
-        max_lag: cfg.replay.max_policy_lag,
-        floor: version_floor,
-    };
     let mut pending = crate::examples::PendingGames::default();
     let mut dropped_stale = 0u64;
     let mut reported = (0u64, 0usize, 0usize);
     let (mut truncated_total, mut tokens_cut_total) = (0usize, 0usize);
     let started = Instant::now();
     let start_env_steps = state.progress.env_steps;
+    // The step handed out and not yet applied: kept across a failed step
+    // so that the replicas redo it in the next view.
+    let mut held: Option<TextStep> = None;
     let finish = loop {
-        if let Some(finish) = crate::progress::should_finish(
-            &shutdown,
-            state.progress.env_steps,
-            budget,
-            &events.solved,
-            cfg.run.stop_when_solved,
-        ) {
-            break finish;
-        }
-        checkpoint_evaluations(&mut events, &mut state, &trainer);
-
-        // Games played by versions too old for this update go.
-        let oldest_ok = lag.oldest_fresh(state.progress.version);
-        dropped_stale += pending.drop_stale(oldest_ok) as u64;
-        let held = pending.ready_turns();
-        if held < batch_size {
-            let ask = GameSampleRequest {
-                schema: SCHEMA_VERSION,
-                min_policy_version: oldest_ok,
-                max_turns: (batch_size - held) as u32,
-            };
-            match relay_kit::request::<_, GameSampleReply>(
-                &service.nats,
-                &service.subjects.replay_games_sample(),
-                &ask,
-                service.request_timeout(),
-            )
-            .await
-            {
-                Ok(reply) => {
-                    dropped_stale += reply.dropped_stale;
-                    if reply.games.is_empty() {
-                        crate::progress::pause(&shutdown, Duration::from_millis(20)).await;
-                    }
-                    for game in reply.games {
-                        if !run_games.contains(&game.env_id) {
-                            service.intake.reject(
-                                "replay.games.sample",
-                                &relay_proto::Rejection::Invalid {
-                                    kind: "GameRecord",
-                                    field: "env_id",
-                                    detail: format!(
-                                        "game from {} is of {}, this run plays {}",
-                                        game.runner_id,
-                                        game.env_id,
-                                        run_games.join(", ")
-                                    ),
-                                },
-                            );
-                            continue;
-                        }
-                        if !pending.push(game) {
-                            dropped_stale += 1;
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "game sample failed; retrying");
-                    crate::progress::pause(&shutdown, Duration::from_millis(50)).await;
-                }
+        // A new view: rank 0's state goes to every replica.
+        if replicas.follow_view()? {
+            if replicas.took_over() {
+                // The old rank 0 may have published one version past what
+                // this replica holds: skip it.
+                state.progress.version += 2;
             }
+            let mine = replicas
+                .leads()
+                .then(|| TextReplicaState::capture(&adapter, &trainer, &state, version_floor))
+                .transpose()
+                .map_err(ServiceError::other)?;
+            match replicas.share_state(&shutdown, mine).await? {
+                Next::Go(Some(held_state)) => held_state
+                    .restore(&adapter, &mut trainer, &mut state, &mut version_floor)
+                    .map_err(|e| {
+                        ServiceError::other(format!("learner replicas: rank 0's state: {e}"))
+                    })?,
+                Next::Go(None) => {}
+                Next::Retry => continue,
+                Next::Stop => break crate::progress::Finish::Shutdown,
+            }
+            metrics.version.set(state.progress.version as i64);
+        }
+        if replicas.leads() && leading.is_none() {
+            let publisher =
+                Publisher::start(&service, &micro, &shutdown, &run_dir, &base_model).await?;
+            let mut events: RunEvents<PeftBytes> =
+                RunEvents::subscribe(&service, state.best_eval).await?;
+            if let Some(files) = publisher
+                .publish(
+                    &state.progress,
+                    &adapter,
+                    &events.versions_under_evaluation(),
+                )
+                .await
+            {
+                events.record(state.progress.version, files);
+            }
+            metrics.version.set(state.progress.version as i64);
+            leading = Some((publisher, events));
+        }
+        let lag = relay_proto::PolicyLag {
+            max_lag: cfg.replay.max_policy_lag,
+            floor: version_floor,
+        };
+
+        let input = if let Some((_, events)) = leading.as_mut() {
+            if let Some(finish) = crate::progress::should_finish(
+                &shutdown,
+                state.progress.env_steps,
+                budget,
+                &events.solved,
+                cfg.run.stop_when_solved,
+            ) {
+                replicas.announce_stop().await;
+                break finish;
+            }
+            checkpoint_evaluations(events, &mut state, &trainer);
+            Some(match held.take() {
+                // A step that failed in the previous view is redone.
+                Some(input) => input,
+                None => {
+                    // Games played by versions too old for this update go.
+                    let oldest_ok = lag.oldest_fresh(state.progress.version);
+                    dropped_stale += pending.drop_stale(oldest_ok) as u64;
+                    let held = pending.ready_turns();
+                    if held < batch_size {
+                        let ask = GameSampleRequest {
+                            schema: SCHEMA_VERSION,
+                            min_policy_version: oldest_ok,
+                            max_turns: (batch_size - held) as u32,
+                        };
+                        match relay_kit::request::<_, GameSampleReply>(
+                            &service.nats,
+                            &service.subjects.replay_games_sample(),
+                            &ask,
+                            service.request_timeout(),
+                        )
+                        .await
+                        {
+                            Ok(reply) => {
+                                dropped_stale += reply.dropped_stale;
+                                if reply.games.is_empty() {
+                                    crate::progress::pause(&shutdown, Duration::from_millis(20))
+                                        .await;
+                                }
+                                for game in reply.games {
+                                    if !run_games.contains(&game.env_id) {
+                                        service.intake.reject(
+                                            "replay.games.sample",
+                                            &relay_proto::Rejection::Invalid {
+                                                kind: "GameRecord",
+                                                field: "env_id",
+                                                detail: format!(
+                                                    "game from {} is of {}, this run plays {}",
+                                                    game.runner_id,
+                                                    game.env_id,
+                                                    run_games.join(", ")
+                                                ),
+                                            },
+                                        );
+                                        continue;
+                                    }
+                                    if !pending.push(game) {
+                                        dropped_stale += 1;
+                                    }
+                                }
+                            }
+                            Err(e) => {
+                                tracing::debug!(error = %e, "game sample failed; retrying");
+                                crate::progress::pause(&shutdown, Duration::from_millis(50)).await;
+                            }
+                        }
+                        continue;
+                    }
+
+                    let games = pending.take_batch(batch_size);
+                    for game in &games {
+                        metrics.policy_lag.observe(
+                            state
+                                .progress
+                                .version
+                                .saturating_sub(game.learning_version().unwrap_or(0))
+                                as f64,
+                        );
+                    }
+                    let mut converted =
+                        games_to_examples(&games, &cfg.rl.reward, &mut state.reward_normalizer);
+                    let mut examples: Vec<TokenExample> = std::mem::take(&mut converted.examples);
+                    if converted.skipped_moves > 0 {
+                        tracing::warn!(
+                            skipped = converted.skipped_moves,
+                            "moves without usable tokens left out"
+                        );
+                    }
+                    // A single game longer than the batch is cut to it.
+                    examples.truncate(batch_size);
+                    if examples.is_empty() {
+                        continue;
+                    }
+                    TextStep {
+                        updates: state.progress.updates,
+                        examples,
+                        games: games.len() as u64,
+                        reward_normalizer: state.reward_normalizer.clone(),
+                        best_eval: state.best_eval,
+                        converted: Some(converted),
+                    }
+                }
+            })
+        } else {
+            // A follower: the step barrier waits for rank 0's step.
+            None
+        };
+        let input = match replicas.exchange(&shutdown, input, &mut held).await? {
+            Next::Go(input) => input,
+            Next::Retry => continue,
+            Next::Stop => break crate::progress::Finish::Shutdown,
+        };
+        if input.updates != state.progress.updates {
+            // Rank 0's state was already past this step: it is not redone.
             continue;
         }
 
-        let games = pending.take_batch(batch_size);
-        for game in &games {
-            metrics.policy_lag.observe(
-                state
-                    .progress
-                    .version
-                    .saturating_sub(game.learning_version().unwrap_or(0)) as f64,
-            );
-        }
-        let converted = games_to_examples(&games, &cfg.rl.reward, &mut state.reward_normalizer);
-        let mut examples: Vec<TokenExample> = converted.examples;
-        if converted.skipped_moves > 0 {
-            tracing::warn!(
-                skipped = converted.skipped_moves,
-                "moves without usable tokens left out"
-            );
-        }
-        // A single game longer than the batch is cut to it.
-        examples.truncate(batch_size);
-        if examples.is_empty() {
-            continue;
-        }
         let update_started = Instant::now();
         let epochs = cfg.rl.epochs;
+        let snapshot = (!replicas.alone())
+            .then(|| TextReplicaState::capture(&adapter, &trainer, &state, version_floor))
+            .transpose()
+            .map_err(ServiceError::other)?;
         let result = tokio::task::block_in_place(|| {
-            trainer.train_epochs(&model, &adapter, &examples, epochs)
+            replicas.step(|sync| {
+                crate::replicas::with_batch_share(sync, |share| {
+                    trainer.train_epochs_part(&model, &adapter, &input.examples, epochs, share)
+                })
+            })
         });
         let steps = match result {
-            Ok(steps) => steps,
-            Err(e) => {
+            Ok(Ok(steps)) => steps,
+            Ok(Err(e)) => {
                 // Bad data must not stop training: drop this batch and go on.
-                tracing::error!(error = %e, games = games.len(), "update failed; batch dropped");
+                tracing::error!(error = %e, games = input.games, "update failed; batch dropped");
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, step = input.updates, "a replica failed inside the step; rolling back and redoing it in the next view");
+                snapshot
+                    .expect("only replicas fail in a collective")
+                    .restore(&adapter, &mut trainer, &mut state, &mut version_floor)
+                    .map_err(ServiceError::other)?;
+                held = Some(input);
+                if !replicas.recover(&shutdown).await? {
+                    break crate::progress::Finish::Shutdown;
+                }
                 continue;
             }
         };
+        let TextStep {
+            examples,
+            games,
+            reward_normalizer,
+            best_eval,
+            converted,
+            ..
+        } = input;
+        if leading.is_none() {
+            (state.reward_normalizer, state.best_eval) = (reward_normalizer, best_eval);
+        }
         let seconds = update_started.elapsed().as_secs_f64();
         let first: RlStats = steps[0];
         let mean = |f: fn(&RlStats) -> f64| steps.iter().map(f).sum::<f64>() / steps.len() as f64;
@@ -754,14 +877,29 @@ pub(crate) async fn run(
         progress.version += 1;
         progress.env_steps += examples.len() as u64;
         progress.vec_steps += examples.len() as u64;
-        progress.episodes += games.len() as u64;
+        progress.episodes += games;
+        metrics.version.set(progress.version as i64);
+        let replica_values = replicas.gauges(progress.updates);
+        let updates = progress.updates;
+        replicas
+            .check_parameters(updates, || adapter_values(&adapter))
+            .await?;
+        let progress = &mut state.progress;
+        let Some((publisher, events)) = leading.as_mut() else {
+            service
+                .report(Some(progress.vec_steps), replica_values)
+                .await;
+            continue;
+        };
         if let Some(files) = publisher
             .publish(progress, &adapter, &events.versions_under_evaluation())
             .await
         {
             events.record(progress.version, files);
         }
-        metrics.version.set(progress.version as i64);
+        // A step redone after a failed view that rank 0 did not draw
+        // carries no figures of its games.
+        let converted = converted.unwrap_or_default();
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
@@ -833,6 +971,7 @@ pub(crate) async fn run(
                             (dropped_stale - reported.0) as f64,
                         ),
                     ])
+                    .chain(replica_values)
                     // PPO's movement measures, once an update takes several
                     // steps on its batch (in one step the policy is measured
                     // before it moves, so they only show the sampler's
@@ -881,6 +1020,13 @@ pub(crate) async fn run(
             checkpoint(&state, &trainer, crate::progress::LINKS_LAST, None);
         }
     };
+    replicas.leave().await;
+    let Some((_publisher, mut events)) = leading else {
+        // A follower: rank 0 finishes the run; this replica waits for shutdown.
+        shutdown.wait().await;
+        let _ = micro.stop().await;
+        return service.finish().await;
+    };
 
     // Reports that arrived as training stopped, then the last checkpoint.
     checkpoint_evaluations(&mut events, &mut state, &trainer);
@@ -904,6 +1050,113 @@ pub(crate) async fn run(
         || checkpoint_evaluations(&mut events, &mut state, &trainer),
     )
     .await
+}
+
+/// One update as rank 0 hands it to the other replicas: update number
+/// `updates` (the count before it) on `examples`, made of `games` games.
+#[derive(Serialize, Deserialize)]
+struct TextStep {
+    updates: u64,
+    examples: Vec<TokenExample>,
+    games: u64,
+    /// The reward statistics after the batch's games, and rank 0's best
+    /// evaluation so far, for whoever leads next.
+    reward_normalizer: RewardNormalizer,
+    best_eval: Option<(f64, u64)>,
+    /// What the games became (rank 0's report); not handed out.
+    #[serde(skip)]
+    converted: Option<Converted>,
+}
+
+/// A text learner's whole state, in memory: what rank 0 hands to every
+/// replica of a new view, and the rollback point of a replicated step.
+#[derive(Serialize, Deserialize)]
+struct TextReplicaState {
+    adapter: Vec<relay_nn::NamedTensor>,
+    /// AdamW's moments and steps ([`relay_llm::AdamW::state_bytes`]).
+    optimizer: Vec<u8>,
+    moving_baselines: relay_llm::MovingBaselines,
+    state: TextCheckpointState,
+    version_floor: u64,
+}
+
+impl TextReplicaState {
+    fn capture(
+        adapter: &LoraAdapter,
+        trainer: &RlTrainer,
+        state: &TextCheckpointState,
+        version_floor: u64,
+    ) -> Result<Self, String> {
+        Ok(Self {
+            adapter: adapter_values(adapter),
+            optimizer: trainer
+                .optimizer()
+                .state_bytes()
+                .map_err(|e| e.to_string())?,
+            moving_baselines: trainer.moving_baselines().clone(),
+            state: state.clone(),
+            version_floor,
+        })
+    }
+
+    /// Puts this state back (the adapter's names and shapes must match).
+    fn restore(
+        self,
+        adapter: &LoraAdapter,
+        trainer: &mut RlTrainer,
+        state: &mut TextCheckpointState,
+        version_floor: &mut u64,
+    ) -> Result<(), String> {
+        let vars = adapter.named_vars();
+        if vars.len() != self.adapter.len() {
+            return Err(format!(
+                "{} adapter tensors, this replica has {}",
+                self.adapter.len(),
+                vars.len()
+            ));
+        }
+        let mut values = Vec::with_capacity(vars.len());
+        for ((name, var), (held, shape, data)) in vars.iter().zip(&self.adapter) {
+            let dims = var.as_tensor().dims();
+            if name != held || dims != shape.as_slice() {
+                return Err(format!(
+                    "adapter tensor {held} {shape:?} where this replica has {name} {dims:?}"
+                ));
+            }
+            let value = candle_core::Tensor::from_slice(data, dims, var.as_tensor().device())
+                .and_then(|t| t.to_dtype(var.as_tensor().dtype()))
+                .map_err(|e| e.to_string())?;
+            values.push(value);
+        }
+        trainer
+            .optimizer_mut()
+            .restore_bytes(&self.optimizer, "rank 0's optimizer state")
+            .map_err(|e| e.to_string())?;
+        for ((_, var), value) in vars.iter().zip(values) {
+            var.set(&value).map_err(|e| e.to_string())?;
+        }
+        trainer.set_moving_baselines(self.moving_baselines);
+        *state = self.state;
+        *version_floor = self.version_floor;
+        Ok(())
+    }
+}
+
+/// The adapter's trained values (name, shape, f32 data), in its vars' order.
+fn adapter_values(adapter: &LoraAdapter) -> Vec<relay_nn::NamedTensor> {
+    adapter
+        .named_vars()
+        .into_iter()
+        .map(|(name, var)| {
+            let t = var.as_tensor();
+            let data = t
+                .flatten_all()
+                .and_then(|t| t.to_dtype(candle_core::DType::F32))
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("an adapter's vars read back");
+            (name, t.dims().to_vec(), data)
+        })
+        .collect()
 }
 
 /// Loads a checkpoint's adapter for a model (what `relay_llm` users do

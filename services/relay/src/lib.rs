@@ -321,9 +321,7 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
     relay_proto::validate_run_id(&run_id).map_err(anyhow::Error::msg)?;
     overrides.retain(|o| !o.starts_with("run.id="));
     let learners = args.learners.unwrap_or(config.learner.replicas);
-    if learners != 1 {
-        scale::check_learners(&config, learners as u32).map_err(anyhow::Error::msg)?;
-    }
+    scale::check("learner", learners as u32).map_err(anyhow::Error::msg)?;
     let copies = Copies {
         env_runners: args.env_runners,
         inference_servers: args.inference_servers,

@@ -47,8 +47,7 @@ pub fn parse_target(target: &str) -> Result<(String, u32)> {
 }
 
 /// The supervisor's rules: a known service, at most [`MAX_COPIES`], at
-/// least one learner (replicas only where the run can have them:
-/// [`check_learners`]).
+/// least one learner.
 pub fn check(service: &str, copies: u32) -> Result<(), String> {
     if !SERVICES.contains(&service) {
         return Err(format!(
@@ -62,14 +61,6 @@ pub fn check(service: &str, copies: u32) -> Result<(), String> {
         return Err(format!("{copies} copies is over the limit of {MAX_COPIES}"));
     }
     Ok(())
-}
-
-/// Whether `config`'s run can train with `copies` learner replicas
-/// ([`relay_config::ExperimentConfig::learner_replicas_refused`]).
-pub fn check_learners(config: &relay_config::ExperimentConfig, copies: u32) -> Result<(), String> {
-    config
-        .learner_replicas_refused(copies as usize)
-        .map_or(Ok(()), Err)
 }
 
 pub fn read_record(state_dir: &Path) -> Result<StackRecord> {
@@ -214,17 +205,6 @@ async fn drain(procs: Vec<Proc>, grace: Duration) -> Vec<StoppedCopy> {
 pub async fn handle(stack: &mut Stack, req: ScaleRequest) -> ScaleReply {
     if let Err(e) = check(&req.service, req.copies) {
         return refused(&req, stack, e);
-    }
-    if req.service == "learner" {
-        let replicable = match &stack.service_args {
-            Some((config, overrides)) => relay_config::ExperimentConfig::load(config, overrides)
-                .map_err(|e| e.to_string())
-                .and_then(|c| check_learners(&c, req.copies)),
-            None => Ok(()),
-        };
-        if let Err(e) = replicable {
-            return refused(&req, stack, e);
-        }
     }
     let have = stack.copies_of(&req.service).len();
     let want = req.copies as usize;

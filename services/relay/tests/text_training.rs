@@ -79,17 +79,19 @@ fn experiment(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_learner_trains_the_adapter_on_games_and_versions_reach_the_games() {
-    trains_on_games("ttt-grpo", &[]).await;
+    trains_on_games("ttt-grpo", &[], 1).await;
 }
 
 /// The same run with `llm.backend: candle` (inference servers and learner
-/// on the device-generic backend; the CPU here, a GPU with `llm.device: cuda`).
+/// on the device-generic backend; the CPU here, a GPU with `llm.device:
+/// cuda`), and two learner replicas: each trains its part of every
+/// batch's micro-batches, rank 0 publishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_candle_backend_trains_the_adapter_on_games_too() {
-    trains_on_games("ttt-grpo-candle", &["llm.backend=candle"]).await;
+    trains_on_games("ttt-grpo-candle", &["llm.backend=candle"], 2).await;
 }
 
-async fn trains_on_games(run_id: &str, extra: &[&str]) {
+async fn trains_on_games(run_id: &str, extra: &[&str], learners: usize) {
     let nats = NatsServer::start().unwrap();
     let redis = RedisServer::start().unwrap();
     let dir = TempDir::new(run_id);
@@ -111,8 +113,14 @@ async fn trains_on_games(run_id: &str, extra: &[&str]) {
         tokio::spawn(relay_inference_server::run(config(), shutdown.clone())),
         tokio::spawn(relay_evaluator::run(config(), shutdown.clone())),
         tokio::spawn(relay_env_runner::run(config(), shutdown.clone())),
-        tokio::spawn(relay_learner::run(config(), shutdown.clone())),
     ];
+    let mut tasks = tasks;
+    for _ in 0..learners {
+        tasks.push(tokio::spawn(relay_learner::run(config(), shutdown.clone())));
+    }
+    let mut metrics = client.subscribe(subjects.metrics()).await.unwrap();
+    // Each learner instance's last view size and rank.
+    let mut replicas: BTreeMap<String, (f64, f64)> = BTreeMap::new();
 
     // Until the learner has spent its budget and a game played by a
     // trained version (>= 1) has been seen.
@@ -145,6 +153,14 @@ async fn trains_on_games(run_id: &str, extra: &[&str]) {
             Some(m) = evals.next() => {
                 evaluated.push(relay_proto::decode(&m.payload).unwrap());
             }
+            Some(m) = metrics.next() => {
+                if let Ok(r) = relay_proto::decode::<relay_proto::MetricsReport>(&m.payload) {
+                    let value = |name: &str| r.values.iter().find(|v| v.name == name).map(|v| v.value);
+                    if let (Some(n), Some(rank)) = (value("learner_replicas"), value("learner_replica_rank")) {
+                        replicas.insert(r.instance.clone(), (n, rank));
+                    }
+                }
+            }
             Some(m) = games.next() => {
                 let game: GameRecord = relay_proto::decode(&m.payload).unwrap();
                 continuations += game.branch.is_some_and(|b| b.index > 0) as usize;
@@ -166,6 +182,13 @@ async fn trains_on_games(run_id: &str, extra: &[&str]) {
         }
     }
     assert!(continuations > 0, "no branched game was played");
+    // Every learner trained in one view of them all, with its own rank.
+    let ranks: BTreeSet<u64> = replicas.values().map(|&(_, rank)| rank as u64).collect();
+    assert_eq!(ranks, (0..learners as u64).collect(), "{replicas:?}");
+    assert!(
+        replicas.values().all(|&(n, _)| n == learners as f64),
+        "{replicas:?}"
+    );
     // Version 0 at start, then one per update, never going back.
     let updates = *published.last().unwrap();
     assert!(updates >= BUDGET_BATCHES, "{published:?}");

@@ -227,9 +227,6 @@ impl ExperimentConfig {
         positive("inference.max_batch", self.inference.max_batch)?;
         positive("inference.threads", self.inference.threads)?;
         positive("learner.replicas", self.learner.replicas)?;
-        if let Some(why) = self.learner_replicas_refused(self.learner.replicas) {
-            return Err(invalid("learner.replicas", why));
-        }
         self.llm.validate()?;
         // Text runs gather `rl.batch_size` learning moves (a replay "step").
         if self.is_text_game() {
@@ -394,21 +391,6 @@ impl ExperimentConfig {
             clip_reward: n.clip_reward,
             gamma: n.gamma.unwrap_or_else(|| self.algo_gamma()),
             epsilon: n.epsilon,
-        })
-    }
-
-    /// Why this run cannot have `replicas` learner replicas (`None`: it
-    /// can). The on-policy (PPO, A2C, REINFORCE) and off-policy (DQN, SAC)
-    /// loops run replicas; text runs train with one learner, and say so
-    /// rather than run learners that each publish their own versions.
-    pub fn learner_replicas_refused(&self, replicas: usize) -> Option<String> {
-        if replicas <= 1 {
-            return None;
-        }
-        self.is_text_game().then(|| {
-            format!(
-                "{replicas} learners: text-game runs train with one learner (replicas run PPO, A2C, REINFORCE, DQN and SAC)"
-            )
         })
     }
 

@@ -394,6 +394,17 @@ impl AdamW {
     /// Writes the moments and the step count to a safetensors file
     /// (written beside it and renamed into place).
     pub fn save(&self, path: &Path) -> TrainResult<()> {
+        let bytes = self.state_bytes()?;
+        let tmp = path.with_extension("safetensors.tmp");
+        let io = |e: std::io::Error| TrainError::BadInput(format!("{}: {e}", path.display()));
+        std::fs::write(&tmp, bytes).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// The moments and the step count as the bytes of a safetensors file
+    /// (what [`AdamW::save`] writes): learner replicas hand them over in
+    /// memory.
+    pub fn state_bytes(&self) -> TrainResult<Vec<u8>> {
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         for p in &self.params {
             if let (Some(m), Some(v)) = (&p.first_moment, &p.second_moment) {
@@ -402,13 +413,8 @@ impl AdamW {
             }
         }
         let metadata = HashMap::from([(STEPS_KEY.to_string(), self.steps.to_string())]);
-        let bytes =
-            safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
-                .map_err(|e| TrainError::BadInput(format!("optimizer state: {e}")))?;
-        let tmp = path.with_extension("safetensors.tmp");
-        let io = |e: std::io::Error| TrainError::BadInput(format!("{}: {e}", path.display()));
-        std::fs::write(&tmp, bytes).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
+            .map_err(|e| TrainError::BadInput(format!("optimizer state: {e}")))
     }
 
     /// Restores the moments and step count saved by [`AdamW::save`] for
@@ -417,10 +423,17 @@ impl AdamW {
     /// gradient). Accumulated gradients are cleared. On error nothing
     /// changes.
     pub fn load(&mut self, path: &Path) -> TrainResult<()> {
-        let fail = |detail: String| TrainError::BadInput(format!("{}: {detail}", path.display()));
-        let bytes = std::fs::read(path).map_err(|e| fail(e.to_string()))?;
+        let bytes = std::fs::read(path)
+            .map_err(|e| TrainError::BadInput(format!("{}: {e}", path.display())))?;
+        self.restore_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// [`AdamW::load`] from the bytes of [`AdamW::state_bytes`]; `origin`
+    /// names them in errors.
+    pub fn restore_bytes(&mut self, bytes: &[u8], origin: &str) -> TrainResult<()> {
+        let fail = |detail: String| TrainError::BadInput(format!("{origin}: {detail}"));
         let (_, metadata) =
-            safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| fail(e.to_string()))?;
+            safetensors::SafeTensors::read_metadata(bytes).map_err(|e| fail(e.to_string()))?;
         let steps: u64 = metadata
             .metadata()
             .as_ref()
@@ -428,7 +441,7 @@ impl AdamW {
             .ok_or_else(|| fail(format!("no `{STEPS_KEY}` in the metadata")))?
             .parse()
             .map_err(|e| fail(format!("`{STEPS_KEY}`: {e}")))?;
-        let mut saved = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+        let mut saved = candle_core::safetensors::load_buffer(bytes, &Device::Cpu)
             .map_err(|e| fail(e.to_string()))?;
         let mut moments = Vec::with_capacity(self.params.len());
         for p in &self.params {
