@@ -35,7 +35,7 @@ bench-allreduce *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-allreduce {{ARGS}}
 
-# Learner throughput with 1 and 2 data-parallel replicas (each a process of one thread, joined through nats-server) on the Atari NatureCNN PPO preset: samples/s, speedup, all-reduce time per update: table + JSON line.
+# Learner throughput with 1 and 2 data-parallel replicas (each a process of one thread, joined through nats-server) on the Atari NatureCNN PPO preset, SAC on Pendulum and LoRA GRPO on SmolLM2-135M (--workloads ppo-naturecnn,sac,grpo-smollm2): samples/s, speedup, all-reduce time per update: table + JSON line.
 bench-learners *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-learners {{ARGS}}

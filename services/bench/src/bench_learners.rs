@@ -7,7 +7,12 @@
 //!   CnnPolicy), one update per step;
 //! - `sac`: the Pendulum SAC preset (`configs/pendulum-sac.yaml`: actor
 //!   and twin critics of [256, 256], batch 256) at 8 gradient steps per
-//!   env step, one round of 8 gradient steps per step.
+//!   env step, one round of 8 gradient steps per step;
+//! - `grpo-smollm2`: the TicTacToe GRPO preset (`configs/tictactoe-grpo.yaml`:
+//!   Dr. GRPO, a batch of 32 sequences in micro-batches of 8, rank-8 LoRA
+//!   on every projection) over SmolLM2-135M-Instruct (`llm.model:
+//!   smollm2`, installed by `deploy/install.sh`), on sequences of a
+//!   64-token prompt and an 8-token move, one update per step.
 //!
 //! Each replica is its own process (this binary, started again with
 //! `--replica`), with `RAYON_NUM_THREADS=1`, joined through a real
@@ -49,7 +54,7 @@ use relay_proto::TransitionBatch;
 #[derive(Debug, clap::Args)]
 pub struct BenchLearnersArgs {
     /// The workloads, comma-separated.
-    #[arg(long, value_enum, default_values_t = [Workload::PpoNaturecnn, Workload::Sac], value_delimiter = ',')]
+    #[arg(long, value_enum, default_values_t = [Workload::PpoNaturecnn, Workload::Sac, Workload::GrpoSmollm2], value_delimiter = ',')]
     pub workloads: Vec<Workload>,
     /// The folder of the presets.
     #[arg(long, default_value = "configs")]
@@ -79,6 +84,8 @@ pub enum Workload {
     PpoNaturecnn,
     /// SAC on the Pendulum preset at 8 gradient steps per env step.
     Sac,
+    /// LoRA GRPO on SmolLM2-135M with the TicTacToe preset.
+    GrpoSmollm2,
 }
 
 impl Workload {
@@ -86,6 +93,7 @@ impl Workload {
         match self {
             Self::PpoNaturecnn => "ppo-naturecnn",
             Self::Sac => "sac",
+            Self::GrpoSmollm2 => "grpo-smollm2",
         }
     }
 
@@ -94,6 +102,7 @@ impl Workload {
         let (file, own): (&str, &[&str]) = match self {
             Self::PpoNaturecnn => ("breakout-ppo.yaml", &[]),
             Self::Sac => ("pendulum-sac.yaml", &["sac.gradient_steps=8"]),
+            Self::GrpoSmollm2 => ("tictactoe-grpo.yaml", &["llm.model=smollm2"]),
         };
         let path = dir.join(file);
         let text =
@@ -119,6 +128,15 @@ impl Workload {
                 "SAC rounds ({:?} networks on {}, {} gradient steps of batch {})",
                 cfg.sac.net_arch, cfg.run.env_id, cfg.sac.gradient_steps, cfg.sac.batch_size
             ),
+            Self::GrpoSmollm2 => format!(
+                "LoRA {} updates ({}, {} sequences of {PROMPT_TOKENS} + {MOVE_TOKENS} tokens in micro-batches of {}, {} epoch(s), LoRA rank {})",
+                cfg.rl.preset,
+                cfg.llm.model.as_deref().unwrap_or("?"),
+                cfg.rl.batch_size,
+                cfg.rl.minibatch_size,
+                cfg.rl.epochs,
+                cfg.lora.rank
+            ),
         }
     }
 
@@ -127,6 +145,7 @@ impl Workload {
         match self {
             Self::PpoNaturecnn => (cfg.ppo.rollout_steps * cfg.ppo.epochs) as f64,
             Self::Sac => (cfg.sac.gradient_steps * cfg.sac.batch_size) as f64,
+            Self::GrpoSmollm2 => (cfg.rl.batch_size * cfg.rl.epochs) as f64,
         }
     }
 }
@@ -135,6 +154,10 @@ impl Workload {
 const ACTIONS: usize = 4;
 /// The seed of the models and the data every replica draws alike.
 const SEED: u64 = 7;
+/// The LLM workload's sequences: a prompt about as long as TicTacToe's
+/// compact board, and a move of `text.max_turn_tokens`.
+const PROMPT_TOKENS: usize = 64;
+const MOVE_TOKENS: usize = 8;
 /// The largest gap to the lone learner's parameters the bench accepts.
 /// Adam moves a parameter by about its learning rate whatever the
 /// gradient's size, so where a gradient is near zero the last-bit
@@ -170,6 +193,13 @@ enum Trainer {
         step: relay_nn::SacConfig,
         target_update_interval: u64,
         batches: Vec<TransitionBatch>,
+    },
+    Grpo {
+        model: Box<relay_llm::CausalLm>,
+        adapter: relay_llm::LoraAdapter,
+        trainer: Box<relay_llm::RlTrainer>,
+        examples: Vec<relay_llm::TokenExample>,
+        epochs: usize,
     },
 }
 
@@ -213,6 +243,26 @@ impl Trainer {
                     batches,
                 }
             }
+            Workload::GrpoSmollm2 => {
+                let spec = cfg.llm.model.as_deref().context("llm.model")?;
+                let backend = relay_llm::Backend::open(&cfg.llm.backend_spec())?;
+                let (model, _) =
+                    relay_llm::load_causal_lm_on(spec, relay_llm::GgufBase::Dequantized, &backend)?;
+                let lora = cfg.lora.lora_config()?;
+                let adapter = relay_llm::LoraAdapter::new(model.config(), lora, cfg.lora.seed)?;
+                let adapter = model.place_adapter(&adapter)?;
+                let train = cfg.rl.train_config(cfg.text.max_turn_tokens as usize)?;
+                let trainer = relay_llm::RlTrainer::new(train, &adapter)?;
+                let vocab = model.config().vocab_size as u32;
+                let examples = token_examples(cfg.rl.batch_size, vocab);
+                Self::Grpo {
+                    model: Box::new(model),
+                    adapter,
+                    trainer: Box::new(trainer),
+                    examples,
+                    epochs: cfg.rl.epochs,
+                }
+            }
         })
     }
 
@@ -252,6 +302,17 @@ impl Trainer {
                     )?;
                 }
             }
+            Self::Grpo {
+                model,
+                adapter,
+                trainer,
+                examples,
+                epochs,
+            } => {
+                relay_learner::replicas::with_batch_share(sync, |share| {
+                    trainer.train_epochs_part(model, adapter, examples, *epochs, share)
+                })?;
+            }
         }
         Ok(())
     }
@@ -260,6 +321,9 @@ impl Trainer {
         match self {
             Self::Ppo { model, .. } => model.named_tensors(),
             Self::Sac { sac, .. } => sac.named_tensors(),
+            Self::Grpo { adapter, .. } => adapter
+                .named_values()
+                .expect("an adapter's factors read back"),
         }
     }
 }
@@ -298,6 +362,25 @@ fn rollout(model: &ActorCritic, n: usize) -> Result<Rollout> {
         vec_steps: n as u64,
         oldest_version: 0,
     })
+}
+
+/// `n` sequences of [`PROMPT_TOKENS`] + [`MOVE_TOKENS`] tokens below
+/// `vocab`, in groups of 4 with rewards 0, 1 or 2 (GRPO's advantages are
+/// the rewards against their group's).
+fn token_examples(n: usize, vocab: u32) -> Vec<relay_llm::TokenExample> {
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(SEED);
+    (0..n)
+        .map(|i| relay_llm::TokenExample {
+            prompt: (0..PROMPT_TOKENS)
+                .map(|_| r.random_range(3..vocab))
+                .collect(),
+            completion: (0..MOVE_TOKENS).map(|_| r.random_range(3..vocab)).collect(),
+            behaviour_logprobs: vec![-6.0; MOVE_TOKENS],
+            reward: (i % 3) as f64,
+            group: (i / 4) as u64,
+            stratum: 0,
+        })
+        .collect()
 }
 
 /// `b` random transitions of the env `spec` describes (actions within its

@@ -88,14 +88,12 @@ mod tests {
         let bytes = to_peft_bytes(&adapter, Some("tiny")).unwrap();
         let back =
             LoraAdapter::from_peft_bytes(&bytes.config_json, &bytes.safetensors, &model).unwrap();
-        for ((n1, v1), (n2, v2)) in adapter.named_vars().iter().zip(back.named_vars()) {
-            assert_eq!(n1, &n2);
-            let (a, b): (Vec<f32>, Vec<f32>) = (
-                v1.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
-                v2.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
-            );
-            assert_eq!(a, b, "{n1}");
-        }
+        let (values, back_values) = (
+            adapter.named_values().unwrap(),
+            back.named_values().unwrap(),
+        );
+        assert_eq!(values.len(), adapter.named_vars().len());
+        assert_eq!(values, back_values);
         let dir = std::env::temp_dir().join(format!("relay-peft-bytes-{}", std::process::id()));
         adapter.save_peft(&dir, Some("tiny")).unwrap();
         let saved = std::fs::read(dir.join(crate::peft::WEIGHTS_FILE)).unwrap();

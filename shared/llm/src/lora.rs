@@ -168,6 +168,20 @@ impl LoraAdapter {
         self.layers.get(layer)?[target as usize].as_ref()
     }
 
+    /// The factors' current values (PEFT name, shape, f32 data) in
+    /// [`Self::named_vars`]' order: what replicas compare and checkpoints
+    /// hold.
+    pub fn named_values(&self) -> Result<Vec<relay_nn::NamedTensor>> {
+        self.named_vars()
+            .into_iter()
+            .map(|(name, var)| {
+                let t = var.as_tensor();
+                let data = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                Ok((name, t.dims().to_vec(), data))
+            })
+            .collect()
+    }
+
     /// Every trainable factor with its PEFT name, layer by layer, `A`
     /// before `B`: hand the vars to an optimizer.
     pub fn named_vars(&self) -> Vec<(String, Var)> {
