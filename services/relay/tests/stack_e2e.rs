@@ -73,8 +73,9 @@ fn six_services_train_over_nats_and_redis() {
     };
     assert!(
         max_of("learner_updates") >= 12.0,
-        "learner_updates {}",
-        max_of("learner_updates")
+        "learner_updates {} in metrics.jsonl\nstdout:\n{stdout}\nstderr:\n{stderr}\nmetrics.jsonl ends:\n{}",
+        max_of("learner_updates"),
+        metrics.lines().rev().take(5).collect::<Vec<_>>().join("\n")
     );
     assert!(max_of("learner_env_steps") >= 3072.0);
     // Weights reached the inference server and the env-runner acted with them.
