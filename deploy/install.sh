@@ -109,22 +109,25 @@ fi
 
 # The env bridge's Python side (shared/bridge): Gymnasium with Box2D, ale-py
 # (ships its ROMs), OpenCV (AtariPreprocessing resizes with it), MinAtar,
-# TextArena 0.7.4 (its games, relay's reference for text games), and
+# TextArena 0.7.4 (its games, relay's reference for text games),
+# PettingZoo 1.25 with its classic games (connect_four_v3, tictactoe_v3,
+# texas_holdem_v4, leduc_holdem_v4: rlcard, chess), and
 # what the worker speaks (msgpack, numpy), in a virtual environment of the
 # project's own, .relay/python, which the services
 # find by themselves (env.python or RELAY_PYTHON choose another). MinAtar
 # without its plotting dependencies: stepping needs only numpy.
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo_root/.relay/python"
-bridge_packages=(numpy==2.* msgpack==1.* "gymnasium[box2d]==1.4.0" ale-py==0.12.* opencv-python-headless==4.* textarena==0.7.4)
+bridge_packages=(numpy==2.* msgpack==1.* "gymnasium[box2d]==1.4.0" ale-py==0.12.* opencv-python-headless==4.* textarena==0.7.4 "pettingzoo[classic]==1.25.0")
 bridge_ok() {
-  "$venv/bin/python" -c 'import gymnasium, msgpack, numpy, Box2D, ale_py, cv2, minatar.gym, textarena
+  "$venv/bin/python" -c 'import gymnasium, msgpack, numpy, Box2D, ale_py, cv2, minatar.gym, textarena, pettingzoo.classic, rlcard
 from importlib.metadata import version
 assert gymnasium.__version__ == "1.4.0", gymnasium.__version__
+assert version("pettingzoo") == "1.25.0", version("pettingzoo")
 assert version("textarena") == "0.7.4", version("textarena")' >/dev/null 2>&1
 }
 if ! bridge_ok; then
-  say "installing the env bridge's Python packages into .relay/python (PyPI: gymnasium 1.4.0 with Box2D, ale-py and OpenCV for AtariPreprocessing, minatar, textarena 0.7.4)"
+  say "installing the env bridge's Python packages into .relay/python (PyPI: gymnasium 1.4.0 with Box2D, ale-py and OpenCV for AtariPreprocessing, minatar, textarena 0.7.4, pettingzoo 1.25.0 with its classic games)"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" \
     || { as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && python3 -m venv "$venv"; }
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${bridge_packages[@]}"

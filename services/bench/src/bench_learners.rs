@@ -358,6 +358,8 @@ fn rollout(model: &ActorCritic, n: usize) -> Result<Rollout> {
         old_values: values,
         advantages,
         returns,
+        masks: Vec::new(),
+        mask_width: 0,
         len: n,
         vec_steps: n as u64,
         oldest_version: 0,
@@ -416,6 +418,7 @@ fn transitions(spec: &relay_nn::SacSpec, b: usize, seed: u64) -> TransitionBatch
         weights: Wire::from_f32(&[b], &vec![1.0; b]),
         size: b as u64,
         inserted_steps: b as u64,
+        next_masks: None,
     }
 }
 

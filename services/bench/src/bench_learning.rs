@@ -34,6 +34,9 @@ pub struct Goal {
     pub budget: Budget,
     /// The anchor library's training timed beside relay's runs, if any.
     pub anchor: Option<Anchor>,
+    /// Config overrides on top of the preset (`--set` syntax): a variant
+    /// of a preset measured beside it.
+    pub sets: &'static [&'static str],
 }
 
 /// A script under `services/bench/sb3/` that trains the goal's env with
@@ -97,6 +100,7 @@ pub const GOALS: &[Goal] = &[
         target: Target::Return(-80.0),
         budget: Budget::EnvSteps(500_000),
         anchor: None,
+        sets: &[],
     },
     Goal {
         name: "DQN CartPole-v1",
@@ -104,6 +108,7 @@ pub const GOALS: &[Goal] = &[
         target: Target::Return(475.0),
         budget: Budget::EnvSteps(100_000),
         anchor: None,
+        sets: &[],
     },
     Goal {
         name: "DQN MountainCar-v0",
@@ -111,6 +116,7 @@ pub const GOALS: &[Goal] = &[
         target: Target::Return(-110.0),
         budget: Budget::EnvSteps(300_000),
         anchor: None,
+        sets: &[],
     },
     Goal {
         name: "SAC Pendulum-v1",
@@ -118,6 +124,7 @@ pub const GOALS: &[Goal] = &[
         target: Target::Return(-200.0),
         budget: Budget::EnvSteps(30_000),
         anchor: None,
+        sets: &[],
     },
     Goal {
         name: "A2C CartPole-v1",
@@ -125,6 +132,7 @@ pub const GOALS: &[Goal] = &[
         target: Target::Return(475.0),
         budget: Budget::EnvSteps(500_000),
         anchor: None,
+        sets: &[],
     },
     // PPO shaped for throughput (issue 25's 100k env steps/s through the
     // stack): it must still learn.
@@ -134,6 +142,7 @@ pub const GOALS: &[Goal] = &[
         target: Target::Return(475.0),
         budget: Budget::EnvSteps(2_000_000),
         anchor: None,
+        sets: &[],
     },
     // Through the env bridge (Gymnasium in Python workers): rl-zoo's PPO
     // reaches about 250 at 1M steps on LunarLander.
@@ -143,14 +152,26 @@ pub const GOALS: &[Goal] = &[
         target: Target::Return(200.0),
         budget: Budget::EnvSteps(1_000_000),
         anchor: None,
+        sets: &[],
     },
-    // Gymnasium 1.4 retired Taxi-v3 for Taxi-v4 (the same task).
+    // Gymnasium 1.4 retired Taxi-v3 for Taxi-v4 (the same task). Taxi's
+    // info["action_mask"] is on by default; the same preset without it
+    // beside it: env steps to the goal of each.
     Goal {
         name: "PPO Taxi-v4",
         config: "taxi-ppo.yaml",
         target: Target::Return(7.5),
         budget: Budget::EnvSteps(1_000_000),
         anchor: None,
+        sets: &[],
+    },
+    Goal {
+        name: "PPO Taxi-v4 without its action mask",
+        config: "taxi-ppo.yaml",
+        target: Target::Return(7.5),
+        budget: Budget::EnvSteps(1_000_000),
+        anchor: None,
+        sets: &["env.action_masks=false"],
     },
     // A CNN policy on images through the bridge: 10x the random policy's
     // return within 20 minutes on the machine that runs the bench.
@@ -160,6 +181,7 @@ pub const GOALS: &[Goal] = &[
         target: Target::TimesRandom(10.0),
         budget: Budget::Minutes(20),
         anchor: None,
+        sets: &[],
     },
     // Atari through the whole stack with rl-zoo's preprocessing and PPO
     // hyperparameters: 10x the random policy's return within 30 minutes,
@@ -173,6 +195,7 @@ pub const GOALS: &[Goal] = &[
             script: "ppo_atari.py",
             seconds: 300,
         }),
+        sets: &[],
     },
 ];
 
@@ -389,6 +412,8 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             run.config = config.clone();
             run.until_solved = true;
             run.quiet = true;
+            run.overrides
+                .extend(goal.sets.iter().map(|s| s.to_string()));
             run.overrides.push(format!("run.seed={seed}"));
             let (threshold, random_return) = match goal.target {
                 Target::Return(r) => (r, None),
@@ -414,9 +439,16 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 "run.stop_when_solved=true".to_string(),
             ]);
             let loaded = relay_config::ExperimentConfig::load(&run.config, &run.overrides)?;
+            // A variant's overrides name its runs apart from the preset's.
+            let variant: String = goal
+                .sets
+                .iter()
+                .flat_map(|s| std::iter::once('-').chain(s.chars()))
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+                .collect();
             let run_id = format!(
-                "bench-learning-{}-s{seed}-{stamp}",
-                goal.config.trim_end_matches(".yaml")
+                "bench-learning-{}{variant}-s{seed}-{stamp}",
+                goal.config.trim_end_matches(".yaml"),
             );
             run.run_id = Some(run_id.clone());
             let started = chrono::Utc::now();
@@ -576,7 +608,8 @@ mod tests {
                 Target::Return(r) => r,
                 Target::TimesRandom(k) => k * 0.5,
             };
-            let mut overrides = vec![format!("eval.threshold={threshold}")];
+            let mut overrides: Vec<String> = goal.sets.iter().map(|s| s.to_string()).collect();
+            overrides.push(format!("eval.threshold={threshold}"));
             if let Budget::EnvSteps(steps) = goal.budget {
                 overrides.push(format!("run.total_env_steps={steps}"));
             }

@@ -28,7 +28,7 @@
 
 use std::ops::Range;
 
-use relay_proto::{RolloutFragment, Tensor, SCHEMA_VERSION};
+use relay_proto::{FragmentMasks, RolloutFragment, Tensor, SCHEMA_VERSION};
 
 /// What a fragment holds besides its arrays (names, ids, statistics).
 const FRAGMENT_OVERHEAD: usize = 64 * 1024;
@@ -192,6 +192,11 @@ pub struct FragmentBuilder {
     pub norm_rewards: Vec<f32>,
     pub terminated: Vec<bool>,
     pub truncated: Vec<bool>,
+    /// Envs with action masks: actions per mask row, and the masks of the
+    /// observations and of the final observations.
+    mask_width: Option<usize>,
+    masks: Vec<u8>,
+    final_masks: Vec<u8>,
     /// The oldest policy version that acted in it.
     pub min_version: u64,
     /// Vector steps recorded.
@@ -201,12 +206,13 @@ pub struct FragmentBuilder {
 impl FragmentBuilder {
     /// An empty fragment of envs `envs` with observations of `obs_dim`
     /// values: uint8 pixels when `pixels`, stored once as frames when
-    /// `image` is given too.
+    /// `image` is given too; with action masks of `mask_width` actions.
     pub fn new(
         envs: Range<usize>,
         obs_dim: usize,
         pixels: bool,
         image: Option<[usize; 3]>,
+        mask_width: Option<usize>,
     ) -> Self {
         let image = image.filter(|_| pixels);
         let observations = match image {
@@ -235,6 +241,9 @@ impl FragmentBuilder {
             norm_rewards: Vec::new(),
             terminated: Vec::new(),
             truncated: Vec::new(),
+            mask_width,
+            masks: Vec::new(),
+            final_masks: Vec::new(),
             min_version: u64::MAX,
             steps: 0,
         }
@@ -242,12 +251,23 @@ impl FragmentBuilder {
 
     /// A fresh fragment of the same envs (the previous one sent or dropped).
     pub fn reset(&mut self) {
-        *self = Self::new(self.envs.clone(), self.obs_dim, self.pixels, self.image);
+        *self = Self::new(
+            self.envs.clone(),
+            self.obs_dim,
+            self.pixels,
+            self.image,
+            self.mask_width,
+        );
     }
 
     /// Records the observations the step's actions are taken in: the
-    /// runner's `all` observations, of which this fragment takes its envs'.
-    pub fn push_obs(&mut self, all: &[f32]) {
+    /// runner's `all` observations (and their masks), of which this
+    /// fragment takes its envs'.
+    pub fn push_obs(&mut self, all: &[f32], masks: Option<&[u8]>) {
+        if let (Some(w), Some(masks)) = (self.mask_width, masks) {
+            self.masks
+                .extend_from_slice(&masks[self.envs.start * w..self.envs.end * w]);
+        }
         let d = self.obs_dim;
         let rows = &all[self.envs.start * d..self.envs.end * d];
         match &mut self.observations {
@@ -261,8 +281,17 @@ impl FragmentBuilder {
     }
 
     /// Records the last observation of a truncated episode of the runner's
-    /// env `env` (one of this fragment's).
-    pub fn push_final_obs(&mut self, env: usize, row: &[f32]) {
+    /// env `env` (one of this fragment's), and its mask.
+    pub fn push_final_obs(&mut self, env: usize, row: &[f32], mask: Option<&[u8]>) {
+        if let (Some(_), Some(mask)) = (self.mask_width, mask) {
+            // A last state that allows no action (a game over) is sent as
+            // allowing all: nothing acts in it, and a max over it stays defined.
+            if mask.contains(&1) {
+                self.final_masks.extend_from_slice(mask);
+            } else {
+                self.final_masks.extend(std::iter::repeat_n(1, mask.len()));
+            }
+        }
         match &mut self.observations {
             Observations::Whole { final_obs, .. } => final_obs.extend_from_slice(row),
             Observations::Frames {
@@ -272,8 +301,8 @@ impl FragmentBuilder {
     }
 
     /// The fragment, its tail bootstrapped from the runner's `next_obs`
-    /// (all envs'); `norm_rewards` when the run scales rewards, `norm_delta`
-    /// the statistics to ship with it.
+    /// (all envs', with their masks `next_masks`); `norm_rewards` when the
+    /// run scales rewards, `norm_delta` the statistics to ship with it.
     #[allow(clippy::too_many_arguments)]
     pub fn finish(
         &mut self,
@@ -281,6 +310,7 @@ impl FragmentBuilder {
         env_id: &str,
         action_dim: Option<usize>,
         next_obs: &[f32],
+        next_masks: Option<&[u8]>,
         norm_rewards: bool,
         norm_delta: Option<relay_proto::NormStats>,
     ) -> RolloutFragment {
@@ -319,6 +349,14 @@ impl FragmentBuilder {
             None => Tensor::from_i64(&[t, n], &self.actions_i64),
             Some(a) => Tensor::from_f32(&[t, n, a], &self.actions_f32),
         };
+        let masks = match (self.mask_width, next_masks) {
+            (Some(w), Some(next)) => Some(FragmentMasks {
+                obs: Tensor::from_u8(&[t, n, w], &self.masks),
+                next_obs: Tensor::from_u8(&[n, w], &next[self.envs.start * w..self.envs.end * w]),
+                final_obs: Tensor::from_u8(&[self.final_masks.len() / w, w], &self.final_masks),
+            }),
+            _ => None,
+        };
         let fragment = RolloutFragment {
             schema: SCHEMA_VERSION,
             runner_id: runner_id.to_string(),
@@ -338,6 +376,7 @@ impl FragmentBuilder {
             norm_rewards: norm_rewards.then(|| Tensor::from_f32(&[t, n], &self.norm_rewards)),
             norm_delta,
             frames,
+            masks,
         };
         self.reset();
         fragment
@@ -389,7 +428,7 @@ mod tests {
     fn stacked_frames_are_stored_once_and_observations_come_back_whole() {
         // 2 envs, 3 steps: env 0 shifts a new frame in each step; env 1
         // starts a fresh stack (padded with its first frame) at step 2.
-        let mut builder = FragmentBuilder::new(0..2, 16, true, Some([4, 2, 2]));
+        let mut builder = FragmentBuilder::new(0..2, 16, true, Some([4, 2, 2]), None);
         let steps = [
             [stacked([1, 2, 3, 4]), stacked([9, 9, 9, 10])],
             [stacked([2, 3, 4, 5]), stacked([9, 9, 10, 11])],
@@ -398,7 +437,7 @@ mod tests {
         let mut all_rows = Vec::new();
         for step in &steps {
             let all: Vec<f32> = step.concat();
-            builder.push_obs(&all);
+            builder.push_obs(&all, None);
             all_rows.extend(all);
             builder.actions_i64.extend([0, 1]);
             builder.logprobs.extend([0.0; 2]);
@@ -412,9 +451,9 @@ mod tests {
         // Env 0's episode was truncated at the last step (its final
         // observation shifts once more); env 1 goes on.
         builder.truncated[2 * 2] = true;
-        builder.push_final_obs(0, &stacked([4, 5, 6, 7]));
+        builder.push_final_obs(0, &stacked([4, 5, 6, 7]), None);
         let next: Vec<f32> = [stacked([30, 30, 30, 30]), stacked([20, 20, 20, 21])].concat();
-        let fragment = builder.finish("r", "ALE/Breakout-v5", None, &next, false, None);
+        let fragment = builder.finish("r", "ALE/Breakout-v5", None, &next, None, false, None);
         let fragment: RolloutFragment =
             relay_proto::decode(&relay_proto::encode(&fragment)).unwrap();
 
@@ -428,5 +467,42 @@ mod tests {
             fragment.observations(ObsField::Final).unwrap(),
             stacked([4, 5, 6, 7])
         );
+    }
+
+    /// The masks of the envs of a group go with their observations; a
+    /// final state that allows nothing is sent as allowing all.
+    #[test]
+    fn masks_follow_their_observations_and_an_empty_final_mask_allows_all() {
+        // Envs 1..3 of a runner of 3 envs, 2 actions, 2 steps.
+        let mut builder = FragmentBuilder::new(1..3, 1, false, None, Some(2));
+        let all_masks: [[u8; 6]; 2] = [[1, 1, 0, 1, 1, 0], [0, 1, 1, 0, 0, 1]];
+        for (t, masks) in all_masks.iter().enumerate() {
+            builder.push_obs(&[t as f32; 3], Some(masks));
+            // Legal: env 1 takes action 1 then 0, env 2 action 0 then 1.
+            builder.actions_i64.extend([1 - t as i64, t as i64]);
+            builder.logprobs.extend([0.0; 2]);
+            builder.values.extend([0.0; 2]);
+            builder.rewards.extend([1.0; 2]);
+            builder.terminated.extend([false; 2]);
+            builder.truncated.extend([t == 1, false]);
+            builder.min_version = 0;
+            builder.steps += 1;
+        }
+        builder.push_final_obs(1, &[5.0], Some(&[0, 0]));
+        let next_masks = [1, 1, 1, 0, 0, 1];
+        let f = builder.finish(
+            "r",
+            "Taxi-v4",
+            None,
+            &[9.0; 3],
+            Some(&next_masks),
+            false,
+            None,
+        );
+        let f: RolloutFragment = relay_proto::decode(&relay_proto::encode(&f)).unwrap();
+        let masks = f.masks.unwrap();
+        assert_eq!(masks.obs.data, [0, 1, 1, 0, 1, 0, 0, 1]);
+        assert_eq!(masks.next_obs.data, [1, 0, 0, 1]);
+        assert_eq!(masks.final_obs.data, [1, 1]);
     }
 }

@@ -187,7 +187,12 @@ fn runner_seed(seed: u64, instance: &str) -> u64 {
 }
 
 /// Checks an act reply against the request size and the action space.
-fn check_reply(reply: &ActReply, n: usize, space: &ActionSpace) -> Result<(), String> {
+fn check_reply(
+    reply: &ActReply,
+    n: usize,
+    space: &ActionSpace,
+    masks: Option<&[u8]>,
+) -> Result<(), String> {
     match space {
         ActionSpace::Discrete { n: actions } => {
             reply
@@ -197,6 +202,18 @@ fn check_reply(reply: &ActReply, n: usize, space: &ActionSpace) -> Result<(), St
             let values = reply.actions.to_i64().map_err(|e| e.to_string())?;
             if let Some(a) = values.iter().find(|&&a| a < 0 || a as usize >= *actions) {
                 return Err(format!("action {a} outside Discrete({actions})"));
+            }
+            if let Some(masks) = masks {
+                let illegal = values
+                    .iter()
+                    .zip(masks.chunks_exact(*actions))
+                    .position(|(&a, mask)| mask[a as usize] == 0);
+                if let Some(i) = illegal {
+                    return Err(format!(
+                        "action {} for env {i} is illegal under its action mask",
+                        values[i]
+                    ));
+                }
             }
         }
         ActionSpace::Box { low, .. } => {
@@ -239,6 +256,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     cfg.check_env(&spec).map_err(ServiceError::other)?;
     let pixels = cfg.observations_as_pixels(&spec);
     let mut obs = envs.reset().map_err(ServiceError::other)?.to_vec();
+    // The legal actions of each env in `obs` (envs with action masks).
+    let mut masks: Option<Vec<u8>> = envs.masks().map(<[u8]>::to_vec);
+    let mask_width = masks.as_ref().and(spec.action_space.n());
     // Normalisation: local statistics (and the delta to ship), synced to
     // each weights version's statistics as it arrives.
     let mut normalizer = match cfg.normalizer() {
@@ -282,7 +302,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let mut fragments: Vec<FragmentBuilder> = plan
         .groups
         .iter()
-        .map(|envs| FragmentBuilder::new(envs.clone(), obs_dim, pixels, spec.image))
+        .map(|envs| FragmentBuilder::new(envs.clone(), obs_dim, pixels, spec.image, mask_width))
         .collect();
     let act_chunk = (max_message.saturating_sub(64 * 1024) / obs_bytes.max(1)).max(1);
     let rejected_in_a_row = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
@@ -355,6 +375,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 &service,
                 &act_subject,
                 &obs,
+                masks.as_deref(),
                 n,
                 obs_dim,
                 pixels,
@@ -363,7 +384,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             )
             .await
             {
-                Ok(reply) => match check_reply(&reply, n, &spec.action_space) {
+                Ok(reply) => match check_reply(&reply, n, &spec.action_space, masks.as_deref()) {
                     Ok(()) => {
                         metrics.act_latency.observe(sent.elapsed().as_secs_f64());
                         break reply;
@@ -411,7 +432,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         for f in &mut fragments {
             let envs = f.envs.clone();
             f.min_version = f.min_version.min(reply.policy_version);
-            f.push_obs(&obs);
+            f.push_obs(&obs, masks.as_deref());
             f.logprobs.extend_from_slice(&logprobs[envs.clone()]);
             f.values.extend_from_slice(&values[envs.clone()]);
             match action_dim {
@@ -451,6 +472,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 }
                 fragments.iter_mut().for_each(FragmentBuilder::reset);
                 obs.copy_from_slice(envs.obs());
+                masks = envs.masks().map(<[u8]>::to_vec);
                 if let Some(v) = &normalizer {
                     v.normalize_obs(&mut obs);
                 }
@@ -487,7 +509,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 if let Some(v) = &normalizer {
                     v.normalize_obs(&mut row);
                 }
-                f.push_final_obs(i, &row);
+                f.push_final_obs(i, &row, step.final_mask(i));
             }
         }
         for e in &step.finished {
@@ -507,6 +529,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
         metrics.episodes.inc_by(step.finished.len() as u64);
         obs.copy_from_slice(&next_obs);
+        if let (Some(m), Some(next)) = (masks.as_mut(), step.masks()) {
+            m.copy_from_slice(next);
+        }
         fragments.iter_mut().for_each(|f| f.steps += 1);
         metrics.vec_steps.inc();
         metrics.env_steps.inc_by(n as u64);
@@ -528,6 +553,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         spec.id,
                         action_dim,
                         &obs,
+                        masks.as_deref(),
                         norm_rewards,
                         delta.take(),
                     )
@@ -586,30 +612,37 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 }
 
 /// Actions for the `n` observations `obs` (`obs_dim` values each, uint8
-/// pixels when `pixels`): one act request per `chunk` envs, sent together
-/// (a request must fit a NATS message), answered as one reply acted by the
-/// oldest version among them.
+/// pixels when `pixels`; `masks`: their legal actions): one act request per
+/// `chunk` envs, sent together (a request must fit a NATS message),
+/// answered as one reply acted by the oldest version among them.
 #[allow(clippy::too_many_arguments)]
 async fn act(
     service: &Service,
     subject: &str,
     obs: &[f32],
+    masks: Option<&[u8]>,
     n: usize,
     obs_dim: usize,
     pixels: bool,
     chunk: usize,
     timeout: Duration,
 ) -> Result<ActReply, RequestError> {
+    let width = masks.map_or(0, |m| m.len() / n);
+    let request_of = |first: usize, rows: &[f32]| {
+        let count = rows.len() / obs_dim;
+        ActRequest::new(Tensor::observations(&[count, obs_dim], rows, pixels), false).with_masks(
+            masks.map(|m| {
+                Tensor::from_u8(&[count, width], &m[first * width..(first + count) * width])
+            }),
+        )
+    };
     if chunk >= n {
-        let request = ActRequest::new(Tensor::observations(&[n, obs_dim], obs, pixels), false);
+        let request = request_of(0, obs);
         return relay_kit::request(&service.nats, subject, &request, timeout).await;
     }
     let requests =
-        obs.chunks(chunk * obs_dim).map(|rows| {
-            let request = ActRequest::new(
-                Tensor::observations(&[rows.len() / obs_dim, obs_dim], rows, pixels),
-                false,
-            );
+        obs.chunks(chunk * obs_dim).enumerate().map(|(c, rows)| {
+            let request = request_of(c * chunk, rows);
             async move {
                 relay_kit::request::<_, ActReply>(&service.nats, subject, &request, timeout).await
             }

@@ -140,6 +140,36 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     result.and(service.finish().await)
 }
 
+/// Why an act request does not fit the policy: its observation width, or
+/// masks given to a continuous policy or of another action count.
+fn act_mismatch(
+    act: &ActRequest,
+    obs_dim: usize,
+    n_actions: Option<usize>,
+) -> Option<(&'static str, String)> {
+    if act.obs.shape[1] as usize != obs_dim {
+        return Some((
+            "obs",
+            format!(
+                "obs has {} features, the policy takes {obs_dim}",
+                act.obs.shape[1]
+            ),
+        ));
+    }
+    let width = act.masks.as_ref()?.shape[1] as usize;
+    match n_actions {
+        None => Some((
+            "masks",
+            "action masks for a policy of continuous actions".into(),
+        )),
+        Some(k) if k != width => Some((
+            "masks",
+            format!("masks of {width} actions, the policy has {k}"),
+        )),
+        Some(_) => None,
+    }
+}
+
 /// Serves `act` until shutdown.
 async fn serve_act_requests(
     service: &Service,
@@ -162,9 +192,13 @@ async fn serve_act_requests(
         .await
         .map_err(ServiceError::nats)?;
     service.health.set_ready(true);
-    let obs_dim = relay_policy::spec_for(&cfg)
-        .map_err(ServiceError::other)?
-        .obs_dim;
+    let policy_spec = relay_policy::spec_for(&cfg).map_err(ServiceError::other)?;
+    let obs_dim = policy_spec.obs_dim;
+    // Discrete policies take action masks of their action count.
+    let n_actions = match policy_spec.action {
+        relay_nn::ActionKind::Discrete { n } => Some(n),
+        relay_nn::ActionKind::Continuous { .. } => None,
+    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.run.seed ^ std::process::id() as u64);
     let wait = Duration::from_micros(cfg.inference.batch_wait_us);
     let mut report_at = Instant::now() + Duration::from_secs(1);
@@ -186,16 +220,14 @@ async fn serve_act_requests(
                     .intake
                     .decode::<ActRequest>("act", &request.message.payload)
                 {
-                    Ok(act) if act.obs.shape[1] as usize != obs_dim => {
-                        let detail = format!(
-                            "obs has {} features, the policy takes {obs_dim}",
-                            act.obs.shape[1]
-                        );
+                    Ok(act) if act_mismatch(&act, obs_dim, n_actions).is_some() => {
+                        let (field, detail) =
+                            act_mismatch(&act, obs_dim, n_actions).expect("guarded");
                         service.intake.reject(
                             "act",
                             &relay_proto::Rejection::Invalid {
                                 kind: "ActRequest",
-                                field: "obs",
+                                field,
                                 detail: detail.clone(),
                             },
                         );
@@ -256,8 +288,25 @@ async fn serve_act_requests(
                 obs.extend(act.obs.observations_to_f32().expect("validated on decode"));
             }
             let n = obs.len() / obs_dim;
+            // Requests without masks (all legal) may share a batch with masked ones.
+            let masks = match n_actions {
+                Some(k) if group.iter().any(|(_, a)| a.masks.is_some()) => {
+                    let mut masks = Vec::with_capacity(n * k);
+                    for (_, act) in &group {
+                        match &act.masks {
+                            Some(m) => masks.extend_from_slice(&m.data),
+                            None => masks.resize(masks.len() + act.obs.shape[0] as usize * k, 1),
+                        }
+                    }
+                    Some(masks)
+                }
+                _ => None,
+            };
             let started = Instant::now();
-            let out = match policy.model.act(&obs, n, deterministic, &mut rng) {
+            let out = match policy
+                .model
+                .act(&obs, n, masks.as_deref(), deterministic, &mut rng)
+            {
                 Ok(out) => out,
                 Err(e) => {
                     tracing::error!(error = %e, "forward pass failed");

@@ -86,9 +86,10 @@ pub fn update(
     let loss = if rows.is_empty() {
         None
     } else {
-        let (logprob, entropy, values) = model.evaluate(
+        let (logprob, entropy, values) = model.evaluate_masked(
             &rollout.obs_tensor(rows, model.device())?,
             &rollout.actions_tensor(rows, model.device())?,
+            rollout.masks_tensor(rows, model.device())?.as_ref(),
         )?;
         let returns: Vec<f32> = rows.iter().map(|&j| rollout.returns[j]).collect();
         let loss = a2c_loss(

@@ -185,6 +185,19 @@ pub fn gradient_step(
         .to_f32()
         .map_err(|e| field("discounts", e))?;
     let weights = batch.weights.to_f32().map_err(|e| field("weights", e))?;
+    let k = online.spec().n_actions;
+    let next_masks = match &batch.next_masks {
+        Some(m) if m.shape.last().copied() != Some(k as u32) => {
+            return Err(DqnError::Batch {
+                field: "next_masks",
+                detail: format!(
+                    "masks of {:?} actions, the Q-network has {k}",
+                    m.shape.last()
+                ),
+            })
+        }
+        m => m.as_ref().map(|m| &m.data[..]),
+    };
     let loss_cfg = DqnLossConfig {
         double_q: cfg.double_q,
         huber_delta: cfg.huber_delta as f32,
@@ -211,6 +224,7 @@ pub fn gradient_step(
                 next_obs: &next_obs[rows.start * d..rows.end * d],
                 discounts: &discounts[rows.clone()],
                 weights: Some(&weights[rows.clone()]),
+                next_masks: next_masks.map(|m| &m[rows.start * k..rows.end * k]),
             },
         )?;
         let s = &out.stats;
@@ -496,6 +510,7 @@ mod tests {
             weights: Tensor::from_f32(&[b], &vec![1.0; b]),
             size: b as u64,
             inserted_steps: b as u64,
+            next_masks: None,
         }
     }
 

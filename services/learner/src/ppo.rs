@@ -144,13 +144,15 @@ pub fn update(
             } else {
                 let obs = rollout.obs_tensor(mine, model.device())?;
                 let actions = rollout.actions_tensor(mine, model.device())?;
+                let masks = rollout.masks_tensor(mine, model.device())?;
                 let (old_logprob, old_values) = (
                     gather(mine, &rollout.old_logprobs),
                     gather(mine, &rollout.old_values),
                 );
                 let returns = gather(mine, &rollout.returns);
                 let advantages = part(&minibatch_advantages, share);
-                let (logprob, entropy, values) = model.evaluate(&obs, &actions)?;
+                let (logprob, entropy, values) =
+                    model.evaluate_masked(&obs, &actions, masks.as_ref())?;
                 // The plain estimator of KL(old || new), beside the loss's approx_kl.
                 let kl = logprob
                     .to_vec1::<f32>()?

@@ -60,6 +60,10 @@ pub struct Episode {
     /// Policy version that acted each step.
     pub versions: Vec<u64>,
     pub end: Option<End>,
+    /// Envs with action masks: `len * n_actions`, 1 = legal; empty for
+    /// envs without.
+    #[serde(default)]
+    pub masks: Vec<u8>,
 }
 
 impl Episode {
@@ -83,6 +87,28 @@ impl Episode {
         }
         self.rewards.drain(..k);
         self.versions.drain(..k);
+        if !self.masks.is_empty() {
+            let w = self.masks.len() / (self.rewards.len() + k);
+            self.masks.drain(..k * w);
+        }
+    }
+
+    /// Records the mask of the step just pushed (`None`: every action
+    /// legal, stored only once the episode holds masks).
+    fn push_mask(&mut self, mask: Option<&[u8]>) {
+        match mask {
+            Some(m) => {
+                if self.masks.is_empty() {
+                    self.masks.resize((self.len() - 1) * m.len(), 1);
+                }
+                self.masks.extend_from_slice(m);
+            }
+            None if !self.masks.is_empty() => {
+                let w = self.masks.len() / (self.len() - 1);
+                self.masks.resize(self.masks.len() + w, 1);
+            }
+            None => {}
+        }
     }
 }
 
@@ -159,6 +185,10 @@ impl Episodes {
                 }
                 ep.rewards.push(data.rewards[row]);
                 ep.versions.push(f.policy_version);
+                ep.push_mask(data.masks.as_ref().map(|m| {
+                    let w = m.len() / (data.t_len * n);
+                    &m[row * w..(row + 1) * w]
+                }));
                 // Gymnasium sets `truncated` on a terminal step reached at
                 // the time limit too: termination wins (no bootstrap).
                 let end = if data.terminated[row] {
@@ -342,11 +372,27 @@ pub fn update(
             Tensor::from_vec(a, (rows.len(), *dim), device)?
         }
     };
+    // Episodes with action masks (those without allow every action).
+    let masks = match &spec.action {
+        relay_nn::ActionKind::Discrete { n } if episodes.iter().any(|e| !e.masks.is_empty()) => {
+            let m: Vec<u8> = episodes
+                .iter()
+                .flat_map(|e| {
+                    let ones = e.masks.is_empty().then(|| vec![1u8; e.len() * n]);
+                    ones.unwrap_or_else(|| e.masks.clone())
+                })
+                .skip(rows.start * n)
+                .take(rows.len() * n)
+                .collect();
+            Some(Tensor::from_vec(m, (rows.len(), *n), device)?)
+        }
+        _ => None,
+    };
     let returns = &returns[rows.clone()];
     let evaluated = if rows.is_empty() {
         None
     } else {
-        Some(model.evaluate(&obs, &actions)?)
+        Some(model.evaluate_masked(&obs, &actions, masks.as_ref())?)
     };
     let values: Vec<f32> = match &evaluated {
         Some((_, _, v)) if baseline => v.to_vec1()?,

@@ -38,6 +38,11 @@ pub struct Rollout {
     pub old_values: Vec<f32>,
     pub advantages: Vec<f32>,
     pub returns: Vec<f32>,
+    /// Envs with action masks: `len * n_actions`, 1 = legal (rows of
+    /// fragments without masks allow every action); empty otherwise.
+    pub masks: Vec<u8>,
+    /// Actions per mask row (0: no masks).
+    pub mask_width: usize,
     pub len: usize,
     /// Vector steps (sum of fragment lengths) in this rollout.
     pub vec_steps: u64,
@@ -74,6 +79,8 @@ pub struct Decoded {
     pub actions_discrete: Vec<u32>,
     /// Continuous actions, `T * N * action_dim` (empty for a discrete policy).
     pub actions_continuous: Vec<f32>,
+    /// Envs with action masks: `T * N * n_actions`, 1 = legal.
+    pub masks: Option<Vec<u8>>,
 }
 
 impl Decoded {
@@ -85,6 +92,7 @@ impl Decoded {
         action_dim: usize,
     ) -> Result<Self, UpdateError> {
         let (t_len, n) = (f.num_steps as usize, f.num_envs as usize);
+        let masks = f.masks.as_ref().map(|m| m.obs.data.clone());
         let rows = |field| f.observations(field).map_err(|e| fragment_error(f, e));
         let obs = rows(ObsField::Obs)?;
         if obs.len() != t_len * n * obs_dim {
@@ -132,7 +140,36 @@ impl Decoded {
             logprobs: f.logprobs.to_f32().map_err(|e| fragment_error(f, e))?,
             actions_discrete,
             actions_continuous,
+            masks,
         })
+    }
+}
+
+/// The policy's discrete action count (`None`: continuous), the width of
+/// its action masks.
+pub fn mask_width(model: &ActorCritic) -> Option<usize> {
+    match &model.spec().action {
+        relay_nn::ActionKind::Discrete { n } => Some(*n),
+        relay_nn::ActionKind::Continuous { .. } => None,
+    }
+}
+
+/// Checks that a fragment's masks are of the policy's action count.
+pub fn check_mask_width(f: &RolloutFragment, n_actions: Option<usize>) -> Result<(), UpdateError> {
+    let Some(masks) = &f.masks else {
+        return Ok(());
+    };
+    let width = masks.obs.shape.last().copied().unwrap_or(0) as usize;
+    match n_actions {
+        Some(k) if k == width => Ok(()),
+        Some(k) => Err(fragment_error(
+            f,
+            format!("action masks of {width} actions, the policy has {k}"),
+        )),
+        None => Err(fragment_error(
+            f,
+            "action masks for a policy of continuous actions",
+        )),
     }
 }
 
@@ -163,10 +200,20 @@ pub fn prepare(
         old_values: Vec::new(),
         advantages: Vec::new(),
         returns: Vec::new(),
+        masks: Vec::new(),
+        mask_width: 0,
         len: 0,
         vec_steps: 0,
         oldest_version: u64::MAX,
     };
+    let n_actions = mask_width(model);
+    for f in fragments {
+        check_mask_width(f, n_actions)?;
+    }
+    let masked = fragments.iter().any(|f| f.masks.is_some());
+    if masked {
+        out.mask_width = n_actions.expect("checked: masks only for discrete policies");
+    }
     for f in fragments {
         let Decoded {
             t_len,
@@ -180,7 +227,16 @@ pub fn prepare(
             logprobs,
             actions_discrete,
             actions_continuous,
+            masks,
         } = Decoded::new(f, obs_dim, action_dim)?;
+        if masked {
+            match masks {
+                Some(m) => out.masks.extend(m),
+                None => out
+                    .masks
+                    .resize(out.masks.len() + t_len * n * out.mask_width, 1),
+            }
+        }
         out.actions_discrete.extend(actions_discrete);
         out.actions_continuous.extend(actions_continuous);
 
@@ -258,6 +314,24 @@ impl Rollout {
         Ok(Tensor::from_vec(obs, (rows.len(), d), device)?)
     }
 
+    /// Action masks of rows `rows` as a `[rows, n_actions]` u8 tensor on
+    /// `device`, for a rollout with masks.
+    pub fn masks_tensor(
+        &self,
+        rows: &[usize],
+        device: &Device,
+    ) -> Result<Option<Tensor>, UpdateError> {
+        let w = self.mask_width;
+        if w == 0 {
+            return Ok(None);
+        }
+        let masks: Vec<u8> = rows
+            .iter()
+            .flat_map(|&j| self.masks[j * w..(j + 1) * w].iter().copied())
+            .collect();
+        Ok(Some(Tensor::from_vec(masks, (rows.len(), w), device)?))
+    }
+
     /// Actions of rows `rows` on `device`: `[rows]` u32 (discrete) or
     /// `[rows, action_dim]` f32.
     pub fn actions_tensor(&self, rows: &[usize], device: &Device) -> Result<Tensor, UpdateError> {
@@ -322,6 +396,7 @@ pub(crate) fn test_fragment(
         final_obs: Wire::from_f32(&[steps.final_obs.len() / d, d], steps.final_obs),
         norm_rewards: None,
         norm_delta: None,
+        masks: None,
         frames: None,
     }
 }
@@ -362,6 +437,7 @@ mod tests {
             final_obs: Tensor::from_f32(&[1, 4], &final_obs),
             norm_rewards: None,
             norm_delta: None,
+            masks: None,
             frames: None,
         };
         let (gamma, lambda) = (0.9f32, 0.8f32);
@@ -412,6 +488,7 @@ mod tests {
             final_obs: Tensor::from_f32(&[0, 6], &[]),
             norm_rewards: None,
             norm_delta: None,
+            masks: None,
             frames: None,
         };
         let err = prepare(&model, &[fragment], 0.99, 0.95)

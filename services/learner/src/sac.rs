@@ -459,6 +459,7 @@ mod tests {
             weights: Tensor::from_f32(&[b], &vec![1.0; b]),
             size: b as u64,
             inserted_steps: b as u64,
+            next_masks: None,
         }
     }
 

@@ -64,6 +64,8 @@ fn rollout(model: &ActorCritic, round: u64) -> Rollout {
         old_values: out.values,
         advantages,
         returns,
+        masks: Vec::new(),
+        mask_width: 0,
         len: n,
         vec_steps: n as u64,
         oldest_version: 0,
@@ -108,6 +110,7 @@ fn transitions(seed: u64, actions: Wire, weights: &[f32]) -> TransitionBatch {
         weights: Wire::from_f32(&[b], weights),
         size: b as u64,
         inserted_steps: b as u64,
+        next_masks: None,
     }
 }
 
@@ -252,6 +255,7 @@ fn train_reinforce(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
                         } else {
                             End::Terminated
                         }),
+                        masks: Vec::new(),
                     }
                 })
                 .collect();

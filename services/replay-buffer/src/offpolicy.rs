@@ -385,6 +385,9 @@ pub struct Transition {
     pub discount: f32,
     pub terminated: bool,
     pub truncated: bool,
+    /// Envs with action masks: the actions legal in the bootstrap
+    /// observation (DQN's target maxes over those), 1 = legal.
+    pub next_mask: Option<Vec<u8>>,
 }
 
 /// A stored action.
@@ -401,11 +404,13 @@ const FORMAT_PLANES: u8 = 2;
 
 impl Transition {
     /// Little-endian bytes: format, then observation width `d` (values) or
-    /// planes `C` (u16), action kind (u8: 0 discrete, 1 continuous),
-    /// action_dim (u16), for planes the pixels of a plane and the offset
-    /// in the insert (u32 each), the observations (`2d` f32 or `2C` u32),
-    /// action, reward, discount, terminated, truncated. Only stored forms
-    /// (values, planes) encode.
+    /// planes `C` (u16), action kind (u8: 0 discrete, 1 continuous, 2
+    /// discrete with the bootstrap observation's action mask), action_dim
+    /// (u16; kind 2: the mask's width), for planes the pixels of a plane
+    /// and the offset in the insert (u32 each), the observations (`2d` f32
+    /// or `2C` u32), action (kind 2: then the mask's bytes), reward,
+    /// discount, terminated, truncated. Only stored forms (values, planes)
+    /// encode.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
         let (format, width) = match &self.observations {
@@ -415,12 +420,16 @@ impl Transition {
         };
         out.push(format);
         out.extend((width as u16).to_le_bytes());
-        match &self.action {
-            Action::Discrete(_) => {
+        match (&self.action, &self.next_mask) {
+            (Action::Discrete(_), Some(mask)) => {
+                out.push(2);
+                out.extend((mask.len() as u16).to_le_bytes());
+            }
+            (Action::Discrete(_), None) => {
                 out.push(0);
                 out.extend(1u16.to_le_bytes());
             }
-            Action::Continuous(a) => {
+            (Action::Continuous(a), _) => {
                 out.push(1);
                 out.extend((a.len() as u16).to_le_bytes());
             }
@@ -449,6 +458,9 @@ impl Transition {
             Action::Discrete(a) => out.extend(a.to_le_bytes()),
             Action::Continuous(a) => a.iter().for_each(|x| out.extend(x.to_le_bytes())),
         }
+        if let (Action::Discrete(_), Some(mask)) = (&self.action, &self.next_mask) {
+            out.extend_from_slice(mask);
+        }
         out.extend(self.reward.to_le_bytes());
         out.extend(self.discount.to_le_bytes());
         out.push(self.terminated as u8);
@@ -470,6 +482,7 @@ impl Transition {
         let action_bytes = match kind {
             0 => 8,
             1 => 4 * ad,
+            2 => 8 + ad,
             _ => return None,
         };
         let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
@@ -511,11 +524,12 @@ impl Transition {
             }
             _ => return None,
         };
-        let action = if kind == 0 {
-            Action::Discrete(i64::from_le_bytes(bytes[o..o + 8].try_into().unwrap()))
-        } else {
+        let action = if kind == 1 {
             Action::Continuous((0..ad).map(|i| f32_at(o + 4 * i)).collect())
+        } else {
+            Action::Discrete(i64::from_le_bytes(bytes[o..o + 8].try_into().unwrap()))
         };
+        let next_mask = (kind == 2).then(|| bytes[o + 8..o + 8 + ad].to_vec());
         o += action_bytes;
         Some(Self {
             observations,
@@ -524,6 +538,7 @@ impl Transition {
             discount: f32_at(o + 4),
             terminated: bytes[o + 8] != 0,
             truncated: bytes[o + 9] != 0,
+            next_mask,
         })
     }
 }
@@ -668,6 +683,23 @@ pub fn fragment_transitions(
             k += 1;
         }
     }
+    // The masks of those observations, for envs with masks.
+    let masks = f.masks.as_ref().map(|m| {
+        let w = *m.obs.shape.last().expect("validated") as usize;
+        (w, m)
+    });
+    let mask_after = |t: usize, e: usize| -> Option<Vec<u8>> {
+        let (w, m) = masks?;
+        let i = t * n + e;
+        let (all, row) = if let Some(k) = final_rows[i] {
+            (&m.final_obs.data, k)
+        } else if t + 1 < t_len {
+            (&m.obs.data, (t + 1) * n + e)
+        } else {
+            (&m.next_obs.data, e)
+        };
+        Some(all[row * w..(row + 1) * w].to_vec())
+    };
     let after = |t: usize, e: usize| -> Row<'_> {
         let i = t * n + e;
         if let Some(k) = final_rows[i] {
@@ -695,6 +727,7 @@ pub fn fragment_transitions(
                 discount: nstep.discounts[t],
                 terminated: term[last],
                 truncated: trunc[last],
+                next_mask: mask_after(last, e),
             });
         }
     }
@@ -927,8 +960,20 @@ fn build_batch(
     let mut ad = 0;
     let (mut rewards, mut discounts, mut term, mut trunc, mut ids) =
         (vec![], vec![], vec![], vec![], vec![]);
+    // Rows of envs with masks; rows without (inserted with masking off)
+    // allow every action.
+    let mask_width = rows
+        .iter()
+        .find_map(|(_, t)| t.next_mask.as_ref().map(Vec::len));
+    let mut next_masks = Vec::new();
     for (id, t) in rows {
         ids.push(id);
+        if let Some(w) = mask_width {
+            match &t.next_mask {
+                Some(m) if m.len() == w => next_masks.extend_from_slice(m),
+                _ => next_masks.resize(next_masks.len() + w, 1),
+            }
+        }
         match t.observations {
             Observations::Values { obs, next_obs } => {
                 values.extend(obs);
@@ -984,6 +1029,7 @@ fn build_batch(
         weights: Tensor::from_f32(&[b], &weights),
         size,
         inserted_steps,
+        next_masks: mask_width.map(|w| Tensor::from_u8(&[b, w], &next_masks)),
     }
 }
 
@@ -1023,6 +1069,7 @@ mod tests {
             final_obs: Tensor::from_f32(&[0, 2], &[]),
             norm_rewards: None,
             norm_delta: None,
+            masks: None,
             frames: None,
         }
     }
@@ -1078,6 +1125,43 @@ mod tests {
         };
         assert_eq!(Transition::decode(&cont.encode()), Some(cont.clone()));
         assert_eq!(Transition::decode(&cont.encode()[..10]), None);
+    }
+
+    /// Each transition keeps the mask of its bootstrap observation: the
+    /// next row's, a truncation's final one, or the tail's; it survives the
+    /// stored bytes, and a batch of rows with and without masks allows every
+    /// action in the latter.
+    #[test]
+    fn transitions_keep_the_mask_of_their_bootstrap_observation() {
+        let mut f = fragment(3, 2);
+        let mut trunc = vec![false; 6];
+        trunc[1] = true; // (t=0, e=1)
+        f.truncated = Tensor::from_bool(&[3, 2], &trunc);
+        f.final_obs = Tensor::from_f32(&[1, 2], &[7.0, 7.0]);
+        f.actions = Tensor::from_i64(&[3, 2], &[0, 1, 2, 0, 1, 2]);
+        // 3 actions; row (t, e) allows its own action and action 2.
+        let obs_masks = [1, 0, 1, 0, 1, 1, 0, 0, 1, 1, 0, 1, 0, 1, 1, 0, 0, 1];
+        f.masks = Some(relay_proto::FragmentMasks {
+            obs: Tensor::from_u8(&[3, 2, 3], &obs_masks),
+            next_obs: Tensor::from_u8(&[2, 3], &[1, 1, 0, 0, 1, 0]),
+            final_obs: Tensor::from_u8(&[1, 3], &[0, 0, 1]),
+        });
+        let tr = fragment_transitions(&f, 1, 0.9).unwrap();
+        let mask = |i: usize| tr[i].next_mask.clone().unwrap();
+        assert_eq!(mask(0), obs_masks[6..9], "(0, 0): the next row's, (1, 0)");
+        assert_eq!(mask(1), [0, 0, 1], "(0, 1): the truncation's final mask");
+        assert_eq!(mask(4), [1, 1, 0], "(2, 0): the tail's");
+        assert_eq!(mask(5), [0, 1, 0]);
+        for t in &tr {
+            assert_eq!(Transition::decode(&t.encode()).as_ref(), Some(t));
+        }
+        let unmasked = Transition {
+            next_mask: None,
+            ..tr[0].clone()
+        };
+        let rows: Vec<(u64, Transition)> = vec![(0, tr[1].clone()), (1, unmasked)];
+        let batch = build_batch(rows, vec![1.0; 2], 2, 2);
+        assert_eq!(batch.next_masks.unwrap().data, [0, 0, 1, 1, 1, 1]);
     }
 
     #[test]

@@ -48,6 +48,7 @@ fn fragment(t: usize, first: u8) -> RolloutFragment {
         final_obs: Tensor::from_u32(&[0, 4], &[]),
         norm_rewards: None,
         norm_delta: None,
+        masks: None,
         frames: Some(Tensor::from_u8(&[t + 4, PLANE], &frames)),
     }
 }

@@ -49,6 +49,7 @@ fn fragment(t: usize, first: f32) -> RolloutFragment {
         final_obs: Tensor::from_f32(&[0, 4], &[]),
         norm_rewards: None,
         norm_delta: None,
+        masks: None,
         frames: None,
     }
 }

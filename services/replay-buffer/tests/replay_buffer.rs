@@ -37,6 +37,7 @@ fn fragment(version: u64, t: usize, n: usize) -> RolloutFragment {
         final_obs: Tensor::from_f32(&[0, 4], &[]),
         norm_rewards: None,
         norm_delta: None,
+        masks: None,
         frames: None,
     }
 }

@@ -15,7 +15,16 @@ Requests (``op``):
   whose episode ends is reset in the same step (Stable-Baselines3's
   autoreset): its row of ``obs`` is the new episode's first observation and
   the last observation of the ended one is sent under ``final``.
+- With ``action_masks`` asked for at ``init`` and an env whose reset info
+  has ``action_mask`` (Taxi's), ``reset`` and ``step`` also send ``masks``
+  (one uint8 row per env, 1 = legal) and ``step`` the final observations'
+  ``final_masks``; a mask the policy must act on with no legal action is
+  the env's fault, like a non-finite observation.
 - ``get_attr``: an attribute of one env's unwrapped env (for tests and tools).
+
+PettingZoo games (``init`` with ``pettingzoo``, see ``AgentBatch``) answer
+the same ops: one action per env for the agent to move, observations and
+masks of the agent to move next (``movers``), every agent's rewards.
 
 TextArena games (``text_*`` ops, see ``TextGames``) are served by the same
 program: ``text_init`` once, then ``text_make``, ``text_step``,
@@ -282,6 +291,15 @@ class Batch:
         self.action = self._action_space(first.action_space)
         self.n = len(self.envs)
         self.obs = np.zeros((self.n, self.flattener.dim), dtype=self.flattener.dtype)
+        self.env_id = env_id
+        self.steps = [0] * self.n
+        self.masks = None
+        if request.get("action_masks") and self.action["kind"] == "discrete":
+            # Whether the env gives masks shows in a reset's info; the env's
+            # first reset repeats this one (same seed).
+            _obs, info = first.reset(seed=self.seeds[0])
+            if isinstance(info, dict) and "action_mask" in info:
+                self.masks = np.ones((self.n, self.action["wire"]["n"]), dtype=np.uint8)
         self.spec = {
             "obs_low": self.flattener.low.tobytes(),
             "obs_high": self.flattener.high.tobytes(),
@@ -289,6 +307,7 @@ class Batch:
             "max_episode_steps": first.spec.max_episode_steps if first.spec else None,
             "reward_threshold": first.spec.reward_threshold if first.spec else None,
             "image": self.flattener.image,
+            "action_mask": self.masks is not None,
         }
 
     def _action_space(self, space):
@@ -314,13 +333,40 @@ class Batch:
     def _reset_one(self, i):
         seed = self.seeds[i]
         self.seeds[i] = None
-        obs, _info = self.envs[i].reset(seed=seed)
+        obs, info = self.envs[i].reset(seed=seed)
         self.flattener.write(obs, self.obs, i)
+        self.steps[i] = 0
+        if self.masks is not None:
+            self._write_mask(info, i)
+
+    def _mask_of(self, info):
+        """``info["action_mask"]`` as one uint8 row of the action count."""
+        if not isinstance(info, dict) or "action_mask" not in info:
+            raise ValueError("the env gave no info['action_mask'] (it did at its first reset)")
+        mask = np.asarray(info["action_mask"]).astype(np.uint8).reshape(-1)
+        if mask.size != self.masks.shape[1]:
+            raise ValueError(f"info['action_mask'] has {mask.size} entries for {self.masks.shape[1]} actions")
+        return np.minimum(mask, 1)
+
+    def _write_mask(self, info, i):
+        """The mask the policy acts on next: one with no legal action is
+        the env's fault, named with the episode step."""
+        mask = self._mask_of(info)
+        if not mask.any():
+            raise ValueError(
+                f"{self.env_id}: the action mask at episode step {self.steps[i]} allows no action"
+            )
+        self.masks[i] = mask
+
+    def _reply(self, reply):
+        if self.masks is not None:
+            reply["masks"] = self.masks.tobytes()
+        return reply
 
     def reset(self):
         for i in range(self.n):
             self._reset_one(i)
-        return {"obs": self.obs.tobytes()}
+        return self._reply({"obs": self.obs.tobytes()})
 
     def step(self, request):
         n = self.n
@@ -337,26 +383,36 @@ class Batch:
         terminated = [False] * n
         truncated = [False] * n
         final = {}
+        final_masks = {}
         failed = []
         write = self.flattener.write
         rows = self.obs
+        masked = self.masks is not None
         for i, env in enumerate(self.envs):
             try:
-                obs, reward, term, trunc, _info = env.step(actions[i])
+                obs, reward, term, trunc, info = env.step(actions[i])
+                self.steps[i] += 1
                 rewards[i] = float(reward)
                 terminated[i] = term = bool(term)
                 truncated[i] = trunc = bool(trunc)
                 write(obs, rows, i)
                 if term or trunc:
                     final[i] = rows[i].tobytes()
+                    if masked:
+                        # A game's last state may allow no move; nothing acts in it.
+                        final_masks[i] = self._mask_of(info).tobytes()
                     self._reset_one(i)
+                elif masked:
+                    self._write_mask(info, i)
             except Exception:
                 failed.append([i, traceback.format_exc()])
                 rewards[i] = 0.0
                 terminated[i] = truncated[i] = False
+                final.pop(i, None)
+                final_masks.pop(i, None)
                 self._reset_one(i)
         self._refuse_non_finite(rows, rewards, terminated, truncated, final, failed)
-        return {
+        reply = {
             "obs": rows.tobytes(),
             "rewards": struct.pack(f"<{n}d", *rewards),
             "terminated": bytes(terminated),
@@ -364,6 +420,9 @@ class Batch:
             "final": final,
             "failed": failed,
         }
+        if masked:
+            reply["final_masks"] = {i: m for i, m in final_masks.items() if i in final}
+        return self._reply(reply)
 
     def _refuse_non_finite(self, rows, rewards, terminated, truncated, final, failed):
         """NaN or infinity in an observation or a reward is a fault of that
@@ -404,6 +463,257 @@ class Batch:
         elif isinstance(value, np.generic):
             value = value.item()
         return {"value": value}
+
+
+# Where PettingZoo keeps its games: ``connect_four_v3`` is
+# ``pettingzoo.classic.connect_four_v3``.
+_PETTINGZOO_FAMILIES = ("classic", "butterfly", "mpe", "sisl", "atari")
+
+
+def _pettingzoo_env(request):
+    """The AEC env of a PettingZoo id (a module of one of its families, or
+    ``entry_point`` ``module:function`` returning an AEC or parallel env),
+    parallel envs converted with PettingZoo's own ``parallel_to_aec``."""
+    from pettingzoo.utils import conversions
+    from pettingzoo.utils.env import ParallelEnv
+
+    env_id = request["env_id"]
+    kwargs = request.get("kwargs") or {}
+    entry_point = request.get("entry_point")
+    if entry_point:
+        module_name, _, function = entry_point.partition(":")
+        env = getattr(importlib.import_module(module_name), function or "env")(**kwargs)
+    else:
+        for family in _PETTINGZOO_FAMILIES:
+            try:
+                module = importlib.import_module(f"pettingzoo.{family}.{env_id}")
+                break
+            except ModuleNotFoundError as exc:
+                if exc.name not in (f"pettingzoo.{family}", f"pettingzoo.{family}.{env_id}"):
+                    raise
+        else:
+            raise UnknownPettingZoo(env_id)
+        env = module.env(**kwargs)
+    if isinstance(env, ParallelEnv):
+        env = conversions.parallel_to_aec(env)
+    return env
+
+
+class UnknownPettingZoo(Exception):
+    pass
+
+
+class AgentBatch:
+    """``num_envs`` copies of a PettingZoo game, stepped the way
+    ``env.agent_iter()``, ``env.last()`` and ``env.step()`` are: each
+    request carries one action per env, for the agent to move there
+    (``agent_selection``); agents that are done are stepped with ``None``
+    here, and a game whose agents are all done is reset in the same step.
+
+    Every agent shares one observation and one action space; a Dict
+    observation with ``observation`` and ``action_mask`` (PettingZoo's
+    classic games) gives both, an ``action_mask`` in the agent's info the
+    mask too. Rewards are summed per agent over every ``step`` call between
+    two requests (``env.rewards`` holds each call's), so each agent's return
+    is what ``env.last()`` accumulates."""
+
+    def __init__(self, request):
+        for folder in reversed(request.get("python_path") or []):
+            sys.path.insert(0, folder)
+        for target in request.get("imports") or []:
+            _import(target)
+        self.env_id = request["env_id"]
+        self.envs = [_pettingzoo_env(request) for _ in range(request["num_envs"])]
+        self.seeds = list(request["seeds"])
+        self.n = len(self.envs)
+        first = self.envs[0]
+        self.agents = list(first.possible_agents)
+        self.seat = {a: i for i, a in enumerate(self.agents)}
+        spaces = {(repr(first.observation_space(a)), repr(first.action_space(a))) for a in self.agents}
+        if len(spaces) != 1:
+            raise UnsupportedSpace(
+                f"the agents of {self.env_id} have different observation or action spaces; "
+                "relay's self-play shares one policy among them"
+            )
+        space = first.observation_space(self.agents[0])
+        from gymnasium import spaces as gym_spaces
+
+        self.dict_obs = isinstance(space, gym_spaces.Dict) and "observation" in space.spaces
+        self.flattener = Flattener(space["observation"] if self.dict_obs else space)
+        action = first.action_space(self.agents[0])
+        if not isinstance(action, gym_spaces.Discrete):
+            raise UnsupportedSpace(f"action space is {action!r}; relay's self-play takes Discrete actions")
+        self.start = int(action.start)
+        self.n_actions = int(action.n)
+        self.masked = bool(request.get("action_masks")) and (
+            (self.dict_obs and "action_mask" in space.spaces) or self._probe_info_mask(first)
+        )
+        self.obs = np.zeros((self.n, self.flattener.dim), dtype=self.flattener.dtype)
+        self.masks = np.ones((self.n, self.n_actions), dtype=np.uint8)
+        self.movers = [0] * self.n
+        self.steps = [0] * self.n
+        self.spec = {
+            "obs_low": self.flattener.low.tobytes(),
+            "obs_high": self.flattener.high.tobytes(),
+            "action": {"kind": "discrete", "n": self.n_actions},
+            "max_episode_steps": None,
+            "reward_threshold": None,
+            "image": self.flattener.image,
+            "action_mask": self.masked,
+            "agents": self.agents,
+        }
+
+    def _probe_info_mask(self, env):
+        env.reset(seed=self.seeds[0])
+        info = env.infos.get(env.agent_selection, {})
+        return isinstance(info, dict) and "action_mask" in info
+
+    def _observation(self, env, agent):
+        obs = env.observe(agent)
+        return obs["observation"] if self.dict_obs else obs
+
+    def _mask(self, env, agent, raw):
+        if self.dict_obs and "action_mask" in raw:
+            mask = raw["action_mask"]
+        else:
+            mask = env.infos.get(agent, {}).get("action_mask")
+            if mask is None:
+                raise ValueError(f"{self.env_id}: {agent} has no action mask (the game gave one before)")
+        return np.minimum(np.asarray(mask).astype(np.uint8).reshape(-1), 1)
+
+    def _advance(self, i, rewards, finals):
+        """Steps done agents with ``None`` until one must act or the game
+        is over (then returns False); adds every call's rewards."""
+        env = self.envs[i]
+        while env.agents:
+            agent = env.agent_selection
+            if not (env.terminations[agent] or env.truncations[agent]):
+                raw = env.observe(agent)
+                self.flattener.write(raw["observation"] if self.dict_obs else raw, self.obs, i)
+                self.movers[i] = self.seat[agent]
+                if self.masked:
+                    mask = self._mask(env, agent, raw)
+                    if not mask.any():
+                        raise ValueError(
+                            f"{self.env_id}: the action mask of {agent} at episode step {self.steps[i]} allows no action"
+                        )
+                    self.masks[i] = mask
+                return True
+            if finals is not None:
+                row = np.zeros((1, self.flattener.dim), dtype=self.flattener.dtype)
+                self.flattener.write(self._observation(env, agent), row, 0)
+                finals[self.seat[agent]] = row[0]
+                finals["truncated"] = finals.get("truncated", False) or (
+                    env.truncations[agent] and not env.terminations[agent]
+                )
+            env.step(None)
+            for agent, r in env.rewards.items():
+                rewards[i, self.seat[agent]] += float(r)
+        return False
+
+    def _reset_one(self, i, rewards):
+        seed = self.seeds[i]
+        self.seeds[i] = None
+        self.envs[i].reset(seed=seed)
+        self.steps[i] = 0
+        if not self._advance(i, rewards, None):
+            raise ValueError(f"{self.env_id}: a game that is over as it starts")
+
+    def _reply(self, reply):
+        reply["obs"] = self.obs.tobytes()
+        reply["movers"] = bytes(self.movers)
+        if self.masked:
+            reply["masks"] = self.masks.tobytes()
+        return reply
+
+    def reset(self):
+        rewards = np.zeros((self.n, len(self.agents)))
+        for i in range(self.n):
+            self._reset_one(i, rewards)
+        return self._reply({})
+
+    def step(self, request):
+        actions = np.frombuffer(request["actions"], dtype=np.int64).tolist()
+        n, k = self.n, len(self.agents)
+        rewards = np.zeros((n, k))
+        terminated = [False] * n
+        truncated = [False] * n
+        final = {}
+        failed = []
+        for i, env in enumerate(self.envs):
+            try:
+                env.step(actions[i] + self.start)
+                self.steps[i] += 1
+                for agent, r in env.rewards.items():
+                    rewards[i, self.seat[agent]] += float(r)
+                finals = {}
+                if not self._advance(i, rewards, finals):
+                    truncated[i] = bool(finals.pop("truncated", False))
+                    terminated[i] = not truncated[i]
+                    final[i] = b"".join(
+                        (finals[s] if s in finals else np.zeros(self.flattener.dim, self.flattener.dtype)).tobytes()
+                        for s in range(k)
+                    )
+                    self._reset_one(i, np.zeros((n, k)))
+            except Exception:
+                failed.append([i, traceback.format_exc()])
+                rewards[i] = 0.0
+                terminated[i] = truncated[i] = False
+                final.pop(i, None)
+                self._reset_one(i, np.zeros((n, k)))
+        bad = [i for i in range(n) if not np.isfinite(rewards[i]).all()]
+        for i in bad:
+            failed.append([i, f"ValueError: {self.env_id} returned a non-finite reward {rewards[i].tolist()}"])
+            rewards[i] = 0.0
+            terminated[i] = truncated[i] = False
+            final.pop(i, None)
+            self._reset_one(i, np.zeros((n, k)))
+        return self._reply({
+            "seat_rewards": rewards.astype("<f8").tobytes(),
+            "terminated": bytes(terminated),
+            "truncated": bytes(truncated),
+            "final": final,
+            "failed": failed,
+        })
+
+    def get_attr(self, request):
+        value = getattr(self.envs[request["index"]].unwrapped, request["name"])
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        elif isinstance(value, np.generic):
+            value = value.item()
+        return {"value": value}
+
+
+def _agents_init(request):
+    try:
+        import pettingzoo  # noqa: F401
+    except ModuleNotFoundError as exc:
+        return None, _missing(exc.name or "pettingzoo", exc)
+    try:
+        return AgentBatch(request), None
+    except ModuleNotFoundError as exc:
+        return None, _missing(exc.name or "?", exc)
+    except UnsupportedSpace as exc:
+        return None, {"error": "unsupported_space", "message": str(exc), "traceback": ""}
+    except UnknownPettingZoo as exc:
+        import pkgutil
+        import pettingzoo
+
+        known = []
+        for family in _PETTINGZOO_FAMILIES:
+            try:
+                package = importlib.import_module(f"pettingzoo.{family}")
+            except Exception:
+                continue
+            known += [m.name for m in pkgutil.iter_modules(package.__path__) if re.search(r"_v\d+$", m.name)]
+        close = difflib.get_close_matches(str(exc), known, n=5, cutoff=0.6)
+        return None, {
+            "error": "unknown_env",
+            "message": f"PettingZoo {pettingzoo.__version__} has no game {str(exc)!r}"
+            + (f"; similar ids: {', '.join(close)}" if close else ""),
+            "traceback": "",
+        }
 
 
 # A heading that TextArena games put before the moves a player may make
@@ -636,6 +946,13 @@ def _init(request):
                 hint = f"; {request['env_id']} is a TextArena game: set env.backend: textarena"
         except Exception:
             pass
+        for family in _PETTINGZOO_FAMILIES:
+            try:
+                importlib.import_module(f"pettingzoo.{family}.{request['env_id']}")
+                hint = f"; {request['env_id']} is a PettingZoo game: set env.backend: pettingzoo"
+                break
+            except Exception:
+                pass
         return None, {
             "error": "unknown_env",
             "message": f"{exc.__class__.__name__}: {exc}{hint}",
@@ -658,7 +975,7 @@ def main():
                 except ModuleNotFoundError as exc:
                     write_message(_missing("gymnasium", exc))
                     continue
-                batch, error = _init(request)
+                batch, error = _agents_init(request) if request.get("pettingzoo") else _init(request)
                 write_message(error if error else {"ok": batch.spec})
             elif op == "text_init":
                 text_games, error = _text_init(request)

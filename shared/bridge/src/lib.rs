@@ -125,6 +125,15 @@ impl VecEnvs {
         }
     }
 
+    /// The action masks of the current observations (`[num_envs *
+    /// n_actions]`, 1 = legal), for an env with masks.
+    pub fn masks(&self) -> Option<&[u8]> {
+        match self {
+            VecEnvs::Builtin(_) => None,
+            VecEnvs::Python(e) => e.masks(),
+        }
+    }
+
     /// Python workers restarted so far (0 for built-in envs).
     pub fn restarts(&self) -> u64 {
         match self {
@@ -158,6 +167,7 @@ fn spec_cache() -> &'static Mutex<HashMap<String, EnvSpec>> {
 pub(crate) fn cache_key(env_id: &str, section: &EnvSection) -> String {
     serde_json::json!([
         env_id,
+        section.backend,
         section.kwargs,
         section.wrappers,
         section.imports,
@@ -165,6 +175,7 @@ pub(crate) fn cache_key(env_id: &str, section: &EnvSection) -> String {
         section.entry_point,
         section.interpreter(),
         section.num_players,
+        section.action_masks,
     ])
     .to_string()
 }

@@ -42,6 +42,10 @@ struct InitRequest<'a> {
     entry_point: Option<&'a str>,
     num_envs: usize,
     seeds: Vec<u64>,
+    /// Send the env's action masks when it has them.
+    action_masks: bool,
+    /// `env_id` is a PettingZoo game.
+    pettingzoo: bool,
 }
 
 #[derive(Serialize)]
@@ -72,6 +76,12 @@ struct WireSpec {
     /// `[C, H, W]` of uint8 image observations, which travel as one byte each.
     #[serde(default)]
     image: Option<[usize; 3]>,
+    /// The env's reset info has `action_mask` (and masking is on).
+    #[serde(default)]
+    action_mask: bool,
+    /// A multi-agent game's agents, in seat order.
+    #[serde(default)]
+    agents: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -84,17 +94,34 @@ enum WireAction {
 #[derive(Deserialize)]
 struct ResetReply {
     obs: ByteBuf,
+    /// Envs with masks: one row of `n_actions` bytes per env.
+    #[serde(default)]
+    masks: Option<ByteBuf>,
+    /// Multi-agent games: the seat to move in each env.
+    #[serde(default)]
+    movers: Option<ByteBuf>,
 }
 
 #[derive(Deserialize)]
 struct StepReply {
     obs: ByteBuf,
+    /// Single-agent envs: one f64 per env.
+    #[serde(default)]
     rewards: ByteBuf,
+    /// Multi-agent games: one f64 per env and seat, and the seat to move.
+    #[serde(default)]
+    seat_rewards: Option<ByteBuf>,
+    #[serde(default)]
+    movers: Option<ByteBuf>,
     terminated: ByteBuf,
     truncated: ByteBuf,
     #[serde(rename = "final")]
     final_obs: HashMap<usize, ByteBuf>,
     failed: Vec<(usize, String)>,
+    #[serde(default)]
+    masks: Option<ByteBuf>,
+    #[serde(default)]
+    final_masks: HashMap<usize, ByteBuf>,
 }
 
 #[derive(Deserialize)]
@@ -126,6 +153,8 @@ pub struct PyVecEnv {
     buf: VecStep,
     returns: Vec<f64>,
     lengths: Vec<u32>,
+    /// Multi-agent games: each seat's return so far, `[num_envs * seats]`.
+    seat_returns: Vec<f64>,
     has_reset: bool,
     restarts: u64,
     action_bytes: Vec<u8>,
@@ -187,14 +216,23 @@ impl PyVecEnv {
         let wire = first.expect("at least one worker");
         let spec = spec_from_wire(env_id, &wire)?;
         let obs_dim = spec.obs_dim();
+        let mut buf = VecStep::new(num_envs, obs_dim);
+        if let (true, Some(n)) = (spec.action_mask, spec.action_space.n()) {
+            buf = buf.with_masks(n);
+        }
+        let seats = spec.agents.len();
+        if seats > 0 {
+            buf = buf.with_seats(seats);
+        }
         Ok(PyVecEnv {
             launcher,
             spec,
             obs_dim,
             slots,
-            buf: VecStep::new(num_envs, obs_dim),
+            buf,
             returns: vec![0.0; num_envs],
             lengths: vec![0; num_envs],
+            seat_returns: vec![0.0; num_envs * seats],
             has_reset: false,
             restarts: 0,
             action_bytes: Vec::new(),
@@ -221,6 +259,11 @@ impl PyVecEnv {
         &self.buf.obs
     }
 
+    /// Action masks of the current observations, for an env with masks.
+    pub fn masks(&self) -> Option<&[u8]> {
+        self.buf.masks()
+    }
+
     /// Workers restarted since the batch was made.
     pub fn restarts(&self) -> u64 {
         self.restarts
@@ -241,8 +284,11 @@ impl PyVecEnv {
                 .map_err(|f| failure_error(&self.launcher.env_id, f))?;
             let range = self.slots[i].envs.clone();
             self.write_obs(&range, &reply.obs)?;
+            self.write_masks(&range, reply.masks.as_ref().map(|m| &m[..]))?;
+            self.write_movers(&range, reply.movers.as_ref().map(|m| &m[..]))?;
         }
         self.returns.fill(0.0);
+        self.seat_returns.fill(0.0);
         self.lengths.fill(0);
         self.buf.clear_outcomes();
         self.has_reset = true;
@@ -308,13 +354,31 @@ impl PyVecEnv {
                 });
             }
             self.write_obs(&range, &reply.obs)?;
+            self.write_masks(&range, reply.masks.as_ref().map(|m| &m[..]))?;
+            self.write_movers(&range, reply.movers.as_ref().map(|m| &m[..]))?;
+            let seats = self.spec.agents.len();
+            let f64_at = |bytes: &[u8], j: usize| {
+                f64::from_le_bytes(bytes[j * 8..j * 8 + 8].try_into().unwrap())
+            };
             for (k, i) in range.clone().enumerate() {
                 if failed.contains(&i) {
                     self.drop_episode(i);
                     continue;
                 }
-                let reward =
-                    f64::from_le_bytes(reply.rewards[k * 8..k * 8 + 8].try_into().unwrap());
+                // Multi-agent games: every seat's rewards; the env's own
+                // reward and return are seat 0's.
+                let reward = match &reply.seat_rewards {
+                    Some(seat_rewards) => {
+                        let (_, rewards, _, _) = self.buf.seats_mut();
+                        for s in 0..seats {
+                            let r = f64_at(seat_rewards, k * seats + s);
+                            rewards[i * seats + s] = r;
+                            self.seat_returns[i * seats + s] += r;
+                        }
+                        f64_at(seat_rewards, k * seats)
+                    }
+                    None => f64_at(&reply.rewards, k),
+                };
                 let terminated = reply.terminated[k] != 0;
                 let truncated = reply.truncated[k] != 0;
                 self.buf.rewards[i] = reward;
@@ -330,8 +394,29 @@ impl PyVecEnv {
                             env_id: self.launcher.env_id.clone(),
                             detail: format!("env {k} ended without a final observation"),
                         })?;
-                    let last = self.decode_obs(last, self.obs_dim)?;
-                    self.buf.set_final_obs(i, &last);
+                    let last = self.decode_obs(last, self.obs_dim * seats.max(1))?;
+                    self.buf.set_final_obs(i, &last[..self.obs_dim]);
+                    if seats > 0 {
+                        let d = self.obs_dim;
+                        let (_, _, returns, final_seat_obs) = self.buf.seats_mut();
+                        returns[i * seats..(i + 1) * seats]
+                            .copy_from_slice(&self.seat_returns[i * seats..(i + 1) * seats]);
+                        final_seat_obs[i * seats * d..(i + 1) * seats * d].copy_from_slice(&last);
+                        self.seat_returns[i * seats..(i + 1) * seats].fill(0.0);
+                    }
+                    // A finished game's last states are not acted in: no
+                    // final masks for multi-agent games.
+                    if let (Some(width), 0) = (self.mask_width(), seats) {
+                        let mask = reply
+                            .final_masks
+                            .get(&k)
+                            .filter(|m| m.len() == width)
+                            .ok_or_else(|| BridgeError::Protocol {
+                                env_id: self.launcher.env_id.clone(),
+                                detail: format!("env {k} ended without a final action mask"),
+                            })?;
+                        self.buf.set_final_mask(i, mask);
+                    }
                     self.buf.finished.push(FinishedEpisode {
                         env_index: i,
                         episode_return: self.returns[i],
@@ -381,6 +466,42 @@ impl PyVecEnv {
         self.buf.truncated[i] = false;
         self.returns[i] = 0.0;
         self.lengths[i] = 0;
+        let seats = self.spec.agents.len();
+        self.seat_returns[i * seats..(i + 1) * seats].fill(0.0);
+        let (_, rewards, _, _) = self.buf.seats_mut();
+        rewards[i * seats..(i + 1) * seats].fill(0.0);
+    }
+
+    /// The seats to move in envs `range` (multi-agent games).
+    fn write_movers(
+        &mut self,
+        range: &Range<usize>,
+        bytes: Option<&[u8]>,
+    ) -> Result<(), BridgeError> {
+        let seats = self.spec.agents.len();
+        if seats == 0 {
+            return Ok(());
+        }
+        match bytes {
+            Some(bytes)
+                if bytes.len() == range.len() && bytes.iter().all(|&b| (b as usize) < seats) =>
+            {
+                let (movers, _, _, _) = self.buf.seats_mut();
+                for (m, &b) in movers[range.clone()].iter_mut().zip(bytes) {
+                    *m = u32::from(b);
+                }
+                Ok(())
+            }
+            other => Err(BridgeError::Protocol {
+                env_id: self.launcher.env_id.clone(),
+                detail: format!(
+                    "movers of envs {}..{}: one seat below {seats} per env expected, got {:?}",
+                    range.start,
+                    range.end,
+                    other.map(<[u8]>::len)
+                ),
+            }),
+        }
     }
 
     /// Replaces slot `s`'s worker with a new one whose envs are reset.
@@ -414,6 +535,8 @@ impl PyVecEnv {
         };
         self.restarts += 1;
         self.write_obs(&range, &reply.obs)?;
+        self.write_masks(&range, reply.masks.as_ref().map(|m| &m[..]))?;
+        self.write_movers(&range, reply.movers.as_ref().map(|m| &m[..]))?;
         for i in range.clone() {
             self.drop_episode(i);
         }
@@ -432,7 +555,10 @@ impl PyVecEnv {
                 reply.obs.len(),
                 k * self.obs_dim * self.obs_value_bytes(),
             ),
-            ("rewards", reply.rewards.len(), k * 8),
+            match &reply.seat_rewards {
+                Some(r) => ("seat_rewards", r.len(), k * 8 * self.spec.agents.len()),
+                None => ("rewards", reply.rewards.len(), k * 8),
+            },
             ("terminated", reply.terminated.len(), k),
             ("truncated", reply.truncated.len(), k),
         ];
@@ -472,6 +598,43 @@ impl PyVecEnv {
             });
         }
         Ok(bytes.iter().map(|&b| f32::from(b)).collect())
+    }
+
+    /// Actions per mask row, for an env with masks.
+    fn mask_width(&self) -> Option<usize> {
+        self.spec
+            .action_mask
+            .then(|| self.spec.action_space.n())
+            .flatten()
+    }
+
+    /// The masks of envs `range` from a reply (the worker has checked that
+    /// each allows an action).
+    fn write_masks(
+        &mut self,
+        range: &Range<usize>,
+        bytes: Option<&[u8]>,
+    ) -> Result<(), BridgeError> {
+        let Some(width) = self.mask_width() else {
+            return Ok(());
+        };
+        let expected = range.len() * width;
+        match bytes {
+            Some(bytes) if bytes.len() == expected && bytes.iter().all(|&b| b <= 1) => {
+                self.buf.masks_mut(range.clone()).copy_from_slice(bytes);
+                Ok(())
+            }
+            other => Err(BridgeError::Protocol {
+                env_id: self.launcher.env_id.clone(),
+                detail: format!(
+                    "action masks of envs {}..{}: {} bytes of 0/1 expected, got {:?} bytes",
+                    range.start,
+                    range.end,
+                    expected,
+                    other.map(<[u8]>::len)
+                ),
+            }),
+        }
     }
 
     fn write_obs(&mut self, range: &Range<usize>, bytes: &[u8]) -> Result<(), BridgeError> {
@@ -521,6 +684,8 @@ impl Launcher {
                 .clone()
                 .map(|i| sub_seed(seed, i) & u64::from(u32::MAX))
                 .collect(),
+            action_masks: self.section.action_masks,
+            pettingzoo: self.section.backend == crate::Backend::Pettingzoo,
         }
     }
 
@@ -606,6 +771,13 @@ fn spec_from_wire(env_id: &str, wire: &WireSpec) -> Result<EnvSpec, BridgeError>
             high: decode_f32(high, high.len() / 4, env_id)?,
         },
     };
+    let action_mask = wire.action_mask && action_space.is_discrete();
+    if !wire.agents.is_empty() && !action_space.is_discrete() {
+        return Err(BridgeError::UnsupportedSpace {
+            env_id: env_id.to_string(),
+            message: "relay's self-play takes discrete actions".into(),
+        });
+    }
     Ok(EnvSpec {
         id: crate::intern(env_id),
         observation_space: BoxSpace { low, high },
@@ -615,6 +787,8 @@ fn spec_from_wire(env_id: &str, wire: &WireSpec) -> Result<EnvSpec, BridgeError>
             .map_or(u32::MAX, |m| m.min(u32::MAX as u64) as u32),
         reward_threshold: wire.reward_threshold,
         image: wire.image,
+        action_mask,
+        agents: wire.agents.clone(),
     })
 }
 

@@ -21,6 +21,10 @@ pub enum Backend {
     /// `textarena.make(id)` in a Python worker: `run.env_id` and every id of
     /// `text.games` is a TextArena game, also one relay has built in.
     Textarena,
+    /// A PettingZoo game (`connect_four_v3`: `pettingzoo.classic.connect_four_v3.env()`,
+    /// AEC or parallel; or `entry_point` `module:function`) in Python
+    /// workers: its agents take turns, and the run plays it by self-play.
+    Pettingzoo,
 }
 
 /// A Gymnasium wrapper applied after `gymnasium.make`.
@@ -75,6 +79,10 @@ pub struct EnvSection {
     /// Players of a TextArena game (`env.reset(num_players=...)`); unset:
     /// the first of 2, 1, 3, 4, 5, 6 that the game accepts.
     pub num_players: Option<usize>,
+    /// Use the env's action masks where it has them (Gymnasium's
+    /// `info["action_mask"]`): the policy samples, trains and is evaluated
+    /// on legal actions only. `false`: every action counts as legal.
+    pub action_masks: bool,
 }
 
 impl Default for EnvSection {
@@ -91,6 +99,7 @@ impl Default for EnvSection {
             step_timeout_s: 60.0,
             start_timeout_s: 120.0,
             num_players: None,
+            action_masks: true,
         }
     }
 }
@@ -100,7 +109,7 @@ impl EnvSection {
     pub fn uses_python(&self, env_id: &str) -> bool {
         match self.backend {
             Backend::Builtin | Backend::Textarena => false,
-            Backend::Gymnasium => true,
+            Backend::Gymnasium | Backend::Pettingzoo => true,
             Backend::Auto => !is_builtin(env_id),
         }
     }

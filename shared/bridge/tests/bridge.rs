@@ -60,6 +60,27 @@ class Faulty(gym.Env):
                     return obs, 1.0, False, False, {}
         return self._obs(), 1.0, self.t >= 10, False, {}
 
+class Masked(gym.Env):
+    """Episodes of 4 steps; at step t only action t % 3 is legal, and with
+    `empty_at` the mask at that step allows nothing."""
+    observation_space = spaces.Box(0.0, 10.0, (1,), np.float32)
+    action_space = spaces.Discrete(3)
+    def __init__(self, empty_at=None):
+        self.empty_at = empty_at
+    def _info(self):
+        mask = np.zeros(3, np.int8)
+        if self.t != self.empty_at:
+            mask[self.t % 3] = 1
+        return {"action_mask": mask}
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([0.0], np.float32), self._info()
+    def step(self, action):
+        assert self.t == self.empty_at or action == self.t % 3, f"illegal action {action} at step {self.t}"
+        self.t += 1
+        return np.array([self.t], np.float32), 1.0, self.t >= 4, False, self._info()
+
 class Texty(gym.Env):
     observation_space = spaces.Text(8)
     action_space = spaces.Discrete(2)
@@ -206,6 +227,158 @@ fn discrete_and_dict_observations_are_flattened_and_other_spaces_are_refused() {
     let err = relay_bridge::spec("RelayTexty-v0", &texty).unwrap_err();
     assert!(matches!(err, BridgeError::UnsupportedSpace { .. }), "{err}");
     assert!(err.to_string().contains("Text("), "{err}");
+}
+
+#[test]
+fn action_masks_come_from_the_info_with_each_observation_and_can_be_turned_off() {
+    let taxi = relay_bridge::spec("Taxi-v4", &EnvSection::default()).unwrap();
+    assert!(taxi.action_mask, "Taxi's reset info has action_mask");
+    let mut envs = VecEnvs::new("Taxi-v4", &EnvSection::default(), 2, 1).unwrap();
+    envs.reset().unwrap();
+    let masks = envs.masks().expect("masks on by default").to_vec();
+    assert_eq!(masks.len(), 2 * 6);
+    // Taxi's first state (seed 1 or any): pickup and dropoff are illegal
+    // away from the passenger, and some move is legal.
+    for row in masks.chunks(6) {
+        assert!(
+            row.iter().all(|&b| b <= 1) && row[..4].contains(&1),
+            "{row:?}"
+        );
+    }
+    let off = EnvSection {
+        action_masks: false,
+        ..EnvSection::default()
+    };
+    assert!(!relay_bridge::spec("Taxi-v4", &off).unwrap().action_mask);
+    let mut plain = VecEnvs::new("Taxi-v4", &off, 2, 1).unwrap();
+    plain.reset().unwrap();
+    assert!(plain.masks().is_none());
+
+    let dir = tempdir();
+    let section = EnvSection {
+        entry_point: Some("relay_test_envs:Masked".into()),
+        ..user_envs(&dir)
+    };
+    let mut envs = VecEnvs::new("RelayMasked-v0", &section, 2, 0).unwrap();
+    assert!(envs.spec().action_mask);
+    envs.reset().unwrap();
+    assert_eq!(envs.masks().unwrap(), &[1, 0, 0, 1, 0, 0]);
+    for t in 1..=4i64 {
+        // The legal action of step t - 1; the env asserts it got it.
+        let a = (t - 1) % 3;
+        let step = envs.step(VecActions::Discrete(&[a, a])).unwrap();
+        if t < 4 {
+            let legal = (t % 3) as usize;
+            let want: Vec<u8> = (0..6).map(|j| u8::from(j % 3 == legal)).collect();
+            assert_eq!(step.masks().unwrap(), &want[..], "step {t}");
+        } else {
+            // The episode ended: its final state's mask (step 4: action 1),
+            // and the new episode's first.
+            assert_eq!(step.final_mask(0).unwrap(), &[0, 1, 0]);
+            assert_eq!(step.masks().unwrap(), &[1, 0, 0, 1, 0, 0]);
+        }
+    }
+
+    // A mask that allows nothing is the env's fault, named with its step.
+    let mut section = section;
+    section.kwargs.insert("empty_at".into(), 2.into());
+    let mut envs = VecEnvs::new("RelayMasked-v0", &section, 1, 0).unwrap();
+    envs.reset().unwrap();
+    envs.step(VecActions::Discrete(&[0])).unwrap();
+    let err = envs.step(VecActions::Discrete(&[1])).unwrap_err();
+    let BridgeError::Faulted { faults } = &err else {
+        panic!("expected a fault, got {err}")
+    };
+    assert!(
+        faults[0]
+            .detail
+            .contains("RelayMasked-v0: the action mask at episode step 2 allows no action"),
+        "{err}"
+    );
+    // The env was reset and stepping goes on.
+    assert_eq!(envs.masks().unwrap(), &[1, 0, 0]);
+    envs.step(VecActions::Discrete(&[0])).unwrap();
+}
+
+fn pettingzoo() -> EnvSection {
+    EnvSection {
+        backend: relay_bridge::Backend::Pettingzoo,
+        ..EnvSection::default()
+    }
+}
+
+/// PettingZoo's turn-taking as `env.agent_iter()` / `env.last()` /
+/// `env.step()` play it: the agent to move, its observation and mask,
+/// every agent's rewards, and the next game in the same step.
+#[test]
+fn pettingzoo_games_take_turns_with_masks_and_every_agents_rewards() {
+    let spec = relay_bridge::spec("tictactoe_v3", &pettingzoo()).unwrap();
+    assert_eq!(spec.agents, ["player_1", "player_2"]);
+    assert_eq!(spec.obs_dim(), 18, "a 3x3x2 board");
+    assert_eq!(
+        spec.action_space,
+        relay_envs::ActionSpace::Discrete { n: 9 }
+    );
+    assert!(spec.action_mask);
+    let mut envs = VecEnvs::new("tictactoe_v3", &pettingzoo(), 2, 3).unwrap();
+    envs.reset().unwrap();
+    // Each env plays its first legal square: player_1 takes 0, 2, 4, 6 and
+    // wins on the diagonal at the 7th move.
+    for t in 0..7usize {
+        let masks = envs.masks().unwrap().to_vec();
+        let actions: Vec<i64> = masks
+            .chunks(9)
+            .map(|m| m.iter().position(|&b| b == 1).unwrap() as i64)
+            .collect();
+        assert_eq!(actions, [t as i64; 2], "the first free square is {t}");
+        let step = envs.step(VecActions::Discrete(&actions)).unwrap();
+        if t < 6 {
+            assert_eq!(step.movers().unwrap(), &[(t as u32 + 1) % 2; 2]);
+            assert!(!step.done(0) && !step.done(1));
+            assert_eq!(step.seat_rewards(0), &[0.0, 0.0]);
+        } else {
+            assert!(step.terminated[0] && step.terminated[1] && !step.truncated[0]);
+            assert_eq!(step.seat_rewards(0), &[1.0, -1.0]);
+            assert_eq!(step.seat_returns(1).unwrap(), &[1.0, -1.0]);
+            assert_eq!(step.finished.len(), 2);
+            // player_2's last view: its own 3 marks, player_1's 4.
+            let last = step.final_seat_obs(0, 1).unwrap();
+            let mine: f32 = last.iter().skip(0).step_by(2).sum();
+            let theirs: f32 = last.iter().skip(1).step_by(2).sum();
+            assert_eq!((mine, theirs), (3.0, 4.0));
+            // The next game, player_1 to move on an empty board.
+            assert_eq!(step.movers().unwrap(), &[0, 0]);
+            assert_eq!(step.masks().unwrap(), &[1; 18]);
+        }
+    }
+
+    // A parallel game (rock paper scissors), turned into turns by
+    // PettingZoo's parallel_to_aec; its rewards come once both have moved.
+    let rps = EnvSection {
+        entry_point: Some("pettingzoo.classic.rps_v2:parallel_env".into()),
+        ..pettingzoo()
+    };
+    let mut envs = VecEnvs::new("rps_v2", &rps, 1, 0).unwrap();
+    assert_eq!(envs.spec().agents, ["player_0", "player_1"]);
+    assert!(envs.masks().is_none() && !envs.spec().action_mask);
+    envs.reset().unwrap();
+    let step = envs.step(VecActions::Discrete(&[0])).unwrap();
+    assert_eq!(step.movers().unwrap(), &[1]);
+    // Paper covers rock.
+    let step = envs.step(VecActions::Discrete(&[1])).unwrap();
+    assert_eq!(step.seat_rewards(0), &[-1.0, 1.0]);
+
+    let err = relay_bridge::spec("connect_four_v2", &pettingzoo()).unwrap_err();
+    assert!(
+        err.to_string().contains("no game 'connect_four_v2'")
+            && err.to_string().contains("connect_four_v3"),
+        "{err}"
+    );
+    let err = relay_bridge::spec("tictactoe_v3", &gymnasium()).unwrap_err();
+    assert!(
+        err.to_string().contains("set env.backend: pettingzoo"),
+        "{err}"
+    );
 }
 
 #[test]

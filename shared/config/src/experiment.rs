@@ -470,6 +470,19 @@ impl ExperimentConfig {
     /// env is made): `policy.cnn` needs image observations that its
     /// convolutions fit, and one observation must fit in a message.
     pub fn check_env(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
+        if !spec.agents.is_empty() {
+            // Its steps alternate between agents: played as one agent's
+            // episodes it would train on every seat's moves as one.
+            return Err(invalid(
+                "run.env_id",
+                format!(
+                    "{} is a game of {} agents ({}); training on multi-agent games by self-play is not built yet",
+                    spec.id,
+                    spec.agents.len(),
+                    spec.agents.join(", ")
+                ),
+            ));
+        }
         if let Some(cnn) = &self.policy.cnn {
             let Some(image) = spec.image else {
                 return Err(invalid(

@@ -226,6 +226,17 @@ fn relay_s_nats_server_is_sized_to_the_largest_message_of_the_run() {
         e.contains("run.env_id") && e.contains("does not fit"),
         "{e}"
     );
+    // A game whose agents take turns is not played as one agent's episodes.
+    let game = relay_envs::EnvSpec {
+        id: "tictactoe_v3",
+        agents: vec!["player_1".into(), "player_2".into()],
+        ..relay_envs::spec("CartPole-v1").unwrap()
+    };
+    let e = with(&[]).check_env(&game).unwrap_err().to_string();
+    assert!(
+        e.contains("tictactoe_v3 is a game of 2 agents (player_1, player_2)"),
+        "{e}"
+    );
 }
 
 #[test]

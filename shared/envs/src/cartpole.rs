@@ -42,6 +42,8 @@ pub fn spec() -> EnvSpec {
         max_episode_steps: 500,
         reward_threshold: Some(475.0),
         image: None,
+        action_mask: false,
+        agents: Vec::new(),
     }
 }
 

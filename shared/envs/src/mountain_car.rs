@@ -33,6 +33,8 @@ pub fn spec() -> EnvSpec {
         max_episode_steps: 200,
         reward_threshold: Some(-110.0),
         image: None,
+        action_mask: false,
+        agents: Vec::new(),
     }
 }
 

@@ -51,6 +51,8 @@ pub fn spec() -> EnvSpec {
         max_episode_steps: 200,
         reward_threshold: None,
         image: None,
+        action_mask: false,
+        agents: Vec::new(),
     }
 }
 

@@ -92,6 +92,16 @@ pub struct EnvSpec {
     /// the flat observation is that array, channels first, row-major, and
     /// every value is a whole number in `0..=255` (it travels as one byte).
     pub image: Option<[usize; 3]>,
+    /// Discrete actions come with a mask of the legal ones for each
+    /// observation ([`crate::VecStep::masks`]): Gymnasium's
+    /// `info["action_mask"]`, PettingZoo's `action_mask`. relay's built-in
+    /// envs have none.
+    pub action_mask: bool,
+    /// Multi-agent games (PettingZoo's): the agents, in seat order, who
+    /// take turns sharing the observation and action spaces; each step's
+    /// observation is of the agent to move ([`crate::VecStep::movers`]).
+    /// Empty for single-agent envs.
+    pub agents: Vec<String>,
 }
 
 impl EnvSpec {

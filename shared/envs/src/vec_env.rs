@@ -61,6 +61,26 @@ pub struct VecStep {
     /// `[num_envs * obs_dim]`; row `i` is meaningful only when `done(i)`.
     final_obs: Vec<f32>,
     obs_dim: usize,
+    /// Envs with [`EnvSpec::action_mask`]: `[num_envs * n_actions]`, 1 for
+    /// each action legal in the row of `obs`; empty otherwise.
+    masks: Vec<u8>,
+    /// The masks of the final observations, as `final_obs`.
+    final_masks: Vec<u8>,
+    /// Actions per mask row (0: no masks).
+    mask_width: usize,
+    /// Multi-agent games: seats per env (0: a single-agent env).
+    seats: usize,
+    /// The seat of the agent whose observation is each row of `obs`: the
+    /// one to move next.
+    movers: Vec<u32>,
+    /// `[num_envs * seats]`: each seat's rewards in this step (`rewards`
+    /// and the finished episodes' returns are seat 0's).
+    seat_rewards: Vec<f64>,
+    /// `[num_envs * seats]`: each seat's return of the game that ended.
+    seat_returns: Vec<f64>,
+    /// `[num_envs * seats * obs_dim]`: each seat's last observation of the
+    /// game that ended (what a truncated game bootstraps from).
+    final_seat_obs: Vec<f32>,
 }
 
 impl VecStep {
@@ -75,7 +95,99 @@ impl VecStep {
             finished: Vec::with_capacity(num_envs),
             final_obs: vec![0.0; num_envs * obs_dim],
             obs_dim,
+            masks: Vec::new(),
+            final_masks: Vec::new(),
+            mask_width: 0,
+            seats: 0,
+            movers: Vec::new(),
+            seat_rewards: Vec::new(),
+            seat_returns: Vec::new(),
+            final_seat_obs: Vec::new(),
         }
+    }
+
+    /// Buffers for a multi-agent game of `seats` agents taking turns.
+    pub fn with_seats(mut self, seats: usize) -> Self {
+        let n = self.num_envs();
+        self.seats = seats;
+        self.movers = vec![0; n];
+        self.seat_rewards = vec![0.0; n * seats];
+        self.seat_returns = vec![0.0; n * seats];
+        self.final_seat_obs = vec![0.0; n * seats * self.obs_dim];
+        self
+    }
+
+    /// Multi-agent games: the seat to move in each env (whose observation
+    /// and mask are that env's rows); `None` for a single-agent env.
+    pub fn movers(&self) -> Option<&[u32]> {
+        (self.seats > 0).then_some(&self.movers[..])
+    }
+
+    /// Writable movers, seat rewards, returns and final observations of
+    /// a multi-agent game (for backends that fill them).
+    pub fn seats_mut(&mut self) -> (&mut [u32], &mut [f64], &mut [f64], &mut [f32]) {
+        (
+            &mut self.movers,
+            &mut self.seat_rewards,
+            &mut self.seat_returns,
+            &mut self.final_seat_obs,
+        )
+    }
+
+    /// Each seat's rewards in env `i` in this step (multi-agent games).
+    pub fn seat_rewards(&self, i: usize) -> &[f64] {
+        &self.seat_rewards[i * self.seats..(i + 1) * self.seats]
+    }
+
+    /// Each seat's return of the game env `i` just finished, `None` when
+    /// it goes on (or for a single-agent env).
+    pub fn seat_returns(&self, i: usize) -> Option<&[f64]> {
+        (self.seats > 0 && self.done(i))
+            .then(|| &self.seat_returns[i * self.seats..(i + 1) * self.seats])
+    }
+
+    /// The last observation `seat` had of the game env `i` just finished.
+    pub fn final_seat_obs(&self, i: usize, seat: usize) -> Option<&[f32]> {
+        let d = self.obs_dim;
+        let row = i * self.seats + seat;
+        (self.seats > 0 && seat < self.seats && self.done(i))
+            .then(|| &self.final_seat_obs[row * d..(row + 1) * d])
+    }
+
+    /// Buffers for action masks of `n_actions` actions, every action legal
+    /// until a backend writes the env's masks.
+    pub fn with_masks(mut self, n_actions: usize) -> Self {
+        let n = self.num_envs();
+        self.masks = vec![1; n * n_actions];
+        self.final_masks = vec![1; n * n_actions];
+        self.mask_width = n_actions;
+        self
+    }
+
+    /// The action masks of every row of `obs` (`[num_envs * n_actions]`, 1
+    /// = legal), or `None` for an env without masks.
+    pub fn masks(&self) -> Option<&[u8]> {
+        (self.mask_width > 0).then_some(&self.masks[..])
+    }
+
+    /// Writable masks of sub-environments `range` (empty without masks).
+    pub fn masks_mut(&mut self, range: std::ops::Range<usize>) -> &mut [u8] {
+        let w = self.mask_width;
+        &mut self.masks[range.start * w..range.end * w]
+    }
+
+    /// Records the mask of sub-environment `i`'s final observation.
+    pub fn set_final_mask(&mut self, i: usize, mask: &[u8]) {
+        let w = self.mask_width;
+        self.final_masks[i * w..(i + 1) * w].copy_from_slice(mask);
+    }
+
+    /// The mask of the final observation of sub-environment `i`'s episode
+    /// that just ended, as [`Self::final_obs`]; `None` without masks (and
+    /// in multi-agent games, whose last states nobody acts in).
+    pub fn final_mask(&self, i: usize) -> Option<&[u8]> {
+        let w = self.mask_width;
+        (w > 0 && self.seats == 0 && self.done(i)).then(|| &self.final_masks[i * w..(i + 1) * w])
     }
 
     /// Number of sub-environments.

@@ -878,8 +878,16 @@ pub fn play<M: relay_policy::Act>(
             }
             n.normalize_obs(&mut model_obs);
         }
+        // Envs with action masks: the policy chooses among the legal actions.
+        let masks = envs.masks().map(<[u8]>::to_vec);
         let out = model
-            .act(&model_obs, num_envs, deterministic, &mut rng)
+            .act(
+                &model_obs,
+                num_envs,
+                masks.as_deref(),
+                deterministic,
+                &mut rng,
+            )
             .map_err(|e| e.to_string())?;
         let step = match (&out.actions, &spec.action_space) {
             (Actions::Discrete(a), _) => envs.step(VecActions::Discrete(a)),
@@ -1066,7 +1074,8 @@ mod tests {
             .enumerate()
             .any(|(i, r)| i + r.len() * MAX_EVAL_ENVS < n)
         {
-            let out = relay_policy::Act::act(&model, &obs, MAX_EVAL_ENVS, true, &mut rng).unwrap();
+            let out =
+                relay_policy::Act::act(&model, &obs, MAX_EVAL_ENVS, None, true, &mut rng).unwrap();
             let Actions::Discrete(a) = &out.actions else {
                 panic!("CartPole is discrete")
             };

@@ -404,6 +404,7 @@ fn main() -> relay_nn::Result<()> {
                         next_obs: &next_obs,
                         discounts: &discounts,
                         weights: None,
+                        next_masks: None,
                     },
                 )
                 .unwrap();
@@ -561,6 +562,7 @@ fn main() -> relay_nn::Result<()> {
                         next_obs: &next_obs,
                         discounts: &discounts,
                         weights: None,
+                        next_masks: None,
                     },
                 )
                 .unwrap();

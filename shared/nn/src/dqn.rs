@@ -19,13 +19,21 @@
 //! with no bootstrap; a truncation (time limit) also ends the n-step window,
 //! but bootstraps from the truncated step's final observation, as SB3 does
 //! (`handle_timeout_termination`).
+//!
+//! # Invalid-action masks
+//!
+//! With the masks of the bootstrap states ([`DqnBatch::next_masks`], 1
+//! legal, 0 illegal), the bootstrap value is the max over the legal next
+//! actions only (double DQN: the online network's legal arg-max), so an
+//! action the agent can never take does not inflate the target. Rows whose
+//! discount is 0 do not bootstrap and their masks are not read.
 
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
-use crate::ops::{precomputed_loss, with_f32};
-use crate::qnet::{argmax, QNetwork};
+use crate::ops::{check_mask_row, precomputed_loss, with_f32};
+use crate::qnet::{masked_argmax, QNetwork};
 
 /// n-step targets of a sequence of `T` transitions (see [`n_step_returns`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -163,6 +171,11 @@ pub struct DqnBatch<'a> {
     pub discounts: &'a [f32],
     /// Importance-sampling weights of prioritized replay (`None`: all 1).
     pub weights: Option<&'a [f32]>,
+    /// Invalid-action masks of `s_{t+k}`, `B * n_actions` bytes row-major
+    /// (1 legal, 0 illegal; `None`: all legal): the bootstrap takes the max
+    /// over legal next actions only. Rows whose discount is 0 are not read
+    /// (all-ones filler is fine there); every other row needs a legal action.
+    pub next_masks: Option<&'a [u8]>,
 }
 
 /// Scalar diagnostics of one [`dqn_loss`] evaluation.
@@ -186,7 +199,8 @@ pub struct DqnLoss {
     /// `Q(s_t, a_t) - target_t` per sample (new priorities are `|td| + ε`).
     pub td_errors: Vec<f32>,
     /// The targets `R_t + γ^k max_a Q_target(s_{t+k}, a)` (double DQN: the
-    /// target network's value of the online network's arg-max).
+    /// target network's value of the online network's arg-max), over the
+    /// legal `a` under [`DqnBatch::next_masks`].
     pub targets: Vec<f32>,
     /// Diagnostics.
     pub stats: DqnStats,
@@ -194,6 +208,12 @@ pub struct DqnLoss {
 
 /// TD targets `returns + discounts * V'(next_obs)` with `V'` the target
 /// network's max, or (double DQN) its value of the online arg-max. No graph.
+///
+/// `next_masks` (`B * n_actions` bytes, 1 legal, 0 illegal; `None`: all
+/// legal) restricts that max / arg-max to the legal actions of each next
+/// state (the first legal maximum on ties). Only rows with a non-zero
+/// discount are checked (values 0 or 1, at least one legal action; the
+/// error names the row): the others do not bootstrap.
 pub fn dqn_targets(
     config: &DqnLossConfig,
     online: &QNetwork,
@@ -201,6 +221,7 @@ pub fn dqn_targets(
     returns: &[f32],
     next_obs: &[f32],
     discounts: &[f32],
+    next_masks: Option<&[u8]>,
 ) -> Result<Vec<f32>> {
     let b = returns.len();
     if discounts.len() != b {
@@ -211,12 +232,32 @@ pub fn dqn_targets(
         ));
     }
     let k = target.spec().n_actions;
+    let mask_row = |r: usize| next_masks.map(|m| &m[r * k..(r + 1) * k]);
+    if let Some(m) = next_masks {
+        if m.len() != b * k {
+            return Err(NnError::bad_input(
+                "next_masks",
+                format!("{b} x {k} = {} values", b * k),
+                format!("{} values", m.len()),
+            ));
+        }
+        for (r, &d) in discounts.iter().enumerate() {
+            if d != 0.0 {
+                check_mask_row(&m[r * k..(r + 1) * k], r)?;
+            }
+        }
+    }
     let q_next = target.q_values(next_obs, b)?;
-    let next_actions: Vec<usize> = if config.double_q {
-        let q_online = online.q_values(next_obs, b)?;
-        q_online.chunks_exact(k).map(argmax).collect()
+    let legal_argmax = |q: &[f32]| -> Vec<usize> {
+        q.chunks_exact(k)
+            .enumerate()
+            .map(|(r, row)| masked_argmax(row, mask_row(r)))
+            .collect()
+    };
+    let next_actions = if config.double_q {
+        legal_argmax(&online.q_values(next_obs, b)?)
     } else {
-        q_next.chunks_exact(k).map(argmax).collect()
+        legal_argmax(&q_next)
     };
     Ok(returns
         .iter()
@@ -230,7 +271,7 @@ pub fn dqn_targets(
 /// returns, optional double DQN and importance weights):
 ///
 /// ```text
-/// y_i    = R_i + γ^k_i max_a Q_target(s'_i, a)            (dqn_targets)
+/// y_i    = R_i + γ^k_i max_a Q_target(s'_i, a)            (dqn_targets; legal a)
 /// δ_i    = Q_online(s_i, a_i) - y_i
 /// loss   = (1/B) Σ_i w_i huber(δ_i)
 /// ```
@@ -286,6 +327,7 @@ pub fn dqn_loss(
         batch.returns,
         batch.next_obs,
         batch.discounts,
+        batch.next_masks,
     )?;
 
     let obs = Tensor::from_slice(batch.obs, (b, d), online.device())?;
@@ -332,6 +374,18 @@ pub fn dqn_loss(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first index of the largest value, written out again so the
+    /// expected targets do not come from the code under test.
+    fn argmax(xs: &[f32]) -> usize {
+        let mut best = 0;
+        for (i, &x) in xs.iter().enumerate() {
+            if x > xs[best] {
+                best = i;
+            }
+        }
+        best
+    }
 
     fn close(a: &[f32], b: &[f32], tol: f32) {
         assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
@@ -423,11 +477,92 @@ mod tests {
             ..Default::default()
         };
         let plain = DqnLossConfig::default();
-        let got = dqn_targets(&double, &online, &target, &returns, &next, &discounts).unwrap();
+        let got =
+            dqn_targets(&double, &online, &target, &returns, &next, &discounts, None).unwrap();
         close(&got, &expected_double, 1e-5);
-        let got = dqn_targets(&plain, &online, &target, &returns, &next, &discounts).unwrap();
+        let got = dqn_targets(&plain, &online, &target, &returns, &next, &discounts, None).unwrap();
         close(&got, &expected_plain, 1e-5);
         // A terminated sample (discount 0) is its return alone.
         assert_eq!(got[2], 2.0);
+    }
+
+    #[test]
+    fn masked_targets_bootstrap_from_the_legal_max() {
+        use crate::qnet::QNetSpec;
+        // Linear networks over 3 actions with constant Q-values (weights 0):
+        // target Q = [1, 5, 2], online Q = [3, 9, 0] in every state.
+        let spec = QNetSpec {
+            hidden: vec![],
+            ..QNetSpec::new(1, 3)
+        };
+        let fixed = |bias: [f32; 3]| {
+            let mut net = QNetwork::new(&spec, 0).unwrap();
+            net.load_named_tensors(&[
+                ("q_net.0.bias".into(), vec![3], bias.to_vec()),
+                ("q_net.0.weight".into(), vec![3, 1], vec![0.0; 3]),
+            ])
+            .unwrap();
+            net
+        };
+        let (target, online) = (fixed([1.0, 5.0, 2.0]), fixed([3.0, 9.0, 0.0]));
+        let returns = [1.0, 0.5, 2.0];
+        let discounts = [0.5, 1.0, 0.0];
+        let next = [0.0, 0.0, 0.0];
+        // Row 2 is terminal (discount 0): its all-zero filler mask is not read.
+        let masks = [1, 0, 1, 0, 1, 1, 0, 0, 0];
+        let plain = DqnLossConfig::default();
+        let double = DqnLossConfig {
+            double_q: true,
+            ..Default::default()
+        };
+        let targets = |config, m: Option<&[u8]>| {
+            dqn_targets(config, &online, &target, &returns, &next, &discounts, m)
+        };
+        // Plain, legal max of the target: row 0 over {0, 2}: max(1, 2) = 2,
+        // 1 + 0.5 * 2 = 2; row 1 over {1, 2}: 5, 0.5 + 1 * 5 = 5.5; row 2: 2.
+        close(
+            &targets(&plain, Some(&masks)).unwrap(),
+            &[2.0, 5.5, 2.0],
+            1e-6,
+        );
+        // Unmasked: row 0 takes the illegal 5: 1 + 0.5 * 5 = 3.5.
+        close(&targets(&plain, None).unwrap(), &[3.5, 5.5, 2.0], 1e-6);
+        // Double DQN: the online legal arg-max over {0, 2} of [3, 9, 0] is 0,
+        // valued 1 by the target: 1 + 0.5 * 1 = 1.5; row 1 over {1, 2}: 1
+        // (9), valued 5: 5.5. Unmasked, row 0 would take 1 (9): 3.5.
+        close(
+            &targets(&double, Some(&masks)).unwrap(),
+            &[1.5, 5.5, 2.0],
+            1e-6,
+        );
+        close(&targets(&double, None).unwrap(), &[3.5, 5.5, 2.0], 1e-6);
+
+        // A bootstrapping row needs a legal action; the error names the row.
+        let bootstrap_all = [0.5, 1.0, 0.9];
+        let err = dqn_targets(
+            &plain,
+            &online,
+            &target,
+            &returns,
+            &next,
+            &bootstrap_all,
+            Some(&masks),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("row 2"), "{err}");
+        assert!(targets(&plain, Some(&masks[..6])).is_err());
+
+        // dqn_loss reads the batch's next_masks.
+        let batch = DqnBatch {
+            obs: &next,
+            actions: &[0, 1, 2],
+            returns: &returns,
+            next_obs: &next,
+            discounts: &discounts,
+            weights: None,
+            next_masks: Some(&masks),
+        };
+        let out = dqn_loss(&plain, &online, &target, &batch).unwrap();
+        close(&out.targets, &[2.0, 5.5, 2.0], 1e-6);
     }
 }

@@ -11,12 +11,12 @@
 //! |---|---|
 //! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`], [`CnnSpec`] ([`CnnArch`]): what a policy looks like (serde) |
 //! | [`conv`] | the convolutional features extractor of image policies and Q-networks (NatureCNN, IMPALA's ResNet): padded convolutions, max-pool, residual blocks |
-//! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), weight exchange and checkpoints |
-//! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample) |
+//! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), both optionally under action masks, weight exchange and checkpoints |
+//! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample), invalid-action masking ([`mask_logits`], [`check_masks`]) |
 //! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
 //! | [`ppo`] | [`gae`], [`ppo_loss`] and its [`PpoLossConfig`], [`explained_variance`], [`normalize`] |
 //! | [`a2c`] | [`a2c_loss`], [`reinforce_loss`], [`discounted_returns`] |
-//! | [`qnet`] | [`QNetwork`] (optionally dueling, optionally behind a CNN) and its [`QNetSpec`]: Q-values, epsilon-greedy acting, target updates |
+//! | [`qnet`] | [`QNetwork`] (optionally dueling, optionally behind a CNN) and its [`QNetSpec`]: Q-values, epsilon-greedy acting (optionally masked, [`masked_argmax`]), target updates |
 //! | [`dqn`] | [`n_step_returns`], [`dqn_targets`], [`dqn_loss`] (double DQN, Huber, importance weights, TD errors) |
 //! | [`sac`] | [`Sac`] ([`SacActor`], [`TwinCritic`] and targets, `log α`), its losses and [`sac_train_step`] |
 //! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
@@ -109,6 +109,7 @@ pub use dqn::{
 pub use error::{NnError, Result};
 pub use io::{from_safetensors, split_prefixed, to_safetensors, NamedTensor};
 pub use model::{ActOutput, Actions, ActorCritic, TrunkLayout};
+pub use ops::{check_masks, mask_logits, MASKED_LOGIT};
 pub use optim::{
     clip_grad_norm, Adam, AdamConfig, AdamState, RmsProp, RmsPropConfig, RmsPropState,
 };
@@ -116,7 +117,7 @@ pub use par::Pair;
 pub use ppo::{
     explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats,
 };
-pub use qnet::{QNetSpec, QNetwork};
+pub use qnet::{masked_argmax, QNetSpec, QNetwork};
 pub use sac::{
     sac_actor_loss, sac_critic_loss, sac_ent_coef_loss, sac_targets, sac_train_step,
     sac_train_step_part, ActorSample, Sac, SacActor, SacBatch, SacConfig, SacOptimizers, SacSpec,

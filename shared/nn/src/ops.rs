@@ -12,6 +12,9 @@
 //!   log-probability of given actions and entropy of a categorical over logits;
 //! - [`gaussian_logprob`] / [`gaussian_entropy`]: the same for a diagonal
 //!   Gaussian with a state-independent `log_std`;
+//! - [`mask_logits`]: invalid-action masking of categorical logits (not fused:
+//!   one `where_cond` node, whose own backward passes exactly zero to the
+//!   replaced logits), checked by [`check_masks`];
 //! - [`squashed_gaussian`]: SAC's reparameterised tanh-Gaussian sample with
 //!   its log-probability;
 //! - precomputed losses: a scalar whose value and input gradients the
@@ -20,6 +23,20 @@
 //! Every op passes gradients to every tensor input that needs one (unlike
 //! candle-nn's fused `softmax_last_dim`, which has no backward); the tests compare
 //! each against the same function composed from basic candle ops.
+//!
+//! # Invalid-action masks
+//!
+//! A mask is `n` bytes per row, row-major `[B, n]`: 1 for a legal action, 0
+//! for an illegal one (Huang & Ontañón, "A Closer Look at Invalid Action
+//! Masking in Policy Gradient Algorithms", as CleanRL's masked PPO). The
+//! illegal logits are *replaced* by [`MASKED_LOGIT`], a large finite
+//! negative, and the categorical ops then run on the masked logits: `exp`
+//! of an illegal logit minus the row's maximum underflows to exactly 0, so
+//! the masked softmax puts no mass there and its log-softmax equals the
+//! log-softmax over the legal actions alone, while `p log p = 0 * (-1e8)`
+//! stays 0 in the entropy (with `-inf` it would be `0 * -inf = NaN`).
+//! Replacing rather than adding keeps the value independent of the raw
+//! logit and makes its gradient exactly 0.
 
 use std::sync::Arc;
 
@@ -29,6 +46,7 @@ use candle_core::{
     Tensor,
 };
 
+use crate::error::{NnError, Result};
 use crate::kernels;
 use crate::spec::Activation;
 
@@ -369,6 +387,121 @@ pub fn categorical_entropy(logits: &Tensor) -> candle_core::Result<Tensor> {
         return composed::categorical_entropy(logits);
     }
     logits.apply_op1(CategoricalEntropy)
+}
+
+// ---------------------------------------------------------------- masks
+
+/// What an illegal action's logit is replaced by (see the module docs): a
+/// large finite negative, so its probability underflows to exactly 0 while
+/// `0 * log p` stays 0 (no NaN, unlike `-inf`).
+pub const MASKED_LOGIT: f32 = -1e8;
+
+/// Checks one mask row (`r` its index in the batch, for the error): values
+/// 0 or 1, at least one legal action.
+pub(crate) fn check_mask_row(row: &[u8], r: usize) -> Result<()> {
+    if let Some(j) = row.iter().position(|&m| m > 1) {
+        return Err(NnError::bad_input(
+            "masks",
+            "0 (illegal) or 1 (legal) per action",
+            format!("{} at row {r}, action {j}", row[j]),
+        ));
+    }
+    if !row.contains(&1) {
+        return Err(NnError::bad_input(
+            "masks",
+            "at least one legal action (a 1) in every row",
+            format!("row {r} with no legal action"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks host action masks for `rows` rows of `n` actions: `rows * n`
+/// bytes, each 0 (illegal) or 1 (legal), and at least one legal action per
+/// row. The error names the first bad row.
+pub fn check_masks(masks: &[u8], rows: usize, n: usize) -> Result<()> {
+    if masks.len() != rows * n {
+        return Err(NnError::bad_input(
+            "masks",
+            format!("{rows} x {n} = {} values", rows * n),
+            format!("{} values", masks.len()),
+        ));
+    }
+    if n == 0 {
+        return match rows {
+            0 => Ok(()),
+            _ => check_mask_row(&[], 0),
+        };
+    }
+    for (r, row) in masks.chunks_exact(n).enumerate() {
+        check_mask_row(row, r)?;
+    }
+    Ok(())
+}
+
+/// The bytes of a `[rows, n]` u8 mask tensor (read back from a device),
+/// after checking its shape and dtype against the logits'.
+pub(crate) fn masks_host(masks: &Tensor, rows: usize, n: usize) -> Result<Vec<u8>> {
+    if masks.dims() != [rows, n] || masks.dtype() != DType::U8 {
+        return Err(NnError::bad_input(
+            "masks",
+            format!("u8 [{rows}, {n}] (as the logits)"),
+            format!("{:?} [{:?}]", masks.dtype(), masks.dims()),
+        ));
+    }
+    Ok(masks.flatten_all()?.to_vec1()?)
+}
+
+/// [`mask_logits`] without the checks: `masks` (u8, the shape of `logits`)
+/// already validated.
+pub(crate) fn apply_masks(logits: &Tensor, masks: &Tensor) -> Result<Tensor> {
+    let masks = masks.to_device(logits.device())?;
+    let fill =
+        Tensor::full(MASKED_LOGIT, logits.shape(), logits.device())?.to_dtype(logits.dtype())?;
+    Ok(masks.where_cond(logits, &fill)?)
+}
+
+/// Invalid-action masking of `logits: [B, n]` with `masks: [B, n]` u8 (1
+/// legal, 0 illegal): the illegal logits are replaced (not shifted) by
+/// [`MASKED_LOGIT`], so [`categorical_logprob`] / [`categorical_entropy`]
+/// of the result are those of the categorical over the legal actions.
+/// Differentiable: the gradient reaching a replaced logit is exactly 0, a
+/// legal one gets the masked distribution's. The masks are checked as
+/// [`check_masks`] (read back to the host); a row with no legal action is
+/// an error naming the row.
+pub fn mask_logits(logits: &Tensor, masks: &Tensor) -> Result<Tensor> {
+    let (rows, n) = logits
+        .dims2()
+        .map_err(|_| NnError::bad_input("logits", "[B, n]", format!("{:?}", logits.dims())))?;
+    check_masks(&masks_host(masks, rows, n)?, rows, n)?;
+    apply_masks(logits, masks)
+}
+
+/// The log-softmax of the categorical over the legal actions of one row
+/// (`mask`: 1 legal, 0 illegal; `None`: all legal, [`log_softmax_row`])
+/// into `out`, the illegal entries `-inf` (the host acting path only reads
+/// the legal ones, so no `0 * -inf` arises). Wherever a legal logit is well
+/// above [`MASKED_LOGIT`] this is bit for bit the log-softmax of the
+/// [`mask_logits`] row that training scores (the replaced logits add
+/// exactly 0 to the sum and do not change the maximum).
+#[inline]
+pub(crate) fn masked_log_softmax_row(logits: &[f32], mask: Option<&[u8]>, out: &mut [f32]) {
+    let Some(mask) = mask else {
+        return log_softmax_row(logits, out);
+    };
+    let legal = || {
+        logits
+            .iter()
+            .zip(mask)
+            .filter(|&(_, &ok)| ok != 0)
+            .map(|(&l, _)| l)
+    };
+    let m = legal().fold(f32::NEG_INFINITY, f32::max);
+    let s: f32 = legal().map(|l| (l - m).exp()).sum();
+    let lse = m + s.ln();
+    for ((o, &l), &ok) in out.iter_mut().zip(logits).zip(mask) {
+        *o = if ok != 0 { l - lse } else { f32::NEG_INFINITY };
+    }
 }
 
 // ---------------------------------------------------------------- gaussian
@@ -1030,5 +1163,189 @@ mod tests {
             &Tensor::new(&grads[0][..], &Device::Cpu).unwrap(),
             0.0,
         );
+    }
+    /// Rows of `[1, 2, 3]` logits under masks `[1, 0, 1]` (actions 0 and 2)
+    /// and `[0, 1, 0]` (action 1, the only legal one).
+    fn masked_example() -> (Var, Tensor, Arc<[u32]>) {
+        let logits = Var::from_vec(
+            vec![1f32, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0],
+            (3, 3),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let masks =
+            Tensor::from_vec(vec![1u8, 0, 1, 1, 0, 1, 0, 1, 0], (3, 3), &Device::Cpu).unwrap();
+        (logits, masks, vec![0u32, 2, 1].into())
+    }
+
+    fn assert_values(t: &Tensor, expected: &[f32], tol: f32) {
+        let got: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(got.len(), expected.len());
+        for (i, (g, e)) in got.iter().zip(expected).enumerate() {
+            assert!((g - e).abs() <= tol, "index {i}: {got:?} vs {expected:?}");
+        }
+    }
+
+    #[test]
+    fn masked_categorical_hand_computed_on_both_paths() {
+        // Mask [1, 0, 1] over logits [1, 2, 3]: the categorical over {0, 2},
+        //   p0 = e^1 / (e^1 + e^3) = 1 / (1 + e^2) = 0.119_202_92
+        //   p2 = e^3 / (e^1 + e^3) = 1 / (1 + e^-2) = 0.880_797_08
+        //   log p0 = -ln(1 + e^2) = -2.126_928_0, log p2 = 2 - ln(1 + e^2) = -0.126_928_0
+        //   H = -(p0 log p0 + p2 log p2) = 0.253_536 + 0.111_797 = 0.365_333_86
+        // Mask [0, 1, 0]: p1 = 1, log p1 = 0, H = 0 (0 * log 0 must not be NaN).
+        // d log p_a / d l_j = 1[j = a] - p_j on legal j, exactly 0 on illegal j:
+        //   row 0 (a = 0): [1 - p0, 0, -p2] = [0.880_797_08, 0, -0.880_797_08]
+        //   row 1 (a = 2): [-p0, 0, 1 - p2] = [-0.119_202_92, 0, 0.119_202_92]
+        //   row 2 (a = 1): [0, 1 - 1, 0] = [0, 0, 0]
+        // dH / d l_j = -p_j (log p_j + H) on legal j, 0 on illegal:
+        //   -p0 (log p0 + H) = 0.119_202_92 * 1.761_594_2 = 0.209_987_17, and
+        //   -p2 (log p2 + H) = -0.880_797_08 * 0.238_405_84 = -0.209_987_17.
+        let lp_expected = [-2.126_928, -0.126_928, 0.0];
+        let h_expected = [0.365_333_86, 0.365_333_86, 0.0];
+        let g_lp = [
+            0.880_797_1,
+            0.0,
+            -0.880_797_1,
+            -0.119_202_92,
+            0.0,
+            0.119_202_92,
+            0.0,
+            0.0,
+            0.0,
+        ];
+        let g_h = [
+            0.209_987_17,
+            0.0,
+            -0.209_987_17,
+            0.209_987_17,
+            0.0,
+            -0.209_987_17,
+            0.0,
+            0.0,
+            0.0,
+        ];
+        let (logits, masks, actions) = masked_example();
+        let run = || {
+            let masked = mask_logits(&logits, &masks).unwrap();
+            let lp = categorical_logprob(&masked, actions.clone()).unwrap();
+            let h = categorical_entropy(&masked).unwrap();
+            let g_lp = lp.sum_all().unwrap().backward().unwrap();
+            let g_h = h.sum_all().unwrap().backward().unwrap();
+            let grad = |g: &candle_core::backprop::GradStore| -> Vec<f32> {
+                g.get(&logits)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
+            (masked, lp, h, grad(&g_lp), grad(&g_h))
+        };
+        let fused = run();
+        let composed = composed_on_cpu(run);
+        for (masked, lp, h, glp, gh) in [&fused, &composed] {
+            // Replaced, not shifted: the illegal logits are exactly MASKED_LOGIT.
+            assert_values(
+                masked,
+                &[
+                    1.0,
+                    MASKED_LOGIT,
+                    3.0,
+                    1.0,
+                    MASKED_LOGIT,
+                    3.0,
+                    MASKED_LOGIT,
+                    2.0,
+                    MASKED_LOGIT,
+                ],
+                0.0,
+            );
+            assert_values(lp, &lp_expected, 1e-6);
+            assert_values(h, &h_expected, 1e-6);
+            let h: Vec<f32> = h.to_vec1().unwrap();
+            assert_eq!(h[2], 0.0, "a single legal action has entropy exactly 0");
+            let t = |v: &[f32]| Tensor::new(v, &Device::Cpu).unwrap();
+            assert_values(&t(glp), &g_lp, 1e-6);
+            assert_values(&t(gh), &g_h, 1e-6);
+            // No gradient at all reaches an illegal logit.
+            for i in [1, 4, 6, 8] {
+                assert_eq!(glp[i], 0.0, "logprob gradient at illegal index {i}");
+                assert_eq!(gh[i], 0.0, "entropy gradient at illegal index {i}");
+            }
+            assert!(glp.iter().chain(gh).all(|g| g.is_finite()));
+        }
+        close(&fused.1, &composed.1, 1e-6);
+        close(&fused.2, &composed.2, 1e-6);
+    }
+
+    #[test]
+    fn masked_categorical_matches_composition() {
+        let logits = var(&[6, 4], 14);
+        let mask: Vec<u8> = vec![
+            1, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1, 1, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1,
+        ];
+        let masks = Tensor::from_vec(mask, (6, 4), &Device::Cpu).unwrap();
+        let actions: Arc<[u32]> = vec![2, 2, 1, 3, 0, 3].into();
+        let c1 = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0, 1.5, -0.5], &Device::Cpu).unwrap();
+        let c2 = Tensor::new(&[0.3f32, 0.7, -1.0, 2.0, 0.1, 1.0], &Device::Cpu).unwrap();
+        let run = || {
+            let masked = mask_logits(&logits, &masks).unwrap();
+            let lp = categorical_logprob(&masked, actions.clone()).unwrap();
+            let h = categorical_entropy(&masked).unwrap();
+            let loss = ((&lp * &c1).unwrap() + (&h * &c2).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let g = loss.backward().unwrap().get(&logits).unwrap().clone();
+            (lp, h, g)
+        };
+        let (lp, h, g) = run();
+        let (lp_ref, h_ref, g_ref) = composed_on_cpu(run);
+        close(&lp, &lp_ref, 1e-6);
+        close(&h, &h_ref, 1e-6);
+        close(&g, &g_ref, 1e-5);
+        let h: Vec<f32> = h.to_vec1().unwrap();
+        assert_eq!(h[5], 0.0);
+    }
+
+    #[test]
+    fn bad_masks_are_errors_naming_the_row() {
+        let logits = var(&[3, 2], 15).as_detached_tensor();
+        let masks = |v: Vec<u8>| Tensor::from_vec(v, (3, 2), &Device::Cpu).unwrap();
+        let err = mask_logits(&logits, &masks(vec![1, 0, 0, 0, 0, 1])).unwrap_err();
+        assert!(err.to_string().contains("row 1"), "{err}");
+        let err = mask_logits(&logits, &masks(vec![1, 0, 0, 1, 2, 1])).unwrap_err();
+        assert!(err.to_string().contains("row 2"), "{err}");
+        // Wrong shape and wrong dtype.
+        let short = Tensor::from_vec(vec![1u8; 4], (2, 2), &Device::Cpu).unwrap();
+        assert!(mask_logits(&logits, &short).is_err());
+        let wide = Tensor::from_vec(vec![1u32; 6], (3, 2), &Device::Cpu).unwrap();
+        assert!(mask_logits(&logits, &wide).is_err());
+        // The host check: length, values, a legal action in every row.
+        check_masks(&[1, 0, 0, 1], 2, 2).unwrap();
+        check_masks(&[], 0, 3).unwrap();
+        assert!(check_masks(&[1, 0, 0], 2, 2).is_err());
+        let err = check_masks(&[1, 1, 0, 1, 0, 0, 0, 0], 4, 2).unwrap_err();
+        assert!(err.to_string().contains("row 2"), "{err}");
+        assert!(check_masks(&[], 1, 0).is_err());
+    }
+
+    #[test]
+    fn masked_host_log_softmax_is_the_legal_one() {
+        // [1, 2, 3] under [1, 0, 1]: as the hand-computed test above.
+        let mut out = [0f32; 3];
+        masked_log_softmax_row(&[1.0, 2.0, 3.0], Some(&[1, 0, 1]), &mut out);
+        assert!((out[0] + 2.126_928).abs() < 1e-6 && (out[2] + 0.126_928).abs() < 1e-6);
+        assert_eq!(out[1], f32::NEG_INFINITY);
+        // Legal logits as low as MASKED_LOGIT: still only the legal entries count.
+        masked_log_softmax_row(&[MASKED_LOGIT; 3], Some(&[0, 1, 1]), &mut out);
+        assert_eq!(out[0], f32::NEG_INFINITY);
+        assert!(out[1..].iter().all(|lp| lp.is_finite() && *lp <= 0.0));
+        // All legal is the plain log-softmax, bit for bit.
+        let (mut a, mut b) = ([0f32; 3], [0f32; 3]);
+        masked_log_softmax_row(&[0.3, -1.0, 2.0], Some(&[1, 1, 1]), &mut a);
+        log_softmax_row(&[0.3, -1.0, 2.0], &mut b);
+        assert_eq!(a, b);
     }
 }

@@ -24,6 +24,15 @@
 //! layers read its features instead of the observation; observations are
 //! then pixel values `0..=255` as f32, which the CNN scales.
 //!
+//! # Invalid-action masks
+//!
+//! The `_masked` acting functions take optional masks (`n_actions` bytes per
+//! observation, 1 legal, 0 illegal, checked as [`crate::ops::check_masks`]):
+//! the greedy action is the first legal maximum ([`masked_argmax`]) and
+//! exploration draws uniformly among the legal actions. The Q-values
+//! themselves are not masked; [`crate::dqn_targets`] takes the masks of the
+//! next states to bootstrap from their legal actions only.
+//!
 //! # Two forward paths
 //!
 //! As [`crate::ActorCritic`]: [`QNetwork::forward`] builds a differentiable
@@ -46,6 +55,7 @@ use crate::error::{NnError, Result};
 use crate::init::{Init, LayerInit};
 use crate::io::NamedTensor;
 use crate::model::{dense_host, head_graph, new_layer, trunk_graph, trunk_host, Dense};
+use crate::ops::check_masks;
 use crate::params::Params;
 use crate::spec::{validate_cnn, ActionKind, Activation, CnnSpec, PolicySpec};
 
@@ -201,15 +211,21 @@ impl LayerBuilder<'_> {
     }
 }
 
-/// Index of the largest value (first on ties).
-pub(crate) fn argmax(xs: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
+/// Index of the largest value of `row` among the actions `mask` marks
+/// legal (non-zero; `None`: all), the first on ties. Decided by the mask,
+/// not by the values: an illegal action is never returned while the row
+/// has a legal one, even where legal values tie with
+/// [`crate::ops::MASKED_LOGIT`] or are NaN. A mask with no legal action (see
+/// [`check_masks`]) gives 0.
+pub fn masked_argmax(row: &[f32], mask: Option<&[u8]>) -> usize {
+    let legal = |i: usize| mask.is_none_or(|m| m.get(i).is_some_and(|&ok| ok != 0));
+    let mut best: Option<usize> = None;
+    for (i, &x) in row.iter().enumerate() {
+        if legal(i) && best.is_none_or(|b| x > row[b]) {
+            best = Some(i);
         }
     }
-    best
+    best.unwrap_or(0)
 }
 
 impl QNetwork {
@@ -365,10 +381,31 @@ impl QNetwork {
     }
 
     /// The arg-max action of each of `n` observations (first on ties).
+    ///
+    /// [`Self::greedy_actions_masked`] with no masks.
     pub fn greedy_actions(&self, obs: &[f32], n: usize) -> Result<Vec<i64>> {
+        self.greedy_actions_masked(obs, n, None)
+    }
+
+    /// The legal arg-max action of each of `n` observations ([`masked_argmax`]:
+    /// the first legal maximum): `masks` is `n * n_actions` bytes, 1 legal, 0
+    /// illegal (`None`: all legal), checked as [`check_masks`] (a row with
+    /// no legal action is an error naming the row).
+    pub fn greedy_actions_masked(
+        &self,
+        obs: &[f32],
+        n: usize,
+        masks: Option<&[u8]>,
+    ) -> Result<Vec<i64>> {
+        let k = self.spec.n_actions;
+        self.check_obs(obs, n)?;
+        if let Some(m) = masks {
+            check_masks(m, n, k)?;
+        }
         let q = self.q_values(obs, n)?;
-        Ok(q.chunks_exact(self.spec.n_actions)
-            .map(|row| argmax(row) as i64)
+        Ok(q.chunks_exact(k)
+            .enumerate()
+            .map(|(r, row)| masked_argmax(row, masks.map(|m| &m[r * k..(r + 1) * k])) as i64)
             .collect())
     }
 
@@ -378,6 +415,8 @@ impl QNetwork {
     /// envs together; per observation is what a batching inference server
     /// serving many runners can do, and the marginal per env is the same.)
     /// Uses one `rng` draw per observation, plus one per random action.
+    ///
+    /// [`Self::act_epsilon_greedy_masked`] with no masks.
     pub fn act_epsilon_greedy(
         &self,
         obs: &[f32],
@@ -385,17 +424,46 @@ impl QNetwork {
         epsilon: f64,
         rng: &mut impl Rng,
     ) -> Result<Vec<i64>> {
+        self.act_epsilon_greedy_masked(obs, n, epsilon, None, rng)
+    }
+
+    /// [`Self::act_epsilon_greedy`] among the legal actions of each
+    /// observation (`masks` as [`Self::greedy_actions_masked`]): exploration
+    /// draws uniformly among the legal actions, exploitation takes the legal
+    /// arg-max. The same `rng` draws as unmasked: one per observation, plus
+    /// one per random action.
+    pub fn act_epsilon_greedy_masked(
+        &self,
+        obs: &[f32],
+        n: usize,
+        epsilon: f64,
+        masks: Option<&[u8]>,
+        rng: &mut impl Rng,
+    ) -> Result<Vec<i64>> {
         if !(0.0..=1.0).contains(&epsilon) {
             return Err(NnError::bad_input("epsilon", "a value in [0, 1]", epsilon));
         }
-        let greedy = self.greedy_actions(obs, n)?;
+        let k = self.spec.n_actions;
+        let greedy = self.greedy_actions_masked(obs, n, masks)?;
         Ok(greedy
             .into_iter()
-            .map(|a| {
-                if rng.random::<f64>() < epsilon {
-                    rng.random_range(0..self.spec.n_actions) as i64
-                } else {
-                    a
+            .enumerate()
+            .map(|(r, a)| {
+                if rng.random::<f64>() >= epsilon {
+                    return a;
+                }
+                match masks {
+                    None => rng.random_range(0..k) as i64,
+                    Some(m) => {
+                        let row = &m[r * k..(r + 1) * k];
+                        let legal = row.iter().filter(|&&ok| ok != 0).count();
+                        let pick = rng.random_range(0..legal);
+                        row.iter()
+                            .enumerate()
+                            .filter(|&(_, &ok)| ok != 0)
+                            .nth(pick)
+                            .map_or(a, |(j, _)| j as i64)
+                    }
                 }
             })
             .collect())
@@ -475,5 +543,106 @@ impl QNetwork {
     /// export with the same names); validated as [`Self::load_named_tensors`].
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         self.params.load(path.as_ref(), QNET_FORMAT).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Masked greedy and epsilon-greedy acting.
+    use super::*;
+    use crate::ops::MASKED_LOGIT;
+
+    /// A linear Q-network over 3 actions whose Q-values are `bias` for every
+    /// observation (weights 0).
+    fn fixed_q(bias: [f32; 3]) -> QNetwork {
+        let spec = QNetSpec {
+            hidden: vec![],
+            ..QNetSpec::new(1, 3)
+        };
+        let mut net = QNetwork::new(&spec, 0).unwrap();
+        net.load_named_tensors(&[
+            ("q_net.0.bias".into(), vec![3], bias.to_vec()),
+            ("q_net.0.weight".into(), vec![3, 1], vec![0.0; 3]),
+        ])
+        .unwrap();
+        net
+    }
+
+    #[test]
+    fn masked_argmax_takes_the_first_legal_maximum() {
+        assert_eq!(masked_argmax(&[5.0, 1.0, 3.0], Some(&[0, 1, 1])), 2);
+        assert_eq!(masked_argmax(&[3.0, 3.0, 3.0], Some(&[0, 1, 1])), 1);
+        assert_eq!(masked_argmax(&[1.0, 3.0, 3.0], None), 1);
+        assert_eq!(masked_argmax(&[5.0, 1.0, 3.0], None), 0);
+        // Ties with the masked value: the mask decides, not the values.
+        assert_eq!(
+            masked_argmax(&[MASKED_LOGIT, MASKED_LOGIT], Some(&[0, 1])),
+            1
+        );
+        assert_eq!(masked_argmax(&[f32::NAN, 1.0], Some(&[0, 1])), 1);
+        assert_eq!(masked_argmax(&[1.0, 2.0], Some(&[0, 0])), 0);
+    }
+
+    #[test]
+    fn greedy_masked_picks_the_legal_argmax() {
+        let net = fixed_q([5.0, 1.0, 3.0]);
+        let obs = [0.1, -0.2, 0.3];
+        let masks = [0, 1, 1, 1, 0, 0, 0, 1, 0];
+        assert_eq!(
+            net.greedy_actions_masked(&obs, 3, Some(&masks)).unwrap(),
+            [2, 0, 1]
+        );
+        assert_eq!(net.greedy_actions(&obs, 3).unwrap(), [0, 0, 0]);
+        assert_eq!(net.greedy_actions_masked(&obs, 3, None).unwrap(), [0, 0, 0]);
+        // Epsilon 0 is the masked greedy action.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let eps0 = net.act_epsilon_greedy_masked(&obs, 3, 0.0, Some(&masks), &mut rng);
+        assert_eq!(eps0.unwrap(), [2, 0, 1]);
+        let err = net
+            .greedy_actions_masked(&obs, 3, Some(&[1, 1, 1, 0, 0, 0, 0, 1, 0]))
+            .unwrap_err();
+        assert!(err.to_string().contains("row 1"), "{err}");
+        assert!(net.greedy_actions_masked(&obs, 3, Some(&[1, 1])).is_err());
+    }
+
+    #[test]
+    fn epsilon_one_draws_only_legal_actions() {
+        let net = fixed_q([5.0, 1.0, 3.0]);
+        let kinds: [[u8; 3]; 3] = [[0, 1, 1], [1, 0, 1], [0, 0, 1]];
+        let n = 900;
+        let obs = vec![0.5; n];
+        let masks: Vec<u8> = (0..n).flat_map(|r| kinds[r % 3]).collect();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let acts = net
+            .act_epsilon_greedy_masked(&obs, n, 1.0, Some(&masks), &mut rng)
+            .unwrap();
+        let mut counts = [[0usize; 3]; 3];
+        for (r, &a) in acts.iter().enumerate() {
+            assert_eq!(kinds[r % 3][a as usize], 1, "row {r}: illegal action {a}");
+            counts[r % 3][a as usize] += 1;
+        }
+        // Uniform over the 2 legal actions: 150 of 300 each expected.
+        for (kind, c) in counts.iter().enumerate().take(2) {
+            let legal: Vec<usize> = (0..3).filter(|&j| kinds[kind][j] == 1).collect();
+            for j in legal {
+                assert!((110..190).contains(&c[j]), "{counts:?}");
+            }
+        }
+        assert_eq!(counts[2][2], 300);
+        // No masks: the unmasked function, draw for draw.
+        let a = net
+            .act_epsilon_greedy(&obs, n, 0.5, &mut rand::rngs::StdRng::seed_from_u64(4))
+            .unwrap();
+        let b = net
+            .act_epsilon_greedy_masked(
+                &obs,
+                n,
+                0.5,
+                None,
+                &mut rand::rngs::StdRng::seed_from_u64(4),
+            )
+            .unwrap();
+        assert_eq!(a, b);
+        assert!(a.iter().any(|&x| x != 0));
     }
 }

@@ -431,6 +431,7 @@ fn dqn_train_steps_on_a_cnn_q_network_reduce_the_td_loss() {
             next_obs: &next_obs,
             discounts: &discounts,
             weights: None,
+            next_masks: None,
         };
         let cfg = DqnLossConfig::default();
         let mut opt = Adam::new(

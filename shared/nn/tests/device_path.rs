@@ -204,6 +204,7 @@ fn dqn_steps_on_the_device_path_match_the_fused_path() {
         next_obs: &next_obs,
         discounts: &discounts,
         weights: None,
+        next_masks: None,
     };
     let config = AdamConfig {
         lr: 1e-3,

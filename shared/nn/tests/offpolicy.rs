@@ -182,6 +182,7 @@ fn dqn_loss_hand_computed_terminated_truncated_double() {
         next_obs: &next_obs,
         discounts: &nst.discounts,
         weights: None,
+        next_masks: None,
     };
     let out = dqn_loss(&DqnLossConfig::default(), &online, &target, &batch).unwrap();
     // Target maxes: s'=[3,1] -> [6, 2] -> 6; s'=[1,4] -> [2, 5] -> 5.
@@ -258,6 +259,7 @@ fn dqn_loss_gradient_weights_and_huber_regimes() {
             next_obs: &[0.0; 4],
             discounts: &[0.99, 0.99],
             weights: Some(&weights),
+            next_masks: None,
         },
     )
     .unwrap();
@@ -295,6 +297,7 @@ fn dqn_loss_gradient_weights_and_huber_regimes() {
             next_obs: &[0.0; 4],
             discounts: &[0.0, 0.0],
             weights: None,
+            next_masks: None,
         },
     )
     .unwrap();
@@ -315,6 +318,7 @@ fn dqn_loss_gradient_weights_and_huber_regimes() {
             next_obs: &[0.0; 4],
             discounts: &[0.0, 0.0],
             weights: None,
+            next_masks: None,
         },
     )
     .is_err());
@@ -343,6 +347,7 @@ fn dqn_gradients_reach_every_parameter_and_training_fits_targets() {
             next_obs: &obs,
             discounts: &vec![0.0; b],
             weights: None,
+            next_masks: None,
         };
         let out = dqn_loss(&DqnLossConfig::default(), &online, &target, &batch).unwrap();
         let grads = out.loss.backward().unwrap();

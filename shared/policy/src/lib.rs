@@ -40,8 +40,8 @@ use relay_config::{Algo, ExperimentConfig};
 use relay_envs::ActionSpace;
 use relay_kit::Service;
 use relay_nn::{
-    ActOutput, ActionKind, Actions, Activation, ActorCritic, NormDelta, PolicySpec, QNetSpec,
-    QNetwork, RunningMeanStd, SacActor, SacSpec, VecNormalize,
+    masked_argmax, ActOutput, ActionKind, Actions, Activation, ActorCritic, NormDelta, PolicySpec,
+    QNetSpec, QNetwork, RunningMeanStd, SacActor, SacSpec, VecNormalize,
 };
 use relay_proto::{
     AdapterUpdate, Moments, NormStats, Rejection, WeightsAnnouncement, WeightsRequest,
@@ -129,12 +129,14 @@ pub fn sac_spec_for(config: &ExperimentConfig) -> Result<SacSpec, String> {
 }
 
 /// What a policy model does for the env-runners and evaluators: actions for
-/// `n` observations, sampled or deterministic.
+/// `n` observations, sampled or deterministic, among the legal ones where
+/// `masks` (`n * n_actions` bytes, 1 = legal) are given.
 pub trait Act {
     fn act<R: rand::Rng>(
         &self,
         obs: &[f32],
         n: usize,
+        masks: Option<&[u8]>,
         deterministic: bool,
         rng: &mut R,
     ) -> relay_nn::Result<ActOutput>;
@@ -145,10 +147,11 @@ impl Act for ActorCritic {
         &self,
         obs: &[f32],
         n: usize,
+        masks: Option<&[u8]>,
         deterministic: bool,
         rng: &mut R,
     ) -> relay_nn::Result<ActOutput> {
-        ActorCritic::act(self, obs, n, deterministic, rng)
+        ActorCritic::act_masked(self, obs, n, masks, deterministic, rng)
     }
 }
 
@@ -167,9 +170,10 @@ pub enum PolicyModel {
 }
 
 impl Act for PolicyModel {
-    /// Actor-critic: as [`ActorCritic::act`]. Q-network: epsilon-greedy (or
-    /// greedy) actions, `logprobs` the log-probability of each action under
-    /// the epsilon-greedy policy, `values` `max_a Q(s, a)`. SAC actor:
+    /// Actor-critic: as [`ActorCritic::act_masked`]. Q-network: epsilon-greedy (or
+    /// greedy) actions among the legal ones, `logprobs` the log-probability
+    /// of each action under the epsilon-greedy policy, `values` the legal
+    /// `max_a Q(s, a)`. SAC actor:
     /// continuous actions in env units (sampled, or `tanh(μ)` scaled when
     /// deterministic); `logprobs` and `values` are 0 (SAC's off-policy
     /// learner uses neither, and it has no state value).
@@ -177,22 +181,31 @@ impl Act for PolicyModel {
         &self,
         obs: &[f32],
         n: usize,
+        masks: Option<&[u8]>,
         deterministic: bool,
         rng: &mut R,
     ) -> relay_nn::Result<ActOutput> {
         match self {
-            Self::ActorCritic(model) => model.act(obs, n, deterministic, rng),
+            Self::ActorCritic(model) => model.act_masked(obs, n, masks, deterministic, rng),
             Self::QNetwork { net, epsilon } => {
                 let eps = if deterministic { 0.0 } else { *epsilon };
                 let k = net.spec().n_actions;
                 let q = net.q_values(obs, n)?;
-                let greedy: Vec<usize> = q.chunks_exact(k).map(argmax).collect();
-                let actions = net.act_epsilon_greedy(obs, n, eps, rng)?;
-                let explore = eps / k as f64;
+                let mask_of = |i: usize| masks.map(|m| &m[i * k..(i + 1) * k]);
+                let greedy: Vec<usize> = q
+                    .chunks_exact(k)
+                    .enumerate()
+                    .map(|(i, row)| masked_argmax(row, mask_of(i)))
+                    .collect();
+                let actions = net.act_epsilon_greedy_masked(obs, n, eps, masks, rng)?;
                 let logprobs = actions
                     .iter()
                     .zip(&greedy)
-                    .map(|(&a, &g)| {
+                    .enumerate()
+                    .map(|(i, (&a, &g))| {
+                        // Exploration draws among the legal actions.
+                        let legal = mask_of(i).map_or(k, |m| m.iter().filter(|&&b| b == 1).count());
+                        let explore = eps / legal as f64;
                         let p = if a as usize == g {
                             1.0 - eps + explore
                         } else {
@@ -213,6 +226,13 @@ impl Act for PolicyModel {
                 })
             }
             Self::Sac(actor) => {
+                if masks.is_some() {
+                    return Err(relay_nn::NnError::BadInput {
+                        what: "masks",
+                        expected: "none (SAC's actions are continuous)".into(),
+                        got: "action masks".into(),
+                    });
+                }
                 let actions = actor.act(obs, n, deterministic, rng)?;
                 Ok(ActOutput {
                     actions: Actions::Continuous(actions),
@@ -222,16 +242,6 @@ impl Act for PolicyModel {
             }
         }
     }
-}
-
-fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best
 }
 
 /// A weights version's parameters and what comes with them, as the

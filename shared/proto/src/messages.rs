@@ -63,6 +63,38 @@ pub(crate) fn invalid(
     }
 }
 
+/// Checks action masks: `[lead.., n_actions]` u8 of 0 and 1 (`n_actions`
+/// of the policy when the caller knows it), every row allowing an action
+/// (a row that allows none is named).
+pub(crate) fn check_masks(
+    kind: &'static str,
+    field: &'static str,
+    masks: &Tensor,
+    lead: &[usize],
+    n_actions: Option<usize>,
+) -> Result<(), Rejection> {
+    let mut shape: Vec<Option<usize>> = lead.iter().map(|&d| Some(d)).collect();
+    shape.push(n_actions);
+    tensor_check(kind, field, masks.expect(DType::U8, &shape))?;
+    let width = *masks.shape.last().expect("rank checked") as usize;
+    if width == 0 {
+        return Err(invalid(kind, field, "masks of zero actions"));
+    }
+    for (row, mask) in masks.data.chunks_exact(width).enumerate() {
+        if let Some(v) = mask.iter().find(|&&v| v > 1) {
+            return Err(invalid(
+                kind,
+                field,
+                format!("row {row} holds {v}, not 0 or 1"),
+            ));
+        }
+        if !mask.contains(&1) {
+            return Err(invalid(kind, field, format!("row {row} allows no action")));
+        }
+    }
+    Ok(())
+}
+
 /// Checks an action tensor: `[lead.., ]` i64 for discrete spaces or
 /// `[lead.., dim]` finite f32 for continuous ones.
 pub(crate) fn check_actions(
@@ -113,6 +145,11 @@ pub struct ActRequest {
     pub obs: Tensor,
     /// Take the mode of the action distribution instead of sampling.
     pub deterministic: bool,
+    /// Envs with action masks: `[n, n_actions]` u8, 1 for each action legal
+    /// in the observation; the policy acts among those only. Absent: every
+    /// action is legal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masks: Option<Tensor>,
 }
 
 impl ActRequest {
@@ -121,7 +158,14 @@ impl ActRequest {
             schema: SCHEMA_VERSION,
             obs,
             deterministic,
+            masks: None,
         }
+    }
+
+    /// The request with the observations' action masks.
+    pub fn with_masks(mut self, masks: Option<Tensor>) -> Self {
+        self.masks = masks;
+        self
     }
 }
 
@@ -129,6 +173,15 @@ wire_message!(ActRequest, "ActRequest", |m: &ActRequest| {
     observations_check("ActRequest", "obs", &m.obs, &[None, None], None)?;
     if m.obs.shape[0] == 0 {
         return Err(invalid("ActRequest", "obs", "batch of zero observations"));
+    }
+    if let Some(masks) = &m.masks {
+        check_masks(
+            "ActRequest",
+            "masks",
+            masks,
+            &[m.obs.shape[0] as usize],
+            None,
+        )?;
     }
     Ok(())
 });
@@ -224,6 +277,24 @@ pub struct RolloutFragment {
     /// normalised observations the policy saw.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_delta: Option<NormStats>,
+    /// Envs with action masks: the actions legal in each observation, which
+    /// the losses mask the policy with. Absent for envs without masks (and
+    /// with `env.action_masks: false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masks: Option<FragmentMasks>,
+}
+
+/// The action masks of a fragment's observations: u8, 1 = legal, every row
+/// allowing an action (a final state that allows none is sent as allowing
+/// all: nothing acts in it, and a value taken over it is a plain max).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FragmentMasks {
+    /// `[T, N, n_actions]`: of `obs`.
+    pub obs: Tensor,
+    /// `[N, n_actions]`: of `next_obs`.
+    pub next_obs: Tensor,
+    /// `[K, n_actions]`: of `final_obs`.
+    pub final_obs: Tensor,
 }
 
 /// Running statistics of a stream of vectors (Stable-Baselines3's
@@ -482,6 +553,40 @@ wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
     }
     if let Some(stats) = &m.norm_delta {
         stats.check(K, "norm_delta", Some(d))?;
+    }
+    if let Some(masks) = &m.masks {
+        if m.actions.dtype != DType::I64 {
+            return Err(invalid(K, "masks", "action masks with continuous actions"));
+        }
+        check_masks(K, "masks.obs", &masks.obs, &[t, n], None)?;
+        let width = Some(*masks.obs.shape.last().expect("rank checked") as usize);
+        check_masks(K, "masks.next_obs", &masks.next_obs, &[n], width)?;
+        check_masks(
+            K,
+            "masks.final_obs",
+            &masks.final_obs,
+            &[truncations],
+            width,
+        )?;
+        let actions = m.actions.to_i64().expect("actions checked");
+        let w = *masks.obs.shape.last().expect("rank checked") as usize;
+        for (row, (&a, mask)) in actions
+            .iter()
+            .zip(masks.obs.data.chunks_exact(w))
+            .enumerate()
+        {
+            if a < 0 || a as usize >= w || mask[a as usize] == 0 {
+                return Err(invalid(
+                    K,
+                    "actions",
+                    format!(
+                        "action {a} at step {} of env {} is not legal under its mask",
+                        row / n,
+                        row % n
+                    ),
+                ));
+            }
+        }
     }
     Ok(())
 });
@@ -1112,6 +1217,7 @@ mod tests {
             final_obs: Tensor::from_f32(&[1, d], &vec![0.2; d]),
             norm_rewards: None,
             norm_delta: None,
+            masks: None,
             frames: None,
         }
     }
@@ -1209,6 +1315,64 @@ mod tests {
             err.to_string().contains("WeightsUpdate.normalizer"),
             "{err}"
         );
+    }
+
+    /// Masks are additive like the normalisation fields; a mask must be
+    /// 0/1 bytes of one width everywhere, allow an action in every row,
+    /// and allow the action taken.
+    #[test]
+    fn action_masks_round_trip_and_bad_ones_are_named() {
+        let plain = fragment(2, 2, 3);
+        assert!(!encode(&plain).windows(5).any(|w| w == b"masks"));
+        let mut f = plain.clone();
+        // 3 actions; every fragment action is 1.
+        f.masks = Some(FragmentMasks {
+            obs: Tensor::from_u8(&[2, 2, 3], &[0, 1, 0, 1, 1, 1, 0, 1, 1, 0, 1, 0]),
+            next_obs: Tensor::from_u8(&[2, 3], &[1, 0, 0, 0, 0, 1]),
+            final_obs: Tensor::from_u8(&[1, 3], &[1, 1, 0]),
+        });
+        let back: RolloutFragment = decode(&encode(&f)).unwrap();
+        assert_eq!(back, f);
+        let reject = |edit: &dyn Fn(&mut FragmentMasks)| {
+            let mut bad = f.clone();
+            edit(bad.masks.as_mut().unwrap());
+            decode::<RolloutFragment>(&encode(&bad))
+                .unwrap_err()
+                .to_string()
+        };
+        let e = reject(&|m| m.obs.data[3..6].copy_from_slice(&[0, 0, 0]));
+        assert!(
+            e.contains("masks.obs") && e.contains("row 1 allows no action"),
+            "{e}"
+        );
+        let e = reject(&|m| m.obs.data[0..2].copy_from_slice(&[1, 0]));
+        assert!(
+            e.contains("action 1 at step 0 of env 0 is not legal under its mask"),
+            "{e}"
+        );
+        let e = reject(&|m| m.next_obs = Tensor::from_u8(&[2, 2], &[1; 4]));
+        assert!(e.contains("masks.next_obs"), "{e}");
+        let e = reject(&|m| m.final_obs.data[2] = 2);
+        assert!(
+            e.contains("masks.final_obs") && e.contains("not 0 or 1"),
+            "{e}"
+        );
+
+        let obs = Tensor::from_f32(&[2, 2], &[0.0; 4]);
+        let good = ActRequest::new(obs.clone(), false)
+            .with_masks(Some(Tensor::from_u8(&[2, 3], &[1, 0, 0, 0, 1, 1])));
+        assert_eq!(decode::<ActRequest>(&encode(&good)).unwrap(), good);
+        let empty = ActRequest::new(obs.clone(), false)
+            .with_masks(Some(Tensor::from_u8(&[2, 3], &[1, 0, 0, 0, 0, 0])));
+        let e = decode::<ActRequest>(&encode(&empty))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ActRequest.masks") && e.contains("row 1 allows no action"),
+            "{e}"
+        );
+        let short = ActRequest::new(obs, false).with_masks(Some(Tensor::from_u8(&[1, 3], &[1; 3])));
+        assert!(decode::<ActRequest>(&encode(&short)).is_err());
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{Rejection, WireMessage};
-use crate::messages::{check_actions, invalid, observations_check, tensor_check};
+use crate::messages::{check_actions, check_masks, invalid, observations_check, tensor_check};
 use crate::tensor::{DType, Tensor};
 
 /// Most transitions one [`TransitionSampleRequest`] may ask for.
@@ -75,6 +75,10 @@ pub struct TransitionBatch {
     pub size: u64,
     /// Env steps inserted into the table since the run began.
     pub inserted_steps: u64,
+    /// Envs with action masks: `[B, n_actions]` u8, the actions legal in
+    /// each `next_obs` (DQN's target maxes over those). Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_masks: Option<Tensor>,
 }
 
 impl TransitionBatch {
@@ -111,6 +115,7 @@ impl TransitionBatch {
                     weights: Tensor::from_f32(&[rows.len()], &part),
                     size: self.size,
                     inserted_steps: self.inserted_steps,
+                    next_masks: self.next_masks.as_ref().map(|m| m.select_rows(&rows)),
                 }
             })
             .collect()
@@ -154,6 +159,16 @@ impl WireMessage for TransitionBatch {
             ("weights", &self.weights),
         ] {
             tensor_check(K, field, t.to_finite_f32().map(|_| ()))?;
+        }
+        if let Some(masks) = &self.next_masks {
+            if self.actions.dtype != DType::I64 {
+                return Err(invalid(
+                    K,
+                    "next_masks",
+                    "action masks with continuous actions",
+                ));
+            }
+            check_masks(K, "next_masks", masks, &[b], None)?;
         }
         Ok(())
     }
@@ -247,6 +262,7 @@ mod tests {
             weights: Tensor::from_f32(&[n], &[0.2, 1.0, 0.5, 0.25, 0.1, 0.5]),
             size: 100,
             inserted_steps: 120,
+            next_masks: None,
         };
         let parts = draw.split_interleaved(2);
         assert_eq!(parts.len(), 2);

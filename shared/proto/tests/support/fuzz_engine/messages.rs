@@ -72,6 +72,7 @@ pub fn fragment(rng: &mut Rng) -> RolloutFragment {
         final_obs: f32_tensor(rng, &[k, d]),
         norm_rewards: None,
         norm_delta: None,
+        masks: None,
         frames: None,
     };
     if rng.below(3) == 0 {
