@@ -343,7 +343,7 @@ fn pettingzoo_games_take_turns_with_masks_and_every_agents_rewards() {
             assert_eq!(step.finished.len(), 2);
             // player_2's last view: its own 3 marks, player_1's 4.
             let last = step.final_seat_obs(0, 1).unwrap();
-            let mine: f32 = last.iter().skip(0).step_by(2).sum();
+            let mine: f32 = last.iter().step_by(2).sum();
             let theirs: f32 = last.iter().skip(1).step_by(2).sum();
             assert_eq!((mine, theirs), (3.0, 4.0));
             // The next game, player_1 to move on an empty board.
