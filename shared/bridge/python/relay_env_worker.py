@@ -254,6 +254,16 @@ class Flattener:
             rows[i] = self._flatten(self.space, obs)
 
 
+def _get_attr(envs, request):
+    """An attribute of one env's unwrapped env, as plain Python values."""
+    value = getattr(envs[request["index"]].unwrapped, request["name"])
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif isinstance(value, np.generic):
+        value = value.item()
+    return {"value": value}
+
+
 class UnsupportedSpace(Exception):
     pass
 
@@ -457,12 +467,7 @@ class Batch:
             self._reset_one(i)
 
     def get_attr(self, request):
-        value = getattr(self.envs[request["index"]].unwrapped, request["name"])
-        if isinstance(value, np.ndarray):
-            value = value.tolist()
-        elif isinstance(value, np.generic):
-            value = value.item()
-        return {"value": value}
+        return _get_attr(self.envs, request)
 
 
 # Where PettingZoo keeps its games: ``connect_four_v3`` is
@@ -677,12 +682,7 @@ class AgentBatch:
         })
 
     def get_attr(self, request):
-        value = getattr(self.envs[request["index"]].unwrapped, request["name"])
-        if isinstance(value, np.ndarray):
-            value = value.tolist()
-        elif isinstance(value, np.generic):
-            value = value.item()
-        return {"value": value}
+        return _get_attr(self.envs, request)
 
 
 def _agents_init(request):

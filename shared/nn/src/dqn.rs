@@ -488,23 +488,10 @@ mod tests {
 
     #[test]
     fn masked_targets_bootstrap_from_the_legal_max() {
-        use crate::qnet::QNetSpec;
+        use crate::qnet::tests::fixed_q;
         // Linear networks over 3 actions with constant Q-values (weights 0):
         // target Q = [1, 5, 2], online Q = [3, 9, 0] in every state.
-        let spec = QNetSpec {
-            hidden: vec![],
-            ..QNetSpec::new(1, 3)
-        };
-        let fixed = |bias: [f32; 3]| {
-            let mut net = QNetwork::new(&spec, 0).unwrap();
-            net.load_named_tensors(&[
-                ("q_net.0.bias".into(), vec![3], bias.to_vec()),
-                ("q_net.0.weight".into(), vec![3, 1], vec![0.0; 3]),
-            ])
-            .unwrap();
-            net
-        };
-        let (target, online) = (fixed([1.0, 5.0, 2.0]), fixed([3.0, 9.0, 0.0]));
+        let (target, online) = (fixed_q([1.0, 5.0, 2.0]), fixed_q([3.0, 9.0, 0.0]));
         let returns = [1.0, 0.5, 2.0];
         let discounts = [0.5, 1.0, 0.0];
         let next = [0.0, 0.0, 0.0];

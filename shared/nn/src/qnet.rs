@@ -547,14 +547,14 @@ impl QNetwork {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     //! Masked greedy and epsilon-greedy acting.
     use super::*;
     use crate::ops::MASKED_LOGIT;
 
     /// A linear Q-network over 3 actions whose Q-values are `bias` for every
     /// observation (weights 0).
-    fn fixed_q(bias: [f32; 3]) -> QNetwork {
+    pub(crate) fn fixed_q(bias: [f32; 3]) -> QNetwork {
         let spec = QNetSpec {
             hidden: vec![],
             ..QNetSpec::new(1, 3)
