@@ -33,6 +33,9 @@
 //! statistics, as they are from training). Episode returns are the envs'
 //! raw returns.
 //!
+//! A multi-agent game (PettingZoo's) is played by self-play instead
+//! ([`selfplay`]): the policy holds one seat of each game.
+//!
 //! When `run.env_id` is a text game the env-runner plays games instead
 //! ([`text`]): `text.games_in_flight` at a time, with the LLM policy over
 //! `relay.<run>.generate`, publishing each finished game.
@@ -40,6 +43,7 @@
 mod fragment;
 pub mod league;
 mod pace;
+mod selfplay;
 mod text;
 
 use std::collections::VecDeque;
@@ -58,7 +62,7 @@ use relay_proto::{
 
 use fragment::{FragmentBuilder, FragmentPlan};
 
-struct Metrics {
+pub(crate) struct Metrics {
     env_steps: IntCounter,
     vec_steps: IntCounter,
     episodes: IntCounter,
@@ -254,6 +258,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         ActionSpace::Discrete { .. } => (Vec::new(), Vec::new()),
     };
     cfg.check_env(&spec).map_err(ServiceError::other)?;
+    if !spec.agents.is_empty() {
+        let seed = runner_seed(cfg.run.seed, &service.instance);
+        return selfplay::run(service, shutdown, envs, metrics, seed).await;
+    }
     let pixels = cfg.observations_as_pixels(&spec);
     let mut obs = envs.reset().map_err(ServiceError::other)?.to_vec();
     // The legal actions of each env in `obs` (envs with action masks).
@@ -277,7 +285,6 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         None => None,
     };
     let mut synced_version: Option<u64> = None;
-    let timeout = service.request_timeout();
     let act_subject = service.subjects.act();
     // Fragments and act requests sized to the NATS server's messages.
     let max_message = service.max_message_bytes();
@@ -367,51 +374,23 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 .pace_wait_seconds
                 .inc_by(paced.elapsed().as_secs_f64());
         }
-        // Ask for actions, retrying while no inference server (or no weights) is there.
-        let mut backoff = Duration::from_millis(10);
-        let reply: ActReply = loop {
-            let sent = Instant::now();
-            match act(
-                &service,
-                &act_subject,
-                &obs,
-                masks.as_deref(),
+        let Some(reply) = act_until_answered(
+            &service,
+            &metrics,
+            &act_subject,
+            ActRows {
+                obs: &obs,
+                masks: masks.as_deref(),
                 n,
                 obs_dim,
                 pixels,
-                act_chunk,
-                timeout,
-            )
-            .await
-            {
-                Ok(reply) => match check_reply(&reply, n, &spec.action_space, masks.as_deref()) {
-                    Ok(()) => {
-                        metrics.act_latency.observe(sent.elapsed().as_secs_f64());
-                        break reply;
-                    }
-                    Err(detail) => service.intake.reject(
-                        "act.reply",
-                        &relay_proto::Rejection::Invalid {
-                            kind: "ActReply",
-                            field: "actions",
-                            detail,
-                        },
-                    ),
-                },
-                Err(RequestError::BadReply { source, .. }) => {
-                    service.intake.reject("act.reply", &source)
-                }
-                Err(e @ RequestError::TooLarge { .. }) => {
-                    service.fail(format!("cannot ask for actions: {e}")).await;
-                    break 'outer;
-                }
-                Err(e) => tracing::debug!(error = %e, "act request failed; retrying"),
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
-                _ = service.shutdown.wait() => break 'outer,
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(1));
+            },
+            act_chunk,
+            &spec.action_space,
+        )
+        .await
+        else {
+            break 'outer;
         };
         if pacer
             .as_mut()
@@ -521,6 +500,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 episode_return: e.episode_return,
                 length: e.length,
                 terminated: e.terminated,
+                ..Default::default()
             });
             if recent_returns.len() == 100 {
                 recent_returns.pop_front();
@@ -611,22 +591,81 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     service.finish().await
 }
 
-/// Actions for the `n` observations `obs` (`obs_dim` values each, uint8
-/// pixels when `pixels`; `masks`: their legal actions): one act request per
-/// `chunk` envs, sent together (a request must fit a NATS message),
-/// answered as one reply acted by the oldest version among them.
-#[allow(clippy::too_many_arguments)]
+/// Observations to act on: `n` rows of `obs_dim` values (uint8 pixels
+/// when `pixels`), with their legal actions `masks`.
+#[derive(Clone, Copy)]
+pub(crate) struct ActRows<'a> {
+    pub obs: &'a [f32],
+    pub masks: Option<&'a [u8]>,
+    pub n: usize,
+    pub obs_dim: usize,
+    pub pixels: bool,
+}
+
+/// Asks for actions for `rows` ([`act`]), retrying while no inference
+/// server (or no weights) is there and rejecting bad replies; `None` once
+/// the service stops (or fails: a request can never fit a message).
+pub(crate) async fn act_until_answered(
+    service: &Service,
+    metrics: &Metrics,
+    subject: &str,
+    rows: ActRows<'_>,
+    chunk: usize,
+    space: &ActionSpace,
+) -> Option<ActReply> {
+    let timeout = service.request_timeout();
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let sent = Instant::now();
+        match act(service, subject, rows, chunk, timeout).await {
+            Ok(reply) => match check_reply(&reply, rows.n, space, rows.masks) {
+                Ok(()) => {
+                    metrics.act_latency.observe(sent.elapsed().as_secs_f64());
+                    return Some(reply);
+                }
+                Err(detail) => service.intake.reject(
+                    "act.reply",
+                    &relay_proto::Rejection::Invalid {
+                        kind: "ActReply",
+                        field: "actions",
+                        detail,
+                    },
+                ),
+            },
+            Err(RequestError::BadReply { source, .. }) => {
+                service.intake.reject("act.reply", &source)
+            }
+            Err(e @ RequestError::TooLarge { .. }) => {
+                service.fail(format!("cannot ask for actions: {e}")).await;
+                return None;
+            }
+            Err(e) => tracing::debug!(error = %e, "act request failed; retrying"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = service.shutdown.wait() => return None,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// Actions for `rows`: one act request per `chunk` envs, sent together (a
+/// request must fit a NATS message), answered as one reply acted by the
+/// oldest version among them.
 async fn act(
     service: &Service,
     subject: &str,
-    obs: &[f32],
-    masks: Option<&[u8]>,
-    n: usize,
-    obs_dim: usize,
-    pixels: bool,
+    rows: ActRows<'_>,
     chunk: usize,
     timeout: Duration,
 ) -> Result<ActReply, RequestError> {
+    let ActRows {
+        obs,
+        masks,
+        n,
+        obs_dim,
+        pixels,
+    } = rows;
     let width = masks.map_or(0, |m| m.len() / n);
     let request_of = |first: usize, rows: &[f32]| {
         let count = rows.len() / obs_dim;
@@ -664,7 +703,7 @@ async fn act(
 }
 
 /// The counters as of the last metrics report.
-struct Reported {
+pub(crate) struct Reported {
     at: Instant,
     env_steps: u64,
     vec_steps: u64,
@@ -673,7 +712,7 @@ struct Reported {
 /// Reports the steps since `reported` (then moves it to now), the step
 /// rate, the policy version last acted with and the mean return of the
 /// recent episodes.
-async fn report_progress(
+pub(crate) async fn report_progress(
     service: &Service,
     metrics: &Metrics,
     reported: &mut Reported,
@@ -714,7 +753,7 @@ const REJECTED_FRAGMENTS_TO_FAIL: u32 = 3;
 /// Sends the fragments of one collection period in turn
 /// ([`insert_with_retry`]); fails the service once
 /// [`REJECTED_FRAGMENTS_TO_FAIL`] in a row were refused as bad.
-async fn insert_all_with_retry(
+pub(crate) async fn insert_all_with_retry(
     service: Service,
     fragments: Vec<RolloutFragment>,
     outcomes: IntCounterVec,

@@ -298,6 +298,7 @@ impl Window {
                     episode_return: reward,
                     length: game.record.turns.len() as u32,
                     terminated: true,
+                    ..Default::default()
                 });
         }
         self.games

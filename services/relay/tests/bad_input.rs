@@ -205,6 +205,7 @@ async fn every_subscriber_rejects_bad_input_and_keeps_running() {
             episode_return: f64::NAN,
             length: 3,
             terminated: true,
+            ..Default::default()
         }],
     };
     let report = MetricsReport {

@@ -134,6 +134,15 @@ impl VecEnvs {
         }
     }
 
+    /// Multi-agent games: the seat to move in each env, whose observation
+    /// and mask are that env's rows; `None` for single-agent envs.
+    pub fn movers(&self) -> Option<&[u32]> {
+        match self {
+            VecEnvs::Builtin(_) => None,
+            VecEnvs::Python(e) => e.movers(),
+        }
+    }
+
     /// Python workers restarted so far (0 for built-in envs).
     pub fn restarts(&self) -> u64 {
         match self {

@@ -264,6 +264,12 @@ impl PyVecEnv {
         self.buf.masks()
     }
 
+    /// Multi-agent games: the seat to move in each env (whose observation
+    /// and mask are that env's rows).
+    pub fn movers(&self) -> Option<&[u32]> {
+        self.buf.movers()
+    }
+
     /// Workers restarted since the batch was made.
     pub fn restarts(&self) -> u64 {
         self.restarts

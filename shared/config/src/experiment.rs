@@ -22,6 +22,7 @@ use crate::reinforce::ReinforceConfig;
 use crate::rl::RlConfig;
 use crate::run::{Algo, RunConfig};
 use crate::sac::SacSection;
+use crate::selfplay::{SelfPlaySection, MIRROR_OPPONENT};
 use crate::services::{
     EnvRunnerConfig, InferenceConfig, LearnerConfig, ReplayConfig, TrackerConfig,
 };
@@ -69,6 +70,9 @@ pub struct ExperimentConfig {
     pub rl: RlConfig,
     #[serde(default)]
     pub league: LeagueSection,
+    /// Who the policy plays in a multi-agent game stepped on observations.
+    #[serde(default)]
+    pub selfplay: SelfPlaySection,
     #[serde(default)]
     pub normalize: NormalizeSection,
     /// How weights versions travel to the services that follow them.
@@ -202,6 +206,7 @@ impl ExperimentConfig {
         self.text.validate(&self.run.env_id, &self.env)?;
         self.league
             .validate(&self.text, &self.run.env_id, &self.env)?;
+        self.selfplay.validate()?;
         self.lora.validate()?;
         self.weights.validate()?;
         self.rl.validate(self.text.max_turn_tokens as usize)?;
@@ -471,17 +476,7 @@ impl ExperimentConfig {
     /// convolutions fit, and one observation must fit in a message.
     pub fn check_env(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
         if !spec.agents.is_empty() {
-            // Its steps alternate between agents: played as one agent's
-            // episodes it would train on every seat's moves as one.
-            return Err(invalid(
-                "run.env_id",
-                format!(
-                    "{} is a game of {} agents ({}); training on multi-agent games by self-play is not built yet",
-                    spec.id,
-                    spec.agents.len(),
-                    spec.agents.join(", ")
-                ),
-            ));
+            self.check_selfplay(spec)?;
         }
         if let Some(cnn) = &self.policy.cnn {
             let Some(image) = spec.image else {
@@ -507,6 +502,55 @@ impl ExperimentConfig {
             cnn.output_shapes().map_err(crate::policy::cnn_error)?;
         }
         self.check_observation_size(spec)
+    }
+
+    /// A multi-agent game is trained by self-play ([`SelfPlaySection`]):
+    /// discrete actions, an on-policy or DQN learner, every opponent able
+    /// to play the game, and none of what assumes one agent's stream of
+    /// steps.
+    fn check_selfplay(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
+        let game = || {
+            format!(
+                "{} is a game of {} agents ({}) trained by self-play",
+                spec.id,
+                spec.agents.len(),
+                spec.agents.join(", ")
+            )
+        };
+        if !spec.action_space.is_discrete() {
+            return Err(invalid(
+                "run.env_id",
+                format!("{}: self-play needs discrete actions", game()),
+            ));
+        }
+        if self.run.algo == Algo::Sac {
+            return Err(invalid(
+                "run.algo",
+                format!("{}: use ppo, a2c, reinforce or dqn", game()),
+            ));
+        }
+        if self.normalize.obs || self.normalize.reward {
+            return Err(invalid(
+                "normalize",
+                format!("{}: normalisation is not supported in self-play; turn normalize.obs and normalize.reward off", game()),
+            ));
+        }
+        if self.env_runner.pace {
+            return Err(invalid(
+                "env_runner.pace",
+                format!(
+                    "{}: pacing counts one agent's env steps; turn it off",
+                    game()
+                ),
+            ));
+        }
+        for (name, _) in self.selfplay.weighted() {
+            if name != MIRROR_OPPONENT {
+                relay_envs::SeatBot::new(name, spec)
+                    .map_err(|e| invalid(&format!("selfplay.opponents.{name}"), e.to_string()))?;
+            }
+        }
+        Ok(())
     }
 
     /// Bytes one observation of `spec` takes on the wire: a byte a pixel,

@@ -226,17 +226,59 @@ fn relay_s_nats_server_is_sized_to_the_largest_message_of_the_run() {
         e.contains("run.env_id") && e.contains("does not fit"),
         "{e}"
     );
-    // A game whose agents take turns is not played as one agent's episodes.
+    // A game whose agents take turns is trained by self-play, with what
+    // self-play supports only.
     let game = relay_envs::EnvSpec {
         id: "tictactoe_v3",
         agents: vec!["player_1".into(), "player_2".into()],
+        action_mask: true,
+        observation_space: relay_envs::BoxSpace {
+            low: vec![0.0; 18],
+            high: vec![1.0; 18],
+        },
+        action_space: relay_envs::ActionSpace::Discrete { n: 9 },
         ..relay_envs::spec("CartPole-v1").unwrap()
     };
-    let e = with(&[]).check_env(&game).unwrap_err().to_string();
+    with(&[]).check_env(&game).unwrap();
+    with(&["selfplay.opponents.minimax=0.5", "run.algo=dqn"])
+        .check_env(&game)
+        .unwrap();
+    for (set, field, says) in [
+        (
+            "normalize.obs=true",
+            "normalize",
+            "tictactoe_v3 is a game of 2 agents (player_1, player_2)",
+        ),
+        ("env_runner.pace=true", "env_runner.pace", "turn it off"),
+    ] {
+        let e = with(&[set]).check_env(&game).unwrap_err().to_string();
+        assert!(e.contains(field) && e.contains(says), "{set}: {e}");
+    }
+    let connect_four = relay_envs::EnvSpec {
+        id: "connect_four_v3",
+        ..game.clone()
+    };
+    let e = with(&["selfplay.opponents.minimax=1"])
+        .check_env(&connect_four)
+        .unwrap_err()
+        .to_string();
     assert!(
-        e.contains("tictactoe_v3 is a game of 2 agents (player_1, player_2)"),
+        e.contains("selfplay.opponents.minimax") && e.contains("cannot play connect_four_v3"),
         "{e}"
     );
+    for (set, says) in [
+        ("selfplay.opponents.alphazero=1", "unknown opponent"),
+        ("selfplay.opponents.mirror=-1", "must be finite and >= 0"),
+        ("selfplay.opponents.mirror=0", "needs a positive weight"),
+    ] {
+        let e = ExperimentConfig::from_layers(BASE, "t", &[], &[set.into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("selfplay.opponents") && e.contains(says),
+            "{set}: {e}"
+        );
+    }
 }
 
 #[test]

@@ -13,6 +13,8 @@
 //!   physics, ported expression by expression from Gymnasium's Python so
 //!   that `f64` rounding matches; each documents its state layout.
 //! - [`registry`] (re-exported) owns [`make`], [`spec`] and [`ENV_IDS`].
+//! - [`seat_bots`] owns [`SeatBot`], the fixed opponents (random-legal,
+//!   minimax) of multi-agent games played on observations.
 //! - [`vec_env`] owns [`VecEnv`] (SB3-`DummyVecEnv`-style auto-reset).
 //! - [`error`] owns [`EnvError`].
 //! - [`text`] owns the text games ([`TextGame`], TicTacToe, ConnectFour,
@@ -58,6 +60,7 @@ pub mod error;
 pub mod mountain_car;
 pub mod pendulum;
 pub mod registry;
+pub mod seat_bots;
 pub mod spaces;
 pub mod text;
 pub mod vec_env;
@@ -69,6 +72,7 @@ pub use error::EnvError;
 pub use mountain_car::MountainCar;
 pub use pendulum::Pendulum;
 pub use registry::{make, spec, ENV_IDS};
+pub use seat_bots::{random_legal, SeatBot, SEAT_BOT_NAMES};
 pub use spaces::{ActionSpace, BoxSpace, EnvSpec};
 pub use text::{
     make as make_text_game, AnswerFormat, AnswerReader, Bot, ConnectFourBot, MinimaxBot,

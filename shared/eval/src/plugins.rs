@@ -867,6 +867,14 @@ pub fn play<M: relay_policy::Act>(
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut clipped = Vec::new();
     let mut model_obs = obs.clone();
+    // Multi-agent games: episode e is played from seat e % seats against a
+    // random-legal opponent (the same bot self-play trains against).
+    let seats = spec.agents.len();
+    let mut opponent = (seats > 0)
+        .then(|| relay_envs::SeatBot::new("random", &spec))
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let width = spec.action_space.n().unwrap_or(0);
     while unfinished > 0 {
         model_obs.copy_from_slice(&obs);
         if let Some(n) = normalizer {
@@ -889,6 +897,26 @@ pub fn play<M: relay_policy::Act>(
                 &mut rng,
             )
             .map_err(|e| e.to_string())?;
+        let mut out = out;
+        let actions = &mut out.actions;
+        let policy_moves: Vec<bool> = match (envs.movers(), &mut opponent, actions) {
+            (Some(movers), Some(bot), Actions::Discrete(a)) => {
+                let all_legal = vec![1u8; width];
+                (0..num_envs)
+                    .map(|i| {
+                        let mine = movers[i] as usize == playing[i] % seats;
+                        if !mine {
+                            let mask = masks
+                                .as_deref()
+                                .map_or(&all_legal[..], |m| &m[i * width..(i + 1) * width]);
+                            a[i] = bot.act(&obs[i * obs_dim..(i + 1) * obs_dim], mask, &mut rng);
+                        }
+                        mine
+                    })
+                    .collect()
+            }
+            _ => vec![true; num_envs],
+        };
         let step = match (&out.actions, &spec.action_space) {
             (Actions::Discrete(a), _) => envs.step(VecActions::Discrete(a)),
             (Actions::Continuous(a), ActionSpace::Box { low, high }) => {
@@ -907,7 +935,7 @@ pub fn play<M: relay_policy::Act>(
         .map_err(|e| e.to_string())?;
         if record {
             for (i, &episode) in playing.iter().enumerate() {
-                let Some(t) = trajectories.get_mut(episode) else {
+                let Some(t) = trajectories.get_mut(episode).filter(|_| policy_moves[i]) else {
                     continue;
                 };
                 t.obs.push(obs[i * obs_dim..(i + 1) * obs_dim].to_vec());
@@ -929,7 +957,11 @@ pub fn play<M: relay_policy::Act>(
         for e in &step.finished {
             let episode = &mut playing[e.env_index];
             if let Some(slot) = returns.get_mut(*episode) {
-                *slot = Some(e.episode_return);
+                // A multi-agent game's return is the policy's seat's.
+                *slot = Some(match step.seat_returns(e.env_index) {
+                    Some(r) => r[*episode % seats],
+                    None => e.episode_return,
+                });
                 unfinished -= 1;
             }
             *episode += num_envs;

@@ -680,13 +680,23 @@ pub struct WeightsRequest {
 wire_message!(WeightsRequest, "WeightsRequest");
 
 /// One finished episode.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EpisodeSummary {
-    /// Undiscounted sum of rewards.
+    /// Undiscounted sum of rewards (in a self-play game, the learning
+    /// seat's).
     pub episode_return: f64,
+    /// Steps (in a self-play game, the learning seat's moves).
     pub length: u32,
     /// True when it ended in a terminal state, false when cut by the time limit.
     pub terminated: bool,
+    /// Self-play games: the learning policy's seat (0 moves first), drawn
+    /// with the runner's seeded RNG.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seat: Option<u32>,
+    /// Self-play games: who held the other seats (`mirror`, `random`,
+    /// `minimax`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub opponent: Option<String>,
 }
 
 /// env-runner -> tracker: episodes finished since the last report.

@@ -390,6 +390,7 @@ impl Subject for EpisodeReport {
                     episode_return: rng.f64(),
                     length: rng.u64() as u32 >> rng.below(32),
                     terminated: rng.bool(),
+                    ..Default::default()
                 })
                 .collect(),
         }
@@ -401,6 +402,7 @@ impl Subject for EpisodeReport {
                 episode_return: 1.0,
                 length: 1,
                 terminated: true,
+                ..Default::default()
             });
         }
         let i = rng.below(self.episodes.len());

@@ -1,0 +1,83 @@
+//! The `selfplay` section: who the policy plays in a multi-agent game
+//! stepped on observations (a PettingZoo game through the env bridge).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::check::{invalid, ConfigError};
+
+/// The opponent of each self-play game, drawn per game by weight.
+pub const MIRROR_OPPONENT: &str = "mirror";
+
+/// Self-play in multi-agent games (`env.backend: pettingzoo`). The
+/// env-runner gives the learning policy one seat of each game, drawn with
+/// the run's seeded RNG, and the other seats to an opponent drawn per game
+/// from `opponents`. Only the learning seat's moves are trained on; its
+/// reward is everything its seat earns from one of its moves to the next.
+///
+/// Example (YAML):
+///
+/// ```yaml
+/// selfplay:
+///   opponents: {mirror: 0.8, random: 0.2}
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SelfPlaySection {
+    /// Weight of each opponent kind (need not sum to 1): `mirror` (the
+    /// current policy, sampling, through the inference servers; its moves
+    /// are not trained on), `random` (a uniformly random legal move) and
+    /// `minimax` (perfect play; `tictactoe_v3` only). Default: `mirror`
+    /// only.
+    pub opponents: BTreeMap<String, f64>,
+}
+
+impl Default for SelfPlaySection {
+    fn default() -> Self {
+        Self {
+            opponents: BTreeMap::from([(MIRROR_OPPONENT.to_string(), 1.0)]),
+        }
+    }
+}
+
+impl SelfPlaySection {
+    /// Checks the names and weights (which bots play the game is checked
+    /// once the env is made, [`crate::ExperimentConfig::check_env`]).
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        for (name, &weight) in &self.opponents {
+            let field = format!("selfplay.opponents.{name}");
+            if name != MIRROR_OPPONENT && !relay_envs::SEAT_BOT_NAMES.contains(&name.as_str()) {
+                return Err(invalid(
+                    &field,
+                    format!(
+                        "unknown opponent; known: {MIRROR_OPPONENT}, {}",
+                        relay_envs::SEAT_BOT_NAMES.join(", ")
+                    ),
+                ));
+            }
+            if !weight.is_finite() || weight < 0.0 {
+                return Err(invalid(
+                    &field,
+                    format!("weight {weight} must be finite and >= 0"),
+                ));
+            }
+        }
+        if self.opponents.values().sum::<f64>() <= 0.0 {
+            return Err(invalid(
+                "selfplay.opponents",
+                "needs a positive weight on at least one opponent",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The opponents with a positive weight, with their weights.
+    pub fn weighted(&self) -> Vec<(&str, f64)> {
+        self.opponents
+            .iter()
+            .filter(|(_, &w)| w > 0.0)
+            .map(|(name, &w)| (name.as_str(), w))
+            .collect()
+    }
+}

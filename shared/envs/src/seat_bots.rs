@@ -1,0 +1,171 @@
+//! Fixed opponents for multi-agent games played on observations (PettingZoo
+//! games through the env bridge): [`SeatBot`]. The env-runner's self-play
+//! games and the evaluator's vs-opponent games draw the same bots from
+//! here, so a bot plays identically in training and in evaluation.
+//!
+//! A bot sees what the policy sees: the mover's observation and its action
+//! mask. `random` plays any game with a mask; `minimax` is perfect
+//! TicTacToe ([`MinimaxBot`]) read off `tictactoe_v3`'s observation, whose
+//! `[3, 3, 2]` planes hold the mover's marks (plane 0) and the other
+//! player's (plane 1) with cell `k` at `2k` and `2k + 1`, `k` also being
+//! the action that marks it.
+
+use rand::Rng;
+
+use crate::{EnvError, EnvSpec, MinimaxBot};
+
+/// Names of the fixed opponents, for configs and errors.
+pub const SEAT_BOT_NAMES: [&str; 2] = ["random", "minimax"];
+
+/// PettingZoo's TicTacToe, the game `minimax` plays.
+const TICTACTOE: &str = "tictactoe_v3";
+
+/// A fixed opponent choosing one action from an observation and its mask.
+#[derive(Debug, Clone)]
+pub enum SeatBot {
+    /// A uniformly random legal action.
+    Random,
+    /// Perfect TicTacToe play (fastest win, slowest loss, lowest cell).
+    Minimax(MinimaxBot),
+}
+
+impl SeatBot {
+    /// The bot `name` for games of `spec`; an error names what it cannot
+    /// play.
+    pub fn new(name: &str, spec: &EnvSpec) -> Result<Self, EnvError> {
+        let cannot = || EnvError::BotCannotPlay {
+            bot: match name {
+                "minimax" => "minimax",
+                _ => "random",
+            },
+            game: spec.id,
+        };
+        match name {
+            "random" if spec.action_mask => Ok(Self::Random),
+            "random" => Err(cannot()),
+            "minimax" if spec.id == TICTACTOE && spec.obs_dim() == 18 => {
+                Ok(Self::Minimax(MinimaxBot::new()))
+            }
+            "minimax" => Err(cannot()),
+            other => Err(EnvError::External {
+                id: spec.id.to_string(),
+                message: format!(
+                    "unknown opponent {other:?}; known: {}",
+                    SEAT_BOT_NAMES.join(", ")
+                ),
+            }),
+        }
+    }
+
+    /// Whether `name` is a bot that plays games of `spec`.
+    pub fn plays(name: &str, spec: &EnvSpec) -> bool {
+        Self::new(name, spec).is_ok()
+    }
+
+    /// The action for the mover whose observation is `obs` and legal
+    /// actions `mask` (at least one is legal).
+    pub fn act(&mut self, obs: &[f32], mask: &[u8], rng: &mut impl Rng) -> i64 {
+        match self {
+            Self::Random => random_legal(mask, rng),
+            Self::Minimax(bot) => {
+                let mut board = [None; 9];
+                for (cell, slot) in board.iter_mut().enumerate() {
+                    if obs[2 * cell] > 0.5 {
+                        *slot = Some(0);
+                    } else if obs[2 * cell + 1] > 0.5 {
+                        *slot = Some(1);
+                    }
+                }
+                match bot.best_cell(&board, 0) {
+                    Some(cell) if mask.get(cell) == Some(&1) => cell as i64,
+                    // A board the mask disagrees with: play legally anyway.
+                    _ => random_legal(mask, rng),
+                }
+            }
+        }
+    }
+}
+
+/// A uniformly random action among those `mask` allows (action 0 when it
+/// allows none, which the env-runner refuses before asking).
+pub fn random_legal(mask: &[u8], rng: &mut impl Rng) -> i64 {
+    let legal = mask.iter().filter(|&&m| m == 1).count();
+    if legal == 0 {
+        return 0;
+    }
+    let pick = rng.random_range(0..legal);
+    mask.iter()
+        .enumerate()
+        .filter(|(_, &m)| m == 1)
+        .nth(pick)
+        .map_or(0, |(a, _)| a as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ActionSpace, BoxSpace};
+    use rand::SeedableRng;
+
+    fn tictactoe() -> EnvSpec {
+        EnvSpec {
+            id: TICTACTOE,
+            observation_space: BoxSpace {
+                low: vec![0.0; 18],
+                high: vec![1.0; 18],
+            },
+            action_space: ActionSpace::Discrete { n: 9 },
+            max_episode_steps: 9,
+            reward_threshold: None,
+            image: None,
+            action_mask: true,
+            agents: vec!["player_1".into(), "player_2".into()],
+        }
+    }
+
+    #[test]
+    fn random_draws_only_legal_actions() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mask = [0, 1, 0, 0, 1, 0, 0, 0, 0];
+        let mut seen = [0; 9];
+        for _ in 0..200 {
+            seen[random_legal(&mask, &mut rng) as usize] += 1;
+        }
+        assert_eq!(seen[1] + seen[4], 200);
+        assert!(seen[1] > 50 && seen[4] > 50, "{seen:?}");
+    }
+
+    #[test]
+    fn minimax_wins_blocks_and_refuses_other_games() {
+        let mut bot = SeatBot::new("minimax", &tictactoe()).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        // Mover holds cells 0 and 1, the other player 3 and 4: cell 2 wins.
+        let mut obs = [0f32; 18];
+        for cell in [0, 1] {
+            obs[2 * cell] = 1.0;
+        }
+        for cell in [3, 4] {
+            obs[2 * cell + 1] = 1.0;
+        }
+        let mask: Vec<u8> = (0..9)
+            .map(|c| u8::from(obs[2 * c] + obs[2 * c + 1] == 0.0))
+            .collect();
+        assert_eq!(bot.act(&obs, &mask, &mut rng), 2);
+        // The other player holds 0 and 1, the mover 4: cell 2 blocks.
+        let mut obs = [0f32; 18];
+        obs[1] = 1.0;
+        obs[3] = 1.0;
+        obs[8] = 1.0;
+        let mask: Vec<u8> = (0..9)
+            .map(|c| u8::from(obs[2 * c] + obs[2 * c + 1] == 0.0))
+            .collect();
+        assert_eq!(bot.act(&obs, &mask, &mut rng), 2);
+
+        let mut other = tictactoe();
+        other.id = "connect_four_v3";
+        assert!(SeatBot::new("minimax", &other).is_err());
+        assert!(SeatBot::new("alphazero", &other).is_err());
+        other.action_mask = false;
+        assert!(!SeatBot::plays("random", &other));
+    }
+}
