@@ -312,12 +312,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         .map(|envs| FragmentBuilder::new(envs.clone(), obs_dim, pixels, spec.image, mask_width))
         .collect();
     let act_chunk = (max_message.saturating_sub(64 * 1024) / obs_bytes.max(1)).max(1);
-    let rejected_in_a_row = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-    let mut pending_insert: Option<tokio::task::JoinHandle<()>> = None;
+    let mut inserts = Inserts::default();
     // Env steps of the insert in flight, and those the buffer held at the
     // last ack (the pacer's view of what waits for the learner).
     let mut pending_steps = 0u64;
-    let buffered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut episodes: Vec<EpisodeSummary> = Vec::new();
     let mut recent_returns: VecDeque<f64> = VecDeque::with_capacity(100);
     let mut last_version = 0u64;
@@ -358,16 +356,18 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         }
         if let (0, Some(p)) = (fragments[0].steps, pacer.as_mut()) {
             let paced = Instant::now();
-            let in_flight = match &pending_insert {
+            let in_flight = match &inserts.pending {
                 Some(insert) if !insert.is_finished() => pending_steps,
                 _ => 0,
             };
-            let held = buffered.load(std::sync::atomic::Ordering::Relaxed) + in_flight;
+            let held = inserts.buffered.load(std::sync::atomic::Ordering::Relaxed) + in_flight;
             match p.before_fragment(held, last_version, &shutdown).await {
                 None => break 'outer,
                 // The learner took what the last ack counted; the next ack
                 // says what is held now.
-                Some(true) => buffered.store(0, std::sync::atomic::Ordering::Relaxed),
+                Some(true) => inserts
+                    .buffered
+                    .store(0, std::sync::atomic::Ordering::Relaxed),
                 Some(false) => {}
             }
             metrics
@@ -540,28 +540,16 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 })
                 .collect();
             pending_steps = messages.iter().map(RolloutFragment::env_steps).sum();
-            // One insert in flight at a time: waiting here is the backpressure.
-            if let Some(previous) = pending_insert.take() {
-                let _ = previous.await;
-            }
-            pending_insert = Some(tokio::spawn(insert_all_with_retry(
-                service.clone(),
-                messages,
-                metrics.fragments.clone(),
-                metrics.backpressure_waits.clone(),
-                rejected_in_a_row.clone(),
-                buffered.clone(),
-            )));
-            if !episodes.is_empty() {
-                let report = EpisodeReport {
-                    schema: SCHEMA_VERSION,
-                    runner_id: service.instance.clone(),
-                    env_id: spec.id.to_string(),
-                    policy_version: last_version,
-                    episodes: std::mem::take(&mut episodes),
-                };
-                service.publish(service.subjects.episodes(), &report).await;
-            }
+            inserts
+                .ship(
+                    &service,
+                    &metrics,
+                    messages,
+                    spec.id,
+                    last_version,
+                    &mut episodes,
+                )
+                .await;
         }
 
         if reported.at.elapsed() >= Duration::from_secs(1) {
@@ -585,10 +573,64 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         &recent_returns,
     )
     .await;
-    if let Some(previous) = pending_insert.take() {
-        let _ = tokio::time::timeout(Duration::from_secs(2), previous).await;
-    }
+    inserts.finish().await;
     service.finish().await
+}
+
+/// The inserts of a runner's fragments: at most one in flight while the
+/// next fragment is collected.
+#[derive(Default)]
+pub(crate) struct Inserts {
+    /// The insert in flight.
+    pending: Option<tokio::task::JoinHandle<()>>,
+    /// Fragments refused as bad in a row.
+    rejected_in_a_row: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    /// Env steps the replay buffer held at the last ack.
+    buffered: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Inserts {
+    /// Ships one collection period: waits for the insert in flight (the
+    /// backpressure), starts inserting `messages`, and publishes the
+    /// `episodes` finished since the last period.
+    pub(crate) async fn ship(
+        &mut self,
+        service: &Service,
+        metrics: &Metrics,
+        messages: Vec<RolloutFragment>,
+        env_id: &str,
+        policy_version: u64,
+        episodes: &mut Vec<EpisodeSummary>,
+    ) {
+        if let Some(previous) = self.pending.take() {
+            let _ = previous.await;
+        }
+        self.pending = Some(tokio::spawn(insert_all_with_retry(
+            service.clone(),
+            messages,
+            metrics.fragments.clone(),
+            metrics.backpressure_waits.clone(),
+            self.rejected_in_a_row.clone(),
+            self.buffered.clone(),
+        )));
+        if !episodes.is_empty() {
+            let report = EpisodeReport {
+                schema: SCHEMA_VERSION,
+                runner_id: service.instance.clone(),
+                env_id: env_id.to_string(),
+                policy_version,
+                episodes: std::mem::take(episodes),
+            };
+            service.publish(service.subjects.episodes(), &report).await;
+        }
+    }
+
+    /// Waits a little for the insert in flight, at shutdown.
+    pub(crate) async fn finish(&mut self) {
+        if let Some(previous) = self.pending.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), previous).await;
+        }
+    }
 }
 
 /// Observations to act on: `n` rows of `obs_dim` values (uint8 pixels
@@ -753,7 +795,7 @@ const REJECTED_FRAGMENTS_TO_FAIL: u32 = 3;
 /// Sends the fragments of one collection period in turn
 /// ([`insert_with_retry`]); fails the service once
 /// [`REJECTED_FRAGMENTS_TO_FAIL`] in a row were refused as bad.
-pub(crate) async fn insert_all_with_retry(
+async fn insert_all_with_retry(
     service: Service,
     fragments: Vec<RolloutFragment>,
     outcomes: IntCounterVec,

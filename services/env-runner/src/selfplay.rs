@@ -26,10 +26,10 @@ use rand_chacha::ChaCha8Rng;
 use relay_bridge::{BridgeError, VecEnvs};
 use relay_envs::{EnvSpec, SeatBot, VecActions};
 use relay_kit::{Service, ServiceError, Shutdown};
-use relay_proto::{EpisodeReport, EpisodeSummary, RolloutFragment, SCHEMA_VERSION};
+use relay_proto::{EpisodeSummary, RolloutFragment};
 
 use crate::fragment::{FragmentBuilder, FragmentPlan};
-use crate::{act_until_answered, ActRows, Metrics, Reported};
+use crate::{act_until_answered, ActRows, Inserts, Metrics, Reported};
 
 /// A move of the learning seat, its reward summed until its next move.
 struct Move {
@@ -158,9 +158,7 @@ pub(crate) async fn run(
         .map(|g| FragmentBuilder::new(g.clone(), d, pixels, spec.image, Some(width)))
         .collect();
     let act_chunk = (max_message.saturating_sub(64 * 1024) / obs_bytes.max(1)).max(1);
-    let rejected_in_a_row = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-    let buffered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let mut pending_insert: Option<tokio::task::JoinHandle<()>> = None;
+    let mut inserts = Inserts::default();
     let mut episodes: Vec<EpisodeSummary> = Vec::new();
     let mut recent_returns: VecDeque<f64> = VecDeque::with_capacity(100);
     let mut last_version = 0u64;
@@ -352,27 +350,16 @@ pub(crate) async fn run(
                 &service.instance,
                 spec.id,
             );
-            if let Some(previous) = pending_insert.take() {
-                let _ = previous.await;
-            }
-            pending_insert = Some(tokio::spawn(crate::insert_all_with_retry(
-                service.clone(),
-                messages,
-                metrics.fragments.clone(),
-                metrics.backpressure_waits.clone(),
-                rejected_in_a_row.clone(),
-                buffered.clone(),
-            )));
-            if !episodes.is_empty() {
-                let report = EpisodeReport {
-                    schema: SCHEMA_VERSION,
-                    runner_id: service.instance.clone(),
-                    env_id: spec.id.to_string(),
-                    policy_version: last_version,
-                    episodes: std::mem::take(&mut episodes),
-                };
-                service.publish(service.subjects.episodes(), &report).await;
-            }
+            inserts
+                .ship(
+                    &service,
+                    &metrics,
+                    messages,
+                    spec.id,
+                    last_version,
+                    &mut episodes,
+                )
+                .await;
         }
         if reported.at.elapsed() >= Duration::from_secs(1) {
             crate::report_progress(
@@ -393,9 +380,7 @@ pub(crate) async fn run(
         &recent_returns,
     )
     .await;
-    if let Some(previous) = pending_insert.take() {
-        let _ = tokio::time::timeout(Duration::from_secs(2), previous).await;
-    }
+    inserts.finish().await;
     service.finish().await
 }
 
