@@ -182,6 +182,25 @@ impl Metrics {
     }
 }
 
+impl Metrics {
+    /// Logs and counts the env faults of a step (their episodes are dropped).
+    pub(crate) fn count_faults(&self, env_id: &str, faults: &[relay_bridge::Fault]) {
+        for fault in faults {
+            tracing::warn!(
+                env_id,
+                kind = fault.kind.as_str(),
+                "env fault, episode dropped: {fault}"
+            );
+            self.env_faults
+                .with_label_values(&[fault.kind.as_str()])
+                .inc_by(fault.envs.len() as u64);
+            if fault.kind.restarted() {
+                self.worker_restarts.inc();
+            }
+        }
+    }
+}
+
 /// Derives this copy's env seed from the run seed and its instance name, so
 /// that copies do not replay each other's episodes.
 fn runner_seed(seed: u64, instance: &str) -> u64 {
@@ -436,18 +455,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             Err(BridgeError::Faulted { faults }) => {
                 // Faulted envs were reset: their episodes and this step's
                 // transitions (the whole fragment in progress) are dropped.
-                for fault in &faults {
-                    tracing::warn!(env_id = %spec.id, kind = fault.kind.as_str(), "env fault, episode dropped: {fault}");
-                    metrics
-                        .env_faults
-                        .with_label_values(&[fault.kind.as_str()])
-                        .inc_by(fault.envs.len() as u64);
-                    if fault.kind.restarted() {
-                        metrics.worker_restarts.inc();
-                    }
-                    for &i in &fault.envs {
-                        episode_started[i] = Instant::now();
-                    }
+                metrics.count_faults(spec.id, &faults);
+                for &i in faults.iter().flat_map(|f| &f.envs) {
+                    episode_started[i] = Instant::now();
                 }
                 fragments.iter_mut().for_each(FragmentBuilder::reset);
                 obs.copy_from_slice(envs.obs());

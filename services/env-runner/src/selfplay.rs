@@ -254,18 +254,9 @@ pub(crate) async fn run(
                 // Faulted envs restarted their games; every stream in
                 // progress is dropped with them, as the main loop drops its
                 // fragment.
-                for fault in &faults {
-                    tracing::warn!(env_id = %spec.id, kind = fault.kind.as_str(), "env fault, game dropped: {fault}");
-                    metrics
-                        .env_faults
-                        .with_label_values(&[fault.kind.as_str()])
-                        .inc_by(fault.envs.len() as u64);
-                    if fault.kind.restarted() {
-                        metrics.worker_restarts.inc();
-                    }
-                    for &i in &fault.envs {
-                        games[i] = new_game(&mut rng, seats, &opponents);
-                    }
+                metrics.count_faults(spec.id, &faults);
+                for &i in faults.iter().flat_map(|f| &f.envs) {
+                    games[i] = new_game(&mut rng, seats, &opponents);
                 }
                 pending.iter_mut().for_each(|p| *p = None);
                 done.iter_mut().for_each(VecDeque::clear);

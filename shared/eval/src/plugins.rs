@@ -875,6 +875,7 @@ pub fn play<M: relay_policy::Act>(
         .transpose()
         .map_err(|e| e.to_string())?;
     let width = spec.action_space.n().unwrap_or(0);
+    let all_legal = vec![1u8; width];
     while unfinished > 0 {
         model_obs.copy_from_slice(&obs);
         if let Some(n) = normalizer {
@@ -900,21 +901,18 @@ pub fn play<M: relay_policy::Act>(
         let mut out = out;
         let actions = &mut out.actions;
         let policy_moves: Vec<bool> = match (envs.movers(), &mut opponent, actions) {
-            (Some(movers), Some(bot), Actions::Discrete(a)) => {
-                let all_legal = vec![1u8; width];
-                (0..num_envs)
-                    .map(|i| {
-                        let mine = movers[i] as usize == playing[i] % seats;
-                        if !mine {
-                            let mask = masks
-                                .as_deref()
-                                .map_or(&all_legal[..], |m| &m[i * width..(i + 1) * width]);
-                            a[i] = bot.act(&obs[i * obs_dim..(i + 1) * obs_dim], mask, &mut rng);
-                        }
-                        mine
-                    })
-                    .collect()
-            }
+            (Some(movers), Some(bot), Actions::Discrete(a)) => (0..num_envs)
+                .map(|i| {
+                    let mine = movers[i] as usize == playing[i] % seats;
+                    if !mine {
+                        let mask = masks
+                            .as_deref()
+                            .map_or(&all_legal[..], |m| &m[i * width..(i + 1) * width]);
+                        a[i] = bot.act(&obs[i * obs_dim..(i + 1) * obs_dim], mask, &mut rng);
+                    }
+                    mine
+                })
+                .collect(),
             _ => vec![true; num_envs],
         };
         let step = match (&out.actions, &spec.action_space) {
