@@ -4,10 +4,14 @@
 //! a round, [32, 32] networks), 2 replicas, each a process joined through
 //! a real nats-server, each training its half of every minibatch and
 //! summing gradients by the ring all-reduce, end after 20 steps with
-//! bit-identical parameters, within 1e-5 (max |a - b| / (1 + |b|)) of one
+//! bit-identical parameters, within 1e-3 (max |a - b| / (1 + |b|)) of one
 //! learner's on the same global batches. Not exactly equal: the sums add
 //! the same numbers in another order, and Adam carries the last-bit
-//! differences forward.
+//! differences forward. Where a gradient is near zero those differences
+//! can flip a step's sign, moving that parameter by up to twice the
+//! learning rate (2.5e-4 here): gaps of 1e-5 to 2e-5 were seen on
+//! different CPUs. A lost or doubled share moves every parameter by about
+//! the learning rate each step, so 20 steps of it end far above 1e-3.
 
 use std::process::Command;
 
@@ -52,7 +56,7 @@ fn two_replica_processes_train_as_one_learner_does() {
             .find(|r| r["replicas"] == 2)
             .expect("2 replicas");
         let gap = two["gap"].as_f64().expect("compared with one learner");
-        assert!(gap < 1e-5, "{}: gap {gap:e}", w["workload"]);
+        assert!(gap < 1e-3, "{}: gap {gap:e}", w["workload"]);
         assert!(
             two["allreduce_bytes_per_step"].as_f64().unwrap() > 0.0,
             "{w}"
