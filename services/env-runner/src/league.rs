@@ -4,7 +4,9 @@
 //! - **Recording.** Every finished two-player game in which the learning
 //!   adapter played one version throughout against a fixed bot or a pinned
 //!   past version (`policy@v<N>`, a `league` game) is a match between those
-//!   two pool members, recorded with a TrueSkill update. Results go to a
+//!   two pool members, recorded with a TrueSkill update. Self-play games on
+//!   observations (`crate::selfplay`) are recorded the same way, as the
+//!   version of the learning seat's last move. Results go to a
 //!   background task that writes them once a second in one
 //!   compare-and-set ([`LeagueRecorder`]), so games never wait for Redis,
 //!   and a missing Redis only delays the ratings. Mirror games are not
@@ -270,10 +272,15 @@ impl LeagueRecorder {
     /// Queues the game's result if it is a rated match; returns it.
     pub fn game(&self, game: &PlayedGame) -> Option<LeagueResult> {
         let result = LeagueResult::of(game)?;
-        if self.results.try_send(result.clone()).is_err() {
+        self.result(result.clone());
+        Some(result)
+    }
+
+    /// Queues a rated match's result.
+    pub fn result(&self, result: LeagueResult) {
+        if self.results.try_send(result).is_err() {
             tracing::warn!("league results queue full; a result is dropped");
         }
-        Some(result)
     }
 }
 

@@ -403,6 +403,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 n,
                 obs_dim,
                 pixels,
+                version: None,
             },
             act_chunk,
             &spec.action_space,
@@ -652,16 +653,20 @@ pub(crate) struct ActRows<'a> {
     pub n: usize,
     pub obs_dim: usize,
     pub pixels: bool,
+    /// A past version to act with (a league opponent); `None`: the newest.
+    pub version: Option<u64>,
 }
 
 /// Asks for actions for `rows` ([`act`]), retrying while no inference
 /// server (or no weights) is there and rejecting bad replies; `None` once
-/// the service stops (or fails: a request can never fit a message).
+/// the service stops (or fails: a request can never fit a message). Rows
+/// for a past version that no server holds (404) are acted by the newest
+/// version instead, which the reply's `policy_version` shows.
 pub(crate) async fn act_until_answered(
     service: &Service,
     metrics: &Metrics,
     subject: &str,
-    rows: ActRows<'_>,
+    mut rows: ActRows<'_>,
     chunk: usize,
     space: &ActionSpace,
 ) -> Option<ActReply> {
@@ -670,6 +675,10 @@ pub(crate) async fn act_until_answered(
     loop {
         let sent = Instant::now();
         match act(service, subject, rows, chunk, timeout).await {
+            Err(RequestError::Service { code, .. }) if code == "404" && rows.version.is_some() => {
+                rows.version = None;
+                continue;
+            }
             Ok(reply) => match check_reply(&reply, rows.n, space, rows.masks) {
                 Ok(()) => {
                     metrics.act_latency.observe(sent.elapsed().as_secs_f64());
@@ -717,15 +726,16 @@ async fn act(
         n,
         obs_dim,
         pixels,
+        version,
     } = rows;
     let width = masks.map_or(0, |m| m.len() / n);
     let request_of = |first: usize, rows: &[f32]| {
         let count = rows.len() / obs_dim;
-        ActRequest::new(Tensor::observations(&[count, obs_dim], rows, pixels), false).with_masks(
-            masks.map(|m| {
+        ActRequest::new(Tensor::observations(&[count, obs_dim], rows, pixels), false)
+            .with_masks(masks.map(|m| {
                 Tensor::from_u8(&[count, width], &m[first * width..(first + count) * width])
-            }),
-        )
+            }))
+            .at_version(version)
     };
     if chunk >= n {
         let request = request_of(0, obs);

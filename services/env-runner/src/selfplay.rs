@@ -3,10 +3,22 @@
 //!
 //! Each env plays one game at a time. When a game starts the runner's
 //! seeded RNG draws the learning policy's seat and the opponent that holds
-//! the other seats (`selfplay.opponents`, by weight). Every vector step
-//! moves each env's mover: the learning seat and `mirror` opponents are
-//! acted by the inference servers (one request), the fixed bots
-//! ([`relay_envs::SeatBot`]) here.
+//! the other seats (`selfplay.opponents`, by weight). A `league` game's
+//! opponent and seating come from `league.sampler` over the run's pool
+//! ([`crate::league`], as text runs draw theirs): the current version
+//! (mirror), a past version, or a fixed bot. Every vector step moves each
+//! env's mover: the learning seat and mirror opponents are acted by the
+//! inference servers in one request, each past version's seats in one
+//! request of their own that names the version (at the same time), the
+//! fixed bots ([`relay_envs::SeatBot`]) here. A past version no server
+//! holds (evicted meanwhile) is replaced by the current one for the rest
+//! of that game, which then counts as a mirror game.
+//!
+//! League games against a past version or a bot are rated: their results
+//! go to the pool's TrueSkill ([`LeagueRecorder`]) as the version of the
+//! learning seat's last move (versions change within a game here, which
+//! lasts a few of the learner's updates at most; the pool counts a version
+//! between its admissions for the newest version it holds).
 //!
 //! Only the learning seat's moves are trained on. A move's transition ends
 //! when that seat moves again or the game ends; its reward is everything
@@ -29,7 +41,9 @@ use relay_kit::{Service, ServiceError, Shutdown};
 use relay_proto::{EpisodeSummary, RolloutFragment};
 
 use crate::fragment::{FragmentBuilder, FragmentPlan};
+use crate::league::{FallbackReason, LeagueDraws, LeagueMetrics, LeagueRecorder, LeagueResult};
 use crate::{act_until_answered, ActRows, Inserts, Metrics, Reported};
+use relay_league::{MemberId, Outcome};
 
 /// A move of the learning seat, its reward summed until its next move.
 struct Move {
@@ -51,23 +65,99 @@ struct Transition {
     final_obs: Option<Vec<f32>>,
 }
 
+/// Who holds the seats the learning policy does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Against {
+    /// The current policy, acted with the learning seat's rows.
+    Current,
+    /// A past version (a league opponent), acted in a request naming it.
+    Past(u64),
+    /// A fixed bot (an index into [`Opponents::bots`]), acted here.
+    Bot(usize),
+}
+
+/// How a league game's opponent was drawn, for its metrics.
+struct LeagueDraw {
+    sampler: &'static str,
+    fallback: Option<FallbackReason>,
+}
+
 /// Who sits where in one env's current game.
 struct Game {
     seat: usize,
-    opponent: usize,
+    against: Against,
+    /// The opponent as episodes name it: `mirror`, a bot, or for league
+    /// games `league:mirror`, `league:v<N>`, `league:<bot>`.
+    label: String,
+    league: Option<LeagueDraw>,
     learner_moves: u32,
+    /// The version of the learning seat's last move.
+    learner_version: u64,
     started: Instant,
 }
 
-/// The opponents of `selfplay.opponents`: names, weights, and the bot of
-/// each (`None`: `mirror`, acted by the inference servers).
+/// An opponent kind of `selfplay.opponents`.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Mirror,
+    Bot(usize),
+    League,
+}
+
+/// The opponents of `selfplay.opponents` (names, weights, kinds), the
+/// bots they and the league's fixed members need, and the league's draws.
 struct Opponents {
     names: Vec<String>,
     weights: Vec<f64>,
-    bots: Vec<Option<SeatBot>>,
+    kinds: Vec<Kind>,
+    bot_names: Vec<String>,
+    bots: Vec<SeatBot>,
+    draws: Option<LeagueDraws>,
 }
 
 impl Opponents {
+    fn new(
+        cfg: &relay_config::ExperimentConfig,
+        spec: &EnvSpec,
+        draws: Option<LeagueDraws>,
+    ) -> Result<Self, ServiceError> {
+        let mut bot_names: Vec<String> = cfg.selfplay.bots().map(str::to_string).collect();
+        if draws.is_some() {
+            for fixed in cfg.league_fixed() {
+                if !bot_names.contains(&fixed.name) {
+                    bot_names.push(fixed.name);
+                }
+            }
+        }
+        let bots = bot_names
+            .iter()
+            .map(|name| SeatBot::new(name, spec))
+            .collect::<Result<_, _>>()
+            .map_err(|e| ServiceError::other(format!("selfplay.opponents: {e}")))?;
+        let weighted = cfg.selfplay.weighted();
+        let kinds = weighted
+            .iter()
+            .map(|(name, _)| match *name {
+                relay_config::MIRROR_OPPONENT => Kind::Mirror,
+                relay_config::LEAGUE_OPPONENT => Kind::League,
+                bot => Kind::Bot(
+                    bot_names
+                        .iter()
+                        .position(|b| b == bot)
+                        .expect("every bot is made"),
+                ),
+            })
+            .collect();
+        Ok(Self {
+            names: weighted.iter().map(|(name, _)| name.to_string()).collect(),
+            weights: weighted.iter().map(|(_, w)| *w).collect(),
+            kinds,
+            bot_names,
+            bots,
+            draws,
+        })
+    }
+
     fn draw(&self, rng: &mut ChaCha8Rng) -> usize {
         let total: f64 = self.weights.iter().sum();
         let mut x = rng.random::<f64>() * total;
@@ -79,14 +169,73 @@ impl Opponents {
         }
         self.weights.len() - 1
     }
-}
 
-fn new_game(rng: &mut ChaCha8Rng, seats: usize, opponents: &Opponents) -> Game {
-    Game {
-        seat: rng.random_range(0..seats),
-        opponent: opponents.draw(rng),
-        learner_moves: 0,
-        started: Instant::now(),
+    /// A new game: the opponent drawn by weight, then for a league game
+    /// the pool's draw (who moves first is the sampler's coin).
+    fn new_game(&self, rng: &mut ChaCha8Rng, seats: usize) -> Game {
+        let k = self.draw(rng);
+        let game = |seat, against, label: String, league| Game {
+            seat,
+            against,
+            label,
+            league,
+            learner_moves: 0,
+            learner_version: 0,
+            started: Instant::now(),
+        };
+        let (draws, Kind::League) = (&self.draws, self.kinds[k]) else {
+            let against = match self.kinds[k] {
+                Kind::Bot(b) => Against::Bot(b),
+                _ => Against::Current,
+            };
+            return game(
+                rng.random_range(0..seats),
+                against,
+                self.names[k].clone(),
+                None,
+            );
+        };
+        let draws = draws.as_ref().expect("a league opponent has draws");
+        let mirror = |sampler, fallback| {
+            (
+                Against::Current,
+                "league:mirror".to_string(),
+                LeagueDraw { sampler, fallback },
+            )
+        };
+        match draws.draw(rng) {
+            Ok(matchup) => {
+                let seat = if matchup.current_moves_first { 0 } else { 1 };
+                let sampler = matchup.sampler.as_str();
+                let (against, label, draw) = match &matchup.opponent {
+                    MemberId::Version(v) if *v == matchup.current => mirror(sampler, None),
+                    MemberId::Version(v) => (
+                        Against::Past(*v),
+                        format!("league:v{v}"),
+                        LeagueDraw {
+                            sampler,
+                            fallback: None,
+                        },
+                    ),
+                    MemberId::Fixed(name) => match self.bot_names.iter().position(|b| b == name) {
+                        Some(b) => (
+                            Against::Bot(b),
+                            format!("league:{name}"),
+                            LeagueDraw {
+                                sampler,
+                                fallback: None,
+                            },
+                        ),
+                        None => mirror(sampler, Some(FallbackReason::Unplayable)),
+                    },
+                };
+                game(seat, against, label, Some(draw))
+            }
+            Err(reason) => {
+                let (against, label, draw) = mirror("none", Some(reason));
+                game(rng.random_range(0..seats), against, label, Some(draw))
+            }
+        }
     }
 }
 
@@ -107,20 +256,16 @@ pub(crate) async fn run(
     let width = spec.action_space.n().unwrap_or(0);
     let pixels = cfg.observations_as_pixels(&spec);
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5e47_5e47);
-    let weighted = cfg.selfplay.weighted();
-    let mut opponents = Opponents {
-        names: weighted.iter().map(|(name, _)| name.to_string()).collect(),
-        weights: weighted.iter().map(|(_, w)| *w).collect(),
-        bots: weighted
-            .iter()
-            .map(|(name, _)| {
-                (*name != relay_config::MIRROR_OPPONENT)
-                    .then(|| SeatBot::new(name, &spec))
-                    .transpose()
-            })
-            .collect::<Result<_, _>>()
-            .map_err(|e| ServiceError::other(format!("selfplay.opponents: {e}")))?,
+    let (draws, recorder) = if cfg.league_enabled() {
+        (
+            Some(LeagueDraws::start(cfg.clone(), shutdown.clone()).map_err(ServiceError::other)?),
+            Some(LeagueRecorder::start(cfg.clone(), shutdown.clone())),
+        )
+    } else {
+        (None, None)
     };
+    let mut opponents = Opponents::new(&cfg, &spec, draws)?;
+    let league_metrics = LeagueMetrics::register(&service.registry);
     let games_played = IntCounterVec::new(
         Opts::new(
             "relay_env_runner_selfplay_games_total",
@@ -143,7 +288,7 @@ pub(crate) async fn run(
     let mut masks = current_masks(&envs);
     let mut movers: Vec<u32> = envs.movers().map(<[u32]>::to_vec).unwrap_or(vec![0; n]);
     let mut games: Vec<Game> = (0..n)
-        .map(|_| new_game(&mut rng, seats, &opponents))
+        .map(|_| opponents.new_game(&mut rng, seats))
         .collect();
     let mut pending: Vec<Option<Move>> = (0..n).map(|_| None).collect();
     let mut done: Vec<VecDeque<Transition>> = (0..n).map(|_| VecDeque::new()).collect();
@@ -174,43 +319,82 @@ pub(crate) async fn run(
         let learner_turn: Vec<bool> = (0..n)
             .map(|i| movers[i] as usize == games[i].seat)
             .collect();
-        // The rows the policy acts: the learning seat's, and mirror opponents'.
-        let policy_rows: Vec<usize> = (0..n)
-            .filter(|&i| learner_turn[i] || opponents.bots[games[i].opponent].is_none())
-            .collect();
-        let mut actions = vec![0i64; n];
-        if !policy_rows.is_empty() {
-            let rows_obs: Vec<f32> = policy_rows
+        // The rows the inference servers act, by the version asked for:
+        // the learning seat's and mirror opponents' (the newest), and each
+        // past version's seats.
+        let mut requests: Vec<(Option<u64>, Vec<usize>)> = vec![(None, Vec::new())];
+        for i in 0..n {
+            let version = match games[i].against {
+                _ if learner_turn[i] => None,
+                Against::Current => None,
+                Against::Past(v) => Some(v),
+                Against::Bot(_) => continue,
+            };
+            match requests.iter_mut().find(|(v, _)| *v == version) {
+                Some((_, rows)) => rows.push(i),
+                None => requests.push((version, vec![i])),
+            }
+        }
+        requests.retain(|(_, rows)| !rows.is_empty());
+        let rows_of = |rows: &[usize]| {
+            let obs: Vec<f32> = rows
                 .iter()
                 .flat_map(|&i| obs[i * d..(i + 1) * d].iter().copied())
                 .collect();
-            let rows_masks: Vec<u8> = policy_rows
+            let masks: Vec<u8> = rows
                 .iter()
                 .flat_map(|&i| masks[i * width..(i + 1) * width].iter().copied())
                 .collect();
-            let Some(reply) = act_until_answered(
-                &service,
-                &metrics,
-                &act_subject,
-                ActRows {
-                    obs: &rows_obs,
-                    masks: Some(&rows_masks),
-                    n: policy_rows.len(),
-                    obs_dim: d,
-                    pixels,
-                },
-                act_chunk,
-                &spec.action_space,
-            )
-            .await
-            else {
+            (obs, masks)
+        };
+        let inputs: Vec<(Vec<f32>, Vec<u8>)> =
+            requests.iter().map(|(_, rows)| rows_of(rows)).collect();
+        let replies = futures::future::join_all(requests.iter().zip(&inputs).map(
+            |((version, rows), (rows_obs, rows_masks))| {
+                act_until_answered(
+                    &service,
+                    &metrics,
+                    &act_subject,
+                    ActRows {
+                        obs: rows_obs,
+                        masks: Some(rows_masks),
+                        n: rows.len(),
+                        obs_dim: d,
+                        pixels,
+                        version: *version,
+                    },
+                    act_chunk,
+                    &spec.action_space,
+                )
+            },
+        ))
+        .await;
+        let mut actions = vec![0i64; n];
+        for ((version, rows), reply) in requests.iter().zip(replies) {
+            let Some(reply) = reply else {
                 break 'outer;
             };
-            last_version = reply.policy_version;
             let acted = reply.actions.to_i64().expect("checked by act");
+            if let Some(past) = version {
+                for (k, &i) in rows.iter().enumerate() {
+                    actions[i] = acted[k];
+                    // No server holds that version any more: the current
+                    // one plays the rest of the game, a mirror game now.
+                    if reply.policy_version != *past {
+                        let game = &mut games[i];
+                        game.against = Against::Current;
+                        game.label = "league:mirror".into();
+                        if let Some(league) = game.league.as_mut() {
+                            league.fallback = Some(FallbackReason::NotServed);
+                        }
+                    }
+                }
+                continue;
+            }
+            last_version = reply.policy_version;
             let logprobs = reply.logprobs.to_f32().expect("checked by decode");
             let values = reply.values.to_f32().expect("checked by decode");
-            for (k, &i) in policy_rows.iter().enumerate() {
+            for (k, &i) in rows.iter().enumerate() {
                 actions[i] = acted[k];
                 if !learner_turn[i] {
                     continue;
@@ -234,14 +418,12 @@ pub(crate) async fn run(
                     });
                 }
                 games[i].learner_moves += 1;
+                games[i].learner_version = reply.policy_version;
             }
         }
         for i in 0..n {
-            if let Some(bot) = opponents.bots[games[i].opponent]
-                .as_mut()
-                .filter(|_| !learner_turn[i])
-            {
-                actions[i] = bot.act(
+            if let (Against::Bot(b), false) = (games[i].against, learner_turn[i]) {
+                actions[i] = opponents.bots[b].act(
                     &obs[i * d..(i + 1) * d],
                     &masks[i * width..(i + 1) * width],
                     &mut rng,
@@ -256,7 +438,7 @@ pub(crate) async fn run(
                 // fragment.
                 metrics.count_faults(spec.id, &faults);
                 for &i in faults.iter().flat_map(|f| &f.envs) {
-                    games[i] = new_game(&mut rng, seats, &opponents);
+                    games[i] = opponents.new_game(&mut rng, seats);
                 }
                 pending.iter_mut().for_each(|p| *p = None);
                 done.iter_mut().for_each(VecDeque::clear);
@@ -287,7 +469,7 @@ pub(crate) async fn run(
                         .flatten(),
                 });
             }
-            let game = std::mem::replace(&mut games[i], new_game(&mut rng, seats, &opponents));
+            let game = std::mem::replace(&mut games[i], opponents.new_game(&mut rng, seats));
             metrics
                 .episode_seconds
                 .observe(game.started.elapsed().as_secs_f64());
@@ -301,16 +483,25 @@ pub(crate) async fn run(
                 r if r < 0.0 => "loss",
                 _ => "draw",
             };
-            let opponent = &opponents.names[game.opponent];
             games_played
-                .with_label_values(&[opponent.as_str(), outcome])
+                .with_label_values(&[metric_opponent(&game), outcome])
                 .inc();
+            if let Some(draw) = &game.league {
+                record_league_game(
+                    &league_metrics,
+                    recorder.as_ref(),
+                    &game,
+                    draw,
+                    &opponents.bot_names,
+                    ret,
+                );
+            }
             episodes.push(EpisodeSummary {
                 episode_return: ret,
                 length: game.learner_moves,
                 terminated,
                 seat: Some(seat as u32),
-                opponent: Some(opponent.clone()),
+                opponent: Some(game.label),
             });
             if recent_returns.len() == 100 {
                 recent_returns.pop_front();
@@ -373,6 +564,66 @@ pub(crate) async fn run(
     .await;
     inserts.finish().await;
     service.finish().await
+}
+
+/// The opponent label of `relay_env_runner_selfplay_games_total`: the
+/// `selfplay.opponents` kind, with `past` for any past version (a label a
+/// version would grow without bound).
+fn metric_opponent(game: &Game) -> &str {
+    match (game.league.is_some(), game.against) {
+        (true, Against::Past(_)) => "league:past",
+        _ => &game.label,
+    }
+}
+
+/// Counts a finished league game by the opponent it had, and records it
+/// with the pool when it is a rated match (against a past version or a
+/// bot; mirror games are not rated).
+fn record_league_game(
+    metrics: &LeagueMetrics,
+    recorder: Option<&LeagueRecorder>,
+    game: &Game,
+    draw: &LeagueDraw,
+    bot_names: &[String],
+    learner_return: f64,
+) {
+    let opponent = match game.against {
+        Against::Current => None,
+        Against::Past(v) => Some(MemberId::Version(v)),
+        Against::Bot(b) => Some(MemberId::Fixed(bot_names[b].clone())),
+    };
+    let label = match &opponent {
+        None => "self",
+        Some(MemberId::Version(_)) => "past",
+        Some(MemberId::Fixed(name)) => name.as_str(),
+    };
+    metrics
+        .opponent_games
+        .with_label_values(&[label, draw.sampler])
+        .inc();
+    if let Some(reason) = draw.fallback {
+        metrics
+            .mirror_fallbacks
+            .with_label_values(&[reason.label()])
+            .inc();
+    }
+    let (Some(opponent), Some(recorder)) = (opponent, recorder) else {
+        return;
+    };
+    if let MemberId::Version(past) = opponent {
+        metrics
+            .opponent_lag
+            .observe(game.learner_version.saturating_sub(past) as f64);
+    }
+    recorder.result(LeagueResult {
+        current: game.learner_version,
+        opponent,
+        outcome: match learner_return {
+            r if r > 0.0 => Outcome::Win,
+            r if r < 0.0 => Outcome::Loss,
+            _ => Outcome::Draw,
+        },
+    });
 }
 
 /// The fragments of the first `steps` finished transitions of every env

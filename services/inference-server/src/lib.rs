@@ -23,6 +23,16 @@
 //! statistics a version carries matter to those who run the policy on raw
 //! observations (the evaluator, `relay play`).
 //!
+//! League runs (`selfplay.opponents.league`): a request may name a past
+//! version (`ActRequest::policy_version`, a league opponent's). The server
+//! builds it from the run's league bucket, where the learner stored it
+//! ([`relay_policy::league`]), keeps the [`PAST_VERSIONS_HELD`] most
+//! recently asked for, and answers 404 for a version that is not stored
+//! (never admitted to the pool, or evicted), so the env-runner plays that
+//! game against the current version instead. A past version is fetched
+//! on the batch loop the first time it is asked for: a few milliseconds
+//! for the MLPs and CNNs such games use, once per version and copy.
+//!
 //! DQN runs (`run.algo: dqn`): the weights are a Q-network and sampled
 //! actions are epsilon-greedy, with `dqn.exploration_rate` at the env steps
 //! the version was trained on (`WeightsUpdate::learner_env_steps`), so every
@@ -37,6 +47,8 @@
 
 pub mod llm;
 
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
@@ -44,10 +56,11 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge};
 use rand::SeedableRng;
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::Actions;
-use relay_policy::{Act, PolicyFollower};
+use relay_policy::{Act, PolicyBuilder, PolicyFollower, VersionedPolicy};
 use relay_proto::{ActReply, ActRequest, Tensor, SCHEMA_VERSION};
 
 struct Metrics {
+    past_versions_built: IntCounter,
     batch_size: Histogram,
     queue_depth: Histogram,
     forward_seconds: Histogram,
@@ -90,12 +103,19 @@ impl Metrics {
             "Weights version this copy serves.",
         )
         .unwrap();
+        let past_versions_built = IntCounter::new(
+            "relay_inference_past_versions_built_total",
+            "Past weights versions built from the league bucket for league opponents.",
+        )
+        .unwrap();
+        relay_kit::metrics::register(registry, &past_versions_built);
         relay_kit::metrics::register(registry, &batch_size);
         relay_kit::metrics::register(registry, &queue_depth);
         relay_kit::metrics::register(registry, &forward_seconds);
         relay_kit::metrics::register(registry, &requests);
         relay_kit::metrics::register(registry, &weights_version);
         Self {
+            past_versions_built,
             batch_size,
             queue_depth,
             forward_seconds,
@@ -170,6 +190,75 @@ fn act_mismatch(
     }
 }
 
+/// Past versions held for league opponents, at most.
+pub const PAST_VERSIONS_HELD: usize = 32;
+/// How long a version found missing is answered 404 without looking again.
+const MISSING_FOR: Duration = Duration::from_secs(5);
+
+/// The past versions this copy built for league opponents, the most
+/// recently asked for last.
+struct PastVersions {
+    build: PolicyBuilder,
+    held: VecDeque<Arc<VersionedPolicy>>,
+    missing: HashMap<u64, Instant>,
+}
+
+impl PastVersions {
+    /// Version `version`, built from the league bucket if not held; an
+    /// error is the code and status to answer.
+    async fn get(
+        &mut self,
+        service: &Service,
+        version: u64,
+        metrics: &Metrics,
+    ) -> Result<Arc<VersionedPolicy>, (usize, String)> {
+        if let Some(k) = self.held.iter().position(|p| p.version == version) {
+            let policy = self.held.remove(k).expect("found");
+            self.held.push_back(policy.clone());
+            return Ok(policy);
+        }
+        let not_stored = || {
+            (
+                404,
+                format!("weights version {version} is not stored in the league (never admitted, or evicted)"),
+            )
+        };
+        if self
+            .missing
+            .get(&version)
+            .is_some_and(|at| at.elapsed() < MISSING_FOR)
+        {
+            return Err(not_stored());
+        }
+        let run_id = service.config.run_id().map_err(|e| (500, e.to_string()))?;
+        let timeout = Duration::from_millis(service.config.weights.fetch_timeout_ms);
+        let weights = match relay_policy::league::fetch_version(
+            &service.nats,
+            run_id,
+            version,
+            timeout,
+        )
+        .await
+        {
+            Ok(weights) => weights,
+            Err(relay_policy::league::StoredVersionError::NotStored(_)) => {
+                self.missing.retain(|_, at| at.elapsed() < MISSING_FOR);
+                self.missing.insert(version, Instant::now());
+                return Err(not_stored());
+            }
+            Err(e) => return Err((503, e.to_string())),
+        };
+        let policy = Arc::new((self.build)(&weights).map_err(|e| (500, e.to_string()))?);
+        metrics.past_versions_built.inc();
+        tracing::info!(version, "past version built for league games");
+        if self.held.len() == PAST_VERSIONS_HELD {
+            self.held.pop_front();
+        }
+        self.held.push_back(policy.clone());
+        Ok(policy)
+    }
+}
+
 /// Serves `act` until shutdown.
 async fn serve_act_requests(
     service: &Service,
@@ -179,6 +268,11 @@ async fn serve_act_requests(
     let shutdown = service.shutdown.clone();
     let cfg = service.config.clone();
     let mut follower = PolicyFollower::start(service).await?;
+    let mut past_versions = PastVersions {
+        build: relay_policy::policy_builder(&cfg)?,
+        held: VecDeque::new(),
+        missing: HashMap::new(),
+    };
     // Healthy (alive, connected) at once; serving once weights are in.
     service.health.set_ready(true);
     // Join the queue group only with weights in hand, so that a new copy
@@ -265,7 +359,7 @@ async fn serve_act_requests(
         if decoded.is_empty() {
             continue;
         }
-        let Some(policy) = follower.latest() else {
+        let Some(current) = follower.latest() else {
             for (request, _) in decoded {
                 let _ = request
                     .respond(Err(service_error(503, "no weights yet")))
@@ -273,16 +367,35 @@ async fn serve_act_requests(
             }
             continue;
         };
-        metrics.weights_version.set(policy.version as i64);
-        // One forward per determinism flag (almost always a single group).
-        for deterministic in [false, true] {
+        metrics.weights_version.set(current.version as i64);
+        // One forward per determinism flag and past version asked for
+        // (almost always a single group: the newest, sampling).
+        let past = |act: &ActRequest| act.policy_version.filter(|&v| v != current.version);
+        let mut groups: Vec<(bool, Option<u64>)> = decoded
+            .iter()
+            .map(|(_, a)| (a.deterministic, past(a)))
+            .collect();
+        groups.sort_unstable();
+        groups.dedup();
+        for (deterministic, version) in groups {
             let group: Vec<&(async_nats::service::Request, ActRequest)> = decoded
                 .iter()
-                .filter(|(_, a)| a.deterministic == deterministic)
+                .filter(|(_, a)| a.deterministic == deterministic && past(a) == version)
                 .collect();
-            if group.is_empty() {
-                continue;
-            }
+            let policy = match version {
+                None => current.clone(),
+                Some(v) => match past_versions.get(service, v, &metrics).await {
+                    Ok(policy) => policy,
+                    Err((code, status)) => {
+                        for (request, _) in group {
+                            let _ = request
+                                .respond(Err(service_error(code, status.clone())))
+                                .await;
+                        }
+                        continue;
+                    }
+                },
+            };
             let mut obs = Vec::with_capacity(total * obs_dim);
             for (_, act) in &group {
                 obs.extend(act.obs.observations_to_f32().expect("validated on decode"));
@@ -348,9 +461,9 @@ async fn serve_act_requests(
         }
         // Each second, and at once when a new version is served (a short
         // run may end before the next second).
-        if Instant::now() >= report_at || reported_version != Some(policy.version) {
+        if Instant::now() >= report_at || reported_version != Some(current.version) {
             report_at = Instant::now() + Duration::from_secs(1);
-            reported_version = Some(policy.version);
+            reported_version = Some(current.version);
             let answered = metrics.requests.get();
             service
                 .report(
@@ -360,7 +473,7 @@ async fn serve_act_requests(
                             "inference_requests_total",
                             (answered - reported_requests) as f64,
                         ),
-                        gauge("inference_weights_version", policy.version as f64),
+                        gauge("inference_weights_version", current.version as f64),
                     ],
                 )
                 .await;

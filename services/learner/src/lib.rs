@@ -64,6 +64,7 @@ pub mod checkpoint;
 pub mod dqn;
 pub mod evaluated;
 pub mod examples;
+mod league;
 mod offpolicy;
 mod onpolicy;
 pub mod optimizer;

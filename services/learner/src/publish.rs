@@ -16,6 +16,7 @@ use relay_proto::{WeightsAnnouncement, WeightsRequest, WeightsUpdate, SCHEMA_VER
 
 use crate::checkpoint;
 use crate::evaluated::RunEvents;
+use crate::league::League;
 
 /// The weights a learner's final checkpoint holds when they are not its
 /// current ones: with `run.stop_when_solved`, the solving version's (when
@@ -45,6 +46,9 @@ pub(crate) struct LatestWeights {
     publisher: WeightsPublisher,
     /// The run's object store bucket for policy versions.
     bucket: String,
+    /// The run's league, when it has one: versions it may admit are stored
+    /// and offered to its pool before they are announced.
+    league: Option<League>,
 }
 
 /// The JetStream object store bucket of a run's policy versions (used when
@@ -100,6 +104,7 @@ impl LatestWeights {
             latest,
             publisher,
             bucket: weights_bucket(service.config.run_id()?),
+            league: League::start(&service.config, &service.shutdown).await?,
         })
     }
 
@@ -145,6 +150,15 @@ impl LatestWeights {
             published_unix_ms,
             ..weights.update(blob)
         };
+        // Before the announcement, so the env-runners that hear of the
+        // version find it in the pool.
+        if let Some(league) = &self.league {
+            if league.store_classic(service, weights).await {
+                league
+                    .admit_and_prune(service, weights.version, &Default::default())
+                    .await;
+            }
+        }
         let payload: Bytes = relay_proto::encode(&update).into();
         *self.latest.write().expect("weights lock") = payload.clone();
         if let Err(e) = service

@@ -68,6 +68,7 @@ use crate::checkpoint::{self, CheckpointError};
 use crate::evaluated::RunEvents;
 use crate::examples::games_to_examples;
 use crate::examples::Converted;
+use crate::league::League;
 use crate::progress::{Metrics, Progress};
 use crate::replicas::{Next, Replicas};
 
@@ -185,99 +186,6 @@ pub fn object_store_bucket(run_id: &str) -> String {
     relay_kit::league::adapter_bucket(run_id)
 }
 
-/// The learner's part in the league: admitting versions and deleting the
-/// stored adapters of evicted ones.
-struct League {
-    store: relay_kit::league::LeagueStore,
-    config: relay_league::PoolConfig,
-    fixed: Vec<relay_league::FixedOpponent>,
-    /// Whether the bucket was compared with the pool since start (leftovers
-    /// of an earlier process go at the first publication).
-    pruned_once: std::sync::atomic::AtomicBool,
-}
-
-impl League {
-    /// Admits `version` (parent: the newest version in the pool) when the
-    /// pool takes it ([`relay_league::Pool::admits`]), adding missing
-    /// fixed members; returns the pool and whether anything was evicted.
-    async fn admit(&self, version: u64) -> Result<(relay_league::Pool, bool), String> {
-        let (evicted, pool) = self
-            .store
-            .update(self.config, &self.fixed, |pool| {
-                for fixed in &self.fixed {
-                    let id = relay_league::MemberId::Fixed(fixed.name.clone());
-                    if pool.get(&id).is_none() {
-                        pool.add_fixed(fixed.clone())?;
-                    }
-                }
-                // Between admissions (`admit_every`) a version's games
-                // count for the newest version in the pool.
-                if !pool.admits(version)
-                    || pool
-                        .get(&relay_league::MemberId::Version(version))
-                        .is_some()
-                {
-                    return Ok(0);
-                }
-                let parent = pool.current_version();
-                let evicted = pool.add_version(relay_league::PolicyVersion {
-                    version,
-                    parent,
-                    weights_ref: relay_kit::league::adapter_key(ADAPTER_NAME, version),
-                })?;
-                Ok(evicted.len())
-            })
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok((pool, evicted > 0))
-    }
-
-    /// Deletes the stored versions of [`ADAPTER_NAME`] older than the
-    /// pool's newest that neither the pool nor `held` holds (`held`: those
-    /// under evaluation, which inference servers may fetch again until the
-    /// evaluation's last game); returns how many. A held version goes at a
-    /// later prune.
-    async fn prune(
-        &self,
-        service: &Service,
-        pool: &relay_league::Pool,
-        held: &std::collections::BTreeSet<u64>,
-    ) -> Result<usize, String> {
-        let Some(newest) = pool.current_version() else {
-            return Ok(0);
-        };
-        let bucket = object_store_bucket(service.config.run_id().map_err(|e| e.to_string())?);
-        let store = relay_kit::weights::store(&service.nats, &bucket, "LoRA adapter versions")
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut objects = store
-            .list()
-            .await
-            .map_err(|e| format!("listing {bucket}: {e}"))?;
-        let mut doomed = Vec::new();
-        while let Some(object) = objects.next().await {
-            let object = object.map_err(|e| format!("listing {bucket}: {e}"))?;
-            if let Some((name, version)) = relay_kit::league::parse_adapter_object(&object.name) {
-                let kept = pool
-                    .get(&relay_league::MemberId::Version(version))
-                    .is_some();
-                if name == ADAPTER_NAME && version < newest && !kept && !held.contains(&version) {
-                    doomed.push((object.name, version));
-                }
-            }
-        }
-        let mut versions = std::collections::BTreeSet::new();
-        for (object, version) in doomed {
-            store
-                .delete(&object)
-                .await
-                .map_err(|e| format!("deleting {bucket}/{object}: {e}"))?;
-            versions.insert(version);
-        }
-        Ok(versions.len())
-    }
-}
-
 /// Publishes adapter versions and keeps the newest for `adapters.latest`.
 struct Publisher<'a> {
     service: &'a Service,
@@ -334,26 +242,9 @@ impl Publisher<'_> {
         if let Some(league) = &self.league {
             // Before the announcement, so the env-runners that hear of the
             // version find it in the pool.
-            match league.admit(update.version).await {
-                Ok((pool, evicted)) => {
-                    use std::sync::atomic::Ordering;
-                    if evicted || !league.pruned_once.swap(true, Ordering::Relaxed) {
-                        match league.prune(self.service, &pool, held).await {
-                            Ok(0) => {}
-                            Ok(deleted) => tracing::info!(
-                                deleted,
-                                "evicted league versions deleted from the object store"
-                            ),
-                            Err(e) => {
-                                tracing::warn!(error = %e, "evicted league versions not deleted")
-                            }
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, version = update.version, "version not admitted to the league pool")
-                }
-            }
+            league
+                .admit_and_prune(self.service, update.version, held)
+                .await;
         }
         if let Err(e) = checkpoint::record_published(self.run_dir, update.version) {
             tracing::warn!(error = %e, "could not record the published version");
@@ -384,19 +275,7 @@ impl<'a> Publisher<'a> {
         base_model: &'a str,
     ) -> Result<Publisher<'a>, ServiceError> {
         let cfg = &service.config;
-        let league = if cfg.league_enabled() {
-            let redis = relay_kit::connect_redis_with(&cfg.connections, shutdown)
-                .await
-                .map_err(|e| ServiceError::Other(format!("league pool: {e}")))?;
-            Some(League {
-                store: relay_kit::league::LeagueStore::new(redis, cfg.run_id()?),
-                config: cfg.league.pool,
-                fixed: cfg.league_fixed(),
-                pruned_once: std::sync::atomic::AtomicBool::new(false),
-            })
-        } else {
-            None
-        };
+        let league = League::start(cfg, shutdown).await?;
 
         // The newest AdapterUpdate, encoded, for `adapters.latest`.
         let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));

@@ -219,3 +219,180 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
     let expected: BTreeSet<u64> = versions.iter().copied().chain([EVALUATED]).collect();
     assert_eq!(stored, expected);
 }
+
+/// The league in a game on observations: the shipped PettingZoo TicTacToe
+/// league preset (PPO, tiny budget) with the five training services
+/// in-process on real nats-server and redis-server, the env-runner
+/// stepping PettingZoo in the project's Python. The learner stores and
+/// admits every version, the inference server serves the past versions
+/// the env-runner asks for, their games and the bots' are rated, the
+/// bucket keeps only the pool's versions, and the episodes name the
+/// learning seat and its opponent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn classic_policies_play_and_rate_their_past_versions_and_the_bots() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let dir = TempDir::new("classic-league");
+    let runs = dir.path().join("runs");
+    let run_id = "ttt-classic-league";
+    /// Learning moves per update, and the budget in updates.
+    const ROLLOUT: u64 = 64;
+    const UPDATES: u64 = 10;
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/tictactoe-ppo-league.yaml"
+    );
+    let overrides: Vec<String> = vec![
+        format!("run.id={run_id}"),
+        format!("run.runs_dir={}", runs.display()),
+        format!("connections.nats_url={}", nats.url()),
+        format!("connections.redis_url={}", redis.url()),
+        format!("run.total_env_steps={}", UPDATES * ROLLOUT),
+        format!("ppo.rollout_steps={ROLLOUT}"),
+        "ppo.minibatch_size=32".into(),
+        "policy.hidden=[32, 32]".into(),
+        "env_runner.num_envs=4".into(),
+        "eval.every_versions=1000".into(),
+        format!("league.pool.keep_latest={KEEP}"),
+        "league.pool.keep_best=0".into(),
+        "league.pool.admit_every=1".into(),
+        "league.sampler={kind: mixture, components: [{weight: 1, sampler: {kind: mirror}}, {weight: 3, sampler: {kind: lagged, k: 1}}, {weight: 1, sampler: {kind: fixed, opponents: [{opponent: minimax, weight: 1}]}}]}".into(),
+    ];
+    let text = std::fs::read_to_string(path).unwrap();
+    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap();
+    assert!(experiment.league_enabled());
+
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut statuses = client
+        .subscribe(Subjects::new(run_id).status())
+        .await
+        .unwrap();
+    let (trigger, shutdown) = Shutdown::new();
+    let config = || ServiceConfig::for_test(experiment.clone());
+    let tasks = vec![
+        tokio::spawn(relay_tracker::run(config(), shutdown.clone())),
+        tokio::spawn(relay_replay_buffer::run(config(), shutdown.clone())),
+        tokio::spawn(relay_inference_server::run(config(), shutdown.clone())),
+        tokio::spawn(relay_env_runner::run(config(), shutdown.clone())),
+        tokio::spawn(relay_learner::run(config(), shutdown.clone())),
+    ];
+    // Until the learner says its budget is spent.
+    tokio::time::timeout(Duration::from_secs(300), async {
+        while let Some(m) = statuses.next().await {
+            let status: RunStatusUpdate = relay_proto::decode(&m.payload).unwrap();
+            if status.service == "learner" {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the learner spends its budget");
+    // The env-runner writes its results to the pool once a second.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    trigger.trigger();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("service stops")
+            .unwrap()
+            .unwrap();
+    }
+
+    let (_keep, redis_shutdown) = Shutdown::new();
+    let pool = relay_kit::league::LeagueStore::new(
+        relay_kit::connect_redis(&redis.url(), &redis_shutdown)
+            .await
+            .unwrap(),
+        run_id,
+    )
+    .load()
+    .await
+    .unwrap()
+    .expect("the learner created the pool");
+    let versions: Vec<u64> = pool.versions().collect();
+    assert!(versions.len() > 2, "{pool:?}");
+    let last = *versions.last().unwrap();
+    assert!(last + 1 >= UPDATES, "{pool:?}");
+    // The first (pinned) and the newest KEEP stayed.
+    assert_eq!(
+        versions,
+        std::iter::once(0)
+            .chain((last + 1 - KEEP as u64)..=last)
+            .collect::<Vec<_>>()
+    );
+    let prior = pool.config().trueskill.sigma;
+    for bot in ["random", "minimax"] {
+        assert!(
+            pool.get(&MemberId::Fixed(bot.into())).is_some(),
+            "{bot}: {pool:?}"
+        );
+    }
+    let minimax = MemberId::Fixed("minimax".into());
+    assert!(
+        versions
+            .iter()
+            .any(|v| pool.games_between(&MemberId::Version(*v), &minimax) > 0),
+        "no rated game against minimax: {pool:?}"
+    );
+    let mut between_versions = 0;
+    for (i, a) in versions.iter().enumerate() {
+        for b in &versions[i + 1..] {
+            between_versions += pool.games_between(&MemberId::Version(*a), &MemberId::Version(*b));
+        }
+    }
+    assert!(
+        between_versions > 0,
+        "no game between versions rated: {pool:?}"
+    );
+    assert!(
+        pool.members().any(|m| m.rating.sigma < prior),
+        "no rating moved: {pool:?}"
+    );
+
+    // The bucket holds a whole stored version for each version in the pool
+    // and nothing else.
+    let jetstream = async_nats::jetstream::new(client.clone());
+    let store = jetstream
+        .get_object_store(relay_kit::league::adapter_bucket(run_id))
+        .await
+        .unwrap();
+    let mut listed = store.list().await.unwrap();
+    let mut stored: BTreeSet<String> = BTreeSet::new();
+    while let Some(object) = listed.next().await {
+        stored.insert(object.unwrap().name);
+    }
+    let expected: BTreeSet<String> = versions
+        .iter()
+        .flat_map(|&v| {
+            [
+                relay_policy::league::model_object(v),
+                relay_policy::league::update_object(v),
+            ]
+        })
+        .collect();
+    assert_eq!(stored, expected);
+
+    // Episodes name the learning seat (both are drawn) and the opponent:
+    // the random bot, and league games against the current policy, a past
+    // version and minimax.
+    let episodes = std::fs::read_to_string(runs.join(run_id).join("episodes.jsonl")).unwrap();
+    let mut seats = BTreeSet::new();
+    let mut opponents = BTreeSet::new();
+    for line in episodes.lines() {
+        let report: serde_json::Value = serde_json::from_str(line).unwrap();
+        for episode in report["episodes"].as_array().unwrap() {
+            seats.insert(episode["seat"].as_u64().expect("a seat"));
+            let opponent = episode["opponent"].as_str().expect("an opponent");
+            let kind = if opponent.starts_with("league:v") {
+                "league:past"
+            } else {
+                opponent
+            };
+            opponents.insert(kind.to_string());
+        }
+    }
+    assert_eq!(seats, BTreeSet::from([0, 1]));
+    for kind in ["random", "league:mirror", "league:past", "league:minimax"] {
+        assert!(opponents.contains(kind), "no {kind} game: {opponents:?}");
+    }
+}

@@ -6,7 +6,8 @@
 //! LoRA adapter over the tiny-qwen2 fixture, with a stand-in for the
 //! inference servers' `generate` endpoint, and a DQN CartPole run and a SAC
 //! Pendulum run, each of a replay buffer, an inference server, an
-//! env-runner and a learner).
+//! env-runner and a learner, and a PettingZoo TicTacToe self-play run with
+//! the league, of the same four services).
 
 use std::time::{Duration, Instant};
 
@@ -131,10 +132,21 @@ async fn metric_catalogue_matches_what_services_emit() {
         redis.url()
     );
     let sac_experiment = ExperimentConfig::from_layers(&sac_run, "test", &[], &[]).unwrap();
+    // And PettingZoo TicTacToe by self-play with the league, for the
+    // self-play series and the past versions the inference server builds.
+    let selfplay_run = format!(
+        "run:\n  id: catalogue-selfplay\n  env_id: tictactoe_v3\n  runs_dir: {}\n  total_env_steps: 100000\nconnections:\n  nats_url: {}\n  redis_url: {}\nenv:\n  backend: pettingzoo\nenv_runner:\n  num_envs: 2\n  fragment_steps: 8\nppo:\n  rollout_steps: 32\n  minibatch_size: 16\nselfplay:\n  opponents: {{league: 1, random: 1}}\nleague:\n  pool: {{admit_every: 1}}\n",
+        dir.path().display(),
+        nats.url(),
+        redis.url()
+    );
+    let selfplay_experiment =
+        ExperimentConfig::from_layers(&selfplay_run, "test", &[], &[]).unwrap();
     let config = || ServiceConfig::for_test(experiment.clone());
     let text_config = || ServiceConfig::for_test(text_experiment.clone());
     let dqn_config = || ServiceConfig::for_test(dqn_experiment.clone());
     let sac_config = || ServiceConfig::for_test(sac_experiment.clone());
+    let selfplay_config = || ServiceConfig::for_test(selfplay_experiment.clone());
     let tasks = vec![
         tokio::spawn(relay_tracker::run(config(), shutdown.clone())),
         tokio::spawn(relay_replay_buffer::run(config(), shutdown.clone())),
@@ -156,6 +168,10 @@ async fn metric_catalogue_matches_what_services_emit() {
         tokio::spawn(relay_inference_server::run(sac_config(), shutdown.clone())),
         tokio::spawn(relay_env_runner::run(sac_config(), shutdown.clone())),
         tokio::spawn(relay_learner::run(sac_config(), shutdown.clone())),
+        tokio::spawn(relay_replay_buffer::run(selfplay_config(), shutdown.clone())),
+        tokio::spawn(relay_inference_server::run(selfplay_config(), shutdown.clone())),
+        tokio::spawn(relay_env_runner::run(selfplay_config(), shutdown.clone())),
+        tokio::spawn(relay_learner::run(selfplay_config(), shutdown.clone())),
     ];
     // Until every catalogued metric has shown up (reports come each second,
     // the learner's after its first update), or a deadline.

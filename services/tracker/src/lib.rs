@@ -564,7 +564,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         alerts.on_value("episode_return_mean", mean).await;
                         train_return = Some(mean);
                     }
-                    let rows: Vec<_> = report.episodes.iter().map(|e| json!({"return": e.episode_return, "length": e.length, "terminated": e.terminated})).collect();
+                    let rows: Vec<_> = report.episodes.iter().map(episode_row).collect();
                     writeln!(dir.episodes, "{}", json!({"time": now(), "runner": report.runner_id, "env_id": report.env_id, "policy_version": report.policy_version, "episodes": rows}))
                 }
                 Err(_) => Ok(()),
@@ -630,6 +630,20 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let _ = tokio::task::spawn_blocking(move || relay_runs::plots::draw_run_logged(&root)).await;
     service.health.set_ready(false);
     Ok(())
+}
+
+/// One episode as `episodes.jsonl` writes it; self-play episodes add the
+/// learning seat and the opponent.
+fn episode_row(e: &relay_proto::EpisodeSummary) -> serde_json::Value {
+    let mut row =
+        json!({"return": e.episode_return, "length": e.length, "terminated": e.terminated});
+    if let Some(seat) = e.seat {
+        row["seat"] = json!(seat);
+    }
+    if let Some(opponent) = &e.opponent {
+        row["opponent"] = json!(opponent);
+    }
+    row
 }
 
 #[cfg(test)]

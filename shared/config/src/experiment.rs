@@ -22,7 +22,7 @@ use crate::reinforce::ReinforceConfig;
 use crate::rl::RlConfig;
 use crate::run::{Algo, RunConfig};
 use crate::sac::SacSection;
-use crate::selfplay::{SelfPlaySection, MIRROR_OPPONENT};
+use crate::selfplay::SelfPlaySection;
 use crate::services::{
     EnvRunnerConfig, InferenceConfig, LearnerConfig, ReplayConfig, TrackerConfig,
 };
@@ -205,7 +205,7 @@ impl ExperimentConfig {
             .map_err(|(field, detail)| invalid(field, detail))?;
         self.text.validate(&self.run.env_id, &self.env)?;
         self.league
-            .validate(&self.text, &self.run.env_id, &self.env)?;
+            .validate(&self.text, &self.selfplay, &self.run.env_id, &self.env)?;
         self.selfplay.validate()?;
         self.lora.validate()?;
         self.weights.validate()?;
@@ -406,18 +406,30 @@ impl ExperimentConfig {
 
     /// Whether the self-play league is on: a text game whose
     /// `text.opponents.league` weight is positive (validation made sure the
-    /// game has two players and the model learns).
+    /// game has two players and the model learns), or a game on
+    /// observations whose `selfplay.opponents.league` is (checked to be a
+    /// two-player game once it is made, [`ExperimentConfig::check_env`]).
     pub fn league_enabled(&self) -> bool {
-        self.is_text_game() && self.text.league_weight() > 0.0
+        if self.is_text_game() {
+            self.text.league_weight() > 0.0
+        } else {
+            self.selfplay.league_weight() > 0.0
+        }
     }
 
     /// The fixed members of the league pool: the bots of `text.opponents`
-    /// (whatever their weight), then those of `league.fixed`.
+    /// (text games) or `selfplay.opponents` (games on observations),
+    /// whatever their weight, then those of `league.fixed`.
     pub fn league_fixed(&self) -> Vec<relay_league::FixedOpponent> {
-        league_fixed_names(&self.text, &self.league)
-            .iter()
-            .map(|name| fixed_opponent(name, &self.text))
-            .collect()
+        league_fixed_names(
+            &self.text,
+            &self.selfplay,
+            &self.league,
+            self.is_text_game(),
+        )
+        .iter()
+        .map(|name| fixed_opponent(name, &self.text))
+        .collect()
     }
 
     /// The algorithm that trains the run, for run ids and the registry:
@@ -477,6 +489,14 @@ impl ExperimentConfig {
     pub fn check_env(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
         if !spec.agents.is_empty() {
             self.check_selfplay(spec)?;
+        } else if self.selfplay != SelfPlaySection::default() && !self.is_text_game() {
+            return Err(invalid(
+                "selfplay",
+                format!(
+                    "{} is a single-agent env; self-play opponents apply to multi-agent games",
+                    spec.id
+                ),
+            ));
         }
         if let Some(cnn) = &self.policy.cnn {
             let Some(image) = spec.image else {
@@ -544,10 +564,20 @@ impl ExperimentConfig {
                 ),
             ));
         }
-        for (name, _) in self.selfplay.weighted() {
-            if name != MIRROR_OPPONENT {
+        for name in self.selfplay.bots() {
+            relay_envs::SeatBot::new(name, spec)
+                .map_err(|e| invalid(&format!("selfplay.opponents.{name}"), e.to_string()))?;
+        }
+        if self.league_enabled() {
+            if spec.agents.len() != 2 {
+                return Err(invalid(
+                    "selfplay.opponents.league",
+                    format!("{}: the league rates two-player games only", game()),
+                ));
+            }
+            for (index, name) in self.league.fixed.iter().enumerate() {
                 relay_envs::SeatBot::new(name, spec)
-                    .map_err(|e| invalid(&format!("selfplay.opponents.{name}"), e.to_string()))?;
+                    .map_err(|e| invalid(&format!("league.fixed[{index}]"), e.to_string()))?;
             }
         }
         Ok(())

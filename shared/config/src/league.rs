@@ -5,6 +5,7 @@ use relay_bridge::EnvSection;
 use serde::{Deserialize, Serialize};
 
 use crate::check::{invalid, ConfigError};
+use crate::selfplay::SelfPlaySection;
 use crate::text::{bot_plays, valid_adapter_name, TextConfig, BOT_NAMES};
 
 /// The key of `text.opponents` whose weight is the share of training games
@@ -83,13 +84,18 @@ pub struct LeagueSection {
 }
 
 impl LeagueSection {
-    /// Checks every field against the run's `text` section and game.
+    /// Checks every field against the run's game and who plays it: the
+    /// `text` section in text games, `selfplay` in games on observations
+    /// (whose bots are [`relay_envs::SEAT_BOT_NAMES`]; which of them play
+    /// the game is checked once it is made).
     pub(crate) fn validate(
         &self,
         text: &TextConfig,
+        selfplay: &SelfPlaySection,
         env_id: &str,
         env: &EnvSection,
     ) -> Result<(), ConfigError> {
+        let text_game = env.is_text_game(env_id);
         if let Err(e) = self.pool.validate() {
             return Err(match e {
                 relay_league::PoolError::InvalidConfig { field, reason } => {
@@ -108,6 +114,18 @@ impl LeagueSection {
         })?;
         for (index, name) in self.fixed.iter().enumerate() {
             let field = format!("league.fixed[{index}]");
+            if !text_game {
+                if !relay_envs::SEAT_BOT_NAMES.contains(&name.as_str()) {
+                    return Err(invalid(
+                        &field,
+                        format!(
+                            "unknown bot {name:?} for a game on observations; known: {}",
+                            relay_envs::SEAT_BOT_NAMES.join(", ")
+                        ),
+                    ));
+                }
+                continue;
+            }
             if let Some(adapter) = name.strip_prefix("adapter:") {
                 if !valid_adapter_name(adapter) {
                     return Err(invalid(
@@ -126,14 +144,14 @@ impl LeagueSection {
                     ),
                 ));
             }
-            if env.is_text_game(env_id) && !bot_plays(name, env_id, env) {
+            if !bot_plays(name, env_id, env) {
                 return Err(invalid(
                     &field,
                     format!("bot {name} does not play {env_id}"),
                 ));
             }
         }
-        let members: Vec<String> = league_fixed_names(text, self);
+        let members: Vec<String> = league_fixed_names(text, selfplay, self, text_game);
         for (index, name) in self.branch_against.iter().flatten().enumerate() {
             if !members.contains(name) {
                 return Err(not_a_member(
@@ -147,18 +165,30 @@ impl LeagueSection {
     }
 }
 
-/// The bots and `adapter:<name>` entries of `text.opponents`, then
-/// `league.fixed`, without repeats.
-pub(crate) fn league_fixed_names(text: &TextConfig, league: &LeagueSection) -> Vec<String> {
+/// The fixed members of the pool, without repeats: in text games the bots
+/// and `adapter:<name>` entries of `text.opponents`, in games on
+/// observations the bots of `selfplay.opponents`; then `league.fixed`.
+pub(crate) fn league_fixed_names(
+    text: &TextConfig,
+    selfplay: &SelfPlaySection,
+    league: &LeagueSection,
+    text_game: bool,
+) -> Vec<String> {
+    let own: Vec<&str> = if text_game {
+        text.opponent_bots()
+            .chain(
+                text.opponents
+                    .keys()
+                    .map(String::as_str)
+                    .filter(|name| name.starts_with("adapter:")),
+            )
+            .collect()
+    } else {
+        selfplay.bots().collect()
+    };
     let mut names: Vec<String> = Vec::new();
-    for name in text
-        .opponent_bots()
-        .chain(
-            text.opponents
-                .keys()
-                .map(String::as_str)
-                .filter(|name| name.starts_with("adapter:")),
-        )
+    for name in own
+        .into_iter()
         .chain(league.fixed.iter().map(String::as_str))
     {
         if !names.iter().any(|n| n == name) {
@@ -173,7 +203,7 @@ fn not_a_member(field: &str, name: &str, members: &[String]) -> ConfigError {
     invalid(
         field,
         format!(
-            "{name:?} is not a fixed member of the pool (the bots and adapters of text.opponents and league.fixed: {})",
+            "{name:?} is not a fixed member of the pool (the bots and adapters of text.opponents or selfplay.opponents, and league.fixed: {})",
             if members.is_empty() { "none".to_string() } else { members.join(", ") }
         ),
     )

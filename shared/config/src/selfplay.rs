@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::check::{invalid, ConfigError};
+use crate::league::LEAGUE_OPPONENT;
 
-/// The opponent of each self-play game, drawn per game by weight.
+/// The `selfplay.opponents` key of the current policy playing itself.
 pub const MIRROR_OPPONENT: &str = "mirror";
 
 /// Self-play in multi-agent games (`env.backend: pettingzoo`). The
@@ -22,14 +23,28 @@ pub const MIRROR_OPPONENT: &str = "mirror";
 /// selfplay:
 ///   opponents: {mirror: 0.8, random: 0.2}
 /// ```
+///
+/// With a `league` weight, that share of games is played against an
+/// opponent the `league` section's sampler draws from the run's pool
+/// (past versions rated with TrueSkill, and fixed bots), as text runs do:
+///
+/// ```yaml
+/// selfplay:
+///   opponents: {league: 0.8, random: 0.2}
+/// league:
+///   sampler: {kind: mixture, components: [
+///     {weight: 0.5, sampler: {kind: mirror}},
+///     {weight: 0.5, sampler: {kind: match_quality, temperature: 0.5}}]}
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SelfPlaySection {
     /// Weight of each opponent kind (need not sum to 1): `mirror` (the
     /// current policy, sampling, through the inference servers; its moves
     /// are not trained on), `random` (a uniformly random legal move) and
-    /// `minimax` (perfect play; `tictactoe_v3` only). Default: `mirror`
-    /// only.
+    /// `minimax` (perfect play; `tictactoe_v3` only) and `league` (drawn
+    /// by `league.sampler` from the run's pool; two-player games). Default:
+    /// `mirror` only.
     pub opponents: BTreeMap<String, f64>,
 }
 
@@ -47,11 +62,14 @@ impl SelfPlaySection {
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         for (name, &weight) in &self.opponents {
             let field = format!("selfplay.opponents.{name}");
-            if name != MIRROR_OPPONENT && !relay_envs::SEAT_BOT_NAMES.contains(&name.as_str()) {
+            if name != MIRROR_OPPONENT
+                && name != LEAGUE_OPPONENT
+                && !relay_envs::SEAT_BOT_NAMES.contains(&name.as_str())
+            {
                 return Err(invalid(
                     &field,
                     format!(
-                        "unknown opponent; known: {MIRROR_OPPONENT}, {}",
+                        "unknown opponent; known: {MIRROR_OPPONENT}, {LEAGUE_OPPONENT}, {}",
                         relay_envs::SEAT_BOT_NAMES.join(", ")
                     ),
                 ));
@@ -79,5 +97,18 @@ impl SelfPlaySection {
             .filter(|(_, &w)| w > 0.0)
             .map(|(name, &w)| (name.as_str(), w))
             .collect()
+    }
+
+    /// The weight of `league` games (0 without).
+    pub fn league_weight(&self) -> f64 {
+        self.opponents.get(LEAGUE_OPPONENT).copied().unwrap_or(0.0)
+    }
+
+    /// The fixed bots among the opponents, whatever their weight.
+    pub fn bots(&self) -> impl Iterator<Item = &str> {
+        self.opponents
+            .keys()
+            .map(String::as_str)
+            .filter(|name| *name != MIRROR_OPPONENT && *name != LEAGUE_OPPONENT)
     }
 }

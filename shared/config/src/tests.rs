@@ -266,6 +266,34 @@ fn relay_s_nats_server_is_sized_to_the_largest_message_of_the_run() {
         e.contains("selfplay.opponents.minimax") && e.contains("cannot play connect_four_v3"),
         "{e}"
     );
+    // A league of past versions and bots: two-player games, bots that play
+    // the game, and the bots of selfplay.opponents are pool members.
+    let league = with(&[
+        "selfplay.opponents.league=0.7",
+        "league.fixed=[random, minimax]",
+    ]);
+    assert!(league.league_enabled());
+    league.check_env(&game).unwrap();
+    assert!(!with(&[]).league_enabled());
+    let e = league.check_env(&connect_four).unwrap_err().to_string();
+    assert!(
+        e.contains("league.fixed[1]") && e.contains("cannot play connect_four_v3"),
+        "{e}"
+    );
+    let three_seats = relay_envs::EnvSpec {
+        agents: vec!["a".into(), "b".into(), "c".into()],
+        ..game.clone()
+    };
+    let e = league.check_env(&three_seats).unwrap_err().to_string();
+    assert!(
+        e.contains("selfplay.opponents.league") && e.contains("two-player games only"),
+        "{e}"
+    );
+    let e = with(&["selfplay.opponents.random=1"])
+        .check_env(&relay_envs::spec("CartPole-v1").unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("selfplay") && e.contains("CartPole-v1"), "{e}");
     for (set, says) in [
         ("selfplay.opponents.alphazero=1", "unknown opponent"),
         ("selfplay.opponents.mirror=-1", "must be finite and >= 0"),

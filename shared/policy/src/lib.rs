@@ -28,8 +28,11 @@
 //!   weights, and back;
 //! - [`AdapterFollower`]: the same for the LLM policy's LoRA adapter versions
 //!   (`adapters`), metadata only (the inference servers load the bytes);
-//! - [`text`]: the text-game loop the env-runner and the evaluator share.
+//! - [`text`]: the text-game loop the env-runner and the evaluator share;
+//! - [`league`]: past versions of a classic policy stored for the league,
+//!   and [`policy_builder`], which makes acting models of them.
 
+pub mod league;
 pub mod text;
 
 use std::sync::Arc;
@@ -508,12 +511,12 @@ async fn latest_weights(service: &Service) -> Result<WeightsUpdate, relay_kit::R
 }
 
 /// What builds a [`VersionedPolicy`] from a version of this run.
-type PolicyBuilder =
+pub type PolicyBuilder =
     Box<dyn Fn(&PolicyWeights) -> Result<VersionedPolicy, Rejection> + Send + Sync>;
 
 /// The run's acting model built straight from a version's tensors (no
 /// init is drawn to be overwritten).
-fn policy_builder(
+pub fn policy_builder(
     config: &Arc<ExperimentConfig>,
 ) -> Result<PolicyBuilder, relay_kit::ServiceError> {
     let spec = spec_for(config).map_err(relay_kit::ServiceError::other)?;

@@ -150,6 +150,11 @@ pub struct ActRequest {
     /// action is legal.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub masks: Option<Tensor>,
+    /// Act with this past weights version (a league opponent) instead of
+    /// the newest: servers build it from the run's league bucket and
+    /// answer 404 when it is not stored there. Absent: the newest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_version: Option<u64>,
 }
 
 impl ActRequest {
@@ -159,7 +164,14 @@ impl ActRequest {
             obs,
             deterministic,
             masks: None,
+            policy_version: None,
         }
+    }
+
+    /// The request for past version `version` (see [`Self::policy_version`]).
+    pub fn at_version(mut self, version: Option<u64>) -> Self {
+        self.policy_version = version;
+        self
     }
 
     /// The request with the observations' action masks.
