@@ -10,9 +10,10 @@
 //! env's mover: the learning seat and mirror opponents are acted by the
 //! inference servers in one request, each past version's seats in one
 //! request of their own that names the version (at the same time), the
-//! fixed bots ([`relay_envs::SeatBot`]) here. A past version no server
-//! holds (evicted meanwhile) is replaced by the current one for the rest
-//! of that game, which then counts as a mirror game.
+//! fixed opponents (bots and saved checkpoints,
+//! [`relay_policy::opponent::SeatOpponent`]) here, a batch each. A past
+//! version no server holds (evicted meanwhile) is replaced by the current
+//! one for the rest of that game, which then counts as a mirror game.
 //!
 //! League games against a past version or a bot are rated: their results
 //! go to the pool's TrueSkill ([`LeagueRecorder`]) as the version of the
@@ -36,8 +37,9 @@ use prometheus::{IntCounter, IntCounterVec, Opts};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_bridge::{BridgeError, VecEnvs};
-use relay_envs::{EnvSpec, SeatBot, VecActions};
+use relay_envs::{EnvSpec, VecActions};
 use relay_kit::{Service, ServiceError, Shutdown};
+use relay_policy::opponent::SeatOpponent;
 use relay_proto::{EpisodeSummary, RolloutFragment};
 
 use crate::fragment::{FragmentBuilder, FragmentPlan};
@@ -111,7 +113,7 @@ struct Opponents {
     weights: Vec<f64>,
     kinds: Vec<Kind>,
     bot_names: Vec<String>,
-    bots: Vec<SeatBot>,
+    bots: Vec<SeatOpponent>,
     draws: Option<LeagueDraws>,
 }
 
@@ -131,7 +133,7 @@ impl Opponents {
         }
         let bots = bot_names
             .iter()
-            .map(|name| SeatBot::new(name, spec))
+            .map(|name| SeatOpponent::new(name, spec))
             .collect::<Result<_, _>>()
             .map_err(|e| ServiceError::other(format!("selfplay.opponents: {e}")))?;
         let weighted = cfg.selfplay.weighted();
@@ -421,13 +423,29 @@ pub(crate) async fn run(
                 games[i].learner_version = reply.policy_version;
             }
         }
-        for i in 0..n {
-            if let (Against::Bot(b), false) = (games[i].against, learner_turn[i]) {
-                actions[i] = opponents.bots[b].act(
-                    &obs[i * d..(i + 1) * d],
-                    &masks[i * width..(i + 1) * width],
-                    &mut rng,
-                );
+        // The fixed opponents' moves, one batch per opponent.
+        for (b, bot) in opponents.bots.iter_mut().enumerate() {
+            let rows: Vec<usize> = (0..n)
+                .filter(|&i| !learner_turn[i] && games[i].against == Against::Bot(b))
+                .collect();
+            if rows.is_empty() {
+                continue;
+            }
+            let rows_obs: Vec<f32> = rows
+                .iter()
+                .flat_map(|&i| obs[i * d..(i + 1) * d].iter().copied())
+                .collect();
+            let rows_masks: Vec<u8> = rows
+                .iter()
+                .flat_map(|&i| masks[i * width..(i + 1) * width].iter().copied())
+                .collect();
+            let acted = bot
+                .act(&rows_obs, &rows_masks, rows.len(), &mut rng)
+                .map_err(|e| {
+                    ServiceError::other(format!("opponent {}: {e}", opponents.bot_names[b]))
+                })?;
+            for (&i, action) in rows.iter().zip(acted) {
+                actions[i] = action;
             }
         }
         let step = match envs.step(VecActions::Discrete(&actions)) {

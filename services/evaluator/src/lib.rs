@@ -32,6 +32,15 @@
 //! carries the confirmation; only when it passes too is the report
 //! `solved` and the run announced solved, with both figures.
 //!
+//! `vs-opponent` in a multi-agent game on observations (PettingZoo's)
+//! plays the version against each opponent from every seat and reports
+//! the results per opponent and seat (`matchups`, and
+//! `relay_evaluator_games`); such a run is judged by its weakest matchup
+//! ([`relay_eval::weakest_matchup`]): the screening's lowest matchup mean
+//! must reach the threshold, and so must every matchup of the
+//! confirmation, less `eval.confirm_z` standard errors. The report's
+//! `mean_return` and `std_return` are that matchup's.
+//!
 //! In runs with a `normalize` section on, each version carries the run's
 //! normalisation statistics; the policy is given observations normalised
 //! with them, frozen (never updated by evaluation, as SB3 evaluates with
@@ -90,6 +99,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         control_applied,
         active,
     } = EvalMetrics::register(&service.registry);
+    let matchup_metrics = MatchupMetrics::register(&service.registry);
     let build = |name: &str, options: &[(String, String)]| -> Result<Box<dyn Evaluator>, String> {
         let plugin = plugins::build(name, options)?;
         plugin.check_env(&cfg.run.env_id, &cfg.env)?;
@@ -183,14 +193,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             confirming: false,
             env: cfg.env.clone(),
         };
-        let returns = match play_classic(&plugin, &policy, &ctx).await? {
-            Ok(returns) => returns,
+        let played = match play_classic(&plugin, &policy, &ctx).await? {
+            Ok(played) => played,
             Err(reason) => {
                 tracing::debug!(evaluator = plugin.name(), version = policy.version, %reason, "evaluation skipped");
                 continue;
             }
         };
-        let (mean, std) = mean_std(&returns);
+        let (mean, std, _) = played.figure(0.0);
         let confirmation = match threshold.filter(|t| mean >= *t) {
             Some(t) => {
                 let seed = cfg.eval.confirm_seed(policy.version);
@@ -201,7 +211,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     ..ctx
                 };
                 match play_classic(&plugin, &policy, &ctx).await? {
-                    Ok(returns) => Some(confirmation(returns, seed, t, cfg.eval.confirm_z)),
+                    Ok(confirming) => Some(confirmation(confirming, seed, t, cfg.eval.confirm_z)),
                     Err(reason) => {
                         tracing::warn!(evaluator = plugin.name(), version = policy.version, %reason, "confirmation not played");
                         None
@@ -212,6 +222,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         };
         let solved = confirmation.as_ref().is_some_and(|c| c.passed);
         last_return.set(mean);
+        matchup_metrics.set(&cfg.run.env_id, &played.matchups);
         tracing::info!(
             evaluator = plugin.name(),
             version = policy.version,
@@ -228,12 +239,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             env_id: cfg.run.env_id.clone(),
             policy_version: policy.version,
             learner_env_steps: policy.learner_env_steps,
-            returns,
+            returns: played.returns,
             mean_return: mean,
             std_return: std,
             threshold: threshold.unwrap_or(f64::NAN),
             solved,
-            matchups: Vec::new(),
+            matchups: played.matchups,
             confirmation,
         };
         service.publish(service.subjects.eval(), &report).await;
@@ -245,20 +256,59 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     service.finish().await
 }
 
+/// What a classic evaluation played: every episode's return and, for
+/// `vs-opponent` in a game on observations, its results per opponent and
+/// seat and the matchup of each return.
+struct Played {
+    returns: Vec<f64>,
+    matchups: Vec<Matchup>,
+    matchup_of: Vec<usize>,
+}
+
+impl Played {
+    /// The figure the run is judged by, with its standard deviation and
+    /// count: the mean of every return, or with matchups the weakest
+    /// matchup's ([`relay_eval::weakest_matchup`], less `z` standard
+    /// errors): a game is beaten from every seat against every opponent.
+    fn figure(&self, z: f64) -> (f64, f64, usize) {
+        match relay_eval::weakest_matchup(&self.returns, &self.matchup_of, z) {
+            Some(weakest) => weakest,
+            None => {
+                let (mean, std) = mean_std(&self.returns);
+                (mean, std, self.returns.len())
+            }
+        }
+    }
+}
+
 /// Plays one classic evaluation (or confirmation) on a blocking thread:
-/// the returns, or why none were played (skipped or failed, logged by the
+/// what it played, or why nothing was (skipped or failed, logged by the
 /// caller).
 async fn play_classic(
     plugin: &Arc<dyn Evaluator>,
     policy: &Arc<relay_policy::VersionedPolicy>,
     ctx: &EvalContext,
-) -> Result<Result<Vec<f64>, String>, ServiceError> {
+) -> Result<Result<Played, String>, ServiceError> {
     let (evaluator, policy, ctx) = (plugin.clone(), policy.clone(), ctx.clone());
     let outcome = tokio::task::spawn_blocking(move || evaluator.evaluate(&policy, &ctx))
         .await
         .map_err(ServiceError::other)?;
     Ok(match outcome {
-        Ok(EvalOutcome::Returns(r)) if !r.is_empty() => Ok(r),
+        Ok(EvalOutcome::Returns(returns)) if !returns.is_empty() => Ok(Played {
+            returns,
+            matchups: Vec::new(),
+            matchup_of: Vec::new(),
+        }),
+        Ok(EvalOutcome::Games {
+            returns,
+            matchups,
+            matchup_of,
+            ..
+        }) if !returns.is_empty() => Ok(Played {
+            returns,
+            matchups,
+            matchup_of,
+        }),
         Ok(EvalOutcome::Returns(_) | EvalOutcome::Games { .. }) => Err("no episodes".into()),
         Ok(EvalOutcome::Skipped(reason)) => Err(reason),
         Err(e) => {
@@ -268,16 +318,17 @@ async fn play_classic(
     })
 }
 
-/// The confirmation of a screening pass: `returns` played from `seed` on;
-/// it passes when its mean less `z` standard errors reaches `threshold`
-/// (`eval.confirm_z`).
-fn confirmation(returns: Vec<f64>, seed: u64, threshold: f64, z: f64) -> Confirmation {
-    let (mean, std) = mean_std(&returns);
-    let bound = relay_proto::mean_less_standard_errors(mean, std, returns.len(), z);
+/// The confirmation of a screening pass, played from `seed` on: it passes
+/// when its figure ([`Played::figure`]: the mean, or the weakest
+/// matchup's) less `z` standard errors reaches `threshold`
+/// (`eval.confirm_z`), and reports that figure.
+fn confirmation(played: Played, seed: u64, threshold: f64, z: f64) -> Confirmation {
+    let (mean, std, n) = played.figure(z);
+    let bound = relay_proto::mean_less_standard_errors(mean, std, n, z);
     Confirmation {
-        episodes: returns.len() as u32,
+        episodes: played.returns.len() as u32,
         seed,
-        returns,
+        returns: played.returns,
         mean_return: mean,
         std_return: std,
         passed: bound >= threshold,
@@ -380,7 +431,7 @@ impl EvalMetrics {
     }
 }
 
-/// Text-game results of the latest evaluation, per opponent and seat.
+/// `vs-opponent` results of the latest evaluation, per opponent and seat.
 struct MatchupMetrics {
     games: GaugeVec,
     legal_move_rate: GaugeVec,
@@ -392,7 +443,7 @@ impl MatchupMetrics {
             games: GaugeVec::new(
                 Opts::new(
                     "relay_evaluator_games",
-                    "Games of the latest text-game evaluation, by game, opponent, the policy's seat and its outcome (win, draw, loss, abandoned).",
+                    "Games of the latest vs-opponent evaluation, by game, opponent, the policy's seat and its outcome (win, draw, loss, abandoned).",
                 ),
                 &["game", "opponent", "seat", "outcome"],
             )
@@ -400,7 +451,7 @@ impl MatchupMetrics {
             legal_move_rate: GaugeVec::new(
                 Opts::new(
                     "relay_evaluator_legal_move_rate",
-                    "Share of the policy's moves the game accepted in the latest text-game evaluation, by game, opponent and seat.",
+                    "Share of the policy's moves the game accepted in the latest vs-opponent evaluation, by game, opponent and seat (1 in games on observations, whose action masks allow only legal moves).",
                 ),
                 &["game", "opponent", "seat"],
             )
@@ -634,7 +685,7 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                 let evaluation = finished.map_err(ServiceError::other)?;
                 let version = evaluation.target.version;
                 let (returns, matchups, acted, played) = match evaluation.outcome {
-                    Ok(EvalOutcome::Games { returns, matchups, policy_version, played }) if !returns.is_empty() => {
+                    Ok(EvalOutcome::Games { returns, matchups, policy_version, played, .. }) if !returns.is_empty() => {
                         (returns, matchups, policy_version, played)
                     }
                     Ok(EvalOutcome::Returns(returns)) if !returns.is_empty() => (returns, Vec::new(), None, Vec::new()),
@@ -654,7 +705,13 @@ async fn run_text(service: Service, shutdown: Shutdown) -> Result<(), ServiceErr
                 let confirmation = match (evaluation.confirmation, threshold) {
                     (Some((seed, outcome)), Some(t)) => match text_returns(&outcome) {
                         Some(r) => {
-                            let confirmed = confirmation(r.to_vec(), seed, t, cfg.eval.confirm_z);
+                            // Text runs are judged by the mean of every game.
+                            let all_games = Played {
+                                returns: r.to_vec(),
+                                matchups: Vec::new(),
+                                matchup_of: Vec::new(),
+                            };
+                            let confirmed = confirmation(all_games, seed, t, cfg.eval.confirm_z);
                             if let Ok(EvalOutcome::Games { played, .. }) = outcome {
                                 confirmation_played = played;
                             }

@@ -118,9 +118,17 @@ pub struct CheckpointEval {
     pub std_return: f64,
     pub min_return: f64,
     pub max_return: f64,
+    /// `vs-opponent` runs of games on observations: the results per
+    /// opponent and seat (the returns are then the plugin's scores).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub matchups: Vec<relay_proto::Matchup>,
+    /// `vs-opponent` runs of games on observations: the lowest mean of a
+    /// matchup, what such a run is judged by.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weakest_matchup_mean: Option<f64>,
     /// The run's solved threshold, when it has one.
     pub threshold: Option<f64>,
-    /// `mean_return >= threshold`.
+    /// `mean_return` (`weakest_matchup_mean` where there is one) `>= threshold`.
     pub passed: Option<bool>,
 }
 
@@ -165,33 +173,68 @@ fn evaluate_classic_checkpoint(
     let state = relay_runs::checkpoint::load_state(dir)?;
     let (model, normalizer) = crate::play::load_policy(config, dir)?;
     let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
+    let plugin = relay_eval::plugins::build(&config.eval.evaluator, &config.eval.option_pairs())
+        .map_err(|e| anyhow::anyhow!("eval.evaluator: {e}"))?;
+    let deterministic = !plugin.samples_actions();
+    let weights_version = state.weights_version.unwrap_or(state.progress.version);
     let envs = relay_eval::plugins::eval_envs(&config.run.env_id, &config.env, episodes, seed)
         .map_err(anyhow::Error::msg)?;
-    let deterministic =
-        !relay_eval::plugins::build(&config.eval.evaluator, &config.eval.option_pairs())
-            .map_err(|e| anyhow::anyhow!("eval.evaluator: {e}"))?
-            .samples_actions();
-    let returns: Vec<f64> = relay_eval::plugins::play(
-        &model,
-        normalizer.as_ref(),
-        envs,
-        seed,
-        deterministic,
-        false,
-    )
-    .map_err(anyhow::Error::msg)?
-    .into_iter()
-    .map(|e| e.ret)
-    .collect();
+    let (returns, matchups, figure) = if plugin.name() == "vs-opponent" {
+        // A multi-agent game on observations: the run's opponents, the
+        // games shared out among the seats, judged by the weakest matchup.
+        let policy = relay_policy::VersionedPolicy {
+            version: weights_version,
+            learner_env_steps: state.progress.env_steps,
+            model,
+            normalizer,
+        };
+        let ctx = relay_eval::plugins::EvalContext {
+            env_id: config.run.env_id.clone(),
+            episodes,
+            seed,
+            run_dir: dir.to_path_buf(),
+            train_return: None,
+            confirming: true,
+            env: config.env.clone(),
+        };
+        match plugin.evaluate(&policy, &ctx).map_err(anyhow::Error::msg)? {
+            relay_eval::plugins::EvalOutcome::Games {
+                returns,
+                matchups,
+                matchup_of,
+                ..
+            } => {
+                let weakest = relay_eval::weakest_matchup(&returns, &matchup_of, 0.0)
+                    .map_or(f64::NAN, |(mean, _, _)| mean);
+                (returns, matchups, Some(weakest))
+            }
+            other => bail!("vs-opponent played no games: {other:?}"),
+        }
+    } else {
+        let returns: Vec<f64> = relay_eval::plugins::play(
+            &model,
+            normalizer.as_ref(),
+            envs,
+            seed,
+            deterministic,
+            false,
+        )
+        .map_err(anyhow::Error::msg)?
+        .into_iter()
+        .map(|e| e.ret)
+        .collect();
+        (returns, Vec::new(), None)
+    };
     let (mean, std) = relay_eval::mean_std(&returns);
     let threshold = config.solved_threshold();
+    let judged = figure.unwrap_or(mean);
     Ok(CheckpointEval {
         run_id,
         checkpoint: dir
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        weights_version: state.weights_version.unwrap_or(state.progress.version),
+        weights_version,
         env_id: config.run.env_id.clone(),
         episodes,
         seed,
@@ -201,8 +244,10 @@ fn evaluate_classic_checkpoint(
         returns,
         mean_return: mean,
         std_return: std,
+        weakest_matchup_mean: figure,
+        matchups,
         threshold,
-        passed: threshold.map(|t| mean >= t),
+        passed: threshold.map(|t| judged >= t),
     })
 }
 
@@ -391,6 +436,15 @@ pub fn eval(args: EvalArgs) -> Result<()> {
                 "relay: {} checkpoint {} (weights version {}) on {}: {} {} episodes from seed {}",
                 e.run_id, e.checkpoint, e.weights_version, e.env_id, e.episodes, e.actions, e.seed
             );
+            for m in &e.matchups {
+                println!(
+                    "vs {} from seat {}: W/D/L {}/{}/{}",
+                    m.opponent, m.seat, m.wins, m.draws, m.losses
+                );
+            }
+            if let Some(weakest) = e.weakest_matchup_mean {
+                println!("weakest matchup {weakest:.3}");
+            }
             println!(
                 "return {:.2} ± {:.2}  min {:.2}  max {:.2}{}",
                 e.mean_return,

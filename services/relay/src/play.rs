@@ -12,7 +12,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use relay_config::ExperimentConfig;
-use relay_nn::ActorCritic;
 
 /// Flags of `relay play`.
 #[derive(Debug, Clone, clap::Args)]
@@ -60,14 +59,7 @@ pub struct PlayArgs {
 /// A run's or checkpoint's resolved `config.yaml`, as it was written (no
 /// environment overrides).
 pub fn read_resolved_config(path: &std::path::Path) -> Result<ExperimentConfig> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(ExperimentConfig::from_layers(
-        &text,
-        &path.display().to_string(),
-        &[],
-        &[],
-    )?)
+    relay_policy::opponent::read_resolved_config(path).map_err(anyhow::Error::msg)
 }
 
 /// `relay play` of a text game: the model (and the checkpoint's adapter)
@@ -145,51 +137,13 @@ fn play_text_games(
     Ok(())
 }
 
-/// The policy of a classic run's checkpoint folder `dir` (DQN: the online
-/// network; SAC: the actor; otherwise the actor-critic) and, for a
-/// normalising run, its normaliser with the checkpoint's statistics
-/// (frozen): what the evaluator played when the checkpoint holds an
-/// evaluated version.
+/// The acting model saved in a classic run's checkpoint folder `dir`, and
+/// its frozen normaliser ([`relay_policy::opponent::load_checkpoint_policy`]).
 pub fn load_policy(
     config: &ExperimentConfig,
     dir: &std::path::Path,
 ) -> Result<(relay_policy::PolicyModel, Option<relay_nn::VecNormalize>)> {
-    let model_file = dir.join("model.safetensors");
-    let loading = || format!("loading {}", model_file.display());
-    let model = match config.run.algo {
-        relay_config::Algo::Dqn => {
-            let spec = relay_policy::qnet_spec_for(config).map_err(anyhow::Error::msg)?;
-            let mut net = relay_nn::QNetwork::new(&spec, config.run.seed)?;
-            net.load(&model_file).with_context(loading)?;
-            relay_policy::PolicyModel::QNetwork { net, epsilon: 0.0 }
-        }
-        relay_config::Algo::Sac => {
-            // The checkpoint holds actor, critics, targets and log α; play
-            // with the actor's deterministic action tanh(μ).
-            let spec = relay_policy::sac_spec_for(config).map_err(anyhow::Error::msg)?;
-            let mut sac = relay_nn::Sac::new(&spec, 1.0, config.run.seed)?;
-            sac.load(&model_file).with_context(loading)?;
-            let relay_nn::Sac { actor, .. } = sac;
-            relay_policy::PolicyModel::Sac(actor)
-        }
-        relay_config::Algo::Ppo | relay_config::Algo::A2c | relay_config::Algo::Reinforce => {
-            let spec = relay_policy::spec_for(config)?;
-            let mut model = ActorCritic::with_layout(&spec, config.policy.trunk, config.run.seed)?;
-            model.load(&model_file).with_context(loading)?;
-            relay_policy::PolicyModel::ActorCritic(model)
-        }
-    };
-    let normalizer = match config.normalizer() {
-        Some(norm) => {
-            let obs_dim = config.env_spec()?.obs_dim();
-            let mut n = relay_nn::VecNormalize::new(norm, obs_dim, 0)?;
-            relay_policy::load_normalizer(dir, &mut n)?;
-            n.set_training(false);
-            Some(n)
-        }
-        None => None,
-    };
-    Ok((model, normalizer))
+    relay_policy::opponent::load_checkpoint_policy(config, dir).map_err(anyhow::Error::msg)
 }
 
 /// One CartPole frame: the track `[-2.4, 2.4]` with the cart and its pole.

@@ -168,8 +168,14 @@ async fn metric_catalogue_matches_what_services_emit() {
         tokio::spawn(relay_inference_server::run(sac_config(), shutdown.clone())),
         tokio::spawn(relay_env_runner::run(sac_config(), shutdown.clone())),
         tokio::spawn(relay_learner::run(sac_config(), shutdown.clone())),
-        tokio::spawn(relay_replay_buffer::run(selfplay_config(), shutdown.clone())),
-        tokio::spawn(relay_inference_server::run(selfplay_config(), shutdown.clone())),
+        tokio::spawn(relay_replay_buffer::run(
+            selfplay_config(),
+            shutdown.clone(),
+        )),
+        tokio::spawn(relay_inference_server::run(
+            selfplay_config(),
+            shutdown.clone(),
+        )),
         tokio::spawn(relay_env_runner::run(selfplay_config(), shutdown.clone())),
         tokio::spawn(relay_learner::run(selfplay_config(), shutdown.clone())),
     ];

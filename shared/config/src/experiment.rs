@@ -564,9 +564,15 @@ impl ExperimentConfig {
                 ),
             ));
         }
+        // Checkpoints are checked to play the game when they are loaded.
+        let bot_plays = |name: &str, field: &str| match crate::checkpoint_opponent(name) {
+            Some(_) => Ok(()),
+            None => relay_envs::SeatBot::new(name, spec)
+                .map(drop)
+                .map_err(|e| invalid(field, e.to_string())),
+        };
         for name in self.selfplay.bots() {
-            relay_envs::SeatBot::new(name, spec)
-                .map_err(|e| invalid(&format!("selfplay.opponents.{name}"), e.to_string()))?;
+            bot_plays(name, &format!("selfplay.opponents.{name}"))?;
         }
         if self.league_enabled() {
             if spec.agents.len() != 2 {
@@ -576,8 +582,7 @@ impl ExperimentConfig {
                 ));
             }
             for (index, name) in self.league.fixed.iter().enumerate() {
-                relay_envs::SeatBot::new(name, spec)
-                    .map_err(|e| invalid(&format!("league.fixed[{index}]"), e.to_string()))?;
+                bot_plays(name, &format!("league.fixed[{index}]"))?;
             }
         }
         Ok(())

@@ -69,8 +69,10 @@ pub struct LeagueSection {
     /// `text.opponents`: bots (`random`, `minimax`, `connect_four_bot`;
     /// each must play the run's game) or `adapter:<name>` (a LoRA adapter
     /// the inference servers hold, e.g. from `llm.adapters`: a saved
-    /// policy to beat), so samplers can draw them without the env-runners
-    /// also playing them directly.
+    /// policy to beat); in games on observations (`selfplay.opponents`)
+    /// `random`, `minimax` or `checkpoint:<folder>` (a saved checkpoint of
+    /// a run on the same game). Samplers can draw them without the
+    /// env-runners also playing them directly.
     pub fixed: Vec<String>,
     /// Which league games branch (`text.branches > 1`): unset, every one;
     /// a list of fixed members (`random`, `minimax`, `adapter:<name>`),
@@ -86,7 +88,8 @@ pub struct LeagueSection {
 impl LeagueSection {
     /// Checks every field against the run's game and who plays it: the
     /// `text` section in text games, `selfplay` in games on observations
-    /// (whose bots are [`relay_envs::SEAT_BOT_NAMES`]; which of them play
+    /// (whose fixed members are the bots of [`relay_envs::SEAT_BOT_NAMES`]
+    /// and `checkpoint:<folder>`; which of them play
     /// the game is checked once it is made).
     pub(crate) fn validate(
         &self,
@@ -115,15 +118,7 @@ impl LeagueSection {
         for (index, name) in self.fixed.iter().enumerate() {
             let field = format!("league.fixed[{index}]");
             if !text_game {
-                if !relay_envs::SEAT_BOT_NAMES.contains(&name.as_str()) {
-                    return Err(invalid(
-                        &field,
-                        format!(
-                            "unknown bot {name:?} for a game on observations; known: {}",
-                            relay_envs::SEAT_BOT_NAMES.join(", ")
-                        ),
-                    ));
-                }
+                crate::selfplay::check_seat_opponent_name(&field, name)?;
                 continue;
             }
             if let Some(adapter) = name.strip_prefix("adapter:") {
@@ -167,7 +162,8 @@ impl LeagueSection {
 
 /// The fixed members of the pool, without repeats: in text games the bots
 /// and `adapter:<name>` entries of `text.opponents`, in games on
-/// observations the bots of `selfplay.opponents`; then `league.fixed`.
+/// observations the bots and checkpoints of `selfplay.opponents`; then
+/// `league.fixed`.
 pub(crate) fn league_fixed_names(
     text: &TextConfig,
     selfplay: &SelfPlaySection,
@@ -257,11 +253,17 @@ pub fn fixed_opponent(name: &str, text: &TextConfig) -> relay_league::FixedOppon
         "connect_four_bot" => FixedKind::Minimax {
             depth: Some(text.connect_four_depth),
         },
-        other => match other.strip_prefix("adapter:") {
-            Some(adapter) => FixedKind::Adapter {
+        other => match (
+            other.strip_prefix("adapter:"),
+            crate::selfplay::checkpoint_opponent(other),
+        ) {
+            (Some(adapter), _) => FixedKind::Adapter {
                 path: adapter.to_string(),
             },
-            None => FixedKind::Random,
+            (_, Some(folder)) => FixedKind::Checkpoint {
+                path: folder.to_string(),
+            },
+            _ => FixedKind::Random,
         },
     };
     relay_league::FixedOpponent {

@@ -307,6 +307,32 @@ fn relay_s_nats_server_is_sized_to_the_largest_message_of_the_run() {
             "{set}: {e}"
         );
     }
+    // A saved checkpoint as a fixed opponent: a folder that holds one.
+    let dir = std::env::temp_dir().join(format!("relay-config-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let with_checkpoint = |folder: &std::path::Path| {
+        let text = format!(
+            "{BASE}selfplay:\n  opponents: {{mirror: 1, 'checkpoint:{}': 1}}\nleague:\n  fixed: ['checkpoint:{}']\n",
+            folder.display(),
+            folder.display()
+        );
+        ExperimentConfig::from_layers(&text, "t", &[], &[])
+    };
+    let e = with_checkpoint(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("league.fixed[0]") && e.contains("not a checkpoint folder (no config.yaml)"),
+        "{e}"
+    );
+    std::fs::write(dir.join("config.yaml"), "").unwrap();
+    std::fs::write(dir.join("model.safetensors"), "").unwrap();
+    let config = with_checkpoint(&dir).unwrap();
+    let name = format!("checkpoint:{}", dir.display());
+    assert!(config.selfplay.bots().any(|b| b == name));
+    assert!(matches!(
+        config.league_fixed()[0].kind,
+        relay_league::FixedKind::Checkpoint { .. }
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! Evaluator plugins: one [`Evaluator`] trait, a [`registry`] of named
-//! factories, and the plugins `greedy`, `stochastic`, `threshold` and
-//! `record`. A plugin is chosen by `eval.evaluator` and `eval.options`, and
+//! factories, and the plugins `greedy`, `stochastic`, `threshold`,
+//! `record` and `vs-opponent`. A plugin is chosen by `eval.evaluator` and `eval.options`, and
 //! switched at run time by an `EvalControl` message (`relay eval use`).
 //!
 //! Options every plugin takes: `episodes` (default `eval.episodes`) and
@@ -12,8 +12,13 @@
 //! | `stochastic` | sampled from the policy | — | — |
 //! | `threshold` | deterministic, only once the training return (mean of the last 100 training episodes) reaches `level` | `level` (required) | — |
 //! | `record` | deterministic | — | `runs/<id>/recordings/v<version>.jsonl`: one JSON line per episode with `obs`, `actions`, `rewards`, `terminated`, `truncated`, `return` |
+//! | `vs-opponent` | text games: the LLM policy (learning adapter, newest version) against each opponent, half of the games in each seat, through the env-runner's game loop; multi-agent games on observations (PettingZoo's): the version's greedy policy against each opponent, game `e` from seat `e % seats`, on the same seeds for every opponent | `games` (per opponent; default `eval.episodes`), `opponents` (comma list; text games: `random`, `minimax`, `connect_four_bot`, `self`, `base`, `adapter:<name>`, default `random` (`base`, the policy's first version, in a game that lists no legal moves) plus `minimax` for TicTacToe or `connect_four_bot` for ConnectFour; games on observations: `random`, `minimax`, `checkpoint:<folder>`, default every bot that plays the game), `score` (`return`, `win` or `non_loss`: what a game counts for in the returns), `seed`, `temperature` (text games) | text games: its games, published on `relay.<run>.eval.games` for the tracker's `runs/<id>/games.jsonl` |
 //!
-//! | `vs-opponent` | text games only: the LLM policy (learning adapter, newest version) against each opponent, half of the games in each seat, through the env-runner's game loop | `games` (per opponent; default `eval.episodes`), `opponents` (comma list of `random`, `minimax`, `connect_four_bot`, `self`, `base`, `adapter:<name>`; default `random` (`base`, the policy's first version, in a game that lists no legal moves), plus `minimax` for TicTacToe or `connect_four_bot` for ConnectFour), `seed` | its games, published on `relay.<run>.eval.games` for the tracker's `runs/<id>/games.jsonl` |
+//! A `vs-opponent` evaluation reports its results per opponent and seat
+//! (`EvalReport::matchups`). A text run is judged by the mean of every
+//! game; a game on observations by its weakest matchup
+//! ([`crate::weakest_matchup`]), so it is solved only when the policy
+//! reaches the threshold against every opponent from every seat.
 //!
 //! Classic plugins evaluate weights versions of the MLP policy on a
 //! blocking thread ([`Evaluator::evaluate`]); text-game plugins
@@ -33,6 +38,7 @@ use relay_bridge::{EnvSection, VecEnvs};
 use relay_config::{Opponent, TextConfig};
 use relay_envs::{ActionSpace, VecActions};
 use relay_nn::{Actions, VecNormalize};
+use relay_policy::opponent::SeatOpponent;
 use relay_policy::text::{
     arrange, play_game, GameError, GameSettings, GameSpec, NatsGenerate, Outcome, Seat,
     LEARNING_ADAPTER,
@@ -100,13 +106,17 @@ pub struct TextEvalContext {
 pub enum EvalOutcome {
     /// Episodes played: their returns (published as an `EvalReport`).
     Returns(Vec<f64>),
-    /// Text games played: the policy's rewards, its results per opponent and
-    /// seat, the oldest adapter version that moved (when the inference
-    /// servers reported one), and the games themselves (the evaluator
+    /// Games against opponents played (`vs-opponent`): the policy's
+    /// rewards (or scores, its `score` option), its results per opponent
+    /// and seat, the oldest adapter version that moved (text games, when
+    /// the inference servers reported one; the evaluated version in games
+    /// on observations), and the text games themselves (the evaluator
     /// publishes them for the run directory's `games.jsonl`).
     Games {
         returns: Vec<f64>,
         matchups: Vec<Matchup>,
+        /// The matchup (index into `matchups`) of each return.
+        matchup_of: Vec<usize>,
         policy_version: Option<u64>,
         played: Vec<OpponentGame>,
     },
@@ -442,17 +452,73 @@ impl Evaluator for Record {
     }
 }
 
-/// Text games: the learning adapter against each opponent, half of the
-/// games in each seat (`vs-opponent`), in each game of the run
-/// (`text.games`; an opponent is skipped for a game it does not play, and
-/// the results are per game, opponent and seat).
+/// The policy against each opponent, the games shared out among the seats
+/// (`vs-opponent`). Text games: the learning adapter, in each game of the
+/// run (`text.games`; an opponent is skipped for a game it does not play,
+/// and the results are per game, opponent and seat), half of the games in
+/// each seat. Multi-agent games on observations (PettingZoo's): the
+/// version's greedy policy, game `e` from seat `e % seats`, against the
+/// fixed opponents ([`SeatOpponent`]).
 pub struct VsOpponent {
     games: Option<usize>,
-    opponents: Option<Vec<Opponent>>,
+    /// The names as given: text opponents ([`Opponent`]) or, in games on
+    /// observations, bots and `checkpoint:<folder>`.
+    opponents: Option<Vec<String>>,
     seed: Option<u64>,
     /// Sampling temperature of the evaluated moves (0: greedy); default
-    /// the run's `text.temperature`, as in training.
+    /// the run's `text.temperature`, as in training. Text games only.
     temperature: Option<f32>,
+    /// What each game counts for in the report's returns.
+    score: Score,
+}
+
+/// What a `vs-opponent` game counts for (its `score` option): the policy's
+/// reward (`return`, the default), 1 for a win and 0 otherwise (`win`), or
+/// 1 for a win or a draw (`non_loss`). With `win` or `non_loss` the
+/// evaluation's mean is a rate, and `eval.threshold` a rate to reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Score {
+    Return,
+    Win,
+    NonLoss,
+}
+
+impl Score {
+    fn parse(text: &str) -> Result<Self, String> {
+        match text.trim() {
+            "return" => Ok(Self::Return),
+            "win" => Ok(Self::Win),
+            "non_loss" => Ok(Self::NonLoss),
+            other => Err(format!(
+                "evaluator vs-opponent: option score {other:?}: expected return, win or non_loss"
+            )),
+        }
+    }
+
+    /// The score of a game the policy ended with `outcome` and `reward`.
+    pub fn of(self, outcome: Outcome, reward: f64) -> f64 {
+        match self {
+            Self::Return => reward,
+            Self::Win => f64::from(u8::from(outcome == Outcome::Win)),
+            Self::NonLoss => f64::from(u8::from(outcome != Outcome::Loss)),
+        }
+    }
+}
+
+/// The outcome of a game on observations from the policy's return: a win
+/// above 0, a loss below (PettingZoo's classic games give +1 / -1 / 0).
+pub fn outcome_of_return(ret: f64) -> Outcome {
+    match ret {
+        r if r > 0.0 => Outcome::Win,
+        r if r < 0.0 => Outcome::Loss,
+        _ => Outcome::Draw,
+    }
+}
+
+/// Whether `name` is a fixed opponent of games on observations (a bot of
+/// [`relay_envs::SEAT_BOT_NAMES`] or `checkpoint:<folder>`).
+fn seat_opponent_name(name: &str) -> bool {
+    relay_envs::SEAT_BOT_NAMES.contains(&name) || relay_config::checkpoint_opponent(name).is_some()
 }
 
 impl VsOpponent {
@@ -464,16 +530,24 @@ impl VsOpponent {
         let opponents = o
             .take("opponents")
             .map(|list| {
-                let parsed = list
+                let names: Vec<String> = list
                     .split(',')
-                    .filter(|s| !s.trim().is_empty())
-                    .map(Opponent::parse)
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| format!("evaluator vs-opponent: option opponents: {e}"))?;
-                if parsed.is_empty() {
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect();
+                if names.is_empty() {
                     return Err("evaluator vs-opponent: option opponents is empty".to_string());
                 }
-                Ok(parsed)
+                for name in &names {
+                    if let (Err(e), false) = (Opponent::parse(name), seat_opponent_name(name)) {
+                        return Err(format!(
+                            "evaluator vs-opponent: option opponents: {e} (games on observations: {}, checkpoint:<folder>)",
+                            relay_envs::SEAT_BOT_NAMES.join(", ")
+                        ));
+                    }
+                }
+                Ok(names)
             })
             .transpose()?;
         let seed = o.parse("seed")?;
@@ -481,22 +555,36 @@ impl VsOpponent {
         if temperature.is_some_and(|t| !(t.is_finite() && t >= 0.0)) {
             return Err("evaluator vs-opponent: option temperature must be finite and >= 0".into());
         }
+        let score = o
+            .take("score")
+            .map_or(Ok(Score::Return), |text| Score::parse(&text))?;
         o.finish()?;
         Ok(Box::new(Self {
             games,
             opponents,
             seed,
             temperature,
+            score,
         }))
     }
 
-    /// The opponents: the option, else `random` plus the game's strong bot;
-    /// in a game that lists no legal moves (some of TextArena's), where
-    /// the random bot cannot move, `base`: the base model without adapter,
-    /// the policy's first version (a new LoRA adapter is zero).
-    fn opponents(&self, env_id: &str, env: &EnvSection, lists_moves: bool) -> Vec<Opponent> {
+    /// The text opponents: the option, else `random` plus the game's
+    /// strong bot; in a game that lists no legal moves (some of
+    /// TextArena's), where the random bot cannot move, `base`: the base
+    /// model without adapter, the policy's first version (a new LoRA
+    /// adapter is zero).
+    fn opponents(
+        &self,
+        env_id: &str,
+        env: &EnvSection,
+        lists_moves: bool,
+    ) -> Result<Vec<Opponent>, String> {
         if let Some(list) = &self.opponents {
-            return list.clone();
+            return list
+                .iter()
+                .map(|name| Opponent::parse(name))
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("evaluator vs-opponent: option opponents: {e}"));
         }
         let mut list = vec![if lists_moves {
             Opponent::Bot("random".into())
@@ -508,7 +596,47 @@ impl VsOpponent {
                 list.push(Opponent::Bot(bot.into()));
             }
         }
-        list
+        Ok(list)
+    }
+
+    /// The opponents of a game on observations of `spec`: the option, else
+    /// `random` plus each other bot that plays the game (`minimax` in
+    /// TicTacToe).
+    fn seat_opponents(&self, spec: &relay_envs::EnvSpec) -> Vec<String> {
+        match &self.opponents {
+            Some(list) => list.clone(),
+            None => relay_envs::SEAT_BOT_NAMES
+                .iter()
+                .filter(|name| relay_envs::SeatBot::plays(name, spec))
+                .map(|name| name.to_string())
+                .collect(),
+        }
+    }
+
+    /// The opponents of a multi-agent game on observations, each made (a
+    /// checkpoint loaded); an error names the env when it is not such a
+    /// game, or the opponent that cannot play it.
+    fn made_seat_opponents(
+        &self,
+        env_id: &str,
+        env: &EnvSection,
+    ) -> Result<(relay_envs::EnvSpec, Vec<(String, SeatOpponent)>), String> {
+        let spec = relay_bridge::spec(env_id, env).map_err(|e| e.to_string())?;
+        if spec.agents.is_empty() {
+            return Err(format!(
+                "evaluator vs-opponent plays text games and multi-agent games (env.backend: pettingzoo), not {env_id}"
+            ));
+        }
+        let opponents = self
+            .seat_opponents(&spec)
+            .into_iter()
+            .map(|name| {
+                let opponent = SeatOpponent::new(&name, &spec)
+                    .map_err(|e| format!("evaluator vs-opponent: option opponents: {e}"))?;
+                Ok((name, opponent))
+            })
+            .collect::<Result<_, String>>()?;
+        Ok((spec, opponents))
     }
 }
 
@@ -558,8 +686,73 @@ impl Evaluator for VsOpponent {
         "vs-opponent"
     }
 
-    fn evaluate(&self, _: &VersionedPolicy, _: &EvalContext) -> Result<EvalOutcome, String> {
-        Err("evaluator vs-opponent plays text games only".into())
+    /// A multi-agent game on observations: the version's greedy policy
+    /// against each opponent on the same games (seeds), game `e` from seat
+    /// `e % seats`.
+    fn evaluate(&self, p: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String> {
+        let (spec, opponents) = self.made_seat_opponents(&ctx.env_id, &ctx.env)?;
+        let (games, seed) = if ctx.confirming {
+            (ctx.episodes, ctx.seed)
+        } else {
+            (
+                self.games.unwrap_or(ctx.episodes),
+                self.seed.unwrap_or(ctx.seed),
+            )
+        };
+        let seats = spec.agents.len();
+        if games < seats {
+            return Err(format!(
+                "evaluator vs-opponent: {games} games leave a seat of {} unplayed; play at least {seats}",
+                ctx.env_id
+            ));
+        }
+        let mut returns = Vec::with_capacity(games * opponents.len());
+        let mut matchup_of = Vec::with_capacity(games * opponents.len());
+        let mut matchups = Vec::new();
+        for (name, mut opponent) in opponents {
+            let episodes = play_against(
+                &p.model,
+                p.normalizer.as_ref(),
+                ctx.envs(games, seed)?,
+                seed,
+                true,
+                false,
+                Some(&mut opponent),
+            )?;
+            let first = matchups.len();
+            matchups.extend((0..seats).map(|seat| Matchup {
+                opponent: name.clone(),
+                seat: seat as u8,
+                game: ctx.env_id.clone(),
+                games: 0,
+                wins: 0,
+                draws: 0,
+                losses: 0,
+                abandoned: 0,
+                moves: 0,
+                invalid_moves: 0,
+            }));
+            for (e, episode) in episodes.iter().enumerate() {
+                let index = first + e % seats;
+                let m = &mut matchups[index];
+                let outcome = outcome_of_return(episode.ret);
+                match outcome {
+                    Outcome::Win => m.wins += 1,
+                    Outcome::Draw => m.draws += 1,
+                    Outcome::Loss => m.losses += 1,
+                }
+                m.games += 1;
+                returns.push(self.score.of(outcome, episode.ret));
+                matchup_of.push(index);
+            }
+        }
+        Ok(EvalOutcome::Games {
+            returns,
+            matchups,
+            matchup_of,
+            policy_version: Some(p.version),
+            played: Vec::new(),
+        })
     }
 
     fn plays_text(&self) -> bool {
@@ -568,13 +761,11 @@ impl Evaluator for VsOpponent {
 
     fn check_env(&self, env_id: &str, env: &EnvSection) -> Result<(), String> {
         if !env.is_text_game(env_id) {
-            return Err(format!(
-                "evaluator vs-opponent plays text games, not {env_id}"
-            ));
+            return self.made_seat_opponents(env_id, env).map(drop);
         }
         let mut game = relay_bridge::make_text_game(env_id, env).map_err(|e| e.to_string())?;
         let lists_moves = lists_legal_moves(game.as_mut());
-        for opponent in self.opponents(env_id, env, lists_moves) {
+        for opponent in self.opponents(env_id, env, lists_moves)? {
             check_opponent(&opponent, env_id, env, lists_moves)
                 .map_err(|e| format!("evaluator vs-opponent: option opponents: {e}"))?;
         }
@@ -584,6 +775,21 @@ impl Evaluator for VsOpponent {
     fn describe(&self, config: &relay_config::ExperimentConfig) -> String {
         let env = &config.env;
         let games = self.games.unwrap_or(config.eval.episodes);
+        let score = match self.score {
+            Score::Return => "",
+            Score::Win => ", scored 1 a win",
+            Score::NonLoss => ", scored 1 a win or a draw",
+        };
+        if !config.is_text_game() {
+            let opponents = match config.env_spec() {
+                Ok(spec) => self.seat_opponents(&spec).join(", "),
+                Err(e) => format!("(the env does not open: {e})"),
+            };
+            return format!(
+                "vs-opponent, {games} greedy games per opponent, game e from seat e % seats{score}: {} against {opponents}",
+                config.run.env_id
+            );
+        }
         let per_game: Vec<String> = config
             .text
             .game_weights(&config.run.env_id)
@@ -597,6 +803,7 @@ impl Evaluator for VsOpponent {
                 }
                 let opponents: Vec<String> = self
                     .opponents(&game_id, env, lists_moves)
+                    .unwrap_or_default()
                     .iter()
                     .filter(|o| check_opponent(o, &game_id, env, lists_moves).is_ok())
                     .map(|o| match o {
@@ -615,7 +822,7 @@ impl Evaluator for VsOpponent {
             })
             .collect();
         format!(
-            "vs-opponent, {games} games per opponent (half in each seat): {}",
+            "vs-opponent, {games} games per opponent (half in each seat){score}: {}",
             per_game.join("; ")
         )
     }
@@ -657,7 +864,7 @@ impl Evaluator for VsOpponent {
                 let opponents: Vec<Option<Opponent>> = if players == 1 {
                     vec![None]
                 } else {
-                    let listed = self.opponents(game_id, &ctx.env, lists_moves);
+                    let listed = self.opponents(game_id, &ctx.env, lists_moves)?;
                     let playing: Vec<Option<Opponent>> = listed
                         .iter()
                         .filter(|o| check_opponent(o, game_id, &ctx.env, lists_moves).is_ok())
@@ -738,6 +945,7 @@ impl Evaluator for VsOpponent {
             .collect()
             .await;
             let mut returns = Vec::new();
+            let mut matchup_of = Vec::new();
             let mut policy_version: Option<u64> = None;
             let mut played = Vec::new();
             for (index, result) in results {
@@ -750,7 +958,8 @@ impl Evaluator for VsOpponent {
                     }
                     Err(e) => return Err(e.to_string()),
                 };
-                match game.outcome().expect("learner seat set") {
+                let outcome = game.outcome().expect("learner seat set");
+                match outcome {
                     Outcome::Win => m.wins += 1,
                     Outcome::Draw => m.draws += 1,
                     Outcome::Loss => m.losses += 1,
@@ -766,7 +975,11 @@ impl Evaluator for VsOpponent {
                         }
                     }
                 }
-                returns.push(game.learner_reward().expect("learner seat set"));
+                returns.push(
+                    self.score
+                        .of(outcome, game.learner_reward().expect("learner seat set")),
+                );
+                matchup_of.push(index);
                 played.push(OpponentGame {
                     opponent: m.opponent.clone(),
                     record: game.record,
@@ -781,6 +994,7 @@ impl Evaluator for VsOpponent {
             Ok(EvalOutcome::Games {
                 returns,
                 matchups,
+                matchup_of,
                 policy_version,
                 played,
             })
@@ -852,6 +1066,21 @@ pub fn play<M: relay_policy::Act>(
     deterministic: bool,
     record: bool,
 ) -> Result<Vec<Episode>, String> {
+    play_against(model, normalizer, envs, seed, deterministic, record, None)
+}
+
+/// [`play`], in a multi-agent game against `opponent` (`None`: the
+/// random-legal bot): episode `e` is played from seat `e % seats`, the
+/// opponent holding the other seats, and its return is that seat's.
+pub fn play_against<M: relay_policy::Act>(
+    model: &M,
+    normalizer: Option<&VecNormalize>,
+    envs: EvalEnvs,
+    seed: u64,
+    deterministic: bool,
+    record: bool,
+    opponent: Option<&mut SeatOpponent>,
+) -> Result<Vec<Episode>, String> {
     let EvalEnvs { mut envs, episodes } = envs;
     let num_envs = envs.num_envs();
     let spec = envs.spec().clone();
@@ -867,15 +1096,21 @@ pub fn play<M: relay_policy::Act>(
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut clipped = Vec::new();
     let mut model_obs = obs.clone();
-    // Multi-agent games: episode e is played from seat e % seats against a
-    // random-legal opponent (the same bot self-play trains against).
+    // Multi-agent games: episode e is played from seat e % seats against
+    // the opponent, by default the random-legal bot (the one self-play
+    // trains against).
     let seats = spec.agents.len();
-    let mut opponent = (seats > 0)
-        .then(|| relay_envs::SeatBot::new("random", &spec))
-        .transpose()
-        .map_err(|e| e.to_string())?;
+    let mut random_legal;
+    let mut opponent = match (seats, opponent) {
+        (0, _) => None,
+        (_, Some(opponent)) => Some(opponent),
+        (_, None) => {
+            random_legal = SeatOpponent::new("random", &spec).map_err(|e| e.to_string())?;
+            Some(&mut random_legal)
+        }
+    };
     let width = spec.action_space.n().unwrap_or(0);
-    let all_legal = vec![1u8; width];
+    let all_legal = vec![1u8; num_envs * width];
     while unfinished > 0 {
         model_obs.copy_from_slice(&obs);
         if let Some(n) = normalizer {
@@ -900,19 +1135,29 @@ pub fn play<M: relay_policy::Act>(
             .map_err(|e| e.to_string())?;
         let mut out = out;
         let actions = &mut out.actions;
-        let policy_moves: Vec<bool> = match (envs.movers(), &mut opponent, actions) {
-            (Some(movers), Some(bot), Actions::Discrete(a)) => (0..num_envs)
-                .map(|i| {
-                    let mine = movers[i] as usize == playing[i] % seats;
-                    if !mine {
-                        let mask = masks
-                            .as_deref()
-                            .map_or(&all_legal[..], |m| &m[i * width..(i + 1) * width]);
-                        a[i] = bot.act(&obs[i * obs_dim..(i + 1) * obs_dim], mask, &mut rng);
+        let policy_moves: Vec<bool> = match (envs.movers(), opponent.as_deref_mut(), actions) {
+            (Some(movers), Some(opponent), Actions::Discrete(a)) => {
+                let mine: Vec<bool> = (0..num_envs)
+                    .map(|i| movers[i] as usize == playing[i] % seats)
+                    .collect();
+                let rows: Vec<usize> = (0..num_envs).filter(|&i| !mine[i]).collect();
+                if !rows.is_empty() {
+                    let masks = masks.as_deref().unwrap_or(&all_legal);
+                    let rows_obs: Vec<f32> = rows
+                        .iter()
+                        .flat_map(|&i| obs[i * obs_dim..(i + 1) * obs_dim].iter().copied())
+                        .collect();
+                    let rows_masks: Vec<u8> = rows
+                        .iter()
+                        .flat_map(|&i| masks[i * width..(i + 1) * width].iter().copied())
+                        .collect();
+                    let acted = opponent.act(&rows_obs, &rows_masks, rows.len(), &mut rng)?;
+                    for (&i, action) in rows.iter().zip(acted) {
+                        a[i] = action;
                     }
-                    mine
-                })
-                .collect(),
+                }
+                mine
+            }
             _ => vec![true; num_envs],
         };
         let step = match (&out.actions, &spec.action_space) {
@@ -1081,6 +1326,98 @@ mod tests {
             .unwrap()
             .check_env("CartPole-v1", &EnvSection::default())
             .unwrap();
+    }
+
+    #[test]
+    fn vs_opponent_plays_a_pettingzoo_game_from_every_seat_against_each_bot() {
+        let env = EnvSection {
+            backend: relay_bridge::Backend::Pettingzoo,
+            ..EnvSection::default()
+        };
+        let plugin = build(
+            "vs-opponent",
+            &[
+                ("games".into(), "6".into()),
+                ("score".into(), "non_loss".into()),
+            ],
+        )
+        .unwrap();
+        plugin.check_env("tictactoe_v3", &env).unwrap();
+        let minimax = build("vs-opponent", &[("opponents".into(), "minimax".into())]).unwrap();
+        let err = minimax.check_env("connect_four_v3", &env).unwrap_err();
+        assert!(
+            err.contains("minimax") && err.contains("connect_four_v3"),
+            "{err}"
+        );
+        let err = plugin
+            .check_env("CartPole-v1", &EnvSection::default())
+            .unwrap_err();
+        assert!(err.contains("CartPole-v1"), "{err}");
+        let checkpoint = build(
+            "vs-opponent",
+            &[("opponents".into(), "checkpoint:no/such/folder".into())],
+        )
+        .unwrap();
+        let err = checkpoint.check_env("tictactoe_v3", &env).unwrap_err();
+        assert!(err.contains("no/such/folder"), "{err}");
+
+        // An untrained policy against the default opponents (random and
+        // minimax): 3 games from each seat against each, on the same seeds.
+        let policy = VersionedPolicy {
+            version: 7,
+            learner_env_steps: 0,
+            model: relay_policy::PolicyModel::ActorCritic(
+                ActorCritic::new(&PolicySpec::discrete(18, 9), 1).unwrap(),
+            ),
+            normalizer: None,
+        };
+        let dir = std::env::temp_dir();
+        let ctx = EvalContext {
+            env_id: "tictactoe_v3".into(),
+            env,
+            episodes: 6,
+            ..ctx(&dir)
+        };
+        let EvalOutcome::Games {
+            returns,
+            matchups,
+            matchup_of,
+            policy_version,
+            played,
+        } = plugin.evaluate(&policy, &ctx).unwrap()
+        else {
+            panic!("games on observations report games");
+        };
+        assert_eq!(policy_version, Some(7));
+        assert!(played.is_empty());
+        let seen: Vec<(&str, u8, u32)> = matchups
+            .iter()
+            .map(|m| (m.opponent.as_str(), m.seat, m.games))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("random", 0, 3),
+                ("random", 1, 3),
+                ("minimax", 0, 3),
+                ("minimax", 1, 3)
+            ]
+        );
+        assert_eq!(returns.len(), 12);
+        assert_eq!(matchup_of, [0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3]);
+        // Non-loss scores are 0 or 1, and agree with the matchups' counts.
+        for (k, m) in matchups.iter().enumerate() {
+            let score: f64 = returns
+                .iter()
+                .zip(&matchup_of)
+                .filter(|(_, &of)| of == k)
+                .map(|(r, _)| r)
+                .sum();
+            assert_eq!(score, (m.wins + m.draws) as f64, "{m:?}");
+            assert_eq!(m.wins + m.draws + m.losses, m.games);
+        }
+        // Perfect play never loses.
+        assert!(matchups[2..].iter().all(|m| m.wins == 0), "{matchups:?}");
     }
 
     #[test]

@@ -30,9 +30,12 @@
 //!   (`adapters`), metadata only (the inference servers load the bytes);
 //! - [`text`]: the text-game loop the env-runner and the evaluator share;
 //! - [`league`]: past versions of a classic policy stored for the league,
-//!   and [`policy_builder`], which makes acting models of them.
+//!   and [`policy_builder`], which makes acting models of them;
+//! - [`opponent`]: the fixed opponents of games on observations (bots and
+//!   saved checkpoints), and loading a checkpoint's policy.
 
 pub mod league;
+pub mod opponent;
 pub mod text;
 
 use std::sync::Arc;
