@@ -837,6 +837,8 @@ games = dashboard(
 
 # --- league -------------------------------------------------------------------
 
+WON = 'outcome="win"'
+
 # The league of game-playing runs: TrueSkill ratings per player and games by
 # outcome, exported by the tracker from the run's pool in Redis.
 league = dashboard(
@@ -881,6 +883,16 @@ league = dashboard(
         panel("timeseries", "Opponent lag (versions behind the learning adapter)",
               quantiles("relay_league_opponent_lag_versions", by="run_id"), w=12,
               description="How far back the past versions played in rated league games are."),
+        panel("timeseries", "Self-play games per minute by opponent and outcome (games on observations)",
+              [t(f"60 * sum by (opponent, outcome) (rate({sel('relay_env_runner_selfplay_games_total')}[{RI}]))",
+                 "{{opponent}} {{outcome}}")], w=12,
+              description="Training games of a PettingZoo game by the opponent the learning seat had "
+                          "(mirror, a bot, league:mirror, league:past, league:<bot>) and its outcome."),
+        panel("timeseries", "vs-opponent evaluation: share of games won by opponent and seat",
+              [t(f"sum by (game, opponent, seat) ({sel('relay_evaluator_games', WON)}) / "
+                 f"sum by (game, opponent, seat) ({sel('relay_evaluator_games')})",
+                 "{{game}} vs {{opponent}} seat {{seat}}")], w=12, unit="percentunit", minimum=0, maximum=1,
+              description="The latest vs-opponent evaluation of the policy, from each seat against each opponent."),
     ],
 )
 

@@ -263,6 +263,48 @@ fn follow_ratings(
     printed
 }
 
+/// A run's league ratings, read in a thread from its stack's Redis while
+/// it trains (a reading printed every 5 minutes), for benchmarks that run
+/// the stack themselves.
+pub struct RatingsFollower {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<Reading>>,
+}
+
+impl RatingsFollower {
+    /// Follows run `run_id` of the stack recorded under `state_dir`.
+    pub fn start(state_dir: &Path, run_id: &str) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (dir, run, flag) = (state_dir.to_path_buf(), run_id.to_string(), stop.clone());
+        let started = Instant::now();
+        let thread = std::thread::spawn(move || {
+            follow_ratings(dir, run, Duration::from_secs(300), started, flag)
+        });
+        Self { stop, thread }
+    }
+
+    /// Stops following; prints the last reading and returns it with the
+    /// first version against the newest that played ([`first_vs_latest`]).
+    pub fn finish(self) -> Value {
+        self.stop.store(true, Ordering::Relaxed);
+        let readings = self.thread.join().unwrap_or_default();
+        match readings.last() {
+            Some(last) => {
+                last.print();
+                let mut verdict = first_vs_latest(last);
+                if let Value::Object(fields) = &mut verdict {
+                    fields.insert("ratings".into(), last.json());
+                }
+                verdict
+            }
+            None => {
+                println!("ratings: the run's league pool was never read");
+                Value::Null
+            }
+        }
+    }
+}
+
 /// What one seed's league run reached.
 struct SeedOutcome {
     seed: u64,

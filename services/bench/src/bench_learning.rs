@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use serde_json::json;
 
-use crate::bench_solve::{reevaluate_best, REEVAL_EPISODES};
+use crate::bench_solve::{reevaluate_best, reevaluate_best_against, REEVAL_EPISODES};
 use relay::{up, FirstPass, UpArgs};
 
 /// One learning goal.
@@ -37,6 +37,23 @@ pub struct Goal {
     /// Config overrides on top of the preset (`--set` syntax): a variant
     /// of a preset measured beside it.
     pub sets: &'static [&'static str],
+    /// A multi-agent game trained by self-play (its preset's evaluator is
+    /// `vs-opponent`): what else its runs report.
+    pub versus: Option<Versus>,
+}
+
+/// What a self-play goal reports besides the goal's opponents (its
+/// preset's `vs-opponent` options), whose weakest matchup (opponent and
+/// seat) must reach the target on the fresh games of the re-evaluation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Versus {
+    /// Opponents the best checkpoint also plays on the same fresh games,
+    /// reported every time and not part of the goal (the moonshot).
+    pub also: &'static [&'static str],
+    /// The league's ratings, read from the stack's Redis during the run:
+    /// the goal also needs the newest version that played rated above the
+    /// first with no overlap of mu +/- 2 sigma.
+    pub newest_above_first: bool,
 }
 
 /// A script under `services/bench/sb3/` that trains the goal's env with
@@ -101,6 +118,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::EnvSteps(500_000),
         anchor: None,
         sets: &[],
+        versus: None,
     },
     Goal {
         name: "DQN CartPole-v1",
@@ -109,6 +127,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::EnvSteps(100_000),
         anchor: None,
         sets: &[],
+        versus: None,
     },
     Goal {
         name: "DQN MountainCar-v0",
@@ -117,6 +136,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::EnvSteps(300_000),
         anchor: None,
         sets: &[],
+        versus: None,
     },
     Goal {
         name: "SAC Pendulum-v1",
@@ -125,6 +145,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::EnvSteps(30_000),
         anchor: None,
         sets: &[],
+        versus: None,
     },
     Goal {
         name: "A2C CartPole-v1",
@@ -133,6 +154,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::EnvSteps(500_000),
         anchor: None,
         sets: &[],
+        versus: None,
     },
     // PPO shaped for throughput (issue 25's 100k env steps/s through the
     // stack): it must still learn.
@@ -143,6 +165,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::EnvSteps(2_000_000),
         anchor: None,
         sets: &[],
+        versus: None,
     },
     // Through the env bridge (Gymnasium in Python workers): rl-zoo's PPO
     // reaches about 250 at 1M steps on LunarLander.
@@ -153,6 +176,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::EnvSteps(1_000_000),
         anchor: None,
         sets: &[],
+        versus: None,
     },
     // Gymnasium 1.4 retired Taxi-v3 for Taxi-v4 (the same task). Taxi's
     // info["action_mask"] is on by default; the same preset without it
@@ -164,6 +188,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::EnvSteps(1_000_000),
         anchor: None,
         sets: &[],
+        versus: None,
     },
     Goal {
         name: "PPO Taxi-v4 without its action mask",
@@ -172,6 +197,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::EnvSteps(1_000_000),
         anchor: None,
         sets: &["env.action_masks=false"],
+        versus: None,
     },
     // A CNN policy on images through the bridge: 10x the random policy's
     // return within 20 minutes on the machine that runs the bench.
@@ -182,6 +208,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::Minutes(20),
         anchor: None,
         sets: &[],
+        versus: None,
     },
     // Atari through the whole stack with rl-zoo's preprocessing and PPO
     // hyperparameters: 10x the random policy's return within 30 minutes,
@@ -196,6 +223,35 @@ pub const GOALS: &[Goal] = &[
             seconds: 300,
         }),
         sets: &[],
+        versus: None,
+    },
+    // Self-play with the league on PettingZoo's games (issue 47): the
+    // solving version against the random-legal bot from both seats (its
+    // wins, and for TicTacToe its non-losses), re-evaluated on fresh games.
+    Goal {
+        name: "PPO self-play connect_four_v3",
+        config: "connect-four-ppo-league.yaml",
+        target: Target::Return(0.9),
+        budget: Budget::Minutes(30),
+        anchor: None,
+        sets: &[],
+        versus: Some(Versus {
+            also: &[],
+            newest_above_first: true,
+        }),
+    },
+    Goal {
+        name: "PPO self-play tictactoe_v3",
+        config: "tictactoe-ppo-league.yaml",
+        target: Target::Return(0.95),
+        budget: Budget::EnvSteps(1_000_000),
+        anchor: None,
+        sets: &[],
+        // The moonshot, reported every time: never losing to perfect play.
+        versus: Some(Versus {
+            also: &["minimax"],
+            newest_above_first: false,
+        }),
     },
 ];
 
@@ -284,8 +340,15 @@ struct Attempt {
     wall_s: f64,
     first_pass: Option<FirstPass>,
     best_eval: Option<f64>,
-    /// The best checkpoint's mean return over fresh episodes.
+    /// The best checkpoint's figure over fresh episodes: its mean return,
+    /// or for a self-play goal its weakest matchup's mean.
     reevaluated: Option<f64>,
+    /// Self-play goals: the re-evaluation's results per opponent and seat,
+    /// the goal's opponents then [`Versus::also`]'s.
+    matchups: Vec<relay_proto::Matchup>,
+    /// Self-play goals: the league's ratings, the first version against
+    /// the newest that played (see `bench_league::first_vs_latest`).
+    ratings: serde_json::Value,
 }
 
 /// The best mean return in a run's `eval.jsonl`.
@@ -452,24 +515,41 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             );
             run.run_id = Some(run_id.clone());
             let started = chrono::Utc::now();
+            let ratings = goal
+                .versus
+                .filter(|v| v.newest_above_first)
+                .map(|_| crate::bench_league::RatingsFollower::start(&run.state_dir, &run_id));
             let outcome = up(run)?;
+            let ratings = ratings.map_or(serde_json::Value::Null, |r| r.finish());
             let reevaluated = reevaluate_best(&loaded, &run_id);
+            let also = goal.versus.map_or(&[][..], |v| v.also);
+            let also_played = (!also.is_empty())
+                .then(|| reevaluate_best_against(&loaded, &run_id, &also.join(",")))
+                .flatten();
             let eval_log = loaded.run.runs_dir.join(&run_id).join("eval.jsonl");
+            let figure = reevaluated
+                .as_ref()
+                .map(|r| r.weakest_matchup_mean.unwrap_or(r.mean_return));
+            let ratings_met = !goal.versus.is_some_and(|v| v.newest_above_first)
+                || ratings["latest_above_first"] == true;
             let attempt = Attempt {
                 seed,
                 threshold,
                 random_return,
                 curve: eval_curve(&eval_log, Some(started)),
                 solved: outcome.solved,
-                reached: outcome.solved
-                    && reevaluated
-                        .as_ref()
-                        .is_some_and(|r| r.mean_return >= threshold),
+                reached: outcome.solved && figure.is_some_and(|f| f >= threshold) && ratings_met,
                 env_steps: outcome.env_steps,
                 wall_s: outcome.wall_s,
                 first_pass: outcome.first_pass,
                 best_eval: best_eval(&eval_log),
-                reevaluated: reevaluated.map(|r| r.mean_return),
+                reevaluated: figure,
+                matchups: reevaluated
+                    .into_iter()
+                    .chain(also_played)
+                    .flat_map(|r| r.matchups)
+                    .collect(),
+                ratings,
             };
             println!(
                 "   {} at {} env steps, {:.1}s (first screening pass: {}); best eval {}; best checkpoint over {REEVAL_EPISODES} fresh episodes {}: goal {}",
@@ -481,7 +561,19 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 attempt.reevaluated.map_or("-".into(), |r| format!("{r:.1}")),
                 if attempt.reached { "reached" } else { "not reached" },
             );
-            if random_return.is_some() {
+            for m in &attempt.matchups {
+                println!(
+                    "   best checkpoint vs {} from seat {}: W/D/L {}/{}/{} ({:.1} % won, {:.1} % not lost)",
+                    m.opponent,
+                    m.seat,
+                    m.wins,
+                    m.draws,
+                    m.losses,
+                    100.0 * m.wins as f64 / m.games.max(1) as f64,
+                    100.0 * (m.wins + m.draws) as f64 / m.games.max(1) as f64,
+                );
+            }
+            if random_return.is_some() || goal.versus.is_some() {
                 let points: Vec<String> = attempt
                     .curve
                     .iter()
@@ -561,6 +653,8 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                     "threshold": attempts.iter().map(|a| a.threshold).collect::<Vec<_>>(),
                     "random_return": attempts.iter().map(|a| a.random_return).collect::<Vec<_>>(),
                     "curve": attempts.iter().map(|a| a.curve.iter().map(|(m, s, r)| json!([(m * 10.0).round() / 10.0, s, r])).collect::<Vec<_>>()).collect::<Vec<_>>(),
+                    "matchups": attempts.iter().map(|a| a.matchups.iter().map(|m| json!({"opponent": m.opponent, "seat": m.seat, "games": m.games, "wins": m.wins, "draws": m.draws, "losses": m.losses})).collect::<Vec<_>>()).collect::<Vec<_>>(),
+                    "ratings": attempts.iter().map(|a| a.ratings.clone()).collect::<Vec<_>>(),
                     "env_steps_per_s": relay_sps,
                     "anchor_env_steps_per_s": anchor.flatten(),
                 }));

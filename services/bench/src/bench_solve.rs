@@ -26,6 +26,30 @@ pub fn reevaluate_best(config: &ExperimentConfig, run_id: &str) -> Option<eval::
     }
 }
 
+/// A self-play benchmark run's `best` checkpoint against `opponents` (a
+/// comma list of `vs-opponent`'s), on the same fresh games as
+/// [`reevaluate_best`] (`None`, logged, when it cannot be played).
+pub fn reevaluate_best_against(
+    config: &ExperimentConfig,
+    run_id: &str,
+    opponents: &str,
+) -> Option<eval::CheckpointEval> {
+    match eval::evaluate_checkpoint_against(
+        &config.run.runs_dir,
+        run_id,
+        "best",
+        REEVAL_EPISODES,
+        None,
+        Some(opponents),
+    ) {
+        Ok(e) => Some(e),
+        Err(e) => {
+            println!("relay: {run_id}: best checkpoint not played against {opponents}: {e:#}");
+            None
+        }
+    }
+}
+
 /// `relay bench-solve`: one full-stack run per seed, each until solved
 /// (screening and confirmation), then its best checkpoint re-evaluated
 /// offline; a seed reaches the goal only if that re-evaluation passes too.

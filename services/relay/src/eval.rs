@@ -141,9 +141,34 @@ pub fn evaluate_checkpoint(
     episodes: usize,
     seed: Option<u64>,
 ) -> Result<CheckpointEval> {
-    let (run_id, dir, config) = resolve(runs_dir, run, which)?;
+    evaluate_checkpoint_against(runs_dir, run, which, episodes, seed, None)
+}
+
+/// [`evaluate_checkpoint`], for a run whose evaluator is `vs-opponent`
+/// against `opponents` (its option: a comma list) instead of the run's.
+pub fn evaluate_checkpoint_against(
+    runs_dir: &Path,
+    run: &str,
+    which: &str,
+    episodes: usize,
+    seed: Option<u64>,
+    opponents: Option<&str>,
+) -> Result<CheckpointEval> {
+    let (run_id, dir, mut config) = resolve(runs_dir, run, which)?;
     if config.is_text_game() {
         bail!("{run_id} is a text-game run: its checkpoints play games (evaluate_text_checkpoint), not episodes");
+    }
+    if let Some(opponents) = opponents {
+        if config.eval.evaluator != "vs-opponent" {
+            bail!(
+                "{run_id} is evaluated by {}, which plays no opponents",
+                config.eval.evaluator
+            );
+        }
+        config.eval.options.insert(
+            "opponents".into(),
+            serde_yaml::Value::String(opponents.into()),
+        );
     }
     evaluate_classic_checkpoint(run_id, &dir, &config, episodes, seed)
 }

@@ -8,6 +8,7 @@ pub mod eval;
 pub mod games;
 pub mod model;
 pub mod play;
+pub mod play_seats;
 pub mod play_text;
 pub mod runs;
 pub mod scale;

@@ -7,6 +7,9 @@
 //! For the text games (TicTacToe-v0, ConnectFour-v0, KuhnPoker-v0, ...) the
 //! checkpoint's language model plays against you at the terminal or a bot
 //! ([`crate::play_text`]); `--env` and `--model` play a model without a run.
+//! For multi-agent games on observations (PettingZoo's) the checkpoint's
+//! greedy policy plays against you or a fixed opponent
+//! ([`crate::play_seats`]).
 
 use std::path::PathBuf;
 
@@ -42,10 +45,10 @@ pub struct PlayArgs {
     /// Text games: a PEFT adapter folder; default the checkpoint's `adapter/` when it has one.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
-    /// Text games: who plays the model: `human` (you, at the terminal), `random`, `minimax`, `connect_four_bot`.
+    /// Text games and multi-agent games on observations: who plays the model: `human` (you, at the terminal), `random`, `minimax`, `connect_four_bot` (text games), `checkpoint:<folder>` (games on observations).
     #[arg(long, default_value = "human")]
     pub opponent: String,
-    /// Text games: the model's seat (player 0 moves first).
+    /// Text games and multi-agent games on observations: the model's seat (player 0 moves first).
     #[arg(long, default_value_t = 1)]
     pub model_seat: usize,
     /// Text games: sampling temperature of the model's moves (0: greedy).
@@ -201,9 +204,27 @@ pub fn play(args: PlayArgs) -> Result<()> {
     if config.is_text_game() {
         return play_text_games(&args, &config.run.env_id, Some(&config), Some(&dir));
     }
-    let (model, normalizer) = load_policy(&config, &dir)?;
     let env_id = config.run.env_id.clone();
     println!("relay: {id} checkpoint {} on {env_id}", dir.display());
+    if !config.env_spec()?.agents.is_empty() {
+        let games = crate::play_seats::play_seat_games(
+            &config,
+            &dir,
+            args.model_seat,
+            &args.opponent,
+            args.episodes,
+            args.seed,
+            &mut std::io::stdin().lock(),
+            &mut std::io::stdout(),
+        )?;
+        let returns: Vec<String> = games
+            .iter()
+            .map(|g| format!("{:.1}", g.returns[args.model_seat]))
+            .collect();
+        println!("model returns: {}", returns.join(" "));
+        return Ok(());
+    }
+    let (model, normalizer) = load_policy(&config, &dir)?;
     let envs =
         relay_eval::plugins::eval_envs(&env_id, &config.env, args.episodes.max(1), args.seed)
             .map_err(anyhow::Error::msg)?;

@@ -48,6 +48,10 @@ const PENDING: &[&str] = &[
     "relay_league_opponent_games_total",
     "relay_league_mirror_fallbacks_total",
     "relay_league_opponent_lag_versions_bucket",
+    // Self-play games and vs-opponent results of multi-agent games, which
+    // a CartPole run does not play.
+    "relay_env_runner_selfplay_games_total",
+    "relay_evaluator_games",
 ];
 
 fn repo() -> PathBuf {

@@ -553,13 +553,26 @@ class AgentBatch:
         self.masked = bool(request.get("action_masks")) and (
             (self.dict_obs and "action_mask" in space.spaces) or self._probe_info_mask(first)
         )
-        self.obs = np.zeros((self.n, self.flattener.dim), dtype=self.flattener.dtype)
+        # env.seat_feature: each observation ends with a one-hot of the seat
+        # it belongs to, so the policy and its value know the role they play.
+        k = len(self.agents)
+        self.seat_feature = bool(request.get("seat_feature"))
+        if self.seat_feature and self.flattener.image is not None:
+            raise UnsupportedSpace(
+                f"env.seat_feature appends the seat to flat observations; {self.env_id}'s are images"
+            )
+        self.dim = self.flattener.dim + (k if self.seat_feature else 0)
+        low, high = self.flattener.low, self.flattener.high
+        if self.seat_feature:
+            low = np.concatenate([low, np.zeros(k, np.float32)])
+            high = np.concatenate([high, np.ones(k, np.float32)])
+        self.obs = np.zeros((self.n, self.dim), dtype=self.flattener.dtype)
         self.masks = np.ones((self.n, self.n_actions), dtype=np.uint8)
         self.movers = [0] * self.n
         self.steps = [0] * self.n
         self.spec = {
-            "obs_low": self.flattener.low.tobytes(),
-            "obs_high": self.flattener.high.tobytes(),
+            "obs_low": low.tobytes(),
+            "obs_high": high.tobytes(),
             "action": {"kind": "discrete", "n": self.n_actions},
             "max_episode_steps": None,
             "reward_threshold": None,
@@ -576,6 +589,15 @@ class AgentBatch:
     def _observation(self, env, agent):
         obs = env.observe(agent)
         return obs["observation"] if self.dict_obs else obs
+
+    def _write_obs(self, obs, rows, i, seat):
+        """Writes `obs` of `seat` as row `i` of `rows` (``self.dim`` wide),
+        its seat last with env.seat_feature."""
+        fdim = self.flattener.dim
+        self.flattener.write(obs, rows[:, :fdim], i)
+        if self.seat_feature:
+            rows[i, fdim:] = 0.0
+            rows[i, fdim + seat] = 1.0
 
     def _mask(self, env, agent, raw):
         if self.dict_obs and "action_mask" in raw:
@@ -594,7 +616,7 @@ class AgentBatch:
             agent = env.agent_selection
             if not (env.terminations[agent] or env.truncations[agent]):
                 raw = env.observe(agent)
-                self.flattener.write(raw["observation"] if self.dict_obs else raw, self.obs, i)
+                self._write_obs(raw["observation"] if self.dict_obs else raw, self.obs, i, self.seat[agent])
                 self.movers[i] = self.seat[agent]
                 if self.masked:
                     mask = self._mask(env, agent, raw)
@@ -605,8 +627,8 @@ class AgentBatch:
                     self.masks[i] = mask
                 return True
             if finals is not None:
-                row = np.zeros((1, self.flattener.dim), dtype=self.flattener.dtype)
-                self.flattener.write(self._observation(env, agent), row, 0)
+                row = np.zeros((1, self.dim), dtype=self.flattener.dtype)
+                self._write_obs(self._observation(env, agent), row, 0, self.seat[agent])
                 finals[self.seat[agent]] = row[0]
                 finals["truncated"] = finals.get("truncated", False) or (
                     env.truncations[agent] and not env.terminations[agent]
@@ -656,7 +678,7 @@ class AgentBatch:
                     truncated[i] = bool(finals.pop("truncated", False))
                     terminated[i] = not truncated[i]
                     final[i] = b"".join(
-                        (finals[s] if s in finals else np.zeros(self.flattener.dim, self.flattener.dtype)).tobytes()
+                        (finals[s] if s in finals else np.zeros(self.dim, self.flattener.dtype)).tobytes()
                         for s in range(k)
                     )
                     self._reset_one(i, np.zeros((n, k)))

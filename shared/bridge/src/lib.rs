@@ -185,6 +185,7 @@ pub(crate) fn cache_key(env_id: &str, section: &EnvSection) -> String {
         section.interpreter(),
         section.num_players,
         section.action_masks,
+        section.seat_feature,
     ])
     .to_string()
 }

@@ -46,6 +46,8 @@ struct InitRequest<'a> {
     action_masks: bool,
     /// `env_id` is a PettingZoo game.
     pettingzoo: bool,
+    /// Multi-agent games: end each observation with its seat, one-hot.
+    seat_feature: bool,
 }
 
 #[derive(Serialize)]
@@ -692,6 +694,7 @@ impl Launcher {
                 .collect(),
             action_masks: self.section.action_masks,
             pettingzoo: self.section.backend == crate::Backend::Pettingzoo,
+            seat_feature: self.section.seat_feature,
         }
     }
 

@@ -83,6 +83,12 @@ pub struct EnvSection {
     /// `info["action_mask"]`): the policy samples, trains and is evaluated
     /// on legal actions only. `false`: every action counts as legal.
     pub action_masks: bool,
+    /// Multi-agent games (`backend: pettingzoo`): end each observation
+    /// with a one-hot of the seat it belongs to, so that one policy and
+    /// its value function know which role they play (role-conditioned
+    /// values and advantages: a per-seat baseline, as the first mover of
+    /// most games expects a different return). Flat observations only.
+    pub seat_feature: bool,
 }
 
 impl Default for EnvSection {
@@ -100,6 +106,7 @@ impl Default for EnvSection {
             start_timeout_s: 120.0,
             num_players: None,
             action_masks: true,
+            seat_feature: false,
         }
     }
 }
@@ -159,6 +166,12 @@ impl EnvSection {
             return Err((
                 "env.backend",
                 format!("{env_id} is a text game; text games run built in"),
+            ));
+        }
+        if self.seat_feature && self.backend != Backend::Pettingzoo {
+            return Err((
+                "env.seat_feature",
+                "marks the seat of multi-agent games; set env.backend: pettingzoo".into(),
             ));
         }
         for w in &self.wrappers {

@@ -381,6 +381,52 @@ fn pettingzoo_games_take_turns_with_masks_and_every_agents_rewards() {
     );
 }
 
+/// `env.seat_feature`: every observation of a multi-agent game ends with
+/// its seat, one-hot: the mover's, and each seat's in the final views.
+#[test]
+fn the_seat_feature_ends_each_observation_with_its_seat() {
+    let section = EnvSection {
+        seat_feature: true,
+        ..pettingzoo()
+    };
+    let spec = relay_bridge::spec("tictactoe_v3", &section).unwrap();
+    assert_eq!(spec.obs_dim(), 20, "a 3x3x2 board and 2 seats");
+    assert_eq!(&spec.observation_space.high[18..], &[1.0, 1.0]);
+    let mut envs = VecEnvs::new("tictactoe_v3", &section, 1, 3).unwrap();
+    let obs = envs.reset().unwrap().to_vec();
+    assert_eq!(&obs[18..], &[1.0, 0.0], "player_1 moves first");
+    let step = envs.step(VecActions::Discrete(&[4])).unwrap();
+    assert_eq!(&step.obs[18..], &[0.0, 1.0]);
+    // player_2 sees player_1's mark on cell 4 in its second plane.
+    assert_eq!((step.obs[8], step.obs[9]), (0.0, 1.0));
+    // The first free squares to the end (a draw on the 9th move).
+    let mut step_obs = step.obs.clone();
+    let mut ended = false;
+    for _ in 1..9 {
+        let free = (0..9)
+            .find(|&k| step_obs[2 * k] + step_obs[2 * k + 1] == 0.0)
+            .unwrap();
+        let step = envs.step(VecActions::Discrete(&[free as i64])).unwrap();
+        step_obs = step.obs.clone();
+        if step.done(0) {
+            for seat in 0..2 {
+                let last = step.final_seat_obs(0, seat).unwrap();
+                assert_eq!(last[18 + seat], 1.0);
+                assert_eq!(last[18 + 1 - seat], 0.0);
+            }
+            ended = true;
+        }
+    }
+    assert!(ended, "the game ended within 9 moves");
+    let err = EnvSection {
+        seat_feature: true,
+        ..gymnasium()
+    }
+    .validate("CartPole-v1")
+    .unwrap_err();
+    assert_eq!(err.0, "env.seat_feature");
+}
+
 #[test]
 fn image_observations_are_bytes_channels_first() {
     // MinAtar: a (10, 10, 4) bool image becomes [4, 10, 10] of 0/255 pixels.

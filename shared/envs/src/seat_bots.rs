@@ -43,7 +43,8 @@ impl SeatBot {
         match name {
             "random" if spec.action_mask => Ok(Self::Random),
             "random" => Err(cannot()),
-            "minimax" if spec.id == TICTACTOE && spec.obs_dim() == 18 => {
+            // 18 board values, and the seat's one-hot with env.seat_feature.
+            "minimax" if spec.id == TICTACTOE && matches!(spec.obs_dim(), 18 | 20) => {
                 Ok(Self::Minimax(MinimaxBot::new()))
             }
             "minimax" => Err(cannot()),
