@@ -37,7 +37,7 @@ use prometheus::{IntCounter, IntCounterVec, Opts};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_bridge::{BridgeError, VecEnvs};
-use relay_envs::{EnvSpec, VecActions};
+use relay_envs::{gather_rows, EnvSpec, VecActions};
 use relay_kit::{Service, ServiceError, Shutdown};
 use relay_policy::opponent::SeatOpponent;
 use relay_proto::{EpisodeSummary, RolloutFragment};
@@ -338,17 +338,8 @@ pub(crate) async fn run(
             }
         }
         requests.retain(|(_, rows)| !rows.is_empty());
-        let rows_of = |rows: &[usize]| {
-            let obs: Vec<f32> = rows
-                .iter()
-                .flat_map(|&i| obs[i * d..(i + 1) * d].iter().copied())
-                .collect();
-            let masks: Vec<u8> = rows
-                .iter()
-                .flat_map(|&i| masks[i * width..(i + 1) * width].iter().copied())
-                .collect();
-            (obs, masks)
-        };
+        let rows_of =
+            |rows: &[usize]| (gather_rows(&obs, d, rows), gather_rows(&masks, width, rows));
         let inputs: Vec<(Vec<f32>, Vec<u8>)> =
             requests.iter().map(|(_, rows)| rows_of(rows)).collect();
         let replies = futures::future::join_all(requests.iter().zip(&inputs).map(
@@ -431,14 +422,7 @@ pub(crate) async fn run(
             if rows.is_empty() {
                 continue;
             }
-            let rows_obs: Vec<f32> = rows
-                .iter()
-                .flat_map(|&i| obs[i * d..(i + 1) * d].iter().copied())
-                .collect();
-            let rows_masks: Vec<u8> = rows
-                .iter()
-                .flat_map(|&i| masks[i * width..(i + 1) * width].iter().copied())
-                .collect();
+            let (rows_obs, rows_masks) = rows_of(&rows);
             let acted = bot
                 .act(&rows_obs, &rows_masks, rows.len(), &mut rng)
                 .map_err(|e| {

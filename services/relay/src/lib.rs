@@ -632,10 +632,10 @@ async fn watch(
                         });
                     }
                     if let Some(c) = report.confirmation.as_ref().filter(|_| !outcome.solved) {
-                        println!("relay: {} version {}: eval mean {:.1} over {} screening episodes, {:.1} ± {:.1} over {} fresh episodes (seed {}), threshold {:.1}",
+                        println!("relay: {} version {}: eval mean {} over {} screening episodes, {} ± {} over {} fresh episodes (seed {}), threshold {}",
                             if c.passed { "solved by" } else { "not confirmed:" },
-                            report.policy_version, report.mean_return, report.returns.len(),
-                            c.mean_return, c.std_return, c.episodes, c.seed, report.threshold);
+                            report.policy_version, summary::figure(report.mean_return), report.returns.len(),
+                            summary::figure(c.mean_return), summary::figure(c.std_return), c.episodes, c.seed, report.threshold);
                     }
                     outcome.best = summary::BestEval::update(outcome.best, &report);
                     if report.solved && !outcome.solved {
@@ -712,8 +712,8 @@ async fn watch(
                 let sps = outcome.trained_env_steps.saturating_sub(steps_then) as f64
                     / (now - since).as_secs_f64().max(1e-3);
                 if !args.quiet && !outcome.summarized {
-                    let eval = last_eval.as_ref().map_or("-".to_string(), |e| format!("{:.1}@v{}{}", e.mean_return, e.policy_version,
-                        e.confirmation.as_ref().map_or(String::new(), |c| format!(" (confirmed {:.1})", c.mean_return))));
+                    let eval = last_eval.as_ref().map_or("-".to_string(), |e| format!("{}@v{}{}", summary::figure(e.mean_return), e.policy_version,
+                        e.confirmation.as_ref().map_or(String::new(), |c| format!(" (confirmed {})", summary::figure(c.mean_return)))));
                     // "-": no episode has finished yet.
                     let train_return = if episode_return.is_finite() { format!("{episode_return:.1}") } else { "-".into() };
                     println!(

@@ -73,6 +73,17 @@ fn plots(run_dir: &Path) -> Vec<String> {
     names
 }
 
+/// An evaluation figure as the console prints it: one decimal for
+/// returns, three for figures under 10 in size (rates such as a share of
+/// games won, where 0.95 and 0.9 differ).
+pub fn figure(x: f64) -> String {
+    if x.abs() < 10.0 {
+        format!("{x:.3}")
+    } else {
+        format!("{x:.1}")
+    }
+}
+
 impl RunEnd<'_> {
     /// The block, without a trailing newline.
     pub fn render(&self) -> String {
@@ -81,11 +92,12 @@ impl RunEnd<'_> {
             .best
             .map_or("none (no evaluation finished)".to_string(), |b| {
                 format!(
-                    "{:.1} at version {}{}",
-                    b.screening,
+                    "{} at version {}{}",
+                    figure(b.screening),
                     b.version,
                     b.confirmed.map_or(String::new(), |c| format!(
-                        " (confirmed {c:.1} on fresh episodes)"
+                        " (confirmed {} on fresh episodes)",
+                        figure(c)
                     ))
                 )
             });

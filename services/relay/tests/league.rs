@@ -28,6 +28,46 @@ const KEEP: usize = 3;
 /// A version under evaluation when the pool evicts it.
 const EVALUATED: u64 = 1;
 
+/// The run's league pool as the services left it in Redis.
+async fn stored_pool(redis: &RedisServer, run_id: &str) -> relay_league::Pool {
+    let (_keep, redis_shutdown) = Shutdown::new();
+    relay_kit::league::LeagueStore::new(
+        relay_kit::connect_redis(&redis.url(), &redis_shutdown)
+            .await
+            .unwrap(),
+        run_id,
+    )
+    .load()
+    .await
+    .unwrap()
+    .expect("the learner created the pool")
+}
+
+/// Rated games between any two of `versions`.
+fn games_between_versions(pool: &relay_league::Pool, versions: &[u64]) -> u64 {
+    let mut games = 0;
+    for (i, a) in versions.iter().enumerate() {
+        for b in &versions[i + 1..] {
+            games += pool.games_between(&MemberId::Version(*a), &MemberId::Version(*b));
+        }
+    }
+    games
+}
+
+/// The names of the objects in the run's league bucket.
+async fn stored_objects(client: &async_nats::Client, run_id: &str) -> Vec<String> {
+    let store = async_nats::jetstream::new(client.clone())
+        .get_object_store(relay_kit::league::adapter_bucket(run_id))
+        .await
+        .unwrap();
+    let mut listed = store.list().await.unwrap();
+    let mut names = Vec::new();
+    while let Some(object) = listed.next().await {
+        names.push(object.unwrap().name);
+    }
+    names
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() {
     let nats = NatsServer::start().unwrap();
@@ -154,17 +194,7 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
             .unwrap();
     }
 
-    let (_keep, redis_shutdown) = Shutdown::new();
-    let pool = relay_kit::league::LeagueStore::new(
-        relay_kit::connect_redis(&redis.url(), &redis_shutdown)
-            .await
-            .unwrap(),
-        run_id,
-    )
-    .load()
-    .await
-    .unwrap()
-    .expect("the learner created the pool");
+    let pool = stored_pool(&redis, run_id).await;
     // Every version joined; the first (pinned: `keep_first`) and the
     // newest KEEP stayed; the bots are fixed members.
     let versions: Vec<u64> = pool.versions().collect();
@@ -180,14 +210,8 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
     }
     // Games between versions were rated (those still in the pool keep
     // their records).
-    let mut between_versions = 0;
-    for (i, a) in versions.iter().enumerate() {
-        for b in &versions[i + 1..] {
-            between_versions += pool.games_between(&MemberId::Version(*a), &MemberId::Version(*b));
-        }
-    }
     assert!(
-        between_versions > 0,
+        games_between_versions(&pool, &versions) > 0,
         "no game between versions rated: {pool:?}; played {against_past:?}"
     );
     // Rated games made some version's rating surer than a newcomer's.
@@ -202,17 +226,10 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
     // The bucket holds exactly the pool's versions and the one under
     // evaluation.
     assert!(!versions.contains(&EVALUATED), "{versions:?}");
-    let jetstream = async_nats::jetstream::new(client.clone());
-    let store = jetstream
-        .get_object_store(relay_kit::league::adapter_bucket(run_id))
-        .await
-        .unwrap();
-    let mut listed = store.list().await.unwrap();
     let mut stored = BTreeSet::new();
-    while let Some(object) = listed.next().await {
-        let object = object.unwrap();
-        let (name, version) = relay_kit::league::parse_adapter_object(&object.name)
-            .unwrap_or_else(|| panic!("unexpected object {}", object.name));
+    for object in stored_objects(&client, run_id).await {
+        let (name, version) = relay_kit::league::parse_adapter_object(&object)
+            .unwrap_or_else(|| panic!("unexpected object {object}"));
         assert_eq!(name, "policy");
         stored.insert(version);
     }
@@ -298,17 +315,7 @@ async fn classic_policies_play_and_rate_their_past_versions_and_the_bots() {
             .unwrap();
     }
 
-    let (_keep, redis_shutdown) = Shutdown::new();
-    let pool = relay_kit::league::LeagueStore::new(
-        relay_kit::connect_redis(&redis.url(), &redis_shutdown)
-            .await
-            .unwrap(),
-        run_id,
-    )
-    .load()
-    .await
-    .unwrap()
-    .expect("the learner created the pool");
+    let pool = stored_pool(&redis, run_id).await;
     let versions: Vec<u64> = pool.versions().collect();
     assert!(versions.len() > 2, "{pool:?}");
     let last = *versions.last().unwrap();
@@ -334,14 +341,8 @@ async fn classic_policies_play_and_rate_their_past_versions_and_the_bots() {
             .any(|v| pool.games_between(&MemberId::Version(*v), &minimax) > 0),
         "no rated game against minimax: {pool:?}"
     );
-    let mut between_versions = 0;
-    for (i, a) in versions.iter().enumerate() {
-        for b in &versions[i + 1..] {
-            between_versions += pool.games_between(&MemberId::Version(*a), &MemberId::Version(*b));
-        }
-    }
     assert!(
-        between_versions > 0,
+        games_between_versions(&pool, &versions) > 0,
         "no game between versions rated: {pool:?}"
     );
     assert!(
@@ -351,16 +352,7 @@ async fn classic_policies_play_and_rate_their_past_versions_and_the_bots() {
 
     // The bucket holds a whole stored version for each version in the pool
     // and nothing else.
-    let jetstream = async_nats::jetstream::new(client.clone());
-    let store = jetstream
-        .get_object_store(relay_kit::league::adapter_bucket(run_id))
-        .await
-        .unwrap();
-    let mut listed = store.list().await.unwrap();
-    let mut stored: BTreeSet<String> = BTreeSet::new();
-    while let Some(object) = listed.next().await {
-        stored.insert(object.unwrap().name);
-    }
+    let stored: BTreeSet<String> = stored_objects(&client, run_id).await.into_iter().collect();
     let expected: BTreeSet<String> = versions
         .iter()
         .flat_map(|&v| {

@@ -78,7 +78,9 @@ pub use text::{
     make as make_text_game, AnswerFormat, AnswerReader, Bot, ConnectFourBot, MinimaxBot,
     ObservationView, PlayerInfo, RandomBot, StepOutcome, TextGame, TEXT_GAME_IDS,
 };
-pub use vec_env::{check_actions, sub_seed, FinishedEpisode, VecActions, VecEnv, VecStep};
+pub use vec_env::{
+    check_actions, gather_rows, sub_seed, FinishedEpisode, VecActions, VecEnv, VecStep,
+};
 
 /// Re-export of the `rand` RNG trait taken by [`Env::reset`].
 pub use rand::RngCore;

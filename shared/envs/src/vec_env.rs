@@ -43,6 +43,15 @@ pub struct FinishedEpisode {
     pub truncated: bool,
 }
 
+/// The rows `rows` of `values`, rows of `width` values each, in that
+/// order: the observations or masks of some of a vector's envs (those a
+/// given policy or bot moves in), as one batch.
+pub fn gather_rows<T: Copy>(values: &[T], width: usize, rows: &[usize]) -> Vec<T> {
+    rows.iter()
+        .flat_map(|&i| values[i * width..(i + 1) * width].iter().copied())
+        .collect()
+}
+
 /// The outcome of one [`VecEnv::step`] (also holds the observations written
 /// by [`VecEnv::reset`]).
 #[derive(Debug, Clone)]

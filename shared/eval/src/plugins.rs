@@ -1143,15 +1143,12 @@ pub fn play_against<M: relay_policy::Act>(
                 let rows: Vec<usize> = (0..num_envs).filter(|&i| !mine[i]).collect();
                 if !rows.is_empty() {
                     let masks = masks.as_deref().unwrap_or(&all_legal);
-                    let rows_obs: Vec<f32> = rows
-                        .iter()
-                        .flat_map(|&i| obs[i * obs_dim..(i + 1) * obs_dim].iter().copied())
-                        .collect();
-                    let rows_masks: Vec<u8> = rows
-                        .iter()
-                        .flat_map(|&i| masks[i * width..(i + 1) * width].iter().copied())
-                        .collect();
-                    let acted = opponent.act(&rows_obs, &rows_masks, rows.len(), &mut rng)?;
+                    let acted = opponent.act(
+                        &relay_envs::gather_rows(&obs, obs_dim, &rows),
+                        &relay_envs::gather_rows(masks, width, &rows),
+                        rows.len(),
+                        &mut rng,
+                    )?;
                     for (&i, action) in rows.iter().zip(acted) {
                         a[i] = action;
                     }
@@ -1226,12 +1223,19 @@ mod tests {
     use super::*;
     use relay_nn::{ActorCritic, PolicySpec};
 
+    /// Version 3 of an untrained CartPole policy.
     fn policy() -> VersionedPolicy {
+        untrained(3, 4, 2)
+    }
+
+    /// Version `version` of an untrained policy of `obs_dim` observation
+    /// values and `actions` discrete actions.
+    fn untrained(version: u64, obs_dim: usize, actions: usize) -> VersionedPolicy {
         VersionedPolicy {
-            version: 3,
+            version,
             learner_env_steps: 0,
             model: relay_policy::PolicyModel::ActorCritic(
-                ActorCritic::new(&PolicySpec::discrete(4, 2), 1).unwrap(),
+                ActorCritic::new(&PolicySpec::discrete(obs_dim, actions), 1).unwrap(),
             ),
             normalizer: None,
         }
@@ -1273,6 +1277,12 @@ mod tests {
         assert!(err.contains("episodes"), "{err}");
     }
 
+    /// `plugin` refuses `env_id`, naming it and `what`.
+    fn refuses(plugin: &dyn Evaluator, env_id: &str, env: &EnvSection, what: &str) {
+        let err = plugin.check_env(env_id, env).unwrap_err();
+        assert!(err.contains(env_id) && err.contains(what), "{err}");
+    }
+
     #[test]
     fn vs_opponent_checks_its_options_and_the_env() {
         let p = build(
@@ -1286,17 +1296,8 @@ mod tests {
         .unwrap();
         assert!(p.plays_text());
         p.check_env("TicTacToe-v0", &EnvSection::default()).unwrap();
-        let err = p
-            .check_env("ConnectFour-v0", &EnvSection::default())
-            .unwrap_err();
-        assert!(
-            err.contains("minimax") && err.contains("ConnectFour-v0"),
-            "{err}"
-        );
-        let err = p
-            .check_env("CartPole-v1", &EnvSection::default())
-            .unwrap_err();
-        assert!(err.contains("CartPole-v1"), "{err}");
+        refuses(&*p, "ConnectFour-v0", &EnvSection::default(), "minimax");
+        refuses(&*p, "CartPole-v1", &EnvSection::default(), "");
         // The default opponents fit each game.
         let default = build("vs-opponent", &[]).unwrap();
         for game in relay_envs::TEXT_GAME_IDS {
@@ -1344,15 +1345,8 @@ mod tests {
         .unwrap();
         plugin.check_env("tictactoe_v3", &env).unwrap();
         let minimax = build("vs-opponent", &[("opponents".into(), "minimax".into())]).unwrap();
-        let err = minimax.check_env("connect_four_v3", &env).unwrap_err();
-        assert!(
-            err.contains("minimax") && err.contains("connect_four_v3"),
-            "{err}"
-        );
-        let err = plugin
-            .check_env("CartPole-v1", &EnvSection::default())
-            .unwrap_err();
-        assert!(err.contains("CartPole-v1"), "{err}");
+        refuses(&*minimax, "connect_four_v3", &env, "minimax");
+        refuses(&*plugin, "CartPole-v1", &EnvSection::default(), "");
         let checkpoint = build(
             "vs-opponent",
             &[("opponents".into(), "checkpoint:no/such/folder".into())],
@@ -1363,14 +1357,7 @@ mod tests {
 
         // An untrained policy against the default opponents (random and
         // minimax): 3 games from each seat against each, on the same seeds.
-        let policy = VersionedPolicy {
-            version: 7,
-            learner_env_steps: 0,
-            model: relay_policy::PolicyModel::ActorCritic(
-                ActorCritic::new(&PolicySpec::discrete(18, 9), 1).unwrap(),
-            ),
-            normalizer: None,
-        };
+        let policy = untrained(7, 18, 9);
         let dir = std::env::temp_dir();
         let ctx = EvalContext {
             env_id: "tictactoe_v3".into(),
