@@ -45,7 +45,7 @@ pub struct PlayArgs {
     /// Text games: a PEFT adapter folder; default the checkpoint's `adapter/` when it has one.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
-    /// Text games and multi-agent games on observations: who plays the model: `human` (you, at the terminal), `random`, `minimax`, `connect_four_bot` (text games), `checkpoint:<folder>` (games on observations).
+    /// Text games and multi-agent games on observations: who plays the model: `human` (you, at the terminal), `random`, `minimax`, `connect_four_bot`, `checkpoint:<folder>` (games on observations).
     #[arg(long, default_value = "human")]
     pub opponent: String,
     /// Text games and multi-agent games on observations: the model's seat (player 0 moves first).

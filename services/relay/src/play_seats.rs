@@ -1,7 +1,8 @@
 //! `relay play` of a run on a multi-agent game played on observations
 //! (PettingZoo's, `env.backend: pettingzoo`): the checkpoint's greedy
 //! policy holds `--model-seat`, and `--opponent` the other seats: `human`
-//! (you, typing moves at the terminal), `random`, `minimax` or
+//! (you, typing moves at the terminal), `random`, `minimax`,
+//! `connect_four_bot` or
 //! `checkpoint:<folder>` (the fixed opponents of self-play and
 //! `vs-opponent`, [`relay_policy::opponent::SeatOpponent`]).
 //!

@@ -70,9 +70,9 @@ pub struct LeagueSection {
     /// each must play the run's game) or `adapter:<name>` (a LoRA adapter
     /// the inference servers hold, e.g. from `llm.adapters`: a saved
     /// policy to beat); in games on observations (`selfplay.opponents`)
-    /// `random`, `minimax` or `checkpoint:<folder>` (a saved checkpoint of
-    /// a run on the same game). Samplers can draw them without the
-    /// env-runners also playing them directly.
+    /// `random`, `minimax`, `connect_four_bot` or `checkpoint:<folder>`
+    /// (a saved checkpoint of a run on the same game). Samplers can draw
+    /// them without the env-runners also playing them directly.
     pub fixed: Vec<String>,
     /// Which league games branch (`text.branches > 1`): unset, every one;
     /// a list of fixed members (`random`, `minimax`, `adapter:<name>`),

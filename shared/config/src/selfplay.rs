@@ -85,7 +85,8 @@ pub struct SelfPlaySection {
     /// Weight of each opponent kind (need not sum to 1): `mirror` (the
     /// current policy, sampling, through the inference servers; its moves
     /// are not trained on), `random` (a uniformly random legal move),
-    /// `minimax` (perfect play; `tictactoe_v3` only), `checkpoint:<folder>`
+    /// `minimax` (perfect play; `tictactoe_v3` only), `connect_four_bot`
+    /// (a depth-4 search; `connect_four_v3` only), `checkpoint:<folder>`
     /// (a saved checkpoint of a run on the same game, sampling its moves)
     /// and `league` (drawn by `league.sampler` from the run's pool;
     /// two-player games). Default: `mirror` only.
