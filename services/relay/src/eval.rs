@@ -41,6 +41,9 @@ pub enum EvalCommand {
         /// First seed of the episodes (default: the run's fresh seed, `eval.seed + 2^48`, which no evaluation played).
         #[arg(long)]
         seed: Option<u64>,
+        /// Runs evaluated by `vs-opponent` on a game on observations: play these opponents (comma list, e.g. `random,minimax` or `checkpoint:<folder>`) instead of the run's.
+        #[arg(long)]
+        opponents: Option<String>,
         /// Folder holding the runs.
         #[arg(long, env = "RELAY_RUNS_DIR", default_value = "runs")]
         runs_dir: PathBuf,
@@ -154,23 +157,33 @@ pub fn evaluate_checkpoint_against(
     seed: Option<u64>,
     opponents: Option<&str>,
 ) -> Result<CheckpointEval> {
-    let (run_id, dir, mut config) = resolve(runs_dir, run, which)?;
+    let (run_id, dir, config) = resolve(runs_dir, run, which)?;
     if config.is_text_game() {
         bail!("{run_id} is a text-game run: its checkpoints play games (evaluate_text_checkpoint), not episodes");
     }
+    let config = against(config, opponents)?;
+    evaluate_classic_checkpoint(run_id, &dir, &config, episodes, seed)
+}
+
+/// `config` with its `vs-opponent` evaluator playing `opponents` (when
+/// given) instead of its own.
+fn against(
+    mut config: relay_config::ExperimentConfig,
+    opponents: Option<&str>,
+) -> Result<relay_config::ExperimentConfig> {
     if let Some(opponents) = opponents {
         if config.eval.evaluator != "vs-opponent" {
             bail!(
-                "{run_id} is evaluated by {}, which plays no opponents",
+                "--opponents: the run is evaluated by {}, which plays no opponents",
                 config.eval.evaluator
             );
         }
-        config.eval.options.insert(
-            "opponents".into(),
-            serde_yaml::Value::String(opponents.into()),
-        );
+        config
+            .eval
+            .options
+            .insert("opponents".into(), serde_yaml::Value::String(opponents.into()));
     }
-    evaluate_classic_checkpoint(run_id, &dir, &config, episodes, seed)
+    Ok(config)
 }
 
 /// A run's checkpoint `which`: the run id, the folder and its config.
@@ -425,10 +438,14 @@ pub fn eval(args: EvalArgs) -> Result<()> {
             checkpoint,
             episodes,
             seed,
+            opponents,
             runs_dir,
         } => {
             let (run, which) = checkpoint.split_once(':').unwrap_or((&checkpoint, "best"));
             let (run_id, dir, config) = resolve(&runs_dir, run, which)?;
+            if config.is_text_game() && opponents.is_some() {
+                bail!("--opponents: text runs play the bots of their config");
+            }
             if config.is_text_game() {
                 let seed = seed.unwrap_or_else(|| config.eval.fresh_seed());
                 let e = evaluate_text_checkpoint(&run_id, &dir, &config, episodes, seed)?;
@@ -456,6 +473,7 @@ pub fn eval(args: EvalArgs) -> Result<()> {
                 println!("{e}");
                 return Ok(());
             }
+            let config = against(config, opponents.as_deref())?;
             let e = evaluate_classic_checkpoint(run_id, &dir, &config, episodes, seed)?;
             println!(
                 "relay: {} checkpoint {} (weights version {}) on {}: {} {} episodes from seed {}",
