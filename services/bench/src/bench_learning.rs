@@ -235,8 +235,9 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::Minutes(30),
         anchor: None,
         sets: &[],
+        // Beside it, the depth-4 search bot, a much stronger opponent.
         versus: Some(Versus {
-            also: &[],
+            also: &["connect_four_bot"],
             newest_above_first: true,
         }),
     },

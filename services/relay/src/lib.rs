@@ -261,8 +261,16 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         nats_max_payload = config.nats_max_payload(&spec);
         largest_message = Some(config.largest_message_bytes(&spec));
         if config.env.uses_python(&config.run.env_id) {
+            let source = match config.env.backend {
+                relay_bridge::Backend::Pettingzoo => format!(
+                    "PettingZoo, a game of {} agents ({})",
+                    spec.agents.len(),
+                    spec.agents.join(", ")
+                ),
+                _ => "Gymnasium".to_string(),
+            };
             println!(
-                "relay: {} from Gymnasium (Python {}): {} observations, {} actions",
+                "relay: {} from {source} (Python {}): {} observations, {} actions",
                 config.run.env_id,
                 config.env.interpreter().display(),
                 spec.image
