@@ -558,8 +558,8 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 attempt.env_steps,
                 attempt.wall_s,
                 attempt.first_pass.map_or("none".into(), |f| format!("{} env steps, {:.1}s", f.env_steps, f.wall_s)),
-                attempt.best_eval.map_or("-".into(), |r| format!("{r:.1}")),
-                attempt.reevaluated.map_or("-".into(), |r| format!("{r:.1}")),
+                attempt.best_eval.map_or("-".into(), relay::summary::figure),
+                attempt.reevaluated.map_or("-".into(), relay::summary::figure),
                 if attempt.reached { "reached" } else { "not reached" },
             );
             for m in &attempt.matchups {
@@ -611,7 +611,7 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             }
             Some((attempts, anchor)) => {
                 for a in attempts {
-                    let fmt = |v: Option<f64>| v.map_or("-".to_string(), |r| format!("{r:.1}"));
+                    let fmt = |v: Option<f64>| v.map_or("-".to_string(), relay::summary::figure);
                     println!(
                         "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} |",
                         goal.name,
