@@ -76,7 +76,7 @@ lint:
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
 
-# Classic learners against their goals (PPO Acrobot-v1 >= -80 in 500k, DQN CartPole-v1 solved in 100k, DQN MountainCar-v0 >= -110 in 300k, SAC Pendulum-v1 >= -200 in 30k, A2C CartPole-v1 solved in 500k; through the env bridge PPO LunarLander-v3 >= 200 in 1M, PPO Taxi-v4 >= 7.5 in 1M with its action mask and without), 3 seeds each: table + JSON line.
+# Classic learners against their goals (PPO Acrobot-v1 >= -80 in 500k, DQN CartPole-v1 solved in 100k, DQN MountainCar-v0 >= -110 in 300k, SAC Pendulum-v1 >= -200 in 30k, A2C CartPole-v1 solved in 500k; through the env bridge PPO LunarLander-v3 >= 200 in 1M, PPO Taxi-v4 >= 7.5 in 1M with its action mask and without; by self-play on PettingZoo, PPO connect_four_v3 >= 90 % wins against random from both seats in 30 min, rated above its first version, and PPO tictactoe_v3 >= 95 % non-loss against random, beside minimax), 3 seeds each: table + JSON line.
 bench-learning *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-learning {{ARGS}}
