@@ -178,10 +178,10 @@ fn against(
                 config.eval.evaluator
             );
         }
-        config
-            .eval
-            .options
-            .insert("opponents".into(), serde_yaml::Value::String(opponents.into()));
+        config.eval.options.insert(
+            "opponents".into(),
+            serde_yaml::Value::String(opponents.into()),
+        );
     }
     Ok(config)
 }
