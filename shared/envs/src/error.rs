@@ -138,3 +138,29 @@ pub enum EnvError {
         game: &'static str,
     },
 }
+
+impl EnvError {
+    /// The error as env `id` reports it: the env id it names replaced (a
+    /// wrapper's errors name the wrapper's id, not the wrapped env's).
+    pub fn for_env(self, id: &'static str) -> Self {
+        match self {
+            Self::WrongActionKind { expected, got, .. } => Self::WrongActionKind {
+                env_id: id,
+                expected,
+                got,
+            },
+            Self::ActionDim { expected, got, .. } => Self::ActionDim {
+                env_id: id,
+                expected,
+                got,
+            },
+            Self::StateLength { expected, got, .. } => Self::StateLength {
+                env_id: id,
+                expected,
+                got,
+            },
+            Self::NotReset { .. } => Self::NotReset { env_id: id },
+            other => other,
+        }
+    }
+}

@@ -12,9 +12,12 @@
 //! - [`cartpole`], [`acrobot`], [`mountain_car`] and [`pendulum`] own the
 //!   physics, ported expression by expression from Gymnasium's Python so
 //!   that `f64` rounding matches; each documents its state layout.
+//! - [`no_velocity`] owns rl-zoo's partially observed variants
+//!   (`CartPoleNoVel-v1`, `PendulumNoVel-v1`: velocities zeroed).
 //! - [`registry`] (re-exported) owns [`make`], [`spec`] and [`ENV_IDS`].
 //! - [`seat_bots`] owns [`SeatBot`], the fixed opponents (random-legal,
-//!   minimax) of multi-agent games played on observations.
+//!   minimax, connect_four_bot) of multi-agent games played on
+//!   observations.
 //! - [`vec_env`] owns [`VecEnv`] (SB3-`DummyVecEnv`-style auto-reset).
 //! - [`error`] owns [`EnvError`].
 //! - [`text`] owns the text games ([`TextGame`], TicTacToe, ConnectFour,
@@ -58,6 +61,7 @@ pub mod cartpole;
 pub mod env;
 pub mod error;
 pub mod mountain_car;
+pub mod no_velocity;
 pub mod pendulum;
 pub mod registry;
 pub mod seat_bots;

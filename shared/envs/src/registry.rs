@@ -1,10 +1,19 @@
 //! The id → environment registry (Gymnasium's `gym.make` / `gym.spec`).
 
+use crate::no_velocity::{self, MaskVelocity};
 use crate::{acrobot, cartpole, mountain_car, pendulum};
 use crate::{Acrobot, CartPole, Env, EnvError, EnvSpec, MountainCar, Pendulum};
 
-/// Every environment id this crate provides.
-pub const ENV_IDS: &[&str] = &[cartpole::ID, acrobot::ID, mountain_car::ID, pendulum::ID];
+/// Every environment id this crate provides: Gymnasium's classic control,
+/// and rl-zoo's partially observed variants without velocities.
+pub const ENV_IDS: &[&str] = &[
+    cartpole::ID,
+    acrobot::ID,
+    mountain_car::ID,
+    pendulum::ID,
+    no_velocity::CARTPOLE_ID,
+    no_velocity::PENDULUM_ID,
+];
 
 fn unknown(id: &str) -> EnvError {
     EnvError::UnknownEnv {
@@ -21,6 +30,8 @@ pub fn make(id: &str) -> Result<Box<dyn Env>, EnvError> {
         acrobot::ID => Box::new(Acrobot::new()),
         mountain_car::ID => Box::new(MountainCar::new()),
         pendulum::ID => Box::new(Pendulum::new()),
+        no_velocity::CARTPOLE_ID => Box::new(MaskVelocity::cartpole()),
+        no_velocity::PENDULUM_ID => Box::new(MaskVelocity::pendulum()),
         _ => return Err(unknown(id)),
     })
 }
@@ -32,6 +43,8 @@ pub fn spec(id: &str) -> Result<EnvSpec, EnvError> {
         acrobot::ID => acrobot::spec(),
         mountain_car::ID => mountain_car::spec(),
         pendulum::ID => pendulum::spec(),
+        no_velocity::CARTPOLE_ID => no_velocity::cartpole_spec(),
+        no_velocity::PENDULUM_ID => no_velocity::pendulum_spec(),
         _ => return Err(unknown(id)),
     })
 }

@@ -35,7 +35,7 @@ fn unknown_id_error_names_the_id_and_lists_known_ids() {
 
 #[test]
 fn specs_match_gymnasium_registration() {
-    let expected: [(&str, usize, ActionSpace, u32, Option<f64>); 4] = [
+    let expected: [(&str, usize, ActionSpace, u32, Option<f64>); 6] = [
         (
             "CartPole-v1",
             4,
@@ -59,6 +59,24 @@ fn specs_match_gymnasium_registration() {
         ),
         (
             "Pendulum-v1",
+            3,
+            ActionSpace::Box {
+                low: vec![-2.0],
+                high: vec![2.0],
+            },
+            200,
+            None,
+        ),
+        // rl-zoo's MaskVelocityWrapper: the same spaces, velocities zeroed.
+        (
+            "CartPoleNoVel-v1",
+            4,
+            ActionSpace::Discrete { n: 2 },
+            500,
+            Some(475.0),
+        ),
+        (
+            "PendulumNoVel-v1",
             3,
             ActionSpace::Box {
                 low: vec![-2.0],
@@ -251,7 +269,7 @@ fn state_length_obs_length_and_order_are_checked() {
 fn reset_draws_follow_gymnasium_distributions() {
     let mut rng = StdRng::seed_from_u64(42);
     let mut envs: Vec<Box<dyn Env>> = ENV_IDS.iter().map(|id| make(id).expect("known")).collect();
-    let mut seen_negative = [false; 4];
+    let mut seen_negative = vec![false; ENV_IDS.len()];
     for _ in 0..2000 {
         for (k, env) in envs.iter_mut().enumerate() {
             let mut obs = vec![0.0; env.obs_dim()];
@@ -279,6 +297,17 @@ fn reset_draws_follow_gymnasium_distributions() {
                     assert!((-std::f64::consts::PI..std::f64::consts::PI).contains(&s[0]));
                     assert!((-1.0..1.0).contains(&s[1]), "{s:?}");
                     assert!(env.spec().observation_space.contains(&obs));
+                }
+                // The wrapped env's draw, velocities zeroed (rl-zoo's
+                // MaskVelocityWrapper).
+                "CartPoleNoVel-v1" => {
+                    assert!(s.iter().all(|v| (-0.05..0.05).contains(v)), "{s:?}");
+                    assert_eq!(obs, [s[0] as f32, 0.0, s[2] as f32, 0.0]);
+                }
+                "PendulumNoVel-v1" => {
+                    assert!((-1.0..1.0).contains(&s[1]), "{s:?}");
+                    assert_eq!(obs[2], 0.0);
+                    assert_eq!(obs[0], s[0].cos() as f32);
                 }
                 other => panic!("untested env {other}"),
             }
