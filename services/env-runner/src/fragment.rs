@@ -201,6 +201,9 @@ pub struct FragmentBuilder {
     pub min_version: u64,
     /// Vector steps recorded.
     pub steps: usize,
+    /// Recurrent policies: each env's state before the first step, `envs`
+    /// rows (empty otherwise).
+    initial_state: Vec<f32>,
 }
 
 impl FragmentBuilder {
@@ -246,6 +249,7 @@ impl FragmentBuilder {
             final_masks: Vec::new(),
             min_version: u64::MAX,
             steps: 0,
+            initial_state: Vec::new(),
         }
     }
 
@@ -261,9 +265,20 @@ impl FragmentBuilder {
     }
 
     /// Records the observations the step's actions are taken in: the
-    /// runner's `all` observations (and their masks), of which this
-    /// fragment takes its envs'.
-    pub fn push_obs(&mut self, all: &[f32], masks: Option<&[u8]>) {
+    /// runner's `all` observations (and their masks, and for a recurrent
+    /// policy the envs' states of `state_width` values, kept from the
+    /// first step), of which this fragment takes its envs'.
+    pub fn push_obs(
+        &mut self,
+        all: &[f32],
+        masks: Option<&[u8]>,
+        state: &[f32],
+        state_width: usize,
+    ) {
+        if self.steps == 0 {
+            self.initial_state =
+                state[self.envs.start * state_width..self.envs.end * state_width].to_vec();
+        }
         if let (Some(w), Some(masks)) = (self.mask_width, masks) {
             self.masks
                 .extend_from_slice(&masks[self.envs.start * w..self.envs.end * w]);
@@ -377,6 +392,8 @@ impl FragmentBuilder {
             norm_delta,
             frames,
             masks,
+            initial_state: (!self.initial_state.is_empty())
+                .then(|| Tensor::from_f32(&[n, self.initial_state.len() / n], &self.initial_state)),
         };
         self.reset();
         fragment
@@ -437,7 +454,7 @@ mod tests {
         let mut all_rows = Vec::new();
         for step in &steps {
             let all: Vec<f32> = step.concat();
-            builder.push_obs(&all, None);
+            builder.push_obs(&all, None, &[], 0);
             all_rows.extend(all);
             builder.actions_i64.extend([0, 1]);
             builder.logprobs.extend([0.0; 2]);
@@ -477,7 +494,7 @@ mod tests {
         let mut builder = FragmentBuilder::new(1..3, 1, false, None, Some(2));
         let all_masks: [[u8; 6]; 2] = [[1, 1, 0, 1, 1, 0], [0, 1, 1, 0, 0, 1]];
         for (t, masks) in all_masks.iter().enumerate() {
-            builder.push_obs(&[t as f32; 3], Some(masks));
+            builder.push_obs(&[t as f32; 3], Some(masks), &[], 0);
             // Legal: env 1 takes action 1 then 0, env 2 action 0 then 1.
             builder.actions_i64.extend([1 - t as i64, t as i64]);
             builder.logprobs.extend([0.0; 2]);

@@ -33,6 +33,26 @@
 //! statistics, as they are from training). Episode returns are the envs'
 //! raw returns.
 //!
+//! Recurrent policies (`policy.recurrent`): each env's state (the LSTM's h
+//! and c, or the GRU's h, of actor and critic) lives here, beside the env
+//! it belongs to. Each act request carries the rows' states and the reply
+//! the states after the step; the state is zeroed when an episode ends
+//! (terminated or truncated) and when an env is rebuilt after a fault, and
+//! each fragment records the states of its first step (`initial_state`),
+//! from which the learner replays it by backpropagation through time. The
+//! inference servers keep no state, unlike SEED RL's (which pins each env
+//! to one server's memory): any server can answer any step, so a server
+//! that restarts, a `relay scale` that adds or removes servers, or a reply
+//! from another copy can never hand an env another env's state or lose
+//! one, and an env-runner that restarts starts its envs' episodes over
+//! with zero states, as it does its envs. A new weights version mid-episode
+//! continues from the state the previous version left, as in SEED RL,
+//! R2D2 and RecurrentPPO's rollouts; the learner replays each fragment
+//! from that stored state, so a version change costs only the usual
+//! off-policy lag. The price is the state on the wire, `4 x state_width`
+//! bytes per row each way (1 KiB for an LSTM of 64 in actor and critic),
+//! small beside most observations.
+//!
 //! A multi-agent game (PettingZoo's) is played by self-play instead
 //! ([`selfplay`]): the policy holds one seat of each game.
 //!
@@ -215,7 +235,19 @@ fn check_reply(
     n: usize,
     space: &ActionSpace,
     masks: Option<&[u8]>,
+    state: Option<&[f32]>,
 ) -> Result<(), String> {
+    // A recurrent policy's reply carries each row's next state, as wide as
+    // the one sent.
+    if let Some(sent) = state {
+        let width = sent.len() / n;
+        let next = reply.state.as_ref().ok_or_else(|| {
+            "no recurrent state in the reply (the inference server serves a feed-forward policy?)"
+                .to_string()
+        })?;
+        next.expect(DType::F32, &[Some(n), Some(width)])
+            .map_err(|e| format!("state: {e}"))?;
+    }
     match space {
         ActionSpace::Discrete { n: actions } => {
             reply
@@ -355,6 +387,10 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     service.health.set_ready(true);
 
     let mut episode_started = vec![Instant::now(); n];
+    // A recurrent policy's state per env, kept here and sent with each act
+    // request (module docs): zeros at each episode's start.
+    let state_width = cfg.policy.state_width();
+    let mut state = vec![0f32; n * state_width];
     'outer: while !service.shutdown.is_triggered() {
         let step_started = Instant::now();
         if let (Some(v), Some(latest)) = (
@@ -404,6 +440,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 obs_dim,
                 pixels,
                 version: None,
+                state: (state_width > 0).then_some(&state[..]),
             },
             act_chunk,
             &spec.action_space,
@@ -431,7 +468,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         for f in &mut fragments {
             let envs = f.envs.clone();
             f.min_version = f.min_version.min(reply.policy_version);
-            f.push_obs(&obs, masks.as_deref());
+            f.push_obs(&obs, masks.as_deref(), &state, state_width);
             f.logprobs.extend_from_slice(&logprobs[envs.clone()]);
             f.values.extend_from_slice(&values[envs.clone()]);
             match action_dim {
@@ -440,6 +477,9 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     .actions_f32
                     .extend_from_slice(&actions_f32[envs.start * dim..envs.end * dim]),
             }
+        }
+        if let Some(next) = &reply.state {
+            state = next.to_f32().expect("checked by check_reply");
         }
         let step = match action_dim {
             None => envs.step(VecActions::Discrete(&actions_i64)),
@@ -459,6 +499,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 metrics.count_faults(spec.id, &faults);
                 for &i in faults.iter().flat_map(|f| &f.envs) {
                     episode_started[i] = Instant::now();
+                    state[i * state_width..(i + 1) * state_width].fill(0.0);
                 }
                 fragments.iter_mut().for_each(FragmentBuilder::reset);
                 obs.copy_from_slice(envs.obs());
@@ -503,6 +544,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             }
         }
         for e in &step.finished {
+            // The next step starts an episode: from a zero state.
+            state[e.env_index * state_width..(e.env_index + 1) * state_width].fill(0.0);
             let started = std::mem::replace(&mut episode_started[e.env_index], Instant::now());
             metrics
                 .episode_seconds
@@ -655,6 +698,8 @@ pub(crate) struct ActRows<'a> {
     pub pixels: bool,
     /// A past version to act with (a league opponent); `None`: the newest.
     pub version: Option<u64>,
+    /// Recurrent policies: each row's state, `n` rows of equal width.
+    pub state: Option<&'a [f32]>,
 }
 
 /// Asks for actions for `rows` ([`act`]), retrying while no inference
@@ -679,7 +724,7 @@ pub(crate) async fn act_until_answered(
                 rows.version = None;
                 continue;
             }
-            Ok(reply) => match check_reply(&reply, rows.n, space, rows.masks) {
+            Ok(reply) => match check_reply(&reply, rows.n, space, rows.masks, rows.state) {
                 Ok(()) => {
                     metrics.act_latency.observe(sent.elapsed().as_secs_f64());
                     return Some(reply);
@@ -727,13 +772,21 @@ async fn act(
         obs_dim,
         pixels,
         version,
+        state,
     } = rows;
     let width = masks.map_or(0, |m| m.len() / n);
+    let state_width = state.map_or(0, |s| s.len() / n);
     let request_of = |first: usize, rows: &[f32]| {
         let count = rows.len() / obs_dim;
         ActRequest::new(Tensor::observations(&[count, obs_dim], rows, pixels), false)
             .with_masks(masks.map(|m| {
                 Tensor::from_u8(&[count, width], &m[first * width..(first + count) * width])
+            }))
+            .with_state(state.map(|s| {
+                Tensor::from_f32(
+                    &[count, state_width],
+                    &s[first * state_width..(first + count) * state_width],
+                )
             }))
             .at_version(version)
     };
@@ -761,6 +814,11 @@ async fn act(
         actions: concat(replies.iter().map(|r| &r.actions).collect()),
         logprobs: concat(replies.iter().map(|r| &r.logprobs).collect()),
         values: concat(replies.iter().map(|r| &r.values).collect()),
+        state: replies
+            .iter()
+            .map(|r| r.state.as_ref())
+            .collect::<Option<Vec<_>>>()
+            .map(concat),
     })
 }
 

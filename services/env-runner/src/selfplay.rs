@@ -355,6 +355,7 @@ pub(crate) async fn run(
                         obs_dim: d,
                         pixels,
                         version: *version,
+                        state: None,
                     },
                     act_chunk,
                     &spec.action_space,
@@ -651,7 +652,7 @@ fn cut_fragments(
             masks[i * width..(i + 1) * width].copy_from_slice(&q[t].step.mask);
         }
         for f in fragments.iter_mut() {
-            f.push_obs(&obs, Some(&masks));
+            f.push_obs(&obs, Some(&masks), &[], 0);
             for i in f.envs.clone() {
                 let tr = &done[i][t];
                 f.min_version = f.min_version.min(tr.step.version);

@@ -160,12 +160,15 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     result.and(service.finish().await)
 }
 
-/// Why an act request does not fit the policy: its observation width, or
-/// masks given to a continuous policy or of another action count.
+/// Why an act request does not fit the policy: its observation width,
+/// masks given to a continuous policy or of another action count, or a
+/// recurrent state of another width than the policy's `state_width` (a
+/// state for a feed-forward policy included).
 fn act_mismatch(
     act: &ActRequest,
     obs_dim: usize,
     n_actions: Option<usize>,
+    state_width: usize,
 ) -> Option<(&'static str, String)> {
     if act.obs.shape[1] as usize != obs_dim {
         return Some((
@@ -175,6 +178,18 @@ fn act_mismatch(
                 act.obs.shape[1]
             ),
         ));
+    }
+    if let Some(state) = &act.state {
+        let width = state.shape[1] as usize;
+        if width != state_width {
+            return Some((
+                "state",
+                match state_width {
+                    0 => "a recurrent state for a feed-forward policy".into(),
+                    w => format!("states of {width} values, the policy's are {w}"),
+                },
+            ));
+        }
     }
     let width = act.masks.as_ref()?.shape[1] as usize;
     match n_actions {
@@ -293,6 +308,7 @@ async fn serve_act_requests(
         relay_nn::ActionKind::Discrete { n } => Some(n),
         relay_nn::ActionKind::Continuous { .. } => None,
     };
+    let state_width = cfg.policy.state_width();
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.run.seed ^ std::process::id() as u64);
     let wait = Duration::from_micros(cfg.inference.batch_wait_us);
     let mut report_at = Instant::now() + Duration::from_secs(1);
@@ -314,9 +330,9 @@ async fn serve_act_requests(
                     .intake
                     .decode::<ActRequest>("act", &request.message.payload)
                 {
-                    Ok(act) if act_mismatch(&act, obs_dim, n_actions).is_some() => {
+                    Ok(act) if act_mismatch(&act, obs_dim, n_actions, state_width).is_some() => {
                         let (field, detail) =
-                            act_mismatch(&act, obs_dim, n_actions).expect("guarded");
+                            act_mismatch(&act, obs_dim, n_actions, state_width).expect("guarded");
                         service.intake.reject(
                             "act",
                             &relay_proto::Rejection::Invalid {
@@ -415,11 +431,28 @@ async fn serve_act_requests(
                 }
                 _ => None,
             };
+            // Recurrent policies: each row's state (zeros where a request
+            // sent none: an episode's start), advanced by the forward.
+            let mut state = Vec::with_capacity(n * state_width);
+            if state_width > 0 {
+                for (_, act) in &group {
+                    match &act.state {
+                        Some(s) => state.extend(s.to_f32().expect("validated on decode")),
+                        None => {
+                            state.resize(state.len() + act.obs.shape[0] as usize * state_width, 0.0)
+                        }
+                    }
+                }
+            }
             let started = Instant::now();
-            let out = match policy
-                .model
-                .act(&obs, n, masks.as_deref(), deterministic, &mut rng)
-            {
+            let out = match policy.model.act(
+                &obs,
+                n,
+                &mut state,
+                masks.as_deref(),
+                deterministic,
+                &mut rng,
+            ) {
                 Ok(out) => out,
                 Err(e) => {
                     tracing::error!(error = %e, "forward pass failed");
@@ -451,6 +484,12 @@ async fn serve_act_requests(
                     actions,
                     logprobs: Tensor::from_f32(&[k], &out.logprobs[offset..offset + k]),
                     values: Tensor::from_f32(&[k], &out.values[offset..offset + k]),
+                    state: (state_width > 0).then(|| {
+                        Tensor::from_f32(
+                            &[k, state_width],
+                            &state[offset * state_width..(offset + k) * state_width],
+                        )
+                    }),
                 };
                 offset += k;
                 let _ = request

@@ -72,26 +72,25 @@ pub fn update(
     let learning_rate = cfg.learning_rate.value(progress);
     let ent_coef = cfg.ent_coef.value(progress);
     optimizer.set_lr(learning_rate);
-    let all: Vec<usize> = (0..rollout.len).collect();
+    // Every row, or for a recurrent policy every sequence.
+    let all: Vec<usize> = (0..rollout.units()).collect();
     let advantages = if cfg.normalize_advantage {
         relay_nn::normalize(&rollout.advantages)
     } else {
         rollout.advantages.clone()
     };
     let share = sync.share();
-    let rows = part(&all, share);
+    let units = part(&all, share);
+    let rows = rollout.rows_of(units);
     let weight = rows.len() as f64 / rollout.len.max(1) as f64;
     // Weighted by this part's share: summed, the whole rollout's means.
     let mut summed = [0f32; 4];
     let loss = if rows.is_empty() {
         None
     } else {
-        let (logprob, entropy, values) = model.evaluate_masked(
-            &rollout.obs_tensor(rows, model.device())?,
-            &rollout.actions_tensor(rows, model.device())?,
-            rollout.masks_tensor(rows, model.device())?.as_ref(),
-        )?;
+        let (logprob, entropy, values) = rollout.evaluate(model, units, &rows)?;
         let returns: Vec<f32> = rows.iter().map(|&j| rollout.returns[j]).collect();
+        let advantages: Vec<f32> = rows.iter().map(|&j| advantages[j]).collect();
         let loss = a2c_loss(
             &A2cLossConfig {
                 ent_coef,
@@ -102,7 +101,7 @@ pub fn update(
                 logprob: &logprob,
                 entropy: &entropy,
                 values: &values,
-                advantages: part(&advantages, share),
+                advantages: &advantages,
                 returns: &returns,
             },
         )?;

@@ -118,23 +118,29 @@ pub fn update(
             as f64,
         ..Default::default()
     };
-    let mut indices: Vec<usize> = (0..rollout.len).collect();
-    let minibatch = cfg.minibatch_size.min(rollout.len).max(1);
+    // Minibatches of rows, or for a recurrent policy of whole sequences
+    // (`minibatch_size` steps' worth, at least one sequence).
+    let mut units: Vec<usize> = (0..rollout.units()).collect();
+    let minibatch = (cfg.minibatch_size.min(rollout.len) / rollout.unit_len()).max(1);
+    // Each minibatch's normalised advantages, by row.
+    let mut normalized = rollout.advantages.clone();
     'epochs: for _ in 0..cfg.epochs {
-        indices.shuffle(rng);
+        units.shuffle(rng);
         let mut epoch_kls = Vec::new();
-        for chunk in indices.chunks(minibatch) {
-            let m = chunk.len();
+        for chunk in units.chunks(minibatch) {
             let gather = |rows: &[usize], src: &[f32]| -> Vec<f32> {
                 rows.iter().map(|&j| src[j]).collect()
             };
-            let minibatch_advantages = gather(chunk, &rollout.advantages);
-            let minibatch_advantages = if cfg.normalize_advantage {
-                relay_nn::normalize(&minibatch_advantages)
-            } else {
-                minibatch_advantages
-            };
-            let mine = part(chunk, share);
+            let chunk_rows = rollout.rows_of(chunk);
+            let m = chunk_rows.len();
+            if cfg.normalize_advantage {
+                let values = relay_nn::normalize(&gather(&chunk_rows, &rollout.advantages));
+                for (&row, v) in chunk_rows.iter().zip(values) {
+                    normalized[row] = v;
+                }
+            }
+            let mine_units = part(chunk, share);
+            let mine = rollout.rows_of(mine_units);
             let weight = mine.len() as f64 / m as f64;
             // Weighted by this part's share: summed over replicas they are
             // the whole minibatch's means (ratio: its first two moments).
@@ -142,17 +148,13 @@ pub fn update(
             let loss = if mine.is_empty() {
                 None
             } else {
-                let obs = rollout.obs_tensor(mine, model.device())?;
-                let actions = rollout.actions_tensor(mine, model.device())?;
-                let masks = rollout.masks_tensor(mine, model.device())?;
                 let (old_logprob, old_values) = (
-                    gather(mine, &rollout.old_logprobs),
-                    gather(mine, &rollout.old_values),
+                    gather(&mine, &rollout.old_logprobs),
+                    gather(&mine, &rollout.old_values),
                 );
-                let returns = gather(mine, &rollout.returns);
-                let advantages = part(&minibatch_advantages, share);
-                let (logprob, entropy, values) =
-                    model.evaluate_masked(&obs, &actions, masks.as_ref())?;
+                let returns = gather(&mine, &rollout.returns);
+                let advantages = gather(&mine, &normalized);
+                let (logprob, entropy, values) = rollout.evaluate(model, mine_units, &mine)?;
                 // The plain estimator of KL(old || new), beside the loss's approx_kl.
                 let kl = logprob
                     .to_vec1::<f32>()?
@@ -169,7 +171,7 @@ pub fn update(
                         values: &values,
                         old_logprob: &old_logprob,
                         old_values: &old_values,
-                        advantages,
+                        advantages: &advantages,
                         returns: &returns,
                     },
                 )?;

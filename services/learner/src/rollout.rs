@@ -48,6 +48,28 @@ pub struct Rollout {
     pub vec_steps: u64,
     /// Oldest policy version that acted in it.
     pub oldest_version: u64,
+    /// Recurrent policies: the rollout's sequences (each env column of each
+    /// fragment), which minibatches take whole.
+    pub sequences: Option<Sequences>,
+}
+
+/// A recurrent policy's rollout as sequences: each env column of each
+/// fragment is one, of the fragments' common length, trained by
+/// backpropagation through time from the state it started with.
+pub struct Sequences {
+    /// Steps of each sequence.
+    pub t_len: usize,
+    /// The row of each sequence's first step; step `t` is `t * stride`
+    /// rows further (its fragment's env count).
+    first_row: Vec<usize>,
+    stride: Vec<usize>,
+    /// Each sequence's state before its first step, `state_width` values.
+    initial: Vec<f32>,
+    state_width: usize,
+    /// Per row: the step starts an episode inside its sequence (the state
+    /// is zeroed before it). A sequence's first step never does: its
+    /// initial state already is what the env-runner acted with.
+    episode_starts: Vec<bool>,
 }
 
 fn fragment_error(f: &RolloutFragment, detail: impl std::fmt::Display) -> UpdateError {
@@ -181,6 +203,80 @@ pub fn action_dim(model: &ActorCritic) -> usize {
     }
 }
 
+/// The current critic's values of a fragment's observations `[T N]`, of
+/// its `next_obs` `[N]` and of its final observations `[K]`. A recurrent
+/// critic replays each env's column from the fragment's initial state,
+/// zeroing it where an episode starts: a final observation is valued with
+/// the state after its episode's last step, `next_obs` with the state
+/// after the fragment's last step (zero where that step ended an episode).
+fn fragment_values(
+    model: &ActorCritic,
+    f: &RolloutFragment,
+    d: &Decoded,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), UpdateError> {
+    let (t_len, n, obs_dim) = (d.t_len, d.n, model.spec().obs_dim);
+    let width = model.state_width();
+    if width == 0 {
+        let final_values = if d.final_obs.is_empty() {
+            Vec::new()
+        } else {
+            model.values(&d.final_obs, d.final_obs.len() / obs_dim)?
+        };
+        return Ok((
+            model.values(&d.obs, t_len * n)?,
+            model.values(&d.next_obs, n)?,
+            final_values,
+        ));
+    }
+    let mut state = initial_state(f, n, width)?;
+    let mut values = Vec::with_capacity(t_len * n);
+    let mut final_values = Vec::new();
+    let mut finals = d.final_obs.chunks_exact(obs_dim);
+    for t in 0..t_len {
+        let rows = t * n..(t + 1) * n;
+        values.extend(model.values_recurrent(
+            &d.obs[rows.start * obs_dim..rows.end * obs_dim],
+            n,
+            &mut state,
+        )?);
+        for i in 0..n {
+            let idx = t * n + i;
+            let row = &mut state[i * width..(i + 1) * width];
+            if d.truncated[idx] && !d.terminated[idx] {
+                let last = finals.next().expect("one final observation per truncation");
+                let mut after = row.to_vec();
+                final_values.extend(model.values_recurrent(last, 1, &mut after)?);
+            }
+            if d.terminated[idx] || d.truncated[idx] {
+                row.fill(0.0);
+            }
+        }
+    }
+    let tail_values = model.values_recurrent(&d.next_obs, n, &mut state)?;
+    Ok((values, tail_values, final_values))
+}
+
+/// A recurrent policy's fragment's initial state, `n` rows of `width`.
+fn initial_state(f: &RolloutFragment, n: usize, width: usize) -> Result<Vec<f32>, UpdateError> {
+    let state = f.initial_state.as_ref().ok_or_else(|| {
+        fragment_error(
+            f,
+            "no initial_state: the policy is recurrent (policy.recurrent), the env-runner sent a feed-forward fragment",
+        )
+    })?;
+    let values = state.to_f32().map_err(|e| fragment_error(f, e))?;
+    if values.len() != n * width {
+        return Err(fragment_error(
+            f,
+            format!(
+                "initial_state of {} values per env, the policy's state has {width}",
+                values.len() / n.max(1)
+            ),
+        ));
+    }
+    Ok(values)
+}
+
 /// Values from the current critic, then GAE per env column.
 pub fn prepare(
     model: &ActorCritic,
@@ -205,7 +301,9 @@ pub fn prepare(
         len: 0,
         vec_steps: 0,
         oldest_version: u64::MAX,
+        sequences: None,
     };
+    let state_width = model.state_width();
     let n_actions = mask_width(model);
     for f in fragments {
         check_mask_width(f, n_actions)?;
@@ -215,12 +313,12 @@ pub fn prepare(
         out.mask_width = n_actions.expect("checked: masks only for discrete policies");
     }
     for f in fragments {
+        let decoded = Decoded::new(f, obs_dim, action_dim)?;
+        let (values, tail_values, final_values) = fragment_values(model, f, &decoded)?;
         let Decoded {
             t_len,
             n,
             obs,
-            next_obs,
-            final_obs,
             rewards,
             terminated,
             truncated,
@@ -228,7 +326,35 @@ pub fn prepare(
             actions_discrete,
             actions_continuous,
             masks,
-        } = Decoded::new(f, obs_dim, action_dim)?;
+            ..
+        } = decoded;
+        if state_width > 0 {
+            let seqs = out.sequences.get_or_insert_with(|| Sequences {
+                t_len,
+                first_row: Vec::new(),
+                stride: Vec::new(),
+                initial: Vec::new(),
+                state_width,
+                episode_starts: Vec::new(),
+            });
+            if seqs.t_len != t_len {
+                return Err(fragment_error(
+                    f,
+                    format!(
+                        "a fragment of {t_len} steps among fragments of {}: a recurrent policy trains on sequences of one length (env_runner.fragment_steps)",
+                        seqs.t_len
+                    ),
+                ));
+            }
+            seqs.initial.extend(initial_state(f, n, state_width)?);
+            for i in 0..n {
+                seqs.first_row.push(out.len + i);
+                seqs.stride.push(n);
+            }
+            seqs.episode_starts.extend(
+                (0..t_len * n).map(|idx| idx >= n && (terminated[idx - n] || truncated[idx - n])),
+            );
+        }
         if masked {
             match masks {
                 Some(m) => out.masks.extend(m),
@@ -239,14 +365,6 @@ pub fn prepare(
         }
         out.actions_discrete.extend(actions_discrete);
         out.actions_continuous.extend(actions_continuous);
-
-        let values = model.values(&obs, t_len * n)?;
-        let tail_values = model.values(&next_obs, n)?;
-        let final_values = if final_obs.is_empty() {
-            Vec::new()
-        } else {
-            model.values(&final_obs, final_obs.len() / obs_dim)?
-        };
 
         // V(s_{t+1}) for each step: the next row, the tail, or (truncation
         // alone) the value of the episode's final observation.
@@ -304,6 +422,66 @@ pub fn prepare(
 }
 
 impl Rollout {
+    /// What minibatches are drawn from: sequences for a recurrent policy,
+    /// else rows.
+    pub fn units(&self) -> usize {
+        self.sequences
+            .as_ref()
+            .map_or(self.len, |s| s.first_row.len())
+    }
+
+    /// Rows per unit: a sequence's steps, or 1.
+    pub fn unit_len(&self) -> usize {
+        self.sequences.as_ref().map_or(1, |s| s.t_len)
+    }
+
+    /// The rows of `units`: themselves, or the sequences' steps time-major
+    /// (step `t` of every sequence, then step `t + 1`), the order
+    /// [`Rollout::evaluate`] scores them in.
+    pub fn rows_of(&self, units: &[usize]) -> Vec<usize> {
+        match &self.sequences {
+            None => units.to_vec(),
+            Some(s) => (0..s.t_len)
+                .flat_map(|t| units.iter().map(move |&u| s.first_row[u] + t * s.stride[u]))
+                .collect(),
+        }
+    }
+
+    /// Log-probabilities, entropies and values of `units` (rows `rows`, as
+    /// [`Rollout::rows_of`] gives them) under `model`, as a graph: row by
+    /// row, or for a recurrent policy by backpropagation through time over
+    /// whole sequences from their initial states.
+    pub fn evaluate(
+        &self,
+        model: &ActorCritic,
+        units: &[usize],
+        rows: &[usize],
+    ) -> Result<(Tensor, Tensor, Tensor), UpdateError> {
+        let device = model.device();
+        let obs = self.obs_tensor(rows, device)?;
+        let actions = self.actions_tensor(rows, device)?;
+        let masks = self.masks_tensor(rows, device)?;
+        Ok(match &self.sequences {
+            None => model.evaluate_masked(&obs, &actions, masks.as_ref())?,
+            Some(s) => {
+                let w = s.state_width;
+                let initial: Vec<f32> = units
+                    .iter()
+                    .flat_map(|&u| s.initial[u * w..(u + 1) * w].iter().copied())
+                    .collect();
+                let starts: Vec<bool> = rows.iter().map(|&r| s.episode_starts[r]).collect();
+                model.evaluate_sequences(
+                    &obs,
+                    s.t_len,
+                    &starts,
+                    &Tensor::from_vec(initial, (units.len(), w), device)?,
+                    &actions,
+                    masks.as_ref(),
+                )?
+            }
+        })
+    }
+
     /// Observations of rows `rows` as a `[rows, obs_dim]` tensor on `device`.
     pub fn obs_tensor(&self, rows: &[usize], device: &Device) -> Result<Tensor, UpdateError> {
         let d = self.obs_dim;
@@ -398,6 +576,7 @@ pub(crate) fn test_fragment(
         norm_delta: None,
         masks: None,
         frames: None,
+        initial_state: None,
     }
 }
 
@@ -439,6 +618,7 @@ mod tests {
             norm_delta: None,
             masks: None,
             frames: None,
+            initial_state: None,
         };
         let (gamma, lambda) = (0.9f32, 0.8f32);
         let rollout = prepare(&model, &[fragment], gamma as f64, lambda as f64).unwrap();
@@ -490,6 +670,7 @@ mod tests {
             norm_delta: None,
             masks: None,
             frames: None,
+            initial_state: None,
         };
         let err = prepare(&model, &[fragment], 0.99, 0.95)
             .err()

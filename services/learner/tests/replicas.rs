@@ -69,6 +69,7 @@ fn rollout(model: &ActorCritic, round: u64) -> Rollout {
         len: n,
         vec_steps: n as u64,
         oldest_version: 0,
+        sequences: None,
     }
 }
 

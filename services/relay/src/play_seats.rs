@@ -101,7 +101,7 @@ pub fn play_seat_games(
                     n.normalize_obs(&mut model_obs);
                 }
                 match model
-                    .act(&model_obs, 1, Some(&mask), true, &mut rng)?
+                    .act(&model_obs, 1, &mut [], Some(&mask), true, &mut rng)?
                     .actions
                 {
                     Actions::Discrete(a) => a[0],

@@ -1071,6 +1071,7 @@ mod tests {
             norm_delta: None,
             masks: None,
             frames: None,
+            initial_state: None,
         }
     }
 

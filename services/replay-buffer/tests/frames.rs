@@ -50,6 +50,7 @@ fn fragment(t: usize, first: u8) -> RolloutFragment {
         norm_delta: None,
         masks: None,
         frames: Some(Tensor::from_u8(&[t + 4, PLANE], &frames)),
+        initial_state: None,
     }
 }
 

@@ -51,6 +51,7 @@ fn fragment(t: usize, first: f32) -> RolloutFragment {
         norm_delta: None,
         masks: None,
         frames: None,
+        initial_state: None,
     }
 }
 

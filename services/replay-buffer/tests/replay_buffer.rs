@@ -39,6 +39,7 @@ fn fragment(version: u64, t: usize, n: usize) -> RolloutFragment {
         norm_delta: None,
         masks: None,
         frames: None,
+        initial_state: None,
     }
 }
 

@@ -221,6 +221,9 @@ impl ExperimentConfig {
                 "needs at least one layer (none is allowed with policy.cnn), each wider than 0",
             ));
         }
+        if let Some(recurrent) = &self.policy.recurrent {
+            self.validate_recurrent(recurrent)?;
+        }
         if let Some(cnn) = &self.policy.cnn {
             self.validate_cnn(cnn)?;
         }
@@ -553,6 +556,15 @@ impl ExperimentConfig {
             return Err(invalid(
                 "normalize",
                 format!("{}: normalisation is not supported in self-play; turn normalize.obs and normalize.reward off", game()),
+            ));
+        }
+        if self.policy.recurrent.is_some() {
+            return Err(invalid(
+                "policy.recurrent",
+                format!(
+                    "{}: recurrent policies are not built for self-play (each seat would need its own state); use a feed-forward policy",
+                    game()
+                ),
             ));
         }
         if self.env_runner.pace {

@@ -38,12 +38,29 @@ pub struct PolicyConfig {
     /// Q-network (SB3's DQN `CnnPolicy`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cnn: Option<crate::hyper::policy::CnnSpec>,
+    /// A recurrent core for partially observed envs: `{cell: lstm | gru,
+    /// hidden: 64, layers: 1}` between the features (the observation, or
+    /// the CNN's) and the hidden layers, one for the actor and one for the
+    /// critic (one for both with `trunk: shared`), as sb3-contrib's
+    /// `RecurrentPPO`. Its state travels with each env's act requests and
+    /// fragments, resets at each episode's start, and the learner trains
+    /// through time over each fragment. PPO and A2C.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recurrent: Option<crate::hyper::policy::RecurrentSpec>,
     /// Where the learner trains the network and the inference server runs
     /// it: `cpu` (the default: fused CPU kernels, fastest for MLPs), `cuda`
     /// or `cuda:N` (a build with the `cuda` feature, `just build-cuda`; for
     /// CNN policies). PPO, A2C, REINFORCE and DQN; SAC trains on the CPU.
     #[serde(skip_serializing_if = "is_cpu")]
     pub device: DeviceSpec,
+}
+
+impl PolicyConfig {
+    /// Recurrent state values per env (`policy.recurrent`; 0 for a
+    /// feed-forward policy): what act requests and fragments carry.
+    pub fn state_width(&self) -> usize {
+        self.recurrent.map_or(0, |r| r.state_width(self.trunk))
+    }
 }
 
 fn is_cpu(device: &DeviceSpec) -> bool {
@@ -58,6 +75,7 @@ impl Default for PolicyConfig {
             init_log_std: 0.0,
             trunk: TrunkLayout::Separate,
             cnn: None,
+            recurrent: None,
             device: DeviceSpec::Cpu,
         }
     }
@@ -90,6 +108,27 @@ impl ExperimentConfig {
 }
 
 impl ExperimentConfig {
+    /// `policy.recurrent` on its own: sizes, and algorithms that train a
+    /// recurrent policy (PPO and A2C, on classic envs).
+    pub(crate) fn validate_recurrent(
+        &self,
+        recurrent: &crate::hyper::policy::RecurrentSpec,
+    ) -> Result<(), ConfigError> {
+        recurrent
+            .validate()
+            .map_err(|e| invalid(&format!("policy.recurrent.{}", e.field), e.reason))?;
+        if self.is_text_game() || !matches!(self.run.algo, Algo::Ppo | Algo::A2c) {
+            return Err(invalid(
+                "policy.recurrent",
+                format!(
+                    "recurrent policies train with ppo or a2c on classic envs, not run.algo {} on {}",
+                    self.run.algo, self.run.env_id
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// `policy.device`: a classic run on an algorithm with a device path, in
     /// a build that can open it.
     pub(crate) fn validate_policy_device(&self) -> Result<(), ConfigError> {

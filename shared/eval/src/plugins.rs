@@ -1111,6 +1111,14 @@ pub fn play_against<M: relay_policy::Act>(
     };
     let width = spec.action_space.n().unwrap_or(0);
     let all_legal = vec![1u8; num_envs * width];
+    // A recurrent policy's state per env, zeroed as each episode starts.
+    let state_width = model.state_width();
+    if state_width > 0 && seats > 0 {
+        return Err(format!(
+            "{env_id} is a multi-agent game; recurrent policies play single-agent envs"
+        ));
+    }
+    let mut state = vec![0f32; num_envs * state_width];
     while unfinished > 0 {
         model_obs.copy_from_slice(&obs);
         if let Some(n) = normalizer {
@@ -1128,6 +1136,7 @@ pub fn play_against<M: relay_policy::Act>(
             .act(
                 &model_obs,
                 num_envs,
+                &mut state,
                 masks.as_deref(),
                 deterministic,
                 &mut rng,
@@ -1195,6 +1204,7 @@ pub fn play_against<M: relay_policy::Act>(
             }
         }
         for e in &step.finished {
+            state[e.env_index * state_width..(e.env_index + 1) * state_width].fill(0.0);
             let episode = &mut playing[e.env_index];
             if let Some(slot) = returns.get_mut(*episode) {
                 // A multi-agent game's return is the policy's seat's.
@@ -1429,7 +1439,8 @@ mod tests {
             .any(|(i, r)| i + r.len() * MAX_EVAL_ENVS < n)
         {
             let out =
-                relay_policy::Act::act(&model, &obs, MAX_EVAL_ENVS, None, true, &mut rng).unwrap();
+                relay_policy::Act::act(&model, &obs, MAX_EVAL_ENVS, &mut [], None, true, &mut rng)
+                    .unwrap();
             let Actions::Discrete(a) = &out.actions else {
                 panic!("CartPole is discrete")
             };

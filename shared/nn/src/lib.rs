@@ -92,6 +92,7 @@ pub mod par;
 pub(crate) mod params;
 pub mod ppo;
 pub mod qnet;
+pub mod recurrent;
 pub mod sac;
 pub mod share;
 pub use relay_config::hyper::schedule;
@@ -125,5 +126,7 @@ pub use sac::{
 };
 pub use schedule::{Schedule, Shape, Warmup};
 pub use share::{BatchShare, SumAcross};
-pub use spec::{ActionKind, Activation, CnnArch, CnnSpec, ConvSpec, PolicySpec};
+pub use spec::{
+    ActionKind, Activation, CellKind, CnnArch, CnnSpec, ConvSpec, PolicySpec, RecurrentSpec,
+};
 pub use vec_normalize::{NormDelta, NormalizeConfig, RunningMeanStd, VecNormalize};

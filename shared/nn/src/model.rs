@@ -68,6 +68,7 @@ use crate::kernels;
 use crate::ops::{self, check_masks, cpu_f32, HALF_LN_2PI};
 use crate::params::Params;
 use crate::qnet::masked_argmax;
+use crate::recurrent::Core;
 use crate::spec::{ActionKind, Activation, PolicySpec};
 pub use relay_config::hyper::policy::TrunkLayout;
 
@@ -110,12 +111,29 @@ pub(crate) struct Dense {
     pub(crate) b: Var,
 }
 
+/// A recurrent policy's cores: the actor's, and the critic's unless the
+/// trunk is shared (then the actor's feeds both heads).
+#[derive(Clone)]
+struct Cores {
+    actor: Core,
+    critic: Option<Core>,
+}
+
+impl Cores {
+    /// State values per row: the actor core's, then the critic core's.
+    fn state_width(&self) -> usize {
+        self.actor.state_width() + self.critic.as_ref().map_or(0, Core::state_width)
+    }
+}
+
 /// Actor-critic MLP policy (see the module docs for layout and init).
 pub struct ActorCritic {
     spec: PolicySpec,
     varmap: VarMap,
     /// The shared image features extractor of a CNN policy.
     cnn: Option<Cnn>,
+    /// The recurrent cores of a recurrent policy ([`crate::recurrent`]).
+    cores: Option<Cores>,
     policy_net: Vec<Dense>,
     value_net: Vec<Dense>,
     action_net: Dense,
@@ -309,6 +327,27 @@ impl ActorCritic {
             )?),
             None => None,
         };
+        let cores = match &spec.recurrent {
+            Some(r) => {
+                let core = |who: &str, init: &mut Init<'_>, params: &mut Vec<(String, Var)>| {
+                    Core::new(
+                        &format!("{}_{who}", r.cell.name()),
+                        r,
+                        spec.features_dim(),
+                        init,
+                        params,
+                        dev,
+                    )
+                };
+                let actor = core("actor", &mut init, &mut params)?;
+                let critic = match layout {
+                    TrunkLayout::Separate => Some(core("critic", &mut init, &mut params)?),
+                    TrunkLayout::Shared => None,
+                };
+                Some(Cores { actor, critic })
+            }
+            None => None,
+        };
         let mut dense = |prefix: String,
                          inp: usize,
                          out: usize,
@@ -325,7 +364,7 @@ impl ActorCritic {
             )
         };
         let mut build_trunk = |net: &str, init: &mut Init<'_>| -> Result<Vec<Dense>> {
-            let mut inp = spec.features_dim();
+            let mut inp = spec.trunk_input_dim();
             let mut layers = Vec::new();
             for (i, &h) in spec.hidden.iter().enumerate() {
                 layers.push(dense(
@@ -350,7 +389,11 @@ impl ActorCritic {
                 (shared.clone(), shared)
             }
         };
-        let last = spec.hidden.last().copied().unwrap_or(spec.features_dim());
+        let last = spec
+            .hidden
+            .last()
+            .copied()
+            .unwrap_or(spec.trunk_input_dim());
         let action_net = dense(
             "action_net".into(),
             last,
@@ -382,6 +425,7 @@ impl ActorCritic {
             spec: spec.clone(),
             varmap,
             cnn,
+            cores,
             policy_net,
             value_net,
             action_net,
@@ -400,6 +444,12 @@ impl ActorCritic {
     /// Whether actor and critic share their hidden layers.
     pub fn layout(&self) -> TrunkLayout {
         self.layout
+    }
+
+    /// Recurrent state values per observation row ([`crate::recurrent`]):
+    /// 0 for a feed-forward policy.
+    pub fn state_width(&self) -> usize {
+        self.cores.as_ref().map_or(0, Cores::state_width)
     }
 
     /// The candle `VarMap` holding the same `Var`s (for interop; prefer
@@ -562,9 +612,73 @@ impl ActorCritic {
         deterministic: bool,
         rng: &mut impl Rng,
     ) -> Result<ActOutput> {
+        self.check_feed_forward("act")?;
+        self.act_step(obs, n, None, masks, deterministic, rng)
+    }
+
+    /// [`Self::act_masked`] of a recurrent policy: `state` holds each row's
+    /// recurrent state ([`Self::state_width`] values a row; zeros at an
+    /// episode's start) and is advanced past this step in place. On a
+    /// feed-forward policy `state` must be empty and this is
+    /// [`Self::act_masked`].
+    pub fn act_recurrent(
+        &self,
+        obs: &[f32],
+        n: usize,
+        state: &mut [f32],
+        masks: Option<&[u8]>,
+        deterministic: bool,
+        rng: &mut impl Rng,
+    ) -> Result<ActOutput> {
+        self.check_state(state, n)?;
+        let state = (self.cores.is_some()).then_some(state);
+        self.act_step(obs, n, state, masks, deterministic, rng)
+    }
+
+    /// A feed-forward call on a recurrent policy is an error naming `what`.
+    fn check_feed_forward(&self, what: &str) -> Result<()> {
+        if self.cores.is_some() {
+            return Err(NnError::bad_input(
+                "state",
+                format!("the recurrent state of each row ({what} of a recurrent policy: act_recurrent / values_recurrent)"),
+                "none",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `state` holds `n` rows of [`Self::state_width`] finite values.
+    fn check_state(&self, state: &[f32], n: usize) -> Result<()> {
+        let width = self.state_width();
+        if state.len() != n * width {
+            return Err(NnError::bad_input(
+                "state",
+                format!("{n} x {width} = {} values", n * width),
+                format!("{} values", state.len()),
+            ));
+        }
+        if let Some(bad) = state.iter().find(|v| !v.is_finite()) {
+            return Err(NnError::bad_input("state", "finite values", bad));
+        }
+        Ok(())
+    }
+
+    /// Acting on `n` rows, advancing `state` for a recurrent policy.
+    fn act_step(
+        &self,
+        obs: &[f32],
+        n: usize,
+        state: Option<&mut [f32]>,
+        masks: Option<&[u8]>,
+        deterministic: bool,
+        rng: &mut impl Rng,
+    ) -> Result<ActOutput> {
         self.check_obs(obs, n)?;
         self.check_host_masks(masks, n)?;
-        let (head, values) = self.infer(obs, n, true)?;
+        let (head, values) = match state {
+            Some(state) => self.infer_recurrent(obs, n, state)?,
+            None => self.infer(obs, n, true)?,
+        };
         let mut logprobs = Vec::with_capacity(n);
         let actions = match &self.spec.action {
             ActionKind::Discrete { n: k } => {
@@ -626,8 +740,84 @@ impl ActorCritic {
 
     /// Critic values `V(s)` of `n` observations (`n * obs_dim` values), no graph.
     pub fn values(&self, obs: &[f32], n: usize) -> Result<Vec<f32>> {
+        self.check_feed_forward("values")?;
         self.check_obs(obs, n)?;
         Ok(self.infer(obs, n, false)?.1)
+    }
+
+    /// [`Self::values`] of a recurrent policy, advancing `state` (as
+    /// [`Self::act_recurrent`]).
+    pub fn values_recurrent(&self, obs: &[f32], n: usize, state: &mut [f32]) -> Result<Vec<f32>> {
+        if self.cores.is_none() {
+            return self.values(obs, n);
+        }
+        self.check_obs(obs, n)?;
+        self.check_state(state, n)?;
+        Ok(self.infer_recurrent(obs, n, state)?.1)
+    }
+
+    /// One step of a recurrent policy on `n` rows without a graph: head and
+    /// values, `state` advanced in place.
+    fn infer_recurrent(
+        &self,
+        obs: &[f32],
+        n: usize,
+        state: &mut [f32],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let cores = self.cores.as_ref().expect("a recurrent policy");
+        if !ops::fused_on(self.device()) {
+            let x = Tensor::from_slice(obs, (n, self.spec.obs_dim), self.device())?;
+            let keep = Tensor::ones((1, n, 1), DType::F32, self.device())?;
+            let initial = Tensor::from_slice(state, (n, cores.state_width()), self.device())?;
+            let (head, values, last) = self.heads_sequence_graph(&x, 1, n, &keep, &initial)?;
+            state.copy_from_slice(&last.detach().flatten_all()?.to_vec1::<f32>()?);
+            return Ok((
+                head.detach().flatten_all()?.to_vec1()?,
+                values.detach().flatten_all()?.to_vec1()?,
+            ));
+        }
+        let features;
+        let x = match &self.cnn {
+            Some(cnn) => {
+                features = cnn.host(obs, n)?;
+                &features[..]
+            }
+            None => obs,
+        };
+        let (d, sw) = (self.spec.features_dim(), cores.state_width());
+        let hidden = cores.actor.hidden();
+        let actor_in = cores.actor.step_host(x, n, d, state, sw, 0)?;
+        let act = self.spec.activation;
+        match &cores.critic {
+            Some(critic) => {
+                let critic_in = critic.step_host(x, n, d, state, sw, cores.actor.state_width())?;
+                Ok((
+                    mlp_host(
+                        &self.policy_net,
+                        &self.action_net,
+                        act,
+                        &actor_in,
+                        n,
+                        hidden,
+                    )?,
+                    mlp_host(
+                        &self.value_net,
+                        &self.value_head,
+                        act,
+                        &critic_in,
+                        n,
+                        hidden,
+                    )?,
+                ))
+            }
+            None => {
+                let (h, width) = trunk_host(&self.policy_net, act, &actor_in, n, hidden)?;
+                Ok((
+                    dense_host(&self.action_net, Cow::Borrowed(&h), n, width, None)?,
+                    dense_host(&self.value_head, h, n, width, None)?,
+                ))
+            }
+        }
     }
 
     fn log_std_values(&self) -> Result<Vec<f32>> {
@@ -659,6 +849,55 @@ impl ActorCritic {
                 Ok((
                     head_graph(&h, &self.action_net)?,
                     head_graph(&h, &self.value_head)?,
+                ))
+            }
+        }
+    }
+
+    /// A recurrent policy's heads over `T` steps of `B` sequences as a graph
+    /// (`obs` `[T B, obs_dim]` time-major, `keep` `[T, B, 1]` 0 where a step
+    /// starts an episode, `initial` `[B, state_width]`): the policy head
+    /// `[T B, head]`, the values `[T B, 1]` and the state after the last
+    /// step `[B, state_width]`.
+    fn heads_sequence_graph(
+        &self,
+        obs: &Tensor,
+        t_len: usize,
+        b: usize,
+        keep: &Tensor,
+        initial: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let cores = self.cores.as_ref().expect("a recurrent policy");
+        let act = self.spec.activation;
+        let features;
+        let x = match &self.cnn {
+            Some(cnn) => {
+                features = cnn.graph(obs)?;
+                &features
+            }
+            None => obs,
+        };
+        let aw = cores.actor.state_width();
+        let (a, actor_last) = cores
+            .actor
+            .unroll(x, t_len, b, keep, &initial.narrow(1, 0, aw)?)?;
+        match &cores.critic {
+            Some(critic) => {
+                let cw = critic.state_width();
+                let (c, critic_last) =
+                    critic.unroll(x, t_len, b, keep, &initial.narrow(1, aw, cw)?)?;
+                Ok((
+                    head_graph(&trunk_graph(&a, &self.policy_net, act)?, &self.action_net)?,
+                    head_graph(&trunk_graph(&c, &self.value_net, act)?, &self.value_head)?,
+                    Tensor::cat(&[actor_last, critic_last], 1)?,
+                ))
+            }
+            None => {
+                let h = trunk_graph(&a, &self.policy_net, act)?;
+                Ok((
+                    head_graph(&h, &self.action_net)?,
+                    head_graph(&h, &self.value_head)?,
+                    actor_last,
                 ))
             }
         }
@@ -709,8 +948,73 @@ impl ActorCritic {
         if let (Some(m), ActionKind::Continuous { .. }) = (masks, &self.spec.action) {
             return Err(continuous_masks(m.elem_count()));
         }
+        self.check_feed_forward("evaluate")?;
         let obs = obs.to_dtype(DType::F32)?.contiguous()?;
         let (logits, value) = self.heads_graph(&obs)?;
+        self.score(logits, value, actions, masks, b)
+    }
+
+    /// [`Self::evaluate_masked`] of a recurrent policy over `B` sequences
+    /// of `t_len` steps, by backpropagation through time: `obs` `[T B,
+    /// obs_dim]` time-major (row `t B + b` is sequence `b`'s step `t`, and
+    /// `actions`, `masks` and the results follow the same rows),
+    /// `episode_starts` (`T B`, the same rows) true where a step starts an
+    /// episode (the state is zeroed before it), `initial` `[B, state_width]`
+    /// each sequence's state at its first step (constant: no gradient
+    /// flows into it).
+    pub fn evaluate_sequences(
+        &self,
+        obs: &Tensor,
+        t_len: usize,
+        episode_starts: &[bool],
+        initial: &Tensor,
+        actions: &Tensor,
+        masks: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let cores = self.cores.as_ref().ok_or_else(|| {
+            NnError::bad_input("model", "a recurrent policy", "a feed-forward one")
+        })?;
+        let rows = obs.dim(0)?;
+        let b = rows / t_len.max(1);
+        if t_len == 0 || b * t_len != rows || episode_starts.len() != rows {
+            return Err(NnError::bad_input(
+                "obs",
+                format!("{t_len} steps of B sequences, and as many episode starts"),
+                format!("{rows} rows, {} episode starts", episode_starts.len()),
+            ));
+        }
+        if initial.dims() != [b, cores.state_width()] {
+            return Err(NnError::bad_input(
+                "initial",
+                format!("[{b}, {}]", cores.state_width()),
+                format!("{:?}", initial.dims()),
+            ));
+        }
+        if let (Some(m), ActionKind::Continuous { .. }) = (masks, &self.spec.action) {
+            return Err(continuous_masks(m.elem_count()));
+        }
+        let keep: Vec<f32> = episode_starts
+            .iter()
+            .map(|&s| f32::from(u8::from(!s)))
+            .collect();
+        let keep = Tensor::from_vec(keep, (t_len, b, 1), self.device())?;
+        let obs = obs.to_dtype(DType::F32)?.contiguous()?;
+        let initial = initial.to_dtype(DType::F32)?.detach();
+        let (logits, value, _) = self.heads_sequence_graph(&obs, t_len, b, &keep, &initial)?;
+        self.score(logits, value, actions, masks, rows)
+    }
+
+    /// Log-probabilities of `actions`, entropies and values `[B]` from the
+    /// heads of `b` rows (the end of [`Self::evaluate_masked`] and
+    /// [`Self::evaluate_sequences`]).
+    fn score(
+        &self,
+        logits: Tensor,
+        value: Tensor,
+        actions: &Tensor,
+        masks: Option<&Tensor>,
+        b: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let value = value.reshape(b)?;
         let (logprob, entropy) = match &self.spec.action {
             ActionKind::Discrete { n } => {

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
-pub use relay_config::hyper::policy::{CnnArch, CnnSpec, ConvSpec};
+pub use relay_config::hyper::policy::{CellKind, CnnArch, CnnSpec, ConvSpec, RecurrentSpec};
 
 /// The action space of the environment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -81,6 +81,10 @@ pub struct PolicySpec {
     /// Actor and critic share it, as Stable-Baselines3's `CnnPolicy` does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cnn: Option<CnnSpec>,
+    /// A recurrent core between the features and the hidden layers
+    /// ([`crate::recurrent`]; `None`: a feed-forward policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recurrent: Option<RecurrentSpec>,
 }
 
 /// Checks an image policy's CNN against the observations it reads: the
@@ -116,6 +120,7 @@ impl PolicySpec {
             activation: Activation::Tanh,
             init_log_std: 0.0,
             cnn: None,
+            recurrent: None,
         }
     }
 
@@ -132,6 +137,7 @@ impl PolicySpec {
             activation: Activation::Tanh,
             init_log_std: 0.0,
             cnn: None,
+            recurrent: None,
         }
     }
 
@@ -141,12 +147,31 @@ impl PolicySpec {
         self.cnn.as_ref().map_or(self.obs_dim, |c| c.features_dim)
     }
 
+    /// Width of what the hidden layers read: the recurrent core's output,
+    /// else the features.
+    pub fn trunk_input_dim(&self) -> usize {
+        self.recurrent
+            .as_ref()
+            .map_or(self.features_dim(), |r| r.hidden)
+    }
+
     /// Checks every field; the error names the field.
     pub fn validate(&self) -> Result<()> {
         if self.obs_dim == 0 {
             return Err(NnError::config("obs_dim", "must be at least 1"));
         }
         validate_cnn(self.cnn.as_ref(), self.obs_dim)?;
+        if let Some(r) = &self.recurrent {
+            r.validate().map_err(|e| {
+                NnError::config(
+                    match e.field {
+                        "hidden" => "recurrent.hidden",
+                        _ => "recurrent.layers",
+                    },
+                    e.reason,
+                )
+            })?;
+        }
         if let Some(i) = self.hidden.iter().position(|&h| h == 0) {
             return Err(NnError::config(
                 "hidden",

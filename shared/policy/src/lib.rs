@@ -101,6 +101,7 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, SpecError> {
                 input,
                 ..cnn.clone()
             }),
+        recurrent: config.policy.recurrent,
     })
 }
 
@@ -136,12 +137,21 @@ pub fn sac_spec_for(config: &ExperimentConfig) -> Result<SacSpec, String> {
 
 /// What a policy model does for the env-runners and evaluators: actions for
 /// `n` observations, sampled or deterministic, among the legal ones where
-/// `masks` (`n * n_actions` bytes, 1 = legal) are given.
+/// `masks` (`n * n_actions` bytes, 1 = legal) are given. A recurrent
+/// policy ([`Act::state_width`] above 0) reads each row's state from
+/// `state` (`n * state_width` values; zeros start an episode) and advances
+/// it past this step in place; a feed-forward one takes an empty `state`.
 pub trait Act {
+    /// Recurrent state values per row (0: a feed-forward policy).
+    fn state_width(&self) -> usize {
+        0
+    }
+
     fn act<R: rand::Rng>(
         &self,
         obs: &[f32],
         n: usize,
+        state: &mut [f32],
         masks: Option<&[u8]>,
         deterministic: bool,
         rng: &mut R,
@@ -149,15 +159,20 @@ pub trait Act {
 }
 
 impl Act for ActorCritic {
+    fn state_width(&self) -> usize {
+        ActorCritic::state_width(self)
+    }
+
     fn act<R: rand::Rng>(
         &self,
         obs: &[f32],
         n: usize,
+        state: &mut [f32],
         masks: Option<&[u8]>,
         deterministic: bool,
         rng: &mut R,
     ) -> relay_nn::Result<ActOutput> {
-        ActorCritic::act_masked(self, obs, n, masks, deterministic, rng)
+        ActorCritic::act_recurrent(self, obs, n, state, masks, deterministic, rng)
     }
 }
 
@@ -183,16 +198,33 @@ impl Act for PolicyModel {
     /// continuous actions in env units (sampled, or `tanh(μ)` scaled when
     /// deterministic); `logprobs` and `values` are 0 (SAC's off-policy
     /// learner uses neither, and it has no state value).
+    fn state_width(&self) -> usize {
+        match self {
+            Self::ActorCritic(model) => model.state_width(),
+            Self::QNetwork { .. } | Self::Sac(_) => 0,
+        }
+    }
+
     fn act<R: rand::Rng>(
         &self,
         obs: &[f32],
         n: usize,
+        state: &mut [f32],
         masks: Option<&[u8]>,
         deterministic: bool,
         rng: &mut R,
     ) -> relay_nn::Result<ActOutput> {
+        if !matches!(self, Self::ActorCritic(_)) && !state.is_empty() {
+            return Err(relay_nn::NnError::BadInput {
+                what: "state",
+                expected: "none (a feed-forward policy)".into(),
+                got: format!("{} values", state.len()),
+            });
+        }
         match self {
-            Self::ActorCritic(model) => model.act_masked(obs, n, masks, deterministic, rng),
+            Self::ActorCritic(model) => {
+                model.act_recurrent(obs, n, state, masks, deterministic, rng)
+            }
             Self::QNetwork { net, epsilon } => {
                 let eps = if deterministic { 0.0 } else { *epsilon };
                 let k = net.spec().n_actions;

@@ -68,6 +68,11 @@ impl SeatOpponent {
                 spec.action_space
             )));
         }
+        if policy.model.state_width() > 0 {
+            return Err(checkpoint_error(
+                "a recurrent policy's checkpoint: opponents of games on observations are feed-forward, as self-play trains them".into(),
+            ));
+        }
         Ok(Self::Checkpoint(Box::new(policy)))
     }
 
@@ -104,7 +109,7 @@ impl SeatOpponent {
                 };
                 let out = policy
                     .model
-                    .act(obs, n, Some(masks), false, rng)
+                    .act(obs, n, &mut [], Some(masks), false, rng)
                     .map_err(|e| e.to_string())?;
                 match out.actions {
                     Actions::Discrete(actions) => Ok(actions),

@@ -155,6 +155,12 @@ pub struct ActRequest {
     /// answer 404 when it is not stored there. Absent: the newest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_version: Option<u64>,
+    /// Recurrent policies (`policy.recurrent`): `[n, state_width]` f32, each
+    /// env's recurrent state before this step (zeros at an episode's
+    /// start), which the env-runner keeps and the reply advances. Absent:
+    /// zeros, or a feed-forward policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<Tensor>,
 }
 
 impl ActRequest {
@@ -165,7 +171,14 @@ impl ActRequest {
             deterministic,
             masks: None,
             policy_version: None,
+            state: None,
         }
+    }
+
+    /// The request with each row's recurrent state (see [`Self::state`]).
+    pub fn with_state(mut self, state: Option<Tensor>) -> Self {
+        self.state = state;
+        self
     }
 
     /// The request for past version `version` (see [`Self::policy_version`]).
@@ -195,6 +208,15 @@ wire_message!(ActRequest, "ActRequest", |m: &ActRequest| {
             None,
         )?;
     }
+    if let Some(state) = &m.state {
+        let n = m.obs.shape[0] as usize;
+        tensor_check(
+            "ActRequest",
+            "state",
+            state.expect(DType::F32, &[Some(n), None]),
+        )?;
+        finite_f32("ActRequest", "state", state)?;
+    }
     Ok(())
 });
 
@@ -210,6 +232,10 @@ pub struct ActReply {
     pub logprobs: Tensor,
     /// `[n]` f32 value estimates.
     pub values: Tensor,
+    /// Recurrent policies: `[n, state_width]` f32, each env's state after
+    /// this step (what its next request sends, unless its episode ended).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<Tensor>,
 }
 
 wire_message!(ActReply, "ActReply", |m: &ActReply| {
@@ -226,6 +252,14 @@ wire_message!(ActReply, "ActReply", |m: &ActReply| {
     )?;
     check_actions("ActReply", &m.actions, &[n])?;
     finite_f32("ActReply", "logprobs", &m.logprobs)?;
+    if let Some(state) = &m.state {
+        tensor_check(
+            "ActReply",
+            "state",
+            state.expect(DType::F32, &[Some(n), None]),
+        )?;
+        finite_f32("ActReply", "state", state)?;
+    }
     finite_f32("ActReply", "values", &m.values)
 });
 
@@ -294,6 +328,13 @@ pub struct RolloutFragment {
     /// with `env.action_masks: false`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub masks: Option<FragmentMasks>,
+    /// Recurrent policies: `[N, state_width]` f32, each env's recurrent
+    /// state before the fragment's first step, from which the learner
+    /// replays the fragment (zeroing it at each episode start: a step
+    /// after a terminated or truncated one). Absent for feed-forward
+    /// policies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial_state: Option<Tensor>,
 }
 
 /// The action masks of a fragment's observations: u8, 1 = legal, every row
@@ -565,6 +606,14 @@ wire_message!(RolloutFragment, "RolloutFragment", |m: &RolloutFragment| {
     }
     if let Some(stats) = &m.norm_delta {
         stats.check(K, "norm_delta", Some(d))?;
+    }
+    if let Some(state) = &m.initial_state {
+        tensor_check(
+            K,
+            "initial_state",
+            state.expect(DType::F32, &[Some(n), None]),
+        )?;
+        finite_f32(K, "initial_state", state)?;
     }
     if let Some(masks) = &m.masks {
         if m.actions.dtype != DType::I64 {
@@ -1241,6 +1290,7 @@ mod tests {
             norm_delta: None,
             masks: None,
             frames: None,
+            initial_state: None,
         }
     }
 

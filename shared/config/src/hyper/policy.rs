@@ -1,5 +1,6 @@
 //! The classic policy's hyperparameter types that configs name: the trunk
-//! layout, the CNN features extractor, and `VecNormalize`'s settings.
+//! layout, the CNN features extractor, the recurrent core, and
+//! `VecNormalize`'s settings.
 //! relay-nn builds the networks and the normaliser from them.
 
 use serde::{Deserialize, Serialize};
@@ -316,6 +317,99 @@ impl CnnSpec {
     /// Values per observation: `channels * height * width`.
     pub fn input_len(&self) -> usize {
         self.input.iter().product()
+    }
+}
+
+/// The recurrent cell of a [`RecurrentSpec`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CellKind {
+    /// Long short-term memory (PyTorch's `nn.LSTM`: gates i, f, g, o; state
+    /// `h` and `c`), the cell of sb3-contrib's `RecurrentPPO` and CleanRL's
+    /// `ppo_atari_lstm.py`.
+    #[default]
+    Lstm,
+    /// Gated recurrent unit (PyTorch's `nn.GRU`: gates r, z, n; state `h`).
+    Gru,
+}
+
+impl CellKind {
+    /// Gate blocks of width `hidden` in its weights: 4 (LSTM), 3 (GRU).
+    pub fn gates(self) -> usize {
+        match self {
+            CellKind::Lstm => 4,
+            CellKind::Gru => 3,
+        }
+    }
+
+    /// State vectors of width `hidden` per layer: `h` and `c` (LSTM), `h` (GRU).
+    pub fn state_vectors(self) -> usize {
+        match self {
+            CellKind::Lstm => 2,
+            CellKind::Gru => 1,
+        }
+    }
+
+    /// Its name in configs and parameter names.
+    pub fn name(self) -> &'static str {
+        match self {
+            CellKind::Lstm => "lstm",
+            CellKind::Gru => "gru",
+        }
+    }
+}
+
+/// A recurrent core between the features (the observation, or a CNN's
+/// features) and the MLP trunks (`policy.recurrent`): `layers` stacked
+/// cells of width `hidden`, one core for the actor and one for the critic
+/// (sb3-contrib's `RecurrentPPO` default, `enable_critic_lstm`), or one for
+/// both with `policy.trunk: shared`. Its state is carried from step to step
+/// and reset to zeros at each episode's start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RecurrentSpec {
+    /// `lstm` (default) or `gru`.
+    pub cell: CellKind,
+    /// Width of each cell's hidden state. Default 64.
+    pub hidden: usize,
+    /// Stacked cells. Default 1.
+    pub layers: usize,
+}
+
+impl Default for RecurrentSpec {
+    fn default() -> Self {
+        Self {
+            cell: CellKind::Lstm,
+            hidden: 64,
+            layers: 1,
+        }
+    }
+}
+
+impl RecurrentSpec {
+    /// Checks the sizes; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.hidden == 0 {
+            return Err(FieldError::new("hidden", "must be at least 1".to_string()));
+        }
+        if self.layers == 0 {
+            return Err(FieldError::new("layers", "must be at least 1".to_string()));
+        }
+        Ok(())
+    }
+
+    /// State values of one core: `layers * state_vectors * hidden`.
+    pub fn core_state_width(&self) -> usize {
+        self.layers * self.cell.state_vectors() * self.hidden
+    }
+
+    /// State values per env of a policy of trunk `layout`: the actor
+    /// core's, then the critic core's (one core with a shared trunk).
+    pub fn state_width(&self, layout: TrunkLayout) -> usize {
+        match layout {
+            TrunkLayout::Separate => 2 * self.core_state_width(),
+            TrunkLayout::Shared => self.core_state_width(),
+        }
     }
 }
 

@@ -74,6 +74,7 @@ pub fn fragment(rng: &mut Rng) -> RolloutFragment {
         norm_delta: None,
         masks: None,
         frames: None,
+        initial_state: None,
     };
     if rng.below(3) == 0 {
         // Image observations stored once: planes and indices into them.
@@ -189,6 +190,7 @@ impl Subject for ActReply {
             actions: actions_tensor(rng, &[n]),
             logprobs: f32_tensor(rng, &[n]),
             values: f32_tensor(rng, &[n]),
+            state: None,
         }
     }
     schema_setter!();
