@@ -363,6 +363,7 @@ fn rollout(model: &ActorCritic, n: usize) -> Result<Rollout> {
         len: n,
         vec_steps: n as u64,
         oldest_version: 0,
+        sequences: None,
     })
 }
 
