@@ -8,7 +8,7 @@
 # `--envpool` also installs EnvPool (PyPI) into .relay/envpool, a virtual
 # environment apart from the bridge's (its own gymnasium and numpy pins),
 # for `just bench-envs`; where it does not install, the bench says so.
-# `--sb3` also installs Stable-Baselines3 with PyTorch (PyPI's, 5 GB), Gymnasium,
+# `--sb3` also installs Stable-Baselines3 and sb3-contrib with PyTorch (PyPI's, 5 GB), Gymnasium,
 # ale-py and OpenCV into .relay/sb3, the anchor of `just bench-learning`'s
 # Atari row and `just bench-nn` (both find it there; RELAY_TORCH_PYTHON
 # names another Python).
@@ -170,11 +170,11 @@ fi
 
 if [[ " $* " == *" --sb3 "* ]]; then
   sb3_venv="$repo_root/.relay/sb3"
-  if ! "$sb3_venv/bin/python" -c 'import stable_baselines3, ale_py, cv2' >/dev/null 2>&1; then
-    say "installing Stable-Baselines3, PyTorch, Gymnasium and ale-py into .relay/sb3"
+  if ! "$sb3_venv/bin/python" -c 'import stable_baselines3, sb3_contrib, ale_py, cv2' >/dev/null 2>&1; then
+    say "installing Stable-Baselines3 (and sb3-contrib), PyTorch, Gymnasium and ale-py into .relay/sb3"
     [ -x "$sb3_venv/bin/python" ] || python3 -m venv "$sb3_venv"
     "$sb3_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-      stable-baselines3 "gymnasium==1.4.0" ale-py opencv-python-headless \
+      stable-baselines3 sb3-contrib "gymnasium==1.4.0" ale-py opencv-python-headless \
       || say "Stable-Baselines3 did not install here; the benches report its columns as missing"
   fi
 fi

@@ -179,7 +179,9 @@ struct ReplicaReport {
     digest: String,
 }
 
-/// A replica's model, optimizer and data.
+/// A replica's model, optimizer and data (one per bench process: the
+/// variants' sizes do not matter).
+#[allow(clippy::large_enum_variant)]
 enum Trainer {
     Ppo {
         model: ActorCritic,

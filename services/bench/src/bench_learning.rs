@@ -57,13 +57,16 @@ pub struct Versus {
 }
 
 /// A script under `services/bench/sb3/` that trains the goal's env with
-/// Stable-Baselines3 for `seconds` and prints its env steps per second
-/// (last line, JSON `env_steps_per_s`), run once after relay's seeds on
-/// the same machine.
+/// Stable-Baselines3 (or sb3-contrib), run once after relay's seeds on the
+/// same machine. Its last line is JSON with `env_steps_per_s`, and where
+/// it trains to the goal, `runs`: per seed `seed`, `solved`, `env_steps`
+/// and `wall_s`, reported beside relay's.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Anchor {
     pub script: &'static str,
-    pub seconds: u64,
+    /// The script's arguments; `{seeds}` stands for the bench's seeds,
+    /// comma separated.
+    pub args: &'static [&'static str],
 }
 
 /// What a goal's mean evaluation return must reach.
@@ -220,7 +223,7 @@ pub const GOALS: &[Goal] = &[
         budget: Budget::Minutes(30),
         anchor: Some(Anchor {
             script: "ppo_atari.py",
-            seconds: 300,
+            args: &["--seconds", "300", "--seed", "1"],
         }),
         sets: &[],
         versus: None,
@@ -254,6 +257,52 @@ pub const GOALS: &[Goal] = &[
             newest_above_first: false,
         }),
     },
+    // Memory (issue 48): recurrent PPO on envs whose velocities are hidden
+    // (rl-zoo's MaskVelocityWrapper), timed to the goal beside sb3-contrib's
+    // RecurrentPPO with rl-zoo's hyperparameters on the same seeds, and the
+    // same presets without the LSTM, to show that memory is what solves them.
+    Goal {
+        name: "Recurrent PPO CartPoleNoVel-v1",
+        config: "cartpole-novel-ppo-lstm.yaml",
+        target: Target::Return(475.0),
+        budget: Budget::EnvSteps(200_000),
+        anchor: Some(Anchor {
+            script: "recurrent_ppo_novel.py",
+            args: &["--env", "CartPoleNoVel-v1", "--seeds", "{seeds}"],
+        }),
+        sets: &[],
+        versus: None,
+    },
+    Goal {
+        name: "Feed-forward PPO CartPoleNoVel-v1",
+        config: "cartpole-novel-ppo-lstm.yaml",
+        target: Target::Return(475.0),
+        budget: Budget::EnvSteps(200_000),
+        anchor: None,
+        sets: &["policy.recurrent=null"],
+        versus: None,
+    },
+    Goal {
+        name: "Recurrent PPO PendulumNoVel-v1",
+        config: "pendulum-novel-ppo-lstm.yaml",
+        target: Target::Return(-300.0),
+        budget: Budget::EnvSteps(300_000),
+        anchor: Some(Anchor {
+            script: "recurrent_ppo_novel.py",
+            args: &["--env", "PendulumNoVel-v1", "--seeds", "{seeds}"],
+        }),
+        sets: &[],
+        versus: None,
+    },
+    Goal {
+        name: "Feed-forward PPO PendulumNoVel-v1",
+        config: "pendulum-novel-ppo-lstm.yaml",
+        target: Target::Return(-300.0),
+        budget: Budget::EnvSteps(300_000),
+        anchor: None,
+        sets: &["policy.recurrent=null"],
+        versus: None,
+    },
 ];
 
 /// The Python with Stable-Baselines3 and torch: `RELAY_TORCH_PYTHON`, else
@@ -269,37 +318,50 @@ pub fn torch_python() -> String {
     })
 }
 
-/// Runs `anchor` (seed 1) and returns its env steps per second, or why
-/// there is none.
-fn run_anchor(anchor: &Anchor) -> Result<f64, String> {
+/// Runs `anchor` for `seeds` and returns its last JSON line, or why there
+/// is none.
+fn run_anchor(anchor: &Anchor, seeds: &[u64]) -> Result<serde_json::Value, String> {
     let python = torch_python();
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("sb3")
         .join(anchor.script);
+    let seeds = seeds
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let args: Vec<String> = anchor
+        .args
+        .iter()
+        .map(|a| a.replace("{seeds}", &seeds))
+        .collect();
     println!(
-        "== anchor: {python} {} --seconds {}",
+        "== anchor: {python} {} {}",
         script.display(),
-        anchor.seconds
+        args.join(" ")
     );
     let out = std::process::Command::new(&python)
         .arg(&script)
-        .args(["--seconds", &anchor.seconds.to_string(), "--seed", "1"])
+        .args(&args)
         .env("OMP_NUM_THREADS", "1")
         .output()
         .map_err(|e| format!("{python}: {e}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
+    for line in stdout.lines() {
+        println!("   {line}");
+    }
     let last = stdout.lines().last().unwrap_or_default();
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         return Err(format!(
-            "{} failed ({}); `bash deploy/install.sh --sb3` installs Stable-Baselines3 into .relay/sb3",
+            "{} failed ({}); `bash deploy/install.sh --sb3` installs Stable-Baselines3 and sb3-contrib into .relay/sb3",
             anchor.script,
             err.lines().last().unwrap_or_default()
         ));
     }
     serde_json::from_str::<serde_json::Value>(last)
         .ok()
-        .and_then(|v| v["env_steps_per_s"].as_f64())
+        .filter(|v| v["env_steps_per_s"].is_number())
         .ok_or_else(|| format!("{} printed no env_steps_per_s: {last}", anchor.script))
 }
 
@@ -455,10 +517,13 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
         );
     }
     let stamp = chrono::Local::now().format("%Y%m%d-%H%M%S");
-    // Per goal: its runs and the anchor's env steps/s (`Some(None)`: an
-    // anchor that could not be measured), or `None` for a missing preset.
+    // Per goal: its runs and the anchor's report (`Some(None)`: an anchor
+    // that could not be measured), or `None` for a missing preset.
     #[allow(clippy::type_complexity)]
-    let mut results: Vec<(Goal, Option<(Vec<Attempt>, Option<Option<f64>>)>)> = Vec::new();
+    let mut results: Vec<(
+        Goal,
+        Option<(Vec<Attempt>, Option<Option<serde_json::Value>>)>,
+    )> = Vec::new();
     for goal in goals {
         let config = args.configs.join(goal.config);
         if !config.exists() {
@@ -585,10 +650,10 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
             attempts.push(attempt);
         }
         let anchor = goal.anchor.map(|anchor| {
-            let measured = run_anchor(&anchor);
-            match &measured {
-                Ok(sps) => println!("   Stable-Baselines3: {sps:.1} env steps/s"),
-                Err(why) => println!("   Stable-Baselines3 not measured: {why}"),
+            let seeds: Vec<u64> = (args.first_seed..args.first_seed + args.seeds).collect();
+            let measured = run_anchor(&anchor, &seeds);
+            if let Err(why) = &measured {
+                println!("   anchor not measured: {why}");
             }
             measured.ok()
         });
@@ -638,6 +703,9 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 // Over the whole runs, start-up and evaluation included.
                 let relay_sps = attempts.iter().map(|a| a.env_steps as f64).sum::<f64>()
                     / attempts.iter().map(|a| a.wall_s).sum::<f64>().max(1e-9);
+                let anchor_sps = anchor
+                    .as_ref()
+                    .and_then(|a| a.as_ref()?["env_steps_per_s"].as_f64());
                 json_goals.push(json!({
                     "goal": goal.name,
                     "config": goal.config,
@@ -657,14 +725,35 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                     "matchups": attempts.iter().map(|a| a.matchups.iter().map(|m| json!({"opponent": m.opponent, "seat": m.seat, "games": m.games, "wins": m.wins, "draws": m.draws, "losses": m.losses})).collect::<Vec<_>>()).collect::<Vec<_>>(),
                     "ratings": attempts.iter().map(|a| a.ratings.clone()).collect::<Vec<_>>(),
                     "env_steps_per_s": relay_sps,
-                    "anchor_env_steps_per_s": anchor.flatten(),
+                    "anchor_env_steps_per_s": anchor_sps,
+                    "anchor_runs": anchor.as_ref().and_then(|a| a.as_ref()).map(|a| a["runs"].clone()),
                 }));
                 if let Some(anchor) = anchor {
+                    let runs = anchor.as_ref().and_then(|a| a["runs"].as_array());
+                    for run in runs.into_iter().flatten() {
+                        println!(
+                            "| {} ({}) | {} | {} | {} | {} | {} | {} | - | - | - | - | - |",
+                            goal.name,
+                            anchor
+                                .as_ref()
+                                .map_or("-", |a| a["algo"].as_str().unwrap_or("anchor")),
+                            goal.target,
+                            goal.budget,
+                            run["seed"],
+                            if run["solved"].as_bool() == Some(true) {
+                                "yes"
+                            } else {
+                                "no"
+                            },
+                            run["env_steps"],
+                            run["wall_s"],
+                        );
+                    }
                     println!(
-                        "| {} env steps/s | relay {relay_sps:.1} | Stable-Baselines3 {} | ratio {} |",
+                        "| {} env steps/s | relay {relay_sps:.1} | anchor {} | ratio {} |",
                         goal.name,
-                        anchor.map_or("-".into(), |a| format!("{a:.1}")),
-                        anchor.map_or("-".into(), |a| format!("{:.2}x", relay_sps / a)),
+                        anchor_sps.map_or("-".into(), |a| format!("{a:.1}")),
+                        anchor_sps.map_or("-".into(), |a| format!("{:.2}x", relay_sps / a)),
                     );
                 }
             }

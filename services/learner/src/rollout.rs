@@ -213,7 +213,7 @@ fn fragment_values(
     model: &ActorCritic,
     f: &RolloutFragment,
     d: &Decoded,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), UpdateError> {
+) -> Result<FragmentValues, UpdateError> {
     let (t_len, n, obs_dim) = (d.t_len, d.n, model.spec().obs_dim);
     let width = model.state_width();
     if width == 0 {
@@ -222,11 +222,11 @@ fn fragment_values(
         } else {
             model.values(&d.final_obs, d.final_obs.len() / obs_dim)?
         };
-        return Ok((
-            model.values(&d.obs, t_len * n)?,
-            model.values(&d.next_obs, n)?,
-            final_values,
-        ));
+        return Ok(FragmentValues {
+            steps: model.values(&d.obs, t_len * n)?,
+            tail: model.values(&d.next_obs, n)?,
+            finals: final_values,
+        });
     }
     let mut state = initial_state(f, n, width)?;
     let mut values = Vec::with_capacity(t_len * n);
@@ -252,8 +252,21 @@ fn fragment_values(
             }
         }
     }
-    let tail_values = model.values_recurrent(&d.next_obs, n, &mut state)?;
-    Ok((values, tail_values, final_values))
+    let tail = model.values_recurrent(&d.next_obs, n, &mut state)?;
+    Ok(FragmentValues {
+        steps: values,
+        tail,
+        finals: final_values,
+    })
+}
+
+/// [`fragment_values`]: `V` of each step's observation `[T N]`, of the
+/// observation after the last step `[N]`, and of each final observation
+/// of a truncated episode `[K]`.
+struct FragmentValues {
+    steps: Vec<f32>,
+    tail: Vec<f32>,
+    finals: Vec<f32>,
 }
 
 /// A recurrent policy's fragment's initial state, `n` rows of `width`.
@@ -314,7 +327,11 @@ pub fn prepare(
     }
     for f in fragments {
         let decoded = Decoded::new(f, obs_dim, action_dim)?;
-        let (values, tail_values, final_values) = fragment_values(model, f, &decoded)?;
+        let FragmentValues {
+            steps: values,
+            tail: tail_values,
+            finals: final_values,
+        } = fragment_values(model, f, &decoded)?;
         let Decoded {
             t_len,
             n,

@@ -186,7 +186,16 @@ impl Core {
     ) -> Result<(Tensor, Tensor)> {
         let h = self.hidden;
         let per_layer = self.kind.state_vectors() * h;
-        let mut input = x.clone();
+        // Each step's input as its own tensor: a step's slice of one
+        // tensor of all steps would cost a zero-padded copy of the whole
+        // tensor in the backward pass (candle's gradient of `narrow`), so
+        // slicing `T` steps would cost O(T^2). Observations carry no
+        // gradient, so their slices cost nothing backward (a CNN's features
+        // do: that case pays the padded copies); a layer above the first
+        // reads the step outputs of the one below as they are.
+        let mut inputs: Vec<Tensor> = (0..t_len)
+            .map(|t| x.narrow(0, t * b, b))
+            .collect::<candle_core::Result<_>>()?;
         let mut finals = Vec::with_capacity(self.cells.len() * self.kind.state_vectors());
         for (k, cell) in self.cells.iter().enumerate() {
             let base = k * per_layer;
@@ -195,16 +204,13 @@ impl Core {
                 CellKind::Lstm => Some(initial.narrow(1, base + h, h)?),
                 CellKind::Gru => None,
             };
-            // The input projection of every step at once.
-            let gx = ops::linear(&input, cell.ih.w.as_tensor(), cell.ih.b.as_tensor(), None)?
-                .reshape((t_len, b, self.kind.gates() * h))?;
             let mut outs = Vec::with_capacity(t_len);
-            for t in 0..t_len {
+            for (t, input) in inputs.iter().enumerate() {
                 let keep_t = keep.i(t)?;
                 hs = hs.broadcast_mul(&keep_t)?;
                 cs = cs.map(|c| c.broadcast_mul(&keep_t)).transpose()?;
+                let gx_t = ops::linear(input, cell.ih.w.as_tensor(), cell.ih.b.as_tensor(), None)?;
                 let gh = ops::linear(&hs, cell.hh.w.as_tensor(), cell.hh.b.as_tensor(), None)?;
-                let gx_t = gx.i(t)?;
                 let block = |g: &Tensor, i: usize| g.narrow(1, i * h, h);
                 match self.kind {
                     CellKind::Lstm => {
@@ -228,8 +234,9 @@ impl Core {
             }
             finals.push(hs);
             finals.extend(cs);
-            input = Tensor::stack(&outs, 0)?.reshape((t_len * b, h))?;
+            inputs = outs;
         }
+        let input = Tensor::stack(&inputs, 0)?.reshape((t_len * b, h))?;
         Ok((input, Tensor::cat(&finals, 1)?))
     }
 }
