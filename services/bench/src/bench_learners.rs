@@ -24,7 +24,12 @@
 //! data (drawn from one seed), as rank 0 hands it out in a run. The
 //! figure is samples trained per second (samples per step over the median
 //! step time, after one warm-up step), and the speedup is the 2-replica
-//! figure over the lone learner's.
+//! figure over the lone learner's. Beside it stands the machine's own
+//! ceiling: as many lone learners started at once, with nothing summed
+//! (the lone step time over the slowest copy's, times their number, since
+//! replicas in lockstep go at the slowest one's pace). Cores that share
+//! caches, memory bandwidth or a host's other tenants keep it under N, and
+//! no all-reduce can beat it.
 //!
 //! The replicas' parameters are compared bit for bit at the end, and with
 //! the lone learner's: the gap, max |a - b| / (1 + |b|) over every
@@ -512,6 +517,10 @@ struct Row {
     /// Median seconds of one step (rank 0's).
     step_seconds: f64,
     samples_per_s: f64,
+    /// The speedup the machine allows this many learners: as many lone
+    /// learners run at once, the lone learner's step over the slowest
+    /// one's, times their number (none for 1, or without a lone row).
+    ceiling: Option<f64>,
     allreduce_seconds_per_step: f64,
     allreduce_mb_per_step: f64,
     /// The gap to the lone learner's parameters (none without one).
@@ -547,17 +556,18 @@ pub fn bench_learners(args: BenchLearnersArgs) -> Result<()> {
             workload.name(),
             workload.describe(&cfg),
         );
-        println!("| replicas | step (median) | samples/s | speedup | all-reduce per step | summed per step | gap to 1 learner |");
-        println!("|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| replicas | step (median) | samples/s | speedup | ceiling (as many lone learners at once) | all-reduce per step | summed per step | gap to 1 learner |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
         let mut json_rows = Vec::new();
         for r in &rows {
             let speedup = base.map(|b| r.samples_per_s / b);
             println!(
-                "| {} | {:.3} s | {:.0} | {} | {:.4} s | {:.2} MB | {} |",
+                "| {} | {:.3} s | {:.0} | {} | {} | {:.4} s | {:.2} MB | {} |",
                 r.replicas,
                 r.step_seconds,
                 r.samples_per_s,
                 speedup.map_or("-".into(), |s| format!("{s:.2}x")),
+                r.ceiling.map_or("-".into(), |s| format!("{s:.2}x")),
                 r.allreduce_seconds_per_step,
                 r.allreduce_mb_per_step,
                 r.gap.map_or("-".into(), |g| format!("{g:.1e}")),
@@ -567,6 +577,7 @@ pub fn bench_learners(args: BenchLearnersArgs) -> Result<()> {
                 "step_seconds": r.step_seconds,
                 "samples_per_s": r.samples_per_s,
                 "speedup": speedup,
+                "ceiling": r.ceiling,
                 "allreduce_seconds_per_step": r.allreduce_seconds_per_step,
                 "allreduce_bytes_per_step": r.allreduce_mb_per_step * 1e6,
                 "gap": r.gap,
@@ -590,7 +601,6 @@ fn bench_workload(
     cfg: &ExperimentConfig,
     nats_url: &str,
 ) -> Result<Vec<Row>> {
-    let exe = std::env::current_exe()?;
     let samples_per_step = workload.samples_per_step(cfg);
     let mut alone: Option<Vec<relay_nn::NamedTensor>> = None;
     let mut rows = Vec::new();
@@ -601,40 +611,7 @@ fn bench_workload(
             std::process::id()
         );
         let params_out = args.state_dir.join(format!("{group}.params"));
-        let mut children = Vec::new();
-        for id in 0..n {
-            let child = Command::new(&exe)
-                .arg("bench-learners")
-                .arg("--configs-dir")
-                .arg(&args.configs_dir)
-                .args(args.overrides.iter().flat_map(|o| ["--set", o]))
-                .args(["--updates", &args.updates.to_string()])
-                .arg("--replica")
-                .arg(format!(
-                    "{id},{n},{nats_url},{group},{},{}",
-                    workload.name(),
-                    params_out.display()
-                ))
-                .env("RAYON_NUM_THREADS", "1")
-                .stdout(Stdio::piped())
-                .spawn()
-                .context("starting a replica")?;
-            children.push(child);
-        }
-        let mut reports = Vec::new();
-        for child in children {
-            let out = child.wait_with_output()?;
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            if !out.status.success() {
-                bail!(
-                    "{}: a replica of {n} failed ({}): {stdout}",
-                    workload.name(),
-                    out.status
-                );
-            }
-            let last = stdout.lines().last().unwrap_or_default();
-            reports.push(serde_json::from_str::<ReplicaReport>(last)?);
-        }
+        let reports = run_processes(args, workload, nats_url, &group, n, n)?;
         if reports.iter().any(|r| r.digest != reports[0].digest) {
             bail!(
                 "{}: {n} replicas ended with different parameters",
@@ -658,19 +635,103 @@ fn bench_workload(
             alone = Some(parameters);
         }
         let lead = reports.iter().find(|r| r.rank == 0).context("no rank 0")?;
-        let mut times = lead.seconds.clone();
-        times.sort_by(f64::total_cmp);
-        let step_seconds = times[times.len() / 2];
+        let step_seconds = median(&lead.seconds);
+        // The machine's own ceiling: as many lone learners at once, with
+        // nothing summed. Replicas in lockstep go at the slowest one's pace.
+        let lone_step = rows
+            .iter()
+            .find(|r: &&Row| r.replicas == 1)
+            .map(|r| r.step_seconds);
+        let ceiling = match lone_step {
+            Some(lone_step) if n > 1 => {
+                let copies =
+                    run_processes(args, workload, nats_url, &format!("{group}-lone"), n, 1)?;
+                let slowest = copies
+                    .iter()
+                    .map(|r| median(&r.seconds))
+                    .fold(0.0, f64::max);
+                Some(n as f64 * lone_step / slowest)
+            }
+            _ => None,
+        };
         rows.push(Row {
             replicas: n,
             step_seconds,
             samples_per_s: samples_per_step / step_seconds,
+            ceiling,
             allreduce_seconds_per_step: lead.allreduce_seconds / lead.seconds.len() as f64,
             allreduce_mb_per_step: lead.allreduce_bytes as f64 / 1e6 / lead.seconds.len() as f64,
             gap,
         });
     }
     Ok(rows)
+}
+
+/// The median of `values`.
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+/// Runs `processes` bench processes of `workload` at once, in groups of
+/// `replicas` (1: each a lone learner), and returns their reports; rank
+/// 0 of each group writes its parameters to `<group>[-<copy>].params`.
+fn run_processes(
+    args: &BenchLearnersArgs,
+    workload: Workload,
+    nats_url: &str,
+    group: &str,
+    processes: usize,
+    replicas: usize,
+) -> Result<Vec<ReplicaReport>> {
+    let exe = std::env::current_exe()?;
+    let mut children = Vec::new();
+    for id in 0..processes {
+        let name = if replicas == processes {
+            group.to_string()
+        } else {
+            format!("{group}-{id}")
+        };
+        let params_out = args.state_dir.join(format!("{name}.params"));
+        let child = Command::new(&exe)
+            .arg("bench-learners")
+            .arg("--configs-dir")
+            .arg(&args.configs_dir)
+            .args(args.overrides.iter().flat_map(|o| ["--set", o]))
+            .args(["--updates", &args.updates.to_string()])
+            .arg("--replica")
+            .arg(format!(
+                "{id},{replicas},{nats_url},{name},{},{}",
+                workload.name(),
+                params_out.display()
+            ))
+            .env("RAYON_NUM_THREADS", "1")
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting a replica")?;
+        children.push(child);
+    }
+    let mut reports = Vec::new();
+    for child in children {
+        let out = child.wait_with_output()?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!(
+                "{}: a process of {processes} failed ({}): {stdout}",
+                workload.name(),
+                out.status
+            );
+        }
+        let last = stdout.lines().last().unwrap_or_default();
+        reports.push(serde_json::from_str::<ReplicaReport>(last)?);
+    }
+    if replicas != processes {
+        for id in 0..processes {
+            let _ = std::fs::remove_file(args.state_dir.join(format!("{group}-{id}.params")));
+        }
+    }
+    Ok(reports)
 }
 
 /// max |a - b| / (1 + |b|) over every parameter of `a` against `b`.

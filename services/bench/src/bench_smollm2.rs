@@ -456,7 +456,8 @@ pub fn bench_smollm2(args: BenchSmolLm2Args) -> Result<()> {
             &config.text,
             &config.llm,
         )
-    })?;
+    })?
+    .context("relay sft ran as a replica other than rank 0")?;
     let sft_minutes = started.elapsed().as_secs_f64() / 60.0;
     let sft_loss = sft.epochs.last().map(|e| e.train_loss);
     println!(

@@ -267,6 +267,7 @@ pub(crate) fn random_move_sft(
         max_tokens: 8,
         seed: 0,
         textarena: false,
+        replicas: Default::default(),
     }
 }
 
@@ -295,7 +296,8 @@ pub(crate) fn sft_warm_start(
         eval_games,
         &config.text,
         &config.llm,
-    ))?;
+    ))?
+    .context("relay sft ran as a replica other than rank 0")?;
     let row = Row {
         stage: "SFT greedy".into(),
         minutes: started.elapsed().as_secs_f64() / 60.0,

@@ -296,23 +296,40 @@ impl Replicas {
         if !service.nats.server_info().jetstream {
             // Replicas agree through JetStream; a single learner needs none.
             tracing::warn!("NATS has no JetStream: this learner trains alone (learner replicas need JetStream)");
-            return Ok(Self {
-                group: None,
-                view: View {
-                    epoch: 0,
-                    members: Vec::new(),
-                },
-                member,
-                synced: Some(0),
-                tag: 0,
-                takeover: false,
-                last_step: Reduced::default(),
-                last_wait_seconds: 0.0,
-            });
+            return Ok(Self::single(member));
         }
-        let mut config = GroupConfig::new(name, member.clone(), listen);
+        let mut config = GroupConfig::new(name, member, listen);
         config.advertise = cfg.weights.direct_advertise.clone();
-        let mut group = Group::join(&service.nats, config)
+        Self::join_group(&service.nats, config).await
+    }
+
+    /// A trainer that works alone, in no group: every collective is a
+    /// no-op (one loop serves one trainer and many).
+    pub fn single(member: String) -> Self {
+        Self {
+            group: None,
+            view: View {
+                epoch: 0,
+                members: Vec::new(),
+            },
+            member,
+            synced: Some(0),
+            tag: 0,
+            takeover: false,
+            last_step: Reduced::default(),
+            last_wait_seconds: 0.0,
+        }
+    }
+
+    /// Joins the group `config` names over `nats` (which must have
+    /// JetStream) and waits for a view that holds this member: the
+    /// learner's replicas, or another trainer's (`relay sft`).
+    pub async fn join_group(
+        nats: &async_nats::Client,
+        config: GroupConfig,
+    ) -> Result<Self, ServiceError> {
+        let member = config.member.clone();
+        let mut group = Group::join(nats, config)
             .await
             .map_err(|e| ServiceError::other(format!("learner replicas: {e}")))?;
         let view = group
@@ -337,6 +354,31 @@ impl Replicas {
         })
     }
 
+    /// Waits until the view holds at least `replicas` members (a trainer
+    /// told how many to start with), or fails after `within` naming how
+    /// many came.
+    pub async fn wait_for(
+        &mut self,
+        replicas: usize,
+        within: Duration,
+        shutdown: &Shutdown,
+    ) -> Result<(), ServiceError> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            self.follow_view()?;
+            let (_, size) = self.share();
+            if self.group.is_none() || size >= replicas {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline || shutdown.is_triggered() {
+                return Err(ServiceError::other(format!(
+                    "only {size} of {replicas} replicas joined within {within:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// This replica's rank and the number of replicas in its view.
     pub fn share(&self) -> (usize, usize) {
         (
@@ -353,7 +395,7 @@ impl Replicas {
 
     /// Whether the replicas work alone (no collective can fail).
     pub fn alone(&self) -> bool {
-        self.view.size() == 1
+        self.group.is_none() || self.view.size() == 1
     }
 
     /// Moves to the newest agreed view, if there is one. Fails when that
@@ -402,11 +444,14 @@ impl Replicas {
     /// Hands rank 0's `state` to every replica of the view (the others'
     /// `state` is replaced): at every new view, so that a joining replica
     /// starts from the live parameters, optimizer state and counters and
-    /// survivors of a failed step agree again.
+    /// survivors of a failed step agree again. The others wait for rank 0
+    /// however long it takes to get there (it may be finishing other
+    /// work), until the view changes: leases, not a timeout, say whether
+    /// it is alive.
     pub async fn hand_over(&mut self, state: &mut Vec<u8>) -> Result<(), CollectiveError> {
         let tag = self.next_tag();
         if let Some(group) = &mut self.group {
-            group.broadcast(&self.view, tag, 0, state).await?;
+            group.broadcast_awaited(&self.view, tag, 0, state).await?;
         }
         self.synced = Some(self.view.epoch);
         Ok(())

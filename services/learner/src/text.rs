@@ -986,34 +986,12 @@ impl TextReplicaState {
         state: &mut TextCheckpointState,
         version_floor: &mut u64,
     ) -> Result<(), String> {
-        let vars = adapter.named_vars();
-        if vars.len() != self.adapter.len() {
-            return Err(format!(
-                "{} adapter tensors, this replica has {}",
-                self.adapter.len(),
-                vars.len()
-            ));
-        }
-        let mut values = Vec::with_capacity(vars.len());
-        for ((name, var), (held, shape, data)) in vars.iter().zip(&self.adapter) {
-            let dims = var.as_tensor().dims();
-            if name != held || dims != shape.as_slice() {
-                return Err(format!(
-                    "adapter tensor {held} {shape:?} where this replica has {name} {dims:?}"
-                ));
-            }
-            let value = candle_core::Tensor::from_slice(data, dims, var.as_tensor().device())
-                .and_then(|t| t.to_dtype(var.as_tensor().dtype()))
-                .map_err(|e| e.to_string())?;
-            values.push(value);
-        }
         trainer
             .optimizer_mut()
             .restore_bytes(&self.optimizer, "rank 0's optimizer state")
             .map_err(|e| e.to_string())?;
-        for ((_, var), value) in vars.iter().zip(values) {
-            var.set(&value).map_err(|e| e.to_string())?;
-        }
+        relay_llm::sft::set_var_values(&adapter.named_vars(), &self.adapter)
+            .map_err(|e| format!("adapter: {e}"))?;
         trainer.set_moving_baselines(self.moving_baselines);
         *state = self.state;
         *version_floor = self.version_floor;

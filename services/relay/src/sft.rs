@@ -22,6 +22,23 @@
 //! as `relay play`): the legal-move rate and win/draw/loss show what SFT
 //! did. Prints a table per epoch and per evaluation, and a last JSON line;
 //! `<out>/sft.json` holds the same summary.
+//!
+//! `--replicas N` trains as N data-parallel replicas, as the learner's
+//! replicas do (`relay_learner::replicas`, the same driver): every replica
+//! holds all the examples, each epoch's order comes from the seed and the
+//! epoch alone, and each optimizer step's micro-batches are shared out,
+//! their gradients summed by the ring all-reduce, so the batch is
+//! `--batch-size` whatever N is and every replica steps alike (checked by
+//! a digest every 10 steps). Without `--nats` the command starts a
+//! nats-server and the other N-1 replicas on this machine itself; with
+//! `--nats` (and `--group`) the same command run on several machines
+//! makes one group, whose first member is rank 0: it evaluates, prints
+//! and writes `--out`, and the others print nothing. A replica that dies
+//! is noticed within its lease (3 s), and the others re-form and go on
+//! with the step it interrupted; one that joins later (the same command
+//! again) takes rank 0's weights, optimizer state and position before its
+//! first step. The step barrier is rank 0 handing out each step's
+//! position, so every replica takes the same steps.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -42,7 +59,9 @@ use relay_llm::sft::{
 use relay_llm::token_batch::BatchConfig;
 use relay_llm::{AdamWConfig, CausalLm, LoraAdapter, LoraConfig, Tokenizer};
 use relay_policy::text::Outcome;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+use relay_learner::replicas::{Next, Replicas};
 
 use crate::play_text::{play_game, Player};
 
@@ -136,6 +155,41 @@ pub struct SftArgs {
     /// --env is a TextArena id (any of its registry), played through the env bridge.
     #[arg(long)]
     pub textarena: bool,
+    /// Data-parallel replicas (see the module docs).
+    #[command(flatten)]
+    pub replicas: ReplicaArgs,
+}
+
+/// How `relay sft` trains as data-parallel replicas.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplicaArgs {
+    /// Replicas that train together, each a process taking its share of every batch's micro-batches (the batch stays --batch-size). Without --nats, relay sft starts a nats-server and the other replicas on this machine.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// NATS (with JetStream) through which replicas on several machines find each other: run the same command on each machine with the same --nats, --group and --replicas; the first to join is rank 0, which evaluates and writes --out.
+    #[arg(long)]
+    pub nats: Option<String>,
+    /// The replicas' group on that NATS (one per training).
+    #[arg(long, default_value = "relay-sft")]
+    pub group: String,
+    /// Where this replica's link of the all-reduce ring listens (default: the interface that reaches NATS, any port).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Seconds to wait for --replicas replicas to join before training starts.
+    #[arg(long, default_value_t = 300)]
+    pub join_timeout: u64,
+}
+
+impl Default for ReplicaArgs {
+    fn default() -> Self {
+        Self {
+            replicas: 1,
+            nats: None,
+            group: "relay-sft".into(),
+            listen: None,
+            join_timeout: 300,
+        }
+    }
 }
 
 /// A command-line JSON object.
@@ -180,7 +234,7 @@ impl EvalResult {
 }
 
 /// One epoch's figures.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EpochReport {
     pub epoch: usize,
     pub steps: usize,
@@ -381,8 +435,9 @@ pub fn sft(args: SftArgs) -> Result<()> {
     run_sft(args).map(|_| ())
 }
 
-/// `relay sft`, returning what it printed last.
-pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
+/// `relay sft`, returning what it printed last (`None`: this process was
+/// a replica other than rank 0, which prints and writes nothing).
+pub fn run_sft(args: SftArgs) -> Result<Option<SftSummary>> {
     let started = Instant::now();
     let section = text_section(args.textarena);
     if !section.is_text_game(&args.env) {
@@ -394,6 +449,9 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     }
     if !(0.0..1.0).contains(&args.holdout) {
         bail!("--holdout {} must be in [0, 1)", args.holdout);
+    }
+    if args.replicas.replicas == 0 {
+        bail!("--replicas must be at least 1");
     }
     let backend = relay_llm::BackendSpec {
         kind: args.backend,
@@ -428,33 +486,24 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
             args.seed,
         )?)?)),
     };
+    let trainable = match (&varmap, &adapter) {
+        (Some(varmap), _) => named_vars(varmap),
+        (None, Some(adapter)) => adapter.named_vars(),
+        (None, None) => unreachable!("either the model or an adapter trains"),
+    };
 
     // The examples.
     let records = match &args.data {
         Some(path) => read_sft_jsonl(path)?,
-        None => {
-            let bots = comma_list(&args.bots);
-            let records = bot_game_records(
-                &args.env,
-                &section,
-                &bots,
-                args.games,
-                args.seed,
-                args.observation,
-                &args.answer,
-            )?;
-            if let Some(path) = &args.write_data {
-                let mut file = std::io::BufWriter::new(
-                    std::fs::File::create(path)
-                        .with_context(|| format!("creating {}", path.display()))?,
-                );
-                for record in &records {
-                    writeln!(file, "{}", serde_json::to_string(record)?)?;
-                }
-                file.flush()?;
-            }
-            records
-        }
+        None => bot_game_records(
+            &args.env,
+            &section,
+            &comma_list(&args.bots),
+            args.games,
+            args.seed,
+            args.observation,
+            &args.answer,
+        )?,
     };
     let format = SftFormat::Chat {
         system_prompt: args.system_prompt.clone(),
@@ -489,12 +538,21 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
             },
             aggregation: Default::default(),
         },
-        match (&varmap, &adapter) {
-            (Some(varmap), _) => named_vars(varmap),
-            (None, Some(adapter)) => adapter.named_vars(),
-            (None, None) => unreachable!("either the model or an adapter trains"),
-        },
+        trainable.clone(),
     )?;
+
+    // Joined once loaded, so that a replica can take rank 0's state as
+    // soon as the group holds it.
+    let mut team = Team::start(&args.replicas)?;
+    if let Some(path) = args.write_data.as_ref().filter(|_| team.leads()) {
+        let mut file = std::io::BufWriter::new(
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        );
+        for record in &records {
+            writeln!(file, "{}", serde_json::to_string(record)?)?;
+        }
+        file.flush()?;
+    }
 
     let opponents = comma_list(&args.eval_opponents);
     let answer = relay_envs::AnswerReader::new(&args.answer).map_err(anyhow::Error::msg)?;
@@ -516,7 +574,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
             "when", "opponent", "games", "win", "draw", "loss", "legal moves", "non-loss"
         )
     };
-    let before = if args.eval_games > 0 {
+    let before = if args.eval_games > 0 && team.leads() {
         let results = evaluate(
             &args.env,
             &section,
@@ -532,59 +590,43 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
         Vec::new()
     };
 
-    println!(
-        "relay sft: {} examples ({} held out) from {}, training {}",
-        examples.len(),
-        holdout.len(),
-        args.data
-            .as_ref()
-            .map(|p| p.display().to_string())
-            .unwrap_or_else(|| format!("{} games of {}", args.games, args.bots)),
-        if args.full {
-            "every weight"
-        } else {
-            "a LoRA adapter"
-        }
-    );
-    println!(
-        "{:>5} {:>6} {:>11} {:>10} {:>13} {:>12} {:>8}",
-        "epoch", "steps", "train loss", "train acc", "holdout loss", "holdout acc", "seconds"
-    );
-    let mut epochs = Vec::new();
-    let mut truncated = 0;
-    for epoch in 1..=args.epochs {
-        let epoch_started = Instant::now();
-        examples.shuffle(&mut rng);
-        let stats = trainer.train_epoch(&model, adapter.as_deref(), &examples)?;
-        truncated = stats.iter().map(|s| s.truncated).sum();
-        let (train_loss, train_token_accuracy) = mean_stats(&stats);
-        let held = if holdout.is_empty() {
-            None
-        } else {
-            Some(trainer.evaluate(&model, adapter.as_deref(), &holdout)?)
-        };
-        let report = EpochReport {
-            epoch,
-            steps: stats.len(),
-            train_loss,
-            train_token_accuracy,
-            holdout_loss: held.map(|s| s.loss),
-            holdout_token_accuracy: held.map(|s| s.token_accuracy),
-            seconds: epoch_started.elapsed().as_secs_f64(),
-        };
-        let optional = |v: Option<f64>| v.map(|v| format!("{v:.4}")).unwrap_or_else(|| "-".into());
+    team.wait_for_all(&args.replicas)?;
+    if team.leads() {
         println!(
-            "{:>5} {:>6} {:>11.4} {:>10.4} {:>13} {:>12} {:>8.1}",
-            report.epoch,
-            report.steps,
-            report.train_loss,
-            report.train_token_accuracy,
-            optional(report.holdout_loss),
-            optional(report.holdout_token_accuracy),
-            report.seconds
+            "relay sft: {} examples ({} held out) from {}, training {}{}",
+            examples.len(),
+            holdout.len(),
+            args.data
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| format!("{} games of {}", args.games, args.bots)),
+            if args.full {
+                "every weight"
+            } else {
+                "a LoRA adapter"
+            },
+            team.describe(),
         );
-        epochs.push(report);
+        println!(
+            "{:>5} {:>6} {:>11} {:>10} {:>13} {:>12} {:>8}",
+            "epoch", "steps", "train loss", "train acc", "holdout loss", "holdout acc", "seconds"
+        );
     }
+    let session = TrainingSession {
+        model: &model,
+        adapter: adapter.as_deref(),
+        trainable: &trainable,
+        examples: &examples,
+        holdout: &holdout,
+        epochs: args.epochs,
+        seed: args.seed,
+    };
+    let Some(progress) = session.train(&mut team, &mut trainer)? else {
+        team.finish();
+        return Ok(None);
+    };
+    let epochs = progress.epochs;
+    let truncated = progress.truncated;
 
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
@@ -602,6 +644,7 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
         }
         (None, None) => unreachable!("either the model or an adapter trains"),
     };
+    team.finish();
 
     let after = if args.eval_games > 0 {
         let results = evaluate(
@@ -638,5 +681,387 @@ pub fn run_sft(args: SftArgs) -> Result<SftSummary> {
     )?;
     println!("wrote {}", summary.output.display());
     println!("{}", serde_json::to_string(&summary)?);
-    Ok(summary)
+    Ok(Some(summary))
+}
+
+/// What one training's replicas share and what each holds alike.
+struct TrainingSession<'a> {
+    model: &'a CausalLm,
+    adapter: Option<&'a LoraAdapter>,
+    /// The weights that train (the adapter's factors, or every weight).
+    trainable: &'a [(String, candle_core::Var)],
+    examples: &'a [SftExample],
+    holdout: &'a [SftExample],
+    epochs: usize,
+    seed: u64,
+}
+
+/// Where a training stands: with the trainable weights and the optimizer,
+/// what rank 0 hands to every replica of a new view, so that a replica
+/// that joins (or survives a failed step) goes on from the same step.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct SftProgress {
+    /// The epoch under way (from 0) and its next step.
+    epoch: usize,
+    step: usize,
+    /// Optimizer steps taken, over all epochs.
+    steps: u64,
+    /// The statistics of this epoch's steps so far.
+    epoch_stats: Vec<SftStats>,
+    /// The finished epochs.
+    epochs: Vec<EpochReport>,
+    /// Sequences shortened to fit in the last finished epoch.
+    truncated: usize,
+}
+
+/// Rank 0's state at a new view.
+#[derive(Serialize, Deserialize)]
+struct SftReplicaState {
+    trainable: Vec<relay_nn::NamedTensor>,
+    /// AdamW's moments and step count ([`relay_llm::AdamW::state_bytes`]).
+    optimizer: Vec<u8>,
+    progress: SftProgress,
+}
+
+impl TrainingSession<'_> {
+    /// Trains every epoch, one optimizer step per `--batch-size` examples
+    /// in each epoch's order, as one replica of `team`: at each new view
+    /// rank 0's state goes to all; rank 0 hands out each step (the
+    /// barrier), every replica computes its share and the sums, and a step
+    /// a failed replica interrupted is dropped (the accumulated gradients
+    /// cleared) and redone from the state rank 0 hands over in the next
+    /// view, so no step is applied twice or lost. Rank 0 prints each
+    /// epoch's row. `None`: this replica was told to stop (rank 0 ends
+    /// the training).
+    fn train(&self, team: &mut Team, trainer: &mut SftTrainer) -> Result<Option<SftProgress>> {
+        let batch_size = trainer.config().batch.batch_size;
+        let steps_per_epoch = self.examples.len().div_ceil(batch_size);
+        let mut progress = SftProgress::default();
+        let mut ordered: Option<(usize, Vec<SftExample>)> = None;
+        let mut epoch_started = Instant::now();
+        // The replicas' number in the last view (`None` before the first).
+        let mut members = None;
+        let replicas = &mut team.replicas;
+        let shutdown = &team.shutdown;
+        let _entered = team.runtime.enter();
+        loop {
+            if replicas.follow_view()? {
+                let mine = replicas
+                    .leads()
+                    .then(|| -> Result<SftReplicaState> {
+                        Ok(SftReplicaState {
+                            trainable: relay_llm::sft::var_values(self.trainable)?,
+                            optimizer: trainer.optimizer().state_bytes()?,
+                            progress: progress.clone(),
+                        })
+                    })
+                    .transpose()?;
+                match team
+                    .runtime
+                    .block_on(replicas.share_state(shutdown, mine))?
+                {
+                    Next::Go(Some(state)) => {
+                        relay_llm::sft::set_var_values(self.trainable, &state.trainable)
+                            .map_err(|e| anyhow::anyhow!("rank 0's weights: {e}"))?;
+                        trainer
+                            .optimizer_mut()
+                            .restore_bytes(&state.optimizer, "rank 0's optimizer state")?;
+                        progress = state.progress;
+                    }
+                    Next::Go(None) => {}
+                    Next::Retry => continue,
+                    Next::Stop => bail!("relay sft: stopped"),
+                }
+                let now = replicas.share().1;
+                if let Some(before) = members.filter(|_| replicas.leads()) {
+                    println!(
+                        "replicas: {before} -> {now} at epoch {} step {}",
+                        progress.epoch + 1,
+                        progress.step
+                    );
+                }
+                members = Some(now);
+            }
+            let leads = replicas.leads();
+            if leads && progress.epoch == self.epochs {
+                team.runtime.block_on(replicas.announce_stop());
+                return Ok(Some(progress));
+            }
+            let position = leads.then_some((progress.epoch, progress.step));
+            let (epoch, step) = match team
+                .runtime
+                .block_on(replicas.exchange(shutdown, position, &mut None))?
+            {
+                Next::Go(position) => position,
+                Next::Retry => continue,
+                Next::Stop if leads => bail!("relay sft: stopped"),
+                Next::Stop => return Ok(None),
+            };
+            if (epoch, step) != (progress.epoch, progress.step) {
+                bail!(
+                    "replica at epoch {} step {} while rank 0 hands out epoch {epoch} step {step}",
+                    progress.epoch + 1,
+                    progress.step
+                );
+            }
+            if ordered.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                ordered = Some((epoch, epoch_order(self.examples, self.seed, epoch)));
+                epoch_started = Instant::now();
+            }
+            let examples = &ordered.as_ref().expect("ordered above").1;
+            let batch = &examples[step * batch_size..((step + 1) * batch_size).min(examples.len())];
+            let result = replicas.step(|sync| {
+                relay_learner::replicas::with_batch_share(sync, |share| {
+                    trainer.train_step_part(self.model, self.adapter, batch, share)
+                })
+            });
+            let stats = match result {
+                Ok(stats) => stats.with_context(|| format!("epoch {} step {step}", epoch + 1))?,
+                Err(broken) => {
+                    tracing::warn!(error = %broken, "a replica failed inside step {step}; redoing it in the next view");
+                    trainer.optimizer_mut().zero_grad();
+                    if !team.runtime.block_on(replicas.recover(shutdown))? {
+                        bail!("relay sft: stopped");
+                    }
+                    continue;
+                }
+            };
+            progress.epoch_stats.push(stats);
+            progress.step += 1;
+            progress.steps += 1;
+            let steps = progress.steps;
+            team.runtime.block_on(replicas.check_parameters(steps, || {
+                relay_llm::sft::var_values(self.trainable).expect("trainable weights read back")
+            }))?;
+            if progress.step == steps_per_epoch {
+                let stats = std::mem::take(&mut progress.epoch_stats);
+                progress.epochs.push(self.epoch_report(
+                    trainer,
+                    epoch,
+                    &stats,
+                    epoch_started,
+                    leads,
+                )?);
+                progress.truncated = stats.iter().map(|s| s.truncated).sum();
+                progress.epoch += 1;
+                progress.step = 0;
+            }
+        }
+    }
+
+    /// The figures of epoch `epoch` (from 0), held-out loss included; rank
+    /// 0 (`print`) prints them as a row.
+    fn epoch_report(
+        &self,
+        trainer: &mut SftTrainer,
+        epoch: usize,
+        stats: &[SftStats],
+        started: Instant,
+        print: bool,
+    ) -> Result<EpochReport> {
+        let (train_loss, train_token_accuracy) = mean_stats(stats);
+        let held = if self.holdout.is_empty() {
+            None
+        } else {
+            Some(trainer.evaluate(self.model, self.adapter, self.holdout)?)
+        };
+        let report = EpochReport {
+            epoch: epoch + 1,
+            steps: stats.len(),
+            train_loss,
+            train_token_accuracy,
+            holdout_loss: held.map(|s| s.loss),
+            holdout_token_accuracy: held.map(|s| s.token_accuracy),
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        if print {
+            let optional =
+                |v: Option<f64>| v.map(|v| format!("{v:.4}")).unwrap_or_else(|| "-".into());
+            println!(
+                "{:>5} {:>6} {:>11.4} {:>10.4} {:>13} {:>12} {:>8.1}",
+                report.epoch,
+                report.steps,
+                report.train_loss,
+                report.train_token_accuracy,
+                optional(report.holdout_loss),
+                optional(report.holdout_token_accuracy),
+                report.seconds
+            );
+        }
+        Ok(report)
+    }
+}
+
+/// Epoch `epoch`'s order of `examples`: a function of the seed and the
+/// epoch alone, so that every replica, one that joins late included,
+/// trains the same batches.
+fn epoch_order(examples: &[SftExample], seed: u64, epoch: usize) -> Vec<SftExample> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(epoch as u64 + 1);
+    let mut order = examples.to_vec();
+    order.shuffle(&mut rng);
+    order
+}
+
+/// This process's place among the replicas of one training, and what it
+/// started for them: on one machine without `--nats`, the nats-server and
+/// the other replicas (rank 0 is this process, which joins first).
+struct Team {
+    runtime: tokio::runtime::Runtime,
+    replicas: Replicas,
+    shutdown: relay_kit::Shutdown,
+    /// Keeps `shutdown` from firing.
+    _trigger: relay_kit::ShutdownTrigger,
+    /// The group and NATS, for the heading.
+    joined: Option<(String, String)>,
+    /// The other replicas this process started, then the nats-server they
+    /// share (dropped in that order).
+    children: Vec<std::process::Child>,
+    _nats: Option<crate::stack::LocalNats>,
+}
+
+impl Team {
+    /// Joins the group (`--replicas` above 1 or `--nats`), starting the
+    /// nats-server and the other replicas on this machine without
+    /// `--nats`; or trains alone.
+    fn start(args: &ReplicaArgs) -> Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let (trigger, shutdown) = relay_kit::Shutdown::new();
+        let member = format!(
+            "sft-{}-{}-{:08x}",
+            hostname(),
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let mut team = Self {
+            replicas: Replicas::single(member.clone()),
+            runtime,
+            shutdown,
+            _trigger: trigger,
+            joined: None,
+            children: Vec::new(),
+            _nats: None,
+        };
+        if args.replicas == 1 && args.nats.is_none() {
+            return Ok(team);
+        }
+        let (nats_url, local) = match &args.nats {
+            Some(url) => (url.clone(), false),
+            None => {
+                let nats = crate::stack::LocalNats::start(
+                    &std::env::temp_dir().join(format!("relay-sft-{}", std::process::id())),
+                    &args.group,
+                )?;
+                let url = nats.url.clone();
+                team._nats = Some(nats);
+                (url, true)
+            }
+        };
+        let nats = team
+            .runtime
+            .block_on(async_nats::connect(&nats_url))
+            .with_context(|| format!("--nats {nats_url}"))?;
+        if !nats.server_info().jetstream {
+            bail!("--nats {nats_url} has no JetStream, through which the replicas agree (start nats-server with -js)");
+        }
+        let listen = match &args.listen {
+            Some(listen) => listen
+                .parse()
+                .with_context(|| format!("--listen {listen:?}: an address such as 10.0.0.5:0"))?,
+            None => {
+                let mut listen = relay_kit::weights::listen_address(
+                    &relay_config::WeightsSection::default(),
+                    &nats_url,
+                )?;
+                listen.set_port(0);
+                listen
+            }
+        };
+        let config = relay_kit::collective::GroupConfig::new(&args.group, member, listen);
+        team.replicas = team.runtime.block_on(Replicas::join_group(&nats, config))?;
+        if local {
+            // Every other replica is this command again, joined to this NATS.
+            let mut own: Vec<String> = std::env::args().skip(1).collect();
+            if own.first().map(String::as_str) != Some("sft") {
+                bail!("--replicas without --nats starts `relay sft` again for each replica; from a library, give --nats");
+            }
+            own.extend(["--nats".into(), nats_url.clone()]);
+            for _ in 1..args.replicas {
+                team.children.push(
+                    std::process::Command::new(std::env::current_exe()?)
+                        .args(&own)
+                        .stdout(std::process::Stdio::null())
+                        .spawn()
+                        .context("starting a replica")?,
+                );
+            }
+        }
+        team.joined = Some((args.group.clone(), nats_url));
+        Ok(team)
+    }
+
+    /// Waits until `--replicas` replicas have joined.
+    fn wait_for_all(&mut self, args: &ReplicaArgs) -> Result<()> {
+        let Some((group, url)) = &self.joined else {
+            return Ok(());
+        };
+        let within = std::time::Duration::from_secs(args.join_timeout);
+        self.runtime
+            .block_on(
+                self.replicas
+                    .wait_for(args.replicas, within, &self.shutdown),
+            )
+            .with_context(|| format!("group {group} at {url}"))
+    }
+
+    /// Whether this process is rank 0: it evaluates, prints and writes.
+    fn leads(&self) -> bool {
+        self.replicas.leads()
+    }
+
+    /// The heading's words on the replicas.
+    fn describe(&self) -> String {
+        match &self.joined {
+            Some((group, url)) => format!(
+                " as {} data-parallel replicas (group {group} at {url})",
+                self.replicas.share().1
+            ),
+            None => String::new(),
+        }
+    }
+
+    /// Leaves the group and waits for the replicas this process started
+    /// (rank 0 told them to stop), saying which failed.
+    fn finish(&mut self) {
+        let replicas = std::mem::replace(&mut self.replicas, Replicas::single(String::new()));
+        self.runtime.block_on(replicas.leave());
+        for child in &mut self.children {
+            match child.wait() {
+                Ok(status) if status.success() => {}
+                Ok(status) => eprintln!("relay sft: a replica exited with {status}"),
+                Err(e) => eprintln!("relay sft: waiting for a replica: {e}"),
+            }
+        }
+        self.children.clear();
+    }
+}
+
+impl Drop for Team {
+    /// A failure of this process ends the replicas it started.
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// This machine's name, for replica ids.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "host".into())
 }

@@ -165,6 +165,37 @@ fn on_free_port<T>(what: &str, mut start: impl FnMut(u16) -> Result<T>) -> Resul
     }
 }
 
+/// A nats-server of relay's own with JetStream, on a free port, stopped
+/// on drop: for commands that need NATS and nothing else of the stack
+/// (`relay sft --replicas N` on one machine).
+pub struct LocalNats {
+    pub url: String,
+    proc: Proc,
+}
+
+impl LocalNats {
+    /// Starts it with its state and log under `state_dir`.
+    pub fn start(state_dir: &Path, name: &str) -> Result<Self> {
+        std::fs::create_dir_all(state_dir.join("logs"))?;
+        let (proc, port) = on_free_port("nats-server", |port| {
+            spawn_nats(state_dir, name, port, relay_proto::DEFAULT_MAX_PAYLOAD)
+        })?;
+        Ok(Self {
+            url: format!("nats://127.0.0.1:{port}"),
+            proc,
+        })
+    }
+}
+
+impl Drop for LocalNats {
+    fn drop(&mut self) {
+        stop_all(
+            std::slice::from_mut(&mut self.proc),
+            Duration::from_secs(10),
+        );
+    }
+}
+
 /// GETs `path` from `addr` and returns the status code (tiny HTTP/1.0 client).
 pub fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;

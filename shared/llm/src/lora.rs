@@ -172,14 +172,7 @@ impl LoraAdapter {
     /// [`Self::named_vars`]' order: what replicas compare and checkpoints
     /// hold.
     pub fn named_values(&self) -> Result<Vec<relay_nn::NamedTensor>> {
-        self.named_vars()
-            .into_iter()
-            .map(|(name, var)| {
-                let t = var.as_tensor();
-                let data = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                Ok((name, t.dims().to_vec(), data))
-            })
-            .collect()
+        Ok(crate::sft::var_values(&self.named_vars())?)
     }
 
     /// Every trainable factor with its PEFT name, layer by layer, `A`

@@ -677,6 +677,51 @@ pub fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
     vars
 }
 
+/// The current values of `vars` (name, shape, f32 data) in their order:
+/// what replicas hand over and compare.
+pub fn var_values(vars: &[(String, Var)]) -> candle_core::Result<Vec<relay_nn::NamedTensor>> {
+    vars.iter()
+        .map(|(name, var)| {
+            let t = var.as_tensor();
+            let data = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            Ok((name.clone(), t.dims().to_vec(), data))
+        })
+        .collect()
+}
+
+/// Sets `vars` to `values` ([`var_values`] of the same vars elsewhere):
+/// names and shapes must match one for one, and on error no var changed.
+pub fn set_var_values(
+    vars: &[(String, Var)],
+    values: &[relay_nn::NamedTensor],
+) -> Result<(), String> {
+    if vars.len() != values.len() {
+        return Err(format!(
+            "{} tensors, this replica has {}",
+            values.len(),
+            vars.len()
+        ));
+    }
+    let mut converted = Vec::with_capacity(vars.len());
+    for ((name, var), (held, shape, data)) in vars.iter().zip(values) {
+        let t = var.as_tensor();
+        if name != held || t.dims() != shape.as_slice() {
+            return Err(format!(
+                "tensor {held} {shape:?} where this replica has {name} {:?}",
+                t.dims()
+            ));
+        }
+        let value = Tensor::from_slice(data, t.dims(), t.device())
+            .and_then(|v| v.to_dtype(t.dtype()))
+            .map_err(|e| format!("{name}: {e}"))?;
+        converted.push(value);
+    }
+    for ((name, var), value) in vars.iter().zip(converted) {
+        var.set(&value).map_err(|e| format!("{name}: {e}"))?;
+    }
+    Ok(())
+}
+
 /// Writes a fully fine-tuned model as a Hugging Face folder:
 /// `config.json` and `model.safetensors` (copy the tokenizer files
 /// yourself).
