@@ -453,6 +453,18 @@ pub fn run_sft(args: SftArgs) -> Result<Option<SftSummary>> {
     if args.replicas.replicas == 0 {
         bail!("--replicas must be at least 1");
     }
+    let local = &args.replicas;
+    if local.replicas > 1 && local.nats.is_none() && std::env::var_os("RAYON_NUM_THREADS").is_none()
+    {
+        // N replicas on this machine share its cores (torchrun likewise
+        // gives each process one OpenMP thread); the others inherit it.
+        // Edition 2021: set_var is safe; no thread pool has started yet.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        std::env::set_var(
+            "RAYON_NUM_THREADS",
+            (cores / local.replicas).max(1).to_string(),
+        );
+    }
     let backend = relay_llm::BackendSpec {
         kind: args.backend,
         device: args.device,

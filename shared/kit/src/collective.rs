@@ -26,9 +26,17 @@
 //!   reason.
 //!
 //! A failure inside an all-reduce (a neighbour gone, a stalled socket past
-//! `io_timeout`, a neighbour in another epoch or on another step) is an
-//! error, never a hang or a wrong sum; the caller waits for the next view
-//! ([`Group::view_after`]) and redoes the step in it.
+//! `io_timeout` while data moves, a neighbour in another epoch or on
+//! another step, the view superseded) is an error, never a hang or a wrong
+//! sum; the caller waits for the next view ([`Group::view_after`]) and
+//! redoes the step in it. Waiting for the others to *arrive* is not a
+//! failure: a slower replica's step (a large model's micro-batches, uneven
+//! sequence lengths) may take minutes longer than another's, so the ring
+//! first passes every member's header round (once back, all have arrived)
+//! and waits for it while the view stands: a member that dies or is
+//! partitioned loses its lease and ends the wait with a new view, as DDP's
+//! process groups wait up to their timeout (30 minutes) rather than a
+//! transfer timeout.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -101,12 +109,20 @@ pub struct GroupConfig {
     /// How long the live members must stay unchanged before a new view is
     /// proposed, so that members joining together land in one epoch.
     pub settle: Duration,
-    /// A neighbour silent this long inside an all-reduce has failed.
+    /// A neighbour silent this long while data moves has failed.
     pub io_timeout: Duration,
+    /// How long a member waits for the others to reach an all-reduce (a
+    /// slower member's step, or rank 0's gathering, can take minutes on a
+    /// large model). While they hold their leases the wait goes on: a dead
+    /// or partitioned member ends it with a new view, not a timeout. This
+    /// is the backstop for a member alive but stuck, as PyTorch's process
+    /// groups' 30-minute timeout.
+    pub arrival_timeout: Duration,
 }
 
 impl GroupConfig {
-    /// Defaults: a 3 s lease, 300 ms settling, a 10 s I/O timeout.
+    /// Defaults: a 3 s lease, 300 ms settling, a 10 s I/O timeout, 30
+    /// minutes to arrive.
     pub fn new(name: impl Into<String>, member: impl Into<String>, listen: SocketAddr) -> Self {
         Self {
             name: name.into(),
@@ -116,6 +132,7 @@ impl GroupConfig {
             lease: Duration::from_secs(3),
             settle: Duration::from_millis(300),
             io_timeout: Duration::from_secs(10),
+            arrival_timeout: Duration::from_secs(30 * 60),
         }
     }
 }
@@ -474,10 +491,22 @@ impl Group {
                 .map_err(|e| {
                     self.peer_error(view, tag, right, format!("cannot be reached: {e}"))
                 })?;
-            let left_stream = self
-                .left_link(view.epoch, &left.id, timeout)
-                .await
-                .map_err(|detail| self.peer_error(view, tag, left, detail))?;
+            // The left neighbour connects when it reaches its first
+            // collective of the epoch: waited for as it is to arrive.
+            let mut views = self.view_rx.clone();
+            let epoch = view.epoch;
+            let arrival = self.config.arrival_timeout;
+            let linked = tokio::select! {
+                linked = self.left_link(epoch, &left.id, arrival) => linked,
+                _ = views.wait_for(|v| v.as_ref().is_some_and(|v| v.epoch > epoch)) => {
+                    return Err(CollectiveError::Superseded {
+                        group: self.config.name.clone(),
+                        epoch,
+                        root: (rank + n - 1) % n,
+                    });
+                }
+            };
+            let left_stream = linked.map_err(|detail| self.peer_error(view, tag, left, detail))?;
             self.links = Some(Links {
                 epoch: view.epoch,
                 right: right_stream,
@@ -571,43 +600,63 @@ impl Group {
         data: &mut [f32],
     ) -> Result<(), CollectiveError> {
         let n = view.size();
-        let left = &view.members[(rank + n - 1) % n];
+        let left_rank = (rank + n - 1) % n;
+        let left = &view.members[left_rank];
         let timeout = self.config.io_timeout;
+        let arrival = self.config.arrival_timeout;
         let group = self.config.name.clone();
+        let mut views = self.view_rx.clone();
         let peer_error = |peer: &Member, detail| peer_error(&group, view, tag, peer, detail);
         let links = self.links(view, rank, tag).await?;
 
-        // Both sides say what they are reducing before any data moves.
+        // Every member says what it is reducing, and the words go round
+        // the ring (n - 1 hops): once they are back, every member has
+        // arrived, and the data rounds below wait on transfers alone. The
+        // wait for a slower member to arrive lasts while the view stands
+        // (its lease says it is alive), up to `arrival_timeout`.
         let header = [tag, data.len() as u64];
-        let mut theirs = [0u64; 2];
-        let exchanged = tokio::time::timeout(timeout, async {
-            let mut out = Vec::with_capacity(16);
-            for x in header {
-                out.extend_from_slice(&x.to_be_bytes());
-            }
+        let mut passing = header;
+        for _ in 0..n - 1 {
             let mut got = [0u8; 16];
-            tokio::try_join!(links.right.write_all(&out), links.left.read_exact(&mut got))?;
-            for (i, t) in theirs.iter_mut().enumerate() {
-                *t = u64::from_be_bytes(got[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+            let out: Vec<u8> = passing.iter().flat_map(|x| x.to_be_bytes()).collect();
+            let epoch = view.epoch;
+            let exchanged = tokio::select! {
+                exchanged = tokio::time::timeout(arrival, async {
+                    tokio::try_join!(links.right.write_all(&out), links.left.read_exact(&mut got))
+                }) => exchanged,
+                _ = views.wait_for(|v| v.as_ref().is_some_and(|v| v.epoch > epoch)) => {
+                    return Err(CollectiveError::Superseded {
+                        group: group.clone(),
+                        epoch,
+                        root: left_rank,
+                    });
+                }
+            };
+            match exchanged {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(peer_error(left, format!("failed: {e}"))),
+                Err(_) => {
+                    return Err(peer_error(
+                        left,
+                        format!("did not arrive within {arrival:?}"),
+                    ))
+                }
             }
-            Ok::<_, std::io::Error>(())
-        })
-        .await;
-        match exchanged {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(peer_error(left, format!("failed: {e}"))),
-            Err(_) => return Err(peer_error(left, format!("was silent for {timeout:?}"))),
-        }
-        if theirs != header {
-            return Err(peer_error(
-                left,
-                format!(
-                    "is reducing step {} of {} values, this member step {tag} of {}",
-                    theirs[0],
-                    theirs[1],
-                    data.len()
-                ),
-            ));
+            let theirs: [u64; 2] = std::array::from_fn(|i| {
+                u64::from_be_bytes(got[8 * i..8 * i + 8].try_into().expect("8 bytes"))
+            });
+            if theirs != header {
+                return Err(peer_error(
+                    left,
+                    format!(
+                        "passes on step {} of {} values, this member step {tag} of {}",
+                        theirs[0],
+                        theirs[1],
+                        data.len()
+                    ),
+                ));
+            }
+            passing = theirs;
         }
 
         let len = data.len();
