@@ -632,6 +632,7 @@ pub fn run_sft(args: SftArgs) -> Result<Option<SftSummary>> {
         holdout: &holdout,
         epochs: args.epochs,
         seed: args.seed,
+        identity: training_identity(&args, &examples, &holdout)?,
     };
     let Some(progress) = session.train(&mut team, &mut trainer)? else {
         team.finish();
@@ -706,6 +707,35 @@ struct TrainingSession<'a> {
     holdout: &'a [SftExample],
     epochs: usize,
     seed: u64,
+    /// [`training_identity`]: replicas of one training hold the same.
+    identity: [u8; 32],
+}
+
+/// A digest of what makes one training: the examples and held-out
+/// examples, and the flags that order and step them. A replica whose
+/// digest differs from rank 0's (other data, flags or seed, or another
+/// training sharing the group's name) stops with that reason instead of
+/// mixing its gradients in.
+fn training_identity(
+    args: &SftArgs,
+    examples: &[SftExample],
+    holdout: &[SftExample],
+) -> Result<[u8; 32]> {
+    use sha2::Digest;
+    let flags = (
+        &args.model,
+        args.full,
+        args.rank,
+        args.alpha,
+        args.epochs,
+        args.batch_size,
+        args.minibatch_size,
+        args.lr,
+        args.seed,
+    );
+    let mut hash = sha2::Sha256::new();
+    hash.update(serde_json::to_vec(&(flags, examples, holdout))?);
+    Ok(hash.finalize().into())
 }
 
 /// Where a training stands: with the trainable weights and the optimizer,
@@ -729,6 +759,8 @@ struct SftProgress {
 /// Rank 0's state at a new view.
 #[derive(Serialize, Deserialize)]
 struct SftReplicaState {
+    /// Rank 0's [`TrainingSession::identity`].
+    identity: [u8; 32],
     trainable: Vec<relay_nn::NamedTensor>,
     /// AdamW's moments and step count ([`relay_llm::AdamW::state_bytes`]).
     optimizer: Vec<u8>,
@@ -762,6 +794,7 @@ impl TrainingSession<'_> {
                     .leads()
                     .then(|| -> Result<SftReplicaState> {
                         Ok(SftReplicaState {
+                            identity: self.identity,
                             trainable: relay_llm::sft::var_values(self.trainable)?,
                             optimizer: trainer.optimizer().state_bytes()?,
                             progress: progress.clone(),
@@ -773,6 +806,14 @@ impl TrainingSession<'_> {
                     .block_on(replicas.share_state(shutdown, mine))?
                 {
                     Next::Go(Some(state)) => {
+                        if state.identity != self.identity {
+                            bail!(
+                                "this replica's training differs from rank 0's (its examples, or \
+                                 --model, --full, --rank, --alpha, --epochs, --batch-size, \
+                                 --minibatch-size, --lr or --seed): give every replica the same \
+                                 data and flags, or another --group"
+                            );
+                        }
                         relay_llm::sft::set_var_values(self.trainable, &state.trainable)
                             .map_err(|e| anyhow::anyhow!("rank 0's weights: {e}"))?;
                         trainer

@@ -171,10 +171,12 @@ fn on_free_port<T>(what: &str, mut start: impl FnMut(u16) -> Result<T>) -> Resul
 pub struct LocalNats {
     pub url: String,
     proc: Proc,
+    state_dir: PathBuf,
 }
 
 impl LocalNats {
-    /// Starts it with its state and log under `state_dir`.
+    /// Starts it with its state and log under `state_dir`, which goes
+    /// with it: nothing in it outlives the command.
     pub fn start(state_dir: &Path, name: &str) -> Result<Self> {
         std::fs::create_dir_all(state_dir.join("logs"))?;
         let (proc, port) = on_free_port("nats-server", |port| {
@@ -183,6 +185,7 @@ impl LocalNats {
         Ok(Self {
             url: format!("nats://127.0.0.1:{port}"),
             proc,
+            state_dir: state_dir.to_path_buf(),
         })
     }
 }
@@ -193,6 +196,7 @@ impl Drop for LocalNats {
             std::slice::from_mut(&mut self.proc),
             Duration::from_secs(10),
         );
+        let _ = std::fs::remove_dir_all(&self.state_dir);
     }
 }
 

@@ -407,3 +407,46 @@ fn sft_replicas_train_as_one_process_does_and_survive_a_kill_and_a_join() {
         "the elastic replicas end {gap:e} from one process\n{printed}"
     );
 }
+
+/// A replica whose training differs from rank 0's (here another `--seed`,
+/// as a second training sharing the group's name would) stops with that
+/// reason instead of mixing its gradients in; rank 0 goes on alone.
+#[test]
+fn sft_replicas_of_another_training_are_refused() {
+    let tmp = relay_testkit::TempDir::new("sft-replicas-mixed");
+    let model = tiny_qwen2();
+    let nats = relay_testkit::NatsServer::start().expect("nats-server");
+    let url = nats.url();
+    let start = |seed: &str| {
+        Command::new(env!("CARGO_BIN_EXE_relay"))
+            .args(["sft", "--model", &model, "--out"])
+            .arg(tmp.path().join(seed))
+            .args(["--games", "2", "--epochs", "1", "--eval-games", "0"])
+            .args(["--seed", seed, "--nats", &url, "--replicas", "2"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start a replica")
+    };
+    let (first, second) = (start("1"), start("2"));
+    let outputs = [
+        first.wait_with_output().unwrap(),
+        second.wait_with_output().unwrap(),
+    ];
+    let refused = outputs
+        .iter()
+        .filter(|o| {
+            !o.status.success()
+                && String::from_utf8_lossy(&o.stderr).contains("differs from rank 0's")
+        })
+        .count();
+    let finished = outputs.iter().filter(|o| o.status.success()).count();
+    let show = || {
+        outputs
+            .iter()
+            .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+            .collect::<Vec<_>>()
+            .join("\n---\n")
+    };
+    assert_eq!((refused, finished), (1, 1), "{}", show());
+}
