@@ -79,9 +79,34 @@ async fn serve(run_id: &str, extra: &[&str]) -> Served {
     let experiment = ExperimentConfig::from_layers(&text, "test", &[], &overrides).unwrap();
     let (trigger, shutdown) = Shutdown::new();
     let mut config = ServiceConfig::for_test(experiment);
-    let metrics_addr: std::net::SocketAddr = ([127, 0, 0, 1], relay_testkit::free_port()).into();
-    config.metrics_addr = metrics_addr;
+    // Port 0 and the bound address read back: a port found free a moment
+    // earlier can be taken by then by a test running beside this one.
+    let addr_file = std::env::temp_dir().join(format!(
+        "relay-generate-{run_id}-{}.addr",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&addr_file);
+    config.metrics_addr = ([127, 0, 0, 1], 0).into();
+    config.addr_file = Some(addr_file.clone());
     let server = tokio::spawn(relay_inference_server::run(config, shutdown));
+    let deadline = Instant::now() + TIMEOUT;
+    let metrics_addr = loop {
+        if let Some(addr) = std::fs::read_to_string(&addr_file)
+            .ok()
+            .and_then(|text| text.trim().parse().ok())
+        {
+            break addr;
+        }
+        if server.is_finished() {
+            panic!("the server stopped: {:?}", server.await);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server bound no metrics address"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let _ = std::fs::remove_file(&addr_file);
     let client = async_nats::connect(nats.url()).await.unwrap();
     let served = Served {
         _nats: nats,
@@ -98,9 +123,12 @@ async fn serve(run_id: &str, extra: &[&str]) -> Served {
         match served.generate(&probe).await {
             Ok(_) => break,
             Err(RequestError::NoResponders { .. }) | Err(RequestError::Timeout { .. })
-                if Instant::now() < deadline =>
+                if Instant::now() < deadline && !served.server.is_finished() =>
             {
                 tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) if served.server.is_finished() => {
+                panic!("server did not come up ({e}): {:?}", served.server.await)
             }
             Err(e) => panic!("server did not come up: {e}"),
         }
