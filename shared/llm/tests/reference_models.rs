@@ -7,10 +7,14 @@
 //!
 //! The same checks run on every fixture (the `reference_suite!` modules,
 //! so `cargo test -- qwen3` or `-- llama3` selects one architecture) and
-//! on both backends. The fixture folders are found under
-//! `$RELAY_LLM_FIXTURES` (default `shared/fixtures` beside the
-//! repository), so the suite can be pointed at other models of the same
-//! layout.
+//! on both backends, and again on a copy of each fixture whose config.json
+//! holds the same settings in the other form transformers writes (4's
+//! top-level `rope_theta`/`rope_scaling` or 5's `rope_parameters`; the
+//! `*_other_config_form` modules): the checks take config.json's values
+//! from the library's loader only, and this keeps them from relying on one
+//! form. The fixture folders are found under `$RELAY_LLM_FIXTURES`
+//! (default `shared/fixtures` beside the repository), so the suite can be
+//! pointed at other models of the same layout, in either form.
 //!
 //! Beyond the fixture as written: the same weights as the Hub holds them
 //! (sharded, bf16, transformers 4's config), as llama.cpp's converter
@@ -20,10 +24,12 @@
 //! those instead of writing its own.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Device, Tensor};
 use relay_llm::{
     token_log_probs, Backend, BatchItem, CausalLm, KvCache, LogitsWanted, LoraAdapter, LoraConfig,
+    ModelConfig, RopeScaling,
 };
 use serde_json::Value;
 
@@ -33,8 +39,90 @@ use common::completion_logprobs;
 /// Tolerance on logits against transformers (float32 on both sides).
 const LOGIT_TOLERANCE: f32 = 1e-4;
 
-fn fixture_dir(name: &str) -> PathBuf {
-    relay_testkit::llm_fixture(name)
+/// The fixture a check runs on: `name` (its folder under
+/// `$RELAY_LLM_FIXTURES`, and the key of its measured tolerances) and the
+/// folder the check reads, either that one or a copy whose config.json
+/// holds the same settings in the other form transformers writes
+/// ([`ConfigForm`]). Every check runs on both, so neither a check nor a
+/// helper of one can read only the form the fixtures happen to be in.
+struct Fixture {
+    name: &'static str,
+    dir: PathBuf,
+    /// Names the check's temporary folders apart from the other form's run
+    /// of the same check, which may run at the same time.
+    label: String,
+    /// The copy in the other form, removed when the check ends.
+    copy: Option<PathBuf>,
+}
+
+impl Fixture {
+    fn as_written(name: &'static str) -> Self {
+        Self {
+            name,
+            dir: relay_testkit::llm_fixture(name),
+            label: name.to_owned(),
+            copy: None,
+        }
+    }
+
+    /// A copy of the fixture with its config.json in the form it is not
+    /// written in ([`config_in_form`]).
+    fn in_other_config_form(name: &'static str) -> Self {
+        static COPIES: AtomicUsize = AtomicUsize::new(0);
+        let original = relay_testkit::llm_fixture(name);
+        let config = read_config(&original);
+        let form = ConfigForm::of(&config).other();
+        let copy = temp_dir(&format!(
+            "{name}-{form:?}-config-{}",
+            COPIES.fetch_add(1, Ordering::Relaxed)
+        ));
+        copy_folder(&original, &copy);
+        // The copied file keeps the fixture's read-only mode.
+        std::fs::remove_file(copy.join("config.json")).unwrap();
+        let rewritten = config_in_form(&config, form);
+        std::fs::write(
+            copy.join("config.json"),
+            serde_json::to_string_pretty(&rewritten).unwrap(),
+        )
+        .unwrap();
+        Self {
+            name,
+            dir: copy.clone(),
+            label: format!("{name}-{form:?}-config"),
+            copy: Some(copy),
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if let Some(copy) = &self.copy {
+            let _ = std::fs::remove_dir_all(copy);
+        }
+    }
+}
+
+impl std::fmt::Display for Fixture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.label)
+    }
+}
+
+fn copy_folder(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_folder(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
 }
 
 struct Case {
@@ -44,8 +132,8 @@ struct Case {
     logits_with_adapter: Vec<Vec<f32>>,
 }
 
-fn cases(name: &str) -> Vec<Case> {
-    let path = fixture_dir(name).join("reference.json");
+fn cases(fixture: &Fixture) -> Vec<Case> {
+    let path = fixture.dir().join("reference.json");
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("{}: {e} (set RELAY_LLM_FIXTURES)", path.display()));
     let value: Value = serde_json::from_str(&text).expect("reference.json parses");
@@ -84,22 +172,22 @@ fn cases(name: &str) -> Vec<Case> {
     cases
 }
 
-fn model(name: &str) -> CausalLm {
-    CausalLm::load_hf(&fixture_dir(name)).unwrap_or_else(|e| panic!("{name} loads: {e}"))
+fn model(fixture: &Fixture) -> CausalLm {
+    CausalLm::load_hf(fixture.dir()).unwrap_or_else(|e| panic!("{fixture} loads: {e}"))
 }
 
-fn adapter(name: &str, model: &CausalLm) -> LoraAdapter {
-    let adapter = LoraAdapter::load_peft(&fixture_dir(name).join("adapter"), model.config())
+fn adapter(fixture: &Fixture, model: &CausalLm) -> LoraAdapter {
+    let adapter = LoraAdapter::load_peft(&fixture.dir().join("adapter"), model.config())
         .expect("adapter loads");
     model.place_adapter(&adapter).expect("adapter placed")
 }
 
 /// Runs `check` on the model on each backend: the CPU engine, and the
 /// candle backend in f32 ([`candle_backends`]).
-fn for_each_backend(name: &str, check: impl Fn(&CausalLm)) {
+fn for_each_backend(fixture: &Fixture, check: impl Fn(&CausalLm)) {
     let backends = std::iter::once(Backend::Engine).chain(candle_backends(DType::F32));
     for backend in backends {
-        let model = model(name).to_backend(backend).expect("model placed");
+        let model = model(fixture).to_backend(backend).expect("model placed");
         eprintln!("backend {}", model.backend().describe());
         check(&model);
         synchronize(&model);
@@ -199,9 +287,9 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn logits_match_transformers(name: &str) {
-    for_each_backend(name, |model| {
-        for (i, case) in cases(name).iter().enumerate() {
+fn logits_match_transformers(fixture: &Fixture) {
+    for_each_backend(fixture, |model| {
+        for (i, case) in cases(fixture).iter().enumerate() {
             let mut cache = model.new_cache();
             let logits = model
                 .forward_one(&case.input_ids, &mut cache, None)
@@ -216,9 +304,9 @@ fn logits_match_transformers(name: &str) {
     });
 }
 
-fn greedy_with_kv_cache(name: &str) {
-    for_each_backend(name, |model| {
-        for (i, case) in cases(name).iter().enumerate() {
+fn greedy_with_kv_cache(fixture: &Fixture) {
+    for_each_backend(fixture, |model| {
+        for (i, case) in cases(fixture).iter().enumerate() {
             let mut cache = model.new_cache();
             let mut next = argmax(&last_row(
                 &model
@@ -240,9 +328,9 @@ fn greedy_with_kv_cache(name: &str) {
 /// All cases decoded in one ragged batch; the last case joins after the
 /// others have decoded three tokens, its prompt prefilled in the same
 /// forward as their decode steps.
-fn batched_greedy_with_late_join(name: &str) {
-    for_each_backend(name, |model| {
-        let cases = cases(name);
+fn batched_greedy_with_late_join(fixture: &Fixture) {
+    for_each_backend(fixture, |model| {
+        let cases = cases(fixture);
         let late = cases.len() - 1;
         let join_at = 3;
         let mut caches: Vec<KvCache> = cases.iter().map(|_| model.new_cache()).collect();
@@ -287,10 +375,10 @@ fn batched_greedy_with_late_join(name: &str) {
     });
 }
 
-fn adapter_logits(name: &str) {
-    for_each_backend(name, |model| {
-        let adapter = adapter(name, model);
-        for (i, case) in cases(name).iter().enumerate() {
+fn adapter_logits(fixture: &Fixture) {
+    for_each_backend(fixture, |model| {
+        let adapter = adapter(fixture, model);
+        for (i, case) in cases(fixture).iter().enumerate() {
             let mut cache = model.new_cache();
             let logits = model
                 .forward_one(&case.input_ids, &mut cache, Some(&adapter))
@@ -306,10 +394,10 @@ fn adapter_logits(name: &str) {
 
 /// One batch mixing the adapter and the base model: each sequence gets
 /// its own logits, as if it ran alone.
-fn mixed_adapters_in_one_batch(name: &str) {
-    for_each_backend(name, |model| {
-        let adapter = adapter(name, model);
-        let cases = cases(name);
+fn mixed_adapters_in_one_batch(fixture: &Fixture) {
+    for_each_backend(fixture, |model| {
+        let adapter = adapter(fixture, model);
+        let cases = cases(fixture);
         let mut caches: Vec<KvCache> = cases.iter().map(|_| model.new_cache()).collect();
         let mut items: Vec<BatchItem> = cases
             .iter()
@@ -342,10 +430,10 @@ fn mixed_adapters_in_one_batch(name: &str) {
 
 /// The differentiable path on a right-padded batch gives the reference
 /// logits at every real position, with and without the adapter.
-fn training_path_matches_inference_path(name: &str) {
-    for_each_backend(name, |model| {
-        let adapter = adapter(name, model);
-        let cases = cases(name);
+fn training_path_matches_inference_path(fixture: &Fixture) {
+    for_each_backend(fixture, |model| {
+        let adapter = adapter(fixture, model);
+        let cases = cases(fixture);
         let rows: Vec<&[u32]> = cases.iter().map(|c| c.input_ids.as_slice()).collect();
         let ids = right_padded(&rows);
         for with_adapter in [false, true] {
@@ -381,8 +469,8 @@ fn training_path_matches_inference_path(name: &str) {
     });
 }
 
-fn next_token_loss(name: &str, model: &CausalLm, adapter: &LoraAdapter) -> Tensor {
-    let cases = cases(name);
+fn next_token_loss(fixture: &Fixture, model: &CausalLm, adapter: &LoraAdapter) -> Tensor {
+    let cases = cases(fixture);
     let rows: Vec<&[u32]> = cases.iter().map(|c| c.input_ids.as_slice()).collect();
     let ids = right_padded(&rows);
     let time = ids.dim(1).unwrap();
@@ -402,10 +490,10 @@ fn next_token_loss(name: &str, model: &CausalLm, adapter: &LoraAdapter) -> Tenso
 /// cut the graph silently. Every LoRA factor of every layer must get a
 /// non-zero gradient from a loss on the logits, on either backend (the
 /// candle backend trains through the composed forward).
-fn every_lora_parameter_gets_a_gradient(name: &str) {
-    for_each_backend(name, |model| {
-        let adapter = adapter(name, model);
-        let loss = next_token_loss(name, model, &adapter);
+fn every_lora_parameter_gets_a_gradient(fixture: &Fixture) {
+    for_each_backend(fixture, |model| {
+        let adapter = adapter(fixture, model);
+        let loss = next_token_loss(fixture, model, &adapter);
         let grads = loss.backward().unwrap();
         let named = adapter.named_vars();
         assert_eq!(named.len(), 2 * 7 * model.config().num_hidden_layers);
@@ -424,7 +512,7 @@ fn every_lora_parameter_gets_a_gradient(name: &str) {
         let fresh =
             LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 7).unwrap();
         let fresh = model.place_adapter(&fresh).unwrap();
-        let grads = next_token_loss(name, model, &fresh).backward().unwrap();
+        let grads = next_token_loss(fixture, model, &fresh).backward().unwrap();
         for (name, var) in fresh.named_vars() {
             let norm: f32 = grads
                 .get(var.as_tensor())
@@ -439,11 +527,11 @@ fn every_lora_parameter_gets_a_gradient(name: &str) {
     });
 }
 
-fn peft_round_trip(name: &str) {
-    let model = model(name);
-    let original = adapter(name, &model);
-    let dir = temp_dir(&format!("{name}-peft-round-trip"));
-    original.save_peft(&dir, Some(name)).unwrap();
+fn peft_round_trip(fixture: &Fixture) {
+    let model = model(fixture);
+    let original = adapter(fixture, &model);
+    let dir = temp_dir(&format!("{fixture}-peft-round-trip"));
+    original.save_peft(&dir, Some(fixture.name)).unwrap();
     let loaded = LoraAdapter::load_peft(&dir, model.config()).unwrap();
     assert_eq!(loaded.config(), original.config());
     assert_eq!(loaded.scaling(), 2.0);
@@ -467,10 +555,10 @@ fn peft_round_trip(name: &str) {
 
 /// A trained adapter changes the logits; an adapter shared by reference
 /// leaves the base model and other sequences untouched.
-fn adapter_is_not_baked_into_the_base(name: &str) {
-    let model = model(name);
-    let adapter = adapter(name, &model);
-    let case = &cases(name)[2];
+fn adapter_is_not_baked_into_the_base(fixture: &Fixture) {
+    let model = model(fixture);
+    let adapter = adapter(fixture, &model);
+    let case = &cases(fixture)[2];
     let mut cache = model.new_cache();
     let _ = model
         .forward_one(&case.input_ids, &mut cache, Some(&adapter))
@@ -484,9 +572,9 @@ fn adapter_is_not_baked_into_the_base(name: &str) {
     assert_eq!(base.dtype(), DType::F32);
 }
 
-fn forked_cache_continues_like_the_original(name: &str) {
-    for_each_backend(name, |model| {
-        let case = &cases(name)[1];
+fn forked_cache_continues_like_the_original(fixture: &Fixture) {
+    for_each_backend(fixture, |model| {
+        let case = &cases(fixture)[1];
         let (prompt, rest) = case.input_ids.split_at(20);
         let mut cache = model.new_cache();
         model.forward_one(prompt, &mut cache, None).unwrap();
@@ -519,10 +607,10 @@ fn greedy_sequence(model: &CausalLm, case: &Case) -> relay_llm::Sequence {
 
 /// `generate::step` over a running batch that a sequence joins mid-decode
 /// reproduces every greedy continuation; finished sequences report `None`.
-fn step_with_joining_sequence(name: &str) {
+fn step_with_joining_sequence(fixture: &Fixture) {
     use relay_llm::{step, FinishReason, Sequence};
-    for_each_backend(name, |model| {
-        let cases = cases(name);
+    for_each_backend(fixture, |model| {
+        let cases = cases(fixture);
         let mut running: Vec<Sequence> = vec![
             greedy_sequence(model, &cases[0]),
             greedy_sequence(model, &cases[1]),
@@ -553,10 +641,10 @@ fn step_with_joining_sequence(name: &str) {
 
 /// A prompt prefilled once and forked gives each fork the same
 /// continuation as an unforked run; a stop token ends a sequence.
-fn prefill_fork_and_stop_token(name: &str) {
+fn prefill_fork_and_stop_token(fixture: &Fixture) {
     use relay_llm::{generate, prefill, FinishReason, Sampler};
-    for_each_backend(name, |model| {
-        let case = &cases(name)[2];
+    for_each_backend(fixture, |model| {
+        let case = &cases(fixture)[2];
         let mut parent = greedy_sequence(model, case);
         prefill(model, &mut [&mut parent]).unwrap();
         assert_eq!(parent.cache().len(), case.input_ids.len() - 1);
@@ -588,11 +676,11 @@ fn prefill_fork_and_stop_token(name: &str) {
 
 /// With an adapter on the sequence, step samples from the adapted model:
 /// its first greedy token is the argmax of `logits_with_adapter`.
-fn step_uses_the_sequence_adapter(name: &str) {
+fn step_uses_the_sequence_adapter(fixture: &Fixture) {
     use relay_llm::{step, Sampler, Sequence, StopCondition};
-    for_each_backend(name, |model| {
-        let adapter = std::sync::Arc::new(adapter(name, model));
-        let cases = cases(name);
+    for_each_backend(fixture, |model| {
+        let adapter = std::sync::Arc::new(adapter(fixture, model));
+        let cases = cases(fixture);
         let mut seqs: Vec<Sequence> = cases
             .iter()
             .enumerate()
@@ -630,12 +718,12 @@ fn step_uses_the_sequence_adapter(name: &str) {
 /// Full fine-tuning: every weight of the model (Qwen3's q/k norms
 /// included) is a var that gets a gradient from a loss on the logits, on
 /// both backends, and the saved folder loads back to the same logits.
-fn full_fine_tuning_reaches_every_weight(name: &str) {
+fn full_fine_tuning_reaches_every_weight(fixture: &Fixture) {
     let candle = Backend::Candle {
         device: Device::Cpu,
         dtype: DType::F32,
     };
-    let cases = cases(name);
+    let cases = cases(fixture);
     let case = &cases[2];
     let ids = Tensor::new(&case.input_ids[..], &Device::Cpu)
         .unwrap()
@@ -643,7 +731,7 @@ fn full_fine_tuning_reaches_every_weight(name: &str) {
         .unwrap();
     for backend in [Backend::Engine, candle] {
         let (model, varmap) =
-            relay_llm::sft::load_hf_trainable_on(&fixture_dir(name), &backend).unwrap();
+            relay_llm::sft::load_hf_trainable_on(fixture.dir(), &backend).unwrap();
         let logits = model.forward_train(&ids, None).unwrap().squeeze(0).unwrap();
         let (diff, pos) = max_diff(&logits, &case.logits);
         assert!(diff < LOGIT_TOLERANCE, "|diff| {diff} at {pos}");
@@ -674,7 +762,7 @@ fn full_fine_tuning_reaches_every_weight(name: &str) {
                 .unwrap();
             assert!(norm > 0.0 && norm.is_finite(), "{var_name}: {norm}");
         }
-        let saved = temp_dir(&format!("{name}-full-saved"));
+        let saved = temp_dir(&format!("{fixture}-full-saved"));
         relay_llm::sft::save_hf_trainable(&varmap, model.config(), &saved).unwrap();
         let reloaded = CausalLm::load_hf(&saved).unwrap();
         assert_eq!(reloaded.config(), model.config());
@@ -688,8 +776,8 @@ fn full_fine_tuning_reaches_every_weight(name: &str) {
 }
 
 /// The fixture's tensors, f32, by name.
-fn fixture_tensors(name: &str) -> Vec<(String, Tensor)> {
-    let path = fixture_dir(name).join("model.safetensors");
+fn fixture_tensors(fixture: &Fixture) -> Vec<(String, Tensor)> {
+    let path = fixture.dir().join("model.safetensors");
     let mut tensors: Vec<(String, Tensor)> = candle_core::safetensors::load(&path, &Device::Cpu)
         .unwrap()
         .into_iter()
@@ -698,25 +786,90 @@ fn fixture_tensors(name: &str) -> Vec<(String, Tensor)> {
     tensors
 }
 
-fn fixture_config(name: &str) -> Value {
-    let path = fixture_dir(name).join("config.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+/// config.json of a model folder, as written.
+fn read_config(dir: &Path) -> Value {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (set RELAY_LLM_FIXTURES)", path.display()));
+    serde_json::from_str(&text).expect("config.json parses")
 }
 
-/// `config` as transformers 4 writes it (what the Hub's Qwen3 and Llama 3
-/// repositories hold): top-level `rope_theta` and `rope_scaling` instead
-/// of `rope_parameters`.
-fn transformers4_config(mut config: Value) -> Value {
-    let obj = config.as_object_mut().unwrap();
-    let mut rope = obj.remove("rope_parameters").expect("rope_parameters");
-    let rope = rope.as_object_mut().unwrap();
-    obj.insert("rope_theta".into(), rope.remove("rope_theta").unwrap());
-    let scaling = match rope.get("rope_type").and_then(Value::as_str) {
-        Some("default") | None => Value::Null,
-        Some(_) => Value::Object(rope.clone()),
-    };
-    obj.insert("rope_scaling".into(), scaling);
-    config
+fn fixture_config(fixture: &Fixture) -> Value {
+    read_config(fixture.dir())
+}
+
+/// The fixture's config as the library's loader reads it: the one parser
+/// of config.json the checks use.
+fn fixture_model_config(fixture: &Fixture) -> ModelConfig {
+    ModelConfig::from_hf_file(fixture.dir())
+        .unwrap_or_else(|e| panic!("{fixture}: config.json loads: {e}"))
+}
+
+/// The two forms transformers writes the rotary settings of config.json
+/// in; the loader reads both ([`ModelConfig::from_hf_json`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConfigForm {
+    /// Version 4 (what the Hub's Qwen3 and Llama 3 repositories hold):
+    /// top-level `rope_theta` and `rope_scaling`.
+    Transformers4,
+    /// Version 5: one `rope_parameters` object.
+    Transformers5,
+}
+
+impl ConfigForm {
+    fn of(config: &Value) -> Self {
+        match config.get("rope_parameters") {
+            Some(p) if !p.is_null() => Self::Transformers5,
+            _ => Self::Transformers4,
+        }
+    }
+
+    fn other(self) -> Self {
+        match self {
+            Self::Transformers4 => Self::Transformers5,
+            Self::Transformers5 => Self::Transformers4,
+        }
+    }
+}
+
+/// `config` with its rotary settings rewritten in `form`, every other
+/// field as it was. The values come from the loader's own reading of
+/// `config` (its transformers 4 output, [`ModelConfig::to_hf_json`]), so
+/// the test holds no second parser of either form; the loader must read
+/// the result as it read `config`.
+fn config_in_form(config: &Value, form: ConfigForm) -> Value {
+    let parsed = ModelConfig::from_hf_json(config).expect("config.json loads");
+    let written = parsed.to_hf_json().expect("config writes back");
+    let (theta, scaling) = (
+        written["rope_theta"].clone(),
+        written["rope_scaling"].clone(),
+    );
+    let mut rewritten = config.clone();
+    let fields = rewritten.as_object_mut().expect("config.json is an object");
+    for stale in ["rope_parameters", "rope_theta", "rope_scaling"] {
+        fields.remove(stale);
+    }
+    match form {
+        ConfigForm::Transformers4 => {
+            fields.insert("rope_theta".into(), theta);
+            fields.insert("rope_scaling".into(), scaling);
+        }
+        ConfigForm::Transformers5 => {
+            let mut parameters = match scaling {
+                Value::Null => serde_json::json!({"rope_type": "default"}),
+                scaling => scaling,
+            };
+            parameters["rope_theta"] = theta;
+            fields.insert("rope_parameters".into(), parameters);
+        }
+    }
+    assert_eq!(ConfigForm::of(&rewritten), form);
+    assert_eq!(
+        ModelConfig::from_hf_json(&rewritten).expect("rewritten config.json loads"),
+        parsed,
+        "the loader reads the config in {form:?}'s form as it was"
+    );
+    rewritten
 }
 
 /// Writes `tensors` in `dtype` as a Hub-style sharded folder (two shards
@@ -748,13 +901,14 @@ fn write_sharded(dir: &Path, tensors: &[(String, Tensor)], dtype: DType, config:
 }
 
 /// The fixture as the Hub holds such a model: sharded, transformers 4's
-/// config. In f32 it gives the reference logits; in bf16 exactly the
-/// logits of its weights rounded to bf16 and stored as f32, and the full
-/// fine-tuning loader reads it too.
-fn hub_layout_loads_the_same(name: &str) {
-    let tensors = fixture_tensors(name);
-    let config = transformers4_config(fixture_config(name));
-    let case = &cases(name)[0];
+/// config. In f32 it gives the reference logits (with its config in
+/// either form); in bf16 exactly the logits of its weights rounded to bf16
+/// and stored as f32, and the full fine-tuning loader reads it too.
+fn hub_layout_loads_the_same(fixture: &Fixture) {
+    let tensors = fixture_tensors(fixture);
+    let written = fixture_config(fixture);
+    let config = config_in_form(&written, ConfigForm::Transformers4);
+    let case = &cases(fixture)[0];
     let logits = |model: &CausalLm| {
         let mut cache = model.new_cache();
         model
@@ -762,15 +916,23 @@ fn hub_layout_loads_the_same(name: &str) {
             .unwrap()
     };
 
-    let f32_dir = temp_dir(&format!("{name}-hub-f32"));
-    write_sharded(&f32_dir, &tensors, DType::F32, &config);
-    let (diff, pos) = max_diff(&logits(&CausalLm::load_hf(&f32_dir).unwrap()), &case.logits);
-    assert!(
-        diff < LOGIT_TOLERANCE,
-        "sharded f32: |diff| {diff} at {pos}"
-    );
+    for form in [ConfigForm::Transformers4, ConfigForm::Transformers5] {
+        let f32_dir = temp_dir(&format!("{fixture}-hub-f32-{form:?}"));
+        write_sharded(
+            &f32_dir,
+            &tensors,
+            DType::F32,
+            &config_in_form(&written, form),
+        );
+        let (diff, pos) = max_diff(&logits(&CausalLm::load_hf(&f32_dir).unwrap()), &case.logits);
+        assert!(
+            diff < LOGIT_TOLERANCE,
+            "sharded f32, {form:?}'s config: |diff| {diff} at {pos}"
+        );
+        std::fs::remove_dir_all(f32_dir).unwrap();
+    }
 
-    let bf16_dir = temp_dir(&format!("{name}-hub-bf16"));
+    let bf16_dir = temp_dir(&format!("{fixture}-hub-bf16"));
     write_sharded(&bf16_dir, &tensors, DType::BF16, &config);
     let rounded: Vec<(String, Tensor)> = tensors
         .iter()
@@ -783,7 +945,7 @@ fn hub_layout_loads_the_same(name: &str) {
             (n.clone(), t)
         })
         .collect();
-    let rounded_dir = temp_dir(&format!("{name}-hub-rounded"));
+    let rounded_dir = temp_dir(&format!("{fixture}-hub-rounded"));
     write_sharded(&rounded_dir, &rounded, DType::F32, &config);
     let bf16 = logits(&CausalLm::load_hf(&bf16_dir).unwrap());
     let want: Vec<Vec<f32>> = logits(&CausalLm::load_hf(&rounded_dir).unwrap())
@@ -806,7 +968,7 @@ fn hub_layout_loads_the_same(name: &str) {
     let (trainable, vars) = relay_llm::sft::load_hf_trainable(&bf16_dir).unwrap();
     assert_eq!(vars.all_vars().len(), tensors.len());
     assert_eq!(max_diff(&logits(&trainable), &want).0, 0.0);
-    for dir in [f32_dir, bf16_dir, rounded_dir] {
+    for dir in [bf16_dir, rounded_dir] {
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
@@ -814,17 +976,18 @@ fn hub_layout_loads_the_same(name: &str) {
 /// The fixture's config.json renamed to each other architecture: loading
 /// fails, naming a weight that is missing or one the model would ignore
 /// (Qwen3 read as Llama would run without its q/k norms).
-fn other_architecture_is_refused(name: &str) {
-    let config = fixture_config(name);
-    let own = config["model_type"].as_str().unwrap().to_owned();
+fn other_architecture_is_refused(fixture: &Fixture) {
+    // As written (renamed only), whichever form its rotary settings are in.
+    let config = fixture_config(fixture);
+    let own = fixture_model_config(fixture).architecture.model_type();
     for other in ["qwen2", "qwen3", "llama"] {
         if other == own {
             continue;
         }
-        let dir = temp_dir(&format!("{name}-as-{other}"));
+        let dir = temp_dir(&format!("{fixture}-as-{other}"));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::copy(
-            fixture_dir(name).join("model.safetensors"),
+            fixture.dir().join("model.safetensors"),
             dir.join("model.safetensors"),
         )
         .unwrap();
@@ -833,11 +996,11 @@ fn other_architecture_is_refused(name: &str) {
         std::fs::write(dir.join("config.json"), renamed.to_string()).unwrap();
         let err = CausalLm::load_hf(&dir)
             .err()
-            .unwrap_or_else(|| panic!("{name} loaded as {other}"))
+            .unwrap_or_else(|| panic!("{fixture} loaded as {other}"))
             .to_string();
         assert!(
             err.contains("does not use") || err.contains("cannot find"),
-            "{name} as {other}: {err}"
+            "{fixture} as {other}: {err}"
         );
         if own == "qwen3" && other == "llama" {
             assert!(err.contains("q_norm") || err.contains("k_norm"), "{err}");
@@ -869,19 +1032,18 @@ fn llama_cpp_permute(w: &Tensor, heads: usize) -> Tensor {
 /// The fixture converted to GGUF as llama.cpp's `convert_hf_to_gguf.py`
 /// writes it (tensor names, metadata keys, Llama's permuted q/k rows, Llama
 /// 3's scaling as `rope_freqs.weight`), in f32.
-fn write_gguf_like_llama_cpp(name: &str, path: &Path) {
+fn write_gguf_like_llama_cpp(fixture: &Fixture, path: &Path) {
     use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
-    let config = fixture_config(name);
-    let arch = config["model_type"].as_str().unwrap();
-    let int = |k: &str| config[k].as_u64().unwrap() as u32;
-    let heads = int("num_attention_heads") as usize;
-    let kv_heads = int("num_key_value_heads") as usize;
-    let head_dim = match config.get("head_dim") {
-        Some(d) if !d.is_null() => d.as_u64().unwrap() as u32,
-        _ => int("hidden_size") / heads as u32,
-    };
-    let rope = &config["rope_parameters"];
-    let theta = rope["rope_theta"].as_f64().unwrap() as f32;
+    let config = fixture_model_config(fixture);
+    let arch = config.architecture.model_type();
+    let u32_of = |n: usize| gguf_file::Value::U32(n as u32);
+    let (heads, kv_heads, head_dim) = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    );
+    let theta = config.rope_theta;
+    let eos = *config.eos_token_ids.first().expect("an eos token");
     let meta: Vec<(String, gguf_file::Value)> = vec![
         (
             "general.architecture".into(),
@@ -889,55 +1051,40 @@ fn write_gguf_like_llama_cpp(name: &str, path: &Path) {
         ),
         (
             format!("{arch}.context_length"),
-            gguf_file::Value::U32(int("max_position_embeddings")),
+            u32_of(config.max_position_embeddings),
         ),
         (
             format!("{arch}.embedding_length"),
-            gguf_file::Value::U32(int("hidden_size")),
+            u32_of(config.hidden_size),
         ),
         (
             format!("{arch}.block_count"),
-            gguf_file::Value::U32(int("num_hidden_layers")),
+            u32_of(config.num_hidden_layers),
         ),
         (
             format!("{arch}.feed_forward_length"),
-            gguf_file::Value::U32(int("intermediate_size")),
+            u32_of(config.intermediate_size),
         ),
-        (
-            format!("{arch}.attention.head_count"),
-            gguf_file::Value::U32(heads as u32),
-        ),
-        (
-            format!("{arch}.attention.head_count_kv"),
-            gguf_file::Value::U32(kv_heads as u32),
-        ),
-        (
-            format!("{arch}.attention.key_length"),
-            gguf_file::Value::U32(head_dim),
-        ),
-        (
-            format!("{arch}.attention.value_length"),
-            gguf_file::Value::U32(head_dim),
-        ),
-        (
-            format!("{arch}.rope.dimension_count"),
-            gguf_file::Value::U32(head_dim),
-        ),
+        (format!("{arch}.attention.head_count"), u32_of(heads)),
+        (format!("{arch}.attention.head_count_kv"), u32_of(kv_heads)),
+        (format!("{arch}.attention.key_length"), u32_of(head_dim)),
+        (format!("{arch}.attention.value_length"), u32_of(head_dim)),
+        (format!("{arch}.rope.dimension_count"), u32_of(head_dim)),
         (
             format!("{arch}.rope.freq_base"),
             gguf_file::Value::F32(theta),
         ),
         (
             format!("{arch}.attention.layer_norm_rms_epsilon"),
-            gguf_file::Value::F32(config["rms_norm_eps"].as_f64().unwrap() as f32),
+            gguf_file::Value::F32(config.rms_norm_eps as f32),
         ),
         (
             "tokenizer.ggml.eos_token_id".into(),
-            gguf_file::Value::U32(int("eos_token_id")),
+            gguf_file::Value::U32(eos),
         ),
     ];
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
-    for (hf, t) in fixture_tensors(name) {
+    for (hf, t) in fixture_tensors(fixture) {
         let gguf = hf
             .replace("model.embed_tokens", "token_embd")
             .replace("model.norm", "output_norm")
@@ -965,10 +1112,14 @@ fn write_gguf_like_llama_cpp(name: &str, path: &Path) {
         };
         tensors.push((gguf, t));
     }
-    if rope["rope_type"] == "llama3" {
-        let f = |k: &str| rope[k].as_f64().unwrap() as f32;
-        let (factor, low, high) = (f("factor"), f("low_freq_factor"), f("high_freq_factor"));
-        let original = f("original_max_position_embeddings");
+    if let Some(RopeScaling::Llama3 {
+        factor,
+        low_freq_factor: low,
+        high_freq_factor: high,
+        original_max_position_embeddings,
+    }) = config.rope_scaling
+    {
+        let original = original_max_position_embeddings as f32;
         let divisors: Vec<f32> = (0..head_dim / 2)
             .map(|i| {
                 let freq = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32);
@@ -1004,22 +1155,22 @@ fn write_gguf_like_llama_cpp(name: &str, path: &Path) {
 /// The GGUF conversion loads to the reference logits, with and without
 /// the PEFT adapter (trained on the Hugging Face layout), on either way of
 /// holding a GGUF base that keeps float-exact logits.
-fn gguf_logits_match_transformers(name: &str) {
+fn gguf_logits_match_transformers(fixture: &Fixture) {
     use relay_llm::GgufBase;
-    let dir = temp_dir(&format!("{name}-gguf"));
+    let dir = temp_dir(&format!("{fixture}-gguf"));
     std::fs::create_dir_all(&dir).unwrap();
     let path = match std::env::var_os("RELAY_LLM_GGUF") {
-        Some(folder) => PathBuf::from(folder).join(format!("{name}.gguf")),
+        Some(folder) => PathBuf::from(folder).join(format!("{}.gguf", fixture.name)),
         None => {
             let path = dir.join("model.gguf");
-            write_gguf_like_llama_cpp(name, &path);
+            write_gguf_like_llama_cpp(fixture, &path);
             path
         }
     };
     for base in [GgufBase::Dequantized, GgufBase::Quantized] {
         let model = CausalLm::load_gguf(&path, base).unwrap();
-        let adapter = adapter(name, &model);
-        for (i, case) in cases(name).iter().enumerate() {
+        let adapter = adapter(fixture, &model);
+        for (i, case) in cases(fixture).iter().enumerate() {
             for (with_adapter, want) in [(false, &case.logits), (true, &case.logits_with_adapter)] {
                 let mut cache = model.new_cache();
                 let logits = model
@@ -1043,12 +1194,12 @@ fn gguf_logits_match_transformers(name: &str) {
 /// The engine with only its packed weights (as the inference server holds
 /// a dense base) gives the same logits, with and without the adapter; the
 /// paths that need the f32 weights refuse it by name.
-fn packed_only_engine_matches_transformers(name: &str) {
-    let mut model = model(name).to_backend(Backend::Engine).unwrap();
-    let adapter = adapter(name, &model);
+fn packed_only_engine_matches_transformers(fixture: &Fixture) {
+    let mut model = model(fixture).to_backend(Backend::Engine).unwrap();
+    let adapter = adapter(fixture, &model);
     model.keep_packed_only().unwrap();
     assert!(!model.is_quantized() && !model.supports_training());
-    for (i, case) in cases(name).iter().enumerate() {
+    for (i, case) in cases(fixture).iter().enumerate() {
         for (with, want) in [
             (None, &case.logits),
             (Some(&adapter), &case.logits_with_adapter),
@@ -1116,14 +1267,14 @@ fn half_tolerance(name: &str, dtype: DType) -> f64 {
 /// `place_frozen_adapter`; trained: f32 factors), within
 /// [`half_tolerance`] of transformers' f32 logits: no further from them
 /// than transformers' own logits in the dtype are.
-fn half_precision_logits_match_transformers(name: &str) {
+fn half_precision_logits_match_transformers(fixture: &Fixture) {
     for dtype in [DType::BF16, DType::F16] {
-        let tolerance = half_tolerance(name, dtype);
+        let tolerance = half_tolerance(fixture.name, dtype);
         for backend in candle_backends(dtype) {
             // Straight from the files to the device in the dtype.
-            let model = CausalLm::load_hf_on(&fixture_dir(name), &backend).expect("model loads");
+            let model = CausalLm::load_hf_on(fixture.dir(), &backend).expect("model loads");
             let what = model.backend().describe();
-            let served = LoraAdapter::load_peft(&fixture_dir(name).join("adapter"), model.config())
+            let served = LoraAdapter::load_peft(&fixture.dir().join("adapter"), model.config())
                 .and_then(|a| model.place_frozen_adapter(&a))
                 .expect("adapter placed");
             for (factor, var) in served.named_vars() {
@@ -1133,9 +1284,9 @@ fn half_precision_logits_match_transformers(name: &str) {
                     "{factor}: a served factor is in {dtype:?}"
                 );
             }
-            let trained = adapter(name, &model);
+            let trained = adapter(fixture, &model);
             let mut worst = 0f64;
-            for (i, case) in cases(name).iter().enumerate() {
+            for (i, case) in cases(fixture).iter().enumerate() {
                 let ids = right_padded(&[case.input_ids.as_slice()]);
                 for (path, adapter, want) in [
                     ("inference", None, &case.logits),
@@ -1367,10 +1518,10 @@ const TRAINING_TOLERANCES: [(DType, f64, f64, f64); 3] = [
 /// fused training ops, f32): the losses, every factor's gradient (as one
 /// vector) and the RL step's change of the factors, within
 /// [`TRAINING_TOLERANCES`].
-fn training_steps_match_the_cpu_engine(name: &str) {
+fn training_steps_match_the_cpu_engine(fixture: &Fixture) {
     let seed = check_seed();
-    let engine = model(name);
-    let start = adapter(name, &engine);
+    let engine = model(fixture);
+    let start = adapter(fixture, &engine);
     let want = train_steps(&engine, &start, &engine, seed);
     assert!(want.rl_grads.iter().any(|g| *g != 0.0) && want.sft_grads.iter().any(|g| *g != 0.0));
     let backends = TRAINING_TOLERANCES
@@ -1381,7 +1532,7 @@ fn training_steps_match_the_cpu_engine(name: &str) {
                 .map(move |b| (b, loss, grad, step))
         });
     for (backend, loss_tolerance, tolerance, update_tolerance) in backends {
-        let model = model(name).to_backend(backend).expect("model placed");
+        let model = model(fixture).to_backend(backend).expect("model placed");
         let what = model.backend().describe();
         eprintln!("backend {what}");
         let got = train_steps(&model, &start, &engine, seed);
@@ -1411,15 +1562,18 @@ fn training_steps_match_the_cpu_engine(name: &str) {
     }
 }
 
-/// One module per fixture, each running every check above, so that a
-/// test's name says its architecture (`cargo test -- qwen3`).
+/// One module per fixture and config form, each running every check
+/// above, so that a test's name says its architecture (`cargo test --
+/// qwen3`): `*_reference` on the fixture as written, `*_other_config_form`
+/// on a copy with config.json in the other form transformers writes
+/// ([`Fixture::in_other_config_form`]).
 macro_rules! reference_suite {
-    ($module:ident, $folder:literal, [$($check:ident),* $(,)?]) => {
+    ($module:ident, $fixture:expr, [$($check:ident),* $(,)?]) => {
         mod $module {
             $(
                 #[test]
                 fn $check() {
-                    super::$check($folder)
+                    super::$check(&$fixture)
                 }
             )*
         }
@@ -1427,10 +1581,10 @@ macro_rules! reference_suite {
 }
 
 macro_rules! every_reference_check {
-    ($module:ident, $folder:literal) => {
+    ($module:ident, $fixture:expr) => {
         reference_suite!(
             $module,
-            $folder,
+            $fixture,
             [
                 logits_match_transformers,
                 greedy_with_kv_cache,
@@ -1457,6 +1611,27 @@ macro_rules! every_reference_check {
     };
 }
 
-every_reference_check!(tiny_qwen2_reference, "tiny-qwen2");
-every_reference_check!(tiny_qwen3_reference, "tiny-qwen3");
-every_reference_check!(tiny_llama3_reference, "tiny-llama3");
+every_reference_check!(
+    tiny_qwen2_reference,
+    super::Fixture::as_written("tiny-qwen2")
+);
+every_reference_check!(
+    tiny_qwen3_reference,
+    super::Fixture::as_written("tiny-qwen3")
+);
+every_reference_check!(
+    tiny_llama3_reference,
+    super::Fixture::as_written("tiny-llama3")
+);
+every_reference_check!(
+    tiny_qwen2_other_config_form,
+    super::Fixture::in_other_config_form("tiny-qwen2")
+);
+every_reference_check!(
+    tiny_qwen3_other_config_form,
+    super::Fixture::in_other_config_form("tiny-qwen3")
+);
+every_reference_check!(
+    tiny_llama3_other_config_form,
+    super::Fixture::in_other_config_form("tiny-llama3")
+);
