@@ -9,7 +9,7 @@
 # environment apart from the bridge's (its own gymnasium and numpy pins),
 # for `just bench-envs`; where it does not install, the bench says so.
 # `--sb3` also installs Stable-Baselines3 and sb3-contrib with PyTorch (PyPI's, 5 GB), Gymnasium,
-# ale-py and OpenCV into .relay/sb3, the anchor of `just bench-learning`'s
+# ale-py, OpenCV, PettingZoo's butterfly games and SuperSuit into .relay/sb3, the anchor of `just bench-learning`'s
 # Atari row and `just bench-nn` (both find it there; RELAY_TORCH_PYTHON
 # names another Python).
 # `--transformers` also installs transformers (and PyTorch, where --sb3 has
@@ -110,29 +110,52 @@ fi
 # The env bridge's Python side (shared/bridge): Gymnasium with Box2D, ale-py
 # (ships its ROMs), OpenCV (AtariPreprocessing resizes with it), MinAtar,
 # TextArena 0.7.4 (its games, relay's reference for text games),
-# PettingZoo 1.25 with its classic games (connect_four_v3, tictactoe_v3,
-# texas_holdem_v4, leduc_holdem_v4: rlcard, chess), and
+# PettingZoo 1.25 and its families (below), SuperSuit (PettingZoo's
+# wrappers: color_reduction_v0, resize_v1, frame_stack_v1, ...), and
 # what the worker speaks (msgpack, numpy), in a virtual environment of the
 # project's own, .relay/python, which the services
 # find by themselves (env.python or RELAY_PYTHON choose another). MinAtar
 # without its plotting dependencies: stepping needs only numpy.
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo_root/.relay/python"
-bridge_packages=(numpy==2.* msgpack==1.* "gymnasium[box2d]==1.4.0" ale-py==0.12.* opencv-python-headless==4.* textarena==0.7.4 "pettingzoo[classic]==1.25.0")
+bridge_packages=(numpy==2.* msgpack==1.* "gymnasium[box2d]==1.4.0" ale-py==0.12.* opencv-python-headless==4.* textarena==0.7.4 "pettingzoo[classic]==1.25.0" supersuit==3.*)
+# PettingZoo's families, each installed on its own so that one that does not
+# install is named and the others still come: classic (rlcard, chess),
+# butterfly (pymunk), sisl (pymunk, scipy; its Box2D is gymnasium[box2d]'s,
+# as PyPI's box2d-py does not build without SWIG), mpe (PyPI's mpe2, where
+# the MPE games moved) and atari (multi_agent_ale_py; the ROMs are ale-py's).
+pettingzoo_families=(
+  "butterfly|pettingzoo.butterfly.pistonball_v6|pettingzoo[butterfly]==1.25.0"
+  "sisl|pettingzoo.sisl.multiwalker_v9|pymunk>=6.2 scipy>=1.4"
+  "mpe|mpe2.simple_spread_v3|mpe2==1.*"
+  "atari|pettingzoo.atari.pong_v3|pettingzoo[atari]==1.25.0"
+)
 bridge_ok() {
-  "$venv/bin/python" -c 'import gymnasium, msgpack, numpy, Box2D, ale_py, cv2, minatar.gym, textarena, pettingzoo.classic, rlcard
+  "$venv/bin/python" -c 'import gymnasium, msgpack, numpy, Box2D, ale_py, cv2, minatar.gym, textarena, pettingzoo.classic, rlcard, supersuit
 from importlib.metadata import version
 assert gymnasium.__version__ == "1.4.0", gymnasium.__version__
 assert version("pettingzoo") == "1.25.0", version("pettingzoo")
 assert version("textarena") == "0.7.4", version("textarena")' >/dev/null 2>&1
 }
 if ! bridge_ok; then
-  say "installing the env bridge's Python packages into .relay/python (PyPI: gymnasium 1.4.0 with Box2D, ale-py and OpenCV for AtariPreprocessing, minatar, textarena 0.7.4, pettingzoo 1.25.0 with its classic games)"
+  say "installing the env bridge's Python packages into .relay/python (PyPI: gymnasium 1.4.0 with Box2D, ale-py and OpenCV for AtariPreprocessing, minatar, textarena 0.7.4, pettingzoo 1.25.0 with its classic games, supersuit)"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" \
     || { as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && python3 -m venv "$venv"; }
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${bridge_packages[@]}"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps minatar==1.0.15
   bridge_ok || { say "the env bridge's Python packages did not install"; exit 1; }
+fi
+not_installed=()
+for family in "${pettingzoo_families[@]}"; do
+  IFS='|' read -r name probe packages <<<"$family"
+  "$venv/bin/python" -c "import $probe" >/dev/null 2>&1 && continue
+  say "installing PettingZoo's $name games into .relay/python (PyPI: $packages)"
+  # shellcheck disable=SC2086 # the packages are words
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check $packages >/dev/null 2>&1 || true
+  "$venv/bin/python" -c "import $probe" >/dev/null 2>&1 || not_installed+=("$name")
+done
+if [ ${#not_installed[@]} -gt 0 ]; then
+  say "PettingZoo's ${not_installed[*]} games did not install on this machine; the other families did (their ids name the package they miss)"
 fi
 
 missing=()
@@ -170,11 +193,12 @@ fi
 
 if [[ " $* " == *" --sb3 "* ]]; then
   sb3_venv="$repo_root/.relay/sb3"
-  if ! "$sb3_venv/bin/python" -c 'import stable_baselines3, sb3_contrib, ale_py, cv2' >/dev/null 2>&1; then
-    say "installing Stable-Baselines3 (and sb3-contrib), PyTorch, Gymnasium and ale-py into .relay/sb3"
+  if ! "$sb3_venv/bin/python" -c 'import stable_baselines3, sb3_contrib, ale_py, cv2, supersuit, pettingzoo.butterfly' >/dev/null 2>&1; then
+    say "installing Stable-Baselines3 (and sb3-contrib), PyTorch, Gymnasium, ale-py, PettingZoo's butterfly games and SuperSuit into .relay/sb3"
     [ -x "$sb3_venv/bin/python" ] || python3 -m venv "$sb3_venv"
     "$sb3_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
       stable-baselines3 sb3-contrib "gymnasium==1.4.0" ale-py opencv-python-headless \
+      "pettingzoo[butterfly]==1.25.0" supersuit==3.* \
       || say "Stable-Baselines3 did not install here; the benches report its columns as missing"
   fi
 fi

@@ -424,6 +424,7 @@ fn transitions(spec: &relay_nn::SacSpec, b: usize, seed: u64) -> TransitionBatch
         terminated: Wire::from_bool(&[b], &vec![false; b]),
         truncated: Wire::from_bool(&[b], &vec![false; b]),
         weights: Wire::from_f32(&[b], &vec![1.0; b]),
+        weight_scale: None,
         size: b as u64,
         inserted_steps: b as u64,
         next_masks: None,

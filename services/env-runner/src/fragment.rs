@@ -1,7 +1,9 @@
 //! Rollout fragments as an env-runner collects them: the columns of each
-//! vector step, image observations stored once ([`FrameTable`]), and the
-//! split of the runner's envs into groups whose fragments fit in one NATS
-//! message ([`FragmentPlan`]).
+//! vector step, and image observations stored once ([`FrameTable`]). A
+//! fragment holds `env_runner.fragment_steps` steps of all the runner's
+//! envs; one too large for a NATS message is divided when it is sent
+//! (`relay_proto::fit`: by envs, then by steps), measured rather than
+//! planned from the config.
 //!
 //! # Frames stored once
 //! An image observation is `C` planes of `height x width` pixels; with
@@ -17,69 +19,7 @@
 //! stacked frames holds about `T + 3` frames per env instead of `4 T`, on
 //! the wire and in Redis.
 //!
-//! # Fragments that fit
-//! A fragment must fit in one message of the NATS server the runner is
-//! connected to (its `max_payload`, which relay's own server sizes to the
-//! run, and an operator's shared cluster may not). [`FragmentPlan`] takes
-//! `env_runner.fragment_steps` steps of all `num_envs` envs when that fits
-//! with every observation stored whole (the worst case), fewer steps when
-//! not, and when not even one step of every env fits, groups of envs, each
-//! with fragments of its own.
-
-use std::ops::Range;
-
 use relay_proto::{FragmentMasks, RolloutFragment, Tensor, SCHEMA_VERSION};
-
-/// What a fragment holds besides its arrays (names, ids, statistics).
-const FRAGMENT_OVERHEAD: usize = 64 * 1024;
-
-/// How a runner's envs and steps are cut into fragments.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FragmentPlan {
-    /// Vector steps a fragment holds.
-    pub steps: usize,
-    /// The envs of each fragment group.
-    pub groups: Vec<Range<usize>>,
-}
-
-impl FragmentPlan {
-    /// The plan for `num_envs` envs, `fragment_steps` steps at most, with
-    /// observations of `obs_bytes` bytes and actions of `action_bytes`,
-    /// in messages of at most `max_message` bytes.
-    pub fn new(
-        num_envs: usize,
-        fragment_steps: usize,
-        obs_bytes: usize,
-        action_bytes: usize,
-        max_message: usize,
-    ) -> Self {
-        // Per env: each step's observation, action, logprob, value, reward,
-        // scaled reward and flags; a next and (about) one final observation.
-        let per_step = obs_bytes + action_bytes + 18;
-        let fixed = 2 * obs_bytes;
-        let room = max_message.saturating_sub(FRAGMENT_OVERHEAD);
-        let steps_fitting = |envs: usize| (room / envs).saturating_sub(fixed) / per_step;
-        let steps = steps_fitting(num_envs).min(fragment_steps);
-        if steps >= 1 {
-            return Self {
-                steps,
-                groups: std::iter::once(0..num_envs).collect(),
-            };
-        }
-        // Not one step of every env: groups of as many envs as one step
-        // of fits (at least one: the config refuses observations that do
-        // not fit a message at all).
-        let per_group = (room / (per_step + fixed)).max(1);
-        let steps = steps_fitting(per_group).clamp(1, fragment_steps);
-        Self {
-            steps,
-            groups: (0..num_envs)
-                .step_by(per_group)
-                .map(|start| start..(start + per_group).min(num_envs))
-                .collect(),
-        }
-    }
-}
 
 /// Each distinct plane of a fragment's image observations, once (see the
 /// module docs).
@@ -173,11 +113,10 @@ enum Observations {
     },
 }
 
-/// The columns of one fragment being collected, for the envs `envs` of
-/// the runner.
+/// The columns of one fragment being collected, of every env of the runner.
 #[derive(Debug)]
 pub struct FragmentBuilder {
-    pub envs: Range<usize>,
+    num_envs: usize,
     obs_dim: usize,
     /// `Some` for image observations stored once.
     image: Option<[usize; 3]>,
@@ -201,17 +140,17 @@ pub struct FragmentBuilder {
     pub min_version: u64,
     /// Vector steps recorded.
     pub steps: usize,
-    /// Recurrent policies: each env's state before the first step, `envs`
-    /// rows (empty otherwise).
+    /// Recurrent policies: each env's state before the first step (empty
+    /// otherwise).
     initial_state: Vec<f32>,
 }
 
 impl FragmentBuilder {
-    /// An empty fragment of envs `envs` with observations of `obs_dim`
+    /// An empty fragment of `num_envs` envs with observations of `obs_dim`
     /// values: uint8 pixels when `pixels`, stored once as frames when
     /// `image` is given too; with action masks of `mask_width` actions.
     pub fn new(
-        envs: Range<usize>,
+        num_envs: usize,
         obs_dim: usize,
         pixels: bool,
         image: Option<[usize; 3]>,
@@ -220,7 +159,7 @@ impl FragmentBuilder {
         let image = image.filter(|_| pixels);
         let observations = match image {
             Some(image) => Observations::Frames {
-                table: FrameTable::new(image, envs.len()),
+                table: FrameTable::new(image, num_envs),
                 obs: Vec::new(),
                 final_obs: Vec::new(),
             },
@@ -231,7 +170,7 @@ impl FragmentBuilder {
             },
         };
         Self {
-            envs,
+            num_envs,
             obs_dim,
             image,
             pixels,
@@ -256,7 +195,7 @@ impl FragmentBuilder {
     /// A fresh fragment of the same envs (the previous one sent or dropped).
     pub fn reset(&mut self) {
         *self = Self::new(
-            self.envs.clone(),
+            self.num_envs,
             self.obs_dim,
             self.pixels,
             self.image,
@@ -265,26 +204,16 @@ impl FragmentBuilder {
     }
 
     /// Records the observations the step's actions are taken in: the
-    /// runner's `all` observations (and their masks, and for a recurrent
-    /// policy the envs' states of `state_width` values, kept from the
-    /// first step), of which this fragment takes its envs'.
-    pub fn push_obs(
-        &mut self,
-        all: &[f32],
-        masks: Option<&[u8]>,
-        state: &[f32],
-        state_width: usize,
-    ) {
+    /// runner's `rows` (and their masks, and for a recurrent policy the
+    /// envs' states, kept from the first step).
+    pub fn push_obs(&mut self, rows: &[f32], masks: Option<&[u8]>, state: &[f32]) {
         if self.steps == 0 {
-            self.initial_state =
-                state[self.envs.start * state_width..self.envs.end * state_width].to_vec();
+            self.initial_state = state.to_vec();
         }
-        if let (Some(w), Some(masks)) = (self.mask_width, masks) {
-            self.masks
-                .extend_from_slice(&masks[self.envs.start * w..self.envs.end * w]);
+        if let (Some(_), Some(masks)) = (self.mask_width, masks) {
+            self.masks.extend_from_slice(masks);
         }
         let d = self.obs_dim;
-        let rows = &all[self.envs.start * d..self.envs.end * d];
         match &mut self.observations {
             Observations::Whole { obs, .. } => obs.extend_from_slice(rows),
             Observations::Frames { table, obs, .. } => {
@@ -295,8 +224,8 @@ impl FragmentBuilder {
         }
     }
 
-    /// Records the last observation of a truncated episode of the runner's
-    /// env `env` (one of this fragment's), and its mask.
+    /// Records the last observation of a truncated episode of env `env`,
+    /// and its mask.
     pub fn push_final_obs(&mut self, env: usize, row: &[f32], mask: Option<&[u8]>) {
         if let (Some(_), Some(mask)) = (self.mask_width, mask) {
             // A last state that allows no action (a game over) is sent as
@@ -311,12 +240,12 @@ impl FragmentBuilder {
             Observations::Whole { final_obs, .. } => final_obs.extend_from_slice(row),
             Observations::Frames {
                 table, final_obs, ..
-            } => table.intern(env - self.envs.start, row, final_obs),
+            } => table.intern(env, row, final_obs),
         }
     }
 
     /// The fragment, its tail bootstrapped from the runner's `next_obs`
-    /// (all envs', with their masks `next_masks`); `norm_rewards` when the
+    /// (with their masks `next_masks`); `norm_rewards` when the
     /// run scales rewards, `norm_delta` the statistics to ship with it.
     #[allow(clippy::too_many_arguments)]
     pub fn finish(
@@ -329,8 +258,8 @@ impl FragmentBuilder {
         norm_rewards: bool,
         norm_delta: Option<relay_proto::NormStats>,
     ) -> RolloutFragment {
-        let (t, n, d) = (self.steps, self.envs.len(), self.obs_dim);
-        let next_rows = &next_obs[self.envs.start * d..self.envs.end * d];
+        let (t, n, d) = (self.steps, self.num_envs, self.obs_dim);
+        let next_rows = next_obs;
         let (obs, next_obs, final_obs, frames) = match &mut self.observations {
             Observations::Whole {
                 obs,
@@ -367,7 +296,7 @@ impl FragmentBuilder {
         let masks = match (self.mask_width, next_masks) {
             (Some(w), Some(next)) => Some(FragmentMasks {
                 obs: Tensor::from_u8(&[t, n, w], &self.masks),
-                next_obs: Tensor::from_u8(&[n, w], &next[self.envs.start * w..self.envs.end * w]),
+                next_obs: Tensor::from_u8(&[n, w], next),
                 final_obs: Tensor::from_u8(&[self.final_masks.len() / w, w], &self.final_masks),
             }),
             _ => None,
@@ -405,33 +334,6 @@ mod tests {
     use super::*;
     use relay_proto::ObsField;
 
-    #[test]
-    fn fragments_fit_the_message_by_fewer_steps_then_by_groups_of_envs() {
-        let frame_stack = 4 * 84 * 84;
-        // 8 envs x 128 steps of Atari frames at relay's sizing: all of it.
-        let plan = FragmentPlan::new(8, 128, frame_stack, 8, 64 << 20);
-        assert_eq!(
-            (plan.steps, plan.groups.len(), plan.groups[0].clone()),
-            (128, 1, 0..8)
-        );
-        // At nats-server's default of 1 MiB: 2 steps of 8 envs.
-        let plan = FragmentPlan::new(8, 128, frame_stack, 8, 1 << 20);
-        assert_eq!((plan.steps, plan.groups.len()), (2, 1));
-        // 64 envs: not one step of all; groups of 11 envs, a step each.
-        let plan = FragmentPlan::new(64, 128, frame_stack, 8, 1 << 20);
-        assert_eq!(plan.groups.len(), 6);
-        assert_eq!(plan.groups[0], 0..11);
-        assert_eq!(plan.groups[5], 55..64);
-        assert_eq!(plan.steps, 1);
-        let whole = |envs: usize, steps: usize| {
-            envs * (steps * (frame_stack + 26) + 2 * frame_stack) + FRAGMENT_OVERHEAD
-        };
-        assert!(whole(11, plan.steps) <= 1 << 20);
-        // Flat observations: the configured size.
-        let plan = FragmentPlan::new(16, 128, 16, 8, 1 << 20);
-        assert_eq!((plan.steps, plan.groups.len()), (128, 1));
-    }
-
     /// A frame-stacked observation of 4 planes of 2x2 pixels from frames
     /// `frames` (oldest first).
     fn stacked(frames: [u8; 4]) -> Vec<f32> {
@@ -445,7 +347,7 @@ mod tests {
     fn stacked_frames_are_stored_once_and_observations_come_back_whole() {
         // 2 envs, 3 steps: env 0 shifts a new frame in each step; env 1
         // starts a fresh stack (padded with its first frame) at step 2.
-        let mut builder = FragmentBuilder::new(0..2, 16, true, Some([4, 2, 2]), None);
+        let mut builder = FragmentBuilder::new(2, 16, true, Some([4, 2, 2]), None);
         let steps = [
             [stacked([1, 2, 3, 4]), stacked([9, 9, 9, 10])],
             [stacked([2, 3, 4, 5]), stacked([9, 9, 10, 11])],
@@ -454,7 +356,7 @@ mod tests {
         let mut all_rows = Vec::new();
         for step in &steps {
             let all: Vec<f32> = step.concat();
-            builder.push_obs(&all, None, &[], 0);
+            builder.push_obs(&all, None, &[]);
             all_rows.extend(all);
             builder.actions_i64.extend([0, 1]);
             builder.logprobs.extend([0.0; 2]);
@@ -486,17 +388,17 @@ mod tests {
         );
     }
 
-    /// The masks of the envs of a group go with their observations; a
-    /// final state that allows nothing is sent as allowing all.
+    /// The masks go with their observations; a final state that allows
+    /// nothing is sent as allowing all.
     #[test]
     fn masks_follow_their_observations_and_an_empty_final_mask_allows_all() {
-        // Envs 1..3 of a runner of 3 envs, 2 actions, 2 steps.
-        let mut builder = FragmentBuilder::new(1..3, 1, false, None, Some(2));
-        let all_masks: [[u8; 6]; 2] = [[1, 1, 0, 1, 1, 0], [0, 1, 1, 0, 0, 1]];
+        // 2 envs, 2 actions, 2 steps.
+        let mut builder = FragmentBuilder::new(2, 1, false, None, Some(2));
+        let all_masks: [[u8; 4]; 2] = [[1, 0, 1, 1], [1, 0, 0, 1]];
         for (t, masks) in all_masks.iter().enumerate() {
-            builder.push_obs(&[t as f32; 3], Some(masks), &[], 0);
-            // Legal: env 1 takes action 1 then 0, env 2 action 0 then 1.
-            builder.actions_i64.extend([1 - t as i64, t as i64]);
+            builder.push_obs(&[t as f32; 2], Some(masks), &[]);
+            // Legal: env 0 takes action 0 twice, env 1 action 1 then 1.
+            builder.actions_i64.extend([0, 1]);
             builder.logprobs.extend([0.0; 2]);
             builder.values.extend([0.0; 2]);
             builder.rewards.extend([1.0; 2]);
@@ -505,21 +407,21 @@ mod tests {
             builder.min_version = 0;
             builder.steps += 1;
         }
-        builder.push_final_obs(1, &[5.0], Some(&[0, 0]));
-        let next_masks = [1, 1, 1, 0, 0, 1];
+        builder.push_final_obs(0, &[5.0], Some(&[0, 0]));
+        let next_masks = [0, 1, 1, 0];
         let f = builder.finish(
             "r",
             "Taxi-v4",
             None,
-            &[9.0; 3],
+            &[9.0; 2],
             Some(&next_masks),
             false,
             None,
         );
         let f: RolloutFragment = relay_proto::decode(&relay_proto::encode(&f)).unwrap();
         let masks = f.masks.unwrap();
-        assert_eq!(masks.obs.data, [0, 1, 1, 0, 1, 0, 0, 1]);
-        assert_eq!(masks.next_obs.data, [1, 0, 0, 1]);
+        assert_eq!(masks.obs.data, [1, 0, 1, 1, 1, 0, 0, 1]);
+        assert_eq!(masks.next_obs.data, [0, 1, 1, 0]);
         assert_eq!(masks.final_obs.data, [1, 1]);
     }
 }

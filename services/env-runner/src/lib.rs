@@ -76,11 +76,11 @@ use relay_kit::{counter, gauge, RequestError, Service, ServiceConfig, ServiceErr
 use relay_nn::VecNormalize;
 use relay_policy::StatsFollower;
 use relay_proto::{
-    ActReply, ActRequest, DType, EpisodeReport, EpisodeSummary, InsertAck, RolloutFragment, Tensor,
-    SCHEMA_VERSION,
+    ActReply, ActRequest, AgentReturn, DType, EpisodeReport, EpisodeSummary, InsertAck,
+    RolloutFragment, Tensor, SCHEMA_VERSION,
 };
 
-use fragment::{FragmentBuilder, FragmentPlan};
+use fragment::FragmentBuilder;
 
 pub(crate) struct Metrics {
     env_steps: IntCounter,
@@ -221,6 +221,44 @@ impl Metrics {
     }
 }
 
+/// The episodes a step finished: one per env, or for a parallel game
+/// played by one shared policy (`team`, its agents) one per game, its
+/// return the team's with each agent's beside it.
+fn episode_summaries(
+    finished: &[relay_envs::FinishedEpisode],
+    team: &[String],
+) -> Vec<EpisodeSummary> {
+    if team.is_empty() {
+        return finished
+            .iter()
+            .map(|e| EpisodeSummary {
+                episode_return: e.episode_return,
+                length: e.length,
+                terminated: e.terminated,
+                ..Default::default()
+            })
+            .collect();
+    }
+    relay_envs::team_episodes(finished, team.len())
+        .into_iter()
+        .map(|game| EpisodeSummary {
+            episode_return: game.team_return(),
+            length: game.length,
+            terminated: game.terminated,
+            agent_returns: Some(
+                team.iter()
+                    .zip(&game.returns)
+                    .map(|(agent, &r)| AgentReturn {
+                        agent: agent.clone(),
+                        episode_return: r,
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        })
+        .collect()
+}
+
 /// Derives this copy's env seed from the run seed and its instance name, so
 /// that copies do not replay each other's episodes.
 fn runner_seed(seed: u64, instance: &str) -> u64 {
@@ -337,32 +375,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     };
     let mut synced_version: Option<u64> = None;
     let act_subject = service.subjects.act();
-    // Fragments and act requests sized to the NATS server's messages.
-    let max_message = service.max_message_bytes();
-    let obs_bytes = cfg.observation_bytes(&spec);
-    let plan = FragmentPlan::new(
-        n,
-        cfg.env_runner.fragment_steps,
-        obs_bytes,
-        spec.action_space.dim() * 8,
-        max_message,
-    );
-    if plan.steps < cfg.env_runner.fragment_steps || plan.groups.len() > 1 {
-        tracing::info!(
-            max_message,
-            steps = plan.steps,
-            groups = plan.groups.len(),
-            "fragments of env_runner.fragment_steps x num_envs would not fit a NATS message: sent as {} fragment(s) of {} steps",
-            plan.groups.len(),
-            plan.steps
-        );
-    }
-    let mut fragments: Vec<FragmentBuilder> = plan
-        .groups
-        .iter()
-        .map(|envs| FragmentBuilder::new(envs.clone(), obs_dim, pixels, spec.image, mask_width))
-        .collect();
-    let act_chunk = (max_message.saturating_sub(64 * 1024) / obs_bytes.max(1)).max(1);
+    let mut fragment = FragmentBuilder::new(n, obs_dim, pixels, spec.image, mask_width);
     let mut inserts = Inserts::default();
     // Env steps of the insert in flight, and those the buffer held at the
     // last ack (the pacer's view of what waits for the learner).
@@ -409,7 +422,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 synced_version = Some(latest.version);
             }
         }
-        if let (0, Some(p)) = (fragments[0].steps, pacer.as_mut()) {
+        if let (0, Some(p)) = (fragment.steps, pacer.as_mut()) {
             let paced = Instant::now();
             let in_flight = match &inserts.pending {
                 Some(insert) if !insert.is_finished() => pending_steps,
@@ -442,7 +455,6 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 version: None,
                 state: (state_width > 0).then_some(&state[..]),
             },
-            act_chunk,
             &spec.action_space,
         )
         .await
@@ -465,19 +477,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             None => (reply.actions.to_i64().expect("checked above"), Vec::new()),
             Some(_) => (Vec::new(), reply.actions.to_f32().expect("checked above")),
         };
-        for f in &mut fragments {
-            let envs = f.envs.clone();
-            f.min_version = f.min_version.min(reply.policy_version);
-            f.push_obs(&obs, masks.as_deref(), &state, state_width);
-            f.logprobs.extend_from_slice(&logprobs[envs.clone()]);
-            f.values.extend_from_slice(&values[envs.clone()]);
-            match action_dim {
-                None => f.actions_i64.extend_from_slice(&actions_i64[envs]),
-                Some(dim) => f
-                    .actions_f32
-                    .extend_from_slice(&actions_f32[envs.start * dim..envs.end * dim]),
-            }
-        }
+        fragment.min_version = fragment.min_version.min(reply.policy_version);
+        fragment.push_obs(&obs, masks.as_deref(), &state);
+        fragment.logprobs.extend_from_slice(&logprobs);
+        fragment.values.extend_from_slice(&values);
+        fragment.actions_i64.extend_from_slice(&actions_i64);
+        fragment.actions_f32.extend_from_slice(&actions_f32);
         if let Some(next) = &reply.state {
             state = next.to_f32().expect("checked by check_reply");
         }
@@ -501,7 +506,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     episode_started[i] = Instant::now();
                     state[i * state_width..(i + 1) * state_width].fill(0.0);
                 }
-                fragments.iter_mut().for_each(FragmentBuilder::reset);
+                fragment.reset();
                 obs.copy_from_slice(envs.obs());
                 masks = envs.masks().map(<[u8]>::to_vec);
                 if let Some(v) = &normalizer {
@@ -525,23 +530,19 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 .map_err(|e| ServiceError::other(format!("normalize: {} step: {e}", spec.id)))?;
         }
         let norm_rewards = normalizer.as_ref().is_some_and(|v| v.config.norm_reward);
-        for f in &mut fragments {
-            let envs = f.envs.clone();
-            if norm_rewards {
-                f.norm_rewards.extend_from_slice(&scaled[envs.clone()]);
+        if norm_rewards {
+            fragment.norm_rewards.extend_from_slice(&scaled);
+        }
+        fragment.rewards.extend_from_slice(&raw_rewards);
+        fragment.terminated.extend_from_slice(&step.terminated);
+        fragment.truncated.extend_from_slice(&step.truncated);
+        for i in (0..n).filter(|&i| step.truncated[i] && !step.terminated[i]) {
+            let mut row = step.final_obs(i).expect("episode ended").to_vec();
+            // The final observation is normalised without a statistics update (SB3's terminal_observation).
+            if let Some(v) = &normalizer {
+                v.normalize_obs(&mut row);
             }
-            f.rewards.extend_from_slice(&raw_rewards[envs.clone()]);
-            f.terminated
-                .extend_from_slice(&step.terminated[envs.clone()]);
-            f.truncated.extend_from_slice(&step.truncated[envs.clone()]);
-            for i in envs.filter(|&i| step.truncated[i] && !step.terminated[i]) {
-                let mut row = step.final_obs(i).expect("episode ended").to_vec();
-                // The final observation is normalised without a statistics update (SB3's terminal_observation).
-                if let Some(v) = &normalizer {
-                    v.normalize_obs(&mut row);
-                }
-                f.push_final_obs(i, &row, step.final_mask(i));
-            }
+            fragment.push_final_obs(i, &row, step.final_mask(i));
         }
         for e in &step.finished {
             // The next step starts an episode: from a zero state.
@@ -550,55 +551,48 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
             metrics
                 .episode_seconds
                 .observe(started.elapsed().as_secs_f64());
-            episodes.push(EpisodeSummary {
-                episode_return: e.episode_return,
-                length: e.length,
-                terminated: e.terminated,
-                ..Default::default()
-            });
+        }
+        let finished = episode_summaries(&step.finished, &spec.team);
+        metrics.episodes.inc_by(finished.len() as u64);
+        for e in finished {
             if recent_returns.len() == 100 {
                 recent_returns.pop_front();
             }
             recent_returns.push_back(e.episode_return);
+            episodes.push(e);
         }
-        metrics.episodes.inc_by(step.finished.len() as u64);
         obs.copy_from_slice(&next_obs);
         if let (Some(m), Some(next)) = (masks.as_mut(), step.masks()) {
             m.copy_from_slice(next);
         }
-        fragments.iter_mut().for_each(|f| f.steps += 1);
+        fragment.steps += 1;
         metrics.vec_steps.inc();
         metrics.env_steps.inc_by(n as u64);
         metrics
             .step_seconds
             .observe(step_started.elapsed().as_secs_f64());
 
-        if fragments[0].steps == plan.steps {
-            // The statistics gathered since the last fragment go with the first.
-            let mut delta = normalizer
+        if fragment.steps == cfg.env_runner.fragment_steps {
+            // The statistics gathered since the last fragment go with it.
+            let delta = normalizer
                 .as_mut()
                 .and_then(|v| v.take_delta())
                 .map(|d| relay_policy::delta_stats(&d));
-            let messages: Vec<RolloutFragment> = fragments
-                .iter_mut()
-                .map(|f| {
-                    f.finish(
-                        &service.instance,
-                        spec.id,
-                        action_dim,
-                        &obs,
-                        masks.as_deref(),
-                        norm_rewards,
-                        delta.take(),
-                    )
-                })
-                .collect();
-            pending_steps = messages.iter().map(RolloutFragment::env_steps).sum();
+            let finished = fragment.finish(
+                &service.instance,
+                spec.id,
+                action_dim,
+                &obs,
+                masks.as_deref(),
+                norm_rewards,
+                delta,
+            );
+            pending_steps = finished.env_steps();
             inserts
                 .ship(
                     &service,
                     &metrics,
-                    messages,
+                    finished,
                     spec.id,
                     last_version,
                     &mut episodes,
@@ -645,13 +639,13 @@ pub(crate) struct Inserts {
 
 impl Inserts {
     /// Ships one collection period: waits for the insert in flight (the
-    /// backpressure), starts inserting `messages`, and publishes the
+    /// backpressure), starts inserting `fragment`, and publishes the
     /// `episodes` finished since the last period.
     pub(crate) async fn ship(
         &mut self,
         service: &Service,
         metrics: &Metrics,
-        messages: Vec<RolloutFragment>,
+        fragment: RolloutFragment,
         env_id: &str,
         policy_version: u64,
         episodes: &mut Vec<EpisodeSummary>,
@@ -661,7 +655,7 @@ impl Inserts {
         }
         self.pending = Some(tokio::spawn(insert_all_with_retry(
             service.clone(),
-            messages,
+            fragment,
             metrics.fragments.clone(),
             metrics.backpressure_waits.clone(),
             self.rejected_in_a_row.clone(),
@@ -675,7 +669,10 @@ impl Inserts {
                 policy_version,
                 episodes: std::mem::take(episodes),
             };
-            service.publish(service.subjects.episodes(), &report).await;
+            // Logged when it cannot be sent; the episodes are only reported.
+            let _ = service
+                .publish_within(service.subjects.episodes(), report)
+                .await;
         }
     }
 
@@ -712,14 +709,13 @@ pub(crate) async fn act_until_answered(
     metrics: &Metrics,
     subject: &str,
     mut rows: ActRows<'_>,
-    chunk: usize,
     space: &ActionSpace,
 ) -> Option<ActReply> {
     let timeout = service.request_timeout();
     let mut backoff = Duration::from_millis(10);
     loop {
         let sent = Instant::now();
-        match act(service, subject, rows, chunk, timeout).await {
+        match act(service, subject, rows, timeout).await {
             Err(RequestError::Service { code, .. }) if code == "404" && rows.version.is_some() => {
                 rows.version = None;
                 continue;
@@ -741,7 +737,7 @@ pub(crate) async fn act_until_answered(
             Err(RequestError::BadReply { source, .. }) => {
                 service.intake.reject("act.reply", &source)
             }
-            Err(e @ RequestError::TooLarge { .. }) => {
+            Err(e @ RequestError::Indivisible { .. }) => {
                 service.fail(format!("cannot ask for actions: {e}")).await;
                 return None;
             }
@@ -755,14 +751,13 @@ pub(crate) async fn act_until_answered(
     }
 }
 
-/// Actions for `rows`: one act request per `chunk` envs, sent together (a
-/// request must fit a NATS message), answered as one reply acted by the
-/// oldest version among them.
+/// Actions for `rows`: one act request, divided into as many as it takes
+/// to fit NATS messages (`relay_kit::fit`), answered as one reply acted by
+/// the oldest version among them.
 async fn act(
     service: &Service,
     subject: &str,
     rows: ActRows<'_>,
-    chunk: usize,
     timeout: Duration,
 ) -> Result<ActReply, RequestError> {
     let ActRows {
@@ -774,52 +769,11 @@ async fn act(
         version,
         state,
     } = rows;
-    let width = masks.map_or(0, |m| m.len() / n);
-    let state_width = state.map_or(0, |s| s.len() / n);
-    let request_of = |first: usize, rows: &[f32]| {
-        let count = rows.len() / obs_dim;
-        ActRequest::new(Tensor::observations(&[count, obs_dim], rows, pixels), false)
-            .with_masks(masks.map(|m| {
-                Tensor::from_u8(&[count, width], &m[first * width..(first + count) * width])
-            }))
-            .with_state(state.map(|s| {
-                Tensor::from_f32(
-                    &[count, state_width],
-                    &s[first * state_width..(first + count) * state_width],
-                )
-            }))
-            .at_version(version)
-    };
-    if chunk >= n {
-        let request = request_of(0, obs);
-        return relay_kit::request(&service.nats, subject, &request, timeout).await;
-    }
-    let requests =
-        obs.chunks(chunk * obs_dim).enumerate().map(|(c, rows)| {
-            let request = request_of(c * chunk, rows);
-            async move {
-                relay_kit::request::<_, ActReply>(&service.nats, subject, &request, timeout).await
-            }
-        });
-    let replies = futures::future::try_join_all(requests).await?;
-    let concat = |parts: Vec<&Tensor>| {
-        let mut whole = parts[0].clone();
-        whole.shape[0] = parts.iter().map(|t| t.shape[0]).sum();
-        whole.data = parts.iter().flat_map(|t| t.data.iter().copied()).collect();
-        whole
-    };
-    Ok(ActReply {
-        schema: SCHEMA_VERSION,
-        policy_version: replies.iter().map(|r| r.policy_version).min().unwrap_or(0),
-        actions: concat(replies.iter().map(|r| &r.actions).collect()),
-        logprobs: concat(replies.iter().map(|r| &r.logprobs).collect()),
-        values: concat(replies.iter().map(|r| &r.values).collect()),
-        state: replies
-            .iter()
-            .map(|r| r.state.as_ref())
-            .collect::<Option<Vec<_>>>()
-            .map(concat),
-    })
+    let request = ActRequest::new(Tensor::observations(&[n, obs_dim], obs, pixels), false)
+        .with_masks(masks.map(|m| Tensor::from_u8(&[n, m.len() / n], m)))
+        .with_state(state.map(|s| Tensor::from_f32(&[n, s.len() / n], s)))
+        .at_version(version);
+    relay_kit::request_within(&service.nats, subject, request, timeout).await
 }
 
 /// The counters as of the last metrics report.
@@ -870,20 +824,31 @@ const RATE_WAIT_CAP: Duration = Duration::from_millis(16);
 /// env-runner fails: what it sends cannot be stored.
 const REJECTED_FRAGMENTS_TO_FAIL: u32 = 3;
 
-/// Sends the fragments of one collection period in turn
-/// ([`insert_with_retry`]); fails the service once
-/// [`REJECTED_FRAGMENTS_TO_FAIL`] in a row were refused as bad.
+/// Sends the fragment of one collection period, divided into parts that
+/// fit NATS messages (`relay_proto::fit`), in turn ([`insert_with_retry`]);
+/// fails the service once [`REJECTED_FRAGMENTS_TO_FAIL`] in a row were
+/// refused as bad, or at once when one env step alone does not fit.
 async fn insert_all_with_retry(
     service: Service,
-    fragments: Vec<RolloutFragment>,
+    fragment: RolloutFragment,
     outcomes: IntCounterVec,
     waits: IntCounter,
     rejected_in_a_row: std::sync::Arc<std::sync::atomic::AtomicU32>,
     buffered: std::sync::Arc<std::sync::atomic::AtomicU64>,
 ) {
     use std::sync::atomic::Ordering;
-    for fragment in fragments {
-        match insert_with_retry(&service, fragment, &outcomes, &waits, &buffered).await {
+    let parts = match relay_proto::encode_within(fragment, service.max_message_bytes()) {
+        Ok(parts) => parts,
+        Err(e) => {
+            outcomes.with_label_values(&["rejected"]).inc();
+            service
+                .fail(format!("a rollout fragment cannot be sent: {e}"))
+                .await;
+            return;
+        }
+    };
+    for part in parts {
+        match insert_with_retry(&service, part, &outcomes, &waits, &buffered).await {
             Err(reason) => {
                 if rejected_in_a_row.fetch_add(1, Ordering::Relaxed) + 1
                     >= REJECTED_FRAGMENTS_TO_FAIL
@@ -900,26 +865,30 @@ async fn insert_all_with_retry(
     }
 }
 
-/// Sends a fragment to the replay buffer, retrying while it is full or
-/// absent; an error says why the fragment can never be stored (the buffer
-/// rejected it as bad, or it does not fit a message).
+/// Sends a fragment (encoded to fit a message) to the replay buffer,
+/// retrying while it is full or absent; an error says why the fragment can
+/// never be stored (the buffer rejected it as bad).
 async fn insert_with_retry(
     service: &Service,
-    fragment: RolloutFragment,
+    fragment: relay_proto::Part<RolloutFragment>,
     outcomes: &IntCounterVec,
     waits: &IntCounter,
     buffered: &std::sync::atomic::AtomicU64,
 ) -> Result<(), String> {
     let subject = service.subjects.replay_insert();
     let timeout = service.request_timeout();
+    let payload = bytes::Bytes::from(fragment.bytes);
     let mut backoff = Duration::from_millis(5);
     let mut rate_refusals = 0u32;
     loop {
-        let acked = relay_kit::request::<_, InsertAck>(&service.nats, &subject, &fragment, timeout)
-            .await
-            .inspect(|ack| {
-                buffered.store(ack.buffered_steps, std::sync::atomic::Ordering::Relaxed)
-            });
+        let acked = relay_kit::connect::request_encoded::<InsertAck>(
+            &service.nats,
+            &subject,
+            payload.clone(),
+            timeout,
+        )
+        .await
+        .inspect(|ack| buffered.store(ack.buffered_steps, std::sync::atomic::Ordering::Relaxed));
         match acked {
             Ok(ack) if ack.accepted => {
                 outcomes.with_label_values(&["stored"]).inc();
@@ -941,7 +910,7 @@ async fn insert_with_retry(
                 }
             }
             Ok(ack) => {
-                tracing::debug!(reason = %ack.reason, version = fragment.policy_version, "fragment dropped by the replay buffer");
+                tracing::debug!(reason = %ack.reason, version = fragment.message.policy_version, "fragment dropped by the replay buffer");
                 outcomes
                     .with_label_values(&[if ack.reason == "stale" {
                         "stale"
@@ -956,10 +925,6 @@ async fn insert_with_retry(
                 tracing::warn!(%status, "replay buffer rejected a fragment");
                 outcomes.with_label_values(&["rejected"]).inc();
                 return Err(format!("the replay buffer rejected it: {status}"));
-            }
-            Err(e @ RequestError::TooLarge { .. }) => {
-                outcomes.with_label_values(&["rejected"]).inc();
-                return Err(e.to_string());
             }
             Err(e) => {
                 tracing::debug!(error = %e, "insert failed; retrying");

@@ -42,7 +42,7 @@ use relay_kit::{Service, ServiceError, Shutdown};
 use relay_policy::opponent::SeatOpponent;
 use relay_proto::{EpisodeSummary, RolloutFragment};
 
-use crate::fragment::{FragmentBuilder, FragmentPlan};
+use crate::fragment::FragmentBuilder;
 use crate::league::{FallbackReason, LeagueDraws, LeagueMetrics, LeagueRecorder, LeagueResult};
 use crate::{act_until_answered, ActRows, Inserts, Metrics, Reported};
 use relay_league::{MemberId, Outcome};
@@ -296,15 +296,8 @@ pub(crate) async fn run(
     let mut done: Vec<VecDeque<Transition>> = (0..n).map(|_| VecDeque::new()).collect();
 
     let act_subject = service.subjects.act();
-    let max_message = service.max_message_bytes();
-    let obs_bytes = cfg.observation_bytes(&spec);
-    let plan = FragmentPlan::new(n, cfg.env_runner.fragment_steps, obs_bytes, 8, max_message);
-    let mut fragments: Vec<FragmentBuilder> = plan
-        .groups
-        .iter()
-        .map(|g| FragmentBuilder::new(g.clone(), d, pixels, spec.image, Some(width)))
-        .collect();
-    let act_chunk = (max_message.saturating_sub(64 * 1024) / obs_bytes.max(1)).max(1);
+    let fragment_steps = cfg.env_runner.fragment_steps;
+    let mut fragment = FragmentBuilder::new(n, d, pixels, spec.image, Some(width));
     let mut inserts = Inserts::default();
     let mut episodes: Vec<EpisodeSummary> = Vec::new();
     let mut recent_returns: VecDeque<f64> = VecDeque::with_capacity(100);
@@ -357,7 +350,6 @@ pub(crate) async fn run(
                         version: *version,
                         state: None,
                     },
-                    act_chunk,
                     &spec.action_space,
                 )
             },
@@ -445,7 +437,7 @@ pub(crate) async fn run(
                 }
                 pending.iter_mut().for_each(|p| *p = None);
                 done.iter_mut().for_each(VecDeque::clear);
-                fragments.iter_mut().for_each(FragmentBuilder::reset);
+                fragment.reset();
                 obs.copy_from_slice(envs.obs());
                 masks = current_masks(&envs);
                 movers = envs.movers().map(<[u32]>::to_vec).unwrap_or(vec![0; n]);
@@ -505,6 +497,7 @@ pub(crate) async fn run(
                 terminated,
                 seat: Some(seat as u32),
                 opponent: Some(game.label),
+                agent_returns: None,
             });
             if recent_returns.len() == 100 {
                 recent_returns.pop_front();
@@ -525,12 +518,12 @@ pub(crate) async fn run(
             .step_seconds
             .observe(step_started.elapsed().as_secs_f64());
 
-        if done.iter().all(|q| q.len() >= plan.steps) {
-            let messages = cut_fragments(
-                &mut fragments,
+        if done.iter().all(|q| q.len() >= fragment_steps) {
+            let finished = cut_fragment(
+                &mut fragment,
                 &mut done,
                 &pending,
-                plan.steps,
+                fragment_steps,
                 (d, width),
                 &service.instance,
                 spec.id,
@@ -539,7 +532,7 @@ pub(crate) async fn run(
                 .ship(
                     &service,
                     &metrics,
-                    messages,
+                    finished,
                     spec.id,
                     last_version,
                     &mut episodes,
@@ -629,20 +622,20 @@ fn record_league_game(
     });
 }
 
-/// The fragments of the first `steps` finished transitions of every env
+/// The fragment of the first `steps` finished transitions of every env
 /// (observations of `d` values, masks of `width` actions), each env's
 /// tail bootstrapped from the seat's next move (the next finished
 /// transition, else the move in progress; a tail that ended its game
 /// bootstraps from nothing, and takes its own observation as a filler).
-fn cut_fragments(
-    fragments: &mut [FragmentBuilder],
+fn cut_fragment(
+    f: &mut FragmentBuilder,
     done: &mut [VecDeque<Transition>],
     pending: &[Option<Move>],
     steps: usize,
     (d, width): (usize, usize),
     runner_id: &str,
     env_id: &str,
-) -> Vec<RolloutFragment> {
+) -> RolloutFragment {
     let n = done.len();
     let mut obs = vec![0f32; n * d];
     let mut masks = vec![0u8; n * width];
@@ -651,24 +644,22 @@ fn cut_fragments(
             obs[i * d..(i + 1) * d].copy_from_slice(&q[t].step.obs);
             masks[i * width..(i + 1) * width].copy_from_slice(&q[t].step.mask);
         }
-        for f in fragments.iter_mut() {
-            f.push_obs(&obs, Some(&masks), &[], 0);
-            for i in f.envs.clone() {
-                let tr = &done[i][t];
-                f.min_version = f.min_version.min(tr.step.version);
-                f.actions_i64.push(tr.step.action);
-                f.logprobs.push(tr.step.logprob);
-                f.values.push(tr.step.value);
-                f.rewards.push(tr.step.reward as f32);
-                f.terminated.push(tr.terminated);
-                f.truncated.push(tr.truncated);
-                if let Some(row) = &tr.final_obs {
-                    // Nobody acts in a game's last state: every action allowed.
-                    f.push_final_obs(i, row, Some(&vec![1; width]));
-                }
+        f.push_obs(&obs, Some(&masks), &[]);
+        for (i, q) in done.iter().enumerate() {
+            let tr = &q[t];
+            f.min_version = f.min_version.min(tr.step.version);
+            f.actions_i64.push(tr.step.action);
+            f.logprobs.push(tr.step.logprob);
+            f.values.push(tr.step.value);
+            f.rewards.push(tr.step.reward as f32);
+            f.terminated.push(tr.terminated);
+            f.truncated.push(tr.truncated);
+            if let Some(row) = &tr.final_obs {
+                // Nobody acts in a game's last state: every action allowed.
+                f.push_final_obs(i, row, Some(&vec![1; width]));
             }
-            f.steps += 1;
         }
+        f.steps += 1;
     }
     for (i, q) in done.iter().enumerate() {
         let next = q
@@ -680,8 +671,5 @@ fn cut_fragments(
         masks[i * width..(i + 1) * width].copy_from_slice(&next.mask);
     }
     done.iter_mut().for_each(|q| drop(q.drain(..steps)));
-    fragments
-        .iter_mut()
-        .map(|f| f.finish(runner_id, env_id, None, &obs, Some(&masks), false, None))
-        .collect()
+    f.finish(runner_id, env_id, None, &obs, Some(&masks), false, None)
 }

@@ -59,7 +59,7 @@ use relay_policy::text::{
     arrange, learning_adapter, make_bot, play_branched, GameError, GameSettings, GameSpec,
     NatsGenerate, Outcome, PlayedGame, Seat, LEARNING_ADAPTER,
 };
-use relay_proto::{AdapterRef, EpisodeReport, EpisodeSummary, SCHEMA_VERSION};
+use relay_proto::{AdapterRef, EpisodeReport, EpisodeSummary, GameRecord, SCHEMA_VERSION};
 use tokio::task::JoinSet;
 
 /// How long new games wait after one was abandoned.
@@ -864,9 +864,7 @@ async fn finished(
     metrics.retries.inc_by(game.retries as u64);
     count_moves(metrics, &game);
     window.add_game(&game);
-    service
-        .publish(service.subjects.games(), &game.record)
-        .await;
+    publish_game(service, game.record).await;
 }
 
 /// A continuation of a branched position: published for training and
@@ -876,9 +874,21 @@ async fn finished(
 async fn finished_continuation(service: &Service, metrics: &TextMetrics, game: PlayedGame) {
     metrics.retries.inc_by(game.retries as u64);
     count_moves(metrics, &game);
-    service
-        .publish(service.subjects.games(), &game.record)
-        .await;
+    publish_game(service, game.record).await;
+}
+
+/// Publishes a game for training; one too large for any NATS message
+/// fails the run with the size it needs, since the games like it could
+/// never train.
+async fn publish_game(service: &Service, record: GameRecord) {
+    if let Err(e) = service
+        .publish_within(service.subjects.games(), record)
+        .await
+    {
+        service
+            .fail(format!("a text game cannot be sent: {e}"))
+            .await;
+    }
 }
 
 /// Counts a game's own moves (not the ones a continuation replayed): the
@@ -921,7 +931,9 @@ async fn publish_episodes(service: &Service, window: &mut Window) {
             policy_version: window.policy_version,
             episodes,
         };
-        service.publish(service.subjects.episodes(), &report).await;
+        let _ = service
+            .publish_within(service.subjects.episodes(), report)
+            .await;
     }
 }
 

@@ -526,8 +526,9 @@ async fn publish_games(
             confirmation,
             game: game.record,
         };
-        service
-            .publish(service.subjects.eval_games(), &message)
+        // Only the run directory's record; a game too large is logged.
+        let _ = service
+            .publish_within(service.subjects.eval_games(), message)
             .await;
     }
 }

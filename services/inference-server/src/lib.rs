@@ -309,6 +309,7 @@ async fn serve_act_requests(
         relay_nn::ActionKind::Continuous { .. } => None,
     };
     let state_width = cfg.policy.state_width();
+    let max_reply = service.max_message_bytes();
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.run.seed ^ std::process::id() as u64);
     let wait = Duration::from_micros(cfg.inference.batch_wait_us);
     let mut report_at = Instant::now() + Duration::from_secs(1);
@@ -492,8 +493,10 @@ async fn serve_act_requests(
                     }),
                 };
                 offset += k;
+                // A reply too large for a message is answered 413: the
+                // env-runner divides the request and asks again.
                 let _ = request
-                    .respond(Ok(relay_proto::encode(&reply).into()))
+                    .respond(relay_kit::reply_within(&reply, max_reply))
                     .await;
                 metrics.requests.inc();
             }

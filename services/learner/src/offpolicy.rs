@@ -242,11 +242,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let mut unreported: Option<Vec<MetricValue>> = None;
     let (mut rejected_since, mut stale_since) = (0u64, 0u64);
     let schedule = algorithm.schedule();
-    // A transition holds two observations, an action and a few numbers.
-    let spec = cfg.env_spec().map_err(ServiceError::other)?;
-    let row_bytes = 2 * cfg.observation_bytes(&spec) + spec.action_space.dim() * 8 + 22;
-    let mut draw = DrawSize::new(schedule.batch_size, row_bytes, service.max_message_bytes())
-        .map_err(ServiceError::other)?;
+    let mut draw = DrawSize::new(service.max_message_bytes());
     // The next round's draw, asked while this round trains (uniform
     // replay only): the sample's round trip then overlaps the training.
     let mut prefetched: Option<tokio::task::JoinHandle<SampleReply>> = None;
@@ -632,17 +628,11 @@ async fn draw_round(
                 // Held back by the rate limiter (or not enough held yet).
                 pause(shutdown, Duration::from_millis(1)).await;
             }
-            Err(relay_kit::RequestError::Service { code, status, .. }) if code == "413" => {
-                // The reply would not fit a message: fewer minibatches a
-                // request, down to one, which must fit.
-                if k == 1 {
-                    // Fires `shutdown`: the loops end with the failure.
-                    service
-                        .fail(format!("cannot draw a minibatch: {status}"))
-                        .await;
-                    return None;
-                }
-                per_request = k / 2;
+            Err(e) if is_too_large(&e) => {
+                // Not even one transition's reply fits a message. Fires
+                // `shutdown`: the loops end with the failure.
+                service.fail(format!("cannot draw a minibatch: {e}")).await;
+                return None;
             }
             Err(e) => {
                 tracing::debug!(error = %e, "sample failed; retrying");
@@ -763,29 +753,32 @@ struct RoundTimes {
 /// How many minibatches one sample request carries: one until a reply's
 /// size per row is known, then as many as fit half a message of the NATS
 /// server (`max_message`, its `max_payload`) and [`MAX_TRANSITION_SAMPLE`]
-/// rows.
+/// rows. (A minibatch whose reply does not fit one message is drawn in
+/// parts by `relay_kit::request_within`, its importance weights joined on
+/// one scale.)
 #[derive(Debug)]
 struct DrawSize {
     row_bytes: Option<usize>,
     max_message: usize,
 }
 
-impl DrawSize {
-    /// Checks that one minibatch of `batch_size` rows of about `row_bytes`
-    /// each fits in a reply: a minibatch is drawn as one sample (its
-    /// stratified priorities and importance weights are the batch's own),
-    /// so it is never split across messages.
-    fn new(batch_size: usize, row_bytes: usize, max_message: usize) -> Result<Self, String> {
-        let bytes = batch_size * row_bytes + 64 * 1024;
-        if bytes > max_message {
-            return Err(format!(
-                "a minibatch of {batch_size} transitions is about {bytes} bytes, more than the {max_message} bytes a message carries on this NATS server (its max_payload): raise max_payload to at least {bytes}, or lower the batch size"
-            ));
+/// Whether a sample request failed because a reply does not fit a message.
+fn is_too_large(e: &relay_kit::RequestError) -> bool {
+    match e {
+        relay_kit::RequestError::Service { code, .. } => {
+            *code == relay_kit::fit::REPLY_TOO_LARGE.to_string()
         }
-        Ok(Self {
+        relay_kit::RequestError::Indivisible { .. } => true,
+        _ => false,
+    }
+}
+
+impl DrawSize {
+    fn new(max_message: usize) -> Self {
+        Self {
             row_bytes: None,
             max_message,
-        })
+        }
     }
 
     fn learn_row_bytes(&mut self, batch: &TransitionBatch) {
@@ -817,10 +810,10 @@ async fn sample_transitions(service: &Service, batch_size: u32, beta: f64) -> Sa
         batch_size,
         beta,
     };
-    relay_kit::request::<_, TransitionBatch>(
+    relay_kit::request_within::<_, TransitionBatch>(
         &service.nats,
         &service.subjects.replay_transitions_sample(),
-        &ask,
+        ask,
         service.request_timeout(),
     )
     .await

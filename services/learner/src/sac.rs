@@ -457,6 +457,7 @@ mod tests {
             terminated: Tensor::from_bool(&[b], &vec![false; b]),
             truncated: Tensor::from_bool(&[b], &vec![false; b]),
             weights: Tensor::from_f32(&[b], &vec![1.0; b]),
+            weight_scale: None,
             size: b as u64,
             inserted_steps: b as u64,
             next_masks: None,

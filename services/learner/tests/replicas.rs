@@ -109,6 +109,7 @@ fn transitions(seed: u64, actions: Wire, weights: &[f32]) -> TransitionBatch {
         terminated: Wire::from_bool(&[b], &vec![false; b]),
         truncated: Wire::from_bool(&[b], &vec![false; b]),
         weights: Wire::from_f32(&[b], weights),
+        weight_scale: None,
         size: b as u64,
         inserted_steps: b as u64,
         next_masks: None,

@@ -248,7 +248,7 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         }
         overrides.push("run.reset_optimizer=true".into());
     }
-    let config = ExperimentConfig::load(&args.config, &overrides)?;
+    let mut config = ExperimentConfig::load(&args.config, &overrides)?;
     // What relay's own nats-server carries: the largest message of the run.
     let mut nats_max_payload = relay_proto::DEFAULT_MAX_PAYLOAD;
     let mut largest_message = None;
@@ -257,17 +257,36 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         // that does not fit the observations or observations too large to
         // send are reported before any service starts.
         let spec = config.env_spec().context("run.env_id")?;
+        if let Some(whole) = whole_games(&config, &spec) {
+            println!(
+                "relay: {} has {} agents sharing one policy, each one env of a runner's vector: env_runner.num_envs {} -> {whole} ({} game(s) a runner)",
+                spec.id,
+                spec.team.len(),
+                config.env_runner.num_envs,
+                whole / spec.team.len()
+            );
+            overrides.push(format!("env_runner.num_envs={whole}"));
+            config = ExperimentConfig::load(&args.config, &overrides)?;
+        }
         config.check_env(&spec)?;
         nats_max_payload = config.nats_max_payload(&spec);
         largest_message = Some(config.largest_message_bytes(&spec));
         if config.env.uses_python(&config.run.env_id) {
-            let source = match config.env.backend {
-                relay_bridge::Backend::Pettingzoo => format!(
-                    "PettingZoo, a game of {} agents ({})",
+            let source = if !spec.agents.is_empty() {
+                format!(
+                    "PettingZoo, a game of {} agents taking turns ({}), by self-play",
                     spec.agents.len(),
                     spec.agents.join(", ")
-                ),
-                _ => "Gymnasium".to_string(),
+                )
+            } else if !spec.team.is_empty() {
+                format!(
+                    "PettingZoo, a parallel game of {} agents ({}{}) sharing one policy",
+                    spec.team.len(),
+                    spec.team[..spec.team.len().min(3)].join(", "),
+                    if spec.team.len() > 3 { ", ..." } else { "" }
+                )
+            } else {
+                "Gymnasium".to_string()
             };
             println!(
                 "relay: {} from {source} (Python {}): {} observations, {} actions",
@@ -421,9 +440,18 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
     Ok(outcome)
 }
 
+/// `env_runner.num_envs` rounded up to whole games, for a parallel game
+/// played by one shared policy whose agents (each one env of the vector)
+/// it does not divide into; `None` when it does.
+fn whole_games(config: &ExperimentConfig, spec: &relay_envs::EnvSpec) -> Option<usize> {
+    let agents = spec.team.len();
+    let n = config.env_runner.num_envs;
+    (agents > 0 && !n.is_multiple_of(agents)).then(|| n.div_ceil(agents) * agents)
+}
+
 /// Says what limits the run's messages: relay's own nats-server sized to
-/// the largest one, or an external server's `max_payload`, below which
-/// fragments and act requests are split.
+/// about the largest one, or an external server's `max_payload`, below
+/// which messages are divided.
 fn report_message_limit(
     stack: &Stack,
     external: &stack::ExternalInfra,
@@ -434,7 +462,7 @@ fn report_message_limit(
     if external.nats_url.is_none() {
         if own > relay_proto::DEFAULT_MAX_PAYLOAD {
             println!(
-                "relay: nats-server carries messages of up to {:.1} MB (max_payload), this run's largest: {:.1} MB",
+                "relay: nats-server carries messages of up to {:.1} MB (max_payload), about this run's largest ({:.1} MB); anything larger is divided to fit",
                 own as f64 / MB,
                 largest as f64 / MB
             );
@@ -451,7 +479,7 @@ fn report_message_limit(
     })?;
     if limit < largest {
         println!(
-            "relay: {} carries messages of at most {:.1} MB (max_payload); this run's largest is {:.1} MB, so fragments and act requests are split to fit (set max_payload to at least {} on that server for fewer, larger messages)",
+            "relay: {} carries messages of at most {:.1} MB (max_payload); this run's largest are about {:.1} MB, so fragments, act requests and batches are divided to fit (set max_payload to at least {} on that server for fewer, larger messages)",
             stack.nats_url,
             limit as f64 / MB,
             largest as f64 / MB,

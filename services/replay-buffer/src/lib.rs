@@ -703,17 +703,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                         metrics.sampled_steps.inc_by(sampled.batch.ids.len() as u64);
                         metrics.size_steps.set(sampled.batch.size as i64);
                         metrics.dropped.with_label_values(&["undecodable"]).inc_by(sampled.corrupt);
-                        let reply = relay_proto::encode(&sampled.batch);
-                        let limit = service.max_message_bytes();
-                        let answer = if reply.len() > limit {
-                            // Said, not dropped: the learner asks for fewer rows.
-                            Err(async_nats::service::error::Error {
-                                status: format!("{} transitions make a reply of {} bytes, more than the {limit} bytes a message carries here (max_payload); ask for fewer", ask.batch_size, reply.len()),
-                                code: 413,
-                            })
-                        } else {
-                            Ok(reply.into())
-                        };
+                        // Said, not dropped: the learner asks for fewer rows at a time.
+                        let answer = relay_kit::reply_within(&sampled.batch, service.max_message_bytes());
                         let _ = request.respond(answer).await;
                     }
                     Err(e) => {

@@ -740,14 +740,22 @@ pub fn fragment_transitions(
 /// Importance-sampling weights of prioritized replay: `w_i = (size ·
 /// P(i))^-β`, divided by the batch's largest. `probs` are `P(i)`.
 pub fn importance_weights(probs: &[f64], size: u64, beta: f64) -> Vec<f32> {
+    importance_weights_scaled(probs, size, beta).0
+}
+
+/// [`importance_weights`] with the largest raw weight they were divided by
+/// (the batch's `weight_scale`).
+fn importance_weights_scaled(probs: &[f64], size: u64, beta: f64) -> (Vec<f32>, f64) {
     let raw: Vec<f64> = probs
         .iter()
         .map(|&p| (size as f64 * p).powf(-beta))
         .collect();
     let max = raw.iter().cloned().fold(0.0, f64::max);
-    raw.iter()
+    let weights = raw
+        .iter()
         .map(|&w| if max > 0.0 { (w / max) as f32 } else { 1.0 })
-        .collect()
+        .collect();
+    (weights, max)
 }
 
 /// The sum tree's leaf count: the smallest power of two >= `capacity`.
@@ -905,13 +913,16 @@ impl Table {
                 None => corrupt += 1,
             }
         }
-        let weights = if self.table.prioritized {
-            importance_weights(&probs, size, beta)
+        let (weights, weight_scale) = if self.table.prioritized {
+            let (weights, scale) = importance_weights_scaled(&probs, size, beta);
+            (weights, Some(scale))
         } else {
-            vec![1.0; rows.len()]
+            (vec![1.0; rows.len()], None)
         };
+        let mut batch = build_batch(rows, weights, size, inserted_steps);
+        batch.weight_scale = weight_scale;
         Ok(TableSample {
-            batch: build_batch(rows, weights, size, inserted_steps),
+            batch,
             held: status == -2,
             corrupt,
         })
@@ -1027,6 +1038,7 @@ fn build_batch(
         terminated: Tensor::from_bool(&[b], &term),
         truncated: Tensor::from_bool(&[b], &trunc),
         weights: Tensor::from_f32(&[b], &weights),
+        weight_scale: None,
         size,
         inserted_steps,
         next_masks: mask_width.map(|w| Tensor::from_u8(&[b, w], &next_masks)),

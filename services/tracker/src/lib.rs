@@ -195,6 +195,10 @@ struct Exported {
     labelled_counters: HashMap<String, (Vec<String>, prometheus::CounterVec)>,
     episodes: IntCounter,
     episode_return: Gauge,
+    /// Parallel games played by one shared policy: each agent's mean
+    /// return over the last 100 games.
+    agent_return: GaugeVec,
+    recent_agent_returns: HashMap<String, std::collections::VecDeque<f64>>,
     eval_return: GaugeVec,
     eval_version: GaugeVec,
     /// Outcome shares of the latest evaluation per game and opponent (text
@@ -214,6 +218,14 @@ impl Exported {
         let episode_return = Gauge::new(
             "relay_episode_return_mean",
             "Mean return of the last 100 training episodes.",
+        )
+        .unwrap();
+        let agent_return = GaugeVec::new(
+            Opts::new(
+                "relay_episode_agent_return_mean",
+                "Mean return of each agent over the last 100 training games of a parallel game played by one shared policy (relay_episode_return_mean is the team's).",
+            ),
+            &["agent"],
         )
         .unwrap();
         let eval_return = GaugeVec::new(
@@ -250,6 +262,7 @@ impl Exported {
         .unwrap();
         relay_kit::metrics::register(&registry, &episodes);
         relay_kit::metrics::register(&registry, &episode_return);
+        relay_kit::metrics::register(&registry, &agent_return);
         relay_kit::metrics::register(&registry, &eval_return);
         relay_kit::metrics::register(&registry, &eval_version);
         relay_kit::metrics::register(&registry, &eval_outcome_rate);
@@ -262,6 +275,8 @@ impl Exported {
             labelled_counters: HashMap::new(),
             episodes,
             episode_return,
+            agent_return,
+            recent_agent_returns: HashMap::new(),
             eval_return,
             eval_version,
             eval_outcome_rate,
@@ -402,6 +417,18 @@ impl Exported {
                 self.recent_returns.pop_front();
             }
             self.recent_returns.push_back(e.episode_return);
+            for a in e.agent_returns.iter().flatten() {
+                let recent = self
+                    .recent_agent_returns
+                    .entry(a.agent.clone())
+                    .or_default();
+                if recent.len() == 100 {
+                    recent.pop_front();
+                }
+                recent.push_back(a.episode_return);
+                let mean = recent.iter().sum::<f64>() / recent.len() as f64;
+                self.agent_return.with_label_values(&[&a.agent]).set(mean);
+            }
         }
         if self.recent_returns.is_empty() {
             return None;
@@ -633,7 +660,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
 }
 
 /// One episode as `episodes.jsonl` writes it; self-play episodes add the
-/// learning seat and the opponent.
+/// learning seat and the opponent, a team's game each agent's return.
 fn episode_row(e: &relay_proto::EpisodeSummary) -> serde_json::Value {
     let mut row =
         json!({"return": e.episode_return, "length": e.length, "terminated": e.terminated});
@@ -642,6 +669,13 @@ fn episode_row(e: &relay_proto::EpisodeSummary) -> serde_json::Value {
     }
     if let Some(opponent) = &e.opponent {
         row["opponent"] = json!(opponent);
+    }
+    if let Some(agents) = &e.agent_returns {
+        let returns: serde_json::Map<String, serde_json::Value> = agents
+            .iter()
+            .map(|a| (a.agent.clone(), json!(a.episode_return)))
+            .collect();
+        row["agent_returns"] = serde_json::Value::Object(returns);
     }
     row
 }

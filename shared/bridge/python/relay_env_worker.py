@@ -268,6 +268,39 @@ class UnsupportedSpace(Exception):
     pass
 
 
+def _action_space(space):
+    """How actions of ``space`` travel: Discrete (with its start) or a float
+    Box (with its shape and dtype); anything else is refused."""
+    from gymnasium import spaces
+
+    if isinstance(space, spaces.Discrete):
+        return {"kind": "discrete", "start": int(space.start), "wire": {"kind": "discrete", "n": int(space.n)}}
+    if isinstance(space, spaces.Box) and np.issubdtype(space.dtype, np.floating):
+        return {
+            "kind": "box",
+            "shape": space.shape,
+            "dtype": space.dtype,
+            "wire": {
+                "kind": "box",
+                "low": np.asarray(space.low, dtype=np.float32).reshape(-1).tobytes(),
+                "high": np.asarray(space.high, dtype=np.float32).reshape(-1).tobytes(),
+            },
+        }
+    raise UnsupportedSpace(
+        f"action space is {space!r}; relay's policies take Discrete or float Box actions"
+    )
+
+
+def _decode_actions(action, raw, n):
+    """The ``n`` actions of a step request, as the env takes them."""
+    if action["kind"] == "discrete":
+        actions = np.frombuffer(raw, dtype=np.int64).tolist()
+        start = action["start"]
+        return [a + start for a in actions] if start else actions
+    flat = np.frombuffer(raw, dtype=np.float32)
+    return flat.reshape((n,) + tuple(action["shape"])).astype(action["dtype"])
+
+
 class Batch:
     def __init__(self, request):
         import gymnasium
@@ -298,7 +331,7 @@ class Batch:
         self.seeds = list(request["seeds"])
         first = self.envs[0]
         self.flattener = Flattener(first.observation_space)
-        self.action = self._action_space(first.action_space)
+        self.action = _action_space(first.action_space)
         self.n = len(self.envs)
         self.obs = np.zeros((self.n, self.flattener.dim), dtype=self.flattener.dtype)
         self.env_id = env_id
@@ -319,26 +352,6 @@ class Batch:
             "image": self.flattener.image,
             "action_mask": self.masks is not None,
         }
-
-    def _action_space(self, space):
-        from gymnasium import spaces
-
-        if isinstance(space, spaces.Discrete):
-            return {"kind": "discrete", "start": int(space.start), "wire": {"kind": "discrete", "n": int(space.n)}}
-        if isinstance(space, spaces.Box) and np.issubdtype(space.dtype, np.floating):
-            return {
-                "kind": "box",
-                "shape": space.shape,
-                "dtype": space.dtype,
-                "wire": {
-                    "kind": "box",
-                    "low": np.asarray(space.low, dtype=np.float32).reshape(-1).tobytes(),
-                    "high": np.asarray(space.high, dtype=np.float32).reshape(-1).tobytes(),
-                },
-            }
-        raise UnsupportedSpace(
-            f"action space is {space!r}; relay's policies take Discrete or float Box actions"
-        )
 
     def _reset_one(self, i):
         seed = self.seeds[i]
@@ -380,14 +393,7 @@ class Batch:
 
     def step(self, request):
         n = self.n
-        if self.action["kind"] == "discrete":
-            actions = np.frombuffer(request["actions"], dtype=np.int64).tolist()
-            start = self.action["start"]
-            if start:
-                actions = [a + start for a in actions]
-        else:
-            flat = np.frombuffer(request["actions"], dtype=np.float32)
-            actions = flat.reshape((n,) + tuple(self.action["shape"])).astype(self.action["dtype"])
+        actions = _decode_actions(self.action, request["actions"], n)
         # Plain lists, packed once: cheaper than NumPy scalar writes per env.
         rewards = [0.0] * n
         terminated = [False] * n
@@ -471,14 +477,50 @@ class Batch:
 
 
 # Where PettingZoo keeps its games: ``connect_four_v3`` is
-# ``pettingzoo.classic.connect_four_v3``.
-_PETTINGZOO_FAMILIES = ("classic", "butterfly", "mpe", "sisl", "atari")
+# ``pettingzoo.classic.connect_four_v3``; the MPE family moved to its own
+# package, ``mpe2``, which is looked in first.
+_PETTINGZOO_FAMILIES = ("mpe2", "pettingzoo.classic", "pettingzoo.butterfly", "pettingzoo.sisl", "pettingzoo.atari", "pettingzoo.mpe")
 
 
-def _pettingzoo_env(request):
-    """The AEC env of a PettingZoo id (a module of one of its families, or
-    ``entry_point`` ``module:function`` returning an AEC or parallel env),
-    parallel envs converted with PettingZoo's own ``parallel_to_aec``."""
+def _pettingzoo_module(env_id):
+    """The module of a PettingZoo id in one of its families, or None."""
+    for family in _PETTINGZOO_FAMILIES:
+        try:
+            return importlib.import_module(f"{family}.{env_id}")
+        except ModuleNotFoundError as exc:
+            if exc.name not in (family, f"{family}.{env_id}", family.split(".")[0]):
+                raise
+    return None
+
+
+def _is_pettingzoo(request):
+    """Whether ``init`` makes a PettingZoo game: ``env.backend: pettingzoo``,
+    or ``auto`` and an id that Gymnasium does not know but a PettingZoo
+    family does."""
+    backend = request.get("backend")
+    if backend == "pettingzoo":
+        return True
+    if backend != "auto" or request.get("entry_point"):
+        return False
+    env_id = request["env_id"]
+    import gymnasium
+
+    if env_id in gymnasium.registry or "/" in env_id:
+        return False
+    try:
+        return _pettingzoo_module(env_id) is not None
+    except ModuleNotFoundError:
+        # The game is there and a package it needs is not: said by its init.
+        return True
+
+
+def _pettingzoo_env(request, parallel):
+    """A PettingZoo game of the request's id (a module of one of its
+    families, or ``entry_point`` ``module:function`` returning an AEC or
+    parallel env), as an AEC env (parallel games through PettingZoo's own
+    ``parallel_to_aec``) or, with ``parallel``, a parallel env (AEC games
+    through ``aec_to_parallel``), with ``env.wrappers`` applied (SuperSuit's
+    by name: ``color_reduction_v0``, ``frame_stack_v1``, ...)."""
     from pettingzoo.utils import conversions
     from pettingzoo.utils.env import ParallelEnv
 
@@ -489,19 +531,43 @@ def _pettingzoo_env(request):
         module_name, _, function = entry_point.partition(":")
         env = getattr(importlib.import_module(module_name), function or "env")(**kwargs)
     else:
-        for family in _PETTINGZOO_FAMILIES:
-            try:
-                module = importlib.import_module(f"pettingzoo.{family}.{env_id}")
-                break
-            except ModuleNotFoundError as exc:
-                if exc.name not in (f"pettingzoo.{family}", f"pettingzoo.{family}.{env_id}"):
-                    raise
-        else:
+        module = _pettingzoo_module(env_id)
+        if module is None:
             raise UnknownPettingZoo(env_id)
-        env = module.env(**kwargs)
-    if isinstance(env, ParallelEnv):
+        if module.__name__.startswith("pettingzoo.atari.") and "auto_rom_install_path" not in kwargs:
+            # The ROMs ale-py ships (roms/<game>.bin), rather than AutoROM's download.
+            import ale_py
+
+            kwargs = {**kwargs, "auto_rom_install_path": os.path.dirname(ale_py.__file__)}
+        make = getattr(module, "parallel_env", None) if parallel else None
+        env = make(**kwargs) if make else module.env(**kwargs)
+    for wrapper in request.get("wrappers") or []:
+        env = _resolve(wrapper["name"], "supersuit")(env, **(wrapper.get("kwargs") or {}))
+    if parallel and not isinstance(env, ParallelEnv):
+        env = conversions.aec_to_parallel(env)
+    elif not parallel and isinstance(env, ParallelEnv):
         env = conversions.parallel_to_aec(env)
     return env
+
+
+def _plays_as_team(request):
+    """Whether a PettingZoo game is played by one policy shared by all its
+    agents acting at once (``env.multi_agent: shared``), rather than by
+    self-play taking turns (``self_play``). ``auto``: PettingZoo's classic
+    games (turns, two sides) by self-play, every other family and any
+    parallel env of an ``entry_point`` shared."""
+    mode = request.get("multi_agent") or "auto"
+    if mode != "auto":
+        return mode == "shared"
+    entry_point = request.get("entry_point")
+    if entry_point:
+        from pettingzoo.utils.env import ParallelEnv
+
+        module_name, _, function = entry_point.partition(":")
+        maker = getattr(importlib.import_module(module_name), function or "env")
+        return isinstance(maker(**(request.get("kwargs") or {})), ParallelEnv)
+    module = _pettingzoo_module(request["env_id"])
+    return module is not None and not module.__name__.startswith("pettingzoo.classic.")
 
 
 class UnknownPettingZoo(Exception):
@@ -528,7 +594,7 @@ class AgentBatch:
         for target in request.get("imports") or []:
             _import(target)
         self.env_id = request["env_id"]
-        self.envs = [_pettingzoo_env(request) for _ in range(request["num_envs"])]
+        self.envs = [_pettingzoo_env(request, parallel=False) for _ in range(request["num_envs"])]
         self.seeds = list(request["seeds"])
         self.n = len(self.envs)
         first = self.envs[0]
@@ -707,13 +773,185 @@ class AgentBatch:
         return _get_attr(self.envs, request)
 
 
+class TeamBatch:
+    """Parallel PettingZoo games played by one policy shared by all their
+    agents (parameter sharing, as SuperSuit's ``pettingzoo_env_to_vec_env_v1``
+    gives Stable-Baselines3): every agent of every game is a row of the
+    batch, the ``K`` agents of a game ``K`` consecutive rows in
+    ``possible_agents`` order, all acting at once each step, each with its
+    own reward. A worker's ``num_envs`` rows are ``num_envs / K`` games.
+
+    An agent done before its game ends is kept as SuperSuit's
+    ``black_death_v3`` keeps it: zero observations and rewards, its actions
+    ignored, until the game ends. Then every row of the game ends at once
+    (truncated where the agent was cut by the time limit, else terminated)
+    and the game is reset: one episode per agent, all of the same length."""
+
+    def __init__(self, request):
+        for folder in reversed(request.get("python_path") or []):
+            sys.path.insert(0, folder)
+        for target in request.get("imports") or []:
+            _import(target)
+        from gymnasium import spaces as gym_spaces
+
+        self.env_id = request["env_id"]
+        probe = _pettingzoo_env(request, parallel=True)
+        self.agents = list(probe.possible_agents)
+        k = self.k = len(self.agents)
+        rows = request["num_envs"]
+        if rows % k:
+            raise UnsupportedSpace(
+                f"{self.env_id} has {k} agents, each one row of the batch: "
+                f"a worker's {rows} rows are not whole games; set env_runner.num_envs to a multiple of {k}"
+                " (and env.workers to a divisor of the games)"
+            )
+        spaces = {(repr(probe.observation_space(a)), repr(probe.action_space(a))) for a in self.agents}
+        if len(spaces) != 1:
+            raise UnsupportedSpace(
+                f"the agents of {self.env_id} have different observation or action spaces, and one "
+                "policy acts for all of them: pad them as SuperSuit does, with env.wrappers "
+                "[{name: pad_observations_v0}, {name: pad_action_space_v0}]"
+            )
+        self.envs = [probe] + [_pettingzoo_env(request, parallel=True) for _ in range(rows // k - 1)]
+        space = probe.observation_space(self.agents[0])
+        self.dict_obs = isinstance(space, gym_spaces.Dict) and "observation" in space.spaces
+        self.flattener = Flattener(space["observation"] if self.dict_obs else space)
+        self.action = _action_space(probe.action_space(self.agents[0]))
+        self.masked = bool(request.get("action_masks")) and self.action["kind"] == "discrete" and (
+            self.dict_obs and "action_mask" in space.spaces
+        )
+        # env.seat_feature: each observation ends with a one-hot of its agent.
+        self.agent_feature = bool(request.get("seat_feature"))
+        if self.agent_feature and self.flattener.image is not None:
+            raise UnsupportedSpace(
+                f"env.seat_feature appends the agent to flat observations; {self.env_id}'s are images"
+            )
+        self.dim = self.flattener.dim + (k if self.agent_feature else 0)
+        low, high = self.flattener.low, self.flattener.high
+        if self.agent_feature:
+            low = np.concatenate([low, np.zeros(k, np.float32)])
+            high = np.concatenate([high, np.ones(k, np.float32)])
+        self.n = rows
+        self.obs = np.zeros((rows, self.dim), dtype=self.flattener.dtype)
+        self.masks = np.ones((rows, self.action["wire"]["n"]), dtype=np.uint8) if self.masked else None
+        # One seed per game: its first row's.
+        self.seeds = list(request["seeds"])[::k]
+        self.spec = {
+            "obs_low": low.tobytes(),
+            "obs_high": high.tobytes(),
+            "action": self.action["wire"],
+            "max_episode_steps": (request.get("kwargs") or {}).get("max_cycles"),
+            "reward_threshold": None,
+            "image": self.flattener.image,
+            "action_mask": self.masked,
+            "team": self.agents,
+        }
+
+    def _write(self, row, obs, j):
+        """Writes agent ``j``'s observation ``obs`` (None: a done agent's
+        zeros) as row ``row`` of the batch; its mask too."""
+        if obs is None:
+            self.obs[row] = 0
+            if self.masked:
+                self.masks[row] = 1
+            return
+        raw = obs
+        fdim = self.flattener.dim
+        self.flattener.write(raw["observation"] if self.dict_obs else raw, self.obs[:, :fdim], row)
+        if self.agent_feature:
+            self.obs[row, fdim:] = 0.0
+            self.obs[row, fdim + j] = 1.0
+        if self.masked:
+            mask = np.minimum(np.asarray(raw["action_mask"]).astype(np.uint8).reshape(-1), 1)
+            if not mask.any():
+                raise ValueError(f"{self.env_id}: the action mask of {self.agents[j]} allows no action")
+            self.masks[row] = mask
+
+    def _reset_game(self, g):
+        seed = self.seeds[g]
+        self.seeds[g] = None
+        obs, _infos = self.envs[g].reset(seed=seed)
+        for j, agent in enumerate(self.agents):
+            self._write(g * self.k + j, obs.get(agent), j)
+
+    def _reply(self, reply):
+        reply["obs"] = self.obs.tobytes()
+        if self.masked:
+            reply["masks"] = self.masks.tobytes()
+        return reply
+
+    def reset(self):
+        for g in range(len(self.envs)):
+            self._reset_game(g)
+        return self._reply({})
+
+    def step(self, request):
+        n, k = self.n, self.k
+        actions = _decode_actions(self.action, request["actions"], n)
+        rewards = [0.0] * n
+        terminated = [False] * n
+        truncated = [False] * n
+        final = {}
+        final_masks = {}
+        failed = []
+        for g, env in enumerate(self.envs):
+            base = g * k
+            try:
+                alive = set(env.agents)
+                act = {a: actions[base + j] for j, a in enumerate(self.agents) if a in alive}
+                obs, rew, term, trunc, _infos = env.step(act)
+                over = not env.agents
+                for j, agent in enumerate(self.agents):
+                    row = base + j
+                    rewards[row] = float(rew.get(agent, 0.0))
+                    if not math.isfinite(rewards[row]):
+                        raise ValueError(f"{self.env_id} returned a non-finite reward {rewards[row]} for {agent}")
+                    # An agent done before the game's end reads zeros.
+                    self._write(row, obs.get(agent) if over or agent in env.agents else None, j)
+                if over:
+                    for j, agent in enumerate(self.agents):
+                        row = base + j
+                        cut = bool(trunc.get(agent, False)) and not bool(term.get(agent, False))
+                        truncated[row] = cut
+                        terminated[row] = not cut
+                        final[row] = self.obs[row].tobytes()
+                        if self.masked:
+                            final_masks[row] = self.masks[row].tobytes()
+                    self._reset_game(g)
+                if self.obs.dtype != np.uint8 and not np.isfinite(self.obs[base:base + k]).all():
+                    raise ValueError(f"{self.env_id} returned a non-finite observation")
+            except Exception:
+                detail = traceback.format_exc()
+                for row in range(base, base + k):
+                    failed.append([row, detail])
+                    rewards[row] = 0.0
+                    terminated[row] = truncated[row] = False
+                    final.pop(row, None)
+                    final_masks.pop(row, None)
+                self._reset_game(g)
+        reply = {
+            "rewards": struct.pack(f"<{n}d", *rewards),
+            "terminated": bytes(terminated),
+            "truncated": bytes(truncated),
+            "final": final,
+            "failed": failed,
+        }
+        if self.masked:
+            reply["final_masks"] = final_masks
+        return self._reply(reply)
+
+    def get_attr(self, request):
+        return _get_attr(self.envs, request)
+
+
 def _agents_init(request):
     try:
         import pettingzoo  # noqa: F401
     except ModuleNotFoundError as exc:
         return None, _missing(exc.name or "pettingzoo", exc)
     try:
-        return AgentBatch(request), None
+        batch = TeamBatch(request) if _plays_as_team(request) else AgentBatch(request)
+        return batch, None
     except ModuleNotFoundError as exc:
         return None, _missing(exc.name or "?", exc)
     except UnsupportedSpace as exc:
@@ -725,7 +963,7 @@ def _agents_init(request):
         known = []
         for family in _PETTINGZOO_FAMILIES:
             try:
-                package = importlib.import_module(f"pettingzoo.{family}")
+                package = importlib.import_module(family)
             except Exception:
                 continue
             known += [m.name for m in pkgutil.iter_modules(package.__path__) if re.search(r"_v\d+$", m.name)]
@@ -968,13 +1206,11 @@ def _init(request):
                 hint = f"; {request['env_id']} is a TextArena game: set env.backend: textarena"
         except Exception:
             pass
-        for family in _PETTINGZOO_FAMILIES:
-            try:
-                importlib.import_module(f"pettingzoo.{family}.{request['env_id']}")
-                hint = f"; {request['env_id']} is a PettingZoo game: set env.backend: pettingzoo"
-                break
-            except Exception:
-                pass
+        try:
+            if _pettingzoo_module(request["env_id"]) is not None:
+                hint = f"; {request['env_id']} is a PettingZoo game: set env.backend: pettingzoo (or auto)"
+        except Exception:
+            pass
         return None, {
             "error": "unknown_env",
             "message": f"{exc.__class__.__name__}: {exc}{hint}",
@@ -997,7 +1233,7 @@ def main():
                 except ModuleNotFoundError as exc:
                     write_message(_missing("gymnasium", exc))
                     continue
-                batch, error = _agents_init(request) if request.get("pettingzoo") else _init(request)
+                batch, error = _agents_init(request) if _is_pettingzoo(request) else _init(request)
                 write_message(error if error else {"ok": batch.spec})
             elif op == "text_init":
                 text_games, error = _text_init(request)

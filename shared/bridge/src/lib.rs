@@ -47,7 +47,7 @@ use std::sync::{Mutex, OnceLock};
 pub use error::{BridgeError, Fault, FaultKind, INSTALL_HINT};
 pub use python::PyVecEnv;
 use relay_envs::{EnvSpec, VecActions, VecEnv, VecStep};
-pub use section::{is_builtin, project_python, Backend, EnvSection, WrapperConfig};
+pub use section::{is_builtin, project_python, Backend, EnvSection, MultiAgent, WrapperConfig};
 pub use text::{make_text_game, PyTextGame};
 pub use worker::WORKER_SOURCE;
 
@@ -186,6 +186,7 @@ pub(crate) fn cache_key(env_id: &str, section: &EnvSection) -> String {
         section.num_players,
         section.action_masks,
         section.seat_feature,
+        section.multi_agent,
     ])
     .to_string()
 }

@@ -44,8 +44,11 @@ struct InitRequest<'a> {
     seeds: Vec<u64>,
     /// Send the env's action masks when it has them.
     action_masks: bool,
-    /// `env_id` is a PettingZoo game.
-    pettingzoo: bool,
+    /// `auto`, `gymnasium` or `pettingzoo` (`env.backend`): under `auto`
+    /// an id Gymnasium does not know and PettingZoo does is PettingZoo's.
+    backend: crate::Backend,
+    /// PettingZoo games: `auto`, `self_play` or `shared` (`env.multi_agent`).
+    multi_agent: crate::MultiAgent,
     /// Multi-agent games: end each observation with its seat, one-hot.
     seat_feature: bool,
 }
@@ -84,6 +87,9 @@ struct WireSpec {
     /// A multi-agent game's agents, in seat order.
     #[serde(default)]
     agents: Vec<String>,
+    /// A parallel game's agents, each a row, sharing one policy.
+    #[serde(default)]
+    team: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -191,11 +197,24 @@ impl PyVecEnv {
             python: section.interpreter(),
             seed,
         };
-        let workers = section.workers.clamp(1, num_envs);
+        // The envs are shared out among the workers in whole units: a
+        // parallel game's agents (its rows) go to one worker together.
+        let unit = if section.workers > 1
+            && matches!(
+                section.backend,
+                crate::Backend::Auto | crate::Backend::Pettingzoo
+            ) {
+            crate::spec(env_id, section)?.team.len().max(1)
+        } else {
+            1
+        };
+        let units = num_envs.div_ceil(unit);
+        let workers = section.workers.clamp(1, units);
         // Every worker imports and makes in parallel.
         let mut started = Vec::with_capacity(workers);
         for w in 0..workers {
-            let range = (w * num_envs / workers)..((w + 1) * num_envs / workers);
+            let range = (w * units / workers * unit).min(num_envs)
+                ..((w + 1) * units / workers * unit).min(num_envs);
             let mut worker = launcher.spawn()?;
             worker
                 .send(&launcher.init_request(&range, 0))
@@ -693,7 +712,8 @@ impl Launcher {
                 .map(|i| sub_seed(seed, i) & u64::from(u32::MAX))
                 .collect(),
             action_masks: self.section.action_masks,
-            pettingzoo: self.section.backend == crate::Backend::Pettingzoo,
+            backend: self.section.backend,
+            multi_agent: self.section.multi_agent,
             seat_feature: self.section.seat_feature,
         }
     }
@@ -798,6 +818,7 @@ fn spec_from_wire(env_id: &str, wire: &WireSpec) -> Result<EnvSpec, BridgeError>
         image: wire.image,
         action_mask,
         agents: wire.agents.clone(),
+        team: wire.team.clone(),
     })
 }
 

@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
-    /// relay's built-in env when it has the id (the fast path), else Gymnasium.
+    /// relay's built-in env when it has the id (the fast path), else
+    /// Gymnasium's when it registers the id, else PettingZoo's game of that
+    /// name (`pistonball_v6`, `chess_v6`, `simple_spread_v3`).
     #[default]
     Auto,
     /// Only relay's built-in envs and text games.
@@ -21,10 +23,30 @@ pub enum Backend {
     /// `textarena.make(id)` in a Python worker: `run.env_id` and every id of
     /// `text.games` is a TextArena game, also one relay has built in.
     Textarena,
-    /// A PettingZoo game (`connect_four_v3`: `pettingzoo.classic.connect_four_v3.env()`,
-    /// AEC or parallel; or `entry_point` `module:function`) in Python
-    /// workers: its agents take turns, and the run plays it by self-play.
+    /// A PettingZoo game (`connect_four_v3`: `pettingzoo.classic.connect_four_v3`,
+    /// `simple_spread_v3`: `mpe2.simple_spread_v3`; or `entry_point`
+    /// `module:function`) in Python workers, played as
+    /// [`EnvSection::multi_agent`] says.
     Pettingzoo,
+}
+
+/// How a PettingZoo game is played (`env.multi_agent`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MultiAgent {
+    /// PettingZoo's classic games (turns, two sides) by self-play; every
+    /// other family (butterfly, sisl, MPE, Atari) and any parallel env of
+    /// an `entry_point` with one shared policy.
+    #[default]
+    Auto,
+    /// Its agents take turns; the policy holds one seat of each game and
+    /// plays the others (itself, past versions, bots).
+    SelfPlay,
+    /// All agents act at once with one policy shared by all of them
+    /// (parameter sharing, as SuperSuit gives Stable-Baselines3): every
+    /// agent is a row of the vector of envs and trains it with its own
+    /// reward; `env_runner.num_envs` counts those rows.
+    Shared,
 }
 
 /// A Gymnasium wrapper applied after `gymnasium.make`.
@@ -44,14 +66,17 @@ pub struct WrapperConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct EnvSection {
     /// Where `run.env_id` comes from: `auto` (relay's built-in env when it
-    /// has the id, else Gymnasium), `builtin`, `gymnasium` or `textarena`
-    /// (TextArena's games, which `auto` never picks: set it for any
-    /// TextArena id).
+    /// has the id, else Gymnasium's, else PettingZoo's), `builtin`,
+    /// `gymnasium`, `pettingzoo` or `textarena` (TextArena's games, which
+    /// `auto` never picks: set it for any TextArena id).
     pub backend: Backend,
     /// Keyword arguments of `gymnasium.make(run.env_id, **kwargs)` (or of
     /// `textarena.make`, overriding the id's registered ones).
     pub kwargs: BTreeMap<String, serde_json::Value>,
-    /// Wrappers applied in order after `make`.
+    /// Wrappers applied in order after `make`: Gymnasium's by class name,
+    /// or for PettingZoo games SuperSuit's by function name
+    /// (`color_reduction_v0`, `resize_v1`, `frame_stack_v1`); any as
+    /// `module:Name`.
     pub wrappers: Vec<WrapperConfig>,
     /// Python modules imported before `make`, as `module`, or
     /// `module:function` to also call a function of it: how a user's own
@@ -83,12 +108,16 @@ pub struct EnvSection {
     /// `info["action_mask"]`): the policy samples, trains and is evaluated
     /// on legal actions only. `false`: every action counts as legal.
     pub action_masks: bool,
-    /// Multi-agent games (`backend: pettingzoo`): end each observation
-    /// with a one-hot of the seat it belongs to, so that one policy and
+    /// Multi-agent games (PettingZoo's): end each observation with a
+    /// one-hot of the seat (or agent) it belongs to, so that one policy and
     /// its value function know which role they play (role-conditioned
     /// values and advantages: a per-seat baseline, as the first mover of
-    /// most games expects a different return). Flat observations only.
+    /// most games expects a different return; SuperSuit's
+    /// `agent_indicator_v0`). Flat observations only.
     pub seat_feature: bool,
+    /// How a PettingZoo game is played: `auto`, `self_play` or `shared`
+    /// ([`MultiAgent`]).
+    pub multi_agent: MultiAgent,
 }
 
 impl Default for EnvSection {
@@ -107,6 +136,7 @@ impl Default for EnvSection {
             num_players: None,
             action_masks: true,
             seat_feature: false,
+            multi_agent: MultiAgent::Auto,
         }
     }
 }
@@ -168,10 +198,10 @@ impl EnvSection {
                 format!("{env_id} is a text game; text games run built in"),
             ));
         }
-        if self.seat_feature && self.backend != Backend::Pettingzoo {
+        if self.seat_feature && !matches!(self.backend, Backend::Pettingzoo | Backend::Auto) {
             return Err((
                 "env.seat_feature",
-                "marks the seat of multi-agent games; set env.backend: pettingzoo".into(),
+                "marks the seat of multi-agent games (PettingZoo's); set env.backend: pettingzoo or auto".into(),
             ));
         }
         for w in &self.wrappers {

@@ -490,6 +490,18 @@ impl ExperimentConfig {
     /// env is made): `policy.cnn` needs image observations that its
     /// convolutions fit, and one observation must fit in a message.
     pub fn check_env(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
+        if self.env.seat_feature && spec.agents.is_empty() && spec.team.is_empty() {
+            return Err(invalid(
+                "env.seat_feature",
+                format!(
+                    "marks the seat of multi-agent games; {} is a single-agent env",
+                    spec.id
+                ),
+            ));
+        }
+        if !spec.team.is_empty() {
+            self.check_team(spec)?;
+        }
         if !spec.agents.is_empty() {
             self.check_selfplay(spec)?;
         } else if self.selfplay != SelfPlaySection::default() && !self.is_text_game() {
@@ -525,6 +537,31 @@ impl ExperimentConfig {
             cnn.output_shapes().map_err(crate::policy::cnn_error)?;
         }
         self.check_observation_size(spec)
+    }
+
+    /// A parallel game played by one shared policy: each agent is a row of
+    /// a runner's vector of envs, so the vector holds whole games.
+    fn check_team(&self, spec: &relay_envs::EnvSpec) -> Result<(), ConfigError> {
+        let agents = spec.team.len();
+        if !self.env_runner.num_envs.is_multiple_of(agents) {
+            return Err(invalid(
+                "env_runner.num_envs",
+                format!(
+                    "is {}, but {} has {agents} agents sharing one policy, each one env of the vector: set a multiple of {agents} ({} = one game)",
+                    self.env_runner.num_envs, spec.id, agents
+                ),
+            ));
+        }
+        if self.selfplay != SelfPlaySection::default() {
+            return Err(invalid(
+                "selfplay",
+                format!(
+                    "{} is played by one policy shared by its {agents} agents (env.multi_agent: shared); self-play opponents apply to games taken in turns (env.multi_agent: self_play)",
+                    spec.id
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// A multi-agent game is trained by self-play ([`SelfPlaySection`]):
@@ -631,21 +668,30 @@ impl ExperimentConfig {
         Ok(())
     }
 
-    /// The largest message this run sends at its configured sizes: a
-    /// fragment of `env_runner.fragment_steps` steps of
-    /// `env_runner.num_envs` envs (observations not deduplicated, with the
-    /// next observations and one final observation per env), an act
-    /// request of `num_envs` observations, and for DQN and SAC a minibatch
-    /// of transitions. What relay's own nats-server is sized to
-    /// ([`Self::nats_max_payload`]).
+    /// About the largest message this run sends at its configured sizes:
+    /// a fragment of `env_runner.fragment_steps` steps of
+    /// `env_runner.num_envs` envs (observations not deduplicated, with
+    /// their action masks and a recurrent policy's state, the next
+    /// observations and one final observation per env), an act request of
+    /// `num_envs` observations, and for DQN and SAC a minibatch of
+    /// transitions. Only what relay's own nats-server is sized to
+    /// ([`Self::nats_max_payload`]): senders measure what they send and
+    /// divide what does not fit (`relay_proto::fit`), so nothing depends
+    /// on this being right.
     pub fn largest_message_bytes(&self, spec: &relay_envs::EnvSpec) -> usize {
-        let obs = self.observation_bytes(spec);
+        let mask = if spec.action_mask && self.env.action_masks {
+            spec.action_space.n().unwrap_or(0)
+        } else {
+            0
+        };
+        let obs = self.observation_bytes(spec) + mask;
         let action = spec.action_space.dim() * 8;
+        let state = self.policy.state_width() * 4;
         let (steps, n) = (self.env_runner.fragment_steps, self.env_runner.num_envs);
-        // Per env step: observation, action (i64 or f32s), logprob, value,
-        // reward, scaled reward, two flags.
-        let fragment = steps * n * (obs + action + 18) + 2 * n * obs;
-        let act = n * obs;
+        // Per env step: observation and mask, action (i64 or f32s),
+        // logprob, value, reward, scaled reward, two flags.
+        let fragment = steps * n * (obs + action + 18) + n * (2 * obs + state);
+        let act = n * (obs + state);
         let batch = match self.run.algo {
             Algo::Dqn => self.dqn.batch_size,
             Algo::Sac => self.sac.batch_size,

@@ -231,6 +231,7 @@ fn relay_s_nats_server_is_sized_to_the_largest_message_of_the_run() {
     let game = relay_envs::EnvSpec {
         id: "tictactoe_v3",
         agents: vec!["player_1".into(), "player_2".into()],
+        team: Vec::new(),
         action_mask: true,
         observation_space: relay_envs::BoxSpace {
             low: vec![0.0; 18],
@@ -282,6 +283,7 @@ fn relay_s_nats_server_is_sized_to_the_largest_message_of_the_run() {
     );
     let three_seats = relay_envs::EnvSpec {
         agents: vec!["a".into(), "b".into(), "c".into()],
+        team: Vec::new(),
         ..game.clone()
     };
     let e = league.check_env(&three_seats).unwrap_err().to_string();

@@ -44,6 +44,7 @@ pub fn spec() -> EnvSpec {
         image: None,
         action_mask: false,
         agents: Vec::new(),
+        team: Vec::new(),
     }
 }
 

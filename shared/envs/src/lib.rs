@@ -66,6 +66,7 @@ pub mod pendulum;
 pub mod registry;
 pub mod seat_bots;
 pub mod spaces;
+pub mod team;
 pub mod text;
 pub mod vec_env;
 
@@ -78,6 +79,7 @@ pub use pendulum::Pendulum;
 pub use registry::{make, spec, ENV_IDS};
 pub use seat_bots::{random_legal, SeatBot, SEAT_BOT_NAMES};
 pub use spaces::{ActionSpace, BoxSpace, EnvSpec};
+pub use team::{team_episodes, TeamEpisode};
 pub use text::{
     make as make_text_game, AnswerFormat, AnswerReader, Bot, ConnectFourBot, MinimaxBot,
     ObservationView, PlayerInfo, RandomBot, StepOutcome, TextGame, TEXT_GAME_IDS,

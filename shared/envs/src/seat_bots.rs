@@ -153,6 +153,7 @@ mod tests {
             image: None,
             action_mask: true,
             agents: vec!["player_1".into(), "player_2".into()],
+            team: Vec::new(),
         }
     }
 

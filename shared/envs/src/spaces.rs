@@ -102,6 +102,11 @@ pub struct EnvSpec {
     /// observation is of the agent to move ([`crate::VecStep::movers`]).
     /// Empty for single-agent envs.
     pub agents: Vec<String>,
+    /// Parallel multi-agent games played by one shared policy: the agents
+    /// of a game, each one env of the vector (a row), the agents of a game
+    /// `team.len()` consecutive envs that begin and end their episodes
+    /// together. Empty otherwise.
+    pub team: Vec<String>,
 }
 
 impl EnvSpec {

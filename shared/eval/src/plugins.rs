@@ -1041,8 +1041,14 @@ pub fn eval_envs(
     episodes: usize,
     seed: u64,
 ) -> Result<EvalEnvs, String> {
-    let envs = VecEnvs::new(env_id, section, episodes.clamp(1, MAX_EVAL_ENVS), seed)
-        .map_err(|e| e.to_string())?;
+    // A parallel game of a team of agents is one episode on as many envs.
+    let team = relay_bridge::spec(env_id, section)
+        .map_err(|e| e.to_string())?
+        .team
+        .len()
+        .max(1);
+    let games = episodes.clamp(1, (MAX_EVAL_ENVS / team).max(1));
+    let envs = VecEnvs::new(env_id, section, games * team, seed).map_err(|e| e.to_string())?;
     Ok(EvalEnvs { envs, episodes })
 }
 
@@ -1071,7 +1077,10 @@ pub fn play<M: relay_policy::Act>(
 
 /// [`play`], in a multi-agent game against `opponent` (`None`: the
 /// random-legal bot): episode `e` is played from seat `e % seats`, the
-/// opponent holding the other seats, and its return is that seat's.
+/// opponent holding the other seats, and its return is that seat's. In a
+/// parallel game played by one shared policy an episode is a game (its
+/// agents' envs), its return the team's (a recording follows its first
+/// agent).
 pub fn play_against<M: relay_policy::Act>(
     model: &M,
     normalizer: Option<&VecNormalize>,
@@ -1084,13 +1093,17 @@ pub fn play_against<M: relay_policy::Act>(
     let EvalEnvs { mut envs, episodes } = envs;
     let num_envs = envs.num_envs();
     let spec = envs.spec().clone();
+    // What plays an episode: an env, or the envs of a team's game.
+    let team = spec.team.len().max(1);
+    let units = num_envs / team;
     let env_id = spec.id;
     let obs_dim = envs.obs_dim();
     let mut obs = envs.reset().map_err(|e| e.to_string())?.to_vec();
     let mut returns: Vec<Option<f64>> = vec![None; episodes];
     let mut unfinished = episodes;
-    // The episode each env is playing: env i's k-th is i + k * num_envs.
-    let mut playing: Vec<usize> = (0..num_envs).collect();
+    // The episode each env (or game) is playing: unit i's k-th is
+    // i + k * units.
+    let mut playing: Vec<usize> = (0..units).collect();
     let mut trajectories: Vec<Trajectory> =
         vec![Trajectory::default(); if record { episodes } else { 0 }];
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
@@ -1183,7 +1196,8 @@ pub fn play_against<M: relay_policy::Act>(
         }
         .map_err(|e| e.to_string())?;
         if record {
-            for (i, &episode) in playing.iter().enumerate() {
+            for (unit, &episode) in playing.iter().enumerate() {
+                let i = unit * team;
                 let Some(t) = trajectories.get_mut(episode).filter(|_| policy_moves[i]) else {
                     continue;
                 };
@@ -1205,16 +1219,32 @@ pub fn play_against<M: relay_policy::Act>(
         }
         for e in &step.finished {
             state[e.env_index * state_width..(e.env_index + 1) * state_width].fill(0.0);
-            let episode = &mut playing[e.env_index];
+        }
+        let ended: Vec<(usize, f64)> = if team > 1 {
+            relay_envs::team_episodes(&step.finished, team)
+                .iter()
+                .map(|game| (game.game, game.team_return()))
+                .collect()
+        } else {
+            // A multi-agent game's return is the policy's seat's.
+            step.finished
+                .iter()
+                .map(|e| {
+                    let ret = match step.seat_returns(e.env_index) {
+                        Some(r) => r[playing[e.env_index] % seats],
+                        None => e.episode_return,
+                    };
+                    (e.env_index, ret)
+                })
+                .collect()
+        };
+        for (unit, ret) in ended {
+            let episode = &mut playing[unit];
             if let Some(slot) = returns.get_mut(*episode) {
-                // A multi-agent game's return is the policy's seat's.
-                *slot = Some(match step.seat_returns(e.env_index) {
-                    Some(r) => r[*episode % seats],
-                    None => e.episode_return,
-                });
+                *slot = Some(ret);
                 unfinished -= 1;
             }
-            *episode += num_envs;
+            *episode += units;
         }
         obs.copy_from_slice(&step.obs);
     }

@@ -99,6 +99,13 @@ pub enum RequestError {
         bytes: usize,
         limit: usize,
     },
+    /// A request (or, answered with [`crate::fit::REPLY_TOO_LARGE`], its
+    /// reply) too large for a message that cannot be divided further.
+    #[error("request on {subject}: {source}")]
+    Indivisible {
+        subject: String,
+        source: relay_proto::Indivisible,
+    },
 }
 
 impl RequestError {
@@ -285,8 +292,19 @@ pub async fn request<Req: WireMessage, Rep: WireMessage>(
             limit: client.max_payload(),
         });
     }
+    request_encoded(client, subject, payload.into(), timeout).await
+}
+
+/// Sends an encoded request (at most the server's `max_payload`) and
+/// decodes its reply, with a timeout.
+pub async fn request_encoded<Rep: WireMessage>(
+    client: &async_nats::Client,
+    subject: &str,
+    payload: bytes::Bytes,
+    timeout: Duration,
+) -> Result<Rep, RequestError> {
     let request = async_nats::Request::new()
-        .payload(payload.into())
+        .payload(payload)
         .timeout(Some(timeout));
     let reply = client
         .send_request(subject.to_string(), request)

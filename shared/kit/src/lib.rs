@@ -3,6 +3,7 @@
 //! - [`service`]: flags, start-up, the [`Service`] context, `main`.
 //! - [`collective`]: data-parallel groups of replicas: membership, views, ring all-reduce.
 //! - [`connect`]: NATS and Redis connections with backoff; requests with timeouts.
+//! - [`fit`]: messages of any size: requests, replies and publishes divided to fit.
 //! - [`weights`]: the one weights transport (inline, direct, object store).
 //! - [`direct`]: large weight versions straight from their publisher over TCP.
 //! - [`intake`]: decoding received payloads and counting rejections.
@@ -14,6 +15,7 @@
 pub mod collective;
 pub mod connect;
 pub mod direct;
+pub mod fit;
 pub mod http;
 pub mod intake;
 pub mod league;
@@ -26,6 +28,7 @@ pub mod weights;
 pub use connect::{
     connect_nats, connect_nats_with, connect_redis, connect_redis_with, request, RequestError,
 };
+pub use fit::{publish_within, reply_within, request_within};
 pub use http::Health;
 pub use intake::Intake;
 pub use service::{counter, gauge, Service, ServiceArgs, ServiceConfig, ServiceError};

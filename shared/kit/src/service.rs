@@ -355,6 +355,19 @@ impl Service {
         }
     }
 
+    /// Publishes a message that may outgrow a NATS message, divided into
+    /// parts that fit ([`crate::fit`]); a message of one unit too large
+    /// for any is logged as an error and not sent (the `Err`).
+    pub async fn publish_within<M: relay_proto::Divisible>(
+        &self,
+        subject: String,
+        message: M,
+    ) -> Result<usize, relay_proto::Indivisible> {
+        crate::fit::publish_within(&self.nats, &subject, message)
+            .await
+            .inspect_err(|e| tracing::error!(subject, "not sent: {e}"))
+    }
+
     /// Drains the NATS connection (flushes what is queued, unsubscribes).
     pub async fn drain(&self) {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.nats.flush()).await;

@@ -11,6 +11,8 @@
 
 pub mod blob;
 pub mod codec;
+pub mod divide;
+pub mod fit;
 pub mod llm;
 pub mod messages;
 pub mod offpolicy;
@@ -22,6 +24,7 @@ pub use blob::{sha256, DirectLocation, StoreLocation, WeightsBlob};
 pub use codec::{
     decode, encode, Rejection, WireMessage, DEFAULT_MAX_PAYLOAD, MAX_MESSAGE_BYTES, SCHEMA_VERSION,
 };
+pub use fit::{encode_within, part_limit, Divisible, Indivisible, Joinable, Part, ENVELOPE_BYTES};
 pub use llm::*;
 pub use messages::*;
 pub use offpolicy::*;

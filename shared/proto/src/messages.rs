@@ -758,6 +758,17 @@ pub struct EpisodeSummary {
     /// `minimax`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub opponent: Option<String>,
+    /// Parallel games played by one shared policy: each agent's return, in
+    /// the game's agent order; `episode_return` is their sum, the team's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_returns: Option<Vec<AgentReturn>>,
+}
+
+/// One agent's return in a game of a team ([`EpisodeSummary::agent_returns`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentReturn {
+    pub agent: String,
+    pub episode_return: f64,
 }
 
 /// env-runner -> tracker: episodes finished since the last report.

@@ -71,6 +71,12 @@ pub struct TransitionBatch {
     /// `[B]` f32: importance-sampling weights (all 1 for a uniform table),
     /// normalised by the batch's largest.
     pub weights: Tensor,
+    /// Prioritized tables: the largest raw importance weight `(size ·
+    /// P(i))^-β` of the batch, which `weights` were divided by: what puts
+    /// the parts of a draw divided across messages back on one scale.
+    /// Absent for a uniform table (and from older buffers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_scale: Option<f64>,
     /// Transitions the table holds.
     pub size: u64,
     /// Env steps inserted into the table since the run began.
@@ -102,6 +108,7 @@ impl TransitionBatch {
                 if largest > 0.0 {
                     part.iter_mut().for_each(|w| *w /= largest);
                 }
+                let weight_scale = self.weight_scale.map(|s| s * f64::from(largest));
                 TransitionBatch {
                     schema: self.schema,
                     ids: rows.iter().map(|&r| self.ids[r]).collect(),
@@ -113,6 +120,7 @@ impl TransitionBatch {
                     terminated: self.terminated.select_rows(&rows),
                     truncated: self.truncated.select_rows(&rows),
                     weights: Tensor::from_f32(&[rows.len()], &part),
+                    weight_scale,
                     size: self.size,
                     inserted_steps: self.inserted_steps,
                     next_masks: self.next_masks.as_ref().map(|m| m.select_rows(&rows)),
@@ -260,6 +268,7 @@ mod tests {
             terminated: Tensor::from_u8(&[n], &[0, 0, 0, 0, 0, 1]),
             truncated: Tensor::from_u8(&[n], &[0; 6]),
             weights: Tensor::from_f32(&[n], &[0.2, 1.0, 0.5, 0.25, 0.1, 0.5]),
+            weight_scale: None,
             size: 100,
             inserted_steps: 120,
             next_masks: None,

@@ -202,6 +202,56 @@ impl Tensor {
         }
     }
 
+    /// Rows `rows` of a tensor whose first dimension is its rows (a checked
+    /// tensor), as one contiguous copy.
+    pub fn row_range(&self, rows: std::ops::Range<usize>) -> Tensor {
+        let n = self.shape.first().copied().unwrap_or(0) as usize;
+        let width = self.data.len().checked_div(n).unwrap_or(0);
+        let mut shape = self.shape.clone();
+        if let Some(first) = shape.first_mut() {
+            *first = rows.len() as u32;
+        }
+        Tensor {
+            dtype: self.dtype,
+            shape,
+            data: self.data[rows.start * width..rows.end * width].to_vec(),
+        }
+    }
+
+    /// The block `steps x envs` of a `[T, N, ...]` tensor (a checked
+    /// tensor), shaped `[steps, envs, ...]`.
+    pub fn block(&self, steps: std::ops::Range<usize>, envs: std::ops::Range<usize>) -> Tensor {
+        let (t, n) = (self.shape[0] as usize, self.shape[1] as usize);
+        let width = self.data.len().checked_div(t * n).unwrap_or(0);
+        let mut data = Vec::with_capacity(steps.len() * envs.len() * width);
+        for step in steps.clone() {
+            let row = step * n;
+            data.extend_from_slice(
+                &self.data[(row + envs.start) * width..(row + envs.end) * width],
+            );
+        }
+        let mut shape = self.shape.clone();
+        shape[0] = steps.len() as u32;
+        shape[1] = envs.len() as u32;
+        Tensor {
+            dtype: self.dtype,
+            shape,
+            data,
+        }
+    }
+
+    /// Tensors of the same dtype and trailing shape, one after another
+    /// along their first dimension. `parts` is not empty.
+    pub fn concat_rows<'a>(parts: impl IntoIterator<Item = &'a Tensor>) -> Tensor {
+        let mut parts = parts.into_iter();
+        let mut whole = parts.next().expect("at least one part").clone();
+        for part in parts {
+            whole.shape[0] += part.shape[0];
+            whole.data.extend_from_slice(&part.data);
+        }
+        whole
+    }
+
     pub fn shape_usize(&self) -> Vec<usize> {
         self.shape.iter().map(|&d| d as usize).collect()
     }
