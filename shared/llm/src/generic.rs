@@ -20,8 +20,12 @@
 //! cache per model (a whole batch shares one length, padded), apply no
 //! per-row LoRA, and cannot mix prefills and decodes of different lengths
 //! in one step, which continuous batching needs. The ops used here (matmul,
-//! `index_select`/`index_add`, `scatter_set`, `slice_set`, fused RMSNorm
-//! and softmax, elementwise ops) all have CUDA kernels in candle. A fused
+//! `index_select`/`index_add`, `scatter_set`, `slice_set`, fused RMSNorm,
+//! RoPE and softmax, elementwise ops) all have CUDA kernels in candle; the
+//! fused ones stand in for the composed ops of the training forward (which
+//! needs their backward, which candle's fused kernels lack), one launch
+//! each instead of several, and the unit tests below hold them to the
+//! composed ones. A fused
 //! paged-attention kernel (vLLM's) would read the blocks in place instead
 //! of gathering them; candle has none, and the gather costs one copy of
 //! the keys and values read per layer, not a kernel per sequence.
@@ -31,7 +35,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::backend::Backend;
 use crate::lora::LoraAdapter;
 use crate::model::{
-    causal_mask, rope, route, BaseWeight, BatchItem, CausalLm, Embedding, LogitsWanted, Projection,
+    causal_mask, route, BaseWeight, BatchItem, CausalLm, Embedding, LogitsWanted, Projection,
     Routing,
 };
 use crate::model_error::{ModelError, Result};
@@ -237,6 +241,15 @@ impl AttentionPlan {
     }
 }
 
+/// RoPE of packed rows `x` `(rows, heads, head_dim)`, row `r` turned by
+/// row `r` of `cos` and `sin` `(rows, head_dim / 2)` ("rotate half"
+/// layout): candle's fused kernel (`rope_thd`, one launch), where
+/// [`crate::model::rope`] composes about ten elementwise ops and copies.
+fn rope_rows(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let turned = candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, cos, sin)?;
+    Ok(turned.squeeze(0)?)
+}
+
 /// RMSNorm of f32 rows with an f32 weight (candle's fused kernel).
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(
@@ -290,9 +303,9 @@ impl CausalLm {
         let total = ids.len();
         let ids = Tensor::from_vec(ids, total, device)?;
         let positions = Tensor::from_vec(positions, total, device)?;
-        // Each row's rotary angles, `(total, 1, head_dim / 2)`.
-        let cos = self.rope_cos.index_select(&positions, 0)?.unsqueeze(1)?;
-        let sin = self.rope_sin.index_select(&positions, 0)?.unsqueeze(1)?;
+        // Each row's rotary angles, `(total, head_dim / 2)`.
+        let cos = self.rope_cos.index_select(&positions, 0)?;
+        let sin = self.rope_sin.index_select(&positions, 0)?;
         let (heads, kv_heads, hd) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -325,7 +338,7 @@ impl CausalLm {
                     Some(weight) => rms_norm(&t, weight, eps)?,
                     None => t,
                 };
-                Ok(rope(&t, &cos, &sin)?.to_dtype(dtype)?)
+                Ok(rope_rows(&t, &cos, &sin)?.to_dtype(dtype)?)
             };
             let qk_norm = block.qk_norm.as_ref();
             let q = turn(
@@ -484,5 +497,124 @@ impl CausalLm {
     /// ([`Backend::place_frozen_adapter`]).
     pub fn place_frozen_adapter(&self, adapter: &LoraAdapter) -> Result<LoraAdapter> {
         self.backend.place_frozen_adapter(adapter)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! candle's fused kernels against the composed ops they replace, on
+    //! the CPU. Both sides compute in f32 with the same formula; they may
+    //! differ only in the order of a row's sum (softmax's denominator,
+    //! RMSNorm's mean square), whose rounding error is at most about
+    //! `n * f32::EPSILON` relative for `n` terms: the bounds below are
+    //! that, `n` being the row's length, times the outputs' magnitude.
+    use candle_core::{DType, Device, Tensor, D};
+    use rand::{Rng, SeedableRng};
+
+    fn random(shape: &[usize], seed: u64) -> Tensor {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let n = shape.iter().product();
+        let values: Vec<f32> = (0..n).map(|_| r.random_range(-3.0..3.0)).collect();
+        Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+    }
+
+    fn largest_gap(a: &Tensor, b: &Tensor) -> f32 {
+        assert_eq!(a.dims(), b.dims());
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    fn largest_abs(a: &Tensor) -> f32 {
+        a.abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// Packed rows, each turned by its own angles, as the composed RoPE
+    /// turns them.
+    #[test]
+    fn fused_rope_matches_the_composed_one() {
+        let (rows, heads, head_dim) = (7, 4, 24);
+        let x = random(&[rows, heads, head_dim], 1);
+        // Each row's own angles, as rows of sequences at different
+        // positions carry them.
+        let angles = random(&[rows, head_dim / 2], 5);
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        let fused = super::rope_rows(&x, &cos, &sin).unwrap();
+        let composed =
+            crate::model::rope(&x, &cos.unsqueeze(1).unwrap(), &sin.unsqueeze(1).unwrap()).unwrap();
+        // Two products and a sum per element on both sides: a few ulps.
+        let bound = 4.0 * f32::EPSILON * largest_abs(&composed);
+        let gap = largest_gap(&fused, &composed);
+        assert!(gap <= bound, "fused RoPE differs by {gap} (bound {bound})");
+        // The angles turn something: not the identity.
+        assert!(largest_gap(&fused, &x) > 0.1);
+    }
+
+    /// Attention scores with masked (-inf) positions, as a decode batch
+    /// pads them.
+    #[test]
+    fn fused_softmax_matches_the_composed_one() {
+        let len = 48;
+        let mut scores: Vec<f32> = random(&[3, 5, len], 2)
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for row in scores.chunks_mut(len).step_by(2) {
+            row[len - 10..].fill(f32::NEG_INFINITY);
+        }
+        let scores = Tensor::from_vec(scores, (3, 5, len), &Device::Cpu).unwrap();
+        let fused = candle_nn::ops::softmax_last_dim(&scores).unwrap();
+        let max = scores.max_keepdim(D::Minus1).unwrap();
+        let exp = scores.broadcast_sub(&max).unwrap().exp().unwrap();
+        let composed = exp
+            .broadcast_div(&exp.sum_keepdim(D::Minus1).unwrap())
+            .unwrap();
+        let bound = len as f32 * f32::EPSILON;
+        let gap = largest_gap(&fused, &composed);
+        assert!(
+            gap <= bound,
+            "fused softmax differs by {gap} (bound {bound})"
+        );
+        let rows: Vec<Vec<f32>> = fused.reshape((15, len)).unwrap().to_vec2().unwrap();
+        for row in rows.iter().step_by(2) {
+            assert!(row[len - 10..].iter().all(|&p| p == 0.0));
+        }
+    }
+
+    /// Rows of the residual stream `(rows, hidden)` and Qwen3's per-head
+    /// norm of `(rows, heads, head_dim)`, with a weight away from 1.
+    #[test]
+    fn fused_rms_norm_matches_the_composed_one() {
+        let eps = 1e-6;
+        for (shape, seed) in [(vec![6, 64], 3), (vec![6, 4, 24], 4)] {
+            let x = random(&shape, seed);
+            let width = *shape.last().unwrap();
+            let weight = (random(&[width], seed + 10).affine(0.2, 1.0).unwrap())
+                .to_dtype(DType::F32)
+                .unwrap();
+            let fused = super::rms_norm(&x, &weight, eps).unwrap();
+            let composed = crate::model::rms_norm(&x, &weight, eps).unwrap();
+            let bound = width as f32 * f32::EPSILON * largest_abs(&composed);
+            let gap = largest_gap(&fused, &composed);
+            assert!(
+                gap <= bound,
+                "fused RMSNorm of {shape:?} differs by {gap} (bound {bound})"
+            );
+        }
     }
 }
