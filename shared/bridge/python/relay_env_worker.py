@@ -555,7 +555,7 @@ def _plays_as_team(request):
     agents acting at once (``env.multi_agent: shared``), rather than by
     self-play taking turns (``self_play``). ``auto``: PettingZoo's classic
     games (turns, two sides) by self-play, every other family and any
-    parallel env of an ``entry_point`` shared."""
+    parallel env of a user's ``entry_point`` shared."""
     mode = request.get("multi_agent") or "auto"
     if mode != "auto":
         return mode == "shared"
@@ -564,6 +564,8 @@ def _plays_as_team(request):
         from pettingzoo.utils.env import ParallelEnv
 
         module_name, _, function = entry_point.partition(":")
+        if module_name.startswith("pettingzoo.classic."):
+            return False
         maker = getattr(importlib.import_module(module_name), function or "env")
         return isinstance(maker(**(request.get("kwargs") or {})), ParallelEnv)
     module = _pettingzoo_module(request["env_id"])
@@ -589,10 +591,6 @@ class AgentBatch:
     is what ``env.last()`` accumulates."""
 
     def __init__(self, request):
-        for folder in reversed(request.get("python_path") or []):
-            sys.path.insert(0, folder)
-        for target in request.get("imports") or []:
-            _import(target)
         self.env_id = request["env_id"]
         self.envs = [_pettingzoo_env(request, parallel=False) for _ in range(request["num_envs"])]
         self.seeds = list(request["seeds"])
@@ -788,17 +786,14 @@ class TeamBatch:
     and the game is reset: one episode per agent, all of the same length."""
 
     def __init__(self, request):
-        for folder in reversed(request.get("python_path") or []):
-            sys.path.insert(0, folder)
-        for target in request.get("imports") or []:
-            _import(target)
         from gymnasium import spaces as gym_spaces
 
         self.env_id = request["env_id"]
         probe = _pettingzoo_env(request, parallel=True)
         self.agents = list(probe.possible_agents)
         k = self.k = len(self.agents)
-        rows = request["num_envs"]
+        # A probe (the spec alone) makes one game, whatever its rows.
+        rows = k if request.get("probe") else request["num_envs"]
         if rows % k:
             raise UnsupportedSpace(
                 f"{self.env_id} has {k} agents, each one row of the batch: "
@@ -950,6 +945,10 @@ def _agents_init(request):
     except ModuleNotFoundError as exc:
         return None, _missing(exc.name or "pettingzoo", exc)
     try:
+        for folder in reversed(request.get("python_path") or []):
+            sys.path.insert(0, folder)
+        for target in request.get("imports") or []:
+            _import(target)
         batch = TeamBatch(request) if _plays_as_team(request) else AgentBatch(request)
         return batch, None
     except ModuleNotFoundError as exc:

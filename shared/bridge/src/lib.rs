@@ -162,9 +162,9 @@ pub fn spec(env_id: &str, section: &EnvSection) -> Result<EnvSpec, BridgeError> 
     if let Some(spec) = spec_cache().lock().expect("spec cache").get(&key) {
         return Ok(spec.clone());
     }
-    let envs = PyVecEnv::new(env_id, section, 1, 0)?;
-    remember_spec(env_id, section, envs.spec());
-    Ok(envs.spec().clone())
+    let spec = PyVecEnv::probe(env_id, section)?;
+    remember_spec(env_id, section, &spec);
+    Ok(spec)
 }
 
 fn spec_cache() -> &'static Mutex<HashMap<String, EnvSpec>> {

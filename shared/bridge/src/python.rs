@@ -51,6 +51,8 @@ struct InitRequest<'a> {
     multi_agent: crate::MultiAgent,
     /// Multi-agent games: end each observation with its seat, one-hot.
     seat_feature: bool,
+    /// Only the spec is wanted: one env (or one game of a team) is made.
+    probe: bool,
 }
 
 #[derive(Serialize)]
@@ -200,6 +202,7 @@ impl PyVecEnv {
         // The envs are shared out among the workers in whole units: a
         // parallel game's agents (its rows) go to one worker together.
         let unit = if section.workers > 1
+            && num_envs > 1
             && matches!(
                 section.backend,
                 crate::Backend::Auto | crate::Backend::Pettingzoo
@@ -258,6 +261,31 @@ impl PyVecEnv {
             restarts: 0,
             action_bytes: Vec::new(),
         })
+    }
+
+    /// The spec of `env_id` under `section` as one worker reports it,
+    /// having made one env (or one game of a team of agents); the worker
+    /// is then stopped.
+    pub(crate) fn probe(env_id: &str, section: &EnvSection) -> Result<EnvSpec, BridgeError> {
+        let launcher = Launcher {
+            env_id: env_id.to_string(),
+            section: section.clone(),
+            python: section.interpreter(),
+            seed: 0,
+        };
+        let range = 0..1;
+        let mut worker = launcher.spawn()?;
+        let request = InitRequest {
+            probe: true,
+            ..launcher.init_request(&range, 0)
+        };
+        worker
+            .send(&request)
+            .map_err(|f| launcher.start_error(f, &range))?;
+        let wire: WireSpec = worker
+            .recv(launcher.start_timeout())
+            .map_err(|f| launcher.start_error(f, &range))?;
+        spec_from_wire(env_id, &wire)
     }
 
     /// The env's spec as relay sees it (flattened observations).
@@ -715,6 +743,7 @@ impl Launcher {
             backend: self.section.backend,
             multi_agent: self.section.multi_agent,
             seat_feature: self.section.seat_feature,
+            probe: false,
         }
     }
 
