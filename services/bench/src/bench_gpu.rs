@@ -7,12 +7,16 @@
 //! (each a different board) generate `--new-tokens` tokens each through
 //! [`relay_llm::step`] (continuous batching, sampling at temperature 1,
 //! no stop token), timed from the first prefill to the last token:
-//! completion tokens per second. Then the LoRA training step (forward and
+//! completion tokens per second. One untimed generate at B = 1 comes first
+//! on each backend (as transformers' anchor warms up), so that no timed
+//! row pays for loading the GPU's kernel modules or their first JIT
+//! compilation; its time is reported apart. Then the LoRA training step (forward and
 //! backward of a rank-8 adapter on every projection, `--train-batch` x
 //! `--train-len` tokens: the fused CPU ops on the engine, the composed
 //! forward with activations recomputed on the candle backend), the longest
 //! sequence one step trains at `--longest-batch` (`--longest`, a search that
-//! stops at the first failure, out of memory say), and the load time of one
+//! stops at the first failure, out of memory say, or before a length that
+//! would overrun `--longest-seconds`), and the load time of one
 //! adapter version
 //! (PEFT bytes parsed and placed on the backend's device). Without a GPU
 //! the run says so and measures the CPU backends. A table, then one JSON
@@ -53,6 +57,13 @@ pub struct BenchGpuArgs {
     /// Sequences per step of the `--longest` search.
     #[arg(long, default_value_t = 4)]
     pub longest_batch: usize,
+    /// Seconds the `--longest` search may take: a length is not tried when
+    /// the search has run this long, or would by the end of it, reckoning
+    /// four times the last length's time (twice the tokens, and attention
+    /// quadratic in them). Unset: no limit. The GPU check sets it, so that
+    /// its step's timeout never cuts the run short of its results.
+    #[arg(long)]
+    pub longest_seconds: Option<f64>,
     /// The model: `smollm2`, a Hugging Face folder (a random-weight one made
     /// on a GPU machine by transformers, say) or a `.gguf` file.
     #[arg(long, default_value = "smollm2")]
@@ -112,6 +123,19 @@ fn contenders() -> (Vec<Contender>, String) {
         }
     };
     (all, gpu)
+}
+
+/// One backend's measurements.
+struct Row {
+    name: String,
+    /// The untimed first generate (B = 1): module loading and JIT included.
+    warm_up_s: f64,
+    /// `(batch, tokens/s)` for each `--batches`.
+    generate_tps: Vec<(usize, f64)>,
+    train_tps: f64,
+    load_s: f64,
+    /// The longest T trained at `--longest-batch`, and why the next failed.
+    longest: (Option<usize>, Option<String>),
 }
 
 /// A TicTacToe prompt with board `k` (so sequences differ).
@@ -211,16 +235,34 @@ fn train_step(model: &CausalLm, adapter: &LoraAdapter, batch: usize, time: usize
 }
 
 /// The longest of `lengths` (tried in order) that one training step at
-/// `batch` sequences goes through, and why the next did not.
+/// `batch` sequences goes through within `seconds`, and why the next was
+/// not tried or did not go through.
 fn longest_trained(
     model: &CausalLm,
     adapter: &LoraAdapter,
     batch: usize,
     lengths: &[usize],
+    seconds: Option<f64>,
 ) -> (Option<usize>, Option<String>) {
     let mut longest = None;
+    let search = Instant::now();
+    let mut last_try_s = 0.0;
     for &time in lengths {
-        match train_step(model, adapter, batch, time) {
+        if let Some(limit) = seconds {
+            let spent = search.elapsed().as_secs_f64();
+            if spent + 4.0 * last_try_s > limit {
+                let why = format!(
+                    "T={time}: not tried, the search's {limit:.0} s would run out \
+                     ({spent:.1} s spent, the last length took {last_try_s:.1} s)"
+                );
+                println!("  train B={batch} {why}");
+                return (longest, Some(why));
+            }
+        }
+        let started = Instant::now();
+        let outcome = train_step(model, adapter, batch, time);
+        last_try_s = started.elapsed().as_secs_f64();
+        match outcome {
             Ok(tps) => {
                 println!("  train B={batch} T={time}: {tps:.1} tokens/s");
                 longest = Some(time);
@@ -287,6 +329,13 @@ pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
     for contender in &contenders {
         let model = base.clone().to_backend(contender.backend.clone())?;
         model.prepare_inference()?;
+        let warm_up = Instant::now();
+        generate(&model, &prompts[..1], args.new_tokens)?;
+        let warm_up_s = warm_up.elapsed().as_secs_f64();
+        println!(
+            "  {:<22} warm-up (B=1, untimed) {warm_up_s:.2} s",
+            contender.name
+        );
         let mut generate_tps = Vec::new();
         for &b in &args.batches {
             let tps = generate(&model, &prompts[..b], args.new_tokens)?;
@@ -295,14 +344,21 @@ pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
         }
         let train_tps = train_step(&model, &adapter, args.train_batch, args.train_len)?;
         let load_s = adapter_load(&model, &bytes)?;
-        let longest = longest_trained(&model, &adapter, args.longest_batch, &args.longest);
-        rows.push((
-            contender.name.clone(),
+        let longest = longest_trained(
+            &model,
+            &adapter,
+            args.longest_batch,
+            &args.longest,
+            args.longest_seconds,
+        );
+        rows.push(Row {
+            name: contender.name.clone(),
+            warm_up_s,
             generate_tps,
             train_tps,
             load_s,
             longest,
-        ));
+        });
     }
 
     println!();
@@ -319,16 +375,19 @@ pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
         args.longest_batch
     );
     println!("|---|{}---:|---:|---:|", "---:|".repeat(args.batches.len()));
-    for (name, generate_tps, train_tps, load_s, (longest, _)) in &rows {
-        let cells: Vec<String> = generate_tps
+    for row in &rows {
+        let cells: Vec<String> = row
+            .generate_tps
             .iter()
             .map(|(_, t)| format!("{t:.1}"))
             .collect();
-        let longest = longest.map_or("-".into(), |t| t.to_string());
+        let longest = row.longest.0.map_or("-".into(), |t| t.to_string());
         println!(
-            "| {name} | {} | {train_tps:.1} | {:.1} | {longest} |",
+            "| {} | {} | {:.1} | {:.1} | {longest} |",
+            row.name,
             cells.join(" | "),
-            load_s * 1000.0
+            row.train_tps,
+            row.load_s * 1000.0
         );
     }
     let json = serde_json::json!({
@@ -338,13 +397,14 @@ pub fn bench_gpu(args: BenchGpuArgs) -> Result<()> {
         "train_batch": args.train_batch,
         "train_len": args.train_len,
         "longest_batch": args.longest_batch,
-        "backends": rows.iter().map(|(name, generate_tps, train_tps, load_s, (longest, stopped))| serde_json::json!({
-            "backend": name,
-            "generate_tokens_per_s": generate_tps.iter().map(|(b, t)| serde_json::json!({"batch": b, "tokens_per_s": (t * 10.0).round() / 10.0})).collect::<Vec<_>>(),
-            "lora_train_tokens_per_s": (train_tps * 10.0).round() / 10.0,
-            "adapter_load_ms": (load_s * 10000.0).round() / 10.0,
-            "longest_train_len": longest,
-            "longest_stopped_by": stopped,
+        "backends": rows.iter().map(|row| serde_json::json!({
+            "backend": row.name,
+            "warm_up_s": (row.warm_up_s * 100.0).round() / 100.0,
+            "generate_tokens_per_s": row.generate_tps.iter().map(|(b, t)| serde_json::json!({"batch": b, "tokens_per_s": (t * 10.0).round() / 10.0})).collect::<Vec<_>>(),
+            "lora_train_tokens_per_s": (row.train_tps * 10.0).round() / 10.0,
+            "adapter_load_ms": (row.load_s * 10000.0).round() / 10.0,
+            "longest_train_len": row.longest.0,
+            "longest_stopped_by": row.longest.1,
         })).collect::<Vec<_>>(),
     });
     println!("{json}");
