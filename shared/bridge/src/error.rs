@@ -69,6 +69,11 @@ pub enum BridgeError {
     /// A reply that does not follow the protocol.
     #[error("Python env worker for {env_id} sent a bad reply: {detail}")]
     Protocol { env_id: String, detail: String },
+
+    /// The owner stopped waiting ([`crate::Cancel`]): it is stopping. The
+    /// batch is unusable; dropping it kills its workers.
+    #[error("stopped waiting for the Python env workers of {env_id} (their owner is stopping)")]
+    Cancelled { env_id: String },
 }
 
 impl BridgeError {

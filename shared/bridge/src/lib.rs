@@ -27,8 +27,9 @@
 //!   restarts.
 //! - [`text`] owns [`PyTextGame`]: TextArena's games behind relay's
 //!   `TextGame` trait ([`make_text_game`]).
-//! - `worker` owns one worker process and the pipe protocol; the worker
-//!   program itself is `python/relay_env_worker.py`, compiled in.
+//! - `worker` owns one worker process and the pipe protocol, and [`Cancel`],
+//!   with which an owner that stops cuts every wait on its workers short;
+//!   the worker program itself is `python/relay_env_worker.py`, compiled in.
 //! - [`error`] owns [`BridgeError`] and [`Fault`].
 //!
 //! This crate is plumbing for the services that step envs (env-runner,
@@ -49,7 +50,7 @@ pub use python::PyVecEnv;
 use relay_envs::{EnvSpec, VecActions, VecEnv, VecStep};
 pub use section::{is_builtin, project_python, Backend, EnvSection, MultiAgent, WrapperConfig};
 pub use text::{make_text_game, PyTextGame};
-pub use worker::WORKER_SOURCE;
+pub use worker::{Cancel, WORKER_SOURCE};
 
 /// A batch of envs: relay's built-in ones, or Gymnasium's through Python.
 // A batch is made once per service and never moved in a hot loop: no box.
@@ -69,8 +70,21 @@ impl VecEnvs {
         num_envs: usize,
         seed: u64,
     ) -> Result<VecEnvs, BridgeError> {
+        Self::cancellable(env_id, section, num_envs, seed, &Cancel::default())
+    }
+
+    /// [`VecEnvs::new`], whose waits on Python workers (this start
+    /// included) `cancel` cuts short with [`BridgeError::Cancelled`]: what
+    /// a service that stops sets. Built-in envs never wait.
+    pub fn cancellable(
+        env_id: &str,
+        section: &EnvSection,
+        num_envs: usize,
+        seed: u64,
+        cancel: &Cancel,
+    ) -> Result<VecEnvs, BridgeError> {
         if section.uses_python(env_id) {
-            let envs = PyVecEnv::new(env_id, section, num_envs, seed)?;
+            let envs = PyVecEnv::cancellable(env_id, section, num_envs, seed, cancel)?;
             remember_spec(env_id, section, envs.spec());
             Ok(VecEnvs::Python(envs))
         } else {
@@ -155,6 +169,16 @@ impl VecEnvs {
 /// The spec of `env_id` under `section`: the built-in one, or what a Python
 /// worker reports (asked once per process and env config, then cached).
 pub fn spec(env_id: &str, section: &EnvSection) -> Result<EnvSpec, BridgeError> {
+    cancellable_spec(env_id, section, &Cancel::default())
+}
+
+/// [`spec`], whose wait on a worker (the first time it is asked) `cancel`
+/// cuts short with [`BridgeError::Cancelled`].
+pub fn cancellable_spec(
+    env_id: &str,
+    section: &EnvSection,
+    cancel: &Cancel,
+) -> Result<EnvSpec, BridgeError> {
     if !section.uses_python(env_id) {
         return Ok(relay_envs::spec(env_id)?);
     }
@@ -162,7 +186,7 @@ pub fn spec(env_id: &str, section: &EnvSection) -> Result<EnvSpec, BridgeError> 
     if let Some(spec) = spec_cache().lock().expect("spec cache").get(&key) {
         return Ok(spec.clone());
     }
-    let spec = PyVecEnv::probe(env_id, section)?;
+    let spec = PyVecEnv::probe(env_id, section, cancel)?;
     remember_spec(env_id, section, &spec);
     Ok(spec)
 }

@@ -15,6 +15,11 @@
 //!   that ends or does not answer within `env.step_timeout_s` is killed and
 //!   started again. Either way the step returns [`BridgeError::Faulted`]
 //!   naming the envs whose episode was dropped, and stepping goes on.
+//! - Stopping: every wait (start, reset, step, restart) ends within tens of
+//!   milliseconds of the batch's [`Cancel`] being set, with
+//!   [`BridgeError::Cancelled`]; the owner then drops the batch, which kills
+//!   its workers. A service that stops never waits out a 60 s step timeout
+//!   or a 120 s start.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -29,7 +34,7 @@ use serde_bytes::ByteBuf;
 
 use crate::error::{BridgeError, Fault, FaultKind};
 use crate::section::{EnvSection, WrapperConfig};
-use crate::worker::{Failure, Worker};
+use crate::worker::{Cancel, Failure, Worker};
 
 #[derive(Serialize)]
 struct InitRequest<'a> {
@@ -152,6 +157,8 @@ struct Launcher {
     section: EnvSection,
     python: PathBuf,
     seed: u64,
+    /// Cuts every worker's waits short (the owner stops).
+    cancel: Cancel,
 }
 
 /// `num_envs` copies of a Gymnasium env stepped by Python workers.
@@ -190,6 +197,18 @@ impl PyVecEnv {
         num_envs: usize,
         seed: u64,
     ) -> Result<PyVecEnv, BridgeError> {
+        Self::cancellable(env_id, section, num_envs, seed, &Cancel::default())
+    }
+
+    /// [`PyVecEnv::new`], whose waits (this start included) `cancel` cuts
+    /// short with [`BridgeError::Cancelled`].
+    pub fn cancellable(
+        env_id: &str,
+        section: &EnvSection,
+        num_envs: usize,
+        seed: u64,
+        cancel: &Cancel,
+    ) -> Result<PyVecEnv, BridgeError> {
         if num_envs == 0 {
             return Err(relay_envs::EnvError::NoEnvs.into());
         }
@@ -198,6 +217,7 @@ impl PyVecEnv {
             section: section.clone(),
             python: section.interpreter(),
             seed,
+            cancel: cancel.clone(),
         };
         // The envs are shared out among the workers in whole units: a
         // parallel game's agents (its rows) go to one worker together.
@@ -207,7 +227,10 @@ impl PyVecEnv {
                 section.backend,
                 crate::Backend::Auto | crate::Backend::Pettingzoo
             ) {
-            crate::spec(env_id, section)?.team.len().max(1)
+            crate::cancellable_spec(env_id, section, cancel)?
+                .team
+                .len()
+                .max(1)
         } else {
             1
         };
@@ -266,12 +289,17 @@ impl PyVecEnv {
     /// The spec of `env_id` under `section` as one worker reports it,
     /// having made one env (or one game of a team of agents); the worker
     /// is then stopped.
-    pub(crate) fn probe(env_id: &str, section: &EnvSection) -> Result<EnvSpec, BridgeError> {
+    pub(crate) fn probe(
+        env_id: &str,
+        section: &EnvSection,
+        cancel: &Cancel,
+    ) -> Result<EnvSpec, BridgeError> {
         let launcher = Launcher {
             env_id: env_id.to_string(),
             section: section.clone(),
             python: section.interpreter(),
             seed: 0,
+            cancel: cancel.clone(),
         };
         let range = 0..1;
         let mut worker = launcher.spawn()?;
@@ -395,6 +423,10 @@ impl PyVecEnv {
             let range = self.slots[s].envs.clone();
             let reply = match outcome.and_then(|r| self.check_reply(&range, r)) {
                 Ok(reply) => reply,
+                // The owner stops: no restart, the batch goes with it.
+                Err(Failure::Cancelled) => {
+                    return Err(failure_error(&self.launcher.env_id, Failure::Cancelled))
+                }
                 Err(failure) => {
                     faults.push(self.restart(s, failure)?);
                     continue;
@@ -569,6 +601,7 @@ impl PyVecEnv {
                 format!("{}\n{}", e.message, e.traceback),
             ),
             Failure::BadReply(detail) => (FaultKind::Crashed, format!("bad reply: {detail}")),
+            Failure::Cancelled => return Err(failure_error(&self.launcher.env_id, failure)),
         };
         let range = self.slots[s].envs.clone();
         let generation = self.slots[s].generation + 1;
@@ -716,10 +749,15 @@ impl PyVecEnv {
 
 impl Launcher {
     fn spawn(&self) -> Result<Worker, BridgeError> {
-        Worker::spawn(&self.python, &self.env_id).map_err(|source| BridgeError::NoPython {
-            python: self.python.display().to_string(),
-            source,
-        })
+        if self.cancel.is_cancelled() {
+            return Err(failure_error(&self.env_id, Failure::Cancelled));
+        }
+        Worker::spawn(&self.python, &self.env_id)
+            .map(|worker| worker.cancelled_by(&self.cancel))
+            .map_err(|source| BridgeError::NoPython {
+                python: self.python.display().to_string(),
+                source,
+            })
     }
 
     fn init_request<'a>(&'a self, range: &Range<usize>, generation: u64) -> InitRequest<'a> {
@@ -875,6 +913,9 @@ pub(crate) fn failure_error(env_id: &str, failure: Failure) -> BridgeError {
         Failure::BadReply(detail) => BridgeError::Protocol {
             env_id: env_id.to_string(),
             detail,
+        },
+        Failure::Cancelled => BridgeError::Cancelled {
+            env_id: env_id.to_string(),
         },
     }
 }

@@ -4,15 +4,17 @@
 //! into the binary, so nothing has to be found on disk). Requests go to its
 //! stdin and replies come from its stdout, each a 4-byte little-endian
 //! length and a MessagePack map. Replies are read with `poll`, so that a wait
-//! can time out (a hung worker); a thread forwards the worker's stderr to the
-//! logs and keeps its last lines for the error that reports a crash.
-//! Dropping a [`Worker`] kills the process.
+//! can time out (a hung worker) and be cut short by the owner's [`Cancel`]
+//! (a service that stops must not wait out a step or a start); a thread
+//! forwards the worker's stderr to the logs and keeps its last lines for the
+//! error that reports a crash. Dropping a [`Worker`] kills the process.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,6 +27,36 @@ pub const WORKER_SOURCE: &str = include_str!("../python/relay_env_worker.py");
 /// Lines of stderr kept for crash reports.
 const STDERR_TAIL: usize = 30;
 
+/// Longest a wait for a reply goes without looking at its [`Cancel`]: how
+/// late a cancelled wait may notice (a reply that arrives ends the wait at
+/// once, whatever this is).
+const CANCEL_CHECK: Duration = Duration::from_millis(20);
+
+/// A request to stop waiting on Python workers, shared by the owner (a
+/// service's shutdown sets it) and the envs whose waits it cuts short. A
+/// wait that sees it set returns [`crate::BridgeError::Cancelled`] within
+/// tens of milliseconds, whatever `env.step_timeout_s` or
+/// `env.start_timeout_s` say; the batch is then unusable (its workers may
+/// still be busy) and is dropped, which kills them. Cloning shares it; the
+/// default is never cancelled unless [`Cancel::cancel`] is called.
+#[derive(Debug, Clone, Default)]
+pub struct Cancel(Arc<AtomicBool>);
+
+impl Cancel {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Cuts short every wait of the envs that share this (now and later).
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// Why a request got no usable reply.
 #[derive(Debug)]
 pub(crate) enum Failure {
@@ -36,6 +68,8 @@ pub(crate) enum Failure {
     Replied(ErrorReply),
     /// A reply that does not decode.
     BadReply(String),
+    /// The owner cancelled the wait ([`Cancel`]).
+    Cancelled,
 }
 
 /// An `{"error": ...}` reply.
@@ -71,6 +105,7 @@ pub(crate) struct Worker {
     chunk: Vec<u8>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     frame: Vec<u8>,
+    cancel: Cancel,
 }
 
 impl Worker {
@@ -111,7 +146,14 @@ impl Worker {
             chunk: vec![0; 1 << 16],
             stderr_tail,
             frame: Vec::new(),
+            cancel: Cancel::default(),
         })
+    }
+
+    /// Lets `cancel` cut this worker's waits short.
+    pub fn cancelled_by(mut self, cancel: &Cancel) -> Worker {
+        self.cancel = cancel.clone();
+        self
     }
 
     /// Sends one request.
@@ -133,19 +175,24 @@ impl Worker {
         Ok(())
     }
 
-    /// Waits up to `timeout` for the reply to the last request. Read here
-    /// with `poll`, not by a reader thread: a thread hop per step costs more
-    /// than the pipe itself on a busy machine.
+    /// Waits up to `timeout` for the reply to the last request, or until
+    /// its [`Cancel`] is set. Read here with `poll`, not by a reader thread:
+    /// a thread hop per step costs more than the pipe itself on a busy
+    /// machine.
     pub fn recv<R: DeserializeOwned>(&mut self, timeout: Duration) -> Result<R, Failure> {
         let deadline = Instant::now() + timeout;
         let len = loop {
             if let Some(len) = complete_frame(&self.inbox) {
                 break len;
             }
+            if self.cancel.is_cancelled() {
+                return Err(Failure::Cancelled);
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(Failure::Hung { after: timeout });
             }
+            let left = left.min(CANCEL_CHECK);
             let mut fd = libc::pollfd {
                 fd: self.stdout.as_raw_fd(),
                 events: libc::POLLIN,
