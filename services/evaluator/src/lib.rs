@@ -64,6 +64,13 @@
 //! (screening and confirmation) is published as an [`EvalGame`] on
 //! `relay.<run>.eval.games`, which the tracker writes to the run
 //! directory's `games.jsonl` (the tracker is that file's one writer).
+//!
+//! Asked to stop, it stops within the promise of every service (2 s), in
+//! the middle of an evaluation too: the classic plugins play on a blocking
+//! thread that the stop cancels between two steps (and in any wait on the
+//! Python workers, which die with their envs), and a text evaluation's task
+//! is aborted. An evaluation cut short reports nothing; the learner's
+//! checkpoints do not depend on it.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -120,6 +127,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         .map_err(ServiceError::nats)?;
     let mut recent: VecDeque<f64> = VecDeque::with_capacity(100);
     let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
+    let cancel = cancel_on(&shutdown);
     tracing::info!(evaluator = plugin.name(), "evaluator plugin");
     active.with_label_values(&[plugin.name()]).set(1.0);
     service.health.set_ready(true);
@@ -192,8 +200,14 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 .then(|| recent.iter().sum::<f64>() / recent.len() as f64),
             confirming: false,
             env: cfg.env.clone(),
+            cancel: cancel.clone(),
         };
-        let played = match play_classic(&plugin, &policy, &ctx).await? {
+        let played = play_classic(&plugin, &policy, &ctx).await?;
+        if cancel.is_cancelled() {
+            // Stopped part-way: there is nothing to report.
+            break;
+        }
+        let played = match played {
             Ok(played) => played,
             Err(reason) => {
                 tracing::debug!(evaluator = plugin.name(), version = policy.version, %reason, "evaluation skipped");
@@ -210,7 +224,12 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                     confirming: true,
                     ..ctx
                 };
-                match play_classic(&plugin, &policy, &ctx).await? {
+                let confirming = play_classic(&plugin, &policy, &ctx).await?;
+                if cancel.is_cancelled() {
+                    // A screening without its confirmation is not reported.
+                    break;
+                }
+                match confirming {
                     Ok(confirming) => Some(confirmation(confirming, seed, t, cfg.eval.confirm_z)),
                     Err(reason) => {
                         tracing::warn!(evaluator = plugin.name(), version = policy.version, %reason, "confirmation not played");
@@ -281,14 +300,27 @@ impl Played {
     }
 }
 
+/// A [`plugins::Cancel`] set when `shutdown` fires: it stops the
+/// evaluation in progress at its next step.
+fn cancel_on(shutdown: &Shutdown) -> plugins::Cancel {
+    let cancel = plugins::Cancel::new();
+    let (set, shutdown) = (cancel.clone(), shutdown.clone());
+    tokio::spawn(async move {
+        shutdown.wait().await;
+        set.cancel();
+    });
+    cancel
+}
+
 /// Plays one classic evaluation (or confirmation) on a blocking thread:
 /// what it played, or why nothing was (skipped or failed, logged by the
-/// caller).
+/// caller). Cancelled by `ctx.cancel`, it ends at the next step.
 async fn play_classic(
     plugin: &Arc<dyn Evaluator>,
     policy: &Arc<relay_policy::VersionedPolicy>,
     ctx: &EvalContext,
 ) -> Result<Result<Played, String>, ServiceError> {
+    let cancel = ctx.cancel.clone();
     let (evaluator, policy, ctx) = (plugin.clone(), policy.clone(), ctx.clone());
     let outcome = tokio::task::spawn_blocking(move || evaluator.evaluate(&policy, &ctx))
         .await
@@ -311,6 +343,8 @@ async fn play_classic(
         }),
         Ok(EvalOutcome::Returns(_) | EvalOutcome::Games { .. }) => Err("no episodes".into()),
         Ok(EvalOutcome::Skipped(reason)) => Err(reason),
+        // The evaluator is stopping (the caller looks at the cancel).
+        Err(e) if cancel.is_cancelled() => Err(e),
         Err(e) => {
             tracing::error!(error = %e, evaluator = plugin.name(), "evaluation failed");
             Err(e)
@@ -338,6 +372,7 @@ fn confirmation(played: Played, seed: u64, threshold: f64, z: f64) -> Confirmati
 /// Tells the learner which version is being evaluated, so it keeps that
 /// version's weights until the report arrives.
 async fn announce_start(service: &Service, evaluator: &str, version: u64) {
+    tracing::info!(evaluator, version, "evaluation started");
     let started = EvalStarted {
         schema: SCHEMA_VERSION,
         evaluator: evaluator.to_string(),

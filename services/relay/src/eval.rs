@@ -234,6 +234,7 @@ fn evaluate_classic_checkpoint(
             train_return: None,
             confirming: true,
             env: config.env.clone(),
+            cancel: Default::default(),
         };
         match plugin.evaluate(&policy, &ctx).map_err(anyhow::Error::msg)? {
             relay_eval::plugins::EvalOutcome::Games {

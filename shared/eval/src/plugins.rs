@@ -21,7 +21,10 @@
 //! reaches the threshold against every opponent from every seat.
 //!
 //! Classic plugins evaluate weights versions of the MLP policy on a
-//! blocking thread ([`Evaluator::evaluate`]); text-game plugins
+//! blocking thread ([`Evaluator::evaluate`]), which the context's
+//! [`Cancel`] stops between two steps (and in any wait on Python workers):
+//! the evaluator sets it when it is asked to stop, so that an episode of
+//! thousands of steps does not hold up its shutdown; text-game plugins
 //! ([`Evaluator::plays_text`]) play asynchronously over NATS
 //! ([`Evaluator::evaluate_text`]). [`Evaluator::check_env`] refuses a plugin
 //! that cannot evaluate the run's env.
@@ -34,6 +37,7 @@ use std::path::PathBuf;
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use rand::SeedableRng;
+pub use relay_bridge::Cancel;
 use relay_bridge::{EnvSection, VecEnvs};
 use relay_config::{Opponent, TextConfig};
 use relay_envs::{ActionSpace, VecActions};
@@ -63,12 +67,16 @@ pub struct EvalContext {
     pub confirming: bool,
     /// The `env` section: how `env_id` is made.
     pub env: EnvSection,
+    /// Set when the evaluation must stop (the evaluator stops): [`play`]
+    /// then ends with [`STOPPED`] at its next step.
+    pub cancel: Cancel,
 }
 
 impl EvalContext {
-    /// The run's envs to [`play`] `episodes` episodes on ([`eval_envs`]).
+    /// The run's envs to [`play`] `episodes` episodes on ([`eval_envs`]),
+    /// stopped by the context's [`Cancel`].
     pub fn envs(&self, episodes: usize, seed: u64) -> Result<EvalEnvs, String> {
-        eval_envs(&self.env_id, &self.env, episodes, seed)
+        cancellable_eval_envs(&self.env_id, &self.env, episodes, seed, &self.cancel)
     }
 }
 
@@ -615,13 +623,18 @@ impl VsOpponent {
 
     /// The opponents of a multi-agent game on observations, each made (a
     /// checkpoint loaded); an error names the env when it is not such a
-    /// game, or the opponent that cannot play it.
+    /// game, or the opponent that cannot play it. `cancel` cuts short the
+    /// wait for the game's spec (a Python worker, the first time).
     fn made_seat_opponents(
         &self,
         env_id: &str,
         env: &EnvSection,
+        cancel: &Cancel,
     ) -> Result<(relay_envs::EnvSpec, Vec<(String, SeatOpponent)>), String> {
-        let spec = relay_bridge::spec(env_id, env).map_err(|e| e.to_string())?;
+        let spec = relay_bridge::cancellable_spec(env_id, env, cancel).map_err(|e| match e {
+            relay_bridge::BridgeError::Cancelled { .. } => STOPPED.to_string(),
+            e => e.to_string(),
+        })?;
         if spec.agents.is_empty() {
             return Err(format!(
                 "evaluator vs-opponent plays text games and multi-agent games (env.backend: pettingzoo), not {env_id}"
@@ -690,7 +703,7 @@ impl Evaluator for VsOpponent {
     /// against each opponent on the same games (seeds), game `e` from seat
     /// `e % seats`.
     fn evaluate(&self, p: &VersionedPolicy, ctx: &EvalContext) -> Result<EvalOutcome, String> {
-        let (spec, opponents) = self.made_seat_opponents(&ctx.env_id, &ctx.env)?;
+        let (spec, opponents) = self.made_seat_opponents(&ctx.env_id, &ctx.env, &ctx.cancel)?;
         let (games, seed) = if ctx.confirming {
             (ctx.episodes, ctx.seed)
         } else {
@@ -761,7 +774,9 @@ impl Evaluator for VsOpponent {
 
     fn check_env(&self, env_id: &str, env: &EnvSection) -> Result<(), String> {
         if !env.is_text_game(env_id) {
-            return self.made_seat_opponents(env_id, env).map(drop);
+            return self
+                .made_seat_opponents(env_id, env, &Cancel::default())
+                .map(drop);
         }
         let mut game = relay_bridge::make_text_game(env_id, env).map_err(|e| e.to_string())?;
         let lists_moves = lists_legal_moves(game.as_mut());
@@ -1031,7 +1046,11 @@ pub const MAX_EVAL_ENVS: usize = 64;
 pub struct EvalEnvs {
     envs: VecEnvs,
     episodes: usize,
+    cancel: Cancel,
 }
+
+/// What [`play`] returns when its [`Cancel`] stopped it.
+pub const STOPPED: &str = "evaluation stopped (the evaluator is stopping)";
 
 /// The envs [`play`] plays `episodes` episodes on: `min(episodes,
 /// MAX_EVAL_ENVS)` copies of `env_id`, env `i` seeded from `(seed, i)`.
@@ -1041,15 +1060,36 @@ pub fn eval_envs(
     episodes: usize,
     seed: u64,
 ) -> Result<EvalEnvs, String> {
+    cancellable_eval_envs(env_id, section, episodes, seed, &Cancel::default())
+}
+
+/// [`eval_envs`] that `cancel` stops: their start, and [`play`] on them
+/// at its next step, end with [`STOPPED`].
+pub fn cancellable_eval_envs(
+    env_id: &str,
+    section: &EnvSection,
+    episodes: usize,
+    seed: u64,
+    cancel: &Cancel,
+) -> Result<EvalEnvs, String> {
+    let stopped = |e: relay_bridge::BridgeError| match e {
+        relay_bridge::BridgeError::Cancelled { .. } => STOPPED.to_string(),
+        e => e.to_string(),
+    };
     // A parallel game of a team of agents is one episode on as many envs.
-    let team = relay_bridge::spec(env_id, section)
-        .map_err(|e| e.to_string())?
+    let team = relay_bridge::cancellable_spec(env_id, section, cancel)
+        .map_err(stopped)?
         .team
         .len()
         .max(1);
     let games = episodes.clamp(1, (MAX_EVAL_ENVS / team).max(1));
-    let envs = VecEnvs::new(env_id, section, games * team, seed).map_err(|e| e.to_string())?;
-    Ok(EvalEnvs { envs, episodes })
+    let envs =
+        VecEnvs::cancellable(env_id, section, games * team, seed, cancel).map_err(stopped)?;
+    Ok(EvalEnvs {
+        envs,
+        episodes,
+        cancel: cancel.clone(),
+    })
 }
 
 /// Plays the episodes of `envs` ([`eval_envs`]) with deterministic or sampled actions (drawn from `seed`), recording
@@ -1058,7 +1098,8 @@ pub fn eval_envs(
 /// from its autoreset, so which episodes count never depends on how long
 /// they last, and the same `(episodes, seed)` gives the same start states.
 /// A Python env fault abandons the evaluation (its episodes would not be
-/// the ones asked for).
+/// the ones asked for), and so does the envs' [`Cancel`] ([`STOPPED`],
+/// checked before each step).
 ///
 /// With a `normalizer` (the weights version's, runs with a `normalize`
 /// section) the model is given normalised observations; the normaliser is
@@ -1090,7 +1131,15 @@ pub fn play_against<M: relay_policy::Act>(
     record: bool,
     opponent: Option<&mut SeatOpponent>,
 ) -> Result<Vec<Episode>, String> {
-    let EvalEnvs { mut envs, episodes } = envs;
+    let EvalEnvs {
+        mut envs,
+        episodes,
+        cancel,
+    } = envs;
+    let stopped = |e: relay_bridge::BridgeError| match e {
+        relay_bridge::BridgeError::Cancelled { .. } => STOPPED.to_string(),
+        e => e.to_string(),
+    };
     let num_envs = envs.num_envs();
     let spec = envs.spec().clone();
     // What plays an episode: an env, or the envs of a team's game.
@@ -1098,7 +1147,7 @@ pub fn play_against<M: relay_policy::Act>(
     let units = num_envs / team;
     let env_id = spec.id;
     let obs_dim = envs.obs_dim();
-    let mut obs = envs.reset().map_err(|e| e.to_string())?.to_vec();
+    let mut obs = envs.reset().map_err(stopped)?.to_vec();
     let mut returns: Vec<Option<f64>> = vec![None; episodes];
     let mut unfinished = episodes;
     // The episode each env (or game) is playing: unit i's k-th is
@@ -1133,6 +1182,11 @@ pub fn play_against<M: relay_policy::Act>(
     }
     let mut state = vec![0f32; num_envs * state_width];
     while unfinished > 0 {
+        // An episode can be thousands of steps (CarRacing's 1,000, a chess
+        // game's hundreds of moves): a stop is seen between two of them.
+        if cancel.is_cancelled() {
+            return Err(STOPPED.into());
+        }
         model_obs.copy_from_slice(&obs);
         if let Some(n) = normalizer {
             if let Some(i) = model_obs.iter().position(|x| !x.is_finite()) {
@@ -1194,7 +1248,7 @@ pub fn play_against<M: relay_policy::Act>(
                 return Err("continuous actions for a discrete env".into())
             }
         }
-        .map_err(|e| e.to_string())?;
+        .map_err(stopped)?;
         if record {
             for (unit, &episode) in playing.iter().enumerate() {
                 let i = unit * team;
@@ -1290,6 +1344,7 @@ mod tests {
             train_return: None,
             confirming: false,
             env: EnvSection::default(),
+            cancel: Cancel::default(),
         }
     }
 
