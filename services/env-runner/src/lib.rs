@@ -59,6 +59,13 @@
 //! When `run.env_id` is a text game the env-runner plays games instead
 //! ([`text`]): `text.games_in_flight` at a time, with the LLM policy over
 //! `relay.<run>.generate`, publishing each finished game.
+//!
+//! Stopping: the loop looks at the shutdown signal before each step, and
+//! the signal also cancels any wait on the Python workers
+//! ([`relay_bridge::Cancel`]: their start, a step of a hung worker), whose
+//! processes die with the envs; so a copy stops within the promise of
+//! every service (2 s), not after `env.start_timeout_s` or
+//! `env.step_timeout_s`.
 
 mod fragment;
 pub mod league;
@@ -259,6 +266,18 @@ fn episode_summaries(
         .collect()
 }
 
+/// A [`relay_bridge::Cancel`] set when `shutdown` fires: the envs' waits
+/// on their Python workers end then.
+pub(crate) fn cancel_on(shutdown: &Shutdown) -> relay_bridge::Cancel {
+    let cancel = relay_bridge::Cancel::new();
+    let (set, shutdown) = (cancel.clone(), shutdown.clone());
+    tokio::spawn(async move {
+        shutdown.wait().await;
+        set.cancel();
+    });
+    cancel
+}
+
 /// Derives this copy's env seed from the run seed and its instance name, so
 /// that copies do not replay each other's episodes.
 fn runner_seed(seed: u64, instance: &str) -> u64 {
@@ -332,13 +351,17 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     }
     let metrics = Metrics::register(&service.registry);
     let n = cfg.env_runner.num_envs;
-    let mut envs = VecEnvs::new(
+    let mut envs = match VecEnvs::cancellable(
         &cfg.run.env_id,
         &cfg.env,
         n,
         runner_seed(cfg.run.seed, &service.instance),
-    )
-    .map_err(|e| ServiceError::other(format!("run.env_id: {e}")))?;
+        &cancel_on(&shutdown),
+    ) {
+        Ok(envs) => envs,
+        Err(BridgeError::Cancelled { .. }) => return service.finish().await,
+        Err(e) => return Err(ServiceError::other(format!("run.env_id: {e}"))),
+    };
     let spec = envs.spec().clone();
     let obs_dim = envs.obs_dim();
     let action_dim = (!spec.action_space.is_discrete()).then(|| spec.action_space.dim());
@@ -352,7 +375,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
         return selfplay::run(service, shutdown, envs, metrics, seed).await;
     }
     let pixels = cfg.observations_as_pixels(&spec);
-    let mut obs = envs.reset().map_err(ServiceError::other)?.to_vec();
+    let mut obs = match envs.reset() {
+        Ok(obs) => obs.to_vec(),
+        Err(BridgeError::Cancelled { .. }) => return service.finish().await,
+        Err(e) => return Err(ServiceError::other(e)),
+    };
     // The legal actions of each env in `obs` (envs with action masks).
     let mut masks: Option<Vec<u8>> = envs.masks().map(<[u8]>::to_vec);
     let mask_width = masks.as_ref().and(spec.action_space.n());
@@ -514,6 +541,8 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 }
                 continue;
             }
+            // Stopping: the wait on the workers was cut short.
+            Err(BridgeError::Cancelled { .. }) => break 'outer,
             Err(e) => return Err(ServiceError::other(format!("{}: {e}", spec.id))),
         };
         let raw_rewards: Vec<f32> = step.rewards.iter().map(|&r| r as f32).collect();

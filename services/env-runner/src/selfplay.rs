@@ -284,7 +284,12 @@ pub(crate) async fn run(
     relay_kit::metrics::register(&service.registry, &games_played);
     relay_kit::metrics::register(&service.registry, &games_without_learner);
 
-    let mut obs = envs.reset().map_err(ServiceError::other)?.to_vec();
+    let mut obs = match envs.reset() {
+        Ok(obs) => obs.to_vec(),
+        // Stopping (the envs' waits were cut short).
+        Err(BridgeError::Cancelled { .. }) => return service.finish().await,
+        Err(e) => return Err(ServiceError::other(e)),
+    };
     let all_legal = vec![1u8; n * width];
     let current_masks = |envs: &VecEnvs| envs.masks().unwrap_or(&all_legal).to_vec();
     let mut masks = current_masks(&envs);
@@ -443,6 +448,8 @@ pub(crate) async fn run(
                 movers = envs.movers().map(<[u32]>::to_vec).unwrap_or(vec![0; n]);
                 continue;
             }
+            // Stopping: the wait on the workers was cut short.
+            Err(BridgeError::Cancelled { .. }) => break 'outer,
             Err(e) => return Err(ServiceError::other(format!("{}: {e}", spec.id))),
         };
         for i in 0..n {
