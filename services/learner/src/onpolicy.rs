@@ -1,6 +1,12 @@
 //! The on-policy loop (PPO, A2C, REINFORCE): gather fresh fragments no
 //! older than the policy lag allows, update, publish, checkpoint (see the
 //! crate docs for the whole cycle, resume and normalisation).
+//!
+//! A stop in the middle of an update (a PPO update of many minibatches can
+//! take minutes on CPU) ends it before its next gradient step; the
+//! learner's state taken before the update is put back, so the final
+//! checkpoint holds the last whole update, as if the stop had come
+//! between two.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -121,6 +127,9 @@ fn update(
     rng: &mut ChaCha8Rng,
     sync: &mut dyn GradientSync,
 ) -> Result<Updated, UpdateError> {
+    if sync.stopping() {
+        return Err(UpdateError::Stopped);
+    }
     match (cfg.run.algo, batch) {
         (Algo::Reinforce, Batch::Episodes(batch)) => {
             let stats = reinforce::update(model, optimizer, batch, &cfg.reinforce, progress, sync)?;
@@ -168,8 +177,30 @@ struct StepInput {
     normalizer: Option<Box<VecNormalize>>,
 }
 
+/// A [`GradientSync`] that is [`GradientSync::stopping`] once the
+/// learner's shutdown fires.
+struct StopsOn<'a> {
+    sync: &'a mut dyn GradientSync,
+    shutdown: &'a Shutdown,
+}
+
+impl GradientSync for StopsOn<'_> {
+    fn share(&self) -> (usize, usize) {
+        self.sync.share()
+    }
+
+    fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError> {
+        self.sync.sum(data)
+    }
+
+    fn stopping(&self) -> bool {
+        self.shutdown.is_triggered()
+    }
+}
+
 /// The learner's whole state, in memory: what rank 0 hands to every
-/// replica of a new view, and the rollback point of a replicated step.
+/// replica of a new view, and the rollback point of a replicated step (or
+/// of an update a stop cut short).
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
 struct ReplicaState {
     params: Vec<relay_nn::NamedTensor>,
@@ -582,21 +613,19 @@ pub(crate) async fn run(
             continue;
         }
 
-        // Update.
+        // Update, from a state to roll back to (a replica failed in the
+        // step, or a stop cut it short): a copy of the parameters and the
+        // optimizer's moments, small beside the update's own work.
         let update_started = Instant::now();
-        let snapshot = (!replicas.alone())
-            .then(|| {
-                ReplicaState::capture(
-                    &model,
-                    &optimizer,
-                    normalizer.as_ref(),
-                    &progress,
-                    &rng,
-                    version_floor,
-                )
-            })
-            .transpose()
-            .map_err(ServiceError::other)?;
+        let snapshot = ReplicaState::capture(
+            &model,
+            &optimizer,
+            normalizer.as_ref(),
+            &progress,
+            &rng,
+            version_floor,
+        )
+        .map_err(ServiceError::other)?;
         let result = tokio::task::block_in_place(|| {
             replicas.step(|sync| {
                 update(
@@ -606,12 +635,34 @@ pub(crate) async fn run(
                     &input.batch,
                     input.frac,
                     &mut rng,
-                    sync,
+                    &mut StopsOn {
+                        sync,
+                        shutdown: &shutdown,
+                    },
                 )
             })
         });
         let updated = match result {
             Ok(Ok(u)) => u,
+            Ok(Err(UpdateError::Stopped)) => {
+                // The part done is undone: the final checkpoint holds the
+                // last whole update.
+                snapshot
+                    .restore(
+                        &mut model,
+                        &mut optimizer,
+                        normalizer.as_mut(),
+                        &mut progress,
+                        &mut rng,
+                        &mut version_floor,
+                    )
+                    .map_err(ServiceError::other)?;
+                tracing::info!(
+                    step = input.updates,
+                    "update stopped part-way and rolled back"
+                );
+                break crate::progress::Finish::Shutdown;
+            }
             Ok(Err(e)) => {
                 // Bad data must not stop training: drop this rollout and go on.
                 tracing::error!(error = %e, "update failed; rollout dropped");
@@ -620,7 +671,6 @@ pub(crate) async fn run(
             Err(e) => {
                 tracing::warn!(error = %e, step = input.updates, "a replica failed inside the step; rolling back and redoing it in the next view");
                 snapshot
-                    .expect("only replicas fail in a collective")
                     .restore(
                         &mut model,
                         &mut optimizer,

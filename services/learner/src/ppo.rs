@@ -128,6 +128,11 @@ pub fn update(
         units.shuffle(rng);
         let mut epoch_kls = Vec::new();
         for chunk in units.chunks(minibatch) {
+            // A whole update can take minutes (a CNN on CPU): a stop is
+            // seen between two gradient steps.
+            if sync.stopping() {
+                return Err(UpdateError::Stopped);
+            }
             let gather = |rows: &[usize], src: &[f32]| -> Vec<f32> {
                 rows.iter().map(|&j| src[j]).collect()
             };

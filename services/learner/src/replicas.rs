@@ -77,6 +77,14 @@ pub trait GradientSync: Send {
     /// Sums `data` elementwise across the replicas, in place; every
     /// replica ends with the same bits.
     fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError>;
+
+    /// The learner is stopping: an update of many gradient steps ends
+    /// before its next one with [`UpdateError::Stopped`] (its caller rolls
+    /// the part done back), so that a stop is not held up for the rest of
+    /// it.
+    fn stopping(&self) -> bool {
+        false
+    }
 }
 
 /// Runs `f` with `sync` as the pure crates see a replica

@@ -23,6 +23,10 @@ pub enum UpdateError {
     Fragment { runner: String, detail: String },
     #[error("learner replicas: {0}")]
     Replicas(String),
+    /// The learner is stopping ([`crate::replicas::GradientSync::stopping`]):
+    /// the update ended part-way, and the caller rolls it back.
+    #[error("the update was stopped part-way: the learner is stopping")]
+    Stopped,
 }
 
 /// A rollout flattened for training: `len` steps.
