@@ -929,6 +929,59 @@ async fn requests_beyond_the_queue_bound_are_refused_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_server_answers_what_it_cannot_finish_and_stops_within_its_promise() {
+    // One sequence at a time and a long queue of completions to the end of
+    // the context: far more decoding than the stop's grace leaves.
+    let served = serve("gen-stop", &["llm.max_sequences=1", "llm.max_queue=64"]).await;
+    let cases = cases();
+    let (case, max_tokens) = long_case(&served, &cases, 1).await;
+    let requesters: Vec<_> = (0..32)
+        .map(|_| {
+            let (client, subject, request) = (
+                served.client.clone(),
+                served.subjects.generate(),
+                tokens_request(&case.input_ids, None, max_tokens),
+            );
+            tokio::spawn(async move {
+                relay_kit::request::<_, GenerateReply>(&client, &subject, &request, TIMEOUT).await
+            })
+        })
+        .collect();
+    // Stopped while the queue is decoded, once the first is answered.
+    while !requesters.iter().any(|r| r.is_finished()) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let Served {
+        trigger, server, ..
+    } = served;
+    let stopped = Instant::now();
+    trigger.trigger();
+    server.await.unwrap().unwrap();
+    let took = stopped.elapsed();
+    // The promise of every service: stopped within 2 s of being asked.
+    assert!(took < Duration::from_secs(2), "stopped after {took:?}");
+    let (mut finished, mut refused) = (0, 0);
+    for requester in requesters {
+        match requester.await.unwrap() {
+            Ok(reply) => {
+                assert_eq!(completion(&reply)[..case.greedy.len()], case.greedy[..]);
+                finished += 1;
+            }
+            Err(RequestError::Service { code, status, .. }) => {
+                assert_eq!(code, "503", "{status}");
+                assert_eq!(status, "the inference server is stopping");
+                refused += 1;
+            }
+            Err(other) => panic!("unanswered: {other}"),
+        }
+    }
+    assert!(
+        finished >= 1 && refused >= 1,
+        "{finished} finished, {refused} refused"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_sharing_a_prefix_arriving_together_decode_as_if_alone() {
     // Six prompts: one long shared prefix, each its own short ending.
     let cases = cases();

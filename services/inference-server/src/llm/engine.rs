@@ -15,10 +15,13 @@
 //! requests arrive at once) get it prefilled once, in one forward before
 //! they join, and all start from copies of it. The loop blocks
 //! only when nothing runs or waits; it ends once the job channel is closed
-//! and the last running sequence has finished.
+//! and the last running sequence has finished, or, when the server stops,
+//! once it is told to give up ([`Engine::abandon`]): a completion of
+//! hundreds of tokens must not hold up the stop, so what still runs or
+//! waits then is answered 503.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -112,6 +115,9 @@ pub(crate) struct Engine {
     /// frontend counts them up, the loop down; `llm.max_queue` bounds it).
     pub waiting: Arc<AtomicUsize>,
     pub metrics: LlmMetrics,
+    /// Set by a stopping server once its grace is over: the loop answers
+    /// every job it holds with 503 and ends at its next turn.
+    pub abandon: Arc<AtomicBool>,
 }
 
 /// The first `len` tokens of `prompt`, which several admitted prompts
@@ -134,6 +140,10 @@ impl Engine {
         let mut rate = TokenRate::new();
         let mut prefixes = PrefixCache::new(self.prefix_cache, MIN_PREFIX_TOKENS);
         loop {
+            if self.abandon.load(Ordering::Relaxed) {
+                self.give_up(running, waiting, &jobs);
+                break;
+            }
             if running.is_empty() && waiting.is_empty() {
                 if !open {
                     break;
@@ -504,6 +514,23 @@ impl Engine {
             .filter_map(|s| text[from..].find(s.as_str()).map(|p| from + p + s.len()))
             .min()?;
         Some((FinishReason::Stop, Some(text[..end].to_string())))
+    }
+
+    /// Answers every job still held (running, waiting, or not yet taken
+    /// from the channel) with 503: the server is stopping.
+    fn give_up(&self, running: Vec<Running>, waiting: VecDeque<Job>, jobs: &Receiver<Job>) {
+        let stopping = || JobError {
+            code: 503,
+            message: "the inference server is stopping".into(),
+        };
+        for r in running {
+            let _ = r.reply.send(Err(stopping()));
+        }
+        for job in waiting.into_iter().chain(jobs.try_iter()) {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            let _ = job.reply.send(Err(stopping()));
+        }
+        self.metrics.queue_depth.set(0);
     }
 
     fn finish(&self, mut r: Running, finish: FinishReason, text: Option<String>) {

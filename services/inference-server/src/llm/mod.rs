@@ -10,6 +10,11 @@
 //! Requests are handled concurrently (one task each) up to the point where
 //! they join the decode thread's queue, so tokenizing a prompt never waits
 //! for a decode step, and a decode step never waits for NATS.
+//!
+//! Stopping: no new request is taken; completions that end within
+//! [`STOP_GRACE`] are answered as usual, and whatever still runs or waits
+//! after it is answered 503, so the server stops within the promise of
+//! every service (2 s) however long its completions are.
 
 pub(crate) mod adapters;
 pub(crate) mod engine;
@@ -254,7 +259,12 @@ impl Frontend {
     }
 }
 
-/// Serves `generate` until shutdown, then lets running completions finish.
+/// How long a stopping server lets running completions finish before it
+/// answers them 503.
+const STOP_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Serves `generate` until shutdown, then lets running completions finish
+/// for [`STOP_GRACE`] at most.
 pub(crate) async fn serve(
     service: Service,
     micro: &async_nats::service::Service,
@@ -369,7 +379,9 @@ pub(crate) async fn serve(
     stop_token_ids.dedup();
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
     let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let abandon = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let engine = Engine {
+        abandon: abandon.clone(),
         model: loaded.model,
         tokenizer: tokenizer.clone(),
         stop_token_ids,
@@ -420,14 +432,23 @@ pub(crate) async fn serve(
         // Reap finished handlers so the set stays small.
         while handlers.try_join_next().is_some() {}
     }
-    // No new jobs; the decode thread finishes the running ones and stops.
+    // No new jobs; the decode thread finishes the running ones and stops,
+    // or answers what is left 503 after the grace.
     frontend.jobs.lock().expect("jobs lock").take();
     let drain = async { while handlers.join_next().await.is_some() {} };
-    if tokio::time::timeout(std::time::Duration::from_secs(10), drain)
-        .await
-        .is_err()
-    {
-        tracing::warn!("generate requests still running after 10 s of shutdown");
+    tokio::pin!(drain);
+    if tokio::time::timeout(STOP_GRACE, &mut drain).await.is_err() {
+        tracing::info!(
+            grace_s = STOP_GRACE.as_secs_f64(),
+            "completions still running at the end of the stop's grace; answering them 503"
+        );
+        abandon.store(true, std::sync::atomic::Ordering::Relaxed);
+        if tokio::time::timeout(std::time::Duration::from_secs(1), drain)
+            .await
+            .is_err()
+        {
+            tracing::warn!("generate requests still unanswered after the decode thread gave up");
+        }
     }
     let _ = tokio::task::spawn_blocking(move || decode_thread.join()).await;
     Ok(())
