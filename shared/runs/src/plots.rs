@@ -439,6 +439,60 @@ fn range(values: impl Iterator<Item = f64>, pad: f64, trim: bool) -> Option<(f64
     Some((lo - span * pad, hi + span * pad))
 }
 
+/// Most points a curve is drawn with: about two per pixel column of the
+/// widest plot. A run of hours has tens of thousands of points a curve,
+/// whose rasterizing took seconds, and the tracker draws the plots as it
+/// stops, within the promise of every service (2 s).
+const MAX_POINTS: usize = 2000;
+
+/// `points` thinned to at most `max` (`max` at least 4): consecutive
+/// chunks each keep their lowest and highest point, in the order they
+/// came, so the drawn line spans the same values; the first and the last
+/// point stay.
+fn thin(points: &[(f64, f64)], max: usize) -> Vec<(f64, f64)> {
+    if points.len() <= max {
+        return points.to_vec();
+    }
+    let chunk = points.len().div_ceil(max / 2 - 1);
+    let mut out = Vec::with_capacity(max);
+    out.push(points[0]);
+    for part in points[1..points.len() - 1].chunks(chunk) {
+        let low = part
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1 .1.total_cmp(&b.1 .1));
+        let high = part
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1 .1.total_cmp(&b.1 .1));
+        let (Some((i, lo)), Some((j, hi))) = (low, high) else {
+            continue;
+        };
+        match i.cmp(&j) {
+            std::cmp::Ordering::Less => out.extend([*lo, *hi]),
+            std::cmp::Ordering::Greater => out.extend([*hi, *lo]),
+            std::cmp::Ordering::Equal => out.push(*lo),
+        }
+    }
+    out.push(points[points.len() - 1]);
+    out
+}
+
+/// A band's `(x, low, high)` points thinned to at most `max`: each chunk
+/// one point at its first x, spanning its lowest low and highest high.
+fn thin_band(band: &[(f64, f64, f64)], max: usize) -> Vec<(f64, f64, f64)> {
+    if band.len() <= max {
+        return band.to_vec();
+    }
+    band.chunks(band.len().div_ceil(max))
+        .map(|part| {
+            let low = part.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+            let high = part.iter().map(|p| p.2).fold(f64::NEG_INFINITY, f64::max);
+            (part[0].0, low, high)
+        })
+        .collect()
+}
+
 fn panel(
     area: &Area,
     title: &str,
@@ -503,6 +557,7 @@ fn panel(
     for extra in extras {
         match extra {
             Extra::Band(band, color) if !band.is_empty() => {
+                let band = thin_band(band, MAX_POINTS / 2);
                 let outline: Vec<(f64, f64)> = band
                     .iter()
                     .map(|p| (p.0, p.2))
@@ -528,9 +583,10 @@ fn panel(
     }
     for line in lines {
         let color = line.color;
+        let points = thin(line.points, MAX_POINTS);
         chart
             .draw_series(LineSeries::new(
-                line.points.iter().copied(),
+                points.iter().copied(),
                 color.stroke_width(2),
             ))
             .map_err(|e| err(title)(&e))?
@@ -541,11 +597,7 @@ fn panel(
         // A single point draws no line: mark it.
         if line.markers || line.points.len() < 2 {
             chart
-                .draw_series(
-                    line.points
-                        .iter()
-                        .map(|p| Circle::new(*p, 3, color.filled())),
-                )
+                .draw_series(points.iter().map(|p| Circle::new(*p, 3, color.filled())))
                 .map_err(|e| err(title)(&e))?;
         }
     }
@@ -660,6 +712,35 @@ fn draw_sps(curves: &Curves, area: &Area) -> Result<(), PlotError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn long_curves_are_thinned_to_their_extremes() {
+        let points: Vec<(f64, f64)> = (0..100_000)
+            .map(|i| {
+                (
+                    i as f64,
+                    ((i * 7919) % 1000) as f64 - if i == 64_321 { 5000.0 } else { 0.0 },
+                )
+            })
+            .collect();
+        let thinned = super::thin(&points, 2000);
+        assert!(thinned.len() <= 2000, "{}", thinned.len());
+        assert_eq!(thinned.first(), points.first());
+        assert_eq!(thinned.last(), points.last());
+        // The extremes stay, and the order of x.
+        assert!(thinned.contains(&(64_321.0, (64_321 * 7919 % 1000) as f64 - 5000.0)));
+        assert!(thinned.iter().any(|p| p.1 == 999.0));
+        assert!(thinned.windows(2).all(|w| w[0].0 < w[1].0));
+        // Short curves are drawn as they are.
+        assert_eq!(super::thin(&points[..1500], 2000), points[..1500]);
+        let band: Vec<(f64, f64, f64)> = (0..10_000)
+            .map(|i| (i as f64, -(i as f64), i as f64))
+            .collect();
+        let thinned = super::thin_band(&band, 1000);
+        assert!(thinned.len() <= 1000);
+        assert_eq!(thinned.last().unwrap().2, 9999.0);
+        assert_eq!(thinned.iter().map(|p| p.1).fold(0.0, f64::min), -9999.0);
+    }
+
     use super::*;
 
     #[test]
