@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use relay_proto::{ScaleReply, ScaleRequest, StoppedCopy, Subjects, MAX_COPIES, SCHEMA_VERSION};
 
-use crate::stack::{Proc, Stack, StackRecord, StartState, SERVICES};
+use crate::stack::{has_exited, kill_group, Proc, Stack, StackRecord, StartState, SERVICES};
 
 /// How long a removed copy may take to drain before it is killed.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(15);
@@ -171,26 +171,23 @@ fn refused(req: &ScaleRequest, stack: &Stack, error: String) -> ScaleReply {
     }
 }
 
-/// Waits for removed copies to exit: SIGTERM was sent, SIGKILL after `grace`.
+/// Waits for removed copies to exit: SIGTERM was sent, SIGKILL after
+/// `grace`; each copy's process group (its Python env workers) goes with it.
 async fn drain(procs: Vec<Proc>, grace: Duration) -> Vec<StoppedCopy> {
     let deadline = Instant::now() + grace;
     let mut stopped = Vec::new();
     for mut p in procs {
-        let status = loop {
-            match p.child.try_wait() {
-                Ok(Some(status)) => break Some(status),
-                Err(_) => break None,
-                Ok(None) if Instant::now() > deadline => {
-                    eprintln!(
-                        "relay: {} did not stop within {grace:?}; killing it",
-                        p.name
-                    );
-                    let _ = p.child.kill();
-                    break p.child.wait().ok();
-                }
-                Ok(None) => tokio::time::sleep(Duration::from_millis(20)).await,
+        while !has_exited(&p.child) {
+            if Instant::now() > deadline {
+                eprintln!(
+                    "relay: {} did not stop within {grace:?}; killing it",
+                    p.name
+                );
+                break;
             }
-        };
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let status = kill_group(&mut p.child);
         stopped.push(StoppedCopy {
             instance: p.name,
             exit_code: status.and_then(|s| s.code()),

@@ -10,7 +10,12 @@
 //!
 //! Every child runs in its own process group: Ctrl-C reaches only the
 //! supervisor, which then stops the services in order (learner, workers,
-//! tracker) before the infrastructure.
+//! tracker) before the infrastructure. A service asked to stop (SIGTERM)
+//! ends within 2 s, in the middle of an evaluation episode or of a wait on
+//! a Python worker too; one that breaks that promise is killed after the
+//! grace with its whole process group, so the Python env workers it
+//! started die with it, and a group that outlives its service is killed
+//! as it exits: no process of the stack outlives `relay up`.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -702,24 +707,56 @@ fn terminate(pid: u32) {
     }
 }
 
+/// Whether `child` has exited, without reaping it: until it is reaped its
+/// pid, which is its process group's id, cannot be taken by another
+/// process, so [`kill_group`] still reaches only what it started.
+pub(crate) fn has_exited(child: &Child) -> bool {
+    // SAFETY: waitid(2) fills the zeroed siginfo_t it is given; WNOWAIT
+    // leaves the child to be reaped by `Child::wait`.
+    unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        let flags = libc::WEXITED | libc::WNOHANG | libc::WNOWAIT;
+        match libc::waitid(libc::P_PID, child.id(), &mut info, flags) {
+            0 => info.si_pid() != 0,
+            // Already reaped (or not ours): nothing to wait for.
+            _ => true,
+        }
+    }
+}
+
+/// SIGKILLs the process group of `child`, which every child of the stack
+/// leads (`process_group(0)`): the child and whatever it started that is
+/// still there (a service's Python env workers), then reaps the child.
+/// Only for a child not yet reaped ([`has_exited`]).
+pub(crate) fn kill_group(child: &mut Child) -> Option<std::process::ExitStatus> {
+    // SAFETY: kill(2) on the group of a child this process started and
+    // has not reaped; no memory is involved.
+    unsafe {
+        libc::kill(-(child.id() as i32), libc::SIGKILL);
+    }
+    child.wait().ok()
+}
+
+/// Waits for `p`, sent SIGTERM, to exit until `deadline`, then kills it
+/// (saying so); either way its process group goes with it.
+fn reap(p: &mut Proc, grace: Duration, deadline: Instant) {
+    while !has_exited(&p.child) {
+        if Instant::now() > deadline {
+            eprintln!("{} did not stop within {grace:?}; killing it", p.name);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    kill_group(&mut p.child);
+}
+
 fn stop_all(procs: &mut [Proc], grace: Duration) {
     for p in procs.iter() {
         terminate(p.child.id());
     }
     let deadline = Instant::now() + grace;
     for p in procs.iter_mut() {
-        loop {
-            match p.child.try_wait() {
-                Ok(Some(_)) | Err(_) => break,
-                Ok(None) if Instant::now() > deadline => {
-                    eprintln!("{} did not stop within {grace:?}; killing it", p.name);
-                    let _ = p.child.kill();
-                    let _ = p.child.wait();
-                    break;
-                }
-                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
+        reap(p, grace, deadline);
     }
 }
 
