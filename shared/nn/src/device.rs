@@ -1,7 +1,10 @@
 //! [`open_device`]: the one place any relay process opens a candle device,
 //! for the policy networks here (`policy.device`) and for the language
 //! models of relay-llm (`llm.device`) alike, so every CUDA device gets the
-//! same stream and memory-pool settings.
+//! same stream and memory-pool settings, and each GPU is opened once per
+//! process (one stream for all of its work).
+
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::Device;
 pub use relay_config::hyper::backend::DeviceSpec;
@@ -19,13 +22,21 @@ pub struct DeviceError {
 /// are placed on one thread (a blocking task) and used on others, and work
 /// queued on different per-thread streams is not ordered, so a forward
 /// could read a buffer whose upload had not finished. One stream orders
-/// every copy and kernel of the device, whichever thread queues it.
+/// every copy and kernel of the device, whichever thread queues it; so
+/// that it is the only one, a GPU is opened once per process and later
+/// calls get the same device.
 ///
-/// The device's memory pool keeps what is freed ([`keep_freed_memory`]).
+/// The device's memory pool keeps what is freed ([`keep_freed_memory`]),
+/// and its buffers carry no cudarc events ([`without_event_tracking`]).
 pub fn open_device(spec: DeviceSpec) -> Result<Device, DeviceError> {
     match spec {
         DeviceSpec::Cpu => Ok(Device::Cpu),
         DeviceSpec::Cuda(n) => {
+            static OPENED: Mutex<Vec<(usize, Device)>> = Mutex::new(Vec::new());
+            let mut opened = OPENED.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some((_, device)) = opened.iter().find(|(ordinal, _)| *ordinal == n) {
+                return Ok(device.clone());
+            }
             let device = Device::new_cuda_with_stream(n).map_err(|e| DeviceError {
                 spec,
                 reason: format!(
@@ -33,10 +44,12 @@ pub fn open_device(spec: DeviceSpec) -> Result<Device, DeviceError> {
                     without_backtrace(e)
                 ),
             })?;
+            without_event_tracking(&device);
             keep_freed_memory(&device).map_err(|e| DeviceError {
                 spec,
                 reason: format!("its memory pool cannot be set to keep freed memory ({e})"),
             })?;
+            opened.push((n, device.clone()));
             Ok(device)
         }
     }
@@ -79,6 +92,27 @@ fn keep_freed_memory(device: &Device) -> std::result::Result<(), String> {
         .map_err(|e| e.to_string())
     }
 }
+
+/// Stops cudarc from giving each buffer allocated from now on a read and
+/// a write event, recorded at every kernel that takes it and waited on
+/// when it is freed. `new_cuda_with_stream` puts the context in cudarc's
+/// multi-stream mode, where those events order a buffer's uses across
+/// streams; this device's work all goes to its one stream, which orders it
+/// already, and the events cost host time for every kernel argument.
+/// Called before the device allocates anything.
+#[cfg(feature = "cuda")]
+fn without_event_tracking(device: &Device) {
+    if let Device::Cuda(cuda) = device {
+        // SAFETY: cudarc asks that buffers without events not be used on
+        // another stream than their own: open_device gives each GPU one
+        // device with one stream, and candle queues all of a device's
+        // copies and kernels on it.
+        unsafe { cuda.disable_event_tracking() }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn without_event_tracking(_device: &Device) {}
 
 #[cfg(not(feature = "cuda"))]
 fn keep_freed_memory(_device: &Device) -> std::result::Result<(), String> {
