@@ -58,7 +58,7 @@ check-cuda: gpu-check-dry-run
     grep -q "cuda:0 does not open" "$err" || { echo "check-cuda: --backends cuda failed without saying why:" >&2; cat "$err" >&2; exit 1; }
     echo "check-cuda: linked; the GPU check ran on the CPU; a GPU asked for is refused here: $(grep "does not open" "$err" | tail -1)"
 
-# The GPU check's bundle, built here without a GPU: relay-bench and the LLM reference tests with the `cuda` feature (release, stripped, xz), the tiny LLM fixtures and a manifest, into gpu-bundle/ (at most 60 MiB). On a GPU machine (no Rust there): carry gpu-bundle and run `bash deploy/gpu-check.sh` (GPU, reference tests on cuda:0, a random-weight Qwen3-0.6B's generation and LoRA training against transformers' generate on the same GPU; a table, and gpu-check.json under $OUT).
+# The GPU check's bundle, built here without a GPU: relay-bench and the LLM reference tests with the `cuda` feature (release, stripped, xz), the tiny LLM fixtures and a manifest, into gpu-bundle/ (refused when it and the repository's tracked and unignored files come to over 64 MiB, what a GPU run carries). On a GPU machine (no Rust there): carry gpu-bundle and run `bash deploy/gpu-check.sh` (each step under its own timeout: GPU, reference tests on cuda:0, a random-weight Qwen3-0.6B's generation and LoRA training against transformers' generate on the same GPU, the NatureCNN step against PyTorch's; tables, and 7 files under $OUT, gpu-check.json among them).
 gpu-bundle: install
     bash deploy/gpu-bundle.sh
 

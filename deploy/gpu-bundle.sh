@@ -8,8 +8,11 @@
 #                             $RELAY_LLM_FIXTURES, default ../shared/fixtures)
 #   manifest.json             commit, CUDA version, compute capability, sizes
 #
-# The binaries are stripped and xz-compressed: the GPU machines take at most
-# 64 MiB of carried files, and no toolchain is there to build them. Their
+# The binaries are stripped and xz-compressed: a GPU run carries at most
+# 64 MiB, the bundle together with the repository's files that travel
+# with it (tracked, and untracked ones git does not ignore), and no
+# toolchain is there to build them; over that, this refuses, naming the
+# sizes (RELAY_GPU_CARRY_MIB sets another limit). Their
 # kernels are PTX for compute capability $CUDA_COMPUTE_CAP (default 8.0),
 # which the driver compiles for the GPU it meets (sm_80 on an A100, sm_90 on
 # an H100 or H200) when a module first loads; the CUDA version is
@@ -19,7 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-max_bytes=$((60 * 1024 * 1024))
+carry_limit=$((${RELAY_GPU_CARRY_MIB:-64} * 1024 * 1024))
 fixtures=${RELAY_LLM_FIXTURES:-../shared/fixtures}
 bundle=gpu-bundle
 target=target/cuda
@@ -55,15 +58,23 @@ for f in tiny-qwen2 tiny-qwen3 tiny-llama3; do
 done
 chmod -R u+w "$bundle/fixtures"
 
-bytes=$(du -sb "$bundle" | cut -f1)
+# Plain files' bytes, as the carry counts them.
+file_bytes() { awk '{s += $1} END {print s + 0}'; }
+bytes=$(find "$bundle" -type f -printf '%s\n' | file_bytes)
+# The working tree's files that travel with the bundle (a tracked file
+# deleted here travels with neither).
+tree_bytes=$(git ls-files -z --cached --others --exclude-standard |
+  xargs -0 stat -c %s 2>/dev/null | file_bytes)
+mib() { awk -v b="$1" 'BEGIN {printf "%.1f MiB", b / 1048576}'; }
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 dirty=$(git status --porcelain 2>/dev/null | grep -v "^??" | head -1 || true)
 cat > "$bundle/manifest.json" <<EOF
-{"commit": "$commit${dirty:+-dirty}", "cuda": "$CUDARC_CUDA_VERSION", "compute_cap": "${CUDA_COMPUTE_CAP:-80}", "bytes": $bytes, "binaries": {$(for f in "$bundle"/bin/*.xz; do printf '"%s": %s,' "$(basename "$f")" "$(stat -c %s "$f")"; done | sed 's/,$//')}}
+{"commit": "$commit${dirty:+-dirty}", "cuda": "$CUDARC_CUDA_VERSION", "compute_cap": "${CUDA_COMPUTE_CAP:-80}", "bytes": $bytes, "tree_bytes": $tree_bytes, "binaries": {$(for f in "$bundle"/bin/*.xz; do printf '"%s": %s,' "$(basename "$f")" "$(stat -c %s "$f")"; done | sed 's/,$//')}}
 EOF
 cat "$bundle/manifest.json"
-if [ "$bytes" -gt "$max_bytes" ]; then
-  echo "gpu-bundle: $bundle is $bytes bytes, over the $max_bytes the carry leaves it" >&2
+carry=$((bytes + tree_bytes))
+if [ "$carry" -gt "$carry_limit" ]; then
+  echo "gpu-bundle: a GPU run would carry $(mib "$carry") ($carry bytes): $bundle $(mib "$bytes") (bin $(mib "$(find "$bundle/bin" -type f -printf '%s\n' | file_bytes)"), fixtures $(mib "$(find "$bundle/fixtures" -type f -printf '%s\n' | file_bytes)")) + the working tree's tracked and unignored files $(mib "$tree_bytes"), over the $(mib "$carry_limit") ($carry_limit bytes) it takes" >&2
   exit 1
 fi
-echo "gpu-bundle: $bundle ready ($((bytes / 1024 / 1024)) MiB); on the GPU machine: bash deploy/gpu-check.sh"
+echo "gpu-bundle: $bundle ready, $(mib "$bytes"); with the working tree's files a GPU run carries $(mib "$carry") of its $(mib "$carry_limit"); there: bash deploy/gpu-check.sh"
