@@ -34,9 +34,11 @@
 #      frames uploaded every step, TF32 off) and with PyTorch's defaults
 #      (uint8 frames on the device, cuDNN's TF32 on): both rows.
 #
-# Every step runs under its own timeout (STEP_SECONDS below: 530 s in all,
-# with unpacking and the summary well inside the GPU machines' 10-minute
-# call); a step that times out is named, and the steps after it still run.
+# Every step runs under its own timeout (STEP_SECONDS below: 495 s in all,
+# the machine step's two commands counted apart; with each step's 5 s of
+# grace before SIGKILL and the unpacking, about 530 s, well inside the GPU
+# machines' 10-minute call); a step that times out is named, and the steps
+# after it still run.
 #
 # Prints tables and a JSON line, and leaves 7 files under $OUT (default
 # gpu-bundle/out), fewer where a step is skipped: gpu-check.log (all of
@@ -56,13 +58,13 @@ cd "$(dirname "$0")/.." || exit 2
 # Seconds each step may take. A step's command is sent SIGTERM at its
 # limit and SIGKILL 5 s later.
 declare -A STEP_SECONDS=(
-  [machine]=20     # nvidia-smi, the library lookup
-  [reference]=120  # the reference tests (CUDA modules JIT-compiled on first use)
-  [model]=80       # transformers writes a random 0.6B checkpoint
-  [relay]=150      # bench-gpu; its longest-T search gets 60 of them
-  [anchor]=60      # transformers' generate
+  [machine]=15     # nvidia-smi, then the library lookup: each
+  [reference]=110  # the reference tests (CUDA modules JIT-compiled on first use)
+  [model]=70       # transformers writes a random 0.6B checkpoint
+  [relay]=140      # bench-gpu; its longest-T search gets 60 of them
+  [anchor]=50      # transformers' generate
   [cnn]=60         # relay's CNN step: the CPU reference, then the device
-  [cnn_anchor]=40  # PyTorch's CNN step, both settings
+  [cnn_anchor]=35  # PyTorch's CNN step, both settings
 )
 LONGEST_SEARCH_SECONDS=60
 # RELAY_GPU_STEP_SECONDS="reference=200 relay=100" changes some of them.
