@@ -68,8 +68,10 @@ impl Keys {
 /// Appends a fragment unless it is stale, would overflow the capacity, or the
 /// rate limiter holds inserts back.
 /// KEYS: fifo, steps, min_version, stats. ARGV: payload, steps, capacity,
-/// version, samples-per-insert ratio ('' without limiter), max diff, and
-/// '1' to only check (the payload then empty).
+/// version, samples-per-insert ratio ('' without limiter), max diff,
+/// '1' to only check (the payload then empty), and the limiter's
+/// min_size_to_sample: below it inserts are never held back (sampling
+/// waits for them: holding them back too would stop the run).
 /// Returns {status, held}: status 1 stored, 2 room (checked only), 0 full,
 /// -1 stale, -2 rate.
 const INSERT_SCRIPT: &str = r#"
@@ -87,7 +89,7 @@ if ARGV[5] ~= '' then
   local ratio = tonumber(ARGV[5])
   local inserted = tonumber(redis.call('HGET', KEYS[4], 'inserted_steps') or '0')
   local taken = tonumber(redis.call('HGET', KEYS[4], 'taken_steps') or '0')
-  if (inserted + tonumber(ARGV[2])) * ratio - taken > tonumber(ARGV[6]) then
+  if inserted >= tonumber(ARGV[8]) and (inserted + tonumber(ARGV[2])) * ratio - taken > tonumber(ARGV[6]) then
     redis.call('HINCRBY', KEYS[4], 'refused_rate', 1)
     return {-2, held}
   end
@@ -347,6 +349,7 @@ impl Fifo {
                     .map_or(String::new(), |r| r.max_diff().to_string()),
             )
             .arg(if check_only { "1" } else { "0" })
+            .arg(self.rate_limit.map_or(0, |r| r.min_size_to_sample))
             .invoke_async(&mut redis)
             .await
     }

@@ -176,8 +176,9 @@ end
 
 /// KEYS: items, tree, meta, frames prefix, blocks. ARGV: capacity, P,
 /// alpha, ratio ('' without limiter), max_diff, env_steps, frames (''
-/// without), payloads... Returns {status, size, evicted}: status 1
-/// stored, -2 rate-limited.
+/// without), min_size_to_sample (below it inserts are never held back:
+/// sampling waits for them), payloads... Returns {status, size,
+/// evicted}: status 1 stored, -2 rate-limited.
 const INSERT_LUA: &str = r#"
 local cap = tonumber(ARGV[1])
 local alpha = tonumber(ARGV[3])
@@ -185,7 +186,8 @@ local steps = tonumber(ARGV[6])
 local nxt = num('next', '0')
 if ARGV[4] ~= '' then
   local ratio = tonumber(ARGV[4])
-  if (num('inserted_steps', '0') + steps) * ratio - num('taken', '0') > tonumber(ARGV[5]) then
+  local inserted = num('inserted_steps', '0')
+  if inserted >= tonumber(ARGV[8]) and (inserted + steps) * ratio - num('taken', '0') > tonumber(ARGV[5]) then
     redis.call('HINCRBY', KEYS[3], 'refused_rate', 1)
     return {-2, math.min(nxt, cap), 0}
   end
@@ -193,8 +195,8 @@ end
 local leaf = num('max_priority', '1') ^ alpha
 local evicted = 0
 local first = nxt
-bulk(#ARGV - 7)
-for a = 8, #ARGV do
+bulk(#ARGV - 8)
+for a = 9, #ARGV do
   local slot = nxt % cap
   if nxt >= cap then evicted = evicted + 1 end
   redis.call('HSET', KEYS[1], slot, ARGV[a])
@@ -843,7 +845,8 @@ impl Table {
                     .map_or(String::new(), |r| r.max_diff().to_string()),
             )
             .arg(fragment.env_steps())
-            .arg(fragment.frames.as_ref().map_or(&[][..], |f| &f.data[..]));
+            .arg(fragment.frames.as_ref().map_or(&[][..], |f| &f.data[..]))
+            .arg(self.rate_limit.map_or(0, |r| r.min_size_to_sample));
         for t in &transitions {
             inv.arg(t.encode());
         }
