@@ -274,6 +274,11 @@ training = dashboard(
             description="Mean return of the last 100 training episodes, of the run and of each env-runner copy.",
         ),
         panel(
+            "timeseries", "Each agent's return (parallel games, one shared policy)",
+            [t(sel("relay_episode_agent_return_mean"), "{{run_id}} {{agent}}")],
+            description="Mean return of each agent over the last 100 training games of a parallel PettingZoo game played by one shared policy; the training episode return is the team's, their sum.",
+        ),
+        panel(
             "timeseries", "Env steps per second",
             [
                 t(f"sum by (run_id) (rate({sel('relay_env_runner_env_steps_total')}[{RI}]))",

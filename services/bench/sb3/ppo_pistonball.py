@@ -31,6 +31,7 @@ import torch
 from pettingzoo.butterfly import pistonball_v6
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.utils import set_random_seed
 
 ENV_KWARGS = {
     "n_pistons": 20,
@@ -105,6 +106,9 @@ def main():
     runs = []
     steps, seconds = 0, 0.0
     for seed in [int(s) for s in args.seeds.split(",")]:
+        # SB3's own seeding calls the vector env's seed(), which SuperSuit's
+        # ConcatVecEnv lacks: torch and NumPy seeded here, the games below.
+        set_random_seed(seed)
         env = preprocessed()
         env.reset(seed=seed)
         env = ss.pettingzoo_env_to_vec_env_v1(env)
@@ -122,7 +126,6 @@ def main():
             n_epochs=5,
             clip_range=0.3,
             batch_size=256,
-            seed=seed,
             device="cpu",
         )
         # Evaluation games are seeded apart from training's.

@@ -17,13 +17,22 @@ pub const REEVAL_EPISODES: usize = 1000;
 /// [`REEVAL_EPISODES`] fresh episodes (`None`, logged, when the run has no
 /// best checkpoint or it cannot be played).
 pub fn reevaluate_best(config: &ExperimentConfig, run_id: &str) -> Option<eval::CheckpointEval> {
-    match eval::evaluate_checkpoint(&config.run.runs_dir, run_id, "best", REEVAL_EPISODES, None) {
+    let episodes = reeval_episodes(config);
+    match eval::evaluate_checkpoint(&config.run.runs_dir, run_id, "best", episodes, None) {
         Ok(e) => Some(e),
         Err(e) => {
             println!("relay: {run_id}: best checkpoint not re-evaluated: {e:#}");
             None
         }
     }
+}
+
+/// Fresh episodes a re-evaluation plays: [`REEVAL_EPISODES`], or for a
+/// parallel game played by one shared policy as many games as make that
+/// many agents' episodes (50 games of Pistonball's 20 pistons).
+pub fn reeval_episodes(config: &ExperimentConfig) -> usize {
+    let team = config.env_spec().map_or(1, |s| s.team.len().max(1));
+    (REEVAL_EPISODES / team).max(1)
 }
 
 /// A self-play benchmark run's `best` checkpoint against `opponents` (a

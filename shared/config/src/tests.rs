@@ -337,6 +337,40 @@ fn relay_s_nats_server_is_sized_to_the_largest_message_of_the_run() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// DQN and SAC sample on their own schedule: one fragment must fit the
+/// rate limiter's slack above it, or no insert could ever pass.
+#[test]
+fn the_rate_limiter_admits_a_fragment_beyond_the_learners_schedule() {
+    let sac = |sets: &[&str]| {
+        let mut all: Vec<String> = [
+            "run.env_id=Pendulum-v1",
+            "run.algo=sac",
+            "replay.samples_per_insert=256",
+            "replay.min_size_to_sample=100",
+            "replay.rate_error_buffer=8192",
+            "sac.learning_starts=100",
+            "env_runner.fragment_steps=16",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        all.extend(sets.iter().map(|s| s.to_string()));
+        ExperimentConfig::from_layers(BASE, "t", &[], &all)
+    };
+    // 8,192 / 256: 32 env steps of slack.
+    assert!(sac(&["env_runner.num_envs=2"]).is_ok());
+    let err = sac(&["env_runner.num_envs=3"]).unwrap_err().to_string();
+    assert!(
+        err.contains("replay.rate_error_buffer")
+            && err.contains("admits 32 env steps")
+            && err.contains("set it to at least 12288"),
+        "{err}"
+    );
+    assert!(sac(&["env_runner.num_envs=3", "replay.rate_error_buffer=12288"]).is_ok());
+    // What min_size_to_sample holds back beyond learning_starts counts too.
+    assert!(sac(&["env_runner.num_envs=3", "sac.learning_starts=80"]).is_ok());
+}
+
 #[test]
 fn bad_values_name_the_field() {
     let err = ExperimentConfig::from_layers(BASE, "t", &[], &["ppo.gamma=1.5".into()])
