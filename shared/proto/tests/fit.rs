@@ -326,7 +326,7 @@ fn a_step_too_large_alone_is_named_with_the_size_it_needs() {
     });
     let err = encode_within(whole, 256 * 1024).unwrap_err();
     assert_eq!((err.kind, err.unit), ("RolloutFragment", "env step"));
-    assert!(err.needed >= err.bytes + ENVELOPE_BYTES && err.needed % (1 << 20) == 0);
+    assert!(err.needed >= err.bytes + ENVELOPE_BYTES && err.needed.is_multiple_of(1 << 20));
     let advice = format!("raise the server's max_payload to at least {}", err.needed);
     assert!(err.to_string().contains(&advice), "{err}");
     // A recurrent policy's fragment of one env is not cut by steps.
