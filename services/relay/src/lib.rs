@@ -257,6 +257,12 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         // that does not fit the observations or observations too large to
         // send are reported before any service starts.
         let spec = config.env_spec().context("run.env_id")?;
+        // First: where the id was found (what `env.backend: auto` picked).
+        println!(
+            "relay: {} {}",
+            config.run.env_id,
+            env_source(&config, &spec)
+        );
         if let Some(whole) = whole_games(&config, &spec) {
             println!(
                 "relay: {} has {} agents sharing one policy, each one env of a runner's vector: env_runner.num_envs {} -> {whole} ({} game(s) a runner)",
@@ -271,36 +277,6 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         config.check_env(&spec)?;
         nats_max_payload = config.nats_max_payload(&spec);
         largest_message = Some(config.largest_message_bytes(&spec));
-        if config.env.uses_python(&config.run.env_id) {
-            let source = if !spec.agents.is_empty() {
-                format!(
-                    "PettingZoo, a game of {} agents taking turns ({}), by self-play",
-                    spec.agents.len(),
-                    spec.agents.join(", ")
-                )
-            } else if !spec.team.is_empty() {
-                format!(
-                    "PettingZoo, a parallel game of {} agents ({}{}) sharing one policy",
-                    spec.team.len(),
-                    spec.team[..spec.team.len().min(3)].join(", "),
-                    if spec.team.len() > 3 { ", ..." } else { "" }
-                )
-            } else {
-                "Gymnasium".to_string()
-            };
-            println!(
-                "relay: {} from {source} (Python {}): {} observations, {} actions",
-                config.run.env_id,
-                config.env.interpreter().display(),
-                spec.image
-                    .map_or(spec.obs_dim().to_string(), |[c, h, w]| format!(
-                        "{c}x{h}x{w} image (uint8)"
-                    )),
-                spec.action_space
-                    .n()
-                    .map_or("continuous".to_string(), |n| format!("{n} discrete"))
-            );
-        }
     } else if config.env.text_uses_python() {
         // Each game made once here: an unknown id or a missing package is
         // reported before any service starts.
@@ -438,6 +414,45 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
         bail!("run {run_id} failed: {failure}");
     }
     Ok(outcome)
+}
+
+/// Where `run.env_id` was found and what it is, as `relay up` says it
+/// first: relay's built-in env, Gymnasium's, or PettingZoo's game (in
+/// turns, or parallel with one shared policy), its observations and actions.
+fn env_source(config: &ExperimentConfig, spec: &relay_envs::EnvSpec) -> String {
+    let source = if !config.env.uses_python(&config.run.env_id) {
+        "relay's built-in env".to_string()
+    } else if !spec.agents.is_empty() {
+        format!(
+            "PettingZoo, a game of {} agents taking turns ({}), by self-play",
+            spec.agents.len(),
+            spec.agents.join(", ")
+        )
+    } else if !spec.team.is_empty() {
+        format!(
+            "PettingZoo, a parallel game of {} agents ({}{}) sharing one policy",
+            spec.team.len(),
+            spec.team[..spec.team.len().min(3)].join(", "),
+            if spec.team.len() > 3 { ", ..." } else { "" }
+        )
+    } else {
+        "Gymnasium".to_string()
+    };
+    let python = if config.env.uses_python(&config.run.env_id) {
+        format!(" (Python {})", config.env.interpreter().display())
+    } else {
+        String::new()
+    };
+    format!(
+        "from {source}{python}: {} observations, {} actions",
+        spec.image
+            .map_or(spec.obs_dim().to_string(), |[c, h, w]| format!(
+                "{c}x{h}x{w} image (uint8)"
+            )),
+        spec.action_space
+            .n()
+            .map_or("continuous".to_string(), |n| format!("{n} discrete"))
+    )
 }
 
 /// `env_runner.num_envs` rounded up to whole games, for a parallel game
