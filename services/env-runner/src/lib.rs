@@ -766,7 +766,8 @@ pub(crate) async fn act_until_answered(
             Err(RequestError::BadReply { source, .. }) => {
                 service.intake.reject("act.reply", &source)
             }
-            Err(e @ RequestError::Indivisible { .. }) => {
+            // A request, or the reply to one row, that no message carries.
+            Err(e) if e.is_too_large() => {
                 service.fail(format!("cannot ask for actions: {e}")).await;
                 return None;
             }

@@ -628,7 +628,7 @@ async fn draw_round(
                 // Held back by the rate limiter (or not enough held yet).
                 pause(shutdown, Duration::from_millis(1)).await;
             }
-            Err(e) if is_too_large(&e) => {
+            Err(e) if e.is_too_large() => {
                 // Not even one transition's reply fits a message. Fires
                 // `shutdown`: the loops end with the failure.
                 service.fail(format!("cannot draw a minibatch: {e}")).await;
@@ -760,17 +760,6 @@ struct RoundTimes {
 struct DrawSize {
     row_bytes: Option<usize>,
     max_message: usize,
-}
-
-/// Whether a sample request failed because a reply does not fit a message.
-fn is_too_large(e: &relay_kit::RequestError) -> bool {
-    match e {
-        relay_kit::RequestError::Service { code, .. } => {
-            *code == relay_kit::fit::REPLY_TOO_LARGE.to_string()
-        }
-        relay_kit::RequestError::Indivisible { .. } => true,
-        _ => false,
-    }
 }
 
 impl DrawSize {

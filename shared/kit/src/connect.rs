@@ -109,6 +109,17 @@ pub enum RequestError {
 }
 
 impl RequestError {
+    /// The request, or its reply (answered [`crate::fit::REPLY_TOO_LARGE`]),
+    /// is too large for a message and cannot be divided further: sending
+    /// it again cannot help.
+    pub fn is_too_large(&self) -> bool {
+        match self {
+            RequestError::TooLarge { .. } | RequestError::Indivisible { .. } => true,
+            RequestError::Service { code, .. } => *code == crate::fit::REPLY_TOO_LARGE.to_string(),
+            _ => false,
+        }
+    }
+
     /// Worth retrying after a pause (the other side may come back).
     pub fn is_transient(&self) -> bool {
         matches!(
