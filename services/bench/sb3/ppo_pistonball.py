@@ -99,7 +99,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="1")
     parser.add_argument("--steps", type=int, default=81_920)
-    parser.add_argument("--eval-games", type=int, default=10)
+    parser.add_argument("--eval-games", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
