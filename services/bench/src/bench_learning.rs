@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use serde_json::json;
 
-use crate::bench_solve::{reevaluate_best, reevaluate_best_against, REEVAL_EPISODES};
+use crate::bench_solve::{reevaluate, reevaluate_best_against, REEVAL_EPISODES};
 use relay::{up, FirstPass, UpArgs};
 
 /// One learning goal.
@@ -40,6 +40,11 @@ pub struct Goal {
     /// A multi-agent game trained by self-play (its preset's evaluator is
     /// `vs-opponent`): what else its runs report.
     pub versus: Option<Versus>,
+    /// Trained to the end of the budget, never stopped as solved, and
+    /// judged by the last checkpoint re-evaluated on fresh episodes: the
+    /// model at the budget, what a comparison with the anchor at equal env
+    /// steps needs.
+    pub to_the_end: bool,
 }
 
 /// What a self-play goal reports besides the goal's opponents (its
@@ -122,6 +127,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     Goal {
         name: "DQN CartPole-v1",
@@ -131,6 +137,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     Goal {
         name: "DQN MountainCar-v0",
@@ -140,6 +147,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     Goal {
         name: "SAC Pendulum-v1",
@@ -149,6 +157,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     Goal {
         name: "A2C CartPole-v1",
@@ -158,6 +167,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     // PPO shaped for throughput (issue 25's 100k env steps/s through the
     // stack): it must still learn.
@@ -169,6 +179,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     // Through the env bridge (Gymnasium in Python workers): rl-zoo's PPO
     // reaches about 250 at 1M steps on LunarLander.
@@ -180,6 +191,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     // Gymnasium 1.4 retired Taxi-v3 for Taxi-v4 (the same task). Taxi's
     // info["action_mask"] is on by default; the same preset without it
@@ -192,6 +204,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     Goal {
         name: "PPO Taxi-v4 without its action mask",
@@ -201,6 +214,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &["env.action_masks=false"],
         versus: None,
+        to_the_end: false,
     },
     // A CNN policy on images through the bridge: 10x the random policy's
     // return within 20 minutes on the machine that runs the bench.
@@ -212,6 +226,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     // Atari through the whole stack with rl-zoo's preprocessing and PPO
     // hyperparameters: 10x the random policy's return within 30 minutes,
@@ -227,6 +242,7 @@ pub const GOALS: &[Goal] = &[
         }),
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     // Self-play with the league on PettingZoo's games (issue 47): the
     // solving version against the random-legal bot from both seats (its
@@ -243,6 +259,7 @@ pub const GOALS: &[Goal] = &[
             also: &["connect_four_bot"],
             newest_above_first: true,
         }),
+        to_the_end: false,
     },
     Goal {
         name: "PPO self-play tictactoe_v3",
@@ -256,6 +273,7 @@ pub const GOALS: &[Goal] = &[
             also: &["minimax"],
             newest_above_first: false,
         }),
+        to_the_end: false,
     },
     // Memory (issue 48): recurrent PPO on envs whose velocities are hidden
     // (rl-zoo's MaskVelocityWrapper), timed to the goal beside sb3-contrib's
@@ -272,6 +290,7 @@ pub const GOALS: &[Goal] = &[
         }),
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     Goal {
         name: "Feed-forward PPO CartPoleNoVel-v1",
@@ -281,6 +300,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &["policy.recurrent=null"],
         versus: None,
+        to_the_end: false,
     },
     Goal {
         name: "Recurrent PPO PendulumNoVel-v1",
@@ -293,6 +313,7 @@ pub const GOALS: &[Goal] = &[
         }),
         sets: &[],
         versus: None,
+        to_the_end: false,
     },
     Goal {
         name: "Feed-forward PPO PendulumNoVel-v1",
@@ -302,6 +323,7 @@ pub const GOALS: &[Goal] = &[
         anchor: None,
         sets: &["policy.recurrent=null"],
         versus: None,
+        to_the_end: false,
     },
     // Cooperative parallel games with one policy shared by all agents
     // (issue 73): PettingZoo's Pistonball (discrete) as the PettingZoo
@@ -318,8 +340,9 @@ pub const GOALS: &[Goal] = &[
             script: "ppo_pistonball.py",
             args: &["--seeds", "{seeds}", "--steps", "81920"],
         }),
-        sets: &["run.stop_when_solved=false"],
+        sets: &[],
         versus: None,
+        to_the_end: true,
     },
 ];
 
@@ -584,10 +607,18 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 }
                 Budget::Minutes(m) => run.for_seconds = Some(m * 60),
             }
-            run.overrides.extend([
-                format!("eval.threshold={threshold}"),
-                "run.stop_when_solved=true".to_string(),
-            ]);
+            run.overrides.extend(if goal.to_the_end {
+                // Never solved: the run trains to its budget.
+                [
+                    "eval.threshold=1e12".to_string(),
+                    "run.stop_when_solved=false".to_string(),
+                ]
+            } else {
+                [
+                    format!("eval.threshold={threshold}"),
+                    "run.stop_when_solved=true".to_string(),
+                ]
+            });
             // The goal's own settings last: they may change the bench's.
             run.overrides
                 .extend(goal.sets.iter().map(|s| s.to_string()));
@@ -611,7 +642,8 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 .map(|_| crate::bench_league::RatingsFollower::start(&run.state_dir, &run_id));
             let outcome = up(run)?;
             let ratings = ratings.map_or(serde_json::Value::Null, |r| r.finish());
-            let reevaluated = reevaluate_best(&loaded, &run_id);
+            let judged = if goal.to_the_end { "last" } else { "best" };
+            let reevaluated = reevaluate(&loaded, &run_id, judged);
             let also = goal.versus.map_or(&[][..], |v| v.also);
             let also_played = (!also.is_empty())
                 .then(|| reevaluate_best_against(&loaded, &run_id, &also.join(",")))
@@ -628,7 +660,9 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 random_return,
                 curve: eval_curve(&eval_log, Some(started)),
                 solved: outcome.solved,
-                reached: outcome.solved && figure.is_some_and(|f| f >= threshold) && ratings_met,
+                reached: (outcome.solved || goal.to_the_end)
+                    && figure.is_some_and(|f| f >= threshold)
+                    && ratings_met,
                 env_steps: outcome.env_steps,
                 wall_s: outcome.wall_s,
                 first_pass: outcome.first_pass,
@@ -642,7 +676,7 @@ pub fn bench_learning(base: UpArgs, args: BenchLearningArgs) -> Result<()> {
                 ratings,
             };
             println!(
-                "   {} at {} env steps, {:.1}s (first screening pass: {}); best eval {}; best checkpoint over {} fresh episodes {}: goal {}",
+                "   {} at {} env steps, {:.1}s (first screening pass: {}); best eval {}; {judged} checkpoint over {} fresh episodes {}: goal {}",
                 if attempt.solved { "solved" } else { "not solved" },
                 attempt.env_steps,
                 attempt.wall_s,

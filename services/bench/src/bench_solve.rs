@@ -17,11 +17,21 @@ pub const REEVAL_EPISODES: usize = 1000;
 /// [`REEVAL_EPISODES`] fresh episodes (`None`, logged, when the run has no
 /// best checkpoint or it cannot be played).
 pub fn reevaluate_best(config: &ExperimentConfig, run_id: &str) -> Option<eval::CheckpointEval> {
+    reevaluate(config, run_id, "best")
+}
+
+/// A run's checkpoint `which` (`best`, `last`) re-evaluated like
+/// [`reevaluate_best`].
+pub fn reevaluate(
+    config: &ExperimentConfig,
+    run_id: &str,
+    which: &str,
+) -> Option<eval::CheckpointEval> {
     let episodes = reeval_episodes(config);
-    match eval::evaluate_checkpoint(&config.run.runs_dir, run_id, "best", episodes, None) {
+    match eval::evaluate_checkpoint(&config.run.runs_dir, run_id, which, episodes, None) {
         Ok(e) => Some(e),
         Err(e) => {
-            println!("relay: {run_id}: best checkpoint not re-evaluated: {e:#}");
+            println!("relay: {run_id}: {which} checkpoint not re-evaluated: {e:#}");
             None
         }
     }
