@@ -26,7 +26,7 @@ use crate::progress::{
     LINKS_LAST_SOLVED,
 };
 use crate::publish::{final_weights, LatestWeights};
-use crate::replicas::{GradientSync, Next, Replicas};
+use crate::replicas::{GradientSync, Next, Replicas, StopsOn};
 use crate::rollout::UpdateError;
 use crate::{a2c, checkpoint, ppo, reinforce, rollout};
 
@@ -175,27 +175,6 @@ struct StepInput {
     /// The run's normalisation statistics after taking the batch's
     /// fragments, for whoever leads next.
     normalizer: Option<Box<VecNormalize>>,
-}
-
-/// A [`GradientSync`] that is [`GradientSync::stopping`] once the
-/// learner's shutdown fires.
-struct StopsOn<'a> {
-    sync: &'a mut dyn GradientSync,
-    shutdown: &'a Shutdown,
-}
-
-impl GradientSync for StopsOn<'_> {
-    fn share(&self) -> (usize, usize) {
-        self.sync.share()
-    }
-
-    fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError> {
-        self.sync.sum(data)
-    }
-
-    fn stopping(&self) -> bool {
-        self.shutdown.is_triggered()
-    }
 }
 
 /// The learner's whole state, in memory: what rank 0 hands to every

@@ -1,7 +1,9 @@
 //! Data-parallel learner replicas (synchronous, as PyTorch's DDP): how a
 //! gradient step's sums cross replicas. [`GradientSync`] is the one thing
 //! an algorithm's update sees of it: the replica's share of every
-//! minibatch and a sum of f32 buffers across the replicas. [`Alone`] is a
+//! minibatch, a sum of f32 buffers across the replicas, and whether the
+//! learner is stopping ([`StopsOn`]: a long update ends early and its
+//! caller rolls it back). [`Alone`] is a
 //! single learner; [`InGroup`] sums over a [`relay_kit::collective::Group`]
 //! (membership and views over NATS, a ring all-reduce over direct TCP).
 //!
@@ -88,19 +90,46 @@ pub trait GradientSync: Send {
 }
 
 /// Runs `f` with `sync` as the pure crates see a replica
-/// ([`relay_nn::BatchShare`]: its part of each batch, and the sum).
+/// ([`relay_nn::BatchShare`]: its part of each batch, the sum, and
+/// [`GradientSync::stopping`]).
 pub fn with_batch_share<R>(
     sync: &mut dyn GradientSync,
     f: impl FnOnce(&mut relay_nn::BatchShare<'_>) -> R,
 ) -> R {
     let (rank, replicas) = sync.share();
-    let mut sum = |data: &mut [f32]| sync.sum(data).map_err(|e| e.to_string());
+    // The sum needs the sync mutably and the stop check reads it: both go
+    // through one cell (a trainer calls one at a time).
+    let sync = std::cell::RefCell::new(sync);
+    let mut sum = |data: &mut [f32]| sync.borrow_mut().sum(data).map_err(|e| e.to_string());
+    let stop = || sync.borrow().stopping();
     let mut share = relay_nn::BatchShare {
         rank,
         replicas,
         sum: (replicas > 1).then_some(&mut sum as relay_nn::SumAcross<'_>),
+        stop: Some(&stop),
     };
     f(&mut share)
+}
+
+/// A [`GradientSync`] that is [`GradientSync::stopping`] once the
+/// learner's shutdown fires.
+pub struct StopsOn<'a> {
+    pub sync: &'a mut dyn GradientSync,
+    pub shutdown: &'a Shutdown,
+}
+
+impl GradientSync for StopsOn<'_> {
+    fn share(&self) -> (usize, usize) {
+        self.sync.share()
+    }
+
+    fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError> {
+        self.sync.sum(data)
+    }
+
+    fn stopping(&self) -> bool {
+        self.shutdown.is_triggered()
+    }
 }
 
 /// The gradients of `loss` (`None`: an empty share, zeros) with respect to

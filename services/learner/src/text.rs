@@ -21,6 +21,13 @@
 //! is published at start, so the env-runners' first games have an adapter
 //! to ask for.
 //!
+//! A stop in the middle of an update (tens of seconds for SmolLM2-135M on
+//! CPU) ends it between two blocks of a forward or backward pass
+//! ([`StopsOn`] tells [`RlTrainer::train_epochs_part`]), and the adapter,
+//! AdamW's moments and the moving baselines taken before the update are
+//! put back: nothing of it is published, and the final checkpoint holds
+//! the last whole update, as if the stop had come between two.
+//!
 //! With the self-play league on (`text.opponents.league`), every version
 //! is also stored in the object store bucket (`policy/v<N>`, even when it
 //! is sent inline) so inference servers can serve it as a past opponent
@@ -60,6 +67,7 @@ use relay_kit::weights::WeightsPublisher;
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
 use relay_llm::{
     CausalLm, GgufBase, LoraAdapter, PeftBytes, RewardNormalizer, RlStats, RlTrainer, TokenExample,
+    TrainError,
 };
 use relay_proto::{AdapterRequest, GameSampleReply, GameSampleRequest, SCHEMA_VERSION};
 use serde::{Deserialize, Serialize};
@@ -70,7 +78,7 @@ use crate::examples::games_to_examples;
 use crate::examples::Converted;
 use crate::league::League;
 use crate::progress::{Metrics, Progress};
-use crate::replicas::{Next, Replicas};
+use crate::replicas::{Next, Replicas, StopsOn};
 
 /// Name of the adapter this learner trains (the one env-runners seat).
 pub const ADAPTER_NAME: &str = relay_policy::text::LEARNING_ADAPTER;
@@ -697,30 +705,61 @@ pub(crate) async fn run(
             continue;
         }
 
+        // Update, from a state to roll back to (a replica failed in the
+        // step, a stop cut it short, the batch failed part-way): a copy of
+        // the adapter and AdamW's moments, milliseconds beside the
+        // update's seconds.
         let update_started = Instant::now();
         let epochs = cfg.rl.epochs;
-        let snapshot = (!replicas.alone())
-            .then(|| TextReplicaState::capture(&adapter, &trainer, &state, version_floor))
-            .transpose()
+        let snapshot = TextReplicaState::capture(&adapter, &trainer, &state, version_floor)
             .map_err(ServiceError::other)?;
+        let steps_before = trainer.optimizer().steps();
+        tracing::debug!(
+            step = input.updates,
+            examples = input.examples.len(),
+            "update starts"
+        );
         let result = tokio::task::block_in_place(|| {
             replicas.step(|sync| {
-                crate::replicas::with_batch_share(sync, |share| {
+                let mut sync = StopsOn {
+                    sync,
+                    shutdown: &shutdown,
+                };
+                crate::replicas::with_batch_share(&mut sync, |share| {
                     trainer.train_epochs_part(&model, &adapter, &input.examples, epochs, share)
                 })
             })
         });
         let steps = match result {
             Ok(Ok(steps)) => steps,
+            Ok(Err(TrainError::Stopped)) => {
+                // The part done is undone (epochs stepped, gradients
+                // accumulated): the final checkpoint holds the last whole
+                // update, and nothing of this one was published.
+                let epochs_stepped = trainer.optimizer().steps() - steps_before;
+                snapshot
+                    .restore(&adapter, &mut trainer, &mut state, &mut version_floor)
+                    .map_err(ServiceError::other)?;
+                tracing::info!(
+                    step = input.updates,
+                    epochs_stepped,
+                    seconds = update_started.elapsed().as_secs_f64(),
+                    "update stopped part-way and rolled back"
+                );
+                break crate::progress::Finish::Shutdown;
+            }
             Ok(Err(e)) => {
-                // Bad data must not stop training: drop this batch and go on.
+                // Bad data must not stop training: drop this batch (and
+                // whatever of it was applied) and go on.
+                snapshot
+                    .restore(&adapter, &mut trainer, &mut state, &mut version_floor)
+                    .map_err(ServiceError::other)?;
                 tracing::error!(error = %e, games = input.games, "update failed; batch dropped");
                 continue;
             }
             Err(e) => {
                 tracing::warn!(error = %e, step = input.updates, "a replica failed inside the step; rolling back and redoing it in the next view");
                 snapshot
-                    .expect("only replicas fail in a collective")
                     .restore(&adapter, &mut trainer, &mut state, &mut version_floor)
                     .map_err(ServiceError::other)?;
                 held = Some(input);
@@ -948,7 +987,8 @@ struct TextStep {
 }
 
 /// A text learner's whole state, in memory: what rank 0 hands to every
-/// replica of a new view, and the rollback point of a replicated step.
+/// replica of a new view, and the rollback point of an update (a
+/// replicated step that failed, or one a stop cut short).
 #[derive(Serialize, Deserialize)]
 struct TextReplicaState {
     adapter: Vec<relay_nn::NamedTensor>,

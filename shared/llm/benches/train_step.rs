@@ -48,10 +48,13 @@
 //! `bench-smollm2`'s: 8 sequences whose prompts share their first 60
 //! tokens (system prompt, chat header, rules), then 41 of their own (the
 //! board) and 4 completion tokens; forward, loss and backward through the
-//! padded block (`forward_train_at`) and with the prefix once
-//! (`forward_train_batch`, what the trainers run). `TRAIN_STEP_MODEL=
-//! smollm2` (or any model spec `relay` takes) runs it on that model
-//! instead of `init::tiny`.
+//! padded block (`forward_train_at`), with the prefix once
+//! (`forward_train_batch`), and with the backward block by block, a stop
+//! check asked before each block (`forward_train_for_backward_until`, what
+//! the trainers run), with the longest stretch between two looks: how
+//! long a stopping learner waits at most. `TRAIN_STEP_MODEL=smollm2` (or
+//! any model spec `relay` takes) runs it on that model instead of
+//! `init::tiny`.
 //!
 //! The remaining fresh-page faults (`perf record -e page-faults`) come
 //! from candle's backward loop: each gradient sum allocates a zero
@@ -428,5 +431,37 @@ fn shared_prefix(tiny: &CausalLm, tiny_adapter: &LoraAdapter) {
         "  padded / shared prefix: {:.2}x wall, {:.2}x CPU",
         padded.0.as_secs_f64() / packed.0.as_secs_f64(),
         padded.1.as_secs_f64() / packed.1.as_secs_f64()
+    );
+    // The trainers' path: the backward block by block, a stop check asked
+    // before each block; the longest stretch between two looks (or from
+    // the start or to the end) bounds how long a stopping learner waits.
+    let looks = std::cell::RefCell::new(Vec::<Instant>::new());
+    let look = || {
+        looks.borrow_mut().push(Instant::now());
+        false
+    };
+    let mut longest = Duration::ZERO;
+    let by_block = median(5, &mut || {
+        looks.borrow_mut().clear();
+        let started = Instant::now();
+        let forward = model
+            .forward_train_for_backward_until(&batch.tokens, Some(adapter), false, Some(&look))
+            .unwrap();
+        let out = rl_loss(&objective, forward.logits(), None, &batch).unwrap();
+        forward.backward(&out.loss).unwrap();
+        let mut times = vec![started];
+        times.extend(looks.borrow().iter().copied());
+        times.push(Instant::now());
+        for pair in times.windows(2) {
+            longest = longest.max(pair[1] - pair[0]);
+        }
+    });
+    row(
+        "  forward + loss + backward, block by block (the trainers')",
+        by_block,
+    );
+    println!(
+        "  longest stretch between two stop looks: {:.1} ms",
+        longest.as_secs_f64() * 1e3
     );
 }

@@ -77,7 +77,7 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`train_forward`] | [`CausalLm::forward_train`] / [`CausalLm::forward_train_at`] / [`CausalLm::forward_train_batch`]: the training forward from fused ops with their own backward (`train_ops`: linear and LoRA-linear without frozen-weight gradients, RMSNorm, SwiGLU, RoPE + causal attention over padded blocks or a shared prefix, target log-prob, entropy); [`TrainForward`]: activation checkpointing on the candle backend |
+//! | [`train_forward`] | [`CausalLm::forward_train`] / [`CausalLm::forward_train_at`] / [`CausalLm::forward_train_batch`]: the training forward from fused ops with their own backward (`train_ops`: linear and LoRA-linear without frozen-weight gradients, RMSNorm, SwiGLU, RoPE + causal attention over padded blocks or a shared prefix, target log-prob, entropy); [`TrainForward`]: the backward block by block on the engine and with activation checkpointing on the candle backend, a stop looked at before every block (`*_until`) |
 //! | [`token_batch`] | [`BatchConfig`], [`Truncation`], [`TokenBatch`] (right-padded blocks, completion-only loss mask; [`PackedRows`]: the rows' shared prefix once), [`Aggregation`] |
 //! | [`rl`] | [`TokenExample`], the RL objectives ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`] |
 //! | [`reward`] | [`GameResult`], [`RewardShaping`]: per-env normalisation, format reward, invalid-move penalty |

@@ -75,6 +75,11 @@ pub enum ModelError {
         /// Their bytes.
         bytes: usize,
     },
+
+    /// A training pass ended between two blocks because its caller is
+    /// stopping ([`relay_nn::StopCheck`]); nothing it computed is kept.
+    #[error("the training pass was stopped part-way: the caller is stopping")]
+    Stopped,
 }
 
 impl From<relay_config::FieldError> for ModelError {

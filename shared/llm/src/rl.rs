@@ -807,6 +807,14 @@ impl RlTrainer {
     /// log-probs of every sequence are summed across replicas before each
     /// step (the losses are normalised by the whole batch's totals, so the
     /// sum is the whole batch's gradient), and every replica steps alike.
+    ///
+    /// A learner that is stopping ([`relay_nn::BatchShare::stopping`],
+    /// asked before every block of every forward and backward pass) ends
+    /// the call with [`TrainError::Stopped`]: an update of a 135 M model
+    /// takes tens of seconds on CPU. Epochs already stepped stay applied
+    /// and the current one's gradients stay accumulated: the caller puts
+    /// back the adapter, the optimizer (which clears them) and the moving
+    /// baselines it took before the call.
     pub fn train_epochs_part(
         &mut self,
         model: &CausalLm,
@@ -915,6 +923,7 @@ impl RlTrainer {
         let chunks = micro_batches(&lens, cfg.batch.minibatch_size);
         // This replica's micro-batches (alone: all of them).
         let mine = &chunks[share.rows(chunks.len())];
+        let stop = share.stop;
         let sum_across = |share: &mut relay_nn::BatchShare<'_>, data: &mut [f32]| {
             share
                 .sum(data)
@@ -938,7 +947,7 @@ impl RlTrainer {
                     .collect();
                 let batch = TokenBatch::new(&pairs, &device)?;
                 let ref_logits = model
-                    .forward_train_batch(&batch, self.reference.as_ref())?
+                    .forward_train_batch_until(&batch, self.reference.as_ref(), stop)?
                     .detach();
                 let ref_logp = target_log_probs(&ref_logits, &batch.targets)?;
                 let old: Vec<f32> = chunk
@@ -1007,16 +1016,17 @@ impl RlTrainer {
             let reference = if need_reference {
                 Some(
                     model
-                        .forward_train_batch(&batch.tokens, self.reference.as_ref())?
+                        .forward_train_batch_until(&batch.tokens, self.reference.as_ref(), stop)?
                         .detach(),
                 )
             } else {
                 None
             };
-            let forward = model.forward_train_for_backward(
+            let forward = model.forward_train_for_backward_until(
                 &batch.tokens,
                 Some(adapter),
                 cfg.batch.recompute_activations,
+                stop,
             )?;
             let out = rl_loss(&cfg.objective, forward.logits(), reference.as_ref(), &batch)?;
             let grads = forward.backward(&out.loss)?;

@@ -21,7 +21,14 @@ pub enum TrainError {
     /// The model refused the batch (token outside the vocabulary, context
     /// overflow, quantized base without a backward, ...).
     #[error(transparent)]
-    Model(#[from] ModelError),
+    Model(ModelError),
+
+    /// The caller is stopping ([`relay_nn::BatchShare::stopping`]): the
+    /// call ended between two blocks of a forward or backward pass. Steps it
+    /// already applied (earlier epochs) stay applied: rolling them back is
+    /// the caller's, from the state it took before the call.
+    #[error("the update was stopped part-way: the learner is stopping")]
+    Stopped,
 
     /// Tokenizing SFT text failed.
     #[error(transparent)]
@@ -69,6 +76,16 @@ pub enum TrainError {
         /// What is wrong with the line.
         reason: String,
     },
+}
+
+impl From<ModelError> for TrainError {
+    /// A model pass stopped part-way is the trainer's call stopped.
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Stopped => Self::Stopped,
+            e => Self::Model(e),
+        }
+    }
 }
 
 impl From<relay_config::FieldError> for TrainError {

@@ -17,8 +17,15 @@
 //! [`CausalLm::forward_train_composed`], is the candle backend's training
 //! forward (any device and dtype), and the reference the tests compare
 //! this path with.
+//!
+//! A training pass can be stopped between two blocks
+//! ([`CausalLm::forward_train_for_backward_until`]): a micro-batch of a
+//! 135 M model takes seconds on two loaded CPU cores, longer than a
+//! stopping learner may take, so its forward asks before each block and
+//! its backward goes block by block ([`TrainForward`]) asking before each.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, Var};
+use relay_nn::StopCheck;
 
 use crate::lora::LoraAdapter;
 use crate::model::{
@@ -28,6 +35,14 @@ use crate::model::{
 use crate::model_error::{ModelError, Result};
 use crate::token_batch::TokenBatch;
 use crate::train_ops::{self, AttentionLayout};
+
+/// [`ModelError::Stopped`] when `stop` says the caller is stopping.
+fn check_stop(stop: Option<StopCheck<'_>>) -> Result<()> {
+    if stop.is_some_and(|stop| stop()) {
+        return Err(ModelError::Stopped);
+    }
+    Ok(())
+}
 
 /// The weight of a projection as a dense f32 matrix for training.
 fn dense_weight(projection: &Projection) -> Result<Tensor> {
@@ -119,11 +134,37 @@ impl CausalLm {
         Ok((batch, time, flat_ids.to_device(self.rope_cos.device())?))
     }
 
+    /// The embedding rows of `flat_ids`.
+    fn train_embed(&self, flat_ids: &Tensor) -> Result<Tensor> {
+        Ok(match &self.embed {
+            Embedding::Dense(w) => w.index_select(flat_ids, 0)?,
+            Embedding::Quantized(q) => q.embedding(flat_ids)?,
+        })
+    }
+
     /// The residual stream after the last block, one row per input token
-    /// in `layout`'s order (before the final norm).
+    /// in `layout`'s order (before the final norm); `stop` is asked before
+    /// each block.
     fn train_trunk(
         &self,
         flat_ids: &Tensor,
+        layout: &AttentionLayout,
+        adapter: Option<&LoraAdapter>,
+        stop: Option<StopCheck<'_>>,
+    ) -> Result<Tensor> {
+        let mut x = self.train_embed(flat_ids)?;
+        for layer in 0..self.blocks.len() {
+            check_stop(stop)?;
+            x = self.train_block(layer, &x, layout, adapter)?;
+        }
+        Ok(x)
+    }
+
+    /// Block `layer` of the fused trunk on residual rows `x`.
+    fn train_block(
+        &self,
+        layer: usize,
+        x: &Tensor,
         layout: &AttentionLayout,
         adapter: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
@@ -134,41 +175,38 @@ impl CausalLm {
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
-        let mut x = match &self.embed {
-            Embedding::Dense(w) => w.index_select(flat_ids, 0)?,
-            Embedding::Quantized(q) => q.embedding(flat_ids)?,
-        };
-        for (layer, block) in self.blocks.iter().enumerate() {
-            let h = train_ops::rms_norm(&x, &block.input_norm, eps)?;
-            let mut q = project(&block.q_proj, &h, layer, adapter)?;
-            let mut k = project(&block.k_proj, &h, layer, adapter)?;
-            let v = project(&block.v_proj, &h, layer, adapter)?;
-            if let Some(norm) = &block.qk_norm {
-                // Each head's `head_dim` columns are one row of the norm.
-                let per_head = |m: &Tensor, weight: &Tensor| -> Result<Tensor> {
-                    let rows = m.dims2()?;
-                    let heads = m.reshape(((), cfg.head_dim))?;
-                    Ok(train_ops::rms_norm(&heads, weight, eps)?.reshape(rows)?)
-                };
-                q = per_head(&q, &norm.q)?;
-                k = per_head(&k, &norm.k)?;
-            }
-            let attn = train_ops::causal_attention(
-                &q,
-                &k,
-                &v,
-                layout,
-                shape,
-                (&self.rope_cos, &self.rope_sin),
-            )?;
-            x = train_ops::residual(&x, &project(&block.o_proj, &attn, layer, adapter)?)?;
-            let h = train_ops::rms_norm(&x, &block.post_attention_norm, eps)?;
-            let gate = project(&block.gate_proj, &h, layer, adapter)?;
-            let up = project(&block.up_proj, &h, layer, adapter)?;
-            let inner = train_ops::swiglu(&gate, &up)?;
-            x = train_ops::residual(&x, &project(&block.down_proj, &inner, layer, adapter)?)?;
+        let block = &self.blocks[layer];
+        let h = train_ops::rms_norm(x, &block.input_norm, eps)?;
+        let mut q = project(&block.q_proj, &h, layer, adapter)?;
+        let mut k = project(&block.k_proj, &h, layer, adapter)?;
+        let v = project(&block.v_proj, &h, layer, adapter)?;
+        if let Some(norm) = &block.qk_norm {
+            // Each head's `head_dim` columns are one row of the norm.
+            let per_head = |m: &Tensor, weight: &Tensor| -> Result<Tensor> {
+                let rows = m.dims2()?;
+                let heads = m.reshape(((), cfg.head_dim))?;
+                Ok(train_ops::rms_norm(&heads, weight, eps)?.reshape(rows)?)
+            };
+            q = per_head(&q, &norm.q)?;
+            k = per_head(&k, &norm.k)?;
         }
-        Ok(x)
+        let attn = train_ops::causal_attention(
+            &q,
+            &k,
+            &v,
+            layout,
+            shape,
+            (&self.rope_cos, &self.rope_sin),
+        )?;
+        let x = train_ops::residual(x, &project(&block.o_proj, &attn, layer, adapter)?)?;
+        let h = train_ops::rms_norm(&x, &block.post_attention_norm, eps)?;
+        let gate = project(&block.gate_proj, &h, layer, adapter)?;
+        let up = project(&block.up_proj, &h, layer, adapter)?;
+        let inner = train_ops::swiglu(&gate, &up)?;
+        Ok(train_ops::residual(
+            &x,
+            &project(&block.down_proj, &inner, layer, adapter)?,
+        )?)
     }
 
     /// Final norm and LM head of residual rows `(rows, hidden)`.
@@ -198,7 +236,7 @@ impl CausalLm {
         }
         let (batch, time, flat_ids) = self.check_train_input(input_ids, adapter)?;
         let layout = AttentionLayout::padded(batch, time);
-        let x = self.train_trunk(&flat_ids, &layout, adapter)?;
+        let x = self.train_trunk(&flat_ids, &layout, adapter, None)?;
         let logits = self.train_head(&x)?;
         Ok(logits.reshape((batch, time, self.config.vocab_size))?)
     }
@@ -228,12 +266,25 @@ impl CausalLm {
             )));
         }
         if self.on_candle() {
-            let x = self.composed_trunk(&flat_ids, (batch, time), adapter)?;
-            return self.composed_head(&x.index_select(&positions.to_device(x.device())?, 0)?);
+            return self.composed_at(&flat_ids, (batch, time), adapter, &positions, None);
         }
         let layout = AttentionLayout::padded(batch, time);
-        let x = self.train_trunk(&flat_ids, &layout, adapter)?;
+        let x = self.train_trunk(&flat_ids, &layout, adapter, None)?;
         self.train_head(&x.index_select(&positions, 0)?)
+    }
+
+    /// The composed forward's logits at `positions` (u32, in range) of a
+    /// `shape` block of `flat_ids`, `stop` asked before each block.
+    fn composed_at(
+        &self,
+        flat_ids: &Tensor,
+        shape: (usize, usize),
+        adapter: Option<&LoraAdapter>,
+        positions: &Tensor,
+        stop: Option<StopCheck<'_>>,
+    ) -> Result<Tensor> {
+        let x = self.composed_trunk(flat_ids, shape, adapter, stop)?;
+        self.composed_head(&x.index_select(&positions.to_device(x.device())?, 0)?)
     }
 
     /// The logits predicting `batch`'s completion tokens, `(tokens,
@@ -252,20 +303,25 @@ impl CausalLm {
         batch: &TokenBatch,
         adapter: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
-        if self.on_candle() {
-            return self.forward_train_at(&batch.input_ids, adapter, &batch.positions);
-        }
+        self.forward_train_batch_until(batch, adapter, None)
+    }
+
+    /// [`CausalLm::forward_train_batch`] asking `stop` before each block:
+    /// [`ModelError::Stopped`] once it says the caller is stopping.
+    pub fn forward_train_batch_until(
+        &self,
+        batch: &TokenBatch,
+        adapter: Option<&LoraAdapter>,
+        stop: Option<StopCheck<'_>>,
+    ) -> Result<Tensor> {
         // Checks the tokens, their length and the adapter.
-        self.check_train_input(&batch.input_ids, adapter)?;
-        let packed = &batch.packed;
-        let device = candle_core::Device::Cpu;
-        let ids = Tensor::new(packed.input_ids.as_slice(), &device)?;
-        let positions = Tensor::new(packed.positions.as_slice(), &device)?;
-        let layout = AttentionLayout {
-            prefix: packed.prefix_len,
-            segments: packed.suffix_lens.clone(),
-        };
-        let x = self.train_trunk(&ids, &layout, adapter)?;
+        let (batch_size, time, flat_ids) = self.check_train_input(&batch.input_ids, adapter)?;
+        if self.on_candle() {
+            let positions = batch.positions.to_dtype(DType::U32)?;
+            return self.composed_at(&flat_ids, (batch_size, time), adapter, &positions, stop);
+        }
+        let (ids, positions, layout) = packed_input(batch)?;
+        let x = self.train_trunk(&ids, &layout, adapter, stop)?;
         self.train_head(&x.index_select(&positions, 0)?)
     }
 
@@ -280,7 +336,7 @@ impl CausalLm {
         adapter: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
         let (batch, time, flat_ids) = self.check_train_input(input_ids, adapter)?;
-        let x = self.composed_trunk(&flat_ids, (batch, time), adapter)?;
+        let x = self.composed_trunk(&flat_ids, (batch, time), adapter, None)?;
         let logits = self.composed_head(&x)?;
         Ok(logits.reshape((batch, time, self.config.vocab_size))?)
     }
@@ -296,16 +352,19 @@ impl CausalLm {
 
     /// The residual rows `(batch · time, hidden)` after the last block, in
     /// f32, from candle's basic ops: matmuls in the weights' dtype; norms,
-    /// RoPE and the attention softmax in f32.
+    /// RoPE and the attention softmax in f32. `stop` is asked before each
+    /// block.
     pub(crate) fn composed_trunk(
         &self,
         flat_ids: &Tensor,
         shape: (usize, usize),
         adapter: Option<&LoraAdapter>,
+        stop: Option<StopCheck<'_>>,
     ) -> Result<Tensor> {
         let context = BlockContext::new(self, shape, adapter)?;
         let mut x = self.embed.lookup(flat_ids)?.to_dtype(DType::F32)?;
         for layer in 0..self.blocks.len() {
+            check_stop(stop)?;
             x = self.composed_block(layer, &x, &context)?;
         }
         Ok(x)
@@ -361,18 +420,36 @@ impl CausalLm {
     }
 
     /// The logits of [`CausalLm::forward_train_batch`], ready for a
-    /// backward pass that recomputes the trunk's activations when
-    /// `recompute` is set on the candle backend (activation checkpointing,
-    /// see [`TrainForward`]); otherwise the plain forward.
+    /// backward pass: block by block on the CPU engine, recomputing the
+    /// trunk's activations when `recompute` is set on the candle backend
+    /// (activation checkpointing), otherwise the plain one (see
+    /// [`TrainForward`]).
     pub fn forward_train_for_backward<'a>(
         &'a self,
         batch: &TokenBatch,
         adapter: Option<&'a LoraAdapter>,
         recompute: bool,
     ) -> Result<TrainForward<'a>> {
-        if !(recompute && self.on_candle()) {
+        self.forward_train_for_backward_until(batch, adapter, recompute, None)
+    }
+
+    /// [`CausalLm::forward_train_for_backward`] asking `stop` before each
+    /// block of the forward and (except the candle backend's plain
+    /// backward, one call) of the backward: [`ModelError::Stopped`] once it
+    /// says the caller is stopping.
+    pub fn forward_train_for_backward_until<'a>(
+        &'a self,
+        batch: &TokenBatch,
+        adapter: Option<&'a LoraAdapter>,
+        recompute: bool,
+        stop: Option<StopCheck<'a>>,
+    ) -> Result<TrainForward<'a>> {
+        if !self.on_candle() {
+            return self.segmented_forward(batch, adapter, stop);
+        }
+        if !recompute {
             return Ok(TrainForward::Kept(
-                self.forward_train_batch(batch, adapter)?,
+                self.forward_train_batch_until(batch, adapter, stop)?,
             ));
         }
         let (batch_size, time, flat_ids) = self.check_train_input(&batch.input_ids, adapter)?;
@@ -383,6 +460,7 @@ impl CausalLm {
         let mut inputs = Vec::with_capacity(self.blocks.len());
         let mut x = self.embed.lookup(&flat_ids)?.to_dtype(DType::F32)?.detach();
         for layer in 0..self.blocks.len() {
+            check_stop(stop)?;
             let next = self.composed_block(layer, &x, &context)?.detach();
             inputs.push(std::mem::replace(&mut x, next));
         }
@@ -400,8 +478,57 @@ impl CausalLm {
             inputs,
             trunk_out,
             logits,
+            stop,
         })))
     }
+
+    /// The CPU engine's training forward of `batch` cut into blocks: each
+    /// block's input a leaf of its own, so that the backward can go block
+    /// by block ([`Segmented`]).
+    fn segmented_forward<'a>(
+        &self,
+        batch: &TokenBatch,
+        adapter: Option<&LoraAdapter>,
+        stop: Option<StopCheck<'a>>,
+    ) -> Result<TrainForward<'a>> {
+        self.check_train_input(&batch.input_ids, adapter)?;
+        let (ids, positions, layout) = packed_input(batch)?;
+        let embedded = self.train_embed(&ids)?;
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        let mut x = embedded.clone();
+        for layer in 0..self.blocks.len() {
+            check_stop(stop)?;
+            // A copy of the rows without the graph that made them.
+            let input = Var::from_tensor(&x)?;
+            x = self.train_block(layer, input.as_tensor(), &layout, adapter)?;
+            blocks.push((input, x.clone()));
+        }
+        let trunk_out = Var::from_tensor(&x)?;
+        drop(x);
+        let logits = self.train_head(&trunk_out.as_tensor().index_select(&positions, 0)?)?;
+        Ok(TrainForward::Segmented(Box::new(Segmented {
+            embedded: embedded.track_op().then_some(embedded),
+            blocks,
+            trunk_out,
+            logits,
+            stop,
+        })))
+    }
+}
+
+/// The CPU engine's input of `batch`: the packed token ids (the shared
+/// prefix once), the rows the loss reads, and the attention layout.
+fn packed_input(batch: &TokenBatch) -> Result<(Tensor, Tensor, AttentionLayout)> {
+    let packed = &batch.packed;
+    let device = candle_core::Device::Cpu;
+    Ok((
+        Tensor::new(packed.input_ids.as_slice(), &device)?,
+        Tensor::new(packed.positions.as_slice(), &device)?,
+        AttentionLayout {
+            prefix: packed.prefix_len,
+            segments: packed.suffix_lens.clone(),
+        },
+    ))
 }
 
 /// What every block of one composed training forward shares.
@@ -442,6 +569,15 @@ impl<'a> BlockContext<'a> {
 /// Training logits and how their backward pass runs: [`TrainForward::logits`]
 /// go into the loss, [`TrainForward::backward`] takes the loss.
 ///
+/// `Segmented` is the CPU engine's: the graph is cut at every block's
+/// input, and the backward goes from the last block to the first, each a
+/// backward of its own, so that a stop is seen between two blocks rather
+/// than after the whole backward (seconds for a 135 M model). Where the
+/// graph is cut a block's output gradient is passed on as it is, so the
+/// gradients are one whole backward's: bit for bit for LoRA; a weight
+/// used both before and after a cut (a tied embedding, in full
+/// fine-tuning) sums its parts in another order.
+///
 /// `Recomputed` is activation checkpointing (Chen et al. 2016,
 /// arXiv:1604.06174; PyTorch's `torch.utils.checkpoint` per decoder
 /// layer, as TRL's `gradient_checkpointing` does): the forward keeps only
@@ -455,8 +591,23 @@ impl<'a> BlockContext<'a> {
 pub enum TrainForward<'a> {
     /// The whole graph kept: `loss.backward()`.
     Kept(Tensor),
+    /// The whole graph kept, its backward block by block.
+    Segmented(Box<Segmented<'a>>),
     /// Each block recomputed in the backward pass.
     Recomputed(Box<Recomputed<'a>>),
+}
+
+/// The state of a [`TrainForward::Segmented`] forward.
+pub struct Segmented<'a> {
+    /// The embedding rows, when they carry a gradient (full fine-tuning).
+    embedded: Option<Tensor>,
+    /// Each block's input (a leaf: a copy of the rows before it) and its
+    /// output, with the block's graph between them.
+    blocks: Vec<(Var, Tensor)>,
+    /// The rows after the last block, as the leaf the head starts from.
+    trunk_out: Var,
+    logits: Tensor,
+    stop: Option<StopCheck<'a>>,
 }
 
 /// The state of a [`TrainForward::Recomputed`] forward.
@@ -470,6 +621,7 @@ pub struct Recomputed<'a> {
     /// The rows after the last block, as the leaf the head starts from.
     trunk_out: candle_core::Var,
     logits: Tensor,
+    stop: Option<StopCheck<'a>>,
 }
 
 impl TrainForward<'_> {
@@ -477,15 +629,18 @@ impl TrainForward<'_> {
     pub fn logits(&self) -> &Tensor {
         match self {
             TrainForward::Kept(logits) => logits,
+            TrainForward::Segmented(s) => &s.logits,
             TrainForward::Recomputed(r) => &r.logits,
         }
     }
 
     /// The gradients of `loss` (computed from [`TrainForward::logits`]) for
-    /// every var it depends on.
+    /// every var it depends on; [`ModelError::Stopped`] when the forward's
+    /// stop check says so between two blocks.
     pub fn backward(self, loss: &Tensor) -> Result<candle_core::backprop::GradStore> {
         let r = match self {
             TrainForward::Kept(_) => return Ok(loss.backward()?),
+            TrainForward::Segmented(s) => return s.backward(loss),
             TrainForward::Recomputed(r) => r,
         };
         let mut grads = loss.backward()?;
@@ -495,6 +650,7 @@ impl TrainForward<'_> {
             let Some(grad_out) = upstream.take() else {
                 break;
             };
+            check_stop(r.stop)?;
             let input = candle_core::Var::from_tensor(&r.inputs[layer])?;
             let out = r.model.composed_block(layer, input.as_tensor(), &context)?;
             // d(sum(out · g))/d(out) = g: the block's vector-Jacobian product.
@@ -508,6 +664,31 @@ impl TrainForward<'_> {
             if embedded.track_op() {
                 grads.extend((embedded * grad_out)?.sum_all()?.backward()?)?;
             }
+        }
+        Ok(grads)
+    }
+}
+
+impl Segmented<'_> {
+    /// The head's backward, then each block's from the last, its output's
+    /// gradient the one its successor passed back.
+    fn backward(self, loss: &Tensor) -> Result<candle_core::backprop::GradStore> {
+        let mut grads = loss.backward()?;
+        let mut upstream = grads.remove(self.trunk_out.as_tensor());
+        // Each block's graph goes as soon as its backward is done.
+        for (input, out) in self.blocks.into_iter().rev() {
+            let Some(grad_out) = upstream.take() else {
+                break;
+            };
+            check_stop(self.stop)?;
+            // d(sum(out · g))/d(out) = g: the block's vector-Jacobian product.
+            let mut block_grads = (out * grad_out)?.sum_all()?.backward()?;
+            upstream = block_grads.remove(input.as_tensor());
+            grads.extend(block_grads)?;
+        }
+        // A trainable embedding (full fine-tuning) gets the rest.
+        if let (Some(embedded), Some(grad_out)) = (self.embedded, upstream) {
+            grads.extend((embedded * grad_out)?.sum_all()?.backward()?)?;
         }
         Ok(grads)
     }

@@ -248,3 +248,120 @@ fn a_micro_batch_runs_its_shared_prefix_once_with_the_padded_blocks_logits_and_g
     let g_padded = probe_loss(&padded).backward().unwrap();
     assert_same_grads(&vars, &g_packed, &g_padded);
 }
+
+/// A stop check that says "stop" from its `after`-th look on, counting
+/// its looks.
+struct StopAfter {
+    looked: std::cell::Cell<usize>,
+    after: usize,
+}
+
+impl StopAfter {
+    fn new(after: usize) -> Self {
+        Self {
+            looked: std::cell::Cell::new(0),
+            after,
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        let looked = self.looked.get();
+        self.looked.set(looked + 1);
+        looked >= self.after
+    }
+}
+
+/// The CPU engine's backward goes block by block (so that a stop is seen
+/// between two blocks): the gradients are those of one backward of the
+/// whole graph, bit for bit with LoRA; in full fine-tuning the tied
+/// embedding's two gradients (the head's and the lookup's) add up in
+/// another order, within 1e-6 of each other. A stop check is asked
+/// before each block of the forward and of the backward, and ends either
+/// with `ModelError::Stopped`.
+#[test]
+fn the_block_by_block_backward_gives_the_whole_graphs_gradients_and_stops_between_blocks() {
+    let rows = shared_prefix_rows();
+    let pairs: Vec<(&[u32], &[u32])> = rows
+        .iter()
+        .map(|(p, c)| (p.as_slice(), c.as_slice()))
+        .collect();
+    let batch = TokenBatch::new(&pairs, &Device::Cpu).unwrap();
+    let dir = model_dir("segmented");
+    // The largest gap between two stores' gradients, relative to each
+    // var's largest gradient.
+    let gap = |vars: &[(String, Var)], a: &GradStore, b: &GradStore| {
+        let mut worst = 0f32;
+        for (name, var) in vars {
+            let (a, b) = (a.get(var.as_tensor()), b.get(var.as_tensor()));
+            let (a, b) = (a.expect(name), b.expect(name));
+            worst = worst.max(max_abs_diff(a, b) / max_abs(b).max(1e-30));
+        }
+        worst
+    };
+    let model = CausalLm::load_hf(&dir.0).unwrap();
+    let adapter = LoraAdapter::new(model.config(), LoraConfig::all_projections(4, 8.0), 5).unwrap();
+    for (i, (_, v)) in adapter.named_vars().iter().enumerate() {
+        v.set(&randn(v.dims(), 0.1, 300 + i as u64)).unwrap();
+    }
+    let vars = adapter.named_vars();
+    let forward = model
+        .forward_train_for_backward(&batch, Some(&adapter), false)
+        .unwrap();
+    assert!(matches!(forward, relay_llm::TrainForward::Segmented(_)));
+    let whole = model.forward_train_batch(&batch, Some(&adapter)).unwrap();
+    assert_eq!(
+        max_abs_diff(forward.logits(), &whole),
+        0.0,
+        "the same forward"
+    );
+    let loss = probe_loss(forward.logits());
+    let segmented = forward.backward(&loss).unwrap();
+    let whole = probe_loss(&whole).backward().unwrap();
+    assert_eq!(gap(&vars, &segmented, &whole), 0.0, "LoRA: bit for bit");
+
+    // Two blocks: two looks in the forward, two in the backward.
+    let layers = model.config().num_hidden_layers;
+    assert_eq!(layers, 2);
+    let never = StopAfter::new(usize::MAX);
+    let check = || never.stopping();
+    let forward = model
+        .forward_train_for_backward_until(&batch, Some(&adapter), false, Some(&check))
+        .unwrap();
+    let loss = probe_loss(forward.logits());
+    forward.backward(&loss).unwrap();
+    assert_eq!(never.looked.get(), 2 * layers, "one look before each block");
+    for after in 0..2 * layers {
+        let stop = StopAfter::new(after);
+        let check = || stop.stopping();
+        let result = model
+            .forward_train_for_backward_until(&batch, Some(&adapter), false, Some(&check))
+            .and_then(|forward| {
+                let loss = probe_loss(forward.logits());
+                forward.backward(&loss)
+            });
+        assert!(
+            matches!(result, Err(relay_llm::ModelError::Stopped)),
+            "stopped at look {after}: {:?}",
+            result.err()
+        );
+        assert_eq!(stop.looked.get(), after + 1, "no look after the stop");
+    }
+    let stop = StopAfter::new(1);
+    let check = || stop.stopping();
+    assert!(matches!(
+        model.forward_train_batch_until(&batch, Some(&adapter), Some(&check)),
+        Err(relay_llm::ModelError::Stopped)
+    ));
+
+    let (model, varmap) = load_hf_trainable(&dir.0).unwrap();
+    let vars = named_vars(&varmap);
+    let forward = model
+        .forward_train_for_backward(&batch, None, false)
+        .unwrap();
+    let whole = model.forward_train_batch(&batch, None).unwrap();
+    let loss = probe_loss(forward.logits());
+    let segmented = forward.backward(&loss).unwrap();
+    let whole = probe_loss(&whole).backward().unwrap();
+    let worst = gap(&vars, &segmented, &whole);
+    assert!(worst <= 1e-6, "full fine-tuning: {worst:e}");
+}

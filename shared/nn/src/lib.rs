@@ -22,7 +22,7 @@
 //! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
 //! | [`vec_normalize`] | [`RunningMeanStd`], [`VecNormalize`]: SB3's observation and reward normalisation |
 //! | [`device`] | [`open_device`]: the one place a device (CPU or CUDA) is opened, here and in relay-llm |
-//! | [`share`] | [`BatchShare`]: a learner replica's part of each batch and the sum across replicas |
+//! | [`share`] | [`BatchShare`]: a learner replica's part of each batch, the sum across replicas, and whether the learner is stopping |
 //! | [`par`] | [`Pair`]: two independent halves of a train step side by side (SAC's twin critics) |
 //! | [`optim`] | [`Adam`] and [`RmsProp`] with resumable state, [`clip_grad_norm`] |
 //! | [`init`] | orthogonal initialisation |
@@ -125,7 +125,7 @@ pub use sac::{
     SacStats, TwinCritic,
 };
 pub use schedule::{Schedule, Shape, Warmup};
-pub use share::{BatchShare, SumAcross};
+pub use share::{BatchShare, StopCheck, SumAcross};
 pub use spec::{
     ActionKind, Activation, CellKind, CnnArch, CnnSpec, ConvSpec, PolicySpec, RecurrentSpec,
 };

@@ -3,6 +3,11 @@
 //! this replica's and how f32 buffers are summed across the replicas. The
 //! sum itself (the learner's all-reduce over its group) is the caller's:
 //! this crate stays free of networking.
+//!
+//! It also carries whether the learner is stopping ([`StopCheck`]): the
+//! pure crates see the learner through this one value, and a trainer whose
+//! call runs for many seconds (an LLM's micro-batches) ends it early
+//! rather than hold a stopping learner up.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -13,6 +18,11 @@ use crate::optim::Adam;
 /// Sums f32 buffers across learner replicas in place; an error says why not.
 pub type SumAcross<'a> = &'a mut dyn FnMut(&mut [f32]) -> std::result::Result<(), String>;
 
+/// Whether the learner is stopping: asked between the parts of a long
+/// train call, which then ends with its crate's "stopped" error and
+/// leaves the rolling back to the caller.
+pub type StopCheck<'a> = &'a dyn Fn() -> bool;
+
 /// A learner replica's part of a SAC step ([`sac_train_step_part`]): the
 /// `rank`-th of `replicas` contiguous parts of each batch, and how f32
 /// buffers are summed across the replicas (the learner's all-reduce; every
@@ -22,6 +32,8 @@ pub struct BatchShare<'a> {
     pub replicas: usize,
     /// `None`: a learner alone (nothing to sum).
     pub sum: Option<SumAcross<'a>>,
+    /// `None`: the call is never stopped part-way.
+    pub stop: Option<StopCheck<'a>>,
 }
 
 impl BatchShare<'_> {
@@ -36,7 +48,13 @@ impl BatchShare<'_> {
             rank: 0,
             replicas: 1,
             sum: None,
+            stop: None,
         }
+    }
+
+    /// Whether the learner is stopping (never without a [`Self::stop`]).
+    pub fn stopping(&self) -> bool {
+        self.stop.is_some_and(|stop| stop())
     }
 
     /// The rows of this replica's part of a batch of `b` rows.
