@@ -576,6 +576,34 @@ class UnknownPettingZoo(Exception):
     pass
 
 
+class SeatRows:
+    """Observation rows of a multi-agent game: the flattened observation,
+    ended with env.seat_feature by a one-hot of the seat (or agent) it
+    belongs to, so that one shared policy and its value know the role
+    they play (SuperSuit's ``agent_indicator_v0``). Flat observations only."""
+
+    def __init__(self, flattener, seats, enabled, env_id):
+        if enabled and flattener.image is not None:
+            raise UnsupportedSpace(
+                f"env.seat_feature appends the seat to flat observations; {env_id}'s are images"
+            )
+        self.flattener = flattener
+        self.seats = seats if enabled else 0
+        self.dim = flattener.dim + self.seats
+        self.low, self.high = flattener.low, flattener.high
+        if self.seats:
+            self.low = np.concatenate([self.low, np.zeros(seats, np.float32)])
+            self.high = np.concatenate([self.high, np.ones(seats, np.float32)])
+
+    def write(self, obs, rows, i, seat):
+        """Writes ``obs`` of ``seat`` as row ``i`` of ``rows`` (``dim`` wide)."""
+        fdim = self.flattener.dim
+        self.flattener.write(obs, rows[:, :fdim], i)
+        if self.seats:
+            rows[i, fdim:] = 0.0
+            rows[i, fdim + seat] = 1.0
+
+
 class AgentBatch:
     """``num_envs`` copies of a PettingZoo game, stepped the way
     ``env.agent_iter()``, ``env.last()`` and ``env.step()`` are: each
@@ -617,19 +645,9 @@ class AgentBatch:
         self.masked = bool(request.get("action_masks")) and (
             (self.dict_obs and "action_mask" in space.spaces) or self._probe_info_mask(first)
         )
-        # env.seat_feature: each observation ends with a one-hot of the seat
-        # it belongs to, so the policy and its value know the role they play.
-        k = len(self.agents)
-        self.seat_feature = bool(request.get("seat_feature"))
-        if self.seat_feature and self.flattener.image is not None:
-            raise UnsupportedSpace(
-                f"env.seat_feature appends the seat to flat observations; {self.env_id}'s are images"
-            )
-        self.dim = self.flattener.dim + (k if self.seat_feature else 0)
-        low, high = self.flattener.low, self.flattener.high
-        if self.seat_feature:
-            low = np.concatenate([low, np.zeros(k, np.float32)])
-            high = np.concatenate([high, np.ones(k, np.float32)])
+        self.rows = SeatRows(self.flattener, len(self.agents), bool(request.get("seat_feature")), self.env_id)
+        self.dim = self.rows.dim
+        low, high = self.rows.low, self.rows.high
         self.obs = np.zeros((self.n, self.dim), dtype=self.flattener.dtype)
         self.masks = np.ones((self.n, self.n_actions), dtype=np.uint8)
         self.movers = [0] * self.n
@@ -654,15 +672,6 @@ class AgentBatch:
         obs = env.observe(agent)
         return obs["observation"] if self.dict_obs else obs
 
-    def _write_obs(self, obs, rows, i, seat):
-        """Writes `obs` of `seat` as row `i` of `rows` (``self.dim`` wide),
-        its seat last with env.seat_feature."""
-        fdim = self.flattener.dim
-        self.flattener.write(obs, rows[:, :fdim], i)
-        if self.seat_feature:
-            rows[i, fdim:] = 0.0
-            rows[i, fdim + seat] = 1.0
-
     def _mask(self, env, agent, raw):
         if self.dict_obs and "action_mask" in raw:
             mask = raw["action_mask"]
@@ -680,7 +689,7 @@ class AgentBatch:
             agent = env.agent_selection
             if not (env.terminations[agent] or env.truncations[agent]):
                 raw = env.observe(agent)
-                self._write_obs(raw["observation"] if self.dict_obs else raw, self.obs, i, self.seat[agent])
+                self.rows.write(raw["observation"] if self.dict_obs else raw, self.obs, i, self.seat[agent])
                 self.movers[i] = self.seat[agent]
                 if self.masked:
                     mask = self._mask(env, agent, raw)
@@ -692,7 +701,7 @@ class AgentBatch:
                 return True
             if finals is not None:
                 row = np.zeros((1, self.dim), dtype=self.flattener.dtype)
-                self._write_obs(self._observation(env, agent), row, 0, self.seat[agent])
+                self.rows.write(self._observation(env, agent), row, 0, self.seat[agent])
                 finals[self.seat[agent]] = row[0]
                 finals["truncated"] = finals.get("truncated", False) or (
                     env.truncations[agent] and not env.terminations[agent]
@@ -815,17 +824,9 @@ class TeamBatch:
         self.masked = bool(request.get("action_masks")) and self.action["kind"] == "discrete" and (
             self.dict_obs and "action_mask" in space.spaces
         )
-        # env.seat_feature: each observation ends with a one-hot of its agent.
-        self.agent_feature = bool(request.get("seat_feature"))
-        if self.agent_feature and self.flattener.image is not None:
-            raise UnsupportedSpace(
-                f"env.seat_feature appends the agent to flat observations; {self.env_id}'s are images"
-            )
-        self.dim = self.flattener.dim + (k if self.agent_feature else 0)
-        low, high = self.flattener.low, self.flattener.high
-        if self.agent_feature:
-            low = np.concatenate([low, np.zeros(k, np.float32)])
-            high = np.concatenate([high, np.ones(k, np.float32)])
+        self.rows = SeatRows(self.flattener, k, bool(request.get("seat_feature")), self.env_id)
+        self.dim = self.rows.dim
+        low, high = self.rows.low, self.rows.high
         self.n = rows
         self.obs = np.zeros((rows, self.dim), dtype=self.flattener.dtype)
         self.masks = np.ones((rows, self.action["wire"]["n"]), dtype=np.uint8) if self.masked else None
@@ -850,14 +851,9 @@ class TeamBatch:
             if self.masked:
                 self.masks[row] = 1
             return
-        raw = obs
-        fdim = self.flattener.dim
-        self.flattener.write(raw["observation"] if self.dict_obs else raw, self.obs[:, :fdim], row)
-        if self.agent_feature:
-            self.obs[row, fdim:] = 0.0
-            self.obs[row, fdim + j] = 1.0
+        self.rows.write(obs["observation"] if self.dict_obs else obs, self.obs, row, j)
         if self.masked:
-            mask = np.minimum(np.asarray(raw["action_mask"]).astype(np.uint8).reshape(-1), 1)
+            mask = np.minimum(np.asarray(obs["action_mask"]).astype(np.uint8).reshape(-1), 1)
             if not mask.any():
                 raise ValueError(f"{self.env_id}: the action mask of {self.agents[j]} allows no action")
             self.masks[row] = mask
