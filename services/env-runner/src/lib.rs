@@ -270,11 +270,8 @@ fn episode_summaries(
 /// on their Python workers end then.
 pub(crate) fn cancel_on(shutdown: &Shutdown) -> relay_bridge::Cancel {
     let cancel = relay_bridge::Cancel::new();
-    let (set, shutdown) = (cancel.clone(), shutdown.clone());
-    tokio::spawn(async move {
-        shutdown.wait().await;
-        set.cancel();
-    });
+    let set = cancel.clone();
+    shutdown.on_trigger(move || set.cancel());
     cancel
 }
 

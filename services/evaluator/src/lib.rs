@@ -304,11 +304,8 @@ impl Played {
 /// evaluation in progress at its next step.
 fn cancel_on(shutdown: &Shutdown) -> plugins::Cancel {
     let cancel = plugins::Cancel::new();
-    let (set, shutdown) = (cancel.clone(), shutdown.clone());
-    tokio::spawn(async move {
-        shutdown.wait().await;
-        set.cancel();
-    });
+    let set = cancel.clone();
+    shutdown.on_trigger(move || set.cancel());
     cancel
 }
 

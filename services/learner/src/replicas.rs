@@ -282,6 +282,14 @@ enum Handed<T> {
     Stop,
 }
 
+/// What a replica hands the others (state, step), with named fields: a
+/// field left out when absent (serde's `skip_serializing_if`, as the wire
+/// messages' optional fields are) would shift every later one in
+/// MessagePack's array form.
+fn pack<T: Serialize>(value: &T) -> Result<Vec<u8>, ServiceError> {
+    rmp_serde::to_vec_named(value).map_err(ServiceError::other)
+}
+
 /// Every this many updates the replicas check that they hold bit-identical
 /// parameters (a digest of them, from rank 0 to the others).
 const DIGEST_EVERY: u64 = 10;
@@ -535,7 +543,7 @@ impl Replicas {
         mine: Option<S>,
     ) -> Result<Next<Option<S>>, ServiceError> {
         let mut bytes = match &mine {
-            Some(state) => rmp_serde::to_vec(state).map_err(ServiceError::other)?,
+            Some(state) => pack(state)?,
             None => Vec::new(),
         };
         if let Err(e) = self.hand_over(&mut bytes).await {
@@ -568,8 +576,7 @@ impl Replicas {
             if self.alone() {
                 return Ok(Next::Go(input));
             }
-            let mut bytes =
-                rmp_serde::to_vec(&Handed::Step(&input)).map_err(ServiceError::other)?;
+            let mut bytes = pack(&Handed::Step(&input))?;
             if let Err(e) = self.hand_out(&mut bytes).await {
                 tracing::warn!(error = %e, "handing out the step failed; redoing it in the next view");
                 *held = Some(input);
@@ -603,7 +610,7 @@ impl Replicas {
         if self.alone() {
             return;
         }
-        let mut stop = rmp_serde::to_vec(&Handed::<()>::Stop).expect("a stop encodes");
+        let mut stop = pack(&Handed::<()>::Stop).expect("a stop encodes");
         if let Err(e) = self.hand_out(&mut stop).await {
             tracing::warn!(error = %e, "the other replicas were not told to stop");
         }
@@ -708,4 +715,37 @@ pub fn digest(tensors: &[relay_nn::NamedTensor]) -> [u8; 32] {
         hash.update(&bytes);
     }
     hash.finalize().into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_proto::{Tensor, TransitionBatch};
+
+    #[test]
+    fn a_step_with_an_absent_optional_field_before_others_arrives_whole() {
+        let rows = Tensor::from_f32(&[2], &[1.0, 0.5]);
+        let batch = TransitionBatch {
+            schema: relay_proto::SCHEMA_VERSION,
+            ids: vec![3, 7],
+            obs: Tensor::from_f32(&[2, 1], &[0.1, 0.2]),
+            actions: Tensor::from_i64(&[2], &[0, 1]),
+            rewards: rows.clone(),
+            next_obs: Tensor::from_f32(&[2, 1], &[0.3, 0.4]),
+            discounts: rows.clone(),
+            terminated: Tensor::from_u8(&[2], &[0, 1]),
+            truncated: Tensor::from_u8(&[2], &[0, 0]),
+            weights: rows,
+            // Absent, with fields after it.
+            weight_scale: None,
+            size: 9,
+            inserted_steps: 12,
+            next_masks: Some(Tensor::from_u8(&[2, 2], &[1, 1, 0, 1])),
+        };
+        let bytes = pack(&Handed::Step(&batch)).unwrap();
+        match rmp_serde::from_slice::<Handed<TransitionBatch>>(&bytes).unwrap() {
+            Handed::Step(back) => assert_eq!(back, batch),
+            Handed::Stop => panic!("a step arrived as a stop"),
+        }
+    }
 }

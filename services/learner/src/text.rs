@@ -804,6 +804,7 @@ pub(crate) async fn run(
             .await?;
         let progress = &mut state.progress;
         let Some((publisher, events)) = leading.as_mut() else {
+            tracing::debug!(version = progress.version, seconds, "update");
             service
                 .report(Some(progress.vec_steps), replica_values)
                 .await;

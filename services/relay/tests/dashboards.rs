@@ -52,6 +52,9 @@ const PENDING: &[&str] = &[
     // a CartPole run does not play.
     "relay_env_runner_selfplay_games_total",
     "relay_evaluator_games",
+    // Each agent's return in parallel games played by one shared policy
+    // (PettingZoo teams); the tracker's unit tests check its export.
+    "relay_episode_agent_return_mean",
 ];
 
 fn repo() -> PathBuf {

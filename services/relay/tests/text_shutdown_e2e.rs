@@ -1,8 +1,8 @@
 //! A text learner stops within its promise in the middle of an update, end
 //! to end: `relay up` on TicTacToe GRPO (configs/tictactoe-grpo.yaml) with
 //! a random Qwen2 large enough that an update takes seconds (8 blocks,
-//! hidden 256: a SmolLM2 update takes tens), stopped by Ctrl-C half way
-//! through the learner's second update. The learner ends within 2 s of
+//! hidden 256: a SmolLM2 update takes tens), stopped by Ctrl-C a quarter
+//! into the learner's second update. The learner ends within 2 s of
 //! Ctrl-C (its SIGTERM comes first in the stack's order), nobody is
 //! killed, the update is rolled back: the final checkpoint holds the first
 //! update, its adapter and AdamW state byte for byte as they were written
@@ -60,6 +60,11 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
+/// One stack at a time: two on two cores would make one's updates slower
+/// than the other's, and an update timed under the other stack's load a
+/// poor guide to the next one's middle.
+static ONE_STACK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn a_text_learner_stops_within_its_promise_in_the_middle_of_an_update() {
     stops_in_the_middle_of_an_update(1);
@@ -72,8 +77,9 @@ fn text_learner_replicas_stop_within_their_promise_in_the_middle_of_an_update() 
     stops_in_the_middle_of_an_update(2);
 }
 
-/// `relay up --learners learners`, Ctrl-C half way into the second update.
+/// `relay up --learners learners`, Ctrl-C a quarter into the second update.
 fn stops_in_the_middle_of_an_update(learners: usize) {
+    let _one_stack = ONE_STACK.lock().unwrap_or_else(|e| e.into_inner());
     let dir = relay_testkit::TempDir::new("text-shutdown-e2e");
     let model = dir.path().join("model");
     write_model(&model);
@@ -159,14 +165,20 @@ fn stops_in_the_middle_of_an_update(learners: usize) {
         .iter()
         .map(|f| std::fs::read(first.join(f)).unwrap())
         .collect();
-    // Half way into the update (in its second epoch, as long as the first
-    // update took).
+    // A quarter into the update (in its first or second epoch, if it takes
+    // as long as the first one: the first also pays for warming up, so the
+    // second may be shorter).
     let first_update: f64 = read(&learner_log)
         .lines()
         .find(|l| l.contains(" update version=1 "))
         .and_then(|l| l.split("seconds=").nth(1)?.trim().parse().ok())
-        .expect("the first update's time is logged");
-    std::thread::sleep(Duration::from_secs_f64(first_update / 2.0));
+        .unwrap_or_else(|| {
+            panic!(
+                "the first update's time is not logged:\n{}",
+                read(&learner_log)
+            )
+        });
+    std::thread::sleep(Duration::from_secs_f64(first_update / 4.0));
 
     // Ctrl-C, and each process's end, from then.
     let stopped = Instant::now();

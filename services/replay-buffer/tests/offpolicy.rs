@@ -410,8 +410,9 @@ async fn uniform_table_with_rate_limiter_paces_inserts_against_samples() {
     let run_id = "offpolicy-rate";
     // 2 transitions sampled per env step inserted, sampling from 4 env
     // steps on, slack 4: inserts stop while inserted * 2 - taken > 12,
-    // samples while inserted * 2 - taken - 4 < batch.
-    let extra = "dqn:\n  buffer_size: 64\n  batch_size: 4\nreplay:\n  samples_per_insert: 2.0\n  min_size_to_sample: 4\n  rate_error_buffer: 4\n";
+    // samples while inserted * 2 - taken - 4 < batch. (A learner would
+    // sample from its first step on: learning_starts 0.)
+    let extra = "dqn:\n  buffer_size: 64\n  batch_size: 4\n  learning_starts: 0\nreplay:\n  samples_per_insert: 2.0\n  min_size_to_sample: 4\n  rate_error_buffer: 4\n";
     let (c, copies) = serve(&nats, &redis, run_id, extra, 1).await;
 
     assert!(c.insert(&fragment(4, 0.0)).await.unwrap().accepted);

@@ -685,7 +685,7 @@ mod tests {
     use super::*;
     use prometheus::Encoder;
     use relay_kit::{counter, gauge};
-    use relay_proto::{Matchup, SCHEMA_VERSION};
+    use relay_proto::{EpisodeSummary, Matchup, SCHEMA_VERSION};
 
     fn exposition(registry: &Registry) -> String {
         let mut out = Vec::new();
@@ -734,6 +734,44 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "{line}:\n{text}");
         }
         assert!(!text.contains("0.1"), "{text}");
+    }
+
+    #[test]
+    fn each_agents_return_of_a_team_game_is_exported_beside_the_teams() {
+        let registry = Registry::new();
+        let mut exported = Exported::new(registry.clone());
+        let game = |a: f64, b: f64| EpisodeSummary {
+            episode_return: a + b,
+            length: 25,
+            terminated: true,
+            agent_returns: Some(vec![
+                relay_proto::AgentReturn {
+                    agent: "piston_0".into(),
+                    episode_return: a,
+                },
+                relay_proto::AgentReturn {
+                    agent: "piston_1".into(),
+                    episode_return: b,
+                },
+            ]),
+            ..Default::default()
+        };
+        let mean = exported.episodes(&EpisodeReport {
+            schema: SCHEMA_VERSION,
+            runner_id: "e1".into(),
+            env_id: "pistonball_v6".into(),
+            policy_version: 1,
+            episodes: vec![game(1.0, 3.0), game(3.0, 5.0)],
+        });
+        assert_eq!(mean, Some(6.0));
+        let text = exposition(&registry);
+        for line in [
+            "relay_episode_return_mean 6",
+            "relay_episode_agent_return_mean{agent=\"piston_0\"} 2",
+            "relay_episode_agent_return_mean{agent=\"piston_1\"} 4",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}:\n{text}");
+        }
     }
 
     #[test]

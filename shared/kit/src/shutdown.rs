@@ -54,6 +54,17 @@ impl Shutdown {
         let mut rx = self.rx.clone();
         let _ = rx.wait_for(|&fired| fired).await;
     }
+
+    /// Runs `stop` once the signal fires: how blocking work that cannot
+    /// await the signal (a wait on a Python worker, an evaluation on a
+    /// blocking thread) is told to end.
+    pub fn on_trigger(&self, stop: impl FnOnce() + Send + 'static) {
+        let shutdown = self.clone();
+        tokio::spawn(async move {
+            shutdown.wait().await;
+            stop();
+        });
+    }
 }
 
 async fn wait_for_signal() {
