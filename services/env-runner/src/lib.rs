@@ -702,10 +702,13 @@ impl Inserts {
         }
     }
 
-    /// Waits a little for the insert in flight, at shutdown.
+    /// Waits a little for the insert in flight, at shutdown: half the
+    /// service's 2 s promise. The replay-buffer is stopped beside it, so an
+    /// insert not answered by then (its request left waiting on a buffer
+    /// that exited, or retrying one that is full) would not be.
     pub(crate) async fn finish(&mut self) {
         if let Some(previous) = self.pending.take() {
-            let _ = tokio::time::timeout(Duration::from_secs(2), previous).await;
+            let _ = tokio::time::timeout(Duration::from_secs(1), previous).await;
         }
     }
 }

@@ -223,7 +223,11 @@ fn a_learner_that_cannot_publish_fails_the_run_with_the_reason() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "relay up succeeded:\n{stdout}");
     assert!(
-        stdout.contains("relay: learner-0 exited") && stdout.contains("cannot be published"),
+        // The stack hears of it from the learner's exit or from its failed
+        // status, whichever comes first.
+        (stdout.contains("relay: learner-0 exited")
+            || stdout.contains("relay: learner failed: learner-0"))
+            && stdout.contains("cannot be published"),
         "{stdout}"
     );
     assert!(
