@@ -181,8 +181,15 @@ async fn a_late_report_saves_the_evaluated_versions_weights_byte_for_byte() {
             "{name} differs from version {evaluated}"
         );
     }
-    // The current weights differ, so the check above could fail.
-    let newer = parameters(&published.lock().unwrap()[&state.progress.version]);
+    // The current weights differ, so the check above could fail. (The
+    // checkpoint may be written before that version reaches the test's
+    // subscription.)
+    let current = state.progress.version;
+    wait_until(30, "the checkpoint's current version", || {
+        published.lock().unwrap().contains_key(&current)
+    })
+    .await;
+    let newer = parameters(&published.lock().unwrap()[&current]);
     assert_ne!(newer, update);
 
     // A version that passed the screening (500) but not its confirmation
