@@ -17,7 +17,7 @@ fresh games greedily, every piston acting with it, and the team return
 recorded. `bench-learning` runs it beside relay (`bash deploy/install.sh
 --sb3` installs what it needs into .relay/sb3). Prints a line per
 evaluation and a last JSON line: per seed the curve (agent steps, mean team
-return), the last evaluation, the wall time, and the agent steps per
+return), the best and the last evaluation, the wall time, and the agent steps per
 second over all seeds.
 """
 
@@ -139,6 +139,7 @@ def main():
         runs.append({
             "seed": seed,
             "curve": callback.curve,
+            "best_eval": max((r for _, r in callback.curve), default=None),
             "last_return": callback.curve[-1][1] if callback.curve else None,
             "env_steps": int(model.num_timesteps),
             "wall_s": round(wall, 1),
