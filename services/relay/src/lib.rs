@@ -75,8 +75,8 @@ pub struct UpArgs {
     #[arg(long, default_value_t = 1)]
     pub inference_servers: usize,
     /// Learner replicas (synchronous data parallelism: each takes a share
-    /// of every batch and the gradients are summed; PPO, A2C and
-    /// REINFORCE runs); defaults to the config's `learner.replicas`.
+    /// of every batch and the gradients are summed; every algorithm,
+    /// text runs included); defaults to the config's `learner.replicas`.
     #[arg(long)]
     pub learners: Option<usize>,
     /// Folder for the stack's state (NATS, Redis, Prometheus data, process logs).

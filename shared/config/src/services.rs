@@ -74,8 +74,8 @@ pub struct LearnerConfig {
     /// Learner replicas `relay up` starts (its `--learners` overrides it):
     /// synchronous data parallelism, each replica takes a share of every
     /// batch and the gradients are averaged, so the global batch is the
-    /// config's whatever the count. PPO, A2C and REINFORCE runs; others
-    /// are refused more than one by name.
+    /// config's whatever the count. Every algorithm (PPO, A2C, REINFORCE,
+    /// DQN, SAC, and the text runs' LoRA objectives).
     pub replicas: usize,
 }
 

@@ -7,6 +7,7 @@
 //! - [`weights`]: the one weights transport (inline, direct, object store).
 //! - [`direct`]: large weight versions straight from their publisher over TCP.
 //! - [`intake`]: decoding received payloads and counting rejections.
+//! - [`league`]: the league's model pool in Redis, where every service sees it.
 //! - [`metrics`]: the metric catalogue and checked registration.
 //! - [`http`]: `/metrics` and `/healthz`.
 //! - [`telemetry`]: tracing setup and log forwarding to the tracker.

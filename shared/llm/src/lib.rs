@@ -1,4 +1,5 @@
-//! `relay-llm`: LLM policies for the text games, in candle on the CPU.
+//! `relay-llm`: LLM policies for the text games: the CPU engine, and
+//! candle on any device (a GPU included, with the `cuda` feature).
 //!
 //! Pure: no NATS, Redis or async; files are the only I/O (model folders,
 //! GGUF files, adapters).

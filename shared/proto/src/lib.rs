@@ -30,7 +30,7 @@ pub use messages::*;
 pub use offpolicy::*;
 pub use staleness::{is_stale, PolicyLag};
 pub use subjects::{validate_run_id, Subjects};
-pub use tensor::{DType, F32Parts, NamedTensor, Tensor, TensorError};
+pub use tensor::{DType, Tensor, TensorError};
 
 /// Milliseconds since the Unix epoch on this machine's clock (what
 /// timestamps in messages hold; 0 if the clock is before 1970).

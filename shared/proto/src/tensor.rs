@@ -51,33 +51,6 @@ pub struct Tensor {
     pub data: Vec<u8>,
 }
 
-/// A tensor with a name, e.g. one parameter of a model.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NamedTensor {
-    pub name: String,
-    pub tensor: Tensor,
-}
-
-/// A named f32 array as models hold it: (name, shape, values).
-pub type F32Parts = (String, Vec<usize>, Vec<f32>);
-
-impl NamedTensor {
-    pub fn from_parts((name, shape, values): &F32Parts) -> Self {
-        Self {
-            name: name.clone(),
-            tensor: Tensor::from_f32(shape, values),
-        }
-    }
-
-    pub fn to_parts(&self) -> Result<F32Parts, TensorError> {
-        Ok((
-            self.name.clone(),
-            self.tensor.shape_usize(),
-            self.tensor.to_finite_f32()?,
-        ))
-    }
-}
-
 impl Tensor {
     pub fn from_f32(shape: &[usize], values: &[f32]) -> Self {
         debug_assert_eq!(shape.iter().product::<usize>(), values.len());
