@@ -420,7 +420,8 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
 /// first: relay's built-in env, Gymnasium's, or PettingZoo's game (in
 /// turns, or parallel with one shared policy), its observations and actions.
 fn env_source(config: &ExperimentConfig, spec: &relay_envs::EnvSpec) -> String {
-    let source = if !config.env.uses_python(&config.run.env_id) {
+    let python = config.env.uses_python(&config.run.env_id);
+    let source = if !python {
         "relay's built-in env".to_string()
     } else if !spec.agents.is_empty() {
         format!(
@@ -438,13 +439,13 @@ fn env_source(config: &ExperimentConfig, spec: &relay_envs::EnvSpec) -> String {
     } else {
         "Gymnasium".to_string()
     };
-    let python = if config.env.uses_python(&config.run.env_id) {
+    let interpreter = if python {
         format!(" (Python {})", config.env.interpreter().display())
     } else {
         String::new()
     };
     format!(
-        "from {source}{python}: {} observations, {} actions",
+        "from {source}{interpreter}: {} observations, {} actions",
         spec.image
             .map_or(spec.obs_dim().to_string(), |[c, h, w]| format!(
                 "{c}x{h}x{w} image (uint8)"

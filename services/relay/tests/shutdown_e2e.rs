@@ -61,17 +61,6 @@ fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Whether process `pid` has ended (gone, or a zombie its parent has not
-/// reaped yet).
-fn ended(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
-        Err(_) => true,
-    }
-}
-
 /// A counter's value on a service's `/metrics`, 0 until it answers.
 fn metric(addr: &str, name: &str) -> f64 {
     let Ok(addr) = addr.parse::<SocketAddr>() else {
@@ -188,31 +177,14 @@ fn the_stack_stops_within_its_promise_during_a_carracing_evaluation() {
         );
     }
 
-    // Ctrl-C, and each process's end, from then.
-    let stopped = Instant::now();
-    up.interrupt();
-    let mut ended_at: BTreeMap<u32, Duration> = BTreeMap::new();
+    // Ctrl-C, and each process's end, from then (a worker seen ended in
+    // the same look as its owner ended no later).
     let all: Vec<u32> = pids
         .values()
         .copied()
         .chain(workers.iter().map(|w| w.1))
         .collect();
-    while ended_at.len() < all.len() || matches!(up.0.try_wait(), Ok(None)) {
-        assert!(
-            stopped.elapsed() < Duration::from_secs(60),
-            "the stack did not stop:\n{}",
-            read(&output)
-        );
-        // One time for the whole look: a worker seen ended in the same
-        // look as its owner ended no later.
-        let now = stopped.elapsed();
-        for &pid in &all {
-            if !ended_at.contains_key(&pid) && ended(pid) {
-                ended_at.insert(pid, now);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let ended_at = up.interrupt_and_time(&all, &output);
     let status = up.0.wait().unwrap();
     let text = read(&output);
     assert!(status.success(), "relay up: {status}\n{text}");

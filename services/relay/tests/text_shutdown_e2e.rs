@@ -45,17 +45,6 @@ fn write_model(out: &Path) {
     init::tiny_with_shape(out, 0, &vocab, &shape).unwrap();
 }
 
-/// Whether process `pid` has ended (gone, or a zombie its parent has not
-/// reaped yet).
-fn ended(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
-        Err(_) => true,
-    }
-}
-
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
@@ -181,23 +170,12 @@ fn stops_in_the_middle_of_an_update(learners: usize) {
     std::thread::sleep(Duration::from_secs_f64(first_update / 4.0));
 
     // Ctrl-C, and each process's end, from then.
-    let stopped = Instant::now();
-    up.interrupt();
-    let mut ended_at: BTreeMap<&str, Duration> = BTreeMap::new();
-    while ended_at.len() < pids.len() || matches!(up.0.try_wait(), Ok(None)) {
-        assert!(
-            stopped.elapsed() < Duration::from_secs(60),
-            "the stack did not stop:\n{}",
-            read(&output)
-        );
-        let now = stopped.elapsed();
-        for (name, &pid) in &pids {
-            if !ended_at.contains_key(name.as_str()) && ended(pid) {
-                ended_at.insert(name, now);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let all: Vec<u32> = pids.values().copied().collect();
+    let by_pid = up.interrupt_and_time(&all, &output);
+    let ended_at: BTreeMap<&str, Duration> = pids
+        .iter()
+        .map(|(name, pid)| (name.as_str(), by_pid[pid]))
+        .collect();
     let status = up.0.wait().unwrap();
     let text = read(&output);
     assert!(status.success(), "relay up: {status}\n{text}");

@@ -423,6 +423,46 @@ impl Supervisor {
     pub fn interrupt(&self) {
         signal(self.0.id(), libc::SIGINT);
     }
+
+    /// Ctrl-C, then how long after it each of `pids` ended, watched until
+    /// all have and the supervisor itself has exited (one time for each
+    /// look over them: a process seen ended in the same look as another
+    /// ended no later). Fails after 60 s, showing `log`.
+    pub fn interrupt_and_time(
+        &mut self,
+        pids: &[u32],
+        log: &Path,
+    ) -> std::collections::BTreeMap<u32, Duration> {
+        let stopped = Instant::now();
+        self.interrupt();
+        let mut ended_at = std::collections::BTreeMap::new();
+        while ended_at.len() < pids.len() || matches!(self.0.try_wait(), Ok(None)) {
+            assert!(
+                stopped.elapsed() < Duration::from_secs(60),
+                "the stack did not stop:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+            let now = stopped.elapsed();
+            for &pid in pids {
+                if !ended_at.contains_key(&pid) && process_ended(pid) {
+                    ended_at.insert(pid, now);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        ended_at
+    }
+}
+
+/// Whether process `pid` has ended (gone, or a zombie its parent has not
+/// reaped yet).
+pub fn process_ended(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
 }
 
 impl Drop for Supervisor {
