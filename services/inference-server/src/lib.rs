@@ -296,6 +296,17 @@ async fn serve_act_requests(
         _ = follower.newer_than(None) => {}
         _ = shutdown.wait() => return Ok(()),
     }
+    // The gauge says what this copy holds as soon as it holds it, not at
+    // the next request: after a run's last update no request may come.
+    let mut watching = follower.clone();
+    let version_gauge = metrics.weights_version.clone();
+    tokio::spawn(async move {
+        let mut held = None;
+        while let Some(policy) = watching.newer_than(held).await {
+            version_gauge.set(policy.version as i64);
+            held = Some(policy.version);
+        }
+    });
     let mut requests = micro
         .endpoint(service.subjects.act())
         .await
@@ -384,7 +395,6 @@ async fn serve_act_requests(
             }
             continue;
         };
-        metrics.weights_version.set(current.version as i64);
         // One forward per determinism flag and past version asked for
         // (almost always a single group: the newest, sampling).
         let past = |act: &ActRequest| act.policy_version.filter(|&v| v != current.version);

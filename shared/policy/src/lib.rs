@@ -524,6 +524,15 @@ pub struct Follower<T> {
     rx: watch::Receiver<Option<Arc<T>>>,
 }
 
+// Derive would ask `T: Clone`; copies share the one fetch loop.
+impl<T> Clone for Follower<T> {
+    fn clone(&self) -> Self {
+        Self {
+            rx: self.rx.clone(),
+        }
+    }
+}
+
 /// Keeps the newest model (and its normaliser).
 pub type PolicyFollower = Follower<VersionedPolicy>;
 
