@@ -2,11 +2,19 @@
 //! line (`relay eval checkpoint`, `relay play`, `relay eval use`):
 //!
 //! - [`plugins`]: the [`plugins::Evaluator`] trait, the registry of named
-//!   plugins and their options, and [`plugins::play`], which plays
-//!   episodes of a policy on vectorized envs.
+//!   plugins and their options (`plugins/mod.rs`), and one file per plugin
+//!   (`plugins/greedy.rs`, `stochastic.rs`, `threshold.rs`, `record.rs`,
+//!   `vs_opponent.rs`);
+//! - [`play`]: the episode players, [`play::play`] and
+//!   [`play::play_against`] on the envs of [`play::eval_envs`], which the
+//!   plugins and the command line share (also re-exported as
+//!   `plugins::play`, `plugins::eval_envs`, ...);
 //! - [`evaluate`], [`mean_std`]: the greedy return of a model, and the
 //!   statistics every eval report gives.
 
+#[cfg(test)]
+mod fixtures;
+pub mod play;
 pub mod plugins;
 
 use relay_nn::ActorCritic;
@@ -21,10 +29,10 @@ pub fn evaluate(
     episodes: usize,
     seed: u64,
 ) -> Result<Vec<f64>, String> {
-    Ok(plugins::play(
+    Ok(play::play(
         model,
         None,
-        plugins::eval_envs(env_id, &Default::default(), episodes, seed)?,
+        play::eval_envs(env_id, &Default::default(), episodes, seed)?,
         seed,
         true,
         false,
