@@ -19,7 +19,7 @@
 //! nats-server into a [`relay_kit::collective::Group`], and runs the
 //! learner's own update (`relay_learner::ppo::update`,
 //! `relay_learner::sac::gradient_step`) with
-//! [`relay_learner::replicas::InGroup`]: its share of every minibatch, the
+//! [`relay_replicas::in_group`]: its share of every minibatch, the
 //! gradients summed by the ring all-reduce. Every replica holds the same
 //! data (drawn from one seed), as rank 0 hands it out in a run. The
 //! figure is samples trained per second (samples per step over the median
@@ -50,8 +50,8 @@ use relay::stack::{ExternalInfra, Stack};
 use relay_config::ExperimentConfig;
 use relay_kit::collective::{Group, GroupConfig, View};
 use relay_learner::optimizer::Optimizer;
-use relay_learner::replicas::{Alone, GradientSync, InGroup};
 use relay_learner::rollout::Rollout;
+use relay_nn::BatchShare;
 use relay_nn::{Actions, ActorCritic};
 use relay_proto::TransitionBatch;
 
@@ -278,7 +278,7 @@ impl Trainer {
         &mut self,
         progress: f64,
         rng: &mut rand_chacha::ChaCha8Rng,
-        sync: &mut dyn GradientSync,
+        sync: &mut BatchShare<'_>,
     ) -> Result<()> {
         match self {
             Self::Ppo {
@@ -316,9 +316,7 @@ impl Trainer {
                 examples,
                 epochs,
             } => {
-                relay_learner::replicas::with_batch_share(sync, |share| {
-                    trainer.train_epochs_part(model, adapter, examples, *epochs, share)
-                })?;
+                trainer.train_epochs_part(model, adapter, examples, *epochs, sync)?;
             }
         }
         Ok(())
@@ -468,13 +466,19 @@ fn run_replica(spec: &str, args: &BenchLearnersArgs) -> Result<()> {
         let progress = update as f64 / (updates + 1) as f64;
         let reduced = match joined.as_mut() {
             Some((group, view)) => {
-                let mut sync = InGroup::new(group, view.clone(), tag, runtime.handle().clone())?;
-                trainer.step(progress, &mut rng, &mut sync)?;
-                tag = sync.next_tag();
-                sync.reduced
+                let _entered = runtime.enter();
+                let (stepped, summed) = relay_replicas::in_group(group, view, tag, None, |share| {
+                    trainer.step(progress, &mut rng, share)
+                });
+                stepped?;
+                if let Some(broken) = summed.broken {
+                    bail!("a replica failed inside the step: {broken}");
+                }
+                tag = summed.next_tag;
+                summed.reduced
             }
             None => {
-                trainer.step(progress, &mut rng, &mut Alone)?;
+                trainer.step(progress, &mut rng, &mut BatchShare::whole())?;
                 Default::default()
             }
         };
@@ -485,7 +489,7 @@ fn run_replica(spec: &str, args: &BenchLearnersArgs) -> Result<()> {
         }
     }
     let parameters = trainer.parameters();
-    let digest = relay_learner::replicas::digest(&parameters);
+    let digest = relay_replicas::digest(&parameters);
     if rank == 0 {
         std::fs::write(params_out, rmp_serde::to_vec(&parameters)?)?;
     }

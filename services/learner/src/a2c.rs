@@ -11,7 +11,7 @@
 //!    gradient-norm clip, RMSprop (or Adam). Learning rate and entropy
 //!    coefficient follow their schedules over training progress.
 //!
-//! With learner replicas ([`crate::replicas`]) each takes its part of the
+//! With learner replicas (`relay_replicas`) each takes its part of the
 //! rollout's rows (advantages normalised over all of them first), weights
 //! its loss by its share, and the gradients and statistics are summed
 //! across replicas before the step.
@@ -25,8 +25,8 @@ use relay_nn::{a2c_loss, A2cInputs, A2cLossConfig, ActorCritic};
 use relay_proto::MetricValue;
 
 use crate::optimizer::Optimizer;
-use crate::replicas::{part, GradientSync};
 use crate::rollout::{Rollout, UpdateError};
+use relay_nn::BatchShare;
 
 /// What one update did.
 #[derive(Debug, Clone, Default)]
@@ -67,7 +67,7 @@ pub fn update(
     rollout: &Rollout,
     cfg: &A2cConfig,
     progress: f64,
-    sync: &mut dyn GradientSync,
+    sync: &mut BatchShare<'_>,
 ) -> Result<UpdateStats, UpdateError> {
     let learning_rate = cfg.learning_rate.value(progress);
     let ent_coef = cfg.ent_coef.value(progress);
@@ -79,8 +79,8 @@ pub fn update(
     } else {
         rollout.advantages.clone()
     };
-    let share = sync.share();
-    let units = part(&all, share);
+    let share = (sync.rank, sync.replicas);
+    let units = sync.part(&all);
     let rows = rollout.rows_of(units);
     let weight = rows.len() as f64 / rollout.len.max(1) as f64;
     // Weighted by this part's share: summed, the whole rollout's means.
@@ -243,7 +243,7 @@ mod tests {
                 &rollout,
                 &cfg.a2c,
                 k as f64 / 150.0,
-                &mut crate::replicas::Alone,
+                &mut relay_nn::BatchShare::whole(),
             )
             .unwrap();
         }
@@ -291,7 +291,7 @@ mod tests {
             &rollout,
             &cfg.a2c,
             0.5,
-            &mut crate::replicas::Alone,
+            &mut relay_nn::BatchShare::whole(),
         )
         .unwrap();
         assert!((stats.learning_rate - 5e-4).abs() < 1e-12);

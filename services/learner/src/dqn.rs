@@ -50,7 +50,7 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::{self, CheckpointError};
 use crate::offpolicy::{OffPolicyAlgorithm, RoundSchedule};
 use crate::progress::Progress;
-use crate::replicas::{check_covered, part_range, summed_gradients, GradientSync};
+use relay_nn::BatchShare;
 
 /// The checkpoint file of [`DqnState`].
 const STATE_FILE: &str = "dqn.json";
@@ -140,15 +140,13 @@ pub enum DqnError {
     Nn(#[from] relay_nn::NnError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    #[error(transparent)]
-    Replicas(#[from] crate::rollout::UpdateError),
 }
 
 /// One gradient step on a sampled batch: the DQN loss, a clipped Adam
 /// step. Returns the loss statistics, the gradient norm before clipping
 /// and the new priorities `|δ| + eps` of the whole batch.
 ///
-/// With learner replicas ([`crate::replicas`]) every replica holds the
+/// With learner replicas (`relay_replicas`) every replica holds the
 /// batch and takes its part of the rows (so prioritized replay's sample,
 /// drawn once, keeps its distribution); losses, statistics and priorities
 /// are weighted and summed across replicas with the gradients.
@@ -158,7 +156,7 @@ pub fn gradient_step(
     target: &QNetwork,
     optimizer: &mut Adam,
     batch: &TransitionBatch,
-    sync: &mut dyn GradientSync,
+    sync: &mut BatchShare<'_>,
 ) -> Result<(DqnStats, f32, Vec<f32>), DqnError> {
     let field = |field: &'static str, e: relay_proto::TensorError| DqnError::Batch {
         field,
@@ -204,8 +202,8 @@ pub fn gradient_step(
     };
     let b = actions.len();
     let d = obs.len() / b.max(1);
-    let share = sync.share();
-    let rows = part_range(b, share);
+    let share = (sync.rank, sync.replicas);
+    let rows = sync.rows(b);
     let weight = rows.len() as f64 / b.max(1) as f64;
     // The weighted statistics (loss, Q, target, |δ|, the share itself),
     // then the batch's priorities, each replica writing its own rows'.
@@ -247,8 +245,15 @@ pub fn gradient_step(
             (out.loss * weight).map_err(relay_nn::NnError::from)?
         })
     };
-    let mut grads = summed_gradients(loss.as_ref(), optimizer.vars(), sync, &mut summed)?;
-    check_covered(summed[4])?;
+    let mut grads = sync.sum_gradients(
+        loss.as_ref()
+            .map(candle_core::Tensor::backward)
+            .transpose()
+            .map_err(relay_nn::NnError::from)?,
+        optimizer.vars(),
+        &mut summed,
+    )?;
+    BatchShare::check_covered(summed[4]).map_err(relay_nn::NnError::from)?;
     let norm = clip_grad_norm(&mut grads, optimizer.vars(), cfg.max_grad_norm as f32)?;
     optimizer.step(&grads)?;
     let stats = DqnStats {
@@ -420,7 +425,7 @@ impl OffPolicyAlgorithm for Dqn {
         _step: usize,
         batch: &TransitionBatch,
         _rng: &mut ChaCha8Rng,
-        sync: &mut dyn GradientSync,
+        sync: &mut BatchShare<'_>,
     ) -> Result<Option<Vec<f32>>, DqnError> {
         let (loss_stats, norm, priorities) = gradient_step(
             &self.cfg,
@@ -551,7 +556,7 @@ mod tests {
             &target,
             &mut adam,
             &b,
-            &mut crate::replicas::Alone,
+            &mut relay_nn::BatchShare::whole(),
         )
         .unwrap();
         assert_eq!(p0.len(), 2);
@@ -564,7 +569,7 @@ mod tests {
                 &target,
                 &mut adam,
                 &b,
-                &mut crate::replicas::Alone,
+                &mut relay_nn::BatchShare::whole(),
             )
             .unwrap()
             .0;
@@ -580,7 +585,7 @@ mod tests {
             &target,
             &mut adam,
             &bad,
-            &mut crate::replicas::Alone
+            &mut relay_nn::BatchShare::whole()
         )
         .is_err());
     }

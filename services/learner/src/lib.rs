@@ -4,9 +4,10 @@
 //! version.
 //!
 //! Every run may have several learner replicas (synchronous data
-//! parallelism, [`replicas`]; the on-policy, off-policy and text loops
-//! alike): rank 0 runs the loop below and hands each batch to the others,
-//! and all apply the same update. The loop, the same for every on-policy
+//! parallelism, driven by `relay_replicas`; the on-policy, off-policy and
+//! text loops alike, each a `relay_replicas::Replicated` trainer): rank 0
+//! runs the loop below and hands each batch to the others, and all apply
+//! the same update. The loop, the same for every on-policy
 //! algorithm: gather what
 //! the algorithm needs from fragments no more than `replay.max_policy_lag`
 //! versions old (PPO: `ppo.rollout_steps` env steps; A2C: one fragment of
@@ -72,7 +73,6 @@ pub mod ppo;
 pub mod progress;
 mod publish;
 pub mod reinforce;
-pub mod replicas;
 pub mod rollout;
 pub mod sac;
 pub mod text;

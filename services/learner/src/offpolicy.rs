@@ -30,7 +30,7 @@
 //!
 //! A round's minibatches are all drawn before it trains (the next round's
 //! draw is asked while it trains), so that with learner replicas
-//! ([`crate::replicas`]) rank 0 draws them and hands the round to the
+//! (`relay_replicas`) rank 0 draws them and hands the round to the
 //! others whole: every replica trains its part of each minibatch, and
 //! rank 0 alone talks to the replay-buffer, publishes and checkpoints.
 
@@ -54,8 +54,9 @@ use crate::progress::{
     LINKS_LAST_SOLVED,
 };
 use crate::publish::{final_weights, LatestWeights};
-use crate::replicas::{GradientSync, Next, Replicas};
+use relay_nn::BatchShare;
 use relay_nn::NamedTensor;
+use relay_replicas::{Next, Replicas, Replicated, Turn};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// SB3's round schedule of an off-policy learner (its config section's
@@ -130,7 +131,7 @@ pub(crate) trait OffPolicyAlgorithm {
         step: usize,
         batch: &TransitionBatch,
         rng: &mut ChaCha8Rng,
-        sync: &mut dyn GradientSync,
+        sync: &mut BatchShare<'_>,
     ) -> Result<Option<Vec<f32>>, Self::Error>;
     /// Ends the round (one more done); returns its metrics.
     fn end_round(&mut self, frac: f64) -> Vec<MetricValue>;
@@ -142,7 +143,7 @@ pub(crate) trait OffPolicyAlgorithm {
 /// Runs `algorithm` on the run's transition table until the budget is
 /// spent, the run is solved (with `run.stop_when_solved`) or shutdown.
 ///
-/// With learner replicas ([`crate::replicas`]) rank 0 does all of the
+/// With learner replicas (`relay_replicas`) rank 0 does all of the
 /// above that touches the replay-buffer and the run: it draws each
 /// round's minibatches and hands them out (the step barrier), then every
 /// replica trains the round, each on its part of every minibatch, the
@@ -231,17 +232,23 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let num_envs = cfg.env_runner.num_envs.max(1) as u64;
     // The table counts env steps since the run began; a resumed learner
     // continues from its checkpoint's count.
-    let mut table = TableCounters::default();
+    let table = TableCounters::default();
+    let mut work = OffPolicy {
+        algorithm,
+        progress,
+        rng,
+        table,
+    };
     let started = Instant::now();
-    let start_env_steps = progress.env_steps;
-    let mut reported_vec_steps = progress.vec_steps;
+    let start_env_steps = work.progress.env_steps;
+    let mut reported_vec_steps = work.progress.vec_steps;
     // Rounds can be one env step apart (SAC): their reports are sent at
     // most every MIN_REPORT_INTERVAL, the latest round's values with the
     // counts of every round since; the last one is sent when training stops.
     let mut last_report: Option<Instant> = None;
     let mut unreported: Option<Vec<MetricValue>> = None;
     let (mut rejected_since, mut stale_since) = (0u64, 0u64);
-    let schedule = algorithm.schedule();
+    let schedule = work.algorithm.schedule();
     let mut draw = DrawSize::new(service.max_message_bytes());
     // The next round's draw, asked while this round trains (uniform
     // replay only): the sample's round trip then overlaps the training.
@@ -251,48 +258,31 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let mut held: Option<RoundInput> = None;
     let finish = loop {
         // A new view: rank 0's state goes to every replica.
-        if replicas.follow_view()? {
-            if replicas.took_over() {
-                // The old rank 0 may have published one version past what
-                // this replica holds: skip it.
-                progress.version += 2;
-            }
-            let mine = replicas
-                .leads()
-                .then(|| ReplicaState::capture(&algorithm, &progress, &rng, &table))
-                .transpose()
-                .map_err(ServiceError::other)?;
-            match replicas.share_state(&shutdown, mine).await? {
-                Next::Go(Some(state)) => state
-                    .restore(&mut algorithm, &mut progress, &mut rng, &mut table)
-                    .map_err(|e| {
-                        ServiceError::other(format!("learner replicas: rank 0's state: {e}"))
-                    })?,
-                Next::Go(None) => {}
-                Next::Retry => continue,
-                Next::Stop => break Finish::Shutdown,
-            }
-            metrics.version.set(progress.version as i64);
+        match replicas.sync_view(&mut work, &shutdown).await? {
+            Next::Go(true) => metrics.version.set(work.progress.version as i64),
+            Next::Go(false) => {}
+            Next::Retry => continue,
+            Next::Stop => break Finish::Shutdown,
         }
         if replicas.leads() && leading.is_none() {
             let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
             let mut events = RunEvents::subscribe(&service, best_eval).await?;
-            let first = algorithm.weights(&progress);
+            let first = work.algorithm.weights(&work.progress);
             latest.publish(&service, &first).await;
             events.record(first.version, first);
-            metrics.version.set(progress.version as i64);
+            metrics.version.set(work.progress.version as i64);
             leading = Some((latest, events));
         }
 
         let round_started = Instant::now();
         let mut times = RoundTimes::default();
         let input = if let Some((_, events)) = leading.as_mut() {
-            let due_at = schedule.due_at(algorithm.rounds());
+            let due_at = schedule.due_at(work.algorithm.rounds());
             // The budget is spent once the table holds it and every round
             // due within it is done: env-runners running ahead of the
             // learner (within the rate limiter's slack) do not cut rounds
             // short.
-            let trained_through = progress.env_steps.min(due_at.saturating_sub(1));
+            let trained_through = work.progress.env_steps.min(due_at.saturating_sub(1));
             if let Some(finish) = should_finish(
                 &shutdown,
                 trained_through,
@@ -303,7 +293,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                 replicas.announce_stop().await;
                 break finish;
             }
-            save_evaluated(&mut algorithm, events, &progress, &rng);
+            save_evaluated(&mut work.algorithm, events, &work.progress, &work.rng);
             best_eval = events.best_eval;
             Some(match held.take() {
                 // A round that failed in the previous view is redone.
@@ -314,7 +304,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                     let mut ready = None;
                     if let Some(handle) = prefetched.take() {
                         if let Ok(Ok(reply)) = handle.await {
-                            table.observe(&reply, &mut progress, num_envs);
+                            work.table.observe(&reply, &mut work.progress, num_envs);
                             ready = Some(reply);
                         }
                     }
@@ -322,16 +312,16 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                     // sample reply says, so the table is asked on its own
                     // only while the last count is short of the round due
                     // (SAC's rounds are one env step apart).
-                    if table.base.is_none() || progress.env_steps < due_at {
+                    if work.table.base.is_none() || work.progress.env_steps < due_at {
                         match sample_transitions(&service, 0, 1.0).await {
-                            Ok(reply) => table.observe(&reply, &mut progress, num_envs),
+                            Ok(reply) => work.table.observe(&reply, &mut work.progress, num_envs),
                             Err(e) => {
                                 tracing::debug!(error = %e, "replay-buffer not answering; retrying");
                                 pause(&shutdown, Duration::from_millis(50)).await;
                                 continue;
                             }
                         }
-                        if progress.env_steps < due_at {
+                        if work.progress.env_steps < due_at {
                             pause(&shutdown, Duration::from_millis(1)).await;
                             continue;
                         }
@@ -343,9 +333,9 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                         &shutdown,
                         &mut draw,
                         schedule,
-                        algorithm.sampling_beta(frac),
+                        work.algorithm.sampling_beta(frac),
                         ready,
-                        (&mut table, &mut progress, num_envs),
+                        (&mut work.table, &mut work.progress, num_envs),
                         &mut times,
                     )
                     .await
@@ -355,8 +345,8 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                     };
                     // Drawn ahead only from a table that already holds the
                     // next round's env steps, so no drawn sample goes unused.
-                    if !algorithm.prioritized()
-                        && progress.env_steps >= schedule.due_at(algorithm.rounds() + 1)
+                    if !work.algorithm.prioritized()
+                        && work.progress.env_steps >= schedule.due_at(work.algorithm.rounds() + 1)
                     {
                         let rows = schedule.batch_size
                             * draw
@@ -368,11 +358,11 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                         }));
                     }
                     RoundInput {
-                        rounds: algorithm.rounds(),
+                        rounds: work.algorithm.rounds(),
                         due_at,
                         frac,
-                        progress: progress.clone(),
-                        table,
+                        progress: work.progress.clone(),
+                        table: work.table,
                         best_eval,
                         batches,
                     }
@@ -382,56 +372,33 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             // A follower: the step barrier waits for rank 0's round.
             None
         };
-        let input = match replicas.exchange(&shutdown, input, &mut held).await? {
-            Next::Go(input) => input,
-            Next::Retry => continue,
-            Next::Stop => break Finish::Shutdown,
-        };
-        if input.rounds != algorithm.rounds() {
-            // Rank 0's state was already past this round: it is not redone.
-            continue;
-        }
-
         // The round's gradient steps, in one blocking section.
-        let snapshot = (!replicas.alone())
-            .then(|| ReplicaState::capture(&algorithm, &progress, &rng, &table))
-            .transpose()
-            .map_err(ServiceError::other)?;
         let trained_at = Instant::now();
-        let trained = tokio::task::block_in_place(|| {
-            replicas.step(|sync| train_round(&mut algorithm, &input, &mut rng, sync))
-        });
+        let turn = replicas
+            .run_step(&mut work, input, &mut held, &shutdown)
+            .await?;
         times.train_s = trained_at.elapsed().as_secs_f64();
-        let trained = match trained {
-            Ok(trained) => trained.map_err(ServiceError::other)?,
-            Err(e) => {
-                tracing::warn!(error = %e, round = input.rounds, "a replica failed inside the round; rolling back and redoing it in the next view");
-                snapshot
-                    .expect("only replicas fail in a collective")
-                    .restore(&mut algorithm, &mut progress, &mut rng, &mut table)
-                    .map_err(ServiceError::other)?;
-                held = Some(input);
-                if !replicas.recover(&shutdown).await? {
-                    break Finish::Shutdown;
-                }
-                continue;
-            }
+        let (input, trained) = match turn {
+            Turn::Done { step, output } => (step, output),
+            Turn::Failed { error, .. } => return Err(ServiceError::other(error)),
+            Turn::Again => continue,
+            Turn::Stop => break Finish::Shutdown,
         };
         if leading.is_none() {
-            (progress, table, best_eval) = (input.progress, input.table, input.best_eval);
+            (work.progress, work.table, best_eval) = (input.progress, input.table, input.best_eval);
         }
-        progress.updates += 1;
-        progress.version += 1;
-        metrics.version.set(progress.version as i64);
-        let replica_values = replicas.gauges(progress.updates);
+        work.progress.updates += 1;
+        work.progress.version += 1;
+        metrics.version.set(work.progress.version as i64);
+        let replica_values = replicas.gauges(work.progress.updates);
         replicas
-            .check_parameters(progress.updates, || algorithm.parameters())
+            .check_parameters(work.progress.updates, || work.algorithm.parameters())
             .await?;
         let Some((latest, events)) = leading.as_mut() else {
             if last_report.is_none_or(|at| at.elapsed() >= MIN_REPORT_INTERVAL) {
                 last_report = Some(Instant::now());
                 service
-                    .report(Some(progress.vec_steps), replica_values)
+                    .report(Some(work.progress.vec_steps), replica_values)
                     .await;
             }
             continue;
@@ -440,24 +407,24 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         let sent = Instant::now();
         let stale_priorities = send_priorities(&service, &trained.priorities).await;
         times.priority_s = sent.elapsed().as_secs_f64();
-        let update = algorithm.weights(&progress);
+        let update = work.algorithm.weights(&work.progress);
         latest.publish(&service, &update).await;
         events.record(update.version, update);
         let seconds = round_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
-        let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
+        let sps = work.progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
         rejected_since += trained.rejected;
         stale_since += stale_priorities;
         let mut values =
-            crate::progress::report_gauges(&progress, budget, sps, resumed_at_vec_steps);
+            crate::progress::report_gauges(&work.progress, budget, sps, resumed_at_vec_steps);
         values.extend([
             gauge(
                 "learner_rollout_vec_steps",
-                (progress.vec_steps - reported_vec_steps) as f64,
+                (work.progress.vec_steps - reported_vec_steps) as f64,
             ),
             gauge("learner_last_update_seconds", seconds),
-            gauge("learner_replay_size", table.size as f64),
+            gauge("learner_replay_size", work.table.size as f64),
             gauge("learner_rejected_batches", rejected_since as f64),
             gauge("learner_round_sample_seconds", times.sample_s),
             gauge("learner_round_train_seconds", times.train_s),
@@ -470,16 +437,16 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         values.extend(replica_values);
         if last_report.is_none_or(|at| at.elapsed() >= MIN_REPORT_INTERVAL) {
             last_report = Some(Instant::now());
-            reported_vec_steps = progress.vec_steps;
+            reported_vec_steps = work.progress.vec_steps;
             (rejected_since, stale_since) = (0, 0);
             unreported = None;
-            service.report(Some(progress.vec_steps), values).await;
+            service.report(Some(work.progress.vec_steps), values).await;
         } else {
             unreported = Some(values);
         }
-        if progress.updates % cfg.checkpoint_every() == 0 {
-            let counters = CheckpointState::of(&progress, &rng, events.best_eval);
-            save(&mut algorithm, counters, LINKS_LAST, None);
+        if work.progress.updates % cfg.checkpoint_every() == 0 {
+            let counters = CheckpointState::of(&work.progress, &work.rng, events.best_eval);
+            save(&mut work.algorithm, counters, LINKS_LAST, None);
         }
     };
 
@@ -494,19 +461,19 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         return service.finish().await;
     };
     if let Some(values) = unreported {
-        service.report(Some(progress.vec_steps), values).await;
+        service.report(Some(work.progress.vec_steps), values).await;
     }
     // Reports that arrived as training stopped, then the last checkpoint.
-    save_evaluated(&mut algorithm, &mut events, &progress, &rng);
-    let counters = CheckpointState::of(&progress, &rng, events.best_eval);
+    save_evaluated(&mut work.algorithm, &mut events, &work.progress, &work.rng);
+    let counters = CheckpointState::of(&work.progress, &work.rng, events.best_eval);
     match final_weights(&cfg, &events) {
         Some((version, weights)) => save(
-            &mut algorithm,
+            &mut work.algorithm,
             counters.holding(version),
             LINKS_LAST_SOLVED,
             Some(&weights),
         ),
-        None => save(&mut algorithm, counters, LINKS_LAST, None),
+        None => save(&mut work.algorithm, counters, LINKS_LAST, None),
     }
     finish_run(
         &service,
@@ -514,9 +481,9 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         micro,
         &finish,
         format!("{budget} env steps"),
-        progress.version,
-        progress.env_steps,
-        || save_evaluated(&mut algorithm, &mut events, &progress, &rng),
+        work.progress.version,
+        work.progress.env_steps,
+        || save_evaluated(&mut work.algorithm, &mut events, &work.progress, &work.rng),
     )
     .await
 }
@@ -555,7 +522,7 @@ fn train_round<A: OffPolicyAlgorithm>(
     algorithm: &mut A,
     input: &RoundInput,
     rng: &mut ChaCha8Rng,
-    sync: &mut dyn GradientSync,
+    sync: &mut BatchShare<'_>,
 ) -> Result<TrainedRound, A::Error> {
     algorithm.begin_round(input.due_at, input.frac)?;
     let (mut ids, mut values) = (Vec::new(), Vec::new());
@@ -681,35 +648,63 @@ struct ReplicaState<S> {
     table: TableCounters,
 }
 
-impl<S> ReplicaState<S> {
-    fn capture<A: OffPolicyAlgorithm<State = S>>(
-        algorithm: &A,
-        progress: &Progress,
-        rng: &ChaCha8Rng,
-        table: &TableCounters,
-    ) -> Result<Self, String> {
-        Ok(Self {
-            algorithm: algorithm.capture().map_err(|e| e.to_string())?,
-            progress: progress.clone(),
-            rng: relay_runs::checkpoint::RngState::capture(rng),
-            table: *table,
+/// What the replicas hold alike and train together: the algorithm, the
+/// counters, the RNG and the table's counters.
+struct OffPolicy<A> {
+    algorithm: A,
+    progress: Progress,
+    rng: ChaCha8Rng,
+    table: TableCounters,
+}
+
+impl<A: OffPolicyAlgorithm> Replicated for OffPolicy<A> {
+    type State = ReplicaState<A::State>;
+    type Step = RoundInput;
+    type Output = TrainedRound;
+    type Error = A::Error;
+    // A round's gradient steps are milliseconds each; nothing of a round
+    // applies when its first step fails.
+    const STOPS_PART_WAY: bool = false;
+
+    fn capture(&self) -> Result<Self::State, String> {
+        Ok(ReplicaState {
+            algorithm: self.algorithm.capture().map_err(|e| e.to_string())?,
+            progress: self.progress.clone(),
+            rng: relay_runs::checkpoint::RngState::capture(&self.rng),
+            table: self.table,
         })
     }
 
-    fn restore<A: OffPolicyAlgorithm<State = S>>(
-        self,
-        algorithm: &mut A,
-        progress: &mut Progress,
-        rng: &mut ChaCha8Rng,
-        table: &mut TableCounters,
-    ) -> Result<(), String> {
-        algorithm
-            .restore(self.algorithm)
+    fn restore(&mut self, state: Self::State) -> Result<(), String> {
+        self.algorithm
+            .restore(state.algorithm)
             .map_err(|e| e.to_string())?;
-        *rng = self.rng.restore()?;
-        *progress = self.progress;
-        *table = self.table;
+        self.rng = state.rng.restore()?;
+        self.progress = state.progress;
+        self.table = state.table;
         Ok(())
+    }
+
+    fn took_over(&mut self) {
+        // The old rank 0 may have published one version past what this
+        // replica holds: skip it.
+        self.progress.version += 2;
+    }
+
+    fn is_next(&self, round: &RoundInput) -> bool {
+        round.rounds == self.algorithm.rounds()
+    }
+
+    fn run(
+        &mut self,
+        round: &RoundInput,
+        share: &mut BatchShare<'_>,
+    ) -> Result<TrainedRound, A::Error> {
+        train_round(&mut self.algorithm, round, &mut self.rng, share)
+    }
+
+    fn stopped(_: &A::Error) -> bool {
+        false
     }
 }
 

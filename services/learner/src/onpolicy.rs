@@ -26,9 +26,10 @@ use crate::progress::{
     LINKS_LAST_SOLVED,
 };
 use crate::publish::{final_weights, LatestWeights};
-use crate::replicas::{GradientSync, Next, Replicas, StopsOn};
 use crate::rollout::UpdateError;
 use crate::{a2c, checkpoint, ppo, reinforce, rollout};
+use relay_nn::BatchShare;
+use relay_replicas::{Next, Replicas, Replicated, Turn};
 
 /// A normalising run's intake of one fragment: merges its statistics delta
 /// into the run's statistics and, with `normalize.reward`, puts its scaled
@@ -125,7 +126,7 @@ fn update(
     batch: &Batch,
     progress: f64,
     rng: &mut ChaCha8Rng,
-    sync: &mut dyn GradientSync,
+    sync: &mut BatchShare<'_>,
 ) -> Result<Updated, UpdateError> {
     if sync.stopping() {
         return Err(UpdateError::Stopped);
@@ -180,7 +181,7 @@ struct StepInput {
 /// The learner's whole state, in memory: what rank 0 hands to every
 /// replica of a new view, and the rollback point of a replicated step (or
 /// of an update a stop cut short).
-#[derive(Clone, serde::Serialize, serde::Deserialize)]
+#[derive(serde::Serialize, serde::Deserialize)]
 struct ReplicaState {
     params: Vec<relay_nn::NamedTensor>,
     optimizer: OptimizerState,
@@ -191,51 +192,85 @@ struct ReplicaState {
     version_floor: u64,
 }
 
-impl ReplicaState {
-    fn capture(
-        model: &ActorCritic,
-        optimizer: &Optimizer,
-        normalizer: Option<&VecNormalize>,
-        progress: &Progress,
-        rng: &ChaCha8Rng,
-        version_floor: u64,
-    ) -> Result<Self, String> {
-        Ok(Self {
-            params: model.named_tensors(),
-            optimizer: optimizer.state().map_err(|e| e.to_string())?,
-            normalizer: normalizer.cloned(),
-            progress: progress.clone(),
-            rng: relay_runs::checkpoint::RngState::capture(rng),
-            version_floor,
+/// What the replicas hold alike and step together: the model, its
+/// optimizer, the run's normalisation statistics and the counters.
+struct OnPolicy<'c> {
+    cfg: &'c ExperimentConfig,
+    model: ActorCritic,
+    optimizer: Optimizer,
+    normalizer: Option<VecNormalize>,
+    progress: Progress,
+    rng: ChaCha8Rng,
+    /// The oldest version whose rollouts belong to this learner's timeline.
+    version_floor: u64,
+}
+
+impl Replicated for OnPolicy<'_> {
+    type State = ReplicaState;
+    type Step = StepInput;
+    type Output = Updated;
+    type Error = UpdateError;
+    // A whole update can take minutes (a CNN on CPU).
+    const STOPS_PART_WAY: bool = true;
+
+    fn capture(&self) -> Result<ReplicaState, String> {
+        Ok(ReplicaState {
+            params: self.model.named_tensors(),
+            optimizer: self.optimizer.state().map_err(|e| e.to_string())?,
+            normalizer: self.normalizer.clone(),
+            progress: self.progress.clone(),
+            rng: relay_runs::checkpoint::RngState::capture(&self.rng),
+            version_floor: self.version_floor,
         })
     }
 
-    /// Puts this state back into the learner's parts (parameters and
-    /// optimizer validated as a checkpoint's are).
-    fn restore(
-        self,
-        model: &mut ActorCritic,
-        optimizer: &mut Optimizer,
-        normalizer: Option<&mut VecNormalize>,
-        progress: &mut Progress,
-        rng: &mut ChaCha8Rng,
-        version_floor: &mut u64,
-    ) -> Result<(), String> {
-        model
-            .load_named_tensors(&self.params)
+    /// Parameters and optimizer validated as a checkpoint's are.
+    fn restore(&mut self, state: ReplicaState) -> Result<(), String> {
+        self.model
+            .load_named_tensors(&state.params)
             .map_err(|e| e.to_string())?;
-        optimizer
-            .set_state(self.optimizer)
+        self.optimizer
+            .set_state(state.optimizer)
             .map_err(|e| e.to_string())?;
-        match (normalizer, self.normalizer) {
+        match (&mut self.normalizer, state.normalizer) {
             (Some(n), Some(held)) => *n = held,
             (None, None) => {}
             _ => return Err("one side normalises and the other does not".into()),
         }
-        *rng = self.rng.restore()?;
-        *progress = self.progress;
-        *version_floor = self.version_floor;
+        self.rng = state.rng.restore()?;
+        self.progress = state.progress;
+        self.version_floor = state.version_floor;
         Ok(())
+    }
+
+    fn took_over(&mut self) {
+        // The old rank 0 may have published one version past what this
+        // replica holds: skip it.
+        self.progress.version += 2;
+    }
+
+    fn is_next(&self, step: &StepInput) -> bool {
+        step.updates == self.progress.updates
+    }
+
+    fn run(
+        &mut self,
+        step: &StepInput,
+        share: &mut BatchShare<'_>,
+    ) -> Result<Updated, UpdateError> {
+        update(
+            self.cfg,
+            &self.model,
+            &mut self.optimizer,
+            &step.batch,
+            step.frac,
+            &mut self.rng,
+            share,
+        )
+    }
+
+    fn stopped(error: &UpdateError) -> bool {
+        matches!(error, UpdateError::Stopped)
     }
 }
 
@@ -444,16 +479,26 @@ pub(crate) async fn run(
 
     let micro = service.micro().await?;
     let mut replicas = Replicas::join(&service).await?;
+    let mut work = OnPolicy {
+        cfg: &cfg,
+        model,
+        optimizer,
+        normalizer,
+        progress,
+        rng,
+        version_floor,
+    };
     // Rank 0 alone publishes and takes the run's events (a replica that
     // takes over starts then).
     let mut leading: Option<(LatestWeights, RunEvents<PolicyWeights>)> = None;
-    let weights = |model: &ActorCritic, normalizer: Option<&VecNormalize>, progress: &Progress| {
-        let mut update = PolicyWeights::of(model, progress.version, progress.env_steps);
-        update.normalizer = normalizer.map(relay_policy::norm_stats);
+    let weights = |work: &OnPolicy| {
+        let mut update =
+            PolicyWeights::of(&work.model, work.progress.version, work.progress.env_steps);
+        update.normalizer = work.normalizer.as_ref().map(relay_policy::norm_stats);
         update
     };
     service.health.set_ready(true);
-    tracing::info!(env_id = %cfg.run.env_id, algo = %cfg.run.algo, params = model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
+    tracing::info!(env_id = %cfg.run.env_id, algo = %cfg.run.algo, params = work.model.named_tensors().iter().map(|t| t.2.len()).sum::<usize>(), "training starts");
 
     let budget = cfg.run.total_env_steps;
     let lag = |floor| relay_proto::PolicyLag {
@@ -464,66 +509,33 @@ pub(crate) async fn run(
     let mut pending = Pending::default();
     let (mut dropped_stale, mut reported_stale) = (0u64, 0u64);
     let started = Instant::now();
-    let start_env_steps = progress.env_steps;
+    let start_env_steps = work.progress.env_steps;
     // The step handed out and not yet applied: kept across a failed step
     // so that the replicas redo it in the next view.
     let mut held: Option<StepInput> = None;
     let finish = loop {
         // A new view: rank 0's state goes to every replica.
-        if replicas.follow_view()? {
-            if replicas.took_over() {
-                // The old rank 0 may have published one version past what
-                // this replica holds: skip it.
-                progress.version += 2;
-            }
-            let mine = replicas
-                .leads()
-                .then(|| {
-                    ReplicaState::capture(
-                        &model,
-                        &optimizer,
-                        normalizer.as_ref(),
-                        &progress,
-                        &rng,
-                        version_floor,
-                    )
-                })
-                .transpose()
-                .map_err(ServiceError::other)?;
-            match replicas.share_state(&shutdown, mine).await? {
-                Next::Go(Some(state)) => state
-                    .restore(
-                        &mut model,
-                        &mut optimizer,
-                        normalizer.as_mut(),
-                        &mut progress,
-                        &mut rng,
-                        &mut version_floor,
-                    )
-                    .map_err(|e| {
-                        ServiceError::other(format!("learner replicas: rank 0's state: {e}"))
-                    })?,
-                Next::Go(None) => {}
-                Next::Retry => continue,
-                Next::Stop => break crate::progress::Finish::Shutdown,
-            }
-            metrics.version.set(progress.version as i64);
+        match replicas.sync_view(&mut work, &shutdown).await? {
+            Next::Go(true) => metrics.version.set(work.progress.version as i64),
+            Next::Go(false) => {}
+            Next::Retry => continue,
+            Next::Stop => break crate::progress::Finish::Shutdown,
         }
         if replicas.leads() && leading.is_none() {
             let serving = LatestWeights::serve(&service, &micro, &run_dir).await?;
             let mut events = RunEvents::subscribe(&service, best_eval).await?;
-            let first = weights(&model, normalizer.as_ref(), &progress);
+            let first = weights(&work);
             serving.publish(&service, &first).await;
             events.record(first.version, first);
-            metrics.version.set(progress.version as i64);
+            metrics.version.set(work.progress.version as i64);
             leading = Some((serving, events));
         }
-        let lag = lag(version_floor);
+        let lag = lag(work.version_floor);
 
         let input = if let Some((_, events)) = leading.as_mut() {
             if let Some(finish) = should_finish(
                 &shutdown,
-                progress.env_steps,
+                work.progress.env_steps,
                 budget,
                 &events.solved,
                 cfg.run.stop_when_solved,
@@ -533,15 +545,7 @@ pub(crate) async fn run(
             }
             // Take announcements (solved), evaluation starts and reports
             // without waiting; checkpoint each new best and the solving version.
-            checkpoint_evaluations(
-                events,
-                &service,
-                &run_dir,
-                (&model, &optimizer, normalizer.as_ref()),
-                &cfg,
-                &progress,
-                &rng,
-            );
+            checkpoint_evaluations(events, &service, &run_dir, &work);
             best_eval = events.best_eval;
             Some(match held.take() {
                 // A step that failed in the previous view is redone.
@@ -555,23 +559,24 @@ pub(crate) async fn run(
                             &cfg,
                             &metrics,
                             &mut algorithm,
-                            normalizer.as_mut(),
+                            work.normalizer.as_mut(),
                             &mut pending,
                             &mut dropped_stale,
-                            lag.oldest_fresh(progress.version),
-                            progress.version,
+                            lag.oldest_fresh(work.progress.version),
+                            work.progress.version,
                             max_steps,
                         )
                         .await;
                         continue;
                     }
                     StepInput {
-                        updates: progress.updates,
-                        frac: progress.env_steps as f64 / budget as f64,
+                        updates: work.progress.updates,
+                        frac: work.progress.env_steps as f64 / budget as f64,
                         taken: std::mem::take(&mut pending),
                         batch: algorithm.take_batch(),
                         best_eval,
-                        normalizer: normalizer
+                        normalizer: work
+                            .normalizer
                             .as_ref()
                             .filter(|_| !replicas.alone())
                             .map(|n| Box::new(n.clone())),
@@ -582,89 +587,20 @@ pub(crate) async fn run(
             // A follower: the step barrier waits for rank 0's step.
             None
         };
-        let input = match replicas.exchange(&shutdown, input, &mut held).await? {
-            Next::Go(input) => input,
-            Next::Retry => continue,
-            Next::Stop => break crate::progress::Finish::Shutdown,
-        };
-        if input.updates != progress.updates {
-            // Rank 0's state was already past this step: it is not redone.
-            continue;
-        }
 
-        // Update, from a state to roll back to (a replica failed in the
-        // step, or a stop cut it short): a copy of the parameters and the
-        // optimizer's moments, small beside the update's own work.
         let update_started = Instant::now();
-        let snapshot = ReplicaState::capture(
-            &model,
-            &optimizer,
-            normalizer.as_ref(),
-            &progress,
-            &rng,
-            version_floor,
-        )
-        .map_err(ServiceError::other)?;
-        let result = tokio::task::block_in_place(|| {
-            replicas.step(|sync| {
-                update(
-                    &cfg,
-                    &model,
-                    &mut optimizer,
-                    &input.batch,
-                    input.frac,
-                    &mut rng,
-                    &mut StopsOn {
-                        sync,
-                        shutdown: &shutdown,
-                    },
-                )
-            })
-        });
-        let updated = match result {
-            Ok(Ok(u)) => u,
-            Ok(Err(UpdateError::Stopped)) => {
-                // The part done is undone: the final checkpoint holds the
-                // last whole update.
-                snapshot
-                    .restore(
-                        &mut model,
-                        &mut optimizer,
-                        normalizer.as_mut(),
-                        &mut progress,
-                        &mut rng,
-                        &mut version_floor,
-                    )
-                    .map_err(ServiceError::other)?;
-                tracing::info!(
-                    step = input.updates,
-                    "update stopped part-way and rolled back"
-                );
-                break crate::progress::Finish::Shutdown;
-            }
-            Ok(Err(e)) => {
+        let (input, updated) = match replicas
+            .run_step(&mut work, input, &mut held, &shutdown)
+            .await?
+        {
+            Turn::Done { step, output } => (step, output),
+            Turn::Failed { error, .. } => {
                 // Bad data must not stop training: drop this rollout and go on.
-                tracing::error!(error = %e, "update failed; rollout dropped");
+                tracing::error!(error = %error, "update failed; rollout dropped");
                 continue;
             }
-            Err(e) => {
-                tracing::warn!(error = %e, step = input.updates, "a replica failed inside the step; rolling back and redoing it in the next view");
-                snapshot
-                    .restore(
-                        &mut model,
-                        &mut optimizer,
-                        normalizer.as_mut(),
-                        &mut progress,
-                        &mut rng,
-                        &mut version_floor,
-                    )
-                    .map_err(ServiceError::other)?;
-                held = Some(input);
-                if !replicas.recover(&shutdown).await? {
-                    break crate::progress::Finish::Shutdown;
-                }
-                continue;
-            }
+            Turn::Again => continue,
+            Turn::Stop => break crate::progress::Finish::Shutdown,
         };
         let StepInput {
             taken,
@@ -674,10 +610,11 @@ pub(crate) async fn run(
         } = input;
         if leading.is_none() {
             best_eval = best_eval_after;
-            if let (Some(n), Some(after)) = (normalizer.as_mut(), normalizer_after) {
+            if let (Some(n), Some(after)) = (work.normalizer.as_mut(), normalizer_after) {
                 *n = *after;
             }
         }
+        let progress = &mut work.progress;
         progress.updates += 1;
         progress.version += 1;
         progress.env_steps += taken.env_steps;
@@ -686,24 +623,25 @@ pub(crate) async fn run(
         algorithm.forget_older_than(lag.oldest_fresh(progress.version));
         metrics.version.set(progress.version as i64);
         let seconds = update_started.elapsed().as_secs_f64();
-        let replica_values = replicas.gauges(progress.updates);
+        let replica_values = replicas.gauges(work.progress.updates);
         replicas
-            .check_parameters(progress.updates, || model.named_tensors())
+            .check_parameters(work.progress.updates, || work.model.named_tensors())
             .await?;
         let Some((serving, events)) = leading.as_mut() else {
             service
-                .report(Some(progress.vec_steps), replica_values)
+                .report(Some(work.progress.vec_steps), replica_values)
                 .await;
             continue;
         };
-        let update = weights(&model, normalizer.as_ref(), &progress);
+        let update = weights(&work);
         serving.publish(&service, &update).await;
         events.record(update.version, update);
         metrics.update_seconds.observe(seconds);
+        let progress = &work.progress;
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
         let mut values =
-            crate::progress::report_gauges(&progress, budget, sps, resumed_at_vec_steps);
+            crate::progress::report_gauges(progress, budget, sps, resumed_at_vec_steps);
         values.extend([
             gauge("learner_rollout_vec_steps", taken.vec_steps as f64),
             gauge("learner_last_update_seconds", seconds),
@@ -720,18 +658,9 @@ pub(crate) async fn run(
         values.extend(updated.metrics);
         service.report(Some(progress.vec_steps), values).await;
         reported_stale = dropped_stale;
-        if progress.updates % cfg.checkpoint_every() == 0 {
-            let state = checkpoint::CheckpointState::of(&progress, &rng, events.best_eval);
-            save_checkpoint(
-                &run_dir,
-                &model,
-                &optimizer,
-                normalizer.as_ref(),
-                &state,
-                &cfg,
-                LINKS_LAST,
-                None,
-            );
+        if progress.updates.is_multiple_of(cfg.checkpoint_every()) {
+            let state = checkpoint::CheckpointState::of(progress, &work.rng, events.best_eval);
+            save_checkpoint(&run_dir, &work, &state, LINKS_LAST, None);
         }
     };
     replicas.leave().await;
@@ -743,49 +672,22 @@ pub(crate) async fn run(
     };
 
     // Reports that arrived as training stopped.
-    checkpoint_evaluations(
-        &mut events,
-        &service,
-        &run_dir,
-        (&model, &optimizer, normalizer.as_ref()),
-        &cfg,
-        &progress,
-        &rng,
-    );
-    let state = checkpoint::CheckpointState::of(&progress, &rng, events.best_eval);
+    checkpoint_evaluations(&mut events, &service, &run_dir, &work);
+    let state = checkpoint::CheckpointState::of(&work.progress, &work.rng, events.best_eval);
     let (state, links, evaluated) = match final_weights(&cfg, &events) {
         Some((version, weights)) => (state.holding(version), LINKS_LAST_SOLVED, Some(weights)),
         None => (state, LINKS_LAST, None),
     };
-    save_checkpoint(
-        &run_dir,
-        &model,
-        &optimizer,
-        normalizer.as_ref(),
-        &state,
-        &cfg,
-        links,
-        evaluated.as_deref(),
-    );
+    save_checkpoint(&run_dir, &work, &state, links, evaluated.as_deref());
     finish_run(
         &service,
         &shutdown,
         micro,
         &finish,
         format!("{budget} env steps"),
-        progress.version,
-        progress.env_steps,
-        || {
-            checkpoint_evaluations(
-                &mut events,
-                &service,
-                &run_dir,
-                (&model, &optimizer, normalizer.as_ref()),
-                &cfg,
-                &progress,
-                &rng,
-            )
-        },
+        work.progress.version,
+        work.progress.env_steps,
+        || checkpoint_evaluations(&mut events, &service, &run_dir, &work),
     )
     .await
 }
@@ -797,41 +699,32 @@ fn checkpoint_evaluations(
     events: &mut RunEvents<PolicyWeights>,
     service: &Service,
     run_dir: &Path,
-    (model, optimizer, normalizer): (&ActorCritic, &Optimizer, Option<&VecNormalize>),
-    cfg: &ExperimentConfig,
-    progress: &Progress,
-    rng: &ChaCha8Rng,
+    work: &OnPolicy,
 ) {
     for save in events.poll(service) {
-        let state =
-            checkpoint::CheckpointState::of(progress, rng, events.best_eval).holding(save.version);
-        save_checkpoint(
-            run_dir,
-            model,
-            optimizer,
-            normalizer,
-            &state,
-            cfg,
-            &save.links,
-            Some(&save.weights),
-        );
+        let state = checkpoint::CheckpointState::of(&work.progress, &work.rng, events.best_eval)
+            .holding(save.version);
+        save_checkpoint(run_dir, work, &state, &save.links, Some(&save.weights));
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn save_checkpoint(
     run_dir: &Path,
-    model: &ActorCritic,
-    optimizer: &Optimizer,
-    normalizer: Option<&VecNormalize>,
+    work: &OnPolicy,
     state: &checkpoint::CheckpointState,
-    cfg: &ExperimentConfig,
     links: &[&str],
     evaluated: Option<&PolicyWeights>,
 ) {
     checkpoint::log_written(
         checkpoint::save(
-            run_dir, model, optimizer, normalizer, state, cfg, links, evaluated,
+            run_dir,
+            &work.model,
+            &work.optimizer,
+            work.normalizer.as_ref(),
+            state,
+            work.cfg,
+            links,
+            evaluated,
         ),
         state.weights_version.unwrap_or(state.progress.version),
         links,

@@ -10,8 +10,8 @@ use candle_core::{backprop::GradStore, Tensor, Var};
 use relay_config::{Algo, ExperimentConfig};
 use relay_nn::{clip_grad_norm, Adam, AdamConfig, NnError, RmsProp, RmsPropConfig};
 
-use crate::replicas::{summed_gradients, GradientSync};
 use crate::rollout::UpdateError;
+use relay_nn::BatchShare;
 
 /// Adam or RMSprop over the model's vars.
 #[derive(Debug)]
@@ -115,7 +115,7 @@ impl Optimizer {
     }
 
     /// [`Self::minimise`] for one replica's share of a minibatch
-    /// ([`crate::replicas`]): backpropagates `loss` (`None`: an empty share,
+    /// (`relay_replicas`): backpropagates `loss` (`None`: an empty share,
     /// zero gradients), sums the gradients and `extra` (statistics the
     /// caller weighted as the loss) across the replicas with `sync`, then
     /// clips and steps, the same on every replica. Alone, it is exactly
@@ -124,15 +124,16 @@ impl Optimizer {
         &mut self,
         loss: Option<&Tensor>,
         max_norm: Option<f64>,
-        sync: &mut dyn GradientSync,
+        sync: &mut BatchShare<'_>,
         extra: &mut [f32],
     ) -> Result<f64, UpdateError> {
-        if sync.share().1 == 1 {
+        if sync.replicas == 1 {
             let loss = loss.expect("a lone learner's share is the whole minibatch");
             return Ok(self.minimise(loss, max_norm)?);
         }
         let vars = self.vars().to_vec();
-        let mut grads = summed_gradients(loss, &vars, sync, extra)?;
+        let mut grads =
+            sync.sum_gradients(loss.map(Tensor::backward).transpose()?, &vars, extra)?;
         let norm = clip_grad_norm(
             &mut grads,
             &vars,

@@ -9,7 +9,7 @@
 //!    when approx KL exceeds 1.5 x `target_kl`. Learning rate, clip range
 //!    and entropy coefficient follow their schedules over training progress.
 //!
-//! With learner replicas ([`crate::replicas`]) each takes its part of every
+//! With learner replicas (`relay_replicas`) each takes its part of every
 //! minibatch: advantages are normalised over the whole minibatch first,
 //! each part's loss and statistics are weighted by its share of it, and
 //! the gradients and statistics are summed across replicas before the
@@ -25,9 +25,9 @@ use relay_nn::{ppo_loss, PpoInputs, PpoLossConfig};
 use relay_proto::MetricValue;
 
 use crate::optimizer::Optimizer;
-use crate::replicas::{check_covered, part, GradientSync};
 use crate::rollout::{Rollout, UpdateError};
 use relay_nn::ActorCritic;
+use relay_nn::BatchShare;
 
 /// What one update did, averaged over its gradient steps.
 #[derive(Debug, Clone, Default)]
@@ -86,7 +86,7 @@ const SUMMED_STATS: usize = 11;
 
 /// Epochs of minibatch gradient steps on a prepared rollout at training
 /// progress `progress` (`env_steps / budget`), this replica's part of each
-/// minibatch as `sync` says ([`crate::replicas::Alone`]: all of it).
+/// minibatch as `sync` says ([`relay_nn::BatchShare::whole`]: all of it).
 pub fn update(
     model: &ActorCritic,
     optimizer: &mut Optimizer,
@@ -94,7 +94,7 @@ pub fn update(
     cfg: &PpoConfig,
     progress: f64,
     rng: &mut impl rand::Rng,
-    sync: &mut dyn GradientSync,
+    sync: &mut BatchShare<'_>,
 ) -> Result<UpdateStats, UpdateError> {
     let learning_rate = cfg.learning_rate_schedule().value(progress);
     let clip_range = cfg.clip_range_schedule().value(progress);
@@ -109,7 +109,7 @@ pub fn update(
         ent_coef,
         normalize_advantage: false,
     };
-    let share = sync.share();
+    let share = (sync.rank, sync.replicas);
     let mut stats = UpdateStats {
         learning_rate,
         clip_range,
@@ -144,7 +144,7 @@ pub fn update(
                     normalized[row] = v;
                 }
             }
-            let mine_units = part(chunk, share);
+            let mine_units = sync.part(chunk);
             let mine = rollout.rows_of(mine_units);
             let weight = mine.len() as f64 / m as f64;
             // Weighted by this part's share: summed over replicas they are
@@ -212,7 +212,7 @@ pub fn update(
 
             let [policy_loss, value_loss, entropy, total_loss, approx_kl, kl, clip_fraction, value_clip_fraction, ratio_mean, ratio_sq, covered] =
                 summed.map(f64::from);
-            check_covered(covered as f32)?;
+            BatchShare::check_covered(covered as f32)?;
             stats.policy_loss += policy_loss;
             stats.value_loss += value_loss;
             stats.entropy += entropy;

@@ -35,8 +35,8 @@ use relay_nn::{discounted_returns, reinforce_loss, ActorCritic, ReinforceInputs}
 use relay_proto::{MetricValue, RolloutFragment};
 
 use crate::optimizer::Optimizer;
-use crate::replicas::{check_covered, part_range, GradientSync};
 use crate::rollout::{Decoded, UpdateError};
+use relay_nn::BatchShare;
 
 /// How an episode ended.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -318,7 +318,7 @@ pub fn episode_returns(
 
 /// One gradient step on finished `episodes` at training progress `progress`
 /// (`env_steps / budget`), this replica's part of their steps as `sync`
-/// says ([`crate::replicas`]): with normalised advantages, their mean and
+/// says (`relay_replicas`): with normalised advantages, their mean and
 /// spread over all steps are summed across replicas first.
 pub fn update(
     model: &ActorCritic,
@@ -326,7 +326,7 @@ pub fn update(
     episodes: &[Episode],
     cfg: &ReinforceConfig,
     progress: f64,
-    sync: &mut dyn GradientSync,
+    sync: &mut BatchShare<'_>,
 ) -> Result<UpdateStats, UpdateError> {
     let learning_rate = cfg.learning_rate.value(progress);
     let ent_coef = cfg.ent_coef.value(progress);
@@ -341,8 +341,8 @@ pub fn update(
     })?;
     let spec = model.spec();
     let (d, len) = (spec.obs_dim, returns.len());
-    let share = sync.share();
-    let rows = part_range(len, share);
+    let share = (sync.rank, sync.replicas);
+    let rows = sync.rows(len);
     let weight = rows.len() as f64 / len.max(1) as f64;
     let obs: Vec<f32> = episodes
         .iter()
@@ -467,7 +467,7 @@ pub fn update(
     };
     let grad_norm =
         optimizer.minimise_shared(loss.as_ref(), cfg.max_grad_norm, sync, &mut summed)?;
-    check_covered(summed[4])?;
+    BatchShare::check_covered(summed[4])?;
     let [policy_loss, value_loss, entropy, total_loss, _] = summed.map(f64::from);
     Ok(UpdateStats {
         policy_loss,
@@ -694,7 +694,7 @@ mod tests {
                     &episodes,
                     &cfg.reinforce,
                     0.0,
-                    &mut crate::replicas::Alone,
+                    &mut relay_nn::BatchShare::whole(),
                 )
                 .unwrap();
             }

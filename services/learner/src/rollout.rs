@@ -23,7 +23,11 @@ pub enum UpdateError {
     Fragment { runner: String, detail: String },
     #[error("learner replicas: {0}")]
     Replicas(String),
-    /// The learner is stopping ([`crate::replicas::GradientSync::stopping`]):
+    /// A replica's share of the update failed (its sum across the
+    /// replicas, or shares that do not make one batch).
+    #[error("learner replicas: {0}")]
+    Share(#[from] relay_nn::ShareError),
+    /// The learner is stopping ([`relay_nn::BatchShare::stopping`]):
     /// the update ended part-way, and the caller rolls it back.
     #[error("the update was stopped part-way: the learner is stopping")]
     Stopped,

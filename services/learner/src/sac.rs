@@ -41,7 +41,7 @@ use relay_config::{EntCoef, SacSection};
 use relay_kit::{gauge, ServiceError};
 use relay_nn::{sac_train_step_part, Pair, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
 
-use crate::replicas::{with_batch_share, GradientSync};
+use relay_nn::BatchShare;
 use relay_policy::PolicyWeights;
 use relay_proto::{MetricValue, TransitionBatch};
 use serde::{Deserialize, Serialize};
@@ -167,7 +167,7 @@ pub enum SacError {
 
 /// One SAC gradient step on a sampled batch (actions in env units,
 /// `[B, action_dim]`); a batch of the wrong shape is an error naming the
-/// field, never a panic. With learner replicas ([`crate::replicas`]) every
+/// field, never a panic. With learner replicas (`relay_replicas`) every
 /// replica holds the batch and takes its part of the rows; each of the
 /// three optimizers' gradients is summed across replicas before its step
 /// ([`relay_nn::sac_train_step_part`]).
@@ -178,7 +178,7 @@ pub fn gradient_step(
     batch: &TransitionBatch,
     rng: &mut ChaCha8Rng,
     pair: &Pair,
-    sync: &mut dyn GradientSync,
+    sync: &mut BatchShare<'_>,
 ) -> Result<SacStats, SacError> {
     let field = |field: &'static str, e: relay_proto::TensorError| SacError::Batch {
         field,
@@ -198,24 +198,21 @@ pub fn gradient_step(
         .discounts
         .to_f32()
         .map_err(|e| field("discounts", e))?;
-    let stats = with_batch_share(sync, |share| {
-        sac_train_step_part(
-            step,
-            sac,
-            optimizers,
-            &SacBatch {
-                obs: &obs,
-                actions: &actions,
-                returns: &returns,
-                next_obs: &next_obs,
-                discounts: &discounts,
-            },
-            rng,
-            pair,
-            share,
-        )
-    })?;
-    Ok(stats)
+    Ok(sac_train_step_part(
+        step,
+        sac,
+        optimizers,
+        &SacBatch {
+            obs: &obs,
+            actions: &actions,
+            returns: &returns,
+            next_obs: &next_obs,
+            discounts: &discounts,
+        },
+        rng,
+        pair,
+        sync,
+    )?)
 }
 
 /// SAC's networks, optimizers and round bookkeeping, trained by the shared
@@ -348,7 +345,7 @@ impl OffPolicyAlgorithm for SacLearner {
         step: usize,
         batch: &TransitionBatch,
         rng: &mut ChaCha8Rng,
-        sync: &mut dyn GradientSync,
+        sync: &mut BatchShare<'_>,
     ) -> Result<Option<Vec<f32>>, SacError> {
         // SB3's condition, on the round's gradient steps.
         self.step.update_target = (step as u64).is_multiple_of(self.cfg.target_update_interval);
@@ -483,7 +480,7 @@ mod tests {
             &good,
             &mut rng,
             &Pair::sequential(),
-            &mut crate::replicas::Alone,
+            &mut relay_nn::BatchShare::whole(),
         )
         .unwrap();
         assert!(stats.critic_loss.is_finite() && stats.actor_loss.is_finite());
@@ -498,7 +495,7 @@ mod tests {
             &bad,
             &mut rng,
             &Pair::sequential(),
-            &mut crate::replicas::Alone,
+            &mut relay_nn::BatchShare::whole(),
         )
         .unwrap_err();
         assert!(err.to_string().contains("actions"), "{err}");

@@ -23,7 +23,7 @@
 //!
 //! A stop in the middle of an update (tens of seconds for SmolLM2-135M on
 //! CPU) ends it between two blocks of a forward or backward pass
-//! ([`StopsOn`] tells [`RlTrainer::train_epochs_part`]), and the adapter,
+//! (the replica driver's stop check tells [`RlTrainer::train_epochs_part`]), and the adapter,
 //! AdamW's moments and the moving baselines taken before the update are
 //! put back: nothing of it is published, and the final checkpoint holds
 //! the last whole update, as if the stop had come between two.
@@ -78,7 +78,7 @@ use crate::examples::games_to_examples;
 use crate::examples::Converted;
 use crate::league::League;
 use crate::progress::{Metrics, Progress};
-use crate::replicas::{Next, Replicas, StopsOn};
+use relay_replicas::{Next, Replicas, Replicated, Turn};
 
 /// Name of the adapter this learner trains (the one env-runners seat).
 pub const ADAPTER_NAME: &str = relay_policy::text::LEARNING_ADAPTER;
@@ -538,59 +538,50 @@ pub(crate) async fn run(
     let start_env_steps = state.progress.env_steps;
     // The step handed out and not yet applied: kept across a failed step
     // so that the replicas redo it in the next view.
+    let mut work = TextTraining {
+        model: &model,
+        adapter: &adapter,
+        trainer,
+        state,
+        version_floor,
+        epochs: cfg.rl.epochs,
+    };
     let mut held: Option<TextStep> = None;
     let finish = loop {
         // A new view: rank 0's state goes to every replica.
-        if replicas.follow_view()? {
-            if replicas.took_over() {
-                // The old rank 0 may have published one version past what
-                // this replica holds: skip it.
-                state.progress.version += 2;
-            }
-            let mine = replicas
-                .leads()
-                .then(|| TextReplicaState::capture(&adapter, &trainer, &state, version_floor))
-                .transpose()
-                .map_err(ServiceError::other)?;
-            match replicas.share_state(&shutdown, mine).await? {
-                Next::Go(Some(held_state)) => held_state
-                    .restore(&adapter, &mut trainer, &mut state, &mut version_floor)
-                    .map_err(|e| {
-                        ServiceError::other(format!("learner replicas: rank 0's state: {e}"))
-                    })?,
-                Next::Go(None) => {}
-                Next::Retry => continue,
-                Next::Stop => break crate::progress::Finish::Shutdown,
-            }
-            metrics.version.set(state.progress.version as i64);
+        match replicas.sync_view(&mut work, &shutdown).await? {
+            Next::Go(true) => metrics.version.set(work.state.progress.version as i64),
+            Next::Go(false) => {}
+            Next::Retry => continue,
+            Next::Stop => break crate::progress::Finish::Shutdown,
         }
         if replicas.leads() && leading.is_none() {
             let publisher =
                 Publisher::start(&service, &micro, &shutdown, &run_dir, &base_model).await?;
             let mut events: RunEvents<PeftBytes> =
-                RunEvents::subscribe(&service, state.best_eval).await?;
+                RunEvents::subscribe(&service, work.state.best_eval).await?;
             if let Some(files) = publisher
                 .publish(
-                    &state.progress,
+                    &work.state.progress,
                     &adapter,
                     &events.versions_under_evaluation(),
                 )
                 .await
             {
-                events.record(state.progress.version, files);
+                events.record(work.state.progress.version, files);
             }
-            metrics.version.set(state.progress.version as i64);
+            metrics.version.set(work.state.progress.version as i64);
             leading = Some((publisher, events));
         }
         let lag = relay_proto::PolicyLag {
             max_lag: cfg.replay.max_policy_lag,
-            floor: version_floor,
+            floor: work.version_floor,
         };
 
         let input = if let Some((_, events)) = leading.as_mut() {
             if let Some(finish) = crate::progress::should_finish(
                 &shutdown,
-                state.progress.env_steps,
+                work.state.progress.env_steps,
                 budget,
                 &events.solved,
                 cfg.run.stop_when_solved,
@@ -598,13 +589,13 @@ pub(crate) async fn run(
                 replicas.announce_stop().await;
                 break finish;
             }
-            checkpoint_evaluations(events, &mut state, &trainer);
+            checkpoint_evaluations(events, &mut work.state, &work.trainer);
             Some(match held.take() {
                 // A step that failed in the previous view is redone.
                 Some(input) => input,
                 None => {
                     // Games played by versions too old for this update go.
-                    let oldest_ok = lag.oldest_fresh(state.progress.version);
+                    let oldest_ok = lag.oldest_fresh(work.state.progress.version);
                     dropped_stale += pending.drop_stale(oldest_ok) as u64;
                     let held = pending.ready_turns();
                     if held < batch_size {
@@ -660,15 +651,18 @@ pub(crate) async fn run(
                     let games = pending.take_batch(batch_size);
                     for game in &games {
                         metrics.policy_lag.observe(
-                            state
+                            work.state
                                 .progress
                                 .version
                                 .saturating_sub(game.learning_version().unwrap_or(0))
                                 as f64,
                         );
                     }
-                    let mut converted =
-                        games_to_examples(&games, &cfg.rl.reward, &mut state.reward_normalizer);
+                    let mut converted = games_to_examples(
+                        &games,
+                        &cfg.rl.reward,
+                        &mut work.state.reward_normalizer,
+                    );
                     let mut examples: Vec<TokenExample> = std::mem::take(&mut converted.examples);
                     if converted.skipped_moves > 0 {
                         tracing::warn!(
@@ -682,11 +676,11 @@ pub(crate) async fn run(
                         continue;
                     }
                     TextStep {
-                        updates: state.progress.updates,
+                        updates: work.state.progress.updates,
                         examples,
                         games: games.len() as u64,
-                        reward_normalizer: state.reward_normalizer.clone(),
-                        best_eval: state.best_eval,
+                        reward_normalizer: work.state.reward_normalizer.clone(),
+                        best_eval: work.state.best_eval,
                         converted: Some(converted),
                     }
                 }
@@ -695,79 +689,20 @@ pub(crate) async fn run(
             // A follower: the step barrier waits for rank 0's step.
             None
         };
-        let input = match replicas.exchange(&shutdown, input, &mut held).await? {
-            Next::Go(input) => input,
-            Next::Retry => continue,
-            Next::Stop => break crate::progress::Finish::Shutdown,
-        };
-        if input.updates != state.progress.updates {
-            // Rank 0's state was already past this step: it is not redone.
-            continue;
-        }
-
-        // Update, from a state to roll back to (a replica failed in the
-        // step, a stop cut it short, the batch failed part-way): a copy of
-        // the adapter and AdamW's moments, milliseconds beside the
-        // update's seconds.
         let update_started = Instant::now();
-        let epochs = cfg.rl.epochs;
-        let snapshot = TextReplicaState::capture(&adapter, &trainer, &state, version_floor)
-            .map_err(ServiceError::other)?;
-        let steps_before = trainer.optimizer().steps();
-        tracing::debug!(
-            step = input.updates,
-            examples = input.examples.len(),
-            "update starts"
-        );
-        let result = tokio::task::block_in_place(|| {
-            replicas.step(|sync| {
-                let mut sync = StopsOn {
-                    sync,
-                    shutdown: &shutdown,
-                };
-                crate::replicas::with_batch_share(&mut sync, |share| {
-                    trainer.train_epochs_part(&model, &adapter, &input.examples, epochs, share)
-                })
-            })
-        });
-        let steps = match result {
-            Ok(Ok(steps)) => steps,
-            Ok(Err(TrainError::Stopped)) => {
-                // The part done is undone (epochs stepped, gradients
-                // accumulated): the final checkpoint holds the last whole
-                // update, and nothing of this one was published.
-                let epochs_stepped = trainer.optimizer().steps() - steps_before;
-                snapshot
-                    .restore(&adapter, &mut trainer, &mut state, &mut version_floor)
-                    .map_err(ServiceError::other)?;
-                tracing::info!(
-                    step = input.updates,
-                    epochs_stepped,
-                    seconds = update_started.elapsed().as_secs_f64(),
-                    "update stopped part-way and rolled back"
-                );
-                break crate::progress::Finish::Shutdown;
-            }
-            Ok(Err(e)) => {
+        let (input, steps) = match replicas
+            .run_step(&mut work, input, &mut held, &shutdown)
+            .await?
+        {
+            Turn::Done { step, output } => (step, output),
+            Turn::Failed { step, error } => {
                 // Bad data must not stop training: drop this batch (and
                 // whatever of it was applied) and go on.
-                snapshot
-                    .restore(&adapter, &mut trainer, &mut state, &mut version_floor)
-                    .map_err(ServiceError::other)?;
-                tracing::error!(error = %e, games = input.games, "update failed; batch dropped");
+                tracing::error!(error = %error, games = step.games, "update failed; batch dropped");
                 continue;
             }
-            Err(e) => {
-                tracing::warn!(error = %e, step = input.updates, "a replica failed inside the step; rolling back and redoing it in the next view");
-                snapshot
-                    .restore(&adapter, &mut trainer, &mut state, &mut version_floor)
-                    .map_err(ServiceError::other)?;
-                held = Some(input);
-                if !replicas.recover(&shutdown).await? {
-                    break crate::progress::Finish::Shutdown;
-                }
-                continue;
-            }
+            Turn::Again => continue,
+            Turn::Stop => break crate::progress::Finish::Shutdown,
         };
         let TextStep {
             examples,
@@ -778,7 +713,7 @@ pub(crate) async fn run(
             ..
         } = input;
         if leading.is_none() {
-            (state.reward_normalizer, state.best_eval) = (reward_normalizer, best_eval);
+            (work.state.reward_normalizer, work.state.best_eval) = (reward_normalizer, best_eval);
         }
         let seconds = update_started.elapsed().as_secs_f64();
         let first: RlStats = steps[0];
@@ -790,7 +725,7 @@ pub(crate) async fn run(
         truncated_total += first.truncated;
         tokens_cut_total += first.tokens_cut;
 
-        let progress = &mut state.progress;
+        let progress = &mut work.state.progress;
         progress.updates += 1;
         progress.version += 1;
         progress.env_steps += examples.len() as u64;
@@ -802,7 +737,7 @@ pub(crate) async fn run(
         replicas
             .check_parameters(updates, || adapter_values(&adapter))
             .await?;
-        let progress = &mut state.progress;
+        let progress = &mut work.state.progress;
         let Some((publisher, events)) = leading.as_mut() else {
             tracing::debug!(version = progress.version, seconds, "update");
             service
@@ -839,7 +774,10 @@ pub(crate) async fn run(
                         gauge("learner_kl_ref", mean(|s| s.kl)),
                         gauge("learner_entropy", mean(|s| s.entropy)),
                         gauge("learner_grad_norm", mean(|s| s.grad_norm)),
-                        gauge("learner_learning_rate", trainer.optimizer().config().lr),
+                        gauge(
+                            "learner_learning_rate",
+                            work.trainer.optimizer().config().lr,
+                        ),
                         gauge("learner_reward_mean", reward_mean),
                         gauge("learner_shaped_reward_mean", first.reward_mean),
                         gauge("learner_advantage_std", first.advantage_std),
@@ -925,18 +863,24 @@ pub(crate) async fn run(
             .await;
         reported = (dropped_stale, truncated_total, tokens_cut_total);
         tracing::debug!(
-            version = state.progress.version,
+            version = work.state.progress.version,
             loss = first.loss,
             reward_mean,
             seconds,
             "update"
         );
-        if state
+        if work
+            .state
             .progress
             .updates
             .is_multiple_of(cfg.rl.checkpoint_every)
         {
-            checkpoint(&state, &trainer, crate::progress::LINKS_LAST, None);
+            checkpoint(
+                &work.state,
+                &work.trainer,
+                crate::progress::LINKS_LAST,
+                None,
+            );
         }
     };
     replicas.leave().await;
@@ -948,15 +892,20 @@ pub(crate) async fn run(
     };
 
     // Reports that arrived as training stopped, then the last checkpoint.
-    checkpoint_evaluations(&mut events, &mut state, &trainer);
+    checkpoint_evaluations(&mut events, &mut work.state, &work.trainer);
     match crate::publish::final_weights(&cfg, &events) {
         Some((version, files)) => checkpoint(
-            &state,
-            &trainer,
+            &work.state,
+            &work.trainer,
             crate::progress::LINKS_LAST_SOLVED,
             Some((version, &files)),
         ),
-        None => checkpoint(&state, &trainer, crate::progress::LINKS_LAST, None),
+        None => checkpoint(
+            &work.state,
+            &work.trainer,
+            crate::progress::LINKS_LAST,
+            None,
+        ),
     }
     crate::progress::finish_run(
         &service,
@@ -964,9 +913,9 @@ pub(crate) async fn run(
         micro,
         &finish,
         format!("{budget} env steps (learning moves)"),
-        state.progress.version,
-        state.progress.env_steps,
-        || checkpoint_evaluations(&mut events, &mut state, &trainer),
+        work.state.progress.version,
+        work.state.progress.env_steps,
+        || checkpoint_evaluations(&mut events, &mut work.state, &work.trainer),
     )
     .await
 }
@@ -1000,43 +949,82 @@ struct TextReplicaState {
     version_floor: u64,
 }
 
-impl TextReplicaState {
-    fn capture(
-        adapter: &LoraAdapter,
-        trainer: &RlTrainer,
-        state: &TextCheckpointState,
-        version_floor: u64,
-    ) -> Result<Self, String> {
-        Ok(Self {
-            adapter: adapter_values(adapter),
-            optimizer: trainer
+/// What the replicas hold alike and train together: the adapter (over
+/// the frozen base), AdamW and the run's counters.
+struct TextTraining<'m> {
+    model: &'m CausalLm,
+    adapter: &'m LoraAdapter,
+    trainer: RlTrainer,
+    state: TextCheckpointState,
+    /// The oldest version whose games belong to this learner's timeline.
+    version_floor: u64,
+    /// Passes over each batch (`rl.epochs`).
+    epochs: usize,
+}
+
+impl Replicated for TextTraining<'_> {
+    type State = TextReplicaState;
+    type Step = TextStep;
+    type Output = Vec<RlStats>;
+    type Error = TrainError;
+    // An update of an LLM's micro-batches takes seconds to minutes; a
+    // failed batch may leave earlier epochs applied.
+    const STOPS_PART_WAY: bool = true;
+
+    fn capture(&self) -> Result<TextReplicaState, String> {
+        Ok(TextReplicaState {
+            adapter: adapter_values(self.adapter),
+            optimizer: self
+                .trainer
                 .optimizer()
                 .state_bytes()
                 .map_err(|e| e.to_string())?,
-            moving_baselines: trainer.moving_baselines().clone(),
-            state: state.clone(),
-            version_floor,
+            moving_baselines: self.trainer.moving_baselines().clone(),
+            state: self.state.clone(),
+            version_floor: self.version_floor,
         })
     }
 
-    /// Puts this state back (the adapter's names and shapes must match).
-    fn restore(
-        self,
-        adapter: &LoraAdapter,
-        trainer: &mut RlTrainer,
-        state: &mut TextCheckpointState,
-        version_floor: &mut u64,
-    ) -> Result<(), String> {
-        trainer
+    /// The adapter's names and shapes must match.
+    fn restore(&mut self, held: TextReplicaState) -> Result<(), String> {
+        self.trainer
             .optimizer_mut()
-            .restore_bytes(&self.optimizer, "rank 0's optimizer state")
+            .restore_bytes(&held.optimizer, "rank 0's optimizer state")
             .map_err(|e| e.to_string())?;
-        relay_llm::sft::set_var_values(&adapter.named_vars(), &self.adapter)
+        relay_llm::sft::set_var_values(&self.adapter.named_vars(), &held.adapter)
             .map_err(|e| format!("adapter: {e}"))?;
-        trainer.set_moving_baselines(self.moving_baselines);
-        *state = self.state;
-        *version_floor = self.version_floor;
+        self.trainer.set_moving_baselines(held.moving_baselines);
+        self.state = held.state;
+        self.version_floor = held.version_floor;
         Ok(())
+    }
+
+    fn took_over(&mut self) {
+        // The old rank 0 may have published one version past what this
+        // replica holds: skip it.
+        self.state.progress.version += 2;
+    }
+
+    fn is_next(&self, step: &TextStep) -> bool {
+        step.updates == self.state.progress.updates
+    }
+
+    fn run(
+        &mut self,
+        step: &TextStep,
+        share: &mut relay_nn::BatchShare<'_>,
+    ) -> Result<Vec<RlStats>, TrainError> {
+        tracing::debug!(
+            step = step.updates,
+            examples = step.examples.len(),
+            "update starts"
+        );
+        self.trainer
+            .train_epochs_part(self.model, self.adapter, &step.examples, self.epochs, share)
+    }
+
+    fn stopped(error: &TrainError) -> bool {
+        matches!(error, TrainError::Stopped)
     }
 }
 

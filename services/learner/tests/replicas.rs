@@ -21,12 +21,11 @@ use relay_config::{A2cConfig, Baseline, DqnConfig, PpoConfig, ReinforceConfig};
 use relay_kit::collective::{Group, GroupConfig, View};
 use relay_learner::optimizer::Optimizer;
 use relay_learner::reinforce::{self, End, Episode};
-use relay_learner::replicas::{Alone, GradientSync, InGroup};
 use relay_learner::rollout::Rollout;
 use relay_learner::{a2c, dqn, ppo, sac};
 use relay_nn::{
-    Actions, ActorCritic, Adam, AdamConfig, Pair, PolicySpec, QNetSpec, QNetwork, RmsProp,
-    RmsPropConfig, Sac, SacConfig, SacOptimizers, SacSpec,
+    Actions, ActorCritic, Adam, AdamConfig, BatchShare, Pair, PolicySpec, QNetSpec, QNetwork,
+    RmsProp, RmsPropConfig, Sac, SacConfig, SacOptimizers, SacSpec,
 };
 use relay_proto::{Tensor as Wire, TransitionBatch, SCHEMA_VERSION};
 use relay_testkit::NatsServer;
@@ -118,7 +117,7 @@ fn transitions(seed: u64, actions: Wire, weights: &[f32]) -> TransitionBatch {
 
 /// Three PPO updates (each on a fresh rollout the model acted) as `sync`
 /// shares them; returns the parameters and each update's approx KL.
-fn train_ppo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+fn train_ppo(sync: &mut BatchShare<'_>) -> (Vec<f32>, Vec<f64>) {
     let model = model();
     let mut optimizer = Optimizer::Adam(
         Adam::new(
@@ -152,7 +151,7 @@ fn train_ppo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
 
 /// Twenty A2C steps with RMSprop as `sync` shares them; returns the
 /// parameters and each step's total loss.
-fn train_a2c(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+fn train_a2c(sync: &mut BatchShare<'_>) -> (Vec<f32>, Vec<f64>) {
     let model = model();
     let mut optimizer = Optimizer::RmsProp(
         RmsProp::new(
@@ -183,7 +182,7 @@ fn train_a2c(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
 /// weights below 1), a Polyak target update after each, as `sync` shares
 /// them; returns the online parameters and each step's loss and summed
 /// priorities.
-fn train_dqn(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+fn train_dqn(sync: &mut BatchShare<'_>) -> (Vec<f32>, Vec<f64>) {
     let spec = QNetSpec {
         hidden: vec![32, 32],
         ..QNetSpec::new(4, 3)
@@ -223,7 +222,7 @@ fn train_dqn(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
 /// Twenty REINFORCE steps (value baseline, normalised advantages) on 5
 /// random episodes of 20 to 59 steps each, one cut by a time limit, as
 /// `sync` shares them; returns the parameters and each step's loss.
-fn train_reinforce(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+fn train_reinforce(sync: &mut BatchShare<'_>) -> (Vec<f32>, Vec<f64>) {
     let model = model();
     let mut optimizer = Optimizer::Adam(
         Adam::new(
@@ -272,7 +271,7 @@ fn train_reinforce(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
 /// Twenty SAC steps on random batches of 64 (2-dimensional actions in
 /// [-2, 2]) as `sync` shares them; returns every parameter and each step's
 /// critic and actor losses and entropy coefficient.
-fn train_sac(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+fn train_sac(sync: &mut BatchShare<'_>) -> (Vec<f32>, Vec<f64>) {
     let mut spec = SacSpec::new(4, vec![-2.0; 2], vec![2.0; 2]);
     spec.hidden = vec![32, 32];
     let model = Sac::new(&spec, 1.0, SEED).unwrap();
@@ -349,7 +348,7 @@ fn adapter_factors(adapter: &relay_llm::LoraAdapter) -> Vec<f32> {
 /// Four LoRA SFT steps on batches of 8 random completions, micro-batches
 /// of 2, as `sync` shares them; returns the factors and each step's loss
 /// and token accuracy.
-fn train_sft(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+fn train_sft(sync: &mut BatchShare<'_>) -> (Vec<f32>, Vec<f64>) {
     use relay_llm::{BatchConfig, SftConfig, SftExample, SftTrainer, Truncation};
     let (_dir, model, adapter) = tiny_model_and_adapter("replicas-sft");
     let config = SftConfig {
@@ -380,10 +379,9 @@ fn train_sft(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
                 alternatives: Vec::new(),
             })
             .collect();
-        let s = relay_learner::replicas::with_batch_share(sync, |share| {
-            trainer.train_step_part(&model, Some(&adapter), &examples, share)
-        })
-        .unwrap();
+        let s = trainer
+            .train_step_part(&model, Some(&adapter), &examples, sync)
+            .unwrap();
         stats.extend([s.loss, s.token_accuracy]);
     }
     (adapter_factors(&adapter), stats)
@@ -394,7 +392,7 @@ fn train_sft(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
 /// batches of 2 (4 per batch: 2 per replica), with a KL penalty to the
 /// base model in the rewards; returns the adapter's factors and each
 /// step's loss and KL penalty.
-fn train_grpo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
+fn train_grpo(sync: &mut BatchShare<'_>) -> (Vec<f32>, Vec<f64>) {
     use relay_llm::{
         BatchConfig, KlMode, ObjectiveConfig, RlTrainConfig, RlTrainer, TokenExample, Truncation,
     };
@@ -438,10 +436,9 @@ fn train_grpo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
                 }
             })
             .collect();
-        let steps = relay_learner::replicas::with_batch_share(sync, |share| {
-            trainer.train_epochs_part(&model, &adapter, &examples, 2, share)
-        })
-        .unwrap();
+        let steps = trainer
+            .train_epochs_part(&model, &adapter, &examples, 2, sync)
+            .unwrap();
         for s in steps {
             stats.extend([s.loss, s.kl_penalty, s.epoch_kl]);
         }
@@ -450,12 +447,12 @@ fn train_grpo(sync: &mut dyn GradientSync) -> (Vec<f32>, Vec<f64>) {
 }
 
 /// A training run as a replica shares it: the parameters and a statistic per update.
-type Training = fn(&mut dyn GradientSync) -> (Vec<f32>, Vec<f64>);
+type Training = fn(&mut BatchShare<'_>) -> (Vec<f32>, Vec<f64>);
 
 /// `train` alone, then by two replicas of a group over a real nats-server;
 /// checks the replicas agree bit for bit, and with the lone learner.
 async fn two_replicas_train_as_one(group: &str, train: Training) {
-    let (alone, alone_stats) = tokio::task::spawn_blocking(move || train(&mut Alone))
+    let (alone, alone_stats) = tokio::task::spawn_blocking(move || train(&mut BatchShare::whole()))
         .await
         .unwrap();
 
@@ -475,10 +472,10 @@ async fn two_replicas_train_as_one(group: &str, train: Training) {
     assert_eq!(view.size(), 2, "{view:?}");
     let replicas = groups.into_iter().map(|mut group| {
         let view = view.clone();
-        let runtime = tokio::runtime::Handle::current();
         tokio::task::spawn_blocking(move || {
-            let mut sync = InGroup::new(&mut group, view, 1, runtime).unwrap();
-            train(&mut sync)
+            let (trained, summed) = relay_replicas::in_group(&mut group, &view, 1, None, train);
+            assert_eq!(summed.broken, None);
+            trained
         })
     });
     let results: Vec<(Vec<f32>, Vec<f64>)> = futures::future::join_all(replicas)

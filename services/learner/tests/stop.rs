@@ -1,5 +1,5 @@
 //! A PPO update of many minibatches ends before its next gradient step once
-//! the learner is stopping (`GradientSync::stopping`), with
+//! the learner is stopping (`BatchShare::stopping`), with
 //! `UpdateError::Stopped`: a stop is not held up for the rest of an update
 //! that can take minutes (a CNN on CPU). The learner rolls the part done
 //! back (services/relay/tests/shutdown_e2e.rs checks it end to end).
@@ -19,32 +19,47 @@ use relay_config::PpoConfig;
 use relay_kit::collective::{Group, GroupConfig, View};
 use relay_learner::optimizer::Optimizer;
 use relay_learner::ppo;
-use relay_learner::replicas::{with_batch_share, GradientSync, InGroup};
 use relay_learner::rollout::{Rollout, UpdateError};
 use relay_llm::{
     BatchConfig, CausalLm, LoraAdapter, LoraConfig, ObjectiveConfig, RlStats, RlTrainConfig,
     RlTrainer, TokenExample, TrainError, TrainResult, Truncation,
 };
-use relay_nn::{Actions, ActorCritic, Adam, AdamConfig, PolicySpec};
+use relay_nn::{Actions, ActorCritic, Adam, AdamConfig, BatchShare, PolicySpec};
 use relay_testkit::NatsServer;
 
-/// A learner alone, asked to stop once it has looked `after` times.
+/// A stop check that says "stop" once it has been asked `after` times;
+/// the stop comes `late` after that look began (a peer meanwhile waits
+/// in the step's sum).
 struct StopsAfter {
     looked: AtomicUsize,
     after: usize,
+    late: Duration,
 }
 
-impl GradientSync for StopsAfter {
-    fn share(&self) -> (usize, usize) {
-        (0, 1)
-    }
-
-    fn sum(&mut self, _data: &mut [f32]) -> Result<(), UpdateError> {
-        Ok(())
+impl StopsAfter {
+    fn new(after: usize) -> Self {
+        Self {
+            looked: AtomicUsize::new(0),
+            after,
+            late: Duration::ZERO,
+        }
     }
 
     fn stopping(&self) -> bool {
-        self.looked.fetch_add(1, Ordering::Relaxed) >= self.after
+        let looked = self.looked.fetch_add(1, Ordering::Relaxed);
+        if looked == self.after {
+            std::thread::sleep(self.late);
+        }
+        looked >= self.after
+    }
+
+    /// Runs `f` as a learner alone that stops as this check says.
+    fn alone<R>(&self, f: impl FnOnce(&mut BatchShare<'_>) -> R) -> R {
+        let check = || self.stopping();
+        f(&mut BatchShare {
+            stop: Some(&check),
+            ..BatchShare::whole()
+        })
     }
 }
 
@@ -94,70 +109,41 @@ fn a_ppo_update_stops_between_two_gradient_steps() {
         ..PpoConfig::default()
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-    let mut whole = StopsAfter {
-        looked: AtomicUsize::new(0),
-        after: usize::MAX,
-    };
-    let stats = ppo::update(
-        &model,
-        &mut optimizer,
-        &rollout,
-        &config,
-        0.0,
-        &mut rng,
-        &mut whole,
-    )
-    .unwrap();
+    let mut whole = StopsAfter::new(usize::MAX);
+    let stats = whole
+        .alone(|share| {
+            ppo::update(
+                &model,
+                &mut optimizer,
+                &rollout,
+                &config,
+                0.0,
+                &mut rng,
+                share,
+            )
+        })
+        .unwrap();
     assert_eq!(stats.gradient_steps, 32);
     assert_eq!(*whole.looked.get_mut(), 32, "one look before each step");
 
-    let mut stopped = StopsAfter {
-        looked: AtomicUsize::new(0),
-        after: 5,
-    };
-    let result = ppo::update(
-        &model,
-        &mut optimizer,
-        &rollout,
-        &config,
-        0.0,
-        &mut rng,
-        &mut stopped,
-    );
+    let mut stopped = StopsAfter::new(5);
+    let result = stopped.alone(|share| {
+        ppo::update(
+            &model,
+            &mut optimizer,
+            &rollout,
+            &config,
+            0.0,
+            &mut rng,
+            share,
+        )
+    });
     assert!(
         matches!(result, Err(UpdateError::Stopped)),
         "{:?}",
         result.err()
     );
     assert_eq!(*stopped.looked.get_mut(), 6, "5 steps, then the stop");
-}
-
-/// `sync`, asked to stop once it has looked `after` times; the stop
-/// comes `late` after that look began (the peer meanwhile waits in the
-/// step's sum).
-struct StopsAfterIn<'a> {
-    sync: InGroup<'a>,
-    looked: AtomicUsize,
-    after: usize,
-    late: Duration,
-}
-
-impl GradientSync for StopsAfterIn<'_> {
-    fn share(&self) -> (usize, usize) {
-        self.sync.share()
-    }
-
-    fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError> {
-        self.sync.sum(data)
-    }
-
-    fn stopping(&self) -> bool {
-        let looked = self.looked.fetch_add(1, Ordering::Relaxed);
-        if looked == self.after {
-            std::thread::sleep(self.late);
-        }
-        looked >= self.after
-    }
 }
 
 /// The tiny-qwen2 fixture (2 blocks), a rank-4 LoRA adapter on every
@@ -216,27 +202,23 @@ fn adapter_values(adapter: &LoraAdapter) -> Vec<f32> {
         .collect()
 }
 
-/// Two epochs of the text batch with `sync`.
+/// Two epochs of the text batch as `share` says.
 fn text_update(
     model: &CausalLm,
     adapter: &LoraAdapter,
     trainer: &mut RlTrainer,
-    sync: &mut dyn GradientSync,
+    share: &mut BatchShare<'_>,
 ) -> TrainResult<Vec<RlStats>> {
-    let examples = text_batch();
-    with_batch_share(sync, |share| {
-        trainer.train_epochs_part(model, adapter, &examples, 2, share)
-    })
+    trainer.train_epochs_part(model, adapter, &text_batch(), 2, share)
 }
 
 #[test]
 fn a_text_update_stops_between_two_blocks() {
     let (model, adapter, mut trainer) = text_learner();
-    let mut whole = StopsAfter {
-        looked: AtomicUsize::new(0),
-        after: usize::MAX,
-    };
-    let stats = text_update(&model, &adapter, &mut trainer, &mut whole).unwrap();
+    let mut whole = StopsAfter::new(usize::MAX);
+    let stats = whole
+        .alone(|share| text_update(&model, &adapter, &mut trainer, share))
+        .unwrap();
     assert_eq!(stats.len(), 2);
     assert_eq!(trainer.optimizer().steps(), 2);
     // 2 epochs of 4 micro-batches, each a reference forward, a forward
@@ -249,11 +231,8 @@ fn a_text_update_stops_between_two_blocks() {
     // the state it took before the update), the second's is not.
     let before = adapter_values(&adapter);
     let after = 4 * 3 * blocks + 2 * blocks + 1;
-    let mut stopped = StopsAfter {
-        looked: AtomicUsize::new(0),
-        after,
-    };
-    let result = text_update(&model, &adapter, &mut trainer, &mut stopped);
+    let mut stopped = StopsAfter::new(after);
+    let result = stopped.alone(|share| text_update(&model, &adapter, &mut trainer, share));
     assert!(
         matches!(result, Err(TrainError::Stopped)),
         "{:?}",
@@ -294,34 +273,36 @@ async fn a_replica_that_stops_mid_update_leaves_its_peer_no_wait() {
 
     let runtime = tokio::runtime::Handle::current();
     let stopper = {
-        let (view, runtime) = (view.clone(), runtime.clone());
+        let view = view.clone();
         tokio::task::spawn_blocking(move || {
             let (model, adapter, mut trainer) = text_learner();
-            let mut sync = StopsAfterIn {
-                sync: InGroup::new(&mut stopping, view, 1, runtime.clone()).unwrap(),
-                looked: AtomicUsize::new(0),
-                // Between the two blocks of the first micro-batch's backward.
-                after: 5,
+            // Between the two blocks of the first micro-batch's backward.
+            let stops = StopsAfter {
                 late: Duration::from_millis(500),
+                ..StopsAfter::new(5)
             };
-            let result = text_update(&model, &adapter, &mut trainer, &mut sync);
+            let check = || stops.stopping();
+            let (result, _) =
+                relay_replicas::in_group(&mut stopping, &view, 1, Some(&check), |share| {
+                    text_update(&model, &adapter, &mut trainer, share)
+                });
             assert!(
                 matches!(result, Err(TrainError::Stopped)),
                 "{:?}",
                 result.err()
             );
-            drop(sync);
             runtime.block_on(stopping.leave()).unwrap();
             Instant::now()
         })
     };
     let peer = tokio::task::spawn_blocking(move || {
         let (model, adapter, mut trainer) = text_learner();
-        let mut sync = InGroup::new(&mut going, view, 1, runtime).unwrap();
-        let result = text_update(&model, &adapter, &mut trainer, &mut sync);
+        let (result, summed) = relay_replicas::in_group(&mut going, &view, 1, None, |share| {
+            text_update(&model, &adapter, &mut trainer, share)
+        });
         let ended = Instant::now();
         let error = result.err().map(|e| e.to_string());
-        (error, sync.broken, sync.reduced.seconds, ended)
+        (error, summed.broken, summed.reduced.seconds, ended)
     });
     let left = stopper.await.unwrap();
     let (error, broken, in_sum, ended) = peer.await.unwrap();

@@ -24,7 +24,7 @@
 //! `<out>/sft.json` holds the same summary.
 //!
 //! `--replicas N` trains as N data-parallel replicas, as the learner's
-//! replicas do (`relay_learner::replicas`, the same driver): every replica
+//! replicas do (`relay_replicas`, the same driver): every replica
 //! holds all the examples, each epoch's order comes from the seed and the
 //! epoch alone, and each optimizer step's micro-batches are shared out,
 //! their gradients summed by the ring all-reduce, so the batch is
@@ -61,7 +61,7 @@ use relay_llm::{AdamWConfig, CausalLm, LoraAdapter, LoraConfig, Tokenizer};
 use relay_policy::text::Outcome;
 use serde::{Deserialize, Serialize};
 
-use relay_learner::replicas::{Next, Replicas};
+use relay_replicas::{Next, Replicas, Replicated, Turn};
 
 use crate::play_text::{play_game, Player};
 
@@ -767,6 +767,97 @@ struct SftReplicaState {
     progress: SftProgress,
 }
 
+/// One replica's training as the replica driver runs it: rank 0 hands out
+/// positions (epoch, step), each replica trains its share of that step's
+/// batch.
+struct SftTraining<'s, 'a> {
+    session: &'s TrainingSession<'a>,
+    trainer: &'s mut SftTrainer,
+    progress: SftProgress,
+    /// The epoch whose order of the examples is at hand, and that order.
+    ordered: Option<(usize, Vec<SftExample>)>,
+}
+
+impl Replicated for SftTraining<'_, '_> {
+    type State = SftReplicaState;
+    type Step = (usize, usize);
+    type Output = SftStats;
+    type Error = anyhow::Error;
+    // One optimizer step of one batch: it is applied whole or not at all.
+    const STOPS_PART_WAY: bool = false;
+
+    fn capture(&self) -> Result<SftReplicaState, String> {
+        let trainable = relay_llm::sft::var_values(self.session.trainable);
+        Ok(SftReplicaState {
+            identity: self.session.identity,
+            trainable: trainable.map_err(|e| e.to_string())?,
+            optimizer: self
+                .trainer
+                .optimizer()
+                .state_bytes()
+                .map_err(|e| e.to_string())?,
+            progress: self.progress.clone(),
+        })
+    }
+
+    fn restore(&mut self, state: SftReplicaState) -> Result<(), String> {
+        if state.identity != self.session.identity {
+            return Err(
+                "this replica's training differs from rank 0's (its examples, or \
+                 --model, --full, --rank, --alpha, --epochs, --batch-size, \
+                 --minibatch-size, --lr or --seed): give every replica the same \
+                 data and flags, or another --group"
+                    .into(),
+            );
+        }
+        relay_llm::sft::set_var_values(self.session.trainable, &state.trainable)
+            .map_err(|e| format!("weights: {e}"))?;
+        let optimizer = self.trainer.optimizer_mut();
+        optimizer
+            .restore_bytes(&state.optimizer, "rank 0's optimizer state")
+            .map_err(|e| e.to_string())?;
+        // Gradients a failed step accumulated are not carried over.
+        optimizer.zero_grad();
+        self.progress = state.progress;
+        Ok(())
+    }
+
+    fn is_next(&self, _: &(usize, usize)) -> bool {
+        // Rank 0 hands out where its state is, which every replica holds
+        // after the hand-over: a replica elsewhere fails in `run`.
+        true
+    }
+
+    fn run(
+        &mut self,
+        &(epoch, step): &(usize, usize),
+        share: &mut relay_nn::BatchShare<'_>,
+    ) -> Result<SftStats> {
+        if (epoch, step) != (self.progress.epoch, self.progress.step) {
+            bail!(
+                "replica at epoch {} step {} while rank 0 hands out epoch {} step {step}",
+                self.progress.epoch + 1,
+                self.progress.step,
+                epoch + 1
+            );
+        }
+        let session = self.session;
+        if self.ordered.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            self.ordered = Some((epoch, epoch_order(session.examples, session.seed, epoch)));
+        }
+        let examples = &self.ordered.as_ref().expect("ordered above").1;
+        let batch_size = self.trainer.config().batch.batch_size;
+        let batch = &examples[step * batch_size..((step + 1) * batch_size).min(examples.len())];
+        Ok(self
+            .trainer
+            .train_step_part(session.model, session.adapter, batch, share)?)
+    }
+
+    fn stopped(_: &anyhow::Error) -> bool {
+        false
+    }
+}
+
 impl TrainingSession<'_> {
     /// Trains every epoch, one optimizer step per `--batch-size` examples
     /// in each epoch's order, as one replica of `team`: at each new view
@@ -778,107 +869,66 @@ impl TrainingSession<'_> {
     /// epoch's row. `None`: this replica was told to stop (rank 0 ends
     /// the training).
     fn train(&self, team: &mut Team, trainer: &mut SftTrainer) -> Result<Option<SftProgress>> {
-        let batch_size = trainer.config().batch.batch_size;
-        let steps_per_epoch = self.examples.len().div_ceil(batch_size);
-        let mut progress = SftProgress::default();
-        let mut ordered: Option<(usize, Vec<SftExample>)> = None;
-        let mut epoch_started = Instant::now();
+        let steps_per_epoch = self
+            .examples
+            .len()
+            .div_ceil(trainer.config().batch.batch_size);
+        let mut work = SftTraining {
+            session: self,
+            trainer,
+            progress: SftProgress::default(),
+            ordered: None,
+        };
+        // When the epoch under way started here (its time in the report).
+        let (mut epoch_started, mut timed_epoch) = (Instant::now(), None);
         // The replicas' number in the last view (`None` before the first).
         let mut members = None;
         let replicas = &mut team.replicas;
         let shutdown = &team.shutdown;
         let _entered = team.runtime.enter();
         loop {
-            if replicas.follow_view()? {
-                let mine = replicas
-                    .leads()
-                    .then(|| -> Result<SftReplicaState> {
-                        Ok(SftReplicaState {
-                            identity: self.identity,
-                            trainable: relay_llm::sft::var_values(self.trainable)?,
-                            optimizer: trainer.optimizer().state_bytes()?,
-                            progress: progress.clone(),
-                        })
-                    })
-                    .transpose()?;
-                match team
-                    .runtime
-                    .block_on(replicas.share_state(shutdown, mine))?
-                {
-                    Next::Go(Some(state)) => {
-                        if state.identity != self.identity {
-                            bail!(
-                                "this replica's training differs from rank 0's (its examples, or \
-                                 --model, --full, --rank, --alpha, --epochs, --batch-size, \
-                                 --minibatch-size, --lr or --seed): give every replica the same \
-                                 data and flags, or another --group"
-                            );
-                        }
-                        relay_llm::sft::set_var_values(self.trainable, &state.trainable)
-                            .map_err(|e| anyhow::anyhow!("rank 0's weights: {e}"))?;
-                        trainer
-                            .optimizer_mut()
-                            .restore_bytes(&state.optimizer, "rank 0's optimizer state")?;
-                        progress = state.progress;
+            match team
+                .runtime
+                .block_on(replicas.sync_view(&mut work, shutdown))?
+            {
+                Next::Go(true) => {
+                    let now = replicas.share().1;
+                    if let Some(before) = members.filter(|_| replicas.leads()) {
+                        println!(
+                            "replicas: {before} -> {now} at epoch {} step {}",
+                            work.progress.epoch + 1,
+                            work.progress.step
+                        );
                     }
-                    Next::Go(None) => {}
-                    Next::Retry => continue,
-                    Next::Stop => bail!("relay sft: stopped"),
+                    members = Some(now);
                 }
-                let now = replicas.share().1;
-                if let Some(before) = members.filter(|_| replicas.leads()) {
-                    println!(
-                        "replicas: {before} -> {now} at epoch {} step {}",
-                        progress.epoch + 1,
-                        progress.step
-                    );
-                }
-                members = Some(now);
+                Next::Go(false) => {}
+                Next::Retry => continue,
+                Next::Stop => bail!("relay sft: stopped"),
             }
             let leads = replicas.leads();
-            if leads && progress.epoch == self.epochs {
+            if leads && work.progress.epoch == self.epochs {
                 team.runtime.block_on(replicas.announce_stop());
-                return Ok(Some(progress));
+                return Ok(Some(work.progress));
             }
-            let position = leads.then_some((progress.epoch, progress.step));
-            let (epoch, step) = match team
+            if timed_epoch != Some(work.progress.epoch) {
+                (epoch_started, timed_epoch) = (Instant::now(), Some(work.progress.epoch));
+            }
+            let position = leads.then_some((work.progress.epoch, work.progress.step));
+            let stats = match team
                 .runtime
-                .block_on(replicas.exchange(shutdown, position, &mut None))?
+                .block_on(replicas.run_step(&mut work, position, &mut None, shutdown))?
             {
-                Next::Go(position) => position,
-                Next::Retry => continue,
-                Next::Stop if leads => bail!("relay sft: stopped"),
-                Next::Stop => return Ok(None),
+                Turn::Done { output, .. } => output,
+                Turn::Failed {
+                    step: (epoch, step),
+                    error,
+                } => return Err(error.context(format!("epoch {} step {step}", epoch + 1))),
+                Turn::Again => continue,
+                Turn::Stop if leads => bail!("relay sft: stopped"),
+                Turn::Stop => return Ok(None),
             };
-            if (epoch, step) != (progress.epoch, progress.step) {
-                bail!(
-                    "replica at epoch {} step {} while rank 0 hands out epoch {epoch} step {step}",
-                    progress.epoch + 1,
-                    progress.step
-                );
-            }
-            if ordered.as_ref().is_none_or(|(e, _)| *e != epoch) {
-                ordered = Some((epoch, epoch_order(self.examples, self.seed, epoch)));
-                epoch_started = Instant::now();
-            }
-            let examples = &ordered.as_ref().expect("ordered above").1;
-            let batch = &examples[step * batch_size..((step + 1) * batch_size).min(examples.len())];
-            let result = replicas.step(|sync| {
-                relay_learner::replicas::with_batch_share(sync, |share| {
-                    trainer.train_step_part(self.model, self.adapter, batch, share)
-                })
-            });
-            let stats = match result {
-                Ok(stats) => stats.with_context(|| format!("epoch {} step {step}", epoch + 1))?,
-                Err(broken) => {
-                    tracing::warn!(error = %broken, "a replica failed inside step {step}; redoing it in the next view");
-                    trainer.optimizer_mut().zero_grad();
-                    if !team.runtime.block_on(replicas.recover(shutdown))? {
-                        bail!("relay sft: stopped");
-                    }
-                    continue;
-                }
-            };
+            let progress = &mut work.progress;
             progress.epoch_stats.push(stats);
             progress.step += 1;
             progress.steps += 1;
@@ -886,15 +936,14 @@ impl TrainingSession<'_> {
             team.runtime.block_on(replicas.check_parameters(steps, || {
                 relay_llm::sft::var_values(self.trainable).expect("trainable weights read back")
             }))?;
+            let progress = &mut work.progress;
             if progress.step == steps_per_epoch {
                 let stats = std::mem::take(&mut progress.epoch_stats);
-                progress.epochs.push(self.epoch_report(
-                    trainer,
-                    epoch,
-                    &stats,
-                    epoch_started,
-                    leads,
-                )?);
+                let epoch = progress.epoch;
+                let report =
+                    self.epoch_report(work.trainer, epoch, &stats, epoch_started, leads)?;
+                let progress = &mut work.progress;
+                progress.epochs.push(report);
                 progress.truncated = stats.iter().map(|s| s.truncated).sum();
                 progress.epoch += 1;
                 progress.step = 0;

@@ -153,42 +153,14 @@ impl AdamW {
         share: &mut relay_nn::BatchShare<'_>,
         extra: &mut [f32],
     ) -> TrainResult<()> {
-        if share.is_alone() {
-            return Ok(());
+        let vars: Vec<candle_core::Var> = self.params.iter().map(|p| p.var.clone()).collect();
+        let mut grads: Vec<Option<Tensor>> =
+            self.params.iter_mut().map(|p| p.grad.take()).collect();
+        let summed = share.sum_each(&vars, &mut grads, extra);
+        for (p, grad) in self.params.iter_mut().zip(grads) {
+            p.grad = grad;
         }
-        let sizes: Vec<usize> = self.params.iter().map(|p| p.var.elem_count()).collect();
-        let mut flat = Vec::with_capacity(self.params.len() + sizes.iter().sum::<usize>());
-        flat.extend(
-            self.params
-                .iter()
-                .map(|p| if p.grad.is_some() { 1f32 } else { 0.0 }),
-        );
-        for (p, &n) in self.params.iter().zip(&sizes) {
-            match &p.grad {
-                Some(g) => flat.extend(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
-                None => flat.extend(std::iter::repeat_n(0f32, n)),
-            }
-        }
-        let grads_end = flat.len();
-        flat.extend_from_slice(extra);
-        share
-            .sum(&mut flat)
-            .map_err(|e| TrainError::BadInput(e.to_string()))?;
-        extra.copy_from_slice(&flat[grads_end..]);
-        let mut at = self.params.len();
-        for (i, (p, &n)) in self.params.iter_mut().zip(&sizes).enumerate() {
-            p.grad = if flat[i] > 0.0 {
-                let var = p.var.as_tensor();
-                Some(
-                    Tensor::from_slice(&flat[at..at + n], var.shape(), var.device())?
-                        .to_dtype(var.dtype())?,
-                )
-            } else {
-                None
-            };
-            at += n;
-        }
-        Ok(())
+        Ok(summed?)
     }
 
     /// Forgets the accumulated gradients without stepping.

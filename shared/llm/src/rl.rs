@@ -925,9 +925,7 @@ impl RlTrainer {
         let mine = &chunks[share.rows(chunks.len())];
         let stop = share.stop;
         let sum_across = |share: &mut relay_nn::BatchShare<'_>, data: &mut [f32]| {
-            share
-                .sum(data)
-                .map_err(|e| TrainError::BadInput(e.to_string()))
+            share.sum(data).map_err(TrainError::from)
         };
         let totals = BatchTotals {
             sequences: kept.len(),

@@ -30,6 +30,11 @@ pub enum TrainError {
     #[error("the update was stopped part-way: the learner is stopping")]
     Stopped,
 
+    /// A replica's share of the step failed (its sum across the replicas,
+    /// or shares that do not make one batch).
+    #[error("learner replicas: {0}")]
+    Replicas(#[from] relay_nn::ShareError),
+
     /// Tokenizing SFT text failed.
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
@@ -93,6 +98,18 @@ impl From<relay_config::FieldError> for TrainError {
         Self::Config {
             field: e.field,
             reason: e.reason,
+        }
+    }
+}
+
+impl From<relay_nn::NnError> for TrainError {
+    /// The shared layers' errors (the replicas' sum, candle) as the
+    /// trainer's own.
+    fn from(e: relay_nn::NnError) -> Self {
+        match e {
+            relay_nn::NnError::Replicas(e) => Self::Replicas(e),
+            relay_nn::NnError::Candle(e) => Self::Candle(e),
+            e => Self::BadInput(e.to_string()),
         }
     }
 }

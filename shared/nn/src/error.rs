@@ -82,9 +82,10 @@ pub enum NnError {
     },
 
     /// A safetensors file could not be read or written, or is not what we expect.
-    /// Summing across learner replicas failed (their all-reduce).
+    /// A learner replica's share of a step failed (its all-reduce, or
+    /// shares that do not make one batch).
     #[error("learner replicas: {0}")]
-    Replicas(String),
+    Replicas(#[from] crate::share::ShareError),
     #[error("safetensors file {path}: {reason}")]
     Checkpoint {
         /// The file.

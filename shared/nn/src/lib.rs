@@ -125,7 +125,7 @@ pub use sac::{
     SacStats, TwinCritic,
 };
 pub use schedule::{Schedule, Shape, Warmup};
-pub use share::{BatchShare, StopCheck, SumAcross};
+pub use share::{BatchShare, ShareError, StopCheck, SumAcross};
 pub use spec::{
     ActionKind, Activation, CellKind, CnnArch, CnnSpec, ConvSpec, PolicySpec, RecurrentSpec,
 };

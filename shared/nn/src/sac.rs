@@ -1033,12 +1033,7 @@ pub fn sac_train_step_part(
     }
     let mut summed = stats.map(|x| (x * weight) as f32);
     share.sum(&mut summed)?;
-    if (summed[6] - 1.0).abs() > 1e-5 {
-        return Err(NnError::Replicas(format!(
-            "the replicas' parts cover {} of a batch, not all of it: they hold different batches",
-            summed[6]
-        )));
-    }
+    BatchShare::check_covered(summed[6])?;
 
     // 5. Target critics.
     if config.update_target {

@@ -12,11 +12,26 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use crate::error::{NnError, Result};
+use crate::error::Result;
 use crate::optim::Adam;
 
 /// Sums f32 buffers across learner replicas in place; an error says why not.
-pub type SumAcross<'a> = &'a mut dyn FnMut(&mut [f32]) -> std::result::Result<(), String>;
+pub type SumAcross<'a> = &'a mut dyn FnMut(&mut [f32]) -> std::result::Result<(), ShareError>;
+
+/// Why a replica's share of a step cannot be trusted.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ShareError {
+    /// A sum across the replicas failed (a member left, the ring broke):
+    /// the step is rolled back and redone in the next view.
+    #[error("summing across the replicas failed: {0}")]
+    SumFailed(String),
+    /// The replicas' summed shares do not make one batch: they hold
+    /// different batches, and a mixture must not be trained on.
+    #[error(
+        "the replicas' parts cover {covered} of a batch, not all of it: they hold different batches"
+    )]
+    Uncovered { covered: f32 },
+}
 
 /// Whether the learner is stopping: asked between the parts of a long
 /// train call, which then ends with its crate's "stopped" error and
@@ -57,22 +72,39 @@ impl BatchShare<'_> {
         self.stop.is_some_and(|stop| stop())
     }
 
-    /// The rows of this replica's part of a batch of `b` rows.
+    /// The rows of this replica's part of a batch of `b` rows: the
+    /// `rank`-th of `replicas` contiguous, near-equal parts.
     pub fn rows(&self, b: usize) -> std::ops::Range<usize> {
         self.rank * b / self.replicas..(self.rank + 1) * b / self.replicas
     }
 
+    /// This replica's part of `items` ([`Self::rows`]).
+    pub fn part<'i, T>(&self, items: &'i [T]) -> &'i [T] {
+        &items[self.rows(items.len())]
+    }
+
     /// Sums `data` across the replicas in place (alone: nothing to do).
-    pub fn sum(&mut self, data: &mut [f32]) -> Result<()> {
+    pub fn sum(&mut self, data: &mut [f32]) -> std::result::Result<(), ShareError> {
         match &mut self.sum {
-            Some(sum) => sum(data).map_err(NnError::Replicas),
+            Some(sum) => sum(data),
             None => Ok(()),
         }
     }
 
-    /// `grads` (`None`: this part is empty, zeros) of `vars`, and `extra`
+    /// Checks that the replicas' summed shares (the `1.0` each weighted by
+    /// its share) cover a whole batch: replicas that hold different
+    /// batches fail here rather than train on a mixture.
+    pub fn check_covered(covered: f32) -> std::result::Result<(), ShareError> {
+        if (covered - 1.0).abs() > 1e-5 {
+            return Err(ShareError::Uncovered { covered });
+        }
+        Ok(())
+    }
+
+    /// `grads` (`None`: this part is empty) of `vars`, and `extra`
     /// (statistics weighted as the loss), summed across the replicas: one
-    /// buffer, one sum. Alone: `grads` as they are, `extra` unchanged.
+    /// buffer, one sum ([`Self::sum_each`]). Alone: `grads` as they are,
+    /// `extra` unchanged.
     pub fn sum_gradients(
         &mut self,
         grads: Option<GradStore>,
@@ -84,30 +116,62 @@ impl BatchShare<'_> {
             // A store holding no var's gradient.
             None => Tensor::zeros((), DType::F32, vars[0].device())?.backward()?,
         };
-        if self.sum.is_none() {
+        if self.is_alone() {
             return Ok(grads);
         }
-        let mut flat = Vec::with_capacity(vars.iter().map(|v| v.elem_count()).sum::<usize>());
-        for var in vars {
-            match grads.get(var) {
-                Some(g) => flat.extend(g.flatten_all()?.to_vec1::<f32>()?),
-                None => flat.extend(std::iter::repeat_n(0f32, var.elem_count())),
-            }
-        }
-        let n_grads = flat.len();
-        flat.extend_from_slice(extra);
-        self.sum(&mut flat)?;
-        extra.copy_from_slice(&flat[n_grads..]);
-        let mut at = 0;
-        for var in vars {
-            let len = var.elem_count();
-            grads.insert(
-                var,
-                Tensor::from_slice(&flat[at..at + len], var.shape(), var.device())?,
-            );
-            at += len;
+        let mut each: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
+        self.sum_each(vars, &mut each, extra)?;
+        for (var, grad) in vars.iter().zip(each) {
+            match grad {
+                Some(g) => grads.insert(var, g),
+                None => grads.remove(var),
+            };
         }
         Ok(grads)
+    }
+
+    /// Sums each of `vars`' gradient (`grads[i]`, `None`: none on this
+    /// replica) and `extra` across the replicas in one f32 buffer, one
+    /// sum: the one gradient flattener of every trainer (the policies'
+    /// optimizers and the LLM's AdamW). A gradient is `Some` afterwards
+    /// when any replica had one (the others count as zeros), so every
+    /// replica steps the same parameters; it keeps its var's dtype.
+    /// Alone: nothing to do.
+    pub fn sum_each(
+        &mut self,
+        vars: &[Var],
+        grads: &mut [Option<Tensor>],
+        extra: &mut [f32],
+    ) -> Result<()> {
+        if self.is_alone() {
+            return Ok(());
+        }
+        let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+        let mut flat = Vec::with_capacity(vars.len() + sizes.iter().sum::<usize>() + extra.len());
+        flat.extend(grads.iter().map(|g| if g.is_some() { 1f32 } else { 0.0 }));
+        for (grad, &n) in grads.iter().zip(&sizes) {
+            match grad {
+                Some(g) => flat.extend(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+                None => flat.extend(std::iter::repeat_n(0f32, n)),
+            }
+        }
+        let grads_end = flat.len();
+        flat.extend_from_slice(extra);
+        self.sum(&mut flat)?;
+        extra.copy_from_slice(&flat[grads_end..]);
+        let mut at = vars.len();
+        for (i, (var, &n)) in vars.iter().zip(&sizes).enumerate() {
+            grads[i] = if flat[i] > 0.0 {
+                Some(
+                    Tensor::from_slice(&flat[at..at + n], var.shape(), var.device())?
+                        .to_dtype(var.dtype())?,
+                )
+            } else {
+                None
+            };
+            at += n;
+        }
+        Ok(())
     }
 
     /// `opt`'s step on `grads` (`None`: this part is empty) summed across

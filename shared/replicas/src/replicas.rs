@@ -1,268 +1,17 @@
-//! Data-parallel learner replicas (synchronous, as PyTorch's DDP): how a
-//! gradient step's sums cross replicas. [`GradientSync`] is the one thing
-//! an algorithm's update sees of it: the replica's share of every
-//! minibatch, a sum of f32 buffers across the replicas, and whether the
-//! learner is stopping ([`StopsOn`]: a long update ends early and its
-//! caller rolls it back). [`Alone`] is a
-//! single learner; [`InGroup`] sums over a [`relay_kit::collective::Group`]
-//! (membership and views over NATS, a ring all-reduce over direct TCP).
-//!
-//! Every replica holds the whole rollout and takes the `rank`-th of `N`
-//! contiguous parts of each shuffled minibatch (the shuffle comes from the
-//! RNG every replica holds alike), so the global batch is what the config
-//! says whatever `N` is. Each part's loss is weighted by its share of the
-//! minibatch, so the summed gradients are the whole minibatch's mean
-//! gradient; the statistics that steer the update (approx KL for early
-//! stopping) are summed the same way, so every replica takes the same
-//! decisions, and all apply the same clipped step from the same bits.
-//!
-//! Every algorithm's update takes a [`GradientSync`]: PPO and A2C (parts of
-//! each minibatch or rollout, advantages normalised over all of it first),
-//! REINFORCE (the advantages' mean and spread summed first), DQN (parts of
-//! each sampled batch, drawn once so prioritized replay keeps its
-//! distribution; every row's new priority summed back, so rank 0 sends the
-//! whole batch's), SAC (each of its three optimizers summed, the whole
-//! batch's noise drawn alike) and the
-//! LLM trainers (parts of the micro-batches of `relay_llm::RlTrainer` and
-//! `relay_llm::SftTrainer`, through [`with_batch_share`]).
-//!
-//! [`Replicas`] is a learner process's side of it, the same sequence in
-//! the on-policy loop (PPO, A2C, REINFORCE), the off-policy loop (DQN,
-//! SAC) and the text loop (LoRA GRPO, RLOO, PPO on tokens): each joins
-//! the run's group at start; at every new view rank 0's state goes to
-//! every member ([`Replicas::share_state`]), so a joining replica starts
-//! from the live parameters, optimizer state and counters; rank 0 gathers
-//! each step's data (a rollout, a round's minibatches drawn once from the
-//! replay buffer so that prioritized replay keeps its sampling
-//! distribution, or a batch of games' examples) and hands it to the
-//! others ([`Replicas::exchange`], the step barrier); all run the step
-//! ([`Replicas::step`]), and a step a failure interrupted is rolled back
-//! from the snapshot taken before it and redone in the next view. Rank 0
-//! alone talks to the replay buffer, publishes versions and writes
-//! checkpoints.
-//!
-//! Why this transport: membership, views and the barrier need agreement,
-//! which JetStream's Raft already gives (a home-made consensus would be a
-//! second one to trust); the gradients need bandwidth, which a ring over
-//! direct TCP gives without passing through nats-server. PyTorch DDP on
-//! CPUs uses gloo, whose default all-reduce is a ring (and halving-doubling)
-//! over TCP with a rendezvous store (TCPStore, etcd) for membership;
-//! Horovod used MPI or gloo rings with NCCL between GPUs, and elastic
-//! Horovod re-forms after a failure and resumes from the last committed
-//! state, as [`Replicas::recover`] does from the snapshot taken before each
-//! step. Between GPUs NCCL's ring (cudarc's `nccl` feature) would replace
-//! the TCP ring; it is not built yet, so CUDA replicas sum through the
-//! host.
-//!
-//! The all-reduce waits for the whole backward pass: candle computes every
-//! gradient in one `backward()` call, so there is no hook to start
-//! reducing a finished bucket while later layers are still computing, as
-//! DDP's bucketed reducer does. Gradients are one buffer per step.
+//! A trainer process's place among its replicas ([`Replicas`]): the group
+//! it joined, the view it works in, and the collectives around each step
+//! (state hand-over at a new view, the step barrier, a step's sums, the
+//! parameter digest, recovery after a failure).
 
-use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
 use std::time::Duration;
 
 use relay_kit::collective::{CollectiveError, Group, GroupConfig, View};
 use relay_kit::{gauge, Service, ServiceError, Shutdown};
+use relay_nn::{BatchShare, StopCheck};
 use relay_proto::MetricValue;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
-use crate::rollout::UpdateError;
-
-/// How the learner's gradient steps combine across replicas (see the
-/// module docs).
-pub trait GradientSync: Send {
-    /// This replica's rank and the number of replicas.
-    fn share(&self) -> (usize, usize);
-
-    /// Sums `data` elementwise across the replicas, in place; every
-    /// replica ends with the same bits.
-    fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError>;
-
-    /// The learner is stopping: an update of many gradient steps ends
-    /// before its next one with [`UpdateError::Stopped`] (its caller rolls
-    /// the part done back), so that a stop is not held up for the rest of
-    /// it.
-    fn stopping(&self) -> bool {
-        false
-    }
-}
-
-/// Runs `f` with `sync` as the pure crates see a replica
-/// ([`relay_nn::BatchShare`]: its part of each batch, the sum, and
-/// [`GradientSync::stopping`]).
-pub fn with_batch_share<R>(
-    sync: &mut dyn GradientSync,
-    f: impl FnOnce(&mut relay_nn::BatchShare<'_>) -> R,
-) -> R {
-    let (rank, replicas) = sync.share();
-    // The sum needs the sync mutably and the stop check reads it: both go
-    // through one cell (a trainer calls one at a time).
-    let sync = std::cell::RefCell::new(sync);
-    let mut sum = |data: &mut [f32]| sync.borrow_mut().sum(data).map_err(|e| e.to_string());
-    let stop = || sync.borrow().stopping();
-    let mut share = relay_nn::BatchShare {
-        rank,
-        replicas,
-        sum: (replicas > 1).then_some(&mut sum as relay_nn::SumAcross<'_>),
-        stop: Some(&stop),
-    };
-    f(&mut share)
-}
-
-/// A [`GradientSync`] that is [`GradientSync::stopping`] once the
-/// learner's shutdown fires.
-pub struct StopsOn<'a> {
-    pub sync: &'a mut dyn GradientSync,
-    pub shutdown: &'a Shutdown,
-}
-
-impl GradientSync for StopsOn<'_> {
-    fn share(&self) -> (usize, usize) {
-        self.sync.share()
-    }
-
-    fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError> {
-        self.sync.sum(data)
-    }
-
-    fn stopping(&self) -> bool {
-        self.shutdown.is_triggered()
-    }
-}
-
-/// The gradients of `loss` (`None`: an empty share, zeros) with respect to
-/// `vars`, and `extra` (statistics the caller weighted as the loss), summed
-/// across the replicas with `sync` ([`relay_nn::BatchShare::sum_gradients`]:
-/// one buffer, one all-reduce). Alone, just `loss.backward()`.
-pub fn summed_gradients(
-    loss: Option<&Tensor>,
-    vars: &[Var],
-    sync: &mut dyn GradientSync,
-    extra: &mut [f32],
-) -> Result<GradStore, UpdateError> {
-    let grads = loss.map(Tensor::backward).transpose()?;
-    Ok(with_batch_share(sync, |share| {
-        share.sum_gradients(grads, vars, extra)
-    })?)
-}
-
-/// The `rank`-th of `n` contiguous, near-equal parts of `items`.
-pub fn part<T>(items: &[T], share: (usize, usize)) -> &[T] {
-    &items[part_range(items.len(), share)]
-}
-
-/// The rows of the `rank`-th of `n` contiguous, near-equal parts of `len` rows.
-pub fn part_range(len: usize, (rank, n): (usize, usize)) -> std::ops::Range<usize> {
-    rank * len / n..(rank + 1) * len / n
-}
-
-/// Checks that the replicas' summed shares (the `1.0` each weighted by its
-/// share) cover a whole batch: replicas that hold different batches fail
-/// here rather than train on a mixture.
-pub fn check_covered(covered: f32) -> Result<(), UpdateError> {
-    if (covered - 1.0).abs() > 1e-5 {
-        return Err(UpdateError::Replicas(format!(
-            "the replicas' parts cover {covered} of a batch, not all of it: \
-             they hold different batches"
-        )));
-    }
-    Ok(())
-}
-
-/// A learner on its own: its share is everything, sums are what it has.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Alone;
-
-impl GradientSync for Alone {
-    fn share(&self) -> (usize, usize) {
-        (0, 1)
-    }
-
-    fn sum(&mut self, _data: &mut [f32]) -> Result<(), UpdateError> {
-        Ok(())
-    }
-}
-
-/// A replica of a data-parallel group in one agreed view: sums are ring
-/// all-reduces among the view's members, tagged with consecutive step
-/// numbers so that replicas out of step fail instead of mixing sums.
-pub struct InGroup<'a> {
-    group: &'a mut Group,
-    view: View,
-    rank: usize,
-    /// The tag of the next sum.
-    next_tag: u64,
-    runtime: tokio::runtime::Handle,
-    /// Time spent in sums and the bytes summed, since creation.
-    pub reduced: Reduced,
-    /// Why a sum failed: the ring is broken for the rest of this view, so
-    /// later sums fail at once.
-    pub broken: Option<String>,
-}
-
-/// What a replica's sums cost.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Reduced {
-    pub seconds: f64,
-    pub bytes: u64,
-}
-
-impl<'a> InGroup<'a> {
-    /// The group's replica in `view` (which must hold it); the first sum
-    /// is tagged `first_tag`. Sums block the calling thread on `runtime`
-    /// (the update runs in `block_in_place`).
-    pub fn new(
-        group: &'a mut Group,
-        view: View,
-        first_tag: u64,
-        runtime: tokio::runtime::Handle,
-    ) -> Result<Self, UpdateError> {
-        let rank = view.rank_of(group.member()).ok_or_else(|| {
-            UpdateError::Replicas(format!("{} is not in epoch {}", group.member(), view.epoch))
-        })?;
-        Ok(Self {
-            group,
-            view,
-            rank,
-            next_tag: first_tag,
-            runtime,
-            reduced: Reduced::default(),
-            broken: None,
-        })
-    }
-
-    /// The tag the next sum will carry.
-    pub fn next_tag(&self) -> u64 {
-        self.next_tag
-    }
-}
-
-impl GradientSync for InGroup<'_> {
-    fn share(&self) -> (usize, usize) {
-        (self.rank, self.view.size())
-    }
-
-    fn sum(&mut self, data: &mut [f32]) -> Result<(), UpdateError> {
-        if let Some(broken) = &self.broken {
-            return Err(UpdateError::Replicas(broken.clone()));
-        }
-        let tag = self.next_tag;
-        self.next_tag += 1;
-        let started = std::time::Instant::now();
-        let summed = self
-            .runtime
-            .block_on(self.group.all_reduce_sum(&self.view, tag, data))
-            .map_err(|e| e.to_string());
-        self.reduced.seconds += started.elapsed().as_secs_f64();
-        self.reduced.bytes += std::mem::size_of_val(data) as u64;
-        summed.map_err(|e| {
-            self.broken = Some(e.clone());
-            UpdateError::Replicas(e)
-        })
-    }
-}
+use crate::group_share::{in_group, Reduced};
 
 /// What a replicated loop does after one of its collectives.
 pub enum Next<T> {
@@ -515,20 +264,26 @@ impl Replicas {
         sent
     }
 
-    /// Runs one update with `sync` summing over this view's replicas.
-    /// `Err` says which collective failed inside it: whatever the update
-    /// did must be rolled back and the step redone in the next view.
-    pub fn step<R>(&mut self, f: impl FnOnce(&mut dyn GradientSync) -> R) -> Result<R, String> {
+    /// Runs one step with this view's [`BatchShare`] (`stop`: whether the
+    /// trainer is stopping, asked between the parts of a long step). `Err`
+    /// says which sum failed inside it: whatever the step did must be
+    /// rolled back and the step redone in the next view.
+    pub fn step<R>(
+        &mut self,
+        stop: Option<StopCheck<'_>>,
+        f: impl FnOnce(&mut BatchShare<'_>) -> R,
+    ) -> Result<R, String> {
         let Some(group) = &mut self.group else {
-            return Ok(f(&mut Alone));
+            let mut share = BatchShare {
+                stop,
+                ..BatchShare::whole()
+            };
+            return Ok(f(&mut share));
         };
-        let runtime = tokio::runtime::Handle::current();
-        let mut sync = InGroup::new(group, self.view.clone(), self.tag, runtime)
-            .expect("follow_view keeps this replica in its view");
-        let result = f(&mut sync);
-        self.tag = sync.next_tag();
-        self.last_step = sync.reduced;
-        match sync.broken {
+        let (result, summed) = in_group(group, &self.view, self.tag, stop, f);
+        self.tag = summed.next_tag;
+        self.last_step = summed.reduced;
+        match summed.broken {
             Some(broken) => Err(broken),
             None => Ok(result),
         }
