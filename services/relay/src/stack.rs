@@ -18,14 +18,19 @@
 //! as it exits: no process of the stack outlives `relay up`.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use relay_local::{on_free_port, wait_for_port, Listen};
 use serde::{Deserialize, Serialize};
+
+/// A port that was free a moment ago (for the benchmarks, which start
+/// servers of their own beside a stack).
+pub use relay_local::free_port;
 
 /// The services of a run, in the order they start; the learner goes last so
 /// that training starts once everything else listens.
@@ -104,11 +109,6 @@ impl Proc {
     }
 }
 
-/// A port that was free a moment ago.
-pub fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// Finds a program on PATH.
 pub fn which(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
@@ -123,52 +123,12 @@ fn require(name: &str) -> Result<PathBuf> {
     })
 }
 
-/// Waits until `child` listens on `port`; a child that exits first (its
-/// port was taken meanwhile) or never listens is killed.
-fn wait_for_port(port: u16, child: &mut Child, what: &str) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    let result = loop {
-        // Someone else's server on the port answers too: ours must be alive.
-        let listening = TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok();
-        if let Some(status) = child.try_wait()? {
-            break Err(anyhow::anyhow!(
-                "{what} exited with {status} before listening on port {port}"
-            ));
-        }
-        if listening {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            break Err(anyhow::anyhow!(
-                "{what} did not listen on port {port} within 30 s"
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let _ = child.kill();
-    let _ = child.wait();
-    result
-}
-
-/// Starts a server with `start(port)` on a port that was free a moment ago,
-/// retrying on a new port a few times: another program can take the port
-/// between the check and the server's bind.
-fn on_free_port<T>(what: &str, mut start: impl FnMut(u16) -> Result<T>) -> Result<(T, u16)> {
-    const ATTEMPTS: usize = 5;
-    let mut attempt = 1;
-    loop {
-        let port = free_port()?;
-        match start(port) {
-            Ok(started) => return Ok((started, port)),
-            Err(e) if attempt < ATTEMPTS => {
-                tracing::warn!("{what} on port {port}: {e:#}; trying another port");
-                attempt += 1;
-            }
-            Err(e) => return Err(e.context(format!("{what}: {ATTEMPTS} ports tried"))),
-        }
-    }
-}
+/// How long a server of the stack has to listen on its port (30 s);
+/// it counts as listening once the port answers while it runs.
+const LISTEN: Listen = Listen {
+    within: Duration::from_secs(30),
+    settle: Duration::ZERO,
+};
 
 /// A nats-server of relay's own with JetStream, on a free port, stopped
 /// on drop: for commands that need NATS and nothing else of the stack
@@ -370,7 +330,7 @@ impl Stack {
                 .process_group(0)
                 .spawn()
                 .context("starting prometheus")?;
-            wait_for_port(port, &mut child, "prometheus")?;
+            wait_for_port(&mut child, port, "prometheus", LISTEN)?;
             Ok(child)
         })?;
         self.prometheus_url = Some(format!("http://127.0.0.1:{port}"));
@@ -789,7 +749,7 @@ fn spawn_nats(state_dir: &Path, run_id: &str, port: u16, max_payload: usize) -> 
         .process_group(0)
         .spawn()
         .context("starting nats-server")?;
-    wait_for_port(port, &mut nats, "nats-server")?;
+    wait_for_port(&mut nats, port, "nats-server", LISTEN)?;
     Ok(Proc {
         name: "nats-server".into(),
         child: nats,
@@ -810,7 +770,7 @@ fn spawn_redis(state_dir: &Path, run_id: &str, port: u16) -> Result<Proc> {
         .process_group(0)
         .spawn()
         .context("starting redis-server")?;
-    wait_for_port(port, &mut redis, "redis-server")?;
+    wait_for_port(&mut redis, port, "redis-server", LISTEN)?;
     Ok(Proc {
         name: "redis-server".into(),
         child: redis,
@@ -886,32 +846,4 @@ pub fn ensure_tiny_model(config: &relay_config::ExperimentConfig) -> Result<Opti
     crate::model::init_tiny(&path, 0)
         .with_context(|| format!("llm.model {}: writing the tiny model", path.display()))?;
     Ok(Some(path))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_server_that_loses_its_port_is_started_on_another() {
-        let mut tried = Vec::new();
-        let (started, port) = on_free_port("server", |port| {
-            tried.push(port);
-            if tried.len() < 3 {
-                bail!("port {port} taken");
-            }
-            Ok(port)
-        })
-        .unwrap();
-        assert_eq!((tried.len(), started), (3, port));
-    }
-
-    #[test]
-    fn a_server_that_never_starts_is_an_error_naming_it() {
-        let e = on_free_port::<()>("nats-server", |port| bail!("port {port} taken")).unwrap_err();
-        assert!(
-            format!("{e:#}").contains("nats-server: 5 ports tried"),
-            "{e:#}"
-        );
-    }
 }

@@ -1,7 +1,8 @@
 //! Test support: real `nats-server`, `redis-server` and `prometheus`
 //! processes on free loopback ports, each killed (and its state folder
 //! removed) on drop, plus a helper to run this workspace's service binaries
-//! as child processes.
+//! as child processes. Free ports and starting a server on one are
+//! `relay-local`'s, which the stack supervisor uses too.
 //!
 //! The servers are found on `PATH` (`deploy/install.sh` installs them) or at
 //! the path in `RELAY_NATS_SERVER` / `RELAY_REDIS_SERVER` / `RELAY_PROMETHEUS`.
@@ -10,12 +11,13 @@
 //! Also where the LLM reference data lives ([`llm_fixture`]), shared by
 //! the model, inference-server and CLI tests.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use relay_local::{on_free_port, wait_for_port, Listen};
 
 pub mod netns;
 
@@ -31,12 +33,9 @@ pub fn llm_fixture(name: &str) -> PathBuf {
     root.join(name)
 }
 
-/// A port that was free a moment ago on 127.0.0.1.
+/// A port that was free a moment ago on 127.0.0.1 ([`relay_local::free_port`]).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral port")
+    relay_local::free_port().expect("bind an ephemeral port")
 }
 
 /// A fresh temporary folder, removed on drop.
@@ -79,52 +78,30 @@ fn binary(env_var: &str, name: &str) -> Result<PathBuf> {
     bail!("{name} not found on PATH (set {env_var}, or run deploy/install.sh)")
 }
 
-fn wait_for_port(addr: SocketAddr, child: &mut Child, what: &str) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
-            // Another test's server may hold the port while ours, unable to
-            // bind it, is exiting: ours must still be running a moment later.
-            std::thread::sleep(Duration::from_millis(100));
-            if let Some(status) = child.try_wait()? {
-                bail!("{what} exited with {status}; {addr} belongs to another process");
-            }
-            return Ok(());
-        }
-        if let Some(status) = child.try_wait()? {
-            bail!("{what} exited with {status} before listening on {addr}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    bail!("{what} did not listen on {addr} within 20 s")
-}
+/// How long a test server has to listen: machines running many tests at
+/// once start servers slowly. Another test's server may hold the port while
+/// ours, unable to bind it, is exiting: ours must still be running a
+/// moment after the port answers.
+const LISTEN: Listen = Listen {
+    within: Duration::from_secs(20),
+    settle: Duration::from_millis(100),
+};
 
-/// Spawns the server `command(port)` builds on a free port and waits until it
-/// listens. A port found free can be taken by another test's server before
-/// ours binds it, so a server that exits before listening is retried on a
-/// new port a few times.
+/// Spawns the server `command(port)` builds on a free port, its output
+/// discarded, and waits until it listens ([`relay_local::on_free_port`]:
+/// a port found free can be taken by another test's server before ours
+/// binds it, so a server that exits before listening is retried on a new
+/// port a few times).
 fn spawn_on_free_port(what: &str, command: impl Fn(u16) -> Command) -> Result<(Child, u16)> {
-    const ATTEMPTS: usize = 5;
-    let mut last_error = None;
-    for _ in 0..ATTEMPTS {
-        let port = free_port();
+    on_free_port(what, |port| {
         let mut child = command(port)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {what}"))?;
-        match wait_for_port(([127, 0, 0, 1], port).into(), &mut child, what) {
-            Ok(()) => return Ok((child, port)),
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                last_error = Some(e);
-            }
-        }
-    }
-    Err(last_error
-        .expect("at least one attempt")
-        .context(format!("{ATTEMPTS} attempts")))
+        wait_for_port(&mut child, port, what, LISTEN)?;
+        Ok(child)
+    })
 }
 
 /// A running server process, killed on drop.
@@ -268,11 +245,7 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .context("restarting redis-server")?;
-        let addr = ([127, 0, 0, 1], self.0.port).into();
-        if let Err(e) = wait_for_port(addr, &mut child, "redis-server") {
-            let _ = child.kill();
-            return Err(e);
-        }
+        wait_for_port(&mut child, self.0.port, "redis-server", LISTEN)?;
         self.0.child = child;
         Ok(())
     }
