@@ -76,7 +76,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Device, Layout, Shape, Tenso
 use crate::error::Result;
 use crate::init::{Init, LayerInit};
 use crate::kernels::{self, zip_lanes, PoolWindow};
-use crate::model::{dense_host, new_layer, Dense};
+use crate::layers::{dense_host, new_layer, Dense};
 use crate::ops::{self, cpu_f32, with_f32};
 use crate::spec::{Activation, CnnArch, CnnSpec};
 

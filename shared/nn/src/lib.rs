@@ -11,6 +11,8 @@
 //! |---|---|
 //! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`], [`CnnSpec`] ([`CnnArch`]): what a policy looks like (serde) |
 //! | [`conv`] | the convolutional features extractor of image policies and Q-networks (NatureCNN, IMPALA's ResNet): padded convolutions, max-pool, residual blocks |
+//! | `layers` | the dense layers every network builds on: creation and init, the graph-free host forward (inference) and the fused-op graph (training) |
+//! | [`recurrent`] | the LSTM / GRU cores of recurrent actor-critics: acting one step without a graph, unrolling a fragment as a graph (BPTT) |
 //! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), both optionally under action masks, weight exchange and checkpoints |
 //! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample), invalid-action masking ([`mask_logits`], [`check_masks`]) |
 //! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
@@ -85,6 +87,7 @@ pub mod error;
 pub mod init;
 pub mod io;
 pub mod kernels;
+pub(crate) mod layers;
 pub mod model;
 pub mod ops;
 pub mod optim;

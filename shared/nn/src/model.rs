@@ -55,7 +55,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
@@ -64,20 +64,17 @@ use crate::conv::Cnn;
 use crate::error::{NnError, Result};
 use crate::init::{Init, LayerInit};
 use crate::io::{read_safetensors, write_safetensors, NamedTensor};
-use crate::kernels;
-use crate::ops::{self, check_masks, cpu_f32, HALF_LN_2PI};
+pub use crate::layers::HOST_KERNEL_MAX_BATCH;
+use crate::layers::{dense_host, head_graph, mlp_host, new_layer, trunk_graph, trunk_host, Dense};
+use crate::ops::{self, check_masks, HALF_LN_2PI};
 use crate::params::Params;
 use crate::qnet::masked_argmax;
 use crate::recurrent::Core;
-use crate::spec::{ActionKind, Activation, PolicySpec};
+use crate::spec::{ActionKind, PolicySpec};
 pub use relay_config::hyper::policy::TrunkLayout;
 
 /// `format` metadata written into model checkpoints.
 pub const MODEL_FORMAT: &str = "relay-nn/actor-critic";
-
-/// Largest batch for which [`ActorCritic::act`] / [`ActorCritic::values`] use
-/// the hand-written dense kernel; larger batches call candle's gemm.
-pub const HOST_KERNEL_MAX_BATCH: usize = 16;
 
 /// Largest activation buffer (in f32 values, 64 KiB) one chunk of a large
 /// `act` / `values` batch may allocate; see `ActorCritic::infer`.
@@ -102,13 +99,6 @@ pub struct ActOutput {
     pub logprobs: Vec<f32>,
     /// Critic value `V(s)` of each observation, `n` values.
     pub values: Vec<f32>,
-}
-
-/// One dense layer's parameters (PyTorch layout: `w: [out, in]`, `b: [out]`).
-#[derive(Clone)]
-pub(crate) struct Dense {
-    pub(crate) w: Var,
-    pub(crate) b: Var,
 }
 
 /// A recurrent policy's cores: the actor's, and the critic's unless the
@@ -152,116 +142,6 @@ impl fmt::Debug for ActorCritic {
             .field("parameters", &self.num_parameters())
             .finish()
     }
-}
-
-/// The contiguous f32 data of a CPU var's storage guard.
-pub(crate) fn storage_f32<'a>(s: &'a Storage, l: &candle_core::Layout) -> Result<&'a [f32]> {
-    match s {
-        Storage::Cpu(s) => Ok(cpu_f32(s, l, "parameter")?),
-        _ => Err(candle_core::Error::Msg("parameters must live on the CPU".into()).into()),
-    }
-}
-
-/// A layer's weight (`shape`, `[out, ...]`; fan-in the product of the rest)
-/// and bias `[out]`, drawn as `how` says and registered in `params` as
-/// `{name}.weight` and `{name}.bias`.
-pub(crate) fn new_layer(
-    name: &str,
-    shape: &[usize],
-    how: LayerInit,
-    init: &mut Init<'_>,
-    params: &mut Vec<(String, Var)>,
-    device: &Device,
-) -> Result<Dense> {
-    let out = shape[0];
-    let (w, b) = init.layer(how, out, shape[1..].iter().product());
-    let w = Var::from_vec(w, shape, device)?;
-    let b = Var::from_vec(b, out, device)?;
-    params.push((format!("{name}.weight"), w.clone()));
-    params.push((format!("{name}.bias"), b.clone()));
-    Ok(Dense { w, b })
-}
-
-/// One dense layer `act(x W^T + b)` without a graph, weights read in place.
-///
-/// Batches of at most [`HOST_KERNEL_MAX_BATCH`] rows use the hand-written
-/// dense kernel (no allocation beyond the output); larger ones call candle's
-/// CPU gemm directly on the storages (no tensors, no graph).
-pub(crate) fn dense_host(
-    layer: &Dense,
-    x: Cow<'_, [f32]>,
-    n: usize,
-    width: usize,
-    act: Option<Activation>,
-) -> Result<Vec<f32>> {
-    let (wg, wl) = layer.w.storage_and_layout();
-    let (bg, bl) = layer.b.storage_and_layout();
-    let b = storage_f32(&bg, bl)?;
-    if n <= HOST_KERNEL_MAX_BATCH {
-        let w = storage_f32(&wg, wl)?;
-        let mut out = vec![0f32; n * b.len()];
-        kernels::dense(&x, width, w, b, &mut out, act);
-        Ok(out)
-    } else {
-        let Storage::Cpu(ws) = &*wg else {
-            return Err(candle_core::Error::Msg("parameters must live on the CPU".into()).into());
-        };
-        let xl = candle_core::Layout::contiguous((n, width));
-        Ok(ops::linear_cpu(
-            &CpuStorage::F32(x.into_owned()),
-            &xl,
-            ws,
-            wl,
-            b,
-            act,
-        )?)
-    }
-}
-
-/// Hidden layers of an MLP without a graph; returns the last hidden
-/// activations (or a copy of `x` when there are no hidden layers) and their width.
-pub(crate) fn trunk_host<'a>(
-    layers: &[Dense],
-    act: Activation,
-    x: &'a [f32],
-    n: usize,
-    in_dim: usize,
-) -> Result<(Cow<'a, [f32]>, usize)> {
-    let mut cur: Cow<'_, [f32]> = Cow::Borrowed(x);
-    let mut width = in_dim;
-    for layer in layers {
-        let out = dense_host(layer, cur, n, width, Some(act))?;
-        width = layer.b.elem_count();
-        cur = Cow::Owned(out);
-    }
-    Ok((cur, width))
-}
-
-/// Forward of one MLP (hidden layers, then a linear head) without a graph.
-pub(crate) fn mlp_host(
-    layers: &[Dense],
-    head: &Dense,
-    act: Activation,
-    x: &[f32],
-    n: usize,
-    in_dim: usize,
-) -> Result<Vec<f32>> {
-    let (h, width) = trunk_host(layers, act, x, n, in_dim)?;
-    dense_host(head, h, n, width, None)
-}
-
-/// Hidden layers as a differentiable graph of fused linear ops.
-pub(crate) fn trunk_graph(x: &Tensor, layers: &[Dense], act: Activation) -> Result<Tensor> {
-    let mut h = x.clone();
-    for l in layers {
-        h = ops::linear(&h, &l.w, &l.b, Some(act))?;
-    }
-    Ok(h)
-}
-
-/// A linear head as a differentiable graph node.
-pub(crate) fn head_graph(x: &Tensor, head: &Dense) -> Result<Tensor> {
-    Ok(ops::linear(x, &head.w, &head.b, None)?)
 }
 
 impl ActorCritic {

@@ -54,7 +54,7 @@ use crate::conv::Cnn;
 use crate::error::{NnError, Result};
 use crate::init::{Init, LayerInit};
 use crate::io::NamedTensor;
-use crate::model::{dense_host, head_graph, new_layer, trunk_graph, trunk_host, Dense};
+use crate::layers::{dense_host, head_graph, trunk_graph, trunk_host, Dense, LayerBuilder};
 use crate::ops::check_masks;
 use crate::params::Params;
 use crate::spec::{validate_cnn, ActionKind, Activation, CnnSpec, PolicySpec};
@@ -171,43 +171,6 @@ impl fmt::Debug for QNetwork {
             .field("spec", &self.spec)
             .field("parameters", &self.num_parameters())
             .finish()
-    }
-}
-
-/// Builds dense layers with PyTorch's default init and records their names.
-pub(crate) struct LayerBuilder<'a> {
-    pub(crate) params: Vec<(String, Var)>,
-    pub(crate) init: Init<'a>,
-    /// Where the parameters are placed.
-    pub(crate) device: Device,
-}
-
-impl LayerBuilder<'_> {
-    pub(crate) fn dense(&mut self, name: &str, inp: usize, out: usize) -> Result<Dense> {
-        new_layer(
-            name,
-            &[out, inp],
-            LayerInit::FanIn,
-            &mut self.init,
-            &mut self.params,
-            &self.device,
-        )
-    }
-
-    /// Hidden layers `{prefix}.{2i}` from `inp` through `hidden`.
-    pub(crate) fn trunk(
-        &mut self,
-        prefix: &str,
-        inp: usize,
-        hidden: &[usize],
-    ) -> Result<Vec<Dense>> {
-        let mut width = inp;
-        let mut layers = Vec::with_capacity(hidden.len());
-        for (i, &h) in hidden.iter().enumerate() {
-            layers.push(self.dense(&format!("{prefix}.{}", 2 * i), width, h)?);
-            width = h;
-        }
-        Ok(layers)
     }
 }
 

@@ -20,7 +20,7 @@
 //! The same cell runs on two paths:
 //!
 //! - [`Core::step_host`]: one step of `n` rows without a graph (acting),
-//!   the projections on the dense kernels of [`crate::model`];
+//!   the projections on the dense layers' host path (`layers`);
 //! - [`Core::unroll`]: `T` steps of `B` sequences as a differentiable graph
 //!   (training: backpropagation through time over a fragment), the state
 //!   zeroed before every step that starts an episode, from each sequence's
@@ -37,7 +37,7 @@ use candle_core::{Device, IndexOp, Tensor, Var};
 
 use crate::error::Result;
 use crate::init::Init;
-use crate::model::{dense_host, Dense};
+use crate::layers::{dense_host, Dense};
 use crate::ops;
 pub use relay_config::hyper::policy::{CellKind, RecurrentSpec};
 

@@ -54,12 +54,13 @@ use serde::{Deserialize, Serialize};
 use crate::error::{NnError, Result};
 use crate::init::Init;
 use crate::io::NamedTensor;
-use crate::model::{dense_host, head_graph, mlp_host, trunk_graph, trunk_host, Dense};
+use crate::layers::{
+    dense_host, head_graph, mlp_host, trunk_graph, trunk_host, Dense, LayerBuilder,
+};
 use crate::ops::{self, precomputed_loss, with_f32};
 use crate::optim::{Adam, AdamConfig};
 use crate::par::Pair;
 use crate::params::Params;
-use crate::qnet::LayerBuilder;
 use crate::share::BatchShare;
 use crate::spec::Activation;
 
