@@ -83,6 +83,7 @@
 //! | [`rl`] | [`TokenExample`], the RL objectives ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`] |
 //! | [`reward`] | [`GameResult`], [`RewardShaping`]: per-env normalisation, format reward, invalid-move penalty |
 //! | [`sft`] | [`SftTrainer`], the SFT JSONL reader and chat rendering, full-model training through a `VarMap` |
+//! | [`vars`] | [`vars::named_vars`], [`vars::var_values`], [`vars::set_var_values`]: trainable vars by name and their values, for the adapter, the SFT trainer and replicas (re-exported in [`sft`]) |
 //! | [`optim`] | [`AdamW`] (multi-tensor: one flat update per bucket of parameters) with gradient accumulation, global-norm clipping and saved state |
 //! | [`train_error`] | [`TrainError`] |
 //!
@@ -139,6 +140,7 @@ pub mod tokenizer;
 pub mod train_error;
 pub mod train_forward;
 mod train_ops;
+pub mod vars;
 
 pub use adapter_bytes::{to_peft_bytes, PeftBytes};
 pub use backend::{

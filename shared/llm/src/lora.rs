@@ -172,7 +172,7 @@ impl LoraAdapter {
     /// [`Self::named_vars`]' order: what replicas compare and checkpoints
     /// hold.
     pub fn named_values(&self) -> Result<Vec<relay_nn::NamedTensor>> {
-        Ok(crate::sft::var_values(&self.named_vars())?)
+        Ok(crate::vars::var_values(&self.named_vars())?)
     }
 
     /// Every trainable factor with its PEFT name, layer by layer, `A`

@@ -69,6 +69,7 @@ use crate::token_batch::{
 };
 use crate::tokenizer::Tokenizer;
 use crate::train_error::{TrainError, TrainResult};
+pub use crate::vars::{named_vars, set_var_values, var_values};
 
 /// One (prompt, completion) pair as token ids.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -661,65 +662,6 @@ pub fn load_hf_trainable_on(dir: &Path, backend: &Backend) -> TrainResult<(Causa
     weights.check_all_used(&config, |name| vars.contains_key(name))?;
     drop(vars);
     Ok((model, varmap))
-}
-
-/// Every var of a map with its name, sorted by name (a stable order for
-/// the optimizer).
-pub fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
-    let mut vars: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .expect("VarMap lock")
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    vars
-}
-
-/// The current values of `vars` (name, shape, f32 data) in their order:
-/// what replicas hand over and compare.
-pub fn var_values(vars: &[(String, Var)]) -> candle_core::Result<Vec<relay_nn::NamedTensor>> {
-    vars.iter()
-        .map(|(name, var)| {
-            let t = var.as_tensor();
-            let data = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            Ok((name.clone(), t.dims().to_vec(), data))
-        })
-        .collect()
-}
-
-/// Sets `vars` to `values` ([`var_values`] of the same vars elsewhere):
-/// names and shapes must match one for one, and on error no var changed.
-pub fn set_var_values(
-    vars: &[(String, Var)],
-    values: &[relay_nn::NamedTensor],
-) -> Result<(), String> {
-    if vars.len() != values.len() {
-        return Err(format!(
-            "{} tensors, this replica has {}",
-            values.len(),
-            vars.len()
-        ));
-    }
-    let mut converted = Vec::with_capacity(vars.len());
-    for ((name, var), (held, shape, data)) in vars.iter().zip(values) {
-        let t = var.as_tensor();
-        if name != held || t.dims() != shape.as_slice() {
-            return Err(format!(
-                "tensor {held} {shape:?} where this replica has {name} {:?}",
-                t.dims()
-            ));
-        }
-        let value = Tensor::from_slice(data, t.dims(), t.device())
-            .and_then(|v| v.to_dtype(t.dtype()))
-            .map_err(|e| format!("{name}: {e}"))?;
-        converted.push(value);
-    }
-    for ((name, var), value) in vars.iter().zip(converted) {
-        var.set(&value).map_err(|e| format!("{name}: {e}"))?;
-    }
-    Ok(())
 }
 
 /// Writes a fully fine-tuned model as a Hugging Face folder:
