@@ -34,8 +34,8 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::generate::{sample_masked, Sampled, SamplingParams};
 use crate::model_error::{ModelError, Result};
+use crate::sampling::{sample_masked, Sampled, SamplingParams};
 
 /// Tokens per chunk of the two-level scan.
 const CHUNK: usize = 1024;
@@ -314,7 +314,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-    use crate::generate::Sampler;
+    use crate::sampling::Sampler;
 
     /// Rows of distinct random logits (no ties, so top-k means the same
     /// on both sides), spread like a language model's.

@@ -24,7 +24,8 @@
 //! | `hf_weights` | a Hugging Face folder's safetensors (one file or shards, any float dtype), memory-mapped; a tensor the model does not use is an error |
 //! | [`gguf`] | [`CausalLm`] from a GGUF file, quantized or dequantized |
 //! | [`init`] | [`init::tiny`]: a small random Qwen2 checkpoint |
-//! | [`mod@generate`] | [`Sampler`], [`Sequence`], [`step`]: sampling and batched decoding |
+//! | [`sampling`] | [`SamplingParams`], [`Sampler`], [`Sampled`]: one token drawn from a row of logits on the host (greedy, temperature, top-k, top-p, a constraint) |
+//! | [`mod@generate`] | [`Sequence`], [`step`]: batched decoding (continuous batching, constrained answers), drawing on the host ([`sampling`]) or on the logits' device (`device_sample`) |
 //! | [`model_error`] | [`ModelError`] |
 //!
 //! ## Choices
@@ -132,6 +133,7 @@ pub(crate) mod packed;
 pub mod peft;
 pub mod reward;
 pub mod rl;
+pub mod sampling;
 pub mod sft;
 pub mod smollm2;
 pub mod tiny_tokenizer;
@@ -151,8 +153,7 @@ pub use cache::{KvCache, KvPool, KvUsage, PrefixCache, BLOCK_POSITIONS};
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use generate::{
-    generate, prefill, step, AnswerAfterThought, FinishReason, Sampled, Sampler, SamplingParams,
-    Sequence, StepToken, StopCondition,
+    generate, prefill, step, AnswerAfterThought, FinishReason, Sequence, StepToken, StopCondition,
 };
 pub use gguf::GgufBase;
 pub use init::{TinyShape, TinyVocab};
@@ -171,6 +172,7 @@ pub use rl::{
     AdvantageEstimator, Baseline, KlConfig, KlEstimator, KlMode, MovingBaselines, ObjectiveConfig,
     PolicyLoss, RatioLevel, RlStats, RlTrainConfig, RlTrainer, TokenExample, TruncatedIs,
 };
+pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use sft::{SftConfig, SftExample, SftFormat, SftRecord, SftStats, SftTrainer};
 pub use smollm2::{find_smollm2_gguf, FindGgufError, SMOLLM2_GGUF_ENV};
 pub use tiny_tokenizer::{write_tiny_tokenizer, TINY_VOCAB_SIZE};
