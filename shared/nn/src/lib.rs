@@ -10,7 +10,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`spec`] | [`PolicySpec`], [`ActionKind`], [`Activation`], [`CnnSpec`] ([`CnnArch`]): what a policy looks like (serde) |
-//! | [`conv`] | the convolutional features extractor of image policies and Q-networks (NatureCNN, IMPALA's ResNet): padded convolutions, max-pool, residual blocks |
+//! | [`conv`] | the convolutions of image policies and Q-networks: `im2col` + gemm, padding, max-pool, their backward passes and graph ops; `conv/cnn.rs` the features extractor built from them (NatureCNN, IMPALA's ResNet: layers, parameter names, forward passes) |
 //! | `layers` | the dense layers every network builds on: creation and init, the graph-free host forward (inference) and the fused-op graph (training) |
 //! | [`recurrent`] | the LSTM / GRU cores of recurrent actor-critics: acting one step without a graph, unrolling a fragment as a graph (BPTT) |
 //! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), both optionally under action masks, weight exchange and checkpoints |
