@@ -13,7 +13,7 @@
 //! | [`conv`] | the convolutions of image policies and Q-networks: `im2col` + gemm, padding, max-pool, their backward passes and graph ops; `conv/cnn.rs` the features extractor built from them (NatureCNN, IMPALA's ResNet: layers, parameter names, forward passes) |
 //! | `layers` | the dense layers every network builds on: creation and init, the graph-free host forward (inference) and the fused-op graph (training) |
 //! | [`recurrent`] | the LSTM / GRU cores of recurrent actor-critics: acting one step without a graph, unrolling a fragment as a graph (BPTT) |
-//! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `act` (inference), `evaluate` (training), both optionally under action masks, weight exchange and checkpoints |
+//! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `evaluate` (training), weight exchange and checkpoints; `model/act.rs` its graph-free `act` / `values` (inference); both optionally under action masks |
 //! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample), invalid-action masking ([`mask_logits`], [`check_masks`]) |
 //! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
 //! | [`ppo`] | [`gae`], [`ppo_loss`] and its [`PpoLossConfig`], [`explained_variance`], [`normalize`] |
