@@ -17,8 +17,8 @@
 //! Each replica is its own process (this binary, started again with
 //! `--replica`), with `RAYON_NUM_THREADS=1`, joined through a real
 //! nats-server into a [`relay_kit::collective::Group`], and runs the
-//! learner's own update (`relay_learner::ppo::update`,
-//! `relay_learner::sac::gradient_step`) with
+//! learner's own update (`relay_algo::ppo::update`,
+//! `relay_algo::sac::gradient_step`) with
 //! [`relay_replicas::in_group`]: its share of every minibatch, the
 //! gradients summed by the ring all-reduce. Every replica holds the same
 //! data (drawn from one seed), as rank 0 hands it out in a run. The
@@ -47,10 +47,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use relay::stack::{ExternalInfra, Stack};
+use relay_algo::optimizer::Optimizer;
+use relay_algo::rollout::Rollout;
 use relay_config::ExperimentConfig;
 use relay_kit::collective::{Group, GroupConfig, View};
-use relay_learner::optimizer::Optimizer;
-use relay_learner::rollout::Rollout;
 use relay_nn::BatchShare;
 use relay_nn::{Actions, ActorCritic};
 use relay_proto::TransitionBatch;
@@ -231,13 +231,9 @@ impl Trainer {
             Workload::Sac => {
                 let s = &cfg.sac;
                 let spec = relay_policy::sac_spec_for(cfg).map_err(anyhow::Error::msg)?;
-                let step = relay_learner::sac::step_config(
-                    s,
-                    spec.action_dim(),
-                    s.learning_rate.value(0.0),
-                )?;
-                let sac =
-                    relay_nn::Sac::new(&spec, relay_learner::sac::initial_ent_coef(s)?, SEED)?;
+                let step =
+                    relay_algo::sac::step_config(s, spec.action_dim(), s.learning_rate.value(0.0))?;
+                let sac = relay_nn::Sac::new(&spec, relay_algo::sac::initial_ent_coef(s)?, SEED)?;
                 let optimizers = relay_nn::SacOptimizers::new(&sac, &step)?;
                 let batches = (0..s.gradient_steps)
                     .map(|i| transitions(&spec, s.batch_size, SEED + i as u64))
@@ -287,7 +283,7 @@ impl Trainer {
                 rollout,
                 cfg,
             } => {
-                relay_learner::ppo::update(model, optimizer, rollout, cfg, progress, rng, sync)?;
+                relay_algo::ppo::update(model, optimizer, rollout, cfg, progress, rng, sync)?;
             }
             Self::Sac {
                 sac,
@@ -298,7 +294,7 @@ impl Trainer {
             } => {
                 for (i, batch) in batches.iter().enumerate() {
                     step.update_target = (i as u64).is_multiple_of(*target_update_interval);
-                    relay_learner::sac::gradient_step(
+                    relay_algo::sac::gradient_step(
                         step,
                         sac,
                         optimizers,

@@ -60,7 +60,6 @@
 //! train off-policy on the replay-buffer's transition table, each with its
 //! own loop: see [`dqn`] and [`sac`].
 
-pub mod a2c;
 pub mod checkpoint;
 pub mod dqn;
 pub mod evaluated;
@@ -68,14 +67,13 @@ pub mod examples;
 mod league;
 mod offpolicy;
 mod onpolicy;
-pub mod optimizer;
-pub mod ppo;
 pub mod progress;
 mod publish;
-pub mod reinforce;
-pub mod rollout;
 pub mod sac;
 pub mod text;
+
+// The updates themselves are relay-algo's (pure, shared with the benchmarks).
+pub use relay_algo::{a2c, optimizer, ppo, reinforce, rollout};
 
 use relay_config::Algo;
 use relay_kit::{Service, ServiceConfig, ServiceError, Shutdown};

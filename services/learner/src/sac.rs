@@ -37,9 +37,9 @@ use std::path::Path;
 
 use rand_chacha::ChaCha8Rng;
 use relay_config::ExperimentConfig;
-use relay_config::{EntCoef, SacSection};
+use relay_config::SacSection;
 use relay_kit::{gauge, ServiceError};
-use relay_nn::{sac_train_step_part, Pair, Sac, SacBatch, SacConfig, SacOptimizers, SacStats};
+use relay_nn::{Pair, Sac, SacConfig, SacOptimizers, SacStats};
 
 use relay_nn::BatchShare;
 use relay_policy::PolicyWeights;
@@ -49,6 +49,7 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::{self, CheckpointError};
 use crate::offpolicy::{OffPolicyAlgorithm, RoundSchedule};
 use crate::progress::Progress;
+use relay_algo::sac::{gradient_step, initial_ent_coef, step_config};
 
 /// The checkpoint file of [`SacState`].
 const STATE_FILE: &str = "sac.json";
@@ -88,30 +89,6 @@ pub(crate) fn schedule(cfg: &SacSection) -> RoundSchedule {
 /// ([`RoundSchedule::due_at`]).
 pub fn round_due_at(cfg: &SacSection, rounds: u64) -> u64 {
     schedule(cfg).due_at(rounds)
-}
-
-/// The gradient step's settings from the `sac` section, for an actor of
-/// `action_dim` dimensions at learning rate `lr`.
-pub fn step_config(
-    cfg: &SacSection,
-    action_dim: usize,
-    lr: f64,
-) -> Result<SacConfig, relay_config::ConfigError> {
-    Ok(SacConfig {
-        tau: cfg.tau as f32,
-        auto_entropy: matches!(cfg.ent_coef()?, EntCoef::Auto { .. }),
-        target_entropy: Some(cfg.target_entropy_for(action_dim)? as f32),
-        lr,
-        update_target: true,
-    })
-}
-
-/// The initial entropy coefficient α (`"auto"`: 1, `"auto_<x>"`: x, fixed: itself).
-pub fn initial_ent_coef(cfg: &SacSection) -> Result<f64, relay_config::ConfigError> {
-    Ok(match cfg.ent_coef()? {
-        EntCoef::Auto { initial } => initial,
-        EntCoef::Fixed(v) => v,
-    })
 }
 
 /// Statistics of one training round (means over its gradient steps).
@@ -157,62 +134,12 @@ impl RoundStats {
 /// checkpoint.
 #[derive(Debug, thiserror::Error)]
 pub enum SacError {
-    #[error("batch field {field}: {detail}")]
-    Batch { field: &'static str, detail: String },
+    #[error(transparent)]
+    Step(#[from] relay_algo::sac::StepError),
     #[error(transparent)]
     Nn(#[from] relay_nn::NnError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-}
-
-/// One SAC gradient step on a sampled batch (actions in env units,
-/// `[B, action_dim]`); a batch of the wrong shape is an error naming the
-/// field, never a panic. With learner replicas (`relay_replicas`) every
-/// replica holds the batch and takes its part of the rows; each of the
-/// three optimizers' gradients is summed across replicas before its step
-/// ([`relay_nn::sac_train_step_part`]).
-pub fn gradient_step(
-    step: &SacConfig,
-    sac: &Sac,
-    optimizers: &mut SacOptimizers,
-    batch: &TransitionBatch,
-    rng: &mut ChaCha8Rng,
-    pair: &Pair,
-    sync: &mut BatchShare<'_>,
-) -> Result<SacStats, SacError> {
-    let field = |field: &'static str, e: relay_proto::TensorError| SacError::Batch {
-        field,
-        detail: e.to_string(),
-    };
-    let obs = batch
-        .obs
-        .observations_to_f32()
-        .map_err(|e| field("obs", e))?;
-    let next_obs = batch
-        .next_obs
-        .observations_to_f32()
-        .map_err(|e| field("next_obs", e))?;
-    let actions = batch.actions.to_f32().map_err(|e| field("actions", e))?;
-    let returns = batch.rewards.to_f32().map_err(|e| field("rewards", e))?;
-    let discounts = batch
-        .discounts
-        .to_f32()
-        .map_err(|e| field("discounts", e))?;
-    Ok(sac_train_step_part(
-        step,
-        sac,
-        optimizers,
-        &SacBatch {
-            obs: &obs,
-            actions: &actions,
-            returns: &returns,
-            next_obs: &next_obs,
-            discounts: &discounts,
-        },
-        rng,
-        pair,
-        sync,
-    )?)
 }
 
 /// SAC's networks, optimizers and round bookkeeping, trained by the shared

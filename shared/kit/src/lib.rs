@@ -32,5 +32,7 @@ pub use connect::{
 pub use fit::{publish_within, reply_within, request_within};
 pub use http::Health;
 pub use intake::Intake;
-pub use service::{counter, gauge, Service, ServiceArgs, ServiceConfig, ServiceError};
+// The report's value constructors live with the message (pure crates use them too).
+pub use relay_proto::{counter, gauge};
+pub use service::{Service, ServiceArgs, ServiceConfig, ServiceError};
 pub use shutdown::{Shutdown, ShutdownTrigger};

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use prometheus::Registry;
 use relay_proto::{
-    MetricKind, MetricValue, MetricsReport, RunStatus, RunStatusUpdate, Subjects, SCHEMA_VERSION,
+    MetricValue, MetricsReport, RunStatus, RunStatusUpdate, Subjects, SCHEMA_VERSION,
 };
 
 use crate::connect::{connect_nats_with, ConnectError};
@@ -372,26 +372,6 @@ impl Service {
     pub async fn drain(&self) {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.nats.flush()).await;
         let _ = tokio::time::timeout(Duration::from_secs(2), self.nats.drain()).await;
-    }
-}
-
-/// A gauge value for a [`MetricsReport`].
-pub fn gauge(name: &str, value: f64) -> MetricValue {
-    MetricValue {
-        name: name.to_string(),
-        kind: MetricKind::Gauge,
-        value,
-        labels: Default::default(),
-    }
-}
-
-/// A counter increment for a [`MetricsReport`].
-pub fn counter(name: &str, increment: f64) -> MetricValue {
-    MetricValue {
-        name: name.to_string(),
-        kind: MetricKind::Counter,
-        value: increment,
-        labels: Default::default(),
     }
 }
 

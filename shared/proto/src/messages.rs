@@ -826,6 +826,26 @@ pub struct MetricValue {
     pub labels: std::collections::BTreeMap<String, String>,
 }
 
+/// A gauge value for a [`MetricsReport`].
+pub fn gauge(name: &str, value: f64) -> MetricValue {
+    MetricValue {
+        name: name.to_string(),
+        kind: MetricKind::Gauge,
+        value,
+        labels: Default::default(),
+    }
+}
+
+/// A counter increment for a [`MetricsReport`].
+pub fn counter(name: &str, increment: f64) -> MetricValue {
+    MetricValue {
+        name: name.to_string(),
+        kind: MetricKind::Counter,
+        value: increment,
+        labels: Default::default(),
+    }
+}
+
 impl MetricValue {
     /// This value with label `key` set to `value`.
     pub fn with_label(mut self, key: &str, value: &str) -> Self {

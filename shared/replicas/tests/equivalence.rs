@@ -17,12 +17,12 @@
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
+use relay_algo::optimizer::Optimizer;
+use relay_algo::reinforce::{self, End, Episode};
+use relay_algo::rollout::Rollout;
+use relay_algo::{a2c, dqn, ppo, sac};
 use relay_config::{A2cConfig, Baseline, DqnConfig, PpoConfig, ReinforceConfig};
 use relay_kit::collective::{Group, GroupConfig, View};
-use relay_learner::optimizer::Optimizer;
-use relay_learner::reinforce::{self, End, Episode};
-use relay_learner::rollout::Rollout;
-use relay_learner::{a2c, dqn, ppo, sac};
 use relay_nn::{
     Actions, ActorCritic, Adam, AdamConfig, BatchShare, Pair, PolicySpec, QNetSpec, QNetwork,
     RmsProp, RmsPropConfig, Sac, SacConfig, SacOptimizers, SacSpec,

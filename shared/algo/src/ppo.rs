@@ -20,9 +20,9 @@
 
 use rand::seq::SliceRandom;
 use relay_config::PpoConfig;
-use relay_kit::{counter, gauge};
 use relay_nn::{ppo_loss, PpoInputs, PpoLossConfig};
 use relay_proto::MetricValue;
+use relay_proto::{counter, gauge};
 
 use crate::optimizer::Optimizer;
 use crate::rollout::{Rollout, UpdateError};

@@ -15,11 +15,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
+use relay_algo::optimizer::Optimizer;
+use relay_algo::ppo;
+use relay_algo::rollout::{Rollout, UpdateError};
 use relay_config::PpoConfig;
 use relay_kit::collective::{Group, GroupConfig, View};
-use relay_learner::optimizer::Optimizer;
-use relay_learner::ppo;
-use relay_learner::rollout::{Rollout, UpdateError};
 use relay_llm::{
     BatchConfig, CausalLm, LoraAdapter, LoraConfig, ObjectiveConfig, RlStats, RlTrainConfig,
     RlTrainer, TokenExample, TrainError, TrainResult, Truncation,

@@ -30,8 +30,8 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 use relay_config::{Baseline, ReinforceConfig};
-use relay_kit::gauge;
 use relay_nn::{discounted_returns, reinforce_loss, ActorCritic, ReinforceInputs};
+use relay_proto::gauge;
 use relay_proto::{MetricValue, RolloutFragment};
 
 use crate::optimizer::Optimizer;

@@ -20,8 +20,8 @@
 //! documented there.
 
 use relay_config::A2cConfig;
-use relay_kit::gauge;
 use relay_nn::{a2c_loss, A2cInputs, A2cLossConfig, ActorCritic};
+use relay_proto::gauge;
 use relay_proto::MetricValue;
 
 use crate::optimizer::Optimizer;
