@@ -232,21 +232,23 @@ fn lost_in(text: &str) -> f64 {
         .sum()
 }
 
-fn get(addr: SocketAddr, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).ok()?;
-    Some(body)
+/// A service's `/metrics` text, given 300 ms to connect and 2 s for each
+/// of head and body: a fault can leave a service that no longer answers.
+fn scrape(addr: SocketAddr) -> Option<String> {
+    const TIMEOUTS: relay_local::Timeouts = relay_local::Timeouts {
+        connect: Duration::from_millis(300),
+        read: Duration::from_secs(2),
+    };
+    relay_local::http::get(addr, "/metrics", TIMEOUTS)
+        .ok()
+        .map(|(_, text)| text)
 }
 
 /// Lost fragments over the stack's life: the last value seen of each
 /// instance's counters (a killed instance keeps its last scrape).
 fn scrape_lost(stack: &Stack, seen: &mut HashMap<String, f64>) -> f64 {
     for p in &stack.services {
-        if let Some(text) = p.metrics_addr.and_then(|a| get(a, "/metrics")) {
+        if let Some(text) = p.metrics_addr.and_then(scrape) {
             seen.insert(p.name.clone(), lost_in(&text));
         }
     }

@@ -17,15 +17,14 @@
 //! started die with it, and a group that outlives its service is killed
 //! as it exits: no process of the stack outlives `relay up`.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use relay_local::{on_free_port, wait_for_port, Listen};
+use relay_local::{on_free_port, wait_for_port, Listen, Timeouts};
 use serde::{Deserialize, Serialize};
 
 /// A port that was free a moment ago (for the benchmarks, which start
@@ -165,24 +164,29 @@ impl Drop for LocalNats {
     }
 }
 
-/// GETs `path` from `addr` and returns the status code (tiny HTTP/1.0 client).
+/// The time limits of a health probe: a service that does not answer
+/// within them counts as not (yet) healthy.
+const PROBE: Timeouts = Timeouts {
+    connect: Duration::from_millis(300),
+    read: Duration::from_secs(1),
+};
+
+/// The status of a GET of `path` from `addr` (a health probe,
+/// [`relay_local::http::status`]); `None` when nothing answered in time.
 pub fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut head = [0u8; 16];
-    stream.read_exact(&mut head[..12]).ok()?;
-    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+    relay_local::http::status(addr, path, PROBE).ok()
 }
 
-/// A service's `/metrics` text at `addr` (tiny HTTP/1.0 client).
+/// A service's `/metrics` text at `addr` ([`relay_local::http::get`]:
+/// connecting within 300 ms, each of head and body within 5 s).
 pub fn scrape(addr: SocketAddr) -> Option<String> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).ok()?;
-    Some(text)
+    const SCRAPE: Timeouts = Timeouts {
+        connect: Duration::from_millis(300),
+        read: Duration::from_secs(5),
+    };
+    relay_local::http::get(addr, "/metrics", SCRAPE)
+        .ok()
+        .map(|(_, text)| text)
 }
 
 /// The value of the first sample of metric `name` (`name value` or

@@ -1,7 +1,7 @@
 //! Test support: real `nats-server`, `redis-server` and `prometheus`
 //! processes on free loopback ports, each killed (and its state folder
 //! removed) on drop, plus a helper to run this workspace's service binaries
-//! as child processes. Free ports and starting a server on one are
+//! as child processes. Free ports, starting on one and the HTTP client are
 //! `relay-local`'s, which the stack supervisor uses too.
 //!
 //! The servers are found on `PATH` (`deploy/install.sh` installs them) or at
@@ -11,13 +11,13 @@
 //! Also where the LLM reference data lives ([`llm_fixture`]), shared by
 //! the model, inference-server and CLI tests.
 
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use relay_local::{on_free_port, wait_for_port, Listen};
+use relay_local::{on_free_port, wait_for_port, Listen, Timeouts};
 
 pub mod netns;
 
@@ -368,23 +368,15 @@ impl Drop for ChildProcess {
     }
 }
 
-/// A blocking HTTP/1.0 GET on loopback: (status, body).
+/// A blocking GET on loopback: (status, body), whatever the status
+/// ([`relay_local::http::get`], connecting within 2 s, each of head and
+/// body within 5 s).
 pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let status = response
-        .get(9..12)
-        .and_then(|s| s.parse().ok())
-        .context("HTTP status line")?;
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
+    const TIMEOUTS: Timeouts = Timeouts {
+        connect: Duration::from_secs(2),
+        read: Duration::from_secs(5),
+    };
+    relay_local::http::get(addr, path, TIMEOUTS)
 }
 
 /// A `relay up` supervisor a test started: interrupted (SIGINT, as a
