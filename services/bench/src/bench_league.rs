@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use crate::bench_tictactoe::{
+use crate::text_game_run::{
     bench_up_args, follow_evals, header, rl_overrides, sft_warm_start, Row,
 };
 

@@ -55,7 +55,7 @@ use anyhow::{bail, Context, Result};
 use chrono::{DateTime, Utc};
 use serde_json::json;
 
-use crate::bench_tictactoe::{bench_up_args, follow_evals, header, random_move_sft, Row};
+use crate::text_game_run::{bench_up_args, follow_evals, header, random_move_sft, Row};
 use futures::StreamExt;
 use relay::eval::TextMatchup;
 use relay::{StopFlag, UpArgs};

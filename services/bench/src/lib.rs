@@ -24,6 +24,7 @@ pub mod bench_weights;
 pub mod chaos;
 pub mod soak;
 pub mod sweep;
+mod text_game_run;
 
 /// CPU seconds (user + system) the process `pid` has used, from
 /// `/proc/<pid>/stat`; `None` off Linux or once the process is gone.
