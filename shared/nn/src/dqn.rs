@@ -32,8 +32,8 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
-use crate::ops::{check_mask_row, precomputed_loss, with_f32};
-use crate::qnet::{masked_argmax, QNetwork};
+use crate::ops::{check_mask_row, masked_argmax, precomputed_loss, with_f32};
+use crate::qnet::QNetwork;
 
 /// n-step targets of a sequence of `T` transitions (see [`n_step_returns`]).
 #[derive(Debug, Clone, PartialEq)]

@@ -14,11 +14,11 @@
 //! | `layers` | the dense layers every network builds on: creation and init, the graph-free host forward (inference) and the fused-op graph (training) |
 //! | [`recurrent`] | the LSTM / GRU cores of recurrent actor-critics: acting one step without a graph, unrolling a fragment as a graph (BPTT) |
 //! | [`model`] | [`ActorCritic`] (separate or shared trunk, [`TrunkLayout`]): parameters, init, `evaluate` (training), weight exchange and checkpoints; `model/act.rs` its graph-free `act` / `values` (inference); both optionally under action masks |
-//! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample), invalid-action masking ([`mask_logits`], [`check_masks`]) |
+//! | [`ops`] | fused differentiable candle ops (linear+activation, categorical and Gaussian log-prob/entropy, squashed Gaussian sample, precomputed losses); `ops/composed.rs` the same from candle's basic ops (off the CPU); [`ops::mask`] invalid-action masking ([`mask_logits`], [`check_masks`], [`masked_argmax`]) |
 //! | [`kernels`] | hand-written f32 kernels: fast `tanh`, dense layer, Adam update |
 //! | [`ppo`] | [`gae`], [`ppo_loss`] and its [`PpoLossConfig`], [`explained_variance`], [`normalize`] |
 //! | [`a2c`] | [`a2c_loss`], [`reinforce_loss`], [`discounted_returns`] |
-//! | [`qnet`] | [`QNetwork`] (optionally dueling, optionally behind a CNN) and its [`QNetSpec`]: Q-values, epsilon-greedy acting (optionally masked, [`masked_argmax`]), target updates |
+//! | [`qnet`] | [`QNetwork`] (optionally dueling, optionally behind a CNN) and its [`QNetSpec`]: Q-values, epsilon-greedy acting (optionally masked), target updates |
 //! | [`dqn`] | [`n_step_returns`], [`dqn_targets`], [`dqn_loss`] (double DQN, Huber, importance weights, TD errors) |
 //! | [`sac`] | [`Sac`] ([`SacActor`], [`TwinCritic`] and targets, `log α`), its losses and [`sac_train_step`] |
 //! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
@@ -113,7 +113,7 @@ pub use dqn::{
 pub use error::{NnError, Result};
 pub use io::{from_safetensors, split_prefixed, to_safetensors, NamedTensor};
 pub use model::{ActOutput, Actions, ActorCritic, TrunkLayout};
-pub use ops::{check_masks, mask_logits, MASKED_LOGIT};
+pub use ops::{check_masks, mask_logits, masked_argmax, MASKED_LOGIT};
 pub use optim::{
     clip_grad_norm, Adam, AdamConfig, AdamState, RmsProp, RmsPropConfig, RmsPropState,
 };
@@ -121,7 +121,7 @@ pub use par::Pair;
 pub use ppo::{
     explained_variance, gae, normalize, ppo_loss, PpoInputs, PpoLoss, PpoLossConfig, PpoStats,
 };
-pub use qnet::{masked_argmax, QNetSpec, QNetwork};
+pub use qnet::{QNetSpec, QNetwork};
 pub use sac::{
     sac_actor_loss, sac_critic_loss, sac_ent_coef_loss, sac_targets, sac_train_step,
     sac_train_step_part, ActorSample, Sac, SacActor, SacBatch, SacConfig, SacOptimizers, SacSpec,

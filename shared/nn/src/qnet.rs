@@ -56,6 +56,7 @@ use crate::init::{Init, LayerInit};
 use crate::io::NamedTensor;
 use crate::layers::{dense_host, head_graph, trunk_graph, trunk_host, Dense, LayerBuilder};
 use crate::ops::check_masks;
+pub use crate::ops::masked_argmax;
 use crate::params::Params;
 use crate::spec::{validate_cnn, ActionKind, Activation, CnnSpec, PolicySpec};
 
@@ -172,23 +173,6 @@ impl fmt::Debug for QNetwork {
             .field("parameters", &self.num_parameters())
             .finish()
     }
-}
-
-/// Index of the largest value of `row` among the actions `mask` marks
-/// legal (non-zero; `None`: all), the first on ties. Decided by the mask,
-/// not by the values: an illegal action is never returned while the row
-/// has a legal one, even where legal values tie with
-/// [`crate::ops::MASKED_LOGIT`] or are NaN. A mask with no legal action (see
-/// [`check_masks`]) gives 0.
-pub fn masked_argmax(row: &[f32], mask: Option<&[u8]>) -> usize {
-    let legal = |i: usize| mask.is_none_or(|m| m.get(i).is_some_and(|&ok| ok != 0));
-    let mut best: Option<usize> = None;
-    for (i, &x) in row.iter().enumerate() {
-        if legal(i) && best.is_none_or(|b| x > row[b]) {
-            best = Some(i);
-        }
-    }
-    best.unwrap_or(0)
 }
 
 impl QNetwork {
@@ -513,7 +497,6 @@ impl QNetwork {
 pub(crate) mod tests {
     //! Masked greedy and epsilon-greedy acting.
     use super::*;
-    use crate::ops::MASKED_LOGIT;
 
     /// A linear Q-network over 3 actions whose Q-values are `bias` for every
     /// observation (weights 0).
@@ -529,21 +512,6 @@ pub(crate) mod tests {
         ])
         .unwrap();
         net
-    }
-
-    #[test]
-    fn masked_argmax_takes_the_first_legal_maximum() {
-        assert_eq!(masked_argmax(&[5.0, 1.0, 3.0], Some(&[0, 1, 1])), 2);
-        assert_eq!(masked_argmax(&[3.0, 3.0, 3.0], Some(&[0, 1, 1])), 1);
-        assert_eq!(masked_argmax(&[1.0, 3.0, 3.0], None), 1);
-        assert_eq!(masked_argmax(&[5.0, 1.0, 3.0], None), 0);
-        // Ties with the masked value: the mask decides, not the values.
-        assert_eq!(
-            masked_argmax(&[MASKED_LOGIT, MASKED_LOGIT], Some(&[0, 1])),
-            1
-        );
-        assert_eq!(masked_argmax(&[f32::NAN, 1.0], Some(&[0, 1])), 1);
-        assert_eq!(masked_argmax(&[1.0, 2.0], Some(&[0, 0])), 0);
     }
 
     #[test]

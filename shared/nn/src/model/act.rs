@@ -17,8 +17,7 @@ use rand_distr::StandardNormal;
 use super::{continuous_masks, ActOutput, Actions, ActorCritic, TrunkLayout, HOST_CHUNK_FLOATS};
 use crate::error::{NnError, Result};
 use crate::layers::{dense_host, mlp_host, trunk_host, HOST_KERNEL_MAX_BATCH};
-use crate::ops::{self, check_masks, HALF_LN_2PI};
-use crate::qnet::masked_argmax;
+use crate::ops::{self, check_masks, masked_argmax, HALF_LN_2PI};
 use crate::spec::ActionKind;
 
 impl ActorCritic {
