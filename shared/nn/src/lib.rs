@@ -26,7 +26,7 @@
 //! | [`device`] | [`open_device`]: the one place a device (CPU or CUDA) is opened, here and in relay-llm |
 //! | [`share`] | [`BatchShare`]: a learner replica's part of each batch, the sum across replicas, and whether the learner is stopping |
 //! | [`par`] | [`Pair`]: two independent halves of a train step side by side (SAC's twin critics) |
-//! | [`optim`] | [`Adam`] and [`RmsProp`] with resumable state, [`clip_grad_norm`] |
+//! | [`optim`] | [`Adam`] with resumable state, the buffers and fused/composed choice both optimizers share; `optim/rmsprop.rs` [`RmsProp`]; `optim/clip.rs` [`clip_grad_norm`] |
 //! | [`init`] | orthogonal initialisation |
 //! | [`io`] | named f32 tensors to and from safetensors files, [`split_prefixed`] |
 //! | [`error`] | [`NnError`] |
