@@ -392,11 +392,25 @@ pub const SUBJECTS: &[(&str, Runner)] = &[
     ("AdapterRequest", fuzz::<AdapterRequest>),
 ];
 
-/// The `KIND`s declared with `wire_message!` in `messages.rs` and with
-/// `const KIND` in `llm.rs`.
+/// The `KIND`s declared with `wire_message!` in `messages.rs` and its
+/// modules (`src/messages/*.rs`) and with `const KIND` in `llm.rs`.
 pub fn declared_kinds() -> Vec<String> {
-    let messages = include_str!("../../src/messages.rs")
-        .lines()
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/messages");
+    let mut sources = vec![include_str!("../../src/messages.rs").to_string()];
+    let mut modules: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("a readable entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "rs"))
+        .collect();
+    modules.sort();
+    for path in modules {
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        sources.push(text);
+    }
+    let messages = sources
+        .iter()
+        .flat_map(|text| text.lines())
         .filter_map(|l| l.trim().strip_prefix("wire_message!("));
     let llm = include_str!("../../src/llm.rs")
         .lines()
