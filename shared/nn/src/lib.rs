@@ -20,7 +20,7 @@
 //! | [`a2c`] | [`a2c_loss`], [`reinforce_loss`], [`discounted_returns`] |
 //! | [`qnet`] | [`QNetwork`] (optionally dueling, optionally behind a CNN) and its [`QNetSpec`]: Q-values, epsilon-greedy acting (optionally masked), target updates |
 //! | [`dqn`] | [`n_step_returns`], [`dqn_targets`], [`dqn_loss`] (double DQN, Huber, importance weights, TD errors) |
-//! | [`sac`] | [`Sac`] ([`SacActor`], [`TwinCritic`] and targets, `log α`), its losses and [`sac_train_step`] |
+//! | [`sac`] | [`Sac`] ([`SacActor`], [`TwinCritic`] and targets, `log α`); `sac/train.rs` its losses, [`SacOptimizers`] and [`sac_train_step`] |
 //! | [`schedule`] | [`Schedule`]: any hyperparameter as a function of training progress (serde) |
 //! | [`vec_normalize`] | [`RunningMeanStd`], [`VecNormalize`]: SB3's observation and reward normalisation |
 //! | [`device`] | [`open_device`]: the one place a device (CPU or CUDA) is opened, here and in relay-llm |
