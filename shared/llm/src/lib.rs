@@ -81,7 +81,7 @@
 //! |---|---|
 //! | [`train_forward`] | [`CausalLm::forward_train`] / [`CausalLm::forward_train_at`] / [`CausalLm::forward_train_batch`]: the training forward from fused ops with their own backward (`train_ops`: linear and LoRA-linear without frozen-weight gradients, RMSNorm, SwiGLU, RoPE + causal attention over padded blocks or a shared prefix, target log-prob, entropy); [`TrainForward`]: the backward block by block on the engine and with activation checkpointing on the candle backend, a stop looked at before every block (`*_until`) |
 //! | [`token_batch`] | [`BatchConfig`], [`Truncation`], [`TokenBatch`] (right-padded blocks, completion-only loss mask; [`PackedRows`]: the rows' shared prefix once), [`Aggregation`] |
-//! | [`rl`] | [`TokenExample`], the RL objectives ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`] |
+//! | [`rl`] | [`TokenExample`], the RL objectives' config ([`ObjectiveConfig`]: REINFORCE, RLOO, GRPO, Dr. GRPO, PPO-clip, KL, entropy) and [`RlTrainer`]; `rl/objective.rs` their maths (advantages, KL estimates, the micro-batch loss) |
 //! | [`reward`] | [`GameResult`], [`RewardShaping`]: per-env normalisation, format reward, invalid-move penalty |
 //! | [`sft`] | [`SftTrainer`], the SFT JSONL reader and chat rendering, full-model training through a `VarMap` |
 //! | [`vars`] | [`vars::named_vars`], [`vars::var_values`], [`vars::set_var_values`]: trainable vars by name and their values, for the adapter, the SFT trainer and replicas (re-exported in [`sft`]) |
