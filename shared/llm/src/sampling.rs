@@ -2,11 +2,11 @@
 //! (greedy, temperature, top-k, top-p), the seeded [`Sampler`] that holds
 //! them with its own random stream, and [`Sampled`], the drawn token with
 //! its two log-probabilities (the policy's, and that of the distribution
-//! actually drawn from; see [`crate::generate`]).
+//! actually drawn from; see [`crate::generate`](mod@crate::generate)).
 //!
-//! Its own module because both the batched decoder ([`crate::generate`])
+//! Its own module because both the batched decoder ([`crate::generate`](mod@crate::generate))
 //! and the device sampler (`device_sample`, which draws on the logits'
-//! device the same way and falls back to [`sample_masked`] on the host)
+//! device the same way and falls back to `sample_masked` on the host)
 //! build on it: the imports run from them to here, never between them.
 
 use rand::{Rng, SeedableRng};

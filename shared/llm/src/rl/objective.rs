@@ -252,7 +252,7 @@ pub struct LossSums {
     pub sampler_abs_diff: f64,
     /// `max |cur − old|`.
     pub sampler_max_abs_diff: f64,
-    /// Tokens whose importance weight the [`TruncatedIs`] cap cut.
+    /// Tokens whose importance weight the [`TruncatedIs`](super::TruncatedIs) cap cut.
     pub tis_capped: usize,
     /// `Σ ρ` and `Σ ρ²` of the token ratios `ρ = exp(logp − old)` to the
     /// policy PPO's clip compares with (the sampler's, or the learner's
@@ -298,7 +298,7 @@ fn scalar(t: &Tensor) -> TrainResult<f64> {
 /// `(rows, time, vocab)` and, for a KL loss, the reference's (gradients
 /// never flow into them). Either may instead be the logits at the
 /// completion positions only, `(tokens, vocab)`
-/// ([`CausalLm::forward_train_batch`]), as the
+/// ([`CausalLm::forward_train_batch`](crate::CausalLm::forward_train_batch)), as the
 /// trainer computes them.
 pub fn rl_loss(
     objective: &ObjectiveConfig,

@@ -96,7 +96,8 @@ pub(crate) fn apply_masks(logits: &Tensor, masks: &Tensor) -> Result<Tensor> {
 
 /// Invalid-action masking of `logits: [B, n]` with `masks: [B, n]` u8 (1
 /// legal, 0 illegal): the illegal logits are replaced (not shifted) by
-/// [`MASKED_LOGIT`], so [`categorical_logprob`] / [`categorical_entropy`]
+/// [`MASKED_LOGIT`], so [`categorical_logprob`](super::categorical_logprob) /
+/// [`categorical_entropy`](super::categorical_entropy)
 /// of the result are those of the categorical over the legal actions.
 /// Differentiable: the gradient reaching a replaced logit is exactly 0, a
 /// legal one gets the masked distribution's. The masks are checked as

@@ -166,7 +166,7 @@ pub fn sac_ent_coef_loss(
 }
 
 /// Critic targets `R + γ^k (min_i Q'_i(s', a') - α log π(a'|s'))` for
-/// `next`, a fresh sample for the next states ([`SacActor::sample`] on
+/// `next`, a fresh sample for the next states ([`SacActor::sample`](super::SacActor::sample) on
 /// `batch.next_obs`); no graph. The two target critics run side by side on
 /// `pair`.
 pub fn sac_targets(
@@ -278,7 +278,7 @@ pub fn sac_critic_loss(
 }
 
 /// The actor loss `L_π = mean(α log π(a|s) - min_i Q_i(s, a))` of a fresh
-/// sample ([`SacActor::sample`] on `obs: [B, obs_dim]`), differentiable in
+/// sample ([`SacActor::sample`](super::SacActor::sample) on `obs: [B, obs_dim]`), differentiable in
 /// the actor's vars only; returns the loss and its value.
 ///
 /// The critics are held constant and enter only through each row's
