@@ -31,7 +31,7 @@ use std::time::Duration;
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts};
 use rand::Rng;
 use relay_config::ExperimentConfig;
-use relay_kit::league::{adapter_key, LeagueStore};
+use relay_kit::league::{version_key, LeagueStore};
 use relay_kit::{RequestError, Shutdown};
 use relay_league::{
     Matchup, MemberId, OpponentSampler, Outcome, PolicyVersion, Pool, PoolError, SampleError,
@@ -226,7 +226,7 @@ pub fn apply(
                 let admitted = pool.add_version(PolicyVersion {
                     version: result.current,
                     parent: newest,
-                    weights_ref: adapter_key(LEARNING_ADAPTER, result.current),
+                    weights_ref: version_key(LEARNING_ADAPTER, result.current),
                 });
                 if admitted.is_err() || pool.get(&current).is_none() {
                     continue;
@@ -736,7 +736,7 @@ mod tests {
             pool.add_version(PolicyVersion {
                 version,
                 parent: version.checked_sub(1),
-                weights_ref: adapter_key(LEARNING_ADAPTER, version),
+                weights_ref: version_key(LEARNING_ADAPTER, version),
             })
             .unwrap();
         }

@@ -668,23 +668,38 @@ async fn adapters_published_inline_and_through_the_object_store_are_served() {
     }
 }
 
-/// Puts the fixture adapter into the run's bucket as `policy/v<version>`,
-/// as the learner of a league run stores each version.
-async fn store_version(store: &async_nats::jetstream::object_store::ObjectStore, version: u64) {
+/// Keeps the fixture adapter in run `run`'s league bucket as
+/// `policy/v<version>`, as the learner of a league run keeps each version:
+/// its weights, then its message naming them.
+async fn store_version(
+    client: &async_nats::Client,
+    store: &async_nats::jetstream::object_store::ObjectStore,
+    run: &str,
+    version: u64,
+) {
     let (config_json, safetensors) = fixture_adapter_files();
-    let key = relay_kit::league::adapter_key("policy", version);
+    let key = relay_kit::league::weights_object("policy", version);
     store
-        .put(
-            format!("{key}/adapter_config.json").as_str(),
-            &mut config_json.as_bytes(),
-        )
+        .put(key.as_str(), &mut safetensors.as_slice())
         .await
         .unwrap();
-    store
-        .put(
-            format!("{key}/adapter_model.safetensors").as_str(),
-            &mut safetensors.as_slice(),
-        )
+    let update = AdapterUpdate {
+        schema: SCHEMA_VERSION,
+        name: "policy".into(),
+        version,
+        learner_env_steps: 0,
+        config_json,
+        weights: relay_proto::WeightsBlob {
+            inline: None,
+            store: Some(relay_proto::StoreLocation {
+                bucket: relay_kit::league::versions_bucket(run),
+                key,
+            }),
+            ..relay_proto::WeightsBlob::inline(safetensors)
+        },
+        published_unix_ms: 0,
+    };
+    relay_kit::league::store_update(client, run, "policy", &update)
         .await
         .unwrap();
 }
@@ -729,12 +744,12 @@ async fn versions_never_announced_are_served_from_the_run_bucket() {
     let jetstream = async_nats::jetstream::new(served.client.clone());
     let store = jetstream
         .create_object_store(async_nats::jetstream::object_store::Config {
-            bucket: relay_kit::league::adapter_bucket(run),
+            bucket: relay_kit::league::versions_bucket(run),
             ..Default::default()
         })
         .await
         .unwrap();
-    store_version(&store, 7).await;
+    store_version(&served.client, &store, run, 7).await;
     // Never announced on `adapters`, yet served, and again after the LRU
     // dropped it for the fixture.
     for adapter in [policy(7), fixture_adapter(None), policy(7)] {
@@ -756,8 +771,11 @@ async fn versions_never_announced_are_served_from_the_run_bucket() {
     );
     // Deleted from the bucket (evicted from the league): once the LRU has
     // dropped it, it is gone.
-    for file in ["adapter_config.json", "adapter_model.safetensors"] {
-        store.delete(format!("policy/v7/{file}")).await.unwrap();
+    for object in [
+        relay_kit::league::update_object("policy", 7),
+        relay_kit::league::weights_object("policy", 7),
+    ] {
+        store.delete(object).await.unwrap();
     }
     served
         .generate(&tokens_request(&case.input_ids, fixture_adapter(None), 8))

@@ -151,3 +151,75 @@ async fn weight_transfers_are_measured() {
         .unwrap()
         .unwrap();
 }
+
+/// Before the learner's first version, `weights.latest` answers 503 ("no
+/// version published yet", as the learner does): a server started then
+/// takes it as "not yet", asks again until there is a version, and serves
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_started_before_the_first_version_asks_until_there_is_one() {
+    use async_nats::service::ServiceExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let nats = NatsServer::start().unwrap();
+    let text = format!(
+        "run:\n  id: early\n  env_id: CartPole-v1\nconnections:\n  nats_url: {}\n  request_timeout_ms: 2000\n",
+        nats.url()
+    );
+    let experiment = ExperimentConfig::from_layers(&text, "test", &[], &[]).unwrap();
+    let model = ActorCritic::new(&relay_policy::spec_for(&experiment).unwrap(), 3).unwrap();
+    let s = Subjects::new("early");
+    let client = async_nats::connect(nats.url()).await.unwrap();
+
+    // Stand in for the learner: no version for the first asks.
+    const NOT_YET: usize = 3;
+    let micro = client
+        .service_builder()
+        .start("relay-learner", "0.0.0")
+        .await
+        .unwrap();
+    let mut latest_requests = micro.endpoint(s.weights_latest()).await.unwrap();
+    let asked = std::sync::Arc::new(AtomicUsize::new(0));
+    {
+        let asked = asked.clone();
+        let update = relay_policy::PolicyWeights::of(&model, 5, 0).inline_update();
+        tokio::spawn(async move {
+            while let Some(request) = latest_requests.next().await {
+                let answer = if asked.fetch_add(1, Ordering::SeqCst) < NOT_YET {
+                    Err(async_nats::service::error::Error {
+                        status: "no version published yet".into(),
+                        code: 503,
+                    })
+                } else {
+                    Ok(encode(&update).into())
+                };
+                let _ = request.respond(answer).await;
+            }
+        });
+    }
+
+    let (trigger, shutdown) = Shutdown::new();
+    let server = tokio::spawn(relay_inference_server::run(
+        ServiceConfig::for_test(experiment),
+        shutdown,
+    ));
+    let request = ActRequest::new(Tensor::from_f32(&[1, 4], &[0.01; 4]), false);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let reply: ActReply = loop {
+        match relay_kit::request(&client, &s.act(), &request, Duration::from_secs(2)).await {
+            Ok(reply) => break reply,
+            Err(e) => {
+                assert!(std::time::Instant::now() < deadline, "never served: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert_eq!(reply.policy_version, 5);
+    assert!(asked.load(Ordering::SeqCst) > NOT_YET, "asked again after 503");
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}

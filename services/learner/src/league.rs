@@ -1,21 +1,22 @@
 //! The learner's part in the league (runs with `text.opponents.league` or
-//! `selfplay.opponents.league`): admitting the versions it publishes to
-//! the run's pool ([`relay_kit::league`], in Redis) and deleting the
-//! stored versions the pool evicted from the run's league bucket.
+//! `selfplay.opponents.league`): keeping the versions it publishes in the
+//! run's league bucket (the one layout of [`relay_kit::league`]: a folder
+//! per version holding its bytes and its message), admitting them to the
+//! run's pool (in Redis), and deleting the kept versions the pool evicted.
 //!
-//! Text runs store every adapter version in that bucket as they publish
-//! it (`relay_kit::weights::publish_adapter`); classic runs store only the
-//! versions the pool may admit ([`League::store_classic`],
-//! [`relay_policy::league`]), the first of each process and every
-//! `league.pool.admit_every`-th, since the others never become opponents.
-//! A version is stored before it joins the pool, so an env-runner that
-//! draws it finds it. One layout (a folder per version) serves both, so
-//! one prune does.
+//! Which versions are kept is the kind's ([`crate::publish::Version`]):
+//! every LoRA adapter version (an evaluation may ask the inference servers
+//! for any), and of a classic policy only the versions the pool may admit
+//! ([`League::keeps`]: the first of each process and every
+//! `league.pool.admit_every`-th, since the others never become opponents).
+//! A version is kept and admitted before anyone hears of it
+//! ([`crate::publish`]), so an env-runner that draws it finds it.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures::StreamExt;
+use relay_kit::weights::{TransportError, VersionMessage};
 use relay_kit::{Service, ServiceError, Shutdown};
 use relay_league::{MemberId, PolicyVersion, Pool};
 use relay_policy::text::LEARNING_ADAPTER;
@@ -54,28 +55,32 @@ impl League {
         }))
     }
 
-    /// Stores a classic version that the pool may admit (see the module
-    /// docs); a version that cannot be stored is logged and does not join.
-    /// Returns whether it was stored.
-    pub(crate) async fn store_classic(
-        &self,
-        service: &Service,
-        weights: &relay_policy::PolicyWeights,
-    ) -> bool {
-        let first = !self.stored_once.load(Ordering::Relaxed);
-        if !first && !weights.version.is_multiple_of(self.config.admit_every) {
-            return false;
-        }
-        let Ok(run_id) = service.config.run_id() else {
-            return false;
+    /// Whether the league keeps `version`: every version when `every`,
+    /// else only one the pool may admit (see the module docs).
+    pub(crate) fn keeps(&self, version: u64, every: bool) -> bool {
+        every
+            || !self.stored_once.load(Ordering::Relaxed)
+            || version.is_multiple_of(self.config.admit_every)
+    }
+
+    /// Keeps `update` in the league bucket beside its bytes (the weights
+    /// transport put them there); a version that cannot be kept is logged
+    /// and does not join. Returns whether it was kept.
+    pub(crate) async fn keep<U: VersionMessage>(&self, service: &Service, update: &U) -> bool {
+        let kept = match service.config.run_id() {
+            Ok(run_id) => {
+                relay_kit::league::store_update(&service.nats, run_id, LEARNING_ADAPTER, update)
+                    .await
+            }
+            Err(e) => Err(TransportError::Unreachable(e.to_string())),
         };
-        match relay_policy::league::store_version(&service.nats, run_id, weights).await {
+        match kept {
             Ok(()) => {
                 self.stored_once.store(true, Ordering::Relaxed);
                 true
             }
             Err(e) => {
-                tracing::warn!(error = %e, version = weights.version, "league version not stored; it does not join the pool");
+                tracing::warn!(error = %e, version = update.version(), "league version not kept; it does not join the pool");
                 false
             }
         }
@@ -134,7 +139,7 @@ impl League {
                 let evicted = pool.add_version(PolicyVersion {
                     version,
                     parent,
-                    weights_ref: relay_kit::league::adapter_key(LEARNING_ADAPTER, version),
+                    weights_ref: relay_kit::league::version_key(LEARNING_ADAPTER, version),
                 })?;
                 Ok(evicted.len())
             })
@@ -143,7 +148,7 @@ impl League {
         Ok((pool, evicted > 0))
     }
 
-    /// Deletes the stored versions of the learning policy older than the
+    /// Deletes the kept versions of the learning policy older than the
     /// pool's newest that neither the pool nor `held` holds; returns how
     /// many. A held version goes at a later prune.
     async fn prune(
@@ -156,7 +161,7 @@ impl League {
             return Ok(0);
         };
         let bucket =
-            relay_kit::league::adapter_bucket(service.config.run_id().map_err(|e| e.to_string())?);
+            relay_kit::league::versions_bucket(service.config.run_id().map_err(|e| e.to_string())?);
         let store = relay_kit::weights::store(&service.nats, &bucket, "league versions")
             .await
             .map_err(|e| e.to_string())?;
@@ -167,7 +172,7 @@ impl League {
         let mut doomed = Vec::new();
         while let Some(object) = objects.next().await {
             let object = object.map_err(|e| format!("listing {bucket}: {e}"))?;
-            if let Some((name, version)) = relay_kit::league::parse_adapter_object(&object.name) {
+            if let Some((name, version)) = relay_kit::league::parse_version_object(&object.name) {
                 let kept = pool.get(&MemberId::Version(version)).is_some();
                 if name == LEARNING_ADAPTER && version < newest && !kept && !held.contains(&version)
                 {

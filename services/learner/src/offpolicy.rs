@@ -53,7 +53,7 @@ use crate::progress::{
     count_resume, finish_run, pause, should_finish, Finish, Metrics, Progress, LINKS_LAST,
     LINKS_LAST_SOLVED,
 };
-use crate::publish::{final_weights, LatestWeights};
+use crate::publish::{final_weights, Publisher};
 use relay_nn::BatchShare;
 use relay_nn::NamedTensor;
 use relay_replicas::{Next, Replicas, Replicated, Turn};
@@ -224,7 +224,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let mut replicas = Replicas::join(&service).await?;
     // Rank 0 alone publishes and takes the run's events (a replica that
     // takes over starts then).
-    let mut leading: Option<(LatestWeights, RunEvents<PolicyWeights>)> = None;
+    let mut leading: Option<(Publisher<PolicyWeights>, RunEvents<PolicyWeights>)> = None;
     service.health.set_ready(true);
     tracing::info!(env_id = %cfg.run.env_id, algo = A::NAME, params = algorithm.num_parameters(), "training starts");
 
@@ -265,10 +265,10 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             Next::Stop => break Finish::Shutdown,
         }
         if replicas.leads() && leading.is_none() {
-            let latest = LatestWeights::serve(&service, &micro, &run_dir).await?;
+            let latest = Publisher::serve(&service, &micro, &run_dir).await?;
             let mut events = RunEvents::subscribe(&service, best_eval).await?;
             let first = work.algorithm.weights(&work.progress);
-            latest.publish(&service, &first).await;
+            latest.publish(&service, &first, &Default::default()).await;
             events.record(first.version, first);
             metrics.version.set(work.progress.version as i64);
             leading = Some((latest, events));
@@ -408,7 +408,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         let stale_priorities = send_priorities(&service, &trained.priorities).await;
         times.priority_s = sent.elapsed().as_secs_f64();
         let update = work.algorithm.weights(&work.progress);
-        latest.publish(&service, &update).await;
+        latest.publish(&service, &update, &Default::default()).await;
         events.record(update.version, update);
         let seconds = round_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);

@@ -25,7 +25,7 @@ use crate::progress::{
     count_resume, finish_run, pause, should_finish, Metrics, Progress, LINKS_LAST,
     LINKS_LAST_SOLVED,
 };
-use crate::publish::{final_weights, LatestWeights};
+use crate::publish::{final_weights, Publisher};
 use crate::rollout::UpdateError;
 use crate::{a2c, checkpoint, ppo, reinforce, rollout};
 use relay_nn::BatchShare;
@@ -490,7 +490,7 @@ pub(crate) async fn run(
     };
     // Rank 0 alone publishes and takes the run's events (a replica that
     // takes over starts then).
-    let mut leading: Option<(LatestWeights, RunEvents<PolicyWeights>)> = None;
+    let mut leading: Option<(Publisher<PolicyWeights>, RunEvents<PolicyWeights>)> = None;
     let weights = |work: &OnPolicy| {
         let mut update =
             PolicyWeights::of(&work.model, work.progress.version, work.progress.env_steps);
@@ -522,10 +522,10 @@ pub(crate) async fn run(
             Next::Stop => break crate::progress::Finish::Shutdown,
         }
         if replicas.leads() && leading.is_none() {
-            let serving = LatestWeights::serve(&service, &micro, &run_dir).await?;
+            let serving = Publisher::serve(&service, &micro, &run_dir).await?;
             let mut events = RunEvents::subscribe(&service, best_eval).await?;
             let first = weights(&work);
-            serving.publish(&service, &first).await;
+            serving.publish(&service, &first, &Default::default()).await;
             events.record(first.version, first);
             metrics.version.set(work.progress.version as i64);
             leading = Some((serving, events));
@@ -634,7 +634,9 @@ pub(crate) async fn run(
             continue;
         };
         let update = weights(&work);
-        serving.publish(&service, &update).await;
+        serving
+            .publish(&service, &update, &Default::default())
+            .await;
         events.record(update.version, update);
         metrics.update_seconds.observe(seconds);
         let progress = &work.progress;

@@ -13,7 +13,7 @@
 //! (an [`AdapterUpdate`] on `adapters`, its weights through the one
 //! weights transport, `relay_kit::weights`: inline up to
 //! `weights.inline_max_bytes`, else from this learner's direct transfer
-//! server or the object store bucket `relay-<run>-adapters`), report
+//! server or the object store; [`crate::publish`] owns publishing), report
 //! metrics, and checkpoint every
 //! `rl.checkpoint_every` updates. The newest version is also answered on
 //! `adapters.latest`, for inference servers and evaluators that start
@@ -29,8 +29,9 @@
 //! the last whole update, as if the stop had come between two.
 //!
 //! With the self-play league on (`text.opponents.league`), every version
-//! is also stored in the object store bucket (`policy/v<N>`, even when it
-//! is sent inline) so inference servers can serve it as a past opponent
+//! is also kept in the run's league bucket (`relay-<run>-league`,
+//! `policy/v<N>`, even when it is sent inline: [`crate::league`]) so
+//! inference servers can serve it as a past opponent
 //! long after they heard it, and is admitted to the league pool before it
 //! is announced (inheriting the newest version's rating, sigma widened).
 //! The learner is the one that deletes the stored versions the pool no
@@ -58,27 +59,26 @@
 //! version published before.
 
 use std::path::Path;
-use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use futures::StreamExt;
-use relay_kit::weights::WeightsPublisher;
 use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
 use relay_llm::{
     CausalLm, GgufBase, LoraAdapter, PeftBytes, RewardNormalizer, RlStats, RlTrainer, TokenExample,
     TrainError,
 };
-use relay_proto::{AdapterRequest, GameSampleReply, GameSampleRequest, SCHEMA_VERSION};
+use relay_proto::{GameSampleReply, GameSampleRequest, SCHEMA_VERSION};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
 use crate::evaluated::RunEvents;
 use crate::examples::games_to_examples;
 use crate::examples::Converted;
-use crate::league::League;
 use crate::progress::{Metrics, Progress};
+use crate::publish::{AdapterFiles, Publisher};
 use relay_replicas::{Next, Replicas, Replicated, Turn};
+
+/// Publishes the adapter's versions ([`crate::publish`]).
+type AdapterPublisher = Publisher<AdapterFiles>;
 
 /// Name of the adapter this learner trains (the one env-runners seat).
 pub const ADAPTER_NAME: &str = relay_policy::text::LEARNING_ADAPTER;
@@ -187,160 +187,6 @@ fn kl_reference(
 /// Reads a text checkpoint's `state.json`.
 pub fn load_state(dir: &Path) -> Result<TextCheckpointState, CheckpointError> {
     checkpoint::read_json(&dir.join("state.json"))
-}
-
-/// The JetStream object store bucket of a run's adapter versions.
-pub fn object_store_bucket(run_id: &str) -> String {
-    relay_kit::league::adapter_bucket(run_id)
-}
-
-/// Publishes adapter versions and keeps the newest for `adapters.latest`.
-struct Publisher<'a> {
-    service: &'a Service,
-    latest: Arc<RwLock<Bytes>>,
-    run_dir: &'a Path,
-    base_model: &'a str,
-    /// The one weights transport (inline, direct, object store).
-    transport: WeightsPublisher,
-    /// Set when the league is on.
-    league: Option<League>,
-}
-
-impl Publisher<'_> {
-    /// Publishes `adapter` as `progress.version` and returns its PEFT
-    /// files as published. A version no follower could fetch fails the
-    /// service; a message lost on the way is logged (the next version
-    /// replaces it). A league prune spares the `held` versions.
-    async fn publish(
-        &self,
-        progress: &Progress,
-        adapter: &LoraAdapter,
-        held: &std::collections::BTreeSet<u64>,
-    ) -> Option<PeftBytes> {
-        let published = async {
-            let files = relay_llm::to_peft_bytes(adapter, Some(self.base_model))
-                .map_err(|e| e.to_string())?;
-            let run_id = self.service.config.run_id().map_err(|e| e.to_string())?;
-            let version = relay_kit::weights::AdapterVersion {
-                name: ADAPTER_NAME,
-                version: progress.version,
-                learner_env_steps: progress.env_steps,
-                config_json: &files.config_json,
-                safetensors: files.safetensors.clone().into(),
-                keep_in_store: self.league.is_some(),
-            };
-            let update = relay_kit::weights::publish_adapter(&self.transport, run_id, version)
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok::<_, String>((files, update))
-        };
-        let (files, update) = match published.await {
-            Ok(published) => published,
-            Err(e) => {
-                // No follower can get this version: the run cannot move past it.
-                self.service
-                    .fail(format!(
-                        "adapter version {} cannot be published: {e}",
-                        progress.version
-                    ))
-                    .await;
-                return None;
-            }
-        };
-        if let Some(league) = &self.league {
-            // Before the announcement, so the env-runners that hear of the
-            // version find it in the pool.
-            league
-                .admit_and_prune(self.service, update.version, held)
-                .await;
-        }
-        if let Err(e) = checkpoint::record_published(self.run_dir, update.version) {
-            tracing::warn!(error = %e, "could not record the published version");
-        }
-        let payload: Bytes = relay_proto::encode(&update).into();
-        *self.latest.write().expect("adapter lock") = payload.clone();
-        if let Err(e) = self
-            .service
-            .nats
-            .publish(self.service.subjects.adapters(), payload)
-            .await
-        {
-            tracing::warn!(error = %e, "adapter publish failed");
-            return None;
-        }
-        Some(files)
-    }
-}
-
-impl<'a> Publisher<'a> {
-    /// Rank 0's publishing side: the league pool (when on), the answer on
-    /// `adapters.latest` and the weights transport.
-    async fn start(
-        service: &'a Service,
-        micro: &async_nats::service::Service,
-        shutdown: &Shutdown,
-        run_dir: &'a Path,
-        base_model: &'a str,
-    ) -> Result<Publisher<'a>, ServiceError> {
-        let cfg = &service.config;
-        let league = League::start(cfg, shutdown).await?;
-
-        // The newest AdapterUpdate, encoded, for `adapters.latest`.
-        let latest: Arc<RwLock<Bytes>> = Arc::new(RwLock::new(Bytes::new()));
-        let mut latest_requests = micro
-            .endpoint(service.subjects.adapters_latest())
-            .await
-            .map_err(ServiceError::nats)?;
-        {
-            let (latest, shutdown, intake) =
-                (latest.clone(), shutdown.clone(), service.intake.clone());
-            tokio::spawn(async move {
-                loop {
-                    let request = tokio::select! {
-                        r = latest_requests.next() => match r { Some(r) => r, None => return },
-                        _ = shutdown.wait() => return,
-                    };
-                    let error = |code: usize, status: String| {
-                        Err(async_nats::service::error::Error { status, code })
-                    };
-                    let answer = match intake
-                        .decode::<AdapterRequest>("adapters.latest", &request.message.payload)
-                    {
-                        Ok(ask) if ask.name != ADAPTER_NAME => error(
-                            404,
-                            format!("this learner trains {ADAPTER_NAME:?}, not {:?}", ask.name),
-                        ),
-                        Ok(_) => {
-                            let bytes = latest.read().expect("adapter lock").clone();
-                            if bytes.is_empty() {
-                                error(503, "no version published yet".into())
-                            } else {
-                                Ok(bytes)
-                            }
-                        }
-                        Err(rejection) => error(400, rejection.to_string()),
-                    };
-                    let _ = request.respond(answer).await;
-                }
-            });
-        }
-        let publisher = Publisher {
-            service,
-            latest: latest.clone(),
-            run_dir,
-            base_model,
-            transport: WeightsPublisher::start(
-                &service.nats,
-                &cfg.weights,
-                &cfg.connections.nats_url,
-            )
-            .await
-            .map_err(ServiceError::other)?,
-            league,
-        };
-
-        Ok(publisher)
-    }
 }
 
 /// Runs the text learner until shutdown.
@@ -469,7 +315,7 @@ pub(crate) async fn run(
     let mut replicas = Replicas::join(&service).await?;
     // Rank 0 alone publishes and takes the run's events (a replica that
     // takes over starts then).
-    let mut leading: Option<(Publisher, RunEvents<PeftBytes>)> = None;
+    let mut leading: Option<(AdapterPublisher, RunEvents<PeftBytes>)> = None;
     service.health.set_ready(true);
     tracing::info!(
         env_id = %cfg.run.env_id,
@@ -556,14 +402,15 @@ pub(crate) async fn run(
             Next::Stop => break crate::progress::Finish::Shutdown,
         }
         if replicas.leads() && leading.is_none() {
-            let publisher =
-                Publisher::start(&service, &micro, &shutdown, &run_dir, &base_model).await?;
+            let publisher = AdapterPublisher::serve(&service, &micro, &run_dir).await?;
             let mut events: RunEvents<PeftBytes> =
                 RunEvents::subscribe(&service, work.state.best_eval).await?;
             if let Some(files) = publisher
-                .publish(
+                .publish_adapter(
+                    &service,
                     &work.state.progress,
                     &adapter,
+                    &base_model,
                     &events.versions_under_evaluation(),
                 )
                 .await
@@ -746,7 +593,13 @@ pub(crate) async fn run(
             continue;
         };
         if let Some(files) = publisher
-            .publish(progress, &adapter, &events.versions_under_evaluation())
+            .publish_adapter(
+                &service,
+                progress,
+                &adapter,
+                &base_model,
+                &events.versions_under_evaluation(),
+            )
             .await
         {
             events.record(progress.version, files);

@@ -57,7 +57,7 @@ fn games_between_versions(pool: &relay_league::Pool, versions: &[u64]) -> u64 {
 /// The names of the objects in the run's league bucket.
 async fn stored_objects(client: &async_nats::Client, run_id: &str) -> Vec<String> {
     let store = async_nats::jetstream::new(client.clone())
-        .get_object_store(relay_kit::league::adapter_bucket(run_id))
+        .get_object_store(relay_kit::league::versions_bucket(run_id))
         .await
         .unwrap();
     let mut listed = store.list().await.unwrap();
@@ -228,7 +228,7 @@ async fn past_versions_are_played_rated_and_evicted_versions_leave_the_bucket() 
     assert!(!versions.contains(&EVALUATED), "{versions:?}");
     let mut stored = BTreeSet::new();
     for object in stored_objects(&client, run_id).await {
-        let (name, version) = relay_kit::league::parse_adapter_object(&object)
+        let (name, version) = relay_kit::league::parse_version_object(&object)
             .unwrap_or_else(|| panic!("unexpected object {object}"));
         assert_eq!(name, "policy");
         stored.insert(version);
@@ -357,8 +357,8 @@ async fn classic_policies_play_and_rate_their_past_versions_and_the_bots() {
         .iter()
         .flat_map(|&v| {
             [
-                relay_policy::league::model_object(v),
-                relay_policy::league::update_object(v),
+                relay_kit::league::weights_object("policy", v),
+                relay_kit::league::update_object("policy", v),
             ]
         })
         .collect();

@@ -497,8 +497,8 @@ async fn a_late_inference_server_serves_the_current_adapter_from_the_object_stor
             "inline_max_bytes 0 and no direct transfer send every version through the object store"
         );
     };
-    assert_eq!(stored.bucket, format!("relay-{run_id}-adapters"));
-    assert_eq!(stored.key, "policy/v0/adapter_model.safetensors");
+    assert_eq!(stored.bucket, format!("relay-{run_id}-weights"));
+    assert_eq!(stored.key, "policy/v0/weights.safetensors");
 
     // Only now the inference server starts: it asks for the current version.
     let server = tokio::spawn(relay_inference_server::run(config(), shutdown.clone()));

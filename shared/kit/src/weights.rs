@@ -22,6 +22,14 @@
 //! and SHA-256 digest. One code path for every kind: the followers in
 //! `relay-policy` and the inference server's adapters call only these.
 //!
+//! Every version has one key, `<name>/v<N>/weights.safetensors`
+//! ([`Placement`]), in one of two buckets of the run: the transport's
+//! ([`weights_bucket`], `relay-<run>-weights`, where `weights.store` puts
+//! versions and only the `weights.keep_versions` newest stay) or, for a
+//! version the league keeps, the league's
+//! ([`crate::league::versions_bucket`]). A version's message, whatever
+//! its kind, is a [`VersionMessage`].
+//!
 //! Why not NATS messages for everything: nats-server carries at most 64
 //! MB a message, 1 MiB by default, and a shared cluster's operator may not
 //! raise it; a 100 MB policy would have to be chunked through the server
@@ -38,7 +46,9 @@ use std::time::Duration;
 use async_nats::jetstream::object_store::{ObjectMetadata, ObjectStore};
 use bytes::Bytes;
 use relay_config::{StoreMode, WeightsSection};
-use relay_proto::{DirectLocation, StoreLocation, WeightsBlob};
+use relay_proto::{
+    AdapterUpdate, DirectLocation, StoreLocation, WeightsBlob, WeightsUpdate, WireMessage,
+};
 use tokio::io::AsyncReadExt;
 
 use crate::direct::{DirectError, DirectServer};
@@ -195,6 +205,83 @@ pub fn listen_address(
         .and_then(|s| s.local_addr())
         .map_err(|e| err("(from the NATS URL)", format!("no route to {server}: {e}")))?;
     Ok((probe.ip(), 0).into())
+}
+
+/// A version's message, of any kind: it names the version and says where
+/// its bytes are.
+pub trait VersionMessage: WireMessage + Clone + Send + Sync + 'static {
+    /// The version it publishes.
+    fn version(&self) -> u64;
+    /// Where the version's bytes are.
+    fn blob(&self) -> &WeightsBlob;
+    fn blob_mut(&mut self) -> &mut WeightsBlob;
+}
+
+impl VersionMessage for WeightsUpdate {
+    fn version(&self) -> u64 {
+        self.version
+    }
+    fn blob(&self) -> &WeightsBlob {
+        &self.weights
+    }
+    fn blob_mut(&mut self) -> &mut WeightsBlob {
+        &mut self.weights
+    }
+}
+
+impl VersionMessage for AdapterUpdate {
+    fn version(&self) -> u64 {
+        self.version
+    }
+    fn blob(&self) -> &WeightsBlob {
+        &self.weights
+    }
+    fn blob_mut(&mut self) -> &mut WeightsBlob {
+        &mut self.weights
+    }
+}
+
+/// The run's object store bucket of the versions the transport carries,
+/// of every kind (`relay-<run>-weights`): `weights.store` puts them there,
+/// and a publisher deletes its own past the `weights.keep_versions` newest.
+pub fn weights_bucket(run_id: &str) -> String {
+    format!("relay-{run_id}-weights")
+}
+
+/// Where version `version` of `name` goes: key
+/// [`crate::league::weights_object`] (`<name>/v<N>/weights.safetensors`),
+/// in the league's bucket when the league keeps it (`keep`: in the store
+/// whatever its size, and never deleted by the transport, since past
+/// versions are served from there long after their message), else in
+/// [`weights_bucket`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub bucket: String,
+    pub key: String,
+    pub keep: bool,
+}
+
+impl Placement {
+    pub fn of(run_id: &str, name: &str, version: u64, keep: bool) -> Self {
+        Self {
+            bucket: if keep {
+                crate::league::versions_bucket(run_id)
+            } else {
+                weights_bucket(run_id)
+            },
+            key: crate::league::weights_object(name, version),
+            keep,
+        }
+    }
+
+    /// What [`WeightsPublisher::publish`] takes.
+    pub fn outgoing(&self) -> Outgoing<'_> {
+        Outgoing {
+            key: &self.key,
+            bucket: &self.bucket,
+            keep_in_store: self.keep,
+        }
+    }
 }
 
 /// A version a publisher is about to send: its bytes and where they go.
@@ -400,51 +487,28 @@ pub struct AdapterVersion<'a> {
     pub config_json: &'a str,
     /// `adapter_model.safetensors`.
     pub safetensors: Bytes,
-    /// Keep both files in the run's adapter bucket whatever their size (a
-    /// league serves past versions from there, long after their message).
+    /// The league keeps this version: its bytes go to the league's bucket
+    /// whatever their size ([`Placement`]), where inference servers look
+    /// past versions up long after their message.
     pub keep_in_store: bool,
 }
 
-/// Publishes `adapter` through `publisher` (its safetensors as any
-/// weights version; with `keep_in_store`, its config beside them under the
-/// version's key, where inference servers look past versions up) and
-/// returns the [`AdapterUpdate`] to send. Stamped with the time this
-/// began, so receivers measure the whole transfer, upload included.
+/// Makes `adapter` fetchable through `publisher` (its safetensors as any
+/// weights version, placed by [`Placement`]) and returns the
+/// [`AdapterUpdate`] to send, which carries its config. Stamped with the
+/// time this began, so receivers measure the whole transfer, upload
+/// included.
 pub async fn publish_adapter(
     publisher: &WeightsPublisher,
     run_id: &str,
     adapter: AdapterVersion<'_>,
-) -> Result<relay_proto::AdapterUpdate, TransportError> {
+) -> Result<AdapterUpdate, TransportError> {
     let published_unix_ms = relay_proto::unix_ms();
-    let key = crate::league::adapter_key(adapter.name, adapter.version);
-    let bucket = crate::league::adapter_bucket(run_id);
-    let weights_key = format!("{key}/{}", relay_proto::ADAPTER_WEIGHTS_OBJECT);
+    let placement = Placement::of(run_id, adapter.name, adapter.version, adapter.keep_in_store);
     let weights = publisher
-        .publish(
-            adapter.safetensors,
-            Outgoing {
-                key: &weights_key,
-                bucket: &bucket,
-                keep_in_store: adapter.keep_in_store,
-            },
-        )
+        .publish(adapter.safetensors, placement.outgoing())
         .await?;
-    if adapter.keep_in_store {
-        let config_key = format!("{key}/{}", relay_proto::ADAPTER_CONFIG_OBJECT);
-        let store = store(&publisher.nats, &bucket, "LoRA adapter versions").await?;
-        put_object(
-            &publisher.nats,
-            &store,
-            &config_key,
-            adapter.config_json.as_bytes(),
-        )
-        .await
-        .map_err(|e| TransportError::Store {
-            bucket: bucket.clone(),
-            detail: format!("{config_key}: {e}"),
-        })?;
-    }
-    Ok(relay_proto::AdapterUpdate {
+    Ok(AdapterUpdate {
         schema: relay_proto::SCHEMA_VERSION,
         name: adapter.name.to_string(),
         version: adapter.version,
@@ -478,5 +542,16 @@ mod tests {
             listen_address(&set, "nats://127.0.0.1:4222").unwrap(),
             "0.0.0.0:7000".parse().unwrap()
         );
+    }
+
+    #[test]
+    fn a_version_has_one_key_in_the_bucket_of_who_keeps_it() {
+        let live = Placement::of("ttt", "policy", 3, false);
+        assert_eq!(live.bucket, "relay-ttt-weights");
+        assert_eq!(live.key, "policy/v3/weights.safetensors");
+        let kept = Placement::of("ttt", "policy", 3, true);
+        assert_eq!(kept.bucket, "relay-ttt-league");
+        assert_eq!(kept.key, live.key);
+        assert!(kept.outgoing().keep_in_store && !live.outgoing().keep_in_store);
     }
 }

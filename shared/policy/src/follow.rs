@@ -4,11 +4,12 @@
 //! [`PolicyFetcher`] fetches a version only when asked for one (hearing
 //! each one announced, [`announced_versions`]), and an
 //! [`AdapterFollower`] follows the LLM policy's LoRA adapter versions.
+//! The followers hear versions through the one loop of
+//! [`crate::feed::VersionFeed`]; this file owns what each makes of them.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use relay_kit::Service;
 use relay_nn::VecNormalize;
 use relay_proto::{
@@ -16,6 +17,7 @@ use relay_proto::{
 };
 use tokio::sync::watch;
 
+use crate::feed::{Heard, VersionFeed};
 use crate::{
     frozen_normalizer, policy_builder, spec_for, PolicyBuilder, PolicyWeights, VersionedPolicy,
     WeightsError,
@@ -176,7 +178,7 @@ impl PolicyFetcher {
     /// announced, then fetches and builds the newest; `None` on shutdown.
     /// Cancel-safe (see the type's docs).
     pub async fn newer_than(&mut self, version: Option<u64>) -> Option<Arc<VersionedPolicy>> {
-        let mut backoff = Duration::from_millis(20);
+        let mut backoff = crate::feed::FIRST_RETRY;
         loop {
             if self.fetching.is_none() {
                 if let Some(seen) = version {
@@ -216,7 +218,7 @@ impl PolicyFetcher {
                 _ = tokio::time::sleep(backoff) => {}
                 _ = self.service.shutdown.wait() => return None,
             }
-            backoff = (backoff * 2).min(Duration::from_millis(500));
+            backoff = (backoff * 2).min(crate::feed::MAX_RETRY);
         }
     }
 }
@@ -310,8 +312,8 @@ impl Follower<VersionedStats> {
 impl<T: Versioned> Follower<T> {
     /// Takes the current version at start (`weights.latest`), then each
     /// one published (`weights`), skipping to the newest of those already
-    /// queued; fetches its parameters when `fetch` is set (see
-    /// [`PolicyWeights::fetch`]), keeps what `build` makes of it, and
+    /// queued ([`VersionFeed`]); fetches its parameters when `fetch` is set
+    /// (see [`PolicyWeights::fetch`]), keeps what `build` makes of it, and
     /// measures each published one's transfer.
     async fn follow(
         service: &Service,
@@ -323,11 +325,10 @@ impl<T: Versioned> Follower<T> {
     ) -> Result<Self, relay_kit::ServiceError> {
         let transfer = service.weights_transfer();
         let (tx, rx) = watch::channel(None);
-        let mut updates = service
-            .nats
-            .subscribe(service.subjects.weights())
-            .await
-            .map_err(relay_kit::ServiceError::nats)?;
+        let ask = WeightsRequest {
+            schema: SCHEMA_VERSION,
+        };
+        let mut feed = VersionFeed::<WeightsUpdate>::subscribe(service, Some(&ask), true).await?;
         let service = service.clone();
         tokio::spawn(async move {
             let current =
@@ -369,59 +370,15 @@ impl<T: Versioned> Follower<T> {
                     }
                 }
             };
-            // The current version, in case the learner published it before we subscribed.
-            let mut backoff = Duration::from_millis(20);
-            while current(&tx).is_none() && !service.shutdown.is_triggered() {
-                match latest_weights(&service).await {
-                    Ok(update) => {
-                        if take(update, "weights.latest", &tx, &mut failures).await {
-                            tracing::info!(version = current(&tx), "loaded current weights");
-                        }
-                    }
-                    Err(e) => tracing::debug!(error = %e, "no weights yet"),
-                }
-                if current(&tx).is_some() {
-                    break;
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    Some(m) = updates.next() => {
-                        // A published version arrived first: take it.
-                        if let Ok(update) = service.intake.decode::<WeightsUpdate>("weights", &m.payload) {
-                            take(update, "weights", &tx, &mut failures).await;
-                        }
-                    }
-                    _ = service.shutdown.wait() => return,
-                }
-                backoff = (backoff * 2).min(Duration::from_millis(500));
-            }
-            loop {
-                let first = tokio::select! {
-                    Some(m) = updates.next() => m,
-                    _ = service.shutdown.wait() => return,
-                    else => return,
-                };
-                // Every message is checked (a bad one is counted), but of
-                // the versions published while the last one was fetched
-                // only the newest is worth fetching.
-                let mut newest: Option<WeightsUpdate> = None;
-                let mut message = Some(first);
-                while let Some(m) = message {
-                    if let Ok(update) = service
-                        .intake
-                        .decode::<WeightsUpdate>("weights", &m.payload)
-                    {
-                        if newest.as_ref().is_none_or(|n| update.version > n.version) {
-                            newest = Some(update);
-                        }
-                    }
-                    message = updates.next().now_or_never().flatten();
-                }
-                let Some(update) = newest else { continue };
+            while let Some(heard) = feed.next(current(&tx).is_some()).await {
+                let (subject, latest) = (heard.subject(), matches!(heard, Heard::Latest(_)));
+                let update = heard.into_update();
                 if current(&tx).is_some_and(|v| update.version <= v) {
                     continue;
                 }
-                take(update, "weights", &tx, &mut failures).await;
+                if take(update, subject, &tx, &mut failures).await && latest {
+                    tracing::info!(version = current(&tx), "loaded current weights");
+                }
             }
         });
         Ok(Self { rx })
@@ -457,7 +414,7 @@ pub struct AdapterVersion {
 /// Follows the versions the learner publishes of one adapter
 /// (`relay.<run>.adapters`), starting from the current one (asked of the
 /// learner on `adapters.latest`, retried until it answers or a version is
-/// published).
+/// published: [`VersionFeed`]).
 pub struct AdapterFollower {
     rx: watch::Receiver<Option<AdapterVersion>>,
 }
@@ -466,14 +423,19 @@ impl AdapterFollower {
     /// Starts following adapter `name` (a background task until shutdown).
     pub async fn start(service: &Service, name: &str) -> Result<Self, relay_kit::ServiceError> {
         let (tx, rx) = watch::channel(None);
-        let mut updates = service
-            .nats
-            .subscribe(service.subjects.adapters())
-            .await
-            .map_err(relay_kit::ServiceError::nats)?;
-        let (service, name) = (service.clone(), name.to_string());
+        let ask = relay_proto::AdapterRequest {
+            schema: SCHEMA_VERSION,
+            name: name.to_string(),
+        };
+        let mut feed = VersionFeed::<AdapterUpdate>::subscribe(service, Some(&ask), false).await?;
+        let name = name.to_string();
         tokio::spawn(async move {
-            let offer = |tx: &watch::Sender<Option<AdapterVersion>>, update: &AdapterUpdate| {
+            loop {
+                let holding = tx.borrow().is_some();
+                let Some(heard) = feed.next(holding).await else {
+                    return;
+                };
+                let update = heard.update();
                 let newer = tx
                     .borrow()
                     .is_none_or(|current: AdapterVersion| update.version > current.version);
@@ -483,52 +445,6 @@ impl AdapterFollower {
                         learner_env_steps: update.learner_env_steps,
                     }));
                 }
-            };
-            // The current version, in case the learner published it before we subscribed.
-            let ask = relay_proto::AdapterRequest {
-                schema: SCHEMA_VERSION,
-                name: name.clone(),
-            };
-            let mut backoff = Duration::from_millis(20);
-            while tx.borrow().is_none() && !service.shutdown.is_triggered() {
-                match relay_kit::request::<_, AdapterUpdate>(
-                    &service.nats,
-                    &service.subjects.adapters_latest(),
-                    &ask,
-                    service.request_timeout(),
-                )
-                .await
-                {
-                    Ok(update) => offer(&tx, &update),
-                    Err(e) => tracing::debug!(error = %e, "no adapter version yet"),
-                }
-                if tx.borrow().is_some() {
-                    break;
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    Some(m) = updates.next() => {
-                        if let Ok(update) = service.intake.decode::<AdapterUpdate>("adapters", &m.payload) {
-                            offer(&tx, &update);
-                        }
-                    }
-                    _ = service.shutdown.wait() => return,
-                }
-                backoff = (backoff * 2).min(Duration::from_millis(1000));
-            }
-            loop {
-                let message = tokio::select! {
-                    Some(m) = updates.next() => m,
-                    _ = service.shutdown.wait() => return,
-                    else => return,
-                };
-                let Ok(update) = service
-                    .intake
-                    .decode::<AdapterUpdate>("adapters", &message.payload)
-                else {
-                    continue;
-                };
-                offer(&tx, &update);
             }
         });
         Ok(Self { rx })

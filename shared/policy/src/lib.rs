@@ -28,6 +28,9 @@
 //!   weights, and back;
 //! - [`AdapterFollower`]: the same for the LLM policy's LoRA adapter versions
 //!   (`adapters`), metadata only (the inference servers load the bytes);
+//! - [`VersionFeed`]: the one loop every follower hears versions through
+//!   (ask `*.latest` until a version is held, then each one published),
+//!   generic over the kind ([`Followed`]);
 //! - [`text`]: the text-game loop the env-runner and the evaluator share;
 //! - [`league`]: past versions of a classic policy stored for the league,
 //!   and [`policy_builder`], which makes acting models of them;
@@ -50,8 +53,10 @@
 //! - `follow.rs`: [`Follower`] ([`PolicyFollower`], [`StatsFollower`],
 //!   [`Versioned`], [`VersionedStats`]), [`PolicyFetcher`],
 //!   [`announced_versions`], [`AdapterFollower`] ([`AdapterVersion`]);
+//! - `feed.rs`: [`VersionFeed`] ([`Followed`], [`Heard`]);
 //! - `text.rs`, `league.rs`, `opponent.rs`: the public modules above.
 
+mod feed;
 mod follow;
 pub mod league;
 mod model;
@@ -61,6 +66,7 @@ mod spec;
 pub mod text;
 mod weights;
 
+pub use feed::{Followed, Heard, VersionFeed, FIRST_RETRY, MAX_RETRY};
 pub use follow::{
     announced_versions, AdapterFollower, AdapterVersion, Follower, PolicyFetcher, PolicyFollower,
     StatsFollower, Versioned, VersionedStats,

@@ -17,14 +17,17 @@
 //!
 //! A request for a version the server does not know (older than the
 //! versions it keeps, or published before it started) is looked up in the
-//! run's object store bucket (`relay-<run>-adapters`, key `<name>/v<N>`),
-//! where the learner stores every version of a league run; found, it is
-//! loaded and then kept or dropped by the LRU like any other (and fetched
-//! again when asked for after that). Not found, the answer is 404.
+//! run's league bucket (`relay-<run>-league`, where the learner of a
+//! league run keeps every version: its [`AdapterUpdate`] at
+//! `<name>/v<N>/update.msgpack`, naming its weights beside it,
+//! [`relay_kit::league`]); found, it is loaded and then kept or dropped by
+//! the LRU like any other (and fetched again when asked for after that).
+//! Not found, the answer is 404.
 //!
-//! A server that starts after the learner published asks the learner for
-//! the current version of the learning adapter (`adapters.latest`,
-//! [`AdapterStore::fetch_latest_at_start`]), retrying until it knows one.
+//! [`AdapterStore::follow`] hears the published versions through the
+//! learner's one follower loop ([`relay_policy::VersionFeed`]): a server
+//! that starts after the learner published asks it for the current version
+//! of the learning adapter (`adapters.latest`) until it knows one.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -79,11 +82,6 @@ enum Source {
     Published {
         config_json: Arc<str>,
         weights: Arc<WeightsBlob>,
-    },
-    /// A version the learner keeps in the store (league runs), found by key.
-    ObjectStore {
-        bucket: String,
-        key: String,
     },
 }
 
@@ -143,8 +141,8 @@ pub(crate) struct AdapterStore {
     nats: async_nats::Client,
     /// How long fetching one version may take.
     fetch_timeout: std::time::Duration,
-    /// The run's bucket of stored versions, looked in for unknown ones.
-    bucket: Option<String>,
+    /// The run, whose league bucket is looked in for unknown versions.
+    run_id: Option<String>,
     metrics: LlmMetrics,
     /// Counts the adapter bytes fetched from the object store.
     transfer: relay_kit::metrics::WeightsTransfer,
@@ -182,11 +180,7 @@ impl AdapterStore {
             fetch_timeout: std::time::Duration::from_millis(
                 service.config.weights.fetch_timeout_ms,
             ),
-            bucket: service
-                .config
-                .run_id()
-                .ok()
-                .map(relay_kit::league::adapter_bucket),
+            run_id: service.config.run_id().ok().map(str::to_string),
             metrics,
             transfer: service.weights_transfer(),
         }
@@ -234,61 +228,64 @@ impl AdapterStore {
         self.inner.lock().await.known.contains_key(name)
     }
 
-    /// In the background until shutdown: asks the learner for the newest
-    /// version of `name` (`adapters.latest`) until one is known, from that
-    /// answer or from a version published meanwhile. Text runs whose
-    /// learning side is the model only.
-    pub(crate) fn fetch_latest_at_start(
+    /// Takes, in the background until shutdown, every adapter version
+    /// published on `adapters` (a bad one is rejected and counted); in a
+    /// text run whose learning side is the model, first the current version
+    /// of `name` (`adapters.latest`), asked until one is known.
+    pub(crate) async fn follow(
         self: &Arc<Self>,
         service: &relay_kit::Service,
         name: &str,
-    ) {
+    ) -> Result<(), relay_kit::ServiceError> {
         let cfg = &service.config;
-        if !cfg.is_text_game() || cfg.text.learner_bot().is_some() {
-            return;
-        }
-        let (store, service, name) = (self.clone(), service.clone(), name.to_string());
-        tokio::spawn(async move {
-            let ask = relay_proto::AdapterRequest {
+        let ask = (cfg.is_text_game() && cfg.text.learner_bot().is_none()).then(|| {
+            relay_proto::AdapterRequest {
                 schema: relay_proto::SCHEMA_VERSION,
-                name: name.clone(),
-            };
-            let mut backoff = std::time::Duration::from_millis(50);
-            while !service.shutdown.is_triggered() && !store.knows(&name).await {
-                match relay_kit::request::<_, AdapterUpdate>(
-                    &service.nats,
-                    &service.subjects.adapters_latest(),
-                    &ask,
-                    service.request_timeout(),
-                )
-                .await
-                {
-                    Ok(update) if update.name == name => {
-                        let version = update.version;
-                        match store.add_update(update).await {
-                            Ok(()) => {
-                                tracing::info!(name, version, "loaded the current adapter version")
-                            }
-                            Err(e) => service.intake.reject(
-                                "adapters.latest",
-                                &relay_proto::Rejection::Invalid {
-                                    kind: "AdapterUpdate",
-                                    field: "weights",
-                                    detail: e.to_string(),
-                                },
-                            ),
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::debug!(error = %e, "no current adapter yet"),
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = service.shutdown.wait() => return,
-                }
-                backoff = (backoff * 2).min(std::time::Duration::from_secs(1));
+                name: name.to_string(),
             }
         });
+        let mut feed =
+            relay_policy::VersionFeed::<AdapterUpdate>::subscribe(service, ask.as_ref(), false)
+                .await?;
+        let (store, service, name) = (self.clone(), service.clone(), name.to_string());
+        let transfer = service.weights_transfer();
+        tokio::spawn(async move {
+            loop {
+                let knows = store.knows(&name).await;
+                let Some(heard) = feed.next(knows).await else {
+                    return;
+                };
+                let subject = heard.subject();
+                let published = match &heard {
+                    relay_policy::Heard::Latest(update) if update.name != name => continue,
+                    relay_policy::Heard::Latest(_) => None,
+                    relay_policy::Heard::Published { update, bytes } => {
+                        transfer.received(*bytes);
+                        Some(update.published_unix_ms)
+                    }
+                };
+                let update = heard.into_update();
+                let (name, version) = (update.name.clone(), update.version);
+                match store.add_update(update).await {
+                    Ok(()) => match published {
+                        Some(published_unix_ms) => {
+                            transfer.ready(published_unix_ms);
+                            tracing::info!(name, version, "adapter version added")
+                        }
+                        None => tracing::info!(name, version, "loaded the current adapter version"),
+                    },
+                    Err(e) => service.intake.reject(
+                        subject,
+                        &relay_proto::Rejection::Invalid {
+                            kind: "AdapterUpdate",
+                            field: "weights",
+                            detail: e.to_string(),
+                        },
+                    ),
+                }
+            }
+        });
+        Ok(())
     }
 
     /// The adapter a request asks for, loading it if needed (from the
@@ -384,31 +381,31 @@ impl AdapterStore {
         Ok((used, adapter))
     }
 
-    /// The object store source of a version the learner stored, if it is
-    /// there.
+    /// The source of a version the learner keeps in the run's league
+    /// bucket, if it is there.
     async fn stored(&self, name: &str, version: u64) -> Result<Source, StoredError> {
-        let Some(bucket) = &self.bucket else {
-            return Err(StoredError::NotFound("no object store bucket".into()));
+        let Some(run_id) = &self.run_id else {
+            return Err(StoredError::NotFound("no run, so no league bucket".into()));
         };
-        let store = async_nats::jetstream::new(self.nats.clone())
-            .get_object_store(bucket)
-            .await
-            .map_err(|e| StoredError::NotFound(format!("object store bucket {bucket:?}: {e}")))?;
-        let key = relay_kit::league::adapter_key(name, version);
-        let object = format!("{key}/{}", relay_proto::ADAPTER_CONFIG_OBJECT);
-        match store.info(&object).await {
-            // A deleted object keeps its info, marked deleted.
-            Ok(info) if info.deleted => Err(StoredError::NotFound(format!(
-                "{bucket}/{object} was deleted"
-            ))),
-            Ok(_) => Ok(Source::ObjectStore {
-                bucket: bucket.clone(),
-                key,
+        match relay_kit::league::stored_update::<AdapterUpdate>(
+            &self.nats,
+            run_id,
+            name,
+            version,
+            self.fetch_timeout,
+        )
+        .await
+        {
+            Ok(Some(update)) => Ok(Source::Published {
+                config_json: update.config_json.into(),
+                weights: Arc::new(update.weights),
             }),
-            Err(e) if e.kind() == async_nats::jetstream::object_store::InfoErrorKind::NotFound => {
-                Err(StoredError::NotFound(format!("{bucket}/{object}: {e}")))
-            }
-            Err(e) => Err(StoredError::Failed(format!("{bucket}/{object}: {e}"))),
+            Ok(None) => Err(StoredError::NotFound(format!(
+                "{}/{} is not there",
+                relay_kit::league::versions_bucket(run_id),
+                relay_kit::league::update_object(name, version)
+            ))),
+            Err(e) => Err(StoredError::Failed(e.to_string())),
         }
     }
 
@@ -474,31 +471,6 @@ impl AdapterStore {
                 let config_json = config_json.clone();
                 tokio::task::spawn_blocking(move || {
                     LoraAdapter::from_peft_bytes(&config_json, &safetensors, &model)
-                })
-                .await
-                .map_err(|e| fail(e.to_string()))?
-            }
-            Source::ObjectStore { bucket, key } => {
-                let read = |file: &str| {
-                    let object = format!("{key}/{file}");
-                    async move {
-                        let bytes = relay_kit::weights::get_object(&self.nats, bucket, &object)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        self.transfer.received(bytes.len());
-                        Ok::<_, String>(bytes)
-                    }
-                };
-                let config = read(relay_proto::ADAPTER_CONFIG_OBJECT)
-                    .await
-                    .map_err(&fail)?;
-                let weights = read(relay_proto::ADAPTER_WEIGHTS_OBJECT)
-                    .await
-                    .map_err(&fail)?;
-                let config = String::from_utf8(config)
-                    .map_err(|_| fail(format!("{key}/adapter_config.json is not UTF-8")))?;
-                tokio::task::spawn_blocking(move || {
-                    LoraAdapter::from_peft_bytes(&config, &weights, &model)
                 })
                 .await
                 .map_err(|e| fail(e.to_string()))?

@@ -26,7 +26,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use relay_kit::{Service, ServiceError};
 use relay_llm::{AnswerAfterThought, TokenSequences, Tokenizer};
-use relay_proto::{AdapterUpdate, GenerateRequest, Prompt, Rejection};
+use relay_proto::{GenerateRequest, Prompt, Rejection};
 
 use adapters::AdapterStore;
 use engine::{Engine, Job, JobAnswer, JobError};
@@ -333,44 +333,11 @@ pub(crate) async fn serve(
             .await
             .map_err(|e| ServiceError::Other(format!("llm.adapters.{name}: {e}")))?;
     }
-    // Adapter versions published by the learner (or anyone).
-    let mut updates = service
-        .nats
-        .subscribe(service.subjects.adapters())
-        .await
-        .map_err(ServiceError::nats)?;
-    adapters.fetch_latest_at_start(&service, relay_policy::text::LEARNING_ADAPTER);
-    {
-        let (service, adapters) = (service.clone(), adapters.clone());
-        let transfer = service.weights_transfer();
-        tokio::spawn(async move {
-            while let Some(message) = updates.next().await {
-                let Ok(update) = service
-                    .intake
-                    .decode::<AdapterUpdate>("adapters", &message.payload)
-                else {
-                    continue;
-                };
-                let (name, version) = (update.name.clone(), update.version);
-                let published_unix_ms = update.published_unix_ms;
-                transfer.received(message.payload.len());
-                match adapters.add_update(update).await {
-                    Ok(()) => {
-                        transfer.ready(published_unix_ms);
-                        tracing::info!(name, version, "adapter version added")
-                    }
-                    Err(e) => service.intake.reject(
-                        "adapters",
-                        &Rejection::Invalid {
-                            kind: "AdapterUpdate",
-                            field: "payload",
-                            detail: e.to_string(),
-                        },
-                    ),
-                }
-            }
-        });
-    }
+    // Adapter versions published by the learner (or anyone), from the
+    // current one on.
+    adapters
+        .follow(&service, relay_policy::text::LEARNING_ADAPTER)
+        .await?;
 
     let tokenizer = Arc::new(loaded.tokenizer);
     let mut stop_token_ids = model_config.eos_token_ids.clone();
