@@ -249,7 +249,7 @@ impl<V: Version> Publisher<V> {
             run_id: service.config.run_id()?.to_string(),
             latest,
             transport,
-            league: League::start(&service.config, &service.shutdown).await?,
+            league: League::start(&service.config, &service.nats, &service.shutdown).await?,
             kind: PhantomData,
         })
     }
