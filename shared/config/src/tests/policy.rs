@@ -1,0 +1,156 @@
+//! The `policy` section: CNN bodies and their options, checked against
+//! the env and the algorithm, and the devices a policy may run on.
+
+use super::*;
+
+#[test]
+fn cnn_policies_are_checked_against_the_env_and_the_algorithm() {
+    let with = |overrides: &[&str]| {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers(BASE, "t", &[], &overrides)
+    };
+    let err = |r: Result<ExperimentConfig, ConfigError>| r.unwrap_err().to_string();
+    let e = err(with(&["policy.cnn={}", "run.algo=sac"]));
+    assert!(e.contains("policy.cnn") && e.contains("sac"), "{e}");
+    with(&["policy.cnn={}", "policy.hidden=[]", "run.algo=dqn"]).unwrap();
+    let e = err(with(&["policy.cnn={input: [1, 2, 3]}"]));
+    assert!(e.contains("policy.cnn.input"), "{e}");
+    let e = err(with(&["policy.hidden=[]"]));
+    assert!(e.contains("policy.hidden"), "{e}");
+
+    let c = with(&["policy.cnn={}", "policy.hidden=[]"]).unwrap();
+    let flat = relay_envs::spec("CartPole-v1").unwrap();
+    let e = c.check_env(&flat).unwrap_err().to_string();
+    assert!(
+        e.contains("policy.cnn") && e.contains("flat observations"),
+        "{e}"
+    );
+    let minatar = relay_envs::EnvSpec {
+        id: "MinAtar/Breakout-v1",
+        image: Some([4, 10, 10]),
+        observation_space: relay_envs::BoxSpace {
+            low: vec![0.0; 400],
+            high: vec![255.0; 400],
+        },
+        ..flat
+    };
+    // NatureCNN's 8x8 kernel does not fit a 10x10 image.
+    let e = c.check_env(&minatar).unwrap_err().to_string();
+    assert!(
+        e.contains("policy.cnn.conv") && e.contains("does not fit"),
+        "{e}"
+    );
+    let small = with(&[
+        "policy.cnn={conv: [{channels: 16, kernel: 3, stride: 1}], features_dim: 128}",
+        "policy.hidden=[]",
+    ])
+    .unwrap();
+    small.check_env(&minatar).unwrap();
+    assert!(small.observations_as_pixels(&minatar));
+    let mut normalized = small.clone();
+    normalized.normalize.obs = true;
+    let e = normalized.check_env(&minatar).unwrap_err().to_string();
+    assert!(e.contains("normalize.obs"), "{e}");
+}
+
+#[test]
+fn cnn_arch_selects_the_body_and_its_options() {
+    use crate::hyper::policy::{CnnArch, CnnSpec};
+    let with = |cnn: &str| {
+        ExperimentConfig::from_layers(
+            BASE,
+            "t",
+            &[],
+            &[format!("policy.cnn={cnn}"), "policy.hidden=[]".into()],
+        )
+    };
+    let cnn = |s: &str| with(s).unwrap().policy.cnn.unwrap();
+    // Every config written before `arch` means what it meant.
+    assert_eq!(cnn("{}"), CnnSpec::default());
+    let plain = cnn("{conv: [{channels: 16, kernel: 3, stride: 1}], features_dim: 128}");
+    assert_eq!(plain.features_dim, 128);
+    assert!(matches!(&plain.arch, CnnArch::Nature { conv } if conv.len() == 1));
+    assert_eq!(cnn("{arch: nature}"), CnnSpec::default());
+    // IMPALA's defaults, and its options.
+    assert_eq!(cnn("{arch: impala}"), CnnSpec::impala());
+    assert_eq!(CnnSpec::impala().features_dim, 256);
+    let wide = cnn("{arch: impala, channels: [32, 64, 64], blocks: 1, features_dim: 512}");
+    assert_eq!(
+        wide.arch,
+        CnnArch::Impala {
+            channels: vec![32, 64, 64],
+            blocks: 1
+        }
+    );
+    assert_eq!(wide.features_dim, 512);
+    // An option of the other architecture, or an unknown one, is refused.
+    for (bad, says) in [
+        ("{arch: impala, conv: []}", "conv"),
+        ("{channels: [16]}", "channels"),
+        ("{arch: resnet}", "resnet"),
+        ("{arch: impala, chanels: [16]}", "chanels"),
+    ] {
+        let e = with(bad).unwrap_err().to_string();
+        assert!(e.contains(says), "{bad}: {e}");
+    }
+    let e = with("{arch: impala, channels: [16, 0]}")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("policy.cnn.channels"), "{e}");
+    // Serialized and read back (a checkpoint's spec) as the same spec.
+    for spec in [CnnSpec::default(), wide] {
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(
+            serde_json::from_str::<CnnSpec>(&json).unwrap(),
+            spec,
+            "{json}"
+        );
+    }
+    // Any image fits IMPALA: the stacks halve it, rounding up.
+    let spec = CnnSpec {
+        input: [4, 84, 84],
+        ..CnnSpec::impala()
+    };
+    assert_eq!(
+        spec.output_shapes().unwrap(),
+        vec![[16, 42, 42], [32, 21, 21], [32, 11, 11]]
+    );
+}
+
+#[test]
+fn policy_device_names_what_cannot_work() {
+    let err_of = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers(BASE, "t", &[], &sets)
+            .unwrap_err()
+            .to_string()
+    };
+    let err = err_of(&["policy.device=gpu"]);
+    assert!(
+        err.contains("policy.device") && err.contains("cuda:N"),
+        "{err}"
+    );
+    let err = err_of(&[
+        "run.algo=sac",
+        "run.env_id=Pendulum-v1",
+        "policy.device=cuda",
+    ]);
+    assert!(
+        err.contains("policy.device") && err.contains("SAC"),
+        "{err}"
+    );
+    let err = err_of(&["run.env_id=TicTacToe-v0", "policy.device=cuda:1"]);
+    assert!(
+        err.contains("policy.device") && err.contains("llm.device"),
+        "{err}"
+    );
+    if !crate::hyper::backend::CUDA_BUILT {
+        let err = err_of(&["policy.device=cuda:0"]);
+        assert!(
+            err.contains("policy.device") && err.contains("just build-cuda"),
+            "{err}"
+        );
+    }
+    let cpu = ExperimentConfig::from_layers(BASE, "t", &[], &["policy.device=cpu".into()]).unwrap();
+    assert_eq!(cpu.policy.device, crate::hyper::backend::DeviceSpec::Cpu);
+}
