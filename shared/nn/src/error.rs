@@ -1,4 +1,5 @@
-//! The crate's error type.
+//! The crate's error types: [`NnError`], and [`ShareError`] (a replica's
+//! share of a step, which [`crate::share`] reports and `NnError` wraps).
 
 use std::path::PathBuf;
 
@@ -85,7 +86,7 @@ pub enum NnError {
     /// A learner replica's share of a step failed (its all-reduce, or
     /// shares that do not make one batch).
     #[error("learner replicas: {0}")]
-    Replicas(#[from] crate::share::ShareError),
+    Replicas(#[from] ShareError),
     #[error("safetensors file {path}: {reason}")]
     Checkpoint {
         /// The file.
@@ -123,4 +124,19 @@ impl NnError {
             reason: reason.into(),
         }
     }
+}
+
+/// Why a replica's share of a step cannot be trusted.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ShareError {
+    /// A sum across the replicas failed (a member left, the ring broke):
+    /// the step is rolled back and redone in the next view.
+    #[error("summing across the replicas failed: {0}")]
+    SumFailed(String),
+    /// The replicas' summed shares do not make one batch: they hold
+    /// different batches, and a mixture must not be trained on.
+    #[error(
+        "the replicas' parts cover {covered} of a batch, not all of it: they hold different batches"
+    )]
+    Uncovered { covered: f32 },
 }

@@ -110,7 +110,7 @@ pub use device::{open_device, DeviceError, DeviceSpec};
 pub use dqn::{
     dqn_loss, dqn_targets, n_step_returns, DqnBatch, DqnLoss, DqnLossConfig, DqnStats, NStepReturns,
 };
-pub use error::{NnError, Result};
+pub use error::{NnError, Result, ShareError};
 pub use io::{from_safetensors, split_prefixed, to_safetensors, NamedTensor};
 pub use model::{ActOutput, Actions, ActorCritic, TrunkLayout};
 pub use ops::{check_masks, mask_logits, masked_argmax, MASKED_LOGIT};
@@ -128,7 +128,7 @@ pub use sac::{
     SacStats, TwinCritic,
 };
 pub use schedule::{Schedule, Shape, Warmup};
-pub use share::{BatchShare, ShareError, StopCheck, SumAcross};
+pub use share::{BatchShare, StopCheck, SumAcross};
 pub use spec::{
     ActionKind, Activation, CellKind, CnnArch, CnnSpec, ConvSpec, PolicySpec, RecurrentSpec,
 };

@@ -12,26 +12,11 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use crate::error::Result;
+use crate::error::{Result, ShareError};
 use crate::optim::Adam;
 
 /// Sums f32 buffers across learner replicas in place; an error says why not.
 pub type SumAcross<'a> = &'a mut dyn FnMut(&mut [f32]) -> std::result::Result<(), ShareError>;
-
-/// Why a replica's share of a step cannot be trusted.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ShareError {
-    /// A sum across the replicas failed (a member left, the ring broke):
-    /// the step is rolled back and redone in the next view.
-    #[error("summing across the replicas failed: {0}")]
-    SumFailed(String),
-    /// The replicas' summed shares do not make one batch: they hold
-    /// different batches, and a mixture must not be trained on.
-    #[error(
-        "the replicas' parts cover {covered} of a batch, not all of it: they hold different batches"
-    )]
-    Uncovered { covered: f32 },
-}
 
 /// Whether the learner is stopping: asked between the parts of a long
 /// train call, which then ends with its crate's "stopped" error and
