@@ -1,8 +1,9 @@
 //! Every message type that crosses a process boundary.
 //!
-//! Each carries `schema` ([`SCHEMA_VERSION`]) as its first field and
-//! implements [`WireMessage`], whose `validate` checks what a receiver must
-//! not trust: shapes that agree with each other and finite numbers.
+//! Each carries `schema` ([`SCHEMA_VERSION`](crate::SCHEMA_VERSION)) as its
+//! first field and implements [`WireMessage`](crate::WireMessage), whose
+//! `validate` checks what a receiver must not trust: shapes that agree with
+//! each other and finite numbers.
 //!
 //! The types live in one module per subsystem they serve, all re-exported
 //! here: `rollouts` (acting, rollout fragments, the on-policy replay),
