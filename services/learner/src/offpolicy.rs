@@ -56,7 +56,7 @@ use crate::progress::{
 use crate::publish::{final_weights, Publisher};
 use relay_nn::BatchShare;
 use relay_nn::NamedTensor;
-use relay_replicas::{Next, Replicas, Replicated, Turn};
+use relay_replicas::{Next, Replicas, Replicated, Turn, Undo};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// SB3's round schedule of an off-policy learner (its config section's
@@ -238,6 +238,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         progress,
         rng,
         table,
+        train_seconds: 0.0,
     };
     let started = Instant::now();
     let start_env_steps = work.progress.env_steps;
@@ -373,11 +374,10 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             None
         };
         // The round's gradient steps, in one blocking section.
-        let trained_at = Instant::now();
         let turn = replicas
             .run_step(&mut work, input, &mut held, &shutdown)
             .await?;
-        times.train_s = trained_at.elapsed().as_secs_f64();
+        times.train_s = work.train_seconds;
         let (input, trained) = match turn {
             Turn::Done { step, output } => (step, output),
             Turn::Failed { error, .. } => return Err(ServiceError::other(error)),
@@ -655,6 +655,8 @@ struct OffPolicy<A> {
     progress: Progress,
     rng: ChaCha8Rng,
     table: TableCounters,
+    /// Seconds the last round's gradient steps took.
+    train_seconds: f64,
 }
 
 impl<A: OffPolicyAlgorithm> Replicated for OffPolicy<A> {
@@ -662,9 +664,11 @@ impl<A: OffPolicyAlgorithm> Replicated for OffPolicy<A> {
     type Step = RoundInput;
     type Output = TrainedRound;
     type Error = A::Error;
-    // A round's gradient steps are milliseconds each; nothing of a round
-    // applies when its first step fails.
+    // A round's gradient steps are milliseconds each: a stop waits for
+    // the round's end. Alone, a round whose preparation fails fails the
+    // learner (a minibatch that fails its step is skipped inside it).
     const STOPS_PART_WAY: bool = false;
+    const UNDO: Undo = Undo::SnapshotInGroup;
 
     fn capture(&self) -> Result<Self::State, String> {
         Ok(ReplicaState {
@@ -691,6 +695,10 @@ impl<A: OffPolicyAlgorithm> Replicated for OffPolicy<A> {
         self.progress.version += 2;
     }
 
+    fn describe(round: &RoundInput) -> String {
+        round.rounds.to_string()
+    }
+
     fn is_next(&self, round: &RoundInput) -> bool {
         round.rounds == self.algorithm.rounds()
     }
@@ -700,7 +708,10 @@ impl<A: OffPolicyAlgorithm> Replicated for OffPolicy<A> {
         round: &RoundInput,
         share: &mut BatchShare<'_>,
     ) -> Result<TrainedRound, A::Error> {
-        train_round(&mut self.algorithm, round, &mut self.rng, share)
+        let started = Instant::now();
+        let trained = train_round(&mut self.algorithm, round, &mut self.rng, share);
+        self.train_seconds = started.elapsed().as_secs_f64();
+        trained
     }
 
     fn stopped(_: &A::Error) -> bool {

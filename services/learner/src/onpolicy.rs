@@ -29,7 +29,7 @@ use crate::publish::{final_weights, Publisher};
 use crate::rollout::UpdateError;
 use crate::{a2c, checkpoint, ppo, reinforce, rollout};
 use relay_nn::BatchShare;
-use relay_replicas::{Next, Replicas, Replicated, Turn};
+use relay_replicas::{Next, Replicas, Replicated, Turn, Undo};
 
 /// A normalising run's intake of one fragment: merges its statistics delta
 /// into the run's statistics and, with `normalize.reward`, puts its scaled
@@ -212,6 +212,7 @@ impl Replicated for OnPolicy<'_> {
     type Error = UpdateError;
     // A whole update can take minutes (a CNN on CPU).
     const STOPS_PART_WAY: bool = true;
+    const UNDO: Undo = Undo::Snapshot;
 
     fn capture(&self) -> Result<ReplicaState, String> {
         Ok(ReplicaState {
@@ -247,6 +248,10 @@ impl Replicated for OnPolicy<'_> {
         // The old rank 0 may have published one version past what this
         // replica holds: skip it.
         self.progress.version += 2;
+    }
+
+    fn describe(step: &StepInput) -> String {
+        step.updates.to_string()
     }
 
     fn is_next(&self, step: &StepInput) -> bool {

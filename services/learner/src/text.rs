@@ -75,7 +75,7 @@ use crate::examples::games_to_examples;
 use crate::examples::Converted;
 use crate::progress::{Metrics, Progress};
 use crate::publish::{AdapterFiles, Publisher};
-use relay_replicas::{Next, Replicas, Replicated, Turn};
+use relay_replicas::{Next, Replicas, Replicated, Turn, Undo};
 
 /// Publishes the adapter's versions ([`crate::publish`]).
 type AdapterPublisher = Publisher<AdapterFiles>;
@@ -823,6 +823,7 @@ impl Replicated for TextTraining<'_> {
     // An update of an LLM's micro-batches takes seconds to minutes; a
     // failed batch may leave earlier epochs applied.
     const STOPS_PART_WAY: bool = true;
+    const UNDO: Undo = Undo::Snapshot;
 
     fn capture(&self) -> Result<TextReplicaState, String> {
         Ok(TextReplicaState {
@@ -856,6 +857,10 @@ impl Replicated for TextTraining<'_> {
         // The old rank 0 may have published one version past what this
         // replica holds: skip it.
         self.state.progress.version += 2;
+    }
+
+    fn describe(step: &TextStep) -> String {
+        step.updates.to_string()
     }
 
     fn is_next(&self, step: &TextStep) -> bool {

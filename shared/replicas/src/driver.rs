@@ -37,12 +37,14 @@ pub trait Replicated {
     /// Why a step failed on its data.
     type Error: std::fmt::Display;
 
-    /// Whether a step may stop part-way when the trainer is stopping (its
-    /// [`BatchShare`] then carries the stop check) or fail with part of it
-    /// applied: the snapshot before each step is then taken even for a
-    /// trainer alone, where otherwise only replicas (whose sums can fail)
-    /// take it.
+    /// Whether a step ends part-way when the trainer is stopping (its
+    /// [`BatchShare`] then carries the stop check, and the step is undone
+    /// as [`Self::UNDO`] says).
     const STOPS_PART_WAY: bool;
+
+    /// How a step that did not finish (a replica failed in it, a stop cut
+    /// it short, its data failed it) is undone.
+    const UNDO: Undo;
 
     /// This replica's state.
     fn capture(&self) -> Result<Self::State, String>;
@@ -53,6 +55,9 @@ pub trait Replicated {
     /// This replica became rank 0 in place of another, which may have
     /// published one version past the state any survivor holds.
     fn took_over(&mut self) {}
+
+    /// `step` as the logs name it (the update's or round's number).
+    fn describe(step: &Self::Step) -> String;
 
     /// Whether `step` is this replica's next: after a hand-over rank 0's
     /// state may already be past a step handed out before it, which is
@@ -69,15 +74,34 @@ pub trait Replicated {
     /// Whether `error` says the step stopped part-way (the trainer is
     /// stopping).
     fn stopped(error: &Self::Error) -> bool;
+
+    /// Drops what an unfinished step accumulated ([`Undo::Discard`]).
+    fn discard(&mut self) {}
+}
+
+/// How a trainer's unfinished step is undone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Undo {
+    /// From a snapshot taken before every step: the step applies parts of
+    /// itself as it goes (epochs, minibatches).
+    Snapshot,
+    /// From a snapshot taken before every step of replicas only: alone,
+    /// nothing interrupts a step, and one its data fails fails the
+    /// trainer.
+    SnapshotInGroup,
+    /// By [`Replicated::discard`]: the step applies nothing before its
+    /// last sum, so only what it accumulated goes (no copy of the weights
+    /// per step, which for a whole model would cost more than the step).
+    Discard,
 }
 
 /// How a turn of [`Replicas::run_step`] ended.
 pub enum Turn<W: Replicated> {
     /// The step ran on every replica.
     Done { step: W::Step, output: W::Output },
-    /// The step failed on its data and was rolled back (when a snapshot
-    /// was taken, see [`Replicated::STOPS_PART_WAY`]): the trainer drops
-    /// it or fails.
+    /// The step failed on its data and was undone (as
+    /// [`Replicated::UNDO`] says; alone with [`Undo::SnapshotInGroup`] it
+    /// is not): the trainer drops it or fails.
     Failed { step: W::Step, error: W::Error },
     /// No step this turn: the replicas re-formed, or rank 0's state was
     /// already past the step. The loop starts its turn again.
@@ -142,10 +166,14 @@ impl Replicas {
         }
         // A copy of the parameters and the optimizer's moments, small
         // beside the step's own work.
-        let snapshot = (W::STOPS_PART_WAY || !self.alone())
-            .then(|| work.capture())
-            .transpose()
-            .map_err(ServiceError::other)?;
+        let snapshot = match W::UNDO {
+            Undo::Snapshot => true,
+            Undo::SnapshotInGroup => !self.alone(),
+            Undo::Discard => false,
+        }
+        .then(|| work.capture())
+        .transpose()
+        .map_err(ServiceError::other)?;
         let started = Instant::now();
         let result = {
             // Not held across an await: the future stays `Send`.
@@ -155,7 +183,10 @@ impl Replicas {
         };
         let roll_back = |work: &mut W, snapshot: Option<W::State>| match snapshot {
             Some(state) => work.restore(state).map_err(ServiceError::other),
-            None => Ok(()),
+            None => {
+                work.discard();
+                Ok(())
+            }
         };
         match result {
             Ok(Ok(output)) => Ok(Turn::Done { step, output }),
@@ -163,6 +194,7 @@ impl Replicas {
                 // The final checkpoint holds the last whole step.
                 roll_back(work, snapshot)?;
                 tracing::info!(
+                    step = %W::describe(&step),
                     seconds = started.elapsed().as_secs_f64(),
                     "update stopped part-way and rolled back"
                 );
@@ -173,7 +205,7 @@ impl Replicas {
                 Ok(Turn::Failed { step, error })
             }
             Err(broken) => {
-                tracing::warn!(error = %broken, "a replica failed inside the step; rolling back and redoing it in the next view");
+                tracing::warn!(error = %broken, step = %W::describe(&step), "a replica failed inside the step; rolling back and redoing it in the next view");
                 roll_back(work, snapshot)?;
                 *held = Some(step);
                 Ok(if self.recover(shutdown).await? {

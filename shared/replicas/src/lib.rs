@@ -71,6 +71,6 @@ pub mod driver;
 pub mod group_share;
 pub mod replicas;
 
-pub use driver::{Replicated, Turn};
+pub use driver::{Replicated, Turn, Undo};
 pub use group_share::{in_group, Reduced, Summed};
 pub use replicas::{digest, Next, Replicas};

@@ -11,7 +11,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use relay_llm::sft::{SftExample, SftStats, SftTrainer};
 use relay_llm::{CausalLm, LoraAdapter};
-use relay_replicas::{Next, Replicated, Turn};
+use relay_replicas::{Next, Replicated, Turn, Undo};
 use serde::{Deserialize, Serialize};
 
 use super::args::SftArgs;
@@ -126,8 +126,11 @@ impl Replicated for SftTraining<'_, '_> {
     type Step = (usize, usize);
     type Output = SftStats;
     type Error = anyhow::Error;
-    // One optimizer step of one batch: it is applied whole or not at all.
     const STOPS_PART_WAY: bool = false;
+    // One optimizer step of one batch, applied after its last sum: a
+    // failed step leaves only accumulated gradients (and `--full` would
+    // copy the whole model per step).
+    const UNDO: Undo = Undo::Discard;
 
     fn capture(&self) -> Result<SftReplicaState, String> {
         let trainable = relay_llm::sft::var_values(self.session.trainable);
@@ -159,10 +162,17 @@ impl Replicated for SftTraining<'_, '_> {
         optimizer
             .restore_bytes(&state.optimizer, "rank 0's optimizer state")
             .map_err(|e| e.to_string())?;
-        // Gradients a failed step accumulated are not carried over.
-        optimizer.zero_grad();
         self.progress = state.progress;
         Ok(())
+    }
+
+    fn discard(&mut self) {
+        // Gradients a failed step accumulated are not carried over.
+        self.trainer.optimizer_mut().zero_grad();
+    }
+
+    fn describe(&(epoch, step): &(usize, usize)) -> String {
+        format!("epoch {} step {step}", epoch + 1)
     }
 
     fn is_next(&self, _: &(usize, usize)) -> bool {
