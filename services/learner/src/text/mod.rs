@@ -59,23 +59,29 @@
 //! version published before.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use relay_kit::{counter, gauge, Service, ServiceError, Shutdown};
-use relay_llm::{
-    CausalLm, GgufBase, LoraAdapter, PeftBytes, RewardNormalizer, RlStats, RlTrainer, TokenExample,
-    TrainError,
-};
-use relay_proto::{GameSampleReply, GameSampleRequest, SCHEMA_VERSION};
+use relay_kit::{Service, ServiceError, Shutdown};
+use relay_llm::{CausalLm, LoraAdapter, PeftBytes, RewardNormalizer, RlTrainer};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointError};
 use crate::evaluated::RunEvents;
-use crate::examples::games_to_examples;
-use crate::examples::Converted;
 use crate::progress::{Metrics, Progress};
 use crate::publish::{AdapterFiles, Publisher};
-use relay_replicas::{Next, Replicas, Replicated, Turn, Undo};
+
+mod games;
+mod replica;
+mod report;
+mod start;
+
+use games::Games;
+use relay_replicas::{Next, Replicas, Turn};
+use replica::{adapter_values, TextStep, TextTraining};
+use report::Report;
+#[cfg(test)]
+use start::kl_reference;
+use start::{start, Start};
 
 /// Publishes the adapter's versions ([`crate::publish`]).
 type AdapterPublisher = Publisher<AdapterFiles>;
@@ -150,40 +156,6 @@ pub fn save_checkpoint(
     )
 }
 
-/// The KL term's reference adapter (`None`: the base model): with a KL
-/// term and `rl.kl_reference: start`, the adapter the run started from. A
-/// warm start (`run.init_from`) is that adapter as loaded, before any
-/// update; a resumed run takes its checkpoint's `reference/`, and measures
-/// against the base model when there is none (the run began from a fresh
-/// adapter, which is exactly the base).
-fn kl_reference(
-    train_config: &relay_llm::rl::RlTrainConfig,
-    kind: relay_config::KlReference,
-    start_from: Option<&checkpoint::StartFrom>,
-    start: &LoraAdapter,
-    model: &relay_llm::ModelConfig,
-) -> Result<Option<LoraAdapter>, ServiceError> {
-    if train_config.objective.kl.is_none() || kind == relay_config::KlReference::Base {
-        return Ok(None);
-    }
-    let Some(from) = start_from else {
-        return Ok(None);
-    };
-    if !from.resume {
-        return start
-            .deep_copy()
-            .map(Some)
-            .map_err(|e| from.error(format!("copying the adapter as the KL reference: {e}")));
-    }
-    let dir = from.dir.join(REFERENCE_DIR);
-    if !dir.exists() {
-        return Ok(None);
-    }
-    LoraAdapter::load_peft(&dir, model)
-        .map(Some)
-        .map_err(|e| from.error(format!("{REFERENCE_DIR}/: {e}")))
-}
-
 /// Reads a text checkpoint's `state.json`.
 pub fn load_state(dir: &Path) -> Result<TextCheckpointState, CheckpointError> {
     checkpoint::read_json(&dir.join("state.json"))
@@ -212,103 +184,18 @@ pub(crate) async fn run(
             cfg.run.env_id
         )));
     };
-    let mut train_config = cfg
-        .rl
-        .train_config(cfg.text.max_turn_tokens as usize)
-        .map_err(ServiceError::other)?;
-    let lora_config = cfg.lora.lora_config().map_err(ServiceError::other)?;
-    let started_loading = Instant::now();
-    let spec = model_spec.clone();
-    // The fused CPU ops (engine), or the composed forward on llm.device.
-    let backend = relay_llm::Backend::open(&cfg.llm.backend_spec())
-        .map_err(|e| ServiceError::Other(e.to_string()))?;
-    let placed = backend.clone();
-    let (model, model_path) = tokio::task::spawn_blocking(move || {
-        // Training needs gradients through the base: GGUF weights dequantized.
-        relay_llm::load_causal_lm_on(&spec, GgufBase::Dequantized, &placed)
-    })
-    .await
-    .map_err(ServiceError::other)?
-    .map_err(|e| ServiceError::Other(format!("llm.model: {e}")))?;
-    if !model.supports_training() {
-        return Err(ServiceError::Other(format!(
-            "llm.model {model_spec}: this base cannot be trained through"
-        )));
-    }
-    // Completions ending on one of these stopped by themselves.
-    let eos_ids = model.config().eos_token_ids.clone();
-    let context = model.config().max_position_embeddings + 1;
-    if train_config.batch.max_seq_len > context {
-        tracing::info!(
-            max_seq_len = train_config.batch.max_seq_len,
-            context,
-            "rl.max_seq_len is longer than the model's context; using the context"
-        );
-        train_config.batch.max_seq_len = context;
-    }
-    let base_model = model_path.display().to_string();
-    tracing::info!(model = %base_model, layers = model.config().num_hidden_layers, backend = %backend.describe(), seconds = started_loading.elapsed().as_secs_f64(), "base model loaded");
-
     let run_dir = cfg.run.runs_dir.join(cfg.run_id()?);
-    let mut state = TextCheckpointState {
-        progress: Progress::default(),
-        moving_baselines: Default::default(),
-        reward_normalizer: RewardNormalizer::default(),
-        best_eval: None,
-        weights_version: None,
-    };
-    let mut version_floor = 0u64;
-    let mut resumed_at_vec_steps = 0u64;
     let start_from = checkpoint::StartFrom::of(&cfg);
-    let adapter = match &start_from {
-        Some(from) => LoraAdapter::load_peft(&from.dir.join(ADAPTER_DIR), model.config())
-            .map_err(|e| from.error(e))?,
-        None => LoraAdapter::new(model.config(), lora_config, cfg.lora.seed)
-            .map_err(ServiceError::other)?,
-    };
-    // On the model's device: the optimizer trains these vars.
-    let adapter = model.place_adapter(&adapter).map_err(ServiceError::other)?;
-    let reference = kl_reference(
-        &train_config,
-        cfg.rl.kl_reference,
-        start_from.as_ref(),
-        &adapter,
-        model.config(),
-    )?;
-    if train_config.objective.kl.is_some() {
-        let against = if reference.is_some() {
-            "the adapter the run started from"
-        } else {
-            "the base model"
-        };
-        tracing::info!(reference = against, "KL term towards {against}");
-    }
-    let mut trainer = RlTrainer::new(train_config, &adapter).map_err(ServiceError::other)?;
-    if let Some(reference) = reference {
-        let reference = model
-            .place_frozen_adapter(&reference)
-            .map_err(ServiceError::other)?;
-        trainer
-            .set_reference(Some(reference))
-            .map_err(ServiceError::other)?;
-    }
-    if let Some(from) = &start_from {
-        let dir = &from.dir;
-        if !cfg.run.reset_optimizer {
-            trainer
-                .optimizer_mut()
-                .load(&dir.join("optimizer.safetensors"))
-                .map_err(|e| from.error(e))?;
-        }
-        if from.resume {
-            state = load_state(dir).map_err(|e| from.error(e))?;
-            trainer.set_moving_baselines(state.moving_baselines.clone());
-            resumed_at_vec_steps = state.progress.vec_steps;
-            state.progress.version = checkpoint::next_version(state.progress.version, &run_dir);
-            version_floor = state.progress.version;
-        }
-        tracing::info!(from = %dir.display(), resume = from.resume, version = state.progress.version, updates = state.progress.updates, "loaded checkpoint");
-    }
+    let Start {
+        model,
+        base_model,
+        eos_ids,
+        adapter,
+        trainer,
+        state,
+        version_floor,
+        resumed_at_vec_steps,
+    } = start(&cfg, model_spec, &run_dir, start_from.as_ref()).await?;
     crate::progress::count_resume(&service, &start_from);
 
     let micro = service.micro().await?;
@@ -368,16 +255,7 @@ pub(crate) async fn run(
     };
 
     let budget = cfg.run.total_env_steps;
-    let batch_size = cfg.rl.batch_size;
-    // The games this run trains on (`text.games`, else `run.env_id`).
-    let run_games: Vec<String> = cfg
-        .text
-        .game_weights(&cfg.run.env_id)
-        .into_iter()
-        .map(|(game, _)| game)
-        .collect();
-    let mut pending = crate::examples::PendingGames::default();
-    let mut dropped_stale = 0u64;
+    let mut intake = Games::new(&cfg);
     let mut reported = (0u64, 0usize, 0usize);
     let (mut truncated_total, mut tokens_cut_total) = (0usize, 0usize);
     let started = Instant::now();
@@ -440,97 +318,13 @@ pub(crate) async fn run(
             Some(match held.take() {
                 // A step that failed in the previous view is redone.
                 Some(input) => input,
-                None => {
-                    // Games played by versions too old for this update go.
-                    let oldest_ok = lag.oldest_fresh(work.state.progress.version);
-                    dropped_stale += pending.drop_stale(oldest_ok) as u64;
-                    let held = pending.ready_turns();
-                    if held < batch_size {
-                        let ask = GameSampleRequest {
-                            schema: SCHEMA_VERSION,
-                            min_policy_version: oldest_ok,
-                            max_turns: (batch_size - held) as u32,
-                        };
-                        match relay_kit::request::<_, GameSampleReply>(
-                            &service.nats,
-                            &service.subjects.replay_games_sample(),
-                            &ask,
-                            service.request_timeout(),
-                        )
-                        .await
-                        {
-                            Ok(reply) => {
-                                dropped_stale += reply.dropped_stale;
-                                if reply.games.is_empty() {
-                                    crate::progress::pause(&shutdown, Duration::from_millis(20))
-                                        .await;
-                                }
-                                for game in reply.games {
-                                    if !run_games.contains(&game.env_id) {
-                                        service.intake.reject(
-                                            "replay.games.sample",
-                                            &relay_proto::Rejection::Invalid {
-                                                kind: "GameRecord",
-                                                field: "env_id",
-                                                detail: format!(
-                                                    "game from {} is of {}, this run plays {}",
-                                                    game.runner_id,
-                                                    game.env_id,
-                                                    run_games.join(", ")
-                                                ),
-                                            },
-                                        );
-                                        continue;
-                                    }
-                                    if !pending.push(game) {
-                                        dropped_stale += 1;
-                                    }
-                                }
-                            }
-                            Err(e) => {
-                                tracing::debug!(error = %e, "game sample failed; retrying");
-                                crate::progress::pause(&shutdown, Duration::from_millis(50)).await;
-                            }
-                        }
-                        continue;
-                    }
-
-                    let games = pending.take_batch(batch_size);
-                    for game in &games {
-                        metrics.policy_lag.observe(
-                            work.state
-                                .progress
-                                .version
-                                .saturating_sub(game.learning_version().unwrap_or(0))
-                                as f64,
-                        );
-                    }
-                    let mut converted = games_to_examples(
-                        &games,
-                        &cfg.rl.reward,
-                        &mut work.state.reward_normalizer,
-                    );
-                    let mut examples: Vec<TokenExample> = std::mem::take(&mut converted.examples);
-                    if converted.skipped_moves > 0 {
-                        tracing::warn!(
-                            skipped = converted.skipped_moves,
-                            "moves without usable tokens left out"
-                        );
-                    }
-                    // A single game longer than the batch is cut to it.
-                    examples.truncate(batch_size);
-                    if examples.is_empty() {
-                        continue;
-                    }
-                    TextStep {
-                        updates: work.state.progress.updates,
-                        examples,
-                        games: games.len() as u64,
-                        reward_normalizer: work.state.reward_normalizer.clone(),
-                        best_eval: work.state.best_eval,
-                        converted: Some(converted),
-                    }
-                }
+                None => match intake
+                    .next_step(&service, &shutdown, &metrics, &cfg, &mut work.state, &lag)
+                    .await
+                {
+                    Some(step) => step,
+                    None => continue,
+                },
             })
         } else {
             // A follower: the step barrier waits for rank 0's step.
@@ -563,14 +357,8 @@ pub(crate) async fn run(
             (work.state.reward_normalizer, work.state.best_eval) = (reward_normalizer, best_eval);
         }
         let seconds = update_started.elapsed().as_secs_f64();
-        let first: RlStats = steps[0];
-        let mean = |f: fn(&RlStats) -> f64| steps.iter().map(f).sum::<f64>() / steps.len() as f64;
-        let trained_tokens: usize = steps
-            .iter()
-            .map(|s| (s.mean_seq_len * s.sequences as f64) as usize)
-            .sum();
-        truncated_total += first.truncated;
-        tokens_cut_total += first.tokens_cut;
+        truncated_total += steps[0].truncated;
+        tokens_cut_total += steps[0].tokens_cut;
 
         let progress = &mut work.state.progress;
         progress.updates += 1;
@@ -610,114 +398,36 @@ pub(crate) async fn run(
         metrics.update_seconds.observe(seconds);
         let sps = progress.env_steps.saturating_sub(start_env_steps) as f64
             / started.elapsed().as_secs_f64().max(1e-3);
-        let reward_mean = if converted.game_rewards.is_empty() {
-            0.0
-        } else {
-            converted.game_rewards.iter().sum::<f64>() / converted.game_rewards.len() as f64
+        let report = Report {
+            steps: &steps,
+            converted: &converted,
+            examples: &examples,
+            eos_ids: &eos_ids,
+            seconds,
+            learning_rate: work.trainer.optimizer().config().lr,
         };
+        let reward_mean = report.reward_mean();
         service
             .report(
                 Some(progress.vec_steps),
                 crate::progress::report_gauges(progress, budget, sps, resumed_at_vec_steps)
                     .into_iter()
-                    .chain([
-                        gauge("learner_adapter_version", progress.version as f64),
-                        gauge("learner_loss", mean(|s| s.loss)),
-                        gauge("learner_policy_loss", mean(|s| s.policy_loss)),
-                        gauge("learner_kl_ref", mean(|s| s.kl)),
-                        gauge("learner_entropy", mean(|s| s.entropy)),
-                        gauge("learner_grad_norm", mean(|s| s.grad_norm)),
-                        gauge(
-                            "learner_learning_rate",
-                            work.trainer.optimizer().config().lr,
-                        ),
-                        gauge("learner_reward_mean", reward_mean),
-                        gauge("learner_shaped_reward_mean", first.reward_mean),
-                        gauge("learner_advantage_std", first.advantage_std),
-                        gauge("learner_mean_seq_len", first.mean_seq_len),
-                        gauge("learner_completion_len", first.mean_completion_len),
-                        gauge("learner_kl_penalty", first.kl_penalty),
-                        // score minus the KL penalty, TRL's rlhf_reward
-                        gauge("learner_rlhf_reward", first.reward_mean - first.kl_penalty),
-                        gauge("learner_ratio_mean", mean(|s| s.ratio_mean)),
-                        gauge("learner_ratio_var", mean(|s| s.ratio_var)),
-                        gauge(
-                            "learner_sampler_logprob_diff_mean",
-                            first.sampler_logprob_diff_mean,
-                        ),
-                        gauge(
-                            "learner_sampler_logprob_diff_max",
-                            first.sampler_logprob_diff_max,
-                        ),
-                        gauge(
-                            "learner_tis_capped_fraction",
-                            mean(|s| s.tis_capped_fraction),
-                        ),
-                        gauge("learner_eos_rate", eos_rate(&examples, &eos_ids)),
-                        gauge(
-                            "learner_format_rate",
-                            rate(converted.well_formatted_moves, converted.moves),
-                        ),
-                        gauge(
-                            "learner_legal_move_rate",
-                            1.0 - rate(converted.invalid_moves, converted.moves),
-                        ),
-                        gauge("learner_sequences", first.sequences as f64),
-                        gauge(
-                            "learner_tokens_per_second",
-                            trained_tokens as f64 / seconds.max(1e-9),
-                        ),
-                        counter(
-                            "learner_truncated_sequences_total",
-                            (truncated_total - reported.1) as f64,
-                        ),
-                        counter(
-                            "learner_tokens_cut_total",
-                            (tokens_cut_total - reported.2) as f64,
-                        ),
-                        gauge("learner_last_update_seconds", seconds),
-                        counter(
-                            "learner_dropped_stale_games_total",
-                            (dropped_stale - reported.0) as f64,
-                        ),
-                    ])
-                    .chain(replica_values)
-                    // PPO's movement measures, once an update takes several
-                    // steps on its batch (in one step the policy is measured
-                    // before it moves, so they only show the sampler's
-                    // mismatch, reported apart).
-                    .chain(
-                        (steps.len() > 1)
-                            .then(|| {
-                                let between = &steps[1..];
-                                [
-                                    gauge("learner_approx_kl", mean(|s| s.approx_kl)),
-                                    gauge("learner_clip_fraction", mean(|s| s.clip_fraction)),
-                                    gauge(
-                                        "learner_epoch_kl",
-                                        between.iter().map(|s| s.epoch_kl).sum::<f64>()
-                                            / between.len() as f64,
-                                    ),
-                                ]
-                            })
-                            .into_iter()
-                            .flatten(),
-                    )
-                    .chain(converted.per_game.iter().flat_map(|(game, f)| {
+                    .chain(report.values(
+                        progress.version,
                         [
-                            gauge("learner_game_reward_mean", f.reward_mean()),
-                            gauge("learner_game_legal_move_rate", f.legal_move_rate()),
-                            counter("learner_game_examples_total", f.examples as f64),
-                        ]
-                        .map(|v| v.with_label("game", game))
-                    }))
+                            intake.dropped_stale - reported.0,
+                            (truncated_total - reported.1) as u64,
+                            (tokens_cut_total - reported.2) as u64,
+                        ],
+                    ))
+                    .chain(replica_values)
                     .collect(),
             )
             .await;
-        reported = (dropped_stale, truncated_total, tokens_cut_total);
+        reported = (intake.dropped_stale, truncated_total, tokens_cut_total);
         tracing::debug!(
             version = work.state.progress.version,
-            loss = first.loss,
+            loss = steps[0].loss,
             reward_mean,
             seconds,
             "update"
@@ -773,125 +483,6 @@ pub(crate) async fn run(
     .await
 }
 
-/// One update as rank 0 hands it to the other replicas: update number
-/// `updates` (the count before it) on `examples`, made of `games` games.
-#[derive(Serialize, Deserialize)]
-struct TextStep {
-    updates: u64,
-    examples: Vec<TokenExample>,
-    games: u64,
-    /// The reward statistics after the batch's games, and rank 0's best
-    /// evaluation so far, for whoever leads next.
-    reward_normalizer: RewardNormalizer,
-    best_eval: Option<(f64, u64)>,
-    /// What the games became (rank 0's report); not handed out.
-    #[serde(skip)]
-    converted: Option<Converted>,
-}
-
-/// A text learner's whole state, in memory: what rank 0 hands to every
-/// replica of a new view, and the rollback point of an update (a
-/// replicated step that failed, or one a stop cut short).
-#[derive(Serialize, Deserialize)]
-struct TextReplicaState {
-    adapter: Vec<relay_nn::NamedTensor>,
-    /// AdamW's moments and steps ([`relay_llm::AdamW::state_bytes`]).
-    optimizer: Vec<u8>,
-    moving_baselines: relay_llm::MovingBaselines,
-    state: TextCheckpointState,
-    version_floor: u64,
-}
-
-/// What the replicas hold alike and train together: the adapter (over
-/// the frozen base), AdamW and the run's counters.
-struct TextTraining<'m> {
-    model: &'m CausalLm,
-    adapter: &'m LoraAdapter,
-    trainer: RlTrainer,
-    state: TextCheckpointState,
-    /// The oldest version whose games belong to this learner's timeline.
-    version_floor: u64,
-    /// Passes over each batch (`rl.epochs`).
-    epochs: usize,
-}
-
-impl Replicated for TextTraining<'_> {
-    type State = TextReplicaState;
-    type Step = TextStep;
-    type Output = Vec<RlStats>;
-    type Error = TrainError;
-    // An update of an LLM's micro-batches takes seconds to minutes; a
-    // failed batch may leave earlier epochs applied.
-    const STOPS_PART_WAY: bool = true;
-    const UNDO: Undo = Undo::Snapshot;
-
-    fn capture(&self) -> Result<TextReplicaState, String> {
-        Ok(TextReplicaState {
-            adapter: adapter_values(self.adapter),
-            optimizer: self
-                .trainer
-                .optimizer()
-                .state_bytes()
-                .map_err(|e| e.to_string())?,
-            moving_baselines: self.trainer.moving_baselines().clone(),
-            state: self.state.clone(),
-            version_floor: self.version_floor,
-        })
-    }
-
-    /// The adapter's names and shapes must match.
-    fn restore(&mut self, held: TextReplicaState) -> Result<(), String> {
-        self.trainer
-            .optimizer_mut()
-            .restore_bytes(&held.optimizer, "rank 0's optimizer state")
-            .map_err(|e| e.to_string())?;
-        relay_llm::sft::set_var_values(&self.adapter.named_vars(), &held.adapter)
-            .map_err(|e| format!("adapter: {e}"))?;
-        self.trainer.set_moving_baselines(held.moving_baselines);
-        self.state = held.state;
-        self.version_floor = held.version_floor;
-        Ok(())
-    }
-
-    fn took_over(&mut self) {
-        // The old rank 0 may have published one version past what this
-        // replica holds: skip it.
-        self.state.progress.version += 2;
-    }
-
-    fn describe(step: &TextStep) -> String {
-        step.updates.to_string()
-    }
-
-    fn is_next(&self, step: &TextStep) -> bool {
-        step.updates == self.state.progress.updates
-    }
-
-    fn run(
-        &mut self,
-        step: &TextStep,
-        share: &mut relay_nn::BatchShare<'_>,
-    ) -> Result<Vec<RlStats>, TrainError> {
-        tracing::debug!(
-            step = step.updates,
-            examples = step.examples.len(),
-            "update starts"
-        );
-        self.trainer
-            .train_epochs_part(self.model, self.adapter, &step.examples, self.epochs, share)
-    }
-
-    fn stopped(error: &TrainError) -> bool {
-        matches!(error, TrainError::Stopped)
-    }
-}
-
-/// The adapter's trained values; reading a var back from its own device
-/// fails only with the device itself.
-fn adapter_values(adapter: &LoraAdapter) -> Vec<relay_nn::NamedTensor> {
-    adapter.named_values().expect("an adapter's vars read back")
-}
-
 /// Loads a checkpoint's adapter for a model (what `relay_llm` users do
 /// with a text run's checkpoint).
 pub fn load_checkpoint_adapter(
@@ -899,25 +490,6 @@ pub fn load_checkpoint_adapter(
     model: &CausalLm,
 ) -> Result<LoraAdapter, relay_llm::ModelError> {
     LoraAdapter::load_peft(&dir.join(ADAPTER_DIR), model.config())
-}
-
-/// `part / whole`, 0 when `whole` is 0.
-fn rate(part: usize, whole: usize) -> f64 {
-    if whole == 0 {
-        0.0
-    } else {
-        part as f64 / whole as f64
-    }
-}
-
-/// Share of completions that end on an end-of-sequence token (the policy
-/// stopped by itself rather than at `text.max_turn_tokens`).
-fn eos_rate(examples: &[TokenExample], eos_ids: &[u32]) -> f64 {
-    let ended = examples
-        .iter()
-        .filter(|e| e.completion.last().is_some_and(|t| eos_ids.contains(t)))
-        .count();
-    rate(ended, examples.len())
 }
 
 #[cfg(test)]
