@@ -9,8 +9,9 @@ use serde::{Deserialize, Serialize};
 use crate::check::{invalid, positive, ConfigError};
 
 /// Whether versions too large to travel inline are also put in the run's
-/// JetStream object store (bucket `relay-<run>-weights`, or
-/// `relay-<run>-adapters` for LoRA adapters).
+/// JetStream object store (bucket `relay-<run>-weights`, for classic
+/// policies and LoRA adapters alike; a league's versions are kept in
+/// `relay-<run>-league` whatever this says).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StoreMode {
