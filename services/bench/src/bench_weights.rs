@@ -614,20 +614,24 @@ fn lora(
     config: &std::path::Path,
 ) -> Result<Row> {
     let run_id = format!("bench-weights-lora-{servers}");
-    start_servers(stack, &run_id, config, &[], servers, false)?;
     let publisher = runtime.block_on(relay_kit::weights::WeightsPublisher::start(
         client,
         &relay_config::WeightsSection::default(),
         &stack.nats_url,
     ))?;
     let subjects = Subjects::new(&run_id);
-    let measured = runtime.block_on(measure(stack, args, args.versions, None, |v| {
-        let (client, subject, run_id, files, publisher) = (
+    // As the learner: version 0 before the servers start, and the newest
+    // version answered on `adapters.latest` (a server that starts after a
+    // version was published asks there).
+    let newest = std::sync::Arc::new(std::sync::RwLock::new(bytes::Bytes::new()));
+    let publish = |v: u64| {
+        let (client, subject, run_id, files, publisher, newest) = (
             client.clone(),
             subjects.adapters(),
             run_id.clone(),
             files.clone(),
             &publisher,
+            newest.clone(),
         );
         async move {
             let version = relay_kit::weights::AdapterVersion {
@@ -639,10 +643,28 @@ fn lora(
                 keep_in_store: false,
             };
             let update = relay_kit::weights::publish_adapter(publisher, &run_id, version).await?;
-            client.publish(subject, encode(&update).into()).await?;
-            Ok(())
+            let update: bytes::Bytes = encode(&update).into();
+            *newest.write().expect("adapter lock") = update.clone();
+            client.publish(subject, update).await?;
+            anyhow::Ok(())
         }
-    }));
+    };
+    runtime.block_on(publish(0))?;
+    let mut latest = runtime.block_on(client.subscribe(subjects.adapters_latest()))?;
+    let answering = {
+        let (client, newest) = (client.clone(), newest.clone());
+        runtime.spawn(async move {
+            while let Some(m) = latest.next().await {
+                if let Some(reply) = m.reply {
+                    let answer = newest.read().expect("adapter lock").clone();
+                    let _ = client.publish(reply, answer).await;
+                }
+            }
+        })
+    };
+    start_servers(stack, &run_id, config, &[], servers, false)?;
+    let measured = runtime.block_on(measure(stack, args, args.versions, None, publish));
+    answering.abort();
     stop_servers(stack, servers)?;
     let measured = measured?;
     Ok(Row::new(

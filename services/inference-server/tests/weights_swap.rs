@@ -215,7 +215,10 @@ async fn a_server_started_before_the_first_version_asks_until_there_is_one() {
         }
     };
     assert_eq!(reply.policy_version, 5);
-    assert!(asked.load(Ordering::SeqCst) > NOT_YET, "asked again after 503");
+    assert!(
+        asked.load(Ordering::SeqCst) > NOT_YET,
+        "asked again after 503"
+    );
     trigger.trigger();
     tokio::time::timeout(Duration::from_secs(10), server)
         .await

@@ -197,7 +197,7 @@ impl Replicas {
     /// (it was partitioned or stalled past the lease) and its state is
     /// behind theirs, so it must restart to rejoin. Returns whether this
     /// replica must take part in a state hand-over ([`Self::hand_over`]).
-    pub fn follow_view(&mut self) -> Result<bool, ServiceError> {
+    pub(crate) fn follow_view(&mut self) -> Result<bool, ServiceError> {
         if let Some(newest) = self.group.as_ref().and_then(Group::current_view) {
             if newest.epoch > self.view.epoch {
                 if newest.rank_of(&self.member).is_none() {
@@ -231,7 +231,7 @@ impl Replicas {
     /// Whether this replica just became rank 0 in place of another: the
     /// previous rank 0 may have published one version beyond the state
     /// any survivor holds.
-    pub fn took_over(&mut self) -> bool {
+    pub(crate) fn took_over(&mut self) -> bool {
         std::mem::take(&mut self.takeover)
     }
 
@@ -242,7 +242,7 @@ impl Replicas {
     /// however long it takes to get there (it may be finishing other
     /// work), until the view changes: leases, not a timeout, say whether
     /// it is alive.
-    pub async fn hand_over(&mut self, state: &mut Vec<u8>) -> Result<(), CollectiveError> {
+    pub(crate) async fn hand_over(&mut self, state: &mut Vec<u8>) -> Result<(), CollectiveError> {
         let tag = self.next_tag();
         if let Some(group) = &mut self.group {
             group.broadcast_awaited(&self.view, tag, 0, state).await?;
@@ -253,7 +253,7 @@ impl Replicas {
 
     /// Rank 0 hands its next step (`input`) to the others, who wait for it
     /// (the step barrier) until rank 0 sends or the view changes.
-    pub async fn hand_out(&mut self, input: &mut Vec<u8>) -> Result<(), CollectiveError> {
+    pub(crate) async fn hand_out(&mut self, input: &mut Vec<u8>) -> Result<(), CollectiveError> {
         let tag = self.next_tag();
         let started = std::time::Instant::now();
         let sent = match &mut self.group {
@@ -268,7 +268,7 @@ impl Replicas {
     /// trainer is stopping, asked between the parts of a long step). `Err`
     /// says which sum failed inside it: whatever the step did must be
     /// rolled back and the step redone in the next view.
-    pub fn step<R>(
+    pub(crate) fn step<R>(
         &mut self,
         stop: Option<StopCheck<'_>>,
         f: impl FnOnce(&mut BatchShare<'_>) -> R,
@@ -292,7 +292,7 @@ impl Replicas {
     /// At a new view ([`Self::follow_view`]): rank 0 gives `Some` of its
     /// state, which every other replica (giving `None`) receives to
     /// restore.
-    pub async fn share_state<S: Serialize + DeserializeOwned>(
+    pub(crate) async fn share_state<S: Serialize + DeserializeOwned>(
         &mut self,
         shutdown: &Shutdown,
         mine: Option<S>,
@@ -321,7 +321,7 @@ impl Replicas {
     /// give `None` and wait for it. When that fails, the replicas re-form
     /// ([`Next::Retry`]) and rank 0's input waits in `held` to be handed
     /// out again in the next view.
-    pub async fn exchange<T: Serialize + DeserializeOwned>(
+    pub(crate) async fn exchange<T: Serialize + DeserializeOwned>(
         &mut self,
         shutdown: &Shutdown,
         input: Option<T>,
@@ -372,7 +372,10 @@ impl Replicas {
     }
 
     /// After a failure inside a collective: the next view, or a stop.
-    pub async fn recovered<T>(&mut self, shutdown: &Shutdown) -> Result<Next<T>, ServiceError> {
+    pub(crate) async fn recovered<T>(
+        &mut self,
+        shutdown: &Shutdown,
+    ) -> Result<Next<T>, ServiceError> {
         Ok(if self.recover(shutdown).await? {
             Next::Retry
         } else {
@@ -431,7 +434,7 @@ impl Replicas {
     /// After a failed collective: waits for the next view (the failed
     /// member's lease runs out) and marks the state for a hand-over.
     /// Returns `false` when `shutdown` came first: the learner stops.
-    pub async fn recover(&mut self, shutdown: &Shutdown) -> Result<bool, ServiceError> {
+    pub(crate) async fn recover(&mut self, shutdown: &Shutdown) -> Result<bool, ServiceError> {
         let Some(group) = &mut self.group else {
             return Ok(true);
         };

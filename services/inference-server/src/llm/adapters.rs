@@ -256,24 +256,29 @@ impl AdapterStore {
                     return;
                 };
                 let subject = heard.subject();
-                let published = match &heard {
+                // Timed from its publication, as the classic follower
+                // times a version it took from `weights.latest` too.
+                let (published_unix_ms, at_start) = match &heard {
                     relay_policy::Heard::Latest(update) if update.name != name => continue,
-                    relay_policy::Heard::Latest(_) => None,
+                    relay_policy::Heard::Latest(update) => (update.published_unix_ms, true),
                     relay_policy::Heard::Published { update, bytes } => {
                         transfer.received(*bytes);
-                        Some(update.published_unix_ms)
+                        (update.published_unix_ms, false)
                     }
                 };
                 let update = heard.into_update();
                 let (name, version) = (update.name.clone(), update.version);
                 match store.add_update(update).await {
-                    Ok(()) => match published {
-                        Some(published_unix_ms) => {
+                    Ok(()) => {
+                        if published_unix_ms > 0 {
                             transfer.ready(published_unix_ms);
+                        }
+                        if at_start {
+                            tracing::info!(name, version, "loaded the current adapter version")
+                        } else {
                             tracing::info!(name, version, "adapter version added")
                         }
-                        None => tracing::info!(name, version, "loaded the current adapter version"),
-                    },
+                    }
                     Err(e) => service.intake.reject(
                         subject,
                         &relay_proto::Rejection::Invalid {
