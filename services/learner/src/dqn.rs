@@ -136,7 +136,7 @@ impl RoundStats {
 #[derive(Debug, thiserror::Error)]
 pub enum DqnError {
     #[error(transparent)]
-    Step(#[from] relay_algo::dqn::StepError),
+    Step(#[from] relay_algo::StepError),
     #[error(transparent)]
     Nn(#[from] relay_nn::NnError),
     #[error(transparent)]

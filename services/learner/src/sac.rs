@@ -135,7 +135,7 @@ impl RoundStats {
 #[derive(Debug, thiserror::Error)]
 pub enum SacError {
     #[error(transparent)]
-    Step(#[from] relay_algo::sac::StepError),
+    Step(#[from] relay_algo::StepError),
     #[error(transparent)]
     Nn(#[from] relay_nn::NnError),
     #[error(transparent)]

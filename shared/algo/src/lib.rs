@@ -23,3 +23,13 @@ pub mod ppo;
 pub mod reinforce;
 pub mod rollout;
 pub mod sac;
+
+/// Why an off-policy gradient step failed: a field of the sampled batch
+/// that does not decode or fit, or the networks' own error.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("batch field {field}: {detail}")]
+    Batch { field: &'static str, detail: String },
+    #[error(transparent)]
+    Nn(#[from] relay_nn::NnError),
+}

@@ -9,15 +9,7 @@ use relay_nn::{
 };
 use relay_proto::TransitionBatch;
 
-/// Why a gradient step failed: a batch field that does not decode, or the
-/// networks' own error.
-#[derive(Debug, thiserror::Error)]
-pub enum StepError {
-    #[error("batch field {field}: {detail}")]
-    Batch { field: &'static str, detail: String },
-    #[error(transparent)]
-    Nn(#[from] relay_nn::NnError),
-}
+use crate::StepError;
 
 /// The gradient step's settings from the `sac` section, for an actor of
 /// `action_dim` dimensions at learning rate `lr`.
