@@ -61,6 +61,22 @@ impl Inserts {
         }
     }
 
+    /// Waits up to `at_most` for the insert in flight (the backpressure);
+    /// whether none is in flight now. A runner that a full buffer holds
+    /// back (once the learner has stopped taking data, for as long as the
+    /// stack stays up) reports between two waits, so its step rate falls to
+    /// zero instead of the last one standing.
+    pub(crate) async fn settled_within(&mut self, at_most: Duration) -> bool {
+        let Some(pending) = self.pending.as_mut() else {
+            return true;
+        };
+        let settled = tokio::time::timeout(at_most, pending).await.is_ok();
+        if settled {
+            self.pending = None;
+        }
+        settled
+    }
+
     /// Waits a little for the insert in flight, at shutdown: half the
     /// service's 2 s promise. The replay-buffer is stopped beside it, so an
     /// insert not answered by then (its request left waiting on a buffer

@@ -90,7 +90,7 @@ use fragment::FragmentBuilder;
 
 pub(crate) use act::{act_until_answered, ActRows};
 pub(crate) use insert::Inserts;
-pub(crate) use metrics::{report_progress, Metrics, Reported};
+pub(crate) use metrics::{report_progress, Metrics, Reported, REPORT_EVERY};
 
 /// The episodes a step finished: one per env, or for a parallel game
 /// played by one shared policy (`team`, its agents) one per game, its
@@ -426,6 +426,16 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 delta,
             );
             pending_steps = finished.env_steps();
+            while !inserts.settled_within(REPORT_EVERY).await {
+                report_progress(
+                    &service,
+                    &metrics,
+                    &mut reported,
+                    last_version,
+                    &recent_returns,
+                )
+                .await;
+            }
             inserts
                 .ship(
                     &service,
@@ -438,7 +448,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 .await;
         }
 
-        if reported.at.elapsed() >= Duration::from_secs(1) {
+        if reported.at.elapsed() >= REPORT_EVERY {
             report_progress(
                 &service,
                 &metrics,

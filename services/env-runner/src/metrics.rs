@@ -147,6 +147,9 @@ impl Metrics {
     }
 }
 
+/// How often a runner reports its progress (steps, step rate, version).
+pub(crate) const REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The counters as of the last metrics report.
 pub(crate) struct Reported {
     pub(crate) at: Instant,

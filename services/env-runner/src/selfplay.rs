@@ -31,7 +31,7 @@
 //! trains nothing and is counted, not reported as an episode.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use prometheus::{IntCounter, IntCounterVec, Opts};
 use rand::{Rng, SeedableRng};
@@ -535,6 +535,16 @@ pub(crate) async fn run(
                 &service.instance,
                 spec.id,
             );
+            while !inserts.settled_within(crate::REPORT_EVERY).await {
+                crate::report_progress(
+                    &service,
+                    &metrics,
+                    &mut reported,
+                    last_version,
+                    &recent_returns,
+                )
+                .await;
+            }
             inserts
                 .ship(
                     &service,
@@ -546,7 +556,7 @@ pub(crate) async fn run(
                 )
                 .await;
         }
-        if reported.at.elapsed() >= Duration::from_secs(1) {
+        if reported.at.elapsed() >= crate::REPORT_EVERY {
             crate::report_progress(
                 &service,
                 &metrics,

@@ -139,17 +139,21 @@ mod tests {
 
 /// A weights version's transfer as a receiver sees it: from the publisher's
 /// stamp to the version held ready here (`relay_weights_transfer_seconds`,
-/// the two clocks: same machine or NTP), and the bytes received
-/// (`relay_weights_received_bytes_total`). Classic policies' followers and
-/// inference servers' LoRA adapters record the same two metrics.
+/// the two clocks: same machine or NTP), the bytes received
+/// (`relay_weights_received_bytes_total`) and the newest version held
+/// (`relay_weights_version_held`). Classic policies' followers and
+/// inference servers' LoRA adapters record the same three metrics, so a
+/// copy shows the version it holds whether or not it has used it since
+/// (an env-runner held back by a full replay buffer does not act).
 #[derive(Clone)]
 pub struct WeightsTransfer {
     seconds: prometheus::Histogram,
     bytes: prometheus::IntCounter,
+    held: prometheus::IntGauge,
 }
 
 impl WeightsTransfer {
-    /// Registers both metrics in `registry`.
+    /// Registers the three metrics in `registry`.
     pub fn register(registry: &Registry) -> Self {
         let seconds = prometheus::Histogram::with_opts(
             prometheus::HistogramOpts::new(
@@ -164,16 +168,19 @@ impl WeightsTransfer {
             "Bytes of published weights versions this copy received.",
         )
         .expect("valid counter");
+        let held = prometheus::IntGauge::new(
+            "relay_weights_version_held",
+            "The newest weights version this copy holds ready.",
+        )
+        .expect("valid gauge");
         register(registry, &seconds);
         register(registry, &bytes);
-        Self { seconds, bytes }
-    }
-
-    /// Records `bytes` received, and the transfer of a version stamped at
-    /// `published_unix_ms` that is ready now ([`Self::ready`]).
-    pub fn record(&self, published_unix_ms: u64, bytes: usize) {
-        self.received(bytes);
-        self.ready(published_unix_ms);
+        register(registry, &held);
+        Self {
+            seconds,
+            bytes,
+            held,
+        }
     }
 
     /// Counts `bytes` of weights received.
@@ -181,12 +188,17 @@ impl WeightsTransfer {
         self.bytes.inc_by(bytes as u64);
     }
 
-    /// Times the transfer of a version stamped at `published_unix_ms`
-    /// (0: unknown, not timed) that is ready now.
-    pub fn ready(&self, published_unix_ms: u64) {
+    /// `version`, stamped at `published_unix_ms` (0: unknown, not timed),
+    /// is held ready now: times its transfer, and shows it as the newest
+    /// held when it is (an inference server holds several adapters).
+    pub fn ready(&self, version: u64, published_unix_ms: u64) {
         if published_unix_ms > 0 {
             let ms = relay_proto::unix_ms().saturating_sub(published_unix_ms);
             self.seconds.observe(ms as f64 / 1000.0);
+        }
+        let version = i64::try_from(version).unwrap_or(i64::MAX);
+        if version > self.held.get() {
+            self.held.set(version);
         }
     }
 }

@@ -243,11 +243,9 @@ async fn fetch_newest(service: &Service, build: &PolicyBuilder) -> FetchAttempt 
     };
     match build(&weights) {
         Ok(policy) => {
-            if update.published_unix_ms > 0 {
-                service
-                    .weights_transfer()
-                    .record(update.published_unix_ms, update.weights.size as usize);
-            }
+            let transfer = service.weights_transfer();
+            transfer.received(update.weights.size as usize);
+            transfer.ready(update.version, update.published_unix_ms);
             FetchAttempt::Built(Arc::new(policy))
         }
         Err(rejection) => {
@@ -359,9 +357,11 @@ impl<T: Versioned> Follower<T> {
                 match build(&update, weights.as_ref()) {
                     Ok(built) => {
                         let _ = tx.send(Some(Arc::new(built)));
-                        if update.published_unix_ms > 0 {
-                            transfer.record(update.published_unix_ms, update.weights.size as usize);
+                        // A statistics follower fetched no parameters.
+                        if fetch {
+                            transfer.received(update.weights.size as usize);
                         }
+                        transfer.ready(update.version, update.published_unix_ms);
                         true
                     }
                     Err(rejection) => {

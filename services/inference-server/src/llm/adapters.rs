@@ -270,9 +270,7 @@ impl AdapterStore {
                 let (name, version) = (update.name.clone(), update.version);
                 match store.add_update(update).await {
                     Ok(()) => {
-                        if published_unix_ms > 0 {
-                            transfer.ready(published_unix_ms);
-                        }
+                        transfer.ready(version, published_unix_ms);
                         if at_start {
                             tracing::info!(name, version, "loaded the current adapter version")
                         } else {
