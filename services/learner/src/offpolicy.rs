@@ -82,6 +82,15 @@ impl RoundSchedule {
     }
 }
 
+/// Gradient steps taken per env step inserted since `learning_starts`:
+/// the replay ratio the run reached (held to `gradient_steps / train_freq`
+/// unless `replay.samples_per_insert` is off).
+fn replay_ratio_reached<A: OffPolicyAlgorithm>(algorithm: &A, env_steps: u64) -> f64 {
+    let schedule = algorithm.schedule();
+    let learning = env_steps.saturating_sub(schedule.learning_starts).max(1);
+    (algorithm.rounds() * schedule.gradient_steps as u64) as f64 / learning as f64
+}
+
 /// What an off-policy algorithm brings to the shared loop.
 pub(crate) trait OffPolicyAlgorithm {
     /// `run.algo`, for logs.
@@ -424,6 +433,10 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
                 (work.progress.vec_steps - reported_vec_steps) as f64,
             ),
             gauge("learner_last_update_seconds", seconds),
+            gauge(
+                "learner_gradient_steps_per_env_step",
+                replay_ratio_reached(&work.algorithm, work.progress.env_steps),
+            ),
             gauge("learner_replay_size", work.table.size as f64),
             gauge("learner_rejected_batches", rejected_since as f64),
             gauge("learner_round_sample_seconds", times.sample_s),

@@ -256,27 +256,11 @@ pub enum Inserted {
     },
 }
 
-/// Reverb-style `SampleToInsertRatio` over env steps (see
-/// `replay.samples_per_insert` in the config). The learner samples whole
-/// fragments, so a sample may overshoot its allowance by one fragment.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RateLimit {
-    /// Env steps taken out per env step inserted.
-    pub samples_per_insert: f64,
-    /// Env steps inserted before any sample.
-    pub min_size_to_sample: u64,
-    /// Slack, in env steps.
-    pub error_buffer: u64,
-}
-
-impl RateLimit {
-    fn max_diff(&self) -> f64 {
-        self.samples_per_insert * self.min_size_to_sample as f64 + self.error_buffer as f64
-    }
-    fn min_diff(&self) -> f64 {
-        self.samples_per_insert * self.min_size_to_sample as f64 - self.error_buffer as f64
-    }
-}
+/// Reverb-style `SampleToInsertRatio` over env steps, as the config
+/// resolves it ([`relay_config::ExperimentConfig::rate_limit`]). The
+/// learner samples whole fragments, so a sample may overshoot its
+/// allowance by one fragment.
+pub use relay_config::RateLimit;
 
 /// What a sample took out of the FIFO.
 pub struct Sampled {
@@ -484,14 +468,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     let shutdown = service.shutdown.clone();
     let cfg = service.config.clone();
     let redis = relay_kit::connect_redis_with(&cfg.connections, &shutdown).await?;
-    let rate_limit = cfg
-        .replay
-        .samples_per_insert
-        .map(|samples_per_insert| RateLimit {
-            samples_per_insert,
-            min_size_to_sample: cfg.replay.min_size_to_sample,
-            error_buffer: cfg.replay.rate_error_buffer,
-        });
+    let rate_limit = cfg.rate_limit();
     let game_store = GameStore::new(
         redis.clone(),
         cfg.run_id()?,

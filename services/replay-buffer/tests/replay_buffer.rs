@@ -224,7 +224,8 @@ async fn the_rate_limiter_paces_inserts_and_samples() {
     let run_id = "rate-test";
     let mut service_config = config(&nats, &redis, run_id);
     service_config.experiment.replay.capacity_steps = 1024;
-    service_config.experiment.replay.samples_per_insert = Some(1.0);
+    service_config.experiment.replay.samples_per_insert =
+        relay_config::SamplesPerInsert::Ratio(1.0);
     service_config.experiment.replay.min_size_to_sample = 32;
     service_config.experiment.replay.rate_error_buffer = 16;
     let (trigger, shutdown) = Shutdown::new();

@@ -261,32 +261,7 @@ impl ExperimentConfig {
         if let Some(age) = self.replay.max_age_s {
             positive_f("replay.max_age_s", age)?;
         }
-        if let Some(ratio) = self.replay.samples_per_insert {
-            positive_f("replay.samples_per_insert", ratio)?;
-            // One fragment must fit in the limiter's slack, or no insert
-            // could ever pass. DQN and SAC sample on their own schedule, as
-            // many draws per env step as the ratio once learning_starts
-            // steps are in: the slack left above that is the error buffer
-            // (and what min_size_to_sample holds beyond learning_starts).
-            let fragment = (self.env_runner.num_envs * self.env_runner.fragment_steps) as f64;
-            let min_size = self.replay.min_size_to_sample as f64;
-            let held = match self.run.algo {
-                Algo::Dqn => (min_size - self.dqn.learning_starts as f64).max(0.0),
-                Algo::Sac => (min_size - self.sac.learning_starts as f64).max(0.0),
-                _ => min_size,
-            };
-            let buffer = self.replay.rate_error_buffer as f64;
-            if ratio * fragment > ratio * held + buffer {
-                let needed = (ratio * (fragment - held)).ceil() as u64;
-                return Err(invalid(
-                    "replay.rate_error_buffer",
-                    format!(
-                        "is {buffer}, which admits {:.0} env steps beyond what the learner has sampled, less than one fragment of {fragment} (env_runner.num_envs x fragment_steps): no insert could pass; set it to at least {needed}, or fewer env_runner.fragment_steps",
-                        held + buffer / ratio
-                    ),
-                ));
-            }
-        }
+        self.validate_rate_limit()?;
         self.ppo.validate()?;
         self.validate_a2c()?;
         self.validate_reinforce()?;

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::check::{positive, unit_interval, ConfigError};
+use crate::replay_ratio::SamplesPerInsert;
 
 /// env-runner settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -99,18 +100,23 @@ pub struct ReplayConfig {
     /// up to 16 ms).
     pub retry_after_ms: u32,
     /// Rate limiter (as Reverb's `SampleToInsertRatio`): env steps taken out
-    /// per env step inserted (DQN's off-policy table: transitions sampled
-    /// per env step inserted; `rate_error_buffer` then counts samples). None disables it (the FIFO's capacity and the
-    /// policy lag still bound the data). With it, an insert is refused
+    /// per env step inserted (an off-policy table: transitions sampled per
+    /// env step inserted; `rate_error_buffer` then counts samples). `auto`
+    /// (the default): an off-policy run's own schedule, `gradient_steps x
+    /// batch_size / train_freq`, and no limiter for other runs; `off`: none
+    /// (the FIFO's capacity and the policy lag still bound the data; see
+    /// [`crate::replay_ratio`]). With it, an insert is refused
     /// ("rate") while `inserted * ratio - taken` would exceed
     /// `ratio * min_size_to_sample + rate_error_buffer`, and a sample takes
     /// nothing while fewer than `min_size_to_sample` steps were inserted or
     /// `inserted * ratio - taken` is under `ratio * min_size_to_sample -
     /// rate_error_buffer`. Taken counts sampled and stale-dropped steps.
-    pub samples_per_insert: Option<f64>,
-    /// Env steps inserted before the learner may sample (rate limiter).
+    pub samples_per_insert: SamplesPerInsert,
+    /// Env steps inserted before the learner may sample (rate limiter; with
+    /// `samples_per_insert: auto`, at least the algorithm's `learning_starts`).
     pub min_size_to_sample: u64,
-    /// Slack of the rate limiter, in env steps.
+    /// Slack of the rate limiter, in samples (env steps taken out; with
+    /// `samples_per_insert: auto`, at least two fragments' worth).
     pub rate_error_buffer: u64,
     /// Text runs: games that ended more than this many seconds before the
     /// learner samples them are dropped (counted as `too_old`) whatever
@@ -126,7 +132,7 @@ impl Default for ReplayConfig {
             capacity_steps: 8192,
             max_policy_lag: 1,
             retry_after_ms: 5,
-            samples_per_insert: None,
+            samples_per_insert: SamplesPerInsert::Auto,
             min_size_to_sample: 0,
             rate_error_buffer: 8192,
             max_age_s: None,

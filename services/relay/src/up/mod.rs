@@ -337,6 +337,9 @@ fn check_env(
             *config = ExperimentConfig::load(&args.config, overrides)?;
         }
         config.check_env(&spec)?;
+        if let Some(ratio) = config.replay_ratio_summary() {
+            println!("relay: {ratio}");
+        }
         sizes.nats_max_payload = config.nats_max_payload(&spec);
         sizes.largest = Some(config.largest_message_bytes(&spec));
     } else if config.env.text_uses_python() {

@@ -299,3 +299,62 @@ fn hyperparameters_take_schedules_and_the_old_shorthand() {
         assert!(err.contains(field), "{set}: {err}");
     }
 }
+
+/// `auto` holds an off-policy run to its own schedule's ratio (SB3's one
+/// gradient step of 256 per env step for SAC), from `learning_starts` on
+/// with two fragments of slack; `off` and an on-policy run have no
+/// limiter; a saved config's `null` still means none.
+#[test]
+fn the_replay_ratio_defaults_to_the_algorithms_schedule() {
+    let load = |sets: &[&str]| {
+        let all: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers(BASE, "t", &[], &all).unwrap()
+    };
+    let sac = load(&[
+        "run.env_id=Pendulum-v1",
+        "run.algo=sac",
+        "sac.learning_starts=100",
+        "env_runner.num_envs=4",
+        "env_runner.fragment_steps=16",
+    ]);
+    assert_eq!(sac.replay.samples_per_insert, SamplesPerInsert::Auto);
+    let limit = sac
+        .rate_limit()
+        .expect("an off-policy run is held to its ratio");
+    assert_eq!(limit.samples_per_insert, 256.0);
+    assert_eq!(limit.min_size_to_sample, 100);
+    assert_eq!(limit.error_buffer, 2 * 64 * 256);
+    assert!(limit.derived);
+    let said = sac.replay_ratio_summary().unwrap();
+    assert!(
+        said.contains("256 samples per env step") && said.contains("auto: 1 x 256 / 1"),
+        "{said}"
+    );
+
+    let dqn = load(&["run.algo=dqn", "dqn.train_freq=4", "dqn.batch_size=32"]);
+    assert_eq!(dqn.rate_limit().unwrap().samples_per_insert, 8.0);
+
+    let off = load(&[
+        "run.env_id=Pendulum-v1",
+        "run.algo=sac",
+        "replay.samples_per_insert=off",
+    ]);
+    assert_eq!(off.rate_limit(), None);
+    assert!(off.replay_ratio_summary().unwrap().contains("not held"));
+    let null = load(&[
+        "run.env_id=Pendulum-v1",
+        "run.algo=sac",
+        "replay.samples_per_insert=null",
+    ]);
+    assert_eq!(null.replay.samples_per_insert, SamplesPerInsert::Off);
+
+    let ppo = load(&["run.algo=ppo"]);
+    assert_eq!(ppo.rate_limit(), None);
+    assert_eq!(ppo.replay_ratio_summary(), None);
+
+    let err =
+        ExperimentConfig::from_layers(BASE, "t", &[], &["replay.samples_per_insert=fast".into()])
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("`auto`, `off` or a number"), "{err}");
+}
