@@ -170,7 +170,8 @@ async fn prioritized_table_samples_by_priority_evicts_fifo_and_refuses_bad_input
     let run_id = "offpolicy-per";
     // Capacity 8, alpha 1 (priorities are probabilities up to a constant),
     // 1-step returns.
-    let extra = "dqn:\n  buffer_size: 8\n  batch_size: 4\n  prioritized: true\n  prioritized_alpha: 1.0\n  gamma: 0.5\n";
+    // The table alone, sampled freely: no rate limiter.
+    let extra = "dqn:\n  buffer_size: 8\n  batch_size: 4\n  prioritized: true\n  prioritized_alpha: 1.0\n  gamma: 0.5\nreplay:\n  samples_per_insert: off\n";
     let (c, copies) = serve(&nats, &redis, run_id, extra, 2).await;
 
     // Empty table: counters only, no rows.
@@ -314,7 +315,7 @@ async fn the_sum_tree_stays_exact_through_batched_updates_and_wraparound() {
     let redis = RedisServer::start().unwrap();
     let run_id = "offpolicy-tree";
     // Capacity 1000: 1024 leaves, 24 of them never used.
-    let extra = "dqn:\n  buffer_size: 1000\n  batch_size: 32\n  prioritized: true\n  prioritized_alpha: 0.6\n";
+    let extra = "dqn:\n  buffer_size: 1000\n  batch_size: 32\n  prioritized: true\n  prioritized_alpha: 0.6\nreplay:\n  samples_per_insert: off\n";
     let (c, copies) = serve(&nats, &redis, run_id, extra, 1).await;
     // Ids 0..1300 in small inserts (the last 300 overwrite the slots of
     // ids 0..300), each followed by a small batch of priorities.
@@ -440,7 +441,7 @@ async fn uniform_table_with_rate_limiter_paces_inserts_against_samples() {
         &nats,
         &redis,
         "offpolicy-uniform",
-        "dqn:\n  buffer_size: 64\n",
+        "dqn:\n  buffer_size: 64\nreplay:\n  samples_per_insert: off\n",
         1,
     )
     .await;
