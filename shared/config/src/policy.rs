@@ -26,6 +26,10 @@ pub struct PolicyConfig {
     pub activation: ActivationName,
     /// Initial log standard deviation of Gaussian policies (continuous actions).
     pub init_log_std: f32,
+    /// Whether the actor-critic's layers start orthogonal (SB3's
+    /// `ortho_init`, its default) or with PyTorch's default init (`false`,
+    /// as rl-zoo's MuJoCo presets have it). PPO, A2C and REINFORCE.
+    pub ortho_init: bool,
     /// Whether the actor and the critic share their hidden layers
     /// (`separate`, SB3's `MlpPolicy` default, or `shared`).
     pub trunk: TrunkLayout,
@@ -73,6 +77,7 @@ impl Default for PolicyConfig {
             hidden: vec![64, 64],
             activation: ActivationName::Tanh,
             init_log_std: 0.0,
+            ortho_init: true,
             trunk: TrunkLayout::Separate,
             cnn: None,
             recurrent: None,

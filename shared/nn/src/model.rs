@@ -200,10 +200,17 @@ impl ActorCritic {
         spec.validate()?;
         let mut params: Vec<(String, Var)> = Vec::new();
         let hidden_gain = 2f64.sqrt();
+        let layer_init = |gain: f64| {
+            if spec.ortho_init {
+                LayerInit::Orthogonal(gain)
+            } else {
+                LayerInit::FanIn
+            }
+        };
         let cnn = match &spec.cnn {
             Some(c) => Some(Cnn::new(
                 c,
-                LayerInit::Orthogonal(hidden_gain),
+                layer_init(hidden_gain),
                 &mut init,
                 &mut params,
                 dev,
@@ -240,7 +247,7 @@ impl ActorCritic {
             new_layer(
                 &prefix,
                 &[out, inp],
-                LayerInit::Orthogonal(gain),
+                layer_init(gain),
                 init,
                 &mut params,
                 dev,

@@ -76,6 +76,13 @@ pub struct PolicySpec {
     /// Ignored for discrete actions.
     #[serde(default)]
     pub init_log_std: f32,
+    /// Whether the layers start orthogonal, gain sqrt(2) in the hidden
+    /// layers, 0.01 in the action head and 1 in the value head (SB3's
+    /// `ortho_init`, its default), or with PyTorch's default `nn.Linear`
+    /// init, uniform in `±1/sqrt(fan_in)` (`ortho_init=False`, as rl-zoo's
+    /// MuJoCo presets have it). Default true.
+    #[serde(default = "default_ortho_init")]
+    pub ortho_init: bool,
     /// A convolutional features extractor in front of the hidden layers, for
     /// image observations (`None`: the flat observation feeds the MLPs).
     /// Actor and critic share it, as Stable-Baselines3's `CnnPolicy` does.
@@ -110,6 +117,10 @@ fn default_hidden() -> Vec<usize> {
     vec![64, 64]
 }
 
+fn default_ortho_init() -> bool {
+    true
+}
+
 impl PolicySpec {
     /// A discrete policy with SB3 defaults: hidden `[64, 64]`, tanh.
     pub fn discrete(obs_dim: usize, n: usize) -> Self {
@@ -119,6 +130,7 @@ impl PolicySpec {
             hidden: default_hidden(),
             activation: Activation::Tanh,
             init_log_std: 0.0,
+            ortho_init: true,
             cnn: None,
             recurrent: None,
         }
@@ -136,6 +148,7 @@ impl PolicySpec {
             hidden: default_hidden(),
             activation: Activation::Tanh,
             init_log_std: 0.0,
+            ortho_init: true,
             cnn: None,
             recurrent: None,
         }

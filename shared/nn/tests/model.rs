@@ -129,6 +129,42 @@ fn init_is_orthogonal_with_sb3_gains_and_zero_biases() {
     }
 }
 
+/// `ortho_init: false` (rl-zoo's MuJoCo presets): every layer as PyTorch's
+/// default `nn.Linear`, weight and bias uniform in `±1/sqrt(fan_in)`.
+#[test]
+fn without_ortho_init_layers_start_as_pytorchs_default() {
+    let spec = PolicySpec {
+        ortho_init: false,
+        ..continuous_spec()
+    };
+    let model = ActorCritic::new(&spec, 7).unwrap();
+    let mut nonzero_bias = false;
+    for (name, shape, data) in model.named_tensors() {
+        if name == "log_std" {
+            assert_eq!(data, vec![-0.5, -0.5]);
+            continue;
+        }
+        let fan_in = if name.ends_with(".weight") {
+            shape[1]
+        } else {
+            let weight = name.replace(".bias", ".weight");
+            model
+                .named_tensors()
+                .into_iter()
+                .find(|(n, ..)| *n == weight)
+                .unwrap()
+                .1[1]
+        };
+        let bound = 1.0 / (fan_in as f32).sqrt();
+        assert!(data.iter().all(|x| x.abs() <= bound), "{name}");
+        // Spread over the range, not a gain-scaled orthogonal matrix.
+        let max = data.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(max > 0.5 * bound, "{name}: {max} of {bound}");
+        nonzero_bias |= name.ends_with(".bias") && data.iter().any(|&x| x != 0.0);
+    }
+    assert!(nonzero_bias);
+}
+
 #[test]
 fn deterministic_given_seed() {
     for spec in [PolicySpec::discrete(4, 2), continuous_spec()] {

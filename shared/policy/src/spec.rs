@@ -44,6 +44,7 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, SpecError> {
             relay_config::ActivationName::Relu => Activation::Relu,
         },
         init_log_std: config.policy.init_log_std,
+        ortho_init: config.policy.ortho_init,
         cnn: config
             .policy
             .cnn
