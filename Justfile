@@ -81,6 +81,12 @@ bench-learning *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-learning {{ARGS}}
 
+# relay's learning curves beside Stable-Baselines3's at equal env steps (rl-zoo's hyperparameters; PPO CartPole, Acrobot, LunarLander and Hopper, DQN CartPole and MountainCar, SAC Pendulum and Hopper; checkpoints evaluated on fresh episodes; IQM and 95 % bootstrap intervals over seeds, a verdict, a plot per task under bench/): table + JSON line. `--only ppo-cartpole,sac-pendulum` picks tasks.
+bench-parity *ARGS: install
+    bash deploy/install.sh --sb3
+    cargo build --release --workspace --bins
+    {{release}}/relay-bench bench-parity {{ARGS}}
+
 # Full stack on CartPole-v1 for 3 seeds, each until solved: table + JSON line.
 bench-solve *ARGS: install
     cargo build --release --workspace --bins

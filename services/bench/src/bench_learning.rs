@@ -369,10 +369,6 @@ pub fn torch_python() -> String {
 /// Runs `anchor` for `seeds` and returns its last JSON line, or why there
 /// is none.
 fn run_anchor(anchor: &Anchor, seeds: &[u64]) -> Result<serde_json::Value, String> {
-    let python = torch_python();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("sb3")
-        .join(anchor.script);
     let seeds = seeds
         .iter()
         .map(u64::to_string)
@@ -383,14 +379,24 @@ fn run_anchor(anchor: &Anchor, seeds: &[u64]) -> Result<serde_json::Value, Strin
         .iter()
         .map(|a| a.replace("{seeds}", &seeds))
         .collect();
-    println!(
-        "== anchor: {python} {} {}",
-        script.display(),
-        args.join(" ")
-    );
+    run_anchor_script(anchor.script, &args)
+}
+
+/// Runs `script` of `services/bench/sb3/` with `args` in the anchor's
+/// Python ([`torch_python`], one thread) and returns its last line, JSON
+/// with `env_steps_per_s`, or why there is none.
+pub(crate) fn run_anchor_script(
+    script: &str,
+    args: &[String],
+) -> Result<serde_json::Value, String> {
+    let python = torch_python();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("sb3")
+        .join(script);
+    println!("== anchor: {python} {} {}", path.display(), args.join(" "));
     let out = std::process::Command::new(&python)
-        .arg(&script)
-        .args(&args)
+        .arg(&path)
+        .args(args)
         .env("OMP_NUM_THREADS", "1")
         .output()
         .map_err(|e| format!("{python}: {e}"))?;
@@ -402,15 +408,14 @@ fn run_anchor(anchor: &Anchor, seeds: &[u64]) -> Result<serde_json::Value, Strin
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         return Err(format!(
-            "{} failed ({}); `bash deploy/install.sh --sb3` installs Stable-Baselines3 and sb3-contrib into .relay/sb3",
-            anchor.script,
+            "{script} failed ({}); `bash deploy/install.sh --sb3` installs Stable-Baselines3 and sb3-contrib into .relay/sb3",
             err.lines().last().unwrap_or_default()
         ));
     }
     serde_json::from_str::<serde_json::Value>(last)
         .ok()
         .filter(|v| v["env_steps_per_s"].is_number())
-        .ok_or_else(|| format!("{} printed no env_steps_per_s: {last}", anchor.script))
+        .ok_or_else(|| format!("{script} printed no env_steps_per_s: {last}"))
 }
 
 /// Flags of `relay bench-learning` (besides those of `relay up`, whose

@@ -57,6 +57,15 @@ enum Command {
         #[command(flatten)]
         bench: relay_bench::bench_learning::BenchLearningArgs,
     },
+    /// relay's learning curves beside Stable-Baselines3's at equal env steps
+    /// (rl-zoo's hyperparameters, checkpoints evaluated on fresh episodes,
+    /// IQM and bootstrap intervals over seeds); print a table, plots and JSON.
+    BenchParity {
+        #[command(flatten)]
+        up: UpArgs,
+        #[command(flatten)]
+        bench: relay_bench::bench_parity::BenchParityArgs,
+    },
     /// Hyperparameter search: one run per trial (grid or random), hopeless
     /// trials stopped by the median rule; print a ranked table and JSON.
     Sweep {
@@ -119,6 +128,7 @@ fn main() -> Result<()> {
         Command::BenchLearning { up, bench } => {
             relay_bench::bench_learning::bench_learning(up, bench)
         }
+        Command::BenchParity { up, bench } => relay_bench::bench_parity::bench_parity(up, bench),
         Command::Chaos(args) => relay_bench::chaos::chaos(args),
         Command::BenchBridge(args) => relay_bench::bench_bridge::bench_bridge(args),
         Command::BenchEnvs(args) => relay_bench::bench_envs::bench_envs(args),

@@ -40,12 +40,13 @@ pub use up::{make_run_id, up, FirstPass, Outcome, StopFlag, UpArgs};
 
 /// The subcommands `relay` runs through the `relay-bench` binary beside it
 /// (relay-bench's own tests check that they are exactly its subcommands).
-pub const BENCH_COMMANDS: [&str; 20] = [
+pub const BENCH_COMMANDS: [&str; 21] = [
     "bench-scale",
     "soak",
     "bench-tracker",
     "bench-solve",
     "bench-learning",
+    "bench-parity",
     "sweep",
     "chaos",
     "bench-tictactoe",

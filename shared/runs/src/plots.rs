@@ -307,6 +307,60 @@ pub fn draw_run_logged(run_dir: &Path) {
     }
 }
 
+/// One curve of [`draw_compared`]: its label and, per point, `(x, y,
+/// band low, band high)`.
+pub type ComparedCurve = (String, Vec<(f64, f64, f64, f64)>);
+
+/// Learning curves of several trainers on one chart, each with its band
+/// shaded (`relay bench-parity`: relay and its anchor, the mean over seeds
+/// and its bootstrap interval, against env steps), written to `path` (a
+/// `.png`).
+pub fn draw_compared(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    curves: &[ComparedCurve],
+) -> Result<(), PlotError> {
+    register_fonts()?;
+    let points: Vec<Vec<(f64, f64)>> = curves
+        .iter()
+        .map(|(_, c)| c.iter().map(|p| (p.0, p.1)).collect())
+        .collect();
+    let lines: Vec<Line> = curves
+        .iter()
+        .zip(&points)
+        .enumerate()
+        .map(|(i, ((label, _), points))| Line {
+            label: label.clone(),
+            points,
+            color: COLORS[i % COLORS.len()],
+            markers: true,
+        })
+        .collect();
+    let extras: Vec<Extra> = curves
+        .iter()
+        .enumerate()
+        .map(|(i, (_, c))| {
+            Extra::Band(
+                c.iter().map(|p| (p.0, p.2, p.3)).collect(),
+                COLORS[i % COLORS.len()],
+            )
+        })
+        .collect();
+    let area = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
+    area.fill(&WHITE).map_err(|e| err(title)(&e))?;
+    panel(
+        &area,
+        title,
+        x_desc,
+        "episode return",
+        &lines,
+        &extras,
+        false,
+    )?;
+    area.present().map_err(|e| err(path.display())(&e))
+}
+
 fn register_fonts() -> Result<(), PlotError> {
     static FONTS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let ok = *FONTS.get_or_init(|| {
@@ -323,6 +377,9 @@ fn register_fonts() -> Result<(), PlotError> {
         ))
     }
 }
+
+/// The x axis of a run's plots (module docs).
+const X_DESC: &str = "vec_steps";
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 type DrawFn<'a> = dyn Fn(&Area) -> Result<(), PlotError> + 'a;
@@ -496,6 +553,7 @@ fn thin_band(band: &[(f64, f64, f64)], max: usize) -> Vec<(f64, f64, f64)> {
 fn panel(
     area: &Area,
     title: &str,
+    x_desc: &str,
     y_desc: &str,
     lines: &[Line],
     extras: &[Extra],
@@ -545,7 +603,7 @@ fn panel(
         .map_err(|e| err(title)(&e))?;
     chart
         .configure_mesh()
-        .x_desc("vec_steps")
+        .x_desc(x_desc)
         .y_desc(y_desc)
         .x_label_formatter(&|v| tick(*v, x.1 - x.0))
         .y_label_formatter(&|v| tick(*v, y.1 - y.0))
@@ -652,7 +710,15 @@ fn draw_return(curves: &Curves, area: &Area) -> Result<(), PlotError> {
     if let Some(t) = curves.threshold {
         extras.push(Extra::Horizontal(t, format!("solved at {}", human(t))));
     }
-    panel(area, "Return", "episode return", &lines, &extras, false)
+    panel(
+        area,
+        "Return",
+        X_DESC,
+        "episode return",
+        &lines,
+        &extras,
+        false,
+    )
 }
 
 fn draw_losses(curves: &Curves, area: &Area) -> Result<(), PlotError> {
@@ -679,6 +745,7 @@ fn draw_losses(curves: &Curves, area: &Area) -> Result<(), PlotError> {
         panel(
             &panels[i],
             title,
+            X_DESC,
             title.to_ascii_lowercase().as_str(),
             &[line],
             &[],
@@ -703,6 +770,7 @@ fn draw_sps(curves: &Curves, area: &Area) -> Result<(), PlotError> {
     panel(
         area,
         "Throughput",
+        X_DESC,
         "env steps per second",
         &lines,
         &[],

@@ -1,0 +1,532 @@
+//! `relay bench-parity`: relay's learning curve beside its anchor's
+//! (Stable-Baselines3, one torch thread) at equal env steps, as RL
+//! libraries are judged (CleanRL's Open RL Benchmark, rl-zoo's table,
+//! rliable's statistics).
+//!
+//! For each task of [`TASKS`] (an algorithm, an env, rl-zoo's
+//! hyperparameters: relay's preset plus the task's overrides where the
+//! preset departs from them, `services/bench/sb3/parity.py` for the anchor)
+//! and each seed:
+//! - relay trains the whole budget (`relay up`, never stopped as solved,
+//!   without its evaluator, so that its wall time, like the anchor's, is
+//!   training alone) and saves a checkpoint every `budget / points` env
+//!   steps (a whole number of the algorithm's updates); after the run each
+//!   checkpoint is evaluated offline, greedy, on `--episodes` fresh
+//!   episodes from the bench's evaluation seed: the model a user would
+//!   take at that point;
+//! - the anchor trains to the same env steps and is evaluated the same way
+//!   at the same points (its first vector step at or past each).
+//!
+//! Per task: the final return and the area under the curve (the mean over
+//! the points), each as the mean and the interquartile mean over seeds with
+//! its 95 % bootstrap interval ([`crate::parity_stats`]); a verdict on the
+//! final return's IQM (**at least as good**: relay's interval overlaps the
+//! anchor's or lies above it; **above**: entirely above; else **behind**);
+//! wall time and env steps/s of both; and both curves on one plot
+//! (`bench/parity-<task>-<time>.png`). Prints a table and a last JSON line.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use relay::{up, UpArgs};
+use relay_config::{Algo, ExperimentConfig};
+use serde_json::json;
+
+use crate::parity_stats::{area_under, bootstrap, iqm, mean, Interval};
+
+/// One task: relay's preset and the anchor's script entry of the same name.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Task {
+    /// Name in the table, and the anchor's `--task`.
+    pub name: &'static str,
+    /// The preset under `configs/`.
+    pub config: &'static str,
+    /// Overrides that bring the preset to rl-zoo's hyperparameters.
+    pub sets: &'static [&'static str],
+    /// Env steps each side trains (rl-zoo's `n_timesteps`).
+    pub budget: u64,
+    /// Seeds by default: 5 where a run costs under 5 minutes here, else 3.
+    pub seeds: u64,
+}
+
+/// The tasks, cheapest first.
+pub const TASKS: &[Task] = &[
+    Task {
+        name: "ppo-cartpole",
+        config: "cartpole-ppo.yaml",
+        sets: &[],
+        budget: 100_000,
+        seeds: 5,
+    },
+    Task {
+        name: "sac-pendulum",
+        config: "pendulum-sac.yaml",
+        sets: &[],
+        budget: 20_000,
+        seeds: 5,
+    },
+    Task {
+        name: "dqn-cartpole",
+        config: "cartpole-dqn.yaml",
+        // rl-zoo's DQN is SB3's: neither double Q-learning nor prioritized replay.
+        sets: &["dqn.double_q=false", "dqn.prioritized=false"],
+        budget: 50_000,
+        seeds: 5,
+    },
+    Task {
+        name: "dqn-mountaincar",
+        config: "mountaincar-dqn.yaml",
+        sets: &["dqn.double_q=false", "dqn.prioritized=false"],
+        budget: 120_000,
+        seeds: 5,
+    },
+    Task {
+        name: "ppo-acrobot",
+        config: "acrobot-ppo.yaml",
+        // The preset trains 10 epochs at 1e-3; rl-zoo 4 at SB3's 3e-4.
+        sets: &["ppo.epochs=4", "ppo.learning_rate=0.0003"],
+        budget: 1_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "ppo-lunarlander",
+        config: "lunarlander-ppo.yaml",
+        sets: &[],
+        budget: 1_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "ppo-hopper",
+        config: "hopper-ppo.yaml",
+        sets: &[],
+        budget: 1_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "sac-hopper",
+        config: "hopper-sac.yaml",
+        sets: &[],
+        budget: 1_000_000,
+        seeds: 3,
+    },
+];
+
+/// The evaluation episodes' first seed, on both sides.
+pub const EVAL_SEED: u64 = 1_000_003;
+
+/// Flags of `relay bench-parity` (besides those of `relay up`, whose
+/// `--config` is ignored: each task has its preset).
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchParityArgs {
+    /// Tasks to run, comma separated (default: all).
+    #[arg(long)]
+    pub only: Option<String>,
+    /// Seeds per task (default: the task's, 5 or 3): `first_seed`, `first_seed + 1`, ...
+    #[arg(long)]
+    pub seeds: Option<u64>,
+    /// The first seed.
+    #[arg(long, default_value_t = 1)]
+    pub first_seed: u64,
+    /// Evaluation points over the budget.
+    #[arg(long, default_value_t = 20)]
+    pub points: u64,
+    /// Fresh episodes per evaluation point.
+    #[arg(long, default_value_t = 10)]
+    pub episodes: usize,
+    /// Train this many env steps instead of the task's budget (a quick look).
+    #[arg(long)]
+    pub budget: Option<u64>,
+    /// Where the presets are.
+    #[arg(long, default_value = "configs")]
+    pub configs: PathBuf,
+    /// Where the plots go.
+    #[arg(long, default_value = "bench")]
+    pub out: PathBuf,
+}
+
+/// One side's run of one seed.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Run {
+    seed: u64,
+    /// `(env steps, mean return)` per evaluation point.
+    curve: Vec<(u64, f64)>,
+    /// Training wall time.
+    wall_s: f64,
+    env_steps: u64,
+}
+
+/// One side of a task, over its seeds.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Side {
+    runs: Vec<Run>,
+    final_mean: f64,
+    final_iqm: Interval,
+    auc_mean: f64,
+    auc_iqm: Interval,
+    env_steps_per_s: f64,
+}
+
+impl Side {
+    fn new(runs: Vec<Run>) -> Option<Self> {
+        if runs.is_empty() || runs.iter().any(|r| r.curve.is_empty()) {
+            return None;
+        }
+        let finals: Vec<f64> = runs.iter().map(|r| r.curve.last().unwrap().1).collect();
+        let aucs: Vec<f64> = runs.iter().map(|r| area_under(&r.curve)).collect();
+        let steps: u64 = runs.iter().map(|r| r.env_steps).sum();
+        let seconds: f64 = runs.iter().map(|r| r.wall_s).sum();
+        Some(Self {
+            final_mean: mean(&finals),
+            final_iqm: bootstrap(&finals, iqm, 1),
+            auc_mean: mean(&aucs),
+            auc_iqm: bootstrap(&aucs, iqm, 2),
+            env_steps_per_s: steps as f64 / seconds.max(1e-9),
+            runs,
+        })
+    }
+
+    /// Per point: `(env steps, mean over seeds, bootstrap interval)`, the
+    /// points at the same index on every seed.
+    fn mean_curve(&self) -> Vec<(f64, f64, f64, f64)> {
+        let n = self.runs.iter().map(|r| r.curve.len()).min().unwrap_or(0);
+        (0..n)
+            .map(|i| {
+                let at: Vec<f64> = self.runs.iter().map(|r| r.curve[i].1).collect();
+                let x = mean(
+                    &self
+                        .runs
+                        .iter()
+                        .map(|r| r.curve[i].0 as f64)
+                        .collect::<Vec<_>>(),
+                );
+                let ci = bootstrap(&at, mean, 3 + i as u64);
+                (x, ci.point, ci.low, ci.high)
+            })
+            .collect()
+    }
+}
+
+/// The verdict on the final return's IQM intervals.
+fn verdict(relay: &Side, anchor: &Side) -> &'static str {
+    if relay.final_iqm.low > anchor.final_iqm.high {
+        "above"
+    } else if relay.final_iqm.overlaps(&anchor.final_iqm) {
+        "at least as good"
+    } else {
+        "behind"
+    }
+}
+
+/// Env steps of one update of the run's algorithm: what a checkpoint
+/// interval is a whole number of.
+fn update_env_steps(config: &ExperimentConfig) -> u64 {
+    match config.run.algo {
+        Algo::Dqn => config.dqn.train_freq,
+        Algo::Sac => config.sac.train_freq,
+        Algo::Ppo | Algo::A2c | Algo::Reinforce => config
+            .rollout_env_steps()
+            .map_or(config.env_runner.fragment_steps as u64, |(_, steps)| steps),
+    }
+}
+
+/// The config section of the run's algorithm (`ppo`, `dqn`, ...).
+fn section(algo: Algo) -> &'static str {
+    match algo {
+        Algo::Ppo => "ppo",
+        Algo::A2c => "a2c",
+        Algo::Reinforce => "reinforce",
+        Algo::Dqn => "dqn",
+        Algo::Sac => "sac",
+    }
+}
+
+/// The evaluation points: `points` whole multiples of the update size
+/// spanning `budget`.
+fn grid(budget: u64, points: u64, update: u64) -> (u64, Vec<u64>) {
+    let every_updates = ((budget as f64 / points as f64 / update as f64).round() as u64).max(1);
+    let interval = every_updates * update;
+    let n = (budget / interval).max(1);
+    (every_updates, (1..=n).map(|j| j * interval).collect())
+}
+
+/// Trains one relay seed and evaluates its checkpoints at the points.
+fn relay_run(
+    base: &UpArgs,
+    args: &BenchParityArgs,
+    task: &Task,
+    seed: u64,
+    stamp: &str,
+) -> Result<Run> {
+    let mut run = base.clone();
+    run.config = args.configs.join(task.config);
+    run.quiet = true;
+    run.until_solved = true;
+    run.without.push("evaluator".into());
+    run.overrides
+        .extend(task.sets.iter().map(|s| s.to_string()));
+    run.overrides.push(format!("run.seed={seed}"));
+    let preset = ExperimentConfig::load(&run.config, &run.overrides)
+        .with_context(|| format!("{}: {}", task.name, task.config))?;
+    let budget = args.budget.unwrap_or(task.budget);
+    let (every_updates, points) = grid(budget, args.points, update_env_steps(&preset));
+    let algo = section(preset.run.algo);
+    run.overrides.extend([
+        format!("run.total_env_steps={}", points.last().unwrap()),
+        "run.stop_when_solved=false".into(),
+        "eval.threshold=1e12".into(),
+        format!("{algo}.checkpoint_every={every_updates}"),
+        format!("{algo}.keep_checkpoints={}", points.len() + 8),
+    ]);
+    let run_id = format!("bench-parity-{}-s{seed}-{stamp}", task.name);
+    run.run_id = Some(run_id.clone());
+    let outcome = up(run)?;
+    let run_dir = preset.run.runs_dir.join(&run_id);
+    // Each point's checkpoint: the one whose env steps are nearest.
+    let saved: Vec<(u64, u64)> = relay_runs::checkpoint::list(&run_dir)
+        .into_iter()
+        .filter_map(|n| {
+            let dir = relay_runs::checkpoint::folder(&run_dir, n);
+            let progress = relay_runs::checkpoint::load_progress(&dir).ok()?;
+            Some((n, progress.env_steps))
+        })
+        .collect();
+    let interval = points[0];
+    let mut curve = Vec::new();
+    for &point in &points {
+        let Some(&(n, steps)) = saved.iter().min_by_key(|(_, s)| s.abs_diff(point)) else {
+            bail!("{run_id}: no checkpoint was saved");
+        };
+        if steps.abs_diff(point) > interval / 2 {
+            println!("   {run_id}: no checkpoint near {point} env steps (nearest: {steps}); the point is left out");
+            continue;
+        }
+        let eval = relay::eval::evaluate_checkpoint(
+            &preset.run.runs_dir,
+            &run_id,
+            &n.to_string(),
+            args.episodes,
+            Some(EVAL_SEED),
+        )?;
+        curve.push((steps, eval.mean_return));
+    }
+    println!(
+        "   relay seed {seed}: final {:.1} at {} env steps, {:.1} s training",
+        curve.last().map_or(f64::NAN, |p| p.1),
+        outcome.trained_env_steps,
+        outcome.trained_s
+    );
+    Ok(Run {
+        seed,
+        curve,
+        wall_s: outcome.trained_s,
+        env_steps: outcome.trained_env_steps,
+    })
+}
+
+/// Trains the anchor's seeds at the same points; why not, when it cannot.
+fn anchor_runs(
+    task: &Task,
+    seeds: &[u64],
+    points: &[u64],
+    episodes: usize,
+) -> Result<Vec<Run>, String> {
+    let list = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+    let report = crate::bench_learning::run_anchor_script(
+        "parity.py",
+        &[
+            "--task".into(),
+            task.name.into(),
+            "--seeds".into(),
+            list(seeds),
+            "--points".into(),
+            list(points),
+            "--episodes".into(),
+            episodes.to_string(),
+            "--eval-seed".into(),
+            EVAL_SEED.to_string(),
+        ],
+    )?;
+    let runs = report["runs"]
+        .as_array()
+        .ok_or("parity.py printed no runs")?;
+    runs.iter()
+        .map(|r| {
+            let curve = r["curve"]
+                .as_array()
+                .ok_or("a run without a curve")?
+                .iter()
+                .filter_map(|p| Some((p[0].as_u64()?, p[1].as_f64()?)))
+                .collect();
+            Ok(Run {
+                seed: r["seed"].as_u64().unwrap_or(0),
+                curve,
+                wall_s: r["train_s"].as_f64().unwrap_or(f64::NAN),
+                env_steps: r["env_steps"].as_u64().unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
+fn selected(only: Option<&str>) -> Vec<Task> {
+    match only {
+        None => TASKS.to_vec(),
+        Some(names) => names
+            .split(',')
+            .filter_map(|n| TASKS.iter().find(|t| t.name == n.trim()).copied())
+            .collect(),
+    }
+}
+
+/// `relay bench-parity`.
+pub fn bench_parity(base: UpArgs, args: BenchParityArgs) -> Result<()> {
+    let tasks = selected(args.only.as_deref());
+    if tasks.is_empty() {
+        bail!(
+            "--only {:?} matches no task; tasks: {}",
+            args.only.unwrap_or_default(),
+            TASKS.iter().map(|t| t.name).collect::<Vec<_>>().join(", ")
+        );
+    }
+    if args.points == 0 || args.episodes == 0 {
+        bail!("--points and --episodes must be at least 1");
+    }
+    let stamp = chrono::Local::now().format("%Y%m%d-%H%M%S").to_string();
+    std::fs::create_dir_all(&args.out).with_context(|| args.out.display().to_string())?;
+    let mut rows = Vec::new();
+    for task in tasks {
+        let seeds: Vec<u64> =
+            (args.first_seed..args.first_seed + args.seeds.unwrap_or(task.seeds)).collect();
+        println!(
+            "== {}: {} seeds of relay, then of the anchor",
+            task.name,
+            seeds.len()
+        );
+        let mut relay_runs = Vec::new();
+        for &seed in &seeds {
+            relay_runs.push(relay_run(&base, &args, &task, seed, &stamp)?);
+        }
+        let points: Vec<u64> = relay_runs[0].curve.iter().map(|p| p.0).collect();
+        let relay = Side::new(relay_runs);
+        let anchor = match anchor_runs(&task, &seeds, &points, args.episodes) {
+            Ok(runs) => Side::new(runs),
+            Err(e) => {
+                println!("   anchor not measured: {e}");
+                None
+            }
+        };
+        let plot = args.out.join(format!("parity-{}-{stamp}.png", task.name));
+        let curves: Vec<relay_runs::plots::ComparedCurve> =
+            [("relay", &relay), ("Stable-Baselines3", &anchor)]
+                .into_iter()
+                .filter_map(|(label, side)| Some((label.to_string(), side.as_ref()?.mean_curve())))
+                .collect();
+        if let Err(e) = relay_runs::plots::draw_compared(
+            &plot,
+            &format!(
+                "{}: mean return over seeds (95 % bootstrap interval)",
+                task.name
+            ),
+            "env steps",
+            &curves,
+        ) {
+            println!("   plot not drawn: {e}");
+        }
+        rows.push((task, relay, anchor, plot));
+    }
+    print_table(&rows, &args);
+    Ok(())
+}
+
+type Row = (Task, Option<Side>, Option<Side>, PathBuf);
+
+fn print_table(rows: &[Row], args: &BenchParityArgs) {
+    let interval = |i: &Interval| format!("{:.1} [{:.1}, {:.1}]", i.point, i.low, i.high);
+    println!();
+    println!(
+        "{:<16} {:<8} {:>5} {:>9} {:>26} {:>26} {:>9} {:>10}  verdict",
+        "task",
+        "side",
+        "seeds",
+        "final",
+        "final IQM [95% CI]",
+        "AUC IQM [95% CI]",
+        "wall s",
+        "steps/s"
+    );
+    let mut json_rows = Vec::new();
+    for (task, relay, anchor, plot) in rows {
+        let verdict = match (relay, anchor) {
+            (Some(r), Some(a)) => verdict(r, a),
+            _ => "not compared",
+        };
+        for (name, side) in [("relay", relay), ("sb3", anchor)] {
+            match side {
+                Some(s) => println!(
+                    "{:<16} {:<8} {:>5} {:>9.1} {:>26} {:>26} {:>9.1} {:>10.0}  {}",
+                    task.name,
+                    name,
+                    s.runs.len(),
+                    s.final_mean,
+                    interval(&s.final_iqm),
+                    interval(&s.auc_iqm),
+                    s.runs.iter().map(|r| r.wall_s).sum::<f64>() / s.runs.len() as f64,
+                    s.env_steps_per_s,
+                    if name == "relay" { verdict } else { "" }
+                ),
+                None => println!("{:<16} {:<8} not measured", task.name, name),
+            }
+        }
+        json_rows.push(json!({
+            "task": task.name,
+            "config": task.config,
+            "sets": task.sets,
+            "verdict": verdict,
+            "relay": relay,
+            "anchor": anchor,
+            "plot": plot.display().to_string(),
+        }));
+    }
+    println!(
+        "{}",
+        json!({
+            "bench": "parity",
+            "points": args.points,
+            "episodes": args.episodes,
+            "eval_seed": EVAL_SEED,
+            "cpu": crate::cpu_name(),
+            "tasks": json_rows,
+        })
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn the_points_are_whole_updates_spanning_the_budget() {
+        // CartPole PPO: 256 env steps an update, 100k in 20 points.
+        let (every, points) = grid(100_000, 20, 256);
+        assert_eq!(every, 20);
+        assert_eq!(points.len(), 19);
+        assert_eq!(points[0], 5120);
+        assert!(points.iter().all(|p| p % 256 == 0) && *points.last().unwrap() <= 100_000);
+        // SAC: one env step an update.
+        let (every, points) = grid(20_000, 20, 1);
+        assert_eq!((every, points.len(), points[19]), (1000, 20, 20_000));
+    }
+
+    #[test]
+    fn every_task_has_its_preset() {
+        let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        for task in TASKS {
+            let config = ExperimentConfig::load(
+                &configs.join(task.config),
+                &task.sets.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", task.name));
+            assert!(update_env_steps(&config) > 0, "{}", task.name);
+        }
+    }
+}
