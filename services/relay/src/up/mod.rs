@@ -185,7 +185,11 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
     let (mut overrides, resumed_id) = start_from(&mut args)?;
     let mut config = ExperimentConfig::load(&args.config, &overrides)?;
     let messages = check_env(&args, &mut overrides, &mut config)?;
-    check_evaluator(&config)?;
+    if args.without.iter().any(|s| s == "evaluator") {
+        println!("relay: no evaluation (--without evaluator)");
+    } else {
+        check_evaluator(&config)?;
+    }
     if let Some(path) = stack::ensure_tiny_model(&config)? {
         println!(
             "relay: wrote the tiny model to {} (llm.model)",
