@@ -185,10 +185,9 @@ pub fn up(mut args: UpArgs) -> Result<Outcome> {
     let (mut overrides, resumed_id) = start_from(&mut args)?;
     let mut config = ExperimentConfig::load(&args.config, &overrides)?;
     let messages = check_env(&args, &mut overrides, &mut config)?;
+    check_evaluator(&config)?;
     if args.without.iter().any(|s| s == "evaluator") {
-        println!("relay: no evaluation (--without evaluator)");
-    } else {
-        check_evaluator(&config)?;
+        println!("relay: the evaluator is not started here (--without evaluator): no evaluation unless one runs elsewhere");
     }
     if let Some(path) = stack::ensure_tiny_model(&config)? {
         println!(
