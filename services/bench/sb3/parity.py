@@ -18,6 +18,7 @@ Prints a line per seed and a last JSON line: `task`, `env_steps_per_s`
 """
 
 import argparse
+import ast
 import json
 import time
 
@@ -28,6 +29,13 @@ from stable_baselines3 import DQN, PPO, SAC
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.vec_env import VecNormalize
+from sb3_contrib import RecurrentPPO
+
+# rl-zoo's velocity-masked envs and their RecurrentPPO presets, as the
+# memory goals of bench-learning run them.
+from recurrent_ppo_novel import PRESETS as NOVEL
+from recurrent_ppo_novel import evaluate as evaluate_novel
+from recurrent_ppo_novel import make as make_novel
 
 
 def linear(start):
@@ -65,10 +73,18 @@ TASKS = {
             log_std_init=-2, ortho_init=False, activation_fn=torch.nn.ReLU,
             net_arch=dict(pi=[256, 256], vf=[256, 256])))),
     "sac-hopper": (SAC, "Hopper-v5", 1_000_000, 1, False, dict(learning_starts=10_000)),
+    # hyperparams/ppo_lstm.yml: n_timesteps 1e5 for both.
+    "ppo-lstm-cartpole-novel": (RecurrentPPO, "CartPoleNoVel-v1", 100_000, 8, True,
+                                NOVEL["CartPoleNoVel-v1"]["kwargs"]),
+    "ppo-lstm-pendulum-novel": (RecurrentPPO, "PendulumNoVel-v1", 100_000, 4, True,
+                                NOVEL["PendulumNoVel-v1"]["kwargs"]),
 }
 
 
 def evaluate(model, env_id, normalizer, episodes, seed):
+    if env_id in NOVEL:
+        # A recurrent policy: its state is carried through each episode.
+        return float(evaluate_novel(model, normalizer, NOVEL[env_id], episodes, seed).mean())
     env = gym.make(env_id)
     returns = []
     for i in range(episodes):
@@ -116,17 +132,28 @@ def main():
     parser.add_argument("--points", required=True, help="env steps to evaluate at, comma separated")
     parser.add_argument("--episodes", type=int, default=10)
     parser.add_argument("--eval-seed", type=int, default=1_000_003)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="change one of the task's keyword arguments (a Python literal), "
+                             "to measure what one setting does: --set use_sde=False")
     args = parser.parse_args()
     torch.set_num_threads(1)
     algo, env_id, _, n_envs, normalize, kwargs = TASKS[args.task]
+    kwargs = dict(kwargs)
+    for setting in args.set:
+        key, value = setting.split("=", 1)
+        kwargs[key] = ast.literal_eval(value)
     points = [int(p) for p in args.points.split(",")]
     runs, steps, seconds = [], 0, 0.0
     for seed in [int(s) for s in args.seeds.split(",")]:
-        env = make_vec_env(env_id, n_envs=n_envs, seed=seed)
+        if env_id in NOVEL:
+            env = make_novel(NOVEL[env_id], n_envs, seed)
+        else:
+            env = make_vec_env(env_id, n_envs=n_envs, seed=seed)
         normalizer = None
         if normalize:
             env = normalizer = VecNormalize(env, gamma=kwargs.get("gamma", 0.99))
-        model = algo("MlpPolicy", env, seed=seed, verbose=0, device="cpu", **kwargs)
+        policy = "MlpLstmPolicy" if algo is RecurrentPPO else "MlpPolicy"
+        model = algo(policy, env, seed=seed, verbose=0, device="cpu", **kwargs)
         callback = AtPoints(env_id, points, args.episodes, args.eval_seed, normalizer)
         model.learn(total_timesteps=points[-1], callback=callback)
         callback.train_s += time.perf_counter() - callback.last

@@ -109,6 +109,21 @@ pub const TASKS: &[Task] = &[
         budget: 1_000_000,
         seeds: 3,
     },
+    // sb3-contrib's RecurrentPPO is the anchor of the two memory tasks.
+    Task {
+        name: "ppo-lstm-cartpole-novel",
+        config: "cartpole-novel-ppo-lstm.yaml",
+        sets: &[],
+        budget: 100_000,
+        seeds: 3,
+    },
+    Task {
+        name: "ppo-lstm-pendulum-novel",
+        config: "pendulum-novel-ppo-lstm.yaml",
+        sets: &[],
+        budget: 100_000,
+        seeds: 3,
+    },
 ];
 
 /// The evaluation episodes' first seed, on both sides.
@@ -136,6 +151,10 @@ pub struct BenchParityArgs {
     /// Train this many env steps instead of the task's budget (a quick look).
     #[arg(long)]
     pub budget: Option<u64>,
+    /// Train relay's side alone (an ablation of relay's settings through
+    /// `--set`; the anchor's side is then not measured).
+    #[arg(long)]
+    pub no_anchor: bool,
     /// Where the presets are.
     #[arg(long, default_value = "configs")]
     pub configs: PathBuf,
@@ -262,8 +281,13 @@ fn relay_run(
     run.quiet = true;
     run.until_solved = true;
     run.without.push("evaluator".into());
-    run.overrides
-        .extend(task.sets.iter().map(|s| s.to_string()));
+    // The task's settings first, so that a `--set` of the user's wins.
+    run.overrides = task
+        .sets
+        .iter()
+        .map(|s| s.to_string())
+        .chain(std::mem::take(&mut run.overrides))
+        .collect();
     run.overrides.push(format!("run.seed={seed}"));
     let preset = ExperimentConfig::load(&run.config, &run.overrides)
         .with_context(|| format!("{}: {}", task.name, task.config))?;
@@ -407,12 +431,15 @@ pub fn bench_parity(base: UpArgs, args: BenchParityArgs) -> Result<()> {
         }
         let points: Vec<u64> = relay_runs[0].curve.iter().map(|p| p.0).collect();
         let relay = Side::new(relay_runs);
-        let anchor = match anchor_runs(&task, &seeds, &points, args.episodes) {
-            Ok(runs) => Side::new(runs),
-            Err(e) => {
-                println!("   anchor not measured: {e}");
-                None
-            }
+        let anchor = match args.no_anchor {
+            true => None,
+            false => match anchor_runs(&task, &seeds, &points, args.episodes) {
+                Ok(runs) => Side::new(runs),
+                Err(e) => {
+                    println!("   anchor not measured: {e}");
+                    None
+                }
+            },
         };
         let plot = args.out.join(format!("parity-{}-{stamp}.png", task.name));
         let curves: Vec<relay_runs::plots::ComparedCurve> =
@@ -433,13 +460,15 @@ pub fn bench_parity(base: UpArgs, args: BenchParityArgs) -> Result<()> {
         }
         rows.push((task, relay, anchor, plot));
     }
-    print_table(&rows, &args);
+    print_table(&rows, &args, &base.overrides);
     Ok(())
 }
 
 type Row = (Task, Option<Side>, Option<Side>, PathBuf);
 
-fn print_table(rows: &[Row], args: &BenchParityArgs) {
+/// Prints the table and the JSON line; `overrides` are the user's `--set`s
+/// on relay's side.
+fn print_table(rows: &[Row], args: &BenchParityArgs, overrides: &[String]) {
     let interval = |i: &Interval| format!("{:.1} [{:.1}, {:.1}]", i.point, i.low, i.high);
     println!();
     println!(
@@ -480,6 +509,7 @@ fn print_table(rows: &[Row], args: &BenchParityArgs) {
             "task": task.name,
             "config": task.config,
             "sets": task.sets,
+            "overrides": overrides,
             "verdict": verdict,
             "relay": relay,
             "anchor": anchor,
