@@ -248,17 +248,6 @@ fn update_env_steps(config: &ExperimentConfig) -> u64 {
     }
 }
 
-/// The config section of the run's algorithm (`ppo`, `dqn`, ...).
-fn section(algo: Algo) -> &'static str {
-    match algo {
-        Algo::Ppo => "ppo",
-        Algo::A2c => "a2c",
-        Algo::Reinforce => "reinforce",
-        Algo::Dqn => "dqn",
-        Algo::Sac => "sac",
-    }
-}
-
 /// The evaluation points: `points` whole multiples of the update size
 /// spanning `budget`.
 fn grid(budget: u64, points: u64, update: u64) -> (u64, Vec<u64>) {
@@ -293,7 +282,8 @@ fn relay_run(
         .with_context(|| format!("{}: {}", task.name, task.config))?;
     let budget = args.budget.unwrap_or(task.budget);
     let (every_updates, points) = grid(budget, args.points, update_env_steps(&preset));
-    let algo = section(preset.run.algo);
+    // Each algorithm's config section is named as the algorithm.
+    let algo = preset.run.algo.name();
     run.overrides.extend([
         format!("run.total_env_steps={}", points.last().unwrap()),
         "run.stop_when_solved=false".into(),
