@@ -72,6 +72,17 @@ TASKS = {
         max_grad_norm=0.7, vf_coef=0.835671, policy_kwargs=dict(
             log_std_init=-2, ortho_init=False, activation_fn=torch.nn.ReLU,
             net_arch=dict(pi=[256, 256], vf=[256, 256])))),
+    "ppo-halfcheetah": (PPO, "HalfCheetah-v5", 1_000_000, 1, True, dict(
+        batch_size=64, n_steps=512, gamma=0.98, learning_rate=2.0633e-05,
+        ent_coef=0.000401762, clip_range=0.1, n_epochs=20, gae_lambda=0.92,
+        max_grad_norm=0.8, vf_coef=0.58096, policy_kwargs=dict(
+            log_std_init=-2, ortho_init=False, activation_fn=torch.nn.ReLU,
+            net_arch=dict(pi=[256, 256], vf=[256, 256])))),
+    # rl-zoo's Walker2d-v3 names no policy_kwargs: MlpPolicy's defaults.
+    "ppo-walker2d": (PPO, "Walker2d-v5", 1_000_000, 1, True, dict(
+        batch_size=32, n_steps=512, gamma=0.99, learning_rate=5.05041e-05,
+        ent_coef=0.000585045, clip_range=0.1, n_epochs=20, gae_lambda=0.95,
+        max_grad_norm=1, vf_coef=0.871923)),
     "sac-hopper": (SAC, "Hopper-v5", 1_000_000, 1, False, dict(learning_starts=10_000)),
     # hyperparams/ppo_lstm.yml: n_timesteps 1e5 for both.
     "ppo-lstm-cartpole-novel": (RecurrentPPO, "CartPoleNoVel-v1", 100_000, 8, True,

@@ -103,6 +103,20 @@ pub const TASKS: &[Task] = &[
         seeds: 3,
     },
     Task {
+        name: "ppo-halfcheetah",
+        config: "halfcheetah-ppo.yaml",
+        sets: &[],
+        budget: 1_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "ppo-walker2d",
+        config: "walker2d-ppo.yaml",
+        sets: &[],
+        budget: 1_000_000,
+        seeds: 3,
+    },
+    Task {
         name: "sac-hopper",
         config: "hopper-sac.yaml",
         sets: &[],
