@@ -471,6 +471,25 @@ impl ExperimentConfig {
         spec.image.is_some() && !self.normalize.obs
     }
 
+    /// The policy's CNN on this env, its input the env's image: `policy.cnn`,
+    /// or, for image observations that travel as pixels to a policy that
+    /// can have a CNN (ppo, a2c, dqn), one chosen by the image's size
+    /// ([`crate::hyper::policy::CnnSpec::for_image`]): an MLP would read
+    /// raw pixels of 0 to 255. `None` for flat observations.
+    pub fn policy_cnn(&self, spec: &relay_envs::EnvSpec) -> Option<crate::hyper::policy::CnnSpec> {
+        let image = spec.image?;
+        match &self.policy.cnn {
+            Some(cnn) => Some(crate::hyper::policy::CnnSpec {
+                input: image,
+                ..cnn.clone()
+            }),
+            None => (self.observations_as_pixels(spec)
+                && !self.is_text_game()
+                && matches!(self.run.algo, Algo::Ppo | Algo::A2c | Algo::Dqn))
+            .then(|| crate::hyper::policy::CnnSpec::for_image(image)),
+        }
+    }
+
     /// Checks the config against the env it runs on (known only once the
     /// env is made): `policy.cnn` needs image observations that its
     /// convolutions fit, and one observation must fit in a message.
@@ -498,8 +517,8 @@ impl ExperimentConfig {
                 ),
             ));
         }
-        if let Some(cnn) = &self.policy.cnn {
-            let Some(image) = spec.image else {
+        if self.policy.cnn.is_some() {
+            if spec.image.is_none() {
                 return Err(invalid(
                     "policy.cnn",
                     format!(
@@ -508,17 +527,15 @@ impl ExperimentConfig {
                         spec.obs_dim()
                     ),
                 ));
-            };
+            }
             if !self.observations_as_pixels(spec) {
                 return Err(invalid(
                     "normalize.obs",
                     "image observations are not normalized (the CNN scales pixels by 1/255, as SB3 does); set normalize.obs: false",
                 ));
             }
-            let cnn = crate::hyper::policy::CnnSpec {
-                input: image,
-                ..cnn.clone()
-            };
+        }
+        if let Some(cnn) = self.policy_cnn(spec) {
             cnn.output_shapes().map_err(crate::policy::cnn_error)?;
         }
         self.check_observation_size(spec)

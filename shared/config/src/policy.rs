@@ -39,7 +39,10 @@ pub struct PolicyConfig {
     /// `channels`, `blocks` and `features_dim`). Its input shape comes from
     /// the env. With a CNN, `hidden: []` (SB3's `CnnPolicy`) puts the heads
     /// right on its features. PPO and A2C; DQN puts it in front of its
-    /// Q-network (SB3's DQN `CnnPolicy`).
+    /// Q-network (SB3's DQN `CnnPolicy`). Left out on image observations
+    /// (uint8 pixels, `normalize.obs` off), relay picks one by the image's
+    /// size, NatureCNN from 36x36 up and MinAtar's (16 3x3/1, dense 128)
+    /// below, and says so: an MLP would read raw pixels of 0 to 255.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cnn: Option<crate::hyper::policy::CnnSpec>,
     /// A recurrent core for partially observed envs: `{cell: lstm | gru,

@@ -5,7 +5,7 @@
 
 use super::*;
 #[allow(unused_imports)]
-use crate::hyper::policy::TrunkLayout;
+use crate::hyper::policy::{CnnSpec, TrunkLayout};
 use crate::hyper::schedule::Schedule;
 #[allow(unused_imports)]
 use relay_bridge::EnvSection;

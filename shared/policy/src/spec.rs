@@ -27,6 +27,7 @@ pub fn policy_device(config: &ExperimentConfig) -> Result<candle_core::Device, S
 pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, SpecError> {
     let env = config.env_spec()?;
     config.check_env(&env)?;
+    let cnn = config.policy_cnn(&env);
     let action = match env.action_space {
         ActionSpace::Discrete { n } => ActionKind::Discrete { n },
         ActionSpace::Box { low, high } => ActionKind::Continuous {
@@ -45,15 +46,7 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, SpecError> {
         },
         init_log_std: config.policy.init_log_std,
         ortho_init: config.policy.ortho_init,
-        cnn: config
-            .policy
-            .cnn
-            .as_ref()
-            .zip(env.image)
-            .map(|(cnn, input)| relay_nn::CnnSpec {
-                input,
-                ..cnn.clone()
-            }),
+        cnn,
         recurrent: config.policy.recurrent,
     })
 }

@@ -340,6 +340,12 @@ fn check_env(
             *config = ExperimentConfig::load(&args.config, overrides)?;
         }
         config.check_env(&spec)?;
+        if let Some(cnn) = config
+            .policy_cnn(&spec)
+            .filter(|_| config.policy.cnn.is_none())
+        {
+            println!("relay: {}", chosen_cnn(&cnn));
+        }
         if let Some(ratio) = config.replay_ratio_summary() {
             println!("relay: {ratio}");
         }
@@ -479,6 +485,26 @@ fn env_source(config: &ExperimentConfig, spec: &relay_envs::EnvSpec) -> String {
         spec.action_space
             .n()
             .map_or("continuous".to_string(), |n| format!("{n} discrete"))
+    )
+}
+
+/// What `relay up` says of the CNN it chose for image observations when
+/// the config names none.
+fn chosen_cnn(cnn: &relay_config::hyper::policy::CnnSpec) -> String {
+    let body = match &cnn.arch {
+        relay_config::hyper::policy::CnnArch::Nature { conv } => conv
+            .iter()
+            .map(|c| format!("{} {k}x{k}/{}", c.channels, c.stride, k = c.kernel))
+            .collect::<Vec<_>>()
+            .join(", "),
+        relay_config::hyper::policy::CnnArch::Impala { channels, blocks } => {
+            format!("IMPALA stacks {channels:?}, {blocks} blocks each")
+        }
+    };
+    let [c, h, w] = cnn.input;
+    format!(
+        "policy: a CNN for the {c}x{h}x{w} images ({body}, dense {}), chosen by their size; `policy.cnn` sets another",
+        cnn.features_dim
     )
 }
 

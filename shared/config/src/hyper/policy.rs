@@ -217,6 +217,40 @@ fn nature_convs() -> Vec<ConvSpec> {
 }
 
 impl CnnSpec {
+    /// MinAtar's network (Young & Tian 2019, the paper's DQN): one 3x3/1
+    /// convolution of 16 channels, dense 128: made for 10x10 images, which
+    /// NatureCNN's 8x8/4 first layer does not fit.
+    pub fn minatar() -> Self {
+        Self {
+            input: [0; 3],
+            arch: CnnArch::Nature {
+                conv: vec![ConvSpec {
+                    channels: 16,
+                    kernel: 3,
+                    stride: 1,
+                }],
+            },
+            features_dim: 128,
+        }
+    }
+
+    /// The extractor for `input` images when a config names none:
+    /// NatureCNN where its convolutions fit (36x36 and larger), else
+    /// MinAtar's ([`Self::minatar`]). Its input is `input`.
+    pub fn for_image(input: [usize; 3]) -> Self {
+        let nature = Self {
+            input,
+            ..Self::default()
+        };
+        if nature.output_shapes().is_ok() {
+            return nature;
+        }
+        Self {
+            input,
+            ..Self::minatar()
+        }
+    }
+
     /// IMPALA's ResNet with its defaults (`policy.cnn: {arch: impala}`):
     /// channels `[16, 32, 32]`, 2 residual blocks per stack, dense 256.
     pub fn impala() -> Self {

@@ -54,6 +54,52 @@ fn cnn_policies_are_checked_against_the_env_and_the_algorithm() {
 }
 
 #[test]
+fn image_observations_get_a_cnn_when_the_config_names_none() {
+    let with = |overrides: &[&str]| {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers(BASE, "t", &[], &overrides).unwrap()
+    };
+    let flat = relay_envs::spec("CartPole-v1").unwrap();
+    let image = |shape: [usize; 3]| relay_envs::EnvSpec {
+        image: Some(shape),
+        observation_space: relay_envs::BoxSpace {
+            low: vec![0.0; shape.iter().product()],
+            high: vec![255.0; shape.iter().product()],
+        },
+        ..flat.clone()
+    };
+    let (minatar, atari) = (image([4, 10, 10]), image([4, 84, 84]));
+    let ppo = with(&[]);
+    assert_eq!(ppo.policy_cnn(&flat), None);
+    // MinAtar's 10x10 is too small for NatureCNN's 8x8/4: MinAtar's own net.
+    assert_eq!(
+        ppo.policy_cnn(&minatar),
+        Some(CnnSpec {
+            input: [4, 10, 10],
+            ..CnnSpec::minatar()
+        })
+    );
+    ppo.check_env(&minatar).unwrap();
+    assert_eq!(
+        with(&["run.algo=dqn"]).policy_cnn(&atari),
+        Some(CnnSpec {
+            input: [4, 84, 84],
+            ..CnnSpec::default()
+        })
+    );
+    // The config's own CNN, its input from the env.
+    let impala = with(&["policy.cnn={arch: impala}"])
+        .policy_cnn(&atari)
+        .unwrap();
+    assert_eq!((impala.input, impala.features_dim), ([4, 84, 84], 256));
+    // Normalized observations are floats an MLP reads well; REINFORCE has no CNN.
+    let mut normalized = with(&[]);
+    normalized.normalize.obs = true;
+    assert_eq!(normalized.policy_cnn(&minatar), None);
+    assert_eq!(with(&["run.algo=reinforce"]).policy_cnn(&minatar), None);
+}
+
+#[test]
 fn cnn_arch_selects_the_body_and_its_options() {
     use crate::hyper::policy::{CnnArch, CnnSpec};
     let with = |cnn: &str| {
