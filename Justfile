@@ -81,7 +81,7 @@ bench-learning *ARGS: install
     cargo build --release --workspace --bins
     {{release}}/relay-bench bench-learning {{ARGS}}
 
-# relay's learning curves beside Stable-Baselines3's at equal env steps (rl-zoo's hyperparameters; PPO CartPole, Acrobot, LunarLander, Hopper, HalfCheetah and Walker2d, DQN CartPole and MountainCar, SAC Pendulum and Hopper, recurrent PPO CartPoleNoVel and PendulumNoVel; checkpoints evaluated on fresh episodes; IQM and 95 % bootstrap intervals over seeds, a verdict, a plot per task under bench/): table + JSON line. `--only ppo-cartpole,sac-pendulum` picks tasks.
+# relay's learning curves beside Stable-Baselines3's at equal env steps (rl-zoo's hyperparameters; PPO CartPole, Acrobot, LunarLander, Hopper, HalfCheetah and Walker2d, DQN CartPole and MountainCar, SAC Pendulum and Hopper, recurrent PPO CartPoleNoVel and PendulumNoVel, PPO and DQN on the five MinAtar games; checkpoints evaluated on fresh episodes; IQM and 95 % bootstrap intervals over seeds, a verdict, a plot per task under bench/): table + JSON line. `--only ppo-cartpole,sac-pendulum` picks tasks.
 bench-parity *ARGS: install
     bash deploy/install.sh --sb3
     cargo build --release --workspace --bins

@@ -37,11 +37,16 @@ from recurrent_ppo_novel import PRESETS as NOVEL
 from recurrent_ppo_novel import evaluate as evaluate_novel
 from recurrent_ppo_novel import make as make_novel
 
+# MinAtar as relay's env bridge shows it, and MinAtar's network.
+import minatar_anchor
+
 
 def linear(start):
     """rl-zoo's `lin_<x>`: falls linearly from x to 0 over training."""
     return lambda progress_remaining: progress_remaining * start
 
+
+MINATAR = ["Asterix", "Breakout", "Freeway", "Seaquest", "SpaceInvaders"]
 
 # rl-zoo's tuned hyperparameters, by task: (algorithm, env id, budget,
 # n_envs, normalize, keyword arguments). The budget is rl-zoo's n_timesteps
@@ -84,6 +89,18 @@ TASKS = {
         ent_coef=0.000585045, clip_range=0.1, n_epochs=20, gae_lambda=0.95,
         max_grad_norm=1, vf_coef=0.871923)),
     "sac-hopper": (SAC, "Hopper-v5", 1_000_000, 1, False, dict(learning_starts=10_000)),
+    # The MinAtar suite (configs/minatar-*-{ppo,dqn}.yaml): PPO at
+    # gymnax-blines' hyperparameters (the published MinAtar PPO returns), DQN
+    # at the MinAtar paper's with SB3's Adam; MinAtar's CNN on both sides.
+    **{f"ppo-minatar-{game.lower()}": (PPO, f"MinAtar/{game}-v1", 10_000_000, 64, False, dict(
+        n_steps=128, batch_size=1024, n_epochs=4, learning_rate=5e-4, clip_range=0.2,
+        gamma=0.999, gae_lambda=0.95, ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5,
+        policy_kwargs=minatar_anchor.POLICY_KWARGS)) for game in MINATAR},
+    **{f"dqn-minatar-{game.lower()}": (DQN, f"MinAtar/{game}-v1", 5_000_000, 1, False, dict(
+        learning_rate=2.5e-4, buffer_size=100_000, learning_starts=5000, batch_size=32,
+        gamma=0.99, target_update_interval=1000, train_freq=1, gradient_steps=1,
+        exploration_fraction=0.02, exploration_final_eps=0.1,
+        policy_kwargs=minatar_anchor.POLICY_KWARGS)) for game in MINATAR},
     # hyperparams/ppo_lstm.yml: n_timesteps 1e5 for both.
     "ppo-lstm-cartpole-novel": (RecurrentPPO, "CartPoleNoVel-v1", 100_000, 8, True,
                                 NOVEL["CartPoleNoVel-v1"]["kwargs"]),
@@ -92,11 +109,17 @@ TASKS = {
 }
 
 
+def make(env_id):
+    if env_id.startswith("MinAtar/"):
+        return minatar_anchor.make(env_id)
+    return gym.make(env_id)
+
+
 def evaluate(model, env_id, normalizer, episodes, seed):
     if env_id in NOVEL:
         # A recurrent policy: its state is carried through each episode.
         return float(evaluate_novel(model, normalizer, NOVEL[env_id], episodes, seed).mean())
-    env = gym.make(env_id)
+    env = make(env_id)
     returns = []
     for i in range(episodes):
         obs, _ = env.reset(seed=seed + i)
@@ -159,11 +182,14 @@ def main():
         if env_id in NOVEL:
             env = make_novel(NOVEL[env_id], n_envs, seed)
         else:
-            env = make_vec_env(env_id, n_envs=n_envs, seed=seed)
+            env = make_vec_env(lambda: make(env_id), n_envs=n_envs, seed=seed)
         normalizer = None
         if normalize:
             env = normalizer = VecNormalize(env, gamma=kwargs.get("gamma", 0.99))
-        policy = "MlpLstmPolicy" if algo is RecurrentPPO else "MlpPolicy"
+        if algo is RecurrentPPO:
+            policy = "MlpLstmPolicy"
+        else:
+            policy = "CnnPolicy" if env_id.startswith("MinAtar/") else "MlpPolicy"
         model = algo(policy, env, seed=seed, verbose=0, device="cpu", **kwargs)
         callback = AtPoints(env_id, points, args.episodes, args.eval_seed, normalizer)
         model.learn(total_timesteps=points[-1], callback=callback)

@@ -123,6 +123,79 @@ pub const TASKS: &[Task] = &[
         budget: 1_000_000,
         seeds: 3,
     },
+    // The MinAtar suite: PPO at gymnax-blines' hyperparameters (those of
+    // the published MinAtar PPO returns), DQN at the MinAtar paper's; both
+    // sides train MinAtar's CNN.
+    Task {
+        name: "ppo-minatar-asterix",
+        config: "minatar-asterix-ppo.yaml",
+        sets: &[],
+        budget: 10_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "ppo-minatar-breakout",
+        config: "minatar-breakout-ppo.yaml",
+        sets: &[],
+        budget: 10_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "ppo-minatar-freeway",
+        config: "minatar-freeway-ppo.yaml",
+        sets: &[],
+        budget: 10_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "ppo-minatar-seaquest",
+        config: "minatar-seaquest-ppo.yaml",
+        sets: &[],
+        budget: 10_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "ppo-minatar-spaceinvaders",
+        config: "minatar-spaceinvaders-ppo.yaml",
+        sets: &[],
+        budget: 10_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "dqn-minatar-asterix",
+        config: "minatar-asterix-dqn.yaml",
+        sets: &[],
+        budget: 5_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "dqn-minatar-breakout",
+        config: "minatar-breakout-dqn.yaml",
+        sets: &[],
+        budget: 5_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "dqn-minatar-freeway",
+        config: "minatar-freeway-dqn.yaml",
+        sets: &[],
+        budget: 5_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "dqn-minatar-seaquest",
+        config: "minatar-seaquest-dqn.yaml",
+        sets: &[],
+        budget: 5_000_000,
+        seeds: 3,
+    },
+    Task {
+        name: "dqn-minatar-spaceinvaders",
+        config: "minatar-spaceinvaders-dqn.yaml",
+        sets: &[],
+        budget: 5_000_000,
+        seeds: 3,
+    },
     // sb3-contrib's RecurrentPPO is the anchor of the two memory tasks.
     Task {
         name: "ppo-lstm-cartpole-novel",
