@@ -168,14 +168,19 @@ def main():
     parser.add_argument("--eval-seed", type=int, default=1_000_003)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="change one of the task's keyword arguments (a Python literal), "
-                             "to measure what one setting does: --set use_sde=False")
+                             "to measure what one setting does: --set use_sde=False "
+                             "(--set normalize=False turns the task's VecNormalize off)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     algo, env_id, _, n_envs, normalize, kwargs = TASKS[args.task]
     kwargs = dict(kwargs)
     for setting in args.set:
         key, value = setting.split("=", 1)
-        kwargs[key] = ast.literal_eval(value)
+        if key == "normalize":
+            # The task's VecNormalize (observations and rewards), not a keyword.
+            normalize = ast.literal_eval(value)
+        else:
+            kwargs[key] = ast.literal_eval(value)
     points = [int(p) for p in args.points.split(",")]
     runs, steps, seconds = [], 0, 0.0
     for seed in [int(s) for s in args.seeds.split(",")]:
