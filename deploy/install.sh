@@ -194,11 +194,11 @@ fi
 
 if [[ " $* " == *" --sb3 "* ]]; then
   sb3_venv="$repo_root/.relay/sb3"
-  if ! "$sb3_venv/bin/python" -c 'import stable_baselines3, sb3_contrib, mujoco, ale_py, cv2, supersuit, pettingzoo.butterfly, minatar.gym' >/dev/null 2>&1; then
-    say "installing Stable-Baselines3 (and sb3-contrib), PyTorch, Gymnasium, ale-py, minatar, PettingZoo's butterfly games and SuperSuit into .relay/sb3"
+  if ! "$sb3_venv/bin/python" -c 'import stable_baselines3, sb3_contrib, Box2D, mujoco, ale_py, cv2, supersuit, pettingzoo.butterfly, minatar.gym' >/dev/null 2>&1; then
+    say "installing Stable-Baselines3 (and sb3-contrib), PyTorch, Gymnasium with Box2D and MuJoCo, ale-py, minatar, PettingZoo's butterfly games and SuperSuit into .relay/sb3"
     [ -x "$sb3_venv/bin/python" ] || python3 -m venv "$sb3_venv"
     "$sb3_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-      stable-baselines3 sb3-contrib "gymnasium[mujoco]==1.4.0" ale-py opencv-python-headless \
+      stable-baselines3 sb3-contrib "gymnasium[box2d,mujoco]==1.4.0" ale-py opencv-python-headless \
       "pettingzoo[butterfly]==1.25.0" supersuit==3.* \
       || say "Stable-Baselines3 did not install here; the benches report its columns as missing"
     # As in .relay/python: minatar's own requirements pin old versions of
