@@ -46,6 +46,10 @@ def linear(start):
     return lambda progress_remaining: progress_remaining * start
 
 
+# rl-zoo's tuned MuJoCo PPO presets (Hopper, HalfCheetah) share these.
+MUJOCO_POLICY_KWARGS = dict(log_std_init=-2, ortho_init=False, activation_fn=torch.nn.ReLU,
+                            net_arch=dict(pi=[256, 256], vf=[256, 256]))
+
 MINATAR = ["Asterix", "Breakout", "Freeway", "Seaquest", "SpaceInvaders"]
 
 # rl-zoo's tuned hyperparameters, by task: (algorithm, env id, budget,
@@ -74,15 +78,11 @@ TASKS = {
     "ppo-hopper": (PPO, "Hopper-v5", 1_000_000, 1, True, dict(
         batch_size=32, n_steps=512, gamma=0.999, learning_rate=9.80828e-05,
         ent_coef=0.00229519, clip_range=0.2, n_epochs=5, gae_lambda=0.99,
-        max_grad_norm=0.7, vf_coef=0.835671, policy_kwargs=dict(
-            log_std_init=-2, ortho_init=False, activation_fn=torch.nn.ReLU,
-            net_arch=dict(pi=[256, 256], vf=[256, 256])))),
+        max_grad_norm=0.7, vf_coef=0.835671, policy_kwargs=MUJOCO_POLICY_KWARGS)),
     "ppo-halfcheetah": (PPO, "HalfCheetah-v5", 1_000_000, 1, True, dict(
         batch_size=64, n_steps=512, gamma=0.98, learning_rate=2.0633e-05,
         ent_coef=0.000401762, clip_range=0.1, n_epochs=20, gae_lambda=0.92,
-        max_grad_norm=0.8, vf_coef=0.58096, policy_kwargs=dict(
-            log_std_init=-2, ortho_init=False, activation_fn=torch.nn.ReLU,
-            net_arch=dict(pi=[256, 256], vf=[256, 256])))),
+        max_grad_norm=0.8, vf_coef=0.58096, policy_kwargs=MUJOCO_POLICY_KWARGS)),
     # rl-zoo's Walker2d-v3 names no policy_kwargs: MlpPolicy's defaults.
     "ppo-walker2d": (PPO, "Walker2d-v5", 1_000_000, 1, True, dict(
         batch_size=32, n_steps=512, gamma=0.99, learning_rate=5.05041e-05,

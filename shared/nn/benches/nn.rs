@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
 use relay_nn::{
-    clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, CnnArch, CnnSpec, ConvSpec,
-    PolicySpec, PpoInputs, PpoLossConfig,
+    clip_grad_norm, ppo_loss, ActorCritic, Adam, AdamConfig, CnnSpec, PolicySpec, PpoInputs,
+    PpoLossConfig,
 };
 
 /// The CNN policies timed at batch 256, as `(key, label, extractor, actions)`.
@@ -54,14 +54,7 @@ fn cnn_cases() -> Vec<(&'static str, &'static str, CnnSpec, usize)> {
             "MinAtar CNN 4x10x10",
             CnnSpec {
                 input: [4, 10, 10],
-                arch: CnnArch::Nature {
-                    conv: vec![ConvSpec {
-                        channels: 16,
-                        kernel: 3,
-                        stride: 1,
-                    }],
-                },
-                features_dim: 128,
+                ..CnnSpec::minatar()
             },
             3,
         ),
