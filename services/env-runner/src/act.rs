@@ -74,6 +74,8 @@ pub(crate) struct ActRows<'a> {
     pub version: Option<u64>,
     /// Recurrent policies: each row's state, `n` rows of equal width.
     pub state: Option<&'a [f32]>,
+    /// gSDE policies: each row's exploration seed (`crate::exploration`).
+    pub noise_seeds: Option<&'a [u64]>,
 }
 
 /// Asks for actions for `rows` ([`act`]), retrying while no inference
@@ -146,10 +148,12 @@ async fn act(
         pixels,
         version,
         state,
+        noise_seeds,
     } = rows;
     let request = ActRequest::new(Tensor::observations(&[n, obs_dim], obs, pixels), false)
         .with_masks(masks.map(|m| Tensor::from_u8(&[n, m.len() / n], m)))
         .with_state(state.map(|s| Tensor::from_f32(&[n, s.len() / n], s)))
+        .with_noise_seeds(noise_seeds.map(<[u64]>::to_vec))
         .at_version(version);
     relay_kit::request_within(&service.nats, subject, request, timeout).await
 }

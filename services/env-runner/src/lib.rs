@@ -68,6 +68,7 @@
 //! `env.step_timeout_s`.
 
 mod act;
+mod exploration;
 mod fragment;
 mod insert;
 pub mod league;
@@ -240,6 +241,11 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
     // request (module docs): zeros at each episode's start.
     let state_width = cfg.policy.state_width();
     let mut state = vec![0f32; n * state_width];
+    let mut exploration = exploration::ExplorationSeeds::new(
+        &cfg.policy,
+        n,
+        runner_seed(cfg.run.seed, &service.instance) ^ 0x5DE,
+    );
     'outer: while !service.shutdown.is_triggered() {
         let step_started = Instant::now();
         if let (Some(v), Some(latest)) = (
@@ -290,6 +296,7 @@ pub async fn run(config: ServiceConfig, shutdown: Shutdown) -> Result<(), Servic
                 pixels,
                 version: None,
                 state: (state_width > 0).then_some(&state[..]),
+                noise_seeds: exploration.as_mut().map(|e| e.for_step(fragment.steps)),
             },
             &spec.action_space,
         )

@@ -354,6 +354,7 @@ pub(crate) async fn run(
                         pixels,
                         version: *version,
                         state: None,
+                        noise_seeds: None,
                     },
                     &spec.action_space,
                 )

@@ -53,7 +53,7 @@ use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use relay_kit::{counter, gauge, Service, ServiceConfig, ServiceError, Shutdown};
 use relay_nn::Actions;
 use relay_policy::{Act, PolicyBuilder, PolicyFollower, VersionedPolicy};
@@ -455,15 +455,35 @@ async fn serve_act_requests(
                     }
                 }
             }
+            // gSDE: each row's exploration seed (a fresh one where a
+            // request sent none).
+            let noise_seeds: Option<Vec<u64>> =
+                (!deterministic && group.iter().any(|(_, a)| a.noise_seeds.is_some())).then(|| {
+                    group
+                        .iter()
+                        .flat_map(|(_, act)| match &act.noise_seeds {
+                            Some(seeds) => seeds.clone(),
+                            None => (0..act.obs.shape[0]).map(|_| rng.random()).collect(),
+                        })
+                        .collect()
+                });
             let started = Instant::now();
-            let out = match policy.model.act(
-                &obs,
-                n,
-                &mut state,
-                masks.as_deref(),
-                deterministic,
-                &mut rng,
-            ) {
+            let acted = match &noise_seeds {
+                Some(seeds) => {
+                    policy
+                        .model
+                        .act_explore(&obs, n, &mut state, masks.as_deref(), seeds, &mut rng)
+                }
+                None => policy.model.act(
+                    &obs,
+                    n,
+                    &mut state,
+                    masks.as_deref(),
+                    deterministic,
+                    &mut rng,
+                ),
+            };
+            let out = match acted {
                 Ok(out) => out,
                 Err(e) => {
                     tracing::error!(error = %e, "forward pass failed");

@@ -227,6 +227,7 @@ impl ExperimentConfig {
         if let Some(cnn) = &self.policy.cnn {
             self.validate_cnn(cnn)?;
         }
+        self.validate_sde()?;
         self.validate_policy_device()?;
         positive("env_runner.num_envs", self.env_runner.num_envs)?;
         positive("env_runner.fragment_steps", self.env_runner.fragment_steps)?;
@@ -537,6 +538,15 @@ impl ExperimentConfig {
         }
         if let Some(cnn) = self.policy_cnn(spec) {
             cnn.output_shapes().map_err(crate::policy::cnn_error)?;
+        }
+        if self.policy.use_sde && spec.action_space.is_discrete() {
+            return Err(invalid(
+                "policy.use_sde",
+                format!(
+                    "state-dependent exploration is for continuous actions; {} has discrete ones: leave it false",
+                    spec.id
+                ),
+            ));
         }
         self.check_observation_size(spec)
     }

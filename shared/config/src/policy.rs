@@ -54,6 +54,18 @@ pub struct PolicyConfig {
     /// through time over each fragment. PPO and A2C.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recurrent: Option<crate::hyper::policy::RecurrentSpec>,
+    /// Generalized state-dependent exploration (gSDE, SB3's `use_sde`) for
+    /// continuous actions: the noise is a function of the actor's last
+    /// hidden layer through an exploration matrix that each env holds for
+    /// `sde_sample_freq` steps, so it is smooth along a trajectory, and
+    /// `log_std` (initially `init_log_std`) is a `[hidden, action dim]`
+    /// matrix. rl-zoo's MuJoCo and NoVel presets use it. PPO and A2C.
+    pub use_sde: bool,
+    /// With `use_sde`: each env draws a new exploration matrix every this
+    /// many steps, and at the start of each fragment; 0 or less, only at
+    /// the start of each fragment (SB3's `sde_sample_freq`, whose -1 draws
+    /// at the start of each rollout).
+    pub sde_sample_freq: i64,
     /// Where the learner trains the network and the inference server runs
     /// it: `cpu` (the default: fused CPU kernels, fastest for MLPs), `cuda`
     /// or `cuda:N` (a build with the `cuda` feature, `just build-cuda`; for
@@ -84,6 +96,8 @@ impl Default for PolicyConfig {
             trunk: TrunkLayout::Separate,
             cnn: None,
             recurrent: None,
+            use_sde: false,
+            sde_sample_freq: -1,
             device: DeviceSpec::Cpu,
         }
     }
@@ -116,6 +130,23 @@ impl ExperimentConfig {
 }
 
 impl ExperimentConfig {
+    /// `policy.use_sde` on its own: algorithms that train a gSDE policy
+    /// (the env's continuous actions are checked with the env).
+    pub(crate) fn validate_sde(&self) -> Result<(), ConfigError> {
+        if self.policy.use_sde
+            && (self.is_text_game() || !matches!(self.run.algo, Algo::Ppo | Algo::A2c))
+        {
+            return Err(invalid(
+                "policy.use_sde",
+                format!(
+                    "state-dependent exploration trains with ppo or a2c, not run.algo {} (relay's SAC has no gSDE); leave it false",
+                    self.run.algo
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// `policy.recurrent` on its own: sizes, and algorithms that train a
     /// recurrent policy (PPO and A2C, on classic envs).
     pub(crate) fn validate_recurrent(

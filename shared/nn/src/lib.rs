@@ -84,6 +84,7 @@ pub mod conv;
 pub mod device;
 pub mod dqn;
 pub mod error;
+pub mod gsde;
 pub mod init;
 pub mod io;
 pub mod kernels;

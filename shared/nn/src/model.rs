@@ -13,7 +13,7 @@
 //! | `mlp_extractor.value_net.{2i}.weight` / `.bias` | same | orthogonal, gain √2 / 0 |
 //! | `action_net.weight` / `.bias` | `[n or dim, last]` / `[n or dim]` | orthogonal, gain 0.01 / 0 |
 //! | `value_net.weight` / `.bias` | `[1, last]` / `[1]` | orthogonal, gain 1 / 0 |
-//! | `log_std` (continuous only) | `[dim]` | `init_log_std` |
+//! | `log_std` (continuous only) | `[dim]`; `[latent, dim]` with gSDE ([`crate::gsde`]) | `init_log_std` |
 //!
 //! (`{2i}` because SB3's `nn.Sequential` interleaves activation modules.)
 //!
@@ -64,6 +64,7 @@ use rand::SeedableRng;
 
 use crate::conv::Cnn;
 use crate::error::{NnError, Result};
+use crate::gsde;
 use crate::init::{Init, LayerInit};
 use crate::io::{read_safetensors, write_safetensors, NamedTensor};
 pub use crate::layers::HOST_KERNEL_MAX_BATCH;
@@ -102,6 +103,15 @@ pub struct ActOutput {
     pub logprobs: Vec<f32>,
     /// Critic value `V(s)` of each observation, `n` values.
     pub values: Vec<f32>,
+}
+
+/// The heads of a batch as a graph: the policy head (logits or means)
+/// `[B, head]`, the values `[B, 1]`, and the actor's latent `[B, latent]`
+/// (its last hidden layer), which gSDE's variance reads.
+struct Heads {
+    policy: Tensor,
+    value: Tensor,
+    latent: Tensor,
 }
 
 /// A recurrent policy's cores: the actor's, and the critic's unless the
@@ -294,6 +304,13 @@ impl ActorCritic {
         let value_head = dense("value_net".into(), last, 1, 1.0, &mut init)?;
         let log_std = match &spec.action {
             ActionKind::Discrete { .. } => None,
+            // gSDE's is a matrix over the latent (`crate::gsde`).
+            ActionKind::Continuous { dim, .. } if spec.use_sde => {
+                let latent = spec.sde_latent_dim();
+                let v = Var::from_vec(vec![spec.init_log_std; latent * dim], (latent, *dim), dev)?;
+                params.push(("log_std".into(), v.clone()));
+                Some(v)
+            }
             ActionKind::Continuous { dim, .. } => {
                 let v = Var::from_vec(vec![spec.init_log_std; *dim], *dim, dev)?;
                 params.push(("log_std".into(), v.clone()));
@@ -375,8 +392,8 @@ impl ActorCritic {
         Ok(())
     }
 
-    /// Policy-head output `[B, head]` and values `[B, 1]` as a graph.
-    fn heads_graph(&self, obs: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// The heads of a batch as a graph.
+    fn heads_graph(&self, obs: &Tensor) -> Result<Heads> {
         let act = self.spec.activation;
         let features;
         let obs = match &self.cnn {
@@ -386,26 +403,24 @@ impl ActorCritic {
             }
             None => obs,
         };
-        match self.layout {
-            TrunkLayout::Separate => Ok((
-                head_graph(&trunk_graph(obs, &self.policy_net, act)?, &self.action_net)?,
-                head_graph(&trunk_graph(obs, &self.value_net, act)?, &self.value_head)?,
-            )),
-            TrunkLayout::Shared => {
-                let h = trunk_graph(obs, &self.policy_net, act)?;
-                Ok((
-                    head_graph(&h, &self.action_net)?,
-                    head_graph(&h, &self.value_head)?,
-                ))
+        let latent = trunk_graph(obs, &self.policy_net, act)?;
+        let value = match self.layout {
+            TrunkLayout::Separate => {
+                head_graph(&trunk_graph(obs, &self.value_net, act)?, &self.value_head)?
             }
-        }
+            TrunkLayout::Shared => head_graph(&latent, &self.value_head)?,
+        };
+        Ok(Heads {
+            policy: head_graph(&latent, &self.action_net)?,
+            value,
+            latent,
+        })
     }
 
     /// A recurrent policy's heads over `T` steps of `B` sequences as a graph
     /// (`obs` `[T B, obs_dim]` time-major, `keep` `[T, B, 1]` 0 where a step
-    /// starts an episode, `initial` `[B, state_width]`): the policy head
-    /// `[T B, head]`, the values `[T B, 1]` and the state after the last
-    /// step `[B, state_width]`.
+    /// starts an episode, `initial` `[B, state_width]`): the heads over the
+    /// `T B` rows and the state after the last step `[B, state_width]`.
     fn heads_sequence_graph(
         &self,
         obs: &Tensor,
@@ -413,7 +428,7 @@ impl ActorCritic {
         b: usize,
         keep: &Tensor,
         initial: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<(Heads, Tensor)> {
         let cores = self.cores.as_ref().expect("a recurrent policy");
         let act = self.spec.activation;
         let features;
@@ -428,26 +443,25 @@ impl ActorCritic {
         let (a, actor_last) = cores
             .actor
             .unroll(x, t_len, b, keep, &initial.narrow(1, 0, aw)?)?;
-        match &cores.critic {
+        let latent = trunk_graph(&a, &self.policy_net, act)?;
+        let (value, last) = match &cores.critic {
             Some(critic) => {
                 let cw = critic.state_width();
                 let (c, critic_last) =
                     critic.unroll(x, t_len, b, keep, &initial.narrow(1, aw, cw)?)?;
-                Ok((
-                    head_graph(&trunk_graph(&a, &self.policy_net, act)?, &self.action_net)?,
+                (
                     head_graph(&trunk_graph(&c, &self.value_net, act)?, &self.value_head)?,
                     Tensor::cat(&[actor_last, critic_last], 1)?,
-                ))
+                )
             }
-            None => {
-                let h = trunk_graph(&a, &self.policy_net, act)?;
-                Ok((
-                    head_graph(&h, &self.action_net)?,
-                    head_graph(&h, &self.value_head)?,
-                    actor_last,
-                ))
-            }
-        }
+            None => (head_graph(&latent, &self.value_head)?, actor_last),
+        };
+        let heads = Heads {
+            policy: head_graph(&latent, &self.action_net)?,
+            value,
+            latent,
+        };
+        Ok((heads, last))
     }
 
     /// Differentiable evaluation of a batch for training.
@@ -497,8 +511,8 @@ impl ActorCritic {
         }
         self.check_feed_forward("evaluate")?;
         let obs = obs.to_dtype(DType::F32)?.contiguous()?;
-        let (logits, value) = self.heads_graph(&obs)?;
-        self.score(logits, value, actions, masks, b)
+        let heads = self.heads_graph(&obs)?;
+        self.score(heads, actions, masks, b)
     }
 
     /// [`Self::evaluate_masked`] of a recurrent policy over `B` sequences
@@ -547,8 +561,8 @@ impl ActorCritic {
         let keep = Tensor::from_vec(keep, (t_len, b, 1), self.device())?;
         let obs = obs.to_dtype(DType::F32)?.contiguous()?;
         let initial = initial.to_dtype(DType::F32)?.detach();
-        let (logits, value, _) = self.heads_sequence_graph(&obs, t_len, b, &keep, &initial)?;
-        self.score(logits, value, actions, masks, rows)
+        let (heads, _) = self.heads_sequence_graph(&obs, t_len, b, &keep, &initial)?;
+        self.score(heads, actions, masks, rows)
     }
 
     /// Log-probabilities of `actions`, entropies and values `[B]` from the
@@ -556,12 +570,16 @@ impl ActorCritic {
     /// [`Self::evaluate_sequences`]).
     fn score(
         &self,
-        logits: Tensor,
-        value: Tensor,
+        heads: Heads,
         actions: &Tensor,
         masks: Option<&Tensor>,
         b: usize,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let Heads {
+            policy: logits,
+            value,
+            latent,
+        } = heads;
         let value = value.reshape(b)?;
         let (logprob, entropy) = match &self.spec.action {
             ActionKind::Discrete { n } => {
@@ -596,10 +614,14 @@ impl ActorCritic {
                     .as_ref()
                     .map(|v| v.as_tensor())
                     .expect("continuous policy has log_std");
-                (
-                    ops::gaussian_logprob(&logits, log_std, acts.into())?,
-                    ops::gaussian_entropy(log_std, b)?,
-                )
+                if self.spec.use_sde {
+                    gsde::logprob_entropy(&logits, log_std, &latent, &acts)?
+                } else {
+                    (
+                        ops::gaussian_logprob(&logits, log_std, acts.into())?,
+                        ops::gaussian_entropy(log_std, b)?,
+                    )
+                }
             }
         };
         Ok((logprob, entropy, value))

@@ -92,6 +92,12 @@ pub struct PolicySpec {
     /// ([`crate::recurrent`]; `None`: a feed-forward policy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recurrent: Option<RecurrentSpec>,
+    /// Generalized state-dependent exploration for a continuous policy
+    /// ([`crate::gsde`]; SB3's `use_sde`): the noise is a function of the
+    /// actor's last hidden layer, held for several steps, and `log_std` is
+    /// a `[latent, dim]` matrix. Default false: state-independent noise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub use_sde: bool,
 }
 
 /// Checks an image policy's CNN against the observations it reads: the
@@ -133,6 +139,7 @@ impl PolicySpec {
             ortho_init: true,
             cnn: None,
             recurrent: None,
+            use_sde: false,
         }
     }
 
@@ -151,6 +158,7 @@ impl PolicySpec {
             ortho_init: true,
             cnn: None,
             recurrent: None,
+            use_sde: false,
         }
     }
 
@@ -168,10 +176,25 @@ impl PolicySpec {
             .map_or(self.features_dim(), |r| r.hidden)
     }
 
+    /// Width of the actor's last hidden layer (the trunk input when there
+    /// is none): the latent that gSDE's noise is a function of.
+    pub fn sde_latent_dim(&self) -> usize {
+        self.hidden
+            .last()
+            .copied()
+            .unwrap_or(self.trunk_input_dim())
+    }
+
     /// Checks every field; the error names the field.
     pub fn validate(&self) -> Result<()> {
         if self.obs_dim == 0 {
             return Err(NnError::config("obs_dim", "must be at least 1"));
+        }
+        if self.use_sde && matches!(self.action, ActionKind::Discrete { .. }) {
+            return Err(NnError::config(
+                "use_sde",
+                "state-dependent exploration is for continuous actions; this policy's are discrete",
+            ));
         }
         validate_cnn(self.cnn.as_ref(), self.obs_dim)?;
         if let Some(r) = &self.recurrent {

@@ -35,6 +35,22 @@ pub trait Act {
         deterministic: bool,
         rng: &mut R,
     ) -> relay_nn::Result<ActOutput>;
+
+    /// Sampled actions with each row's gSDE exploration seed
+    /// ([`ActorCritic::act_explore`]); a policy without gSDE samples as
+    /// [`Act::act`] does.
+    fn act_explore<R: rand::Rng>(
+        &self,
+        obs: &[f32],
+        n: usize,
+        state: &mut [f32],
+        masks: Option<&[u8]>,
+        noise_seeds: &[u64],
+        rng: &mut R,
+    ) -> relay_nn::Result<ActOutput> {
+        let _ = noise_seeds;
+        self.act(obs, n, state, masks, false, rng)
+    }
 }
 
 impl Act for ActorCritic {
@@ -52,6 +68,18 @@ impl Act for ActorCritic {
         rng: &mut R,
     ) -> relay_nn::Result<ActOutput> {
         ActorCritic::act_recurrent(self, obs, n, state, masks, deterministic, rng)
+    }
+
+    fn act_explore<R: rand::Rng>(
+        &self,
+        obs: &[f32],
+        n: usize,
+        state: &mut [f32],
+        masks: Option<&[u8]>,
+        noise_seeds: &[u64],
+        rng: &mut R,
+    ) -> relay_nn::Result<ActOutput> {
+        ActorCritic::act_explore(self, obs, n, state, masks, noise_seeds, rng)
     }
 }
 
@@ -157,6 +185,21 @@ impl Act for PolicyModel {
                     values: vec![0.0; n],
                 })
             }
+        }
+    }
+
+    fn act_explore<R: rand::Rng>(
+        &self,
+        obs: &[f32],
+        n: usize,
+        state: &mut [f32],
+        masks: Option<&[u8]>,
+        noise_seeds: &[u64],
+        rng: &mut R,
+    ) -> relay_nn::Result<ActOutput> {
+        match self {
+            Self::ActorCritic(model) => model.act_explore(obs, n, state, masks, noise_seeds, rng),
+            _ => self.act(obs, n, state, masks, false, rng),
         }
     }
 }

@@ -48,6 +48,7 @@ pub fn spec_for(config: &ExperimentConfig) -> Result<PolicySpec, SpecError> {
         ortho_init: config.policy.ortho_init,
         cnn,
         recurrent: config.policy.recurrent,
+        use_sde: config.policy.use_sde,
     })
 }
 

@@ -164,6 +164,7 @@ impl Divisible for ActRequest {
                 masks: self.masks.as_ref().map(|m| m.row_range(rows.clone())),
                 policy_version: self.policy_version,
                 state: self.state.as_ref().map(|s| s.row_range(rows.clone())),
+                noise_seeds: self.noise_seeds.as_ref().map(|s| s[rows.clone()].to_vec()),
             })
             .collect())
     }

@@ -200,3 +200,27 @@ fn policy_device_names_what_cannot_work() {
     let cpu = ExperimentConfig::from_layers(BASE, "t", &[], &["policy.device=cpu".into()]).unwrap();
     assert_eq!(cpu.policy.device, crate::hyper::backend::DeviceSpec::Cpu);
 }
+
+#[test]
+fn gsde_is_for_actor_critics_on_continuous_actions() {
+    let with = |overrides: &[&str]| {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        ExperimentConfig::from_layers(BASE, "t", &[], &overrides)
+    };
+    let e = with(&["policy.use_sde=true", "run.algo=sac"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("policy.use_sde") && e.contains("sac"), "{e}");
+    let c = with(&["policy.use_sde=true", "policy.sde_sample_freq=4"]).unwrap();
+    assert_eq!(c.policy.sde_sample_freq, 4);
+    let e = c
+        .check_env(&relay_envs::spec("CartPole-v1").unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("policy.use_sde") && e.contains("discrete"),
+        "{e}"
+    );
+    c.check_env(&relay_envs::spec("Pendulum-v1").unwrap())
+        .unwrap();
+}

@@ -16,9 +16,41 @@ use rand_distr::StandardNormal;
 
 use super::{continuous_masks, ActOutput, Actions, ActorCritic, TrunkLayout, HOST_CHUNK_FLOATS};
 use crate::error::{NnError, Result};
+use crate::gsde;
 use crate::layers::{dense_host, mlp_host, trunk_host, HOST_KERNEL_MAX_BATCH};
 use crate::ops::{self, check_masks, masked_argmax, HALF_LN_2PI};
 use crate::spec::ActionKind;
+
+/// How [`ActorCritic::act_step`] picks each row's action.
+#[derive(Clone, Copy)]
+enum Draw<'a> {
+    /// The distribution's mode (arg-max, or the mean).
+    Mode,
+    /// A sample from the `rng` (gSDE: a fresh exploration matrix per row).
+    Sample,
+    /// A sample with gSDE's held noise: each row's exploration matrix is
+    /// the one its seed stands for ([`gsde::exploration_matrix`]).
+    Seeded(&'a [u64]),
+}
+
+impl Draw<'_> {
+    fn of(deterministic: bool) -> Self {
+        if deterministic {
+            Self::Mode
+        } else {
+            Self::Sample
+        }
+    }
+}
+
+/// The heads of `n` rows on the host: the policy head `[n, head]` (empty
+/// when only values were asked for), the values `[n]`, and the actor's
+/// latent `[n, latent]` where gSDE reads it (else empty).
+struct HostHeads {
+    head: Vec<f32>,
+    values: Vec<f32>,
+    latent: Vec<f32>,
+}
 
 impl ActorCritic {
     fn check_obs(&self, obs: &[f32], n: usize) -> Result<()> {
@@ -42,7 +74,7 @@ impl ActorCritic {
     /// [`HOST_CHUNK_FLOATS`] floats: with glibc's default malloc, blocks of
     /// 128 KiB and more are mmapped (or trimmed back to the OS) and freshly
     /// page-faulted on every call, which made a 512-row `act` 1.8x slower.
-    fn infer(&self, obs: &[f32], n: usize, actor: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn infer(&self, obs: &[f32], n: usize, actor: bool) -> Result<HostHeads> {
         if !ops::fused_on(self.device()) {
             return self.infer_on_device(obs, n);
         }
@@ -67,6 +99,7 @@ impl ActorCritic {
         let head_w = self.spec.action.head_width();
         let mut head = Vec::with_capacity(if actor { n * head_w } else { 0 });
         let mut values = Vec::with_capacity(n);
+        let mut latent = Vec::new();
         for chunk in obs.chunks(chunk_rows * d) {
             let rows = chunk.len() / d;
             if self.layout == TrunkLayout::Shared {
@@ -79,19 +112,17 @@ impl ActorCritic {
                         width,
                         None,
                     )?);
+                    if self.spec.use_sde {
+                        latent.extend_from_slice(&h);
+                    }
                 }
                 values.extend(dense_host(&self.value_head, h, rows, width, None)?);
                 continue;
             }
             if actor {
-                head.extend(mlp_host(
-                    &self.policy_net,
-                    &self.action_net,
-                    act,
-                    chunk,
-                    rows,
-                    d,
-                )?);
+                let (h, z) = self.actor_host(chunk, rows, d)?;
+                head.extend(h);
+                latent.extend(z);
             }
             values.extend(mlp_host(
                 &self.value_net,
@@ -102,19 +133,48 @@ impl ActorCritic {
                 d,
             )?);
         }
-        Ok((head, values))
+        Ok(HostHeads {
+            head,
+            values,
+            latent,
+        })
+    }
+
+    /// The actor's head on `n` rows of `x` (`in_dim` values each) through
+    /// its own hidden layers, and their output where gSDE reads it (else
+    /// empty).
+    fn actor_host(&self, x: &[f32], n: usize, in_dim: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let act = self.spec.activation;
+        if !self.spec.use_sde {
+            let head = mlp_host(&self.policy_net, &self.action_net, act, x, n, in_dim)?;
+            return Ok((head, Vec::new()));
+        }
+        let (h, width) = trunk_host(&self.policy_net, act, x, n, in_dim)?;
+        let latent = h.into_owned();
+        let head = dense_host(&self.action_net, Cow::Borrowed(&latent), n, width, None)?;
+        Ok((head, latent))
+    }
+
+    /// The graph's heads read back to the host.
+    fn heads_to_host(&self, heads: super::Heads) -> Result<HostHeads> {
+        let host = |t: Tensor| -> Result<Vec<f32>> { Ok(t.detach().flatten_all()?.to_vec1()?) };
+        Ok(HostHeads {
+            head: host(heads.policy)?,
+            values: host(heads.value)?,
+            latent: if self.spec.use_sde {
+                host(heads.latent)?
+            } else {
+                Vec::new()
+            },
+        })
     }
 
     /// [`Self::infer`] off the fused path: the graph forward on the
     /// parameters' device, one upload of the observations and one read-back
     /// of the head and the values.
-    fn infer_on_device(&self, obs: &[f32], n: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn infer_on_device(&self, obs: &[f32], n: usize) -> Result<HostHeads> {
         let x = Tensor::from_slice(obs, (n, self.spec.obs_dim), self.device())?;
-        let (head, values) = self.heads_graph(&x)?;
-        Ok((
-            head.detach().flatten_all()?.to_vec1()?,
-            values.detach().flatten_all()?.to_vec1()?,
-        ))
+        self.heads_to_host(self.heads_graph(&x)?)
     }
 
     /// Chooses actions for `n` observations (`obs` is `n * obs_dim` values,
@@ -124,7 +184,9 @@ impl ActorCritic {
     /// Discrete: samples the categorical over the logits by inverse CDF with
     /// one `rng` draw per observation; `deterministic` takes the arg-max
     /// (first on ties). Continuous: `mean + exp(log_std) * N(0, 1)` (one
-    /// standard normal draw per dimension); `deterministic` returns the mean.
+    /// standard normal draw per dimension), or with gSDE `mean + z (S ∘ E)`
+    /// with a fresh exploration matrix `E` per row ([`crate::gsde`];
+    /// [`Self::act_explore`] holds it); `deterministic` returns the mean.
     /// Continuous actions are **not** clipped to the bounds (see module docs).
     ///
     /// [`Self::act_masked`] with no masks.
@@ -161,7 +223,7 @@ impl ActorCritic {
         rng: &mut impl Rng,
     ) -> Result<ActOutput> {
         self.check_feed_forward("act")?;
-        self.act_step(obs, n, None, masks, deterministic, rng)
+        self.act_step(obs, n, None, masks, Draw::of(deterministic), rng)
     }
 
     /// [`Self::act_masked`] of a recurrent policy: `state` holds each row's
@@ -180,7 +242,34 @@ impl ActorCritic {
     ) -> Result<ActOutput> {
         self.check_state(state, n)?;
         let state = (self.cores.is_some()).then_some(state);
-        self.act_step(obs, n, state, masks, deterministic, rng)
+        self.act_step(obs, n, state, masks, Draw::of(deterministic), rng)
+    }
+
+    /// [`Self::act_recurrent`], sampling with gSDE's held noise
+    /// ([`crate::gsde`]): row `r`'s exploration matrix is the one
+    /// `noise_seeds[r]` stands for, so an env that sends the same seed
+    /// for several steps keeps its noise, whichever server acts it. A
+    /// policy without `use_sde` ignores the seeds and samples as
+    /// [`Self::act_recurrent`] does.
+    pub fn act_explore(
+        &self,
+        obs: &[f32],
+        n: usize,
+        state: &mut [f32],
+        masks: Option<&[u8]>,
+        noise_seeds: &[u64],
+        rng: &mut impl Rng,
+    ) -> Result<ActOutput> {
+        if noise_seeds.len() != n {
+            return Err(NnError::bad_input(
+                "noise_seeds",
+                format!("{n} seeds, one a row"),
+                format!("{} seeds", noise_seeds.len()),
+            ));
+        }
+        self.check_state(state, n)?;
+        let state = (self.cores.is_some()).then_some(state);
+        self.act_step(obs, n, state, masks, Draw::Seeded(noise_seeds), rng)
     }
 
     /// `state` holds `n` rows of [`Self::state_width`] finite values.
@@ -206,15 +295,20 @@ impl ActorCritic {
         n: usize,
         state: Option<&mut [f32]>,
         masks: Option<&[u8]>,
-        deterministic: bool,
+        draw: Draw<'_>,
         rng: &mut impl Rng,
     ) -> Result<ActOutput> {
         self.check_obs(obs, n)?;
         self.check_host_masks(masks, n)?;
-        let (head, values) = match state {
+        let HostHeads {
+            head,
+            values,
+            latent,
+        } = match state {
             Some(state) => self.infer_recurrent(obs, n, state)?,
             None => self.infer(obs, n, true)?,
         };
+        let deterministic = matches!(draw, Draw::Mode);
         let mut logprobs = Vec::with_capacity(n);
         let actions = match &self.spec.action {
             ActionKind::Discrete { n: k } => {
@@ -233,6 +327,28 @@ impl ActorCritic {
                     logprobs.push(lsm[a]);
                 }
                 Actions::Discrete(actions)
+            }
+            ActionKind::Continuous { dim, .. } if self.spec.use_sde => {
+                let (dim, l) = (*dim, self.spec.sde_latent_dim());
+                let std: Vec<f32> = self.log_std_values()?.iter().map(|s| s.exp()).collect();
+                let mut actions = Vec::with_capacity(n * dim);
+                for (r, (mean, z)) in head
+                    .chunks_exact(dim)
+                    .zip(latent.chunks_exact(l))
+                    .enumerate()
+                {
+                    let eps: Option<Vec<f32>> = match draw {
+                        Draw::Mode => None,
+                        Draw::Sample => Some(
+                            (0..l * dim)
+                                .map(|_| rng.sample::<f32, _>(StandardNormal))
+                                .collect(),
+                        ),
+                        Draw::Seeded(seeds) => Some(gsde::exploration_matrix(seeds[r], l, dim)),
+                    };
+                    logprobs.push(gsde::act_row(mean, z, &std, eps.as_deref(), &mut actions));
+                }
+                Actions::Continuous(actions)
             }
             ActionKind::Continuous { dim, .. } => {
                 let dim = *dim;
@@ -278,7 +394,7 @@ impl ActorCritic {
     pub fn values(&self, obs: &[f32], n: usize) -> Result<Vec<f32>> {
         self.check_feed_forward("values")?;
         self.check_obs(obs, n)?;
-        Ok(self.infer(obs, n, false)?.1)
+        Ok(self.infer(obs, n, false)?.values)
     }
 
     /// [`Self::values`] of a recurrent policy, advancing `state` (as
@@ -289,28 +405,20 @@ impl ActorCritic {
         }
         self.check_obs(obs, n)?;
         self.check_state(state, n)?;
-        Ok(self.infer_recurrent(obs, n, state)?.1)
+        Ok(self.infer_recurrent(obs, n, state)?.values)
     }
 
     /// One step of a recurrent policy on `n` rows without a graph: head and
     /// values, `state` advanced in place.
-    fn infer_recurrent(
-        &self,
-        obs: &[f32],
-        n: usize,
-        state: &mut [f32],
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn infer_recurrent(&self, obs: &[f32], n: usize, state: &mut [f32]) -> Result<HostHeads> {
         let cores = self.cores.as_ref().expect("a recurrent policy");
         if !ops::fused_on(self.device()) {
             let x = Tensor::from_slice(obs, (n, self.spec.obs_dim), self.device())?;
             let keep = Tensor::ones((1, n, 1), DType::F32, self.device())?;
             let initial = Tensor::from_slice(state, (n, cores.state_width()), self.device())?;
-            let (head, values, last) = self.heads_sequence_graph(&x, 1, n, &keep, &initial)?;
+            let (heads, last) = self.heads_sequence_graph(&x, 1, n, &keep, &initial)?;
             state.copy_from_slice(&last.detach().flatten_all()?.to_vec1::<f32>()?);
-            return Ok((
-                head.detach().flatten_all()?.to_vec1()?,
-                values.detach().flatten_all()?.to_vec1()?,
-            ));
+            return self.heads_to_host(heads);
         }
         let features;
         let x = match &self.cnn {
@@ -327,16 +435,10 @@ impl ActorCritic {
         match &cores.critic {
             Some(critic) => {
                 let critic_in = critic.step_host(x, n, d, state, sw, cores.actor.state_width())?;
-                Ok((
-                    mlp_host(
-                        &self.policy_net,
-                        &self.action_net,
-                        act,
-                        &actor_in,
-                        n,
-                        hidden,
-                    )?,
-                    mlp_host(
+                let (head, latent) = self.actor_host(&actor_in, n, hidden)?;
+                Ok(HostHeads {
+                    head,
+                    values: mlp_host(
                         &self.value_net,
                         &self.value_head,
                         act,
@@ -344,14 +446,20 @@ impl ActorCritic {
                         n,
                         hidden,
                     )?,
-                ))
+                    latent,
+                })
             }
             None => {
                 let (h, width) = trunk_host(&self.policy_net, act, &actor_in, n, hidden)?;
-                Ok((
-                    dense_host(&self.action_net, Cow::Borrowed(&h), n, width, None)?,
-                    dense_host(&self.value_head, h, n, width, None)?,
-                ))
+                Ok(HostHeads {
+                    head: dense_host(&self.action_net, Cow::Borrowed(&h), n, width, None)?,
+                    latent: if self.spec.use_sde {
+                        h.to_vec()
+                    } else {
+                        Vec::new()
+                    },
+                    values: dense_host(&self.value_head, h, n, width, None)?,
+                })
             }
         }
     }
@@ -361,7 +469,7 @@ impl ActorCritic {
             .log_std
             .as_ref()
             .ok_or_else(|| candle_core::Error::Msg("discrete policy has no log_std".into()))?;
-        Ok(v.as_tensor().to_vec1()?)
+        Ok(v.as_tensor().flatten_all()?.to_vec1()?)
     }
 }
 

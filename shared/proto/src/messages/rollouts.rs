@@ -32,6 +32,12 @@ pub struct ActRequest {
     /// zeros, or a feed-forward policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<Tensor>,
+    /// gSDE policies (`policy.use_sde`): each row's exploration-matrix
+    /// seed, which the env-runner holds for `policy.sde_sample_freq` steps
+    /// so that the env's noise is held whichever server acts it. Absent:
+    /// a fresh matrix for each row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise_seeds: Option<Vec<u64>>,
 }
 
 impl ActRequest {
@@ -43,7 +49,14 @@ impl ActRequest {
             masks: None,
             policy_version: None,
             state: None,
+            noise_seeds: None,
         }
+    }
+
+    /// The request with each row's gSDE seed (see [`Self::noise_seeds`]).
+    pub fn with_noise_seeds(mut self, seeds: Option<Vec<u64>>) -> Self {
+        self.noise_seeds = seeds;
+        self
     }
 
     /// The request with each row's recurrent state (see [`Self::state`]).
@@ -87,6 +100,19 @@ wire_message!(ActRequest, "ActRequest", |m: &ActRequest| {
             state.expect(DType::F32, &[Some(n), None]),
         )?;
         finite_f32("ActRequest", "state", state)?;
+    }
+    if let Some(seeds) = &m.noise_seeds {
+        if seeds.len() != m.obs.shape[0] as usize {
+            return Err(invalid(
+                "ActRequest",
+                "noise_seeds",
+                format!(
+                    "{} seeds for {} rows (one a row)",
+                    seeds.len(),
+                    m.obs.shape[0]
+                ),
+            ));
+        }
     }
     Ok(())
 });

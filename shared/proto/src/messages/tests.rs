@@ -237,8 +237,24 @@ fn action_masks_round_trip_and_bad_ones_are_named() {
         e.contains("ActRequest.masks") && e.contains("row 1 allows no action"),
         "{e}"
     );
-    let short = ActRequest::new(obs, false).with_masks(Some(Tensor::from_u8(&[1, 3], &[1; 3])));
+    let short =
+        ActRequest::new(obs.clone(), false).with_masks(Some(Tensor::from_u8(&[1, 3], &[1; 3])));
     assert!(decode::<ActRequest>(&encode(&short)).is_err());
+
+    // gSDE seeds: one a row, and divided with the rows.
+    let seeded = ActRequest::new(obs.clone(), false).with_noise_seeds(Some(vec![7, u64::MAX]));
+    assert_eq!(decode::<ActRequest>(&encode(&seeded)).unwrap(), seeded);
+    let parts = crate::fit::Divisible::divide(seeded, 2).unwrap();
+    assert_eq!(parts[0].noise_seeds, Some(vec![7]));
+    assert_eq!(parts[1].noise_seeds, Some(vec![u64::MAX]));
+    let one_seed = ActRequest::new(obs, false).with_noise_seeds(Some(vec![7]));
+    let e = decode::<ActRequest>(&encode(&one_seed))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("noise_seeds") && e.contains("1 seeds for 2 rows"),
+        "{e}"
+    );
 }
 
 #[test]
