@@ -24,6 +24,10 @@
 //! anchor's or lies above it; **above**: entirely above; else **behind**);
 //! wall time and env steps/s of both; and both curves on one plot
 //! (`bench/parity-<task>-<time>.png`). Prints a table and a last JSON line.
+//!
+//! `--merge FILE...` trains nothing: it reads the JSON lines of earlier
+//! runs (seeds run apart, `--first-seed`) and reports their runs together,
+//! task by task and side by side, with the same statistics and plot.
 
 use std::path::PathBuf;
 
@@ -248,10 +252,15 @@ pub struct BenchParityArgs {
     /// Where the plots go.
     #[arg(long, default_value = "bench")]
     pub out: PathBuf,
+    /// Train nothing: report together the runs recorded in these files
+    /// (the output of earlier bench-parity runs, whose last JSON line
+    /// holds every seed's curve), e.g. seeds 1-3 and 4-6 run apart.
+    #[arg(long, num_args = 1..)]
+    pub merge: Vec<PathBuf>,
 }
 
 /// One side's run of one seed.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Run {
     seed: u64,
     /// `(env steps, mean return)` per evaluation point.
@@ -493,6 +502,9 @@ pub fn bench_parity(base: UpArgs, args: BenchParityArgs) -> Result<()> {
     }
     let stamp = chrono::Local::now().format("%Y%m%d-%H%M%S").to_string();
     std::fs::create_dir_all(&args.out).with_context(|| args.out.display().to_string())?;
+    if !args.merge.is_empty() {
+        return merge(&args, &tasks, &stamp);
+    }
     let mut rows = Vec::new();
     for task in tasks {
         let seeds: Vec<u64> =
@@ -518,26 +530,120 @@ pub fn bench_parity(base: UpArgs, args: BenchParityArgs) -> Result<()> {
                 }
             },
         };
-        let plot = args.out.join(format!("parity-{}-{stamp}.png", task.name));
-        let curves: Vec<relay_runs::plots::ComparedCurve> =
-            [("relay", &relay), ("Stable-Baselines3", &anchor)]
-                .into_iter()
-                .filter_map(|(label, side)| Some((label.to_string(), side.as_ref()?.mean_curve())))
-                .collect();
-        if let Err(e) = relay_runs::plots::draw_compared(
-            &plot,
-            &format!(
-                "{}: mean return over seeds (95 % bootstrap interval)",
-                task.name
-            ),
-            "env steps",
-            &curves,
-        ) {
-            println!("   plot not drawn: {e}");
-        }
-        rows.push((task, relay, anchor, plot));
+        rows.push(row(&args, task, relay, anchor, &stamp));
     }
     print_table(&rows, &args, &base.overrides);
+    Ok(())
+}
+
+/// A task's row of the table, its plot drawn.
+fn row(
+    args: &BenchParityArgs,
+    task: Task,
+    relay: Option<Side>,
+    anchor: Option<Side>,
+    stamp: &str,
+) -> Row {
+    let plot = args.out.join(format!("parity-{}-{stamp}.png", task.name));
+    let curves: Vec<relay_runs::plots::ComparedCurve> =
+        [("relay", &relay), ("Stable-Baselines3", &anchor)]
+            .into_iter()
+            .filter_map(|(label, side)| Some((label.to_string(), side.as_ref()?.mean_curve())))
+            .collect();
+    if let Err(e) = relay_runs::plots::draw_compared(
+        &plot,
+        &format!(
+            "{}: mean return over seeds (95 % bootstrap interval)",
+            task.name
+        ),
+        "env steps",
+        &curves,
+    ) {
+        println!("   plot not drawn: {e}");
+    }
+    (task, relay, anchor, plot)
+}
+
+/// `--merge`: the runs of `args.merge`'s JSON lines, reported together per
+/// task of `tasks` found in them. A seed recorded twice for one side, or
+/// files whose relay settings differ (`--set`), are refused by name.
+fn merge(args: &BenchParityArgs, tasks: &[Task], stamp: &str) -> Result<()> {
+    /// A task's runs found so far: relay's, the anchor's, relay's overrides.
+    type Found = (Vec<Run>, Vec<Run>, Option<serde_json::Value>);
+    let mut found: std::collections::BTreeMap<&str, Found> = Default::default();
+    for file in &args.merge {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("--merge {}", file.display()))?;
+        let line = text
+            .lines()
+            .rev()
+            .find(|l| l.starts_with(r#"{"bench":"parity""#))
+            .with_context(|| format!("--merge {}: no bench-parity JSON line", file.display()))?;
+        let record: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("--merge {}: its JSON line", file.display()))?;
+        for entry in record["tasks"].as_array().into_iter().flatten() {
+            let Some(task) = tasks.iter().find(|t| entry["task"] == t.name) else {
+                continue;
+            };
+            let (relay, anchor, overrides) = found.entry(task.name).or_default();
+            match overrides {
+                Some(seen) if *seen != entry["overrides"] => bail!(
+                    "--merge {}: {} was run with relay settings {} there and {} in an earlier file; merge runs of one setting",
+                    file.display(),
+                    task.name,
+                    entry["overrides"],
+                    seen
+                ),
+                _ => *overrides = Some(entry["overrides"].clone()),
+            }
+            for (side, runs) in [("relay", &mut *relay), ("anchor", &mut *anchor)] {
+                if entry[side].is_null() {
+                    continue;
+                }
+                let recorded: Vec<Run> = serde_json::from_value(entry[side]["runs"].clone())
+                    .with_context(|| {
+                        format!("--merge {}: {}'s {side} runs", file.display(), task.name)
+                    })?;
+                for run in recorded {
+                    if runs.iter().any(|r| r.seed == run.seed) {
+                        bail!(
+                            "--merge {}: {}'s {side} seed {} is in an earlier file too",
+                            file.display(),
+                            task.name,
+                            run.seed
+                        );
+                    }
+                    runs.push(run);
+                }
+            }
+        }
+    }
+    if found.is_empty() {
+        bail!(
+            "--merge: no task of {} in the files",
+            tasks.iter().map(|t| t.name).collect::<Vec<_>>().join(", ")
+        );
+    }
+    let mut rows = Vec::new();
+    let mut overrides = Vec::new();
+    for task in tasks {
+        let Some((mut relay, mut anchor, set)) = found.remove(task.name) else {
+            continue;
+        };
+        relay.sort_by_key(|r| r.seed);
+        anchor.sort_by_key(|r| r.seed);
+        println!(
+            "== {}: relay seeds {:?}, the anchor's {:?}",
+            task.name,
+            relay.iter().map(|r| r.seed).collect::<Vec<_>>(),
+            anchor.iter().map(|r| r.seed).collect::<Vec<_>>()
+        );
+        if let Some(set) = set.and_then(|s| serde_json::from_value::<Vec<String>>(s).ok()) {
+            overrides = set;
+        }
+        rows.push(row(args, *task, Side::new(relay), Side::new(anchor), stamp));
+    }
+    print_table(&rows, args, &overrides);
     Ok(())
 }
 
@@ -635,5 +741,63 @@ mod tests {
             .unwrap_or_else(|e| panic!("{}: {e}", task.name));
             assert!(update_env_steps(&config) > 0, "{}", task.name);
         }
+    }
+
+    /// A bench-parity record of `seeds` on both sides of ppo-cartpole,
+    /// each seed's final return its number.
+    fn record(seeds: &[u64], overrides: &[&str]) -> String {
+        let runs: Vec<Run> = seeds
+            .iter()
+            .map(|&seed| Run {
+                seed,
+                curve: vec![(1000, 0.0), (2000, seed as f64)],
+                wall_s: 1.0,
+                env_steps: 2000,
+            })
+            .collect();
+        let side = Side::new(runs).unwrap();
+        let line = json!({"bench": "parity", "tasks": [{
+            "task": "ppo-cartpole", "overrides": overrides,
+            "relay": side, "anchor": side,
+        }]});
+        format!("some output\n{line}\n")
+    }
+
+    #[test]
+    fn merge_reports_seeds_run_apart_together_and_refuses_a_seed_twice() {
+        let dir = std::env::temp_dir().join(format!("relay-parity-merge-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, text: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        let first = file("a.log", record(&[1, 2, 3], &[]));
+        let second = file("b.log", record(&[4, 5, 6], &[]));
+        let again = file("c.log", record(&[3], &[]));
+        let ablation = file("d.log", record(&[7], &["ppo.epochs=1"]));
+        let args = |files: Vec<PathBuf>| BenchParityArgs {
+            only: None,
+            seeds: None,
+            first_seed: 1,
+            points: 20,
+            episodes: 10,
+            budget: None,
+            no_anchor: false,
+            configs: PathBuf::from("configs"),
+            out: dir.clone(),
+            merge: files,
+        };
+        let tasks = selected(Some("ppo-cartpole"));
+        merge(&args(vec![first.clone(), second]), &tasks, "t").unwrap();
+        let e = merge(&args(vec![first.clone(), again]), &tasks, "t")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("seed 3 is in an earlier file"), "{e}");
+        let e = merge(&args(vec![first, ablation]), &tasks, "t")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("relay settings"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
