@@ -254,9 +254,11 @@ pub struct BenchParityArgs {
     pub out: PathBuf,
     /// Train nothing: report together the runs recorded in these files
     /// (the output of earlier bench-parity runs, whose last JSON line
-    /// holds every seed's curve), e.g. seeds 1-3 and 4-6 run apart.
+    /// holds every seed's curve), e.g. seeds 1-3 and 4-6 run apart. A
+    /// file named `relay:FILE` or `anchor:FILE` gives that side only (an
+    /// anchor measured before relay's preset changed).
     #[arg(long, num_args = 1..)]
-    pub merge: Vec<PathBuf>,
+    pub merge: Vec<String>,
 }
 
 /// One side's run of one seed.
@@ -571,7 +573,11 @@ fn merge(args: &BenchParityArgs, tasks: &[Task], stamp: &str) -> Result<()> {
     /// A task's runs found so far: relay's, the anchor's, relay's overrides.
     type Found = (Vec<Run>, Vec<Run>, Option<serde_json::Value>);
     let mut found: std::collections::BTreeMap<&str, Found> = Default::default();
-    for file in &args.merge {
+    for arg in &args.merge {
+        let (only_side, file) = match arg.split_once(':') {
+            Some((side @ ("relay" | "anchor"), file)) => (Some(side), std::path::Path::new(file)),
+            _ => (None, std::path::Path::new(arg)),
+        };
         let text =
             std::fs::read_to_string(file).with_context(|| format!("--merge {}", file.display()))?;
         let line = text
@@ -587,6 +593,7 @@ fn merge(args: &BenchParityArgs, tasks: &[Task], stamp: &str) -> Result<()> {
             };
             let (relay, anchor, overrides) = found.entry(task.name).or_default();
             match overrides {
+                _ if only_side == Some("anchor") => {}
                 Some(seen) if *seen != entry["overrides"] => bail!(
                     "--merge {}: {} was run with relay settings {} there and {} in an earlier file; merge runs of one setting",
                     file.display(),
@@ -597,7 +604,7 @@ fn merge(args: &BenchParityArgs, tasks: &[Task], stamp: &str) -> Result<()> {
                 _ => *overrides = Some(entry["overrides"].clone()),
             }
             for (side, runs) in [("relay", &mut *relay), ("anchor", &mut *anchor)] {
-                if entry[side].is_null() {
+                if entry[side].is_null() || only_side.is_some_and(|only| only != side) {
                     continue;
                 }
                 let recorded: Vec<Run> = serde_json::from_value(entry[side]["runs"].clone())
@@ -777,6 +784,7 @@ mod tests {
         let again = file("c.log", record(&[3], &[]));
         let ablation = file("d.log", record(&[7], &["ppo.epochs=1"]));
         let args = |files: Vec<PathBuf>| BenchParityArgs {
+            merge: files.iter().map(|f| f.display().to_string()).collect(),
             only: None,
             seeds: None,
             first_seed: 1,
@@ -786,7 +794,6 @@ mod tests {
             no_anchor: false,
             configs: PathBuf::from("configs"),
             out: dir.clone(),
-            merge: files,
         };
         let tasks = selected(Some("ppo-cartpole"));
         merge(&args(vec![first.clone(), second]), &tasks, "t").unwrap();
@@ -794,10 +801,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("seed 3 is in an earlier file"), "{e}");
-        let e = merge(&args(vec![first, ablation]), &tasks, "t")
+        let e = merge(&args(vec![first.clone(), ablation]), &tasks, "t")
             .unwrap_err()
             .to_string();
         assert!(e.contains("relay settings"), "{e}");
+        // One side of a file: the anchor of an ablation run.
+        let mut one_side = args(vec![first]);
+        one_side
+            .merge
+            .push(format!("anchor:{}", dir.join("d.log").display()));
+        merge(&one_side, &tasks, "t").unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
