@@ -14,54 +14,18 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
 use relay_config::ExperimentConfig;
 use relay_kit::{ServiceConfig, Shutdown};
 use relay_nn::{Actions, ActorCritic};
-use relay_proto::{decode, encode, InsertAck, RolloutFragment, Subjects, SCHEMA_VERSION};
 use relay_testkit::NatsServer;
+use support::{spawn_stand_in_learner, spawn_stand_in_replay};
+
+mod support;
 
 const RUN: &str = "gsde";
 const ENVS: usize = 2;
 const STEPS: usize = 12;
 const HIDDEN: usize = 3;
-
-/// Answers `weights.latest` with version 0 of `model`, as the learner does.
-fn spawn_stand_in_learner(client: async_nats::Client, model: &ActorCritic) {
-    let latest = encode(&relay_policy::PolicyWeights::of(model, 0, 0).inline_update());
-    tokio::spawn(async move {
-        let mut requests = client
-            .subscribe(Subjects::new(RUN).weights_latest())
-            .await
-            .unwrap();
-        while let Some(m) = requests.next().await {
-            let _ = client
-                .publish(m.reply.unwrap(), latest.clone().into())
-                .await;
-        }
-    });
-}
-
-/// Stores every fragment inserted, acknowledging it as the buffer does.
-fn spawn_stand_in_replay(client: async_nats::Client, stored: Arc<Mutex<Vec<RolloutFragment>>>) {
-    tokio::spawn(async move {
-        let mut inserts = client
-            .subscribe(Subjects::new(RUN).replay_insert())
-            .await
-            .unwrap();
-        while let Some(m) = inserts.next().await {
-            stored.lock().unwrap().push(decode(&m.payload).unwrap());
-            let ack = InsertAck {
-                schema: SCHEMA_VERSION,
-                accepted: true,
-                retry_after_ms: 0,
-                buffered_steps: 0,
-                reason: String::new(),
-            };
-            let _ = client.publish(m.reply.unwrap(), encode(&ack).into()).await;
-        }
-    });
-}
 
 /// The actor's hidden layer `tanh(W x + b)` of each row of `obs`.
 fn latent(model: &ActorCritic, obs: &[f32]) -> Vec<[f64; HIDDEN]> {
@@ -133,9 +97,9 @@ async fn each_env_keeps_its_exploration_matrix_across_servers_for_a_fragment() {
     let experiment = ExperimentConfig::from_layers(&yaml, "test", &[], &[]).unwrap();
     let model = ActorCritic::new(&relay_policy::spec_for(&experiment).unwrap(), 3).unwrap();
     let client = async_nats::connect(nats.url()).await.unwrap();
-    spawn_stand_in_learner(client.clone(), &model);
+    spawn_stand_in_learner(client.clone(), RUN, &model);
     let stored = Arc::new(Mutex::new(Vec::new()));
-    spawn_stand_in_replay(client.clone(), stored.clone());
+    spawn_stand_in_replay(client.clone(), RUN, stored.clone());
 
     let (stop, shutdown) = Shutdown::new();
     let mut services: Vec<_> = (0..2)

@@ -15,54 +15,18 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
 use relay_config::ExperimentConfig;
 use relay_kit::{ServiceConfig, Shutdown};
 use relay_nn::ActorCritic;
-use relay_proto::{decode, encode, InsertAck, RolloutFragment, Subjects, SCHEMA_VERSION};
+use relay_proto::RolloutFragment;
 use relay_testkit::NatsServer;
+use support::{spawn_stand_in_learner, spawn_stand_in_replay};
+
+mod support;
 
 const RUN: &str = "recurrent";
 const ENVS: usize = 4;
 const STEPS: usize = 16;
-
-/// Answers `weights.latest` with version 0 of `model`, as the learner does.
-fn spawn_stand_in_learner(client: async_nats::Client, model: &ActorCritic) {
-    let latest = encode(&relay_policy::PolicyWeights::of(model, 0, 0).inline_update());
-    tokio::spawn(async move {
-        let mut requests = client
-            .subscribe(Subjects::new(RUN).weights_latest())
-            .await
-            .unwrap();
-        while let Some(m) = requests.next().await {
-            let _ = client
-                .publish(m.reply.unwrap(), latest.clone().into())
-                .await;
-        }
-    });
-}
-
-/// Stores every fragment inserted, acknowledging it as the buffer does.
-fn spawn_stand_in_replay(client: async_nats::Client, stored: Arc<Mutex<Vec<RolloutFragment>>>) {
-    tokio::spawn(async move {
-        let mut inserts = client
-            .subscribe(Subjects::new(RUN).replay_insert())
-            .await
-            .unwrap();
-        while let Some(m) = inserts.next().await {
-            let fragment: RolloutFragment = decode(&m.payload).unwrap();
-            stored.lock().unwrap().push(fragment);
-            let ack = InsertAck {
-                schema: SCHEMA_VERSION,
-                accepted: true,
-                retry_after_ms: 0,
-                buffered_steps: 0,
-                reason: String::new(),
-            };
-            let _ = client.publish(m.reply.unwrap(), encode(&ack).into()).await;
-        }
-    });
-}
 
 async fn wait_for_fragments(stored: &Mutex<Vec<RolloutFragment>>, n: usize) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -128,9 +92,9 @@ async fn every_fragment_replays_from_its_state_across_resets_and_a_server_restar
         "LSTM h and c, actor and critic"
     );
     let client = async_nats::connect(nats.url()).await.unwrap();
-    spawn_stand_in_learner(client.clone(), &model);
+    spawn_stand_in_learner(client.clone(), RUN, &model);
     let stored = Arc::new(Mutex::new(Vec::new()));
-    spawn_stand_in_replay(client.clone(), stored.clone());
+    spawn_stand_in_replay(client.clone(), RUN, stored.clone());
 
     let serve = || {
         let (trigger, shutdown) = Shutdown::new();

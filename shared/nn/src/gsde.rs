@@ -115,12 +115,16 @@ mod tests {
         let eps = exploration_matrix(7, l, d);
         let mut actions = Vec::new();
         let logp = act_row(&mean, &z, &std, Some(&eps), &mut actions);
+        let variances: Vec<f64> = (0..d)
+            .map(|j| {
+                (0..l)
+                    .map(|i| f64::from(z[i] * z[i] * std[i * d + j] * std[i * d + j]))
+                    .sum::<f64>()
+                    + f64::from(VARIANCE_EPSILON)
+            })
+            .collect();
         let mut expected = 0f64;
-        for j in 0..d {
-            let var: f64 = (0..l)
-                .map(|i| f64::from(z[i] * z[i] * std[i * d + j] * std[i * d + j]))
-                .sum::<f64>()
-                + f64::from(VARIANCE_EPSILON);
+        for (j, &var) in variances.iter().enumerate() {
             let noise: f64 = (0..l)
                 .map(|i| f64::from(z[i] * std[i * d + j] * eps[i * d + j]))
                 .sum();
@@ -141,14 +145,10 @@ mod tests {
         assert!((lp - logp).abs() < 1e-4, "graph {lp} vs host {logp}");
         // Entropy of a Gaussian: Σ_j 0.5 ln(2πe σ_j²).
         let h = h.to_vec1::<f32>().unwrap()[0];
-        let mut expected_h = 0f64;
-        for j in 0..d {
-            let var: f64 = (0..l)
-                .map(|i| f64::from(z[i] * z[i] * std[i * d + j] * std[i * d + j]))
-                .sum::<f64>()
-                + f64::from(VARIANCE_EPSILON);
-            expected_h += 0.5 * (2.0 * std::f64::consts::PI * std::f64::consts::E * var).ln();
-        }
+        let expected_h: f64 = variances
+            .iter()
+            .map(|var| 0.5 * (2.0 * std::f64::consts::PI * std::f64::consts::E * var).ln())
+            .sum();
         assert!(
             (f64::from(h) - expected_h).abs() < 1e-4,
             "{h} vs {expected_h}"
