@@ -244,8 +244,13 @@ pub struct BenchParityArgs {
     pub budget: Option<u64>,
     /// Train relay's side alone (an ablation of relay's settings through
     /// `--set`; the anchor's side is then not measured).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_relay")]
     pub no_anchor: bool,
+    /// Train the anchor's side alone, at the points relay's side is
+    /// evaluated at: run beside a `--no-anchor` run of the same seeds, on
+    /// the other core, and `--merge` the two.
+    #[arg(long)]
+    pub no_relay: bool,
     /// Where the presets are.
     #[arg(long, default_value = "configs")]
     pub configs: PathBuf,
@@ -355,6 +360,20 @@ fn grid(budget: u64, points: u64, update: u64) -> (u64, Vec<u64>) {
     (every_updates, (1..=n).map(|j| j * interval).collect())
 }
 
+/// The task's preset under `overrides` (the task's and the user's) and
+/// its evaluation grid: checkpoints every `.1` updates, at the points `.2`.
+fn task_grid(
+    args: &BenchParityArgs,
+    task: &Task,
+    overrides: &[String],
+) -> Result<(ExperimentConfig, u64, Vec<u64>)> {
+    let preset = ExperimentConfig::load(&args.configs.join(task.config), overrides)
+        .with_context(|| format!("{}: {}", task.name, task.config))?;
+    let budget = args.budget.unwrap_or(task.budget);
+    let (every_updates, points) = grid(budget, args.points, update_env_steps(&preset));
+    Ok((preset, every_updates, points))
+}
+
 /// Trains one relay seed and evaluates its checkpoints at the points.
 fn relay_run(
     base: &UpArgs,
@@ -376,10 +395,7 @@ fn relay_run(
         .chain(std::mem::take(&mut run.overrides))
         .collect();
     run.overrides.push(format!("run.seed={seed}"));
-    let preset = ExperimentConfig::load(&run.config, &run.overrides)
-        .with_context(|| format!("{}: {}", task.name, task.config))?;
-    let budget = args.budget.unwrap_or(task.budget);
-    let (every_updates, points) = grid(budget, args.points, update_env_steps(&preset));
+    let (preset, every_updates, points) = task_grid(args, task, &run.overrides)?;
     // Each algorithm's config section is named as the algorithm.
     let algo = preset.run.algo.name();
     run.overrides.extend([
@@ -516,12 +532,17 @@ pub fn bench_parity(base: UpArgs, args: BenchParityArgs) -> Result<()> {
             task.name,
             seeds.len()
         );
-        let mut relay_runs = Vec::new();
-        for &seed in &seeds {
-            relay_runs.push(relay_run(&base, &args, &task, seed, &stamp)?);
-        }
-        let points: Vec<u64> = relay_runs[0].curve.iter().map(|p| p.0).collect();
-        let relay = Side::new(relay_runs);
+        let (relay, points) = if args.no_relay {
+            let sets: Vec<String> = task.sets.iter().map(|s| s.to_string()).collect();
+            (None, task_grid(&args, &task, &sets)?.2)
+        } else {
+            let mut relay_runs = Vec::new();
+            for &seed in &seeds {
+                relay_runs.push(relay_run(&base, &args, &task, seed, &stamp)?);
+            }
+            let points = relay_runs[0].curve.iter().map(|p| p.0).collect();
+            (Side::new(relay_runs), points)
+        };
         let anchor = match args.no_anchor {
             true => None,
             false => match anchor_runs(&task, &seeds, &points, args.episodes) {
@@ -750,6 +771,29 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_anchor_alone_is_evaluated_at_relays_points() {
+        // `--no-relay` takes the grid from the preset: Hopper's PPO
+        // rollouts of 512 env steps, a checkpoint every 98.
+        let args = BenchParityArgs {
+            merge: Vec::new(),
+            only: None,
+            seeds: None,
+            first_seed: 1,
+            points: 20,
+            episodes: 10,
+            budget: None,
+            no_anchor: false,
+            no_relay: true,
+            configs: Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs"),
+            out: PathBuf::from("bench"),
+        };
+        let task = selected(Some("ppo-hopper"))[0];
+        let (_, every, points) = task_grid(&args, &task, &[]).unwrap();
+        assert_eq!(every, 98);
+        assert_eq!((points.len(), points[0], points[18]), (19, 50_176, 953_344));
+    }
+
     /// A bench-parity record of `seeds` on both sides of ppo-cartpole,
     /// each seed's final return its number.
     fn record(seeds: &[u64], overrides: &[&str]) -> String {
@@ -792,6 +836,7 @@ mod tests {
             episodes: 10,
             budget: None,
             no_anchor: false,
+            no_relay: false,
             configs: PathBuf::from("configs"),
             out: dir.clone(),
         };

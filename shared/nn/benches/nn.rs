@@ -4,8 +4,9 @@
 //! (Pendulum sizes, hidden [256, 256], batch 256). CNN policies at batch
 //! 256: SB3's NatureCNN on 4x84x84 frames (6 actions), IMPALA's ResNet on
 //! 4x84x84 (6 actions) and MinAtar's network on 4x10x10 (3 actions), a
-//! no-grad forward and a PPO train step each; a DQN train step of SB3's DQN
-//! `CnnPolicy` (NatureCNN, 6 actions) on 4x84x84 at batch 32; with
+//! no-grad forward and a PPO train step each; DQN train steps at batch 32
+//! of SB3's DQN `CnnPolicy` (NatureCNN, 6 actions) on 4x84x84 and of
+//! MinAtar's network on Seaquest's 10x10x10 (6 actions); with
 //! PyTorch's times for the same networks and steps beside them (1 thread,
 //! `benches/torch_cnn.py`, run by `RELAY_TORCH_PYTHON`, else the Python of
 //! `.relay/sb3` (`bash deploy/install.sh --sb3`), else `python3`, when it
@@ -61,9 +62,33 @@ fn cnn_cases() -> Vec<(&'static str, &'static str, CnnSpec, usize)> {
     ]
 }
 
-/// The DQN CNN case: its key and batch; the Q-network is [`cnn_cases`]'
-/// NatureCNN with `hidden: []`.
-const DQN_CNN: (&str, usize) = ("dqn_nature_cnn", 32);
+/// The DQN train steps at batch 32, as `(key, label, extractor,
+/// actions)`: SB3's DQN `CnnPolicy` (NatureCNN, `hidden: []`) on Atari
+/// frames, and relay's MinAtar DQN presets' network on Seaquest's 10x10x10
+/// (6 actions), the step a MinAtar DQN run takes once per env step.
+fn dqn_cnn_cases() -> Vec<(&'static str, &'static str, CnnSpec, usize)> {
+    let [nature, _, minatar] = <[_; 3]>::try_from(cnn_cases()).expect("three CNN cases");
+    vec![
+        (
+            "dqn_nature_cnn",
+            "DQN NatureCNN 4x84x84",
+            nature.2,
+            nature.3,
+        ),
+        (
+            "dqn_minatar_cnn",
+            "DQN MinAtar CNN 10x10x10",
+            CnnSpec {
+                input: [10, 10, 10],
+                ..minatar.2
+            },
+            6,
+        ),
+    ]
+}
+
+/// The DQN train steps' batch (SB3's and the MinAtar paper's).
+const DQN_BATCH: usize = 32;
 
 /// The rows PyTorch times, as `(case, JSON key, label)`: [`cnn_cases`]'
 /// forward and PPO train step, and the DQN train step.
@@ -81,12 +106,13 @@ fn torch_rows() -> Vec<(&'static str, String, String)> {
             ));
         }
     }
-    let (key, b) = DQN_CNN;
-    rows.push((
-        key,
-        format!("{key}_train_step_b{b}_us"),
-        format!("DQN NatureCNN 4x84x84 train step batch {b}"),
-    ));
+    for (key, label, ..) in dqn_cnn_cases() {
+        rows.push((
+            key,
+            format!("{key}_train_step_b{DQN_BATCH}_us"),
+            format!("{label} train step batch {DQN_BATCH}"),
+        ));
+    }
     rows
 }
 
@@ -514,11 +540,10 @@ fn main() -> relay_nn::Result<()> {
             },
         );
     }
-    // DQN with SB3's CnnPolicy (NatureCNN, `net_arch=[]`) as the learner
-    // runs it: targets, Huber loss, backward, grad-norm clip 10, Adam.
-    {
-        let (key, b) = DQN_CNN;
-        let (_, _, cnn, n_actions) = cnn_cases().swap_remove(0);
+    // DQN with a CNN and `hidden: []` as the learner runs it: targets,
+    // Huber loss, backward, grad-norm clip 10, Adam.
+    for (key, label, cnn, n_actions) in dqn_cnn_cases() {
+        let b = DQN_BATCH;
         let d = cnn.input_len();
         let qspec = relay_nn::QNetSpec {
             hidden: vec![],
@@ -542,7 +567,7 @@ fn main() -> relay_nn::Result<()> {
         let cfg = relay_nn::DqnLossConfig::default();
         bench(
             format!("{key}_train_step_b{b}_us"),
-            format!("DQN NatureCNN 4x84x84 train step batch {b}"),
+            format!("{label} train step batch {b}"),
             &mut || {
                 let out = relay_nn::dqn_loss(
                     &cfg,

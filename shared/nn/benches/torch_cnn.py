@@ -4,7 +4,8 @@ relay, at batch 256: actor-critics with SB3's NatureCNN on 4x84x84 frames
 actions) and MinAtar's network on 4x10x10 (3 actions), each a no-grad
 forward of both heads and a PPO train step (forward, clipped loss,
 backward, grad-norm clip, Adam); and SB3's DQN `CnnPolicy` (NatureCNN, a
-linear layer to 6 actions) on 4x84x84 at batch 32, a DQN train step (target
+linear layer to 6 actions) on 4x84x84 and MinAtar's network on Seaquest's
+10x10x10 (6 actions), at batch 32, a DQN train step (target
 values without grad, Huber loss, backward, grad-norm clip 10, Adam).
 
 Arguments: the time budget per case in seconds, then optionally the
@@ -178,6 +179,9 @@ cases = {
         "minatar_cnn", (4, 10, 10), nature_cnn(4, [(16, 3, 1)], 1024, 128), 128, 3
     ),
     "dqn_nature_cnn": lambda: bench_dqn("dqn_nature_cnn", (4, 84, 84), nature, 512, 6),
+    "dqn_minatar_cnn": lambda: bench_dqn(
+        "dqn_minatar_cnn", (10, 10, 10), lambda: nature_cnn(10, [(16, 3, 1)], 1024, 128), 128, 6
+    ),
 }
 out = {"torch": torch.__version__}
 for name, run in cases.items():
