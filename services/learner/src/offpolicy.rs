@@ -1,6 +1,7 @@
 //! The loop every off-policy learner shares (DQN, SAC), read top to bottom
 //! in [`run`]: training rounds on the replay-buffer's transition table on
-//! SB3's schedule, weights published after each round, checkpoints and
+//! SB3's schedule, weights published after a round (at most every
+//! `learner.publish_interval_ms`, and after the last), checkpoints and
 //! resume. What a round does to the networks is the algorithm's
 //! ([`OffPolicyAlgorithm`], implemented in [`crate::dqn`] and
 //! [`crate::sac`]).
@@ -23,10 +24,12 @@
 //!      the replay-buffer's rate limiter holds them back), one gradient
 //!      step each (a batch that fails its step is skipped and counted), and
 //!      send the new priorities back when the algorithm returns them;
-//!    - publish weights version + 1, report metrics, checkpoint every
-//!      `checkpoint_every` rounds.
-//! 3. A last checkpoint (a solved run's holds the solving version's
-//!    weights), then the run's end is announced.
+//!    - count version + 1 and publish it when `learner.publish_interval_ms`
+//!      has passed since the last published one, report metrics,
+//!      checkpoint every `checkpoint_every` rounds.
+//! 3. The newest version published if it was held back, a last checkpoint
+//!    (a solved run's holds the solving version's weights), then the run's
+//!    end is announced.
 //!
 //! A round's minibatches are all drawn before it trains (the next round's
 //! draw is asked while it trains), so that with learner replicas
@@ -260,6 +263,9 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     let (mut rejected_since, mut stale_since) = (0u64, 0u64);
     let schedule = work.algorithm.schedule();
     let mut draw = DrawSize::new(service.max_message_bytes());
+    // Rounds published at most this often; the newest round at the end.
+    let publish_interval = Duration::from_millis(cfg.learner.publish_interval_ms);
+    let (mut last_published, mut published_version) = (Instant::now(), 0);
     // The next round's draw, asked while this round trains (uniform
     // replay only): the sample's round trip then overlaps the training.
     let mut prefetched: Option<tokio::task::JoinHandle<SampleReply>> = None;
@@ -278,6 +284,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
             let latest = Publisher::serve(&service, &micro, &run_dir).await?;
             let mut events = RunEvents::subscribe(&service, best_eval).await?;
             let first = work.algorithm.weights(&work.progress);
+            published_version = first.version;
             latest.publish(&service, &first, &Default::default()).await;
             events.record(first.version, first);
             metrics.version.set(work.progress.version as i64);
@@ -416,9 +423,13 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         let sent = Instant::now();
         let stale_priorities = send_priorities(&service, &trained.priorities).await;
         times.priority_s = sent.elapsed().as_secs_f64();
-        let update = work.algorithm.weights(&work.progress);
-        latest.publish(&service, &update, &Default::default()).await;
-        events.record(update.version, update);
+        if publish_interval.is_zero() || last_published.elapsed() >= publish_interval {
+            let update = work.algorithm.weights(&work.progress);
+            published_version = update.version;
+            latest.publish(&service, &update, &Default::default()).await;
+            events.record(update.version, update);
+            last_published = Instant::now();
+        }
         let seconds = round_started.elapsed().as_secs_f64();
         metrics.update_seconds.observe(seconds);
         let sps = work.progress.env_steps.saturating_sub(start_env_steps) as f64
@@ -467,7 +478,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     if let Some(handle) = prefetched.take() {
         handle.abort();
     }
-    let Some((_latest, mut events)) = leading else {
+    let Some((latest, mut events)) = leading else {
         // A follower: rank 0 finishes the run; this replica waits for shutdown.
         shutdown.wait().await;
         let _ = micro.stop().await;
@@ -475,6 +486,12 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     };
     if let Some(values) = unreported {
         service.report(Some(work.progress.vec_steps), values).await;
+    }
+    if published_version != work.progress.version {
+        // The newest rounds, held back by `learner.publish_interval_ms`.
+        let update = work.algorithm.weights(&work.progress);
+        latest.publish(&service, &update, &Default::default()).await;
+        events.record(update.version, update);
     }
     // Reports that arrived as training stopped, then the last checkpoint.
     save_evaluated(&mut work.algorithm, &mut events, &work.progress, &work.rng);

@@ -61,6 +61,8 @@ async fn dqn_with_prioritized_replay_learns_cartpole() {
         format!("connections.redis_url={}", redis.url()),
         format!("eval.episodes={EVAL_EPISODES}"),
         "eval.every_seconds=2".into(),
+        // Every round's version published, as SB3 acts.
+        "learner.publish_interval_ms=0".into(),
     ];
     let cfg = ExperimentConfig::from_layers(&text, &path, &[], &overrides).unwrap();
     assert_eq!(cfg.algo_name(), "dqn");

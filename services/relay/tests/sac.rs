@@ -193,21 +193,29 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
     let redis = RedisServer::start().unwrap();
     let dir = TempDir::new("sac");
     let runs = dir.path().join("runs");
-    let cfg = config(&nats, &redis, &runs, &["run.total_env_steps=256".into()]);
+    // Versions held back: a round's published at most every 500 ms.
+    let cfg = config(
+        &nats,
+        &redis,
+        &runs,
+        &[
+            "run.total_env_steps=256".into(),
+            "learner.publish_interval_ms=500".into(),
+        ],
+    );
     assert_eq!(cfg.algo_name(), "sac");
 
     // --- a fresh run to its budget -------------------------------------
     let first = run_stack(&nats, &cfg).await;
     let detail = first.finished.clone().expect("the learner finished");
     assert!(detail.contains("budget"), "{detail}");
-    // One version per round, in order, the first trained one after
-    // learning_starts.
+    // Versions in order, trained ones after learning_starts.
     let versions = &first.versions;
-    assert!(versions.len() >= 5, "{versions:?}");
+    assert!(versions.len() >= 2, "{versions:?}");
     assert!(versions
         .windows(2)
-        .all(|w| w[1].0 == w[0].0 + 1 && w[1].1 >= w[0].1));
-    if let Some((_, steps)) = versions.iter().find(|(v, _)| *v == 1) {
+        .all(|w| w[1].0 > w[0].0 && w[1].1 >= w[0].1));
+    if let Some((_, steps)) = versions.iter().find(|(v, _)| *v >= 1) {
         assert!(*steps > cfg.sac.learning_starts, "{versions:?}");
     }
     for name in [
@@ -260,6 +268,9 @@ async fn sac_trains_pendulum_publishes_the_actor_and_resumes_from_a_checkpoint()
     assert_ne!(a0, a1);
     assert!(a1[0].abs() <= 2.0, "{a1:?}");
     let saved_version = counters["version"].as_u64().unwrap();
+    // Fewer versions than rounds went out, and the last round's always.
+    assert!(versions.len() < state.rounds as usize, "{versions:?}");
+    assert_eq!(versions.last().unwrap().0, saved_version, "{versions:?}");
     let saved_env_steps = counters["env_steps"].as_u64().unwrap();
     assert!(saved_env_steps >= 256, "{counters}");
 

@@ -78,11 +78,25 @@ pub struct LearnerConfig {
     /// config's whatever the count. Every algorithm (PPO, A2C, REINFORCE,
     /// DQN, SAC, and the text runs' LoRA objectives).
     pub replicas: usize,
+    /// Shortest time between two weights versions an off-policy learner
+    /// (DQN, SAC) publishes, in milliseconds. Its rounds can be one env
+    /// step and a few milliseconds apart, and publishing each (serialised,
+    /// digested, recorded, then fetched and loaded by every follower) costs
+    /// about as much CPU as the round itself; a round that ends sooner
+    /// after the last version is published with a later one, and the last
+    /// round always is. The acting policy is then at most this much behind
+    /// the learner, on top of the env-runner's fragments. 0 publishes every
+    /// round. On-policy learners publish every update whatever this says
+    /// (their lag is `replay.max_policy_lag`). Default 20.
+    pub publish_interval_ms: u64,
 }
 
 impl Default for LearnerConfig {
     fn default() -> Self {
-        Self { replicas: 1 }
+        Self {
+            replicas: 1,
+            publish_interval_ms: 20,
+        }
     }
 }
 
