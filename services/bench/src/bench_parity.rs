@@ -360,7 +360,17 @@ fn grid(budget: u64, points: u64, update: u64) -> (u64, Vec<u64>) {
     (every_updates, (1..=n).map(|j| j * interval).collect())
 }
 
-/// The task's preset under `overrides` (the task's and the user's) and
+/// Relay's settings of `task`: the task's first, so that the user's
+/// `--set`s (`user`) win.
+fn task_overrides(task: &Task, user: &[String]) -> Vec<String> {
+    task.sets
+        .iter()
+        .map(|s| s.to_string())
+        .chain(user.iter().cloned())
+        .collect()
+}
+
+/// The task's preset under `overrides` ([`task_overrides`]) and
 /// its evaluation grid: checkpoints every `.1` updates, at the points `.2`.
 fn task_grid(
     args: &BenchParityArgs,
@@ -387,13 +397,7 @@ fn relay_run(
     run.quiet = true;
     run.until_solved = true;
     run.without.push("evaluator".into());
-    // The task's settings first, so that a `--set` of the user's wins.
-    run.overrides = task
-        .sets
-        .iter()
-        .map(|s| s.to_string())
-        .chain(std::mem::take(&mut run.overrides))
-        .collect();
+    run.overrides = task_overrides(task, &run.overrides);
     run.overrides.push(format!("run.seed={seed}"));
     let (preset, every_updates, points) = task_grid(args, task, &run.overrides)?;
     // Each algorithm's config section is named as the algorithm.
@@ -533,8 +537,8 @@ pub fn bench_parity(base: UpArgs, args: BenchParityArgs) -> Result<()> {
             seeds.len()
         );
         let (relay, points) = if args.no_relay {
-            let sets: Vec<String> = task.sets.iter().map(|s| s.to_string()).collect();
-            (None, task_grid(&args, &task, &sets)?.2)
+            let overrides = task_overrides(&task, &base.overrides);
+            (None, task_grid(&args, &task, &overrides)?.2)
         } else {
             let mut relay_runs = Vec::new();
             for &seed in &seeds {
@@ -743,7 +747,18 @@ fn print_table(rows: &[Row], args: &BenchParityArgs, overrides: &[String]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
     use std::path::Path;
+
+    /// The flags as a user who names none gets them.
+    fn defaults() -> BenchParityArgs {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: BenchParityArgs,
+        }
+        Cli::parse_from(["bench-parity"]).args
+    }
 
     #[test]
     fn the_points_are_whole_updates_spanning_the_budget() {
@@ -776,17 +791,9 @@ mod tests {
         // `--no-relay` takes the grid from the preset: Hopper's PPO
         // rollouts of 512 env steps, a checkpoint every 98.
         let args = BenchParityArgs {
-            merge: Vec::new(),
-            only: None,
-            seeds: None,
-            first_seed: 1,
-            points: 20,
-            episodes: 10,
-            budget: None,
-            no_anchor: false,
             no_relay: true,
             configs: Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs"),
-            out: PathBuf::from("bench"),
+            ..defaults()
         };
         let task = selected(Some("ppo-hopper"))[0];
         let (_, every, points) = task_grid(&args, &task, &[]).unwrap();
@@ -829,16 +836,8 @@ mod tests {
         let ablation = file("d.log", record(&[7], &["ppo.epochs=1"]));
         let args = |files: Vec<PathBuf>| BenchParityArgs {
             merge: files.iter().map(|f| f.display().to_string()).collect(),
-            only: None,
-            seeds: None,
-            first_seed: 1,
-            points: 20,
-            episodes: 10,
-            budget: None,
-            no_anchor: false,
-            no_relay: false,
-            configs: PathBuf::from("configs"),
             out: dir.clone(),
+            ..defaults()
         };
         let tasks = selected(Some("ppo-cartpole"));
         merge(&args(vec![first.clone(), second]), &tasks, "t").unwrap();

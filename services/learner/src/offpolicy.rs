@@ -283,10 +283,13 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         if replicas.leads() && leading.is_none() {
             let latest = Publisher::serve(&service, &micro, &run_dir).await?;
             let mut events = RunEvents::subscribe(&service, best_eval).await?;
-            let first = work.algorithm.weights(&work.progress);
-            published_version = first.version;
-            latest.publish(&service, &first, &Default::default()).await;
-            events.record(first.version, first);
+            published_version = publish(
+                &service,
+                &latest,
+                &mut events,
+                work.algorithm.weights(&work.progress),
+            )
+            .await;
             metrics.version.set(work.progress.version as i64);
             leading = Some((latest, events));
         }
@@ -423,11 +426,9 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         let sent = Instant::now();
         let stale_priorities = send_priorities(&service, &trained.priorities).await;
         times.priority_s = sent.elapsed().as_secs_f64();
-        if publish_interval.is_zero() || last_published.elapsed() >= publish_interval {
+        if last_published.elapsed() >= publish_interval {
             let update = work.algorithm.weights(&work.progress);
-            published_version = update.version;
-            latest.publish(&service, &update, &Default::default()).await;
-            events.record(update.version, update);
+            published_version = publish(&service, latest, events, update).await;
             last_published = Instant::now();
         }
         let seconds = round_started.elapsed().as_secs_f64();
@@ -490,8 +491,7 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
     if published_version != work.progress.version {
         // The newest rounds, held back by `learner.publish_interval_ms`.
         let update = work.algorithm.weights(&work.progress);
-        latest.publish(&service, &update, &Default::default()).await;
-        events.record(update.version, update);
+        publish(&service, &latest, &mut events, update).await;
     }
     // Reports that arrived as training stopped, then the last checkpoint.
     save_evaluated(&mut work.algorithm, &mut events, &work.progress, &work.rng);
@@ -516,6 +516,20 @@ pub(crate) async fn run<A: OffPolicyAlgorithm>(
         || save_evaluated(&mut work.algorithm, &mut events, &work.progress, &work.rng),
     )
     .await
+}
+
+/// Publishes `update`, kept for the evaluations that may ask for its
+/// checkpoint; returns its version.
+async fn publish(
+    service: &Service,
+    latest: &Publisher<PolicyWeights>,
+    events: &mut RunEvents<PolicyWeights>,
+    update: PolicyWeights,
+) -> u64 {
+    let version = update.version;
+    latest.publish(service, &update, &Default::default()).await;
+    events.record(version, update);
+    version
 }
 
 /// One training round as rank 0 hands it to the other replicas.
